@@ -1,0 +1,644 @@
+//! The control plane: which blocks exist where, which DRAM slot or NVMe location a block goes to,
+//! what to evict, and what is pinned. It never moves bytes; it hands locations to the data plane
+//! (`mover`) and takes back completions. Everything here runs under one mutex, in short sections.
+//!
+//! Invariants:
+//! - A block is visible (lookups, loads) once its DRAM copy is whole or its NVMe copy is written.
+//! - A pinned entry (by a load in flight or by the engine between prepare_load and complete_load)
+//!   is never evicted from DRAM and its NVMe region is never reclaimed.
+//! - A DRAM slot being filled, loaded or written to NVMe is never a victim.
+//! - Regions are reused oldest first (FIFO by region generation), whole.
+
+use crate::format::trailer::TrailerEntry;
+use crate::key::{BlockKey, Namespace};
+use crate::stats::Stats;
+use crate::tiers::eviction::EvictionPolicy;
+use crate::tiers::nvme::{Geometry, RecoveredRegion};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NvmeLoc {
+    pub device: u16,
+    pub region: u32,
+    /// Byte offset of the entry inside its region.
+    pub offset: u64,
+}
+
+#[derive(Debug)]
+struct Entry {
+    sequence: u64,
+    value_checksum: u64,
+    dram: Option<u32>,
+    dram_ready: bool,
+    nvme: Option<NvmeLoc>,
+    write_pending: bool,
+    pins: u32,
+}
+
+impl Entry {
+    fn visible(&self) -> bool {
+        self.dram_ready || self.nvme.is_some()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    Filling,
+    Loading,
+    Resident,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    key: Option<BlockKey>,
+    state: SlotState,
+    writing: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RegionState {
+    Free,
+    Open,
+    Sealing,
+    Sealed,
+}
+
+#[derive(Debug)]
+struct Region {
+    state: RegionState,
+    region_seq: u64,
+    cursor: u64,
+    entries: Vec<TrailerEntry>,
+    pending_writes: u32,
+}
+
+struct DeviceRegions {
+    regions: Vec<Region>,
+    open: Option<u32>,
+}
+
+struct NvmeState {
+    geometry: Geometry,
+    devices: Vec<DeviceRegions>,
+    next_device: usize,
+    next_region_seq: u64,
+}
+
+/// A metadata write the data plane must issue: a region trailer, or (`entries == None`) zeroing a
+/// stale trailer before a reclaimed region is rewritten.
+#[derive(Debug)]
+pub struct MetaWrite {
+    pub device: usize,
+    pub region: u32,
+    pub region_seq: u64,
+    pub entries: Option<Vec<TrailerEntry>>,
+}
+
+/// What a load must do for one key.
+#[derive(Debug, Clone, Copy)]
+pub enum GetStep {
+    Miss,
+    /// No DRAM slot is free for staging the read; try again when one frees.
+    NoSlot,
+    Dram { slot: u32 },
+    Nvme(NvmeRead),
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct NvmeRead {
+    pub slot: u32,
+    pub loc: NvmeLoc,
+    pub sequence: u64,
+    pub value_checksum: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub enum PutStep {
+    Present,
+    NoSlot,
+    Fill { slot: u32, sequence: u64 },
+}
+
+/// Where an accepted block is to be written on NVMe.
+#[derive(Debug, Clone, Copy)]
+pub struct WritePlan {
+    pub slot: u32,
+    pub loc: NvmeLoc,
+    pub region_seq: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub enum LoadOutcome {
+    Ok,
+    Corrupt,
+    IoError,
+}
+
+pub struct Catalog {
+    pub namespace: Namespace,
+    slot_bytes: u64,
+    object_bytes: u32,
+    index: HashMap<BlockKey, Entry>,
+    slots: Vec<Slot>,
+    free_slots: Vec<u32>,
+    policy: Box<dyn EvictionPolicy>,
+    nvme: Option<NvmeState>,
+    next_sequence: u64,
+    dirty_bytes: usize,
+    max_dirty_bytes: usize,
+    pending_meta_writes: usize,
+    stats: Arc<Stats>,
+}
+
+fn key_hash(key: &BlockKey) -> u64 {
+    u64::from_le_bytes(key.0[..8].try_into().unwrap())
+}
+
+impl Catalog {
+    pub fn new(
+        namespace: Namespace,
+        slot_count: usize,
+        slot_bytes: u64,
+        object_bytes: u32,
+        policy: Box<dyn EvictionPolicy>,
+        geometry: Option<(Geometry, usize)>,
+        max_dirty_bytes: usize,
+        stats: Arc<Stats>,
+    ) -> Self {
+        let nvme = geometry.map(|(geometry, device_count)| NvmeState {
+            geometry,
+            devices: (0..device_count)
+                .map(|_| DeviceRegions {
+                    regions: (0..geometry.region_count)
+                        .map(|_| Region {
+                            state: RegionState::Free,
+                            region_seq: 0,
+                            cursor: 0,
+                            entries: Vec::new(),
+                            pending_writes: 0,
+                        })
+                        .collect(),
+                    open: None,
+                })
+                .collect(),
+            next_device: 0,
+            next_region_seq: 1,
+        });
+        Catalog {
+            namespace,
+            slot_bytes,
+            object_bytes,
+            index: HashMap::new(),
+            slots: vec![Slot { key: None, state: SlotState::Free, writing: false }; slot_count],
+            free_slots: (0..slot_count as u32).rev().collect(),
+            policy,
+            nvme,
+            next_sequence: 1,
+            dirty_bytes: 0,
+            max_dirty_bytes,
+            pending_meta_writes: 0,
+            stats,
+        }
+    }
+
+    /// Loads what recovery found on one device; returns trailers to write for scanned regions.
+    pub fn adopt_recovered(&mut self, device: usize, recovered: Vec<RecoveredRegion>) -> Vec<MetaWrite> {
+        let mut meta = Vec::new();
+        let Some(nvme) = self.nvme.as_mut() else { return meta };
+        for r in recovered {
+            let region = &mut nvme.devices[device].regions[r.region as usize];
+            region.region_seq = r.region_seq;
+            region.cursor = nvme.geometry.data_bytes();
+            nvme.next_region_seq = nvme.next_region_seq.max(r.region_seq + 1);
+            for e in &r.entries {
+                self.next_sequence = self.next_sequence.max(e.sequence + 1);
+                let loc = NvmeLoc { device: device as u16, region: r.region, offset: e.offset };
+                let newer = self.index.get(&e.key).is_none_or(|old| old.sequence < e.sequence);
+                if newer {
+                    self.index.insert(
+                        e.key,
+                        Entry {
+                            sequence: e.sequence,
+                            value_checksum: e.value_checksum,
+                            dram: None,
+                            dram_ready: false,
+                            nvme: Some(loc),
+                            write_pending: false,
+                            pins: 0,
+                        },
+                    );
+                }
+            }
+            Stats::add(&self.stats.recovered_blocks, r.entries.len() as u64);
+            region.entries = r.entries;
+            if r.sealed {
+                region.state = RegionState::Sealed;
+            } else {
+                region.state = RegionState::Sealing;
+                self.pending_meta_writes += 1;
+                meta.push(MetaWrite {
+                    device,
+                    region: r.region,
+                    region_seq: region.region_seq,
+                    entries: Some(region.entries.clone()),
+                });
+            }
+        }
+        meta
+    }
+
+    // ---- lookups and pins (scheduler side) ----
+
+    pub fn contains(&self, key: &BlockKey) -> bool {
+        self.index.get(key).is_some_and(Entry::visible)
+    }
+
+    pub fn lookup_prefix(&self, keys: &[BlockKey]) -> usize {
+        keys.iter().take_while(|k| self.contains(k)).count()
+    }
+
+    /// Pins the leading visible keys; returns how many were pinned.
+    pub fn pin_prefix(&mut self, keys: &[BlockKey]) -> usize {
+        let mut pinned = 0;
+        for key in keys {
+            match self.index.get_mut(key) {
+                Some(e) if e.visible() => {
+                    e.pins += 1;
+                    pinned += 1;
+                }
+                _ => break,
+            }
+        }
+        pinned
+    }
+
+    pub fn unpin(&mut self, keys: &[BlockKey]) {
+        for key in keys {
+            if let Some(e) = self.index.get_mut(key) {
+                e.pins = e.pins.saturating_sub(1);
+            }
+        }
+    }
+
+    // ---- DRAM slots ----
+
+    fn alloc_slot(&mut self) -> Option<u32> {
+        if let Some(slot) = self.free_slots.pop() {
+            return Some(slot);
+        }
+        let Catalog { policy, slots, index, .. } = self;
+        let victim = policy.victim(&mut |slot| {
+            let s = &slots[slot as usize];
+            s.state == SlotState::Resident
+                && !s.writing
+                && s.key.and_then(|k| index.get(&k)).is_none_or(|e| e.pins == 0)
+        })?;
+        self.evict_slot(victim);
+        Some(victim)
+    }
+
+    fn evict_slot(&mut self, slot: u32) {
+        let s = &mut self.slots[slot as usize];
+        let key = s.key.take();
+        s.state = SlotState::Free;
+        Stats::add(&self.stats.dram_evictions, 1);
+        if let Some(key) = key {
+            if let Some(e) = self.index.get_mut(&key) {
+                if e.dram == Some(slot) {
+                    e.dram = None;
+                    e.dram_ready = false;
+                }
+                if e.dram.is_none() && e.nvme.is_none() && !e.write_pending {
+                    self.index.remove(&key);
+                }
+            }
+        }
+    }
+
+    fn free_slot(&mut self, slot: u32) {
+        self.policy.remove(slot);
+        self.slots[slot as usize] = Slot { key: None, state: SlotState::Free, writing: false };
+        self.free_slots.push(slot);
+    }
+
+    // ---- loads ----
+
+    pub fn plan_get(&mut self, key: &BlockKey) -> GetStep {
+        let Some(e) = self.index.get_mut(key) else { return GetStep::Miss };
+        if e.dram_ready {
+            let slot = e.dram.expect("ready entry has a slot");
+            e.pins += 1;
+            self.policy.touch(slot);
+            return GetStep::Dram { slot };
+        }
+        let Some(loc) = e.nvme else { return GetStep::Miss };
+        let Some(slot) = self.alloc_slot() else { return GetStep::NoSlot };
+        // Eviction only drops entries without an NVMe copy, so this one is still here.
+        let e = self.index.get_mut(key).expect("entry with an NVMe copy survives eviction");
+        e.pins += 1;
+        self.slots[slot as usize] = Slot { key: Some(*key), state: SlotState::Loading, writing: false };
+        GetStep::Nvme(NvmeRead {
+            slot,
+            loc,
+            sequence: e.sequence,
+            value_checksum: e.value_checksum,
+        })
+    }
+
+    pub fn finish_get_dram(&mut self, key: &BlockKey) {
+        if let Some(e) = self.index.get_mut(key) {
+            e.pins = e.pins.saturating_sub(1);
+        }
+    }
+
+    pub fn finish_get_nvme(&mut self, key: &BlockKey, read: &NvmeRead, outcome: LoadOutcome) {
+        let Some(e) = self.index.get_mut(key) else {
+            self.free_slot(read.slot);
+            return;
+        };
+        e.pins = e.pins.saturating_sub(1);
+        match outcome {
+            LoadOutcome::Ok if e.dram.is_none() => {
+                e.dram = Some(read.slot);
+                e.dram_ready = true;
+                self.slots[read.slot as usize].state = SlotState::Resident;
+                self.policy.insert(read.slot, key_hash(key));
+            }
+            LoadOutcome::Ok => self.free_slot(read.slot),
+            LoadOutcome::Corrupt | LoadOutcome::IoError => {
+                if e.nvme == Some(read.loc) {
+                    e.nvme = None;
+                }
+                let gone = !e.visible() && e.dram.is_none() && !e.write_pending;
+                if gone {
+                    self.index.remove(key);
+                }
+                self.free_slot(read.slot);
+            }
+        }
+    }
+
+    // ---- stores ----
+
+    pub fn plan_put(&mut self, key: &BlockKey) -> PutStep {
+        if let Some(e) = self.index.get(key) {
+            if let (true, Some(slot)) = (e.dram_ready, e.dram) {
+                self.policy.touch(slot);
+            }
+            return PutStep::Present;
+        }
+        // Bytes waiting for NVMe are bounded: past the budget a store waits for writes to finish.
+        let needs_write = self.nvme.is_some();
+        if needs_write && self.dirty_bytes + self.slot_bytes as usize > self.max_dirty_bytes {
+            return PutStep::NoSlot;
+        }
+        let Some(slot) = self.alloc_slot() else { return PutStep::NoSlot };
+        if needs_write {
+            self.dirty_bytes += self.slot_bytes as usize;
+        }
+        let sequence = self.next_sequence;
+        self.next_sequence += 1;
+        self.slots[slot as usize] = Slot { key: Some(*key), state: SlotState::Filling, writing: false };
+        self.index.insert(
+            *key,
+            Entry {
+                sequence,
+                value_checksum: 0,
+                dram: Some(slot),
+                dram_ready: false,
+                nvme: None,
+                write_pending: false,
+                pins: 0,
+            },
+        );
+        PutStep::Fill { slot, sequence }
+    }
+
+    /// The slot now holds the whole value; makes it visible and plans its NVMe write.
+    pub fn finish_put(&mut self, key: &BlockKey, slot: u32, value_checksum: u64, meta: &mut Vec<MetaWrite>) -> Option<WritePlan> {
+        let e = self.index.get_mut(key).expect("filled entry exists");
+        e.value_checksum = value_checksum;
+        e.dram_ready = true;
+        self.slots[slot as usize].state = SlotState::Resident;
+        self.policy.insert(slot, key_hash(key));
+        Stats::add(&self.stats.puts, 1);
+        self.nvme.as_ref()?;
+        let Some((loc, region_seq)) = self.alloc_nvme(meta) else {
+            // Every region is open, sealing or pinned: the block stays in DRAM only.
+            self.dirty_bytes -= self.slot_bytes as usize;
+            Stats::add(&self.stats.nvme_dropped_writes, 1);
+            return None;
+        };
+        self.slots[slot as usize].writing = true;
+        self.index.get_mut(key).unwrap().write_pending = true;
+        Some(WritePlan { slot, loc, region_seq })
+    }
+
+    fn alloc_nvme(&mut self, meta: &mut Vec<MetaWrite>) -> Option<(NvmeLoc, u64)> {
+        let device_count = self.nvme.as_ref()?.devices.len();
+        for _ in 0..device_count {
+            let nvme = self.nvme.as_mut().unwrap();
+            let device = nvme.next_device;
+            nvme.next_device = (device + 1) % device_count;
+            if let Some(region) = self.open_region(device, meta) {
+                let nvme = self.nvme.as_mut().unwrap();
+                let r = &mut nvme.devices[device].regions[region as usize];
+                let loc = NvmeLoc { device: device as u16, region, offset: r.cursor };
+                r.cursor += nvme.geometry.slot_bytes;
+                r.pending_writes += 1;
+                return Some((loc, r.region_seq));
+            }
+        }
+        None
+    }
+
+    /// The device's open region with room for one more entry, opening (and if needed reclaiming) one.
+    fn open_region(&mut self, device: usize, meta: &mut Vec<MetaWrite>) -> Option<u32> {
+        let nvme = self.nvme.as_mut().unwrap();
+        let geometry = nvme.geometry;
+        if let Some(open) = nvme.devices[device].open {
+            if nvme.devices[device].regions[open as usize].cursor + geometry.slot_bytes <= geometry.data_bytes() {
+                return Some(open);
+            }
+            self.seal(device, open, meta);
+        }
+        let nvme = self.nvme.as_mut().unwrap();
+        let free = nvme.devices[device].regions.iter().position(|r| r.state == RegionState::Free);
+        let (region, reclaimed) = match free {
+            Some(r) => (r as u32, false),
+            None => (self.reclaim_oldest(device)?, true),
+        };
+        let nvme = self.nvme.as_mut().unwrap();
+        let region_seq = nvme.next_region_seq;
+        nvme.next_region_seq += 1;
+        let r = &mut nvme.devices[device].regions[region as usize];
+        *r = Region {
+            state: RegionState::Open,
+            region_seq,
+            cursor: 0,
+            entries: Vec::new(),
+            pending_writes: 0,
+        };
+        nvme.devices[device].open = Some(region);
+        if reclaimed {
+            self.pending_meta_writes += 1;
+            meta.push(MetaWrite { device, region, region_seq, entries: None });
+        }
+        Some(region)
+    }
+
+    fn seal(&mut self, device: usize, region: u32, meta: &mut Vec<MetaWrite>) {
+        let nvme = self.nvme.as_mut().unwrap();
+        nvme.devices[device].open = None;
+        let r = &mut nvme.devices[device].regions[region as usize];
+        r.state = RegionState::Sealing;
+        if r.pending_writes == 0 {
+            self.pending_meta_writes += 1;
+            meta.push(MetaWrite {
+                device,
+                region,
+                region_seq: r.region_seq,
+                entries: Some(r.entries.clone()),
+            });
+        }
+    }
+
+    /// Evicts the oldest sealed region of `device` with no pinned entry; returns it.
+    fn reclaim_oldest(&mut self, device: usize) -> Option<u32> {
+        let nvme = self.nvme.as_ref().unwrap();
+        let mut candidates: Vec<(u64, u32)> = nvme.devices[device]
+            .regions
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.state == RegionState::Sealed)
+            .map(|(i, r)| (r.region_seq, i as u32))
+            .collect();
+        candidates.sort_unstable();
+        let lives_here = |e: &Entry, region: u32| e.nvme.is_some_and(|l| l.device as usize == device && l.region == region);
+        let victim = candidates.into_iter().map(|(_, r)| r).find(|&region| {
+            nvme.devices[device].regions[region as usize]
+                .entries
+                .iter()
+                .all(|t| self.index.get(&t.key).is_none_or(|e| !lives_here(e, region) || e.pins == 0))
+        })?;
+        let entries = std::mem::take(&mut self.nvme.as_mut().unwrap().devices[device].regions[victim as usize].entries);
+        for t in &entries {
+            if let Some(e) = self.index.get_mut(&t.key) {
+                if lives_here(e, victim) {
+                    e.nvme = None;
+                    if e.dram.is_none() && !e.write_pending {
+                        self.index.remove(&t.key);
+                    }
+                }
+            }
+        }
+        Stats::add(&self.stats.nvme_region_evictions, 1);
+        Some(victim)
+    }
+
+    /// An entry write finished; returns a trailer to write if its region is now complete.
+    pub fn complete_write(&mut self, key: &BlockKey, plan: &WritePlan, ok: bool) -> Option<MetaWrite> {
+        self.dirty_bytes -= self.slot_bytes as usize;
+        self.slots[plan.slot as usize].writing = false;
+        let slot_bytes = self.slot_bytes;
+        let object_bytes = self.object_bytes;
+        let e = self.index.get_mut(key);
+        let nvme = self.nvme.as_mut().unwrap();
+        let r = &mut nvme.devices[plan.loc.device as usize].regions[plan.loc.region as usize];
+        r.pending_writes -= 1;
+        if let Some(e) = e {
+            e.write_pending = false;
+            if ok {
+                e.nvme = Some(plan.loc);
+                r.entries.push(TrailerEntry {
+                    key: *key,
+                    sequence: e.sequence,
+                    offset: plan.loc.offset,
+                    value_bytes: object_bytes,
+                    value_checksum: e.value_checksum,
+                });
+                Stats::add(&self.stats.bytes_written_nvme, slot_bytes);
+            }
+        }
+        if !ok {
+            Stats::add(&self.stats.io_errors, 1);
+        }
+        if r.state == RegionState::Sealing && r.pending_writes == 0 {
+            self.pending_meta_writes += 1;
+            return Some(MetaWrite {
+                device: plan.loc.device as usize,
+                region: plan.loc.region,
+                region_seq: r.region_seq,
+                entries: Some(r.entries.clone()),
+            });
+        }
+        None
+    }
+
+    pub fn complete_meta(&mut self, write: &MetaWrite, ok: bool) {
+        self.pending_meta_writes -= 1;
+        if !ok {
+            Stats::add(&self.stats.io_errors, 1);
+        }
+        if write.entries.is_some() {
+            if let Some(nvme) = self.nvme.as_mut() {
+                let r = &mut nvme.devices[write.device].regions[write.region as usize];
+                if r.state == RegionState::Sealing && r.region_seq == write.region_seq {
+                    r.state = RegionState::Sealed;
+                }
+            }
+        }
+    }
+
+    /// Nothing accepted is waiting to reach NVMe.
+    pub fn io_idle(&self) -> bool {
+        self.dirty_bytes == 0 && self.pending_meta_writes == 0
+    }
+
+    pub fn gauges(&self) -> Gauges {
+        let resident = self.slots.iter().filter(|s| s.state == SlotState::Resident).count();
+        let (used_regions, total_regions, region_bytes) = match &self.nvme {
+            Some(n) => {
+                let all = n.devices.iter().flat_map(|d| d.regions.iter());
+                let used = all.clone().filter(|r| r.state != RegionState::Free).count();
+                (used as u64, all.count() as u64, n.geometry.region_bytes)
+            }
+            None => (0, 0, 0),
+        };
+        Gauges {
+            dram_used_bytes: resident as u64 * self.slot_bytes,
+            dram_capacity_bytes: self.slots.len() as u64 * self.slot_bytes,
+            nvme_used_bytes: used_regions * region_bytes,
+            nvme_capacity_bytes: total_regions * region_bytes,
+            blocks_dram: self.index.values().filter(|e| e.dram_ready).count() as u64,
+            blocks_nvme: self.index.values().filter(|e| e.nvme.is_some()).count() as u64,
+        }
+    }
+
+    /// Checks the catalog's invariants (tests and debug builds).
+    pub fn check_invariants(&self) {
+        for (key, e) in &self.index {
+            if let Some(slot) = e.dram {
+                let s = &self.slots[slot as usize];
+                assert_eq!(s.key, Some(*key), "slot {slot} does not point back to its entry");
+                if e.dram_ready {
+                    assert_eq!(s.state, SlotState::Resident);
+                }
+            }
+        }
+        let free = self.slots.iter().filter(|s| s.state == SlotState::Free).count();
+        assert!(self.free_slots.len() <= free);
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Gauges {
+    pub dram_used_bytes: u64,
+    pub dram_capacity_bytes: u64,
+    pub nvme_used_bytes: u64,
+    pub nvme_capacity_bytes: u64,
+    pub blocks_dram: u64,
+    pub blocks_nvme: u64,
+}

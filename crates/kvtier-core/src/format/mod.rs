@@ -1,0 +1,54 @@
+//! On-disk formats of the NVMe tier, byte by byte (mirrored in `docs/format.md`).
+//!
+//! Every structure carries a magic number, a format version and an xxh3-64 checksum of its header,
+//! and every parser here treats its input as hostile: lengths are bounded before they are used and
+//! nothing is trusted until its checksum passes.
+
+pub mod descriptor;
+pub mod superblock;
+pub mod trailer;
+
+/// Alignment of every on-disk structure and value (O_DIRECT and page size).
+pub const ALIGN_BYTES: usize = 4096;
+
+pub(crate) fn round_up(value: usize, align: usize) -> usize {
+    value.div_ceil(align) * align
+}
+
+pub(crate) fn checksum(bytes: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(bytes)
+}
+
+pub(crate) fn get_u16(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes(b[at..at + 2].try_into().unwrap())
+}
+pub(crate) fn get_u32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().unwrap())
+}
+pub(crate) fn get_u64(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
+}
+pub(crate) fn put_u16(b: &mut [u8], at: usize, v: u16) {
+    b[at..at + 2].copy_from_slice(&v.to_le_bytes());
+}
+pub(crate) fn put_u32(b: &mut [u8], at: usize, v: u32) {
+    b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+}
+pub(crate) fn put_u64(b: &mut [u8], at: usize, v: u64) {
+    b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+}
+
+/// Why a stored structure was rejected. Never fatal to the store: the caller counts it as a miss.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ParseError {
+    #[error("buffer too short ({0} bytes)")]
+    TooShort(usize),
+    #[error("bad magic")]
+    BadMagic,
+    #[error("unsupported format version {0}")]
+    Version(u32),
+    #[error("header checksum mismatch")]
+    HeaderChecksum,
+    #[error("field out of range: {0}")]
+    OutOfRange(&'static str),
+}

@@ -1,0 +1,142 @@
+//! Fault injection (test seam): wraps any engine and makes chosen operations fail the way real
+//! storage does (EIO, ENOSPC, short transfers, torn writes, bit flips, slow I/O). The store takes a
+//! [`FaultPlan`] through its configuration; production code never builds one.
+
+use super::*;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// What to inject. Each `*_every` field fires on every n-th operation of its kind (0 = never).
+#[derive(Debug, Default)]
+pub struct FaultPlan {
+    pub read_eio_every: u64,
+    pub write_eio_every: u64,
+    pub write_enospc_every: u64,
+    /// Transfers only half of the request (the device queue must resubmit the rest).
+    pub short_every: u64,
+    /// Writes only the first half of the request but reports it whole, as a crash mid-write would leave it.
+    pub torn_write_every: u64,
+    /// Flips one bit in the data a read returns.
+    pub read_bitflip_every: u64,
+    /// Sleeps this long before submitting each operation.
+    pub delay_ms: u64,
+    pub reads_seen: AtomicU64,
+    pub writes_seen: AtomicU64,
+    pub injected: AtomicU64,
+}
+
+impl FaultPlan {
+    fn fires(every: u64, n: u64) -> bool {
+        every != 0 && n % every == 0
+    }
+}
+
+pub struct FaultyEngine {
+    inner: Box<dyn IoEngine>,
+    plan: Arc<FaultPlan>,
+    /// Completions made up here rather than by the inner engine.
+    synthetic: Vec<IoCompletion>,
+    /// Requests whose completion must be altered: token -> (original length, buffer, action).
+    altered: Mutex<HashMap<u64, (usize, *mut u8, Action)>>,
+}
+
+unsafe impl Send for FaultyEngine {}
+
+#[derive(Clone, Copy)]
+enum Action {
+    ReportWhole,
+    FlipBit,
+}
+
+impl FaultyEngine {
+    pub fn new(inner: Box<dyn IoEngine>, plan: Arc<FaultPlan>) -> Self {
+        FaultyEngine {
+            inner,
+            plan,
+            synthetic: Vec::new(),
+            altered: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+impl IoEngine for FaultyEngine {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn submit(&mut self, requests: &[IoRequest]) -> std::io::Result<()> {
+        if self.plan.delay_ms > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(self.plan.delay_ms));
+        }
+        let mut passed = Vec::with_capacity(requests.len());
+        for req in requests {
+            let p = &self.plan;
+            let mut req = *req;
+            match req.kind {
+                OpKind::Read => {
+                    let n = p.reads_seen.fetch_add(1, Ordering::Relaxed) + 1;
+                    if FaultPlan::fires(p.read_eio_every, n) {
+                        p.injected.fetch_add(1, Ordering::Relaxed);
+                        self.synthetic.push(IoCompletion { token: req.token, result: -(libc::EIO as i64) });
+                        continue;
+                    }
+                    if FaultPlan::fires(p.read_bitflip_every, n) {
+                        p.injected.fetch_add(1, Ordering::Relaxed);
+                        self.altered.lock().insert(req.token, (req.len, req.buf, Action::FlipBit));
+                    } else if FaultPlan::fires(p.short_every, n) && req.len >= 2 * 4096 {
+                        p.injected.fetch_add(1, Ordering::Relaxed);
+                        req.len = (req.len / 2) / 4096 * 4096;
+                    }
+                }
+                OpKind::Write => {
+                    let n = p.writes_seen.fetch_add(1, Ordering::Relaxed) + 1;
+                    if FaultPlan::fires(p.write_eio_every, n) || FaultPlan::fires(p.write_enospc_every, n) {
+                        p.injected.fetch_add(1, Ordering::Relaxed);
+                        let errno = if FaultPlan::fires(p.write_eio_every, n) { libc::EIO } else { libc::ENOSPC };
+                        self.synthetic.push(IoCompletion { token: req.token, result: -(errno as i64) });
+                        continue;
+                    }
+                    if FaultPlan::fires(p.torn_write_every, n) && req.len >= 2 * 4096 {
+                        p.injected.fetch_add(1, Ordering::Relaxed);
+                        self.altered.lock().insert(req.token, (req.len, req.buf, Action::ReportWhole));
+                        req.len = (req.len / 2) / 4096 * 4096;
+                    } else if FaultPlan::fires(p.short_every, n) && req.len >= 2 * 4096 {
+                        p.injected.fetch_add(1, Ordering::Relaxed);
+                        req.len = (req.len / 2) / 4096 * 4096;
+                    }
+                }
+            }
+            passed.push(req);
+        }
+        if passed.is_empty() {
+            return Ok(());
+        }
+        self.inner.submit(&passed)
+    }
+
+    fn wait(&mut self, min_complete: usize, out: &mut Vec<IoCompletion>) -> std::io::Result<()> {
+        let start = out.len();
+        let have = self.synthetic.len();
+        out.append(&mut self.synthetic);
+        if have < min_complete {
+            self.inner.wait(min_complete - have, out)?;
+        }
+        let mut altered = self.altered.lock();
+        for c in &mut out[start..] {
+            if let Some((len, buf, action)) = altered.remove(&c.token) {
+                match action {
+                    Action::ReportWhole if c.result >= 0 => c.result = len as i64,
+                    Action::FlipBit if c.result > 4096 => {
+                        // Flip a bit in the value part (past the descriptor page) of what was read.
+                        // SAFETY: the read filled at least `result` bytes of the buffer.
+                        unsafe { *buf.add(4096 + (c.result as usize - 4096) / 2) ^= 0x10 };
+                    }
+                    _ => {}
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,71 @@
+//! I/O engines: how bytes move between memory and device files.
+//!
+//! One trait ([`IoEngine`]) with two engines: io_uring (one ring per device thread, registered
+//! buffers and files when the kernel and memlock allow, one `io_uring_enter` per batch) and a
+//! pread/pwrite thread pool. [`device::DeviceQueue`] owns one engine per device file and schedules:
+//! reads before writes, bounded writes in flight, strict completion handling (short transfers
+//! resubmitted, EINTR/EAGAIN retried with a cap, EINVAL reported as an alignment bug).
+//! [`faults`] wraps any engine to inject faults in tests.
+
+pub mod buffer;
+pub mod device;
+pub mod faults;
+pub mod psync;
+pub mod uring;
+
+use std::os::fd::RawFd;
+
+/// Which engine to use; `Auto` runs the io_uring self-test and falls back to the thread pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineChoice {
+    Auto,
+    IoUring,
+    Psync,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpKind {
+    Read,
+    Write,
+}
+
+/// One request handed to an engine. The memory behind `buf` must stay valid until its completion
+/// is reaped; the device queue guarantees that by owning the op until then.
+#[derive(Debug, Clone, Copy)]
+pub struct IoRequest {
+    pub token: u64,
+    pub kind: OpKind,
+    pub fd: RawFd,
+    pub offset: u64,
+    pub buf: *mut u8,
+    pub len: usize,
+}
+
+// SAFETY: the pointer is only dereferenced by the kernel or an engine thread while the owning op is
+// in flight; the device queue keeps the op (and its buffer owner) alive until completion.
+unsafe impl Send for IoRequest {}
+
+/// A finished request: bytes transferred, or a negative errno.
+#[derive(Debug, Clone, Copy)]
+pub struct IoCompletion {
+    pub token: u64,
+    pub result: i64,
+}
+
+/// An I/O engine: submits batches, reaps completions. Owned by one device thread.
+pub trait IoEngine: Send {
+    fn name(&self) -> &'static str;
+    /// Queues and submits a batch (one system call per batch where the engine allows).
+    fn submit(&mut self, requests: &[IoRequest]) -> std::io::Result<()>;
+    /// Blocks until at least `min_complete` completions are available, then appends all of them.
+    fn wait(&mut self, min_complete: usize, out: &mut Vec<IoCompletion>) -> std::io::Result<()>;
+}
+
+/// Memory ranges the engine may register with the kernel (the DRAM arena).
+#[derive(Debug, Clone, Copy)]
+pub struct RegisteredRange {
+    pub base: *mut u8,
+    pub len: usize,
+}
+unsafe impl Send for RegisteredRange {}
+unsafe impl Sync for RegisteredRange {}

@@ -1,0 +1,308 @@
+//! The data plane: moves bytes between caller memory, DRAM slots and device queues, at locations the
+//! catalog hands out. Loads are streamed: reads for up to `max_inflight` blocks are in flight while
+//! finished ones are verified (descriptor, key, namespace, sequence, value checksum) and copied out.
+//! A block that fails verification is a miss, counted, and dropped from the index: never bytes.
+
+use crate::catalog::{GetStep, LoadOutcome, MetaWrite, NvmeRead, PutStep, WritePlan};
+use crate::format::checksum;
+use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
+use crate::io::buffer::AlignedBuf;
+use crate::io::device::IoOp;
+use crate::io::OpKind;
+use crate::key::BlockKey;
+use crate::stats::Stats;
+use crate::store::Shared;
+use crossbeam_channel::unbounded;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Caller memory for one block: segments whose lengths add up to `object_bytes`.
+#[derive(Debug, Clone)]
+pub struct BlockBuffer {
+    pub segments: Vec<(*mut u8, usize)>,
+}
+
+// SAFETY: the caller of the unsafe submission APIs promises the memory outlives the job.
+unsafe impl Send for BlockBuffer {}
+unsafe impl Sync for BlockBuffer {}
+
+impl BlockBuffer {
+    pub fn single(ptr: *mut u8, len: usize) -> Self {
+        BlockBuffer { segments: vec![(ptr, len)] }
+    }
+
+    pub fn total_bytes(&self) -> usize {
+        self.segments.iter().map(|s| s.1).sum()
+    }
+}
+
+fn copy_out(sh: &Shared, slot: u32, buf: &BlockBuffer) {
+    let mut src = unsafe { sh.arena.slot_ptr(slot).add(DESCRIPTOR_BYTES) };
+    for &(dst, len) in &buf.segments {
+        // SAFETY: the slot is pinned (or loading, owned by this job) and holds object_bytes of value;
+        // the caller's segments are valid for writing (submission contract).
+        unsafe {
+            std::ptr::copy_nonoverlapping(src, dst, len);
+            src = src.add(len);
+        }
+    }
+    Stats::add(&sh.stats.bytes_copied_out, sh.config.object_bytes as u64);
+}
+
+fn copy_in(sh: &Shared, slot: u32, buf: &BlockBuffer) {
+    let mut dst = unsafe { sh.arena.slot_ptr(slot).add(DESCRIPTOR_BYTES) };
+    for &(src, len) in &buf.segments {
+        // SAFETY: the slot is in Filling state, owned by this job; segments are valid for reading.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src, dst, len);
+            dst = dst.add(len);
+        }
+    }
+    Stats::add(&sh.stats.bytes_copied_in, sh.config.object_bytes as u64);
+}
+
+fn slot_bytes<'a>(sh: &'a Shared, slot: u32) -> &'a mut [u8] {
+    // SAFETY: callers own the slot for the duration (filling, loading or writing state).
+    unsafe { std::slice::from_raw_parts_mut(sh.arena.slot_ptr(slot), sh.arena.slot_bytes()) }
+}
+
+/// Checks a slot just read from NVMe against what the index expects.
+fn verify_loaded(sh: &Shared, key: &BlockKey, read: &NvmeRead) -> bool {
+    let bytes = slot_bytes(sh, read.slot);
+    let Ok(desc) = Descriptor::decode(&bytes[..DESCRIPTOR_BYTES]) else { return false };
+    let object_bytes = sh.config.object_bytes;
+    desc.key == *key
+        && desc.namespace == sh.namespace
+        && desc.value_bytes as usize == object_bytes
+        && desc.sequence == read.sequence
+        && desc.value_checksum == read.value_checksum
+        && checksum(&bytes[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + object_bytes]) == desc.value_checksum
+}
+
+pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuffer]) -> Vec<bool> {
+    let n = keys.len();
+    let mut results = vec![false; n];
+    let (done_tx, done_rx) = unbounded::<(usize, NvmeRead, std::io::Result<()>)>();
+    let max_inflight = (sh.arena.slot_count() / 2)
+        .max(1)
+        .min(sh.config.io_depth * sh.devices.len().max(1) * 2);
+    let mut next = 0;
+    let mut inflight = 0;
+    let mut dram_hits = Vec::new();
+    let mut reads = Vec::new();
+    let mut deadline: Option<Instant> = None;
+    while next < n || inflight > 0 {
+        if next < n && inflight < max_inflight {
+            {
+                let mut cat = sh.catalog.lock();
+                while next < n && inflight + reads.len() < max_inflight {
+                    match cat.plan_get(&keys[next]) {
+                        GetStep::Dram { slot } => dram_hits.push((next, slot)),
+                        GetStep::Nvme(read) => reads.push((next, read)),
+                        GetStep::Miss => Stats::add(&sh.stats.misses, 1),
+                        GetStep::NoSlot => break,
+                    }
+                    next += 1;
+                }
+                let stuck = next < n && reads.is_empty() && dram_hits.is_empty() && inflight == 0;
+                if stuck {
+                    let until = *deadline.get_or_insert_with(|| Instant::now() + Duration::from_millis(sh.config.slot_wait_ms));
+                    if sh.changed.wait_until(&mut cat, until).timed_out() && Instant::now() >= until {
+                        Stats::add(&sh.stats.slot_wait_timeouts, 1);
+                        Stats::add(&sh.stats.misses, (n - next) as u64);
+                        next = n;
+                    }
+                    continue;
+                }
+                deadline = None;
+            }
+            for (i, read) in reads.drain(..) {
+                let tx = done_tx.clone();
+                let geometry = sh.geometry.expect("NVMe reads need the NVMe tier");
+                sh.devices[read.loc.device as usize].read(IoOp {
+                    kind: OpKind::Read,
+                    offset: geometry.region_offset(read.loc.region) + read.loc.offset,
+                    buf: sh.arena.slot_ptr(read.slot),
+                    len: sh.arena.slot_bytes(),
+                    on_done: Box::new(move |r| {
+                        let _ = tx.send((i, read, r));
+                    }),
+                });
+                inflight += 1;
+            }
+            if !dram_hits.is_empty() {
+                for &(i, slot) in &dram_hits {
+                    copy_out(sh, slot, &bufs[i]);
+                    results[i] = true;
+                }
+                Stats::add(&sh.stats.dram_hits, dram_hits.len() as u64);
+                let mut cat = sh.catalog.lock();
+                for (i, _) in dram_hits.drain(..) {
+                    cat.finish_get_dram(&keys[i]);
+                }
+                drop(cat);
+                sh.changed.notify_all();
+            }
+        }
+        if inflight == 0 {
+            continue;
+        }
+        let first = done_rx.recv().expect("sender held by this function");
+        let mut finished = vec![first];
+        finished.extend(done_rx.try_iter());
+        inflight -= finished.len();
+        let mut outcomes = Vec::with_capacity(finished.len());
+        for (i, read, io_result) in finished {
+            let outcome = match io_result {
+                Err(e) => {
+                    log::warn!("kvtier: read of block {:?} failed: {e}; counted as a miss", keys[i]);
+                    Stats::add(&sh.stats.io_errors, 1);
+                    LoadOutcome::IoError
+                }
+                Ok(()) if verify_loaded(sh, &keys[i], &read) => {
+                    copy_out(sh, read.slot, &bufs[i]);
+                    results[i] = true;
+                    Stats::add(&sh.stats.nvme_hits, 1);
+                    Stats::add(&sh.stats.bytes_read_nvme, sh.arena.slot_bytes() as u64);
+                    LoadOutcome::Ok
+                }
+                Ok(()) => {
+                    log::warn!("kvtier: block {:?} failed verification on load; counted as a miss", keys[i]);
+                    Stats::add(&sh.stats.checksum_failures, 1);
+                    LoadOutcome::Corrupt
+                }
+            };
+            if !matches!(outcome, LoadOutcome::Ok) {
+                Stats::add(&sh.stats.misses, 1);
+            }
+            outcomes.push((i, read, outcome));
+        }
+        let mut cat = sh.catalog.lock();
+        for (i, read, outcome) in outcomes {
+            cat.finish_get_nvme(&keys[i], &read, outcome);
+        }
+        drop(cat);
+        sh.changed.notify_all();
+    }
+    results
+}
+
+pub(crate) fn execute_put(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuffer]) -> Vec<bool> {
+    let n = keys.len();
+    let mut results = vec![false; n];
+    let batch_max = (sh.arena.slot_count() / 4).clamp(1, 64);
+    let mut next = 0;
+    let mut deadline: Option<Instant> = None;
+    let mut meta = Vec::new();
+    while next < n {
+        let mut fills = Vec::new();
+        {
+            let mut cat = sh.catalog.lock();
+            while next < n && fills.len() < batch_max {
+                match cat.plan_put(&keys[next]) {
+                    PutStep::Present => results[next] = true,
+                    PutStep::Fill { slot, sequence } => fills.push((next, slot, sequence)),
+                    PutStep::NoSlot => break,
+                }
+                next += 1;
+            }
+            if fills.is_empty() && next < n {
+                let until = *deadline.get_or_insert_with(|| Instant::now() + Duration::from_millis(sh.config.slot_wait_ms));
+                if sh.changed.wait_until(&mut cat, until).timed_out() && Instant::now() >= until {
+                    Stats::add(&sh.stats.slot_wait_timeouts, 1);
+                    Stats::add(&sh.stats.dropped_stores, (n - next) as u64);
+                    break;
+                }
+                continue;
+            }
+            deadline = None;
+        }
+        let mut checksums = Vec::with_capacity(fills.len());
+        for &(i, slot, sequence) in &fills {
+            copy_in(sh, slot, &bufs[i]);
+            let bytes = slot_bytes(sh, slot);
+            let value_checksum = checksum(&bytes[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + sh.config.object_bytes]);
+            Descriptor {
+                value_bytes: sh.config.object_bytes as u32,
+                key: keys[i],
+                namespace: sh.namespace,
+                sequence,
+                region_seq: 0,
+                value_checksum,
+            }
+            .encode(&mut bytes[..DESCRIPTOR_BYTES]);
+            checksums.push(value_checksum);
+        }
+        let mut writes = Vec::new();
+        {
+            let mut cat = sh.catalog.lock();
+            for (&(i, slot, _), &value_checksum) in fills.iter().zip(&checksums) {
+                if let Some(plan) = cat.finish_put(&keys[i], slot, value_checksum, &mut meta) {
+                    writes.push((i, plan));
+                }
+                results[i] = true;
+            }
+        }
+        sh.changed.notify_all();
+        submit_meta(sh, std::mem::take(&mut meta));
+        for (i, plan) in writes {
+            submit_entry_write(sh, keys[i], plan);
+        }
+    }
+    results
+}
+
+fn submit_entry_write(sh: &Arc<Shared>, key: BlockKey, plan: WritePlan) {
+    let bytes = slot_bytes(sh, plan.slot);
+    // The descriptor on disk records the region generation, which recovery uses to tell a reused
+    // region's new entries from stale ones.
+    if let Ok(mut desc) = Descriptor::decode(&bytes[..DESCRIPTOR_BYTES]) {
+        desc.region_seq = plan.region_seq;
+        desc.encode(&mut bytes[..DESCRIPTOR_BYTES]);
+    }
+    let geometry = sh.geometry.expect("writes need the NVMe tier");
+    let shared = Arc::clone(sh);
+    sh.devices[plan.loc.device as usize].write(IoOp {
+        kind: OpKind::Write,
+        offset: geometry.region_offset(plan.loc.region) + plan.loc.offset,
+        buf: sh.arena.slot_ptr(plan.slot),
+        len: sh.arena.slot_bytes(),
+        on_done: Box::new(move |r| {
+            if let Err(e) = &r {
+                log::warn!("kvtier: NVMe write of {key:?} failed: {e}; the block stays in DRAM only");
+            }
+            let trailer = shared.catalog.lock().complete_write(&key, &plan, r.is_ok());
+            shared.changed.notify_all();
+            if let Some(t) = trailer {
+                submit_meta(&shared, vec![t]);
+            }
+        }),
+    });
+}
+
+pub(crate) fn submit_meta(sh: &Arc<Shared>, writes: Vec<MetaWrite>) {
+    let Some(geometry) = sh.geometry else { return };
+    for write in writes {
+        let buf = match &write.entries {
+            Some(entries) => crate::tiers::nvme::encode_trailer(&geometry, write.region, write.region_seq, entries),
+            None => AlignedBuf::zeroed(geometry.trailer_bytes as usize),
+        };
+        let shared = Arc::clone(sh);
+        let ptr = buf.as_ptr();
+        let len = buf.len();
+        sh.devices[write.device].write(IoOp {
+            kind: OpKind::Write,
+            offset: geometry.trailer_offset(write.region),
+            buf: ptr,
+            len,
+            on_done: Box::new(move |r| {
+                drop(buf);
+                if let Err(e) = &r {
+                    log::warn!("kvtier: writing the trailer of region {} failed: {e}", write.region);
+                }
+                shared.catalog.lock().complete_meta(&write, r.is_ok());
+                shared.changed.notify_all();
+            }),
+        });
+    }
+}

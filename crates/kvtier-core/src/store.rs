@@ -1,0 +1,547 @@
+//! The store: opens the tiers, wires the catalog (control plane) to the mover (data plane) and the
+//! device queues, and offers the blocking and asynchronous APIs.
+//!
+//! Directory layout: `<path>/<namespace hex>/` holds `LOCK` (first path only; an exclusive flock
+//! held while the store is open) and `nvme.kvt` (one device file per path).
+
+use crate::catalog::{Catalog, Gauges};
+use crate::config::StoreConfig;
+use crate::error::{Error, Result};
+use crate::format::superblock::{Superblock, SUPERBLOCK_BYTES};
+use crate::io::buffer::AlignedBuf;
+use crate::io::device::DeviceQueue;
+use crate::io::faults::FaultyEngine;
+use crate::io::psync::PsyncEngine;
+use crate::io::uring::UringEngine;
+use crate::io::{EngineChoice, IoCompletion, IoEngine, IoRequest, OpKind, RegisteredRange};
+use crate::key::{BlockKey, Namespace};
+use crate::mover::{execute_get, execute_put, submit_meta, BlockBuffer};
+use crate::stats::{Stats, StatsSnapshot};
+use crate::tiers::dram::Arena;
+use crate::tiers::eviction::S3Fifo;
+use crate::tiers::nvme::{self, DeviceFile, Geometry};
+use crossbeam_channel::{bounded, unbounded, Sender, TrySendError};
+use parking_lot::{Condvar, Mutex};
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+pub(crate) struct Shared {
+    pub config: StoreConfig,
+    pub namespace: Namespace,
+    pub geometry: Option<Geometry>,
+    pub catalog: Mutex<Catalog>,
+    /// Signalled whenever slots, pins or pending writes change.
+    pub changed: Condvar,
+    pub arena: Arena,
+    pub devices: Vec<DeviceQueue>,
+    pub device_files: Vec<DeviceFile>,
+    pub stats: Arc<Stats>,
+    finished: Mutex<HashMap<u64, Vec<bool>>>,
+    finished_cv: Condvar,
+    loads_active: AtomicUsize,
+    stores_active: AtomicUsize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobKind {
+    Get,
+    Put,
+}
+
+/// An asynchronous job. The memory behind `buffers` must stay valid until the job is reported.
+pub struct Job {
+    pub id: u64,
+    pub kind: JobKind,
+    pub keys: Vec<BlockKey>,
+    pub buffers: Vec<BlockBuffer>,
+}
+
+/// Counters plus gauges, as `Store::stats` returns them.
+#[derive(Debug, Clone)]
+pub struct StoreStats {
+    pub counters: StatsSnapshot,
+    pub gauges: Gauges,
+    pub io_engine: &'static str,
+    pub direct_io: bool,
+    pub buffers_registered: bool,
+    pub namespace_hex: String,
+}
+
+pub struct Store {
+    shared: Arc<Shared>,
+    load_tx: Mutex<Option<Sender<Job>>>,
+    store_tx: Mutex<Option<Sender<Job>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    closed: AtomicBool,
+    io_engine: &'static str,
+    buffers_registered: bool,
+    direct_io: bool,
+    _lock: File,
+}
+
+impl Store {
+    pub fn open(config: StoreConfig) -> Result<Store> {
+        config.validate()?;
+        let namespace = Namespace::from_description(&config.namespace);
+        let dirs: Vec<_> = config.paths.iter().map(|p| p.join(namespace.hex())).collect();
+        for dir in &dirs {
+            std::fs::create_dir_all(dir).map_err(|e| {
+                Error::io(format!("creating {} (give kvtier a writable directory)", dir.display()), e)
+            })?;
+        }
+        let lock = take_lock(&dirs[0])?;
+        let slot_bytes = config.slot_bytes();
+        let arena = Arena::map(slot_bytes, config.slot_count())?;
+        let stats = Arc::new(Stats::default());
+
+        let nvme_enabled = config.nvme_bytes > 0;
+        let geometry = nvme_enabled.then(|| {
+            Geometry::from_capacity(
+                slot_bytes as u64,
+                config.effective_region_bytes(),
+                config.nvme_bytes / config.paths.len() as u64,
+            )
+        });
+        let mut catalog = Catalog::new(
+            namespace,
+            arena.slot_count(),
+            slot_bytes as u64,
+            config.object_bytes as u32,
+            Box::new(S3Fifo::new(arena.slot_count())),
+            geometry.map(|g| (g, dirs.len())),
+            config.effective_max_dirty_bytes(),
+            Arc::clone(&stats),
+        );
+
+        let mut device_files = Vec::new();
+        let mut startup_meta = Vec::new();
+        if let Some(geometry) = &geometry {
+            let store_id = random_u64();
+            for (i, dir) in dirs.iter().enumerate() {
+                let template = Superblock {
+                    device_index: i as u32,
+                    device_count: dirs.len() as u32,
+                    namespace,
+                    region_bytes: geometry.region_bytes,
+                    region_count: geometry.region_count,
+                    slot_bytes: geometry.slot_bytes,
+                    object_bytes: config.object_bytes as u64,
+                    store_id,
+                };
+                let (device, created) = nvme::open_device(dir, &template, geometry, config.direct_io)?;
+                if !created {
+                    let started = Instant::now();
+                    let recovered = nvme::recover(&device, geometry, &namespace, config.object_bytes as u64)?;
+                    let blocks: usize = recovered.iter().map(|r| r.entries.len()).sum();
+                    log::info!(
+                        "kvtier: recovered {blocks} blocks from {} regions of {} in {:.0} ms",
+                        recovered.len(),
+                        device.path.display(),
+                        started.elapsed().as_secs_f64() * 1e3
+                    );
+                    startup_meta.extend(catalog.adopt_recovered(i, recovered));
+                }
+                device_files.push(device);
+            }
+        }
+
+        let (engine_name, buffers_registered, devices) =
+            start_devices(&config, &device_files, &arena.registration_ranges())?;
+        let direct_io = device_files.iter().all(|d| d.direct) && !device_files.is_empty();
+        let shared = Arc::new(Shared {
+            geometry,
+            namespace,
+            catalog: Mutex::new(catalog),
+            changed: Condvar::new(),
+            arena,
+            devices,
+            device_files,
+            stats,
+            finished: Mutex::new(HashMap::new()),
+            finished_cv: Condvar::new(),
+            loads_active: AtomicUsize::new(0),
+            stores_active: AtomicUsize::new(0),
+            config,
+        });
+        submit_meta(&shared, startup_meta);
+
+        let (load_tx, load_rx) = unbounded::<Job>();
+        let (store_tx, store_rx) = bounded::<Job>(shared.config.store_queue_jobs);
+        let mut threads = Vec::new();
+        for i in 0..shared.config.load_threads {
+            let sh = Arc::clone(&shared);
+            let rx = load_rx.clone();
+            threads.push(spawn(format!("kvtier-load-{i}"), move || {
+                for job in rx.iter() {
+                    let results = execute_get(&sh, &job.keys, &job.buffers);
+                    sh.loads_active.fetch_sub(1, Ordering::AcqRel);
+                    finish_job(&sh, job.id, results);
+                }
+            })?);
+        }
+        let sh = Arc::clone(&shared);
+        threads.push(spawn("kvtier-store".into(), move || {
+            for job in store_rx.iter() {
+                // Stores yield to loads: a store job waits (bounded) while loads are queued or running.
+                let until = Instant::now() + Duration::from_millis(100);
+                while sh.loads_active.load(Ordering::Acquire) > 0 && Instant::now() < until {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                let results = execute_put(&sh, &job.keys, &job.buffers);
+                finish_job(&sh, job.id, results);
+                sh.stores_active.fetch_sub(1, Ordering::AcqRel);
+            }
+        })?);
+        log::info!(
+            "kvtier: store open at {} (namespace {}), {} DRAM slots of {} bytes, NVMe {} bytes on {} device(s), engine {}",
+            dirs[0].display(),
+            &namespace.hex()[..16],
+            shared.arena.slot_count(),
+            slot_bytes,
+            shared.config.nvme_bytes,
+            shared.devices.len(),
+            engine_name
+        );
+        Ok(Store {
+            shared,
+            load_tx: Mutex::new(Some(load_tx)),
+            store_tx: Mutex::new(Some(store_tx)),
+            threads: Mutex::new(threads),
+            closed: AtomicBool::new(false),
+            io_engine: engine_name,
+            buffers_registered,
+            direct_io,
+            _lock: lock,
+        })
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            Err(Error::Closed)
+        } else {
+            Ok(())
+        }
+    }
+
+    pub fn object_bytes(&self) -> usize {
+        self.shared.config.object_bytes
+    }
+
+    pub fn namespace(&self) -> Namespace {
+        self.shared.namespace
+    }
+
+    fn check_buffers(&self, keys: usize, buffers: &[BlockBuffer]) -> Result<()> {
+        if keys != buffers.len() {
+            return Err(Error::config("buffers", format!("{keys} keys but {} buffers; pass one buffer per key", buffers.len())));
+        }
+        let want = self.object_bytes();
+        if let Some(b) = buffers.iter().find(|b| b.total_bytes() != want) {
+            return Err(Error::config(
+                "buffers",
+                format!("a buffer holds {} bytes but object_bytes is {want}; pass buffers of exactly object_bytes", b.total_bytes()),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Stores blocks; `true` per block stored or already present, `false` if dropped.
+    pub fn put_many(&self, keys: &[BlockKey], values: &[&[u8]]) -> Result<Vec<bool>> {
+        let buffers: Vec<_> = values.iter().map(|v| BlockBuffer::single(v.as_ptr() as *mut u8, v.len())).collect();
+        // SAFETY: the slices outlive this blocking call and are only read.
+        unsafe { self.put_raw(keys, &buffers) }
+    }
+
+    /// Fills `out`; `true` per block found and verified.
+    pub fn get_many(&self, keys: &[BlockKey], out: &mut [&mut [u8]]) -> Result<Vec<bool>> {
+        let buffers: Vec<_> = out.iter_mut().map(|v| BlockBuffer::single(v.as_mut_ptr(), v.len())).collect();
+        // SAFETY: the slices outlive this blocking call and are exclusively borrowed.
+        unsafe { self.get_raw(keys, &buffers) }
+    }
+
+    /// # Safety
+    /// Every segment must be valid for reading for the duration of the call.
+    pub unsafe fn put_raw(&self, keys: &[BlockKey], buffers: &[BlockBuffer]) -> Result<Vec<bool>> {
+        self.check_open()?;
+        self.check_buffers(keys.len(), buffers)?;
+        Ok(execute_put(&self.shared, keys, buffers))
+    }
+
+    /// # Safety
+    /// Every segment must be valid for writing and not accessed by others for the duration of the call.
+    pub unsafe fn get_raw(&self, keys: &[BlockKey], buffers: &[BlockBuffer]) -> Result<Vec<bool>> {
+        self.check_open()?;
+        self.check_buffers(keys.len(), buffers)?;
+        Ok(execute_get(&self.shared, keys, buffers))
+    }
+
+    /// Queues a job; its result is reported by `poll` or `wait`. A store job that finds the store
+    /// queue full is dropped at once (all `false`) and counted.
+    ///
+    /// # Safety
+    /// The job's segments must stay valid (and, for loads, untouched) until the job is reported.
+    pub unsafe fn submit(&self, job: Job) -> Result<()> {
+        self.check_open()?;
+        self.check_buffers(job.keys.len(), &job.buffers)?;
+        match job.kind {
+            JobKind::Get => {
+                self.shared.loads_active.fetch_add(1, Ordering::AcqRel);
+                let tx = self.load_tx.lock();
+                tx.as_ref().ok_or(Error::Closed)?.send(job).map_err(|_| Error::Closed)?;
+            }
+            JobKind::Put => {
+                self.shared.stores_active.fetch_add(1, Ordering::AcqRel);
+                let tx = self.store_tx.lock();
+                match tx.as_ref().ok_or(Error::Closed)?.try_send(job) {
+                    Ok(()) => {}
+                    Err(TrySendError::Full(job)) => {
+                        self.shared.stores_active.fetch_sub(1, Ordering::AcqRel);
+                        Stats::add(&self.shared.stats.dropped_stores, job.keys.len() as u64);
+                        finish_job(&self.shared, job.id, vec![false; job.keys.len()]);
+                    }
+                    Err(TrySendError::Disconnected(_)) => return Err(Error::Closed),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Jobs finished since the last poll.
+    pub fn poll(&self) -> Vec<(u64, Vec<bool>)> {
+        self.shared.finished.lock().drain().collect()
+    }
+
+    /// Waits for one job; `None` timeout waits without limit.
+    pub fn wait(&self, job_id: u64, timeout: Option<Duration>) -> Result<Vec<bool>> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut finished = self.shared.finished.lock();
+        loop {
+            if let Some(r) = finished.remove(&job_id) {
+                return Ok(r);
+            }
+            match deadline {
+                Some(d) => {
+                    if self.shared.finished_cv.wait_until(&mut finished, d).timed_out() {
+                        if let Some(r) = finished.remove(&job_id) {
+                            return Ok(r);
+                        }
+                        return Err(Error::Timeout {
+                            what: format!("job {job_id}"),
+                            timeout_ms: timeout.unwrap().as_millis() as u64,
+                        });
+                    }
+                }
+                None => self.shared.finished_cv.wait(&mut finished),
+            }
+        }
+    }
+
+    pub fn lookup_prefix(&self, keys: &[BlockKey]) -> usize {
+        self.shared.catalog.lock().lookup_prefix(keys)
+    }
+
+    pub fn contains_many(&self, keys: &[BlockKey]) -> Vec<bool> {
+        let cat = self.shared.catalog.lock();
+        keys.iter().map(|k| cat.contains(k)).collect()
+    }
+
+    pub fn pin_prefix(&self, keys: &[BlockKey]) -> usize {
+        self.shared.catalog.lock().pin_prefix(keys)
+    }
+
+    pub fn unpin(&self, keys: &[BlockKey]) {
+        self.shared.catalog.lock().unpin(keys);
+        self.shared.changed.notify_all();
+    }
+
+    /// Waits until every accepted store (queued jobs included) is on NVMe, then syncs the files.
+    pub fn flush(&self) -> Result<()> {
+        self.check_open()?;
+        self.flush_inner()
+    }
+
+    fn flush_inner(&self) -> Result<()> {
+        let sh = &self.shared;
+        let limit = Duration::from_secs(120);
+        let deadline = Instant::now() + limit;
+        while sh.stores_active.load(Ordering::Acquire) > 0 {
+            if Instant::now() > deadline {
+                return Err(Error::Timeout { what: "queued stores".into(), timeout_ms: limit.as_millis() as u64 });
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let mut cat = sh.catalog.lock();
+        while !cat.io_idle() {
+            if sh.changed.wait_until(&mut cat, deadline).timed_out() && !cat.io_idle() {
+                return Err(Error::Timeout { what: "NVMe writes".into(), timeout_ms: limit.as_millis() as u64 });
+            }
+        }
+        drop(cat);
+        for d in &sh.device_files {
+            d.file.sync_data().map_err(|e| Error::io(format!("fdatasync {}", d.path.display()), e))?;
+        }
+        Ok(())
+    }
+
+    /// Flushes, stops the threads and releases the directory. Idempotent.
+    pub fn close(&self) -> Result<()> {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        self.load_tx.lock().take();
+        self.store_tx.lock().take();
+        for t in self.threads.lock().drain(..) {
+            let _ = t.join();
+        }
+        let flushed = self.flush_inner();
+        for d in &self.shared.devices {
+            d.shutdown();
+        }
+        flushed
+    }
+
+    pub fn stats(&self) -> StoreStats {
+        StoreStats {
+            counters: self.shared.stats.snapshot(),
+            gauges: self.shared.catalog.lock().gauges(),
+            io_engine: self.io_engine,
+            direct_io: self.direct_io,
+            buffers_registered: self.buffers_registered,
+            namespace_hex: self.shared.namespace.hex(),
+        }
+    }
+
+    /// Checks the catalog's internal invariants (for tests).
+    pub fn check_invariants(&self) {
+        self.shared.catalog.lock().check_invariants();
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        if let Err(e) = self.close() {
+            log::warn!("kvtier: closing the store: {e}");
+        }
+    }
+}
+
+fn finish_job(sh: &Shared, id: u64, results: Vec<bool>) {
+    sh.finished.lock().insert(id, results);
+    sh.finished_cv.notify_all();
+}
+
+fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(f)
+        .map_err(|e| Error::io("spawning a kvtier thread", e))
+}
+
+fn take_lock(dir: &std::path::Path) -> Result<File> {
+    let path = dir.join("LOCK");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| Error::io(format!("creating {} (is the directory writable?)", path.display()), e))?;
+    match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(file),
+        Err(rustix::io::Errno::WOULDBLOCK) => Err(Error::Locked { path: dir.to_path_buf() }),
+        Err(e) => Err(Error::io(format!("locking {}", path.display()), e.into())),
+    }
+}
+
+fn random_u64() -> u64 {
+    let mut buf = [0u8; 8];
+    if rustix::rand::getrandom(&mut buf, rustix::rand::GetRandomFlags::empty()).is_err() {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        return t.as_nanos() as u64 ^ std::process::id() as u64;
+    }
+    u64::from_le_bytes(buf)
+}
+
+/// Picks the I/O engine (self-test for `auto`) and starts one device queue per file.
+fn start_devices(
+    config: &StoreConfig,
+    files: &[DeviceFile],
+    ranges: &[RegisteredRange],
+) -> Result<(&'static str, bool, Vec<DeviceQueue>)> {
+    if files.is_empty() {
+        return Ok(("none", false, Vec::new()));
+    }
+    let use_uring = match config.io_engine {
+        EngineChoice::Psync => {
+            log::info!("kvtier: I/O engine psync (forced by io_engine=\"psync\")");
+            false
+        }
+        EngineChoice::IoUring => match uring_self_test(&files[0]) {
+            Ok(()) => true,
+            Err(e) => {
+                return Err(Error::config(
+                    "io_engine",
+                    format!("io_uring was forced but its self-test failed ({e}); enable io_uring (kernel.io_uring_disabled=0, container seccomp) or set io_engine=\"auto\""),
+                ))
+            }
+        },
+        EngineChoice::Auto => match uring_self_test(&files[0]) {
+            Ok(()) => {
+                log::info!("kvtier: I/O engine io_uring (self-test passed)");
+                true
+            }
+            Err(e) => {
+                log::warn!("kvtier: I/O engine psync: io_uring self-test failed ({e}); io_uring may be disabled here");
+                false
+            }
+        },
+    };
+    let mut queues = Vec::new();
+    let mut registered_all = use_uring;
+    for file in files {
+        let fd = file.file.as_raw_fd();
+        let name = format!("{}", file.index);
+        let mut engine: Box<dyn IoEngine> = if use_uring {
+            let e = UringEngine::new(config.io_depth as u32, fd, ranges, &file.path.display().to_string())
+                .map_err(|e| Error::io("creating an io_uring", e))?;
+            registered_all &= e.buffers_registered();
+            Box::new(e)
+        } else {
+            Box::new(PsyncEngine::new(config.io_depth.min(8), &name).map_err(|e| Error::io("starting psync threads", e))?)
+        };
+        if let Some(plan) = &config.fault_plan {
+            engine = Box::new(FaultyEngine::new(engine, Arc::clone(plan)));
+        }
+        queues.push(
+            DeviceQueue::start(name, fd, engine, config.io_depth, config.max_write_inflight_bytes)
+                .map_err(|e| Error::io("starting a device thread", e))?,
+        );
+    }
+    let name = if use_uring { "io_uring" } else { "psync" };
+    Ok((name, registered_all, queues))
+}
+
+/// Reads the superblock through a fresh ring and checks the bytes match a plain pread.
+fn uring_self_test(file: &DeviceFile) -> std::io::Result<()> {
+    let fd = file.file.as_raw_fd();
+    let mut engine = UringEngine::new(8, fd, &[], "self-test")?;
+    let buf = AlignedBuf::zeroed(SUPERBLOCK_BYTES);
+    engine.submit(&[IoRequest { token: 7, kind: OpKind::Read, fd, offset: 0, buf: buf.as_ptr(), len: SUPERBLOCK_BYTES }])?;
+    let mut out: Vec<IoCompletion> = Vec::new();
+    engine.wait(1, &mut out)?;
+    match out.first() {
+        Some(c) if c.token == 7 && c.result == SUPERBLOCK_BYTES as i64 => {}
+        Some(c) if c.result < 0 => return Err(std::io::Error::from_raw_os_error((-c.result) as i32)),
+        other => return Err(std::io::Error::other(format!("unexpected completion {other:?}"))),
+    }
+    let mut expected = AlignedBuf::zeroed(SUPERBLOCK_BYTES);
+    nvme::read_exact_at(file, expected.as_mut_slice(), 0).map_err(|e| std::io::Error::other(e.to_string()))?;
+    if expected.as_slice() != buf.as_slice() {
+        return Err(std::io::Error::other("io_uring read returned different bytes than pread"));
+    }
+    Ok(())
+}

@@ -1,0 +1,142 @@
+//! The DRAM tier's memory: one page-aligned anonymous mapping cut into fixed-size slots.
+//!
+//! Each slot is `slot_bytes` long: a 4096-byte descriptor page, then the value rounded up to 4096.
+//! The same bytes are written to and read from NVMe, so a read lands a block in its slot with no copy.
+//! Huge pages are used when the kernel has them reserved (MAP_HUGETLB), else transparent huge pages
+//! are requested (MADV_HUGEPAGE). On CUDA hosts this mapping is what gets registered as pinned
+//! memory (cudaHostRegister), so io_uring can register it too.
+
+use crate::error::{Error, Result};
+use crate::io::RegisteredRange;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Bytes of DRAM arenas mapped by every store of this process (the process-wide budget).
+static PROCESS_ARENA_BYTES: AtomicUsize = AtomicUsize::new(0);
+
+/// io_uring caps one registered buffer at 1 GiB.
+const MAX_REGISTERED_BYTES: usize = 1 << 30;
+
+pub struct Arena {
+    base: *mut u8,
+    len: usize,
+    slot_bytes: usize,
+    slot_count: usize,
+    pub huge_pages: bool,
+}
+
+unsafe impl Send for Arena {}
+unsafe impl Sync for Arena {}
+
+impl Arena {
+    pub fn map(slot_bytes: usize, slot_count: usize) -> Result<Self> {
+        let len = slot_bytes
+            .checked_mul(slot_count)
+            .ok_or_else(|| Error::config("dram_bytes", "arena size overflows"))?;
+        let available = mem_available_bytes();
+        let already = PROCESS_ARENA_BYTES.load(Ordering::Relaxed);
+        if let Some(available) = available {
+            if len > available {
+                return Err(Error::Capacity {
+                    message: format!(
+                        "the DRAM pool needs {len} bytes ({slot_count} slots of {slot_bytes}) but only {available} bytes \
+                         of memory are available (MemAvailable; {already} bytes already mapped by other kvtier stores in \
+                         this process); lower `dram_bytes` (or `staging_slots`)"
+                    ),
+                });
+            }
+        }
+        let (base, huge_pages) = map_anonymous(len)?;
+        PROCESS_ARENA_BYTES.fetch_add(len, Ordering::Relaxed);
+        Ok(Arena {
+            base,
+            len,
+            slot_bytes,
+            slot_count,
+            huge_pages,
+        })
+    }
+
+    pub fn slot_count(&self) -> usize {
+        self.slot_count
+    }
+
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Start of slot `index` (its descriptor page).
+    pub fn slot_ptr(&self, index: u32) -> *mut u8 {
+        assert!((index as usize) < self.slot_count, "slot index out of range");
+        // SAFETY: in bounds of the mapping.
+        unsafe { self.base.add(index as usize * self.slot_bytes) }
+    }
+
+    /// Ranges to register with io_uring: whole slots, each range at most 1 GiB.
+    pub fn registration_ranges(&self) -> Vec<RegisteredRange> {
+        let slots_per_range = (MAX_REGISTERED_BYTES / self.slot_bytes).max(1);
+        let mut ranges = Vec::new();
+        let mut first = 0;
+        while first < self.slot_count {
+            let count = slots_per_range.min(self.slot_count - first);
+            let len = count * self.slot_bytes;
+            if len > MAX_REGISTERED_BYTES {
+                break; // a single slot over 1 GiB cannot be registered
+            }
+            ranges.push(RegisteredRange {
+                base: self.slot_ptr(first as u32),
+                len,
+            });
+            first += count;
+        }
+        ranges
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // SAFETY: mapped in `map` with this length; no I/O is in flight (the store joined its threads).
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+        PROCESS_ARENA_BYTES.fetch_sub(self.len, Ordering::Relaxed);
+    }
+}
+
+fn map_anonymous(len: usize) -> Result<(*mut u8, bool)> {
+    const HUGE_PAGE_BYTES: usize = 2 << 20;
+    let prot = libc::PROT_READ | libc::PROT_WRITE;
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+    if len % HUGE_PAGE_BYTES == 0 {
+        // SAFETY: anonymous mapping, no fd.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags | libc::MAP_HUGETLB, -1, 0) };
+        if p != libc::MAP_FAILED {
+            log::info!("kvtier: DRAM pool of {len} bytes on reserved huge pages");
+            return Ok((p.cast(), true));
+        }
+    }
+    // SAFETY: as above.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, -1, 0) };
+    if p == libc::MAP_FAILED {
+        return Err(Error::io(
+            format!("mapping a DRAM pool of {len} bytes"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: advisory only.
+    unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };
+    Ok((p.cast(), false))
+}
+
+/// MemAvailable from /proc/meminfo, in bytes.
+pub fn mem_available_bytes() -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}

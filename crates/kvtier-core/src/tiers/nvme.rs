@@ -1,0 +1,362 @@
+//! The NVMe tier's device files: geometry, creation (preallocated, O_DIRECT when supported),
+//! validation of an existing file, and recovery of the index from region trailers.
+//!
+//! A device file is a superblock page followed by `region_count` regions. A region is written
+//! sequentially, entry after entry (descriptor page + value), and sealed with a trailer listing its
+//! entries. Recovery reads the superblock and every trailer; a region without a valid trailer (the one
+//! open at a crash) is scanned entry by entry and each entry is kept only if its descriptor and value
+//! checksums prove it whole. Allocation and eviction of regions belong to the catalog.
+
+use crate::config::DirectIo;
+use crate::error::{Error, Result};
+use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
+use crate::format::superblock::{Superblock, SUPERBLOCK_BYTES};
+use crate::format::trailer::{trailer_bytes, Trailer, TrailerEntry};
+use crate::format::{checksum, ALIGN_BYTES};
+use crate::io::buffer::AlignedBuf;
+use crate::key::Namespace;
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+pub const DEVICE_FILE_NAME: &str = "nvme.kvt";
+
+/// Sizes derived from the configuration; identical on every device of a store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    pub slot_bytes: u64,
+    pub region_bytes: u64,
+    pub region_count: u64,
+    pub max_entries: u64,
+    pub trailer_bytes: u64,
+}
+
+impl Geometry {
+    pub fn new(slot_bytes: u64, region_bytes: u64, region_count: u64) -> Self {
+        let mut max_entries = region_bytes / slot_bytes;
+        while max_entries > 0 && max_entries * slot_bytes + trailer_bytes(max_entries as usize) as u64 > region_bytes {
+            max_entries -= 1;
+        }
+        Geometry {
+            slot_bytes,
+            region_bytes,
+            region_count,
+            max_entries,
+            trailer_bytes: trailer_bytes(max_entries as usize) as u64,
+        }
+    }
+
+    pub fn from_capacity(slot_bytes: u64, region_bytes: u64, device_bytes: u64) -> Self {
+        let region_count = device_bytes.saturating_sub(SUPERBLOCK_BYTES as u64) / region_bytes;
+        Self::new(slot_bytes, region_bytes, region_count)
+    }
+
+    pub fn file_bytes(&self) -> u64 {
+        SUPERBLOCK_BYTES as u64 + self.region_count * self.region_bytes
+    }
+
+    pub fn region_offset(&self, region: u32) -> u64 {
+        SUPERBLOCK_BYTES as u64 + region as u64 * self.region_bytes
+    }
+
+    pub fn trailer_offset(&self, region: u32) -> u64 {
+        self.region_offset(region) + self.region_bytes - self.trailer_bytes
+    }
+
+    /// Bytes of a region usable by entries.
+    pub fn data_bytes(&self) -> u64 {
+        self.max_entries * self.slot_bytes
+    }
+}
+
+pub struct DeviceFile {
+    pub path: PathBuf,
+    pub file: File,
+    pub direct: bool,
+    pub index: u32,
+}
+
+/// Opens (or creates and preallocates) the device file in `dir`.
+pub fn open_device(
+    dir: &Path,
+    template: &Superblock,
+    geometry: &Geometry,
+    direct_io: DirectIo,
+) -> Result<(DeviceFile, bool)> {
+    let path = dir.join(DEVICE_FILE_NAME);
+    let exists = path.exists();
+    if !exists {
+        check_free_space(dir, geometry.file_bytes())?;
+    }
+    let (file, direct) = open_file(&path, direct_io)?;
+    let device = DeviceFile {
+        path: path.clone(),
+        file,
+        direct,
+        index: template.device_index,
+    };
+    if exists {
+        let len = device.file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?.len();
+        let mut page = AlignedBuf::zeroed(SUPERBLOCK_BYTES);
+        read_exact_at(&device, page.as_mut_slice(), 0)?;
+        let found = Superblock::decode(page.as_slice()).map_err(|e| {
+            Error::format(
+                &path,
+                format!("not a kvtier device file of format version 1 ({e}); remove it or choose another directory"),
+            )
+        })?;
+        if found.namespace != template.namespace {
+            return Err(Error::Namespace {
+                path,
+                expected: template.namespace.hex(),
+                found: found.namespace.hex(),
+            });
+        }
+        let geometry_matches = found.region_bytes == template.region_bytes
+            && found.region_count == template.region_count
+            && found.slot_bytes == template.slot_bytes
+            && found.object_bytes == template.object_bytes
+            && found.device_count == template.device_count
+            && found.device_index == template.device_index;
+        if !geometry_matches {
+            return Err(Error::format(
+                &path,
+                format!(
+                    "created with object_bytes={}, region_bytes={}, {} regions, device {}/{}; reopen with the same \
+                     object_bytes, region_bytes, nvme_bytes and directories, or delete {} to start empty",
+                    found.object_bytes,
+                    found.region_bytes,
+                    found.region_count,
+                    found.device_index,
+                    found.device_count,
+                    path.display()
+                ),
+            ));
+        }
+        if len < geometry.file_bytes() {
+            return Err(Error::format(
+                &path,
+                format!("truncated: {len} bytes, expected {}; delete it to start empty", geometry.file_bytes()),
+            ));
+        }
+        Ok((device, false))
+    } else {
+        preallocate(&device, geometry.file_bytes())?;
+        let mut page = AlignedBuf::zeroed(SUPERBLOCK_BYTES);
+        template.encode(page.as_mut_slice());
+        write_all_at(&device, page.as_slice(), 0)?;
+        device.file.sync_all().map_err(|e| Error::io(format!("fsync {}", path.display()), e))?;
+        Ok((device, true))
+    }
+}
+
+fn open_file(path: &Path, direct_io: DirectIo) -> Result<(File, bool)> {
+    let open = |direct: bool| {
+        let mut o = OpenOptions::new();
+        o.read(true).write(true).create(true).mode(0o600);
+        if direct {
+            o.custom_flags(libc::O_DIRECT);
+        }
+        o.open(path)
+    };
+    let io_error = |e: std::io::Error| {
+        if e.kind() == std::io::ErrorKind::PermissionDenied {
+            Error::io(
+                format!("{} is not writable; give kvtier a directory it can write (check owner and mode)", path.display()),
+                e,
+            )
+        } else {
+            Error::io(format!("opening {}", path.display()), e)
+        }
+    };
+    match direct_io {
+        DirectIo::Off => open(false).map(|f| (f, false)).map_err(io_error),
+        DirectIo::On => match open(true) {
+            Ok(f) => Ok((f, true)),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Err(Error::config(
+                "direct_io",
+                format!(
+                    "{} does not support O_DIRECT; use a local NVMe filesystem (ext4, xfs) or set direct_io=\"auto\"",
+                    path.display()
+                ),
+            )),
+            Err(e) => Err(io_error(e)),
+        },
+        DirectIo::Auto => match open(true) {
+            Ok(f) => Ok((f, true)),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                log::warn!("kvtier: {} does not support O_DIRECT; using buffered I/O", path.display());
+                open(false).map(|f| (f, false)).map_err(io_error)
+            }
+            Err(e) => Err(io_error(e)),
+        },
+    }
+}
+
+fn preallocate(device: &DeviceFile, bytes: u64) -> Result<()> {
+    // SAFETY: plain syscall on an owned fd.
+    let rc = unsafe { libc::fallocate(device.file.as_raw_fd(), 0, 0, bytes as libc::off_t) };
+    if rc == 0 {
+        return Ok(());
+    }
+    let err = std::io::Error::last_os_error();
+    if err.raw_os_error() == Some(libc::ENOSPC) {
+        let _ = std::fs::remove_file(&device.path);
+        return Err(Error::Capacity {
+            message: format!(
+                "no space to preallocate {bytes} bytes for {}; lower nvme_bytes or free space",
+                device.path.display()
+            ),
+        });
+    }
+    log::info!("kvtier: fallocate unsupported on {} ({err}); using a sparse file", device.path.display());
+    device
+        .file
+        .set_len(bytes)
+        .map_err(|e| Error::io(format!("sizing {}", device.path.display()), e))
+}
+
+fn check_free_space(dir: &Path, bytes: u64) -> Result<()> {
+    let stat = rustix::fs::statvfs(dir).map_err(|e| Error::io(format!("statvfs {}", dir.display()), e.into()))?;
+    let free = stat.f_bavail * stat.f_frsize;
+    if bytes > free {
+        return Err(Error::Capacity {
+            message: format!(
+                "nvme_bytes asks for {bytes} bytes in {} but the filesystem has {free} bytes free; lower nvme_bytes \
+                 or free space",
+                dir.display()
+            ),
+        });
+    }
+    Ok(())
+}
+
+pub fn read_exact_at(device: &DeviceFile, buf: &mut [u8], offset: u64) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    device
+        .file
+        .read_exact_at(buf, offset)
+        .map_err(|e| Error::io(format!("reading {} at {offset}", device.path.display()), e))
+}
+
+pub fn write_all_at(device: &DeviceFile, buf: &[u8], offset: u64) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    device
+        .file
+        .write_all_at(buf, offset)
+        .map_err(|e| Error::io(format!("writing {} at {offset}", device.path.display()), e))
+}
+
+/// What recovery found in one region.
+#[derive(Debug)]
+pub struct RecoveredRegion {
+    pub region: u32,
+    pub region_seq: u64,
+    pub entries: Vec<TrailerEntry>,
+    /// The region had a valid trailer; otherwise it was scanned and needs one written.
+    pub sealed: bool,
+}
+
+/// Reads every trailer and scans trailer-less regions. Regions found empty are not returned.
+pub fn recover(
+    device: &DeviceFile,
+    geometry: &Geometry,
+    namespace: &Namespace,
+    object_bytes: u64,
+) -> Result<Vec<RecoveredRegion>> {
+    let mut trailer_buf = AlignedBuf::zeroed(geometry.trailer_bytes as usize);
+    let mut slot_buf = AlignedBuf::zeroed(geometry.slot_bytes as usize);
+    let mut found = Vec::new();
+    for region in 0..geometry.region_count as u32 {
+        read_exact_at(device, trailer_buf.as_mut_slice(), geometry.trailer_offset(region))?;
+        match Trailer::decode(trailer_buf.as_slice()) {
+            Ok(Some(t)) if t.region_index == region as u64 && t.entries.len() as u64 <= geometry.max_entries => {
+                let entries = t
+                    .entries
+                    .into_iter()
+                    .filter(|e| valid_entry_position(geometry, e.offset) && e.value_bytes as u64 == object_bytes)
+                    .collect();
+                found.push(RecoveredRegion {
+                    region,
+                    region_seq: t.region_seq,
+                    entries,
+                    sealed: true,
+                });
+                continue;
+            }
+            Ok(_) => {}
+            Err(e) => log::warn!(
+                "kvtier: {} region {region}: trailer rejected ({e}); scanning its entries",
+                device.path.display()
+            ),
+        }
+        if let Some(r) = scan_region(device, geometry, namespace, object_bytes, region, &mut slot_buf)? {
+            found.push(r);
+        }
+    }
+    Ok(found)
+}
+
+fn valid_entry_position(geometry: &Geometry, offset: u64) -> bool {
+    offset % geometry.slot_bytes == 0 && offset + geometry.slot_bytes <= geometry.data_bytes()
+}
+
+/// Keeps the leading entries of a trailer-less region whose descriptor and value checksums pass.
+fn scan_region(
+    device: &DeviceFile,
+    geometry: &Geometry,
+    namespace: &Namespace,
+    object_bytes: u64,
+    region: u32,
+    slot_buf: &mut AlignedBuf,
+) -> Result<Option<RecoveredRegion>> {
+    let mut entries = Vec::new();
+    let mut region_seq = None;
+    let mut offset = 0;
+    while offset + geometry.slot_bytes <= geometry.data_bytes() {
+        let at = geometry.region_offset(region) + offset;
+        read_exact_at(device, &mut slot_buf.as_mut_slice()[..DESCRIPTOR_BYTES], at)?;
+        let Ok(desc) = Descriptor::decode(slot_buf.as_slice()) else { break };
+        if desc.namespace != *namespace
+            || desc.value_bytes as u64 != object_bytes
+            || region_seq.is_some_and(|s| s != desc.region_seq)
+        {
+            break;
+        }
+        read_exact_at(device, &mut slot_buf.as_mut_slice()[..geometry.slot_bytes as usize], at)?;
+        let value = &slot_buf.as_slice()[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + object_bytes as usize];
+        if checksum(value) != desc.value_checksum {
+            break;
+        }
+        region_seq = Some(desc.region_seq);
+        entries.push(TrailerEntry {
+            key: desc.key,
+            sequence: desc.sequence,
+            offset,
+            value_bytes: desc.value_bytes,
+            value_checksum: desc.value_checksum,
+        });
+        offset += geometry.slot_bytes;
+    }
+    Ok(region_seq.map(|region_seq| RecoveredRegion {
+        region,
+        region_seq,
+        entries,
+        sealed: false,
+    }))
+}
+
+/// Builds the trailer bytes for a region (an aligned buffer of `trailer_bytes`).
+pub fn encode_trailer(geometry: &Geometry, region: u32, region_seq: u64, entries: &[TrailerEntry]) -> AlignedBuf {
+    let mut buf = AlignedBuf::zeroed(geometry.trailer_bytes as usize);
+    Trailer {
+        region_seq,
+        region_index: region as u64,
+        entries: entries.to_vec(),
+    }
+    .encode(buf.as_mut_slice());
+    buf
+}
+
+pub const _ASSERT_ALIGN: () = assert!(DESCRIPTOR_BYTES == ALIGN_BYTES);

@@ -1,0 +1,168 @@
+//! End-to-end behaviour of the store on real files, with both I/O engines.
+
+mod common;
+use common::*;
+use kvtier_core::{Error, Store};
+
+#[test]
+fn put_get_roundtrip_from_dram() {
+    for engine in engines() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(config(dir.path(), engine, 64 * 1024)).unwrap();
+        assert_eq!(put(&store, &[1, 2, 3]), vec![true; 3]);
+        assert_eq!(get_checked(&store, &[1, 2, 3, 4]), vec![true, true, true, false]);
+        let s = store.stats();
+        assert_eq!(s.counters.dram_hits, 3);
+        assert_eq!(s.counters.misses, 1);
+        assert_eq!(store.lookup_prefix(&[key(1), key(2), key(9), key(3)]), 2);
+        store.check_invariants();
+    }
+}
+
+#[test]
+fn dram_eviction_then_hit_from_nvme() {
+    for engine in engines() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(config(dir.path(), engine, 64 * 1024)).unwrap();
+        let ids: Vec<u64> = (0..100).collect();
+        assert!(put(&store, &ids).iter().all(|&b| b));
+        store.flush().unwrap();
+        let hits = get_checked(&store, &ids);
+        assert!(hits.iter().all(|&h| h), "engine {engine:?}: {hits:?}");
+        let s = store.stats();
+        assert!(s.counters.nvme_hits >= 80, "{s:?}");
+        assert!(s.counters.dram_evictions > 0);
+        assert_eq!(s.counters.checksum_failures, 0);
+        store.check_invariants();
+    }
+}
+
+#[test]
+fn restart_recovers_from_trailers_and_open_region() {
+    for engine in engines() {
+        let dir = tempfile::tempdir().unwrap();
+        let ids: Vec<u64> = (0..150).collect();
+        {
+            let store = Store::open(config(dir.path(), engine, 64 * 1024)).unwrap();
+            put(&store, &ids);
+            store.close().unwrap();
+        }
+        let store = Store::open(config(dir.path(), engine, 64 * 1024)).unwrap();
+        let s = store.stats();
+        assert!(s.counters.recovered_blocks >= 150, "{s:?}");
+        let hits = get_checked(&store, &ids);
+        assert!(hits.iter().all(|&h| h), "{hits:?}");
+    }
+}
+
+#[test]
+fn region_reuse_keeps_newest_blocks_and_never_serves_wrong_bytes() {
+    for engine in engines() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = config(dir.path(), engine, 64 * 1024);
+        cfg.nvme_bytes = 16 << 20; // 4 regions of 4 MiB: forces whole-region eviction
+        let store = Store::open(cfg.clone()).unwrap();
+        let ids: Vec<u64> = (0..600).collect();
+        for chunk in ids.chunks(50) {
+            put(&store, chunk);
+        }
+        store.flush().unwrap();
+        let s = store.stats();
+        assert!(s.counters.nvme_region_evictions > 0, "{s:?}");
+        let hits = get_checked(&store, &ids);
+        let newest = hits[500..].iter().filter(|&&h| h).count();
+        assert!(newest >= 40, "recent blocks should survive: {newest}");
+        assert!(!hits[..100].iter().any(|&h| h), "oldest blocks should be evicted");
+        store.close().unwrap();
+        drop(store);
+        let store = Store::open(cfg).unwrap();
+        get_checked(&store, &ids);
+        assert_eq!(store.stats().counters.checksum_failures, 0);
+    }
+}
+
+#[test]
+fn other_namespace_sees_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = engines()[0];
+    {
+        let store = Store::open(config(dir.path(), engine, 64 * 1024)).unwrap();
+        put(&store, &[1, 2]);
+        store.close().unwrap();
+    }
+    let mut other = config(dir.path(), engine, 64 * 1024);
+    other.namespace = b"another-model/bf16/128".to_vec();
+    let store = Store::open(other).unwrap();
+    assert_eq!(get_checked(&store, &[1, 2]), vec![false, false]);
+}
+
+#[test]
+fn second_open_of_same_directory_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = engines()[0];
+    let _a = Store::open(config(dir.path(), engine, 64 * 1024)).unwrap();
+    match Store::open(config(dir.path(), engine, 64 * 1024)) {
+        Err(Error::Locked { .. }) => {}
+        other => panic!("expected Locked, got {:?}", other.map(|_| ())),
+    }
+}
+
+#[test]
+fn different_geometry_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = engines()[0];
+    Store::open(config(dir.path(), engine, 64 * 1024)).unwrap().close().unwrap();
+    let mut cfg = config(dir.path(), engine, 64 * 1024);
+    cfg.nvme_bytes = 128 << 20;
+    let err = Store::open(cfg).err().expect("geometry mismatch must fail");
+    let msg = err.to_string();
+    assert!(msg.contains("reopen with the same"), "{msg}");
+}
+
+#[test]
+fn async_jobs_report_results() {
+    for engine in engines() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(config(dir.path(), engine, 64 * 1024)).unwrap();
+        let n = store.object_bytes();
+        let values: Vec<Vec<u8>> = (0..8).map(|i| value(i, n)).collect();
+        let keys: Vec<_> = (0..8).map(key).collect();
+        let bufs = values.iter().map(|v| kvtier_core::BlockBuffer::single(v.as_ptr() as *mut u8, n)).collect();
+        unsafe {
+            store
+                .submit(kvtier_core::Job { id: 1, kind: kvtier_core::JobKind::Put, keys: keys.clone(), buffers: bufs })
+                .unwrap();
+        }
+        assert_eq!(store.wait(1, Some(std::time::Duration::from_secs(10))).unwrap(), vec![true; 8]);
+        let mut out: Vec<Vec<u8>> = (0..8).map(|_| vec![0; n]).collect();
+        let bufs = out.iter_mut().map(|v| kvtier_core::BlockBuffer::single(v.as_mut_ptr(), n)).collect();
+        unsafe {
+            store
+                .submit(kvtier_core::Job { id: 2, kind: kvtier_core::JobKind::Get, keys, buffers: bufs })
+                .unwrap();
+        }
+        assert_eq!(store.wait(2, None).unwrap(), vec![true; 8]);
+        assert_eq!(out, values);
+        assert!(store.poll().is_empty());
+    }
+}
+
+#[test]
+fn striped_over_two_directories() {
+    for engine in engines() {
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        let mut cfg = config(a.path(), engine, 64 * 1024);
+        cfg.paths.push(b.path().to_path_buf());
+        cfg.nvme_bytes = 64 << 20;
+        let ids: Vec<u64> = (0..80).collect();
+        {
+            let store = Store::open(cfg.clone()).unwrap();
+            put(&store, &ids);
+            store.close().unwrap();
+        }
+        let store = Store::open(cfg).unwrap();
+        assert!(get_checked(&store, &ids).iter().all(|&h| h));
+        assert_eq!(store.stats().counters.nvme_hits, 80);
+    }
+}

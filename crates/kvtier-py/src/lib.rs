@@ -1,0 +1,452 @@
+//! Python binding of the kvtier core (`kvtier._core`). Owns the translation between Python objects
+//! and the core's types: option parsing with the option's name in every error, buffer-protocol
+//! access without copies (held until a job finishes), typed exceptions, and releasing the GIL
+//! during I/O.
+
+use kvtier_core::{BlockBuffer, BlockKey, DirectIo, EngineChoice, Error, Job, JobKind, Store, StoreConfig};
+use parking_lot::Mutex;
+use pyo3::exceptions::PyValueError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Raises the exception class of `kvtier.errors` that mirrors the core error kind.
+fn to_py(err: Error) -> PyErr {
+    let class = match &err {
+        Error::Config { .. } => "ConfigError",
+        Error::Io { .. } => "IoError",
+        Error::Format { .. } => "FormatError",
+        Error::Namespace { .. } => "NamespaceError",
+        Error::Capacity { .. } => "CapacityError",
+        Error::Locked { .. } => "LockedError",
+        Error::Closed => "ClosedError",
+        Error::Timeout { .. } => "TimeoutError",
+    };
+    let message = err.to_string();
+    Python::attach(|py| {
+        match py.import("kvtier.errors").and_then(|m| m.getattr(class)) {
+            Ok(cls) => match cls.call1((message.clone(),)) {
+                Ok(instance) => PyErr::from_value(instance),
+                Err(e) => e,
+            },
+            Err(_) => PyValueError::new_err(message),
+        }
+    })
+}
+
+fn config_error(option: &str, message: impl Into<String>) -> PyErr {
+    let message = format!("invalid option `{option}`: {}", message.into());
+    Python::attach(|py| match py.import("kvtier.errors").and_then(|m| m.getattr("ConfigError")) {
+        Ok(cls) => match cls.call1((message.clone(),)) {
+            Ok(instance) => PyErr::from_value(instance),
+            Err(e) => e,
+        },
+        Err(_) => PyValueError::new_err(message),
+    })
+}
+
+/// A Python buffer (or CPU tensor) kept alive while the core uses its memory.
+enum Held {
+    View(Box<ffi::Py_buffer>),
+    Object(#[allow(dead_code)] Py<PyAny>),
+}
+
+// SAFETY: the Py_buffer is only released with the GIL held (Drop attaches).
+unsafe impl Send for Held {}
+unsafe impl Sync for Held {}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Held::View(view) = self {
+            Python::attach(|_| unsafe { ffi::PyBuffer_Release(&mut **view) });
+        }
+    }
+}
+
+/// Borrows contiguous memory from `obj`: the buffer protocol first, then torch-style CPU tensors.
+fn borrow_memory(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResult<(*mut u8, usize, Held)> {
+    let mut view: Box<ffi::Py_buffer> = Box::new(unsafe { std::mem::zeroed() });
+    let flags = ffi::PyBUF_ND | if writable { ffi::PyBUF_WRITABLE } else { 0 };
+    // SAFETY: view is a valid, zeroed Py_buffer; released in Held's Drop on success.
+    let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, flags) };
+    if rc == 0 {
+        let ptr = view.buf as *mut u8;
+        let len = view.len as usize;
+        return Ok((ptr, len, Held::View(view)));
+    }
+    let buffer_err = PyErr::fetch(obj.py());
+    if obj.hasattr("data_ptr")? && obj.hasattr("is_contiguous")? {
+        let device = obj.getattr("device")?.getattr("type")?.extract::<String>()?;
+        if device != "cpu" {
+            return Err(PyValueError::new_err(format!(
+                "{what}: tensor on device {device}; kvtier reads and writes host memory, pass CPU tensors"
+            )));
+        }
+        if !obj.call_method0("is_contiguous")?.extract::<bool>()? {
+            return Err(PyValueError::new_err(format!("{what}: tensor is not contiguous; call .contiguous() first")));
+        }
+        let ptr = obj.call_method0("data_ptr")?.extract::<usize>()? as *mut u8;
+        let len = obj.getattr("nbytes")?.extract::<usize>()?;
+        return Ok((ptr, len, Held::Object(obj.clone().unbind())));
+    }
+    Err(PyValueError::new_err(format!(
+        "{what}: expected a C-contiguous {}buffer (numpy array, memoryview, bytearray, CPU tensor): {buffer_err}",
+        if writable { "writable " } else { "" }
+    )))
+}
+
+fn parse_keys(keys: &Bound<'_, PyAny>) -> PyResult<Vec<BlockKey>> {
+    let mut out = Vec::new();
+    for item in keys.try_iter()? {
+        let item = item?;
+        let bytes: &[u8] = item.cast::<PyBytes>().map_err(|_| PyValueError::new_err("keys: each key must be bytes"))?.as_bytes();
+        out.push(BlockKey::from_slice(bytes).ok_or_else(|| {
+            PyValueError::new_err(format!("keys: a key has {} bytes; keys are 32-byte block hashes", bytes.len()))
+        })?);
+    }
+    Ok(out)
+}
+
+/// One buffer per key: a buffer, or a list/tuple of buffers (segments in order).
+fn parse_buffers(buffers: &Bound<'_, PyAny>, writable: bool, held: &mut Vec<Held>) -> PyResult<Vec<BlockBuffer>> {
+    let mut out = Vec::new();
+    for (i, item) in buffers.try_iter()?.enumerate() {
+        let item = item?;
+        let what = format!("buffers[{i}]");
+        let mut segments = Vec::new();
+        if item.is_instance_of::<PyList>() || item.is_instance_of::<PyTuple>() {
+            for seg in item.try_iter()? {
+                let (ptr, len, h) = borrow_memory(&seg?, writable, &what)?;
+                segments.push((ptr, len));
+                held.push(h);
+            }
+        } else {
+            let (ptr, len, h) = borrow_memory(&item, writable, &what)?;
+            segments.push((ptr, len));
+            held.push(h);
+        }
+        out.push(BlockBuffer { segments });
+    }
+    Ok(out)
+}
+
+/// Engine layout: each block object is that block's page in every layer, in layer order.
+fn parse_layer_blocks(
+    object_bytes: usize,
+    layers: &Bound<'_, PyAny>,
+    block_ids: &Bound<'_, PyAny>,
+    writable: bool,
+    held: &mut Vec<Held>,
+) -> PyResult<Vec<BlockBuffer>> {
+    let mut bases = Vec::new();
+    for (i, layer) in layers.try_iter()?.enumerate() {
+        let (ptr, len, h) = borrow_memory(&layer?, writable, &format!("layers[{i}]"))?;
+        bases.push((ptr, len));
+        held.push(h);
+    }
+    if bases.is_empty() || object_bytes % bases.len() != 0 {
+        return Err(PyValueError::new_err(format!(
+            "layers: {} layers do not divide object_bytes={object_bytes}; object_bytes must be layers * page_bytes",
+            bases.len()
+        )));
+    }
+    let page_bytes = object_bytes / bases.len();
+    let mut out = Vec::new();
+    for id in block_ids.try_iter()? {
+        let id: usize = id?.extract()?;
+        let mut segments = Vec::with_capacity(bases.len());
+        for (layer, &(base, len)) in bases.iter().enumerate() {
+            let start = id.checked_mul(page_bytes).filter(|s| s + page_bytes <= len).ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "block_ids: block {id} is outside layers[{layer}] ({len} bytes, {page_bytes} bytes per block)"
+                ))
+            })?;
+            // SAFETY: bounds checked above.
+            segments.push((unsafe { base.add(start) }, page_bytes));
+        }
+        out.push(BlockBuffer { segments });
+    }
+    Ok(out)
+}
+
+fn parse_paths(path: &Bound<'_, PyAny>) -> PyResult<Vec<PathBuf>> {
+    if path.is_instance_of::<PyList>() || path.is_instance_of::<PyTuple>() {
+        path.try_iter()?.map(|p| p?.extract::<PathBuf>()).collect()
+    } else {
+        Ok(vec![path.extract::<PathBuf>().map_err(|_| config_error("path", "must be a str or os.PathLike, or a list of them"))?])
+    }
+}
+
+fn parse_config(path: &Bound<'_, PyAny>, options: Option<&Bound<'_, PyDict>>) -> PyResult<StoreConfig> {
+    let paths = parse_paths(path)?;
+    let mut object_bytes = None;
+    let mut config = StoreConfig::new(paths[0].clone(), 0);
+    config.paths = paths;
+    let Some(options) = options else {
+        return Err(config_error("object_bytes", "required: the bytes of one block object"));
+    };
+    for (name, value) in options.iter() {
+        let name: String = name.extract()?;
+        let int = |option: &str| -> PyResult<u64> {
+            value.extract::<u64>().map_err(|_| config_error(option, format!("expected a non-negative int, got {value}")))
+        };
+        match name.as_str() {
+            "object_bytes" => object_bytes = Some(int("object_bytes")? as usize),
+            "dram_bytes" => config.dram_bytes = int("dram_bytes")? as usize,
+            "nvme_bytes" => config.nvme_bytes = int("nvme_bytes")?,
+            "region_bytes" => config.region_bytes = int("region_bytes")?,
+            "staging_slots" => config.staging_slots = int("staging_slots")? as usize,
+            "io_depth" => config.io_depth = int("io_depth")? as usize,
+            "max_write_inflight_bytes" => config.max_write_inflight_bytes = int("max_write_inflight_bytes")? as usize,
+            "max_dirty_bytes" => config.max_dirty_bytes = int("max_dirty_bytes")? as usize,
+            "store_queue_jobs" => config.store_queue_jobs = int("store_queue_jobs")? as usize,
+            "load_threads" => config.load_threads = int("load_threads")? as usize,
+            "slot_wait_ms" => config.slot_wait_ms = int("slot_wait_ms")?,
+            "namespace" => {
+                config.namespace = if let Ok(b) = value.cast::<PyBytes>() {
+                    b.as_bytes().to_vec()
+                } else if let Ok(s) = value.extract::<String>() {
+                    s.into_bytes()
+                } else {
+                    return Err(config_error("namespace", "expected bytes or str"));
+                }
+            }
+            "io_engine" => {
+                config.io_engine = match value.extract::<String>().as_deref() {
+                    Ok("auto") => EngineChoice::Auto,
+                    Ok("io_uring") => EngineChoice::IoUring,
+                    Ok("psync") => EngineChoice::Psync,
+                    _ => return Err(config_error("io_engine", format!("{value} is not one of \"auto\", \"io_uring\", \"psync\""))),
+                }
+            }
+            "direct_io" => {
+                config.direct_io = match value.extract::<String>().as_deref() {
+                    Ok("auto") => DirectIo::Auto,
+                    Ok("on") => DirectIo::On,
+                    Ok("off") => DirectIo::Off,
+                    _ => return Err(config_error("direct_io", format!("{value} is not one of \"auto\", \"on\", \"off\""))),
+                }
+            }
+            other => {
+                return Err(Python::attach(|_| {
+                    config_error(other, "unknown option; see docs/configuration.md for the list of options")
+                }))
+            }
+        }
+    }
+    config.object_bytes = object_bytes.ok_or_else(|| config_error("object_bytes", "required: the bytes of one block object"))?;
+    Ok(config)
+}
+
+#[pyclass(name = "Store", module = "kvtier._core", frozen)]
+struct PyStore {
+    inner: Arc<Store>,
+    /// Buffers of asynchronous jobs in flight, released when the job is reported.
+    held: Mutex<HashMap<u64, Vec<Held>>>,
+}
+
+impl PyStore {
+    fn submit_job(&self, py: Python<'_>, job_id: u64, kind: JobKind, keys: Vec<BlockKey>, buffers: Vec<BlockBuffer>, held: Vec<Held>) -> PyResult<()> {
+        {
+            let mut map = self.held.lock();
+            if map.contains_key(&job_id) {
+                return Err(PyValueError::new_err(format!("job_id {job_id} is already in flight; use a new id per job")));
+            }
+            map.insert(job_id, held);
+        }
+        let job = Job { id: job_id, kind, keys, buffers };
+        let inner = Arc::clone(&self.inner);
+        // SAFETY: the buffers are held in `self.held` until the job is reported by poll/wait.
+        let r = py.detach(move || unsafe { inner.submit(job) });
+        if let Err(e) = r {
+            self.held.lock().remove(&job_id);
+            return Err(to_py(e));
+        }
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl PyStore {
+    /// Opens (or creates) a store. See docs/configuration.md for the options.
+    #[staticmethod]
+    #[pyo3(signature = (path, **options))]
+    fn open(py: Python<'_>, path: &Bound<'_, PyAny>, options: Option<&Bound<'_, PyDict>>) -> PyResult<PyStore> {
+        let config = parse_config(path, options)?;
+        let store = py.detach(move || Store::open(config)).map_err(to_py)?;
+        Ok(PyStore { inner: Arc::new(store), held: Mutex::new(HashMap::new()) })
+    }
+
+    #[getter]
+    fn object_bytes(&self) -> usize {
+        self.inner.object_bytes()
+    }
+
+    #[getter]
+    fn namespace_hex(&self) -> String {
+        self.inner.namespace().hex()
+    }
+
+    fn put_many(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, buffers: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let keys = parse_keys(keys)?;
+        let mut held = Vec::new();
+        let bufs = parse_buffers(buffers, false, &mut held)?;
+        let inner = Arc::clone(&self.inner);
+        // SAFETY: `held` keeps every buffer alive across the call.
+        let r = py.detach(move || unsafe { inner.put_raw(&keys, &bufs) });
+        drop(held);
+        r.map_err(to_py)
+    }
+
+    fn get_many(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, buffers: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let keys = parse_keys(keys)?;
+        let mut held = Vec::new();
+        let bufs = parse_buffers(buffers, true, &mut held)?;
+        let inner = Arc::clone(&self.inner);
+        // SAFETY: as above; the buffers were requested writable.
+        let r = py.detach(move || unsafe { inner.get_raw(&keys, &bufs) });
+        drop(held);
+        r.map_err(to_py)
+    }
+
+    fn put_blocks(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, layers: &Bound<'_, PyAny>, block_ids: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let keys = parse_keys(keys)?;
+        let mut held = Vec::new();
+        let bufs = parse_layer_blocks(self.inner.object_bytes(), layers, block_ids, false, &mut held)?;
+        let inner = Arc::clone(&self.inner);
+        let r = py.detach(move || unsafe { inner.put_raw(&keys, &bufs) });
+        drop(held);
+        r.map_err(to_py)
+    }
+
+    fn get_blocks(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, layers: &Bound<'_, PyAny>, block_ids: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let keys = parse_keys(keys)?;
+        let mut held = Vec::new();
+        let bufs = parse_layer_blocks(self.inner.object_bytes(), layers, block_ids, true, &mut held)?;
+        let inner = Arc::clone(&self.inner);
+        let r = py.detach(move || unsafe { inner.get_raw(&keys, &bufs) });
+        drop(held);
+        r.map_err(to_py)
+    }
+
+    fn submit_put(&self, py: Python<'_>, job_id: u64, keys: &Bound<'_, PyAny>, buffers: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = parse_keys(keys)?;
+        let mut held = Vec::new();
+        let bufs = parse_buffers(buffers, false, &mut held)?;
+        self.submit_job(py, job_id, JobKind::Put, keys, bufs, held)
+    }
+
+    fn submit_get(&self, py: Python<'_>, job_id: u64, keys: &Bound<'_, PyAny>, buffers: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = parse_keys(keys)?;
+        let mut held = Vec::new();
+        let bufs = parse_buffers(buffers, true, &mut held)?;
+        self.submit_job(py, job_id, JobKind::Get, keys, bufs, held)
+    }
+
+    fn submit_put_blocks(&self, py: Python<'_>, job_id: u64, keys: &Bound<'_, PyAny>, layers: &Bound<'_, PyAny>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = parse_keys(keys)?;
+        let mut held = Vec::new();
+        let bufs = parse_layer_blocks(self.inner.object_bytes(), layers, block_ids, false, &mut held)?;
+        self.submit_job(py, job_id, JobKind::Put, keys, bufs, held)
+    }
+
+    fn submit_get_blocks(&self, py: Python<'_>, job_id: u64, keys: &Bound<'_, PyAny>, layers: &Bound<'_, PyAny>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = parse_keys(keys)?;
+        let mut held = Vec::new();
+        let bufs = parse_layer_blocks(self.inner.object_bytes(), layers, block_ids, true, &mut held)?;
+        self.submit_job(py, job_id, JobKind::Get, keys, bufs, held)
+    }
+
+    /// Jobs finished since the last poll: list of (job_id, list[bool]).
+    fn poll(&self) -> Vec<(u64, Vec<bool>)> {
+        let done = self.inner.poll();
+        let mut held = self.held.lock();
+        for (id, _) in &done {
+            held.remove(id);
+        }
+        done
+    }
+
+    #[pyo3(signature = (job_id, timeout_ms=None))]
+    fn wait(&self, py: Python<'_>, job_id: u64, timeout_ms: Option<u64>) -> PyResult<Vec<bool>> {
+        if !self.held.lock().contains_key(&job_id) {
+            return Err(PyValueError::new_err(format!("job_id {job_id} is not in flight (already reported, or never submitted)")));
+        }
+        let inner = Arc::clone(&self.inner);
+        let r = py.detach(move || inner.wait(job_id, timeout_ms.map(Duration::from_millis)));
+        if r.is_ok() {
+            self.held.lock().remove(&job_id);
+        }
+        r.map_err(to_py)
+    }
+
+    fn lookup_prefix(&self, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        Ok(self.inner.lookup_prefix(&parse_keys(keys)?))
+    }
+
+    fn contains_many(&self, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        Ok(self.inner.contains_many(&parse_keys(keys)?))
+    }
+
+    fn pin_many(&self, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        Ok(self.inner.pin_prefix(&parse_keys(keys)?))
+    }
+
+    fn unpin_many(&self, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.inner.unpin(&parse_keys(keys)?);
+        Ok(())
+    }
+
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = Arc::clone(&self.inner);
+        py.detach(move || inner.flush()).map_err(to_py)
+    }
+
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = Arc::clone(&self.inner);
+        let r = py.detach(move || inner.close());
+        self.held.lock().clear();
+        r.map_err(to_py)
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        for (name, value) in s.counters.fields() {
+            d.set_item(name, value)?;
+        }
+        let g = s.gauges;
+        d.set_item("dram_used_bytes", g.dram_used_bytes)?;
+        d.set_item("dram_capacity_bytes", g.dram_capacity_bytes)?;
+        d.set_item("nvme_used_bytes", g.nvme_used_bytes)?;
+        d.set_item("nvme_capacity_bytes", g.nvme_capacity_bytes)?;
+        d.set_item("blocks_dram", g.blocks_dram)?;
+        d.set_item("blocks_nvme", g.blocks_nvme)?;
+        d.set_item("io_engine", s.io_engine)?;
+        d.set_item("direct_io", s.direct_io)?;
+        d.set_item("buffers_registered", s.buffers_registered)?;
+        d.set_item("namespace", s.namespace_hex)?;
+        Ok(d)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(&self, py: Python<'_>, _t: &Bound<'_, PyAny>, _v: &Bound<'_, PyAny>, _tb: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let _ = pyo3_log::try_init();
+    m.add_class::<PyStore>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,35 @@
+"""kvtier: a tiered KV-cache store for LLM prefix caching (DRAM, local NVMe, shared filesystems).
+
+``kvtier.Store`` is the store (see docs/python-api.md); ``kvtier.vllm`` holds the vLLM
+OffloadingConnector spec; ``kvtier.bench`` the benchmarks; ``kvtier.cli`` the ``kvtier`` command.
+"""
+
+from kvtier._core import Store, __version__
+from kvtier.errors import (
+    CapacityError,
+    ClosedError,
+    ConfigError,
+    FormatError,
+    IoError,
+    KvtierError,
+    LockedError,
+    NamespaceError,
+    TimeoutError,
+)
+
+KEY_BYTES = 32
+
+__all__ = [
+    "Store",
+    "KEY_BYTES",
+    "__version__",
+    "KvtierError",
+    "ConfigError",
+    "IoError",
+    "FormatError",
+    "NamespaceError",
+    "CapacityError",
+    "LockedError",
+    "ClosedError",
+    "TimeoutError",
+]
