@@ -20,6 +20,9 @@ pub enum DirectIo {
     Off,
 }
 
+/// Bounds the in-memory region table (and catches absurd capacities before anything is sized).
+pub const MAX_REGIONS_PER_DEVICE: u64 = 1 << 20;
+
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
     /// Local NVMe directories; several are striped (one device file and one I/O thread each).
@@ -151,6 +154,16 @@ impl StoreConfig {
                 ));
             }
             let per_device = self.nvme_bytes / self.paths.len() as u64;
+            if per_device / region > MAX_REGIONS_PER_DEVICE {
+                return Err(Error::config(
+                    "region_bytes",
+                    format!(
+                        "nvme_bytes / region_bytes gives {} regions per directory, more than {MAX_REGIONS_PER_DEVICE}; \
+                         raise region_bytes",
+                        per_device / region
+                    ),
+                ));
+            }
             if per_device < 2 * region {
                 return Err(Error::config(
                     "nvme_bytes",

@@ -81,7 +81,8 @@ pub struct Store {
     io_engine: &'static str,
     buffers_registered: bool,
     direct_io: bool,
-    _lock: File,
+    /// The directory lock; released by `close`.
+    lock: Mutex<Option<File>>,
 }
 
 impl Store {
@@ -107,6 +108,15 @@ impl Store {
                 config.nvme_bytes / config.paths.len() as u64,
             )
         });
+        if let Some(g) = &geometry {
+            // Before any bookkeeping is sized from the request: a capacity the disk cannot hold is
+            // a start-up error, not an allocation failure.
+            for dir in &dirs {
+                if !dir.join(nvme::DEVICE_FILE_NAME).exists() {
+                    nvme::check_free_space(dir, g.file_bytes())?;
+                }
+            }
+        }
         let mut catalog = Catalog::new(
             namespace,
             arena.slot_count(),
@@ -216,7 +226,7 @@ impl Store {
             io_engine: engine_name,
             buffers_registered,
             direct_io,
-            _lock: lock,
+            lock: Mutex::new(Some(lock)),
         })
     }
 
@@ -402,6 +412,7 @@ impl Store {
         for d in &self.shared.devices {
             d.shutdown();
         }
+        self.lock.lock().take();
         flushed
     }
 

@@ -217,7 +217,7 @@ fn preallocate(device: &DeviceFile, bytes: u64) -> Result<()> {
         .map_err(|e| Error::io(format!("sizing {}", device.path.display()), e))
 }
 
-fn check_free_space(dir: &Path, bytes: u64) -> Result<()> {
+pub fn check_free_space(dir: &Path, bytes: u64) -> Result<()> {
     let stat = rustix::fs::statvfs(dir).map_err(|e| Error::io(format!("statvfs {}", dir.display()), e.into()))?;
     let free = stat.f_bavail * stat.f_frsize;
     if bytes > free {

@@ -1,0 +1,213 @@
+//! Crash torture: a writer process stores, flushes and reads blocks while the harness kills it with
+//! SIGKILL at random moments; after every kill the harness reopens the store and checks every block
+//! it returns against what was written.
+//!
+//! `kvtier-torture run --loops 300 --engine io_uring --dir /tmp/t` runs the harness and prints one
+//! JSON line of figures: loops, blocks acknowledged (flushed before the kill), blocks lost (acked,
+//! recent enough not to have been evicted, yet missing), blocks served wrong (must be 0).
+//! `kvtier-torture writer ...` is the child it spawns.
+
+use kvtier_core::{BlockKey, EngineChoice, Store, StoreConfig};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const OBJECT_BYTES: usize = 64 * 1024;
+const NVME_BYTES: u64 = 32 << 20;
+const REGION_BYTES: u64 = 1 << 20;
+
+fn key(id: u64) -> BlockKey {
+    let mut k = [0u8; 32];
+    k[..8].copy_from_slice(&id.to_le_bytes());
+    k[8..16].copy_from_slice(&id.wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes());
+    k[16..24].copy_from_slice(b"torture!");
+    BlockKey(k)
+}
+
+fn value(id: u64) -> Vec<u8> {
+    let mut x = id.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1;
+    (0..OBJECT_BYTES)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn config(dir: &Path, engine: EngineChoice) -> StoreConfig {
+    let mut c = StoreConfig::new(dir, OBJECT_BYTES);
+    c.namespace = b"kvtier-torture".to_vec();
+    c.io_engine = engine;
+    c.dram_bytes = 12 * (OBJECT_BYTES + 4096);
+    c.nvme_bytes = NVME_BYTES;
+    c.region_bytes = REGION_BYTES;
+    c
+}
+
+/// Blocks of the newest acknowledged ids that must survive: half the NVMe capacity, so that FIFO
+/// region eviction cannot explain a miss among them.
+fn survive_window() -> u64 {
+    NVME_BYTES / 2 / (OBJECT_BYTES as u64 + 4096)
+}
+
+fn arg(args: &[String], name: &str) -> Option<String> {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+}
+
+fn engine_of(args: &[String]) -> EngineChoice {
+    match arg(args, "--engine").as_deref() {
+        Some("psync") => EngineChoice::Psync,
+        Some("io_uring") => EngineChoice::IoUring,
+        _ => EngineChoice::Auto,
+    }
+}
+
+fn read_acks(path: &Path) -> Vec<u64> {
+    let bytes = std::fs::read(path).unwrap_or_default();
+    bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+fn xorshift(state: &mut u64) -> u64 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    *state
+}
+
+/// The child: put, flush, record the flushed ids, read some back; forever, until killed.
+fn writer(args: &[String]) -> ! {
+    let dir = PathBuf::from(arg(args, "--dir").expect("--dir"));
+    let acks_path = dir.join("acks.bin");
+    let mut next = read_acks(&acks_path).into_iter().max().map_or(0, |m| m + 1);
+    let mut rng = next.wrapping_mul(77) | 1;
+    let store = match Store::open(config(&dir, engine_of(args))) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("writer: open failed: {e}");
+            std::process::exit(2);
+        }
+    };
+    let mut acks = std::fs::OpenOptions::new().create(true).append(true).open(&acks_path).unwrap();
+    let mut buf = vec![0u8; OBJECT_BYTES];
+    loop {
+        let batch = 1 + xorshift(&mut rng) % 12;
+        let ids: Vec<u64> = (next..next + batch).collect();
+        let keys: Vec<_> = ids.iter().map(|&i| key(i)).collect();
+        let values: Vec<_> = ids.iter().map(|&i| value(i)).collect();
+        let refs: Vec<&[u8]> = values.iter().map(|v| v.as_slice()).collect();
+        store.put_many(&keys, &refs).unwrap();
+        store.flush().unwrap();
+        let mut record = Vec::with_capacity(ids.len() * 8);
+        for id in &ids {
+            record.extend_from_slice(&id.to_le_bytes());
+        }
+        acks.write_all(&record).unwrap();
+        next += batch;
+        // Read a few recent blocks back; a wrong byte is fatal even before any crash.
+        for _ in 0..2 {
+            let id = next.saturating_sub(1 + xorshift(&mut rng) % 64);
+            let mut out = [&mut buf[..]];
+            if store.get_many(&[key(id)], &mut out).unwrap()[0] && buf != value(id) {
+                eprintln!("writer: block {id} served wrong bytes");
+                std::process::exit(3);
+            }
+        }
+    }
+}
+
+struct Figures {
+    loops: u64,
+    acked: u64,
+    checked_recent: u64,
+    lost: u64,
+    served_wrong: u64,
+    misses_old: u64,
+}
+
+fn run(args: &[String]) {
+    let loops: u64 = arg(args, "--loops").map_or(50, |s| s.parse().expect("--loops N"));
+    let engine = arg(args, "--engine").unwrap_or_else(|| "auto".into());
+    let tmp;
+    let dir = match arg(args, "--dir") {
+        Some(d) => PathBuf::from(d),
+        None => {
+            tmp = std::env::temp_dir().join(format!("kvtier-torture-{}", std::process::id()));
+            tmp.clone()
+        }
+    };
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let mut rng = 0x1234_5678_9abc_def1u64 ^ std::process::id() as u64;
+    let mut f = Figures { loops: 0, acked: 0, checked_recent: 0, lost: 0, served_wrong: 0, misses_old: 0 };
+    let started = Instant::now();
+    let mut buf = vec![0u8; OBJECT_BYTES];
+    for _ in 0..loops {
+        let mut child = Command::new(&exe)
+            .args(["writer", "--dir", dir.to_str().unwrap(), "--engine", &engine])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("spawn writer");
+        std::thread::sleep(Duration::from_millis(30 + xorshift(&mut rng) % 400));
+        let _ = child.kill(); // SIGKILL
+        let status = child.wait().unwrap();
+        if status.code() == Some(3) {
+            f.served_wrong += 1;
+        }
+        f.loops += 1;
+        let acks = read_acks(&dir.join("acks.bin"));
+        f.acked = acks.len() as u64;
+        let newest = acks.iter().copied().max().unwrap_or(0);
+        let store = Store::open(config(&dir, engine_of(args))).expect("reopen after kill");
+        for &id in &acks {
+            let mut out = [&mut buf[..]];
+            let hit = store.get_many(&[key(id)], &mut out).unwrap()[0];
+            let recent = newest - id < survive_window();
+            if hit && buf != value(id) {
+                f.served_wrong += 1;
+                eprintln!("block {id} served wrong after a crash");
+            }
+            if recent {
+                f.checked_recent += 1;
+                if !hit {
+                    f.lost += 1;
+                    eprintln!("block {id} acknowledged (flushed) but lost after a crash");
+                }
+            } else if !hit {
+                f.misses_old += 1;
+            }
+        }
+        store.close().unwrap();
+    }
+    println!(
+        "{{\"engine\": \"{engine}\", \"loops\": {}, \"blocks_acknowledged\": {}, \"recent_block_checks\": {}, \
+         \"blocks_lost\": {}, \"blocks_served_wrong\": {}, \"old_block_misses_summed_over_loops\": {}, \"seconds\": {:.1}}}",
+        f.loops,
+        f.acked,
+        f.checked_recent,
+        f.lost,
+        f.served_wrong,
+        f.misses_old,
+        started.elapsed().as_secs_f64()
+    );
+    if arg(args, "--dir").is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    if f.served_wrong > 0 || f.lost > 0 {
+        std::process::exit(1);
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    match args.get(1).map(String::as_str) {
+        Some("writer") => writer(&args),
+        Some("run") => run(&args),
+        _ => {
+            eprintln!("usage: kvtier-torture run [--loops N] [--engine auto|io_uring|psync] [--dir DIR]");
+            std::process::exit(64);
+        }
+    }
+}

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# All set-up on a fresh machine: system packages (fio), the virtualenv with vLLM's CPU build
+# (scripts/install_vllm.sh), the Python tools, and kvtier itself built in release mode with maturin.
+# Idempotent. KVTIER_SKIP_VLLM=1 sets up the store and its benchmarks without vLLM.
+set -euo pipefail
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo_root"
+start_seconds=$SECONDS
+log() { printf '[setup %3ds] %s\n' "$((SECONDS - start_seconds))" "$*"; }
+
+command -v cargo >/dev/null || { echo "cargo is missing: install Rust (rustup) and rerun" >&2; exit 1; }
+
+if ! command -v fio >/dev/null; then
+    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+        log "installing fio (the benchmark's yardstick)"
+        apt-get update -qq >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio >/dev/null
+    else
+        log "fio not found and cannot apt-get install it (not root); benchmarks will skip fio"
+    fi
+fi
+
+if [[ "${KVTIER_SKIP_VLLM:-0}" == "1" ]]; then
+    if [[ ! -x .venv/bin/python ]]; then
+        python3 -m pip install --quiet uv 2>/dev/null || true
+        if command -v uv >/dev/null; then uv venv .venv --python 3.11 --seed; else python3 -m venv .venv; fi
+    fi
+else
+    bash scripts/install_vllm.sh
+fi
+
+log "installing build and test tools"
+if command -v uv >/dev/null; then
+    uv pip install --quiet --python .venv/bin/python maturin pytest numpy matplotlib rich prometheus-client
+else
+    .venv/bin/python -m pip install --quiet maturin pytest numpy matplotlib rich prometheus-client
+fi
+
+log "building kvtier (release)"
+.venv/bin/maturin develop --release --quiet
+.venv/bin/python -c 'import kvtier; print("kvtier", kvtier.__version__, "ready")'
+log "done"
