@@ -60,6 +60,9 @@ pub struct StoreConfig {
     pub slot_wait_ms: u64,
     /// Test seam: inject I/O faults. Never set in production.
     pub fault_plan: Option<Arc<FaultPlan>>,
+    /// Shared-filesystem tier below (or instead of) NVMe; None disables it. Default None.
+    /// See `docs/shared-tier.md` for its options.
+    pub shared: Option<crate::tiers::shared::SharedConfig>,
 }
 
 impl StoreConfig {
@@ -81,6 +84,7 @@ impl StoreConfig {
             load_threads: 2,
             slot_wait_ms: 5000,
             fault_plan: None,
+            shared: None,
         }
     }
 
@@ -142,6 +146,18 @@ impl StoreConfig {
         if self.max_write_inflight_bytes == 0 {
             return Err(Error::config("max_write_inflight_bytes", "must be positive"));
         }
+        if self.max_dirty_bytes != 0 && self.max_dirty_bytes < self.slot_bytes() {
+            // Below one slot no store is ever admitted: every put would wait slot_wait_ms and be dropped.
+            return Err(Error::config(
+                "max_dirty_bytes",
+                format!(
+                    "{} is below one slot ({} bytes), so every store would be dropped; raise it to at least {} or set 0 for the default",
+                    self.max_dirty_bytes,
+                    self.slot_bytes(),
+                    self.slot_bytes()
+                ),
+            ));
+        }
         if self.nvme_bytes > 0 {
             let region = self.effective_region_bytes();
             if region % ALIGN_BYTES as u64 != 0 {
@@ -176,6 +192,9 @@ impl StoreConfig {
                     ),
                 ));
             }
+        }
+        if let Some(shared) = &self.shared {
+            shared.validate(self.slot_bytes())?;
         }
         Ok(())
     }

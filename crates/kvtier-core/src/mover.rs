@@ -66,17 +66,39 @@ fn slot_bytes<'a>(sh: &'a Shared, slot: u32) -> &'a mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(sh.arena.slot_ptr(slot), sh.arena.slot_bytes()) }
 }
 
-/// Checks a slot just read from NVMe against what the index expects.
-fn verify_loaded(sh: &Shared, key: &BlockKey, read: &NvmeRead) -> bool {
+/// Checks a slot just read from NVMe against what the index expects and copies its value out.
+/// The value is hashed and copied in cache-sized chunks (one pass over memory instead of two); if the
+/// checksum then fails the caller's buffer holds unspecified bytes and the block is reported a miss.
+fn verify_and_copy_out(sh: &Shared, key: &BlockKey, read: &NvmeRead, buf: &BlockBuffer) -> bool {
+    const CHUNK_BYTES: usize = 128 * 1024;
     let bytes = slot_bytes(sh, read.slot);
     let Ok(desc) = Descriptor::decode(&bytes[..DESCRIPTOR_BYTES]) else { return false };
     let object_bytes = sh.config.object_bytes;
-    desc.key == *key
+    let header_ok = desc.key == *key
         && desc.namespace == sh.namespace
         && desc.value_bytes as usize == object_bytes
         && desc.sequence == read.sequence
-        && desc.value_checksum == read.value_checksum
-        && checksum(&bytes[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + object_bytes]) == desc.value_checksum
+        && desc.value_checksum == read.value_checksum;
+    if !header_ok {
+        return false;
+    }
+    let value = &bytes[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + object_bytes];
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut at = 0;
+    for &(dst, len) in &buf.segments {
+        let mut done = 0;
+        while done < len {
+            let n = CHUNK_BYTES.min(len - done);
+            let chunk = &value[at..at + n];
+            hasher.update(chunk);
+            // SAFETY: the caller's segment is valid for writing `len` bytes (submission contract).
+            unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), dst.add(done), n) };
+            done += n;
+            at += n;
+        }
+    }
+    Stats::add(&sh.stats.bytes_copied_out, object_bytes as u64);
+    hasher.digest() == desc.value_checksum
 }
 
 pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuffer]) -> Vec<bool> {
@@ -90,21 +112,26 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
     let mut inflight = 0;
     let mut dram_hits = Vec::new();
     let mut reads = Vec::new();
+    let mut shared_reads = Vec::new();
     let mut deadline: Option<Instant> = None;
     while next < n || inflight > 0 {
         if next < n && inflight < max_inflight {
             {
                 let mut cat = sh.catalog.lock();
-                while next < n && inflight + reads.len() < max_inflight {
+                while next < n && inflight + reads.len() + shared_reads.len() < max_inflight {
                     match cat.plan_get(&keys[next]) {
                         GetStep::Dram { slot } => dram_hits.push((next, slot)),
                         GetStep::Nvme(read) => reads.push((next, read)),
-                        GetStep::Miss => Stats::add(&sh.stats.misses, 1),
+                        GetStep::Miss => match plan_shared_read(sh, &mut cat, &keys[next]) {
+                            Some(slot) => shared_reads.push((next, slot)),
+                            None => Stats::add(&sh.stats.misses, 1),
+                        },
                         GetStep::NoSlot => break,
                     }
                     next += 1;
                 }
-                let stuck = next < n && reads.is_empty() && dram_hits.is_empty() && inflight == 0;
+                let stuck =
+                    next < n && reads.is_empty() && dram_hits.is_empty() && shared_reads.is_empty() && inflight == 0;
                 if stuck {
                     let until = *deadline.get_or_insert_with(|| Instant::now() + Duration::from_millis(sh.config.slot_wait_ms));
                     if sh.changed.wait_until(&mut cat, until).timed_out() && Instant::now() >= until {
@@ -129,6 +156,9 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
                     }),
                 });
                 inflight += 1;
+            }
+            if !shared_reads.is_empty() {
+                execute_shared_reads(sh, keys, bufs, &mut results, std::mem::take(&mut shared_reads));
             }
             if !dram_hits.is_empty() {
                 for &(i, slot) in &dram_hits {
@@ -159,8 +189,7 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
                     Stats::add(&sh.stats.io_errors, 1);
                     LoadOutcome::IoError
                 }
-                Ok(()) if verify_loaded(sh, &keys[i], &read) => {
-                    copy_out(sh, read.slot, &bufs[i]);
+                Ok(()) if verify_and_copy_out(sh, &keys[i], &read, &bufs[i]) => {
                     results[i] = true;
                     Stats::add(&sh.stats.nvme_hits, 1);
                     Stats::add(&sh.stats.bytes_read_nvme, sh.arena.slot_bytes() as u64);
@@ -232,6 +261,10 @@ pub(crate) fn execute_put(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
             }
             .encode(&mut bytes[..DESCRIPTOR_BYTES]);
             checksums.push(value_checksum);
+            // Copied while the slot is still ours (Filling); the publisher thread does the rest.
+            if let Some(publisher) = &sh.shared_publisher {
+                publisher.offer(keys[i], bytes);
+            }
         }
         let mut writes = Vec::new();
         {
@@ -305,4 +338,45 @@ pub(crate) fn submit_meta(sh: &Arc<Shared>, writes: Vec<MetaWrite>) {
             }),
         });
     }
+}
+
+/// A DRAM slot to load `key` from the shared tier, if the shared index has it.
+fn plan_shared_read(sh: &Shared, cat: &mut crate::catalog::Catalog, key: &BlockKey) -> Option<u32> {
+    let tier = sh.shared_tier.as_ref()?;
+    if !tier.contains(key) {
+        return None;
+    }
+    cat.plan_get_shared(key)
+}
+
+/// Reads blocks from the shared tier into their DRAM slots (one verified pread each), copies them out,
+/// and makes them resident. A failed read is a miss (the tier counts and quarantines).
+fn execute_shared_reads(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuffer], results: &mut [bool], reads: Vec<(usize, u32)>) {
+    let tier = sh.shared_tier.as_ref().expect("shared reads need the shared tier");
+    let mut done = Vec::with_capacity(reads.len());
+    for (i, slot) in reads {
+        let bytes = slot_bytes(sh, slot);
+        let checksum = match tier.read_into(&keys[i], bytes) {
+            Ok(true) => {
+                copy_out(sh, slot, &bufs[i]);
+                results[i] = true;
+                Descriptor::decode(&bytes[..DESCRIPTOR_BYTES]).ok().map(|d| d.value_checksum)
+            }
+            Ok(false) => None,
+            Err(e) => {
+                log::warn!("kvtier: shared read of {:?} failed: {e}; counted as a miss", keys[i]);
+                None
+            }
+        };
+        if checksum.is_none() {
+            Stats::add(&sh.stats.misses, 1);
+        }
+        done.push((i, slot, checksum));
+    }
+    let mut cat = sh.catalog.lock();
+    for (i, slot, checksum) in done {
+        cat.finish_get_shared(&keys[i], slot, checksum);
+    }
+    drop(cat);
+    sh.changed.notify_all();
 }

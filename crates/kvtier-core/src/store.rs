@@ -20,11 +20,13 @@ use crate::stats::{Stats, StatsSnapshot};
 use crate::tiers::dram::Arena;
 use crate::tiers::eviction::S3Fifo;
 use crate::tiers::nvme::{self, DeviceFile, Geometry};
+use crate::tiers::shared::{Publisher, SharedTier};
 use crossbeam_channel::{bounded, unbounded, Sender, TrySendError};
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -41,6 +43,9 @@ pub(crate) struct Shared {
     pub devices: Vec<DeviceQueue>,
     pub device_files: Vec<DeviceFile>,
     pub stats: Arc<Stats>,
+    /// The shared-filesystem tier and its publisher thread, when `config.shared` is set.
+    pub shared_tier: Option<Arc<SharedTier>>,
+    pub shared_publisher: Option<Publisher>,
     finished: Mutex<HashMap<u64, Vec<bool>>>,
     finished_cv: Condvar,
     loads_active: AtomicUsize,
@@ -94,6 +99,9 @@ impl Store {
             std::fs::create_dir_all(dir).map_err(|e| {
                 Error::io(format!("creating {} (give kvtier a writable directory)", dir.display()), e)
             })?;
+            if std::fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_symlink()) {
+                return Err(Error::format(dir, "is a symbolic link; kvtier does not follow links out of its directory: remove it"));
+            }
         }
         let lock = take_lock(&dirs[0])?;
         let slot_bytes = config.slot_bytes();
@@ -160,6 +168,12 @@ impl Store {
             }
         }
 
+        // The shared tier comes after NVMe: a store may have either, both, or neither.
+        let shared_tier = match &config.shared {
+            Some(c) => Some(SharedTier::open(c, namespace, config.object_bytes, Arc::clone(&stats))?),
+            None => None,
+        };
+        let shared_publisher = shared_tier.as_ref().map(|t| Publisher::start(Arc::clone(t))).transpose()?;
         let (engine_name, buffers_registered, devices) =
             start_devices(&config, &device_files, &arena.registration_ranges())?;
         let direct_io = device_files.iter().all(|d| d.direct) && !device_files.is_empty();
@@ -172,6 +186,8 @@ impl Store {
             devices,
             device_files,
             stats,
+            shared_tier,
+            shared_publisher,
             finished: Mutex::new(HashMap::new()),
             finished_cv: Condvar::new(),
             loads_active: AtomicUsize::new(0),
@@ -351,17 +367,37 @@ impl Store {
         }
     }
 
+    /// Leading keys present in DRAM, NVMe or the shared index.
     pub fn lookup_prefix(&self, keys: &[BlockKey]) -> usize {
-        self.shared.catalog.lock().lookup_prefix(keys)
+        let cat = self.shared.catalog.lock();
+        keys.iter().take_while(|k| cat.contains(k) || self.in_shared_tier(k)).count()
     }
 
     pub fn contains_many(&self, keys: &[BlockKey]) -> Vec<bool> {
         let cat = self.shared.catalog.lock();
-        keys.iter().map(|k| cat.contains(k)).collect()
+        keys.iter().map(|k| cat.contains(k) || self.in_shared_tier(k)).collect()
     }
 
+    fn in_shared_tier(&self, key: &BlockKey) -> bool {
+        self.shared.shared_tier.as_ref().is_some_and(|t| t.contains(key))
+    }
+
+    /// Pins the leading present keys. A block only in the shared tier counts as present but cannot
+    /// be pinned against another node's evictor: its later load may be a clean miss.
     pub fn pin_prefix(&self, keys: &[BlockKey]) -> usize {
-        self.shared.catalog.lock().pin_prefix(keys)
+        let mut cat = self.shared.catalog.lock();
+        if self.shared.shared_tier.is_none() {
+            return cat.pin_prefix(keys);
+        }
+        let mut present = 0;
+        for key in keys {
+            if cat.pin_prefix(std::slice::from_ref(key)) == 1 || self.in_shared_tier(key) {
+                present += 1;
+            } else {
+                break;
+            }
+        }
+        present
     }
 
     pub fn unpin(&self, keys: &[BlockKey]) {
@@ -395,6 +431,9 @@ impl Store {
         for d in &sh.device_files {
             d.file.sync_data().map_err(|e| Error::io(format!("fdatasync {}", d.path.display()), e))?;
         }
+        if let Some(publisher) = &sh.shared_publisher {
+            publisher.flush(limit)?;
+        }
         Ok(())
     }
 
@@ -409,6 +448,9 @@ impl Store {
             let _ = t.join();
         }
         let flushed = self.flush_inner();
+        if let Some(publisher) = &self.shared.shared_publisher {
+            publisher.close();
+        }
         for d in &self.shared.devices {
             d.shutdown();
         }
@@ -459,6 +501,8 @@ fn take_lock(dir: &std::path::Path) -> Result<File> {
         .create(true)
         .truncate(false)
         .write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
         .open(&path)
         .map_err(|e| Error::io(format!("creating {} (is the directory writable?)", path.display()), e))?;
     match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {

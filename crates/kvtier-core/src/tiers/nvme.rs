@@ -85,7 +85,9 @@ pub fn open_device(
     direct_io: DirectIo,
 ) -> Result<(DeviceFile, bool)> {
     let path = dir.join(DEVICE_FILE_NAME);
-    let exists = path.exists();
+    // symlink_metadata: a symlink counts as present (and is then refused by O_NOFOLLOW), so a dangling
+    // link can never make kvtier create a file outside its root.
+    let exists = std::fs::symlink_metadata(&path).is_ok();
     if !exists {
         check_free_space(dir, geometry.file_bytes())?;
     }
@@ -155,13 +157,16 @@ fn open_file(path: &Path, direct_io: DirectIo) -> Result<(File, bool)> {
     let open = |direct: bool| {
         let mut o = OpenOptions::new();
         o.read(true).write(true).create(true).mode(0o600);
-        if direct {
-            o.custom_flags(libc::O_DIRECT);
-        }
+        o.custom_flags(libc::O_NOFOLLOW | if direct { libc::O_DIRECT } else { 0 });
         o.open(path)
     };
     let io_error = |e: std::io::Error| {
-        if e.kind() == std::io::ErrorKind::PermissionDenied {
+        if e.raw_os_error() == Some(libc::ELOOP) {
+            Error::io(
+                format!("{} is a symbolic link; kvtier does not follow links out of its directory: remove it", path.display()),
+                e,
+            )
+        } else if e.kind() == std::io::ErrorKind::PermissionDenied {
             Error::io(
                 format!("{} is not writable; give kvtier a directory it can write (check owner and mode)", path.display()),
                 e,
@@ -299,7 +304,8 @@ pub fn recover(
 }
 
 fn valid_entry_position(geometry: &Geometry, offset: u64) -> bool {
-    offset % geometry.slot_bytes == 0 && offset + geometry.slot_bytes <= geometry.data_bytes()
+    offset % geometry.slot_bytes == 0
+        && offset.checked_add(geometry.slot_bytes).is_some_and(|end| end <= geometry.data_bytes())
 }
 
 /// Keeps the leading entries of a trailer-less region whose descriptor and value checksums pass.
