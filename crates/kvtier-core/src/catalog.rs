@@ -207,7 +207,12 @@ impl Catalog {
     pub fn adopt_recovered(&mut self, device: usize, recovered: Vec<RecoveredRegion>) -> Vec<MetaWrite> {
         let mut meta = Vec::new();
         let Some(nvme) = self.nvme.as_mut() else { return meta };
-        for r in recovered {
+        // No store reaches 2^62 puts or regions: larger values are forged or corrupt, and would overflow
+        // the counters below. Such entries are dropped and such region generations clamped.
+        const SEQ_LIMIT: u64 = 1 << 62;
+        for mut r in recovered {
+            r.region_seq = r.region_seq.min(SEQ_LIMIT);
+            r.entries.retain(|e| e.sequence < SEQ_LIMIT);
             let region = &mut nvme.devices[device].regions[r.region as usize];
             region.region_seq = r.region_seq;
             region.cursor = nvme.geometry.data_bytes();
@@ -641,4 +646,57 @@ pub struct Gauges {
     pub nvme_capacity_bytes: u64,
     pub blocks_dram: u64,
     pub blocks_nvme: u64,
+}
+
+/// Loads from the shared-filesystem tier (`tiers::shared`): for a block the catalog does not hold, it
+/// hands out a DRAM slot to read into and, once the mover has read and verified it, makes the block
+/// resident (mirroring `plan_get` / `finish_get_nvme`). Pins cannot protect a shared-only block from
+/// another node's evictor; a read that loses that race is a clean miss.
+impl Catalog {
+    /// A slot in `Loading` state for `key`, or `None` when the catalog already has an entry for it (a
+    /// put or another load in flight) or no slot can be freed.
+    pub fn plan_get_shared(&mut self, key: &BlockKey) -> Option<u32> {
+        if self.index.contains_key(key) {
+            return None;
+        }
+        let slot = self.alloc_slot()?;
+        let sequence = self.next_sequence;
+        self.next_sequence += 1;
+        self.slots[slot as usize] = Slot { key: Some(*key), state: SlotState::Loading, writing: false };
+        self.index.insert(
+            *key,
+            Entry {
+                sequence,
+                value_checksum: 0,
+                dram: Some(slot),
+                dram_ready: false,
+                nvme: None,
+                write_pending: false,
+                pins: 1,
+            },
+        );
+        Some(slot)
+    }
+
+    /// The shared read into `slot` finished: `Some(checksum)` makes the block resident, `None` (a miss)
+    /// drops the entry and frees the slot.
+    pub fn finish_get_shared(&mut self, key: &BlockKey, slot: u32, value_checksum: Option<u64>) {
+        let ours = self.index.get(key).is_some_and(|e| e.dram == Some(slot));
+        match value_checksum {
+            Some(sum) if ours => {
+                let e = self.index.get_mut(key).unwrap();
+                e.pins = e.pins.saturating_sub(1);
+                e.value_checksum = sum;
+                e.dram_ready = true;
+                self.slots[slot as usize].state = SlotState::Resident;
+                self.policy.insert(slot, key_hash(key));
+            }
+            _ => {
+                if ours {
+                    self.index.remove(key);
+                }
+                self.free_slot(slot);
+            }
+        }
+    }
 }

@@ -42,6 +42,15 @@ counters!(
     recovered_blocks,
     slot_wait_timeouts,
     nvme_dropped_writes,
+    shared_hits,
+    shared_misses,
+    shared_files_published,
+    shared_bytes_written,
+    shared_bytes_read,
+    shared_evicted_files,
+    shared_quarantined_files,
+    shared_publish_errors,
+    shared_dropped_publishes,
 );
 
 impl Stats {

@@ -4,6 +4,7 @@
 //! during I/O.
 
 use kvtier_core::{BlockBuffer, BlockKey, DirectIo, EngineChoice, Error, Job, JobKind, Store, StoreConfig};
+use kvtier_core::tiers::shared::SharedConfig;
 use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
 use pyo3::ffi;
@@ -206,6 +207,30 @@ fn parse_config(path: &Bound<'_, PyAny>, options: Option<&Bound<'_, PyDict>>) ->
             "store_queue_jobs" => config.store_queue_jobs = int("store_queue_jobs")? as usize,
             "load_threads" => config.load_threads = int("load_threads")? as usize,
             "slot_wait_ms" => config.slot_wait_ms = int("slot_wait_ms")?,
+            // Shared-filesystem tier (docs/shared-tier.md); any shared_* option needs shared_root too.
+            "shared_root" => {
+                let root: PathBuf = value.extract().map_err(|_| config_error("shared_root", "must be a str or os.PathLike"))?;
+                config.shared.get_or_insert_with(|| SharedConfig::new(PathBuf::new())).root = root;
+            }
+            "shared_high_watermark" | "shared_low_watermark" => {
+                let fraction: f64 = value.extract().map_err(|_| config_error(&name, format!("expected a float fraction, got {value}")))?;
+                let shared = config.shared.get_or_insert_with(|| SharedConfig::new(PathBuf::new()));
+                if name == "shared_high_watermark" {
+                    shared.high_watermark = fraction;
+                } else {
+                    shared.low_watermark = fraction;
+                }
+            }
+            "shared_file_bytes" => {
+                config.shared.get_or_insert_with(|| SharedConfig::new(PathBuf::new())).file_target_bytes = int("shared_file_bytes")?
+            }
+            "shared_staleness_ms" => {
+                config.shared.get_or_insert_with(|| SharedConfig::new(PathBuf::new())).staleness_ms = int("shared_staleness_ms")?
+            }
+            "shared_fail_on_full" => {
+                let on: bool = value.extract().map_err(|_| config_error("shared_fail_on_full", format!("expected a bool, got {value}")))?;
+                config.shared.get_or_insert_with(|| SharedConfig::new(PathBuf::new())).fail_on_full = on;
+            }
             "namespace" => {
                 config.namespace = if let Ok(b) = value.cast::<PyBytes>() {
                     b.as_bytes().to_vec()

@@ -1,6 +1,8 @@
 //! Storage tiers: the DRAM arena ([`dram`]) with its eviction policy ([`eviction`]), and the NVMe
-//! region log ([`nvme`]): device files, geometry and recovery.
+//! region log ([`nvme`]): device files, geometry and recovery; and the shared-filesystem tier
+//! ([`shared`]): grouped data files, manifests, capacity rules.
 
 pub mod dram;
 pub mod eviction;
 pub mod nvme;
+pub mod shared;

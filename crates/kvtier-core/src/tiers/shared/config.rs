@@ -1,0 +1,156 @@
+//! Options of the shared-filesystem tier, with their defaults and constraints (mirrored in
+//! `docs/shared-tier.md`). `validate` names the option and the fix.
+
+use crate::config::DirectIo;
+use crate::error::{Error, Result};
+use std::path::PathBuf;
+
+#[derive(Debug, Clone)]
+pub struct SharedConfig {
+    /// Root directory on the shared filesystem; one subdirectory per namespace. Required. Created
+    /// if missing, but only when its parent exists (a missing parent usually means an unmounted volume).
+    pub root: PathBuf,
+    /// Eviction starts when the filesystem's used fraction exceeds this. Default 0.90.
+    pub high_watermark: f64,
+    /// Eviction stops once the used fraction is at or below this. Default 0.80. 0 < low < high <= 0.99.
+    pub low_watermark: f64,
+    /// Blocks are grouped into files of about this size (the unit of publishing and eviction).
+    /// Default 256 MiB. Must hold at least one block plus header and footer.
+    pub file_target_bytes: u64,
+    /// A block published by another process becomes visible here within this bound (the index is
+    /// refreshed from the manifests every `staleness_ms / 2`). Default 1000. 10 ..= 600000.
+    pub staleness_ms: u64,
+    /// Expiry of the evictor lease; a holder that stops renewing loses it after this. Default 10000.
+    pub lease_ms: u64,
+    /// A file chosen for eviction is unlinked no sooner than this after it was chosen, and a file read
+    /// within this is not chosen. Default 30000. At least 2 * staleness_ms.
+    pub grace_ms: u64,
+    /// Refuse to publish (counted in `shared_publish_errors`) above the high watermark instead of
+    /// evicting. Default false.
+    pub fail_on_full: bool,
+    /// Files 0o640 and directories 0o750 (a group of service accounts shares the root) instead of
+    /// 0o600 / 0o700. Default false.
+    pub group_shared: bool,
+    /// Test and quota seam: when set, usage is the physical size (st_blocks) of the files under the
+    /// namespace directory and the capacity is this many bytes, instead of statvfs of the whole
+    /// filesystem. Default None.
+    pub capacity_bytes: Option<u64>,
+    /// A file being filled is published at the latest this long after its first block, so a slow
+    /// writer's blocks do not wait for a full file. Default 2000.
+    pub publish_delay_ms: u64,
+    /// Bytes of blocks queued for publishing (copies of DRAM slots); past it a block is not published
+    /// (counted in `shared_dropped_publishes`). Default 64 MiB.
+    pub publish_queue_bytes: usize,
+    /// Temporary files not written for this long belong to dead writers and are removed. Default 600000.
+    pub orphan_tmp_ms: u64,
+    /// O_DIRECT policy for data files. Default auto (probe at start-up, fall back to buffered I/O).
+    pub direct_io: DirectIo,
+}
+
+impl SharedConfig {
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        SharedConfig {
+            root: root.into(),
+            high_watermark: 0.90,
+            low_watermark: 0.80,
+            file_target_bytes: 256 << 20,
+            staleness_ms: 1000,
+            lease_ms: 10_000,
+            grace_ms: 30_000,
+            fail_on_full: false,
+            group_shared: false,
+            capacity_bytes: None,
+            publish_delay_ms: 2000,
+            publish_queue_bytes: 64 << 20,
+            orphan_tmp_ms: 600_000,
+            direct_io: DirectIo::Auto,
+        }
+    }
+
+    /// Used fraction at which publishing stops even when eviction is on: halfway from the high
+    /// watermark to full (0.95 with the defaults).
+    pub fn hard_ceiling(&self) -> f64 {
+        (self.high_watermark + 1.0) / 2.0
+    }
+
+    pub fn file_mode(&self) -> u32 {
+        if self.group_shared {
+            0o640
+        } else {
+            0o600
+        }
+    }
+
+    pub fn dir_mode(&self) -> u32 {
+        if self.group_shared {
+            0o750
+        } else {
+            0o700
+        }
+    }
+
+    /// Checks the options against each other and against the block size (`slot_bytes`).
+    pub fn validate(&self, slot_bytes: usize) -> Result<()> {
+        if self.root.as_os_str().is_empty() {
+            return Err(Error::config("shared_root", "empty path; give the directory on the shared filesystem"));
+        }
+        let fraction = |w: f64| w.is_finite() && w > 0.0 && w <= 0.99;
+        if !fraction(self.high_watermark) {
+            return Err(Error::config(
+                "shared_high_watermark",
+                format!("{} is out of range; give a fraction of the filesystem in (0, 0.99], e.g. 0.90", self.high_watermark),
+            ));
+        }
+        if !fraction(self.low_watermark) || self.low_watermark >= self.high_watermark {
+            return Err(Error::config(
+                "shared_low_watermark",
+                format!(
+                    "{} must be a fraction below shared_high_watermark ({}); e.g. 0.80 with 0.90",
+                    self.low_watermark, self.high_watermark
+                ),
+            ));
+        }
+        let minimum = (super::format::FILE_HEADER_BYTES + slot_bytes + super::format::footer_bytes(1)) as u64;
+        if self.file_target_bytes < minimum {
+            return Err(Error::config(
+                "shared_file_bytes",
+                format!("{} cannot hold one block of {slot_bytes} bytes; raise it to at least {minimum}", self.file_target_bytes),
+            ));
+        }
+        if self.file_target_bytes > 64 << 30 {
+            return Err(Error::config("shared_file_bytes", "at most 64 GiB; files are the unit of eviction"));
+        }
+        if !(10..=600_000).contains(&self.staleness_ms) {
+            return Err(Error::config("shared_staleness_ms", format!("{} is out of range 10 ..= 600000", self.staleness_ms)));
+        }
+        if self.lease_ms < 2 * self.staleness_ms.min(1000) || self.lease_ms < 100 {
+            return Err(Error::config(
+                "shared_lease_ms",
+                format!("{} is too short; give at least 100 and twice the maintenance period", self.lease_ms),
+            ));
+        }
+        if self.grace_ms < 2 * self.staleness_ms {
+            return Err(Error::config(
+                "shared_grace_ms",
+                format!(
+                    "{} is shorter than 2 * shared_staleness_ms ({}): readers would not learn of an eviction before the \
+                     file is unlinked; raise shared_grace_ms or lower shared_staleness_ms",
+                    self.grace_ms, self.staleness_ms
+                ),
+            ));
+        }
+        if self.capacity_bytes == Some(0) {
+            return Err(Error::config("shared_capacity_bytes", "must be positive (or unset to use statvfs)"));
+        }
+        if self.publish_queue_bytes < slot_bytes {
+            return Err(Error::config(
+                "shared_publish_queue_bytes",
+                format!("{} cannot hold one block of {slot_bytes} bytes; raise it", self.publish_queue_bytes),
+            ));
+        }
+        if self.orphan_tmp_ms < self.grace_ms {
+            return Err(Error::config("shared_orphan_tmp_ms", "must be at least shared_grace_ms"));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,1105 @@
+//! The shared-filesystem tier: KV blocks shared by many processes on many nodes through one POSIX
+//! directory (Lustre, CephFS, NFS, Storage Scale), persistent across restarts, with its capacity
+//! managed by kvtier itself. Layout, formats and protocols are documented byte by byte in
+//! `docs/shared-tier.md`; this module owns all of them.
+//!
+//! ```text
+//! <root>/<namespace hex>/
+//!     data/<2 hex>/<writer>-<seq>.kvs   published data files (many blocks each), immutable
+//!     tmp/<writer>-<seq>.tmp            files being written (renamed into data/ when sealed)
+//!     manifests/<writer>.log            one append-only log per writer process (publish, doom,
+//!                                       quarantine and access records); every process tails all
+//!     quarantine/<name>                 files that failed verification, kept for inspection
+//!     lease/<generation>.lease          the evictor lease (highest generation in force)
+//! ```
+//!
+//! - [`format`]: the bytes. [`index`]: the in-memory index fed by manifest records.
+//! - [`capacity`]: usage measurement, the evictor lease, eviction with a grace period, orphan sweeps.
+//! - [`publisher`]: the store's background thread batching accepted blocks into files.
+//!
+//! Lookups only consult the index (no filesystem call); a maintenance thread tails the manifests every
+//! `staleness_ms / 2`, records file accesses, publishes files that waited `publish_delay_ms` and runs
+//! the capacity rules.
+
+pub mod capacity;
+pub mod config;
+pub mod format;
+pub mod index;
+pub mod publisher;
+
+pub use config::SharedConfig;
+pub use publisher::Publisher;
+
+use crate::config::DirectIo;
+use crate::error::{Error, Result};
+use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
+use crate::format::{checksum, round_up, ALIGN_BYTES};
+use crate::io::buffer::AlignedBuf;
+use crate::key::{BlockKey, Namespace};
+use crate::stats::Stats;
+use format::{data_file_name, fanout_dir, unix_ms, FileHeader, IndexEntry, Record, FILE_HEADER_BYTES};
+use index::{FileId, Index};
+use parking_lot::{Condvar, Mutex, RwLock};
+use std::collections::{HashMap, HashSet};
+use std::fs::{File, OpenOptions};
+use std::io::{ErrorKind, Read, Seek, SeekFrom, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Open read handles kept per process; past it the cache is emptied (files are big, so few are hot).
+const MAX_OPEN_DATA_FILES: usize = 256;
+/// Bytes of one manifest read per refresh; a longer backlog is read over several passes.
+const MAX_MANIFEST_READ_BYTES: u64 = 64 << 20;
+
+/// A data file being filled by this process.
+struct OpenDataFile {
+    file: File,
+    tmp_path: PathBuf,
+    name: String,
+    file_seq: u64,
+    entries: Vec<IndexEntry>,
+    keys: HashSet<BlockKey>,
+    cursor: u64,
+    started: Instant,
+}
+
+struct WriterState {
+    open: Option<OpenDataFile>,
+    next_file_seq: u64,
+}
+
+struct ManifestWriter {
+    file: File,
+    path: PathBuf,
+    len: u64,
+}
+
+/// Usage of the filesystem (or of the namespace directory, with `capacity_bytes`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Usage {
+    pub used_bytes: u64,
+    pub capacity_bytes: u64,
+}
+
+impl Usage {
+    pub fn fraction(&self) -> f64 {
+        if self.capacity_bytes == 0 {
+            1.0
+        } else {
+            self.used_bytes as f64 / self.capacity_bytes as f64
+        }
+    }
+}
+
+pub struct SharedTier {
+    config: SharedConfig,
+    namespace: Namespace,
+    object_bytes: usize,
+    slot_bytes: usize,
+    writer_id: u64,
+    dir: PathBuf,
+    direct: bool,
+    stats: Arc<Stats>,
+    index: RwLock<Index>,
+    manifest: Mutex<ManifestWriter>,
+    writer: Mutex<WriterState>,
+    read_handles: Mutex<HashMap<FileId, Arc<File>>>,
+    /// Reads since the last access record: file name -> latest read (unix ms).
+    pending_access: Mutex<HashMap<String, u64>>,
+    /// When each file's access was last recorded (rate limit: once per `grace_ms / 4`).
+    recorded_access: Mutex<HashMap<String, u64>>,
+    evictor: Mutex<capacity::EvictorState>,
+    last_usage: Mutex<Usage>,
+    stop: Arc<(Mutex<bool>, Condvar)>,
+    maintenance: Mutex<Option<JoinHandle<()>>>,
+    closed: AtomicBool,
+    warned_stall: AtomicBool,
+    /// Reads that found their file gone (evicted elsewhere): clean misses, counted for tests.
+    pub vanished_reads: AtomicU64,
+}
+
+fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
+    let context = context.into();
+    move |e| Error::io(context, e)
+}
+
+impl SharedTier {
+    /// Opens (creating what is missing) the namespace directory under `config.root`, loads the index
+    /// from every manifest, and starts the maintenance thread.
+    pub fn open(config: &SharedConfig, namespace: Namespace, object_bytes: usize, stats: Arc<Stats>) -> Result<Arc<Self>> {
+        let slot_bytes = DESCRIPTOR_BYTES + round_up(object_bytes, ALIGN_BYTES);
+        config.validate(slot_bytes)?;
+        check_root(config)?;
+        let dir = config.root.join(namespace.hex());
+        for sub in ["", "data", "tmp", "manifests", "quarantine", "lease"] {
+            make_dir(config, &dir.join(sub))?;
+        }
+        let writer_id = random_nonzero_u64();
+        let direct = probe_direct_and_rename(config, &dir.join("tmp"), writer_id)?;
+        let manifest_path = dir.join("manifests").join(format!("{writer_id:016x}.log"));
+        let manifest_file = create_file(config, &manifest_path, true, false)?;
+        let tier = Arc::new(SharedTier {
+            config: config.clone(),
+            namespace,
+            object_bytes,
+            slot_bytes,
+            writer_id,
+            dir,
+            direct,
+            stats,
+            index: RwLock::new(Index::default()),
+            manifest: Mutex::new(ManifestWriter { file: manifest_file, path: manifest_path, len: 0 }),
+            writer: Mutex::new(WriterState { open: None, next_file_seq: 1 }),
+            read_handles: Mutex::new(HashMap::new()),
+            pending_access: Mutex::new(HashMap::new()),
+            recorded_access: Mutex::new(HashMap::new()),
+            evictor: Mutex::new(capacity::EvictorState::default()),
+            last_usage: Mutex::new(Usage::default()),
+            stop: Arc::new((Mutex::new(false), Condvar::new())),
+            maintenance: Mutex::new(None),
+            closed: AtomicBool::new(false),
+            warned_stall: AtomicBool::new(false),
+            vanished_reads: AtomicU64::new(0),
+        });
+        tier.append_records(&[Record::Header {
+            namespace,
+            object_bytes: object_bytes as u64,
+            writer_id,
+            created_unix_ms: unix_ms(),
+        }])?;
+        let started = Instant::now();
+        while tier.refresh()? {}
+        let usage = capacity::measure_usage(&tier)?;
+        *tier.last_usage.lock() = usage;
+        tier.check_space_at_start(usage)?;
+        {
+            let index = tier.index.read();
+            log::info!(
+                "kvtier: shared tier open at {} (writer {writer_id:016x}): {} blocks in {} files indexed from manifests in \
+                 {:.0} ms; usage {:.1}% of {} bytes; O_DIRECT {}",
+                tier.dir.display(),
+                index.key_count(),
+                index.files().count(),
+                started.elapsed().as_secs_f64() * 1e3,
+                usage.fraction() * 100.0,
+                usage.capacity_bytes,
+                if direct { "on" } else { "off" }
+            );
+        }
+        tier.start_maintenance()?;
+        Ok(tier)
+    }
+
+    fn check_space_at_start(&self, usage: Usage) -> Result<()> {
+        let free = usage.capacity_bytes.saturating_sub(usage.used_bytes);
+        let ours = self.index.read().indexed_bytes();
+        if free < self.config.file_target_bytes && ours == 0 {
+            return Err(Error::Capacity {
+                message: format!(
+                    "shared root {} has {free} bytes free, less than one file (shared_file_bytes={}), and holds no kvtier \
+                     files of this namespace that eviction could remove; free space, lower shared_file_bytes or choose \
+                     another shared_root",
+                    self.config.root.display(),
+                    self.config.file_target_bytes
+                ),
+            });
+        }
+        if usage.fraction() > self.config.high_watermark {
+            if self.config.fail_on_full {
+                log::warn!(
+                    "kvtier: shared root {} is {:.1}% full, above shared_high_watermark {}; with shared_fail_on_full new \
+                     blocks will not be published until space is freed",
+                    self.config.root.display(),
+                    usage.fraction() * 100.0,
+                    self.config.high_watermark
+                );
+            } else {
+                log::warn!(
+                    "kvtier: shared root {} is {:.1}% full, above shared_high_watermark {}; eviction will start",
+                    self.config.root.display(),
+                    usage.fraction() * 100.0,
+                    self.config.high_watermark
+                );
+            }
+        }
+        Ok(())
+    }
+
+    pub fn config(&self) -> &SharedConfig {
+        &self.config
+    }
+
+    pub fn writer_id(&self) -> u64 {
+        self.writer_id
+    }
+
+    pub fn namespace_dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    pub fn object_bytes(&self) -> usize {
+        self.object_bytes
+    }
+
+    /// Whether data files are read and written with O_DIRECT (probed at open).
+    pub fn direct_io(&self) -> bool {
+        self.direct
+    }
+
+    pub fn stats(&self) -> &Arc<Stats> {
+        &self.stats
+    }
+
+    /// The block is in the index (published by any process, not known to be evicted). A later read
+    /// can still miss cleanly if another node evicts the file meanwhile.
+    pub fn contains(&self, key: &BlockKey) -> bool {
+        self.index.read().contains(key)
+    }
+
+    /// A snapshot of up to `limit` indexed keys (tests, benchmarks).
+    pub fn indexed_keys(&self, limit: usize) -> Vec<BlockKey> {
+        self.index.read().keys().take(limit).copied().collect()
+    }
+
+    pub fn indexed_files(&self) -> usize {
+        self.index.read().files().count()
+    }
+
+    /// Latest usage measured by the maintenance thread.
+    pub fn usage(&self) -> Usage {
+        *self.last_usage.lock()
+    }
+
+    pub(crate) fn data_path(&self, name: &str) -> PathBuf {
+        self.dir.join("data").join(fanout_dir(name)).join(name)
+    }
+
+    // ---- reads ----
+
+    /// Reads the block into `slot` (at least `slot_bytes` long: descriptor page then value) with one
+    /// pread at the entry's offset, and verifies it. `Ok(false)` is a miss: not indexed, file gone
+    /// (a clean miss), I/O error, or verification failure (the file is then quarantined).
+    pub fn read_into(&self, key: &BlockKey, slot: &mut [u8]) -> Result<bool> {
+        if slot.len() < self.slot_bytes {
+            return Err(Error::config("slot", format!("{} bytes, need slot_bytes = {}", slot.len(), self.slot_bytes)));
+        }
+        let found = self.index.read().get(key).map(|(loc, name)| (loc, name.to_string()));
+        let Some((loc, name)) = found else {
+            Stats::add(&self.stats.shared_misses, 1);
+            return Ok(false);
+        };
+        let file = match self.read_handle(loc.file, &name) {
+            Ok(f) => f,
+            Err(e) if is_vanished(&e) => {
+                self.forget_vanished(&name);
+                Stats::add(&self.stats.shared_misses, 1);
+                return Ok(false);
+            }
+            Err(e) => {
+                log::warn!("kvtier: opening shared file {name} failed: {e}; counted as a miss");
+                Stats::add(&self.stats.io_errors, 1);
+                Stats::add(&self.stats.shared_misses, 1);
+                return Ok(false);
+            }
+        };
+        let aligned = slot.as_ptr() as usize % ALIGN_BYTES == 0;
+        let read = if aligned || !self.direct {
+            file.read_exact_at(&mut slot[..self.slot_bytes], loc.offset)
+        } else {
+            let mut bounce = AlignedBuf::zeroed(self.slot_bytes);
+            let r = file.read_exact_at(&mut bounce.as_mut_slice()[..self.slot_bytes], loc.offset);
+            slot[..self.slot_bytes].copy_from_slice(&bounce.as_slice()[..self.slot_bytes]);
+            r
+        };
+        match read {
+            Ok(()) => {}
+            Err(e) if is_vanished(&e) => {
+                self.forget_vanished(&name);
+                Stats::add(&self.stats.shared_misses, 1);
+                return Ok(false);
+            }
+            Err(e) if e.kind() == ErrorKind::UnexpectedEof => {
+                self.quarantine(&name, "truncated");
+                Stats::add(&self.stats.shared_misses, 1);
+                return Ok(false);
+            }
+            Err(e) => {
+                log::warn!("kvtier: reading shared file {name} at {} failed: {e}; counted as a miss", loc.offset);
+                Stats::add(&self.stats.io_errors, 1);
+                Stats::add(&self.stats.shared_misses, 1);
+                return Ok(false);
+            }
+        }
+        if let Err(why) = self.verify(key, loc.value_checksum, &slot[..self.slot_bytes]) {
+            Stats::add(&self.stats.checksum_failures, 1);
+            self.quarantine(&name, why);
+            Stats::add(&self.stats.shared_misses, 1);
+            return Ok(false);
+        }
+        Stats::add(&self.stats.shared_hits, 1);
+        Stats::add(&self.stats.shared_bytes_read, self.slot_bytes as u64);
+        self.pending_access.lock().insert(name, unix_ms());
+        Ok(true)
+    }
+
+    /// Reads and verifies a block, copying only the value into `out` (object_bytes long).
+    pub fn read_value(&self, key: &BlockKey, out: &mut [u8]) -> Result<bool> {
+        let mut slot = AlignedBuf::zeroed(self.slot_bytes);
+        if !self.read_into(key, slot.as_mut_slice())? {
+            return Ok(false);
+        }
+        out[..self.object_bytes].copy_from_slice(&slot.as_slice()[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + self.object_bytes]);
+        Ok(true)
+    }
+
+    fn verify(&self, key: &BlockKey, expected_checksum: u64, slot: &[u8]) -> std::result::Result<(), &'static str> {
+        let desc = Descriptor::decode(&slot[..DESCRIPTOR_BYTES]).map_err(|_| "descriptor rejected")?;
+        if desc.key != *key {
+            return Err("key mismatch");
+        }
+        if desc.namespace != self.namespace {
+            return Err("foreign namespace");
+        }
+        if desc.value_bytes as usize != self.object_bytes {
+            return Err("value length mismatch");
+        }
+        if desc.value_checksum != expected_checksum {
+            return Err("checksum differs from the index");
+        }
+        if checksum(&slot[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + self.object_bytes]) != desc.value_checksum {
+            return Err("value checksum mismatch");
+        }
+        Ok(())
+    }
+
+    fn read_handle(&self, id: FileId, name: &str) -> std::io::Result<Arc<File>> {
+        if let Some(f) = self.read_handles.lock().get(&id) {
+            return Ok(Arc::clone(f));
+        }
+        let mut o = OpenOptions::new();
+        o.read(true);
+        if self.direct {
+            o.custom_flags(libc::O_DIRECT);
+        }
+        let f = Arc::new(o.open(self.data_path(name))?);
+        let mut handles = self.read_handles.lock();
+        if handles.len() >= MAX_OPEN_DATA_FILES {
+            handles.clear();
+        }
+        handles.insert(id, Arc::clone(&f));
+        Ok(f)
+    }
+
+    /// The file was removed by another node's evictor: drop it here too (its doom record follows).
+    fn forget_vanished(&self, name: &str) {
+        self.vanished_reads.fetch_add(1, Ordering::Relaxed);
+        let mut index = self.index.write();
+        if let Some(id) = index.file_id(name) {
+            self.read_handles.lock().remove(&id);
+        }
+        index.remove_file(name);
+    }
+
+    /// Moves a file that failed verification to `quarantine/`, drops it from every index (through a
+    /// quarantine record), and counts it once.
+    pub(crate) fn quarantine(&self, name: &str, why: &str) {
+        let removed = {
+            let mut index = self.index.write();
+            if let Some(id) = index.file_id(name) {
+                self.read_handles.lock().remove(&id);
+            }
+            index.remove_file(name).is_some()
+        };
+        if !removed {
+            return;
+        }
+        log::warn!("kvtier: shared file {name} failed verification ({why}); quarantined, its blocks are misses");
+        Stats::add(&self.stats.shared_quarantined_files, 1);
+        match std::fs::rename(self.data_path(name), self.dir.join("quarantine").join(name)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
+            Err(e) => log::warn!("kvtier: moving {name} to quarantine failed: {e}"),
+        }
+        let _ = self.append_records(&[Record::Quarantine { at_unix_ms: unix_ms(), names: vec![name.to_string()] }]);
+    }
+
+    // ---- manifests ----
+
+    /// Appends records to this writer's manifest in one write, then fdatasync. On failure the
+    /// manifest is cut back so readers never see a torn record followed by good ones.
+    pub(crate) fn append_records(&self, records: &[Record]) -> Result<()> {
+        let mut bytes = Vec::new();
+        for r in records {
+            bytes.extend(r.encode());
+        }
+        let mut m = self.manifest.lock();
+        let result = m.file.write_all(&bytes).and_then(|_| m.file.sync_data());
+        if let Err(e) = result {
+            let len = m.len;
+            let _ = m.file.set_len(len);
+            let _ = m.file.seek(SeekFrom::End(0));
+            return Err(Error::io(format!("appending to {}", m.path.display()), e));
+        }
+        m.len += bytes.len() as u64;
+        drop(m);
+        let mut index = self.index.write();
+        for r in records {
+            index.apply(self.writer_id, r.clone(), &self.namespace, self.object_bytes as u64);
+        }
+        Ok(())
+    }
+
+    /// Reads new records from every other writer's manifest. Returns whether anything was read.
+    pub fn refresh(&self) -> Result<bool> {
+        let dir = self.dir.join("manifests");
+        let entries = std::fs::read_dir(&dir).map_err(io_err(format!("listing {}", dir.display())))?;
+        let mut progressed = false;
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(writer) = name.to_str().and_then(parse_manifest_name) else { continue };
+            if writer == self.writer_id {
+                continue;
+            }
+            let (offset, accepted) = {
+                let index = self.index.read();
+                let c = index.cursors.get(&writer);
+                (c.map_or(0, |c| c.offset), c.and_then(|c| c.accepted))
+            };
+            if accepted == Some(false) {
+                continue;
+            }
+            // Opened afresh every pass: on NFS, open revalidates the attribute cache (close-to-open
+            // consistency), which is what bounds staleness there.
+            let Ok(file) = File::open(entry.path()) else { continue };
+            let Ok(len) = file.metadata().map(|m| m.len()) else { continue };
+            if len <= offset {
+                continue;
+            }
+            let want = (len - offset).min(MAX_MANIFEST_READ_BYTES) as usize;
+            let mut buf = vec![0u8; want];
+            let got = match read_at_most(&file, &mut buf, offset) {
+                Ok(n) => n,
+                Err(e) => {
+                    log::warn!("kvtier: reading manifest {} failed: {e}", entry.path().display());
+                    continue;
+                }
+            };
+            let mut at = 0;
+            let mut records = Vec::new();
+            loop {
+                match Record::decode(&buf[at..got]) {
+                    Ok(Some((r, n))) => {
+                        records.push(r);
+                        at += n;
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        // A torn tail that is still being written looks the same: retry next pass, and
+                        // say so once in case the writer died mid-record.
+                        if !self.warned_stall.swap(true, Ordering::Relaxed) {
+                            log::warn!(
+                                "kvtier: manifest {} has an unreadable record at {} ({e}); waiting for it",
+                                entry.path().display(),
+                                offset + at as u64
+                            );
+                        }
+                        break;
+                    }
+                }
+            }
+            if at == 0 {
+                continue;
+            }
+            progressed = true;
+            let mut index = self.index.write();
+            for r in records {
+                index.apply(writer, r, &self.namespace, self.object_bytes as u64);
+            }
+            index.cursors.entry(writer).or_default().offset = offset + at as u64;
+        }
+        Ok(progressed)
+    }
+
+    /// Appends one access record for files read since the last one (each file at most once per
+    /// `grace_ms / 4`: recency needs that resolution, not more).
+    fn flush_accesses(&self) {
+        let pending: Vec<(String, u64)> = self.pending_access.lock().drain().collect();
+        if pending.is_empty() {
+            return;
+        }
+        let interval = self.config.grace_ms / 4;
+        let mut recorded = self.recorded_access.lock();
+        let mut accesses = Vec::new();
+        for (name, at) in pending {
+            let last = recorded.get(&name).copied().unwrap_or(0);
+            if at >= last + interval {
+                recorded.insert(name.clone(), at);
+                accesses.push((at, name));
+            } else {
+                self.index.write().touch(&name, at);
+            }
+        }
+        if recorded.len() > 100_000 {
+            recorded.clear();
+        }
+        drop(recorded);
+        if !accesses.is_empty() {
+            if let Err(e) = self.append_records(&[Record::Access { accesses }]) {
+                log::warn!("kvtier: recording shared file accesses failed: {e}");
+            }
+        }
+    }
+
+    // ---- writing ----
+
+    /// Builds slots (descriptor page + value) for values and appends them; for tests and tools.
+    /// Returns how many were queued into a file (they become visible when the file is published).
+    pub fn publish_values(&self, keys: &[BlockKey], values: &[&[u8]]) -> Result<usize> {
+        let mut slots: Vec<(BlockKey, AlignedBuf)> = Vec::with_capacity(keys.len());
+        for (key, value) in keys.iter().zip(values) {
+            let mut buf = AlignedBuf::zeroed(self.slot_bytes);
+            self.build_slot(key, value, buf.as_mut_slice());
+            slots.push((*key, buf));
+        }
+        let mut refs: Vec<(BlockKey, &mut [u8])> = slots.iter_mut().map(|(k, b)| (*k, b.as_mut_slice())).collect();
+        Ok(self.append_slots(&mut refs))
+    }
+
+    pub(crate) fn build_slot(&self, key: &BlockKey, value: &[u8], slot: &mut [u8]) {
+        slot[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + value.len()].copy_from_slice(value);
+        Descriptor {
+            value_bytes: self.object_bytes as u32,
+            key: *key,
+            namespace: self.namespace,
+            sequence: 0,
+            region_seq: 0,
+            value_checksum: checksum(value),
+        }
+        .encode(&mut slot[..DESCRIPTOR_BYTES]);
+    }
+
+    /// Appends whole slots (as the DRAM tier holds them) to the open data file, sealing and publishing
+    /// files as they reach `file_target_bytes`. Each slot's descriptor and value checksum are checked
+    /// first (a slot that changed under us is skipped). Returns how many were written.
+    pub fn append_slots(&self, slots: &mut [(BlockKey, &mut [u8])]) -> usize {
+        let mut written = 0;
+        let mut w = self.writer.lock();
+        let mut i = 0;
+        while i < slots.len() {
+            // fail_on_full stops at the high watermark. Otherwise writers still stop at a hard ceiling
+            // halfway between the high watermark and full, so that writers outpacing the evictor (whose
+            // victims wait out the grace period) cannot fill the filesystem.
+            let limit = if self.config.fail_on_full { self.config.high_watermark } else { self.config.hard_ceiling() };
+            if w.open.is_none() && self.usage().fraction() >= limit {
+                Stats::add(&self.stats.shared_publish_errors, (slots.len() - i) as u64);
+                return written;
+            }
+            if w.open.is_none() {
+                match self.start_file(&mut w) {
+                    Ok(()) => {}
+                    Err(e) => {
+                        log::warn!("kvtier: starting a shared data file failed: {e}; blocks not published");
+                        Stats::add(&self.stats.shared_publish_errors, (slots.len() - i) as u64);
+                        return written;
+                    }
+                }
+            }
+            // As many slots as fit the file (at least one into an empty file).
+            let mut batch: Vec<usize> = Vec::new();
+            {
+                let open = w.open.as_mut().unwrap();
+                let mut count = open.entries.len();
+                let mut end = open.cursor;
+                while i < slots.len() {
+                    let (key, slot) = &mut slots[i];
+                    let fits = end + self.slot_bytes as u64 + format::footer_bytes(count + 1) as u64
+                        <= self.config.file_target_bytes;
+                    if !fits && count > 0 {
+                        break;
+                    }
+                    i += 1;
+                    if open.keys.contains(key) || self.index.read().contains(key) {
+                        continue;
+                    }
+                    if !self.prepare_slot(key, slot, open.file_seq) {
+                        Stats::add(&self.stats.shared_publish_errors, 1);
+                        continue;
+                    }
+                    batch.push(i - 1);
+                    count += 1;
+                    end += self.slot_bytes as u64;
+                }
+            }
+            if !batch.is_empty() {
+                let open = w.open.as_mut().unwrap();
+                let bufs: Vec<&[u8]> = batch.iter().map(|&j| &slots[j].1[..self.slot_bytes]).collect();
+                match pwritev_all(&open.file, &bufs, open.cursor) {
+                    Ok(()) => {
+                        for &j in &batch {
+                            let slot = &slots[j].1;
+                            let value_checksum = Descriptor::decode(&slot[..DESCRIPTOR_BYTES]).map(|d| d.value_checksum).unwrap_or(0);
+                            open.entries.push(IndexEntry { key: slots[j].0, offset: open.cursor, value_checksum });
+                            open.keys.insert(slots[j].0);
+                            open.cursor += self.slot_bytes as u64;
+                        }
+                        written += batch.len();
+                    }
+                    Err(e) => {
+                        log::warn!("kvtier: writing shared file {} failed: {e}; abandoning it", open.tmp_path.display());
+                        Stats::add(&self.stats.shared_publish_errors, (batch.len() + open.entries.len()) as u64);
+                        self.abandon(&mut w);
+                        continue;
+                    }
+                }
+            }
+            let open = w.open.as_ref().unwrap();
+            let full = open.cursor + self.slot_bytes as u64 + format::footer_bytes(open.entries.len() + 1) as u64
+                > self.config.file_target_bytes;
+            if full {
+                self.seal(&mut w);
+            }
+        }
+        written
+    }
+
+    /// Checks a slot handed to us and stamps the file sequence into its descriptor.
+    fn prepare_slot(&self, key: &BlockKey, slot: &mut [u8], file_seq: u64) -> bool {
+        let Ok(mut desc) = Descriptor::decode(&slot[..DESCRIPTOR_BYTES]) else { return false };
+        let ok = desc.key == *key
+            && desc.namespace == self.namespace
+            && desc.value_bytes as usize == self.object_bytes
+            && checksum(&slot[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + self.object_bytes]) == desc.value_checksum;
+        if ok {
+            desc.region_seq = file_seq;
+            desc.encode(&mut slot[..DESCRIPTOR_BYTES]);
+        }
+        ok
+    }
+
+    fn start_file(&self, w: &mut WriterState) -> Result<()> {
+        let file_seq = w.next_file_seq;
+        w.next_file_seq += 1;
+        let name = data_file_name(self.writer_id, file_seq);
+        let tmp_path = self.dir.join("tmp").join(format!("{}.tmp", name.trim_end_matches(".kvs")));
+        let file = create_file(&self.config, &tmp_path, false, self.direct)?;
+        let mut header = AlignedBuf::zeroed(FILE_HEADER_BYTES);
+        FileHeader {
+            namespace: self.namespace,
+            object_bytes: self.object_bytes as u64,
+            slot_bytes: self.slot_bytes as u64,
+            writer_id: self.writer_id,
+            file_seq,
+            created_unix_ms: unix_ms(),
+        }
+        .encode(header.as_mut_slice());
+        if let Err(e) = file.write_all_at(header.as_slice(), 0) {
+            let _ = std::fs::remove_file(&tmp_path);
+            return Err(Error::io(format!("writing {}", tmp_path.display()), e));
+        }
+        w.open = Some(OpenDataFile {
+            file,
+            tmp_path,
+            name,
+            file_seq,
+            entries: Vec::new(),
+            keys: HashSet::new(),
+            cursor: FILE_HEADER_BYTES as u64,
+            started: Instant::now(),
+        });
+        Ok(())
+    }
+
+    fn abandon(&self, w: &mut WriterState) {
+        if let Some(open) = w.open.take() {
+            drop(open.file);
+            let _ = std::fs::remove_file(&open.tmp_path);
+        }
+    }
+
+    /// Seals the open file: footer, fdatasync, rename into `data/`, directory fsync, publish record.
+    fn seal(&self, w: &mut WriterState) {
+        let Some(open) = w.open.take() else { return };
+        if open.entries.is_empty() {
+            drop(open.file);
+            let _ = std::fs::remove_file(&open.tmp_path);
+            return;
+        }
+        let count = open.entries.len();
+        match self.seal_file(&open) {
+            Ok(file_bytes) => {
+                Stats::add(&self.stats.shared_files_published, 1);
+                Stats::add(&self.stats.shared_bytes_written, file_bytes);
+                let record = Record::Publish {
+                    name: open.name.clone(),
+                    file_bytes,
+                    published_unix_ms: unix_ms(),
+                    entries: open.entries,
+                };
+                if let Err(e) = self.append_records(&[record]) {
+                    // The file is in place but unlisted: the evictor's orphan sweep removes it later.
+                    log::warn!("kvtier: publishing {} to the manifest failed: {e}; its blocks stay unshared", open.name);
+                    Stats::add(&self.stats.shared_publish_errors, count as u64);
+                }
+            }
+            Err(e) => {
+                log::warn!("kvtier: sealing shared file {} failed: {e}; its blocks are not published", open.name);
+                Stats::add(&self.stats.shared_publish_errors, count as u64);
+                let _ = std::fs::remove_file(&open.tmp_path);
+            }
+        }
+    }
+
+    fn seal_file(&self, open: &OpenDataFile) -> Result<u64> {
+        let footer_len = format::footer_bytes(open.entries.len());
+        let mut footer = AlignedBuf::zeroed(footer_len);
+        format::encode_footer(&open.entries, open.cursor, self.writer_id, open.file_seq, footer.as_mut_slice());
+        let ctx = || format!("writing {}", open.tmp_path.display());
+        open.file.write_all_at(&footer.as_slice()[..footer_len], open.cursor).map_err(io_err(ctx()))?;
+        open.file.sync_data().map_err(io_err(format!("fdatasync {}", open.tmp_path.display())))?;
+        let target = self.data_path(&open.name);
+        let parent = target.parent().expect("data path has a parent");
+        if !parent.exists() {
+            make_dir(&self.config, parent)?;
+        }
+        std::fs::rename(&open.tmp_path, &target)
+            .map_err(io_err(format!("renaming {} to {}", open.tmp_path.display(), target.display())))?;
+        // Without it a crash could forget the rename while the manifest (synced later) remembers it;
+        // a reader would then get a clean miss, so failure here is only logged.
+        if let Ok(d) = File::open(parent) {
+            let _ = d.sync_all();
+        }
+        Ok(open.cursor + footer_len as u64)
+    }
+
+    /// Publishes the file being filled, if any, whatever its size.
+    pub fn flush(&self) {
+        let mut w = self.writer.lock();
+        self.seal(&mut w);
+    }
+
+    fn seal_if_old(&self) {
+        let Some(mut w) = self.writer.try_lock() else { return };
+        let old = w
+            .open
+            .as_ref()
+            .is_some_and(|o| o.started.elapsed() >= Duration::from_millis(self.config.publish_delay_ms));
+        if old {
+            self.seal(&mut w);
+        }
+    }
+
+    // ---- maintenance ----
+
+    fn start_maintenance(self: &Arc<Self>) -> Result<()> {
+        let weak = Arc::downgrade(self);
+        let stop = Arc::clone(&self.stop);
+        let period = Duration::from_millis((self.config.staleness_ms / 2).max(5));
+        let handle = std::thread::Builder::new()
+            .name("kvtier-shared".into())
+            .spawn(move || loop {
+                {
+                    let (lock, cv) = &*stop;
+                    let mut stopped = lock.lock();
+                    if !*stopped {
+                        cv.wait_for(&mut stopped, period);
+                    }
+                    if *stopped {
+                        return;
+                    }
+                }
+                let Some(tier) = weak.upgrade() else { return };
+                tier.maintain();
+            })
+            .map_err(|e| Error::io("spawning the shared-tier maintenance thread", e))?;
+        *self.maintenance.lock() = Some(handle);
+        Ok(())
+    }
+
+    /// One maintenance pass: tail manifests, record accesses, publish an old open file, apply the
+    /// capacity rules. Public so that tests can drive it deterministically.
+    pub fn maintain(&self) {
+        if let Err(e) = self.refresh() {
+            log::warn!("kvtier: refreshing the shared index failed: {e}");
+        }
+        self.flush_accesses();
+        self.seal_if_old();
+        capacity::tick(self);
+    }
+
+    /// Whether this process holds the evictor lease right now.
+    pub fn is_evictor(&self) -> bool {
+        self.evictor.lock().holds_lease()
+    }
+
+    /// Publishes the open file, stops the maintenance thread and releases the lease. Idempotent.
+    pub fn close(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        {
+            let (lock, cv) = &*self.stop;
+            *lock.lock() = true;
+            cv.notify_all();
+        }
+        if let Some(h) = self.maintenance.lock().take() {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
+        self.flush();
+        self.flush_accesses();
+        capacity::release(self);
+    }
+}
+
+impl Drop for SharedTier {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn parse_manifest_name(name: &str) -> Option<u64> {
+    let hex = name.strip_suffix(".log")?;
+    (hex.len() == 16).then(|| u64::from_str_radix(hex, 16).ok()).flatten()
+}
+
+fn is_vanished(e: &std::io::Error) -> bool {
+    e.kind() == ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESTALE)
+}
+
+fn read_at_most(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        match file.read_at(&mut buf[got..], offset + got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
+}
+
+/// Writes every buffer back to back at `offset` with as few pwritev calls as possible.
+fn pwritev_all(file: &File, bufs: &[&[u8]], mut offset: u64) -> std::io::Result<()> {
+    let mut iov: Vec<libc::iovec> =
+        bufs.iter().map(|b| libc::iovec { iov_base: b.as_ptr() as *mut libc::c_void, iov_len: b.len() }).collect();
+    let mut first = 0;
+    while first < iov.len() {
+        let n = (iov.len() - first).min(1024);
+        // SAFETY: the iovecs point into live buffers borrowed for the duration of the call.
+        let rc = unsafe { libc::pwritev(file.as_raw_fd(), iov[first..].as_ptr(), n as i32, offset as libc::off_t) };
+        if rc < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if rc == 0 {
+            return Err(std::io::Error::new(ErrorKind::WriteZero, "pwritev wrote nothing"));
+        }
+        let mut done = rc as usize;
+        offset += done as u64;
+        while done > 0 {
+            let v = &mut iov[first];
+            if done >= v.iov_len {
+                done -= v.iov_len;
+                first += 1;
+            } else {
+                // SAFETY: advancing within the same buffer.
+                v.iov_base = unsafe { (v.iov_base as *mut u8).add(done) } as *mut libc::c_void;
+                v.iov_len -= done;
+                done = 0;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn random_nonzero_u64() -> u64 {
+    let mut buf = [0u8; 8];
+    loop {
+        if rustix::rand::getrandom(&mut buf, rustix::rand::GetRandomFlags::empty()).is_err() {
+            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            buf = (t.as_nanos() as u64 ^ ((std::process::id() as u64) << 32)).to_le_bytes();
+        }
+        let v = u64::from_le_bytes(buf);
+        if v != 0 {
+            return v;
+        }
+    }
+}
+
+/// The root must exist (created only when its parent does) and be a directory.
+fn check_root(config: &SharedConfig) -> Result<()> {
+    let root = &config.root;
+    match std::fs::metadata(root) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(Error::config(
+            "shared_root",
+            format!("{} is not a directory; give the directory on the shared filesystem", root.display()),
+        )),
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            let parent = root.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            if parent.is_dir() {
+                make_dir(config, root)
+            } else {
+                Err(Error::config(
+                    "shared_root",
+                    format!(
+                        "{} does not exist, nor does its parent {}; mount the shared filesystem (or create the directory) \
+                         first",
+                        root.display(),
+                        parent.display()
+                    ),
+                ))
+            }
+        }
+        Err(e) => Err(Error::io(format!("checking shared_root {}", root.display()), e)),
+    }
+}
+
+fn writable_error(path: &Path, e: std::io::Error) -> Error {
+    match e.raw_os_error() {
+        Some(libc::EROFS) => Error::config(
+            "shared_root",
+            format!("{} is on a read-only filesystem; mount it read-write or choose another shared_root", path.display()),
+        ),
+        Some(libc::EACCES) | Some(libc::EPERM) => Error::config(
+            "shared_root",
+            format!(
+                "{} is not writable by uid {}; fix its owner or mode (several service accounts: a common group and \
+                 group_shared=true)",
+                path.display(),
+                rustix::process::getuid().as_raw()
+            ),
+        ),
+        Some(libc::ENOSPC) => Error::Capacity {
+            message: format!("{}: the shared filesystem is full; free space or choose another shared_root", path.display()),
+        },
+        _ => Error::io(format!("creating {}", path.display()), e),
+    }
+}
+
+/// Creates a directory with the configured mode (set explicitly: the umask must not narrow it).
+fn make_dir(config: &SharedConfig, path: &Path) -> Result<()> {
+    match std::fs::create_dir(path) {
+        Ok(()) => std::fs::set_permissions(path, std::fs::Permissions::from_mode(config.dir_mode()))
+            .map_err(|e| writable_error(path, e)),
+        Err(e) if e.kind() == ErrorKind::AlreadyExists => {
+            if path.is_dir() {
+                Ok(())
+            } else {
+                Err(Error::config("shared_root", format!("{} exists but is not a directory; remove it", path.display())))
+            }
+        }
+        Err(e) => Err(writable_error(path, e)),
+    }
+}
+
+/// Creates a new file exclusively, with the configured mode.
+fn create_file(config: &SharedConfig, path: &Path, append: bool, direct: bool) -> Result<File> {
+    let mut o = OpenOptions::new();
+    o.read(true).create_new(true).mode(config.file_mode());
+    if append {
+        o.append(true);
+    } else {
+        o.write(true);
+    }
+    if direct {
+        o.custom_flags(libc::O_DIRECT);
+    }
+    let f = o.open(path).map_err(|e| writable_error(path, e))?;
+    if config.group_shared {
+        let _ = f.set_permissions(std::fs::Permissions::from_mode(config.file_mode()));
+    }
+    Ok(f)
+}
+
+/// Probes O_DIRECT (write and read back one page) and rename-over-existing in `tmp/`.
+fn probe_direct_and_rename(config: &SharedConfig, tmp: &Path, writer_id: u64) -> Result<bool> {
+    let probe = tmp.join(format!("probe-{writer_id:016x}.tmp"));
+    let direct = match config.direct_io {
+        DirectIo::Off => false,
+        want => {
+            let ok = (|| -> std::io::Result<()> {
+                let f = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create_new(true)
+                    .mode(config.file_mode())
+                    .custom_flags(libc::O_DIRECT)
+                    .open(&probe)?;
+                let mut page = AlignedBuf::zeroed(ALIGN_BYTES);
+                page.as_mut_slice()[..8].copy_from_slice(b"kvtprobe");
+                f.write_all_at(page.as_slice(), 0)?;
+                let mut back = AlignedBuf::zeroed(ALIGN_BYTES);
+                f.read_exact_at(back.as_mut_slice(), 0)?;
+                if back.as_slice() != page.as_slice() {
+                    return Err(std::io::Error::other("O_DIRECT read back different bytes"));
+                }
+                Ok(())
+            })();
+            let _ = std::fs::remove_file(&probe);
+            match ok {
+                Ok(()) => true,
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) || e.kind() == ErrorKind::Other => {
+                    if want == DirectIo::On {
+                        return Err(Error::config(
+                            "shared_direct_io",
+                            format!("{} does not support O_DIRECT ({e}); set direct_io to auto or off", tmp.display()),
+                        ));
+                    }
+                    log::warn!(
+                        "kvtier: shared root {} does not support O_DIRECT ({e}); using buffered I/O for shared files",
+                        config.root.display()
+                    );
+                    false
+                }
+                Err(e) => return Err(writable_error(tmp, e)),
+            }
+        }
+    };
+    // Publishing relies on rename replacing a name atomically; a filesystem that refuses rename
+    // (some object-store gateways) cannot host the tier.
+    let a = tmp.join(format!("probe-{writer_id:016x}.a"));
+    let b = tmp.join(format!("probe-{writer_id:016x}.b"));
+    let renamed = (|| -> std::io::Result<()> {
+        let mut fa = File::create(&a)?;
+        fa.write_all(b"a")?;
+        File::create(&b)?.write_all(b"b")?;
+        std::fs::rename(&a, &b)?;
+        let mut s = String::new();
+        File::open(&b)?.read_to_string(&mut s)?;
+        if s != "a" {
+            return Err(std::io::Error::other("rename did not replace the target"));
+        }
+        Ok(())
+    })();
+    let _ = std::fs::remove_file(&a);
+    let _ = std::fs::remove_file(&b);
+    if let Err(e) = renamed {
+        return Err(match e.raw_os_error() {
+            Some(libc::EROFS) | Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::ENOSPC) => writable_error(tmp, e),
+            _ => Error::config(
+                "shared_root",
+                format!(
+                    "{} does not support atomic rename over an existing file ({e}); kvtier publishes by rename, use a \
+                     POSIX filesystem (NFS, Lustre, CephFS, Storage Scale)",
+                    config.root.display()
+                ),
+            ),
+        });
+    }
+    Ok(direct)
+}

@@ -1,0 +1,526 @@
+//! The shared-filesystem tier against real files in temporary directories (and child processes for
+//! the concurrency and lease tests).
+
+use kvtier_core::key::{BlockKey, Namespace};
+use kvtier_core::stats::Stats;
+use kvtier_core::tiers::shared::{SharedConfig, SharedTier};
+use kvtier_core::{Error, Store, StoreConfig};
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const OBJECT_BYTES: usize = 10_000; // not a multiple of 4096 on purpose
+const STRESS: &str = env!("CARGO_BIN_EXE_kvtier-shared-stress");
+
+fn key(i: u64) -> BlockKey {
+    let mut k = [0u8; 32];
+    k[..8].copy_from_slice(&i.to_le_bytes());
+    k[8] = 0xab;
+    BlockKey(k)
+}
+
+fn value(i: u64) -> Vec<u8> {
+    (0..OBJECT_BYTES).map(|j| (i as usize * 31 + j * 7) as u8).collect()
+}
+
+fn config(root: &Path) -> SharedConfig {
+    let mut c = SharedConfig::new(root);
+    c.file_target_bytes = 256 << 10;
+    c.staleness_ms = 20;
+    c.lease_ms = 500;
+    c.grace_ms = 100;
+    c.publish_delay_ms = 50;
+    c.orphan_tmp_ms = 60_000;
+    c
+}
+
+fn open(c: &SharedConfig, ns: &str) -> (Arc<SharedTier>, Arc<Stats>) {
+    let stats = Arc::new(Stats::default());
+    let tier = SharedTier::open(c, Namespace::from_description(ns.as_bytes()), OBJECT_BYTES, Arc::clone(&stats)).unwrap();
+    (tier, stats)
+}
+
+fn publish(tier: &SharedTier, range: std::ops::Range<u64>) {
+    let keys: Vec<_> = range.clone().map(key).collect();
+    let values: Vec<_> = range.map(value).collect();
+    let refs: Vec<&[u8]> = values.iter().map(|v| v.as_slice()).collect();
+    assert_eq!(tier.publish_values(&keys, &refs).unwrap(), keys.len());
+    tier.flush();
+}
+
+fn data_files(ns_dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for d in std::fs::read_dir(ns_dir.join("data")).unwrap().flatten() {
+        for f in std::fs::read_dir(d.path()).unwrap().flatten() {
+            out.push(f.path());
+        }
+    }
+    out.sort();
+    out
+}
+
+fn read_ok(tier: &SharedTier, i: u64) -> bool {
+    let mut out = vec![0u8; OBJECT_BYTES];
+    let ok = tier.read_value(&key(i), &mut out).unwrap();
+    if ok {
+        assert_eq!(out, value(i), "wrong bytes for block {i}");
+    }
+    ok
+}
+
+fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let until = Instant::now() + limit;
+    while Instant::now() < until {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    f()
+}
+
+#[test]
+fn publish_and_read_roundtrip_across_processes_views() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = config(dir.path());
+    let (a, a_stats) = open(&c, "model-a");
+    publish(&a, 0..40);
+    // 40 blocks of 16 KiB slots in files of 256 KiB: a few files, never one per block.
+    let files = data_files(a.namespace_dir());
+    assert!((2..=4).contains(&files.len()), "{} files", files.len());
+    for i in 0..40 {
+        assert!(a.contains(&key(i)));
+        assert!(read_ok(&a, i));
+    }
+    assert!(!read_ok(&a, 1000));
+    let s = a_stats.snapshot();
+    assert_eq!(s.shared_hits, 40);
+    assert_eq!(s.shared_misses, 1);
+    assert_eq!(s.shared_files_published, files.len() as u64);
+    assert!(s.shared_bytes_written >= 40 * 16384);
+
+    // Another writer on the same root (another process, as far as the files can tell) sees the blocks
+    // within the staleness bound, and its blocks become visible to the first.
+    let (b, _) = open(&c, "model-a");
+    assert!((0..40).all(|i| b.contains(&key(i))), "a new tier indexes everything at open");
+    assert!(read_ok(&b, 7));
+    publish(&b, 100..110);
+    let started = Instant::now();
+    assert!(wait_until(Duration::from_millis(c.staleness_ms * 5), || a.contains(&key(105))));
+    eprintln!("visible to the other writer after {:?} (staleness_ms={})", started.elapsed(), c.staleness_ms);
+    assert!(read_ok(&a, 109));
+}
+
+#[test]
+fn restart_rebuilds_index_from_manifests_without_reading_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = config(dir.path());
+    let ns_dir;
+    {
+        let (a, _) = open(&c, "model-a");
+        publish(&a, 0..30);
+        ns_dir = a.namespace_dir().to_path_buf();
+        a.close();
+    }
+    // Scramble every value byte range on disk (descriptors, headers, footers intact). If opening
+    // read values it could not index these blocks as present; it must, since it reads manifests only.
+    let slot = 4096 + 12288;
+    for f in data_files(&ns_dir) {
+        let file = std::fs::OpenOptions::new().write(true).open(&f).unwrap();
+        let len = file.metadata().unwrap().len();
+        let mut off = 4096;
+        while off + slot as u64 <= len - 4096 {
+            file.write_all_at(&[0x5a; 64], off + 4096 + 100).unwrap();
+            off += slot as u64;
+        }
+    }
+    let started = Instant::now();
+    let (b, stats) = open(&c, "model-a");
+    eprintln!("reopen indexed {} blocks in {:?}", b.indexed_keys(usize::MAX).len(), started.elapsed());
+    assert!((0..30).all(|i| b.contains(&key(i))));
+    assert_eq!(stats.snapshot().shared_bytes_read, 0);
+    // The scrambled values are caught on read: misses, never bytes.
+    assert!(!read_ok(&b, 3));
+    assert_eq!(stats.snapshot().shared_quarantined_files, 1);
+}
+
+#[test]
+fn corrupt_value_is_a_miss_and_quarantines_its_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = config(dir.path());
+    let (a, stats) = open(&c, "model-a");
+    publish(&a, 0..10);
+    let files = data_files(a.namespace_dir());
+    assert_eq!(files.len(), 1);
+    // Flip one byte inside the value of the third entry.
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(&files[0]).unwrap();
+    let at = 4096 + 2 * (4096 + 12288) + 4096 + 5000;
+    let mut b = [0u8; 1];
+    file.read_exact_at(&mut b, at).unwrap();
+    file.write_all_at(&[b[0] ^ 1], at).unwrap();
+    let (other, _) = open(&c, "model-a");
+    assert!(other.contains(&key(0)));
+
+    assert!(!read_ok(&a, 2));
+    let s = stats.snapshot();
+    assert_eq!(s.shared_quarantined_files, 1);
+    assert_eq!(s.checksum_failures, 1);
+    assert_eq!(s.shared_misses, 1);
+    // The whole file is out: moved to quarantine/, its other blocks are misses now.
+    assert!(!files[0].exists());
+    let name = files[0].file_name().unwrap();
+    assert!(a.namespace_dir().join("quarantine").join(name).exists());
+    assert!(!a.contains(&key(0)));
+    assert!(!read_ok(&a, 0));
+    // Other processes drop it through the quarantine record.
+    assert!(wait_until(Duration::from_millis(500), || !other.contains(&key(0))));
+    // Quarantining is counted once, and a second reader racing it gets a clean miss.
+    assert!(!read_ok(&other, 5));
+    assert_eq!(stats.snapshot().shared_quarantined_files, 1);
+}
+
+#[test]
+fn foreign_namespace_is_never_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = config(dir.path());
+    let (a, _) = open(&c, "model-a");
+    let (b, b_stats) = open(&c, "model-b");
+    publish(&a, 0..5);
+    b.refresh().unwrap();
+    assert!(!b.contains(&key(0)), "namespaces have separate directories");
+
+    // A manifest copied from namespace A into B's directory is ignored whole (its header names A).
+    let a_manifest = std::fs::read_dir(a.namespace_dir().join("manifests")).unwrap().next().unwrap().unwrap().path();
+    std::fs::copy(&a_manifest, b.namespace_dir().join("manifests").join(a_manifest.file_name().unwrap())).unwrap();
+    for f in data_files(a.namespace_dir()) {
+        let rel = f.strip_prefix(a.namespace_dir()).unwrap();
+        std::fs::create_dir_all(b.namespace_dir().join(rel).parent().unwrap()).unwrap();
+        std::fs::copy(&f, b.namespace_dir().join(rel)).unwrap();
+    }
+    b.refresh().unwrap();
+    assert!(!b.contains(&key(0)), "a foreign manifest must not be indexed");
+
+    // B publishes the same keys, then its file's bytes are replaced by A's: every descriptor names
+    // namespace A, so B's reads are misses and the file is quarantined.
+    publish(&b, 0..5);
+    let b_file = data_files(b.namespace_dir())
+        .into_iter()
+        .find(|p| p.file_name().unwrap().to_str().unwrap().starts_with(&format!("{:016x}", b.writer_id())))
+        .unwrap();
+    let a_file = data_files(a.namespace_dir()).remove(0);
+    std::fs::copy(&a_file, &b_file).unwrap();
+    assert!(!read_ok(&b, 0));
+    assert_eq!(b_stats.snapshot().shared_quarantined_files, 1);
+    assert_eq!(b_stats.snapshot().shared_hits, 0);
+}
+
+#[test]
+fn watermarks_evict_least_recently_used_files_after_grace() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(dir.path());
+    c.capacity_bytes = Some(4 << 20); // high 3.6 MiB, low 3.2 MiB
+    let (a, stats) = open(&c, "model-a");
+    let file_bytes = 256 << 10;
+    let mut hot_reads = 0;
+    for round in 0..40u64 {
+        // Writers may be refused at the hard ceiling while victims wait out their grace period.
+        let keys: Vec<_> = (round * 15..round * 15 + 15).map(key).collect();
+        let values: Vec<_> = (round * 15..round * 15 + 15).map(value).collect();
+        let refs: Vec<&[u8]> = values.iter().map(|v| v.as_slice()).collect();
+        a.publish_values(&keys, &refs).unwrap();
+        a.flush();
+        // Block 0's file is read all the time: it must survive as the least recently used go.
+        if read_ok(&a, 0) {
+            hot_reads += 1;
+        }
+        std::thread::sleep(Duration::from_millis(30));
+        let usage = a.usage();
+        assert!(
+            usage.used_bytes <= (0.95 * usage.capacity_bytes as f64) as u64 + file_bytes,
+            "round {round}: usage {} of {}",
+            usage.used_bytes,
+            usage.capacity_bytes
+        );
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let s = stats.snapshot();
+    eprintln!("evicted {} files, {} hot reads, usage {:?}", s.shared_evicted_files, hot_reads, a.usage());
+    assert!(s.shared_evicted_files > 10, "{s:?}");
+    assert_eq!(hot_reads, 40, "the recently read file was evicted");
+    assert!(read_ok(&a, 0));
+    assert!(!a.contains(&key(20)), "an old, unread file should be gone");
+}
+
+#[test]
+fn fail_on_full_refuses_to_publish_instead_of_evicting() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(dir.path());
+    c.capacity_bytes = Some(2 << 20);
+    c.fail_on_full = true;
+    let (a, stats) = open(&c, "model-a");
+    for round in 0..20u64 {
+        let keys: Vec<_> = (round * 15..round * 15 + 15).map(key).collect();
+        let values: Vec<_> = (round * 15..round * 15 + 15).map(value).collect();
+        let refs: Vec<&[u8]> = values.iter().map(|v| v.as_slice()).collect();
+        a.publish_values(&keys, &refs).unwrap();
+        a.flush();
+        a.maintain();
+    }
+    let s = stats.snapshot();
+    assert!(s.shared_publish_errors > 0, "{s:?}");
+    assert_eq!(s.shared_evicted_files, 0);
+    assert!(a.usage().used_bytes <= (2 << 20) + (512 << 10), "{:?}", a.usage());
+    assert!(read_ok(&a, 0), "nothing was evicted");
+}
+
+#[test]
+fn startup_errors_name_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let stats = Arc::new(Stats::default());
+    let ns = Namespace::from_description(b"x");
+    let err = |c: &SharedConfig| SharedTier::open(c, ns, OBJECT_BYTES, Arc::clone(&stats)).err().unwrap().to_string();
+
+    let e = err(&config(&dir.path().join("missing/deeper")));
+    assert!(e.contains("does not exist, nor does its parent"), "{e}");
+    let file = dir.path().join("plain-file");
+    std::fs::write(&file, b"x").unwrap();
+    let e = err(&config(&file));
+    assert!(e.contains("is not a directory"), "{e}");
+    let mut c = config(dir.path());
+    c.low_watermark = 0.95;
+    let e = err(&c);
+    assert!(e.contains("shared_low_watermark"), "{e}");
+    let mut c = config(dir.path());
+    c.grace_ms = 10;
+    assert!(err(&c).contains("shared_grace_ms"));
+    // A missing root whose parent exists is created.
+    let c = config(&dir.path().join("new-root"));
+    assert!(SharedTier::open(&c, ns, OBJECT_BYTES, Arc::clone(&stats)).is_ok());
+    // Full: a capacity with no room for one file and nothing to evict.
+    let mut c = config(&dir.path().join("tiny"));
+    c.capacity_bytes = Some(64 << 10);
+    let e = err(&c);
+    assert!(e.contains("less than one file"), "{e}");
+}
+
+/// A separately mounted small filesystem (tmpfs; O_DIRECT there depends on the kernel: supported
+/// since Linux 6.6): the probe decides, and publish/read work either way. Needs root; skipped otherwise.
+#[test]
+fn tmpfs_without_o_direct_falls_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let ok = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=16m", "tmpfs"])
+        .arg(&mnt)
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("skipped: cannot mount tmpfs here");
+        return;
+    }
+    let result = std::panic::catch_unwind(|| {
+        let c = config(&mnt.join("root"));
+        let (a, _) = open(&c, "model-a");
+        eprintln!("tmpfs: O_DIRECT {}", if a.direct_io() { "supported" } else { "unsupported, fell back" });
+        publish(&a, 0..10);
+        assert!((0..10).all(|i| read_ok(&a, i)));
+        a.close();
+    });
+    let _ = Command::new("umount").arg(&mnt).status();
+    result.unwrap();
+}
+
+fn spawn_stress(root: &Path, extra: &[String]) -> (Child, String) {
+    let mut child = Command::new(STRESS)
+        .arg(format!("root={}", root.display()))
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    let stdout = child.stdout.as_mut().unwrap();
+    let mut reader = BufReader::new(stdout);
+    reader.read_line(&mut first).unwrap();
+    let id = first.trim().strip_prefix("WRITER ").expect("WRITER line").to_string();
+    (child, id)
+}
+
+fn lease_holder(ns_dir: &Path) -> Option<(String, u64)> {
+    let mut gens: Vec<_> = std::fs::read_dir(ns_dir.join("lease")).ok()?.flatten().map(|e| e.path()).collect();
+    gens.sort();
+    let bytes = std::fs::read(gens.last()?).ok()?;
+    if bytes.len() < 64 {
+        return None;
+    }
+    let holder = u64::from_le_bytes(bytes[24..32].try_into().unwrap());
+    let expires = u64::from_le_bytes(bytes[32..40].try_into().unwrap());
+    Some((format!("{holder:016x}"), expires))
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
+}
+
+fn allocated(dir: &Path) -> u64 {
+    fn walk(d: &Path) -> u64 {
+        let Ok(rd) = std::fs::read_dir(d) else { return 0 };
+        rd.flatten()
+            .map(|e| match e.metadata() {
+                Ok(m) if m.is_dir() => walk(&e.path()),
+                Ok(m) => m.blocks() * 512,
+                Err(_) => 0,
+            })
+            .sum()
+    }
+    walk(dir)
+}
+
+#[test]
+fn lease_moves_to_another_process_when_the_holder_is_killed() {
+    let dir = tempfile::tempdir().unwrap();
+    let ns_dir = dir.path().join(Namespace::from_description(b"stress").hex());
+    // Tiny capacity and a long grace: usage stays above the high watermark, so the holder keeps the
+    // lease (renewing it) for the whole run.
+    let args: Vec<String> =
+        ["secs=30", "capacity_bytes=2097152", "file_bytes=262144", "grace_ms=60000", "lease_ms=600", "publish_every_ms=50"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let (mut first, first_id) = spawn_stress(dir.path(), &args);
+    // Wait until the first holds the lease with usage above the high watermark (it keeps it from then).
+    assert!(wait_until(Duration::from_secs(10), || allocated(&ns_dir) > 2_000_000
+        && lease_holder(&ns_dir).is_some_and(|(h, _)| h == first_id)));
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(lease_holder(&ns_dir).unwrap().0, first_id);
+    let (mut second, second_id) = spawn_stress(dir.path(), &args);
+    // While the first lives and renews, the second never takes over.
+    std::thread::sleep(Duration::from_millis(1500));
+    let (holder, expires) = lease_holder(&ns_dir).unwrap();
+    assert_eq!(holder, first_id);
+    assert!(expires > now_ms());
+    first.kill().unwrap(); // SIGKILL: no release
+    first.wait().unwrap();
+    let killed = Instant::now();
+    assert!(
+        wait_until(Duration::from_secs(5), || lease_holder(&ns_dir).is_some_and(|(h, _)| h == second_id)),
+        "the lease did not move to the surviving process"
+    );
+    eprintln!("lease taken over {:?} after SIGKILL (lease_ms=600)", killed.elapsed());
+    second.kill().unwrap();
+    second.wait().unwrap();
+}
+
+#[test]
+fn four_processes_share_a_root_with_eviction_running() {
+    let dir = tempfile::tempdir().unwrap();
+    let ns_dir = dir.path().join(Namespace::from_description(b"stress").hex());
+    let capacity: u64 = 24 << 20;
+    let file_bytes: u64 = 1 << 20;
+    let args: Vec<String> = vec![
+        "secs=8".into(),
+        format!("capacity_bytes={capacity}"),
+        format!("file_bytes={file_bytes}"),
+        "grace_ms=200".into(),
+        "lease_ms=600".into(),
+        "staleness_ms=50".into(),
+        "publish_every_ms=5".into(),
+    ];
+    let mut children: Vec<(Child, String)> = (0..4).map(|_| spawn_stress(dir.path(), &args)).collect();
+    let started = Instant::now();
+    let mut max_used = 0;
+    let mut killed_holder = None;
+    while started.elapsed() < Duration::from_secs(8) {
+        max_used = max_used.max(allocated(&ns_dir));
+        // Halfway, kill whoever holds the lease; one of the others must take over.
+        if killed_holder.is_none() && started.elapsed() > Duration::from_secs(3) {
+            if let Some((holder, expires)) = lease_holder(&ns_dir) {
+                if expires > now_ms() {
+                    if let Some(pos) = children.iter().position(|(_, id)| *id == holder) {
+                        let (mut c, id) = children.remove(pos);
+                        c.kill().unwrap();
+                        c.wait().unwrap();
+                        killed_holder = Some(id);
+                    }
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut total_hits = 0;
+    for (c, _) in children.iter_mut() {
+        let out = c.wait_with_output_ref();
+        assert!(out.0.success(), "a child read wrong bytes or failed: {}", out.1);
+        let line = out.1.lines().find(|l| l.starts_with("STATS")).unwrap().to_string();
+        eprintln!("{line}");
+        assert!(line.contains(" wrong=0 "));
+        total_hits += line.split(" hits=").nth(1).unwrap().split(' ').next().unwrap().parse::<u64>().unwrap();
+    }
+    // Writers stop at the hard ceiling (0.95); each may finish the file it has open.
+    let bound = (0.95 * capacity as f64) as u64 + 5 * file_bytes;
+    eprintln!(
+        "max usage {} bytes ({:.2} of capacity {}), bound {bound}; killed holder {killed_holder:?}; total hits {total_hits}",
+        max_used,
+        max_used as f64 / capacity as f64,
+        capacity
+    );
+    assert!(total_hits > 100);
+    assert!(max_used <= bound, "usage {max_used} above {bound}");
+    let killed = killed_holder.expect("a lease holder was found and killed");
+    let (holder, _) = lease_holder(&ns_dir).unwrap();
+    assert_ne!(holder, killed, "the lease stayed with the killed process");
+}
+
+trait WaitOutput {
+    fn wait_with_output_ref(&mut self) -> (std::process::ExitStatus, String);
+}
+
+impl WaitOutput for Child {
+    fn wait_with_output_ref(&mut self) -> (std::process::ExitStatus, String) {
+        let mut s = String::new();
+        if let Some(out) = self.stdout.as_mut() {
+            use std::io::Read;
+            out.read_to_string(&mut s).unwrap();
+        }
+        (self.wait().unwrap(), s)
+    }
+}
+
+#[test]
+fn store_with_shared_tier_and_no_nvme_serves_another_stores_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared_root = dir.path().join("shared");
+    let make = |local: &str| {
+        let mut c = StoreConfig::new(dir.path().join(local), OBJECT_BYTES);
+        c.nvme_bytes = 0;
+        c.dram_bytes = 64 * 16384;
+        let mut s = config(&shared_root);
+        s.publish_delay_ms = 20;
+        c.shared = Some(s);
+        c
+    };
+    let a = Store::open(make("node-a")).unwrap();
+    let keys: Vec<_> = (0..20).map(key).collect();
+    let values: Vec<_> = (0..20).map(value).collect();
+    let refs: Vec<&[u8]> = values.iter().map(|v| v.as_slice()).collect();
+    assert!(a.put_many(&keys, &refs).unwrap().iter().all(|&ok| ok));
+    a.flush().unwrap();
+    let b = Store::open(make("node-b")).unwrap();
+    assert!(wait_until(Duration::from_secs(2), || b.lookup_prefix(&keys) == 20));
+    let mut out: Vec<Vec<u8>> = (0..20).map(|_| vec![0u8; OBJECT_BYTES]).collect();
+    let mut outs: Vec<&mut [u8]> = out.iter_mut().map(|v| v.as_mut_slice()).collect();
+    assert!(b.get_many(&keys, &mut outs).unwrap().iter().all(|&ok| ok));
+    assert_eq!(out, values);
+    let s = b.stats().counters;
+    assert_eq!(s.shared_hits, 20);
+    // Now resident in B's DRAM: a second get is a DRAM hit.
+    let mut outs: Vec<&mut [u8]> = out.iter_mut().map(|v| v.as_mut_slice()).collect();
+    assert!(b.get_many(&keys, &mut outs).unwrap().iter().all(|&ok| ok));
+    assert_eq!(b.stats().counters.shared_hits, 20);
+    let _ = Error::Closed;
+}
