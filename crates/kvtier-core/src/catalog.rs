@@ -106,8 +106,12 @@ pub enum GetStep {
     Nvme(NvmeRead),
 }
 
+/// `NvmeRead::slot` of a direct read: the value lands in the caller's memory, no DRAM slot is used.
+pub const NO_SLOT: u32 = u32::MAX;
+
 #[derive(Debug, Clone, Copy)]
 pub struct NvmeRead {
+    /// The DRAM slot the entry is read into, or `NO_SLOT` for a direct read into caller memory.
     pub slot: u32,
     pub loc: NvmeLoc,
     pub sequence: u64,
@@ -330,7 +334,9 @@ impl Catalog {
 
     // ---- loads ----
 
-    pub fn plan_get(&mut self, key: &BlockKey) -> GetStep {
+    /// `direct`: the caller's buffer can take an O_DIRECT read itself, so an NVMe-only block is read
+    /// there without a DRAM slot (and is not promoted to DRAM).
+    pub fn plan_get(&mut self, key: &BlockKey, direct: bool) -> GetStep {
         let Some(e) = self.index.get_mut(key) else { return GetStep::Miss };
         if e.dram_ready {
             let slot = e.dram.expect("ready entry has a slot");
@@ -339,6 +345,15 @@ impl Catalog {
             return GetStep::Dram { slot };
         }
         let Some(loc) = e.nvme else { return GetStep::Miss };
+        if direct {
+            e.pins += 1;
+            return GetStep::Nvme(NvmeRead {
+                slot: NO_SLOT,
+                loc,
+                sequence: e.sequence,
+                value_checksum: e.value_checksum,
+            });
+        }
         let Some(slot) = self.alloc_slot() else { return GetStep::NoSlot };
         // Eviction only drops entries without an NVMe copy, so this one is still here.
         let e = self.index.get_mut(key).expect("entry with an NVMe copy survives eviction");
@@ -360,10 +375,21 @@ impl Catalog {
 
     pub fn finish_get_nvme(&mut self, key: &BlockKey, read: &NvmeRead, outcome: LoadOutcome) {
         let Some(e) = self.index.get_mut(key) else {
-            self.free_slot(read.slot);
+            if read.slot != NO_SLOT {
+                self.free_slot(read.slot);
+            }
             return;
         };
         e.pins = e.pins.saturating_sub(1);
+        if read.slot == NO_SLOT {
+            if !matches!(outcome, LoadOutcome::Ok) && e.nvme == Some(read.loc) {
+                e.nvme = None;
+                if !e.visible() && e.dram.is_none() && !e.write_pending {
+                    self.index.remove(key);
+                }
+            }
+            return;
+        }
         match outcome {
             LoadOutcome::Ok if e.dram.is_none() => {
                 e.dram = Some(read.slot);

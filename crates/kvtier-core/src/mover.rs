@@ -3,8 +3,8 @@
 //! finished ones are verified (descriptor, key, namespace, sequence, value checksum) and copied out.
 //! A block that fails verification is a miss, counted, and dropped from the index: never bytes.
 
-use crate::catalog::{GetStep, LoadOutcome, MetaWrite, NvmeRead, PutStep, WritePlan};
-use crate::format::checksum;
+use crate::catalog::{GetStep, LoadOutcome, MetaWrite, NvmeRead, PutStep, WritePlan, NO_SLOT};
+use crate::format::{checksum, ALIGN_BYTES};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::io::buffer::AlignedBuf;
 use crate::io::device::IoOp;
@@ -34,6 +34,32 @@ impl BlockBuffer {
     pub fn total_bytes(&self) -> usize {
         self.segments.iter().map(|s| s.1).sum()
     }
+
+    /// Every segment starts and ends on a 4096-byte boundary, so an O_DIRECT read can land in it.
+    fn direct_capable(&self) -> bool {
+        self.segments.iter().all(|&(ptr, len)| ptr as usize % ALIGN_BYTES == 0 && len % ALIGN_BYTES == 0 && len > 0)
+    }
+}
+
+/// Hashes the value a direct read left in the caller's memory.
+fn checksum_segments(buf: &BlockBuffer) -> u64 {
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    for &(ptr, len) in &buf.segments {
+        // SAFETY: the read filled the segment; the caller keeps it alive (submission contract).
+        hasher.update(unsafe { std::slice::from_raw_parts(ptr, len) });
+    }
+    hasher.digest()
+}
+
+/// Checks a direct read: the descriptor landed in `page`, the value in the caller's segments.
+fn verify_direct(sh: &Shared, key: &BlockKey, read: &NvmeRead, page: &AlignedBuf, buf: &BlockBuffer) -> bool {
+    let Ok(desc) = Descriptor::decode(page.as_slice()) else { return false };
+    desc.key == *key
+        && desc.namespace == sh.namespace
+        && desc.value_bytes as usize == sh.config.object_bytes
+        && desc.sequence == read.sequence
+        && desc.value_checksum == read.value_checksum
+        && checksum_segments(buf) == desc.value_checksum
 }
 
 fn copy_out(sh: &Shared, slot: u32, buf: &BlockBuffer) {
@@ -104,7 +130,10 @@ fn verify_and_copy_out(sh: &Shared, key: &BlockKey, read: &NvmeRead, buf: &Block
 pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuffer]) -> Vec<bool> {
     let n = keys.len();
     let mut results = vec![false; n];
-    let (done_tx, done_rx) = unbounded::<(usize, NvmeRead, std::io::Result<()>)>();
+    // A direct read (value straight into caller memory) carries the page its descriptor landed in.
+    let (done_tx, done_rx) = unbounded::<(usize, NvmeRead, std::io::Result<()>, Option<AlignedBuf>)>();
+    // Direct reads need O_DIRECT semantics end to end and values that fill whole pages.
+    let direct_io = sh.device_files.iter().all(|d| d.direct) && sh.config.object_bytes % ALIGN_BYTES == 0;
     let max_inflight = (sh.arena.slot_count() / 2)
         .max(1)
         .min(sh.config.io_depth * sh.devices.len().max(1) * 2);
@@ -119,7 +148,8 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
             {
                 let mut cat = sh.catalog.lock();
                 while next < n && inflight + reads.len() + shared_reads.len() < max_inflight {
-                    match cat.plan_get(&keys[next]) {
+                    let direct = direct_io && bufs[next].direct_capable();
+                    match cat.plan_get(&keys[next], direct) {
                         GetStep::Dram { slot } => dram_hits.push((next, slot)),
                         GetStep::Nvme(read) => reads.push((next, read)),
                         GetStep::Miss => match plan_shared_read(sh, &mut cat, &keys[next]) {
@@ -146,13 +176,31 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
             for (i, read) in reads.drain(..) {
                 let tx = done_tx.clone();
                 let geometry = sh.geometry.expect("NVMe reads need the NVMe tier");
+                if read.slot == NO_SLOT {
+                    let page = AlignedBuf::zeroed(DESCRIPTOR_BYTES);
+                    let mut iovecs = vec![libc::iovec { iov_base: page.as_ptr().cast(), iov_len: DESCRIPTOR_BYTES }];
+                    iovecs.extend(bufs[i].segments.iter().map(|&(ptr, len)| libc::iovec { iov_base: ptr.cast(), iov_len: len }));
+                    sh.devices[read.loc.device as usize].read(IoOp {
+                        kind: OpKind::Read,
+                        offset: geometry.region_offset(read.loc.region) + read.loc.offset,
+                        buf: std::ptr::null_mut(),
+                        len: DESCRIPTOR_BYTES + sh.config.object_bytes,
+                        iovecs,
+                        on_done: Box::new(move |r| {
+                            let _ = tx.send((i, read, r, Some(page)));
+                        }),
+                    });
+                    inflight += 1;
+                    continue;
+                }
                 sh.devices[read.loc.device as usize].read(IoOp {
                     kind: OpKind::Read,
                     offset: geometry.region_offset(read.loc.region) + read.loc.offset,
                     buf: sh.arena.slot_ptr(read.slot),
                     len: sh.arena.slot_bytes(),
+                    iovecs: Vec::new(),
                     on_done: Box::new(move |r| {
-                        let _ = tx.send((i, read, r));
+                        let _ = tx.send((i, read, r, None));
                     }),
                 });
                 inflight += 1;
@@ -182,14 +230,18 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
         finished.extend(done_rx.try_iter());
         inflight -= finished.len();
         let mut outcomes = Vec::with_capacity(finished.len());
-        for (i, read, io_result) in finished {
+        for (i, read, io_result, page) in finished {
+            let verified = |read: &NvmeRead| match &page {
+                Some(page) => verify_direct(sh, &keys[i], read, page, &bufs[i]),
+                None => verify_and_copy_out(sh, &keys[i], read, &bufs[i]),
+            };
             let outcome = match io_result {
                 Err(e) => {
                     log::warn!("kvtier: read of block {:?} failed: {e}; counted as a miss", keys[i]);
                     Stats::add(&sh.stats.io_errors, 1);
                     LoadOutcome::IoError
                 }
-                Ok(()) if verify_and_copy_out(sh, &keys[i], &read, &bufs[i]) => {
+                Ok(()) if verified(&read) => {
                     results[i] = true;
                     Stats::add(&sh.stats.nvme_hits, 1);
                     Stats::add(&sh.stats.bytes_read_nvme, sh.arena.slot_bytes() as u64);
@@ -300,6 +352,7 @@ fn submit_entry_write(sh: &Arc<Shared>, key: BlockKey, plan: WritePlan) {
         offset: geometry.region_offset(plan.loc.region) + plan.loc.offset,
         buf: sh.arena.slot_ptr(plan.slot),
         len: sh.arena.slot_bytes(),
+        iovecs: Vec::new(),
         on_done: Box::new(move |r| {
             if let Err(e) = &r {
                 log::warn!("kvtier: NVMe write of {key:?} failed: {e}; the block stays in DRAM only");
@@ -328,6 +381,7 @@ pub(crate) fn submit_meta(sh: &Arc<Shared>, writes: Vec<MetaWrite>) {
             offset: geometry.trailer_offset(write.region),
             buf: ptr,
             len,
+            iovecs: Vec::new(),
             on_done: Box::new(move |r| {
                 drop(buf);
                 if let Err(e) = &r {

@@ -585,7 +585,7 @@ fn uring_self_test(file: &DeviceFile) -> std::io::Result<()> {
     let fd = file.file.as_raw_fd();
     let mut engine = UringEngine::new(8, fd, &[], "self-test")?;
     let buf = AlignedBuf::zeroed(SUPERBLOCK_BYTES);
-    engine.submit(&[IoRequest { token: 7, kind: OpKind::Read, fd, offset: 0, buf: buf.as_ptr(), len: SUPERBLOCK_BYTES }])?;
+    engine.submit(&[IoRequest { token: 7, kind: OpKind::Read, fd, offset: 0, buf: buf.as_ptr(), len: SUPERBLOCK_BYTES, iov: std::ptr::null(), iov_count: 0 }])?;
     let mut out: Vec<IoCompletion> = Vec::new();
     engine.wait(1, &mut out)?;
     match out.first() {

@@ -24,6 +24,9 @@ pub struct IoOp {
     pub offset: u64,
     pub buf: *mut u8,
     pub len: usize,
+    /// Vectored read targets (empty for a single buffer). A partial vectored transfer is retried
+    /// whole rather than resumed mid-iovec.
+    pub iovecs: Vec<libc::iovec>,
     pub on_done: OnDone,
 }
 
@@ -202,6 +205,8 @@ impl DeviceLoop {
             offset: op.offset,
             buf: op.buf,
             len: op.len,
+            iov: op.iovecs.as_ptr(),
+            iov_count: op.iovecs.len(),
         });
         self.inflight.insert(token, InFlight { op, done_bytes: 0, retries: 0 });
     }
@@ -232,6 +237,19 @@ impl DeviceLoop {
 
     fn resubmit(&mut self, token: u64) {
         let f = &self.inflight[&token];
+        if !f.op.iovecs.is_empty() {
+            self.batch.push(IoRequest {
+                token,
+                kind: f.op.kind,
+                fd: self.fd,
+                offset: f.op.offset,
+                buf: std::ptr::null_mut(),
+                len: f.op.len,
+                iov: f.op.iovecs.as_ptr(),
+                iov_count: f.op.iovecs.len(),
+            });
+            return;
+        }
         // SAFETY: done_bytes < len, so the pointer stays inside the op's buffer.
         self.batch.push(IoRequest {
             token,
@@ -240,6 +258,8 @@ impl DeviceLoop {
             offset: f.op.offset + f.done_bytes as u64,
             buf: unsafe { f.op.buf.add(f.done_bytes) },
             len: f.op.len - f.done_bytes,
+            iov: std::ptr::null(),
+            iov_count: 0,
         });
     }
 
@@ -271,6 +291,15 @@ impl DeviceLoop {
                 std::io::ErrorKind::WriteZero
             };
             self.finish(c.token, Err(std::io::Error::new(kind, "zero-byte transfer (truncated file or full device)")));
+            return;
+        }
+        if !f.op.iovecs.is_empty() && (c.result as usize) < f.op.len {
+            if f.retries < MAX_RETRIES {
+                f.retries += 1;
+                self.resubmit(c.token);
+            } else {
+                self.finish(c.token, Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "short vectored read")));
+            }
             return;
         }
         f.done_bytes += c.result as usize;

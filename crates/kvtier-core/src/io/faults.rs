@@ -82,7 +82,9 @@ impl IoEngine for FaultyEngine {
                         self.synthetic.push(IoCompletion { token: req.token, result: -(libc::EIO as i64) });
                         continue;
                     }
-                    if FaultPlan::fires(p.read_bitflip_every, n) {
+                    if req.iov_count > 0 {
+                        // Vectored reads land in caller memory: only errno faults apply to them.
+                    } else if FaultPlan::fires(p.read_bitflip_every, n) {
                         p.injected.fetch_add(1, Ordering::Relaxed);
                         self.altered.lock().insert(req.token, (req.len, req.buf, Action::FlipBit));
                     } else if FaultPlan::fires(p.short_every, n) && req.len >= 2 * 4096 {

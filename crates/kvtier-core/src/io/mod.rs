@@ -39,6 +39,9 @@ pub struct IoRequest {
     pub offset: u64,
     pub buf: *mut u8,
     pub len: usize,
+    /// Vectored read: `iov_count` iovecs at `iov` (then `buf` is unused and `len` is their total).
+    pub iov: *const libc::iovec,
+    pub iov_count: usize,
 }
 
 // SAFETY: the pointer is only dereferenced by the kernel or an engine thread while the owning op is

@@ -44,6 +44,9 @@ fn execute(req: &IoRequest) -> i64 {
     // SAFETY: the device queue guarantees the buffer is valid for `len` bytes until completion.
     let n = unsafe {
         match req.kind {
+            OpKind::Read if req.iov_count > 0 => {
+                libc::preadv(req.fd, req.iov, req.iov_count as libc::c_int, req.offset as libc::off_t)
+            }
             OpKind::Read => libc::pread(req.fd, req.buf.cast(), req.len, req.offset as libc::off_t),
             OpKind::Write => libc::pwrite(req.fd, req.buf.cast(), req.len, req.offset as libc::off_t),
         }

@@ -73,6 +73,9 @@ impl UringEngine {
         macro_rules! build {
             ($target:expr) => {
                 match (req.kind, fixed_buf) {
+                    (OpKind::Read, _) if req.iov_count > 0 => {
+                        opcode::Readv::new($target, req.iov, req.iov_count as u32).offset(req.offset).build()
+                    }
                     (OpKind::Read, Some(i)) => opcode::ReadFixed::new($target, req.buf, len, i).offset(req.offset).build(),
                     (OpKind::Read, None) => opcode::Read::new($target, req.buf, len).offset(req.offset).build(),
                     (OpKind::Write, Some(i)) => opcode::WriteFixed::new($target, req.buf, len, i).offset(req.offset).build(),
