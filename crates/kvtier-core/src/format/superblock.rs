@@ -89,7 +89,7 @@ impl Superblock {
         if sb.device_index >= sb.device_count {
             return Err(ParseError::OutOfRange("device_index"));
         }
-        if sb.object_bytes + ALIGN_BYTES as u64 > sb.slot_bytes {
+        if sb.object_bytes.saturating_add(ALIGN_BYTES as u64) > sb.slot_bytes {
             return Err(ParseError::OutOfRange("object_bytes"));
         }
         Ok(sb)
