@@ -59,8 +59,8 @@ def test_one_replica_serves_another(tmp_path, engine):
 
 def test_shared_options_are_validated(tmp_path):
     with pytest.raises(kvtier.ConfigError, match="shared"):
-        kvtier.Store.open(str(tmp_path / "x"), object_bytes=OBJECT_BYTES, nvme_bytes=0,
+        kvtier.Store.open(str(tmp_path / "x"), object_bytes=OBJECT_BYTES, namespace="m", nvme_bytes=0,
                           shared_root=str(tmp_path / "s"), shared_high_watermark=1.5)
     with pytest.raises(kvtier.KvtierError, match="shared_root|does not exist|parent"):
-        kvtier.Store.open(str(tmp_path / "x"), object_bytes=OBJECT_BYTES, nvme_bytes=0,
+        kvtier.Store.open(str(tmp_path / "x"), object_bytes=OBJECT_BYTES, namespace="m", nvme_bytes=0,
                           shared_root=str(tmp_path / "missing" / "deeper"))

@@ -129,6 +129,8 @@ def test_pins_keep_blocks(store_dir, engine):
 
 
 def test_errors_are_typed_and_name_the_option(store_dir):
+    with pytest.raises(kvtier.ConfigError, match="namespace"):
+        kvtier.Store.open(str(store_dir), object_bytes=4096)
     with pytest.raises(kvtier.ConfigError, match="bogus"):
         kvtier.Store.open(str(store_dir), object_bytes=4096, bogus=1)
     with pytest.raises(ValueError, match="object_bytes"):
@@ -136,12 +138,12 @@ def test_errors_are_typed_and_name_the_option(store_dir):
     with pytest.raises(ValueError, match="io_engine"):
         kvtier.Store.open(str(store_dir), object_bytes=4096, io_engine="spdk")
     with pytest.raises(kvtier.ConfigError, match="nvme_bytes"):
-        kvtier.Store.open(str(store_dir), object_bytes=4096, nvme_bytes=1 << 20)
+        kvtier.Store.open(str(store_dir), object_bytes=4096, namespace="m", nvme_bytes=1 << 20)
     free_bytes = shutil.disk_usage(store_dir.parent).free
     with pytest.raises(kvtier.CapacityError, match="nvme_bytes"):
-        kvtier.Store.open(str(store_dir), object_bytes=4096, nvme_bytes=4 * free_bytes, region_bytes=1 << 30)
+        kvtier.Store.open(str(store_dir), object_bytes=4096, namespace="m", nvme_bytes=4 * free_bytes, region_bytes=1 << 30)
     with pytest.raises(kvtier.ConfigError, match="region_bytes"):
-        kvtier.Store.open(str(store_dir), object_bytes=4096, nvme_bytes=1 << 60)
+        kvtier.Store.open(str(store_dir), object_bytes=4096, namespace="m", nvme_bytes=1 << 60)
     store = open_store(store_dir, "psync")
     with pytest.raises(kvtier.LockedError):
         open_store(store_dir, "psync")

@@ -94,7 +94,12 @@ pub struct MetaWrite {
     pub region: u32,
     pub region_seq: u64,
     pub entries: Option<Vec<TrailerEntry>>,
+    /// Earlier failed attempts at this write (a failed trailer write is retried a bounded number of
+    /// times: without its trailer a region is only recoverable by a scan that stops at the first hole).
+    pub attempt: u32,
 }
+
+const MAX_TRAILER_ATTEMPTS: u32 = 4;
 
 /// What a load must do for one key.
 #[derive(Debug, Clone, Copy)]
@@ -252,6 +257,7 @@ impl Catalog {
                     region: r.region,
                     region_seq: region.region_seq,
                     entries: Some(region.entries.clone()),
+                    attempt: 0,
                 });
             }
         }
@@ -515,7 +521,7 @@ impl Catalog {
         nvme.devices[device].open = Some(region);
         if reclaimed {
             self.pending_meta_writes += 1;
-            meta.push(MetaWrite { device, region, region_seq, entries: None });
+            meta.push(MetaWrite { device, region, region_seq, entries: None, attempt: 0 });
         }
         Some(region)
     }
@@ -532,6 +538,7 @@ impl Catalog {
                 region,
                 region_seq: r.region_seq,
                 entries: Some(r.entries.clone()),
+                attempt: 0,
             });
         }
     }
@@ -603,15 +610,27 @@ impl Catalog {
                 region: plan.loc.region,
                 region_seq: r.region_seq,
                 entries: Some(r.entries.clone()),
+                attempt: 0,
             });
         }
         None
     }
 
-    pub fn complete_meta(&mut self, write: &MetaWrite, ok: bool) {
+    /// A metadata write finished; returns the write to retry if a trailer write failed.
+    pub fn complete_meta(&mut self, write: &MetaWrite, ok: bool) -> Option<MetaWrite> {
         self.pending_meta_writes -= 1;
         if !ok {
             Stats::add(&self.stats.io_errors, 1);
+            if write.entries.is_some() && write.attempt + 1 < MAX_TRAILER_ATTEMPTS {
+                self.pending_meta_writes += 1;
+                return Some(MetaWrite {
+                    device: write.device,
+                    region: write.region,
+                    region_seq: write.region_seq,
+                    entries: write.entries.clone(),
+                    attempt: write.attempt + 1,
+                });
+            }
         }
         if write.entries.is_some() {
             if let Some(nvme) = self.nvme.as_mut() {
@@ -621,6 +640,7 @@ impl Catalog {
                 }
             }
         }
+        None
     }
 
     /// Nothing accepted is waiting to reach NVMe.

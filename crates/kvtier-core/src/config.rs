@@ -125,6 +125,13 @@ impl StoreConfig {
                 return Err(Error::config("path", format!("{} is listed twice; list each directory once", p.display())));
             }
         }
+        if self.namespace.is_empty() {
+            return Err(Error::config(
+                "namespace",
+                "required: describe what makes KV bytes compatible (model and weights fingerprint, dtype, layout, \
+                 tokens per block, TP/PP size and rank), so two models never share blocks",
+            ));
+        }
         if self.object_bytes == 0 || self.object_bytes > 1 << 30 {
             return Err(Error::config(
                 "object_bytes",

@@ -387,8 +387,11 @@ pub(crate) fn submit_meta(sh: &Arc<Shared>, writes: Vec<MetaWrite>) {
                 if let Err(e) = &r {
                     log::warn!("kvtier: writing the trailer of region {} failed: {e}", write.region);
                 }
-                shared.catalog.lock().complete_meta(&write, r.is_ok());
+                let retry = shared.catalog.lock().complete_meta(&write, r.is_ok());
                 shared.changed.notify_all();
+                if let Some(retry) = retry {
+                    submit_meta(&shared, vec![retry]);
+                }
             }),
         });
     }

@@ -26,6 +26,7 @@ use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::DirBuilderExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -96,7 +97,8 @@ impl Store {
         let namespace = Namespace::from_description(&config.namespace);
         let dirs: Vec<_> = config.paths.iter().map(|p| p.join(namespace.hex())).collect();
         for dir in &dirs {
-            std::fs::create_dir_all(dir).map_err(|e| {
+            // The namespace directory is private (0700): its listing names the models cached here.
+            std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| {
                 Error::io(format!("creating {} (give kvtier a writable directory)", dir.display()), e)
             })?;
             if std::fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_symlink()) {

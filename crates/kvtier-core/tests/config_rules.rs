@@ -45,8 +45,18 @@ fn refused(cfg: StoreConfig, option: &str) -> String {
 #[test]
 fn defaults_are_valid() {
     let dir = tempfile::tempdir().unwrap();
-    StoreConfig::new(dir.path(), OBJ).validate().unwrap();
+    let mut c = StoreConfig::new(dir.path(), OBJ);
+    c.namespace = b"model".to_vec();
+    c.validate().unwrap();
     base(dir.path()).validate().unwrap();
+}
+
+#[test]
+fn namespace_is_required() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = base(dir.path());
+    c.namespace.clear();
+    refused(c, "namespace");
 }
 
 #[test]

@@ -497,6 +497,7 @@ fn store_with_shared_tier_and_no_nvme_serves_another_stores_blocks() {
     let shared_root = dir.path().join("shared");
     let make = |local: &str| {
         let mut c = StoreConfig::new(dir.path().join(local), OBJECT_BYTES);
+        c.namespace = b"shared-tier-test".to_vec();
         c.nvme_bytes = 0;
         c.dram_bytes = 64 * 16384;
         let mut s = config(&shared_root);
