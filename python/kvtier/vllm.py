@@ -1,0 +1,940 @@
+"""kvtier as the storage behind vLLM's OffloadingConnector (vLLM 0.32).
+
+This module owns everything vLLM-specific:
+
+- ``KvtierOffloadingSpec``: the ``OffloadingSpec`` named in ``kv_connector_extra_config``
+  (``"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.vllm"``).
+- ``KvtierManager`` (scheduler side): lookups from the store's in-memory index, pins held from
+  ``prepare_load`` to ``complete_load``, ``prepare_store`` skipping blocks already present.
+- ``KvtierWorker`` (worker side): moves engine blocks to and from the store with batched,
+  asynchronous jobs (one kvtier object per engine block: that block's page in every layer).
+- ``KvtierConnector``: an ``OffloadingConnector`` that can report a failed load to vLLM, which then
+  recomputes the affected blocks. Plain ``OffloadingConnector`` cannot (vLLM 0.32 asserts every
+  transfer succeeded), so with it a failed load stops the engine rather than serving wrong bytes.
+- The namespace: a digest of the model identity (path, fingerprint of config and weight files), KV
+  dtype, layout, tokens per block, layers, parallel layout and the prefix-hash algorithm.
+- Metrics: vLLM's ``vllm:kv_offload_*`` transfer metrics (bytes and seconds, from the worker's
+  transfer results) and kvtier's own (``kvtier:*``: hits per tier, misses, bytes, evictions,
+  dropped stores, checksum failures, capacity, load/store latency), emitted through the connector's
+  metric hooks so they appear on vLLM's ``/metrics``.
+
+Process layout: the manager and the worker share one ``kvtier.Store`` (one catalog per engine), so
+they must run in one process. That is vLLM's uniprocess executor inside the EngineCore process:
+set ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (CPU vLLM forces the multiprocess executor otherwise) and
+``distributed_executor_backend="uni"`` (``--distributed-executor-backend uni``). Tensor/pipeline
+parallelism (several worker processes) needs a catalog shared across processes, which kvtier does not
+have yet; the spec refuses such configurations at start-up with that explanation.
+
+Recommended configuration::
+
+    KVTransferConfig(
+        kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm", kv_role="kv_both",
+        kv_connector_extra_config={
+            "spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.vllm",
+            "path": "/mnt/nvme/kvtier", "dram_bytes": 4 << 30, "nvme_bytes": 64 << 30,
+        },
+    )
+
+Every ``kvtier.Store.open`` option is accepted in ``kv_connector_extra_config`` under its own name
+(``path`` is required); see :data:`INTEGRATION_OPTION_DEFAULTS` for the few options of this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    Locality,
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+logger = logging.getLogger("kvtier.vllm")
+
+SPEC_NAME = "KvtierOffloadingSpec"
+SPEC_MODULE_PATH = "kvtier.vllm"
+NAMESPACE_FORMAT_VERSION = 1
+
+# Keys of kv_connector_extra_config that vLLM's OffloadingConnector itself reads.
+VLLM_OFFLOADING_OPTION_NAMES = frozenset(
+    {
+        "spec_name",
+        "spec_module_path",
+        "blocks_per_chunk",
+        "block_size",
+        "canonical_layout",
+        "offload_prompt_only",
+        "self_describing_kv_events",
+    }
+)
+
+INTEGRATION_OPTION_DEFAULTS: dict[str, Any] = {
+    # Longest a worker waits for a store job that vLLM must fence before reusing its blocks.
+    "job_timeout_ms": 120_000,
+    # Extra string mixed into the namespace (for example a deployment name); "" = none.
+    "namespace_salt": "",
+}
+
+# Prefix-hash algorithms whose block hashes are the same in every process.
+STABLE_HASH_ALGOS = frozenset({"sha256", "sha256_cbor"})
+SEEDED_HASH_ALGOS = frozenset({"xxhash", "xxhash_cbor"})
+
+
+class KvtierVllmConfigError(ValueError):
+    """The vLLM configuration cannot be served by kvtier; the message says what to change."""
+
+
+# --------------------------------------------------------------------------------------------
+# Keys and namespace
+# --------------------------------------------------------------------------------------------
+
+KVTIER_KEY_BYTES = 32
+
+
+def kvtier_key(offload_key: OffloadKey) -> bytes:
+    """The 32-byte kvtier key of a vLLM offload key (block hash + 4-byte KV-cache group index).
+
+    A sha256 block hash of group 0 is used as is (the key is the engine's chained prefix hash);
+    any other hash length or group is folded into 32 bytes with sha256.
+    """
+    block_hash, group_bytes = offload_key[:-4], offload_key[-4:]
+    if len(block_hash) == KVTIER_KEY_BYTES and group_bytes == b"\0\0\0\0":
+        return bytes(block_hash)
+    return hashlib.sha256(b"kvtier.vllm.key\0" + bytes(offload_key)).digest()
+
+
+def model_fingerprint(model: str, revision: str | None = None) -> str:
+    """sha256 over the model's config.json, its safetensors index and the sizes of its weight files.
+
+    For a model that is not a local directory (a hub name), the name and revision stand in.
+    """
+    model_dir = Path(model)
+    digest = hashlib.sha256()
+    if not model_dir.is_dir():
+        digest.update(f"hub:{model}@{revision or 'main'}".encode())
+        return digest.hexdigest()
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise KvtierVllmConfigError(f"model directory {model_dir} has no config.json; kvtier fingerprints it")
+    digest.update(b"config.json\0" + config_path.read_bytes())
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        digest.update(b"index\0" + index_path.read_bytes())
+    for weight_path in sorted(model_dir.glob("*.safetensors")):
+        digest.update(f"{weight_path.name}\0{weight_path.stat().st_size}\0".encode())
+    return digest.hexdigest()
+
+
+def check_hash_algo(hash_algo: str | None) -> None:
+    """Refuses prefix-hash algorithms whose hashes differ between processes.
+
+    kvtier persists blocks under their hashes; a hash seeded per process would never hit after a
+    restart and, shared between replicas, would make keys meaningless.
+    """
+    if hash_algo is None or hash_algo in STABLE_HASH_ALGOS:
+        return
+    if hash_algo in SEEDED_HASH_ALGOS:
+        if os.environ.get("PYTHONHASHSEED") not in (None, "", "random"):
+            return
+        raise KvtierVllmConfigError(
+            f"prefix_caching_hash_algo={hash_algo!r} seeds block hashes per process unless PYTHONHASHSEED "
+            "is set, so blocks kvtier persists could never be found again. Use "
+            "--prefix-caching-hash-algo sha256 (the default) or sha256_cbor, or export the same "
+            "PYTHONHASHSEED for every engine process."
+        )
+    raise KvtierVllmConfigError(
+        f"prefix_caching_hash_algo={hash_algo!r} is unknown to kvtier; use sha256 (the default) or sha256_cbor"
+    )
+
+
+def namespace_description(
+    config: OffloadingConfig,
+    *,
+    page_bytes_per_layer: list[int],
+    hash_algo: str | None,
+    model_revision: str | None = None,
+    salt: str = "",
+) -> dict[str, Any]:
+    """Everything that must match for a stored block to be valid in this engine."""
+    parallel = config.parallel
+    return {
+        "format": NAMESPACE_FORMAT_VERSION,
+        "engine": "vllm",
+        "model": config.model.name,
+        "model_fingerprint": model_fingerprint(config.model.name, model_revision),
+        "kv_dtype": config.model.dtype,
+        "kv_cache_layout": config.kv_cache_layout,
+        "canonical_layout": config.canonical_layout,
+        "groups": [
+            {"tokens_per_block": group.tokens_per_block, "layers": list(group.layer_names)}
+            for group in config.groups
+        ],
+        "tokens_per_hash": config.cache.tokens_per_hash,
+        "blocks_per_chunk": config.cache.blocks_per_chunk,
+        "page_bytes_per_layer": page_bytes_per_layer,
+        "prefix_caching_hash_algo": hash_algo,
+        "parallel": {
+            "tp_size": parallel.tp_size,
+            "pp_size": parallel.pp_size,
+            "pcp_size": parallel.pcp_size,
+            "dcp_size": parallel.dcp_size,
+            "world_size": parallel.world_size,
+            "rank": parallel.rank,
+        },
+        "salt": salt,
+    }
+
+
+def namespace_digest(description: Mapping[str, Any]) -> bytes:
+    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).digest()
+
+
+# --------------------------------------------------------------------------------------------
+# Options
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KvtierOptions:
+    path: str
+    store_options: dict[str, Any]
+    job_timeout_ms: int
+    namespace_salt: str
+
+    @classmethod
+    def from_extra_config(cls, extra_config: Mapping[str, Any]) -> KvtierOptions:
+        path = extra_config.get("path")
+        if not path:
+            raise KvtierVllmConfigError(
+                'kv_connector_extra_config needs "path": the kvtier store directory (for example a local '
+                'NVMe mount), or a list of directories to stripe over'
+            )
+        store_options = {
+            name: value
+            for name, value in extra_config.items()
+            if name != "path" and name not in VLLM_OFFLOADING_OPTION_NAMES and name not in INTEGRATION_OPTION_DEFAULTS
+        }
+        for reserved in ("namespace", "object_bytes"):
+            if reserved in store_options:
+                raise KvtierVllmConfigError(
+                    f'kv_connector_extra_config must not set "{reserved}": kvtier.vllm derives it from the '
+                    'vLLM configuration (use "namespace_salt" to separate deployments)'
+                )
+        job_timeout_ms = int(extra_config.get("job_timeout_ms", INTEGRATION_OPTION_DEFAULTS["job_timeout_ms"]))
+        if job_timeout_ms <= 0:
+            raise KvtierVllmConfigError('"job_timeout_ms" must be a positive number of milliseconds')
+        return cls(
+            path=path,
+            store_options=store_options,
+            job_timeout_ms=job_timeout_ms,
+            namespace_salt=str(extra_config.get("namespace_salt", INTEGRATION_OPTION_DEFAULTS["namespace_salt"])),
+        )
+
+    @property
+    def registry_path(self) -> str:
+        paths = self.path if isinstance(self.path, (list, tuple)) else [self.path]
+        return os.pathsep.join(os.path.realpath(os.fspath(p)) for p in paths)
+
+
+MAX_UNCLAIMED_JOB_RESULTS = 10_000
+
+# --------------------------------------------------------------------------------------------
+# Process-wide store registry (the manager and the worker of an engine share one store)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SharedStore:
+    """One open kvtier.Store and what the engines of this process share through it."""
+
+    store: Any
+    path: str
+    namespace: bytes
+    description: dict[str, Any]
+    object_bytes: int
+    users: int = 0
+    engine_ids: set[str] = field(default_factory=set)
+    # Worker -> manager: latency observations, drained into vLLM stats by the manager.
+    _observations_lock: threading.Lock = field(default_factory=threading.Lock)
+    _latency_observations: list[tuple[str, float]] = field(default_factory=list)
+    _worker_counters: Counter = field(default_factory=Counter)
+    # Job completions: store.poll() reports every job of the store, whichever engine submitted it.
+    _jobs_lock: threading.Lock = field(default_factory=threading.Lock)
+    _job_ids: Any = field(default_factory=lambda: itertools.count(1))
+    _finished_jobs: dict[int, list[bool]] = field(default_factory=dict)
+
+    def next_job_id(self) -> int:
+        with self._jobs_lock:
+            return next(self._job_ids)
+
+    def take_finished(self, job_ids: Collection[int]) -> dict[int, list[bool]]:
+        """Results of the given jobs that have finished (polling the store once)."""
+        with self._jobs_lock:
+            for job_id, found in self.store.poll():
+                self._finished_jobs[job_id] = list(found)
+            if len(self._finished_jobs) > MAX_UNCLAIMED_JOB_RESULTS:
+                # Results nobody claims (their worker shut down): keep the newest ones only.
+                for stale_job_id in sorted(self._finished_jobs)[: len(self._finished_jobs) - MAX_UNCLAIMED_JOB_RESULTS]:
+                    del self._finished_jobs[stale_job_id]
+            return {job_id: self._finished_jobs.pop(job_id) for job_id in job_ids if job_id in self._finished_jobs}
+
+    def wait_job(self, job_id: int, timeout_ms: int) -> list[bool]:
+        with self._jobs_lock:
+            if job_id in self._finished_jobs:
+                return self._finished_jobs.pop(job_id)
+        return list(self.store.wait(job_id, timeout_ms=timeout_ms))
+
+    @property
+    def namespace_hex(self) -> str:
+        return self.namespace.hex()
+
+    def record_job(self, kind: str, seconds: float, failed_blocks: int) -> None:
+        with self._observations_lock:
+            if len(self._latency_observations) < 100_000:
+                self._latency_observations.append((kind, seconds))
+            if failed_blocks:
+                self._worker_counters[f"{kind}_failed_blocks"] += failed_blocks
+
+    def take_observations(self) -> tuple[list[tuple[str, float]], Counter]:
+        with self._observations_lock:
+            observations, self._latency_observations = self._latency_observations, []
+            counters, self._worker_counters = self._worker_counters, Counter()
+        return observations, counters
+
+
+_registry_lock = threading.Lock()
+_stores: dict[tuple[str, bytes], SharedStore] = {}
+_stores_by_engine: dict[tuple[str, str], SharedStore] = {}
+
+
+def _open_store(path: Any, **options: Any) -> Any:
+    import kvtier  # the Rust core; imported late so that this module imports without it
+
+    return kvtier.Store.open(path, **options)
+
+
+def acquire_store(
+    options: KvtierOptions, engine_id: str, namespace: bytes, description: dict[str, Any], object_bytes: int
+) -> SharedStore:
+    key = (options.registry_path, namespace)
+    with _registry_lock:
+        shared = _stores.get(key)
+        if shared is None:
+            store = _open_store(options.path, namespace=namespace, object_bytes=object_bytes, **options.store_options)
+            shared = SharedStore(
+                store=store, path=options.registry_path, namespace=namespace, description=description, object_bytes=object_bytes
+            )
+            _stores[key] = shared
+            logger.info(
+                "kvtier: opened store %s namespace %s (object %d bytes) for %s",
+                options.path,
+                namespace.hex()[:16],
+                object_bytes,
+                description.get("model"),
+            )
+        elif shared.object_bytes != object_bytes:
+            raise KvtierVllmConfigError(
+                f"kvtier store {options.path} is open in this process with {shared.object_bytes}-byte objects; "
+                f"this engine needs {object_bytes}"
+            )
+        shared.users += 1
+        shared.engine_ids.add(engine_id)
+        _stores_by_engine[(options.registry_path, engine_id)] = shared
+        return shared
+
+
+def find_engine_store(options: KvtierOptions, engine_id: str) -> SharedStore | None:
+    with _registry_lock:
+        shared = _stores_by_engine.get((options.registry_path, engine_id))
+        if shared is not None:
+            shared.users += 1
+        return shared
+
+
+def release_store(shared: SharedStore) -> None:
+    with _registry_lock:
+        shared.users -= 1
+        if shared.users > 0:
+            return
+        _stores.pop((shared.path, shared.namespace), None)
+        for engine_id in shared.engine_ids:
+            _stores_by_engine.pop((shared.path, engine_id), None)
+    try:
+        shared.store.close()
+    except Exception:  # closing is best effort at shutdown
+        logger.exception("kvtier: closing store %s failed", shared.path)
+
+
+def open_stores() -> list[SharedStore]:
+    """The kvtier stores open in this process (for tests, the demo and diagnostics)."""
+    with _registry_lock:
+        return list(_stores.values())
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------------
+
+_LATENCY_BUCKETS_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+# kvtier counter name -> (stats() key, label values)
+_COUNTER_SOURCES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
+    "kvtier:block_hits": [("dram_hits", ("dram",)), ("nvme_hits", ("nvme",))],
+    "kvtier:block_misses": [("misses", ())],
+    "kvtier:bytes_read": [("bytes_read_nvme", ("nvme",))],
+    "kvtier:bytes_written": [("bytes_written_nvme", ("nvme",))],
+    "kvtier:bytes_copied": [("bytes_copied_in", ("in",)), ("bytes_copied_out", ("out",))],
+    "kvtier:block_puts": [("puts", ())],
+    "kvtier:evictions": [("dram_evictions", ("dram",)), ("nvme_region_evictions", ("nvme_region",))],
+    "kvtier:dropped_stores": [("dropped_stores", ("backpressure",)), ("nvme_dropped_writes", ("nvme_write",))],
+    "kvtier:slot_wait_timeouts": [("slot_wait_timeouts", ())],
+    "kvtier:checksum_failures": [("checksum_failures", ())],
+    "kvtier:io_errors": [("io_errors", ())],
+}
+_GAUGE_SOURCES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
+    "kvtier:used_bytes": [("dram_used_bytes", ("dram",)), ("nvme_used_bytes", ("nvme",))],
+    "kvtier:capacity_bytes": [("dram_capacity_bytes", ("dram",)), ("nvme_capacity_bytes", ("nvme",))],
+    "kvtier:blocks": [("blocks_dram", ("dram",)), ("blocks_nvme", ("nvme",))],
+}
+
+
+def kvtier_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+    return {
+        "kvtier:block_hits": OffloadingCounterMetadata("Blocks served by kvtier, per tier.", ("tier",)),
+        "kvtier:block_misses": OffloadingCounterMetadata("Blocks asked of kvtier and not found or not verified."),
+        "kvtier:bytes_read": OffloadingCounterMetadata("Bytes kvtier read from a storage tier.", ("tier",)),
+        "kvtier:bytes_written": OffloadingCounterMetadata("Bytes kvtier wrote to a storage tier.", ("tier",)),
+        "kvtier:bytes_copied": OffloadingCounterMetadata(
+            "Bytes copied between engine blocks and kvtier (in = stored, out = loaded).", ("direction",)
+        ),
+        "kvtier:block_puts": OffloadingCounterMetadata("Blocks accepted by kvtier for storing."),
+        "kvtier:evictions": OffloadingCounterMetadata("Evictions (DRAM blocks, NVMe regions).", ("tier",)),
+        "kvtier:dropped_stores": OffloadingCounterMetadata(
+            "Stores dropped (a cache miss later): under backpressure, or NVMe writes given up.", ("reason",)
+        ),
+        "kvtier:slot_wait_timeouts": OffloadingCounterMetadata("Jobs that waited slot_wait_ms for a DRAM slot."),
+        "kvtier:checksum_failures": OffloadingCounterMetadata("Blocks that failed verification on load (served as misses)."),
+        "kvtier:io_errors": OffloadingCounterMetadata("I/O errors seen by kvtier (the affected blocks are misses)."),
+        "kvtier:failed_load_blocks": OffloadingCounterMetadata(
+            "Engine blocks whose load from kvtier failed and that vLLM recomputed."
+        ),
+        "kvtier:used_bytes": OffloadingGaugeMetadata("Bytes used per tier.", ("tier",)),
+        "kvtier:capacity_bytes": OffloadingGaugeMetadata("Capacity per tier in bytes.", ("tier",)),
+        "kvtier:blocks": OffloadingGaugeMetadata("Blocks held per tier.", ("tier",)),
+        "kvtier:load_seconds": OffloadingHistogramMetadata(
+            "Time from submitting a load job to kvtier to its completion.", buckets=_LATENCY_BUCKETS_SECONDS
+        ),
+        "kvtier:store_seconds": OffloadingHistogramMetadata(
+            "Time from submitting a store job to kvtier to its completion.", buckets=_LATENCY_BUCKETS_SECONDS
+        ),
+    }
+
+
+class StatsDeltaTracker:
+    """Turns the store's cumulative stats() counters into increments for vLLM's stats payload."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+
+    def collect(self, shared: SharedStore) -> OffloadingConnectorStats | None:
+        try:
+            stats = shared.store.stats()
+        except Exception:
+            return None
+        payload = OffloadingConnectorStats()
+        for metric_name, sources in _COUNTER_SOURCES.items():
+            for stats_key, labels in sources:
+                value = int(stats.get(stats_key, 0))
+                increment = value - self._last.get(stats_key, 0)
+                self._last[stats_key] = value
+                if increment > 0:
+                    payload.increase_counter(metric_name, increment, labels)
+        for metric_name, sources in _GAUGE_SOURCES.items():
+            for stats_key, labels in sources:
+                if stats_key in stats:
+                    payload.set_gauge(metric_name, int(stats[stats_key]), labels)
+        observations, worker_counters = shared.take_observations()
+        for kind, seconds in observations:
+            payload.observe_histogram(f"kvtier:{kind}_seconds", seconds)
+        if worker_counters.get("load_failed_blocks"):
+            payload.increase_counter("kvtier:failed_load_blocks", worker_counters["load_failed_blocks"])
+        return payload
+
+
+def prometheus_lines_from_stats(stats: Mapping[str, Any], prefix: str = "kvtier_") -> str:
+    """A Prometheus text exposition of a store's stats() (for tools that read a store directly)."""
+    lines = []
+    for metric_name, sources in {**_COUNTER_SOURCES, **_GAUGE_SOURCES}.items():
+        name = prefix + metric_name.split(":", 1)[1]
+        for stats_key, labels in sources:
+            if stats_key not in stats:
+                continue
+            label_text = ""
+            if labels:
+                label_name = {"kvtier:bytes_copied": "direction", "kvtier:dropped_stores": "reason"}.get(metric_name, "tier")
+                label_text = f'{{{label_name}="{labels[0]}"}}'
+            lines.append(f"{name}{label_text} {int(stats[stats_key])}")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Scheduler side
+# --------------------------------------------------------------------------------------------
+
+
+class KvtierLoadStoreSpec(LoadStoreSpec):
+    """The kvtier keys of a load or store job, in the order of the engine blocks of the job."""
+
+    def __init__(self, keys: list[bytes]):
+        self.keys = keys
+
+    def __repr__(self) -> str:
+        return f"KvtierLoadStoreSpec({len(self.keys)} blocks)"
+
+
+class KvtierManager(OffloadingManager):
+    """Scheduler-side catalog access: every answer comes from the store's in-memory index."""
+
+    def __init__(self, shared: SharedStore):
+        self._shared = shared
+        self._store = shared.store
+        self._pins: Counter[bytes] = Counter()
+        self._being_stored: Counter[bytes] = Counter()
+        self._stats = StatsDeltaTracker()
+
+    @staticmethod
+    def _allowed(req_context: ReqContext) -> bool:
+        tier_filter = req_context.load_tier_filter
+        return tier_filter.allows(Medium.CPU, Locality.LOCAL) or tier_filter.allows(Medium.STORAGE, Locality.LOCAL)
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if not self._allowed(req_context):
+            return LookupResult.MISS
+        store_key = kvtier_key(key)
+        if store_key in self._being_stored:
+            return LookupResult.MISS
+        try:
+            present = self._store.contains_many([store_key])[0]
+        except Exception:
+            logger.exception("kvtier: lookup failed; treating as a miss")
+            return LookupResult.MISS
+        return LookupResult.HIT if present else LookupResult.MISS
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        tiers_many = getattr(self._store, "tiers_many", None)
+        if tiers_many is None:
+            return CacheHitSource.EXTERNAL_UNSPECIFIED
+        tier = tiers_many([kvtier_key(key)])[0]
+        return {"dram": CacheHitSource.HOST, "nvme": CacheHitSource.DISK}.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        store_keys = [kvtier_key(key) for key in keys]
+        try:
+            pinned_count = self._store.pin_many(store_keys)
+        except Exception:
+            logger.exception("kvtier: pin failed; the load will fail and vLLM will recompute")
+            pinned_count = 0
+        for store_key in store_keys[:pinned_count]:
+            self._pins[store_key] += 1
+        return KvtierLoadStoreSpec(store_keys)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        to_unpin = []
+        for key in keys:
+            store_key = kvtier_key(key)
+            if self._pins.get(store_key, 0) > 0:
+                self._pins[store_key] -= 1
+                if self._pins[store_key] == 0:
+                    del self._pins[store_key]
+                to_unpin.append(store_key)
+        if to_unpin:
+            try:
+                self._store.unpin_many(to_unpin)
+            except Exception:
+                logger.exception("kvtier: unpin failed")
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        keys = list(keys)
+        store_keys = [kvtier_key(key) for key in keys]
+        try:
+            present = self._store.contains_many(store_keys)
+        except Exception:
+            logger.exception("kvtier: store unavailable; not offloading")
+            return None
+        keys_to_store: list[OffloadKey] = []
+        store_keys_to_store: list[bytes] = []
+        for key, store_key, is_present in zip(keys, store_keys, present):
+            if is_present or store_key in self._being_stored:
+                continue
+            keys_to_store.append(key)
+            store_keys_to_store.append(store_key)
+        for store_key in store_keys_to_store:
+            self._being_stored[store_key] += 1
+        return PrepareStoreOutput(
+            keys_to_store=keys_to_store,
+            store_spec=KvtierLoadStoreSpec(store_keys_to_store),
+            evicted_keys=[],
+        )
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        for key in keys:
+            store_key = kvtier_key(key)
+            if self._being_stored.get(store_key, 0) > 0:
+                self._being_stored[store_key] -= 1
+                if self._being_stored[store_key] == 0:
+                    del self._being_stored[store_key]
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def reset_cache(self) -> None:
+        # kvtier is a persistent, possibly shared store: resetting one engine's connector does not
+        # delete blocks other engines (or this engine after a restart) rely on.
+        logger.info("kvtier: reset_cache ignored; kvtier keeps its blocks (remove the store directory to drop them)")
+        self._being_stored.clear()
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        payload = self._stats.collect(self._shared)
+        if payload is None or payload.is_empty():
+            return None
+        return payload
+
+    def shutdown(self) -> None:
+        if self._pins:
+            with contextlib.suppress(Exception):
+                self._store.unpin_many(list(self._pins.elements()))
+            self._pins.clear()
+        release_store(self._shared)
+
+
+# --------------------------------------------------------------------------------------------
+# Worker side
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    vllm_job_id: int
+    is_load: bool
+    block_ids: list[int]
+    started_ns: int
+
+
+class KvtierWorker(OffloadingWorker):
+    """Moves engine blocks to and from kvtier. One kvtier object per engine block: the block's page
+    in every layer, in layer order (the store gathers and scatters; no Python loop per block)."""
+
+    def __init__(self, shared: SharedStore, layer_buffers: list[np.ndarray], page_bytes: int, job_timeout_ms: int):
+        self._shared = shared
+        self._store = shared.store
+        self._layers = layer_buffers
+        self._page_bytes = page_bytes
+        self._object_bytes = page_bytes * len(layer_buffers)
+        self._job_timeout_ms = job_timeout_ms
+        self._in_flight: dict[int, _Job] = {}
+        self._finished: list[TransferResult] = []
+        self._failed_load_block_ids: set[int] = set()
+        # Set by KvtierConnector: failed loads are reported to vLLM, which recomputes them.
+        self.can_report_load_failures = False
+
+    # -- submission -------------------------------------------------------------------------
+
+    def _submit(self, vllm_job_id: int, is_load: bool, keys: list[bytes], block_ids: list[int]) -> bool:
+        if len(keys) != len(block_ids):
+            raise RuntimeError(
+                f"kvtier: job {vllm_job_id} has {len(keys)} keys for {len(block_ids)} engine blocks; "
+                "kvtier needs blocks_per_chunk=1 and one KV-cache group"
+            )
+        started_ns = time.monotonic_ns()
+        if not keys:
+            self._finished.append(TransferResult(vllm_job_id, True, 0, 0.0))
+            return True
+        store_job_id = self._shared.next_job_id()
+        job = _Job(vllm_job_id, is_load, block_ids, started_ns)
+        try:
+            if is_load:
+                self._store.submit_get_blocks(store_job_id, keys, self._layers, block_ids)
+            else:
+                self._store.submit_put_blocks(store_job_id, keys, self._layers, block_ids)
+        except Exception:
+            logger.exception("kvtier: submitting %s job %d failed", "load" if is_load else "store", vllm_job_id)
+            self._complete(job, [False] * len(keys))
+            return True
+        self._in_flight[store_job_id] = job
+        return True
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        assert isinstance(dst_spec, KvtierLoadStoreSpec), f"unexpected store spec {type(dst_spec).__name__}"
+        return self._submit(job_id, False, dst_spec.keys, src_spec.block_ids.tolist())
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        assert isinstance(src_spec, KvtierLoadStoreSpec), f"unexpected load spec {type(src_spec).__name__}"
+        return self._submit(job_id, True, src_spec.keys, dst_spec.block_ids.tolist())
+
+    # -- completion -------------------------------------------------------------------------
+
+    def _complete(self, job: _Job, found: list[bool]) -> None:
+        seconds = (time.monotonic_ns() - job.started_ns) / 1e9
+        first_failure = next((index for index, ok in enumerate(found) if not ok), len(found))
+        moved_blocks = first_failure if job.is_load else sum(1 for ok in found if ok)
+        success = True
+        if job.is_load and first_failure < len(found):
+            # Every block from the first failure on is invalid: later blocks of a prefix are
+            # useless without it, and vLLM truncates the request there anyway.
+            failed_block_ids = job.block_ids[first_failure:]
+            if self.can_report_load_failures:
+                self._failed_load_block_ids.update(failed_block_ids)
+            else:
+                logger.error(
+                    "kvtier: %d of %d blocks of load job %d failed (missing or failed verification). "
+                    "vLLM's OffloadingConnector cannot recompute a failed load, so the engine will stop "
+                    "instead of using wrong KV data. Use kv_connector='KvtierConnector' with "
+                    "kv_connector_module_path='kvtier.vllm' to recompute such blocks instead.",
+                    len(failed_block_ids),
+                    len(found),
+                    job.vllm_job_id,
+                )
+                success = False
+        self._shared.record_job("load" if job.is_load else "store", seconds, len(found) - first_failure if job.is_load else 0)
+        self._finished.append(TransferResult(job.vllm_job_id, success, moved_blocks * self._object_bytes, seconds))
+
+    def _drain_store(self) -> None:
+        if not self._in_flight:
+            return
+        for store_job_id, found in self._shared.take_finished(list(self._in_flight)).items():
+            self._complete(self._in_flight.pop(store_job_id), found)
+
+    def get_finished(self) -> list[TransferResult]:
+        self._drain_store()
+        finished, self._finished = self._finished, []
+        return finished
+
+    def wait(self, job_ids: set[int]) -> None:
+        waiting = {store_job_id for store_job_id, job in self._in_flight.items() if job.vllm_job_id in job_ids}
+        for store_job_id in waiting:
+            job = self._in_flight.get(store_job_id)
+            if job is None:
+                continue
+            try:
+                found = self._shared.wait_job(store_job_id, self._job_timeout_ms)
+            except Exception as error:
+                # Returning would let vLLM overwrite blocks kvtier may still be reading.
+                raise RuntimeError(
+                    f"kvtier: job {job.vllm_job_id} did not finish within job_timeout_ms={self._job_timeout_ms} "
+                    f"({error}); raise job_timeout_ms or check the store's device"
+                ) from error
+            if self._in_flight.pop(store_job_id, None) is not None:
+                self._complete(job, found)
+
+    def take_failed_load_block_ids(self) -> set[int]:
+        failed, self._failed_load_block_ids = self._failed_load_block_ids, set()
+        return failed
+
+    def shutdown(self) -> None:
+        for store_job_id in list(self._in_flight):
+            with contextlib.suppress(Exception):
+                self._shared.wait_job(store_job_id, self._job_timeout_ms)
+        self._in_flight.clear()
+        release_store(self._shared)
+
+
+# --------------------------------------------------------------------------------------------
+# Spec and connector
+# --------------------------------------------------------------------------------------------
+
+_constructing = threading.local()
+
+
+def _current_vllm_config() -> Any | None:
+    config = getattr(_constructing, "vllm_config", None)
+    if config is not None:
+        return config
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return get_current_vllm_config()
+    except Exception:
+        return None
+
+
+class KvtierOffloadingSpec(OffloadingSpec):
+    """kvtier as an OffloadingSpec; options come from kv_connector_extra_config."""
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        return kvtier_metric_definitions()
+
+    def __init__(self, config: OffloadingConfig):
+        super().__init__(config)
+        self.options = KvtierOptions.from_extra_config(config.extra_config)
+        self.vllm_config = _current_vllm_config()
+        if self.blocks_per_chunk != 1:
+            raise KvtierVllmConfigError(
+                f"kvtier stores one object per engine block; remove block_size/blocks_per_chunk from "
+                f"kv_connector_extra_config (got blocks_per_chunk={self.blocks_per_chunk})"
+            )
+        if len(config.groups) != 1:
+            raise KvtierVllmConfigError(
+                f"kvtier.vllm supports models with one KV-cache group (plain full attention); this model has "
+                f"{len(config.groups)}"
+            )
+        if config.parallel.world_size != 1:
+            raise KvtierVllmConfigError(
+                f"kvtier.vllm runs the catalog and the mover in one process, so it supports one worker per "
+                f"engine (TP=PP=1); this engine has world_size={config.parallel.world_size}"
+            )
+
+    def _hash_algo(self) -> str | None:
+        if self.vllm_config is None:
+            return None
+        return getattr(self.vllm_config.cache_config, "prefix_caching_hash_algo", None)
+
+    def get_manager(self) -> OffloadingManager:
+        shared = find_engine_store(self.options, self.config.engine_id)
+        if shared is None:
+            raise KvtierVllmConfigError(
+                f"kvtier: the scheduler found no kvtier store opened by this engine's worker in this process "
+                f"(pid {os.getpid()}). kvtier needs vLLM's scheduler and worker in one process: set "
+                "VLLM_ENABLE_V1_MULTIPROCESSING=0 in the environment and distributed_executor_backend='uni' "
+                "(--distributed-executor-backend uni); CPU vLLM otherwise forces the multiprocess executor."
+            )
+        return KvtierManager(shared)
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        check_hash_algo(self._hash_algo())
+        (group_refs,) = kv_caches.group_data_refs
+        layer_buffers: list[np.ndarray] = []
+        page_bytes_per_layer: list[int] = []
+        seen_tensors: set[int] = set()
+        for ref in group_refs:
+            if ref.tensor_idx in seen_tensors:
+                raise KvtierVllmConfigError("kvtier.vllm does not support layers that share KV-cache memory")
+            seen_tensors.add(ref.tensor_idx)
+            canonical = kv_caches.tensors[ref.tensor_idx]
+            tensor = canonical.tensor
+            if tensor.device.type != "cpu":
+                raise KvtierVllmConfigError(
+                    f"kvtier.vllm moves host memory; this engine's KV cache is on {tensor.device} "
+                    "(the GPU staging path is not implemented yet)"
+                )
+            if not tensor.is_contiguous():
+                raise KvtierVllmConfigError(
+                    "kvtier.vllm needs each layer's KV cache as one contiguous (num_blocks, page_bytes) tensor; "
+                    f"got strides {tensor.stride()}"
+                )
+            layer_buffers.append(tensor.numpy())
+            page_bytes_per_layer.append(int(tensor.shape[1]))
+        if len(set(page_bytes_per_layer)) != 1:
+            raise KvtierVllmConfigError(f"kvtier.vllm needs equal page sizes in every layer, got {sorted(set(page_bytes_per_layer))}")
+        page_bytes = page_bytes_per_layer[0]
+        object_bytes = page_bytes * len(layer_buffers)
+        description = namespace_description(
+            self.config,
+            page_bytes_per_layer=page_bytes_per_layer,
+            hash_algo=self._hash_algo(),
+            model_revision=getattr(getattr(self.vllm_config, "model_config", None), "revision", None),
+            salt=self.options.namespace_salt,
+        )
+        namespace = namespace_digest(description)
+        shared = acquire_store(self.options, self.config.engine_id, namespace, description, object_bytes)
+        return KvtierWorker(shared, layer_buffers, page_bytes, self.options.job_timeout_ms)
+
+
+def _fill_spec_defaults(vllm_config: Any) -> None:
+    transfer_config = vllm_config.kv_transfer_config
+    if transfer_config.kv_connector_extra_config is None:
+        transfer_config.kv_connector_extra_config = {}
+    extra_config = transfer_config.kv_connector_extra_config
+    extra_config.setdefault("spec_name", SPEC_NAME)
+    extra_config.setdefault("spec_module_path", SPEC_MODULE_PATH)
+
+
+class KvtierConnector(OffloadingConnector):
+    """OffloadingConnector that reports failed kvtier loads to vLLM, which recomputes those blocks.
+
+    It also defaults ``spec_name``/``spec_module_path`` to kvtier's spec and sets vLLM's
+    ``kv_load_failure_policy`` to ``recompute`` (kvtier is a cache: a block that fails verification
+    is a miss, never an error for the request).
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any):
+        _fill_spec_defaults(vllm_config)
+        transfer_config = vllm_config.kv_transfer_config
+        if getattr(transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+            logger.info("kvtier: setting kv_load_failure_policy=recompute (a failed load is recomputed)")
+            transfer_config.kv_load_failure_policy = "recompute"
+        _constructing.vllm_config = vllm_config
+        try:
+            super().__init__(vllm_config, role, kv_cache_config)
+        finally:
+            _constructing.vllm_config = None
+
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        super().register_kv_caches(kv_caches)
+        worker = self._kvtier_worker()
+        if worker is not None:
+            worker.can_report_load_failures = True
+
+    def _kvtier_worker(self) -> KvtierWorker | None:
+        connector_worker = self.connector_worker
+        worker = getattr(connector_worker, "worker", None) if connector_worker is not None else None
+        return worker if isinstance(worker, KvtierWorker) else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        worker = self._kvtier_worker()
+        return worker.take_failed_load_block_ids() if worker is not None else set()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
+        _fill_spec_defaults(vllm_config)
+        return super().build_prom_metrics(vllm_config, *args, **kwargs)
+
+
+def kv_transfer_config(path: str | os.PathLike, **store_options: Any) -> dict[str, Any]:
+    """The ``kv_transfer_config`` dict that plugs kvtier into vLLM (for ``LLM(kv_transfer_config=...)``
+    via ``KVTransferConfig(**...)`` or ``--kv-transfer-config`` as JSON)."""
+    return {
+        "kv_connector": "KvtierConnector",
+        "kv_connector_module_path": SPEC_MODULE_PATH,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "spec_name": SPEC_NAME,
+            "spec_module_path": SPEC_MODULE_PATH,
+            "path": os.fspath(path),
+            **store_options,
+        },
+    }

@@ -1,0 +1,379 @@
+"""End-to-end tests of kvtier behind vLLM's OffloadingConnector, on the real (CPU) vLLM engine.
+
+One engine per module (starting one takes about a minute on two cores), built on the ``tiny`` model
+from ``kvtier.models``; the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the
+tests read the kvtier store's counters directly. The restart test runs two short engine processes of
+its own, before the shared engine starts, so that never more than one engine runs at a time.
+
+Run: ``.venv/bin/python -m pytest tests/test_vllm.py -m slow -v`` (after ``scripts/install_vllm.sh``
+and ``maturin develop``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # scheduler and worker in this process
+
+try:
+    import vllm  # noqa: F401
+except Exception as import_error:  # pragma: no cover - depends on the environment
+    pytest.skip(
+        f"vllm is not importable ({import_error!r}); run scripts/install_vllm.sh to install the CPU build",
+        allow_module_level=True,
+    )
+try:
+    import kvtier  # noqa: F401
+    import kvtier.vllm as kvtier_vllm
+except Exception as import_error:  # pragma: no cover
+    pytest.skip(f"kvtier is not importable ({import_error!r}); run `maturin develop` first", allow_module_level=True)
+
+from kvtier.models import ensure_model
+
+TOKENS_PER_BLOCK = 128  # vLLM's block size on CPU
+OBJECT_BYTES_TINY = 4 * 2 * 2 * TOKENS_PER_BLOCK * 64 * 4  # layers * (K,V) * kv heads * tokens * head dim * fp32
+DRAM_BYTES = 6 << 20  # about 11 blocks of the tiny model: small, so tests can push blocks out to NVMe
+NVME_BYTES = 128 << 20
+REGION_BYTES = 8 << 20
+LOGPROB_TOLERANCE = 1e-3
+
+
+def engine_kwargs(store_dir: Path, **store_options) -> dict:
+    from vllm.config import KVTransferConfig
+
+    options = {"dram_bytes": DRAM_BYTES, "nvme_bytes": NVME_BYTES, "region_bytes": REGION_BYTES, **store_options}
+    return dict(
+        model=str(ensure_model("tiny")),
+        dtype="float32",
+        max_model_len=4096,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        distributed_executor_backend="uni",
+        seed=0,
+        kv_transfer_config=KVTransferConfig(**kvtier_vllm.kv_transfer_config(store_dir, **options)),
+    )
+
+
+def random_prompt(seed: int, full_blocks: int, extra_tokens: int = 10) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 4000) for _ in range(full_blocks * TOKENS_PER_BLOCK + extra_tokens)]
+
+
+def generate(llm, prompt_token_ids: list[int], cache_salt: str | None = None, max_tokens: int = 6):
+    from vllm import SamplingParams
+
+    prompt = {"prompt_token_ids": prompt_token_ids}
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, seed=0)
+    (output,) = llm.generate([prompt], params, use_tqdm=False)
+    completion = output.outputs[0]
+    chosen_logprobs = [step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)]
+    return list(completion.token_ids), chosen_logprobs, output.num_cached_tokens or 0
+
+
+def settle(llm, store) -> None:
+    """Drives a few engine steps so deferred store jobs are submitted and completed, then flushes."""
+    for _ in range(2):
+        generate(llm, [5, 6, 7], max_tokens=2)
+    store.flush()
+
+
+def assert_same_output(baseline, candidate) -> None:
+    baseline_tokens, baseline_logprobs, _ = baseline
+    tokens, logprobs, _ = candidate
+    assert tokens == baseline_tokens
+    for expected, actual in zip(baseline_logprobs, logprobs):
+        assert abs(expected - actual) <= LOGPROB_TOLERANCE, (baseline_logprobs, logprobs)
+
+
+class StatsDelta:
+    def __init__(self, store):
+        self.store = store
+        self.before = store.stats()
+
+    def __getitem__(self, name: str) -> int:
+        return self.store.stats()[name] - self.before[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Restart persistence (own engine processes; runs first so no other engine is alive)
+# ---------------------------------------------------------------------------------------------
+
+
+def _restart_phase(phase: str, store_dir: str, result_path: str) -> None:
+    from vllm import LLM
+
+    llm = LLM(**engine_kwargs(Path(store_dir)))
+    (shared,) = kvtier_vllm.open_stores()
+    prompt = random_prompt(seed=900, full_blocks=4)
+    before = shared.store.stats()
+    result = generate(llm, prompt)
+    if phase == "store":
+        settle(llm, shared.store)
+    after = shared.store.stats()
+    Path(result_path).write_text(
+        json.dumps(
+            {
+                "tokens": result[0],
+                "logprobs": result[1],
+                "num_cached_tokens": result[2],
+                "nvme_hits": after["nvme_hits"] - before["nvme_hits"],
+                "dram_hits": after["dram_hits"] - before["dram_hits"],
+                "recovered_blocks": after.get("recovered_blocks", 0),
+                "puts": after["puts"] - before["puts"],
+            }
+        )
+    )
+    shared.store.flush()
+
+
+@pytest.mark.slow
+def test_restart_hits_from_nvme(tmp_path):
+    store_dir = tmp_path / "store"
+    store_dir.mkdir()
+    results = {}
+    for phase in ("store", "load"):
+        result_path = tmp_path / f"{phase}.json"
+        completed = subprocess.run(
+            [sys.executable, __file__, "--restart-phase", phase, str(store_dir), str(result_path)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert completed.returncode == 0, completed.stderr[-4000:]
+        results[phase] = json.loads(result_path.read_text())
+    stored, loaded = results["store"], results["load"]
+    assert stored["puts"] >= 4 and stored["num_cached_tokens"] == 0
+    assert loaded["num_cached_tokens"] == 4 * TOKENS_PER_BLOCK
+    assert loaded["nvme_hits"] >= 4 and loaded["recovered_blocks"] >= 4
+    assert_same_output(
+        (stored["tokens"], stored["logprobs"], 0), (loaded["tokens"], loaded["logprobs"], 0)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# One engine for the rest of the module
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("kvtier-store")
+
+
+@pytest.fixture(scope="module")
+def engine(store_dir):
+    from vllm import LLM
+
+    started = time.monotonic()
+    llm = LLM(**engine_kwargs(store_dir))
+    print(f"engine start: {time.monotonic() - started:.1f} s")
+    (shared,) = kvtier_vllm.open_stores()
+    yield llm, shared.store
+    del llm
+
+
+@pytest.mark.slow
+def test_dram_hit_after_prefix_cache_reset(engine):
+    llm, store = engine
+    prompt = random_prompt(seed=1, full_blocks=5)
+    delta = StatsDelta(store)
+    baseline = generate(llm, prompt)
+    assert baseline[2] == 0, "a fresh prompt must be computed, not restored"
+    settle(llm, store)
+    assert delta["puts"] >= 5
+
+    assert llm.reset_prefix_cache()
+    delta = StatsDelta(store)
+    restored = generate(llm, prompt)
+    assert restored[2] == 5 * TOKENS_PER_BLOCK
+    assert delta["dram_hits"] == 5 and delta["nvme_hits"] == 0
+    assert_same_output(baseline, restored)
+
+
+@pytest.mark.slow
+def test_nvme_hit_after_dram_eviction(engine):
+    llm, store = engine
+    prompt = random_prompt(seed=2, full_blocks=4)
+    baseline = generate(llm, prompt)
+    settle(llm, store)
+
+    delta = StatsDelta(store)
+    for flood_seed in range(100, 104):  # 32 blocks through an 11-block DRAM tier
+        generate(llm, random_prompt(seed=flood_seed, full_blocks=8), max_tokens=2)
+    settle(llm, store)
+    assert delta["dram_evictions"] > 0
+
+    assert llm.reset_prefix_cache()
+    delta = StatsDelta(store)
+    restored = generate(llm, prompt)
+    assert restored[2] == 4 * TOKENS_PER_BLOCK
+    assert delta["nvme_hits"] >= 1 and delta["nvme_hits"] + delta["dram_hits"] == 4
+    assert_same_output(baseline, restored)
+
+
+@pytest.mark.slow
+def test_cache_salt_separates_tenants(engine):
+    llm, store = engine
+    prompt = random_prompt(seed=3, full_blocks=3)
+    tenant_a = generate(llm, prompt, cache_salt="tenant-a")
+    settle(llm, store)
+
+    assert llm.reset_prefix_cache()
+    delta = StatsDelta(store)
+    tenant_b = generate(llm, prompt, cache_salt="tenant-b")
+    assert tenant_b[2] == 0
+    assert delta["dram_hits"] + delta["nvme_hits"] == 0
+    assert_same_output(tenant_a, tenant_b)
+
+    assert llm.reset_prefix_cache()
+    tenant_a_again = generate(llm, prompt, cache_salt="tenant-a")
+    assert tenant_a_again[2] == 3 * TOKENS_PER_BLOCK
+
+
+def _data_files(store_dir: Path) -> list[Path]:
+    return sorted(path for path in store_dir.rglob("*") if path.is_file() and path.stat().st_size >= 1 << 20)
+
+
+def _page_snapshot(paths: list[Path]):
+    import numpy as np
+
+    return {path: np.fromfile(path, dtype=np.uint8).reshape(-1, 4096) for path in paths}
+
+
+@pytest.mark.slow
+def test_corrupt_block_on_disk_is_recomputed(engine, store_dir):
+    import numpy as np
+
+    llm, store = engine
+    settle(llm, store)
+    data_files = _data_files(store_dir)
+    assert data_files, f"no kvtier data file under {store_dir}"
+    before_prompt = _page_snapshot(data_files)
+
+    prompt = random_prompt(seed=4, full_blocks=4)
+    baseline = generate(llm, prompt)
+    settle(llm, store)
+    after_prompt = _page_snapshot(data_files)
+
+    for flood_seed in range(200, 204):  # push the prompt's blocks out of DRAM
+        generate(llm, random_prompt(seed=flood_seed, full_blocks=8), max_tokens=2)
+    settle(llm, store)
+    after_flood = _page_snapshot(data_files)
+
+    # Pages written for the prompt and not rewritten since: the prompt's block payloads.
+    corrupted_pages = 0
+    for path in data_files:
+        written = np.any(before_prompt[path] != after_prompt[path], axis=1)
+        stable = np.all(after_prompt[path] == after_flood[path], axis=1)
+        pages = np.flatnonzero(written & stable)
+        with open(path, "r+b") as file:
+            for page in pages:
+                file.seek(int(page) * 4096 + 2048)
+                byte = file.read(1)
+                file.seek(int(page) * 4096 + 2048)
+                file.write(bytes([byte[0] ^ 0xFF]))
+            file.flush()
+            os.fsync(file.fileno())
+        corrupted_pages += len(pages)
+    assert corrupted_pages > 0, "found no page written for the prompt"
+
+    assert llm.reset_prefix_cache()
+    delta = StatsDelta(store)
+    recomputed = generate(llm, prompt)
+    settle(llm, store)
+    assert delta["checksum_failures"] >= 1
+    assert recomputed[2] < 4 * TOKENS_PER_BLOCK
+    assert_same_output(baseline, recomputed)
+
+    # The engine keeps serving, and the recomputed blocks were stored again.
+    assert llm.reset_prefix_cache()
+    again = generate(llm, prompt)
+    assert_same_output(baseline, again)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration checks (no engine)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_unstable_hash_algo_is_refused(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    with pytest.raises(kvtier_vllm.KvtierVllmConfigError, match="PYTHONHASHSEED"):
+        kvtier_vllm.check_hash_algo("xxhash")
+    kvtier_vllm.check_hash_algo("sha256")
+    kvtier_vllm.check_hash_algo("sha256_cbor")
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    kvtier_vllm.check_hash_algo("xxhash")
+
+
+def test_kvtier_key_mapping():
+    block_hash = bytes(range(32))
+    assert kvtier_vllm.kvtier_key(block_hash + b"\0\0\0\0") == block_hash
+    other_group = kvtier_vllm.kvtier_key(block_hash + b"\0\0\0\1")
+    assert len(other_group) == 32 and other_group != block_hash
+    assert len(kvtier_vllm.kvtier_key(bytes(16) + b"\0\0\0\0")) == 32
+
+
+def test_store_options_come_from_extra_config():
+    options = kvtier_vllm.KvtierOptions.from_extra_config(
+        {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.vllm", "path": "/tmp/x", "dram_bytes": 1 << 30}
+    )
+    assert options.store_options == {"dram_bytes": 1 << 30}
+    with pytest.raises(kvtier_vllm.KvtierVllmConfigError, match="path"):
+        kvtier_vllm.KvtierOptions.from_extra_config({"dram_bytes": 1})
+    with pytest.raises(kvtier_vllm.KvtierVllmConfigError, match="namespace"):
+        kvtier_vllm.KvtierOptions.from_extra_config({"path": "/tmp/x", "namespace": "a"})
+
+
+def test_namespace_changes_with_dtype_and_block_size(tmp_path):
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    model_dir = ensure_model("tiny")
+
+    def config(dtype: str, tokens_per_block: int) -> OffloadingConfig:
+        return OffloadingConfig(
+            groups=(OffloadingGroupConfig(tokens_per_block, ("layer.0",), 0),),
+            worker_kv_bytes_per_block=1,
+            enable_kv_cache_events=False,
+            extra_config={},
+            engine_id="e",
+            model=OffloadingModelConfig(str(model_dir), dtype),
+            cache=OffloadingCacheConfig(tokens_per_block, 1),
+            parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
+        )
+
+    def digest(dtype: str, tokens_per_block: int) -> bytes:
+        return kvtier_vllm.namespace_digest(
+            kvtier_vllm.namespace_description(
+                config(dtype, tokens_per_block), page_bytes_per_layer=[1], hash_algo="sha256"
+            )
+        )
+
+    assert digest("float32", 128) == digest("float32", 128)
+    assert digest("float32", 128) != digest("bfloat16", 128)
+    assert digest("float32", 128) != digest("float32", 64)
+
+
+if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "--restart-phase":
+    _restart_phase(sys.argv[2], sys.argv[3], sys.argv[4])
