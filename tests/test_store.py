@@ -46,6 +46,7 @@ def test_put_get_roundtrip_and_stats(store_dir, engine):
         s = store.stats()
         assert s["dram_hits"] == 4 and s["misses"] == 1
         assert s["io_engine"] == engine
+        assert store.locate_many([key(0), key(99)]) == ["dram", None]
         for name in ("nvme_hits", "bytes_read_nvme", "dram_evictions", "dropped_stores",
                      "checksum_failures", "dram_used_bytes", "nvme_capacity_bytes"):
             assert name in s

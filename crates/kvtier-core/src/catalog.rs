@@ -17,6 +17,24 @@ use crate::tiers::nvme::{Geometry, RecoveredRegion};
 use std::collections::HashMap;
 use std::sync::Arc;
 
+/// Where a block is served from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    Dram,
+    Nvme,
+    Shared,
+}
+
+impl Tier {
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Dram => "dram",
+            Tier::Nvme => "nvme",
+            Tier::Shared => "shared",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NvmeLoc {
     pub device: u16,
@@ -268,6 +286,16 @@ impl Catalog {
 
     pub fn contains(&self, key: &BlockKey) -> bool {
         self.index.get(key).is_some_and(Entry::visible)
+    }
+
+    /// The fastest local tier holding the block: DRAM, then NVMe.
+    pub fn locate(&self, key: &BlockKey) -> Option<Tier> {
+        let e = self.index.get(key)?;
+        if e.dram_ready {
+            Some(Tier::Dram)
+        } else {
+            e.nvme.map(|_| Tier::Nvme)
+        }
     }
 
     pub fn lookup_prefix(&self, keys: &[BlockKey]) -> usize {

@@ -41,6 +41,19 @@ impl BlockBuffer {
     }
 }
 
+/// Where a load's bytes landed.
+enum Landing {
+    /// In its DRAM slot (promoted to the DRAM tier on success).
+    Slot,
+    /// Value in the caller's memory; the descriptor in this page.
+    Direct(AlignedBuf),
+    /// In a heap staging buffer, because every DRAM slot was pinned or busy.
+    Staged(AlignedBuf),
+}
+
+/// Heap-staged loads in flight per call, when no DRAM slot can be had.
+const MAX_STAGED_READS: usize = 4;
+
 /// Hashes the value a direct read left in the caller's memory.
 fn checksum_segments(buf: &BlockBuffer) -> u64 {
     let mut hasher = xxhash_rust::xxh3::Xxh3::new();
@@ -95,9 +108,8 @@ fn slot_bytes<'a>(sh: &'a Shared, slot: u32) -> &'a mut [u8] {
 /// Checks a slot just read from NVMe against what the index expects and copies its value out.
 /// The value is hashed and copied in cache-sized chunks (one pass over memory instead of two); if the
 /// checksum then fails the caller's buffer holds unspecified bytes and the block is reported a miss.
-fn verify_and_copy_out(sh: &Shared, key: &BlockKey, read: &NvmeRead, buf: &BlockBuffer) -> bool {
+fn verify_and_copy_out(sh: &Shared, key: &BlockKey, read: &NvmeRead, bytes: &[u8], buf: &BlockBuffer) -> bool {
     const CHUNK_BYTES: usize = 128 * 1024;
-    let bytes = slot_bytes(sh, read.slot);
     let Ok(desc) = Descriptor::decode(&bytes[..DESCRIPTOR_BYTES]) else { return false };
     let object_bytes = sh.config.object_bytes;
     let header_ok = desc.key == *key
@@ -130,8 +142,8 @@ fn verify_and_copy_out(sh: &Shared, key: &BlockKey, read: &NvmeRead, buf: &Block
 pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuffer]) -> Vec<bool> {
     let n = keys.len();
     let mut results = vec![false; n];
-    // A direct read (value straight into caller memory) carries the page its descriptor landed in.
-    let (done_tx, done_rx) = unbounded::<(usize, NvmeRead, std::io::Result<()>, Option<AlignedBuf>)>();
+    let (done_tx, done_rx) = unbounded::<(usize, NvmeRead, std::io::Result<()>, Landing)>();
+    let mut staged_inflight = 0;
     // Direct reads need O_DIRECT semantics end to end and values that fill whole pages.
     let direct_io = sh.device_files.iter().all(|d| d.direct) && sh.config.object_bytes % ALIGN_BYTES == 0;
     let max_inflight = (sh.arena.slot_count() / 2)
@@ -156,6 +168,14 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
                             Some(slot) => shared_reads.push((next, slot)),
                             None => Stats::add(&sh.stats.misses, 1),
                         },
+                        // Every slot is pinned or busy: stage the read in a heap buffer rather than wait
+                        // (bounded), so that pins held by the engine never stall a load.
+                        GetStep::NoSlot if staged_inflight + reads.len() < MAX_STAGED_READS => {
+                            match cat.plan_get(&keys[next], true) {
+                                GetStep::Nvme(read) => reads.push((next, read)),
+                                _ => Stats::add(&sh.stats.misses, 1),
+                            }
+                        }
                         GetStep::NoSlot => break,
                     }
                     next += 1;
@@ -176,6 +196,22 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
             for (i, read) in reads.drain(..) {
                 let tx = done_tx.clone();
                 let geometry = sh.geometry.expect("NVMe reads need the NVMe tier");
+                if read.slot == NO_SLOT && !(direct_io && bufs[i].direct_capable()) {
+                    let staging = AlignedBuf::zeroed(sh.arena.slot_bytes());
+                    staged_inflight += 1;
+                    sh.devices[read.loc.device as usize].read(IoOp {
+                        kind: OpKind::Read,
+                        offset: geometry.region_offset(read.loc.region) + read.loc.offset,
+                        buf: staging.as_ptr(),
+                        len: staging.len(),
+                        iovecs: Vec::new(),
+                        on_done: Box::new(move |r| {
+                            let _ = tx.send((i, read, r, Landing::Staged(staging)));
+                        }),
+                    });
+                    inflight += 1;
+                    continue;
+                }
                 if read.slot == NO_SLOT {
                     let page = AlignedBuf::zeroed(DESCRIPTOR_BYTES);
                     let mut iovecs = vec![libc::iovec { iov_base: page.as_ptr().cast(), iov_len: DESCRIPTOR_BYTES }];
@@ -187,7 +223,7 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
                         len: DESCRIPTOR_BYTES + sh.config.object_bytes,
                         iovecs,
                         on_done: Box::new(move |r| {
-                            let _ = tx.send((i, read, r, Some(page)));
+                            let _ = tx.send((i, read, r, Landing::Direct(page)));
                         }),
                     });
                     inflight += 1;
@@ -200,7 +236,7 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
                     len: sh.arena.slot_bytes(),
                     iovecs: Vec::new(),
                     on_done: Box::new(move |r| {
-                        let _ = tx.send((i, read, r, None));
+                        let _ = tx.send((i, read, r, Landing::Slot));
                     }),
                 });
                 inflight += 1;
@@ -230,11 +266,15 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
         finished.extend(done_rx.try_iter());
         inflight -= finished.len();
         let mut outcomes = Vec::with_capacity(finished.len());
-        for (i, read, io_result, page) in finished {
-            let verified = |read: &NvmeRead| match &page {
-                Some(page) => verify_direct(sh, &keys[i], read, page, &bufs[i]),
-                None => verify_and_copy_out(sh, &keys[i], read, &bufs[i]),
+        for (i, read, io_result, landing) in finished {
+            let verified = |read: &NvmeRead| match &landing {
+                Landing::Direct(page) => verify_direct(sh, &keys[i], read, page, &bufs[i]),
+                Landing::Staged(staging) => verify_and_copy_out(sh, &keys[i], read, staging.as_slice(), &bufs[i]),
+                Landing::Slot => verify_and_copy_out(sh, &keys[i], read, slot_bytes(sh, read.slot), &bufs[i]),
             };
+            if matches!(landing, Landing::Staged(_)) {
+                staged_inflight -= 1;
+            }
             let outcome = match io_result {
                 Err(e) => {
                     log::warn!("kvtier: read of block {:?} failed: {e}; counted as a miss", keys[i]);

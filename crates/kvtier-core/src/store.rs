@@ -380,6 +380,14 @@ impl Store {
         keys.iter().map(|k| cat.contains(k) || self.in_shared_tier(k)).collect()
     }
 
+    /// The tier each block would be served from (memory only, no I/O).
+    pub fn locate_many(&self, keys: &[BlockKey]) -> Vec<Option<crate::catalog::Tier>> {
+        let cat = self.shared.catalog.lock();
+        keys.iter()
+            .map(|k| cat.locate(k).or_else(|| self.in_shared_tier(k).then_some(crate::catalog::Tier::Shared)))
+            .collect()
+    }
+
     fn in_shared_tier(&self, key: &BlockKey) -> bool {
         self.shared.shared_tier.as_ref().is_some_and(|t| t.contains(key))
     }

@@ -200,3 +200,28 @@ fn aligned_buffers_take_direct_reads_and_are_verified() {
         assert_eq!(s.gauges.blocks_dram, 0, "direct reads do not promote to DRAM");
     }
 }
+
+#[test]
+fn loads_do_not_stall_when_every_dram_slot_is_pinned() {
+    for engine in engines() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = config(dir.path(), engine, 64 * 1024);
+        cfg.slot_wait_ms = 30_000;
+        let store = Store::open(cfg).unwrap();
+        let old: Vec<u64> = (0..40).collect();
+        put(&store, &old);
+        store.flush().unwrap();
+        // Fill DRAM with fresh blocks and pin them all, as an engine does between prepare_load and
+        // complete_load.
+        let fresh: Vec<u64> = (100..116).collect();
+        put(&store, &fresh);
+        let fresh_keys: Vec<_> = fresh.iter().map(|&i| key(i)).collect();
+        assert_eq!(store.pin_prefix(&fresh_keys), 16);
+        let started = std::time::Instant::now();
+        let hits = get_checked(&store, &old[..10]);
+        assert!(hits.iter().all(|&h| h), "{hits:?}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5), "load stalled {:?}", started.elapsed());
+        assert_eq!(store.stats().counters.slot_wait_timeouts, 0);
+        store.unpin(&fresh_keys);
+    }
+}

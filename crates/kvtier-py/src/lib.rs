@@ -417,6 +417,11 @@ impl PyStore {
         Ok(self.inner.contains_many(&parse_keys(keys)?))
     }
 
+    /// Per key: "dram", "nvme", "shared" (the tier it would be served from) or None.
+    fn locate_many(&self, keys: &Bound<'_, PyAny>) -> PyResult<Vec<Option<&'static str>>> {
+        Ok(self.inner.locate_many(&parse_keys(keys)?).into_iter().map(|t| t.map(|t| t.name())).collect())
+    }
+
     fn pin_many(&self, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
         Ok(self.inner.pin_prefix(&parse_keys(keys)?))
     }
