@@ -366,6 +366,26 @@ impl Catalog {
         self.free_slots.push(slot);
     }
 
+    /// A new entry for `key` whose only copy is `slot`, not yet visible; returns its sequence.
+    fn claim_slot(&mut self, key: &BlockKey, slot: u32, state: SlotState, pins: u32) -> u64 {
+        let sequence = self.next_sequence;
+        self.next_sequence += 1;
+        self.slots[slot as usize] = Slot { key: Some(*key), state, writing: false };
+        self.index.insert(
+            *key,
+            Entry {
+                sequence,
+                value_checksum: 0,
+                dram: Some(slot),
+                dram_ready: false,
+                nvme: None,
+                write_pending: false,
+                pins,
+            },
+        );
+        sequence
+    }
+
     // ---- loads ----
 
     /// `direct`: the caller's buffer can take an O_DIRECT read itself, so an NVMe-only block is read
@@ -463,21 +483,7 @@ impl Catalog {
         if needs_write {
             self.dirty_bytes += self.slot_bytes as usize;
         }
-        let sequence = self.next_sequence;
-        self.next_sequence += 1;
-        self.slots[slot as usize] = Slot { key: Some(*key), state: SlotState::Filling, writing: false };
-        self.index.insert(
-            *key,
-            Entry {
-                sequence,
-                value_checksum: 0,
-                dram: Some(slot),
-                dram_ready: false,
-                nvme: None,
-                write_pending: false,
-                pins: 0,
-            },
-        );
+        let sequence = self.claim_slot(key, slot, SlotState::Filling, 0);
         PutStep::Fill { slot, sequence }
     }
 
@@ -734,21 +740,7 @@ impl Catalog {
             return None;
         }
         let slot = self.alloc_slot()?;
-        let sequence = self.next_sequence;
-        self.next_sequence += 1;
-        self.slots[slot as usize] = Slot { key: Some(*key), state: SlotState::Loading, writing: false };
-        self.index.insert(
-            *key,
-            Entry {
-                sequence,
-                value_checksum: 0,
-                dram: Some(slot),
-                dram_ready: false,
-                nvme: None,
-                write_pending: false,
-                pins: 1,
-            },
-        );
+        self.claim_slot(key, slot, SlotState::Loading, 1);
         Some(slot)
     }
 

@@ -75,29 +75,24 @@ fn verify_direct(sh: &Shared, key: &BlockKey, read: &NvmeRead, page: &AlignedBuf
         && checksum_segments(buf) == desc.value_checksum
 }
 
-fn copy_out(sh: &Shared, slot: u32, buf: &BlockBuffer) {
-    let mut src = unsafe { sh.arena.slot_ptr(slot).add(DESCRIPTOR_BYTES) };
-    for &(dst, len) in &buf.segments {
-        // SAFETY: the slot is pinned (or loading, owned by this job) and holds object_bytes of value;
-        // the caller's segments are valid for writing (submission contract).
+/// Copies between a slot's value area and the caller's segments (`into_slot`: a store).
+///
+/// SAFETY (callers): the slot is owned by this job (filling, loading) or pinned, and the caller's
+/// segments are valid for the direction of the copy (submission contract).
+fn copy_value(sh: &Shared, slot: u32, buf: &BlockBuffer, into_slot: bool) {
+    let mut value = unsafe { sh.arena.slot_ptr(slot).add(DESCRIPTOR_BYTES) };
+    for &(segment, len) in &buf.segments {
         unsafe {
-            std::ptr::copy_nonoverlapping(src, dst, len);
-            src = src.add(len);
+            if into_slot {
+                std::ptr::copy_nonoverlapping(segment, value, len);
+            } else {
+                std::ptr::copy_nonoverlapping(value, segment, len);
+            }
+            value = value.add(len);
         }
     }
-    Stats::add(&sh.stats.bytes_copied_out, sh.config.object_bytes as u64);
-}
-
-fn copy_in(sh: &Shared, slot: u32, buf: &BlockBuffer) {
-    let mut dst = unsafe { sh.arena.slot_ptr(slot).add(DESCRIPTOR_BYTES) };
-    for &(src, len) in &buf.segments {
-        // SAFETY: the slot is in Filling state, owned by this job; segments are valid for reading.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src, dst, len);
-            dst = dst.add(len);
-        }
-    }
-    Stats::add(&sh.stats.bytes_copied_in, sh.config.object_bytes as u64);
+    let counter = if into_slot { &sh.stats.bytes_copied_in } else { &sh.stats.bytes_copied_out };
+    Stats::add(counter, sh.config.object_bytes as u64);
 }
 
 fn slot_bytes<'a>(sh: &'a Shared, slot: u32) -> &'a mut [u8] {
@@ -146,9 +141,9 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
     let mut staged_inflight = 0;
     // Direct reads need O_DIRECT semantics end to end and values that fill whole pages.
     let direct_io = sh.device_files.iter().all(|d| d.direct) && sh.config.object_bytes % ALIGN_BYTES == 0;
-    let max_inflight = (sh.arena.slot_count() / 2)
-        .max(1)
-        .min(sh.config.io_depth * sh.devices.len().max(1) * 2);
+    // Bounded by the devices' queue depth; reads that need a DRAM slot are further bounded by the
+    // slots the catalog can free (then heap-staged, see `MAX_STAGED_READS`).
+    let max_inflight = (sh.config.io_depth * sh.devices.len().max(1)).max(1);
     let mut next = 0;
     let mut inflight = 0;
     let mut dram_hits = Vec::new();
@@ -246,7 +241,7 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
             }
             if !dram_hits.is_empty() {
                 for &(i, slot) in &dram_hits {
-                    copy_out(sh, slot, &bufs[i]);
+                    copy_value(sh, slot, &bufs[i], false);
                     results[i] = true;
                 }
                 Stats::add(&sh.stats.dram_hits, dram_hits.len() as u64);
@@ -340,7 +335,7 @@ pub(crate) fn execute_put(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
         }
         let mut checksums = Vec::with_capacity(fills.len());
         for &(i, slot, sequence) in &fills {
-            copy_in(sh, slot, &bufs[i]);
+            copy_value(sh, slot, &bufs[i], true);
             let bytes = slot_bytes(sh, slot);
             let value_checksum = checksum(&bytes[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + sh.config.object_bytes]);
             Descriptor {
@@ -455,7 +450,7 @@ fn execute_shared_reads(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuffer
         let bytes = slot_bytes(sh, slot);
         let checksum = match tier.read_into(&keys[i], bytes) {
             Ok(true) => {
-                copy_out(sh, slot, &bufs[i]);
+                copy_value(sh, slot, &bufs[i], false);
                 results[i] = true;
                 Descriptor::decode(&bytes[..DESCRIPTOR_BYTES]).ok().map(|d| d.value_checksum)
             }
