@@ -1,0 +1,479 @@
+"""`kvtier bench io`: kvtier's store and cold retrieve against the disk's physical limit and LMCache.
+
+This module owns the benchmark's command line and its run loop. One run measures, interleaved and
+repeated, for every (model shape, prompt size, object kind) case:
+
+- fio: O_DIRECT io_uring write then read of a file in the same directory as the store, at the same
+  bytes in flight (a couple of block size / iodepth combinations; the best of each is the limit);
+- kvtier: ``put_many`` + ``flush`` of the prompt's objects, then a cold ``get_many`` (store closed and
+  reopened, page cache dropped when root, tiny DRAM tier, verified byte for byte against what was stored);
+- LMCache's LocalDiskBackend on the same bytes, in its own interpreter (optional).
+
+It prints a table, writes ``results.json``, ``table.txt`` and ``io.png`` to the output directory and
+exits non-zero (3) if kvtier ever returned wrong bytes. ``--small`` is the CI size: a few seconds of
+I/O, and it also fails (4) on results that are not sane (unexplained misses, errors, zero rates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+import traceback
+
+from . import fio, kvtier_store, lmcache_client, report, workload
+
+DEFAULT_SIZES = "8k,32k,64k"
+DEFAULT_OBJECTS = "block16,block128,chunk256"
+DEFAULT_MODELS = "llama3-8b"
+DEFAULT_REPEATS = 3
+SMALL_SIZES = "1k"
+SMALL_OBJECTS = "block16,chunk256"
+SMALL_REPEATS = 2
+DEFAULT_FIO_INFLIGHT_BYTES = 64 * workload.MIB
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_WRONG_BYTES = 3
+EXIT_NOT_SANE = 4
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtier bench io",
+        description="Store and cold-retrieve KV blocks of real model shapes with kvtier, against fio "
+        "(the disk's limit, same run) and LMCache's LocalDiskBackend.",
+    )
+    parser.add_argument("--dir", help="directory on the disk under test; the store, fio's file and LMCache's "
+                        "files go in a scratch folder inside it, removed afterwards "
+                        "(default: ./bench-results/io-scratch)")
+    parser.add_argument("--out", help="output directory (default: bench-results/io-<timestamp>/)")
+    parser.add_argument("--sizes", help=f"prompt sizes in tokens, comma-separated (default: {DEFAULT_SIZES})")
+    parser.add_argument("--objects", help=f"object kinds: blockN (engine block of N tokens) or chunkN "
+                        f"(default: {DEFAULT_OBJECTS})")
+    parser.add_argument("--models", default=None, help=f"model shapes, comma-separated, from "
+                        f"{', '.join(workload.MODEL_SHAPES)} (default: {DEFAULT_MODELS})")
+    parser.add_argument("--repeats", type=int, help=f"repeats of every measurement (default: {DEFAULT_REPEATS}, "
+                        f"--small: {SMALL_REPEATS})")
+    parser.add_argument("--small", action="store_true", help=f"CI size: {SMALL_SIZES} tokens, {SMALL_OBJECTS}, "
+                        f"{SMALL_REPEATS} repeats; fails on insane results")
+    parser.add_argument("--no-fio", action="store_true", help="skip fio (no ratios to the disk's limit)")
+    parser.add_argument("--no-lmcache", action="store_true", help="skip LMCache")
+    parser.add_argument("--no-kvtier", action="store_true", help="skip kvtier (measure only fio and LMCache)")
+    parser.add_argument("--lmcache-python", help="interpreter with lmcache installed "
+                        "(default: .venv-lmcache/bin/python when it exists)")
+    parser.add_argument("--fio-inflight-mib", type=int, default=DEFAULT_FIO_INFLIGHT_BYTES // workload.MIB,
+                        help="bytes in flight for fio, in MiB (default: %(default)s)")
+    parser.add_argument("--dram-bytes", type=int, default=0,
+                        help="kvtier DRAM tier for the benchmark store (default: 0, so gets come from NVMe)")
+    parser.add_argument("--keep-open", action="store_true",
+                        help="keep the kvtier store open between store and retrieve (default: close and reopen "
+                        "it, so no block can be served from DRAM; either way the page cache is dropped)")
+    parser.add_argument("--seed", type=int, default=20240601, help="seed of the block data (default: %(default)s)")
+    return parser
+
+
+def _split(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def resolve_options(args: argparse.Namespace) -> dict:
+    sizes_text = args.sizes or (SMALL_SIZES if args.small else DEFAULT_SIZES)
+    objects_text = args.objects or (SMALL_OBJECTS if args.small else DEFAULT_OBJECTS)
+    models_text = args.models or DEFAULT_MODELS
+    repeats = args.repeats if args.repeats is not None else (SMALL_REPEATS if args.small else DEFAULT_REPEATS)
+    if repeats < 1:
+        raise ValueError("--repeats must be at least 1")
+    models = _split(models_text)
+    for model in models:
+        if model not in workload.MODEL_SHAPES:
+            raise ValueError(f"unknown model {model!r} in --models: use one of {', '.join(workload.MODEL_SHAPES)}")
+    sizes = [workload.parse_token_count(size) for size in _split(sizes_text)]
+    objects = [workload.parse_object_kind(kind) for kind in _split(objects_text)]
+    if not sizes or not objects:
+        raise ValueError("--sizes and --objects need at least one value each")
+    started = datetime.datetime.now()
+    out_dir = args.out or os.path.join("bench-results", f"io-{started.strftime('%Y%m%d-%H%M%S')}")
+    base_dir = os.path.abspath(args.dir or os.path.join("bench-results", "io-scratch"))
+    return {
+        "models": models,
+        "sizes": sizes,
+        "objects": objects,
+        "repeats": repeats,
+        "small": args.small,
+        "out_dir": os.path.abspath(out_dir),
+        "scratch_dir": os.path.join(base_dir, f"kvtier-bench-io-{os.getpid()}"),
+        "created_base_dir": not os.path.exists(base_dir),
+        "use_fio": not args.no_fio,
+        "use_lmcache": not args.no_lmcache,
+        "use_kvtier": not args.no_kvtier,
+        "lmcache_python": args.lmcache_python,
+        "fio_inflight_bytes": args.fio_inflight_mib * workload.MIB,
+        "dram_bytes": args.dram_bytes,
+        "reopen": not args.keep_open,
+        "seed": args.seed,
+        "started": started,
+    }
+
+
+def build_cases(options: dict) -> list[dict]:
+    cases = []
+    for model in options["models"]:
+        shape = workload.MODEL_SHAPES[model]
+        for prompt_tokens in options["sizes"]:
+            for object_kind, tokens_per_object in options["objects"]:
+                object_count = prompt_tokens // tokens_per_object
+                if object_count == 0:
+                    log(f"skipping {object_kind} at {prompt_tokens} tokens: the prompt holds no whole object")
+                    continue
+                object_bytes = tokens_per_object * shape.kv_bytes_per_token
+                cases.append(
+                    {
+                        "model": model,
+                        "prompt_tokens": prompt_tokens,
+                        "object_kind": object_kind,
+                        "tokens_per_object": tokens_per_object,
+                        "object_bytes": object_bytes,
+                        "object_count": object_count,
+                        "prompt_bytes": object_bytes * object_count,
+                        "repeats": [],
+                    }
+                )
+    if not cases:
+        raise ValueError("no case to run: every prompt size is smaller than every object")
+    return cases
+
+
+def check_resources(options: dict, cases: list[dict], pool_bytes: int) -> None:
+    """Fail early, with the fix, when the disk or the memory cannot hold the largest case."""
+    largest_prompt_bytes = max(case["prompt_bytes"] for case in cases)
+    os.makedirs(options["scratch_dir"], exist_ok=True)
+    free_disk_bytes = shutil.disk_usage(options["scratch_dir"]).free
+    # fio's file + kvtier's store (with slack) + LMCache's files never coexist beyond this.
+    needed_disk_bytes = int(largest_prompt_bytes * 2.5) + workload.GIB
+    if free_disk_bytes < needed_disk_bytes:
+        raise ValueError(
+            f"{options['scratch_dir']} has {free_disk_bytes / 1e9:.1f} GB free, the largest case needs about "
+            f"{needed_disk_bytes / 1e9:.1f} GB: free space, pick another --dir, or use smaller --sizes"
+        )
+    available_memory_bytes = _available_memory_bytes()
+    # The data pool here and in the LMCache runner, plus one prompt of destination buffers (kvtier's
+    # destination and LMCache's staging pool are never allocated at the same time).
+    needed_memory_bytes = largest_prompt_bytes + 2 * pool_bytes + workload.GIB
+    if available_memory_bytes and available_memory_bytes < needed_memory_bytes:
+        raise ValueError(
+            f"{available_memory_bytes / 1e9:.1f} GB of memory available, the largest case needs about "
+            f"{needed_memory_bytes / 1e9:.1f} GB: use smaller --sizes (or --no-lmcache)"
+        )
+
+
+def _available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def environment_info(options: dict) -> dict:
+    info = {
+        "hostname": platform.node(),
+        "kernel": platform.release(),
+        "cpu_count": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "is_root": os.geteuid() == 0,
+        "scratch_dir": options["scratch_dir"],
+    }
+    try:
+        import kvtier
+
+        info["kvtier_version"] = getattr(kvtier, "__version__", None)
+    except ImportError:
+        info["kvtier_version"] = None
+    return info
+
+
+def run(options: dict) -> dict:
+    """Run every case, interleaved over repeats; return the results document (also written to disk)."""
+    cases = build_cases(options)
+    pool_bytes = max(workload.pool_bytes_for(case["prompt_bytes"], case["object_bytes"]) for case in cases)
+    check_resources(options, cases, pool_bytes)
+    models = {
+        model: {field: getattr(workload.MODEL_SHAPES[model], field) for field in
+                ("name", "num_layers", "num_kv_heads", "head_dim", "dtype_bytes")}
+        | {"kv_bytes_per_token": workload.MODEL_SHAPES[model].kv_bytes_per_token}
+        for model in options["models"]
+    }
+    document: dict = {
+        "benchmark": "kvtier bench io",
+        "schema_version": 1,
+        "started_at": options["started"].isoformat(timespec="seconds"),
+        "argv": list(sys.argv),
+        "small": options["small"],
+        "repeats": options["repeats"],
+        "seed": options["seed"],
+        "pool_bytes": pool_bytes,
+        "fio_inflight_bytes": options["fio_inflight_bytes"],
+        "models": models,
+        "environment": environment_info(options),
+        "systems": {},
+        "errors": [],
+        "cases": cases,
+    }
+    systems = document["systems"]
+
+    # ---- which systems can run here
+    if options["use_kvtier"]:
+        kvtier_store.load_store_class()  # raises KvtierUnavailable with the fix
+        systems["kvtier"] = {
+            "enabled": True,
+            "dram_bytes": options["dram_bytes"],
+            "reopen": options["reopen"],
+            "timed": "store: put_many from the caller's buffers + flush (synced); retrieve: get_many into "
+                     "prefaulted caller buffers, after close/reopen (unless --keep-open) and a page-cache drop; "
+                     "CPU: getrusage of this process (the store's I/O threads are in it)",
+        }
+    else:
+        systems["kvtier"] = {"enabled": False, "skipped_reason": "--no-kvtier"}
+    if not options["use_fio"]:
+        systems["fio"] = {"enabled": False, "skipped_reason": "--no-fio"}
+    elif not fio.fio_path():
+        systems["fio"] = {"enabled": False, "skipped_reason": fio.missing_fio_message()}
+        log(f"note: {fio.missing_fio_message()}; running without the physical limit")
+    else:
+        systems["fio"] = {
+            "enabled": True,
+            "version": fio.fio_version(),
+            "timed": "sequential write then read, O_DIRECT, io_uring, on a file beside the store, "
+                     "min(prompt, 4 GiB), a few bs/iodepth/jobs combinations; best of each direction per "
+                     "repeat; CPU: fio's usr+sys",
+        }
+    lmcache_session = None
+    if not options["use_lmcache"]:
+        systems["lmcache"] = {"enabled": False, "skipped_reason": "--no-lmcache"}
+    else:
+        python_path = options["lmcache_python"] or lmcache_client.default_lmcache_python()
+        if not python_path:
+            reason = ("lmcache is not installed: run scripts/install_lmcache.sh (makes .venv-lmcache) "
+                      "or pass --lmcache-python PATH; skipped")
+            systems["lmcache"] = {"enabled": False, "skipped_reason": reason}
+            log(f"note: {reason}")
+        else:
+            log(f"starting the LMCache runner under {python_path} ...")
+            try:
+                lmcache_session = lmcache_client.LMCacheSession(python_path)
+                systems["lmcache"] = {
+                    "enabled": True,
+                    "python": python_path,
+                    "lmcache_version": lmcache_session.lmcache_version,
+                    "torch_version": lmcache_session.torch_version,
+                    "backend": "LocalDiskBackend, O_DIRECT, page-aligned staging pool, local_cpu=False",
+                    "timed": "store: batched_submit_put_task of filled memory objects until every write "
+                             "completed (no fsync; the copy into its memory objects is not timed); retrieve: "
+                             "batched_get_blocking into its staging pool after a page-cache drop; CPU: "
+                             "getrusage of the runner process",
+                }
+            except lmcache_client.LMCacheUnavailable as error:
+                systems["lmcache"] = {"enabled": False, "skipped_reason": str(error)}
+                log(f"note: LMCache skipped: {error}")
+
+    os.makedirs(options["out_dir"], exist_ok=True)
+    os.makedirs(options["scratch_dir"], exist_ok=True)
+    fio_file = os.path.join(options["scratch_dir"], "fio-testfile")
+    log(f"generating {workload.format_bytes(pool_bytes)} of block data ...")
+    pool = workload.make_pool(pool_bytes, options["seed"])
+
+    enabled = [name for name in ("fio", "kvtier", "lmcache") if systems[name]["enabled"]]
+    run_started = time.perf_counter()
+    try:
+        for repeat in range(options["repeats"]):
+            for case_index, case in enumerate(cases):
+                sample: dict = {"repeat": repeat}
+                case["repeats"].append(sample)
+                layout = workload.prompt_layout(
+                    workload.MODEL_SHAPES[case["model"]],
+                    case["prompt_tokens"],
+                    case["tokens_per_object"],
+                    key_salt=f"{options['seed']}/{repeat}/{case_index}",
+                    pool_bytes=pool_bytes,
+                    start_slot=repeat * 7919 + case_index,
+                )
+                rotation = (repeat + case_index) % len(enabled) if enabled else 0
+                order = enabled[rotation:] + enabled[:rotation]
+                label = (f"[{repeat + 1}/{options['repeats']}] {case['model']} "
+                         f"{workload.format_token_count(case['prompt_tokens'])} {case['object_kind']}")
+                for system in order:
+                    try:
+                        if system == "fio":
+                            sample["fio"] = fio.measure_limits(
+                                fio_file, case["prompt_bytes"], case["object_bytes"], options["fio_inflight_bytes"]
+                            )
+                            best_read, best_write = sample["fio"]["best_read"], sample["fio"]["best_write"]
+                            log(f"{label} fio: read {best_read['gbps']:.2f} GB/s ({_combo_label(best_read)}), "
+                                f"write {best_write['gbps']:.2f} GB/s ({_combo_label(best_write)})")
+                        elif system == "kvtier":
+                            namespace = f"kvtier-bench-io/{case['model']}/{case['tokens_per_object']}".encode()
+                            sample["kvtier"] = kvtier_store.measure(
+                                layout, pool, os.path.join(options["scratch_dir"], "kvtier-store"), namespace,
+                                dram_bytes=options["dram_bytes"], reopen=options["reopen"],
+                            )
+                            measured = sample["kvtier"]
+                            log(f"{label} kvtier: store {measured['store']['gbps']:.2f} GB/s, retrieve "
+                                f"{measured['retrieve']['gbps']:.2f} GB/s, wrong {measured['wrong_objects']}, "
+                                f"missing {measured['missing_objects']}")
+                        elif system == "lmcache":
+                            request = {
+                                "shape": {field: getattr(workload.MODEL_SHAPES[case["model"]], field) for field in
+                                          ("name", "num_layers", "num_kv_heads", "head_dim", "dtype_bytes")},
+                                "prompt_tokens": case["prompt_tokens"],
+                                "tokens_per_object": case["tokens_per_object"],
+                                "seed": options["seed"],
+                                "key_salt": layout.key_salt,
+                                "pool_bytes": pool_bytes,
+                                "start_slot": layout.start_slot,
+                                "dir": os.path.join(options["scratch_dir"], "lmcache-disk"),
+                                "use_odirect": True,
+                            }
+                            timeout_s = max(180.0, case["prompt_bytes"] / 50e6)
+                            sample["lmcache"] = lmcache_session.measure(request, timeout_s)
+                            measured = sample["lmcache"]
+                            log(f"{label} LMCache: store {measured['store']['gbps']:.2f} GB/s, retrieve "
+                                f"{measured['retrieve']['gbps']:.2f} GB/s, wrong {measured['wrong_objects']}, "
+                                f"missing {measured['missing_objects']}")
+                    except lmcache_client.LMCacheUnavailable as error:
+                        document["errors"].append({"system": system, "case": label, "error": str(error)})
+                        log(f"{label} LMCache stopped: {error}")
+                        systems["lmcache"]["stopped_reason"] = str(error)
+                        enabled.remove("lmcache")
+                    except Exception as error:  # record and go on: one failure should not lose the run
+                        document["errors"].append(
+                            {"system": system, "case": label, "error": f"{type(error).__name__}: {error}"}
+                        )
+                        log(f"{label} {system} FAILED: {type(error).__name__}: {error}")
+                        if options["small"]:
+                            traceback.print_exc()
+    finally:
+        if lmcache_session is not None:
+            lmcache_session.close()
+        fio.remove_test_file(fio_file)
+        shutil.rmtree(options["scratch_dir"], ignore_errors=True)
+        if options["created_base_dir"]:
+            try:
+                os.rmdir(os.path.dirname(options["scratch_dir"]))  # the default folder we made, if empty
+            except OSError:
+                pass
+    document["elapsed_seconds"] = time.perf_counter() - run_started
+
+    for case in cases:
+        case["summary"] = report.summarize_case(case)
+        case["targets"] = report.evaluate_targets(case)
+    document["wrong_objects"] = {
+        system: sum(case["summary"]["wrong_objects"][system] for case in cases) for system in ("kvtier", "lmcache")
+    }
+    document["sanity_problems"] = sanity_problems(document)
+    all_checks = [dict(check, case=f"{case['model']} {case['prompt_tokens']} {case['object_kind']}")
+                  for case in cases for check in case["targets"]]
+    document["targets_summary"] = {
+        "met": sum(1 for check in all_checks if check["met"]),
+        "missed": [check for check in all_checks if not check["met"]],
+        "note": "figures to print against, not asserts; compare ratios from one run (the disk is noisy)",
+    }
+    return document
+
+
+def _combo_label(run: dict) -> str:
+    return fio.FioCombo(run["block_bytes"], run["iodepth"], run.get("jobs", 1)).label()
+
+
+def sanity_problems(document: dict) -> list[str]:
+    """Things that make the run's figures untrustworthy (used by --small to fail)."""
+    problems = []
+    for error in document["errors"]:
+        problems.append(f"{error['system']} failed in {error['case']}: {error['error']}")
+    for case in document["cases"]:
+        name = f"{case['model']} {case['prompt_tokens']} tokens {case['object_kind']}"
+        for sample in case["repeats"]:
+            kvtier_sample = sample.get("kvtier")
+            if kvtier_sample:
+                if kvtier_sample.get("unexplained_missing_objects"):
+                    problems.append(f"kvtier missed {kvtier_sample['unexplained_missing_objects']} stored objects "
+                                    f"(not dropped under backpressure) in {name}")
+                if kvtier_sample.get("wrong_objects"):
+                    problems.append(
+                        f"kvtier returned wrong bytes for {kvtier_sample['wrong_objects']} objects in {name}"
+                    )
+                if kvtier_sample.get("cold") is False:
+                    problems.append(f"kvtier retrieve in {name} was served from DRAM (not cold): "
+                                    "drop --keep-open or use a smaller --dram-bytes")
+                if kvtier_sample.get("store", {}).get("dropped_stores"):
+                    problems.append(f"kvtier dropped {kvtier_sample['store']['dropped_stores']} stores under "
+                                    f"backpressure in {name}, so its store rate overstates: raise --dram-bytes")
+            for system in ("kvtier", "lmcache"):
+                measured = sample.get(system)
+                for operation in ("store", "retrieve"):
+                    gbps = ((measured or {}).get(operation) or {}).get("gbps")
+                    if measured and not (gbps and gbps > 0 and gbps < 1000):
+                        problems.append(f"{system} {operation} rate {gbps} GB/s is not sane in {name}")
+    return problems
+
+
+def write_outputs(document: dict, out_dir: str) -> dict:
+    paths = {
+        "json": os.path.join(out_dir, "results.json"),
+        "table": os.path.join(out_dir, "table.txt"),
+        "plot": os.path.join(out_dir, "io.png"),
+    }
+    plain_table = report.render_table(document)
+    plot_problem = report.write_plot(document, paths["plot"])
+    if plot_problem:
+        log(f"note: no plot: {plot_problem}")
+        paths.pop("plot")
+    document["outputs"] = paths
+    with open(paths["table"], "w") as handle:
+        handle.write(plain_table + "\n")
+    with open(paths["json"], "w") as handle:
+        json.dump(document, handle, indent=1, default=str)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        options = resolve_options(args)
+        document = run(options)
+    except (ValueError, kvtier_store.KvtierUnavailable) as error:
+        log(f"kvtier bench io: {error}")
+        return EXIT_USAGE
+    paths = write_outputs(document, options["out_dir"])
+    for system, info in document["systems"].items():
+        if not info.get("enabled"):
+            log(f"{system}: skipped ({info.get('skipped_reason')})")
+    summary = document["targets_summary"]
+    if summary["met"] or summary["missed"]:
+        log(f"kvtier targets: {summary['met']} met, {len(summary['missed'])} missed (figures, not asserts)")
+    log(f"results: {paths['json']}" + (f", plot: {paths['plot']}" if "plot" in paths else ""))
+    if document["wrong_objects"]["kvtier"]:
+        log(f"FAIL: kvtier returned wrong bytes for {document['wrong_objects']['kvtier']} objects")
+        return EXIT_WRONG_BYTES
+    if document["sanity_problems"]:
+        for problem in document["sanity_problems"]:
+            log(f"{'FAIL' if options['small'] else 'warning'}: {problem}")
+        if options["small"]:
+            return EXIT_NOT_SANE
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""Summaries, targets, the printed table and the PNG plot of `kvtier bench io`.
+
+This module owns turning raw samples (one per system, operation and repeat) into figures: GB/s
+min/median/max, the ratio to fio's best read or write of the same repeat, CPU core-seconds per GB,
+and the targets from the design (figures to print against, not assertions).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from . import workload
+
+# Targets from the kvtier core issue: figures to print against, not asserts.
+TARGET_RETRIEVE_RATIO_LARGE = 0.9  # objects >= 1 MiB, vs best fio read of the same repeat
+TARGET_RETRIEVE_RATIO_SMALL = 0.8  # smaller objects (e.g. 128 KiB)
+TARGET_STORE_RATIO = 0.85  # vs best fio write of the same repeat
+TARGET_CPU_SECONDS_PER_GB = 0.15
+TARGET_VS_LMCACHE_RETRIEVE = 1.5  # Llama-3-8B shape, 8K tokens
+LMCACHE_TARGET_MODEL = "llama3-8b"
+LMCACHE_TARGET_PROMPT_TOKENS = 8192
+
+OPERATIONS = ("retrieve", "store")
+FIO_DIRECTION = {"retrieve": "read", "store": "write"}
+
+
+def spread(values: list[float]) -> dict | None:
+    values = [value for value in values if value is not None]
+    if not values:
+        return None
+    return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}
+
+
+def retrieve_target_ratio(object_bytes: int) -> float:
+    return TARGET_RETRIEVE_RATIO_LARGE if object_bytes >= workload.MIB else TARGET_RETRIEVE_RATIO_SMALL
+
+
+def summarize_case(case: dict) -> dict:
+    """Per system and operation: GB/s spread, CPU core-s/GB, ratio to fio (paired by repeat)."""
+    repeats = case["repeats"]
+    fio_best = {
+        operation: [
+            (sample.get("fio") or {}).get(f"best_{FIO_DIRECTION[operation]}", {}).get("gbps") for sample in repeats
+        ]
+        for operation in OPERATIONS
+    }
+    summary: dict = {}
+    for operation in OPERATIONS:
+        fio_values = fio_best[operation]
+        fio_cpu = [
+            _cpu_per_gb((sample.get("fio") or {}).get(f"best_{FIO_DIRECTION[operation]}"))
+            for sample in repeats
+        ]
+        summary[f"fio_{FIO_DIRECTION[operation]}"] = {
+            "gbps": spread(fio_values),
+            "cpu_seconds_per_gb": spread(fio_cpu),
+        }
+        run_best_fio = max((value for value in fio_values if value), default=None)
+        for system in ("kvtier", "lmcache"):
+            gbps_values, ratios, cpu_values = [], [], []
+            for sample, fio_value in zip(repeats, fio_values):
+                measured = (sample.get(system) or {}).get(operation)
+                if not measured:
+                    continue
+                gbps_values.append(measured["gbps"])
+                cpu_values.append(_cpu_per_gb(measured, case["prompt_bytes"]))
+                if fio_value:
+                    ratios.append(measured["gbps"] / fio_value)
+            if not gbps_values:
+                continue
+            gbps_spread = spread(gbps_values)
+            summary[f"{system}_{operation}"] = {
+                "gbps": gbps_spread,
+                "ratio_to_fio": spread(ratios),
+                "ratio_to_run_best_fio": (gbps_spread["median"] / run_best_fio) if run_best_fio else None,
+                "cpu_seconds_per_gb": spread(cpu_values),
+            }
+    kvtier_retrieve = [((s.get("kvtier") or {}).get("retrieve") or {}).get("gbps") for s in repeats]
+    lmcache_retrieve = [((s.get("lmcache") or {}).get("retrieve") or {}).get("gbps") for s in repeats]
+    paired = [ours / theirs for ours, theirs in zip(kvtier_retrieve, lmcache_retrieve, strict=True) if ours and theirs]
+    if paired:
+        summary["kvtier_vs_lmcache_retrieve"] = spread(paired)
+    summary["wrong_objects"] = {
+        system: sum((s.get(system) or {}).get("wrong_objects", 0) or 0 for s in repeats)
+        for system in ("kvtier", "lmcache")
+    }
+    return summary
+
+
+def _cpu_per_gb(measured: dict | None, prompt_bytes: int | None = None) -> float | None:
+    if not measured or measured.get("cpu_seconds") is None:
+        return None
+    moved_bytes = measured.get("bytes") or prompt_bytes
+    if not moved_bytes:
+        return None
+    return measured["cpu_seconds"] / (moved_bytes / 1e9)
+
+
+def evaluate_targets(case: dict) -> list[dict]:
+    """Each target that applies to this case, with the measured median and whether it is met."""
+    summary = case["summary"]
+    checks = []
+
+    def add(name: str, short: str, measured: float | None, target: float, higher_is_better: bool = True) -> None:
+        if measured is None:
+            return
+        met = measured >= target if higher_is_better else measured <= target
+        checks.append(
+            {"target": name, "short": short, "measured": measured, "goal": target,
+             "higher_is_better": higher_is_better, "met": met}
+        )
+
+    retrieve = summary.get("kvtier_retrieve")
+    if retrieve and retrieve["ratio_to_fio"]:
+        add(
+            f"retrieve >= {retrieve_target_ratio(case['object_bytes'])}x fio read",
+            f">={retrieve_target_ratio(case['object_bytes'])}x fio",
+            retrieve["ratio_to_fio"]["median"],
+            retrieve_target_ratio(case["object_bytes"]),
+        )
+    store = summary.get("kvtier_store")
+    if store and store["ratio_to_fio"]:
+        add(f"store >= {TARGET_STORE_RATIO}x fio write", f">={TARGET_STORE_RATIO}x fio",
+            store["ratio_to_fio"]["median"], TARGET_STORE_RATIO)
+    for operation, measured in (("retrieve", retrieve), ("store", store)):
+        if measured and measured["cpu_seconds_per_gb"]:
+            add(
+                f"{operation} CPU <= {TARGET_CPU_SECONDS_PER_GB} core-s/GB",
+                f"<={TARGET_CPU_SECONDS_PER_GB} core-s/GB",
+                measured["cpu_seconds_per_gb"]["median"],
+                TARGET_CPU_SECONDS_PER_GB,
+                higher_is_better=False,
+            )
+    versus = summary.get("kvtier_vs_lmcache_retrieve")
+    if versus and case["model"] == LMCACHE_TARGET_MODEL and case["prompt_tokens"] == LMCACHE_TARGET_PROMPT_TOKENS:
+        add(f"retrieve >= {TARGET_VS_LMCACHE_RETRIEVE}x LMCache", f">={TARGET_VS_LMCACHE_RETRIEVE}x LMCache",
+            versus["median"], TARGET_VS_LMCACHE_RETRIEVE)
+    return checks
+
+
+# ---------------------------------------------------------------------------------------------- table
+
+
+def _fmt_spread(value: dict | None, digits: int = 2) -> str:
+    if not value:
+        return "-"
+    return f"{value['min']:.{digits}f} / {value['median']:.{digits}f} / {value['max']:.{digits}f}"
+
+
+def _fmt_number(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+TABLE_COLUMNS = (
+    "model",
+    "prompt",
+    "object",
+    "system",
+    "op",
+    "GB/s min / med / max",
+    "x fio (med)",
+    "core-s/GB",
+    "target",
+)
+
+
+def table_rows(document: dict) -> list[list[str]]:
+    rows = []
+    for case in document["cases"]:
+        summary = case["summary"]
+        label_object = f"{case['object_kind']} ({workload.format_bytes(case['object_bytes'])})"
+        label_prompt = workload.format_token_count(case["prompt_tokens"])
+        checks = {check["target"]: check for check in case.get("targets", [])}
+        for operation in OPERATIONS:
+            fio_key = f"fio_{FIO_DIRECTION[operation]}"
+            entries = [("fio (best)", fio_key)]
+            entries += [("kvtier", f"kvtier_{operation}"), ("LMCache disk", f"lmcache_{operation}")]
+            for system_label, key in entries:
+                entry = summary.get(key)
+                if not entry or not entry.get("gbps"):
+                    continue
+                ratio = (entry.get("ratio_to_fio") or {}).get("median") if system_label != "fio (best)" else 1.0
+                cpu = (entry.get("cpu_seconds_per_gb") or {}).get("median")
+                target_text = ""
+                if system_label == "kvtier":
+                    marks = []
+                    for name, check in checks.items():
+                        if name.startswith(operation) and "LMCache" not in name:
+                            marks.append(("ok " if check["met"] else "MISS ") + check["short"])
+                    target_text = "; ".join(marks)
+                if system_label == "LMCache disk" and operation == "retrieve":
+                    versus = summary.get("kvtier_vs_lmcache_retrieve")
+                    if versus:
+                        target_text = f"kvtier = {versus['median']:.2f}x LMCache"
+                        check = next((c for n, c in checks.items() if "LMCache" in n), None)
+                        if check:
+                            target_text += " (ok)" if check["met"] else f" (MISS, goal {TARGET_VS_LMCACHE_RETRIEVE}x)"
+                rows.append(
+                    [
+                        document["models"][case["model"]]["name"],
+                        label_prompt,
+                        label_object,
+                        system_label,
+                        operation if system_label != "fio (best)" else FIO_DIRECTION[operation],
+                        _fmt_spread(entry["gbps"]),
+                        _fmt_number(ratio),
+                        _fmt_number(cpu, 3),
+                        target_text,
+                    ]
+                )
+    return rows
+
+
+def render_table(document: dict, console_file=None) -> str:
+    """Print the table (rich when installed); return it as plain text for table.txt."""
+    rows = table_rows(document)
+    plain = _plain_table(rows)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(plain, file=console_file)
+        return plain
+    table = Table(title=f"kvtier bench io — {document['started_at']}", show_lines=False)
+    for column in TABLE_COLUMNS:
+        table.add_column(column, justify="right" if column[0] in "Gxc" else "left")
+    previous_case = None
+    for row in rows:
+        case_key = tuple(row[:3])
+        if previous_case is not None and case_key != previous_case:
+            table.add_section()
+        previous_case = case_key
+        styled = list(row)
+        if "MISS" in styled[-1]:
+            styled[-1] = f"[red]{styled[-1]}[/red]"
+        elif styled[-1].startswith("ok") or styled[-1].endswith("(ok)"):
+            styled[-1] = f"[green]{styled[-1]}[/green]"
+        table.add_row(*styled)
+    Console(file=console_file, width=200).print(table)
+    return plain
+
+
+def _plain_table(rows: list[list[str]]) -> str:
+    widths = [len(column) for column in TABLE_COLUMNS]
+    for row in rows:
+        widths = [max(width, len(cell)) for width, cell in zip(widths, row)]
+    lines = ["  ".join(column.ljust(width) for column, width in zip(TABLE_COLUMNS, widths))]
+    lines.append("  ".join("-" * width for width in widths))
+    for row in rows:
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- plot
+
+
+def write_plot(document: dict, path: str) -> str | None:
+    """Bar chart of median GB/s with min-max whiskers per case, retrieve and store side by side.
+
+    Returns None when it was written, else the reason it was not (matplotlib missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'kvtier[bench]' or pip install matplotlib)"
+
+    cases = document["cases"]
+    systems = [
+        ("fio (best)", "fio_{direction}", "#7f7f7f"),
+        ("kvtier", "kvtier_{operation}", "#1f77b4"),
+        ("LMCache disk", "lmcache_{operation}", "#ff7f0e"),
+    ]
+    labels = [
+        f"{document['models'][c['model']]['name']}\n{workload.format_token_count(c['prompt_tokens'])} tok\n"
+        f"{c['object_kind']} {workload.format_bytes(c['object_bytes'])}"
+        for c in cases
+    ]
+    figure, axes = plt.subplots(2, 1, figsize=(max(8.0, 1.3 * len(cases)), 9.0), sharey=True)
+    width = 0.8 / len(systems)
+    for axis, operation in zip(axes, OPERATIONS):
+        direction = FIO_DIRECTION[operation]
+        for index, (label, pattern, color) in enumerate(systems):
+            key = pattern.format(direction=direction, operation=operation)
+            xs, medians, lower, upper = [], [], [], []
+            for position, case in enumerate(cases):
+                entry = case["summary"].get(key)
+                if not entry or not entry.get("gbps"):
+                    continue
+                gbps = entry["gbps"]
+                xs.append(position + (index - (len(systems) - 1) / 2) * width)
+                medians.append(gbps["median"])
+                lower.append(gbps["median"] - gbps["min"])
+                upper.append(gbps["max"] - gbps["median"])
+            if xs:
+                axis.bar(xs, medians, width, yerr=[lower, upper], capsize=3, label=label, color=color)
+        title = "cold retrieve (page cache dropped)" if operation == "retrieve" else "store (kvtier: incl. flush)"
+        axis.set_title(title)
+        axis.set_xticks(range(len(cases)))
+        axis.set_xticklabels(labels, fontsize=7)
+        axis.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("GB/s (median, whiskers min-max)")
+    axes[0].legend(loc="upper left", fontsize=8)
+    figure.suptitle(f"kvtier bench io, {document['repeats']} repeats, {document['started_at']}", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return None
