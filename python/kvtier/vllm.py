@@ -412,14 +412,21 @@ _LATENCY_BUCKETS_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1
 
 # kvtier counter name -> (stats() key, label values)
 _COUNTER_SOURCES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
-    "kvtier:block_hits": [("dram_hits", ("dram",)), ("nvme_hits", ("nvme",))],
+    "kvtier:block_hits": [("dram_hits", ("dram",)), ("nvme_hits", ("nvme",)), ("shared_hits", ("shared",))],
     "kvtier:block_misses": [("misses", ())],
-    "kvtier:bytes_read": [("bytes_read_nvme", ("nvme",))],
-    "kvtier:bytes_written": [("bytes_written_nvme", ("nvme",))],
+    "kvtier:bytes_read": [("bytes_read_nvme", ("nvme",)), ("shared_bytes_read", ("shared",))],
+    "kvtier:bytes_written": [("bytes_written_nvme", ("nvme",)), ("shared_bytes_written", ("shared",))],
     "kvtier:bytes_copied": [("bytes_copied_in", ("in",)), ("bytes_copied_out", ("out",))],
     "kvtier:block_puts": [("puts", ())],
     "kvtier:evictions": [("dram_evictions", ("dram",)), ("nvme_region_evictions", ("nvme_region",))],
-    "kvtier:dropped_stores": [("dropped_stores", ("backpressure",)), ("nvme_dropped_writes", ("nvme_write",))],
+    "kvtier:dropped_stores": [
+        ("dropped_stores", ("backpressure",)),
+        ("nvme_dropped_writes", ("nvme_write",)),
+        # Blocks not published to the shared tier: its queue was full, or writing the file failed
+        # (filesystem full, directory removed, ...).
+        ("shared_dropped_publishes", ("shared_queue",)),
+        ("shared_publish_errors", ("shared_publish_error",)),
+    ],
     "kvtier:slot_wait_timeouts": [("slot_wait_timeouts", ())],
     "kvtier:checksum_failures": [("checksum_failures", ())],
     "kvtier:io_errors": [("io_errors", ())],
@@ -443,7 +450,9 @@ def kvtier_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         "kvtier:block_puts": OffloadingCounterMetadata("Blocks accepted by kvtier for storing."),
         "kvtier:evictions": OffloadingCounterMetadata("Evictions (DRAM blocks, NVMe regions).", ("tier",)),
         "kvtier:dropped_stores": OffloadingCounterMetadata(
-            "Stores dropped (a cache miss later): under backpressure, or NVMe writes given up.", ("reason",)
+            "Stores dropped (a cache miss later): under backpressure, NVMe writes given up, or blocks not "
+            "published to the shared tier.",
+            ("reason",),
         ),
         "kvtier:slot_wait_timeouts": OffloadingCounterMetadata("Jobs that waited slot_wait_ms for a DRAM slot."),
         "kvtier:checksum_failures": OffloadingCounterMetadata("Blocks that failed verification on load (served as misses)."),
@@ -525,6 +534,10 @@ class KvtierLoadStoreSpec(LoadStoreSpec):
         return f"KvtierLoadStoreSpec({len(self.keys)} blocks)"
 
 
+# store.locate_many() tier -> vLLM's cache-hit source (shared and unknown: external_unspecified).
+_HIT_SOURCE_BY_TIER = {"dram": CacheHitSource.HOST, "nvme": CacheHitSource.DISK}
+
+
 class KvtierManager(OffloadingManager):
     """Scheduler-side catalog access: every answer comes from the store's in-memory index."""
 
@@ -554,11 +567,19 @@ class KvtierManager(OffloadingManager):
         return LookupResult.HIT if present else LookupResult.MISS
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
-        tiers_many = getattr(self._store, "tiers_many", None)
-        if tiers_many is None:
+        """The tier a hit is served from, for vLLM's ``vllm:prompt_tokens_cached_by_source``.
+
+        vLLM asks after ``prepare_load`` and before the load runs, so ``locate_many`` (memory only)
+        still names the tier the worker will read. vLLM has no member for a shared filesystem; its
+        ``external_unspecified`` is documented as the source of remote stores, so shared hits go
+        there (``kvtier:block_hits{tier="shared"}`` counts them exactly).
+        """
+        try:
+            tier = self._store.locate_many([kvtier_key(key)])[0]
+        except Exception:
+            logger.exception("kvtier: locating a block failed; reporting its hit source as unspecified")
             return CacheHitSource.EXTERNAL_UNSPECIFIED
-        tier = tiers_many([kvtier_key(key)])[0]
-        return {"dram": CacheHitSource.HOST, "nvme": CacheHitSource.DISK}.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+        return _HIT_SOURCE_BY_TIER.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         store_keys = [kvtier_key(key) for key in keys]

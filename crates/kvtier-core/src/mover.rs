@@ -56,12 +56,12 @@ const MAX_STAGED_READS: usize = 4;
 
 /// Hashes the value a direct read left in the caller's memory.
 fn checksum_segments(buf: &BlockBuffer) -> u64 {
-    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut hasher = crate::format::checksum_hasher();
     for &(ptr, len) in &buf.segments {
         // SAFETY: the read filled the segment; the caller keeps it alive (submission contract).
-        hasher.update(unsafe { std::slice::from_raw_parts(ptr, len) });
+        std::hash::Hasher::write(&mut hasher, unsafe { std::slice::from_raw_parts(ptr, len) });
     }
-    hasher.digest()
+    std::hash::Hasher::finish(&hasher)
 }
 
 /// Checks a direct read: the descriptor landed in `page`, the value in the caller's segments.
@@ -116,14 +116,14 @@ fn verify_and_copy_out(sh: &Shared, key: &BlockKey, read: &NvmeRead, bytes: &[u8
         return false;
     }
     let value = &bytes[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + object_bytes];
-    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut hasher = crate::format::checksum_hasher();
     let mut at = 0;
     for &(dst, len) in &buf.segments {
         let mut done = 0;
         while done < len {
             let n = CHUNK_BYTES.min(len - done);
             let chunk = &value[at..at + n];
-            hasher.update(chunk);
+            std::hash::Hasher::write(&mut hasher, chunk);
             // SAFETY: the caller's segment is valid for writing `len` bytes (submission contract).
             unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), dst.add(done), n) };
             done += n;
@@ -131,7 +131,7 @@ fn verify_and_copy_out(sh: &Shared, key: &BlockKey, read: &NvmeRead, bytes: &[u8
         }
     }
     Stats::add(&sh.stats.bytes_copied_out, object_bytes as u64);
-    hasher.digest() == desc.value_checksum
+    std::hash::Hasher::finish(&hasher) == desc.value_checksum
 }
 
 pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuffer]) -> Vec<bool> {

@@ -599,7 +599,10 @@ impl SharedTier {
             // halfway between the high watermark and full, so that writers outpacing the evictor (whose
             // victims wait out the grace period) cannot fill the filesystem.
             let limit = if self.config.fail_on_full { self.config.high_watermark } else { self.config.hard_ceiling() };
-            if w.open.is_none() && self.usage().fraction() >= limit {
+            // Measured afresh (one statvfs) rather than from the maintenance thread's last pass: a
+            // stale figure lets every writer start files past the ceiling between two passes.
+            let usage_now = || capacity::measure_usage(self).map(|u| u.fraction()).unwrap_or_else(|_| self.usage().fraction());
+            if w.open.is_none() && usage_now() >= limit {
                 Stats::add(&self.stats.shared_publish_errors, (slots.len() - i) as u64);
                 return written;
             }
