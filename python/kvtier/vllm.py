@@ -42,6 +42,7 @@ Every ``kvtier.Store.open`` option is accepted in ``kv_connector_extra_config`` 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import itertools
 import json
@@ -137,9 +138,13 @@ def kvtier_key(offload_key: OffloadKey) -> bytes:
 
 
 def model_fingerprint(model: str, revision: str | None = None) -> str:
-    """sha256 over the model's config.json, its safetensors index and the sizes of its weight files.
+    """sha256 over the model's config.json, its safetensors index and the full contents of its weight files.
 
-    For a model that is not a local directory (a hub name), the name and revision stand in.
+    Contents, not sizes or timestamps: a model rewritten in place (a fine-tune saved over the old
+    weights) must never be served the old model's KV blocks, and two replicas holding the same weights
+    under different paths or copy times must share them. Hashing reads the weights once per process
+    (about 1-2 s per GB here; cached per file by size and mtime). For a model that is not a local
+    directory (a hub name), the name and revision stand in.
     """
     model_dir = Path(model)
     digest = hashlib.sha256()
@@ -154,7 +159,19 @@ def model_fingerprint(model: str, revision: str | None = None) -> str:
     if index_path.is_file():
         digest.update(b"index\0" + index_path.read_bytes())
     for weight_path in sorted(model_dir.glob("*.safetensors")):
-        digest.update(f"{weight_path.name}\0{weight_path.stat().st_size}\0".encode())
+        stat = weight_path.stat()
+        content = _file_sha256(str(weight_path.resolve()), stat.st_size, stat.st_mtime_ns)
+        digest.update(f"{weight_path.name}\0{stat.st_size}\0{content}\0".encode())
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=256)
+def _file_sha256(path: str, size_bytes: int, mtime_ns: int) -> str:
+    """sha256 of a file's bytes; size and mtime are part of the cache key only."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -193,7 +210,9 @@ def namespace_description(
     return {
         "format": NAMESPACE_FORMAT_VERSION,
         "engine": "vllm",
-        "model": config.model.name,
+        # A local model is identified by its contents alone, so replicas that mount the same weights
+        # at different paths share blocks; a hub model by its name and revision.
+        "model": config.model.name if not Path(config.model.name).is_dir() else "local",
         "model_fingerprint": model_fingerprint(config.model.name, model_revision),
         "kv_dtype": config.model.dtype,
         "kv_cache_layout": config.kv_cache_layout,

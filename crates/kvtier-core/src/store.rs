@@ -461,6 +461,9 @@ impl Store {
         if let Some(publisher) = &self.shared.shared_publisher {
             publisher.close();
         }
+        if let Some(tier) = &self.shared.shared_tier {
+            tier.close();
+        }
         for d in &self.shared.devices {
             d.shutdown();
         }

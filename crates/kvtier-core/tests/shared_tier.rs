@@ -525,3 +525,46 @@ fn store_with_shared_tier_and_no_nvme_serves_another_stores_blocks() {
     assert_eq!(b.stats().counters.shared_hits, 20);
     let _ = Error::Closed;
 }
+
+#[test]
+fn publishing_resumes_after_the_shared_directory_is_removed_and_close_releases_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared_root = dir.path().join("shared");
+    let make = |local: &str| {
+        let mut c = StoreConfig::new(dir.path().join(local), OBJECT_BYTES);
+        c.namespace = b"shared-tier-removal".to_vec();
+        c.nvme_bytes = 0;
+        c.dram_bytes = 64 * 16384;
+        c.shared = Some(config(&shared_root));
+        c
+    };
+    let a = Store::open(make("node-a")).unwrap();
+    let put = |store: &Store, ids: std::ops::Range<u64>| {
+        let keys: Vec<_> = ids.clone().map(key).collect();
+        let values: Vec<_> = ids.map(value).collect();
+        let refs: Vec<&[u8]> = values.iter().map(|v| v.as_slice()).collect();
+        store.put_many(&keys, &refs).unwrap();
+        store.flush().unwrap();
+        keys
+    };
+    put(&a, 0..8);
+    std::fs::remove_dir_all(&shared_root).unwrap();
+    std::fs::create_dir(&shared_root).unwrap();
+    std::thread::sleep(Duration::from_millis(200)); // several maintenance passes
+    let later = put(&a, 100..108);
+    let b = Store::open(make("node-b")).unwrap();
+    assert!(
+        wait_until(Duration::from_secs(3), || b.lookup_prefix(&later) == later.len()),
+        "blocks published after the directory was removed never became visible"
+    );
+    a.close().unwrap();
+    b.close().unwrap();
+    // After close no descriptor of this process points into the shared root.
+    let open_under_root = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .filter(|target| target.starts_with(&shared_root))
+        .count();
+    assert_eq!(open_under_root, 0, "closed stores still hold files under the shared root");
+}

@@ -74,7 +74,9 @@ struct WriterState {
 }
 
 struct ManifestWriter {
-    file: File,
+    /// `None` once the tier is closed: the descriptor is released at close, not when the last
+    /// reference goes (a caller may keep the store object, and an open file pins a mount).
+    file: Option<File>,
     path: PathBuf,
     len: u64,
 }
@@ -119,6 +121,8 @@ pub struct SharedTier {
     maintenance: Mutex<Option<JoinHandle<()>>>,
     closed: AtomicBool,
     warned_stall: AtomicBool,
+    /// When a throttled warning was last logged (unix ms).
+    last_warn_ms: AtomicU64,
     /// Reads that found their file gone (evicted elsewhere): clean misses, counted for tests.
     pub vanished_reads: AtomicU64,
 }
@@ -153,7 +157,7 @@ impl SharedTier {
             direct,
             stats,
             index: RwLock::new(Index::default()),
-            manifest: Mutex::new(ManifestWriter { file: manifest_file, path: manifest_path, len: 0 }),
+            manifest: Mutex::new(ManifestWriter { file: Some(manifest_file), path: manifest_path, len: 0 }),
             writer: Mutex::new(WriterState { open: None, next_file_seq: 1 }),
             read_handles: Mutex::new(HashMap::new()),
             pending_access: Mutex::new(HashMap::new()),
@@ -164,6 +168,7 @@ impl SharedTier {
             maintenance: Mutex::new(None),
             closed: AtomicBool::new(false),
             warned_stall: AtomicBool::new(false),
+            last_warn_ms: AtomicU64::new(0),
             vanished_reads: AtomicU64::new(0),
         });
         tier.append_records(&[Record::Header {
@@ -442,12 +447,16 @@ impl SharedTier {
             bytes.extend(r.encode());
         }
         let mut m = self.manifest.lock();
-        let result = m.file.write_all(&bytes).and_then(|_| m.file.sync_data());
+        let len = m.len;
+        let path = m.path.clone();
+        let Some(file) = m.file.as_mut() else {
+            return Err(Error::Closed);
+        };
+        let result = file.write_all(&bytes).and_then(|_| file.sync_data());
         if let Err(e) = result {
-            let len = m.len;
-            let _ = m.file.set_len(len);
-            let _ = m.file.seek(SeekFrom::End(0));
-            return Err(Error::io(format!("appending to {}", m.path.display()), e));
+            let _ = file.set_len(len);
+            let _ = file.seek(SeekFrom::End(0));
+            return Err(Error::io(format!("appending to {}", path.display()), e));
         }
         m.len += bytes.len() as u64;
         drop(m);
@@ -830,12 +839,57 @@ impl SharedTier {
     /// One maintenance pass: tail manifests, record accesses, publish an old open file, apply the
     /// capacity rules. Public so that tests can drive it deterministically.
     pub fn maintain(&self) {
+        if !self.dir.join("manifests").is_dir() && !self.closed.load(Ordering::Acquire) {
+            self.recreate_layout();
+        }
         if let Err(e) = self.refresh() {
-            log::warn!("kvtier: refreshing the shared index failed: {e}");
+            // Throttled: a broken mount must not flood the log at the maintenance rate.
+            let now = unix_ms();
+            if now.saturating_sub(self.last_warn_ms.swap(now, Ordering::Relaxed)) >= 60_000 {
+                log::warn!("kvtier: refreshing the shared index failed: {e} (repeats are silenced for 60 s)");
+            }
         }
         self.flush_accesses();
         self.seal_if_old();
         capacity::tick(self);
+    }
+
+    /// The namespace directory vanished (removed by an operator or another tool): recreate it and
+    /// start a new manifest, so publishing resumes; blocks that were in it become clean misses.
+    fn recreate_layout(&self) {
+        let made = ["", "data", "tmp", "manifests", "quarantine", "lease"]
+            .iter()
+            .try_for_each(|sub| make_dir(&self.config, &self.dir.join(sub)));
+        if let Err(e) = made {
+            let now = unix_ms();
+            if now.saturating_sub(self.last_warn_ms.swap(now, Ordering::Relaxed)) >= 60_000 {
+                log::warn!("kvtier: the shared directory {} is gone and cannot be recreated: {e}", self.dir.display());
+            }
+            return;
+        }
+        let mut m = self.manifest.lock();
+        let _ = std::fs::remove_file(&m.path);
+        match create_file(&self.config, &m.path, true, false) {
+            Ok(f) => {
+                m.file = Some(f);
+                m.len = 0;
+            }
+            Err(e) => {
+                log::warn!("kvtier: recreating the manifest {} failed: {e}", m.path.display());
+                return;
+            }
+        }
+        drop(m);
+        let header = Record::Header {
+            namespace: self.namespace,
+            object_bytes: self.object_bytes as u64,
+            writer_id: self.writer_id,
+            created_unix_ms: unix_ms(),
+        };
+        match self.append_records(&[header]) {
+            Ok(()) => log::warn!("kvtier: the shared directory {} vanished; recreated it, publishing resumes", self.dir.display()),
+            Err(e) => log::warn!("kvtier: restarting the manifest in {} failed: {e}", self.dir.display()),
+        }
     }
 
     /// Whether this process holds the evictor lease right now.
@@ -861,6 +915,8 @@ impl SharedTier {
         self.flush();
         self.flush_accesses();
         capacity::release(self);
+        self.manifest.lock().file.take();
+        self.read_handles.lock().clear();
     }
 }
 
