@@ -288,6 +288,11 @@ impl Catalog {
         self.index.get(key).is_some_and(Entry::visible)
     }
 
+    /// Whether the catalog tracks the key at all (visible or in flight).
+    pub fn has_entry(&self, key: &BlockKey) -> bool {
+        self.index.contains_key(key)
+    }
+
     /// The fastest local tier holding the block: DRAM, then NVMe.
     pub fn locate(&self, key: &BlockKey) -> Option<Tier> {
         let e = self.index.get(key)?;

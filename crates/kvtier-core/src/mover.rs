@@ -160,8 +160,9 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
                         GetStep::Dram { slot } => dram_hits.push((next, slot)),
                         GetStep::Nvme(read) => reads.push((next, read)),
                         GetStep::Miss => match plan_shared_read(sh, &mut cat, &keys[next]) {
-                            Some(slot) => shared_reads.push((next, slot)),
-                            None => Stats::add(&sh.stats.misses, 1),
+                            Ok(Some(slot)) => shared_reads.push((next, slot)),
+                            Ok(None) => Stats::add(&sh.stats.misses, 1),
+                            Err(()) => break,
                         },
                         // Every slot is pinned or busy: stage the read in a heap buffer rather than wait
                         // (bounded), so that pins held by the engine never stall a load.
@@ -433,12 +434,13 @@ pub(crate) fn submit_meta(sh: &Arc<Shared>, writes: Vec<MetaWrite>) {
 }
 
 /// A DRAM slot to load `key` from the shared tier, if the shared index has it.
-fn plan_shared_read(sh: &Shared, cat: &mut crate::catalog::Catalog, key: &BlockKey) -> Option<u32> {
-    let tier = sh.shared_tier.as_ref()?;
-    if !tier.contains(key) {
-        return None;
+/// `Err(())`: the block is in the shared tier but no DRAM slot is free right now (try again later).
+fn plan_shared_read(sh: &Shared, cat: &mut crate::catalog::Catalog, key: &BlockKey) -> Result<Option<u32>, ()> {
+    let Some(tier) = sh.shared_tier.as_ref() else { return Ok(None) };
+    if !tier.contains(key) || cat.has_entry(key) {
+        return Ok(None);
     }
-    cat.plan_get_shared(key)
+    cat.plan_get_shared(key).map(Some).ok_or(())
 }
 
 /// Reads blocks from the shared tier into their DRAM slots (one verified pread each), copies them out,
