@@ -87,6 +87,55 @@ def test_bench_io_small_kvtier(tmp_path):
         assert os.path.getsize(document["outputs"]["plot"]) > 0
 
 
+def test_bench_io_small_shared(tmp_path):
+    """The shared-filesystem tier part: publish, visibility, cold retrieve from a second store, files per GB,
+    lookup latency of 10,000 keys; never a wrong byte."""
+    reason = _kvtier_core_missing_reason()
+    if reason:
+        pytest.skip(reason)
+    completed, document = _run_bench(tmp_path, "--shared", "--no-lmcache", *_fio_args())
+    assert completed.returncode != 3, f"kvtier returned wrong bytes:\n{completed.stderr}"
+    assert completed.returncode == 0, f"bench io --small --shared failed:\n{completed.stderr}"
+    assert document["systems"]["kvtier_shared"]["enabled"] is True
+    assert document["wrong_objects"]["kvtier_shared"] == 0
+    for case in document["cases"]:
+        for sample in case["repeats"]:
+            measured = sample["kvtier_shared"]
+            assert measured["wrong_objects"] == 0
+            assert measured["unexplained_missing_objects"] == 0
+            assert measured["cold"] is True
+            store, retrieve = measured["store"], measured["retrieve"]
+            assert store["published_objects"] >= 1
+            assert store["published_objects"] + store["shared_dropped_publishes"] + store["dropped_stores"] == (
+                case["object_count"])
+            assert measured["visible_objects"] == store["published_objects"]
+            assert measured["found_objects"] == store["published_objects"]
+            assert retrieve["shared_hits"] == store["published_objects"]
+            assert store["gbps"] > 0 and retrieve["gbps"] > 0
+            assert measured["visibility_seconds"] >= 0
+            files = measured["files"]
+            assert files["data_files"] >= 1 and files["manifest_files"] >= 1
+            assert files["data_files"] == store["shared_files_published"]
+            assert files["files_per_gb"] > 0 and files["directory_entries_per_gb"] > files["files_per_gb"]
+            assert "counted_how" in files and "counted_how" in measured["metadata_ops"]
+            assert measured["metadata_ops"]["total"] == 4 * store["shared_files_published"]
+        summary = case["summary"]
+        for key in ("kvtier_shared_store", "kvtier_shared_retrieve"):
+            assert set(summary[key]["gbps"]) >= {"min", "median", "max"}
+            if document["systems"]["fio"]["enabled"]:
+                assert summary[key]["ratio_to_fio"]["median"] > 0
+        assert summary["kvtier_shared_files"]["files_per_gb"]["median"] > 0
+        assert summary["kvtier_shared_visibility_ms"]["median"] >= 0
+    lookup = document["systems"]["kvtier_shared"]["lookup"]
+    assert lookup["key_count"] == 10_000
+    assert lookup["present"] == 10_000 and lookup["present_contains"] == 10_000
+    for name in ("lookup_prefix", "contains_many"):
+        assert 0 < lookup[name]["us_per_call"]["min"] <= lookup[name]["us_per_call"]["median"]
+        assert lookup[name]["us_per_key"]["median"] == pytest.approx(lookup[name]["us_per_call"]["median"] / 10_000)
+    table = open(document["outputs"]["table"]).read()
+    assert "kvtier shared fs" in table and "lookup_prefix" in table
+
+
 def test_bench_io_small_fio_only(tmp_path):
     """The physical-limit side alone (no kvtier, no LMCache): fio's figures land in the JSON."""
     if not shutil.which("fio"):

@@ -7,7 +7,11 @@ repeated, for every (model shape, prompt size, object kind) case:
   bytes in flight (a couple of block size / iodepth combinations; the best of each is the limit);
 - kvtier: ``put_many`` + ``flush`` of the prompt's objects, then a cold ``get_many`` (store closed and
   reopened, page cache dropped when root, tiny DRAM tier, verified byte for byte against what was stored);
-- LMCache's LocalDiskBackend on the same bytes, in its own interpreter (optional).
+- LMCache's LocalDiskBackend on the same bytes, in its own interpreter (optional);
+- with ``--shared``: kvtier's shared-filesystem tier on a directory beside fio's file: store A publishes
+  the prompt (put_many + flush), store B (another local directory, same root and namespace) waits until
+  the blocks are visible and reads them cold; files and metadata operations per GB; and, once per run,
+  the latency of lookup_prefix / contains_many for 10,000 keys present in the shared index.
 
 It prints a table, writes ``results.json``, ``table.txt`` and ``io.png`` to the output directory and
 exits non-zero (3) if kvtier ever returned wrong bytes. ``--small`` is the CI size: a few seconds of
@@ -65,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-fio", action="store_true", help="skip fio (no ratios to the disk's limit)")
     parser.add_argument("--no-lmcache", action="store_true", help="skip LMCache")
     parser.add_argument("--no-kvtier", action="store_true", help="skip kvtier (measure only fio and LMCache)")
+    parser.add_argument("--shared", action="store_true", help="also measure kvtier's shared-filesystem tier "
+                        "(publish, visibility, cold retrieve from another store, files per GB, lookup latency "
+                        "of 10,000 keys) on a directory beside fio's file (on with --small)")
     parser.add_argument("--lmcache-python", help="interpreter with lmcache installed "
                         "(default: .venv-lmcache/bin/python when it exists)")
     parser.add_argument("--fio-inflight-mib", type=int, default=DEFAULT_FIO_INFLIGHT_BYTES // workload.MIB,
@@ -116,6 +123,7 @@ def resolve_options(args: argparse.Namespace) -> dict:
         "use_fio": not args.no_fio,
         "use_lmcache": not args.no_lmcache,
         "use_kvtier": not args.no_kvtier,
+        "use_shared": (args.shared or args.small) and not args.no_kvtier,
         "lmcache_python": args.lmcache_python,
         "fio_inflight_bytes": args.fio_inflight_mib * workload.MIB,
         "dram_bytes": args.dram_bytes,
@@ -169,6 +177,8 @@ def check_resources(options: dict, cases: list[dict], pool_bytes: int) -> None:
     # The data pool here and in the LMCache runner, plus one prompt of destination buffers (kvtier's
     # destination and LMCache's staging pool are never allocated at the same time).
     needed_memory_bytes = largest_prompt_bytes + 2 * pool_bytes + workload.GIB
+    if options.get("use_shared"):
+        needed_memory_bytes += largest_prompt_bytes  # the reading store's DRAM tier holds the prompt
     if available_memory_bytes and available_memory_bytes < needed_memory_bytes:
         raise ValueError(
             f"{available_memory_bytes / 1e9:.1f} GB of memory available, the largest case needs about "
@@ -247,6 +257,20 @@ def run(options: dict) -> dict:
         }
     else:
         systems["kvtier"] = {"enabled": False, "skipped_reason": "--no-kvtier"}
+    if options["use_shared"]:
+        systems["kvtier_shared"] = {
+            "enabled": True,
+            "shared_root": os.path.join(options["scratch_dir"], "kvtier-shared", "shared"),
+            "timed": "store: store A (nvme_bytes=0, 8 DRAM slots) put_many + flush, which publishes every "
+                     "shared file (tmp create, fdatasync, rename, manifest record); retrieve: A closed, page cache "
+                     "dropped, store B (other local directory, nvme_bytes=0, same shared_root and namespace) "
+                     "opened and polled until lookup_prefix covers the prompt (visibility, not in the GB/s), "
+                     "then get_many from the shared files; CPU: getrusage of this process",
+        }
+    else:
+        systems["kvtier_shared"] = {"enabled": False,
+                                    "skipped_reason": "--no-kvtier" if options["use_kvtier"] is False else
+                                    "not requested (--shared)"}
     if not options["use_fio"]:
         systems["fio"] = {"enabled": False, "skipped_reason": "--no-fio"}
     elif not fio.fio_path():
@@ -295,7 +319,7 @@ def run(options: dict) -> dict:
     log(f"generating {workload.format_bytes(pool_bytes)} of block data ...")
     pool = workload.make_pool(pool_bytes, options["seed"])
 
-    enabled = [name for name in ("fio", "kvtier", "lmcache") if systems[name]["enabled"]]
+    enabled = [name for name in ("fio", "kvtier", "kvtier_shared", "lmcache") if systems[name]["enabled"]]
     run_started = time.perf_counter()
     try:
         for repeat in range(options["repeats"]):
@@ -333,6 +357,18 @@ def run(options: dict) -> dict:
                             log(f"{label} kvtier: store {measured['store']['gbps']:.2f} GB/s, retrieve "
                                 f"{measured['retrieve']['gbps']:.2f} GB/s, wrong {measured['wrong_objects']}, "
                                 f"missing {measured['missing_objects']}")
+                        elif system == "kvtier_shared":
+                            namespace = f"kvtier-bench-io/{case['model']}/{case['tokens_per_object']}".encode()
+                            sample["kvtier_shared"] = kvtier_store.measure_shared(
+                                layout, pool, os.path.join(options["scratch_dir"], "kvtier-shared"), namespace,
+                            )
+                            measured = sample["kvtier_shared"]
+                            log(f"{label} kvtier shared: store {measured['store']['gbps']:.2f} GB/s "
+                                f"({measured['files']['data_files']} files, "
+                                f"{measured['store']['shared_dropped_publishes']} dropped publishes), visible after "
+                                f"{measured['visibility_seconds'] * 1e3:.1f} ms, retrieve "
+                                f"{measured['retrieve']['gbps']:.2f} GB/s, wrong {measured['wrong_objects']}, "
+                                f"missing {measured['missing_objects']}")
                         elif system == "lmcache":
                             request = {
                                 "shape": {field: getattr(workload.MODEL_SHAPES[case["model"]], field) for field in
@@ -364,6 +400,21 @@ def run(options: dict) -> dict:
                         log(f"{label} {system} FAILED: {type(error).__name__}: {error}")
                         if options["small"]:
                             traceback.print_exc()
+        if "kvtier_shared" in enabled:
+            try:
+                lookup = kvtier_store.measure_shared_lookup(
+                    os.path.join(options["scratch_dir"], "kvtier-shared-lookup"), b"kvtier-bench-io/lookup",
+                    calls=kvtier_store.LOOKUP_CALLS if not options["small"] else 5,
+                )
+                systems["kvtier_shared"]["lookup"] = lookup
+                log(f"kvtier shared index, {lookup['key_count']} keys: lookup_prefix "
+                    f"{lookup['lookup_prefix']['us_per_call']['median']:.0f} us/call, contains_many "
+                    f"{lookup['contains_many']['us_per_call']['median']:.0f} us/call (median)")
+            except Exception as error:
+                document["errors"].append(
+                    {"system": "kvtier_shared", "case": "lookup", "error": f"{type(error).__name__}: {error}"}
+                )
+                log(f"kvtier shared lookup FAILED: {type(error).__name__}: {error}")
     finally:
         if lmcache_session is not None:
             lmcache_session.close()
@@ -380,7 +431,8 @@ def run(options: dict) -> dict:
         case["summary"] = report.summarize_case(case)
         case["targets"] = report.evaluate_targets(case)
     document["wrong_objects"] = {
-        system: sum(case["summary"]["wrong_objects"][system] for case in cases) for system in ("kvtier", "lmcache")
+        system: sum(case["summary"]["wrong_objects"][system] for case in cases)
+        for system in ("kvtier", "kvtier_shared", "lmcache")
     }
     document["sanity_problems"] = sanity_problems(document)
     all_checks = [dict(check, case=f"{case['model']} {case['prompt_tokens']} {case['object_kind']}")
@@ -405,6 +457,18 @@ def sanity_problems(document: dict) -> list[str]:
     for case in document["cases"]:
         name = f"{case['model']} {case['prompt_tokens']} tokens {case['object_kind']}"
         for sample in case["repeats"]:
+            shared_sample = sample.get("kvtier_shared")
+            if shared_sample:
+                if shared_sample.get("unexplained_missing_objects"):
+                    problems.append(f"kvtier shared tier missed {shared_sample['unexplained_missing_objects']} "
+                                    f"published objects in {name}")
+                if shared_sample.get("wrong_objects"):
+                    problems.append(f"kvtier shared tier returned wrong bytes for {shared_sample['wrong_objects']} "
+                                    f"objects in {name}")
+                published = (shared_sample.get("store") or {}).get("published_objects")
+                if shared_sample.get("visible_objects") != published:
+                    problems.append(f"kvtier shared tier: store B saw {shared_sample.get('visible_objects')} of "
+                                    f"{published} published objects in {name}")
             kvtier_sample = sample.get("kvtier")
             if kvtier_sample:
                 if kvtier_sample.get("unexplained_missing_objects"):
@@ -420,7 +484,7 @@ def sanity_problems(document: dict) -> list[str]:
                 if kvtier_sample.get("store", {}).get("dropped_stores"):
                     problems.append(f"kvtier dropped {kvtier_sample['store']['dropped_stores']} stores under "
                                     f"backpressure in {name}, so its store rate overstates: raise --dram-bytes")
-            for system in ("kvtier", "lmcache"):
+            for system in ("kvtier", "kvtier_shared", "lmcache"):
                 measured = sample.get(system)
                 for operation in ("store", "retrieve"):
                     gbps = ((measured or {}).get(operation) or {}).get("gbps")
@@ -464,8 +528,9 @@ def main(argv: list[str] | None = None) -> int:
     if summary["met"] or summary["missed"]:
         log(f"kvtier targets: {summary['met']} met, {len(summary['missed'])} missed (figures, not asserts)")
     log(f"results: {paths['json']}" + (f", plot: {paths['plot']}" if "plot" in paths else ""))
-    if document["wrong_objects"]["kvtier"]:
-        log(f"FAIL: kvtier returned wrong bytes for {document['wrong_objects']['kvtier']} objects")
+    if document["wrong_objects"]["kvtier"] or document["wrong_objects"]["kvtier_shared"]:
+        log(f"FAIL: kvtier returned wrong bytes for {document['wrong_objects']['kvtier']} objects "
+            f"(shared tier: {document['wrong_objects']['kvtier_shared']})")
         return EXIT_WRONG_BYTES
     if document["sanity_problems"]:
         for problem in document["sanity_problems"]:

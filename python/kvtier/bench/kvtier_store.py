@@ -195,3 +195,285 @@ def measure(
             store.close()
         shutil.rmtree(directory, ignore_errors=True)
     return result
+
+
+# ------------------------------------------------------------------------------ shared-filesystem tier
+
+SHARED_FILE_BYTES = 256 * workload.MIB
+LOOKUP_KEY_COUNT = 10_000
+LOOKUP_OBJECT_BYTES = 4096
+LOOKUP_CALLS = 20
+# The store's publish queue (publish_queue_bytes, 64 MiB, not settable from Python): the put path never
+# waits for the publisher and drops the blocks that do not fit (shared_dropped_publishes).
+PUBLISH_QUEUE_BYTES = 64 * workload.MIB
+
+
+def shared_file_bytes_for(prompt_bytes: int, object_bytes: int) -> int:
+    """256 MiB files (the default), or the prompt's size when smaller; always >= one block + 8 KiB."""
+    page = workload.PAGE_BYTES
+    slot_bytes = page + (object_bytes + page - 1) // page * page
+    return max(min(SHARED_FILE_BYTES, prompt_bytes + 2 * page), slot_bytes + 2 * page)
+
+
+def shared_layout_counts(namespace_dir: str) -> dict:
+    """Files and directories under one namespace directory of the shared root, by kind."""
+    counts = {"data_files": 0, "manifest_files": 0, "tmp_files": 0, "other_files": 0, "directories": 0,
+              "data_file_bytes": 0}
+    for parent, directories, files in os.walk(namespace_dir):
+        counts["directories"] += len(directories)
+        kind = os.path.basename(parent)
+        for name in files:
+            if name.endswith(".kvs") and os.path.basename(os.path.dirname(parent)) == "data":
+                counts["data_files"] += 1
+                counts["data_file_bytes"] += os.path.getsize(os.path.join(parent, name))
+            elif kind == "manifests":
+                counts["manifest_files"] += 1
+            elif kind == "tmp":
+                counts["tmp_files"] += 1
+            else:
+                counts["other_files"] += 1
+    counts["files"] = counts["data_files"] + counts["manifest_files"] + counts["tmp_files"] + counts["other_files"]
+    return counts
+
+
+def _open_shared(store_class, directory: str, namespace: bytes, object_bytes: int, dram_bytes: int,
+                 shared_root: str, shared_file_bytes: int):
+    return store_class.open(
+        directory,
+        namespace=namespace,
+        object_bytes=object_bytes,
+        dram_bytes=dram_bytes,
+        nvme_bytes=0,
+        shared_root=shared_root,
+        shared_file_bytes=shared_file_bytes,
+    )
+
+
+def measure_shared(
+    layout: workload.PromptLayout,
+    pool,
+    directory: str,
+    namespace: bytes,
+    visibility_timeout_s: float = 10.0,
+) -> dict:
+    """Publish one prompt to the shared tier from store A, read it cold from store B (same root and namespace).
+
+    A: nvme_bytes=0, a small DRAM tier, put_many + flush (flush closes, syncs, renames and lists every
+    partly filled shared file). B: another local directory, nvme_bytes=0, opened after A was closed and
+    the page cache dropped; timed until lookup_prefix covers the prompt, then get_many (every block from
+    the shared files, verified byte for byte). B's DRAM tier holds the prompt: a get_many of more blocks
+    than B has DRAM slots misses the excess in this build (see ``b_dram_bytes_note``)."""
+    store_class = load_store_class()
+    prompt_bytes = layout.object_bytes * layout.object_count
+    page = workload.PAGE_BYTES
+    slot_bytes = page + (layout.object_bytes + page - 1) // page * page
+    shared_root = os.path.join(directory, "shared")
+    dir_a, dir_b = os.path.join(directory, "store-a"), os.path.join(directory, "store-b")
+    shutil.rmtree(directory, ignore_errors=True)
+    for path in (shared_root, dir_a, dir_b):
+        os.makedirs(path, exist_ok=True)
+    file_bytes = shared_file_bytes_for(prompt_bytes, layout.object_bytes)
+    dram_a = 8 * slot_bytes
+    dram_b = (layout.object_count + 8) * slot_bytes
+    keys = layout.keys()
+    views = layout.object_views(pool)
+    result: dict = {
+        "system": "kvtier_shared",
+        "object_bytes": layout.object_bytes,
+        "object_count": layout.object_count,
+        "prompt_bytes": prompt_bytes,
+        "shared_file_bytes": file_bytes,
+        "a_dram_bytes": dram_a,
+        "b_dram_bytes": dram_b,
+        "b_dram_bytes_note": "B's DRAM tier holds the prompt: with fewer DRAM slots than blocks, get_many "
+                             "served only about a slot count of blocks from the shared tier and missed the rest",
+        "nvme_bytes": 0,
+    }
+    store_a = store_b = None
+    try:
+        store_a = _open_shared(store_class, dir_a, namespace, layout.object_bytes, dram_a, shared_root, file_bytes)
+        stats_before = store_a.stats()
+        cpu_before = cpu_seconds()
+        start = time.perf_counter()
+        store_a.put_many(keys, views)
+        store_a.flush()
+        store_seconds = time.perf_counter() - start
+        store_cpu_seconds = cpu_seconds() - cpu_before
+        stats_after = store_a.stats()
+        dropped_stores = _stat_delta(stats_after, stats_before, "dropped_stores") or 0
+        files_published = _stat_delta(stats_after, stats_before, "shared_files_published")
+        dropped_publishes = _stat_delta(stats_after, stats_before, "shared_dropped_publishes") or 0
+        published_bytes = (layout.object_count - dropped_stores - dropped_publishes) * layout.object_bytes
+        result["store"] = {
+            "seconds": store_seconds,
+            "gbps": published_bytes / store_seconds / 1e9,
+            "offered_gbps": prompt_bytes / store_seconds / 1e9,
+            "bytes": published_bytes,
+            "published_objects": layout.object_count - dropped_stores - dropped_publishes,
+            "cpu_seconds": store_cpu_seconds,
+            "dropped_stores": dropped_stores,
+            "shared_files_published": files_published,
+            "shared_bytes_written": _stat_delta(stats_after, stats_before, "shared_bytes_written"),
+            "shared_dropped_publishes": dropped_publishes,
+            "shared_publish_errors": _stat_delta(stats_after, stats_before, "shared_publish_errors"),
+            "how": "one put_many of the whole prompt + flush; gbps = bytes of the blocks published (prompt minus "
+                   "shared_dropped_publishes: the put path never waits for the 64 MiB publish queue and drops "
+                   "what does not fit) / seconds; offered_gbps = prompt bytes / seconds",
+        }
+        store_a.close()
+        store_a = None
+
+        namespace_dirs = [entry for entry in os.listdir(shared_root)
+                          if os.path.isdir(os.path.join(shared_root, entry))]
+        counts = shared_layout_counts(os.path.join(shared_root, namespace_dirs[0])) if namespace_dirs else {}
+        gigabytes = max(published_bytes, 1) / 1e9
+        published = files_published or 0
+        result["files"] = dict(
+            counts,
+            files_per_gb=counts.get("files", 0) / gigabytes,
+            data_files_per_gb=counts.get("data_files", 0) / gigabytes,
+            directory_entries_per_gb=(counts.get("files", 0) + counts.get("directories", 0)) / gigabytes,
+            counted_how="os.walk of <shared_root>/<namespace hex>/ after A was flushed and closed: files = data "
+                        "files (data/<xx>/*.kvs) + manifests + temporaries + others (lease); directory entries = "
+                        "files + directories; per GB = per 1e9 bytes published",
+        )
+        result["metadata_ops"] = {
+            "file_creates": published,
+            "renames": published,
+            "directory_fsyncs": published,
+            "manifest_appends": published,
+            "unlinks": 0,
+            "total": 4 * published,
+            "total_per_gb": 4 * published / gigabytes,
+            "counted_how": "inferred from the writer's shared_files_published (not traced): per published file "
+                           "one exclusive create of tmp/<writer>-<seq>.tmp, one rename into data/<xx>/, one "
+                           "fsync of the directory and one O_APPEND publish record (+ fdatasync) in the "
+                           "writer's manifest; no unlink on the publish path; one-time directory and manifest "
+                           "creation at open are not counted",
+        }
+
+        result["page_cache_dropped"] = drop_page_cache()
+        start = time.perf_counter()
+        store_b = _open_shared(store_class, dir_b, namespace, layout.object_bytes, dram_b, shared_root, file_bytes)
+        result["b_open_seconds"] = time.perf_counter() - start
+        expected = result["store"]["published_objects"]
+        present = list(store_b.contains_many(keys))
+        result["visible_at_open"] = sum(1 for ok in present if ok)
+        while sum(present) < expected and time.perf_counter() - start < visibility_timeout_s:
+            time.sleep(0.001)
+            present = list(store_b.contains_many(keys))
+        result["visibility_seconds"] = time.perf_counter() - start
+        result["visible_objects"] = sum(1 for ok in present if ok)
+        result["visible_prefix"] = store_b.lookup_prefix(keys)
+        result["visibility_how"] = ("from the start of B's Store.open until contains_many shows every published "
+                                    "block (prompt minus dropped publishes), polled every 1 ms; it includes B's open (manifest "
+                                    "replay and populating B's DRAM arena, b_open_seconds); visible_at_open = "
+                                    "blocks B saw right after open")
+        wanted = [index for index, ok in enumerate(present) if ok]
+
+        destination = workload.aligned_buffer(prompt_bytes)
+        destination_views = [
+            destination[index * layout.object_bytes : (index + 1) * layout.object_bytes]
+            for index in range(layout.object_count)
+        ]
+        stats_before = store_b.stats()
+        cpu_before = cpu_seconds()
+        start = time.perf_counter()
+        found_wanted = list(store_b.get_many([keys[i] for i in wanted], [destination_views[i] for i in wanted]))
+        retrieve_seconds = time.perf_counter() - start
+        retrieve_cpu_seconds = cpu_seconds() - cpu_before
+        stats_after = store_b.stats()
+        found = [False] * layout.object_count
+        for index, ok in zip(wanted, found_wanted):
+            found[index] = bool(ok)
+        result["retrieve"] = {
+            "seconds": retrieve_seconds,
+            "gbps": len(wanted) * layout.object_bytes / retrieve_seconds / 1e9,
+            "objects": len(wanted),
+            "bytes": len(wanted) * layout.object_bytes,
+            "cpu_seconds": retrieve_cpu_seconds,
+            "shared_hits": _stat_delta(stats_after, stats_before, "shared_hits"),
+            "shared_misses": _stat_delta(stats_after, stats_before, "shared_misses"),
+            "dram_hits": _stat_delta(stats_after, stats_before, "dram_hits"),
+            "shared_bytes_read": _stat_delta(stats_after, stats_before, "shared_bytes_read"),
+            "checksum_failures": _stat_delta(stats_after, stats_before, "checksum_failures"),
+        }
+        result["found_objects"] = sum(1 for ok in found if ok)
+        result["missing_objects"] = len(found) - result["found_objects"]
+        result["unexplained_missing_objects"] = max(0, result["missing_objects"] - dropped_stores - dropped_publishes)
+        result["wrong_objects"] = workload.count_wrong_objects(layout, pool, destination_views, found)
+        result["cold"] = not result["retrieve"]["dram_hits"]
+        del destination_views, destination
+    finally:
+        for store in (store_a, store_b):
+            if store is not None:
+                store.close()
+        shutil.rmtree(directory, ignore_errors=True)
+    return result
+
+
+def measure_shared_lookup(directory: str, namespace: bytes, calls: int = LOOKUP_CALLS,
+                          key_count: int = LOOKUP_KEY_COUNT) -> dict:
+    """Time lookup_prefix and contains_many of ``key_count`` keys present only in the shared index.
+
+    A tiny writer publishes ``key_count`` blocks of 4 KiB once; a reader store (nvme_bytes=0, no block in
+    its DRAM) opens on the same root and namespace and is timed ``calls`` times per call kind."""
+    import hashlib
+
+    store_class = load_store_class()
+    shared_root = os.path.join(directory, "shared")
+    shutil.rmtree(directory, ignore_errors=True)
+    for name in ("shared", "writer", "reader"):
+        os.makedirs(os.path.join(directory, name), exist_ok=True)
+    parent = hashlib.sha256(b"kvtier-bench-io/lookup").digest()
+    keys = []
+    for index in range(key_count):
+        parent = hashlib.sha256(parent + index.to_bytes(8, "little")).digest()
+        keys.append(parent)
+    values = workload.make_pool(key_count * LOOKUP_OBJECT_BYTES, seed=key_count)
+    views = [values[i * LOOKUP_OBJECT_BYTES : (i + 1) * LOOKUP_OBJECT_BYTES] for i in range(key_count)]
+    slot_bytes = workload.PAGE_BYTES + LOOKUP_OBJECT_BYTES
+    result: dict = {"key_count": key_count, "object_bytes": LOOKUP_OBJECT_BYTES, "calls": calls}
+    writer = reader = None
+    try:
+        writer = _open_shared(store_class, os.path.join(directory, "writer"), namespace, LOOKUP_OBJECT_BYTES,
+                              64 * slot_bytes, shared_root, SHARED_FILE_BYTES)
+        start = time.perf_counter()
+        batch = PUBLISH_QUEUE_BYTES // 2 // slot_bytes  # one flush per batch: no publish is dropped
+        for first in range(0, key_count, batch):
+            writer.put_many(keys[first : first + batch], views[first : first + batch])
+            writer.flush()
+        result["dropped_publishes"] = writer.stats().get("shared_dropped_publishes")
+        result["publish_seconds"] = time.perf_counter() - start
+        writer.close()
+        writer = None
+        reader = _open_shared(store_class, os.path.join(directory, "reader"), namespace, LOOKUP_OBJECT_BYTES,
+                              8 * slot_bytes, shared_root, SHARED_FILE_BYTES)
+        deadline = time.perf_counter() + 30.0
+        while reader.lookup_prefix(keys) < key_count and time.perf_counter() < deadline:
+            time.sleep(0.001)
+        result["present"] = reader.lookup_prefix(keys)
+        result["present_contains"] = sum(1 for ok in reader.contains_many(keys) if ok)
+        for name, call in (("lookup_prefix", reader.lookup_prefix), ("contains_many", reader.contains_many)):
+            call(keys)  # warm
+            micros = []
+            for _ in range(calls):
+                start = time.perf_counter()
+                call(keys)
+                micros.append((time.perf_counter() - start) * 1e6)
+            ordered = sorted(micros)
+            per_call = {"min": ordered[0], "median": ordered[len(ordered) // 2] if len(ordered) % 2 else
+                        (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2, "max": ordered[-1],
+                        "n": len(ordered)}
+            result[name] = {
+                "us_per_call": per_call,
+                "us_per_key": {key: (value / key_count if key != "n" else value) for key, value in per_call.items()},
+            }
+        result["timed"] = ("wall time of one Python call with the 10,000-key list (includes the binding's "
+                           "conversion of the keys), reader store that holds none of the blocks in DRAM")
+    finally:
+        for store in (writer, reader):
+            if store is not None:
+                store.close()
+        shutil.rmtree(directory, ignore_errors=True)
+    return result

@@ -21,6 +21,7 @@ LMCACHE_TARGET_MODEL = "llama3-8b"
 LMCACHE_TARGET_PROMPT_TOKENS = 8192
 
 OPERATIONS = ("retrieve", "store")
+SYSTEMS = ("kvtier", "kvtier_shared", "lmcache")
 FIO_DIRECTION = {"retrieve": "read", "store": "write"}
 
 
@@ -56,7 +57,7 @@ def summarize_case(case: dict) -> dict:
             "cpu_seconds_per_gb": spread(fio_cpu),
         }
         run_best_fio = max((value for value in fio_values if value), default=None)
-        for system in ("kvtier", "lmcache"):
+        for system in SYSTEMS:
             gbps_values, ratios, cpu_values = [], [], []
             for sample, fio_value in zip(repeats, fio_values):
                 measured = (sample.get(system) or {}).get(operation)
@@ -81,9 +82,26 @@ def summarize_case(case: dict) -> dict:
     if paired:
         summary["kvtier_vs_lmcache_retrieve"] = spread(paired)
     summary["wrong_objects"] = {
-        system: sum((s.get(system) or {}).get("wrong_objects", 0) or 0 for s in repeats)
-        for system in ("kvtier", "lmcache")
+        system: sum((s.get(system) or {}).get("wrong_objects", 0) or 0 for s in repeats) for system in SYSTEMS
     }
+    shared = [s["kvtier_shared"] for s in repeats if s.get("kvtier_shared")]
+    if shared:
+        summary["kvtier_shared_files"] = {
+            field: spread([sample["files"][field] for sample in shared if sample.get("files")])
+            for field in ("data_files", "files_per_gb", "directory_entries_per_gb")
+        }
+        summary["kvtier_shared_files"]["metadata_ops_per_gb"] = spread(
+            [sample["metadata_ops"]["total_per_gb"] for sample in shared if sample.get("metadata_ops")]
+        )
+        summary["kvtier_shared_dropped_publishes"] = sum(
+            (sample.get("store") or {}).get("shared_dropped_publishes") or 0 for sample in shared
+        )
+        summary["kvtier_shared_open_ms"] = spread(
+            [sample["b_open_seconds"] * 1e3 for sample in shared if "b_open_seconds" in sample]
+        )
+        summary["kvtier_shared_visibility_ms"] = spread(
+            [sample["visibility_seconds"] * 1e3 for sample in shared if "visibility_seconds" in sample]
+        )
     return summary
 
 
@@ -174,7 +192,8 @@ def table_rows(document: dict) -> list[list[str]]:
         for operation in OPERATIONS:
             fio_key = f"fio_{FIO_DIRECTION[operation]}"
             entries = [("fio (best)", fio_key)]
-            entries += [("kvtier", f"kvtier_{operation}"), ("LMCache disk", f"lmcache_{operation}")]
+            entries += [("kvtier", f"kvtier_{operation}"), ("kvtier shared fs", f"kvtier_shared_{operation}"),
+                        ("LMCache disk", f"lmcache_{operation}")]
             for system_label, key in entries:
                 entry = summary.get(key)
                 if not entry or not entry.get("gbps"):
@@ -188,6 +207,17 @@ def table_rows(document: dict) -> list[list[str]]:
                         if name.startswith(operation) and "LMCache" not in name:
                             marks.append(("ok " if check["met"] else "MISS ") + check["short"])
                     target_text = "; ".join(marks)
+                if system_label == "kvtier shared fs":
+                    if operation == "store" and summary.get("kvtier_shared_files"):
+                        files = summary["kvtier_shared_files"]
+                        target_text = (f"{files['files_per_gb']['median']:.1f} files/GB, "
+                                       f"{files['directory_entries_per_gb']['median']:.1f} dir entries/GB, "
+                                       f"{files['metadata_ops_per_gb']['median']:.1f} meta ops/GB")
+                        if summary.get("kvtier_shared_dropped_publishes"):
+                            target_text += f"; {summary['kvtier_shared_dropped_publishes']} publishes dropped"
+                    elif operation == "retrieve" and summary.get("kvtier_shared_visibility_ms"):
+                        target_text = (f"visible after {summary['kvtier_shared_visibility_ms']['median']:.1f} ms "
+                                       f"(open {summary['kvtier_shared_open_ms']['median']:.1f} ms)")
                 if system_label == "LMCache disk" and operation == "retrieve":
                     versus = summary.get("kvtier_vs_lmcache_retrieve")
                     if versus:
@@ -211,10 +241,28 @@ def table_rows(document: dict) -> list[list[str]]:
     return rows
 
 
+def lookup_lines(document: dict) -> list[str]:
+    """One line per call kind of the shared index lookup latency (empty without --shared)."""
+    lookup = (document["systems"].get("kvtier_shared") or {}).get("lookup")
+    if not lookup:
+        return []
+    lines = []
+    for name in ("lookup_prefix", "contains_many"):
+        per_call, per_key = lookup[name]["us_per_call"], lookup[name]["us_per_key"]
+        lines.append(
+            f"shared index, {lookup['key_count']:,} keys present: {name}: "
+            f"{per_call['min']:.0f} / {per_call['median']:.0f} / {per_call['max']:.0f} us per call, "
+            f"{per_key['min'] * 1e3:.0f} / {per_key['median'] * 1e3:.0f} / {per_key['max'] * 1e3:.0f} ns per key "
+            f"(min / med / max of {per_call['n']})"
+        )
+    return lines
+
+
 def render_table(document: dict, console_file=None) -> str:
     """Print the table (rich when installed); return it as plain text for table.txt."""
     rows = table_rows(document)
-    plain = _plain_table(rows)
+    extra = lookup_lines(document)
+    plain = "\n".join([_plain_table(rows)] + extra)
     try:
         from rich.console import Console
         from rich.table import Table
@@ -236,7 +284,10 @@ def render_table(document: dict, console_file=None) -> str:
         elif styled[-1].startswith("ok") or styled[-1].endswith("(ok)"):
             styled[-1] = f"[green]{styled[-1]}[/green]"
         table.add_row(*styled)
-    Console(file=console_file, width=200).print(table)
+    console = Console(file=console_file, width=200)
+    console.print(table)
+    for line in extra:
+        console.print(line, markup=False, highlight=False)
     return plain
 
 
@@ -270,6 +321,7 @@ def write_plot(document: dict, path: str) -> str | None:
     systems = [
         ("fio (best)", "fio_{direction}", "#7f7f7f"),
         ("kvtier", "kvtier_{operation}", "#1f77b4"),
+        ("kvtier shared fs", "kvtier_shared_{operation}", "#2ca02c"),
         ("LMCache disk", "lmcache_{operation}", "#ff7f0e"),
     ]
     labels = [

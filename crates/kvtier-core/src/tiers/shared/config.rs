@@ -41,6 +41,9 @@ pub struct SharedConfig {
     /// Bytes of blocks queued for publishing (copies of DRAM slots); past it a block is not published
     /// (counted in `shared_dropped_publishes`). Default 64 MiB.
     pub publish_queue_bytes: usize,
+    /// How long a store waits for room in the publish queue before the block is not published
+    /// (counted). Default 5000.
+    pub publish_wait_ms: u64,
     /// Temporary files not written for this long belong to dead writers and are removed. Default 600000.
     pub orphan_tmp_ms: u64,
     /// O_DIRECT policy for data files. Default auto (probe at start-up, fall back to buffered I/O).
@@ -61,7 +64,8 @@ impl SharedConfig {
             group_shared: false,
             capacity_bytes: None,
             publish_delay_ms: 2000,
-            publish_queue_bytes: 64 << 20,
+            publish_queue_bytes: 256 << 20,
+            publish_wait_ms: 5000,
             orphan_tmp_ms: 600_000,
             direct_io: DirectIo::Auto,
         }
