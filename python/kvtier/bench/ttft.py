@@ -1,0 +1,963 @@
+"""`kvtier bench ttft`: time to first token through a real vLLM engine, with and without kvtier.
+
+This module owns the TTFT benchmark: seed 002's experiment 1 (TTFT vs prompt length at a 100% hit
+rate) and experiment 2 (TTFT vs hit rate at one prompt length), run on the ``kv8b`` model of
+``kvtier.models`` (the KV cache of Llama-3-8B: 128 KiB per token) with in-process ``vllm.LLM``
+engines, greedy, ``max_tokens=1``. TTFT is the wall time of one ``LLM.generate()`` call with one
+prompt (with ``max_tokens=1`` that call ends at the first token; offline engines export no
+per-request metrics).
+
+Configurations (one engine alive at a time, each in its own child process):
+
+- ``recompute``: no kvtier; vLLM's prefix cache reset before the request.
+- ``vllm_prefix``: vLLM's own prefix cache hit (the same prompt again, no reset).
+- ``kvtier_miss``: kvtier on, prompt never seen (recompute plus storing: the cost of offloading).
+- ``kvtier_dram``: stored by kvtier, vLLM's prefix cache reset, served from kvtier's DRAM tier (each
+  prompt in a fresh engine process: kvtier keeps blocks read back ahead of blocks seen once, so
+  earlier prompts would otherwise crowd a DRAM tier sized for one prompt).
+- ``kvtier_nvme``: a fresh engine process over the same store directory (kvtier's DRAM starts
+  empty, every block is on NVMe: checked with ``locate_many`` before timing), page cache dropped
+  (``echo 3 > /proc/sys/vm/drop_caches``) and one short warm-up request (no full block, so no kvtier
+  I/O) to fault the engine's own code back in before timing.
+- ``example_connector``: vLLM's ExampleConnector (per-layer safetensors files), page cache dropped.
+- ``lmcache_disk``: LMCache's vLLM connector with its local disk backend, when LMCache is
+  importable from this interpreter; otherwise reported as not measured.
+
+Prompts are seeded random token ids: ``L + 2`` tokens, so that the ``L`` tokens of full blocks can
+be hits and two tokens are always computed (see ``PROMPT_EXTRA_TOKENS``). Experiment 2 builds a prompt of ``L + 2`` tokens whose
+first ``h * L`` tokens are stored (rounded down to a block) and the rest new.
+
+Every measurement records the cached tokens vLLM reports (checked against the expected hit) and
+the greedy token with its logprob; restored runs are compared to the recompute of the same prompt.
+
+Output: tables on stdout (rich if installed), ``results.json`` and PNG plots (matplotlib, Agg) in
+``bench-results/ttft-<timestamp>/``, with one engine log per phase under ``logs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+TOKENS_PER_BLOCK_CPU = 128  # vLLM's block size on CPU (checked against the engine at start)
+DEFAULT_LENGTHS = "1k,2k,4k,8k,16k"
+DEFAULT_HIT_RATES = "0,25,50,75,100"
+SMALL_LENGTHS = "512,1k"
+TARGET_LENGTH_TOKENS = 8192
+TARGET_NVME_OVER_DRAM = 1.3
+TARGET_HIT_OVER_RECOMPUTE = 0.15
+TARGET_NVME_OVER_LMCACHE = 1 / 1.5  # NVMe at least 1.5x better than LMCache's disk backend
+RESET_ATTEMPTS = 50
+PHASE_TIMEOUT_S = 4 * 3600
+PROGRESS_PREFIX = "[ttft] "
+NUDGE_PROMPT = [5, 6, 7]  # shorter than a block: no kvtier lookup or store, drives engine steps
+LOGPROB_TOLERANCE = 1e-3
+
+CONFIG_LABELS = {
+    "recompute": "recompute (no kvtier)",
+    "vllm_prefix": "vLLM prefix cache hit",
+    "kvtier_miss": "kvtier miss (recompute + store)",
+    "kvtier_dram": "kvtier DRAM hit",
+    "kvtier_nvme": "kvtier NVMe hit (page cache dropped)",
+    "example_connector": "vLLM ExampleConnector (disk, page cache dropped)",
+    "lmcache_disk": "LMCache + CPU copy shim (local disk)",
+}
+RESTORED_CONFIGS = ("vllm_prefix", "kvtier_dram", "kvtier_nvme", "example_connector", "lmcache_disk")
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot run or produced an invalid measurement; the message says why."""
+
+
+# --------------------------------------------------------------------------------------------
+# Options and plan
+# --------------------------------------------------------------------------------------------
+
+
+def parse_tokens(text: str) -> int:
+    text = text.strip().lower()
+    if text.endswith("k"):
+        return int(float(text[:-1]) * 1024)
+    return int(text)
+
+
+def parse_lengths(text: str) -> list[int]:
+    lengths = [parse_tokens(part) for part in text.split(",") if part.strip()]
+    for length in lengths:
+        if length < TOKENS_PER_BLOCK_CPU or length % TOKENS_PER_BLOCK_CPU:
+            raise BenchError(f"prompt length {length} must be a positive multiple of {TOKENS_PER_BLOCK_CPU} tokens")
+    if not lengths:
+        raise BenchError("--lengths is empty")
+    return sorted(set(lengths))
+
+
+def parse_hit_rates(text: str) -> list[int]:
+    rates = sorted({int(part) for part in text.split(",") if part.strip()})
+    if not rates or any(rate < 0 or rate > 100 for rate in rates):
+        raise BenchError(f"--hit-rates must be percentages between 0 and 100, got {text!r}")
+    return rates
+
+
+def hit_tokens(length_tokens: int, hit_rate_percent: int, block_tokens: int) -> int:
+    """Tokens of the prompt that are stored for a given hit rate (whole blocks)."""
+    return (length_tokens * hit_rate_percent // 100) // block_tokens * block_tokens
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtier bench ttft",
+        description="Time to first token through a real vLLM engine: recompute, vLLM's prefix cache, "
+        "kvtier DRAM and NVMe hits, vLLM's ExampleConnector (seed 002, experiments 1 and 2).",
+    )
+    parser.add_argument("--preset", default=None, help="model preset of kvtier.models (default kv8b; tiny with --small)")
+    parser.add_argument("--lengths", default=None, help=f"prompt lengths in tokens (default {DEFAULT_LENGTHS}; --small: {SMALL_LENGTHS})")
+    parser.add_argument("--repeats", type=int, default=None, help="repeats per point (default 3; --small: 1)")
+    parser.add_argument("--hit-rates", default=DEFAULT_HIT_RATES, help="hit rates in percent for experiment 2")
+    parser.add_argument(
+        "--hit-rate-length", default=None,
+        help="prompt length of experiment 2 (default 8k; --small: the longest of --lengths); 0 skips experiment 2",
+    )  # fmt: skip
+    parser.add_argument("--small", action="store_true", help="CI size: tiny model, lengths 512,1k, one repeat")
+    parser.add_argument("--out", help="output directory (default bench-results/ttft-<timestamp>)")
+    parser.add_argument("--store-dir", help="kvtier store directory (default: a temporary directory, removed afterwards)")
+    parser.add_argument("--skip-example-connector", action="store_true", help="do not run vLLM's ExampleConnector")
+    parser.add_argument("--kvcache-space-gib", type=int, default=None, help="VLLM_CPU_KVCACHE_SPACE (default: sized to the prompts)")
+    parser.add_argument("--phase-timeout-s", type=int, default=PHASE_TIMEOUT_S, help="limit per engine phase")
+    parser.add_argument("--run-phase", help=argparse.SUPPRESS)  # internal: run one engine phase from a JSON spec
+    return parser
+
+
+def make_plan(args: argparse.Namespace) -> dict[str, Any]:
+    from kvtier.models import PRESETS, ensure_model, model_manifest
+
+    preset_name = args.preset or ("tiny" if args.small else "kv8b")
+    if preset_name not in PRESETS:
+        raise BenchError(f"unknown preset {preset_name!r}; choose one of {sorted(PRESETS)}")
+    preset = PRESETS[preset_name]
+    lengths = parse_lengths(args.lengths or (SMALL_LENGTHS if args.small else DEFAULT_LENGTHS))
+    repeats = args.repeats if args.repeats is not None else (1 if args.small else 3)
+    if repeats < 1:
+        raise BenchError("--repeats must be at least 1")
+    hit_rates = parse_hit_rates(args.hit_rates)
+    if args.hit_rate_length is not None:
+        hit_rate_length = parse_tokens(args.hit_rate_length)
+    else:
+        hit_rate_length = max(lengths) if args.small else TARGET_LENGTH_TOKENS
+    if hit_rate_length and hit_rate_length % TOKENS_PER_BLOCK_CPU:
+        raise BenchError(f"--hit-rate-length must be a multiple of {TOKENS_PER_BLOCK_CPU} tokens")
+    longest = max(lengths + [hit_rate_length])
+    if longest + 2 > preset.max_position_embeddings:
+        raise BenchError(
+            f"prompts of {longest} tokens do not fit preset {preset_name} "
+            f"(max_position_embeddings={preset.max_position_embeddings}); use shorter --lengths"
+        )
+    model_dir = ensure_model(preset_name)
+    vocab_size = int(model_manifest(model_dir)["vocab_size"])
+    block = TOKENS_PER_BLOCK_CPU
+    kv_bytes_per_token = preset.kv_bytes_per_token
+    object_bytes = kv_bytes_per_token * block
+    slot_bytes = 4096 + -(-object_bytes // 4096) * 4096
+    # DRAM tier: the longest prompt plus room (a DRAM hit is measured right after storing).
+    dram_bytes = (longest // block + 16) * slot_bytes
+    region_bytes = max(8 * slot_bytes, 16 << 20)
+    # Everything stored before and during the NVMe phase must fit, or the oldest regions (holding
+    # the prompts the NVMe phase reads) are evicted: prompts of experiment 1, the experiment 2
+    # bases, and the new suffixes of experiment 2 in the DRAM and NVMe phases.
+    stored_tokens = repeats * sum(lengths)
+    if hit_rate_length:
+        for rate in hit_rates:
+            hit = hit_tokens(hit_rate_length, rate, block)
+            stored_tokens += repeats * (hit + 2 * (hit_rate_length - hit))
+    # Each engine process starts a new NVMe region (the previous process's last region is sealed
+    # part-full): one region per process on top of the data.
+    engine_processes = 3 + repeats * (len(lengths) + (len(hit_rates) if hit_rate_length else 0))
+    nvme_bytes = int(stored_tokens / block * slot_bytes * 1.25) + (engine_processes + 4) * region_bytes
+    nvme_bytes = -(-nvme_bytes // region_bytes) * region_bytes
+    kvcache_space_gib = args.kvcache_space_gib or max(1, math.ceil(4 * (longest + block) * kv_bytes_per_token / (1 << 30)))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out_dir = Path(args.out) if args.out else Path("bench-results") / f"ttft-{stamp}"
+    return {
+        "preset": preset_name,
+        "model": str(model_dir),
+        "dtype": preset.dtype,
+        "vocab_size": vocab_size,
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "block_tokens": block,
+        "lengths": lengths,
+        "repeats": repeats,
+        "hit_rates": hit_rates if hit_rate_length else [],
+        "hit_rate_length": hit_rate_length,
+        "max_model_len": longest + 2 * block,
+        "kvcache_space_gib": kvcache_space_gib,
+        "dram_bytes": dram_bytes,
+        "nvme_bytes": nvme_bytes,
+        "region_bytes": region_bytes,
+        "out_dir": str(out_dir),
+        "example_connector": not args.skip_example_connector,
+        "lmcache_available": importlib.util.find_spec("lmcache") is not None,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts
+# --------------------------------------------------------------------------------------------
+
+
+def random_tokens(label: str, count: int, vocab_size: int) -> list[int]:
+    rng = random.Random(f"kvtier.bench.ttft:{label}")
+    return [rng.randrange(10, vocab_size - 10) for _ in range(count)]
+
+
+PROMPT_EXTRA_TOKENS = 2
+"""Tokens after the L that can be hits. Two, not one: ExampleConnector saves the first
+(n - 1) // block * block tokens of an n-token prompt but looks up (n - 2) // block * block, so it
+never hits a prompt of k * block + 1 tokens."""
+
+
+def length_prompt(plan: dict, length_tokens: int, repeat: int) -> list[int]:
+    """Experiment 1 prompt: L tokens that can be hits plus PROMPT_EXTRA_TOKENS always computed."""
+    return random_tokens(f"p:{length_tokens}:{repeat}", length_tokens + PROMPT_EXTRA_TOKENS, plan["vocab_size"])
+
+
+def hit_rate_base(plan: dict, rate: int, repeat: int) -> list[int]:
+    """Experiment 2 stored part for one hit rate (distinct per rate: a load promotes blocks to DRAM)."""
+    hit = hit_tokens(plan["hit_rate_length"], rate, plan["block_tokens"])
+    return random_tokens(f"b:{plan['hit_rate_length']}:{rate}:{repeat}", hit, plan["vocab_size"])
+
+
+def hit_rate_prompt(plan: dict, base: list[int], rate: int, repeat: int, suffix_label: str) -> list[int]:
+    new_tokens = plan["hit_rate_length"] + PROMPT_EXTRA_TOKENS - len(base)
+    return base + random_tokens(f"s:{suffix_label}:{plan['hit_rate_length']}:{rate}:{repeat}", new_tokens, plan["vocab_size"])
+
+
+# --------------------------------------------------------------------------------------------
+# Engine phase (runs in a child process: one engine, one process)
+# --------------------------------------------------------------------------------------------
+
+
+def progress(message: str) -> None:
+    print(PROGRESS_PREFIX + message, flush=True)
+
+
+class Engine:
+    """One in-process vLLM engine and the measurement helpers of the benchmark."""
+
+    def __init__(self, plan: dict, kv_transfer: dict | None, **engine_options: Any):
+        from vllm import LLM, SamplingParams
+        from vllm.config import KVTransferConfig
+
+        started = time.monotonic()
+        self.llm = LLM(
+            model=plan["model"],
+            dtype=plan["dtype"],
+            max_model_len=plan["max_model_len"],
+            enable_prefix_caching=True,
+            enforce_eager=True,
+            distributed_executor_backend="uni",
+            seed=0,
+            kv_transfer_config=KVTransferConfig(**kv_transfer) if kv_transfer else None,
+            **engine_options,
+        )
+        self.start_s = time.monotonic() - started
+        self.params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=1, seed=0)
+        block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
+        if block_size != plan["block_tokens"]:
+            raise BenchError(f"engine block size is {block_size} tokens, the benchmark assumes {plan['block_tokens']}")
+        self.hash_algo = getattr(self.llm.llm_engine.vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")
+        self.block_tokens = block_size
+        self.generate(NUDGE_PROMPT)  # first-request warm-up
+
+    def generate(self, tokens: list[int]):
+        (output,) = self.llm.generate([{"prompt_token_ids": tokens}], self.params, use_tqdm=False)
+        return output
+
+    def measure(self, tokens: list[int], expected_cached_tokens: int) -> dict:
+        started = time.perf_counter()
+        output = self.generate(tokens)
+        ttft_s = time.perf_counter() - started
+        completion = output.outputs[0]
+        token_id = int(completion.token_ids[0])
+        logprob = float(completion.logprobs[0][token_id].logprob) if completion.logprobs else None
+        record = {
+            "ttft_s": ttft_s,
+            "prompt_tokens": len(tokens),
+            "cached_tokens": int(output.num_cached_tokens or 0),
+            "expected_cached_tokens": expected_cached_tokens,
+            "token_id": token_id,
+            "logprob": logprob,
+        }
+        engine_ttft = getattr(getattr(output, "metrics", None), "first_token_latency", None)
+        if engine_ttft:
+            record["engine_ttft_s"] = float(engine_ttft)
+        return record
+
+    def reset_prefix_cache(self) -> None:
+        # vLLM refuses while offload stores still hold blocks; short requests drive the steps that finish them.
+        for _ in range(RESET_ATTEMPTS):
+            if self.llm.reset_prefix_cache():
+                return
+            self.generate(NUDGE_PROMPT)
+        raise BenchError(f"vLLM did not reset its prefix cache after {RESET_ATTEMPTS} attempts")
+
+    def block_keys(self, tokens: list[int], full_blocks: int) -> list[bytes]:
+        """kvtier keys of the first full blocks of a prompt (vLLM's chained block hashes)."""
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core import kv_cache_utils
+
+        import kvtier.vllm as kvtier_vllm
+
+        hash_fn = get_hash_fn_by_name(self.hash_algo)
+        parent = None
+        keys = []
+        for index in range(full_blocks):
+            block = tokens[index * self.block_tokens : (index + 1) * self.block_tokens]
+            parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, block, None)
+            keys.append(kvtier_vllm.kvtier_key(bytes(parent) + b"\0\0\0\0"))
+        return keys
+
+
+def drop_page_cache() -> bool:
+    """Drops the page cache (root only); False when not permitted."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def kvtier_transfer(plan: dict) -> dict:
+    from kvtier.vllm import kv_transfer_config
+
+    return kv_transfer_config(
+        plan["store_dir"], dram_bytes=plan["dram_bytes"], nvme_bytes=plan["nvme_bytes"], region_bytes=plan["region_bytes"]
+    )
+
+
+def _store_of_engine():
+    import kvtier.vllm as kvtier_vllm
+
+    stores = kvtier_vllm.open_stores()
+    if len(stores) != 1:
+        raise BenchError(f"expected one kvtier store open in the engine process, found {len(stores)}")
+    return stores[0].store
+
+
+def _settle(engine: Engine, store) -> None:
+    for _ in range(2):
+        engine.generate(NUDGE_PROMPT)
+    store.flush()
+
+
+def _tier_counts(store, keys: list[bytes]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for tier in store.locate_many(keys):
+        counts[str(tier)] = counts.get(str(tier), 0) + 1
+    return counts
+
+
+def _kvtier_measure(engine: Engine, store, tokens: list[int], hit: int, tier: str, drop_cache: bool) -> dict:
+    """Measures a request whose first ``hit`` tokens must be served from ``tier``."""
+    keys = engine.block_keys(tokens, hit // engine.block_tokens)
+    engine.reset_prefix_cache()
+    tiers_before = _tier_counts(store, keys)
+    if keys and tiers_before.get(tier, 0) != len(keys):
+        raise BenchError(f"before timing, the {len(keys)} stored blocks are in tiers {tiers_before}, not all in {tier}")
+    dropped = None
+    if drop_cache:
+        dropped = drop_page_cache()
+        engine.generate(NUDGE_PROMPT)  # fault the engine's own code back in; no kvtier I/O
+    before = store.stats()
+    record = engine.measure(tokens, hit)
+    after = store.stats()
+    record["kvtier"] = {
+        "tiers_before": tiers_before,
+        "dram_hits": after["dram_hits"] - before["dram_hits"],
+        "nvme_hits": after["nvme_hits"] - before["nvme_hits"],
+        "misses": after["misses"] - before["misses"],
+        "checksum_failures": after["checksum_failures"] - before["checksum_failures"],
+    }
+    served = record["kvtier"][f"{tier}_hits"]
+    if served != len(keys):
+        record["problem"] = f"{served} of {len(keys)} blocks served from {tier}"
+    if dropped is not None:
+        record["page_cache_dropped"] = dropped
+    return record
+
+
+def phase_baseline(plan: dict, emit) -> None:
+    engine = Engine(plan, None)
+    emit("engine", {"start_s": engine.start_s})
+    for length in plan["lengths"]:
+        for repeat in range(plan["repeats"]):
+            prompt = length_prompt(plan, length, repeat)
+            engine.reset_prefix_cache()
+            emit("measure", {"experiment": 1, "config": "recompute", "length_tokens": length, "repeat": repeat,
+                             "prompt_id": f"p:{length}:{repeat}", **engine.measure(prompt, 0)})  # fmt: skip
+            emit("measure", {"experiment": 1, "config": "vllm_prefix", "length_tokens": length, "repeat": repeat,
+                             "prompt_id": f"p:{length}:{repeat}", **engine.measure(prompt, length)})  # fmt: skip
+    length = plan["hit_rate_length"]
+    for repeat in range(plan["repeats"]):
+        if not plan["hit_rates"]:
+            break
+        base_prompt = length_prompt(plan, length, repeat)
+        if length in plan["lengths"]:
+            engine.generate(base_prompt)  # usually still in vLLM's prefix cache from experiment 1
+        else:
+            engine.reset_prefix_cache()
+            warm = engine.measure(base_prompt, 0)
+            emit("measure", {"experiment": 2, "config": "recompute", "length_tokens": length, "hit_rate": None,
+                             "repeat": repeat, "prompt_id": f"p:{length}:{repeat}", **warm})  # fmt: skip
+        for rate in plan["hit_rates"]:
+            hit = hit_tokens(length, rate, plan["block_tokens"])
+            # The previous rate's new tokens may have pushed the base's tail out of vLLM's cache
+            # (least recently used first); this puts it back (a cheap hit when nothing was evicted).
+            engine.generate(base_prompt)
+            prompt = hit_rate_prompt(plan, base_prompt[:hit], rate, repeat, "vllm")
+            emit("measure", {"experiment": 2, "config": "vllm_prefix", "length_tokens": length, "hit_rate": rate,
+                             "repeat": repeat, **engine.measure(prompt, hit)})  # fmt: skip
+
+
+def phase_kvtier_store(plan: dict, emit) -> None:
+    """Stores one prompt and measures its DRAM hit (one length or one hit rate, one repeat).
+
+    kvtier keeps blocks that were read back in DRAM ahead of blocks seen once, so each prompt gets a
+    fresh engine process (an empty DRAM tier) and the tier stays the size of one prompt."""
+    engine = Engine(plan, kvtier_transfer(plan))
+    store = _store_of_engine()
+    emit("engine", {"start_s": engine.start_s, "io_engine": store.stats().get("io_engine"),
+                    "direct_io": store.stats().get("direct_io")})  # fmt: skip
+    kind, value, repeat = plan["item"]
+    for repeat in (repeat,):
+        if kind == "length":
+            length = value
+            prompt = length_prompt(plan, length, repeat)
+            engine.reset_prefix_cache()
+            emit("measure", {"experiment": 1, "config": "kvtier_miss", "length_tokens": length, "repeat": repeat,
+                             "prompt_id": f"p:{length}:{repeat}", **engine.measure(prompt, 0)})  # fmt: skip
+            _settle(engine, store)
+            emit("measure", {"experiment": 1, "config": "kvtier_dram", "length_tokens": length, "repeat": repeat,
+                             "prompt_id": f"p:{length}:{repeat}",
+                             **_kvtier_measure(engine, store, prompt, length, "dram", drop_cache=False)})  # fmt: skip
+        else:
+            rate = value
+            base = hit_rate_base(plan, rate, repeat)
+            if base:
+                engine.generate(base + [11])  # computes and stores the part that will be hits
+                _settle(engine, store)
+            prompt = hit_rate_prompt(plan, base, rate, repeat, "dram")
+            emit("measure", {"experiment": 2, "config": "kvtier_dram", "length_tokens": plan["hit_rate_length"],
+                             "hit_rate": rate, "repeat": repeat,
+                             **_kvtier_measure(engine, store, prompt, len(base), "dram", drop_cache=False)})  # fmt: skip
+    _settle(engine, store)
+    emit("store_stats", dict(store.stats()))
+    store.close()  # seals what is on NVMe for the next engine process
+
+
+def phase_kvtier_nvme(plan: dict, emit) -> None:
+    engine = Engine(plan, kvtier_transfer(plan))
+    store = _store_of_engine()
+    stats = store.stats()
+    emit("engine", {"start_s": engine.start_s, "blocks_dram_at_start": stats.get("blocks_dram"),
+                    "blocks_nvme_at_start": stats.get("blocks_nvme"), "recovered_blocks": stats.get("recovered_blocks")})  # fmt: skip
+    for length in plan["lengths"]:
+        for repeat in range(plan["repeats"]):
+            prompt = length_prompt(plan, length, repeat)
+            emit("measure", {"experiment": 1, "config": "kvtier_nvme", "length_tokens": length, "repeat": repeat,
+                             "prompt_id": f"p:{length}:{repeat}",
+                             **_kvtier_measure(engine, store, prompt, length, "nvme", drop_cache=True)})  # fmt: skip
+    length = plan["hit_rate_length"]
+    for repeat in range(plan["repeats"]):
+        for rate in plan["hit_rates"]:
+            base = hit_rate_base(plan, rate, repeat)
+            prompt = hit_rate_prompt(plan, base, rate, repeat, "nvme")
+            emit("measure", {"experiment": 2, "config": "kvtier_nvme", "length_tokens": length, "hit_rate": rate,
+                             "repeat": repeat,
+                             **_kvtier_measure(engine, store, prompt, len(base), "nvme", drop_cache=True)})  # fmt: skip
+    emit("store_stats", dict(store.stats()))
+    store.close()
+
+
+def phase_example_connector(plan: dict, emit) -> None:
+    transfer = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": plan["example_dir"]},
+    }
+    # ExampleConnector saves a prompt only in the step that schedules it first, so a prompt split by
+    # chunked prefill is saved partly and its load fails (shape mismatch). One chunk per prompt here.
+    engine = Engine(plan, transfer, max_num_batched_tokens=plan["max_model_len"])
+    emit("engine", {"start_s": engine.start_s})
+    for length in plan["lengths"]:
+        prompt = length_prompt(plan, length, 0)
+        engine.reset_prefix_cache()
+        engine.generate(prompt)  # computes and saves the per-layer files
+        for repeat in range(plan["repeats"]):
+            engine.reset_prefix_cache()
+            dropped = drop_page_cache()
+            engine.generate(NUDGE_PROMPT)
+            record = engine.measure(prompt, length)
+            record["files_present"] = example_files_present(plan, prompt, engine.block_tokens)
+            if not record["files_present"]:
+                record["problem"] = "ExampleConnector has no files for this prompt (recomputed)"
+            record["page_cache_dropped"] = dropped
+            emit("measure", {"experiment": 1, "config": "example_connector", "length_tokens": length,
+                             "repeat": repeat, "prompt_id": f"p:{length}:0", **record})  # fmt: skip
+
+
+def example_files_present(plan: dict, prompt: list[int], block_tokens: int) -> bool:
+    """Whether ExampleConnector saved this prompt (its folder: md5 of the int64 token bytes it matches)."""
+    import hashlib
+
+    import numpy as np
+
+    matched = (len(prompt) - 1) // block_tokens * block_tokens
+    folder = hashlib.md5(np.asarray(prompt[:matched], dtype=np.int64).tobytes(), usedforsecurity=False).hexdigest()
+    return (Path(plan["example_dir"]) / folder).is_dir()
+
+
+PHASES = {
+    "baseline": phase_baseline,
+    "kvtier_store": phase_kvtier_store,
+    "kvtier_nvme": phase_kvtier_nvme,
+    "example_connector": phase_example_connector,
+}
+
+
+def run_phase(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    plan, phase = spec["plan"], spec["phase"]
+    spec_path_name = Path(spec_path).name.removesuffix(".spec.json")
+    with open(spec["result_path"], "w") as result_file:
+
+        def emit(kind: str, payload: dict) -> None:
+            result_file.write(json.dumps({"kind": kind, **payload}) + "\n")
+            result_file.flush()
+            if kind == "measure":
+                where = f"L={payload['length_tokens']}" + (
+                    f" hit={payload['hit_rate']}%" if payload.get("hit_rate") is not None else ""
+                )
+                progress(
+                    f"{spec_path_name}: exp{payload['experiment']} {payload['config']} {where} r{payload['repeat']}: "
+                    f"{payload['ttft_s'] * 1000:.0f} ms, cached {payload['cached_tokens']}/{payload['expected_cached_tokens']}"
+                    + (f" PROBLEM: {payload['problem']}" if payload.get("problem") else "")
+                )
+            elif kind == "engine":
+                progress(f"{phase}: engine started in {payload['start_s']:.0f} s")
+
+        try:
+            PHASES[phase](plan, emit)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+    progress(f"{phase}: done")
+    # Skip interpreter teardown of the engine (threads, store close are not timed; the OS reclaims).
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# --------------------------------------------------------------------------------------------
+# Orchestration (parent process)
+# --------------------------------------------------------------------------------------------
+
+
+def phase_environment(plan: dict) -> dict[str, str]:
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # kvtier: scheduler and worker in one process
+        "VLLM_CPU_KVCACHE_SPACE": str(plan["kvcache_space_gib"]),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def launch_phase(plan: dict, phase: str, timeout_s: int, run_name: str | None = None) -> list[dict]:
+    """Runs one engine phase in a child process (its own log); returns the records it emitted."""
+    run_name = run_name or phase
+    out_dir = Path(plan["out_dir"])
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    spec_path = out_dir / "logs" / f"{run_name}.spec.json"
+    result_path = out_dir / "logs" / f"{run_name}.jsonl"
+    log_path = out_dir / "logs" / f"{run_name}.log"
+    spec_path.write_text(json.dumps({"plan": plan, "phase": phase, "result_path": str(result_path)}, indent=2))
+    print(f"phase {run_name}: starting an engine (log {log_path})", flush=True)
+    command = [sys.executable, "-m", "kvtier.bench.ttft", "--run-phase", str(spec_path)]
+    deadline = time.monotonic() + timeout_s
+    with log_path.open("w") as log_file:
+        child = subprocess.Popen(
+            command, env=phase_environment(plan), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            assert child.stdout is not None
+            for line in child.stdout:
+                log_file.write(line)
+                if line.startswith(PROGRESS_PREFIX):
+                    print("  " + line[len(PROGRESS_PREFIX):], end="", flush=True)
+                if time.monotonic() > deadline:
+                    raise BenchError(f"phase {phase} exceeded --phase-timeout-s={timeout_s}")
+            child.wait(timeout=max(1, deadline - time.monotonic()))
+        finally:
+            if child.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.pid, 9)
+                child.wait()
+    records = [json.loads(line) for line in result_path.read_text().splitlines() if line.strip()] if result_path.exists() else []
+    if child.returncode != 0:
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
+        raise BenchError(f"phase {phase} failed (exit code {child.returncode}); log tail:\n{tail}")
+    return records
+
+
+def spread(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}
+
+
+def summarize(plan: dict, measurements: list[dict]) -> dict:
+    """Spreads per experiment, configuration and point; checks of hits and of outputs; targets."""
+    experiment1: dict[str, dict[str, Any]] = {}
+    experiment2: dict[str, dict[str, Any]] = {}
+    for record in measurements:
+        if record["experiment"] == 1:
+            point = experiment1.setdefault(record["config"], {}).setdefault(str(record["length_tokens"]), [])
+        else:
+            key = "recompute" if record.get("hit_rate") is None else str(record["hit_rate"])
+            point = experiment2.setdefault(record["config"], {}).setdefault(key, [])
+        point.append(record)
+
+    def summary_of(records: list[dict]) -> dict:
+        return {
+            "ttft_s": spread([record["ttft_s"] for record in records]),
+            "cached_tokens_ok": all(record["cached_tokens"] == record["expected_cached_tokens"] for record in records),
+            "problems": [record["problem"] for record in records if record.get("problem")],
+        }
+
+    summary = {
+        "experiment1": {config: {point: summary_of(records) for point, records in points.items()} for config, points in experiment1.items()},
+        "experiment2": {config: {point: summary_of(records) for point, records in points.items()} for config, points in experiment2.items()},
+    }
+    # Experiment 2: recompute does not depend on the hit rate; show experiment 1's figure at that length.
+    length_key = str(plan["hit_rate_length"])
+    recompute_at_length = summary["experiment1"].get("recompute", {}).get(length_key) or summary["experiment2"].get("recompute", {}).get("recompute")
+    if plan["hit_rates"] and recompute_at_length:
+        summary["experiment2"]["recompute"] = {str(rate): recompute_at_length for rate in plan["hit_rates"]}
+
+    # Outputs: each restored run's greedy token (and logprob) against the recompute of the same prompt.
+    reference = {r["prompt_id"]: r for r in measurements if r["config"] == "recompute" and r.get("prompt_id")}
+    outputs: dict[str, dict[str, Any]] = {}
+    for record in measurements:
+        if record["config"] not in RESTORED_CONFIGS + ("kvtier_miss",) or record.get("prompt_id") not in reference:
+            continue
+        base = reference[record["prompt_id"]]
+        entry = outputs.setdefault(record["config"], {"compared": 0, "same_token": 0, "max_logprob_diff": 0.0})
+        entry["compared"] += 1
+        entry["same_token"] += int(record["token_id"] == base["token_id"])
+        if record.get("logprob") is not None and base.get("logprob") is not None:
+            entry["max_logprob_diff"] = max(entry["max_logprob_diff"], abs(record["logprob"] - base["logprob"]))
+    summary["outputs_vs_recompute"] = outputs
+    summary["targets"] = targets(plan, summary)
+    return summary
+
+
+def _median(summary: dict, config: str, length: int) -> float | None:
+    point = summary["experiment1"].get(config, {}).get(str(length))
+    return point["ttft_s"]["median"] if point and point["ttft_s"] else None
+
+
+def targets(plan: dict, summary: dict) -> list[dict]:
+    """The issue's targets as figures at 8K tokens (or the longest measured length), never asserts."""
+    length = TARGET_LENGTH_TOKENS if TARGET_LENGTH_TOKENS in plan["lengths"] else max(plan["lengths"])
+    recompute = _median(summary, "recompute", length)
+    dram = _median(summary, "kvtier_dram", length)
+    nvme = _median(summary, "kvtier_nvme", length)
+    lmcache = _median(summary, "lmcache_disk", length)
+
+    def ratio(numerator, denominator):
+        return numerator / denominator if numerator is not None and denominator else None
+
+    rows = [
+        ("kvtier NVMe hit / kvtier DRAM hit", ratio(nvme, dram), TARGET_NVME_OVER_DRAM, None),
+        ("kvtier DRAM hit / recompute", ratio(dram, recompute), TARGET_HIT_OVER_RECOMPUTE, None),
+        ("kvtier NVMe hit / recompute", ratio(nvme, recompute), TARGET_HIT_OVER_RECOMPUTE, None),
+        (
+            "kvtier NVMe hit / LMCache disk hit",
+            ratio(nvme, lmcache),
+            TARGET_NVME_OVER_LMCACHE,
+            None if plan.get("lmcache_available") else "LMCache is not installed in this interpreter: not measured",
+        ),
+    ]
+    return [
+        {
+            "name": name,
+            "length_tokens": length,
+            "value": value,
+            "target_at_most": target,
+            "met": None if value is None else value <= target,
+            "note": note,
+        }
+        for name, value, target, note in rows
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Report: tables and plots
+# --------------------------------------------------------------------------------------------
+
+
+def _cell(point: dict | None) -> str:
+    if not point or not point["ttft_s"]:
+        return "-"
+    spread_s = point["ttft_s"]
+    text = f"{spread_s['median'] * 1000:.0f} ({spread_s['min'] * 1000:.0f}-{spread_s['max'] * 1000:.0f})"
+    if not point["cached_tokens_ok"] or point["problems"]:
+        text += " !"
+    return text
+
+
+CONFIG_ORDER = ("recompute", "kvtier_miss", "vllm_prefix", "kvtier_dram", "kvtier_nvme", "example_connector", "lmcache_disk")
+
+
+def table_rows(plan: dict, summary: dict) -> tuple[list[str], list[list[str]], list[str], list[list[str]]]:
+    header1 = ["configuration"] + [f"{length} tok" for length in plan["lengths"]]
+    rows1 = []
+    for config in CONFIG_ORDER:
+        points = summary["experiment1"].get(config)
+        if points is None:
+            continue
+        rows1.append([CONFIG_LABELS[config]] + [_cell(points.get(str(length))) for length in plan["lengths"]])
+    header2 = ["configuration"] + [f"{rate}% hit" for rate in plan["hit_rates"]]
+    rows2 = []
+    for config in CONFIG_ORDER:
+        points = summary["experiment2"].get(config)
+        if points is None or not plan["hit_rates"]:
+            continue
+        rows2.append([CONFIG_LABELS[config]] + [_cell(points.get(str(rate))) for rate in plan["hit_rates"]])
+    return header1, rows1, header2, rows2
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def print_report(plan: dict, summary: dict, notes: list[str]) -> str:
+    """Prints the tables, targets and notes; returns the same as Markdown (also written to report.md)."""
+    header1, rows1, header2, rows2 = table_rows(plan, summary)
+    title1 = f"Experiment 1: TTFT vs prompt length, 100% hit (ms, median (min-max) of {plan['repeats']})"
+    title2 = f"Experiment 2: TTFT vs hit rate at {plan['hit_rate_length']} tokens (ms, median (min-max))"
+    target_lines = []
+    for target in summary["targets"]:
+        value = "not measured" if target["value"] is None else f"{target['value']:.3f}"
+        met = "" if target["met"] is None else (" (met)" if target["met"] else " (NOT met)")
+        note = f" - {target['note']}" if target["note"] else ""
+        target_lines.append(f"{target['name']} at {target['length_tokens']} tokens: {value}, target <= {target['target_at_most']:.3f}{met}{note}")
+    output_lines = [
+        f"{CONFIG_LABELS[config]}: {entry['same_token']}/{entry['compared']} same greedy token as recompute, "
+        f"max |logprob diff| {entry['max_logprob_diff']:.2e}"
+        for config, entry in summary["outputs_vs_recompute"].items()
+    ]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        console = Console()
+        for title, header, rows in ((title1, header1, rows1), (title2, header2, rows2)):
+            if not rows:
+                continue
+            table = Table(title=title)
+            for column in header:
+                table.add_column(column, justify="left" if column == "configuration" else "right")
+            for row in rows:
+                table.add_row(*row)
+            console.print(table)
+    except ImportError:
+        for title, header, rows in ((title1, header1, rows1), (title2, header2, rows2)):
+            if rows:
+                print(title)
+                print(markdown_table(header, rows))
+                print()
+    print("Targets (figures, not asserts):")
+    for line in target_lines:
+        print("  " + line)
+    print("Outputs:")
+    for line in output_lines:
+        print("  " + line)
+    for note in notes:
+        print("note: " + note)
+    markdown = [f"### {title1}", "", markdown_table(header1, rows1), ""]
+    if rows2:
+        markdown += [f"### {title2}", "", markdown_table(header2, rows2), ""]
+    markdown += ["Targets (figures, not asserts):", ""] + [f"- {line}" for line in target_lines] + [""]
+    markdown += ["Outputs:", ""] + [f"- {line}" for line in output_lines] + [""]
+    markdown += [f"- note: {note}" for note in notes]
+    return "\n".join(markdown) + "\n"
+
+
+def write_plots(plan: dict, summary: dict, out_dir: Path) -> list[str]:
+    """PNG plots of both experiments; returns the file names (empty with a note if no matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed (pip install 'kvtier[bench]'); no plots written")
+        return []
+    written = []
+    for experiment, x_values, x_label, file_name in (
+        ("experiment1", plan["lengths"], "prompt length (tokens)", "ttft_vs_length.png"),
+        ("experiment2", plan["hit_rates"], f"hit rate (%) at {plan['hit_rate_length']} tokens", "ttft_vs_hit_rate.png"),
+    ):
+        if not x_values or not summary[experiment]:
+            continue
+        figure, axes = plt.subplots(figsize=(7, 4.5))
+        for config in CONFIG_ORDER:
+            points = summary[experiment].get(config)
+            if not points:
+                continue
+            xs, medians, lows, highs = [], [], [], []
+            for x in x_values:
+                point = points.get(str(x))
+                if point and point["ttft_s"]:
+                    xs.append(x)
+                    medians.append(point["ttft_s"]["median"])
+                    lows.append(point["ttft_s"]["median"] - point["ttft_s"]["min"])
+                    highs.append(point["ttft_s"]["max"] - point["ttft_s"]["median"])
+            if xs:
+                axes.errorbar(xs, medians, yerr=[lows, highs], marker="o", capsize=3, label=CONFIG_LABELS[config])
+        axes.set_xlabel(x_label)
+        axes.set_ylabel("TTFT (s), median with min-max")
+        axes.set_yscale("log")
+        axes.grid(True, which="both", alpha=0.3)
+        axes.set_title(f"kvtier bench ttft ({plan['preset']}, {os.cpu_count()} CPU cores, CPU vLLM)")
+        axes.legend(fontsize=7)
+        figure.tight_layout()
+        figure.savefig(out_dir / file_name, dpi=120)
+        plt.close(figure)
+        written.append(file_name)
+    return written
+
+
+# --------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.run_phase:
+        return run_phase(args.run_phase)
+    try:
+        plan = make_plan(args)
+    except BenchError as error:
+        print(f"kvtier bench ttft: {error}", file=sys.stderr)
+        return 2
+    out_dir = Path(plan["out_dir"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    temporary_store = args.store_dir is None
+    store_root = Path(args.store_dir) if args.store_dir else Path(tempfile.mkdtemp(prefix="kvtier-bench-ttft-"))
+    store_root.mkdir(parents=True, exist_ok=True)
+    plan["store_dir"] = str(store_root / "kvtier")
+    plan["example_dir"] = str(store_root / "example-connector")
+    notes: list[str] = []
+    if os.geteuid() != 0:
+        notes.append("not root: the page cache could not be dropped; disk hits may be served from the page cache")
+    needed_bytes = plan["nvme_bytes"] + (sum(plan["lengths"]) * plan["kv_bytes_per_token"] if plan["example_connector"] else 0)
+    free_bytes = shutil.disk_usage(store_root).free
+    if needed_bytes > free_bytes * 0.9:
+        print(
+            f"kvtier bench ttft: the store needs {needed_bytes / 2**30:.1f} GiB on {store_root} but only "
+            f"{free_bytes / 2**30:.1f} GiB are free; use fewer --lengths/--repeats or another --store-dir",
+            file=sys.stderr,
+        )
+        return 2
+    print(
+        f"kvtier bench ttft: preset {plan['preset']} ({plan['kv_bytes_per_token'] >> 10} KiB KV per token), "
+        f"lengths {plan['lengths']}, hit rates {plan['hit_rates']} at {plan['hit_rate_length']} tokens, "
+        f"{plan['repeats']} repeats\nstore {store_root} (kvtier DRAM {plan['dram_bytes'] / 2**30:.2f} GiB, "
+        f"NVMe {plan['nvme_bytes'] / 2**30:.1f} GiB), vLLM KV cache {plan['kvcache_space_gib']} GiB\nresults {out_dir}",
+        flush=True,
+    )
+    phases: list[tuple[str, str, Any]] = [("baseline", "baseline", None)]
+    for repeat in range(plan["repeats"]):
+        phases += [("kvtier_store", f"kvtier_store-{n}-r{repeat}", ["length", n, repeat]) for n in plan["lengths"]]
+        phases += [("kvtier_store", f"kvtier_store-hit{h}-r{repeat}", ["rate", h, repeat]) for h in plan["hit_rates"]]
+    phases.append(("kvtier_nvme", "kvtier_nvme", None))
+    if plan["example_connector"]:
+        phases.append(("example_connector", "example_connector", None))
+    else:
+        notes.append("ExampleConnector skipped (--skip-example-connector)")
+    if plan["lmcache_available"]:
+        notes.append(
+            "LMCache is importable but its vLLM connector needs the CPU copy shim (see the anchors notes), "
+            "which this benchmark does not install: not measured"
+        )
+    else:
+        notes.append("LMCache is not installed in this interpreter: LMCache's connector was not measured")
+    started = time.time()
+    measurements: list[dict] = []
+    phase_info: dict[str, Any] = {}
+    exit_code = 0
+    try:
+        for phase, run_name, item in phases:
+            for record in launch_phase({**plan, "item": item}, phase, args.phase_timeout_s, run_name):
+                kind = record.pop("kind")
+                if kind == "measure":
+                    measurements.append({"phase": run_name, **record})
+                else:
+                    phase_info.setdefault(run_name, {})[kind] = record
+    except BenchError as error:
+        print(f"kvtier bench ttft: {error}", file=sys.stderr)
+        notes.append(f"incomplete: {str(error).splitlines()[0]}")
+        exit_code = 1
+    finally:
+        if temporary_store:
+            shutil.rmtree(store_root, ignore_errors=True)
+    if not measurements:
+        return exit_code or 1
+    summary = summarize(plan, measurements)
+    markdown = print_report(plan, summary, notes)
+    plots = write_plots(plan, summary, out_dir)
+    result = {
+        "benchmark": "kvtier bench ttft",
+        "argv": list(argv) if argv is not None else sys.argv[1:],
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "duration_s": time.time() - started,
+        "machine": {"cpu_count": os.cpu_count(), "gpu": False, "root": os.geteuid() == 0},
+        "plan": plan,
+        "phases": phase_info,
+        "measurements": measurements,
+        "summary": summary,
+        "notes": notes,
+        "plots": plots,
+    }
+    (out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out_dir / "report.md").write_text(markdown)
+    print(f"wrote {out_dir / 'results.json'}, {out_dir / 'report.md'}" + "".join(f", {out_dir / name}" for name in plots))
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

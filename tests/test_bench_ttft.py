@@ -1,0 +1,97 @@
+"""Smoke test of `kvtier bench ttft` at CI size (tiny model, 512 and 1K tokens, one repeat).
+
+It runs the real benchmark (one vLLM engine at a time, each in its own process: about four engine
+starts) and checks the JSON it writes: the fields, that every restored configuration really was a
+hit of the expected size, and that restored runs give the same greedy token as the recompute of the
+same prompt (logprob within 1e-3).
+
+Run: ``.venv/bin/python -m pytest tests/test_bench_ttft.py -m slow -v``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+if importlib.util.find_spec("vllm") is None:  # pragma: no cover - depends on the environment
+    pytest.skip("vllm is not installed; run scripts/install_vllm.sh to install the CPU build", allow_module_level=True)
+
+LOGPROB_TOLERANCE = 1e-3
+MEASUREMENT_FIELDS = {"experiment", "config", "length_tokens", "repeat", "ttft_s", "prompt_tokens", "cached_tokens",
+                      "expected_cached_tokens", "token_id", "logprob"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from kvtier.bench import ttft
+
+    out_dir = tmp_path_factory.mktemp("ttft-results")
+    store_dir = tmp_path_factory.mktemp("ttft-store")
+    exit_code = ttft.main(["--small", "--out", str(out_dir), "--store-dir", str(store_dir)])
+    assert exit_code == 0
+    return json.loads((out_dir / "results.json").read_text()), out_dir
+
+
+def test_json_fields(results):
+    result, out_dir = results
+    assert result["benchmark"] == "kvtier bench ttft"
+    assert result["plan"]["preset"] == "tiny"
+    assert result["plan"]["lengths"] == [512, 1024]
+    assert {"experiment1", "experiment2", "outputs_vs_recompute", "targets"} <= set(result["summary"])
+    for measurement in result["measurements"]:
+        assert MEASUREMENT_FIELDS <= set(measurement), measurement
+        assert measurement["ttft_s"] > 0
+    experiment1 = result["summary"]["experiment1"]
+    for config in ("recompute", "vllm_prefix", "kvtier_miss", "kvtier_dram", "kvtier_nvme", "example_connector"):
+        for length in ("512", "1024"):
+            spread = experiment1[config][length]["ttft_s"]
+            assert spread["min"] <= spread["median"] <= spread["max"], (config, length)
+    experiment2 = result["summary"]["experiment2"]
+    for config in ("recompute", "vllm_prefix", "kvtier_dram", "kvtier_nvme"):
+        assert set(experiment2[config]) == {"0", "25", "50", "75", "100"}, config
+    assert [target["name"] for target in result["summary"]["targets"]][:3] == [
+        "kvtier NVMe hit / kvtier DRAM hit",
+        "kvtier DRAM hit / recompute",
+        "kvtier NVMe hit / recompute",
+    ]
+    assert any("LMCache" in note for note in result["notes"])
+    assert (out_dir / "report.md").is_file()
+
+
+def test_restores_were_real_hits(results):
+    result, _ = results
+    for measurement in result["measurements"]:
+        assert not measurement.get("problem"), measurement
+        assert measurement["cached_tokens"] == measurement["expected_cached_tokens"], measurement
+        if measurement["config"] == "kvtier_nvme":
+            assert measurement.get("page_cache_dropped") in (True, False)
+            stored_blocks = measurement["expected_cached_tokens"] // 128
+            assert measurement["kvtier"]["nvme_hits"] == stored_blocks
+            assert measurement["kvtier"]["tiers_before"].get("nvme", 0) == stored_blocks
+        if measurement["config"] == "kvtier_dram":
+            assert measurement["kvtier"]["dram_hits"] == measurement["expected_cached_tokens"] // 128
+        if measurement["config"] == "example_connector":
+            assert measurement["files_present"]
+
+
+def test_restored_outputs_match_recompute(results):
+    result, _ = results
+    recompute = {m["prompt_id"]: m for m in result["measurements"] if m["config"] == "recompute" and m.get("prompt_id")}
+    compared = 0
+    for measurement in result["measurements"]:
+        if measurement["config"] not in ("vllm_prefix", "kvtier_dram", "kvtier_nvme", "example_connector"):
+            continue
+        if measurement.get("prompt_id") not in recompute:
+            continue
+        reference = recompute[measurement["prompt_id"]]
+        assert measurement["token_id"] == reference["token_id"], (measurement["config"], measurement["prompt_id"])
+        assert abs(measurement["logprob"] - reference["logprob"]) <= LOGPROB_TOLERANCE
+        compared += 1
+    assert compared >= 8  # 4 restored configurations x 2 lengths
+    outputs = result["summary"]["outputs_vs_recompute"]
+    for config in ("vllm_prefix", "kvtier_dram", "kvtier_nvme", "example_connector"):
+        assert outputs[config]["same_token"] == outputs[config]["compared"] > 0
