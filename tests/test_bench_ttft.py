@@ -5,6 +5,10 @@ starts) and checks the JSON it writes: the fields, that every restored configura
 hit of the expected size, and that restored runs give the same greedy token as the recompute of the
 same prompt (logprob within 1e-3).
 
+When ``.venv-lmcache-vllm`` exists (scripts/install_lmcache_vllm.sh; CI does not install it) the same
+run also measures LMCache's connector with its local disk backend through kvtier's CPU copy shim,
+and ``test_lmcache_disk_hits`` checks those hits; without it, that test is skipped.
+
 Run: ``.venv/bin/python -m pytest tests/test_bench_ttft.py -m slow -v``.
 """
 
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +26,7 @@ if importlib.util.find_spec("vllm") is None:  # pragma: no cover - depends on th
     pytest.skip("vllm is not installed; run scripts/install_vllm.sh to install the CPU build", allow_module_level=True)
 
 LOGPROB_TOLERANCE = 1e-3
+LMCACHE_PYTHON = Path(__file__).resolve().parents[1] / ".venv-lmcache-vllm" / "bin" / "python"
 MEASUREMENT_FIELDS = {"experiment", "config", "length_tokens", "repeat", "ttft_s", "prompt_tokens", "cached_tokens",
                       "expected_cached_tokens", "token_id", "logprob"}  # fmt: skip
 
@@ -59,6 +65,9 @@ def test_json_fields(results):
         "kvtier NVMe hit / recompute",
     ]
     assert any("LMCache" in note for note in result["notes"])
+    if not LMCACHE_PYTHON.exists():
+        assert not result["plan"]["lmcache_available"]
+        assert any("scripts/install_lmcache_vllm.sh" in note for note in result["notes"])
     assert (out_dir / "report.md").is_file()
 
 
@@ -95,3 +104,29 @@ def test_restored_outputs_match_recompute(results):
     outputs = result["summary"]["outputs_vs_recompute"]
     for config in ("vllm_prefix", "kvtier_dram", "kvtier_nvme", "example_connector"):
         assert outputs[config]["same_token"] == outputs[config]["compared"] > 0
+
+
+def test_lmcache_disk_hits(results):
+    """LMCache + CPU copy shim: full disk hits (page cache dropped), same greedy token as recompute."""
+    if not LMCACHE_PYTHON.exists():
+        pytest.skip("no .venv-lmcache-vllm (scripts/install_lmcache_vllm.sh): LMCache's connector is not measured")
+    result, out_dir = results
+    assert result["plan"]["lmcache_available"]
+    assert "degraded mode" not in (out_dir / "logs" / "lmcache_disk.log").read_text(errors="replace")
+    recompute = {m["prompt_id"]: m for m in result["measurements"] if m["config"] == "recompute" and m.get("prompt_id")}
+    measured = [m for m in result["measurements"] if m["config"] == "lmcache_disk"]
+    assert sorted(m["length_tokens"] for m in measured) == [512, 1024]
+    for measurement in measured:
+        length = measurement["length_tokens"]
+        assert not measurement.get("problem"), measurement
+        assert measurement["cached_tokens"] == measurement["expected_cached_tokens"] == length
+        assert measurement["lmcache"]["loaded_tokens"] == length
+        assert measurement["lmcache"]["disk_chunks_read"] == length // 256
+        assert measurement["page_cache_dropped"] in (True, False)
+        reference = recompute[measurement["prompt_id"]]
+        assert measurement["token_id"] == reference["token_id"]
+        assert abs(measurement["logprob"] - reference["logprob"]) <= LOGPROB_TOLERANCE
+    outputs = result["summary"]["outputs_vs_recompute"]["lmcache_disk"]
+    assert outputs["same_token"] == outputs["compared"] == 2
+    (target,) = [t for t in result["summary"]["targets"] if t["name"] == "kvtier NVMe hit / LMCache disk hit"]
+    assert target["value"] is not None and target["value"] > 0

