@@ -377,3 +377,30 @@ def test_namespace_changes_with_dtype_and_block_size(tmp_path):
 
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "--restart-phase":
     _restart_phase(sys.argv[2], sys.argv[3], sys.argv[4])
+
+
+def test_lookup_of_a_block_being_stored_is_pending_then_hit(tmp_path):
+    """A block whose store job is in flight is a pending hit (the request waits a step), a block the
+    store shows is a hit even before vLLM hears the job finished, and a store that never landed
+    turns back into a miss."""
+    import numpy as np
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    store = kvtier.Store.open(str(tmp_path / "store"), namespace=b"lookup-test", object_bytes=4096,
+                              dram_bytes=1 << 20, nvme_bytes=0)  # fmt: skip
+    shared = kvtier_vllm.SharedStore(store=store, path=str(tmp_path), namespace=b"lookup-test", description={}, object_bytes=4096)
+    manager = kvtier_vllm.KvtierManager(shared)
+    context = ReqContext(req_id="r")
+    stored, dropped, unknown = (bytes([n]) * 32 + b"\0\0\0\0" for n in (1, 2, 3))
+    output = manager.prepare_store([stored, dropped], context)
+    assert output is not None and len(output.keys_to_store) == 2
+    assert manager.lookup(stored, context) is LookupResult.HIT_PENDING
+    assert manager.lookup(unknown, context) is LookupResult.MISS
+
+    store.put_many([kvtier_vllm.kvtier_key(stored)], [np.full(4096, 7, dtype=np.uint8)])
+    assert manager.lookup(stored, context) is LookupResult.HIT  # before complete_store
+    manager.complete_store([stored], context)
+    manager.complete_store([dropped], context, success=False)
+    assert manager.lookup(stored, context) is LookupResult.HIT
+    assert manager.lookup(dropped, context) is LookupResult.MISS
+    store.close()

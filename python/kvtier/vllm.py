@@ -576,14 +576,20 @@ class KvtierManager(OffloadingManager):
         if not self._allowed(req_context):
             return LookupResult.MISS
         store_key = kvtier_key(key)
-        if store_key in self._being_stored:
-            return LookupResult.MISS
         try:
             present = self._store.contains_many([store_key])[0]
         except Exception:
             logger.exception("kvtier: lookup failed; treating as a miss")
             return LookupResult.MISS
-        return LookupResult.HIT if present else LookupResult.MISS
+        if present:
+            # The store shows a block only once its bytes are complete, even if vLLM has not yet
+            # been told that the store job finished.
+            return LookupResult.HIT
+        if store_key in self._being_stored:
+            # Still being copied out of the engine: the request waits a step for it instead of
+            # recomputing what is about to be readable (a dropped store turns this into a miss).
+            return LookupResult.HIT_PENDING
+        return LookupResult.MISS
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         """The tier a hit is served from, for vLLM's ``vllm:prompt_tokens_cached_by_source``.
