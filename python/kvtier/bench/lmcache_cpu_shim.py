@@ -14,6 +14,9 @@ no LMCache kernels) between:
   (``block_id * block_size + offset`` per token);
 - LMCache's chunk memory objects in its ``KV_2LTD`` format, ``[2, num_layers, tokens, heads * head_size]``.
 
+Tokens are copied as runs of consecutive slots inside one vLLM block (one strided tensor copy per
+run and layer). Its cost is part of the LMCache figure the benchmark reports.
+
 :func:`install` wraps LMCache's connector factory (``lmcache.v1.gpu_connector.CreateGPUConnector``,
 which LMCache's vLLM service factory looks up when the worker builds its engine) so that a vLLM
 engine on the CPU device gets this connector; every other case goes to LMCache's own factory. Call
@@ -117,28 +120,40 @@ def _make_connector_class():
             self._views, self._views_source = views, source
             return views
 
-        def _slots(self, kwargs: dict, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def _runs(self, kwargs: dict, start: int, end: int) -> list[tuple[int, int, int, int]]:
+            """Tokens start..end as runs (first, last + 1 relative to start, block, offset) of
+            consecutive slots inside one block: each run is one strided copy per layer."""
             if "slot_mapping" not in kwargs:
                 raise ValueError("LMCache CPU shim: 'slot_mapping' should be provided in kwargs")
-            slots = kwargs["slot_mapping"][start:end].to("cpu", torch.long)
-            if bool((slots < 0).any()):
-                raise RuntimeError("LMCache CPU shim: negative slot in the range to copy")
-            return slots // self.block_size, slots % self.block_size
+            slots = kwargs["slot_mapping"][start:end].to("cpu", torch.long).tolist()
+            runs = []
+            index = 0
+            while index < len(slots):
+                slot = slots[index]
+                if slot < 0:
+                    raise RuntimeError("LMCache CPU shim: negative slot in the range to copy")
+                block, offset = divmod(slot, self.block_size)
+                stop = index + 1
+                while stop < len(slots) and slots[stop] == slot + (stop - index) and offset + (stop - index) < self.block_size:
+                    stop += 1
+                runs.append((index, stop, block, offset))
+                index = stop
+            return runs
 
         def from_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
             """vLLM's paged cache (tokens start..end of the request) -> memory object."""
             self.initialize_kvcaches_ptr(**kwargs)
             views = self._layer_views()
-            blocks, offsets = self._slots(kwargs, start, end)
+            runs = self._runs(kwargs, start, end)
             count = end - start
             target = memory_obj.tensor
             if target is None:
                 raise RuntimeError("LMCache CPU shim: memory object has no tensor")
             target = target[:, :, :count].view(2, self.num_layers, count, self.num_kv_heads, self.head_size)
             for layer, view in enumerate(views):
-                # Advanced indices on dims 0 and 3 -> [tokens, heads, 2, head_size].
-                gathered = view[blocks, :, :, offsets]
-                target[:, layer].copy_(gathered.permute(2, 0, 1, 3))
+                for first, stop, block, offset in runs:
+                    # [heads, 2, tokens, head_size] in vLLM -> [2, tokens, heads, head_size] in LMCache.
+                    target[:, layer, first:stop].copy_(view[block, :, :, offset : offset + stop - first].permute(1, 2, 0, 3))
             memory_obj.metadata.fmt = MemoryFormat.KV_2LTD
             _count("stored_tokens", count)
 
@@ -152,12 +167,13 @@ def _make_connector_class():
             skip = min(end - start, max(0, vllm_cached - start))
             if skip == end - start:
                 return
-            blocks, offsets = self._slots(kwargs, start + skip, end)
+            runs = self._runs(kwargs, start + skip, end)
             count = end - start
             source = memory_obj.tensor[:, :, :count].view(2, self.num_layers, count, self.num_kv_heads, self.head_size)
             source = source[:, :, skip:]
             for layer, view in enumerate(views):
-                view[blocks, :, :, offsets] = source[:, layer].permute(1, 2, 0, 3)
+                for first, stop, block, offset in runs:
+                    view[block, :, :, offset : offset + stop - first].copy_(source[:, layer, first:stop].permute(2, 0, 1, 3))
             _count("loaded_tokens", count - skip)
 
         def batched_from_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:
