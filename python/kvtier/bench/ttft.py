@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvtier bench ttft",
         description="Time to first token through a real vLLM engine: recompute, vLLM's prefix cache, "
-        "kvtier DRAM and NVMe hits, vLLM's ExampleConnector (seed 002, experiments 1 and 2).",
+        "kvtier DRAM and NVMe hits, vLLM's ExampleConnector, LMCache's connector with its local disk backend "
+        "(with scripts/install_lmcache_vllm.sh) (seed 002, experiments 1 and 2).",
     )
     parser.add_argument("--preset", default=None, help="model preset of kvtier.models (default kv8b; tiny with --small)")
     parser.add_argument("--lengths", default=None, help=f"prompt lengths in tokens (default {DEFAULT_LENGTHS}; --small: {SMALL_LENGTHS})")
