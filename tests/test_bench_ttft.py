@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,12 @@ def test_json_fields(results):
     assert result["plan"]["lengths"] == [512, 1024]
     assert {"experiment1", "experiment2", "outputs_vs_recompute", "targets"} <= set(result["summary"])
     for measurement in result["measurements"]:
+        if measurement["config"] == "disk_floor":
+            # fio reading what the NVMe hit of the same length read (whole slots), beside the store.
+            block_tokens = result["plan"]["block_tokens"]
+            assert measurement["read_bytes"] == measurement["length_tokens"] // block_tokens * result["plan"]["slot_bytes"]
+            assert measurement["fio_best"]["bytes"] > 0 and measurement["ttft_s"] > 0
+            continue
         assert MEASUREMENT_FIELDS <= set(measurement), measurement
         assert measurement["ttft_s"] > 0
     experiment1 = result["summary"]["experiment1"]
@@ -65,6 +72,10 @@ def test_json_fields(results):
         "kvtier NVMe hit / recompute",
     ]
     assert any("LMCache" in note for note in result["notes"])
+    if shutil.which("fio"):
+        assert set(experiment1["disk_floor"]) == {"512", "1024"}
+        (floor_row,) = [t for t in result["summary"]["targets"] if t["name"].endswith("/ disk floor")]
+        assert floor_row["value"] is not None and floor_row["met"] is None
     if not LMCACHE_PYTHON.exists():
         assert not result["plan"]["lmcache_available"]
         assert any("scripts/install_lmcache_vllm.sh" in note for note in result["notes"])

@@ -84,6 +84,7 @@ CONFIG_LABELS = {
     "kvtier_nvme": "kvtier NVMe hit (page cache dropped)",
     "example_connector": "vLLM ExampleConnector (disk, page cache dropped)",
     "lmcache_disk": "LMCache + CPU copy shim (local disk)",
+    "disk_floor": "disk floor: fio O_DIRECT read of the same bytes",
 }
 RESTORED_CONFIGS = ("vllm_prefix", "kvtier_dram", "kvtier_nvme", "example_connector", "lmcache_disk")
 
@@ -144,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--small", action="store_true", help="CI size: tiny model, lengths 512,1k, one repeat")
     parser.add_argument("--out", help="output directory (default bench-results/ttft-<timestamp>)")
     parser.add_argument("--store-dir", help="kvtier store directory (default: a temporary directory, removed afterwards)")
+    parser.add_argument(
+        "--no-disk-floor", action="store_true",
+        help="do not time fio reading the bytes of each NVMe hit (the disk floor row; needs fio)",
+    )  # fmt: skip
     parser.add_argument("--skip-example-connector", action="store_true", help="do not run vLLM's ExampleConnector")
     parser.add_argument("--skip-lmcache", action="store_true", help="do not run LMCache's connector (local disk)")
     parser.add_argument(
@@ -221,6 +226,8 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         "dram_bytes": dram_bytes,
         "nvme_bytes": nvme_bytes,
         "region_bytes": region_bytes,
+        "slot_bytes": slot_bytes,
+        "disk_floor": not args.no_disk_floor,
         "out_dir": str(out_dir),
         "example_connector": not args.skip_example_connector,
         **lmcache_plan(args, lengths, kv_bytes_per_token),
@@ -521,6 +528,40 @@ def phase_kvtier_store(plan: dict, emit) -> None:
     store.close()  # seals what is on NVMe for the next engine process
 
 
+def disk_floor(plan: dict, length_tokens: int) -> dict | None:
+    """fio's best O_DIRECT read of the bytes an NVMe hit of ``length_tokens`` reads (whole slots:
+    descriptor page plus value per block), from a file beside the store, right after the hit: the
+    time no disk hit can beat on this disk at this moment. None (with a log line) without fio."""
+    from kvtier.bench import fio
+
+    if not plan.get("disk_floor", True) or fio.fio_path() is None:
+        return None
+    blocks = length_tokens // plan["block_tokens"]
+    read_bytes = blocks * plan["slot_bytes"]
+    path = Path(plan["store_dir"]).parent / "disk-floor.fio"
+    needed_bytes = max(plan["lengths"]) // plan["block_tokens"] * plan["slot_bytes"]
+    if not path.exists() or path.stat().st_size < needed_bytes:
+        # Written once, so that the reads find allocated extents (a sparse file reads as zeros, fast).
+        fio.run_fio_job(str(path), needed_bytes, "write", fio.FioCombo(plan["slot_bytes"], 8))
+    runs = []
+    for combo in (fio.FioCombo(plan["slot_bytes"], 8), fio.FioCombo(1 << 20, 16, jobs=4)):
+        try:
+            runs.append(fio.run_fio_job(str(path), read_bytes, "read", combo))
+        except fio.FioError as error:
+            progress(f"disk floor: {error}")
+    if not runs:
+        return None
+    best = max(runs, key=lambda run: run["gbps"])
+    return {
+        "ttft_s": read_bytes / (best["gbps"] * 1e9),
+        "prompt_tokens": length_tokens,
+        "cached_tokens": length_tokens,
+        "expected_cached_tokens": length_tokens,
+        "read_bytes": read_bytes,
+        "fio_best": best,
+    }
+
+
 def phase_kvtier_nvme(plan: dict, emit) -> None:
     engine = Engine(plan, kvtier_transfer(plan))
     store = _store_of_engine()
@@ -533,6 +574,9 @@ def phase_kvtier_nvme(plan: dict, emit) -> None:
             emit("measure", {"experiment": 1, "config": "kvtier_nvme", "length_tokens": length, "repeat": repeat,
                              "prompt_id": f"p:{length}:{repeat}",
                              **_kvtier_measure(engine, store, prompt, length, "nvme", drop_cache=True)})  # fmt: skip
+            floor = disk_floor(plan, length)
+            if floor is not None:
+                emit("measure", {"experiment": 1, "config": "disk_floor", "length_tokens": length, "repeat": repeat, **floor})
     length = plan["hit_rate_length"]
     for repeat in range(plan["repeats"]):
         for rate in plan["hit_rates"]:
@@ -889,6 +933,7 @@ def targets(plan: dict, summary: dict) -> list[dict]:
     dram = _median(summary, "kvtier_dram", length)
     nvme = _median(summary, "kvtier_nvme", length)
     lmcache = _median(summary, "lmcache_disk", length)
+    floor = _median(summary, "disk_floor", length)
 
     def ratio(numerator, denominator):
         return numerator / denominator if numerator is not None and denominator else None
@@ -903,6 +948,15 @@ def targets(plan: dict, summary: dict) -> list[dict]:
             TARGET_NVME_OVER_LMCACHE,
             None if lmcache is not None else (plan.get("lmcache_not_measured") or "LMCache's connector was not measured at this length"),
         ),
+        (
+            # How much of the NVMe hit's extra time over a DRAM hit the disk itself needs: 1.0 means the
+            # extra time is the disk's read time, so an NVMe hit within 1.3x of a DRAM hit needs a
+            # faster disk, not a faster store.
+            "(kvtier NVMe hit - kvtier DRAM hit) / disk floor",
+            ratio(nvme - dram, floor) if nvme is not None and dram is not None else None,
+            None,
+            None if floor is not None else "fio not run (--no-disk-floor or fio missing)",
+        ),
     ]
     return [
         {
@@ -910,7 +964,7 @@ def targets(plan: dict, summary: dict) -> list[dict]:
             "length_tokens": length,
             "value": value,
             "target_at_most": target,
-            "met": None if value is None else value <= target,
+            "met": None if value is None or target is None else value <= target,
             "note": note,
         }
         for name, value, target, note in rows
@@ -932,7 +986,9 @@ def _cell(point: dict | None) -> str:
     return text
 
 
-CONFIG_ORDER = ("recompute", "kvtier_miss", "vllm_prefix", "kvtier_dram", "kvtier_nvme", "example_connector", "lmcache_disk")
+CONFIG_ORDER = (
+    "recompute", "kvtier_miss", "vllm_prefix", "kvtier_dram", "kvtier_nvme", "example_connector", "lmcache_disk", "disk_floor",
+)  # fmt: skip
 
 
 def table_rows(plan: dict, summary: dict) -> tuple[list[str], list[list[str]], list[str], list[list[str]]]:
@@ -969,7 +1025,8 @@ def print_report(plan: dict, summary: dict, notes: list[str]) -> str:
         value = "not measured" if target["value"] is None else f"{target['value']:.3f}"
         met = "" if target["met"] is None else (" (met)" if target["met"] else " (NOT met)")
         note = f" - {target['note']}" if target["note"] else ""
-        target_lines.append(f"{target['name']} at {target['length_tokens']} tokens: {value}, target <= {target['target_at_most']:.3f}{met}{note}")
+        goal = "" if target["target_at_most"] is None else f", target <= {target['target_at_most']:.3f}"
+        target_lines.append(f"{target['name']} at {target['length_tokens']} tokens: {value}{goal}{met}{note}")
     output_lines = [
         f"{CONFIG_LABELS[config]}: {entry['same_token']}/{entry['compared']} same greedy token as recompute, "
         f"max |logprob diff| {entry['max_logprob_diff']:.2e}"
@@ -1082,6 +1139,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         notes.append("not root: the page cache could not be dropped; disk hits may be served from the page cache")
     needed_bytes = plan["nvme_bytes"] + (sum(plan["lengths"]) * plan["kv_bytes_per_token"] if plan["example_connector"] else 0)
+    if plan["disk_floor"]:
+        needed_bytes += max(plan["lengths"]) // plan["block_tokens"] * plan["slot_bytes"]
     needed_bytes += int(plan["lmcache_disk_gib"] * 2**30) if plan["lmcache_available"] else 0
     free_bytes = shutil.disk_usage(store_root).free
     if needed_bytes > free_bytes * 0.9:
