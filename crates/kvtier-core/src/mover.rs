@@ -4,7 +4,7 @@
 //! A block that fails verification is a miss, counted, and dropped from the index: never bytes.
 
 use crate::catalog::{GetStep, LoadOutcome, MetaWrite, NvmeRead, PutStep, WritePlan, NO_SLOT};
-use crate::format::{checksum, ALIGN_BYTES};
+use crate::format::ALIGN_BYTES;
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::io::buffer::AlignedBuf;
 use crate::io::device::IoOp;
@@ -75,24 +75,19 @@ fn verify_direct(sh: &Shared, key: &BlockKey, read: &NvmeRead, page: &AlignedBuf
         && checksum_segments(buf) == desc.value_checksum
 }
 
-/// Copies between a slot's value area and the caller's segments (`into_slot`: a store).
+/// Copies a slot's value out to the caller's segments (a DRAM hit).
 ///
-/// SAFETY (callers): the slot is owned by this job (filling, loading) or pinned, and the caller's
-/// segments are valid for the direction of the copy (submission contract).
-fn copy_value(sh: &Shared, slot: u32, buf: &BlockBuffer, into_slot: bool) {
+/// SAFETY (callers): the slot is pinned and the caller's segments are valid for writing
+/// (submission contract).
+fn copy_value_out(sh: &Shared, slot: u32, buf: &BlockBuffer) {
     let mut value = unsafe { sh.arena.slot_ptr(slot).add(DESCRIPTOR_BYTES) };
     for &(segment, len) in &buf.segments {
         unsafe {
-            if into_slot {
-                std::ptr::copy_nonoverlapping(segment, value, len);
-            } else {
-                std::ptr::copy_nonoverlapping(value, segment, len);
-            }
+            std::ptr::copy_nonoverlapping(value, segment, len);
             value = value.add(len);
         }
     }
-    let counter = if into_slot { &sh.stats.bytes_copied_in } else { &sh.stats.bytes_copied_out };
-    Stats::add(counter, sh.config.object_bytes as u64);
+    Stats::add(&sh.stats.bytes_copied_out, sh.config.object_bytes as u64);
 }
 
 fn slot_bytes<'a>(sh: &'a Shared, slot: u32) -> &'a mut [u8] {
@@ -132,6 +127,32 @@ fn verify_and_copy_out(sh: &Shared, key: &BlockKey, read: &NvmeRead, bytes: &[u8
     }
     Stats::add(&sh.stats.bytes_copied_out, object_bytes as u64);
     std::hash::Hasher::finish(&hasher) == desc.value_checksum
+}
+
+/// Copies a value being stored into its slot and hashes it in the same pass: each cache-sized chunk
+/// is hashed right after it is copied, while it is still in cache, instead of reading the whole
+/// value back from memory (a store runs beside the engine's compute; memory traffic is what it costs).
+fn copy_in_and_checksum(sh: &Shared, slot: u32, buf: &BlockBuffer) -> u64 {
+    const CHUNK_BYTES: usize = 128 * 1024;
+    // SAFETY: the slot is ours (Filling) and the caller's segments are valid for reading
+    // (submission contract); the slot's value area holds object_bytes = the segments' total.
+    let value = unsafe { std::slice::from_raw_parts_mut(sh.arena.slot_ptr(slot).add(DESCRIPTOR_BYTES), sh.config.object_bytes) };
+    let mut hasher = crate::format::checksum_hasher();
+    let mut at = 0;
+    for &(src, len) in &buf.segments {
+        let mut done = 0;
+        while done < len {
+            let n = CHUNK_BYTES.min(len - done);
+            let chunk = &mut value[at..at + n];
+            // SAFETY: see above.
+            unsafe { std::ptr::copy_nonoverlapping(src.add(done), chunk.as_mut_ptr(), n) };
+            std::hash::Hasher::write(&mut hasher, chunk);
+            done += n;
+            at += n;
+        }
+    }
+    Stats::add(&sh.stats.bytes_copied_in, sh.config.object_bytes as u64);
+    std::hash::Hasher::finish(&hasher)
 }
 
 pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuffer]) -> Vec<bool> {
@@ -242,7 +263,7 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
             }
             if !dram_hits.is_empty() {
                 for &(i, slot) in &dram_hits {
-                    copy_value(sh, slot, &bufs[i], false);
+                    copy_value_out(sh, slot, &bufs[i]);
                     results[i] = true;
                 }
                 Stats::add(&sh.stats.dram_hits, dram_hits.len() as u64);
@@ -336,9 +357,8 @@ pub(crate) fn execute_put(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
         }
         let mut checksums = Vec::with_capacity(fills.len());
         for &(i, slot, sequence) in &fills {
-            copy_value(sh, slot, &bufs[i], true);
+            let value_checksum = copy_in_and_checksum(sh, slot, &bufs[i]);
             let bytes = slot_bytes(sh, slot);
-            let value_checksum = checksum(&bytes[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + sh.config.object_bytes]);
             Descriptor {
                 value_bytes: sh.config.object_bytes as u32,
                 key: keys[i],
@@ -452,7 +472,7 @@ fn execute_shared_reads(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuffer
         let bytes = slot_bytes(sh, slot);
         let checksum = match tier.read_into(&keys[i], bytes) {
             Ok(true) => {
-                copy_value(sh, slot, &bufs[i], false);
+                copy_value_out(sh, slot, &bufs[i]);
                 results[i] = true;
                 Descriptor::decode(&bytes[..DESCRIPTOR_BYTES]).ok().map(|d| d.value_checksum)
             }
