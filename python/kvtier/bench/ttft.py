@@ -544,7 +544,8 @@ def disk_floor(plan: dict, length_tokens: int) -> dict | None:
         # Written once, so that the reads find allocated extents (a sparse file reads as zeros, fast).
         fio.run_fio_job(str(path), needed_bytes, "write", fio.FioCombo(plan["slot_bytes"], 8))
     runs = []
-    for combo in (fio.FioCombo(plan["slot_bytes"], 8), fio.FioCombo(1 << 20, 16, jobs=4)):
+    # Depth 32 is kvtier's default io_depth, so fio gets at least the bytes in flight kvtier has.
+    for combo in (fio.FioCombo(plan["slot_bytes"], 8), fio.FioCombo(plan["slot_bytes"], 32), fio.FioCombo(1 << 20, 16, jobs=4)):
         try:
             runs.append(fio.run_fio_job(str(path), read_bytes, "read", combo))
         except fio.FioError as error:
