@@ -460,10 +460,14 @@ def _kvtier_measure(engine: Engine, store, tokens: list[int], hit: int, tier: st
 
 
 def phase_baseline(plan: dict, emit) -> None:
+    """Recompute and vLLM prefix-cache hits for one repeat (``plan["item"]``; every repeat if None).
+
+    One engine process per repeat, run just before that repeat's kvtier phases, so that a slow
+    spell of this shared machine does not land on the baseline of every repeat at once."""
     engine = Engine(plan, None)
     emit("engine", {"start_s": engine.start_s})
     for length in plan["lengths"]:
-        for repeat in range(plan["repeats"]):
+        for repeat in repeats_of(plan):
             prompt = length_prompt(plan, length, repeat)
             engine.reset_prefix_cache()
             emit("measure", {"experiment": 1, "config": "recompute", "length_tokens": length, "repeat": repeat,
@@ -471,7 +475,7 @@ def phase_baseline(plan: dict, emit) -> None:
             emit("measure", {"experiment": 1, "config": "vllm_prefix", "length_tokens": length, "repeat": repeat,
                              "prompt_id": f"p:{length}:{repeat}", **engine.measure(prompt, length)})  # fmt: skip
     length = plan["hit_rate_length"]
-    for repeat in range(plan["repeats"]):
+    for repeat in repeats_of(plan):
         if not plan["hit_rates"]:
             break
         base_prompt = length_prompt(plan, length, repeat)
@@ -490,6 +494,10 @@ def phase_baseline(plan: dict, emit) -> None:
             prompt = hit_rate_prompt(plan, base_prompt[:hit], rate, repeat, "vllm")
             emit("measure", {"experiment": 2, "config": "vllm_prefix", "length_tokens": length, "hit_rate": rate,
                              "repeat": repeat, **engine.measure(prompt, hit)})  # fmt: skip
+
+
+def repeats_of(plan: dict) -> list[int]:
+    return list(range(plan["repeats"])) if plan.get("item") is None else [plan["item"]]
 
 
 def phase_kvtier_store(plan: dict, emit) -> None:
@@ -1158,8 +1166,9 @@ def main(argv: list[str] | None = None) -> int:
         f"NVMe {plan['nvme_bytes'] / 2**30:.1f} GiB), vLLM KV cache {plan['kvcache_space_gib']} GiB\nresults {out_dir}",
         flush=True,
     )
-    phases: list[tuple[str, str, Any]] = [("baseline", "baseline", None)]
+    phases: list[tuple[str, str, Any]] = []
     for repeat in range(plan["repeats"]):
+        phases.append(("baseline", f"baseline-r{repeat}", repeat))
         phases += [("kvtier_store", f"kvtier_store-{n}-r{repeat}", ["length", n, repeat]) for n in plan["lengths"]]
         phases += [("kvtier_store", f"kvtier_store-hit{h}-r{repeat}", ["rate", h, repeat]) for h in plan["hit_rates"]]
     phases.append(("kvtier_nvme", "kvtier_nvme", None))
