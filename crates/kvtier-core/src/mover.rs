@@ -95,11 +95,27 @@ fn slot_bytes<'a>(sh: &'a Shared, slot: u32) -> &'a mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(sh.arena.slot_ptr(slot), sh.arena.slot_bytes()) }
 }
 
+/// Walks the caller's segments in cache-sized chunks: `visit(segment pointer, value offset, length)`,
+/// so that a copy and a hash can share one pass over each chunk while it is in cache.
+fn for_each_chunk(buf: &BlockBuffer, mut visit: impl FnMut(*mut u8, usize, usize)) {
+    const CHUNK_BYTES: usize = 128 * 1024;
+    let mut at = 0;
+    for &(segment, len) in &buf.segments {
+        let mut done = 0;
+        while done < len {
+            let n = CHUNK_BYTES.min(len - done);
+            // SAFETY: `done + n <= len`, inside the segment.
+            visit(unsafe { segment.add(done) }, at, n);
+            done += n;
+            at += n;
+        }
+    }
+}
+
 /// Checks a slot just read from NVMe against what the index expects and copies its value out.
 /// The value is hashed and copied in cache-sized chunks (one pass over memory instead of two); if the
 /// checksum then fails the caller's buffer holds unspecified bytes and the block is reported a miss.
 fn verify_and_copy_out(sh: &Shared, key: &BlockKey, read: &NvmeRead, bytes: &[u8], buf: &BlockBuffer) -> bool {
-    const CHUNK_BYTES: usize = 128 * 1024;
     let Ok(desc) = Descriptor::decode(&bytes[..DESCRIPTOR_BYTES]) else { return false };
     let object_bytes = sh.config.object_bytes;
     let header_ok = desc.key == *key
@@ -112,19 +128,12 @@ fn verify_and_copy_out(sh: &Shared, key: &BlockKey, read: &NvmeRead, bytes: &[u8
     }
     let value = &bytes[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + object_bytes];
     let mut hasher = crate::format::checksum_hasher();
-    let mut at = 0;
-    for &(dst, len) in &buf.segments {
-        let mut done = 0;
-        while done < len {
-            let n = CHUNK_BYTES.min(len - done);
-            let chunk = &value[at..at + n];
-            std::hash::Hasher::write(&mut hasher, chunk);
-            // SAFETY: the caller's segment is valid for writing `len` bytes (submission contract).
-            unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), dst.add(done), n) };
-            done += n;
-            at += n;
-        }
-    }
+    for_each_chunk(buf, |dst, at, n| {
+        let chunk = &value[at..at + n];
+        std::hash::Hasher::write(&mut hasher, chunk);
+        // SAFETY: the caller's segment is valid for writing (submission contract).
+        unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), dst, n) };
+    });
     Stats::add(&sh.stats.bytes_copied_out, object_bytes as u64);
     std::hash::Hasher::finish(&hasher) == desc.value_checksum
 }
@@ -133,24 +142,16 @@ fn verify_and_copy_out(sh: &Shared, key: &BlockKey, read: &NvmeRead, bytes: &[u8
 /// is hashed right after it is copied, while it is still in cache, instead of reading the whole
 /// value back from memory (a store runs beside the engine's compute; memory traffic is what it costs).
 fn copy_in_and_checksum(sh: &Shared, slot: u32, buf: &BlockBuffer) -> u64 {
-    const CHUNK_BYTES: usize = 128 * 1024;
     // SAFETY: the slot is ours (Filling) and the caller's segments are valid for reading
     // (submission contract); the slot's value area holds object_bytes = the segments' total.
     let value = unsafe { std::slice::from_raw_parts_mut(sh.arena.slot_ptr(slot).add(DESCRIPTOR_BYTES), sh.config.object_bytes) };
     let mut hasher = crate::format::checksum_hasher();
-    let mut at = 0;
-    for &(src, len) in &buf.segments {
-        let mut done = 0;
-        while done < len {
-            let n = CHUNK_BYTES.min(len - done);
-            let chunk = &mut value[at..at + n];
-            // SAFETY: see above.
-            unsafe { std::ptr::copy_nonoverlapping(src.add(done), chunk.as_mut_ptr(), n) };
-            std::hash::Hasher::write(&mut hasher, chunk);
-            done += n;
-            at += n;
-        }
-    }
+    for_each_chunk(buf, |src, at, n| {
+        let chunk = &mut value[at..at + n];
+        // SAFETY: see above.
+        unsafe { std::ptr::copy_nonoverlapping(src, chunk.as_mut_ptr(), n) };
+        std::hash::Hasher::write(&mut hasher, chunk);
+    });
     Stats::add(&sh.stats.bytes_copied_in, sh.config.object_bytes as u64);
     std::hash::Hasher::finish(&hasher)
 }
