@@ -48,17 +48,6 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def drop_page_cache() -> bool:
-    """Write back and drop the page cache; True when it worked (needs root)."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as control:
-            control.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def nvme_bytes_for(prompt_bytes: int, object_bytes: int) -> int:
     """Room for the prompt plus slack, in whole 256 MiB units, and never fewer than 4 regions.
 
@@ -152,13 +141,13 @@ def measure(
         if reopen:
             store.close()
             store = None
-            result["page_cache_dropped"] = drop_page_cache()
+            result["page_cache_dropped"] = workload.drop_page_cache()
             start = time.perf_counter()
             store = open_store(store_class, directory, namespace, layout.object_bytes, dram_bytes, nvme_bytes)
             result["reopen_seconds"] = time.perf_counter() - start
             result["recovered_blocks"] = store.stats().get("recovered_blocks")
         else:
-            result["page_cache_dropped"] = drop_page_cache()
+            result["page_cache_dropped"] = workload.drop_page_cache()
 
         destination = workload.aligned_buffer(prompt_bytes)
         destination_views = [
@@ -352,7 +341,7 @@ def measure_shared(
                            "creation at open are not counted",
         }
 
-        result["page_cache_dropped"] = drop_page_cache()
+        result["page_cache_dropped"] = workload.drop_page_cache()
         start = time.perf_counter()
         store_b = _open_shared(store_class, dir_b, namespace, layout.object_bytes, dram_b, shared_root, file_bytes)
         result["b_open_seconds"] = time.perf_counter() - start

@@ -63,16 +63,6 @@ def _redirect_stdout_to_stderr():
     return os.fdopen(answer_fd, "w", buffering=1)
 
 
-def drop_page_cache() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as control:
-            control.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 class LMCacheDiskHarness:
     """One LMCache LocalDiskBackend over a fresh directory, with a page-aligned staging pool."""
 
@@ -221,7 +211,7 @@ def measure(request: dict) -> dict:
             "cpu_seconds": store_cpu_seconds,
         }
 
-        dropped = drop_page_cache()
+        dropped = workload.drop_page_cache()
         result["page_cache_dropped"] = dropped
         cpu_before = cpu_seconds()
         start = time.perf_counter()

@@ -57,6 +57,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench import workload
+
 TOKENS_PER_BLOCK_CPU = 128  # vLLM's block size on CPU (checked against the engine at start)
 DEFAULT_LENGTHS = "1k,2k,4k,8k,16k"
 DEFAULT_HIT_RATES = "0,25,50,75,100"
@@ -390,16 +392,6 @@ class Engine:
         return keys
 
 
-def drop_page_cache() -> bool:
-    """Drops the page cache (root only); False when not permitted."""
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def kvtier_transfer(plan: dict) -> dict:
     from kvtier.vllm import kv_transfer_config
 
@@ -439,7 +431,7 @@ def _kvtier_measure(engine: Engine, store, tokens: list[int], hit: int, tier: st
         raise BenchError(f"before timing, the {len(keys)} stored blocks are in tiers {tiers_before}, not all in {tier}")
     dropped = None
     if drop_cache:
-        dropped = drop_page_cache()
+        dropped = workload.drop_page_cache()
         engine.generate(NUDGE_PROMPT)  # fault the engine's own code back in; no kvtier I/O
     before = store.stats()
     record = engine.measure(tokens, hit)
@@ -614,7 +606,7 @@ def phase_example_connector(plan: dict, emit) -> None:
         engine.generate(prompt)  # computes and saves the per-layer files
         for repeat in range(plan["repeats"]):
             engine.reset_prefix_cache()
-            dropped = drop_page_cache()
+            dropped = workload.drop_page_cache()
             engine.generate(NUDGE_PROMPT)
             record = engine.measure(prompt, length)
             record["files_present"] = example_files_present(plan, prompt, engine.block_tokens)
@@ -707,7 +699,7 @@ def phase_lmcache_disk(plan: dict, emit) -> None:
         store_wait_s = _lmcache_wait_stored(engine, backend, stored_chunks)
         for repeat in range(plan["repeats"]):
             engine.reset_prefix_cache()
-            dropped = drop_page_cache()
+            dropped = workload.drop_page_cache()
             engine.generate(NUDGE_PROMPT)  # shorter than a chunk: no LMCache I/O
             before = lmcache_cpu_shim.counters()
             record = engine.measure(prompt, length)

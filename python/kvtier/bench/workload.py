@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import math
 import mmap
+import os
 import re
 
 import numpy as np
@@ -219,3 +220,15 @@ def count_wrong_objects(layout: PromptLayout, pool: np.ndarray, received: list[n
         if not np.array_equal(buffer, layout.object_view(pool, index)):
             wrong += 1
     return wrong
+
+
+def drop_page_cache() -> bool:
+    """Writes back and drops the page cache (needs root); False when not permitted, so that callers
+    can record that a "cold" read may have come from the page cache."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as control:
+            control.write("3\n")
+        return True
+    except OSError:
+        return False
