@@ -244,7 +244,13 @@ def engine_b(tmp_path_factory, shared_root, engine_a):
     nvme_dir.mkdir()
     started = time.monotonic()
     # disable_log_stats=False: the hit-source test reads vLLM's Prometheus counters.
-    llm = LLM(**engine_kwargs(nvme_dir, shared_root=str(root), **SHARED_OPTIONS), disable_log_stats=False)
+    # shared_fail_on_full: when test_full_shared_filesystem_keeps_serving fills the root, B must refuse
+    # to publish rather than evict; as the evictor it would otherwise remove A's files (least recently
+    # used) before the reads those tests expect to hit, depending on when its pass runs.
+    llm = LLM(
+        **engine_kwargs(nvme_dir, shared_root=str(root), shared_fail_on_full=True, **SHARED_OPTIONS),
+        disable_log_stats=False,
+    )
     print(f"engine B start: {time.monotonic() - started:.1f} s")
     (shared,) = kvtier_vllm.open_stores()
     assert shared.namespace_hex == engine_a["namespace"], "same model and layout must give the same namespace"
