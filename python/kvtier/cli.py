@@ -11,7 +11,6 @@ imported when it is used so that one missing optional part never breaks the othe
 from __future__ import annotations
 
 import importlib
-import inspect
 import sys
 
 # (words, module, what it does)
@@ -60,17 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     for words, module_name, _summary in SUBCOMMANDS:
         if tuple(arguments[: len(words)]) == words:
             entry = _load_main(module_name, words)
-            rest = arguments[len(words):]
-            try:
-                takes_argv = bool(inspect.signature(entry).parameters)
-            except (TypeError, ValueError):
-                takes_argv = True
-            if takes_argv:
-                result = entry(rest)
-            else:  # a main() that reads sys.argv itself
-                sys.argv = [f"kvtier {' '.join(words)}", *rest]
-                result = entry()
-            return int(result or 0)
+            return int(entry(arguments[len(words):]) or 0)
     if arguments[0] == "bench":
         names = ", ".join(words[1] for words, _module, _summary in SUBCOMMANDS if words[0] == "bench")
         given = f" {arguments[1]!r}" if len(arguments) > 1 else ""
