@@ -64,8 +64,13 @@ def test_json_fields(results):
             spread = experiment1[config][length]["ttft_s"]
             assert spread["min"] <= spread["median"] <= spread["max"], (config, length)
     experiment2 = result["summary"]["experiment2"]
-    for config in ("recompute", "vllm_prefix", "kvtier_dram", "kvtier_nvme"):
+    for config in ("vllm_prefix", "kvtier_dram", "kvtier_nvme"):
         assert set(experiment2[config]) == {"0", "25", "50", "75", "100"}, config
+    # Recompute does not depend on the hit rate: one figure (experiment 1's at 1K), not a cell per rate.
+    assert "recompute" not in experiment2
+    recompute = result["summary"]["experiment2_recompute"]
+    assert recompute["from_experiment"] == 1 and recompute["length_tokens"] == 1024
+    assert recompute["ttft_s"] == experiment1["recompute"]["1024"]["ttft_s"]
     assert [target["name"] for target in result["summary"]["targets"]][:3] == [
         "kvtier NVMe hit / kvtier DRAM hit",
         "kvtier DRAM hit / recompute",

@@ -880,12 +880,14 @@ def summarize(plan: dict, measurements: list[dict]) -> dict:
     """Spreads per experiment, configuration and point; checks of hits and of outputs; targets."""
     experiment1: dict[str, dict[str, Any]] = {}
     experiment2: dict[str, dict[str, Any]] = {}
+    experiment2_recompute: list[dict] = []  # recompute measured by experiment 2 itself (no hit rate)
     for record in measurements:
         if record["experiment"] == 1:
             point = experiment1.setdefault(record["config"], {}).setdefault(str(record["length_tokens"]), [])
+        elif record.get("hit_rate") is None:
+            point = experiment2_recompute
         else:
-            key = "recompute" if record.get("hit_rate") is None else str(record["hit_rate"])
-            point = experiment2.setdefault(record["config"], {}).setdefault(key, [])
+            point = experiment2.setdefault(record["config"], {}).setdefault(str(record["hit_rate"]), [])
         point.append(record)
 
     def summary_of(records: list[dict]) -> dict:
@@ -899,11 +901,19 @@ def summarize(plan: dict, measurements: list[dict]) -> dict:
         "experiment1": {config: {point: summary_of(records) for point, records in points.items()} for config, points in experiment1.items()},
         "experiment2": {config: {point: summary_of(records) for point, records in points.items()} for config, points in experiment2.items()},
     }
-    # Experiment 2: recompute does not depend on the hit rate; show experiment 1's figure at that length.
-    length_key = str(plan["hit_rate_length"])
-    recompute_at_length = summary["experiment1"].get("recompute", {}).get(length_key) or summary["experiment2"].get("recompute", {}).get("recompute")
-    if plan["hit_rates"] and recompute_at_length:
-        summary["experiment2"]["recompute"] = {str(rate): recompute_at_length for rate in plan["hit_rates"]}
+    # Experiment 2: recompute does not depend on the hit rate, so it is one figure at that length (not a
+    # cell per hit rate): experiment 1's when experiment 1 measured that length, else experiment 2's own.
+    summary["experiment2_recompute"] = None
+    if plan["hit_rates"]:
+        length = plan["hit_rate_length"]
+        from_experiment1 = experiment1.get("recompute", {}).get(str(length))
+        records = from_experiment1 or experiment2_recompute
+        if records:
+            summary["experiment2_recompute"] = {
+                "length_tokens": length,
+                "from_experiment": 1 if from_experiment1 else 2,
+                **summary_of(records),
+            }
 
     # Outputs: each restored run's greedy token (and logprob) against the recompute of the same prompt.
     reference = {r["prompt_id"]: r for r in measurements if r["config"] == "recompute" and r.get("prompt_id")}
@@ -1010,6 +1020,17 @@ def table_rows(plan: dict, summary: dict) -> tuple[list[str], list[list[str]], l
     return header1, rows1, header2, rows2
 
 
+def experiment2_recompute_line(plan: dict, summary: dict) -> str | None:
+    """Experiment 2's recompute reference: one figure, for every hit rate, said once."""
+    point = summary.get("experiment2_recompute")
+    if not plan["hit_rates"] or not point:
+        return None
+    return (
+        f"{CONFIG_LABELS['recompute']} at {point['length_tokens']} tokens: {_cell(point)} ms, one figure for every "
+        f"hit rate (measured in experiment {point['from_experiment']}; recomputing ignores what is stored)"
+    )
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -1019,6 +1040,7 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 def print_report(plan: dict, summary: dict, notes: list[str]) -> str:
     """Prints the tables, targets and notes; returns the same as Markdown (also written to report.md)."""
     header1, rows1, header2, rows2 = table_rows(plan, summary)
+    recompute_line = experiment2_recompute_line(plan, summary)
     title1 = f"Experiment 1: TTFT vs prompt length, 100% hit (ms, median (min-max) of {plan['repeats']})"
     title2 = f"Experiment 2: TTFT vs hit rate at {plan['hit_rate_length']} tokens (ms, median (min-max))"
     target_lines = []
@@ -1046,12 +1068,16 @@ def print_report(plan: dict, summary: dict, notes: list[str]) -> str:
                 table.add_column(column, justify="left" if column == "configuration" else "right")
             for row in rows:
                 table.add_row(*row)
+            if rows is rows2 and recompute_line:
+                table.caption = recompute_line
             console.print(table)
     except ImportError:
         for title, header, rows in ((title1, header1, rows1), (title2, header2, rows2)):
             if rows:
                 print(title)
                 print(markdown_table(header, rows))
+                if rows is rows2 and recompute_line:
+                    print(recompute_line)
                 print()
     print("Targets (figures, not asserts):")
     for line in target_lines:
@@ -1064,6 +1090,8 @@ def print_report(plan: dict, summary: dict, notes: list[str]) -> str:
     markdown = [f"### {title1}", "", markdown_table(header1, rows1), ""]
     if rows2:
         markdown += [f"### {title2}", "", markdown_table(header2, rows2), ""]
+        if recompute_line:
+            markdown += [recompute_line, ""]
     markdown += ["Targets (figures, not asserts):", ""] + [f"- {line}" for line in target_lines] + [""]
     markdown += ["Outputs:", ""] + [f"- {line}" for line in output_lines] + [""]
     markdown += [f"- note: {note}" for note in notes]
@@ -1102,6 +1130,15 @@ def write_plots(plan: dict, summary: dict, out_dir: Path) -> list[str]:
                     highs.append(point["ttft_s"]["max"] - point["ttft_s"]["median"])
             if xs:
                 axes.errorbar(xs, medians, yerr=[lows, highs], marker="o", capsize=3, label=CONFIG_LABELS[config])
+        recompute = summary.get("experiment2_recompute") if experiment == "experiment2" else None
+        if recompute and recompute["ttft_s"]:
+            # One figure for every hit rate: a reference line, not a series of points.
+            axes.axhline(
+                recompute["ttft_s"]["median"],
+                color="gray",
+                linestyle="--",
+                label=f"{CONFIG_LABELS['recompute']} (experiment {recompute['from_experiment']}, any hit rate)",
+            )
         axes.set_xlabel(x_label)
         axes.set_ylabel("TTFT (s), median with min-max")
         axes.set_yscale("log")

@@ -1,0 +1,64 @@
+"""`kvtier bench ttft`'s summary and report from made-up measurements (no engine, fast)."""
+
+from __future__ import annotations
+
+from kvtier.bench import ttft
+
+RATES = [0, 50, 100]
+
+
+def plan(lengths: list[int], hit_rate_length: int) -> dict:
+    return {"lengths": lengths, "hit_rates": RATES, "hit_rate_length": hit_rate_length, "repeats": 1, "preset": "tiny"}
+
+
+def measurement(experiment: int, config: str, length: int, ttft_s: float, hit_rate: int | None = None) -> dict:
+    record = {
+        "experiment": experiment,
+        "config": config,
+        "length_tokens": length,
+        "repeat": 0,
+        "ttft_s": ttft_s,
+        "cached_tokens": 0,
+        "expected_cached_tokens": 0,
+        "token_id": 1,
+        "logprob": -1.0,
+    }
+    if experiment == 2:
+        record["hit_rate"] = hit_rate
+    return record
+
+
+def experiment2_rows(the_plan: dict, measurements: list[dict]) -> tuple[dict, list[list[str]], str]:
+    summary = ttft.summarize(the_plan, measurements)
+    _, _, _, rows2 = ttft.table_rows(the_plan, summary)
+    markdown = ttft.print_report(the_plan, summary, [])
+    return summary, rows2, markdown
+
+
+def test_experiment2_recompute_is_one_labeled_figure_from_experiment1(tmp_path):
+    the_plan = plan([512, 1024], 1024)
+    measurements = [measurement(1, "recompute", 512, 0.2), measurement(1, "recompute", 1024, 0.5)]
+    measurements += [measurement(2, "kvtier_dram", 1024, 0.5 - rate / 1000, rate) for rate in RATES]
+    summary, rows2, markdown = experiment2_rows(the_plan, measurements)
+    # No recompute cell per hit rate: a figure measured once is not shown as several measurements.
+    assert "recompute" not in summary["experiment2"]
+    assert [row[0] for row in rows2] == [ttft.CONFIG_LABELS["kvtier_dram"]]
+    reference = summary["experiment2_recompute"]
+    assert reference["from_experiment"] == 1 and reference["length_tokens"] == 1024
+    assert reference["ttft_s"] == summary["experiment1"]["recompute"]["1024"]["ttft_s"]
+    assert markdown.count("recompute (no kvtier) at 1024 tokens: 500 (500-500) ms, one figure for every hit rate") == 1
+    # The plot draws it as one reference line (needs matplotlib, which the bench extra installs).
+    if "ttft_vs_hit_rate.png" in ttft.write_plots(the_plan, summary, tmp_path):
+        assert (tmp_path / "ttft_vs_hit_rate.png").stat().st_size > 0
+
+
+def test_experiment2_recompute_measured_by_experiment2_when_its_length_is_not_in_experiment1():
+    the_plan = plan([512], 1024)
+    measurements = [measurement(1, "recompute", 512, 0.2), measurement(2, "recompute", 1024, 0.7)]
+    measurements += [measurement(2, "vllm_prefix", 1024, 0.6, rate) for rate in RATES]
+    summary, rows2, markdown = experiment2_rows(the_plan, measurements)
+    assert "recompute" not in summary["experiment2"]
+    assert set(summary["experiment2"]["vllm_prefix"]) == {"0", "50", "100"}
+    assert summary["experiment2_recompute"]["from_experiment"] == 2
+    assert summary["experiment2_recompute"]["ttft_s"]["median"] == 0.7
+    assert "measured in experiment 2" in markdown
