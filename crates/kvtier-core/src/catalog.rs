@@ -161,6 +161,8 @@ pub enum LoadOutcome {
     Ok,
     Corrupt,
     IoError,
+    /// The I/O engine broke with the read in flight: the slot may still be written by the kernel.
+    Abandoned,
 }
 
 pub struct Catalog {
@@ -365,6 +367,13 @@ impl Catalog {
         }
     }
 
+    /// Takes a slot out of use for good: neither free nor a victim (it stays `Loading`, keyless).
+    fn retire_slot(&mut self, slot: u32) {
+        self.policy.remove(slot);
+        self.slots[slot as usize] = Slot { key: None, state: SlotState::Loading, writing: false };
+        Stats::add(&self.stats.retired_slots, 1);
+    }
+
     fn free_slot(&mut self, slot: u32) {
         self.policy.remove(slot);
         self.slots[slot as usize] = Slot { key: None, state: SlotState::Free, writing: false };
@@ -457,7 +466,7 @@ impl Catalog {
                 self.policy.insert(read.slot, key_hash(key));
             }
             LoadOutcome::Ok => self.free_slot(read.slot),
-            LoadOutcome::Corrupt | LoadOutcome::IoError => {
+            LoadOutcome::Corrupt | LoadOutcome::IoError | LoadOutcome::Abandoned => {
                 if e.nvme == Some(read.loc) {
                     e.nvme = None;
                 }
@@ -465,7 +474,11 @@ impl Catalog {
                 if gone {
                     self.index.remove(key);
                 }
-                self.free_slot(read.slot);
+                if matches!(outcome, LoadOutcome::Abandoned) {
+                    self.retire_slot(read.slot);
+                } else {
+                    self.free_slot(read.slot);
+                }
             }
         }
     }

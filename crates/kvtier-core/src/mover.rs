@@ -7,7 +7,7 @@ use crate::catalog::{GetStep, LoadOutcome, MetaWrite, NvmeRead, PutStep, WritePl
 use crate::format::ALIGN_BYTES;
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::io::buffer::AlignedBuf;
-use crate::io::device::IoOp;
+use crate::io::device::{is_abandoned, IoOp};
 use crate::io::OpKind;
 use crate::key::BlockKey;
 use crate::stats::Stats;
@@ -37,7 +37,9 @@ impl BlockBuffer {
 
     /// Every segment starts and ends on a 4096-byte boundary, so an O_DIRECT read can land in it.
     fn direct_capable(&self) -> bool {
-        self.segments.iter().all(|&(ptr, len)| ptr as usize % ALIGN_BYTES == 0 && len % ALIGN_BYTES == 0 && len > 0)
+        self.segments
+            .iter()
+            .all(|&(ptr, len)| (ptr as usize).is_multiple_of(ALIGN_BYTES) && len.is_multiple_of(ALIGN_BYTES) && len > 0)
     }
 }
 
@@ -90,9 +92,23 @@ fn copy_value_out(sh: &Shared, slot: u32, buf: &BlockBuffer) {
     Stats::add(&sh.stats.bytes_copied_out, sh.config.object_bytes as u64);
 }
 
-fn slot_bytes<'a>(sh: &'a Shared, slot: u32) -> &'a mut [u8] {
-    // SAFETY: callers own the slot for the duration (filling, loading or writing state).
-    unsafe { std::slice::from_raw_parts_mut(sh.arena.slot_ptr(slot), sh.arena.slot_bytes()) }
+/// A slot's bytes, to read.
+///
+/// # Safety
+/// The catalog has handed `slot` to the caller (Filling, Loading, or Resident and pinned or being
+/// written) and nothing writes into it while the slice lives: no read is in flight into it.
+unsafe fn slot_ref(sh: &Shared, slot: u32) -> &[u8] {
+    std::slice::from_raw_parts(sh.arena.slot_ptr(slot), sh.arena.slot_bytes())
+}
+
+/// A slot's bytes, to write. Takes the slot's pointer, not `&Shared`, so that the exclusive borrow
+/// it creates is visibly the caller's claim, not something `&Shared` grants.
+///
+/// # Safety
+/// The catalog has handed `slot` to the caller alone (Filling or Loading), no I/O is in flight on
+/// it, and no other reference to its bytes exists while the slice lives.
+unsafe fn slot_mut<'a>(slot_ptr: *mut u8, slot_bytes: usize) -> &'a mut [u8] {
+    std::slice::from_raw_parts_mut(slot_ptr, slot_bytes)
 }
 
 /// Walks the caller's segments in cache-sized chunks: `visit(segment pointer, value offset, length)`,
@@ -162,7 +178,7 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
     let (done_tx, done_rx) = unbounded::<(usize, NvmeRead, std::io::Result<()>, Landing)>();
     let mut staged_inflight = 0;
     // Direct reads need O_DIRECT semantics end to end and values that fill whole pages.
-    let direct_io = sh.device_files.iter().all(|d| d.direct) && sh.config.object_bytes % ALIGN_BYTES == 0;
+    let direct_io = sh.device_files.iter().all(|d| d.direct) && sh.config.object_bytes.is_multiple_of(ALIGN_BYTES);
     // Bounded by the devices' queue depth; reads that need a DRAM slot are further bounded by the
     // slots the catalog can free (then heap-staged, see `MAX_STAGED_READS`).
     let max_inflight = (sh.config.io_depth * sh.devices.len().max(1)).max(1);
@@ -285,14 +301,27 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
         inflight -= finished.len();
         let mut outcomes = Vec::with_capacity(finished.len());
         for (i, read, io_result, landing) in finished {
-            let verified = |read: &NvmeRead| match &landing {
-                Landing::Direct(page) => verify_direct(sh, &keys[i], read, page, &bufs[i]),
-                Landing::Staged(staging) => verify_and_copy_out(sh, &keys[i], read, staging.as_slice(), &bufs[i]),
-                Landing::Slot => verify_and_copy_out(sh, &keys[i], read, slot_bytes(sh, read.slot), &bufs[i]),
-            };
             if matches!(landing, Landing::Staged(_)) {
                 staged_inflight -= 1;
             }
+            if io_result.as_ref().is_err_and(is_abandoned) {
+                log::error!("kvtier: read of block {:?} abandoned by a broken I/O engine; counted as a miss", keys[i]);
+                Stats::add(&sh.stats.io_errors, 1);
+                Stats::add(&sh.stats.misses, 1);
+                // The kernel may still write into these: they are never freed.
+                match landing {
+                    Landing::Direct(page) | Landing::Staged(page) => std::mem::forget(page),
+                    Landing::Slot => {}
+                }
+                outcomes.push((i, read, LoadOutcome::Abandoned));
+                continue;
+            }
+            let verified = |read: &NvmeRead| match &landing {
+                Landing::Direct(page) => verify_direct(sh, &keys[i], read, page, &bufs[i]),
+                Landing::Staged(staging) => verify_and_copy_out(sh, &keys[i], read, staging.as_slice(), &bufs[i]),
+                // SAFETY: the read into the slot has completed and the slot is ours (Loading).
+                Landing::Slot => verify_and_copy_out(sh, &keys[i], read, unsafe { slot_ref(sh, read.slot) }, &bufs[i]),
+            };
             let outcome = match io_result {
                 Err(e) => {
                     log::warn!("kvtier: read of block {:?} failed: {e}; counted as a miss", keys[i]);
@@ -359,7 +388,8 @@ pub(crate) fn execute_put(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
         let mut checksums = Vec::with_capacity(fills.len());
         for &(i, slot, sequence) in &fills {
             let value_checksum = copy_in_and_checksum(sh, slot, &bufs[i]);
-            let bytes = slot_bytes(sh, slot);
+            // SAFETY: the slot is ours (Filling) and no I/O touches it until finish_put.
+            let bytes = unsafe { slot_mut(sh.arena.slot_ptr(slot), sh.arena.slot_bytes()) };
             Descriptor {
                 value_bytes: sh.config.object_bytes as u32,
                 key: keys[i],
@@ -395,12 +425,16 @@ pub(crate) fn execute_put(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
 }
 
 fn submit_entry_write(sh: &Arc<Shared>, key: BlockKey, plan: WritePlan) {
-    let bytes = slot_bytes(sh, plan.slot);
     // The descriptor on disk records the region generation, which recovery uses to tell a reused
     // region's new entries from stale ones.
-    if let Ok(mut desc) = Descriptor::decode(&bytes[..DESCRIPTOR_BYTES]) {
-        desc.region_seq = plan.region_seq;
-        desc.encode(&mut bytes[..DESCRIPTOR_BYTES]);
+    // SAFETY: the slot is marked writing: nothing else writes into it, and no I/O is in flight on it yet.
+    let page = unsafe { &mut slot_mut(sh.arena.slot_ptr(plan.slot), sh.arena.slot_bytes())[..DESCRIPTOR_BYTES] };
+    if let Err(e) = Descriptor::stamp_region_seq(page, plan.region_seq) {
+        // We encoded this descriptor ourselves: failing to read it back is a bug, never a silent skip.
+        log::error!("kvtier: the descriptor of {key:?} in DRAM slot {} does not decode ({e}); not writing it to NVMe", plan.slot);
+        Stats::add(&sh.stats.nvme_dropped_writes, 1);
+        finish_entry_write(sh, &key, &plan, false);
+        return;
     }
     let geometry = sh.geometry.expect("writes need the NVMe tier");
     let shared = Arc::clone(sh);
@@ -411,16 +445,22 @@ fn submit_entry_write(sh: &Arc<Shared>, key: BlockKey, plan: WritePlan) {
         len: sh.arena.slot_bytes(),
         iovecs: Vec::new(),
         on_done: Box::new(move |r| {
+            // An abandoned write may still read the slot; reusing it can only change bytes at an
+            // NVMe location the catalog records as unwritten (no trailer lists it), so it is freed.
             if let Err(e) = &r {
                 log::warn!("kvtier: NVMe write of {key:?} failed: {e}; the block stays in DRAM only");
             }
-            let trailer = shared.catalog.lock().complete_write(&key, &plan, r.is_ok());
-            shared.changed.notify_all();
-            if let Some(t) = trailer {
-                submit_meta(&shared, vec![t]);
-            }
+            finish_entry_write(&shared, &key, &plan, r.is_ok());
         }),
     });
+}
+
+fn finish_entry_write(sh: &Arc<Shared>, key: &BlockKey, plan: &WritePlan, written: bool) {
+    let trailer = sh.catalog.lock().complete_write(key, plan, written);
+    sh.changed.notify_all();
+    if let Some(t) = trailer {
+        submit_meta(sh, vec![t]);
+    }
 }
 
 pub(crate) fn submit_meta(sh: &Arc<Shared>, writes: Vec<MetaWrite>) {
@@ -440,7 +480,11 @@ pub(crate) fn submit_meta(sh: &Arc<Shared>, writes: Vec<MetaWrite>) {
             len,
             iovecs: Vec::new(),
             on_done: Box::new(move |r| {
-                drop(buf);
+                if r.as_ref().is_err_and(is_abandoned) {
+                    std::mem::forget(buf); // the kernel may still read it
+                } else {
+                    drop(buf);
+                }
                 if let Err(e) = &r {
                     log::warn!("kvtier: writing the trailer of region {} failed: {e}", write.region);
                 }
@@ -470,13 +514,22 @@ fn execute_shared_reads(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuffer
     let tier = sh.shared_tier.as_ref().expect("shared reads need the shared tier");
     let mut done = Vec::with_capacity(reads.len());
     for (i, slot) in reads {
-        let bytes = slot_bytes(sh, slot);
+        // SAFETY: the slot is ours (Loading) and the shared tier reads into it synchronously.
+        let bytes = unsafe { slot_mut(sh.arena.slot_ptr(slot), sh.arena.slot_bytes()) };
         let checksum = match tier.read_into(&keys[i], bytes) {
-            Ok(true) => {
-                copy_value_out(sh, slot, &bufs[i]);
-                results[i] = true;
-                Descriptor::decode(&bytes[..DESCRIPTOR_BYTES]).ok().map(|d| d.value_checksum)
-            }
+            // The tier verified the block; the checksum is taken before anything counts it a hit.
+            Ok(true) => match Descriptor::decode(&bytes[..DESCRIPTOR_BYTES]) {
+                Ok(desc) => {
+                    copy_value_out(sh, slot, &bufs[i]);
+                    results[i] = true;
+                    Some(desc.value_checksum)
+                }
+                Err(e) => {
+                    log::error!("kvtier: shared block {:?} passed verification but its descriptor does not decode ({e}); a miss", keys[i]);
+                    Stats::add(&sh.stats.checksum_failures, 1);
+                    None
+                }
+            },
             Ok(false) => None,
             Err(e) => {
                 log::warn!("kvtier: shared read of {:?} failed: {e}; counted as a miss", keys[i]);

@@ -39,6 +39,7 @@ counters!(
     dropped_stores,
     checksum_failures,
     io_errors,
+    retired_slots,
     recovered_blocks,
     slot_wait_timeouts,
     nvme_dropped_writes,

@@ -585,7 +585,7 @@ fn start_devices(
             engine = Box::new(FaultyEngine::new(engine, Arc::clone(plan)));
         }
         queues.push(
-            DeviceQueue::start(name, fd, engine, config.io_depth, config.max_write_inflight_bytes)
+            DeviceQueue::start(&name, fd, engine, config.io_depth, config.max_write_inflight_bytes)
                 .map_err(|e| Error::io("starting a device thread", e))?,
         );
     }
@@ -598,9 +598,30 @@ fn uring_self_test(file: &DeviceFile) -> std::io::Result<()> {
     let fd = file.file.as_raw_fd();
     let mut engine = UringEngine::new(8, fd, &[], "self-test")?;
     let buf = AlignedBuf::zeroed(SUPERBLOCK_BYTES);
-    engine.submit(&[IoRequest { token: 7, kind: OpKind::Read, fd, offset: 0, buf: buf.as_ptr(), len: SUPERBLOCK_BYTES, iov: std::ptr::null(), iov_count: 0 }])?;
+    let request = IoRequest {
+        token: 7,
+        kind: OpKind::Read,
+        fd,
+        offset: 0,
+        buf: buf.as_ptr(),
+        len: SUPERBLOCK_BYTES,
+        iov: std::ptr::null(),
+        iov_count: 0,
+    };
+    if let Err(e) = engine.submit(&[request]) {
+        if e.accepted > 0 {
+            // The kernel took the read: its buffer must outlive whatever it still does.
+            std::mem::forget(buf);
+        }
+        return Err(e.error);
+    }
     let mut out: Vec<IoCompletion> = Vec::new();
-    engine.wait(1, &mut out)?;
+    if let Err(e) = engine.wait(1, &mut out) {
+        // The read may still be in flight: neither its buffer nor its ring may go away.
+        std::mem::forget(buf);
+        std::mem::forget(engine);
+        return Err(e);
+    }
     match out.first() {
         Some(c) if c.token == 7 && c.result == SUPERBLOCK_BYTES as i64 => {}
         Some(c) if c.result < 0 => return Err(std::io::Error::from_raw_os_error((-c.result) as i32)),

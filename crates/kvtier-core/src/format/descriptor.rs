@@ -53,6 +53,14 @@ impl Descriptor {
         put_u64(out, CHECKSUM_AT, sum);
     }
 
+    /// Rewrites the `region_seq` of an encoded descriptor (and its header checksum) in place.
+    pub fn stamp_region_seq(page: &mut [u8], region_seq: u64) -> Result<(), ParseError> {
+        let mut desc = Descriptor::decode(page)?;
+        desc.region_seq = region_seq;
+        desc.encode(page);
+        Ok(())
+    }
+
     pub fn decode(bytes: &[u8]) -> Result<Self, ParseError> {
         if bytes.len() < DESCRIPTOR_USED_BYTES {
             return Err(ParseError::TooShort(bytes.len()));

@@ -57,6 +57,9 @@ pub enum ParseError {
     Version(u32),
     #[error("header checksum mismatch")]
     HeaderChecksum,
+    /// The header is intact but what it covers by checksum (entries, an index, a record) is not.
+    #[error("checksum mismatch in the {0}")]
+    BodyChecksum(&'static str),
     #[error("field out of range: {0}")]
     OutOfRange(&'static str),
 }

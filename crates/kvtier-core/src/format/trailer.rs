@@ -97,7 +97,7 @@ impl Trailer {
             .filter(|&end| end <= bytes.len())
             .ok_or(ParseError::OutOfRange("entry_count"))?;
         if checksum(&bytes[TRAILER_HEADER_BYTES..entries_end]) != get_u64(bytes, 32) {
-            return Err(ParseError::HeaderChecksum);
+            return Err(ParseError::BodyChecksum("trailer entries"));
         }
         let entries = (0..count)
             .map(|i| {
@@ -116,5 +116,23 @@ impl Trailer {
             region_index: get_u64(bytes, 24),
             entries,
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn damaged_entries_are_reported_as_such_not_as_a_bad_header() {
+        let entry = TrailerEntry { key: BlockKey([7; 32]), sequence: 3, offset: 4096, value_bytes: 100, value_checksum: 9 };
+        let trailer = Trailer { region_seq: 5, region_index: 1, entries: vec![entry; 2] };
+        let mut buf = vec![0u8; trailer_bytes(4)];
+        trailer.encode(&mut buf);
+        assert_eq!(Trailer::decode(&buf), Ok(Some(trailer)));
+        buf[TRAILER_HEADER_BYTES + TRAILER_ENTRY_BYTES + 40] ^= 1;
+        assert_eq!(Trailer::decode(&buf), Err(ParseError::BodyChecksum("trailer entries")));
+        buf[20] ^= 1;
+        assert_eq!(Trailer::decode(&buf), Err(ParseError::HeaderChecksum));
     }
 }

@@ -6,6 +6,12 @@
 //! stores can delay a load by at most that much I/O. Completion: a short transfer is resubmitted for
 //! the remainder, EINTR/EAGAIN are retried at most `MAX_RETRIES` times, a zero-byte transfer is an
 //! error (truncated file or full device), EINVAL is logged as an alignment bug.
+//!
+//! Ownership: an operation is completed (its `on_done` run, which frees or reuses its buffer) only
+//! when the engine reports it done, or when the engine never accepted it. A failed `wait` cancels
+//! what is in flight and keeps reaping; an engine that stays broken has its operations abandoned:
+//! `on_done` gets an [`Abandoned`] error and must keep the buffer forever, and the engine itself is
+//! leaked so the kernel can still finish into it.
 
 use super::*;
 use crossbeam_channel::{never, select, unbounded, Receiver, Sender};
@@ -14,6 +20,27 @@ use std::collections::HashMap;
 use std::thread::JoinHandle;
 
 const MAX_RETRIES: u32 = 8;
+/// Consecutive failed waits before the engine is declared broken (about 1.5 s with the backoff).
+const MAX_WAIT_FAILURES: u32 = 16;
+const MAX_WAIT_BACKOFF_MS: u64 = 128;
+
+/// The error an abandoned operation completes with: the kernel may still write into its buffer, so
+/// the owner must neither free nor reuse that memory.
+#[derive(Debug)]
+pub struct Abandoned;
+
+impl std::fmt::Display for Abandoned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the I/O engine broke with this operation in flight; its buffer is retired")
+    }
+}
+
+impl std::error::Error for Abandoned {}
+
+/// Whether `on_done` got an [`Abandoned`] error (its buffer must be retired, never reused).
+pub fn is_abandoned(error: &std::io::Error) -> bool {
+    error.get_ref().is_some_and(|inner| inner.is::<Abandoned>())
+}
 
 /// Called once on the device thread when an operation finishes. Must be quick.
 pub type OnDone = Box<dyn FnOnce(std::io::Result<()>) + Send>;
@@ -34,7 +61,6 @@ pub struct IoOp {
 unsafe impl Send for IoOp {}
 
 pub struct DeviceQueue {
-    name: String,
     reads: Mutex<Option<Sender<IoOp>>>,
     writes: Mutex<Option<Sender<IoOp>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
@@ -42,7 +68,7 @@ pub struct DeviceQueue {
 
 impl DeviceQueue {
     pub fn start(
-        name: String,
+        name: &str,
         fd: RawFd,
         engine: Box<dyn IoEngine>,
         depth: usize,
@@ -54,7 +80,8 @@ impl DeviceQueue {
         let thread = std::thread::Builder::new().name(thread_name).spawn(move || {
             DeviceLoop {
                 fd,
-                engine,
+                engine: Some(engine),
+                wait_failures: 0,
                 depth: depth.max(1),
                 max_write_inflight_bytes,
                 inflight: HashMap::new(),
@@ -66,15 +93,10 @@ impl DeviceQueue {
             .run(read_rx, write_rx)
         })?;
         Ok(DeviceQueue {
-            name,
             reads: Mutex::new(Some(read_tx)),
             writes: Mutex::new(Some(write_tx)),
             thread: Mutex::new(Some(thread)),
         })
-    }
-
-    pub fn name(&self) -> &str {
-        &self.name
     }
 
     /// Queues a read; if the queue is shut down the op fails at once.
@@ -123,7 +145,9 @@ struct InFlight {
 
 struct DeviceLoop {
     fd: RawFd,
-    engine: Box<dyn IoEngine>,
+    /// `None` once the engine broke (leaked with what it held); new operations then fail at once.
+    engine: Option<Box<dyn IoEngine>>,
+    wait_failures: u32,
     depth: usize,
     max_write_inflight_bytes: usize,
     inflight: HashMap<u64, InFlight>,
@@ -176,19 +200,52 @@ impl DeviceLoop {
                 continue;
             }
             completions.clear();
-            if let Err(e) = self.engine.wait(1, &mut completions) {
-                log::error!("kvtier: I/O engine {} failed while waiting: {e}; failing in-flight operations", self.engine.name());
-                for (_, f) in self.inflight.drain() {
-                    (f.op.on_done)(Err(std::io::Error::new(e.kind(), e.to_string())));
+            let Some(engine) = self.engine.as_mut() else { continue };
+            match engine.wait(1, &mut completions) {
+                Ok(()) => {
+                    self.wait_failures = 0;
+                    for c in completions.drain(..) {
+                        self.complete(c);
+                    }
                 }
-                self.write_inflight_bytes = 0;
-                self.writes_inflight = 0;
-                continue;
-            }
-            for c in completions.drain(..) {
-                self.complete(c);
+                Err(e) => self.wait_failed(e),
             }
         }
+    }
+
+    /// A failed wait completes nothing: the kernel may still be writing into every buffer in flight.
+    /// Cancel them and keep reaping; past `MAX_WAIT_FAILURES` give the engine up.
+    fn wait_failed(&mut self, error: std::io::Error) {
+        let Some(engine) = self.engine.as_mut() else { return };
+        self.wait_failures += 1;
+        if self.wait_failures == 1 {
+            log::error!(
+                "kvtier: I/O engine {} failed while waiting: {error}; cancelling {} operations in flight and reaping them",
+                engine.name(),
+                self.inflight.len()
+            );
+            let tokens: Vec<u64> = self.inflight.keys().copied().collect();
+            engine.cancel(&tokens);
+        }
+        if self.wait_failures < MAX_WAIT_FAILURES {
+            let backoff_ms = (1u64 << self.wait_failures.min(10)).min(MAX_WAIT_BACKOFF_MS);
+            std::thread::sleep(std::time::Duration::from_millis(backoff_ms));
+            return;
+        }
+        log::error!(
+            "kvtier: I/O engine {} still fails after {MAX_WAIT_FAILURES} waits ({error}); abandoning {} operations \
+             (their buffers are retired) and failing this device's I/O until the store is reopened",
+            engine.name(),
+            self.inflight.len()
+        );
+        // Leaked on purpose: closing a ring with operations in flight would let the kernel finish them
+        // into memory we no longer track.
+        std::mem::forget(self.engine.take());
+        for (_, f) in self.inflight.drain() {
+            (f.op.on_done)(Err(std::io::Error::other(Abandoned)));
+        }
+        self.write_inflight_bytes = 0;
+        self.writes_inflight = 0;
     }
 
     fn stage(&mut self, op: IoOp) {
@@ -216,9 +273,21 @@ impl DeviceLoop {
             return;
         }
         let batch = std::mem::take(&mut self.batch);
-        if let Err(e) = self.engine.submit(&batch) {
+        let Some(engine) = self.engine.as_mut() else {
             for req in &batch {
-                self.finish(req.token, Err(std::io::Error::new(e.kind(), e.to_string())));
+                self.finish(req.token, Err(std::io::Error::other("kvtier: this device's I/O engine broke; reopen the store")));
+            }
+            return;
+        };
+        if let Err(SubmitError { accepted, error }) = engine.submit(&batch) {
+            // Only what the engine never took can fail now; the rest completes through `wait`.
+            log::warn!(
+                "kvtier: I/O engine {} took {accepted} of {} operations: {error}",
+                engine.name(),
+                batch.len()
+            );
+            for req in &batch[accepted..] {
+                self.finish(req.token, Err(std::io::Error::new(error.kind(), error.to_string())));
             }
         }
         self.batch = batch;
@@ -277,8 +346,9 @@ impl DeviceLoop {
             }
             if errno == libc::EINVAL {
                 log::error!(
-                    "kvtier: EINVAL from {} at offset {} len {}: an O_DIRECT alignment bug (please report)",
-                    self.engine.name(), f.op.offset, f.op.len
+                    "kvtier: EINVAL at offset {} len {}: an O_DIRECT alignment bug (please report)",
+                    f.op.offset,
+                    f.op.len
                 );
             }
             self.finish(c.token, Err(std::io::Error::from_raw_os_error(errno)));
@@ -308,5 +378,196 @@ impl DeviceLoop {
         } else {
             self.resubmit(c.token);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{mpsc, Arc};
+    use std::time::Duration;
+
+    const CANARY: u8 = 0xA5;
+    const OP_BYTES: usize = 64;
+
+    /// Buffers an engine holds, as the kernel would: a buffer in here must not be released.
+    type Held = Arc<Mutex<HashSet<usize>>>;
+
+    /// An engine that keeps accepted requests like a kernel would, fails `wait` a scripted number of
+    /// times, and then finishes each request by writing a canary into its buffer.
+    struct ScriptedEngine {
+        queued: Vec<IoRequest>,
+        held: Held,
+        wait_failures_left: u32,
+        /// Requests accepted before a submit refuses the rest of its batch (then unlimited).
+        accept_budget: usize,
+        cancelled: Arc<AtomicUsize>,
+    }
+
+    impl ScriptedEngine {
+        fn new(wait_failures: u32, accept_budget: usize) -> (Self, Held, Arc<AtomicUsize>) {
+            let held = Held::default();
+            let cancelled = Arc::new(AtomicUsize::new(0));
+            let engine = ScriptedEngine {
+                queued: Vec::new(),
+                held: Arc::clone(&held),
+                wait_failures_left: wait_failures,
+                accept_budget,
+                cancelled: Arc::clone(&cancelled),
+            };
+            (engine, held, cancelled)
+        }
+    }
+
+    impl IoEngine for ScriptedEngine {
+        fn name(&self) -> &'static str {
+            "scripted"
+        }
+
+        fn submit(&mut self, requests: &[IoRequest]) -> Result<(), SubmitError> {
+            let accepted = requests.len().min(self.accept_budget);
+            self.accept_budget -= accepted;
+            for req in &requests[..accepted] {
+                self.held.lock().insert(req.buf as usize);
+                self.queued.push(*req);
+            }
+            if accepted < requests.len() {
+                self.accept_budget = usize::MAX;
+                return Err(SubmitError { accepted, error: std::io::Error::from_raw_os_error(libc::EBUSY) });
+            }
+            Ok(())
+        }
+
+        fn wait(&mut self, _min_complete: usize, out: &mut Vec<IoCompletion>) -> std::io::Result<()> {
+            if self.wait_failures_left > 0 {
+                self.wait_failures_left -= 1;
+                return Err(std::io::Error::from_raw_os_error(libc::EIO));
+            }
+            for req in self.queued.drain(..) {
+                // SAFETY: the op owns the buffer until its completion is reaped (the contract tested).
+                unsafe { std::ptr::write_bytes(req.buf, CANARY, req.len) };
+                self.held.lock().remove(&(req.buf as usize));
+                out.push(IoCompletion { token: req.token, result: req.len as i64 });
+            }
+            Ok(())
+        }
+
+        fn cancel(&mut self, tokens: &[u64]) {
+            self.cancelled.fetch_add(tokens.len(), Ordering::SeqCst);
+        }
+    }
+
+    /// What `on_done` saw: the op's index, its result, and whether the engine still held its buffer
+    /// and whether the canary was in it when the op was released.
+    struct Released {
+        index: usize,
+        result: std::io::Result<()>,
+        still_held: bool,
+        canary: bool,
+    }
+
+    fn read_op(index: usize, buffer: &mut [u8], held: &Held, tx: &mpsc::Sender<Released>) -> IoOp {
+        let (held, tx) = (Arc::clone(held), tx.clone());
+        let (ptr, len) = (buffer.as_mut_ptr(), buffer.len());
+        let address = ptr as usize;
+        IoOp {
+            kind: OpKind::Read,
+            offset: 0,
+            buf: ptr,
+            len,
+            iovecs: Vec::new(),
+            on_done: Box::new(move |result| {
+                let ptr = address as *const u8;
+                let still_held = held.lock().contains(&address);
+                // SAFETY: the buffers outlive the queue in every test.
+                let canary = unsafe { std::slice::from_raw_parts(ptr, len) }.iter().all(|&b| b == CANARY);
+                let _ = tx.send(Released { index, result, still_held, canary });
+            }),
+        }
+    }
+
+    fn run_reads(engine: ScriptedEngine, held: &Held, count: usize) -> (Vec<Released>, Vec<Vec<u8>>) {
+        let mut buffers = vec![vec![0u8; OP_BYTES]; count];
+        let (tx, rx) = mpsc::channel();
+        let queue = DeviceQueue::start("test", -1, Box::new(engine), 8, 1 << 20).unwrap();
+        for (i, b) in buffers.iter_mut().enumerate() {
+            queue.read(read_op(i, b, held, &tx));
+        }
+        let mut released: Vec<Released> = (0..count).map(|_| rx.recv_timeout(Duration::from_secs(20)).unwrap()).collect();
+        queue.shutdown();
+        released.sort_by_key(|r| r.index);
+        (released, buffers)
+    }
+
+    #[test]
+    fn a_failed_wait_completes_nothing_until_the_engine_gives_each_buffer_back() {
+        let (engine, held, cancelled) = ScriptedEngine::new(3, usize::MAX);
+        let (released, buffers) = run_reads(engine, &held, 4);
+        for r in &released {
+            assert!(!r.still_held, "op {} released while the engine still held its buffer", r.index);
+            assert!(r.result.is_ok(), "op {} failed: {:?}", r.index, r.result);
+            assert!(r.canary, "op {} completed before the engine wrote its buffer", r.index);
+        }
+        assert!(buffers.iter().all(|b| b.iter().all(|&x| x == CANARY)));
+        assert!(cancelled.load(Ordering::SeqCst) >= 1, "a failed wait cancels what is in flight");
+    }
+
+    #[test]
+    fn an_engine_that_stays_broken_abandons_its_operations_and_refuses_new_ones() {
+        let (engine, held, _) = ScriptedEngine::new(u32::MAX, usize::MAX);
+        let mut buffers = vec![vec![0u8; OP_BYTES]; 3];
+        let (tx, rx) = mpsc::channel();
+        let queue = DeviceQueue::start("test", -1, Box::new(engine), 8, 1 << 20).unwrap();
+        for (i, b) in buffers.iter_mut().take(2).enumerate() {
+            queue.read(read_op(i, b, &held, &tx));
+        }
+        for _ in 0..2 {
+            let r = rx.recv_timeout(Duration::from_secs(20)).unwrap();
+            let error = r.result.expect_err("a broken engine cannot complete an op");
+            assert!(is_abandoned(&error), "op {} released with {error} while its buffer may be in use", r.index);
+        }
+        queue.read(read_op(2, &mut buffers[2], &held, &tx));
+        let r = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        let error = r.result.expect_err("a device whose engine broke fails new I/O");
+        assert!(!is_abandoned(&error) && !r.still_held, "never accepted, so its buffer is free to reuse");
+        queue.shutdown();
+    }
+
+    #[test]
+    fn a_partly_refused_batch_fails_only_what_the_engine_never_took() {
+        let (engine, held, _) = ScriptedEngine::new(0, 2);
+        let mut buffers = vec![vec![0u8; OP_BYTES]; 4];
+        let (tx, rx) = mpsc::channel();
+        let mut device = DeviceLoop {
+            fd: -1,
+            engine: Some(Box::new(engine)),
+            wait_failures: 0,
+            depth: 8,
+            max_write_inflight_bytes: 1 << 20,
+            inflight: HashMap::new(),
+            next_token: 1,
+            write_inflight_bytes: 0,
+            writes_inflight: 0,
+            batch: Vec::new(),
+        };
+        for (i, b) in buffers.iter_mut().enumerate() {
+            device.stage(read_op(i, b, &held, &tx));
+        }
+        device.flush_batch();
+        let refused: Vec<Released> = rx.try_iter().collect();
+        assert_eq!(refused.iter().map(|r| r.index).collect::<Vec<_>>(), vec![2, 3]);
+        assert!(refused.iter().all(|r| r.result.is_err() && !r.still_held));
+        assert_eq!(device.inflight.len(), 2, "the two accepted ops stay in flight");
+        let mut completions = Vec::new();
+        device.engine.as_mut().unwrap().wait(1, &mut completions).unwrap();
+        for c in completions {
+            device.complete(c);
+        }
+        let mut done: Vec<Released> = rx.try_iter().collect();
+        done.sort_by_key(|r| r.index);
+        assert_eq!(done.iter().map(|r| r.index).collect::<Vec<_>>(), vec![0, 1]);
+        assert!(done.iter().all(|r| r.result.is_ok() && r.canary && !r.still_held));
     }
 }

@@ -29,7 +29,7 @@ pub struct FaultPlan {
 
 impl FaultPlan {
     fn fires(every: u64, n: u64) -> bool {
-        every != 0 && n % every == 0
+        every != 0 && n.is_multiple_of(every)
     }
 }
 
@@ -66,12 +66,14 @@ impl IoEngine for FaultyEngine {
         self.inner.name()
     }
 
-    fn submit(&mut self, requests: &[IoRequest]) -> std::io::Result<()> {
+    fn submit(&mut self, requests: &[IoRequest]) -> Result<(), SubmitError> {
         if self.plan.delay_ms > 0 {
             std::thread::sleep(std::time::Duration::from_millis(self.plan.delay_ms));
         }
         let mut passed = Vec::with_capacity(requests.len());
-        for req in requests {
+        // Position in `requests` of each passed request, to map the inner engine's `accepted` back.
+        let mut passed_at = Vec::with_capacity(requests.len());
+        for (at, req) in requests.iter().enumerate() {
             let p = &self.plan;
             let mut req = *req;
             match req.kind {
@@ -111,11 +113,23 @@ impl IoEngine for FaultyEngine {
                 }
             }
             passed.push(req);
+            passed_at.push(at);
         }
         if passed.is_empty() {
             return Ok(());
         }
-        self.inner.submit(&passed)
+        let Err(SubmitError { accepted, error }) = self.inner.submit(&passed) else { return Ok(()) };
+        // Requests from the first one the inner engine refused on were never taken: forget the
+        // completions and alterations made up for them.
+        let cut = passed_at.get(accepted).copied().unwrap_or(requests.len());
+        let refused: std::collections::HashSet<u64> = requests[cut..].iter().map(|r| r.token).collect();
+        self.synthetic.retain(|c| !refused.contains(&c.token));
+        self.altered.lock().retain(|token, _| !refused.contains(token));
+        Err(SubmitError { accepted: cut, error })
+    }
+
+    fn cancel(&mut self, tokens: &[u64]) {
+        self.inner.cancel(tokens)
     }
 
     fn wait(&mut self, min_complete: usize, out: &mut Vec<IoCompletion>) -> std::io::Result<()> {

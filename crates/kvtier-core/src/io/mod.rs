@@ -55,13 +55,30 @@ pub struct IoCompletion {
     pub result: i64,
 }
 
+/// A batch the engine did not take whole. The first `accepted` requests are the engine's: the kernel
+/// or an engine thread may still use their buffers, and each one's completion will be reaped as
+/// usual. The rest were never seen and may be failed (and their buffers released) at once.
+#[derive(Debug)]
+pub struct SubmitError {
+    pub accepted: usize,
+    pub error: std::io::Error,
+}
+
 /// An I/O engine: submits batches, reaps completions. Owned by one device thread.
+///
+/// Ownership rule: once a request is accepted, its buffer belongs to the engine until its completion
+/// is returned by `wait`. Nothing else (an error from `wait`, a failed submit of a later batch) ends
+/// that ownership, so a caller never frees memory the kernel may still write into.
 pub trait IoEngine: Send {
     fn name(&self) -> &'static str;
     /// Queues and submits a batch (one system call per batch where the engine allows).
-    fn submit(&mut self, requests: &[IoRequest]) -> std::io::Result<()>;
+    fn submit(&mut self, requests: &[IoRequest]) -> Result<(), SubmitError>;
     /// Blocks until at least `min_complete` completions are available, then appends all of them.
+    /// An error leaves every accepted request in flight.
     fn wait(&mut self, min_complete: usize, out: &mut Vec<IoCompletion>) -> std::io::Result<()>;
+    /// Asks the engine to cancel these accepted requests (best effort): each one still completes
+    /// through `wait`, with `-ECANCELED` or its real result.
+    fn cancel(&mut self, _tokens: &[u64]) {}
 }
 
 /// Memory ranges the engine may register with the kernel (the DRAM arena).

@@ -63,11 +63,13 @@ impl IoEngine for PsyncEngine {
         "psync"
     }
 
-    fn submit(&mut self, requests: &[IoRequest]) -> std::io::Result<()> {
+    fn submit(&mut self, requests: &[IoRequest]) -> Result<(), SubmitError> {
         let tx = self.requests.as_ref().expect("engine alive");
-        for req in requests {
-            tx.send(*req)
-                .map_err(|_| std::io::Error::other("psync worker threads exited"))?;
+        for (accepted, req) in requests.iter().enumerate() {
+            tx.send(*req).map_err(|_| SubmitError {
+                accepted,
+                error: std::io::Error::other("psync worker threads exited"),
+            })?;
         }
         Ok(())
     }

@@ -10,8 +10,10 @@ pub struct UringEngine {
     fixed_fd: Option<RawFd>,
     /// Registered buffers, index = position.
     registered: Vec<RegisteredRange>,
-    queued: usize,
 }
+
+/// `user_data` of cancellation requests; device tokens start at 1, so it never names an operation.
+const CANCEL_USER_DATA: u64 = 0;
 
 unsafe impl Send for UringEngine {}
 
@@ -51,7 +53,6 @@ impl UringEngine {
             ring,
             fixed_fd,
             registered,
-            queued: 0,
         })
     }
 
@@ -96,21 +97,19 @@ impl IoEngine for UringEngine {
         "io_uring"
     }
 
-    fn submit(&mut self, requests: &[IoRequest]) -> std::io::Result<()> {
-        for req in requests {
+    fn submit(&mut self, requests: &[IoRequest]) -> Result<(), SubmitError> {
+        // An entry pushed to the submission ring is the kernel's from then on, even if the
+        // `io_uring_enter` that would submit it fails: the next enter (in `wait`) submits it.
+        for (pushed, req) in requests.iter().enumerate() {
             debug_assert!(req.len <= u32::MAX as usize);
+            debug_assert_ne!(req.token, CANCEL_USER_DATA);
             let entry = self.entry(req);
-            loop {
-                // SAFETY: buffers stay valid until completion (device queue contract).
-                let pushed = unsafe { self.ring.submission().push(&entry) };
-                if pushed.is_ok() {
-                    self.queued += 1;
-                    break;
-                }
-                self.ring.submit()?;
+            // SAFETY: buffers stay valid until completion (device queue contract).
+            while unsafe { self.ring.submission().push(&entry) }.is_err() {
+                self.ring.submit().map_err(|error| SubmitError { accepted: pushed, error })?;
             }
         }
-        self.ring.submit()?;
+        self.ring.submit().map_err(|error| SubmitError { accepted: requests.len(), error })?;
         Ok(())
     }
 
@@ -123,11 +122,29 @@ impl IoEngine for UringEngine {
             }
         }
         for cqe in self.ring.completion() {
+            if cqe.user_data() == CANCEL_USER_DATA {
+                continue;
+            }
             out.push(IoCompletion {
                 token: cqe.user_data(),
                 result: cqe.result() as i64,
             });
         }
         Ok(())
+    }
+
+    fn cancel(&mut self, tokens: &[u64]) {
+        for &token in tokens {
+            let entry = opcode::AsyncCancel::new(token).build().user_data(CANCEL_USER_DATA);
+            // SAFETY: a cancellation carries no buffer.
+            while unsafe { self.ring.submission().push(&entry) }.is_err() {
+                if self.ring.submit().is_err() {
+                    return;
+                }
+            }
+        }
+        if let Err(e) = self.ring.submit() {
+            log::warn!("kvtier: io_uring cancellation not submitted: {e}");
+        }
     }
 }

@@ -222,7 +222,7 @@ impl FooterTrailer {
             return Err(ParseError::TooShort(bytes.len()));
         }
         if checksum(&bytes[..n]) != self.index_checksum {
-            return Err(ParseError::HeaderChecksum);
+            return Err(ParseError::BodyChecksum("file index"));
         }
         Ok(bytes[..n].chunks_exact(INDEX_ENTRY_BYTES).map(IndexEntry::decode).collect())
     }
@@ -335,7 +335,7 @@ impl Record {
         }
         let r = &bytes[..total];
         if checksum(&r[..total - 8]) != get_u64(r, total - 8) {
-            return Err(ParseError::HeaderChecksum);
+            return Err(ParseError::BodyChecksum("manifest record"));
         }
         if r[5] != RECORD_VERSION {
             return Err(ParseError::Version(r[5] as u32));
