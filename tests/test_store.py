@@ -121,7 +121,7 @@ def test_pins_keep_blocks(store_dir, engine):
     with open_store(store_dir, engine, nvme_bytes=0) as store:
         keys = [key(i) for i in range(4)]
         store.put_many(keys, [value(i) for i in range(4)])
-        assert store.pin_many(keys + [key(77)]) == 4
+        assert store.pin_many(keys + [key(77)]) == [True] * 4
         # Flood DRAM (no NVMe tier): pinned blocks must stay.
         store.put_many([key(100 + i) for i in range(30)], [value(100 + i) for i in range(30)])
         out = [np.zeros(OBJECT_BYTES, np.uint8) for _ in keys]

@@ -404,3 +404,42 @@ def test_lookup_of_a_block_being_stored_is_pending_then_hit(tmp_path):
     assert manager.lookup(stored, context) is LookupResult.HIT
     assert manager.lookup(dropped, context) is LookupResult.MISS
     store.close()
+
+
+def test_a_request_releases_only_its_own_pins(tmp_path):
+    """A block only in the shared tier is present but unpinned. Once it is resident and another
+    request pins it, the first request's complete_load must not take that pin away (the block would
+    then be evicted while the second request's load is in flight)."""
+    import numpy as np
+    from vllm.v1.kv_offload.base import ReqContext
+
+    object_bytes = 4096
+    options = dict(namespace=b"pin-test", object_bytes=object_bytes, nvme_bytes=0, shared_root=str(tmp_path / "shared"),
+                   shared_staleness_ms=50, shared_file_bytes=1 << 20)  # fmt: skip
+    writer = kvtier.Store.open(str(tmp_path / "a"), dram_bytes=1 << 20, **options)
+    engine_key = bytes([9]) * 32 + b"\0\0\0\0"
+    block = kvtier_vllm.kvtier_key(engine_key)
+    writer.put_many([block], [np.full(object_bytes, 5, dtype=np.uint8)])
+    writer.flush()
+    reader = kvtier.Store.open(str(tmp_path / "b"), dram_bytes=4 * (object_bytes + 4096), staging_slots=4, **options)
+    deadline = time.monotonic() + 10
+    while reader.locate_many([block]) != ["shared"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reader.locate_many([block]) == ["shared"]
+    shared = kvtier_vllm.SharedStore(store=reader, path=str(tmp_path / "b"), namespace=b"pin-test", description={},
+                                     object_bytes=object_bytes)  # fmt: skip
+    manager = kvtier_vllm.KvtierManager(shared)
+    first, second = ReqContext(req_id="first"), ReqContext(req_id="second")
+    manager.prepare_load([engine_key], first)  # shared only: no pin
+    out = np.zeros(object_bytes, dtype=np.uint8)
+    assert reader.get_many([block], [out]) == [True] and reader.locate_many([block]) == ["dram"]
+    manager.prepare_load([engine_key], second)  # resident now: pinned
+    manager.complete_load([engine_key], first)
+    fillers = [bytes([n]) * 32 for n in range(100, 116)]
+    reader.put_many(fillers, [np.full(object_bytes, n, dtype=np.uint8) for n in range(16)])
+    assert reader.locate_many([block]) == ["dram"], "the second request's pin was released by the first"
+    manager.complete_load([engine_key], second)
+    reader.put_many([bytes([n]) * 32 for n in range(120, 136)], [np.full(object_bytes, 1, dtype=np.uint8)] * 16)
+    assert reader.locate_many([block]) != ["dram"], "unpinned once both requests completed"
+    reader.close()
+    writer.close()

@@ -563,7 +563,9 @@ class KvtierManager(OffloadingManager):
     def __init__(self, shared: SharedStore):
         self._shared = shared
         self._store = shared.store
-        self._pins: Counter[bytes] = Counter()
+        # Pins this engine holds, per request: a request releases only its own pins, never another
+        # request's pin on the same block.
+        self._pins: dict[str, Counter[bytes]] = {}
         self._being_stored: Counter[bytes] = Counter()
         self._stats = StatsDeltaTracker()
 
@@ -609,23 +611,31 @@ class KvtierManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         store_keys = [kvtier_key(key) for key in keys]
         try:
-            pinned_count = self._store.pin_many(store_keys)
+            # One flag per present key: False for a block only in the shared tier (no pin taken).
+            pinned = self._store.pin_many(store_keys)
         except Exception:
             logger.exception("kvtier: pin failed; the load will fail and vLLM will recompute")
-            pinned_count = 0
-        for store_key in store_keys[:pinned_count]:
-            self._pins[store_key] += 1
+            pinned = []
+        request_pins = self._pins.setdefault(req_context.req_id, Counter())
+        for store_key, took_pin in zip(store_keys, pinned):
+            if took_pin:
+                request_pins[store_key] += 1
         return KvtierLoadStoreSpec(store_keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        request_pins = self._pins.get(req_context.req_id)
+        if request_pins is None:
+            return
         to_unpin = []
         for key in keys:
             store_key = kvtier_key(key)
-            if self._pins.get(store_key, 0) > 0:
-                self._pins[store_key] -= 1
-                if self._pins[store_key] == 0:
-                    del self._pins[store_key]
+            if request_pins.get(store_key, 0) > 0:
+                request_pins[store_key] -= 1
+                if request_pins[store_key] == 0:
+                    del request_pins[store_key]
                 to_unpin.append(store_key)
+        if not request_pins:
+            del self._pins[req_context.req_id]
         if to_unpin:
             try:
                 self._store.unpin_many(to_unpin)
@@ -679,10 +689,11 @@ class KvtierManager(OffloadingManager):
         return payload
 
     def shutdown(self) -> None:
-        if self._pins:
+        held = [store_key for request_pins in self._pins.values() for store_key in request_pins.elements()]
+        if held:
             with contextlib.suppress(Exception):
-                self._store.unpin_many(list(self._pins.elements()))
-            self._pins.clear()
+                self._store.unpin_many(held)
+        self._pins.clear()
         release_store(self._shared)
 
 

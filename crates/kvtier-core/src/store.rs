@@ -392,22 +392,23 @@ impl Store {
         self.shared.shared_tier.as_ref().is_some_and(|t| t.contains(key))
     }
 
-    /// Pins the leading present keys. A block only in the shared tier counts as present but cannot
-    /// be pinned against another node's evictor: its later load may be a clean miss.
-    pub fn pin_prefix(&self, keys: &[BlockKey]) -> usize {
+    /// Pins the leading present keys: one flag per present key, in order. `true`: a pin was taken
+    /// (release it with `unpin`). `false`: the block is only in the shared tier, which cannot be
+    /// pinned against another node's evictor (its load may be a clean miss); there is nothing to
+    /// release, and unpinning it would take away a pin that another request holds.
+    pub fn pin_prefix(&self, keys: &[BlockKey]) -> Vec<bool> {
         let mut cat = self.shared.catalog.lock();
-        if self.shared.shared_tier.is_none() {
-            return cat.pin_prefix(keys);
-        }
-        let mut present = 0;
+        let mut pinned = Vec::with_capacity(keys.len());
         for key in keys {
-            if cat.pin_prefix(std::slice::from_ref(key)) == 1 || self.in_shared_tier(key) {
-                present += 1;
+            if cat.pin_prefix(std::slice::from_ref(key)) == 1 {
+                pinned.push(true);
+            } else if self.in_shared_tier(key) {
+                pinned.push(false);
             } else {
                 break;
             }
         }
-        present
+        pinned
     }
 
     pub fn unpin(&self, keys: &[BlockKey]) {

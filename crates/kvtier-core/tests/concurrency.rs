@@ -149,7 +149,7 @@ fn stress(engine: EngineChoice, secs: u64) {
                 let start = rng.below(UNIVERSE);
                 let ids: Vec<u64> = (start..start + 1 + rng.below(4)).map(|i| i % UNIVERSE).collect();
                 let keys: Vec<BlockKey> = ids.iter().map(|&i| key(i)).collect();
-                let n = store.pin_prefix(&keys);
+                let n = store.pin_prefix(&keys).len();
                 add(&counts.pins, 1);
                 add(&counts.pinned_blocks, n as u64);
                 if n > 0 {
@@ -274,7 +274,7 @@ fn pinned_blocks_survive_eviction_and_reclaim() {
         put(&store, &pinned);
         store.flush().unwrap();
         let keys: Vec<BlockKey> = pinned.iter().map(|&i| key(i)).collect();
-        assert_eq!(store.pin_prefix(&keys), pinned.len());
+        assert_eq!(store.pin_prefix(&keys), vec![true; pinned.len()]);
         let hammer: Vec<u64> = (1000..2500).collect();
         for chunk in hammer.chunks(16) {
             put(&store, chunk);

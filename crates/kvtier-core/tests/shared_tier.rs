@@ -513,6 +513,8 @@ fn store_with_shared_tier_and_no_nvme_serves_another_stores_blocks() {
     a.flush().unwrap();
     let b = Store::open(make("node-b")).unwrap();
     assert!(wait_until(Duration::from_secs(2), || b.lookup_prefix(&keys) == 20));
+    // Present but only in the shared tier: reported without a pin, so that nobody releases one.
+    assert_eq!(b.pin_prefix(&keys[..3]), vec![false; 3]);
     let mut out: Vec<Vec<u8>> = (0..20).map(|_| vec![0u8; OBJECT_BYTES]).collect();
     let mut outs: Vec<&mut [u8]> = out.iter_mut().map(|v| v.as_mut_slice()).collect();
     assert!(b.get_many(&keys, &mut outs).unwrap().iter().all(|&ok| ok));
@@ -523,6 +525,9 @@ fn store_with_shared_tier_and_no_nvme_serves_another_stores_blocks() {
     let mut outs: Vec<&mut [u8]> = out.iter_mut().map(|v| v.as_mut_slice()).collect();
     assert!(b.get_many(&keys, &mut outs).unwrap().iter().all(|&ok| ok));
     assert_eq!(b.stats().counters.shared_hits, 20);
+    // Now pinnable, and one pin each: the shared-only "pin" above took nothing to give back.
+    assert_eq!(b.pin_prefix(&keys[..3]), vec![true; 3]);
+    b.unpin(&keys[..3]);
     let _ = Error::Closed;
 }
 

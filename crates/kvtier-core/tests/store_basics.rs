@@ -216,7 +216,7 @@ fn loads_do_not_stall_when_every_dram_slot_is_pinned() {
         let fresh: Vec<u64> = (100..116).collect();
         put(&store, &fresh);
         let fresh_keys: Vec<_> = fresh.iter().map(|&i| key(i)).collect();
-        assert_eq!(store.pin_prefix(&fresh_keys), 16);
+        assert_eq!(store.pin_prefix(&fresh_keys), vec![true; 16]);
         let started = std::time::Instant::now();
         let hits = get_checked(&store, &old[..10]);
         assert!(hits.iter().all(|&h| h), "{hits:?}");

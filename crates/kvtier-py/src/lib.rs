@@ -429,7 +429,7 @@ impl PyStore {
         Ok(self.inner.locate_many(&parse_keys(keys)?).into_iter().map(|t| t.map(|t| t.name())).collect())
     }
 
-    fn pin_many(&self, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+    fn pin_many(&self, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
         Ok(self.inner.pin_prefix(&parse_keys(keys)?))
     }
 
