@@ -1,8 +1,8 @@
 //! The store: opens the tiers, wires the catalog (control plane) to the mover (data plane) and the
 //! device queues, and offers the blocking and asynchronous APIs.
 //!
-//! Directory layout: `<path>/<namespace hex>/` holds `LOCK` (first path only; an exclusive flock
-//! held while the store is open) and `nvme.kvt` (one device file per path).
+//! Directory layout: `<path>/<namespace hex>/` holds `LOCK` (an exclusive flock held while the store
+//! is open, in every path) and `nvme.kvt` (one device file per path).
 
 use crate::catalog::{Catalog, Gauges};
 use crate::config::StoreConfig;
@@ -87,8 +87,8 @@ pub struct Store {
     io_engine: &'static str,
     buffers_registered: bool,
     direct_io: bool,
-    /// The directory lock; released by `close`.
-    lock: Mutex<Option<File>>,
+    /// The directory locks (one per path); released by `close`.
+    locks: Mutex<Vec<File>>,
 }
 
 impl Store {
@@ -105,7 +105,8 @@ impl Store {
                 return Err(Error::format(dir, "is a symbolic link; kvtier does not follow links out of its directory: remove it"));
             }
         }
-        let lock = take_lock(&dirs[0])?;
+        // Every directory is locked: two stores must never write one device file.
+        let locks = dirs.iter().map(|dir| take_lock(dir)).collect::<Result<Vec<_>>>()?;
         let slot_bytes = config.slot_bytes();
         let arena = Arena::map(slot_bytes, config.slot_count())?;
         let stats = Arc::new(Stats::default());
@@ -141,7 +142,7 @@ impl Store {
         let mut device_files = Vec::new();
         let mut startup_meta = Vec::new();
         if let Some(geometry) = &geometry {
-            let store_id = random_u64();
+            let store_id = nvme::existing_store_id(&dirs).unwrap_or_else(random_u64);
             for (i, dir) in dirs.iter().enumerate() {
                 let template = Superblock {
                     device_index: i as u32,
@@ -244,7 +245,7 @@ impl Store {
             io_engine: engine_name,
             buffers_registered,
             direct_io,
-            lock: Mutex::new(Some(lock)),
+            locks: Mutex::new(locks),
         })
     }
 
@@ -468,7 +469,7 @@ impl Store {
         for d in &self.shared.devices {
             d.shutdown();
         }
-        self.lock.lock().take();
+        self.locks.lock().clear();
         flushed
     }
 

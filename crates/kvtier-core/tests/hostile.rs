@@ -450,3 +450,41 @@ fn created_files_are_private() {
     }
     drop(store);
 }
+
+fn striped(dirs: &[PathBuf]) -> StoreConfig {
+    let mut c = small(&dirs[0], EngineChoice::Psync);
+    c.paths = dirs.to_vec();
+    c.nvme_bytes = 2 * dirs.len() as u64 * c.effective_region_bytes();
+    c
+}
+
+#[test]
+fn a_directory_another_open_store_stripes_over_is_locked() {
+    let root = tempfile::tempdir().unwrap();
+    let [a, b, shared] = ["a", "b", "shared"].map(|d| root.path().join(d));
+    let first = Store::open(striped(&[a, shared.clone()])).unwrap();
+    // Not the first directory of `first`, yet locked: before, only the first path was locked and a
+    // second store would write `shared`'s device file at the same time.
+    match Store::open(striped(&[b, shared])) {
+        Err(Error::Locked { path }) => assert!(path.starts_with(root.path().join("shared")), "{path:?}"),
+        other => panic!("expected Locked, got {:?}", other.map(|_| "an open store")),
+    }
+    first.close().unwrap();
+}
+
+#[test]
+fn directories_of_two_stores_are_not_mixed() {
+    let root = tempfile::tempdir().unwrap();
+    let [a1, a2, b1, b2] = ["a1", "a2", "b1", "b2"].map(|d| root.path().join(d));
+    Store::open(striped(&[a1.clone(), a2.clone()])).unwrap().close().unwrap();
+    Store::open(striped(&[b1.clone(), b2.clone()])).unwrap().close().unwrap();
+    match Store::open(striped(&[a1.clone(), b2])) {
+        Err(Error::Format { message, .. }) => assert!(message.contains("belongs to another store"), "{message}"),
+        other => panic!("expected a store id mismatch, got {:?}", other.map(|_| "an open store")),
+    }
+    // A store's own directories still open together, and a recreated device joins its store.
+    Store::open(striped(&[a1.clone(), a2.clone()])).unwrap().close().unwrap();
+    std::fs::remove_file(device(&a2)).unwrap();
+    Store::open(striped(&[a1.clone(), a2.clone()])).unwrap().close().unwrap();
+    Store::open(striped(&[a1, a2])).unwrap().close().unwrap();
+}

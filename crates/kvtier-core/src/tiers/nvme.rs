@@ -78,6 +78,19 @@ pub struct DeviceFile {
 }
 
 /// Opens (or creates and preallocates) the device file in `dir`.
+/// The store id recorded by the first existing device file among `dirs` whose superblock decodes:
+/// devices created now take it, so every device of one store carries the same id. `None`: no device
+/// exists yet (a new store picks a random id).
+pub fn existing_store_id(dirs: &[PathBuf]) -> Option<u64> {
+    dirs.iter().find_map(|dir| {
+        let path = dir.join(DEVICE_FILE_NAME);
+        let file = OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(path).ok()?;
+        let mut page = vec![0u8; SUPERBLOCK_BYTES];
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut page, 0).ok()?;
+        Superblock::decode(&page).ok().map(|sb| sb.store_id)
+    })
+}
+
 pub fn open_device(
     dir: &Path,
     template: &Superblock,
@@ -132,6 +145,19 @@ pub fn open_device(
                     found.region_count,
                     found.device_index,
                     found.device_count,
+                    path.display()
+                ),
+            ));
+        }
+        if found.store_id != template.store_id {
+            return Err(Error::format(
+                &path,
+                format!(
+                    "belongs to another store (store id {:016x}; this store's other directories have {:016x}): \
+                     directories of two stores were mixed; list the directories of one store, or delete {} to start \
+                     it empty",
+                    found.store_id,
+                    template.store_id,
                     path.display()
                 ),
             ));
