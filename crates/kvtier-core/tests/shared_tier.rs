@@ -573,3 +573,26 @@ fn publishing_resumes_after_the_shared_directory_is_removed_and_close_releases_f
         .count();
     assert_eq!(open_under_root, 0, "closed stores still hold files under the shared root");
 }
+
+#[test]
+fn a_full_publish_queue_drops_and_counts_instead_of_stalling_stores() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = StoreConfig::new(dir.path().join("local"), OBJECT_BYTES);
+    c.namespace = b"shared-tier-test".to_vec();
+    c.nvme_bytes = 0;
+    c.dram_bytes = 256 * (OBJECT_BYTES + 4096);
+    let mut s = config(&dir.path().join("shared"));
+    // Two blocks of queue: a burst of puts outruns any publisher.
+    s.publish_queue_bytes = 2 * (OBJECT_BYTES + 4096);
+    c.shared = Some(s);
+    let store = Store::open(c).unwrap();
+    let keys: Vec<_> = (0..200).map(key).collect();
+    let values: Vec<_> = (0..200).map(value).collect();
+    let refs: Vec<&[u8]> = values.iter().map(|v| v.as_slice()).collect();
+    assert!(store.put_many(&keys, &refs).unwrap().iter().all(|&ok| ok), "DRAM stores never fail for the shared tier");
+    let dropped = store.stats().counters.shared_dropped_publishes;
+    assert!(dropped > 0, "a put must not wait for room in the publish queue");
+    store.flush().unwrap();
+    let published = store.stats().counters.shared_files_published;
+    assert!(published >= 1 && dropped < 200, "dropped {dropped}, published files {published}");
+}

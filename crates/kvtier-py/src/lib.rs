@@ -231,9 +231,6 @@ fn parse_config(path: &Bound<'_, PyAny>, options: Option<&Bound<'_, PyDict>>) ->
                 config.shared.get_or_insert_with(|| SharedConfig::new(PathBuf::new())).publish_queue_bytes =
                     int("shared_publish_queue_bytes")? as usize
             }
-            "shared_publish_wait_ms" => {
-                config.shared.get_or_insert_with(|| SharedConfig::new(PathBuf::new())).publish_wait_ms = int("shared_publish_wait_ms")?
-            }
             "shared_fail_on_full" => {
                 let on: bool = value.extract().map_err(|_| config_error("shared_fail_on_full", format!("expected a bool, got {value}")))?;
                 config.shared.get_or_insert_with(|| SharedConfig::new(PathBuf::new())).fail_on_full = on;

@@ -38,12 +38,9 @@ pub struct SharedConfig {
     /// A file being filled is published at the latest this long after its first block, so a slow
     /// writer's blocks do not wait for a full file. Default 2000.
     pub publish_delay_ms: u64,
-    /// Bytes of blocks queued for publishing (copies of DRAM slots); past it a block is not published
-    /// (counted in `shared_dropped_publishes`). Default 64 MiB.
+    /// Bytes of blocks queued for publishing (copies of DRAM slots). A store never waits for room:
+    /// past it a block is not published (counted in `shared_dropped_publishes`). Default 256 MiB.
     pub publish_queue_bytes: usize,
-    /// How long a store waits for room in the publish queue before the block is not published
-    /// (counted). Default 5000.
-    pub publish_wait_ms: u64,
     /// Temporary files not written for this long belong to dead writers and are removed. Default 600000.
     pub orphan_tmp_ms: u64,
     /// O_DIRECT policy for data files. Default auto (probe at start-up, fall back to buffered I/O).
@@ -65,7 +62,6 @@ impl SharedConfig {
             capacity_bytes: None,
             publish_delay_ms: 2000,
             publish_queue_bytes: 256 << 20,
-            publish_wait_ms: 5000,
             orphan_tmp_ms: 600_000,
             direct_io: DirectIo::Auto,
         }

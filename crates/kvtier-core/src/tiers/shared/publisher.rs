@@ -32,8 +32,6 @@ pub struct Publisher {
     tier: Arc<SharedTier>,
     tx: Mutex<Option<Sender<Msg>>>,
     pool: Arc<Mutex<Pool>>,
-    /// Signalled when the publisher thread returns buffers to the pool.
-    returned: Arc<parking_lot::Condvar>,
     max_buffers: usize,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -43,10 +41,8 @@ impl Publisher {
         let max_buffers = (tier.config().publish_queue_bytes / tier.slot_bytes()).max(1);
         let (tx, rx) = bounded::<Msg>(max_buffers + 4);
         let pool = Arc::new(Mutex::new(Pool { free: Vec::new(), allocated: 0 }));
-        let returned = Arc::new(parking_lot::Condvar::new());
         let thread_tier = Arc::clone(&tier);
         let thread_pool = Arc::clone(&pool);
-        let thread_returned = Arc::clone(&returned);
         let handle = std::thread::Builder::new()
             .name("kvtier-publish".into())
             .spawn(move || {
@@ -68,7 +64,6 @@ impl Publisher {
                             batch.iter_mut().map(|(k, b)| (*k, b.as_mut_slice())).collect();
                         thread_tier.append_slots(&mut refs);
                         thread_pool.lock().free.extend(batch.into_iter().map(|(_, b)| b));
-                        thread_returned.notify_all();
                     }
                     if !flushes.is_empty() {
                         thread_tier.flush();
@@ -80,11 +75,7 @@ impl Publisher {
                 thread_tier.flush();
             })
             .map_err(|e| Error::io("spawning the shared publisher thread", e))?;
-        Ok(Publisher { tier, tx: Mutex::new(Some(tx)), pool, returned, max_buffers, thread: Mutex::new(Some(handle)) })
-    }
-
-    pub fn tier(&self) -> &Arc<SharedTier> {
-        &self.tier
+        Ok(Publisher { tier, tx: Mutex::new(Some(tx)), pool, max_buffers, thread: Mutex::new(Some(handle)) })
     }
 
     /// Queues a copy of `slot` (descriptor page + value) for publishing. `false`: dropped (queue full
@@ -94,25 +85,20 @@ impl Publisher {
             return true;
         }
         let slot_bytes = self.tier.slot_bytes();
-        // A full queue makes the store wait (bounded by publish_wait_ms) for the publisher rather than
-        // drop at once: one large put would otherwise publish only what fits the queue.
-        let deadline = std::time::Instant::now() + Duration::from_millis(self.tier.config().publish_wait_ms);
+        // Never waits: the put path serves DRAM and NVMe, and a slow shared filesystem must not stall
+        // it. Past `publish_queue_bytes` the block is not published (it is a cache) and counted.
         let buf = {
             let mut pool = self.pool.lock();
-            loop {
-                match pool.free.pop() {
-                    Some(b) => break Some(b),
-                    None if pool.allocated < self.max_buffers => {
-                        pool.allocated += 1;
-                        break None;
-                    }
-                    None => {
-                        if self.returned.wait_until(&mut pool, deadline).timed_out() && pool.free.is_empty() {
-                            drop(pool);
-                            Stats::add(&self.tier.stats().shared_dropped_publishes, 1);
-                            return false;
-                        }
-                    }
+            match pool.free.pop() {
+                Some(b) => Some(b),
+                None if pool.allocated < self.max_buffers => {
+                    pool.allocated += 1;
+                    None
+                }
+                None => {
+                    drop(pool);
+                    Stats::add(&self.tier.stats().shared_dropped_publishes, 1);
+                    return false;
                 }
             }
         };
