@@ -1,5 +1,6 @@
 """The model fingerprint in kvtier's vLLM namespace follows the weights' contents, not their path."""
 
+import os
 import shutil
 
 import numpy as np
@@ -28,3 +29,23 @@ def test_same_weights_anywhere_same_fingerprint_and_rewritten_weights_differ(tmp
     w = safetensors_numpy.load_file(str(tmp_path / "a" / "model.safetensors"))
     safetensors_numpy.save_file({k: -v for k, v in w.items()}, str(tmp_path / "a" / "model.safetensors"))
     assert model_fingerprint(str(tmp_path / "a")) != before
+
+
+def test_weights_rewritten_in_place_with_same_size_and_mtime_change_the_fingerprint(tmp_path):
+    """A filesystem with coarse timestamps (or a copy tool that keeps them) can leave a rewritten
+    weight file with its old size and mtime; the fingerprint must still follow the bytes."""
+    make_model(tmp_path / "m", seed=1)
+    weights = tmp_path / "m" / "model.safetensors"
+    before = model_fingerprint(str(tmp_path / "m"))
+    stat = weights.stat()
+    # Rewrite the last bytes of the tensor data in place (same inode, same size), then put the old
+    # mtime back, as a same-tick rewrite on a coarse-mtime filesystem would leave it.
+    with open(weights, "r+b") as f:
+        f.seek(-16, 2)
+        tail = f.read(16)
+        f.seek(-16, 2)
+        f.write(bytes(b ^ 0xFF for b in tail))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    after = weights.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    assert model_fingerprint(str(tmp_path / "m")) != before
