@@ -33,6 +33,9 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// How long a store job yields to loads in progress before it runs anyway.
+const STORE_YIELD_LIMIT: Duration = Duration::from_millis(100);
+
 pub(crate) struct Shared {
     pub config: StoreConfig,
     pub namespace: Namespace,
@@ -51,6 +54,29 @@ pub(crate) struct Shared {
     finished_cv: Condvar,
     loads_active: AtomicUsize,
     stores_active: AtomicUsize,
+    /// Signalled (under `activity`) when `loads_active` or `stores_active` drops to zero.
+    activity: Mutex<()>,
+    activity_cv: Condvar,
+}
+
+impl Shared {
+    fn job_done(&self, counter: &AtomicUsize) {
+        if counter.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let _guard = self.activity.lock();
+            self.activity_cv.notify_all();
+        }
+    }
+
+    /// Waits until `counter` is zero; `false` if `deadline` came first.
+    fn wait_idle(&self, counter: &AtomicUsize, deadline: Instant) -> bool {
+        let mut guard = self.activity.lock();
+        while counter.load(Ordering::Acquire) > 0 {
+            if self.activity_cv.wait_until(&mut guard, deadline).timed_out() {
+                return counter.load(Ordering::Acquire) == 0;
+            }
+        }
+        true
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,6 +101,8 @@ pub struct StoreStats {
     pub io_engine: &'static str,
     pub direct_io: bool,
     pub buffers_registered: bool,
+    /// The DRAM pool is backed by huge pages (MAP_HUGETLB); else transparent huge pages were asked for.
+    pub huge_pages: bool,
     pub namespace_hex: String,
 }
 
@@ -195,6 +223,8 @@ impl Store {
             finished_cv: Condvar::new(),
             loads_active: AtomicUsize::new(0),
             stores_active: AtomicUsize::new(0),
+            activity: Mutex::new(()),
+            activity_cv: Condvar::new(),
             config,
         });
         submit_meta(&shared, startup_meta);
@@ -208,7 +238,7 @@ impl Store {
             threads.push(spawn(format!("kvtier-load-{i}"), move || {
                 for job in rx.iter() {
                     let results = execute_get(&sh, &job.keys, &job.buffers);
-                    sh.loads_active.fetch_sub(1, Ordering::AcqRel);
+                    sh.job_done(&sh.loads_active);
                     finish_job(&sh, job.id, results);
                 }
             })?);
@@ -217,13 +247,10 @@ impl Store {
         threads.push(spawn("kvtier-store".into(), move || {
             for job in store_rx.iter() {
                 // Stores yield to loads: a store job waits (bounded) while loads are queued or running.
-                let until = Instant::now() + Duration::from_millis(100);
-                while sh.loads_active.load(Ordering::Acquire) > 0 && Instant::now() < until {
-                    std::thread::sleep(Duration::from_micros(200));
-                }
+                sh.wait_idle(&sh.loads_active, Instant::now() + STORE_YIELD_LIMIT);
                 let results = execute_put(&sh, &job.keys, &job.buffers);
                 finish_job(&sh, job.id, results);
-                sh.stores_active.fetch_sub(1, Ordering::AcqRel);
+                sh.job_done(&sh.stores_active);
             }
         })?);
         log::info!(
@@ -320,20 +347,30 @@ impl Store {
         match job.kind {
             JobKind::Get => {
                 self.shared.loads_active.fetch_add(1, Ordering::AcqRel);
-                let tx = self.load_tx.lock();
-                tx.as_ref().ok_or(Error::Closed)?.send(job).map_err(|_| Error::Closed)?;
+                let sent = self.load_tx.lock().as_ref().is_some_and(|tx| tx.send(job).is_ok());
+                if !sent {
+                    self.shared.job_done(&self.shared.loads_active);
+                    return Err(Error::Closed);
+                }
             }
             JobKind::Put => {
                 self.shared.stores_active.fetch_add(1, Ordering::AcqRel);
                 let tx = self.store_tx.lock();
-                match tx.as_ref().ok_or(Error::Closed)?.try_send(job) {
+                let Some(tx) = tx.as_ref() else {
+                    self.shared.job_done(&self.shared.stores_active);
+                    return Err(Error::Closed);
+                };
+                match tx.try_send(job) {
                     Ok(()) => {}
                     Err(TrySendError::Full(job)) => {
-                        self.shared.stores_active.fetch_sub(1, Ordering::AcqRel);
+                        self.shared.job_done(&self.shared.stores_active);
                         Stats::add(&self.shared.stats.dropped_stores, job.keys.len() as u64);
                         finish_job(&self.shared, job.id, vec![false; job.keys.len()]);
                     }
-                    Err(TrySendError::Disconnected(_)) => return Err(Error::Closed),
+                    Err(TrySendError::Disconnected(_)) => {
+                        self.shared.job_done(&self.shared.stores_active);
+                        return Err(Error::Closed);
+                    }
                 }
             }
         }
@@ -427,11 +464,8 @@ impl Store {
         let sh = &self.shared;
         let limit = Duration::from_secs(120);
         let deadline = Instant::now() + limit;
-        while sh.stores_active.load(Ordering::Acquire) > 0 {
-            if Instant::now() > deadline {
-                return Err(Error::Timeout { what: "queued stores".into(), timeout_ms: limit.as_millis() as u64 });
-            }
-            std::thread::sleep(Duration::from_millis(1));
+        if !sh.wait_idle(&sh.stores_active, deadline) {
+            return Err(Error::Timeout { what: "queued stores".into(), timeout_ms: limit.as_millis() as u64 });
         }
         let mut cat = sh.catalog.lock();
         while !cat.io_idle() {
@@ -480,6 +514,7 @@ impl Store {
             io_engine: self.io_engine,
             direct_io: self.direct_io,
             buffers_registered: self.buffers_registered,
+            huge_pages: self.shared.arena.huge_pages(),
             namespace_hex: self.shared.namespace.hex(),
         }
     }

@@ -21,7 +21,7 @@ pub struct Arena {
     len: usize,
     slot_bytes: usize,
     slot_count: usize,
-    pub huge_pages: bool,
+    huge_pages: bool,
 }
 
 unsafe impl Send for Arena {}
@@ -54,6 +54,10 @@ impl Arena {
             slot_count,
             huge_pages,
         })
+    }
+
+    pub fn huge_pages(&self) -> bool {
+        self.huge_pages
     }
 
     pub fn slot_count(&self) -> usize {

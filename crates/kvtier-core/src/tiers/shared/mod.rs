@@ -275,10 +275,6 @@ impl SharedTier {
         self.index.read().keys().take(limit).copied().collect()
     }
 
-    pub fn indexed_files(&self) -> usize {
-        self.index.read().files().count()
-    }
-
     /// Latest usage measured by the maintenance thread.
     pub fn usage(&self) -> Usage {
         *self.last_usage.lock()
