@@ -226,6 +226,72 @@ def test_nvme_hit_after_dram_eviction(engine):
     assert_same_output(baseline, restored)
 
 
+def _scheduler_connector(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+@pytest.mark.slow
+def test_vllm_offload_metrics_count_kvtier_transfers(engine, monkeypatch):
+    """vLLM's own offload metrics (not only kvtier:*) count kvtier's stores and loads, in both the
+    per-direction names and the older ``vllm:kv_offload_total_*{transfer_type}`` ones that
+    dashboards read (those stayed at zero: vLLM fed them only for its own CPU spec)."""
+    import functools
+
+    import prometheus_client
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+    llm, store = engine
+    connector = _scheduler_connector(llm)
+    assert isinstance(connector, kvtier_vllm.KvtierConnector)
+    # The scheduler drains the connector's stats every step and drops them in an offline engine
+    # (no stat loggers): keep a copy of each payload, as a server's stat logger would receive it.
+    payloads = []
+    drain = connector.get_kv_connector_stats
+
+    def recording_drain():
+        stats = drain()
+        if stats is not None and not stats.is_empty():
+            payloads.append(stats)
+        return stats
+
+    monkeypatch.setattr(connector, "get_kv_connector_stats", recording_drain)
+    prompt = random_prompt(seed=7, full_blocks=3)
+    baseline = generate(llm, prompt)
+    settle(llm, store)
+    assert llm.reset_prefix_cache()
+    restored = generate(llm, prompt)
+    assert restored[2] == 3 * TOKENS_PER_BLOCK
+    settle(llm, store)
+
+    total = OffloadingConnectorStats()
+    for stats in payloads:
+        total.aggregate(stats)
+    # vLLM's Prometheus side, as its stat logger builds it for this connector, on a private registry.
+    registry = prometheus_client.CollectorRegistry()
+
+    class PrivateRegistryProm(KVConnectorProm):
+        _gauge_cls = functools.partial(prometheus_client.Gauge, registry=registry)
+        _counter_cls = functools.partial(prometheus_client.Counter, registry=registry)
+        _histogram_cls = functools.partial(prometheus_client.Histogram, registry=registry)
+
+    engine_labels = {"model_name": "m", "engine": "0"}
+    PrivateRegistryProm(llm.llm_engine.vllm_config, list(engine_labels), {0: list(engine_labels.values())}).observe(
+        total.data, 0
+    )
+    block_bytes = OBJECT_BYTES_TINY
+    for direction in ("load", "store"):
+        assert registry.get_sample_value(f"vllm:kv_offload_{direction}_bytes_total", engine_labels) >= 3 * block_bytes
+        assert registry.get_sample_value(f"vllm:kv_offload_{direction}_time_total", engine_labels) > 0
+    for transfer_type, direction in (("CPU_to_GPU", "load"), ("GPU_to_CPU", "store")):
+        labels = {**engine_labels, "transfer_type": transfer_type}
+        assert registry.get_sample_value("vllm:kv_offload_total_bytes_total", labels) == registry.get_sample_value(
+            f"vllm:kv_offload_{direction}_bytes_total", engine_labels
+        )
+        assert registry.get_sample_value("vllm:kv_offload_total_time_total", labels) > 0
+    assert_same_output(baseline, restored)
+
+
 @pytest.mark.slow
 def test_cache_salt_separates_tenants(engine):
     llm, store = engine

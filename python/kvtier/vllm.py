@@ -14,7 +14,8 @@ This module owns everything vLLM-specific:
 - The namespace: a digest of the model identity (path, fingerprint of config and weight files), KV
   dtype, layout, tokens per block, layers, parallel layout and the prefix-hash algorithm.
 - Metrics: vLLM's ``vllm:kv_offload_*`` transfer metrics (bytes and seconds, from the worker's
-  transfer results) and kvtier's own (``kvtier:*``: hits per tier, misses, bytes, evictions,
+  transfer results; with ``KvtierConnector`` also the older ``vllm:kv_offload_total_*`` ones per
+  ``transfer_type``) and kvtier's own (``kvtier:*``: hits per tier, misses, bytes, evictions,
   dropped stores, checksum failures, capacity, load/store latency), emitted through the connector's
   metric hooks so they appear on vLLM's ``/metrics``.
 
@@ -983,8 +984,25 @@ class KvtierConnector(OffloadingConnector):
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's offloading metrics, with its older ``transfer_type`` ones fed too.
+
+        vLLM 0.32 counts every transfer the worker reports (bytes and seconds per load and store) in
+        ``vllm:kv_offload_{load,store}_{bytes,time}``, but its older metrics
+        (``vllm:kv_offload_total_bytes``, ``vllm:kv_offload_total_time``, ``vllm:kv_offload_size``,
+        label ``transfer_type``) only for its own CPU spec, so with kvtier they stayed at zero while
+        GBs moved. They are fed from the same figures here: ``CPU_to_GPU`` = loads from kvtier,
+        ``GPU_to_CPU`` = stores into kvtier.
+        """
         _fill_spec_defaults(vllm_config)
-        return super().build_prom_metrics(vllm_config, *args, **kwargs)
+        prom_metrics = super().build_prom_metrics(vllm_config, *args, **kwargs)
+        if hasattr(prom_metrics, "_observe_deprecated_metrics"):
+            prom_metrics._observe_deprecated_metrics = True
+        else:  # a vLLM other than 0.32: its own transfer metrics still count kvtier's transfers
+            logger.warning(
+                "kvtier: this vLLM's offload metrics have no switch for the transfer_type ones; vllm:kv_offload_total_* "
+                "may stay at zero (use vllm:kv_offload_load_bytes and vllm:kv_offload_store_bytes)"
+            )
+        return prom_metrics
 
 
 def kv_transfer_config(path: str | os.PathLike, **store_options: Any) -> dict[str, Any]:
