@@ -185,17 +185,25 @@ fn key_hash(key: &BlockKey) -> u64 {
     u64::from_le_bytes(key.0[..8].try_into().unwrap())
 }
 
+/// The DRAM pool's shape and budgets, as the catalog needs them.
+#[derive(Debug, Clone, Copy)]
+pub struct SlotLayout {
+    pub slot_count: usize,
+    pub slot_bytes: u64,
+    pub object_bytes: u32,
+    /// Bytes accepted into DRAM but not yet on NVMe; past it stores skip NVMe.
+    pub max_dirty_bytes: usize,
+}
+
 impl Catalog {
     pub fn new(
         namespace: Namespace,
-        slot_count: usize,
-        slot_bytes: u64,
-        object_bytes: u32,
+        layout: SlotLayout,
         policy: Box<dyn EvictionPolicy>,
         geometry: Option<(Geometry, usize)>,
-        max_dirty_bytes: usize,
         stats: Arc<Stats>,
     ) -> Self {
+        let SlotLayout { slot_count, slot_bytes, object_bytes, max_dirty_bytes } = layout;
         let nvme = geometry.map(|(geometry, device_count)| NvmeState {
             geometry,
             devices: (0..device_count)

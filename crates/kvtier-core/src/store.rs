@@ -4,7 +4,7 @@
 //! Directory layout: `<path>/<namespace hex>/` holds `LOCK` (an exclusive flock held while the store
 //! is open, in every path) and `nvme.kvt` (one device file per path).
 
-use crate::catalog::{Catalog, Gauges};
+use crate::catalog::{Catalog, Gauges, SlotLayout};
 use crate::config::StoreConfig;
 use crate::error::{Error, Result};
 use crate::format::superblock::{Superblock, SUPERBLOCK_BYTES};
@@ -156,14 +156,17 @@ impl Store {
                 }
             }
         }
+        let layout = SlotLayout {
+            slot_count: arena.slot_count(),
+            slot_bytes: slot_bytes as u64,
+            object_bytes: config.object_bytes as u32,
+            max_dirty_bytes: config.effective_max_dirty_bytes(),
+        };
         let mut catalog = Catalog::new(
             namespace,
-            arena.slot_count(),
-            slot_bytes as u64,
-            config.object_bytes as u32,
+            layout,
             Box::new(S3Fifo::new(arena.slot_count())),
             geometry.map(|g| (g, dirs.len())),
-            config.effective_max_dirty_bytes(),
             Arc::clone(&stats),
         );
 

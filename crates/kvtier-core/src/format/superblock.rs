@@ -80,10 +80,10 @@ impl Superblock {
             object_bytes: get_u64(bytes, 80),
             store_id: get_u64(bytes, 88),
         };
-        if sb.region_bytes == 0 || sb.region_bytes % ALIGN_BYTES as u64 != 0 {
+        if sb.region_bytes == 0 || !sb.region_bytes.is_multiple_of(ALIGN_BYTES as u64) {
             return Err(ParseError::OutOfRange("region_bytes"));
         }
-        if sb.slot_bytes == 0 || sb.slot_bytes % ALIGN_BYTES as u64 != 0 || sb.slot_bytes > sb.region_bytes {
+        if sb.slot_bytes == 0 || !sb.slot_bytes.is_multiple_of(ALIGN_BYTES as u64) || sb.slot_bytes > sb.region_bytes {
             return Err(ParseError::OutOfRange("slot_bytes"));
         }
         if sb.device_index >= sb.device_count {

@@ -116,7 +116,7 @@ fn map_anonymous(len: usize) -> Result<(*mut u8, bool)> {
     const HUGE_PAGE_BYTES: usize = 2 << 20;
     let prot = libc::PROT_READ | libc::PROT_WRITE;
     let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
-    if len % HUGE_PAGE_BYTES == 0 {
+    if len.is_multiple_of(HUGE_PAGE_BYTES) {
         // SAFETY: anonymous mapping, no fd.
         let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags | libc::MAP_HUGETLB, -1, 0) };
         if p != libc::MAP_FAILED {

@@ -330,7 +330,7 @@ pub fn recover(
 }
 
 fn valid_entry_position(geometry: &Geometry, offset: u64) -> bool {
-    offset % geometry.slot_bytes == 0
+    offset.is_multiple_of(geometry.slot_bytes)
         && offset.checked_add(geometry.slot_bytes).is_some_and(|end| end <= geometry.data_bytes())
 }
 

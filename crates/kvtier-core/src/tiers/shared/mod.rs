@@ -312,7 +312,7 @@ impl SharedTier {
                 return Ok(false);
             }
         };
-        let aligned = slot.as_ptr() as usize % ALIGN_BYTES == 0;
+        let aligned = (slot.as_ptr() as usize).is_multiple_of(ALIGN_BYTES);
         let read = if aligned || !self.direct {
             file.read_exact_at(&mut slot[..self.slot_bytes], loc.offset)
         } else {
