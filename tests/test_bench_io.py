@@ -31,8 +31,17 @@ def _kvtier_core_missing_reason() -> str | None:
 def _run_bench(tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     out_dir = tmp_path / "out"
     command = [
-        sys.executable, "-m", "kvtier", "bench", "io", "--small",
-        "--dir", str(tmp_path / "data"), "--out", str(out_dir), *extra,
+        sys.executable,
+        "-m",
+        "kvtier",
+        "bench",
+        "io",
+        "--small",
+        "--dir",
+        str(tmp_path / "data"),
+        "--out",
+        str(out_dir),
+        *extra,
     ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     results_path = out_dir / "results.json"
@@ -61,8 +70,17 @@ def test_bench_io_small_kvtier(tmp_path):
     assert document["sanity_problems"] == []
     assert document["cases"], "no case ran"
     for case in document["cases"]:
-        for field in ("model", "prompt_tokens", "object_kind", "object_bytes", "object_count", "prompt_bytes",
-                      "repeats", "summary", "targets"):
+        for field in (
+            "model",
+            "prompt_tokens",
+            "object_kind",
+            "object_bytes",
+            "object_count",
+            "prompt_bytes",
+            "repeats",
+            "summary",
+            "targets",
+        ):
             assert field in case, field
         kv_bytes_per_token = document["models"][case["model"]]["kv_bytes_per_token"]
         assert case["object_bytes"] == case["tokens_per_object"] * kv_bytes_per_token
@@ -106,8 +124,10 @@ def test_bench_io_small_shared(tmp_path):
             assert measured["cold"] is True
             store, retrieve = measured["store"], measured["retrieve"]
             assert store["published_objects"] >= 1
-            assert store["published_objects"] + store["shared_dropped_publishes"] + store["dropped_stores"] == (
-                case["object_count"])
+            assert (
+                store["published_objects"] + store["shared_dropped_publishes"] + store["dropped_stores"]
+                == (case["object_count"])
+            )
             assert measured["visible_objects"] == store["published_objects"]
             assert measured["found_objects"] == store["published_objects"]
             assert retrieve["shared_hits"] == store["published_objects"]
@@ -152,12 +172,14 @@ def test_bench_io_small_fio_only(tmp_path):
 
 
 def test_cli_usage_and_unknown_command():
-    completed = subprocess.run([sys.executable, "-m", "kvtier", "--help"], capture_output=True, text=True,
-                               cwd=REPO_ROOT, timeout=120)
+    completed = subprocess.run(
+        [sys.executable, "-m", "kvtier", "--help"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120
+    )
     assert completed.returncode == 0
     assert "bench io" in completed.stdout
-    completed = subprocess.run([sys.executable, "-m", "kvtier", "no-such-command"], capture_output=True, text=True,
-                               cwd=REPO_ROOT, timeout=120)
+    completed = subprocess.run(
+        [sys.executable, "-m", "kvtier", "no-such-command"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120
+    )
     assert completed.returncode == 2
     assert "unknown command" in completed.stderr
 

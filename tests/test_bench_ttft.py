@@ -53,7 +53,9 @@ def test_json_fields(results):
         if measurement["config"] == "disk_floor":
             # fio reading what the NVMe hit of the same length read (whole slots), beside the store.
             block_tokens = result["plan"]["block_tokens"]
-            assert measurement["read_bytes"] == measurement["length_tokens"] // block_tokens * result["plan"]["slot_bytes"]
+            assert (
+                measurement["read_bytes"] == measurement["length_tokens"] // block_tokens * result["plan"]["slot_bytes"]
+            )
             assert measurement["fio_best"]["bytes"] > 0 and measurement["ttft_s"] > 0
             continue
         assert MEASUREMENT_FIELDS <= set(measurement), measurement

@@ -22,9 +22,17 @@ def value(i: int) -> np.ndarray:
 
 def open_replica(local, shared, engine, **extra):
     return kvtier.Store.open(
-        str(local), object_bytes=OBJECT_BYTES, namespace="shared-test", dram_bytes=8 * (OBJECT_BYTES + 4096),
-        nvme_bytes=0, io_engine=engine, shared_root=str(shared), shared_staleness_ms=50,
-        shared_file_bytes=1 << 20, **extra)
+        str(local),
+        object_bytes=OBJECT_BYTES,
+        namespace="shared-test",
+        dram_bytes=8 * (OBJECT_BYTES + 4096),
+        nvme_bytes=0,
+        io_engine=engine,
+        shared_root=str(shared),
+        shared_staleness_ms=50,
+        shared_file_bytes=1 << 20,
+        **extra,
+    )
 
 
 def wait_visible(store, keys, timeout_s=10.0):
@@ -59,8 +67,19 @@ def test_one_replica_serves_another(tmp_path, engine):
 
 def test_shared_options_are_validated(tmp_path):
     with pytest.raises(kvtier.ConfigError, match="shared"):
-        kvtier.Store.open(str(tmp_path / "x"), object_bytes=OBJECT_BYTES, namespace="m", nvme_bytes=0,
-                          shared_root=str(tmp_path / "s"), shared_high_watermark=1.5)
+        kvtier.Store.open(
+            str(tmp_path / "x"),
+            object_bytes=OBJECT_BYTES,
+            namespace="m",
+            nvme_bytes=0,
+            shared_root=str(tmp_path / "s"),
+            shared_high_watermark=1.5,
+        )
     with pytest.raises(kvtier.KvtierError, match="shared_root|does not exist|parent"):
-        kvtier.Store.open(str(tmp_path / "x"), object_bytes=OBJECT_BYTES, namespace="m", nvme_bytes=0,
-                          shared_root=str(tmp_path / "missing" / "deeper"))
+        kvtier.Store.open(
+            str(tmp_path / "x"),
+            object_bytes=OBJECT_BYTES,
+            namespace="m",
+            nvme_bytes=0,
+            shared_root=str(tmp_path / "missing" / "deeper"),
+        )

@@ -47,8 +47,15 @@ def test_put_get_roundtrip_and_stats(store_dir, engine):
         assert s["dram_hits"] == 4 and s["misses"] == 1
         assert s["io_engine"] == engine
         assert store.locate_many([key(0), key(99)]) == ["dram", None]
-        for name in ("nvme_hits", "bytes_read_nvme", "dram_evictions", "dropped_stores",
-                     "checksum_failures", "dram_used_bytes", "nvme_capacity_bytes"):
+        for name in (
+            "nvme_hits",
+            "bytes_read_nvme",
+            "dram_evictions",
+            "dropped_stores",
+            "checksum_failures",
+            "dram_used_bytes",
+            "nvme_capacity_bytes",
+        ):
             assert name in s
 
 
@@ -80,13 +87,13 @@ def test_segments_and_layer_blocks(store_dir, engine):
         assert all(store.get_many(keys, segs))
         for b in range(num_blocks):
             for l in range(layers):
-                assert np.array_equal(segs[b][l], kv[l][b * page:(b + 1) * page])
+                assert np.array_equal(segs[b][l], kv[l][b * page : (b + 1) * page])
         # And scatter into other block ids of a second "engine cache".
         dst = [np.zeros(num_blocks * page, np.uint8) for _ in range(layers)]
         assert store.get_blocks(keys[:2], dst, [5, 3]) == [True, True]
         for l in range(layers):
-            assert np.array_equal(dst[l][5 * page:6 * page], kv[l][0:page])
-            assert np.array_equal(dst[l][3 * page:4 * page], kv[l][page:2 * page])
+            assert np.array_equal(dst[l][5 * page : 6 * page], kv[l][0:page])
+            assert np.array_equal(dst[l][3 * page : 4 * page], kv[l][page : 2 * page])
 
 
 def test_async_jobs(store_dir, engine):
@@ -142,7 +149,9 @@ def test_errors_are_typed_and_name_the_option(store_dir):
         kvtier.Store.open(str(store_dir), object_bytes=4096, namespace="m", nvme_bytes=1 << 20)
     free_bytes = shutil.disk_usage(store_dir.parent).free
     with pytest.raises(kvtier.CapacityError, match="nvme_bytes"):
-        kvtier.Store.open(str(store_dir), object_bytes=4096, namespace="m", nvme_bytes=4 * free_bytes, region_bytes=1 << 30)
+        kvtier.Store.open(
+            str(store_dir), object_bytes=4096, namespace="m", nvme_bytes=4 * free_bytes, region_bytes=1 << 30
+        )
     with pytest.raises(kvtier.ConfigError, match="region_bytes"):
         kvtier.Store.open(str(store_dir), object_bytes=4096, namespace="m", nvme_bytes=1 << 60)
     store = open_store(store_dir, "psync")

@@ -160,9 +160,7 @@ def test_restart_hits_from_nvme(tmp_path):
     assert stored["puts"] >= 4 and stored["num_cached_tokens"] == 0
     assert loaded["num_cached_tokens"] == 4 * TOKENS_PER_BLOCK
     assert loaded["nvme_hits"] >= 4 and loaded["recovered_blocks"] >= 4
-    assert_same_output(
-        (stored["tokens"], stored["logprobs"], 0), (loaded["tokens"], loaded["logprobs"], 0)
-    )
+    assert_same_output((stored["tokens"], stored["logprobs"], 0), (loaded["tokens"], loaded["logprobs"], 0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,7 +395,12 @@ def test_kvtier_key_mapping():
 
 def test_store_options_come_from_extra_config():
     options = kvtier_vllm.KvtierOptions.from_extra_config(
-        {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.vllm", "path": "/tmp/x", "dram_bytes": 1 << 30}
+        {
+            "spec_name": "KvtierOffloadingSpec",
+            "spec_module_path": "kvtier.vllm",
+            "path": "/tmp/x",
+            "dram_bytes": 1 << 30,
+        }
     )
     assert options.store_options == {"dram_bytes": 1 << 30}
     with pytest.raises(kvtier_vllm.KvtierVllmConfigError, match="path"):
@@ -454,7 +457,9 @@ def test_lookup_of_a_block_being_stored_is_pending_then_hit(tmp_path):
 
     store = kvtier.Store.open(str(tmp_path / "store"), namespace=b"lookup-test", object_bytes=4096,
                               dram_bytes=1 << 20, nvme_bytes=0)  # fmt: skip
-    shared = kvtier_vllm.SharedStore(store=store, path=str(tmp_path), namespace=b"lookup-test", description={}, object_bytes=4096)
+    shared = kvtier_vllm.SharedStore(
+        store=store, path=str(tmp_path), namespace=b"lookup-test", description={}, object_bytes=4096
+    )
     manager = kvtier_vllm.KvtierManager(shared)
     context = ReqContext(req_id="r")
     stored, dropped, unknown = (bytes([n]) * 32 + b"\0\0\0\0" for n in (1, 2, 3))

@@ -16,8 +16,9 @@ def make_model(directory, seed):
     directory.mkdir()
     (directory / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 2}')
     rng = np.random.default_rng(seed)
-    safetensors_numpy.save_file({"w": rng.standard_normal((64, 64)).astype(np.float32)},
-                                str(directory / "model.safetensors"))
+    safetensors_numpy.save_file(
+        {"w": rng.standard_normal((64, 64)).astype(np.float32)}, str(directory / "model.safetensors")
+    )
 
 
 def test_same_weights_anywhere_same_fingerprint_and_rewritten_weights_differ(tmp_path):

@@ -229,7 +229,11 @@ def tiny_model_with_other_weights(directory: Path) -> Path:
     source = ensure_model("tiny")
     shutil.copytree(source, directory)
     weights = load_file(str(source / "model.safetensors"))
-    save_file({name: (-tensor).contiguous() for name, tensor in weights.items()}, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {name: (-tensor).contiguous() for name, tensor in weights.items()},
+        str(directory / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     assert not torch.equal(next(iter(weights.values())), -next(iter(weights.values())))
     return directory
 
@@ -369,9 +373,10 @@ def test_full_shared_filesystem_keeps_serving(engine_b, engine_a, shared_root):
         computed = generate(llm, new_prompt)
         settle(llm, store)
         publish_errors = wait_for_counter(store, "shared_publish_errors", before["shared_publish_errors"] + 1)
-        print("full shared filesystem:", {
-            name: value - int(before.get(name, 0)) for name, value in counters(store.stats(), FAULT_COUNTERS).items()
-        })
+        print(
+            "full shared filesystem:",
+            {name: value - int(before.get(name, 0)) for name, value in counters(store.stats(), FAULT_COUNTERS).items()},
+        )
         assert publish_errors > before["shared_publish_errors"]
 
         assert llm.reset_prefix_cache()

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     for words, module_name, _summary in SUBCOMMANDS:
         if tuple(arguments[: len(words)]) == words:
             entry = _load_main(module_name, words)
-            return int(entry(arguments[len(words):]) or 0)
+            return int(entry(arguments[len(words) :]) or 0)
     if arguments[0] == "bench":
         names = ", ".join(words[1] for words, _module, _summary in SUBCOMMANDS if words[0] == "bench")
         given = f" {arguments[1]!r}" if len(arguments) > 1 else ""

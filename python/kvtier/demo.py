@@ -44,7 +44,7 @@ HOST = "127.0.0.1"
 SERVER_START_TIMEOUT_S = 900
 REQUEST_TIMEOUT_S = 600
 RESET_ATTEMPTS = 20
-_METRIC_LINE = re.compile(r'^kvtier:block_hits_total\{(?P<labels>[^}]*)\}\s+(?P<value>[0-9.eE+-]+)$')
+_METRIC_LINE = re.compile(r"^kvtier:block_hits_total\{(?P<labels>[^}]*)\}\s+(?P<value>[0-9.eE+-]+)$")
 
 
 class DemoError(RuntimeError):
@@ -129,7 +129,9 @@ def start_server(model_dir: Path, store_dir: Path, port: int, preset: str, log_p
     object_bytes = spec.kv_bytes_per_token * 128
     # A DRAM tier of 40 blocks: room for one conversation's prefix (a load needs DRAM slots for the
     # blocks it pins), small enough that the flood of unrelated prompts pushes it out to NVMe.
-    transfer_config = kv_transfer_config(store_dir, dram_bytes=40 * object_bytes, nvme_bytes=max(1 << 30, 160 * object_bytes))
+    transfer_config = kv_transfer_config(
+        store_dir, dram_bytes=40 * object_bytes, nvme_bytes=max(1 << 30, 160 * object_bytes)
+    )
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",

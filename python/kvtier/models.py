@@ -297,8 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     manifest = model_manifest(model_dir)
     print(model_dir)
     print(
-        f"preset={args.preset} vocab={manifest['vocab_size']} "
-        f"kv_bytes_per_token={manifest['kv_bytes_per_token']}",
+        f"preset={args.preset} vocab={manifest['vocab_size']} kv_bytes_per_token={manifest['kv_bytes_per_token']}",
         file=sys.stderr,
     )
     return 0

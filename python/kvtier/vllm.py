@@ -226,8 +226,7 @@ def namespace_description(
         "kv_cache_layout": config.kv_cache_layout,
         "canonical_layout": config.canonical_layout,
         "groups": [
-            {"tokens_per_block": group.tokens_per_block, "layers": list(group.layer_names)}
-            for group in config.groups
+            {"tokens_per_block": group.tokens_per_block, "layers": list(group.layer_names)} for group in config.groups
         ],
         "tokens_per_hash": config.cache.tokens_per_hash,
         "blocks_per_chunk": config.cache.blocks_per_chunk,
@@ -267,7 +266,7 @@ class KvtierOptions:
         if not path:
             raise KvtierVllmConfigError(
                 'kv_connector_extra_config needs "path": the kvtier store directory (for example a local '
-                'NVMe mount), or a list of directories to stripe over'
+                "NVMe mount), or a list of directories to stripe over"
             )
         store_options = {
             name: value
@@ -382,7 +381,11 @@ def acquire_store(
         if shared is None:
             store = _open_store(options.path, namespace=namespace, object_bytes=object_bytes, **options.store_options)
             shared = SharedStore(
-                store=store, path=options.registry_path, namespace=namespace, description=description, object_bytes=object_bytes
+                store=store,
+                path=options.registry_path,
+                namespace=namespace,
+                description=description,
+                object_bytes=object_bytes,
             )
             _stores[key] = shared
             logger.info(
@@ -482,7 +485,9 @@ def kvtier_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             ("reason",),
         ),
         "kvtier:slot_wait_timeouts": OffloadingCounterMetadata("Jobs that waited slot_wait_ms for a DRAM slot."),
-        "kvtier:checksum_failures": OffloadingCounterMetadata("Blocks that failed verification on load (served as misses)."),
+        "kvtier:checksum_failures": OffloadingCounterMetadata(
+            "Blocks that failed verification on load (served as misses)."
+        ),
         "kvtier:io_errors": OffloadingCounterMetadata("I/O errors seen by kvtier (the affected blocks are misses)."),
         "kvtier:failed_load_blocks": OffloadingCounterMetadata(
             "Engine blocks whose load from kvtier failed and that vLLM recomputed."
@@ -540,7 +545,9 @@ def prometheus_lines_from_stats(stats: Mapping[str, Any], prefix: str = "kvtier_
                 continue
             label_text = ""
             if labels:
-                label_name = {"kvtier:bytes_copied": "direction", "kvtier:dropped_stores": "reason"}.get(metric_name, "tier")
+                label_name = {"kvtier:bytes_copied": "direction", "kvtier:dropped_stores": "reason"}.get(
+                    metric_name, "tier"
+                )
                 label_text = f'{{{label_name}="{labels[0]}"}}'
             lines.append(f"{name}{label_text} {int(stats[stats_key])}")
     return "\n".join(lines) + "\n"
@@ -793,7 +800,9 @@ class KvtierWorker(OffloadingWorker):
                     job.vllm_job_id,
                 )
                 success = False
-        self._shared.record_job("load" if job.is_load else "store", seconds, len(found) - first_failure if job.is_load else 0)
+        self._shared.record_job(
+            "load" if job.is_load else "store", seconds, len(found) - first_failure if job.is_load else 0
+        )
         self._finished.append(TransferResult(job.vllm_job_id, success, moved_blocks * self._object_bytes, seconds))
 
     def _drain_store(self) -> None:
@@ -923,7 +932,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
             layer_buffers.append(tensor.numpy())
             page_bytes_per_layer.append(int(tensor.shape[1]))
         if len(set(page_bytes_per_layer)) != 1:
-            raise KvtierVllmConfigError(f"kvtier.vllm needs equal page sizes in every layer, got {sorted(set(page_bytes_per_layer))}")
+            raise KvtierVllmConfigError(
+                f"kvtier.vllm needs equal page sizes in every layer, got {sorted(set(page_bytes_per_layer))}"
+            )
         page_bytes = page_bytes_per_layer[0]
         object_bytes = page_bytes * len(layer_buffers)
         description = namespace_description(

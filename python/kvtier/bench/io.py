@@ -53,34 +53,63 @@ def build_parser() -> argparse.ArgumentParser:
         description="Store and cold-retrieve KV blocks of real model shapes with kvtier, against fio "
         "(the disk's limit, same run) and LMCache's LocalDiskBackend.",
     )
-    parser.add_argument("--dir", help="directory on the disk under test; the store, fio's file and LMCache's "
-                        "files go in a scratch folder inside it, removed afterwards "
-                        "(default: ./bench-results/io-scratch)")
+    parser.add_argument(
+        "--dir",
+        help="directory on the disk under test; the store, fio's file and LMCache's "
+        "files go in a scratch folder inside it, removed afterwards "
+        "(default: ./bench-results/io-scratch)",
+    )
     parser.add_argument("--out", help="output directory (default: bench-results/io-<timestamp>/)")
     parser.add_argument("--sizes", help=f"prompt sizes in tokens, comma-separated (default: {DEFAULT_SIZES})")
-    parser.add_argument("--objects", help=f"object kinds: blockN (engine block of N tokens) or chunkN "
-                        f"(default: {DEFAULT_OBJECTS})")
-    parser.add_argument("--models", default=None, help=f"model shapes, comma-separated, from "
-                        f"{', '.join(workload.MODEL_SHAPES)} (default: {DEFAULT_MODELS})")
-    parser.add_argument("--repeats", type=int, help=f"repeats of every measurement (default: {DEFAULT_REPEATS}, "
-                        f"--small: {SMALL_REPEATS})")
-    parser.add_argument("--small", action="store_true", help=f"CI size: {SMALL_SIZES} tokens, {SMALL_OBJECTS}, "
-                        f"{SMALL_REPEATS} repeats; fails on insane results")
+    parser.add_argument(
+        "--objects", help=f"object kinds: blockN (engine block of N tokens) or chunkN (default: {DEFAULT_OBJECTS})"
+    )
+    parser.add_argument(
+        "--models",
+        default=None,
+        help=f"model shapes, comma-separated, from {', '.join(workload.MODEL_SHAPES)} (default: {DEFAULT_MODELS})",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        help=f"repeats of every measurement (default: {DEFAULT_REPEATS}, --small: {SMALL_REPEATS})",
+    )
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help=f"CI size: {SMALL_SIZES} tokens, {SMALL_OBJECTS}, {SMALL_REPEATS} repeats; fails on insane results",
+    )
     parser.add_argument("--no-fio", action="store_true", help="skip fio (no ratios to the disk's limit)")
     parser.add_argument("--no-lmcache", action="store_true", help="skip LMCache")
     parser.add_argument("--no-kvtier", action="store_true", help="skip kvtier (measure only fio and LMCache)")
-    parser.add_argument("--shared", action="store_true", help="also measure kvtier's shared-filesystem tier "
-                        "(publish, visibility, cold retrieve from another store, files per GB, lookup latency "
-                        "of 10,000 keys) on a directory beside fio's file (on with --small)")
-    parser.add_argument("--lmcache-python", help="interpreter with lmcache installed "
-                        "(default: .venv-lmcache/bin/python when it exists)")
-    parser.add_argument("--fio-inflight-mib", type=int, default=DEFAULT_FIO_INFLIGHT_BYTES // workload.MIB,
-                        help="bytes in flight for fio, in MiB (default: %(default)s)")
-    parser.add_argument("--dram-bytes", type=int, default=0,
-                        help="kvtier DRAM tier for the benchmark store (default: 0, so gets come from NVMe)")
-    parser.add_argument("--keep-open", action="store_true",
-                        help="keep the kvtier store open between store and retrieve (default: close and reopen "
-                        "it, so no block can be served from DRAM; either way the page cache is dropped)")
+    parser.add_argument(
+        "--shared",
+        action="store_true",
+        help="also measure kvtier's shared-filesystem tier "
+        "(publish, visibility, cold retrieve from another store, files per GB, lookup latency "
+        "of 10,000 keys) on a directory beside fio's file (on with --small)",
+    )
+    parser.add_argument(
+        "--lmcache-python", help="interpreter with lmcache installed (default: .venv-lmcache/bin/python when it exists)"
+    )
+    parser.add_argument(
+        "--fio-inflight-mib",
+        type=int,
+        default=DEFAULT_FIO_INFLIGHT_BYTES // workload.MIB,
+        help="bytes in flight for fio, in MiB (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--dram-bytes",
+        type=int,
+        default=0,
+        help="kvtier DRAM tier for the benchmark store (default: 0, so gets come from NVMe)",
+    )
+    parser.add_argument(
+        "--keep-open",
+        action="store_true",
+        help="keep the kvtier store open between store and retrieve (default: close and reopen "
+        "it, so no block can be served from DRAM; either way the page cache is dropped)",
+    )
     parser.add_argument("--seed", type=int, default=20240601, help="seed of the block data (default: %(default)s)")
     return parser
 
@@ -221,8 +250,10 @@ def run(options: dict) -> dict:
     pool_bytes = max(workload.pool_bytes_for(case["prompt_bytes"], case["object_bytes"]) for case in cases)
     check_resources(options, cases, pool_bytes)
     models = {
-        model: {field: getattr(workload.MODEL_SHAPES[model], field) for field in
-                ("name", "num_layers", "num_kv_heads", "head_dim", "dtype_bytes")}
+        model: {
+            field: getattr(workload.MODEL_SHAPES[model], field)
+            for field in ("name", "num_layers", "num_kv_heads", "head_dim", "dtype_bytes")
+        }
         | {"kv_bytes_per_token": workload.MODEL_SHAPES[model].kv_bytes_per_token}
         for model in options["models"]
     }
@@ -252,8 +283,8 @@ def run(options: dict) -> dict:
             "dram_bytes": options["dram_bytes"],
             "reopen": options["reopen"],
             "timed": "store: put_many from the caller's buffers + flush (synced); retrieve: get_many into "
-                     "prefaulted caller buffers, after close/reopen (unless --keep-open) and a page-cache drop; "
-                     "CPU: getrusage of this process (the store's I/O threads are in it)",
+            "prefaulted caller buffers, after close/reopen (unless --keep-open) and a page-cache drop; "
+            "CPU: getrusage of this process (the store's I/O threads are in it)",
         }
     else:
         systems["kvtier"] = {"enabled": False, "skipped_reason": "--no-kvtier"}
@@ -262,15 +293,16 @@ def run(options: dict) -> dict:
             "enabled": True,
             "shared_root": os.path.join(options["scratch_dir"], "kvtier-shared", "shared"),
             "timed": "store: store A (nvme_bytes=0, 8 DRAM slots) put_many + flush, which publishes every "
-                     "shared file (tmp create, fdatasync, rename, manifest record); retrieve: A closed, page cache "
-                     "dropped, store B (other local directory, nvme_bytes=0, same shared_root and namespace) "
-                     "opened and polled until lookup_prefix covers the prompt (visibility, not in the GB/s), "
-                     "then get_many from the shared files; CPU: getrusage of this process",
+            "shared file (tmp create, fdatasync, rename, manifest record); retrieve: A closed, page cache "
+            "dropped, store B (other local directory, nvme_bytes=0, same shared_root and namespace) "
+            "opened and polled until lookup_prefix covers the prompt (visibility, not in the GB/s), "
+            "then get_many from the shared files; CPU: getrusage of this process",
         }
     else:
-        systems["kvtier_shared"] = {"enabled": False,
-                                    "skipped_reason": "--no-kvtier" if options["use_kvtier"] is False else
-                                    "not requested (--shared)"}
+        systems["kvtier_shared"] = {
+            "enabled": False,
+            "skipped_reason": "--no-kvtier" if options["use_kvtier"] is False else "not requested (--shared)",
+        }
     if not options["use_fio"]:
         systems["fio"] = {"enabled": False, "skipped_reason": "--no-fio"}
     elif not fio.fio_path():
@@ -281,8 +313,8 @@ def run(options: dict) -> dict:
             "enabled": True,
             "version": fio.fio_version(),
             "timed": "sequential write then read, O_DIRECT, io_uring, on a file beside the store, "
-                     "min(prompt, 4 GiB), a few bs/iodepth/jobs combinations; best of each direction per "
-                     "repeat; CPU: fio's usr+sys",
+            "min(prompt, 4 GiB), a few bs/iodepth/jobs combinations; best of each direction per "
+            "repeat; CPU: fio's usr+sys",
         }
     lmcache_session = None
     if not options["use_lmcache"]:
@@ -290,8 +322,10 @@ def run(options: dict) -> dict:
     else:
         python_path = options["lmcache_python"] or lmcache_client.default_lmcache_python()
         if not python_path:
-            reason = ("lmcache is not installed: run scripts/install_lmcache.sh (makes .venv-lmcache) "
-                      "or pass --lmcache-python PATH; skipped")
+            reason = (
+                "lmcache is not installed: run scripts/install_lmcache.sh (makes .venv-lmcache) "
+                "or pass --lmcache-python PATH; skipped"
+            )
             systems["lmcache"] = {"enabled": False, "skipped_reason": reason}
             log(f"note: {reason}")
         else:
@@ -305,9 +339,9 @@ def run(options: dict) -> dict:
                     "torch_version": lmcache_session.torch_version,
                     "backend": "LocalDiskBackend, O_DIRECT, page-aligned staging pool, local_cpu=False",
                     "timed": "store: batched_submit_put_task of filled memory objects until every write "
-                             "completed (no fsync; the copy into its memory objects is not timed); retrieve: "
-                             "batched_get_blocking into its staging pool after a page-cache drop; CPU: "
-                             "getrusage of the runner process",
+                    "completed (no fsync; the copy into its memory objects is not timed); retrieve: "
+                    "batched_get_blocking into its staging pool after a page-cache drop; CPU: "
+                    "getrusage of the runner process",
                 }
             except lmcache_client.LMCacheUnavailable as error:
                 systems["lmcache"] = {"enabled": False, "skipped_reason": str(error)}
@@ -336,8 +370,10 @@ def run(options: dict) -> dict:
                 )
                 rotation = (repeat + case_index) % len(enabled) if enabled else 0
                 order = enabled[rotation:] + enabled[:rotation]
-                label = (f"[{repeat + 1}/{options['repeats']}] {case['model']} "
-                         f"{workload.format_token_count(case['prompt_tokens'])} {case['object_kind']}")
+                label = (
+                    f"[{repeat + 1}/{options['repeats']}] {case['model']} "
+                    f"{workload.format_token_count(case['prompt_tokens'])} {case['object_kind']}"
+                )
                 for system in order:
                     try:
                         if system == "fio":
@@ -345,34 +381,49 @@ def run(options: dict) -> dict:
                                 fio_file, case["prompt_bytes"], case["object_bytes"], options["fio_inflight_bytes"]
                             )
                             best_read, best_write = sample["fio"]["best_read"], sample["fio"]["best_write"]
-                            log(f"{label} fio: read {best_read['gbps']:.2f} GB/s ({_combo_label(best_read)}), "
-                                f"write {best_write['gbps']:.2f} GB/s ({_combo_label(best_write)})")
+                            log(
+                                f"{label} fio: read {best_read['gbps']:.2f} GB/s ({_combo_label(best_read)}), "
+                                f"write {best_write['gbps']:.2f} GB/s ({_combo_label(best_write)})"
+                            )
                         elif system == "kvtier":
                             namespace = f"kvtier-bench-io/{case['model']}/{case['tokens_per_object']}".encode()
                             sample["kvtier"] = kvtier_store.measure(
-                                layout, pool, os.path.join(options["scratch_dir"], "kvtier-store"), namespace,
-                                dram_bytes=options["dram_bytes"], reopen=options["reopen"],
+                                layout,
+                                pool,
+                                os.path.join(options["scratch_dir"], "kvtier-store"),
+                                namespace,
+                                dram_bytes=options["dram_bytes"],
+                                reopen=options["reopen"],
                             )
                             measured = sample["kvtier"]
-                            log(f"{label} kvtier: store {measured['store']['gbps']:.2f} GB/s, retrieve "
+                            log(
+                                f"{label} kvtier: store {measured['store']['gbps']:.2f} GB/s, retrieve "
                                 f"{measured['retrieve']['gbps']:.2f} GB/s, wrong {measured['wrong_objects']}, "
-                                f"missing {measured['missing_objects']}")
+                                f"missing {measured['missing_objects']}"
+                            )
                         elif system == "kvtier_shared":
                             namespace = f"kvtier-bench-io/{case['model']}/{case['tokens_per_object']}".encode()
                             sample["kvtier_shared"] = kvtier_store.measure_shared(
-                                layout, pool, os.path.join(options["scratch_dir"], "kvtier-shared"), namespace,
+                                layout,
+                                pool,
+                                os.path.join(options["scratch_dir"], "kvtier-shared"),
+                                namespace,
                             )
                             measured = sample["kvtier_shared"]
-                            log(f"{label} kvtier shared: store {measured['store']['gbps']:.2f} GB/s "
+                            log(
+                                f"{label} kvtier shared: store {measured['store']['gbps']:.2f} GB/s "
                                 f"({measured['files']['data_files']} files, "
                                 f"{measured['store']['shared_dropped_publishes']} dropped publishes), visible after "
                                 f"{measured['visibility_seconds'] * 1e3:.1f} ms, retrieve "
                                 f"{measured['retrieve']['gbps']:.2f} GB/s, wrong {measured['wrong_objects']}, "
-                                f"missing {measured['missing_objects']}")
+                                f"missing {measured['missing_objects']}"
+                            )
                         elif system == "lmcache":
                             request = {
-                                "shape": {field: getattr(workload.MODEL_SHAPES[case["model"]], field) for field in
-                                          ("name", "num_layers", "num_kv_heads", "head_dim", "dtype_bytes")},
+                                "shape": {
+                                    field: getattr(workload.MODEL_SHAPES[case["model"]], field)
+                                    for field in ("name", "num_layers", "num_kv_heads", "head_dim", "dtype_bytes")
+                                },
                                 "prompt_tokens": case["prompt_tokens"],
                                 "tokens_per_object": case["tokens_per_object"],
                                 "seed": options["seed"],
@@ -385,9 +436,11 @@ def run(options: dict) -> dict:
                             timeout_s = max(180.0, case["prompt_bytes"] / 50e6)
                             sample["lmcache"] = lmcache_session.measure(request, timeout_s)
                             measured = sample["lmcache"]
-                            log(f"{label} LMCache: store {measured['store']['gbps']:.2f} GB/s, retrieve "
+                            log(
+                                f"{label} LMCache: store {measured['store']['gbps']:.2f} GB/s, retrieve "
                                 f"{measured['retrieve']['gbps']:.2f} GB/s, wrong {measured['wrong_objects']}, "
-                                f"missing {measured['missing_objects']}")
+                                f"missing {measured['missing_objects']}"
+                            )
                     except lmcache_client.LMCacheUnavailable as error:
                         document["errors"].append({"system": system, "case": label, "error": str(error)})
                         log(f"{label} LMCache stopped: {error}")
@@ -403,13 +456,16 @@ def run(options: dict) -> dict:
         if "kvtier_shared" in enabled:
             try:
                 lookup = kvtier_store.measure_shared_lookup(
-                    os.path.join(options["scratch_dir"], "kvtier-shared-lookup"), b"kvtier-bench-io/lookup",
+                    os.path.join(options["scratch_dir"], "kvtier-shared-lookup"),
+                    b"kvtier-bench-io/lookup",
                     calls=kvtier_store.LOOKUP_CALLS if not options["small"] else 5,
                 )
                 systems["kvtier_shared"]["lookup"] = lookup
-                log(f"kvtier shared index, {lookup['key_count']} keys: lookup_prefix "
+                log(
+                    f"kvtier shared index, {lookup['key_count']} keys: lookup_prefix "
                     f"{lookup['lookup_prefix']['us_per_call']['median']:.0f} us/call, contains_many "
-                    f"{lookup['contains_many']['us_per_call']['median']:.0f} us/call (median)")
+                    f"{lookup['contains_many']['us_per_call']['median']:.0f} us/call (median)"
+                )
             except Exception as error:
                 document["errors"].append(
                     {"system": "kvtier_shared", "case": "lookup", "error": f"{type(error).__name__}: {error}"}
@@ -435,8 +491,11 @@ def run(options: dict) -> dict:
         for system in ("kvtier", "kvtier_shared", "lmcache")
     }
     document["sanity_problems"] = sanity_problems(document)
-    all_checks = [dict(check, case=f"{case['model']} {case['prompt_tokens']} {case['object_kind']}")
-                  for case in cases for check in case["targets"]]
+    all_checks = [
+        dict(check, case=f"{case['model']} {case['prompt_tokens']} {case['object_kind']}")
+        for case in cases
+        for check in case["targets"]
+    ]
     document["targets_summary"] = {
         "met": sum(1 for check in all_checks if check["met"]),
         "missed": [check for check in all_checks if not check["met"]],
@@ -460,30 +519,42 @@ def sanity_problems(document: dict) -> list[str]:
             shared_sample = sample.get("kvtier_shared")
             if shared_sample:
                 if shared_sample.get("unexplained_missing_objects"):
-                    problems.append(f"kvtier shared tier missed {shared_sample['unexplained_missing_objects']} "
-                                    f"published objects in {name}")
+                    problems.append(
+                        f"kvtier shared tier missed {shared_sample['unexplained_missing_objects']} "
+                        f"published objects in {name}"
+                    )
                 if shared_sample.get("wrong_objects"):
-                    problems.append(f"kvtier shared tier returned wrong bytes for {shared_sample['wrong_objects']} "
-                                    f"objects in {name}")
+                    problems.append(
+                        f"kvtier shared tier returned wrong bytes for {shared_sample['wrong_objects']} "
+                        f"objects in {name}"
+                    )
                 published = (shared_sample.get("store") or {}).get("published_objects")
                 if shared_sample.get("visible_objects") != published:
-                    problems.append(f"kvtier shared tier: store B saw {shared_sample.get('visible_objects')} of "
-                                    f"{published} published objects in {name}")
+                    problems.append(
+                        f"kvtier shared tier: store B saw {shared_sample.get('visible_objects')} of "
+                        f"{published} published objects in {name}"
+                    )
             kvtier_sample = sample.get("kvtier")
             if kvtier_sample:
                 if kvtier_sample.get("unexplained_missing_objects"):
-                    problems.append(f"kvtier missed {kvtier_sample['unexplained_missing_objects']} stored objects "
-                                    f"(not dropped under backpressure) in {name}")
+                    problems.append(
+                        f"kvtier missed {kvtier_sample['unexplained_missing_objects']} stored objects "
+                        f"(not dropped under backpressure) in {name}"
+                    )
                 if kvtier_sample.get("wrong_objects"):
                     problems.append(
                         f"kvtier returned wrong bytes for {kvtier_sample['wrong_objects']} objects in {name}"
                     )
                 if kvtier_sample.get("cold") is False:
-                    problems.append(f"kvtier retrieve in {name} was served from DRAM (not cold): "
-                                    "drop --keep-open or use a smaller --dram-bytes")
+                    problems.append(
+                        f"kvtier retrieve in {name} was served from DRAM (not cold): "
+                        "drop --keep-open or use a smaller --dram-bytes"
+                    )
                 if kvtier_sample.get("store", {}).get("dropped_stores"):
-                    problems.append(f"kvtier dropped {kvtier_sample['store']['dropped_stores']} stores under "
-                                    f"backpressure in {name}, so its store rate overstates: raise --dram-bytes")
+                    problems.append(
+                        f"kvtier dropped {kvtier_sample['store']['dropped_stores']} stores under "
+                        f"backpressure in {name}, so its store rate overstates: raise --dram-bytes"
+                    )
             for system in ("kvtier", "kvtier_shared", "lmcache"):
                 measured = sample.get(system)
                 for operation in ("store", "retrieve"):
@@ -529,8 +600,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"kvtier targets: {summary['met']} met, {len(summary['missed'])} missed (figures, not asserts)")
     log(f"results: {paths['json']}" + (f", plot: {paths['plot']}" if "plot" in paths else ""))
     if document["wrong_objects"]["kvtier"] or document["wrong_objects"]["kvtier_shared"]:
-        log(f"FAIL: kvtier returned wrong bytes for {document['wrong_objects']['kvtier']} objects "
-            f"(shared tier: {document['wrong_objects']['kvtier_shared']})")
+        log(
+            f"FAIL: kvtier returned wrong bytes for {document['wrong_objects']['kvtier']} objects "
+            f"(shared tier: {document['wrong_objects']['kvtier_shared']})"
+        )
         return EXIT_WRONG_BYTES
     if document["sanity_problems"]:
         for problem in document["sanity_problems"]:

@@ -106,7 +106,9 @@ def _make_connector_class():
             views = []
             for tensor in self.kvcaches:
                 if tensor.device.type != "cpu" or tensor.dim() != 4:
-                    raise RuntimeError(f"LMCache CPU shim: expected 4-d CPU KV tensors, got {tuple(tensor.shape)} on {tensor.device}")
+                    raise RuntimeError(
+                        f"LMCache CPU shim: expected 4-d CPU KV tensors, got {tuple(tensor.shape)} on {tensor.device}"
+                    )
                 num_blocks, heads, block_size, width = tensor.shape
                 if heads != self.num_kv_heads or width != 2 * self.head_size:
                     raise RuntimeError(
@@ -134,7 +136,11 @@ def _make_connector_class():
                     raise RuntimeError("LMCache CPU shim: negative slot in the range to copy")
                 block, offset = divmod(slot, self.block_size)
                 stop = index + 1
-                while stop < len(slots) and slots[stop] == slot + (stop - index) and offset + (stop - index) < self.block_size:
+                while (
+                    stop < len(slots)
+                    and slots[stop] == slot + (stop - index)
+                    and offset + (stop - index) < self.block_size
+                ):
                     stop += 1
                 runs.append((index, stop, block, offset))
                 index = stop
@@ -153,7 +159,9 @@ def _make_connector_class():
             for layer, view in enumerate(views):
                 for first, stop, block, offset in runs:
                     # [heads, 2, tokens, head_size] in vLLM -> [2, tokens, heads, head_size] in LMCache.
-                    target[:, layer, first:stop].copy_(view[block, :, :, offset : offset + stop - first].permute(1, 2, 0, 3))
+                    target[:, layer, first:stop].copy_(
+                        view[block, :, :, offset : offset + stop - first].permute(1, 2, 0, 3)
+                    )
             memory_obj.metadata.fmt = MemoryFormat.KV_2LTD
             _count("stored_tokens", count)
 
@@ -173,7 +181,9 @@ def _make_connector_class():
             source = source[:, :, skip:]
             for layer, view in enumerate(views):
                 for first, stop, block, offset in runs:
-                    view[block, :, :, offset : offset + stop - first].copy_(source[:, layer, first:stop].permute(2, 0, 1, 3))
+                    view[block, :, :, offset : offset + stop - first].copy_(
+                        source[:, layer, first:stop].permute(2, 0, 1, 3)
+                    )
             _count("loaded_tokens", count - skip)
 
         def batched_from_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:

