@@ -31,9 +31,9 @@ fi
 
 log "installing build and test tools"
 if command -v uv >/dev/null; then
-    uv pip install --quiet --python .venv/bin/python maturin pytest numpy matplotlib rich prometheus-client
+    uv pip install --quiet --python .venv/bin/python maturin pytest numpy matplotlib rich prometheus-client ruff mypy
 else
-    .venv/bin/python -m pip install --quiet maturin pytest numpy matplotlib rich prometheus-client
+    .venv/bin/python -m pip install --quiet maturin pytest numpy matplotlib rich prometheus-client ruff mypy
 fi
 
 log "building kvtier (release)"

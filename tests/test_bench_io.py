@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -152,7 +153,7 @@ def test_bench_io_small_shared(tmp_path):
     for name in ("lookup_prefix", "contains_many"):
         assert 0 < lookup[name]["us_per_call"]["min"] <= lookup[name]["us_per_call"]["median"]
         assert lookup[name]["us_per_key"]["median"] == pytest.approx(lookup[name]["us_per_call"]["median"] / 10_000)
-    table = open(document["outputs"]["table"]).read()
+    table = Path(document["outputs"]["table"]).read_text()
     assert "kvtier shared fs" in table and "lookup_prefix" in table
 
 

@@ -58,6 +58,7 @@ def test_experiment2_recompute_measured_by_experiment2_when_its_length_is_not_in
     measurements += [measurement(2, "vllm_prefix", 1024, 0.6, rate) for rate in RATES]
     summary, rows2, markdown = experiment2_rows(the_plan, measurements)
     assert "recompute" not in summary["experiment2"]
+    assert [row[0] for row in rows2] == [ttft.CONFIG_LABELS["vllm_prefix"]]
     assert set(summary["experiment2"]["vllm_prefix"]) == {"0", "50", "100"}
     assert summary["experiment2_recompute"]["from_experiment"] == 2
     assert summary["experiment2_recompute"]["ttft_s"]["median"] == 0.7

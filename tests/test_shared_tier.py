@@ -75,7 +75,7 @@ def test_shared_options_are_validated(tmp_path):
             shared_root=str(tmp_path / "s"),
             shared_high_watermark=1.5,
         )
-    with pytest.raises(kvtier.KvtierError, match="shared_root|does not exist|parent"):
+    with pytest.raises(kvtier.KvtierError, match=r"shared_root|does not exist|parent"):
         kvtier.Store.open(
             str(tmp_path / "x"),
             object_bytes=OBJECT_BYTES,

@@ -38,7 +38,7 @@ def test_put_get_roundtrip_and_stats(store_dir, engine):
         keys = [key(i) for i in range(4)]
         store.put_many(keys, [value(i) for i in range(4)])
         out = [np.zeros(OBJECT_BYTES, np.uint8) for _ in range(5)]
-        hits = store.get_many(keys + [key(99)], out)
+        hits = store.get_many([*keys, key(99)], out)
         assert hits == [True, True, True, True, False]
         for i in range(4):
             assert np.array_equal(out[i], value(i))
@@ -78,7 +78,10 @@ def test_nvme_tier_serves_after_dram_eviction_and_restart(store_dir, engine):
 def test_segments_and_layer_blocks(store_dir, engine):
     layers, page = 4, OBJECT_BYTES // 4
     num_blocks = 6
-    kv = [np.random.default_rng(100 + l).integers(0, 256, num_blocks * page, dtype=np.uint8) for l in range(layers)]
+    kv = [
+        np.random.default_rng(100 + layer).integers(0, 256, num_blocks * page, dtype=np.uint8)
+        for layer in range(layers)
+    ]
     keys = [key(1000 + b) for b in range(num_blocks)]
     with open_store(store_dir, engine) as store:
         assert store.put_blocks(keys, kv, list(range(num_blocks))) == [True] * num_blocks
@@ -86,14 +89,14 @@ def test_segments_and_layer_blocks(store_dir, engine):
         segs = [[np.zeros(page, np.uint8) for _ in range(layers)] for _ in range(num_blocks)]
         assert all(store.get_many(keys, segs))
         for b in range(num_blocks):
-            for l in range(layers):
-                assert np.array_equal(segs[b][l], kv[l][b * page : (b + 1) * page])
+            for layer in range(layers):
+                assert np.array_equal(segs[b][layer], kv[layer][b * page : (b + 1) * page])
         # And scatter into other block ids of a second "engine cache".
         dst = [np.zeros(num_blocks * page, np.uint8) for _ in range(layers)]
         assert store.get_blocks(keys[:2], dst, [5, 3]) == [True, True]
-        for l in range(layers):
-            assert np.array_equal(dst[l][5 * page : 6 * page], kv[l][0:page])
-            assert np.array_equal(dst[l][3 * page : 4 * page], kv[l][page : 2 * page])
+        for layer in range(layers):
+            assert np.array_equal(dst[layer][5 * page : 6 * page], kv[layer][0:page])
+            assert np.array_equal(dst[layer][3 * page : 4 * page], kv[layer][page : 2 * page])
 
 
 def test_async_jobs(store_dir, engine):
@@ -111,7 +114,7 @@ def test_async_jobs(store_dir, engine):
                 break
             threading.Event().wait(0.01)
         assert finished[2] == [True] * 6
-        assert all(np.array_equal(o, v) for o, v in zip(out, vals))
+        assert all(np.array_equal(o, v) for o, v in zip(out, vals, strict=True))
         with pytest.raises(ValueError):
             store.wait(2)  # already reported
 
@@ -128,7 +131,7 @@ def test_pins_keep_blocks(store_dir, engine):
     with open_store(store_dir, engine, nvme_bytes=0) as store:
         keys = [key(i) for i in range(4)]
         store.put_many(keys, [value(i) for i in range(4)])
-        assert store.pin_many(keys + [key(77)]) == [True] * 4
+        assert store.pin_many([*keys, key(77)]) == [True] * 4
         # Flood DRAM (no NVMe tier): pinned blocks must stay.
         store.put_many([key(100 + i) for i in range(30)], [value(100 + i) for i in range(30)])
         out = [np.zeros(OBJECT_BYTES, np.uint8) for _ in keys]
@@ -182,7 +185,7 @@ def test_corrupt_block_on_disk_is_a_counted_miss(store_dir, engine):
         out = [np.zeros(OBJECT_BYTES, np.uint8) for _ in keys]
         hits = store.get_many(keys, out)
         assert hits.count(False) == 1
-        for i, (h, o) in enumerate(zip(hits, out)):
+        for i, (h, o) in enumerate(zip(hits, out, strict=True)):
             if h:
                 assert np.array_equal(o, value(i))
         assert store.stats()["checksum_failures"] == 1

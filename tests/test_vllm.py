@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import time
@@ -36,7 +35,7 @@ except Exception as import_error:  # pragma: no cover - depends on the environme
         allow_module_level=True,
     )
 try:
-    import kvtier  # noqa: F401
+    import kvtier
     import kvtier.vllm as kvtier_vllm
 except Exception as import_error:  # pragma: no cover
     pytest.skip(f"kvtier is not importable ({import_error!r}); run `maturin develop` first", allow_module_level=True)
@@ -74,14 +73,17 @@ def random_prompt(seed: int, full_blocks: int, extra_tokens: int = 10) -> list[i
 
 def generate(llm, prompt_token_ids: list[int], cache_salt: str | None = None, max_tokens: int = 6):
     from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
-    prompt = {"prompt_token_ids": prompt_token_ids}
+    prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
     if cache_salt is not None:
         prompt["cache_salt"] = cache_salt
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, seed=0)
     (output,) = llm.generate([prompt], params, use_tqdm=False)
     completion = output.outputs[0]
-    chosen_logprobs = [step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)]
+    chosen_logprobs = [
+        step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs, strict=True)
+    ]
     return list(completion.token_ids), chosen_logprobs, output.num_cached_tokens or 0
 
 
@@ -96,7 +98,7 @@ def assert_same_output(baseline, candidate) -> None:
     baseline_tokens, baseline_logprobs, _ = baseline
     tokens, logprobs, _ = candidate
     assert tokens == baseline_tokens
-    for expected, actual in zip(baseline_logprobs, logprobs):
+    for expected, actual in zip(baseline_logprobs, logprobs, strict=True):
         assert abs(expected - actual) <= LOGPROB_TOLERANCE, (baseline_logprobs, logprobs)
 
 
@@ -269,24 +271,28 @@ def test_vllm_offload_metrics_count_kvtier_transfers(engine, monkeypatch):
     registry = prometheus_client.CollectorRegistry()
 
     class PrivateRegistryProm(KVConnectorProm):
-        _gauge_cls = functools.partial(prometheus_client.Gauge, registry=registry)
-        _counter_cls = functools.partial(prometheus_client.Counter, registry=registry)
-        _histogram_cls = functools.partial(prometheus_client.Histogram, registry=registry)
+        # Factories, not classes: vLLM only calls them to create its metrics.
+        _gauge_cls = functools.partial(prometheus_client.Gauge, registry=registry)  # type: ignore[assignment]
+        _counter_cls = functools.partial(prometheus_client.Counter, registry=registry)  # type: ignore[assignment]
+        _histogram_cls = functools.partial(prometheus_client.Histogram, registry=registry)  # type: ignore[assignment]
 
     engine_labels = {"model_name": "m", "engine": "0"}
     PrivateRegistryProm(llm.llm_engine.vllm_config, list(engine_labels), {0: list(engine_labels.values())}).observe(
         total.data, 0
     )
-    block_bytes = OBJECT_BYTES_TINY
+
+    def sample(name: str, labels: dict[str, str]) -> float:
+        return registry.get_sample_value(name, labels) or 0.0
+
     for direction in ("load", "store"):
-        assert registry.get_sample_value(f"vllm:kv_offload_{direction}_bytes_total", engine_labels) >= 3 * block_bytes
-        assert registry.get_sample_value(f"vllm:kv_offload_{direction}_time_total", engine_labels) > 0
+        assert sample(f"vllm:kv_offload_{direction}_bytes_total", engine_labels) >= 3 * OBJECT_BYTES_TINY
+        assert sample(f"vllm:kv_offload_{direction}_time_total", engine_labels) > 0
     for transfer_type, direction in (("CPU_to_GPU", "load"), ("GPU_to_CPU", "store")):
         labels = {**engine_labels, "transfer_type": transfer_type}
-        assert registry.get_sample_value("vllm:kv_offload_total_bytes_total", labels) == registry.get_sample_value(
+        assert sample("vllm:kv_offload_total_bytes_total", labels) == sample(
             f"vllm:kv_offload_{direction}_bytes_total", engine_labels
         )
-        assert registry.get_sample_value("vllm:kv_offload_total_time_total", labels) > 0
+        assert sample("vllm:kv_offload_total_time_total", labels) > 0
     assert_same_output(baseline, restored)
 
 
@@ -386,11 +392,13 @@ def test_unstable_hash_algo_is_refused(monkeypatch):
 
 
 def test_kvtier_key_mapping():
+    from vllm.v1.kv_offload.base import OffloadKey
+
     block_hash = bytes(range(32))
-    assert kvtier_vllm.kvtier_key(block_hash + b"\0\0\0\0") == block_hash
-    other_group = kvtier_vllm.kvtier_key(block_hash + b"\0\0\0\1")
+    assert kvtier_vllm.kvtier_key(OffloadKey(block_hash + b"\0\0\0\0")) == block_hash
+    other_group = kvtier_vllm.kvtier_key(OffloadKey(block_hash + b"\0\0\0\1"))
     assert len(other_group) == 32 and other_group != block_hash
-    assert len(kvtier_vllm.kvtier_key(bytes(16) + b"\0\0\0\0")) == 32
+    assert len(kvtier_vllm.kvtier_key(OffloadKey(bytes(16) + b"\0\0\0\0"))) == 32
 
 
 def test_store_options_come_from_extra_config():
@@ -453,7 +461,7 @@ def test_lookup_of_a_block_being_stored_is_pending_then_hit(tmp_path):
     store shows is a hit even before vLLM hears the job finished, and a store that never landed
     turns back into a miss."""
     import numpy as np
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 
     store = kvtier.Store.open(str(tmp_path / "store"), namespace=b"lookup-test", object_bytes=4096,
                               dram_bytes=1 << 20, nvme_bytes=0)  # fmt: skip
@@ -462,7 +470,7 @@ def test_lookup_of_a_block_being_stored_is_pending_then_hit(tmp_path):
     )
     manager = kvtier_vllm.KvtierManager(shared)
     context = ReqContext(req_id="r")
-    stored, dropped, unknown = (bytes([n]) * 32 + b"\0\0\0\0" for n in (1, 2, 3))
+    stored, dropped, unknown = (make_offload_key(bytes([n]) * 32, 0) for n in (1, 2, 3))
     output = manager.prepare_store([stored, dropped], context)
     assert output is not None and len(output.keys_to_store) == 2
     assert manager.lookup(stored, context) is LookupResult.HIT_PENDING
@@ -482,13 +490,13 @@ def test_a_request_releases_only_its_own_pins(tmp_path):
     request pins it, the first request's complete_load must not take that pin away (the block would
     then be evicted while the second request's load is in flight)."""
     import numpy as np
-    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 
     object_bytes = 4096
     options = dict(namespace=b"pin-test", object_bytes=object_bytes, nvme_bytes=0, shared_root=str(tmp_path / "shared"),
                    shared_staleness_ms=50, shared_file_bytes=1 << 20)  # fmt: skip
     writer = kvtier.Store.open(str(tmp_path / "a"), dram_bytes=1 << 20, **options)
-    engine_key = bytes([9]) * 32 + b"\0\0\0\0"
+    engine_key = make_offload_key(bytes([9]) * 32, 0)
     block = kvtier_vllm.kvtier_key(engine_key)
     writer.put_many([block], [np.full(object_bytes, 5, dtype=np.uint8)])
     writer.flush()

@@ -51,7 +51,8 @@ except Exception as import_error:  # pragma: no cover
     pytest.skip(f"kvtier is not importable ({import_error!r}); run `maturin develop` first", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for the subprocess entry point below
-from test_vllm import (  # noqa: E402  (after the environment above)
+from kvtier.models import ensure_model
+from test_vllm import (
     TOKENS_PER_BLOCK,
     StatsDelta,
     assert_same_output,
@@ -60,8 +61,6 @@ from test_vllm import (  # noqa: E402  (after the environment above)
     random_prompt,
     settle,
 )
-
-from kvtier.models import ensure_model  # noqa: E402
 
 # A fresh process sees a block another process published within the staleness bound; small here
 # so nothing waits. Files of 2 MiB (7 tiny-model blocks) so the tmpfs below holds many of them.

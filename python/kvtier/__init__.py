@@ -20,16 +20,16 @@ from kvtier.errors import (
 KEY_BYTES = 32
 
 __all__ = [
-    "Store",
     "KEY_BYTES",
-    "__version__",
-    "KvtierError",
-    "ConfigError",
-    "IoError",
-    "FormatError",
-    "NamespaceError",
     "CapacityError",
-    "LockedError",
     "ClosedError",
+    "ConfigError",
+    "FormatError",
+    "IoError",
+    "KvtierError",
+    "LockedError",
+    "NamespaceError",
+    "Store",
     "TimeoutError",
+    "__version__",
 ]

@@ -14,7 +14,7 @@ import importlib
 import sys
 
 # (words, module, what it does)
-SUBCOMMANDS = (
+SUBCOMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("bench", "io"), "kvtier.bench.io", "store and cold retrieve vs fio and LMCache's disk backend"),
     (("bench", "ttft"), "kvtier.bench.ttft", "time to first token through a real engine, with and without kvtier"),
     (("demo",), "kvtier.demo", "end-to-end demo with a real engine"),

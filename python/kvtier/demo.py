@@ -263,7 +263,10 @@ def run_workload(base_url: str, model: str, texts: dict[str, str], max_tokens: i
 
 
 def print_table(results: list[RequestResult]) -> None:
-    header = f"{'request':<16} {'expected source':<48} {'prompt':>7} {'cached':>7} {'dram hits':>9} {'nvme hits':>9} {'TTFT ms':>9}"
+    header = (
+        f"{'request':<16} {'expected source':<48} {'prompt':>7} {'cached':>7} "
+        f"{'dram hits':>9} {'nvme hits':>9} {'TTFT ms':>9}"
+    )
     print(header)
     print("-" * len(header))
     for result in results:

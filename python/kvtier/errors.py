@@ -44,13 +44,13 @@ class TimeoutError(KvtierError, builtins.TimeoutError):
 
 
 __all__ = [
-    "KvtierError",
-    "ConfigError",
-    "IoError",
-    "FormatError",
-    "NamespaceError",
     "CapacityError",
-    "LockedError",
     "ClosedError",
+    "ConfigError",
+    "FormatError",
+    "IoError",
+    "KvtierError",
+    "LockedError",
+    "NamespaceError",
     "TimeoutError",
 ]

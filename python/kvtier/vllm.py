@@ -51,20 +51,19 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
-    Locality,
     LoadStoreSpec,
+    Locality,
     LookupResult,
     Medium,
     OffloadingCounterMetadata,
@@ -632,7 +631,7 @@ class KvtierManager(OffloadingManager):
             logger.exception("kvtier: pin failed; the load will fail and vLLM will recompute")
             pinned = []
         request_pins = self._pins.setdefault(req_context.req_id, Counter())
-        for store_key, took_pin in zip(store_keys, pinned):
+        for store_key, took_pin in zip(store_keys, pinned, strict=False):  # flags for present keys only
             if took_pin:
                 request_pins[store_key] += 1
         return KvtierLoadStoreSpec(store_keys)
@@ -667,7 +666,7 @@ class KvtierManager(OffloadingManager):
             return None
         keys_to_store: list[OffloadKey] = []
         store_keys_to_store: list[bytes] = []
-        for key, store_key, is_present in zip(keys, store_keys, present):
+        for key, store_key, is_present in zip(keys, store_keys, present, strict=True):
             if is_present or store_key in self._being_stored:
                 continue
             keys_to_store.append(key)
@@ -1010,8 +1009,9 @@ class KvtierConnector(OffloadingConnector):
             prom_metrics._observe_deprecated_metrics = True
         else:  # a vLLM other than 0.32: its own transfer metrics still count kvtier's transfers
             logger.warning(
-                "kvtier: this vLLM's offload metrics have no switch for the transfer_type ones; vllm:kv_offload_total_* "
-                "may stay at zero (use vllm:kv_offload_load_bytes and vllm:kv_offload_store_bytes)"
+                "kvtier: this vLLM's offload metrics have no switch for the transfer_type ones; "
+                "vllm:kv_offload_total_* may stay at zero (read vllm:kv_offload_load_bytes and "
+                "vllm:kv_offload_store_bytes)"
             )
         return prom_metrics
 

@@ -8,6 +8,7 @@ other systems of the same repeat are compared.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -161,7 +162,5 @@ def measure_limits(
 
 
 def remove_test_file(filename: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(filename)
-    except FileNotFoundError:
-        pass

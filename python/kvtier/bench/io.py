@@ -21,6 +21,7 @@ I/O, and it also fails (4) on results that are not sane (unexplained misses, err
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -434,6 +435,7 @@ def run(options: dict) -> dict:
                                 "use_odirect": True,
                             }
                             timeout_s = max(180.0, case["prompt_bytes"] / 50e6)
+                            assert lmcache_session is not None  # "lmcache" is in the order only with a session
                             sample["lmcache"] = lmcache_session.measure(request, timeout_s)
                             measured = sample["lmcache"]
                             log(
@@ -477,10 +479,8 @@ def run(options: dict) -> dict:
         fio.remove_test_file(fio_file)
         shutil.rmtree(options["scratch_dir"], ignore_errors=True)
         if options["created_base_dir"]:
-            try:
+            with contextlib.suppress(OSError):
                 os.rmdir(os.path.dirname(options["scratch_dir"]))  # the default folder we made, if empty
-            except OSError:
-                pass
     document["elapsed_seconds"] = time.perf_counter() - run_started
 
     for case in cases:

@@ -88,6 +88,7 @@ class LMCacheSession:
         self.torch_version = hello.get("torch_version")
 
     def _drain_stderr(self) -> None:
+        assert self.process.stderr is not None  # Popen(stderr=PIPE)
         for line in self.process.stderr:
             self.stderr_tail.append(line.rstrip("\n"))
 
@@ -98,6 +99,7 @@ class LMCacheSession:
         answer: list[str] = []
 
         def read() -> None:
+            assert self.process.stdout is not None  # Popen(stdout=PIPE)
             answer.append(self.process.stdout.readline())
 
         reader = threading.Thread(target=read, daemon=True)
@@ -110,6 +112,7 @@ class LMCacheSession:
     def measure(self, request: dict, timeout_s: float) -> dict:
         if self.process.poll() is not None:
             raise LMCacheUnavailable(f"LMCache runner exited ({self.process.returncode}):\n{self.log_tail()}")
+        assert self.process.stdin is not None  # Popen(stdin=PIPE)
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         answer = self._read_answer(timeout_s)
@@ -130,6 +133,7 @@ class LMCacheSession:
     def close(self) -> None:
         if self.process.poll() is None:
             try:
+                assert self.process.stdin is not None  # Popen(stdin=PIPE)
                 self.process.stdin.write(json.dumps({"op": "quit"}) + "\n")
                 self.process.stdin.flush()
                 self.process.wait(timeout=30)

@@ -64,7 +64,7 @@ def _connector_base():
 def _make_connector_class():
     from lmcache.v1.memory_management import MemoryFormat
 
-    class CPUPagedKVConnector(_connector_base()):
+    class CPUPagedKVConnector(_connector_base()):  # type: ignore[misc]  # LMCache's base, imported late (see install)
         """Copies KV between vLLM-CPU's paged per-layer tensors and LMCache KV_2LTD memory objects."""
 
         def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, chunk_size: int, dtype: torch.dtype):
@@ -81,7 +81,7 @@ def _make_connector_class():
         # LMCache's factory signature hands us its metadata; kv_shape is
         # (num_layers, 2, chunk_size, num_kv_heads, head_size).
         @classmethod
-        def from_metadata(cls, metadata: Any) -> "CPUPagedKVConnector":
+        def from_metadata(cls, metadata: Any) -> CPUPagedKVConnector:
             num_layers, kv_size, chunk_size, num_kv_heads, head_size = metadata.kv_shape
             if metadata.use_mla or kv_size != 2:
                 raise RuntimeError("kvtier's LMCache CPU shim supports K/V attention only (no MLA)")
@@ -262,5 +262,6 @@ def install() -> None:
         _patch_lmcache_factory()
         return original_create(*args, **kwargs)
 
-    KVConnectorFactory.create_connector = classmethod(create_connector)
-    KVConnectorFactory._kvtier_lmcache_shim = True
+    # Patching vLLM's factory is what this shim is for.
+    KVConnectorFactory.create_connector = classmethod(create_connector)  # type: ignore[method-assign,assignment]
+    KVConnectorFactory._kvtier_lmcache_shim = True  # type: ignore[attr-defined]

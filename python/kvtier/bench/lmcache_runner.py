@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import importlib.util
 import json
 import os
 import resource
@@ -31,8 +32,6 @@ import sys
 import threading
 import time
 import traceback
-
-import importlib.util
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Run as a script, Python puts this directory first on sys.path, where kvtier.bench's module names
@@ -44,6 +43,7 @@ import numpy as np  # noqa: E402
 
 def _load_sibling(name: str):
     spec = importlib.util.spec_from_file_location(f"kvtier_bench_{name}", os.path.join(HERE, f"{name}.py"))
+    assert spec is not None and spec.loader is not None, f"cannot load {name}.py beside {__file__}"
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look the module up by name
     spec.loader.exec_module(module)
@@ -74,7 +74,7 @@ class LMCacheDiskHarness:
         from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
 
         self.torch = torch
-        extra_config = {"use_odirect": use_odirect}
+        extra_config: dict[str, bool | int] = {"use_odirect": use_odirect}
         if io_threads:
             extra_config["disk_io_threads"] = io_threads
         config = LMCacheEngineConfig(
@@ -169,7 +169,7 @@ def measure(request: dict) -> dict:
                 chunk_hash=int.from_bytes(key[:8], "little"),
                 dtype=dtype,
             )
-            for key in layout.keys()
+            for key in layout.keys()  # noqa: SIM118 (PromptLayout.keys() is a method returning a list, not a dict)
         ]
         views = layout.object_views(pool)
 

@@ -25,11 +25,11 @@ SYSTEMS = ("kvtier", "kvtier_shared", "lmcache")
 FIO_DIRECTION = {"retrieve": "read", "store": "write"}
 
 
-def spread(values: list[float]) -> dict | None:
-    values = [value for value in values if value is not None]
-    if not values:
+def spread(values: list[float | None]) -> dict | None:
+    present = [value for value in values if value is not None]
+    if not present:
         return None
-    return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}
+    return {"min": min(present), "median": statistics.median(present), "max": max(present), "n": len(present)}
 
 
 def retrieve_target_ratio(object_bytes: int) -> float:
@@ -56,7 +56,7 @@ def summarize_case(case: dict) -> dict:
         run_best_fio = max((value for value in fio_values if value), default=None)
         for system in SYSTEMS:
             gbps_values, ratios, cpu_values = [], [], []
-            for sample, fio_value in zip(repeats, fio_values):
+            for sample, fio_value in zip(repeats, fio_values, strict=True):
                 measured = (sample.get(system) or {}).get(operation)
                 if not measured:
                     continue
@@ -67,6 +67,7 @@ def summarize_case(case: dict) -> dict:
             if not gbps_values:
                 continue
             gbps_spread = spread(gbps_values)
+            assert gbps_spread is not None  # gbps_values has a figure
             summary[f"{system}_{operation}"] = {
                 "gbps": gbps_spread,
                 "ratio_to_fio": spread(ratios),
@@ -280,7 +281,7 @@ def render_table(document: dict, console_file=None) -> str:
     """Print the table (rich when installed); return it as plain text for table.txt."""
     rows = table_rows(document)
     extra = lookup_lines(document)
-    plain = "\n".join([_plain_table(rows)] + extra)
+    plain = "\n".join([_plain_table(rows), *extra])
     try:
         from rich.console import Console
         from rich.table import Table
@@ -312,11 +313,11 @@ def render_table(document: dict, console_file=None) -> str:
 def _plain_table(rows: list[list[str]]) -> str:
     widths = [len(column) for column in TABLE_COLUMNS]
     for row in rows:
-        widths = [max(width, len(cell)) for width, cell in zip(widths, row)]
-    lines = ["  ".join(column.ljust(width) for column, width in zip(TABLE_COLUMNS, widths))]
+        widths = [max(width, len(cell)) for width, cell in zip(widths, row, strict=True)]
+    lines = ["  ".join(column.ljust(width) for column, width in zip(TABLE_COLUMNS, widths, strict=True))]
     lines.append("  ".join("-" * width for width in widths))
     for row in rows:
-        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
     return "\n".join(lines)
 
 
@@ -349,7 +350,7 @@ def write_plot(document: dict, path: str) -> str | None:
     ]
     figure, axes = plt.subplots(2, 1, figsize=(max(8.0, 1.3 * len(cases)), 9.0), sharey=True)
     width = 0.8 / len(systems)
-    for axis, operation in zip(axes, OPERATIONS):
+    for axis, operation in zip(axes, OPERATIONS, strict=True):
         direction = FIO_DIRECTION[operation]
         for index, (label, pattern, color) in enumerate(systems):
             key = pattern.format(direction=direction, operation=operation)

