@@ -1,10 +1,12 @@
 """kvtier: a tiered KV-cache store for LLM prefix caching (DRAM, local NVMe, shared filesystems).
 
-``kvtier.Store`` is the store (see docs/python-api.md); ``kvtier.vllm`` holds the vLLM
-OffloadingConnector spec; ``kvtier.bench`` the benchmarks; ``kvtier.cli`` the ``kvtier`` command.
+``kvtier.Store`` is the store (see docs/python-api.md); ``kvtier.options()`` lists the options of
+``Store.open`` with their kinds, defaults and descriptions (the option tables of the docs are generated
+from it); ``kvtier.vllm`` holds the vLLM OffloadingConnector spec; ``kvtier.bench`` the benchmarks;
+``kvtier.cli`` the ``kvtier`` command.
 """
 
-from kvtier._core import Store, __version__
+from kvtier._core import Store, __version__, options
 from kvtier.errors import (
     CapacityError,
     ClosedError,
@@ -32,4 +34,5 @@ __all__ = [
     "Store",
     "TimeoutError",
     "__version__",
+    "options",
 ]

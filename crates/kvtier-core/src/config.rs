@@ -1,11 +1,16 @@
-//! Store configuration: every option with its default and its constraints (mirrored in
-//! `docs/configuration.md`). `validate` runs before anything touches the disk and names the option and
-//! the fix in its error.
+//! Store configuration. `StoreConfig::new` (and `SharedConfig::new`) hold the defaults, `validate`
+//! the constraints (run before anything touches the disk; the error names the option and the fix), and
+//! [`OPTIONS`] is the one table of option names, kinds and descriptions: the Python binding parses
+//! `Store.open(**options)` through it, `kvtier.options()` exposes it, and the option tables of
+//! `docs/configuration.md` and `docs/shared-tier.md` are generated from it (`python -m kvtier.options
+//! --write`), defaults rendered from `StoreConfig::new` / `SharedConfig::new`. Field comments below
+//! therefore state no default values: they would be one more copy to drift.
 
 use crate::error::{Error, Result};
 use crate::format::{round_up, ALIGN_BYTES};
 use crate::io::faults::FaultPlan;
 use crate::io::EngineChoice;
+use crate::tiers::shared::SharedConfig;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -30,39 +35,39 @@ pub struct StoreConfig {
     /// Description of the KV layout (model identity, dtype, layout, tokens per block, parallel layout);
     /// hashed to the namespace digest that names the store's subdirectory.
     pub namespace: Vec<u8>,
-    /// Bytes per block object. Required. 1 ..= 1 GiB.
+    /// Bytes per block object. Required (0 = not set).
     pub object_bytes: usize,
-    /// DRAM tier budget in bytes. Default 1 GiB.
+    /// DRAM tier budget in bytes.
     pub dram_bytes: usize,
-    /// Minimum number of DRAM slots (I/O staging) whatever `dram_bytes` says. Default 8.
+    /// Minimum number of DRAM slots (I/O staging) whatever `dram_bytes` says.
     pub staging_slots: usize,
-    /// NVMe tier capacity in bytes, split evenly over `paths`; 0 disables the NVMe tier. Default 8 GiB.
+    /// NVMe tier capacity in bytes, split evenly over `paths`; 0 disables the NVMe tier.
     pub nvme_bytes: u64,
     /// Region size in bytes (unit of sequential writing and eviction); 0 picks
     /// max(64 MiB, 8 slots) rounded to 4 KiB. Must hold at least one slot plus its trailer.
     pub region_bytes: u64,
     /// I/O engine: auto (self-test io_uring, fall back to psync), io_uring, or psync.
     pub io_engine: EngineChoice,
-    /// Operations in flight per device. Default 32. 1 ..= 4096.
+    /// Operations in flight per device.
     pub io_depth: usize,
-    /// O_DIRECT policy. Default auto.
+    /// O_DIRECT policy.
     pub direct_io: DirectIo,
-    /// Bytes of writes in flight per device while reads may arrive. Default 8 MiB.
+    /// Bytes of writes in flight per device while reads may arrive.
     pub max_write_inflight_bytes: usize,
-    /// Bytes accepted into DRAM but not yet written to NVMe; past it stores skip NVMe (counted as
-    /// dropped). 0 picks half of the DRAM pool.
+    /// Bytes accepted into DRAM but not yet written to NVMe; past it a store waits (up to
+    /// `slot_wait_ms`) for writes to finish. 0 picks half of the DRAM pool.
     pub max_dirty_bytes: usize,
-    /// Store jobs queued for the asynchronous API; past it a store job is dropped and counted. Default 64.
+    /// Store jobs queued for the asynchronous API; past it a store job is dropped and counted.
     pub store_queue_jobs: usize,
-    /// Threads serving asynchronous load jobs. Default 2. Stores have one thread of their own.
+    /// Threads serving asynchronous load jobs. Stores have one thread of their own.
     pub load_threads: usize,
-    /// How long a store or a load waits for a free DRAM slot before giving up (drop or miss). Default 5000.
+    /// How long a store or a load waits for a free DRAM slot before giving up (drop or miss).
     pub slot_wait_ms: u64,
     /// Test seam: inject I/O faults. Never set in production.
     pub fault_plan: Option<Arc<FaultPlan>>,
-    /// Shared-filesystem tier below (or instead of) NVMe; None disables it. Default None.
+    /// Shared-filesystem tier below (or instead of) NVMe; None disables it.
     /// See `docs/shared-tier.md` for its options.
-    pub shared: Option<crate::tiers::shared::SharedConfig>,
+    pub shared: Option<SharedConfig>,
 }
 
 impl StoreConfig {
@@ -122,7 +127,10 @@ impl StoreConfig {
                 return Err(Error::config("path", "empty path; pass a directory"));
             }
             if self.paths[..i].contains(p) {
-                return Err(Error::config("path", format!("{} is listed twice; list each directory once", p.display())));
+                return Err(Error::config(
+                    "path",
+                    format!("{} is listed twice; list each directory once", p.display()),
+                ));
             }
         }
         if self.namespace.is_empty() {
@@ -167,13 +175,16 @@ impl StoreConfig {
         }
         if self.nvme_bytes > 0 {
             let region = self.effective_region_bytes();
-            if region % ALIGN_BYTES as u64 != 0 {
+            if !region.is_multiple_of(ALIGN_BYTES as u64) {
                 return Err(Error::config("region_bytes", "must be a multiple of 4096"));
             }
             if crate::tiers::nvme::Geometry::new(self.slot_bytes() as u64, region, 1).max_entries == 0 {
                 return Err(Error::config(
                     "region_bytes",
-                    format!("{region} cannot hold one slot of {} bytes plus its trailer; raise region_bytes", self.slot_bytes()),
+                    format!(
+                        "{region} cannot hold one slot of {} bytes plus its trailer; raise region_bytes",
+                        self.slot_bytes()
+                    ),
                 ));
             }
             let per_device = self.nvme_bytes / self.paths.len() as u64;
@@ -205,4 +216,617 @@ impl StoreConfig {
         }
         Ok(())
     }
+}
+
+// ------------------------------------------------------------------------------------ option table
+
+/// How an option's value is given (and converted from Python).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OptionKind {
+    /// A non-negative integer (a count or milliseconds).
+    Int,
+    /// A non-negative integer number of bytes (rendered with binary units when exact).
+    Size,
+    /// A float.
+    Float,
+    /// A bool.
+    Bool,
+    /// A filesystem path (Python: str or os.PathLike).
+    Path,
+    /// Bytes, or a str taken as its UTF-8 bytes.
+    BytesOrStr,
+    /// One of these strings.
+    Choice(&'static [&'static str]),
+}
+
+impl OptionKind {
+    /// Short name of the kind: `int`, `size`, `float`, `bool`, `path`, `bytes_or_str` or `choice`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            OptionKind::Int => "int",
+            OptionKind::Size => "size",
+            OptionKind::Float => "float",
+            OptionKind::Bool => "bool",
+            OptionKind::Path => "path",
+            OptionKind::BytesOrStr => "bytes_or_str",
+            OptionKind::Choice(_) => "choice",
+        }
+    }
+
+    /// What a value of this kind must be, for error messages ("expected {expected}").
+    pub fn expected(&self) -> String {
+        match self {
+            OptionKind::Int => "a non-negative int".into(),
+            OptionKind::Size => "a non-negative int (bytes)".into(),
+            OptionKind::Float => "a float".into(),
+            OptionKind::Bool => "a bool".into(),
+            OptionKind::Path => "a str or os.PathLike".into(),
+            OptionKind::BytesOrStr => "bytes or str".into(),
+            OptionKind::Choice(choices) => format!("one of {}", quoted_list(choices)),
+        }
+    }
+
+    /// The allowed strings of a `Choice`, empty otherwise.
+    pub fn choices(&self) -> &'static [&'static str] {
+        match self {
+            OptionKind::Choice(choices) => choices,
+            _ => &[],
+        }
+    }
+
+    fn accepts(&self, value: &OptionValue) -> bool {
+        matches!(
+            (self, value),
+            (OptionKind::Int | OptionKind::Size, OptionValue::Int(_))
+                | (OptionKind::Float, OptionValue::Float(_))
+                | (OptionKind::Bool, OptionValue::Bool(_))
+                | (OptionKind::Path, OptionValue::Path(_))
+                | (OptionKind::BytesOrStr, OptionValue::Bytes(_))
+        ) || matches!((self, value), (OptionKind::Choice(c), OptionValue::Str(s)) if c.contains(&s.as_str()))
+    }
+}
+
+fn quoted_list(items: &[&str]) -> String {
+    items.iter().map(|c| format!("\"{c}\"")).collect::<Vec<_>>().join(", ")
+}
+
+/// A typed option value (what a setter takes and a getter returns).
+#[derive(Debug, Clone, PartialEq)]
+pub enum OptionValue {
+    /// `Int` and `Size` options.
+    Int(u64),
+    Float(f64),
+    Bool(bool),
+    Path(PathBuf),
+    /// `BytesOrStr` options.
+    Bytes(Vec<u8>),
+    /// `Choice` options.
+    Str(String),
+}
+
+impl OptionValue {
+    // Accessors for the setters: `ConfigOption::apply` has checked the kind, so the fallbacks are never used.
+    fn int(&self) -> u64 {
+        if let OptionValue::Int(v) = self {
+            *v
+        } else {
+            0
+        }
+    }
+    fn float(&self) -> f64 {
+        if let OptionValue::Float(v) = self {
+            *v
+        } else {
+            f64::NAN
+        }
+    }
+    fn bool(&self) -> bool {
+        matches!(self, OptionValue::Bool(true))
+    }
+    fn path(self) -> PathBuf {
+        if let OptionValue::Path(v) = self {
+            v
+        } else {
+            PathBuf::new()
+        }
+    }
+    fn bytes(self) -> Vec<u8> {
+        if let OptionValue::Bytes(v) = self {
+            v
+        } else {
+            Vec::new()
+        }
+    }
+    fn choice(&self, choices: &[&str]) -> usize {
+        match self {
+            OptionValue::Str(s) => choices.iter().position(|c| c == s).unwrap_or(0),
+            _ => 0,
+        }
+    }
+
+    /// The value as the docs show it: sizes in binary units when exact (`256 MiB`), strings quoted.
+    pub fn render(&self, kind: OptionKind) -> String {
+        match self {
+            OptionValue::Int(v) if kind == OptionKind::Size => render_size(*v),
+            OptionValue::Int(v) => v.to_string(),
+            OptionValue::Float(v) => format!("{v}"),
+            OptionValue::Bool(v) => v.to_string(),
+            OptionValue::Path(p) => format!("`{}`", p.display()),
+            OptionValue::Bytes(b) => format!("`{:?}`", String::from_utf8_lossy(b)),
+            OptionValue::Str(s) => format!("`\"{s}\"`"),
+        }
+    }
+}
+
+fn render_size(bytes: u64) -> String {
+    for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
+        if bytes != 0 && bytes.is_multiple_of(1u64 << shift) {
+            return format!("{} {unit}", bytes >> shift);
+        }
+    }
+    bytes.to_string()
+}
+
+/// One option of `Store.open(path, **options)` (or, `python == false`, of the Rust `StoreConfig` only).
+pub struct ConfigOption {
+    /// Option name: the Python keyword, and the option named by `validate`'s errors.
+    pub name: &'static str,
+    /// The `StoreConfig` field it sets (`shared.x` for `SharedConfig` fields).
+    pub field: &'static str,
+    /// Settable from Python (`Store.open`, vLLM's `kv_connector_extra_config`); false: Rust only.
+    pub python: bool,
+    pub kind: OptionKind,
+    /// What the default means when the getter reports no value (required, or an automatic choice).
+    pub unset: &'static str,
+    /// The constraint `validate` enforces, in words (for a `Choice`, beyond being one of its strings).
+    pub constraint: &'static str,
+    /// What the option does, one line.
+    pub description: &'static str,
+    set: fn(&mut StoreConfig, OptionValue),
+    get: fn(&StoreConfig) -> Option<OptionValue>,
+}
+
+impl std::fmt::Debug for ConfigOption {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConfigOption").field("name", &self.name).field("kind", &self.kind).finish_non_exhaustive()
+    }
+}
+
+impl ConfigOption {
+    /// Sets the option on `config` (a `shared_*` option creates the shared-tier configuration, with an
+    /// empty root that `validate` refuses until `shared_root` is set). A value of the wrong kind, or a
+    /// choice not listed, is refused naming the option; ranges are left to `StoreConfig::validate`.
+    pub fn apply(&self, config: &mut StoreConfig, value: OptionValue) -> Result<()> {
+        if !self.kind.accepts(&value) {
+            return Err(Error::config(self.name, format!("expected {}, got {value:?}", self.kind.expected())));
+        }
+        (self.set)(config, value);
+        Ok(())
+    }
+
+    /// The option's value in `config`; `None` when not set (see `unset`). Shared-tier options read
+    /// `SharedConfig::new`'s defaults while `config.shared` is `None`.
+    pub fn value(&self, config: &StoreConfig) -> Option<OptionValue> {
+        (self.get)(config)
+    }
+
+    /// The value rendered for the docs: `render` of the value, or `unset` when there is none.
+    pub fn render(&self, config: &StoreConfig) -> String {
+        match self.value(config) {
+            Some(value) => value.render(self.kind),
+            None => self.unset.to_string(),
+        }
+    }
+
+    /// The configuration the defaults are read from: `StoreConfig::new` (object_bytes unset).
+    pub fn default_config() -> StoreConfig {
+        StoreConfig::new(PathBuf::new(), 0)
+    }
+
+    /// The default, typed (`None`: required or automatic, see `unset`).
+    pub fn default_value(&self) -> Option<OptionValue> {
+        self.value(&Self::default_config())
+    }
+
+    /// The default, rendered for the docs.
+    pub fn default_text(&self) -> String {
+        self.render(&Self::default_config())
+    }
+}
+
+fn shared_mut(c: &mut StoreConfig) -> &mut SharedConfig {
+    c.shared.get_or_insert_with(|| SharedConfig::new(PathBuf::new()))
+}
+
+fn shared_get<T>(c: &StoreConfig, f: impl Fn(&SharedConfig) -> T) -> T {
+    match &c.shared {
+        Some(shared) => f(shared),
+        None => f(&SharedConfig::new(PathBuf::new())),
+    }
+}
+
+const IO_ENGINE_CHOICES: &[&str] = &["auto", "io_uring", "psync"];
+const IO_ENGINES: [EngineChoice; 3] = [EngineChoice::Auto, EngineChoice::IoUring, EngineChoice::Psync];
+const DIRECT_IO_CHOICES: &[&str] = &["auto", "on", "off"];
+const DIRECT_IOS: [DirectIo; 3] = [DirectIo::Auto, DirectIo::On, DirectIo::Off];
+
+fn direct_io_value(d: DirectIo) -> OptionValue {
+    OptionValue::Str(DIRECT_IO_CHOICES[DIRECT_IOS.iter().position(|x| *x == d).unwrap_or(0)].into())
+}
+
+fn int(v: u64) -> Option<OptionValue> {
+    Some(OptionValue::Int(v))
+}
+
+/// Every option, in documentation order: the store's, then the shared tier's (Python-settable first).
+pub static OPTIONS: &[ConfigOption] = &[
+    ConfigOption {
+        name: "object_bytes",
+        field: "object_bytes",
+        python: true,
+        kind: OptionKind::Size,
+        unset: "required",
+        constraint: "1 B ..= 1 GiB",
+        description: "Bytes of one block object; every put/get moves exactly this many bytes. For vLLM: layers x page bytes per block.",
+        set: |c, v| c.object_bytes = v.int() as usize,
+        get: |c| (c.object_bytes != 0).then_some(OptionValue::Int(c.object_bytes as u64)),
+    },
+    ConfigOption {
+        name: "namespace",
+        field: "namespace",
+        python: true,
+        kind: OptionKind::BytesOrStr,
+        unset: "required",
+        constraint: "non-empty bytes or str",
+        description: "Description of what makes KV bytes compatible (model identity and weights fingerprint, dtype, layout, tokens per block, TP/PP size and rank). Hashed (sha256) into the directory name: another namespace sees no blocks.",
+        set: |c, v| c.namespace = v.bytes(),
+        get: |c| (!c.namespace.is_empty()).then(|| OptionValue::Bytes(c.namespace.clone())),
+    },
+    ConfigOption {
+        name: "dram_bytes",
+        field: "dram_bytes",
+        python: true,
+        kind: OptionKind::Size,
+        unset: "",
+        constraint: "<= MemAvailable (with every other store of the process)",
+        description: "DRAM tier: one page-aligned arena of `max(dram_bytes / slot_bytes, staging_slots)` slots, `slot_bytes = 4096 + roundup(object_bytes, 4096)`. Populated at open; transparent huge pages requested.",
+        set: |c, v| c.dram_bytes = v.int() as usize,
+        get: |c| int(c.dram_bytes as u64),
+    },
+    ConfigOption {
+        name: "staging_slots",
+        field: "staging_slots",
+        python: true,
+        kind: OptionKind::Int,
+        unset: "",
+        constraint: ">= 2",
+        description: "Minimum slot count, used for I/O staging when `dram_bytes` is small.",
+        set: |c, v| c.staging_slots = v.int() as usize,
+        get: |c| int(c.staging_slots as u64),
+    },
+    ConfigOption {
+        name: "nvme_bytes",
+        field: "nvme_bytes",
+        python: true,
+        kind: OptionKind::Size,
+        unset: "",
+        constraint: "0, or >= 2 regions per directory; <= free space",
+        description: "NVMe tier capacity, split evenly over the directories; 0 disables the tier (DRAM only). Preallocated at first open.",
+        set: |c, v| c.nvme_bytes = v.int(),
+        get: |c| int(c.nvme_bytes),
+    },
+    ConfigOption {
+        name: "region_bytes",
+        field: "region_bytes",
+        python: true,
+        kind: OptionKind::Size,
+        unset: "0: max(64 MiB, 8 slots + trailer)",
+        constraint: "multiple of 4096, holds >= 1 slot + trailer; <= 2^20 regions per directory",
+        description: "Unit of sequential writing and of eviction (whole regions, oldest first).",
+        set: |c, v| c.region_bytes = v.int(),
+        get: |c| (c.region_bytes != 0).then_some(OptionValue::Int(c.region_bytes)),
+    },
+    ConfigOption {
+        name: "io_engine",
+        field: "io_engine",
+        python: true,
+        kind: OptionKind::Choice(IO_ENGINE_CHOICES),
+        unset: "",
+        constraint: "",
+        description: "`auto` runs an io_uring self-test at open and falls back to the pread/pwrite pool with a log line; `io_uring` fails at open if the self-test fails.",
+        set: |c, v| c.io_engine = IO_ENGINES[v.choice(IO_ENGINE_CHOICES)],
+        get: |c| {
+            let i = IO_ENGINES.iter().position(|e| *e == c.io_engine).unwrap_or(0);
+            Some(OptionValue::Str(IO_ENGINE_CHOICES[i].into()))
+        },
+    },
+    ConfigOption {
+        name: "io_depth",
+        field: "io_depth",
+        python: true,
+        kind: OptionKind::Int,
+        unset: "",
+        constraint: "1 ..= 4096",
+        description: "Operations in flight per device.",
+        set: |c, v| c.io_depth = v.int() as usize,
+        get: |c| int(c.io_depth as u64),
+    },
+    ConfigOption {
+        name: "direct_io",
+        field: "direct_io",
+        python: true,
+        kind: OptionKind::Choice(DIRECT_IO_CHOICES),
+        unset: "",
+        constraint: "",
+        description: "O_DIRECT when supported (auto falls back to buffered I/O with a log line; on fails at open).",
+        set: |c, v| c.direct_io = DIRECT_IOS[v.choice(DIRECT_IO_CHOICES)],
+        get: |c| Some(direct_io_value(c.direct_io)),
+    },
+    ConfigOption {
+        name: "max_write_inflight_bytes",
+        field: "max_write_inflight_bytes",
+        python: true,
+        kind: OptionKind::Size,
+        unset: "",
+        constraint: "> 0",
+        description: "Writes in flight per device; reads are always submitted first, so a burst of stores delays a load by at most this much I/O.",
+        set: |c, v| c.max_write_inflight_bytes = v.int() as usize,
+        get: |c| int(c.max_write_inflight_bytes as u64),
+    },
+    ConfigOption {
+        name: "max_dirty_bytes",
+        field: "max_dirty_bytes",
+        python: true,
+        kind: OptionKind::Size,
+        unset: "0: half the DRAM pool",
+        constraint: "0, or >= one slot",
+        description: "Bytes accepted but not yet written to NVMe; past it a store waits (up to `slot_wait_ms`) for writes to finish.",
+        set: |c, v| c.max_dirty_bytes = v.int() as usize,
+        get: |c| (c.max_dirty_bytes != 0).then_some(OptionValue::Int(c.max_dirty_bytes as u64)),
+    },
+    ConfigOption {
+        name: "store_queue_jobs",
+        field: "store_queue_jobs",
+        python: true,
+        kind: OptionKind::Int,
+        unset: "",
+        constraint: ">= 1",
+        description: "Queued asynchronous store jobs; past it a store job is dropped at once and counted in `dropped_stores` (it is a cache; a load is never slowed).",
+        set: |c, v| c.store_queue_jobs = v.int() as usize,
+        get: |c| int(c.store_queue_jobs as u64),
+    },
+    ConfigOption {
+        name: "load_threads",
+        field: "load_threads",
+        python: true,
+        kind: OptionKind::Int,
+        unset: "",
+        constraint: "1 ..= 64",
+        description: "Threads serving asynchronous load jobs. Stores have one thread of their own and yield to queued loads.",
+        set: |c, v| c.load_threads = v.int() as usize,
+        get: |c| int(c.load_threads as u64),
+    },
+    ConfigOption {
+        name: "slot_wait_ms",
+        field: "slot_wait_ms",
+        python: true,
+        kind: OptionKind::Int,
+        unset: "",
+        constraint: "milliseconds",
+        description: "How long a store or load waits for a free DRAM slot before it gives up (store dropped / block missed, both counted).",
+        set: |c, v| c.slot_wait_ms = v.int(),
+        get: |c| int(c.slot_wait_ms),
+    },
+    // Shared-filesystem tier (docs/shared-tier.md): any shared_* option needs shared_root too.
+    ConfigOption {
+        name: "shared_root",
+        field: "shared.root",
+        python: true,
+        kind: OptionKind::Path,
+        unset: "none (tier off)",
+        constraint: "a directory on a POSIX filesystem shared by the replicas; created if its parent exists",
+        description: "Blocks are published there in grouped files and read by every store on the same root and namespace. Works with or without the NVMe tier.",
+        set: |c, v| shared_mut(c).root = v.path(),
+        get: |c| c.shared.as_ref().map(|s| OptionValue::Path(s.root.clone())),
+    },
+    ConfigOption {
+        name: "shared_high_watermark",
+        field: "shared.high_watermark",
+        python: true,
+        kind: OptionKind::Float,
+        unset: "",
+        constraint: "(0, 0.99]",
+        description: "Fraction of the filesystem's physical usage above which the (single, lease-holding) evictor removes least recently used files.",
+        set: |c, v| shared_mut(c).high_watermark = v.float(),
+        get: |c| Some(OptionValue::Float(shared_get(c, |s| s.high_watermark))),
+    },
+    ConfigOption {
+        name: "shared_low_watermark",
+        field: "shared.low_watermark",
+        python: true,
+        kind: OptionKind::Float,
+        unset: "",
+        constraint: "(0, shared_high_watermark)",
+        description: "Eviction stops here.",
+        set: |c, v| shared_mut(c).low_watermark = v.float(),
+        get: |c| Some(OptionValue::Float(shared_get(c, |s| s.low_watermark))),
+    },
+    ConfigOption {
+        name: "shared_file_bytes",
+        field: "shared.file_target_bytes",
+        python: true,
+        kind: OptionKind::Size,
+        unset: "",
+        constraint: ">= one slot + 8 KiB; <= 64 GiB",
+        description: "Target size of one shared file (the unit of publishing and eviction).",
+        set: |c, v| shared_mut(c).file_target_bytes = v.int(),
+        get: |c| int(shared_get(c, |s| s.file_target_bytes)),
+    },
+    ConfigOption {
+        name: "shared_staleness_ms",
+        field: "shared.staleness_ms",
+        python: true,
+        kind: OptionKind::Int,
+        unset: "",
+        constraint: "10 ..= 600000",
+        description: "Bound on how long a block published by another process or node takes to become visible (manifests are re-read every `shared_staleness_ms / 2`).",
+        set: |c, v| shared_mut(c).staleness_ms = v.int(),
+        get: |c| int(shared_get(c, |s| s.staleness_ms)),
+    },
+    ConfigOption {
+        name: "shared_fail_on_full",
+        field: "shared.fail_on_full",
+        python: true,
+        kind: OptionKind::Bool,
+        unset: "",
+        constraint: "bool",
+        description: "Refuse publishing above the high watermark (counted in `shared_publish_errors`) instead of evicting.",
+        set: |c, v| shared_mut(c).fail_on_full = v.bool(),
+        get: |c| Some(OptionValue::Bool(shared_get(c, |s| s.fail_on_full))),
+    },
+    ConfigOption {
+        name: "shared_publish_queue_bytes",
+        field: "shared.publish_queue_bytes",
+        python: true,
+        kind: OptionKind::Size,
+        unset: "",
+        constraint: ">= one slot",
+        description: "Copies of accepted blocks waiting for the publisher thread. A store never waits for room: past it the block is not published (counted in `shared_dropped_publishes`).",
+        set: |c, v| shared_mut(c).publish_queue_bytes = v.int() as usize,
+        get: |c| int(shared_get(c, |s| s.publish_queue_bytes) as u64),
+    },
+    // Rust only (`StoreConfig::shared`); from Python these keep their defaults.
+    ConfigOption {
+        name: "shared_lease_ms",
+        field: "shared.lease_ms",
+        python: false,
+        kind: OptionKind::Int,
+        unset: "",
+        constraint: ">= 100 and >= 2 x the maintenance period",
+        description: "Expiry of the evictor lease; a holder that stops renewing loses it after this.",
+        set: |c, v| shared_mut(c).lease_ms = v.int(),
+        get: |c| int(shared_get(c, |s| s.lease_ms)),
+    },
+    ConfigOption {
+        name: "shared_grace_ms",
+        field: "shared.grace_ms",
+        python: false,
+        kind: OptionKind::Int,
+        unset: "",
+        constraint: ">= 2 x shared_staleness_ms",
+        description: "Delay between dooming a file and unlinking it; a file read or published within it is not chosen for eviction.",
+        set: |c, v| shared_mut(c).grace_ms = v.int(),
+        get: |c| int(shared_get(c, |s| s.grace_ms)),
+    },
+    ConfigOption {
+        name: "shared_group_shared",
+        field: "shared.group_shared",
+        python: false,
+        kind: OptionKind::Bool,
+        unset: "",
+        constraint: "bool",
+        description: "Files 0o640 and directories 0o750 (a group of service accounts shares the root) instead of 0o600 / 0o700.",
+        set: |c, v| shared_mut(c).group_shared = v.bool(),
+        get: |c| Some(OptionValue::Bool(shared_get(c, |s| s.group_shared))),
+    },
+    ConfigOption {
+        name: "shared_capacity_bytes",
+        field: "shared.capacity_bytes",
+        python: false,
+        kind: OptionKind::Size,
+        unset: "none (statvfs)",
+        constraint: "> 0, or none",
+        description: "Test and quota seam: usage = allocated bytes (st_blocks) of the files under the namespace directory and capacity = this, instead of statvfs of the whole filesystem.",
+        set: |c, v| shared_mut(c).capacity_bytes = Some(v.int()),
+        get: |c| shared_get(c, |s| s.capacity_bytes).map(OptionValue::Int),
+    },
+    ConfigOption {
+        name: "shared_publish_delay_ms",
+        field: "shared.publish_delay_ms",
+        python: false,
+        kind: OptionKind::Int,
+        unset: "",
+        constraint: "milliseconds",
+        description: "A partly filled file is published at the latest this long after its first block.",
+        set: |c, v| shared_mut(c).publish_delay_ms = v.int(),
+        get: |c| int(shared_get(c, |s| s.publish_delay_ms)),
+    },
+    ConfigOption {
+        name: "shared_orphan_tmp_ms",
+        field: "shared.orphan_tmp_ms",
+        python: false,
+        kind: OptionKind::Int,
+        unset: "",
+        constraint: ">= shared_grace_ms",
+        description: "Temporaries idle this long belong to dead writers and are removed; unlisted data files this old are evicted.",
+        set: |c, v| shared_mut(c).orphan_tmp_ms = v.int(),
+        get: |c| int(shared_get(c, |s| s.orphan_tmp_ms)),
+    },
+    ConfigOption {
+        name: "shared_direct_io",
+        field: "shared.direct_io",
+        python: false,
+        kind: OptionKind::Choice(DIRECT_IO_CHOICES),
+        unset: "",
+        constraint: "",
+        description: "O_DIRECT for the shared data files: auto probes at start-up and falls back to buffered I/O (logged once).",
+        set: |c, v| shared_mut(c).direct_io = DIRECT_IOS[v.choice(DIRECT_IO_CHOICES)],
+        get: |c| Some(direct_io_value(shared_get(c, |s| s.direct_io))),
+    },
+];
+
+/// The option called `name` (Python-settable or not).
+pub fn find_option(name: &str) -> Option<&'static ConfigOption> {
+    OPTIONS.iter().find(|o| o.name == name)
+}
+
+/// Python-settable options whose names are close to `name` (a likely misspelling), closest first.
+pub fn close_options(name: &str) -> Vec<&'static str> {
+    let mut close: Vec<(usize, &'static str)> = OPTIONS
+        .iter()
+        .filter(|o| o.python)
+        .map(|o| (edit_distance(name, o.name), o.name))
+        .filter(|&(d, candidate)| d <= (candidate.len() / 4).max(2) || candidate.contains(name) && name.len() >= 4)
+        .collect();
+    close.sort();
+    close.into_iter().map(|(_, n)| n).collect()
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut previous = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let substitute = previous + usize::from(ca != *cb);
+            previous = row[j + 1];
+            row[j + 1] = substitute.min(row[j] + 1).min(previous + 1);
+        }
+    }
+    row[b.len()]
+}
+
+impl StoreConfig {
+    /// Sets the option called `name` (see [`OPTIONS`]; Rust-only options included). An unknown name
+    /// is refused with the close names ([`unknown_option_message`]).
+    pub fn set_option(&mut self, name: &str, value: OptionValue) -> Result<()> {
+        match find_option(name) {
+            Some(option) => option.apply(self, value),
+            None => Err(Error::config("(unknown)", format!("`{name}`: {}", unknown_option_message(name)))),
+        }
+    }
+}
+
+/// Why `name` is refused: "unknown option; did you mean ...?" with the close Python option names, or
+/// the list of all of them when none is close.
+pub fn unknown_option_message(name: &str) -> String {
+    let close = close_options(name);
+    let hint = if close.is_empty() {
+        let all: Vec<&str> = OPTIONS.iter().filter(|o| o.python).map(|o| o.name).collect();
+        format!("the options are {}", all.join(", "))
+    } else {
+        format!("did you mean {}?", close.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(" or "))
+    };
+    format!("unknown option; {hint} (see docs/configuration.md or kvtier.options())")
 }

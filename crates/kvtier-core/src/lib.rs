@@ -18,7 +18,7 @@ pub mod stats;
 pub mod store;
 pub mod tiers;
 
-pub use config::{DirectIo, StoreConfig};
+pub use config::{find_option, unknown_option_message, ConfigOption, DirectIo, OptionKind, OptionValue, StoreConfig, OPTIONS};
 pub use error::{Error, Result};
 pub use io::EngineChoice;
 pub use key::{BlockKey, Namespace};

@@ -3,8 +3,10 @@
 //! access without copies (held until a job finishes), typed exceptions, and releasing the GIL
 //! during I/O.
 
-use kvtier_core::{BlockBuffer, BlockKey, DirectIo, EngineChoice, Error, Job, JobKind, Store, StoreConfig};
-use kvtier_core::tiers::shared::SharedConfig;
+use kvtier_core::{
+    find_option, unknown_option_message, BlockBuffer, BlockKey, ConfigOption, Error, Job, JobKind, OptionKind,
+    OptionValue, Store, StoreConfig, OPTIONS,
+};
 use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
 use pyo3::ffi;
@@ -182,9 +184,30 @@ fn parse_paths(path: &Bound<'_, PyAny>) -> PyResult<Vec<PathBuf>> {
     }
 }
 
+/// Converts a Python value to the option's kind; the error names the option and the expected type.
+fn option_value(option: &ConfigOption, value: &Bound<'_, PyAny>) -> PyResult<OptionValue> {
+    let wrong = || config_error(option.name, format!("expected {}, got {value}", option.kind.expected()));
+    Ok(match option.kind {
+        OptionKind::Int | OptionKind::Size => OptionValue::Int(value.extract::<u64>().map_err(|_| wrong())?),
+        OptionKind::Float => OptionValue::Float(value.extract::<f64>().map_err(|_| wrong())?),
+        OptionKind::Bool => OptionValue::Bool(value.extract::<bool>().map_err(|_| wrong())?),
+        OptionKind::Path => OptionValue::Path(value.extract::<PathBuf>().map_err(|_| wrong())?),
+        OptionKind::BytesOrStr => OptionValue::Bytes(if let Ok(b) = value.cast::<PyBytes>() {
+            b.as_bytes().to_vec()
+        } else {
+            value.extract::<String>().map_err(|_| wrong())?.into_bytes()
+        }),
+        OptionKind::Choice(choices) => match value.extract::<String>() {
+            Ok(s) if choices.contains(&s.as_str()) => OptionValue::Str(s),
+            _ => return Err(wrong()),
+        },
+    })
+}
+
+/// `Store.open`'s keyword options, each looked up in the core's option table (`kvtier_core::OPTIONS`)
+/// and applied by its setter; ranges are checked later by `StoreConfig::validate`.
 fn parse_config(path: &Bound<'_, PyAny>, options: Option<&Bound<'_, PyDict>>) -> PyResult<StoreConfig> {
     let paths = parse_paths(path)?;
-    let mut object_bytes = None;
     let mut config = StoreConfig::new(paths[0].clone(), 0);
     config.paths = paths;
     let Some(options) = options else {
@@ -192,83 +215,58 @@ fn parse_config(path: &Bound<'_, PyAny>, options: Option<&Bound<'_, PyDict>>) ->
     };
     for (name, value) in options.iter() {
         let name: String = name.extract()?;
-        let int = |option: &str| -> PyResult<u64> {
-            value.extract::<u64>().map_err(|_| config_error(option, format!("expected a non-negative int, got {value}")))
+        let option = match find_option(&name) {
+            Some(option) if option.python => option,
+            Some(option) => {
+                return Err(config_error(
+                    &name,
+                    format!(
+                        "settable from Rust only (`StoreConfig::{}`); from Python it keeps its default",
+                        option.field
+                    ),
+                ))
+            }
+            None => return Err(config_error(&name, unknown_option_message(&name))),
         };
-        match name.as_str() {
-            "object_bytes" => object_bytes = Some(int("object_bytes")? as usize),
-            "dram_bytes" => config.dram_bytes = int("dram_bytes")? as usize,
-            "nvme_bytes" => config.nvme_bytes = int("nvme_bytes")?,
-            "region_bytes" => config.region_bytes = int("region_bytes")?,
-            "staging_slots" => config.staging_slots = int("staging_slots")? as usize,
-            "io_depth" => config.io_depth = int("io_depth")? as usize,
-            "max_write_inflight_bytes" => config.max_write_inflight_bytes = int("max_write_inflight_bytes")? as usize,
-            "max_dirty_bytes" => config.max_dirty_bytes = int("max_dirty_bytes")? as usize,
-            "store_queue_jobs" => config.store_queue_jobs = int("store_queue_jobs")? as usize,
-            "load_threads" => config.load_threads = int("load_threads")? as usize,
-            "slot_wait_ms" => config.slot_wait_ms = int("slot_wait_ms")?,
-            // Shared-filesystem tier (docs/shared-tier.md); any shared_* option needs shared_root too.
-            "shared_root" => {
-                let root: PathBuf = value.extract().map_err(|_| config_error("shared_root", "must be a str or os.PathLike"))?;
-                config.shared.get_or_insert_with(|| SharedConfig::new(PathBuf::new())).root = root;
-            }
-            "shared_high_watermark" | "shared_low_watermark" => {
-                let fraction: f64 = value.extract().map_err(|_| config_error(&name, format!("expected a float fraction, got {value}")))?;
-                let shared = config.shared.get_or_insert_with(|| SharedConfig::new(PathBuf::new()));
-                if name == "shared_high_watermark" {
-                    shared.high_watermark = fraction;
-                } else {
-                    shared.low_watermark = fraction;
-                }
-            }
-            "shared_file_bytes" => {
-                config.shared.get_or_insert_with(|| SharedConfig::new(PathBuf::new())).file_target_bytes = int("shared_file_bytes")?
-            }
-            "shared_staleness_ms" => {
-                config.shared.get_or_insert_with(|| SharedConfig::new(PathBuf::new())).staleness_ms = int("shared_staleness_ms")?
-            }
-            "shared_publish_queue_bytes" => {
-                config.shared.get_or_insert_with(|| SharedConfig::new(PathBuf::new())).publish_queue_bytes =
-                    int("shared_publish_queue_bytes")? as usize
-            }
-            "shared_fail_on_full" => {
-                let on: bool = value.extract().map_err(|_| config_error("shared_fail_on_full", format!("expected a bool, got {value}")))?;
-                config.shared.get_or_insert_with(|| SharedConfig::new(PathBuf::new())).fail_on_full = on;
-            }
-            "namespace" => {
-                config.namespace = if let Ok(b) = value.cast::<PyBytes>() {
-                    b.as_bytes().to_vec()
-                } else if let Ok(s) = value.extract::<String>() {
-                    s.into_bytes()
-                } else {
-                    return Err(config_error("namespace", "expected bytes or str"));
-                }
-            }
-            "io_engine" => {
-                config.io_engine = match value.extract::<String>().as_deref() {
-                    Ok("auto") => EngineChoice::Auto,
-                    Ok("io_uring") => EngineChoice::IoUring,
-                    Ok("psync") => EngineChoice::Psync,
-                    _ => return Err(config_error("io_engine", format!("{value} is not one of \"auto\", \"io_uring\", \"psync\""))),
-                }
-            }
-            "direct_io" => {
-                config.direct_io = match value.extract::<String>().as_deref() {
-                    Ok("auto") => DirectIo::Auto,
-                    Ok("on") => DirectIo::On,
-                    Ok("off") => DirectIo::Off,
-                    _ => return Err(config_error("direct_io", format!("{value} is not one of \"auto\", \"on\", \"off\""))),
-                }
-            }
-            other => {
-                return Err(Python::attach(|_| {
-                    config_error(other, "unknown option; see docs/configuration.md for the list of options")
-                }))
-            }
-        }
+        let value = option_value(option, &value)?;
+        option.apply(&mut config, value).map_err(to_py)?;
     }
-    config.object_bytes = object_bytes.ok_or_else(|| config_error("object_bytes", "required: the bytes of one block object"))?;
+    if config.object_bytes == 0 && !options.contains("object_bytes")? {
+        return Err(config_error("object_bytes", "required: the bytes of one block object"));
+    }
     Ok(config)
+}
+
+/// The option table as a list of dicts: name, kind, default (typed; None when required or automatic),
+/// default_text (as the docs show it), choices, constraint, description, field (Rust), python
+/// (settable from Python). Only Python-settable options unless `include_rust_only`.
+#[pyfunction]
+#[pyo3(signature = (include_rust_only=false))]
+fn options(py: Python<'_>, include_rust_only: bool) -> PyResult<Vec<Bound<'_, PyDict>>> {
+    let mut out = Vec::new();
+    for option in OPTIONS.iter().filter(|o| o.python || include_rust_only) {
+        let d = PyDict::new(py);
+        d.set_item("name", option.name)?;
+        d.set_item("kind", option.kind.name())?;
+        let default: Option<Bound<'_, PyAny>> = match option.default_value() {
+            None => None,
+            Some(OptionValue::Int(v)) => Some(v.into_pyobject(py)?.into_any()),
+            Some(OptionValue::Float(v)) => Some(v.into_pyobject(py)?.into_any()),
+            Some(OptionValue::Bool(v)) => Some(v.into_pyobject(py)?.to_owned().into_any()),
+            Some(OptionValue::Path(v)) => Some(v.to_string_lossy().into_owned().into_pyobject(py)?.into_any()),
+            Some(OptionValue::Bytes(v)) => Some(PyBytes::new(py, &v).into_any()),
+            Some(OptionValue::Str(v)) => Some(v.into_pyobject(py)?.into_any()),
+        };
+        d.set_item("default", default)?;
+        d.set_item("default_text", option.default_text())?;
+        d.set_item("choices", option.kind.choices().to_vec())?;
+        d.set_item("constraint", option.constraint)?;
+        d.set_item("description", option.description)?;
+        d.set_item("field", option.field)?;
+        d.set_item("python", option.python)?;
+        out.push(d);
+    }
+    Ok(out)
 }
 
 #[pyclass(name = "Store", module = "kvtier._core", frozen)]
@@ -481,6 +479,7 @@ impl PyStore {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let _ = pyo3_log::try_init();
     m.add_class::<PyStore>()?;
+    m.add_function(wrap_pyfunction!(options, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

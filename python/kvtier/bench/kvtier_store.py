@@ -192,9 +192,15 @@ SHARED_FILE_BYTES = 256 * workload.MIB
 LOOKUP_KEY_COUNT = 10_000
 LOOKUP_OBJECT_BYTES = 4096
 LOOKUP_CALLS = 20
-# The store's publish queue (publish_queue_bytes, 64 MiB, not settable from Python): the put path never
-# waits for the publisher and drops the blocks that do not fit (shared_dropped_publishes).
-PUBLISH_QUEUE_BYTES = 64 * workload.MIB
+
+
+def publish_queue_bytes() -> int:
+    """The store's shared publish queue in bytes: the default of the option ``shared_publish_queue_bytes``
+    (read from ``kvtier.options()``, the core's option table), which these benchmarks leave unset. The
+    put path never waits for the publisher and drops the blocks that do not fit (shared_dropped_publishes)."""
+    import kvtier
+
+    return next(o["default"] for o in kvtier.options() if o["name"] == "shared_publish_queue_bytes")
 
 
 def shared_file_bytes_for(prompt_bytes: int, object_bytes: int) -> int:
@@ -306,7 +312,8 @@ def measure_shared(
             "shared_dropped_publishes": dropped_publishes,
             "shared_publish_errors": _stat_delta(stats_after, stats_before, "shared_publish_errors"),
             "how": "one put_many of the whole prompt + flush; gbps = bytes of the blocks published (prompt minus "
-                   "shared_dropped_publishes: the put path never waits for the 64 MiB publish queue and drops "
+                   "shared_dropped_publishes: the put path never waits for the publish queue "
+                   f"(shared_publish_queue_bytes, default {publish_queue_bytes() // workload.MIB} MiB) and drops "
                    "what does not fit) / seconds; offered_gbps = prompt bytes / seconds",
         }
         store_a.close()
@@ -428,7 +435,7 @@ def measure_shared_lookup(directory: str, namespace: bytes, calls: int = LOOKUP_
         writer = _open_shared(store_class, os.path.join(directory, "writer"), namespace, LOOKUP_OBJECT_BYTES,
                               64 * slot_bytes, shared_root, SHARED_FILE_BYTES)
         start = time.perf_counter()
-        batch = PUBLISH_QUEUE_BYTES // 2 // slot_bytes  # one flush per batch: no publish is dropped
+        batch = publish_queue_bytes() // 2 // slot_bytes  # one flush per batch: no publish is dropped
         for first in range(0, key_count, batch):
             writer.put_many(keys[first : first + batch], views[first : first + batch])
             writer.flush()

@@ -1,5 +1,7 @@
-//! Options of the shared-filesystem tier, with their defaults and constraints (mirrored in
-//! `docs/shared-tier.md`). `validate` names the option and the fix.
+//! Options of the shared-filesystem tier: `SharedConfig::new` holds the defaults and `validate` the
+//! constraints (naming the option and the fix). Names, kinds and descriptions are in the one option
+//! table, `crate::config::OPTIONS` (the `shared_*` rows), from which `docs/shared-tier.md` and
+//! `docs/configuration.md` are generated; field comments state no default values, so they cannot drift.
 
 use crate::config::DirectIo;
 use crate::error::{Error, Result};
@@ -10,40 +12,40 @@ pub struct SharedConfig {
     /// Root directory on the shared filesystem; one subdirectory per namespace. Required. Created
     /// if missing, but only when its parent exists (a missing parent usually means an unmounted volume).
     pub root: PathBuf,
-    /// Eviction starts when the filesystem's used fraction exceeds this. Default 0.90.
+    /// Eviction starts when the filesystem's used fraction exceeds this.
     pub high_watermark: f64,
-    /// Eviction stops once the used fraction is at or below this. Default 0.80. 0 < low < high <= 0.99.
+    /// Eviction stops once the used fraction is at or below this. 0 < low < high <= 0.99.
     pub low_watermark: f64,
     /// Blocks are grouped into files of about this size (the unit of publishing and eviction).
-    /// Default 256 MiB. Must hold at least one block plus header and footer.
+    /// Must hold at least one block plus header and footer.
     pub file_target_bytes: u64,
     /// A block published by another process becomes visible here within this bound (the index is
-    /// refreshed from the manifests every `staleness_ms / 2`). Default 1000. 10 ..= 600000.
+    /// refreshed from the manifests every `staleness_ms / 2`). 10 ..= 600000.
     pub staleness_ms: u64,
-    /// Expiry of the evictor lease; a holder that stops renewing loses it after this. Default 10000.
+    /// Expiry of the evictor lease; a holder that stops renewing loses it after this.
     pub lease_ms: u64,
     /// A file chosen for eviction is unlinked no sooner than this after it was chosen, and a file read
-    /// within this is not chosen. Default 30000. At least 2 * staleness_ms.
+    /// within this is not chosen. At least 2 * staleness_ms.
     pub grace_ms: u64,
     /// Refuse to publish (counted in `shared_publish_errors`) above the high watermark instead of
-    /// evicting. Default false.
+    /// evicting.
     pub fail_on_full: bool,
     /// Files 0o640 and directories 0o750 (a group of service accounts shares the root) instead of
-    /// 0o600 / 0o700. Default false.
+    /// 0o600 / 0o700.
     pub group_shared: bool,
     /// Test and quota seam: when set, usage is the physical size (st_blocks) of the files under the
     /// namespace directory and the capacity is this many bytes, instead of statvfs of the whole
-    /// filesystem. Default None.
+    /// filesystem.
     pub capacity_bytes: Option<u64>,
     /// A file being filled is published at the latest this long after its first block, so a slow
-    /// writer's blocks do not wait for a full file. Default 2000.
+    /// writer's blocks do not wait for a full file.
     pub publish_delay_ms: u64,
     /// Bytes of blocks queued for publishing (copies of DRAM slots). A store never waits for room:
-    /// past it a block is not published (counted in `shared_dropped_publishes`). Default 256 MiB.
+    /// past it a block is not published (counted in `shared_dropped_publishes`).
     pub publish_queue_bytes: usize,
-    /// Temporary files not written for this long belong to dead writers and are removed. Default 600000.
+    /// Temporary files not written for this long belong to dead writers and are removed.
     pub orphan_tmp_ms: u64,
-    /// O_DIRECT policy for data files. Default auto (probe at start-up, fall back to buffered I/O).
+    /// O_DIRECT policy for data files (auto: probe at start-up, fall back to buffered I/O).
     pub direct_io: DirectIo,
 }
 
@@ -98,7 +100,10 @@ impl SharedConfig {
         if !fraction(self.high_watermark) {
             return Err(Error::config(
                 "shared_high_watermark",
-                format!("{} is out of range; give a fraction of the filesystem in (0, 0.99], e.g. 0.90", self.high_watermark),
+                format!(
+                    "{} is out of range; give a fraction of the filesystem in (0, 0.99], e.g. 0.90",
+                    self.high_watermark
+                ),
             ));
         }
         if !fraction(self.low_watermark) || self.low_watermark >= self.high_watermark {
@@ -114,14 +119,20 @@ impl SharedConfig {
         if self.file_target_bytes < minimum {
             return Err(Error::config(
                 "shared_file_bytes",
-                format!("{} cannot hold one block of {slot_bytes} bytes; raise it to at least {minimum}", self.file_target_bytes),
+                format!(
+                    "{} cannot hold one block of {slot_bytes} bytes; raise it to at least {minimum}",
+                    self.file_target_bytes
+                ),
             ));
         }
         if self.file_target_bytes > 64 << 30 {
             return Err(Error::config("shared_file_bytes", "at most 64 GiB; files are the unit of eviction"));
         }
         if !(10..=600_000).contains(&self.staleness_ms) {
-            return Err(Error::config("shared_staleness_ms", format!("{} is out of range 10 ..= 600000", self.staleness_ms)));
+            return Err(Error::config(
+                "shared_staleness_ms",
+                format!("{} is out of range 10 ..= 600000", self.staleness_ms),
+            ));
         }
         if self.lease_ms < 2 * self.staleness_ms.min(1000) || self.lease_ms < 100 {
             return Err(Error::config(
