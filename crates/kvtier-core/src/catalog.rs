@@ -10,7 +10,7 @@
 //! - Regions are reused oldest first (FIFO by region generation), whole.
 
 use crate::format::trailer::TrailerEntry;
-use crate::key::{BlockKey, Namespace};
+use crate::key::BlockKey;
 use crate::stats::Stats;
 use crate::tiers::eviction::EvictionPolicy;
 use crate::tiers::nvme::{Geometry, RecoveredRegion};
@@ -166,7 +166,6 @@ pub enum LoadOutcome {
 }
 
 pub struct Catalog {
-    pub namespace: Namespace,
     slot_bytes: u64,
     object_bytes: u32,
     index: HashMap<BlockKey, Entry>,
@@ -197,7 +196,6 @@ pub struct SlotLayout {
 
 impl Catalog {
     pub fn new(
-        namespace: Namespace,
         layout: SlotLayout,
         policy: Box<dyn EvictionPolicy>,
         geometry: Option<(Geometry, usize)>,
@@ -224,7 +222,6 @@ impl Catalog {
             next_region_seq: 1,
         });
         Catalog {
-            namespace,
             slot_bytes,
             object_bytes,
             index: HashMap::new(),
@@ -313,9 +310,6 @@ impl Catalog {
         }
     }
 
-    pub fn lookup_prefix(&self, keys: &[BlockKey]) -> usize {
-        keys.iter().take_while(|k| self.contains(k)).count()
-    }
 
     /// Pins the leading visible keys; returns how many were pinned.
     pub fn pin_prefix(&mut self, keys: &[BlockKey]) -> usize {

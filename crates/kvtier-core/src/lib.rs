@@ -1,26 +1,37 @@
 //! kvtier core: a tiered store for LLM KV-cache blocks (DRAM arena + NVMe region log).
 //!
-//! - [`catalog`]: the control plane (index, allocation, eviction, pins, recovery adoption).
-//! - [`mover`]: the data plane (copies and I/O at locations the catalog hands out).
-//! - [`tiers`]: the DRAM arena and eviction policy; the NVMe device files and recovery.
-//! - [`io`]: I/O engines (io_uring, psync pool, fault injection) and the per-device queue.
+//! - `catalog`: the control plane (index, allocation, eviction, pins, recovery adoption).
+//! - `mover`: the data plane (copies and I/O at locations the catalog hands out).
+//! - `tiers`: the DRAM arena and eviction policy; the NVMe device files and recovery; the shared tier.
+//! - `io`: I/O engines (io_uring, psync pool, fault injection) and the per-device queue.
 //! - [`format`]: on-disk structures, versioned and checksummed.
-//! - [`store`]: the facade tying them together, with blocking and asynchronous APIs.
+//! - `store`: the facade tying them together, with blocking and asynchronous APIs ([`Store`]).
 
-pub mod catalog;
-pub mod config;
-pub mod error;
+mod catalog;
+mod config;
+mod error;
 pub mod format;
-pub mod io;
-pub mod key;
-pub mod mover;
-pub mod stats;
-pub mod store;
-pub mod tiers;
+mod io;
+mod key;
+mod mover;
+mod stats;
+mod store;
+mod tiers;
 
-pub use config::{find_option, unknown_option_message, ConfigOption, DirectIo, OptionKind, OptionValue, StoreConfig, OPTIONS};
+// The public surface, on purpose: everything else is private, so rustc reports what nothing uses.
+// `format` stays a public module: the on-disk structures are an interface of their own (tools,
+// the format fuzzers).
+pub use catalog::{Gauges, Tier};
+pub use config::{
+    find_option, unknown_option_message, ConfigOption, DirectIo, OptionKind, OptionValue, StoreConfig, OPTIONS,
+};
 pub use error::{Error, Result};
+pub use io::buffer::AlignedBuf;
+pub use io::faults::FaultPlan;
 pub use io::EngineChoice;
 pub use key::{BlockKey, Namespace};
 pub use mover::BlockBuffer;
+pub use stats::{Stats, StatsSnapshot};
 pub use store::{Job, JobKind, Store, StoreStats};
+pub use tiers::eviction::{EvictionPolicy, Lru, S3Fifo};
+pub use tiers::shared::{SharedConfig, SharedTier};

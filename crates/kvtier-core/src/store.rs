@@ -163,7 +163,6 @@ impl Store {
             max_dirty_bytes: config.effective_max_dirty_bytes(),
         };
         let mut catalog = Catalog::new(
-            namespace,
             layout,
             Box::new(S3Fifo::new(arena.slot_count())),
             geometry.map(|g| (g, dirs.len())),

@@ -2,7 +2,7 @@
 //! the wrong kind and unknown names are refused naming the option, and defaults come from
 //! `StoreConfig::new` / `SharedConfig::new`.
 
-use kvtier_core::tiers::shared::SharedConfig;
+use kvtier_core::SharedConfig;
 use kvtier_core::{find_option, ConfigOption, Error, OptionKind, OptionValue, StoreConfig, OPTIONS};
 use std::collections::HashSet;
 use std::path::PathBuf;

@@ -1,9 +1,9 @@
 //! The shared-filesystem tier against real files in temporary directories (and child processes for
 //! the concurrency and lease tests).
 
-use kvtier_core::key::{BlockKey, Namespace};
-use kvtier_core::stats::Stats;
-use kvtier_core::tiers::shared::{SharedConfig, SharedTier};
+use kvtier_core::{BlockKey, Namespace};
+use kvtier_core::Stats;
+use kvtier_core::{SharedConfig, SharedTier};
 use kvtier_core::{Error, Store, StoreConfig};
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::{FileExt, MetadataExt};

@@ -169,7 +169,7 @@ fn striped_over_two_directories() {
 
 #[test]
 fn aligned_buffers_take_direct_reads_and_are_verified() {
-    use kvtier_core::io::buffer::AlignedBuf;
+    use kvtier_core::AlignedBuf;
     for engine in engines() {
         let dir = tempfile::tempdir().unwrap();
         let n = 64 * 1024;

@@ -151,7 +151,7 @@ fn parse_layer_blocks(
         bases.push((ptr, len));
         held.push(h);
     }
-    if bases.is_empty() || object_bytes % bases.len() != 0 {
+    if bases.is_empty() || !object_bytes.is_multiple_of(bases.len()) {
         return Err(PyValueError::new_err(format!(
             "layers: {} layers do not divide object_bytes={object_bytes}; object_bytes must be layers * page_bytes",
             bases.len()
@@ -461,6 +461,7 @@ impl PyStore {
         d.set_item("io_engine", s.io_engine)?;
         d.set_item("direct_io", s.direct_io)?;
         d.set_item("buffers_registered", s.buffers_registered)?;
+        d.set_item("huge_pages", s.huge_pages)?;
         d.set_item("namespace", s.namespace_hex)?;
         Ok(d)
     }

@@ -8,6 +8,10 @@ pub mod descriptor;
 pub mod superblock;
 pub mod trailer;
 
+/// The shared tier's files (data file header and footer, manifest records, lease), defined beside the
+/// tier that writes them and public with the rest of the formats.
+pub use crate::tiers::shared::format as shared;
+
 /// Alignment of every on-disk structure and value (O_DIRECT and page size).
 pub const ALIGN_BYTES: usize = 4096;
 

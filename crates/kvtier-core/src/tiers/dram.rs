@@ -68,14 +68,6 @@ impl Arena {
         self.slot_bytes
     }
 
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// Start of slot `index` (its descriptor page).
     pub fn slot_ptr(&self, index: u32) -> *mut u8 {
         assert!((index as usize) < self.slot_count, "slot index out of range");

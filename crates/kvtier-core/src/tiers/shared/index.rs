@@ -25,7 +25,6 @@ pub struct FileInfo {
     pub name: String,
     pub file_bytes: u64,
     pub keys: Vec<BlockKey>,
-    pub published_unix_ms: u64,
     /// Latest access seen in any process's access records (or publish time if never read).
     pub last_access_unix_ms: u64,
 }
@@ -148,7 +147,7 @@ impl Index {
         self.by_name.insert(name.clone(), id);
         self.files.insert(
             id,
-            FileInfo { name, file_bytes, keys, published_unix_ms, last_access_unix_ms: published_unix_ms },
+            FileInfo { name, file_bytes, keys, last_access_unix_ms: published_unix_ms },
         );
     }
 
