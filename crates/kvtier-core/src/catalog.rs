@@ -125,7 +125,9 @@ pub enum GetStep {
     Miss,
     /// No DRAM slot is free for staging the read; try again when one frees.
     NoSlot,
-    Dram { slot: u32 },
+    Dram {
+        slot: u32,
+    },
     Nvme(NvmeRead),
 }
 
@@ -310,7 +312,6 @@ impl Catalog {
         }
     }
 
-
     /// Pins the leading visible keys; returns how many were pinned.
     pub fn pin_prefix(&mut self, keys: &[BlockKey]) -> usize {
         let mut pinned = 0;
@@ -429,12 +430,7 @@ impl Catalog {
         let e = self.index.get_mut(key).expect("entry with an NVMe copy survives eviction");
         e.pins += 1;
         self.slots[slot as usize] = Slot { key: Some(*key), state: SlotState::Loading, writing: false };
-        GetStep::Nvme(NvmeRead {
-            slot,
-            loc,
-            sequence: e.sequence,
-            value_checksum: e.value_checksum,
-        })
+        GetStep::Nvme(NvmeRead { slot, loc, sequence: e.sequence, value_checksum: e.value_checksum })
     }
 
     pub fn finish_get_dram(&mut self, key: &BlockKey) {
@@ -508,7 +504,13 @@ impl Catalog {
     }
 
     /// The slot now holds the whole value; makes it visible and plans its NVMe write.
-    pub fn finish_put(&mut self, key: &BlockKey, slot: u32, value_checksum: u64, meta: &mut Vec<MetaWrite>) -> Option<WritePlan> {
+    pub fn finish_put(
+        &mut self,
+        key: &BlockKey,
+        slot: u32,
+        value_checksum: u64,
+        meta: &mut Vec<MetaWrite>,
+    ) -> Option<WritePlan> {
         let e = self.index.get_mut(key).expect("filled entry exists");
         e.value_checksum = value_checksum;
         e.dram_ready = true;
@@ -565,13 +567,7 @@ impl Catalog {
         let region_seq = nvme.next_region_seq;
         nvme.next_region_seq += 1;
         let r = &mut nvme.devices[device].regions[region as usize];
-        *r = Region {
-            state: RegionState::Open,
-            region_seq,
-            cursor: 0,
-            entries: Vec::new(),
-            pending_writes: 0,
-        };
+        *r = Region { state: RegionState::Open, region_seq, cursor: 0, entries: Vec::new(), pending_writes: 0 };
         nvme.devices[device].open = Some(region);
         if reclaimed {
             self.pending_meta_writes += 1;
@@ -608,7 +604,8 @@ impl Catalog {
             .map(|(i, r)| (r.region_seq, i as u32))
             .collect();
         candidates.sort_unstable();
-        let lives_here = |e: &Entry, region: u32| e.nvme.is_some_and(|l| l.device as usize == device && l.region == region);
+        let lives_here =
+            |e: &Entry, region: u32| e.nvme.is_some_and(|l| l.device as usize == device && l.region == region);
         let victim = candidates.into_iter().map(|(_, r)| r).find(|&region| {
             nvme.devices[device].regions[region as usize]
                 .entries

@@ -26,11 +26,7 @@ pub enum Error {
 
     /// A file belongs to another namespace (another model, dtype, layout or parallel rank).
     #[error("{path}: belongs to namespace {found}, not {expected}; open it with its own namespace or choose another directory")]
-    Namespace {
-        path: PathBuf,
-        expected: String,
-        found: String,
-    },
+    Namespace { path: PathBuf, expected: String, found: String },
 
     /// The requested capacity does not fit the machine.
     #[error("{message}")]
@@ -51,23 +47,14 @@ pub enum Error {
 
 impl Error {
     pub(crate) fn config(option: &'static str, message: impl Into<String>) -> Self {
-        Error::Config {
-            option,
-            message: message.into(),
-        }
+        Error::Config { option, message: message.into() }
     }
 
     pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
-        Error::Io {
-            context: context.into(),
-            source,
-        }
+        Error::Io { context: context.into(), source }
     }
 
     pub(crate) fn format(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
-        Error::Format {
-            path: path.into(),
-            message: message.into(),
-        }
+        Error::Format { path: path.into(), message: message.into() }
     }
 }

@@ -4,8 +4,8 @@
 //! A block that fails verification is a miss, counted, and dropped from the index: never bytes.
 
 use crate::catalog::{GetStep, LoadOutcome, MetaWrite, NvmeRead, PutStep, WritePlan, NO_SLOT};
-use crate::format::ALIGN_BYTES;
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
+use crate::format::ALIGN_BYTES;
 use crate::io::buffer::AlignedBuf;
 use crate::io::device::{is_abandoned, IoOp};
 use crate::io::OpKind;
@@ -160,7 +160,9 @@ fn verify_and_copy_out(sh: &Shared, key: &BlockKey, read: &NvmeRead, bytes: &[u8
 fn copy_in_and_checksum(sh: &Shared, slot: u32, buf: &BlockBuffer) -> u64 {
     // SAFETY: the slot is ours (Filling) and the caller's segments are valid for reading
     // (submission contract); the slot's value area holds object_bytes = the segments' total.
-    let value = unsafe { std::slice::from_raw_parts_mut(sh.arena.slot_ptr(slot).add(DESCRIPTOR_BYTES), sh.config.object_bytes) };
+    let value = unsafe {
+        std::slice::from_raw_parts_mut(sh.arena.slot_ptr(slot).add(DESCRIPTOR_BYTES), sh.config.object_bytes)
+    };
     let mut hasher = crate::format::checksum_hasher();
     for_each_chunk(buf, |src, at, n| {
         let chunk = &mut value[at..at + n];
@@ -217,7 +219,8 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
                 let stuck =
                     next < n && reads.is_empty() && dram_hits.is_empty() && shared_reads.is_empty() && inflight == 0;
                 if stuck {
-                    let until = *deadline.get_or_insert_with(|| Instant::now() + Duration::from_millis(sh.config.slot_wait_ms));
+                    let until =
+                        *deadline.get_or_insert_with(|| Instant::now() + Duration::from_millis(sh.config.slot_wait_ms));
                     if sh.changed.wait_until(&mut cat, until).timed_out() && Instant::now() >= until {
                         Stats::add(&sh.stats.slot_wait_timeouts, 1);
                         Stats::add(&sh.stats.misses, (n - next) as u64);
@@ -249,7 +252,9 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
                 if read.slot == NO_SLOT {
                     let page = AlignedBuf::zeroed(DESCRIPTOR_BYTES);
                     let mut iovecs = vec![libc::iovec { iov_base: page.as_ptr().cast(), iov_len: DESCRIPTOR_BYTES }];
-                    iovecs.extend(bufs[i].segments.iter().map(|&(ptr, len)| libc::iovec { iov_base: ptr.cast(), iov_len: len }));
+                    iovecs.extend(
+                        bufs[i].segments.iter().map(|&(ptr, len)| libc::iovec { iov_base: ptr.cast(), iov_len: len }),
+                    );
                     sh.devices[read.loc.device as usize].read(IoOp {
                         kind: OpKind::Read,
                         offset: geometry.region_offset(read.loc.region) + read.loc.offset,
@@ -375,7 +380,8 @@ pub(crate) fn execute_put(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
                 next += 1;
             }
             if fills.is_empty() && next < n {
-                let until = *deadline.get_or_insert_with(|| Instant::now() + Duration::from_millis(sh.config.slot_wait_ms));
+                let until =
+                    *deadline.get_or_insert_with(|| Instant::now() + Duration::from_millis(sh.config.slot_wait_ms));
                 if sh.changed.wait_until(&mut cat, until).timed_out() && Instant::now() >= until {
                     Stats::add(&sh.stats.slot_wait_timeouts, 1);
                     Stats::add(&sh.stats.dropped_stores, (n - next) as u64);
@@ -431,7 +437,10 @@ fn submit_entry_write(sh: &Arc<Shared>, key: BlockKey, plan: WritePlan) {
     let page = unsafe { &mut slot_mut(sh.arena.slot_ptr(plan.slot), sh.arena.slot_bytes())[..DESCRIPTOR_BYTES] };
     if let Err(e) = Descriptor::stamp_region_seq(page, plan.region_seq) {
         // We encoded this descriptor ourselves: failing to read it back is a bug, never a silent skip.
-        log::error!("kvtier: the descriptor of {key:?} in DRAM slot {} does not decode ({e}); not writing it to NVMe", plan.slot);
+        log::error!(
+            "kvtier: the descriptor of {key:?} in DRAM slot {} does not decode ({e}); not writing it to NVMe",
+            plan.slot
+        );
         Stats::add(&sh.stats.nvme_dropped_writes, 1);
         finish_entry_write(sh, &key, &plan, false);
         return;
@@ -510,7 +519,13 @@ fn plan_shared_read(sh: &Shared, cat: &mut crate::catalog::Catalog, key: &BlockK
 
 /// Reads blocks from the shared tier into their DRAM slots (one verified pread each), copies them out,
 /// and makes them resident. A failed read is a miss (the tier counts and quarantines).
-fn execute_shared_reads(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuffer], results: &mut [bool], reads: Vec<(usize, u32)>) {
+fn execute_shared_reads(
+    sh: &Arc<Shared>,
+    keys: &[BlockKey],
+    bufs: &[BlockBuffer],
+    results: &mut [bool],
+    reads: Vec<(usize, u32)>,
+) {
     let tier = sh.shared_tier.as_ref().expect("shared reads need the shared tier");
     let mut done = Vec::with_capacity(reads.len());
     for (i, slot) in reads {

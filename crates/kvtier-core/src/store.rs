@@ -126,11 +126,16 @@ impl Store {
         let dirs: Vec<_> = config.paths.iter().map(|p| p.join(namespace.hex())).collect();
         for dir in &dirs {
             // The namespace directory is private (0700): its listing names the models cached here.
-            std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| {
-                Error::io(format!("creating {} (give kvtier a writable directory)", dir.display()), e)
-            })?;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|e| Error::io(format!("creating {} (give kvtier a writable directory)", dir.display()), e))?;
             if std::fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_symlink()) {
-                return Err(Error::format(dir, "is a symbolic link; kvtier does not follow links out of its directory: remove it"));
+                return Err(Error::format(
+                    dir,
+                    "is a symbolic link; kvtier does not follow links out of its directory: remove it",
+                ));
             }
         }
         // Every directory is locked: two stores must never write one device file.
@@ -296,13 +301,19 @@ impl Store {
 
     fn check_buffers(&self, keys: usize, buffers: &[BlockBuffer]) -> Result<()> {
         if keys != buffers.len() {
-            return Err(Error::config("buffers", format!("{keys} keys but {} buffers; pass one buffer per key", buffers.len())));
+            return Err(Error::config(
+                "buffers",
+                format!("{keys} keys but {} buffers; pass one buffer per key", buffers.len()),
+            ));
         }
         let want = self.object_bytes();
         if let Some(b) = buffers.iter().find(|b| b.total_bytes() != want) {
             return Err(Error::config(
                 "buffers",
-                format!("a buffer holds {} bytes but object_bytes is {want}; pass buffers of exactly object_bytes", b.total_bytes()),
+                format!(
+                    "a buffer holds {} bytes but object_bytes is {want}; pass buffers of exactly object_bytes",
+                    b.total_bytes()
+                ),
             ));
         }
         Ok(())
@@ -541,10 +552,7 @@ fn finish_job(sh: &Shared, id: u64, results: Vec<bool>) {
 }
 
 fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
-    std::thread::Builder::new()
-        .name(name)
-        .spawn(f)
-        .map_err(|e| Error::io("spawning a kvtier thread", e))
+    std::thread::Builder::new().name(name).spawn(f).map_err(|e| Error::io("spawning a kvtier thread", e))
 }
 
 fn take_lock(dir: &std::path::Path) -> Result<File> {
@@ -618,7 +626,9 @@ fn start_devices(
             registered_all &= e.buffers_registered();
             Box::new(e)
         } else {
-            Box::new(PsyncEngine::new(config.io_depth.min(8), &name).map_err(|e| Error::io("starting psync threads", e))?)
+            Box::new(
+                PsyncEngine::new(config.io_depth.min(8), &name).map_err(|e| Error::io("starting psync threads", e))?,
+            )
         };
         if let Some(plan) = &config.fault_plan {
             engine = Box::new(FaultyEngine::new(engine, Arc::clone(plan)));

@@ -114,92 +114,110 @@ fn stress(engine: EngineChoice, secs: u64) {
 
     for w in 0..3u64 {
         let (store, counts, stop) = (Arc::clone(&store), Arc::clone(&counts), Arc::clone(&stop));
-        spawn("writer", &mut threads, Box::new(move || {
-            let mut rng = Rng(0x1234_5678 + w * 7919);
-            while !stop.load(Ordering::Relaxed) {
-                let ids = batch(&mut rng, 8);
-                let values: Vec<Vec<u8>> = ids.iter().map(|&i| value(i, OBJ)).collect();
-                let refs: Vec<&[u8]> = values.iter().map(|v| v.as_slice()).collect();
-                let keys: Vec<BlockKey> = ids.iter().map(|&i| key(i)).collect();
-                let ok = store.put_many(&keys, &refs).unwrap();
-                add(&counts.put_calls, 1);
-                add(&counts.blocks_put, ids.len() as u64);
-                add(&counts.blocks_dropped, ok.iter().filter(|&&b| !b).count() as u64);
-            }
-        }));
+        spawn(
+            "writer",
+            &mut threads,
+            Box::new(move || {
+                let mut rng = Rng(0x1234_5678 + w * 7919);
+                while !stop.load(Ordering::Relaxed) {
+                    let ids = batch(&mut rng, 8);
+                    let values: Vec<Vec<u8>> = ids.iter().map(|&i| value(i, OBJ)).collect();
+                    let refs: Vec<&[u8]> = values.iter().map(|v| v.as_slice()).collect();
+                    let keys: Vec<BlockKey> = ids.iter().map(|&i| key(i)).collect();
+                    let ok = store.put_many(&keys, &refs).unwrap();
+                    add(&counts.put_calls, 1);
+                    add(&counts.blocks_put, ids.len() as u64);
+                    add(&counts.blocks_dropped, ok.iter().filter(|&&b| !b).count() as u64);
+                }
+            }),
+        );
     }
     for r in 0..3u64 {
         let (store, counts, stop) = (Arc::clone(&store), Arc::clone(&counts), Arc::clone(&stop));
-        spawn("reader", &mut threads, Box::new(move || {
-            let mut rng = Rng(0x9E37_79B9 + r * 104729);
-            while !stop.load(Ordering::Relaxed) {
-                let ids = batch(&mut rng, 8);
-                let keys: Vec<BlockKey> = ids.iter().map(|&i| key(i)).collect();
-                store.lookup_prefix(&keys);
-                add(&counts.lookups, 1);
-                load(&store, &ids, &counts);
-            }
-        }));
+        spawn(
+            "reader",
+            &mut threads,
+            Box::new(move || {
+                let mut rng = Rng(0x9E37_79B9 + r * 104729);
+                while !stop.load(Ordering::Relaxed) {
+                    let ids = batch(&mut rng, 8);
+                    let keys: Vec<BlockKey> = ids.iter().map(|&i| key(i)).collect();
+                    store.lookup_prefix(&keys);
+                    add(&counts.lookups, 1);
+                    load(&store, &ids, &counts);
+                }
+            }),
+        );
     }
     for p in 0..2u64 {
         let (store, counts, stop) = (Arc::clone(&store), Arc::clone(&counts), Arc::clone(&stop));
-        spawn("pinner", &mut threads, Box::new(move || {
-            let mut rng = Rng(0xC0FF_EE00 + p * 15485863);
-            while !stop.load(Ordering::Relaxed) {
-                let start = rng.below(UNIVERSE);
-                let ids: Vec<u64> = (start..start + 1 + rng.below(4)).map(|i| i % UNIVERSE).collect();
-                let keys: Vec<BlockKey> = ids.iter().map(|&i| key(i)).collect();
-                let n = store.pin_prefix(&keys).len();
-                add(&counts.pins, 1);
-                add(&counts.pinned_blocks, n as u64);
-                if n > 0 {
-                    // While pinned, the blocks must stay retrievable whatever the writers do.
-                    for round in 0..2 {
-                        if round == 1 {
-                            std::thread::sleep(Duration::from_millis(1 + rng.below(5)));
+        spawn(
+            "pinner",
+            &mut threads,
+            Box::new(move || {
+                let mut rng = Rng(0xC0FF_EE00 + p * 15485863);
+                while !stop.load(Ordering::Relaxed) {
+                    let start = rng.below(UNIVERSE);
+                    let ids: Vec<u64> = (start..start + 1 + rng.below(4)).map(|i| i % UNIVERSE).collect();
+                    let keys: Vec<BlockKey> = ids.iter().map(|&i| key(i)).collect();
+                    let n = store.pin_prefix(&keys).len();
+                    add(&counts.pins, 1);
+                    add(&counts.pinned_blocks, n as u64);
+                    if n > 0 {
+                        // While pinned, the blocks must stay retrievable whatever the writers do.
+                        for round in 0..2 {
+                            if round == 1 {
+                                std::thread::sleep(Duration::from_millis(1 + rng.below(5)));
+                            }
+                            let hits = load(&store, &ids[..n], &counts);
+                            add(&counts.pinned_gets, n as u64);
+                            let lost = hits.iter().filter(|&&h| !h).count() as u64;
+                            if lost > 0 {
+                                eprintln!("PINNED BLOCK LOST: {:?} -> {hits:?}", &ids[..n]);
+                            }
+                            add(&counts.pinned_misses, lost);
                         }
-                        let hits = load(&store, &ids[..n], &counts);
-                        add(&counts.pinned_gets, n as u64);
-                        let lost = hits.iter().filter(|&&h| !h).count() as u64;
-                        if lost > 0 {
-                            eprintln!("PINNED BLOCK LOST: {:?} -> {hits:?}", &ids[..n]);
-                        }
-                        add(&counts.pinned_misses, lost);
+                        store.unpin(&keys[..n]);
                     }
-                    store.unpin(&keys[..n]);
                 }
-            }
-        }));
+            }),
+        );
     }
     {
         let (store, counts, stop) = (Arc::clone(&store), Arc::clone(&counts), Arc::clone(&stop));
-        spawn("async", &mut threads, Box::new(move || {
-            let mut rng = Rng(0xA5A5_A5A5);
-            let mut job_id = 1u64;
-            while !stop.load(Ordering::Relaxed) {
-                let ids = batch(&mut rng, 6);
-                let keys: Vec<BlockKey> = ids.iter().map(|&i| key(i)).collect();
-                let values: Vec<Vec<u8>> = ids.iter().map(|&i| value(i, OBJ)).collect();
-                let bufs = values.iter().map(|v| BlockBuffer::single(v.as_ptr() as *mut u8, OBJ)).collect();
-                // SAFETY: `values` outlives the wait below.
-                unsafe { store.submit(Job { id: job_id, kind: JobKind::Put, keys: keys.clone(), buffers: bufs }).unwrap() };
-                store.wait(job_id, Some(Duration::from_secs(60))).unwrap();
-                job_id += 1;
-                let mut out: Vec<Vec<u8>> = ids.iter().map(|_| vec![0u8; OBJ]).collect();
-                let bufs = out.iter_mut().map(|v| BlockBuffer::single(v.as_mut_ptr(), OBJ)).collect();
-                // SAFETY: `out` is untouched until the wait below returns.
-                unsafe { store.submit(Job { id: job_id, kind: JobKind::Get, keys, buffers: bufs }).unwrap() };
-                let hits = store.wait(job_id, Some(Duration::from_secs(60))).unwrap();
-                job_id += 1;
-                for ((&id, &hit), buf) in ids.iter().zip(&hits).zip(&out) {
-                    if hit && *buf != value(id, OBJ) {
-                        add(&counts.wrong, 1);
-                        eprintln!("WRONG BYTES (async) for block {id}");
+        spawn(
+            "async",
+            &mut threads,
+            Box::new(move || {
+                let mut rng = Rng(0xA5A5_A5A5);
+                let mut job_id = 1u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let ids = batch(&mut rng, 6);
+                    let keys: Vec<BlockKey> = ids.iter().map(|&i| key(i)).collect();
+                    let values: Vec<Vec<u8>> = ids.iter().map(|&i| value(i, OBJ)).collect();
+                    let bufs = values.iter().map(|v| BlockBuffer::single(v.as_ptr() as *mut u8, OBJ)).collect();
+                    // SAFETY: `values` outlives the wait below.
+                    unsafe {
+                        store.submit(Job { id: job_id, kind: JobKind::Put, keys: keys.clone(), buffers: bufs }).unwrap()
+                    };
+                    store.wait(job_id, Some(Duration::from_secs(60))).unwrap();
+                    job_id += 1;
+                    let mut out: Vec<Vec<u8>> = ids.iter().map(|_| vec![0u8; OBJ]).collect();
+                    let bufs = out.iter_mut().map(|v| BlockBuffer::single(v.as_mut_ptr(), OBJ)).collect();
+                    // SAFETY: `out` is untouched until the wait below returns.
+                    unsafe { store.submit(Job { id: job_id, kind: JobKind::Get, keys, buffers: bufs }).unwrap() };
+                    let hits = store.wait(job_id, Some(Duration::from_secs(60))).unwrap();
+                    job_id += 1;
+                    for ((&id, &hit), buf) in ids.iter().zip(&hits).zip(&out) {
+                        if hit && *buf != value(id, OBJ) {
+                            add(&counts.wrong, 1);
+                            eprintln!("WRONG BYTES (async) for block {id}");
+                        }
                     }
+                    add(&counts.async_jobs, 2);
                 }
-                add(&counts.async_jobs, 2);
-            }
-        }));
+            }),
+        );
     }
 
     // The main thread checks the catalog's invariants while everything runs.
@@ -252,7 +270,11 @@ fn stress(engine: EngineChoice, secs: u64) {
     assert_eq!(s.counters.checksum_failures, 0, "{:?}", s.counters);
     assert_eq!(s.counters.io_errors, 0, "{:?}", s.counters);
     assert!(g(&c.hits) > 0 && g(&c.pinned_gets) > 0, "the stress did not exercise hits and pins");
-    assert!(s.counters.dram_evictions > 0 && s.counters.nvme_region_evictions > 0, "eviction/reclaim never ran: {:?}", s.counters);
+    assert!(
+        s.counters.dram_evictions > 0 && s.counters.nvme_region_evictions > 0,
+        "eviction/reclaim never ran: {:?}",
+        s.counters
+    );
     store.close().unwrap();
 }
 

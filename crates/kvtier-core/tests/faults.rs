@@ -168,7 +168,12 @@ fn read_side(kind: &'static str, engine: EngineChoice, plan: FaultPlan) -> Row {
 
 /// Faults on the write path: blocks stored through the faulty engine, read back in the same store (from
 /// NVMe, DRAM being tiny), then after a reopen without faults.
-fn write_side(kind: &'static str, engine: EngineChoice, plan: FaultPlan, reopen_with_faults: bool) -> (Row, Arc<FaultPlan>) {
+fn write_side(
+    kind: &'static str,
+    engine: EngineChoice,
+    plan: FaultPlan,
+    reopen_with_faults: bool,
+) -> (Row, Arc<FaultPlan>) {
     let plan = Arc::new(plan);
     let ids: Vec<u64> = (0..N).collect();
     let start = Instant::now();
@@ -220,7 +225,9 @@ fn run_engines(kind: &str, f: impl Fn(EngineChoice) -> Row + Send + Sync + 'stat
 
 #[test]
 fn read_eio_is_a_counted_miss() {
-    for row in run_engines("read_eio", |e| read_side("read EIO", e, FaultPlan { read_eio_every: 3, ..Default::default() })) {
+    for row in
+        run_engines("read_eio", |e| read_side("read EIO", e, FaultPlan { read_eio_every: 3, ..Default::default() }))
+    {
         assert!(row.injected > 0 && row.misses > 0, "{row:?}");
         // Each injected EIO is exactly one counted I/O error (first pass, second pass and fresh blocks).
         assert!(row.io_errors >= row.misses && row.io_errors <= row.injected, "{row:?}");
@@ -230,7 +237,9 @@ fn read_eio_is_a_counted_miss() {
 
 #[test]
 fn read_bit_flips_are_checksum_misses() {
-    for row in run_engines("bitflip", |e| read_side("read bitflip", e, FaultPlan { read_bitflip_every: 3, ..Default::default() })) {
+    for row in run_engines("bitflip", |e| {
+        read_side("read bitflip", e, FaultPlan { read_bitflip_every: 3, ..Default::default() })
+    }) {
         assert!(row.injected > 0 && row.misses > 0, "{row:?}");
         assert!(row.checksum_failures >= row.misses && row.checksum_failures <= row.injected, "{row:?}");
         assert_eq!(row.io_errors, 0, "{row:?}");
@@ -251,7 +260,9 @@ fn short_transfers_are_completed() {
 
 #[test]
 fn write_eio_is_counted_and_never_served() {
-    for row in run_engines("write_eio", |e| write_side("write EIO", e, FaultPlan { write_eio_every: 4, ..Default::default() }, false).0) {
+    for row in run_engines("write_eio", |e| {
+        write_side("write EIO", e, FaultPlan { write_eio_every: 4, ..Default::default() }, false).0
+    }) {
         assert!(row.injected > 0 && row.misses > 0, "{row:?}");
         // Every failed write (entry or trailer) is one counted I/O error; none is a checksum failure,
         // since nothing torn was ever reported written.
@@ -263,7 +274,9 @@ fn write_eio_is_counted_and_never_served() {
 
 #[test]
 fn enospc_is_counted_and_never_served() {
-    for row in run_engines("enospc", |e| write_side("ENOSPC", e, FaultPlan { write_enospc_every: 4, ..Default::default() }, false).0) {
+    for row in run_engines("enospc", |e| {
+        write_side("ENOSPC", e, FaultPlan { write_enospc_every: 4, ..Default::default() }, false).0
+    }) {
         assert!(row.injected > 0 && row.misses > 0, "{row:?}");
         assert!(row.io_errors >= 1 && row.io_errors <= row.injected, "{row:?}");
         assert_eq!(row.checksum_failures, 0, "{row:?}");
@@ -273,7 +286,9 @@ fn enospc_is_counted_and_never_served() {
 
 #[test]
 fn torn_writes_are_checksum_misses() {
-    for row in run_engines("torn", |e| write_side("torn write", e, FaultPlan { torn_write_every: 5, ..Default::default() }, false).0) {
+    for row in run_engines("torn", |e| {
+        write_side("torn write", e, FaultPlan { torn_write_every: 5, ..Default::default() }, false).0
+    }) {
         assert!(row.injected > 0 && row.misses > 0, "{row:?}");
         // A torn write is reported whole: only the value checksum on load can catch it.
         assert!(row.checksum_failures >= 1 && row.checksum_failures <= row.injected, "{row:?}");

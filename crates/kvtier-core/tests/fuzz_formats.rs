@@ -85,11 +85,7 @@ fn cases() -> u32 {
 }
 
 fn runner(cases: u32) -> TestRunner {
-    TestRunner::new(Config {
-        cases,
-        failure_persistence: None,
-        ..Config::default()
-    })
+    TestRunner::new(Config { cases, failure_persistence: None, ..Config::default() })
 }
 
 /// Runs a property and prints how many cases it executed.
@@ -146,19 +142,18 @@ fn edgy_u32() -> impl Strategy<Value = u32> {
 }
 
 fn arb_superblock_any() -> impl Strategy<Value = Superblock> {
-    (edgy_u32(), edgy_u32(), any::<[u8; 32]>(), edgy_u64(), edgy_u64(), edgy_u64(), edgy_u64(), any::<u64>())
-        .prop_map(|(device_index, device_count, ns, region_bytes, region_count, slot_bytes, object_bytes, store_id)| {
-            Superblock {
-                device_index,
-                device_count,
-                namespace: Namespace(ns),
-                region_bytes,
-                region_count,
-                slot_bytes,
-                object_bytes,
-                store_id,
-            }
-        })
+    (edgy_u32(), edgy_u32(), any::<[u8; 32]>(), edgy_u64(), edgy_u64(), edgy_u64(), edgy_u64(), any::<u64>()).prop_map(
+        |(device_index, device_count, ns, region_bytes, region_count, slot_bytes, object_bytes, store_id)| Superblock {
+            device_index,
+            device_count,
+            namespace: Namespace(ns),
+            region_bytes,
+            region_count,
+            slot_bytes,
+            object_bytes,
+            store_id,
+        },
+    )
 }
 
 /// Superblocks that satisfy every range rule of `Superblock::decode`.
@@ -198,9 +193,8 @@ fn arb_entry() -> impl Strategy<Value = TrailerEntry> {
 /// (max_entries, trailer) with at most max_entries entries.
 fn arb_trailer() -> impl Strategy<Value = (usize, Trailer)> {
     (0usize..200).prop_flat_map(|max| {
-        (Just(max), proptest::collection::vec(arb_entry(), 0..=max), any::<u64>(), any::<u64>()).prop_map(
-            |(max, entries, region_seq, region_index)| (max, Trailer { region_seq, region_index, entries }),
-        )
+        (Just(max), proptest::collection::vec(arb_entry(), 0..=max), any::<u64>(), any::<u64>())
+            .prop_map(|(max, entries, region_seq, region_index)| (max, Trailer { region_seq, region_index, entries }))
     })
 }
 
@@ -303,15 +297,20 @@ fn superblock_forged_object_bytes_near_max_is_rejected() {
 
 #[test]
 fn superblock_roundtrip_and_bit_flips_rejected() {
-    check("superblock_roundtrip_bitflip", cases(), (arb_superblock_valid(), 0usize..SUPERBLOCK_BYTES * 8), |(sb, bit)| {
-        let mut page = vec![0u8; SUPERBLOCK_BYTES];
-        sb.encode(&mut page);
-        prop_assert_eq!(Superblock::decode(&page), Ok(sb));
-        page[bit / 8] ^= 1 << (bit % 8);
-        let decoded = Superblock::decode(&page);
-        prop_assert!(decoded.is_err(), "flip of bit {} accepted: {:?}", bit, decoded);
-        Ok(())
-    });
+    check(
+        "superblock_roundtrip_bitflip",
+        cases(),
+        (arb_superblock_valid(), 0usize..SUPERBLOCK_BYTES * 8),
+        |(sb, bit)| {
+            let mut page = vec![0u8; SUPERBLOCK_BYTES];
+            sb.encode(&mut page);
+            prop_assert_eq!(Superblock::decode(&page), Ok(sb));
+            page[bit / 8] ^= 1 << (bit % 8);
+            let decoded = Superblock::decode(&page);
+            prop_assert!(decoded.is_err(), "flip of bit {} accepted: {:?}", bit, decoded);
+            Ok(())
+        },
+    );
 }
 
 // ---- trailer ----
@@ -426,7 +425,11 @@ enum Damage {
 fn arb_damage(file_len: u64) -> impl Strategy<Value = Damage> {
     let slot = (OBJ + 4096) as u64;
     prop_oneof![
-        (0..file_len, 1usize..65536, any::<u64>()).prop_map(|(offset, len, seed)| Damage::Garbage { offset, len, seed }),
+        (0..file_len, 1usize..65536, any::<u64>()).prop_map(|(offset, len, seed)| Damage::Garbage {
+            offset,
+            len,
+            seed
+        }),
         // aimed at descriptors and trailers: page-aligned starts, short lengths
         (0..file_len / 4096, 1usize..256, any::<u64>()).prop_map(|(page, len, seed)| Damage::Garbage {
             offset: page * 4096,

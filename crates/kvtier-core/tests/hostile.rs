@@ -63,7 +63,9 @@ fn write_at(path: &Path, offset: u64, bytes: &[u8]) {
 }
 
 fn read_trailer(path: &Path, region: u64) -> Trailer {
-    Trailer::decode(&read_at(path, trailer_offset(region), TRAILER_BYTES)).unwrap().expect("sealed region has a trailer")
+    Trailer::decode(&read_at(path, trailer_offset(region), TRAILER_BYTES))
+        .unwrap()
+        .expect("sealed region has a trailer")
 }
 
 fn write_trailer(path: &Path, region: u64, t: &Trailer) {
@@ -142,7 +144,13 @@ fn blocks_of_another_namespace_are_never_served() {
         let victim = t.entries[3];
         write_at(&ours, region_offset(0) + victim.offset, &foreign_slot);
         let d = Descriptor::decode(&foreign_slot[..DESCRIPTOR_BYTES]).unwrap();
-        t.entries[3] = TrailerEntry { key: key(5000), sequence: d.sequence, offset: victim.offset, value_bytes: OBJ as u32, value_checksum: d.value_checksum };
+        t.entries[3] = TrailerEntry {
+            key: key(5000),
+            sequence: d.sequence,
+            offset: victim.offset,
+            value_bytes: OBJ as u32,
+            value_checksum: d.value_checksum,
+        };
         write_trailer(&ours, 0, &t);
         // Plant it in the open region too, right after the last entry.
         write_at(&ours, region_offset(2) + 18 * SLOT, &foreign_slot);
@@ -166,16 +174,17 @@ fn forged_trailer_offsets_and_lengths_are_never_used() {
         let mut t = read_trailer(&path, 0);
         let real = t.entries.clone();
         let forged: Vec<(u64, u64, u32)> = vec![
-            (9001, DATA_BYTES, OBJ as u32),                        // first byte of the trailer area
-            (9002, REGION * 100, OBJ as u32),                      // past the end of the file
-            (9003, (u64::MAX / SLOT) * SLOT, OBJ as u32),          // aligned, and offset + slot overflows
-            (9004, u64::MAX, OBJ as u32),                          // the largest offset
-            (9005, SLOT + 512, OBJ as u32),                        // misaligned
-            (9006, 0, u32::MAX),                                   // huge length
-            (9007, 2 * SLOT, 0),                                   // zero length
+            (9001, DATA_BYTES, OBJ as u32),               // first byte of the trailer area
+            (9002, REGION * 100, OBJ as u32),             // past the end of the file
+            (9003, (u64::MAX / SLOT) * SLOT, OBJ as u32), // aligned, and offset + slot overflows
+            (9004, u64::MAX, OBJ as u32),                 // the largest offset
+            (9005, SLOT + 512, OBJ as u32),               // misaligned
+            (9006, 0, u32::MAX),                          // huge length
+            (9007, 2 * SLOT, 0),                          // zero length
         ];
         for (i, &(id, offset, value_bytes)) in forged.iter().enumerate() {
-            t.entries[i] = TrailerEntry { key: key(id), sequence: 1_000_000 + i as u64, offset, value_bytes, value_checksum: 0 };
+            t.entries[i] =
+                TrailerEntry { key: key(id), sequence: 1_000_000 + i as u64, offset, value_bytes, value_checksum: 0 };
         }
         write_trailer(&path, 0, &t);
         let forged_ids: Vec<u64> = forged.iter().map(|f| f.0).collect();
@@ -188,7 +197,8 @@ fn forged_trailer_offsets_and_lengths_are_never_used() {
         assert_eq!(store.contains_many(&forged_keys), vec![false; forged.len()], "forged entries were indexed");
         assert_eq!(get_checked(&store, &forged_ids), vec![false; forged.len()]);
         // The blocks whose trailer entries were replaced are no longer listed; every other block is served.
-        let replaced: Vec<u64> = real[..forged.len()].iter().map(|e| u64::from_le_bytes(e.key.0[..8].try_into().unwrap())).collect();
+        let replaced: Vec<u64> =
+            real[..forged.len()].iter().map(|e| u64::from_le_bytes(e.key.0[..8].try_into().unwrap())).collect();
         let hits = get_checked(&store, &ids);
         for (&id, &hit) in ids.iter().zip(&hits) {
             assert_eq!(hit, !replaced.contains(&id), "block {id}");
@@ -276,7 +286,10 @@ fn forged_descriptor_lengths_are_misses() {
         let hits = get_checked(&store, &ids);
         for (&id, &hit) in ids.iter().zip(&hits) {
             let expect = id != sealed_victim && !lost_in_open.contains(&id);
-            assert_eq!(hit, expect, "block {id} (sealed victim {sealed_victim}, lost in the open region {lost_in_open:?})");
+            assert_eq!(
+                hit, expect,
+                "block {id} (sealed victim {sealed_victim}, lost in the open region {lost_in_open:?})"
+            );
         }
         assert_eq!(store.stats().counters.checksum_failures, 1);
     }
@@ -373,7 +386,12 @@ fn device_file_truncated_while_open_gives_counted_misses() {
                 put(&store, chunk);
             }
             store.flush().unwrap();
-            std::fs::OpenOptions::new().write(true).open(device(dir.path())).unwrap().set_len(SUPERBLOCK_BYTES as u64).unwrap();
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(device(dir.path()))
+                .unwrap()
+                .set_len(SUPERBLOCK_BYTES as u64)
+                .unwrap();
             let hits = get_checked(&store, &ids);
             let c = store.stats().counters;
             let misses = hits.iter().filter(|&&h| !h).count() as u64;

@@ -1,10 +1,10 @@
 //! The shared-filesystem tier against real files in temporary directories (and child processes for
 //! the concurrency and lease tests).
 
-use kvtier_core::{BlockKey, Namespace};
 use kvtier_core::Stats;
-use kvtier_core::{SharedConfig, SharedTier};
+use kvtier_core::{BlockKey, Namespace};
 use kvtier_core::{Error, Store, StoreConfig};
+use kvtier_core::{SharedConfig, SharedTier};
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
@@ -39,7 +39,8 @@ fn config(root: &Path) -> SharedConfig {
 
 fn open(c: &SharedConfig, ns: &str) -> (Arc<SharedTier>, Arc<Stats>) {
     let stats = Arc::new(Stats::default());
-    let tier = SharedTier::open(c, Namespace::from_description(ns.as_bytes()), OBJECT_BYTES, Arc::clone(&stats)).unwrap();
+    let tier =
+        SharedTier::open(c, Namespace::from_description(ns.as_bytes()), OBJECT_BYTES, Arc::clone(&stats)).unwrap();
     (tier, stats)
 }
 
@@ -387,11 +388,17 @@ fn lease_moves_to_another_process_when_the_holder_is_killed() {
     let ns_dir = dir.path().join(Namespace::from_description(b"stress").hex());
     // Tiny capacity and a long grace: usage stays above the high watermark, so the holder keeps the
     // lease (renewing it) for the whole run.
-    let args: Vec<String> =
-        ["secs=30", "capacity_bytes=2097152", "file_bytes=262144", "grace_ms=60000", "lease_ms=600", "publish_every_ms=50"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let args: Vec<String> = [
+        "secs=30",
+        "capacity_bytes=2097152",
+        "file_bytes=262144",
+        "grace_ms=60000",
+        "lease_ms=600",
+        "publish_every_ms=50",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     let (mut first, first_id) = spawn_stress(dir.path(), &args);
     // Wait until the first holds the lease with usage above the high watermark (it keeps it from then).
     assert!(wait_until(Duration::from_secs(10), || allocated(&ns_dir) > 2_000_000

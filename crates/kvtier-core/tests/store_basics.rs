@@ -137,9 +137,7 @@ fn async_jobs_report_results() {
         let mut out: Vec<Vec<u8>> = (0..8).map(|_| vec![0; n]).collect();
         let bufs = out.iter_mut().map(|v| kvtier_core::BlockBuffer::single(v.as_mut_ptr(), n)).collect();
         unsafe {
-            store
-                .submit(kvtier_core::Job { id: 2, kind: kvtier_core::JobKind::Get, keys, buffers: bufs })
-                .unwrap();
+            store.submit(kvtier_core::Job { id: 2, kind: kvtier_core::JobKind::Get, keys, buffers: bufs }).unwrap();
         }
         assert_eq!(store.wait(2, None).unwrap(), vec![true; 8]);
         assert_eq!(out, values);

@@ -30,14 +30,12 @@ fn to_py(err: Error) -> PyErr {
         Error::Timeout { .. } => "TimeoutError",
     };
     let message = err.to_string();
-    Python::attach(|py| {
-        match py.import("kvtier.errors").and_then(|m| m.getattr(class)) {
-            Ok(cls) => match cls.call1((message.clone(),)) {
-                Ok(instance) => PyErr::from_value(instance),
-                Err(e) => e,
-            },
-            Err(_) => PyValueError::new_err(message),
-        }
+    Python::attach(|py| match py.import("kvtier.errors").and_then(|m| m.getattr(class)) {
+        Ok(cls) => match cls.call1((message.clone(),)) {
+            Ok(instance) => PyErr::from_value(instance),
+            Err(e) => e,
+        },
+        Err(_) => PyValueError::new_err(message),
     })
 }
 
@@ -106,7 +104,8 @@ fn parse_keys(keys: &Bound<'_, PyAny>) -> PyResult<Vec<BlockKey>> {
     let mut out = Vec::new();
     for item in keys.try_iter()? {
         let item = item?;
-        let bytes: &[u8] = item.cast::<PyBytes>().map_err(|_| PyValueError::new_err("keys: each key must be bytes"))?.as_bytes();
+        let bytes: &[u8] =
+            item.cast::<PyBytes>().map_err(|_| PyValueError::new_err("keys: each key must be bytes"))?.as_bytes();
         out.push(BlockKey::from_slice(bytes).ok_or_else(|| {
             PyValueError::new_err(format!("keys: a key has {} bytes; keys are 32-byte block hashes", bytes.len()))
         })?);
@@ -180,7 +179,9 @@ fn parse_paths(path: &Bound<'_, PyAny>) -> PyResult<Vec<PathBuf>> {
     if path.is_instance_of::<PyList>() || path.is_instance_of::<PyTuple>() {
         path.try_iter()?.map(|p| p?.extract::<PathBuf>()).collect()
     } else {
-        Ok(vec![path.extract::<PathBuf>().map_err(|_| config_error("path", "must be a str or os.PathLike, or a list of them"))?])
+        Ok(vec![path
+            .extract::<PathBuf>()
+            .map_err(|_| config_error("path", "must be a str or os.PathLike, or a list of them"))?])
     }
 }
 
@@ -277,11 +278,21 @@ struct PyStore {
 }
 
 impl PyStore {
-    fn submit_job(&self, py: Python<'_>, job_id: u64, kind: JobKind, keys: Vec<BlockKey>, buffers: Vec<BlockBuffer>, held: Vec<Held>) -> PyResult<()> {
+    fn submit_job(
+        &self,
+        py: Python<'_>,
+        job_id: u64,
+        kind: JobKind,
+        keys: Vec<BlockKey>,
+        buffers: Vec<BlockBuffer>,
+        held: Vec<Held>,
+    ) -> PyResult<()> {
         {
             let mut map = self.held.lock();
             if map.contains_key(&job_id) {
-                return Err(PyValueError::new_err(format!("job_id {job_id} is already in flight; use a new id per job")));
+                return Err(PyValueError::new_err(format!(
+                    "job_id {job_id} is already in flight; use a new id per job"
+                )));
             }
             map.insert(job_id, held);
         }
@@ -340,7 +351,13 @@ impl PyStore {
         r.map_err(to_py)
     }
 
-    fn put_blocks(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, layers: &Bound<'_, PyAny>, block_ids: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+    fn put_blocks(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        layers: &Bound<'_, PyAny>,
+        block_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<bool>> {
         let keys = parse_keys(keys)?;
         let mut held = Vec::new();
         let bufs = parse_layer_blocks(self.inner.object_bytes(), layers, block_ids, false, &mut held)?;
@@ -350,7 +367,13 @@ impl PyStore {
         r.map_err(to_py)
     }
 
-    fn get_blocks(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, layers: &Bound<'_, PyAny>, block_ids: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+    fn get_blocks(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        layers: &Bound<'_, PyAny>,
+        block_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<bool>> {
         let keys = parse_keys(keys)?;
         let mut held = Vec::new();
         let bufs = parse_layer_blocks(self.inner.object_bytes(), layers, block_ids, true, &mut held)?;
@@ -360,28 +383,54 @@ impl PyStore {
         r.map_err(to_py)
     }
 
-    fn submit_put(&self, py: Python<'_>, job_id: u64, keys: &Bound<'_, PyAny>, buffers: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn submit_put(
+        &self,
+        py: Python<'_>,
+        job_id: u64,
+        keys: &Bound<'_, PyAny>,
+        buffers: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let keys = parse_keys(keys)?;
         let mut held = Vec::new();
         let bufs = parse_buffers(buffers, false, &mut held)?;
         self.submit_job(py, job_id, JobKind::Put, keys, bufs, held)
     }
 
-    fn submit_get(&self, py: Python<'_>, job_id: u64, keys: &Bound<'_, PyAny>, buffers: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn submit_get(
+        &self,
+        py: Python<'_>,
+        job_id: u64,
+        keys: &Bound<'_, PyAny>,
+        buffers: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let keys = parse_keys(keys)?;
         let mut held = Vec::new();
         let bufs = parse_buffers(buffers, true, &mut held)?;
         self.submit_job(py, job_id, JobKind::Get, keys, bufs, held)
     }
 
-    fn submit_put_blocks(&self, py: Python<'_>, job_id: u64, keys: &Bound<'_, PyAny>, layers: &Bound<'_, PyAny>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn submit_put_blocks(
+        &self,
+        py: Python<'_>,
+        job_id: u64,
+        keys: &Bound<'_, PyAny>,
+        layers: &Bound<'_, PyAny>,
+        block_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let keys = parse_keys(keys)?;
         let mut held = Vec::new();
         let bufs = parse_layer_blocks(self.inner.object_bytes(), layers, block_ids, false, &mut held)?;
         self.submit_job(py, job_id, JobKind::Put, keys, bufs, held)
     }
 
-    fn submit_get_blocks(&self, py: Python<'_>, job_id: u64, keys: &Bound<'_, PyAny>, layers: &Bound<'_, PyAny>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn submit_get_blocks(
+        &self,
+        py: Python<'_>,
+        job_id: u64,
+        keys: &Bound<'_, PyAny>,
+        layers: &Bound<'_, PyAny>,
+        block_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let keys = parse_keys(keys)?;
         let mut held = Vec::new();
         let bufs = parse_layer_blocks(self.inner.object_bytes(), layers, block_ids, true, &mut held)?;
@@ -401,7 +450,9 @@ impl PyStore {
     #[pyo3(signature = (job_id, timeout_ms=None))]
     fn wait(&self, py: Python<'_>, job_id: u64, timeout_ms: Option<u64>) -> PyResult<Vec<bool>> {
         if !self.held.lock().contains_key(&job_id) {
-            return Err(PyValueError::new_err(format!("job_id {job_id} is not in flight (already reported, or never submitted)")));
+            return Err(PyValueError::new_err(format!(
+                "job_id {job_id} is not in flight (already reported, or never submitted)"
+            )));
         }
         let inner = Arc::clone(&self.inner);
         let r = py.detach(move || inner.wait(job_id, timeout_ms.map(Duration::from_millis)));
@@ -470,7 +521,13 @@ impl PyStore {
         slf
     }
 
-    fn __exit__(&self, py: Python<'_>, _t: &Bound<'_, PyAny>, _v: &Bound<'_, PyAny>, _tb: &Bound<'_, PyAny>) -> PyResult<bool> {
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _t: &Bound<'_, PyAny>,
+        _v: &Bound<'_, PyAny>,
+        _tb: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
         self.close(py)?;
         Ok(false)
     }

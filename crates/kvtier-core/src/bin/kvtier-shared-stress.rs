@@ -6,8 +6,8 @@
 //! Usage: kvtier-shared-stress root=DIR [namespace=S] [secs=N] [capacity_bytes=N] [file_bytes=N]
 //!        [object_bytes=N] [staleness_ms=N] [lease_ms=N] [grace_ms=N] [publish_every_ms=N] [tag=N]
 
-use kvtier_core::{BlockKey, Namespace};
 use kvtier_core::Stats;
+use kvtier_core::{BlockKey, Namespace};
 use kvtier_core::{SharedConfig, SharedTier};
 use std::collections::HashMap;
 use std::io::Write;
@@ -33,7 +33,8 @@ fn main() {
         .collect();
     let num = |k: &str, d: u64| args.get(k).map(|v| v.parse::<u64>().expect(k)).unwrap_or(d);
     let root = args.get("root").expect("root=DIR");
-    let namespace = Namespace::from_description(args.get("namespace").map(String::as_str).unwrap_or("stress").as_bytes());
+    let namespace =
+        Namespace::from_description(args.get("namespace").map(String::as_str).unwrap_or("stress").as_bytes());
     let object_bytes = num("object_bytes", 60_000) as usize;
     let mut config = SharedConfig::new(root);
     config.capacity_bytes = args.get("capacity_bytes").map(|v| v.parse().unwrap());

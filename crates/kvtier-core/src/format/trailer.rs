@@ -111,11 +111,7 @@ impl Trailer {
                 }
             })
             .collect();
-        Ok(Some(Trailer {
-            region_seq: get_u64(bytes, 16),
-            region_index: get_u64(bytes, 24),
-            entries,
-        }))
+        Ok(Some(Trailer { region_seq: get_u64(bytes, 16), region_index: get_u64(bytes, 24), entries }))
     }
 }
 
@@ -125,7 +121,8 @@ mod tests {
 
     #[test]
     fn damaged_entries_are_reported_as_such_not_as_a_bad_header() {
-        let entry = TrailerEntry { key: BlockKey([7; 32]), sequence: 3, offset: 4096, value_bytes: 100, value_checksum: 9 };
+        let entry =
+            TrailerEntry { key: BlockKey([7; 32]), sequence: 3, offset: 4096, value_bytes: 100, value_checksum: 9 };
         let trailer = Trailer { region_seq: 5, region_index: 1, entries: vec![entry; 2] };
         let mut buf = vec![0u8; trailer_bytes(4)];
         trailer.encode(&mut buf);

@@ -170,8 +170,8 @@ impl DeviceLoop {
                     self.stage(op);
                     continue;
                 }
-                let write_budget_left = self.writes_inflight == 0
-                    || self.write_inflight_bytes < self.max_write_inflight_bytes;
+                let write_budget_left =
+                    self.writes_inflight == 0 || self.write_inflight_bytes < self.max_write_inflight_bytes;
                 if !write_budget_left || !reads.is_empty() {
                     break;
                 }
@@ -275,17 +275,16 @@ impl DeviceLoop {
         let batch = std::mem::take(&mut self.batch);
         let Some(engine) = self.engine.as_mut() else {
             for req in &batch {
-                self.finish(req.token, Err(std::io::Error::other("kvtier: this device's I/O engine broke; reopen the store")));
+                self.finish(
+                    req.token,
+                    Err(std::io::Error::other("kvtier: this device's I/O engine broke; reopen the store")),
+                );
             }
             return;
         };
         if let Err(SubmitError { accepted, error }) = engine.submit(&batch) {
             // Only what the engine never took can fail now; the rest completes through `wait`.
-            log::warn!(
-                "kvtier: I/O engine {} took {accepted} of {} operations: {error}",
-                engine.name(),
-                batch.len()
-            );
+            log::warn!("kvtier: I/O engine {} took {accepted} of {} operations: {error}", engine.name(), batch.len());
             for req in &batch[accepted..] {
                 self.finish(req.token, Err(std::io::Error::new(error.kind(), error.to_string())));
             }
@@ -368,7 +367,10 @@ impl DeviceLoop {
                 f.retries += 1;
                 self.resubmit(c.token);
             } else {
-                self.finish(c.token, Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "short vectored read")));
+                self.finish(
+                    c.token,
+                    Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "short vectored read")),
+                );
             }
             return;
         }
@@ -495,7 +497,8 @@ mod tests {
         for (i, b) in buffers.iter_mut().enumerate() {
             queue.read(read_op(i, b, held, &tx));
         }
-        let mut released: Vec<Released> = (0..count).map(|_| rx.recv_timeout(Duration::from_secs(20)).unwrap()).collect();
+        let mut released: Vec<Released> =
+            (0..count).map(|_| rx.recv_timeout(Duration::from_secs(20)).unwrap()).collect();
         queue.shutdown();
         released.sort_by_key(|r| r.index);
         (released, buffers)

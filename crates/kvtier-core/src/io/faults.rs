@@ -52,12 +52,7 @@ enum Action {
 
 impl FaultyEngine {
     pub fn new(inner: Box<dyn IoEngine>, plan: Arc<FaultPlan>) -> Self {
-        FaultyEngine {
-            inner,
-            plan,
-            synthetic: Vec::new(),
-            altered: Mutex::new(HashMap::new()),
-        }
+        FaultyEngine { inner, plan, synthetic: Vec::new(), altered: Mutex::new(HashMap::new()) }
     }
 }
 

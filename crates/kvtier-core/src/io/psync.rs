@@ -19,23 +19,17 @@ impl PsyncEngine {
             .map(|i| {
                 let rx = req_rx.clone();
                 let tx = done_tx.clone();
-                std::thread::Builder::new()
-                    .name(format!("kvtier-psync-{name}-{i}"))
-                    .spawn(move || {
-                        for req in rx.iter() {
-                            let result = execute(&req);
-                            if tx.send(IoCompletion { token: req.token, result }).is_err() {
-                                break;
-                            }
+                std::thread::Builder::new().name(format!("kvtier-psync-{name}-{i}")).spawn(move || {
+                    for req in rx.iter() {
+                        let result = execute(&req);
+                        if tx.send(IoCompletion { token: req.token, result }).is_err() {
+                            break;
                         }
-                    })
+                    }
+                })
             })
             .collect::<std::io::Result<Vec<_>>>()?;
-        Ok(PsyncEngine {
-            requests: Some(req_tx),
-            completions: done_rx,
-            threads,
-        })
+        Ok(PsyncEngine { requests: Some(req_tx), completions: done_rx, threads })
     }
 }
 
@@ -66,20 +60,15 @@ impl IoEngine for PsyncEngine {
     fn submit(&mut self, requests: &[IoRequest]) -> Result<(), SubmitError> {
         let tx = self.requests.as_ref().expect("engine alive");
         for (accepted, req) in requests.iter().enumerate() {
-            tx.send(*req).map_err(|_| SubmitError {
-                accepted,
-                error: std::io::Error::other("psync worker threads exited"),
-            })?;
+            tx.send(*req)
+                .map_err(|_| SubmitError { accepted, error: std::io::Error::other("psync worker threads exited") })?;
         }
         Ok(())
     }
 
     fn wait(&mut self, min_complete: usize, out: &mut Vec<IoCompletion>) -> std::io::Result<()> {
         for _ in 0..min_complete {
-            let c = self
-                .completions
-                .recv()
-                .map_err(|_| std::io::Error::other("psync worker threads exited"))?;
+            let c = self.completions.recv().map_err(|_| std::io::Error::other("psync worker threads exited"))?;
             out.push(c);
         }
         out.extend(self.completions.try_iter());

@@ -27,13 +27,8 @@ impl UringEngine {
                 None
             }
         };
-        let iovecs: Vec<libc::iovec> = ranges
-            .iter()
-            .map(|r| libc::iovec {
-                iov_base: r.base.cast(),
-                iov_len: r.len,
-            })
-            .collect();
+        let iovecs: Vec<libc::iovec> =
+            ranges.iter().map(|r| libc::iovec { iov_base: r.base.cast(), iov_len: r.len }).collect();
         let registered = if iovecs.is_empty() {
             Vec::new()
         } else {
@@ -49,11 +44,7 @@ impl UringEngine {
                 }
             }
         };
-        Ok(UringEngine {
-            ring,
-            fixed_fd,
-            registered,
-        })
+        Ok(UringEngine { ring, fixed_fd, registered })
     }
 
     pub fn buffers_registered(&self) -> bool {
@@ -62,10 +53,13 @@ impl UringEngine {
 
     fn registered_index(&self, buf: *mut u8, len: usize) -> Option<u16> {
         let start = buf as usize;
-        self.registered.iter().position(|r| {
-            let base = r.base as usize;
-            start >= base && start + len <= base + r.len
-        }).map(|i| i as u16)
+        self.registered
+            .iter()
+            .position(|r| {
+                let base = r.base as usize;
+                start >= base && start + len <= base + r.len
+            })
+            .map(|i| i as u16)
     }
 
     fn entry(&self, req: &IoRequest) -> squeue::Entry {
@@ -77,9 +71,13 @@ impl UringEngine {
                     (OpKind::Read, _) if req.iov_count > 0 => {
                         opcode::Readv::new($target, req.iov, req.iov_count as u32).offset(req.offset).build()
                     }
-                    (OpKind::Read, Some(i)) => opcode::ReadFixed::new($target, req.buf, len, i).offset(req.offset).build(),
+                    (OpKind::Read, Some(i)) => {
+                        opcode::ReadFixed::new($target, req.buf, len, i).offset(req.offset).build()
+                    }
                     (OpKind::Read, None) => opcode::Read::new($target, req.buf, len).offset(req.offset).build(),
-                    (OpKind::Write, Some(i)) => opcode::WriteFixed::new($target, req.buf, len, i).offset(req.offset).build(),
+                    (OpKind::Write, Some(i)) => {
+                        opcode::WriteFixed::new($target, req.buf, len, i).offset(req.offset).build()
+                    }
                     (OpKind::Write, None) => opcode::Write::new($target, req.buf, len).offset(req.offset).build(),
                 }
             };
@@ -125,10 +123,7 @@ impl IoEngine for UringEngine {
             if cqe.user_data() == CANCEL_USER_DATA {
                 continue;
             }
-            out.push(IoCompletion {
-                token: cqe.user_data(),
-                result: cqe.result() as i64,
-            });
+            out.push(IoCompletion { token: cqe.user_data(), result: cqe.result() as i64 });
         }
         Ok(())
     }

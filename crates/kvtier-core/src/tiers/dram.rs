@@ -29,9 +29,8 @@ unsafe impl Sync for Arena {}
 
 impl Arena {
     pub fn map(slot_bytes: usize, slot_count: usize) -> Result<Self> {
-        let len = slot_bytes
-            .checked_mul(slot_count)
-            .ok_or_else(|| Error::config("dram_bytes", "arena size overflows"))?;
+        let len =
+            slot_bytes.checked_mul(slot_count).ok_or_else(|| Error::config("dram_bytes", "arena size overflows"))?;
         let available = mem_available_bytes();
         let already = PROCESS_ARENA_BYTES.load(Ordering::Relaxed);
         if let Some(available) = available {
@@ -47,13 +46,7 @@ impl Arena {
         }
         let (base, huge_pages) = map_anonymous(len)?;
         PROCESS_ARENA_BYTES.fetch_add(len, Ordering::Relaxed);
-        Ok(Arena {
-            base,
-            len,
-            slot_bytes,
-            slot_count,
-            huge_pages,
-        })
+        Ok(Arena { base, len, slot_bytes, slot_count, huge_pages })
     }
 
     pub fn huge_pages(&self) -> bool {
@@ -86,10 +79,7 @@ impl Arena {
             if len > MAX_REGISTERED_BYTES {
                 break; // a single slot over 1 GiB cannot be registered
             }
-            ranges.push(RegisteredRange {
-                base: self.slot_ptr(first as u32),
-                len,
-            });
+            ranges.push(RegisteredRange { base: self.slot_ptr(first as u32), len });
             first += count;
         }
         ranges
@@ -119,10 +109,7 @@ fn map_anonymous(len: usize) -> Result<(*mut u8, bool)> {
     // SAFETY: as above.
     let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, -1, 0) };
     if p == libc::MAP_FAILED {
-        return Err(Error::io(
-            format!("mapping a DRAM pool of {len} bytes"),
-            std::io::Error::last_os_error(),
-        ));
+        return Err(Error::io(format!("mapping a DRAM pool of {len} bytes"), std::io::Error::last_os_error()));
     }
     // SAFETY: advisory only; asks for transparent huge pages when none are reserved.
     unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };

@@ -168,11 +168,7 @@ pub struct Lru {
 
 impl Lru {
     pub fn new(slot_count: usize) -> Self {
-        Lru {
-            tick: 0,
-            last_use: vec![None; slot_count],
-            order: Default::default(),
-        }
+        Lru { tick: 0, last_use: vec![None; slot_count], order: Default::default() }
     }
 
     fn bump(&mut self, slot: u32) {

@@ -105,12 +105,7 @@ pub fn open_device(
         check_free_space(dir, geometry.file_bytes())?;
     }
     let (file, direct) = open_file(&path, direct_io)?;
-    let device = DeviceFile {
-        path: path.clone(),
-        file,
-        direct,
-        index: template.device_index,
-    };
+    let device = DeviceFile { path: path.clone(), file, direct, index: template.device_index };
     if exists {
         let len = device.file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?.len();
         let mut page = AlignedBuf::zeroed(SUPERBLOCK_BYTES);
@@ -122,11 +117,7 @@ pub fn open_device(
             )
         })?;
         if found.namespace != template.namespace {
-            return Err(Error::Namespace {
-                path,
-                expected: template.namespace.hex(),
-                found: found.namespace.hex(),
-            });
+            return Err(Error::Namespace { path, expected: template.namespace.hex(), found: found.namespace.hex() });
         }
         let geometry_matches = found.region_bytes == template.region_bytes
             && found.region_count == template.region_count
@@ -189,12 +180,18 @@ fn open_file(path: &Path, direct_io: DirectIo) -> Result<(File, bool)> {
     let io_error = |e: std::io::Error| {
         if e.raw_os_error() == Some(libc::ELOOP) {
             Error::io(
-                format!("{} is a symbolic link; kvtier does not follow links out of its directory: remove it", path.display()),
+                format!(
+                    "{} is a symbolic link; kvtier does not follow links out of its directory: remove it",
+                    path.display()
+                ),
                 e,
             )
         } else if e.kind() == std::io::ErrorKind::PermissionDenied {
             Error::io(
-                format!("{} is not writable; give kvtier a directory it can write (check owner and mode)", path.display()),
+                format!(
+                    "{} is not writable; give kvtier a directory it can write (check owner and mode)",
+                    path.display()
+                ),
                 e,
             )
         } else {
@@ -242,10 +239,7 @@ fn preallocate(device: &DeviceFile, bytes: u64) -> Result<()> {
         });
     }
     log::info!("kvtier: fallocate unsupported on {} ({err}); using a sparse file", device.path.display());
-    device
-        .file
-        .set_len(bytes)
-        .map_err(|e| Error::io(format!("sizing {}", device.path.display()), e))
+    device.file.set_len(bytes).map_err(|e| Error::io(format!("sizing {}", device.path.display()), e))
 }
 
 pub fn check_free_space(dir: &Path, bytes: u64) -> Result<()> {
@@ -308,12 +302,7 @@ pub fn recover(
                     .into_iter()
                     .filter(|e| valid_entry_position(geometry, e.offset) && e.value_bytes as u64 == object_bytes)
                     .collect();
-                found.push(RecoveredRegion {
-                    region,
-                    region_seq: t.region_seq,
-                    entries,
-                    sealed: true,
-                });
+                found.push(RecoveredRegion { region, region_seq: t.region_seq, entries, sealed: true });
                 continue;
             }
             Ok(_) => {}
@@ -371,23 +360,13 @@ fn scan_region(
         });
         offset += geometry.slot_bytes;
     }
-    Ok(region_seq.map(|region_seq| RecoveredRegion {
-        region,
-        region_seq,
-        entries,
-        sealed: false,
-    }))
+    Ok(region_seq.map(|region_seq| RecoveredRegion { region, region_seq, entries, sealed: false }))
 }
 
 /// Builds the trailer bytes for a region (an aligned buffer of `trailer_bytes`).
 pub fn encode_trailer(geometry: &Geometry, region: u32, region_seq: u64, entries: &[TrailerEntry]) -> AlignedBuf {
     let mut buf = AlignedBuf::zeroed(geometry.trailer_bytes as usize);
-    Trailer {
-        region_seq,
-        region_index: region as u64,
-        entries: entries.to_vec(),
-    }
-    .encode(buf.as_mut_slice());
+    Trailer { region_seq, region_index: region as u64, entries: entries.to_vec() }.encode(buf.as_mut_slice());
     buf
 }
 

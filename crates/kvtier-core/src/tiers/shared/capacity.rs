@@ -15,7 +15,9 @@
 //!   which exactly one contender wins. The holder stops acting a quarter of `lease_ms` before others may
 //!   take over (tolerating that much clock skew between nodes).
 
-use super::format::{lease_file_name, parse_lease_file_name, unix_ms, valid_data_file_name, Lease, Record, LEASE_BYTES};
+use super::format::{
+    lease_file_name, parse_lease_file_name, unix_ms, valid_data_file_name, Lease, Record, LEASE_BYTES,
+};
 use super::{SharedTier, Usage};
 use crate::error::{Error, Result};
 use crate::stats::Stats;
@@ -51,7 +53,8 @@ pub fn measure_usage(tier: &SharedTier) -> Result<Usage> {
         Some(capacity_bytes) => Ok(Usage { used_bytes: allocated_bytes(&tier.dir), capacity_bytes }),
         None => {
             let root = &tier.config.root;
-            let s = rustix::fs::statvfs(root).map_err(|e| Error::io(format!("statvfs {}", root.display()), e.into()))?;
+            let s =
+                rustix::fs::statvfs(root).map_err(|e| Error::io(format!("statvfs {}", root.display()), e.into()))?;
             let used = s.f_blocks.saturating_sub(s.f_bfree) * s.f_frsize;
             let available = s.f_bavail * s.f_frsize;
             Ok(Usage { used_bytes: used, capacity_bytes: used + available })
@@ -80,10 +83,7 @@ fn allocated_bytes(dir: &Path) -> u64 {
 }
 
 fn age_ms(m: &std::fs::Metadata) -> u64 {
-    m.modified()
-        .ok()
-        .and_then(|t| SystemTime::now().duration_since(t).ok())
-        .map_or(0, |d| d.as_millis() as u64)
+    m.modified().ok().and_then(|t| SystemTime::now().duration_since(t).ok()).map_or(0, |d| d.as_millis() as u64)
 }
 
 /// One capacity pass of the maintenance thread.
@@ -145,7 +145,8 @@ pub fn release(tier: &SharedTier) {
 
 fn release_locked(tier: &SharedTier, st: &mut EvictorState) {
     if let Some(l) = st.lease.take() {
-        let lease = Lease { generation: l.generation, holder: tier.writer_id, expires_unix_ms: 0, renewed_unix_ms: unix_ms() };
+        let lease =
+            Lease { generation: l.generation, holder: tier.writer_id, expires_unix_ms: 0, renewed_unix_ms: unix_ms() };
         let _ = l.file.write_all_at(&lease.encode(), 0);
         let _ = l.file.sync_data();
     }
@@ -214,7 +215,12 @@ fn try_hold(tier: &SharedTier, st: &mut EvictorState) -> bool {
             return false;
         }
     };
-    let lease = Lease { generation: next, holder: tier.writer_id, expires_unix_ms: now + config.lease_ms, renewed_unix_ms: now };
+    let lease = Lease {
+        generation: next,
+        holder: tier.writer_id,
+        expires_unix_ms: now + config.lease_ms,
+        renewed_unix_ms: now,
+    };
     if file.write_all_at(&lease.encode(), 0).and_then(|_| file.sync_data()).is_err() {
         let _ = std::fs::remove_file(&path);
         return false;
@@ -223,7 +229,8 @@ fn try_hold(tier: &SharedTier, st: &mut EvictorState) -> bool {
     for g in gens.into_iter().filter(|&g| g < next) {
         let _ = std::fs::remove_file(lease_dir.join(lease_file_name(g)));
     }
-    st.lease = Some(HeldLease { generation: next, file, act_until: started + Duration::from_millis(config.lease_ms * 3 / 4) });
+    st.lease =
+        Some(HeldLease { generation: next, file, act_until: started + Duration::from_millis(config.lease_ms * 3 / 4) });
     true
 }
 

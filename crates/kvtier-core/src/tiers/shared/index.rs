@@ -145,10 +145,7 @@ impl Index {
             keys.push(e.key);
         }
         self.by_name.insert(name.clone(), id);
-        self.files.insert(
-            id,
-            FileInfo { name, file_bytes, keys, last_access_unix_ms: published_unix_ms },
-        );
+        self.files.insert(id, FileInfo { name, file_bytes, keys, last_access_unix_ms: published_unix_ms });
     }
 
     /// Drops a file and its keys; its name is never indexed again.

@@ -135,7 +135,12 @@ fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
 impl SharedTier {
     /// Opens (creating what is missing) the namespace directory under `config.root`, loads the index
     /// from every manifest, and starts the maintenance thread.
-    pub fn open(config: &SharedConfig, namespace: Namespace, object_bytes: usize, stats: Arc<Stats>) -> Result<Arc<Self>> {
+    pub fn open(
+        config: &SharedConfig,
+        namespace: Namespace,
+        object_bytes: usize,
+        stats: Arc<Stats>,
+    ) -> Result<Arc<Self>> {
         let slot_bytes = DESCRIPTOR_BYTES + round_up(object_bytes, ALIGN_BYTES);
         config.validate(slot_bytes)?;
         check_root(config)?;
@@ -358,7 +363,8 @@ impl SharedTier {
         if !self.read_into(key, slot.as_mut_slice())? {
             return Ok(false);
         }
-        out[..self.object_bytes].copy_from_slice(&slot.as_slice()[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + self.object_bytes]);
+        out[..self.object_bytes]
+            .copy_from_slice(&slot.as_slice()[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + self.object_bytes]);
         Ok(true)
     }
 
@@ -606,7 +612,8 @@ impl SharedTier {
             let limit = if self.config.fail_on_full { self.config.high_watermark } else { self.config.hard_ceiling() };
             // Measured afresh (one statvfs) rather than from the maintenance thread's last pass: a
             // stale figure lets every writer start files past the ceiling between two passes.
-            let usage_now = || capacity::measure_usage(self).map(|u| u.fraction()).unwrap_or_else(|_| self.usage().fraction());
+            let usage_now =
+                || capacity::measure_usage(self).map(|u| u.fraction()).unwrap_or_else(|_| self.usage().fraction());
             if w.open.is_none() && usage_now() >= limit {
                 Stats::add(&self.stats.shared_publish_errors, (slots.len() - i) as u64);
                 return written;
@@ -654,7 +661,8 @@ impl SharedTier {
                     Ok(()) => {
                         for &j in &batch {
                             let slot = &slots[j].1;
-                            let value_checksum = Descriptor::decode(&slot[..DESCRIPTOR_BYTES]).map(|d| d.value_checksum).unwrap_or(0);
+                            let value_checksum =
+                                Descriptor::decode(&slot[..DESCRIPTOR_BYTES]).map(|d| d.value_checksum).unwrap_or(0);
                             open.entries.push(IndexEntry { key: slots[j].0, offset: open.cursor, value_checksum });
                             open.keys.insert(slots[j].0);
                             open.cursor += self.slot_bytes as u64;
@@ -662,7 +670,10 @@ impl SharedTier {
                         written += batch.len();
                     }
                     Err(e) => {
-                        log::warn!("kvtier: writing shared file {} failed: {e}; abandoning it", open.tmp_path.display());
+                        log::warn!(
+                            "kvtier: writing shared file {} failed: {e}; abandoning it",
+                            open.tmp_path.display()
+                        );
                         Stats::add(&self.stats.shared_publish_errors, (batch.len() + open.entries.len()) as u64);
                         self.abandon(&mut w);
                         continue;
@@ -754,7 +765,10 @@ impl SharedTier {
                 };
                 if let Err(e) = self.append_records(&[record]) {
                     // The file is in place but unlisted: the evictor's orphan sweep removes it later.
-                    log::warn!("kvtier: publishing {} to the manifest failed: {e}; its blocks stay unshared", open.name);
+                    log::warn!(
+                        "kvtier: publishing {} to the manifest failed: {e}; its blocks stay unshared",
+                        open.name
+                    );
                     Stats::add(&self.stats.shared_publish_errors, count as u64);
                 }
             }
@@ -778,8 +792,11 @@ impl SharedTier {
         if !parent.exists() {
             make_dir(&self.config, parent)?;
         }
-        std::fs::rename(&open.tmp_path, &target)
-            .map_err(io_err(format!("renaming {} to {}", open.tmp_path.display(), target.display())))?;
+        std::fs::rename(&open.tmp_path, &target).map_err(io_err(format!(
+            "renaming {} to {}",
+            open.tmp_path.display(),
+            target.display()
+        )))?;
         // Without it a crash could forget the rename while the manifest (synced later) remembers it;
         // a reader would then get a clean miss, so failure here is only logged.
         if let Ok(d) = File::open(parent) {
@@ -796,10 +813,8 @@ impl SharedTier {
 
     fn seal_if_old(&self) {
         let Some(mut w) = self.writer.try_lock() else { return };
-        let old = w
-            .open
-            .as_ref()
-            .is_some_and(|o| o.started.elapsed() >= Duration::from_millis(self.config.publish_delay_ms));
+        let old =
+            w.open.as_ref().is_some_and(|o| o.started.elapsed() >= Duration::from_millis(self.config.publish_delay_ms));
         if old {
             self.seal(&mut w);
         }
@@ -883,7 +898,10 @@ impl SharedTier {
             created_unix_ms: unix_ms(),
         };
         match self.append_records(&[header]) {
-            Ok(()) => log::warn!("kvtier: the shared directory {} vanished; recreated it, publishing resumes", self.dir.display()),
+            Ok(()) => log::warn!(
+                "kvtier: the shared directory {} vanished; recreated it, publishing resumes",
+                self.dir.display()
+            ),
             Err(e) => log::warn!("kvtier: restarting the manifest in {} failed: {e}", self.dir.display()),
         }
     }
@@ -1028,7 +1046,10 @@ fn writable_error(path: &Path, e: std::io::Error) -> Error {
     match e.raw_os_error() {
         Some(libc::EROFS) => Error::config(
             "shared_root",
-            format!("{} is on a read-only filesystem; mount it read-write or choose another shared_root", path.display()),
+            format!(
+                "{} is on a read-only filesystem; mount it read-write or choose another shared_root",
+                path.display()
+            ),
         ),
         Some(libc::EACCES) | Some(libc::EPERM) => Error::config(
             "shared_root",
@@ -1040,7 +1061,10 @@ fn writable_error(path: &Path, e: std::io::Error) -> Error {
             ),
         ),
         Some(libc::ENOSPC) => Error::Capacity {
-            message: format!("{}: the shared filesystem is full; free space or choose another shared_root", path.display()),
+            message: format!(
+                "{}: the shared filesystem is full; free space or choose another shared_root",
+                path.display()
+            ),
         },
         _ => Error::io(format!("creating {}", path.display()), e),
     }
@@ -1055,7 +1079,10 @@ fn make_dir(config: &SharedConfig, path: &Path) -> Result<()> {
             if path.is_dir() {
                 Ok(())
             } else {
-                Err(Error::config("shared_root", format!("{} exists but is not a directory; remove it", path.display())))
+                Err(Error::config(
+                    "shared_root",
+                    format!("{} exists but is not a directory; remove it", path.display()),
+                ))
             }
         }
         Err(e) => Err(writable_error(path, e)),
