@@ -9,6 +9,11 @@ start_seconds=$SECONDS
 log() { printf '[setup %3ds] %s\n' "$((SECONDS - start_seconds))" "$*"; }
 
 command -v cargo >/dev/null || { echo "cargo is missing: install Rust (rustup) and rerun" >&2; exit 1; }
+if ! cargo fmt --version >/dev/null 2>&1 || ! cargo clippy --version >/dev/null 2>&1; then
+    command -v rustup >/dev/null || { echo "rustfmt or clippy is missing and rustup is not here to add them: install both and rerun" >&2; exit 1; }
+    log "adding rustfmt and clippy (scripts/lint.sh runs them)"
+    rustup component add rustfmt clippy
+fi
 
 if ! command -v fio >/dev/null; then
     if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then

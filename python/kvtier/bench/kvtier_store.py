@@ -212,8 +212,14 @@ def shared_file_bytes_for(prompt_bytes: int, object_bytes: int) -> int:
 
 def shared_layout_counts(namespace_dir: str) -> dict:
     """Files and directories under one namespace directory of the shared root, by kind."""
-    counts = {"data_files": 0, "manifest_files": 0, "tmp_files": 0, "other_files": 0, "directories": 0,
-              "data_file_bytes": 0}
+    counts = {
+        "data_files": 0,
+        "manifest_files": 0,
+        "tmp_files": 0,
+        "other_files": 0,
+        "directories": 0,
+        "data_file_bytes": 0,
+    }
     for parent, directories, files in os.walk(namespace_dir):
         counts["directories"] += len(directories)
         kind = os.path.basename(parent)
@@ -231,8 +237,15 @@ def shared_layout_counts(namespace_dir: str) -> dict:
     return counts
 
 
-def _open_shared(store_class, directory: str, namespace: bytes, object_bytes: int, dram_bytes: int,
-                 shared_root: str, shared_file_bytes: int):
+def _open_shared(
+    store_class,
+    directory: str,
+    namespace: bytes,
+    object_bytes: int,
+    dram_bytes: int,
+    shared_root: str,
+    shared_file_bytes: int,
+):
     return store_class.open(
         directory,
         namespace=namespace,
@@ -281,7 +294,7 @@ def measure_shared(
         "a_dram_bytes": dram_a,
         "b_dram_bytes": dram_b,
         "b_dram_bytes_note": "B's DRAM tier holds the prompt: with fewer DRAM slots than blocks, get_many "
-                             "served only about a slot count of blocks from the shared tier and missed the rest",
+        "served only about a slot count of blocks from the shared tier and missed the rest",
         "nvme_bytes": 0,
     }
     store_a = store_b = None
@@ -312,15 +325,14 @@ def measure_shared(
             "shared_dropped_publishes": dropped_publishes,
             "shared_publish_errors": _stat_delta(stats_after, stats_before, "shared_publish_errors"),
             "how": "one put_many of the whole prompt + flush; gbps = bytes of the blocks published (prompt minus "
-                   "shared_dropped_publishes: the put path never waits for the publish queue "
-                   f"(shared_publish_queue_bytes, default {publish_queue_bytes() // workload.MIB} MiB) and drops "
-                   "what does not fit) / seconds; offered_gbps = prompt bytes / seconds",
+            "shared_dropped_publishes: the put path never waits for the publish queue "
+            f"(shared_publish_queue_bytes, default {publish_queue_bytes() // workload.MIB} MiB) and drops "
+            "what does not fit) / seconds; offered_gbps = prompt bytes / seconds",
         }
         store_a.close()
         store_a = None
 
-        namespace_dirs = [entry for entry in os.listdir(shared_root)
-                          if os.path.isdir(os.path.join(shared_root, entry))]
+        namespace_dirs = [entry for entry in os.listdir(shared_root) if os.path.isdir(os.path.join(shared_root, entry))]
         counts = shared_layout_counts(os.path.join(shared_root, namespace_dirs[0])) if namespace_dirs else {}
         gigabytes = max(published_bytes, 1) / 1e9
         published = files_published or 0
@@ -330,8 +342,8 @@ def measure_shared(
             data_files_per_gb=counts.get("data_files", 0) / gigabytes,
             directory_entries_per_gb=(counts.get("files", 0) + counts.get("directories", 0)) / gigabytes,
             counted_how="os.walk of <shared_root>/<namespace hex>/ after A was flushed and closed: files = data "
-                        "files (data/<xx>/*.kvs) + manifests + temporaries + others (lease); directory entries = "
-                        "files + directories; per GB = per 1e9 bytes published",
+            "files (data/<xx>/*.kvs) + manifests + temporaries + others (lease); directory entries = "
+            "files + directories; per GB = per 1e9 bytes published",
         )
         result["metadata_ops"] = {
             "file_creates": published,
@@ -342,10 +354,10 @@ def measure_shared(
             "total": 4 * published,
             "total_per_gb": 4 * published / gigabytes,
             "counted_how": "inferred from the writer's shared_files_published (not traced): per published file "
-                           "one exclusive create of tmp/<writer>-<seq>.tmp, one rename into data/<xx>/, one "
-                           "fsync of the directory and one O_APPEND publish record (+ fdatasync) in the "
-                           "writer's manifest; no unlink on the publish path; one-time directory and manifest "
-                           "creation at open are not counted",
+            "one exclusive create of tmp/<writer>-<seq>.tmp, one rename into data/<xx>/, one "
+            "fsync of the directory and one O_APPEND publish record (+ fdatasync) in the "
+            "writer's manifest; no unlink on the publish path; one-time directory and manifest "
+            "creation at open are not counted",
         }
 
         result["page_cache_dropped"] = workload.drop_page_cache()
@@ -361,10 +373,11 @@ def measure_shared(
         result["visibility_seconds"] = time.perf_counter() - start
         result["visible_objects"] = sum(1 for ok in present if ok)
         result["visible_prefix"] = store_b.lookup_prefix(keys)
-        result["visibility_how"] = ("from the start of B's Store.open until contains_many shows every published "
-                                    "block (prompt minus dropped publishes), polled every 1 ms; it includes B's open (manifest "
-                                    "replay and populating B's DRAM arena, b_open_seconds); visible_at_open = "
-                                    "blocks B saw right after open")
+        result["visibility_how"] = (
+            "from the start of B's Store.open until contains_many shows every published block (prompt minus "
+            "dropped publishes), polled every 1 ms; it includes B's open (manifest replay and populating B's "
+            "DRAM arena, b_open_seconds); visible_at_open = blocks B saw right after open"
+        )
         wanted = [index for index, ok in enumerate(present) if ok]
 
         destination = workload.aligned_buffer(prompt_bytes)
@@ -380,7 +393,7 @@ def measure_shared(
         retrieve_cpu_seconds = cpu_seconds() - cpu_before
         stats_after = store_b.stats()
         found = [False] * layout.object_count
-        for index, ok in zip(wanted, found_wanted):
+        for index, ok in zip(wanted, found_wanted, strict=True):
             found[index] = bool(ok)
         result["retrieve"] = {
             "seconds": retrieve_seconds,
@@ -408,8 +421,9 @@ def measure_shared(
     return result
 
 
-def measure_shared_lookup(directory: str, namespace: bytes, calls: int = LOOKUP_CALLS,
-                          key_count: int = LOOKUP_KEY_COUNT) -> dict:
+def measure_shared_lookup(
+    directory: str, namespace: bytes, calls: int = LOOKUP_CALLS, key_count: int = LOOKUP_KEY_COUNT
+) -> dict:
     """Time lookup_prefix and contains_many of ``key_count`` keys present only in the shared index.
 
     A tiny writer publishes ``key_count`` blocks of 4 KiB once; a reader store (nvme_bytes=0, no block in
@@ -432,8 +446,15 @@ def measure_shared_lookup(directory: str, namespace: bytes, calls: int = LOOKUP_
     result: dict = {"key_count": key_count, "object_bytes": LOOKUP_OBJECT_BYTES, "calls": calls}
     writer = reader = None
     try:
-        writer = _open_shared(store_class, os.path.join(directory, "writer"), namespace, LOOKUP_OBJECT_BYTES,
-                              64 * slot_bytes, shared_root, SHARED_FILE_BYTES)
+        writer = _open_shared(
+            store_class,
+            os.path.join(directory, "writer"),
+            namespace,
+            LOOKUP_OBJECT_BYTES,
+            64 * slot_bytes,
+            shared_root,
+            SHARED_FILE_BYTES,
+        )
         start = time.perf_counter()
         batch = publish_queue_bytes() // 2 // slot_bytes  # one flush per batch: no publish is dropped
         for first in range(0, key_count, batch):
@@ -443,8 +464,15 @@ def measure_shared_lookup(directory: str, namespace: bytes, calls: int = LOOKUP_
         result["publish_seconds"] = time.perf_counter() - start
         writer.close()
         writer = None
-        reader = _open_shared(store_class, os.path.join(directory, "reader"), namespace, LOOKUP_OBJECT_BYTES,
-                              8 * slot_bytes, shared_root, SHARED_FILE_BYTES)
+        reader = _open_shared(
+            store_class,
+            os.path.join(directory, "reader"),
+            namespace,
+            LOOKUP_OBJECT_BYTES,
+            8 * slot_bytes,
+            shared_root,
+            SHARED_FILE_BYTES,
+        )
         deadline = time.perf_counter() + 30.0
         while reader.lookup_prefix(keys) < key_count and time.perf_counter() < deadline:
             time.sleep(0.001)
@@ -458,15 +486,22 @@ def measure_shared_lookup(directory: str, namespace: bytes, calls: int = LOOKUP_
                 call(keys)
                 micros.append((time.perf_counter() - start) * 1e6)
             ordered = sorted(micros)
-            per_call = {"min": ordered[0], "median": ordered[len(ordered) // 2] if len(ordered) % 2 else
-                        (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2, "max": ordered[-1],
-                        "n": len(ordered)}
+            per_call = {
+                "min": ordered[0],
+                "median": ordered[len(ordered) // 2]
+                if len(ordered) % 2
+                else (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2,
+                "max": ordered[-1],
+                "n": len(ordered),
+            }
             result[name] = {
                 "us_per_call": per_call,
                 "us_per_key": {key: (value / key_count if key != "n" else value) for key, value in per_call.items()},
             }
-        result["timed"] = ("wall time of one Python call with the 10,000-key list (includes the binding's "
-                           "conversion of the keys), reader store that holds none of the blocks in DRAM")
+        result["timed"] = (
+            "wall time of one Python call with the 10,000-key list (includes the binding's "
+            "conversion of the keys), reader store that holds none of the blocks in DRAM"
+        )
     finally:
         for store in (writer, reader):
             if store is not None:

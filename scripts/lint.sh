@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Static checks, run by scripts/test.sh before any test (and alone: bash scripts/lint.sh):
+# rustfmt, clippy with warnings as errors on every target, then the Python checks
+# (scripts/lint_python.sh: ruff lint, ruff format, mypy). Needs scripts/setup.sh first.
+set -euo pipefail
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo_root"
+echo "== cargo fmt --check =="
+cargo fmt --all --check
+echo "== cargo clippy (all targets, warnings are errors) =="
+cargo clippy --workspace --all-targets --quiet -- -D warnings
+bash scripts/lint_python.sh
