@@ -1,12 +1,14 @@
 """kvtier: a tiered KV-cache store for LLM prefix caching (DRAM, local NVMe, shared filesystems).
 
-``kvtier.Store`` is the store (see docs/python-api.md); ``kvtier.options()`` lists the options of
+``kvtier.Store`` is the store (see docs/python-api.md); ``kvtier.Service`` the host service that shares
+stores and their DRAM pools with every engine on a host, and ``kvtier.ServiceClient`` an engine's
+connection to it (see docs/architecture.md); ``kvtier.options()`` lists the options of
 ``Store.open`` with their kinds, defaults and descriptions (the option tables of the docs are generated
 from it); ``kvtier.vllm`` holds the vLLM OffloadingConnector spec; ``kvtier.bench`` the benchmarks;
 ``kvtier.cli`` the ``kvtier`` command.
 """
 
-from kvtier._core import Store, __version__, options
+from kvtier._core import Service, ServiceClient, Store, __version__, options
 from kvtier.errors import (
     CapacityError,
     ClosedError,
@@ -16,6 +18,7 @@ from kvtier.errors import (
     KvtierError,
     LockedError,
     NamespaceError,
+    ServiceError,
     TimeoutError,
 )
 
@@ -31,6 +34,9 @@ __all__ = [
     "KvtierError",
     "LockedError",
     "NamespaceError",
+    "Service",
+    "ServiceClient",
+    "ServiceError",
     "Store",
     "TimeoutError",
     "__version__",

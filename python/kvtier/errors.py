@@ -43,6 +43,10 @@ class TimeoutError(KvtierError, builtins.TimeoutError):
     """A wait exceeded its limit."""
 
 
+class ServiceError(KvtierError, ConnectionError):
+    """The host service could not be reached or refused a request (the message says why)."""
+
+
 __all__ = [
     "CapacityError",
     "ClosedError",
@@ -52,5 +56,6 @@ __all__ = [
     "KvtierError",
     "LockedError",
     "NamespaceError",
+    "ServiceError",
     "TimeoutError",
 ]

@@ -327,6 +327,16 @@ impl Catalog {
         pinned
     }
 
+    /// Pins a block that is resident in DRAM and returns its slot (a worker copies out of it).
+    pub fn pin_resident(&mut self, key: &BlockKey) -> Option<u32> {
+        let e = self.index.get_mut(key)?;
+        if !e.dram_ready {
+            return None;
+        }
+        e.pins += 1;
+        e.dram
+    }
+
     pub fn unpin(&mut self, keys: &[BlockKey]) {
         for key in keys {
             if let Some(e) = self.index.get_mut(key) {
@@ -501,6 +511,18 @@ impl Catalog {
         }
         let sequence = self.claim_slot(key, slot, SlotState::Filling, 0);
         PutStep::Fill { slot, sequence }
+    }
+
+    /// A reserved put that will not be filled: forgets the entry and frees its slot.
+    pub fn abort_put(&mut self, key: &BlockKey, slot: u32) {
+        let ours = self.index.get(key).is_some_and(|e| e.dram == Some(slot) && !e.dram_ready);
+        assert!(ours, "abort_put of a slot that is not a reserved fill of this key");
+        assert_eq!(self.slots[slot as usize].state, SlotState::Filling);
+        self.index.remove(key);
+        if self.nvme.is_some() {
+            self.dirty_bytes -= self.slot_bytes as usize;
+        }
+        self.free_slot(slot);
     }
 
     /// The slot now holds the whole value; makes it visible and plans its NVMe write.

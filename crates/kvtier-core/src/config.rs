@@ -65,6 +65,9 @@ pub struct StoreConfig {
     pub slot_wait_ms: u64,
     /// Test seam: inject I/O faults. Never set in production.
     pub fault_plan: Option<Arc<FaultPlan>>,
+    /// Put the DRAM pool in this shared-memory file (a host service sharing it with engine processes)
+    /// instead of anonymous memory. Set by the service, not a user option.
+    pub pool_path: Option<PathBuf>,
     /// Shared-filesystem tier below (or instead of) NVMe; None disables it.
     /// See `docs/shared-tier.md` for its options.
     pub shared: Option<SharedConfig>,
@@ -89,6 +92,7 @@ impl StoreConfig {
             load_threads: 2,
             slot_wait_ms: 5000,
             fault_plan: None,
+            pool_path: None,
             shared: None,
         }
     }

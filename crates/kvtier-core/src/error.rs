@@ -36,6 +36,10 @@ pub enum Error {
     #[error("{path} is in use by another process (lock held); close that store first or use another directory")]
     Locked { path: PathBuf },
 
+    /// The host service could not be reached, or refused a request; the message says which and why.
+    #[error("{message}")]
+    Service { message: String },
+
     /// The store was closed.
     #[error("the store is closed")]
     Closed,

@@ -5,6 +5,7 @@
 //! - `tiers`: the DRAM arena and eviction policy; the NVMe device files and recovery; the shared tier.
 //! - `io`: I/O engines (io_uring, psync pool, fault injection) and the per-device queue.
 //! - [`format`]: on-disk structures, versioned and checksummed.
+//! - [`service`]: the host service (one per host and store path) and its client, over a Unix socket.
 //! - `store`: the facade tying them together, with blocking and asynchronous APIs ([`Store`]).
 
 mod catalog;
@@ -14,6 +15,7 @@ pub mod format;
 mod io;
 mod key;
 mod mover;
+pub mod service;
 mod stats;
 mod store;
 mod tiers;
@@ -30,8 +32,8 @@ pub use io::buffer::AlignedBuf;
 pub use io::faults::FaultPlan;
 pub use io::EngineChoice;
 pub use key::{BlockKey, Namespace};
-pub use mover::BlockBuffer;
+pub use mover::{BlockBuffer, Reservation};
 pub use stats::{Stats, StatsSnapshot};
-pub use store::{Job, JobKind, Store, StoreStats};
+pub use store::{Job, JobKind, PoolLayout, Store, StoreStats};
 pub use tiers::eviction::{EvictionPolicy, Lru, S3Fifo};
 pub use tiers::shared::{SharedConfig, SharedTier};

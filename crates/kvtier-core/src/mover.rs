@@ -131,7 +131,7 @@ fn for_each_chunk(buf: &BlockBuffer, mut visit: impl FnMut(*mut u8, usize, usize
 /// Checks a slot just read from NVMe against what the index expects and copies its value out.
 /// The value is hashed and copied in cache-sized chunks (one pass over memory instead of two); if the
 /// checksum then fails the caller's buffer holds unspecified bytes and the block is reported a miss.
-fn verify_and_copy_out(sh: &Shared, key: &BlockKey, read: &NvmeRead, bytes: &[u8], buf: &BlockBuffer) -> bool {
+fn verify_and_copy_out(sh: &Shared, key: &BlockKey, read: &NvmeRead, bytes: &[u8], buf: Option<&BlockBuffer>) -> bool {
     let Ok(desc) = Descriptor::decode(&bytes[..DESCRIPTOR_BYTES]) else { return false };
     let object_bytes = sh.config.object_bytes;
     let header_ok = desc.key == *key
@@ -143,6 +143,7 @@ fn verify_and_copy_out(sh: &Shared, key: &BlockKey, read: &NvmeRead, bytes: &[u8
         return false;
     }
     let value = &bytes[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + object_bytes];
+    let Some(buf) = buf else { return crate::format::checksum(value) == desc.value_checksum };
     let mut hasher = crate::format::checksum_hasher();
     for_each_chunk(buf, |dst, at, n| {
         let chunk = &value[at..at + n];
@@ -174,7 +175,9 @@ fn copy_in_and_checksum(sh: &Shared, slot: u32, buf: &BlockBuffer) -> u64 {
     std::hash::Hasher::finish(&hasher)
 }
 
-pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuffer]) -> Vec<bool> {
+/// Loads blocks: into the caller's buffers (`Some`), or only into DRAM slots (`None`: promoting them
+/// for engine workers that copy out of the shared pool themselves).
+pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: Option<&[BlockBuffer]>) -> Vec<bool> {
     let n = keys.len();
     let mut results = vec![false; n];
     let (done_tx, done_rx) = unbounded::<(usize, NvmeRead, std::io::Result<()>, Landing)>();
@@ -195,7 +198,7 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
             {
                 let mut cat = sh.catalog.lock();
                 while next < n && inflight + reads.len() + shared_reads.len() < max_inflight {
-                    let direct = direct_io && bufs[next].direct_capable();
+                    let direct = direct_io && bufs.is_some_and(|b| b[next].direct_capable());
                     match cat.plan_get(&keys[next], direct) {
                         GetStep::Dram { slot } => dram_hits.push((next, slot)),
                         GetStep::Nvme(read) => reads.push((next, read)),
@@ -206,7 +209,7 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
                         },
                         // Every slot is pinned or busy: stage the read in a heap buffer rather than wait
                         // (bounded), so that pins held by the engine never stall a load.
-                        GetStep::NoSlot if staged_inflight + reads.len() < MAX_STAGED_READS => {
+                        GetStep::NoSlot if bufs.is_some() && staged_inflight + reads.len() < MAX_STAGED_READS => {
                             match cat.plan_get(&keys[next], true) {
                                 GetStep::Nvme(read) => reads.push((next, read)),
                                 _ => Stats::add(&sh.stats.misses, 1),
@@ -233,7 +236,8 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
             for (i, read) in reads.drain(..) {
                 let tx = done_tx.clone();
                 let geometry = sh.geometry.expect("NVMe reads need the NVMe tier");
-                if read.slot == NO_SLOT && !(direct_io && bufs[i].direct_capable()) {
+                let direct = direct_io && bufs.is_some_and(|b| b[i].direct_capable());
+                if read.slot == NO_SLOT && !direct {
                     let staging = AlignedBuf::zeroed(sh.arena.slot_bytes());
                     staged_inflight += 1;
                     sh.devices[read.loc.device as usize].read(IoOp {
@@ -253,7 +257,10 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
                     let page = AlignedBuf::zeroed(DESCRIPTOR_BYTES);
                     let mut iovecs = vec![libc::iovec { iov_base: page.as_ptr().cast(), iov_len: DESCRIPTOR_BYTES }];
                     iovecs.extend(
-                        bufs[i].segments.iter().map(|&(ptr, len)| libc::iovec { iov_base: ptr.cast(), iov_len: len }),
+                        bufs.expect("direct reads land in caller buffers")[i]
+                            .segments
+                            .iter()
+                            .map(|&(ptr, len)| libc::iovec { iov_base: ptr.cast(), iov_len: len }),
                     );
                     sh.devices[read.loc.device as usize].read(IoOp {
                         kind: OpKind::Read,
@@ -285,7 +292,9 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
             }
             if !dram_hits.is_empty() {
                 for &(i, slot) in &dram_hits {
-                    copy_value_out(sh, slot, &bufs[i]);
+                    if let Some(bufs) = bufs {
+                        copy_value_out(sh, slot, &bufs[i]);
+                    }
                     results[i] = true;
                 }
                 Stats::add(&sh.stats.dram_hits, dram_hits.len() as u64);
@@ -322,10 +331,14 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
                 continue;
             }
             let verified = |read: &NvmeRead| match &landing {
-                Landing::Direct(page) => verify_direct(sh, &keys[i], read, page, &bufs[i]),
-                Landing::Staged(staging) => verify_and_copy_out(sh, &keys[i], read, staging.as_slice(), &bufs[i]),
+                Landing::Direct(page) => verify_direct(sh, &keys[i], read, page, &bufs.expect("direct")[i]),
+                Landing::Staged(staging) => {
+                    verify_and_copy_out(sh, &keys[i], read, staging.as_slice(), bufs.map(|b| &b[i]))
+                }
                 // SAFETY: the read into the slot has completed and the slot is ours (Loading).
-                Landing::Slot => verify_and_copy_out(sh, &keys[i], read, unsafe { slot_ref(sh, read.slot) }, &bufs[i]),
+                Landing::Slot => {
+                    verify_and_copy_out(sh, &keys[i], read, unsafe { slot_ref(sh, read.slot) }, bufs.map(|b| &b[i]))
+                }
             };
             let outcome = match io_result {
                 Err(e) => {
@@ -366,7 +379,6 @@ pub(crate) fn execute_put(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
     let batch_max = (sh.arena.slot_count() / 4).clamp(1, 64);
     let mut next = 0;
     let mut deadline: Option<Instant> = None;
-    let mut meta = Vec::new();
     while next < n {
         let mut fills = Vec::new();
         {
@@ -391,43 +403,120 @@ pub(crate) fn execute_put(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
             }
             deadline = None;
         }
-        let mut checksums = Vec::with_capacity(fills.len());
-        for &(i, slot, sequence) in &fills {
-            let value_checksum = copy_in_and_checksum(sh, slot, &bufs[i]);
-            // SAFETY: the slot is ours (Filling) and no I/O touches it until finish_put.
-            let bytes = unsafe { slot_mut(sh.arena.slot_ptr(slot), sh.arena.slot_bytes()) };
-            Descriptor {
-                value_bytes: sh.config.object_bytes as u32,
+        let filled: Vec<Filled> = fills
+            .iter()
+            .map(|&(i, slot, sequence)| Filled {
                 key: keys[i],
-                namespace: sh.namespace,
+                slot,
                 sequence,
-                region_seq: 0,
-                value_checksum,
-            }
-            .encode(&mut bytes[..DESCRIPTOR_BYTES]);
-            checksums.push(value_checksum);
-            // Copied while the slot is still ours (Filling); the publisher thread does the rest.
-            if let Some(publisher) = &sh.shared_publisher {
-                publisher.offer(keys[i], bytes);
-            }
-        }
-        let mut writes = Vec::new();
-        {
-            let mut cat = sh.catalog.lock();
-            for (&(i, slot, _), &value_checksum) in fills.iter().zip(&checksums) {
-                if let Some(plan) = cat.finish_put(&keys[i], slot, value_checksum, &mut meta) {
-                    writes.push((i, plan));
-                }
-                results[i] = true;
-            }
-        }
-        sh.changed.notify_all();
-        submit_meta(sh, std::mem::take(&mut meta));
-        for (i, plan) in writes {
-            submit_entry_write(sh, keys[i], plan);
+                value_checksum: copy_in_and_checksum(sh, slot, &bufs[i]),
+            })
+            .collect();
+        complete_fills(sh, &filled);
+        for &(i, _, _) in &fills {
+            results[i] = true;
         }
     }
     results
+}
+
+/// A slot whose value is complete (copied in, here or by engine workers through the shared pool).
+pub(crate) struct Filled {
+    pub key: BlockKey,
+    pub slot: u32,
+    pub sequence: u64,
+    pub value_checksum: u64,
+}
+
+/// Makes filled slots blocks: descriptor, shared-tier offer, visible in the catalog, NVMe write.
+fn complete_fills(sh: &Arc<Shared>, filled: &[Filled]) {
+    for f in filled {
+        // SAFETY: the slot is ours (Filling) and no I/O touches it until finish_put.
+        let bytes = unsafe { slot_mut(sh.arena.slot_ptr(f.slot), sh.arena.slot_bytes()) };
+        Descriptor {
+            value_bytes: sh.config.object_bytes as u32,
+            key: f.key,
+            namespace: sh.namespace,
+            sequence: f.sequence,
+            region_seq: 0,
+            value_checksum: f.value_checksum,
+        }
+        .encode(&mut bytes[..DESCRIPTOR_BYTES]);
+        // Copied while the slot is still ours (Filling); the publisher thread does the rest.
+        if let Some(publisher) = &sh.shared_publisher {
+            publisher.offer(f.key, bytes);
+        }
+    }
+    let mut meta = Vec::new();
+    let mut writes = Vec::new();
+    {
+        let mut cat = sh.catalog.lock();
+        for f in filled {
+            if let Some(plan) = cat.finish_put(&f.key, f.slot, f.value_checksum, &mut meta) {
+                writes.push((f.key, plan));
+            }
+        }
+    }
+    sh.changed.notify_all();
+    submit_meta(sh, meta);
+    for (key, plan) in writes {
+        submit_entry_write(sh, key, plan);
+    }
+}
+
+/// What a reserved put got: a slot to fill, or nothing to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reservation {
+    /// Fill the value area of this slot, then commit (or abort) with its sequence.
+    Fill { slot: u32, sequence: u64 },
+    /// The block is already stored.
+    Present,
+    /// No slot could be had (DRAM full of pinned or busy slots, or the NVMe write backlog is full):
+    /// dropped and counted.
+    Dropped,
+}
+
+/// Reserves DRAM slots for blocks that other processes fill through the shared pool. Never waits.
+pub(crate) fn reserve_puts(sh: &Shared, keys: &[BlockKey]) -> Vec<Reservation> {
+    let mut cat = sh.catalog.lock();
+    let reservations: Vec<Reservation> = keys
+        .iter()
+        .map(|key| match cat.plan_put(key) {
+            PutStep::Present => Reservation::Present,
+            PutStep::Fill { slot, sequence } => Reservation::Fill { slot, sequence },
+            PutStep::NoSlot => Reservation::Dropped,
+        })
+        .collect();
+    let dropped = reservations.iter().filter(|r| **r == Reservation::Dropped).count();
+    Stats::add(&sh.stats.dropped_stores, dropped as u64);
+    reservations
+}
+
+/// The reserved slots were filled: checksums their values (the writers are other processes, so the
+/// checksum is taken here, after the last of them finished) and stores the blocks.
+pub(crate) fn commit_puts(sh: &Arc<Shared>, fills: &[(BlockKey, u32, u64)]) {
+    let object_bytes = sh.config.object_bytes;
+    let filled: Vec<Filled> = fills
+        .iter()
+        .map(|&(key, slot, sequence)| {
+            // SAFETY: the slot is ours (Filling) and its writers have finished (commit contract).
+            let value = &unsafe { slot_ref(sh, slot) }[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + object_bytes];
+            Stats::add(&sh.stats.bytes_copied_in, object_bytes as u64);
+            Filled { key, slot, sequence, value_checksum: crate::format::checksum(value) }
+        })
+        .collect();
+    complete_fills(sh, &filled);
+}
+
+/// Gives reserved slots back unfilled.
+pub(crate) fn abort_puts(sh: &Shared, fills: &[(BlockKey, u32)]) {
+    let mut cat = sh.catalog.lock();
+    for (key, slot) in fills {
+        cat.abort_put(key, *slot);
+    }
+    Stats::add(&sh.stats.dropped_stores, fills.len() as u64);
+    drop(cat);
+    sh.changed.notify_all();
 }
 
 fn submit_entry_write(sh: &Arc<Shared>, key: BlockKey, plan: WritePlan) {
@@ -522,7 +611,7 @@ fn plan_shared_read(sh: &Shared, cat: &mut crate::catalog::Catalog, key: &BlockK
 fn execute_shared_reads(
     sh: &Arc<Shared>,
     keys: &[BlockKey],
-    bufs: &[BlockBuffer],
+    bufs: Option<&[BlockBuffer]>,
     results: &mut [bool],
     reads: Vec<(usize, u32)>,
 ) {
@@ -535,7 +624,9 @@ fn execute_shared_reads(
             // The tier verified the block; the checksum is taken before anything counts it a hit.
             Ok(true) => match Descriptor::decode(&bytes[..DESCRIPTOR_BYTES]) {
                 Ok(desc) => {
-                    copy_value_out(sh, slot, &bufs[i]);
+                    if let Some(bufs) = bufs {
+                        copy_value_out(sh, slot, &bufs[i]);
+                    }
                     results[i] = true;
                     Some(desc.value_checksum)
                 }

@@ -15,7 +15,9 @@ use crate::io::psync::PsyncEngine;
 use crate::io::uring::UringEngine;
 use crate::io::{EngineChoice, IoCompletion, IoEngine, IoRequest, OpKind, RegisteredRange};
 use crate::key::{BlockKey, Namespace};
-use crate::mover::{execute_get, execute_put, submit_meta, BlockBuffer};
+use crate::mover::{
+    abort_puts, commit_puts, execute_get, execute_put, reserve_puts, submit_meta, BlockBuffer, Reservation,
+};
 use crate::stats::{Stats, StatsSnapshot};
 use crate::tiers::dram::Arena;
 use crate::tiers::eviction::S3Fifo;
@@ -93,6 +95,17 @@ pub struct Job {
     pub buffers: Vec<BlockBuffer>,
 }
 
+/// A shared DRAM pool as other processes map it: slot `i`'s value starts at
+/// `i * slot_bytes + value_offset` of the file.
+#[derive(Debug, Clone)]
+pub struct PoolLayout {
+    pub path: std::path::PathBuf,
+    pub pool_bytes: usize,
+    pub slot_bytes: usize,
+    pub slot_count: usize,
+    pub value_offset: usize,
+}
+
 /// Counters plus gauges, as `Store::stats` returns them.
 #[derive(Debug, Clone)]
 pub struct StoreStats {
@@ -141,7 +154,7 @@ impl Store {
         // Every directory is locked: two stores must never write one device file.
         let locks = dirs.iter().map(|dir| take_lock(dir)).collect::<Result<Vec<_>>>()?;
         let slot_bytes = config.slot_bytes();
-        let arena = Arena::map(slot_bytes, config.slot_count())?;
+        let arena = Arena::map(slot_bytes, config.slot_count(), config.pool_path.as_deref())?;
         let stats = Arc::new(Stats::default());
 
         let nvme_enabled = config.nvme_bytes > 0;
@@ -244,7 +257,7 @@ impl Store {
             let rx = load_rx.clone();
             threads.push(spawn(format!("kvtier-load-{i}"), move || {
                 for job in rx.iter() {
-                    let results = execute_get(&sh, &job.keys, &job.buffers);
+                    let results = execute_get(&sh, &job.keys, Some(&job.buffers));
                     sh.job_done(&sh.loads_active);
                     finish_job(&sh, job.id, results);
                 }
@@ -346,7 +359,7 @@ impl Store {
     pub unsafe fn get_raw(&self, keys: &[BlockKey], buffers: &[BlockBuffer]) -> Result<Vec<bool>> {
         self.check_open()?;
         self.check_buffers(keys.len(), buffers)?;
-        Ok(execute_get(&self.shared, keys, buffers))
+        Ok(execute_get(&self.shared, keys, Some(buffers)))
     }
 
     /// Queues a job; its result is reported by `poll` or `wait`. A store job that finds the store
@@ -530,6 +543,51 @@ impl Store {
             huge_pages: self.shared.arena.huge_pages(),
             namespace_hex: self.shared.namespace.hex(),
         }
+    }
+
+    // ---- Split puts and gets: slots filled and read by other processes through the shared pool ----
+
+    /// Where the DRAM pool lives when it is shared (`pool_path`): the file and its slot geometry.
+    pub fn pool(&self) -> Option<PoolLayout> {
+        let arena = &self.shared.arena;
+        arena.file().map(|path| PoolLayout {
+            path: path.to_path_buf(),
+            pool_bytes: arena.mapped_bytes(),
+            slot_bytes: arena.slot_bytes(),
+            slot_count: arena.slot_count(),
+            value_offset: crate::format::descriptor::DESCRIPTOR_BYTES,
+        })
+    }
+
+    /// Reserves a DRAM slot per block for writers in other processes. Never waits: a block with no
+    /// slot to be had is dropped (counted). Commit or abort every `Fill`.
+    pub fn reserve_puts(&self, keys: &[BlockKey]) -> Result<Vec<Reservation>> {
+        self.check_open()?;
+        Ok(reserve_puts(&self.shared, keys))
+    }
+
+    /// The reserved slots' values are complete: (key, slot, sequence) of each `Fill`.
+    pub fn commit_puts(&self, fills: &[(BlockKey, u32, u64)]) -> Result<()> {
+        self.check_open()?;
+        commit_puts(&self.shared, fills);
+        Ok(())
+    }
+
+    /// Reserved slots that will not be filled (their writers gave up or died): (key, slot).
+    pub fn abort_puts(&self, fills: &[(BlockKey, u32)]) {
+        abort_puts(&self.shared, fills);
+    }
+
+    /// Makes blocks resident in DRAM (reading NVMe or the shared tier, verified) and pins them: per
+    /// key the slot to copy the value out of, or `None` for a miss. Release each slot with `unpin`.
+    pub fn acquire(&self, keys: &[BlockKey]) -> Result<Vec<Option<u32>>> {
+        self.check_open()?;
+        let sh = &self.shared;
+        sh.loads_active.fetch_add(1, Ordering::AcqRel);
+        let found = execute_get(sh, keys, None);
+        sh.job_done(&sh.loads_active);
+        let mut cat = sh.catalog.lock();
+        Ok(keys.iter().zip(found).map(|(key, hit)| if hit { cat.pin_resident(key) } else { None }).collect())
     }
 
     /// Checks the catalog's internal invariants (for tests).

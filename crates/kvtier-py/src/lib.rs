@@ -3,6 +3,7 @@
 //! access without copies (held until a job finishes), typed exceptions, and releasing the GIL
 //! during I/O.
 
+use kvtier_core::service::{Client, Service, ServiceConfig};
 use kvtier_core::{
     find_option, unknown_option_message, BlockBuffer, BlockKey, ConfigOption, Error, Job, JobKind, OptionKind,
     OptionValue, Store, StoreConfig, OPTIONS,
@@ -28,6 +29,7 @@ fn to_py(err: Error) -> PyErr {
         Error::Locked { .. } => "LockedError",
         Error::Closed => "ClosedError",
         Error::Timeout { .. } => "TimeoutError",
+        Error::Service { .. } => "ServiceError",
     };
     let message = err.to_string();
     Python::attach(|py| match py.import("kvtier.errors").and_then(|m| m.getattr(class)) {
@@ -533,10 +535,212 @@ impl PyStore {
     }
 }
 
+/// A connection to the host service (`kvtier serve`), with the namespace's pool mapped: the
+/// engine side of the multi-process layout. Calls release the GIL; a failed call drops the
+/// connection (`connected` turns false) and the caller reconnects.
+#[pyclass(name = "ServiceClient", module = "kvtier._core", frozen)]
+struct PyServiceClient {
+    inner: Mutex<Client>,
+}
+
+fn tier_name(code: u8) -> Option<&'static str> {
+    match code {
+        1 => Some("dram"),
+        2 => Some("nvme"),
+        3 => Some("shared"),
+        _ => None,
+    }
+}
+
+#[pymethods]
+impl PyServiceClient {
+    /// Connects to the service's socket; every call then waits at most `timeout_ms` per read/write.
+    #[staticmethod]
+    fn connect(py: Python<'_>, socket_path: PathBuf, timeout_ms: u64) -> PyResult<PyServiceClient> {
+        let client =
+            py.detach(move || Client::connect(&socket_path, Duration::from_millis(timeout_ms))).map_err(to_py)?;
+        Ok(PyServiceClient { inner: Mutex::new(client) })
+    }
+
+    /// Attaches to a namespace as `rank` of `tp_size` moving `slice_bytes` per block; maps its pool.
+    /// Returns the pool's layout.
+    fn hello<'py>(
+        &self,
+        py: Python<'py>,
+        description: &[u8],
+        tp_size: u32,
+        rank: u32,
+        slice_bytes: usize,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let description = description.to_vec();
+        let attached =
+            py.detach(|| self.inner.lock().hello(&description, tp_size, rank, slice_bytes).cloned()).map_err(to_py)?;
+        let d = PyDict::new(py);
+        d.set_item("pool_path", attached.pool_path)?;
+        d.set_item("pool_bytes", attached.pool_bytes)?;
+        d.set_item("slot_bytes", attached.slot_bytes)?;
+        d.set_item("slot_count", attached.slot_count)?;
+        d.set_item("object_bytes", attached.object_bytes)?;
+        Ok(d)
+    }
+
+    #[getter]
+    fn connected(&self) -> bool {
+        self.inner.lock().is_connected()
+    }
+
+    /// Per key: "dram", "nvme", "shared" or None.
+    fn locate_many(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<Option<&'static str>>> {
+        let keys = parse_keys(keys)?;
+        let codes = py.detach(|| self.inner.lock().locate(&keys)).map_err(to_py)?;
+        Ok(codes.into_iter().map(tier_name).collect())
+    }
+
+    /// Pins the leading present keys for this connection: one flag per present key (False: shared
+    /// tier only, no pin). Pins end with `unpin_many` or when the connection closes.
+    fn pin_many(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let keys = parse_keys(keys)?;
+        py.detach(|| self.inner.lock().pin(&keys)).map_err(to_py)
+    }
+
+    fn unpin_many(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = parse_keys(keys)?;
+        py.detach(|| self.inner.lock().unpin(&keys)).map_err(to_py)
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let fields = py.detach(|| self.inner.lock().stats()).map_err(to_py)?;
+        let d = PyDict::new(py);
+        for (name, value) in fields {
+            d.set_item(name, value)?;
+        }
+        Ok(d)
+    }
+
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.lock().flush()).map_err(to_py)
+    }
+
+    /// Stores this rank's slice of blocks straight from the engine's layer buffers into the pool:
+    /// `True` per block accepted or already stored.
+    fn store_blocks(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        layers: &Bound<'_, PyAny>,
+        block_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<bool>> {
+        self.move_blocks(py, keys, layers, block_ids, false)
+    }
+
+    /// Loads this rank's slice of blocks from the pool into the engine's layer buffers: `True` per
+    /// block loaded (verified by the service when it came from storage).
+    fn load_blocks(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        layers: &Bound<'_, PyAny>,
+        block_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<bool>> {
+        self.move_blocks(py, keys, layers, block_ids, true)
+    }
+}
+
+impl PyServiceClient {
+    fn move_blocks(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        layers: &Bound<'_, PyAny>,
+        block_ids: &Bound<'_, PyAny>,
+        load: bool,
+    ) -> PyResult<Vec<bool>> {
+        let keys = parse_keys(keys)?;
+        let slice_bytes = self
+            .inner
+            .lock()
+            .attached()
+            .map(|a| a.slice_bytes)
+            .ok_or_else(|| PyValueError::new_err("call hello() first"))?;
+        let mut held = Vec::new();
+        let bufs = parse_layer_blocks(slice_bytes, layers, block_ids, load, &mut held)?;
+        // SAFETY: `held` keeps every buffer alive across the call; load buffers were requested writable.
+        let r = py.detach(|| unsafe {
+            let mut client = self.inner.lock();
+            if load {
+                client.load_blocks(&keys, &bufs)
+            } else {
+                client.store_blocks(&keys, &bufs)
+            }
+        });
+        drop(held);
+        r.map_err(to_py)
+    }
+}
+
+/// The host service running in this process (`kvtier serve` runs one until it is signalled).
+#[pyclass(name = "Service", module = "kvtier._core", frozen)]
+struct PyService {
+    inner: Mutex<Option<Service>>,
+}
+
+#[pymethods]
+impl PyService {
+    /// Starts serving `socket_path` for stores under `path`; `options` are `Store.open` options
+    /// (without `namespace` and `object_bytes`, which come from each engine).
+    #[staticmethod]
+    #[pyo3(signature = (socket_path, path, pool_dir = None, fill_timeout_ms = 30000, **options))]
+    fn start(
+        py: Python<'_>,
+        socket_path: PathBuf,
+        path: &Bound<'_, PyAny>,
+        pool_dir: Option<PathBuf>,
+        fill_timeout_ms: u64,
+        options: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<PyService> {
+        let template = PyDict::new(py);
+        if let Some(options) = options {
+            for reserved in ["namespace", "object_bytes"] {
+                if options.contains(reserved)? {
+                    return Err(config_error(reserved, "set per engine by the service; remove it"));
+                }
+            }
+            template.update(options.as_mapping())?;
+        }
+        // Placeholders: each namespace's store gets the engines' own.
+        template.set_item("object_bytes", 1)?;
+        template.set_item("namespace", "service-template")?;
+        let store = parse_config(path, Some(&template))?;
+        let mut config = ServiceConfig::new(socket_path, store);
+        if let Some(dir) = pool_dir {
+            config.pool_dir = dir;
+        }
+        config.fill_timeout_ms = fill_timeout_ms;
+        let service = py.detach(move || Service::start(config)).map_err(to_py)?;
+        Ok(PyService { inner: Mutex::new(Some(service)) })
+    }
+
+    /// Namespaces (models) served now.
+    fn namespace_count(&self) -> usize {
+        self.inner.lock().as_ref().map_or(0, Service::namespace_count)
+    }
+
+    /// Closes every connection, then flushes and closes the stores. Idempotent.
+    fn stop(&self, py: Python<'_>) -> PyResult<()> {
+        let service = self.inner.lock().take();
+        match service {
+            Some(mut service) => py.detach(move || service.stop()).map_err(to_py),
+            None => Ok(()),
+        }
+    }
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let _ = pyo3_log::try_init();
     m.add_class::<PyStore>()?;
+    m.add_class::<PyServiceClient>()?;
+    m.add_class::<PyService>()?;
     m.add_function(wrap_pyfunction!(options, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

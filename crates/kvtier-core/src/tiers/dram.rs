@@ -1,4 +1,6 @@
-//! The DRAM tier's memory: one page-aligned anonymous mapping cut into fixed-size slots.
+//! The DRAM tier's memory: one page-aligned mapping cut into fixed-size slots. Anonymous for a store
+//! used by one process; a shared-memory file (`pool_path`, in /dev/shm) when a host service shares
+//! the pool with the engine processes that copy their KV into and out of it.
 //!
 //! Each slot is `slot_bytes` long: a 4096-byte descriptor page, then the value rounded up to 4096.
 //! The same bytes are written to and read from NVMe, so a read lands a block in its slot with no copy.
@@ -8,6 +10,8 @@
 
 use crate::error::{Error, Result};
 use crate::io::RegisteredRange;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Bytes of DRAM arenas mapped by every store of this process (the process-wide budget).
@@ -22,13 +26,17 @@ pub struct Arena {
     slot_bytes: usize,
     slot_count: usize,
     huge_pages: bool,
+    /// The shared-memory file mapped, removed when the arena is dropped.
+    file: Option<PathBuf>,
 }
 
 unsafe impl Send for Arena {}
 unsafe impl Sync for Arena {}
 
 impl Arena {
-    pub fn map(slot_bytes: usize, slot_count: usize) -> Result<Self> {
+    /// Maps the pool: anonymous memory, or the shared-memory file `pool_path` (created 0600, sized
+    /// with fallocate so that a /dev/shm too small for it fails here, not at a page fault later).
+    pub fn map(slot_bytes: usize, slot_count: usize, pool_path: Option<&Path>) -> Result<Self> {
         let len =
             slot_bytes.checked_mul(slot_count).ok_or_else(|| Error::config("dram_bytes", "arena size overflows"))?;
         let available = mem_available_bytes();
@@ -44,9 +52,25 @@ impl Arena {
                 });
             }
         }
-        let (base, huge_pages) = map_anonymous(len)?;
+        let (base, huge_pages, file) = match pool_path {
+            None => {
+                let (base, huge_pages) = map_anonymous(len)?;
+                (base, huge_pages, None)
+            }
+            Some(path) => (map_shared_file(path, len)?, false, Some(path.to_path_buf())),
+        };
         PROCESS_ARENA_BYTES.fetch_add(len, Ordering::Relaxed);
-        Ok(Arena { base, len, slot_bytes, slot_count, huge_pages })
+        Ok(Arena { base, len, slot_bytes, slot_count, huge_pages, file })
+    }
+
+    /// The shared-memory file behind the pool, when it has one.
+    pub fn file(&self) -> Option<&Path> {
+        self.file.as_deref()
+    }
+
+    /// Bytes of the whole mapping (slot_count * slot_bytes).
+    pub fn mapped_bytes(&self) -> usize {
+        self.len
     }
 
     pub fn huge_pages(&self) -> bool {
@@ -91,6 +115,9 @@ impl Drop for Arena {
         // SAFETY: mapped in `map` with this length; no I/O is in flight (the store joined its threads).
         unsafe { libc::munmap(self.base.cast(), self.len) };
         PROCESS_ARENA_BYTES.fetch_sub(self.len, Ordering::Relaxed);
+        if let Some(path) = &self.file {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 
@@ -115,6 +142,53 @@ fn map_anonymous(len: usize) -> Result<(*mut u8, bool)> {
     unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };
     populate(p.cast(), len);
     Ok((p.cast(), false))
+}
+
+/// Creates (or replaces) the pool file and maps it shared. A leftover file of a dead service is
+/// replaced: its blocks were never recorded anywhere but in that service's memory.
+fn map_shared_file(path: &Path, len: usize) -> Result<*mut u8> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = std::fs::remove_file(path);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| Error::io(format!("creating the shared DRAM pool {}", path.display()), e))?;
+    // SAFETY: a valid fd; allocates the file's blocks up front.
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
+    if rc != 0 {
+        let _ = std::fs::remove_file(path);
+        let dir = path.parent().unwrap_or(Path::new("/"));
+        return Err(Error::Capacity {
+            message: format!(
+                "the shared DRAM pool needs {len} bytes in {} but it has {} bytes free ({}); enlarge it (Docker: \
+                 --shm-size, Kubernetes: an emptyDir with medium Memory and a sizeLimit) or lower `dram_bytes`",
+                dir.display(),
+                free_bytes(dir).map_or_else(|| "unknown".to_string(), |b| b.to_string()),
+                std::io::Error::from_raw_os_error(rc)
+            ),
+        });
+    }
+    let prot = libc::PROT_READ | libc::PROT_WRITE;
+    // SAFETY: maps the whole file we just sized; the mapping outlives the fd.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, file.as_raw_fd(), 0) };
+    if p == libc::MAP_FAILED {
+        let _ = std::fs::remove_file(path);
+        return Err(Error::io(
+            format!("mapping the shared DRAM pool {}", path.display()),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    populate(p.cast(), len);
+    Ok(p.cast())
+}
+
+fn free_bytes(dir: &Path) -> Option<u64> {
+    let st = rustix::fs::statvfs(dir).ok()?;
+    Some(st.f_bavail * st.f_frsize)
 }
 
 /// Faults the pool in at open so that page faults and zeroing stay off the load path.

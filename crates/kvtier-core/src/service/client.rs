@@ -1,0 +1,340 @@
+//! The engine side: one connection to the host service, and the namespace's DRAM pool mapped into
+//! this process. A worker copies its own slice of each block between its KV cache and the pool
+//! (`store_blocks`, `load_blocks`); KV bytes never travel over the socket.
+//!
+//! Every call is bounded by the connection's timeout. A call that fails or times out leaves the
+//! connection unusable (a late reply could be taken for the next one's), so the client drops it and
+//! every later call fails at once: the caller reconnects.
+
+use super::protocol::*;
+use crate::error::{Error, Result};
+use crate::key::BlockKey;
+use crate::mover::BlockBuffer;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// What `hello` attached to: the namespace's pool and this engine's slice of each block.
+#[derive(Debug, Clone)]
+pub struct Attached {
+    pub pool_path: PathBuf,
+    pub pool_bytes: usize,
+    pub slot_bytes: usize,
+    pub slot_count: usize,
+    pub value_offset: usize,
+    pub object_bytes: usize,
+    pub tp_size: u32,
+    pub rank: u32,
+    pub slice_bytes: usize,
+}
+
+impl Attached {
+    /// Offset in the pool of this rank's slice of the block in `slot`.
+    fn slice_offset(&self, slot: u32) -> Option<usize> {
+        let at =
+            (slot as usize).checked_mul(self.slot_bytes)? + self.value_offset + self.rank as usize * self.slice_bytes;
+        (at + self.slice_bytes <= self.pool_bytes && (slot as usize) < self.slot_count).then_some(at)
+    }
+}
+
+/// The pool file mapped shared, read and write.
+struct PoolMap {
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is process memory; the client serialises its use (`&mut self` calls).
+unsafe impl Send for PoolMap {}
+
+impl PoolMap {
+    fn map(path: &Path, len: usize) -> Result<PoolMap> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|e| Error::io(format!("opening the kvtier pool {}", path.display()), e))?;
+        let size = file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?.len();
+        if size != len as u64 {
+            return Err(Error::format(path, format!("{size} bytes, the service said {len}; reconnect")));
+        }
+        let prot = libc::PROT_READ | libc::PROT_WRITE;
+        // SAFETY: maps the whole file, whose size we checked; the mapping outlives the fd.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, file.as_raw_fd(), 0) };
+        if p == libc::MAP_FAILED {
+            return Err(Error::io(
+                format!("mapping the kvtier pool {}", path.display()),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(PoolMap { base: p.cast(), len })
+    }
+}
+
+impl Drop for PoolMap {
+    fn drop(&mut self) {
+        // SAFETY: mapped in `map` with this length.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+pub struct Client {
+    socket_path: PathBuf,
+    stream: Option<UnixStream>,
+    pool: Option<PoolMap>,
+    attached: Option<Attached>,
+}
+
+fn service_error(socket: &Path, what: impl std::fmt::Display) -> Error {
+    Error::Service { message: format!("kvtier service at {}: {what}", socket.display()) }
+}
+
+impl Client {
+    /// Connects; every later call waits at most `timeout` for each read and write.
+    pub fn connect(socket_path: &Path, timeout: Duration) -> Result<Client> {
+        let stream = UnixStream::connect(socket_path).map_err(|e| {
+            service_error(
+                socket_path,
+                format!("cannot connect ({e}); start it with `kvtier serve` or let the engine start it"),
+            )
+        })?;
+        stream
+            .set_read_timeout(Some(timeout))
+            .and_then(|()| stream.set_write_timeout(Some(timeout)))
+            .map_err(|e| service_error(socket_path, format!("setting socket timeouts: {e}")))?;
+        Ok(Client { socket_path: socket_path.to_path_buf(), stream: Some(stream), pool: None, attached: None })
+    }
+
+    pub fn attached(&self) -> Option<&Attached> {
+        self.attached.as_ref()
+    }
+
+    /// Whether the connection is still usable (no call has failed on it).
+    pub fn is_connected(&self) -> bool {
+        self.stream.is_some()
+    }
+
+    fn call(&mut self, op: Op, build: impl FnOnce(&mut Writer)) -> Result<Vec<u8>> {
+        let stream =
+            self.stream.as_mut().ok_or_else(|| service_error(&self.socket_path, "connection lost; reconnect"))?;
+        let mut w = Writer::new(op as u8);
+        build(&mut w);
+        let exchanged = write_frame(stream, &w.0).and_then(|()| read_frame(stream));
+        let body = match exchanged {
+            Ok(Some(body)) => body,
+            Ok(None) => {
+                self.stream = None;
+                return Err(service_error(&self.socket_path, "closed the connection (did it stop?)"));
+            }
+            Err(e) => {
+                self.stream = None;
+                return Err(service_error(&self.socket_path, format!("{op:?} failed: {e}")));
+            }
+        };
+        match body[0] {
+            STATUS_OK => Ok(body[1..].to_vec()),
+            _ => Err(service_error(&self.socket_path, String::from_utf8_lossy(&body[1..]))),
+        }
+    }
+
+    fn parse<T>(
+        &mut self,
+        body: &[u8],
+        parse: impl FnOnce(&mut Reader<'_>) -> std::result::Result<T, ProtocolError>,
+    ) -> Result<T> {
+        parse(&mut Reader::new(body)).map_err(|e| {
+            self.stream = None;
+            service_error(&self.socket_path, e)
+        })
+    }
+
+    /// Attaches to the namespace `description` as `rank` of `tp_size`, each moving `slice_bytes` of
+    /// every block; maps its pool.
+    pub fn hello(&mut self, description: &[u8], tp_size: u32, rank: u32, slice_bytes: usize) -> Result<&Attached> {
+        let body = self.call(Op::Hello, |w| {
+            w.u16(PROTOCOL_VERSION).u32(tp_size).u32(rank).u64(slice_bytes as u64).bytes(description);
+        })?;
+        let attached = self.parse(&body, |r| {
+            let (slot_bytes, slot_count, value_offset, pool_bytes, object_bytes) =
+                (r.u64()?, r.u64()?, r.u64()?, r.u64()?, r.u64()?);
+            let path = std::str::from_utf8(r.bytes()?).map_err(|_| ProtocolError("pool path is not UTF-8"))?;
+            Ok(Attached {
+                pool_path: PathBuf::from(path),
+                pool_bytes: pool_bytes as usize,
+                slot_bytes: slot_bytes as usize,
+                slot_count: slot_count as usize,
+                value_offset: value_offset as usize,
+                object_bytes: object_bytes as usize,
+                tp_size,
+                rank,
+                slice_bytes,
+            })
+        })?;
+        if attached.object_bytes != slice_bytes * tp_size as usize {
+            return Err(service_error(&self.socket_path, "object size does not match slices * tp_size"));
+        }
+        self.pool = Some(PoolMap::map(&attached.pool_path, attached.pool_bytes)?);
+        Ok(self.attached.insert(attached))
+    }
+
+    /// Per key: 0 absent, 1 DRAM, 2 NVMe, 3 shared tier.
+    pub fn locate(&mut self, keys: &[BlockKey]) -> Result<Vec<u8>> {
+        let body = self.call(Op::Locate, |w| {
+            w.keys(keys);
+        })?;
+        if body.len() != keys.len() {
+            self.stream = None;
+            return Err(service_error(&self.socket_path, "short locate reply"));
+        }
+        Ok(body)
+    }
+
+    /// Pins the leading present keys: a flag per present key (`false`: shared tier only, no pin).
+    pub fn pin(&mut self, keys: &[BlockKey]) -> Result<Vec<bool>> {
+        let body = self.call(Op::Pin, |w| {
+            w.keys(keys);
+        })?;
+        self.parse(&body, |r| {
+            let n = r.u32()? as usize;
+            (0..n).map(|_| r.u8().map(|b| b != 0)).collect()
+        })
+    }
+
+    pub fn unpin(&mut self, keys: &[BlockKey]) -> Result<()> {
+        self.call(Op::Unpin, |w| {
+            w.keys(keys);
+        })
+        .map(drop)
+    }
+
+    pub fn stats(&mut self) -> Result<Vec<(String, u64)>> {
+        let body = self.call(Op::Stats, |_| {})?;
+        self.parse(&body, |r| {
+            let n = r.u32()?;
+            (0..n)
+                .map(|_| {
+                    let len = r.u16()? as usize;
+                    let mut name = Vec::with_capacity(len);
+                    for _ in 0..len {
+                        name.push(r.u8()?);
+                    }
+                    Ok((String::from_utf8_lossy(&name).into_owned(), r.u64()?))
+                })
+                .collect()
+        })
+    }
+
+    /// Waits until every store the service accepted is on NVMe.
+    pub fn flush(&mut self) -> Result<()> {
+        self.call(Op::Flush, |_| {}).map(drop)
+    }
+
+    fn check_buffers(&self, keys: &[BlockKey], buffers: &[BlockBuffer]) -> Result<&Attached> {
+        let attached = self.attached.as_ref().ok_or_else(|| service_error(&self.socket_path, "say hello first"))?;
+        if keys.len() != buffers.len() {
+            return Err(Error::config("buffers", format!("{} keys but {} buffers", keys.len(), buffers.len())));
+        }
+        if let Some(b) = buffers.iter().find(|b| b.total_bytes() != attached.slice_bytes) {
+            return Err(Error::config(
+                "buffers",
+                format!("a buffer holds {} bytes, this rank's slice is {}", b.total_bytes(), attached.slice_bytes),
+            ));
+        }
+        Ok(attached)
+    }
+
+    /// Stores this rank's slice of each block: reserve slots, copy into the pool, commit. `true` per
+    /// block accepted or already stored. A block is visible once every rank committed its slice.
+    ///
+    /// # Safety
+    /// Every source segment must be valid for reading for the duration of the call.
+    pub unsafe fn store_blocks(&mut self, keys: &[BlockKey], sources: &[BlockBuffer]) -> Result<Vec<bool>> {
+        let attached = self.check_buffers(keys, sources)?.clone();
+        let body = self.call(Op::Reserve, |w| {
+            w.keys(keys);
+        })?;
+        let reservations = self.parse(&body, |r| {
+            (0..keys.len()).map(|_| Ok((r.u8()?, r.u32()?))).collect::<std::result::Result<Vec<_>, _>>()
+        })?;
+        let mut results: Vec<bool> = reservations.iter().map(|&(kind, _)| kind == 1).collect();
+        let mut filled = Vec::new();
+        let mut filled_at = Vec::new();
+        let mut bad = Vec::new();
+        for (i, &(kind, slot)) in reservations.iter().enumerate() {
+            if kind != 0 {
+                continue;
+            }
+            let Some(at) = attached.slice_offset(slot) else {
+                bad.push(keys[i]);
+                continue;
+            };
+            let pool = self.pool.as_ref().expect("mapped at hello");
+            let mut dst = pool.base.add(at);
+            for &(src, len) in &sources[i].segments {
+                std::ptr::copy_nonoverlapping(src, dst, len);
+                dst = dst.add(len);
+            }
+            filled.push(keys[i]);
+            filled_at.push(i);
+        }
+        if !bad.is_empty() {
+            let _ = self.call(Op::Abort, |w| {
+                w.keys(&bad);
+            });
+            return Err(service_error(&self.socket_path, "handed out a slot outside its pool; reconnect"));
+        }
+        if !filled.is_empty() {
+            let body = self.call(Op::Commit, |w| {
+                w.keys(&filled);
+            })?;
+            if body.len() != filled.len() {
+                self.stream = None;
+                return Err(service_error(&self.socket_path, "short commit reply"));
+            }
+            for (&i, &ok) in filled_at.iter().zip(&body) {
+                results[i] = ok != 0;
+            }
+        }
+        Ok(results)
+    }
+
+    /// Loads this rank's slice of each block out of the pool (the service first makes each block
+    /// resident and verified, and pins it while this copies). `true` per block loaded.
+    ///
+    /// # Safety
+    /// Every destination segment must be valid for writing and untouched by others during the call.
+    pub unsafe fn load_blocks(&mut self, keys: &[BlockKey], dests: &[BlockBuffer]) -> Result<Vec<bool>> {
+        let attached = self.check_buffers(keys, dests)?.clone();
+        let body = self.call(Op::Acquire, |w| {
+            w.keys(keys);
+        })?;
+        let slots =
+            self.parse(&body, |r| (0..keys.len()).map(|_| r.u32()).collect::<std::result::Result<Vec<_>, _>>())?;
+        let mut results = vec![false; keys.len()];
+        let mut acquired = Vec::new();
+        for (i, &slot) in slots.iter().enumerate() {
+            if slot == NO_SLOT {
+                continue;
+            }
+            acquired.push(keys[i]);
+            let Some(at) = attached.slice_offset(slot) else { continue };
+            let pool = self.pool.as_ref().expect("mapped at hello");
+            let mut src = pool.base.add(at) as *const u8;
+            for &(dst, len) in &dests[i].segments {
+                std::ptr::copy_nonoverlapping(src, dst, len);
+                src = src.add(len);
+            }
+            results[i] = true;
+        }
+        if !acquired.is_empty() {
+            // The copies are done and were pinned while they ran. If the release fails the connection
+            // is dropped, and its closing releases the pins in the service.
+            let _ = self.call(Op::Release, |w| {
+                w.keys(&acquired);
+            });
+        }
+        Ok(results)
+    }
+}

@@ -1,0 +1,11 @@
+//! The host service: one process per host and store path owns the stores (catalog, NVMe and shared
+//! tiers) and their DRAM pools in shared memory; every engine on the host talks to it over a Unix
+//! socket ([`protocol`]) and copies its own KV slices in and out of the pool ([`client`]), so a
+//! prefix that any engine computed is a DRAM hit for all of them and outlives engine restarts.
+
+pub mod client;
+pub mod protocol;
+pub mod server;
+
+pub use client::{Attached, Client};
+pub use server::{Service, ServiceConfig, MAX_TP_SIZE};

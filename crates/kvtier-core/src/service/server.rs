@@ -1,0 +1,595 @@
+//! The service side: accepts engine connections, opens one store per namespace (its DRAM pool a
+//! shared-memory file the engines map), and answers the protocol's requests.
+//!
+//! Leases: everything a connection takes (pins, reserved slots) is recorded with the connection and
+//! given back when it closes, however it closed: an engine killed with SIGKILL loses its socket, and
+//! the kernel closing it is the lease expiring. A reserved slot is freed only once no connection
+//! holds it any more, so an aborted fill can never be reused while a live writer still copies in.
+
+use super::protocol::*;
+use crate::config::StoreConfig;
+use crate::error::{Error, Result};
+use crate::key::{BlockKey, Namespace};
+use crate::mover::Reservation;
+use crate::store::Store;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::os::fd::AsFd;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Ranks per namespace: a fill records its ranks in a 64-bit mask.
+pub const MAX_TP_SIZE: u32 = 64;
+const ACCEPT_POLL_MS: i32 = 200;
+const JANITOR_PERIOD: Duration = Duration::from_millis(500);
+
+#[derive(Debug, Clone)]
+pub struct ServiceConfig {
+    /// The Unix socket engines connect to (created 0600 in a 0700 directory).
+    pub socket_path: PathBuf,
+    /// Template of every namespace's store: its directories and options. `namespace`,
+    /// `object_bytes` and `pool_path` are set per namespace from the engines' `Hello`.
+    pub store: StoreConfig,
+    /// Directory of the shared-memory pool files (a tmpfs: /dev/shm, or a hugetlbfs mount).
+    pub pool_dir: PathBuf,
+    /// Connections served at once; more are refused (closed at once). Default 1024.
+    pub max_connections: usize,
+    /// A reserved fill that no connection holds any more, and that not every rank committed, is
+    /// given back after this long (a rank that never came). Default 30000.
+    pub fill_timeout_ms: u64,
+}
+
+impl ServiceConfig {
+    pub fn new(socket_path: impl Into<PathBuf>, store: StoreConfig) -> Self {
+        ServiceConfig {
+            socket_path: socket_path.into(),
+            store,
+            pool_dir: PathBuf::from("/dev/shm"),
+            max_connections: 1024,
+            fill_timeout_ms: 30_000,
+        }
+    }
+}
+
+/// A slot reserved for one block, filled by every rank of the namespace.
+struct Fill {
+    slot: u32,
+    sequence: u64,
+    reserved_ranks: u64,
+    committed_ranks: u64,
+    /// Connections that reserved it and have neither committed nor aborted.
+    holders: u32,
+    aborted: bool,
+    since: Instant,
+}
+
+struct Namespaced {
+    store: Store,
+    tp_size: u32,
+    slice_bytes: u64,
+    fills: Mutex<HashMap<BlockKey, Fill>>,
+}
+
+impl Namespaced {
+    fn all_ranks(&self) -> u64 {
+        if self.tp_size == 64 {
+            u64::MAX
+        } else {
+            (1u64 << self.tp_size) - 1
+        }
+    }
+}
+
+struct State {
+    config: ServiceConfig,
+    namespaces: Mutex<HashMap<Namespace, Arc<Namespaced>>>,
+    /// Clones of the live connections, to shut them down when the service stops.
+    connections: Mutex<HashMap<u64, UnixStream>>,
+    next_connection: AtomicU64,
+    stop: AtomicBool,
+}
+
+/// A running service. `stop` (or drop) closes the connections, flushes and closes every store.
+pub struct Service {
+    state: Arc<State>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Service {
+    /// Binds the socket and starts serving. Fails if another service answers on the socket.
+    pub fn start(config: ServiceConfig) -> Result<Service> {
+        let listener = bind(&config.socket_path)?;
+        let state = Arc::new(State {
+            config,
+            namespaces: Mutex::new(HashMap::new()),
+            connections: Mutex::new(HashMap::new()),
+            next_connection: AtomicU64::new(1),
+            stop: AtomicBool::new(false),
+        });
+        let accept_state = Arc::clone(&state);
+        let janitor_state = Arc::clone(&state);
+        let threads = vec![
+            spawn("kvtier-svc-accept", move || accept_loop(&accept_state, listener))?,
+            spawn("kvtier-svc-janitor", move || janitor_loop(&janitor_state))?,
+        ];
+        log::info!("kvtier: service listening on {}", state.config.socket_path.display());
+        Ok(Service { state, threads })
+    }
+
+    /// Namespaces open now.
+    pub fn namespace_count(&self) -> usize {
+        self.state.namespaces.lock().len()
+    }
+
+    /// Stops accepting, closes every connection, then flushes and closes every store. Idempotent.
+    pub fn stop(&mut self) -> Result<()> {
+        self.state.stop.store(true, Ordering::Release);
+        for (_, stream) in self.state.connections.lock().drain() {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+        let _ = std::fs::remove_file(&self.state.config.socket_path);
+        let mut result = Ok(());
+        for (_, ns) in self.state.namespaces.lock().drain() {
+            if let Err(e) = ns.store.close() {
+                log::warn!("kvtier: closing a store at service stop: {e}");
+                result = Err(e);
+            }
+        }
+        result
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}
+
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
+    std::thread::Builder::new().name(name.into()).spawn(f).map_err(|e| Error::io("spawning a service thread", e))
+}
+
+/// Creates the socket's directory (0700) and the socket (0600); a stale socket of a dead service is
+/// replaced, a live one is an error.
+fn bind(socket_path: &std::path::Path) -> Result<UnixListener> {
+    if let Some(dir) = socket_path.parent() {
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| {
+            Error::io(format!("creating the service socket directory {} (give a writable path)", dir.display()), e)
+        })?;
+    }
+    if socket_path.exists() {
+        if UnixStream::connect(socket_path).is_ok() {
+            return Err(Error::config(
+                "service_socket",
+                format!(
+                    "a kvtier service already serves {}; use it, or stop it first (one service per store path)",
+                    socket_path.display()
+                ),
+            ));
+        }
+        let _ = std::fs::remove_file(socket_path);
+    }
+    let listener = UnixListener::bind(socket_path)
+        .map_err(|e| Error::io(format!("binding the service socket {}", socket_path.display()), e))?;
+    std::fs::set_permissions(socket_path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| Error::io(format!("chmod 0600 {}", socket_path.display()), e))?;
+    Ok(listener)
+}
+
+fn accept_loop(state: &Arc<State>, listener: UnixListener) {
+    use rustix::event::{poll, PollFd, PollFlags};
+    while !state.stop.load(Ordering::Acquire) {
+        // Waits for a connection or the stop flag's period, whichever comes first.
+        let mut fds = [PollFd::new(&listener, PollFlags::IN)];
+        let timeout = rustix::event::Timespec { tv_sec: 0, tv_nsec: i64::from(ACCEPT_POLL_MS) * 1_000_000 };
+        if poll(&mut fds, Some(&timeout)).unwrap_or(0) == 0 {
+            continue;
+        }
+        let Ok((stream, _)) = listener.accept() else { continue };
+        if let Err(why) = admit(state, &stream) {
+            log::warn!("kvtier: service refused a connection: {why}");
+            continue;
+        }
+        let id = state.next_connection.fetch_add(1, Ordering::Relaxed);
+        if let Ok(clone) = stream.try_clone() {
+            state.connections.lock().insert(id, clone);
+        }
+        let conn_state = Arc::clone(state);
+        let spawned = std::thread::Builder::new().name(format!("kvtier-svc-conn-{id}")).spawn(move || {
+            Connection { state: Arc::clone(&conn_state), session: None }.serve(stream);
+            conn_state.connections.lock().remove(&id);
+        });
+        if spawned.is_err() {
+            state.connections.lock().remove(&id);
+        }
+    }
+}
+
+/// Only the service's own user may connect (the pool holds every engine's KV), and only so many.
+fn admit(state: &State, stream: &UnixStream) -> std::result::Result<(), String> {
+    let peer =
+        rustix::net::sockopt::socket_peercred(stream.as_fd()).map_err(|e| format!("no peer credentials: {e}"))?;
+    let me = rustix::process::geteuid();
+    if peer.uid != me {
+        return Err(format!("peer uid {} is not the service's uid {}", peer.uid.as_raw(), me.as_raw()));
+    }
+    if state.connections.lock().len() >= state.config.max_connections {
+        return Err(format!("{} connections already", state.config.max_connections));
+    }
+    Ok(())
+}
+
+fn janitor_loop(state: &Arc<State>) {
+    let timeout = Duration::from_millis(state.config.fill_timeout_ms);
+    while !state.stop.load(Ordering::Acquire) {
+        std::thread::park_timeout(JANITOR_PERIOD);
+        let namespaces: Vec<Arc<Namespaced>> = state.namespaces.lock().values().cloned().collect();
+        for ns in namespaces {
+            let mut stale = Vec::new();
+            ns.fills.lock().retain(|key, fill| {
+                let keep = fill.holders > 0 || fill.since.elapsed() < timeout;
+                if !keep {
+                    stale.push((*key, fill.slot));
+                }
+                keep
+            });
+            if !stale.is_empty() {
+                log::warn!("kvtier: {} stores waited {timeout:?} for a rank that never came; dropped", stale.len());
+                ns.store.abort_puts(&stale);
+            }
+        }
+    }
+}
+
+/// One engine connection's state: the namespace it said hello to and what it holds.
+struct Session {
+    ns: Arc<Namespaced>,
+    rank: u32,
+    /// Pins taken by `Pin` or `Acquire`, per key.
+    pins: HashMap<BlockKey, u32>,
+    /// Fills this connection reserved and has not committed or aborted.
+    reserved: Vec<BlockKey>,
+}
+
+struct Connection {
+    state: Arc<State>,
+    session: Option<Session>,
+}
+
+impl Connection {
+    fn serve(mut self, mut stream: UnixStream) {
+        loop {
+            let body = match read_frame(&mut stream) {
+                Ok(Some(body)) => body,
+                Ok(None) => break,
+                Err(e) => {
+                    log::debug!("kvtier: service connection closed: {e}");
+                    break;
+                }
+            };
+            let reply = match self.handle(&body) {
+                Ok(payload) => {
+                    let mut w = Writer::new(STATUS_OK);
+                    w.0.extend_from_slice(&payload);
+                    w.0
+                }
+                Err(message) => {
+                    let mut w = Writer::new(STATUS_ERROR);
+                    w.0.extend_from_slice(message.as_bytes());
+                    w.0
+                }
+            };
+            if write_frame(&mut stream, &reply).is_err() {
+                break;
+            }
+        }
+        self.release_all();
+    }
+
+    fn handle(&mut self, body: &[u8]) -> std::result::Result<Vec<u8>, String> {
+        let mut r = Reader::new(body);
+        let op = Op::from_u8(r.u8().map_err(|e| e.to_string())?).ok_or("unknown request opcode")?;
+        if op == Op::Hello {
+            return self.hello(&mut r).map_err(|e| e.to_string());
+        }
+        let session = self.session.as_mut().ok_or("say hello first (the namespace of this connection)")?;
+        let keys = match op {
+            Op::Stats | Op::Flush => Vec::new(),
+            _ => r.keys().map_err(|e| e.to_string())?,
+        };
+        let mut w = Writer::default();
+        match op {
+            Op::Hello => unreachable!("answered above"),
+            Op::Locate => {
+                for tier in session.ns.store.locate_many(&keys) {
+                    w.u8(match tier {
+                        None => 0,
+                        Some(crate::catalog::Tier::Dram) => 1,
+                        Some(crate::catalog::Tier::Nvme) => 2,
+                        Some(crate::catalog::Tier::Shared) => 3,
+                    });
+                }
+            }
+            Op::Pin => {
+                let flags = session.ns.store.pin_prefix(&keys);
+                w.u32(flags.len() as u32);
+                for (key, &pinned) in keys.iter().zip(&flags) {
+                    if pinned {
+                        *session.pins.entry(*key).or_default() += 1;
+                    }
+                    w.u8(u8::from(pinned));
+                }
+            }
+            Op::Unpin | Op::Release => session.unpin(&keys),
+            Op::Acquire => {
+                let slots = session.ns.store.acquire(&keys).map_err(|e| e.to_string())?;
+                for (key, slot) in keys.iter().zip(slots) {
+                    if slot.is_some() {
+                        *session.pins.entry(*key).or_default() += 1;
+                    }
+                    w.u32(slot.unwrap_or(NO_SLOT));
+                }
+            }
+            Op::Reserve => {
+                for (kind, slot) in session.reserve(&keys).map_err(|e| e.to_string())? {
+                    w.u8(kind).u32(slot);
+                }
+            }
+            Op::Commit => {
+                for accepted in session.commit(&keys).map_err(|e| e.to_string())? {
+                    w.u8(u8::from(accepted));
+                }
+            }
+            Op::Abort => session.abort(&keys),
+            Op::Stats => {
+                let stats = session.ns.store.stats();
+                let mut fields: Vec<(&str, u64)> = stats.counters.fields();
+                let g = stats.gauges;
+                fields.extend([
+                    ("dram_used_bytes", g.dram_used_bytes),
+                    ("dram_capacity_bytes", g.dram_capacity_bytes),
+                    ("nvme_used_bytes", g.nvme_used_bytes),
+                    ("nvme_capacity_bytes", g.nvme_capacity_bytes),
+                    ("blocks_dram", g.blocks_dram),
+                    ("blocks_nvme", g.blocks_nvme),
+                    ("service_connections", self.state.connections.lock().len() as u64),
+                    ("service_namespaces", self.state.namespaces.lock().len() as u64),
+                    ("service_pending_fills", session.ns.fills.lock().len() as u64),
+                ]);
+                w.u32(fields.len() as u32);
+                for (name, value) in fields {
+                    w.u16(name.len() as u16);
+                    w.0.extend_from_slice(name.as_bytes());
+                    w.u64(value);
+                }
+            }
+            Op::Flush => session.ns.store.flush().map_err(|e| e.to_string())?,
+        }
+        Ok(w.0)
+    }
+
+    fn hello(&mut self, r: &mut Reader<'_>) -> Result<Vec<u8>> {
+        let bad = |what: &str| Error::config("hello", what.to_string());
+        let version = r.u16().map_err(|e| bad(&e.to_string()))?;
+        if version != PROTOCOL_VERSION {
+            return Err(bad(&format!(
+                "protocol version {version}, the service speaks {PROTOCOL_VERSION}: run the same kvtier in the \
+                 engines and the service (restart the service after upgrading)"
+            )));
+        }
+        let tp_size = r.u32().map_err(|e| bad(&e.to_string()))?;
+        let rank = r.u32().map_err(|e| bad(&e.to_string()))?;
+        let slice_bytes = r.u64().map_err(|e| bad(&e.to_string()))?;
+        let description = r.bytes().map_err(|e| bad(&e.to_string()))?.to_vec();
+        if tp_size == 0 || tp_size > MAX_TP_SIZE || rank >= tp_size {
+            return Err(bad(&format!("rank {rank} of {tp_size}: give 0 <= rank < tp_size <= {MAX_TP_SIZE}")));
+        }
+        if slice_bytes == 0 || description.is_empty() {
+            return Err(bad("slice_bytes and the namespace description must not be empty"));
+        }
+        if let Some(old) = self.session.take() {
+            Session::release(old);
+        }
+        let ns = self.state.namespace(&description, tp_size, slice_bytes)?;
+        let pool = ns.store.pool().expect("service stores have a shared pool");
+        let mut w = Writer::default();
+        w.u64(pool.slot_bytes as u64)
+            .u64(pool.slot_count as u64)
+            .u64(pool.value_offset as u64)
+            .u64(pool.pool_bytes as u64)
+            .u64(ns.store.object_bytes() as u64)
+            .bytes(pool.path.as_os_str().as_encoded_bytes());
+        self.session = Some(Session { ns, rank, pins: HashMap::new(), reserved: Vec::new() });
+        Ok(w.0)
+    }
+
+    fn release_all(&mut self) {
+        if let Some(session) = self.session.take() {
+            Session::release(session);
+        }
+    }
+}
+
+impl State {
+    /// The namespace's store, opened on first use with the engines' layout.
+    fn namespace(&self, description: &[u8], tp_size: u32, slice_bytes: u64) -> Result<Arc<Namespaced>> {
+        let namespace = Namespace::from_description(description);
+        let mut namespaces = self.namespaces.lock();
+        if let Some(ns) = namespaces.get(&namespace) {
+            if ns.tp_size != tp_size || ns.slice_bytes != slice_bytes {
+                return Err(Error::config(
+                    "hello",
+                    format!(
+                        "namespace {} is open with tp_size={} and {}-byte slices, not {tp_size} and {slice_bytes}: \
+                         the engines disagree on their layout",
+                        &namespace.hex()[..16],
+                        ns.tp_size,
+                        ns.slice_bytes
+                    ),
+                ));
+            }
+            return Ok(Arc::clone(ns));
+        }
+        let mut config = self.config.store.clone();
+        config.namespace = description.to_vec();
+        config.object_bytes = usize::try_from(slice_bytes * u64::from(tp_size))
+            .map_err(|_| Error::config("object_bytes", "slices too large"))?;
+        config.pool_path = Some(self.config.pool_dir.join(format!(
+            "kvtier-{}-{:016x}-{}.pool",
+            rustix::process::geteuid().as_raw(),
+            socket_hash(&self.config.socket_path),
+            &namespace.hex()[..16]
+        )));
+        let store = Store::open(config)?;
+        let ns = Arc::new(Namespaced { store, tp_size, slice_bytes, fills: Mutex::new(HashMap::new()) });
+        namespaces.insert(namespace, Arc::clone(&ns));
+        Ok(ns)
+    }
+}
+
+/// Names the pool files of one service (two services on one host serve different store paths).
+fn socket_hash(path: &std::path::Path) -> u64 {
+    crate::format::checksum(path.as_os_str().as_encoded_bytes())
+}
+
+impl Session {
+    fn unpin(&mut self, keys: &[BlockKey]) {
+        let mut release = Vec::new();
+        for key in keys {
+            if let Some(count) = self.pins.get_mut(key) {
+                *count -= 1;
+                if *count == 0 {
+                    self.pins.remove(key);
+                }
+                release.push(*key);
+            }
+        }
+        if !release.is_empty() {
+            self.ns.store.unpin(&release);
+        }
+    }
+
+    /// Per key `(kind, slot)`: 0 fill this slot, 1 present, 2 dropped.
+    fn reserve(&mut self, keys: &[BlockKey]) -> Result<Vec<(u8, u32)>> {
+        let bit = 1u64 << self.rank;
+        let mut fills = self.ns.fills.lock();
+        let mut seen = std::collections::HashSet::new();
+        let fresh: Vec<BlockKey> =
+            keys.iter().filter(|k| !fills.contains_key(k) && seen.insert(**k)).copied().collect();
+        let mut reserved: HashMap<BlockKey, Reservation> =
+            fresh.iter().copied().zip(self.ns.store.reserve_puts(&fresh)?).collect();
+        let mut out = Vec::with_capacity(keys.len());
+        for key in keys {
+            match reserved.remove(key) {
+                Some(Reservation::Fill { slot, sequence }) => {
+                    let fill = Fill {
+                        slot,
+                        sequence,
+                        reserved_ranks: 0,
+                        committed_ranks: 0,
+                        holders: 0,
+                        aborted: false,
+                        since: Instant::now(),
+                    };
+                    fills.insert(*key, fill);
+                }
+                Some(Reservation::Present) => {
+                    out.push((1, NO_SLOT));
+                    continue;
+                }
+                Some(Reservation::Dropped) => {
+                    out.push((2, NO_SLOT));
+                    continue;
+                }
+                None => {}
+            }
+            let Some(fill) = fills.get_mut(key) else {
+                out.push((2, NO_SLOT));
+                continue;
+            };
+            if fill.aborted || fill.reserved_ranks & bit != 0 {
+                out.push((2, NO_SLOT)); // a repeated reserve by one rank, or a fill being given up
+                continue;
+            }
+            fill.reserved_ranks |= bit;
+            fill.holders += 1;
+            self.reserved.push(*key);
+            out.push((0, fill.slot));
+        }
+        Ok(out)
+    }
+
+    fn commit(&mut self, keys: &[BlockKey]) -> Result<Vec<bool>> {
+        let bit = 1u64 << self.rank;
+        let all = self.ns.all_ranks();
+        let (mut complete, mut given_up, mut accepted) = (Vec::new(), Vec::new(), Vec::new());
+        {
+            let mut fills = self.ns.fills.lock();
+            for key in keys {
+                let Some(at) = self.reserved.iter().position(|k| k == key) else {
+                    accepted.push(false);
+                    continue;
+                };
+                self.reserved.swap_remove(at);
+                let fill = fills.get_mut(key).expect("a reserved fill stays until its holders let go");
+                fill.holders -= 1;
+                fill.committed_ranks |= bit;
+                accepted.push(!fill.aborted);
+                if fill.aborted && fill.holders == 0 {
+                    let fill = fills.remove(key).unwrap();
+                    given_up.push((*key, fill.slot));
+                } else if !fill.aborted && fill.committed_ranks == all {
+                    let fill = fills.remove(key).unwrap();
+                    complete.push((*key, fill.slot, fill.sequence));
+                }
+            }
+        }
+        if !complete.is_empty() {
+            self.ns.store.commit_puts(&complete)?;
+        }
+        if !given_up.is_empty() {
+            self.ns.store.abort_puts(&given_up);
+        }
+        Ok(accepted)
+    }
+
+    fn abort(&mut self, keys: &[BlockKey]) {
+        let mut given_up = Vec::new();
+        {
+            let mut fills = self.ns.fills.lock();
+            for key in keys {
+                let Some(at) = self.reserved.iter().position(|k| k == key) else { continue };
+                self.reserved.swap_remove(at);
+                let fill = fills.get_mut(key).expect("a reserved fill stays until its holders let go");
+                fill.holders -= 1;
+                fill.aborted = true;
+                if fill.holders == 0 {
+                    let fill = fills.remove(key).unwrap();
+                    given_up.push((*key, fill.slot));
+                }
+            }
+        }
+        if !given_up.is_empty() {
+            self.ns.store.abort_puts(&given_up);
+        }
+    }
+
+    /// Gives back everything the connection held (it closed, or said hello again).
+    fn release(mut session: Session) {
+        let reserved = session.reserved.clone();
+        session.abort(&reserved);
+        let pinned: Vec<BlockKey> =
+            session.pins.drain().flat_map(|(key, count)| std::iter::repeat_n(key, count as usize)).collect();
+        if !pinned.is_empty() {
+            session.ns.store.unpin(&pinned);
+        }
+    }
+}

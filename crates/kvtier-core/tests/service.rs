@@ -1,0 +1,173 @@
+//! The host service over a real Unix socket and a real shared pool file: engines (here, clients in
+//! threads of this process, each with its own connection) store and load their slices, and what a
+//! connection holds is given back when it closes.
+
+mod common;
+use common::*;
+
+use kvtier_core::service::{Client, Service, ServiceConfig};
+use kvtier_core::{BlockBuffer, BlockKey, StoreConfig};
+use std::path::Path;
+use std::time::Duration;
+
+const SLICE: usize = 8192;
+
+fn start(dir: &Path, nvme_bytes: u64) -> (Service, std::path::PathBuf) {
+    let mut store = StoreConfig::new(dir.join("store"), 1);
+    store.dram_bytes = 32 * (2 * SLICE + 4096);
+    store.nvme_bytes = nvme_bytes;
+    store.region_bytes = 1 << 20;
+    let socket = dir.join("run").join("kvtier.sock");
+    let mut config = ServiceConfig::new(&socket, store);
+    config.pool_dir = dir.to_path_buf();
+    config.fill_timeout_ms = 300;
+    (Service::start(config).unwrap(), socket)
+}
+
+fn client(socket: &Path, tp: u32, rank: u32) -> Client {
+    let mut c = Client::connect(socket, Duration::from_secs(10)).unwrap();
+    c.hello(b"service-test/model/tp", tp, rank, SLICE).unwrap();
+    c
+}
+
+fn store(c: &mut Client, keys: &[BlockKey], values: &[Vec<u8>]) -> Vec<bool> {
+    let bufs: Vec<BlockBuffer> = values.iter().map(|v| BlockBuffer::single(v.as_ptr() as *mut u8, v.len())).collect();
+    // SAFETY: the values outlive the call.
+    unsafe { c.store_blocks(keys, &bufs).unwrap() }
+}
+
+fn load(c: &mut Client, keys: &[BlockKey]) -> (Vec<bool>, Vec<Vec<u8>>) {
+    let mut out: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; SLICE]).collect();
+    let bufs: Vec<BlockBuffer> = out.iter_mut().map(|v| BlockBuffer::single(v.as_mut_ptr(), v.len())).collect();
+    // SAFETY: `out` outlives the call and nothing else touches it.
+    let found = unsafe { c.load_blocks(keys, &bufs).unwrap() };
+    (found, out)
+}
+
+#[test]
+fn one_engine_stores_and_another_loads_from_the_shared_pool() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start(dir.path(), 0);
+    let keys: Vec<BlockKey> = (0..8).map(key).collect();
+    let values: Vec<Vec<u8>> = (0..8).map(|i| value(i, SLICE)).collect();
+    let mut a = client(&socket, 1, 0);
+    assert_eq!(store(&mut a, &keys, &values), vec![true; 8]);
+    // Another engine (its own connection, its own mapping of the pool) sees them in DRAM.
+    let mut b = client(&socket, 1, 0);
+    assert_eq!(b.locate(&keys).unwrap(), vec![1; 8]);
+    let (found, out) = load(&mut b, &keys);
+    assert_eq!(found, vec![true; 8]);
+    assert_eq!(out, values);
+    let stats: std::collections::HashMap<String, u64> = b.stats().unwrap().into_iter().collect();
+    assert_eq!(stats["dram_hits"], 8);
+    assert_eq!(stats["bytes_read_nvme"], 0, "a DRAM-only store served from the pool, no NVMe read");
+    drop((a, b));
+    service.stop().unwrap();
+}
+
+#[test]
+fn a_block_of_two_ranks_is_visible_only_once_both_committed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start(dir.path(), 4 << 20);
+    let keys = vec![key(1)];
+    let (r0, r1) = (vec![value(10, SLICE)], vec![value(11, SLICE)]);
+    let mut rank0 = client(&socket, 2, 0);
+    let mut rank1 = client(&socket, 2, 1);
+    assert_eq!(store(&mut rank0, &keys, &r0), vec![true]);
+    assert_eq!(rank0.locate(&keys).unwrap(), vec![0], "half a block is not a block");
+    assert_eq!(store(&mut rank1, &keys, &r1), vec![true]);
+    assert_eq!(rank0.locate(&keys).unwrap(), vec![1]);
+    // Each rank reads back its own slice.
+    assert_eq!(load(&mut rank0, &keys).1, r0);
+    assert_eq!(load(&mut rank1, &keys).1, r1);
+    // Through NVMe after a restart of the service: the slices stay together and verified.
+    rank0.flush().unwrap();
+    drop((rank0, rank1));
+    service.stop().unwrap();
+    let (mut service, socket) = start(dir.path(), 4 << 20);
+    let mut rank1 = client(&socket, 2, 1);
+    assert_eq!(rank1.locate(&keys).unwrap(), vec![2]);
+    let (found, out) = load(&mut rank1, &keys);
+    assert_eq!((found, out), (vec![true], r1));
+    drop(rank1);
+    service.stop().unwrap();
+}
+
+#[test]
+fn a_rank_that_dies_mid_store_leaves_nothing_half_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start(dir.path(), 0);
+    let keys = vec![key(5)];
+    let mut rank0 = client(&socket, 2, 0);
+    assert_eq!(store(&mut rank0, &keys, &[value(50, SLICE)]), vec![true]);
+    // Rank 1 never comes: after the fill timeout the slot is given back and the block stays absent.
+    std::thread::sleep(Duration::from_millis(1200));
+    let stats: std::collections::HashMap<String, u64> = rank0.stats().unwrap().into_iter().collect();
+    assert_eq!(stats["service_pending_fills"], 0);
+    assert_eq!(rank0.locate(&keys).unwrap(), vec![0]);
+    // A rank that reserved and then disconnected: its reservation ends with its connection, and a
+    // new pair of ranks stores the block cleanly afterwards.
+    {
+        use kvtier_core::service::protocol::{read_frame, write_frame, Op, Writer, PROTOCOL_VERSION};
+        let mut raw = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+        let mut hello = Writer::new(Op::Hello as u8);
+        hello.u16(PROTOCOL_VERSION).u32(2).u32(1).u64(SLICE as u64).bytes(b"service-test/model/tp");
+        write_frame(&mut raw, &hello.0).unwrap();
+        assert_eq!(read_frame(&mut raw).unwrap().unwrap()[0], 0);
+        let mut reserve = Writer::new(Op::Reserve as u8);
+        reserve.keys(&keys);
+        write_frame(&mut raw, &reserve.0).unwrap();
+        let reply = read_frame(&mut raw).unwrap().unwrap();
+        assert_eq!(reply[1], 0, "rank 1 got a slot to fill");
+        // ... and dies before copying or committing.
+    }
+    std::thread::sleep(Duration::from_millis(1200));
+    assert_eq!(rank0.locate(&keys).unwrap(), vec![0]);
+    let mut rank1 = client(&socket, 2, 1);
+    assert_eq!(store(&mut rank0, &keys, &[value(50, SLICE)]), vec![true]);
+    assert_eq!(store(&mut rank1, &keys, &[value(51, SLICE)]), vec![true]);
+    assert_eq!(rank0.locate(&keys).unwrap(), vec![1]);
+    drop((rank0, rank1));
+    service.stop().unwrap();
+}
+
+#[test]
+fn pins_end_with_the_connection_that_took_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start(dir.path(), 0);
+    let pinned: Vec<BlockKey> = (100..104).map(key).collect();
+    let mut a = client(&socket, 1, 0);
+    let values: Vec<Vec<u8>> = (100..104).map(|i| value(i, SLICE)).collect();
+    store(&mut a, &pinned, &values);
+    let mut holder = client(&socket, 1, 0);
+    assert_eq!(holder.pin(&pinned).unwrap(), vec![true; 4]);
+    // A connection cannot release pins it does not hold.
+    a.unpin(&pinned).unwrap();
+    let fill = |c: &mut Client, from: u64| {
+        let keys: Vec<BlockKey> = (from..from + 40).map(key).collect();
+        let values: Vec<Vec<u8>> = (from..from + 40).map(|i| value(i, SLICE)).collect();
+        store(c, &keys, &values);
+    };
+    fill(&mut a, 1000);
+    assert_eq!(a.locate(&pinned).unwrap(), vec![1; 4], "pinned blocks survive a DRAM full of newer ones");
+    drop(holder); // the engine dies: its pins go with its socket
+    std::thread::sleep(Duration::from_millis(100));
+    fill(&mut a, 2000);
+    assert_eq!(a.locate(&pinned).unwrap(), vec![0; 4], "evictable once their holder is gone (DRAM only)");
+    drop(a);
+    service.stop().unwrap();
+}
+
+#[test]
+fn a_second_service_on_a_live_socket_is_refused_and_a_stale_socket_is_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start(dir.path(), 0);
+    let mut config = ServiceConfig::new(&socket, StoreConfig::new(dir.path().join("other"), 1));
+    config.pool_dir = dir.path().to_path_buf();
+    let err = Service::start(config.clone()).err().expect("a live service owns the socket");
+    assert!(err.to_string().contains("already serves"), "{err}");
+    service.stop().unwrap();
+    std::os::unix::net::UnixListener::bind(&socket).unwrap(); // a stale socket nobody answers on
+    let mut again = Service::start(config).unwrap();
+    again.stop().unwrap();
+}
