@@ -53,7 +53,15 @@ LOGPROB_TOLERANCE = 1e-3
 def engine_kwargs(store_dir: Path, **store_options) -> dict:
     from vllm.config import KVTransferConfig
 
-    options = {"dram_bytes": DRAM_BYTES, "nvme_bytes": NVME_BYTES, "region_bytes": REGION_BYTES, **store_options}
+    # host_service=False: the store lives in this process, so the tests read its counters directly
+    # (tests/test_vllm_service.py covers vLLM's default layout with the host service).
+    options = {
+        "dram_bytes": DRAM_BYTES,
+        "nvme_bytes": NVME_BYTES,
+        "region_bytes": REGION_BYTES,
+        "host_service": False,
+        **store_options,
+    }
     return dict(
         model=str(ensure_model("tiny")),
         dtype="float32",

@@ -130,7 +130,7 @@ def start_server(model_dir: Path, store_dir: Path, port: int, preset: str, log_p
     # A DRAM tier of 40 blocks: room for one conversation's prefix (a load needs DRAM slots for the
     # blocks it pins), small enough that the flood of unrelated prompts pushes it out to NVMe.
     transfer_config = kv_transfer_config(
-        store_dir, dram_bytes=40 * object_bytes, nvme_bytes=max(1 << 30, 160 * object_bytes)
+        store_dir, dram_bytes=40 * object_bytes, nvme_bytes=max(1 << 30, 160 * object_bytes), host_service=False
     )
     env = {
         **os.environ,

@@ -19,12 +19,14 @@ This module owns everything vLLM-specific:
   dropped stores, checksum failures, capacity, load/store latency), emitted through the connector's
   metric hooks so they appear on vLLM's ``/metrics``.
 
-Process layout: the manager and the worker share one ``kvtier.Store`` (one catalog per engine), so
-they must run in one process. That is vLLM's uniprocess executor inside the EngineCore process:
-set ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (CPU vLLM forces the multiprocess executor otherwise) and
-``distributed_executor_backend="uni"`` (``--distributed-executor-backend uni``). Tensor/pipeline
-parallelism (several worker processes) needs a catalog shared across processes, which kvtier does not
-have yet; the spec refuses such configurations at start-up with that explanation.
+Process layout (docs/architecture.md): the store lives in the host service (``kvtier serve``, one per
+host and ``path``, started by the first engine that needs it). The manager (engine-core process) asks
+it over a Unix socket; each rank's worker maps the service's shared DRAM pool and copies its own slice
+of every block in and out. So vLLM's defaults work (multiprocess engine core, the multiprocess
+executor, tensor parallelism), and every engine on the host with the same ``path`` shares one pool:
+a prefix that one engine computed is a DRAM hit for the others, and outlives engine restarts.
+``host_service: false`` keeps the store inside the engine's process instead (one process only:
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and ``distributed_executor_backend="uni"``, TP=1).
 
 Recommended configuration::
 
@@ -106,6 +108,16 @@ INTEGRATION_OPTION_DEFAULTS: dict[str, Any] = {
     "job_timeout_ms": 120_000,
     # Extra string mixed into the namespace (for example a deployment name); "" = none.
     "namespace_salt": "",
+    # Serve through the host service (one per host and path, shared by every engine; started on
+    # demand). False: the store lives in the engine's own process, which needs vLLM's one-process
+    # layout (VLLM_ENABLE_V1_MULTIPROCESSING=0, distributed_executor_backend="uni", TP=1).
+    "host_service": True,
+    # The service's Unix socket; "" = derived from `path` (kvtier.service.default_socket_path).
+    "service_socket": "",
+    # Where the service puts its shared-memory DRAM pools.
+    "pool_dir": "/dev/shm",
+    # Longest a scheduler-side call to the service (lookup, pin) waits before it counts as a miss.
+    "service_timeout_ms": 5_000,
 }
 
 # Prefix-hash algorithms whose block hashes are the same in every process.
@@ -243,6 +255,25 @@ def namespace_description(
     }
 
 
+def service_namespace_description(
+    config: OffloadingConfig, *, hash_algo: str | None, model_revision: str | None = None, salt: str = ""
+) -> dict[str, Any]:
+    """The namespace of the host-service layout, the same in the scheduler and in every rank.
+
+    A block object holds every rank's slice in rank order (each slice: the rank's page of every
+    layer, in layer order), so the rank is not part of it; the tensor-parallel size is, since it
+    decides what a slice holds.
+    """
+    description = namespace_description(
+        config, page_bytes_per_layer=[], hash_algo=hash_algo, model_revision=model_revision, salt=salt
+    )
+    del description["page_bytes_per_layer"]
+    del description["parallel"]["rank"]
+    description["object_layout"] = "rank-major slices of layer pages"
+    description["slice_bytes"] = config.worker_kv_bytes_per_block
+    return description
+
+
 def namespace_digest(description: Mapping[str, Any]) -> bytes:
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).digest()
 
@@ -258,6 +289,10 @@ class KvtierOptions:
     store_options: dict[str, Any]
     job_timeout_ms: int
     namespace_salt: str
+    host_service: bool = True
+    service_socket: str = ""
+    pool_dir: str = "/dev/shm"
+    service_timeout_ms: int = 5_000
 
     @classmethod
     def from_extra_config(cls, extra_config: Mapping[str, Any]) -> KvtierOptions:
@@ -281,12 +316,25 @@ class KvtierOptions:
         job_timeout_ms = int(extra_config.get("job_timeout_ms", INTEGRATION_OPTION_DEFAULTS["job_timeout_ms"]))
         if job_timeout_ms <= 0:
             raise KvtierVllmConfigError('"job_timeout_ms" must be a positive number of milliseconds')
+        option = lambda name: extra_config.get(name, INTEGRATION_OPTION_DEFAULTS[name])  # noqa: E731
+        service_timeout_ms = int(option("service_timeout_ms"))
+        if service_timeout_ms <= 0:
+            raise KvtierVllmConfigError('"service_timeout_ms" must be a positive number of milliseconds')
         return cls(
             path=path,
             store_options=store_options,
             job_timeout_ms=job_timeout_ms,
-            namespace_salt=str(extra_config.get("namespace_salt", INTEGRATION_OPTION_DEFAULTS["namespace_salt"])),
+            namespace_salt=str(option("namespace_salt")),
+            host_service=bool(option("host_service")),
+            service_socket=str(option("service_socket")),
+            pool_dir=str(option("pool_dir")),
+            service_timeout_ms=service_timeout_ms,
         )
+
+    def socket_path(self) -> Path:
+        from kvtier.service import default_socket_path
+
+        return Path(self.service_socket) if self.service_socket else default_socket_path(self.path)
 
     @property
     def registry_path(self) -> str:
@@ -345,6 +393,9 @@ class SharedStore:
     @property
     def namespace_hex(self) -> str:
         return self.namespace.hex()
+
+    def release(self) -> None:
+        release_store(self)
 
     def record_job(self, kind: str, seconds: float, failed_blocks: int) -> None:
         with self._observations_lock:
@@ -434,6 +485,131 @@ def open_stores() -> list[SharedStore]:
 
 
 # --------------------------------------------------------------------------------------------
+# The host service: one connection per engine process (scheduler or rank)
+# --------------------------------------------------------------------------------------------
+
+# A lost connection is retried at most this often, in the background: a call never waits for it.
+RECONNECT_INTERVAL_S = 1.0
+
+
+class ServiceConnection:
+    """This process's connection to the host service, attached to the engine's namespace.
+
+    Every call is bounded by the connection's timeout and never raises: a dead or unreachable
+    service answers with the call's miss (nothing present, nothing pinned, no transfer), counted in
+    ``failed_calls`` and logged once per outage. A lost connection is re-established in the
+    background, starting the service again when none answers (its NVMe tier is recovered), so the
+    engine keeps serving through a service restart and then reattaches.
+    """
+
+    def __init__(
+        self, options: KvtierOptions, description: Mapping[str, Any], tp_size: int, rank: int, slice_bytes: int
+    ):
+        self._options = options
+        self._description = json.dumps(description, sort_keys=True).encode()
+        self._tp_size, self._rank, self._slice_bytes = tp_size, rank, slice_bytes
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._reconnecting = False
+        self._last_attempt = 0.0
+        self._outage_logged = False
+        self.failed_calls = 0
+        self.namespace = namespace_digest(description)
+        self._client = self._connect(start_timeout_s=None)
+
+    def _connect(self, start_timeout_s: float | None) -> Any:
+        from kvtier.service import SERVICE_START_TIMEOUT_S, connect, ensure_service
+
+        socket = ensure_service(
+            self._options.path,
+            self._options.store_options,
+            socket_path=self._options.socket_path(),
+            pool_dir=self._options.pool_dir,
+            start_timeout_s=start_timeout_s or SERVICE_START_TIMEOUT_S,
+        )
+        client = connect(socket, timeout_ms=max(self._options.job_timeout_ms, self._options.service_timeout_ms))
+        client.hello(self._description, self._tp_size, self._rank, self._slice_bytes)
+        return client
+
+    def _reconnect_in_background(self) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if self._reconnecting or now - self._last_attempt < RECONNECT_INTERVAL_S:
+                return
+            self._reconnecting, self._last_attempt = True, now
+
+        def attempt() -> None:
+            try:
+                client = self._connect(start_timeout_s=None)
+            except Exception as error:
+                logger.warning("kvtier: the host service is still unreachable (%s); serving misses", error)
+                client = None
+            with self._lock:
+                self._reconnecting = False
+                if client is not None:
+                    self._client = client
+                    self._outage_logged = False
+                    logger.info("kvtier: reattached to the host service")
+
+        threading.Thread(target=attempt, name="kvtier-reconnect", daemon=True).start()
+
+    def call(self, method: str, *args: Any, default: Any = None) -> Any:
+        client = self._client
+        if client is None or not client.connected:
+            self.failed_calls += 1
+            self._reconnect_in_background()
+            return default
+        try:
+            return getattr(client, method)(*args)
+        except Exception as error:
+            self.failed_calls += 1
+            if not self._outage_logged:
+                self._outage_logged = True
+                logger.error("kvtier: host service call %s failed (%s); serving misses until it is back", method, error)
+            if not client.connected:
+                self._reconnect_in_background()
+            return default
+
+    # The store-like interface KvtierManager uses.
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        return [tier is not None for tier in self.locate_many(keys)]
+
+    def locate_many(self, keys: list[bytes]) -> list[str | None]:
+        return self.call("locate_many", keys, default=[None] * len(keys))
+
+    def pin_many(self, keys: list[bytes]) -> list[bool]:
+        return self.call("pin_many", keys, default=[])
+
+    def unpin_many(self, keys: list[bytes]) -> None:
+        self.call("unpin_many", keys)
+
+    def stats(self) -> dict[str, int]:
+        stats = dict(self.call("stats", default={}))
+        stats["service_failed_calls"] = self.failed_calls
+        return stats
+
+    def close(self) -> None:
+        """Drops the connection: the service releases whatever it still held for this process."""
+        with self._lock:
+            self._client = None
+            self._last_attempt = float("inf")  # no reconnecting after close
+
+
+@dataclass
+class ServiceBackend:
+    """What KvtierManager needs from its store when the store lives in the host service."""
+
+    store: ServiceConnection
+
+    def take_observations(self) -> tuple[list[tuple[str, float]], Counter]:
+        # Job latencies are observed in the worker processes; they reach vLLM as transfer times.
+        return [], Counter()
+
+    def release(self) -> None:
+        self.store.close()
+
+
+# --------------------------------------------------------------------------------------------
 # Metrics
 # --------------------------------------------------------------------------------------------
 
@@ -509,7 +685,7 @@ class StatsDeltaTracker:
     def __init__(self) -> None:
         self._last: dict[str, int] = {}
 
-    def collect(self, shared: SharedStore) -> OffloadingConnectorStats | None:
+    def collect(self, shared: SharedStore | ServiceBackend) -> OffloadingConnectorStats | None:
         try:
             stats = shared.store.stats()
         except Exception:
@@ -574,7 +750,7 @@ _HIT_SOURCE_BY_TIER = {"dram": CacheHitSource.HOST, "nvme": CacheHitSource.DISK}
 class KvtierManager(OffloadingManager):
     """Scheduler-side catalog access: every answer comes from the store's in-memory index."""
 
-    def __init__(self, shared: SharedStore):
+    def __init__(self, shared: SharedStore | ServiceBackend):
         self._shared = shared
         self._store = shared.store
         # Pins this engine holds, per request: a request releases only its own pins, never another
@@ -620,7 +796,7 @@ class KvtierManager(OffloadingManager):
         except Exception:
             logger.exception("kvtier: locating a block failed; reporting its hit source as unspecified")
             return CacheHitSource.EXTERNAL_UNSPECIFIED
-        return _HIT_SOURCE_BY_TIER.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+        return _HIT_SOURCE_BY_TIER.get(tier or "", CacheHitSource.EXTERNAL_UNSPECIFIED)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         store_keys = [kvtier_key(key) for key in keys]
@@ -708,7 +884,7 @@ class KvtierManager(OffloadingManager):
             with contextlib.suppress(Exception):
                 self._store.unpin_many(held)
         self._pins.clear()
-        release_store(self._shared)
+        self._shared.release()
 
 
 # --------------------------------------------------------------------------------------------
@@ -799,10 +975,11 @@ class KvtierWorker(OffloadingWorker):
                     job.vllm_job_id,
                 )
                 success = False
-        self._shared.record_job(
-            "load" if job.is_load else "store", seconds, len(found) - first_failure if job.is_load else 0
-        )
+        self._record_job("load" if job.is_load else "store", seconds, len(found) - first_failure if job.is_load else 0)
         self._finished.append(TransferResult(job.vllm_job_id, success, moved_blocks * self._object_bytes, seconds))
+
+    def _record_job(self, kind: str, seconds: float, failed_blocks: int) -> None:
+        self._shared.record_job(kind, seconds, failed_blocks)
 
     def _drain_store(self) -> None:
         if not self._in_flight:
@@ -842,6 +1019,95 @@ class KvtierWorker(OffloadingWorker):
                 self._shared.wait_job(store_job_id, self._job_timeout_ms)
         self._in_flight.clear()
         release_store(self._shared)
+
+
+class ServiceWorker(KvtierWorker):
+    """A rank's worker in the host-service layout: copies its own slice of each block between its
+    KV cache and the service's shared pool, on a thread of its own (loads before stores), so that
+    vLLM's step never waits for a transfer it did not ask to wait for."""
+
+    def __init__(
+        self, connection: ServiceConnection, layer_buffers: list[np.ndarray], page_bytes: int, job_timeout_ms: int
+    ):
+        self._connection = connection
+        self._layers = layer_buffers
+        self._page_bytes = page_bytes
+        self._object_bytes = page_bytes * len(layer_buffers)
+        self._job_timeout_ms = job_timeout_ms
+        self._finished: list[TransferResult] = []
+        self._failed_load_block_ids: set[int] = set()
+        self.can_report_load_failures = False
+        self._cv = threading.Condition()
+        self._loads: list[tuple[_Job, list[bytes]]] = []
+        self._stores: list[tuple[_Job, list[bytes]]] = []
+        self._pending: set[int] = set()  # vLLM job ids queued or running
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="kvtier-worker-jobs", daemon=True)
+        self._thread.start()
+
+    def _record_job(self, kind: str, seconds: float, failed_blocks: int) -> None:
+        pass  # the transfer time reaches vLLM's metrics through TransferResult
+
+    def _submit(self, vllm_job_id: int, is_load: bool, keys: list[bytes], block_ids: list[int]) -> bool:
+        if len(keys) != len(block_ids):
+            raise RuntimeError(
+                f"kvtier: job {vllm_job_id} has {len(keys)} keys for {len(block_ids)} engine blocks; "
+                "kvtier needs blocks_per_chunk=1 and one KV-cache group"
+            )
+        job = _Job(vllm_job_id, is_load, block_ids, time.monotonic_ns())
+        with self._cv:
+            if not keys:
+                self._finished.append(TransferResult(vllm_job_id, True, 0, 0.0))
+                return True
+            (self._loads if is_load else self._stores).append((job, keys))
+            self._pending.add(vllm_job_id)
+            self._cv.notify_all()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._loads or self._stores or self._stopping):
+                    self._cv.wait()
+                if not (self._loads or self._stores):
+                    return
+                job, keys = (self._loads or self._stores).pop(0)
+            method = "load_blocks" if job.is_load else "store_blocks"
+            found = self._connection.call(method, keys, self._layers, job.block_ids, default=None)
+            with self._cv:
+                self._complete(job, list(found) if found is not None else [False] * len(keys))
+                self._pending.discard(job.vllm_job_id)
+                self._cv.notify_all()
+
+    def get_finished(self) -> list[TransferResult]:
+        with self._cv:
+            finished, self._finished = self._finished, []
+        return finished
+
+    def wait(self, job_ids: set[int]) -> None:
+        deadline = time.monotonic() + self._job_timeout_ms / 1000
+        with self._cv:
+            while self._pending & job_ids:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    # Returning would let vLLM overwrite blocks kvtier may still be copying.
+                    raise RuntimeError(
+                        f"kvtier: jobs {sorted(self._pending & job_ids)} did not finish within "
+                        f"job_timeout_ms={self._job_timeout_ms}; raise job_timeout_ms or check the host service"
+                    )
+                self._cv.wait(left)
+
+    def take_failed_load_block_ids(self) -> set[int]:
+        with self._cv:
+            failed, self._failed_load_block_ids = self._failed_load_block_ids, set()
+        return failed
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        self._thread.join(timeout=self._job_timeout_ms / 1000)
+        self._connection.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -884,18 +1150,46 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 f"kvtier.vllm supports models with one KV-cache group (plain full attention); this model has "
                 f"{len(config.groups)}"
             )
-        if config.parallel.world_size != 1:
+        parallel = config.parallel
+        if not self.options.host_service and parallel.world_size != 1:
             raise KvtierVllmConfigError(
-                f"kvtier.vllm runs the catalog and the mover in one process, so it supports one worker per "
-                f"engine (TP=PP=1); this engine has world_size={config.parallel.world_size}"
+                f"with host_service=False the store lives in the engine's process, so kvtier supports one "
+                f"worker per engine (TP=PP=1); this engine has world_size={parallel.world_size}. Leave "
+                "host_service on (the default) for tensor parallelism"
             )
+        if parallel.pp_size != 1 or parallel.pcp_size != 1 or parallel.dcp_size != 1:
+            raise KvtierVllmConfigError(
+                f"kvtier supports tensor parallelism but not pipeline or context parallelism yet (pp_size="
+                f"{parallel.pp_size}, pcp_size={parallel.pcp_size}, dcp_size={parallel.dcp_size}): each stage "
+                "would hold a different part of a block. Run with pipeline_parallel_size=1"
+            )
+        self._connection: ServiceConnection | None = None
 
     def _hash_algo(self) -> str | None:
         if self.vllm_config is None:
             return None
         return getattr(self.vllm_config.cache_config, "prefix_caching_hash_algo", None)
 
+    def _service_connection(self, rank: int) -> ServiceConnection:
+        if self.config.worker_kv_bytes_per_block <= 0:
+            raise KvtierVllmConfigError(
+                "vLLM did not say how many KV bytes a worker holds per block (worker_kv_bytes_per_block); "
+                "kvtier's host service needs it to size the shared pool's slices"
+            )
+        description = service_namespace_description(
+            self.config,
+            hash_algo=self._hash_algo(),
+            model_revision=getattr(getattr(self.vllm_config, "model_config", None), "revision", None),
+            salt=self.options.namespace_salt,
+        )
+        return ServiceConnection(
+            self.options, description, self.config.parallel.tp_size, rank, self.config.worker_kv_bytes_per_block
+        )
+
     def get_manager(self) -> OffloadingManager:
+        if self.options.host_service:
+            check_hash_algo(self._hash_algo())
+            return KvtierManager(ServiceBackend(self._service_connection(rank=0)))
         shared = find_engine_store(self.options, self.config.engine_id)
         if shared is None:
             raise KvtierVllmConfigError(
@@ -936,6 +1230,15 @@ class KvtierOffloadingSpec(OffloadingSpec):
             )
         page_bytes = page_bytes_per_layer[0]
         object_bytes = page_bytes * len(layer_buffers)
+        if self.options.host_service:
+            if object_bytes != self.config.worker_kv_bytes_per_block:
+                raise KvtierVllmConfigError(
+                    f"this rank's KV cache holds {object_bytes} bytes per block but vLLM reports "
+                    f"worker_kv_bytes_per_block={self.config.worker_kv_bytes_per_block}; kvtier cannot size its "
+                    "slices (an unsupported KV-cache layout)"
+                )
+            connection = self._service_connection(rank=self.config.parallel.rank)
+            return ServiceWorker(connection, layer_buffers, page_bytes, self.options.job_timeout_ms)
         description = namespace_description(
             self.config,
             page_bytes_per_layer=page_bytes_per_layer,

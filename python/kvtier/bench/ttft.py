@@ -424,6 +424,8 @@ def kvtier_transfer(plan: dict) -> dict:
         dram_bytes=plan["dram_bytes"],
         nvme_bytes=plan["nvme_bytes"],
         region_bytes=plan["region_bytes"],
+        # The store in the engine's process: the benchmark reads its counters there.
+        host_service=False,
     )
 
 

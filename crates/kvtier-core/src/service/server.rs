@@ -300,6 +300,9 @@ impl Connection {
         if op == Op::Hello {
             return self.hello(&mut r).map_err(|e| e.to_string());
         }
+        if op == Op::Stats && self.session.is_none() {
+            return Ok(self.service_stats());
+        }
         let session = self.session.as_mut().ok_or("say hello first (the namespace of this connection)")?;
         let keys = match op {
             Op::Stats | Op::Flush => Vec::new(),
@@ -350,30 +353,50 @@ impl Connection {
             }
             Op::Abort => session.abort(&keys),
             Op::Stats => {
-                let stats = session.ns.store.stats();
-                let mut fields: Vec<(&str, u64)> = stats.counters.fields();
-                let g = stats.gauges;
-                fields.extend([
-                    ("dram_used_bytes", g.dram_used_bytes),
-                    ("dram_capacity_bytes", g.dram_capacity_bytes),
-                    ("nvme_used_bytes", g.nvme_used_bytes),
-                    ("nvme_capacity_bytes", g.nvme_capacity_bytes),
-                    ("blocks_dram", g.blocks_dram),
-                    ("blocks_nvme", g.blocks_nvme),
-                    ("service_connections", self.state.connections.lock().len() as u64),
-                    ("service_namespaces", self.state.namespaces.lock().len() as u64),
-                    ("service_pending_fills", session.ns.fills.lock().len() as u64),
-                ]);
-                w.u32(fields.len() as u32);
-                for (name, value) in fields {
-                    w.u16(name.len() as u16);
-                    w.0.extend_from_slice(name.as_bytes());
-                    w.u64(value);
-                }
+                let ns = Arc::clone(&session.ns);
+                return Ok(self.encode_stats(&[ns]));
             }
             Op::Flush => session.ns.store.flush().map_err(|e| e.to_string())?,
         }
         Ok(w.0)
+    }
+
+    /// Stats of every namespace, summed (a connection that has not said hello: an operator's view).
+    fn service_stats(&self) -> Vec<u8> {
+        let namespaces: Vec<Arc<Namespaced>> = self.state.namespaces.lock().values().cloned().collect();
+        self.encode_stats(&namespaces)
+    }
+
+    fn encode_stats(&self, namespaces: &[Arc<Namespaced>]) -> Vec<u8> {
+        let mut totals: Vec<(&'static str, u64)> = Vec::new();
+        let mut add = |name: &'static str, value: u64| match totals.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, total)) => *total += value,
+            None => totals.push((name, value)),
+        };
+        for ns in namespaces {
+            let stats = ns.store.stats();
+            for (name, value) in stats.counters.fields() {
+                add(name, value);
+            }
+            let g = stats.gauges;
+            add("dram_used_bytes", g.dram_used_bytes);
+            add("dram_capacity_bytes", g.dram_capacity_bytes);
+            add("nvme_used_bytes", g.nvme_used_bytes);
+            add("nvme_capacity_bytes", g.nvme_capacity_bytes);
+            add("blocks_dram", g.blocks_dram);
+            add("blocks_nvme", g.blocks_nvme);
+            add("service_pending_fills", ns.fills.lock().len() as u64);
+        }
+        add("service_connections", self.state.connections.lock().len() as u64);
+        add("service_namespaces", self.state.namespaces.lock().len() as u64);
+        let mut w = Writer::default();
+        w.u32(totals.len() as u32);
+        for (name, value) in totals {
+            w.u16(name.len() as u16);
+            w.0.extend_from_slice(name.as_bytes());
+            w.u64(value);
+        }
+        w.0
     }
 
     fn hello(&mut self, r: &mut Reader<'_>) -> Result<Vec<u8>> {
