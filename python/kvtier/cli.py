@@ -5,6 +5,7 @@ imported when it is used so that one missing optional part never breaks the othe
 
     kvtier bench io [...]     the store against fio and LMCache (kvtier.bench.io)
     kvtier bench ttft [...]   time to first token through a real engine (kvtier.bench.ttft)
+    kvtier bench lookup       host service round-trip latency (kvtier.bench.lookup)
     kvtier demo [...]         the end-to-end demo (kvtier.demo)
     kvtier serve PATH [...]   the host service that engines share (kvtier.service)
 """
@@ -18,6 +19,7 @@ import sys
 SUBCOMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("bench", "io"), "kvtier.bench.io", "store and cold retrieve vs fio and LMCache's disk backend"),
     (("bench", "ttft"), "kvtier.bench.ttft", "time to first token through a real engine, with and without kvtier"),
+    (("bench", "lookup"), "kvtier.bench.lookup", "round-trip latency of lookups and pins through the host service"),
     (("demo",), "kvtier.demo", "end-to-end demo with a real engine"),
     (("serve",), "kvtier.service", "run the host service for a store path (engines start one when none runs)"),
 )

@@ -178,12 +178,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
+    pid_path = pid_file(socket)
+    pid_path.write_text(f"{os.getpid()}\n")
     print(f"kvtier serve: serving {args.path} on {socket} (pid {os.getpid()})", flush=True)
     while not stop.wait(1.0):
         pass
     print("kvtier serve: stopping (flushing stores)", flush=True)
     service.stop()
+    with contextlib.suppress(OSError):
+        pid_path.unlink()
     return 0
+
+
+def pid_file(socket_path: str | os.PathLike) -> Path:
+    """Where ``kvtier serve`` records its process id (next to its socket)."""
+    return Path(socket_path).with_suffix(".pid")
+
+
+def service_pid(socket_path: str | os.PathLike) -> int | None:
+    """The process id of the service on ``socket_path``, if one recorded it."""
+    try:
+        return int(pid_file(socket_path).read_text().strip())
+    except (OSError, ValueError):
+        return None
 
 
 if __name__ == "__main__":
