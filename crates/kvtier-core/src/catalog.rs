@@ -513,6 +513,11 @@ impl Catalog {
         PutStep::Fill { slot, sequence }
     }
 
+    /// Whether one more put would be admitted now by the NVMe write backlog budget (`max_dirty_bytes`).
+    pub fn has_put_room(&self) -> bool {
+        self.nvme.is_none() || self.dirty_bytes + self.slot_bytes as usize <= self.max_dirty_bytes
+    }
+
     /// A reserved put that will not be filled: forgets the entry and frees its slot.
     pub fn abort_put(&mut self, key: &BlockKey, slot: u32) {
         let ours = self.index.get(key).is_some_and(|e| e.dram == Some(slot) && !e.dram_ready);

@@ -476,7 +476,21 @@ pub enum Reservation {
     Dropped,
 }
 
-/// Reserves DRAM slots for blocks that other processes fill through the shared pool. Never waits.
+/// Waits (at most `slot_wait_ms`) until the NVMe write backlog admits a put, as a local put does;
+/// `false` if it did not in time.
+pub(crate) fn wait_for_put_room(sh: &Shared) -> bool {
+    let deadline = Instant::now() + Duration::from_millis(sh.config.slot_wait_ms);
+    let mut cat = sh.catalog.lock();
+    while !cat.has_put_room() {
+        if sh.changed.wait_until(&mut cat, deadline).timed_out() {
+            return cat.has_put_room();
+        }
+    }
+    true
+}
+
+/// Reserves DRAM slots for blocks that other processes fill through the shared pool. Never waits:
+/// a block with no slot now is dropped (counted); see `wait_for_put_room` to wait first.
 pub(crate) fn reserve_puts(sh: &Shared, keys: &[BlockKey]) -> Vec<Reservation> {
     let mut cat = sh.catalog.lock();
     let reservations: Vec<Reservation> = keys

@@ -16,7 +16,8 @@ use crate::io::uring::UringEngine;
 use crate::io::{EngineChoice, IoCompletion, IoEngine, IoRequest, OpKind, RegisteredRange};
 use crate::key::{BlockKey, Namespace};
 use crate::mover::{
-    abort_puts, commit_puts, execute_get, execute_put, reserve_puts, submit_meta, BlockBuffer, Reservation,
+    abort_puts, commit_puts, execute_get, execute_put, reserve_puts, submit_meta, wait_for_put_room, BlockBuffer,
+    Reservation,
 };
 use crate::stats::{Stats, StatsSnapshot};
 use crate::tiers::dram::Arena;
@@ -564,6 +565,12 @@ impl Store {
     pub fn reserve_puts(&self, keys: &[BlockKey]) -> Result<Vec<Reservation>> {
         self.check_open()?;
         Ok(reserve_puts(&self.shared, keys))
+    }
+
+    /// Waits (at most `slot_wait_ms`) until the NVMe write backlog admits a put; `false` on timeout.
+    /// Call it before `reserve_puts` without holding anything the writers need.
+    pub fn wait_for_put_room(&self) -> bool {
+        wait_for_put_room(&self.shared)
     }
 
     /// The reserved slots' values are complete: (key, slot, sequence) of each `Fill`.

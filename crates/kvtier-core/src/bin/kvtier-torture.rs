@@ -6,8 +6,14 @@
 //! JSON line of figures: loops, blocks acknowledged (flushed before the kill), blocks lost (acked,
 //! recent enough not to have been evicted, yet missing), blocks served wrong (must be 0).
 //! `kvtier-torture writer ...` is the child it spawns.
+//!
+//! `--service`: the child runs the host service instead of a bare store, and two clients (ranks 0
+//! and 1 of a TP=2 engine) store each half of every block through the shared pool; the kill takes
+//! the service down between acknowledged stores and their NVMe writes, and the harness restarts a
+//! service on the same directory and loads every block through it.
 
-use kvtier_core::{BlockKey, EngineChoice, Store, StoreConfig};
+use kvtier_core::service::{Client, Service, ServiceConfig};
+use kvtier_core::{BlockBuffer, BlockKey, EngineChoice, Store, StoreConfig};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -53,6 +59,100 @@ fn survive_window() -> u64 {
     NVME_BYTES / 2 / (OBJECT_BYTES as u64 + 4096)
 }
 
+const SERVICE_NAMESPACE: &[u8] = b"kvtier-torture-service/tp2";
+const SLICE_BYTES: usize = OBJECT_BYTES / 2;
+
+/// A block stored or loaded through the host service by two ranks, each moving its half.
+struct ServiceBlocks {
+    _service: Service,
+    ranks: [Client; 2],
+}
+
+impl ServiceBlocks {
+    fn start(dir: &Path, engine: EngineChoice) -> ServiceBlocks {
+        let socket = dir.join("svc.sock");
+        let mut config = ServiceConfig::new(&socket, config(dir, engine));
+        config.pool_dir = dir.to_path_buf();
+        let service = Service::start(config).expect("service start");
+        let rank = |r: u32| {
+            let mut c = Client::connect(&socket, Duration::from_secs(60)).expect("connect");
+            c.hello(SERVICE_NAMESPACE, 2, r, SLICE_BYTES).expect("hello");
+            c
+        };
+        ServiceBlocks { ranks: [rank(0), rank(1)], _service: service }
+    }
+
+    /// Per block: both ranks' slices accepted.
+    fn put(&mut self, keys: &[BlockKey], values: &[Vec<u8>]) -> Vec<bool> {
+        let mut accepted = vec![true; keys.len()];
+        for (r, client) in self.ranks.iter_mut().enumerate() {
+            let halves: Vec<BlockBuffer> = values
+                .iter()
+                .map(|v| BlockBuffer::single(v[r * SLICE_BYTES..].as_ptr() as *mut u8, SLICE_BYTES))
+                .collect();
+            // SAFETY: the values outlive the call and are only read.
+            let stored = unsafe { client.store_blocks(keys, &halves).expect("store") };
+            for (all, ok) in accepted.iter_mut().zip(stored) {
+                *all &= ok;
+            }
+        }
+        self.ranks[0].flush().expect("flush");
+        accepted
+    }
+
+    /// The block's bytes if both halves load.
+    fn get(&mut self, key: BlockKey) -> Option<Vec<u8>> {
+        let mut out = vec![0u8; OBJECT_BYTES];
+        for (r, client) in self.ranks.iter_mut().enumerate() {
+            let half = [BlockBuffer::single(out[r * SLICE_BYTES..].as_mut_ptr(), SLICE_BYTES)];
+            // SAFETY: `out` outlives the call and nothing else touches it.
+            if !unsafe { client.load_blocks(&[key], &half).expect("load") }[0] {
+                return None;
+            }
+        }
+        Some(out)
+    }
+}
+
+/// What the harness stores into and loads from: a bare store, or the host service.
+enum Blocks {
+    Store(Store),
+    Service(Box<ServiceBlocks>),
+}
+
+impl Blocks {
+    fn open(args: &[String], dir: &Path) -> Result<Blocks, kvtier_core::Error> {
+        if args.iter().any(|a| a == "--service") {
+            return Ok(Blocks::Service(Box::new(ServiceBlocks::start(dir, engine_of(args)))));
+        }
+        Store::open(config(dir, engine_of(args))).map(Blocks::Store)
+    }
+
+    /// Stores and flushes; per block, whether it was accepted (a store may be dropped: a cache).
+    fn put(&mut self, keys: &[BlockKey], values: &[Vec<u8>]) -> Vec<bool> {
+        match self {
+            Blocks::Store(store) => {
+                let refs: Vec<&[u8]> = values.iter().map(|v| v.as_slice()).collect();
+                let accepted = store.put_many(keys, &refs).unwrap();
+                store.flush().unwrap();
+                accepted
+            }
+            Blocks::Service(service) => service.put(keys, values),
+        }
+    }
+
+    fn get(&mut self, key: BlockKey) -> Option<Vec<u8>> {
+        match self {
+            Blocks::Store(store) => {
+                let mut buf = vec![0u8; OBJECT_BYTES];
+                let mut out = [&mut buf[..]];
+                store.get_many(&[key], &mut out).unwrap()[0].then_some(buf)
+            }
+            Blocks::Service(service) => service.get(key),
+        }
+    }
+}
+
 fn arg(args: &[String], name: &str) -> Option<String> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
 }
@@ -83,25 +183,23 @@ fn writer(args: &[String]) -> ! {
     let acks_path = dir.join("acks.bin");
     let mut next = read_acks(&acks_path).into_iter().max().map_or(0, |m| m + 1);
     let mut rng = next.wrapping_mul(77) | 1;
-    let store = match Store::open(config(&dir, engine_of(args))) {
-        Ok(s) => s,
+    let mut blocks = match Blocks::open(args, &dir) {
+        Ok(b) => b,
         Err(e) => {
             eprintln!("writer: open failed: {e}");
             std::process::exit(2);
         }
     };
     let mut acks = std::fs::OpenOptions::new().create(true).append(true).open(&acks_path).unwrap();
-    let mut buf = vec![0u8; OBJECT_BYTES];
     loop {
         let batch = 1 + xorshift(&mut rng) % 12;
         let ids: Vec<u64> = (next..next + batch).collect();
         let keys: Vec<_> = ids.iter().map(|&i| key(i)).collect();
         let values: Vec<_> = ids.iter().map(|&i| value(i)).collect();
-        let refs: Vec<&[u8]> = values.iter().map(|v| v.as_slice()).collect();
-        store.put_many(&keys, &refs).unwrap();
-        store.flush().unwrap();
+        let accepted = blocks.put(&keys, &values);
         let mut record = Vec::with_capacity(ids.len() * 8);
-        for id in &ids {
+        // Only what was accepted and then flushed is acknowledged: a dropped store is a miss.
+        for (id, _) in ids.iter().zip(&accepted).filter(|(_, &ok)| ok) {
             record.extend_from_slice(&id.to_le_bytes());
         }
         acks.write_all(&record).unwrap();
@@ -109,8 +207,7 @@ fn writer(args: &[String]) -> ! {
         // Read a few recent blocks back; a wrong byte is fatal even before any crash.
         for _ in 0..2 {
             let id = next.saturating_sub(1 + xorshift(&mut rng) % 64);
-            let mut out = [&mut buf[..]];
-            if store.get_many(&[key(id)], &mut out).unwrap()[0] && buf != value(id) {
+            if blocks.get(key(id)).is_some_and(|got| got != value(id)) {
                 eprintln!("writer: block {id} served wrong bytes");
                 std::process::exit(3);
             }
@@ -143,10 +240,11 @@ fn run(args: &[String]) {
     let mut rng = 0x1234_5678_9abc_def1u64 ^ std::process::id() as u64;
     let mut f = Figures { loops: 0, acked: 0, checked_recent: 0, lost: 0, served_wrong: 0, misses_old: 0 };
     let started = Instant::now();
-    let mut buf = vec![0u8; OBJECT_BYTES];
+    let service = args.iter().any(|a| a == "--service");
     for _ in 0..loops {
         let mut child = Command::new(&exe)
             .args(["writer", "--dir", dir.to_str().unwrap(), "--engine", &engine])
+            .args(service.then_some("--service"))
             .stdout(Stdio::null())
             .spawn()
             .expect("spawn writer");
@@ -160,12 +258,12 @@ fn run(args: &[String]) {
         let acks = read_acks(&dir.join("acks.bin"));
         f.acked = acks.len() as u64;
         let newest = acks.iter().copied().max().unwrap_or(0);
-        let store = Store::open(config(&dir, engine_of(args))).expect("reopen after kill");
+        let mut blocks = Blocks::open(args, &dir).expect("reopen after kill");
         for &id in &acks {
-            let mut out = [&mut buf[..]];
-            let hit = store.get_many(&[key(id)], &mut out).unwrap()[0];
+            let got = blocks.get(key(id));
+            let hit = got.is_some();
             let recent = newest - id < survive_window();
-            if hit && buf != value(id) {
+            if got.is_some_and(|bytes| bytes != value(id)) {
                 f.served_wrong += 1;
                 eprintln!("block {id} served wrong after a crash");
             }
@@ -179,10 +277,12 @@ fn run(args: &[String]) {
                 f.misses_old += 1;
             }
         }
-        store.close().unwrap();
+        if let Blocks::Store(store) = blocks {
+            store.close().unwrap();
+        }
     }
     println!(
-        "{{\"engine\": \"{engine}\", \"loops\": {}, \"blocks_acknowledged\": {}, \"recent_block_checks\": {}, \
+        "{{\"engine\": \"{engine}\", \"service\": {service}, \"loops\": {}, \"blocks_acknowledged\": {}, \"recent_block_checks\": {}, \
          \"blocks_lost\": {}, \"blocks_served_wrong\": {}, \"old_block_misses_summed_over_loops\": {}, \"seconds\": {:.1}}}",
         f.loops,
         f.acked,
@@ -206,7 +306,7 @@ fn main() {
         Some("writer") => writer(&args),
         Some("run") => run(&args),
         _ => {
-            eprintln!("usage: kvtier-torture run [--loops N] [--engine auto|io_uring|psync] [--dir DIR]");
+            eprintln!("usage: kvtier-torture run [--loops N] [--engine auto|io_uring|psync] [--dir DIR] [--service]");
             std::process::exit(64);
         }
     }

@@ -503,6 +503,13 @@ impl Session {
     /// Per key `(kind, slot)`: 0 fill this slot, 1 present, 2 dropped.
     fn reserve(&mut self, keys: &[BlockKey]) -> Result<Vec<(u8, u32)>> {
         let bit = 1u64 << self.rank;
+        // Like a local put, a reservation waits (bounded) for the NVMe backlog to admit it, without
+        // holding the fills lock that other ranks' commits need, but only while no fill is pending:
+        // the backlog may then be full of blocks waiting for this very rank's slices, and waiting
+        // would only delay them (the writes of committed blocks always drain).
+        if self.ns.fills.lock().is_empty() {
+            self.ns.store.wait_for_put_room();
+        }
         let mut fills = self.ns.fills.lock();
         let mut seen = std::collections::HashSet::new();
         let fresh: Vec<BlockKey> =
