@@ -6,6 +6,7 @@ imported when it is used so that one missing optional part never breaks the othe
     kvtier bench io [...]     the store against fio and LMCache (kvtier.bench.io)
     kvtier bench ttft [...]   time to first token through a real engine (kvtier.bench.ttft)
     kvtier bench lookup       host service round-trip latency (kvtier.bench.lookup)
+    kvtier bench layout       TTFT across engines sharing the host service (kvtier.bench.layout)
     kvtier demo [...]         the end-to-end demo (kvtier.demo)
     kvtier serve PATH [...]   the host service that engines share (kvtier.service)
 """
@@ -20,6 +21,7 @@ SUBCOMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("bench", "io"), "kvtier.bench.io", "store and cold retrieve vs fio and LMCache's disk backend"),
     (("bench", "ttft"), "kvtier.bench.ttft", "time to first token through a real engine, with and without kvtier"),
     (("bench", "lookup"), "kvtier.bench.lookup", "round-trip latency of lookups and pins through the host service"),
+    (("bench", "layout"), "kvtier.bench.layout", "TTFT in vLLM's default layout: same- and cross-engine hits, TP=2"),
     (("demo",), "kvtier.demo", "end-to-end demo with a real engine"),
     (("serve",), "kvtier.service", "run the host service for a store path (engines start one when none runs)"),
 )

@@ -13,7 +13,12 @@ The workload (every step bounded; only loopback traffic):
 2. vLLM's prefix cache is reset (``POST /reset_prefix_cache``): A turn 1 is restored from kvtier
    DRAM (twice);
 3. unrelated prompts push C out of kvtier's DRAM tier; after another reset, C is restored from
-   kvtier NVMe.
+   kvtier NVMe;
+4. a second server (another vLLM process, same model and store path) answers A turn 1: a DRAM hit
+   in the host service's shared pool, for a prefix only the first server ever computed.
+
+Both servers run with vLLM's defaults (multiprocess engine core and executor); kvtier's host service,
+started by the first engine, holds the store and the DRAM pool they share (docs/architecture.md).
 
 Options: ``--preset tiny|kv8b`` (default kv8b: Llama-3-8B-sized KV, 128 KiB per token),
 ``--store DIR`` (default: a temporary directory, removed afterwards unless ``--keep-store``),
@@ -130,13 +135,12 @@ def start_server(model_dir: Path, store_dir: Path, port: int, preset: str, log_p
     # A DRAM tier of 40 blocks: room for one conversation's prefix (a load needs DRAM slots for the
     # blocks it pins), small enough that the flood of unrelated prompts pushes it out to NVMe.
     transfer_config = kv_transfer_config(
-        store_dir, dram_bytes=40 * object_bytes, nvme_bytes=max(1 << 30, 160 * object_bytes), host_service=False
+        store_dir, dram_bytes=40 * object_bytes, nvme_bytes=max(1 << 30, 160 * object_bytes)
     )
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # scheduler and worker in one process (kvtier needs it)
         "VLLM_SERVER_DEV_MODE": "1",  # enables POST /reset_prefix_cache
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -149,7 +153,6 @@ def start_server(model_dir: Path, store_dir: Path, port: int, preset: str, log_p
         "--port", str(port),
         "--max-model-len", "8192",
         "--enforce-eager",
-        "--distributed-executor-backend", "uni",
         "--enable-prompt-tokens-details",
         "--kv-transfer-config", json.dumps(transfer_config),
     ]  # fmt: skip
@@ -262,6 +265,56 @@ def run_workload(base_url: str, model: str, texts: dict[str, str], max_tokens: i
     return results
 
 
+def second_engine_phase(
+    model_dir: Path, store_dir: Path, preset: str, texts: dict[str, str], max_tokens: int, log_dir: Path
+) -> list[RequestResult]:
+    """Another server on the same store path restores the first server's prefix from the shared pool."""
+    port = free_port()
+    base_url = f"http://{HOST}:{port}"
+    server = start_server(model_dir, store_dir, port, preset, log_dir / f"kvtier-demo-server-{port}.log")
+    try:
+        start_seconds = wait_until_healthy(base_url, server, log_dir / f"kvtier-demo-server-{port}.log")
+        print(f"second server ready in {start_seconds:.0f} s at {base_url}", flush=True)
+        before = kvtier_hits(base_url)
+        ttft_ms, usage = stream_completion(base_url, preset, texts["document_a"] + texts["question_a1"], max_tokens)
+        time.sleep(1.0)
+        after = kvtier_hits(base_url)
+        details = usage.get("prompt_tokens_details") or {}
+        return [
+            RequestResult(
+                label="A turn 1 on B",
+                expected_source="kvtier DRAM (another engine's prefill)",
+                prompt_tokens=int(usage.get("prompt_tokens", 0)),
+                cached_tokens=details.get("cached_tokens"),
+                ttft_ms=ttft_ms,
+                dram_hits=after["dram"] - before["dram"],
+                nvme_hits=after["nvme"] - before["nvme"],
+            )
+        ]
+    finally:
+        stop_server(server)
+
+
+def stop_service(store_dir: Path) -> None:
+    """Stops the host service the servers started for a temporary store."""
+    from kvtier.service import default_socket_path, service_pid
+
+    pid = service_pid(default_socket_path(store_dir))
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+
+
 def print_table(results: list[RequestResult]) -> None:
     header = (
         f"{'request':<16} {'expected source':<48} {'prompt':>7} {'cached':>7} "
@@ -278,7 +331,7 @@ def print_table(results: list[RequestResult]) -> None:
     cold = sorted(r.ttft_ms for r in results if r.expected_source == "recompute")
     if cold:
         median_cold = cold[len(cold) // 2]
-        for source in ("kvtier DRAM", "kvtier NVMe"):
+        for source in ("kvtier DRAM", "kvtier DRAM (another engine's prefill)", "kvtier NVMe"):
             restored = [r.ttft_ms for r in results if r.expected_source == source]
             if restored:
                 ratios = ", ".join(f"{ttft / median_cold:.2f}" for ttft in restored)
@@ -310,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         start_seconds = wait_until_healthy(base_url, server, log_path)
         print(f"server ready in {start_seconds:.0f} s at {base_url}\n", flush=True)
         results = run_workload(base_url, args.preset, texts, args.max_tokens)
+        stop_server(server)
+        results += second_engine_phase(model_dir, store_dir, args.preset, texts, args.max_tokens, log_path.parent)
         print_table(results)
     except DemoError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -317,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_server(server)
         if temporary_store and not args.keep_store:
+            stop_service(store_dir)
             shutil.rmtree(store_dir, ignore_errors=True)
     return 0
 

@@ -1,0 +1,202 @@
+"""``kvtier bench layout``: time to first token in vLLM's default layout, across engines, in one run.
+
+Two engines (A and B, vLLM defaults: multiprocess engine core and executor) share one store path, so
+one kvtier host service and one DRAM pool. For each repeat, with a fresh prompt of ``--length``
+tokens on the ``kv8b`` model (the KV cache of Llama-3-8B), it measures:
+
+- recompute: A computes the prompt (a kvtier miss, which also stores the prefix);
+- same-engine DRAM hit: A again after resetting vLLM's prefix cache;
+- cross-engine DRAM hit: B, which never saw the prompt, restores it from the shared pool;
+- vLLM prefix-cache hit: A again without a reset (vLLM's own cache; the floor);
+- NVMe hit: A after other prompts pushed the prefix out of the DRAM pool (the row names the tier
+  the service's counters say served it);
+- with ``--tp2``: a TP=2 engine's recompute and DRAM hit.
+
+TTFT is the wall time of one ``generate`` with ``max_tokens=1``. Figures are min / median / max over
+repeats; compare rows of one run only (this machine's speed varies from run to run). Writes
+``layout.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvtier import service as kvtier_service
+from kvtier.engine_process import TOKENS_PER_BLOCK, EngineProcess
+from kvtier.models import PRESETS
+
+
+def _length(text: str) -> int:
+    text = text.lower()
+    return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
+
+
+class Run:
+    def __init__(self, args: argparse.Namespace, store_dir: Path, log_dir: Path):
+        self.args = args
+        self.tokens = _length(args.length)
+        self.store_dir, self.log_dir = store_dir, log_dir
+        kv_bytes = PRESETS[args.model].kv_bytes_per_token * self.tokens
+        self.store = {
+            "dram_bytes": int(args.dram_gib * (1 << 30)),
+            "nvme_bytes": max(8 << 30, 8 * kv_bytes),
+        }
+        # Enough other prompts to push one prompt's blocks out of the DRAM pool (FIFO-like eviction).
+        self.flood_prompts = max(2, int(self.store["dram_bytes"] * 1.5 / kv_bytes) + 1)
+        self.socket = kvtier_service.default_socket_path(store_dir)
+        self.rows: dict[str, list[float]] = {}
+        self.served_by: dict[str, list[str]] = {}
+        self.checks: list[str] = []
+
+    def engine(self, name: str, tp_size: int = 1) -> EngineProcess:
+        cache_gib = max(2, int(3 * PRESETS[self.args.model].kv_bytes_per_token * self.tokens / (1 << 30)) + 1)
+        spec = {
+            "model": self.args.model,
+            "tp_size": tp_size,
+            "max_model_len": self.tokens + 512,
+            "store": self.store,
+        }
+        print(f"[layout] starting engine {name} (TP={tp_size}) ...", flush=True)
+        engine = EngineProcess(
+            self.store_dir, self.log_dir / f"engine-{name}.log", spec, env={"VLLM_CPU_KVCACHE_SPACE": str(cache_gib)}
+        )
+        print(f"[layout] engine {name} ready in {engine.start_seconds:.0f} s", flush=True)
+        return engine
+
+    def stats(self) -> dict[str, int]:
+        return kvtier_service.service_stats(self.socket)
+
+    def measure(self, row: str, engine: EngineProcess, seed: int, expect_cached: int | None) -> dict:
+        before = self.stats()
+        result = engine.generate(seed, self.tokens, max_tokens=1)
+        after = self.stats()
+        tiers = [t for t in ("dram", "nvme", "shared") if after.get(f"{t}_hits", 0) > before.get(f"{t}_hits", 0)]
+        self.rows.setdefault(row, []).append(result["seconds"])
+        self.served_by.setdefault(row, []).append("+".join(tiers) or "-")
+        if expect_cached is not None and result["cached"] < expect_cached:
+            self.checks.append(f"{row}: {result['cached']} cached tokens, expected {expect_cached}")
+        print(f"[layout] {row}: {result['seconds']:.3f} s, cached {result['cached']}, tiers {tiers}", flush=True)
+        return result
+
+    def full_blocks(self) -> int:
+        return self.tokens // TOKENS_PER_BLOCK * TOKENS_PER_BLOCK
+
+    def repeat(self, a: EngineProcess, b: EngineProcess, r: int) -> None:
+        seed = 1000 * (r + 1)
+        self.measure("recompute (kvtier miss, stores the prefix)", a, seed, None)
+        a.call(op="settle")
+        a.call(op="reset")
+        self.measure("same-engine DRAM hit", a, seed, self.full_blocks())
+        b.call(op="reset")
+        self.measure("cross-engine DRAM hit", b, seed, self.full_blocks())
+        self.measure("vLLM prefix-cache hit (no kvtier)", a, seed, self.full_blocks())
+        for flood in range(self.flood_prompts):
+            a.generate(seed + 1 + flood, self.tokens, max_tokens=1)
+            a.call(op="settle")
+        a.call(op="reset")
+        self.measure("NVMe hit (pushed out of the DRAM pool)", a, seed, self.full_blocks())
+
+    def run(self) -> dict:
+        a, b = self.engine("a"), self.engine("b")
+        try:
+            for r in range(self.args.repeats):
+                self.repeat(a, b, r)
+        finally:
+            b.stop()
+        if self.args.tp2:
+            a.stop()
+            t = self.engine("tp2", tp_size=2)
+            try:
+                for r in range(self.args.repeats):
+                    seed = 50_000 + r
+                    self.measure("TP=2 recompute", t, seed, None)
+                    t.call(op="settle")
+                    t.call(op="reset")
+                    self.measure("TP=2 DRAM hit", t, seed, self.full_blocks())
+            finally:
+                t.stop()
+        else:
+            a.stop()
+        return self.summary()
+
+    def summary(self) -> dict:
+        rows = {
+            row: {
+                "min_s": min(v),
+                "median_s": statistics.median(v),
+                "max_s": max(v),
+                "samples_s": v,
+                "served_by": self.served_by[row],
+            }
+            for row, v in self.rows.items()
+        }
+        return {
+            "model": self.args.model,
+            "tokens": self.tokens,
+            "repeats": self.args.repeats,
+            "store": self.store,
+            "rows": rows,
+            "failed_checks": self.checks,
+            "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+
+
+def _stop_service(socket: Path) -> None:
+    """SIGTERM to the service the engines started, and wait (bounded) for it to flush and exit."""
+    pid = kvtier_service.service_pid(socket)
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvtier bench layout", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--length", default="8k", help="prompt tokens (8k, 16k, 2048, ...)")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--model", default="kv8b", choices=sorted(PRESETS))
+    parser.add_argument("--dram-gib", type=float, default=1.25, help="the shared DRAM pool")
+    parser.add_argument("--tp2", action="store_true", help="also a TP=2 engine's recompute and DRAM hit")
+    parser.add_argument("--out", default="bench-results/layout", help="directory for layout.json")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="kvtier-layout-") as scratch:
+        store_dir = Path(scratch) / "store"
+        run = Run(args, store_dir, out)
+        try:
+            result = run.run()
+        finally:
+            _stop_service(run.socket)
+    (out / "layout.json").write_text(json.dumps(result, indent=2))
+    print(f"\n{args.model}, {result['tokens']} tokens, {args.repeats} repeat(s): TTFT in seconds (min / median / max)")
+    for row, figures in result["rows"].items():
+        print(
+            f"  {row:<44} {figures['min_s']:7.3f} {figures['median_s']:7.3f} {figures['max_s']:7.3f}"
+            f"   served by {','.join(figures['served_by'])}"
+        )
+    for check in result["failed_checks"]:
+        print(f"  CHECK FAILED: {check}")
+    print(f"(written to {out / 'layout.json'})")
+    return 1 if result["failed_checks"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
