@@ -209,7 +209,7 @@ fn a_pool_larger_than_its_tmpfs_is_refused_with_the_fix() {
     config.pool_dir = tmpfs.clone();
     let mut service = Service::start(config).unwrap();
     let mut c = Client::connect(&socket, Duration::from_secs(10)).unwrap();
-    let err = c.hello(b"too-big", 1, 0, SLICE).err().expect("an 8 MiB pool does not fit 1 MiB");
+    let err = c.hello(b"too-big", 1, 0, SLICE).expect_err("an 8 MiB pool does not fit 1 MiB");
     assert!(err.to_string().contains("--shm-size"), "{err}");
     drop(c);
     service.stop().unwrap();
