@@ -295,26 +295,6 @@ def second_engine_phase(
         stop_server(server)
 
 
-def stop_service(store_dir: Path) -> None:
-    """Stops the host service the servers started for a temporary store."""
-    from kvtier.service import default_socket_path, service_pid
-
-    pid = service_pid(default_socket_path(store_dir))
-    if pid is None:
-        return
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-
-
 def print_table(results: list[RequestResult]) -> None:
     header = (
         f"{'request':<16} {'expected source':<48} {'prompt':>7} {'cached':>7} "
@@ -372,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_server(server)
         if temporary_store and not args.keep_store:
-            stop_service(store_dir)
+            from kvtier.service import default_socket_path, stop_service
+
+            stop_service(default_socket_path(store_dir))
             shutil.rmtree(store_dir, ignore_errors=True)
     return 0
 

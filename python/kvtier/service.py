@@ -195,6 +195,26 @@ def pid_file(socket_path: str | os.PathLike) -> Path:
     return Path(socket_path).with_suffix(".pid")
 
 
+def stop_service(socket_path: str | os.PathLike, timeout_s: float = 60) -> bool:
+    """SIGTERM to the service on ``socket_path`` and a wait (bounded) while it flushes and exits;
+    ``True`` once it is gone (or none recorded itself there)."""
+    pid = service_pid(socket_path)
+    if pid is None:
+        return True
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return True
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def service_pid(socket_path: str | os.PathLike) -> int | None:
     """The process id of the service on ``socket_path``, if one recorded it."""
     try:

@@ -20,10 +20,7 @@ repeats; compare rows of one run only (this machine's speed varies from run to r
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -151,22 +148,6 @@ class Run:
         }
 
 
-def _stop_service(socket: Path) -> None:
-    """SIGTERM to the service the engines started, and wait (bounded) for it to flush and exit."""
-    pid = kvtier_service.service_pid(socket)
-    if pid is None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvtier bench layout", description=__doc__.split("\n\n")[0])
     parser.add_argument("--length", default="8k", help="prompt tokens (8k, 16k, 2048, ...)")
@@ -184,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             result = run.run()
         finally:
-            _stop_service(run.socket)
+            kvtier_service.stop_service(run.socket)
     (out / "layout.json").write_text(json.dumps(result, indent=2))
     print(f"\n{args.model}, {result['tokens']} tokens, {args.repeats} repeat(s): TTFT in seconds (min / median / max)")
     for row, figures in result["rows"].items():
