@@ -215,3 +215,15 @@ fn a_pool_larger_than_its_tmpfs_is_refused_with_the_fix() {
     service.stop().unwrap();
     let _ = std::process::Command::new("umount").arg(&tmpfs).status();
 }
+
+#[test]
+fn a_socket_directory_others_can_write_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let open = dir.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let config = ServiceConfig::new(open.join("kvtier.sock"), StoreConfig::new(dir.path().join("store"), 1));
+    let err = Service::start(config).err().expect("a world-writable socket directory");
+    assert!(err.to_string().contains("closed to writes by others"), "{err}");
+}

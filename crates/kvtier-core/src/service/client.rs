@@ -104,6 +104,16 @@ impl Client {
             .set_read_timeout(Some(timeout))
             .and_then(|()| stream.set_write_timeout(Some(timeout)))
             .map_err(|e| service_error(socket_path, format!("setting socket timeouts: {e}")))?;
+        // The pool it hands out will hold this engine's KV: only a service of our own user is trusted.
+        let peer = rustix::net::sockopt::socket_peercred(std::os::fd::AsFd::as_fd(&stream))
+            .map_err(|e| service_error(socket_path, format!("no peer credentials ({e})")))?;
+        let me = rustix::process::geteuid();
+        if peer.uid != me {
+            return Err(service_error(
+                socket_path,
+                format!("is served by uid {}, not by this user (uid {}); refusing it", peer.uid.as_raw(), me.as_raw()),
+            ));
+        }
         Ok(Client { socket_path: socket_path.to_path_buf(), stream: Some(stream), pool: None, attached: None })
     }
 

@@ -164,6 +164,7 @@ fn bind(socket_path: &std::path::Path) -> Result<UnixListener> {
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| {
             Error::io(format!("creating the service socket directory {} (give a writable path)", dir.display()), e)
         })?;
+        check_private_dir(dir)?;
     }
     if socket_path.exists() {
         if UnixStream::connect(socket_path).is_ok() {
@@ -182,6 +183,28 @@ fn bind(socket_path: &std::path::Path) -> Result<UnixListener> {
     std::fs::set_permissions(socket_path, std::fs::Permissions::from_mode(0o600))
         .map_err(|e| Error::io(format!("chmod 0600 {}", socket_path.display()), e))?;
     Ok(listener)
+}
+
+/// The socket's directory must be ours and closed to others: someone who can write it could put
+/// their own socket in place of the service's.
+fn check_private_dir(dir: &std::path::Path) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::symlink_metadata(dir)
+        .map_err(|e| Error::io(format!("stat of the service socket directory {}", dir.display()), e))?;
+    let me = rustix::process::geteuid().as_raw();
+    if !meta.is_dir() || meta.uid() != me || meta.mode() & 0o022 != 0 {
+        return Err(Error::config(
+            "service_socket",
+            format!(
+                "{} is not a directory owned by uid {me} and closed to writes by others (owner uid {}, mode {:o}); \
+                 remove it so kvtier can create it 0700, or choose another socket path",
+                dir.display(),
+                meta.uid(),
+                meta.mode() & 0o7777
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn accept_loop(state: &Arc<State>, listener: UnixListener) {
