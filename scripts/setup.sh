@@ -36,9 +36,9 @@ fi
 
 log "installing build and test tools"
 if command -v uv >/dev/null; then
-    uv pip install --quiet --python .venv/bin/python maturin pytest numpy matplotlib rich prometheus-client ruff mypy
+    uv pip install --quiet --python .venv/bin/python maturin pytest numpy click matplotlib rich prometheus-client ruff mypy
 else
-    .venv/bin/python -m pip install --quiet maturin pytest numpy matplotlib rich prometheus-client ruff mypy
+    .venv/bin/python -m pip install --quiet maturin pytest numpy click matplotlib rich prometheus-client ruff mypy
 fi
 
 log "building kvtier (release)"

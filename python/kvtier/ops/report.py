@@ -1,0 +1,349 @@
+"""``kvtier status`` and ``kvtier ls``: the reports as stable JSON objects, and as tables.
+
+The JSON schemas are documented in docs/cli.md; each object carries ``"schema"``
+(``kvtier.status/1``, ``kvtier.ls/1``). A field is added under the same schema version; a field
+renamed, removed or changed in meaning bumps it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvtier.ops import store_files
+
+STATUS_SCHEMA = "kvtier.status/1"
+LS_SCHEMA = "kvtier.ls/1"
+
+
+class OpsError(Exception):
+    """The report cannot be made (exit status 1); the message names the fix."""
+
+
+# --------------------------------------------------------------------------------------------
+# Gathering
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_socket(paths: Sequence[Path], socket: str | os.PathLike | None) -> Path:
+    from kvtier.service import default_socket_path
+
+    return Path(socket) if socket else default_socket_path([os.fspath(p) for p in paths])
+
+
+def probe_service(socket: Path, timeout_ms: int = 2_000) -> dict[str, int] | None:
+    """The summed stats of the service on ``socket``, or None when none answers there."""
+    if not socket.exists():
+        return None
+    from kvtier.service import connect
+
+    try:
+        return dict(connect(socket, timeout_ms=timeout_ms).stats())
+    except Exception:
+        return None
+
+
+def _service_pid(socket: Path) -> int | None:
+    from kvtier.service import service_pid
+
+    return service_pid(socket)
+
+
+def _check_paths(paths: Sequence[Path]) -> list[Path]:
+    resolved = []
+    for path in paths:
+        if not path.exists():
+            raise OpsError(
+                f"{path} does not exist: give the store directory the engines use (their `path` option, "
+                "the directory `kvtier serve` was started with)"
+            )
+        if not path.is_dir():
+            raise OpsError(
+                f"{path} is not a directory: give the store directory (it holds one directory per namespace)"
+            )
+        resolved.append(path.resolve())
+    return resolved
+
+
+def _gather(paths: Sequence[Path], socket_option: str | os.PathLike | None) -> dict[str, Any]:
+    resolved = _check_paths(paths)
+    socket = resolve_socket(resolved, socket_option)
+    stats = probe_service(socket)
+    holders = store_files.flock_holders()
+    namespaces: list[store_files.NamespaceDir] = []
+    for path in resolved:
+        try:
+            namespaces += store_files.scan(path, holders)
+        except OSError as error:
+            raise OpsError(f"cannot list {path}: {error.strerror} (run as the store's owner)") from None
+    if stats is None and not namespaces:
+        where = ", ".join(str(p) for p in resolved)
+        raise OpsError(
+            f"{where}: not a kvtier store (no namespace directory, <64 hex digits>/ holding LOCK or nvme.kvt) and "
+            f"no service answers on {socket}: give the directory the engines use as `path`, or --socket of the "
+            "service that serves it"
+        )
+    pid = _service_pid(socket) if stats is not None else None
+    return {"paths": resolved, "socket": socket, "stats": stats, "pid": pid, "namespaces": namespaces}
+
+
+def _namespace_json(ns: store_files.NamespaceDir, running: bool, service_pid: int | None) -> dict[str, Any]:
+    if not running:
+        open_in_service = None
+    else:
+        open_in_service = ns.locked_by_pid is not None and (service_pid is None or ns.locked_by_pid == service_pid)
+    return {
+        "path": str(ns.path),
+        "digest": ns.digest,
+        "directory": str(ns.directory),
+        "device_file_bytes": ns.device_file_bytes,
+        "geometry": ns.superblock.to_json() if ns.superblock else None,
+        "error": ns.error,
+        "locked_by_pid": ns.locked_by_pid,
+        "open_in_service": open_in_service,
+    }
+
+
+def _service_json(gathered: dict[str, Any]) -> dict[str, Any]:
+    return {"running": gathered["stats"] is not None, "pid": gathered["pid"]}
+
+
+def ls_report(paths: Sequence[Path], socket: str | os.PathLike | None = None) -> dict[str, Any]:
+    gathered = _gather(paths, socket)
+    running = gathered["stats"] is not None
+    return {
+        "schema": LS_SCHEMA,
+        "paths": [str(p) for p in gathered["paths"]],
+        "socket": str(gathered["socket"]),
+        "service": _service_json(gathered),
+        "namespaces": [_namespace_json(ns, running, gathered["pid"]) for ns in gathered["namespaces"]],
+    }
+
+
+def _rate(hits: int, lookups: int) -> float | None:
+    return hits / lookups if lookups else None
+
+
+def status_report(paths: Sequence[Path], socket: str | os.PathLike | None = None) -> dict[str, Any]:
+    gathered = _gather(paths, socket)
+    stats: dict[str, int] | None = gathered["stats"]
+    running = stats is not None
+    report: dict[str, Any] = {
+        "schema": STATUS_SCHEMA,
+        "paths": [str(p) for p in gathered["paths"]],
+        "socket": str(gathered["socket"]),
+        "service": _service_json(gathered),
+        "message": None if running else f"no service running on {gathered['socket']}: showing what the files tell",
+        "stats": stats,
+        "lookups": None,
+        "hit_rate": None,
+        "tiers": None,
+        "namespaces": [_namespace_json(ns, running, gathered["pid"]) for ns in gathered["namespaces"]],
+    }
+    if stats is not None:
+        get = lambda name: int(stats.get(name, 0))  # noqa: E731
+        hits = {tier: get(f"{tier}_hits") for tier in ("dram", "nvme", "shared")}
+        lookups = sum(hits.values()) + get("misses")
+        report["lookups"] = lookups
+        report["hit_rate"] = _rate(sum(hits.values()), lookups)
+        report["tiers"] = {
+            "dram": {
+                "used_bytes": get("dram_used_bytes"),
+                "capacity_bytes": get("dram_capacity_bytes"),
+                "blocks": get("blocks_dram"),
+                "hits": hits["dram"],
+                "hit_rate": _rate(hits["dram"], lookups),
+            },
+            "nvme": {
+                "used_bytes": get("nvme_used_bytes"),
+                "capacity_bytes": get("nvme_capacity_bytes"),
+                "blocks": get("blocks_nvme"),
+                "hits": hits["nvme"],
+                "hit_rate": _rate(hits["nvme"], lookups),
+            },
+            "shared": {
+                "used_bytes": None,
+                "capacity_bytes": None,
+                "blocks": None,
+                "hits": hits["shared"],
+                "hit_rate": _rate(hits["shared"], lookups),
+            },
+        }
+    return report
+
+
+# --------------------------------------------------------------------------------------------
+# Tables (rich when installed, plain text otherwise)
+# --------------------------------------------------------------------------------------------
+
+
+def human_bytes(value: int | None) -> str:
+    if value is None:
+        return "-"
+    amount = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if amount < 1024 or unit == "TiB":
+            return f"{value} B" if unit == "B" else f"{amount:.1f} {unit}"
+        amount /= 1024
+    raise AssertionError("unreachable")
+
+
+def _percent(rate: float | None) -> str:
+    return "-" if rate is None else f"{100 * rate:.1f}%"
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+class Output:
+    """Writes lines and tables to stdout, with rich when it is installed and ``plain`` is not asked."""
+
+    def __init__(self, plain: bool = False) -> None:
+        self.console: Any = None
+        if not plain:
+            try:
+                from rich.console import Console
+            except ImportError:
+                pass
+            else:
+                self.console = Console(highlight=False, soft_wrap=True)
+
+    def line(self, text: str = "") -> None:
+        if self.console is not None:
+            self.console.print(text, markup=False)
+        else:
+            print(text)
+
+    def table(self, title: str, headers: Sequence[str], rows: Sequence[Sequence[str]], right: int = 1) -> None:
+        """``right``: columns from this index on are right-aligned (numbers). A blank line comes first."""
+        self.line()
+        if self.console is not None:
+            from rich import box
+            from rich.table import Table
+
+            table = Table(
+                title=title,
+                title_justify="left",
+                box=box.SIMPLE_HEAD,
+                show_edge=False,
+                pad_edge=False,
+                collapse_padding=True,
+            )
+            for index, header in enumerate(headers):
+                table.add_column(header, justify="right" if index >= right else "left", no_wrap=True)
+            for row in rows:
+                table.add_row(*row)
+            self.console.print(table)
+            return
+        widths = [max([len(header)] + [len(row[i]) for row in rows]) for i, header in enumerate(headers)]
+
+        def fmt(cells: Sequence[str]) -> str:
+            parts = [
+                c.rjust(w) if i >= right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            ]
+            return "  ".join(parts).rstrip()
+
+        print(title)
+        print(fmt(headers))
+        print(fmt(["-" * w for w in widths]))
+        for row in rows:
+            print(fmt(row))
+
+
+def _namespace_rows(namespaces: Sequence[dict[str, Any]], with_path: bool) -> tuple[list[str], list[list[str]]]:
+    headers = ["namespace", *(["path"] if with_path else [])]
+    headers += ["device file", "object", "regions", "store id", "open"]
+    rows = []
+    for ns in namespaces:
+        geometry = ns["geometry"]
+        if ns["open_in_service"] is None:
+            open_text = f"pid {ns['locked_by_pid']}" if ns["locked_by_pid"] is not None else "-"
+        else:
+            open_text = "yes" if ns["open_in_service"] else "no"
+        row = [ns["digest"][:16], *([ns["path"]] if with_path else [])]
+        row += [
+            human_bytes(ns["device_file_bytes"]) if ns["device_file_bytes"] is not None else "none",
+            human_bytes(geometry["object_bytes"]) if geometry else "-",
+            f"{geometry['region_count']} x {human_bytes(geometry['region_bytes'])}" if geometry else "-",
+            geometry["store_id"] if geometry else "-",
+            open_text,
+        ]
+        rows.append(row)
+    return headers, rows
+
+
+def _namespace_table(report: dict[str, Any], output: Output, title: str) -> None:
+    namespaces = report["namespaces"]
+    if not namespaces:
+        output.line("no namespace directories yet (no engine has stored a block)")
+        return
+    headers, rows = _namespace_rows(namespaces, with_path=len(report["paths"]) > 1)
+    output.table(title, headers, rows)
+    notes = [f"  {ns['digest'][:16]}: {ns['error']}" for ns in namespaces if ns["error"]]
+    notes += [
+        f"  {ns['digest'][:16]}: no device file (a DRAM-only store, nvme_bytes=0)"
+        for ns in namespaces
+        if ns["device_file_bytes"] is None and not ns["error"]
+    ]
+    for note in notes:
+        output.line(note)
+
+
+def _service_line(report: dict[str, Any]) -> str:
+    service = report["service"]
+    if not service["running"]:
+        return f"service: none running on {report['socket']}"
+    pid = f"pid {service['pid']}" if service["pid"] is not None else "pid unknown"
+    return f"service: running on {report['socket']} ({pid})"
+
+
+def print_ls(report: dict[str, Any], output: Output) -> None:
+    output.line(f"kvtier store {', '.join(report['paths'])}")
+    output.line(_service_line(report))
+    _namespace_table(report, output, f"{len(report['namespaces'])} namespace(s)")
+
+
+def print_status(report: dict[str, Any], output: Output) -> None:
+    output.line(f"kvtier store {', '.join(report['paths'])}")
+    output.line(_service_line(report))
+    stats = report["stats"]
+    if stats is not None:
+        tiers = report["tiers"]
+        rows = []
+        for name, label in (("dram", "DRAM"), ("nvme", "NVMe"), ("shared", "shared")):
+            tier = tiers[name]
+            rows.append(
+                [
+                    label,
+                    human_bytes(tier["used_bytes"]),
+                    human_bytes(tier["capacity_bytes"]),
+                    _cell(tier["blocks"]),
+                    str(tier["hits"]),
+                    _percent(tier["hit_rate"]),
+                ]
+            )
+        rows.append(["all", "", "", "", str(report["lookups"] - stats.get("misses", 0)), _percent(report["hit_rate"])])
+        output.table(
+            f"tiers ({stats.get('service_namespaces', 0)} namespace(s) open, "
+            f"{stats.get('service_connections', 0)} connection(s) counting this one)",
+            ["tier", "used", "capacity", "blocks", "hits", "hit rate"],
+            rows,
+        )
+        counters = [
+            ("lookups", report["lookups"]),
+            ("misses", stats.get("misses", 0)),
+            ("puts", stats.get("puts", 0)),
+            ("DRAM evictions", stats.get("dram_evictions", 0)),
+            ("NVMe region evictions", stats.get("nvme_region_evictions", 0)),
+            ("dropped stores", stats.get("dropped_stores", 0)),
+            ("checksum failures", stats.get("checksum_failures", 0)),
+            ("I/O errors", stats.get("io_errors", 0)),
+            ("pending fills", stats.get("service_pending_fills", 0)),
+        ]
+        output.table("counters", ["counter", "value"], [[name, str(value)] for name, value in counters])
+    else:
+        output.line(report["message"])
+    _namespace_table(report, output, f"{len(report['namespaces'])} namespace(s) on disk")
