@@ -18,6 +18,9 @@ def valid_values(tmp_path):
     """A valid value for every Python option; a new option must be added here (the test checks)."""
     shared = tmp_path / "shared"
     shared.mkdir(exist_ok=True)
+    key_file = tmp_path / "shared.key"
+    key_file.write_bytes(bytes(range(32)))
+    key_file.chmod(0o600)
     return {
         "object_bytes": OBJECT_BYTES,
         "namespace": "options-test",
@@ -40,6 +43,7 @@ def valid_values(tmp_path):
         "shared_staleness_ms": 50,
         "shared_fail_on_full": True,
         "shared_publish_queue_bytes": 4 << 20,
+        "shared_key_file": str(key_file),
     }
 
 

@@ -699,6 +699,17 @@ pub static OPTIONS: &[ConfigOption] = &[
         set: |c, v| shared_mut(c).publish_queue_bytes = v.int() as usize,
         get: |c| int(shared_get(c, |s| s.publish_queue_bytes) as u64),
     },
+    ConfigOption {
+        name: "shared_key_file",
+        field: "shared.key_file",
+        python: true,
+        kind: OptionKind::Path,
+        unset: "none (`KVTIER_SHARED_KEY_FILE` if set, else no MAC)",
+        constraint: "a file of >= 32 bytes, mode 0600 (no group/other bits), not under shared_root",
+        description: "Deployment key: every shared block and manifest record carries a keyed BLAKE3 tag and anything without a valid one is a miss (`shared_auth_failures`), its file quarantined. Without it the tier trusts everyone who can write shared_root.",
+        set: |c, v| shared_mut(c).key_file = Some(v.path()),
+        get: |c| shared_get(c, |s| s.key_file.clone()).map(OptionValue::Path),
+    },
     // Rust only (`StoreConfig::shared`); from Python these keep their defaults.
     ConfigOption {
         name: "shared_lease_ms",

@@ -52,6 +52,7 @@ counters!(
     shared_quarantined_files,
     shared_publish_errors,
     shared_dropped_publishes,
+    shared_auth_failures,
 );
 
 impl Stats {

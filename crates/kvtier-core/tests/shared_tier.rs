@@ -603,3 +603,246 @@ fn a_full_publish_queue_drops_and_counts_instead_of_stalling_stores() {
     let published = store.stats().counters.shared_files_published;
     assert!(published >= 1 && dropped < 200, "dropped {dropped}, published files {published}");
 }
+
+// ---- deployment key (`shared_key_file`): authenticated blocks and manifest records ----
+
+/// Writes a key file of `len` random-ish bytes with `mode` and returns its path.
+fn key_file(dir: &Path, name: &str, len: usize, mode: u32) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.join(name);
+    let bytes: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(37) ^ name.len() as u8 ^ name.as_bytes()[0]).collect();
+    std::fs::write(&path, bytes).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+    path
+}
+
+fn keyed(root: &Path, key: &Path) -> SharedConfig {
+    let mut c = config(root);
+    c.key_file = Some(key.to_path_buf());
+    c
+}
+
+fn quarantined(ns_dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(ns_dir.join("quarantine"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+fn files_of(ns_dir: &Path, tier: &SharedTier) -> Vec<PathBuf> {
+    let prefix = format!("{:016x}-", tier.writer_id());
+    data_files(ns_dir).into_iter().filter(|p| p.file_name().unwrap().to_str().unwrap().starts_with(&prefix)).collect()
+}
+
+#[test]
+fn keyed_tier_never_serves_files_written_without_the_key_or_with_another() {
+    let root = tempfile::tempdir().unwrap();
+    let keys = tempfile::tempdir().unwrap();
+    let right = key_file(keys.path(), "right.key", 32, 0o600);
+    let wrong = key_file(keys.path(), "wrong.key", 64, 0o600);
+
+    // Planted before the keyed store opens: a writer with another key and a keyless writer (same
+    // layout, valid checksums, no tags), both publishing blocks the keyed store will be asked for. (The
+    // other key's writer is closed first: it would quarantine everybody else's files just the same.)
+    let (other_key, _) = open(&keyed(root.path(), &wrong), "model-a");
+    assert!(other_key.authenticated());
+    publish(&other_key, 10..20);
+    let ns_dir = other_key.namespace_dir().to_path_buf();
+    let mut planted = files_of(&ns_dir, &other_key);
+    other_key.close();
+    let (plain, _) = open(&config(root.path()), "model-a");
+    publish(&plain, 0..10);
+    planted.extend(files_of(&ns_dir, &plain));
+    let planted: Vec<String> = planted.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
+    assert_eq!(planted.len(), 2);
+
+    let (a, stats) = open(&keyed(root.path(), &right), "model-a");
+    // Nothing they published is indexed, read or served; their records are counted and their files
+    // quarantined, all at open.
+    for i in 0..20 {
+        assert!(!a.contains(&key(i)), "block {i} of an unauthenticated writer is indexed");
+        assert!(!read_ok(&a, i), "block {i} of an unauthenticated writer was served");
+    }
+    let s = stats.snapshot();
+    assert!(s.shared_auth_failures >= 4, "header and publish record of each: {s:?}");
+    assert_eq!(s.shared_hits, 0);
+    assert_eq!(s.shared_misses, 20);
+    assert_eq!(s.shared_quarantined_files, 2);
+    let mut expected = planted.clone();
+    expected.sort();
+    assert_eq!(quarantined(&ns_dir), expected);
+    assert!(data_files(&ns_dir).is_empty());
+
+    // The right key reads its own blocks, here and in another process with the same key file.
+    publish(&a, 20..30);
+    assert!((20..30).all(|i| read_ok(&a, i)));
+    let (b, b_stats) = open(&keyed(root.path(), &right), "model-a");
+    assert!((20..30).all(|i| read_ok(&b, i)));
+    assert_eq!(b_stats.snapshot().shared_hits, 10);
+
+    b.close();
+
+    // Published after the keyed store opened: caught by the tailing as well, never indexed.
+    let failures = stats.snapshot().shared_auth_failures;
+    publish(&plain, 40..45);
+    a.maintain();
+    assert!((40..45).all(|i| !a.contains(&key(i)) && !read_ok(&a, i)));
+    assert!(stats.snapshot().shared_auth_failures > failures);
+    assert_eq!(stats.snapshot().shared_quarantined_files, 3);
+    assert_eq!(quarantined(&ns_dir).len(), 3);
+    assert_eq!(stats.snapshot().shared_hits, 10);
+}
+
+#[test]
+fn forged_file_under_an_authenticated_name_is_quarantined_on_read() {
+    // The manifest record is authentic, the data file's bytes are not: a keyless writer's file with
+    // the same keys, values and layout (so every descriptor and xxh3 checksum is valid) is copied over
+    // the keyed writer's file.
+    let root = tempfile::tempdir().unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let keys = tempfile::tempdir().unwrap();
+    let right = key_file(keys.path(), "right.key", 32, 0o600);
+    let (a, stats) = open(&keyed(root.path(), &right), "model-a");
+    publish(&a, 0..10);
+    let (plain, _) = open(&config(elsewhere.path()), "model-a");
+    publish(&plain, 0..10);
+    let target = files_of(a.namespace_dir(), &a).remove(0);
+    let forged = files_of(plain.namespace_dir(), &plain).remove(0);
+    assert_eq!(std::fs::metadata(&target).unwrap().len(), std::fs::metadata(&forged).unwrap().len());
+    std::fs::write(&target, std::fs::read(&forged).unwrap()).unwrap();
+
+    let (reader, reader_stats) = open(&keyed(root.path(), &right), "model-a");
+    assert!(reader.contains(&key(3)), "its manifest record is authentic");
+    assert!(!read_ok(&reader, 3));
+    let s = reader_stats.snapshot();
+    assert_eq!((s.shared_auth_failures, s.shared_quarantined_files, s.shared_hits), (1, 1, 0));
+    assert_eq!(s.checksum_failures, 0, "every checksum in the forged file is valid");
+    assert!(!target.exists());
+    assert!(reader.namespace_dir().join("quarantine").join(target.file_name().unwrap()).exists());
+    // The writer drops the file too (through the quarantine record) and never serves it.
+    assert!(wait_until(Duration::from_millis(500), || {
+        a.maintain();
+        !a.contains(&key(0))
+    }));
+    assert!(!read_ok(&a, 0));
+    assert_eq!(stats.snapshot().shared_hits, 0);
+}
+
+#[test]
+fn keyless_tiers_read_keyed_files_unchanged() {
+    let root = tempfile::tempdir().unwrap();
+    let keys = tempfile::tempdir().unwrap();
+    let right = key_file(keys.path(), "right.key", 40, 0o400);
+    let (a, _) = open(&keyed(root.path(), &right), "model-a");
+    publish(&a, 0..5);
+    let (plain, stats) = open(&config(root.path()), "model-a");
+    assert!(!plain.authenticated());
+    assert!((0..5).all(|i| read_ok(&plain, i)));
+    assert_eq!(stats.snapshot().shared_auth_failures, 0);
+}
+
+#[test]
+fn key_file_on_the_shared_root_readable_by_others_or_short_is_refused() {
+    let root = tempfile::tempdir().unwrap();
+    let keys = tempfile::tempdir().unwrap();
+    let stats = Arc::new(Stats::default());
+    let ns = Namespace::from_description(b"model-a");
+    let err = |key: &Path| {
+        let e = SharedTier::open(&keyed(root.path(), key), ns, OBJECT_BYTES, Arc::clone(&stats)).err();
+        e.expect("refused").to_string()
+    };
+    let on_root = key_file(root.path(), "shared.key", 32, 0o600);
+    let e = err(&on_root);
+    assert!(e.contains("shared_key_file") && e.contains("is on the shared root") && e.contains("local storage"), "{e}");
+    // Also through a symlink from local storage, and deeper in the root.
+    std::fs::create_dir(root.path().join("sub")).unwrap();
+    let deeper = key_file(&root.path().join("sub"), "k", 32, 0o600);
+    std::os::unix::fs::symlink(&deeper, keys.path().join("link.key")).unwrap();
+    let e = err(&keys.path().join("link.key"));
+    assert!(e.contains("is on the shared root"), "{e}");
+
+    let world = key_file(keys.path(), "world.key", 32, 0o644);
+    let e = err(&world);
+    assert!(e.contains("shared_key_file") && e.contains("mode 644") && e.contains("chmod 600"), "{e}");
+    let group = key_file(keys.path(), "group.key", 32, 0o640);
+    assert!(err(&group).contains("chmod 600"));
+    let short = key_file(keys.path(), "short.key", 31, 0o600);
+    let e = err(&short);
+    assert!(e.contains("holds 31 bytes") && e.contains("/dev/urandom"), "{e}");
+    let e = err(&keys.path().join("missing.key"));
+    assert!(e.contains("does not exist") && e.contains("/dev/urandom"), "{e}");
+    let e = err(keys.path());
+    assert!(e.contains("not a regular file"), "{e}");
+    // Nothing was created for a refused key: no manifest is written unauthenticated.
+    assert!(!root.path().join(ns.hex()).join("manifests").exists());
+
+    // And a good one through a symlink (as a Kubernetes secret volume mounts it) is accepted.
+    let good = key_file(keys.path(), "good.key", 32, 0o600);
+    std::os::unix::fs::symlink(&good, keys.path().join("good-link.key")).unwrap();
+    assert!(SharedTier::open(&keyed(root.path(), &keys.path().join("good-link.key")), ns, OBJECT_BYTES, stats).is_ok());
+}
+
+/// The cost of the tags, printed (figures go to docs/shared-tier.md, not into assertions):
+/// `cargo test --release -p kvtier-core --test shared_tier -- --ignored --nocapture measure_tag_cost`.
+/// Keyed BLAKE3 against the xxh3-64 checksum over 64 MiB (one thread), then publishing and reading
+/// 64 MiB of 2 MiB blocks through the tier (page cache warm) without and with a key.
+#[test]
+#[ignore]
+fn measure_tag_cost() {
+    const TOTAL: usize = 64 << 20;
+    let buf: Vec<u8> = (0..TOTAL).map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[3]).collect();
+    let best = |f: &mut dyn FnMut()| {
+        (0..7)
+            .map(|_| {
+                let t = Instant::now();
+                f();
+                t.elapsed().as_secs_f64()
+            })
+            .fold(f64::MAX, f64::min)
+    };
+    let gbs = |secs: f64| TOTAL as f64 / secs / 1e9;
+    let mut sink = 0u64;
+    let xxh = best(&mut || sink ^= kvtier_core::format::checksum(std::hint::black_box(&buf)));
+    let mac_key = blake3::derive_key("kvtier shared tier v1", &[7u8; 32]);
+    let b3 = best(&mut || {
+        let mut h = blake3::Hasher::new_keyed(&mac_key);
+        h.update(std::hint::black_box(&buf));
+        sink ^= h.finalize().as_bytes()[0] as u64;
+    });
+    println!("64 MiB, one thread: xxh3-64 {:.1} GB/s, keyed BLAKE3 {:.1} GB/s ({sink})", gbs(xxh), gbs(b3));
+
+    const OBJECT: usize = 2 << 20;
+    let keys_dir = tempfile::tempdir().unwrap();
+    let k = key_file(keys_dir.path(), "bench.key", 32, 0o600);
+    for with_key in [false, true] {
+        let root = tempfile::tempdir().unwrap();
+        let mut c = config(root.path());
+        c.file_target_bytes = 64 << 20;
+        c.key_file = with_key.then(|| k.clone());
+        let stats = Arc::new(Stats::default());
+        let tier = SharedTier::open(&c, Namespace::from_description(b"bench"), OBJECT, stats).unwrap();
+        let n = TOTAL / OBJECT;
+        let keys: Vec<_> = (0..n as u64).map(key).collect();
+        let values: Vec<&[u8]> = (0..n).map(|i| &buf[i * OBJECT..(i + 1) * OBJECT]).collect();
+        let t = Instant::now();
+        assert_eq!(tier.publish_values(&keys, &values).unwrap(), n);
+        tier.flush();
+        let publish = t.elapsed().as_secs_f64();
+        let mut slot = kvtier_core::AlignedBuf::zeroed(tier.slot_bytes());
+        let read = best(&mut || {
+            for k in &keys {
+                assert!(tier.read_into(k, slot.as_mut_slice()).unwrap());
+            }
+        });
+        println!(
+            "tier, {} MiB of 2 MiB blocks, {}: publish {:.2} GB/s (incl. fdatasync), read+verify {:.2} GB/s",
+            TOTAL >> 20,
+            if with_key { "with key" } else { "no key" },
+            gbs(publish),
+            gbs(read)
+        );
+    }
+}

@@ -47,6 +47,10 @@ pub struct SharedConfig {
     pub orphan_tmp_ms: u64,
     /// O_DIRECT policy for data files (auto: probe at start-up, fall back to buffered I/O).
     pub direct_io: DirectIo,
+    /// File holding the deployment key (at least 32 bytes, mode 0600, not on the shared root). When
+    /// set (or, unset, when `KVTIER_SHARED_KEY_FILE` names one), every block and manifest record
+    /// carries a keyed BLAKE3 tag and nothing untagged or tagged with another key is served.
+    pub key_file: Option<PathBuf>,
 }
 
 impl SharedConfig {
@@ -66,6 +70,7 @@ impl SharedConfig {
             publish_queue_bytes: 256 << 20,
             orphan_tmp_ms: 600_000,
             direct_io: DirectIo::Auto,
+            key_file: None,
         }
     }
 
@@ -158,6 +163,9 @@ impl SharedConfig {
                 "shared_publish_queue_bytes",
                 format!("{} cannot hold one block of {slot_bytes} bytes; raise it", self.publish_queue_bytes),
             ));
+        }
+        if self.key_file.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
+            return Err(Error::config("shared_key_file", "empty path; give the key file (or leave it unset)"));
         }
         if self.orphan_tmp_ms < self.grace_ms {
             return Err(Error::config("shared_orphan_tmp_ms", "must be at least shared_grace_ms"));

@@ -4,13 +4,16 @@
 //! Everything here is read from a directory that other machines write, so every parser treats its
 //! input as hostile: lengths are bounded before use, file names are checked against the one pattern
 //! kvtier writes (no path can escape the namespace directory), and nothing is trusted until its
-//! checksum passes. All integers are little-endian; checksums are xxh3-64.
+//! checksum passes. All integers are little-endian; checksums are xxh3-64. With a deployment key
+//! (`shared_key_file`, see [`AuthKey`]) every block and every manifest record also carries a 32-byte
+//! keyed BLAKE3 tag (all zero when written without a key), checked before the block is served or the
+//! record applied.
 //!
 //! Data file `<writer>-<seq>.kvs` (`writer` 16 hex digits, `seq` 8 hex digits):
 //! ```text
 //! header page (4096 bytes)
 //!      0    8 magic            b"KVTSHDR\0"
-//!      8    4 format_version   u32 (1)
+//!      8    4 format_version   u32 (2)
 //!     12    4 reserved (0)
 //!     16   32 namespace        namespace digest
 //!     48    8 object_bytes     u64 (value length of every entry)
@@ -22,12 +25,13 @@
 //!    120    8 header_checksum  xxh3-64 of bytes 0..120
 //!    128 3968 zero padding
 //! entries, from byte 4096, each `slot_bytes` long, exactly an NVMe slot:
-//!      descriptor page (format::descriptor, region_seq = file_seq), value, zero padding to 4096
+//!      descriptor page (format::descriptor, region_seq = file_seq; bytes 128..160 of the page: the
+//!      block tag, `AuthKey::block_tag`, zero without a key), value, zero padding to 4096
 //! footer, from `index_offset` = 4096 + count * slot_bytes to the end of the file
 //!      count * 48 bytes of index entries: key (32), offset u64 (of the entry's descriptor), value_checksum u64
 //!      zero padding so that the file length is a multiple of 4096
 //!      last 64 bytes: the trailer
-//!          0  8 magic b"KVTSFTR\0"   8 4 format_version u32 (1)   12 4 entry_count u32
+//!          0  8 magic b"KVTSFTR\0"   8 4 format_version u32 (2)   12 4 entry_count u32
 //!         16  8 index_offset u64      24 8 index_checksum (xxh3-64 of the index entries)
 //!         32  8 writer_id u64         40 8 file_seq u64            48 8 file_bytes u64
 //!         56  8 trailer_checksum (xxh3-64 of trailer bytes 0..56)
@@ -40,7 +44,21 @@ pub const FILE_HEADER_MAGIC: [u8; 8] = *b"KVTSHDR\0";
 pub const FILE_FOOTER_MAGIC: [u8; 8] = *b"KVTSFTR\0";
 pub const MANIFEST_MAGIC: [u8; 8] = *b"KVTSMAN\0";
 pub const LEASE_MAGIC: [u8; 8] = *b"KVTSLSE\0";
-pub const SHARED_FORMAT_VERSION: u32 = 1;
+/// Version of the data file header and footer trailer. 2: each entry's descriptor page carries the
+/// block tag at `BLOCK_TAG_AT` (version 1 left those bytes zero; readers still accept its entries
+/// when no key is configured, since they read only descriptor pages and values).
+pub const SHARED_FORMAT_VERSION: u32 = 2;
+/// Version of the evictor lease (its layout did not change with the tags).
+pub const LEASE_FORMAT_VERSION: u32 = 1;
+/// Bytes of a keyed BLAKE3 tag (block or manifest record).
+pub const TAG_BYTES: usize = 32;
+/// Offset of the block tag inside an entry's descriptor page (the page's padding: the descriptor
+/// itself, shared with the DRAM and NVMe tiers, is unchanged).
+pub const BLOCK_TAG_AT: usize = crate::format::descriptor::DESCRIPTOR_USED_BYTES;
+/// Context string of `blake3::derive_key`: the 32-byte MAC key is derived from the key file's bytes.
+pub const KEY_DERIVATION_CONTEXT: &str = "kvtier shared tier v1";
+const BLOCK_TAG_DOMAIN: &[u8; 16] = b"kvtier block v1\0";
+const RECORD_TAG_DOMAIN: &[u8; 16] = b"kvtier record v1";
 pub const FILE_HEADER_BYTES: usize = ALIGN_BYTES;
 pub const INDEX_ENTRY_BYTES: usize = 48;
 pub const FOOTER_TRAILER_BYTES: usize = 64;
@@ -231,11 +249,12 @@ impl FooterTrailer {
 // ---- manifest records ----
 //
 // A manifest `manifests/<writer 16 hex>.log` is a sequence of records, each:
-//      0 4 record_bytes u32 (whole record, this field and the checksum included; 16 ..= 64 MiB)
+//      0 4 record_bytes u32 (whole record, this field, the tag and the checksum included; 48 ..= 64 MiB)
 //      4 1 kind u8 (1 header, 2 publish, 3 doom, 4 quarantine, 5 access)
-//      5 1 format_version u8 (1)
+//      5 1 format_version u8 (2; version 1 records, which have no tag, are still read)
 //      6 2 reserved (0)
 //      8 . body (below)
+//   end-40 32 tag: AuthKey::record_tag of bytes 0..end-40 (all zero when written without a key)
 //    end-8 8 checksum: xxh3-64 of bytes 0..end-8
 // Bodies (strings are u16 length + bytes, at most 64 bytes, and must be valid data file names):
 //   header:     magic b"KVTSMAN\0" (8), namespace (32), object_bytes u64, writer_id u64, created_unix_ms u64
@@ -258,7 +277,9 @@ const KIND_PUBLISH: u8 = 2;
 const KIND_DOOM: u8 = 3;
 const KIND_QUARANTINE: u8 = 4;
 const KIND_ACCESS: u8 = 5;
-const RECORD_VERSION: u8 = 1;
+const RECORD_VERSION: u8 = 2;
+/// Records written before the tags (no tag field); read, but never authenticated.
+const RECORD_VERSION_UNTAGGED: u8 = 1;
 const MAX_NAME_BYTES: usize = 64;
 
 fn push_name(out: &mut Vec<u8>, name: &str) {
@@ -267,7 +288,13 @@ fn push_name(out: &mut Vec<u8>, name: &str) {
 }
 
 impl Record {
+    /// Encodes the record with an all-zero tag (no key); see `encode_tagged`.
     pub fn encode(&self) -> Vec<u8> {
+        self.encode_tagged(None)
+    }
+
+    /// Encodes the record; with `auth` (key, namespace, writer id of the manifest) its tag is set.
+    pub fn encode_tagged(&self, auth: Option<(&AuthKey, &Namespace, u64)>) -> Vec<u8> {
         let mut out = vec![0u8; 8];
         let kind = match self {
             Record::Header { namespace, object_bytes, writer_id, created_unix_ms } => {
@@ -311,10 +338,15 @@ impl Record {
                 KIND_ACCESS
             }
         };
-        let total = out.len() + 8;
+        let total = out.len() + TAG_BYTES + 8;
         put_u32(&mut out, 0, total as u32);
         out[4] = kind;
         out[5] = RECORD_VERSION;
+        let tag = match auth {
+            Some((key, namespace, writer_id)) => key.record_tag(namespace, writer_id, &out),
+            None => [0u8; TAG_BYTES],
+        };
+        out.extend_from_slice(&tag);
         let sum = checksum(&out);
         out.extend_from_slice(&sum.to_le_bytes());
         out
@@ -337,10 +369,13 @@ impl Record {
         if checksum(&r[..total - 8]) != get_u64(r, total - 8) {
             return Err(ParseError::BodyChecksum("manifest record"));
         }
-        if r[5] != RECORD_VERSION {
-            return Err(ParseError::Version(r[5] as u32));
-        }
-        let mut cur = Cursor { b: &r[..total - 8], at: 8 };
+        let body_end = match r[5] {
+            RECORD_VERSION if total >= 8 + TAG_BYTES + 8 => total - TAG_BYTES - 8,
+            RECORD_VERSION => return Err(ParseError::OutOfRange("record_bytes")),
+            RECORD_VERSION_UNTAGGED => total - 8,
+            v => return Err(ParseError::Version(v as u32)),
+        };
+        let mut cur = Cursor { b: &r[..body_end], at: 8 };
         let record = match r[4] {
             KIND_HEADER => {
                 if cur.take(8)? != MANIFEST_MAGIC {
@@ -387,6 +422,66 @@ impl Record {
             _ => return Err(ParseError::OutOfRange("kind")),
         };
         Ok(Some((record, total)))
+    }
+}
+
+/// The deployment key of the shared tier: 32 bytes derived from the key file with
+/// `blake3::derive_key(KEY_DERIVATION_CONTEXT, file bytes)`. Tags are keyed BLAKE3 (`blake3::keyed_hash`
+/// of the concatenation below, fed incrementally) and compared in constant time.
+#[derive(Clone)]
+pub struct AuthKey([u8; 32]);
+
+impl std::fmt::Debug for AuthKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AuthKey(..)")
+    }
+}
+
+impl AuthKey {
+    pub fn derive(key_file_bytes: &[u8]) -> Self {
+        AuthKey(blake3::derive_key(KEY_DERIVATION_CONTEXT, key_file_bytes))
+    }
+
+    /// Tag of a block: keyed BLAKE3 of `b"kvtier block v1\0"` (16), namespace (32), key (32),
+    /// value_bytes u64, then the value itself (not only its xxh3, which is no MAC and can be collided).
+    pub fn block_tag(&self, namespace: &Namespace, key: &BlockKey, value: &[u8]) -> [u8; TAG_BYTES] {
+        let mut h = blake3::Hasher::new_keyed(&self.0);
+        h.update(BLOCK_TAG_DOMAIN);
+        h.update(&namespace.0);
+        h.update(&key.0);
+        h.update(&(value.len() as u64).to_le_bytes());
+        h.update(value);
+        *h.finalize().as_bytes()
+    }
+
+    /// Tag of a manifest record: keyed BLAKE3 of `b"kvtier record v1"` (16), namespace (32), the
+    /// writer id u64 of the manifest it is in (its file name), then the record's bytes 0..end-40.
+    pub fn record_tag(&self, namespace: &Namespace, writer_id: u64, record_head: &[u8]) -> [u8; TAG_BYTES] {
+        let mut h = blake3::Hasher::new_keyed(&self.0);
+        h.update(RECORD_TAG_DOMAIN);
+        h.update(&namespace.0);
+        h.update(&writer_id.to_le_bytes());
+        h.update(record_head);
+        *h.finalize().as_bytes()
+    }
+
+    /// Whether the block's tag (at `BLOCK_TAG_AT` of its descriptor page) is ours for this value.
+    pub fn verify_block(&self, namespace: &Namespace, key: &BlockKey, page: &[u8], value: &[u8]) -> bool {
+        let Some(stored) = page.get(BLOCK_TAG_AT..BLOCK_TAG_AT + TAG_BYTES) else { return false };
+        let stored: [u8; TAG_BYTES] = stored.try_into().unwrap();
+        blake3::Hash::from(self.block_tag(namespace, key, value)) == stored
+    }
+
+    /// Whether `record` (one whole encoded record, as `Record::decode` measured it) is a tagged record
+    /// written with this key by `writer_id`'s manifest in this namespace. Untagged (version 1) records fail.
+    pub fn verify_record(&self, namespace: &Namespace, writer_id: u64, record: &[u8]) -> bool {
+        let total = record.len();
+        if total < 8 + TAG_BYTES + 8 || record[5] != RECORD_VERSION {
+            return false;
+        }
+        let head = &record[..total - TAG_BYTES - 8];
+        let stored: [u8; TAG_BYTES] = record[total - TAG_BYTES - 8..total - 8].try_into().unwrap();
+        blake3::Hash::from(self.record_tag(namespace, writer_id, head)) == stored
     }
 }
 
@@ -440,7 +535,7 @@ impl Lease {
     pub fn encode(&self) -> [u8; LEASE_BYTES] {
         let mut out = [0u8; LEASE_BYTES];
         out[0..8].copy_from_slice(&LEASE_MAGIC);
-        put_u32(&mut out, 8, SHARED_FORMAT_VERSION);
+        put_u32(&mut out, 8, LEASE_FORMAT_VERSION);
         put_u64(&mut out, 16, self.generation);
         put_u64(&mut out, 24, self.holder);
         put_u64(&mut out, 32, self.expires_unix_ms);
@@ -457,7 +552,7 @@ impl Lease {
         if b[0..8] != LEASE_MAGIC {
             return Err(ParseError::BadMagic);
         }
-        if get_u32(b, 8) != SHARED_FORMAT_VERSION {
+        if get_u32(b, 8) != LEASE_FORMAT_VERSION {
             return Err(ParseError::Version(get_u32(b, 8)));
         }
         if checksum(&b[..56]) != get_u64(b, 56) {
@@ -514,6 +609,39 @@ mod tests {
         assert!(Record::decode(&bad).is_err());
         assert!(valid_data_file_name(&data_file_name(u64::MAX, 5)));
         assert!(!valid_data_file_name("0000000000000001-0000000/.kvs"));
+    }
+
+    #[test]
+    fn record_tags_bind_key_namespace_and_writer() {
+        let k = AuthKey::derive(&[1u8; 32]);
+        let other = AuthKey::derive(&[2u8; 32]);
+        let ns = Namespace([3; 32]);
+        let r = Record::Doom { at_unix_ms: 5, names: vec![data_file_name(1, 2)] };
+        let tagged = r.encode_tagged(Some((&k, &ns, 7)));
+        assert_eq!(Record::decode(&tagged).unwrap().unwrap(), (r.clone(), tagged.len()));
+        assert!(k.verify_record(&ns, 7, &tagged));
+        assert!(!k.verify_record(&ns, 8, &tagged), "replayed into another writer's manifest");
+        assert!(!k.verify_record(&Namespace([4; 32]), 7, &tagged));
+        assert!(!other.verify_record(&ns, 7, &tagged));
+        assert!(!k.verify_record(&ns, 7, &r.encode()), "untagged");
+        // A version 1 record (no tag) still decodes, and never verifies.
+        let mut v1 = r.encode();
+        v1.drain(v1.len() - 8 - TAG_BYTES..v1.len() - 8);
+        let n = v1.len();
+        put_u32(&mut v1, 0, n as u32);
+        v1[5] = RECORD_VERSION_UNTAGGED;
+        let sum = checksum(&v1[..n - 8]);
+        put_u64(&mut v1, n - 8, sum);
+        assert_eq!(Record::decode(&v1).unwrap().unwrap(), (r, n));
+        assert!(!k.verify_record(&ns, 7, &v1));
+        let mut page = vec![0u8; 4096];
+        let value = vec![9u8; 100];
+        let tag = k.block_tag(&ns, &BlockKey([1; 32]), &value);
+        page[BLOCK_TAG_AT..BLOCK_TAG_AT + TAG_BYTES].copy_from_slice(&tag);
+        assert!(k.verify_block(&ns, &BlockKey([1; 32]), &page, &value));
+        assert!(!k.verify_block(&ns, &BlockKey([2; 32]), &page, &value));
+        assert!(!k.verify_block(&ns, &BlockKey([1; 32]), &page, &value[..99]));
+        assert!(!other.verify_block(&ns, &BlockKey([1; 32]), &page, &value));
     }
 
     #[test]

@@ -36,6 +36,8 @@ pub struct ManifestCursor {
     /// `Some(false)`: its header names another namespace or object size; ignored from then on.
     pub accepted: Option<bool>,
     pub warned: bool,
+    /// Records without a valid tag were logged once (a deployment key is configured).
+    pub auth_warned: bool,
 }
 
 #[derive(Default)]

@@ -14,6 +14,9 @@
 //! ```
 //!
 //! - [`format`]: the bytes. [`index`]: the in-memory index fed by manifest records.
+//! - [`auth`]: the optional deployment key; with it every block and manifest record carries a keyed
+//!   BLAKE3 tag, and anything without a valid one is never served nor applied
+//!   (`shared_auth_failures`, its file quarantined).
 //! - [`capacity`]: usage measurement, the evictor lease, eviction with a grace period, orphan sweeps.
 //! - [`publisher`]: the store's background thread batching accepted blocks into files.
 //!
@@ -21,6 +24,7 @@
 //! `staleness_ms / 2`, records file accesses, publishes files that waited `publish_delay_ms` and runs
 //! the capacity rules.
 
+pub mod auth;
 pub mod capacity;
 pub mod config;
 pub mod format;
@@ -37,7 +41,10 @@ use crate::format::{checksum, round_up, ALIGN_BYTES};
 use crate::io::buffer::AlignedBuf;
 use crate::key::{BlockKey, Namespace};
 use crate::stats::Stats;
-use format::{data_file_name, fanout_dir, unix_ms, FileHeader, IndexEntry, Record, FILE_HEADER_BYTES};
+use format::{
+    data_file_name, fanout_dir, unix_ms, AuthKey, FileHeader, IndexEntry, Record, BLOCK_TAG_AT, FILE_HEADER_BYTES,
+    TAG_BYTES,
+};
 use index::{FileId, Index};
 use parking_lot::{Condvar, Mutex, RwLock};
 use std::collections::{HashMap, HashSet};
@@ -106,6 +113,9 @@ pub struct SharedTier {
     writer_id: u64,
     dir: PathBuf,
     direct: bool,
+    /// The deployment key (`shared_key_file`): when set, blocks and manifest records are tagged on
+    /// write and verified before use.
+    auth: Option<AuthKey>,
     stats: Arc<Stats>,
     index: RwLock<Index>,
     manifest: Mutex<ManifestWriter>,
@@ -144,6 +154,7 @@ impl SharedTier {
         let slot_bytes = DESCRIPTOR_BYTES + round_up(object_bytes, ALIGN_BYTES);
         config.validate(slot_bytes)?;
         check_root(config)?;
+        let auth = auth::load_key(config)?;
         let dir = config.root.join(namespace.hex());
         for sub in ["", "data", "tmp", "manifests", "quarantine", "lease"] {
             make_dir(config, &dir.join(sub))?;
@@ -160,6 +171,7 @@ impl SharedTier {
             writer_id,
             dir,
             direct,
+            auth,
             stats,
             index: RwLock::new(Index::default()),
             manifest: Mutex::new(ManifestWriter { file: Some(manifest_file), path: manifest_path, len: 0 }),
@@ -191,14 +203,19 @@ impl SharedTier {
             let index = tier.index.read();
             log::info!(
                 "kvtier: shared tier open at {} (writer {writer_id:016x}): {} blocks in {} files indexed from manifests in \
-                 {:.0} ms; usage {:.1}% of {} bytes; O_DIRECT {}",
+                 {:.0} ms; usage {:.1}% of {} bytes; O_DIRECT {}; {}",
                 tier.dir.display(),
                 index.key_count(),
                 index.files().count(),
                 started.elapsed().as_secs_f64() * 1e3,
                 usage.fraction() * 100.0,
                 usage.capacity_bytes,
-                if direct { "on" } else { "off" }
+                if direct { "on" } else { "off" },
+                if tier.auth.is_some() {
+                    "blocks and records authenticated with the deployment key"
+                } else {
+                    "no deployment key: trusting everyone who can write the shared root"
+                }
             );
         }
         tier.start_maintenance()?;
@@ -258,6 +275,11 @@ impl SharedTier {
 
     pub fn object_bytes(&self) -> usize {
         self.object_bytes
+    }
+
+    /// Whether a deployment key is configured (blocks and manifest records are authenticated).
+    pub fn authenticated(&self) -> bool {
+        self.auth.is_some()
     }
 
     /// Whether data files are read and written with O_DIRECT (probed at open).
@@ -351,6 +373,17 @@ impl SharedTier {
             Stats::add(&self.stats.shared_misses, 1);
             return Ok(false);
         }
+        if let Some(auth) = &self.auth {
+            let (page, value) = slot[..DESCRIPTOR_BYTES + self.object_bytes].split_at(DESCRIPTOR_BYTES);
+            if !auth.verify_block(&self.namespace, key, page, value) {
+                Stats::add(&self.stats.shared_auth_failures, 1);
+                self.quarantine(&name, "block tag does not verify: written without the deployment key or with another");
+                Stats::add(&self.stats.shared_misses, 1);
+                return Ok(false);
+            }
+        }
+        // The tag belongs to the shared file: the DRAM slot's padding stays zero as elsewhere.
+        slot[BLOCK_TAG_AT..BLOCK_TAG_AT + TAG_BYTES].fill(0);
         Stats::add(&self.stats.shared_hits, 1);
         Stats::add(&self.stats.shared_bytes_read, self.slot_bytes as u64);
         self.pending_access.lock().insert(name, unix_ms());
@@ -439,14 +472,43 @@ impl SharedTier {
         let _ = self.append_records(&[Record::Quarantine { at_unix_ms: unix_ms(), names: vec![name.to_string()] }]);
     }
 
+    /// Quarantines a data file named by a manifest record that failed authentication (it was never
+    /// indexed here): moved to `quarantine/` and a quarantine record appended, so that keyless
+    /// processes on the same root drop it too. Counted once.
+    fn quarantine_unauthenticated(&self, name: &str) {
+        let first = {
+            let mut index = self.index.write();
+            let first = !index.is_gone(name);
+            if let Some(id) = index.file_id(name) {
+                self.read_handles.lock().remove(&id);
+            }
+            index.remove_file(name);
+            first
+        };
+        if !first {
+            return;
+        }
+        match std::fs::rename(self.data_path(name), self.dir.join("quarantine").join(name)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == ErrorKind::NotFound => return,
+            Err(e) => {
+                log::warn!("kvtier: moving {name} to quarantine failed: {e}");
+                return;
+            }
+        }
+        Stats::add(&self.stats.shared_quarantined_files, 1);
+        let _ = self.append_records(&[Record::Quarantine { at_unix_ms: unix_ms(), names: vec![name.to_string()] }]);
+    }
+
     // ---- manifests ----
 
     /// Appends records to this writer's manifest in one write, then fdatasync. On failure the
     /// manifest is cut back so readers never see a torn record followed by good ones.
     pub(crate) fn append_records(&self, records: &[Record]) -> Result<()> {
         let mut bytes = Vec::new();
+        let auth = self.auth.as_ref().map(|k| (k, &self.namespace, self.writer_id));
         for r in records {
-            bytes.extend(r.encode());
+            bytes.extend(r.encode_tagged(auth));
         }
         let mut m = self.manifest.lock();
         let len = m.len;
@@ -474,6 +536,7 @@ impl SharedTier {
         let dir = self.dir.join("manifests");
         let entries = std::fs::read_dir(&dir).map_err(io_err(format!("listing {}", dir.display())))?;
         let mut progressed = false;
+        let mut forged_files = Vec::new();
         for entry in entries.flatten() {
             let name = entry.file_name();
             let Some(writer) = name.to_str().and_then(parse_manifest_name) else { continue };
@@ -506,10 +569,26 @@ impl SharedTier {
             };
             let mut at = 0;
             let mut records = Vec::new();
+            let mut rejected = 0u64;
             loop {
                 match Record::decode(&buf[at..got]) {
                     Ok(Some((r, n))) => {
-                        records.push(r);
+                        let authentic = self
+                            .auth
+                            .as_ref()
+                            .is_none_or(|k| k.verify_record(&self.namespace, writer, &buf[at..at + n]));
+                        if authentic {
+                            records.push(r);
+                        } else {
+                            rejected += 1;
+                            // The files such a record publishes are named after its manifest's writer
+                            // (names are never reused): they are that writer's, and unauthenticated.
+                            if let Record::Publish { name, .. } = &r {
+                                if name.starts_with(&format!("{writer:016x}-")) {
+                                    forged_files.push(name.clone());
+                                }
+                            }
+                        }
                         at += n;
                     }
                     Ok(None) => break,
@@ -532,10 +611,25 @@ impl SharedTier {
             }
             progressed = true;
             let mut index = self.index.write();
+            if rejected > 0 {
+                Stats::add(&self.stats.shared_auth_failures, rejected);
+                let cursor = index.cursors.entry(writer).or_default();
+                if !cursor.auth_warned {
+                    cursor.auth_warned = true;
+                    log::warn!(
+                        "kvtier: manifest {} has {rejected} records without a valid tag (written without the deployment \
+                         key or with another); ignoring them and quarantining the files they publish",
+                        entry.path().display()
+                    );
+                }
+            }
             for r in records {
                 index.apply(writer, r, &self.namespace, self.object_bytes as u64);
             }
             index.cursors.entry(writer).or_default().offset = offset + at as u64;
+        }
+        for name in forged_files {
+            self.quarantine_unauthenticated(&name);
         }
         Ok(progressed)
     }
@@ -700,6 +794,13 @@ impl SharedTier {
         if ok {
             desc.region_seq = file_seq;
             desc.encode(&mut slot[..DESCRIPTOR_BYTES]);
+            let tag = match &self.auth {
+                Some(k) => {
+                    k.block_tag(&self.namespace, key, &slot[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + self.object_bytes])
+                }
+                None => [0u8; TAG_BYTES],
+            };
+            slot[BLOCK_TAG_AT..BLOCK_TAG_AT + TAG_BYTES].copy_from_slice(&tag);
         }
         ok
     }
