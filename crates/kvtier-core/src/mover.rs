@@ -476,10 +476,9 @@ pub enum Reservation {
     Dropped,
 }
 
-/// Waits (at most `slot_wait_ms`) until the NVMe write backlog admits a put, as a local put does;
-/// `false` if it did not in time.
-pub(crate) fn wait_for_put_room(sh: &Shared) -> bool {
-    let deadline = Instant::now() + Duration::from_millis(sh.config.slot_wait_ms);
+/// Waits until the NVMe write backlog admits a put, as a local put does; `false` if it did not by
+/// `deadline`.
+pub(crate) fn wait_for_put_room(sh: &Shared, deadline: Instant) -> bool {
     let mut cat = sh.catalog.lock();
     while !cat.has_put_room() {
         if sh.changed.wait_until(&mut cat, deadline).timed_out() {
@@ -490,20 +489,16 @@ pub(crate) fn wait_for_put_room(sh: &Shared) -> bool {
 }
 
 /// Reserves DRAM slots for blocks that other processes fill through the shared pool. Never waits:
-/// a block with no slot now is dropped (counted); see `wait_for_put_room` to wait first.
+/// a block with no slot now is `Dropped` (not counted: the caller may wait and try again).
 pub(crate) fn reserve_puts(sh: &Shared, keys: &[BlockKey]) -> Vec<Reservation> {
     let mut cat = sh.catalog.lock();
-    let reservations: Vec<Reservation> = keys
-        .iter()
+    keys.iter()
         .map(|key| match cat.plan_put(key) {
             PutStep::Present => Reservation::Present,
             PutStep::Fill { slot, sequence } => Reservation::Fill { slot, sequence },
             PutStep::NoSlot => Reservation::Dropped,
         })
-        .collect();
-    let dropped = reservations.iter().filter(|r| **r == Reservation::Dropped).count();
-    Stats::add(&sh.stats.dropped_stores, dropped as u64);
-    reservations
+        .collect()
 }
 
 /// The reserved slots were filled: checksums their values (the writers are other processes, so the

@@ -561,16 +561,27 @@ impl Store {
     }
 
     /// Reserves a DRAM slot per block for writers in other processes. Never waits: a block with no
-    /// slot to be had is dropped (counted). Commit or abort every `Fill`.
-    pub fn reserve_puts(&self, keys: &[BlockKey]) -> Result<Vec<Reservation>> {
+    /// slot to be had now is `Dropped`, and not counted (the caller may wait and retry; it counts
+    /// its final drops with `count_dropped_stores`). Commit or abort every `Fill`.
+    pub fn try_reserve_puts(&self, keys: &[BlockKey]) -> Result<Vec<Reservation>> {
         self.check_open()?;
         Ok(reserve_puts(&self.shared, keys))
     }
 
-    /// Waits (at most `slot_wait_ms`) until the NVMe write backlog admits a put; `false` on timeout.
-    /// Call it before `reserve_puts` without holding anything the writers need.
-    pub fn wait_for_put_room(&self) -> bool {
-        wait_for_put_room(&self.shared)
+    /// Counts stores given up (`dropped_stores`).
+    pub fn count_dropped_stores(&self, blocks: u64) {
+        Stats::add(&self.shared.stats.dropped_stores, blocks);
+    }
+
+    /// How long a put may wait for room (`slot_wait_ms`).
+    pub fn slot_wait_ms(&self) -> u64 {
+        self.shared.config.slot_wait_ms
+    }
+
+    /// Waits until the NVMe write backlog admits a put; `false` if it did not by `deadline`. Call it
+    /// before `try_reserve_puts` without holding anything the writers need.
+    pub fn wait_for_put_room_until(&self, deadline: Instant) -> bool {
+        wait_for_put_room(&self.shared, deadline)
     }
 
     /// The reserved slots' values are complete: (key, slot, sequence) of each `Fill`.

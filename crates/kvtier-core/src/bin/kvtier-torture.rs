@@ -8,7 +8,7 @@
 //! `kvtier-torture writer ...` is the child it spawns.
 //!
 //! `--service`: the child runs the host service instead of a bare store, and two clients (ranks 0
-//! and 1 of a TP=2 engine) store each half of every block through the shared pool; the kill takes
+//! and 1 of a TP=2 engine, in two threads) store each half of every block through the shared pool; the kill takes
 //! the service down between acknowledged stores and their NVMe writes, and the harness restarts a
 //! service on the same directory and loads every block through it.
 
@@ -82,22 +82,23 @@ impl ServiceBlocks {
         ServiceBlocks { ranks: [rank(0), rank(1)], _service: service }
     }
 
-    /// Per block: both ranks' slices accepted.
+    /// Per block: both ranks' slices accepted. The ranks store in parallel, as TP workers do.
     fn put(&mut self, keys: &[BlockKey], values: &[Vec<u8>]) -> Vec<bool> {
-        let mut accepted = vec![true; keys.len()];
-        for (r, client) in self.ranks.iter_mut().enumerate() {
+        let [rank0, rank1] = &mut self.ranks;
+        let store = |r: usize, client: &mut Client| {
             let halves: Vec<BlockBuffer> = values
                 .iter()
                 .map(|v| BlockBuffer::single(v[r * SLICE_BYTES..].as_ptr() as *mut u8, SLICE_BYTES))
                 .collect();
             // SAFETY: the values outlive the call and are only read.
-            let stored = unsafe { client.store_blocks(keys, &halves).expect("store") };
-            for (all, ok) in accepted.iter_mut().zip(stored) {
-                *all &= ok;
-            }
-        }
+            unsafe { client.store_blocks(keys, &halves).expect("store") }
+        };
+        let (first, second) = std::thread::scope(|scope| {
+            let other = scope.spawn(|| store(1, rank1));
+            (store(0, rank0), other.join().expect("rank 1"))
+        });
         self.ranks[0].flush().expect("flush");
-        accepted
+        first.iter().zip(&second).map(|(&a, &b)| a && b).collect()
     }
 
     /// The block's bytes if both halves load.

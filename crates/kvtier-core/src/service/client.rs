@@ -255,29 +255,59 @@ impl Client {
         Ok(attached)
     }
 
-    /// Stores this rank's slice of each block: reserve slots, copy into the pool, commit. `true` per
+    /// Stores this rank's slice of each block: reserve slots, copy into the pool, commit; blocks the
+    /// service had no room for yet are reserved again once the others are committed. `true` per
     /// block accepted or already stored. A block is visible once every rank committed its slice.
     ///
     /// # Safety
     /// Every source segment must be valid for reading for the duration of the call.
     pub unsafe fn store_blocks(&mut self, keys: &[BlockKey], sources: &[BlockBuffer]) -> Result<Vec<bool>> {
-        let attached = self.check_buffers(keys, sources)?.clone();
+        self.check_buffers(keys, sources)?;
+        let mut results = vec![false; keys.len()];
+        let mut pending: Vec<usize> = (0..keys.len()).collect();
+        // Each round commits at least one block or ends: bounded by the number of blocks.
+        while !pending.is_empty() {
+            let round: Vec<BlockKey> = pending.iter().map(|&i| keys[i]).collect();
+            let retry = self.store_round(&round, &pending, sources, &mut results)?;
+            if retry.len() == pending.len() {
+                break; // no progress: the service keeps saying "no room now"
+            }
+            pending = retry;
+        }
+        Ok(results)
+    }
+
+    /// One reserve / copy / commit round over `indices`; returns the indices to reserve again.
+    unsafe fn store_round(
+        &mut self,
+        keys: &[BlockKey],
+        indices: &[usize],
+        sources: &[BlockBuffer],
+        results: &mut [bool],
+    ) -> Result<Vec<usize>> {
+        let attached = self.attached.clone().expect("checked by check_buffers");
         let body = self.call(Op::Reserve, |w| {
             w.keys(keys);
         })?;
         let reservations = self.parse(&body, |r| {
             (0..keys.len()).map(|_| Ok((r.u8()?, r.u32()?))).collect::<std::result::Result<Vec<_>, _>>()
         })?;
-        let mut results: Vec<bool> = reservations.iter().map(|&(kind, _)| kind == 1).collect();
-        let mut filled = Vec::new();
-        let mut filled_at = Vec::new();
-        let mut bad = Vec::new();
-        for (i, &(kind, slot)) in reservations.iter().enumerate() {
-            if kind != 0 {
-                continue;
+        let (mut filled, mut filled_at, mut retry, mut bad) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for ((&key, &i), &(kind, slot)) in keys.iter().zip(indices).zip(&reservations) {
+            match kind {
+                0 => {}
+                1 => {
+                    results[i] = true;
+                    continue;
+                }
+                3 => {
+                    retry.push(i);
+                    continue;
+                }
+                _ => continue,
             }
             let Some(at) = attached.slice_offset(slot) else {
-                bad.push(keys[i]);
+                bad.push(key);
                 continue;
             };
             let pool = self.pool.as_ref().expect("mapped at hello");
@@ -286,7 +316,7 @@ impl Client {
                 std::ptr::copy_nonoverlapping(src, dst, len);
                 dst = dst.add(len);
             }
-            filled.push(keys[i]);
+            filled.push(key);
             filled_at.push(i);
         }
         if !bad.is_empty() {
@@ -307,7 +337,7 @@ impl Client {
                 results[i] = ok != 0;
             }
         }
-        Ok(results)
+        Ok(retry)
     }
 
     /// Loads this rank's slice of each block out of the pool (the service first makes each block

@@ -68,6 +68,20 @@ struct Fill {
     since: Instant,
 }
 
+impl Fill {
+    fn new(slot: u32, sequence: u64) -> Fill {
+        Fill {
+            slot,
+            sequence,
+            reserved_ranks: 0,
+            committed_ranks: 0,
+            holders: 0,
+            aborted: false,
+            since: Instant::now(),
+        }
+    }
+}
+
 struct Namespaced {
     store: Store,
     tp_size: u32,
@@ -523,61 +537,76 @@ impl Session {
         }
     }
 
-    /// Per key `(kind, slot)`: 0 fill this slot, 1 present, 2 dropped.
+    /// Per key `(kind, slot)`: 0 fill this slot, 1 present, 2 dropped, 3 no room now: fill and
+    /// commit what you got, then reserve these again.
+    ///
+    /// A block another rank reserved is taken at once (its slot exists). A new block needs room in
+    /// the NVMe write backlog. When there is none, a connection that holds reservations it has not
+    /// committed gets "no room now" (its own commits are what frees room: waiting would deadlock on
+    /// itself); one that holds none waits like a local put (at most `slot_wait_ms`) for other ranks'
+    /// commits or for NVMe writes to drain, without holding the fills lock.
     fn reserve(&mut self, keys: &[BlockKey]) -> Result<Vec<(u8, u32)>> {
         let bit = 1u64 << self.rank;
-        // Like a local put, a reservation waits (bounded) for the NVMe backlog to admit it, without
-        // holding the fills lock that other ranks' commits need, but only while no fill is pending:
-        // the backlog may then be full of blocks waiting for this very rank's slices, and waiting
-        // would only delay them (the writes of committed blocks always drain).
-        if self.ns.fills.lock().is_empty() {
-            self.ns.store.wait_for_put_room();
-        }
-        let mut fills = self.ns.fills.lock();
-        let mut seen = std::collections::HashSet::new();
-        let fresh: Vec<BlockKey> =
-            keys.iter().filter(|k| !fills.contains_key(k) && seen.insert(**k)).copied().collect();
-        let mut reserved: HashMap<BlockKey, Reservation> =
-            fresh.iter().copied().zip(self.ns.store.reserve_puts(&fresh)?).collect();
-        let mut out = Vec::with_capacity(keys.len());
-        for key in keys {
-            match reserved.remove(key) {
-                Some(Reservation::Fill { slot, sequence }) => {
-                    let fill = Fill {
-                        slot,
-                        sequence,
-                        reserved_ranks: 0,
-                        committed_ranks: 0,
-                        holders: 0,
-                        aborted: false,
-                        since: Instant::now(),
-                    };
-                    fills.insert(*key, fill);
-                }
-                Some(Reservation::Present) => {
-                    out.push((1, NO_SLOT));
+        let deadline = Instant::now() + Duration::from_millis(self.ns.store.slot_wait_ms());
+        let mut out: Vec<Option<(u8, u32)>> = vec![None; keys.len()];
+        loop {
+            let mut fills = self.ns.fills.lock();
+            let mut seen = std::collections::HashSet::new();
+            let fresh: Vec<BlockKey> = keys
+                .iter()
+                .zip(&out)
+                .filter(|(k, decided)| decided.is_none() && !fills.contains_key(k) && seen.insert(**k))
+                .map(|(k, _)| *k)
+                .collect();
+            let mut reserved: HashMap<BlockKey, Reservation> =
+                fresh.iter().copied().zip(self.ns.store.try_reserve_puts(&fresh)?).collect();
+            let mut short_of_room = false;
+            for (key, decided) in keys.iter().zip(out.iter_mut()) {
+                if decided.is_some() {
                     continue;
                 }
-                Some(Reservation::Dropped) => {
-                    out.push((2, NO_SLOT));
+                match reserved.remove(key) {
+                    Some(Reservation::Fill { slot, sequence }) => {
+                        fills.insert(*key, Fill::new(slot, sequence));
+                    }
+                    Some(Reservation::Present) => {
+                        *decided = Some((1, NO_SLOT));
+                        continue;
+                    }
+                    Some(Reservation::Dropped) => {
+                        short_of_room = true;
+                        continue;
+                    }
+                    None => {}
+                }
+                let Some(fill) = fills.get_mut(key) else { continue };
+                if fill.aborted || fill.reserved_ranks & bit != 0 {
+                    *decided = Some((2, NO_SLOT)); // a repeated reserve by one rank, or a fill being given up
                     continue;
                 }
-                None => {}
+                fill.reserved_ranks |= bit;
+                fill.holders += 1;
+                self.reserved.push(*key);
+                *decided = Some((0, fill.slot));
             }
-            let Some(fill) = fills.get_mut(key) else {
-                out.push((2, NO_SLOT));
-                continue;
-            };
-            if fill.aborted || fill.reserved_ranks & bit != 0 {
-                out.push((2, NO_SLOT)); // a repeated reserve by one rank, or a fill being given up
-                continue;
+            drop(fills);
+            if !short_of_room {
+                break;
             }
-            fill.reserved_ranks |= bit;
-            fill.holders += 1;
-            self.reserved.push(*key);
-            out.push((0, fill.slot));
+            if !self.reserved.is_empty() {
+                // Its own commits free room: the client fills and commits, then asks again.
+                for decided in out.iter_mut().filter(|d| d.is_none()) {
+                    *decided = Some((3, NO_SLOT));
+                }
+                break;
+            }
+            if Instant::now() >= deadline || !self.ns.store.wait_for_put_room_until(deadline) {
+                break;
+            }
         }
-        Ok(out)
+        let dropped = out.iter().filter(|d| d.is_none_or(|(kind, _)| kind == 2)).count();
+        self.ns.store.count_dropped_stores(dropped as u64);
+        Ok(out.into_iter().map(|d| d.unwrap_or((2, NO_SLOT))).collect())
     }
 
     fn commit(&mut self, keys: &[BlockKey]) -> Result<Vec<bool>> {
