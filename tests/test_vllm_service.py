@@ -79,12 +79,27 @@ def stats(socket_path: Path) -> dict[str, int]:
     return kvtier_service.service_stats(socket_path)
 
 
+def settle(engine: Engine, socket_path: Path, limit_s: float = 120) -> None:
+    """Engine steps until the service has taken every store: no fill pending (a TP rank's slice
+    still coming) and no new puts since the last look."""
+    deadline = time.monotonic() + limit_s
+    last_puts = -1
+    while time.monotonic() < deadline:
+        engine.call(op="settle")
+        now = stats(socket_path)
+        if now.get("service_pending_fills", 0) == 0 and now.get("puts", 0) == last_puts:
+            return
+        last_puts = now.get("puts", 0)
+        time.sleep(0.3)
+    raise AssertionError(f"stores still in flight after {limit_s} s")
+
+
 def test_defaults_hit_after_prefix_cache_reset(engine_a, socket_path):
     """vLLM's defaults (multiprocess engine core and executor): stored, evicted from vLLM's own
     cache, restored from kvtier's pool with the same greedy output."""
     first = engine_a.generate(seed=1, blocks=5)
     assert first["cached"] == 0
-    engine_a.call(op="settle")
+    settle(engine_a, socket_path)
     before = stats(socket_path)
     assert before["puts"] >= 5 and before["service_namespaces"] == 1
     assert engine_a.call(op="reset")["ok"]
@@ -98,7 +113,7 @@ def test_a_second_engine_hits_the_first_engines_prefix_in_dram_and_so_does_a_res
     engine_a, store_dir, socket_path, tmp_path
 ):
     computed = engine_a.generate(seed=2, blocks=4)
-    engine_a.call(op="settle")
+    settle(engine_a, socket_path)
     for name in ("b", "b-restarted"):
         before = stats(socket_path)
         other = Engine(store_dir, tmp_path, name)
@@ -117,7 +132,7 @@ def test_tensor_parallel_hit_matches_a_tensor_parallel_recompute(store_dir, sock
     engine = Engine(store_dir, tmp_path, "tp2", tp_size=2)
     try:
         first = engine.generate(seed=3, blocks=5)
-        engine.call(op="settle")
+        settle(engine, socket_path)
         assert engine.call(op="reset")["ok"]
         again = engine.generate(seed=3, blocks=5)
     finally:
