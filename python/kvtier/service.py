@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--option", action="append", type=_parse_option, default=[], help="Store.open option NAME=VALUE"
     )
     parser.add_argument("--options-json", default="{}", help="Store.open options as a JSON object")
-    parser.add_argument("--fill-timeout-ms", type=int, default=30_000, help="give up a rank's missing slice after this")
+    parser.add_argument("--fill-timeout-ms", type=int, default=10_000, help="give up a rank's missing slice after this")
     args = parser.parse_args(list(argv) if argv is not None else None)
     options = {**json.loads(args.options_json), **dict(args.option)}
     socket = Path(args.socket) if args.socket else default_socket_path(args.path)

@@ -227,3 +227,52 @@ fn a_socket_directory_others_can_write_is_refused() {
     let err = Service::start(config).err().expect("a world-writable socket directory");
     assert!(err.to_string().contains("closed to writes by others"), "{err}");
 }
+
+/// Rank 0 gives a block up for want of room in the NVMe backlog; rank 1, coming later when there
+/// is room, must give it up too rather than fill a slot that rank 0 will never complete (such an
+/// orphan held a slot and backlog room until the fill timeout, and starved the blocks after it).
+#[test]
+fn a_block_one_rank_gave_up_is_given_up_by_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store_config = StoreConfig::new(dir.path().join("store"), 1);
+    store_config.dram_bytes = 4 * (2 * SLICE + 4096); // 4 slots: room for 2 blocks in the NVMe backlog
+    store_config.nvme_bytes = 4 << 20;
+    store_config.region_bytes = 1 << 20;
+    store_config.slot_wait_ms = 200;
+    store_config.staging_slots = 2;
+    let socket = dir.path().join("run").join("kvtier.sock");
+    let mut config = ServiceConfig::new(&socket, store_config);
+    config.pool_dir = dir.path().to_path_buf();
+    let mut service = Service::start(config).unwrap();
+    let keys: Vec<BlockKey> = (0..3).map(key).collect();
+    let halves: Vec<Vec<u8>> = (0..3).map(|i| value(i, SLICE)).collect();
+    let mut rank0 = client(&socket, 2, 0);
+    let mut rank1 = client(&socket, 2, 1);
+    // Rank 0 alone: two blocks wait for rank 1's slices and fill the backlog, the third is given up.
+    assert_eq!(store(&mut rank0, &keys, &halves), vec![true, true, false]);
+    assert_eq!(store(&mut rank1, &keys, &halves), vec![true, true, false]);
+    let stats: std::collections::HashMap<String, u64> = rank0.stats().unwrap().into_iter().collect();
+    assert_eq!(stats["service_pending_fills"], 0, "no slot left waiting for a rank that will never come");
+    assert_eq!(rank0.locate(&keys).unwrap(), vec![1, 1, 0]);
+    drop((rank0, rank1));
+    service.stop().unwrap();
+}
+
+#[test]
+fn stopping_with_half_committed_blocks_gives_their_slots_back_and_stops_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store_config = StoreConfig::new(dir.path().join("store"), 1);
+    store_config.nvme_bytes = 4 << 20;
+    store_config.region_bytes = 1 << 20;
+    let socket = dir.path().join("run").join("kvtier.sock");
+    let mut config = ServiceConfig::new(&socket, store_config);
+    config.pool_dir = dir.path().to_path_buf();
+    config.fill_timeout_ms = 600_000; // the janitor must not be what gives the slot back
+    let mut service = Service::start(config).unwrap();
+    let mut rank0 = client(&socket, 2, 0);
+    assert_eq!(store(&mut rank0, &[key(9)], &[value(9, SLICE)]), vec![true]); // rank 1 never comes
+    drop(rank0);
+    let started = std::time::Instant::now();
+    service.stop().unwrap();
+    assert!(started.elapsed() < Duration::from_secs(10), "stop waited {:?} on an unfilled slot", started.elapsed());
+}

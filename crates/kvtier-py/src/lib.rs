@@ -689,7 +689,7 @@ impl PyService {
     /// Starts serving `socket_path` for stores under `path`; `options` are `Store.open` options
     /// (without `namespace` and `object_bytes`, which come from each engine).
     #[staticmethod]
-    #[pyo3(signature = (socket_path, path, pool_dir = None, fill_timeout_ms = 30000, **options))]
+    #[pyo3(signature = (socket_path, path, pool_dir = None, fill_timeout_ms = 10000, **options))]
     fn start(
         py: Python<'_>,
         socket_path: PathBuf,

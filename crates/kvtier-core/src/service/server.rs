@@ -40,7 +40,7 @@ pub struct ServiceConfig {
     /// Connections served at once; more are refused (closed at once). Default 1024.
     pub max_connections: usize,
     /// A reserved fill that no connection holds any more, and that not every rank committed, is
-    /// given back after this long (a rank that never came). Default 30000.
+    /// given back after this long (a rank that never came). Default 10000.
     pub fill_timeout_ms: u64,
 }
 
@@ -51,8 +51,33 @@ impl ServiceConfig {
             store,
             pool_dir: PathBuf::from("/dev/shm"),
             max_connections: 1024,
-            fill_timeout_ms: 30_000,
+            fill_timeout_ms: 10_000,
         }
+    }
+}
+
+/// Blocks given up recently, so that every rank gives them up (bounded; entries expire).
+#[derive(Default)]
+struct DroppedKeys {
+    since: HashMap<BlockKey, Instant>,
+}
+
+impl DroppedKeys {
+    const MAX_KEYS: usize = 1 << 16;
+    const EXPIRY: Duration = Duration::from_secs(60);
+
+    fn contains(&self, key: &BlockKey) -> bool {
+        self.since.get(key).is_some_and(|at| at.elapsed() < Self::EXPIRY)
+    }
+
+    fn insert(&mut self, key: BlockKey) {
+        if self.since.len() >= Self::MAX_KEYS {
+            self.since.retain(|_, at| at.elapsed() < Self::EXPIRY);
+            if self.since.len() >= Self::MAX_KEYS {
+                self.since.clear();
+            }
+        }
+        self.since.insert(key, Instant::now());
     }
 }
 
@@ -87,6 +112,8 @@ struct Namespaced {
     tp_size: u32,
     slice_bytes: u64,
     fills: Mutex<HashMap<BlockKey, Fill>>,
+    /// Blocks a rank gave up for want of room; locked after `fills`.
+    dropped: Mutex<DroppedKeys>,
 }
 
 impl Namespaced {
@@ -152,6 +179,12 @@ impl Service {
         let _ = std::fs::remove_file(&self.state.config.socket_path);
         let mut result = Ok(());
         for (_, ns) in self.state.namespaces.lock().drain() {
+            // Blocks some ranks committed and others never will: given back, so that the flush
+            // below does not wait on slots nobody fills.
+            let orphans: Vec<(BlockKey, u32)> = ns.fills.lock().drain().map(|(key, fill)| (key, fill.slot)).collect();
+            if !orphans.is_empty() {
+                ns.store.abort_puts(&orphans);
+            }
             if let Err(e) = ns.store.close() {
                 log::warn!("kvtier: closing a store at service stop: {e}");
                 result = Err(e);
@@ -509,7 +542,13 @@ impl State {
             &namespace.hex()[..16]
         )));
         let store = Store::open(config)?;
-        let ns = Arc::new(Namespaced { store, tp_size, slice_bytes, fills: Mutex::new(HashMap::new()) });
+        let ns = Arc::new(Namespaced {
+            store,
+            tp_size,
+            slice_bytes,
+            fills: Mutex::new(HashMap::new()),
+            dropped: Mutex::new(DroppedKeys::default()),
+        });
         namespaces.insert(namespace, Arc::clone(&ns));
         Ok(ns)
     }
@@ -544,22 +583,30 @@ impl Session {
     /// the NVMe write backlog. When there is none, a connection that holds reservations it has not
     /// committed gets "no room now" (its own commits are what frees room: waiting would deadlock on
     /// itself); one that holds none waits like a local put (at most `slot_wait_ms`) for other ranks'
-    /// commits or for NVMe writes to drain, without holding the fills lock.
+    /// commits or for NVMe writes to drain, without holding the fills lock. A block one rank gave
+    /// up is given up by every rank (`dropped`), so no rank fills a slot the others will never
+    /// complete.
     fn reserve(&mut self, keys: &[BlockKey]) -> Result<Vec<(u8, u32)>> {
-        let bit = 1u64 << self.rank;
-        let deadline = Instant::now() + Duration::from_millis(self.ns.store.slot_wait_ms());
+        let ns = Arc::clone(&self.ns);
+        let deadline = Instant::now() + Duration::from_millis(ns.store.slot_wait_ms());
         let mut out: Vec<Option<(u8, u32)>> = vec![None; keys.len()];
         loop {
-            let mut fills = self.ns.fills.lock();
+            let mut fills = ns.fills.lock();
+            let mut dropped = ns.dropped.lock();
             let mut seen = std::collections::HashSet::new();
-            let fresh: Vec<BlockKey> = keys
-                .iter()
-                .zip(&out)
-                .filter(|(k, decided)| decided.is_none() && !fills.contains_key(k) && seen.insert(**k))
-                .map(|(k, _)| *k)
-                .collect();
+            let mut fresh = Vec::new();
+            for (key, decided) in keys.iter().zip(out.iter_mut()) {
+                if decided.is_some() || fills.contains_key(key) || !seen.insert(*key) {
+                    continue;
+                }
+                if dropped.contains(key) {
+                    *decided = Some((2, NO_SLOT));
+                } else {
+                    fresh.push(*key);
+                }
+            }
             let mut reserved: HashMap<BlockKey, Reservation> =
-                fresh.iter().copied().zip(self.ns.store.try_reserve_puts(&fresh)?).collect();
+                fresh.iter().copied().zip(ns.store.try_reserve_puts(&fresh)?).collect();
             let mut short_of_room = false;
             for (key, decided) in keys.iter().zip(out.iter_mut()) {
                 if decided.is_some() {
@@ -579,18 +626,18 @@ impl Session {
                     }
                     None => {}
                 }
-                let Some(fill) = fills.get_mut(key) else { continue };
-                if fill.aborted || fill.reserved_ranks & bit != 0 {
-                    *decided = Some((2, NO_SLOT)); // a repeated reserve by one rank, or a fill being given up
-                    continue;
-                }
-                fill.reserved_ranks |= bit;
-                fill.holders += 1;
-                self.reserved.push(*key);
-                *decided = Some((0, fill.slot));
+                *decided = self.join(&mut fills, key);
             }
-            drop(fills);
-            if !short_of_room {
+            let out_of_time = Instant::now() >= deadline;
+            if short_of_room && self.reserved.is_empty() && out_of_time {
+                // Given up, for every rank: a rank that comes later drops it at once.
+                for (key, decided) in keys.iter().zip(out.iter_mut()).filter(|(_, d)| d.is_none()) {
+                    dropped.insert(*key);
+                    *decided = Some((2, NO_SLOT));
+                }
+            }
+            drop((fills, dropped));
+            if !short_of_room || out_of_time {
                 break;
             }
             if !self.reserved.is_empty() {
@@ -600,13 +647,25 @@ impl Session {
                 }
                 break;
             }
-            if Instant::now() >= deadline || !self.ns.store.wait_for_put_room_until(deadline) {
-                break;
-            }
+            // Whether or not room came, one more pass decides (joins a fill another rank made).
+            ns.store.wait_for_put_room_until(deadline);
         }
         let dropped = out.iter().filter(|d| d.is_none_or(|(kind, _)| kind == 2)).count();
-        self.ns.store.count_dropped_stores(dropped as u64);
+        ns.store.count_dropped_stores(dropped as u64);
         Ok(out.into_iter().map(|d| d.unwrap_or((2, NO_SLOT))).collect())
+    }
+
+    /// This rank's share of an existing fill, if it may take one.
+    fn join(&mut self, fills: &mut HashMap<BlockKey, Fill>, key: &BlockKey) -> Option<(u8, u32)> {
+        let bit = 1u64 << self.rank;
+        let fill = fills.get_mut(key)?;
+        if fill.aborted || fill.reserved_ranks & bit != 0 {
+            return Some((2, NO_SLOT)); // a repeated reserve by one rank, or a fill being given up
+        }
+        fill.reserved_ranks |= bit;
+        fill.holders += 1;
+        self.reserved.push(*key);
+        Some((0, fill.slot))
     }
 
     fn commit(&mut self, keys: &[BlockKey]) -> Result<Vec<bool>> {
