@@ -81,16 +81,17 @@ def stats(socket_path: Path) -> dict[str, int]:
 
 def settle(engine: Engine, socket_path: Path, limit_s: float = 120) -> None:
     """Engine steps until the service has taken every store: no fill pending (a TP rank's slice
-    still coming) and no new puts since the last look."""
+    still coming) and, for a second, no new block, no NVMe write and no drop."""
     deadline = time.monotonic() + limit_s
-    last_puts = -1
+    last = None
     while time.monotonic() < deadline:
         engine.call(op="settle")
         now = stats(socket_path)
-        if now.get("service_pending_fills", 0) == 0 and now.get("puts", 0) == last_puts:
+        activity = tuple(now.get(name, 0) for name in ("puts", "bytes_written_nvme", "dropped_stores"))
+        if now.get("service_pending_fills", 0) == 0 and activity == last:
             return
-        last_puts = now.get("puts", 0)
-        time.sleep(0.3)
+        last = activity
+        time.sleep(1.0)
     raise AssertionError(f"stores still in flight after {limit_s} s")
 
 

@@ -89,16 +89,18 @@ class Run:
         return result
 
     def settle(self, engine: EngineProcess, limit_s: float = 120) -> None:
-        """Engine steps until the service has taken every store (no fill pending, no new puts)."""
+        """Engine steps until the service has taken every store: no fill pending and, for a second,
+        no new block, no NVMe write and no drop (a rank waiting for room waits on NVMe writes)."""
         deadline = time.monotonic() + limit_s
-        last_puts = -1
+        last = None
         while time.monotonic() < deadline:
             engine.call(op="settle")
             stats = self.stats()
-            if stats.get("service_pending_fills", 0) == 0 and stats.get("puts", 0) == last_puts:
+            activity = tuple(stats.get(name, 0) for name in ("puts", "bytes_written_nvme", "dropped_stores"))
+            if stats.get("service_pending_fills", 0) == 0 and activity == last:
                 return
-            last_puts = stats.get("puts", 0)
-            time.sleep(0.5)
+            last = activity
+            time.sleep(1.0)
         self.checks.append(f"stores still in flight after {limit_s:.0f} s")
 
     def full_blocks(self) -> int:
