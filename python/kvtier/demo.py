@@ -14,7 +14,7 @@ The workload (every step bounded; only loopback traffic):
    DRAM (twice);
 3. unrelated prompts push C out of kvtier's DRAM tier; after another reset, C is restored from
    kvtier NVMe;
-4. a second server (another vLLM process, same model and store path) answers A turn 1: a DRAM hit
+4. a second server (another vLLM process, same model and store path) answers C turn 1: a DRAM hit
    in the host service's shared pool, for a prefix only the first server ever computed.
 
 Both servers run with vLLM's defaults (multiprocess engine core and executor); kvtier's host service,
@@ -276,13 +276,14 @@ def second_engine_phase(
         start_seconds = wait_until_healthy(base_url, server, log_dir / f"kvtier-demo-server-{port}.log")
         print(f"second server ready in {start_seconds:.0f} s at {base_url}", flush=True)
         before = kvtier_hits(base_url)
-        ttft_ms, usage = stream_completion(base_url, preset, texts["document_a"] + texts["question_a1"], max_tokens)
+        # C turn 1 is the last prefix the first server read back from NVMe, so it is in the DRAM pool.
+        ttft_ms, usage = stream_completion(base_url, preset, texts["document_c"] + texts["question_c1"], max_tokens)
         time.sleep(1.0)
         after = kvtier_hits(base_url)
         details = usage.get("prompt_tokens_details") or {}
         return [
             RequestResult(
-                label="A turn 1 on B",
+                label="C turn 1 on B",
                 expected_source="kvtier DRAM (another engine's prefill)",
                 prompt_tokens=int(usage.get("prompt_tokens", 0)),
                 cached_tokens=details.get("cached_tokens"),
