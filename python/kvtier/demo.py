@@ -4,7 +4,7 @@ This module owns the demo: it builds the local model if missing (``kvtier.models
 ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 with kvtier as the KV offloading
 backend, sends a short shared-prefix multi-turn workload, and prints, per request, the time to first
 token and where its prefix came from (recomputed, vLLM's own prefix cache, kvtier DRAM, kvtier NVMe),
-read from kvtier's Prometheus counters on the server's ``/metrics``.
+read from the kvtier host service's counters before and after each request.
 
 The workload (every step bounded; only loopback traffic):
 
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -49,7 +48,6 @@ HOST = "127.0.0.1"
 SERVER_START_TIMEOUT_S = 900
 REQUEST_TIMEOUT_S = 600
 RESET_ATTEMPTS = 20
-_METRIC_LINE = re.compile(r"^kvtier:block_hits_total\{(?P<labels>[^}]*)\}\s+(?P<value>[0-9.eE+-]+)$")
 
 
 class DemoError(RuntimeError):
@@ -81,19 +79,13 @@ def http_json(url: str, payload: dict | None = None, timeout_s: float = 30) -> d
     return json.loads(body) if body else {}
 
 
-def kvtier_hits(base_url: str) -> dict[str, int]:
-    """kvtier:block_hits per tier, summed over engines, from the server's Prometheus endpoint."""
-    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    hits = {"dram": 0, "nvme": 0}
-    for line in text.splitlines():
-        match = _METRIC_LINE.match(line.strip())
-        if not match:
-            continue
-        tier = re.search(r'tier="([^"]+)"', match["labels"])
-        if tier and tier[1] in hits:
-            hits[tier[1]] += int(float(match["value"]))
-    return hits
+def kvtier_hits(store_dir: Path) -> dict[str, int]:
+    """Blocks served per tier so far, from the host service's counters (one request runs at a time
+    here, so a difference belongs to the request between two readings, whichever server sent it)."""
+    from kvtier.service import default_socket_path, service_stats
+
+    stats = service_stats(default_socket_path(store_dir))
+    return {"dram": stats.get("dram_hits", 0), "nvme": stats.get("nvme_hits", 0)}
 
 
 def stream_completion(base_url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, dict]:
@@ -215,14 +207,15 @@ def build_texts(model_dir: Path, prefix_tokens: int) -> dict[str, str]:
     }
 
 
-def run_workload(base_url: str, model: str, texts: dict[str, str], max_tokens: int) -> list[RequestResult]:
+def run_workload(
+    base_url: str, store_dir: Path, model: str, texts: dict[str, str], max_tokens: int
+) -> list[RequestResult]:
     results: list[RequestResult] = []
 
     def send(label: str, expected_source: str, prompt: str) -> str:
-        before = kvtier_hits(base_url)
+        before = kvtier_hits(store_dir)
         ttft_ms, usage = stream_completion(base_url, model, prompt, max_tokens)
-        time.sleep(1.0)  # let the engine publish its step stats to /metrics
-        after = kvtier_hits(base_url)
+        after = kvtier_hits(store_dir)
         details = usage.get("prompt_tokens_details") or {}
         results.append(
             RequestResult(
@@ -275,11 +268,10 @@ def second_engine_phase(
     try:
         start_seconds = wait_until_healthy(base_url, server, log_dir / f"kvtier-demo-server-{port}.log")
         print(f"second server ready in {start_seconds:.0f} s at {base_url}", flush=True)
-        before = kvtier_hits(base_url)
+        before = kvtier_hits(store_dir)
         # C turn 1 is the last prefix the first server read back from NVMe, so it is in the DRAM pool.
         ttft_ms, usage = stream_completion(base_url, preset, texts["document_c"] + texts["question_c1"], max_tokens)
-        time.sleep(1.0)
-        after = kvtier_hits(base_url)
+        after = kvtier_hits(store_dir)
         details = usage.get("prompt_tokens_details") or {}
         return [
             RequestResult(
@@ -343,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         start_seconds = wait_until_healthy(base_url, server, log_path)
         print(f"server ready in {start_seconds:.0f} s at {base_url}\n", flush=True)
-        results = run_workload(base_url, args.preset, texts, args.max_tokens)
+        results = run_workload(base_url, store_dir, args.preset, texts, args.max_tokens)
         stop_server(server)
         results += second_engine_phase(model_dir, store_dir, args.preset, texts, args.max_tokens, log_path.parent)
         print_table(results)

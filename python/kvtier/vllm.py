@@ -685,6 +685,13 @@ class StatsDeltaTracker:
     def __init__(self) -> None:
         self._last: dict[str, int] = {}
 
+    def prime(self, shared: SharedStore | ServiceBackend) -> None:
+        """Starts counting from the store's counters now: an engine that attaches to a store (or a
+        host service) that already served others reports only what happens from then on."""
+        with contextlib.suppress(Exception):
+            stats = shared.store.stats()
+            self._last = {key: int(value) for key, value in stats.items() if isinstance(value, int)}
+
     def collect(self, shared: SharedStore | ServiceBackend) -> OffloadingConnectorStats | None:
         try:
             stats = shared.store.stats()
@@ -758,6 +765,7 @@ class KvtierManager(OffloadingManager):
         self._pins: dict[str, Counter[bytes]] = {}
         self._being_stored: Counter[bytes] = Counter()
         self._stats = StatsDeltaTracker()
+        self._stats.prime(shared)
 
     @staticmethod
     def _allowed(req_context: ReqContext) -> bool:
