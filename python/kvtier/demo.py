@@ -11,11 +11,11 @@ The workload (every step bounded; only loopback traffic):
 1. conversations A and B share a long document; A turn 1 is computed (cold), B turn 1 and A turn 2
    reuse it from vLLM's own prefix cache; conversation C (another document) is computed;
 2. vLLM's prefix cache is reset (``POST /reset_prefix_cache``): A turn 1 is restored from kvtier
-   DRAM (twice);
+   DRAM (twice); then a second server (another vLLM process, same model and store path, started
+   beside the first) answers A turn 1: a DRAM hit in the host service's shared pool, for a prefix
+   only the first server ever computed;
 3. unrelated prompts push C out of kvtier's DRAM tier; after another reset, C is restored from
-   kvtier NVMe;
-4. a second server (another vLLM process, same model and store path) answers C turn 1: a DRAM hit
-   in the host service's shared pool, for a prefix only the first server ever computed.
+   kvtier NVMe.
 
 Both servers run with vLLM's defaults (multiprocess engine core and executor); kvtier's host service,
 started by the first engine, holds the store and the DRAM pool they share (docs/architecture.md).
@@ -208,13 +208,13 @@ def build_texts(model_dir: Path, prefix_tokens: int) -> dict[str, str]:
 
 
 def run_workload(
-    base_url: str, store_dir: Path, model: str, texts: dict[str, str], max_tokens: int
+    base_url: str, second_url: str, store_dir: Path, model: str, texts: dict[str, str], max_tokens: int
 ) -> list[RequestResult]:
     results: list[RequestResult] = []
 
-    def send(label: str, expected_source: str, prompt: str) -> str:
+    def send(label: str, expected_source: str, prompt: str, url: str = base_url) -> str:
         before = kvtier_hits(store_dir)
-        ttft_ms, usage = stream_completion(base_url, model, prompt, max_tokens)
+        ttft_ms, usage = stream_completion(url, model, prompt, max_tokens)
         after = kvtier_hits(store_dir)
         details = usage.get("prompt_tokens_details") or {}
         results.append(
@@ -249,6 +249,8 @@ def run_workload(
     for _ in range(2):
         reset_prefix_cache()
         send("A turn 1 again", "kvtier DRAM", turn_a1)
+    # The second server never saw A: it restores the first server's prefix from the shared pool.
+    send("A turn 1 on B", "kvtier DRAM (another engine's prefill)", turn_a1, second_url)
     # Unrelated prompts push C (stored, never read back) out of kvtier's DRAM tier. kvtier keeps
     # blocks that were read back (A) in DRAM ahead of blocks seen once, so A stays.
     for index in range(5):
@@ -256,36 +258,6 @@ def run_workload(
     reset_prefix_cache()
     send("C turn 1 again", "kvtier NVMe", turn_c1)
     return results
-
-
-def second_engine_phase(
-    model_dir: Path, store_dir: Path, preset: str, texts: dict[str, str], max_tokens: int, log_dir: Path
-) -> list[RequestResult]:
-    """Another server on the same store path restores the first server's prefix from the shared pool."""
-    port = free_port()
-    base_url = f"http://{HOST}:{port}"
-    server = start_server(model_dir, store_dir, port, preset, log_dir / f"kvtier-demo-server-{port}.log")
-    try:
-        start_seconds = wait_until_healthy(base_url, server, log_dir / f"kvtier-demo-server-{port}.log")
-        print(f"second server ready in {start_seconds:.0f} s at {base_url}", flush=True)
-        before = kvtier_hits(store_dir)
-        # C turn 1 is the last prefix the first server read back from NVMe, so it is in the DRAM pool.
-        ttft_ms, usage = stream_completion(base_url, preset, texts["document_c"] + texts["question_c1"], max_tokens)
-        after = kvtier_hits(store_dir)
-        details = usage.get("prompt_tokens_details") or {}
-        return [
-            RequestResult(
-                label="C turn 1 on B",
-                expected_source="kvtier DRAM (another engine's prefill)",
-                prompt_tokens=int(usage.get("prompt_tokens", 0)),
-                cached_tokens=details.get("cached_tokens"),
-                ttft_ms=ttft_ms,
-                dram_hits=after["dram"] - before["dram"],
-                nvme_hits=after["nvme"] - before["nvme"],
-            )
-        ]
-    finally:
-        stop_server(server)
 
 
 def print_table(results: list[RequestResult]) -> None:
@@ -331,19 +303,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {model_dir}\nstore {store_dir}\nserver log {log_path}", flush=True)
 
     texts = build_texts(model_dir, args.prefix_tokens)
+    second_port = free_port()
+    second_url = f"http://{HOST}:{second_port}"
+    second_log = store_dir.parent / f"kvtier-demo-server-{second_port}.log"
     server = start_server(model_dir, store_dir, port, args.preset, log_path)
+    second = None
     try:
         start_seconds = wait_until_healthy(base_url, server, log_path)
-        print(f"server ready in {start_seconds:.0f} s at {base_url}\n", flush=True)
-        results = run_workload(base_url, store_dir, args.preset, texts, args.max_tokens)
-        stop_server(server)
-        results += second_engine_phase(model_dir, store_dir, args.preset, texts, args.max_tokens, log_path.parent)
+        print(f"server A ready in {start_seconds:.0f} s at {base_url}", flush=True)
+        # Server B: another vLLM process of the same model on the same store path.
+        second = start_server(model_dir, store_dir, second_port, args.preset, second_log)
+        start_seconds = wait_until_healthy(second_url, second, second_log)
+        print(f"server B ready in {start_seconds:.0f} s at {second_url}\n", flush=True)
+        results = run_workload(base_url, second_url, store_dir, args.preset, texts, args.max_tokens)
         print_table(results)
     except DemoError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     finally:
         stop_server(server)
+        if second is not None:
+            stop_server(second)
         if temporary_store and not args.keep_store:
             from kvtier.service import default_socket_path, stop_service
 
