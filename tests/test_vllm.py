@@ -530,3 +530,28 @@ def test_a_request_releases_only_its_own_pins(tmp_path):
     assert reader.locate_many([block]) != ["dram"], "unpinned once both requests completed"
     reader.close()
     writer.close()
+
+
+def test_pins_of_a_request_that_never_completes_its_load_expire(tmp_path):
+    """vLLM may drop a request between prepare_load and its load: its pins must not stay for the
+    engine's whole life (the DRAM pool then fills with unevictable blocks and loads starve)."""
+    import numpy as np
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+
+    object_bytes = 4096
+    store = kvtier.Store.open(str(tmp_path / "s"), namespace=b"lease-test", object_bytes=object_bytes,
+                              dram_bytes=4 * (object_bytes + 4096), staging_slots=4, nvme_bytes=0)  # fmt: skip
+    shared = kvtier_vllm.SharedStore(store=store, path=str(tmp_path), namespace=b"lease-test", description={},
+                                     object_bytes=object_bytes)  # fmt: skip
+    manager = kvtier_vllm.KvtierManager(shared, pin_lease_s=0.2)
+    engine_key = make_offload_key(bytes([7]) * 32, 0)
+    store.put_many([kvtier_vllm.kvtier_key(engine_key)], [np.full(object_bytes, 3, dtype=np.uint8)])
+    manager.prepare_load([engine_key], ReqContext(req_id="lost"))  # never completes
+    fill = [bytes([n]) * 32 for n in range(100, 108)]
+    store.put_many(fill, [np.zeros(object_bytes, dtype=np.uint8)] * len(fill))
+    assert store.locate_many([kvtier_vllm.kvtier_key(engine_key)]) == ["dram"], "pinned while the lease runs"
+    time.sleep(0.3)
+    manager.prepare_load([], ReqContext(req_id="later"))  # any later load looks at the leases
+    store.put_many([bytes([n]) * 32 for n in range(110, 118)], [np.zeros(object_bytes, dtype=np.uint8)] * 8)
+    assert store.locate_many([kvtier_vllm.kvtier_key(engine_key)]) == [None], "released once the lease ran out"
+    store.close()

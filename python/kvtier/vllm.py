@@ -757,12 +757,17 @@ _HIT_SOURCE_BY_TIER = {"dram": CacheHitSource.HOST, "nvme": CacheHitSource.DISK}
 class KvtierManager(OffloadingManager):
     """Scheduler-side catalog access: every answer comes from the store's in-memory index."""
 
-    def __init__(self, shared: SharedStore | ServiceBackend):
+    def __init__(self, shared: SharedStore | ServiceBackend, pin_lease_s: float = 300.0):
         self._shared = shared
         self._store = shared.store
         # Pins this engine holds, per request: a request releases only its own pins, never another
         # request's pin on the same block.
         self._pins: dict[str, Counter[bytes]] = {}
+        # When each request took its pins. A request that never reaches complete_load (vLLM dropped
+        # it between prepare_load and the load) would hold its pins for the engine's whole life and
+        # fill the DRAM pool with unevictable blocks: past the lease they are released.
+        self._pinned_at: dict[str, float] = {}
+        self._pin_lease_s = pin_lease_s
         self._being_stored: Counter[bytes] = Counter()
         self._stats = StatsDeltaTracker()
         self._stats.prime(shared)
@@ -818,7 +823,32 @@ class KvtierManager(OffloadingManager):
         for store_key, took_pin in zip(store_keys, pinned, strict=False):  # flags for present keys only
             if took_pin:
                 request_pins[store_key] += 1
+        now = time.monotonic()
+        if request_pins:
+            self._pinned_at[req_context.req_id] = now
+        else:
+            del self._pins[req_context.req_id]
+        self._expire_pins(now)
         return KvtierLoadStoreSpec(store_keys)
+
+    def _expire_pins(self, now: float) -> None:
+        stale = [req_id for req_id, since in self._pinned_at.items() if now - since > self._pin_lease_s]
+        if not stale:
+            return
+        released = [key for req_id in stale for key in self._pins.pop(req_id, Counter()).elements()]
+        for req_id in stale:
+            del self._pinned_at[req_id]
+        logger.warning(
+            "kvtier: %d request(s) held %d pins for over %.0f s without completing their load; released",
+            len(stale),
+            len(released),
+            self._pin_lease_s,
+        )
+        if released:
+            try:
+                self._store.unpin_many(released)
+            except Exception:
+                logger.exception("kvtier: unpin failed")
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         request_pins = self._pins.get(req_context.req_id)
@@ -834,6 +864,7 @@ class KvtierManager(OffloadingManager):
                 to_unpin.append(store_key)
         if not request_pins:
             del self._pins[req_context.req_id]
+            self._pinned_at.pop(req_context.req_id, None)
         if to_unpin:
             try:
                 self._store.unpin_many(to_unpin)
@@ -892,6 +923,7 @@ class KvtierManager(OffloadingManager):
             with contextlib.suppress(Exception):
                 self._store.unpin_many(held)
         self._pins.clear()
+        self._pinned_at.clear()
         self._shared.release()
 
 
@@ -1197,7 +1229,8 @@ class KvtierOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self.options.host_service:
             check_hash_algo(self._hash_algo())
-            return KvtierManager(ServiceBackend(self._service_connection(rank=0)))
+            pin_lease_s = max(60.0, 2 * self.options.job_timeout_ms / 1000)
+            return KvtierManager(ServiceBackend(self._service_connection(rank=0)), pin_lease_s)
         shared = find_engine_store(self.options, self.config.engine_id)
         if shared is None:
             raise KvtierVllmConfigError(
@@ -1206,7 +1239,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 "VLLM_ENABLE_V1_MULTIPROCESSING=0 in the environment and distributed_executor_backend='uni' "
                 "(--distributed-executor-backend uni); CPU vLLM otherwise forces the multiprocess executor."
             )
-        return KvtierManager(shared)
+        return KvtierManager(shared, max(60.0, 2 * self.options.job_timeout_ms / 1000))
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         check_hash_algo(self._hash_algo())
