@@ -181,9 +181,11 @@ fn the_socket_its_directory_and_the_pool_are_private() {
     let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode(&socket), 0o600);
     assert_eq!(mode(socket.parent().unwrap()), 0o700);
-    assert_eq!(mode(&c.attached().unwrap().pool_path), 0o600);
+    let pool_path = c.attached().unwrap().pool_path.clone();
+    assert_eq!(mode(&pool_path), 0o600);
     drop(c);
     service.stop().unwrap();
+    assert!(!pool_path.exists(), "a stopped service leaves no pool holding tmpfs memory");
 }
 
 /// A pool that does not fit its tmpfs is refused when the namespace opens, with the fix named

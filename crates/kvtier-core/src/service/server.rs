@@ -185,9 +185,17 @@ impl Service {
             if !orphans.is_empty() {
                 ns.store.abort_puts(&orphans);
             }
+            let pool_file = ns.store.pool().map(|pool| pool.path);
             if let Err(e) = ns.store.close() {
                 log::warn!("kvtier: closing a store at service stop: {e}");
                 result = Err(e);
+            }
+            // The pool is tmpfs memory: left behind, it would hold RAM until reboot. Engines that
+            // still map it keep their mapping; the memory goes when the last one unmaps.
+            if let Some(path) = pool_file {
+                if let Err(e) = std::fs::remove_file(&path) {
+                    log::warn!("kvtier: removing the pool file {} at service stop: {e}", path.display());
+                }
             }
         }
         result
