@@ -207,12 +207,27 @@ def stop_service(socket_path: str | os.PathLike, timeout_s: float = 60) -> bool:
         return True
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _running(pid):
             return True
         time.sleep(0.1)
     return False
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs. A service this process started (``ensure_service``) is its child:
+    once it exits it is reaped here, since an unreaped child still answers ``kill(pid, 0)``."""
+    with contextlib.suppress(ChildProcessError):
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != "Z"  # exited; its parent has not reaped it yet
 
 
 def service_pid(socket_path: str | os.PathLike) -> int | None:

@@ -118,6 +118,12 @@ INTEGRATION_OPTION_DEFAULTS: dict[str, Any] = {
     "pool_dir": "/dev/shm",
     # Longest a scheduler-side call to the service (lookup, pin) waits before it counts as a miss.
     "service_timeout_ms": 5_000,
+    # Hold store copies while the engine runs a forward pass with prompt tokens in it (they compete
+    # with prefill for the same cores and memory bandwidth); they run between steps, in decode steps
+    # and when the engine idles. Needs kv_connector="KvtierConnector".
+    "defer_stores": True,
+    # Most blocks a worker holds back that way; a store job that would exceed it is dropped (counted).
+    "deferred_store_max_blocks": 4096,
 }
 
 # Prefix-hash algorithms whose block hashes are the same in every process.
@@ -293,6 +299,8 @@ class KvtierOptions:
     service_socket: str = ""
     pool_dir: str = "/dev/shm"
     service_timeout_ms: int = 5_000
+    defer_stores: bool = True
+    deferred_store_max_blocks: int = 4096
 
     @classmethod
     def from_extra_config(cls, extra_config: Mapping[str, Any]) -> KvtierOptions:
@@ -320,6 +328,9 @@ class KvtierOptions:
         service_timeout_ms = int(option("service_timeout_ms"))
         if service_timeout_ms <= 0:
             raise KvtierVllmConfigError('"service_timeout_ms" must be a positive number of milliseconds')
+        deferred_store_max_blocks = int(option("deferred_store_max_blocks"))
+        if deferred_store_max_blocks < 0:
+            raise KvtierVllmConfigError('"deferred_store_max_blocks" must be >= 0 (0: drop every store held back)')
         return cls(
             path=path,
             store_options=store_options,
@@ -329,6 +340,8 @@ class KvtierOptions:
             service_socket=str(option("service_socket")),
             pool_dir=str(option("pool_dir")),
             service_timeout_ms=service_timeout_ms,
+            defer_stores=bool(option("defer_stores")),
+            deferred_store_max_blocks=deferred_store_max_blocks,
         )
 
     def socket_path(self) -> Path:
@@ -343,6 +356,10 @@ class KvtierOptions:
 
 
 MAX_UNCLAIMED_JOB_RESULTS = 10_000
+# Bytes per store_blocks call of a service worker (at least one block): between two calls a load or
+# a prefill step may come first. 16 MiB is one block of an 8B model (128 tokens), a few ms to copy;
+# a call's round trips to the service cost tens of microseconds.
+STORE_BATCH_BYTES = 16 << 20
 
 # --------------------------------------------------------------------------------------------
 # Process-wide store registry (the manager and the worker of an engine share one store)
@@ -1021,6 +1038,12 @@ class KvtierWorker(OffloadingWorker):
     def _record_job(self, kind: str, seconds: float, failed_blocks: int) -> None:
         self._shared.record_job(kind, seconds, failed_blocks)
 
+    def step_begins(self, prefill_tokens: int) -> None:
+        """A forward pass starts (the in-process store's own threads do not hold stores back)."""
+
+    def step_ends(self) -> None:
+        """The forward pass ended."""
+
     def _drain_store(self) -> None:
         if not self._in_flight:
             return
@@ -1061,32 +1084,82 @@ class KvtierWorker(OffloadingWorker):
         release_store(self._shared)
 
 
+@dataclass
+class _StoreWork:
+    """A store job the worker thread copies in batches, so that a load or a prefill step can come
+    between two batches."""
+
+    job: _Job
+    keys: list[bytes]
+    found: list[bool]
+    copied: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return len(self.keys) - self.copied
+
+
 class ServiceWorker(KvtierWorker):
     """A rank's worker in the host-service layout: copies its own slice of each block between its
-    KV cache and the service's shared pool, on a thread of its own (loads before stores), so that
-    vLLM's step never waits for a transfer it did not ask to wait for."""
+    KV cache and the service's shared pool, on a thread of its own, so that vLLM's step never waits
+    for a transfer it did not ask to wait for.
+
+    Loads go first: a queued load is taken before the next batch of any store. Stores are held back
+    while the engine runs a forward pass with prompt tokens in it (``defer_stores``): on a CPU engine
+    a copy beside the prefill's OpenMP threads takes a core from one of them, and all the others wait
+    for it at every barrier. A store vLLM must fence (``wait``) goes at once, and one that would make
+    the held-back backlog exceed ``deferred_store_max_blocks`` is dropped and counted."""
 
     def __init__(
-        self, connection: ServiceConnection, layer_buffers: list[np.ndarray], page_bytes: int, job_timeout_ms: int
+        self,
+        connection: ServiceConnection,
+        layer_buffers: list[np.ndarray],
+        page_bytes: int,
+        job_timeout_ms: int,
+        defer_stores: bool = True,
+        deferred_store_max_blocks: int = 4096,
     ):
         self._connection = connection
         self._layers = layer_buffers
         self._page_bytes = page_bytes
         self._object_bytes = page_bytes * len(layer_buffers)
         self._job_timeout_ms = job_timeout_ms
+        self._defer_stores = defer_stores
+        self._deferred_store_max_blocks = deferred_store_max_blocks
         self._finished: list[TransferResult] = []
         self._failed_load_block_ids: set[int] = set()
         self.can_report_load_failures = False
         self._cv = threading.Condition()
         self._loads: list[tuple[_Job, list[bytes]]] = []
-        self._stores: list[tuple[_Job, list[bytes]]] = []
+        self._stores: list[_StoreWork] = []
         self._pending: set[int] = set()  # vLLM job ids queued or running
+        self._urgent: set[int] = set()  # store jobs vLLM waits for: never held back
+        self._prefill_running = False
         self._stopping = False
+        # Counters (read by tests and the benchmark): stores held back by a prefill step, and blocks
+        # dropped because the held-back backlog was full.
+        self.deferred_store_jobs = 0
+        self.dropped_store_blocks = 0
         self._thread = threading.Thread(target=self._run, name="kvtier-worker-jobs", daemon=True)
         self._thread.start()
 
     def _record_job(self, kind: str, seconds: float, failed_blocks: int) -> None:
         pass  # the transfer time reaches vLLM's metrics through TransferResult
+
+    # -- the engine's steps (called by KvtierConnector) ------------------------------------------
+
+    def step_begins(self, prefill_tokens: int) -> None:
+        """A forward pass starts; ``prefill_tokens`` of it are prompt tokens (0 for a decode step)."""
+        with self._cv:
+            self._prefill_running = self._defer_stores and prefill_tokens > 0
+            self._cv.notify_all()
+
+    def step_ends(self) -> None:
+        with self._cv:
+            self._prefill_running = False
+            self._cv.notify_all()
+
+    # -- submission ------------------------------------------------------------------------------
 
     def _submit(self, vllm_job_id: int, is_load: bool, keys: list[bytes], block_ids: list[int]) -> bool:
         if len(keys) != len(block_ids):
@@ -1099,25 +1172,84 @@ class ServiceWorker(KvtierWorker):
             if not keys:
                 self._finished.append(TransferResult(vllm_job_id, True, 0, 0.0))
                 return True
-            (self._loads if is_load else self._stores).append((job, keys))
+            if is_load:
+                self._loads.append((job, keys))
+            elif self._defer_stores and self._backlog_blocks() + len(keys) > self._deferred_store_max_blocks:
+                self._drop_store(job, keys)
+                return True
+            else:
+                self._stores.append(_StoreWork(job, keys, [False] * len(keys)))
             self._pending.add(vllm_job_id)
             self._cv.notify_all()
         return True
 
+    def _backlog_blocks(self) -> int:
+        return sum(work.remaining for work in self._stores)
+
+    def _drop_store(self, job: _Job, keys: list[bytes]) -> None:
+        """Holds ``_cv``. The newest job goes, not the oldest: older ones hold earlier prefix blocks."""
+        if self.dropped_store_blocks == 0:
+            logger.warning(
+                "kvtier: %d store blocks are held back behind prefill steps (deferred_store_max_blocks=%d); "
+                "dropping new stores until they drain (raise the option, or set defer_stores=false)",
+                self._backlog_blocks(),
+                self._deferred_store_max_blocks,
+            )
+        self.dropped_store_blocks += len(keys)
+        self._complete(job, [False] * len(keys))
+
+    # -- the job thread --------------------------------------------------------------------------
+
+    def _next_work(self) -> tuple[_Job, list[bytes]] | _StoreWork | None:
+        """Holds ``_cv``; waits for work it may do now. None when stopping with nothing left."""
+        counted_deferral = False
+        while True:
+            if self._loads:
+                return self._loads.pop(0)
+            if self._stores:
+                work = self._stores[0]
+                if not self._prefill_running or self._stopping or work.job.vllm_job_id in self._urgent:
+                    return work
+                if not counted_deferral and work.copied == 0:
+                    self.deferred_store_jobs += 1
+                    counted_deferral = True
+            elif self._stopping:
+                return None
+            self._cv.wait()
+
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._loads or self._stores or self._stopping):
-                    self._cv.wait()
-                if not (self._loads or self._stores):
-                    return
-                job, keys = (self._loads or self._stores).pop(0)
-            method = "load_blocks" if job.is_load else "store_blocks"
-            found = self._connection.call(method, keys, self._layers, job.block_ids, default=None)
-            with self._cv:
-                self._complete(job, list(found) if found is not None else [False] * len(keys))
-                self._pending.discard(job.vllm_job_id)
-                self._cv.notify_all()
+                work = self._next_work()
+            if work is None:
+                return
+            if isinstance(work, _StoreWork):
+                self._store_batch(work)
+                continue
+            job, keys = work
+            found = self._connection.call("load_blocks", keys, self._layers, job.block_ids, default=None)
+            self._finish(job, list(found) if found is not None else [False] * len(keys))
+
+    def _store_batch(self, work: _StoreWork) -> None:
+        batch = slice(work.copied, work.copied + max(1, STORE_BATCH_BYTES // self._object_bytes))
+        keys = work.keys[batch]
+        found = self._connection.call("store_blocks", keys, self._layers, work.job.block_ids[batch], default=None)
+        work.found[batch] = list(found) if found is not None else [False] * len(keys)
+        with self._cv:
+            work.copied += len(keys)
+            if work.remaining > 0:
+                return
+            self._stores.remove(work)
+        self._finish(work.job, work.found)
+
+    def _finish(self, job: _Job, found: list[bool]) -> None:
+        with self._cv:
+            self._complete(job, found)
+            self._pending.discard(job.vllm_job_id)
+            self._urgent.discard(job.vllm_job_id)
+            self._cv.notify_all()
+
+    # -- vLLM's side -----------------------------------------------------------------------------
 
     def get_finished(self) -> list[TransferResult]:
         with self._cv:
@@ -1127,6 +1259,9 @@ class ServiceWorker(KvtierWorker):
     def wait(self, job_ids: set[int]) -> None:
         deadline = time.monotonic() + self._job_timeout_ms / 1000
         with self._cv:
+            # vLLM is about to reuse these jobs' engine blocks: a held-back store goes now.
+            self._urgent |= self._pending & job_ids
+            self._cv.notify_all()
             while self._pending & job_ids:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -1279,7 +1414,14 @@ class KvtierOffloadingSpec(OffloadingSpec):
                     "slices (an unsupported KV-cache layout)"
                 )
             connection = self._service_connection(rank=self.config.parallel.rank)
-            return ServiceWorker(connection, layer_buffers, page_bytes, self.options.job_timeout_ms)
+            return ServiceWorker(
+                connection,
+                layer_buffers,
+                page_bytes,
+                self.options.job_timeout_ms,
+                defer_stores=self.options.defer_stores,
+                deferred_store_max_blocks=self.options.deferred_store_max_blocks,
+            )
         description = namespace_description(
             self.config,
             page_bytes_per_layer=page_bytes_per_layer,
@@ -1290,6 +1432,12 @@ class KvtierOffloadingSpec(OffloadingSpec):
         namespace = namespace_digest(description)
         shared = acquire_store(self.options, self.config.engine_id, namespace, description, object_bytes)
         return KvtierWorker(shared, layer_buffers, page_bytes, self.options.job_timeout_ms)
+
+
+def prefill_tokens(scheduler_output: Any) -> int:
+    """Prompt tokens a step computes: every request scheduled for more than one token (a decode step
+    schedules one per request)."""
+    return sum(n for n in scheduler_output.num_scheduled_tokens.values() if n > 1)
 
 
 def _fill_spec_defaults(vllm_config: Any) -> None:
@@ -1335,6 +1483,34 @@ class KvtierConnector(OffloadingConnector):
     def get_block_ids_with_load_errors(self) -> set[int]:
         worker = self._kvtier_worker()
         return worker.take_failed_load_block_ids() if worker is not None else set()
+
+    # The worker holds stores back during prefill steps: the scheduler says how many prompt tokens
+    # each step computes. vLLM binds a step's metadata before its forward pass and calls
+    # wait_for_save after it (start_load_kv too comes after it, unless a load must finish first).
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        metadata = super().build_connector_meta(scheduler_output)
+        metadata.kvtier_prefill_tokens = prefill_tokens(scheduler_output)  # type: ignore[attr-defined]
+        return metadata
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        worker = self._kvtier_worker()
+        if worker is not None:
+            worker.step_begins(getattr(connector_metadata, "kvtier_prefill_tokens", 0))
+
+    def wait_for_save(self) -> None:
+        super().wait_for_save()
+        worker = self._kvtier_worker()
+        if worker is not None:
+            worker.step_ends()
+
+    def clear_connector_metadata(self) -> None:
+        # The step is over even on a path that skipped wait_for_save.
+        super().clear_connector_metadata()
+        worker = self._kvtier_worker()
+        if worker is not None:
+            worker.step_ends()
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,134 @@
+"""The service worker's scheduling against a real host service (no engine): loads go first, stores
+are held back while a prefill step runs and go at once when vLLM fences them, and a full held-back
+backlog drops new stores (counted) instead of growing.
+
+The worker is driven the way vLLM's OffloadingConnector drives it (submit_store / submit_load with
+vLLM's own specs, get_finished, wait), over numpy "layers" that stand in for the KV cache tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+try:
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+except Exception as import_error:  # pragma: no cover - depends on the environment
+    pytest.skip(f"vllm is not importable ({import_error!r}); run scripts/install_vllm.sh", allow_module_level=True)
+
+from kvtier import service as kvtier_service
+from kvtier.vllm import KvtierLoadStoreSpec, KvtierOptions, ServiceConnection, ServiceWorker
+
+LAYERS = 2
+PAGE_BYTES = 64 * 1024
+ENGINE_BLOCKS = 16
+HELD_BACK_S = 0.5  # long enough for a store that is not held back to finish many times over
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(f"worker-{i}".encode()).digest()
+
+
+@pytest.fixture
+def service(tmp_path: Path):
+    options = KvtierOptions.from_extra_config(
+        {"path": str(tmp_path / "store"), "dram_bytes": 8 << 20, "nvme_bytes": 0, "pool_dir": str(tmp_path)}
+    )
+    yield options
+    kvtier_service.stop_service(options.socket_path())
+
+
+def layers(fill: int | None = None) -> list[np.ndarray]:
+    if fill is None:
+        rng = np.random.default_rng(7)
+        return [rng.integers(0, 256, (ENGINE_BLOCKS, PAGE_BYTES), dtype=np.uint8) for _ in range(LAYERS)]
+    return [np.full((ENGINE_BLOCKS, PAGE_BYTES), fill, dtype=np.uint8) for _ in range(LAYERS)]
+
+
+def worker(options: KvtierOptions, kv: list[np.ndarray], **kwargs) -> ServiceWorker:
+    connection = ServiceConnection(options, {"test": "worker"}, 1, 0, PAGE_BYTES * LAYERS)
+    return ServiceWorker(connection, kv, PAGE_BYTES, job_timeout_ms=10_000, **kwargs)
+
+
+def engine_blocks(ids: list[int]) -> GPULoadStoreSpec:
+    return GPULoadStoreSpec(ids, group_sizes=[len(ids)], block_indices=[0])
+
+
+def finished(w: ServiceWorker, job_id: int, timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(result.job_id == job_id for result in w.get_finished()):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_stores_wait_for_the_prefill_step_and_loads_do_not(service):
+    source = layers()
+    w = worker(service, source)
+    try:
+        assert w.submit_store(1, engine_blocks([0, 1]), KvtierLoadStoreSpec([key(0), key(1)]))
+        assert finished(w, 1), "a store with no step running goes at once"
+
+        w.step_begins(prefill_tokens=2048)
+        assert w.submit_store(2, engine_blocks([2, 3, 4]), KvtierLoadStoreSpec([key(2), key(3), key(4)]))
+        # A load during the same prefill step is not held back, nor stuck behind the held store.
+        assert w.submit_load(3, KvtierLoadStoreSpec([key(0), key(1)]), engine_blocks([8, 9]))
+        assert finished(w, 3), "a load runs while stores are held back"
+        for layer in source:
+            assert np.array_equal(layer[8:10], layer[0:2]), "the load restored the stored bytes"
+        assert not finished(w, 2, timeout_s=HELD_BACK_S), "a store waits while a prefill step runs"
+        assert w.deferred_store_jobs == 1
+
+        w.step_begins(prefill_tokens=0)  # a decode step: stores may run beside it
+        assert finished(w, 2)
+        w.step_ends()
+    finally:
+        w.shutdown()
+    stats = kvtier_service.service_stats(service.socket_path())
+    assert stats["puts"] == 5 and stats["dram_hits"] == 2
+
+
+def test_a_fenced_store_goes_at_once_during_a_prefill_step(service):
+    w = worker(service, layers())
+    try:
+        w.step_begins(prefill_tokens=512)
+        assert w.submit_store(1, engine_blocks([0, 1]), KvtierLoadStoreSpec([key(10), key(11)]))
+        started = time.monotonic()
+        w.wait({1})  # vLLM is about to reuse blocks 0 and 1
+        assert time.monotonic() - started < 5
+        assert finished(w, 1, timeout_s=1)
+        w.step_ends()
+    finally:
+        w.shutdown()
+
+
+def test_a_full_held_back_backlog_drops_new_stores_and_counts_them(service):
+    w = worker(service, layers(), deferred_store_max_blocks=3)
+    try:
+        w.step_begins(prefill_tokens=4096)
+        assert w.submit_store(1, engine_blocks([0, 1]), KvtierLoadStoreSpec([key(20), key(21)]))
+        assert w.submit_store(2, engine_blocks([2, 3]), KvtierLoadStoreSpec([key(22), key(23)]))
+        assert finished(w, 2, timeout_s=1), "the dropped job completes at once"
+        assert w.dropped_store_blocks == 2
+        w.step_ends()
+        assert finished(w, 1), "the job held back before the backlog filled is stored"
+    finally:
+        w.shutdown()
+    stats = kvtier_service.service_stats(service.socket_path())
+    assert stats["puts"] == 2
+
+
+def test_defer_stores_off_stores_during_prefill(service):
+    w = worker(service, layers(), defer_stores=False)
+    try:
+        w.step_begins(prefill_tokens=4096)
+        assert w.submit_store(1, engine_blocks([0]), KvtierLoadStoreSpec([key(30)]))
+        assert finished(w, 1)
+        assert w.deferred_store_jobs == 0
+    finally:
+        w.shutdown()
