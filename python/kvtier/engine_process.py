@@ -52,7 +52,13 @@ def _child(store_dir: str, spec: dict[str, Any]) -> None:
         enforce_eager=True,
         seed=0,
         tensor_parallel_size=spec.get("tp_size", 1),
-        kv_transfer_config=KVTransferConfig(**kvtier_vllm.kv_transfer_config(store_dir, **spec.get("store", {}))),
+        # vLLM's LLM class defaults to 4096 prompt tokens per step on CPU, `vllm serve` to 2048.
+        **({"max_num_batched_tokens": spec["chunk_tokens"]} if spec.get("chunk_tokens") else {}),
+        kv_transfer_config=(
+            KVTransferConfig(**kvtier_vllm.kv_transfer_config(store_dir, **spec.get("store", {})))
+            if spec.get("kvtier", True)
+            else None
+        ),
     )
     vocab = PRESETS[preset].vocab_size
 
@@ -108,7 +114,9 @@ class EngineProcess:
     """One vLLM engine with kvtier (its own process group: front end, engine core, workers).
 
     ``spec``: ``model`` (a ``kvtier.models`` preset), ``tp_size``, ``max_model_len`` and ``store``
-    (the ``kv_connector_extra_config`` options besides ``path``). The engine runs with vLLM's
+    (the ``kv_connector_extra_config`` options besides ``path``), ``chunk_tokens`` (prompt tokens per
+    engine step; vLLM's default if absent); ``kvtier: false`` runs the engine
+    without kvtier (vLLM's own prefix cache only, a benchmark's baseline). The engine runs with vLLM's
     defaults: no ``VLLM_ENABLE_V1_MULTIPROCESSING``, no executor flag.
     """
 

@@ -10,7 +10,12 @@ tokens on the ``kv8b`` model (the KV cache of Llama-3-8B), it measures:
 - A again without resetting vLLM's prefix cache (vLLM's own cache, and kvtier for what it lacks);
 - NVMe hit: A after other prompts pushed the prefix out of the DRAM pool (the row names the tier
   the service's counters say served it);
-- with ``--tp2``: a TP=2 engine's recompute and DRAM hit.
+- with ``--tp2``: a TP=2 engine's recompute and DRAM hit;
+- unless ``--no-baseline``: an engine without kvtier computes the same prompt (what a kvtier miss
+  costs against no offloading) and hits vLLM's own prefix cache (what a DRAM hit costs against it);
+- with ``--no-defer``: a third kvtier engine with ``defer_stores=false`` computes the same prompt
+  (what holding stores back during prefill saves);
+- this process's memcpy rate (numpy, 256 MiB copies), to put a DRAM hit's copy in proportion.
 
 TTFT is the wall time of one ``generate`` with ``max_tokens=1``. Figures are min / median / max over
 repeats; compare rows of one run only (this machine's speed varies from run to run). Writes
@@ -55,13 +60,15 @@ class Run:
         self.served_by: dict[str, list[str]] = {}
         self.checks: list[str] = []
 
-    def engine(self, name: str, tp_size: int = 1) -> EngineProcess:
+    def engine(self, name: str, tp_size: int = 1, kvtier: bool = True, **options: object) -> EngineProcess:
         cache_gib = max(2, int(3 * PRESETS[self.args.model].kv_bytes_per_token * self.tokens / (1 << 30)) + 1)
         spec = {
             "model": self.args.model,
             "tp_size": tp_size,
             "max_model_len": self.tokens + 512,
-            "store": self.store,
+            "chunk_tokens": self.args.chunk_tokens,
+            "store": {**self.store, **options},
+            "kvtier": kvtier,
         }
         print(f"[layout] starting engine {name} (TP={tp_size}) ...", flush=True)
         engine = EngineProcess(
@@ -108,6 +115,14 @@ class Run:
 
     def repeat(self, a: EngineProcess, b: EngineProcess, r: int) -> None:
         seed = 1000 * (r + 1)
+        if self.base is not None:
+            self.measure("recompute, no kvtier", self.base, seed, None)
+            self.measure("vLLM prefix-cache hit, no kvtier", self.base, seed, self.full_blocks())
+        if self.nodefer is not None:
+            # A prompt of its own, so that it is a miss; settled before A's miss, so its stores do
+            # not run beside A's prefill.
+            self.measure("kvtier miss, defer_stores=false", self.nodefer, seed + 500, None)
+            self.settle(self.nodefer)
         self.measure("recompute (kvtier miss, stores the prefix)", a, seed, None)
         self.settle(a)
         a.call(op="reset")
@@ -123,12 +138,19 @@ class Run:
         self.measure("NVMe hit (pushed out of the DRAM pool)", a, seed, self.full_blocks())
 
     def run(self) -> dict:
+        self.memcpy_gbps = memcpy_gbps()
+        print(f"[layout] memcpy: {self.memcpy_gbps:.1f} GB/s (numpy, 256 MiB copies, median of 5)", flush=True)
+        self.base = None if self.args.no_baseline else self.engine("base", kvtier=False)
+        self.nodefer = self.engine("nodefer", defer_stores=False) if self.args.no_defer else None
         a, b = self.engine("a"), self.engine("b")
         try:
             for r in range(self.args.repeats):
                 self.repeat(a, b, r)
         finally:
             b.stop()
+            for extra in (self.base, self.nodefer):
+                if extra is not None:
+                    extra.stop()
         if self.args.tp2:
             a.stop()
             t = self.engine("tp2", tp_size=2)
@@ -159,12 +181,29 @@ class Run:
         return {
             "model": self.args.model,
             "tokens": self.tokens,
+            "kv_bytes": PRESETS[self.args.model].kv_bytes_per_token * self.full_blocks(),
+            "memcpy_gbps": self.memcpy_gbps,
             "repeats": self.args.repeats,
+            "chunk_tokens": self.args.chunk_tokens,
             "store": self.store,
             "rows": rows,
             "failed_checks": self.checks,
             "when": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
+
+
+def memcpy_gbps(copy_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    """This process's single-threaded copy rate between two preallocated, touched buffers."""
+    import numpy as np
+
+    source = np.ones(copy_bytes, dtype=np.uint8)
+    destination = np.zeros(copy_bytes, dtype=np.uint8)
+    rates = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        np.copyto(destination, source)
+        rates.append(copy_bytes / (time.perf_counter() - started) / 1e9)
+    return statistics.median(rates)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -174,6 +213,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default="kv8b", choices=sorted(PRESETS))
     parser.add_argument("--dram-gib", type=float, default=1.25, help="the shared DRAM pool")
     parser.add_argument("--tp2", action="store_true", help="also a TP=2 engine's recompute and DRAM hit")
+    parser.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=2048,
+        help="prompt tokens per engine step (vLLM's max_num_batched_tokens; 2048 is `vllm serve`'s CPU default)",
+    )
+    parser.add_argument("--no-baseline", action="store_true", help="skip the engine without kvtier")
+    parser.add_argument("--no-defer", action="store_true", help="add an engine with defer_stores=false")
     parser.add_argument("--out", default="bench-results/layout", help="directory for layout.json")
     args = parser.parse_args(list(argv) if argv is not None else None)
     out = Path(args.out)
@@ -186,7 +233,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             kvtier_service.stop_service(run.socket)
     (out / "layout.json").write_text(json.dumps(result, indent=2))
-    print(f"\n{args.model}, {result['tokens']} tokens, {args.repeats} repeat(s): TTFT in seconds (min / median / max)")
+    print(
+        f"\n{args.model}, {result['tokens']} tokens ({result['kv_bytes'] / 2**30:.2f} GiB of KV), {args.repeats} "
+        f"repeat(s), memcpy {result['memcpy_gbps']:.1f} GB/s: TTFT in seconds (min / median / max)"
+    )
     for row, figures in result["rows"].items():
         print(
             f"  {row:<44} {figures['min_s']:7.3f} {figures['median_s']:7.3f} {figures['max_s']:7.3f}"
