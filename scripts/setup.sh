@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# All set-up on a fresh machine: system packages (fio), the virtualenv with vLLM's CPU build
+# All set-up on a fresh machine: system packages (fio; GlusterFS and CephFS for the filesystem tests), the virtualenv with vLLM's CPU build
 # (scripts/install_vllm.sh), the Python tools, and kvtier itself built in release mode with maturin.
 # Idempotent. KVTIER_SKIP_VLLM=1 sets up the store and its benchmarks without vLLM.
 set -euo pipefail
@@ -22,6 +22,26 @@ if ! command -v fio >/dev/null; then
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio >/dev/null
     else
         log "fio not found and cannot apt-get install it (not root); benchmarks will skip fio"
+    fi
+fi
+
+# GlusterFS and CephFS on 127.0.0.1 for the shared tier's filesystem tests (tests/test_shared_fs.py,
+# scripts/distfs/): the daemons and FUSE clients, and the brick host name the gluster CLI accepts
+# (it refuses 127.0.0.1 and localhost). KVTIER_SKIP_DISTFS=1 leaves them out (the tests then skip).
+distfs_packages=(glusterfs-server glusterfs-client ceph-mon ceph-mgr ceph-osd ceph-mds ceph-fuse ceph-common)
+if [[ "${KVTIER_SKIP_DISTFS:-0}" != "1" ]]; then
+    if ! command -v glusterd >/dev/null || ! command -v ceph-fuse >/dev/null || ! command -v ceph-mds >/dev/null; then
+        if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+            log "installing GlusterFS and CephFS (the shared tier's filesystem tests)"
+            apt-get update -qq >/dev/null
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${distfs_packages[@]}" >/dev/null
+        else
+            log "GlusterFS/CephFS not found and cannot apt-get install them (not root); tests/test_shared_fs.py will skip"
+        fi
+    fi
+    if [[ $(id -u) -eq 0 ]] && ! getent hosts kvtier-brick | grep -q '^127\.0\.0\.1'; then
+        log "adding '127.0.0.1 kvtier-brick' to /etc/hosts (GlusterFS brick host for the tests)"
+        echo "127.0.0.1 kvtier-brick" >>/etc/hosts
     fi
 fi
 

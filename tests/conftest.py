@@ -13,3 +13,7 @@ def engine(request):
 @pytest.fixture
 def store_dir(tmp_path):
     return tmp_path / "nvme"
+
+
+# Session-scoped GlusterFS and CephFS on 127.0.0.1 (tests/fs_fixtures.py, used by test_shared_fs.py).
+from fs_fixtures import cephfs_fs, glusterfs_fs  # noqa: E402, F401
