@@ -153,7 +153,22 @@ def _parse_option(text: str) -> tuple[str, Any]:
         return name, raw
 
 
+def usable_cores() -> set[int]:
+    """Every core of this machine. Setting an affinity to it gives a thread every core its cgroup
+    allows (the kernel intersects the two)."""
+    return set(range(os.cpu_count() or 1))
+
+
+def widen_affinity() -> None:
+    """An engine's worker that starts the service runs bound to its OpenMP core, and a child inherits
+    that binding: the service would then share one core with the engine's compute. Threads the
+    service starts later inherit what is set here."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setaffinity(0, usable_cores())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    widen_affinity()
     parser = argparse.ArgumentParser(
         prog="kvtier serve",
         description="Run the kvtier host service for a store path until SIGTERM or SIGINT.",

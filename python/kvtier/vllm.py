@@ -360,6 +360,8 @@ MAX_UNCLAIMED_JOB_RESULTS = 10_000
 # a prefill step may come first. 16 MiB is one block of an 8B model (128 tokens), a few ms to copy;
 # a call's round trips to the service cost tens of microseconds.
 STORE_BATCH_BYTES = 16 << 20
+# Threads that copy a large load out of the pool while the engine has no forward pass running.
+LOAD_COPY_THREADS = min(4, os.cpu_count() or 1)
 
 # --------------------------------------------------------------------------------------------
 # Process-wide store registry (the manager and the worker of an engine share one store)
@@ -1099,6 +1101,29 @@ class _StoreWork:
         return len(self.keys) - self.copied
 
 
+def _affinity() -> set[int]:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (OSError, AttributeError):
+        return set()
+
+
+def _usable_cores() -> set[int]:
+    from kvtier.service import usable_cores
+
+    return usable_cores()
+
+
+def _set_affinity(cores: set[int]) -> None:
+    """Binds the calling thread (only it: pid 0 is the thread on Linux). An empty set: no change."""
+    if not cores:
+        return
+    try:
+        os.sched_setaffinity(0, cores)
+    except (OSError, AttributeError) as error:
+        logger.debug("kvtier: binding the worker's job thread to cores %s failed: %s", sorted(cores), error)
+
+
 class ServiceWorker(KvtierWorker):
     """A rank's worker in the host-service layout: copies its own slice of each block between its
     KV cache and the service's shared pool, on a thread of its own, so that vLLM's step never waits
@@ -1135,7 +1160,13 @@ class ServiceWorker(KvtierWorker):
         self._pending: set[int] = set()  # vLLM job ids queued or running
         self._urgent: set[int] = set()  # store jobs vLLM waits for: never held back
         self._prefill_running = False
+        self._forward_running = False
+        self._copy_threads = 1  # what the connection copies loads with now
         self._stopping = False
+        # The cores vLLM bound this worker's compute to (this constructor runs on its main thread,
+        # after the binding) and the others: stores are copied on a spare core when there is one.
+        self._compute_cores = _affinity()
+        self._spare_cores = _usable_cores() - self._compute_cores if self._compute_cores else set()
         # Counters (read by tests and the benchmark): stores held back by a prefill step, and blocks
         # dropped because the held-back backlog was full.
         self.deferred_store_jobs = 0
@@ -1151,11 +1182,13 @@ class ServiceWorker(KvtierWorker):
     def step_begins(self, prefill_tokens: int) -> None:
         """A forward pass starts; ``prefill_tokens`` of it are prompt tokens (0 for a decode step)."""
         with self._cv:
+            self._forward_running = True
             self._prefill_running = self._defer_stores and prefill_tokens > 0
             self._cv.notify_all()
 
     def step_ends(self) -> None:
         with self._cv:
+            self._forward_running = False
             self._prefill_running = False
             self._cv.notify_all()
 
@@ -1218,6 +1251,7 @@ class ServiceWorker(KvtierWorker):
             self._cv.wait()
 
     def _run(self) -> None:
+        _set_affinity(self._spare_cores)
         while True:
             with self._cv:
                 work = self._next_work()
@@ -1227,8 +1261,25 @@ class ServiceWorker(KvtierWorker):
                 self._store_batch(work)
                 continue
             job, keys = work
+            spread = self._spread_load()
             found = self._connection.call("load_blocks", keys, self._layers, job.block_ids, default=None)
+            if spread:
+                _set_affinity(self._spare_cores)
             self._finish(job, list(found) if found is not None else [False] * len(keys))
+
+    def _spread_load(self) -> bool:
+        """While no forward pass runs the engine waits for this load, so every core copies it (the
+        job thread's binding widens for the copy; True if it did). Beside a forward pass one thread
+        copies, on a spare core if there is one."""
+        idle = not self._forward_running
+        threads = LOAD_COPY_THREADS if idle else 1
+        if threads != self._copy_threads:
+            self._connection.call("set_copy_threads", threads)
+            self._copy_threads = threads
+        if idle and self._spare_cores:
+            _set_affinity(self._spare_cores | self._compute_cores)
+            return True
+        return False
 
     def _store_batch(self, work: _StoreWork) -> None:
         batch = slice(work.copied, work.copied + max(1, STORE_BATCH_BYTES // self._object_bytes))

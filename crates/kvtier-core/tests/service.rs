@@ -278,3 +278,56 @@ fn stopping_with_half_committed_blocks_gives_their_slots_back_and_stops_at_once(
     service.stop().unwrap();
     assert!(started.elapsed() < Duration::from_secs(10), "stop waited {:?} on an unfilled slot", started.elapsed());
 }
+
+/// A load of more blocks than a quarter of the pool, read back from NVMe after a restart, copied by
+/// several threads: every block arrives whole, in its own buffer (the client asks in rounds, so a
+/// round's reads do not evict the blocks the same load read before).
+#[test]
+fn a_large_load_from_nvme_in_rounds_and_on_several_threads_is_exact() {
+    const BIG_SLICE: usize = 1 << 20;
+    const BLOCKS: u64 = 48;
+    let dir = tempfile::tempdir().unwrap();
+    let open = || {
+        let mut store = StoreConfig::new(dir.path().join("store"), 1);
+        store.dram_bytes = 64 * (BIG_SLICE + 4096); // 64 slots: the load needs 48 of them
+        store.nvme_bytes = 128 << 20;
+        store.region_bytes = 8 << 20;
+        let mut config = ServiceConfig::new(dir.path().join("run").join("kvtier.sock"), store);
+        config.pool_dir = dir.path().to_path_buf();
+        Service::start(config).unwrap()
+    };
+    let socket = dir.path().join("run").join("kvtier.sock");
+    let hello = |c: &mut Client| {
+        c.hello(b"service-test/big", 1, 0, BIG_SLICE).unwrap();
+    };
+    let keys: Vec<BlockKey> = (0..BLOCKS).map(key).collect();
+    let values: Vec<Vec<u8>> = (0..BLOCKS).map(|i| value(i, BIG_SLICE)).collect();
+    let mut service = open();
+    let mut writer = Client::connect(&socket, Duration::from_secs(30)).unwrap();
+    hello(&mut writer);
+    assert_eq!(store(&mut writer, &keys, &values), vec![true; BLOCKS as usize]);
+    writer.flush().unwrap();
+    drop(writer);
+    service.stop().unwrap();
+
+    let mut service = open();
+    let mut reader = Client::connect(&socket, Duration::from_secs(30)).unwrap();
+    hello(&mut reader);
+    reader.set_copy_threads(4);
+    assert_eq!(reader.locate(&keys).unwrap(), vec![2; BLOCKS as usize], "on NVMe only after the restart");
+    let mut out: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; BIG_SLICE]).collect();
+    // Each block in two segments, as a layer-major KV cache gives them.
+    let bufs: Vec<BlockBuffer> = out
+        .iter_mut()
+        .map(|v| {
+            let (a, b) = v.split_at_mut(BIG_SLICE / 2);
+            BlockBuffer { segments: vec![(a.as_mut_ptr(), a.len()), (b.as_mut_ptr(), b.len())] }
+        })
+        .collect();
+    // SAFETY: `out` outlives the call and nothing else touches it.
+    let found = unsafe { reader.load_blocks(&keys, &bufs).unwrap() };
+    assert_eq!(found, vec![true; BLOCKS as usize]);
+    assert!(out == values, "every block loaded whole into its own buffer");
+    drop(reader);
+    service.stop().unwrap();
+}

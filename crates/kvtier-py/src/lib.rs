@@ -589,6 +589,12 @@ impl PyServiceClient {
         self.inner.lock().is_connected()
     }
 
+    /// Threads a large `load_blocks` copies with (clamped to 1..=8). Call it from the thread that
+    /// loads: it waits for a call in progress on this connection.
+    fn set_copy_threads(&self, threads: usize) {
+        self.inner.lock().set_copy_threads(threads);
+    }
+
     /// Per key: "dram", "nvme", "shared" or None.
     fn locate_many(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<Option<&'static str>>> {
         let keys = parse_keys(keys)?;

@@ -88,7 +88,24 @@ pub struct Client {
     stream: Option<UnixStream>,
     pool: Option<PoolMap>,
     attached: Option<Attached>,
+    copy_threads: usize,
 }
+
+/// Below this many bytes a load is copied by the calling thread alone: starting threads costs more.
+const PARALLEL_COPY_MIN_BYTES: usize = 32 << 20;
+/// Most threads one load copies with; a copy is bound by memory bandwidth well before this.
+pub const MAX_COPY_THREADS: usize = 8;
+
+/// One block's copy out of the pool: its slice there and the caller's segments.
+struct SliceCopy<'a> {
+    from: *const u8,
+    to: &'a [(*mut u8, usize)],
+}
+
+// SAFETY: the pointers cross into scoped copy threads that end before `load_blocks` returns; the
+// caller guarantees the destinations are untouched by others during the call, and the pins keep
+// the pool slices unchanged.
+unsafe impl Send for SliceCopy<'_> {}
 
 fn service_error(socket: &Path, what: impl std::fmt::Display) -> Error {
     Error::Service { message: format!("kvtier service at {}: {what}", socket.display()) }
@@ -117,7 +134,19 @@ impl Client {
                 format!("is served by uid {}, not by this user (uid {}); refusing it", peer.uid.as_raw(), me.as_raw()),
             ));
         }
-        Ok(Client { socket_path: socket_path.to_path_buf(), stream: Some(stream), pool: None, attached: None })
+        Ok(Client {
+            socket_path: socket_path.to_path_buf(),
+            stream: Some(stream),
+            pool: None,
+            attached: None,
+            copy_threads: 1,
+        })
+    }
+
+    /// Threads a large load copies with (1 to `MAX_COPY_THREADS`). More than one only pays when the
+    /// engine has idle cores: the worker raises it while no forward pass runs.
+    pub fn set_copy_threads(&mut self, threads: usize) {
+        self.copy_threads = threads.clamp(1, MAX_COPY_THREADS);
     }
 
     pub fn attached(&self) -> Option<&Attached> {
@@ -346,10 +375,27 @@ impl Client {
     /// Loads this rank's slice of each block out of the pool (the service first makes each block
     /// resident and verified, and pins it while this copies). `true` per block loaded.
     ///
+    /// Asks for at most a quarter of the pool per round, so that the blocks one round reads from
+    /// NVMe are not evicted by its own later reads before they are pinned and copied.
+    ///
     /// # Safety
     /// Every destination segment must be valid for writing and untouched by others during the call.
     pub unsafe fn load_blocks(&mut self, keys: &[BlockKey], dests: &[BlockBuffer]) -> Result<Vec<bool>> {
         let attached = self.check_buffers(keys, dests)?.clone();
+        let round_blocks = (attached.slot_count / 4).max(1);
+        let mut results = Vec::with_capacity(keys.len());
+        for (round_keys, round_dests) in keys.chunks(round_blocks).zip(dests.chunks(round_blocks)) {
+            results.extend(self.load_round(&attached, round_keys, round_dests)?);
+        }
+        Ok(results)
+    }
+
+    unsafe fn load_round(
+        &mut self,
+        attached: &Attached,
+        keys: &[BlockKey],
+        dests: &[BlockBuffer],
+    ) -> Result<Vec<bool>> {
         let body = self.call(Op::Acquire, |w| {
             w.keys(keys);
         })?;
@@ -357,20 +403,18 @@ impl Client {
             self.parse(&body, |r| (0..keys.len()).map(|_| r.u32()).collect::<std::result::Result<Vec<_>, _>>())?;
         let mut results = vec![false; keys.len()];
         let mut acquired = Vec::new();
+        let mut copies = Vec::new();
+        let pool = self.pool.as_ref().expect("mapped at hello");
         for (i, &slot) in slots.iter().enumerate() {
             if slot == NO_SLOT {
                 continue;
             }
             acquired.push(keys[i]);
             let Some(at) = attached.slice_offset(slot) else { continue };
-            let pool = self.pool.as_ref().expect("mapped at hello");
-            let mut src = pool.base.add(at) as *const u8;
-            for &(dst, len) in &dests[i].segments {
-                std::ptr::copy_nonoverlapping(src, dst, len);
-                src = src.add(len);
-            }
+            copies.push(SliceCopy { from: pool.base.add(at), to: &dests[i].segments });
             results[i] = true;
         }
+        copy_slices(copies, attached.slice_bytes, self.copy_threads);
         if !acquired.is_empty() {
             // The copies are done and were pinned while they ran. If the release fails the connection
             // is dropped, and its closing releases the pins in the service.
@@ -381,3 +425,47 @@ impl Client {
         Ok(results)
     }
 }
+
+/// Copies each block's slice out of the pool, on up to `threads` threads (contiguous shares of the
+/// blocks, so that each thread streams through its own part of the pool).
+///
+/// # Safety
+/// As `Client::load_blocks`: the destinations are writable and untouched, the sources pinned.
+unsafe fn copy_slices(copies: Vec<SliceCopy<'_>>, slice_bytes: usize, threads: usize) {
+    let copy_one = |copy: &SliceCopy<'_>| {
+        let mut src = copy.from;
+        for &(dst, len) in copy.to {
+            std::ptr::copy_nonoverlapping(src, dst, len);
+            src = src.add(len);
+        }
+    };
+    let threads = if copies.len() * slice_bytes < PARALLEL_COPY_MIN_BYTES { 1 } else { threads.min(copies.len()) };
+    if threads <= 1 {
+        copies.iter().for_each(copy_one);
+        return;
+    }
+    let share = copies.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let mut shares = copies.chunks(share);
+        let mine = shares.next();
+        for part in shares {
+            let part = SendShare(part);
+            scope.spawn(move || part.into_inner().iter().for_each(copy_one));
+        }
+        mine.into_iter().flatten().for_each(copy_one);
+    });
+}
+
+/// A share of the copies, handed to a scoped thread.
+struct SendShare<'s, 'a>(&'s [SliceCopy<'a>]);
+
+impl<'s, 'a> SendShare<'s, 'a> {
+    /// Taken whole by the thread's closure (a closure that named the field would capture only the
+    /// field, which is not `Send`).
+    fn into_inner(self) -> &'s [SliceCopy<'a>] {
+        self.0
+    }
+}
+
+// SAFETY: see `SliceCopy`.
+unsafe impl Send for SendShare<'_, '_> {}
