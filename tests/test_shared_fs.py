@@ -20,6 +20,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -159,6 +160,45 @@ def test_cross_node_reuse_and_restart(nodes: Nodes) -> None:
     )
     print(f"{nodes.label}: restart indexed 40 blocks in {reopened_s * 1e3:.0f} ms")
     c.close()
+
+
+OPEN_AT_ONCE = """
+import sys, time, kvtier
+root, local, at = sys.argv[1], sys.argv[2], float(sys.argv[3])
+while time.time() < at:
+    pass
+try:
+    kvtier.Store.open(local, object_bytes=65536, namespace="race", nvme_bytes=0, shared_root=root).close()
+    print("ok")
+except Exception as e:
+    print(f"FAILED {type(e).__name__}: {e}")
+"""
+
+
+def test_nodes_opening_a_new_namespace_at_once(nodes: Nodes) -> None:
+    """Replicas start together: four processes, two per node, open the same new namespace at the same
+    instant (three rounds). On GlusterFS with default caching the loser of a mkdir race saw EEXIST and
+    then no directory, or ENOENT under the winner's new directory, and failed to open; the tier now
+    retries for up to 3 s. Every open must succeed."""
+    failures = []
+    for round_ in range(3):
+        sub = f"race{round_}"
+        (nodes.a / sub).mkdir()
+        at = time.time() + 1.5
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", OPEN_AT_ONCE, str(root / sub), str(nodes.local / f"{sub}-{i}"), str(at)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for i, root in enumerate((nodes.a, nodes.b, nodes.a, nodes.b))
+        ]
+        for p in procs:
+            out, _ = p.communicate(timeout=120)
+            if "ok" not in out.splitlines():
+                failures.append(f"round {round_}: {out.strip()[-400:]}")
+    assert not failures, f"{nodes.label}: simultaneous opens failed:\n" + "\n".join(failures)
 
 
 def corrupt_values(path: Path) -> int:

@@ -1172,21 +1172,34 @@ fn writable_error(path: &Path, e: std::io::Error) -> Error {
 }
 
 /// Creates a directory with the configured mode (set explicitly: the umask must not narrow it).
+/// How long `make_dir` keeps retrying a directory another node is creating at the same moment.
+const MKDIR_SETTLE: Duration = Duration::from_secs(3);
+
 fn make_dir(config: &SharedConfig, path: &Path) -> Result<()> {
-    match std::fs::create_dir(path) {
-        Ok(()) => std::fs::set_permissions(path, std::fs::Permissions::from_mode(config.dir_mode()))
-            .map_err(|e| writable_error(path, e)),
-        Err(e) if e.kind() == ErrorKind::AlreadyExists => {
-            if path.is_dir() {
-                Ok(())
-            } else {
-                Err(Error::config(
-                    "shared_root",
-                    format!("{} exists but is not a directory; remove it", path.display()),
-                ))
+    // Two nodes creating the same directory at once: on GlusterFS with default client caching the
+    // loser's mkdir says EEXIST while its stat still fails for a moment, and creating a subdirectory
+    // of the winner's new directory says ENOENT (measured on GlusterFS 10, tests/test_shared_fs.py).
+    // Both settle within a second: retry for a bounded time before calling it an error.
+    let started = Instant::now();
+    loop {
+        let transient = match std::fs::create_dir(path) {
+            Ok(()) => {
+                return std::fs::set_permissions(path, std::fs::Permissions::from_mode(config.dir_mode()))
+                    .map_err(|e| writable_error(path, e))
             }
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => {
+                if path.is_dir() {
+                    return Ok(());
+                }
+                Error::config("shared_root", format!("{} exists but is not a directory; remove it", path.display()))
+            }
+            Err(e) if e.kind() == ErrorKind::NotFound => writable_error(path, e),
+            Err(e) => return Err(writable_error(path, e)),
+        };
+        if started.elapsed() >= MKDIR_SETTLE {
+            return Err(transient);
         }
-        Err(e) => Err(writable_error(path, e)),
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
