@@ -1,6 +1,7 @@
-"""The service worker's scheduling against a real host service (no engine): loads go first, stores
-are held back while a prefill step runs and go at once when vLLM fences them, and a full held-back
-backlog drops new stores (counted) instead of growing.
+"""The service worker and the manager's prefetcher against a real host service (no engine): loads
+go first, stores are held back while a prefill step runs and go at once when vLLM fences them, a
+full held-back backlog drops new stores (counted) instead of growing, and a lookup that finds a
+block on NVMe answers HIT_PENDING while the service reads it into DRAM, then HIT.
 
 The worker is driven the way vLLM's OffloadingConnector drives it (submit_store / submit_load with
 vLLM's own specs, get_finished, wait), over numpy "layers" that stand in for the KV cache tensors.
@@ -16,12 +17,21 @@ import numpy as np
 import pytest
 
 try:
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.base import CacheHitSource, GPULoadStoreSpec, LookupResult, ReqContext, make_offload_key
 except Exception as import_error:  # pragma: no cover - depends on the environment
     pytest.skip(f"vllm is not importable ({import_error!r}); run scripts/install_vllm.sh", allow_module_level=True)
 
 from kvtier import service as kvtier_service
-from kvtier.vllm import KvtierLoadStoreSpec, KvtierOptions, ServiceConnection, ServiceWorker
+from kvtier.vllm import (
+    KvtierLoadStoreSpec,
+    KvtierManager,
+    KvtierOptions,
+    Prefetcher,
+    ServiceBackend,
+    ServiceConnection,
+    ServiceWorker,
+    kvtier_key,
+)
 
 LAYERS = 2
 PAGE_BYTES = 64 * 1024
@@ -33,11 +43,21 @@ def key(i: int) -> bytes:
     return hashlib.sha256(f"worker-{i}".encode()).digest()
 
 
+def options_for(tmp_path: Path, nvme_bytes: int = 0) -> KvtierOptions:
+    return KvtierOptions.from_extra_config(
+        {
+            "path": str(tmp_path / "store"),
+            "dram_bytes": 8 << 20,
+            "nvme_bytes": nvme_bytes,
+            "region_bytes": 1 << 20,
+            "pool_dir": str(tmp_path),
+        }
+    )
+
+
 @pytest.fixture
 def service(tmp_path: Path):
-    options = KvtierOptions.from_extra_config(
-        {"path": str(tmp_path / "store"), "dram_bytes": 8 << 20, "nvme_bytes": 0, "pool_dir": str(tmp_path)}
-    )
+    options = options_for(tmp_path)
     yield options
     kvtier_service.stop_service(options.socket_path())
 
@@ -49,9 +69,12 @@ def layers(fill: int | None = None) -> list[np.ndarray]:
     return [np.full((ENGINE_BLOCKS, PAGE_BYTES), fill, dtype=np.uint8) for _ in range(LAYERS)]
 
 
+def connection(options: KvtierOptions) -> ServiceConnection:
+    return ServiceConnection(options, {"test": "worker"}, 1, 0, PAGE_BYTES * LAYERS)
+
+
 def worker(options: KvtierOptions, kv: list[np.ndarray], **kwargs) -> ServiceWorker:
-    connection = ServiceConnection(options, {"test": "worker"}, 1, 0, PAGE_BYTES * LAYERS)
-    return ServiceWorker(connection, kv, PAGE_BYTES, job_timeout_ms=10_000, **kwargs)
+    return ServiceWorker(connection(options), kv, PAGE_BYTES, job_timeout_ms=10_000, **kwargs)
 
 
 def engine_blocks(ids: list[int]) -> GPULoadStoreSpec:
@@ -132,3 +155,33 @@ def test_defer_stores_off_stores_during_prefill(service):
         assert w.deferred_store_jobs == 0
     finally:
         w.shutdown()
+
+
+def test_a_lookup_prefetches_nvme_blocks_into_dram_and_answers_pending_meanwhile(tmp_path):
+    options = options_for(tmp_path, nvme_bytes=16 << 20)
+    offload_keys = [make_offload_key(hashlib.sha256(bytes([i])).digest(), 0) for i in range(4)]
+    store_keys = [kvtier_key(k) for k in offload_keys]
+    try:
+        w = worker(options, layers())
+        assert w.submit_store(1, engine_blocks([0, 1, 2, 3]), KvtierLoadStoreSpec(store_keys))
+        assert finished(w, 1)
+        w.shutdown()
+        connection(options).flush()
+        assert kvtier_service.stop_service(options.socket_path())
+        # The next connection starts a new service, which finds the blocks on NVMe only.
+        manager = KvtierManager(ServiceBackend(connection(options), Prefetcher(lambda: connection(options))))
+        probe = connection(options)
+        assert probe.locate_many(store_keys) == ["nvme"] * 4
+        request = ReqContext(req_id="r1")
+        assert [manager.lookup(k, request) for k in offload_keys[:2]] == [LookupResult.HIT_PENDING] * 2
+        deadline = time.monotonic() + 10
+        while manager.lookup(offload_keys[0], request) != LookupResult.HIT:
+            assert time.monotonic() < deadline, "the prefetch never ended"
+            time.sleep(0.02)
+        assert manager.lookup(offload_keys[1], request) == LookupResult.HIT
+        assert probe.locate_many(store_keys) == ["dram", "dram", "nvme", "nvme"]
+        assert manager.get_load_source(offload_keys[0], request) == CacheHitSource.DISK, "the origin, not DRAM"
+        manager.shutdown()
+        probe.close()
+    finally:
+        kvtier_service.stop_service(options.socket_path())

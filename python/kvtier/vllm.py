@@ -53,7 +53,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,6 +124,10 @@ INTEGRATION_OPTION_DEFAULTS: dict[str, Any] = {
     "defer_stores": True,
     # Most blocks a worker holds back that way; a store job that would exceed it is dropped (counted).
     "deferred_store_max_blocks": 4096,
+    # A lookup that finds a block on NVMe or in the shared tier has the service read it into the DRAM
+    # pool in the background and answers HIT_PENDING until it is there: the request waits without
+    # holding up the engine's step, and its load is then a DRAM copy.
+    "prefetch": True,
 }
 
 # Prefix-hash algorithms whose block hashes are the same in every process.
@@ -301,6 +305,7 @@ class KvtierOptions:
     service_timeout_ms: int = 5_000
     defer_stores: bool = True
     deferred_store_max_blocks: int = 4096
+    prefetch: bool = True
 
     @classmethod
     def from_extra_config(cls, extra_config: Mapping[str, Any]) -> KvtierOptions:
@@ -342,6 +347,7 @@ class KvtierOptions:
             service_timeout_ms=service_timeout_ms,
             defer_stores=bool(option("defer_stores")),
             deferred_store_max_blocks=deferred_store_max_blocks,
+            prefetch=bool(option("prefetch")),
         )
 
     def socket_path(self) -> Path:
@@ -607,6 +613,10 @@ class ServiceConnection:
         stats["service_failed_calls"] = self.failed_calls
         return stats
 
+    def flush(self) -> None:
+        """Waits until every store the service accepted for this namespace is on NVMe."""
+        self.call("flush")
+
     def close(self) -> None:
         """Drops the connection: the service releases whatever it still held for this process."""
         with self._lock:
@@ -619,13 +629,94 @@ class ServiceBackend:
     """What KvtierManager needs from its store when the store lives in the host service."""
 
     store: ServiceConnection
+    prefetcher: Prefetcher | None = None
 
     def take_observations(self) -> tuple[list[tuple[str, float]], Counter]:
         # Job latencies are observed in the worker processes; they reach vLLM as transfer times.
         return [], Counter()
 
     def release(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         self.store.close()
+
+
+class Prefetcher:
+    """Reads blocks that lookups found on NVMe or in the shared tier into the service's DRAM pool,
+    on a thread and a connection of its own (a prefetch of a long prefix takes a while; lookups on the
+    manager's connection must not wait behind it).
+
+    Each key is prefetched once: lookups answer HIT_PENDING while it is in flight and HIT after it
+    ended, whatever became of it (a block evicted again before its load is read by the load itself).
+    Ended prefetches are remembered for ``REMEMBER_S``, with the tier the block came from, so that
+    vLLM's hit-source metric names NVMe or the shared tier, not the DRAM the load copied from."""
+
+    REMEMBER_S = 120.0
+
+    def __init__(self, connect: Callable[[], ServiceConnection]):
+        self._connect = connect
+        self._connection: ServiceConnection | None = None
+        self._cv = threading.Condition()
+        self._queue: list[bytes] = []
+        self._in_flight: dict[bytes, str] = {}  # key -> tier it is read from
+        self._ended: dict[bytes, tuple[str, float]] = {}  # key -> (origin tier, when)
+        self._stopping = False
+        self.prefetched_blocks = 0
+        self._thread = threading.Thread(target=self._run, name="kvtier-prefetch", daemon=True)
+        self._thread.start()
+
+    def lookup(self, key: bytes, tier: str) -> LookupResult:
+        """For a key the service holds on ``tier`` (NVMe or shared), not in DRAM."""
+        with self._cv:
+            if key in self._ended:
+                return LookupResult.HIT
+            if key not in self._in_flight:
+                self._in_flight[key] = tier
+                self._queue.append(key)
+                self._cv.notify_all()
+            return LookupResult.HIT_PENDING
+
+    def origin(self, key: bytes) -> str | None:
+        with self._cv:
+            ended = self._ended.get(key)
+            return ended[0] if ended is not None else self._in_flight.get(key)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                batch, self._queue = self._queue, []
+            if self._connection is None:
+                try:
+                    self._connection = self._connect()
+                except Exception:
+                    logger.exception("kvtier: the prefetcher cannot reach the host service; loads read storage")
+            if self._connection is not None:
+                found = self._connection.call("prefetch", batch, default=None)
+                self.prefetched_blocks += sum(1 for ok in found or [] if ok)
+            now = time.monotonic()
+            with self._cv:
+                for key in batch:
+                    self._ended[key] = (self._in_flight.pop(key, "nvme"), now)
+                self._forget_older_than(now - self.REMEMBER_S)
+
+    def _forget_older_than(self, cutoff: float) -> None:
+        """Holds ``_cv``. Ended entries are in the order they ended."""
+        for key, (_, when) in list(self._ended.items()):
+            if when >= cutoff:
+                break
+            del self._ended[key]
+
+    def close(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5)
+        if self._connection is not None:
+            self._connection.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -788,6 +879,7 @@ class KvtierManager(OffloadingManager):
         self._pinned_at: dict[str, float] = {}
         self._pin_lease_s = pin_lease_s
         self._being_stored: Counter[bytes] = Counter()
+        self._prefetcher = shared.prefetcher if isinstance(shared, ServiceBackend) else None
         self._stats = StatsDeltaTracker()
         self._stats.prime(shared)
 
@@ -801,13 +893,15 @@ class KvtierManager(OffloadingManager):
             return LookupResult.MISS
         store_key = kvtier_key(key)
         try:
-            present = self._store.contains_many([store_key])[0]
+            tier = self._store.locate_many([store_key])[0]
         except Exception:
             logger.exception("kvtier: lookup failed; treating as a miss")
             return LookupResult.MISS
-        if present:
+        if tier is not None:
             # The store shows a block only once its bytes are complete, even if vLLM has not yet
             # been told that the store job finished.
+            if tier != "dram" and self._prefetcher is not None:
+                return self._prefetcher.lookup(store_key, tier)
             return LookupResult.HIT
         if store_key in self._being_stored:
             # Still being copied out of the engine: the request waits a step for it instead of
@@ -823,8 +917,10 @@ class KvtierManager(OffloadingManager):
         ``external_unspecified`` is documented as the source of remote stores, so shared hits go
         there (``kvtier:block_hits{tier="shared"}`` counts them exactly).
         """
+        store_key = kvtier_key(key)
+        origin = self._prefetcher.origin(store_key) if self._prefetcher is not None else None
         try:
-            tier = self._store.locate_many([kvtier_key(key)])[0]
+            tier = origin or self._store.locate_many([store_key])[0]
         except Exception:
             logger.exception("kvtier: locating a block failed; reporting its hit source as unspecified")
             return CacheHitSource.EXTERNAL_UNSPECIFIED
@@ -1416,7 +1512,8 @@ class KvtierOffloadingSpec(OffloadingSpec):
         if self.options.host_service:
             check_hash_algo(self._hash_algo())
             pin_lease_s = max(60.0, 2 * self.options.job_timeout_ms / 1000)
-            return KvtierManager(ServiceBackend(self._service_connection(rank=0)), pin_lease_s)
+            prefetcher = Prefetcher(lambda: self._service_connection(rank=0)) if self.options.prefetch else None
+            return KvtierManager(ServiceBackend(self._service_connection(rank=0), prefetcher), pin_lease_s)
         shared = find_engine_store(self.options, self.config.engine_id)
         if shared is None:
             raise KvtierVllmConfigError(

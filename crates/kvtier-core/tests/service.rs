@@ -331,3 +331,35 @@ fn a_large_load_from_nvme_in_rounds_and_on_several_threads_is_exact() {
     drop(reader);
     service.stop().unwrap();
 }
+
+/// A prefetch brings NVMe blocks into the pool (verified): a later load is a DRAM hit, and an
+/// absent key stays absent.
+#[test]
+fn a_prefetch_makes_nvme_blocks_resident_and_pins_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys: Vec<BlockKey> = (0..6).map(key).collect();
+    let values: Vec<Vec<u8>> = (0..6).map(|i| value(i, SLICE)).collect();
+    let (mut service, socket) = start(dir.path(), 4 << 20);
+    let mut writer = client(&socket, 1, 0);
+    assert_eq!(store(&mut writer, &keys, &values), vec![true; 6]);
+    writer.flush().unwrap();
+    drop(writer);
+    service.stop().unwrap();
+
+    let (mut service, socket) = start(dir.path(), 4 << 20);
+    let mut scheduler = client(&socket, 1, 0);
+    assert_eq!(scheduler.locate(&keys).unwrap(), vec![2; 6]);
+    let mut asked = keys[..4].to_vec();
+    asked.push(key(99));
+    assert_eq!(scheduler.prefetch(&asked).unwrap(), vec![true, true, true, true, false]);
+    assert_eq!(scheduler.locate(&keys).unwrap(), vec![1, 1, 1, 1, 2, 2]);
+    let stats: std::collections::HashMap<String, u64> = scheduler.stats().unwrap().into_iter().collect();
+    assert_eq!(stats["nvme_hits"], 4);
+    let mut worker = client(&socket, 1, 0);
+    let (found, out) = load(&mut worker, &keys[..4]);
+    assert_eq!((found, out), (vec![true; 4], values[..4].to_vec()));
+    let stats: std::collections::HashMap<String, u64> = worker.stats().unwrap().into_iter().collect();
+    assert_eq!((stats["dram_hits"], stats["nvme_hits"]), (4, 4), "the load after the prefetch is a DRAM copy");
+    drop((scheduler, worker));
+    service.stop().unwrap();
+}

@@ -589,6 +589,13 @@ impl PyServiceClient {
         self.inner.lock().is_connected()
     }
 
+    /// Makes blocks resident in the service's DRAM pool (read from NVMe or the shared tier, verified)
+    /// without copying them out: `True` per block resident afterwards.
+    fn prefetch(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let keys = parse_keys(keys)?;
+        py.detach(|| self.inner.lock().prefetch(&keys)).map_err(to_py)
+    }
+
     /// Threads a large `load_blocks` copies with (clamped to 1..=8). Call it from the thread that
     /// loads: it waits for a call in progress on this connection.
     fn set_copy_threads(&self, threads: usize) {

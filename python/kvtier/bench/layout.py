@@ -30,8 +30,9 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvtier import service as kvtier_service
 from kvtier.engine_process import TOKENS_PER_BLOCK, EngineProcess
@@ -60,7 +61,7 @@ class Run:
         self.served_by: dict[str, list[str]] = {}
         self.checks: list[str] = []
 
-    def engine(self, name: str, tp_size: int = 1, kvtier: bool = True, **options: object) -> EngineProcess:
+    def engine(self, name: str, tp_size: int = 1, kvtier: bool = True, **options: Any) -> EngineProcess:
         cache_gib = max(2, int(3 * PRESETS[self.args.model].kv_bytes_per_token * self.tokens / (1 << 30)) + 1)
         spec = {
             "model": self.args.model,
@@ -113,16 +114,28 @@ class Run:
     def full_blocks(self) -> int:
         return self.tokens // TOKENS_PER_BLOCK * TOKENS_PER_BLOCK
 
+    def side_engine(self, name: str, repeat: Callable[[EngineProcess, int], None], **spec: Any) -> None:
+        engine = self.engine(name, **spec)
+        try:
+            for r in range(self.args.repeats):
+                repeat(engine, r)
+        finally:
+            engine.stop()
+
+    def baseline_repeat(self, base: EngineProcess, r: int) -> None:
+        """The prompt A computes in repeat ``r``, on an engine without kvtier."""
+        seed = 1000 * (r + 1)
+        self.measure("recompute, no kvtier", base, seed, None)
+        self.measure("vLLM prefix-cache hit, no kvtier", base, seed, self.full_blocks())
+
+    def nodefer_repeat(self, nodefer: EngineProcess, r: int) -> None:
+        # A prompt of its own, so that it is a miss; settled, so its stores do not run beside the
+        # next measurement.
+        self.measure("kvtier miss, defer_stores=false", nodefer, 1000 * (r + 1) + 500, None)
+        self.settle(nodefer)
+
     def repeat(self, a: EngineProcess, b: EngineProcess, r: int) -> None:
         seed = 1000 * (r + 1)
-        if self.base is not None:
-            self.measure("recompute, no kvtier", self.base, seed, None)
-            self.measure("vLLM prefix-cache hit, no kvtier", self.base, seed, self.full_blocks())
-        if self.nodefer is not None:
-            # A prompt of its own, so that it is a miss; settled before A's miss, so its stores do
-            # not run beside A's prefill.
-            self.measure("kvtier miss, defer_stores=false", self.nodefer, seed + 500, None)
-            self.settle(self.nodefer)
         self.measure("recompute (kvtier miss, stores the prefix)", a, seed, None)
         self.settle(a)
         a.call(op="reset")
@@ -140,17 +153,18 @@ class Run:
     def run(self) -> dict:
         self.memcpy_gbps = memcpy_gbps()
         print(f"[layout] memcpy: {self.memcpy_gbps:.1f} GB/s (numpy, 256 MiB copies, median of 5)", flush=True)
-        self.base = None if self.args.no_baseline else self.engine("base", kvtier=False)
-        self.nodefer = self.engine("nodefer", defer_stores=False) if self.args.no_defer else None
+        # One engine at a time besides A and B: each holds its KV cache and, with kvtier, a mapping
+        # of the pool (four at 8K outgrew 24 GiB with other work on the machine).
+        if not self.args.no_baseline:
+            self.side_engine("base", self.baseline_repeat, kvtier=False)
+        if self.args.no_defer:
+            self.side_engine("nodefer", self.nodefer_repeat, defer_stores=False)
         a, b = self.engine("a"), self.engine("b")
         try:
             for r in range(self.args.repeats):
                 self.repeat(a, b, r)
         finally:
             b.stop()
-            for extra in (self.base, self.nodefer):
-                if extra is not None:
-                    extra.stop()
         if self.args.tp2:
             a.stop()
             t = self.engine("tp2", tp_size=2)

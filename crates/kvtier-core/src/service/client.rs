@@ -390,6 +390,32 @@ impl Client {
         Ok(results)
     }
 
+    /// Makes blocks resident in the pool without copying them anywhere: the service reads the ones
+    /// on NVMe or in the shared tier into DRAM (verified), then they are released at once. `true`
+    /// per block resident afterwards. What an engine's scheduler calls at lookup, so that the
+    /// later load is a DRAM copy; in rounds of a quarter of the pool, as `load_blocks`.
+    pub fn prefetch(&mut self, keys: &[BlockKey]) -> Result<Vec<bool>> {
+        let slot_count =
+            self.attached.as_ref().ok_or_else(|| service_error(&self.socket_path, "say hello first"))?.slot_count;
+        let mut results = Vec::with_capacity(keys.len());
+        for round in keys.chunks((slot_count / 4).max(1)) {
+            let body = self.call(Op::Acquire, |w| {
+                w.keys(round);
+            })?;
+            let slots =
+                self.parse(&body, |r| (0..round.len()).map(|_| r.u32()).collect::<std::result::Result<Vec<_>, _>>())?;
+            let acquired: Vec<BlockKey> =
+                round.iter().zip(&slots).filter(|(_, &slot)| slot != NO_SLOT).map(|(key, _)| *key).collect();
+            if !acquired.is_empty() {
+                self.call(Op::Release, |w| {
+                    w.keys(&acquired);
+                })?;
+            }
+            results.extend(slots.iter().map(|&slot| slot != NO_SLOT));
+        }
+        Ok(results)
+    }
+
     unsafe fn load_round(
         &mut self,
         attached: &Attached,
