@@ -82,6 +82,8 @@ class Run:
         return engine
 
     def stats(self) -> dict[str, int]:
+        if not self.socket.exists():
+            return {}  # no kvtier engine has started the service yet (the baseline engine runs first)
         return kvtier_service.service_stats(self.socket)
 
     def measure(self, row: str, engine: EngineProcess, seed: int, expect_cached: int | None) -> dict:
