@@ -8,6 +8,7 @@
     kvtier bench ttft [...]   time to first token through a real engine (kvtier.bench.ttft)
     kvtier bench lookup       host service round-trip latency (kvtier.bench.lookup)
     kvtier bench layout       TTFT across engines sharing the host service (kvtier.bench.layout)
+    kvtier bench reads-first  NVMe-hit tail latency right after heavy stores (kvtier.bench.reads_first)
 
 `serve`, `demo` and the benchmarks keep their own argparse parsers: each lives in its own module with
 its own `main(argv)`, imported only when it runs, so that one missing optional part never breaks the
@@ -91,7 +92,8 @@ class _Group(click.Group):
     cls=_Group,
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog=(
-        "\b\nBenchmarks: kvtier bench io, kvtier bench ttft, kvtier bench lookup, kvtier bench layout.\n"
+        "\b\nBenchmarks: kvtier bench io, kvtier bench ttft, kvtier bench lookup, kvtier bench layout,\n"
+        "kvtier bench reads-first.\n"
         "Run `kvtier COMMAND --help` for the options of one command. Docs: docs/cli.md."
     ),
 )
@@ -109,6 +111,7 @@ for _words, _module, _summary in (
     (("bench", "ttft"), "kvtier.bench.ttft", "time to first token through a real engine, with and without kvtier"),
     (("bench", "lookup"), "kvtier.bench.lookup", "round-trip latency of lookups and pins through the host service"),
     (("bench", "layout"), "kvtier.bench.layout", "TTFT in vLLM's default layout: same- and cross-engine hits, TP=2"),
+    (("bench", "reads-first"), "kvtier.bench.reads_first", "tail latency of NVMe hits right after heavy stores"),
     (("demo",), "kvtier.demo", "end-to-end demo with a real engine"),
     (("serve",), "kvtier.service", "run the host service for a store path (engines start one when none runs)"),
 ):

@@ -179,6 +179,9 @@ pub struct Catalog {
     dirty_bytes: usize,
     max_dirty_bytes: usize,
     pending_meta_writes: usize,
+    /// Loads waiting for a DRAM slot. While any waits, puts get no slot: a slot freed by a finished
+    /// write or an unpin goes to the load, never to another store.
+    loads_waiting: usize,
     stats: Arc<Stats>,
 }
 
@@ -235,6 +238,7 @@ impl Catalog {
             dirty_bytes: 0,
             max_dirty_bytes,
             pending_meta_writes: 0,
+            loads_waiting: 0,
             stats,
         }
     }
@@ -500,6 +504,9 @@ impl Catalog {
             }
             return PutStep::Present;
         }
+        if self.loads_waiting > 0 {
+            return PutStep::NoSlot;
+        }
         // Bytes waiting for NVMe are bounded: past the budget a store waits for writes to finish.
         let needs_write = self.nvme.is_some();
         if needs_write && self.dirty_bytes + self.slot_bytes as usize > self.max_dirty_bytes {
@@ -513,9 +520,20 @@ impl Catalog {
         PutStep::Fill { slot, sequence }
     }
 
-    /// Whether one more put would be admitted now by the NVMe write backlog budget (`max_dirty_bytes`).
+    /// Whether one more put would be admitted now by the NVMe write backlog budget (`max_dirty_bytes`)
+    /// and by the loads (none waiting for a slot).
     pub fn has_put_room(&self) -> bool {
-        self.nvme.is_none() || self.dirty_bytes + self.slot_bytes as usize <= self.max_dirty_bytes
+        self.loads_waiting == 0
+            && (self.nvme.is_none() || self.dirty_bytes + self.slot_bytes as usize <= self.max_dirty_bytes)
+    }
+
+    /// A load starts (`true`) or stops (`false`) waiting for a DRAM slot.
+    pub fn load_waits(&mut self, waiting: bool) {
+        if waiting {
+            self.loads_waiting += 1;
+        } else {
+            self.loads_waiting = self.loads_waiting.checked_sub(1).expect("a load stopped waiting that never started");
+        }
     }
 
     /// A reserved put that will not be filled: forgets the entry and frees its slot.

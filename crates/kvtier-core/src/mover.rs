@@ -3,7 +3,7 @@
 //! finished ones are verified (descriptor, key, namespace, sequence, value checksum) and copied out.
 //! A block that fails verification is a miss, counted, and dropped from the index: never bytes.
 
-use crate::catalog::{GetStep, LoadOutcome, MetaWrite, NvmeRead, PutStep, WritePlan, NO_SLOT};
+use crate::catalog::{Catalog, GetStep, LoadOutcome, MetaWrite, NvmeRead, PutStep, WritePlan, NO_SLOT};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::format::ALIGN_BYTES;
 use crate::io::buffer::AlignedBuf;
@@ -178,6 +178,31 @@ fn copy_in_and_checksum(sh: &Shared, slot: u32, buf: &BlockBuffer) -> u64 {
 /// Loads blocks: into the caller's buffers (`Some`), or only into DRAM slots (`None`: promoting them
 /// for engine workers that copy out of the shared pool themselves).
 pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: Option<&[BlockBuffer]>) -> Vec<bool> {
+    get_blocks(sh, keys, bufs, None)
+}
+
+/// Makes blocks resident in DRAM and pins each one found, in the same catalog critical section that
+/// finishes its load (a store elsewhere could otherwise evict it in between): per key its pinned
+/// slot, or `None` for a miss. The caller unpins each slot it got.
+pub(crate) fn execute_get_pinned(sh: &Arc<Shared>, keys: &[BlockKey]) -> Vec<Option<u32>> {
+    let mut pinned = vec![None; keys.len()];
+    get_blocks(sh, keys, None, Some(&mut pinned));
+    pinned
+}
+
+/// Pins a block whose load just finished, when the caller asked for pins (`pinned`).
+fn hold(cat: &mut Catalog, key: &BlockKey, pinned: &mut Option<&mut [Option<u32>]>, i: usize) {
+    if let Some(pinned) = pinned.as_deref_mut() {
+        pinned[i] = cat.pin_resident(key);
+    }
+}
+
+fn get_blocks(
+    sh: &Arc<Shared>,
+    keys: &[BlockKey],
+    bufs: Option<&[BlockBuffer]>,
+    mut pinned: Option<&mut [Option<u32>]>,
+) -> Vec<bool> {
     let n = keys.len();
     let mut results = vec![false; n];
     let (done_tx, done_rx) = unbounded::<(usize, NvmeRead, std::io::Result<()>, Landing)>();
@@ -224,7 +249,10 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: Option<&[Bl
                 if stuck {
                     let until =
                         *deadline.get_or_insert_with(|| Instant::now() + Duration::from_millis(sh.config.slot_wait_ms));
-                    if sh.changed.wait_until(&mut cat, until).timed_out() && Instant::now() >= until {
+                    cat.load_waits(true);
+                    let timed_out = sh.changed.wait_until(&mut cat, until).timed_out();
+                    cat.load_waits(false);
+                    if timed_out && Instant::now() >= until {
                         Stats::add(&sh.stats.slot_wait_timeouts, 1);
                         Stats::add(&sh.stats.misses, (n - next) as u64);
                         next = n;
@@ -288,7 +316,8 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: Option<&[Bl
                 inflight += 1;
             }
             if !shared_reads.is_empty() {
-                execute_shared_reads(sh, keys, bufs, &mut results, std::mem::take(&mut shared_reads));
+                let reads = std::mem::take(&mut shared_reads);
+                execute_shared_reads(sh, keys, bufs, &mut results, reads, pinned.as_deref_mut());
             }
             if !dram_hits.is_empty() {
                 for &(i, slot) in &dram_hits {
@@ -301,6 +330,7 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: Option<&[Bl
                 let mut cat = sh.catalog.lock();
                 for (i, _) in dram_hits.drain(..) {
                     cat.finish_get_dram(&keys[i]);
+                    hold(&mut cat, &keys[i], &mut pinned, i);
                 }
                 drop(cat);
                 sh.changed.notify_all();
@@ -365,7 +395,11 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: Option<&[Bl
         }
         let mut cat = sh.catalog.lock();
         for (i, read, outcome) in outcomes {
+            let loaded = matches!(outcome, LoadOutcome::Ok);
             cat.finish_get_nvme(&keys[i], &read, outcome);
+            if loaded {
+                hold(&mut cat, &keys[i], &mut pinned, i);
+            }
         }
         drop(cat);
         sh.changed.notify_all();
@@ -623,6 +657,7 @@ fn execute_shared_reads(
     bufs: Option<&[BlockBuffer]>,
     results: &mut [bool],
     reads: Vec<(usize, u32)>,
+    mut pinned: Option<&mut [Option<u32>]>,
 ) {
     let tier = sh.shared_tier.as_ref().expect("shared reads need the shared tier");
     let mut done = Vec::with_capacity(reads.len());
@@ -658,7 +693,11 @@ fn execute_shared_reads(
     }
     let mut cat = sh.catalog.lock();
     for (i, slot, checksum) in done {
+        let loaded = checksum.is_some();
         cat.finish_get_shared(&keys[i], slot, checksum);
+        if loaded {
+            hold(&mut cat, &keys[i], &mut pinned, i);
+        }
     }
     drop(cat);
     sh.changed.notify_all();

@@ -16,8 +16,8 @@ use crate::io::uring::UringEngine;
 use crate::io::{EngineChoice, IoCompletion, IoEngine, IoRequest, OpKind, RegisteredRange};
 use crate::key::{BlockKey, Namespace};
 use crate::mover::{
-    abort_puts, commit_puts, execute_get, execute_put, reserve_puts, submit_meta, wait_for_put_room, BlockBuffer,
-    Reservation,
+    abort_puts, commit_puts, execute_get, execute_get_pinned, execute_put, reserve_puts, submit_meta,
+    wait_for_put_room, BlockBuffer, Reservation,
 };
 use crate::stats::{Stats, StatsSnapshot};
 use crate::tiers::dram::Arena;
@@ -602,10 +602,9 @@ impl Store {
         self.check_open()?;
         let sh = &self.shared;
         sh.loads_active.fetch_add(1, Ordering::AcqRel);
-        let found = execute_get(sh, keys, None);
+        let pinned = execute_get_pinned(sh, keys);
         sh.job_done(&sh.loads_active);
-        let mut cat = sh.catalog.lock();
-        Ok(keys.iter().zip(found).map(|(key, hit)| if hit { cat.pin_resident(key) } else { None }).collect())
+        Ok(pinned)
     }
 
     /// Checks the catalog's internal invariants (for tests).
