@@ -62,6 +62,9 @@ use std::time::{Duration, Instant};
 const MAX_OPEN_DATA_FILES: usize = 256;
 /// Bytes of one manifest read per refresh; a longer backlog is read over several passes.
 const MAX_MANIFEST_READ_BYTES: u64 = 64 << 20;
+/// A published file read short is quarantined only if reads are still short this long after the
+/// first: a mount's cached size can be older than the file (GlusterFS default caching: about 1 s).
+const SHORT_READ_SETTLE: Duration = Duration::from_secs(2);
 
 /// A data file being filled by this process.
 struct OpenDataFile {
@@ -135,6 +138,10 @@ pub struct SharedTier {
     last_warn_ms: AtomicU64,
     /// Reads that found their file gone (evicted elsewhere): clean misses, counted for tests.
     pub vanished_reads: AtomicU64,
+    /// Files read short (past their end), by when that was first seen; see `SHORT_READ_SETTLE`.
+    short_reads: Mutex<HashMap<String, Instant>>,
+    /// Short reads not (yet) taken for truncation (also counted in `io_errors`), for tests.
+    pub short_reads_settling: AtomicU64,
 }
 
 fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
@@ -187,6 +194,8 @@ impl SharedTier {
             warned_stall: AtomicBool::new(false),
             last_warn_ms: AtomicU64::new(0),
             vanished_reads: AtomicU64::new(0),
+            short_reads: Mutex::new(HashMap::new()),
+            short_reads_settling: AtomicU64::new(0),
         });
         tier.append_records(&[Record::Header {
             namespace,
@@ -356,7 +365,9 @@ impl SharedTier {
                 return Ok(false);
             }
             Err(e) if e.kind() == ErrorKind::UnexpectedEof => {
-                self.quarantine(&name, "truncated");
+                if self.short_read_settled(loc.file, &name) {
+                    self.quarantine(&name, "truncated");
+                }
                 Stats::add(&self.stats.shared_misses, 1);
                 return Ok(false);
             }
@@ -380,6 +391,12 @@ impl SharedTier {
                 self.quarantine(&name, "block tag does not verify: written without the deployment key or with another");
                 Stats::add(&self.stats.shared_misses, 1);
                 return Ok(false);
+            }
+        }
+        {
+            let mut short = self.short_reads.lock();
+            if !short.is_empty() {
+                short.remove(&name);
             }
         }
         // The tag belongs to the shared file: the DRAM slot's padding stays zero as elsewhere.
@@ -437,6 +454,34 @@ impl SharedTier {
         }
         handles.insert(id, Arc::clone(&f));
         Ok(f)
+    }
+
+    /// A read past the end of a published file (complete and immutable when its publish record was
+    /// written). Truncation, or this mount's cached size is older than the file: GlusterFS with default
+    /// client caching served such short reads of whole files (tests/test_shared_fs.py). The handle is
+    /// dropped and the read is a miss counted in `io_errors`; the file is quarantined (returns true)
+    /// only when reads are still short `SHORT_READ_SETTLE` after the first.
+    fn short_read_settled(&self, id: FileId, name: &str) -> bool {
+        self.read_handles.lock().remove(&id);
+        let now = Instant::now();
+        let mut short = self.short_reads.lock();
+        if short.len() >= 10_000 {
+            short.clear();
+        }
+        let first = *short.entry(name.to_string()).or_insert(now);
+        if now.duration_since(first) >= SHORT_READ_SETTLE {
+            short.remove(name);
+            return true;
+        }
+        drop(short);
+        Stats::add(&self.stats.io_errors, 1);
+        self.short_reads_settling.fetch_add(1, Ordering::Relaxed);
+        log::warn!(
+            "kvtier: shared file {name} read short; a miss, quarantined if still short {} s from now (a mount \
+             caching file sizes, e.g. GlusterFS without --attribute-timeout=0, or truncation)",
+            SHORT_READ_SETTLE.as_secs()
+        );
+        false
     }
 
     /// The file was removed by another node's evictor: drop it here too (its doom record follows).
