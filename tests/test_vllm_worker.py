@@ -26,6 +26,7 @@ from kvtier.vllm import (
     KvtierLoadStoreSpec,
     KvtierManager,
     KvtierOptions,
+    KvtierVllmConfigError,
     Prefetcher,
     ServiceBackend,
     ServiceConnection,
@@ -185,3 +186,27 @@ def test_a_lookup_prefetches_nvme_blocks_into_dram_and_answers_pending_meanwhile
         probe.close()
     finally:
         kvtier_service.stop_service(options.socket_path())
+
+
+def test_second_sight_admission_stores_a_block_the_second_time_it_is_computed(service):
+    manager = KvtierManager(ServiceBackend(connection(service)), admission="second_sight", admission_memory_blocks=2)
+    request = ReqContext(req_id="r1")
+    keys = [make_offload_key(hashlib.sha256(bytes([40 + i])).digest(), 0) for i in range(3)]
+    first = manager.prepare_store(keys[:2], request)
+    assert first is not None and first.keys_to_store == [], "seen once: not stored"
+    second = manager.prepare_store(keys[:2], request)
+    assert second is not None and second.keys_to_store == keys[:2], "seen twice: stored"
+    manager.complete_store(keys[:2], request, success=False)  # (no worker here stored them)
+    # The memory is bounded: with room for two keys, the oldest of three is forgotten.
+    for key in keys:
+        manager.prepare_store([key], request)
+    assert manager.prepare_store([keys[0]], request).keys_to_store == []  # type: ignore[union-attr]
+    assert manager.not_admitted_blocks == 2 + 3 + 1
+    manager.shutdown()
+
+
+def test_admission_options_are_checked():
+    with pytest.raises(KvtierVllmConfigError, match="admission"):
+        KvtierOptions.from_extra_config({"path": "/tmp/x", "admission": "sometimes"})
+    with pytest.raises(KvtierVllmConfigError, match="admission_memory_blocks"):
+        KvtierOptions.from_extra_config({"path": "/tmp/x", "admission_memory_blocks": 0})

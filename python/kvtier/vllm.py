@@ -52,7 +52,7 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,7 +128,14 @@ INTEGRATION_OPTION_DEFAULTS: dict[str, Any] = {
     # pool in the background and answers HIT_PENDING until it is there: the request waits without
     # holding up the engine's step, and its load is then a DRAM copy.
     "prefetch": True,
+    # Which computed blocks are stored: "all", or "second_sight" (a block is stored the second time
+    # this engine computes it, so a prompt seen once costs no store).
+    "admission": "all",
+    # How many block keys "second_sight" remembers (least recently seen forgotten first).
+    "admission_memory_blocks": 1 << 18,
 }
+
+ADMISSION_POLICIES = ("all", "second_sight")
 
 # Prefix-hash algorithms whose block hashes are the same in every process.
 STABLE_HASH_ALGOS = frozenset({"sha256", "sha256_cbor"})
@@ -306,6 +313,8 @@ class KvtierOptions:
     defer_stores: bool = True
     deferred_store_max_blocks: int = 4096
     prefetch: bool = True
+    admission: str = "all"
+    admission_memory_blocks: int = 1 << 18
 
     @classmethod
     def from_extra_config(cls, extra_config: Mapping[str, Any]) -> KvtierOptions:
@@ -333,6 +342,14 @@ class KvtierOptions:
         service_timeout_ms = int(option("service_timeout_ms"))
         if service_timeout_ms <= 0:
             raise KvtierVllmConfigError('"service_timeout_ms" must be a positive number of milliseconds')
+        admission = str(option("admission"))
+        if admission not in ADMISSION_POLICIES:
+            raise KvtierVllmConfigError(
+                f'"admission" must be one of {", ".join(ADMISSION_POLICIES)}, not {admission!r}'
+            )
+        admission_memory_blocks = int(option("admission_memory_blocks"))
+        if admission_memory_blocks <= 0:
+            raise KvtierVllmConfigError('"admission_memory_blocks" must be a positive number of blocks')
         deferred_store_max_blocks = int(option("deferred_store_max_blocks"))
         if deferred_store_max_blocks < 0:
             raise KvtierVllmConfigError('"deferred_store_max_blocks" must be >= 0 (0: drop every store held back)')
@@ -348,6 +365,8 @@ class KvtierOptions:
             defer_stores=bool(option("defer_stores")),
             deferred_store_max_blocks=deferred_store_max_blocks,
             prefetch=bool(option("prefetch")),
+            admission=admission,
+            admission_memory_blocks=admission_memory_blocks,
         )
 
     def socket_path(self) -> Path:
@@ -867,7 +886,13 @@ _HIT_SOURCE_BY_TIER = {"dram": CacheHitSource.HOST, "nvme": CacheHitSource.DISK}
 class KvtierManager(OffloadingManager):
     """Scheduler-side catalog access: every answer comes from the store's in-memory index."""
 
-    def __init__(self, shared: SharedStore | ServiceBackend, pin_lease_s: float = 300.0):
+    def __init__(
+        self,
+        shared: SharedStore | ServiceBackend,
+        pin_lease_s: float = 300.0,
+        admission: str = "all",
+        admission_memory_blocks: int = 1 << 18,
+    ):
         self._shared = shared
         self._store = shared.store
         # Pins this engine holds, per request: a request releases only its own pins, never another
@@ -879,6 +904,10 @@ class KvtierManager(OffloadingManager):
         self._pinned_at: dict[str, float] = {}
         self._pin_lease_s = pin_lease_s
         self._being_stored: Counter[bytes] = Counter()
+        # "second_sight": keys computed once and not stored, oldest first (an LRU of key -> None).
+        self._second_sight: OrderedDict[bytes, None] | None = OrderedDict() if admission == "second_sight" else None
+        self._admission_memory_blocks = admission_memory_blocks
+        self.not_admitted_blocks = 0
         self._prefetcher = shared.prefetcher if isinstance(shared, ServiceBackend) else None
         self._stats = StatsDeltaTracker()
         self._stats.prime(shared)
@@ -997,7 +1026,7 @@ class KvtierManager(OffloadingManager):
         keys_to_store: list[OffloadKey] = []
         store_keys_to_store: list[bytes] = []
         for key, store_key, is_present in zip(keys, store_keys, present, strict=True):
-            if is_present or store_key in self._being_stored:
+            if is_present or store_key in self._being_stored or not self._admit(store_key):
                 continue
             keys_to_store.append(key)
             store_keys_to_store.append(store_key)
@@ -1008,6 +1037,20 @@ class KvtierManager(OffloadingManager):
             store_spec=KvtierLoadStoreSpec(store_keys_to_store),
             evicted_keys=[],
         )
+
+    def _admit(self, store_key: bytes) -> bool:
+        """Whether to store a block this engine just computed (``admission``)."""
+        seen = self._second_sight
+        if seen is None:
+            return True
+        if store_key in seen:
+            del seen[store_key]
+            return True
+        seen[store_key] = None
+        if len(seen) > self._admission_memory_blocks:
+            seen.popitem(last=False)
+        self.not_admitted_blocks += 1
+        return False
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         for key in keys:
@@ -1513,7 +1556,12 @@ class KvtierOffloadingSpec(OffloadingSpec):
             check_hash_algo(self._hash_algo())
             pin_lease_s = max(60.0, 2 * self.options.job_timeout_ms / 1000)
             prefetcher = Prefetcher(lambda: self._service_connection(rank=0)) if self.options.prefetch else None
-            return KvtierManager(ServiceBackend(self._service_connection(rank=0), prefetcher), pin_lease_s)
+            return KvtierManager(
+                ServiceBackend(self._service_connection(rank=0), prefetcher),
+                pin_lease_s,
+                self.options.admission,
+                self.options.admission_memory_blocks,
+            )
         shared = find_engine_store(self.options, self.config.engine_id)
         if shared is None:
             raise KvtierVllmConfigError(
@@ -1522,7 +1570,12 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 "VLLM_ENABLE_V1_MULTIPROCESSING=0 in the environment and distributed_executor_backend='uni' "
                 "(--distributed-executor-backend uni); CPU vLLM otherwise forces the multiprocess executor."
             )
-        return KvtierManager(shared, max(60.0, 2 * self.options.job_timeout_ms / 1000))
+        return KvtierManager(
+            shared,
+            max(60.0, 2 * self.options.job_timeout_ms / 1000),
+            self.options.admission,
+            self.options.admission_memory_blocks,
+        )
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         check_hash_algo(self._hash_algo())
