@@ -28,9 +28,12 @@ fi
 # GlusterFS and CephFS on 127.0.0.1 for the shared tier's filesystem tests (tests/test_shared_fs.py,
 # scripts/distfs/): the daemons and FUSE clients, and the brick host name the gluster CLI accepts
 # (it refuses 127.0.0.1 and localhost). KVTIER_SKIP_DISTFS=1 leaves them out (the tests then skip).
-distfs_packages=(glusterfs-server glusterfs-client ceph-mon ceph-mgr ceph-osd ceph-mds ceph-fuse ceph-common)
+# Also mkfs for xfs, f2fs and btrfs (scripts/distfs/bench_filesystems.py, experiment 4).
+distfs_packages=(glusterfs-server glusterfs-client ceph-mon ceph-mgr ceph-osd ceph-mds ceph-fuse ceph-common
+    xfsprogs f2fs-tools btrfs-progs)
 if [[ "${KVTIER_SKIP_DISTFS:-0}" != "1" ]]; then
-    if ! command -v glusterd >/dev/null || ! command -v ceph-fuse >/dev/null || ! command -v ceph-mds >/dev/null; then
+    if ! command -v glusterd >/dev/null || ! command -v ceph-fuse >/dev/null || ! command -v ceph-mds >/dev/null \
+        || ! command -v mkfs.f2fs >/dev/null || ! command -v mkfs.btrfs >/dev/null; then
         if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
             log "installing GlusterFS and CephFS (the shared tier's filesystem tests)"
             apt-get update -qq >/dev/null

@@ -1,0 +1,380 @@
+"""Seed 002's experiments 4 and 5 for kvtier (issue 12, item 3).
+
+Experiment 4, filesystem type: ext4, xfs, f2fs and btrfs, each made with mkfs on a loop file on this
+disk (loop device with direct I/O, so the host's page cache does not flatter it), mounted, and
+measured in the same run with ``kvtier bench io`` (kvtier store and cold retrieve GB/s, against fio
+on the same filesystem).
+
+Experiment 5, local against network storage: the shared tier's retrieve latency (one block per get,
+cold: page cache dropped before every pass) with node A publishing and node B reading, on a local
+directory, on GlusterFS (default and strict caching) and on CephFS (scripts/distfs/*.sh bring them up
+on 127.0.0.1 and tear them down). Median, p99 and GB/s per target; every block checked byte for byte.
+
+Usage (root): ``.venv/bin/python scripts/distfs/bench_filesystems.py [--out DIR] [--small]
+[--only exp4|exp5] [--filesystems ext4,xfs,f2fs,btrfs] [--targets local,glusterfs,cephfs]``.
+Writes ``results.json``, ``report.md`` and ``exp4.png`` / ``exp5.png`` into ``--out``
+(default ``bench-results/fs-<timestamp>``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent.parent
+DISTFS = REPO / "scripts" / "distfs"
+
+
+def log(msg: str) -> None:
+    print(f"[bench-fs {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw)
+
+
+def drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+# ---- experiment 4 ----
+
+MKFS = {
+    "ext4": ["mkfs.ext4", "-q", "-F"],
+    "xfs": ["mkfs.xfs", "-q", "-f"],
+    "f2fs": ["mkfs.f2fs", "-q", "-f"],
+    "btrfs": ["mkfs.btrfs", "-q", "-f"],
+}
+
+
+def kernel_supports(fs: str) -> bool:
+    return any(line.split()[-1] == fs for line in Path("/proc/filesystems").read_text().splitlines() if line.strip())
+
+
+def exp4_one(fs: str, work: Path, out: Path, size_gib: int, bench_args: list[str]) -> dict[str, Any]:
+    if shutil.which(MKFS[fs][0]) is None:
+        return {"fs": fs, "skipped": f"{MKFS[fs][0]} missing: apt-get install {fs}-progs/tools (scripts/setup.sh)"}
+    if not kernel_supports(fs):
+        return {"fs": fs, "skipped": f"this kernel has no {fs} (not in /proc/filesystems, no modules to load)"}
+    image = work / f"{fs}.img"
+    mnt = work / f"mnt-{fs}"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(size_gib << 30)
+    loop = run(["losetup", "--direct-io=on", "-f", "--show", str(image)]).stdout.strip()
+    try:
+        run([*MKFS[fs], loop])
+        run(["mount", loop, str(mnt)])
+        try:
+            case_out = out / f"exp4-{fs}"
+            log(f"exp4 {fs}: kvtier bench io on {loop} ({size_gib} GiB loop file, direct I/O)")
+            started = time.monotonic()
+            done = subprocess.run(
+                [str(REPO / ".venv/bin/kvtier"), "bench", "io", "--dir", str(mnt), "--out", str(case_out), *bench_args],
+                capture_output=True,
+                text=True,
+            )
+            if done.returncode != 0:
+                return {"fs": fs, "error": f"kvtier bench io exited {done.returncode}: {done.stderr[-2000:]}"}
+            results = json.loads((case_out / "results.json").read_text())
+            (case,) = results["cases"]
+            summary = case["summary"]
+            row = {
+                "fs": fs,
+                "loop": loop,
+                "size_gib": size_gib,
+                "seconds": time.monotonic() - started,
+                "object": f"{case['object_kind']} ({case['object_bytes'] >> 20} MiB)",
+                "prompt_tokens": case["prompt_tokens"],
+                "wrong_objects": results["wrong_objects"]["kvtier"],
+                "results": str(case_out / "results.json"),
+            }
+            for name in ("kvtier_store", "kvtier_retrieve", "fio_write", "fio_read"):
+                row[name] = summary[name]["gbps"]
+            log(
+                f"exp4 {fs}: store {row['kvtier_store']['median']:.2f} GB/s, retrieve "
+                f"{row['kvtier_retrieve']['median']:.2f} GB/s, fio write {row['fio_write']['median']:.2f}, "
+                f"read {row['fio_read']['median']:.2f} GB/s (medians)"
+            )
+            return row
+        finally:
+            subprocess.run(["umount", str(mnt)], capture_output=True)
+    finally:
+        subprocess.run(["losetup", "-d", loop], capture_output=True)
+        image.unlink(missing_ok=True)
+
+
+# ---- experiment 5 ----
+
+BLOCK_BYTES = 2 << 20  # a 16-token engine block of Llama-3-8B (128 KiB per token)
+
+
+def block_key(i: int) -> bytes:
+    return hashlib.sha256(f"exp5-{i}".encode()).digest()
+
+
+def block_value(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, BLOCK_BYTES, dtype=np.uint8)
+
+
+def exp5_one(name: str, node_a: Path, node_b: Path, local: Path, blocks: int, passes: int) -> dict[str, Any]:
+    import kvtier
+
+    def open_store(sub: str, shared: Path) -> kvtier.Store:
+        return kvtier.Store.open(
+            str(local / sub),
+            object_bytes=BLOCK_BYTES,
+            namespace="exp5",
+            dram_bytes=8 * (BLOCK_BYTES + 4096),  # the minimum; reads cycle through far more blocks
+            nvme_bytes=0,
+            shared_root=str(node_a if sub == "a" else node_b),
+            shared_staleness_ms=100,
+            shared_file_bytes=64 << 20,
+        )
+
+    keys = [block_key(i) for i in range(blocks)]
+    values = [block_value(i) for i in range(blocks)]
+    a = open_store("a", node_a)
+    started = time.monotonic()
+    a.put_many(keys, values)
+    a.flush()
+    publish_s = time.monotonic() - started
+    b = open_store("b", node_b)
+    deadline = time.monotonic() + 30
+    while b.lookup_prefix(keys) < blocks:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name}: node B indexed {b.lookup_prefix(keys)} of {blocks} blocks after 30 s")
+        time.sleep(0.02)
+    latencies: list[float] = []
+    wrong = misses = 0
+    out = np.zeros(BLOCK_BYTES, np.uint8)
+    hits_before = b.stats()["shared_hits"]
+    read_seconds = 0.0
+    for _ in range(passes):
+        drop_caches()
+        for k, want in zip(keys, values, strict=True):
+            t0 = time.perf_counter()
+            ok = b.get_many([k], [out])[0]
+            dt = time.perf_counter() - t0
+            read_seconds += dt
+            if not ok:
+                misses += 1
+                continue
+            latencies.append(dt)
+            wrong += int(not np.array_equal(out, want))
+    shared_hits = b.stats()["shared_hits"] - hits_before
+    a.close()
+    b.close()
+    lat = np.array(latencies) * 1e3
+    row = {
+        "target": name,
+        "blocks": blocks,
+        "block_bytes": BLOCK_BYTES,
+        "passes": passes,
+        "publish_seconds": publish_s,
+        "publish_gbps": blocks * BLOCK_BYTES / publish_s / 1e9,
+        "reads": len(latencies) + misses,
+        "shared_hits": shared_hits,
+        "misses": misses,
+        "wrong": wrong,
+        "latency_ms": {
+            "median": float(np.median(lat)),
+            "p99": float(np.percentile(lat, 99)),
+            "min": float(lat.min()),
+            "max": float(lat.max()),
+        },
+        "retrieve_gbps": len(latencies) * BLOCK_BYTES / read_seconds / 1e9,
+    }
+    log(
+        f"exp5 {name}: retrieve median {row['latency_ms']['median']:.2f} ms, p99 {row['latency_ms']['p99']:.2f} ms, "
+        f"{row['retrieve_gbps']:.2f} GB/s; {shared_hits} shared hits, {misses} misses, {wrong} wrong"
+    )
+    return row
+
+
+def exp5(targets: list[str], work: Path, blocks: int, passes: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for target in targets:
+        if target == "local":
+            d = work / "local-shared"
+            d.mkdir()
+            rows.append(exp5_one("local disk", d, d, work / "local-stores", blocks, passes))
+            continue
+        state = Path(f"/tmp/kvtier-distfs/bench-{target}")
+        script = DISTFS / f"{target}.sh"
+        log(f"exp5: bringing up {target}")
+        up = subprocess.run(["bash", str(script), "up", str(state)], capture_output=True, text=True)
+        try:
+            if up.returncode != 0:
+                rows.append({"target": target, "skipped": up.stderr.strip()[-500:]})
+                continue
+            mounts = dict(line.split("=", 1) for line in up.stdout.split() if "=" in line)
+            for mode in ("default", "strict"):
+                a, b = Path(mounts[f"{mode}-a"]) / f"exp5-{mode}", Path(mounts[f"{mode}-b"]) / f"exp5-{mode}"
+                a.mkdir()
+                time.sleep(1.1)  # past default attribute caches: node B sees the directory
+                rows.append(exp5_one(f"{target} ({mode} caching)", a, b, work / f"{target}-{mode}", blocks, passes))
+        finally:
+            subprocess.run(["bash", str(script), "down", str(state)], capture_output=True, text=True)
+    return rows
+
+
+# ---- report ----
+
+
+def plot(results: dict[str, Any], out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows4 = [r for r in results.get("exp4", []) if "kvtier_store" in r]
+    if rows4:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        names = ["kvtier_store", "kvtier_retrieve", "fio_write", "fio_read"]
+        width = 0.2
+        for j, n in enumerate(names):
+            ax.bar(
+                [i + j * width for i in range(len(rows4))],
+                [r[n]["median"] for r in rows4],
+                width,
+                label=n.replace("_", " "),
+            )
+        ax.set_xticks([i + 1.5 * width for i in range(len(rows4))], [r["fs"] for r in rows4])
+        ax.set_ylabel("GB/s (median)")
+        ax.set_title("Experiment 4: filesystem type (loop file, direct I/O)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "exp4.png", dpi=120)
+    rows5 = [r for r in results.get("exp5", []) if "latency_ms" in r]
+    if rows5:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        xs = range(len(rows5))
+        ax.bar([x - 0.2 for x in xs], [r["latency_ms"]["median"] for r in rows5], 0.4, label="median")
+        ax.bar([x + 0.2 for x in xs], [r["latency_ms"]["p99"] for r in rows5], 0.4, label="p99")
+        ax.set_xticks(list(xs), [r["target"].replace(" (", "\n(") for r in rows5], fontsize=7)
+        ax.set_ylabel("ms per 2 MiB block")
+        ax.set_title("Experiment 5: shared-tier cold retrieve latency, node B")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "exp5.png", dpi=120)
+
+
+def report(results: dict[str, Any], out: Path) -> str:
+    lines = [f"# Filesystem experiments ({results['started_at']})", "", f"Command: `{' '.join(results['argv'])}`", ""]
+    if "exp4" in results:
+        lines += [
+            "## Experiment 4: filesystem type",
+            "",
+            "Loop file on this machine's disk, `losetup --direct-io=on`, mkfs defaults; "
+            f"`kvtier bench io {' '.join(results['bench_io_args'])}` on each (GB/s, min / median / max).",
+            "",
+            "| fs | kvtier store | kvtier retrieve | fio write | fio read | wrong |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in results["exp4"]:
+            if "kvtier_store" not in r:
+                lines.append(f"| {r['fs']} | {r.get('skipped') or r.get('error')} | | | | |")
+                continue
+
+            def cell(s: dict[str, float]) -> str:
+                return f"{s['min']:.2f} / **{s['median']:.2f}** / {s['max']:.2f}"
+
+            lines.append(
+                f"| {r['fs']} | {cell(r['kvtier_store'])} | {cell(r['kvtier_retrieve'])} | {cell(r['fio_write'])} | "
+                f"{cell(r['fio_read'])} | {r['wrong_objects']} |"
+            )
+        lines += ["", "![exp4](exp4.png)", ""]
+    if "exp5" in results:
+        lines += [
+            "## Experiment 5: local disk against GlusterFS against CephFS",
+            "",
+            "Node A publishes 2 MiB blocks; node B (its own mount) gets them one per call, page cache dropped "
+            "before each pass; latency of `get_many([key])`.",
+            "",
+            "| target | median ms | p99 ms | GB/s | reads | misses | wrong | publish GB/s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in results["exp5"]:
+            if "latency_ms" not in r:
+                lines.append(f"| {r['target']} | skipped: {r.get('skipped')} | | | | | | |")
+                continue
+            m = r["latency_ms"]
+            lines.append(
+                f"| {r['target']} | {m['median']:.2f} | {m['p99']:.2f} | {r['retrieve_gbps']:.2f} | {r['reads']} | "
+                f"{r['misses']} | {r['wrong']} | {r['publish_gbps']:.2f} |"
+            )
+        lines += ["", "![exp5](exp5.png)", ""]
+    text = "\n".join(lines)
+    (out / "report.md").write_text(text)
+    return text
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=REPO / "bench-results" / f"fs-{time.strftime('%Y%m%d-%H%M%S')}")
+    p.add_argument("--only", choices=["exp4", "exp5"])
+    p.add_argument("--filesystems", default="ext4,xfs,f2fs,btrfs")
+    p.add_argument("--targets", default="local,glusterfs,cephfs")
+    p.add_argument("--small", action="store_true", help="CI size: 1 GiB loop files, --small bench io, 32 blocks")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--blocks", type=int, default=128)
+    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()), help="where the loop files go")
+    args = p.parse_args()
+    if os.geteuid() != 0:
+        print("needs root (loop devices, mounts, dropping the page cache)", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    bench_args = (
+        ["--small", "--no-lmcache"]
+        if args.small
+        else ["--sizes", "8k", "--objects", "chunk256", "--repeats", str(args.repeats), "--no-lmcache"]
+    )
+    results: dict[str, Any] = {
+        "benchmark": "scripts/distfs/bench_filesystems.py",
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "argv": sys.argv,
+        "kernel": os.uname().release,
+        "cpu_count": os.cpu_count(),
+        "bench_io_args": bench_args,
+    }
+    work = Path(tempfile.mkdtemp(prefix="kvtier-bench-fs-", dir=args.work))
+    try:
+        if args.only in (None, "exp4"):
+            results["exp4"] = []
+            for fs in args.filesystems.split(","):
+                results["exp4"].append(exp4_one(fs, work, args.out, 1 if args.small else 6, bench_args))
+                (args.out / "results.json").write_text(json.dumps(results, indent=2))
+        if args.only in (None, "exp5"):
+            blocks = 32 if args.small else args.blocks
+            results["exp5"] = exp5(args.targets.split(","), work, blocks, args.passes)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    plot(results, args.out)
+    print(report(results, args.out))
+    log(f"results: {args.out / 'results.json'}, report: {args.out / 'report.md'}")
+    wrong = sum(r.get("wrong", 0) for r in results.get("exp5", [])) + sum(
+        r.get("wrong_objects", 0) for r in results.get("exp4", [])
+    )
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
