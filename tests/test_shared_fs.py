@@ -484,7 +484,7 @@ def test_four_writers_with_eviction_and_lease_takeover_after_sigkill(nodes: Node
             f"{STRESS} missing: build it with `cargo build --release -p kvtier-core --bin kvtier-shared-stress`"
         )
     capacity = 24 << 20
-    secs = 12
+    secs = 8
     args = [
         f"secs={secs}",
         f"capacity_bytes={capacity}",
