@@ -124,6 +124,24 @@ def bring_up(name: str) -> Iterator[DistFs]:
         _down(name, state)
         left = subprocess.run(["mount"], capture_output=True, text=True).stdout
         assert str(state) not in left, f"{name} mounts under {state} survived teardown:\n{left}"
+        survivors = processes_naming(state)
+        assert not survivors, f"{name} processes survived teardown: {survivors}"
+
+
+def processes_naming(state: Path) -> list[str]:
+    """Live processes whose command line names the state directory (daemons this session started)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            zombie = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue
+        if f"{state}/" in cmdline and not zombie:
+            found.append(f"{proc.name}: {cmdline.strip()}")
+    return found
 
 
 @pytest.fixture(scope="session")

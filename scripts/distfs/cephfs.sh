@@ -41,6 +41,16 @@ kill_pidfile() { # kill_pidfile FILE: TERM, then KILL after 5 s, the process who
     rm -f "$f"
 }
 
+sweep_state_processes() { # SIGKILL any process left whose command line names $state (ours only)
+    local p cmd
+    for p in /proc/[0-9]*; do
+        cmd=$({ tr '\0' ' ' <"$p/cmdline"; } 2>/dev/null) || continue
+        [[ $cmd == *"$state/"* ]] || continue
+        alive "${p#/proc/}" && kill -9 "${p#/proc/}" 2>/dev/null
+    done
+    return 0
+}
+
 down() {
     [[ -d $state ]] || return 0
     for m in "${mounts[@]}"; do
@@ -49,7 +59,13 @@ down() {
         fi
         kill_pidfile "$state/run/client-$m.pid"
     done
-    for d in "${daemons[@]}"; do kill_pidfile "$state/run/$d.pid"; done
+    # SIGKILL: the state is thrown away, and an MDS stopped with SIGTERM may respawn itself (a new
+    # process, no longer in its pid file).
+    for d in "${daemons[@]}"; do
+        [[ -s $state/run/$d.pid ]] && kill -9 "$(cat "$state/run/$d.pid")" 2>/dev/null
+        rm -f "$state/run/$d.pid"
+    done
+    for _ in 1 2 3; do sweep_state_processes; sleep 0.2; done
     rm -rf "$state"
     log "down: $state removed"
 }

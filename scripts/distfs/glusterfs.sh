@@ -43,6 +43,16 @@ kill_pidfile() { # kill_pidfile FILE: TERM, then KILL after 5 s, the process who
     rm -f "$f"
 }
 
+sweep_state_processes() { # SIGKILL any process left whose command line names $state (ours only)
+    local p cmd
+    for p in /proc/[0-9]*; do
+        cmd=$({ tr '\0' ' ' <"$p/cmdline"; } 2>/dev/null) || continue
+        [[ $cmd == *"$state/"* ]] || continue
+        alive "${p#/proc/}" && kill -9 "${p#/proc/}" 2>/dev/null
+    done
+    return 0
+}
+
 down() {
     [[ -d $state ]] || return 0
     for m in "${mounts[@]}"; do
@@ -61,6 +71,7 @@ down() {
         done
     done
     kill_pidfile "$state/run/glusterd.pid"
+    sweep_state_processes
     local brick_log_prefix
     brick_log_prefix=$(echo "$state/bricks/" | sed 's#^/##; s#/#-#g')
     rm -f /var/log/glusterfs/bricks/"$brick_log_prefix"*.log
