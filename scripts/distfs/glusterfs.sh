@@ -33,8 +33,8 @@ alive() { # alive PID: running and not a zombie (daemons reparented to a non-rea
 
 kill_pidfile() { # kill_pidfile FILE: TERM, then KILL after 5 s, the process whose id FILE holds
     local f=$1 pid
-    [[ -s $f ]] || return 0
-    pid=$(cat "$f")
+    pid=$(cat "$f" 2>/dev/null) || return 0  # a client removes its own pid file when unmounted
+    [[ -n $pid ]] || return 0
     if alive "$pid"; then
         kill "$pid" 2>/dev/null || true
         for _ in $(seq 50); do alive "$pid" || break; sleep 0.1; done
@@ -54,6 +54,7 @@ sweep_state_processes() { # SIGKILL any process left whose command line names $s
 }
 
 down() {
+    set +e # tear down as much as possible, whatever fails
     [[ -d $state ]] || return 0
     for m in "${mounts[@]}"; do
         if mountpoint -q "$state/mnt/$m" 2>/dev/null; then
@@ -87,6 +88,7 @@ up() {
     getent hosts "$host" | grep -q '^127\.0\.0\.1' \
         || { echo "$host does not resolve to 127.0.0.1: add '127.0.0.1 $host' to /etc/hosts (scripts/setup.sh does as root)" >&2; exit 3; }
     down
+    set -e
     mkdir -p "$state"/{wd,bricks,mnt,logs,run}
     cat >"$state/glusterd.vol" <<VOL
 volume management
