@@ -128,7 +128,8 @@ class Run:
         """The prompt A computes in repeat ``r``, on an engine without kvtier."""
         seed = 1000 * (r + 1)
         self.measure("recompute, no kvtier", base, seed, None)
-        self.measure("vLLM prefix-cache hit, no kvtier", base, seed, self.full_blocks())
+        # vLLM computes at least the prompt's last token, so its own cache serves one block less.
+        self.measure("vLLM prefix-cache hit, no kvtier", base, seed, self.full_blocks() - TOKENS_PER_BLOCK)
 
     def nodefer_repeat(self, nodefer: EngineProcess, r: int) -> None:
         # A prompt of its own, so that it is a miss; settled, so its stores do not run beside the
@@ -149,24 +150,40 @@ class Run:
         for flood in range(self.flood_prompts):
             a.generate(seed + 1 + flood, self.tokens, max_tokens=1)
             self.settle(a)
+            # Read back once too: the pool keeps blocks that were read back ahead of blocks seen
+            # once, so only blocks read back after the prompt's own hits push it out.
+            a.call(op="reset")
+            a.generate(seed + 1 + flood, self.tokens, max_tokens=1)
         a.call(op="reset")
         self.measure("NVMe hit (pushed out of the DRAM pool)", a, seed, self.full_blocks())
 
     def run(self) -> dict:
         self.memcpy_gbps = memcpy_gbps()
         print(f"[layout] memcpy: {self.memcpy_gbps:.1f} GB/s (numpy, 256 MiB copies, median of 5)", flush=True)
-        # One engine at a time besides A and B: each holds its KV cache and, with kvtier, a mapping
-        # of the pool (four at 8K outgrew 24 GiB with other work on the machine).
+        sides: list[tuple[str, Callable[[EngineProcess, int], None], dict[str, Any]]] = []
         if not self.args.no_baseline:
-            self.side_engine("base", self.baseline_repeat, kvtier=False)
+            sides.append(("base", self.baseline_repeat, {"kvtier": False}))
         if self.args.no_defer:
-            self.side_engine("nodefer", self.nodefer_repeat, defer_stores=False)
+            sides.append(("nodefer", self.nodefer_repeat, {"defer_stores": False}))
+        if not self.args.together:
+            # One engine at a time besides A and B: each holds its KV cache and, with kvtier, a
+            # mapping of the pool (four at 8K outgrew 24 GiB with other work on the machine).
+            for name, repeat, spec in sides:
+                self.side_engine(name, repeat, **spec)
+            sides = []
+        running = [(self.engine(name, **spec), repeat) for name, repeat, spec in sides]
         a, b = self.engine("a"), self.engine("b")
         try:
             for r in range(self.args.repeats):
+                # With --together each repeat measures every engine back to back: a slow spell of
+                # the machine then lands on the rows it is to be compared with.
+                for engine, repeat in running:
+                    repeat(engine, r)
                 self.repeat(a, b, r)
         finally:
             b.stop()
+            for engine, _ in running:
+                engine.stop()
         if self.args.tp2:
             a.stop()
             t = self.engine("tp2", tp_size=2)
@@ -237,6 +254,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--no-baseline", action="store_true", help="skip the engine without kvtier")
     parser.add_argument("--no-defer", action="store_true", help="add an engine with defer_stores=false")
+    parser.add_argument(
+        "--together",
+        action="store_true",
+        help="run the baseline and no-defer engines beside A and B, interleaved per repeat (more memory)",
+    )
     parser.add_argument("--out", default="bench-results/layout", help="directory for layout.json")
     args = parser.parse_args(list(argv) if argv is not None else None)
     out = Path(args.out)
