@@ -183,6 +183,8 @@ pub struct Catalog {
     /// write or an unpin goes to the load, never to another store.
     loads_waiting: usize,
     stats: Arc<Stats>,
+    /// When sequences were handed out (for `kvtier trim --older-than` and `kvtier inspect`).
+    pub timeline: crate::maintenance::Timeline,
 }
 
 fn key_hash(key: &BlockKey) -> u64 {
@@ -240,6 +242,7 @@ impl Catalog {
             pending_meta_writes: 0,
             loads_waiting: 0,
             stats,
+            timeline: crate::maintenance::Timeline::default(),
         }
     }
 
@@ -401,6 +404,7 @@ impl Catalog {
     fn claim_slot(&mut self, key: &BlockKey, slot: u32, state: SlotState, pins: u32) -> u64 {
         let sequence = self.next_sequence;
         self.next_sequence += 1;
+        self.timeline.record(sequence);
         self.slots[slot as usize] = Slot { key: Some(*key), state, writing: false };
         self.index.insert(
             *key,
@@ -827,4 +831,279 @@ impl Catalog {
             }
         }
     }
+}
+
+/// Maintenance (`kvtier verify`, `kvtier trim`, `kvtier inspect`; the logic lives in `maintenance.rs`):
+/// walks the index by sequence, pins what it checks, drops bad copies and frees what is not in use.
+impl Catalog {
+    /// Up to `max` visible blocks with a sequence above `after`, lowest first, each pinned (release
+    /// every one with `unpin`). A DRAM copy is offered only when no NVMe write reads its slot (its
+    /// descriptor page is stamped then).
+    pub fn scrub_batch(&mut self, after: u64, max: usize) -> Vec<ScrubTarget> {
+        let mut chosen: Vec<(u64, BlockKey)> = self
+            .index
+            .iter()
+            .filter(|(_, e)| e.visible() && e.sequence > after)
+            .map(|(k, e)| (e.sequence, *k))
+            .collect();
+        chosen.sort_unstable();
+        chosen.truncate(max);
+        chosen
+            .into_iter()
+            .map(|(sequence, key)| {
+                let e = self.index.get_mut(&key).expect("chosen above");
+                e.pins += 1;
+                let dram = match (e.dram_ready, e.dram) {
+                    (true, Some(slot)) if !self.slots[slot as usize].writing => Some(slot),
+                    _ => None,
+                };
+                ScrubTarget { key, sequence, value_checksum: e.value_checksum, dram, nvme: e.nvme }
+            })
+            .collect()
+    }
+
+    /// Visible blocks (for progress totals).
+    pub fn visible_blocks(&self) -> usize {
+        self.index.values().filter(|e| e.visible()).count()
+    }
+
+    /// Lowest and highest sequence of the visible blocks.
+    pub fn sequence_range(&self) -> Option<(u64, u64)> {
+        let mut it = self.index.values().filter(|e| e.visible()).map(|e| e.sequence);
+        let first = it.next()?;
+        Some(it.fold((first, first), |(lo, hi), s| (lo.min(s), hi.max(s))))
+    }
+
+    /// Bytes accepted into DRAM and not yet on NVMe (the NVMe write backlog).
+    pub fn write_backlog_bytes(&self) -> usize {
+        self.dirty_bytes
+    }
+
+    /// A scrub found the DRAM copy in `slot` bad. Drops it when the scrub's own pin is the only one
+    /// (no reader copies out of the slot); `false` when a reader holds it (try again later).
+    pub fn quarantine_dram(&mut self, key: &BlockKey, slot: u32) -> bool {
+        let Some(e) = self.index.get_mut(key) else { return false };
+        if e.dram != Some(slot) || !e.dram_ready || e.pins > 1 || self.slots[slot as usize].writing {
+            return false;
+        }
+        e.dram = None;
+        e.dram_ready = false;
+        let gone = e.nvme.is_none() && !e.write_pending;
+        if gone {
+            self.index.remove(key);
+        }
+        self.free_slot(slot);
+        true
+    }
+
+    /// A scrub found the NVMe copy at `loc` bad: no load plans it again, and its region's trailer
+    /// is rewritten without it (a sealed region: `meta`), so recovery does not adopt it either.
+    pub fn quarantine_nvme(&mut self, key: &BlockKey, loc: NvmeLoc, meta: &mut Vec<MetaWrite>) -> bool {
+        let Some(e) = self.index.get_mut(key) else { return false };
+        if e.nvme != Some(loc) {
+            return false;
+        }
+        e.nvme = None;
+        let gone = !e.visible() && e.dram.is_none() && !e.write_pending && e.pins <= 1;
+        if gone {
+            self.index.remove(key);
+        }
+        self.forget_trailer_entry(key, loc, meta);
+        true
+    }
+
+    /// Removes one entry from its region's trailer list; a sealed region's trailer is rewritten.
+    fn forget_trailer_entry(&mut self, key: &BlockKey, loc: NvmeLoc, meta: &mut Vec<MetaWrite>) {
+        let Some(nvme) = self.nvme.as_mut() else { return };
+        let r = &mut nvme.devices[loc.device as usize].regions[loc.region as usize];
+        let before = r.entries.len();
+        r.entries.retain(|t| !(t.key == *key && t.offset == loc.offset));
+        if r.entries.len() != before && r.state == RegionState::Sealed {
+            // Sealing until the rewrite lands: reclaim takes only sealed regions.
+            r.state = RegionState::Sealing;
+            self.pending_meta_writes += 1;
+            meta.push(MetaWrite {
+                device: loc.device as usize,
+                region: loc.region,
+                region_seq: r.region_seq,
+                entries: Some(r.entries.clone()),
+                attempt: 0,
+            });
+        }
+    }
+
+    /// Removes what `plan` selects and nothing in use (pinned, being filled, loaded or written).
+    pub fn trim(&mut self, plan: TrimPlan, meta: &mut Vec<MetaWrite>, freed: &mut Vec<TrimmedRegion>) -> TrimCounts {
+        let mut counts = TrimCounts::default();
+        let old = |seq: u64| match plan {
+            TrimPlan::All => true,
+            TrimPlan::OlderThan(cutoff) => seq < cutoff,
+            TrimPlan::NvmeTo(_) => false,
+        };
+        // DRAM copies (not for NvmeTo: the pool is preallocated, dropping blocks frees no memory).
+        if !matches!(plan, TrimPlan::NvmeTo(_)) {
+            for slot in 0..self.slots.len() as u32 {
+                let s = self.slots[slot as usize];
+                let Some(key) = s.key else { continue };
+                if s.state != SlotState::Resident {
+                    continue;
+                }
+                let Some(e) = self.index.get_mut(&key) else { continue };
+                if e.dram != Some(slot) || !old(e.sequence) {
+                    continue;
+                }
+                if e.pins > 0 || s.writing || e.write_pending {
+                    counts.skipped_in_use += 1;
+                    continue;
+                }
+                e.dram = None;
+                e.dram_ready = false;
+                if e.nvme.is_none() {
+                    self.index.remove(&key);
+                }
+                self.free_slot(slot);
+                counts.dram_blocks += 1;
+                counts.dram_bytes += self.slot_bytes;
+            }
+        }
+        let Some(nvme) = self.nvme.as_ref() else { return counts };
+        let region_bytes = nvme.geometry.region_bytes;
+        let mut regions: Vec<(u64, usize, u32)> = nvme
+            .devices
+            .iter()
+            .enumerate()
+            .flat_map(|(d, dev)| {
+                dev.regions
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, r)| r.state != RegionState::Free)
+                    .map(move |(i, r)| (r.region_seq, d, i as u32))
+            })
+            .collect();
+        regions.sort_unstable();
+        let mut used = regions.len() as u64 * region_bytes;
+        for (_, device, region) in regions {
+            if let TrimPlan::NvmeTo(target) = plan {
+                if used <= target {
+                    break;
+                }
+            }
+            let nvme = self.nvme.as_ref().unwrap();
+            let r = &nvme.devices[device].regions[region as usize];
+            let lives_here = |e: &Entry| e.nvme.is_some_and(|l| l.device as usize == device && l.region == region);
+            let living: Vec<(BlockKey, u64, bool)> = r
+                .entries
+                .iter()
+                .filter_map(|t| {
+                    self.index.get(&t.key).filter(|e| lives_here(e)).map(|e| (t.key, e.sequence, e.pins > 0))
+                })
+                .collect();
+            let all_old = living.iter().all(|&(_, seq, _)| old(seq)) || matches!(plan, TrimPlan::NvmeTo(_));
+            let any_pinned = living.iter().any(|&(_, _, pinned)| pinned);
+            if r.state == RegionState::Sealed && all_old && !any_pinned {
+                // The whole region goes: entries forgotten, region free, its trailer zeroed on disk.
+                let entries =
+                    std::mem::take(&mut self.nvme.as_mut().unwrap().devices[device].regions[region as usize].entries);
+                for t in &entries {
+                    if let Some(e) = self.index.get_mut(&t.key) {
+                        if lives_here(e) {
+                            e.nvme = None;
+                            counts.nvme_blocks += 1;
+                            if e.dram.is_none() && !e.write_pending {
+                                self.index.remove(&t.key);
+                            }
+                        }
+                    }
+                }
+                // Held out of use (Sealing: neither reclaimed nor opened) until the caller has
+                // zeroed its trailer and first entry on disk, so recovery cannot find them again.
+                let nvme = self.nvme.as_mut().unwrap();
+                let r = &mut nvme.devices[device].regions[region as usize];
+                r.state = RegionState::Sealing;
+                freed.push(TrimmedRegion { device, region, region_seq: r.region_seq });
+                counts.regions_freed += 1;
+                counts.nvme_bytes += region_bytes;
+                used -= region_bytes;
+                continue;
+            }
+            if matches!(plan, TrimPlan::NvmeTo(_)) || r.state == RegionState::Sealing {
+                // NvmeTo frees whole regions only; a region whose trailer is being written waits.
+                counts.skipped_in_use += living.len() as u64;
+                continue;
+            }
+            // Some entries go: forgotten one by one (the region's space comes back when it is reused).
+            for (key, seq, pinned) in living {
+                if !old(seq) {
+                    continue;
+                }
+                let e = self.index.get_mut(&key).unwrap();
+                if pinned || e.write_pending {
+                    counts.skipped_in_use += 1;
+                    continue;
+                }
+                let loc = e.nvme.unwrap();
+                e.nvme = None;
+                if e.dram.is_none() {
+                    self.index.remove(&key);
+                }
+                self.forget_trailer_entry(&key, loc, meta);
+                counts.nvme_blocks += 1;
+            }
+        }
+        counts
+    }
+}
+
+/// A region `trim` emptied, to be zeroed on disk, then handed back with `release_trimmed`.
+#[derive(Debug, Clone, Copy)]
+pub struct TrimmedRegion {
+    pub device: usize,
+    pub region: u32,
+    pub region_seq: u64,
+}
+
+impl Catalog {
+    /// The trimmed regions' trailers and first entries are zeroed on disk: they are free now.
+    pub fn release_trimmed(&mut self, freed: &[TrimmedRegion]) {
+        let Some(nvme) = self.nvme.as_mut() else { return };
+        for f in freed {
+            let r = &mut nvme.devices[f.device].regions[f.region as usize];
+            if r.state == RegionState::Sealing && r.region_seq == f.region_seq && r.entries.is_empty() {
+                r.state = RegionState::Free;
+                r.cursor = 0;
+            }
+        }
+    }
+}
+
+/// One block a scrub checks: where its copies are, and what they must hold.
+#[derive(Debug, Clone, Copy)]
+pub struct ScrubTarget {
+    pub key: BlockKey,
+    pub sequence: u64,
+    pub value_checksum: u64,
+    /// The DRAM slot holding it (resident, not being written to NVMe).
+    pub dram: Option<u32>,
+    pub nvme: Option<NvmeLoc>,
+}
+
+/// What `Catalog::trim` removes.
+#[derive(Debug, Clone, Copy)]
+pub enum TrimPlan {
+    /// Everything not in use.
+    All,
+    /// Blocks with a sequence below this.
+    OlderThan(u64),
+    /// Oldest whole NVMe regions until the tier uses at most this many bytes.
+    NvmeTo(u64),
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TrimCounts {
+    pub dram_blocks: u64,
+    pub dram_bytes: u64,
+    pub nvme_blocks: u64,
+    pub nvme_bytes: u64,
+    pub regions_freed: u64,
+    pub skipped_in_use: u64,
 }

@@ -6,6 +6,7 @@
 //! - `io`: I/O engines (io_uring, psync pool, fault injection) and the per-device queue.
 //! - [`format`]: on-disk structures, versioned and checksummed.
 //! - [`service`]: the host service (one per host and store path) and its client, over a Unix socket.
+//! - `maintenance`: scrub, trim and namespace facts for operators (`kvtier verify|trim|inspect`).
 //! - `store`: the facade tying them together, with blocking and asynchronous APIs ([`Store`]).
 
 mod catalog;
@@ -14,6 +15,7 @@ mod error;
 pub mod format;
 mod io;
 mod key;
+mod maintenance;
 mod mover;
 pub mod service;
 mod stats;
@@ -23,7 +25,7 @@ mod tiers;
 // The public surface, on purpose: everything else is private, so rustc reports what nothing uses.
 // `format` stays a public module: the on-disk structures are an interface of their own (tools,
 // the format fuzzers).
-pub use catalog::{Gauges, Tier};
+pub use catalog::{Gauges, Tier, TrimCounts};
 pub use config::{
     find_option, unknown_option_message, ConfigOption, DirectIo, OptionKind, OptionValue, StoreConfig, OPTIONS,
 };
@@ -32,6 +34,7 @@ pub use io::buffer::AlignedBuf;
 pub use io::faults::FaultPlan;
 pub use io::EngineChoice;
 pub use key::{BlockKey, Namespace};
+pub use maintenance::{BadBlock, NamespaceFacts, TrimRequest, VerifyBatch, DESCRIPTION_FILE_NAME};
 pub use mover::{BlockBuffer, Reservation};
 pub use stats::{Stats, StatsSnapshot};
 pub use store::{Job, JobKind, PoolLayout, Store, StoreStats};

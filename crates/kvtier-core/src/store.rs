@@ -154,6 +154,9 @@ impl Store {
         }
         // Every directory is locked: two stores must never write one device file.
         let locks = dirs.iter().map(|dir| take_lock(dir)).collect::<Result<Vec<_>>>()?;
+        for dir in &dirs {
+            crate::maintenance::write_description(dir, &config.namespace)?;
+        }
         let slot_bytes = config.slot_bytes();
         let arena = Arena::map(slot_bytes, config.slot_count(), config.pool_path.as_deref())?;
         let stats = Arc::new(Stats::default());
@@ -297,7 +300,12 @@ impl Store {
         })
     }
 
-    fn check_open(&self) -> Result<()> {
+    /// The store's internals, for `maintenance` (verify, trim, inspect).
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    pub(crate) fn check_open(&self) -> Result<()> {
         if self.closed.load(Ordering::Acquire) {
             Err(Error::Closed)
         } else {

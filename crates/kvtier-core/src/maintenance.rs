@@ -1,0 +1,345 @@
+//! Operator maintenance of an open store: the scrub (`kvtier verify`), trim (`kvtier trim`) and the
+//! facts `kvtier inspect` shows, as `impl Store` methods; plus the namespace's DESCRIPTION file and the
+//! timeline that dates blocks by their sequence.
+//!
+//! Safety while engines run: every block a scrub reads is pinned for the read (no eviction, no region
+//! reclaim); trim removes only what the catalog says nobody uses (no pin, no fill, no load, no write).
+//! A bad copy is quarantined: dropped from the index (a later load of it is a miss) and, on NVMe,
+//! from its region's trailer (recovery does not adopt it again).
+
+use crate::catalog::{ScrubTarget, Tier, TrimCounts, TrimPlan};
+use crate::error::{Error, Result};
+use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
+use crate::io::buffer::AlignedBuf;
+use crate::key::BlockKey;
+use crate::stats::Stats;
+use crate::store::Store;
+use crate::tiers::nvme;
+use std::path::Path;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// The namespace description, as engines gave it, in `<path>/<namespace hex>/DESCRIPTION`.
+pub const DESCRIPTION_FILE_NAME: &str = "DESCRIPTION";
+/// Points kept by a timeline before it halves its resolution.
+const TIMELINE_POINTS: usize = 1 << 16;
+
+pub(crate) fn now_unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// When sequences were handed out, at one-second resolution: `(first sequence of a second, unix ms)`.
+/// Kept in memory only: blocks recovered at open are dated "at or before the open".
+#[derive(Debug)]
+pub struct Timeline {
+    points: Vec<(u64, u64)>,
+    opened_unix_ms: u64,
+}
+
+impl Default for Timeline {
+    fn default() -> Self {
+        Timeline { points: Vec::new(), opened_unix_ms: now_unix_ms() }
+    }
+}
+
+impl Timeline {
+    pub fn record(&mut self, sequence: u64) {
+        let now = now_unix_ms();
+        if self.points.last().is_some_and(|&(_, at)| at / 1000 == now / 1000) {
+            return;
+        }
+        if self.points.len() >= TIMELINE_POINTS {
+            let mut i = 0;
+            self.points.retain(|_| {
+                i += 1;
+                i % 2 == 1
+            });
+        }
+        self.points.push((sequence, now));
+    }
+
+    /// When `sequence` was handed out; `None` for a block recovered at open (stored before it).
+    pub fn time_of(&self, sequence: u64) -> Option<u64> {
+        let first = self.points.first()?;
+        if sequence < first.0 {
+            return None;
+        }
+        let at = self.points.partition_point(|&(s, _)| s <= sequence);
+        Some(self.points[at - 1].1)
+    }
+
+    /// The lowest sequence that may be dated at or after `unix_ms`: every block below it is older.
+    pub fn cutoff(&self, unix_ms: u64) -> u64 {
+        if unix_ms <= self.opened_unix_ms {
+            return 0; // a recovered block might be newer than that: none is provably older
+        }
+        let second = unix_ms / 1000;
+        match self.points.iter().find(|&&(_, at)| at / 1000 >= second) {
+            Some(&(sequence, _)) => sequence,
+            None => u64::MAX,
+        }
+    }
+
+    pub fn opened_unix_ms(&self) -> u64 {
+        self.opened_unix_ms
+    }
+}
+
+/// Records the engines' description next to the namespace's files (once; atomically), so that
+/// operator tools can name the model and open the namespace without an engine.
+pub(crate) fn write_description(dir: &Path, description: &[u8]) -> Result<()> {
+    let path = dir.join(DESCRIPTION_FILE_NAME);
+    if path.exists() {
+        return Ok(());
+    }
+    let tmp = dir.join(format!("{DESCRIPTION_FILE_NAME}.tmp.{}", std::process::id()));
+    std::fs::write(&tmp, description)
+        .and_then(|()| std::fs::rename(&tmp, &path))
+        .map_err(|e| Error::io(format!("writing {} (is the directory writable?)", path.display()), e))
+}
+
+/// A bad copy a scrub found.
+#[derive(Debug, Clone)]
+pub struct BadBlock {
+    pub key: BlockKey,
+    pub tier: Tier,
+    /// What did not match, e.g. "value checksum mismatch".
+    pub reason: String,
+    /// Dropped from the index (and trailer): loads miss it. `false`: a reader held it; a later scrub
+    /// drops it (loads verify it themselves meanwhile).
+    pub quarantined: bool,
+}
+
+/// One step of a scrub: blocks with sequence in `(after, next_after]`.
+#[derive(Debug, Clone, Default)]
+pub struct VerifyBatch {
+    /// Pass it as `after` to the next call.
+    pub next_after: u64,
+    /// No visible block is left above `next_after`.
+    pub done: bool,
+    pub checked_dram: u64,
+    pub checked_nvme: u64,
+    pub bad_dram: u64,
+    pub bad_nvme: u64,
+    pub bytes_read: u64,
+    /// DRAM copies not read because an NVMe write was reading their slot (their NVMe copy is).
+    pub skipped_busy: u64,
+    /// Visible blocks at the start of the batch above `after` (progress).
+    pub remaining_blocks: u64,
+    pub bad: Vec<BadBlock>,
+}
+
+/// What `Store::trim` removes.
+#[derive(Debug, Clone, Copy)]
+pub enum TrimRequest {
+    /// Every block not in use.
+    All,
+    /// Blocks stored more than this long ago (blocks recovered at open count as stored at open).
+    OlderThan(Duration),
+    /// Oldest whole NVMe regions until the NVMe tier uses at most this many bytes.
+    NvmeTo(u64),
+}
+
+/// Facts about the namespace for `kvtier inspect`.
+#[derive(Debug, Clone, Default)]
+pub struct NamespaceFacts {
+    pub visible_blocks: u64,
+    pub lowest_sequence: u64,
+    pub highest_sequence: u64,
+    /// Unix ms of the oldest and newest block; 0 when unknown.
+    pub oldest_unix_ms: u64,
+    pub newest_unix_ms: u64,
+    /// The oldest block was recovered at open: `oldest_unix_ms` is an upper bound (the open).
+    pub oldest_before_open: bool,
+    pub opened_unix_ms: u64,
+    pub write_backlog_bytes: u64,
+}
+
+/// Checks one copy (descriptor page + value) against what the index expects.
+fn check_copy(store: &Store, target: &ScrubTarget, bytes: &[u8]) -> std::result::Result<(), String> {
+    let sh = store.shared();
+    let desc = Descriptor::decode(&bytes[..DESCRIPTOR_BYTES]).map_err(|e| format!("descriptor: {e}"))?;
+    let object_bytes = sh.config.object_bytes;
+    if desc.key != target.key {
+        return Err("descriptor names another block".into());
+    }
+    if desc.namespace != sh.namespace {
+        return Err("descriptor names another namespace".into());
+    }
+    if desc.value_bytes as usize != object_bytes {
+        return Err(format!("descriptor value size {} != object_bytes {object_bytes}", desc.value_bytes));
+    }
+    if desc.sequence != target.sequence || desc.value_checksum != target.value_checksum {
+        return Err("descriptor is of another version of the block".into());
+    }
+    if crate::format::checksum(&bytes[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + object_bytes]) != desc.value_checksum {
+        return Err("value checksum mismatch".into());
+    }
+    Ok(())
+}
+
+impl Store {
+    /// Scrubs up to `max_blocks` blocks above sequence `after`: re-reads every copy (its DRAM slot,
+    /// its NVMe entry), checks descriptor and checksum, and quarantines bad copies. Reads are paced
+    /// to at most `max_bytes_per_s` (0: unpaced). Safe while the store serves.
+    pub fn verify_batch(&self, after: u64, max_blocks: usize, max_bytes_per_s: u64) -> Result<VerifyBatch> {
+        self.check_open()?;
+        let sh = self.shared();
+        let (targets, remaining) = {
+            let mut cat = sh.catalog.lock();
+            let remaining = cat.visible_blocks() as u64;
+            (cat.scrub_batch(after, max_blocks.max(1)), remaining)
+        };
+        let mut batch = VerifyBatch {
+            next_after: targets.last().map_or(after, |t| t.sequence),
+            done: targets.len() < max_blocks.max(1),
+            remaining_blocks: remaining,
+            ..VerifyBatch::default()
+        };
+        let started = Instant::now();
+        let slot_bytes = sh.arena.slot_bytes();
+        let mut staging = AlignedBuf::zeroed(slot_bytes);
+        let mut meta = Vec::new();
+        for target in &targets {
+            if let Some(slot) = target.dram {
+                // SAFETY: the slot is resident, pinned by this scrub and not being written to NVMe:
+                // nothing writes into it while the pin lasts.
+                let bytes = unsafe { std::slice::from_raw_parts(sh.arena.slot_ptr(slot), slot_bytes) };
+                batch.checked_dram += 1;
+                batch.bytes_read += slot_bytes as u64;
+                if let Err(reason) = check_copy(self, target, bytes) {
+                    batch.bad_dram += 1;
+                    Stats::add(&sh.stats.checksum_failures, 1);
+                    let quarantined = sh.catalog.lock().quarantine_dram(&target.key, slot);
+                    log::warn!(
+                        "kvtier verify: DRAM copy of {:?} is bad ({reason}); quarantined: {quarantined}",
+                        target.key
+                    );
+                    batch.bad.push(BadBlock { key: target.key, tier: Tier::Dram, reason, quarantined });
+                }
+            } else if target.nvme.is_none() {
+                batch.skipped_busy += 1;
+            }
+            if let (Some(loc), Some(geometry)) = (target.nvme, sh.geometry) {
+                let device = &sh.device_files[loc.device as usize];
+                let offset = geometry.region_offset(loc.region) + loc.offset;
+                let outcome = nvme::read_exact_at(device, staging.as_mut_slice(), offset)
+                    .map_err(|e| format!("read failed: {e}"))
+                    .and_then(|()| check_copy(self, target, staging.as_slice()));
+                batch.checked_nvme += 1;
+                batch.bytes_read += slot_bytes as u64;
+                Stats::add(&sh.stats.bytes_read_nvme, slot_bytes as u64);
+                if let Err(reason) = outcome {
+                    batch.bad_nvme += 1;
+                    Stats::add(&sh.stats.checksum_failures, 1);
+                    let quarantined = sh.catalog.lock().quarantine_nvme(&target.key, loc, &mut meta);
+                    log::warn!(
+                        "kvtier verify: NVMe copy of {:?} is bad ({reason}); quarantined: {quarantined}",
+                        target.key
+                    );
+                    batch.bad.push(BadBlock { key: target.key, tier: Tier::Nvme, reason, quarantined });
+                }
+            }
+            if max_bytes_per_s > 0 {
+                let due = Duration::from_secs_f64(batch.bytes_read as f64 / max_bytes_per_s as f64);
+                if let Some(wait) = due.checked_sub(started.elapsed()) {
+                    std::thread::sleep(wait);
+                }
+            }
+        }
+        let keys: Vec<BlockKey> = targets.iter().map(|t| t.key).collect();
+        sh.catalog.lock().unpin(&keys);
+        sh.changed.notify_all();
+        crate::mover::submit_meta(sh, meta);
+        Ok(batch)
+    }
+
+    /// Removes what `request` selects, never a block in use (pinned by a request or a load, being
+    /// filled, loaded, or written to NVMe). Freed NVMe regions get their trailers zeroed on disk.
+    pub fn trim(&self, request: TrimRequest) -> Result<TrimCounts> {
+        self.check_open()?;
+        let sh = self.shared();
+        let mut meta = Vec::new();
+        let mut freed = Vec::new();
+        let counts = {
+            let mut cat = sh.catalog.lock();
+            let plan = match request {
+                TrimRequest::All => TrimPlan::All,
+                TrimRequest::NvmeTo(bytes) => TrimPlan::NvmeTo(bytes),
+                TrimRequest::OlderThan(age) => {
+                    let at = now_unix_ms().saturating_sub(age.as_millis() as u64);
+                    TrimPlan::OlderThan(cat.timeline.cutoff(at))
+                }
+            };
+            cat.trim(plan, &mut meta, &mut freed)
+        };
+        crate::mover::submit_meta(sh, meta);
+        // A freed region must not come back at recovery: its trailer goes, and so does its first
+        // entry (recovery scans a trailer-less region from its start). Nothing else writes there
+        // while the catalog holds the region out of use.
+        let mut zeroed = Vec::new();
+        let mut result = Ok(());
+        if let Some(geometry) = sh.geometry {
+            let trailer = AlignedBuf::zeroed(geometry.trailer_bytes as usize);
+            let page = AlignedBuf::zeroed(DESCRIPTOR_BYTES);
+            for f in &freed {
+                let device = &sh.device_files[f.device];
+                let written = nvme::write_all_at(device, trailer.as_slice(), geometry.trailer_offset(f.region))
+                    .and_then(|()| nvme::write_all_at(device, page.as_slice(), geometry.region_offset(f.region)));
+                match written {
+                    Ok(()) => zeroed.push(*f),
+                    // Left out of use (it holds nothing): the next start recovers what is on disk.
+                    Err(e) => result = Err(e),
+                }
+            }
+            for device in &sh.device_files {
+                if let Err(e) = device.file.sync_data() {
+                    result = Err(Error::io(format!("fdatasync {}", device.path.display()), e));
+                }
+            }
+        }
+        sh.catalog.lock().release_trimmed(&zeroed);
+        sh.changed.notify_all();
+        result.map(|()| counts)
+    }
+
+    /// Block counts and dates, for `kvtier inspect`.
+    pub fn namespace_facts(&self) -> NamespaceFacts {
+        let cat = self.shared().catalog.lock();
+        let mut facts = NamespaceFacts {
+            visible_blocks: cat.visible_blocks() as u64,
+            opened_unix_ms: cat.timeline.opened_unix_ms(),
+            write_backlog_bytes: cat.write_backlog_bytes() as u64,
+            ..NamespaceFacts::default()
+        };
+        if let Some((lo, hi)) = cat.sequence_range() {
+            facts.lowest_sequence = lo;
+            facts.highest_sequence = hi;
+            let open = cat.timeline.opened_unix_ms();
+            facts.oldest_before_open = cat.timeline.time_of(lo).is_none();
+            facts.oldest_unix_ms = cat.timeline.time_of(lo).unwrap_or(open);
+            facts.newest_unix_ms = cat.timeline.time_of(hi).unwrap_or(open);
+        }
+        facts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeline_dates_sequences_and_cuts_conservatively() {
+        let mut t = Timeline { points: vec![(10, 5_000), (20, 6_000), (30, 8_000)], opened_unix_ms: 4_000 };
+        assert_eq!(t.time_of(5), None, "recovered before the first point");
+        assert_eq!(t.time_of(10), Some(5_000));
+        assert_eq!(t.time_of(25), Some(6_000));
+        assert_eq!(t.time_of(99), Some(8_000));
+        assert_eq!(t.cutoff(3_000), 0, "before the open: nothing is provably older");
+        assert_eq!(t.cutoff(6_500), 20, "second 6 may be after 6.5 s");
+        assert_eq!(t.cutoff(7_000), 30);
+        assert_eq!(t.cutoff(6_000), 20);
+        assert_eq!(t.cutoff(9_000), u64::MAX);
+        t.record(40);
+        assert_eq!(t.points.len(), 4);
+    }
+}
