@@ -2,6 +2,10 @@
 
     kvtier status PATH        the store: service counters and hit rates, or what its files tell
     kvtier ls PATH            the namespaces under a store path, with their device file geometry
+    kvtier inspect PATH -n NS one namespace: model, dtype, layout, blocks and bytes per tier, dates
+    kvtier verify PATH        scrub: re-read and check every block, quarantine bad ones (exit 3)
+    kvtier trim PATH ...      remove blocks nobody uses: --to BYTES, --older-than DURATION, --namespace NS
+    kvtier top PATH           live view of the running service
     kvtier serve PATH [...]   the host service that engines share (kvtier.service)
     kvtier demo [...]         the end-to-end demo (kvtier.demo)
     kvtier bench io [...]     the store against fio and LMCache (kvtier.bench.io)
@@ -14,7 +18,7 @@
 its own `main(argv)`, imported only when it runs, so that one missing optional part never breaks the
 others; every argument after the command's name goes to it unchanged (`--help` included).
 
-Exit status: 0 done, 1 failed (the message names the fix), 2 usage error.
+Exit status: 0 done, 1 failed (the message names the fix), 2 usage error, 3 `verify` found bad blocks.
 Shell completion: `eval "$(_KVTIER_COMPLETE=bash_source kvtier)"` (zsh_source, fish_source).
 """
 
@@ -33,6 +37,7 @@ from click.shell_completion import CompletionItem
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+EXIT_BAD_BLOCKS = 3
 PASSTHROUGH = {"ignore_unknown_options": True, "allow_extra_args": True}
 
 
@@ -177,6 +182,137 @@ def ls_command(paths: tuple[Path, ...], socket: Path | None, as_json: bool, plai
     """The namespaces under PATH: digest, device file size, geometry from its superblock, and whether
     the service has it open. Exit 1 when PATH is not a kvtier store."""
     _report("ls", paths, socket, as_json, plain)
+
+
+_namespace_option = click.option(
+    "--namespace",
+    "-n",
+    metavar="NS",
+    help="one namespace: a digest prefix (4+ hex digits, `kvtier ls` lists them) or a model name",
+)
+
+
+def _ops_call(name: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    from kvtier.ops.report import OpsError
+
+    try:
+        return run()
+    except OpsError as error:
+        raise click.ClickException(f"kvtier {name}: {error}") from None
+    except Exception as error:  # a typed kvtier error from the core or the service: its message names the fix
+        from kvtier.errors import KvtierError
+
+        if isinstance(error, KvtierError):
+            raise click.ClickException(f"kvtier {name}: {error}") from None
+        raise
+
+
+@cli.command(short_help="one namespace: description, blocks and bytes per tier, oldest and newest block")
+@_paths_argument
+@click.option(
+    "--namespace",
+    "-n",
+    required=True,
+    metavar="NS",
+    help="the namespace: a digest prefix (4+ hex digits, `kvtier ls` lists them) or a model name",
+)
+@_socket_option
+@_json_option
+@_plain_option
+def inspect(paths: tuple[Path, ...], namespace: str, socket: Path | None, as_json: bool, plain: bool) -> None:
+    """One namespace under PATH (NS: a digest prefix of 4+ hex digits, or the model name): what it
+    holds (model, dtype, layout, parallel layout, tokens per block), its blocks and bytes per tier,
+    and its oldest and newest block. From the service when it has the namespace open, else from the
+    store's files (the namespace is opened here, so no other process may hold it)."""
+    from kvtier.ops import maintenance, views
+
+    report = _ops_call("inspect", lambda: maintenance.inspect(list(paths), socket, namespace))
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    views.print_inspect(report, plain)
+
+
+@cli.command(short_help="scrub: re-read and check every block, quarantine bad ones (exit 3 if any)")
+@_paths_argument
+@_namespace_option
+@click.option(
+    "--max-mbps",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="read at most this many MB/s (10^6 bytes) per namespace; 0: as fast as the disk goes",
+)
+@_socket_option
+@_json_option
+@_plain_option
+def verify(
+    paths: tuple[Path, ...], namespace: str | None, max_mbps: float, socket: Path | None, as_json: bool, plain: bool
+) -> None:
+    """Re-reads every block of every namespace under PATH (its DRAM copy and its NVMe entry), checks
+    descriptor and checksum, and quarantines bad copies: they become misses, never served, and leave
+    their region's trailer. Through the running service for the namespaces it has open (safe while
+    engines serve), from the files for the others. Exit 0 all good, 3 bad blocks found, 1 failed."""
+    from kvtier.ops import maintenance, views
+
+    with views.progress_reporter(enabled=not plain and sys.stderr.isatty(), what="verify") as progress:
+        report = _ops_call(
+            "verify", lambda: maintenance.verify(list(paths), socket, namespace, max_mbps, progress=progress)
+        )
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        views.print_verify(report, plain)
+    if not report["ok"]:
+        sys.exit(EXIT_BAD_BLOCKS)
+
+
+@cli.command(short_help="remove blocks nobody uses: --to BYTES, --older-than DURATION, --namespace NS")
+@_paths_argument
+@click.option("--to", "to_bytes", metavar="BYTES", help="NVMe bytes to keep per namespace (oldest regions go): 20G, 512M")
+@click.option("--older-than", metavar="DURATION", help="remove blocks stored longer ago than this: 90s, 30m, 6h, 2d")
+@_namespace_option
+@_socket_option
+@_json_option
+@_plain_option
+def trim(
+    paths: tuple[Path, ...],
+    to_bytes: str | None,
+    older_than: str | None,
+    namespace: str | None,
+    socket: Path | None,
+    as_json: bool,
+    plain: bool,
+) -> None:
+    """Frees cache space, safe while engines run: nothing pinned, being filled, read or written is
+    removed. --to BYTES: each namespace's NVMe tier down to BYTES (oldest whole regions first).
+    --older-than DURATION: blocks stored longer ago. --namespace NS alone: every block of NS;
+    with --to or --older-than: only NS."""
+    from kvtier.ops import maintenance, views
+
+    try:
+        size = maintenance.parse_size(to_bytes) if to_bytes is not None else None
+        age = maintenance.parse_duration(older_than) if older_than is not None else None
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None
+    report = _ops_call("trim", lambda: maintenance.trim(list(paths), socket, namespace, size, age))
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        views.print_trim(report, plain)
+
+
+@cli.command(short_help="live view of the running service: hit rates, GB/s, queues, drops, top namespaces")
+@_paths_argument
+@_socket_option
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="seconds between refreshes")
+@click.option("--once", is_flag=True, help="print one frame (after one interval) and exit")
+def top(paths: tuple[Path, ...], socket: Path | None, interval: float, once: bool) -> None:
+    """A live terminal view of the service serving PATH (q or Ctrl-C quits): hit rate per tier,
+    GB/s stored and loaded, NVMe reads and writes, queue depths, drops, and the busiest namespaces."""
+    from kvtier.ops import top as top_view
+
+    _ops_call("top", lambda: top_view.run(list(paths), socket, interval, once) or {})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

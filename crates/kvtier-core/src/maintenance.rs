@@ -150,8 +150,14 @@ pub struct NamespaceFacts {
     pub newest_unix_ms: u64,
     /// The oldest block was recovered at open: `oldest_unix_ms` is an upper bound (the open).
     pub oldest_before_open: bool,
+    /// The newest block too was recovered at open (no block was stored since).
+    pub newest_before_open: bool,
     pub opened_unix_ms: u64,
     pub write_backlog_bytes: u64,
+    /// With a shared tier: how stale its index may be, and its filesystem usage.
+    pub shared_index_age_ms: Option<u64>,
+    pub shared_used_bytes: u64,
+    pub shared_capacity_bytes: u64,
 }
 
 /// Checks one copy (descriptor page + value) against what the index expects.
@@ -311,11 +317,18 @@ impl Store {
             write_backlog_bytes: cat.write_backlog_bytes() as u64,
             ..NamespaceFacts::default()
         };
+        if let Some(tier) = &self.shared().shared_tier {
+            facts.shared_index_age_ms = Some(tier.index_age_ms());
+            let usage = tier.usage();
+            facts.shared_used_bytes = usage.used_bytes;
+            facts.shared_capacity_bytes = usage.capacity_bytes;
+        }
         if let Some((lo, hi)) = cat.sequence_range() {
             facts.lowest_sequence = lo;
             facts.highest_sequence = hi;
             let open = cat.timeline.opened_unix_ms();
             facts.oldest_before_open = cat.timeline.time_of(lo).is_none();
+            facts.newest_before_open = cat.timeline.time_of(hi).is_none();
             facts.oldest_unix_ms = cat.timeline.time_of(lo).unwrap_or(open);
             facts.newest_unix_ms = cat.timeline.time_of(hi).unwrap_or(open);
         }

@@ -498,6 +498,70 @@ impl PyStore {
         r.map_err(to_py)
     }
 
+    /// One step of a scrub (`kvtier verify`): re-reads and checks up to `max_blocks` blocks above
+    /// sequence `after`, paced to `max_bytes_per_s` (0: unpaced), and quarantines bad copies.
+    #[pyo3(signature = (after=0, max_blocks=256, max_bytes_per_s=0))]
+    fn verify_batch<'py>(
+        &self,
+        py: Python<'py>,
+        after: u64,
+        max_blocks: usize,
+        max_bytes_per_s: u64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let inner = Arc::clone(&self.inner);
+        let b = py.detach(move || inner.verify_batch(after, max_blocks, max_bytes_per_s)).map_err(to_py)?;
+        let pairs = [
+            ("checked_dram", b.checked_dram),
+            ("checked_nvme", b.checked_nvme),
+            ("bad_dram", b.bad_dram),
+            ("bad_nvme", b.bad_nvme),
+            ("bytes_read", b.bytes_read),
+            ("skipped_busy", b.skipped_busy),
+            ("remaining_blocks", b.remaining_blocks),
+        ];
+        let bad = b.bad.iter().map(|x| (x.key.0, x.tier.name(), x.quarantined, x.reason.clone())).collect();
+        verify_dict(py, b.next_after, b.done, pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect(), bad)
+    }
+
+    /// Removes blocks nobody uses (`kvtier trim`): `mode` "all", "older_than" (`value` ms) or
+    /// "nvme_to" (`value` bytes: oldest whole regions until the NVMe tier uses at most that).
+    fn trim<'py>(&self, py: Python<'py>, mode: &str, value: u64) -> PyResult<Bound<'py, PyDict>> {
+        let request = match mode {
+            "all" => kvtier_core::TrimRequest::All,
+            "older_than" => kvtier_core::TrimRequest::OlderThan(Duration::from_millis(value)),
+            "nvme_to" => kvtier_core::TrimRequest::NvmeTo(value),
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "trim mode {other:?} is unknown; choose \"all\", \"older_than\" or \"nvme_to\""
+                )))
+            }
+        };
+        let inner = Arc::clone(&self.inner);
+        let c = py.detach(move || inner.trim(request)).map_err(to_py)?;
+        let d = PyDict::new(py);
+        d.set_item("dram_blocks", c.dram_blocks)?;
+        d.set_item("dram_bytes", c.dram_bytes)?;
+        d.set_item("nvme_blocks", c.nvme_blocks)?;
+        d.set_item("nvme_bytes", c.nvme_bytes)?;
+        d.set_item("regions_freed", c.regions_freed)?;
+        d.set_item("skipped_in_use", c.skipped_in_use)?;
+        Ok(d)
+    }
+
+    /// Block count and dates of the namespace (`kvtier inspect`).
+    fn namespace_facts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let f = self.inner.namespace_facts();
+        let d = PyDict::new(py);
+        d.set_item("blocks", f.visible_blocks)?;
+        d.set_item("oldest_block_unix_ms", f.oldest_unix_ms)?;
+        d.set_item("newest_block_unix_ms", f.newest_unix_ms)?;
+        d.set_item("oldest_block_before_open", u64::from(f.oldest_before_open))?;
+        d.set_item("newest_block_before_open", u64::from(f.newest_before_open))?;
+        d.set_item("opened_unix_ms", f.opened_unix_ms)?;
+        d.set_item("nvme_write_backlog_bytes", f.write_backlog_bytes)?;
+        Ok(d)
+    }
+
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -538,6 +602,53 @@ impl PyStore {
 /// A connection to the host service (`kvtier serve`), with the namespace's pool mapped: the
 /// engine side of the multi-process layout. Calls release the GIL; a failed call drops the
 /// connection (`connected` turns false) and the caller reconnects.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn parse_digest(text: &str) -> PyResult<[u8; 32]> {
+    let bad = || {
+        PyValueError::new_err(format!(
+            "namespace digest {text:?}: give its 64 hex digits (`kvtier ls PATH` lists them)"
+        ))
+    };
+    if text.len() != 64 {
+        return Err(bad());
+    }
+    let mut out = [0u8; 32];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+    }
+    Ok(out)
+}
+
+/// The dict of one scrub step, the same from a store and from the service.
+fn verify_dict<'py>(
+    py: Python<'py>,
+    next_after: u64,
+    done: bool,
+    values: Vec<(String, u64)>,
+    bad: Vec<([u8; 32], &str, bool, String)>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("next_after", next_after)?;
+    d.set_item("done", done)?;
+    for (name, value) in values {
+        d.set_item(name, value)?;
+    }
+    let list = PyList::empty(py);
+    for (key, tier, quarantined, reason) in bad {
+        let b = PyDict::new(py);
+        b.set_item("key", hex(&key))?;
+        b.set_item("tier", tier)?;
+        b.set_item("quarantined", quarantined)?;
+        b.set_item("reason", reason)?;
+        list.append(b)?;
+    }
+    d.set_item("bad", list)?;
+    Ok(d)
+}
+
 #[pyclass(name = "ServiceClient", module = "kvtier._core", frozen)]
 struct PyServiceClient {
     inner: Mutex<Client>,
@@ -632,6 +743,73 @@ impl PyServiceClient {
 
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| self.inner.lock().flush()).map_err(to_py)
+    }
+
+    /// Every namespace the service has open (protocol version 2, no hello needed):
+    /// `{"protocol_version": int, "namespaces": [{"digest", "description", "tp_size", "slice_bytes",
+    /// "object_bytes", "values": {name: int}}]}`.
+    fn namespaces<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (version, list) = py.detach(|| self.inner.lock().namespaces()).map_err(to_py)?;
+        let out = PyDict::new(py);
+        out.set_item("protocol_version", version)?;
+        let items = PyList::empty(py);
+        for ns in list {
+            let d = PyDict::new(py);
+            d.set_item("digest", hex(&ns.digest))?;
+            d.set_item("description", PyBytes::new(py, &ns.description))?;
+            d.set_item("tp_size", ns.tp_size)?;
+            d.set_item("slice_bytes", ns.slice_bytes)?;
+            d.set_item("object_bytes", ns.object_bytes)?;
+            let values = PyDict::new(py);
+            for (name, value) in ns.values {
+                values.set_item(name, value)?;
+            }
+            d.set_item("values", values)?;
+            items.append(d)?;
+        }
+        out.set_item("namespaces", items)?;
+        Ok(out)
+    }
+
+    /// One step of a scrub of the namespace `digest` (64 hex digits) in the service.
+    fn verify_batch<'py>(
+        &self,
+        py: Python<'py>,
+        digest: &str,
+        after: u64,
+        max_blocks: u32,
+        max_bytes_per_s: u64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let digest = parse_digest(digest)?;
+        let b =
+            py.detach(|| self.inner.lock().verify_batch(&digest, after, max_blocks, max_bytes_per_s)).map_err(to_py)?;
+        let bad = b
+            .bad
+            .iter()
+            .map(|x| (x.key.0, tier_name(x.tier).unwrap_or("?"), x.quarantined, x.reason.clone()))
+            .collect();
+        verify_dict(py, b.next_after, b.done, b.values, bad)
+    }
+
+    /// Trims the namespace `digest` in the service: `mode` "all", "older_than" (ms) or "nvme_to" (bytes).
+    fn trim<'py>(&self, py: Python<'py>, digest: &str, mode: &str, value: u64) -> PyResult<Bound<'py, PyDict>> {
+        let digest = parse_digest(digest)?;
+        let code = match mode {
+            "all" => 0,
+            "older_than" => 1,
+            "nvme_to" => 2,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "trim mode {other:?} is unknown; choose \"all\", \"older_than\" or \"nvme_to\""
+                )))
+            }
+        };
+        let pairs = py.detach(|| self.inner.lock().trim(&digest, code, value)).map_err(to_py)?;
+        let d = PyDict::new(py);
+        for (name, value) in pairs {
+            d.set_item(name, value)?;
+        }
+        Ok(d)
     }
 
     /// Stores this rank's slice of blocks straight from the engine's layer buffers into the pool:

@@ -268,6 +268,77 @@ impl Client {
         })
     }
 
+    /// An operator op (protocol version 2); a version-1 service does not know it.
+    fn operator_call(&mut self, op: Op, build: impl FnOnce(&mut Writer)) -> Result<Vec<u8>> {
+        self.call(op, build).map_err(|e| match e {
+            Error::Service { message } if message.contains("unknown request opcode") => Error::Service {
+                message: format!(
+                    "{message}: this service speaks protocol version 1, without {op:?}; restart it with this \
+                     kvtier (stop it, then `kvtier serve PATH`, or let an engine start it)"
+                ),
+            },
+            other => other,
+        })
+    }
+
+    /// Every namespace the service has open, with its counters, gauges and latency histograms.
+    pub fn namespaces(&mut self) -> Result<(u16, Vec<NamespaceInfo>)> {
+        let body = self.operator_call(Op::Namespaces, |_| {})?;
+        self.parse(&body, |r| {
+            let version = r.u16()?;
+            let n = r.u32()?;
+            let mut out = Vec::new();
+            for _ in 0..n {
+                out.push(NamespaceInfo {
+                    digest: r.array32()?,
+                    description: r.bytes()?.to_vec(),
+                    tp_size: r.u32()?,
+                    slice_bytes: r.u64()?,
+                    object_bytes: r.u64()?,
+                    values: r.pairs()?,
+                });
+            }
+            Ok((version, out))
+        })
+    }
+
+    /// One step of a scrub of the namespace `digest` (see `Store::verify_batch`).
+    pub fn verify_batch(
+        &mut self,
+        digest: &[u8; 32],
+        after: u64,
+        max_blocks: u32,
+        max_bytes_per_s: u64,
+    ) -> Result<RemoteVerifyBatch> {
+        let body = self.operator_call(Op::Verify, |w| {
+            w.raw(digest).u64(after).u32(max_blocks).u64(max_bytes_per_s);
+        })?;
+        self.parse(&body, |r| {
+            let next_after = r.u64()?;
+            let done = r.u8()? != 0;
+            let values = r.pairs()?;
+            let n = r.u32()?;
+            let mut bad = Vec::new();
+            for _ in 0..n {
+                bad.push(RemoteBadBlock {
+                    key: BlockKey(r.array32()?),
+                    tier: r.u8()?,
+                    quarantined: r.u8()? != 0,
+                    reason: String::from_utf8_lossy(r.bytes()?).into_owned(),
+                });
+            }
+            Ok(RemoteVerifyBatch { next_after, done, values, bad })
+        })
+    }
+
+    /// Trims the namespace `digest`: `mode` 0 all, 1 older than `value` ms, 2 NVMe to `value` bytes.
+    pub fn trim(&mut self, digest: &[u8; 32], mode: u8, value: u64) -> Result<Vec<(String, u64)>> {
+        let body = self.operator_call(Op::Trim, |w| {
+            w.raw(digest).u8(mode).u64(value);
+        })?;
+        self.parse(&body, |r| r.pairs())
+    }
+
     /// Waits until every store the service accepted is on NVMe.
     pub fn flush(&mut self) -> Result<()> {
         self.call(Op::Flush, |_| {}).map(drop)
@@ -495,3 +566,32 @@ impl<'s, 'a> SendShare<'s, 'a> {
 
 // SAFETY: see `SliceCopy`.
 unsafe impl Send for SendShare<'_, '_> {}
+
+/// A namespace the service has open (`Client::namespaces`).
+#[derive(Debug, Clone)]
+pub struct NamespaceInfo {
+    pub digest: [u8; 32],
+    pub description: Vec<u8>,
+    pub tp_size: u32,
+    pub slice_bytes: u64,
+    pub object_bytes: u64,
+    /// Counters, gauges, dates and latency histogram buckets, by name (docs/service.md).
+    pub values: Vec<(String, u64)>,
+}
+
+/// A bad copy a remote scrub found: `tier` 1 DRAM, 2 NVMe, 3 shared.
+#[derive(Debug, Clone)]
+pub struct RemoteBadBlock {
+    pub key: BlockKey,
+    pub tier: u8,
+    pub quarantined: bool,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct RemoteVerifyBatch {
+    pub next_after: u64,
+    pub done: bool,
+    pub values: Vec<(String, u64)>,
+    pub bad: Vec<RemoteBadBlock>,
+}

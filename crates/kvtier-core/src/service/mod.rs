@@ -4,8 +4,9 @@
 //! prefix that any engine computed is a DRAM hit for all of them and outlives engine restarts.
 
 pub mod client;
+pub mod latency;
 pub mod protocol;
 pub mod server;
 
-pub use client::{Attached, Client};
+pub use client::{Attached, Client, NamespaceInfo, RemoteBadBlock, RemoteVerifyBatch};
 pub use server::{Service, ServiceConfig, MAX_TP_SIZE};

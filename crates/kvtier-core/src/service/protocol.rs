@@ -1,4 +1,5 @@
-//! The host service's wire protocol, version 1 (byte by byte in `docs/service.md`).
+//! The host service's wire protocol, version 2 (byte by byte in `docs/service.md`). Version 2 adds
+//! the operator ops (`Namespaces`, `Verify`, `Trim`); a version-1 Hello is still served.
 //!
 //! A Unix stream socket carries frames: `u32 LE length` of the body, then the body. A request body is
 //! `u8 op` + payload; a reply body is `u8 status` (0 ok, 1 error) + payload (for an error, a UTF-8
@@ -7,7 +8,9 @@
 
 use crate::key::BlockKey;
 
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
+/// The oldest version whose Hello the service still accepts (its ops are unchanged in version 2).
+pub const MIN_PROTOCOL_VERSION: u16 = 1;
 /// Bounds every frame (a request of about two million keys): a larger one closes the connection.
 pub const MAX_FRAME_BYTES: usize = 64 << 20;
 pub const STATUS_OK: u8 = 0;
@@ -42,6 +45,15 @@ pub enum Op {
     Stats = 10,
     /// (empty) -> (empty) once every accepted store is on NVMe
     Flush = 11,
+    /// (version 2; no Hello needed) (empty) -> `u16 version`, `u32 count`, per namespace:
+    /// `32 digest`, `bytes description`, `u32 tp_size`, `u64 slice_bytes`, `u64 object_bytes`, pairs
+    Namespaces = 12,
+    /// (version 2; no Hello needed) `32 digest`, `u64 after`, `u32 max_blocks`, `u64 max_bytes_per_s`
+    /// -> `u64 next_after`, `u8 done`, pairs, `u32 count` * (`32 key`, `u8 tier`, `u8 quarantined`, `bytes reason`)
+    Verify = 13,
+    /// (version 2; no Hello needed) `32 digest`, `u8 mode` (0 all, 1 older than `value` ms, 2 NVMe to
+    /// `value` bytes), `u64 value` -> pairs
+    Trim = 14,
 }
 
 impl Op {
@@ -58,6 +70,9 @@ impl Op {
             9 => Op::Release,
             10 => Op::Stats,
             11 => Op::Flush,
+            12 => Op::Namespaces,
+            13 => Op::Verify,
+            14 => Op::Trim,
             _ => return None,
         })
     }
@@ -95,6 +110,21 @@ impl Writer {
     pub fn bytes(&mut self, v: &[u8]) -> &mut Self {
         self.u32(v.len() as u32);
         self.0.extend_from_slice(v);
+        self
+    }
+    /// `u32 count` + `count * (u16 len, name, u64 value)`: named values, extensible without a version.
+    pub fn pairs<S: AsRef<str>>(&mut self, pairs: &[(S, u64)]) -> &mut Self {
+        self.u32(pairs.len() as u32);
+        for (name, value) in pairs {
+            let name = name.as_ref().as_bytes();
+            self.u16(name.len() as u16);
+            self.0.extend_from_slice(name);
+            self.u64(*value);
+        }
+        self
+    }
+    pub fn raw(&mut self, bytes: &[u8]) -> &mut Self {
+        self.0.extend_from_slice(bytes);
         self
     }
     pub fn keys(&mut self, keys: &[BlockKey]) -> &mut Self {
@@ -143,6 +173,19 @@ impl<'a> Reader<'a> {
         let n = self.u32()? as usize;
         let raw = self.take(n.checked_mul(32).ok_or(ProtocolError("key count overflows"))?)?;
         Ok(raw.chunks_exact(32).map(|k| BlockKey(k.try_into().unwrap())).collect())
+    }
+    pub fn pairs(&mut self) -> Result<Vec<(String, u64)>, ProtocolError> {
+        let n = self.u32()?;
+        (0..n)
+            .map(|_| {
+                let len = self.u16()? as usize;
+                let name = String::from_utf8_lossy(self.take(len)?).into_owned();
+                Ok((name, self.u64()?))
+            })
+            .collect()
+    }
+    pub fn array32(&mut self) -> Result<[u8; 32], ProtocolError> {
+        Ok(self.take(32)?.try_into().unwrap())
     }
     pub fn rest(&self) -> &'a [u8] {
         self.bytes

@@ -109,8 +109,14 @@ impl Fill {
 
 struct Namespaced {
     store: Store,
+    /// The engines' description (its SHA-256 is the namespace).
+    description: Vec<u8>,
     tp_size: u32,
     slice_bytes: u64,
+    /// Service-side latency of the ops on this namespace.
+    latency: super::latency::OpLatencies,
+    /// Connections attached (said hello) to it now.
+    attached: AtomicU64,
     fills: Mutex<HashMap<BlockKey, Fill>>,
     /// Blocks a rank gave up for want of room; locked after `fills`.
     dropped: Mutex<DroppedKeys>,
@@ -381,6 +387,28 @@ impl Connection {
         if op == Op::Stats && self.session.is_none() {
             return Ok(self.service_stats());
         }
+        match op {
+            Op::Namespaces => return Ok(self.state.describe_namespaces()),
+            Op::Verify => return self.state.verify(&mut r),
+            Op::Trim => return self.state.trim(&mut r),
+            _ => {}
+        }
+        let class = match op {
+            Op::Locate | Op::Pin => Some(0),
+            Op::Acquire => Some(1),
+            Op::Reserve => Some(2),
+            Op::Commit => Some(3),
+            _ => None,
+        };
+        let started = Instant::now();
+        let reply = self.handle_session_op(op, &mut r);
+        if let (Some(class), Some(session)) = (class, &self.session) {
+            session.ns.latency.by_class[class].observe(started.elapsed());
+        }
+        reply
+    }
+
+    fn handle_session_op(&mut self, op: Op, r: &mut Reader<'_>) -> std::result::Result<Vec<u8>, String> {
         let session = self.session.as_mut().ok_or("say hello first (the namespace of this connection)")?;
         let keys = match op {
             Op::Stats | Op::Flush => Vec::new(),
@@ -388,7 +416,7 @@ impl Connection {
         };
         let mut w = Writer::default();
         match op {
-            Op::Hello => unreachable!("answered above"),
+            Op::Hello | Op::Namespaces | Op::Verify | Op::Trim => unreachable!("answered above"),
             Op::Locate => {
                 for tier in session.ns.store.locate_many(&keys) {
                     w.u8(match tier {
@@ -480,10 +508,10 @@ impl Connection {
     fn hello(&mut self, r: &mut Reader<'_>) -> Result<Vec<u8>> {
         let bad = |what: &str| Error::config("hello", what.to_string());
         let version = r.u16().map_err(|e| bad(&e.to_string()))?;
-        if version != PROTOCOL_VERSION {
+        if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) {
             return Err(bad(&format!(
-                "protocol version {version}, the service speaks {PROTOCOL_VERSION}: run the same kvtier in the \
-                 engines and the service (restart the service after upgrading)"
+                "protocol version {version}, the service speaks {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}: run the \
+                 same kvtier in the engines and the service (restart the service after upgrading)"
             )));
         }
         let tp_size = r.u32().map_err(|e| bad(&e.to_string()))?;
@@ -508,6 +536,7 @@ impl Connection {
             .u64(pool.pool_bytes as u64)
             .u64(ns.store.object_bytes() as u64)
             .bytes(pool.path.as_os_str().as_encoded_bytes());
+        ns.attached.fetch_add(1, Ordering::Relaxed);
         self.session = Some(Session { ns, rank, pins: HashMap::new(), reserved: Vec::new() });
         Ok(w.0)
     }
@@ -552,6 +581,9 @@ impl State {
         let store = Store::open(config)?;
         let ns = Arc::new(Namespaced {
             store,
+            description: description.to_vec(),
+            latency: super::latency::OpLatencies::default(),
+            attached: AtomicU64::new(0),
             tp_size,
             slice_bytes,
             fills: Mutex::new(HashMap::new()),
@@ -559,6 +591,119 @@ impl State {
         });
         namespaces.insert(namespace, Arc::clone(&ns));
         Ok(ns)
+    }
+}
+
+/// The operator ops (protocol version 2): they name a namespace by its digest and need no Hello.
+impl State {
+    fn open_namespace(&self, r: &mut Reader<'_>) -> std::result::Result<Arc<Namespaced>, String> {
+        let digest = Namespace(r.array32().map_err(|e| e.to_string())?);
+        self.namespaces.lock().get(&digest).cloned().ok_or_else(|| {
+            format!(
+                "namespace {} is not open in this service (no engine attached to it since the service started): \
+                 run the command without a service for it, or list the open ones with `kvtier ls PATH`",
+                &digest.hex()[..16]
+            )
+        })
+    }
+
+    fn describe_namespaces(&self) -> Vec<u8> {
+        let mut namespaces: Vec<(Namespace, Arc<Namespaced>)> =
+            self.namespaces.lock().iter().map(|(k, v)| (*k, Arc::clone(v))).collect();
+        namespaces.sort_by_key(|(k, _)| k.0);
+        let mut w = Writer::default();
+        w.u16(PROTOCOL_VERSION).u32(namespaces.len() as u32);
+        for (digest, ns) in namespaces {
+            let stats = ns.store.stats();
+            let mut pairs: Vec<(String, u64)> =
+                stats.counters.fields().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+            let g = stats.gauges;
+            let facts = ns.store.namespace_facts();
+            pairs.extend([
+                ("dram_used_bytes".to_string(), g.dram_used_bytes),
+                ("dram_capacity_bytes".to_string(), g.dram_capacity_bytes),
+                ("nvme_used_bytes".to_string(), g.nvme_used_bytes),
+                ("nvme_capacity_bytes".to_string(), g.nvme_capacity_bytes),
+                ("blocks_dram".to_string(), g.blocks_dram),
+                ("blocks_nvme".to_string(), g.blocks_nvme),
+                ("blocks".to_string(), facts.visible_blocks),
+                ("oldest_block_unix_ms".to_string(), facts.oldest_unix_ms),
+                ("newest_block_unix_ms".to_string(), facts.newest_unix_ms),
+                ("oldest_block_before_open".to_string(), u64::from(facts.oldest_before_open)),
+                ("newest_block_before_open".to_string(), u64::from(facts.newest_before_open)),
+                ("opened_unix_ms".to_string(), facts.opened_unix_ms),
+                ("nvme_write_backlog_bytes".to_string(), facts.write_backlog_bytes),
+                ("service_pending_fills".to_string(), ns.fills.lock().len() as u64),
+                ("service_attached_connections".to_string(), ns.attached.load(Ordering::Relaxed)),
+            ]);
+            if let Some(age) = facts.shared_index_age_ms {
+                pairs.push(("shared_index_age_ms".to_string(), age));
+                pairs.push(("shared_used_bytes".to_string(), facts.shared_used_bytes));
+                pairs.push(("shared_capacity_bytes".to_string(), facts.shared_capacity_bytes));
+            }
+            ns.latency.fields(&mut pairs);
+            w.raw(&digest.0)
+                .bytes(&ns.description)
+                .u32(ns.tp_size)
+                .u64(ns.slice_bytes)
+                .u64(ns.store.object_bytes() as u64)
+                .pairs(&pairs);
+        }
+        w.0
+    }
+
+    fn verify(&self, r: &mut Reader<'_>) -> std::result::Result<Vec<u8>, String> {
+        let ns = self.open_namespace(r)?;
+        let after = r.u64().map_err(|e| e.to_string())?;
+        let max_blocks = r.u32().map_err(|e| e.to_string())?;
+        let max_bytes_per_s = r.u64().map_err(|e| e.to_string())?;
+        let batch = ns
+            .store
+            .verify_batch(after, max_blocks.clamp(1, 1 << 16) as usize, max_bytes_per_s)
+            .map_err(|e| e.to_string())?;
+        let mut w = Writer::default();
+        w.u64(batch.next_after).u8(u8::from(batch.done)).pairs(&[
+            ("checked_dram", batch.checked_dram),
+            ("checked_nvme", batch.checked_nvme),
+            ("bad_dram", batch.bad_dram),
+            ("bad_nvme", batch.bad_nvme),
+            ("bytes_read", batch.bytes_read),
+            ("skipped_busy", batch.skipped_busy),
+            ("remaining_blocks", batch.remaining_blocks),
+        ]);
+        w.u32(batch.bad.len() as u32);
+        for bad in &batch.bad {
+            let tier = match bad.tier {
+                crate::catalog::Tier::Dram => 1,
+                crate::catalog::Tier::Nvme => 2,
+                crate::catalog::Tier::Shared => 3,
+            };
+            w.raw(&bad.key.0).u8(tier).u8(u8::from(bad.quarantined)).bytes(bad.reason.as_bytes());
+        }
+        Ok(w.0)
+    }
+
+    fn trim(&self, r: &mut Reader<'_>) -> std::result::Result<Vec<u8>, String> {
+        let ns = self.open_namespace(r)?;
+        let mode = r.u8().map_err(|e| e.to_string())?;
+        let value = r.u64().map_err(|e| e.to_string())?;
+        let request = match mode {
+            0 => crate::maintenance::TrimRequest::All,
+            1 => crate::maintenance::TrimRequest::OlderThan(Duration::from_millis(value)),
+            2 => crate::maintenance::TrimRequest::NvmeTo(value),
+            other => return Err(format!("trim mode {other} is unknown (0 all, 1 older than, 2 NVMe to bytes)")),
+        };
+        let c = ns.store.trim(request).map_err(|e| e.to_string())?;
+        let mut w = Writer::default();
+        w.pairs(&[
+            ("dram_blocks", c.dram_blocks),
+            ("dram_bytes", c.dram_bytes),
+            ("nvme_blocks", c.nvme_blocks),
+            ("nvme_bytes", c.nvme_bytes),
+            ("regions_freed", c.regions_freed),
+            ("skipped_in_use", c.skipped_in_use),
+        ]);
+        Ok(w.0)
     }
 }
 
@@ -733,6 +878,7 @@ impl Session {
 
     /// Gives back everything the connection held (it closed, or said hello again).
     fn release(mut session: Session) {
+        session.ns.attached.fetch_sub(1, Ordering::Relaxed);
         let reserved = session.reserved.clone();
         session.abort(&reserved);
         let pinned: Vec<BlockKey> =

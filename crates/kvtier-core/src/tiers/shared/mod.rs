@@ -142,6 +142,9 @@ pub struct SharedTier {
     short_reads: Mutex<HashMap<String, Instant>>,
     /// Short reads not (yet) taken for truncation (also counted in `io_errors`), for tests.
     pub short_reads_settling: AtomicU64,
+
+    /// When the index last finished reading the other writers' manifests (staleness, for metrics).
+    last_refresh_unix_ms: AtomicU64,
 }
 
 fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
@@ -196,6 +199,8 @@ impl SharedTier {
             vanished_reads: AtomicU64::new(0),
             short_reads: Mutex::new(HashMap::new()),
             short_reads_settling: AtomicU64::new(0),
+
+            last_refresh_unix_ms: AtomicU64::new(unix_ms()),
         });
         tier.append_records(&[Record::Header {
             namespace,
@@ -309,6 +314,12 @@ impl SharedTier {
     /// A snapshot of up to `limit` indexed keys (tests, benchmarks).
     pub fn indexed_keys(&self, limit: usize) -> Vec<BlockKey> {
         self.index.read().keys().take(limit).copied().collect()
+    }
+
+    /// How long ago the index last finished reading the other writers' manifests: how stale this
+    /// node's view of the shared tier may be.
+    pub fn index_age_ms(&self) -> u64 {
+        unix_ms().saturating_sub(self.last_refresh_unix_ms.load(Ordering::Relaxed))
     }
 
     /// Latest usage measured by the maintenance thread.
@@ -676,6 +687,7 @@ impl SharedTier {
         for name in forged_files {
             self.quarantine_unauthenticated(&name);
         }
+        self.last_refresh_unix_ms.store(unix_ms(), Ordering::Relaxed);
         Ok(progressed)
     }
 

@@ -1,0 +1,427 @@
+"""``kvtier verify``, ``kvtier trim`` and ``kvtier inspect``: on the running service (protocol
+version 2 ops) for the namespaces it has open, on the store's files (the store opened here, its
+LOCK taken) for the others.
+
+JSON schemas (docs/cli.md): ``kvtier.verify/1``, ``kvtier.trim/1``, ``kvtier.inspect/1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.ops import store_files
+from kvtier.ops.report import OpsError, _check_paths, resolve_socket
+
+VERIFY_SCHEMA = "kvtier.verify/1"
+TRIM_SCHEMA = "kvtier.trim/1"
+INSPECT_SCHEMA = "kvtier.inspect/1"
+DESCRIPTION_FILE_NAME = "DESCRIPTION"
+# Blocks per verify step: a step is one request to the service (bounded in time) and one progress tick.
+VERIFY_BATCH_BLOCKS = 64
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``1073741824``, ``512M``, ``1.5GiB``, ``2G`` (K/M/G/T are powers of 1024)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"{text!r} is not a size: give bytes, or a number with K, M, G or T (1024-based), e.g. 20G")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    return int(number * (1024 ** "_kmgt".index(unit) if unit else 1))
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``90s``, ``30m``, ``2h``, ``1d``, ``1w``, ``500ms`` (a bare number is seconds)."""
+    match = _DURATION.match(text)
+    if not match:
+        raise ValueError(f"{text!r} is not a duration: give a number with ms, s, m, h, d or w, e.g. 6h")
+    scale = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[(match.group(2) or "s").lower()]
+    return float(match.group(1)) * scale
+
+
+def describe(description: bytes | None) -> dict[str, Any]:
+    """The human-readable part of a namespace description (vLLM's JSON; other engines' text as is)."""
+    if description is None:
+        return {"text": None}
+    try:
+        parsed = json.loads(description)
+    except (ValueError, UnicodeDecodeError):
+        return {"text": description.decode(errors="replace")}
+    if not isinstance(parsed, dict):
+        return {"text": description.decode(errors="replace")}
+    groups = parsed.get("groups") or []
+    return {
+        "text": None,
+        "engine": parsed.get("engine"),
+        "model": parsed.get("model"),
+        "model_fingerprint": parsed.get("model_fingerprint"),
+        "dtype": parsed.get("kv_dtype", parsed.get("dtype")),
+        "layout": parsed.get("kv_cache_layout", parsed.get("layout")),
+        "object_layout": parsed.get("object_layout"),
+        "parallel": parsed.get("parallel"),
+        "tokens_per_block": [g.get("tokens_per_block") for g in groups if isinstance(g, dict)] or None,
+        "layers": sum(len(g.get("layers", [])) for g in groups if isinstance(g, dict)) or None,
+        "salt": parsed.get("salt"),
+    }
+
+
+@dataclass
+class Target:
+    """One namespace to work on: in the service (``client``) or opened from disk (``store``)."""
+
+    digest: str
+    source: str  # "service" or "disk"
+    description: bytes | None
+    dirs: list[store_files.NamespaceDir] = field(default_factory=list)
+    client: Any = None
+    store: Any = None
+    values: dict[str, int] = field(default_factory=dict)  # the service's per-namespace values
+
+    def verify_batch(self, after: int, max_blocks: int, max_bytes_per_s: int) -> dict[str, Any]:
+        if self.client is not None:
+            return dict(self.client.verify_batch(self.digest, after, max_blocks, max_bytes_per_s))
+        return dict(self.store.verify_batch(after, max_blocks, max_bytes_per_s))
+
+    def trim(self, mode: str, value: int) -> dict[str, int]:
+        if self.client is not None:
+            return dict(self.client.trim(self.digest, mode, value))
+        return dict(self.store.trim(mode, value))
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+
+def _open_from_disk(paths: Sequence[Path], digest: str, dirs: list[store_files.NamespaceDir]) -> Any:
+    """Opens the namespace's store from its files (recovery runs; the LOCK is taken until close)."""
+    import kvtier
+    from kvtier.errors import LockedError
+
+    first = dirs[0]
+    description_file = first.directory / DESCRIPTION_FILE_NAME
+    try:
+        description = description_file.read_bytes()
+    except FileNotFoundError:
+        raise OpsError(
+            f"namespace {digest[:16]}: no {DESCRIPTION_FILE_NAME} file (the store was written by a kvtier before "
+            "0.1 with operator commands), so it cannot be opened without its engine: run the command while the "
+            "service has it open (start an engine on it), or open it once with this kvtier"
+        ) from None
+    superblock = first.superblock
+    if superblock is None:
+        raise OpsError(f"namespace {digest[:16]}: {first.error or 'no device file (a DRAM-only store): nothing on disk'}")
+    store_paths = [os.fspath(d.path) for d in dirs]
+    try:
+        return kvtier.Store.open(
+            store_paths if len(store_paths) > 1 else store_paths[0],
+            namespace=description,
+            object_bytes=superblock.object_bytes,
+            dram_bytes=superblock.slot_bytes * 8,
+            nvme_bytes=superblock.device_bytes * superblock.device_count,  # what gives this geometry back
+            region_bytes=superblock.region_bytes,
+        )
+    except LockedError:
+        holder = first.locked_by_pid
+        raise OpsError(
+            f"namespace {digest[:16]} is open in another process{f' (pid {holder})' if holder else ''} that is not "
+            "the service answering on this path's socket (an engine with host_service: false, or a service on "
+            "another --socket): run the command with that service's --socket, or stop the process"
+        ) from None
+
+
+def _matches(wanted: str, digest: str, description: bytes | None) -> bool:
+    wanted = wanted.strip().lower()
+    if digest.startswith(wanted) and len(wanted) >= 4:
+        return True
+    model = describe(description).get("model")
+    return isinstance(model, str) and model.lower() == wanted
+
+
+@dataclass
+class Gathered:
+    paths: list[Path]
+    socket: Path
+    service_running: bool
+    service_pid: int | None
+    targets: list[Target]
+    skipped: list[dict[str, str]]
+
+
+@contextmanager
+def gather(
+    paths: Sequence[Path], socket_option: str | os.PathLike | None, namespace: str | None, open_disk: bool = True
+) -> Iterator[Gathered]:
+    """The namespaces under ``paths`` (only ``namespace`` when given: a digest prefix or a model
+    name), each from the service if it has it open, else from disk. Stores opened here are closed
+    on exit."""
+    from kvtier.service import connect, service_pid
+
+    resolved = _check_paths(paths)
+    socket = resolve_socket(resolved, socket_option)
+    client = None
+    service_namespaces: dict[str, dict[str, Any]] = {}
+    if socket.exists():
+        try:
+            client = connect(socket, timeout_ms=600_000)
+            listing = client.namespaces()
+        except Exception as error:
+            if client is not None and "protocol version 1" in str(error):
+                raise OpsError(str(error)) from None
+            client = None
+        else:
+            service_namespaces = {ns["digest"]: ns for ns in listing["namespaces"]}
+    holders = store_files.flock_holders()
+    on_disk: dict[str, list[store_files.NamespaceDir]] = {}
+    for path in resolved:
+        try:
+            for ns in store_files.scan(path, holders):
+                on_disk.setdefault(ns.digest, []).append(ns)
+        except OSError as error:
+            raise OpsError(f"cannot list {path}: {error.strerror} (run as the store's owner)") from None
+    if client is None and not on_disk:
+        where = ", ".join(str(p) for p in resolved)
+        raise OpsError(
+            f"{where}: not a kvtier store (no namespace directory) and no service answers on {socket}: give the "
+            "directory the engines use as `path`, or --socket of the service that serves it"
+        )
+    targets: list[Target] = []
+    skipped: list[dict[str, str]] = []
+    try:
+        for digest in sorted(set(on_disk) | set(service_namespaces)):
+            dirs = on_disk.get(digest, [])
+            if digest in service_namespaces:
+                info = service_namespaces[digest]
+                description = bytes(info["description"])
+                if namespace is not None and not _matches(namespace, digest, description):
+                    continue
+                targets.append(
+                    Target(digest, "service", description, dirs, client=client, values=dict(info["values"]))
+                )
+                continue
+            description_file = dirs[0].directory / DESCRIPTION_FILE_NAME
+            description = description_file.read_bytes() if description_file.exists() else None
+            if namespace is not None and not _matches(namespace, digest, description):
+                continue
+            if not open_disk:
+                targets.append(Target(digest, "disk", description, dirs))
+                continue
+            if dirs[0].superblock is None and dirs[0].device_file_bytes is None:
+                skipped.append({"digest": digest, "reason": "DRAM-only store (no device file): nothing on disk"})
+                continue
+            try:
+                store = _open_from_disk(resolved, digest, dirs)
+            except OpsError as error:
+                skipped.append({"digest": digest, "reason": str(error)})
+                continue
+            targets.append(Target(digest, "disk", description, dirs, store=store))
+        if namespace is not None and not targets:
+            known = ", ".join(f"{d[:16]}" for d in sorted(set(on_disk) | set(service_namespaces))) or "none"
+            reasons = "; ".join(s["reason"] for s in skipped)
+            raise OpsError(
+                f"no namespace matches {namespace!r} (give a digest prefix of 4+ hex digits or a model name; "
+                f"namespaces here: {known}){': ' + reasons if reasons else ''}"
+            )
+        yield Gathered(
+            paths=resolved,
+            socket=socket,
+            service_running=client is not None,
+            service_pid=service_pid(socket) if client is not None else None,
+            targets=targets,
+            skipped=skipped,
+        )
+    finally:
+        for target in targets:
+            target.close()
+
+
+def _header(g: Gathered, schema: str) -> dict[str, Any]:
+    return {
+        "schema": schema,
+        "paths": [str(p) for p in g.paths],
+        "socket": str(g.socket),
+        "service": {"running": g.service_running, "pid": g.service_pid},
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# verify
+# --------------------------------------------------------------------------------------------
+
+ProgressFn = Callable[[str, int, int, int], None]  # (digest, blocks done, blocks total, bytes read)
+
+_VERIFY_COUNTS = ("checked_dram", "checked_nvme", "bad_dram", "bad_nvme", "bytes_read", "skipped_busy")
+
+
+def verify(
+    paths: Sequence[Path],
+    socket: str | os.PathLike | None = None,
+    namespace: str | None = None,
+    max_mbps: float = 0.0,
+    progress: ProgressFn | None = None,
+) -> dict[str, Any]:
+    """Scrubs every namespace (or one): re-reads every block of DRAM and NVMe, paced to ``max_mbps``
+    (MB/s, 10^6 bytes; 0 unpaced), and quarantines bad copies."""
+    rate = int(max_mbps * 1_000_000)
+    with gather(paths, socket, namespace) as g:
+        report = _header(g, VERIFY_SCHEMA)
+        report["max_mbps"] = max_mbps or None
+        results = []
+        for target in g.targets:
+            started = time.monotonic()
+            totals: dict[str, Any] = dict.fromkeys(_VERIFY_COUNTS, 0)
+            bad: list[dict[str, Any]] = []
+            after, total = 0, None
+            while True:
+                step = target.verify_batch(after, VERIFY_BATCH_BLOCKS, rate)
+                if total is None:
+                    total = int(step.get("remaining_blocks", 0))
+                for name in _VERIFY_COUNTS:
+                    totals[name] += int(step.get(name, 0))
+                bad += step["bad"]
+                after = int(step["next_after"])
+                if progress is not None:
+                    done = totals["checked_dram"] + totals["checked_nvme"]
+                    progress(target.digest, min(done, total or done), max(total or 0, done), totals["bytes_read"])
+                if step["done"]:
+                    break
+            seconds = time.monotonic() - started
+            results.append(
+                {
+                    "digest": target.digest,
+                    "source": target.source,
+                    "model": describe(target.description).get("model"),
+                    **totals,
+                    "bad_blocks": totals["bad_dram"] + totals["bad_nvme"],
+                    "seconds": round(seconds, 3),
+                    "mb_per_s": round(totals["bytes_read"] / seconds / 1e6, 1) if seconds > 0 else None,
+                    "bad": bad,
+                }
+            )
+        report["namespaces"] = results
+        report["skipped"] = g.skipped
+        report["checked_copies"] = sum(r["checked_dram"] + r["checked_nvme"] for r in results)
+        report["bad_blocks"] = sum(r["bad_blocks"] for r in results)
+        report["ok"] = report["bad_blocks"] == 0
+        return report
+
+
+# --------------------------------------------------------------------------------------------
+# trim
+# --------------------------------------------------------------------------------------------
+
+_TRIM_COUNTS = ("dram_blocks", "dram_bytes", "nvme_blocks", "nvme_bytes", "regions_freed", "skipped_in_use")
+
+
+def trim(
+    paths: Sequence[Path],
+    socket: str | os.PathLike | None = None,
+    namespace: str | None = None,
+    to_bytes: int | None = None,
+    older_than_s: float | None = None,
+) -> dict[str, Any]:
+    """Removes blocks nobody uses: down to ``to_bytes`` of NVMe per namespace (oldest whole regions),
+    those older than ``older_than_s``, or (neither given) every block of ``namespace``."""
+    if to_bytes is not None and older_than_s is not None:
+        raise OpsError("give one of --to and --older-than, not both")
+    if to_bytes is None and older_than_s is None and namespace is None:
+        raise OpsError("say what to trim: --to BYTES, --older-than DURATION, or --namespace NS (all of it)")
+    if to_bytes is not None:
+        mode, value = "nvme_to", int(to_bytes)
+    elif older_than_s is not None:
+        mode, value = "older_than", int(older_than_s * 1000)
+    else:
+        mode, value = "all", 0
+    with gather(paths, socket, namespace) as g:
+        report = _header(g, TRIM_SCHEMA)
+        report["mode"] = mode
+        report["value"] = value
+        results = []
+        for target in g.targets:
+            counts = target.trim(mode, value)
+            results.append(
+                {
+                    "digest": target.digest,
+                    "source": target.source,
+                    "model": describe(target.description).get("model"),
+                    **{name: int(counts.get(name, 0)) for name in _TRIM_COUNTS},
+                }
+            )
+        report["namespaces"] = results
+        report["skipped"] = g.skipped
+        report["removed_blocks"] = sum(r["dram_blocks"] + r["nvme_blocks"] for r in results)
+        report["freed_nvme_bytes"] = sum(r["nvme_bytes"] for r in results)
+        return report
+
+
+# --------------------------------------------------------------------------------------------
+# inspect
+# --------------------------------------------------------------------------------------------
+
+
+def _iso(unix_ms: int | None) -> str | None:
+    if not unix_ms:
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix_ms / 1000))
+
+
+def inspect(paths: Sequence[Path], socket: str | os.PathLike | None = None, namespace: str = "") -> dict[str, Any]:
+    """One namespace: its description, block counts and bytes per tier, oldest and newest block."""
+    with gather(paths, socket, namespace) as g:
+        if len(g.targets) > 1:
+            raise OpsError(
+                f"{len(g.targets)} namespaces match {namespace!r} "
+                f"({', '.join(t.digest[:16] for t in g.targets)}): give more digits of the digest"
+            )
+        target = g.targets[0]
+        report = _header(g, INSPECT_SCHEMA)
+        if target.store is not None:
+            stats = dict(target.store.stats())
+            facts = dict(target.store.namespace_facts())
+            values = {**stats, **facts}
+        else:
+            values = target.values
+        superblock = target.dirs[0].superblock if target.dirs else None
+        before_open = bool(values.get("oldest_block_before_open"))
+        report["namespace"] = {
+            "digest": target.digest,
+            "source": target.source,
+            "directories": [str(d.directory) for d in target.dirs],
+            "description": describe(target.description),
+            "description_raw": target.description.decode(errors="replace") if target.description else None,
+            "object_bytes": superblock.object_bytes if superblock else values.get("object_bytes"),
+            "slot_bytes": superblock.slot_bytes if superblock else None,
+            "blocks": values.get("blocks"),
+            "tiers": {
+                "dram": {
+                    "blocks": values.get("blocks_dram"),
+                    "used_bytes": values.get("dram_used_bytes"),
+                    "capacity_bytes": values.get("dram_capacity_bytes"),
+                },
+                "nvme": {
+                    "blocks": values.get("blocks_nvme"),
+                    "used_bytes": values.get("nvme_used_bytes"),
+                    "capacity_bytes": values.get("nvme_capacity_bytes"),
+                },
+            },
+            "oldest_block_unix_ms": values.get("oldest_block_unix_ms") or None,
+            "newest_block_unix_ms": values.get("newest_block_unix_ms") or None,
+            "oldest_block": _iso(values.get("oldest_block_unix_ms")),
+            "newest_block": _iso(values.get("newest_block_unix_ms")),
+            "oldest_block_before_open": before_open,
+            "newest_block_before_open": bool(values.get("newest_block_before_open")),
+            "opened": _iso(values.get("opened_unix_ms")),
+            "hits": {k: values.get(k) for k in ("dram_hits", "nvme_hits", "shared_hits", "misses")},
+            "checksum_failures": values.get("checksum_failures"),
+        }
+        return report
