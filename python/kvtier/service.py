@@ -181,6 +181,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--options-json", default="{}", help="Store.open options as a JSON object")
     parser.add_argument("--fill-timeout-ms", type=int, default=10_000, help="give up a rank's missing slice after this")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (kvtier_* names, docs/cli.md)",
+    )
     args = parser.parse_args(list(argv) if argv is not None else None)
     options = {**json.loads(args.options_json), **dict(args.option)}
     socket = Path(args.socket) if args.socket else default_socket_path(args.path)
@@ -190,6 +196,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:
         print(f"kvtier serve: {error}", file=sys.stderr)
         return 1
+    exporter = None
+    if args.metrics_port is not None:
+        from kvtier.ops.metrics import start_exporter
+
+        try:
+            exporter = start_exporter(socket, args.metrics_port)
+        except RuntimeError as error:
+            service.stop()
+            print(f"kvtier serve: {error}", file=sys.stderr)
+            return 1
+        print(f"kvtier serve: metrics on http://127.0.0.1:{args.metrics_port}/metrics", flush=True)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -199,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     while not stop.wait(1.0):
         pass
     print("kvtier serve: stopping (flushing stores)", flush=True)
+    if exporter is not None:
+        exporter.shutdown()
     service.stop()
     with contextlib.suppress(OSError):
         pid_path.unlink()
