@@ -269,7 +269,9 @@ def verify(
 
 @cli.command(short_help="remove blocks nobody uses: --to BYTES, --older-than DURATION, --namespace NS")
 @_paths_argument
-@click.option("--to", "to_bytes", metavar="BYTES", help="NVMe bytes to keep per namespace (oldest regions go): 20G, 512M")
+@click.option(
+    "--to", "to_bytes", metavar="BYTES", help="NVMe bytes to keep per namespace (oldest regions go): 20G, 512M"
+)
 @click.option("--older-than", metavar="DURATION", help="remove blocks stored longer ago than this: 90s, 30m, 6h, 2d")
 @_namespace_option
 @_socket_option
@@ -305,14 +307,20 @@ def trim(
 @cli.command(short_help="live view of the running service: hit rates, GB/s, queues, drops, top namespaces")
 @_paths_argument
 @_socket_option
-@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="seconds between refreshes")
+@click.option(
+    "--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="seconds between refreshes"
+)
 @click.option("--once", is_flag=True, help="print one frame (after one interval) and exit")
 def top(paths: tuple[Path, ...], socket: Path | None, interval: float, once: bool) -> None:
     """A live terminal view of the service serving PATH (q or Ctrl-C quits): hit rate per tier,
     GB/s stored and loaded, NVMe reads and writes, queue depths, drops, and the busiest namespaces."""
     from kvtier.ops import top as top_view
 
-    _ops_call("top", lambda: top_view.run(list(paths), socket, interval, once) or {})
+    def run() -> dict[str, Any]:
+        top_view.run(list(paths), socket, interval, once)
+        return {}
+
+    _ops_call("top", run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

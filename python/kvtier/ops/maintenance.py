@@ -120,7 +120,9 @@ def _open_from_disk(paths: Sequence[Path], digest: str, dirs: list[store_files.N
         ) from None
     superblock = first.superblock
     if superblock is None:
-        raise OpsError(f"namespace {digest[:16]}: {first.error or 'no device file (a DRAM-only store): nothing on disk'}")
+        raise OpsError(
+            f"namespace {digest[:16]}: {first.error or 'no device file (a DRAM-only store): nothing on disk'}"
+        )
     store_paths = [os.fspath(d.path) for d in dirs]
     try:
         return kvtier.Store.open(
@@ -200,14 +202,13 @@ def gather(
     try:
         for digest in sorted(set(on_disk) | set(service_namespaces)):
             dirs = on_disk.get(digest, [])
+            description: bytes | None
             if digest in service_namespaces:
                 info = service_namespaces[digest]
                 description = bytes(info["description"])
                 if namespace is not None and not _matches(namespace, digest, description):
                     continue
-                targets.append(
-                    Target(digest, "service", description, dirs, client=client, values=dict(info["values"]))
-                )
+                targets.append(Target(digest, "service", description, dirs, client=client, values=dict(info["values"])))
                 continue
             description_file = dirs[0].directory / DESCRIPTION_FILE_NAME
             description = description_file.read_bytes() if description_file.exists() else None
@@ -276,7 +277,7 @@ def verify(
     with gather(paths, socket, namespace) as g:
         report = _header(g, VERIFY_SCHEMA)
         report["max_mbps"] = max_mbps or None
-        results = []
+        results: list[dict[str, Any]] = []
         for target in g.targets:
             started = time.monotonic()
             totals: dict[str, Any] = dict.fromkeys(_VERIFY_COUNTS, 0)
@@ -346,7 +347,7 @@ def trim(
         report = _header(g, TRIM_SCHEMA)
         report["mode"] = mode
         report["value"] = value
-        results = []
+        results: list[dict[str, Any]] = []
         for target in g.targets:
             counts = target.trim(mode, value)
             results.append(

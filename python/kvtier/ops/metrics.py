@@ -19,7 +19,22 @@ from typing import Any
 from kvtier.service import connect
 
 # The service's latency buckets, in microseconds (crates/kvtier-core/src/service/latency.rs).
-LATENCY_BUCKETS_US = (50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000)
+LATENCY_BUCKETS_US = (
+    50,
+    100,
+    250,
+    500,
+    1_000,
+    2_500,
+    5_000,
+    10_000,
+    25_000,
+    50_000,
+    100_000,
+    250_000,
+    500_000,
+    1_000_000,
+)
 LATENCY_OPS = ("lookup", "load", "reserve", "commit")
 
 
@@ -85,10 +100,18 @@ def families(namespaces: list[dict[str, Any]], stats: dict[str, int]) -> Iterato
     nvme_drops = counter("kvtier_nvme_dropped_writes", "Blocks kept in DRAM only: no NVMe region to write", ns_labels)
     checksum = counter("kvtier_checksum_failures", "Block copies that failed verification (load or verify)", ns_labels)
     io_errors = counter("kvtier_io_errors", "Failed reads and writes", ns_labels)
-    queue = gauge("kvtier_queue_depth", "Work waiting: pending_fills (blocks reserved, not all ranks committed)", [*ns_labels, "queue"])
+    queue = gauge(
+        "kvtier_queue_depth",
+        "Work waiting: pending_fills (blocks reserved, not all ranks committed)",
+        [*ns_labels, "queue"],
+    )
     backlog = gauge("kvtier_nvme_write_backlog_bytes", "Bytes accepted into DRAM, not yet on NVMe", ns_labels)
     attached = gauge("kvtier_attached_connections", "Engine connections attached to the namespace", ns_labels)
-    staleness = gauge("kvtier_shared_index_age_seconds", "Time since the shared-tier index last read the other writers' manifests", ns_labels)
+    staleness = gauge(
+        "kvtier_shared_index_age_seconds",
+        "Time since the shared-tier index last read the other writers' manifests",
+        ns_labels,
+    )
     latency = HistogramMetricFamily(
         "kvtier_op_latency_seconds",
         "Service-side latency of ops: lookup (Locate, Pin), load (Acquire), reserve and commit (a store)",
@@ -177,7 +200,7 @@ def start_exporter(socket: str | os.PathLike, port: int, host: str = "127.0.0.1"
             "--metrics-port needs prometheus-client: pip install prometheus-client (or 'kvtier[ops]')"
         ) from error
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ServiceCollector(socket))  # type: ignore[arg-type]
+    registry.register(ServiceCollector(socket))
     try:
         server, _thread = start_http_server(port, addr=host, registry=registry)
     except OSError as error:

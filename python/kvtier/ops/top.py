@@ -130,7 +130,16 @@ def frame(
     all_hits = sum(sums.get(f"hits_{t}", 0) for t in TIERS)
     tiers.add_row("all", _pct(all_hits, lookups), f"{all_hits / seconds:.0f}", "", "")
     flow = Table(title="throughput and queues", title_justify="left", box=box.SIMPLE_HEAD)
-    for name in ("stored (in)", "loaded (out)", "NVMe write", "NVMe read", "pending fills", "NVMe backlog", "drops", "checksum fails"):
+    for name in (
+        "stored (in)",
+        "loaded (out)",
+        "NVMe write",
+        "NVMe read",
+        "pending fills",
+        "NVMe backlog",
+        "drops",
+        "checksum fails",
+    ):
         flow.add_column(name, justify="right", no_wrap=True)
     flow.add_row(
         _rate(sums.get("stored", 0)),
@@ -156,7 +165,12 @@ def frame(
 def _keys() -> Iterator[Any]:
     """Yields a function returning pressed keys (non-blocking); cbreak mode on a terminal."""
     if not sys.stdin.isatty():
-        yield lambda timeout: time.sleep(timeout) or ""
+
+        def wait(timeout: float) -> str:
+            time.sleep(timeout)
+            return ""
+
+        yield wait
         return
     import termios
     import tty

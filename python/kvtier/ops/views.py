@@ -31,8 +31,15 @@ def progress_reporter(enabled: bool, what: str) -> Iterator[ProgressFn | None]:
         return
     try:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-        from rich.progress import TimeRemainingColumn, TransferSpeedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
     except ImportError:
         yield None
         return
@@ -82,7 +89,12 @@ def print_inspect(report: dict[str, Any], plain: bool) -> None:
             out.line(f"{label:<14}{_cell(value)}")
     out.line(f"{'block bytes':<14}{human_bytes(ns['object_bytes'])} (slot {human_bytes(ns['slot_bytes'])})")
     rows = [
-        [tier.upper() if tier == "dram" else "NVMe", _cell(t["blocks"]), human_bytes(t["used_bytes"]), human_bytes(t["capacity_bytes"])]
+        [
+            tier.upper() if tier == "dram" else "NVMe",
+            _cell(t["blocks"]),
+            human_bytes(t["used_bytes"]),
+            human_bytes(t["capacity_bytes"]),
+        ]
         for tier, t in ns["tiers"].items()
     ]
     out.table("tiers", ["tier", "blocks", "used", "capacity"], rows)
@@ -165,4 +177,6 @@ def print_trim(report: dict[str, Any], plain: bool) -> None:
     for skipped in report["skipped"]:
         out.line(f"skipped {skipped['digest'][:16]}: {skipped['reason']}")
     out.line()
-    out.line(f"removed {report['removed_blocks']} block copies, freed {human_bytes(report['freed_nvme_bytes'])} of NVMe")
+    out.line(
+        f"removed {report['removed_blocks']} block copies, freed {human_bytes(report['freed_nvme_bytes'])} of NVMe"
+    )
