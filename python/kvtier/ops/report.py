@@ -8,6 +8,7 @@ renamed, removed or changed in meaning bumps it.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -209,7 +210,8 @@ class Output:
             except ImportError:
                 pass
             else:
-                self.console = Console(highlight=False, soft_wrap=True)
+                # A pipe or a file gets whole tables (rich would squeeze them into 80 columns).
+                self.console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 
     def line(self, text: str = "") -> None:
         if self.console is not None:

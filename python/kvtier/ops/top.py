@@ -205,7 +205,7 @@ def run(paths: Sequence[Path], socket_option: str | os.PathLike | None, interval
             "`kvtier serve PATH` (engines start it themselves), or give its --socket"
         ) from None
     taken = time.monotonic()
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)  # a pipe: whole tables, not 80 columns
     if once:
         time.sleep(interval)
         after, stats = snapshot.read()
