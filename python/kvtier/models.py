@@ -27,6 +27,7 @@ import shutil
 import sys
 import sysconfig
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -247,12 +248,24 @@ def build_model(preset: str = "tiny", out_dir: str | os.PathLike | None = None, 
     target_dir.parent.mkdir(parents=True, exist_ok=True)
     staging_dir = Path(tempfile.mkdtemp(prefix=f".{target_dir.name}.building-", dir=target_dir.parent))
     staging_dir.chmod(0o755)
+    started = time.monotonic()
+
+    def step(what: str) -> None:  # progress on stderr: a build takes from seconds to minutes
+        print(
+            f"kvtier: building model {preset!r} [{time.monotonic() - started:5.1f} s] {what}",
+            file=sys.stderr,
+            flush=True,
+        )
+
     try:
+        step("1/3 tokenizer")
         _build_tokenizer(spec, staging_dir)
         from transformers import PreTrainedTokenizerFast
 
         vocab_size = len(PreTrainedTokenizerFast.from_pretrained(str(staging_dir)))
+        step(f"2/3 weights ({vocab_size} tokens of vocabulary)")
         _build_weights(spec, staging_dir, vocab_size)
+        step("3/3 checksums and manifest")
         files = {
             path.name: {"bytes": path.stat().st_size, "sha256": _file_digest(path)}
             for path in sorted(staging_dir.iterdir())

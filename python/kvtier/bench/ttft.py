@@ -868,6 +868,7 @@ def launch_phase(
     log_path = out_dir / "logs" / f"{run_name}.log"
     spec_path.write_text(json.dumps({"plan": plan, "phase": phase, "result_path": str(result_path)}, indent=2))
     print(f"phase {run_name}: starting an engine (log {log_path})", flush=True)
+    phase_started = time.monotonic()
     command = [python or sys.executable, "-m", "kvtier.bench.ttft", "--run-phase", str(spec_path)]
     deadline = time.monotonic() + timeout_s
     with log_path.open("w") as log_file:
@@ -884,7 +885,8 @@ def launch_phase(
             for line in child.stdout:
                 log_file.write(line)
                 if line.startswith(PROGRESS_PREFIX):
-                    print("  " + line[len(PROGRESS_PREFIX) :], end="", flush=True)
+                    elapsed = time.monotonic() - phase_started
+                    print(f"  [{elapsed:6.1f} s] " + line[len(PROGRESS_PREFIX) :], end="", flush=True)
                 if time.monotonic() > deadline:
                     raise BenchError(f"phase {phase} exceeded --phase-timeout-s={timeout_s}")
             child.wait(timeout=max(1, deadline - time.monotonic()))
@@ -1296,7 +1298,12 @@ def main(argv: list[str] | None = None) -> int:
     phase_info: dict[str, Any] = {}
     exit_code = 0
     try:
-        for phase, run_name, item in phases:
+        for index, (phase, run_name, item) in enumerate(phases):
+            print(
+                f"[{time.time() - started:6.0f} s] phase {index + 1} of {len(phases)}: {run_name}"
+                f" ({len(phases) - index - 1} after it)",
+                flush=True,
+            )
             if phase == "lmcache_disk":
                 records = run_lmcache_phase(plan, args.phase_timeout_s, notes)
             else:
