@@ -122,7 +122,12 @@ def test_verify_trim_and_inspect_while_the_engine_serves(engine):
     assert trims and all(t["namespaces"][0]["source"] == "service" for t in trims)
     assert restored > 0, "some blocks were restored from kvtier while the operator commands ran"
 
-    # Drop the model's blocks while it runs; the next requests recompute and still agree.
+    # Drop the model's blocks while it runs (stored again first: the loop's trims may have taken
+    # them all); the next requests recompute and still agree.
+    for seed in seeds[:2]:
+        assert engine.call(op="reset")["ok"]
+        assert same_output(computed[seed], engine.generate(seed, 4 * TOKENS_PER_BLOCK + 10))
+    settle(engine, socket)
     _, dropped = kvtier_cli("trim", store, "--namespace", "local")
     assert dropped["removed_blocks"] > 0
     for seed in seeds[:2]:

@@ -348,6 +348,11 @@ impl Catalog {
         for key in keys {
             if let Some(e) = self.index.get_mut(key) {
                 e.pins = e.pins.saturating_sub(1);
+                // A copy quarantined while pinned leaves an entry with no copy: it goes with the
+                // last pin, so that the block can be stored again.
+                if e.pins == 0 && !e.visible() && e.dram.is_none() && !e.write_pending {
+                    self.index.remove(key);
+                }
             }
         }
     }
@@ -836,10 +841,8 @@ impl Catalog {
 /// Maintenance (`kvtier verify`, `kvtier trim`, `kvtier inspect`; the logic lives in `maintenance.rs`):
 /// walks the index by sequence, pins what it checks, drops bad copies and frees what is not in use.
 impl Catalog {
-    /// Up to `max` visible blocks with a sequence above `after`, lowest first, each pinned (release
-    /// every one with `unpin`). A DRAM copy is offered only when no NVMe write reads its slot (its
-    /// descriptor page is stamped then).
-    pub fn scrub_batch(&mut self, after: u64, max: usize) -> Vec<ScrubTarget> {
+    /// Up to `max` visible blocks with a sequence above `after`, lowest first: `(sequence, key)`.
+    pub fn scrub_batch(&self, after: u64, max: usize) -> Vec<(u64, BlockKey)> {
         let mut chosen: Vec<(u64, BlockKey)> = self
             .index
             .iter()
@@ -849,17 +852,37 @@ impl Catalog {
         chosen.sort_unstable();
         chosen.truncate(max);
         chosen
-            .into_iter()
-            .map(|(sequence, key)| {
-                let e = self.index.get_mut(&key).expect("chosen above");
-                e.pins += 1;
-                let dram = match (e.dram_ready, e.dram) {
-                    (true, Some(slot)) if !self.slots[slot as usize].writing => Some(slot),
-                    _ => None,
-                };
-                ScrubTarget { key, sequence, value_checksum: e.value_checksum, dram, nvme: e.nvme }
-            })
-            .collect()
+    }
+
+    /// Pins one block for a scrub if it is still that version and visible (release with `unpin`).
+    /// A DRAM copy is offered only when no NVMe write reads its slot (its descriptor page is
+    /// stamped then).
+    pub fn scrub_pin(&mut self, key: &BlockKey, sequence: u64) -> Option<ScrubTarget> {
+        let e = self.index.get_mut(key).filter(|e| e.sequence == sequence && e.visible())?;
+        e.pins += 1;
+        let dram = match (e.dram_ready, e.dram) {
+            (true, Some(slot)) if !self.slots[slot as usize].writing => Some(slot),
+            _ => None,
+        };
+        Some(ScrubTarget { key: *key, sequence, value_checksum: e.value_checksum, dram, nvme: e.nvme })
+    }
+
+    /// A scrub of one block is over: quarantines the bad copies (`(DRAM, NVMe)` quarantined) and
+    /// releases the scrub's pin, if the entry is still the version it pinned.
+    pub fn scrub_done(
+        &mut self,
+        key: &BlockKey,
+        sequence: u64,
+        bad_dram: Option<u32>,
+        bad_nvme: Option<NvmeLoc>,
+        meta: &mut Vec<MetaWrite>,
+    ) -> (bool, bool) {
+        let dram = bad_dram.is_some_and(|slot| self.quarantine_dram(key, slot));
+        let nvme = bad_nvme.is_some_and(|loc| self.quarantine_nvme(key, loc, meta));
+        if self.index.get(key).is_some_and(|e| e.sequence == sequence) {
+            self.unpin(std::slice::from_ref(key));
+        }
+        (dram, nvme)
     }
 
     /// Visible blocks (for progress totals).
@@ -879,15 +902,19 @@ impl Catalog {
         self.dirty_bytes
     }
 
-    /// A scrub found the DRAM copy in `slot` bad. Drops it when the scrub's own pin is the only one
-    /// (no reader copies out of the slot); `false` when a reader holds it (try again later).
+    /// A scrub found the DRAM copy in `slot` bad: no load is served from it any more. The slot is
+    /// freed now when the scrub's own pin is the only one; else (a reader is copying out of it) it
+    /// stays allocated, invisible, until eviction takes it once its pins are gone.
     pub fn quarantine_dram(&mut self, key: &BlockKey, slot: u32) -> bool {
         let Some(e) = self.index.get_mut(key) else { return false };
-        if e.dram != Some(slot) || !e.dram_ready || e.pins > 1 || self.slots[slot as usize].writing {
+        if e.dram != Some(slot) || !e.dram_ready || self.slots[slot as usize].writing {
             return false;
         }
-        e.dram = None;
         e.dram_ready = false;
+        if e.pins > 1 {
+            return true;
+        }
+        e.dram = None;
         let gone = e.nvme.is_none() && !e.write_pending;
         if gone {
             self.index.remove(key);

@@ -104,8 +104,8 @@ pub struct BadBlock {
     pub tier: Tier,
     /// What did not match, e.g. "value checksum mismatch".
     pub reason: String,
-    /// Dropped from the index (and trailer): loads miss it. `false`: a reader held it; a later scrub
-    /// drops it (loads verify it themselves meanwhile).
+    /// No load is served from this copy any more (NVMe: gone from index and trailer). `false`: the
+    /// block changed under the scrub (stored again, evicted) and there was nothing to quarantine.
     pub quarantined: bool,
 }
 
@@ -190,14 +190,13 @@ impl Store {
     pub fn verify_batch(&self, after: u64, max_blocks: usize, max_bytes_per_s: u64) -> Result<VerifyBatch> {
         self.check_open()?;
         let sh = self.shared();
-        let (targets, remaining) = {
-            let mut cat = sh.catalog.lock();
-            let remaining = cat.visible_blocks() as u64;
-            (cat.scrub_batch(after, max_blocks.max(1)), remaining)
+        let (chosen, remaining) = {
+            let cat = sh.catalog.lock();
+            (cat.scrub_batch(after, max_blocks.max(1)), cat.visible_blocks() as u64)
         };
         let mut batch = VerifyBatch {
-            next_after: targets.last().map_or(after, |t| t.sequence),
-            done: targets.len() < max_blocks.max(1),
+            next_after: chosen.last().map_or(after, |&(sequence, _)| sequence),
+            done: chosen.len() < max_blocks.max(1),
             remaining_blocks: remaining,
             ..VerifyBatch::default()
         };
@@ -205,23 +204,18 @@ impl Store {
         let slot_bytes = sh.arena.slot_bytes();
         let mut staging = AlignedBuf::zeroed(slot_bytes);
         let mut meta = Vec::new();
-        for target in &targets {
+        for (sequence, key) in &chosen {
+            // One block pinned at a time, and none while the scrub sleeps to keep its pace.
+            let Some(target) = sh.catalog.lock().scrub_pin(key, *sequence) else { continue };
+            let mut bad_dram = None;
+            let mut bad_nvme = None;
             if let Some(slot) = target.dram {
                 // SAFETY: the slot is resident, pinned by this scrub and not being written to NVMe:
                 // nothing writes into it while the pin lasts.
                 let bytes = unsafe { std::slice::from_raw_parts(sh.arena.slot_ptr(slot), slot_bytes) };
                 batch.checked_dram += 1;
                 batch.bytes_read += slot_bytes as u64;
-                if let Err(reason) = check_copy(self, target, bytes) {
-                    batch.bad_dram += 1;
-                    Stats::add(&sh.stats.checksum_failures, 1);
-                    let quarantined = sh.catalog.lock().quarantine_dram(&target.key, slot);
-                    log::warn!(
-                        "kvtier verify: DRAM copy of {:?} is bad ({reason}); quarantined: {quarantined}",
-                        target.key
-                    );
-                    batch.bad.push(BadBlock { key: target.key, tier: Tier::Dram, reason, quarantined });
-                }
+                bad_dram = check_copy(self, &target, bytes).err().map(|reason| (slot, reason));
             } else if target.nvme.is_none() {
                 batch.skipped_busy += 1;
             }
@@ -230,20 +224,39 @@ impl Store {
                 let offset = geometry.region_offset(loc.region) + loc.offset;
                 let outcome = nvme::read_exact_at(device, staging.as_mut_slice(), offset)
                     .map_err(|e| format!("read failed: {e}"))
-                    .and_then(|()| check_copy(self, target, staging.as_slice()));
+                    .and_then(|()| check_copy(self, &target, staging.as_slice()));
                 batch.checked_nvme += 1;
                 batch.bytes_read += slot_bytes as u64;
                 Stats::add(&sh.stats.bytes_read_nvme, slot_bytes as u64);
-                if let Err(reason) = outcome {
+                bad_nvme = outcome.err().map(|reason| (loc, reason));
+            }
+            // Quarantine and the scrub's unpin in one critical section.
+            let (dram_quarantined, nvme_quarantined) = sh.catalog.lock().scrub_done(
+                key,
+                *sequence,
+                bad_dram.as_ref().map(|(slot, _)| *slot),
+                bad_nvme.as_ref().map(|(loc, _)| *loc),
+                &mut meta,
+            );
+            sh.changed.notify_all();
+            for (tier, reason, quarantined) in [
+                bad_dram.map(|(_, reason)| (Tier::Dram, reason, dram_quarantined)),
+                bad_nvme.map(|(_, reason)| (Tier::Nvme, reason, nvme_quarantined)),
+            ]
+            .into_iter()
+            .flatten()
+            {
+                if tier == Tier::Dram {
+                    batch.bad_dram += 1;
+                } else {
                     batch.bad_nvme += 1;
-                    Stats::add(&sh.stats.checksum_failures, 1);
-                    let quarantined = sh.catalog.lock().quarantine_nvme(&target.key, loc, &mut meta);
-                    log::warn!(
-                        "kvtier verify: NVMe copy of {:?} is bad ({reason}); quarantined: {quarantined}",
-                        target.key
-                    );
-                    batch.bad.push(BadBlock { key: target.key, tier: Tier::Nvme, reason, quarantined });
                 }
+                Stats::add(&sh.stats.checksum_failures, 1);
+                log::warn!(
+                    "kvtier verify: {} copy of {key:?} is bad ({reason}); quarantined: {quarantined}",
+                    tier.name()
+                );
+                batch.bad.push(BadBlock { key: *key, tier, reason, quarantined });
             }
             if max_bytes_per_s > 0 {
                 let due = Duration::from_secs_f64(batch.bytes_read as f64 / max_bytes_per_s as f64);
@@ -252,9 +265,6 @@ impl Store {
                 }
             }
         }
-        let keys: Vec<BlockKey> = targets.iter().map(|t| t.key).collect();
-        sh.catalog.lock().unpin(&keys);
-        sh.changed.notify_all();
         crate::mover::submit_meta(sh, meta);
         Ok(batch)
     }

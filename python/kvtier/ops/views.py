@@ -137,7 +137,7 @@ def print_verify(report: dict[str, Any], plain: bool) -> None:
     )
     for r in report["namespaces"]:
         for bad in r["bad"]:
-            state = "quarantined" if bad["quarantined"] else "in use now: quarantined by a later verify"
+            state = "quarantined" if bad["quarantined"] else "changed under the scrub: nothing to quarantine"
             out.line(f"bad: {r['digest'][:16]} block {bad['key'][:16]}… {bad['tier']}: {bad['reason']} ({state})")
     for skipped in report["skipped"]:
         out.line(f"skipped {skipped['digest'][:16]}: {skipped['reason']}")
