@@ -197,3 +197,74 @@ fn trim_keeps_what_is_pinned_and_frees_regions() {
     let facts = store.namespace_facts();
     assert!(facts.visible_blocks > 0 && facts.oldest_before_open);
 }
+
+#[test]
+fn scrub_and_trim_beside_puts_and_gets_serve_no_wrong_byte_and_raise_no_false_alarm() {
+    use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(Store::open(config(dir.path())).unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    let stored = Arc::new(AtomicU32::new(0));
+    let (hits, wrong) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let writer = {
+        let (store, stop, stored) = (Arc::clone(&store), Arc::clone(&stop), Arc::clone(&stored));
+        std::thread::spawn(move || {
+            let mut i = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let v = value(i);
+                store.put_many(&[key(i)], &[&v]).unwrap();
+                i += 1;
+                stored.store(i, Ordering::Relaxed);
+            }
+        })
+    };
+    let readers: Vec<_> = (0..2)
+        .map(|seed| {
+            let (store, stop, stored) = (Arc::clone(&store), Arc::clone(&stop), Arc::clone(&stored));
+            let (hits, wrong) = (Arc::clone(&hits), Arc::clone(&wrong));
+            std::thread::spawn(move || {
+                let mut x = 0x9E37_79B9u32.wrapping_mul(seed + 1);
+                let mut out = vec![0u8; OBJECT];
+                while !stop.load(Ordering::Relaxed) {
+                    let n = stored.load(Ordering::Relaxed);
+                    if n == 0 {
+                        continue;
+                    }
+                    x ^= x << 13;
+                    x ^= x >> 17;
+                    x ^= x << 5;
+                    let i = x % n;
+                    if store.get_many(&[key(i)], &mut [&mut out]).unwrap()[0] {
+                        hits.fetch_add(1, Ordering::Relaxed);
+                        if out != value(i) {
+                            wrong.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    let started = std::time::Instant::now();
+    let mut scrubs = 0;
+    while started.elapsed() < Duration::from_secs(3) {
+        let found = scrub(&store);
+        assert_eq!(found.bad_dram + found.bad_nvme, 0, "false alarm: {:?}", found.bad);
+        scrubs += 1;
+        store.trim(TrimRequest::NvmeTo(3 * config(dir.path()).region_bytes)).unwrap();
+        store.trim(TrimRequest::OlderThan(Duration::from_millis(1500))).unwrap();
+        if scrubs % 3 == 0 {
+            store.trim(TrimRequest::All).unwrap();
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    writer.join().unwrap();
+    for r in readers {
+        r.join().unwrap();
+    }
+    assert!(scrubs >= 3 && hits.load(Ordering::Relaxed) > 100, "{scrubs} scrubs, {hits:?} hits");
+    assert_eq!(wrong.load(Ordering::Relaxed), 0, "wrong bytes served");
+    assert_eq!(store.stats().counters.checksum_failures, 0);
+    store.check_invariants();
+    store.flush().unwrap();
+}
