@@ -32,6 +32,7 @@ STATUS_KEYS = {
     "lookups",
     "hit_rate",
     "tiers",
+    "shared_index_age_ms",
     "namespaces",
 }
 LS_KEYS = {"schema", "paths", "socket", "service", "namespaces"}

@@ -123,6 +123,26 @@ def ls_report(paths: Sequence[Path], socket: str | os.PathLike | None = None) ->
     }
 
 
+def _shared_facts(socket: Path) -> dict[str, int | None]:
+    """Shared-tier usage (summed) and index age (the stalest namespace's) from the service's
+    per-namespace values (protocol version 2); all None without a shared tier or from an older service."""
+    from kvtier.service import connect
+
+    facts: dict[str, int | None] = {"used_bytes": None, "capacity_bytes": None, "index_age_ms": None}
+    try:
+        namespaces = connect(socket, timeout_ms=2_000).namespaces()["namespaces"]
+    except Exception:
+        return facts
+    for ns in namespaces:
+        values = ns["values"]
+        if "shared_index_age_ms" not in values:
+            continue
+        facts["used_bytes"] = (facts["used_bytes"] or 0) + int(values.get("shared_used_bytes", 0))
+        facts["capacity_bytes"] = (facts["capacity_bytes"] or 0) + int(values.get("shared_capacity_bytes", 0))
+        facts["index_age_ms"] = max(facts["index_age_ms"] or 0, int(values["shared_index_age_ms"]))
+    return facts
+
+
 def _rate(hits: int, lookups: int) -> float | None:
     return hits / lookups if lookups else None
 
@@ -141,9 +161,12 @@ def status_report(paths: Sequence[Path], socket: str | os.PathLike | None = None
         "lookups": None,
         "hit_rate": None,
         "tiers": None,
+        "shared_index_age_ms": None,
         "namespaces": [_namespace_json(ns, running, gathered["pid"]) for ns in gathered["namespaces"]],
     }
     if stats is not None:
+        shared = _shared_facts(gathered["socket"])
+        report["shared_index_age_ms"] = shared["index_age_ms"]
         get = lambda name: int(stats.get(name, 0))  # noqa: E731
         hits = {tier: get(f"{tier}_hits") for tier in ("dram", "nvme", "shared")}
         lookups = sum(hits.values()) + get("misses")
@@ -165,8 +188,8 @@ def status_report(paths: Sequence[Path], socket: str | os.PathLike | None = None
                 "hit_rate": _rate(hits["nvme"], lookups),
             },
             "shared": {
-                "used_bytes": None,
-                "capacity_bytes": None,
+                "used_bytes": shared["used_bytes"],
+                "capacity_bytes": shared["capacity_bytes"],
                 "blocks": None,
                 "hits": hits["shared"],
                 "hit_rate": _rate(hits["shared"], lookups),
@@ -345,6 +368,8 @@ def print_status(report: dict[str, Any], output: Output) -> None:
             ("I/O errors", stats.get("io_errors", 0)),
             ("pending fills", stats.get("service_pending_fills", 0)),
         ]
+        if report.get("shared_index_age_ms") is not None:
+            counters.append(("shared index age (ms)", report["shared_index_age_ms"]))
         output.table("counters", ["counter", "value"], [[name, str(value)] for name, value in counters])
     else:
         output.line(report["message"])
