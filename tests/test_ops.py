@@ -520,3 +520,15 @@ def test_top_without_a_service_names_the_fix(tmp_path: Path) -> None:
     (tmp_path / "store").mkdir()
     result = invoke("top", str(tmp_path / "store"), "--socket", str(tmp_path / "none.sock"), "--once")
     assert result.exit_code == 1 and "no service answers" in result.output and "kvtier serve" in result.output
+
+
+def test_paced_verify_steps_stay_short() -> None:
+    from kvtier.ops.maintenance import Target, parse_duration, parse_size
+
+    big = Target("0" * 64, "service", None, object_bytes=16 << 20)
+    assert big.step_blocks(0) == 64
+    assert big.step_blocks(1_000_000) == 1  # a 16 MiB block at 1 MB/s: one per request
+    assert big.step_blocks(200_000_000) == 11  # 2 s of reading at 200 MB/s, two copies per block
+    assert Target("0" * 64, "disk", None, object_bytes=64 << 10).step_blocks(200_000_000) == 64
+    assert parse_size("20G") == 20 << 30 and parse_size("512MiB") == 512 << 20 and parse_size("4096") == 4096
+    assert parse_duration("90s") == 90 and parse_duration("6h") == 6 * 3600 and parse_duration("500ms") == 0.5

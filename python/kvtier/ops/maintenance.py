@@ -26,6 +26,8 @@ INSPECT_SCHEMA = "kvtier.inspect/1"
 DESCRIPTION_FILE_NAME = "DESCRIPTION"
 # Blocks per verify step: a step is one request to the service (bounded in time) and one progress tick.
 VERIFY_BATCH_BLOCKS = 64
+# A paced step lasts about this long at most (the service answers each step within its timeout).
+VERIFY_STEP_SECONDS = 2.0
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$", re.IGNORECASE)
@@ -86,6 +88,15 @@ class Target:
     client: Any = None
     store: Any = None
     values: dict[str, int] = field(default_factory=dict)  # the service's per-namespace values
+    object_bytes: int = 0
+
+    def step_blocks(self, max_bytes_per_s: int) -> int:
+        """Blocks per verify step: 64, fewer when pacing would make a step longer than ~2 s."""
+        if max_bytes_per_s <= 0 or self.object_bytes <= 0:
+            return VERIFY_BATCH_BLOCKS
+        slot_bytes = 4096 + -(-self.object_bytes // 4096) * 4096
+        per_block = 2 * slot_bytes  # its DRAM copy and its NVMe entry
+        return max(1, min(VERIFY_BATCH_BLOCKS, int(max_bytes_per_s * VERIFY_STEP_SECONDS) // per_block))
 
     def verify_batch(self, after: int, max_blocks: int, max_bytes_per_s: int) -> dict[str, Any]:
         if self.client is not None:
@@ -208,7 +219,17 @@ def gather(
                 description = bytes(info["description"])
                 if namespace is not None and not _matches(namespace, digest, description):
                     continue
-                targets.append(Target(digest, "service", description, dirs, client=client, values=dict(info["values"])))
+                targets.append(
+                    Target(
+                        digest,
+                        "service",
+                        description,
+                        dirs,
+                        client=client,
+                        values=dict(info["values"]),
+                        object_bytes=int(info["object_bytes"]),
+                    )
+                )
                 continue
             description_file = dirs[0].directory / DESCRIPTION_FILE_NAME
             description = description_file.read_bytes() if description_file.exists() else None
@@ -225,7 +246,7 @@ def gather(
             except OpsError as error:
                 skipped.append({"digest": digest, "reason": str(error)})
                 continue
-            targets.append(Target(digest, "disk", description, dirs, store=store))
+            targets.append(Target(digest, "disk", description, dirs, store=store, object_bytes=store.object_bytes))
         if namespace is not None and not targets:
             known = ", ".join(f"{d[:16]}" for d in sorted(set(on_disk) | set(service_namespaces))) or "none"
             reasons = "; ".join(s["reason"] for s in skipped)
@@ -284,7 +305,7 @@ def verify(
             bad: list[dict[str, Any]] = []
             after, total = 0, None
             while True:
-                step = target.verify_batch(after, VERIFY_BATCH_BLOCKS, rate)
+                step = target.verify_batch(after, target.step_blocks(rate), rate)
                 if total is None:
                     total = int(step.get("remaining_blocks", 0))
                 for name in _VERIFY_COUNTS:
