@@ -53,6 +53,7 @@ VERIFY_KEYS = {"schema", "paths", "socket", "service", "max_mbps", "namespaces",
 VERIFY_KEYS |= {"bad_blocks", "ok"}
 VERIFY_NS_KEYS = {"digest", "source", "model", "checked_dram", "checked_nvme", "bad_dram", "bad_nvme"}
 VERIFY_NS_KEYS |= {"bytes_read", "skipped_busy", "bad_blocks", "seconds", "mb_per_s", "bad"}
+VERIFY_NS_KEYS |= {"checked_shared", "bad_shared"}
 TRIM_KEYS = {"schema", "paths", "socket", "service", "mode", "value", "namespaces", "skipped", "removed_blocks"}
 TRIM_KEYS |= {"freed_nvme_bytes"}
 TRIM_NS_KEYS = {"digest", "source", "model", "dram_blocks", "dram_bytes", "nvme_blocks", "nvme_bytes"}
@@ -532,3 +533,23 @@ def test_paced_verify_steps_stay_short() -> None:
     assert Target("0" * 64, "disk", None, object_bytes=64 << 10).step_blocks(200_000_000) == 64
     assert parse_size("20G") == 20 << 30 and parse_size("512MiB") == 512 << 20 and parse_size("4096") == 4096
     assert parse_duration("90s") == 90 and parse_duration("6h") == 6 * 3600 and parse_duration("500ms") == 0.5
+
+
+def test_verify_scrubs_the_shared_tier(served: Served) -> None:
+    """Runs last of the module's service tests: it quarantines a shared file."""
+    args = (str(served.path), "--socket", str(served.socket))
+    clean = invoke_json("verify", *args)
+    (ns,) = clean["namespaces"]
+    assert clean["ok"] and ns["checked_shared"] >= 60, ns  # every stored block was published
+    files = sorted(served.path.parent.glob("shared/**/*.kvs"))
+    assert files, "no shared data file"
+    with open(files[0], "r+b") as file:  # the first block's value: after the file header and its descriptor
+        file.seek(4096 + 4096 + 10)
+        byte = file.read(1)
+        file.seek(4096 + 4096 + 10)
+        file.write(bytes([byte[0] ^ 0xFF]))
+    found = invoke_json("verify", *args, exit_code=3)
+    (ns,) = found["namespaces"]
+    assert ns["bad_shared"] == 1 and ns["bad_dram"] == ns["bad_nvme"] == 0, ns
+    assert ns["bad"][0]["tier"] == "shared" and ns["bad"][0]["quarantined"]
+    assert invoke_json("verify", *args)["ok"], "the file is quarantined: its blocks are out of the index"

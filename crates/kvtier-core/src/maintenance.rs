@@ -269,6 +269,54 @@ impl Store {
         Ok(batch)
     }
 
+    /// Scrubs up to `max_blocks` blocks of the shared tier, from position `after` of its indexed
+    /// keys in key order (a cursor over a set that changes: a block published meanwhile may be
+    /// missed by this pass). A bad block's file is quarantined (every block in it becomes a miss,
+    /// as at load). `VerifyBatch::checked_nvme`/`bad_nvme` count shared blocks here. No shared tier:
+    /// an empty batch, done.
+    pub fn verify_shared_batch(&self, after: u64, max_blocks: usize, max_bytes_per_s: u64) -> Result<VerifyBatch> {
+        self.check_open()?;
+        let sh = self.shared();
+        let Some(tier) = &sh.shared_tier else {
+            return Ok(VerifyBatch { next_after: after, done: true, ..VerifyBatch::default() });
+        };
+        let mut keys = tier.indexed_keys(usize::MAX);
+        keys.sort_unstable_by_key(|k| k.0);
+        let start = (after as usize).min(keys.len());
+        let end = (start + max_blocks.max(1)).min(keys.len());
+        let mut batch = VerifyBatch {
+            next_after: end as u64,
+            done: end == keys.len(),
+            remaining_blocks: keys.len() as u64,
+            ..VerifyBatch::default()
+        };
+        let slot_bytes = tier.slot_bytes();
+        let mut staging = AlignedBuf::zeroed(slot_bytes);
+        let started = Instant::now();
+        for key in &keys[start..end] {
+            let outcome = tier.scrub_block(key, staging.as_mut_slice());
+            batch.checked_nvme += 1;
+            batch.bytes_read += slot_bytes as u64;
+            let reason = match outcome {
+                Ok(None) => None,
+                Ok(Some(why)) => Some(why.to_string()),
+                Err(e) => Some(format!("read failed: {e}")),
+            };
+            if let Some(reason) = reason {
+                batch.bad_nvme += 1;
+                log::warn!("kvtier verify: shared copy of {key:?} is bad ({reason}); its file is quarantined");
+                batch.bad.push(BadBlock { key: *key, tier: Tier::Shared, reason, quarantined: true });
+            }
+            if max_bytes_per_s > 0 {
+                let due = Duration::from_secs_f64(batch.bytes_read as f64 / max_bytes_per_s as f64);
+                if let Some(wait) = due.checked_sub(started.elapsed()) {
+                    std::thread::sleep(wait);
+                }
+            }
+        }
+        Ok(batch)
+    }
+
     /// Removes what `request` selects, never a block in use (pinned by a request or a load, being
     /// filled, loaded, or written to NVMe). Freed NVMe regions get their trailers zeroed on disk.
     pub fn trim(&self, request: TrimRequest) -> Result<TrimCounts> {

@@ -500,16 +500,26 @@ impl PyStore {
 
     /// One step of a scrub (`kvtier verify`): re-reads and checks up to `max_blocks` blocks above
     /// sequence `after`, paced to `max_bytes_per_s` (0: unpaced), and quarantines bad copies.
-    #[pyo3(signature = (after=0, max_blocks=256, max_bytes_per_s=0))]
+    /// `shared_tier`: the shared tier's blocks instead, `after` a position in its key order.
+    #[pyo3(signature = (after=0, max_blocks=256, max_bytes_per_s=0, shared_tier=false))]
     fn verify_batch<'py>(
         &self,
         py: Python<'py>,
         after: u64,
         max_blocks: usize,
         max_bytes_per_s: u64,
+        shared_tier: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         let inner = Arc::clone(&self.inner);
-        let b = py.detach(move || inner.verify_batch(after, max_blocks, max_bytes_per_s)).map_err(to_py)?;
+        let b = py
+            .detach(move || {
+                if shared_tier {
+                    inner.verify_shared_batch(after, max_blocks, max_bytes_per_s)
+                } else {
+                    inner.verify_batch(after, max_blocks, max_bytes_per_s)
+                }
+            })
+            .map_err(to_py)?;
         let pairs = [
             ("checked_dram", b.checked_dram),
             ("checked_nvme", b.checked_nvme),
@@ -771,7 +781,9 @@ impl PyServiceClient {
         Ok(out)
     }
 
-    /// One step of a scrub of the namespace `digest` (64 hex digits) in the service.
+    /// One step of a scrub of the namespace `digest` (64 hex digits) in the service; `shared_tier`:
+    /// of its shared tier.
+    #[pyo3(signature = (digest, after, max_blocks, max_bytes_per_s, shared_tier=false))]
     fn verify_batch<'py>(
         &self,
         py: Python<'py>,
@@ -779,10 +791,12 @@ impl PyServiceClient {
         after: u64,
         max_blocks: u32,
         max_bytes_per_s: u64,
+        shared_tier: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         let digest = parse_digest(digest)?;
-        let b =
-            py.detach(|| self.inner.lock().verify_batch(&digest, after, max_blocks, max_bytes_per_s)).map_err(to_py)?;
+        let b = py
+            .detach(|| self.inner.lock().verify_batch(&digest, after, max_blocks, max_bytes_per_s, shared_tier))
+            .map_err(to_py)?;
         let bad = b
             .bad
             .iter()

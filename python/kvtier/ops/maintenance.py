@@ -98,10 +98,15 @@ class Target:
         per_block = 2 * slot_bytes  # its DRAM copy and its NVMe entry
         return max(1, min(VERIFY_BATCH_BLOCKS, int(max_bytes_per_s * VERIFY_STEP_SECONDS) // per_block))
 
-    def verify_batch(self, after: int, max_blocks: int, max_bytes_per_s: int) -> dict[str, Any]:
+    def verify_batch(self, after: int, max_blocks: int, max_bytes_per_s: int, shared: bool = False) -> dict[str, Any]:
         if self.client is not None:
-            return dict(self.client.verify_batch(self.digest, after, max_blocks, max_bytes_per_s))
-        return dict(self.store.verify_batch(after, max_blocks, max_bytes_per_s))
+            return dict(self.client.verify_batch(self.digest, after, max_blocks, max_bytes_per_s, shared))
+        return dict(self.store.verify_batch(after, max_blocks, max_bytes_per_s, shared))
+
+    @property
+    def has_shared_tier(self) -> bool:
+        """Only the service's stores have their shared tier open (a store opened from disk here does not)."""
+        return self.client is not None and "shared_index_age_ms" in self.values
 
     def trim(self, mode: str, value: int) -> dict[str, int]:
         if self.client is not None:
@@ -292,8 +297,9 @@ def verify(
     max_mbps: float = 0.0,
     progress: ProgressFn | None = None,
 ) -> dict[str, Any]:
-    """Scrubs every namespace (or one): re-reads every block of DRAM and NVMe, paced to ``max_mbps``
-    (MB/s, 10^6 bytes; 0 unpaced), and quarantines bad copies."""
+    """Scrubs every namespace (or one): re-reads every block of DRAM and NVMe (and of the shared
+    tier, for the service's namespaces that have one), paced to ``max_mbps`` (MB/s, 10^6 bytes; 0
+    unpaced), and quarantines bad copies."""
     rate = int(max_mbps * 1_000_000)
     with gather(paths, socket, namespace) as g:
         report = _header(g, VERIFY_SCHEMA)
@@ -303,20 +309,26 @@ def verify(
             started = time.monotonic()
             totals: dict[str, Any] = dict.fromkeys(_VERIFY_COUNTS, 0)
             bad: list[dict[str, Any]] = []
-            after, total = 0, None
-            while True:
-                step = target.verify_batch(after, target.step_blocks(rate), rate)
-                if total is None:
-                    total = int(step.get("remaining_blocks", 0))
-                for name in _VERIFY_COUNTS:
-                    totals[name] += int(step.get(name, 0))
-                bad += step["bad"]
-                after = int(step["next_after"])
-                if progress is not None:
-                    done = totals["checked_dram"] + totals["checked_nvme"]
-                    progress(target.digest, min(done, total or done), max(total or 0, done), totals["bytes_read"])
-                if step["done"]:
-                    break
+            totals["checked_shared"] = totals["bad_shared"] = 0
+            for shared in (False, True) if target.has_shared_tier else (False,):
+                after, total = 0, None
+                while True:
+                    step = target.verify_batch(after, target.step_blocks(rate), rate, shared)
+                    if shared:  # the shared tier's steps count its blocks as checked_nvme / bad_nvme
+                        step["checked_shared"] = step.pop("checked_nvme", 0)
+                        step["bad_shared"] = step.pop("bad_nvme", 0)
+                    if total is None:
+                        total = int(step.get("remaining_blocks", 0))
+                    for name in (*_VERIFY_COUNTS, "checked_shared", "bad_shared"):
+                        totals[name] += int(step.get(name, 0))
+                    bad += step["bad"]
+                    after = int(step["next_after"])
+                    if progress is not None:
+                        label = f"{target.digest}{' shared' if shared else ''}"
+                        done = totals["checked_shared"] if shared else totals["checked_dram"] + totals["checked_nvme"]
+                        progress(label, min(done, total or done), max(total or 0, done), totals["bytes_read"])
+                    if step["done"]:
+                        break
             seconds = time.monotonic() - started
             results.append(
                 {
@@ -324,7 +336,7 @@ def verify(
                     "source": target.source,
                     "model": describe(target.description).get("model"),
                     **totals,
-                    "bad_blocks": totals["bad_dram"] + totals["bad_nvme"],
+                    "bad_blocks": totals["bad_dram"] + totals["bad_nvme"] + totals["bad_shared"],
                     "seconds": round(seconds, 3),
                     "mb_per_s": round(totals["bytes_read"] / seconds / 1e6, 1) if seconds > 0 else None,
                     "bad": bad,
@@ -332,7 +344,7 @@ def verify(
             )
         report["namespaces"] = results
         report["skipped"] = g.skipped
-        report["checked_copies"] = sum(r["checked_dram"] + r["checked_nvme"] for r in results)
+        report["checked_copies"] = sum(r["checked_dram"] + r["checked_nvme"] + r["checked_shared"] for r in results)
         report["bad_blocks"] = sum(r["bad_blocks"] for r in results)
         report["ok"] = report["bad_blocks"] == 0
         return report

@@ -123,6 +123,7 @@ def print_verify(report: dict[str, Any], plain: bool) -> None:
             r["source"],
             str(r["checked_dram"]),
             str(r["checked_nvme"]),
+            str(r["checked_shared"]),
             str(r["bad_blocks"]),
             human_bytes(r["bytes_read"]),
             f"{r['seconds']:.1f} s",
@@ -131,7 +132,7 @@ def print_verify(report: dict[str, Any], plain: bool) -> None:
     ]
     out.table(
         f"{len(rows)} namespace(s) checked",
-        ["namespace", "model", "from", "DRAM", "NVMe", "bad", "read", "time"],
+        ["namespace", "model", "from", "DRAM", "NVMe", "shared", "bad", "read", "time"],
         rows,
         right=3,
     )

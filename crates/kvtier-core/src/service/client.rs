@@ -302,16 +302,21 @@ impl Client {
         })
     }
 
-    /// One step of a scrub of the namespace `digest` (see `Store::verify_batch`).
+    /// One step of a scrub of the namespace `digest` (see `Store::verify_batch`; `shared_tier`:
+    /// `Store::verify_shared_batch`).
     pub fn verify_batch(
         &mut self,
         digest: &[u8; 32],
         after: u64,
         max_blocks: u32,
         max_bytes_per_s: u64,
+        shared_tier: bool,
     ) -> Result<RemoteVerifyBatch> {
         let body = self.operator_call(Op::Verify, |w| {
             w.raw(digest).u64(after).u32(max_blocks).u64(max_bytes_per_s);
+            if shared_tier {
+                w.u8(1);
+            }
         })?;
         self.parse(&body, |r| {
             let next_after = r.u64()?;

@@ -657,10 +657,17 @@ impl State {
         let after = r.u64().map_err(|e| e.to_string())?;
         let max_blocks = r.u32().map_err(|e| e.to_string())?;
         let max_bytes_per_s = r.u64().map_err(|e| e.to_string())?;
-        let batch = ns
-            .store
-            .verify_batch(after, max_blocks.clamp(1, 1 << 16) as usize, max_bytes_per_s)
-            .map_err(|e| e.to_string())?;
+        // Optional `u8 scope` (0 DRAM and NVMe, 1 the shared tier); absent: 0.
+        let scope = if r.rest().is_empty() { 0 } else { r.u8().map_err(|e| e.to_string())? };
+        let batch = if scope == 1 {
+            ns.store
+                .verify_shared_batch(after, max_blocks.clamp(1, 1 << 16) as usize, max_bytes_per_s)
+                .map_err(|e| e.to_string())?
+        } else {
+            ns.store
+                .verify_batch(after, max_blocks.clamp(1, 1 << 16) as usize, max_bytes_per_s)
+                .map_err(|e| e.to_string())?
+        };
         let mut w = Writer::default();
         w.u64(batch.next_after).u8(u8::from(batch.done)).pairs(&[
             ("checked_dram", batch.checked_dram),

@@ -418,6 +418,44 @@ impl SharedTier {
         Ok(true)
     }
 
+    /// The scrub's read (`kvtier verify`): reads and verifies one indexed block like `read_into`,
+    /// without counting a hit or a miss and without recording an access (a scrub must not change
+    /// what the evictor keeps). `Ok(None)`: good, or gone meanwhile (nothing to check);
+    /// `Ok(Some(why))`: bad, and its file is quarantined as a load would. `slot` is `slot_bytes`
+    /// long and 4096-aligned.
+    pub fn scrub_block(&self, key: &BlockKey, slot: &mut [u8]) -> Result<Option<&'static str>> {
+        let found = self.index.read().get(key).map(|(loc, name)| (loc, name.to_string()));
+        let Some((loc, name)) = found else { return Ok(None) };
+        let file = match self.read_handle(loc.file, &name) {
+            Ok(f) => f,
+            Err(e) if is_vanished(&e) => return Ok(None),
+            Err(e) => return Err(Error::io(format!("opening shared file {name}"), e)),
+        };
+        match file.read_exact_at(&mut slot[..self.slot_bytes], loc.offset) {
+            Ok(()) => {}
+            Err(e) if is_vanished(&e) => return Ok(None),
+            Err(e) if e.kind() == ErrorKind::UnexpectedEof => {
+                self.quarantine(&name, "truncated");
+                return Ok(Some("file truncated"));
+            }
+            Err(e) => return Err(Error::io(format!("reading shared file {name}"), e)),
+        }
+        if let Err(why) = self.verify(key, loc.value_checksum, &slot[..self.slot_bytes]) {
+            Stats::add(&self.stats.checksum_failures, 1);
+            self.quarantine(&name, why);
+            return Ok(Some(why));
+        }
+        if let Some(auth) = &self.auth {
+            let (page, value) = slot[..DESCRIPTOR_BYTES + self.object_bytes].split_at(DESCRIPTOR_BYTES);
+            if !auth.verify_block(&self.namespace, key, page, value) {
+                Stats::add(&self.stats.shared_auth_failures, 1);
+                self.quarantine(&name, "block tag does not verify: written without the deployment key or with another");
+                return Ok(Some("block tag does not verify"));
+            }
+        }
+        Ok(None)
+    }
+
     /// Reads and verifies a block, copying only the value into `out` (object_bytes long).
     pub fn read_value(&self, key: &BlockKey, out: &mut [u8]) -> Result<bool> {
         let mut slot = AlignedBuf::zeroed(self.slot_bytes);
