@@ -297,15 +297,16 @@ impl Store {
             let outcome = tier.scrub_block(key, staging.as_mut_slice());
             batch.checked_nvme += 1;
             batch.bytes_read += slot_bytes as u64;
-            let reason = match outcome {
+            // A bad block's file is quarantined by the tier; a read error is reported, not quarantined.
+            let bad = match outcome {
                 Ok(None) => None,
-                Ok(Some(why)) => Some(why.to_string()),
-                Err(e) => Some(format!("read failed: {e}")),
+                Ok(Some(why)) => Some((why.to_string(), true)),
+                Err(e) => Some((format!("read failed: {e}"), false)),
             };
-            if let Some(reason) = reason {
+            if let Some((reason, quarantined)) = bad {
                 batch.bad_nvme += 1;
-                log::warn!("kvtier verify: shared copy of {key:?} is bad ({reason}); its file is quarantined");
-                batch.bad.push(BadBlock { key: *key, tier: Tier::Shared, reason, quarantined: true });
+                log::warn!("kvtier verify: shared copy of {key:?} is bad ({reason}); quarantined: {quarantined}");
+                batch.bad.push(BadBlock { key: *key, tier: Tier::Shared, reason, quarantined });
             }
             if max_bytes_per_s > 0 {
                 let due = Duration::from_secs_f64(batch.bytes_read as f64 / max_bytes_per_s as f64);

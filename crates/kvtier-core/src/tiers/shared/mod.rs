@@ -434,9 +434,19 @@ impl SharedTier {
         match file.read_exact_at(&mut slot[..self.slot_bytes], loc.offset) {
             Ok(()) => {}
             Err(e) if is_vanished(&e) => return Ok(None),
+            // As at load: quarantined only once the file has stayed short (a mount caching sizes).
             Err(e) if e.kind() == ErrorKind::UnexpectedEof => {
-                self.quarantine(&name, "truncated");
-                return Ok(Some("file truncated"));
+                if self.short_read_settled(loc.file, &name) {
+                    self.quarantine(&name, "truncated");
+                    return Ok(Some("file truncated"));
+                }
+                return Err(Error::io(
+                    format!(
+                        "reading shared file {name}: read short (quarantined if still short {} s from now)",
+                        SHORT_READ_SETTLE.as_secs()
+                    ),
+                    e,
+                ));
             }
             Err(e) => return Err(Error::io(format!("reading shared file {name}"), e)),
         }
