@@ -126,7 +126,7 @@ def check_namespace(entry: dict[str, Any], store: RunningStore) -> None:
 def test_help_lists_every_command() -> None:
     top = invoke("--help")
     assert top.exit_code == 0
-    for command in ("status", "ls", "serve", "demo", "bench"):
+    for command in ("status", "ls", "serve", "demo", "bench", "inspect", "verify", "trim", "top"):
         assert f"  {command} " in top.output
     benches = invoke("bench", "--help")
     assert benches.exit_code == 0
