@@ -210,3 +210,30 @@ def test_admission_options_are_checked():
         KvtierOptions.from_extra_config({"path": "/tmp/x", "admission": "sometimes"})
     with pytest.raises(KvtierVllmConfigError, match="admission_memory_blocks"):
         KvtierOptions.from_extra_config({"path": "/tmp/x", "admission_memory_blocks": 0})
+
+
+def test_host_dram_bytes_reaches_a_service_the_engine_starts_and_caps_the_pools(tmp_path):
+    options = KvtierOptions.from_extra_config(
+        {
+            "path": str(tmp_path / "store"),
+            "dram_bytes": 8 << 20,
+            "nvme_bytes": 0,
+            "pool_dir": str(tmp_path),
+            "host_dram_bytes": 12 << 20,
+        }
+    )
+    assert options.service_options()["host_dram_bytes"] == 12 << 20
+    socket = kvtier_service.ensure_service(
+        options.path, options.service_options(), socket_path=options.socket_path(), pool_dir=options.pool_dir
+    )
+    try:
+        pools = []
+        for model in (b"model-one", b"model-two"):
+            client = kvtier_service.connect(socket)
+            pools.append(client.hello(model, 1, 0, PAGE_BYTES * LAYERS)["pool_bytes"])
+        assert pools[1] < pools[0] <= 8 << 20, pools
+        assert sum(pools) <= 12 << 20
+        with pytest.raises(Exception, match="host_dram_bytes"):
+            kvtier_service.connect(socket).hello(b"model-three", 1, 0, PAGE_BYTES * LAYERS)
+    finally:
+        kvtier_service.stop_service(socket)

@@ -182,6 +182,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--options-json", default="{}", help="Store.open options as a JSON object")
     parser.add_argument("--fill-timeout-ms", type=int, default=10_000, help="give up a rank's missing slice after this")
     parser.add_argument(
+        "--host-dram-bytes",
+        type=int,
+        default=None,
+        help="the most DRAM the pools of all models take together (default: no cap; each gets dram_bytes)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -189,6 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(list(argv) if argv is not None else None)
     options = {**json.loads(args.options_json), **dict(args.option)}
+    if args.host_dram_bytes is not None:
+        options["host_dram_bytes"] = args.host_dram_bytes
     socket = Path(args.socket) if args.socket else default_socket_path(args.path)
     paths = args.path if len(args.path) > 1 else args.path[0]
     try:

@@ -116,6 +116,9 @@ INTEGRATION_OPTION_DEFAULTS: dict[str, Any] = {
     "service_socket": "",
     # Where the service puts its shared-memory DRAM pools.
     "pool_dir": "/dev/shm",
+    # For a service this engine starts: the most DRAM the pools of all models on the host take
+    # together; 0 = no host cap (each model's pool is dram_bytes).
+    "host_dram_bytes": 0,
     # Longest a scheduler-side call to the service (lookup, pin) waits before it counts as a miss.
     "service_timeout_ms": 5_000,
     # Hold store copies while the engine runs a forward pass with prompt tokens in it (they compete
@@ -309,6 +312,7 @@ class KvtierOptions:
     host_service: bool = True
     service_socket: str = ""
     pool_dir: str = "/dev/shm"
+    host_dram_bytes: int = 0
     service_timeout_ms: int = 5_000
     defer_stores: bool = True
     deferred_store_max_blocks: int = 4096
@@ -350,6 +354,9 @@ class KvtierOptions:
         admission_memory_blocks = int(option("admission_memory_blocks"))
         if admission_memory_blocks <= 0:
             raise KvtierVllmConfigError('"admission_memory_blocks" must be a positive number of blocks')
+        host_dram_bytes = int(option("host_dram_bytes"))
+        if host_dram_bytes < 0:
+            raise KvtierVllmConfigError('"host_dram_bytes" must be >= 0 (0: no host cap)')
         deferred_store_max_blocks = int(option("deferred_store_max_blocks"))
         if deferred_store_max_blocks < 0:
             raise KvtierVllmConfigError('"deferred_store_max_blocks" must be >= 0 (0: drop every store held back)')
@@ -361,6 +368,7 @@ class KvtierOptions:
             host_service=bool(option("host_service")),
             service_socket=str(option("service_socket")),
             pool_dir=str(option("pool_dir")),
+            host_dram_bytes=host_dram_bytes,
             service_timeout_ms=service_timeout_ms,
             defer_stores=bool(option("defer_stores")),
             deferred_store_max_blocks=deferred_store_max_blocks,
@@ -368,6 +376,12 @@ class KvtierOptions:
             admission=admission,
             admission_memory_blocks=admission_memory_blocks,
         )
+
+    def service_options(self) -> dict[str, Any]:
+        """What a service this engine starts is started with: the store options, and the host cap."""
+        if self.host_dram_bytes:
+            return {**self.store_options, "host_dram_bytes": self.host_dram_bytes}
+        return dict(self.store_options)
 
     def socket_path(self) -> Path:
         from kvtier.service import default_socket_path
@@ -566,7 +580,7 @@ class ServiceConnection:
 
         socket = ensure_service(
             self._options.path,
-            self._options.store_options,
+            self._options.service_options(),
             socket_path=self._options.socket_path(),
             pool_dir=self._options.pool_dir,
             start_timeout_s=start_timeout_s or SERVICE_START_TIMEOUT_S,

@@ -363,3 +363,37 @@ fn a_prefetch_makes_nvme_blocks_resident_and_pins_nothing() {
     drop((scheduler, worker));
     service.stop().unwrap();
 }
+
+/// Under a host DRAM budget, the first model's pool gets its dram_bytes, the next one what is left,
+/// and one more, with nothing left, is refused with the option to raise.
+#[test]
+fn namespaces_share_the_host_dram_budget_and_one_too_many_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let slot = SLICE + 4096;
+    let mut store = StoreConfig::new(dir.path().join("store"), 1);
+    store.dram_bytes = 32 * slot;
+    store.nvme_bytes = 0;
+    let socket = dir.path().join("run").join("kvtier.sock");
+    let mut config = ServiceConfig::new(&socket, store);
+    config.pool_dir = dir.path().to_path_buf();
+    config.host_dram_bytes = (52 * slot) as u64;
+    let mut service = Service::start(config).unwrap();
+    let hello = |model: &[u8]| {
+        let mut c = Client::connect(&socket, Duration::from_secs(10)).unwrap();
+        let slots = c.hello(model, 1, 0, SLICE).map(|attached| attached.slot_count);
+        (c, slots)
+    };
+    let (first, first_slots) = hello(b"model-one");
+    let (second, second_slots) = hello(b"model-two");
+    assert_eq!(first_slots.unwrap(), 32, "the first model gets its dram_bytes");
+    let second_slots = second_slots.unwrap();
+    assert!((8..=20).contains(&second_slots), "the second gets what is left: {second_slots} slots");
+    let (_, third) = hello(b"model-three");
+    let message = third.expect_err("no budget left").to_string();
+    assert!(message.contains("host_dram_bytes"), "{message}");
+    // The first model's engines reattach to their own pool as before.
+    let (again, again_slots) = hello(b"model-one");
+    assert_eq!(again_slots.unwrap(), 32);
+    drop((first, second, again));
+    service.stop().unwrap();
+}

@@ -894,13 +894,15 @@ impl PyService {
     /// Starts serving `socket_path` for stores under `path`; `options` are `Store.open` options
     /// (without `namespace` and `object_bytes`, which come from each engine).
     #[staticmethod]
-    #[pyo3(signature = (socket_path, path, pool_dir = None, fill_timeout_ms = 10000, **options))]
+    /// `host_dram_bytes`: the most DRAM all namespaces' pools take together (0: no host cap).
+    #[pyo3(signature = (socket_path, path, pool_dir = None, fill_timeout_ms = 10000, host_dram_bytes = 0, **options))]
     fn start(
         py: Python<'_>,
         socket_path: PathBuf,
         path: &Bound<'_, PyAny>,
         pool_dir: Option<PathBuf>,
         fill_timeout_ms: u64,
+        host_dram_bytes: u64,
         options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyService> {
         let template = PyDict::new(py);
@@ -921,6 +923,7 @@ impl PyService {
             config.pool_dir = dir;
         }
         config.fill_timeout_ms = fill_timeout_ms;
+        config.host_dram_bytes = host_dram_bytes;
         let service = py.detach(move || Service::start(config)).map_err(to_py)?;
         Ok(PyService { inner: Mutex::new(Some(service)) })
     }

@@ -42,7 +42,15 @@ pub struct ServiceConfig {
     /// A reserved fill that no connection holds any more, and that not every rank committed, is
     /// given back after this long (a rank that never came). Default 10000.
     pub fill_timeout_ms: u64,
+    /// The most DRAM the pools of all namespaces may take together (0: no host cap, every namespace
+    /// gets `store.dram_bytes`). Each namespace's pool is `store.dram_bytes`, or what is left of this
+    /// budget when less; a namespace for which less than `MIN_POOL_SLOTS` slots are left is refused.
+    pub host_dram_bytes: u64,
 }
+
+/// The smallest pool a namespace is opened with under a host budget: fewer slots than this could
+/// not hold one request's blocks while others are being written.
+pub const MIN_POOL_SLOTS: u64 = 8;
 
 impl ServiceConfig {
     pub fn new(socket_path: impl Into<PathBuf>, store: StoreConfig) -> Self {
@@ -52,6 +60,7 @@ impl ServiceConfig {
             pool_dir: PathBuf::from("/dev/shm"),
             max_connections: 1024,
             fill_timeout_ms: 10_000,
+            host_dram_bytes: 0,
         }
     }
 }
@@ -572,6 +581,9 @@ impl State {
         config.namespace = description.to_vec();
         config.object_bytes = usize::try_from(slice_bytes * u64::from(tp_size))
             .map_err(|_| Error::config("object_bytes", "slices too large"))?;
+        if self.config.host_dram_bytes > 0 {
+            config.dram_bytes = self.pool_within_host_budget(&namespaces, &config)?;
+        }
         config.pool_path = Some(self.config.pool_dir.join(format!(
             "kvtier-{}-{:016x}-{}.pool",
             rustix::process::geteuid().as_raw(),
@@ -591,6 +603,43 @@ impl State {
         });
         namespaces.insert(namespace, Arc::clone(&ns));
         Ok(ns)
+    }
+}
+
+impl State {
+    /// The DRAM a new namespace may take under `host_dram_bytes`: its `dram_bytes`, or what the open
+    /// namespaces left of the budget.
+    fn pool_within_host_budget(
+        &self,
+        namespaces: &HashMap<Namespace, Arc<Namespaced>>,
+        config: &StoreConfig,
+    ) -> Result<usize> {
+        let host = self.config.host_dram_bytes;
+        let taken: u64 = namespaces.values().filter_map(|ns| ns.store.pool()).map(|pool| pool.pool_bytes as u64).sum();
+        let left = host.saturating_sub(taken);
+        let slot_bytes = config.slot_bytes() as u64;
+        if left < MIN_POOL_SLOTS * slot_bytes {
+            return Err(Error::config(
+                "host_dram_bytes",
+                format!(
+                    "the host's DRAM budget ({host} bytes) is taken by {} open namespace(s) ({taken} bytes); a new one \
+                     needs at least {} bytes ({MIN_POOL_SLOTS} blocks). Raise host_dram_bytes, lower dram_bytes so \
+                     models share it, or stop the engines of another model and restart the service",
+                    namespaces.len(),
+                    MIN_POOL_SLOTS * slot_bytes
+                ),
+            ));
+        }
+        let granted = config.dram_bytes.min(usize::try_from(left).unwrap_or(usize::MAX));
+        if granted < config.dram_bytes {
+            log::warn!(
+                "kvtier: a new namespace gets {granted} bytes of DRAM, not dram_bytes={}: host_dram_bytes={host} \
+                 and {taken} bytes are taken by the {} open namespace(s)",
+                config.dram_bytes,
+                namespaces.len()
+            );
+        }
+        Ok(granted)
     }
 }
 
