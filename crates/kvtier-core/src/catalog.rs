@@ -348,11 +348,9 @@ impl Catalog {
         for key in keys {
             if let Some(e) = self.index.get_mut(key) {
                 e.pins = e.pins.saturating_sub(1);
-                // A copy quarantined while pinned leaves an entry with no copy: it goes with the
-                // last pin, so that the block can be stored again.
-                if e.pins == 0 && !e.visible() && e.dram.is_none() && !e.write_pending {
-                    self.index.remove(key);
-                }
+                // A copy quarantined or failed while pinned leaves an entry with no copy: it goes
+                // with the last pin.
+                self.forget_if_copyless(key);
             }
         }
     }
@@ -470,37 +468,33 @@ impl Catalog {
             return;
         };
         e.pins = e.pins.saturating_sub(1);
-        if read.slot == NO_SLOT {
-            if !matches!(outcome, LoadOutcome::Ok) && e.nvme == Some(read.loc) {
-                e.nvme = None;
-                if !e.visible() && e.dram.is_none() && !e.write_pending {
-                    self.index.remove(key);
-                }
-            }
-            return;
+        if !matches!(outcome, LoadOutcome::Ok) && e.nvme == Some(read.loc) {
+            e.nvme = None;
         }
-        match outcome {
-            LoadOutcome::Ok if e.dram.is_none() => {
-                e.dram = Some(read.slot);
-                e.dram_ready = true;
-                self.slots[read.slot as usize].state = SlotState::Resident;
-                self.policy.insert(read.slot, key_hash(key));
+        if read.slot != NO_SLOT {
+            match outcome {
+                LoadOutcome::Ok if e.dram.is_none() => {
+                    e.dram = Some(read.slot);
+                    e.dram_ready = true;
+                    self.slots[read.slot as usize].state = SlotState::Resident;
+                    self.policy.insert(read.slot, key_hash(key));
+                }
+                LoadOutcome::Abandoned => self.retire_slot(read.slot),
+                _ => self.free_slot(read.slot),
             }
-            LoadOutcome::Ok => self.free_slot(read.slot),
-            LoadOutcome::Corrupt | LoadOutcome::IoError | LoadOutcome::Abandoned => {
-                if e.nvme == Some(read.loc) {
-                    e.nvme = None;
-                }
-                let gone = !e.visible() && e.dram.is_none() && !e.write_pending;
-                if gone {
-                    self.index.remove(key);
-                }
-                if matches!(outcome, LoadOutcome::Abandoned) {
-                    self.retire_slot(read.slot);
-                } else {
-                    self.free_slot(read.slot);
-                }
-            }
+        }
+        // Still pinned (by the engine, or another load): an entry left with no copy stays and goes with
+        // its last pin; removed now, those pins would later be taken off a new entry of the same key,
+        // which could then be evicted under a reader.
+        self.forget_if_copyless(key);
+    }
+
+    /// Drops an entry left with no copy once nothing pins, fills or writes it, so that the block can
+    /// be stored again.
+    fn forget_if_copyless(&mut self, key: &BlockKey) {
+        let copyless = |e: &Entry| e.pins == 0 && !e.visible() && e.dram.is_none() && !e.write_pending;
+        if self.index.get(key).is_some_and(copyless) {
+            self.index.remove(key);
         }
     }
 
@@ -660,11 +654,14 @@ impl Catalog {
         candidates.sort_unstable();
         let lives_here =
             |e: &Entry, region: u32| e.nvme.is_some_and(|l| l.device as usize == device && l.region == region);
+        // A pinned entry whose copy here a failed read dropped (same sequence) may still have a read
+        // of this location in flight: the region waits for its pins too.
         let victim = candidates.into_iter().map(|(_, r)| r).find(|&region| {
-            nvme.devices[device].regions[region as usize]
-                .entries
-                .iter()
-                .all(|t| self.index.get(&t.key).is_none_or(|e| !lives_here(e, region) || e.pins == 0))
+            nvme.devices[device].regions[region as usize].entries.iter().all(|t| {
+                self.index
+                    .get(&t.key)
+                    .is_none_or(|e| e.pins == 0 || !(lives_here(e, region) || e.sequence == t.sequence))
+            })
         })?;
         let entries = std::mem::take(&mut self.nvme.as_mut().unwrap().devices[device].regions[victim as usize].entries);
         for t in &entries {
@@ -1026,7 +1023,11 @@ impl Catalog {
                 })
                 .collect();
             let all_old = living.iter().all(|&(_, seq, _)| old(seq)) || matches!(plan, TrimPlan::NvmeTo(_));
-            let any_pinned = living.iter().any(|&(_, _, pinned)| pinned);
+            // Also a pinned entry whose copy here a failed read dropped: a read of it may be in flight.
+            let any_pinned = living.iter().any(|&(_, _, pinned)| pinned)
+                || r.entries
+                    .iter()
+                    .any(|t| self.index.get(&t.key).is_some_and(|e| e.pins > 0 && e.sequence == t.sequence));
             if r.state == RegionState::Sealed && all_old && !any_pinned {
                 // The whole region goes: entries forgotten, region free, its trailer zeroed on disk.
                 let entries =
@@ -1134,3 +1135,7 @@ pub struct TrimCounts {
     pub regions_freed: u64,
     pub skipped_in_use: u64,
 }
+
+#[cfg(test)]
+#[path = "catalog_model_tests.rs"]
+mod model_tests;
