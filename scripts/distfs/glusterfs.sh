@@ -57,8 +57,20 @@ down() {
     set +e # tear down as much as possible, whatever fails
     [[ -d $state ]] || return 0
     for m in "${mounts[@]}"; do
-        if mountpoint -q "$state/mnt/$m" 2>/dev/null; then
-            umount "$state/mnt/$m" 2>/dev/null || umount -l "$state/mnt/$m" 2>/dev/null || true
+        if grep -q " $state/mnt/$m " /proc/mounts; then # (mountpoint itself hangs on a stuck mount)
+            # A mount with I/O stuck in it (a full or stopped Ceph OSD blocks writes) hangs umount in
+            # the kernel, beyond any signal: after 10 s kill its FUSE client (which fails the stuck
+            # requests and releases umount), then detach it lazily.
+            umount "$state/mnt/$m" 2>/dev/null &
+            local waiter=$!
+            for _ in $(seq 100); do alive "$waiter" || break; sleep 0.1; done
+            if alive "$waiter" || grep -q " $state/mnt/$m " /proc/mounts; then
+                pid=$(cat "$state/run/client-$m.pid" 2>/dev/null) && kill -9 "$pid" 2>/dev/null
+                sleep 0.5
+                umount -l "$state/mnt/$m" 2>/dev/null
+                grep -q " $state/mnt/$m " /proc/mounts && log "could not detach $state/mnt/$m: umount -l it by hand"
+            fi
+            wait "$waiter" 2>/dev/null
         fi
         kill_pidfile "$state/run/client-$m.pid"
     done
