@@ -2,6 +2,7 @@
 //!
 //! - `catalog`: the control plane (index, allocation, eviction, pins, recovery adoption).
 //! - `mover`: the data plane (copies and I/O at locations the catalog hands out).
+//! - `shared_state`: `Shared`, the state a store's threads share; the mover works on it, not on `store`.
 //! - `tiers`: the DRAM arena and eviction policy; the NVMe device files and recovery; the shared tier.
 //! - `io`: I/O engines (io_uring, psync pool, fault injection) and the per-device queue.
 //! - [`format`]: on-disk structures, versioned and checksummed.
@@ -18,6 +19,7 @@ mod key;
 mod maintenance;
 mod mover;
 pub mod service;
+mod shared_state;
 mod stats;
 mod store;
 mod tiers;

@@ -19,6 +19,7 @@ use crate::mover::{
     abort_puts, commit_puts, execute_get, execute_get_pinned, execute_put, reserve_puts, submit_meta,
     wait_for_put_room, BlockBuffer, Reservation,
 };
+use crate::shared_state::Shared;
 use crate::stats::{Stats, StatsSnapshot};
 use crate::tiers::dram::Arena;
 use crate::tiers::eviction::S3Fifo;
@@ -38,49 +39,6 @@ use std::time::{Duration, Instant};
 
 /// How long a store job yields to loads in progress before it runs anyway.
 const STORE_YIELD_LIMIT: Duration = Duration::from_millis(100);
-
-pub(crate) struct Shared {
-    pub config: StoreConfig,
-    pub namespace: Namespace,
-    pub geometry: Option<Geometry>,
-    pub catalog: Mutex<Catalog>,
-    /// Signalled whenever slots, pins or pending writes change.
-    pub changed: Condvar,
-    pub arena: Arena,
-    pub devices: Vec<DeviceQueue>,
-    pub device_files: Vec<DeviceFile>,
-    pub stats: Arc<Stats>,
-    /// The shared-filesystem tier and its publisher thread, when `config.shared` is set.
-    pub shared_tier: Option<Arc<SharedTier>>,
-    pub shared_publisher: Option<Publisher>,
-    finished: Mutex<HashMap<u64, Vec<bool>>>,
-    finished_cv: Condvar,
-    loads_active: AtomicUsize,
-    stores_active: AtomicUsize,
-    /// Signalled (under `activity`) when `loads_active` or `stores_active` drops to zero.
-    activity: Mutex<()>,
-    activity_cv: Condvar,
-}
-
-impl Shared {
-    fn job_done(&self, counter: &AtomicUsize) {
-        if counter.fetch_sub(1, Ordering::AcqRel) == 1 {
-            let _guard = self.activity.lock();
-            self.activity_cv.notify_all();
-        }
-    }
-
-    /// Waits until `counter` is zero; `false` if `deadline` came first.
-    fn wait_idle(&self, counter: &AtomicUsize, deadline: Instant) -> bool {
-        let mut guard = self.activity.lock();
-        while counter.load(Ordering::Acquire) > 0 {
-            if self.activity_cv.wait_until(&mut guard, deadline).timed_out() {
-                return counter.load(Ordering::Acquire) == 0;
-            }
-        }
-        true
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum JobKind {

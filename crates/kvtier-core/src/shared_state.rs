@@ -1,0 +1,58 @@
+//! `Shared`, the state one store's threads share: catalog, arena, devices, counters, shared tier, job bookkeeping.
+
+use crate::catalog::Catalog;
+use crate::config::StoreConfig;
+use crate::io::device::DeviceQueue;
+use crate::key::Namespace;
+use crate::stats::Stats;
+use crate::tiers::dram::Arena;
+use crate::tiers::nvme::{DeviceFile, Geometry};
+use crate::tiers::shared::{Publisher, SharedTier};
+use parking_lot::{Condvar, Mutex};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+pub(crate) struct Shared {
+    pub config: StoreConfig,
+    pub namespace: Namespace,
+    pub geometry: Option<Geometry>,
+    pub catalog: Mutex<Catalog>,
+    /// Signalled whenever slots, pins or pending writes change.
+    pub changed: Condvar,
+    pub arena: Arena,
+    pub devices: Vec<DeviceQueue>,
+    pub device_files: Vec<DeviceFile>,
+    pub stats: Arc<Stats>,
+    /// The shared-filesystem tier and its publisher thread, when `config.shared` is set.
+    pub shared_tier: Option<Arc<SharedTier>>,
+    pub shared_publisher: Option<Publisher>,
+    pub(crate) finished: Mutex<HashMap<u64, Vec<bool>>>,
+    pub(crate) finished_cv: Condvar,
+    pub(crate) loads_active: AtomicUsize,
+    pub(crate) stores_active: AtomicUsize,
+    /// Signalled (under `activity`) when `loads_active` or `stores_active` drops to zero.
+    pub(crate) activity: Mutex<()>,
+    pub(crate) activity_cv: Condvar,
+}
+
+impl Shared {
+    pub(crate) fn job_done(&self, counter: &AtomicUsize) {
+        if counter.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let _guard = self.activity.lock();
+            self.activity_cv.notify_all();
+        }
+    }
+
+    /// Waits until `counter` is zero; `false` if `deadline` came first.
+    pub(crate) fn wait_idle(&self, counter: &AtomicUsize, deadline: Instant) -> bool {
+        let mut guard = self.activity.lock();
+        while counter.load(Ordering::Acquire) > 0 {
+            if self.activity_cv.wait_until(&mut guard, deadline).timed_out() {
+                return counter.load(Ordering::Acquire) == 0;
+            }
+        }
+        true
+    }
+}
