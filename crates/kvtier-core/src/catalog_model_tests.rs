@@ -3,14 +3,14 @@
 //! proptest drives random sequences of catalog operations the way the data plane issues them (puts
 //! reserved, filled, aborted; loads planned and finished with good, corrupt, failed and abandoned reads;
 //! pins by prefix and by slot; NVMe entry and trailer writes completing or failing; loads waiting for a
-//! slot; a restart that adopts what a recovery would find) on a tiny geometry, so that eviction and
-//! region reclaim run all the time. The model owns the "bytes": what each DRAM slot and each NVMe
-//! location holds, as `(key, value id)`, written where the data plane would write them. After every
-//! step it checks the catalog's own invariants and the model's:
+//! slot; shared-tier loads; scrubs that quarantine bad copies; a restart that adopts what a recovery would
+//! find) on a tiny geometry, so that eviction and region reclaim run all the time. The model owns the
+//! "bytes": what each DRAM slot and each NVMe location holds, as `(key, value id)`, written where the
+//! data plane would write them. After every step it checks the catalog's own invariants and the model's:
 //! - every visible key maps to a DRAM slot and/or NVMe location holding that key's latest value;
 //! - every answer of a load (`plan_get`, `pin_resident`) points at the right bytes, and they stay
 //!   there while the load or the pin holds them;
-//! - a pinned block keeps its copies (no eviction, no reclaim) unless a read of it failed;
+//! - a pinned block keeps its copies (no eviction, no reclaim) unless a read or a scrub found one bad;
 //! - pin counts, the write backlog, slot counts and the free list agree with what the model holds;
 //! - a slot being written to NVMe is never reused, and no write lands on a live location;
 //! - a key is never both missing and readable, and a put never reaches a key that is visible.
@@ -36,8 +36,15 @@ enum Bytes {
     /// A whole value: the key and the value id it was stored with (the value id doubles as the
     /// checksum handed to the catalog, so a read "verifies" when the bytes' id equals the checksum).
     Value(BlockKey, u64),
-    /// Torn or unknown bytes (a failed write, an abandoned read).
+    /// Torn or unknown bytes (a failed write, an abandoned read, a copy a scrub found bad).
     Garbage,
+    /// An expectation dropped: a scrub found the copy bad while this holder was reading it.
+    Tainted,
+}
+
+/// Whether `actual` is what a holder expecting `expect` may see.
+fn holds(actual: Bytes, expect: Bytes) -> bool {
+    expect == Bytes::Tainted || actual == expect
 }
 
 type Loc = (u16, u32, u64);
@@ -60,6 +67,13 @@ enum Op {
     CompleteWrite(usize, bool),
     CompleteMeta(usize, bool),
     LoadWaits(bool),
+    /// A shared-tier load of a key the catalog does not hold; finished as a hit (the tier holds it)
+    /// or a miss.
+    StartShared(u8),
+    FinishShared(usize, bool),
+    /// A scrub pins a visible block, then reports which of its copies were bad.
+    ScrubPin(u8),
+    ScrubDone(usize, bool, bool),
     Restart,
 }
 
@@ -74,11 +88,16 @@ fn op() -> impl Strategy<Value = Op> {
         18 => (i, prop_oneof![12 => Just(0u8), 2 => Just(1u8), 2 => Just(2u8), 1 => Just(3u8)])
             .prop_map(|(i, o)| Op::FinishGet(i, o)),
         6 => prop::collection::vec(k.clone(), 1..4).prop_map(Op::PinPrefix),
-        6 => k.prop_map(Op::PinResident),
+        6 => k.clone().prop_map(Op::PinResident),
         12 => i.prop_map(Op::Unpin),
         15 => (i, prop_oneof![6 => Just(true), 1 => Just(false)]).prop_map(|(i, ok)| Op::CompleteWrite(i, ok)),
         12 => (i, prop_oneof![6 => Just(true), 1 => Just(false)]).prop_map(|(i, ok)| Op::CompleteMeta(i, ok)),
         3 => any::<bool>().prop_map(Op::LoadWaits),
+        3 => k.clone().prop_map(Op::StartShared),
+        3 => (i, prop_oneof![3 => Just(true), 1 => Just(false)]).prop_map(|(i, hit)| Op::FinishShared(i, hit)),
+        3 => k.prop_map(Op::ScrubPin),
+        3 => (i, prop_oneof![3 => Just(false), 1 => Just(true)], prop_oneof![3 => Just(false), 1 => Just(true)])
+            .prop_map(|(i, d, n)| Op::ScrubDone(i, d, n)),
         1 => Just(Op::Restart),
     ]
 }
@@ -101,8 +120,17 @@ fn setup() -> impl Strategy<Value = Setup> {
 /// A load in flight.
 #[derive(Debug, Clone, Copy)]
 enum Get {
-    Dram { key: BlockKey, slot: u32, expect: Bytes },
-    Nvme { key: BlockKey, read: NvmeRead },
+    Dram {
+        key: BlockKey,
+        slot: u32,
+        expect: Bytes,
+    },
+    /// `tainted`: a scrub quarantined the copy it reads while it was in flight.
+    Nvme {
+        key: BlockKey,
+        read: NvmeRead,
+        tainted: bool,
+    },
 }
 
 /// A pin the "engine" holds; `Resident` pins are copy-outs, whose slot must keep its bytes.
@@ -142,6 +170,10 @@ struct Model {
     metas: Vec<MetaWrite>,
     loads_waiting: usize,
     retired: HashSet<u32>,
+    /// The shared tier: the last value published for each key (every finished put publishes).
+    shared_tier: HashMap<BlockKey, u64>,
+    shared_reads: Vec<(BlockKey, u32)>,
+    scrubs: Vec<ScrubTarget>,
     /// What the run exercised (for the coverage test).
     seen: BTreeMap<&'static str, u64>,
 }
@@ -184,6 +216,9 @@ impl Model {
             metas: Vec::new(),
             loads_waiting: 0,
             retired: HashSet::new(),
+            shared_tier: HashMap::new(),
+            shared_reads: Vec::new(),
+            scrubs: Vec::new(),
             seen: BTreeMap::new(),
         }
     }
@@ -196,7 +231,9 @@ impl Model {
                 Get::Dram { key: k, .. } | Get::Nvme { key: k, .. } => k == key,
             })
             .count();
-        (gets + self.pins.iter().filter(|p| p.key() == *key).count()) as u32
+        let shared = self.shared_reads.iter().filter(|r| r.0 == *key).count();
+        let scrubs = self.scrubs.iter().filter(|t| t.key == *key).count();
+        (gets + shared + scrubs + self.pins.iter().filter(|p| p.key() == *key).count()) as u32
     }
 
     /// The copies of every pinned key (DRAM slot when ready, NVMe location).
@@ -270,6 +307,7 @@ impl Model {
                 let mut meta = Vec::new();
                 let plan = self.cat.finish_put(&key, slot, vid, &mut meta);
                 self.latest.insert(key, vid);
+                self.shared_tier.insert(key, vid);
                 if let Some(plan) = plan {
                     let l = loc_of(plan.loc);
                     assert!(
@@ -318,7 +356,7 @@ impl Model {
                             // The read lands in the slot later; until then it holds nothing usable.
                             self.slot_bytes[read.slot as usize] = Bytes::Garbage;
                         }
-                        self.gets.push(Get::Nvme { key, read });
+                        self.gets.push(Get::Nvme { key, read, tainted: false });
                         self.saw(if direct { "direct NVMe read" } else { "staged NVMe read" });
                     }
                 }
@@ -329,12 +367,15 @@ impl Model {
                 }
                 match self.gets.remove(i % self.gets.len()) {
                     Get::Dram { key, slot, expect } => {
-                        assert_eq!(self.slot_bytes[slot as usize], expect, "a hit's slot changed under its copy");
+                        assert!(holds(self.slot_bytes[slot as usize], expect), "a hit's slot changed under its copy");
                         self.cat.finish_get_dram(&key);
                     }
-                    Get::Nvme { key, read } => {
+                    Get::Nvme { key, read, tainted } => {
                         let on_disk = self.nvme_bytes.get(&loc_of(read.loc)).copied().unwrap_or(Bytes::Garbage);
+                        let verifies = on_disk == Bytes::Value(key, read.value_checksum);
                         let outcome = match outcome {
+                            // A copy a scrub found bad fails the load's verification too.
+                            0 if tainted && !verifies => LoadOutcome::Corrupt,
                             0 => {
                                 // The data plane verifies key and checksum: the pinned location must
                                 // still hold what the catalog promised.
@@ -394,7 +435,7 @@ impl Model {
                 }
                 let pin = self.pins.remove(i % self.pins.len());
                 if let Pin::Resident { slot, expect, .. } = pin {
-                    assert_eq!(self.slot_bytes[slot as usize], expect, "a pinned slot changed under its copy");
+                    assert!(holds(self.slot_bytes[slot as usize], expect), "a pinned slot changed under its copy");
                 }
                 self.cat.unpin(&[pin.key()]);
             }
@@ -456,6 +497,109 @@ impl Model {
                     self.loads_waiting -= 1;
                 }
             }
+            Op::StartShared(k) => {
+                let key = key(k);
+                let tracked = self.cat.has_entry(&key);
+                match self.cat.plan_get_shared(&key) {
+                    Some(slot) => {
+                        assert!(!tracked, "a shared load planned for a key the catalog holds");
+                        assert!(!self.retired.contains(&slot));
+                        assert!(!self.cat.contains(&key), "a block being loaded is visible");
+                        self.slot_bytes[slot as usize] = Bytes::Garbage;
+                        self.shared_reads.push((key, slot));
+                        self.saw("shared load");
+                    }
+                    None => assert!(tracked || self.setup.slots > 0),
+                }
+            }
+            Op::FinishShared(i, hit) => {
+                if self.shared_reads.is_empty() {
+                    return;
+                }
+                let (key, slot) = self.shared_reads.remove(i % self.shared_reads.len());
+                match self.shared_tier.get(&key).copied().filter(|_| hit) {
+                    Some(vid) => {
+                        // The mover read and verified the tier's file into the slot.
+                        self.slot_bytes[slot as usize] = Bytes::Value(key, vid);
+                        self.cat.finish_get_shared(&key, slot, Some(vid));
+                        self.latest.insert(key, vid);
+                        assert!(self.cat.contains(&key));
+                        self.saw("shared hit");
+                    }
+                    None => {
+                        self.cat.finish_get_shared(&key, slot, None);
+                        assert!(
+                            self.held_pins(&key) > 0 || !self.cat.has_entry(&key),
+                            "a missed shared load left an entry"
+                        );
+                    }
+                }
+            }
+            Op::ScrubPin(k) => {
+                let key = key(k);
+                let Some(sequence) = self.cat.index.get(&key).filter(|e| e.visible()).map(|e| e.sequence) else {
+                    return;
+                };
+                let t = self.cat.scrub_pin(&key, sequence).expect("a visible block can be scrubbed");
+                let want = Bytes::Value(key, self.latest[&key]);
+                if let Some(slot) = t.dram {
+                    assert_eq!(self.slot_bytes[slot as usize], want, "a scrub was offered wrong DRAM bytes");
+                }
+                if let Some(l) = t.nvme {
+                    assert_eq!(self.nvme_bytes.get(&loc_of(l)), Some(&want), "a scrub was offered wrong NVMe bytes");
+                }
+                assert!(t.dram.is_some() || t.nvme.is_some() || self.cat.index[&key].dram_ready);
+                self.scrubs.push(t);
+            }
+            Op::ScrubDone(i, bad_dram, bad_nvme) => {
+                if self.scrubs.is_empty() {
+                    return;
+                }
+                let t = self.scrubs.remove(i % self.scrubs.len());
+                let bad_slot = t.dram.filter(|_| bad_dram);
+                let bad_loc = t.nvme.filter(|_| bad_nvme);
+                let mut meta = Vec::new();
+                let (dram_q, nvme_q) = self.cat.scrub_done(&t.key, t.sequence, bad_slot, bad_loc, &mut meta);
+                self.submit_meta(meta);
+                // The copies found bad hold bad bytes (a fault the scrub caught): holders reading them
+                // now get what the fault left, and no load may be planned on them again.
+                if let (true, Some(slot)) = (dram_q, bad_slot) {
+                    self.slot_bytes[slot as usize] = Bytes::Garbage;
+                    for g in &mut self.gets {
+                        if let Get::Dram { slot: s, expect, .. } = g {
+                            if *s == slot {
+                                *expect = Bytes::Tainted;
+                            }
+                        }
+                    }
+                    for p in &mut self.pins {
+                        if let Pin::Resident { slot: s, expect, .. } = p {
+                            if *s == slot {
+                                *expect = Bytes::Tainted;
+                            }
+                        }
+                    }
+                    if let Some(e) = self.cat.index.get(&t.key) {
+                        assert!(!(e.dram == Some(slot) && e.dram_ready), "a quarantined DRAM copy is still served");
+                    }
+                    self.saw("DRAM copy quarantined");
+                }
+                if let (true, Some(l)) = (nvme_q, bad_loc) {
+                    self.nvme_bytes.insert(loc_of(l), Bytes::Garbage);
+                    self.stamped.remove(&loc_of(l));
+                    for g in &mut self.gets {
+                        if let Get::Nvme { read, tainted, .. } = g {
+                            if read.loc == l {
+                                *tainted = true;
+                            }
+                        }
+                    }
+                    if let Some(e) = self.cat.index.get(&t.key) {
+                        assert_ne!(e.nvme, Some(l), "a quarantined NVMe copy is still served");
+                    }
+                    self.saw("NVMe copy quarantined");
+                }
+            }
             Op::Restart => self.restart(),
         }
     }
@@ -471,6 +615,12 @@ impl Model {
         }
         while !self.pins.is_empty() {
             self.step(&Op::Unpin(0));
+        }
+        while !self.shared_reads.is_empty() {
+            self.step(&Op::FinishShared(0, false));
+        }
+        while !self.scrubs.is_empty() {
+            self.step(&Op::ScrubDone(0, false, false));
         }
         while !self.fills.is_empty() {
             self.step(&Op::AbortPut(0));
@@ -595,13 +745,18 @@ impl Model {
         }
         for p in &self.pins {
             if let Pin::Resident { slot, expect, .. } = p {
-                assert_eq!(self.slot_bytes[*slot as usize], *expect, "a pinned slot was reused");
+                assert!(holds(self.slot_bytes[*slot as usize], *expect), "a pinned slot was reused");
             }
         }
         for g in &self.gets {
             if let Get::Dram { slot, expect, .. } = g {
-                assert_eq!(self.slot_bytes[*slot as usize], *expect, "a hit's slot was reused");
+                assert!(holds(self.slot_bytes[*slot as usize], *expect), "a hit's slot was reused");
             }
+        }
+        for (key, slot) in &self.shared_reads {
+            let e = &cat.index[key];
+            assert_eq!(e.dram, Some(*slot), "a shared load's slot is not its entry's");
+            assert!(!e.visible(), "a block being loaded from the shared tier is visible");
         }
         for (_, plan, bytes, _) in &self.writes {
             assert_eq!(self.slot_bytes[plan.slot as usize], *bytes, "a slot being written was reused");
@@ -650,10 +805,12 @@ fn run(setup: Setup, ops: &[Op]) -> BTreeMap<&'static str, u64> {
         let before = m.pinned_copies();
         // The key of a read finished with a failure (its copy may go although pinned).
         let failed: Vec<BlockKey> = match *op {
-            Op::FinishGet(i, o) if o != 0 && !m.gets.is_empty() => match m.gets[i % m.gets.len()] {
-                Get::Nvme { key, .. } => vec![key],
-                Get::Dram { .. } => vec![],
+            Op::FinishGet(i, o) if !m.gets.is_empty() => match m.gets[i % m.gets.len()] {
+                // A tainted read fails whatever the outcome drawn.
+                Get::Nvme { key, tainted, .. } if o != 0 || tainted => vec![key],
+                _ => vec![],
             },
+            Op::ScrubDone(i, d, n) if (d || n) && !m.scrubs.is_empty() => vec![m.scrubs[i % m.scrubs.len()].key],
             _ => vec![],
         };
         m.step(op);
@@ -709,6 +866,10 @@ fn model_reaches_every_path() {
         "retired slot",
         "recovered block",
         "write dropped (no region)",
+        "shared load",
+        "shared hit",
+        "DRAM copy quarantined",
+        "NVMe copy quarantined",
     ] {
         assert!(seen.get(what).copied().unwrap_or(0) > 0, "the model never reached: {what}");
     }
