@@ -545,5 +545,10 @@ def test_four_writers_with_eviction_and_lease_takeover_after_sigkill(nodes: Node
     # Nothing here is corrupt: a quarantine would be a good file taken for a bad one (GlusterFS's default
     # caching caused 1 to 4 per run before short reads were given SHORT_READ_SETTLE).
     assert quarantined == 0, f"{nodes.label}: {quarantined} good files quarantined"
-    bound = int(0.95 * capacity) + 5 * (1 << 20)
+    # The evictor runs between publishes, not inside them: past the high watermark each of the four
+    # writers may still have one file being written and one published since the last pass, and the
+    # killed writer leaves one file behind until its lease is taken over (9 files). The local-disk
+    # version of this test (shared_tier.rs) allows 5; on GlusterFS with strict caching a fresh-clone
+    # CI run measured 29508608 bytes against that bound of 29150412.
+    bound = int(0.95 * capacity) + 9 * (1 << 20)
     assert max_used <= bound, f"{nodes.label}: usage {max_used} above {bound}"
