@@ -11,12 +11,4 @@ bash scripts/lint.sh
 echo "== cargo test (kvtier-core, both I/O engines) =="
 cargo test -p kvtier-core --release 2>&1
 echo "== pytest =="
-# The CephFS tests are a job of their own (KVTIER_CEPHFS_TESTS=1 bash scripts/test.sh -m cephfs):
-# a four-daemon cluster on this 2-core machine is slow to start and, under the load of the rest
-# of the suite, did not come up reliably. A -m given here replaces this default (pytest keeps the
-# last -m).
-default_markers=()
-if [[ "${KVTIER_CEPHFS_TESTS:-0}" != "1" ]]; then
-    default_markers=(-m "not cephfs")
-fi
-.venv/bin/python -m pytest -q -ra tests ${default_markers[@]+"${default_markers[@]}"} "$@"
+.venv/bin/python -m pytest -q -ra tests "$@"

@@ -14,6 +14,7 @@ failures (for CI runs that must exercise the filesystems).
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import shutil
 import subprocess
@@ -112,7 +113,12 @@ def bring_up(name: str) -> Iterator[DistFs]:
         _skip_or_fail(done.stderr.strip())
     if done.returncode != 0:
         _down(name, state)
-        pytest.fail(f"bringing up {name} failed (rc {done.returncode}):\n{done.stdout}\n{done.stderr}")
+        hint = ""
+        if done.returncode == errno.ENOSPC:
+            # ceph-mon exits so when its data directory's filesystem has under 5% free
+            # (mon_data_avail_crit): a CI run failed this way on a nearly full disk.
+            hint = f" (ENOSPC: free disk space under {STATE_ROOT}; Ceph's monitor needs 5% of it free)"
+        pytest.fail(f"bringing up {name} failed (rc {done.returncode}){hint}:\n{done.stdout}\n{done.stderr}")
     paths = dict(line.split("=", 1) for line in done.stdout.split() if "=" in line)
     fs = DistFs(name=name, state=state, bring_up_s=time.monotonic() - started)
     for mode in MODES:
