@@ -5,7 +5,10 @@
 //! Invariants:
 //! - A block is visible (lookups, loads) once its DRAM copy is whole or its NVMe copy is written.
 //! - A pinned entry (by a load in flight or by the engine between prepare_load and complete_load)
-//!   is never evicted from DRAM and its NVMe region is never reclaimed.
+//!   stays loadable: its NVMe region is never reclaimed, and its DRAM copy is evicted only when it
+//!   has a written NVMe copy and no reader. A reader (a copy out of the DRAM slot in flight: a DRAM
+//!   hit, `pin_resident`, a scrub) keeps the slot itself. Engine pins do not hold slots, so that a
+//!   request larger than the pool's free part can still be loaded through it, round by round.
 //! - A DRAM slot being filled, loaded or written to NVMe is never a victim.
 //! - Regions are reused oldest first (FIFO by region generation), whole.
 
@@ -51,7 +54,10 @@ struct Entry {
     dram_ready: bool,
     nvme: Option<NvmeLoc>,
     write_pending: bool,
+    /// Everyone who needs the block to stay loadable (engine pins, loads, scrubs, readers).
     pins: u32,
+    /// The part of `pins` that copies out of the DRAM slot: the slot stays while any is held.
+    readers: u32,
 }
 
 impl Entry {
@@ -275,6 +281,7 @@ impl Catalog {
                             nvme: Some(loc),
                             write_pending: false,
                             pins: 0,
+                            readers: 0,
                         },
                     );
                 }
@@ -334,14 +341,27 @@ impl Catalog {
         pinned
     }
 
-    /// Pins a block that is resident in DRAM and returns its slot (a worker copies out of it).
+    /// Pins a block that is resident in DRAM as a reader and returns its slot (a worker copies out
+    /// of it); released with `release_readers`.
     pub fn pin_resident(&mut self, key: &BlockKey) -> Option<u32> {
         let e = self.index.get_mut(key)?;
         if !e.dram_ready {
             return None;
         }
         e.pins += 1;
+        e.readers += 1;
         e.dram
+    }
+
+    /// Releases reader pins taken by `pin_resident`.
+    pub fn release_readers(&mut self, keys: &[BlockKey]) {
+        for key in keys {
+            if let Some(e) = self.index.get_mut(key) {
+                debug_assert!(e.readers > 0, "a reader released twice");
+                e.readers = e.readers.saturating_sub(1);
+            }
+        }
+        self.unpin(keys);
     }
 
     pub fn unpin(&mut self, keys: &[BlockKey]) {
@@ -366,7 +386,7 @@ impl Catalog {
             let s = &slots[slot as usize];
             s.state == SlotState::Resident
                 && !s.writing
-                && s.key.and_then(|k| index.get(&k)).is_none_or(|e| e.pins == 0)
+                && s.key.and_then(|k| index.get(&k)).is_none_or(|e| e.readers == 0 && (e.pins == 0 || e.nvme.is_some()))
         })?;
         self.evict_slot(victim);
         Some(victim)
@@ -419,6 +439,7 @@ impl Catalog {
                 nvme: None,
                 write_pending: false,
                 pins,
+                readers: 0,
             },
         );
         sequence
@@ -433,6 +454,7 @@ impl Catalog {
         if e.dram_ready {
             let slot = e.dram.expect("ready entry has a slot");
             e.pins += 1;
+            e.readers += 1;
             self.policy.touch(slot);
             return GetStep::Dram { slot };
         }
@@ -457,6 +479,7 @@ impl Catalog {
     pub fn finish_get_dram(&mut self, key: &BlockKey) {
         if let Some(e) = self.index.get_mut(key) {
             e.pins = e.pins.saturating_sub(1);
+            e.readers = e.readers.saturating_sub(1);
         }
     }
 
@@ -773,6 +796,7 @@ impl Catalog {
     /// Checks the catalog's invariants (tests and debug builds).
     pub fn check_invariants(&self) {
         for (key, e) in &self.index {
+            assert!(e.readers <= e.pins, "{key:?}: more readers than pins");
             if let Some(slot) = e.dram {
                 let s = &self.slots[slot as usize];
                 assert_eq!(s.key, Some(*key), "slot {slot} does not point back to its entry");
@@ -857,6 +881,7 @@ impl Catalog {
     pub fn scrub_pin(&mut self, key: &BlockKey, sequence: u64) -> Option<ScrubTarget> {
         let e = self.index.get_mut(key).filter(|e| e.sequence == sequence && e.visible())?;
         e.pins += 1;
+        e.readers += 1;
         let dram = match (e.dram_ready, e.dram) {
             (true, Some(slot)) if !self.slots[slot as usize].writing => Some(slot),
             _ => None,
@@ -877,7 +902,7 @@ impl Catalog {
         let dram = bad_dram.is_some_and(|slot| self.quarantine_dram(key, slot));
         let nvme = bad_nvme.is_some_and(|loc| self.quarantine_nvme(key, loc, meta));
         if self.index.get(key).is_some_and(|e| e.sequence == sequence) {
-            self.unpin(std::slice::from_ref(key));
+            self.release_readers(std::slice::from_ref(key));
         }
         (dram, nvme)
     }
@@ -908,11 +933,11 @@ impl Catalog {
             return false;
         }
         e.dram_ready = false;
-        if e.pins > 1 {
+        if e.readers > 1 {
             return true;
         }
         e.dram = None;
-        let gone = e.nvme.is_none() && !e.write_pending;
+        let gone = e.nvme.is_none() && !e.write_pending && e.pins <= 1;
         if gone {
             self.index.remove(key);
         }

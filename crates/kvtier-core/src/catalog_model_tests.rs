@@ -10,7 +10,9 @@
 //! - every visible key maps to a DRAM slot and/or NVMe location holding that key's latest value;
 //! - every answer of a load (`plan_get`, `pin_resident`) points at the right bytes, and they stay
 //!   there while the load or the pin holds them;
-//! - a pinned block keeps its copies (no eviction, no reclaim) unless a read or a scrub found one bad;
+//! - a pinned block stays loadable: no NVMe reclaim, and its DRAM copy goes only when it has an NVMe
+//!   copy and no reader (a read or a scrub that finds a copy bad may drop it regardless);
+//! - a reader's slot (a DRAM hit, `pin_resident`, a scrub) keeps its bytes until released;
 //! - pin counts, the write backlog, slot counts and the free list agree with what the model holds;
 //! - a slot being written to NVMe is never reused, and no write lands on a live location;
 //! - a key is never both missing and readable, and a put never reaches a key that is visible.
@@ -236,8 +238,16 @@ impl Model {
         (gets + shared + scrubs + self.pins.iter().filter(|p| p.key() == *key).count()) as u32
     }
 
-    /// The copies of every pinned key (DRAM slot when ready, NVMe location).
-    fn pinned_copies(&self) -> BTreeMap<BlockKey, (Option<u32>, Option<NvmeLoc>)> {
+    /// The pins of `key` that copy out of its DRAM slot: DRAM hits, resident pins, scrubs.
+    fn held_readers(&self, key: &BlockKey) -> u32 {
+        let hits = self.gets.iter().filter(|g| matches!(g, Get::Dram { key: k, .. } if k == key)).count();
+        let scrubs = self.scrubs.iter().filter(|t| t.key == *key).count();
+        let resident = self.pins.iter().filter(|p| matches!(p, Pin::Resident { key: k, .. } if k == key)).count();
+        (hits + scrubs + resident) as u32
+    }
+
+    /// The copies of every pinned key (DRAM slot when ready, NVMe location) and its readers.
+    fn pinned_copies(&self) -> BTreeMap<BlockKey, (Option<u32>, Option<NvmeLoc>, u32)> {
         let mut out = BTreeMap::new();
         for k in 0..KEYS {
             let key = key(k);
@@ -245,7 +255,7 @@ impl Model {
                 continue;
             }
             if let Some(e) = self.cat.index.get(&key) {
-                out.insert(key, (e.dram.filter(|_| e.dram_ready), e.nvme));
+                out.insert(key, (e.dram.filter(|_| e.dram_ready), e.nvme, self.held_readers(&key)));
             }
         }
         out
@@ -437,7 +447,10 @@ impl Model {
                 if let Pin::Resident { slot, expect, .. } = pin {
                     assert!(holds(self.slot_bytes[slot as usize], expect), "a pinned slot changed under its copy");
                 }
-                self.cat.unpin(&[pin.key()]);
+                match pin {
+                    Pin::Resident { .. } => self.cat.release_readers(&[pin.key()]),
+                    Pin::Prefix(key) => self.cat.unpin(&[key]),
+                }
             }
             Op::CompleteWrite(i, ok) => {
                 if self.writes.is_empty() {
@@ -734,6 +747,7 @@ impl Model {
             }
             // Pins: exactly the loads in flight and the engine's pins on this key.
             assert_eq!(e.pins, self.held_pins(key), "pin count of {key:?} differs from the pins held");
+            assert_eq!(e.readers, self.held_readers(key), "reader count of {key:?} differs from the readers held");
         }
         // A key someone holds a pin on keeps its entry (pins would otherwise land on a later entry).
         for p in &self.pins {
@@ -776,25 +790,33 @@ impl Model {
         assert!(gauges.nvme_used_bytes <= gauges.nvme_capacity_bytes);
     }
 
-    /// A failed read of `key` may drop its copy even while pinned; nothing else may.
+    /// A failed read of `key` may drop its copy even while pinned; eviction may drop the DRAM copy
+    /// of a pinned block without readers that has an NVMe copy (the load reads NVMe); nothing else
+    /// may drop a pinned block's copy.
     fn check_pinned_kept(
-        &self,
-        before: &BTreeMap<BlockKey, (Option<u32>, Option<NvmeLoc>)>,
+        &mut self,
+        before: &BTreeMap<BlockKey, (Option<u32>, Option<NvmeLoc>, u32)>,
         op: &Op,
         failed: &[BlockKey],
     ) {
-        for (key, (dram, nvme)) in before {
+        let mut evicted_to_nvme = 0;
+        for (key, &(dram, nvme, readers)) in before {
             // A copyless entry (its read failed while pinned) only waits for its last pin.
             if failed.contains(key) || matches!(op, Op::Restart) || (dram.is_none() && nvme.is_none()) {
                 continue;
             }
             let e = self.cat.index.get(key).unwrap_or_else(|| panic!("pinned {key:?} evicted by {op:?}"));
-            if let Some(slot) = dram {
-                assert!(e.dram_ready && e.dram == Some(*slot), "pinned {key:?} lost its DRAM copy to {op:?}");
-            }
+            let kept = e.dram_ready && e.dram == dram;
             if nvme.is_some() {
-                assert_eq!(e.nvme, *nvme, "pinned {key:?} lost its NVMe copy to {op:?}");
+                assert_eq!(e.nvme, nvme, "pinned {key:?} lost its NVMe copy to {op:?}");
             }
+            if let (Some(_), false) = (dram, kept) {
+                assert!(readers == 0 && nvme.is_some(), "pinned {key:?} lost its DRAM copy to {op:?}");
+                evicted_to_nvme += 1;
+            }
+        }
+        if evicted_to_nvme > 0 {
+            self.saw("pinned block evicted to its NVMe copy");
         }
     }
 }
@@ -855,6 +877,7 @@ fn model_reaches_every_path() {
         "pinned entry left copyless",
         "prefix pinned",
         "resident pinned",
+        "pinned block evicted to its NVMe copy",
         "NVMe write",
         "NVMe write failed",
         "trailer written",
@@ -953,4 +976,35 @@ fn region_under_an_inflight_read_waits_and_the_copyless_entry_goes() {
     assert!(!cat.has_entry(&k), "a copyless, unpinned entry was left behind");
     assert!(matches!(cat.plan_put(&k), PutStep::Fill { .. }));
     cat.check_invariants();
+}
+
+/// The engine pins a request's blocks at prepare_load, most of them on NVMe only; the worker then
+/// loads them through the pool, a few at a time. The engine's pins used to hold every slot a load
+/// read into until complete_load, so a request with more NVMe blocks than the pool has slots never
+/// got slots for its last ones (each try waited `slot_wait_ms`, missed, and vLLM retried forever).
+/// A loaded copy of a pinned block with an NVMe copy is now evictable once its reader is done.
+#[test]
+fn engine_pins_on_nvme_blocks_do_not_hold_the_slots_their_loads_use() {
+    let mut cat = recovered_catalog(6);
+    let keys: Vec<BlockKey> = (0..6).map(key).collect();
+    assert_eq!(cat.pin_prefix(&keys), 6, "the engine pins the whole request (2 slots, 6 blocks)");
+    for k in &keys {
+        let read = nvme_read(cat.plan_get(k, false));
+        cat.finish_get_nvme(k, &read, LoadOutcome::Ok);
+        let slot = cat.pin_resident(k).expect("the block was just read into the pool");
+        // While the worker copies out of the slot, no other load may take it.
+        if k == &keys[0] {
+            let other = nvme_read(cat.plan_get(&keys[5], false));
+            assert_ne!(other.slot, slot, "a reader's slot was handed to another load");
+            cat.finish_get_nvme(&keys[5], &other, LoadOutcome::Ok);
+        }
+        cat.release_readers(std::slice::from_ref(k));
+        cat.check_invariants();
+    }
+    for k in &keys {
+        assert!(cat.contains(k), "a pinned block stays loadable");
+        assert_eq!(cat.index[k].readers, 0);
+    }
+    cat.unpin(&keys);
+    assert!(keys.iter().all(|k| cat.index[k].pins == 0));
 }

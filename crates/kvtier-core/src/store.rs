@@ -447,6 +447,12 @@ impl Store {
         self.shared.changed.notify_all();
     }
 
+    /// Releases the slots `acquire` handed out (their copies are done).
+    pub fn release(&self, keys: &[BlockKey]) {
+        self.shared.catalog.lock().release_readers(keys);
+        self.shared.changed.notify_all();
+    }
+
     /// Waits until every accepted store (queued jobs included) is on NVMe, then syncs the files.
     pub fn flush(&self) -> Result<()> {
         self.check_open()?;
@@ -563,7 +569,7 @@ impl Store {
     }
 
     /// Makes blocks resident in DRAM (reading NVMe or the shared tier, verified) and pins them: per
-    /// key the slot to copy the value out of, or `None` for a miss. Release each slot with `unpin`.
+    /// key the slot to copy the value out of, or `None` for a miss. Give each slot back with `release`.
     pub fn acquire(&self, keys: &[BlockKey]) -> Result<Vec<Option<u32>>> {
         self.check_open()?;
         let sh = &self.shared;

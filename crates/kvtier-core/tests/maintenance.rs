@@ -247,7 +247,9 @@ fn scrub_and_trim_beside_puts_and_gets_serve_no_wrong_byte_and_raise_no_false_al
         .collect();
     let started = std::time::Instant::now();
     let mut scrubs = 0;
-    while started.elapsed() < Duration::from_secs(3) {
+    // At least 3 s and 3 scrubs: a scrub's length grows with the store, and a loaded machine may
+    // take more than a second per scrub.
+    while started.elapsed() < Duration::from_secs(3) || scrubs < 3 {
         let found = scrub(&store);
         assert_eq!(found.bad_dram + found.bad_nvme, 0, "false alarm: {:?}", found.bad);
         scrubs += 1;
@@ -262,7 +264,7 @@ fn scrub_and_trim_beside_puts_and_gets_serve_no_wrong_byte_and_raise_no_false_al
     for r in readers {
         r.join().unwrap();
     }
-    assert!(scrubs >= 3 && hits.load(Ordering::Relaxed) > 100, "{scrubs} scrubs, {hits:?} hits");
+    assert!(hits.load(Ordering::Relaxed) > 100, "{scrubs} scrubs, {hits:?} hits");
     assert_eq!(wrong.load(Ordering::Relaxed), 0, "wrong bytes served");
     assert_eq!(store.stats().counters.checksum_failures, 0);
     store.check_invariants();

@@ -346,8 +346,10 @@ fn janitor_loop(state: &Arc<State>) {
 struct Session {
     ns: Arc<Namespaced>,
     rank: u32,
-    /// Pins taken by `Pin` or `Acquire`, per key.
+    /// Pins taken by `Pin`, per key (the block stays loadable).
     pins: HashMap<BlockKey, u32>,
+    /// Slots handed out by `Acquire`, per key (the slot stays until `Release`).
+    readers: HashMap<BlockKey, u32>,
     /// Fills this connection reserved and has not committed or aborted.
     reserved: Vec<BlockKey>,
 }
@@ -446,12 +448,13 @@ impl Connection {
                     w.u8(u8::from(pinned));
                 }
             }
-            Op::Unpin | Op::Release => session.unpin(&keys),
+            Op::Unpin => session.unpin(&keys),
+            Op::Release => session.release_readers(&keys),
             Op::Acquire => {
                 let slots = session.ns.store.acquire(&keys).map_err(|e| e.to_string())?;
                 for (key, slot) in keys.iter().zip(slots) {
                     if slot.is_some() {
-                        *session.pins.entry(*key).or_default() += 1;
+                        *session.readers.entry(*key).or_default() += 1;
                     }
                     w.u32(slot.unwrap_or(NO_SLOT));
                 }
@@ -546,7 +549,7 @@ impl Connection {
             .u64(ns.store.object_bytes() as u64)
             .bytes(pool.path.as_os_str().as_encoded_bytes());
         ns.attached.fetch_add(1, Ordering::Relaxed);
-        self.session = Some(Session { ns, rank, pins: HashMap::new(), reserved: Vec::new() });
+        self.session = Some(Session { ns, rank, pins: HashMap::new(), readers: HashMap::new(), reserved: Vec::new() });
         Ok(w.0)
     }
 
@@ -770,18 +773,16 @@ fn socket_hash(path: &std::path::Path) -> u64 {
 
 impl Session {
     fn unpin(&mut self, keys: &[BlockKey]) {
-        let mut release = Vec::new();
-        for key in keys {
-            if let Some(count) = self.pins.get_mut(key) {
-                *count -= 1;
-                if *count == 0 {
-                    self.pins.remove(key);
-                }
-                release.push(*key);
-            }
+        let held = take_held(&mut self.pins, keys);
+        if !held.is_empty() {
+            self.ns.store.unpin(&held);
         }
-        if !release.is_empty() {
-            self.ns.store.unpin(&release);
+    }
+
+    fn release_readers(&mut self, keys: &[BlockKey]) {
+        let held = take_held(&mut self.readers, keys);
+        if !held.is_empty() {
+            self.ns.store.release(&held);
         }
     }
 
@@ -937,10 +938,34 @@ impl Session {
         session.ns.attached.fetch_sub(1, Ordering::Relaxed);
         let reserved = session.reserved.clone();
         session.abort(&reserved);
-        let pinned: Vec<BlockKey> =
-            session.pins.drain().flat_map(|(key, count)| std::iter::repeat_n(key, count as usize)).collect();
+        let pinned = drain_held(&mut session.pins);
         if !pinned.is_empty() {
             session.ns.store.unpin(&pinned);
         }
+        let read = drain_held(&mut session.readers);
+        if !read.is_empty() {
+            session.ns.store.release(&read);
+        }
     }
+}
+
+/// The keys of `keys` this connection holds in `held`, each taken off once (a key it does not hold
+/// is ignored: releasing it would take away another connection's hold).
+fn take_held(held: &mut HashMap<BlockKey, u32>, keys: &[BlockKey]) -> Vec<BlockKey> {
+    let mut taken = Vec::new();
+    for key in keys {
+        if let Some(count) = held.get_mut(key) {
+            *count -= 1;
+            if *count == 0 {
+                held.remove(key);
+            }
+            taken.push(*key);
+        }
+    }
+    taken
+}
+
+/// Every hold in `held`, once per count (the connection closed).
+fn drain_held(held: &mut HashMap<BlockKey, u32>) -> Vec<BlockKey> {
+    held.drain().flat_map(|(key, count)| std::iter::repeat_n(key, count as usize)).collect()
 }
