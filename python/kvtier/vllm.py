@@ -52,6 +52,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -549,6 +550,15 @@ def open_stores() -> list[SharedStore]:
 # A lost connection is retried at most this often, in the background: a call never waits for it.
 RECONNECT_INTERVAL_S = 1.0
 
+# Every ServiceConnection this process opened and has not closed (for the benchmarks and tests).
+_service_connections: weakref.WeakSet[ServiceConnection] = weakref.WeakSet()
+
+
+def service_connections() -> list[ServiceConnection]:
+    """This process's open connections to host services (the manager's, each rank's)."""
+    with _registry_lock:
+        return list(_service_connections)
+
 
 class ServiceConnection:
     """This process's connection to the host service, attached to the engine's namespace.
@@ -574,6 +584,12 @@ class ServiceConnection:
         self.failed_calls = 0
         self.namespace = namespace_digest(description)
         self._client = self._connect(start_timeout_s=None)
+        with _registry_lock:
+            _service_connections.add(self)
+
+    @property
+    def socket_path(self) -> Path:
+        return self._options.socket_path()
 
     def _connect(self, start_timeout_s: float | None) -> Any:
         from kvtier.service import SERVICE_START_TIMEOUT_S, connect, ensure_service
@@ -655,6 +671,8 @@ class ServiceConnection:
         with self._lock:
             self._client = None
             self._last_attempt = float("inf")  # no reconnecting after close
+        with _registry_lock:
+            _service_connections.discard(self)
 
 
 @dataclass

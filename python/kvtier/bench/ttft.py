@@ -12,11 +12,13 @@ Configurations (one engine alive at a time, each in its own child process):
 - ``recompute``: no kvtier; vLLM's prefix cache reset before the request.
 - ``vllm_prefix``: vLLM's own prefix cache hit (the same prompt again, no reset).
 - ``kvtier_miss``: kvtier on, prompt never seen (recompute plus storing: the cost of offloading).
-- ``kvtier_dram``: stored by kvtier, vLLM's prefix cache reset, served from kvtier's DRAM tier (each
-  prompt in a fresh engine process: kvtier keeps blocks read back ahead of blocks seen once, so
-  earlier prompts would otherwise crowd a DRAM tier sized for one prompt).
-- ``kvtier_nvme``: a fresh engine process over the same store directory (kvtier's DRAM starts
-  empty, every block is on NVMe: checked with ``locate_many`` before timing), page cache dropped
+  kvtier runs as in production: the engine starts the host service (``kvtier serve``) and its
+  worker copies into the service's shared pool; the benchmark reads the service's counters.
+- ``kvtier_dram``: stored by kvtier, vLLM's prefix cache reset, served from kvtier's DRAM pool (each
+  prompt in a fresh engine process and a fresh service: kvtier keeps blocks read back ahead of
+  blocks seen once, so earlier prompts would otherwise crowd a pool sized for one prompt).
+- ``kvtier_nvme``: a fresh engine process and service over the same store directory (the pool
+  starts empty, every block is on NVMe: checked with ``locate_many`` before timing), page cache dropped
   (``echo 3 > /proc/sys/vm/drop_caches``) and one short warm-up request (no full block, so no kvtier
   I/O) to fault the engine's own code back in before timing.
 - ``example_connector``: vLLM's ExampleConnector (per-layer safetensors files), page cache dropped.
@@ -424,18 +426,49 @@ def kvtier_transfer(plan: dict) -> dict:
         dram_bytes=plan["dram_bytes"],
         nvme_bytes=plan["nvme_bytes"],
         region_bytes=plan["region_bytes"],
-        # The store in the engine's process: the benchmark reads its counters there.
-        host_service=False,
     )
 
 
-def _store_of_engine():
+class ServiceView:
+    """The engine's store as the benchmark reads it, through the host service the engine started:
+    the counters (summed over the service's namespaces: there is one), where blocks are, flush. At
+    the end of a phase the service is stopped, so the next phase's engine finds the blocks on NVMe
+    only, as after a restart."""
+
+    def __init__(self, connection: Any):
+        self._connection = connection
+        self._socket = connection.socket_path
+
+    def stats(self) -> dict[str, Any]:
+        from kvtier import service as kvtier_service
+
+        return kvtier_service.service_stats(self._socket)
+
+    def locate_many(self, keys: list[bytes]) -> list[str | None]:
+        return self._connection.locate_many(keys)
+
+    def flush(self) -> None:
+        self._connection.flush()
+
+    def close(self) -> None:
+        from kvtier import service as kvtier_service
+
+        self.flush()
+        import kvtier.vllm as kvtier_vllm
+
+        for connection in kvtier_vllm.service_connections():
+            connection.close()  # no reconnecting: it would start the service again
+        if not kvtier_service.stop_service(self._socket):
+            raise BenchError(f"the kvtier service on {self._socket} did not stop")
+
+
+def _store_of_engine() -> ServiceView:
     import kvtier.vllm as kvtier_vllm
 
-    stores = kvtier_vllm.open_stores()
-    if len(stores) != 1:
-        raise BenchError(f"expected one kvtier store open in the engine process, found {len(stores)}")
-    return stores[0].store
+    connections = kvtier_vllm.service_connections()
+    if not connections:
+        raise BenchError("the engine opened no connection to a kvtier host service")
+    return ServiceView(connections[0])
 
 
 def _settle(engine: Engine, store) -> None:
@@ -553,7 +586,7 @@ def phase_kvtier_store(plan: dict, emit) -> None:
                          **_kvtier_measure(engine, store, prompt, len(base), "dram", drop_cache=False)})  # fmt: skip
     _settle(engine, store)
     emit("store_stats", dict(store.stats()))
-    store.close()  # seals what is on NVMe for the next engine process
+    store.close()  # the next engine process finds the blocks on NVMe only
 
 
 def disk_floor(plan: dict, length_tokens: int) -> dict | None:
