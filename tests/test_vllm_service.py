@@ -129,18 +129,39 @@ def test_a_second_engine_hits_the_first_engines_prefix_in_dram_and_so_does_a_res
         assert after["bytes_read_nvme"] == 0 and after["nvme_capacity_bytes"] == 0  # the DRAM pool served it
 
 
-def test_tensor_parallel_hit_matches_a_tensor_parallel_recompute(store_dir, socket_path, tmp_path, engine_a):
+def test_tensor_parallel_hit_matches_a_tensor_parallel_recompute_and_tp_sizes_share_blocks(
+    store_dir, socket_path, tmp_path, engine_a
+):
+    """TP=2 stores and hits its own blocks; and blocks are rank-independent objects, so a TP=2 engine
+    hits what a TP=1 engine stored and the other way round, each with the output of its own
+    recompute (issue 10, item 8)."""
+    from_tp1 = engine_a.generate(seed=8, blocks=4)
+    settle(engine_a, socket_path)
     engine = Engine(store_dir, tmp_path, "tp2", tp_size=2)
     try:
         first = engine.generate(seed=3, blocks=5)
         settle(engine, socket_path)
         assert engine.call(op="reset")["ok"]
         again = engine.generate(seed=3, blocks=5)
+        tp2_reference = engine.generate(seed=8, blocks=4, salt="tp2-recompute")
+        before = stats(socket_path)
+        tp2_hit_of_tp1 = engine.generate(seed=8, blocks=4)
+        after = stats(socket_path)
     finally:
         engine.stop()
     assert first["cached"] == 0 and again["cached"] == 5 * TOKENS_PER_BLOCK
     assert_same_output(first, again)
-    assert stats(socket_path)["service_namespaces"] == 2  # TP=2 blocks live in their own namespace
+    assert tp2_hit_of_tp1["cached"] == 4 * TOKENS_PER_BLOCK, "TP=2 missed the blocks a TP=1 engine stored"
+    assert after["dram_hits"] - before["dram_hits"] >= 4
+    assert_same_output(tp2_reference, tp2_hit_of_tp1)
+    assert_same_output(from_tp1, tp2_hit_of_tp1)  # and, here, the TP=1 output too
+    # The other way round: TP=1 hits the prompt the TP=2 engine stored.
+    tp1_reference = engine_a.generate(seed=3, blocks=5, salt="tp1-recompute")
+    assert engine_a.call(op="reset")["ok"]
+    tp1_hit_of_tp2 = engine_a.generate(seed=3, blocks=5)
+    assert tp1_hit_of_tp2["cached"] == 5 * TOKENS_PER_BLOCK, "TP=1 missed the blocks a TP=2 engine stored"
+    assert_same_output(tp1_reference, tp1_hit_of_tp2)
+    assert stats(socket_path)["service_namespaces"] == 1  # one namespace for both TP sizes
 
 
 def test_kill_9_of_an_engine_during_stores_leaves_the_other_engine_correct(engine_a, store_dir, socket_path, tmp_path):

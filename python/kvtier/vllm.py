@@ -60,6 +60,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
+    CANONICAL_FORMAT_VERSION as CANONICAL_PAGE_FORMAT_VERSION,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_offload.base import (
@@ -276,23 +279,79 @@ def namespace_description(
     }
 
 
+def rank_independent_objects(config: OffloadingConfig) -> bool:
+    """Whether this engine stores blocks in the rank-independent ("canonical") object layout, which
+    engines of every TP size share: vLLM certifies that each rank's KV pages are a head shard of one
+    full-attention page (no MLA, no replicated or per-token-head-scaled KV, no context parallelism).
+    Each rank checks its layers' certified mappings again before it places a byte (fail closed)."""
+    parallel = config.parallel
+    return bool(getattr(parallel, "is_parallelism_agnostic", False)) and parallel.world_size == parallel.tp_size
+
+
 def service_namespace_description(
     config: OffloadingConfig, *, hash_algo: str | None, model_revision: str | None = None, salt: str = ""
 ) -> dict[str, Any]:
     """The namespace of the host-service layout, the same in the scheduler and in every rank.
 
-    A block object holds every rank's slice in rank order (each slice: the rank's page of every
-    layer, in layer order), so the rank is not part of it; the tensor-parallel size is, since it
-    decides what a slice holds.
+    Rank-independent layout (``rank_independent_objects``): a block object is the full page of
+    every layer, in layer order, each page as vLLM's canonical mapping lays it out (all KV heads);
+    rank r of any TP size writes and reads its heads there, so the TP size is not part of the
+    namespace and engines of different TP sizes share blocks.
+
+    Otherwise a block object holds every rank's slice in rank order (each slice: the rank's page of
+    every layer, in layer order), so the rank is not part of it; the tensor-parallel size is, since
+    it decides what a slice holds.
     """
     description = namespace_description(
         config, page_bytes_per_layer=[], hash_algo=hash_algo, model_revision=model_revision, salt=salt
     )
     del description["page_bytes_per_layer"]
     del description["parallel"]["rank"]
+    if rank_independent_objects(config):
+        del description["parallel"]["tp_size"]
+        del description["parallel"]["world_size"]
+        description["object_layout"] = f"canonical layer pages v{CANONICAL_PAGE_FORMAT_VERSION}"
+        description["object_bytes"] = config.worker_kv_bytes_per_block * config.parallel.tp_size
+        return description
     description["object_layout"] = "rank-major slices of layer pages"
     description["slice_bytes"] = config.worker_kv_bytes_per_block
     return description
+
+
+def canonical_placement(refs: list[Any], page_bytes: int) -> list[tuple[int, int, int]]:
+    """Where this rank's slice (its page of each layer, in layer order) lies in a rank-independent
+    block object: ``(slice_offset, object_offset, len)`` runs, from vLLM's certified per-layer
+    canonical page mappings. Raises when a layer has none: the scheduler put this engine in a
+    namespace shared across TP sizes, and opaque per-rank bytes must not land there."""
+    runs: list[tuple[int, int, int]] = []
+    object_base = 0
+    for layer_index, ref in enumerate(refs):
+        mapping = getattr(ref, "mapping", None)
+        if (
+            mapping is None
+            or not mapping.parallelism_agnostic
+            or mapping.num_writers != 1
+            or mapping.local_page_size_bytes != page_bytes
+        ):
+            raise KvtierVllmConfigError(
+                f"kvtier: vLLM declared this engine's KV layout parallelism-agnostic, but layer {layer_index} has "
+                f"no certified canonical mapping ({mapping!r}, page {page_bytes} bytes); kvtier will not store "
+                "rank-dependent bytes in a namespace shared across TP sizes. Report this layout to kvtier, and set "
+                "namespace_salt to keep this engine's blocks apart meanwhile"
+            )
+        local_base = layer_index * page_bytes
+        for run in mapping.runs:
+            for fragment in range(run.num_fragments):
+                runs.append(
+                    (
+                        local_base + run.local_offset + fragment * run.local_stride,
+                        object_base + run.canonical_offset + fragment * run.canonical_stride,
+                        run.fragment_size,
+                    )
+                )
+        object_base += mapping.canonical_page_size_bytes
+    runs.sort()
+    return runs
 
 
 def namespace_digest(description: Mapping[str, Any]) -> bytes:
@@ -576,6 +635,7 @@ class ServiceConnection:
         self._options = options
         self._description = json.dumps(description, sort_keys=True).encode()
         self._tp_size, self._rank, self._slice_bytes = tp_size, rank, slice_bytes
+        self._placement: list[tuple[int, int, int]] | None = None
         self._lock = threading.Lock()
         self._client: Any = None
         self._reconnecting = False
@@ -603,7 +663,19 @@ class ServiceConnection:
         )
         client = connect(socket, timeout_ms=max(self._options.job_timeout_ms, self._options.service_timeout_ms))
         client.hello(self._description, self._tp_size, self._rank, self._slice_bytes)
+        if self._placement is not None:
+            client.set_placement(self._placement)
         return client
+
+    def set_placement(self, runs: list[tuple[int, int, int]]) -> None:
+        """Places this rank's slice in each block object by ``runs`` (``canonical_placement``), now
+        and after every reconnect. A placement the service's object size refuses raises: the engine
+        must not start storing under another layout."""
+        self._placement = runs
+        with self._lock:
+            client = self._client
+        if client is not None:
+            client.set_placement(runs)
 
     def _reconnect_in_background(self) -> None:
         with self._lock:
@@ -1647,6 +1719,8 @@ class KvtierOffloadingSpec(OffloadingSpec):
                     "slices (an unsupported KV-cache layout)"
                 )
             connection = self._service_connection(rank=self.config.parallel.rank)
+            if rank_independent_objects(self.config):
+                connection.set_placement(canonical_placement(group_refs, page_bytes))
             return ServiceWorker(
                 connection,
                 layer_buffers,

@@ -3,7 +3,7 @@
 //! access without copies (held until a job finishes), typed exceptions, and releasing the GIL
 //! during I/O.
 
-use kvtier_core::service::{Client, Service, ServiceConfig};
+use kvtier_core::service::{Client, PlacementRun, Service, ServiceConfig};
 use kvtier_core::{
     find_option, unknown_option_message, BlockBuffer, BlockKey, ConfigOption, Error, Job, JobKind, OptionKind,
     OptionValue, Store, StoreConfig, OPTIONS,
@@ -721,6 +721,17 @@ impl PyServiceClient {
     /// loads: it waits for a call in progress on this connection.
     fn set_copy_threads(&self, threads: usize) {
         self.inner.lock().set_copy_threads(threads);
+    }
+
+    /// Places this rank's slice in each block object by `runs`, `(slice_offset, object_offset, len)`
+    /// tiling the slice in order, instead of one range at `rank * slice_bytes` (a rank-independent
+    /// object layout, shared by engines of every TP size; after `hello`).
+    fn set_placement(&self, runs: Vec<(usize, usize, usize)>) -> PyResult<()> {
+        let runs = runs
+            .into_iter()
+            .map(|(slice_offset, object_offset, len)| PlacementRun { slice_offset, object_offset, len })
+            .collect();
+        self.inner.lock().set_placement(runs).map_err(to_py)
     }
 
     /// Per key: "dram", "nvme", "shared" or None.

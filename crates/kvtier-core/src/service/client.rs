@@ -6,6 +6,7 @@
 //! connection unusable (a late reply could be taken for the next one's), so the client drops it and
 //! every later call fails at once: the caller reconnects.
 
+use super::placement::{Placement, PlacementRun};
 use super::protocol::*;
 use crate::error::{Error, Result};
 use crate::key::BlockKey;
@@ -28,14 +29,15 @@ pub struct Attached {
     pub tp_size: u32,
     pub rank: u32,
     pub slice_bytes: usize,
+    /// Where this rank's slice lies in each block object (`Client::set_placement`).
+    pub placement: Placement,
 }
 
 impl Attached {
-    /// Offset in the pool of this rank's slice of the block in `slot`.
-    fn slice_offset(&self, slot: u32) -> Option<usize> {
-        let at =
-            (slot as usize).checked_mul(self.slot_bytes)? + self.value_offset + self.rank as usize * self.slice_bytes;
-        (at + self.slice_bytes <= self.pool_bytes && (slot as usize) < self.slot_count).then_some(at)
+    /// Offset in the pool of the object of the block in `slot`.
+    fn object_offset(&self, slot: u32) -> Option<usize> {
+        let at = (slot as usize).checked_mul(self.slot_bytes)? + self.value_offset;
+        (at + self.object_bytes <= self.pool_bytes && (slot as usize) < self.slot_count).then_some(at)
     }
 }
 
@@ -96,9 +98,9 @@ const PARALLEL_COPY_MIN_BYTES: usize = 32 << 20;
 /// Most threads one load copies with; a copy is bound by memory bandwidth well before this.
 pub const MAX_COPY_THREADS: usize = 8;
 
-/// One block's copy out of the pool: its slice there and the caller's segments.
+/// One block's copy out of the pool: its object there and the caller's segments.
 struct SliceCopy<'a> {
-    from: *const u8,
+    from: *mut u8,
     to: &'a [(*mut u8, usize)],
 }
 
@@ -212,6 +214,7 @@ impl Client {
                 tp_size,
                 rank,
                 slice_bytes,
+                placement: Placement::contiguous(rank, slice_bytes),
             })
         })?;
         if attached.object_bytes != slice_bytes * tp_size as usize {
@@ -219,6 +222,15 @@ impl Client {
         }
         self.pool = Some(PoolMap::map(&attached.pool_path, attached.pool_bytes)?);
         Ok(self.attached.insert(attached))
+    }
+
+    /// Places this rank's slice in each block object by `runs` instead of one contiguous range (a
+    /// rank-independent object layout; see `placement`). Every engine sharing the namespace must
+    /// place its slices by the same rule, which its namespace description names.
+    pub fn set_placement(&mut self, runs: Vec<PlacementRun>) -> Result<()> {
+        let attached = self.attached.as_mut().ok_or_else(|| service_error(&self.socket_path, "say hello first"))?;
+        attached.placement = Placement::new(runs, attached.slice_bytes, attached.object_bytes)?;
+        Ok(())
     }
 
     /// Per key: 0 absent, 1 DRAM, 2 NVMe, 3 shared tier.
@@ -414,16 +426,12 @@ impl Client {
                 }
                 _ => continue,
             }
-            let Some(at) = attached.slice_offset(slot) else {
+            let Some(at) = attached.object_offset(slot) else {
                 bad.push(key);
                 continue;
             };
             let pool = self.pool.as_ref().expect("mapped at hello");
-            let mut dst = pool.base.add(at);
-            for &(src, len) in &sources[i].segments {
-                std::ptr::copy_nonoverlapping(src, dst, len);
-                dst = dst.add(len);
-            }
+            attached.placement.copy(pool.base.add(at), &sources[i].segments, true);
             filled.push(key);
             filled_at.push(i);
         }
@@ -512,11 +520,11 @@ impl Client {
                 continue;
             }
             acquired.push(keys[i]);
-            let Some(at) = attached.slice_offset(slot) else { continue };
+            let Some(at) = attached.object_offset(slot) else { continue };
             copies.push(SliceCopy { from: pool.base.add(at), to: &dests[i].segments });
             results[i] = true;
         }
-        copy_slices(copies, attached.slice_bytes, self.copy_threads);
+        copy_slices(copies, &attached.placement, attached.slice_bytes, self.copy_threads);
         if !acquired.is_empty() {
             // The copies are done and were pinned while they ran. If the release fails the connection
             // is dropped, and its closing releases the pins in the service.
@@ -533,14 +541,8 @@ impl Client {
 ///
 /// # Safety
 /// As `Client::load_blocks`: the destinations are writable and untouched, the sources pinned.
-unsafe fn copy_slices(copies: Vec<SliceCopy<'_>>, slice_bytes: usize, threads: usize) {
-    let copy_one = |copy: &SliceCopy<'_>| {
-        let mut src = copy.from;
-        for &(dst, len) in copy.to {
-            std::ptr::copy_nonoverlapping(src, dst, len);
-            src = src.add(len);
-        }
-    };
+unsafe fn copy_slices(copies: Vec<SliceCopy<'_>>, placement: &Placement, slice_bytes: usize, threads: usize) {
+    let copy_one = |copy: &SliceCopy<'_>| placement.copy(copy.from, copy.to, false);
     let threads = if copies.len() * slice_bytes < PARALLEL_COPY_MIN_BYTES { 1 } else { threads.min(copies.len()) };
     if threads <= 1 {
         copies.iter().for_each(copy_one);

@@ -5,8 +5,10 @@
 
 pub mod client;
 pub mod latency;
+pub mod placement;
 pub mod protocol;
 pub mod server;
 
 pub use client::{Attached, Client, NamespaceInfo, RemoteBadBlock, RemoteVerifyBatch};
+pub use placement::{Placement, PlacementRun};
 pub use server::{Service, ServiceConfig, MAX_TP_SIZE};

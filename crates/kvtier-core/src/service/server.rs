@@ -90,10 +90,13 @@ impl DroppedKeys {
     }
 }
 
-/// A slot reserved for one block, filled by every rank of the namespace.
+/// A slot reserved for one block, filled by every rank of the engine that reserved it first.
 struct Fill {
     slot: u32,
     sequence: u64,
+    /// The tensor-parallel size of the engine filling it: engines of another size that share the
+    /// namespace (a rank-independent object layout) leave the block to it.
+    tp_size: u32,
     reserved_ranks: u64,
     committed_ranks: u64,
     /// Connections that reserved it and have neither committed nor aborted.
@@ -103,10 +106,11 @@ struct Fill {
 }
 
 impl Fill {
-    fn new(slot: u32, sequence: u64) -> Fill {
+    fn new(slot: u32, sequence: u64, tp_size: u32) -> Fill {
         Fill {
             slot,
             sequence,
+            tp_size,
             reserved_ranks: 0,
             committed_ranks: 0,
             holders: 0,
@@ -120,6 +124,8 @@ struct Namespaced {
     store: Store,
     /// The engines' description (its SHA-256 is the namespace).
     description: Vec<u8>,
+    /// The layout of the engine that opened it (engines of other TP sizes may attach when the
+    /// description allows it: same object size, see `State::namespace`).
     tp_size: u32,
     slice_bytes: u64,
     /// Service-side latency of the ops on this namespace.
@@ -131,7 +137,7 @@ struct Namespaced {
     dropped: Mutex<DroppedKeys>,
 }
 
-impl Namespaced {
+impl Fill {
     fn all_ranks(&self) -> u64 {
         if self.tp_size == 64 {
             u64::MAX
@@ -346,6 +352,7 @@ fn janitor_loop(state: &Arc<State>) {
 struct Session {
     ns: Arc<Namespaced>,
     rank: u32,
+    tp_size: u32,
     /// Pins taken by `Pin`, per key (the block stays loadable).
     pins: HashMap<BlockKey, u32>,
     /// Slots handed out by `Acquire`, per key (the slot stays until `Release`).
@@ -549,7 +556,8 @@ impl Connection {
             .u64(ns.store.object_bytes() as u64)
             .bytes(pool.path.as_os_str().as_encoded_bytes());
         ns.attached.fetch_add(1, Ordering::Relaxed);
-        self.session = Some(Session { ns, rank, pins: HashMap::new(), readers: HashMap::new(), reserved: Vec::new() });
+        self.session =
+            Some(Session { ns, rank, tp_size, pins: HashMap::new(), readers: HashMap::new(), reserved: Vec::new() });
         Ok(w.0)
     }
 
@@ -566,7 +574,10 @@ impl State {
         let namespace = Namespace::from_description(description);
         let mut namespaces = self.namespaces.lock();
         if let Some(ns) = namespaces.get(&namespace) {
-            if ns.tp_size != tp_size || ns.slice_bytes != slice_bytes {
+            // Engines of different TP sizes share a namespace only when their description says the
+            // object is rank-independent (it then leaves the TP size out); each rank places its
+            // slice itself. All the service can check is that the objects are the same size.
+            if slice_bytes.checked_mul(u64::from(tp_size)) != Some(ns.store.object_bytes() as u64) {
                 return Err(Error::config(
                     "hello",
                     format!(
@@ -824,7 +835,7 @@ impl Session {
                 }
                 match reserved.remove(key) {
                     Some(Reservation::Fill { slot, sequence }) => {
-                        fills.insert(*key, Fill::new(slot, sequence));
+                        fills.insert(*key, Fill::new(slot, sequence, self.tp_size));
                     }
                     Some(Reservation::Present) => {
                         *decided = Some((1, NO_SLOT));
@@ -869,6 +880,11 @@ impl Session {
     fn join(&mut self, fills: &mut HashMap<BlockKey, Fill>, key: &BlockKey) -> Option<(u8, u32)> {
         let bit = 1u64 << self.rank;
         let fill = fills.get_mut(key)?;
+        if fill.tp_size != self.tp_size {
+            // An engine of another TP size is storing it: present for this one, as a put of a block
+            // being stored (if that engine gives up, the block is a later miss, never wrong bytes).
+            return Some((1, NO_SLOT));
+        }
         if fill.aborted || fill.reserved_ranks & bit != 0 {
             return Some((2, NO_SLOT)); // a repeated reserve by one rank, or a fill being given up
         }
@@ -880,7 +896,6 @@ impl Session {
 
     fn commit(&mut self, keys: &[BlockKey]) -> Result<Vec<bool>> {
         let bit = 1u64 << self.rank;
-        let all = self.ns.all_ranks();
         let (mut complete, mut given_up, mut accepted) = (Vec::new(), Vec::new(), Vec::new());
         {
             let mut fills = self.ns.fills.lock();
@@ -897,7 +912,7 @@ impl Session {
                 if fill.aborted && fill.holders == 0 {
                     let fill = fills.remove(key).unwrap();
                     given_up.push((*key, fill.slot));
-                } else if !fill.aborted && fill.committed_ranks == all {
+                } else if !fill.aborted && fill.committed_ranks == fill.all_ranks() {
                     let fill = fills.remove(key).unwrap();
                     complete.push((*key, fill.slot, fill.sequence));
                 }
