@@ -397,3 +397,74 @@ fn namespaces_share_the_host_dram_budget_and_one_too_many_is_refused() {
     drop((first, second, again));
     service.stop().unwrap();
 }
+
+/// Engines of two TP sizes in one namespace (a rank-independent object layout): the TP=2 ranks place
+/// their halves of each of two "layers" interleaved, as vLLM's canonical pages put each rank's heads.
+/// A TP=1 engine reads the whole object in that order, stores one the ranks read back, and a block
+/// TP=2 is still filling is "present" for TP=1 (it never writes into another engine's fill).
+#[test]
+fn engines_of_two_tp_sizes_share_blocks_placed_by_runs() {
+    use kvtier_core::service::PlacementRun;
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start(dir.path(), 0);
+    let half = SLICE / 2;
+    let ranks: Vec<Client> = (0..2)
+        .map(|rank| {
+            let mut c = client(&socket, 2, rank);
+            let runs = (0..2)
+                .map(|layer| PlacementRun {
+                    slice_offset: layer * half,
+                    object_offset: layer * SLICE + rank as usize * half,
+                    len: half,
+                })
+                .collect();
+            c.set_placement(runs).unwrap();
+            c
+        })
+        .collect();
+    let mut ranks: [Client; 2] = ranks.try_into().ok().unwrap();
+    let mut whole = Client::connect(&socket, Duration::from_secs(10)).unwrap();
+    whole.hello(b"service-test/model/tp", 1, 0, 2 * SLICE).unwrap();
+    assert!(
+        Client::connect(&socket, Duration::from_secs(10))
+            .unwrap()
+            .hello(b"service-test/model/tp", 1, 0, SLICE)
+            .is_err(),
+        "another object size in the same namespace is refused"
+    );
+    // Rank r's slice: its half of layer 0, then of layer 1.
+    let slice = |rank: usize, seed: u8| -> Vec<u8> { (0..SLICE).map(|i| seed ^ (rank * 7 + i / half) as u8).collect() };
+    let keys = [key(40)];
+    for (rank, c) in ranks.iter_mut().enumerate() {
+        assert_eq!(store(c, &keys, &[slice(rank, 1)]), vec![true]);
+    }
+    let mut object = vec![0u8; 2 * SLICE];
+    let bufs = [BlockBuffer::single(object.as_mut_ptr(), object.len())];
+    // SAFETY: `object` outlives the call.
+    assert_eq!(unsafe { whole.load_blocks(&keys, &bufs).unwrap() }, vec![true]);
+    let (r0, r1) = (slice(0, 1), slice(1, 1));
+    let expected = [&r0[..half], &r1[..half], &r0[half..], &r1[half..]].concat();
+    assert_eq!(object, expected, "the object is layer-major, the ranks' halves inside each layer");
+    // TP=1 stores a block; each TP=2 rank reads back its heads of it.
+    let stored: Vec<u8> = (0..2 * SLICE).map(|i| (i * 31 % 251) as u8).collect();
+    assert_eq!(store(&mut whole, &[key(41)], std::slice::from_ref(&stored)), vec![true]);
+    for (rank, c) in ranks.iter_mut().enumerate() {
+        let (found, out) = load(c, &[key(41)]);
+        assert_eq!(found, vec![true]);
+        let expected =
+            [&stored[rank * half..(rank + 1) * half], &stored[SLICE + rank * half..SLICE + (rank + 1) * half]].concat();
+        assert_eq!(out[0], expected, "rank {rank} read other bytes than its heads");
+    }
+    // A block rank 0 of TP=2 is filling: present for TP=1, and complete (TP=2's bytes) once rank 1 commits.
+    assert_eq!(store(&mut ranks[0], &[key(42)], &[slice(0, 9)]), vec![true]);
+    assert_eq!(store(&mut whole, &[key(42)], std::slice::from_ref(&stored)), vec![true]);
+    assert_eq!(whole.locate(&[key(42)]).unwrap(), vec![0], "TP=1 wrote into TP=2's fill");
+    assert_eq!(store(&mut ranks[1], &[key(42)], &[slice(1, 9)]), vec![true]);
+    let bufs = [BlockBuffer::single(object.as_mut_ptr(), object.len())];
+    // SAFETY: as above.
+    assert_eq!(unsafe { whole.load_blocks(&[key(42)], &bufs).unwrap() }, vec![true]);
+    let (r0, r1) = (slice(0, 9), slice(1, 9));
+    assert_eq!(object, [&r0[..half], &r1[..half], &r0[half..], &r1[half..]].concat());
+    drop((ranks, whole));
+    service.stop().unwrap();
+}
