@@ -619,6 +619,20 @@ def service_connections() -> list[ServiceConnection]:
         return list(_service_connections)
 
 
+# Every ServiceWorker of this process (for the benchmarks: a worker in this process holds stores
+# back, so "stored" means its queue is empty, not only that the service took what it was sent).
+_service_workers: weakref.WeakSet[ServiceWorker] = weakref.WeakSet()
+
+
+def wait_for_stores(timeout_s: float) -> bool:
+    """Waits until every ServiceWorker in this process has handed every store vLLM gave it to the
+    service (or dropped it); False on timeout. Stores go in idle windows, so the engine must be idle."""
+    with _registry_lock:
+        workers = list(_service_workers)
+    deadline = time.monotonic() + timeout_s
+    return all(worker.wait_stores_done(deadline) for worker in workers)
+
+
 class ServiceConnection:
     """This process's connection to the host service, attached to the engine's namespace.
 
@@ -1416,9 +1430,21 @@ class ServiceWorker(KvtierWorker):
         self.dropped_store_blocks = 0
         self._thread = threading.Thread(target=self._run, name="kvtier-worker-jobs", daemon=True)
         self._thread.start()
+        with _registry_lock:
+            _service_workers.add(self)
 
     def _record_job(self, kind: str, seconds: float, failed_blocks: int) -> None:
         pass  # the transfer time reaches vLLM's metrics through TransferResult
+
+    def wait_stores_done(self, deadline: float) -> bool:
+        """Waits (until the monotonic ``deadline``) for the store queue to empty; False on timeout."""
+        with self._cv:
+            while self._stores:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
 
     # -- the engine's steps (called by KvtierConnector) ------------------------------------------
 

@@ -471,9 +471,19 @@ def _store_of_engine() -> ServiceView:
     return ServiceView(connections[0])
 
 
+STORE_SETTLE_TIMEOUT_S = 600
+
+
 def _settle(engine: Engine, store) -> None:
+    """Until everything stored so far is in the store: vLLM hands a step's stores to the worker in
+    its next step (the nudges), the worker copies held-back stores while the engine idles (the
+    wait), and the flush waits for the service's NVMe writes."""
+    import kvtier.vllm as kvtier_vllm
+
     for _ in range(2):
         engine.generate(NUDGE_PROMPT)
+    if not kvtier_vllm.wait_for_stores(STORE_SETTLE_TIMEOUT_S):
+        raise BenchError(f"the kvtier worker still held stores after {STORE_SETTLE_TIMEOUT_S} s of idling")
     store.flush()
 
 
