@@ -462,6 +462,20 @@ class ServiceView:
             raise BenchError(f"the kvtier service on {self._socket} did not stop")
 
 
+def _stop_services_of_this_process() -> None:
+    """A failed phase stops the host service its engine started: detached, it would outlive the
+    benchmark and keep the store's (already removed) NVMe files open."""
+    import kvtier.vllm as kvtier_vllm
+    from kvtier import service as kvtier_service
+
+    sockets = {connection.socket_path for connection in kvtier_vllm.service_connections()}
+    for connection in kvtier_vllm.service_connections():
+        connection.close()
+    for socket in sockets:
+        with contextlib.suppress(Exception):
+            kvtier_service.stop_service(socket)
+
+
 def _store_of_engine() -> ServiceView:
     import kvtier.vllm as kvtier_vllm
 
@@ -866,6 +880,7 @@ def run_phase(spec_path: str) -> int:
             import traceback
 
             traceback.print_exc()
+            _stop_services_of_this_process()
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
