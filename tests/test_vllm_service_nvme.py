@@ -18,7 +18,6 @@ import contextlib
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
