@@ -1141,12 +1141,15 @@ def stores_off_the_critical_path_targets(plan: dict, summary: dict) -> list[dict
         ]
     memcpy_gbps = plan.get("memcpy_gbps")
     for length in plan["lengths"]:
-        kv_bytes = length // plan["block_tokens"] * plan["kv_bytes_per_token"] * plan["block_tokens"]
+        block_tokens, kv_bytes_per_token = plan.get("block_tokens"), plan.get("kv_bytes_per_token")
+        kv_bytes = (
+            length // block_tokens * block_tokens * kv_bytes_per_token if block_tokens and kv_bytes_per_token else 0
+        )
         dram, nvme = _median(summary, "kvtier_dram", length), _median(summary, "kvtier_nvme", length)
         prefix, floor = _median(summary, "vllm_prefix", length), _median(summary, "disk_floor", length)
-        copy_s = kv_bytes / (memcpy_gbps * 1e9) if memcpy_gbps else None
+        copy_s = kv_bytes / (memcpy_gbps * 1e9) if memcpy_gbps and kv_bytes else None
         extra = dram - prefix if dram is not None and prefix is not None else None
-        note = None if copy_s else "memcpy not measured"
+        note = None if copy_s else "memcpy or the KV size not measured"
         rows.append(
             ("(kvtier DRAM hit - vLLM prefix hit) / memcpy time of the KV", length, ratio(extra, copy_s), 1.5, note)
         )
