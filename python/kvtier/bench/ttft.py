@@ -451,29 +451,32 @@ class ServiceView:
         self._connection.flush()
 
     def close(self) -> None:
-        from kvtier import service as kvtier_service
-
         self.flush()
-        import kvtier.vllm as kvtier_vllm
-
-        for connection in kvtier_vllm.service_connections():
-            connection.close()  # no reconnecting: it would start the service again
-        if not kvtier_service.stop_service(self._socket):
-            raise BenchError(f"the kvtier service on {self._socket} did not stop")
+        still_running = _stop_services_of_this_process()
+        if still_running:
+            raise BenchError(f"the kvtier service on {still_running[0]} did not stop")
 
 
-def _stop_services_of_this_process() -> None:
-    """A failed phase stops the host service its engine started: detached, it would outlive the
-    benchmark and keep the store's (already removed) NVMe files open."""
+def _stop_services_of_this_process() -> list[Path]:
+    """Closes this process's service connections (no reconnecting: it would start the service
+    again) and stops the services they attached to; returns the sockets whose service did not stop.
+    A failed phase calls it too: a detached service would outlive the benchmark and keep the store's
+    (already removed) NVMe files open."""
     import kvtier.vllm as kvtier_vllm
     from kvtier import service as kvtier_service
 
-    sockets = {connection.socket_path for connection in kvtier_vllm.service_connections()}
-    for connection in kvtier_vllm.service_connections():
+    connections = kvtier_vllm.service_connections()
+    sockets = {connection.socket_path for connection in connections}
+    for connection in connections:
         connection.close()
+    still_running = []
     for socket in sockets:
+        stopped = False
         with contextlib.suppress(Exception):
-            kvtier_service.stop_service(socket)
+            stopped = kvtier_service.stop_service(socket)
+        if not stopped:
+            still_running.append(socket)
+    return still_running
 
 
 def _store_of_engine() -> ServiceView:
@@ -1158,7 +1161,7 @@ def stores_off_the_critical_path_targets(plan: dict, summary: dict) -> list[dict
         rows.append(("(kvtier NVMe hit - kvtier DRAM hit) / fio read time", length, ratio(extra, floor), 1.1, note))
         lmcache = _median(summary, "lmcache_disk", length)
         note = None if lmcache is not None else (plan.get("lmcache_not_measured") or "LMCache not measured")
-        rows.append(("kvtier NVMe hit / LMCache disk hit", length, ratio(nvme, lmcache), 0.67, note))
+        rows.append(("kvtier NVMe hit / LMCache disk hit, per length", length, ratio(nvme, lmcache), 0.67, note))
     return [
         {
             "name": name,
