@@ -17,7 +17,7 @@ use crate::key::BlockKey;
 use crate::stats::Stats;
 use crate::tiers::eviction::EvictionPolicy;
 use crate::tiers::nvme::{Geometry, RecoveredRegion};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 /// Where a block is served from.
@@ -58,6 +58,10 @@ struct Entry {
     pins: u32,
     /// The part of `pins` that copies out of the DRAM slot: the slot stays while any is held.
     readers: u32,
+    /// A read of the block into a DRAM slot (from NVMe or the shared tier) is in flight: another
+    /// load waits for it (`GetStep::Pending`) instead of reading the same bytes again, as the ranks
+    /// of one tensor-parallel engine, or engines sharing a prefix, would.
+    loading: bool,
 }
 
 impl Entry {
@@ -135,6 +139,9 @@ pub enum GetStep {
         slot: u32,
     },
     Nvme(NvmeRead),
+    /// Another load is reading the block into DRAM: plan it again when that read finishes (then a
+    /// DRAM hit, or a miss if the read failed).
+    Pending,
 }
 
 /// `NvmeRead::slot` of a direct read: the value lands in the caller's memory, no DRAM slot is used.
@@ -282,6 +289,7 @@ impl Catalog {
                             write_pending: false,
                             pins: 0,
                             readers: 0,
+                            loading: false,
                         },
                     );
                 }
@@ -306,6 +314,14 @@ impl Catalog {
     }
 
     // ---- lookups and pins (scheduler side) ----
+
+    /// Dates the recovered blocks by the namespace's saved timeline (after every device's
+    /// `adopt_recovered`); new sequences start past every saved point.
+    pub fn restore_timeline(&mut self, saved: Vec<(u64, u64)>) {
+        let (timeline, next_sequence) = crate::maintenance::Timeline::restored(saved, self.next_sequence);
+        self.timeline = timeline;
+        self.next_sequence = next_sequence;
+    }
 
     pub fn contains(&self, key: &BlockKey) -> bool {
         self.index.get(key).is_some_and(Entry::visible)
@@ -440,6 +456,7 @@ impl Catalog {
                 write_pending: false,
                 pins,
                 readers: 0,
+                loading: state == SlotState::Loading,
             },
         );
         sequence
@@ -458,6 +475,9 @@ impl Catalog {
             self.policy.touch(slot);
             return GetStep::Dram { slot };
         }
+        if e.loading {
+            return GetStep::Pending;
+        }
         let Some(loc) = e.nvme else { return GetStep::Miss };
         if direct {
             e.pins += 1;
@@ -472,6 +492,7 @@ impl Catalog {
         // Eviction only drops entries without an NVMe copy, so this one is still here.
         let e = self.index.get_mut(key).expect("entry with an NVMe copy survives eviction");
         e.pins += 1;
+        e.loading = true;
         self.slots[slot as usize] = Slot { key: Some(*key), state: SlotState::Loading, writing: false };
         GetStep::Nvme(NvmeRead { slot, loc, sequence: e.sequence, value_checksum: e.value_checksum })
     }
@@ -495,12 +516,13 @@ impl Catalog {
             e.nvme = None;
         }
         if read.slot != NO_SLOT {
+            e.loading = false;
             match outcome {
                 LoadOutcome::Ok if e.dram.is_none() => {
                     e.dram = Some(read.slot);
                     e.dram_ready = true;
                     self.slots[read.slot as usize].state = SlotState::Resident;
-                    self.policy.insert(read.slot, key_hash(key));
+                    self.promote(read.slot, key);
                 }
                 LoadOutcome::Abandoned => self.retire_slot(read.slot),
                 _ => self.free_slot(read.slot),
@@ -510,6 +532,15 @@ impl Catalog {
         // its last pin; removed now, those pins would later be taken off a new entry of the same key,
         // which could then be evicted under a reader.
         self.forget_if_copyless(key);
+    }
+
+    /// A block read up from NVMe or the shared tier enters the eviction policy as one already used
+    /// once: it was read because it was hit. As a newcomer (S3-FIFO's small queue) it would be the
+    /// first victim of the next promotion, so a prefetch of a long prefix would evict its own
+    /// earlier blocks before the load that follows could copy them (each block read twice).
+    fn promote(&mut self, slot: u32, key: &BlockKey) {
+        self.policy.insert(slot, key_hash(key));
+        self.policy.touch(slot);
     }
 
     /// Drops an entry left with no copy once nothing pins, fills or writes it, so that the block can
@@ -795,8 +826,11 @@ impl Catalog {
 
     /// Checks the catalog's invariants (tests and debug builds).
     pub fn check_invariants(&self) {
+        let loading: HashSet<BlockKey> =
+            self.slots.iter().filter(|s| s.state == SlotState::Loading).filter_map(|s| s.key).collect();
         for (key, e) in &self.index {
             assert!(e.readers <= e.pins, "{key:?}: more readers than pins");
+            assert_eq!(e.loading, loading.contains(key), "{key:?}: loading flag disagrees with the slots");
             if let Some(slot) = e.dram {
                 let s = &self.slots[slot as usize];
                 assert_eq!(s.key, Some(*key), "slot {slot} does not point back to its entry");
@@ -846,8 +880,9 @@ impl Catalog {
                 e.pins = e.pins.saturating_sub(1);
                 e.value_checksum = sum;
                 e.dram_ready = true;
+                e.loading = false;
                 self.slots[slot as usize].state = SlotState::Resident;
-                self.policy.insert(slot, key_hash(key));
+                self.promote(slot, key);
             }
             _ => {
                 if ours {

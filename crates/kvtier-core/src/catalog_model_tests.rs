@@ -369,6 +369,15 @@ impl Model {
                         self.gets.push(Get::Nvme { key, read, tainted: false });
                         self.saw(if direct { "direct NVMe read" } else { "staged NVMe read" });
                     }
+                    GetStep::Pending => {
+                        let staged = self
+                            .gets
+                            .iter()
+                            .any(|g| matches!(g, Get::Nvme { key: k, read, .. } if *k == key && read.slot != NO_SLOT));
+                        let shared = self.shared_reads.iter().any(|(k, _)| *k == key);
+                        assert!(staged || shared, "a load waits for a read of {key:?} that nobody does");
+                        self.saw("load joins a read in flight");
+                    }
                 }
             }
             Op::FinishGet(i, outcome) => {
@@ -872,6 +881,7 @@ fn model_reaches_every_path() {
         "DRAM hit",
         "staged NVMe read",
         "direct NVMe read",
+        "load joins a read in flight",
         "NVMe read verified",
         "load without a slot",
         "pinned entry left copyless",
@@ -1007,4 +1017,28 @@ fn engine_pins_on_nvme_blocks_do_not_hold_the_slots_their_loads_use() {
     }
     cat.unpin(&keys);
     assert!(keys.iter().all(|k| cat.index[k].pins == 0));
+}
+
+/// The ranks of a tensor-parallel engine load the same blocks at once (each copies its slice of the
+/// one object). The second load of a block being read into DRAM used to read it again into another
+/// slot (N reads per block for TP=N, or, for a shared-tier read, a miss); it now waits for that read
+/// and copies from the slot it fills, and a failed read leaves it a clean miss.
+#[test]
+fn a_second_load_joins_the_read_in_flight() {
+    let mut cat = recovered_catalog(2);
+    let (a, b) = (key(0), key(1));
+    let read = nvme_read(cat.plan_get(&a, false));
+    assert!(matches!(cat.plan_get(&a, false), GetStep::Pending));
+    assert!(matches!(cat.plan_get(&a, true), GetStep::Pending), "a direct load joins too");
+    cat.check_invariants();
+    cat.finish_get_nvme(&a, &read, LoadOutcome::Ok);
+    let GetStep::Dram { slot } = cat.plan_get(&a, false) else { panic!("the joined load copies from DRAM") };
+    assert_eq!(slot, read.slot);
+    cat.finish_get_dram(&a);
+
+    let read = nvme_read(cat.plan_get(&b, false));
+    assert!(matches!(cat.plan_get(&b, false), GetStep::Pending));
+    cat.finish_get_nvme(&b, &read, LoadOutcome::Corrupt);
+    assert!(matches!(cat.plan_get(&b, false), GetStep::Miss), "a failed read leaves the waiter a miss");
+    cat.check_invariants();
 }

@@ -217,45 +217,81 @@ fn get_blocks(
     let mut dram_hits = Vec::new();
     let mut reads = Vec::new();
     let mut shared_reads = Vec::new();
+    // Keys another load is reading into DRAM (`GetStep::Pending`): planned again once it is done.
+    let mut waiting: Vec<usize> = Vec::new();
     let mut deadline: Option<Instant> = None;
-    while next < n || inflight > 0 {
-        if next < n && inflight < max_inflight {
+    while next < n || inflight > 0 || !waiting.is_empty() {
+        if (next < n || !waiting.is_empty()) && inflight < max_inflight {
             {
                 let mut cat = sh.catalog.lock();
-                while next < n && inflight + reads.len() + shared_reads.len() < max_inflight {
-                    let direct = direct_io && bufs.is_some_and(|b| b[next].direct_capable());
-                    match cat.plan_get(&keys[next], direct) {
-                        GetStep::Dram { slot } => dram_hits.push((next, slot)),
-                        GetStep::Nvme(read) => reads.push((next, read)),
-                        GetStep::Miss => match plan_shared_read(sh, &mut cat, &keys[next]) {
-                            Ok(Some(slot)) => shared_reads.push((next, slot)),
-                            Ok(None) => Stats::add(&sh.stats.misses, 1),
-                            Err(()) => break,
+                let mut retry = std::mem::take(&mut waiting).into_iter().peekable();
+                while inflight + reads.len() + shared_reads.len() < max_inflight {
+                    let Some(i) = retry.peek().copied().or((next < n).then_some(next)) else { break };
+                    let direct = direct_io && bufs.is_some_and(|b| b[i].direct_capable());
+                    let planned = match cat.plan_get(&keys[i], direct) {
+                        GetStep::Dram { slot } => {
+                            dram_hits.push((i, slot));
+                            true
+                        }
+                        GetStep::Nvme(read) => {
+                            reads.push((i, read));
+                            true
+                        }
+                        GetStep::Pending => {
+                            waiting.push(i);
+                            true
+                        }
+                        GetStep::Miss => match plan_shared_read(sh, &mut cat, &keys[i]) {
+                            Ok(Some(slot)) => {
+                                shared_reads.push((i, slot));
+                                true
+                            }
+                            Ok(None) => {
+                                Stats::add(&sh.stats.misses, 1);
+                                true
+                            }
+                            Err(()) => false,
                         },
                         // Every slot is pinned or busy: stage the read in a heap buffer rather than wait
                         // (bounded), so that pins held by the engine never stall a load.
                         GetStep::NoSlot if bufs.is_some() && staged_inflight + reads.len() < MAX_STAGED_READS => {
-                            match cat.plan_get(&keys[next], true) {
-                                GetStep::Nvme(read) => reads.push((next, read)),
+                            match cat.plan_get(&keys[i], true) {
+                                GetStep::Nvme(read) => reads.push((i, read)),
+                                GetStep::Pending => waiting.push(i),
                                 _ => Stats::add(&sh.stats.misses, 1),
                             }
+                            true
                         }
-                        GetStep::NoSlot => break,
+                        GetStep::NoSlot => false,
+                    };
+                    if !planned {
+                        break;
                     }
-                    next += 1;
+                    if retry.next_if_eq(&i).is_none() {
+                        next += 1;
+                    }
                 }
-                let stuck =
-                    next < n && reads.is_empty() && dram_hits.is_empty() && shared_reads.is_empty() && inflight == 0;
-                if stuck {
+                waiting.extend(retry);
+                let planned_nothing = reads.is_empty() && dram_hits.is_empty() && shared_reads.is_empty();
+                if planned_nothing && inflight == 0 && (next < n || !waiting.is_empty()) {
+                    // Out of slots, or every key left waits for another load's read: wait for a change.
                     let until =
                         *deadline.get_or_insert_with(|| Instant::now() + Duration::from_millis(sh.config.slot_wait_ms));
-                    cat.load_waits(true);
+                    // Only a load short of slots keeps puts off the pool; one waiting for another
+                    // load's read needs no slot.
+                    let starved = next < n;
+                    if starved {
+                        cat.load_waits(true);
+                    }
                     let timed_out = sh.changed.wait_until(&mut cat, until).timed_out();
-                    cat.load_waits(false);
+                    if starved {
+                        cat.load_waits(false);
+                    }
                     if timed_out && Instant::now() >= until {
                         Stats::add(&sh.stats.slot_wait_timeouts, 1);
-                        Stats::add(&sh.stats.misses, (n - next) as u64);
+                        Stats::add(&sh.stats.misses, (n - next + waiting.len()) as u64);
                         next = n;
+                        waiting.clear();
                     }
                     continue;
                 }

@@ -93,6 +93,59 @@ fn a_block_of_two_ranks_is_visible_only_once_both_committed() {
     service.stop().unwrap();
 }
 
+/// Both ranks of a TP=2 engine load the same NVMe-only blocks at once (each copies its slice of the
+/// one object): every block is read from disk once, the second rank copying from the slot the first
+/// one's read fills. Each rank used to read every block itself.
+#[test]
+fn the_ranks_of_one_engine_read_each_nvme_block_once() {
+    const BLOCKS: u64 = 24;
+    let dir = tempfile::tempdir().unwrap();
+    let keys: Vec<BlockKey> = (0..BLOCKS).map(key).collect();
+    let slices: [Vec<Vec<u8>>; 2] =
+        [(0..BLOCKS).map(|i| value(2 * i, SLICE)).collect(), (0..BLOCKS).map(|i| value(2 * i + 1, SLICE)).collect()];
+    let (mut service, socket) = start(dir.path(), 8 << 20);
+    // The ranks store at once, as an engine's do (a block is complete when both committed).
+    std::thread::scope(|scope| {
+        for (rank, slices) in slices.iter().enumerate() {
+            let (keys, socket) = (&keys, &socket);
+            scope.spawn(move || {
+                let mut c = client(socket, 2, rank as u32);
+                assert_eq!(store(&mut c, keys, slices), vec![true; BLOCKS as usize]);
+            });
+        }
+    });
+    let mut c = client(&socket, 2, 0);
+    c.flush().unwrap();
+    assert_eq!(c.locate(&keys).unwrap(), vec![1; BLOCKS as usize], "every block stored whole");
+    drop(c);
+    service.stop().unwrap();
+
+    let (mut service, socket) = start(dir.path(), 8 << 20);
+    let barrier = std::sync::Barrier::new(2);
+    let loaded: Vec<Vec<Vec<u8>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..2u32)
+            .map(|rank| {
+                let (keys, socket, barrier) = (&keys, &socket, &barrier);
+                scope.spawn(move || {
+                    let mut c = client(socket, 2, rank);
+                    barrier.wait();
+                    let (found, out) = load(&mut c, keys);
+                    assert!(found.iter().all(|&ok| ok), "rank {rank}: {found:?}");
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(loaded[0] == slices[0] && loaded[1] == slices[1], "each rank got its own slices");
+    let mut c = client(&socket, 2, 0);
+    let stats: std::collections::HashMap<String, u64> = c.stats().unwrap().into_iter().collect();
+    assert_eq!(stats["nvme_hits"], BLOCKS, "each block read from NVMe once: {stats:?}");
+    assert_eq!(stats["dram_hits"], BLOCKS, "the other rank copied from the pool");
+    drop(c);
+    service.stop().unwrap();
+}
+
 #[test]
 fn a_rank_that_dies_mid_store_leaves_nothing_half_written() {
     let dir = tempfile::tempdir().unwrap();
@@ -360,6 +413,39 @@ fn a_prefetch_makes_nvme_blocks_resident_and_pins_nothing() {
     assert_eq!((found, out), (vec![true; 4], values[..4].to_vec()));
     let stats: std::collections::HashMap<String, u64> = worker.stats().unwrap().into_iter().collect();
     assert_eq!((stats["dram_hits"], stats["nvme_hits"]), (4, 4), "the load after the prefetch is a DRAM copy");
+    drop((scheduler, worker));
+    service.stop().unwrap();
+}
+
+/// A prefetch of more blocks than half the pool reads only the first half pool: a longer one would
+/// evict its own first blocks before the load copies them. Prefetch and load then read each block
+/// from NVMe exactly once.
+#[test]
+fn a_prefetch_longer_than_half_the_pool_reads_each_block_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start(dir.path(), 8 << 20);
+    let mut writer = Client::connect(&socket, Duration::from_secs(10)).unwrap();
+    let slot_count = writer.hello(b"service-test/model/tp", 1, 0, SLICE).unwrap().slot_count;
+    let blocks = (slot_count * 3 / 2) as u64;
+    let keys: Vec<BlockKey> = (0..blocks).map(key).collect();
+    let values: Vec<Vec<u8>> = (0..blocks).map(|i| value(i, SLICE)).collect();
+    assert!(store(&mut writer, &keys, &values).iter().all(|&ok| ok));
+    writer.flush().unwrap();
+    drop(writer);
+    service.stop().unwrap();
+
+    let (mut service, socket) = start(dir.path(), 8 << 20);
+    let mut scheduler = client(&socket, 1, 0);
+    let prefetched = scheduler.prefetch(&keys).unwrap();
+    let half = slot_count / 2;
+    assert!(prefetched[..half].iter().all(|&ok| ok) && !prefetched[half..].iter().any(|&ok| ok), "{prefetched:?}");
+    let mut worker = client(&socket, 1, 0);
+    let (found, out) = load(&mut worker, &keys);
+    assert!(found.iter().all(|&ok| ok));
+    assert!(out == values);
+    let stats: std::collections::HashMap<String, u64> = worker.stats().unwrap().into_iter().collect();
+    assert_eq!(stats["nvme_hits"], blocks, "each block read from NVMe once: {stats:?}");
+    assert_eq!(stats["dram_hits"], half as u64);
     drop((scheduler, worker));
     service.stop().unwrap();
 }

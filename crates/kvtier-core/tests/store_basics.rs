@@ -223,3 +223,36 @@ fn loads_do_not_stall_when_every_dram_slot_is_pinned() {
         store.unpin(&fresh_keys);
     }
 }
+
+/// A prefetch (acquire, then release at once) of blocks that are only on NVMe must leave them in
+/// DRAM for the load that follows: promoted blocks are hits, not one-time newcomers, so the eviction
+/// policy must not push them out to make room for the next blocks the same prefetch promotes.
+#[test]
+fn blocks_prefetched_from_nvme_stay_in_dram_for_their_load() {
+    for engine in engines() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(config(dir.path(), engine, 64 * 1024)).unwrap();
+        // Three pools' worth: the first ones are on NVMe only afterwards.
+        let ids: Vec<u64> = (0..48).collect();
+        assert!(put(&store, &ids).iter().all(|&b| b));
+        store.flush().unwrap();
+        // The blocks in DRAM were hit once (an earlier request reused them): to S3-FIFO they are
+        // no longer one-time newcomers.
+        let resident: Vec<u64> = (32..48).collect();
+        assert!(get_checked(&store, &resident).iter().all(|&h| h));
+        let wanted: Vec<u64> = (0..12).collect();
+        let keys: Vec<_> = wanted.iter().map(|&i| key(i)).collect();
+        // In rounds of a quarter of the pool, as the service client's prefetch does.
+        for round in keys.chunks(4) {
+            let slots = store.acquire(round).unwrap();
+            assert!(slots.iter().all(|s| s.is_some()), "{slots:?}");
+            store.release(round);
+        }
+        let before = store.stats().counters;
+        assert!(get_checked(&store, &wanted).iter().all(|&h| h));
+        let after = store.stats().counters;
+        assert_eq!(after.nvme_hits - before.nvme_hits, 0, "engine {engine:?}: prefetched blocks were read again");
+        assert_eq!(after.dram_hits - before.dram_hits, 12);
+        store.check_invariants();
+    }
+}

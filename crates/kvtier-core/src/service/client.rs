@@ -478,11 +478,16 @@ impl Client {
     /// on NVMe or in the shared tier into DRAM (verified), then they are released at once. `true`
     /// per block resident afterwards. What an engine's scheduler calls at lookup, so that the
     /// later load is a DRAM copy; in rounds of a quarter of the pool, as `load_blocks`.
+    ///
+    /// Only the first half pool of `keys` is read (the rest answer `false`, and their load reads
+    /// them): a longer prefetch would evict its own first blocks before the load could copy them,
+    /// and every block would be read twice.
     pub fn prefetch(&mut self, keys: &[BlockKey]) -> Result<Vec<bool>> {
         let slot_count =
             self.attached.as_ref().ok_or_else(|| service_error(&self.socket_path, "say hello first"))?.slot_count;
+        let readable = keys.len().min((slot_count / 2).max(1));
         let mut results = Vec::with_capacity(keys.len());
-        for round in keys.chunks((slot_count / 4).max(1)) {
+        for round in keys[..readable].chunks((slot_count / 4).max(1)) {
             let body = self.call(Op::Acquire, |w| {
                 w.keys(round);
             })?;
@@ -497,6 +502,7 @@ impl Client {
             }
             results.extend(slots.iter().map(|&slot| slot != NO_SLOT));
         }
+        results.resize(keys.len(), false);
         Ok(results)
     }
 
