@@ -53,10 +53,100 @@ counters!(
     shared_publish_errors,
     shared_dropped_publishes,
     shared_auth_failures,
+    // The NVMe tier's I/O pattern, as the device queues submit it (seed 002's experiment 6): requests,
+    // their bytes, those starting where the device's previous request of the same kind ended, and
+    // how many fall in each size class (upper bounds, `IO_SIZE_CLASSES`).
+    nvme_read_requests,
+    nvme_read_request_bytes,
+    nvme_read_sequential,
+    nvme_reads_le_4k,
+    nvme_reads_le_16k,
+    nvme_reads_le_64k,
+    nvme_reads_le_256k,
+    nvme_reads_le_1m,
+    nvme_reads_le_4m,
+    nvme_reads_le_16m,
+    nvme_reads_le_64m,
+    nvme_reads_gt_64m,
+    nvme_write_requests,
+    nvme_write_request_bytes,
+    nvme_write_sequential,
+    nvme_writes_le_4k,
+    nvme_writes_le_16k,
+    nvme_writes_le_64k,
+    nvme_writes_le_256k,
+    nvme_writes_le_1m,
+    nvme_writes_le_4m,
+    nvme_writes_le_16m,
+    nvme_writes_le_64m,
+    nvme_writes_gt_64m,
 );
+
+/// Upper bounds of the request size classes of the I/O pattern counters (a last class takes the rest).
+pub const IO_SIZE_CLASSES: [u64; 8] = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20];
 
 impl Stats {
     pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+impl Stats {
+    /// One request a device queue submitted (not its retries): `sequential` when it starts where the
+    /// device's previous request of the same kind ended.
+    pub fn record_io(&self, write: bool, len: usize, sequential: bool) {
+        let len = len as u64;
+        let class = IO_SIZE_CLASSES.iter().position(|&le| len <= le).unwrap_or(IO_SIZE_CLASSES.len());
+        let (requests, bytes, seq, classes) = if write {
+            let classes = [
+                &self.nvme_writes_le_4k,
+                &self.nvme_writes_le_16k,
+                &self.nvme_writes_le_64k,
+                &self.nvme_writes_le_256k,
+                &self.nvme_writes_le_1m,
+                &self.nvme_writes_le_4m,
+                &self.nvme_writes_le_16m,
+                &self.nvme_writes_le_64m,
+                &self.nvme_writes_gt_64m,
+            ];
+            (&self.nvme_write_requests, &self.nvme_write_request_bytes, &self.nvme_write_sequential, classes)
+        } else {
+            let classes = [
+                &self.nvme_reads_le_4k,
+                &self.nvme_reads_le_16k,
+                &self.nvme_reads_le_64k,
+                &self.nvme_reads_le_256k,
+                &self.nvme_reads_le_1m,
+                &self.nvme_reads_le_4m,
+                &self.nvme_reads_le_16m,
+                &self.nvme_reads_le_64m,
+                &self.nvme_reads_gt_64m,
+            ];
+            (&self.nvme_read_requests, &self.nvme_read_request_bytes, &self.nvme_read_sequential, classes)
+        };
+        Stats::add(requests, 1);
+        Stats::add(bytes, len);
+        Stats::add(classes[class], 1);
+        if sequential {
+            Stats::add(seq, 1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_requests_fall_in_their_size_class() {
+        let stats = Stats::default();
+        stats.record_io(false, 4096, false);
+        stats.record_io(false, (16 << 20) + 4096, true);
+        stats.record_io(true, 100 << 20, true);
+        let s = stats.snapshot();
+        assert_eq!((s.nvme_read_requests, s.nvme_read_sequential), (2, 1));
+        assert_eq!((s.nvme_reads_le_4k, s.nvme_reads_le_16m, s.nvme_reads_le_64m), (1, 0, 1));
+        assert_eq!(s.nvme_read_request_bytes, 4096 + (16 << 20) + 4096);
+        assert_eq!((s.nvme_write_requests, s.nvme_writes_gt_64m, s.nvme_write_sequential), (1, 1, 1));
     }
 }

@@ -179,6 +179,7 @@ impl Store {
                 }
                 device_files.push(device);
             }
+            catalog.restore_timeline(crate::maintenance::read_timeline(&dirs[0]));
         }
 
         // The shared tier comes after NVMe: a store may have either, both, or neither.
@@ -188,7 +189,7 @@ impl Store {
         };
         let shared_publisher = shared_tier.as_ref().map(|t| Publisher::start(Arc::clone(t))).transpose()?;
         let (engine_name, buffers_registered, devices) =
-            start_devices(&config, &device_files, &arena.registration_ranges())?;
+            start_devices(&config, &device_files, &arena.registration_ranges(), &stats)?;
         let direct_io = device_files.iter().all(|d| d.direct) && !device_files.is_empty();
         let shared = Arc::new(Shared {
             geometry,
@@ -479,7 +480,22 @@ impl Store {
         if let Some(publisher) = &sh.shared_publisher {
             publisher.flush(limit)?;
         }
+        // Dates are a convenience: a directory that cannot take the file (removed, read-only) must
+        // not fail a flush of blocks that did reach the disk.
+        if let Err(e) = self.save_timeline() {
+            log::warn!("kvtier: saving block dates failed: {e}; blocks stored since the last save will be dated by the next open");
+        }
         Ok(())
+    }
+
+    /// Saves the timeline that dates this namespace's blocks, when it changed since the last save
+    /// (stores with an NVMe tier: without one nothing survives a restart to be dated). `flush` and
+    /// `close` call it; so does the host service, every few seconds.
+    pub fn save_timeline(&self) -> Result<()> {
+        let sh = &self.shared;
+        let Some(dir) = sh.device_files.first().and_then(|d| d.path.parent()) else { return Ok(()) };
+        let Some(points) = sh.catalog.lock().timeline.take_unsaved() else { return Ok(()) };
+        crate::maintenance::write_timeline(dir, &points).inspect_err(|_| sh.catalog.lock().timeline.mark_unsaved())
     }
 
     /// Flushes, stops the threads and releases the directory. Idempotent.
@@ -633,6 +649,7 @@ fn start_devices(
     config: &StoreConfig,
     files: &[DeviceFile],
     ranges: &[RegisteredRange],
+    stats: &Arc<Stats>,
 ) -> Result<(&'static str, bool, Vec<DeviceQueue>)> {
     if files.is_empty() {
         return Ok(("none", false, Vec::new()));
@@ -681,7 +698,7 @@ fn start_devices(
             engine = Box::new(FaultyEngine::new(engine, Arc::clone(plan)));
         }
         queues.push(
-            DeviceQueue::start(&name, fd, engine, config.io_depth, config.max_write_inflight_bytes)
+            DeviceQueue::start(&name, fd, engine, config.io_depth, config.max_write_inflight_bytes, Arc::clone(stats))
                 .map_err(|e| Error::io("starting a device thread", e))?,
         );
     }

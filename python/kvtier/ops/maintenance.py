@@ -8,8 +8,10 @@ JSON schemas (docs/cli.md): ``kvtier.verify/1``, ``kvtier.trim/1``, ``kvtier.ins
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -119,6 +121,24 @@ class Target:
             self.store = None
 
 
+@contextmanager
+def _recovery_progress_on_stderr() -> Iterator[None]:
+    """Opening a large store recovers its index from the device files, which takes a while: the
+    core logs how far it has come every 2 s (target ``kvtier_core::tiers::nvme``, through pyo3-log),
+    and this shows those lines on stderr (stdout stays the command's report, ``--json`` included)."""
+    logger = logging.getLogger("kvtier_core.tiers.nvme")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def _open_from_disk(paths: Sequence[Path], digest: str, dirs: list[store_files.NamespaceDir]) -> Any:
     """Opens the namespace's store from its files (recovery runs; the LOCK is taken until close)."""
     import kvtier
@@ -141,14 +161,15 @@ def _open_from_disk(paths: Sequence[Path], digest: str, dirs: list[store_files.N
         )
     store_paths = [os.fspath(d.path) for d in dirs]
     try:
-        return kvtier.Store.open(
-            store_paths if len(store_paths) > 1 else store_paths[0],
-            namespace=description,
-            object_bytes=superblock.object_bytes,
-            dram_bytes=superblock.slot_bytes * 8,
-            nvme_bytes=superblock.device_bytes * superblock.device_count,  # what gives this geometry back
-            region_bytes=superblock.region_bytes,
-        )
+        with _recovery_progress_on_stderr():
+            return kvtier.Store.open(
+                store_paths if len(store_paths) > 1 else store_paths[0],
+                namespace=description,
+                object_bytes=superblock.object_bytes,
+                dram_bytes=superblock.slot_bytes * 8,
+                nvme_bytes=superblock.device_bytes * superblock.device_count,  # what gives this geometry back
+                region_bytes=superblock.region_bytes,
+            )
     except LockedError:
         holder = first.locked_by_pid
         raise OpsError(

@@ -6,6 +6,7 @@
 
 pub mod descriptor;
 pub mod superblock;
+pub mod timeline;
 pub mod trailer;
 
 /// The shared tier's files (data file header and footer, manifest records, lease), defined beside the

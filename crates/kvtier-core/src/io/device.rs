@@ -14,9 +14,11 @@
 //! leaked so the kernel can still finish into it.
 
 use super::*;
+use crate::stats::Stats;
 use crossbeam_channel::{never, select, unbounded, Receiver, Sender};
 use parking_lot::Mutex;
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 const MAX_RETRIES: u32 = 8;
@@ -67,12 +69,14 @@ pub struct DeviceQueue {
 }
 
 impl DeviceQueue {
+    /// `stats` gets the I/O pattern of what this queue submits (`Stats::record_io`).
     pub fn start(
         name: &str,
         fd: RawFd,
         engine: Box<dyn IoEngine>,
         depth: usize,
         max_write_inflight_bytes: usize,
+        stats: Arc<Stats>,
     ) -> std::io::Result<Self> {
         let (read_tx, read_rx) = unbounded();
         let (write_tx, write_rx) = unbounded();
@@ -89,6 +93,8 @@ impl DeviceQueue {
                 write_inflight_bytes: 0,
                 writes_inflight: 0,
                 batch: Vec::new(),
+                stats,
+                next_offset: [None; 2],
             }
             .run(read_rx, write_rx)
         })?;
@@ -155,6 +161,10 @@ struct DeviceLoop {
     write_inflight_bytes: usize,
     writes_inflight: usize,
     batch: Vec<IoRequest>,
+    stats: Arc<Stats>,
+    /// Where the last read ([0]) and write ([1]) submitted here ended: the next one starting there is
+    /// sequential.
+    next_offset: [Option<u64>; 2],
 }
 
 impl DeviceLoop {
@@ -251,6 +261,10 @@ impl DeviceLoop {
     fn stage(&mut self, op: IoOp) {
         let token = self.next_token;
         self.next_token += 1;
+        let write = op.kind == OpKind::Write;
+        let next_offset = &mut self.next_offset[usize::from(write)];
+        self.stats.record_io(write, op.len, *next_offset == Some(op.offset));
+        *next_offset = Some(op.offset + op.len as u64);
         if op.kind == OpKind::Write {
             self.write_inflight_bytes += op.len;
             self.writes_inflight += 1;
@@ -493,7 +507,7 @@ mod tests {
     fn run_reads(engine: ScriptedEngine, held: &Held, count: usize) -> (Vec<Released>, Vec<Vec<u8>>) {
         let mut buffers = vec![vec![0u8; OP_BYTES]; count];
         let (tx, rx) = mpsc::channel();
-        let queue = DeviceQueue::start("test", -1, Box::new(engine), 8, 1 << 20).unwrap();
+        let queue = DeviceQueue::start("test", -1, Box::new(engine), 8, 1 << 20, Arc::default()).unwrap();
         for (i, b) in buffers.iter_mut().enumerate() {
             queue.read(read_op(i, b, held, &tx));
         }
@@ -522,7 +536,7 @@ mod tests {
         let (engine, held, _) = ScriptedEngine::new(u32::MAX, usize::MAX);
         let mut buffers = vec![vec![0u8; OP_BYTES]; 3];
         let (tx, rx) = mpsc::channel();
-        let queue = DeviceQueue::start("test", -1, Box::new(engine), 8, 1 << 20).unwrap();
+        let queue = DeviceQueue::start("test", -1, Box::new(engine), 8, 1 << 20, Arc::default()).unwrap();
         for (i, b) in buffers.iter_mut().take(2).enumerate() {
             queue.read(read_op(i, b, &held, &tx));
         }
@@ -554,6 +568,8 @@ mod tests {
             write_inflight_bytes: 0,
             writes_inflight: 0,
             batch: Vec::new(),
+            stats: Arc::default(),
+            next_offset: [None; 2],
         };
         for (i, b) in buffers.iter_mut().enumerate() {
             device.stage(read_op(i, b, &held, &tx));

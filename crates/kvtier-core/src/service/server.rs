@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 pub const MAX_TP_SIZE: u32 = 64;
 const ACCEPT_POLL_MS: i32 = 200;
 const JANITOR_PERIOD: Duration = Duration::from_millis(500);
+const TIMELINE_SAVE_PERIOD: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Clone)]
 pub struct ServiceConfig {
@@ -328,10 +329,21 @@ fn admit(state: &State, stream: &UnixStream) -> std::result::Result<(), String> 
 
 fn janitor_loop(state: &Arc<State>) {
     let timeout = Duration::from_millis(state.config.fill_timeout_ms);
+    let mut timelines_saved = Instant::now();
     while !state.stop.load(Ordering::Acquire) {
         std::thread::park_timeout(JANITOR_PERIOD);
         let namespaces: Vec<Arc<Namespaced>> = state.namespaces.lock().values().cloned().collect();
+        // A crash loses the block dates recorded since the last save (the blocks stay).
+        let save_timelines = timelines_saved.elapsed() >= TIMELINE_SAVE_PERIOD;
+        if save_timelines {
+            timelines_saved = Instant::now();
+        }
         for ns in namespaces {
+            if save_timelines {
+                if let Err(e) = ns.store.save_timeline() {
+                    log::warn!("kvtier: saving block dates failed: {e}");
+                }
+            }
             let mut stale = Vec::new();
             ns.fills.lock().retain(|key, fill| {
                 let keep = fill.holders > 0 || fill.since.elapsed() < timeout;

@@ -19,6 +19,7 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 pub const DEVICE_FILE_NAME: &str = "nvme.kvt";
 
@@ -293,7 +294,9 @@ pub fn recover(
     let mut trailer_buf = AlignedBuf::zeroed(geometry.trailer_bytes as usize);
     let mut slot_buf = AlignedBuf::zeroed(geometry.slot_bytes as usize);
     let mut found = Vec::new();
+    let mut progress = RecoveryProgress::new(device, geometry.region_count);
     for region in 0..geometry.region_count as u32 {
+        progress.at(region, &found);
         read_exact_at(device, trailer_buf.as_mut_slice(), geometry.trailer_offset(region))?;
         match Trailer::decode(trailer_buf.as_slice()) {
             Ok(Some(t)) if t.region_index == region as u64 && t.entries.len() as u64 <= geometry.max_entries => {
@@ -316,6 +319,41 @@ pub fn recover(
         }
     }
     Ok(found)
+}
+
+/// Logs how far a long recovery has come (a large device file reads trailers for a while, and a
+/// store with no trailers scans every entry), every `RECOVERY_PROGRESS_PERIOD`.
+struct RecoveryProgress<'a> {
+    device: &'a DeviceFile,
+    region_count: u64,
+    started: Instant,
+    last_report: Instant,
+}
+
+const RECOVERY_PROGRESS_PERIOD: Duration = Duration::from_secs(2);
+
+impl<'a> RecoveryProgress<'a> {
+    fn new(device: &'a DeviceFile, region_count: u64) -> Self {
+        let now = Instant::now();
+        RecoveryProgress { device, region_count, started: now, last_report: now }
+    }
+
+    fn at(&mut self, region: u32, found: &[RecoveredRegion]) {
+        if self.last_report.elapsed() < RECOVERY_PROGRESS_PERIOD {
+            return;
+        }
+        self.last_report = Instant::now();
+        let blocks: usize = found.iter().map(|r| r.entries.len()).sum();
+        let done = region as f64 / self.region_count.max(1) as f64;
+        let elapsed_s = self.started.elapsed().as_secs_f64();
+        log::info!(
+            "kvtier: recovering {}: {region} of {} regions ({:.0}%), {blocks} blocks so far, about {:.0} s left",
+            self.device.path.display(),
+            self.region_count,
+            done * 100.0,
+            elapsed_s / done.max(1e-9) * (1.0 - done)
+        );
+    }
 }
 
 fn valid_entry_position(geometry: &Geometry, offset: u64) -> bool {
