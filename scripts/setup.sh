@@ -15,13 +15,18 @@ if ! cargo fmt --version >/dev/null 2>&1 || ! cargo clippy --version >/dev/null 
     rustup component add rustfmt clippy
 fi
 
-if ! command -v fio >/dev/null; then
+# fio: the benchmarks' yardstick; strace: tests/test_io_pattern.py checks the I/O pattern counters
+# against the system calls it sees.
+tools=()
+command -v fio >/dev/null || tools+=(fio)
+command -v strace >/dev/null || tools+=(strace)
+if (( ${#tools[@]} )); then
     if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
-        log "installing fio (the benchmark's yardstick)"
+        log "installing ${tools[*]}"
         apt-get update -qq >/dev/null
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${tools[@]}" >/dev/null
     else
-        log "fio not found and cannot apt-get install it (not root); benchmarks will skip fio"
+        log "${tools[*]} not found and cannot apt-get install (not root); benchmarks skip fio, the strace test skips"
     fi
 fi
 

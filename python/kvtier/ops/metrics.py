@@ -36,6 +36,28 @@ LATENCY_BUCKETS_US = (
     1_000_000,
 )
 LATENCY_OPS = ("lookup", "load", "reserve", "commit")
+# The NVMe tier's request size classes (upper bounds in bytes, crates/kvtier-core/src/stats.rs
+# IO_SIZE_CLASSES) and the suffixes of their counters.
+IO_SIZE_CLASSES: tuple[tuple[int, str], ...] = (
+    (4 << 10, "4k"),
+    (16 << 10, "16k"),
+    (64 << 10, "64k"),
+    (256 << 10, "256k"),
+    (1 << 20, "1m"),
+    (4 << 20, "4m"),
+    (16 << 20, "16m"),
+    (64 << 20, "64m"),
+)
+
+
+def io_request_buckets(values: dict[str, int], kind: str) -> list[tuple[str, float]]:
+    """Cumulative Prometheus buckets of the NVMe tier's request sizes; ``kind`` is ``read`` or ``write``."""
+    buckets, cumulative = [], 0
+    for le, suffix in IO_SIZE_CLASSES:
+        cumulative += values.get(f"nvme_{kind}s_le_{suffix}", 0)
+        buckets.append((str(float(le)), float(cumulative)))
+    buckets.append(("+Inf", float(values.get(f"nvme_{kind}_requests", 0))))
+    return buckets
 
 
 def model_of(description: bytes) -> str:
@@ -117,6 +139,17 @@ def families(namespaces: list[dict[str, Any]], stats: dict[str, int]) -> Iterato
         "Service-side latency of ops: lookup (Locate, Pin), load (Acquire), reserve and commit (a store)",
         labels=[*ns_labels, "op"],
     )
+    io_sizes = HistogramMetricFamily(
+        "kvtier_nvme_request_bytes",
+        "Sizes of the requests the NVMe tier submits (reads: block loads; writes: blocks and region trailers)",
+        labels=[*ns_labels, "op"],
+    )
+    io_order = counter(
+        "kvtier_nvme_requests",
+        "NVMe requests by access order: sequential (starts where the device's previous request of the same op "
+        "ended) or random",
+        [*ns_labels, "op", "order"],
+    )
     for ns in namespaces:
         v: dict[str, int] = dict(ns["values"])
         labels = [str(ns["digest"])[:16], model_of(bytes(ns["description"]))]
@@ -157,8 +190,14 @@ def families(namespaces: list[dict[str, Any]], stats: dict[str, int]) -> Iterato
             buckets = [(str(le / 1e6), float(v.get(f"latency_{op}_le_{le}", 0))) for le in LATENCY_BUCKETS_US]
             buckets.append(("+Inf", float(count)))
             latency.add_metric([*labels, op], buckets, v.get(f"latency_{op}_sum_us", 0) / 1e6)
+        for kind in ("read", "write"):
+            io_sizes.add_metric([*labels, kind], io_request_buckets(v, kind), v.get(f"nvme_{kind}_request_bytes", 0))
+            sequential = v.get(f"nvme_{kind}_sequential", 0)
+            io_order.add_metric([*labels, kind, "sequential"], sequential)
+            io_order.add_metric([*labels, kind, "random"], v.get(f"nvme_{kind}_requests", 0) - sequential)
     yield from (hits, misses, lookups, used, capacity, blocks, stored, loaded, read, written, evictions)
     yield from (drops, nvme_drops, checksum, io_errors, queue, backlog, attached, staleness, latency)
+    yield from (io_sizes, io_order)
     service_connections = GaugeMetricFamily("kvtier_service_connections", "Connections to the service now")
     service_connections.add_metric([], stats.get("service_connections", 0))
     service_namespaces = GaugeMetricFamily("kvtier_service_namespaces", "Namespaces the service has open")
