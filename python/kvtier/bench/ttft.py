@@ -59,9 +59,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench import workload
+from kvtier.bench import io_pattern, workload
 
-TOKENS_PER_BLOCK_CPU = 128  # vLLM's block size on CPU (checked against the engine at start)
+TOKENS_PER_BLOCK_CPU = 128  # vLLM's default block size on CPU (checked against the engine at start)
+CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention takes block sizes that are multiples of this
 DEFAULT_LENGTHS = "1k,2k,4k,8k,16k"
 DEFAULT_HIT_RATES = "0,25,50,75,100"
 SMALL_LENGTHS = "512,1k"
@@ -109,11 +110,11 @@ def parse_tokens(text: str) -> int:
     return int(text)
 
 
-def parse_lengths(text: str) -> list[int]:
+def parse_lengths(text: str, block_tokens: int = TOKENS_PER_BLOCK_CPU) -> list[int]:
     lengths = [parse_tokens(part) for part in text.split(",") if part.strip()]
     for length in lengths:
-        if length < TOKENS_PER_BLOCK_CPU or length % TOKENS_PER_BLOCK_CPU:
-            raise BenchError(f"prompt length {length} must be a positive multiple of {TOKENS_PER_BLOCK_CPU} tokens")
+        if length < block_tokens or length % block_tokens:
+            raise BenchError(f"prompt length {length} must be a positive multiple of the block ({block_tokens} tokens)")
     if not lengths:
         raise BenchError("--lengths is empty")
     return sorted(set(lengths))
@@ -153,6 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt length of experiment 2 (default 8k; --small: the longest of --lengths); 0 skips experiment 2",
     )  # fmt: skip
     parser.add_argument("--small", action="store_true", help="CI size: tiny model, lengths 512,1k, one repeat")
+    parser.add_argument(
+        "--block-tokens", type=int, default=TOKENS_PER_BLOCK_CPU,
+        help=f"the engine's block size: one kvtier object per block (default {TOKENS_PER_BLOCK_CPU}; a multiple "
+        f"of {CPU_BLOCK_MULTIPLE} on CPU; other than {TOKENS_PER_BLOCK_CPU} skips LMCache)",
+    )  # fmt: skip
     parser.add_argument("--out", help="output directory (default bench-results/ttft-<timestamp>)")
     parser.add_argument(
         "--store-dir", help="kvtier store directory (default: a temporary directory, removed afterwards)"
@@ -183,7 +189,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     if preset_name not in PRESETS:
         raise BenchError(f"unknown preset {preset_name!r}; choose one of {sorted(PRESETS)}")
     preset = PRESETS[preset_name]
-    lengths = parse_lengths(args.lengths or (SMALL_LENGTHS if args.small else DEFAULT_LENGTHS))
+    lengths = parse_lengths(args.lengths or (SMALL_LENGTHS if args.small else DEFAULT_LENGTHS), args.block_tokens)
     repeats = args.repeats if args.repeats is not None else (1 if args.small else 3)
     if repeats < 1:
         raise BenchError("--repeats must be at least 1")
@@ -192,8 +198,11 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         hit_rate_length = parse_tokens(args.hit_rate_length)
     else:
         hit_rate_length = max(lengths) if args.small else TARGET_LENGTH_TOKENS
-    if hit_rate_length and hit_rate_length % TOKENS_PER_BLOCK_CPU:
-        raise BenchError(f"--hit-rate-length must be a multiple of {TOKENS_PER_BLOCK_CPU} tokens")
+    block = args.block_tokens
+    if block < CPU_BLOCK_MULTIPLE or block % CPU_BLOCK_MULTIPLE:
+        raise BenchError(f"--block-tokens must be a positive multiple of {CPU_BLOCK_MULTIPLE} (vLLM's CPU attention)")
+    if hit_rate_length and hit_rate_length % block:
+        raise BenchError(f"--hit-rate-length must be a multiple of --block-tokens ({block})")
     longest = max([*lengths, hit_rate_length])
     if longest + 2 > preset.max_position_embeddings:
         raise BenchError(
@@ -202,7 +211,6 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         )
     model_dir = ensure_model(preset_name)
     vocab_size = int(model_manifest(model_dir)["vocab_size"])
-    block = TOKENS_PER_BLOCK_CPU
     kv_bytes_per_token = preset.kv_bytes_per_token
     object_bytes = kv_bytes_per_token * block
     slot_bytes = 4096 + -(-object_bytes // 4096) * 4096
@@ -263,6 +271,8 @@ def lmcache_plan(args: argparse.Namespace, lengths: list[int], kv_bytes_per_toke
     reason = None
     if args.skip_lmcache:
         reason = "LMCache skipped (--skip-lmcache)"
+    elif args.block_tokens != TOKENS_PER_BLOCK_CPU:
+        reason = f"LMCache skipped: its runner uses vLLM's default block size, not --block-tokens {args.block_tokens}"
     elif args.lmcache_python:
         python = str(Path(args.lmcache_python).absolute())
         if not os.access(python, os.X_OK):
@@ -355,6 +365,7 @@ class Engine:
             distributed_executor_backend="uni",
             seed=0,
             kv_transfer_config=KVTransferConfig(**kv_transfer) if kv_transfer else None,
+            block_size=plan["block_tokens"],
             **engine_options,
         )
         self.start_s = time.monotonic() - started
@@ -1232,7 +1243,34 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def print_report(plan: dict, summary: dict, notes: list[str]) -> str:
+def io_pattern_section(phase_info: dict) -> list[str]:
+    """Markdown: the NVMe tier's I/O pattern in each kvtier phase (seed 002's experiment 6), from the
+    counters of the phase's service (it starts with the phase, so its counters are the phase's)."""
+    # Summed over the repeats and lengths of a phase kind (kvtier_store-8192-r1 -> kvtier_store).
+    totals: dict[str, dict[str, int]] = {}
+    for name, info in phase_info.items():
+        if name.startswith("kvtier") and "store_stats" in info:
+            total = totals.setdefault(name.split("-")[0], {})
+            for key, value in info["store_stats"].items():
+                if key.startswith(("nvme_read", "nvme_write")):
+                    total[key] = total.get(key, 0) + int(value)
+    patterns = {name: io_pattern.pattern_of(total) for name, total in totals.items()}
+    header, rows = io_pattern.pattern_rows(patterns)
+    if not rows:
+        return []
+    ratios = [
+        f"{name} {pattern['read_write_byte_ratio']:.2f}"
+        for name, pattern in patterns.items()
+        if pattern["read_write_byte_ratio"] and pattern["read"]["requests"]
+    ]
+    lines = ["### I/O pattern of the NVMe tier per phase kind (experiment 6; requests per size class)", ""]
+    lines += [markdown_table(header, rows), ""]
+    if ratios:
+        lines += ["read:write bytes: " + ", ".join(ratios), ""]
+    return lines
+
+
+def print_report(plan: dict, summary: dict, notes: list[str], phase_info: dict | None = None) -> str:
     """Prints the tables, targets and notes; returns the same as Markdown (also written to report.md)."""
     header1, rows1, header2, rows2 = table_rows(plan, summary)
     recompute_line = experiment2_recompute_line(plan, summary)
@@ -1291,6 +1329,10 @@ def print_report(plan: dict, summary: dict, notes: list[str]) -> str:
     memcpy_line = [f"memcpy rate measured in this run: {memcpy:.1f} GB/s (numpy, 256 MiB copies)", ""] if memcpy else []
     markdown += ["Targets (figures, not asserts):", ""] + [f"- {line}" for line in target_lines] + [""] + memcpy_line
     markdown += ["Outputs:", ""] + [f"- {line}" for line in output_lines] + [""]
+    io_lines = io_pattern_section(phase_info or {})
+    if io_lines:
+        print("\n".join(io_lines))
+    markdown += io_lines
     markdown += [f"- note: {note}" for note in notes]
     return "\n".join(markdown) + "\n"
 
@@ -1459,7 +1501,7 @@ def main(argv: list[str] | None = None) -> int:
     if not measurements:
         return exit_code or 1
     summary = summarize(plan, measurements)
-    markdown = print_report(plan, summary, notes)
+    markdown = print_report(plan, summary, notes, phase_info)
     plots = write_plots(plan, summary, out_dir)
     result = {
         "benchmark": "kvtier bench ttft",
