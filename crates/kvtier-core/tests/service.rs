@@ -554,3 +554,65 @@ fn engines_of_two_tp_sizes_share_blocks_placed_by_runs() {
     drop((ranks, whole));
     service.stop().unwrap();
 }
+
+/// The two-phase transfers a GPU worker uses (it copies with its DMA engine, not with the client):
+/// reserve, copy at `pool address + object offset`, commit; acquire, copy out, release. What one
+/// rank writes this way is what `load_blocks` of another engine reads, an aborted fill leaves the
+/// block absent and reservable again, and a released block holds no pin.
+#[test]
+fn a_caller_that_copies_itself_stores_and_loads_through_reserve_and_acquire() {
+    use kvtier_core::service::ReserveReply;
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start(dir.path(), 0);
+    let keys: Vec<BlockKey> = (0..6).map(key).collect();
+    let values: Vec<Vec<u8>> = (0..6).map(|i| value(i, SLICE)).collect();
+    let mut gpu = client(&socket, 1, 0);
+    let (address, bytes) = gpu.pool_span().unwrap();
+    let copy_in = |offset: usize, v: &[u8]| {
+        assert!(offset + v.len() <= bytes);
+        // SAFETY: inside the mapping (checked above), and reserved for this connection's fill.
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), (address + offset) as *mut u8, v.len()) }
+    };
+    let replies = gpu.reserve(&keys).unwrap();
+    let offsets: Vec<usize> = replies
+        .iter()
+        .map(|r| match r {
+            ReserveReply::Fill { object_offset } => *object_offset,
+            other => panic!("a new block is a fill, got {other:?}"),
+        })
+        .collect();
+    for (i, &at) in offsets.iter().enumerate().take(4) {
+        copy_in(at, &values[i]);
+    }
+    assert_eq!(gpu.commit(&keys[..4]).unwrap(), vec![true; 4]);
+    gpu.abort(&keys[4..]).unwrap();
+    assert_eq!(gpu.reserve(&keys[..1]).unwrap(), vec![ReserveReply::Present]);
+
+    let mut cpu = client(&socket, 1, 0);
+    let (found, out) = load(&mut cpu, &keys);
+    assert_eq!(found, vec![true, true, true, true, false, false], "aborted fills are misses");
+    assert_eq!(out[..4], values[..4]);
+    let again = gpu.reserve(&keys[4..]).unwrap();
+    assert!(again.iter().all(|r| matches!(r, ReserveReply::Fill { .. })), "{again:?}");
+    gpu.abort(&keys[4..]).unwrap();
+
+    let acquired = gpu.acquire(&keys).unwrap();
+    assert_eq!(acquired.iter().filter(|at| at.is_some()).count(), 4);
+    for (i, at) in acquired.iter().enumerate().take(4) {
+        let at = at.unwrap();
+        // SAFETY: pinned by the acquire, inside the mapping.
+        let got = unsafe { std::slice::from_raw_parts((address + at) as *const u8, SLICE) };
+        assert_eq!(got, &values[i][..]);
+    }
+    // Held: a trim of everything skips all four as in use.
+    let (_, namespaces) = cpu.namespaces().unwrap();
+    let digest = namespaces[0].digest;
+    let trimmed: std::collections::HashMap<String, u64> = cpu.trim(&digest, 0, 0).unwrap().into_iter().collect();
+    assert_eq!(trimmed["skipped_in_use"], 4, "{trimmed:?}");
+    gpu.release(&keys[..4]).unwrap();
+    let trimmed: std::collections::HashMap<String, u64> = cpu.trim(&digest, 0, 0).unwrap().into_iter().collect();
+    assert_eq!(trimmed["skipped_in_use"], 0, "released: {trimmed:?}");
+    assert_eq!(cpu.locate(&keys[..4]).unwrap(), vec![0; 4], "trimmed once released");
+    drop((gpu, cpu));
+    service.stop().unwrap();
+}

@@ -3,7 +3,7 @@
 //! access without copies (held until a job finishes), typed exceptions, and releasing the GIL
 //! during I/O.
 
-use kvtier_core::service::{Client, PlacementRun, Service, ServiceConfig};
+use kvtier_core::service::{Client, PlacementRun, ReserveReply, Service, ServiceConfig};
 use kvtier_core::{
     find_option, unknown_option_message, BlockBuffer, BlockKey, ConfigOption, Error, Job, JobKind, OptionKind,
     OptionValue, Store, StoreConfig, OPTIONS,
@@ -835,6 +835,68 @@ impl PyServiceClient {
             d.set_item(name, value)?;
         }
         Ok(d)
+    }
+
+    /// The namespace's pool as mapped in this process, for a caller that copies itself (the GPU
+    /// path): `{"address", "bytes", "slot_bytes", "slot_count", "object_bytes", "slice_bytes",
+    /// "placement_runs": [(slice_offset, object_offset, len)]}` (runs merged where they continue).
+    fn pool<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let client = self.inner.lock();
+        let (attached, (address, bytes)) =
+            client.attached().zip(client.pool_span()).ok_or_else(|| PyValueError::new_err("call hello() first"))?;
+        let d = PyDict::new(py);
+        d.set_item("address", address)?;
+        d.set_item("bytes", bytes)?;
+        d.set_item("slot_bytes", attached.slot_bytes)?;
+        d.set_item("slot_count", attached.slot_count)?;
+        d.set_item("object_bytes", attached.object_bytes)?;
+        d.set_item("slice_bytes", attached.slice_bytes)?;
+        let runs: Vec<(usize, usize, usize)> =
+            attached.placement.runs().iter().map(|r| (r.slice_offset, r.object_offset, r.len)).collect();
+        d.set_item("placement_runs", runs)?;
+        Ok(d)
+    }
+
+    /// Reserves a slot per block for this rank's slice: per key `("fill", object_offset)` (copy the
+    /// slice to pool address + offset by the placement, then `commit_many` or `abort_many`),
+    /// `("present", None)`, `("dropped", None)` or `("retry", None)` (no room now: commit, then
+    /// reserve again).
+    fn reserve_many(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<(&'static str, Option<usize>)>> {
+        let keys = parse_keys(keys)?;
+        let replies = py.detach(|| self.inner.lock().reserve(&keys)).map_err(to_py)?;
+        Ok(replies
+            .into_iter()
+            .map(|reply| match reply {
+                ReserveReply::Fill { object_offset } => ("fill", Some(object_offset)),
+                ReserveReply::Present => ("present", None),
+                ReserveReply::Dropped => ("dropped", None),
+                ReserveReply::Retry => ("retry", None),
+            })
+            .collect())
+    }
+
+    /// Commits this rank's copies of reserved blocks: `True` per slice accepted.
+    fn commit_many(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let keys = parse_keys(keys)?;
+        py.detach(|| self.inner.lock().commit(&keys)).map_err(to_py)
+    }
+
+    /// Gives reserved slots back unfilled (the copy failed).
+    fn abort_many(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = parse_keys(keys)?;
+        py.detach(|| self.inner.lock().abort(&keys)).map_err(to_py)
+    }
+
+    /// Makes blocks resident and verified and pins them for this connection: per key the offset of
+    /// its object in the pool, or None for a miss. Copy out, then `release_many`.
+    fn acquire_many(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<Option<usize>>> {
+        let keys = parse_keys(keys)?;
+        py.detach(|| self.inner.lock().acquire(&keys)).map_err(to_py)
+    }
+
+    fn release_many(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = parse_keys(keys)?;
+        py.detach(|| self.inner.lock().release(&keys)).map_err(to_py)
     }
 
     /// Stores this rank's slice of blocks straight from the engine's layer buffers into the pool:

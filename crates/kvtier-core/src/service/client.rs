@@ -41,6 +41,20 @@ impl Attached {
     }
 }
 
+/// The service's answer to `Client::reserve` for one block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReserveReply {
+    /// Copy this rank's slice into the block's object, at this offset in the mapped pool
+    /// (`Client::pool_span`), then `commit` it, or `abort` it if the copy failed.
+    Fill { object_offset: usize },
+    /// Stored already, or being filled by an engine of another TP size: nothing to copy.
+    Present,
+    /// The service will not take the block now (a dropped store, counted by the service).
+    Dropped,
+    /// No room now: commit what was handed out, then reserve this one again.
+    Retry,
+}
+
 /// The pool file mapped shared, read and write.
 struct PoolMap {
     base: *mut u8,
@@ -405,55 +419,122 @@ impl Client {
         sources: &[BlockBuffer],
         results: &mut [bool],
     ) -> Result<Vec<usize>> {
-        let attached = self.attached.clone().expect("checked by check_buffers");
-        let body = self.call(Op::Reserve, |w| {
-            w.keys(keys);
-        })?;
-        let reservations = self.parse(&body, |r| {
-            (0..keys.len()).map(|_| Ok((r.u8()?, r.u32()?))).collect::<std::result::Result<Vec<_>, _>>()
-        })?;
-        let (mut filled, mut filled_at, mut retry, mut bad) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for ((&key, &i), &(kind, slot)) in keys.iter().zip(indices).zip(&reservations) {
-            match kind {
-                0 => {}
-                1 => {
-                    results[i] = true;
-                    continue;
+        let reservations = self.reserve(keys)?;
+        let attached = self.attached.as_ref().expect("checked by check_buffers");
+        let pool = self.pool.as_ref().expect("mapped at hello");
+        let (mut filled, mut filled_at, mut retry) = (Vec::new(), Vec::new(), Vec::new());
+        for ((&key, &i), reservation) in keys.iter().zip(indices).zip(reservations) {
+            match reservation {
+                ReserveReply::Fill { object_offset } => {
+                    attached.placement.copy(pool.base.add(object_offset), &sources[i].segments, true);
+                    filled.push(key);
+                    filled_at.push(i);
                 }
-                3 => {
-                    retry.push(i);
-                    continue;
-                }
-                _ => continue,
+                ReserveReply::Present => results[i] = true,
+                ReserveReply::Retry => retry.push(i),
+                ReserveReply::Dropped => {}
             }
-            let Some(at) = attached.object_offset(slot) else {
-                bad.push(key);
-                continue;
-            };
-            let pool = self.pool.as_ref().expect("mapped at hello");
-            attached.placement.copy(pool.base.add(at), &sources[i].segments, true);
-            filled.push(key);
-            filled_at.push(i);
-        }
-        if !bad.is_empty() {
-            let _ = self.call(Op::Abort, |w| {
-                w.keys(&bad);
-            });
-            return Err(service_error(&self.socket_path, "handed out a slot outside its pool; reconnect"));
         }
         if !filled.is_empty() {
-            let body = self.call(Op::Commit, |w| {
-                w.keys(&filled);
-            })?;
-            if body.len() != filled.len() {
-                self.stream = None;
-                return Err(service_error(&self.socket_path, "short commit reply"));
-            }
-            for (&i, &ok) in filled_at.iter().zip(&body) {
-                results[i] = ok != 0;
+            for (&i, ok) in filled_at.iter().zip(self.commit(&filled)?) {
+                results[i] = ok;
             }
         }
         Ok(retry)
+    }
+
+    // ---- the two-phase transfers, for a caller that copies itself (a GPU's DMA engine) ----
+
+    /// Reserves a slot per block for this rank's slice. For every `Fill`, copy the slice into the
+    /// pool at its object offset by this rank's placement (`placement_runs`), then `commit` or
+    /// `abort` the key. A fill neither committed nor aborted is reclaimed when this connection
+    /// closes, or after the service's fill timeout.
+    pub fn reserve(&mut self, keys: &[BlockKey]) -> Result<Vec<ReserveReply>> {
+        let body = self.call(Op::Reserve, |w| {
+            w.keys(keys);
+        })?;
+        let decided = self.parse(&body, |r| {
+            (0..keys.len()).map(|_| Ok((r.u8()?, r.u32()?))).collect::<std::result::Result<Vec<_>, _>>()
+        })?;
+        let attached = self.attached.as_ref().ok_or_else(|| service_error(&self.socket_path, "say hello first"))?;
+        let mut out = Vec::with_capacity(keys.len());
+        let mut outside = Vec::new();
+        for (&key, (kind, slot)) in keys.iter().zip(decided) {
+            out.push(match kind {
+                0 => match attached.object_offset(slot) {
+                    Some(object_offset) => ReserveReply::Fill { object_offset },
+                    None => {
+                        outside.push(key);
+                        ReserveReply::Dropped
+                    }
+                },
+                1 => ReserveReply::Present,
+                3 => ReserveReply::Retry,
+                _ => ReserveReply::Dropped,
+            });
+        }
+        if !outside.is_empty() {
+            let _ = self.abort(&outside);
+            self.stream = None;
+            return Err(service_error(&self.socket_path, "handed out a slot outside its pool; reconnect"));
+        }
+        Ok(out)
+    }
+
+    /// Makes this rank's copies of reserved blocks count: `true` per block whose slice the service
+    /// accepted (the block becomes visible once every rank committed).
+    pub fn commit(&mut self, keys: &[BlockKey]) -> Result<Vec<bool>> {
+        let body = self.call(Op::Commit, |w| {
+            w.keys(keys);
+        })?;
+        if body.len() != keys.len() {
+            self.stream = None;
+            return Err(service_error(&self.socket_path, "short commit reply"));
+        }
+        Ok(body.iter().map(|&ok| ok != 0).collect())
+    }
+
+    /// Gives reserved slots back without storing (the copy into them failed).
+    pub fn abort(&mut self, keys: &[BlockKey]) -> Result<()> {
+        self.call(Op::Abort, |w| {
+            w.keys(keys);
+        })
+        .map(drop)
+    }
+
+    /// Makes each block resident and verified in the pool and pins it for this connection: the
+    /// offset of its object in the mapped pool, `None` for a miss. Copy this rank's slice out by
+    /// its placement, then `release` the keys; the pins end when the connection closes otherwise.
+    /// Ask for at most a quarter of the pool at once (see `load_blocks`).
+    pub fn acquire(&mut self, keys: &[BlockKey]) -> Result<Vec<Option<usize>>> {
+        let body = self.call(Op::Acquire, |w| {
+            w.keys(keys);
+        })?;
+        let slots =
+            self.parse(&body, |r| (0..keys.len()).map(|_| r.u32()).collect::<std::result::Result<Vec<_>, _>>())?;
+        let attached = self.attached.as_ref().ok_or_else(|| service_error(&self.socket_path, "say hello first"))?;
+        let offsets: Vec<Option<usize>> =
+            slots.iter().map(|&slot| if slot == NO_SLOT { None } else { attached.object_offset(slot) }).collect();
+        if slots.iter().zip(&offsets).any(|(&slot, at)| slot != NO_SLOT && at.is_none()) {
+            self.stream = None;
+            return Err(service_error(&self.socket_path, "handed out a slot outside its pool; reconnect"));
+        }
+        Ok(offsets)
+    }
+
+    /// Unpins blocks `acquire` pinned for this connection.
+    pub fn release(&mut self, keys: &[BlockKey]) -> Result<()> {
+        self.call(Op::Release, |w| {
+            w.keys(keys);
+        })
+        .map(drop)
+    }
+
+    /// The pool as mapped in this process: its address and length. A caller registers it for
+    /// DMA (cudaHostRegister) and copies at `address + object_offset`; valid until the client is
+    /// dropped or says hello again.
+    pub fn pool_span(&self) -> Option<(usize, usize)> {
+        self.pool.as_ref().map(|p| (p.base as usize, p.len))
     }
 
     /// Loads this rank's slice of each block out of the pool (the service first makes each block
@@ -488,19 +569,13 @@ impl Client {
         let readable = keys.len().min((slot_count / 2).max(1));
         let mut results = Vec::with_capacity(keys.len());
         for round in keys[..readable].chunks((slot_count / 4).max(1)) {
-            let body = self.call(Op::Acquire, |w| {
-                w.keys(round);
-            })?;
-            let slots =
-                self.parse(&body, |r| (0..round.len()).map(|_| r.u32()).collect::<std::result::Result<Vec<_>, _>>())?;
+            let offsets = self.acquire(round)?;
             let acquired: Vec<BlockKey> =
-                round.iter().zip(&slots).filter(|(_, &slot)| slot != NO_SLOT).map(|(key, _)| *key).collect();
+                round.iter().zip(&offsets).filter(|(_, at)| at.is_some()).map(|(key, _)| *key).collect();
             if !acquired.is_empty() {
-                self.call(Op::Release, |w| {
-                    w.keys(&acquired);
-                })?;
+                self.release(&acquired)?;
             }
-            results.extend(slots.iter().map(|&slot| slot != NO_SLOT));
+            results.extend(offsets.iter().map(Option::is_some));
         }
         results.resize(keys.len(), false);
         Ok(results)
@@ -512,33 +587,23 @@ impl Client {
         keys: &[BlockKey],
         dests: &[BlockBuffer],
     ) -> Result<Vec<bool>> {
-        let body = self.call(Op::Acquire, |w| {
-            w.keys(keys);
-        })?;
-        let slots =
-            self.parse(&body, |r| (0..keys.len()).map(|_| r.u32()).collect::<std::result::Result<Vec<_>, _>>())?;
-        let mut results = vec![false; keys.len()];
+        let offsets = self.acquire(keys)?;
+        let pool = self.pool.as_ref().expect("mapped at hello");
         let mut acquired = Vec::new();
         let mut copies = Vec::new();
-        let pool = self.pool.as_ref().expect("mapped at hello");
-        for (i, &slot) in slots.iter().enumerate() {
-            if slot == NO_SLOT {
-                continue;
+        for (i, at) in offsets.iter().enumerate() {
+            if let Some(at) = *at {
+                acquired.push(keys[i]);
+                copies.push(SliceCopy { from: pool.base.add(at), to: &dests[i].segments });
             }
-            acquired.push(keys[i]);
-            let Some(at) = attached.object_offset(slot) else { continue };
-            copies.push(SliceCopy { from: pool.base.add(at), to: &dests[i].segments });
-            results[i] = true;
         }
         copy_slices(copies, &attached.placement, attached.slice_bytes, self.copy_threads);
         if !acquired.is_empty() {
             // The copies are done and were pinned while they ran. If the release fails the connection
             // is dropped, and its closing releases the pins in the service.
-            let _ = self.call(Op::Release, |w| {
-                w.keys(&acquired);
-            });
+            let _ = self.release(&acquired);
         }
-        Ok(results)
+        Ok(offsets.iter().map(Option::is_some).collect())
     }
 }
 

@@ -9,6 +9,6 @@ pub mod placement;
 pub mod protocol;
 pub mod server;
 
-pub use client::{Attached, Client, NamespaceInfo, RemoteBadBlock, RemoteVerifyBatch};
+pub use client::{Attached, Client, NamespaceInfo, RemoteBadBlock, RemoteVerifyBatch, ReserveReply};
 pub use placement::{Placement, PlacementRun};
 pub use server::{Service, ServiceConfig, MAX_TP_SIZE};
