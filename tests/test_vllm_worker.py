@@ -23,6 +23,7 @@ except Exception as import_error:  # pragma: no cover - depends on the environme
 
 from kvtier import service as kvtier_service
 from kvtier.vllm import (
+    GpuServiceWorker,
     KvtierLoadStoreSpec,
     KvtierManager,
     KvtierOptions,
@@ -186,6 +187,46 @@ def test_a_lookup_prefetches_nvme_blocks_into_dram_and_answers_pending_meanwhile
         probe.close()
     finally:
         kvtier_service.stop_service(options.socket_path())
+
+
+def test_the_gpu_worker_moves_vllm_jobs_through_reserve_and_acquire(service):
+    """GpuServiceWorker is the GPU rank's worker; its copies are kvtier.gpu's, which run on host
+    tensors too. Driven by vLLM's calls, it stores and restores into other block ids, and what it
+    stores is what the CPU worker (the service's own copy path) loads."""
+    import torch
+
+    from kvtier.gpu.transfers import rank_tensors
+
+    source = layers()
+    canonical = [torch.from_numpy(layer).view(torch.int8) for layer in source]  # vLLM's int8 rows
+    w = GpuServiceWorker(connection(service), rank_tensors(canonical), job_timeout_ms=10_000)
+    try:
+        assert w.submit_store(1, engine_blocks([0, 1, 2]), KvtierLoadStoreSpec([key(40), key(41), key(42)]))
+        w.wait({1})
+        assert finished(w, 1)
+        assert w.submit_load(
+            2, KvtierLoadStoreSpec([key(40), key(41), key(42), key(49)]), engine_blocks([8, 9, 10, 11])
+        )
+        w.wait({2})
+        for layer in source:
+            assert np.array_equal(layer[8:11], layer[0:3]), "restored into other block ids"
+        assert w.take_failed_load_block_ids() == set(), "a worker not told it may report failures keeps none"
+        w.can_report_load_failures = True
+        assert w.submit_load(3, KvtierLoadStoreSpec([key(49)]), engine_blocks([12]))
+        w.wait({3})
+        assert w.take_failed_load_block_ids() == {12}, "a missing block is reported for recompute"
+        assert w.transfers.counters.stored_blocks == 3 and w.transfers.counters.loaded_blocks == 3
+    finally:
+        w.shutdown()
+    cpu_side = layers(fill=0)
+    reader = worker(service, cpu_side)
+    try:
+        assert reader.submit_load(4, KvtierLoadStoreSpec([key(40), key(41), key(42)]), engine_blocks([5, 6, 7]))
+        reader.wait({4})
+        for stored, loaded in zip(source, cpu_side, strict=True):
+            assert np.array_equal(loaded[5:8], stored[0:3])
+    finally:
+        reader.shutdown()
 
 
 def test_second_sight_admission_stores_a_block_the_second_time_it_is_computed(service):

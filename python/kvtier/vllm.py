@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
     CANONICAL_FORMAT_VERSION as CANONICAL_PAGE_FORMAT_VERSION,
 )
@@ -730,6 +731,16 @@ class ServiceConnection:
                 self._reconnect_in_background()
             return default
 
+    def live_client(self) -> Any:
+        """The connected client, for a caller that drives the two-phase calls itself (the GPU
+        worker); None while the service is unreachable (a reconnect is under way then)."""
+        client = self._client
+        if client is None or not client.connected:
+            self.failed_calls += 1
+            self._reconnect_in_background()
+            return None
+        return client
+
     # The store-like interface KvtierManager uses.
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         return [tier is not None for tier in self.locate_many(keys)]
@@ -1214,6 +1225,8 @@ class _Job:
     is_load: bool
     block_ids: list[int]
     started_ns: int
+    # GPU workers: an event on the engine's stream at submission; the job's copies wait for it.
+    ready: Any = None
 
 
 class KvtierWorker(OffloadingWorker):
@@ -1469,7 +1482,7 @@ class ServiceWorker(KvtierWorker):
                 f"kvtier: job {vllm_job_id} has {len(keys)} keys for {len(block_ids)} engine blocks; "
                 "kvtier needs blocks_per_chunk=1 and one KV-cache group"
             )
-        job = _Job(vllm_job_id, is_load, block_ids, time.monotonic_ns())
+        job = _Job(vllm_job_id, is_load, block_ids, time.monotonic_ns(), self._ready_marker())
         with self._cv:
             if not keys:
                 self._finished.append(TransferResult(vllm_job_id, True, 0, 0.0))
@@ -1484,6 +1497,10 @@ class ServiceWorker(KvtierWorker):
             self._pending.add(vllm_job_id)
             self._cv.notify_all()
         return True
+
+    def _ready_marker(self) -> Any:
+        """Runs on the engine's thread at submission (GPU workers record an event there)."""
+        return None
 
     def _backlog_blocks(self) -> int:
         return sum(work.remaining for work in self._stores)
@@ -1530,11 +1547,18 @@ class ServiceWorker(KvtierWorker):
                 self._store_batch(work)
                 continue
             job, keys = work
-            spread = self._spread_load()
-            found = self._connection.call("load_blocks", keys, self._layers, job.block_ids, default=None)
-            if spread:
-                _set_affinity(self._spare_cores)
-            self._finish(job, list(found) if found is not None else [False] * len(keys))
+            self._finish(job, self._load(job, keys))
+
+    def _load(self, job: _Job, keys: list[bytes]) -> list[bool]:
+        spread = self._spread_load()
+        found = self._connection.call("load_blocks", keys, self._layers, job.block_ids, default=None)
+        if spread:
+            _set_affinity(self._spare_cores)
+        return list(found) if found is not None else [False] * len(keys)
+
+    def _store(self, job: _Job, keys: list[bytes], block_ids: list[int]) -> list[bool]:
+        found = self._connection.call("store_blocks", keys, self._layers, block_ids, default=None)
+        return list(found) if found is not None else [False] * len(keys)
 
     def _spread_load(self) -> bool:
         """While no forward pass runs the engine waits for this load, so every core copies it (the
@@ -1552,9 +1576,8 @@ class ServiceWorker(KvtierWorker):
 
     def _store_batch(self, work: _StoreWork) -> None:
         batch = slice(work.copied, work.copied + max(1, STORE_BATCH_BYTES // self._object_bytes))
+        work.found[batch] = self._store(work.job, work.keys[batch], work.job.block_ids[batch])
         keys = work.keys[batch]
-        found = self._connection.call("store_blocks", keys, self._layers, work.job.block_ids[batch], default=None)
-        work.found[batch] = list(found) if found is not None else [False] * len(keys)
         with self._cv:
             work.copied += len(keys)
             if work.remaining > 0:
@@ -1603,6 +1626,47 @@ class ServiceWorker(KvtierWorker):
             self._cv.notify_all()
         self._thread.join(timeout=self._job_timeout_ms / 1000)
         self._connection.close()
+
+
+class GpuServiceWorker(ServiceWorker):
+    """A rank whose KV cache is on a GPU: the same job queue, with the copies done by the GPU's
+    DMA engine (``kvtier.gpu``): stores reserve pool slots, copy on a side stream after the engine's
+    event, wait for their own event and commit; loads acquire rounds and copy each while the service
+    reads the next one from NVMe. The engine's stream is never synchronized. No CPU copy threads are
+    involved, so stores need not be held back behind prefill (``defer_stores`` is off)."""
+
+    def __init__(self, connection: ServiceConnection, rows: list[torch.Tensor], job_timeout_ms: int):
+        from kvtier.gpu.transfers import BlockTransfers
+
+        self.transfers = BlockTransfers(rows)
+        self._failed_calls_seen = 0
+        super().__init__(connection, rows, int(rows[0].shape[1]), job_timeout_ms, defer_stores=False)  # type: ignore[arg-type]
+        self._object_bytes = sum(int(r.shape[1]) for r in rows)
+
+    def _ready_marker(self) -> Any:
+        return self.transfers.ready_marker()
+
+    def _spread_load(self) -> bool:
+        return False
+
+    def _counted(self, moved: list[bool]) -> list[bool]:
+        # Failed service calls of the transfers show up in the connection's count (metrics, logs).
+        failed = self.transfers.counters.failed_calls
+        self._connection.failed_calls += failed - self._failed_calls_seen
+        self._failed_calls_seen = failed
+        return moved
+
+    def _load(self, job: _Job, keys: list[bytes]) -> list[bool]:
+        client = self._connection.live_client()
+        return self._counted(self.transfers.load(client, keys, job.block_ids, job.ready))
+
+    def _store(self, job: _Job, keys: list[bytes], block_ids: list[int]) -> list[bool]:
+        client = self._connection.live_client()
+        return self._counted(self.transfers.store(client, keys, block_ids, job.ready))
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.transfers.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -1710,7 +1774,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         check_hash_algo(self._hash_algo())
         (group_refs,) = kv_caches.group_data_refs
-        layer_buffers: list[np.ndarray] = []
+        tensors: list[torch.Tensor] = []
         page_bytes_per_layer: list[int] = []
         seen_tensors: set[int] = set()
         for ref in group_refs:
@@ -1719,24 +1783,30 @@ class KvtierOffloadingSpec(OffloadingSpec):
             seen_tensors.add(ref.tensor_idx)
             canonical = kv_caches.tensors[ref.tensor_idx]
             tensor = canonical.tensor
-            if tensor.device.type != "cpu":
+            if tensor.device.type not in ("cpu", "cuda"):
                 raise KvtierVllmConfigError(
-                    f"kvtier.vllm moves host memory; this engine's KV cache is on {tensor.device} "
-                    "(the GPU staging path is not implemented yet)"
+                    f"kvtier.vllm moves KV caches on CUDA GPUs or in host memory, not on {tensor.device}"
                 )
             if not tensor.is_contiguous():
                 raise KvtierVllmConfigError(
                     "kvtier.vllm needs each layer's KV cache as one contiguous (num_blocks, page_bytes) tensor; "
                     f"got strides {tensor.stride()}"
                 )
-            layer_buffers.append(tensor.numpy())
+            tensors.append(tensor)
             page_bytes_per_layer.append(int(tensor.shape[1]))
+        on_gpu = tensors[0].device.type == "cuda"
+        if on_gpu and not self.options.host_service:
+            raise KvtierVllmConfigError(
+                "kvtier moves a GPU KV cache through the host service only; remove host_service=false from "
+                "kv_connector_extra_config"
+            )
         if len(set(page_bytes_per_layer)) != 1:
             raise KvtierVllmConfigError(
                 f"kvtier.vllm needs equal page sizes in every layer, got {sorted(set(page_bytes_per_layer))}"
             )
         page_bytes = page_bytes_per_layer[0]
-        object_bytes = page_bytes * len(layer_buffers)
+        object_bytes = page_bytes * len(tensors)
+        layer_buffers = [] if on_gpu else [tensor.numpy() for tensor in tensors]
         if self.options.host_service:
             if object_bytes != self.config.worker_kv_bytes_per_block:
                 raise KvtierVllmConfigError(
@@ -1747,6 +1817,10 @@ class KvtierOffloadingSpec(OffloadingSpec):
             connection = self._service_connection(rank=self.config.parallel.rank)
             if rank_independent_objects(self.config):
                 connection.set_placement(canonical_placement(group_refs, page_bytes))
+            if on_gpu:
+                from kvtier.gpu.transfers import rank_tensors
+
+                return GpuServiceWorker(connection, rank_tensors(tensors), self.options.job_timeout_ms)
             return ServiceWorker(
                 connection,
                 layer_buffers,

@@ -1,0 +1,300 @@
+"""One rank's jobs against the host service when the rank copies itself (its KV cache is on a GPU):
+stores reserve slots, copy, then commit; loads acquire blocks in rounds and copy each round while the
+service reads the next one from NVMe.
+
+Every failure ends as misses, never as wrong bytes: a store whose copy failed aborts its slots (the
+blocks stay absent, and another engine may fill them); a load whose copy failed reports the round's
+blocks as missing (vLLM recomputes them) and releases its pins. A service call that fails is
+counted, and the job's remaining blocks are misses.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtier.gpu.device import CudaSide, HostSide, PinnedRange, pool_view, side_for
+from kvtier.gpu.executors import CopyJob, Executor, choose
+from kvtier.gpu.plan import CopyPlan, round_blocks
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TransferCounters:
+    """What this rank's transfers did (read by the benchmark and the tests)."""
+
+    stored_blocks: int = 0
+    loaded_blocks: int = 0
+    aborted_blocks: int = 0
+    failed_copies: int = 0
+    failed_calls: int = 0
+    load_rounds: int = 0
+    retried_reserves: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class _Binding:
+    """What depends on one service client: its pool mapping, pinned for DMA, and the plan."""
+
+    def __init__(self, client: Any, tensors: Sequence[torch.Tensor], side: HostSide | CudaSide):
+        pool = client.pool()
+        self.client = client
+        self.address, self.bytes = int(pool["address"]), int(pool["bytes"])
+        self.slot_count, self.object_bytes = int(pool["slot_count"]), int(pool["object_bytes"])
+        self.pool = pool_view(self.address, self.bytes)
+        self.plan = CopyPlan(
+            [t.shape[1] * t.element_size() for t in tensors], pool["placement_runs"], self.object_bytes
+        )
+        self.pinned = PinnedRange(self.address, self.bytes, int(pool["slot_bytes"])) if side.is_cuda else None
+        self.round_blocks = round_blocks(self.slot_count, self.object_bytes)
+
+    def close(self) -> None:
+        if self.pinned is not None:
+            self.pinned.close()
+
+
+class BlockTransfers:
+    """Moves one rank's slice of blocks between ``tensors`` (its KV cache, one ``(num_blocks,
+    page_bytes)`` uint8 view per tensor, on one device) and the service's pool.
+
+    ``client`` is the live service client; a new one (after a reconnect) re-maps and re-pins.
+    ``ready`` is the marker ``side.ready_marker()`` recorded when the job was submitted."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], executor: Executor | None = None):
+        if not tensors:
+            raise ValueError("kvtier: a rank needs at least one KV-cache tensor")
+        devices = {t.device for t in tensors}
+        if len(devices) != 1:
+            raise ValueError(
+                f"kvtier: a rank's KV-cache tensors must be on one device, got {sorted(map(str, devices))}"
+            )
+        for tensor in tensors:
+            if tensor.dim() != 2 or tensor.dtype != torch.uint8 or tensor.stride(1) != 1:
+                raise ValueError(
+                    "kvtier: each KV-cache tensor must be viewed as (num_blocks, page_bytes) uint8 rows, "
+                    f"got {tuple(tensor.shape)} {tensor.dtype} strides {tensor.stride()}"
+                )
+        self.tensors = list(tensors)
+        self.device = next(iter(devices))
+        self.side = side_for(self.device)
+        self._executor = executor
+        self._binding: _Binding | None = None
+        self.counters = TransferCounters()
+
+    @property
+    def executor(self) -> Executor | None:
+        return self._executor
+
+    def ready_marker(self) -> Any:
+        return self.side.ready_marker()
+
+    def _bind(self, client: Any) -> _Binding:
+        if self._binding is not None and self._binding.client is client:
+            return self._binding
+        if self._binding is not None:
+            self._binding.close()
+        self._binding = _Binding(client, self.tensors, self.side)
+        if self._executor is None:
+            self._executor = choose(self.device, self._binding.plan)
+            logger.info("kvtier: this rank copies with %s", self._executor.name)
+        return self._binding
+
+    def close(self) -> None:
+        if self._binding is not None:
+            self._binding.close()
+            self._binding = None
+
+    def _job(self, binding: _Binding, ids: Sequence[int], offsets: Sequence[int], to_pool: bool) -> CopyJob:
+        return CopyJob(binding.plan, self.tensors, ids, offsets, binding.pool, binding.address, to_pool)
+
+    def _copy(self, binding: _Binding, ready: Any, ids: Sequence[int], offsets: Sequence[int], to_pool: bool) -> Any:
+        """Issues the copies after ``ready``; their done marker. Raises if issuing failed."""
+        assert self._executor is not None, "bound"
+        with self.side.running(ready):
+            self._executor.copy(self._job(binding, ids, offsets, to_pool))
+            return self.side.done_marker()
+
+    def _failed_call(self, what: str, error: Exception) -> None:
+        self.counters.failed_calls += 1
+        self._note(f"{what}: {error}")
+
+    def _note(self, message: str) -> None:
+        if len(self.counters.errors) < 16:
+            self.counters.errors.append(message)
+        logger.error("kvtier: %s", message)
+
+    # ---- stores ---------------------------------------------------------------------------------
+
+    def store(self, client: Any, keys: list[bytes], block_ids: Sequence[int], ready: Any = None) -> list[bool]:
+        """Stores the blocks: True per block the service has now (stored, or present already)."""
+        stored = [False] * len(keys)
+        if client is None or not keys:
+            return stored
+        try:
+            binding = self._bind(client)
+        except Exception as error:
+            self._failed_call("binding to the service's pool", error)
+            return stored
+        pending = list(range(len(keys)))
+        # Blocks the service had no room for are asked for again once the others are committed (as
+        # the service's own store_blocks does); each round places a block or ends the job.
+        while pending:
+            retry = self._store_round(binding, keys, block_ids, ready, pending, stored)
+            if len(retry) == len(pending):
+                break
+            self.counters.retried_reserves += int(bool(retry))
+            pending = retry
+        return stored
+
+    def _store_round(
+        self,
+        binding: _Binding,
+        keys: list[bytes],
+        block_ids: Sequence[int],
+        ready: Any,
+        indices: list[int],
+        stored: list[bool],
+    ) -> list[int]:
+        """One reserve → copy → commit round over ``indices``; the indices to reserve again."""
+        try:
+            replies = binding.client.reserve_many([keys[i] for i in indices])
+        except Exception as error:
+            self._failed_call("reserve", error)
+            return []
+        fills, retry = [], []
+        for i, (kind, offset) in zip(indices, replies, strict=True):
+            if kind == "fill":
+                fills.append((i, offset))
+            elif kind == "present":
+                stored[i] = True
+            elif kind == "retry":
+                retry.append(i)
+        if not fills:
+            return retry
+        fill_keys = [keys[i] for i, _ in fills]
+        try:
+            marker = self._copy(binding, ready, [block_ids[i] for i, _ in fills], [o for _, o in fills], to_pool=True)
+            self.side.wait(marker)
+        except Exception as error:
+            self.counters.failed_copies += 1
+            self._note(f"copying {len(fills)} blocks to the pool failed: {error}")
+            self._abort(binding, fill_keys)
+            return []
+        try:
+            accepted = binding.client.commit_many(fill_keys)
+        except Exception as error:
+            self._failed_call("commit", error)
+            return []
+        for (i, _), ok in zip(fills, accepted, strict=True):
+            stored[i] = ok
+            self.counters.stored_blocks += int(ok)
+        return retry
+
+    def _abort(self, binding: _Binding, keys: list[bytes]) -> None:
+        self.counters.aborted_blocks += len(keys)
+        try:
+            binding.client.abort_many(keys)
+        except Exception as error:
+            self._failed_call("abort", error)
+
+    # ---- loads ----------------------------------------------------------------------------------
+
+    def load(self, client: Any, keys: list[bytes], block_ids: Sequence[int], ready: Any = None) -> list[bool]:
+        """Loads the blocks' prefix that the service has: True per block copied in. Rounds are
+        pipelined: round n+1 is acquired (read up from NVMe by the service) while round n copies."""
+        found = [False] * len(keys)
+        if client is None or not keys:
+            return found
+        try:
+            binding = self._bind(client)
+        except Exception as error:
+            self._failed_call("binding to the service's pool", error)
+            return found
+        in_flight: list[tuple[Any, list[bytes], range]] = []  # (done marker, pinned keys, block indices)
+        at = 0
+        try:
+            while at < len(keys):
+                end = min(len(keys), at + binding.round_blocks)
+                hits, pinned = self._acquire(binding, keys[at:end])
+                self.counters.load_rounds += 1
+                if hits:
+                    try:
+                        marker = self._copy(binding, ready, block_ids[at : at + len(hits)], hits, to_pool=False)
+                    except Exception as error:
+                        self.counters.failed_copies += 1
+                        self._note(f"copying {len(hits)} blocks from the pool failed: {error}")
+                        self._release(binding, pinned)
+                        break
+                    in_flight.append((marker, pinned, range(at, at + len(hits))))
+                elif pinned:
+                    self._release(binding, pinned)
+                self._finish_rounds(binding, in_flight, found, keep=1)
+                if len(hits) < end - at:
+                    break  # later blocks are useless without this one: vLLM recomputes from here
+                at = end
+        finally:
+            self._finish_rounds(binding, in_flight, found, keep=0)
+        return found
+
+    def _acquire(self, binding: _Binding, keys: list[bytes]) -> tuple[list[int], list[bytes]]:
+        """Acquires a round: the object offsets of its leading hits, and every key it pinned."""
+        try:
+            offsets = binding.client.acquire_many(keys)
+        except Exception as error:
+            self._failed_call("acquire", error)
+            return [], []
+        pinned = [key for key, offset in zip(keys, offsets, strict=True) if offset is not None]
+        hits: list[int] = []
+        for offset in offsets:
+            if offset is None:
+                break
+            hits.append(offset)
+        return hits, pinned
+
+    def _finish_rounds(
+        self, binding: _Binding, in_flight: list[tuple[Any, list[bytes], range]], found: list[bool], keep: int
+    ) -> None:
+        """Waits for all but the newest ``keep`` rounds, marks their blocks found, releases their pins."""
+        while len(in_flight) > keep:
+            marker, pinned, indices = in_flight.pop(0)
+            try:
+                self.side.wait(marker)
+                ok = True
+            except Exception as error:
+                self.counters.failed_copies += 1
+                self._note(f"a load's copies failed: {error}")
+                ok = False
+            self._release(binding, pinned)
+            if not ok:
+                # Later rounds may have landed, but a prefix with a hole is useless: drop them too.
+                for _, later_pinned, _ in in_flight:
+                    self._release(binding, later_pinned)
+                in_flight.clear()
+                return
+            for i in indices:
+                found[i] = True
+            self.counters.loaded_blocks += len(indices)
+
+    def _release(self, binding: _Binding, keys: list[bytes]) -> None:
+        if not keys:
+            return
+        try:
+            binding.client.release_many(keys)
+        except Exception as error:
+            self._failed_call("release", error)
+
+
+def rank_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """vLLM's canonical per-layer tensors (``(num_blocks, page_bytes)`` in any dtype, block-major) as
+    the uint8 row views the transfers copy."""
+    views = []
+    for tensor in tensors:
+        if not tensor.is_contiguous():
+            raise ValueError(f"kvtier: a KV-cache tensor with strides {tensor.stride()} is not block-major")
+        views.append(tensor.view(torch.uint8).view(tensor.shape[0], -1))
+    return views

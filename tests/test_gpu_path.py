@@ -1,0 +1,371 @@
+"""The GPU data path on a CPU: everything but the CUDA calls themselves.
+
+The transfers (reserve → copy → commit, pipelined acquire → copy → release), the copy plans and two
+of the executors run here unchanged on host tensors, against the real host service: what they store
+is what the service's own copy path loads, byte for byte, in every layout vLLM uses; failures end as
+misses with nothing pinned or half-written. The CUDA pieces (events, ``cudaHostRegister``,
+``cuMemcpyBatchAsync``) await a GPU (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier import Service, ServiceClient
+from kvtier.gpu import CopyPlan
+from kvtier.gpu.executors import CopyJob, HostExecutor, StagedExecutor, _MemcpyAttributes, choose, self_test
+from kvtier.gpu.layouts import ModelShape, PagedCache, fill_random, layouts_for, paged_cache
+from kvtier.gpu.plan import PlanError, round_blocks
+from kvtier.gpu.transfers import BlockTransfers
+
+SMALL = ModelShape("small", layers=4, kv_heads=2, head_dim=16)
+SMALL_MLA = ModelShape("small-mla", layers=3, kv_heads=1, head_dim=0, latent=40)
+BLOCK_TOKENS = 4
+NUM_BLOCKS = 24
+CPU = torch.device("cpu")
+
+
+def key(i: int, salt: int = 0) -> bytes:
+    return (i + 1000 * salt).to_bytes(8, "little") * 4
+
+
+class Host:
+    """A host service in this process with one engine's namespace."""
+
+    def __init__(self, directory: Path, slice_bytes: int, dram_bytes: int = 4 << 20, tp_size: int = 1):
+        self.socket = str(directory / "kvtier.sock")
+        self.service: Any = Service.start(
+            self.socket,
+            str(directory / "store"),
+            str(directory),
+            5_000,
+            dram_bytes=dram_bytes,
+            nvme_bytes=64 << 20,
+            region_bytes=1 << 20,
+        )
+        self.slice_bytes, self.tp_size = slice_bytes, tp_size
+
+    def client(self, rank: int = 0, runs: list[tuple[int, int, int]] | None = None) -> Any:
+        client = ServiceClient.connect(self.socket, 10_000)
+        client.hello(b"test-gpu-path", self.tp_size, rank, self.slice_bytes)
+        if runs is not None:
+            client.set_placement(runs)
+        return client
+
+    def digest(self, client: Any) -> str:
+        return client.namespaces()["namespaces"][0]["digest"]
+
+
+@pytest.fixture
+def small_cache() -> PagedCache:
+    cache = paged_cache(SMALL, "nhd", NUM_BLOCKS, BLOCK_TOKENS, CPU)
+    fill_random(cache, seed=1)
+    return cache
+
+
+# ---- plans ----------------------------------------------------------------------------------------
+
+
+def test_a_rank_major_plan_is_one_range_and_its_pointers_walk_pages_then_blocks():
+    plan = CopyPlan([100, 100, 50], [(0, 250, 250)], 500)
+    assert plan.contiguous and plan.object_offset == 250
+    assert [(s.tensor, s.page_offset, s.object_offset, s.size) for s in plan.segments] == [
+        (0, 0, 250, 100),
+        (1, 0, 350, 100),
+        (2, 0, 450, 50),
+    ]
+    src, dst, sizes = plan.pointers([10_000, 20_000, 30_000], [100, 100, 64], [3, 5], [1_000_000, 2_000_000], True)
+    assert src.tolist() == [10_300, 20_300, 30_192, 10_500, 20_500, 30_320]
+    assert dst.tolist() == [1_000_250, 1_000_350, 1_000_450, 2_000_250, 2_000_350, 2_000_450]
+    assert sizes.tolist() == [100, 100, 50] * 2
+    back_src, back_dst, _ = plan.pointers(
+        [10_000, 20_000, 30_000], [100, 100, 64], [3, 5], [1_000_000, 2_000_000], False
+    )
+    assert back_src.tolist() == dst.tolist() and back_dst.tolist() == src.tolist()
+
+
+def test_interleaved_runs_split_at_page_ends_and_merge_where_they_continue():
+    # A TP=2 rank's half of each head group: runs of 30 bytes every 60, over pages of 45 bytes.
+    runs = [(i * 30, 60 * i + 30, 30) for i in range(3)]
+    plan = CopyPlan([45, 45], runs, 180)
+    assert not plan.contiguous
+    assert [(s.tensor, s.page_offset, s.object_offset, s.size) for s in plan.segments] == [
+        (0, 0, 30, 30),
+        (0, 30, 90, 15),
+        (1, 0, 105, 15),
+        (1, 15, 150, 30),
+    ]
+    assert sum(s.size for s in plan.segments) == plan.slice_bytes == 90
+    merged = CopyPlan([20, 20], [(0, 0, 10), (10, 10, 30)], 40)
+    assert merged.contiguous and merged.runs == [(0, 0, 40)]
+
+
+@pytest.mark.parametrize(
+    ("runs", "message"),
+    [
+        ([(0, 0, 50)], "cover 50 bytes"),
+        ([(10, 0, 100)], "tile the slice in order"),
+        ([(0, 150, 100)], "ends past"),
+        ([(0, 0, 60), (50, 60, 40)], "tile the slice in order"),
+    ],
+)
+def test_runs_that_do_not_tile_the_slice_inside_the_object_are_refused(runs, message):
+    with pytest.raises(PlanError, match=message):
+        CopyPlan([50, 50], runs, 200)
+
+
+def test_a_round_is_a_quarter_of_the_pool_or_about_64_mib():
+    assert round_blocks(slot_count=16, object_bytes=1 << 20) == 4
+    assert round_blocks(slot_count=4096, object_bytes=2 << 20) == 32
+    assert round_blocks(slot_count=2, object_bytes=1 << 30) == 1
+
+
+def test_every_layout_gives_block_major_rows_that_alias_the_cache():
+    for model in (SMALL, SMALL_MLA):
+        for layout in layouts_for(model):
+            cache = paged_cache(model, layout, 5, BLOCK_TOKENS, CPU)
+            assert cache.block_bytes == model.token_bytes(torch.bfloat16) * BLOCK_TOKENS, layout
+            for row in cache.rows:
+                assert row.shape[0] == 5 and row.is_contiguous()
+            cache.rows[-1][4].fill_(7)
+            storage_bytes = cache.storage[-1].view(torch.uint8).flatten()
+            assert int((storage_bytes == 7).sum()) >= cache.rows[-1].shape[1], f"{layout}: rows copy the cache"
+
+
+# ---- executors ------------------------------------------------------------------------------------
+
+
+def test_the_driver_attribute_struct_matches_cuda_h():
+    # CUmemcpyAttributes: srcAccessOrder (4), srcLocHint {type, id} (8), dstLocHint (8), flags (4).
+    assert ctypes.sizeof(_MemcpyAttributes) == 24
+    assert _MemcpyAttributes.dst_location_hint.offset == 12 and _MemcpyAttributes.flags.offset == 20
+
+
+@pytest.mark.parametrize("executor", [HostExecutor(), StagedExecutor(CPU, staging_bytes=3 * 1000)])
+def test_executors_pass_their_self_test_and_place_bytes_identically(executor, small_cache):
+    self_test(executor, CPU)
+    page_bytes = [r.shape[1] for r in small_cache.rows]
+    slice_bytes = sum(page_bytes)
+    plan = CopyPlan(page_bytes, [(0, 8, slice_bytes)], slice_bytes + 16)
+    pool = torch.zeros(10 * (slice_bytes + 16), dtype=torch.uint8)
+    ids, offsets = [7, 2, 19, 11, 3], [o * (slice_bytes + 16) for o in (9, 0, 4, 5, 1)]
+    executor.copy(CopyJob(plan, small_cache.rows, ids, offsets, pool, pool.data_ptr(), to_pool=True))
+    for block, offset in zip(ids, offsets, strict=True):
+        assert torch.equal(pool[offset + 8 : offset + 8 + slice_bytes], small_cache.block(block))
+    restored = paged_cache(SMALL, "nhd", NUM_BLOCKS, BLOCK_TOKENS, CPU)
+    fill_random(restored, seed=2)
+    executor.copy(CopyJob(plan, restored.rows, [0, 1, 2, 3, 4], offsets, pool, pool.data_ptr(), to_pool=False))
+    for new_id, block in enumerate(ids):
+        assert torch.equal(restored.block(new_id), small_cache.block(block))
+    assert not torch.equal(restored.block(5), small_cache.block(5)), "only the job's blocks were written"
+
+
+def test_a_wrong_executor_fails_its_self_test():
+    class Shifted(HostExecutor):
+        def copy(self, job: CopyJob) -> None:
+            src, dst, sizes = job.pointers()
+            for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist(), strict=True):
+                ctypes.memmove(d, s + 1, n - 1)
+
+    with pytest.raises(RuntimeError, match="wrong bytes"):
+        self_test(Shifted(), CPU)
+
+
+def test_staged_copies_refuse_interleaved_placements():
+    plan = CopyPlan([30, 30], [(0, 0, 30), (30, 60, 30)], 120)
+    pool = torch.zeros(120, dtype=torch.uint8)
+    rows = [torch.zeros((2, 30), dtype=torch.uint8)] * 2
+    with pytest.raises(RuntimeError, match="contiguous plan"):
+        StagedExecutor(CPU).copy(CopyJob(plan, rows, [0], [0], pool, pool.data_ptr(), True))
+    assert isinstance(choose(CPU, plan), HostExecutor)
+
+
+# ---- transfers against the real service -----------------------------------------------------------
+
+
+def _round_trip(tmp_path: Path, model: ModelShape, layout: str) -> None:
+    cache = paged_cache(model, layout, NUM_BLOCKS, BLOCK_TOKENS, CPU)
+    fill_random(cache, seed=3)
+    host = Host(tmp_path, cache.block_bytes)
+    try:
+        gpu_like = BlockTransfers(cache.rows)
+        client = host.client()
+        ids = [5, 17, 2, 9, 23, 0]
+        keys = [key(i) for i in range(len(ids))]
+        assert gpu_like.store(client, keys, ids) == [True] * len(ids)
+        assert gpu_like.counters.stored_blocks == len(ids)
+        # The service's own copy path (another engine, TP=1) reads exactly those bytes.
+        other = np.zeros((len(ids), cache.block_bytes), dtype=np.uint8)
+        assert host.client().load_blocks(keys, [other], list(range(len(ids)))) == [True] * len(ids)
+        for row, block in enumerate(ids):
+            assert np.array_equal(other[row], cache.block(block).numpy()), f"{layout}: block {block}"
+        # Restored into other block ids of a fresh cache.
+        restored = paged_cache(model, layout, NUM_BLOCKS, BLOCK_TOKENS, CPU)
+        fill_random(restored, seed=4)
+        targets = [1, 3, 4, 6, 7, 8]
+        assert BlockTransfers(restored.rows).load(host.client(), keys, targets) == [True] * len(ids)
+        for target, block in zip(targets, ids, strict=True):
+            assert torch.equal(restored.block(target), cache.block(block)), f"{layout}: block {block}"
+        # Stored already: nothing is copied again.
+        assert gpu_like.store(client, keys[:2], ids[:2]) == [True, True]
+        assert gpu_like.counters.stored_blocks == len(ids)
+    finally:
+        host.service.stop()
+
+
+@pytest.mark.parametrize("layout", layouts_for(SMALL))
+def test_store_and_restore_into_other_block_ids_in_every_layout(tmp_path, layout):
+    _round_trip(tmp_path, SMALL, layout)
+
+
+def test_store_and_restore_an_mla_cache(tmp_path):
+    _round_trip(tmp_path, SMALL_MLA, "mla")
+
+
+def test_a_load_runs_in_rounds_stops_at_the_first_miss_and_keeps_no_pins(tmp_path, small_cache):
+    host = Host(tmp_path, small_cache.block_bytes, dram_bytes=16 * 8192)
+    try:
+        transfers = BlockTransfers(small_cache.rows)
+        client = host.client()
+        assert client.pool()["slot_count"] == 16, "rounds of 4 blocks"
+        keys = [key(i) for i in range(11)]
+        assert all(transfers.store(client, keys[:7] + keys[8:], list(range(7)) + list(range(8, 11))))
+        restored = paged_cache(SMALL, "nhd", NUM_BLOCKS, BLOCK_TOKENS, CPU)
+        loader = BlockTransfers(restored.rows)
+        found = loader.load(client, keys, list(range(12, 23)))
+        assert found == [True] * 7 + [False] * 4, "a hole ends the prefix"
+        assert loader.counters.load_rounds == 2 and loader.counters.loaded_blocks == 7
+        for i in range(7):
+            assert torch.equal(restored.block(12 + i), small_cache.block(i))
+        assert not torch.equal(restored.block(20), small_cache.block(8)), "nothing after the hole is copied"
+        client.flush()  # blocks on their way to NVMe count as in use too
+        trimmed = client.trim(host.digest(client), "all", 0)
+        assert trimmed["skipped_in_use"] == 0, f"pins left behind: {trimmed}"
+    finally:
+        host.service.stop()
+
+
+def test_a_store_larger_than_the_pool_commits_and_asks_again(tmp_path, small_cache):
+    host = Host(tmp_path, small_cache.block_bytes, dram_bytes=8 * 8192)
+    try:
+        transfers = BlockTransfers(small_cache.rows)
+        client = host.client()
+        keys = [key(i) for i in range(20)]
+        stored = transfers.store(client, keys, list(range(20)))
+        assert sum(stored) >= 8, stored
+        assert transfers.counters.stored_blocks == sum(stored)
+        # What is still in the pool or on NVMe comes back right.
+        restored = paged_cache(SMALL, "nhd", NUM_BLOCKS, BLOCK_TOKENS, CPU)
+        found = BlockTransfers(restored.rows).load(host.client(), keys[-4:], [0, 1, 2, 3])
+        for i, ok in enumerate(found):
+            if ok:
+                assert torch.equal(restored.block(i), small_cache.block(16 + i))
+    finally:
+        host.service.stop()
+
+
+class FailingExecutor(HostExecutor):
+    name = "failing"
+
+    def __init__(self, fail_stores: bool, fail_loads: bool):
+        self.fail_stores, self.fail_loads = fail_stores, fail_loads
+
+    def copy(self, job: CopyJob) -> None:
+        if (job.to_pool and self.fail_stores) or (not job.to_pool and self.fail_loads):
+            raise RuntimeError("the copy engine reported an error")
+        super().copy(job)
+
+
+def test_a_store_whose_copy_fails_leaves_the_blocks_absent_and_fillable(tmp_path, small_cache):
+    host = Host(tmp_path, small_cache.block_bytes)
+    try:
+        client = host.client()
+        keys = [key(i) for i in range(4)]
+        broken = BlockTransfers(small_cache.rows, executor=FailingExecutor(fail_stores=True, fail_loads=False))
+        assert broken.store(client, keys, [0, 1, 2, 3]) == [False] * 4
+        assert broken.counters.failed_copies == 1 and broken.counters.aborted_blocks == 4
+        assert client.locate_many(keys) == [None] * 4
+        working = BlockTransfers(small_cache.rows)
+        assert working.store(client, keys, [0, 1, 2, 3]) == [True] * 4
+        out = np.zeros((4, small_cache.block_bytes), dtype=np.uint8)
+        assert host.client().load_blocks(keys, [out], [0, 1, 2, 3]) == [True] * 4
+        assert np.array_equal(out[2], small_cache.block(2).numpy())
+    finally:
+        host.service.stop()
+
+
+def test_a_load_whose_copy_fails_is_a_miss_and_releases_its_pins(tmp_path, small_cache):
+    host = Host(tmp_path, small_cache.block_bytes)
+    try:
+        client = host.client()
+        keys = [key(i) for i in range(4)]
+        assert BlockTransfers(small_cache.rows).store(client, keys, [0, 1, 2, 3]) == [True] * 4
+        broken = BlockTransfers(small_cache.rows, executor=FailingExecutor(fail_stores=False, fail_loads=True))
+        assert broken.load(client, keys, [10, 11, 12, 13]) == [False] * 4
+        assert broken.counters.failed_copies == 1
+        client.flush()  # blocks on their way to NVMe count as in use too
+        trimmed = client.trim(host.digest(client), "all", 0)
+        assert trimmed["skipped_in_use"] == 0, f"pins left behind: {trimmed}"
+    finally:
+        host.service.stop()
+
+
+def test_a_dead_service_gives_misses_not_exceptions(tmp_path, small_cache):
+    host = Host(tmp_path, small_cache.block_bytes)
+    client = host.client()
+    transfers = BlockTransfers(small_cache.rows)
+    assert transfers.store(client, [key(0)], [0]) == [True]
+    host.service.stop()
+    assert transfers.store(client, [key(1)], [1]) == [False]
+    assert transfers.load(client, [key(0)], [2]) == [False]
+    assert transfers.counters.failed_calls >= 2
+    assert transfers.store(None, [key(1)], [1]) == [False], "no client (reconnecting) is a miss"
+
+
+def _canonical_runs(tp_size: int, rank: int, layers: int, head_bytes: int, heads: int) -> list[tuple[int, int, int]]:
+    """Rank ``rank``'s heads of every layer inside a rank-independent object (layer-major, heads in order)."""
+    per_rank = heads // tp_size
+    runs = []
+    for layer in range(layers):
+        slice_offset = layer * per_rank * head_bytes
+        object_offset = (layer * heads + rank * per_rank) * head_bytes
+        runs.append((slice_offset, object_offset, per_rank * head_bytes))
+    return runs
+
+
+def test_two_ranks_with_interleaved_placements_build_one_object_a_tp1_engine_reads(tmp_path):
+    layers, heads, head_bytes, blocks = 3, 4, 64, 6
+    whole = torch.randint(0, 256, (blocks, layers, heads, head_bytes), dtype=torch.uint8)
+    slice_bytes = layers * (heads // 2) * head_bytes
+    host = Host(tmp_path, slice_bytes, tp_size=2)
+    try:
+        keys = [key(i) for i in range(blocks)]
+        ranks = []
+        for rank in range(2):
+            # Each layer's page on this rank: its two heads of the block, contiguous.
+            mine = whole[:, :, rank * 2 : rank * 2 + 2].contiguous()
+            rows = [mine[:, layer].reshape(blocks, -1).contiguous() for layer in range(layers)]
+            ranks.append((rows, host.client(rank, _canonical_runs(2, rank, layers, head_bytes, heads))))
+        first = BlockTransfers(ranks[0][0])
+        assert first.store(ranks[0][1], keys, list(range(blocks))) == [True] * blocks
+        assert ranks[0][1].locate_many(keys) == [None] * blocks, "half an object is not a block"
+        assert not first.executor.name.startswith("staged")  # type: ignore[union-attr]
+        assert BlockTransfers(ranks[1][0]).store(ranks[1][1], keys, list(range(blocks))) == [True] * blocks
+        reader = ServiceClient.connect(host.socket, 10_000)
+        reader.hello(b"test-gpu-path", 2, 0, slice_bytes)
+        # The whole object, both ranks' heads, through acquire: it is the TP=1 block.
+        pool = reader.pool()
+        offsets = reader.acquire_many(keys)
+        base = (ctypes.c_uint8 * pool["bytes"]).from_address(pool["address"])
+        for i, offset in enumerate(offsets):
+            got = np.frombuffer(base, dtype=np.uint8, count=2 * slice_bytes, offset=offset)
+            assert np.array_equal(got, whole[i].reshape(-1).numpy()), f"block {i}"
+        reader.release_many(keys)
+    finally:
+        host.service.stop()
