@@ -1640,6 +1640,12 @@ class GpuServiceWorker(ServiceWorker):
 
         self.transfers = BlockTransfers(rows)
         self._failed_calls_seen = 0
+        client = connection.live_client()
+        if client is not None:
+            try:
+                self.transfers.bind(client)  # pins the pool and picks the executor: fails at start-up
+            except Exception as error:
+                raise KvtierVllmConfigError(f"kvtier cannot move this rank's GPU KV cache: {error}") from error
         super().__init__(connection, rows, int(rows[0].shape[1]), job_timeout_ms, defer_stores=False)  # type: ignore[arg-type]
         self._object_bytes = sum(int(r.shape[1]) for r in rows)
 

@@ -90,8 +90,19 @@ class BlockTransfers:
     def executor(self) -> Executor | None:
         return self._executor
 
+    @property
+    def pool_pinned(self) -> bool:
+        """Whether the bound pool is registered with CUDA (False on the host, or when refused)."""
+        binding = self._binding
+        return bool(binding is not None and binding.pinned is not None and binding.pinned.pinned)
+
     def ready_marker(self) -> Any:
         return self.side.ready_marker()
+
+    def bind(self, client: Any) -> None:
+        """Maps and pins ``client``'s pool and picks the executor now, rather than in the first job
+        (pinning a large pool takes a while; the benchmark keeps it out of its timings)."""
+        self._bind(client)
 
     def _bind(self, client: Any) -> _Binding:
         if self._binding is not None and self._binding.client is client:
