@@ -111,8 +111,17 @@ class DriverBatchExecutor:
     name = "cuMemcpyBatchAsync"
 
     def __init__(self, device: torch.device):
-        self.device = device
+        ordinal = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", ordinal)
         driver = ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
+        self._driver = driver
+        # The driver API acts on the calling thread's current context, and jobs run on the worker's
+        # own thread: remember the context torch made current here and make it current per job.
+        torch.zeros(1, device=self.device)
+        self._context = ctypes.c_void_p()
+        _check(driver.cuCtxGetCurrent(ctypes.byref(self._context)), "cuCtxGetCurrent")
+        if not self._context.value:
+            raise RuntimeError(f"no CUDA context is current for {self.device} after torch initialized it")
         version = ctypes.c_int()
         _check(driver.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
         self.driver_version = version.value
@@ -155,7 +164,7 @@ class DriverBatchExecutor:
         self._attributes = {to_pool: self._attributes_for(to_pool) for to_pool in (True, False)}
 
     def _attributes_for(self, to_pool: bool) -> _MemcpyAttributes:
-        device = _MemLocation(_LOCATION_DEVICE, self.device.index or 0)
+        device = _MemLocation(_LOCATION_DEVICE, self.device.index)
         host = _MemLocation(_LOCATION_HOST, 0)
         source, destination = (device, host) if to_pool else (host, device)
         return _MemcpyAttributes(_ACCESS_ORDER_STREAM, source, destination, _FLAG_PREFER_OVERLAP_WITH_COMPUTE)
@@ -168,6 +177,7 @@ class DriverBatchExecutor:
         count = len(sizes)
         if count == 0:
             return
+        _check(self._driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
         # ctypes reads the arrays during the call only: the driver copies the descriptors.
         sources, destinations, sizes = (
             np.ascontiguousarray(a, dtype=np.uint64) for a in (sources, destinations, sizes)
