@@ -141,6 +141,40 @@ def test_verify_a_closed_store_finds_quarantines_and_a_load_misses(tmp_path: Pat
     store.close()
 
 
+def test_verify_a_closed_store_scrubs_its_shared_tier_when_told_where(tmp_path: Path) -> None:
+    path, shared_root = tmp_path / "store", tmp_path / "shared"
+    store = kvtier.Store.open(
+        os.fspath(path), namespace=DESCRIPTION, object_bytes=SLICE, shared_root=os.fspath(shared_root), **OPTIONS
+    )
+    assert all(store.put_many([key(i) for i in range(40)], [value(i) for i in range(40)]))
+    store.flush()
+    store.close()  # drains the publisher: every block is in a shared file too
+
+    local_only = invoke_json("verify", str(path))
+    assert local_only["ok"] and local_only["namespaces"][0]["checked_shared"] == 0
+    clean = invoke_json("verify", str(path), "--shared-root", str(shared_root))
+    (ns,) = clean["namespaces"]
+    assert clean["ok"] and ns["source"] == "disk" and ns["checked_shared"] == 40 and ns["checked_nvme"] == 40, ns
+
+    files = sorted(shared_root.glob("**/*.kvs"))
+    assert files, "no shared data file"
+    with open(files[0], "r+b") as file:  # the first block's value: after the file header and its descriptor
+        file.seek(4096 + 4096 + 10)
+        byte = file.read(1)
+        file.seek(4096 + 4096 + 10)
+        file.write(bytes([byte[0] ^ 0xFF]))
+    found = invoke_json("verify", str(path), "--shared-root", str(shared_root), exit_code=3)
+    (ns,) = found["namespaces"]
+    assert ns["bad_shared"] == 1 and ns["bad_nvme"] == 0, ns
+    assert ns["bad"][0]["tier"] == "shared" and ns["bad"][0]["quarantined"]
+    assert invoke_json("verify", str(path), "--shared-root", str(shared_root))["ok"], "quarantined: out of the index"
+
+    missing = invoke("verify", str(path), "--shared-root", str(tmp_path / "nowhere"))
+    assert missing.exit_code == 1 and "not a directory" in missing.output
+    lone_key = invoke("verify", str(path), "--shared-key-file", str(tmp_path / "key"))
+    assert lone_key.exit_code == 1 and "--shared-key-file needs --shared-root" in lone_key.output
+
+
 def test_trim_and_inspect_a_closed_store(tmp_path: Path) -> None:
     path = tmp_path / "store"
     store = open_store(path)

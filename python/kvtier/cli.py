@@ -247,21 +247,51 @@ def inspect(paths: tuple[Path, ...], namespace: str, socket: Path | None, as_jso
     show_default=True,
     help="read at most this many MB/s (10^6 bytes) per namespace; 0: as fast as the disk goes",
 )
+@click.option(
+    "--shared-root",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="for namespaces opened from their files: also scrub their shared tier in this directory "
+    "(the service scrubs its own shared tier without it)",
+)
+@click.option(
+    "--shared-key-file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="the deployment key of that shared tier (shared_key_file), if it has one",
+)
 @_socket_option
 @_json_option
 @_plain_option
 def verify(
-    paths: tuple[Path, ...], namespace: str | None, max_mbps: float, socket: Path | None, as_json: bool, plain: bool
+    paths: tuple[Path, ...],
+    namespace: str | None,
+    max_mbps: float,
+    shared_root: Path | None,
+    shared_key_file: Path | None,
+    socket: Path | None,
+    as_json: bool,
+    plain: bool,
 ) -> None:
-    """Re-reads every block of every namespace under PATH (its DRAM copy and its NVMe entry), checks
-    descriptor and checksum, and quarantines bad copies: they become misses, never served, and leave
-    their region's trailer. Through the running service for the namespaces it has open (safe while
-    engines serve), from the files for the others. Exit 0 all good, 3 bad blocks found, 1 failed."""
+    """Re-reads every block of every namespace under PATH (its DRAM copy and its NVMe entry, and its
+    shared-tier copy), checks descriptor and checksum, and quarantines bad copies: they become misses,
+    never served, and leave their region's trailer (or the shared index). Through the running service
+    for the namespaces it has open (safe while engines serve), from the files for the others (their
+    shared tier with --shared-root). Exit 0 all good, 3 bad blocks found, 1 failed."""
     from kvtier.ops import maintenance, views
 
     with views.progress_reporter(enabled=not plain and sys.stderr.isatty(), what="verify") as progress:
         report = _ops_call(
-            "verify", lambda: maintenance.verify(list(paths), socket, namespace, max_mbps, progress=progress)
+            "verify",
+            lambda: maintenance.verify(
+                list(paths),
+                socket,
+                namespace,
+                max_mbps,
+                progress=progress,
+                shared_root=shared_root,
+                shared_key_file=shared_key_file,
+            ),
         )
     if as_json:
         click.echo(json.dumps(report, indent=2))

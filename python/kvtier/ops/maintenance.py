@@ -13,7 +13,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +91,7 @@ class Target:
     store: Any = None
     values: dict[str, int] = field(default_factory=dict)  # the service's per-namespace values
     object_bytes: int = 0
+    shared_open: bool = False  # a store opened here with its shared tier (verify --shared-root)
 
     def step_blocks(self, max_bytes_per_s: int) -> int:
         """Blocks per verify step: 64, fewer when pacing would make a step longer than ~2 s."""
@@ -107,8 +108,10 @@ class Target:
 
     @property
     def has_shared_tier(self) -> bool:
-        """Only the service's stores have their shared tier open (a store opened from disk here does not)."""
-        return self.client is not None and "shared_index_age_ms" in self.values
+        """The service's stores with a shared tier, and stores opened here with ``--shared-root``."""
+        if self.client is not None:
+            return "shared_index_age_ms" in self.values
+        return self.store is not None and self.shared_open
 
     def trim(self, mode: str, value: int) -> dict[str, int]:
         if self.client is not None:
@@ -139,8 +142,11 @@ def _recovery_progress_on_stderr() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _open_from_disk(paths: Sequence[Path], digest: str, dirs: list[store_files.NamespaceDir]) -> Any:
-    """Opens the namespace's store from its files (recovery runs; the LOCK is taken until close)."""
+def _open_from_disk(
+    paths: Sequence[Path], digest: str, dirs: list[store_files.NamespaceDir], shared: Mapping[str, str] | None = None
+) -> Any:
+    """Opens the namespace's store from its files (recovery runs; the LOCK is taken until close),
+    with its shared tier when ``shared`` gives ``shared_root`` (and ``shared_key_file``)."""
     import kvtier
     from kvtier.errors import LockedError
 
@@ -169,6 +175,7 @@ def _open_from_disk(paths: Sequence[Path], digest: str, dirs: list[store_files.N
                 dram_bytes=superblock.slot_bytes * 8,
                 nvme_bytes=superblock.device_bytes * superblock.device_count,  # what gives this geometry back
                 region_bytes=superblock.region_bytes,
+                **dict(shared or {}),
             )
     except LockedError:
         holder = first.locked_by_pid
@@ -199,11 +206,15 @@ class Gathered:
 
 @contextmanager
 def gather(
-    paths: Sequence[Path], socket_option: str | os.PathLike | None, namespace: str | None, open_disk: bool = True
+    paths: Sequence[Path],
+    socket_option: str | os.PathLike | None,
+    namespace: str | None,
+    open_disk: bool = True,
+    shared: Mapping[str, str] | None = None,
 ) -> Iterator[Gathered]:
     """The namespaces under ``paths`` (only ``namespace`` when given: a digest prefix or a model
-    name), each from the service if it has it open, else from disk. Stores opened here are closed
-    on exit."""
+    name), each from the service if it has it open, else from disk (with the shared tier that
+    ``shared`` names, if any). Stores opened here are closed on exit."""
     from kvtier.service import connect, service_pid
 
     resolved = _check_paths(paths)
@@ -268,11 +279,13 @@ def gather(
                 skipped.append({"digest": digest, "reason": "DRAM-only store (no device file): nothing on disk"})
                 continue
             try:
-                store = _open_from_disk(resolved, digest, dirs)
+                store = _open_from_disk(resolved, digest, dirs, shared)
             except OpsError as error:
                 skipped.append({"digest": digest, "reason": str(error)})
                 continue
-            targets.append(Target(digest, "disk", description, dirs, store=store, object_bytes=store.object_bytes))
+            target = Target(digest, "disk", description, dirs, store=store, object_bytes=store.object_bytes)
+            target.shared_open = bool(shared)
+            targets.append(target)
         if namespace is not None and not targets:
             known = ", ".join(f"{d[:16]}" for d in sorted(set(on_disk) | set(service_namespaces))) or "none"
             reasons = "; ".join(s["reason"] for s in skipped)
@@ -317,12 +330,16 @@ def verify(
     namespace: str | None = None,
     max_mbps: float = 0.0,
     progress: ProgressFn | None = None,
+    shared_root: str | os.PathLike | None = None,
+    shared_key_file: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Scrubs every namespace (or one): re-reads every block of DRAM and NVMe (and of the shared
-    tier, for the service's namespaces that have one), paced to ``max_mbps`` (MB/s, 10^6 bytes; 0
-    unpaced), and quarantines bad copies."""
+    tier: for the service's namespaces that have one, and for stores opened here when
+    ``shared_root`` names it), paced to ``max_mbps`` (MB/s, 10^6 bytes; 0 unpaced), and quarantines
+    bad copies."""
     rate = int(max_mbps * 1_000_000)
-    with gather(paths, socket, namespace) as g:
+    shared_options = _shared_options(shared_root, shared_key_file)
+    with gather(paths, socket, namespace, shared=shared_options) as g:
         report = _header(g, VERIFY_SCHEMA)
         report["max_mbps"] = max_mbps or None
         results: list[dict[str, Any]] = []
@@ -369,6 +386,19 @@ def verify(
         report["bad_blocks"] = sum(r["bad_blocks"] for r in results)
         report["ok"] = report["bad_blocks"] == 0
         return report
+
+
+def _shared_options(root: str | os.PathLike | None, key_file: str | os.PathLike | None) -> dict[str, str] | None:
+    if root is None:
+        if key_file is not None:
+            raise OpsError("--shared-key-file needs --shared-root: the shared tier's directory")
+        return None
+    if not Path(root).is_dir():
+        raise OpsError(f"--shared-root {root}: not a directory (give the shared_root the engines use)")
+    options = {"shared_root": os.fspath(root)}
+    if key_file is not None:
+        options["shared_key_file"] = os.fspath(key_file)
+    return options
 
 
 # --------------------------------------------------------------------------------------------
