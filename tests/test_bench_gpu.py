@@ -14,7 +14,8 @@ def test_the_cpu_run_restores_every_byte_from_dram_and_nvme(tmp_path):
     argv = ["--device", "cpu", "--small", "--repeats", "1", "--block-tokens", "16", "--layouts", "nhd,kv-split,mla"]
     assert gpu.main([*argv, "--out", str(out), "--dir", str(tmp_path), "--skip-fio"]) == 0
     document = json.loads((out / "gpu.json").read_text())
-    assert document["verdict"] == {"bytes_identical_everywhere": True}
+    assert document["verdict"] == {"bytes_identical_everywhere": True, "ordering_ok": True}
+    assert document["ordering"] == {"stored": 64, "found": 64, "blocks": 64, "wrong_pages": 0, "ok": True}
     cases = {case["case"]: case for case in document["cases"]}
     assert set(cases) == {"small/nhd/block16", "small/kv-split/block16", "small-mla/mla/block16"}
     for case in cases.values():

@@ -5,6 +5,10 @@ disk (loop device with direct I/O, so the host's page cache does not flatter it)
 measured in the same run with ``kvtier bench io`` (kvtier store and cold retrieve GB/s, against fio
 on the same filesystem).
 
+With ``--ttft-length 8k`` each filesystem also gets ``kvtier bench ttft`` at that prompt length with
+its store on the filesystem: the NVMe hit's time to first token through vLLM, beside recompute,
+kvtier's DRAM hit and fio reading the same bytes there (the loop file grows to hold the store).
+
 Experiment 5, local against network storage: the shared tier's retrieve latency (one block per get,
 cold: page cache dropped before every pass) with node A publishing and node B reading, on a local
 directory, on GlusterFS (default and strict caching) and on CephFS (scripts/distfs/*.sh bring them up
@@ -64,7 +68,35 @@ def kernel_supports(fs: str) -> bool:
     return any(line.split()[-1] == fs for line in Path("/proc/filesystems").read_text().splitlines() if line.strip())
 
 
-def exp4_one(fs: str, work: Path, out: Path, size_gib: int, bench_args: list[str]) -> dict[str, Any]:
+def exp4_ttft(fs: str, mnt: Path, out: Path, length: str, repeats: int) -> dict[str, Any]:
+    """``kvtier bench ttft`` at one length with its store on ``mnt``: median TTFT (ms) per row."""
+    from kvtier.bench import blocks, ttft
+
+    case_out = out / f"exp4-{fs}-ttft"
+    log(f"exp4 {fs}: kvtier bench ttft --lengths {length} with the store on {mnt}")
+    argv = [str(REPO / ".venv/bin/kvtier"), "bench", "ttft", "--lengths", length, "--repeats", str(repeats)]
+    argv += ["--hit-rate-length", "0", "--skip-lmcache", "--skip-example-connector"]
+    argv += ["--store-dir", str(mnt / "ttft-store"), "--out", str(case_out)]
+    started = time.monotonic()
+    done = subprocess.run(argv, capture_output=True, text=True)
+    results_file = case_out / "results.json"
+    if done.returncode != 0 or not results_file.exists():
+        return {"error": f"kvtier bench ttft exited {done.returncode}: {done.stderr[-2000:]}"}
+    result = json.loads(results_file.read_text())
+    tokens = ttft.parse_lengths(length)[0]
+    row = blocks.row_of(int(result["plan"].get("block_tokens", 128)), tokens, result)
+    row.update({"length": tokens, "repeats": repeats, "seconds": time.monotonic() - started})
+    row["results"] = str(results_file)
+    log(
+        f"exp4 {fs}: TTFT at {tokens} tokens: NVMe hit {row['kvtier_nvme_ms']:.0f} ms, DRAM hit "
+        f"{row['kvtier_dram_ms']:.0f} ms, recompute {row['recompute_ms']:.0f} ms, fio {row['disk_floor_ms']:.0f} ms"
+    )
+    return row
+
+
+def exp4_one(
+    fs: str, work: Path, out: Path, size_gib: int, bench_args: list[str], ttft_length: str = "", ttft_repeats: int = 2
+) -> dict[str, Any]:
     if shutil.which(MKFS[fs][0]) is None:
         return {"fs": fs, "skipped": f"{MKFS[fs][0]} missing: apt-get install {fs}-progs/tools (scripts/setup.sh)"}
     if not kernel_supports(fs):
@@ -109,6 +141,8 @@ def exp4_one(fs: str, work: Path, out: Path, size_gib: int, bench_args: list[str
                 f"{row['kvtier_retrieve']['median']:.2f} GB/s, fio write {row['fio_write']['median']:.2f}, "
                 f"read {row['fio_read']['median']:.2f} GB/s (medians)"
             )
+            if ttft_length:
+                row["ttft"] = exp4_ttft(fs, mnt, out, ttft_length, ttft_repeats)
             return row
         finally:
             subprocess.run(["umount", str(mnt)], capture_output=True)
@@ -300,6 +334,28 @@ def report(results: dict[str, Any], out: Path) -> str:
                 f"{cell(r['fio_read'])} | {r['wrong_objects']} |"
             )
         lines += ["", "![exp4](exp4.png)", ""]
+        ttft_rows = [r for r in results["exp4"] if "ttft" in r]
+        if ttft_rows:
+            lines += [
+                "TTFT through vLLM with the store on each filesystem (`kvtier bench ttft`, ms, median):",
+                "",
+                "| fs | tokens | recompute | kvtier DRAM hit | kvtier NVMe hit | fio read, same bytes | NVMe reads |",
+                "| --- | --- | --- | --- | --- | --- | --- |",
+            ]
+            for r in ttft_rows:
+                t = r["ttft"]
+                if "error" in t:
+                    lines.append(f"| {r['fs']} | {t['error'][:200]} | | | | | |")
+                    continue
+
+                def ms(value: float | None) -> str:
+                    return f"{value:.0f}" if value is not None else "-"
+
+                lines.append(
+                    f"| {r['fs']} | {t['length']} | {ms(t['recompute_ms'])} | {ms(t['kvtier_dram_ms'])} | "
+                    f"{ms(t['kvtier_nvme_ms'])} | {ms(t['disk_floor_ms'])} | {t['nvme_read_requests']} |"
+                )
+            lines.append("")
     if "exp5" in results:
         lines += [
             "## Experiment 5: local disk against GlusterFS against CephFS",
@@ -336,6 +392,8 @@ def main() -> int:
     p.add_argument("--blocks", type=int, default=128)
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()), help="where the loop files go")
+    p.add_argument("--ttft-length", default="", help="also kvtier bench ttft at this prompt length per filesystem")
+    p.add_argument("--ttft-repeats", type=int, default=2)
     args = p.parse_args()
     if os.geteuid() != 0:
         print("needs root (loop devices, mounts, dropping the page cache)", file=sys.stderr)
@@ -359,7 +417,9 @@ def main() -> int:
         if args.only in (None, "exp4"):
             results["exp4"] = []
             for fs in args.filesystems.split(","):
-                results["exp4"].append(exp4_one(fs, work, args.out, 1 if args.small else 6, bench_args))
+                size_gib = 1 if args.small else (24 if args.ttft_length else 6)
+                row = exp4_one(fs, work, args.out, size_gib, bench_args, args.ttft_length, args.ttft_repeats)
+                results["exp4"].append(row)
                 (args.out / "results.json").write_text(json.dumps(results, indent=2))
         if args.only in (None, "exp5"):
             blocks = 32 if args.small else args.blocks

@@ -277,6 +277,41 @@ def run_case(args: argparse.Namespace, model: ModelShape, block_tokens: int, lay
     return result
 
 
+def ordering_check(device: torch.device, work: Path) -> dict[str, Any]:
+    """A store submitted right after the engine's stream was told to write the blocks (and is still
+    busy: a chain of kernels runs first) must copy the written bytes, not what was there before; a
+    load must land after earlier writes to its blocks. On the host every copy is synchronous, so
+    this checks the GPU's event ordering only with ``--device cuda``."""
+    model = ModelShape("ordering", layers=4, kv_heads=8, head_dim=128)
+    cache = paged_cache(model, "nhd", 64, 16, device)
+    for row in cache.rows:
+        row.zero_()
+    directory = Path(tempfile.mkdtemp(prefix="ordering-", dir=work))
+    host = Host(directory, cache.block_bytes, 64 * (cache.block_bytes + 8192), 256 << 20)
+    try:
+        client = host.client()
+        transfers = BlockTransfers(cache.rows)
+        transfers.bind(client)
+        busy = torch.ones((2048, 2048), device=device)
+        for _ in range(20 if device.type == "cuda" else 1):  # keeps the engine's stream busy for a while before the writes below
+            busy = busy @ busy / 2048
+        for index, row in enumerate(cache.rows):
+            row.fill_(index + 1)
+        ready = transfers.ready_marker()
+        keys = keys_for("ordering", 0, 64)
+        stored = transfers.store(client, keys, list(range(64)), ready)
+        for row in cache.rows:  # later writes to the same blocks must not reach the stored copies
+            row.fill_(0xEE)
+        synchronize(device)
+        back = paged_cache(model, "nhd", 64, 16, device)
+        found = BlockTransfers(back.rows).load(client, keys, list(range(64)))
+        wrong = sum(int((row != index + 1).any(dim=1).sum()) for index, row in enumerate(back.rows))
+        return {"stored": sum(stored), "found": sum(found), "blocks": 64, "wrong_pages": wrong, "ok": wrong == 0}
+    finally:
+        host.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def ratios(result: dict[str, Any]) -> dict[str, float]:
     """Medians over medians: kvtier's rate over the limit measured on the same bytes in this run."""
     gbps, limits = result["gbps"], result["limits"]
@@ -355,7 +390,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     block_sizes = [int(b) for b in args.block_tokens.split(",") if b]
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-gpu-", dir=args.dir))
     cases = []
+    ordering: dict[str, Any] = {}
     try:
+        log("ordering: a store submitted while the engine's stream still writes the blocks")
+        ordering = ordering_check(device, work)
         for model in models.values():
             for layout in layouts_for(model):
                 if wanted_layouts and layout not in wanted_layouts:
@@ -372,15 +410,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "job_mib": args.job_mib,
         "repeats": args.repeats,
         "targets": {"dram_vs_pinned_copy": TARGET_DRAM_RATIO, "nvme_vs_disk_read": TARGET_NVME_RATIO},
+        "ordering": ordering,
         "cases": cases,
-        "verdict": verdict(cases, device),
+        "verdict": {**verdict(cases, device), "ordering_ok": bool(ordering.get("ok"))},
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu.json").write_text(json.dumps(document, indent=2) + "\n")
     print_table(cases)
     log(f"verdict {document['verdict']}; wrote {out / 'gpu.json'}")
-    return 0 if document["verdict"]["bytes_identical_everywhere"] else 1
+    return 0 if document["verdict"]["bytes_identical_everywhere"] and document["verdict"]["ordering_ok"] else 1
 
 
 if __name__ == "__main__":
