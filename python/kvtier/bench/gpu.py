@@ -234,16 +234,17 @@ def run_case(args: argparse.Namespace, model: ModelShape, block_tokens: int, lay
         cpu: dict[str, list[float]] = {key: [] for key in rates}
         wrong: dict[str, int] = {"dram": 0, "nvme": 0}
         missing: dict[str, int] = {"store": 0, "dram": 0, "nvme": 0}
+
+        def measure(phase: str, miss_kind: str, action: Callable[[], list[bool]]) -> None:
+            seconds, cpu_s, moved = timed(device, action)
+            missing[miss_kind] += moved.count(False)
+            rates[phase].append(job_bytes / seconds / 1e9)
+            cpu[phase].append(cpu_s / (job_bytes / 1e9))
+
         for repeat in range(args.repeats):
             keys = keys_for(name, repeat, blocks)
-            seconds, cpu_s, stored = timed(device, functools.partial(storer.store, client, keys, source_ids))
-            missing["store"] += stored.count(False)
-            rates["gpu_to_dram"].append(job_bytes / seconds / 1e9)
-            cpu["gpu_to_dram"].append(cpu_s / (job_bytes / 1e9))
-            seconds, cpu_s, found = timed(device, functools.partial(loader.load, client, keys, restored_ids))
-            missing["dram"] += found.count(False)
-            rates["dram_to_gpu"].append(job_bytes / seconds / 1e9)
-            cpu["dram_to_gpu"].append(cpu_s / (job_bytes / 1e9))
+            measure("gpu_to_dram", "store", functools.partial(storer.store, client, keys, source_ids))
+            measure("dram_to_gpu", "dram", functools.partial(loader.load, client, keys, restored_ids))
             wrong["dram"] = max(wrong["dram"], compare(source, source_ids, restored, restored_ids))
             fill_random(restored, seed=13 + repeat)
         client.flush()
@@ -252,10 +253,7 @@ def run_case(args: argparse.Namespace, model: ModelShape, block_tokens: int, lay
         loader.bind(client)  # the new pool mapping, pinned before the clock starts
         for repeat in range(args.repeats):
             keys = keys_for(name, repeat, blocks)
-            seconds, cpu_s, found = timed(device, functools.partial(loader.load, client, keys, restored_ids))
-            missing["nvme"] += found.count(False)
-            rates["nvme_to_gpu"].append(job_bytes / seconds / 1e9)
-            cpu["nvme_to_gpu"].append(cpu_s / (job_bytes / 1e9))
+            measure("nvme_to_gpu", "nvme", functools.partial(loader.load, client, keys, restored_ids))
             wrong["nvme"] = max(wrong["nvme"], compare(source, source_ids, restored, restored_ids))
             fill_random(restored, seed=31 + repeat)
         result["executor"] = storer.executor.name if storer.executor else None
@@ -293,7 +291,9 @@ def ordering_check(device: torch.device, work: Path) -> dict[str, Any]:
         transfers = BlockTransfers(cache.rows)
         transfers.bind(client)
         busy = torch.ones((2048, 2048), device=device)
-        for _ in range(20 if device.type == "cuda" else 1):  # keeps the engine's stream busy for a while before the writes below
+        for _ in range(
+            20 if device.type == "cuda" else 1
+        ):  # keeps the engine's stream busy for a while before the writes below
             busy = busy @ busy / 2048
         for index, row in enumerate(cache.rows):
             row.fill_(index + 1)
