@@ -99,6 +99,18 @@ def corrupt_on_disk(store_path: Path, block: bytes) -> None:
     raise AssertionError("the block's descriptor is not on disk")
 
 
+def flip_a_shared_value_byte(shared_root: Path) -> None:
+    """Flips a byte of the first block's value in the first shared data file (after the file header
+    and the block's descriptor)."""
+    files = sorted(shared_root.glob("**/*.kvs"))
+    assert files, "no shared data file"
+    with open(files[0], "r+b") as file:
+        file.seek(4096 + 4096 + 10)
+        byte = file.read(1)
+        file.seek(4096 + 4096 + 10)
+        file.write(bytes([byte[0] ^ 0xFF]))
+
+
 # ------------------------------------------------------------------------------------------------
 # A closed store: the files alone
 # ------------------------------------------------------------------------------------------------
@@ -156,13 +168,7 @@ def test_verify_a_closed_store_scrubs_its_shared_tier_when_told_where(tmp_path: 
     (ns,) = clean["namespaces"]
     assert clean["ok"] and ns["source"] == "disk" and ns["checked_shared"] == 40 and ns["checked_nvme"] == 40, ns
 
-    files = sorted(shared_root.glob("**/*.kvs"))
-    assert files, "no shared data file"
-    with open(files[0], "r+b") as file:  # the first block's value: after the file header and its descriptor
-        file.seek(4096 + 4096 + 10)
-        byte = file.read(1)
-        file.seek(4096 + 4096 + 10)
-        file.write(bytes([byte[0] ^ 0xFF]))
+    flip_a_shared_value_byte(shared_root)
     found = invoke_json("verify", str(path), "--shared-root", str(shared_root), exit_code=3)
     (ns,) = found["namespaces"]
     assert ns["bad_shared"] == 1 and ns["bad_nvme"] == 0, ns
@@ -403,6 +409,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     s = Served(tmp_path_factory.mktemp("served"))
     try:
         client = s.client()
+        client.set_label("engine-a")  # its work shows in the kvtier_engine_* families
         store_blocks(client, list(range(60)))
         assert load_checked(client, [0, 1, 2, 58, 59]) == (5, 0)
         assert client.locate_many([key(0), b"\xee" * 32])[1] is None
@@ -447,6 +454,29 @@ def test_metrics_scrape_has_the_issue_list(served: Served) -> None:
         rf'kvtier_op_latency_seconds_count{{model="ops-test-model",namespace="{digest}",op="commit"}} (\S+)', text
     )
     assert commit and float(commit.group(1)) >= 1
+
+
+def test_per_engine_counters_reach_the_scrape(served: Served) -> None:
+    """The fixture's labelled client stored 60 blocks, loaded 5 and looked up 2 (one absent); an
+    unlabelled client's work counts only in the namespace's totals."""
+    text = served.scrape()
+    other = served.client()
+    load_checked(other, [0, 1])
+
+    def sample(name: str, **labels: str) -> float | None:
+        for line in served.scrape().splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+        return None
+
+    assert 'engine="engine-a"' in text
+    assert sample("kvtier_engine_stored_slices_total", engine="engine-a", result="accepted") == 60
+    assert sample("kvtier_engine_stored_slices_total", engine="engine-a", result="dropped") == 0
+    assert sample("kvtier_engine_loaded_slices_total", engine="engine-a", result="found") == 5
+    assert sample("kvtier_engine_lookup_blocks_total", engine="engine-a", tier="none") == 1
+    found = sum(sample("kvtier_engine_lookup_blocks_total", engine="engine-a", tier=t) or 0 for t in ("dram", "nvme"))
+    assert found == 1
+    assert 'engine=""' not in served.scrape(), "unlabelled connections have no engine series"
 
 
 def test_every_metric_the_dashboard_queries_is_scraped(served: Served) -> None:
@@ -576,13 +606,7 @@ def test_verify_scrubs_the_shared_tier(served: Served) -> None:
     clean = invoke_json("verify", *args)
     (ns,) = clean["namespaces"]
     assert clean["ok"] and ns["checked_shared"] >= 60, ns  # every stored block was published
-    files = sorted(served.path.parent.glob("shared/**/*.kvs"))
-    assert files, "no shared data file"
-    with open(files[0], "r+b") as file:  # the first block's value: after the file header and its descriptor
-        file.seek(4096 + 4096 + 10)
-        byte = file.read(1)
-        file.seek(4096 + 4096 + 10)
-        file.write(bytes([byte[0] ^ 0xFF]))
+    flip_a_shared_value_byte(served.path.parent / "shared")
     found = invoke_json("verify", *args, exit_code=3)
     (ns,) = found["namespaces"]
     assert ns["bad_shared"] == 1 and ns["bad_dram"] == ns["bad_nvme"] == 0, ns

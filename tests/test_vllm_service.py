@@ -79,6 +79,12 @@ def stats(socket_path: Path) -> dict[str, int]:
     return kvtier_service.service_stats(socket_path)
 
 
+def engine_counters(socket_path: Path) -> list[tuple[str, dict[str, int]]]:
+    client = kvtier_service.connect(socket_path)
+    (namespace,) = client.namespaces()["namespaces"]
+    return [(label, dict(values)) for label, values in client.engines(namespace["digest"])]
+
+
 def settle(engine: Engine, socket_path: Path, limit_s: float = 120) -> None:
     """Engine steps until the service has taken every store: no fill pending (a TP rank's slice
     still coming) and, for a second, no new block, no NVMe write and no drop."""
@@ -108,6 +114,10 @@ def test_defaults_hit_after_prefix_cache_reset(engine_a, socket_path):
     assert again["cached"] == 5 * TOKENS_PER_BLOCK
     assert_same_output(first, again)
     assert stats(socket_path)["dram_hits"] - before["dram_hits"] >= 5
+    # Per-engine counters: the scheduler's and the worker's connections carry the engine's label.
+    (label, counts), *others = engine_counters(socket_path)
+    assert not others, f"one engine, one label: {[label, *[o[0] for o in others]]}"
+    assert counts["lookup_dram"] >= 5 and counts["loaded_slices"] >= 5 and counts["stored_slices"] >= 5, counts
 
 
 def test_a_second_engine_hits_the_first_engines_prefix_in_dram_and_so_does_a_restarted_one(

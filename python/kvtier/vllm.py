@@ -141,6 +141,9 @@ INTEGRATION_OPTION_DEFAULTS: dict[str, Any] = {
     "admission": "all",
     # How many block keys "second_sight" remembers (least recently seen forgotten first).
     "admission_memory_blocks": 1 << 18,
+    # This engine's name in the service's per-engine counters (kvtier_engine_* metrics); "" = vLLM's
+    # engine_id (kv_transfer_config.engine_id: random per start unless set).
+    "engine_label": "",
 }
 
 ADMISSION_POLICIES = ("all", "second_sight")
@@ -380,6 +383,7 @@ class KvtierOptions:
     prefetch: bool = True
     admission: str = "all"
     admission_memory_blocks: int = 1 << 18
+    engine_label: str = ""
 
     @classmethod
     def from_extra_config(cls, extra_config: Mapping[str, Any]) -> KvtierOptions:
@@ -436,6 +440,7 @@ class KvtierOptions:
             prefetch=bool(option("prefetch")),
             admission=admission,
             admission_memory_blocks=admission_memory_blocks,
+            engine_label=str(option("engine_label")),
         )
 
     def service_options(self) -> dict[str, Any]:
@@ -645,9 +650,16 @@ class ServiceConnection:
     """
 
     def __init__(
-        self, options: KvtierOptions, description: Mapping[str, Any], tp_size: int, rank: int, slice_bytes: int
+        self,
+        options: KvtierOptions,
+        description: Mapping[str, Any],
+        tp_size: int,
+        rank: int,
+        slice_bytes: int,
+        label: str = "",
     ):
         self._options = options
+        self._label = label[:128]
         self._description = json.dumps(description, sort_keys=True).encode()
         self._tp_size, self._rank, self._slice_bytes = tp_size, rank, slice_bytes
         self._placement: list[tuple[int, int, int]] | None = None
@@ -680,6 +692,11 @@ class ServiceConnection:
         client.hello(self._description, self._tp_size, self._rank, self._slice_bytes)
         if self._placement is not None:
             client.set_placement(self._placement)
+        if self._label:
+            try:
+                client.set_label(self._label)
+            except Exception as error:  # a service of an older kvtier: no per-engine counters, still serving
+                logger.warning("kvtier: the host service keeps no per-engine counters (%s)", error)
         return client
 
     def set_placement(self, runs: list[tuple[int, int, int]]) -> None:
@@ -1735,7 +1752,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             return None
         return getattr(self.vllm_config.cache_config, "prefix_caching_hash_algo", None)
 
-    def _service_connection(self, rank: int) -> ServiceConnection:
+    def _service_connection(self, rank: int, labelled: bool = True) -> ServiceConnection:
         if self.config.worker_kv_bytes_per_block <= 0:
             raise KvtierVllmConfigError(
                 "vLLM did not say how many KV bytes a worker holds per block (worker_kv_bytes_per_block); "
@@ -1748,14 +1765,25 @@ class KvtierOffloadingSpec(OffloadingSpec):
             salt=self.options.namespace_salt,
         )
         return ServiceConnection(
-            self.options, description, self.config.parallel.tp_size, rank, self.config.worker_kv_bytes_per_block
+            self.options,
+            description,
+            self.config.parallel.tp_size,
+            rank,
+            self.config.worker_kv_bytes_per_block,
+            label=self._engine_label() if labelled else "",
         )
+
+    def _engine_label(self) -> str:
+        return self.options.engine_label or str(getattr(self.config, "engine_id", "") or "")
 
     def get_manager(self) -> OffloadingManager:
         if self.options.host_service:
             check_hash_algo(self._hash_algo())
             pin_lease_s = max(60.0, 2 * self.options.job_timeout_ms / 1000)
-            prefetcher = Prefetcher(lambda: self._service_connection(rank=0)) if self.options.prefetch else None
+            # The prefetcher's reads are not the engine's loads: its connection stays out of the
+            # per-engine counters.
+            prefetch_connection = lambda: self._service_connection(rank=0, labelled=False)  # noqa: E731
+            prefetcher = Prefetcher(prefetch_connection) if self.options.prefetch else None
             return KvtierManager(
                 ServiceBackend(self._service_connection(rank=0), prefetcher),
                 pin_lease_s,

@@ -616,3 +616,42 @@ fn a_caller_that_copies_itself_stores_and_loads_through_reserve_and_acquire() {
     drop((gpu, cpu));
     service.stop().unwrap();
 }
+
+/// Per-engine counters: each connection names its engine (`set_label`); the namespace's `engines`
+/// list what each engine looked up, loaded and stored, and unlabelled connections stay out of it.
+#[test]
+fn labelled_connections_count_per_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start(dir.path(), 0);
+    let keys: Vec<BlockKey> = (0..4).map(key).collect();
+    let mut a = client(&socket, 1, 0);
+    a.set_label("engine-a").unwrap();
+    let mut b = client(&socket, 1, 0);
+    b.set_label("engine-b").unwrap();
+    let mut anonymous = client(&socket, 1, 0);
+    let values: Vec<Vec<u8>> = (0..3).map(|i| value(i, SLICE)).collect();
+    assert_eq!(store(&mut a, &keys[..3], &values), vec![true; 3]);
+    assert_eq!(a.locate(&keys).unwrap().iter().filter(|&&tier| tier == 0).count(), 1);
+    let (found, _) = load(&mut b, &keys);
+    assert_eq!(found, vec![true, true, true, false]);
+    let (found, _) = load(&mut anonymous, &keys[..1]);
+    assert_eq!(found, vec![true]);
+    let (_, namespaces) = anonymous.namespaces().unwrap();
+    let engines = anonymous.engines(&namespaces[0].digest).unwrap();
+    let value = |label: &str, name: &str| -> u64 {
+        let (_, pairs) = engines.iter().find(|(l, _)| l == label).expect("label listed");
+        pairs.iter().find(|(n, _)| n == name).map(|(_, v)| *v).expect("counter listed")
+    };
+    assert_eq!(engines.iter().map(|(label, _)| label.as_str()).collect::<Vec<_>>(), vec!["engine-a", "engine-b"]);
+    assert_eq!(value("engine-a", "stored_slices"), 3);
+    assert_eq!(value("engine-a", "lookup_dram"), 3);
+    assert_eq!(value("engine-a", "lookup_miss"), 1);
+    assert_eq!(value("engine-a", "loaded_slices"), 0);
+    assert_eq!(value("engine-b", "loaded_slices"), 3, "the anonymous load is not counted");
+    assert_eq!(value("engine-b", "load_missed_slices"), 1);
+    assert_eq!(value("engine-b", "stored_slices"), 0);
+    let empty = a.set_label("").unwrap_err().to_string();
+    assert!(empty.contains("1 to 128 bytes"), "{empty}");
+    drop((a, b, anonymous));
+    service.stop().unwrap();
+}

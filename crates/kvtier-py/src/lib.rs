@@ -766,6 +766,30 @@ impl PyServiceClient {
         py.detach(|| self.inner.lock().flush()).map_err(to_py)
     }
 
+    /// Names the engine this connection works for in the service's per-engine counters (after
+    /// `hello`; 1 to 128 bytes of UTF-8).
+    fn set_label(&self, py: Python<'_>, label: &str) -> PyResult<()> {
+        let label = label.to_string();
+        py.detach(|| self.inner.lock().set_label(&label)).map_err(to_py)
+    }
+
+    /// The per-engine counters of namespace `digest` (64 hex digits): `[(label, {name: int})]`,
+    /// sorted by label (no hello needed).
+    fn engines<'py>(&self, py: Python<'py>, digest: &str) -> PyResult<Vec<(String, Bound<'py, PyDict>)>> {
+        let digest = parse_digest(digest)?;
+        let engines = py.detach(|| self.inner.lock().engines(&digest)).map_err(to_py)?;
+        engines
+            .into_iter()
+            .map(|(label, pairs)| {
+                let d = PyDict::new(py);
+                for (name, value) in pairs {
+                    d.set_item(name, value)?;
+                }
+                Ok((label, d))
+            })
+            .collect()
+    }
+
     /// Every namespace the service has open (protocol version 2, no hello needed):
     /// `{"protocol_version": int, "namespaces": [{"digest", "description", "tp_size", "slice_bytes",
     /// "object_bytes", "values": {name: int}}]}`.

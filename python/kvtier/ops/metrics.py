@@ -4,7 +4,8 @@
 Every scrape asks the service over its own socket (the ``Namespaces`` and ``Stats`` ops, protocol
 version 2) and turns the per-namespace values into metric families; nothing is cached between
 scrapes. Labels: ``namespace`` (the digest's first 16 hex digits), ``model`` (from the namespace
-description), ``tier`` (dram, nvme, shared), ``op`` (lookup, load, reserve, commit).
+description), ``tier`` (dram, nvme, shared), ``op`` (lookup, load, reserve, commit), ``engine`` (the
+``kvtier_engine_*`` families: the label an engine gave its connections, ``engine_label`` in vLLM).
 The metric names and their meaning are listed in docs/cli.md ("Metrics").
 """
 
@@ -86,12 +87,24 @@ class ServiceSnapshot:
                         self._client = connect(self.socket, timeout_ms=self.timeout_ms)
                     listing = self._client.namespaces()
                     stats = dict(self._client.stats())
-                    return list(listing["namespaces"]), stats
+                    namespaces = list(listing["namespaces"])
+                    for ns in namespaces:
+                        ns["engines"] = self._engines(str(ns["digest"]))
+                    return namespaces, stats
                 except Exception:
                     self._client = None
                     if attempt == 1:
                         raise
         raise AssertionError("unreachable")
+
+    def _engines(self, digest: str) -> list[tuple[str, dict[str, int]]]:
+        """The namespace's per-engine counters; none from a service of an older kvtier."""
+        try:
+            return [(label, dict(values)) for label, values in self._client.engines(digest)]
+        except Exception as error:
+            if "unknown request opcode" in str(error):
+                return []
+            raise
 
 
 def families(namespaces: list[dict[str, Any]], stats: dict[str, int]) -> Iterator[Any]:
@@ -150,6 +163,22 @@ def families(namespaces: list[dict[str, Any]], stats: dict[str, int]) -> Iterato
         "ended) or random",
         [*ns_labels, "op", "order"],
     )
+    engine_labels = [*ns_labels, "engine"]
+    engine_lookups = counter(
+        "kvtier_engine_lookup_blocks",
+        "Blocks an engine's scheduler looked up, by the tier that held them (none: a miss)",
+        [*engine_labels, "tier"],
+    )
+    engine_loads = counter(
+        "kvtier_engine_loaded_slices",
+        "Slices an engine's ranks loaded (a block counts once per rank): found, or missed",
+        [*engine_labels, "result"],
+    )
+    engine_stores = counter(
+        "kvtier_engine_stored_slices",
+        "Slices an engine's ranks stored: accepted, or dropped (no room)",
+        [*engine_labels, "result"],
+    )
     for ns in namespaces:
         v: dict[str, int] = dict(ns["values"])
         labels = [str(ns["digest"])[:16], model_of(bytes(ns["description"]))]
@@ -190,6 +219,15 @@ def families(namespaces: list[dict[str, Any]], stats: dict[str, int]) -> Iterato
             buckets = [(str(le / 1e6), float(v.get(f"latency_{op}_le_{le}", 0))) for le in LATENCY_BUCKETS_US]
             buckets.append(("+Inf", float(count)))
             latency.add_metric([*labels, op], buckets, v.get(f"latency_{op}_sum_us", 0) / 1e6)
+        for engine, counts in ns.get("engines", []):
+            at = [*labels, engine]
+            for tier in ("dram", "nvme", "shared"):
+                engine_lookups.add_metric([*at, tier], counts.get(f"lookup_{tier}", 0))
+            engine_lookups.add_metric([*at, "none"], counts.get("lookup_miss", 0))
+            engine_loads.add_metric([*at, "found"], counts.get("loaded_slices", 0))
+            engine_loads.add_metric([*at, "missed"], counts.get("load_missed_slices", 0))
+            engine_stores.add_metric([*at, "accepted"], counts.get("stored_slices", 0))
+            engine_stores.add_metric([*at, "dropped"], counts.get("dropped_slices", 0))
         for kind in ("read", "write"):
             io_sizes.add_metric([*labels, kind], io_request_buckets(v, kind), v.get(f"nvme_{kind}_request_bytes", 0))
             sequential = v.get(f"nvme_{kind}_sequential", 0)
@@ -197,7 +235,7 @@ def families(namespaces: list[dict[str, Any]], stats: dict[str, int]) -> Iterato
             io_order.add_metric([*labels, kind, "random"], v.get(f"nvme_{kind}_requests", 0) - sequential)
     yield from (hits, misses, lookups, used, capacity, blocks, stored, loaded, read, written, evictions)
     yield from (drops, nvme_drops, checksum, io_errors, queue, backlog, attached, staleness, latency)
-    yield from (io_sizes, io_order)
+    yield from (io_sizes, io_order, engine_lookups, engine_loads, engine_stores)
     service_connections = GaugeMetricFamily("kvtier_service_connections", "Connections to the service now")
     service_connections.add_metric([], stats.get("service_connections", 0))
     service_namespaces = GaugeMetricFamily("kvtier_service_namespaces", "Namespaces the service has open")

@@ -41,6 +41,9 @@ impl Attached {
     }
 }
 
+/// One engine's per-engine counters (`Client::engines`): its label and `(name, value)` pairs.
+pub type EngineEntry = (String, Vec<(String, u64)>);
+
 /// The service's answer to `Client::reserve` for one block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReserveReply {
@@ -368,6 +371,26 @@ impl Client {
             w.raw(digest).u8(mode).u64(value);
         })?;
         self.parse(&body, |r| r.pairs())
+    }
+
+    /// Names the engine this connection works for, in the service's per-engine counters (after
+    /// `hello`; every connection of one engine gives the same label).
+    pub fn set_label(&mut self, label: &str) -> Result<()> {
+        self.operator_call(Op::Label, |w| {
+            w.bytes(label.as_bytes());
+        })
+        .map(drop)
+    }
+
+    /// The namespace's per-engine counters: `(label, [(name, value)])`, sorted by label.
+    pub fn engines(&mut self, digest: &[u8; 32]) -> Result<Vec<EngineEntry>> {
+        let body = self.operator_call(Op::Engines, |w| {
+            w.raw(digest);
+        })?;
+        self.parse(&body, |r| {
+            let n = r.u32()?;
+            (0..n).map(|_| Ok((String::from_utf8_lossy(r.bytes()?).into_owned(), r.pairs()?))).collect()
+        })
     }
 
     /// Waits until every store the service accepted is on NVMe.

@@ -4,11 +4,13 @@
 //! prefix that any engine computed is a DRAM hit for all of them and outlives engine restarts.
 
 pub mod client;
+pub mod engines;
 pub mod latency;
 pub mod placement;
 pub mod protocol;
 pub mod server;
 
-pub use client::{Attached, Client, NamespaceInfo, RemoteBadBlock, RemoteVerifyBatch, ReserveReply};
+pub use client::{Attached, Client, EngineEntry, NamespaceInfo, RemoteBadBlock, RemoteVerifyBatch, ReserveReply};
+pub use engines::{EngineCounters, MAX_ENGINES};
 pub use placement::{Placement, PlacementRun};
 pub use server::{Service, ServiceConfig, MAX_TP_SIZE};

@@ -54,7 +54,16 @@ pub enum Op {
     /// (version 2; no Hello needed) `32 digest`, `u8 mode` (0 all, 1 older than `value` ms, 2 NVMe to
     /// `value` bytes), `u64 value` -> pairs
     Trim = 14,
+    /// (version 2, after Hello) `bytes label` (UTF-8, 1 to `MAX_ENGINE_LABEL_BYTES`) -> (empty):
+    /// names the engine this connection works for in the per-engine counters (`Engines`)
+    Label = 15,
+    /// (version 2; no Hello needed) `32 digest` -> `u32 count` * (`bytes label`, pairs): the
+    /// namespace's per-engine counters, one entry per label
+    Engines = 16,
 }
+
+/// The longest engine label (`Op::Label`).
+pub const MAX_ENGINE_LABEL_BYTES: usize = 128;
 
 impl Op {
     pub fn from_u8(byte: u8) -> Option<Op> {
@@ -73,6 +82,8 @@ impl Op {
             12 => Op::Namespaces,
             13 => Op::Verify,
             14 => Op::Trim,
+            15 => Op::Label,
+            16 => Op::Engines,
             _ => return None,
         })
     }

@@ -6,6 +6,7 @@
 //! the kernel closing it is the lease expiring. A reserved slot is freed only once no connection
 //! holds it any more, so an aborted fill can never be reused while a live writer still copies in.
 
+use super::engines::{EngineCounters, EngineTable};
 use super::protocol::*;
 use crate::config::StoreConfig;
 use crate::error::{Error, Result};
@@ -136,6 +137,8 @@ struct Namespaced {
     fills: Mutex<HashMap<BlockKey, Fill>>,
     /// Blocks a rank gave up for want of room; locked after `fills`.
     dropped: Mutex<DroppedKeys>,
+    /// What each labelled engine did here; locked alone.
+    engines: Mutex<EngineTable>,
 }
 
 impl Fill {
@@ -360,6 +363,9 @@ fn janitor_loop(state: &Arc<State>) {
     }
 }
 
+/// `Op::Reserve`'s answer for a block the service will not take now (see `Session::reserve`).
+const RESERVE_DROPPED: u8 = 2;
+
 /// One engine connection's state: the namespace it said hello to and what it holds.
 struct Session {
     ns: Arc<Namespaced>,
@@ -371,6 +377,8 @@ struct Session {
     readers: HashMap<BlockKey, u32>,
     /// Fills this connection reserved and has not committed or aborted.
     reserved: Vec<BlockKey>,
+    /// The engine this connection works for (`Op::Label`), for the per-engine counters.
+    label: Option<String>,
 }
 
 struct Connection {
@@ -419,6 +427,7 @@ impl Connection {
         }
         match op {
             Op::Namespaces => return Ok(self.state.describe_namespaces()),
+            Op::Engines => return self.state.describe_engines(&mut r),
             Op::Verify => return self.state.verify(&mut r),
             Op::Trim => return self.state.trim(&mut r),
             _ => {}
@@ -441,21 +450,31 @@ impl Connection {
     fn handle_session_op(&mut self, op: Op, r: &mut Reader<'_>) -> std::result::Result<Vec<u8>, String> {
         let session = self.session.as_mut().ok_or("say hello first (the namespace of this connection)")?;
         let keys = match op {
-            Op::Stats | Op::Flush => Vec::new(),
+            Op::Stats | Op::Flush | Op::Label => Vec::new(),
             _ => r.keys().map_err(|e| e.to_string())?,
         };
         let mut w = Writer::default();
         match op {
-            Op::Hello | Op::Namespaces | Op::Verify | Op::Trim => unreachable!("answered above"),
+            Op::Hello | Op::Namespaces | Op::Verify | Op::Trim | Op::Engines => unreachable!("answered above"),
+            Op::Label => session.label = Some(parse_label(r)?),
             Op::Locate => {
+                let mut looked = EngineCounters::default();
                 for tier in session.ns.store.locate_many(&keys) {
-                    w.u8(match tier {
-                        None => 0,
-                        Some(crate::catalog::Tier::Dram) => 1,
-                        Some(crate::catalog::Tier::Nvme) => 2,
-                        Some(crate::catalog::Tier::Shared) => 3,
-                    });
+                    let (code, counter) = match tier {
+                        None => (0, &mut looked.lookup_miss),
+                        Some(crate::catalog::Tier::Dram) => (1, &mut looked.lookup_dram),
+                        Some(crate::catalog::Tier::Nvme) => (2, &mut looked.lookup_nvme),
+                        Some(crate::catalog::Tier::Shared) => (3, &mut looked.lookup_shared),
+                    };
+                    *counter += 1;
+                    w.u8(code);
                 }
+                session.count(|c| {
+                    c.lookup_miss += looked.lookup_miss;
+                    c.lookup_dram += looked.lookup_dram;
+                    c.lookup_nvme += looked.lookup_nvme;
+                    c.lookup_shared += looked.lookup_shared;
+                });
             }
             Op::Pin => {
                 let flags = session.ns.store.pin_prefix(&keys);
@@ -471,22 +490,34 @@ impl Connection {
             Op::Release => session.release_readers(&keys),
             Op::Acquire => {
                 let slots = session.ns.store.acquire(&keys).map_err(|e| e.to_string())?;
+                let mut loaded = 0;
                 for (key, slot) in keys.iter().zip(slots) {
                     if slot.is_some() {
                         *session.readers.entry(*key).or_default() += 1;
+                        loaded += 1;
                     }
                     w.u32(slot.unwrap_or(NO_SLOT));
                 }
+                session.count(|c| {
+                    c.loaded_slices += loaded;
+                    c.load_missed_slices += keys.len() as u64 - loaded;
+                });
             }
             Op::Reserve => {
+                let mut dropped = 0;
                 for (kind, slot) in session.reserve(&keys).map_err(|e| e.to_string())? {
+                    dropped += u64::from(kind == RESERVE_DROPPED);
                     w.u8(kind).u32(slot);
                 }
+                session.count(|c| c.dropped_slices += dropped);
             }
             Op::Commit => {
+                let mut stored = 0;
                 for accepted in session.commit(&keys).map_err(|e| e.to_string())? {
+                    stored += u64::from(accepted);
                     w.u8(u8::from(accepted));
                 }
+                session.count(|c| c.stored_slices += stored);
             }
             Op::Abort => session.abort(&keys),
             Op::Stats => {
@@ -568,8 +599,15 @@ impl Connection {
             .u64(ns.store.object_bytes() as u64)
             .bytes(pool.path.as_os_str().as_encoded_bytes());
         ns.attached.fetch_add(1, Ordering::Relaxed);
-        self.session =
-            Some(Session { ns, rank, tp_size, pins: HashMap::new(), readers: HashMap::new(), reserved: Vec::new() });
+        self.session = Some(Session {
+            ns,
+            rank,
+            tp_size,
+            pins: HashMap::new(),
+            readers: HashMap::new(),
+            reserved: Vec::new(),
+            label: None,
+        });
         Ok(w.0)
     }
 
@@ -626,6 +664,7 @@ impl State {
             slice_bytes,
             fills: Mutex::new(HashMap::new()),
             dropped: Mutex::new(DroppedKeys::default()),
+            engines: Mutex::new(EngineTable::default()),
         });
         namespaces.insert(namespace, Arc::clone(&ns));
         Ok(ns)
@@ -669,8 +708,28 @@ impl State {
     }
 }
 
+/// An engine label (`Op::Label`): UTF-8, 1 to `MAX_ENGINE_LABEL_BYTES` bytes.
+fn parse_label(r: &mut Reader<'_>) -> std::result::Result<String, String> {
+    let bytes = r.bytes().map_err(|e| e.to_string())?;
+    if bytes.is_empty() || bytes.len() > MAX_ENGINE_LABEL_BYTES {
+        return Err(format!("an engine label has 1 to {MAX_ENGINE_LABEL_BYTES} bytes, got {}", bytes.len()));
+    }
+    String::from_utf8(bytes.to_vec()).map_err(|_| "an engine label must be UTF-8".to_string())
+}
+
 /// The operator ops (protocol version 2): they name a namespace by its digest and need no Hello.
 impl State {
+    fn describe_engines(&self, r: &mut Reader<'_>) -> std::result::Result<Vec<u8>, String> {
+        let ns = self.open_namespace(r)?;
+        let engines = ns.engines.lock().snapshot();
+        let mut w = Writer::default();
+        w.u32(engines.len() as u32);
+        for (label, counters) in engines {
+            w.bytes(label.as_bytes()).pairs(&counters.fields());
+        }
+        Ok(w.0)
+    }
+
     fn open_namespace(&self, r: &mut Reader<'_>) -> std::result::Result<Arc<Namespaced>, String> {
         let digest = Namespace(r.array32().map_err(|e| e.to_string())?);
         self.namespaces.lock().get(&digest).cloned().ok_or_else(|| {
@@ -799,6 +858,13 @@ impl Session {
         let held = take_held(&mut self.pins, keys);
         if !held.is_empty() {
             self.ns.store.unpin(&held);
+        }
+    }
+
+    /// Adds to this connection's engine's counters (nothing for an unlabelled connection).
+    fn count(&self, update: impl FnOnce(&mut EngineCounters)) {
+        if let Some(label) = &self.label {
+            self.ns.engines.lock().record(label, update);
         }
     }
 

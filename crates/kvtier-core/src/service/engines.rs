@@ -1,0 +1,103 @@
+//! Per-engine counters of one namespace: what each engine sharing the host's pool looked up,
+//! loaded and stored. An engine names itself with `Op::Label` on each of its connections (the
+//! scheduler's and every rank's); unlabelled connections count only in the namespace's totals.
+//! The table is bounded: a label past `MAX_ENGINES` replaces the one idle the longest, so engines
+//! that restart under new labels cannot grow the service's memory.
+
+use std::collections::HashMap;
+
+/// Labels kept per namespace.
+pub const MAX_ENGINES: usize = 64;
+
+/// One engine's counts. Lookups count blocks (the scheduler asks once per block); loads and stores
+/// count slices (each rank moves its own slice of a block).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct EngineCounters {
+    pub lookup_dram: u64,
+    pub lookup_nvme: u64,
+    pub lookup_shared: u64,
+    pub lookup_miss: u64,
+    pub loaded_slices: u64,
+    pub load_missed_slices: u64,
+    pub stored_slices: u64,
+    pub dropped_slices: u64,
+}
+
+impl EngineCounters {
+    /// Name and value of each counter, in the wire's pair form (docs/service.md).
+    pub fn fields(&self) -> [(&'static str, u64); 8] {
+        [
+            ("lookup_dram", self.lookup_dram),
+            ("lookup_nvme", self.lookup_nvme),
+            ("lookup_shared", self.lookup_shared),
+            ("lookup_miss", self.lookup_miss),
+            ("loaded_slices", self.loaded_slices),
+            ("load_missed_slices", self.load_missed_slices),
+            ("stored_slices", self.stored_slices),
+            ("dropped_slices", self.dropped_slices),
+        ]
+    }
+}
+
+#[derive(Default)]
+pub struct EngineTable {
+    /// Per label: its counters and the tick of its last update.
+    entries: HashMap<String, (EngineCounters, u64)>,
+    tick: u64,
+}
+
+impl EngineTable {
+    /// Applies `update` to `label`'s counters, making room for a new label if needed.
+    pub fn record(&mut self, label: &str, update: impl FnOnce(&mut EngineCounters)) {
+        self.tick += 1;
+        if !self.entries.contains_key(label) && self.entries.len() >= MAX_ENGINES {
+            let idlest = self.entries.iter().min_by_key(|(_, (_, at))| *at).map(|(name, _)| name.clone());
+            if let Some(idlest) = idlest {
+                self.entries.remove(&idlest);
+            }
+        }
+        let (counters, at) = self.entries.entry(label.to_string()).or_default();
+        update(counters);
+        *at = self.tick;
+    }
+
+    /// Every label's counters, sorted by label.
+    pub fn snapshot(&self) -> Vec<(String, EngineCounters)> {
+        let mut out: Vec<(String, EngineCounters)> =
+            self.entries.iter().map(|(name, (counters, _))| (name.clone(), *counters)).collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_add_up_per_label() {
+        let mut table = EngineTable::default();
+        table.record("engine-a", |c| c.loaded_slices += 3);
+        table.record("engine-b", |c| c.stored_slices += 2);
+        table.record("engine-a", |c| c.lookup_dram += 5);
+        let snapshot = table.snapshot();
+        assert_eq!(snapshot.len(), 2);
+        assert_eq!(snapshot[0].0, "engine-a");
+        assert_eq!((snapshot[0].1.loaded_slices, snapshot[0].1.lookup_dram), (3, 5));
+        assert_eq!(snapshot[1].1.stored_slices, 2);
+    }
+
+    #[test]
+    fn a_label_past_the_bound_replaces_the_idlest() {
+        let mut table = EngineTable::default();
+        for i in 0..MAX_ENGINES {
+            table.record(&format!("engine-{i:02}"), |c| c.loaded_slices += 1);
+        }
+        table.record("engine-00", |c| c.loaded_slices += 1); // engine-01 is now the idlest
+        table.record("newcomer", |c| c.loaded_slices += 1);
+        let labels: Vec<String> = table.snapshot().into_iter().map(|(name, _)| name).collect();
+        assert_eq!(labels.len(), MAX_ENGINES);
+        assert!(labels.contains(&"newcomer".to_string()) && labels.contains(&"engine-00".to_string()));
+        assert!(!labels.contains(&"engine-01".to_string()), "the idlest label goes");
+    }
+}
