@@ -572,6 +572,7 @@ def test_top_in_a_real_terminal(served: Served, tmp_path: Path) -> None:
             time.sleep(0.3)
         assert "top namespaces" in screen, screen
         assert "ops-test-model" in screen and "throughput and queues" in screen, screen
+        assert "engines" in screen and "engine-a" in screen, screen  # the fixture's labelled client
         assert re.search(r"all\s+100\.0%", screen), screen  # every load in the interval hit
         tmux("send-keys", "-t", session, "q")
         deadline = time.monotonic() + 10

@@ -347,7 +347,8 @@ def trim(
 @click.option("--once", is_flag=True, help="print one frame (after one interval) and exit")
 def top(paths: tuple[Path, ...], socket: Path | None, interval: float, once: bool) -> None:
     """A live terminal view of the service serving PATH (q or Ctrl-C quits): hit rate per tier,
-    GB/s stored and loaded, NVMe reads and writes, queue depths, drops, and the busiest namespaces."""
+    GB/s stored and loaded, NVMe reads and writes, queue depths, drops, the busiest namespaces, and
+    per engine (engine_label) its lookups, hit rate and the slices its ranks loaded and stored."""
     from kvtier.ops import top as top_view
 
     def run() -> dict[str, Any]:

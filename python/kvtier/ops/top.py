@@ -2,7 +2,8 @@
 
 Every interval it reads the service's per-namespace values (the ``Namespaces`` op) and shows rates
 over the last interval: hit rate per tier, GB/s stored and loaded, NVMe reads and writes, queue
-depths, drops, load latency, and the busiest namespaces. ``q`` or Ctrl-C quits.
+depths, drops, load latency, the busiest namespaces, and per engine (the label each engine gives its
+connections) its lookups, hit rate and the slices its ranks moved. ``q`` or Ctrl-C quits.
 """
 
 from __future__ import annotations
@@ -158,7 +159,50 @@ def frame(
         top.add_row(*row)
     if not rows:
         top.add_row("(no namespace open: no engine has attached yet)", "", "", "", "", "", "", "", "")
-    return Group(header, tiers, flow, top)
+    return Group(header, tiers, flow, top, _engines_table(before, after, seconds))
+
+
+def _engines_table(before: list[dict[str, Any]], after: list[dict[str, Any]], seconds: float) -> Any:
+    """Per engine and namespace over the interval, busiest first (idle engines too, at the end)."""
+    from rich import box
+    from rich.table import Table
+
+    old = {(ns["digest"], label): counts for ns in before for label, counts in ns.get("engines", [])}
+    rows = []
+    for ns in after:
+        for label, counts in ns.get("engines", []):
+            was = old.get((ns["digest"], label), {})
+
+            def delta(name: str, now: dict[str, int] = counts, was: dict[str, int] = was) -> float:
+                return float(now.get(name, 0) - was.get(name, 0))
+
+            hits = sum(delta(f"lookup_{t}") for t in TIERS)
+            lookups = hits + delta("lookup_miss")
+            moved = delta("loaded_slices") + delta("stored_slices")
+            rows.append(
+                (
+                    lookups + moved,
+                    [
+                        label[:40],
+                        str(ns["digest"])[:16],
+                        f"{lookups / seconds:.0f}",
+                        _pct(hits, lookups),
+                        f"{delta('loaded_slices') / seconds:.0f}",
+                        f"{delta('load_missed_slices') / seconds:.0f}",
+                        f"{delta('stored_slices') / seconds:.0f}",
+                        f"{delta('dropped_slices') / seconds:.0f}",
+                    ],
+                )
+            )
+    table = Table(title="engines", title_justify="left", box=box.SIMPLE_HEAD)
+    columns = ("engine", "namespace", "lookups/s", "hit rate", "loads/s", "load misses/s", "stores/s", "drops/s")
+    for name in columns:
+        table.add_column(name, justify="left" if name in ("engine", "namespace") else "right", no_wrap=True)
+    for _, row in sorted(rows, key=lambda r: -r[0])[:10]:
+        table.add_row(*row)
+    if not rows:
+        table.add_row("(no engine has named itself: engine_label, docs/vllm.md)", "", "", "", "", "", "", "")
+    return table
 
 
 @contextlib.contextmanager
