@@ -42,6 +42,7 @@ import torch
 from kvtier._core import Service, ServiceClient
 from kvtier.gpu.layouts import MODELS, ModelShape, PagedCache, fill_random, layouts_for, paged_cache
 from kvtier.gpu.transfers import BlockTransfers
+from kvtier.service import default_socket_path
 
 SMALL_MODELS = {
     "small": ModelShape("small", layers=4, kv_heads=2, head_dim=32),
@@ -94,7 +95,9 @@ class Host:
     def __init__(self, directory: Path, object_bytes: int, dram_bytes: int, nvme_bytes: int):
         self.directory, self.object_bytes = directory, object_bytes
         self.dram_bytes, self.nvme_bytes = dram_bytes, nvme_bytes
-        self.socket = str(directory / "kvtier.sock")
+        # Under /tmp/kvtier-<uid>/ (or $XDG_RUNTIME_DIR): a socket path beside a deep --dir could
+        # pass the 108 bytes a Unix socket's path may have.
+        self.socket = str(default_socket_path(directory / "store"))
         self.service: Any = None
         self.start()
 
