@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 
 import pytest
 
@@ -30,10 +29,6 @@ def test_report_puts_the_rows_side_by_side() -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (scripts/install_vllm.sh)")
-@pytest.mark.skipif(
-    os.environ.get("KVTIER_RUN_BLOCKS_SWEEP") != "1",
-    reason="engine block sizes other than 128 are not yet validated in CI: run with KVTIER_RUN_BLOCKS_SWEEP=1",
-)
 def test_small_sweep_runs_every_block_size(tmp_path) -> None:
     out = tmp_path / "out"
     assert blocks.main(["--small", "--out", str(out), "--store-dir", str(tmp_path / "stores")]) == 0
