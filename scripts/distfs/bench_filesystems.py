@@ -387,7 +387,7 @@ def main() -> int:
     p.add_argument("--only", choices=["exp4", "exp5"])
     p.add_argument("--filesystems", default="ext4,xfs,f2fs,btrfs")
     p.add_argument("--targets", default="local,glusterfs,cephfs")
-    p.add_argument("--small", action="store_true", help="CI size: 1 GiB loop files, --small bench io, 32 blocks")
+    p.add_argument("--small", action="store_true", help="CI size: 2 GiB loop files, --small bench io, 32 blocks")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--blocks", type=int, default=128)
     p.add_argument("--passes", type=int, default=3)
@@ -400,7 +400,7 @@ def main() -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     bench_args = (
-        ["--small", "--no-lmcache"]
+        ["--small", "--objects", "chunk256", "--no-lmcache"]  # one case, as the full run
         if args.small
         else ["--sizes", "8k", "--objects", "chunk256", "--repeats", str(args.repeats), "--no-lmcache"]
     )
@@ -417,7 +417,8 @@ def main() -> int:
         if args.only in (None, "exp4"):
             results["exp4"] = []
             for fs in args.filesystems.split(","):
-                size_gib = 1 if args.small else (24 if args.ttft_length else 6)
+                # --small: bench io --small's largest case takes about 1.4 GB.
+                size_gib = 2 if args.small else (24 if args.ttft_length else 6)
                 row = exp4_one(fs, work, args.out, size_gib, bench_args, args.ttft_length, args.ttft_repeats)
                 results["exp4"].append(row)
                 (args.out / "results.json").write_text(json.dumps(results, indent=2))
@@ -433,7 +434,10 @@ def main() -> int:
     wrong = sum(r.get("wrong", 0) for r in results.get("exp5", [])) + sum(
         r.get("wrong_objects", 0) for r in results.get("exp4", [])
     )
-    return 1 if wrong else 0
+    failed = [r["fs"] for r in results.get("exp4", []) if "error" in r or "error" in r.get("ttft", {})]
+    if failed:
+        log(f"failed on {', '.join(failed)} (the report's rows say why)")
+    return 1 if wrong or failed else 0
 
 
 if __name__ == "__main__":
