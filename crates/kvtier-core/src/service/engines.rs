@@ -24,6 +24,16 @@ pub struct EngineCounters {
 }
 
 impl EngineCounters {
+    /// The lookup counter of a block found in `tier` (`None`: a miss).
+    pub fn lookup(&mut self, tier: Option<crate::catalog::Tier>) -> &mut u64 {
+        match tier {
+            None => &mut self.lookup_miss,
+            Some(crate::catalog::Tier::Dram) => &mut self.lookup_dram,
+            Some(crate::catalog::Tier::Nvme) => &mut self.lookup_nvme,
+            Some(crate::catalog::Tier::Shared) => &mut self.lookup_shared,
+        }
+    }
+
     /// Name and value of each counter, in the wire's pair form (docs/service.md).
     pub fn fields(&self) -> [(&'static str, u64); 8] {
         [
@@ -50,15 +60,21 @@ impl EngineTable {
     /// Applies `update` to `label`'s counters, making room for a new label if needed.
     pub fn record(&mut self, label: &str, update: impl FnOnce(&mut EngineCounters)) {
         self.tick += 1;
-        if !self.entries.contains_key(label) && self.entries.len() >= MAX_ENGINES {
+        // Every op of a labelled connection lands here: a known label costs a lookup, no allocation.
+        if let Some((counters, at)) = self.entries.get_mut(label) {
+            update(counters);
+            *at = self.tick;
+            return;
+        }
+        if self.entries.len() >= MAX_ENGINES {
             let idlest = self.entries.iter().min_by_key(|(_, (_, at))| *at).map(|(name, _)| name.clone());
             if let Some(idlest) = idlest {
                 self.entries.remove(&idlest);
             }
         }
-        let (counters, at) = self.entries.entry(label.to_string()).or_default();
-        update(counters);
-        *at = self.tick;
+        let mut counters = EngineCounters::default();
+        update(&mut counters);
+        self.entries.insert(label.to_string(), (counters, self.tick));
     }
 
     /// Every label's counters, sorted by label.

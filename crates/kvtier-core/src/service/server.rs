@@ -458,23 +458,16 @@ impl Connection {
             Op::Hello | Op::Namespaces | Op::Verify | Op::Trim | Op::Engines => unreachable!("answered above"),
             Op::Label => session.label = Some(parse_label(r)?),
             Op::Locate => {
-                let mut looked = EngineCounters::default();
-                for tier in session.ns.store.locate_many(&keys) {
-                    let (code, counter) = match tier {
-                        None => (0, &mut looked.lookup_miss),
-                        Some(crate::catalog::Tier::Dram) => (1, &mut looked.lookup_dram),
-                        Some(crate::catalog::Tier::Nvme) => (2, &mut looked.lookup_nvme),
-                        Some(crate::catalog::Tier::Shared) => (3, &mut looked.lookup_shared),
-                    };
-                    *counter += 1;
-                    w.u8(code);
+                let tiers = session.ns.store.locate_many(&keys);
+                for &tier in &tiers {
+                    w.u8(match tier {
+                        None => 0,
+                        Some(crate::catalog::Tier::Dram) => 1,
+                        Some(crate::catalog::Tier::Nvme) => 2,
+                        Some(crate::catalog::Tier::Shared) => 3,
+                    });
                 }
-                session.count(|c| {
-                    c.lookup_miss += looked.lookup_miss;
-                    c.lookup_dram += looked.lookup_dram;
-                    c.lookup_nvme += looked.lookup_nvme;
-                    c.lookup_shared += looked.lookup_shared;
-                });
+                session.count(|c| tiers.iter().for_each(|&tier| *c.lookup(tier) += 1));
             }
             Op::Pin => {
                 let flags = session.ns.store.pin_prefix(&keys);
