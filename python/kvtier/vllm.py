@@ -732,10 +732,8 @@ class ServiceConnection:
         threading.Thread(target=attempt, name="kvtier-reconnect", daemon=True).start()
 
     def call(self, method: str, *args: Any, default: Any = None) -> Any:
-        client = self._client
-        if client is None or not client.connected:
-            self.failed_calls += 1
-            self._reconnect_in_background()
+        client = self.live_client()
+        if client is None:
             return default
         try:
             return getattr(client, method)(*args)
@@ -747,6 +745,9 @@ class ServiceConnection:
             if not client.connected:
                 self._reconnect_in_background()
             return default
+
+    def count_failed_call(self) -> None:
+        self.failed_calls += 1
 
     def live_client(self) -> Any:
         """The connected client, for a caller that drives the two-phase calls itself (the GPU
@@ -1655,8 +1656,8 @@ class GpuServiceWorker(ServiceWorker):
     def __init__(self, connection: ServiceConnection, rows: list[torch.Tensor], job_timeout_ms: int):
         from kvtier.gpu.transfers import BlockTransfers
 
-        self.transfers = BlockTransfers(rows)
-        self._failed_calls_seen = 0
+        # Failed service calls of the transfers count as the connection's (metrics, logs).
+        self.transfers = BlockTransfers(rows, on_failed_call=connection.count_failed_call)
         client = connection.live_client()
         if client is not None:
             try:
@@ -1672,20 +1673,11 @@ class GpuServiceWorker(ServiceWorker):
     def _spread_load(self) -> bool:
         return False
 
-    def _counted(self, moved: list[bool]) -> list[bool]:
-        # Failed service calls of the transfers show up in the connection's count (metrics, logs).
-        failed = self.transfers.counters.failed_calls
-        self._connection.failed_calls += failed - self._failed_calls_seen
-        self._failed_calls_seen = failed
-        return moved
-
     def _load(self, job: _Job, keys: list[bytes]) -> list[bool]:
-        client = self._connection.live_client()
-        return self._counted(self.transfers.load(client, keys, job.block_ids, job.ready))
+        return self.transfers.load(self._connection.live_client(), keys, job.block_ids, job.ready)
 
     def _store(self, job: _Job, keys: list[bytes], block_ids: list[int]) -> list[bool]:
-        client = self._connection.live_client()
-        return self._counted(self.transfers.store(client, keys, block_ids, job.ready))
+        return self.transfers.store(self._connection.live_client(), keys, block_ids, job.ready)
 
     def shutdown(self) -> None:
         super().shutdown()

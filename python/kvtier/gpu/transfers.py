@@ -11,7 +11,7 @@ counted, and the job's remaining blocks are misses.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +65,12 @@ class BlockTransfers:
     ``client`` is the live service client; a new one (after a reconnect) re-maps and re-pins.
     ``ready`` is the marker ``side.ready_marker()`` recorded when the job was submitted."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], executor: Executor | None = None):
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        executor: Executor | None = None,
+        on_failed_call: Callable[[], None] | None = None,
+    ):
         if not tensors:
             raise ValueError("kvtier: a rank needs at least one KV-cache tensor")
         devices = {t.device for t in tensors}
@@ -84,6 +89,7 @@ class BlockTransfers:
         self.side = side_for(self.device)
         self._executor = executor
         self._binding: _Binding | None = None
+        self._on_failed_call = on_failed_call
         self.counters = TransferCounters()
 
     @property
@@ -132,6 +138,8 @@ class BlockTransfers:
 
     def _failed_call(self, what: str, error: Exception) -> None:
         self.counters.failed_calls += 1
+        if self._on_failed_call is not None:
+            self._on_failed_call()
         self._note(f"{what}: {error}")
 
     def _note(self, message: str) -> None:
