@@ -872,6 +872,15 @@ impl Catalog {
 
     /// The shared read into `slot` finished: `Some(checksum)` makes the block resident, `None` (a miss)
     /// drops the entry and frees the slot.
+    /// A shared-tier read into `slot` that the I/O engine gave up: the kernel may still write into
+    /// the slot, so it is retired rather than freed.
+    pub fn abandon_get_shared(&mut self, key: &BlockKey, slot: u32) {
+        if self.index.get(key).is_some_and(|e| e.dram == Some(slot)) {
+            self.index.remove(key);
+        }
+        self.retire_slot(slot);
+    }
+
     pub fn finish_get_shared(&mut self, key: &BlockKey, slot: u32, value_checksum: Option<u64>) {
         let ours = self.index.get(key).is_some_and(|e| e.dram == Some(slot));
         match value_checksum {

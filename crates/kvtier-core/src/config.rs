@@ -74,6 +74,15 @@ pub struct StoreConfig {
 }
 
 impl StoreConfig {
+    /// The I/O settings the shared tier's device queue shares with the NVMe tier's.
+    pub fn io_setup(&self) -> crate::io::IoSetup {
+        crate::io::IoSetup {
+            depth: self.io_depth,
+            max_write_inflight_bytes: self.max_write_inflight_bytes,
+            fault_plan: self.fault_plan.clone(),
+        }
+    }
+
     pub fn new(path: impl Into<PathBuf>, object_bytes: usize) -> Self {
         StoreConfig {
             paths: vec![path.into()],

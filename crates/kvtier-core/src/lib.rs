@@ -4,7 +4,8 @@
 //! - `mover`: the data plane (copies and I/O at locations the catalog hands out).
 //! - `shared_state`: `Shared`, the state a store's threads share; the mover works on it, not on `store`.
 //! - `tiers`: the DRAM arena and eviction policy; the NVMe device files and recovery; the shared tier.
-//! - `io`: I/O engines (io_uring, psync pool, fault injection) and the per-device queue.
+//! - `io`: I/O engines (io_uring, psync pool, fault injection) and the device queue every tier
+//!   moves block data through (NVMe: one per device file; the shared tier: one for its files).
 //! - [`format`]: on-disk structures, versioned and checksummed.
 //! - [`service`]: the host service (one per host and store path) and its client, over a Unix socket.
 //! - `maintenance`: scrub, trim and namespace facts for operators (`kvtier verify|trim|inspect`).
@@ -34,7 +35,7 @@ pub use config::{
 pub use error::{Error, Result};
 pub use io::buffer::AlignedBuf;
 pub use io::faults::FaultPlan;
-pub use io::EngineChoice;
+pub use io::{EngineChoice, IoSetup};
 pub use key::{BlockKey, Namespace};
 pub use maintenance::{BadBlock, NamespaceFacts, TrimRequest, VerifyBatch, DESCRIPTION_FILE_NAME};
 pub use mover::{BlockBuffer, Reservation};

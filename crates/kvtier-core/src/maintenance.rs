@@ -368,10 +368,9 @@ impl Store {
             ..VerifyBatch::default()
         };
         let slot_bytes = tier.slot_bytes();
-        let mut staging = AlignedBuf::zeroed(slot_bytes);
         let started = Instant::now();
         for key in &keys[start..end] {
-            let outcome = tier.scrub_block(key, staging.as_mut_slice());
+            let outcome = tier.scrub_block(key);
             batch.checked_nvme += 1;
             batch.bytes_read += slot_bytes as u64;
             // A bad block's file is quarantined by the tier; a read error is reported, not quarantined.

@@ -12,6 +12,7 @@ use crate::io::OpKind;
 use crate::key::BlockKey;
 use crate::shared_state::Shared;
 use crate::stats::Stats;
+use crate::tiers::shared::ReadOutcome;
 use crossbeam_channel::unbounded;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -310,6 +311,7 @@ fn get_blocks(
                         buf: staging.as_ptr(),
                         len: staging.len(),
                         iovecs: Vec::new(),
+                        file: None,
                         on_done: Box::new(move |r| {
                             let _ = tx.send((i, read, r, Landing::Staged(staging)));
                         }),
@@ -332,6 +334,7 @@ fn get_blocks(
                         buf: std::ptr::null_mut(),
                         len: DESCRIPTOR_BYTES + sh.config.object_bytes,
                         iovecs,
+                        file: None,
                         on_done: Box::new(move |r| {
                             let _ = tx.send((i, read, r, Landing::Direct(page)));
                         }),
@@ -345,6 +348,7 @@ fn get_blocks(
                     buf: sh.arena.slot_ptr(read.slot),
                     len: sh.arena.slot_bytes(),
                     iovecs: Vec::new(),
+                    file: None,
                     on_done: Box::new(move |r| {
                         let _ = tx.send((i, read, r, Landing::Slot));
                     }),
@@ -621,6 +625,7 @@ fn submit_entry_write(sh: &Arc<Shared>, key: BlockKey, plan: WritePlan) {
         buf: sh.arena.slot_ptr(plan.slot),
         len: sh.arena.slot_bytes(),
         iovecs: Vec::new(),
+        file: None,
         on_done: Box::new(move |r| {
             // An abandoned write may still read the slot; reusing it can only change bytes at an
             // NVMe location the catalog records as unwritten (no trailer lists it), so it is freed.
@@ -656,6 +661,7 @@ pub(crate) fn submit_meta(sh: &Arc<Shared>, writes: Vec<MetaWrite>) {
             buf: ptr,
             len,
             iovecs: Vec::new(),
+            file: None,
             on_done: Box::new(move |r| {
                 if r.as_ref().is_err_and(is_abandoned) {
                     std::mem::forget(buf); // the kernel may still read it
@@ -685,7 +691,7 @@ fn plan_shared_read(sh: &Shared, cat: &mut crate::catalog::Catalog, key: &BlockK
     cat.plan_get_shared(key).map(Some).ok_or(())
 }
 
-/// Reads blocks from the shared tier into their DRAM slots (one verified pread each), copies them out,
+/// Reads blocks from the shared tier into their DRAM slots (all in flight together), copies them out,
 /// and makes them resident. A failed read is a miss (the tier counts and quarantines).
 fn execute_shared_reads(
     sh: &Arc<Shared>,
@@ -696,39 +702,44 @@ fn execute_shared_reads(
     mut pinned: Option<&mut [Option<u32>]>,
 ) {
     let tier = sh.shared_tier.as_ref().expect("shared reads need the shared tier");
+    let targets: Vec<(BlockKey, *mut u8)> = reads.iter().map(|&(i, slot)| (keys[i], sh.arena.slot_ptr(slot))).collect();
+    // SAFETY: each slot is ours (Loading) until `finish_get_shared`; an abandoned one is retired.
+    let outcomes = unsafe { tier.read_many(&targets) };
     let mut done = Vec::with_capacity(reads.len());
-    for (i, slot) in reads {
-        // SAFETY: the slot is ours (Loading) and the shared tier reads into it synchronously.
-        let bytes = unsafe { slot_mut(sh.arena.slot_ptr(slot), sh.arena.slot_bytes()) };
-        let checksum = match tier.read_into(&keys[i], bytes) {
+    for (&(i, slot), outcome) in reads.iter().zip(outcomes) {
+        let checksum = match outcome {
             // The tier verified the block; the checksum is taken before anything counts it a hit.
-            Ok(true) => match Descriptor::decode(&bytes[..DESCRIPTOR_BYTES]) {
-                Ok(desc) => {
-                    if let Some(bufs) = bufs {
-                        copy_value_out(sh, slot, &bufs[i]);
+            ReadOutcome::Hit => {
+                // SAFETY: the read finished into our slot.
+                let bytes = unsafe { slot_mut(sh.arena.slot_ptr(slot), sh.arena.slot_bytes()) };
+                match Descriptor::decode(&bytes[..DESCRIPTOR_BYTES]) {
+                    Ok(desc) => {
+                        if let Some(bufs) = bufs {
+                            copy_value_out(sh, slot, &bufs[i]);
+                        }
+                        results[i] = true;
+                        Some(desc.value_checksum)
                     }
-                    results[i] = true;
-                    Some(desc.value_checksum)
+                    Err(e) => {
+                        log::error!("kvtier: shared block {:?} passed verification but its descriptor does not decode ({e}); a miss", keys[i]);
+                        Stats::add(&sh.stats.checksum_failures, 1);
+                        None
+                    }
                 }
-                Err(e) => {
-                    log::error!("kvtier: shared block {:?} passed verification but its descriptor does not decode ({e}); a miss", keys[i]);
-                    Stats::add(&sh.stats.checksum_failures, 1);
-                    None
-                }
-            },
-            Ok(false) => None,
-            Err(e) => {
-                log::warn!("kvtier: shared read of {:?} failed: {e}; counted as a miss", keys[i]);
-                None
             }
+            ReadOutcome::Miss | ReadOutcome::Abandoned => None,
         };
         if checksum.is_none() {
             Stats::add(&sh.stats.misses, 1);
         }
-        done.push((i, slot, checksum));
+        done.push((i, slot, checksum, outcome == ReadOutcome::Abandoned));
     }
     let mut cat = sh.catalog.lock();
-    for (i, slot, checksum) in done {
+    for (i, slot, checksum, abandoned) in done {
+        if abandoned {
+            cat.abandon_get_shared(&keys[i], slot);
+            continue;
+        }
         let loaded = checksum.is_some();
         cat.finish_get_shared(&keys[i], slot, checksum);
         if loaded {

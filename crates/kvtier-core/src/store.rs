@@ -184,7 +184,9 @@ impl Store {
 
         // The shared tier comes after NVMe: a store may have either, both, or neither.
         let shared_tier = match &config.shared {
-            Some(c) => Some(SharedTier::open(c, namespace, config.object_bytes, Arc::clone(&stats))?),
+            Some(c) => {
+                Some(SharedTier::open(c, namespace, config.object_bytes, Arc::clone(&stats), &config.io_setup())?)
+            }
             None => None,
         };
         let shared_publisher = shared_tier.as_ref().map(|t| Publisher::start(Arc::clone(t))).transpose()?;
@@ -698,8 +700,15 @@ fn start_devices(
             engine = Box::new(FaultyEngine::new(engine, Arc::clone(plan)));
         }
         queues.push(
-            DeviceQueue::start(&name, fd, engine, config.io_depth, config.max_write_inflight_bytes, Arc::clone(stats))
-                .map_err(|e| Error::io("starting a device thread", e))?,
+            DeviceQueue::start(
+                &name,
+                fd,
+                engine,
+                config.io_depth,
+                config.max_write_inflight_bytes,
+                Some(Arc::clone(stats)),
+            )
+            .map_err(|e| Error::io("starting a device thread", e))?,
         );
     }
     let name = if use_uring { "io_uring" } else { "psync" };

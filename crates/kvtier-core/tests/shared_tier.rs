@@ -4,6 +4,7 @@
 use kvtier_core::Stats;
 use kvtier_core::{BlockKey, Namespace};
 use kvtier_core::{Error, Store, StoreConfig};
+use kvtier_core::{FaultPlan, IoSetup};
 use kvtier_core::{SharedConfig, SharedTier};
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::{FileExt, MetadataExt};
@@ -39,8 +40,14 @@ fn config(root: &Path) -> SharedConfig {
 
 fn open(c: &SharedConfig, ns: &str) -> (Arc<SharedTier>, Arc<Stats>) {
     let stats = Arc::new(Stats::default());
-    let tier =
-        SharedTier::open(c, Namespace::from_description(ns.as_bytes()), OBJECT_BYTES, Arc::clone(&stats)).unwrap();
+    let tier = SharedTier::open(
+        c,
+        Namespace::from_description(ns.as_bytes()),
+        OBJECT_BYTES,
+        Arc::clone(&stats),
+        &IoSetup::default(),
+    )
+    .unwrap();
     (tier, stats)
 }
 
@@ -282,7 +289,9 @@ fn startup_errors_name_the_fix() {
     let dir = tempfile::tempdir().unwrap();
     let stats = Arc::new(Stats::default());
     let ns = Namespace::from_description(b"x");
-    let err = |c: &SharedConfig| SharedTier::open(c, ns, OBJECT_BYTES, Arc::clone(&stats)).err().unwrap().to_string();
+    let err = |c: &SharedConfig| {
+        SharedTier::open(c, ns, OBJECT_BYTES, Arc::clone(&stats), &IoSetup::default()).err().unwrap().to_string()
+    };
 
     let e = err(&config(&dir.path().join("missing/deeper")));
     assert!(e.contains("does not exist, nor does its parent"), "{e}");
@@ -299,7 +308,7 @@ fn startup_errors_name_the_fix() {
     assert!(err(&c).contains("shared_grace_ms"));
     // A missing root whose parent exists is created.
     let c = config(&dir.path().join("new-root"));
-    assert!(SharedTier::open(&c, ns, OBJECT_BYTES, Arc::clone(&stats)).is_ok());
+    assert!(SharedTier::open(&c, ns, OBJECT_BYTES, Arc::clone(&stats), &IoSetup::default()).is_ok());
     // Full: a capacity with no room for one file and nothing to evict.
     let mut c = config(&dir.path().join("tiny"));
     c.capacity_bytes = Some(64 << 10);
@@ -751,7 +760,8 @@ fn key_file_on_the_shared_root_readable_by_others_or_short_is_refused() {
     let stats = Arc::new(Stats::default());
     let ns = Namespace::from_description(b"model-a");
     let err = |key: &Path| {
-        let e = SharedTier::open(&keyed(root.path(), key), ns, OBJECT_BYTES, Arc::clone(&stats)).err();
+        let e =
+            SharedTier::open(&keyed(root.path(), key), ns, OBJECT_BYTES, Arc::clone(&stats), &IoSetup::default()).err();
         e.expect("refused").to_string()
     };
     let on_root = key_file(root.path(), "shared.key", 32, 0o600);
@@ -782,7 +792,14 @@ fn key_file_on_the_shared_root_readable_by_others_or_short_is_refused() {
     // And a good one through a symlink (as a Kubernetes secret volume mounts it) is accepted.
     let good = key_file(keys.path(), "good.key", 32, 0o600);
     std::os::unix::fs::symlink(&good, keys.path().join("good-link.key")).unwrap();
-    assert!(SharedTier::open(&keyed(root.path(), &keys.path().join("good-link.key")), ns, OBJECT_BYTES, stats).is_ok());
+    assert!(SharedTier::open(
+        &keyed(root.path(), &keys.path().join("good-link.key")),
+        ns,
+        OBJECT_BYTES,
+        stats,
+        &IoSetup::default()
+    )
+    .is_ok());
 }
 
 /// The cost of the tags, printed (figures go to docs/shared-tier.md, not into assertions):
@@ -823,7 +840,8 @@ fn measure_tag_cost() {
         c.file_target_bytes = 64 << 20;
         c.key_file = with_key.then(|| k.clone());
         let stats = Arc::new(Stats::default());
-        let tier = SharedTier::open(&c, Namespace::from_description(b"bench"), OBJECT, stats).unwrap();
+        let tier =
+            SharedTier::open(&c, Namespace::from_description(b"bench"), OBJECT, stats, &IoSetup::default()).unwrap();
         let n = TOTAL / OBJECT;
         let keys: Vec<_> = (0..n as u64).map(key).collect();
         let values: Vec<&[u8]> = (0..n).map(|i| &buf[i * OBJECT..(i + 1) * OBJECT]).collect();
@@ -845,4 +863,50 @@ fn measure_tag_cost() {
             gbs(read)
         );
     }
+}
+
+/// The shared tier's data I/O runs through the device queue, so the fault plan reaches it: faults on
+/// the reading node and on the writing node are counted misses, never wrong bytes, and short
+/// transfers are completed.
+#[test]
+fn injected_faults_on_shared_reads_and_writes_are_misses_never_wrong_bytes() {
+    let n = 96;
+    let faulty = |plan: FaultPlan| {
+        let plan = Arc::new(plan);
+        (IoSetup { fault_plan: Some(Arc::clone(&plan)), ..IoSetup::default() }, plan)
+    };
+    let open_with = |c: &SharedConfig, io: &IoSetup| {
+        let stats = Arc::new(Stats::default());
+        let ns = Namespace::from_description(b"faults");
+        (SharedTier::open(c, ns, OBJECT_BYTES, Arc::clone(&stats), io).unwrap(), stats)
+    };
+
+    // Read side: a clean writer, a reader whose reads fail, flip bits or come back short.
+    let root = tempfile::tempdir().unwrap();
+    let c = config(root.path());
+    let (writer, _) = open_with(&c, &IoSetup::default());
+    publish(&writer, 0..n);
+    let (io, plan) =
+        faulty(FaultPlan { read_eio_every: 7, read_bitflip_every: 11, short_every: 3, ..FaultPlan::default() });
+    let (reader, stats) = open_with(&c, &io);
+    assert!(wait_until(Duration::from_secs(5), || (0..n).all(|i| reader.contains(&key(i)))));
+    let hits = (0..n).filter(|&i| read_ok(&reader, i)).count();
+    let s = stats.snapshot();
+    assert!(plan.injected.load(std::sync::atomic::Ordering::Relaxed) > 0, "no fault reached the shared reads");
+    assert!(s.io_errors > 0 && s.checksum_failures > 0, "faults not counted: {s:?}");
+    assert!(hits > 0 && hits < n as usize, "{hits} hits of {n}");
+    assert_eq!(s.shared_hits as usize, hits);
+
+    // Write side: torn and short writes on the writer; a clean reader serves only whole blocks.
+    let root = tempfile::tempdir().unwrap();
+    let c = config(root.path());
+    let (io, plan) = faulty(FaultPlan { torn_write_every: 5, short_every: 3, ..FaultPlan::default() });
+    let (writer, _) = open_with(&c, &io);
+    publish(&writer, 0..n);
+    let (reader, stats) = open_with(&c, &IoSetup::default());
+    assert!(wait_until(Duration::from_secs(5), || (0..n).all(|i| reader.contains(&key(i)))));
+    let hits = (0..n).filter(|&i| read_ok(&reader, i)).count();
+    assert!(plan.injected.load(std::sync::atomic::Ordering::Relaxed) > 0, "no fault reached the shared writes");
+    assert!(stats.snapshot().checksum_failures > 0, "torn writes were not caught");
+    assert!(hits < n as usize, "every block was served although some were torn");
 }

@@ -48,7 +48,8 @@ fn main() {
     let publish_every = Duration::from_millis(num("publish_every_ms", 10));
     let tag = num("tag", std::process::id() as u64);
     let stats = Arc::new(Stats::default());
-    let tier = SharedTier::open(&config, namespace, object_bytes, Arc::clone(&stats)).expect("open shared tier");
+    let tier = SharedTier::open(&config, namespace, object_bytes, Arc::clone(&stats), &Default::default())
+        .expect("open shared tier");
     println!("WRITER {:016x}", tier.writer_id());
     std::io::stdout().flush().unwrap();
     let started = Instant::now();

@@ -12,12 +12,18 @@
 //! what is in flight and keeps reaping; an engine that stays broken has its operations abandoned:
 //! `on_done` gets an [`Abandoned`] error and must keep the buffer forever, and the engine itself is
 //! leaked so the kernel can still finish into it.
+//!
+//! A queue serves one device file (the NVMe tier) or many files (the shared tier's data files: each
+//! operation names its file and keeps it open until it completes). [`DeviceQueue::run_all`] is the
+//! blocking form for callers that wait for a batch anyway.
 
 use super::*;
 use crate::stats::Stats;
 use crossbeam_channel::{never, select, unbounded, Receiver, Sender};
 use parking_lot::Mutex;
 use std::collections::HashMap;
+use std::fs::File;
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -53,10 +59,24 @@ pub struct IoOp {
     pub offset: u64,
     pub buf: *mut u8,
     pub len: usize,
-    /// Vectored read targets (empty for a single buffer). A partial vectored transfer is retried
-    /// whole rather than resumed mid-iovec.
+    /// Vectored targets or sources (empty for a single buffer; then `buf` is unused and `len` is
+    /// their total). A partial vectored transfer is retried whole rather than resumed mid-iovec.
     pub iovecs: Vec<libc::iovec>,
+    /// The file to transfer to or from instead of the queue's own; held until `on_done` has run, so
+    /// that its descriptor cannot be closed (and reused) while the kernel still uses it.
+    pub file: Option<Arc<File>>,
     pub on_done: OnDone,
+}
+
+/// One transfer of [`DeviceQueue::run_all`]: `len` bytes at `buf`, or, when `iovecs` is not empty,
+/// those buffers back to back (`len` is then their total).
+pub struct Transfer {
+    pub kind: OpKind,
+    pub file: Arc<File>,
+    pub offset: u64,
+    pub buf: *mut u8,
+    pub len: usize,
+    pub iovecs: Vec<libc::iovec>,
 }
 
 // SAFETY: see IoRequest; the buffer owner keeps the memory alive until `on_done` runs.
@@ -69,14 +89,16 @@ pub struct DeviceQueue {
 }
 
 impl DeviceQueue {
-    /// `stats` gets the I/O pattern of what this queue submits (`Stats::record_io`).
+    /// `fd`: the file of operations that name none (-1 when every operation names its file).
+    /// `pattern`: the stats that get the I/O pattern of what this queue submits (`Stats::record_io`,
+    /// the NVMe tier's); `None` for a queue whose tier keeps its own counters.
     pub fn start(
         name: &str,
         fd: RawFd,
         engine: Box<dyn IoEngine>,
         depth: usize,
         max_write_inflight_bytes: usize,
-        stats: Arc<Stats>,
+        pattern: Option<Arc<Stats>>,
     ) -> std::io::Result<Self> {
         let (read_tx, read_rx) = unbounded();
         let (write_tx, write_rx) = unbounded();
@@ -93,7 +115,7 @@ impl DeviceQueue {
                 write_inflight_bytes: 0,
                 writes_inflight: 0,
                 batch: Vec::new(),
-                stats,
+                pattern,
                 next_offset: [None; 2],
             }
             .run(read_rx, write_rx)
@@ -125,6 +147,40 @@ impl DeviceQueue {
             drop(guard);
             (e.into_inner().on_done)(Err(std::io::Error::other("kvtier device thread exited")));
         }
+    }
+
+    /// Runs `transfers` (each through the read or write queue, so reads still go first) and waits for
+    /// every one: one result per transfer, in order. The buffers must stay valid for the call, and
+    /// any whose result [`is_abandoned`] must never be freed or reused: the kernel may still use it.
+    pub fn run_all(&self, transfers: Vec<Transfer>) -> Vec<std::io::Result<()>> {
+        let count = transfers.len();
+        let (tx, rx) = crossbeam_channel::bounded(count);
+        for (i, t) in transfers.into_iter().enumerate() {
+            let tx = tx.clone();
+            let op = IoOp {
+                kind: t.kind,
+                offset: t.offset,
+                buf: t.buf,
+                len: t.len,
+                iovecs: t.iovecs,
+                file: Some(t.file),
+                on_done: Box::new(move |r| {
+                    let _ = tx.send((i, r));
+                }),
+            };
+            match op.kind {
+                OpKind::Read => self.read(op),
+                OpKind::Write => self.write(op),
+            }
+        }
+        drop(tx);
+        let mut results: Vec<Option<std::io::Result<()>>> = (0..count).map(|_| None).collect();
+        // Ends once every `on_done` has run or been dropped.
+        for (i, r) in rx.iter() {
+            results[i] = Some(r);
+        }
+        // Dropped without completing (the device thread died): the buffer's fate is unknown.
+        results.into_iter().map(|r| r.unwrap_or_else(|| Err(std::io::Error::other(Abandoned)))).collect()
     }
 
     /// Finishes queued operations, then stops the thread.
@@ -161,7 +217,7 @@ struct DeviceLoop {
     write_inflight_bytes: usize,
     writes_inflight: usize,
     batch: Vec<IoRequest>,
-    stats: Arc<Stats>,
+    pattern: Option<Arc<Stats>>,
     /// Where the last read ([0]) and write ([1]) submitted here ended: the next one starting there is
     /// sequential.
     next_offset: [Option<u64>; 2],
@@ -258,12 +314,18 @@ impl DeviceLoop {
         self.writes_inflight = 0;
     }
 
+    fn fd_of(&self, op: &IoOp) -> RawFd {
+        op.file.as_ref().map_or(self.fd, |f| f.as_raw_fd())
+    }
+
     fn stage(&mut self, op: IoOp) {
         let token = self.next_token;
         self.next_token += 1;
         let write = op.kind == OpKind::Write;
         let next_offset = &mut self.next_offset[usize::from(write)];
-        self.stats.record_io(write, op.len, *next_offset == Some(op.offset));
+        if let Some(stats) = &self.pattern {
+            stats.record_io(write, op.len, *next_offset == Some(op.offset));
+        }
         *next_offset = Some(op.offset + op.len as u64);
         if op.kind == OpKind::Write {
             self.write_inflight_bytes += op.len;
@@ -272,7 +334,7 @@ impl DeviceLoop {
         self.batch.push(IoRequest {
             token,
             kind: op.kind,
-            fd: self.fd,
+            fd: self.fd_of(&op),
             offset: op.offset,
             buf: op.buf,
             len: op.len,
@@ -323,7 +385,7 @@ impl DeviceLoop {
             self.batch.push(IoRequest {
                 token,
                 kind: f.op.kind,
-                fd: self.fd,
+                fd: self.fd_of(&f.op),
                 offset: f.op.offset,
                 buf: std::ptr::null_mut(),
                 len: f.op.len,
@@ -336,7 +398,7 @@ impl DeviceLoop {
         self.batch.push(IoRequest {
             token,
             kind: f.op.kind,
-            fd: self.fd,
+            fd: self.fd_of(&f.op),
             offset: f.op.offset + f.done_bytes as u64,
             buf: unsafe { f.op.buf.add(f.done_bytes) },
             len: f.op.len - f.done_bytes,
@@ -494,6 +556,7 @@ mod tests {
             buf: ptr,
             len,
             iovecs: Vec::new(),
+            file: None,
             on_done: Box::new(move |result| {
                 let ptr = address as *const u8;
                 let still_held = held.lock().contains(&address);
@@ -507,7 +570,7 @@ mod tests {
     fn run_reads(engine: ScriptedEngine, held: &Held, count: usize) -> (Vec<Released>, Vec<Vec<u8>>) {
         let mut buffers = vec![vec![0u8; OP_BYTES]; count];
         let (tx, rx) = mpsc::channel();
-        let queue = DeviceQueue::start("test", -1, Box::new(engine), 8, 1 << 20, Arc::default()).unwrap();
+        let queue = DeviceQueue::start("test", -1, Box::new(engine), 8, 1 << 20, None).unwrap();
         for (i, b) in buffers.iter_mut().enumerate() {
             queue.read(read_op(i, b, held, &tx));
         }
@@ -536,7 +599,7 @@ mod tests {
         let (engine, held, _) = ScriptedEngine::new(u32::MAX, usize::MAX);
         let mut buffers = vec![vec![0u8; OP_BYTES]; 3];
         let (tx, rx) = mpsc::channel();
-        let queue = DeviceQueue::start("test", -1, Box::new(engine), 8, 1 << 20, Arc::default()).unwrap();
+        let queue = DeviceQueue::start("test", -1, Box::new(engine), 8, 1 << 20, None).unwrap();
         for (i, b) in buffers.iter_mut().take(2).enumerate() {
             queue.read(read_op(i, b, &held, &tx));
         }
@@ -568,7 +631,7 @@ mod tests {
             write_inflight_bytes: 0,
             writes_inflight: 0,
             batch: Vec::new(),
-            stats: Arc::default(),
+            pattern: None,
             next_offset: [None; 2],
         };
         for (i, b) in buffers.iter_mut().enumerate() {
@@ -588,5 +651,75 @@ mod tests {
         done.sort_by_key(|r| r.index);
         assert_eq!(done.iter().map(|r| r.index).collect::<Vec<_>>(), vec![0, 1]);
         assert!(done.iter().all(|r| r.result.is_ok() && r.canary && !r.still_held));
+    }
+
+    /// Files named per operation: `run_all` hands each request its own file's descriptor, returns
+    /// results in order only once the engine gave every buffer back, and reports a broken engine's
+    /// operations as abandoned.
+    #[test]
+    fn run_all_uses_each_transfers_file_and_waits_for_every_buffer() {
+        let files: Vec<Arc<File>> = (0..3).map(|_| Arc::new(tempfile::tempfile().unwrap())).collect();
+        let seen_fds = Arc::new(Mutex::new(Vec::new()));
+        let (engine, held, _) = ScriptedEngine::new(2, usize::MAX);
+        let recording = FdRecorder { inner: engine, seen: Arc::clone(&seen_fds) };
+        let queue = DeviceQueue::start("test", -1, Box::new(recording), 8, 1 << 20, None).unwrap();
+        let mut buffers = vec![vec![0u8; OP_BYTES]; 3];
+        let transfers = buffers
+            .iter_mut()
+            .zip(&files)
+            .map(|(b, f)| Transfer {
+                kind: OpKind::Read,
+                file: Arc::clone(f),
+                offset: 0,
+                buf: b.as_mut_ptr(),
+                len: b.len(),
+                iovecs: Vec::new(),
+            })
+            .collect();
+        let results = queue.run_all(transfers);
+        assert!(results.iter().all(|r| r.is_ok()), "{results:?}");
+        assert!(held.lock().is_empty(), "run_all returned while the engine held a buffer");
+        assert!(buffers.iter().all(|b| b.iter().all(|&x| x == CANARY)));
+        let mut seen = seen_fds.lock().clone();
+        seen.sort_unstable();
+        let mut expected: Vec<RawFd> = files.iter().map(|f| f.as_raw_fd()).collect();
+        expected.sort_unstable();
+        assert_eq!(seen, expected);
+        queue.shutdown();
+
+        let (engine, _, _) = ScriptedEngine::new(u32::MAX, usize::MAX);
+        let queue = DeviceQueue::start("test", -1, Box::new(engine), 8, 1 << 20, None).unwrap();
+        let transfer = Transfer {
+            kind: OpKind::Read,
+            file: Arc::clone(&files[0]),
+            offset: 0,
+            buf: buffers[0].as_mut_ptr(),
+            len: OP_BYTES,
+            iovecs: Vec::new(),
+        };
+        let results = queue.run_all(vec![transfer]);
+        assert!(results[0].as_ref().is_err_and(is_abandoned), "{results:?}");
+        queue.shutdown();
+    }
+
+    /// Passes requests through, recording the descriptor each one names.
+    struct FdRecorder {
+        inner: ScriptedEngine,
+        seen: Arc<Mutex<Vec<RawFd>>>,
+    }
+
+    impl IoEngine for FdRecorder {
+        fn name(&self) -> &'static str {
+            "fd-recorder"
+        }
+
+        fn submit(&mut self, requests: &[IoRequest]) -> Result<(), SubmitError> {
+            self.seen.lock().extend(requests.iter().map(|r| r.fd));
+            self.inner.submit(requests)
+        }
+
+        fn wait(&mut self, min_complete: usize, out: &mut Vec<IoCompletion>) -> std::io::Result<()> {
+            self.inner.wait(min_complete, out)
+        }
     }
 }

@@ -97,7 +97,20 @@ impl IoEngine for FaultyEngine {
                         self.synthetic.push(IoCompletion { token: req.token, result: -(errno as i64) });
                         continue;
                     }
-                    if FaultPlan::fires(p.torn_write_every, n) && req.len >= 2 * 4096 {
+                    if req.iov_count >= 2 {
+                        // Vectored: the first half of the buffers, reported whole (torn) or as it is
+                        // (short, which the device queue then writes again whole).
+                        let torn = FaultPlan::fires(p.torn_write_every, n);
+                        if torn || FaultPlan::fires(p.short_every, n) {
+                            p.injected.fetch_add(1, Ordering::Relaxed);
+                            if torn {
+                                self.altered.lock().insert(req.token, (req.len, req.buf, Action::ReportWhole));
+                            }
+                            req.iov_count /= 2;
+                        }
+                    } else if req.iov_count > 0 {
+                        // One vectored buffer: only errno faults apply.
+                    } else if FaultPlan::fires(p.torn_write_every, n) && req.len >= 2 * 4096 {
                         p.injected.fetch_add(1, Ordering::Relaxed);
                         self.altered.lock().insert(req.token, (req.len, req.buf, Action::ReportWhole));
                         req.len = (req.len / 2) / 4096 * 4096;

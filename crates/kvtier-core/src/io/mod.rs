@@ -89,3 +89,28 @@ pub struct RegisteredRange {
 }
 unsafe impl Send for RegisteredRange {}
 unsafe impl Sync for RegisteredRange {}
+
+/// How a tier's device queues run: engine depth, the write budget, and (tests only) injected faults.
+#[derive(Debug, Clone)]
+pub struct IoSetup {
+    pub depth: usize,
+    pub max_write_inflight_bytes: usize,
+    pub fault_plan: Option<std::sync::Arc<faults::FaultPlan>>,
+}
+
+impl Default for IoSetup {
+    fn default() -> Self {
+        IoSetup { depth: 8, max_write_inflight_bytes: 64 << 20, fault_plan: None }
+    }
+}
+
+/// Pread/pwrite threads for files named per operation: the shared tier's. io_uring would add nothing
+/// there: network and FUSE filesystems complete no read asynchronously, so the kernel hands each one
+/// to a worker thread of its own, which is what these threads already are.
+pub fn start_file_queue(name: &str, setup: &IoSetup) -> std::io::Result<device::DeviceQueue> {
+    let mut engine: Box<dyn IoEngine> = Box::new(psync::PsyncEngine::new(setup.depth.clamp(1, 16), name)?);
+    if let Some(plan) = &setup.fault_plan {
+        engine = Box::new(faults::FaultyEngine::new(engine, std::sync::Arc::clone(plan)));
+    }
+    device::DeviceQueue::start(name, -1, engine, setup.depth, setup.max_write_inflight_bytes, None)
+}

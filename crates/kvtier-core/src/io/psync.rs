@@ -42,6 +42,9 @@ fn execute(req: &IoRequest) -> i64 {
                 libc::preadv(req.fd, req.iov, req.iov_count as libc::c_int, req.offset as libc::off_t)
             }
             OpKind::Read => libc::pread(req.fd, req.buf.cast(), req.len, req.offset as libc::off_t),
+            OpKind::Write if req.iov_count > 0 => {
+                libc::pwritev(req.fd, req.iov, req.iov_count as libc::c_int, req.offset as libc::off_t)
+            }
             OpKind::Write => libc::pwrite(req.fd, req.buf.cast(), req.len, req.offset as libc::off_t),
         }
     };

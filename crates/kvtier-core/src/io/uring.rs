@@ -75,6 +75,9 @@ impl UringEngine {
                         opcode::ReadFixed::new($target, req.buf, len, i).offset(req.offset).build()
                     }
                     (OpKind::Read, None) => opcode::Read::new($target, req.buf, len).offset(req.offset).build(),
+                    (OpKind::Write, _) if req.iov_count > 0 => {
+                        opcode::Writev::new($target, req.iov, req.iov_count as u32).offset(req.offset).build()
+                    }
                     (OpKind::Write, Some(i)) => {
                         opcode::WriteFixed::new($target, req.buf, len, i).offset(req.offset).build()
                     }

@@ -19,6 +19,11 @@
 //!   (`shared_auth_failures`, its file quarantined).
 //! - [`capacity`]: usage measurement, the evictor lease, eviction with a grace period, orphan sweeps.
 //! - [`publisher`]: the store's background thread batching accepted blocks into files.
+//! - `reads`: the read path (batched reads, verification, quarantine of bad files).
+//!
+//! Block data (reads, data-file appends, headers and footers) moves through the tier's own device
+//! queue (`io::start_file_queue`): the I/O layer the NVMe tier uses, with its completion rules,
+//! buffer ownership and fault injection. Manifests and directories use plain file calls.
 //!
 //! Lookups only consult the index (no filesystem call); a maintenance thread tails the manifests every
 //! `staleness_ms / 2`, records file accesses, publishes files that waited `publish_delay_ms` and runs
@@ -30,15 +35,19 @@ pub mod config;
 pub mod format;
 pub mod index;
 pub mod publisher;
+mod reads;
 
 pub use config::SharedConfig;
 pub use publisher::Publisher;
+pub use reads::ReadOutcome;
 
 use crate::config::DirectIo;
 use crate::error::{Error, Result};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::format::{checksum, round_up, ALIGN_BYTES};
 use crate::io::buffer::AlignedBuf;
+use crate::io::device::{DeviceQueue, Transfer};
+use crate::io::{IoSetup, OpKind};
 use crate::key::{BlockKey, Namespace};
 use crate::stats::Stats;
 use format::{
@@ -50,7 +59,6 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io::{ErrorKind, Read, Seek, SeekFrom, Write};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -58,6 +66,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// Buffers of one vectored write of a data file (IOV_MAX on Linux).
+const MAX_WRITE_IOVECS: usize = 1024;
 /// Open read handles kept per process; past it the cache is emptied (files are big, so few are hot).
 const MAX_OPEN_DATA_FILES: usize = 256;
 /// Bytes of one manifest read per refresh; a longer backlog is read over several passes.
@@ -68,7 +78,7 @@ const SHORT_READ_SETTLE: Duration = Duration::from_secs(2);
 
 /// A data file being filled by this process.
 struct OpenDataFile {
-    file: File,
+    file: Arc<File>,
     tmp_path: PathBuf,
     name: String,
     file_seq: u64,
@@ -120,6 +130,8 @@ pub struct SharedTier {
     /// write and verified before use.
     auth: Option<AuthKey>,
     stats: Arc<Stats>,
+    /// Block data I/O (see the module comment).
+    io: DeviceQueue,
     index: RwLock<Index>,
     manifest: Mutex<ManifestWriter>,
     writer: Mutex<WriterState>,
@@ -160,6 +172,7 @@ impl SharedTier {
         namespace: Namespace,
         object_bytes: usize,
         stats: Arc<Stats>,
+        io: &IoSetup,
     ) -> Result<Arc<Self>> {
         let slot_bytes = DESCRIPTOR_BYTES + round_up(object_bytes, ALIGN_BYTES);
         config.validate(slot_bytes)?;
@@ -173,6 +186,8 @@ impl SharedTier {
         let direct = probe_direct_and_rename(config, &dir.join("tmp"), writer_id)?;
         let manifest_path = dir.join("manifests").join(format!("{writer_id:016x}.log"));
         let manifest_file = create_file(config, &manifest_path, true, false)?;
+        let io = crate::io::start_file_queue("shared", io)
+            .map_err(|e| Error::io("starting the shared tier's I/O threads", e))?;
         let tier = Arc::new(SharedTier {
             config: config.clone(),
             namespace,
@@ -183,6 +198,7 @@ impl SharedTier {
             direct,
             auth,
             stats,
+            io,
             index: RwLock::new(Index::default()),
             manifest: Mutex::new(ManifestWriter { file: Some(manifest_file), path: manifest_path, len: 0 }),
             writer: Mutex::new(WriterState { open: None, next_file_seq: 1 }),
@@ -329,228 +345,6 @@ impl SharedTier {
 
     pub(crate) fn data_path(&self, name: &str) -> PathBuf {
         self.dir.join("data").join(fanout_dir(name)).join(name)
-    }
-
-    // ---- reads ----
-
-    /// Reads the block into `slot` (at least `slot_bytes` long: descriptor page then value) with one
-    /// pread at the entry's offset, and verifies it. `Ok(false)` is a miss: not indexed, file gone
-    /// (a clean miss), I/O error, or verification failure (the file is then quarantined).
-    pub fn read_into(&self, key: &BlockKey, slot: &mut [u8]) -> Result<bool> {
-        if slot.len() < self.slot_bytes {
-            return Err(Error::config("slot", format!("{} bytes, need slot_bytes = {}", slot.len(), self.slot_bytes)));
-        }
-        let found = self.index.read().get(key).map(|(loc, name)| (loc, name.to_string()));
-        let Some((loc, name)) = found else {
-            Stats::add(&self.stats.shared_misses, 1);
-            return Ok(false);
-        };
-        let file = match self.read_handle(loc.file, &name) {
-            Ok(f) => f,
-            Err(e) if is_vanished(&e) => {
-                self.forget_vanished(&name);
-                Stats::add(&self.stats.shared_misses, 1);
-                return Ok(false);
-            }
-            Err(e) => {
-                log::warn!("kvtier: opening shared file {name} failed: {e}; counted as a miss");
-                Stats::add(&self.stats.io_errors, 1);
-                Stats::add(&self.stats.shared_misses, 1);
-                return Ok(false);
-            }
-        };
-        let aligned = (slot.as_ptr() as usize).is_multiple_of(ALIGN_BYTES);
-        let read = if aligned || !self.direct {
-            file.read_exact_at(&mut slot[..self.slot_bytes], loc.offset)
-        } else {
-            let mut bounce = AlignedBuf::zeroed(self.slot_bytes);
-            let r = file.read_exact_at(&mut bounce.as_mut_slice()[..self.slot_bytes], loc.offset);
-            slot[..self.slot_bytes].copy_from_slice(&bounce.as_slice()[..self.slot_bytes]);
-            r
-        };
-        match read {
-            Ok(()) => {}
-            Err(e) if is_vanished(&e) => {
-                self.forget_vanished(&name);
-                Stats::add(&self.stats.shared_misses, 1);
-                return Ok(false);
-            }
-            Err(e) if e.kind() == ErrorKind::UnexpectedEof => {
-                if self.short_read_settled(loc.file, &name) {
-                    self.quarantine(&name, "truncated");
-                }
-                Stats::add(&self.stats.shared_misses, 1);
-                return Ok(false);
-            }
-            Err(e) => {
-                log::warn!("kvtier: reading shared file {name} at {} failed: {e}; counted as a miss", loc.offset);
-                Stats::add(&self.stats.io_errors, 1);
-                Stats::add(&self.stats.shared_misses, 1);
-                return Ok(false);
-            }
-        }
-        if let Err(why) = self.verify(key, loc.value_checksum, &slot[..self.slot_bytes]) {
-            Stats::add(&self.stats.checksum_failures, 1);
-            self.quarantine(&name, why);
-            Stats::add(&self.stats.shared_misses, 1);
-            return Ok(false);
-        }
-        if let Some(auth) = &self.auth {
-            let (page, value) = slot[..DESCRIPTOR_BYTES + self.object_bytes].split_at(DESCRIPTOR_BYTES);
-            if !auth.verify_block(&self.namespace, key, page, value) {
-                Stats::add(&self.stats.shared_auth_failures, 1);
-                self.quarantine(&name, "block tag does not verify: written without the deployment key or with another");
-                Stats::add(&self.stats.shared_misses, 1);
-                return Ok(false);
-            }
-        }
-        {
-            let mut short = self.short_reads.lock();
-            if !short.is_empty() {
-                short.remove(&name);
-            }
-        }
-        // The tag belongs to the shared file: the DRAM slot's padding stays zero as elsewhere.
-        slot[BLOCK_TAG_AT..BLOCK_TAG_AT + TAG_BYTES].fill(0);
-        Stats::add(&self.stats.shared_hits, 1);
-        Stats::add(&self.stats.shared_bytes_read, self.slot_bytes as u64);
-        self.pending_access.lock().insert(name, unix_ms());
-        Ok(true)
-    }
-
-    /// The scrub's read (`kvtier verify`): reads and verifies one indexed block like `read_into`,
-    /// without counting a hit or a miss and without recording an access (a scrub must not change
-    /// what the evictor keeps). `Ok(None)`: good, or gone meanwhile (nothing to check);
-    /// `Ok(Some(why))`: bad, and its file is quarantined as a load would. `slot` is `slot_bytes`
-    /// long and 4096-aligned.
-    pub fn scrub_block(&self, key: &BlockKey, slot: &mut [u8]) -> Result<Option<&'static str>> {
-        let found = self.index.read().get(key).map(|(loc, name)| (loc, name.to_string()));
-        let Some((loc, name)) = found else { return Ok(None) };
-        let file = match self.read_handle(loc.file, &name) {
-            Ok(f) => f,
-            Err(e) if is_vanished(&e) => return Ok(None),
-            Err(e) => return Err(Error::io(format!("opening shared file {name}"), e)),
-        };
-        match file.read_exact_at(&mut slot[..self.slot_bytes], loc.offset) {
-            Ok(()) => {}
-            Err(e) if is_vanished(&e) => return Ok(None),
-            // As at load: quarantined only once the file has stayed short (a mount caching sizes).
-            Err(e) if e.kind() == ErrorKind::UnexpectedEof => {
-                if self.short_read_settled(loc.file, &name) {
-                    self.quarantine(&name, "truncated");
-                    return Ok(Some("file truncated"));
-                }
-                return Err(Error::io(
-                    format!(
-                        "reading shared file {name}: read short (quarantined if still short {} s from now)",
-                        SHORT_READ_SETTLE.as_secs()
-                    ),
-                    e,
-                ));
-            }
-            Err(e) => return Err(Error::io(format!("reading shared file {name}"), e)),
-        }
-        if let Err(why) = self.verify(key, loc.value_checksum, &slot[..self.slot_bytes]) {
-            Stats::add(&self.stats.checksum_failures, 1);
-            self.quarantine(&name, why);
-            return Ok(Some(why));
-        }
-        if let Some(auth) = &self.auth {
-            let (page, value) = slot[..DESCRIPTOR_BYTES + self.object_bytes].split_at(DESCRIPTOR_BYTES);
-            if !auth.verify_block(&self.namespace, key, page, value) {
-                Stats::add(&self.stats.shared_auth_failures, 1);
-                self.quarantine(&name, "block tag does not verify: written without the deployment key or with another");
-                return Ok(Some("block tag does not verify"));
-            }
-        }
-        Ok(None)
-    }
-
-    /// Reads and verifies a block, copying only the value into `out` (object_bytes long).
-    pub fn read_value(&self, key: &BlockKey, out: &mut [u8]) -> Result<bool> {
-        let mut slot = AlignedBuf::zeroed(self.slot_bytes);
-        if !self.read_into(key, slot.as_mut_slice())? {
-            return Ok(false);
-        }
-        out[..self.object_bytes]
-            .copy_from_slice(&slot.as_slice()[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + self.object_bytes]);
-        Ok(true)
-    }
-
-    fn verify(&self, key: &BlockKey, expected_checksum: u64, slot: &[u8]) -> std::result::Result<(), &'static str> {
-        let desc = Descriptor::decode(&slot[..DESCRIPTOR_BYTES]).map_err(|_| "descriptor rejected")?;
-        if desc.key != *key {
-            return Err("key mismatch");
-        }
-        if desc.namespace != self.namespace {
-            return Err("foreign namespace");
-        }
-        if desc.value_bytes as usize != self.object_bytes {
-            return Err("value length mismatch");
-        }
-        if desc.value_checksum != expected_checksum {
-            return Err("checksum differs from the index");
-        }
-        if checksum(&slot[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + self.object_bytes]) != desc.value_checksum {
-            return Err("value checksum mismatch");
-        }
-        Ok(())
-    }
-
-    fn read_handle(&self, id: FileId, name: &str) -> std::io::Result<Arc<File>> {
-        if let Some(f) = self.read_handles.lock().get(&id) {
-            return Ok(Arc::clone(f));
-        }
-        let mut o = OpenOptions::new();
-        o.read(true);
-        if self.direct {
-            o.custom_flags(libc::O_DIRECT);
-        }
-        let f = Arc::new(o.open(self.data_path(name))?);
-        let mut handles = self.read_handles.lock();
-        if handles.len() >= MAX_OPEN_DATA_FILES {
-            handles.clear();
-        }
-        handles.insert(id, Arc::clone(&f));
-        Ok(f)
-    }
-
-    /// A read past the end of a published file (complete and immutable when its publish record was
-    /// written). Truncation, or this mount's cached size is older than the file: GlusterFS with default
-    /// client caching served such short reads of whole files (tests/test_shared_fs.py). The handle is
-    /// dropped and the read is a miss counted in `io_errors`; the file is quarantined (returns true)
-    /// only when reads are still short `SHORT_READ_SETTLE` after the first.
-    fn short_read_settled(&self, id: FileId, name: &str) -> bool {
-        self.read_handles.lock().remove(&id);
-        let now = Instant::now();
-        let mut short = self.short_reads.lock();
-        if short.len() >= 10_000 {
-            short.clear();
-        }
-        let first = *short.entry(name.to_string()).or_insert(now);
-        if now.duration_since(first) >= SHORT_READ_SETTLE {
-            short.remove(name);
-            return true;
-        }
-        drop(short);
-        Stats::add(&self.stats.io_errors, 1);
-        self.short_reads_settling.fetch_add(1, Ordering::Relaxed);
-        log::warn!(
-            "kvtier: shared file {name} read short; a miss, quarantined if still short {} s from now (a mount \
-             caching file sizes, e.g. GlusterFS without --attribute-timeout=0, or truncation)",
-            SHORT_READ_SETTLE.as_secs()
-        );
-        false
-    }
-
-    /// The file was removed by another node's evictor: drop it here too (its doom record follows).
-    fn forget_vanished(&self, name: &str) {
-        self.vanished_reads.fetch_add(1, Ordering::Relaxed);
-        let mut index = self.index.write();
-        if let Some(id) = index.file_id(name) {
-            self.read_handles.lock().remove(&id);
-        }
-        index.remove_file(name);
     }
 
     /// Moves a file that failed verification to `quarantine/`, drops it from every index (through a
@@ -856,7 +650,7 @@ impl SharedTier {
             if !batch.is_empty() {
                 let open = w.open.as_mut().unwrap();
                 let bufs: Vec<&[u8]> = batch.iter().map(|&j| &slots[j].1[..self.slot_bytes]).collect();
-                match pwritev_all(&open.file, &bufs, open.cursor) {
+                match self.write_data(&open.file, &bufs, open.cursor) {
                     Ok(()) => {
                         for &j in &batch {
                             let slot = &slots[j].1;
@@ -926,7 +720,8 @@ impl SharedTier {
             created_unix_ms: unix_ms(),
         }
         .encode(header.as_mut_slice());
-        if let Err(e) = file.write_all_at(header.as_slice(), 0) {
+        let file = Arc::new(file);
+        if let Err(e) = self.write_data(&file, &[header.as_slice()], 0) {
             let _ = std::fs::remove_file(&tmp_path);
             return Err(Error::io(format!("writing {}", tmp_path.display()), e));
         }
@@ -941,6 +736,36 @@ impl SharedTier {
             started: Instant::now(),
         });
         Ok(())
+    }
+
+    /// Writes `bufs` back to back at `offset` through the tier's device queue: one vectored write per
+    /// `MAX_WRITE_IOVECS` buffers. Not split further to run in parallel: each write extends the file,
+    /// and extending writes are serialized by the filesystem anyway (ext4's O_DIRECT takes the inode
+    /// lock for them); measured, parallel 8 MiB writes stored a third slower than one stream.
+    fn write_data(&self, file: &Arc<File>, bufs: &[&[u8]], offset: u64) -> std::io::Result<()> {
+        let mut transfers: Vec<Transfer> = Vec::new();
+        let mut at = offset;
+        for b in bufs {
+            let iovec = libc::iovec { iov_base: b.as_ptr().cast_mut().cast(), iov_len: b.len() };
+            match transfers.last_mut() {
+                Some(t) if t.iovecs.len() < MAX_WRITE_IOVECS => {
+                    t.iovecs.push(iovec);
+                    t.len += b.len();
+                }
+                _ => transfers.push(Transfer {
+                    kind: OpKind::Write,
+                    file: Arc::clone(file),
+                    offset: at,
+                    buf: std::ptr::null_mut(),
+                    len: b.len(),
+                    iovecs: vec![iovec],
+                }),
+            }
+            at += b.len() as u64;
+        }
+        // An abandoned write may read its buffer after this returns. Reused meanwhile, it can only
+        // change bytes of this file, which the failure makes the writer abandon, unpublished.
+        self.io.run_all(transfers).into_iter().collect()
     }
 
     fn abandon(&self, w: &mut WriterState) {
@@ -991,7 +816,7 @@ impl SharedTier {
         let mut footer = AlignedBuf::zeroed(footer_len);
         format::encode_footer(&open.entries, open.cursor, self.writer_id, open.file_seq, footer.as_mut_slice());
         let ctx = || format!("writing {}", open.tmp_path.display());
-        open.file.write_all_at(&footer.as_slice()[..footer_len], open.cursor).map_err(io_err(ctx()))?;
+        self.write_data(&open.file, &[&footer.as_slice()[..footer_len]], open.cursor).map_err(io_err(ctx()))?;
         open.file.sync_data().map_err(io_err(format!("fdatasync {}", open.tmp_path.display())))?;
         let target = self.data_path(&open.name);
         let parent = target.parent().expect("data path has a parent");
@@ -1137,6 +962,7 @@ impl SharedTier {
         capacity::release(self);
         self.manifest.lock().file.take();
         self.read_handles.lock().clear();
+        self.io.shutdown();
     }
 }
 
@@ -1166,43 +992,6 @@ fn read_at_most(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usi
         }
     }
     Ok(got)
-}
-
-/// Writes every buffer back to back at `offset` with as few pwritev calls as possible.
-fn pwritev_all(file: &File, bufs: &[&[u8]], mut offset: u64) -> std::io::Result<()> {
-    let mut iov: Vec<libc::iovec> =
-        bufs.iter().map(|b| libc::iovec { iov_base: b.as_ptr() as *mut libc::c_void, iov_len: b.len() }).collect();
-    let mut first = 0;
-    while first < iov.len() {
-        let n = (iov.len() - first).min(1024);
-        // SAFETY: the iovecs point into live buffers borrowed for the duration of the call.
-        let rc = unsafe { libc::pwritev(file.as_raw_fd(), iov[first..].as_ptr(), n as i32, offset as libc::off_t) };
-        if rc < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if rc == 0 {
-            return Err(std::io::Error::new(ErrorKind::WriteZero, "pwritev wrote nothing"));
-        }
-        let mut done = rc as usize;
-        offset += done as u64;
-        while done > 0 {
-            let v = &mut iov[first];
-            if done >= v.iov_len {
-                done -= v.iov_len;
-                first += 1;
-            } else {
-                // SAFETY: advancing within the same buffer.
-                v.iov_base = unsafe { (v.iov_base as *mut u8).add(done) } as *mut libc::c_void;
-                v.iov_len -= done;
-                done = 0;
-            }
-        }
-    }
-    Ok(())
 }
 
 fn random_nonzero_u64() -> u64 {

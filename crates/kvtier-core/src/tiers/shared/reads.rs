@@ -1,0 +1,338 @@
+//! The shared tier's read path: a batch of blocks read through the tier's device queue (every read in
+//! flight at once, as the NVMe tier's are), each then judged: read whole, from an indexed file that
+//! still exists, with the key, namespace, checksums and (with a deployment key) tag it must have.
+//! What fails is a counted miss and, when the file itself is bad, quarantined; never bytes.
+
+use super::format::{unix_ms, BLOCK_TAG_AT, TAG_BYTES};
+use super::index::{FileId, Location};
+use super::{is_vanished, SharedTier, MAX_OPEN_DATA_FILES, SHORT_READ_SETTLE};
+use crate::error::{Error, Result};
+use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
+use crate::format::{checksum, ALIGN_BYTES};
+use crate::io::buffer::AlignedBuf;
+use crate::io::device::{is_abandoned, Transfer};
+use crate::io::OpKind;
+use crate::key::BlockKey;
+use crate::stats::Stats;
+use std::fs::{File, OpenOptions};
+use std::io::ErrorKind;
+use std::os::unix::fs::OpenOptionsExt;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// How one read of [`SharedTier::read_many`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadOutcome {
+    /// The slot holds the verified block (descriptor page then value).
+    Hit,
+    /// Not indexed, gone, short, failed or not verified: counted, and a bad file quarantined.
+    Miss,
+    /// The I/O engine gave the read up: the kernel may still write into the slot, so its owner must
+    /// never reuse it.
+    Abandoned,
+}
+
+/// What a finished read of an indexed block proved (side effects already applied: a bad file is
+/// quarantined, a vanished one forgotten).
+enum Verdict {
+    Good,
+    /// The file is gone (evicted elsewhere): a clean miss.
+    Gone,
+    /// Read past the file's end; `true` once it stayed short long enough to be quarantined.
+    Short(bool),
+    Failed(std::io::Error),
+    /// Verification failed and the file was quarantined.
+    Bad(&'static str),
+}
+
+/// One read being set up: where the block is and where its bytes land.
+struct Planned {
+    index: usize,
+    loc: Location,
+    name: String,
+    /// An aligned landing buffer when the caller's slot cannot take an O_DIRECT read.
+    bounce: Option<AlignedBuf>,
+}
+
+impl SharedTier {
+    /// Reads each block into its slot (`slot_bytes` each: descriptor page then value) and verifies it.
+    /// All reads are in flight together on the tier's device queue.
+    ///
+    /// # Safety
+    /// Each pointer is valid for `slot_bytes` bytes of writes and used by nothing else until this
+    /// returns, and a slot whose outcome is `Abandoned` is never used again.
+    pub unsafe fn read_many(&self, reads: &[(BlockKey, *mut u8)]) -> Vec<ReadOutcome> {
+        let mut outcomes = vec![ReadOutcome::Miss; reads.len()];
+        let mut planned = Vec::with_capacity(reads.len());
+        let mut transfers = Vec::with_capacity(reads.len());
+        for (index, (key, slot)) in reads.iter().enumerate() {
+            let (loc, name, file) = match self.locate_for_read(key) {
+                Ok(Some(found)) => found,
+                Ok(None) => {
+                    Stats::add(&self.stats.shared_misses, 1);
+                    continue;
+                }
+                Err(e) => {
+                    log::warn!("kvtier: {e}; counted as a miss");
+                    Stats::add(&self.stats.io_errors, 1);
+                    Stats::add(&self.stats.shared_misses, 1);
+                    continue;
+                }
+            };
+            let unaligned = !(*slot as usize).is_multiple_of(ALIGN_BYTES);
+            let bounce = (self.direct && unaligned).then(|| AlignedBuf::zeroed(self.slot_bytes));
+            let buf = bounce.as_ref().map_or(*slot, |b| b.as_ptr());
+            transfers.push(Transfer {
+                kind: OpKind::Read,
+                file,
+                offset: loc.offset,
+                buf,
+                len: self.slot_bytes,
+                iovecs: Vec::new(),
+            });
+            planned.push(Planned { index, loc, name, bounce });
+        }
+        let results = self.io.run_all(transfers);
+        for (p, result) in planned.into_iter().zip(results) {
+            let (key, slot) = reads[p.index];
+            if result.as_ref().is_err_and(is_abandoned) {
+                log::error!("kvtier: shared read of {key:?} abandoned by a broken I/O engine; counted as a miss");
+                // The kernel may still write into the landing buffer: it is never freed.
+                std::mem::forget(p.bounce);
+                Stats::add(&self.stats.io_errors, 1);
+                Stats::add(&self.stats.shared_misses, 1);
+                outcomes[p.index] = ReadOutcome::Abandoned;
+                continue;
+            }
+            // SAFETY: the caller's slot is ours for the call (contract above), and the read finished.
+            let slot = unsafe { std::slice::from_raw_parts_mut(slot, self.slot_bytes) };
+            if let (Ok(()), Some(bounce)) = (&result, &p.bounce) {
+                slot.copy_from_slice(&bounce.as_slice()[..self.slot_bytes]);
+            }
+            outcomes[p.index] = self.finish_read(&key, &p, result, slot);
+        }
+        outcomes
+    }
+
+    /// Reads one block into `slot` (at least `slot_bytes` long) and verifies it. `Ok(false)`: a miss.
+    pub fn read_into(&self, key: &BlockKey, slot: &mut [u8]) -> Result<bool> {
+        if slot.len() < self.slot_bytes {
+            return Err(Error::config("slot", format!("{} bytes, need slot_bytes = {}", slot.len(), self.slot_bytes)));
+        }
+        // A bounce buffer of our own, so that an abandoned read never lands in borrowed memory.
+        let mut landing = AlignedBuf::zeroed(self.slot_bytes);
+        // SAFETY: `landing` is ours; abandoned, it is leaked below.
+        match unsafe { self.read_many(&[(*key, landing.as_ptr())]) }[0] {
+            ReadOutcome::Hit => {
+                slot[..self.slot_bytes].copy_from_slice(landing.as_mut_slice());
+                Ok(true)
+            }
+            ReadOutcome::Miss => Ok(false),
+            ReadOutcome::Abandoned => {
+                std::mem::forget(landing);
+                Ok(false)
+            }
+        }
+    }
+
+    /// Reads and verifies a block, copying only the value into `out` (object_bytes long).
+    pub fn read_value(&self, key: &BlockKey, out: &mut [u8]) -> Result<bool> {
+        let mut slot = AlignedBuf::zeroed(self.slot_bytes);
+        if !self.read_into(key, slot.as_mut_slice())? {
+            return Ok(false);
+        }
+        out[..self.object_bytes]
+            .copy_from_slice(&slot.as_slice()[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + self.object_bytes]);
+        Ok(true)
+    }
+
+    /// The scrub's read (`kvtier verify`): reads and verifies one indexed block like `read_many`,
+    /// without counting a hit or a miss and without recording an access (a scrub must not change
+    /// what the evictor keeps). `Ok(None)`: good, or gone meanwhile (nothing to check);
+    /// `Ok(Some(why))`: bad, and its file is quarantined as a load would.
+    pub fn scrub_block(&self, key: &BlockKey) -> Result<Option<&'static str>> {
+        let Some((loc, name, file)) = self.locate_for_read(key)? else { return Ok(None) };
+        let landing = AlignedBuf::zeroed(self.slot_bytes);
+        let read = Transfer {
+            kind: OpKind::Read,
+            file,
+            offset: loc.offset,
+            buf: landing.as_ptr(),
+            len: self.slot_bytes,
+            iovecs: Vec::new(),
+        };
+        let result = self.io.run_all(vec![read]).pop().expect("one result per transfer");
+        if result.as_ref().is_err_and(is_abandoned) {
+            std::mem::forget(landing);
+            return Err(Error::io(format!("reading shared file {name}"), result.unwrap_err()));
+        }
+        match self.judge(key, loc, &name, result, landing.as_slice()) {
+            Verdict::Good | Verdict::Gone => Ok(None),
+            Verdict::Bad(why) => Ok(Some(why)),
+            Verdict::Short(true) => Ok(Some("file truncated")),
+            Verdict::Short(false) => Err(Error::io(
+                format!(
+                    "reading shared file {name}: read short (quarantined if still short {} s from now)",
+                    SHORT_READ_SETTLE.as_secs()
+                ),
+                std::io::Error::from(ErrorKind::UnexpectedEof),
+            )),
+            Verdict::Failed(e) => Err(Error::io(format!("reading shared file {name}"), e)),
+        }
+    }
+
+    /// Where an indexed block is, and an open handle on its file. `None`: not indexed, or its file
+    /// vanished (forgotten here); an error: the file is there but cannot be opened.
+    fn locate_for_read(&self, key: &BlockKey) -> Result<Option<(Location, String, Arc<File>)>> {
+        let Some((loc, name)) = self.index.read().get(key).map(|(loc, name)| (loc, name.to_string())) else {
+            return Ok(None);
+        };
+        match self.read_handle(loc.file, &name) {
+            Ok(file) => Ok(Some((loc, name, file))),
+            Err(e) if is_vanished(&e) => {
+                self.forget_vanished(&name);
+                Ok(None)
+            }
+            Err(e) => Err(Error::io(format!("opening shared file {name}"), e)),
+        }
+    }
+
+    /// Counts a load's read and makes a good one resident-ready (tag cleared, access recorded).
+    fn finish_read(&self, key: &BlockKey, p: &Planned, result: std::io::Result<()>, slot: &mut [u8]) -> ReadOutcome {
+        match self.judge(key, p.loc, &p.name, result, slot) {
+            Verdict::Good => {}
+            Verdict::Failed(e) => {
+                log::warn!("kvtier: reading shared file {} at {} failed: {e}; counted as a miss", p.name, p.loc.offset);
+                Stats::add(&self.stats.io_errors, 1);
+                Stats::add(&self.stats.shared_misses, 1);
+                return ReadOutcome::Miss;
+            }
+            Verdict::Gone | Verdict::Short(_) | Verdict::Bad(_) => {
+                Stats::add(&self.stats.shared_misses, 1);
+                return ReadOutcome::Miss;
+            }
+        }
+        {
+            let mut short = self.short_reads.lock();
+            if !short.is_empty() {
+                short.remove(&p.name);
+            }
+        }
+        // The tag belongs to the shared file: the DRAM slot's padding stays zero as elsewhere.
+        slot[BLOCK_TAG_AT..BLOCK_TAG_AT + TAG_BYTES].fill(0);
+        Stats::add(&self.stats.shared_hits, 1);
+        Stats::add(&self.stats.shared_bytes_read, self.slot_bytes as u64);
+        self.pending_access.lock().insert(p.name.clone(), unix_ms());
+        ReadOutcome::Hit
+    }
+
+    /// Judges a finished read of `key` at `loc` in file `name`; quarantines a bad file.
+    fn judge(&self, key: &BlockKey, loc: Location, name: &str, result: std::io::Result<()>, slot: &[u8]) -> Verdict {
+        match result {
+            Ok(()) => {}
+            Err(e) if is_vanished(&e) => {
+                self.forget_vanished(name);
+                return Verdict::Gone;
+            }
+            Err(e) if e.kind() == ErrorKind::UnexpectedEof => {
+                let settled = self.short_read_settled(loc.file, name);
+                if settled {
+                    self.quarantine(name, "truncated");
+                }
+                return Verdict::Short(settled);
+            }
+            Err(e) => return Verdict::Failed(e),
+        }
+        if let Err(why) = self.verify(key, loc.value_checksum, &slot[..self.slot_bytes]) {
+            Stats::add(&self.stats.checksum_failures, 1);
+            self.quarantine(name, why);
+            return Verdict::Bad(why);
+        }
+        if let Some(auth) = &self.auth {
+            let (page, value) = slot[..DESCRIPTOR_BYTES + self.object_bytes].split_at(DESCRIPTOR_BYTES);
+            if !auth.verify_block(&self.namespace, key, page, value) {
+                Stats::add(&self.stats.shared_auth_failures, 1);
+                self.quarantine(name, "block tag does not verify: written without the deployment key or with another");
+                return Verdict::Bad("block tag does not verify");
+            }
+        }
+        Verdict::Good
+    }
+
+    fn verify(&self, key: &BlockKey, expected_checksum: u64, slot: &[u8]) -> std::result::Result<(), &'static str> {
+        let desc = Descriptor::decode(&slot[..DESCRIPTOR_BYTES]).map_err(|_| "descriptor rejected")?;
+        if desc.key != *key {
+            return Err("key mismatch");
+        }
+        if desc.namespace != self.namespace {
+            return Err("foreign namespace");
+        }
+        if desc.value_bytes as usize != self.object_bytes {
+            return Err("value length mismatch");
+        }
+        if desc.value_checksum != expected_checksum {
+            return Err("checksum differs from the index");
+        }
+        if checksum(&slot[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + self.object_bytes]) != desc.value_checksum {
+            return Err("value checksum mismatch");
+        }
+        Ok(())
+    }
+
+    fn read_handle(&self, id: FileId, name: &str) -> std::io::Result<Arc<File>> {
+        if let Some(f) = self.read_handles.lock().get(&id) {
+            return Ok(Arc::clone(f));
+        }
+        let mut o = OpenOptions::new();
+        o.read(true);
+        if self.direct {
+            o.custom_flags(libc::O_DIRECT);
+        }
+        let f = Arc::new(o.open(self.data_path(name))?);
+        let mut handles = self.read_handles.lock();
+        if handles.len() >= MAX_OPEN_DATA_FILES {
+            handles.clear();
+        }
+        handles.insert(id, Arc::clone(&f));
+        Ok(f)
+    }
+
+    /// A read past the end of a published file (complete and immutable when its publish record was
+    /// written). Truncation, or this mount's cached size is older than the file: GlusterFS with default
+    /// client caching served such short reads of whole files (tests/test_shared_fs.py). The handle is
+    /// dropped and the read is a miss counted in `io_errors`; the file is quarantined (returns true)
+    /// only when reads are still short `SHORT_READ_SETTLE` after the first.
+    fn short_read_settled(&self, id: FileId, name: &str) -> bool {
+        self.read_handles.lock().remove(&id);
+        let now = Instant::now();
+        let mut short = self.short_reads.lock();
+        if short.len() >= 10_000 {
+            short.clear();
+        }
+        let first = *short.entry(name.to_string()).or_insert(now);
+        if now.duration_since(first) >= SHORT_READ_SETTLE {
+            short.remove(name);
+            return true;
+        }
+        drop(short);
+        Stats::add(&self.stats.io_errors, 1);
+        self.short_reads_settling.fetch_add(1, Ordering::Relaxed);
+        log::warn!(
+            "kvtier: shared file {name} read short; a miss, quarantined if still short {} s from now (a mount \
+             caching file sizes, e.g. GlusterFS without --attribute-timeout=0, or truncation)",
+            SHORT_READ_SETTLE.as_secs()
+        );
+        false
+    }
+
+    /// The file was removed by another node's evictor: drop it here too (its doom record follows).
+    pub(super) fn forget_vanished(&self, name: &str) {
+        self.vanished_reads.fetch_add(1, Ordering::Relaxed);
+        let mut index = self.index.write();
+        if let Some(id) = index.file_id(name) {
+            self.read_handles.lock().remove(&id);
+        }
+        index.remove_file(name);
+    }
+}
