@@ -69,14 +69,22 @@ enum Op {
     CompleteWrite(usize, bool),
     CompleteMeta(usize, bool),
     LoadWaits(bool),
-    /// A shared-tier load of a key the catalog does not hold; finished as a hit (the tier holds it)
-    /// or a miss.
+    /// A shared-tier load of a key the catalog does not hold; finished as a hit (the tier holds it),
+    /// a miss, or abandoned by a broken I/O engine.
     StartShared(u8),
-    FinishShared(usize, bool),
+    FinishShared(usize, SharedEnd),
     /// A scrub pins a visible block, then reports which of its copies were bad.
     ScrubPin(u8),
     ScrubDone(usize, bool, bool),
     Restart,
+}
+
+/// How a shared-tier read into a slot ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SharedEnd {
+    Hit,
+    Miss,
+    Abandoned,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -96,7 +104,8 @@ fn op() -> impl Strategy<Value = Op> {
         12 => (i, prop_oneof![6 => Just(true), 1 => Just(false)]).prop_map(|(i, ok)| Op::CompleteMeta(i, ok)),
         3 => any::<bool>().prop_map(Op::LoadWaits),
         3 => k.clone().prop_map(Op::StartShared),
-        3 => (i, prop_oneof![3 => Just(true), 1 => Just(false)]).prop_map(|(i, hit)| Op::FinishShared(i, hit)),
+        3 => (i, prop_oneof![6 => Just(SharedEnd::Hit), 2 => Just(SharedEnd::Miss), 1 => Just(SharedEnd::Abandoned)])
+            .prop_map(|(i, end)| Op::FinishShared(i, end)),
         3 => k.prop_map(Op::ScrubPin),
         3 => (i, prop_oneof![3 => Just(false), 1 => Just(true)], prop_oneof![3 => Just(false), 1 => Just(true)])
             .prop_map(|(i, d, n)| Op::ScrubDone(i, d, n)),
@@ -534,12 +543,23 @@ impl Model {
                     None => assert!(tracked || self.setup.slots > 0),
                 }
             }
-            Op::FinishShared(i, hit) => {
+            Op::FinishShared(i, end) => {
                 if self.shared_reads.is_empty() {
                     return;
                 }
                 let (key, slot) = self.shared_reads.remove(i % self.shared_reads.len());
-                match self.shared_tier.get(&key).copied().filter(|_| hit) {
+                if end == SharedEnd::Abandoned {
+                    // The engine gave the read up: the slot may still be written, so never reused.
+                    self.cat.abandon_get_shared(&key, slot);
+                    self.retired.insert(slot);
+                    assert!(
+                        self.held_pins(&key) > 0 || !self.cat.has_entry(&key),
+                        "an abandoned shared load left an entry"
+                    );
+                    self.saw("shared read abandoned");
+                    return;
+                }
+                match self.shared_tier.get(&key).copied().filter(|_| end == SharedEnd::Hit) {
                     Some(vid) => {
                         // The mover read and verified the tier's file into the slot.
                         self.slot_bytes[slot as usize] = Bytes::Value(key, vid);
@@ -639,7 +659,7 @@ impl Model {
             self.step(&Op::Unpin(0));
         }
         while !self.shared_reads.is_empty() {
-            self.step(&Op::FinishShared(0, false));
+            self.step(&Op::FinishShared(0, SharedEnd::Miss));
         }
         while !self.scrubs.is_empty() {
             self.step(&Op::ScrubDone(0, false, false));
@@ -901,6 +921,7 @@ fn model_reaches_every_path() {
         "write dropped (no region)",
         "shared load",
         "shared hit",
+        "shared read abandoned",
         "DRAM copy quarantined",
         "NVMe copy quarantined",
     ] {
