@@ -63,3 +63,36 @@ def test_experiment2_recompute_measured_by_experiment2_when_its_length_is_not_in
     assert summary["experiment2_recompute"]["from_experiment"] == 2
     assert summary["experiment2_recompute"]["ttft_s"]["median"] == 0.7
     assert "measured in experiment 2" in markdown
+
+
+def shared_run(token_id: int, problem: str | None = None, repeats: int = 1) -> tuple[dict, dict, list[dict]]:
+    """A plan with the kvtier_shared row, and its recompute and shared-tier measurements at 512 tokens."""
+    the_plan = {**plan([512], 0), "hit_rates": [], "repeats": repeats, "shared": {"store_root": "a", "load_root": "b"}}
+    recompute = {**measurement(1, "recompute", 512, 0.5), "prompt_id": "p:512:0"}
+    shared = {**measurement(1, "kvtier_shared", 512, 0.1), "prompt_id": "p:512:0", "token_id": token_id}
+    shared.update(cached_tokens=512, expected_cached_tokens=512)
+    if problem:
+        shared["problem"] = problem
+    measurements = [recompute, shared]
+    return the_plan, ttft.summarize(the_plan, measurements), measurements
+
+
+def test_shared_row_passes_when_every_check_holds():
+    the_plan, summary, measurements = shared_run(token_id=1)
+    assert ttft.shared_row_failures(the_plan, summary, measurements) == []
+    names = [target["name"] for target in summary["targets"]]
+    assert "kvtier shared-tier hit / recompute" in names
+    rows1 = ttft.table_rows(the_plan, summary)[1]
+    assert [row[0] for row in rows1] == [ttft.CONFIG_LABELS["recompute"], ttft.CONFIG_LABELS["kvtier_shared"]]
+
+
+def test_shared_row_fails_on_another_token_a_block_not_from_the_shared_tier_or_a_missing_repeat():
+    the_plan, summary, measurements = shared_run(token_id=2)
+    (failure,) = ttft.shared_row_failures(the_plan, summary, measurements)
+    assert "p:512:0: token 2" in failure
+    the_plan, summary, measurements = shared_run(token_id=1, problem="3 of 4 blocks served from shared")
+    (failure,) = ttft.shared_row_failures(the_plan, summary, measurements)
+    assert "3 of 4 blocks served from shared" in failure
+    the_plan, summary, measurements = shared_run(token_id=1, repeats=2)
+    (failure,) = ttft.shared_row_failures(the_plan, summary, measurements)
+    assert failure == "1 of 2 repeats measured at 512 tokens"

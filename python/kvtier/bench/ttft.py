@@ -22,6 +22,19 @@ Configurations (one engine alive at a time, each in its own child process):
   (``echo 3 > /proc/sys/vm/drop_caches``) and one short warm-up request (no full block, so no kvtier
   I/O) to fault the engine's own code back in before timing.
 - ``example_connector``: vLLM's ExampleConnector (per-layer safetensors files), page cache dropped.
+- ``kvtier_shared``: a shared-tier hit (seed 002's experiment 5 through vLLM), only with
+  ``--shared-root-store PATH --shared-root-load PATH``: two paths of the same shared directory as two
+  nodes see it (two mounts of one network filesystem volume, or one local directory twice). Node A,
+  one engine process with kvtier's ``shared_root`` under ``--shared-root-store``, computes every prompt
+  (the ``p:L:r`` prompts of the recompute rows), and its store publishes the blocks to the shared tier;
+  a flush after each prompt waits until they are published (the phase fails if the store dropped a
+  publish or failed one). Then, per prompt, node B: a fresh engine process and a fresh host service
+  with an empty local store directory (nothing in DRAM or on NVMe: checked) and ``shared_root`` under
+  ``--shared-root-load``; ``locate_many`` must place every block of the prompt in the ``shared`` tier
+  before timing; page cache dropped, a short warm-up request (no full block), and the timed request,
+  whose blocks must all be counted as shared-tier hits by the service (else a problem is recorded,
+  the table shows ``!`` and the benchmark exits 1). Each run uses a fresh subdirectory of the shared
+  root (``kvtier-ttft-<timestamp>-<pid>``), removed at the end.
 - ``lmcache_disk``: LMCache's vLLM connector (LMCacheConnectorV1, LMCache 0.5.6) with its local disk
   backend, through kvtier's CPU copy shim (``kvtier.bench.lmcache_cpu_shim``: LMCache has no data
   mover for CPU vLLM). It runs in its own virtualenv (``scripts/install_lmcache_vllm.sh`` makes
@@ -89,9 +102,11 @@ CONFIG_LABELS = {
     "kvtier_nvme": "kvtier NVMe hit (page cache dropped)",
     "example_connector": "vLLM ExampleConnector (disk, page cache dropped)",
     "lmcache_disk": "LMCache + CPU copy shim (local disk)",
+    "kvtier_shared": "kvtier shared-tier hit (other node's mount, empty local store, page cache dropped)",
     "disk_floor": "disk floor: fio O_DIRECT read of the same bytes",
 }
-RESTORED_CONFIGS = ("vllm_prefix", "kvtier_dram", "kvtier_nvme", "example_connector", "lmcache_disk")
+RESTORED_CONFIGS = ("vllm_prefix", "kvtier_dram", "kvtier_nvme", "example_connector", "lmcache_disk", "kvtier_shared")
+SHARED_VISIBLE_WAIT_S = 30  # longest node B waits for node A's blocks in its shared index
 
 
 class BenchError(RuntimeError):
@@ -168,6 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not time fio reading the bytes of each NVMe hit (the disk floor row; needs fio)",
     )  # fmt: skip
     parser.add_argument("--skip-example-connector", action="store_true", help="do not run vLLM's ExampleConnector")
+    parser.add_argument(
+        "--shared-root-store", metavar="PATH",
+        help="with --shared-root-load: also measure a shared-tier hit (kvtier_shared). Node A's view of the "
+        "shared directory: the storing engine's shared_root is a fresh subdirectory of PATH",
+    )  # fmt: skip
+    parser.add_argument(
+        "--shared-root-load", metavar="PATH",
+        help="node B's view of the same directory as --shared-root-store (another mount of the same volume, "
+        "or the same path for a local directory): each timed engine starts with an empty local store and "
+        "its shared_root there, so every hit is read from the shared tier",
+    )  # fmt: skip
     parser.add_argument("--skip-lmcache", action="store_true", help="do not run LMCache's connector (local disk)")
     parser.add_argument(
         "--lmcache-python",
@@ -235,6 +261,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     )
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.out) if args.out else Path("bench-results") / f"ttft-{stamp}"
+    shared = shared_plan(args, stamp, lengths, repeats, slot_bytes, block)
     return {
         "preset": preset_name,
         "model": str(model_dir),
@@ -255,7 +282,33 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         "disk_floor": not args.no_disk_floor,
         "out_dir": str(out_dir),
         "example_connector": not args.skip_example_connector,
+        "shared": shared,
         **lmcache_plan(args, lengths, kv_bytes_per_token),
+    }
+
+
+def shared_plan(
+    args: argparse.Namespace, stamp: str, lengths: list[int], repeats: int, slot_bytes: int, block: int
+) -> dict[str, Any] | None:
+    """The kvtier_shared row: node A's and node B's shared_root (the same fresh subdirectory under
+    each view of the shared directory) and the publish queue; None without the options."""
+    if args.shared_root_store is None and args.shared_root_load is None:
+        return None
+    if not (args.shared_root_store and args.shared_root_load):
+        raise BenchError("--shared-root-store and --shared-root-load go together")
+    subdirectory = f"kvtier-ttft-{stamp}-{os.getpid()}"
+    roots = {}
+    for name, path in (("store", args.shared_root_store), ("load", args.shared_root_load)):
+        parent = Path(path).absolute()
+        if not parent.is_dir():
+            raise BenchError(f"--shared-root-{name} {parent} is not a directory")
+        roots[f"{name}_root"] = str(parent / subdirectory)
+    return {
+        **roots,
+        # Every block of the longest prompt waits for the publisher at once (one prefill stores them
+        # all); a smaller queue would drop publishes (the store never waits for room).
+        "publish_queue_bytes": (max(lengths) // block + 8) * slot_bytes,
+        "prompts": repeats * len(lengths),
     }
 
 
@@ -429,14 +482,22 @@ class Engine:
         return keys
 
 
-def kvtier_transfer(plan: dict) -> dict:
+def kvtier_transfer(plan: dict, store_dir: str | None = None, shared_root: str | None = None) -> dict:
+    """kvtier's kv_transfer_config for the plan's store (or ``store_dir``), with the shared tier on
+    ``shared_root`` when given."""
     from kvtier.vllm import kv_transfer_config
 
+    shared = (
+        {"shared_root": shared_root, "shared_publish_queue_bytes": plan["shared"]["publish_queue_bytes"]}
+        if shared_root
+        else {}
+    )
     return kv_transfer_config(
-        plan["store_dir"],
+        store_dir or plan["store_dir"],
         dram_bytes=plan["dram_bytes"],
         nvme_bytes=plan["nvme_bytes"],
         region_bytes=plan["region_bytes"],
+        **shared,
     )
 
 
@@ -540,6 +601,8 @@ def _kvtier_measure(engine: Engine, store, tokens: list[int], hit: int, tier: st
         "tiers_before": tiers_before,
         "dram_hits": after["dram_hits"] - before["dram_hits"],
         "nvme_hits": after["nvme_hits"] - before["nvme_hits"],
+        "shared_hits": after.get("shared_hits", 0) - before.get("shared_hits", 0),
+        "shared_misses": after.get("shared_misses", 0) - before.get("shared_misses", 0),
         "misses": after["misses"] - before["misses"],
         "checksum_failures": after["checksum_failures"] - before["checksum_failures"],
     }
@@ -693,6 +756,86 @@ def phase_kvtier_nvme(plan: dict, emit) -> None:
             emit("measure", {"experiment": 2, "config": "kvtier_nvme", "length_tokens": length, "hit_rate": rate,
                              "repeat": repeat,
                              **_kvtier_measure(engine, store, prompt, len(base), "nvme", drop_cache=True)})  # fmt: skip
+    emit("store_stats", dict(store.stats()))
+    store.close()
+
+
+def shared_store_dir(plan: dict, node: str) -> str:
+    """A local store directory of the kvtier_shared phases, beside the plan's store (node "a" or "b-<L>-r<r>")."""
+    return str(Path(plan["store_dir"]).parent / f"shared-node-{node}")
+
+
+SHARED_PUBLISH_FAILURES = ("shared_dropped_publishes", "shared_publish_errors")
+
+
+def phase_kvtier_shared_store(plan: dict, emit) -> None:
+    """Node A of kvtier_shared: computes every prompt of experiment 1 with the shared tier on and
+    waits, after each, until its blocks are published (the flush waits for the shared publisher)."""
+    shared_root = plan["shared"]["store_root"]
+    engine = Engine(plan, kvtier_transfer(plan, shared_store_dir(plan, "a"), shared_root))
+    store = _store_of_engine()
+    emit("engine", {"start_s": engine.start_s, "shared_root": shared_root})
+    for length in plan["lengths"]:
+        for repeat in range(plan["repeats"]):
+            prompt = length_prompt(plan, length, repeat)
+            engine.reset_prefix_cache()
+            before = store.stats()
+            started = time.perf_counter()
+            engine.generate(prompt)
+            ttft_s = time.perf_counter() - started
+            _settle(engine, store)
+            after = store.stats()
+            delta = {
+                name: after.get(name, 0) - before.get(name, 0)
+                for name in ("puts", "shared_files_published", "shared_bytes_written", *SHARED_PUBLISH_FAILURES)
+            }
+            emit("shared_publish", {"length_tokens": length, "repeat": repeat, "ttft_s": ttft_s,
+                                    "publish_wait_s": time.perf_counter() - started - ttft_s, **delta})  # fmt: skip
+            progress(f"kvtier_shared_store: L={length} r{repeat}: {ttft_s * 1000:.0f} ms, published {delta}")
+            failed = {name: delta[name] for name in SHARED_PUBLISH_FAILURES if delta[name]}
+            if failed or not delta["shared_files_published"]:
+                raise BenchError(f"node A did not publish prompt p:{length}:{repeat} to the shared tier: {delta}")
+    emit("store_stats", dict(store.stats()))
+    store.close()  # publishes anything left and stops node A's service
+
+
+def _wait_shared_visible(store, keys: list[bytes]) -> dict[str, int]:
+    """Until node B's index places every block in the shared tier (it replays the manifests when
+    the store opens, and re-reads them every shared_staleness_ms / 2); the tier counts at the end."""
+    deadline = time.monotonic() + SHARED_VISIBLE_WAIT_S
+    while True:
+        counts = _tier_counts(store, keys)
+        if counts.get("shared", 0) == len(keys) or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.1)
+
+
+def phase_kvtier_shared_load(plan: dict, emit) -> None:
+    """Node B of kvtier_shared for one prompt: a fresh engine and service with an empty local store,
+    every block of the prompt read from the shared tier."""
+    length, repeat = plan["item"]
+    store_dir = shared_store_dir(plan, f"b-{length}-r{repeat}")
+    if Path(store_dir).exists() and any(Path(store_dir).iterdir()):
+        raise BenchError(f"node B's local store {store_dir} is not empty")
+    shared_root = plan["shared"]["load_root"]
+    engine = Engine(plan, kvtier_transfer(plan, store_dir, shared_root))
+    store = _store_of_engine()
+    stats = store.stats()
+    emit("engine", {"start_s": engine.start_s, "shared_root": shared_root,
+                    "blocks_dram_at_start": stats.get("blocks_dram"),
+                    "blocks_nvme_at_start": stats.get("blocks_nvme")})  # fmt: skip
+    if stats.get("blocks_dram") or stats.get("blocks_nvme"):
+        raise BenchError(f"node B's store is not empty at start: {stats.get('blocks_dram')} blocks in DRAM, "
+                         f"{stats.get('blocks_nvme')} on NVMe")  # fmt: skip
+    prompt = length_prompt(plan, length, repeat)
+    keys = engine.block_keys(prompt, length // engine.block_tokens)
+    counts = _wait_shared_visible(store, keys)
+    if counts.get("shared", 0) != len(keys):
+        raise BenchError(f"node B sees the {len(keys)} blocks of p:{length}:{repeat} in tiers {counts}, not all shared "
+                         f"(after {SHARED_VISIBLE_WAIT_S} s)")  # fmt: skip
+    record = _kvtier_measure(engine, store, prompt, length, "shared", drop_cache=True)
+    emit("measure", {"experiment": 1, "config": "kvtier_shared", "length_tokens": length, "repeat": repeat,
+                     "prompt_id": f"p:{length}:{repeat}", **record})  # fmt: skip
     emit("store_stats", dict(store.stats()))
     store.close()
 
@@ -863,6 +1006,8 @@ PHASES = {
     "kvtier_nvme": phase_kvtier_nvme,
     "example_connector": phase_example_connector,
     "lmcache_disk": phase_lmcache_disk,
+    "kvtier_shared_store": phase_kvtier_shared_store,
+    "kvtier_shared_load": phase_kvtier_shared_load,
 }
 
 
@@ -1068,6 +1213,39 @@ def summarize(plan: dict, measurements: list[dict]) -> dict:
     return summary
 
 
+def shared_row_failures(plan: dict, summary: dict, measurements: list[dict]) -> list[str]:
+    """Why the kvtier_shared row cannot be trusted (empty when it can): a length or repeat not
+    measured, a block not served from the shared tier, a wrong hit size, or a greedy token that
+    differs from the recompute of the same prompt."""
+    if not plan.get("shared"):
+        return []
+    failures = []
+    points = summary["experiment1"].get("kvtier_shared", {})
+    for length in plan["lengths"]:
+        point = points.get(str(length))
+        measured = point["ttft_s"]["n"] if point and point["ttft_s"] else 0
+        if measured != plan["repeats"]:
+            failures.append(f"{measured} of {plan['repeats']} repeats measured at {length} tokens")
+        elif not point["cached_tokens_ok"] or point["problems"]:
+            failures.append(f"at {length} tokens: {'; '.join(point['problems']) or 'cached tokens differ'}")
+    records = [record for record in measurements if record["config"] == "kvtier_shared"]
+    reference = {r["prompt_id"]: r for r in measurements if r["config"] == "recompute" and r.get("prompt_id")}
+    for record in records:
+        base = reference.get(record["prompt_id"])
+        if base is None:
+            failures.append(f"no recompute of {record['prompt_id']} to compare with")
+        elif record["token_id"] != base["token_id"] or (
+            record.get("logprob") is not None
+            and base.get("logprob") is not None
+            and abs(record["logprob"] - base["logprob"]) > LOGPROB_TOLERANCE
+        ):
+            failures.append(
+                f"{record['prompt_id']}: token {record['token_id']} (logprob {record.get('logprob')}) against "
+                f"recompute's {base['token_id']} ({base.get('logprob')})"
+            )
+    return failures
+
+
 def _median(summary: dict, config: str, length: int) -> float | None:
     point = summary["experiment1"].get(config, {}).get(str(length))
     return point["ttft_s"]["median"] if point and point["ttft_s"] else None
@@ -1081,6 +1259,7 @@ def targets(plan: dict, summary: dict) -> list[dict]:
     nvme = _median(summary, "kvtier_nvme", length)
     lmcache = _median(summary, "lmcache_disk", length)
     floor = _median(summary, "disk_floor", length)
+    shared = _median(summary, "kvtier_shared", length)
 
     def ratio(numerator, denominator):
         return numerator / denominator if numerator is not None and denominator else None
@@ -1096,6 +1275,14 @@ def targets(plan: dict, summary: dict) -> list[dict]:
             None
             if lmcache is not None
             else (plan.get("lmcache_not_measured") or "LMCache's connector was not measured at this length"),
+        ),
+        *(
+            [
+                ("kvtier shared-tier hit / kvtier NVMe hit", ratio(shared, nvme), None, None),
+                ("kvtier shared-tier hit / recompute", ratio(shared, recompute), None, None),
+            ]
+            if plan.get("shared")
+            else []
         ),
         (
             # How much of the NVMe hit's extra time over a DRAM hit the disk itself needs: 1.0 means the
@@ -1204,7 +1391,7 @@ def _cell(point: dict | None) -> str:
 
 CONFIG_ORDER = (
     "recompute", "kvtier_miss", "vllm_prefix", "kvtier_dram", "kvtier_nvme",
-    "example_connector", "lmcache_disk", "disk_floor",
+    "kvtier_shared", "example_connector", "lmcache_disk", "disk_floor",
 )  # fmt: skip
 
 
@@ -1426,6 +1613,8 @@ def main(argv: list[str] | None = None) -> int:
     if plan["disk_floor"]:
         needed_bytes += max(plan["lengths"]) // plan["block_tokens"] * plan["slot_bytes"]
     needed_bytes += int(plan["lmcache_disk_gib"] * 2**30) if plan["lmcache_available"] else 0
+    # kvtier_shared: node A's local store, and one node B store at a time (removed after its phase).
+    needed_bytes += 2 * plan["nvme_bytes"] if plan["shared"] else 0
     free_bytes = shutil.disk_usage(store_root).free
     if needed_bytes > free_bytes * 0.9:
         print(
@@ -1447,6 +1636,17 @@ def main(argv: list[str] | None = None) -> int:
         phases += [("kvtier_store", f"kvtier_store-{n}-r{repeat}", ["length", n, repeat]) for n in plan["lengths"]]
         phases += [("kvtier_store", f"kvtier_store-hit{h}-r{repeat}", ["rate", h, repeat]) for h in plan["hit_rates"]]
     phases.append(("kvtier_nvme", "kvtier_nvme", None))
+    if plan["shared"]:
+        phases.append(("kvtier_shared_store", "kvtier_shared_store", None))
+        phases += [
+            ("kvtier_shared_load", f"kvtier_shared_load-{n}-r{r}", [n, r])
+            for r in range(plan["repeats"])
+            for n in plan["lengths"]
+        ]
+        notes.append(
+            f"kvtier_shared: node A published through {plan['shared']['store_root']}, node B read through "
+            f"{plan['shared']['load_root']}"
+        )
     if plan["example_connector"]:
         phases.append(("example_connector", "example_connector", None))
     else:
@@ -1485,6 +1685,10 @@ def main(argv: list[str] | None = None) -> int:
                 records = run_lmcache_phase(plan, args.phase_timeout_s, notes)
             else:
                 records = launch_phase({**plan, "item": item}, phase, args.phase_timeout_s, run_name)
+            if phase == "kvtier_shared_store":
+                shutil.rmtree(shared_store_dir(plan, "a"), ignore_errors=True)  # the shared tier has its own copy
+            elif phase == "kvtier_shared_load":
+                shutil.rmtree(shared_store_dir(plan, f"b-{item[0]}-r{item[1]}"), ignore_errors=True)
             for record in records:
                 kind = record.pop("kind")
                 if kind == "measure":
@@ -1498,9 +1702,20 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if temporary_store:
             shutil.rmtree(store_root, ignore_errors=True)
+        else:
+            for node in store_root.glob("shared-node-*"):
+                shutil.rmtree(node, ignore_errors=True)
+        if plan["shared"]:
+            # The run's subdirectory of the shared directory (through node A's view), so that a
+            # network filesystem sized for one run's blocks is empty again.
+            shutil.rmtree(plan["shared"]["store_root"], ignore_errors=True)
     if not measurements:
         return exit_code or 1
     summary = summarize(plan, measurements)
+    shared_failures = shared_row_failures(plan, summary, measurements)
+    if shared_failures:
+        notes += [f"kvtier_shared FAILED: {failure}" for failure in shared_failures]
+        exit_code = 1
     markdown = print_report(plan, summary, notes, phase_info)
     plots = write_plots(plan, summary, out_dir)
     result = {
