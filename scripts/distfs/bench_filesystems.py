@@ -14,6 +14,15 @@ cold: page cache dropped before every pass) with node A publishing and node B re
 directory, on GlusterFS (default and strict caching) and on CephFS (scripts/distfs/*.sh bring them up
 on 127.0.0.1 and tear them down). Median, p99 and GB/s per target; every block checked byte for byte.
 
+With ``--ttft-length 8k`` experiment 5 also measures time to first token through vLLM per target:
+``kvtier bench ttft --shared-root-store <node A's mount> --shared-root-load <node B's mount>`` (the
+``kvtier_shared`` row: node A's engine publishes each prompt to the shared tier, then a fresh engine
+and service with an empty local store on node B reads every block from there, page cache dropped), in
+the same run as recompute and the local NVMe hit (``kvtier_nvme``), ``--ttft-repeats`` prompts each.
+Median, p99, min and max per target and the ratios to the same run's NVMe hit and recompute go into
+``results.json`` (``exp5_ttft``), ``report.md`` and ``exp5-ttft.png``. The CephFS OSD (memstore, in RAM)
+is sized to hold the run's prompts (``KVTIER_CEPH_OSD_BYTES``, unless set).
+
 Usage (root): ``.venv/bin/python scripts/distfs/bench_filesystems.py [--out DIR] [--small]
 [--only exp4|exp5] [--filesystems ext4,xfs,f2fs,btrfs] [--targets local,glusterfs,cephfs]``.
 Writes ``results.json``, ``report.md`` and ``exp4.png`` / ``exp5.png`` into ``--out``
@@ -239,31 +248,133 @@ def exp5_one(name: str, node_a: Path, node_b: Path, local: Path, blocks: int, pa
     return row
 
 
-def exp5(targets: list[str], work: Path, blocks: int, passes: int) -> list[dict[str, Any]]:
+def exp5_ttft(
+    name: str, node_a: Path, node_b: Path, store_dir: Path, out: Path, ttft: dict[str, Any]
+) -> dict[str, Any]:
+    """``kvtier bench ttft`` with the kvtier_shared row (node A publishes through ``node_a``, node B
+    reads through ``node_b``) beside recompute and the local NVMe hit of the same run."""
+    from kvtier.bench import ttft as ttft_bench
+
+    slug = name.replace(" (", "-").replace(" caching)", "").replace(" ", "-")
+    case_out = out / f"exp5-{slug}-ttft"
+    argv = [str(REPO / ".venv/bin/kvtier"), "bench", "ttft", "--lengths", ttft["length"]]
+    argv += ["--repeats", str(ttft["repeats"]), "--hit-rate-length", "0", "--skip-lmcache", "--skip-example-connector"]
+    argv += ["--no-disk-floor", "--shared-root-store", str(node_a), "--shared-root-load", str(node_b)]
+    argv += ["--store-dir", str(store_dir), "--out", str(case_out)] + (["--small"] if ttft["small"] else [])
+    log(f"exp5 {name}: kvtier bench ttft --lengths {ttft['length']} --repeats {ttft['repeats']} (shared: {node_a})")
+    started = time.monotonic()
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True)
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)  # its NVMe files; the next target makes its own
+    (out / f"exp5-{slug}-ttft.log").write_text(done.stdout + done.stderr)
+    results_file = case_out / "results.json"
+    row: dict[str, Any] = {"target": name, "command": " ".join(argv[1:]), "seconds": time.monotonic() - started}
+    if not results_file.exists():
+        row["error"] = f"kvtier bench ttft exited {done.returncode} without results: {done.stderr[-2000:]}"
+        return row
+    result = json.loads(results_file.read_text())
+    length = ttft_bench.parse_tokens(ttft["length"])
+    row.update({"length": length, "repeats": ttft["repeats"], "results": str(results_file)})
+    for config in ("recompute", "kvtier_nvme", "kvtier_shared"):
+        values = [
+            m["ttft_s"] * 1e3 for m in result["measurements"] if m["config"] == config and m["length_tokens"] == length
+        ]
+        row[config] = ms_spread(values)
+    shared = [m for m in result["measurements"] if m["config"] == "kvtier_shared"]
+    row["shared_blocks"] = [m["kvtier"]["shared_hits"] for m in shared]
+    row["expected_blocks"] = length // int(result["plan"]["block_tokens"])
+    outputs = result["summary"]["outputs_vs_recompute"].get("kvtier_shared", {})
+    row["same_token"] = f"{outputs.get('same_token', 0)}/{outputs.get('compared', 0)}"
+    row["max_logprob_diff"] = outputs.get("max_logprob_diff")
+    row["publish"] = [
+        {k: v for k, v in record.items() if k != "kind"}
+        for record in [result["phases"].get("kvtier_shared_store", {}).get("shared_publish")]
+        if record
+    ]
+    failures = [note for note in result["notes"] if "FAILED" in note or note.startswith("incomplete")]
+    if done.returncode != 0 or failures or row["kvtier_shared"] is None:
+        row["error"] = f"kvtier bench ttft exited {done.returncode}: " + ("; ".join(failures) or done.stderr[-1000:])
+    shared_ms, nvme_ms, recompute_ms = (
+        row[c]["median"] if row[c] else None for c in ("kvtier_shared", "kvtier_nvme", "recompute")
+    )
+    row["shared_over_nvme"] = shared_ms / nvme_ms if shared_ms and nvme_ms else None
+    row["shared_over_recompute"] = shared_ms / recompute_ms if shared_ms and recompute_ms else None
+    if shared_ms:
+        log(
+            f"exp5 {name}: TTFT at {length} tokens: shared-tier hit {shared_ms:.0f} ms (median of "
+            f"{row['kvtier_shared']['n']}), local NVMe hit {nvme_ms or 0:.0f} ms, "
+            f"recompute {recompute_ms or 0:.0f} ms; "
+            f"blocks from the shared tier {row['shared_blocks']} of {row['expected_blocks']}"
+        )
+    return row
+
+
+def ms_spread(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {
+        "median": float(np.median(values)),
+        "p99": float(np.percentile(values, 99)),
+        "min": float(min(values)),
+        "max": float(max(values)),
+        "n": len(values),
+    }
+
+
+def ceph_osd_bytes(ttft: dict[str, Any] | None) -> int:
+    """The memstore OSD's size: 2 GiB, or enough for one TTFT run's prompts (the run removes them
+    when it ends; the default and strict runs share the cluster) below 60 % of the OSD."""
+    if not ttft:
+        return 2 << 30
+    from kvtier.bench import ttft as ttft_bench
+    from kvtier.models import PRESETS
+
+    kv_bytes = PRESETS["tiny" if ttft["small"] else "kv8b"].kv_bytes_per_token
+    prompt_bytes = ttft_bench.parse_tokens(ttft["length"]) * kv_bytes * 1.05
+    needed = ttft["repeats"] * prompt_bytes + (512 << 20)  # + experiment 5's own blocks
+    return max(2 << 30, int(needed / 0.6) // (1 << 30) * (1 << 30) + (1 << 30))
+
+
+def exp5(
+    targets: list[str], work: Path, blocks: int, passes: int, out: Path, ttft: dict[str, Any] | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Experiment 5's get latency rows, and with ``ttft`` its TTFT rows, per target."""
     rows: list[dict[str, Any]] = []
+    ttft_rows: list[dict[str, Any]] = []
     for target in targets:
         if target == "local":
             d = work / "local-shared"
             d.mkdir()
             rows.append(exp5_one("local disk", d, d, work / "local-stores", blocks, passes))
+            if ttft:
+                ttft_rows.append(exp5_ttft("local disk", d, d, work / "ttft-local", out, ttft))
             continue
         state = Path(f"/tmp/kvtier-distfs/bench-{target}")
         script = DISTFS / f"{target}.sh"
         log(f"exp5: bringing up {target}")
-        up = subprocess.run(["bash", str(script), "up", str(state)], capture_output=True, text=True)
+        env = dict(os.environ)
+        if target == "cephfs":
+            env.setdefault("KVTIER_CEPH_OSD_BYTES", str(ceph_osd_bytes(ttft)))
+        up = subprocess.run(["bash", str(script), "up", str(state)], capture_output=True, text=True, env=env)
         try:
             if up.returncode != 0:
                 rows.append({"target": target, "skipped": up.stderr.strip()[-500:]})
+                if ttft:
+                    ttft_rows.append({"target": target, "error": "not up: " + up.stderr.strip()[-500:]})
                 continue
             mounts = dict(line.split("=", 1) for line in up.stdout.split() if "=" in line)
             for mode in ("default", "strict"):
                 a, b = Path(mounts[f"{mode}-a"]) / f"exp5-{mode}", Path(mounts[f"{mode}-b"]) / f"exp5-{mode}"
                 a.mkdir()
                 time.sleep(1.1)  # past default attribute caches: node B sees the directory
-                rows.append(exp5_one(f"{target} ({mode} caching)", a, b, work / f"{target}-{mode}", blocks, passes))
+                name = f"{target} ({mode} caching)"
+                rows.append(exp5_one(name, a, b, work / f"{target}-{mode}", blocks, passes))
+                if ttft:
+                    ttft_rows.append(exp5_ttft(name, a, b, work / f"ttft-{target}-{mode}", out, ttft))
         finally:
             subprocess.run(["bash", str(script), "down", str(state)], capture_output=True, text=True)
-    return rows
+    return rows, ttft_rows
 
 
 # ---- report ----
@@ -307,6 +418,31 @@ def plot(results: dict[str, Any], out: Path) -> None:
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "exp5.png", dpi=120)
+    rows5t = [r for r in results.get("exp5_ttft", []) if r.get("kvtier_shared")]
+    if rows5t:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        xs = list(range(len(rows5t)))
+        series = (("recompute", "recompute (same run)", "0.6"), ("kvtier_nvme", "local NVMe hit (same run)", "C0"),
+                  ("kvtier_shared", "shared-tier hit (node B)", "C3"))  # fmt: skip
+        width = 0.27
+        for j, (config, label, color) in enumerate(series):
+            spreads = [r.get(config) for r in rows5t]
+            medians = [sp["median"] if sp else 0 for sp in spreads]
+            errors = [
+                [sp["median"] - sp["min"] if sp else 0 for sp in spreads],
+                [sp["max"] - sp["median"] if sp else 0 for sp in spreads],
+            ]
+            ax.bar([x + (j - 1) * width for x in xs], medians, width, yerr=errors, capsize=3, label=label, color=color)
+        ax.set_xticks(xs, [r["target"].replace(" (", "\n(") for r in rows5t], fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("TTFT (ms), median with min-max")
+        length = rows5t[0]["length"]
+        ax.set_title(f"Experiment 5 through vLLM: TTFT of a {length}-token prompt, every block from the shared tier")
+        ax.title.set_fontsize(9)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "exp5-ttft.png", dpi=120)
 
 
 def report(results: dict[str, Any], out: Path) -> str:
@@ -376,9 +512,49 @@ def report(results: dict[str, Any], out: Path) -> str:
                 f"{r['misses']} | {r['wrong']} | {r['publish_gbps']:.2f} |"
             )
         lines += ["", "![exp5](exp5.png)", ""]
+    if results.get("exp5_ttft"):
+        lines += exp5_ttft_report(results["exp5_ttft"])
     text = "\n".join(lines)
     (out / "report.md").write_text(text)
     return text
+
+
+def exp5_ttft_report(rows: list[dict[str, Any]]) -> list[str]:
+    measured = [r for r in rows if r.get("length")]
+    length = measured[0]["length"] if measured else "?"
+    lines = [
+        f"### Experiment 5 through vLLM: TTFT of a shared-tier hit ({length} tokens)",
+        "",
+        "One `kvtier bench ttft` run per target: node A's engine publishes each prompt to the shared tier "
+        "through its mount; a fresh engine and service on node B (its own mount, empty local store, page "
+        "cache dropped) reads every block from the shared tier. Recompute and the local NVMe hit are from "
+        "the same run. ms; p99 over so few repeats is close to the max.",
+        "",
+        "| target | shared hit median | p99 | min | max | n | local NVMe hit median | recompute median "
+        "| shared / NVMe | shared / recompute | blocks from shared tier | same token |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def ms(spread: dict[str, float] | None, key: str = "median") -> str:
+        return f"{spread[key]:.0f}" if spread else "-"
+
+    def ratio(value: float | None) -> str:
+        return f"{value:.2f}" if value is not None else "-"
+
+    for r in rows:
+        shared = r.get("kvtier_shared")
+        if not shared:
+            lines.append(f"| {r['target']} | error: {str(r.get('error'))[:300]} |" + " |" * 10)
+            continue
+        blocks = ", ".join(str(b) for b in r["shared_blocks"]) + f" of {r['expected_blocks']} each"
+        lines.append(
+            f"| {r['target']} | {ms(shared)} | {ms(shared, 'p99')} | {ms(shared, 'min')} | {ms(shared, 'max')} | "
+            f"{shared['n']} | {ms(r.get('kvtier_nvme'))} | {ms(r.get('recompute'))} | {ratio(r['shared_over_nvme'])} | "
+            f"{ratio(r['shared_over_recompute'])} | {blocks} | {r['same_token']} |"
+        )
+        if r.get("error"):
+            lines.append(f"| {r['target']} | error: {r['error'][:300]} |" + " |" * 10)
+    return [*lines, "", "![exp5-ttft](exp5-ttft.png)", ""]
 
 
 def main() -> int:
@@ -392,8 +568,13 @@ def main() -> int:
     p.add_argument("--blocks", type=int, default=128)
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()), help="where the loop files go")
-    p.add_argument("--ttft-length", default="", help="also kvtier bench ttft at this prompt length per filesystem")
-    p.add_argument("--ttft-repeats", type=int, default=2)
+    p.add_argument(
+        "--ttft-length",
+        default="",
+        help="also kvtier bench ttft at this prompt length: exp4 per filesystem (store on it), exp5 per target "
+        "(a shared-tier hit through vLLM beside recompute and the local NVMe hit of the same run)",
+    )
+    p.add_argument("--ttft-repeats", type=int, default=2, help="prompts per TTFT run (exp4 and exp5)")
     args = p.parse_args()
     if os.geteuid() != 0:
         print("needs root (loop devices, mounts, dropping the page cache)", file=sys.stderr)
@@ -424,7 +605,14 @@ def main() -> int:
                 (args.out / "results.json").write_text(json.dumps(results, indent=2))
         if args.only in (None, "exp5"):
             blocks = 32 if args.small else args.blocks
-            results["exp5"] = exp5(args.targets.split(","), work, blocks, args.passes)
+            ttft = (
+                {"length": args.ttft_length, "repeats": args.ttft_repeats, "small": args.small}
+                if args.ttft_length
+                else None
+            )
+            results["exp5"], ttft_rows = exp5(args.targets.split(","), work, blocks, args.passes, args.out, ttft)
+            if ttft:
+                results["exp5_ttft"] = ttft_rows
     finally:
         shutil.rmtree(work, ignore_errors=True)
         (args.out / "results.json").write_text(json.dumps(results, indent=2))
@@ -435,6 +623,7 @@ def main() -> int:
         r.get("wrong_objects", 0) for r in results.get("exp4", [])
     )
     failed = [r["fs"] for r in results.get("exp4", []) if "error" in r or "error" in r.get("ttft", {})]
+    failed += [f"exp5 TTFT {r['target']}" for r in results.get("exp5_ttft", []) if "error" in r]
     if failed:
         log(f"failed on {', '.join(failed)} (the report's rows say why)")
     return 1 if wrong or failed else 0
