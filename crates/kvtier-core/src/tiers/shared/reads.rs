@@ -51,8 +51,6 @@ struct Planned {
     index: usize,
     loc: Location,
     name: String,
-    /// An aligned landing buffer when the caller's slot cannot take an O_DIRECT read.
-    bounce: Option<AlignedBuf>,
 }
 
 impl SharedTier {
@@ -60,9 +58,14 @@ impl SharedTier {
     /// All reads are in flight together on the tier's device queue.
     ///
     /// # Safety
-    /// Each pointer is valid for `slot_bytes` bytes of writes and used by nothing else until this
-    /// returns, and a slot whose outcome is `Abandoned` is never used again.
+    /// Each pointer is 4096-aligned (an O_DIRECT read lands there), valid for `slot_bytes` bytes of
+    /// writes and used by nothing else until this returns, and a slot whose outcome is `Abandoned`
+    /// is never used again.
     pub unsafe fn read_many(&self, reads: &[(BlockKey, *mut u8)]) -> Vec<ReadOutcome> {
+        assert!(
+            reads.iter().all(|(_, slot)| (*slot as usize).is_multiple_of(ALIGN_BYTES)),
+            "unaligned shared-tier slot"
+        );
         let mut outcomes = vec![ReadOutcome::Miss; reads.len()];
         let mut planned = Vec::with_capacity(reads.len());
         let mut transfers = Vec::with_capacity(reads.len());
@@ -80,26 +83,21 @@ impl SharedTier {
                     continue;
                 }
             };
-            let unaligned = !(*slot as usize).is_multiple_of(ALIGN_BYTES);
-            let bounce = (self.direct && unaligned).then(|| AlignedBuf::zeroed(self.slot_bytes));
-            let buf = bounce.as_ref().map_or(*slot, |b| b.as_ptr());
             transfers.push(Transfer {
                 kind: OpKind::Read,
                 file,
                 offset: loc.offset,
-                buf,
+                buf: *slot,
                 len: self.slot_bytes,
                 iovecs: Vec::new(),
             });
-            planned.push(Planned { index, loc, name, bounce });
+            planned.push(Planned { index, loc, name });
         }
         let results = self.io.run_all(transfers);
         for (p, result) in planned.into_iter().zip(results) {
             let (key, slot) = reads[p.index];
             if result.as_ref().is_err_and(is_abandoned) {
                 log::error!("kvtier: shared read of {key:?} abandoned by a broken I/O engine; counted as a miss");
-                // The kernel may still write into the landing buffer: it is never freed.
-                std::mem::forget(p.bounce);
                 Stats::add(&self.stats.io_errors, 1);
                 Stats::add(&self.stats.shared_misses, 1);
                 outcomes[p.index] = ReadOutcome::Abandoned;
@@ -107,9 +105,6 @@ impl SharedTier {
             }
             // SAFETY: the caller's slot is ours for the call (contract above), and the read finished.
             let slot = unsafe { std::slice::from_raw_parts_mut(slot, self.slot_bytes) };
-            if let (Ok(()), Some(bounce)) = (&result, &p.bounce) {
-                slot.copy_from_slice(&bounce.as_slice()[..self.slot_bytes]);
-            }
             outcomes[p.index] = self.finish_read(&key, &p, result, slot);
         }
         outcomes
@@ -120,31 +115,32 @@ impl SharedTier {
         if slot.len() < self.slot_bytes {
             return Err(Error::config("slot", format!("{} bytes, need slot_bytes = {}", slot.len(), self.slot_bytes)));
         }
-        // A bounce buffer of our own, so that an abandoned read never lands in borrowed memory.
-        let mut landing = AlignedBuf::zeroed(self.slot_bytes);
-        // SAFETY: `landing` is ours; abandoned, it is leaked below.
-        match unsafe { self.read_many(&[(*key, landing.as_ptr())]) }[0] {
-            ReadOutcome::Hit => {
-                slot[..self.slot_bytes].copy_from_slice(landing.as_mut_slice());
-                Ok(true)
-            }
-            ReadOutcome::Miss => Ok(false),
-            ReadOutcome::Abandoned => {
-                std::mem::forget(landing);
-                Ok(false)
-            }
-        }
+        let Some(landing) = self.read_owned(key) else { return Ok(false) };
+        slot[..self.slot_bytes].copy_from_slice(landing.as_slice());
+        Ok(true)
     }
 
     /// Reads and verifies a block, copying only the value into `out` (object_bytes long).
     pub fn read_value(&self, key: &BlockKey, out: &mut [u8]) -> Result<bool> {
-        let mut slot = AlignedBuf::zeroed(self.slot_bytes);
-        if !self.read_into(key, slot.as_mut_slice())? {
-            return Ok(false);
-        }
+        let Some(landing) = self.read_owned(key) else { return Ok(false) };
         out[..self.object_bytes]
-            .copy_from_slice(&slot.as_slice()[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + self.object_bytes]);
+            .copy_from_slice(&landing.as_slice()[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + self.object_bytes]);
         Ok(true)
+    }
+
+    /// One verified block in a buffer of its own (never borrowed memory, so that an abandoned read,
+    /// whose buffer is leaked, cannot land in the caller's).
+    fn read_owned(&self, key: &BlockKey) -> Option<AlignedBuf> {
+        let landing = AlignedBuf::zeroed(self.slot_bytes);
+        // SAFETY: `landing` is ours and aligned; abandoned, it is leaked.
+        match unsafe { self.read_many(&[(*key, landing.as_ptr())]) }[0] {
+            ReadOutcome::Hit => Some(landing),
+            ReadOutcome::Miss => None,
+            ReadOutcome::Abandoned => {
+                std::mem::forget(landing);
+                None
+            }
+        }
     }
 
     /// The scrub's read (`kvtier verify`): reads and verifies one indexed block like `read_many`,
