@@ -903,8 +903,8 @@ _COUNTER_SOURCES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     "kvtier:dropped_stores": [
         ("dropped_stores", ("backpressure",)),
         ("nvme_dropped_writes", ("nvme_write",)),
-        # Blocks not published to the shared tier: its queue was full, or writing the file failed
-        # (filesystem full, directory removed, ...).
+        # Blocks not published to the shared tier: they left DRAM while waiting in the publisher's
+        # backlog, or writing the file failed (filesystem full, directory removed, ...).
         ("shared_dropped_publishes", ("shared_queue",)),
         ("shared_publish_errors", ("shared_publish_error",)),
     ],

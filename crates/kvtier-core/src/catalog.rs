@@ -114,6 +114,14 @@ struct NvmeState {
     next_region_seq: u64,
 }
 
+/// A DRAM-resident block pinned for a copy (`pin_resident_for_copy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResidentBlock {
+    pub slot: u32,
+    pub sequence: u64,
+    pub value_checksum: u64,
+}
+
 /// A metadata write the data plane must issue: a region trailer, or (`entries == None`) zeroing a
 /// stale trailer before a reclaimed region is rewritten.
 #[derive(Debug)]
@@ -367,6 +375,16 @@ impl Catalog {
         e.pins += 1;
         e.readers += 1;
         e.dram
+    }
+
+    /// `pin_resident` for a copy of the whole block: its slot, sequence and value checksum (what its
+    /// descriptor records), without counting as a use for eviction. The shared publisher copies a
+    /// backlogged block this way. Released with `release_readers`.
+    pub fn pin_resident_for_copy(&mut self, key: &BlockKey) -> Option<ResidentBlock> {
+        let e = self.index.get(key)?;
+        let (sequence, value_checksum) = (e.sequence, e.value_checksum);
+        let slot = self.pin_resident(key)?;
+        Some(ResidentBlock { slot, sequence, value_checksum })
     }
 
     /// Releases reader pins taken by `pin_resident`.

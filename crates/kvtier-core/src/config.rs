@@ -704,7 +704,7 @@ pub static OPTIONS: &[ConfigOption] = &[
         kind: OptionKind::Size,
         unset: "",
         constraint: ">= one slot",
-        description: "Copies of accepted blocks waiting for the publisher thread. A store never waits for room: past it the block is not published (counted in `shared_dropped_publishes`).",
+        description: "Copies of accepted blocks waiting for the publisher thread. A store never waits for room: past it the block's key waits in a backlog and is copied again from DRAM when there is room (`shared_deferred_publishes`); only a block that left DRAM first is not published (`shared_dropped_publishes`).",
         set: |c, v| shared_mut(c).publish_queue_bytes = v.int() as usize,
         get: |c| int(shared_get(c, |s| s.publish_queue_bytes) as u64),
     },

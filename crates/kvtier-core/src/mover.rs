@@ -494,6 +494,32 @@ pub(crate) fn execute_put(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
     results
 }
 
+/// Copies a DRAM-resident block into `out` as its slot holds it (descriptor page + value), for the
+/// shared publisher's backlog; `false` when the block is no longer in DRAM. The descriptor is built
+/// from the catalog, not copied: an NVMe write may be stamping the slot's own descriptor page.
+pub(crate) fn copy_resident_block(sh: &Shared, key: &BlockKey, out: &mut [u8]) -> bool {
+    let object_bytes = sh.config.object_bytes;
+    assert!(out.len() >= DESCRIPTOR_BYTES + object_bytes, "a publish buffer holds a whole slot");
+    let Some(block) = sh.catalog.lock().pin_resident_for_copy(key) else { return false };
+    // SAFETY: the block is pinned as a reader: its slot is resident and its value does not change
+    // until released. Only the value area is read.
+    let value =
+        unsafe { std::slice::from_raw_parts(sh.arena.slot_ptr(block.slot).add(DESCRIPTOR_BYTES), object_bytes) };
+    out[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + object_bytes].copy_from_slice(value);
+    sh.catalog.lock().release_readers(std::slice::from_ref(key));
+    sh.changed.notify_all();
+    Descriptor {
+        value_bytes: object_bytes as u32,
+        key: *key,
+        namespace: sh.namespace,
+        sequence: block.sequence,
+        region_seq: 0,
+        value_checksum: block.value_checksum,
+    }
+    .encode(&mut out[..DESCRIPTOR_BYTES]);
+    true
+}
+
 /// A slot whose value is complete (copied in, here or by engine workers through the shared pool).
 pub(crate) struct Filled {
     pub key: BlockKey,

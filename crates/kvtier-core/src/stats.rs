@@ -52,6 +52,9 @@ counters!(
     shared_quarantined_files,
     shared_publish_errors,
     shared_dropped_publishes,
+    // Offers that found every publish staging buffer in use and waited in the backlog (published
+    // later from DRAM, or counted in shared_dropped_publishes if the block left DRAM first).
+    shared_deferred_publishes,
     shared_auth_failures,
     // The NVMe tier's I/O pattern, as the device queues submit it (seed 002's experiment 6): requests,
     // their bytes, those starting where the device's previous request of the same kind ended, and

@@ -213,6 +213,13 @@ impl Store {
             config,
         });
         submit_meta(&shared, startup_meta);
+        if let Some(publisher) = &shared.shared_publisher {
+            // Weak: the publisher belongs to `shared`, and a strong reference would keep it alive.
+            let weak = Arc::downgrade(&shared);
+            publisher.set_refetch(Box::new(move |key, out| {
+                weak.upgrade().is_some_and(|sh| crate::mover::copy_resident_block(&sh, key, out))
+            }));
+        }
 
         let (load_tx, load_rx) = unbounded::<Job>();
         let (store_tx, store_rx) = bounded::<Job>(shared.config.store_queue_jobs);

@@ -590,27 +590,77 @@ fn publishing_resumes_after_the_shared_directory_is_removed_and_close_releases_f
     assert_eq!(open_under_root, 0, "closed stores still hold files under the shared root");
 }
 
-#[test]
-fn a_full_publish_queue_drops_and_counts_instead_of_stalling_stores() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut c = StoreConfig::new(dir.path().join("local"), OBJECT_BYTES);
+/// A DRAM-only store on `local` that publishes to `shared` through a queue of `queue_blocks` blocks.
+fn publishing_store(local: &Path, shared: &Path, dram_blocks: usize, queue_blocks: usize) -> StoreConfig {
+    let mut c = StoreConfig::new(local, OBJECT_BYTES);
     c.namespace = b"shared-tier-test".to_vec();
     c.nvme_bytes = 0;
-    c.dram_bytes = 256 * (OBJECT_BYTES + 4096);
-    let mut s = config(&dir.path().join("shared"));
-    // Two blocks of queue: a burst of puts outruns any publisher.
-    s.publish_queue_bytes = 2 * (OBJECT_BYTES + 4096);
+    c.dram_bytes = dram_blocks * (OBJECT_BYTES + 4096);
+    let mut s = config(shared);
+    s.publish_queue_bytes = queue_blocks * (OBJECT_BYTES + 4096);
     c.shared = Some(s);
-    let store = Store::open(c).unwrap();
-    let keys: Vec<_> = (0..200).map(key).collect();
-    let values: Vec<_> = (0..200).map(value).collect();
+    c
+}
+
+/// Stores blocks 0..n in one burst; every put must succeed without waiting for the publisher.
+fn put_burst(store: &Store, n: u64) -> Vec<BlockKey> {
+    let keys: Vec<_> = (0..n).map(key).collect();
+    let values: Vec<_> = (0..n).map(value).collect();
     let refs: Vec<&[u8]> = values.iter().map(|v| v.as_slice()).collect();
     assert!(store.put_many(&keys, &refs).unwrap().iter().all(|&ok| ok), "DRAM stores never fail for the shared tier");
-    let dropped = store.stats().counters.shared_dropped_publishes;
-    assert!(dropped > 0, "a put must not wait for room in the publish queue");
+    keys
+}
+
+/// The blocks another node finds in the shared tier, each read back and compared byte for byte.
+fn published_elsewhere(dir: &Path, shared: &Path, keys: &[BlockKey]) -> usize {
+    let reader = Store::open(publishing_store(&dir.join("reader"), shared, keys.len() + 8, 2)).unwrap();
+    let mut found = 0;
+    for (i, k) in keys.iter().enumerate() {
+        let mut out = vec![0u8; OBJECT_BYTES];
+        if reader.get_many(std::slice::from_ref(k), &mut [out.as_mut_slice()]).unwrap()[0] {
+            assert_eq!(out, value(i as u64), "block {i} read back wrong");
+            found += 1;
+        }
+    }
+    assert_eq!(reader.stats().counters.checksum_failures, 0);
+    reader.close().unwrap();
+    found
+}
+
+#[test]
+fn a_burst_larger_than_the_publish_queue_is_published_whole_from_the_backlog() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared = dir.path().join("shared");
+    // Two blocks of queue: a burst of puts outruns any publisher, and DRAM holds the whole burst.
+    let store = Store::open(publishing_store(&dir.path().join("local"), &shared, 256, 2)).unwrap();
+    let keys = put_burst(&store, 200);
+    let deferred = store.stats().counters.shared_deferred_publishes;
+    assert!(deferred > 0, "a put must not wait for room in the publish queue");
     store.flush().unwrap();
-    let published = store.stats().counters.shared_files_published;
-    assert!(published >= 1 && dropped < 200, "dropped {dropped}, published files {published}");
+    let counters = store.stats().counters;
+    assert_eq!((counters.shared_dropped_publishes, counters.shared_publish_errors), (0, 0), "{counters:?}");
+    store.close().unwrap();
+    assert_eq!(published_elsewhere(dir.path(), &shared, &keys), keys.len(), "every block of the burst is published");
+}
+
+#[test]
+fn a_backlogged_block_that_left_dram_first_is_dropped_and_counted_never_published_wrong() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared = dir.path().join("shared");
+    let mut c = publishing_store(&dir.path().join("local"), &shared, 16, 2);
+    // A slow shared filesystem: every write waits 20 ms, so the burst leaves DRAM long before the
+    // publisher gets to most of it.
+    c.fault_plan = Some(Arc::new(FaultPlan { delay_ms: 20, ..FaultPlan::default() }));
+    let store = Store::open(c).unwrap();
+    let keys = put_burst(&store, 200);
+    store.flush().unwrap();
+    let counters = store.stats().counters;
+    assert!(counters.shared_deferred_publishes > 0, "{counters:?}");
+    assert!(counters.shared_dropped_publishes > 0, "16 DRAM slots cannot hold a 200-block backlog: {counters:?}");
+    assert_eq!(counters.shared_publish_errors, 0);
+    store.close().unwrap();
+    let published = published_elsewhere(dir.path(), &shared, &keys);
+    assert_eq!(published as u64 + counters.shared_dropped_publishes, 200, "every block is published or counted");
 }
 
 // ---- deployment key (`shared_key_file`): authenticated blocks and manifest records ----

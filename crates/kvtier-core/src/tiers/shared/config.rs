@@ -41,7 +41,8 @@ pub struct SharedConfig {
     /// writer's blocks do not wait for a full file.
     pub publish_delay_ms: u64,
     /// Bytes of blocks queued for publishing (copies of DRAM slots). A store never waits for room:
-    /// past it a block is not published (counted in `shared_dropped_publishes`).
+    /// past it a block's key waits in the publisher's backlog and is copied again from DRAM later
+    /// (see `publisher`).
     pub publish_queue_bytes: usize,
     /// Temporary files not written for this long belong to dead writers and are removed.
     pub orphan_tmp_ms: u64,

@@ -1,22 +1,37 @@
 //! The store's publisher: accepted blocks are copied (descriptor page + value, as their DRAM slot
 //! holds them) into staging buffers and handed to one background thread that appends them to the
-//! shared tier's open data file in batches. The put path never waits for the shared filesystem: when
-//! every staging buffer is in use (`publish_queue_bytes`), the block is not published and counted in
-//! `shared_dropped_publishes` (it is a cache).
+//! shared tier's open data file in batches.
+//!
+//! The put path never waits for the shared filesystem. When every staging buffer is in use
+//! (`publish_queue_bytes`), the block's key joins a backlog instead, and the publisher copies the
+//! block again from its DRAM slot when a buffer is free (the store hands it that copy function,
+//! `set_refetch`). A burst larger than the queue is therefore published whole, late rather than never,
+//! as long as its blocks are still in DRAM when their turn comes. A block that left DRAM first, or an
+//! offer past the backlog's bound, is not published (it is a cache) and counted in
+//! `shared_dropped_publishes`.
 
 use super::SharedTier;
 use crate::error::{Error, Result};
 use crate::io::buffer::AlignedBuf;
 use crate::key::BlockKey;
 use crate::stats::Stats;
-use crossbeam_channel::{bounded, Sender, TrySendError};
+use crossbeam_channel::{bounded, Receiver, Sender, TryRecvError, TrySendError};
 use parking_lot::Mutex;
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 /// Slots appended per batch (one pwritev each).
 const BATCH_BLOCKS: usize = 32;
+
+/// Keys waiting for a staging buffer. A key costs 32 bytes, so the bound (2 MiB of keys) only stops
+/// a publisher that is hopelessly behind from growing without limit.
+const BACKLOG_BLOCKS: usize = 1 << 16;
+
+/// Copies a block's slot (descriptor page + value) into the buffer; `false` when the block is no
+/// longer in DRAM.
+pub type Refetch = Box<dyn Fn(&BlockKey, &mut [u8]) -> bool + Send + Sync>;
 
 enum Msg {
     Block(BlockKey, AlignedBuf),
@@ -26,13 +41,159 @@ enum Msg {
 struct Pool {
     free: Vec<AlignedBuf>,
     allocated: usize,
+    /// Blocks offered while no buffer was free, oldest first. While it is not empty new offers join
+    /// it too, so that blocks are published in the order they were stored (a prompt's first blocks
+    /// are the ones that make a prefix hit).
+    backlog: VecDeque<BlockKey>,
+}
+
+/// A staging buffer to fill: one from the pool, or room to allocate one (outside the lock).
+enum Staging {
+    Reused(AlignedBuf),
+    New,
+}
+
+impl Pool {
+    fn staging(&mut self, max_buffers: usize) -> Option<Staging> {
+        if let Some(b) = self.free.pop() {
+            return Some(Staging::Reused(b));
+        }
+        if self.allocated < max_buffers {
+            self.allocated += 1;
+            return Some(Staging::New);
+        }
+        None
+    }
+}
+
+/// What the caller and the publisher thread share.
+struct Inner {
+    tier: Arc<SharedTier>,
+    pool: Mutex<Pool>,
+    max_buffers: usize,
+    refetch: OnceLock<Refetch>,
+}
+
+impl Inner {
+    fn buffer(&self, staging: Staging) -> AlignedBuf {
+        match staging {
+            Staging::Reused(b) => b,
+            Staging::New => AlignedBuf::zeroed(self.tier.slot_bytes()),
+        }
+    }
+
+    fn dropped(&self, blocks: u64) {
+        Stats::add(&self.tier.stats().shared_dropped_publishes, blocks);
+    }
+
+    /// Up to `room` backlogged blocks, copied again from DRAM into staging buffers.
+    fn take_backlogged(&self, room: usize) -> Vec<(BlockKey, AlignedBuf)> {
+        let mut taken = Vec::new();
+        {
+            let mut pool = self.pool.lock();
+            while taken.len() < room && !pool.backlog.is_empty() {
+                let Some(staging) = pool.staging(self.max_buffers) else { break };
+                let key = pool.backlog.pop_front().expect("checked non-empty");
+                taken.push((key, staging));
+            }
+        }
+        let mut ready = Vec::with_capacity(taken.len());
+        for (key, staging) in taken {
+            let mut buf = self.buffer(staging);
+            if self.tier.contains(&key) {
+                self.pool.lock().free.push(buf);
+                continue;
+            }
+            let copied = self.refetch.get().is_some_and(|copy| copy(&key, buf.as_mut_slice()));
+            if copied {
+                ready.push((key, buf));
+            } else {
+                self.pool.lock().free.push(buf);
+                self.dropped(1);
+            }
+        }
+        ready
+    }
+
+    fn backlog_empty(&self) -> bool {
+        self.pool.lock().backlog.is_empty()
+    }
+
+    /// Appends a batch to the open data file and gives its buffers back.
+    fn append(&self, mut batch: Vec<(BlockKey, AlignedBuf)>) {
+        if batch.is_empty() {
+            return;
+        }
+        let mut refs: Vec<(BlockKey, &mut [u8])> = batch.iter_mut().map(|(k, b)| (*k, b.as_mut_slice())).collect();
+        self.tier.append_slots(&mut refs);
+        self.pool.lock().free.extend(batch.into_iter().map(|(_, b)| b));
+    }
+
+    /// Publishes every backlogged block that is still in DRAM.
+    fn drain_backlog(&self) {
+        loop {
+            let batch = self.take_backlogged(BATCH_BLOCKS);
+            if batch.is_empty() && self.backlog_empty() {
+                return;
+            }
+            self.append(batch);
+        }
+    }
+
+    /// The publisher thread: queued blocks first (they are older than the backlog), topped up from the
+    /// backlog; a flush request also drains the backlog.
+    fn run(&self, rx: Receiver<Msg>) {
+        let mut flushes = Vec::new();
+        let mut open = true;
+        while open || !self.backlog_empty() {
+            let mut batch: Vec<(BlockKey, AlignedBuf)> = Vec::new();
+            // Block for the next message only while the backlog has nothing to do.
+            let mut msg = if !open {
+                None
+            } else if self.backlog_empty() {
+                rx.recv().ok().or_else(|| {
+                    open = false;
+                    None
+                })
+            } else {
+                match rx.try_recv() {
+                    Ok(m) => Some(m),
+                    Err(TryRecvError::Empty) => None,
+                    Err(TryRecvError::Disconnected) => {
+                        open = false;
+                        None
+                    }
+                }
+            };
+            while let Some(m) = msg.take() {
+                match m {
+                    Msg::Block(k, b) => batch.push((k, b)),
+                    Msg::Flush(reply) => flushes.push(reply),
+                }
+                if batch.len() < BATCH_BLOCKS && flushes.is_empty() {
+                    msg = rx.try_recv().ok();
+                }
+            }
+            if batch.len() < BATCH_BLOCKS {
+                let room = BATCH_BLOCKS - batch.len();
+                batch.extend(self.take_backlogged(room));
+            }
+            self.append(batch);
+            if !flushes.is_empty() {
+                self.drain_backlog();
+                self.tier.flush();
+                for reply in flushes.drain(..) {
+                    let _ = reply.send(());
+                }
+            }
+        }
+        self.tier.flush();
+    }
 }
 
 pub struct Publisher {
-    tier: Arc<SharedTier>,
+    inner: Arc<Inner>,
     tx: Mutex<Option<Sender<Msg>>>,
-    pool: Arc<Mutex<Pool>>,
-    max_buffers: usize,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -40,87 +201,77 @@ impl Publisher {
     pub fn start(tier: Arc<SharedTier>) -> Result<Publisher> {
         let max_buffers = (tier.config().publish_queue_bytes / tier.slot_bytes()).max(1);
         let (tx, rx) = bounded::<Msg>(max_buffers + 4);
-        let pool = Arc::new(Mutex::new(Pool { free: Vec::new(), allocated: 0 }));
-        let thread_tier = Arc::clone(&tier);
-        let thread_pool = Arc::clone(&pool);
+        let inner = Arc::new(Inner {
+            tier,
+            pool: Mutex::new(Pool { free: Vec::new(), allocated: 0, backlog: VecDeque::new() }),
+            max_buffers,
+            refetch: OnceLock::new(),
+        });
+        let thread_inner = Arc::clone(&inner);
         let handle = std::thread::Builder::new()
             .name("kvtier-publish".into())
-            .spawn(move || {
-                let mut flushes = Vec::new();
-                while let Ok(first) = rx.recv() {
-                    let mut batch: Vec<(BlockKey, AlignedBuf)> = Vec::new();
-                    let mut msg = Some(first);
-                    while let Some(m) = msg.take() {
-                        match m {
-                            Msg::Block(k, b) => batch.push((k, b)),
-                            Msg::Flush(reply) => flushes.push(reply),
-                        }
-                        if batch.len() < BATCH_BLOCKS && flushes.is_empty() {
-                            msg = rx.try_recv().ok();
-                        }
-                    }
-                    if !batch.is_empty() {
-                        let mut refs: Vec<(BlockKey, &mut [u8])> =
-                            batch.iter_mut().map(|(k, b)| (*k, b.as_mut_slice())).collect();
-                        thread_tier.append_slots(&mut refs);
-                        thread_pool.lock().free.extend(batch.into_iter().map(|(_, b)| b));
-                    }
-                    if !flushes.is_empty() {
-                        thread_tier.flush();
-                        for reply in flushes.drain(..) {
-                            let _ = reply.send(());
-                        }
-                    }
-                }
-                thread_tier.flush();
-            })
+            .spawn(move || thread_inner.run(rx))
             .map_err(|e| Error::io("spawning the shared publisher thread", e))?;
-        Ok(Publisher { tier, tx: Mutex::new(Some(tx)), pool, max_buffers, thread: Mutex::new(Some(handle)) })
+        Ok(Publisher { inner, tx: Mutex::new(Some(tx)), thread: Mutex::new(Some(handle)) })
     }
 
-    /// Queues a copy of `slot` (descriptor page + value) for publishing. `false`: dropped (queue full
-    /// or closed) and counted; a block already in the shared index is not queued again (`true`).
+    /// Gives the publisher its way to copy a backlogged block out of DRAM. Without one (until the
+    /// store sets it), backlogged blocks are dropped and counted.
+    pub fn set_refetch(&self, refetch: Refetch) {
+        if self.inner.refetch.set(refetch).is_err() {
+            log::warn!("kvtier: the shared publisher's refetch was set twice; keeping the first");
+        }
+    }
+
+    /// Queues a copy of `slot` (descriptor page + value) for publishing, or its key in the backlog
+    /// when every staging buffer is in use. `false`: dropped (backlog full, or publisher closed) and
+    /// counted; a block already in the shared index is not queued again (`true`).
     pub fn offer(&self, key: BlockKey, slot: &[u8]) -> bool {
-        if self.tier.contains(&key) {
+        let inner = &self.inner;
+        if inner.tier.contains(&key) {
             return true;
         }
-        let slot_bytes = self.tier.slot_bytes();
-        // Never waits: the put path serves DRAM and NVMe, and a slow shared filesystem must not stall
-        // it. Past `publish_queue_bytes` the block is not published (it is a cache) and counted.
-        let buf = {
-            let mut pool = self.pool.lock();
-            match pool.free.pop() {
-                Some(b) => Some(b),
-                None if pool.allocated < self.max_buffers => {
-                    pool.allocated += 1;
-                    None
+        let slot_bytes = inner.tier.slot_bytes();
+        // Never waits: the put path serves DRAM and NVMe, and a slow shared filesystem must not stall it.
+        let staging = {
+            let mut pool = inner.pool.lock();
+            let staging = if pool.backlog.is_empty() { pool.staging(inner.max_buffers) } else { None };
+            match staging {
+                Some(s) => s,
+                None if pool.backlog.len() < BACKLOG_BLOCKS => {
+                    pool.backlog.push_back(key);
+                    drop(pool);
+                    Stats::add(&inner.tier.stats().shared_deferred_publishes, 1);
+                    return true;
                 }
                 None => {
                     drop(pool);
-                    Stats::add(&self.tier.stats().shared_dropped_publishes, 1);
+                    inner.dropped(1);
                     return false;
                 }
             }
         };
-        let mut buf = buf.unwrap_or_else(|| AlignedBuf::zeroed(slot_bytes));
+        let mut buf = inner.buffer(staging);
         buf.as_mut_slice()[..slot_bytes].copy_from_slice(&slot[..slot_bytes]);
         let tx = self.tx.lock();
         let Some(tx) = tx.as_ref() else {
-            Stats::add(&self.tier.stats().shared_dropped_publishes, 1);
+            inner.pool.lock().free.push(buf);
+            inner.dropped(1);
             return false;
         };
         match tx.try_send(Msg::Block(key, buf)) {
             Ok(()) => true,
             Err(TrySendError::Full(Msg::Block(_, b))) | Err(TrySendError::Disconnected(Msg::Block(_, b))) => {
-                self.pool.lock().free.push(b);
-                Stats::add(&self.tier.stats().shared_dropped_publishes, 1);
+                inner.pool.lock().free.push(b);
+                inner.dropped(1);
                 false
             }
             Err(_) => false,
         }
     }
 
-    /// Waits until every queued block is written and the open file is published.
+    /// Waits until every queued and backlogged block is written (or found gone from DRAM) and the
+    /// open file is published.
     pub fn flush(&self, timeout: Duration) -> Result<()> {
         let (reply_tx, reply_rx) = bounded(1);
         {
@@ -137,13 +288,17 @@ impl Publisher {
         })
     }
 
-    /// Publishes what is queued, stops the thread and closes the tier. Idempotent.
+    /// Publishes what is queued and backlogged, stops the thread and closes the tier. Idempotent.
     pub fn close(&self) {
         self.tx.lock().take();
         if let Some(h) = self.thread.lock().take() {
-            let _ = h.join();
+            // The last reference to the store can be dropped on the publisher thread itself (its
+            // refetch holds one while it copies); it must not wait for itself.
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
         }
-        self.tier.close();
+        self.inner.tier.close();
     }
 }
 
