@@ -261,7 +261,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     )
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.out) if args.out else Path("bench-results") / f"ttft-{stamp}"
-    shared = shared_plan(args, stamp, lengths, repeats, slot_bytes, block)
+    shared = shared_plan(args, stamp, lengths, repeats)
     return {
         "preset": preset_name,
         "model": str(model_dir),
@@ -287,11 +287,9 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def shared_plan(
-    args: argparse.Namespace, stamp: str, lengths: list[int], repeats: int, slot_bytes: int, block: int
-) -> dict[str, Any] | None:
+def shared_plan(args: argparse.Namespace, stamp: str, lengths: list[int], repeats: int) -> dict[str, Any] | None:
     """The kvtier_shared row: node A's and node B's shared_root (the same fresh subdirectory under
-    each view of the shared directory) and the publish queue; None without the options."""
+    each view of the shared directory); None without the options."""
     if args.shared_root_store is None and args.shared_root_load is None:
         return None
     if not (args.shared_root_store and args.shared_root_load):
@@ -305,9 +303,6 @@ def shared_plan(
         roots[f"{name}_root"] = str(parent / subdirectory)
     return {
         **roots,
-        # Every block of the longest prompt waits for the publisher at once (one prefill stores them
-        # all); a smaller queue would drop publishes (the store never waits for room).
-        "publish_queue_bytes": (max(lengths) // block + 8) * slot_bytes,
         "prompts": repeats * len(lengths),
     }
 
@@ -487,11 +482,9 @@ def kvtier_transfer(plan: dict, store_dir: str | None = None, shared_root: str |
     ``shared_root`` when given."""
     from kvtier.vllm import kv_transfer_config
 
-    shared = (
-        {"shared_root": shared_root, "shared_publish_queue_bytes": plan["shared"]["publish_queue_bytes"]}
-        if shared_root
-        else {}
-    )
+    # The default publish queue: a prefill hands every block of the prompt to the publisher at once,
+    # and what does not fit waits in its backlog (a dropped publish fails the phase).
+    shared = {"shared_root": shared_root} if shared_root else {}
     return kv_transfer_config(
         store_dir or plan["store_dir"],
         dram_bytes=plan["dram_bytes"],
