@@ -12,7 +12,7 @@ use crate::io::OpKind;
 use crate::key::BlockKey;
 use crate::shared_state::Shared;
 use crate::stats::Stats;
-use crate::tiers::shared::ReadOutcome;
+use crate::tiers::shared::{ReadOutcome, StartedRead};
 use crossbeam_channel::unbounded;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -52,6 +52,14 @@ enum Landing {
     Direct(AlignedBuf),
     /// In a heap staging buffer, because every DRAM slot was pinned or busy.
     Staged(AlignedBuf),
+}
+
+/// A read of `get_blocks` that finished: NVMe reads carry where they landed; a shared-tier read's
+/// state waits in the load's table of started reads (its `on_done` can run before `start_read`
+/// returns it).
+enum Done {
+    Nvme(usize, NvmeRead, std::io::Result<()>, Landing),
+    Shared(usize, std::io::Result<()>),
 }
 
 /// Heap-staged loads in flight per call, when no DRAM slot can be had.
@@ -206,7 +214,9 @@ fn get_blocks(
 ) -> Vec<bool> {
     let n = keys.len();
     let mut results = vec![false; n];
-    let (done_tx, done_rx) = unbounded::<(usize, NvmeRead, std::io::Result<()>, Landing)>();
+    let (done_tx, done_rx) = unbounded::<Done>();
+    // Shared-tier reads in flight, by key index: their DRAM slot and the tier's read state.
+    let mut shared_started: Vec<Option<(u32, StartedRead)>> = (0..n).map(|_| None).collect();
     let mut staged_inflight = 0;
     // Direct reads need O_DIRECT semantics end to end and values that fill whole pages.
     let direct_io = sh.device_files.iter().all(|d| d.direct) && sh.config.object_bytes.is_multiple_of(ALIGN_BYTES);
@@ -313,7 +323,7 @@ fn get_blocks(
                         iovecs: Vec::new(),
                         file: None,
                         on_done: Box::new(move |r| {
-                            let _ = tx.send((i, read, r, Landing::Staged(staging)));
+                            let _ = tx.send(Done::Nvme(i, read, r, Landing::Staged(staging)));
                         }),
                     });
                     inflight += 1;
@@ -336,7 +346,7 @@ fn get_blocks(
                         iovecs,
                         file: None,
                         on_done: Box::new(move |r| {
-                            let _ = tx.send((i, read, r, Landing::Direct(page)));
+                            let _ = tx.send(Done::Nvme(i, read, r, Landing::Direct(page)));
                         }),
                     });
                     inflight += 1;
@@ -350,14 +360,29 @@ fn get_blocks(
                     iovecs: Vec::new(),
                     file: None,
                     on_done: Box::new(move |r| {
-                        let _ = tx.send((i, read, r, Landing::Slot));
+                        let _ = tx.send(Done::Nvme(i, read, r, Landing::Slot));
                     }),
                 });
                 inflight += 1;
             }
-            if !shared_reads.is_empty() {
-                let reads = std::mem::take(&mut shared_reads);
-                execute_shared_reads(sh, keys, bufs, &mut results, reads, pinned.as_deref_mut());
+            // In flight beside the NVMe reads: a load of blocks from both tiers waits for the slower.
+            for (i, slot) in shared_reads.drain(..) {
+                let tier = sh.shared_tier.as_ref().expect("shared reads need the shared tier");
+                let tx = done_tx.clone();
+                let on_done = Box::new(move |r| {
+                    let _ = tx.send(Done::Shared(i, r));
+                });
+                // SAFETY: the slot is ours (Loading) until `finish_get_shared`; an abandoned one is retired.
+                match unsafe { tier.start_read(&keys[i], sh.arena.slot_ptr(slot), on_done) } {
+                    Some(read) => {
+                        shared_started[i] = Some((slot, read));
+                        inflight += 1;
+                    }
+                    None => {
+                        let missed = vec![(i, slot, ReadOutcome::Miss)];
+                        finish_shared_reads(sh, keys, bufs, &mut results, missed, pinned.as_deref_mut());
+                    }
+                }
             }
             if !dram_hits.is_empty() {
                 for &(i, slot) in &dram_hits {
@@ -384,7 +409,19 @@ fn get_blocks(
         finished.extend(done_rx.try_iter());
         inflight -= finished.len();
         let mut outcomes = Vec::with_capacity(finished.len());
-        for (i, read, io_result, landing) in finished {
+        let mut shared_done = Vec::new();
+        for done in finished {
+            let (i, read, io_result, landing) = match done {
+                Done::Nvme(i, read, io_result, landing) => (i, read, io_result, landing),
+                Done::Shared(i, io_result) => {
+                    let (slot, read) = shared_started[i].take().expect("a started shared read finishes once");
+                    let tier = sh.shared_tier.as_ref().expect("shared reads need the shared tier");
+                    // SAFETY: the read into our slot finished; an abandoned slot is retired below.
+                    let outcome = unsafe { tier.finish_started(read, sh.arena.slot_ptr(slot), io_result) };
+                    shared_done.push((i, slot, outcome));
+                    continue;
+                }
+            };
             if matches!(landing, Landing::Staged(_)) {
                 staged_inflight -= 1;
             }
@@ -443,6 +480,9 @@ fn get_blocks(
         }
         drop(cat);
         sh.changed.notify_all();
+        if !shared_done.is_empty() {
+            finish_shared_reads(sh, keys, bufs, &mut results, shared_done, pinned.as_deref_mut());
+        }
     }
     results
 }
@@ -717,22 +757,18 @@ fn plan_shared_read(sh: &Shared, cat: &mut crate::catalog::Catalog, key: &BlockK
     cat.plan_get_shared(key).map(Some).ok_or(())
 }
 
-/// Reads blocks from the shared tier into their DRAM slots (all in flight together), copies them out,
-/// and makes them resident. A failed read is a miss (the tier counts and quarantines).
-fn execute_shared_reads(
+/// Shared-tier reads into DRAM slots that the tier has judged (`(key index, slot, outcome)`): a hit
+/// is copied out and made resident, anything else is a miss (the tier counted and quarantined).
+fn finish_shared_reads(
     sh: &Arc<Shared>,
     keys: &[BlockKey],
     bufs: Option<&[BlockBuffer]>,
     results: &mut [bool],
-    reads: Vec<(usize, u32)>,
+    reads: Vec<(usize, u32, ReadOutcome)>,
     mut pinned: Option<&mut [Option<u32>]>,
 ) {
-    let tier = sh.shared_tier.as_ref().expect("shared reads need the shared tier");
-    let targets: Vec<(BlockKey, *mut u8)> = reads.iter().map(|&(i, slot)| (keys[i], sh.arena.slot_ptr(slot))).collect();
-    // SAFETY: each slot is ours (Loading) until `finish_get_shared`; an abandoned one is retired.
-    let outcomes = unsafe { tier.read_many(&targets) };
     let mut done = Vec::with_capacity(reads.len());
-    for (&(i, slot), outcome) in reads.iter().zip(outcomes) {
+    for (i, slot, outcome) in reads {
         let checksum = match outcome {
             // The tier verified the block; the checksum is taken before anything counts it a hit.
             ReadOutcome::Hit => {

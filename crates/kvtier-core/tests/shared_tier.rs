@@ -548,6 +548,52 @@ fn store_with_shared_tier_and_no_nvme_serves_another_stores_blocks() {
 }
 
 #[test]
+fn one_load_reads_from_nvme_and_the_shared_tier_together() {
+    // Node B has the first half of a prompt on its own NVMe (stored, then restarted: nothing in DRAM)
+    // and the second half only in the shared tier (published by node A). One get_many reads both.
+    let dir = tempfile::tempdir().unwrap();
+    let shared_root = dir.path().join("shared");
+    let make = |local: &str| {
+        let mut c = StoreConfig::new(dir.path().join(local), OBJECT_BYTES);
+        c.namespace = b"shared-tier-test".to_vec();
+        c.nvme_bytes = 32 << 20;
+        c.region_bytes = 4 << 20;
+        c.dram_bytes = 64 * 16384;
+        let mut s = config(&shared_root);
+        s.publish_delay_ms = 20;
+        c.shared = Some(s);
+        c
+    };
+    let keys: Vec<_> = (0..32).map(key).collect();
+    let values: Vec<_> = (0..32).map(value).collect();
+    let refs: Vec<&[u8]> = values.iter().map(|v| v.as_slice()).collect();
+    let a = Store::open(make("node-a")).unwrap();
+    a.put_many(&keys[16..], &refs[16..]).unwrap();
+    a.close().unwrap();
+    let mut b_config = make("node-b");
+    b_config.shared = None; // the local half stays local
+    let b = Store::open(b_config).unwrap();
+    b.put_many(&keys[..16], &refs[..16]).unwrap();
+    b.close().unwrap();
+    let b = Store::open(make("node-b")).unwrap();
+    assert!(wait_until(Duration::from_secs(2), || b.lookup_prefix(&keys) == 32));
+    let tiers = b.locate_many(&keys);
+    assert!(tiers[..16].iter().all(|t| *t == Some(kvtier_core::Tier::Nvme)), "{tiers:?}");
+    assert!(tiers[16..].iter().all(|t| *t == Some(kvtier_core::Tier::Shared)), "{tiers:?}");
+    let mut out: Vec<Vec<u8>> = (0..32).map(|_| vec![0u8; OBJECT_BYTES]).collect();
+    let mut outs: Vec<&mut [u8]> = out.iter_mut().map(|v| v.as_mut_slice()).collect();
+    assert!(b.get_many(&keys, &mut outs).unwrap().iter().all(|&ok| ok));
+    assert!(out == values, "a block read back wrong");
+    let s = b.stats().counters;
+    assert_eq!((s.nvme_hits, s.shared_hits, s.misses, s.checksum_failures), (16, 16, 0, 0), "{s:?}");
+    // Both halves are now resident: the next load is all DRAM hits.
+    let mut outs: Vec<&mut [u8]> = out.iter_mut().map(|v| v.as_mut_slice()).collect();
+    assert!(b.get_many(&keys, &mut outs).unwrap().iter().all(|&ok| ok));
+    assert_eq!(b.stats().counters.dram_hits, 32);
+    b.check_invariants();
+}
+
+#[test]
 fn publishing_resumes_after_the_shared_directory_is_removed_and_close_releases_files() {
     let dir = tempfile::tempdir().unwrap();
     let shared_root = dir.path().join("shared");

@@ -39,7 +39,7 @@ mod reads;
 
 pub use config::SharedConfig;
 pub use publisher::Publisher;
-pub use reads::ReadOutcome;
+pub use reads::{ReadOutcome, StartedRead};
 
 use crate::config::DirectIo;
 use crate::error::{Error, Result};

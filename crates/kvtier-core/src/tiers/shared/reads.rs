@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::format::{checksum, ALIGN_BYTES};
 use crate::io::buffer::AlignedBuf;
-use crate::io::device::{is_abandoned, Transfer};
+use crate::io::device::{is_abandoned, IoOp, OnDone, Transfer};
 use crate::io::OpKind;
 use crate::key::BlockKey;
 use crate::stats::Stats;
@@ -46,9 +46,10 @@ enum Verdict {
     Bad(&'static str),
 }
 
-/// One read being set up: where the block is and where its bytes land.
-struct Planned {
-    index: usize,
+/// A read of an indexed block, from `SharedTier::start_read` until `SharedTier::finish_started`
+/// judges it: where the block is.
+pub struct StartedRead {
+    key: BlockKey,
     loc: Location,
     name: String,
 }
@@ -62,52 +63,88 @@ impl SharedTier {
     /// writes and used by nothing else until this returns, and a slot whose outcome is `Abandoned`
     /// is never used again.
     pub unsafe fn read_many(&self, reads: &[(BlockKey, *mut u8)]) -> Vec<ReadOutcome> {
-        assert!(
-            reads.iter().all(|(_, slot)| (*slot as usize).is_multiple_of(ALIGN_BYTES)),
-            "unaligned shared-tier slot"
-        );
         let mut outcomes = vec![ReadOutcome::Miss; reads.len()];
-        let mut planned = Vec::with_capacity(reads.len());
+        let mut started = Vec::with_capacity(reads.len());
         let mut transfers = Vec::with_capacity(reads.len());
-        for (index, (key, slot)) in reads.iter().enumerate() {
-            let (loc, name, file) = match self.locate_for_read(key) {
-                Ok(Some(found)) => found,
-                Ok(None) => {
-                    Stats::add(&self.stats.shared_misses, 1);
-                    continue;
-                }
-                Err(e) => {
-                    log::warn!("kvtier: {e}; counted as a miss");
-                    Stats::add(&self.stats.io_errors, 1);
-                    Stats::add(&self.stats.shared_misses, 1);
-                    continue;
-                }
-            };
-            transfers.push(Transfer {
-                kind: OpKind::Read,
-                file,
-                offset: loc.offset,
-                buf: *slot,
-                len: self.slot_bytes,
-                iovecs: Vec::new(),
-            });
-            planned.push(Planned { index, loc, name });
+        for (index, &(key, slot)) in reads.iter().enumerate() {
+            if let Some((read, transfer)) = self.plan_read(&key, slot) {
+                started.push((index, read));
+                transfers.push(transfer);
+            }
         }
         let results = self.io.run_all(transfers);
-        for (p, result) in planned.into_iter().zip(results) {
-            let (key, slot) = reads[p.index];
-            if result.as_ref().is_err_and(is_abandoned) {
-                log::error!("kvtier: shared read of {key:?} abandoned by a broken I/O engine; counted as a miss");
-                Stats::add(&self.stats.io_errors, 1);
-                Stats::add(&self.stats.shared_misses, 1);
-                outcomes[p.index] = ReadOutcome::Abandoned;
-                continue;
-            }
+        for ((index, read), result) in started.into_iter().zip(results) {
             // SAFETY: the caller's slot is ours for the call (contract above), and the read finished.
-            let slot = unsafe { std::slice::from_raw_parts_mut(slot, self.slot_bytes) };
-            outcomes[p.index] = self.finish_read(&key, &p, result, slot);
+            outcomes[index] = unsafe { self.finish_started(read, reads[index].1, result) };
         }
         outcomes
+    }
+
+    /// Starts reading `key` into `slot` on the tier's device queue, so that a load can keep its other
+    /// reads (NVMe's) in flight meanwhile: `on_done` gets the I/O result, to be handed with the
+    /// returned read to `finish_started`. `None`: a counted miss (not indexed, its file gone or not
+    /// openable), and `on_done` is dropped uncalled.
+    ///
+    /// # Safety
+    /// As `read_many` for `slot`, until `finish_started` has judged the read.
+    pub unsafe fn start_read(&self, key: &BlockKey, slot: *mut u8, on_done: OnDone) -> Option<StartedRead> {
+        let (read, t) = self.plan_read(key, slot)?;
+        let op = IoOp {
+            kind: t.kind,
+            offset: t.offset,
+            buf: t.buf,
+            len: t.len,
+            iovecs: t.iovecs,
+            file: Some(t.file),
+            on_done,
+        };
+        self.io.read(op);
+        Some(read)
+    }
+
+    /// Where `key` is and the transfer that reads it into `slot`; `None` is a counted miss.
+    fn plan_read(&self, key: &BlockKey, slot: *mut u8) -> Option<(StartedRead, Transfer)> {
+        assert!((slot as usize).is_multiple_of(ALIGN_BYTES), "unaligned shared-tier slot");
+        let (loc, name, file) = match self.locate_for_read(key) {
+            Ok(Some(found)) => found,
+            Ok(None) => {
+                Stats::add(&self.stats.shared_misses, 1);
+                return None;
+            }
+            Err(e) => {
+                log::warn!("kvtier: {e}; counted as a miss");
+                Stats::add(&self.stats.io_errors, 1);
+                Stats::add(&self.stats.shared_misses, 1);
+                return None;
+            }
+        };
+        let transfer = Transfer {
+            kind: OpKind::Read,
+            file,
+            offset: loc.offset,
+            buf: slot,
+            len: self.slot_bytes,
+            iovecs: Vec::new(),
+        };
+        Some((StartedRead { key: *key, loc, name }, transfer))
+    }
+
+    /// Judges a finished read (`start_read` or `read_many`): counts it, quarantines a bad file, and
+    /// makes a good slot resident-ready.
+    ///
+    /// # Safety
+    /// `slot` is the read's own, the read has finished (its `on_done` ran), and a slot whose outcome
+    /// is `Abandoned` is never used again.
+    pub unsafe fn finish_started(&self, read: StartedRead, slot: *mut u8, result: std::io::Result<()>) -> ReadOutcome {
+        if result.as_ref().is_err_and(is_abandoned) {
+            log::error!("kvtier: shared read of {:?} abandoned by a broken I/O engine; counted as a miss", read.key);
+            Stats::add(&self.stats.io_errors, 1);
+            Stats::add(&self.stats.shared_misses, 1);
+            return ReadOutcome::Abandoned;
+        }
+        // SAFETY: the read into the caller's slot finished (contract above).
+        let slot = unsafe { std::slice::from_raw_parts_mut(slot, self.slot_bytes) };
+        self.finish_read(&read, result, slot)
     }
 
     /// Reads one block into `slot` (at least `slot_bytes` long) and verifies it. `Ok(false)`: a miss.
@@ -195,8 +232,8 @@ impl SharedTier {
     }
 
     /// Counts a load's read and makes a good one resident-ready (tag cleared, access recorded).
-    fn finish_read(&self, key: &BlockKey, p: &Planned, result: std::io::Result<()>, slot: &mut [u8]) -> ReadOutcome {
-        match self.judge(key, p.loc, &p.name, result, slot) {
+    fn finish_read(&self, p: &StartedRead, result: std::io::Result<()>, slot: &mut [u8]) -> ReadOutcome {
+        match self.judge(&p.key, p.loc, &p.name, result, slot) {
             Verdict::Good => {}
             Verdict::Failed(e) => {
                 log::warn!("kvtier: reading shared file {} at {} failed: {e}; counted as a miss", p.name, p.loc.offset);
