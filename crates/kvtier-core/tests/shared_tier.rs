@@ -507,20 +507,25 @@ impl WaitOutput for Child {
     }
 }
 
+/// A store ("node") on `local` with 64 DRAM slots, `nvme_bytes` of NVMe (regions of 4 MiB) and the
+/// shared tier on `shared_root`.
+fn node_config(local: &Path, shared_root: &Path, nvme_bytes: u64) -> StoreConfig {
+    let mut c = StoreConfig::new(local, OBJECT_BYTES);
+    c.namespace = b"shared-tier-test".to_vec();
+    c.nvme_bytes = nvme_bytes;
+    c.region_bytes = 4 << 20;
+    c.dram_bytes = 64 * 16384;
+    let mut s = config(shared_root);
+    s.publish_delay_ms = 20;
+    c.shared = Some(s);
+    c
+}
+
 #[test]
 fn store_with_shared_tier_and_no_nvme_serves_another_stores_blocks() {
     let dir = tempfile::tempdir().unwrap();
     let shared_root = dir.path().join("shared");
-    let make = |local: &str| {
-        let mut c = StoreConfig::new(dir.path().join(local), OBJECT_BYTES);
-        c.namespace = b"shared-tier-test".to_vec();
-        c.nvme_bytes = 0;
-        c.dram_bytes = 64 * 16384;
-        let mut s = config(&shared_root);
-        s.publish_delay_ms = 20;
-        c.shared = Some(s);
-        c
-    };
+    let make = |local: &str| node_config(&dir.path().join(local), &shared_root, 0);
     let a = Store::open(make("node-a")).unwrap();
     let keys: Vec<_> = (0..20).map(key).collect();
     let values: Vec<_> = (0..20).map(value).collect();
@@ -553,17 +558,7 @@ fn one_load_reads_from_nvme_and_the_shared_tier_together() {
     // and the second half only in the shared tier (published by node A). One get_many reads both.
     let dir = tempfile::tempdir().unwrap();
     let shared_root = dir.path().join("shared");
-    let make = |local: &str| {
-        let mut c = StoreConfig::new(dir.path().join(local), OBJECT_BYTES);
-        c.namespace = b"shared-tier-test".to_vec();
-        c.nvme_bytes = 32 << 20;
-        c.region_bytes = 4 << 20;
-        c.dram_bytes = 64 * 16384;
-        let mut s = config(&shared_root);
-        s.publish_delay_ms = 20;
-        c.shared = Some(s);
-        c
-    };
+    let make = |local: &str| node_config(&dir.path().join(local), &shared_root, 32 << 20);
     let keys: Vec<_> = (0..32).map(key).collect();
     let values: Vec<_> = (0..32).map(value).collect();
     let refs: Vec<&[u8]> = values.iter().map(|v| v.as_slice()).collect();

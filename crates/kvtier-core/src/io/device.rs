@@ -79,6 +79,21 @@ pub struct Transfer {
     pub iovecs: Vec<libc::iovec>,
 }
 
+impl Transfer {
+    /// The operation that performs this transfer on its own file and then calls `on_done`.
+    pub fn into_op(self, on_done: OnDone) -> IoOp {
+        IoOp {
+            kind: self.kind,
+            offset: self.offset,
+            buf: self.buf,
+            len: self.len,
+            iovecs: self.iovecs,
+            file: Some(self.file),
+            on_done,
+        }
+    }
+}
+
 // SAFETY: see IoRequest; the buffer owner keeps the memory alive until `on_done` runs.
 unsafe impl Send for IoOp {}
 
@@ -157,17 +172,9 @@ impl DeviceQueue {
         let (tx, rx) = crossbeam_channel::bounded(count);
         for (i, t) in transfers.into_iter().enumerate() {
             let tx = tx.clone();
-            let op = IoOp {
-                kind: t.kind,
-                offset: t.offset,
-                buf: t.buf,
-                len: t.len,
-                iovecs: t.iovecs,
-                file: Some(t.file),
-                on_done: Box::new(move |r| {
-                    let _ = tx.send((i, r));
-                }),
-            };
+            let op = t.into_op(Box::new(move |r| {
+                let _ = tx.send((i, r));
+            }));
             match op.kind {
                 OpKind::Read => self.read(op),
                 OpKind::Write => self.write(op),

@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::format::{checksum, ALIGN_BYTES};
 use crate::io::buffer::AlignedBuf;
-use crate::io::device::{is_abandoned, IoOp, OnDone, Transfer};
+use crate::io::device::{is_abandoned, OnDone, Transfer};
 use crate::io::OpKind;
 use crate::key::BlockKey;
 use crate::stats::Stats;
@@ -88,17 +88,8 @@ impl SharedTier {
     /// # Safety
     /// As `read_many` for `slot`, until `finish_started` has judged the read.
     pub unsafe fn start_read(&self, key: &BlockKey, slot: *mut u8, on_done: OnDone) -> Option<StartedRead> {
-        let (read, t) = self.plan_read(key, slot)?;
-        let op = IoOp {
-            kind: t.kind,
-            offset: t.offset,
-            buf: t.buf,
-            len: t.len,
-            iovecs: t.iovecs,
-            file: Some(t.file),
-            on_done,
-        };
-        self.io.read(op);
+        let (read, transfer) = self.plan_read(key, slot)?;
+        self.io.read(transfer.into_op(on_done));
         Some(read)
     }
 
