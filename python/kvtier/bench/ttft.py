@@ -34,7 +34,8 @@ Configurations (one engine alive at a time, each in its own child process):
   before timing; page cache dropped, a short warm-up request (no full block), and the timed request,
   whose blocks must all be counted as shared-tier hits by the service (else a problem is recorded,
   the table shows ``!`` and the benchmark exits 1). Each run uses a fresh subdirectory of the shared
-  root (``kvtier-ttft-<timestamp>-<pid>``), removed at the end.
+  root (``kvtier-ttft-<timestamp>-<pid>``), removed at the end. ``--shared-file-bytes`` sets both
+  nodes' ``shared_file_bytes`` (how many blocks node A packs into one published file).
 - ``lmcache_disk``: LMCache's vLLM connector (LMCacheConnectorV1, LMCache 0.5.6) with its local disk
   backend, through kvtier's CPU copy shim (``kvtier.bench.lmcache_cpu_shim``: LMCache has no data
   mover for CPU vLLM). It runs in its own virtualenv (``scripts/install_lmcache_vllm.sh`` makes
@@ -194,6 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
         "or the same path for a local directory): each timed engine starts with an empty local store and "
         "its shared_root there, so every hit is read from the shared tier",
     )  # fmt: skip
+    parser.add_argument(
+        "--shared-file-bytes", metavar="SIZE",
+        help="the kvtier_shared row's shared_file_bytes (bytes per shared file, e.g. 64MiB; default: the store's, "
+        "256 MiB): how many blocks node A groups into one published file",
+    )  # fmt: skip
     parser.add_argument("--skip-lmcache", action="store_true", help="do not run LMCache's connector (local disk)")
     parser.add_argument(
         "--lmcache-python",
@@ -261,7 +267,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     )
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.out) if args.out else Path("bench-results") / f"ttft-{stamp}"
-    shared = shared_plan(args, stamp, lengths, repeats)
+    shared = shared_plan(args, stamp, lengths, repeats, slot_bytes, block)
     return {
         "preset": preset_name,
         "model": str(model_dir),
@@ -287,13 +293,28 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def shared_plan(args: argparse.Namespace, stamp: str, lengths: list[int], repeats: int) -> dict[str, Any] | None:
+def shared_plan(
+    args: argparse.Namespace, stamp: str, lengths: list[int], repeats: int, slot_bytes: int, block: int
+) -> dict[str, Any] | None:
     """The kvtier_shared row: node A's and node B's shared_root (the same fresh subdirectory under
-    each view of the shared directory); None without the options."""
+    each view of the shared directory) and their shared_file_bytes; None without the options."""
     if args.shared_root_store is None and args.shared_root_load is None:
+        if args.shared_file_bytes:
+            raise BenchError("--shared-file-bytes needs --shared-root-store and --shared-root-load")
         return None
     if not (args.shared_root_store and args.shared_root_load):
         raise BenchError("--shared-root-store and --shared-root-load go together")
+    file_bytes = None
+    if args.shared_file_bytes:
+        from kvtier.ops.maintenance import parse_size
+
+        try:
+            file_bytes = parse_size(args.shared_file_bytes)
+        except ValueError as error:
+            raise BenchError(f"--shared-file-bytes: {error}") from None
+        if file_bytes < slot_bytes + 8192:  # a file header and footer of 4 KiB each around one slot
+            raise BenchError(f"--shared-file-bytes {file_bytes} cannot hold one {block}-token block: at least "
+                             f"{slot_bytes + 8192} bytes")  # fmt: skip
     subdirectory = f"kvtier-ttft-{stamp}-{os.getpid()}"
     roots = {}
     for name, path in (("store", args.shared_root_store), ("load", args.shared_root_load)):
@@ -304,6 +325,7 @@ def shared_plan(args: argparse.Namespace, stamp: str, lengths: list[int], repeat
     return {
         **roots,
         "prompts": repeats * len(lengths),
+        "file_bytes": file_bytes,  # None: the store's default shared_file_bytes
     }
 
 
@@ -484,7 +506,11 @@ def kvtier_transfer(plan: dict, store_dir: str | None = None, shared_root: str |
 
     # The default publish queue: a prefill hands every block of the prompt to the publisher at once,
     # and what does not fit waits in its backlog (a dropped publish fails the phase).
-    shared = {"shared_root": shared_root} if shared_root else {}
+    shared: dict[str, Any] = {}
+    if shared_root:
+        shared = {"shared_root": shared_root}
+        if plan["shared"].get("file_bytes"):
+            shared["shared_file_bytes"] = plan["shared"]["file_bytes"]
     return kv_transfer_config(
         store_dir or plan["store_dir"],
         dram_bytes=plan["dram_bytes"],
@@ -1639,6 +1665,7 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(
             f"kvtier_shared: node A published through {plan['shared']['store_root']}, node B read through "
             f"{plan['shared']['load_root']}"
+            + (f", shared_file_bytes {plan['shared']['file_bytes']}" if plan["shared"]["file_bytes"] else "")
         )
     if plan["example_connector"]:
         phases.append(("example_connector", "example_connector", None))
