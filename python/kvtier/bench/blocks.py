@@ -8,7 +8,14 @@ side by side with the I/O pattern of the NVMe hits (requests and their mean size
 counters). Writes ``results.json``, ``report.md`` and ``ttft_vs_block.png`` in ``--out``; each block
 size's full ``kvtier bench ttft`` output is in ``--out``/block-N.
 
-Not covered: the shared tier's grouping and GlusterFS (the sweep runs on the local NVMe tier).
+With ``--shared-root-store PATH --shared-root-load PATH`` (two mounts of one shared filesystem, e.g.
+GlusterFS: ``scripts/distfs/bench_filesystems.py --only exp3``) each run also measures ttft's
+``kvtier_shared`` row (node A's engine publishes, a fresh engine on node B with an empty local store
+reads every block from the shared tier), so each block size gets the local NVMe hit and the shared
+hit side by side. ``--shared-file-bytes 64MiB,256MiB,1GiB`` then sweeps the shared tier's grouping
+(``shared_file_bytes``: blocks per published file) at one block size (``--file-bytes-block``), one
+more ``kvtier bench ttft`` per size (in ``--out``/block-N-file-SIZE; a size equal to the store's
+default at a block size already swept reuses that run), reported as its own table.
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ from kvtier.bench import io_pattern, ttft
 
 DEFAULT_BLOCKS = "64,128,256,512,1024"
 SMALL_BLOCKS = "64,256"
-CONFIGS = ("recompute", "vllm_prefix", "kvtier_miss", "kvtier_dram", "kvtier_nvme", "disk_floor")
+CONFIGS = ("recompute", "vllm_prefix", "kvtier_miss", "kvtier_dram", "kvtier_nvme", "disk_floor", "kvtier_shared")
 PREFIX = "[blocks] "
+DEFAULT_SHARED_FILE_BYTES = 256 << 20  # the store's shared_file_bytes default (docs/configuration.md)
 
 
 def parse_blocks(text: str) -> list[int]:
@@ -37,10 +45,35 @@ def parse_blocks(text: str) -> list[int]:
     return blocks
 
 
-def run_one(args: argparse.Namespace, block: int, length: int, out_dir: Path) -> dict[str, Any]:
-    """One ``kvtier bench ttft`` run at this block size; its results.json."""
+def parse_file_bytes(text: str) -> list[int]:
+    from kvtier.ops.maintenance import parse_size
+
+    try:
+        sizes = sorted({parse_size(part) for part in text.split(",") if part.strip()})
+    except ValueError as error:
+        raise ttft.BenchError(f"--shared-file-bytes: {error}") from None
+    if not sizes:
+        raise ttft.BenchError("--shared-file-bytes: give sizes, e.g. 64MiB,256MiB,1GiB")
+    return sizes
+
+
+def size_label(size: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if size >= 1 << shift and size % (1 << shift) == 0:
+            return f"{size >> shift}{unit}"
+    return str(size)
+
+
+def run_one(
+    args: argparse.Namespace, block: int, length: int, out_dir: Path, file_bytes: int | None = None
+) -> dict[str, Any]:
+    """One ``kvtier bench ttft`` run at this block size (and shared file size); its results.json."""
     argv = ["--lengths", str(length), "--hit-rate-length", "0", "--skip-lmcache", "--skip-example-connector"]
     argv += ["--block-tokens", str(block), "--out", str(out_dir)]
+    if args.shared_root_store:
+        argv += ["--shared-root-store", args.shared_root_store, "--shared-root-load", args.shared_root_load]
+    if file_bytes:
+        argv += ["--shared-file-bytes", str(file_bytes)]
     if args.small:
         argv.append("--small")
     if args.preset:
@@ -48,7 +81,7 @@ def run_one(args: argparse.Namespace, block: int, length: int, out_dir: Path) ->
     if args.repeats:
         argv += ["--repeats", str(args.repeats)]
     if args.store_dir:
-        argv += ["--store-dir", str(Path(args.store_dir) / f"block-{block}")]
+        argv += ["--store-dir", str(Path(args.store_dir) / out_dir.name)]
     code = ttft.main(argv)
     results = out_dir / "results.json"
     if not results.exists():
@@ -63,22 +96,46 @@ def row_of(block: int, length: int, result: dict[str, Any]) -> dict[str, Any]:
     for config in CONFIGS:
         spread = experiment1.get(config, {}).get(str(length), {}).get("ttft_s")
         row[f"{config}_ms"] = spread["median"] * 1e3 if spread else None
+    shared = experiment1.get("kvtier_shared", {}).get(str(length), {}).get("ttft_s")
+    row["kvtier_shared_min_ms"] = shared["min"] * 1e3 if shared else None
+    row["kvtier_shared_max_ms"] = shared["max"] * 1e3 if shared else None
+    row["kvtier_shared_n"] = shared["n"] if shared else 0
+    shared_plan = result["plan"].get("shared") or {}
+    publisher = result["phases"].get("kvtier_shared_store", {}).get("store_stats", {})
+    row["shared_file_bytes"] = shared_plan.get("file_bytes") or (DEFAULT_SHARED_FILE_BYTES if shared_plan else None)
+    row["shared_files_per_prompt"] = (
+        publisher["shared_files_published"] / shared_plan["prompts"]
+        if shared_plan and "shared_files_published" in publisher
+        else None
+    )
     nvme_stats = result["phases"].get("kvtier_nvme", {}).get("store_stats", {})
     reads = io_pattern.pattern_of(nvme_stats)["read"]
     row["nvme_read_requests"] = reads["requests"]
     row["nvme_mean_read_kib"] = reads["mean_request_bytes"] / 1024 if reads["mean_request_bytes"] else None
     row["nvme_read_sequential"] = reads["sequential_share"]
-    row["problems"] = sorted(
-        {problem for entry in experiment1.values() for problem in entry.get(str(length), {}).get("problems", [])}
-    )
+    problems = {problem for entry in experiment1.values() for problem in entry.get(str(length), {}).get("problems", [])}
+    # ttft's own verdicts on the run (a shared hit not read from the shared tier, a phase that failed).
+    problems |= {note for note in result.get("notes", []) if note.startswith(("kvtier_shared FAILED", "incomplete"))}
+    row["problems"] = sorted(problems)
     return row
 
 
-def report(rows: list[dict[str, Any]], length: int) -> str:
+def shared_cell(row: dict[str, Any]) -> str:
+    """The shared hit's median (min-max) in ms."""
+    if row.get("kvtier_shared_ms") is None:
+        return "-"
+    return f"{row['kvtier_shared_ms']:.0f} ({row['kvtier_shared_min_ms']:.0f}-{row['kvtier_shared_max_ms']:.0f})"
+
+
+def report(
+    rows: list[dict[str, Any]], length: int, file_rows: list[dict[str, Any]] | None = None, file_block: int = 0
+) -> str:
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value:.0f}"
 
+    shared = any(r.get("kvtier_shared_ms") is not None for r in rows)
     header = ["block (tokens)", "object", "recompute", "vLLM prefix hit", "kvtier miss", "DRAM hit", "NVMe hit"]
+    header += ["shared hit (min-max)", "shared / NVMe"] if shared else []
     header += ["fio read", "NVMe - DRAM over fio", "reads per NVMe hit run", "mean read", "sequential"]
     lines = []
     for r in rows:
@@ -87,14 +144,39 @@ def report(rows: list[dict[str, Any]], length: int) -> str:
         mean_read = f"{r['nvme_mean_read_kib'] / 1024:.2f} MiB" if r["nvme_mean_read_kib"] else "-"
         sequential = "-" if r["nvme_read_sequential"] is None else f"{100 * r['nvme_read_sequential']:.0f}%"
         cells = [str(r["block_tokens"]), f"{r['object_bytes'] / 2**20:.2f} MiB"]
-        cells += [ms(r[f"{c}_ms"]) for c in CONFIGS[:5]] + [ms(fio), over_fio]
+        cells += [ms(r[f"{c}_ms"]) for c in CONFIGS[:5]]
+        if shared:
+            ratio = f"{r['kvtier_shared_ms'] / nvme:.2f}" if r.get("kvtier_shared_ms") and nvme else "-"
+            cells += [shared_cell(r), ratio]
+        cells += [ms(fio), over_fio]
         cells += [str(r["nvme_read_requests"]), mean_read, sequential]
         lines.append(cells)
     title = f"### TTFT vs the engine's block size at {length} tokens (ms, medians; experiment 3)"
     text = [title, "", ttft.markdown_table(header, lines), ""]
-    for r in rows:
-        if r["problems"]:
-            text.append(f"- block {r['block_tokens']}: " + "; ".join(r["problems"]))
+    if file_rows:
+        title = f"### Shared-tier hit vs shared_file_bytes at {file_block}-token blocks, {length} tokens (ms)"
+        header = ["shared_file_bytes", "files per prompt", "shared hit median", "min", "max", "n", "NVMe hit median"]
+        header += ["shared / NVMe"]
+        lines = []
+        for r in file_rows:
+            per_prompt = r.get("shared_files_per_prompt")
+            nvme, hit = r["kvtier_nvme_ms"], r.get("kvtier_shared_ms")
+            files = "-" if per_prompt is None else f"{per_prompt:.1f}"
+            spread = [
+                ms(r.get("kvtier_shared_min_ms")),
+                ms(r.get("kvtier_shared_max_ms")),
+                str(r.get("kvtier_shared_n")),
+            ]
+            ratio = f"{hit / nvme:.2f}" if hit and nvme else "-"
+            lines.append([size_label(r["shared_file_bytes"]), files, ms(hit), *spread, ms(nvme), ratio])
+        text += [title, "", ttft.markdown_table(header, lines), ""]
+    labelled = [(f"block {r['block_tokens']}", r) for r in rows]
+    labelled += [
+        (f"block {r['block_tokens']}, shared_file_bytes {size_label(r['shared_file_bytes'])}", r)
+        for r in file_rows or []
+        if not any(r is row for row in rows)  # a reused run is listed once
+    ]
+    text += [f"- {label}: " + "; ".join(r["problems"]) for label, r in labelled if r["problems"]]
     return "\n".join(text) + "\n"
 
 
@@ -111,13 +193,21 @@ def plot(rows: list[dict[str, Any]], length: int, path: Path) -> bool:
     curves = (
         ("kvtier_dram", "kvtier DRAM hit"),
         ("kvtier_nvme", "kvtier NVMe hit"),
+        ("kvtier_shared", "kvtier shared-tier hit (node B, empty local store)"),
         ("disk_floor", "fio read of the same bytes"),
         ("vllm_prefix", "vLLM prefix-cache hit"),
     )
     for config, label in curves:
-        points = [(b, r[f"{config}_ms"]) for b, r in zip(blocks, rows, strict=True) if r[f"{config}_ms"] is not None]
-        if points:
-            ax.plot(*zip(*points, strict=True), marker="o", label=label)
+        measured = [r for r in rows if r.get(f"{config}_ms") is not None]
+        if not measured:
+            continue
+        x, y = [r["block_tokens"] for r in measured], [r[f"{config}_ms"] for r in measured]
+        if config == "kvtier_shared":  # min-max of the repeats as error bars
+            low = [r[f"{config}_ms"] - r[f"{config}_min_ms"] for r in measured]
+            high = [r[f"{config}_max_ms"] - r[f"{config}_ms"] for r in measured]
+            ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, label=label + " (min-max)")
+        else:
+            ax.plot(x, y, marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(blocks, [str(b) for b in blocks])
     ax.set_xlabel("engine block size (tokens) = kvtier object")
@@ -142,33 +232,62 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help="CI size: tiny model, 1K tokens, blocks 64 and 256")
     parser.add_argument("--out", help="output directory (default bench-results/blocks-<timestamp>)")
     parser.add_argument("--store-dir", help="where each run's store lives (default: temporary directories)")
+    parser.add_argument(
+        "--shared-root-store", metavar="PATH",
+        help="with --shared-root-load: each run also measures a shared-tier hit (ttft's kvtier_shared row); "
+        "node A's view of the shared directory",
+    )  # fmt: skip
+    parser.add_argument("--shared-root-load", metavar="PATH", help="node B's view of the same directory")
+    parser.add_argument(
+        "--shared-file-bytes", metavar="SIZES",
+        help="with the shared roots: also sweep the shared tier's shared_file_bytes (e.g. 64MiB,256MiB,1GiB) "
+        "at --file-bytes-block, one kvtier bench ttft per size",
+    )  # fmt: skip
+    parser.add_argument(
+        "--file-bytes-block", type=int, default=None, help="block size of the --shared-file-bytes sweep (default 256)"
+    )
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.repeats is None:
         args.repeats = 1 if args.small else 2
     try:
         blocks = parse_blocks(args.block_tokens or (SMALL_BLOCKS if args.small else DEFAULT_BLOCKS))
         length = ttft.parse_tokens(args.length or ("1k" if args.small else "8k"))
-        if any(length % block for block in blocks):
+        if bool(args.shared_root_store) != bool(args.shared_root_load):
+            raise ttft.BenchError("--shared-root-store and --shared-root-load go together")
+        file_sizes = parse_file_bytes(args.shared_file_bytes) if args.shared_file_bytes else []
+        if file_sizes and not args.shared_root_store:
+            raise ttft.BenchError("--shared-file-bytes needs --shared-root-store and --shared-root-load")
+        file_block = parse_blocks(str(args.file_bytes_block or 256))[0]
+        if any(length % block for block in [*blocks, *([file_block] if file_sizes else [])]):
             raise ttft.BenchError(f"--length {length} must be a multiple of every block size {blocks}")
     except ttft.BenchError as error:
         parser.error(str(error))
     out_dir = Path(args.out or f"bench-results/blocks-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    rows: list[dict[str, Any]] = []
+    # (block, shared_file_bytes or None: the default), in order; a file size equal to the default at a
+    # block size of the sweep is that run.
+    runs: list[tuple[int, int | None]] = [(block, None) for block in blocks]
+    runs += [
+        (file_block, size) for size in file_sizes if not (size == DEFAULT_SHARED_FILE_BYTES and file_block in blocks)
+    ]
+    by_run: dict[tuple[int, int | None], dict[str, Any]] = {}
     durations: list[float] = []
-    for i, block in enumerate(blocks):
-        left = f", about {statistics.mean(durations) * (len(blocks) - i):.0f} s left" if durations else ""
-        print(f"{PREFIX}block size {block} ({i + 1} of {len(blocks)}{left}): kvtier bench ttft", flush=True)
+    for i, (block, size) in enumerate(runs):
+        left = f", about {statistics.mean(durations) * (len(runs) - i):.0f} s left" if durations else ""
+        name = f"block-{block}" + (f"-file-{size_label(size)}" if size else "")
+        print(f"{PREFIX}{name} ({i + 1} of {len(runs)}{left}): kvtier bench ttft", flush=True)
         began = time.time()
         try:
-            result = run_one(args, block, length, out_dir / f"block-{block}")
+            result = run_one(args, block, length, out_dir / name, size)
         except ttft.BenchError as error:
             print(f"kvtier bench blocks: {error}", file=sys.stderr)
             return 1
         durations.append(time.time() - began)
-        rows.append(row_of(block, length, result))
-    markdown = report(rows, length)
+        by_run[(block, size)] = row_of(block, length, result)
+    rows = [by_run[(block, None)] for block in blocks]
+    file_rows = [by_run.get((file_block, size)) or by_run[(file_block, None)] for size in file_sizes]
+    markdown = report(rows, length, file_rows, file_block)
     print(markdown)
     plots = ["ttft_vs_block.png"] if plot(rows, length, out_dir / "ttft_vs_block.png") else []
     document = {
@@ -177,12 +296,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "duration_s": time.time() - started,
         "length_tokens": length,
         "rows": rows,
+        "file_bytes_block": file_block if file_sizes else None,
+        "file_rows": file_rows,
         "plots": plots,
     }
     (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
     (out_dir / "report.md").write_text(markdown)
     print(f"wrote {out_dir / 'results.json'}, {out_dir / 'report.md'}" + "".join(f", {out_dir / p}" for p in plots))
-    return 0 if all(not r["problems"] for r in rows) else 1
+    return 0 if all(not r["problems"] for r in [*rows, *file_rows]) else 1
 
 
 if __name__ == "__main__":
