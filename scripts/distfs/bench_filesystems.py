@@ -23,8 +23,16 @@ Median, p99, min and max per target and the ratios to the same run's NVMe hit an
 ``results.json`` (``exp5_ttft``), ``report.md`` and ``exp5-ttft.png``. The CephFS OSD (memstore, in RAM)
 is sized to hold the run's prompts (``KVTIER_CEPH_OSD_BYTES``, unless set).
 
+Experiment 3 on a shared filesystem (``--only exp3``, not part of the default run): per target of
+``--targets`` (default caching only unless ``--exp3-modes default,strict``), ``kvtier bench blocks
+--shared-root-store <node A's mount> --shared-root-load <node B's mount>`` at ``--exp3-blocks`` and
+``--ttft-length`` (default 8k) with ``--ttft-repeats``: TTFT of the local NVMe hit and of the shared-tier
+hit per engine block size, and ``--exp3-file-bytes`` sweeps the shared tier's ``shared_file_bytes`` at
+256-token blocks. Its output is in ``--out``/exp3-<target>/ (results.json, report.md,
+ttft_vs_block.png), its rows in ``results.json`` (``exp3``) and ``report.md``.
+
 Usage (root): ``.venv/bin/python scripts/distfs/bench_filesystems.py [--out DIR] [--small]
-[--only exp4|exp5] [--filesystems ext4,xfs,f2fs,btrfs] [--targets local,glusterfs,cephfs]``.
+[--only exp3|exp4|exp5] [--filesystems ext4,xfs,f2fs,btrfs] [--targets local,glusterfs,cephfs]``.
 Writes ``results.json``, ``report.md`` and ``exp4.png`` / ``exp5.png`` into ``--out``
 (default ``bench-results/fs-<timestamp>``).
 """
@@ -32,14 +40,17 @@ Writes ``results.json``, ``report.md`` and ``exp4.png`` / ``exp5.png`` into ``--
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -396,6 +407,90 @@ def exp5(
     return rows, ttft_rows
 
 
+@contextlib.contextmanager
+def shared_target(target: str, work: Path, env: dict[str, str] | None = None) -> Iterator[dict[str, Path]]:
+    """Node A's and node B's view of a shared directory per caching mode (``default-a``, ``default-b``,
+    ``strict-a``, ``strict-b``; a local directory is its own two views): brings the target up with
+    scripts/distfs/<target>.sh and always tears it down. Raises RuntimeError if it does not come up."""
+    if target == "local":
+        d = work / "local-shared"
+        d.mkdir(exist_ok=True)
+        yield {f"{mode}-{node}": d for mode in ("default", "strict") for node in "ab"}
+        return
+    state = Path(f"/tmp/kvtier-distfs/bench-{target}")
+    script = DISTFS / f"{target}.sh"
+    log(f"bringing up {target}")
+    try:
+        up = subprocess.run(["bash", str(script), "up", str(state)], capture_output=True, text=True, env=env)
+        if up.returncode != 0:
+            raise RuntimeError(f"{target} not up: " + up.stderr.strip()[-500:])
+        yield {name: Path(path) for name, path in (line.split("=", 1) for line in up.stdout.split() if "=" in line)}
+    finally:
+        down = subprocess.run(["bash", str(script), "down", str(state)], capture_output=True, text=True)
+        log(f"{target} torn down (exit {down.returncode})")
+
+
+def exp3(targets: list[str], modes: list[str], work: Path, out: Path, sweep: dict[str, Any]) -> list[dict[str, Any]]:
+    """``kvtier bench blocks`` with the shared tier on each target and caching mode: one row each."""
+    rows: list[dict[str, Any]] = []
+    for target in targets:
+        try:
+            with shared_target(target, work) as mounts:
+                for mode in modes if target != "local" else ["default"]:
+                    name = "local disk" if target == "local" else f"{target} ({mode} caching)"
+                    a, b = mounts[f"{mode}-a"] / f"exp3-{mode}", mounts[f"{mode}-b"] / f"exp3-{mode}"
+                    a.mkdir(exist_ok=True)
+                    time.sleep(1.1)  # past default attribute caches: node B sees the directory
+                    rows.append(exp3_one(name, a, b, work / f"exp3-store-{target}-{mode}", out, sweep))
+        except RuntimeError as error:
+            rows.append({"target": target, "error": str(error)})
+    return rows
+
+
+def exp3_one(
+    name: str, node_a: Path, node_b: Path, store_dir: Path, out: Path, sweep: dict[str, Any]
+) -> dict[str, Any]:
+    slug = name.replace(" (", "-").replace(" caching)", "").replace(" ", "-")
+    case_out = out / f"exp3-{slug}"
+    argv = [str(REPO / ".venv/bin/kvtier"), "bench", "blocks", "--length", sweep["length"]]
+    argv += ["--repeats", str(sweep["repeats"])] + (["--block-tokens", sweep["blocks"]] if sweep["blocks"] else [])
+    argv += ["--shared-root-store", str(node_a), "--shared-root-load", str(node_b)]
+    argv += ["--shared-file-bytes", sweep["file_bytes"]] if sweep["file_bytes"] else []
+    argv += ["--store-dir", str(store_dir), "--out", str(case_out)] + (["--small"] if sweep["small"] else [])
+    log(f"exp3 {name}: {' '.join(argv[1:])}")
+    started = time.monotonic()
+    with (out / f"exp3-{slug}.log").open("w") as log_file:
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            assert child.stdout is not None
+            for line in child.stdout:  # the runs print progress: pass it on, and keep it
+                log_file.write(line)
+                if line.startswith(("[blocks]", "kvtier bench", "[ttft")) or " phase " in line:
+                    print(f"  exp3 {slug}: {line.rstrip()}", flush=True)
+            code = child.wait()
+        finally:
+            if child.poll() is None:  # interrupted: stop the sweep before the filesystem goes down
+                child.send_signal(signal.SIGINT)  # its finally blocks stop the engine phase it runs
+                try:
+                    child.wait(60)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
+            shutil.rmtree(store_dir, ignore_errors=True)
+    row: dict[str, Any] = {"target": name, "command": " ".join(argv[1:]), "seconds": time.monotonic() - started}
+    results_file = case_out / "results.json"
+    if not results_file.exists():
+        row["error"] = f"kvtier bench blocks exited {code} without results (log: exp3-{slug}.log)"
+        return row
+    document = json.loads(results_file.read_text())
+    row.update({"results": str(results_file), "rows": document["rows"], "file_rows": document.get("file_rows", [])})
+    row["report"] = (case_out / "report.md").read_text() if (case_out / "report.md").exists() else ""
+    row["plot"] = f"exp3-{slug}/ttft_vs_block.png" if "ttft_vs_block.png" in document.get("plots", []) else None
+    if code != 0:
+        row["error"] = f"kvtier bench blocks exited {code} (its report lists the problems)"
+    return row
+
+
 # ---- report ----
 
 
@@ -536,6 +631,13 @@ def report(results: dict[str, Any], out: Path) -> str:
         lines += ["", "![exp5](exp5.png)", ""]
     if results.get("exp5_ttft"):
         lines += exp5_ttft_report(results["exp5_ttft"])
+    for r in results.get("exp3", []):
+        lines += [f"## Experiment 3 with the shared tier on {r['target']}", ""]
+        lines += [f"`kvtier {r['command']}` ({r['seconds']:.0f} s)", ""] if "command" in r else []
+        lines += [f"**Failed:** {r['error']}", ""] if "error" in r else []
+        # kvtier bench blocks' report, its headings one level down; its plot
+        lines += [line.replace("### ", "#### ", 1) for line in r.get("report", "").splitlines()]
+        lines += ["", f"![exp3 {r['target']}]({r['plot']})", ""] if r.get("plot") else []
     text = "\n".join(lines)
     (out / "report.md").write_text(text)
     return text
@@ -597,7 +699,7 @@ def rereport(out: Path) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "bench-results" / f"fs-{time.strftime('%Y%m%d-%H%M%S')}")
-    p.add_argument("--only", choices=["exp4", "exp5"])
+    p.add_argument("--only", choices=["exp3", "exp4", "exp5"], help="exp3 runs only when named")
     p.add_argument("--filesystems", default="ext4,xfs,f2fs,btrfs")
     p.add_argument("--targets", default="local,glusterfs,cephfs")
     p.add_argument("--small", action="store_true", help="CI size: 2 GiB loop files, --small bench io, 32 blocks")
@@ -611,7 +713,14 @@ def main() -> int:
         help="also kvtier bench ttft at this prompt length: exp4 per filesystem (store on it), exp5 per target "
         "(a shared-tier hit through vLLM beside recompute and the local NVMe hit of the same run)",
     )
-    p.add_argument("--ttft-repeats", type=int, default=2, help="prompts per TTFT run (exp4 and exp5)")
+    p.add_argument("--ttft-repeats", type=int, default=2, help="prompts per TTFT run (exp3, exp4 and exp5)")
+    p.add_argument("--exp3-blocks", default="", help="exp3: engine block sizes (default: kvtier bench blocks')")
+    p.add_argument(
+        "--exp3-file-bytes", default=None,
+        help="exp3: shared_file_bytes sweep at 256-token blocks (default 64MiB,256MiB,1GiB; --small: 2MiB,8MiB; "
+        "'' skips it)",
+    )  # fmt: skip
+    p.add_argument("--exp3-modes", default="default", help="exp3: caching modes of a network target (default,strict)")
     p.add_argument(
         "--rereport",
         type=Path,
@@ -640,7 +749,21 @@ def main() -> int:
         "bench_io_args": bench_args,
     }
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-fs-", dir=args.work))
+    # A kill runs the finally blocks too: the filesystems are torn down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
+        if args.only == "exp3":
+            file_bytes = args.exp3_file_bytes
+            sweep = {
+                "length": args.ttft_length or ("1k" if args.small else "8k"),
+                "repeats": 1 if args.small and "--ttft-repeats" not in sys.argv else args.ttft_repeats,
+                "blocks": args.exp3_blocks,
+                "file_bytes": ("2MiB,8MiB" if args.small else "64MiB,256MiB,1GiB")
+                if file_bytes is None
+                else file_bytes,
+                "small": args.small,
+            }
+            results["exp3"] = exp3(args.targets.split(","), args.exp3_modes.split(","), work, args.out, sweep)
         if args.only in (None, "exp4"):
             results["exp4"] = []
             for fs in args.filesystems.split(","):
@@ -670,6 +793,7 @@ def main() -> int:
     )
     failed = [r["fs"] for r in results.get("exp4", []) if "error" in r or "error" in r.get("ttft", {})]
     failed += [f"exp5 TTFT {r['target']}" for r in results.get("exp5_ttft", []) if "error" in r]
+    failed += [f"exp3 {r['target']}" for r in results.get("exp3", []) if "error" in r]
     if failed:
         log(f"failed on {', '.join(failed)} (the report's rows say why)")
     return 1 if wrong or failed else 0
