@@ -189,7 +189,7 @@ def plot(rows: list[dict[str, Any]], length: int, path: Path) -> bool:
     except ImportError:
         return False
     blocks = [r["block_tokens"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 5))
     curves = (
         ("kvtier_dram", "kvtier DRAM hit"),
         ("kvtier_nvme", "kvtier NVMe hit"),
@@ -214,7 +214,7 @@ def plot(rows: list[dict[str, Any]], length: int, path: Path) -> bool:
     ax.set_ylabel("TTFT (ms, median)")
     ax.set_title(f"TTFT vs block size, {length}-token prompt")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, fontsize=8)  # below: clear of the curves
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
