@@ -704,6 +704,40 @@ fn a_backlogged_block_that_left_dram_first_is_dropped_and_counted_never_publishe
     assert_eq!(published as u64 + counters.shared_dropped_publishes, 200, "every block is published or counted");
 }
 
+#[test]
+fn flushes_return_while_another_thread_keeps_storing_past_the_publish_queue() {
+    // A flush waits for what was backlogged before it, never for blocks queued behind it: with a
+    // writer that keeps overflowing a 2-block queue, every flush still returns.
+    let dir = tempfile::tempdir().unwrap();
+    let shared = dir.path().join("shared");
+    let mut c = publishing_store(&dir.path().join("local"), &shared, 512, 2);
+    c.fault_plan = Some(Arc::new(FaultPlan { delay_ms: 1, ..FaultPlan::default() }));
+    let store = Arc::new(Store::open(c).unwrap());
+    let writer = {
+        let store = Arc::clone(&store);
+        std::thread::spawn(move || {
+            for burst in 0..8u64 {
+                let ids = burst * 50..(burst + 1) * 50;
+                let keys: Vec<_> = ids.clone().map(key).collect();
+                let values: Vec<_> = ids.map(value).collect();
+                let refs: Vec<&[u8]> = values.iter().map(|v| v.as_slice()).collect();
+                assert!(store.put_many(&keys, &refs).unwrap().iter().all(|&ok| ok));
+            }
+        })
+    };
+    for _ in 0..6 {
+        store.flush().unwrap();
+    }
+    writer.join().unwrap();
+    store.flush().unwrap();
+    let counters = store.stats().counters;
+    assert!(counters.shared_deferred_publishes > 0, "{counters:?}");
+    assert_eq!((counters.shared_dropped_publishes, counters.shared_publish_errors), (0, 0), "{counters:?}");
+    Arc::try_unwrap(store).ok().expect("the writer is done").close().unwrap();
+    let keys: Vec<_> = (0..400).map(key).collect();
+    assert_eq!(published_elsewhere(dir.path(), &shared, &keys), 400);
+}
+
 // ---- deployment key (`shared_key_file`): authenticated blocks and manifest records ----
 
 /// Writes a key file of `len` random-ish bytes with `mode` and returns its path.

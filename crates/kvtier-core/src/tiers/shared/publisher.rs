@@ -8,7 +8,7 @@
 //! `set_refetch`). A burst larger than the queue is therefore published whole, late rather than never,
 //! as long as its blocks are still in DRAM when their turn comes. A block that left DRAM first, or an
 //! offer past the backlog's bound, is not published (it is a cache) and counted in
-//! `shared_dropped_publishes`.
+//! `shared_dropped_publishes`. A flush waits for what was backlogged before it, not for later offers.
 
 use super::SharedTier;
 use crate::error::{Error, Result};
@@ -45,6 +45,10 @@ struct Pool {
     /// it too, so that blocks are published in the order they were stored (a prompt's first blocks
     /// are the ones that make a prefix hit).
     backlog: VecDeque<BlockKey>,
+    /// Keys ever pushed to and popped from the backlog: a flush waits until `popped` reaches what
+    /// `pushed` was when the publisher took the flush request.
+    pushed: u64,
+    popped: u64,
 }
 
 /// A staging buffer to fill: one from the pool, or room to allocate one (outside the lock).
@@ -94,6 +98,7 @@ impl Inner {
             while taken.len() < room && !pool.backlog.is_empty() {
                 let Some(staging) = pool.staging(self.max_buffers) else { break };
                 let key = pool.backlog.pop_front().expect("checked non-empty");
+                pool.popped += 1;
                 taken.push((key, staging));
             }
         }
@@ -129,21 +134,28 @@ impl Inner {
         self.pool.lock().free.extend(batch.into_iter().map(|(_, b)| b));
     }
 
-    /// Publishes every backlogged block that is still in DRAM.
-    fn drain_backlog(&self) {
-        loop {
-            let batch = self.take_backlogged(BATCH_BLOCKS);
-            if batch.is_empty() && self.backlog_empty() {
-                return;
-            }
-            self.append(batch);
+    /// Answers the flush requests whose backlogged keys have all been taken (published, or dropped
+    /// because they left DRAM), once the open file is published.
+    fn answer_flushes(&self, flushes: &mut Vec<(Sender<()>, u64)>) {
+        let popped = self.pool.lock().popped;
+        if !flushes.iter().any(|&(_, target)| target <= popped) {
+            return;
         }
+        self.tier.flush();
+        flushes.retain(|(reply, target)| {
+            let done = *target <= popped;
+            if done {
+                let _ = reply.send(());
+            }
+            !done
+        });
     }
 
     /// The publisher thread: queued blocks first (they are older than the backlog), topped up from the
-    /// backlog; a flush request also drains the backlog.
+    /// backlog. It only blocks for a message while the backlog is empty, so that a flush waiting for
+    /// the backlog never waits on buffers queued behind it.
     fn run(&self, rx: Receiver<Msg>) {
-        let mut flushes = Vec::new();
+        let mut flushes: Vec<(Sender<()>, u64)> = Vec::new();
         let mut open = true;
         while open || !self.backlog_empty() {
             let mut batch: Vec<(BlockKey, AlignedBuf)> = Vec::new();
@@ -168,9 +180,9 @@ impl Inner {
             while let Some(m) = msg.take() {
                 match m {
                     Msg::Block(k, b) => batch.push((k, b)),
-                    Msg::Flush(reply) => flushes.push(reply),
+                    Msg::Flush(reply) => flushes.push((reply, self.pool.lock().pushed)),
                 }
-                if batch.len() < BATCH_BLOCKS && flushes.is_empty() {
+                if batch.len() < BATCH_BLOCKS {
                     msg = rx.try_recv().ok();
                 }
             }
@@ -180,14 +192,13 @@ impl Inner {
             }
             self.append(batch);
             if !flushes.is_empty() {
-                self.drain_backlog();
-                self.tier.flush();
-                for reply in flushes.drain(..) {
-                    let _ = reply.send(());
-                }
+                self.answer_flushes(&mut flushes);
             }
         }
         self.tier.flush();
+        for (reply, _) in flushes {
+            let _ = reply.send(());
+        }
     }
 }
 
@@ -203,7 +214,7 @@ impl Publisher {
         let (tx, rx) = bounded::<Msg>(max_buffers + 4);
         let inner = Arc::new(Inner {
             tier,
-            pool: Mutex::new(Pool { free: Vec::new(), allocated: 0, backlog: VecDeque::new() }),
+            pool: Mutex::new(Pool { free: Vec::new(), allocated: 0, backlog: VecDeque::new(), pushed: 0, popped: 0 }),
             max_buffers,
             refetch: OnceLock::new(),
         });
@@ -240,6 +251,7 @@ impl Publisher {
                 Some(s) => s,
                 None if pool.backlog.len() < BACKLOG_BLOCKS => {
                     pool.backlog.push_back(key);
+                    pool.pushed += 1;
                     drop(pool);
                     Stats::add(&inner.tier.stats().shared_deferred_publishes, 1);
                     return true;
@@ -270,8 +282,8 @@ impl Publisher {
         }
     }
 
-    /// Waits until every queued and backlogged block is written (or found gone from DRAM) and the
-    /// open file is published.
+    /// Waits until every block offered before the call is written (or, backlogged, found gone from
+    /// DRAM) and the open file is published; blocks offered meanwhile do not hold it up.
     pub fn flush(&self, timeout: Duration) -> Result<()> {
         let (reply_tx, reply_rx) = bounded(1);
         {
