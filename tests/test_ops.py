@@ -456,6 +456,22 @@ def test_metrics_scrape_has_the_issue_list(served: Served) -> None:
     assert commit and float(commit.group(1)) >= 1
 
 
+def test_shared_publishing_reaches_the_scrape(served: Served) -> None:
+    """The fixture's store has a shared tier and flushed 60 blocks: files published, none dropped."""
+    text = served.scrape()
+
+    def sample(name: str, result: str | None = None) -> float:
+        pattern = rf'{name}{{model="ops-test-model",namespace="[0-9a-f]+"' + (f',result="{result}"' if result else "")
+        found = re.search(pattern + r"} (\S+)", text)
+        assert found, f"{name} {result or ''} not scraped"
+        return float(found.group(1))
+
+    assert sample("kvtier_shared_published_files_total") >= 1
+    assert sample("kvtier_shared_publish_blocks_total", "dropped") == 0
+    assert sample("kvtier_shared_publish_blocks_total", "failed") == 0
+    assert sample("kvtier_shared_publish_blocks_total", "deferred") >= 0
+
+
 def test_per_engine_counters_reach_the_scrape(served: Served) -> None:
     """The fixture's labelled client stored 60 blocks, loaded 5 and looked up 2 (one absent); an
     unlabelled client's work counts only in the namespace's totals."""

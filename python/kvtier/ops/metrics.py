@@ -147,6 +147,13 @@ def families(namespaces: list[dict[str, Any]], stats: dict[str, int]) -> Iterato
         "Time since the shared-tier index last read the other writers' manifests",
         ns_labels,
     )
+    shared_files = counter("kvtier_shared_published_files", "Files this host published to the shared tier", ns_labels)
+    shared_publish = counter(
+        "kvtier_shared_publish_blocks",
+        "Blocks not published at once: deferred (waited in the publisher's backlog, published later from DRAM), "
+        "dropped (left DRAM before their turn, or the backlog was full), failed (writing the file failed)",
+        [*ns_labels, "result"],
+    )
     latency = HistogramMetricFamily(
         "kvtier_op_latency_seconds",
         "Service-side latency of ops: lookup (Locate, Pin), load (Acquire), reserve and commit (a store)",
@@ -214,6 +221,13 @@ def families(namespaces: list[dict[str, Any]], stats: dict[str, int]) -> Iterato
         attached.add_metric(labels, v.get("service_attached_connections", 0))
         if "shared_index_age_ms" in v:
             staleness.add_metric(labels, v["shared_index_age_ms"] / 1000)
+            shared_files.add_metric(labels, v.get("shared_files_published", 0))
+            for result, name in (
+                ("deferred", "shared_deferred_publishes"),
+                ("dropped", "shared_dropped_publishes"),
+                ("failed", "shared_publish_errors"),
+            ):
+                shared_publish.add_metric([*labels, result], v.get(name, 0))
         for op in LATENCY_OPS:
             count = v.get(f"latency_{op}_count", 0)
             buckets = [(str(le / 1e6), float(v.get(f"latency_{op}_le_{le}", 0))) for le in LATENCY_BUCKETS_US]
@@ -234,7 +248,8 @@ def families(namespaces: list[dict[str, Any]], stats: dict[str, int]) -> Iterato
             io_order.add_metric([*labels, kind, "sequential"], sequential)
             io_order.add_metric([*labels, kind, "random"], v.get(f"nvme_{kind}_requests", 0) - sequential)
     yield from (hits, misses, lookups, used, capacity, blocks, stored, loaded, read, written, evictions)
-    yield from (drops, nvme_drops, checksum, io_errors, queue, backlog, attached, staleness, latency)
+    yield from (drops, nvme_drops, checksum, io_errors, queue, backlog, attached, staleness, shared_files)
+    yield from (shared_publish, latency)
     yield from (io_sizes, io_order, engine_lookups, engine_loads, engine_stores)
     service_connections = GaugeMetricFamily("kvtier_service_connections", "Connections to the service now")
     service_connections.add_metric([], stats.get("service_connections", 0))
