@@ -17,7 +17,7 @@ use crate::key::BlockKey;
 use crate::stats::Stats;
 use crate::tiers::eviction::EvictionPolicy;
 use crate::tiers::nvme::{Geometry, RecoveredRegion};
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 /// Where a block is served from.
@@ -114,6 +114,30 @@ struct NvmeState {
     next_region_seq: u64,
 }
 
+impl NvmeState {
+    /// Whether dropping the write planned at `loc` leaves every open region without a hole: it is the
+    /// last entry planned in its device's open region, or its region is sealing.
+    fn cancel_leaves_no_hole(&self, loc: NvmeLoc) -> bool {
+        let device = &self.devices[loc.device as usize];
+        let region = &device.regions[loc.region as usize];
+        match device.open {
+            Some(open) if open == loc.region => loc.offset + self.geometry.slot_bytes == region.cursor,
+            _ => region.state == RegionState::Sealing,
+        }
+    }
+
+    /// The write planned at `loc` is dropped: if it was its open region's last entry, the next
+    /// entry takes its place.
+    fn rewind_if_last(&mut self, loc: NvmeLoc) {
+        let slot_bytes = self.geometry.slot_bytes;
+        let device = &mut self.devices[loc.device as usize];
+        let region = &mut device.regions[loc.region as usize];
+        if device.open == Some(loc.region) && loc.offset + slot_bytes == region.cursor {
+            region.cursor = loc.offset;
+        }
+    }
+}
+
 /// A DRAM-resident block pinned for a copy (`pin_resident_for_copy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ResidentBlock {
@@ -177,6 +201,19 @@ pub struct WritePlan {
     pub slot: u32,
     pub loc: NvmeLoc,
     pub region_seq: u64,
+    /// The block's sequence: names the write in `queued_writes` and tells its entry from a later
+    /// entry of the same key.
+    pub sequence: u64,
+}
+
+/// How an NVMe entry write ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteOutcome {
+    Written,
+    Failed,
+    /// Never submitted: a load took the block's slot while the write still waited in the device
+    /// queue (`steal_queued_write`); the slot is no longer the write's.
+    Cancelled,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -203,6 +240,11 @@ pub struct Catalog {
     /// Loads waiting for a DRAM slot. While any waits, puts get no slot: a slot freed by a finished
     /// write or an unpin goes to the load, never to another store.
     loads_waiting: usize,
+    /// NVMe entry writes handed to a device queue and not yet submitted to the kernel, by sequence:
+    /// (key, slot). A load short of slots may take one of these slots (`steal_queued_write`).
+    queued_writes: BTreeMap<u64, (BlockKey, u32, NvmeLoc)>,
+    /// Whether loads may take the slots of queued writes (`loads_cancel_queued_writes`).
+    loads_cancel_writes: bool,
     stats: Arc<Stats>,
     /// When sequences were handed out (for `kvtier trim --older-than` and `kvtier inspect`).
     pub timeline: crate::maintenance::Timeline,
@@ -262,6 +304,8 @@ impl Catalog {
             max_dirty_bytes,
             pending_meta_writes: 0,
             loads_waiting: 0,
+            queued_writes: BTreeMap::new(),
+            loads_cancel_writes: true,
             stats,
             timeline: crate::maintenance::Timeline::default(),
         }
@@ -426,6 +470,47 @@ impl Catalog {
         Some(victim)
     }
 
+    /// A slot for a load: a free slot or a victim, else (if allowed) the slot of the newest stored
+    /// block whose NVMe write waits in a device queue. Loads go first: dropping a store that has not
+    /// reached the disk costs a later miss of that block, while waiting for the write backlog to
+    /// drain stalls a request that is being served now.
+    fn alloc_slot_for_load(&mut self) -> Option<u32> {
+        self.alloc_slot().or_else(|| self.steal_queued_write())
+    }
+
+    /// Takes the slot of the newest queued write whose block nobody pins: the block is forgotten (a
+    /// store dropped, counted in `cancelled_writes`), and its write, when the device queue reaches
+    /// it, is not submitted (`start_write` answers false) and completes as `Cancelled`.
+    ///
+    /// Only a write that leaves no hole in an open region qualifies: the last entry of its device's
+    /// open region (the cursor steps back over it, and the next put takes the place), or an entry of
+    /// a sealing region (its trailer lists only what was written). Recovery scans an open region
+    /// up to its first invalid entry, so a hole there would lose the written entries after it.
+    fn steal_queued_write(&mut self) -> Option<u32> {
+        if !self.loads_cancel_writes {
+            return None;
+        }
+        let (index, nvme) = (&self.index, self.nvme.as_ref()?);
+        let (sequence, key, slot, loc) =
+            self.queued_writes.iter().rev().find_map(|(&sequence, &(key, slot, loc))| {
+                let e = index.get(&key)?;
+                let unpinned = e.sequence == sequence && e.pins == 0 && e.dram == Some(slot) && e.dram_ready;
+                (unpinned && nvme.cancel_leaves_no_hole(loc)).then_some((sequence, key, slot, loc))
+            })?;
+        self.queued_writes.remove(&sequence);
+        self.index.remove(&key);
+        self.nvme.as_mut().unwrap().rewind_if_last(loc);
+        self.policy.remove(slot);
+        self.slots[slot as usize] = Slot { key: None, state: SlotState::Free, writing: false };
+        Stats::add(&self.stats.cancelled_writes, 1);
+        Some(slot)
+    }
+
+    /// Whether loads may take the slots of queued NVMe writes (default on).
+    pub fn set_loads_cancel_writes(&mut self, on: bool) {
+        self.loads_cancel_writes = on;
+    }
+
     fn evict_slot(&mut self, slot: u32) {
         let s = &mut self.slots[slot as usize];
         let key = s.key.take();
@@ -506,8 +591,8 @@ impl Catalog {
                 value_checksum: e.value_checksum,
             });
         }
-        let Some(slot) = self.alloc_slot() else { return GetStep::NoSlot };
-        // Eviction only drops entries without an NVMe copy, so this one is still here.
+        let Some(slot) = self.alloc_slot_for_load() else { return GetStep::NoSlot };
+        // Eviction and stealing only drop entries without an NVMe copy, so this one is still here.
         let e = self.index.get_mut(key).expect("entry with an NVMe copy survives eviction");
         e.pins += 1;
         e.loading = true;
@@ -645,8 +730,9 @@ impl Catalog {
             return None;
         };
         self.slots[slot as usize].writing = true;
-        self.index.get_mut(key).unwrap().write_pending = true;
-        Some(WritePlan { slot, loc, region_seq })
+        let e = self.index.get_mut(key).unwrap();
+        e.write_pending = true;
+        Some(WritePlan { slot, loc, region_seq, sequence: e.sequence })
     }
 
     fn alloc_nvme(&mut self, meta: &mut Vec<MetaWrite>) -> Option<(NvmeLoc, u64)> {
@@ -750,13 +836,34 @@ impl Catalog {
         Some(victim)
     }
 
+    /// The data plane handed `plan`'s write to its device queue (its descriptor page is stamped):
+    /// from now until `start_write`, a load short of slots may take the slot.
+    pub fn write_queued(&mut self, key: &BlockKey, plan: &WritePlan) {
+        if self.index.get(key).is_some_and(|e| e.sequence == plan.sequence && e.dram == Some(plan.slot)) {
+            self.queued_writes.insert(plan.sequence, (*key, plan.slot, plan.loc));
+        }
+    }
+
+    /// The device queue is about to submit `plan`'s write: `false` if a load took its slot (the
+    /// write must not be submitted; complete it as `Cancelled`).
+    pub fn start_write(&mut self, plan: &WritePlan) -> bool {
+        self.queued_writes.remove(&plan.sequence).is_some()
+    }
+
     /// An entry write finished; returns a trailer to write if its region is now complete.
-    pub fn complete_write(&mut self, key: &BlockKey, plan: &WritePlan, ok: bool) -> Option<MetaWrite> {
+    pub fn complete_write(&mut self, key: &BlockKey, plan: &WritePlan, outcome: WriteOutcome) -> Option<MetaWrite> {
+        let ok = outcome == WriteOutcome::Written;
+        self.queued_writes.remove(&plan.sequence);
+        // A cancelled write stays in the backlog until the queue reaches it, so that `flush` (which
+        // waits for an empty backlog) also waits for the trailer of a sealing region it completes.
         self.dirty_bytes -= self.slot_bytes as usize;
-        self.slots[plan.slot as usize].writing = false;
+        if outcome != WriteOutcome::Cancelled {
+            // A cancelled write's slot belongs to the load that took it.
+            self.slots[plan.slot as usize].writing = false;
+        }
         let slot_bytes = self.slot_bytes;
         let object_bytes = self.object_bytes;
-        let e = self.index.get_mut(key);
+        let e = self.index.get_mut(key).filter(|e| e.sequence == plan.sequence);
         let nvme = self.nvme.as_mut().unwrap();
         let r = &mut nvme.devices[plan.loc.device as usize].regions[plan.loc.region as usize];
         r.pending_writes -= 1;
@@ -774,7 +881,7 @@ impl Catalog {
                 Stats::add(&self.stats.bytes_written_nvme, slot_bytes);
             }
         }
-        if !ok {
+        if outcome == WriteOutcome::Failed {
             Stats::add(&self.stats.io_errors, 1);
         }
         if r.state == RegionState::Sealing && r.pending_writes == 0 {
@@ -859,6 +966,11 @@ impl Catalog {
         }
         let free = self.slots.iter().filter(|s| s.state == SlotState::Free).count();
         assert!(self.free_slots.len() <= free);
+        for (&sequence, &(key, slot, _)) in &self.queued_writes {
+            let s = &self.slots[slot as usize];
+            assert!(s.writing && s.key == Some(key), "queued write of {key:?} lost its slot {slot}");
+            assert!(self.index.get(&key).is_some_and(|e| e.sequence == sequence && e.write_pending));
+        }
     }
 }
 
@@ -883,7 +995,7 @@ impl Catalog {
         if self.index.contains_key(key) {
             return None;
         }
-        let slot = self.alloc_slot()?;
+        let slot = self.alloc_slot_for_load()?;
         self.claim_slot(key, slot, SlotState::Loading, 1);
         Some(slot)
     }

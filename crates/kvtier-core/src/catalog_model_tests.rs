@@ -66,6 +66,10 @@ enum Op {
     PinPrefix(Vec<u8>),
     PinResident(u8),
     Unpin(usize),
+    /// The device queue reaches a queued write (`start_write`): submitted, or cancelled if a load
+    /// took its slot.
+    StartWrite(usize),
+    /// A write completes (started first if the queue had not reached it yet).
     CompleteWrite(usize, bool),
     CompleteMeta(usize, bool),
     LoadWaits(bool),
@@ -100,6 +104,7 @@ fn op() -> impl Strategy<Value = Op> {
         6 => prop::collection::vec(k.clone(), 1..4).prop_map(Op::PinPrefix),
         6 => k.clone().prop_map(Op::PinResident),
         12 => i.prop_map(Op::Unpin),
+        8 => i.prop_map(Op::StartWrite),
         15 => (i, prop_oneof![6 => Just(true), 1 => Just(false)]).prop_map(|(i, ok)| Op::CompleteWrite(i, ok)),
         12 => (i, prop_oneof![6 => Just(true), 1 => Just(false)]).prop_map(|(i, ok)| Op::CompleteMeta(i, ok)),
         3 => any::<bool>().prop_map(Op::LoadWaits),
@@ -121,11 +126,32 @@ struct Setup {
     /// Write backlog budget, in slots.
     dirty_slots: usize,
     lru: bool,
+    /// Loads may take the slots of queued writes.
+    cancel_writes: bool,
 }
 
 fn setup() -> impl Strategy<Value = Setup> {
-    (2usize..6, prop::option::weighted(0.85, (1usize..3, 2u64..5, 1u64..4)), 1usize..5, any::<bool>())
-        .prop_map(|(slots, nvme, dirty_slots, lru)| Setup { slots, nvme, dirty_slots, lru })
+    (2usize..6, prop::option::weighted(0.85, (1usize..3, 2u64..5, 1u64..4)), 1usize..5, any::<bool>(), any::<bool>())
+        .prop_map(|(slots, nvme, dirty_slots, lru, cancel_writes)| Setup {
+            slots,
+            nvme,
+            dirty_slots,
+            lru,
+            cancel_writes,
+        })
+}
+
+/// An NVMe entry write the data plane has queued.
+#[derive(Debug, Clone, Copy)]
+struct Write {
+    key: BlockKey,
+    plan: WritePlan,
+    bytes: Bytes,
+    sequence: u64,
+    /// The device queue submitted it (the kernel reads the slot from now on).
+    started: bool,
+    /// A load took its slot before it started: the queue must cancel it.
+    stolen: bool,
 }
 
 /// A load in flight.
@@ -177,7 +203,7 @@ struct Model {
     fills: Vec<(BlockKey, u32, u64)>,
     gets: Vec<Get>,
     pins: Vec<Pin>,
-    writes: Vec<(BlockKey, WritePlan, Bytes, u64)>,
+    writes: Vec<Write>,
     metas: Vec<MetaWrite>,
     loads_waiting: usize,
     retired: HashSet<u32>,
@@ -199,7 +225,9 @@ fn new_catalog(setup: &Setup, geometry: Option<Geometry>) -> Catalog {
     let policy: Box<dyn EvictionPolicy> =
         if setup.lru { Box::new(Lru::new(setup.slots)) } else { Box::new(S3Fifo::new(setup.slots)) };
     let devices = setup.nvme.map(|(d, _, _)| d).unwrap_or(0);
-    Catalog::new(layout, policy, geometry.map(|g| (g, devices)), Arc::new(Stats::default()))
+    let mut cat = Catalog::new(layout, policy, geometry.map(|g| (g, devices)), Arc::new(Stats::default()));
+    cat.set_loads_cancel_writes(setup.cancel_writes);
+    cat
 }
 
 impl Model {
@@ -283,6 +311,7 @@ impl Model {
             ("retired slot", s.retired_slots),
             ("recovered block", s.recovered_blocks),
             ("write dropped (no region)", s.nvme_dropped_writes),
+            ("write cancelled for a load", s.cancelled_writes),
         ] {
             *self.seen.entry(name).or_default() += n;
         }
@@ -333,10 +362,18 @@ impl Model {
                         !self.cat.index.values().any(|e| e.nvme == Some(plan.loc)),
                         "an NVMe write planned over a live location"
                     );
-                    assert!(!self.writes.iter().any(|w| loc_of(w.1.loc) == l), "two writes planned at one location");
+                    assert!(
+                        !self.writes.iter().any(|w| !w.stolen && loc_of(w.plan.loc) == l),
+                        "two writes planned at one location"
+                    );
                     let g = self.geometry.unwrap();
                     assert!(plan.loc.offset + g.slot_bytes <= g.data_bytes(), "an entry past its region's data area");
-                    self.writes.push((key, plan, Bytes::Value(key, vid), self.cat.index[&key].sequence));
+                    let sequence = self.cat.index[&key].sequence;
+                    assert_eq!(plan.sequence, sequence);
+                    // The data plane stamps the descriptor and hands the write to its device queue.
+                    self.cat.write_queued(&key, &plan);
+                    let bytes = Bytes::Value(key, vid);
+                    self.writes.push(Write { key, plan, bytes, sequence, started: false, stolen: false });
                 }
                 self.submit_meta(meta);
             }
@@ -372,6 +409,7 @@ impl Model {
                         assert_eq!(direct, read.slot == NO_SLOT);
                         if read.slot != NO_SLOT {
                             assert!(!self.retired.contains(&read.slot));
+                            self.note_stolen(read.slot);
                             // The read lands in the slot later; until then it holds nothing usable.
                             self.slot_bytes[read.slot as usize] = Bytes::Garbage;
                         }
@@ -470,11 +508,21 @@ impl Model {
                     Pin::Prefix(key) => self.cat.unpin(&[key]),
                 }
             }
+            Op::StartWrite(i) => {
+                let queued: Vec<usize> = (0..self.writes.len()).filter(|&w| !self.writes[w].started).collect();
+                if !queued.is_empty() {
+                    self.start_write(queued[i % queued.len()]);
+                }
+            }
             Op::CompleteWrite(i, ok) => {
                 if self.writes.is_empty() {
                     return;
                 }
-                let (key, plan, bytes, sequence) = self.writes.remove(i % self.writes.len());
+                let at = i % self.writes.len();
+                if !self.writes[at].started && !self.start_write(at) {
+                    return;
+                }
+                let Write { key, plan, bytes, sequence, .. } = self.writes.remove(at);
                 assert_eq!(self.slot_bytes[plan.slot as usize], bytes, "a slot was reused while written to NVMe");
                 let l = loc_of(plan.loc);
                 if ok {
@@ -488,7 +536,8 @@ impl Model {
                     self.stamped.remove(&l);
                 }
                 self.saw(if ok { "NVMe write" } else { "NVMe write failed" });
-                if let Some(t) = self.cat.complete_write(&key, &plan, ok) {
+                let outcome = if ok { WriteOutcome::Written } else { WriteOutcome::Failed };
+                if let Some(t) = self.cat.complete_write(&key, &plan, outcome) {
                     self.submit_meta(vec![t]);
                 }
             }
@@ -535,6 +584,7 @@ impl Model {
                     Some(slot) => {
                         assert!(!tracked, "a shared load planned for a key the catalog holds");
                         assert!(!self.retired.contains(&slot));
+                        self.note_stolen(slot);
                         assert!(!self.cat.contains(&key), "a block being loaded is visible");
                         self.slot_bytes[slot as usize] = Bytes::Garbage;
                         self.shared_reads.push((key, slot));
@@ -644,6 +694,55 @@ impl Model {
             }
             Op::Restart => self.restart(),
         }
+    }
+
+    /// A load was handed `slot`: if a queued write still names it, the load took it from that write
+    /// (only an unstarted write of an unpinned block, and only when allowed), and the block is gone.
+    fn note_stolen(&mut self, slot: u32) {
+        let Some(at) = self.writes.iter().position(|w| w.plan.slot == slot && !w.stolen) else { return };
+        assert!(self.setup.cancel_writes, "a load took a queued write's slot with cancellation off");
+        assert!(!self.writes[at].started, "a load took the slot of a write the kernel is reading");
+        self.writes[at].stolen = true;
+        let w = self.writes[at];
+        let key = w.key;
+        assert!(
+            self.cat.index.get(&key).is_none_or(|e| e.sequence != w.sequence),
+            "the block whose write was cancelled is still indexed"
+        );
+        assert_eq!(self.held_pins(&key), 0, "a load took the slot of a pinned block");
+        // No hole in an open region (recovery's scan would stop there): the cancelled entry was the
+        // open region's last, and the next entry takes its place; or its region is sealing.
+        let loc = w.plan.loc;
+        let nvme = self.cat.nvme.as_ref().unwrap();
+        let device = &nvme.devices[loc.device as usize];
+        let region = &device.regions[loc.region as usize];
+        if device.open == Some(loc.region) {
+            assert_eq!(region.cursor, loc.offset, "a cancelled write left a hole in an open region");
+        } else {
+            assert_eq!(
+                region.state,
+                RegionState::Sealing,
+                "a write was cancelled in a region neither open nor sealing"
+            );
+        }
+        self.saw("load took a queued write's slot");
+    }
+
+    /// The device queue reaches write `at`: the gate submits it, or cancels it if a load took its
+    /// slot (then it completes at once, without touching the slot). Whether it was submitted.
+    fn start_write(&mut self, at: usize) -> bool {
+        let w = self.writes[at];
+        let submitted = self.cat.start_write(&w.plan);
+        assert_eq!(submitted, !w.stolen, "the gate disagrees with whether a load took the slot");
+        if submitted {
+            self.writes[at].started = true;
+            return true;
+        }
+        self.writes.remove(at);
+        if let Some(t) = self.cat.complete_write(&w.key, &w.plan, WriteOutcome::Cancelled) {
+            self.submit_meta(vec![t]);
+        }
+        false
     }
 
     /// A clean restart: the data plane drains (reads finish, pins go, fills abort, writes and trailers
@@ -801,8 +900,8 @@ impl Model {
             assert_eq!(e.dram, Some(*slot), "a shared load's slot is not its entry's");
             assert!(!e.visible(), "a block being loaded from the shared tier is visible");
         }
-        for (_, plan, bytes, _) in &self.writes {
-            assert_eq!(self.slot_bytes[plan.slot as usize], *bytes, "a slot being written was reused");
+        for w in self.writes.iter().filter(|w| !w.stolen) {
+            assert_eq!(self.slot_bytes[w.plan.slot as usize], w.bytes, "a slot being written was reused");
         }
         // The write backlog is exactly the fills and writes in flight (with an NVMe tier).
         if self.geometry.is_some() {
@@ -919,6 +1018,8 @@ fn model_reaches_every_path() {
         "retired slot",
         "recovered block",
         "write dropped (no region)",
+        "write cancelled for a load",
+        "load took a queued write's slot",
         "shared load",
         "shared hit",
         "shared read abandoned",
@@ -934,7 +1035,7 @@ fn model_reaches_every_path() {
 /// A catalog with 2 DRAM slots and one device of `regions` one-entry regions, region `i` holding key
 /// `i` (sealed, as recovery adopts it): every key starts NVMe-only.
 fn recovered_catalog(regions: u32) -> Catalog {
-    let setup = Setup { slots: 2, nvme: Some((1, regions as u64, 1)), dirty_slots: 2, lru: false };
+    let setup = Setup { slots: 2, nvme: Some((1, regions as u64, 1)), dirty_slots: 2, lru: false, cancel_writes: true };
     let g = Geometry::new(SLOT_BYTES, SLOT_BYTES + crate::format::trailer::trailer_bytes(1) as u64, regions as u64);
     let mut cat = new_catalog(&setup, Some(g));
     let found = (0..regions)

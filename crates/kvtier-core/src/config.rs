@@ -63,6 +63,9 @@ pub struct StoreConfig {
     pub load_threads: usize,
     /// How long a store or a load waits for a free DRAM slot before giving up (drop or miss).
     pub slot_wait_ms: u64,
+    /// A load short of DRAM slots takes the slot of a stored block whose NVMe write has not started
+    /// (dropping that store) instead of waiting for the write backlog to drain.
+    pub loads_cancel_queued_writes: bool,
     /// Test seam: inject I/O faults. Never set in production.
     pub fault_plan: Option<Arc<FaultPlan>>,
     /// Put the DRAM pool in this shared-memory file (a host service sharing it with engine processes)
@@ -100,6 +103,7 @@ impl StoreConfig {
             store_queue_jobs: 64,
             load_threads: 2,
             slot_wait_ms: 5000,
+            loads_cancel_queued_writes: true,
             fault_plan: None,
             pool_path: None,
             shared: None,
@@ -629,6 +633,17 @@ pub static OPTIONS: &[ConfigOption] = &[
         description: "How long a store or load waits for a free DRAM slot before it gives up (store dropped / block missed, both counted).",
         set: |c, v| c.slot_wait_ms = v.int(),
         get: |c| int(c.slot_wait_ms),
+    },
+    ConfigOption {
+        name: "loads_cancel_queued_writes",
+        field: "loads_cancel_queued_writes",
+        python: true,
+        kind: OptionKind::Bool,
+        unset: "",
+        constraint: "bool",
+        description: "Loads first: a load short of DRAM slots takes the slot of a stored block whose NVMe write has not started yet (that store is dropped, counted in `cancelled_writes`) instead of waiting for the write backlog to drain.",
+        set: |c, v| c.loads_cancel_queued_writes = v.bool(),
+        get: |c| Some(OptionValue::Bool(c.loads_cancel_queued_writes)),
     },
     // Shared-filesystem tier (docs/shared-tier.md): any shared_* option needs shared_root too.
     ConfigOption {

@@ -3,11 +3,11 @@
 //! finished ones are verified (descriptor, key, namespace, sequence, value checksum) and copied out.
 //! A block that fails verification is a miss, counted, and dropped from the index: never bytes.
 
-use crate::catalog::{Catalog, GetStep, LoadOutcome, MetaWrite, NvmeRead, PutStep, WritePlan, NO_SLOT};
+use crate::catalog::{Catalog, GetStep, LoadOutcome, MetaWrite, NvmeRead, PutStep, WriteOutcome, WritePlan, NO_SLOT};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::format::ALIGN_BYTES;
 use crate::io::buffer::AlignedBuf;
-use crate::io::device::{is_abandoned, IoOp};
+use crate::io::device::{is_abandoned, is_cancelled, IoOp};
 use crate::io::OpKind;
 use crate::key::BlockKey;
 use crate::shared_state::Shared;
@@ -322,6 +322,7 @@ fn get_blocks(
                         len: staging.len(),
                         iovecs: Vec::new(),
                         file: None,
+                        gate: None,
                         on_done: Box::new(move |r| {
                             let _ = tx.send(Done::Nvme(i, read, r, Landing::Staged(staging)));
                         }),
@@ -345,6 +346,7 @@ fn get_blocks(
                         len: DESCRIPTOR_BYTES + sh.config.object_bytes,
                         iovecs,
                         file: None,
+                        gate: None,
                         on_done: Box::new(move |r| {
                             let _ = tx.send(Done::Nvme(i, read, r, Landing::Direct(page)));
                         }),
@@ -359,6 +361,7 @@ fn get_blocks(
                     len: sh.arena.slot_bytes(),
                     iovecs: Vec::new(),
                     file: None,
+                    gate: None,
                     on_done: Box::new(move |r| {
                         let _ = tx.send(Done::Nvme(i, read, r, Landing::Slot));
                     }),
@@ -680,11 +683,14 @@ fn submit_entry_write(sh: &Arc<Shared>, key: BlockKey, plan: WritePlan) {
             plan.slot
         );
         Stats::add(&sh.stats.nvme_dropped_writes, 1);
-        finish_entry_write(sh, &key, &plan, false);
+        finish_entry_write(sh, &key, &plan, WriteOutcome::Failed);
         return;
     }
+    // Stamped: from here until the device queue submits it, a load short of slots may take the slot
+    // (the gate then cancels the write, which never touches the slot again).
+    sh.catalog.lock().write_queued(&key, &plan);
     let geometry = sh.geometry.expect("writes need the NVMe tier");
-    let shared = Arc::clone(sh);
+    let (gate_shared, shared) = (Arc::clone(sh), Arc::clone(sh));
     sh.devices[plan.loc.device as usize].write(IoOp {
         kind: OpKind::Write,
         offset: geometry.region_offset(plan.loc.region) + plan.loc.offset,
@@ -692,19 +698,25 @@ fn submit_entry_write(sh: &Arc<Shared>, key: BlockKey, plan: WritePlan) {
         len: sh.arena.slot_bytes(),
         iovecs: Vec::new(),
         file: None,
+        gate: Some(Box::new(move || gate_shared.catalog.lock().start_write(&plan))),
         on_done: Box::new(move |r| {
             // An abandoned write may still read the slot; reusing it can only change bytes at an
             // NVMe location the catalog records as unwritten (no trailer lists it), so it is freed.
-            if let Err(e) = &r {
-                log::warn!("kvtier: NVMe write of {key:?} failed: {e}; the block stays in DRAM only");
-            }
-            finish_entry_write(&shared, &key, &plan, r.is_ok());
+            let outcome = match &r {
+                Ok(()) => WriteOutcome::Written,
+                Err(e) if is_cancelled(e) => WriteOutcome::Cancelled,
+                Err(e) => {
+                    log::warn!("kvtier: NVMe write of {key:?} failed: {e}; the block stays in DRAM only");
+                    WriteOutcome::Failed
+                }
+            };
+            finish_entry_write(&shared, &key, &plan, outcome);
         }),
     });
 }
 
-fn finish_entry_write(sh: &Arc<Shared>, key: &BlockKey, plan: &WritePlan, written: bool) {
-    let trailer = sh.catalog.lock().complete_write(key, plan, written);
+fn finish_entry_write(sh: &Arc<Shared>, key: &BlockKey, plan: &WritePlan, outcome: WriteOutcome) {
+    let trailer = sh.catalog.lock().complete_write(key, plan, outcome);
     sh.changed.notify_all();
     if let Some(t) = trailer {
         submit_meta(sh, vec![t]);
@@ -728,6 +740,7 @@ pub(crate) fn submit_meta(sh: &Arc<Shared>, writes: Vec<MetaWrite>) {
             len,
             iovecs: Vec::new(),
             file: None,
+            gate: None,
             on_done: Box::new(move |r| {
                 if r.as_ref().is_err_and(is_abandoned) {
                     std::mem::forget(buf); // the kernel may still read it

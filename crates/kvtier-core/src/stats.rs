@@ -37,6 +37,9 @@ counters!(
     dram_evictions,
     nvme_region_evictions,
     dropped_stores,
+    // Stores dropped before their NVMe write started because a load short of DRAM slots took their
+    // slot (`loads_cancel_queued_writes`).
+    cancelled_writes,
     checksum_failures,
     io_errors,
     retired_slots,

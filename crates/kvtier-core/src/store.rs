@@ -148,6 +148,7 @@ impl Store {
             geometry.map(|g| (g, dirs.len())),
             Arc::clone(&stats),
         );
+        catalog.set_loads_cancel_writes(config.loads_cancel_queued_writes);
 
         let mut device_files = Vec::new();
         let mut startup_meta = Vec::new();

@@ -256,3 +256,57 @@ fn blocks_prefetched_from_nvme_stay_in_dram_for_their_load() {
         store.check_invariants();
     }
 }
+
+/// Loads go first: with every DRAM slot holding a stored block whose NVMe write waits in the device
+/// queue (slow writes, one in flight), a load of NVMe-only blocks takes the slots of queued writes
+/// instead of waiting for the backlog to drain. The stores it cancels are misses afterwards, counted
+/// in `cancelled_writes`, before and after a restart; every block served is byte-exact. With
+/// `loads_cancel_queued_writes` off the load waits and every store reaches NVMe.
+#[test]
+fn a_load_short_of_slots_takes_the_slots_of_queued_writes() {
+    for engine in engines() {
+        for cancel in [true, false] {
+            let dir = tempfile::tempdir().unwrap();
+            let mut cfg = config(dir.path(), engine, 64 * 1024);
+            cfg.max_write_inflight_bytes = cfg.slot_bytes();
+            cfg.max_dirty_bytes = 16 * cfg.slot_bytes();
+            cfg.slot_wait_ms = 30_000;
+            cfg.loads_cancel_queued_writes = cancel;
+            let mut slow = cfg.clone();
+            slow.fault_plan = Some(std::sync::Arc::new(kvtier_core::FaultPlan { delay_ms: 40, ..Default::default() }));
+            let store = Store::open(slow).unwrap();
+            let old: Vec<u64> = (0..8).collect();
+            assert!(put(&store, &old).iter().all(|&b| b));
+            store.flush().unwrap();
+            // A pool of fresh blocks: the old ones leave DRAM, the fresh ones queue for NVMe.
+            let fresh: Vec<u64> = (100..116).collect();
+            assert!(put(&store, &fresh).iter().all(|&b| b));
+            let wanted: Vec<_> = old[..4].iter().map(|&i| key(i)).collect();
+            let slots = store.acquire(&wanted).unwrap();
+            assert!(slots.iter().all(|s| s.is_some()), "{slots:?}");
+            store.release(&wanted);
+            let cancelled = store.stats().counters.cancelled_writes;
+            if cancel {
+                assert!((1..=4).contains(&cancelled), "engine {engine:?}: {cancelled} writes cancelled");
+            } else {
+                assert_eq!(cancelled, 0);
+            }
+            assert!(get_checked(&store, &old[..4]).iter().all(|&h| h));
+            // Stored after the cancellations: their entries go where the cancelled ones were planned
+            // (no hole in the open region, which a restart scans up to its first invalid entry).
+            let later: Vec<u64> = (200..204).collect();
+            assert!(put(&store, &later).iter().all(|&b| b));
+            store.flush().unwrap();
+            let missed = |hits: Vec<bool>| hits.iter().filter(|&&h| !h).count() as u64;
+            assert_eq!(missed(get_checked(&store, &fresh)), cancelled, "engine {engine:?}");
+            store.check_invariants();
+            drop(store);
+            // What reached NVMe is all a restart finds: the cancelled entries are holes in their region.
+            let store = Store::open(cfg).unwrap();
+            assert_eq!(missed(get_checked(&store, &fresh)), cancelled, "engine {engine:?}, after a restart");
+            assert!(get_checked(&store, &old).iter().all(|&h| h));
+            assert!(get_checked(&store, &later).iter().all(|&h| h), "engine {engine:?}: a flushed block was lost");
+            store.check_invariants();
+        }
+    }
+}

@@ -50,8 +50,31 @@ pub fn is_abandoned(error: &std::io::Error) -> bool {
     error.get_ref().is_some_and(|inner| inner.is::<Abandoned>())
 }
 
+/// The error an operation whose [`IoOp::gate`] said no completes with: it was never submitted, so
+/// the kernel never touched its buffer.
+#[derive(Debug)]
+pub struct Cancelled;
+
+impl std::fmt::Display for Cancelled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("cancelled before submission")
+    }
+}
+
+impl std::error::Error for Cancelled {}
+
+/// Whether `on_done` got a [`Cancelled`] error (the operation never reached the kernel).
+pub fn is_cancelled(error: &std::io::Error) -> bool {
+    error.get_ref().is_some_and(|inner| inner.is::<Cancelled>())
+}
+
 /// Called once on the device thread when an operation finishes. Must be quick.
 pub type OnDone = Box<dyn FnOnce(std::io::Result<()>) + Send>;
+
+/// Called once on the device thread right before an operation is submitted: `false` cancels it
+/// (`on_done` gets [`Cancelled`]). Lets the owner take back a queued operation's buffer without a
+/// race against its submission. Must be quick.
+pub type Gate = Box<dyn FnOnce() -> bool + Send>;
 
 /// An operation owned by the device queue until completion.
 pub struct IoOp {
@@ -65,6 +88,8 @@ pub struct IoOp {
     /// The file to transfer to or from instead of the queue's own; held until `on_done` has run, so
     /// that its descriptor cannot be closed (and reused) while the kernel still uses it.
     pub file: Option<Arc<File>>,
+    /// Asked before submission; `None` always submits.
+    pub gate: Option<Gate>,
     pub on_done: OnDone,
 }
 
@@ -89,6 +114,7 @@ impl Transfer {
             len: self.len,
             iovecs: self.iovecs,
             file: Some(self.file),
+            gate: None,
             on_done,
         }
     }
@@ -325,7 +351,13 @@ impl DeviceLoop {
         op.file.as_ref().map_or(self.fd, |f| f.as_raw_fd())
     }
 
-    fn stage(&mut self, op: IoOp) {
+    fn stage(&mut self, mut op: IoOp) {
+        if let Some(gate) = op.gate.take() {
+            if !gate() {
+                (op.on_done)(Err(std::io::Error::other(Cancelled)));
+                return;
+            }
+        }
         let token = self.next_token;
         self.next_token += 1;
         let write = op.kind == OpKind::Write;
@@ -564,6 +596,7 @@ mod tests {
             len,
             iovecs: Vec::new(),
             file: None,
+            gate: None,
             on_done: Box::new(move |result| {
                 let ptr = address as *const u8;
                 let still_held = held.lock().contains(&address);
@@ -620,6 +653,42 @@ mod tests {
         let error = r.result.expect_err("a device whose engine broke fails new I/O");
         assert!(!is_abandoned(&error) && !r.still_held, "never accepted, so its buffer is free to reuse");
         queue.shutdown();
+    }
+
+    /// A gate that says no (a load took the buffer back while the op was queued) keeps the op from the
+    /// engine: its buffer is never touched, its `on_done` gets `Cancelled`, and the write budget is
+    /// left as it was; a gate that says yes submits as usual.
+    #[test]
+    fn a_closed_gate_cancels_the_op_before_the_engine_sees_it() {
+        let (engine, held, _) = ScriptedEngine::new(0, usize::MAX);
+        let mut buffers = vec![vec![0u8; OP_BYTES]; 4];
+        let (tx, rx) = mpsc::channel();
+        let asked = Arc::new(AtomicUsize::new(0));
+        let queue = DeviceQueue::start("test", -1, Box::new(engine), 8, 1 << 20, None).unwrap();
+        for (i, b) in buffers.iter_mut().enumerate() {
+            let mut op = read_op(i, b, &held, &tx);
+            op.kind = OpKind::Write;
+            let asked = Arc::clone(&asked);
+            op.gate = Some(Box::new(move || {
+                asked.fetch_add(1, Ordering::SeqCst);
+                i % 2 == 0
+            }));
+            queue.write(op);
+        }
+        let mut released: Vec<Released> = (0..4).map(|_| rx.recv_timeout(Duration::from_secs(20)).unwrap()).collect();
+        queue.shutdown();
+        released.sort_by_key(|r| r.index);
+        assert_eq!(asked.load(Ordering::SeqCst), 4, "every gate is asked once");
+        for r in &released {
+            if r.index % 2 == 0 {
+                assert!(r.result.is_ok() && r.canary, "op {} was let through but not performed", r.index);
+            } else {
+                let error = r.result.as_ref().expect_err("a closed gate cancels");
+                assert!(is_cancelled(error) && !is_abandoned(error), "op {}: {error}", r.index);
+                assert!(!r.canary && !r.still_held, "op {}'s buffer reached the engine", r.index);
+            }
+        }
+        assert!(buffers[1].iter().all(|&b| b == 0) && buffers[3].iter().all(|&b| b == 0));
     }
 
     #[test]
