@@ -5,10 +5,13 @@
 //! Invariants:
 //! - A block is visible (lookups, loads) once its DRAM copy is whole or its NVMe copy is written.
 //! - A pinned entry (by a load in flight or by the engine between prepare_load and complete_load)
-//!   stays loadable: its NVMe region is never reclaimed, and its DRAM copy is evicted only when it
-//!   has a written NVMe copy and no reader. A reader (a copy out of the DRAM slot in flight: a DRAM
-//!   hit, `pin_resident`, a scrub) keeps the slot itself. Engine pins do not hold slots, so that a
-//!   request larger than the pool's free part can still be loaded through it, round by round.
+//!   stays loadable: its NVMe region is never reclaimed, and its DRAM copy is evicted only by a
+//!   load, only when it has a written NVMe copy and no reader (a store never evicts it). A reader (a
+//!   copy out of the DRAM slot in flight: a DRAM hit, `pin_resident`, a scrub) keeps the slot
+//!   itself. Engine pins do not hold slots against loads, so that a request larger than the pool's
+//!   free part can still be loaded through it, round by round.
+//! - Loads go first: a load waiting for a slot keeps puts off the pool, and a load short of slots
+//!   takes the slot of a block whose NVMe write has not started (that store is dropped).
 //! - A DRAM slot being filled, loaded or written to NVMe is never a victim.
 //! - Regions are reused oldest first (FIFO by region generation), whole.
 
@@ -455,7 +458,11 @@ impl Catalog {
 
     // ---- DRAM slots ----
 
-    fn alloc_slot(&mut self) -> Option<u32> {
+    /// A free slot, else a victim. `for_load`: a block pinned by a pending load (the engine's pin
+    /// between prepare_load and complete_load) may go when it has an NVMe copy, so that a request
+    /// larger than the pool's free part can still be loaded through it, round by round. A store
+    /// never evicts such a block: loads go first, and its load would have to read it again.
+    fn alloc_slot(&mut self, for_load: bool) -> Option<u32> {
         if let Some(slot) = self.free_slots.pop() {
             return Some(slot);
         }
@@ -464,7 +471,9 @@ impl Catalog {
             let s = &slots[slot as usize];
             s.state == SlotState::Resident
                 && !s.writing
-                && s.key.and_then(|k| index.get(&k)).is_none_or(|e| e.readers == 0 && (e.pins == 0 || e.nvme.is_some()))
+                && s.key
+                    .and_then(|k| index.get(&k))
+                    .is_none_or(|e| e.readers == 0 && (e.pins == 0 || (for_load && e.nvme.is_some())))
         })?;
         self.evict_slot(victim);
         Some(victim)
@@ -475,7 +484,7 @@ impl Catalog {
     /// reached the disk costs a later miss of that block, while waiting for the write backlog to
     /// drain stalls a request that is being served now.
     fn alloc_slot_for_load(&mut self) -> Option<u32> {
-        self.alloc_slot().or_else(|| self.steal_queued_write())
+        self.alloc_slot(true).or_else(|| self.steal_queued_write())
     }
 
     /// Takes the slot of the newest queued write whose block nobody pins: the block is forgotten (a
@@ -672,7 +681,7 @@ impl Catalog {
         if needs_write && self.dirty_bytes + self.slot_bytes as usize > self.max_dirty_bytes {
             return PutStep::NoSlot;
         }
-        let Some(slot) = self.alloc_slot() else { return PutStep::NoSlot };
+        let Some(slot) = self.alloc_slot(false) else { return PutStep::NoSlot };
         if needs_write {
             self.dirty_bytes += self.slot_bytes as usize;
         }

@@ -918,9 +918,9 @@ impl Model {
         assert!(gauges.nvme_used_bytes <= gauges.nvme_capacity_bytes);
     }
 
-    /// A failed read of `key` may drop its copy even while pinned; eviction may drop the DRAM copy
-    /// of a pinned block without readers that has an NVMe copy (the load reads NVMe); nothing else
-    /// may drop a pinned block's copy.
+    /// A failed read of `key` may drop its copy even while pinned; a load's eviction may drop the DRAM
+    /// copy of a pinned block without readers that has an NVMe copy (the load reads NVMe); nothing
+    /// else may drop a pinned block's copy.
     fn check_pinned_kept(
         &mut self,
         before: &BTreeMap<BlockKey, (Option<u32>, Option<NvmeLoc>, u32)>,
@@ -940,6 +940,8 @@ impl Model {
             }
             if let (Some(_), false) = (dram, kept) {
                 assert!(readers == 0 && nvme.is_some(), "pinned {key:?} lost its DRAM copy to {op:?}");
+                // Only a load may evict a block a pending load pinned; a store never does.
+                assert!(!matches!(op, Op::Put(_)), "a store evicted pinned {key:?} from DRAM");
                 evicted_to_nvme += 1;
             }
         }

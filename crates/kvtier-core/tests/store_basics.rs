@@ -310,3 +310,37 @@ fn a_load_short_of_slots_takes_the_slots_of_queued_writes() {
         }
     }
 }
+
+/// Blocks in DRAM that the engine has pinned for a pending load (prepare_load) stay there while new
+/// stores arrive before the load: a store never evicts a block a pending load pinned (it takes an
+/// unpinned victim, or waits for one, or is dropped and counted), so the load copies from DRAM
+/// instead of reading NVMe again. A load may still evict such a block, which keeps long requests
+/// loadable round by round.
+#[test]
+fn stores_do_not_evict_the_blocks_of_a_pending_load() {
+    for engine in engines() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = config(dir.path(), engine, 64 * 1024);
+        cfg.max_write_inflight_bytes = cfg.slot_bytes();
+        cfg.slot_wait_ms = 30_000;
+        cfg.fault_plan = Some(std::sync::Arc::new(kvtier_core::FaultPlan { delay_ms: 20, ..Default::default() }));
+        let store = Store::open(cfg).unwrap();
+        let ids: Vec<u64> = (0..16).collect();
+        assert!(put(&store, &ids).iter().all(|&b| b));
+        store.flush().unwrap();
+        let wanted: Vec<u64> = (0..8).collect();
+        let keys: Vec<_> = wanted.iter().map(|&i| key(i)).collect();
+        assert_eq!(store.pin_prefix(&keys), vec![true; 8], "the engine pins the request at prepare_load");
+        // New blocks arrive before the load: the first 8 take the unpinned slots and wait for their
+        // (slow) NVMe writes; the next 4 find only pinned blocks and blocks being written.
+        let fresh: Vec<u64> = (100..112).collect();
+        assert!(put(&store, &fresh).iter().all(|&b| b), "the stores wait for written victims");
+        let before = store.stats().counters;
+        assert!(get_checked(&store, &wanted).iter().all(|&h| h));
+        let after = store.stats().counters;
+        assert_eq!(after.nvme_hits - before.nvme_hits, 0, "engine {engine:?}: stores evicted the pinned blocks");
+        assert_eq!(after.dram_hits - before.dram_hits, 8);
+        store.unpin(&keys);
+        store.check_invariants();
+    }
+}
