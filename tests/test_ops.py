@@ -437,6 +437,7 @@ def test_metrics_scrape_has_the_issue_list(served: Served) -> None:
         "kvtier_op_latency_seconds_bucket",
         "kvtier_queue_depth",
         "kvtier_dropped_stores_total",
+        "kvtier_cancelled_writes_total",
         "kvtier_checksum_failures_total",
         "kvtier_evictions_total",
         "kvtier_up",

@@ -87,6 +87,7 @@ FAULT_COUNTERS = (
     "io_errors",
     "dropped_stores",
     "nvme_dropped_writes",
+    "cancelled_writes",
     "shared_publish_errors",
     "shared_dropped_publishes",
     "shared_quarantined_files",

@@ -903,6 +903,8 @@ _COUNTER_SOURCES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     "kvtier:dropped_stores": [
         ("dropped_stores", ("backpressure",)),
         ("nvme_dropped_writes", ("nvme_write",)),
+        # A load short of DRAM slots took the slot of a block whose NVMe write had not started.
+        ("cancelled_writes", ("load_first",)),
         # Blocks not published to the shared tier: they left DRAM while waiting in the publisher's
         # backlog, or writing the file failed (filesystem full, directory removed, ...).
         ("shared_dropped_publishes", ("shared_queue",)),

@@ -62,6 +62,7 @@ class Bench:
             dram_bytes=args.dram_mib << 20,
             nvme_bytes=args.nvme_gib << 30,
             region_bytes=64 << 20,
+            loads_cancel_queued_writes=not args.keep_queued_writes,
         )
         self.storer = self.client()
         self.loader = self.client()
@@ -176,11 +177,13 @@ def run(args: argparse.Namespace) -> dict:
         "pool_bytes": args.dram_mib << 20,
         "rounds": args.rounds,
         "copy_threads": args.copy_threads,
+        "loads_cancel_queued_writes": not args.keep_queued_writes,
         "loads": {name: spread(values) for name, values in samples.items()},
         "missed_blocks": {name: bench.misses.get(name, 0) for name in samples},
         "fio_read": floor,
         "service": {
-            name: stats.get(name) for name in ("slot_wait_timeouts", "dropped_stores", "nvme_hits", "misses", "puts")
+            name: stats.get(name)
+            for name in ("slot_wait_timeouts", "dropped_stores", "cancelled_writes", "nvme_hits", "misses", "puts")
         },
     }
 
@@ -194,6 +197,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nvme-gib", type=int, default=16, help="the service's NVMe tier")
     parser.add_argument("--flood", type=float, default=1.5, help="blocks stored after the targets, in pools")
     parser.add_argument("--copy-threads", type=int, default=2, help="threads the loader copies with")
+    parser.add_argument(
+        "--keep-queued-writes",
+        action="store_true",
+        help="loads short of DRAM slots wait for queued NVMe writes instead of taking their slots "
+        "(loads_cancel_queued_writes=False: the behaviour before 2026-11-26, to compare)",
+    )
     parser.add_argument("--dir", help="where the store lives (default: the system's temporary directory)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(list(argv) if argv is not None else None)

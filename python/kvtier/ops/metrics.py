@@ -133,6 +133,11 @@ def families(namespaces: list[dict[str, Any]], stats: dict[str, int]) -> Iterato
     evictions = counter("kvtier_evictions", "Evictions: DRAM blocks, NVMe regions, shared-tier files", tier_labels)
     drops = counter("kvtier_dropped_stores", "Stores given up (no room, queue full, a rank that never came)", ns_labels)
     nvme_drops = counter("kvtier_nvme_dropped_writes", "Blocks kept in DRAM only: no NVMe region to write", ns_labels)
+    cancelled = counter(
+        "kvtier_cancelled_writes",
+        "Stores dropped before their NVMe write started: a load short of DRAM slots took their slot",
+        ns_labels,
+    )
     checksum = counter("kvtier_checksum_failures", "Block copies that failed verification (load or verify)", ns_labels)
     io_errors = counter("kvtier_io_errors", "Failed reads and writes", ns_labels)
     queue = gauge(
@@ -214,6 +219,7 @@ def families(namespaces: list[dict[str, Any]], stats: dict[str, int]) -> Iterato
         evictions.add_metric([*labels, "shared"], v.get("shared_evicted_files", 0))
         drops.add_metric(labels, v.get("dropped_stores", 0))
         nvme_drops.add_metric(labels, v.get("nvme_dropped_writes", 0))
+        cancelled.add_metric(labels, v.get("cancelled_writes", 0))
         checksum.add_metric(labels, v.get("checksum_failures", 0))
         io_errors.add_metric(labels, v.get("io_errors", 0))
         queue.add_metric([*labels, "pending_fills"], v.get("service_pending_fills", 0))
@@ -248,7 +254,7 @@ def families(namespaces: list[dict[str, Any]], stats: dict[str, int]) -> Iterato
             io_order.add_metric([*labels, kind, "sequential"], sequential)
             io_order.add_metric([*labels, kind, "random"], v.get(f"nvme_{kind}_requests", 0) - sequential)
     yield from (hits, misses, lookups, used, capacity, blocks, stored, loaded, read, written, evictions)
-    yield from (drops, nvme_drops, checksum, io_errors, queue, backlog, attached, staleness, shared_files)
+    yield from (drops, nvme_drops, cancelled, checksum, io_errors, queue, backlog, attached, staleness, shared_files)
     yield from (shared_publish, latency)
     yield from (io_sizes, io_order, engine_lookups, engine_loads, engine_stores)
     service_connections = GaugeMetricFamily("kvtier_service_connections", "Connections to the service now")
