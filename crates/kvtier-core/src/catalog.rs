@@ -479,12 +479,13 @@ impl Catalog {
         Some(victim)
     }
 
-    /// A slot for a load: a free slot or a victim, else (if allowed) the slot of the newest stored
-    /// block whose NVMe write waits in a device queue. Loads go first: dropping a store that has not
-    /// reached the disk costs a later miss of that block, while waiting for the write backlog to
-    /// drain stalls a request that is being served now.
-    fn alloc_slot_for_load(&mut self) -> Option<u32> {
-        self.alloc_slot(true).or_else(|| self.steal_queued_write())
+    /// A slot for a load: a free slot or a victim, else, with `take_queued` (and if the store
+    /// allows it), the slot of the newest stored block outside `take_queued`'s set whose NVMe write
+    /// waits in a device queue. Loads go first: dropping a store that has not reached the disk costs
+    /// a later miss of that block, while waiting for the write backlog to drain stalls a request
+    /// that is being served now. The set names the blocks the load itself still needs.
+    fn alloc_slot_for_load(&mut self, take_queued: Option<&HashSet<BlockKey>>) -> Option<u32> {
+        self.alloc_slot(true).or_else(|| self.steal_queued_write(take_queued?))
     }
 
     /// Takes the slot of the newest queued write whose block nobody pins: the block is forgotten (a
@@ -495,14 +496,14 @@ impl Catalog {
     /// open region (the cursor steps back over it, and the next put takes the place), or an entry of
     /// a sealing region (its trailer lists only what was written). Recovery scans an open region
     /// up to its first invalid entry, so a hole there would lose the written entries after it.
-    fn steal_queued_write(&mut self) -> Option<u32> {
+    fn steal_queued_write(&mut self, spare: &HashSet<BlockKey>) -> Option<u32> {
         if !self.loads_cancel_writes {
             return None;
         }
         let (index, nvme) = (&self.index, self.nvme.as_ref()?);
         let (sequence, key, slot, loc) =
             self.queued_writes.iter().rev().find_map(|(&sequence, &(key, slot, loc))| {
-                let e = index.get(&key)?;
+                let e = index.get(&key).filter(|_| !spare.contains(&key))?;
                 let unpinned = e.sequence == sequence && e.pins == 0 && e.dram == Some(slot) && e.dram_ready;
                 (unpinned && nvme.cancel_leaves_no_hole(loc)).then_some((sequence, key, slot, loc))
             })?;
@@ -579,6 +580,16 @@ impl Catalog {
     /// `direct`: the caller's buffer can take an O_DIRECT read itself, so an NVMe-only block is read
     /// there without a DRAM slot (and is not promoted to DRAM).
     pub fn plan_get(&mut self, key: &BlockKey, direct: bool) -> GetStep {
+        self.plan_get_with(key, direct, None)
+    }
+
+    /// `plan_get` of a load that found no slot and cannot stage its read elsewhere: it may take the
+    /// slot of a queued write (see `alloc_slot_for_load`) of a block outside `spare`.
+    pub fn plan_get_taking_queued_write(&mut self, key: &BlockKey, spare: &HashSet<BlockKey>) -> GetStep {
+        self.plan_get_with(key, false, Some(spare))
+    }
+
+    fn plan_get_with(&mut self, key: &BlockKey, direct: bool, take_queued: Option<&HashSet<BlockKey>>) -> GetStep {
         let Some(e) = self.index.get_mut(key) else { return GetStep::Miss };
         if e.dram_ready {
             let slot = e.dram.expect("ready entry has a slot");
@@ -600,7 +611,7 @@ impl Catalog {
                 value_checksum: e.value_checksum,
             });
         }
-        let Some(slot) = self.alloc_slot_for_load() else { return GetStep::NoSlot };
+        let Some(slot) = self.alloc_slot_for_load(take_queued) else { return GetStep::NoSlot };
         // Eviction and stealing only drop entries without an NVMe copy, so this one is still here.
         let e = self.index.get_mut(key).expect("entry with an NVMe copy survives eviction");
         e.pins += 1;
@@ -1001,10 +1012,20 @@ impl Catalog {
     /// A slot in `Loading` state for `key`, or `None` when the catalog already has an entry for it (a
     /// put or another load in flight) or no slot can be freed.
     pub fn plan_get_shared(&mut self, key: &BlockKey) -> Option<u32> {
+        self.plan_get_shared_with(key, None)
+    }
+
+    /// `plan_get_shared` that may take the slot of a queued write of a block outside `spare` (see
+    /// `alloc_slot_for_load`).
+    pub fn plan_get_shared_taking_queued_write(&mut self, key: &BlockKey, spare: &HashSet<BlockKey>) -> Option<u32> {
+        self.plan_get_shared_with(key, Some(spare))
+    }
+
+    fn plan_get_shared_with(&mut self, key: &BlockKey, take_queued: Option<&HashSet<BlockKey>>) -> Option<u32> {
         if self.index.contains_key(key) {
             return None;
         }
-        let slot = self.alloc_slot_for_load()?;
+        let slot = self.alloc_slot_for_load(take_queued)?;
         self.claim_slot(key, slot, SlotState::Loading, 1);
         Some(slot)
     }

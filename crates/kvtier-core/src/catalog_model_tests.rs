@@ -389,7 +389,14 @@ impl Model {
                 let key = key(k);
                 let visible = self.cat.contains(&key);
                 let direct = direct && self.geometry.is_some();
-                match self.cat.plan_get(&key, direct) {
+                // Short of slots, a load that cannot stage elsewhere may take a queued write's slot,
+                // never one of a block it still needs (here: the next key).
+                let spare = self::key((k + 1) % KEYS);
+                let mut step = self.cat.plan_get(&key, direct);
+                if matches!(step, GetStep::NoSlot) {
+                    step = self.cat.plan_get_taking_queued_write(&key, &HashSet::from([spare]));
+                }
+                match step {
                     GetStep::Miss => assert!(!visible, "a visible key missed"),
                     GetStep::NoSlot => {
                         assert!(visible, "NoSlot for a key that is not visible");
@@ -409,7 +416,7 @@ impl Model {
                         assert_eq!(direct, read.slot == NO_SLOT);
                         if read.slot != NO_SLOT {
                             assert!(!self.retired.contains(&read.slot));
-                            self.note_stolen(read.slot);
+                            self.note_stolen(read.slot, spare);
                             // The read lands in the slot later; until then it holds nothing usable.
                             self.slot_bytes[read.slot as usize] = Bytes::Garbage;
                         }
@@ -580,11 +587,16 @@ impl Model {
             Op::StartShared(k) => {
                 let key = key(k);
                 let tracked = self.cat.has_entry(&key);
-                match self.cat.plan_get_shared(&key) {
+                let spare = self::key((k + 1) % KEYS);
+                let slot = self.cat.plan_get_shared(&key).or_else(|| {
+                    let tracked = self.cat.has_entry(&key);
+                    (!tracked).then(|| self.cat.plan_get_shared_taking_queued_write(&key, &HashSet::from([spare])))?
+                });
+                match slot {
                     Some(slot) => {
                         assert!(!tracked, "a shared load planned for a key the catalog holds");
                         assert!(!self.retired.contains(&slot));
-                        self.note_stolen(slot);
+                        self.note_stolen(slot, spare);
                         assert!(!self.cat.contains(&key), "a block being loaded is visible");
                         self.slot_bytes[slot as usize] = Bytes::Garbage;
                         self.shared_reads.push((key, slot));
@@ -698,8 +710,9 @@ impl Model {
 
     /// A load was handed `slot`: if a queued write still names it, the load took it from that write
     /// (only an unstarted write of an unpinned block, and only when allowed), and the block is gone.
-    fn note_stolen(&mut self, slot: u32) {
+    fn note_stolen(&mut self, slot: u32, spare: BlockKey) {
         let Some(at) = self.writes.iter().position(|w| w.plan.slot == slot && !w.stolen) else { return };
+        assert_ne!(self.writes[at].key, spare, "a load took the slot of a block it said it still needs");
         assert!(self.setup.cancel_writes, "a load took a queued write's slot with cancellation off");
         assert!(!self.writes[at].started, "a load took the slot of a write the kernel is reading");
         self.writes[at].stolen = true;
