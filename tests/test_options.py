@@ -36,6 +36,7 @@ def valid_values(tmp_path):
         "store_queue_jobs": 8,
         "load_threads": 1,
         "slot_wait_ms": 100,
+        "loads_cancel_queued_writes": False,
         "shared_root": str(shared),
         "shared_high_watermark": 0.95,
         "shared_low_watermark": 0.85,
