@@ -656,8 +656,8 @@ mod tests {
     }
 
     /// A gate that says no (a load took the buffer back while the op was queued) keeps the op from the
-    /// engine: its buffer is never touched, its `on_done` gets `Cancelled`, and the write budget is
-    /// left as it was; a gate that says yes submits as usual.
+    /// engine: its buffer is never touched and its `on_done` gets `Cancelled`; a gate that says yes
+    /// submits as usual.
     #[test]
     fn a_closed_gate_cancels_the_op_before_the_engine_sees_it() {
         let (engine, held, _) = ScriptedEngine::new(0, usize::MAX);
