@@ -118,25 +118,25 @@ struct NvmeState {
 }
 
 impl NvmeState {
-    /// `loc` is the last entry planned in its device's open region.
-    fn is_open_tail(&self, loc: NvmeLoc) -> bool {
-        let device = &self.devices[loc.device as usize];
-        device.open == Some(loc.region)
-            && loc.offset + self.geometry.slot_bytes == device.regions[loc.region as usize].cursor
-    }
-
     /// Whether dropping the write planned at `loc` leaves every open region without a hole: it is the
     /// last entry planned in its device's open region, or its region is sealing.
     fn cancel_leaves_no_hole(&self, loc: NvmeLoc) -> bool {
-        self.is_open_tail(loc)
-            || self.devices[loc.device as usize].regions[loc.region as usize].state == RegionState::Sealing
+        let device = &self.devices[loc.device as usize];
+        let region = &device.regions[loc.region as usize];
+        match device.open {
+            Some(open) if open == loc.region => loc.offset + self.geometry.slot_bytes == region.cursor,
+            _ => region.state == RegionState::Sealing,
+        }
     }
 
     /// The write planned at `loc` is dropped: if it was its open region's last entry, the next
     /// entry takes its place.
     fn rewind_if_last(&mut self, loc: NvmeLoc) {
-        if self.is_open_tail(loc) {
-            self.devices[loc.device as usize].regions[loc.region as usize].cursor = loc.offset;
+        let slot_bytes = self.geometry.slot_bytes;
+        let device = &mut self.devices[loc.device as usize];
+        let region = &mut device.regions[loc.region as usize];
+        if device.open == Some(loc.region) && loc.offset + slot_bytes == region.cursor {
+            region.cursor = loc.offset;
         }
     }
 }
@@ -244,7 +244,7 @@ pub struct Catalog {
     /// write or an unpin goes to the load, never to another store.
     loads_waiting: usize,
     /// NVMe entry writes handed to a device queue and not yet submitted to the kernel, by sequence:
-    /// (key, slot, location). A load short of slots may take one of these slots (`steal_queued_write`).
+    /// (key, slot). A load short of slots may take one of these slots (`steal_queued_write`).
     queued_writes: BTreeMap<u64, (BlockKey, u32, NvmeLoc)>,
     /// Whether loads may take the slots of queued writes (`loads_cancel_queued_writes`).
     loads_cancel_writes: bool,
@@ -480,11 +480,11 @@ impl Catalog {
     }
 
     /// A slot for a load: a free slot or a victim, else, with `take_queued` (and if the store
-    /// allows it), the slot of the newest stored block not in `take_queued` whose NVMe write waits
-    /// in a device queue. Loads go first: dropping a store that has not reached the disk costs a
-    /// later miss of that block, while waiting for the write backlog to drain stalls a request that
-    /// is being served now. `take_queued` lists the blocks the load itself still needs.
-    fn alloc_slot_for_load(&mut self, take_queued: Option<&[BlockKey]>) -> Option<u32> {
+    /// allows it), the slot of the newest stored block outside `take_queued`'s set whose NVMe write
+    /// waits in a device queue. Loads go first: dropping a store that has not reached the disk costs
+    /// a later miss of that block, while waiting for the write backlog to drain stalls a request
+    /// that is being served now. The set names the blocks the load itself still needs.
+    fn alloc_slot_for_load(&mut self, take_queued: Option<&HashSet<BlockKey>>) -> Option<u32> {
         self.alloc_slot(true).or_else(|| self.steal_queued_write(take_queued?))
     }
 
@@ -496,7 +496,7 @@ impl Catalog {
     /// open region (the cursor steps back over it, and the next put takes the place), or an entry of
     /// a sealing region (its trailer lists only what was written). Recovery scans an open region
     /// up to its first invalid entry, so a hole there would lose the written entries after it.
-    fn steal_queued_write(&mut self, spare: &[BlockKey]) -> Option<u32> {
+    fn steal_queued_write(&mut self, spare: &HashSet<BlockKey>) -> Option<u32> {
         if !self.loads_cancel_writes {
             return None;
         }
@@ -583,13 +583,13 @@ impl Catalog {
         self.plan_get_with(key, direct, None)
     }
 
-    /// `plan_get` of a load that cannot stage its read elsewhere: short of slots, it may take the
-    /// slot of a queued write (see `alloc_slot_for_load`) of a block not in `spare`.
-    pub fn plan_get_taking_queued_write(&mut self, key: &BlockKey, direct: bool, spare: &[BlockKey]) -> GetStep {
-        self.plan_get_with(key, direct, Some(spare))
+    /// `plan_get` of a load that found no slot and cannot stage its read elsewhere: it may take the
+    /// slot of a queued write (see `alloc_slot_for_load`) of a block outside `spare`.
+    pub fn plan_get_taking_queued_write(&mut self, key: &BlockKey, spare: &HashSet<BlockKey>) -> GetStep {
+        self.plan_get_with(key, false, Some(spare))
     }
 
-    fn plan_get_with(&mut self, key: &BlockKey, direct: bool, take_queued: Option<&[BlockKey]>) -> GetStep {
+    fn plan_get_with(&mut self, key: &BlockKey, direct: bool, take_queued: Option<&HashSet<BlockKey>>) -> GetStep {
         let Some(e) = self.index.get_mut(key) else { return GetStep::Miss };
         if e.dram_ready {
             let slot = e.dram.expect("ready entry has a slot");
@@ -1011,18 +1011,17 @@ pub struct Gauges {
 impl Catalog {
     /// A slot in `Loading` state for `key`, or `None` when the catalog already has an entry for it (a
     /// put or another load in flight) or no slot can be freed.
-    #[cfg(test)]
     pub fn plan_get_shared(&mut self, key: &BlockKey) -> Option<u32> {
         self.plan_get_shared_with(key, None)
     }
 
-    /// `plan_get_shared` that, short of slots, may take the slot of a queued write of a block not in
-    /// `spare` (see `alloc_slot_for_load`).
-    pub fn plan_get_shared_taking_queued_write(&mut self, key: &BlockKey, spare: &[BlockKey]) -> Option<u32> {
+    /// `plan_get_shared` that may take the slot of a queued write of a block outside `spare` (see
+    /// `alloc_slot_for_load`).
+    pub fn plan_get_shared_taking_queued_write(&mut self, key: &BlockKey, spare: &HashSet<BlockKey>) -> Option<u32> {
         self.plan_get_shared_with(key, Some(spare))
     }
 
-    fn plan_get_shared_with(&mut self, key: &BlockKey, take_queued: Option<&[BlockKey]>) -> Option<u32> {
+    fn plan_get_shared_with(&mut self, key: &BlockKey, take_queued: Option<&HashSet<BlockKey>>) -> Option<u32> {
         if self.index.contains_key(key) {
             return None;
         }

@@ -394,7 +394,7 @@ impl Model {
                 let spare = self::key((k + 1) % KEYS);
                 let mut step = self.cat.plan_get(&key, direct);
                 if matches!(step, GetStep::NoSlot) {
-                    step = self.cat.plan_get_taking_queued_write(&key, direct, &[spare]);
+                    step = self.cat.plan_get_taking_queued_write(&key, &HashSet::from([spare]));
                 }
                 match step {
                     GetStep::Miss => assert!(!visible, "a visible key missed"),
@@ -590,7 +590,7 @@ impl Model {
                 let spare = self::key((k + 1) % KEYS);
                 let slot = self.cat.plan_get_shared(&key).or_else(|| {
                     let tracked = self.cat.has_entry(&key);
-                    (!tracked).then(|| self.cat.plan_get_shared_taking_queued_write(&key, &[spare]))?
+                    (!tracked).then(|| self.cat.plan_get_shared_taking_queued_write(&key, &HashSet::from([spare])))?
                 });
                 match slot {
                     Some(slot) => {

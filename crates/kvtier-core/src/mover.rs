@@ -14,6 +14,7 @@ use crate::shared_state::Shared;
 use crate::stats::Stats;
 use crate::tiers::shared::{ReadOutcome, StartedRead};
 use crossbeam_channel::unbounded;
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -231,6 +232,9 @@ fn get_blocks(
     // Keys another load is reading into DRAM (`GetStep::Pending`): planned again once it is done.
     let mut waiting: Vec<usize> = Vec::new();
     let mut deadline: Option<Instant> = None;
+    // This load's keys, built when it first runs short of slots: queued writes it may take are
+    // other blocks' (`Catalog::plan_get_taking_queued_write`).
+    let mut spare: Option<HashSet<BlockKey>> = None;
     while next < n || inflight > 0 || !waiting.is_empty() {
         if (next < n || !waiting.is_empty()) && inflight < max_inflight {
             {
@@ -239,14 +243,13 @@ fn get_blocks(
                 while inflight + reads.len() + shared_reads.len() < max_inflight {
                     let Some(i) = retry.peek().copied().or((next < n).then_some(next)) else { break };
                     let direct = direct_io && bufs.is_some_and(|b| b[i].direct_capable());
+                    let mut step = cat.plan_get(&keys[i], direct);
                     let can_stage = bufs.is_some() && staged_inflight + reads.len() < MAX_STAGED_READS;
-                    let step = if can_stage {
-                        cat.plan_get(&keys[i], direct)
-                    } else {
-                        // Loads go first: rather than wait for the write backlog, a load that cannot
-                        // stage elsewhere takes the slot of a queued write (of a block it does not need).
-                        cat.plan_get_taking_queued_write(&keys[i], direct, keys)
-                    };
+                    if matches!(step, GetStep::NoSlot) && !can_stage {
+                        // Loads go first: rather than wait for the write backlog, take the slot of a
+                        // queued write (not of a block this load still needs).
+                        step = cat.plan_get_taking_queued_write(&keys[i], spare.get_or_insert_with(|| key_set(keys)));
+                    }
                     let planned = match step {
                         GetStep::Dram { slot } => {
                             dram_hits.push((i, slot));
@@ -260,7 +263,7 @@ fn get_blocks(
                             waiting.push(i);
                             true
                         }
-                        GetStep::Miss => match plan_shared_read(sh, &mut cat, &keys[i], keys) {
+                        GetStep::Miss => match plan_shared_read(sh, &mut cat, &keys[i], &mut spare, keys) {
                             Ok(Some(slot)) => {
                                 shared_reads.push((i, slot));
                                 true
@@ -775,13 +778,21 @@ fn plan_shared_read(
     sh: &Shared,
     cat: &mut crate::catalog::Catalog,
     key: &BlockKey,
+    spare: &mut Option<HashSet<BlockKey>>,
     keys: &[BlockKey],
 ) -> Result<Option<u32>, ()> {
     let Some(tier) = sh.shared_tier.as_ref() else { return Ok(None) };
     if !tier.contains(key) || cat.has_entry(key) {
         return Ok(None);
     }
-    cat.plan_get_shared_taking_queued_write(key, keys).map(Some).ok_or(())
+    let slot = cat
+        .plan_get_shared(key)
+        .or_else(|| cat.plan_get_shared_taking_queued_write(key, spare.get_or_insert_with(|| key_set(keys))));
+    slot.map(Some).ok_or(())
+}
+
+fn key_set(keys: &[BlockKey]) -> HashSet<BlockKey> {
+    keys.iter().copied().collect()
 }
 
 /// Shared-tier reads into DRAM slots that the tier has judged (`(key index, slot, outcome)`): a hit
