@@ -37,6 +37,16 @@ impl BlockBuffer {
         self.segments.iter().map(|s| s.1).sum()
     }
 
+    /// Engine layout: where block `block_id`'s page starts in a layer buffer of `layer_bytes` that
+    /// holds `page_bytes` per block, or `None` when any byte of the page would fall outside it. The
+    /// id comes from the caller (Python), so nothing here may wrap: an unchecked `start + page_bytes`
+    /// once let id 2^52 - 1 with 4 KiB pages pass as the page 4 KiB before the buffer.
+    pub fn layer_page_offset(block_id: usize, page_bytes: usize, layer_bytes: usize) -> Option<usize> {
+        let start = block_id.checked_mul(page_bytes)?;
+        let end = start.checked_add(page_bytes)?;
+        (end <= layer_bytes).then_some(start)
+    }
+
     /// Every segment starts and ends on a 4096-byte boundary, so an O_DIRECT read can land in it.
     fn direct_capable(&self) -> bool {
         self.segments
@@ -848,4 +858,40 @@ fn finish_shared_reads(
     }
     drop(cat);
     sh.changed.notify_all();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::BlockBuffer;
+
+    #[test]
+    fn layer_page_offset_accepts_exactly_the_pages_inside_the_layer() {
+        let page = 4096;
+        assert_eq!(BlockBuffer::layer_page_offset(0, page, 4 * page), Some(0));
+        assert_eq!(BlockBuffer::layer_page_offset(3, page, 4 * page), Some(3 * page));
+        assert_eq!(BlockBuffer::layer_page_offset(4, page, 4 * page), None);
+        assert_eq!(BlockBuffer::layer_page_offset(0, page, page - 1), None);
+        assert_eq!(BlockBuffer::layer_page_offset(0, 0, 0), Some(0));
+    }
+
+    #[test]
+    fn layer_page_offset_refuses_ids_whose_page_wraps_or_overflows() {
+        let page = 4096usize;
+        // start = 2^64 - 4096: `start + page` wraps to 0, which an unchecked sum took for in bounds.
+        let wrapping = (1usize << 52) - 1;
+        assert_eq!(wrapping.wrapping_mul(page).wrapping_add(page), 0);
+        for id in [wrapping, 1 << 52, usize::MAX / page + 1, usize::MAX] {
+            assert_eq!(BlockBuffer::layer_page_offset(id, page, usize::MAX), None, "id {id}");
+        }
+        for id in [wrapping, wrapping - 1, 1 << 52, (1 << 30) / page, usize::MAX] {
+            assert_eq!(BlockBuffer::layer_page_offset(id, page, 1 << 30), None, "id {id}");
+        }
+        // The page just below the wrap still fits a buffer that reaches the top of the address space.
+        assert_eq!(BlockBuffer::layer_page_offset(wrapping - 1, page, usize::MAX), Some(usize::MAX - 2 * page + 1));
+        // Every page size: the last id whose page starts below 2^64 ends past it, and is refused.
+        for page in [1usize, 2, 3, 512, 4096, 12_288, 1 << 20, usize::MAX / 3] {
+            let id = usize::MAX / page;
+            assert_eq!(BlockBuffer::layer_page_offset(id, page, usize::MAX), None, "page {page}");
+        }
+    }
 }

@@ -9,6 +9,8 @@
 //!   magic is flipped reads as "no trailer", which makes recovery scan the region instead);
 //! - oversized entry counts never cause allocations larger than the input (a counting allocator
 //!   measures the largest single allocation made while decoding);
+//! - block ids from Python: the page of any id (edge-biased around the 64-bit wrap of `id * page`) is
+//!   accepted exactly when it lies inside the layer buffer (`BlockBuffer::layer_page_offset`);
 //! - recovery: a real store whose device file gets random byte ranges overwritten with garbage (or
 //!   whole slots transplanted over others) reopens without panicking and every block it returns is
 //!   byte-identical to what was written.
@@ -380,6 +382,39 @@ fn trailer_oversized_entry_count_is_rejected_without_giant_allocation() {
             Ok(())
         },
     );
+}
+
+// ---- block ids from Python (the binding's engine-layout calls) ----
+
+/// Block ids biased to where `id * page (+ page)` wraps in 64 bits, around the end of the buffer, and
+/// anywhere.
+fn edgy_block_id(page: usize, layer_bytes: usize) -> impl Strategy<Value = usize> {
+    let wrap = usize::MAX / page.max(1);
+    let blocks = layer_bytes / page.max(1);
+    prop_oneof![
+        any::<usize>(),
+        (0usize..8).prop_map(move |x| wrap.saturating_sub(x)),
+        (0usize..8).prop_map(move |x| wrap.saturating_add(x)),
+        (0usize..8).prop_map(move |x| blocks.saturating_sub(4).saturating_add(x)),
+        (0usize..8).prop_map(move |x| usize::MAX - x),
+    ]
+}
+
+/// `BlockBuffer::layer_page_offset`, which every block id from Python goes through before memory is
+/// touched: `Some(start)` exactly when the whole page lies inside the layer (computed in u128, where
+/// nothing wraps), and then `start` is `id * page`.
+#[test]
+fn layer_page_offset_matches_exact_arithmetic_for_any_block_id() {
+    let pages = prop_oneof![1usize..=64, (1usize..=512).prop_map(|x| x * 4096), Just(4096), any::<usize>()];
+    let layer_bytes = prop_oneof![any::<usize>(), 0usize..1 << 24, (0usize..8).prop_map(|x| usize::MAX - x)];
+    let strategy = (pages, layer_bytes).prop_flat_map(|(page, len)| (Just(page), Just(len), edgy_block_id(page, len)));
+    check("layer_page_offset", cases() * 4, strategy, |(page, len, id)| {
+        let end = (id as u128) * (page as u128) + page as u128;
+        let inside = end <= len as u128;
+        let got = kvtier_core::BlockBuffer::layer_page_offset(id, page, len);
+        prop_assert_eq!(got, inside.then(|| id * page), "id {} page {} len {}", id, page, len);
+        Ok(())
+    });
 }
 
 // ---- recovery fuzz on a real device file ----

@@ -161,20 +161,36 @@ fn parse_layer_blocks(
     let page_bytes = object_bytes / bases.len();
     let mut out = Vec::new();
     for id in block_ids.try_iter()? {
-        let id: usize = id?.extract()?;
-        let mut segments = Vec::with_capacity(bases.len());
-        for (layer, &(base, len)) in bases.iter().enumerate() {
-            let start = id.checked_mul(page_bytes).filter(|s| s + page_bytes <= len).ok_or_else(|| {
-                PyValueError::new_err(format!(
-                    "block_ids: block {id} is outside layers[{layer}] ({len} bytes, {page_bytes} bytes per block)"
-                ))
-            })?;
-            // SAFETY: bounds checked above.
-            segments.push((unsafe { base.add(start) }, page_bytes));
-        }
-        out.push(BlockBuffer { segments });
+        out.push(layer_pages(&bases, page_bytes, &id?)?);
     }
     Ok(out)
+}
+
+/// Block `id`'s page in every layer, or a ValueError naming the id and the valid range. Every block id
+/// from Python goes through here: its page must lie wholly inside each layer buffer, checked without
+/// overflow (`BlockBuffer::layer_page_offset`), since the copies that follow trust the pointers.
+fn layer_pages(bases: &[(*mut u8, usize)], page_bytes: usize, id: &Bound<'_, PyAny>) -> PyResult<BlockBuffer> {
+    let bad = |what: String| {
+        let blocks = bases.iter().map(|&(_, len)| len.checked_div(page_bytes).unwrap_or(0)).min().unwrap_or(0);
+        PyValueError::new_err(format!(
+            "block_ids: {what}; valid ids are the integers in range({blocks}) ({page_bytes} bytes per block in each \
+             layer buffer): pass the engine's block ids for these buffers"
+        ))
+    };
+    // A negative or huge Python int (or no integer at all) is no block id: the same ValueError, not the
+    // OverflowError or TypeError of the conversion.
+    let block: usize = id.extract().map_err(|_| {
+        let shown = id.repr().map_or_else(|_| "?".to_string(), |r| r.to_string());
+        bad(format!("{shown} is not a block id"))
+    })?;
+    let mut segments = Vec::with_capacity(bases.len());
+    for (layer, &(base, len)) in bases.iter().enumerate() {
+        let start = BlockBuffer::layer_page_offset(block, page_bytes, len)
+            .ok_or_else(|| bad(format!("block {block} is outside layers[{layer}] ({len} bytes)")))?;
+        // SAFETY: `start + page_bytes <= len`, checked without overflow: the page is inside the buffer.
+        segments.push((unsafe { base.add(start) }, page_bytes));
+    }
+    Ok(BlockBuffer { segments })
 }
 
 fn parse_paths(path: &Bound<'_, PyAny>) -> PyResult<Vec<PathBuf>> {
