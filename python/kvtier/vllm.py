@@ -50,6 +50,7 @@ import itertools
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -105,6 +106,8 @@ VLLM_OFFLOADING_OPTION_NAMES = frozenset(
         "canonical_layout",
         "offload_prompt_only",
         "self_describing_kv_events",
+        # vLLM 0.33: bytes a step may load synchronously (expedited loads).
+        "sync_load_budget_bytes",
     }
 )
 
@@ -121,6 +124,10 @@ INTEGRATION_OPTION_DEFAULTS: dict[str, Any] = {
     "service_socket": "",
     # Where the service puts its shared-memory DRAM pools.
     "pool_dir": "/dev/shm",
+    # For a service this engine starts: a model's pool is freed after this many seconds with no
+    # engine attached (an engine restart within it still finds its blocks in DRAM), and the service
+    # exits once it holds none.
+    "service_idle_timeout_s": 300,
     # For a service this engine starts: the most DRAM the pools of all models on the host take
     # together; 0 = no host cap (each model's pool is dram_bytes).
     "host_dram_bytes": 0,
@@ -376,6 +383,7 @@ class KvtierOptions:
     host_service: bool = True
     service_socket: str = ""
     pool_dir: str = "/dev/shm"
+    service_idle_timeout_s: float = 300.0
     host_dram_bytes: int = 0
     service_timeout_ms: int = 5_000
     defer_stores: bool = True
@@ -422,6 +430,9 @@ class KvtierOptions:
         host_dram_bytes = int(option("host_dram_bytes"))
         if host_dram_bytes < 0:
             raise KvtierVllmConfigError('"host_dram_bytes" must be >= 0 (0: no host cap)')
+        service_idle_timeout_s = float(option("service_idle_timeout_s"))
+        if service_idle_timeout_s <= 0:
+            raise KvtierVllmConfigError('"service_idle_timeout_s" must be a positive number of seconds')
         deferred_store_max_blocks = int(option("deferred_store_max_blocks"))
         if deferred_store_max_blocks < 0:
             raise KvtierVllmConfigError('"deferred_store_max_blocks" must be >= 0 (0: drop every store held back)')
@@ -433,6 +444,7 @@ class KvtierOptions:
             host_service=bool(option("host_service")),
             service_socket=str(option("service_socket")),
             pool_dir=str(option("pool_dir")),
+            service_idle_timeout_s=service_idle_timeout_s,
             host_dram_bytes=host_dram_bytes,
             service_timeout_ms=service_timeout_ms,
             defer_stores=bool(option("defer_stores")),
@@ -687,6 +699,7 @@ class ServiceConnection:
             socket_path=self._options.socket_path(),
             pool_dir=self._options.pool_dir,
             start_timeout_s=start_timeout_s or SERVICE_START_TIMEOUT_S,
+            idle_timeout_s=self._options.service_idle_timeout_s,
         )
         client = connect(socket, timeout_ms=max(self._options.job_timeout_ms, self._options.service_timeout_ms))
         client.hello(self._description, self._tp_size, self._rank, self._slice_bytes)
@@ -1296,7 +1309,11 @@ class KvtierWorker(OffloadingWorker):
         assert isinstance(dst_spec, KvtierLoadStoreSpec), f"unexpected store spec {type(dst_spec).__name__}"
         return self._submit(job_id, False, dst_spec.keys, src_spec.block_ids.tolist())
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+    ) -> bool:
+        # vLLM 0.33 passes expedited=True for a load a step waits on; every kvtier load already goes
+        # before any store, so it needs nothing more here.
         assert isinstance(src_spec, KvtierLoadStoreSpec), f"unexpected load spec {type(src_spec).__name__}"
         return self._submit(job_id, True, src_spec.keys, dst_spec.block_ids.tolist())
 
@@ -1693,16 +1710,58 @@ class GpuServiceWorker(ServiceWorker):
 _constructing = threading.local()
 
 
+# How far up the stack the spec looks for the connector that is building it.
+_CONNECTOR_FRAME_DEPTH = 12
+
+
 def _current_vllm_config() -> Any | None:
+    """The vLLM config of the engine whose connector is building this spec.
+
+    vLLM hands a spec only the ``OffloadingConfig``, which lacks what the namespace needs (the prefix
+    hash algorithm, the model revision). ``KvtierConnector`` passes the config on; under vLLM's plain
+    ``OffloadingConnector`` the spec is built inside that connector's ``__init__``, whose
+    ``vllm_config`` argument is on the stack. vLLM's process-wide "current" config is the last
+    resort: the engine-core process does not set it while it builds the scheduler's connector, so
+    relying on it alone gave the scheduler and the workers different namespaces (no hit ever).
+    """
     config = getattr(_constructing, "vllm_config", None)
     if config is not None:
         return config
+    frame: Any = sys._getframe(1)
+    for _ in range(_CONNECTOR_FRAME_DEPTH):
+        if frame is None:
+            break
+        candidate = frame.f_locals.get("vllm_config")
+        if type(candidate).__name__ == "VllmConfig":
+            return candidate
+        frame = frame.f_back
     try:
-        from vllm.config import get_current_vllm_config
+        from vllm.config import get_current_vllm_config_or_none
 
-        return get_current_vllm_config()
-    except Exception:
+        return get_current_vllm_config_or_none()
+    except ImportError:
         return None
+
+
+_route_logged = False
+
+
+def _log_route_once(vllm_config: Any) -> None:
+    """Says once per process which connector route this engine takes, and what the plain one lacks."""
+    global _route_logged
+    if _route_logged:
+        return
+    _route_logged = True
+    connector = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector", None)
+    if connector == "KvtierConnector":
+        return
+    logger.warning(
+        "kvtier: running under vLLM's %s with kvtier's spec: hits are the same as with KvtierConnector, but a "
+        "block that fails verification cannot be recomputed (vLLM stops the engine rather than use it) and "
+        "stores are not held back during prefill steps. Set kv_connector='KvtierConnector' with "
+        "kv_connector_module_path='kvtier.vllm' for both",
+        connector,
+    )
 
 
 class KvtierOffloadingSpec(OffloadingSpec):
@@ -1716,6 +1775,13 @@ class KvtierOffloadingSpec(OffloadingSpec):
         super().__init__(config)
         self.options = KvtierOptions.from_extra_config(config.extra_config)
         self.vllm_config = _current_vllm_config()
+        if self.vllm_config is None:
+            raise KvtierVllmConfigError(
+                "kvtier: the spec was built outside a vLLM connector (no vLLM config found), so it cannot derive "
+                "the namespace every process of the engine must share. Configure it through vLLM's "
+                '"kv_connector": "KvtierConnector" (kvtier.vllm.kv_transfer_config) or "OffloadingConnector" '
+                "with spec_name/spec_module_path"
+            )
         if self.blocks_per_chunk != 1:
             raise KvtierVllmConfigError(
                 f"kvtier stores one object per engine block; remove block_size/blocks_per_chunk from "
@@ -1771,6 +1837,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
         return self.options.engine_label or str(getattr(self.config, "engine_id", "") or "")
 
     def get_manager(self) -> OffloadingManager:
+        _log_route_once(self.vllm_config)
         if self.options.host_service:
             check_hash_algo(self._hash_algo())
             pin_lease_s = max(60.0, 2 * self.options.job_timeout_ms / 1000)
