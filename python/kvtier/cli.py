@@ -7,6 +7,7 @@
     kvtier trim PATH ...      remove blocks nobody uses: --to BYTES, --older-than DURATION, --namespace NS
     kvtier top PATH           live view of the running service
     kvtier serve PATH [...]   the host service that engines share (kvtier.service)
+    kvtier service stop PATH  stop it (it flushes, frees its pools and exits)
     kvtier demo [...]         the end-to-end demo (kvtier.demo)
     kvtier bench io [...]     the store against fio and LMCache (kvtier.bench.io)
     kvtier bench ttft [...]   time to first token through a real engine (kvtier.bench.ttft)
@@ -163,6 +164,31 @@ def _report(kind: str, paths: Sequence[Path], socket: Path | None, as_json: bool
         return
     output = report.Output(plain=plain)
     (report.print_status if kind == "status" else report.print_ls)(result, output)
+
+
+@cli.group(cls=_Group)
+def service() -> None:
+    """The host service of a store path (engines start one on demand; `kvtier serve` runs one)."""
+
+
+@service.command(name="stop", short_help="stop the service of a store path (it flushes, frees its pools, exits)")
+@_paths_argument
+@_socket_option
+@click.option("--timeout", "timeout_s", type=float, default=60.0, show_default=True, help="seconds to wait for it")
+def service_stop(paths: tuple[Path, ...], socket: Path | None, timeout_s: float) -> None:
+    """SIGTERM to the service of PATH, then a wait while it flushes its stores to NVMe, removes its
+    pool files from /dev/shm and its socket, and exits. Exit 0 when none runs; 1 when it did not stop
+    within --timeout."""
+    from kvtier.service import default_socket_path, service_pid, stop_service
+
+    socket_path = socket or default_socket_path(list(paths) if len(paths) > 1 else paths[0])
+    pid = service_pid(socket_path)
+    if pid is None:
+        click.echo(f"kvtier service stop: no service recorded on {socket_path}")
+        return
+    if not stop_service(socket_path, timeout_s=timeout_s):
+        raise click.ClickException(f"kvtier service stop: pid {pid} on {socket_path} still runs after {timeout_s:g} s")
+    click.echo(f"kvtier service stop: stopped pid {pid} ({socket_path})")
 
 
 @cli.command(short_help="the store: service counters and hit rates per tier, or what its files tell")

@@ -9,17 +9,25 @@ can also run on its own (a systemd unit, a Kubernetes sidecar)::
 
 The socket defaults to ``$XDG_RUNTIME_DIR/kvtier/<digest of the store path>.sock`` (``/tmp/kvtier-<uid>/``
 without ``XDG_RUNTIME_DIR``), so every engine configured with the same ``path`` finds the same service.
+
+A service an engine starts is detached from it (``--detach``: its parent exits at once, so it is no
+descendant of any engine process, and vLLM's shutdown, which kills its engine's whole process tree,
+never reaches it). It frees a model's pool once no engine has been attached to it for
+``--idle-timeout-s`` and then exits (``--exit-when-idle``), removing its socket and pool files.
+``kvtier service stop PATH`` stops one at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -35,6 +43,12 @@ DEFAULT_POOL_DIR = "/dev/shm"
 # How long an engine waits for a service it started to answer.
 SERVICE_START_TIMEOUT_S = 120.0
 SERVICE_LOG_NAME = "service.log"
+# A service started on demand frees a model's pool after this long with no engine attached, and
+# exits once it holds none: long enough for an engine restart to find its blocks in DRAM.
+DEFAULT_IDLE_TIMEOUT_S = 300.0
+# How long `_answers` waits for a service that accepted the connection to answer `Stats`. A service
+# busy opening a namespace still answers at once (the open runs outside its locks).
+ANSWER_TIMEOUT_MS = 10_000
 
 
 def _paths(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
@@ -60,12 +74,48 @@ def service_command(
     socket_path: str | os.PathLike,
     options: Mapping[str, Any],
     pool_dir: str = DEFAULT_POOL_DIR,
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
 ) -> list[str]:
+    """The command an engine starts a service with: detached, freeing idle pools, exiting when idle."""
     command = [sys.executable, "-m", "kvtier", "serve", *_paths(path), "--socket", os.fspath(socket_path)]
-    command += ["--pool-dir", pool_dir]
+    command += ["--pool-dir", pool_dir, "--detach", "--exit-when-idle", "--idle-timeout-s", str(idle_timeout_s)]
     if options:
         command += ["--options-json", json.dumps(dict(options))]
     return command
+
+
+def private_dir(directory: Path) -> Path:
+    """Creates ``directory`` (0700) or checks the one there: a real directory (no symlink), owned by
+    this user, closed to others. Anything else is refused before a file is opened in it: in a shared
+    /tmp, another user could have made it, to have the engine append to a file of theirs."""
+    with contextlib.suppress(FileExistsError):
+        directory.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        os.mkdir(directory, 0o700)
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        kind = "a directory"
+        if stat.S_ISLNK(info.st_mode):
+            kind = "a symlink"
+        elif not stat.S_ISDIR(info.st_mode):
+            kind = "not a directory"
+        raise ServiceError(
+            f"{directory} is {kind} owned by uid {info.st_uid} with mode {stat.S_IMODE(info.st_mode):o}; kvtier "
+            f"keeps its service socket there and needs a directory of uid {os.geteuid()} closed to others (0700). "
+            f"Remove it, set XDG_RUNTIME_DIR, or set service_socket to a path in a private directory"
+        )
+    return directory
+
+
+def _open_private(path: Path, flags: int) -> int:
+    """A file descriptor for ``path`` in a private directory: never through a symlink, created 0600."""
+    try:
+        return os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise ServiceError(
+                f"{path} is a symlink; kvtier never writes through one there. Remove it and start again"
+            ) from None
+        raise
 
 
 def ensure_service(
@@ -74,56 +124,77 @@ def ensure_service(
     socket_path: str | os.PathLike | None = None,
     pool_dir: str = DEFAULT_POOL_DIR,
     start_timeout_s: float = SERVICE_START_TIMEOUT_S,
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
 ) -> Path:
     """The socket of a running service for ``path``, starting one if none answers.
 
     Engines racing to start it take a lock next to the socket, so one service starts. A service
-    started here runs in its own session and outlives the engine that started it; its log is
-    ``service.log`` next to the socket. A running service keeps the options it was started with.
+    started here is detached from this process (no engine's shutdown reaches it), frees a model's
+    pool after ``idle_timeout_s`` with no engine attached and then exits; its log is ``service.log``
+    next to the socket. A running service keeps the options it was started with.
     """
     socket = Path(socket_path) if socket_path else default_socket_path(path)
     if _answers(socket):
         return socket
-    socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with open(socket.with_suffix(".lock"), "a") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
+    private_dir(socket.parent)
+    lock_fd = _open_private(socket.with_suffix(".lock"), os.O_WRONLY | os.O_APPEND)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
         if _answers(socket):
             return socket
         log_path = socket.parent / SERVICE_LOG_NAME
-        with open(log_path, "ab") as log:
-            process = subprocess.Popen(
-                service_command(path, socket, options or {}, pool_dir),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                close_fds=True,
-            )
+        pid = _start_detached(service_command(path, socket, options or {}, pool_dir, idle_timeout_s), log_path)
         deadline = time.monotonic() + start_timeout_s
         while time.monotonic() < deadline:
-            if _answers(socket):
+            # Its pid file is written just after the socket answers: callers may read it at once.
+            if _answers(socket) and service_pid(socket) == pid:
                 return socket
-            if process.poll() is not None:
+            if pid is None or not _running(pid):
                 break
             time.sleep(0.05)
-        with contextlib.suppress(Exception):
-            if process.poll() is None:
-                process.kill()
+        if pid is not None and _running(pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         raise ServiceError(
-            f"kvtier service for {path} did not start (exit status {process.poll()}); its log "
+            f"kvtier service for {path} did not start within {start_timeout_s:.0f} s (pid {pid}); its log "
             f"{log_path} ends with:\n{_tail(log_path)}"
         )
+    finally:
+        os.close(lock_fd)
+
+
+def _start_detached(command: list[str], log_path: Path) -> int | None:
+    """Runs ``command`` (a ``kvtier serve --detach``) and returns the service's pid: the command
+    forks the service into a session of its own and exits, so the service is nobody's child."""
+    log_fd = _open_private(log_path, os.O_WRONLY | os.O_APPEND)
+    try:
+        launcher = subprocess.run(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log_fd,
+            close_fds=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(log_fd)
+    match = launcher.stdout.decode(errors="replace").strip().rpartition(" ")[2]
+    return int(match) if launcher.returncode == 0 and match.isdigit() else None
 
 
 def _answers(socket: Path) -> bool:
+    """Whether a service serves ``socket``. One that accepts the connection but answers slowly (busy
+    opening a large pool) still counts: starting a second one would only be refused."""
     if not socket.exists():
         return False
     try:
-        client = connect(socket, timeout_ms=2_000)
-        client.stats()
-        return True
+        client = connect(socket, timeout_ms=ANSWER_TIMEOUT_MS)
     except Exception:
         return False
+    with contextlib.suppress(Exception):
+        client.stats()
+    return True
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -188,19 +259,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the most DRAM the pools of all models take together (default: no cap; each gets dram_bytes)",
     )
     parser.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        default=0.0,
+        help="free a model's pool after this many seconds with no engine attached (0: never)",
+    )
+    parser.add_argument(
+        "--exit-when-idle",
+        action="store_true",
+        help="exit once no model and no connection has been held for --idle-timeout-s (services engines start)",
+    )
+    parser.add_argument(
+        "--detach",
+        action="store_true",
+        help="start the service in a session of its own, print its pid and return at once",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         default=None,
         help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (kvtier_* names, docs/cli.md)",
     )
     args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.idle_timeout_s < 0 or (args.exit_when_idle and args.idle_timeout_s == 0):
+        parser.error("--idle-timeout-s takes seconds > 0 with --exit-when-idle, >= 0 without")
+    if args.detach:
+        return _detach(list(argv) if argv is not None else sys.argv[1:])
     options = {**json.loads(args.options_json), **dict(args.option)}
     if args.host_dram_bytes is not None:
         options["host_dram_bytes"] = args.host_dram_bytes
     socket = Path(args.socket) if args.socket else default_socket_path(args.path)
     paths = args.path if len(args.path) > 1 else args.path[0]
     try:
-        service = Service.start(os.fspath(socket), paths, args.pool_dir, args.fill_timeout_ms, **options)
+        service = Service.start(
+            os.fspath(socket),
+            paths,
+            args.pool_dir,
+            args.fill_timeout_ms,
+            idle_timeout_ms=int(args.idle_timeout_s * 1000),
+            **options,
+        )
     except Exception as error:
         print(f"kvtier serve: {error}", file=sys.stderr)
         return 1
@@ -221,14 +319,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     pid_path = pid_file(socket)
     pid_path.write_text(f"{os.getpid()}\n")
     print(f"kvtier serve: serving {args.path} on {socket} (pid {os.getpid()})", flush=True)
+    idle_limit_ms = int(args.idle_timeout_s * 1000) if args.exit_when_idle else None
     while not stop.wait(1.0):
-        pass
+        if idle_limit_ms is not None and service.idle_ms() >= idle_limit_ms:
+            print(f"kvtier serve: no engine for {args.idle_timeout_s:g} s; exiting", flush=True)
+            break
     print("kvtier serve: stopping (flushing stores)", flush=True)
     if exporter is not None:
         exporter.shutdown()
     service.stop()
     with contextlib.suppress(OSError):
         pid_path.unlink()
+    return 0
+
+
+def _detach(argv: list[str]) -> int:
+    """Starts ``kvtier serve`` (these arguments, less ``--detach``) in a session of its own, prints
+    its pid, and returns: the service is then no child of whoever started this (an engine, whose
+    shutdown kills its process tree). Its output goes where this process's stderr goes."""
+    words = [word for word in argv if word != "--detach"]
+    child = subprocess.Popen(
+        [sys.executable, "-m", "kvtier", "serve", *words],
+        stdin=subprocess.DEVNULL,
+        stdout=sys.stderr.fileno(),
+        stderr=sys.stderr.fileno(),
+        start_new_session=True,
+        close_fds=True,
+    )
+    print(f"kvtier serve: started pid {child.pid}", flush=True)
     return 0
 
 

@@ -655,3 +655,156 @@ fn labelled_connections_count_per_engine() {
     drop((a, b, anonymous));
     service.stop().unwrap();
 }
+
+fn start_idle(dir: &Path, nvme_bytes: u64, idle_timeout_ms: u64) -> (Service, std::path::PathBuf) {
+    let mut store = StoreConfig::new(dir.join("store"), 1);
+    store.dram_bytes = 32 * (2 * SLICE + 4096);
+    store.nvme_bytes = nvme_bytes;
+    store.region_bytes = 1 << 20;
+    let socket = dir.join("run").join("kvtier.sock");
+    let mut config = ServiceConfig::new(&socket, store);
+    config.pool_dir = dir.to_path_buf();
+    config.idle_timeout_ms = idle_timeout_ms;
+    (Service::start(config).unwrap(), socket)
+}
+
+fn pool_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut found: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "pool"))
+        .collect();
+    found.sort();
+    found
+}
+
+fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    while std::time::Instant::now() < deadline {
+        if done() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    done()
+}
+
+#[test]
+fn a_namespace_no_engine_holds_is_closed_after_the_idle_time_and_reopens_from_nvme() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start_idle(dir.path(), 4 << 20, 1_000);
+    let keys: Vec<BlockKey> = (0..4).map(key).collect();
+    let values: Vec<Vec<u8>> = (0..4).map(|i| value(i, SLICE)).collect();
+    let mut a = client(&socket, 1, 0);
+    assert_eq!(store(&mut a, &keys, &values), vec![true; 4]);
+    a.flush().unwrap();
+    std::thread::sleep(Duration::from_millis(1_500));
+    assert_eq!(service.namespace_count(), 1, "an attached engine keeps its namespace open");
+    assert_eq!(service.idle_ms(), 0);
+    drop(a);
+    assert!(wait_until(Duration::from_secs(10), || service.namespace_count() == 0), "the idle namespace stayed open");
+    assert!(
+        pool_files(dir.path()).is_empty(),
+        "the closed namespace's pool file was left: {:?}",
+        pool_files(dir.path())
+    );
+    assert!(wait_until(Duration::from_secs(5), || service.idle_ms() >= 200));
+    // The next engine reopens it; its blocks come back from NVMe.
+    let mut b = client(&socket, 1, 0);
+    assert_eq!(service.idle_ms(), 0);
+    let (found, out) = load(&mut b, &keys);
+    assert_eq!(found, vec![true; 4]);
+    assert_eq!(out, values);
+    drop(b);
+    service.stop().unwrap();
+    assert!(pool_files(dir.path()).is_empty());
+}
+
+#[test]
+fn without_an_idle_time_a_namespace_stays_open_with_no_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start_idle(dir.path(), 0, 0);
+    drop(client(&socket, 1, 0));
+    std::thread::sleep(Duration::from_millis(1_500));
+    assert_eq!(service.namespace_count(), 1);
+    assert_eq!(pool_files(dir.path()).len(), 1);
+    assert_eq!(service.idle_ms(), 0, "a service holding a namespace is not idle");
+    service.stop().unwrap();
+}
+
+#[test]
+fn a_starting_service_removes_pool_files_and_sockets_of_dead_services_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let uid = rustix::process::geteuid().as_raw();
+    // What a service killed with SIGKILL leaves: a pool file nobody holds, a socket nobody serves.
+    let orphan = dir.path().join(format!("kvtier-{uid}-00000000000000aa-0123456789abcdef.pool"));
+    std::fs::write(&orphan, vec![0u8; 4096]).unwrap();
+    let an_hour_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
+    std::fs::File::options().write(true).open(&orphan).unwrap().set_modified(an_hour_ago).unwrap();
+    let foreign = dir.path().join("not-kvtier.pool");
+    std::fs::write(&foreign, b"x").unwrap();
+    let run = dir.path().join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let dead_socket = run.join("dead.sock");
+    drop(std::os::unix::net::UnixListener::bind(&dead_socket).unwrap());
+    std::fs::write(run.join("dead.pid"), b"1\n").unwrap();
+    // A live service of another store path, in the same directories: nothing of it is touched.
+    let mut other_store = StoreConfig::new(dir.path().join("other-store"), 1);
+    other_store.dram_bytes = 16 * (SLICE + 4096);
+    let mut other_config = ServiceConfig::new(run.join("other.sock"), other_store);
+    other_config.pool_dir = dir.path().to_path_buf();
+    let mut other = Service::start(other_config).unwrap();
+    let mut other_client = Client::connect(&run.join("other.sock"), Duration::from_secs(10)).unwrap();
+    other_client.hello(b"another model", 1, 0, SLICE).unwrap();
+    let live_pool = other_client.attached().unwrap().pool_path.clone();
+    std::fs::File::options().write(true).open(&live_pool).unwrap().set_modified(an_hour_ago).unwrap();
+
+    let (mut service, _socket) = start_idle(dir.path(), 0, 0);
+    assert!(!orphan.exists(), "the orphan pool file is still there");
+    assert!(!dead_socket.exists() && !run.join("dead.pid").exists(), "the dead service's socket is still there");
+    assert!(foreign.exists(), "a file that is not a kvtier pool was removed");
+    assert!(live_pool.exists(), "the pool of a live service was removed");
+    assert!(run.join("other.sock").exists(), "the socket of a live service was removed");
+    drop(other_client);
+    other.stop().unwrap();
+    service.stop().unwrap();
+}
+
+#[test]
+fn a_client_is_answered_while_another_namespace_opens() {
+    // A pool large enough that opening it (fallocate, faulting it in) takes a while.
+    let dir = tempfile::tempdir().unwrap();
+    let pool_dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let mut store = StoreConfig::new(dir.path().join("store"), 1);
+    store.dram_bytes = 512 << 20;
+    let socket = dir.path().join("run").join("kvtier.sock");
+    let mut config = ServiceConfig::new(&socket, store);
+    config.pool_dir = pool_dir.path().to_path_buf();
+    let mut service = Service::start(config).unwrap();
+    let opener_socket = socket.clone();
+    let opener = std::thread::spawn(move || {
+        let started = std::time::Instant::now();
+        let mut c = Client::connect(&opener_socket, Duration::from_secs(60)).unwrap();
+        c.hello(b"a large pool", 1, 0, 1 << 20).unwrap();
+        started.elapsed()
+    });
+    std::thread::sleep(Duration::from_millis(20));
+    let mut slowest = Duration::ZERO;
+    while !opener.is_finished() {
+        let started = std::time::Instant::now();
+        let mut c = Client::connect(&socket, Duration::from_secs(60)).unwrap();
+        c.stats().unwrap();
+        slowest = slowest.max(started.elapsed());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let open_time = opener.join().unwrap();
+    eprintln!("a namespace opened in {open_time:?}; the slowest Stats meanwhile took {slowest:?}");
+    assert!(
+        slowest < Duration::from_millis(250) || slowest * 4 < open_time,
+        "stats waited {slowest:?} while a namespace opened in {open_time:?}"
+    );
+    service.stop().unwrap();
+}

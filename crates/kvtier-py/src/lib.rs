@@ -1008,7 +1008,10 @@ impl PyService {
     /// (without `namespace` and `object_bytes`, which come from each engine).
     #[staticmethod]
     /// `host_dram_bytes`: the most DRAM all namespaces' pools take together (0: no host cap).
-    #[pyo3(signature = (socket_path, path, pool_dir = None, fill_timeout_ms = 10000, host_dram_bytes = 0, **options))]
+    /// `idle_timeout_ms`: a namespace no engine has been attached to for this long is closed and its
+    /// pool freed (0: never).
+    #[pyo3(signature = (socket_path, path, pool_dir = None, fill_timeout_ms = 10000, host_dram_bytes = 0, idle_timeout_ms = 0, **options))]
+    #[allow(clippy::too_many_arguments)]
     fn start(
         py: Python<'_>,
         socket_path: PathBuf,
@@ -1016,6 +1019,7 @@ impl PyService {
         pool_dir: Option<PathBuf>,
         fill_timeout_ms: u64,
         host_dram_bytes: u64,
+        idle_timeout_ms: u64,
         options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyService> {
         let template = PyDict::new(py);
@@ -1037,6 +1041,7 @@ impl PyService {
         }
         config.fill_timeout_ms = fill_timeout_ms;
         config.host_dram_bytes = host_dram_bytes;
+        config.idle_timeout_ms = idle_timeout_ms;
         let service = py.detach(move || Service::start(config)).map_err(to_py)?;
         Ok(PyService { inner: Mutex::new(Some(service)) })
     }
@@ -1044,6 +1049,11 @@ impl PyService {
     /// Namespaces (models) served now.
     fn namespace_count(&self) -> usize {
         self.inner.lock().as_ref().map_or(0, Service::namespace_count)
+    }
+
+    /// Milliseconds the service has held no connection and no namespace (0 while it holds either).
+    fn idle_ms(&self) -> u64 {
+        self.inner.lock().as_ref().map_or(0, Service::idle_ms)
     }
 
     /// Closes every connection, then flushes and closes the stores. Idempotent.

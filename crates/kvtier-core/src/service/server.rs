@@ -48,6 +48,10 @@ pub struct ServiceConfig {
     /// gets `store.dram_bytes`). Each namespace's pool is `store.dram_bytes`, or what is left of this
     /// budget when less; a namespace for which less than `MIN_POOL_SLOTS` slots are left is refused.
     pub host_dram_bytes: u64,
+    /// A namespace no connection has been attached to for this long is closed: its stores flushed,
+    /// its DRAM pool (and the pool file) freed. The next engine to attach reopens it (recovering its
+    /// NVMe tier). 0 keeps every namespace open until the service stops. Default 0.
+    pub idle_timeout_ms: u64,
 }
 
 /// The smallest pool a namespace is opened with under a host budget: fewer slots than this could
@@ -63,6 +67,7 @@ impl ServiceConfig {
             max_connections: 1024,
             fill_timeout_ms: 10_000,
             host_dram_bytes: 0,
+            idle_timeout_ms: 0,
         }
     }
 }
@@ -132,8 +137,11 @@ struct Namespaced {
     slice_bytes: u64,
     /// Service-side latency of the ops on this namespace.
     latency: super::latency::OpLatencies,
-    /// Connections attached (said hello) to it now.
+    /// Connections attached (said hello) to it now; changed under `State::namespaces`' lock, so the
+    /// janitor never closes a namespace a hello is attaching to.
     attached: AtomicU64,
+    /// When the last attached connection left (or the namespace opened).
+    detached_at: Mutex<Instant>,
     fills: Mutex<HashMap<BlockKey, Fill>>,
     /// Blocks a rank gave up for want of room; locked after `fills`.
     dropped: Mutex<DroppedKeys>,
@@ -154,6 +162,15 @@ impl Fill {
 struct State {
     config: ServiceConfig,
     namespaces: Mutex<HashMap<Namespace, Arc<Namespaced>>>,
+    /// One lock per namespace being opened: `Store::open` (recovery, fallocate and faulting in the
+    /// pool: seconds for a few GiB) runs outside `namespaces`' lock, so other clients' calls go on,
+    /// and two hellos for one new namespace open it once.
+    opening: Mutex<HashMap<Namespace, Arc<Mutex<()>>>>,
+    /// Serializes the opening of namespaces under a host DRAM budget (each new pool is sized from
+    /// what the others left).
+    budget: Mutex<()>,
+    /// When the service last held a connection or a namespace (for `Service::idle_ms`).
+    busy_at: Mutex<Instant>,
     /// Clones of the live connections, to shut them down when the service stops.
     connections: Mutex<HashMap<u64, UnixStream>>,
     next_connection: AtomicU64,
@@ -170,9 +187,13 @@ impl Service {
     /// Binds the socket and starts serving. Fails if another service answers on the socket.
     pub fn start(config: ServiceConfig) -> Result<Service> {
         let listener = bind(&config.socket_path)?;
+        remove_leftovers(&config);
         let state = Arc::new(State {
             config,
             namespaces: Mutex::new(HashMap::new()),
+            opening: Mutex::new(HashMap::new()),
+            budget: Mutex::new(()),
+            busy_at: Mutex::new(Instant::now()),
             connections: Mutex::new(HashMap::new()),
             next_connection: AtomicU64::new(1),
             stop: AtomicBool::new(false),
@@ -192,6 +213,12 @@ impl Service {
         self.state.namespaces.lock().len()
     }
 
+    /// How long the service has held no connection and no namespace (0 while it holds either): a
+    /// service started on demand exits once this passes its idle timeout.
+    pub fn idle_ms(&self) -> u64 {
+        self.state.idle_ms()
+    }
+
     /// Stops accepting, closes every connection, then flushes and closes every store. Idempotent.
     pub fn stop(&mut self) -> Result<()> {
         self.state.stop.store(true, Ordering::Release);
@@ -204,27 +231,37 @@ impl Service {
         let _ = std::fs::remove_file(&self.state.config.socket_path);
         let mut result = Ok(());
         for (_, ns) in self.state.namespaces.lock().drain() {
-            // Blocks some ranks committed and others never will: given back, so that the flush
-            // below does not wait on slots nobody fills.
-            let orphans: Vec<(BlockKey, u32)> = ns.fills.lock().drain().map(|(key, fill)| (key, fill.slot)).collect();
-            if !orphans.is_empty() {
-                ns.store.abort_puts(&orphans);
-            }
-            let pool_file = ns.store.pool().map(|pool| pool.path);
-            if let Err(e) = ns.store.close() {
-                log::warn!("kvtier: closing a store at service stop: {e}");
+            if let Err(e) = close_namespace(&ns) {
                 result = Err(e);
-            }
-            // The pool is tmpfs memory: left behind, it would hold RAM until reboot. Engines that
-            // still map it keep their mapping; the memory goes when the last one unmaps.
-            if let Some(path) = pool_file {
-                if let Err(e) = std::fs::remove_file(&path) {
-                    log::warn!("kvtier: removing the pool file {} at service stop: {e}", path.display());
-                }
             }
         }
         result
     }
+}
+
+/// Flushes and closes a namespace's store and removes its pool file.
+fn close_namespace(ns: &Namespaced) -> Result<()> {
+    // Blocks some ranks committed and others never will: given back, so that the flush below does
+    // not wait on slots nobody fills.
+    let orphans: Vec<(BlockKey, u32)> = ns.fills.lock().drain().map(|(key, fill)| (key, fill.slot)).collect();
+    if !orphans.is_empty() {
+        ns.store.abort_puts(&orphans);
+    }
+    let pool_file = ns.store.pool().map(|pool| pool.path);
+    let closed = ns.store.close();
+    if let Err(e) = &closed {
+        log::warn!("kvtier: closing a store: {e}");
+    }
+    // The pool is tmpfs memory: left behind, it would hold RAM until reboot. Engines that still map
+    // it keep their mapping; the memory goes when the last one unmaps.
+    if let Some(path) = pool_file {
+        if let Err(e) = std::fs::remove_file(&path) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                log::warn!("kvtier: removing the pool file {}: {e}", path.display());
+            }
+        }
+    }
+    closed
 }
 
 impl Drop for Service {
@@ -263,6 +300,29 @@ fn bind(socket_path: &std::path::Path) -> Result<UnixListener> {
     std::fs::set_permissions(socket_path, std::fs::Permissions::from_mode(0o600))
         .map_err(|e| Error::io(format!("chmod 0600 {}", socket_path.display()), e))?;
     Ok(listener)
+}
+
+/// Removes what dead services of this user left: pool files no process holds (tmpfs memory until
+/// reboot) and sockets nothing listens on, with their pid files.
+fn remove_leftovers(config: &ServiceConfig) {
+    let prefix = format!("{POOL_FILE_PREFIX}{}-", rustix::process::geteuid().as_raw());
+    for path in crate::tiers::dram::remove_orphan_pools(&config.pool_dir, &prefix) {
+        log::info!("kvtier: removed the pool file {} of a service that is gone", path.display());
+    }
+    let Some(dir) = config.socket_path.parent() else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let is_socket = entry.file_type().is_ok_and(|t| std::os::unix::fs::FileTypeExt::is_socket(&t));
+        if !is_socket || path == config.socket_path {
+            continue;
+        }
+        let refused = matches!(UnixStream::connect(&path), Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused);
+        if refused && std::fs::remove_file(&path).is_ok() {
+            let _ = std::fs::remove_file(path.with_extension("pid"));
+            log::info!("kvtier: removed the socket {} of a service that is gone", path.display());
+        }
+    }
 }
 
 /// The socket's directory must be ours and closed to others: someone who can write it could put
@@ -309,6 +369,7 @@ fn accept_loop(state: &Arc<State>, listener: UnixListener) {
         let spawned = std::thread::Builder::new().name(format!("kvtier-svc-conn-{id}")).spawn(move || {
             Connection { state: Arc::clone(&conn_state), session: None }.serve(stream);
             conn_state.connections.lock().remove(&id);
+            *conn_state.busy_at.lock() = Instant::now();
         });
         if spawned.is_err() {
             state.connections.lock().remove(&id);
@@ -360,6 +421,7 @@ fn janitor_loop(state: &Arc<State>) {
                 ns.store.abort_puts(&stale);
             }
         }
+        state.close_idle_namespaces();
     }
 }
 
@@ -591,7 +653,6 @@ impl Connection {
             .u64(pool.pool_bytes as u64)
             .u64(ns.store.object_bytes() as u64)
             .bytes(pool.path.as_os_str().as_encoded_bytes());
-        ns.attached.fetch_add(1, Ordering::Relaxed);
         self.session = Some(Session {
             ns,
             rank,
@@ -612,57 +673,132 @@ impl Connection {
 }
 
 impl State {
-    /// The namespace's store, opened on first use with the engines' layout.
+    /// The namespace's store, opened on first use with the engines' layout, with this connection
+    /// counted as attached to it.
     fn namespace(&self, description: &[u8], tp_size: u32, slice_bytes: u64) -> Result<Arc<Namespaced>> {
         let namespace = Namespace::from_description(description);
-        let mut namespaces = self.namespaces.lock();
-        if let Some(ns) = namespaces.get(&namespace) {
-            // Engines of different TP sizes share a namespace only when their description says the
-            // object is rank-independent (it then leaves the TP size out); each rank places its
-            // slice itself. All the service can check is that the objects are the same size.
-            if slice_bytes.checked_mul(u64::from(tp_size)) != Some(ns.store.object_bytes() as u64) {
-                return Err(Error::config(
-                    "hello",
-                    format!(
-                        "namespace {} is open with tp_size={} and {}-byte slices, not {tp_size} and {slice_bytes}: \
-                         the engines disagree on their layout",
-                        &namespace.hex()[..16],
-                        ns.tp_size,
-                        ns.slice_bytes
-                    ),
-                ));
-            }
-            return Ok(Arc::clone(ns));
+        if let Some(ns) = self.attach_open(&namespace, tp_size, slice_bytes)? {
+            return Ok(ns);
         }
+        let opening = Arc::clone(self.opening.lock().entry(namespace).or_default());
+        let _opening = opening.lock();
+        if let Some(ns) = self.attach_open(&namespace, tp_size, slice_bytes)? {
+            return Ok(ns);
+        }
+        let _budget = (self.config.host_dram_bytes > 0).then(|| self.budget.lock());
+        let ns = Arc::new(self.open_store(&namespace, description, tp_size, slice_bytes)?);
+        let mut namespaces = self.namespaces.lock();
+        ns.attached.fetch_add(1, Ordering::Relaxed);
+        namespaces.insert(namespace, Arc::clone(&ns));
+        Ok(ns)
+    }
+
+    /// The namespace if it is open (counting one more attached connection), `None` if not.
+    fn attach_open(&self, namespace: &Namespace, tp_size: u32, slice_bytes: u64) -> Result<Option<Arc<Namespaced>>> {
+        let namespaces = self.namespaces.lock();
+        let Some(ns) = namespaces.get(namespace) else { return Ok(None) };
+        // Engines of different TP sizes share a namespace only when their description says the
+        // object is rank-independent (it then leaves the TP size out); each rank places its slice
+        // itself. All the service can check is that the objects are the same size.
+        if slice_bytes.checked_mul(u64::from(tp_size)) != Some(ns.store.object_bytes() as u64) {
+            return Err(Error::config(
+                "hello",
+                format!(
+                    "namespace {} is open with tp_size={} and {}-byte slices, not {tp_size} and {slice_bytes}: \
+                     the engines disagree on their layout",
+                    &namespace.hex()[..16],
+                    ns.tp_size,
+                    ns.slice_bytes
+                ),
+            ));
+        }
+        ns.attached.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(Arc::clone(ns)))
+    }
+
+    /// Opens a new namespace's store (outside the namespaces' lock: this takes seconds).
+    fn open_store(
+        &self,
+        namespace: &Namespace,
+        description: &[u8],
+        tp_size: u32,
+        slice_bytes: u64,
+    ) -> Result<Namespaced> {
         let mut config = self.config.store.clone();
         config.namespace = description.to_vec();
-        config.object_bytes = usize::try_from(slice_bytes * u64::from(tp_size))
-            .map_err(|_| Error::config("object_bytes", "slices too large"))?;
+        config.object_bytes = slice_bytes
+            .checked_mul(u64::from(tp_size))
+            .and_then(|bytes| usize::try_from(bytes).ok())
+            .ok_or_else(|| Error::config("object_bytes", "slices too large"))?;
         if self.config.host_dram_bytes > 0 {
-            config.dram_bytes = self.pool_within_host_budget(&namespaces, &config)?;
+            config.dram_bytes = self.pool_within_host_budget(&self.namespaces.lock(), &config)?;
         }
-        config.pool_path = Some(self.config.pool_dir.join(format!(
-            "kvtier-{}-{:016x}-{}.pool",
-            rustix::process::geteuid().as_raw(),
-            socket_hash(&self.config.socket_path),
-            &namespace.hex()[..16]
-        )));
+        config.pool_path = Some(self.config.pool_dir.join(pool_file_name(&self.config.socket_path, namespace)));
         let store = Store::open(config)?;
-        let ns = Arc::new(Namespaced {
+        Ok(Namespaced {
             store,
             description: description.to_vec(),
             latency: super::latency::OpLatencies::default(),
             attached: AtomicU64::new(0),
+            detached_at: Mutex::new(Instant::now()),
             tp_size,
             slice_bytes,
             fills: Mutex::new(HashMap::new()),
             dropped: Mutex::new(DroppedKeys::default()),
             engines: Mutex::new(EngineTable::default()),
-        });
-        namespaces.insert(namespace, Arc::clone(&ns));
-        Ok(ns)
+        })
+    }
+
+    /// Closes the namespaces no connection has been attached to for `idle_timeout_ms`.
+    fn close_idle_namespaces(&self) {
+        if self.config.idle_timeout_ms == 0 {
+            return;
+        }
+        let idle = Duration::from_millis(self.config.idle_timeout_ms);
+        let is_idle =
+            |ns: &Namespaced| ns.attached.load(Ordering::Relaxed) == 0 && ns.detached_at.lock().elapsed() >= idle;
+        let candidates: Vec<Namespace> =
+            self.namespaces.lock().iter().filter(|(_, ns)| is_idle(ns)).map(|(digest, _)| *digest).collect();
+        for digest in candidates {
+            // Held while closing: a hello for this namespace waits, then reopens it (the store's
+            // directory lock and its pool file name are free again by then).
+            let opening = Arc::clone(self.opening.lock().entry(digest).or_default());
+            let _opening = opening.lock();
+            let ns = {
+                let mut namespaces = self.namespaces.lock();
+                match namespaces.get(&digest) {
+                    Some(ns) if is_idle(ns) => namespaces.remove(&digest),
+                    _ => None,
+                }
+            };
+            if let Some(ns) = ns {
+                log::info!("kvtier: closing namespace {} (no engine attached for {idle:?})", &digest.hex()[..16]);
+                let _ = close_namespace(&ns);
+                *self.busy_at.lock() = Instant::now();
+            }
+        }
+    }
+
+    fn idle_ms(&self) -> u64 {
+        if !self.connections.lock().is_empty() || !self.namespaces.lock().is_empty() {
+            return 0;
+        }
+        u64::try_from(self.busy_at.lock().elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 }
+
+/// `kvtier-<uid>-<socket hash>-<namespace>.pool`: the pool files of one service (two services on one
+/// host serve different store paths).
+fn pool_file_name(socket_path: &std::path::Path, namespace: &Namespace) -> String {
+    format!(
+        "{POOL_FILE_PREFIX}{}-{:016x}-{}.pool",
+        rustix::process::geteuid().as_raw(),
+        socket_hash(socket_path),
+        &namespace.hex()[..16]
+    )
+}
+
+const POOL_FILE_PREFIX: &str = "kvtier-";
 
 impl State {
     /// The DRAM a new namespace may take under `host_dram_bytes`: its `dram_bytes`, or what the open
@@ -1021,7 +1157,6 @@ impl Session {
 
     /// Gives back everything the connection held (it closed, or said hello again).
     fn release(mut session: Session) {
-        session.ns.attached.fetch_sub(1, Ordering::Relaxed);
         let reserved = session.reserved.clone();
         session.abort(&reserved);
         let pinned = drain_held(&mut session.pins);
@@ -1032,6 +1167,9 @@ impl Session {
         if !read.is_empty() {
             session.ns.store.release(&read);
         }
+        // The date first: the janitor reads `attached` before it, and must not see a stale date.
+        *session.ns.detached_at.lock() = Instant::now();
+        session.ns.attached.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -28,6 +28,9 @@ pub struct Arena {
     huge_pages: bool,
     /// The shared-memory file mapped, removed when the arena is dropped.
     file: Option<PathBuf>,
+    /// The open pool file, holding an exclusive flock for the arena's life: a file no process
+    /// holds locked is an orphan (its service died), which `remove_orphan_pools` may delete.
+    _owner: Option<std::fs::File>,
 }
 
 unsafe impl Send for Arena {}
@@ -57,10 +60,14 @@ impl Arena {
                 let (base, huge_pages) = map_anonymous(len)?;
                 (base, huge_pages, None)
             }
-            Some(path) => (map_shared_file(path, len)?, false, Some(path.to_path_buf())),
+            Some(path) => {
+                let (base, owner) = map_shared_file(path, len)?;
+                (base, false, Some((path.to_path_buf(), owner)))
+            }
         };
         PROCESS_ARENA_BYTES.fetch_add(len, Ordering::Relaxed);
-        Ok(Arena { base, len, slot_bytes, slot_count, huge_pages, file })
+        let (file, owner) = file.unzip();
+        Ok(Arena { base, len, slot_bytes, slot_count, huge_pages, file, _owner: owner })
     }
 
     /// The shared-memory file behind the pool, when it has one.
@@ -144,9 +151,9 @@ fn map_anonymous(len: usize) -> Result<(*mut u8, bool)> {
     Ok((p.cast(), false))
 }
 
-/// Creates (or replaces) the pool file and maps it shared. A leftover file of a dead service is
-/// replaced: its blocks were never recorded anywhere but in that service's memory.
-fn map_shared_file(path: &Path, len: usize) -> Result<*mut u8> {
+/// Creates (or replaces) the pool file, locks it and maps it shared. A leftover file of a dead
+/// service is replaced: its blocks were never recorded anywhere but in that service's memory.
+fn map_shared_file(path: &Path, len: usize) -> Result<(*mut u8, std::fs::File)> {
     use std::os::unix::fs::OpenOptionsExt;
     let _ = std::fs::remove_file(path);
     let file = std::fs::OpenOptions::new()
@@ -157,6 +164,8 @@ fn map_shared_file(path: &Path, len: usize) -> Result<*mut u8> {
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
         .map_err(|e| Error::io(format!("creating the shared DRAM pool {}", path.display()), e))?;
+    rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)
+        .map_err(|e| Error::io(format!("locking the shared DRAM pool {}", path.display()), e.into()))?;
     // SAFETY: a valid fd; allocates the file's blocks up front.
     let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
     if rc != 0 {
@@ -183,7 +192,47 @@ fn map_shared_file(path: &Path, len: usize) -> Result<*mut u8> {
         ));
     }
     populate(p.cast(), len);
-    Ok(p.cast())
+    Ok((p.cast(), file))
+}
+
+/// Pool files younger than this are left alone by `remove_orphan_pools`: their creator may not have
+/// locked them yet.
+const ORPHAN_MIN_AGE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Removes the pool files in `dir` whose names start with `prefix` and that no process holds
+/// locked (their service died without removing them: tmpfs memory held until reboot). Returns the
+/// paths removed. Files of other users, and anything that is not a regular file, are left alone.
+pub fn remove_orphan_pools(dir: &Path, prefix: &str) -> Vec<PathBuf> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let me = rustix::process::geteuid().as_raw();
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if !name.starts_with(prefix) || !name.ends_with(".pool") {
+            continue;
+        }
+        let path = entry.path();
+        let Ok(meta) = std::fs::symlink_metadata(&path) else { continue };
+        let young = meta.modified().ok().and_then(|t| t.elapsed().ok()).is_none_or(|age| age < ORPHAN_MIN_AGE);
+        if !meta.file_type().is_file() || meta.uid() != me || young {
+            continue;
+        }
+        let Ok(file) = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(&path)
+        else {
+            continue;
+        };
+        if rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_ok()
+            && std::fs::remove_file(&path).is_ok()
+        {
+            removed.push(path);
+        }
+    }
+    removed
 }
 
 fn free_bytes(dir: &Path) -> Option<u64> {
@@ -192,14 +241,27 @@ fn free_bytes(dir: &Path) -> Option<u64> {
 }
 
 /// Faults the pool in at open so that page faults and zeroing stay off the load path.
+///
+/// In steps of `POPULATE_STEP_BYTES`: the kernel holds the process's memory-map lock for a whole
+/// populate call, and every thread that maps memory meanwhile (a new thread's stack: the service's
+/// next connection) waits for it. One call over a few GiB stalled the service for seconds.
 fn populate(base: *mut u8, len: usize) {
     const MADV_POPULATE_WRITE: libc::c_int = 23;
-    // SAFETY: the range is our own fresh mapping.
-    if unsafe { libc::madvise(base.cast(), len, MADV_POPULATE_WRITE) } == 0 {
+    const POPULATE_STEP_BYTES: usize = 16 << 20;
+    let mut offset = 0;
+    while offset < len {
+        let step = POPULATE_STEP_BYTES.min(len - offset);
+        // SAFETY: the range is inside our own fresh mapping.
+        if unsafe { libc::madvise(base.add(offset).cast(), step, MADV_POPULATE_WRITE) } != 0 {
+            break;
+        }
+        offset += step;
+    }
+    if offset >= len {
         return;
     }
     // Kernels before 5.14: touch one byte per page.
-    for offset in (0..len).step_by(4096) {
+    for offset in (offset..len).step_by(4096) {
         // SAFETY: in bounds of the mapping.
         unsafe { base.add(offset).write_volatile(0) };
     }

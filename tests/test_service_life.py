@@ -1,0 +1,120 @@
+"""The host service's life as engines see it: started detached (no engine's process tree holds it),
+it frees an idle model's pool, exits when it holds none and leaves no file behind; a service that
+starts removes what dead ones left; `kvtier service stop` stops one; and the directory the engine
+keeps its socket, lock and log in is checked before anything is opened there (issue 23, item 2;
+issue 24, item 3). Real services over real sockets, no vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvtier import service as kvtier_service
+from kvtier.errors import ServiceError
+
+SLICE_BYTES = 64 << 10
+
+
+def _pool_files(pool_dir: Path) -> list[str]:
+    return sorted(p.name for p in pool_dir.iterdir() if p.suffix == ".pool")
+
+
+def _parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _wait(condition, limit_s: float) -> bool:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def test_a_service_an_engine_starts_is_detached_frees_idle_pools_and_exits_leaving_nothing(tmp_path):
+    pool_dir = tmp_path / "shm"
+    pool_dir.mkdir()
+    socket = tmp_path / "run" / "kvtier.sock"
+    started = kvtier_service.ensure_service(
+        tmp_path / "store", {"dram_bytes": 4 << 20, "nvme_bytes": 0}, socket, str(pool_dir), idle_timeout_s=1.5
+    )
+    pid = kvtier_service.service_pid(started)
+    assert pid is not None
+    try:
+        # Not our child, nor in our session: killing this process's tree (what vLLM's shutdown does
+        # to an engine) cannot reach it.
+        assert _parent_pid(pid) != os.getpid()
+        assert os.getsid(pid) != os.getsid(0)
+        client = kvtier_service.connect(started)
+        client.hello(b"model", 1, 0, SLICE_BYTES)
+        assert len(_pool_files(pool_dir)) == 1
+        time.sleep(2.5)
+        assert kvtier_service._running(pid) and len(_pool_files(pool_dir)) == 1, "an attached model was freed"
+        del client
+        assert _wait(lambda: not _pool_files(pool_dir), 10), "the idle model's pool stayed"
+        assert _wait(lambda: not kvtier_service._running(pid), 10), "the idle service did not exit"
+        assert not socket.exists() and not kvtier_service.pid_file(socket).exists()
+    finally:
+        kvtier_service.stop_service(started)
+
+
+def test_kvtier_service_stop_stops_the_service_of_a_path_and_says_when_none_runs(tmp_path):
+    pool_dir = tmp_path / "shm"
+    pool_dir.mkdir()
+    socket = tmp_path / "run" / "kvtier.sock"
+    kvtier_service.ensure_service(tmp_path / "store", {"dram_bytes": 4 << 20, "nvme_bytes": 0}, socket, str(pool_dir))
+    kvtier_service.connect(socket).hello(b"model", 1, 0, SLICE_BYTES)
+    pid = kvtier_service.service_pid(socket)
+    assert pid is not None
+    command = [sys.executable, "-m", "kvtier", "service", "stop", str(tmp_path / "store"), "--socket", str(socket)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"stopped pid {pid}" in done.stdout
+    assert not kvtier_service._running(pid) and not _pool_files(pool_dir) and not socket.exists()
+    again = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "no service" in again.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a directory of another user needs root")
+def test_a_socket_directory_of_another_user_is_refused_before_anything_is_opened(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    os.chown(run, 12345, 12345)
+    with pytest.raises(ServiceError, match="owned by uid 12345"):
+        kvtier_service.ensure_service(tmp_path / "store", {}, run / "kvtier.sock", str(tmp_path))
+    assert list(run.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["open to others", "symlink"])
+def test_a_socket_directory_open_to_others_or_a_symlink_is_refused(tmp_path, kind):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    run = tmp_path / "run"
+    if kind == "symlink":
+        run.symlink_to(real)
+    else:
+        run.mkdir()
+        run.chmod(0o777)
+    with pytest.raises(ServiceError, match="closed to others"):
+        kvtier_service.ensure_service(tmp_path / "store", {}, run / "kvtier.sock", str(tmp_path))
+    assert list(real.iterdir()) == []
+    if kind != "symlink":
+        assert list(run.iterdir()) == []
+
+
+def test_a_log_file_planted_as_a_symlink_is_never_written_through(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (run / kvtier_service.SERVICE_LOG_NAME).symlink_to(victim)
+    with pytest.raises(ServiceError, match="symlink"):
+        kvtier_service.ensure_service(tmp_path / "store", {}, run / "kvtier.sock", str(tmp_path))
+    assert victim.read_text() == "precious\n"
