@@ -59,6 +59,9 @@ counters!(
     // later from DRAM, or counted in shared_dropped_publishes if the block left DRAM first).
     shared_deferred_publishes,
     shared_auth_failures,
+    // Opens under the shared root refused because a symlink, FIFO, socket or device sat where a data
+    // file, manifest or lease should be (each refusal; such a data file is also quarantined).
+    shared_not_regular_files,
     // The NVMe tier's I/O pattern, as the device queues submit it (seed 002's experiment 6): requests,
     // their bytes, those starting where the device's previous request of the same kind ended, and
     // how many fall in each size class (upper bounds, `IO_SIZE_CLASSES`).

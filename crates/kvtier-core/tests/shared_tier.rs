@@ -1035,3 +1035,350 @@ fn injected_faults_on_shared_reads_and_writes_are_misses_never_wrong_bytes() {
     assert!(stats.snapshot().checksum_failures > 0, "torn writes were not caught");
     assert!(hits < n as usize, "every block was served although some were torn");
 }
+
+// ---- a FIFO or a symlink where a data file, manifest or lease should be (issue 24, item 2) ----
+//
+// Anyone who can write the shared root can plant these, with no key. A FIFO's plain open blocks until a
+// writer comes: before the fix a load touching it, or the maintenance pass reading it, never returned.
+// Each test therefore runs under `within`, so that a regression fails instead of hanging the run.
+
+/// Runs `f` on a thread and fails the test if it takes longer than `limit`.
+fn within<T: Send + 'static>(limit: Duration, what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let handle = std::thread::spawn(move || {
+        let r = f();
+        let _ = tx.send(());
+        r
+    });
+    match rx.recv_timeout(limit) {
+        Ok(()) => handle.join().unwrap(),
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => match handle.join() {
+            Ok(r) => r,
+            Err(p) => std::panic::resume_unwind(p),
+        },
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("{what}: no result after {limit:?} (hang)"),
+    }
+}
+
+fn mkfifo(path: &Path) {
+    let mode = rustix::fs::Mode::from_raw_mode(0o600);
+    rustix::fs::mknodat(rustix::fs::CWD, path, rustix::fs::FileType::Fifo, mode, 0).unwrap();
+}
+
+/// What takes a published data file's place.
+#[derive(Debug, Clone, Copy)]
+enum Planted {
+    Fifo,
+    SymlinkToFifo,
+    /// A symlink to the file's own bytes, moved aside: valid blocks, still never read through a link.
+    SymlinkToTheFile,
+}
+
+fn plant(path: &Path, planted: Planted) {
+    let aside = path.with_extension("aside");
+    std::fs::rename(path, &aside).unwrap();
+    match planted {
+        Planted::Fifo => mkfifo(path),
+        Planted::SymlinkToFifo => {
+            let fifo = path.with_extension("fifo");
+            mkfifo(&fifo);
+            std::os::unix::fs::symlink(&fifo, path).unwrap();
+        }
+        Planted::SymlinkToTheFile => std::os::unix::fs::symlink(&aside, path).unwrap(),
+    }
+}
+
+#[test]
+fn a_data_file_replaced_by_a_fifo_or_a_symlink_is_a_counted_miss_within_bounded_time() {
+    for planted in [Planted::Fifo, Planted::SymlinkToFifo, Planted::SymlinkToTheFile] {
+        within(Duration::from_secs(60), &format!("{planted:?}"), move || {
+            let dir = tempfile::tempdir().unwrap();
+            let c = config(dir.path());
+            let (a, stats) = open(&c, "model-a");
+            publish(&a, 0..10);
+            let files = data_files(a.namespace_dir());
+            assert_eq!(files.len(), 1);
+            plant(&files[0], planted);
+            let (other, _) = open(&c, "model-a");
+            assert!(other.contains(&key(0)));
+
+            let reader = Arc::clone(&a);
+            let hit =
+                within(Duration::from_secs(5), &format!("a load from a {planted:?}"), move || read_ok(&reader, 3));
+            assert!(!hit, "{planted:?}: served through something that is not a regular file");
+            let s = stats.snapshot();
+            let counted = (s.shared_misses, s.shared_not_regular_files, s.shared_quarantined_files, s.shared_hits);
+            assert_eq!(counted, (1, 1, 1, 0), "{planted:?}: {s:?}");
+            // Quarantined like a file that fails verification: moved out of data/, dropped from every
+            // index (the other process through the quarantine record), its other blocks clean misses.
+            let name = files[0].file_name().unwrap();
+            assert!(std::fs::symlink_metadata(&files[0]).is_err());
+            assert!(std::fs::symlink_metadata(a.namespace_dir().join("quarantine").join(name)).is_ok());
+            assert!(!a.contains(&key(0)) && !read_ok(&a, 0));
+            assert!(wait_until(Duration::from_secs(2), || !other.contains(&key(0))));
+            // The tier keeps publishing and serving.
+            publish(&a, 100..110);
+            assert!((100..110).all(|i| read_ok(&a, i)));
+            assert_eq!(stats.snapshot().shared_not_regular_files, 1, "counted once: the file is gone from the index");
+        });
+    }
+}
+
+/// The same through a store's load (the mover's shared reads, as a service connection thread runs it).
+#[test]
+fn a_store_load_touching_a_fifo_data_file_is_a_counted_miss() {
+    within(Duration::from_secs(60), "store load", || {
+        let dir = tempfile::tempdir().unwrap();
+        let shared_root = dir.path().join("shared");
+        let make = |local: &str| node_config(&dir.path().join(local), &shared_root, 0);
+        let a = Store::open(make("node-a")).unwrap();
+        let keys: Vec<_> = (0..10).map(key).collect();
+        let values: Vec<_> = (0..10).map(value).collect();
+        let refs: Vec<&[u8]> = values.iter().map(|v| v.as_slice()).collect();
+        assert!(a.put_many(&keys, &refs).unwrap().iter().all(|&ok| ok));
+        a.flush().unwrap();
+        let ns_dir = std::fs::read_dir(&shared_root).unwrap().flatten().next().unwrap().path();
+        let b = Arc::new(Store::open(make("node-b")).unwrap());
+        assert!(wait_until(Duration::from_secs(2), || b.lookup_prefix(&keys) == 10));
+        for f in data_files(&ns_dir) {
+            plant(&f, Planted::Fifo);
+        }
+        let loader = Arc::clone(&b);
+        let hits = within(Duration::from_secs(5), "a store load from a FIFO", move || {
+            let mut out: Vec<Vec<u8>> = (0..10).map(|_| vec![0u8; OBJECT_BYTES]).collect();
+            let mut outs: Vec<&mut [u8]> = out.iter_mut().map(|v| v.as_mut_slice()).collect();
+            loader.get_many(&keys, &mut outs).unwrap()
+        });
+        assert_eq!(hits, vec![false; 10]);
+        let s = b.stats().counters;
+        assert_eq!((s.shared_hits, s.shared_not_regular_files, s.shared_quarantined_files), (0, 1, 1), "{s:?}");
+        assert_eq!(s.shared_misses, 10, "every block of the file is a counted miss: {s:?}");
+    });
+}
+
+#[test]
+fn fifo_and_symlinked_manifests_are_skipped_and_the_index_keeps_refreshing() {
+    within(Duration::from_secs(60), "manifests", || {
+        let dir = tempfile::tempdir().unwrap();
+        let c = config(dir.path());
+        let (a, a_stats) = open(&c, "model-a");
+        let (b, _) = open(&c, "model-a");
+        publish(&b, 0..5);
+        assert!(wait_until(Duration::from_secs(2), || a.contains(&key(0))));
+        let manifests = a.namespace_dir().join("manifests");
+        mkfifo(&manifests.join("00000000000000f1.log"));
+        let b_manifest = manifests.join(format!("{:016x}.log", b.writer_id()));
+        std::os::unix::fs::symlink(&b_manifest, manifests.join("00000000000000f2.log")).unwrap();
+        let outside = dir.path().join("outside.fifo");
+        mkfifo(&outside);
+        std::os::unix::fs::symlink(&outside, manifests.join("00000000000000f3.log")).unwrap();
+
+        let refresher = Arc::clone(&a);
+        within(Duration::from_secs(5), "a refresh with a FIFO manifest", move || refresher.refresh().unwrap());
+        assert!(a_stats.snapshot().shared_not_regular_files >= 3, "{:?}", a_stats.snapshot());
+        // The maintenance thread keeps tailing the real manifests: B's new blocks reach A.
+        publish(&b, 100..105);
+        assert!(wait_until(Duration::from_secs(5), || a.contains(&key(104))), "the index stopped refreshing");
+        assert!(read_ok(&a, 104));
+        // A process opening the tier (which replays every manifest) opens in bounded time.
+        let c2 = c.clone();
+        let (late, _) = within(Duration::from_secs(5), "an open with a FIFO manifest", move || open(&c2, "model-a"));
+        assert!(late.contains(&key(104)) && late.contains(&key(0)));
+    });
+}
+
+/// Publishes round `round`'s 15 blocks; writers may be refused at the hard ceiling while victims wait
+/// out their grace period.
+fn publish_round(tier: &SharedTier, round: u64) {
+    let keys: Vec<_> = (round * 15..round * 15 + 15).map(key).collect();
+    let values: Vec<_> = (round * 15..round * 15 + 15).map(value).collect();
+    let refs: Vec<&[u8]> = values.iter().map(|v| v.as_slice()).collect();
+    tier.publish_values(&keys, &refs).unwrap();
+    tier.flush();
+}
+
+#[test]
+fn a_fifo_lease_neither_stops_lease_renewal_nor_eviction() {
+    within(Duration::from_secs(60), "lease", || {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = config(dir.path());
+        c.capacity_bytes = Some(4 << 20); // above the high watermark after a few files: eviction runs
+        let (a, stats) = open(&c, "model-a");
+        let mut round = 0;
+        while !(a.is_evictor() && stats.snapshot().shared_evicted_files > 0) {
+            assert!(round < 100, "eviction never started: {:?}", stats.snapshot());
+            publish_round(&a, round);
+            std::thread::sleep(Duration::from_millis(30));
+            round += 1;
+        }
+        let lease_dir = a.namespace_dir().join("lease");
+        let fifo = lease_dir.join(format!("{:016x}.lease", 1000));
+        mkfifo(&fifo);
+        let evicted = stats.snapshot().shared_evicted_files;
+
+        // Passes (the maintenance thread's and these) meet the FIFO as the highest generation: it holds
+        // nobody off, and the lease is taken one generation above it, which removes it. Publishing keeps
+        // usage above the high watermark, so that every pass wants the lease.
+        let (tier, planted) = (Arc::clone(&a), fifo.clone());
+        let round = within(Duration::from_secs(10), "maintenance passes with a FIFO lease", move || {
+            let mut r = round;
+            while !(tier.is_evictor() && std::fs::symlink_metadata(&planted).is_err()) {
+                assert!(r < round + 200, "the lease was not taken over above the FIFO");
+                publish_round(&tier, r);
+                tier.maintain();
+                std::thread::sleep(Duration::from_millis(30));
+                r += 1;
+            }
+            r
+        });
+        // Taken at 1001 (or later: released while usage dipped below the watermark, then retaken).
+        let mut generations: Vec<String> =
+            std::fs::read_dir(&lease_dir).unwrap().flatten().map(|e| e.file_name().into_string().unwrap()).collect();
+        generations.sort();
+        assert!(generations.last().unwrap().as_str() >= format!("{:016x}.lease", 1001).as_str(), "{generations:?}");
+        assert_eq!(lease_holder(a.namespace_dir()).unwrap().0, format!("{:016x}", a.writer_id()));
+        assert!(stats.snapshot().shared_not_regular_files >= 1);
+        // And eviction goes on.
+        for r in round..round + 20 {
+            publish_round(&a, r);
+            std::thread::sleep(Duration::from_millis(30));
+        }
+        assert!(
+            wait_until(Duration::from_secs(5), || stats.snapshot().shared_evicted_files > evicted),
+            "eviction stopped: {:?}",
+            stats.snapshot()
+        );
+    });
+}
+
+/// A symlink in data/ named like a fan-out directory: the orphan sweep lists directories with lstat,
+/// so it never dooms (and unlinks) a file named like a data file in the directory the link points to.
+#[test]
+fn a_symlinked_data_directory_never_leads_the_orphan_sweep_outside_the_root() {
+    within(Duration::from_secs(30), "orphan sweep", || {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = config(&dir.path().join("root"));
+        c.orphan_tmp_ms = c.grace_ms; // sweeps every grace_ms, unlisted files old after as long
+        let (a, _) = open(&c, "model-a");
+        let outside = dir.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        let name = "00000000000000aa-00000001.kvs";
+        let victim = outside.join(name);
+        std::fs::write(&victim, b"not kvtier's").unwrap();
+        let fanout = format!("{:02x}", kvtier_core::format::checksum(name.as_bytes()) & 0xff);
+        std::os::unix::fs::symlink(&outside, a.namespace_dir().join("data").join(fanout)).unwrap();
+        std::thread::sleep(Duration::from_millis(2 * c.orphan_tmp_ms));
+        for _ in 0..20 {
+            a.maintain();
+            std::thread::sleep(Duration::from_millis(30));
+        }
+        assert!(victim.exists(), "the evictor unlinked a file outside the shared root through a symlink");
+    });
+}
+
+/// What the file-type fuzz puts somewhere under the root.
+#[derive(Debug, Clone, Copy)]
+enum Special {
+    Fifo,
+    SymlinkToFifo,
+    SymlinkToGarbage,
+    DanglingSymlink,
+    Directory,
+    Socket,
+    Garbage,
+}
+
+const SPECIALS: [Special; 7] = [
+    Special::Fifo,
+    Special::SymlinkToFifo,
+    Special::SymlinkToGarbage,
+    Special::DanglingSymlink,
+    Special::Directory,
+    Special::Socket,
+    Special::Garbage,
+];
+
+/// Puts `what` at `path` (moving aside what is there), as plant number `n` (its helper files in
+/// `outside` are named after it); returns a bound socket to keep alive.
+fn put_special(path: &Path, what: Special, outside: &Path, n: usize) -> Option<std::os::unix::net::UnixListener> {
+    if std::fs::symlink_metadata(path).is_ok() {
+        std::fs::rename(path, path.with_extension(format!("aside{n}"))).unwrap();
+    }
+    let garbage = outside.join(format!("garbage-{n}"));
+    std::fs::write(&garbage, vec![0x5a; 20_000]).unwrap();
+    match what {
+        Special::Fifo => mkfifo(path),
+        Special::SymlinkToFifo => {
+            let fifo = outside.join(format!("fifo-{n}"));
+            mkfifo(&fifo);
+            std::os::unix::fs::symlink(&fifo, path).unwrap();
+        }
+        Special::SymlinkToGarbage => std::os::unix::fs::symlink(&garbage, path).unwrap(),
+        Special::DanglingSymlink => std::os::unix::fs::symlink(outside.join("nothing-here"), path).unwrap(),
+        Special::Directory => std::fs::create_dir(path).unwrap(),
+        Special::Socket => {
+            // Bound at a short path (a socket's path is limited to 108 bytes), then moved into place.
+            let short = outside.join(format!("s{n}"));
+            let listener = std::os::unix::net::UnixListener::bind(&short).unwrap();
+            std::fs::rename(&short, path).unwrap();
+            return Some(listener);
+        }
+        Special::Garbage => std::fs::copy(&garbage, path).map(drop).unwrap(),
+    }
+    None
+}
+
+/// Fuzz over the file types of the shared root: random symlinks, FIFOs, sockets, directories and
+/// garbage in place of data files, manifests and leases, and in tmp/ and quarantine/. Every pass and
+/// load must return in bounded time, every block served must be byte-exact, and the tiers must keep
+/// publishing and serving. `PROPTEST_CASES / 16` cases (at least 8), seeded.
+#[test]
+fn fuzz_special_files_in_the_shared_root_never_hang_nor_serve_wrong_bytes() {
+    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(256) / 16;
+    let mut seed = 0x2400_0000_0000_0001u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    for case in 0..cases.max(8) {
+        let plan: Vec<(u64, Special)> =
+            (0..1 + next() % 4).map(|_| (next() % 6, SPECIALS[(next() % 7) as usize])).collect();
+        within(Duration::from_secs(30), &format!("case {case}: {plan:?}"), move || {
+            let dir = tempfile::tempdir().unwrap();
+            let outside = dir.path().join("outside");
+            std::fs::create_dir(&outside).unwrap();
+            let c = config(&dir.path().join("root"));
+            let (a, _) = open(&c, "model-a");
+            publish(&a, 0..30);
+            let ns = a.namespace_dir().to_path_buf();
+            let (b, _) = open(&c, "model-a");
+            let mut sockets = Vec::new();
+            for (n, &(target, what)) in plan.iter().enumerate() {
+                let files = data_files(&ns);
+                let path = match target {
+                    0 if !files.is_empty() => files[n % files.len()].clone(),
+                    1 => ns.join("manifests").join(format!("{:016x}.log", a.writer_id())),
+                    2 => ns.join("manifests").join(format!("{:016x}.log", 0xf00 + n)),
+                    3 => ns.join("lease").join(format!("{:016x}.lease", 1000 + n)),
+                    4 => ns.join("tmp").join(format!("{:016x}-{:08x}.tmp", 0xf00 + n, 1)),
+                    _ => ns.join("quarantine").join(format!("{:016x}-{:08x}.kvs", 0xf00 + n, 1)),
+                };
+                sockets.extend(put_special(&path, what, &outside, n));
+            }
+            for tier in [&a, &b] {
+                tier.maintain();
+                for i in 0..30 {
+                    read_ok(tier, i); // a miss or the exact bytes (read_ok asserts them)
+                }
+            }
+            publish(&b, 100..110);
+            assert!((100..110).all(|i| read_ok(&b, i)), "the tier stopped serving what it publishes");
+            assert!(wait_until(Duration::from_secs(5), || a.contains(&key(109))), "the index stopped refreshing");
+            let (late, _) = open(&c, "model-a");
+            late.maintain();
+            assert!(read_ok(&late, 105));
+        });
+    }
+}

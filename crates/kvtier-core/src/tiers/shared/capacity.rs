@@ -15,6 +15,7 @@
 //!   which exactly one contender wins. The holder stops acting a quarter of `lease_ms` before others may
 //!   take over (tolerating that much clock skew between nodes).
 
+use super::files::{open_regular, OpenError};
 use super::format::{
     lease_file_name, parse_lease_file_name, unix_ms, valid_data_file_name, Lease, Record, LEASE_BYTES,
 };
@@ -191,15 +192,7 @@ fn try_hold(tier: &SharedTier, st: &mut EvictorState) -> bool {
     let next = match top {
         None => 1,
         Some(g) => {
-            let path = lease_dir.join(lease_file_name(g));
-            let Ok(file) = File::open(&path) else { return false };
-            let mut buf = [0u8; LEASE_BYTES];
-            let expired = match file.read_exact_at(&mut buf, 0).ok().and_then(|_| Lease::decode(&buf).ok()) {
-                Some(l) => now >= l.expires_unix_ms,
-                // Torn or unreadable: treat as held until its file has not changed for a whole lease.
-                None => file.metadata().map(|m| age_ms(&m) >= config.lease_ms).unwrap_or(false),
-            };
-            if !expired {
+            if !lease_expired(tier, &lease_dir.join(lease_file_name(g)), now) {
                 return false;
             }
             g + 1
@@ -232,6 +225,31 @@ fn try_hold(tier: &SharedTier, st: &mut EvictorState) -> bool {
     st.lease =
         Some(HeldLease { generation: next, file, act_until: started + Duration::from_millis(config.lease_ms * 3 / 4) });
     true
+}
+
+/// Whether the lease file at `path` (the highest generation) no longer holds anyone off.
+fn lease_expired(tier: &SharedTier, path: &Path, now: u64) -> bool {
+    let file = match open_regular(path, 0) {
+        Ok(file) => file,
+        // No process can hold a lease through a FIFO, socket or symlink (and opening a FIFO would
+        // have stopped maintenance for good): it holds nobody off, and the next generation is taken
+        // above it, which also removes it.
+        Err(OpenError::NotRegular(kind)) => {
+            Stats::add(&tier.stats.shared_not_regular_files, 1);
+            log::warn!(
+                "kvtier: evictor lease {} is a {kind}, not a regular file; taking the next generation",
+                path.display()
+            );
+            return true;
+        }
+        Err(OpenError::Io(_)) => return false,
+    };
+    let mut buf = [0u8; LEASE_BYTES];
+    match file.read_exact_at(&mut buf, 0).ok().and_then(|_| Lease::decode(&buf).ok()) {
+        Some(l) => now >= l.expires_unix_ms,
+        // Torn or unreadable: treat as held until its file has not changed for a whole lease.
+        None => file.metadata().map(|m| age_ms(&m) >= tier.config.lease_ms).unwrap_or(false),
+    }
 }
 
 /// Unlinks doomed files whose grace period is over.
@@ -342,6 +360,11 @@ fn doom_unlisted(tier: &SharedTier) {
     let Ok(dirs) = std::fs::read_dir(tier.dir.join("data")) else { return };
     let mut names = Vec::new();
     for d in dirs.flatten() {
+        // lstat: a symlink planted in data/ must not lead the evictor to doom (and unlink) files of the
+        // same names in a directory elsewhere.
+        if !d.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
         let Ok(files) = std::fs::read_dir(d.path()) else { continue };
         for f in files.flatten() {
             let Some(name) = f.file_name().to_str().map(str::to_string) else { continue };

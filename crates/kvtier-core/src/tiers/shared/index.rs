@@ -38,6 +38,8 @@ pub struct ManifestCursor {
     pub warned: bool,
     /// Records without a valid tag were logged once (a deployment key is configured).
     pub auth_warned: bool,
+    /// The manifest was found to be no regular file (a FIFO, a symlink) and that was logged once.
+    pub not_regular_warned: bool,
 }
 
 #[derive(Default)]

@@ -20,6 +20,7 @@
 //! - [`capacity`]: usage measurement, the evictor lease, eviction with a grace period, orphan sweeps.
 //! - [`publisher`]: the store's background thread batching accepted blocks into files.
 //! - `reads`: the read path (batched reads, verification, quarantine of bad files).
+//! - `files`: every open of an existing file under the root (no FIFO waited on, no symlink followed).
 //!
 //! Block data (reads, data-file appends, headers and footers) moves through the tier's own device
 //! queue (`io::start_file_queue`): the I/O layer the NVMe tier uses, with its completion rules,
@@ -32,6 +33,7 @@
 pub mod auth;
 pub mod capacity;
 pub mod config;
+mod files;
 pub mod format;
 pub mod index;
 pub mod publisher;
@@ -50,6 +52,7 @@ use crate::io::device::{DeviceQueue, Transfer};
 use crate::io::{IoSetup, OpKind};
 use crate::key::{BlockKey, Namespace};
 use crate::stats::Stats;
+use files::{open_dir, open_regular, OpenError};
 use format::{
     data_file_name, fanout_dir, unix_ms, AuthKey, FileHeader, IndexEntry, Record, BLOCK_TAG_AT, FILE_HEADER_BYTES,
     TAG_BYTES,
@@ -451,7 +454,14 @@ impl SharedTier {
             }
             // Opened afresh every pass: on NFS, open revalidates the attribute cache (close-to-open
             // consistency), which is what bounds staleness there.
-            let Ok(file) = File::open(entry.path()) else { continue };
+            let file = match open_regular(&entry.path(), 0) {
+                Ok(file) => file,
+                Err(OpenError::NotRegular(kind)) => {
+                    self.skip_not_regular_manifest(writer, &entry.path(), kind);
+                    continue;
+                }
+                Err(OpenError::Io(_)) => continue,
+            };
             let Ok(len) = file.metadata().map(|m| m.len()) else { continue };
             if len <= offset {
                 continue;
@@ -531,6 +541,21 @@ impl SharedTier {
         }
         self.last_refresh_unix_ms.store(unix_ms(), Ordering::Relaxed);
         Ok(progressed)
+    }
+
+    /// A manifest that is no regular file (as a FIFO, it would have blocked every refresh): skipped on
+    /// every pass, counted each time, logged once per writer.
+    fn skip_not_regular_manifest(&self, writer: u64, path: &Path, kind: &str) {
+        Stats::add(&self.stats.shared_not_regular_files, 1);
+        let mut index = self.index.write();
+        let cursor = index.cursors.entry(writer).or_default();
+        if !std::mem::replace(&mut cursor.not_regular_warned, true) {
+            log::warn!(
+                "kvtier: manifest {} is a {kind}, not a regular file; skipping it (only someone who can write the \
+                 shared root can have put it there)",
+                path.display()
+            );
+        }
     }
 
     /// Appends one access record for files read since the last one (each file at most once per
@@ -829,8 +854,8 @@ impl SharedTier {
             target.display()
         )))?;
         // Without it a crash could forget the rename while the manifest (synced later) remembers it;
-        // a reader would then get a clean miss, so failure here is only logged.
-        if let Ok(d) = File::open(parent) {
+        // a reader would then get a clean miss, so failure here is ignored.
+        if let Ok(d) = open_dir(parent) {
             let _ = d.sync_all();
         }
         Ok(open.cursor + footer_len as u64)
@@ -1164,13 +1189,20 @@ fn probe_direct_and_rename(config: &SharedConfig, tmp: &Path, writer_id: u64) ->
     // (some object-store gateways) cannot host the tier.
     let a = tmp.join(format!("probe-{writer_id:016x}.a"));
     let b = tmp.join(format!("probe-{writer_id:016x}.b"));
+    // Created exclusively and read back through `open_regular`: a FIFO planted under either name must
+    // not hang the open.
+    let create = |path: &Path| OpenOptions::new().write(true).create_new(true).mode(config.file_mode()).open(path);
     let renamed = (|| -> std::io::Result<()> {
-        let mut fa = File::create(&a)?;
+        let mut fa = create(&a)?;
         fa.write_all(b"a")?;
-        File::create(&b)?.write_all(b"b")?;
+        create(&b)?.write_all(b"b")?;
         std::fs::rename(&a, &b)?;
         let mut s = String::new();
-        File::open(&b)?.read_to_string(&mut s)?;
+        let mut back = open_regular(&b, 0).map_err(|e| match e {
+            OpenError::Io(e) => e,
+            other => std::io::Error::other(other.to_string()),
+        })?;
+        back.read_to_string(&mut s)?;
         if s != "a" {
             return Err(std::io::Error::other("rename did not replace the target"));
         }

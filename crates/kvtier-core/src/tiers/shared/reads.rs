@@ -3,6 +3,7 @@
 //! still exists, with the key, namespace, checksums and (with a deployment key) tag it must have.
 //! What fails is a counted miss and, when the file itself is bad, quarantined; never bytes.
 
+use super::files::{open_regular, OpenError};
 use super::format::{unix_ms, BLOCK_TAG_AT, TAG_BYTES};
 use super::index::{FileId, Location};
 use super::{is_vanished, SharedTier, MAX_OPEN_DATA_FILES, SHORT_READ_SETTLE};
@@ -14,9 +15,8 @@ use crate::io::device::{is_abandoned, OnDone, Transfer};
 use crate::io::OpKind;
 use crate::key::BlockKey;
 use crate::stats::Stats;
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::ErrorKind;
-use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -44,6 +44,16 @@ enum Verdict {
     Failed(std::io::Error),
     /// Verification failed and the file was quarantined.
     Bad(&'static str),
+}
+
+/// What `SharedTier::locate_for_read` found for a key.
+enum Located {
+    File(Location, String, Arc<File>),
+    /// Not indexed, or its file vanished (forgotten here).
+    Absent,
+    /// Something other than a regular file sits where its data file should be: counted in
+    /// `shared_not_regular_files` and quarantined, never opened for reading.
+    NotRegular,
 }
 
 /// A read of an indexed block, from `SharedTier::start_read` until `SharedTier::finish_started`
@@ -97,8 +107,8 @@ impl SharedTier {
     fn plan_read(&self, key: &BlockKey, slot: *mut u8) -> Option<(StartedRead, Transfer)> {
         assert!((slot as usize).is_multiple_of(ALIGN_BYTES), "unaligned shared-tier slot");
         let (loc, name, file) = match self.locate_for_read(key) {
-            Ok(Some(found)) => found,
-            Ok(None) => {
+            Ok(Located::File(loc, name, file)) => (loc, name, file),
+            Ok(Located::Absent | Located::NotRegular) => {
                 Stats::add(&self.stats.shared_misses, 1);
                 return None;
             }
@@ -176,7 +186,11 @@ impl SharedTier {
     /// what the evictor keeps). `Ok(None)`: good, or gone meanwhile (nothing to check);
     /// `Ok(Some(why))`: bad, and its file is quarantined as a load would.
     pub fn scrub_block(&self, key: &BlockKey) -> Result<Option<&'static str>> {
-        let Some((loc, name, file)) = self.locate_for_read(key)? else { return Ok(None) };
+        let (loc, name, file) = match self.locate_for_read(key)? {
+            Located::File(loc, name, file) => (loc, name, file),
+            Located::Absent => return Ok(None),
+            Located::NotRegular => return Ok(Some("not a regular file")),
+        };
         let landing = AlignedBuf::zeroed(self.slot_bytes);
         let read = Transfer {
             kind: OpKind::Read,
@@ -206,19 +220,26 @@ impl SharedTier {
         }
     }
 
-    /// Where an indexed block is, and an open handle on its file. `None`: not indexed, or its file
-    /// vanished (forgotten here); an error: the file is there but cannot be opened.
-    fn locate_for_read(&self, key: &BlockKey) -> Result<Option<(Location, String, Arc<File>)>> {
+    /// Where an indexed block is, and an open handle on its file; an error: the file is there but
+    /// cannot be opened.
+    fn locate_for_read(&self, key: &BlockKey) -> Result<Located> {
         let Some((loc, name)) = self.index.read().get(key).map(|(loc, name)| (loc, name.to_string())) else {
-            return Ok(None);
+            return Ok(Located::Absent);
         };
         match self.read_handle(loc.file, &name) {
-            Ok(file) => Ok(Some((loc, name, file))),
-            Err(e) if is_vanished(&e) => {
+            Ok(file) => Ok(Located::File(loc, name, file)),
+            Err(OpenError::Io(e)) if is_vanished(&e) => {
                 self.forget_vanished(&name);
-                Ok(None)
+                Ok(Located::Absent)
             }
-            Err(e) => Err(Error::io(format!("opening shared file {name}"), e)),
+            Err(OpenError::NotRegular(kind)) => {
+                // Planted by someone who can write the root (a FIFO would have hung this load): the
+                // file is bad as a whole, like one that fails verification.
+                Stats::add(&self.stats.shared_not_regular_files, 1);
+                self.quarantine(&name, &format!("a {kind} in place of the data file"));
+                Ok(Located::NotRegular)
+            }
+            Err(OpenError::Io(e)) => Err(Error::io(format!("opening shared file {name}"), e)),
         }
     }
 
@@ -304,16 +325,12 @@ impl SharedTier {
         Ok(())
     }
 
-    fn read_handle(&self, id: FileId, name: &str) -> std::io::Result<Arc<File>> {
+    fn read_handle(&self, id: FileId, name: &str) -> std::result::Result<Arc<File>, OpenError> {
         if let Some(f) = self.read_handles.lock().get(&id) {
             return Ok(Arc::clone(f));
         }
-        let mut o = OpenOptions::new();
-        o.read(true);
-        if self.direct {
-            o.custom_flags(libc::O_DIRECT);
-        }
-        let f = Arc::new(o.open(self.data_path(name))?);
+        let direct = if self.direct { libc::O_DIRECT } else { 0 };
+        let f = Arc::new(open_regular(&self.data_path(name), direct)?);
         let mut handles = self.read_handles.lock();
         if handles.len() >= MAX_OPEN_DATA_FILES {
             handles.clear();
