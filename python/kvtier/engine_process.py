@@ -39,7 +39,6 @@ def _child(store_dir: str, spec: dict[str, Any]) -> None:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    import kvtier.vllm as kvtier_vllm
     from kvtier.models import PRESETS, ensure_model
 
     preset = spec.get("model", "tiny")
@@ -54,11 +53,7 @@ def _child(store_dir: str, spec: dict[str, Any]) -> None:
         tensor_parallel_size=spec.get("tp_size", 1),
         # vLLM's LLM class defaults to 4096 prompt tokens per step on CPU, `vllm serve` to 2048.
         **({"max_num_batched_tokens": spec["chunk_tokens"]} if spec.get("chunk_tokens") else {}),
-        kv_transfer_config=(
-            KVTransferConfig(**kvtier_vllm.kv_transfer_config(store_dir, **spec.get("store", {})))
-            if spec.get("kvtier", True)
-            else None
-        ),
+        kv_transfer_config=(KVTransferConfig(**transfer_config(store_dir, spec)) if spec.get("kvtier", True) else None),
     )
     vocab = PRESETS[preset].vocab_size
 
@@ -101,6 +96,18 @@ def _child(store_dir: str, spec: dict[str, Any]) -> None:
         _reply(reply)
 
 
+def transfer_config(store_dir: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """kvtier's ``kv_transfer_config`` through the route ``spec["route"]`` names: ``KvtierConnector``
+    (the default), or vLLM's own ``OffloadingConnector`` with kvtier's spec."""
+    import kvtier.vllm as kvtier_vllm
+
+    config = kvtier_vllm.kv_transfer_config(store_dir, **spec.get("store", {}))
+    if spec.get("route", "KvtierConnector") == "OffloadingConnector":
+        config["kv_connector"] = "OffloadingConnector"
+        del config["kv_connector_module_path"]
+    return config
+
+
 def _reply(message: dict) -> None:
     print(MARK + json.dumps(message), flush=True)
 
@@ -114,7 +121,8 @@ class EngineProcess:
     """One vLLM engine with kvtier (its own process group: front end, engine core, workers).
 
     ``spec``: ``model`` (a ``kvtier.models`` preset), ``tp_size``, ``max_model_len`` and ``store``
-    (the ``kv_connector_extra_config`` options besides ``path``), ``chunk_tokens`` (prompt tokens per
+    (the ``kv_connector_extra_config`` options besides ``path``), ``route`` (``KvtierConnector``, the
+    default, or vLLM's plain ``OffloadingConnector``), ``chunk_tokens`` (prompt tokens per
     engine step; vLLM's default if absent); ``kvtier: false`` runs the engine
     without kvtier (vLLM's own prefix cache only, a benchmark's baseline). The engine runs with vLLM's
     defaults: no ``VLLM_ENABLE_V1_MULTIPROCESSING``, no executor flag.
