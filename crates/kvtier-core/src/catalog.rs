@@ -250,7 +250,7 @@ pub struct Catalog {
     loads_cancel_writes: bool,
     stats: Arc<Stats>,
     /// When sequences were handed out (for `kvtier trim --older-than` and `kvtier inspect`).
-    pub timeline: crate::maintenance::Timeline,
+    pub timeline: crate::timeline::Timeline,
 }
 
 fn key_hash(key: &BlockKey) -> u64 {
@@ -310,7 +310,7 @@ impl Catalog {
             queued_writes: BTreeMap::new(),
             loads_cancel_writes: true,
             stats,
-            timeline: crate::maintenance::Timeline::default(),
+            timeline: crate::timeline::Timeline::default(),
         }
     }
 
@@ -373,7 +373,7 @@ impl Catalog {
     /// Dates the recovered blocks by the namespace's saved timeline (after every device's
     /// `adopt_recovered`); new sequences start past every saved point.
     pub fn restore_timeline(&mut self, saved: Vec<(u64, u64)>) {
-        let (timeline, next_sequence) = crate::maintenance::Timeline::restored(saved, self.next_sequence);
+        let (timeline, next_sequence) = crate::timeline::Timeline::restored(saved, self.next_sequence);
         self.timeline = timeline;
         self.next_sequence = next_sequence;
     }

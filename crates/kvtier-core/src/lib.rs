@@ -8,6 +8,8 @@
 //!   moves block data through (NVMe: one per device file; the shared tier: one for its files).
 //! - [`format`]: on-disk structures, versioned and checksummed.
 //! - [`service`]: the host service (one per host and store path) and its client, over a Unix socket.
+//! - `timeline`: when sequences were handed out (dates for trim and inspect); `namespace_dir`: the
+//!   DESCRIPTION and TIMELINE files beside a namespace's device file.
 //! - `maintenance`: scrub, trim and namespace facts for operators (`kvtier verify|trim|inspect`).
 //! - `store`: the facade tying them together, with blocking and asynchronous APIs ([`Store`]).
 
@@ -19,11 +21,13 @@ mod io;
 mod key;
 mod maintenance;
 mod mover;
+mod namespace_dir;
 pub mod service;
 mod shared_state;
 mod stats;
 mod store;
 mod tiers;
+mod timeline;
 
 // The public surface, on purpose: everything else is private, so rustc reports what nothing uses.
 // `format` stays a public module: the on-disk structures are an interface of their own (tools,
@@ -37,8 +41,9 @@ pub use io::buffer::AlignedBuf;
 pub use io::faults::FaultPlan;
 pub use io::{EngineChoice, IoSetup};
 pub use key::{BlockKey, Namespace};
-pub use maintenance::{BadBlock, NamespaceFacts, TrimRequest, VerifyBatch, DESCRIPTION_FILE_NAME};
+pub use maintenance::{BadBlock, NamespaceFacts, TrimRequest, VerifyBatch};
 pub use mover::{BlockBuffer, Reservation};
+pub use namespace_dir::DESCRIPTION_FILE_NAME;
 pub use stats::{Stats, StatsSnapshot};
 pub use store::{Job, JobKind, PoolLayout, Store, StoreStats};
 pub use tiers::eviction::{EvictionPolicy, Lru, S3Fifo};

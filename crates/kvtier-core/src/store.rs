@@ -113,7 +113,7 @@ impl Store {
         // Every directory is locked: two stores must never write one device file.
         let locks = dirs.iter().map(|dir| take_lock(dir)).collect::<Result<Vec<_>>>()?;
         for dir in &dirs {
-            crate::maintenance::write_description(dir, &config.namespace)?;
+            crate::namespace_dir::write_description(dir, &config.namespace)?;
         }
         let slot_bytes = config.slot_bytes();
         let arena = Arena::map(slot_bytes, config.slot_count(), config.pool_path.as_deref())?;
@@ -180,7 +180,7 @@ impl Store {
                 }
                 device_files.push(device);
             }
-            catalog.restore_timeline(crate::maintenance::read_timeline(&dirs[0]));
+            catalog.restore_timeline(crate::namespace_dir::read_timeline(&dirs[0]));
         }
 
         // The shared tier comes after NVMe: a store may have either, both, or neither.
@@ -505,7 +505,7 @@ impl Store {
         let sh = &self.shared;
         let Some(dir) = sh.device_files.first().and_then(|d| d.path.parent()) else { return Ok(()) };
         let Some(points) = sh.catalog.lock().timeline.take_unsaved() else { return Ok(()) };
-        crate::maintenance::write_timeline(dir, &points).inspect_err(|_| sh.catalog.lock().timeline.mark_unsaved())
+        crate::namespace_dir::write_timeline(dir, &points).inspect_err(|_| sh.catalog.lock().timeline.mark_unsaved())
     }
 
     /// Flushes, stops the threads and releases the directory. Idempotent.
