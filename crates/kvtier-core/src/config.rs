@@ -9,21 +9,10 @@
 use crate::error::{Error, Result};
 use crate::format::{round_up, ALIGN_BYTES};
 use crate::io::faults::FaultPlan;
-use crate::io::EngineChoice;
+use crate::io::{DirectIo, EngineChoice};
 use crate::tiers::shared::SharedConfig;
 use std::path::PathBuf;
 use std::sync::Arc;
-
-/// Whether device files are opened with O_DIRECT.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DirectIo {
-    /// O_DIRECT when the filesystem supports it, buffered I/O (logged) otherwise.
-    Auto,
-    /// O_DIRECT or fail at open.
-    On,
-    /// Buffered I/O through the page cache.
-    Off,
-}
 
 /// Bounds the in-memory region table (and catches absurd capacities before anything is sized).
 pub const MAX_REGIONS_PER_DEVICE: u64 = 1 << 20;

@@ -33,13 +33,11 @@ mod timeline;
 // `format` stays a public module: the on-disk structures are an interface of their own (tools,
 // the format fuzzers).
 pub use catalog::{Gauges, Tier, TrimCounts};
-pub use config::{
-    find_option, unknown_option_message, ConfigOption, DirectIo, OptionKind, OptionValue, StoreConfig, OPTIONS,
-};
+pub use config::{find_option, unknown_option_message, ConfigOption, OptionKind, OptionValue, StoreConfig, OPTIONS};
 pub use error::{Error, Result};
 pub use io::buffer::AlignedBuf;
 pub use io::faults::FaultPlan;
-pub use io::{EngineChoice, IoSetup};
+pub use io::{DirectIo, EngineChoice, IoSetup};
 pub use key::{BlockKey, Namespace};
 pub use maintenance::{BadBlock, NamespaceFacts, TrimRequest, VerifyBatch};
 pub use mover::{BlockBuffer, Reservation};

@@ -23,6 +23,17 @@ pub enum EngineChoice {
     Psync,
 }
 
+/// Whether device files are opened with O_DIRECT (the NVMe tier's and the shared tier's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DirectIo {
+    /// O_DIRECT when the filesystem supports it, buffered I/O (logged) otherwise.
+    Auto,
+    /// O_DIRECT or fail at open.
+    On,
+    /// Buffered I/O through the page cache.
+    Off,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OpKind {
     Read,

@@ -7,13 +7,13 @@
 //! open at a crash) is scanned entry by entry and each entry is kept only if its descriptor and value
 //! checksums prove it whole. Allocation and eviction of regions belong to the catalog.
 
-use crate::config::DirectIo;
 use crate::error::{Error, Result};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::format::superblock::{Superblock, SUPERBLOCK_BYTES};
 use crate::format::trailer::{trailer_bytes, Trailer, TrailerEntry};
 use crate::format::{checksum, ALIGN_BYTES};
 use crate::io::buffer::AlignedBuf;
+use crate::io::DirectIo;
 use crate::key::Namespace;
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;

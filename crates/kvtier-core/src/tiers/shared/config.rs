@@ -3,8 +3,8 @@
 //! table, `crate::config::OPTIONS` (the `shared_*` rows), from which `docs/shared-tier.md` and
 //! `docs/configuration.md` are generated; field comments state no default values, so they cannot drift.
 
-use crate::config::DirectIo;
 use crate::error::{Error, Result};
+use crate::io::DirectIo;
 use std::path::PathBuf;
 
 #[derive(Debug, Clone)]

@@ -43,13 +43,12 @@ pub use config::SharedConfig;
 pub use publisher::Publisher;
 pub use reads::{ReadOutcome, StartedRead};
 
-use crate::config::DirectIo;
 use crate::error::{Error, Result};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::format::{checksum, round_up, ALIGN_BYTES};
 use crate::io::buffer::AlignedBuf;
 use crate::io::device::{DeviceQueue, Transfer};
-use crate::io::{IoSetup, OpKind};
+use crate::io::{DirectIo, IoSetup, OpKind};
 use crate::key::{BlockKey, Namespace};
 use crate::stats::Stats;
 use files::{open_dir, open_regular, OpenError};
