@@ -1,17 +1,17 @@
-//! On-disk formats of the NVMe tier, byte by byte (mirrored in `docs/format.md`).
+//! On-disk formats, byte by byte: the NVMe tier's (mirrored in `docs/format.md`) and, in [`shared`],
+//! the shared tier's (mirrored in `docs/shared-tier.md`).
 //!
 //! Every structure carries a magic number, a format version and an xxh3-64 checksum of its header,
 //! and every parser here treats its input as hostile: lengths are bounded before they are used and
 //! nothing is trusted until its checksum passes.
 
 pub mod descriptor;
+/// The shared tier's files (data file header and footer, manifest records, lease). Here rather than
+/// beside the tier that writes them, so that formats depend on nothing above them.
+pub mod shared;
 pub mod superblock;
 pub mod timeline;
 pub mod trailer;
-
-/// The shared tier's files (data file header and footer, manifest records, lease), defined beside the
-/// tier that writes them and public with the rest of the formats.
-pub use crate::tiers::shared::format as shared;
 
 /// Alignment of every on-disk structure and value (O_DIRECT and page size).
 pub const ALIGN_BYTES: usize = 4096;

@@ -34,7 +34,6 @@ pub mod auth;
 pub mod capacity;
 pub mod config;
 mod files;
-pub mod format;
 pub mod index;
 pub mod publisher;
 mod reads;
@@ -45,6 +44,8 @@ pub use reads::{ReadOutcome, StartedRead};
 
 use crate::error::{Error, Result};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
+// The tier's on-disk format, `super::format` to the submodules here.
+use crate::format::shared as format;
 use crate::format::{checksum, round_up, ALIGN_BYTES};
 use crate::io::buffer::AlignedBuf;
 use crate::io::device::{DeviceQueue, Transfer};
