@@ -36,9 +36,7 @@ pub(crate) fn write_timeline(dir: &Path, points: &[(u64, u64)]) -> Result<()> {
     static SAVES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let save = SAVES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tmp = dir.join(format!("{TIMELINE_FILE_NAME}.tmp.{}.{save}", std::process::id()));
-    std::fs::write(&tmp, timeline::encode(points))
-        .and_then(|()| std::fs::rename(&tmp, &path))
-        .map_err(|e| Error::io(format!("writing {} (is the directory writable?)", path.display()), e))
+    replace_file(&tmp, &path, &timeline::encode(points))
 }
 
 /// Records the engines' description next to the namespace's files (once; atomically), so that
@@ -49,7 +47,46 @@ pub(crate) fn write_description(dir: &Path, description: &[u8]) -> Result<()> {
         return Ok(());
     }
     let tmp = dir.join(format!("{DESCRIPTION_FILE_NAME}.tmp.{}", std::process::id()));
-    std::fs::write(&tmp, description)
-        .and_then(|()| std::fs::rename(&tmp, &path))
-        .map_err(|e| Error::io(format!("writing {} (is the directory writable?)", path.display()), e))
+    replace_file(&tmp, &path, description)
+}
+
+/// Writes `bytes` to `tmp`, then renames it to `path`. A failed write or rename removes `tmp`: the
+/// timeline's save is retried every few seconds under a new name, so each failure would otherwise
+/// leave one more file (issue 24 item 8).
+fn replace_file(tmp: &Path, path: &Path, bytes: &[u8]) -> Result<()> {
+    std::fs::write(tmp, bytes).and_then(|()| std::fs::rename(tmp, path)).map_err(|e| {
+        // Best effort: the error worth reporting is the write's (the file may not even exist).
+        let _ = std::fs::remove_file(tmp);
+        Error::io(format!("writing {} (is the directory writable?)", path.display()), e)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The files in `dir`, sorted.
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> =
+            std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn a_failed_timeline_save_leaves_no_temporary_file() {
+        // The rename fails on every try (a directory where the file goes), as a save retried by
+        // the service every few seconds would: no try may leave its temporary file behind.
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join(TIMELINE_FILE_NAME)).unwrap();
+        std::fs::write(dir.path().join(TIMELINE_FILE_NAME).join("keep"), b"x").unwrap();
+        for _ in 0..3 {
+            assert!(write_timeline(dir.path(), &[(10, 1_000)]).is_err());
+        }
+        assert_eq!(names(dir.path()), [TIMELINE_FILE_NAME]);
+        std::fs::remove_dir_all(dir.path().join(TIMELINE_FILE_NAME)).unwrap();
+        write_timeline(dir.path(), &[(10, 1_000)]).unwrap();
+        assert_eq!(read_timeline(dir.path()), [(10, 1_000)]);
+        assert_eq!(names(dir.path()), [TIMELINE_FILE_NAME], "a save that succeeds leaves only its file");
+    }
 }
