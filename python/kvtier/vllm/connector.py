@@ -1,0 +1,135 @@
+"""``KvtierConnector`` (vLLM's ``OffloadingConnector`` with failed-load reporting and deferred stores)
+and ``kv_transfer_config``."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+from kvtier.vllm.options import SPEC_MODULE_PATH, SPEC_NAME
+from kvtier.vllm.spec import _constructing
+from kvtier.vllm.worker import KvtierWorker
+
+logger = logging.getLogger("kvtier.vllm")
+
+
+def prefill_tokens(scheduler_output: Any) -> int:
+    """Prompt tokens a step computes: every request scheduled for more than one token (a decode step
+    schedules one per request)."""
+    return sum(n for n in scheduler_output.num_scheduled_tokens.values() if n > 1)
+
+
+def _fill_spec_defaults(vllm_config: Any) -> None:
+    transfer_config = vllm_config.kv_transfer_config
+    if transfer_config.kv_connector_extra_config is None:
+        transfer_config.kv_connector_extra_config = {}
+    extra_config = transfer_config.kv_connector_extra_config
+    extra_config.setdefault("spec_name", SPEC_NAME)
+    extra_config.setdefault("spec_module_path", SPEC_MODULE_PATH)
+
+
+class KvtierConnector(OffloadingConnector):
+    """OffloadingConnector that reports failed kvtier loads to vLLM, which recomputes those blocks.
+
+    It also defaults ``spec_name``/``spec_module_path`` to kvtier's spec and sets vLLM's
+    ``kv_load_failure_policy`` to ``recompute`` (kvtier is a cache: a block that fails verification
+    is a miss, never an error for the request).
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any):
+        _fill_spec_defaults(vllm_config)
+        transfer_config = vllm_config.kv_transfer_config
+        if getattr(transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+            logger.info("kvtier: setting kv_load_failure_policy=recompute (a failed load is recomputed)")
+            transfer_config.kv_load_failure_policy = "recompute"
+        _constructing.vllm_config = vllm_config
+        try:
+            super().__init__(vllm_config, role, kv_cache_config)
+        finally:
+            _constructing.vllm_config = None
+
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        super().register_kv_caches(kv_caches)
+        worker = self._kvtier_worker()
+        if worker is not None:
+            worker.can_report_load_failures = True
+
+    def _kvtier_worker(self) -> KvtierWorker | None:
+        connector_worker = self.connector_worker
+        worker = getattr(connector_worker, "worker", None) if connector_worker is not None else None
+        return worker if isinstance(worker, KvtierWorker) else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        worker = self._kvtier_worker()
+        return worker.take_failed_load_block_ids() if worker is not None else set()
+
+    # The worker holds stores back during prefill steps: the scheduler says how many prompt tokens
+    # each step computes. vLLM binds a step's metadata before its forward pass and calls
+    # wait_for_save after it (start_load_kv too comes after it, unless a load must finish first).
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        metadata = super().build_connector_meta(scheduler_output)
+        metadata.kvtier_prefill_tokens = prefill_tokens(scheduler_output)  # type: ignore[attr-defined]
+        return metadata
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        worker = self._kvtier_worker()
+        if worker is not None:
+            worker.step_begins(getattr(connector_metadata, "kvtier_prefill_tokens", 0))
+
+    def wait_for_save(self) -> None:
+        super().wait_for_save()
+        worker = self._kvtier_worker()
+        if worker is not None:
+            worker.step_ends()
+
+    def clear_connector_metadata(self) -> None:
+        # The step is over even on a path that skipped wait_for_save.
+        super().clear_connector_metadata()
+        worker = self._kvtier_worker()
+        if worker is not None:
+            worker.step_ends()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's offloading metrics, with its older ``transfer_type`` ones fed too.
+
+        vLLM 0.32 counts every transfer the worker reports (bytes and seconds per load and store) in
+        ``vllm:kv_offload_{load,store}_{bytes,time}``, but its older metrics
+        (``vllm:kv_offload_total_bytes``, ``vllm:kv_offload_total_time``, ``vllm:kv_offload_size``,
+        label ``transfer_type``) only for its own CPU spec, so with kvtier they stayed at zero while
+        GBs moved. They are fed from the same figures here: ``CPU_to_GPU`` = loads from kvtier,
+        ``GPU_to_CPU`` = stores into kvtier.
+        """
+        _fill_spec_defaults(vllm_config)
+        prom_metrics = super().build_prom_metrics(vllm_config, *args, **kwargs)
+        if hasattr(prom_metrics, "_observe_deprecated_metrics"):
+            prom_metrics._observe_deprecated_metrics = True
+        else:  # a vLLM other than 0.32: its own transfer metrics still count kvtier's transfers
+            logger.warning(
+                "kvtier: this vLLM's offload metrics have no switch for the transfer_type ones; "
+                "vllm:kv_offload_total_* may stay at zero (read vllm:kv_offload_load_bytes and "
+                "vllm:kv_offload_store_bytes)"
+            )
+        return prom_metrics
+
+
+def kv_transfer_config(path: str | os.PathLike, **store_options: Any) -> dict[str, Any]:
+    """The ``kv_transfer_config`` dict that plugs kvtier into vLLM (for ``LLM(kv_transfer_config=...)``
+    via ``KVTransferConfig(**...)`` or ``--kv-transfer-config`` as JSON)."""
+    return {
+        "kv_connector": "KvtierConnector",
+        "kv_connector_module_path": SPEC_MODULE_PATH,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "spec_name": SPEC_NAME,
+            "spec_module_path": SPEC_MODULE_PATH,
+            "path": os.fspath(path),
+            **store_options,
+        },
+    }

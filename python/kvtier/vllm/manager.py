@@ -1,0 +1,246 @@
+"""The scheduler side: ``KvtierManager`` (vLLM's ``OffloadingManager``) and its load/store spec."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Collection
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.vllm.connection import ServiceBackend
+from kvtier.vllm.local_store import SharedStore
+from kvtier.vllm.metrics import StatsDeltaTracker
+from kvtier.vllm.namespace import kvtier_key
+
+logger = logging.getLogger("kvtier.vllm")
+
+
+class KvtierLoadStoreSpec(LoadStoreSpec):
+    """The kvtier keys of a load or store job, in the order of the engine blocks of the job."""
+
+    def __init__(self, keys: list[bytes]):
+        self.keys = keys
+
+    def __repr__(self) -> str:
+        return f"KvtierLoadStoreSpec({len(self.keys)} blocks)"
+
+
+# store.locate_many() tier -> vLLM's cache-hit source (shared and unknown: external_unspecified).
+_HIT_SOURCE_BY_TIER = {"dram": CacheHitSource.HOST, "nvme": CacheHitSource.DISK}
+
+
+class KvtierManager(OffloadingManager):
+    """Scheduler-side catalog access: every answer comes from the store's in-memory index."""
+
+    def __init__(
+        self,
+        shared: SharedStore | ServiceBackend,
+        pin_lease_s: float = 300.0,
+        admission: str = "all",
+        admission_memory_blocks: int = 1 << 18,
+    ):
+        self._shared = shared
+        self._store = shared.store
+        # Pins this engine holds, per request: a request releases only its own pins, never another
+        # request's pin on the same block.
+        self._pins: dict[str, Counter[bytes]] = {}
+        # When each request took its pins. A request that never reaches complete_load (vLLM dropped
+        # it between prepare_load and the load) would hold its pins for the engine's whole life and
+        # fill the DRAM pool with unevictable blocks: past the lease they are released.
+        self._pinned_at: dict[str, float] = {}
+        self._pin_lease_s = pin_lease_s
+        self._being_stored: Counter[bytes] = Counter()
+        # "second_sight": keys computed once and not stored, oldest first (an LRU of key -> None).
+        self._second_sight: OrderedDict[bytes, None] | None = OrderedDict() if admission == "second_sight" else None
+        self._admission_memory_blocks = admission_memory_blocks
+        self.not_admitted_blocks = 0
+        self._prefetcher = shared.prefetcher if isinstance(shared, ServiceBackend) else None
+        self._stats = StatsDeltaTracker()
+        self._stats.prime(shared)
+
+    @staticmethod
+    def _allowed(req_context: ReqContext) -> bool:
+        tier_filter = req_context.load_tier_filter
+        return tier_filter.allows(Medium.CPU, Locality.LOCAL) or tier_filter.allows(Medium.STORAGE, Locality.LOCAL)
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if not self._allowed(req_context):
+            return LookupResult.MISS
+        store_key = kvtier_key(key)
+        try:
+            tier = self._store.locate_many([store_key])[0]
+        except Exception:
+            logger.exception("kvtier: lookup failed; treating as a miss")
+            return LookupResult.MISS
+        if tier is not None:
+            # The store shows a block only once its bytes are complete, even if vLLM has not yet
+            # been told that the store job finished.
+            if tier != "dram" and self._prefetcher is not None:
+                return self._prefetcher.lookup(store_key, tier)
+            return LookupResult.HIT
+        if store_key in self._being_stored:
+            # Still being copied out of the engine: the request waits a step for it instead of
+            # recomputing what is about to be readable (a dropped store turns this into a miss).
+            return LookupResult.HIT_PENDING
+        return LookupResult.MISS
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        """The tier a hit is served from, for vLLM's ``vllm:prompt_tokens_cached_by_source``.
+
+        vLLM asks after ``prepare_load`` and before the load runs, so ``locate_many`` (memory only)
+        still names the tier the worker will read. vLLM has no member for a shared filesystem; its
+        ``external_unspecified`` is documented as the source of remote stores, so shared hits go
+        there (``kvtier:block_hits{tier="shared"}`` counts them exactly).
+        """
+        store_key = kvtier_key(key)
+        origin = self._prefetcher.origin(store_key) if self._prefetcher is not None else None
+        try:
+            tier = origin or self._store.locate_many([store_key])[0]
+        except Exception:
+            logger.exception("kvtier: locating a block failed; reporting its hit source as unspecified")
+            return CacheHitSource.EXTERNAL_UNSPECIFIED
+        return _HIT_SOURCE_BY_TIER.get(tier or "", CacheHitSource.EXTERNAL_UNSPECIFIED)
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        store_keys = [kvtier_key(key) for key in keys]
+        try:
+            # One flag per present key: False for a block only in the shared tier (no pin taken).
+            pinned = self._store.pin_many(store_keys)
+        except Exception:
+            logger.exception("kvtier: pin failed; the load will fail and vLLM will recompute")
+            pinned = []
+        request_pins = self._pins.setdefault(req_context.req_id, Counter())
+        for store_key, took_pin in zip(store_keys, pinned, strict=False):  # flags for present keys only
+            if took_pin:
+                request_pins[store_key] += 1
+        now = time.monotonic()
+        if request_pins:
+            self._pinned_at[req_context.req_id] = now
+        else:
+            del self._pins[req_context.req_id]
+        self._expire_pins(now)
+        return KvtierLoadStoreSpec(store_keys)
+
+    def _expire_pins(self, now: float) -> None:
+        stale = [req_id for req_id, since in self._pinned_at.items() if now - since > self._pin_lease_s]
+        if not stale:
+            return
+        released = [key for req_id in stale for key in self._pins.pop(req_id, Counter()).elements()]
+        for req_id in stale:
+            del self._pinned_at[req_id]
+        logger.warning(
+            "kvtier: %d request(s) held %d pins for over %.0f s without completing their load; released",
+            len(stale),
+            len(released),
+            self._pin_lease_s,
+        )
+        if released:
+            try:
+                self._store.unpin_many(released)
+            except Exception:
+                logger.exception("kvtier: unpin failed")
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        request_pins = self._pins.get(req_context.req_id)
+        if request_pins is None:
+            return
+        to_unpin = []
+        for key in keys:
+            store_key = kvtier_key(key)
+            if request_pins.get(store_key, 0) > 0:
+                request_pins[store_key] -= 1
+                if request_pins[store_key] == 0:
+                    del request_pins[store_key]
+                to_unpin.append(store_key)
+        if not request_pins:
+            del self._pins[req_context.req_id]
+            self._pinned_at.pop(req_context.req_id, None)
+        if to_unpin:
+            try:
+                self._store.unpin_many(to_unpin)
+            except Exception:
+                logger.exception("kvtier: unpin failed")
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        keys = list(keys)
+        store_keys = [kvtier_key(key) for key in keys]
+        try:
+            present = self._store.contains_many(store_keys)
+        except Exception:
+            logger.exception("kvtier: store unavailable; not offloading")
+            return None
+        keys_to_store: list[OffloadKey] = []
+        store_keys_to_store: list[bytes] = []
+        for key, store_key, is_present in zip(keys, store_keys, present, strict=True):
+            if is_present or store_key in self._being_stored or not self._admit(store_key):
+                continue
+            keys_to_store.append(key)
+            store_keys_to_store.append(store_key)
+        for store_key in store_keys_to_store:
+            self._being_stored[store_key] += 1
+        return PrepareStoreOutput(
+            keys_to_store=keys_to_store,
+            store_spec=KvtierLoadStoreSpec(store_keys_to_store),
+            evicted_keys=[],
+        )
+
+    def _admit(self, store_key: bytes) -> bool:
+        """Whether to store a block this engine just computed (``admission``)."""
+        seen = self._second_sight
+        if seen is None:
+            return True
+        if store_key in seen:
+            del seen[store_key]
+            return True
+        seen[store_key] = None
+        if len(seen) > self._admission_memory_blocks:
+            seen.popitem(last=False)
+        self.not_admitted_blocks += 1
+        return False
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        for key in keys:
+            store_key = kvtier_key(key)
+            if self._being_stored.get(store_key, 0) > 0:
+                self._being_stored[store_key] -= 1
+                if self._being_stored[store_key] == 0:
+                    del self._being_stored[store_key]
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def reset_cache(self) -> None:
+        # kvtier is a persistent, possibly shared store: resetting one engine's connector does not
+        # delete blocks other engines (or this engine after a restart) rely on.
+        logger.info("kvtier: reset_cache ignored; kvtier keeps its blocks (remove the store directory to drop them)")
+        self._being_stored.clear()
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        payload = self._stats.collect(self._shared)
+        if payload is None or payload.is_empty():
+            return None
+        return payload
+
+    def shutdown(self) -> None:
+        held = [store_key for request_pins in self._pins.values() for store_key in request_pins.elements()]
+        if held:
+            with contextlib.suppress(Exception):
+                self._store.unpin_many(held)
+        self._pins.clear()
+        self._pinned_at.clear()
+        self._shared.release()

@@ -1,0 +1,94 @@
+"""The scheduler's prefetcher: NVMe and shared-tier hits read into the DRAM pool before the load."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+)
+
+from kvtier.vllm.connection import ServiceConnection
+
+logger = logging.getLogger("kvtier.vllm")
+
+
+class Prefetcher:
+    """Reads blocks that lookups found on NVMe or in the shared tier into the service's DRAM pool,
+    on a thread and a connection of its own (a prefetch of a long prefix takes a while; lookups on the
+    manager's connection must not wait behind it).
+
+    Each key is prefetched once: lookups answer HIT_PENDING while it is in flight and HIT after it
+    ended, whatever became of it (a block evicted again before its load is read by the load itself).
+    Ended prefetches are remembered for ``REMEMBER_S``, with the tier the block came from, so that
+    vLLM's hit-source metric names NVMe or the shared tier, not the DRAM the load copied from."""
+
+    REMEMBER_S = 120.0
+
+    def __init__(self, connect: Callable[[], ServiceConnection]):
+        self._connect = connect
+        self._connection: ServiceConnection | None = None
+        self._cv = threading.Condition()
+        self._queue: list[bytes] = []
+        self._in_flight: dict[bytes, str] = {}  # key -> tier it is read from
+        self._ended: dict[bytes, tuple[str, float]] = {}  # key -> (origin tier, when)
+        self._stopping = False
+        self.prefetched_blocks = 0
+        self._thread = threading.Thread(target=self._run, name="kvtier-prefetch", daemon=True)
+        self._thread.start()
+
+    def lookup(self, key: bytes, tier: str) -> LookupResult:
+        """For a key the service holds on ``tier`` (NVMe or shared), not in DRAM."""
+        with self._cv:
+            if key in self._ended:
+                return LookupResult.HIT
+            if key not in self._in_flight:
+                self._in_flight[key] = tier
+                self._queue.append(key)
+                self._cv.notify_all()
+            return LookupResult.HIT_PENDING
+
+    def origin(self, key: bytes) -> str | None:
+        with self._cv:
+            ended = self._ended.get(key)
+            return ended[0] if ended is not None else self._in_flight.get(key)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                batch, self._queue = self._queue, []
+            if self._connection is None:
+                try:
+                    self._connection = self._connect()
+                except Exception:
+                    logger.exception("kvtier: the prefetcher cannot reach the host service; loads read storage")
+            if self._connection is not None:
+                found = self._connection.call("prefetch", batch, default=None)
+                self.prefetched_blocks += sum(1 for ok in found or [] if ok)
+            now = time.monotonic()
+            with self._cv:
+                for key in batch:
+                    self._ended[key] = (self._in_flight.pop(key, "nvme"), now)
+                self._forget_older_than(now - self.REMEMBER_S)
+
+    def _forget_older_than(self, cutoff: float) -> None:
+        """Holds ``_cv``. Ended entries are in the order they ended."""
+        for key, (_, when) in list(self._ended.items()):
+            if when >= cutoff:
+                break
+            del self._ended[key]
+
+    def close(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5)
+        if self._connection is not None:
+            self._connection.close()

@@ -1,0 +1,488 @@
+"""The worker side: jobs that copy engine blocks to and from the store (in-process, host service,
+GPU)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import (
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from kvtier.vllm._registry import registry_lock
+from kvtier.vllm.connection import ServiceConnection, _service_workers
+from kvtier.vllm.local_store import SharedStore, release_store
+from kvtier.vllm.manager import KvtierLoadStoreSpec
+from kvtier.vllm.options import KvtierVllmConfigError
+
+logger = logging.getLogger("kvtier.vllm")
+
+
+# Bytes per store_blocks call of a service worker (at least one block): between two calls a load or
+# a prefill step may come first. 16 MiB is one block of an 8B model (128 tokens), a few ms to copy;
+# a call's round trips to the service cost tens of microseconds.
+STORE_BATCH_BYTES = 16 << 20
+# Threads that copy a large load out of the pool while the engine has no forward pass running.
+LOAD_COPY_THREADS = min(4, os.cpu_count() or 1)
+
+
+@dataclass
+class _Job:
+    vllm_job_id: int
+    is_load: bool
+    block_ids: list[int]
+    started_ns: int
+    # GPU workers: an event on the engine's stream at submission; the job's copies wait for it.
+    ready: Any = None
+
+
+class KvtierWorker(OffloadingWorker):
+    """Moves engine blocks to and from kvtier. One kvtier object per engine block: the block's page
+    in every layer, in layer order (the store gathers and scatters; no Python loop per block)."""
+
+    def __init__(self, shared: SharedStore, layer_buffers: list[np.ndarray], page_bytes: int, job_timeout_ms: int):
+        self._shared = shared
+        self._store = shared.store
+        self._layers = layer_buffers
+        self._page_bytes = page_bytes
+        self._object_bytes = page_bytes * len(layer_buffers)
+        self._job_timeout_ms = job_timeout_ms
+        self._in_flight: dict[int, _Job] = {}
+        self._finished: list[TransferResult] = []
+        self._failed_load_block_ids: set[int] = set()
+        # Set by KvtierConnector: failed loads are reported to vLLM, which recomputes them.
+        self.can_report_load_failures = False
+
+    # -- submission -------------------------------------------------------------------------
+
+    def _submit(self, vllm_job_id: int, is_load: bool, keys: list[bytes], block_ids: list[int]) -> bool:
+        if len(keys) != len(block_ids):
+            raise RuntimeError(
+                f"kvtier: job {vllm_job_id} has {len(keys)} keys for {len(block_ids)} engine blocks; "
+                "kvtier needs blocks_per_chunk=1 and one KV-cache group"
+            )
+        started_ns = time.monotonic_ns()
+        if not keys:
+            self._finished.append(TransferResult(vllm_job_id, True, 0, 0.0))
+            return True
+        store_job_id = self._shared.next_job_id()
+        job = _Job(vllm_job_id, is_load, block_ids, started_ns)
+        try:
+            if is_load:
+                self._store.submit_get_blocks(store_job_id, keys, self._layers, block_ids)
+            else:
+                self._store.submit_put_blocks(store_job_id, keys, self._layers, block_ids)
+        except Exception:
+            logger.exception("kvtier: submitting %s job %d failed", "load" if is_load else "store", vllm_job_id)
+            self._complete(job, [False] * len(keys))
+            return True
+        self._in_flight[store_job_id] = job
+        return True
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        assert isinstance(dst_spec, KvtierLoadStoreSpec), f"unexpected store spec {type(dst_spec).__name__}"
+        return self._submit(job_id, False, dst_spec.keys, src_spec.block_ids.tolist())
+
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+    ) -> bool:
+        # vLLM 0.33 passes expedited=True for a load a step waits on; every kvtier load already goes
+        # before any store, so it needs nothing more here.
+        assert isinstance(src_spec, KvtierLoadStoreSpec), f"unexpected load spec {type(src_spec).__name__}"
+        return self._submit(job_id, True, src_spec.keys, dst_spec.block_ids.tolist())
+
+    # -- completion -------------------------------------------------------------------------
+
+    def _complete(self, job: _Job, found: list[bool]) -> None:
+        seconds = (time.monotonic_ns() - job.started_ns) / 1e9
+        first_failure = next((index for index, ok in enumerate(found) if not ok), len(found))
+        moved_blocks = first_failure if job.is_load else sum(1 for ok in found if ok)
+        success = True
+        if job.is_load and first_failure < len(found):
+            # Every block from the first failure on is invalid: later blocks of a prefix are
+            # useless without it, and vLLM truncates the request there anyway.
+            failed_block_ids = job.block_ids[first_failure:]
+            if self.can_report_load_failures:
+                self._failed_load_block_ids.update(failed_block_ids)
+            else:
+                logger.error(
+                    "kvtier: %d of %d blocks of load job %d failed (missing or failed verification). "
+                    "vLLM's OffloadingConnector cannot recompute a failed load, so the engine will stop "
+                    "instead of using wrong KV data. Use kv_connector='KvtierConnector' with "
+                    "kv_connector_module_path='kvtier.vllm' to recompute such blocks instead.",
+                    len(failed_block_ids),
+                    len(found),
+                    job.vllm_job_id,
+                )
+                success = False
+        self._record_job("load" if job.is_load else "store", seconds, len(found) - first_failure if job.is_load else 0)
+        self._finished.append(TransferResult(job.vllm_job_id, success, moved_blocks * self._object_bytes, seconds))
+
+    def _record_job(self, kind: str, seconds: float, failed_blocks: int) -> None:
+        self._shared.record_job(kind, seconds, failed_blocks)
+
+    def step_begins(self, prefill_tokens: int) -> None:
+        """A forward pass starts (the in-process store's own threads do not hold stores back)."""
+
+    def step_ends(self) -> None:
+        """The forward pass ended."""
+
+    def _drain_store(self) -> None:
+        if not self._in_flight:
+            return
+        for store_job_id, found in self._shared.take_finished(list(self._in_flight)).items():
+            self._complete(self._in_flight.pop(store_job_id), found)
+
+    def get_finished(self) -> list[TransferResult]:
+        self._drain_store()
+        finished, self._finished = self._finished, []
+        return finished
+
+    def wait(self, job_ids: set[int]) -> None:
+        waiting = {store_job_id for store_job_id, job in self._in_flight.items() if job.vllm_job_id in job_ids}
+        for store_job_id in waiting:
+            job = self._in_flight.get(store_job_id)
+            if job is None:
+                continue
+            try:
+                found = self._shared.wait_job(store_job_id, self._job_timeout_ms)
+            except Exception as error:
+                # Returning would let vLLM overwrite blocks kvtier may still be reading.
+                raise RuntimeError(
+                    f"kvtier: job {job.vllm_job_id} did not finish within job_timeout_ms={self._job_timeout_ms} "
+                    f"({error}); raise job_timeout_ms or check the store's device"
+                ) from error
+            if self._in_flight.pop(store_job_id, None) is not None:
+                self._complete(job, found)
+
+    def take_failed_load_block_ids(self) -> set[int]:
+        failed, self._failed_load_block_ids = self._failed_load_block_ids, set()
+        return failed
+
+    def shutdown(self) -> None:
+        for store_job_id in list(self._in_flight):
+            with contextlib.suppress(Exception):
+                self._shared.wait_job(store_job_id, self._job_timeout_ms)
+        self._in_flight.clear()
+        release_store(self._shared)
+
+
+@dataclass
+class _StoreWork:
+    """A store job the worker thread copies in batches, so that a load or a prefill step can come
+    between two batches."""
+
+    job: _Job
+    keys: list[bytes]
+    found: list[bool]
+    copied: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return len(self.keys) - self.copied
+
+
+def _affinity() -> set[int]:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (OSError, AttributeError):
+        return set()
+
+
+def _usable_cores() -> set[int]:
+    from kvtier.service import usable_cores
+
+    return usable_cores()
+
+
+def _set_affinity(cores: set[int]) -> None:
+    """Binds the calling thread (only it: pid 0 is the thread on Linux). An empty set: no change."""
+    if not cores:
+        return
+    try:
+        os.sched_setaffinity(0, cores)
+    except (OSError, AttributeError) as error:
+        logger.debug("kvtier: binding the worker's job thread to cores %s failed: %s", sorted(cores), error)
+
+
+class ServiceWorker(KvtierWorker):
+    """A rank's worker in the host-service layout: copies its own slice of each block between its
+    KV cache and the service's shared pool, on a thread of its own, so that vLLM's step never waits
+    for a transfer it did not ask to wait for.
+
+    Loads go first: a queued load is taken before the next batch of any store. Stores are held back
+    while the engine runs a forward pass with prompt tokens in it (``defer_stores``): on a CPU engine
+    a copy beside the prefill's OpenMP threads takes a core from one of them, and all the others wait
+    for it at every barrier. A store vLLM must fence (``wait``) goes at once, and one that would make
+    the held-back backlog exceed ``deferred_store_max_blocks`` is dropped and counted."""
+
+    def __init__(
+        self,
+        connection: ServiceConnection,
+        layer_buffers: list[np.ndarray],
+        page_bytes: int,
+        job_timeout_ms: int,
+        defer_stores: bool = True,
+        deferred_store_max_blocks: int = 4096,
+    ):
+        self._connection = connection
+        self._layers = layer_buffers
+        self._page_bytes = page_bytes
+        self._object_bytes = page_bytes * len(layer_buffers)
+        self._job_timeout_ms = job_timeout_ms
+        self._defer_stores = defer_stores
+        self._deferred_store_max_blocks = deferred_store_max_blocks
+        self._finished: list[TransferResult] = []
+        self._failed_load_block_ids: set[int] = set()
+        self.can_report_load_failures = False
+        self._cv = threading.Condition()
+        self._loads: list[tuple[_Job, list[bytes]]] = []
+        self._stores: list[_StoreWork] = []
+        self._pending: set[int] = set()  # vLLM job ids queued or running
+        self._urgent: set[int] = set()  # store jobs vLLM waits for: never held back
+        self._prefill_running = False
+        self._forward_running = False
+        self._copy_threads = 1  # what the connection copies loads with now
+        self._stopping = False
+        # The cores vLLM bound this worker's compute to (this constructor runs on its main thread,
+        # after the binding) and the others: stores are copied on a spare core when there is one.
+        self._compute_cores = _affinity()
+        self._spare_cores = _usable_cores() - self._compute_cores if self._compute_cores else set()
+        # Counters (read by tests and the benchmark): stores held back by a prefill step, and blocks
+        # dropped because the held-back backlog was full.
+        self.deferred_store_jobs = 0
+        self.dropped_store_blocks = 0
+        self._thread = threading.Thread(target=self._run, name="kvtier-worker-jobs", daemon=True)
+        self._thread.start()
+        with registry_lock:
+            _service_workers.add(self)
+
+    def _record_job(self, kind: str, seconds: float, failed_blocks: int) -> None:
+        pass  # the transfer time reaches vLLM's metrics through TransferResult
+
+    def wait_stores_done(self, deadline: float) -> bool:
+        """Waits (until the monotonic ``deadline``) for the store queue to empty; False on timeout."""
+        with self._cv:
+            while self._stores:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    # -- the engine's steps (called by KvtierConnector) ------------------------------------------
+
+    def step_begins(self, prefill_tokens: int) -> None:
+        """A forward pass starts; ``prefill_tokens`` of it are prompt tokens (0 for a decode step)."""
+        with self._cv:
+            self._forward_running = True
+            self._prefill_running = self._defer_stores and prefill_tokens > 0
+            self._cv.notify_all()
+
+    def step_ends(self) -> None:
+        with self._cv:
+            self._forward_running = False
+            self._prefill_running = False
+            self._cv.notify_all()
+
+    # -- submission ------------------------------------------------------------------------------
+
+    def _submit(self, vllm_job_id: int, is_load: bool, keys: list[bytes], block_ids: list[int]) -> bool:
+        if len(keys) != len(block_ids):
+            raise RuntimeError(
+                f"kvtier: job {vllm_job_id} has {len(keys)} keys for {len(block_ids)} engine blocks; "
+                "kvtier needs blocks_per_chunk=1 and one KV-cache group"
+            )
+        job = _Job(vllm_job_id, is_load, block_ids, time.monotonic_ns(), self._ready_marker())
+        with self._cv:
+            if not keys:
+                self._finished.append(TransferResult(vllm_job_id, True, 0, 0.0))
+                return True
+            if is_load:
+                self._loads.append((job, keys))
+            elif self._defer_stores and self._backlog_blocks() + len(keys) > self._deferred_store_max_blocks:
+                self._drop_store(job, keys)
+                return True
+            else:
+                self._stores.append(_StoreWork(job, keys, [False] * len(keys)))
+            self._pending.add(vllm_job_id)
+            self._cv.notify_all()
+        return True
+
+    def _ready_marker(self) -> Any:
+        """Runs on the engine's thread at submission (GPU workers record an event there)."""
+        return None
+
+    def _backlog_blocks(self) -> int:
+        return sum(work.remaining for work in self._stores)
+
+    def _drop_store(self, job: _Job, keys: list[bytes]) -> None:
+        """Holds ``_cv``. The newest job goes, not the oldest: older ones hold earlier prefix blocks."""
+        if self.dropped_store_blocks == 0:
+            logger.warning(
+                "kvtier: %d store blocks are held back behind prefill steps (deferred_store_max_blocks=%d); "
+                "dropping new stores until they drain (raise the option, or set defer_stores=false)",
+                self._backlog_blocks(),
+                self._deferred_store_max_blocks,
+            )
+        self.dropped_store_blocks += len(keys)
+        self._complete(job, [False] * len(keys))
+
+    # -- the job thread --------------------------------------------------------------------------
+
+    def _next_work(self) -> tuple[_Job, list[bytes]] | _StoreWork | None:
+        """Holds ``_cv``; waits for work it may do now. None when stopping with nothing left."""
+        counted_deferral = False
+        while True:
+            if self._loads:
+                return self._loads.pop(0)
+            if self._stores:
+                work = self._stores[0]
+                if not self._prefill_running or self._stopping or work.job.vllm_job_id in self._urgent:
+                    return work
+                if not counted_deferral and work.copied == 0:
+                    self.deferred_store_jobs += 1
+                    counted_deferral = True
+            elif self._stopping:
+                return None
+            self._cv.wait()
+
+    def _run(self) -> None:
+        _set_affinity(self._spare_cores)
+        while True:
+            with self._cv:
+                work = self._next_work()
+            if work is None:
+                return
+            if isinstance(work, _StoreWork):
+                self._store_batch(work)
+                continue
+            job, keys = work
+            self._finish(job, self._load(job, keys))
+
+    def _load(self, job: _Job, keys: list[bytes]) -> list[bool]:
+        spread = self._spread_load()
+        found = self._connection.call("load_blocks", keys, self._layers, job.block_ids, default=None)
+        if spread:
+            _set_affinity(self._spare_cores)
+        return list(found) if found is not None else [False] * len(keys)
+
+    def _store(self, job: _Job, keys: list[bytes], block_ids: list[int]) -> list[bool]:
+        found = self._connection.call("store_blocks", keys, self._layers, block_ids, default=None)
+        return list(found) if found is not None else [False] * len(keys)
+
+    def _spread_load(self) -> bool:
+        """While no forward pass runs the engine waits for this load, so every core copies it (the
+        job thread's binding widens for the copy; True if it did). Beside a forward pass one thread
+        copies, on a spare core if there is one."""
+        idle = not self._forward_running
+        threads = LOAD_COPY_THREADS if idle else 1
+        if threads != self._copy_threads:
+            self._connection.call("set_copy_threads", threads)
+            self._copy_threads = threads
+        if idle and self._spare_cores:
+            _set_affinity(self._spare_cores | self._compute_cores)
+            return True
+        return False
+
+    def _store_batch(self, work: _StoreWork) -> None:
+        batch = slice(work.copied, work.copied + max(1, STORE_BATCH_BYTES // self._object_bytes))
+        work.found[batch] = self._store(work.job, work.keys[batch], work.job.block_ids[batch])
+        keys = work.keys[batch]
+        with self._cv:
+            work.copied += len(keys)
+            if work.remaining > 0:
+                return
+            self._stores.remove(work)
+        self._finish(work.job, work.found)
+
+    def _finish(self, job: _Job, found: list[bool]) -> None:
+        with self._cv:
+            self._complete(job, found)
+            self._pending.discard(job.vllm_job_id)
+            self._urgent.discard(job.vllm_job_id)
+            self._cv.notify_all()
+
+    # -- vLLM's side -----------------------------------------------------------------------------
+
+    def get_finished(self) -> list[TransferResult]:
+        with self._cv:
+            finished, self._finished = self._finished, []
+        return finished
+
+    def wait(self, job_ids: set[int]) -> None:
+        deadline = time.monotonic() + self._job_timeout_ms / 1000
+        with self._cv:
+            # vLLM is about to reuse these jobs' engine blocks: a held-back store goes now.
+            self._urgent |= self._pending & job_ids
+            self._cv.notify_all()
+            while self._pending & job_ids:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    # Returning would let vLLM overwrite blocks kvtier may still be copying.
+                    raise RuntimeError(
+                        f"kvtier: jobs {sorted(self._pending & job_ids)} did not finish within "
+                        f"job_timeout_ms={self._job_timeout_ms}; raise job_timeout_ms or check the host service"
+                    )
+                self._cv.wait(left)
+
+    def take_failed_load_block_ids(self) -> set[int]:
+        with self._cv:
+            failed, self._failed_load_block_ids = self._failed_load_block_ids, set()
+        return failed
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        self._thread.join(timeout=self._job_timeout_ms / 1000)
+        self._connection.close()
+
+
+class GpuServiceWorker(ServiceWorker):
+    """A rank whose KV cache is on a GPU: the same job queue, with the copies done by the GPU's
+    DMA engine (``kvtier.gpu``): stores reserve pool slots, copy on a side stream after the engine's
+    event, wait for their own event and commit; loads acquire rounds and copy each while the service
+    reads the next one from NVMe. The engine's stream is never synchronized. No CPU copy threads are
+    involved, so stores need not be held back behind prefill (``defer_stores`` is off)."""
+
+    def __init__(self, connection: ServiceConnection, rows: list[torch.Tensor], job_timeout_ms: int):
+        from kvtier.gpu.transfers import BlockTransfers
+
+        # Failed service calls of the transfers count as the connection's (metrics, logs).
+        self.transfers = BlockTransfers(rows, on_failed_call=connection.count_failed_call)
+        client = connection.live_client()
+        if client is not None:
+            try:
+                self.transfers.bind(client)  # pins the pool and picks the executor: fails at start-up
+            except Exception as error:
+                raise KvtierVllmConfigError(f"kvtier cannot move this rank's GPU KV cache: {error}") from error
+        super().__init__(connection, rows, int(rows[0].shape[1]), job_timeout_ms, defer_stores=False)  # type: ignore[arg-type]
+        self._object_bytes = sum(int(r.shape[1]) for r in rows)
+
+    def _ready_marker(self) -> Any:
+        return self.transfers.ready_marker()
+
+    def _spread_load(self) -> bool:
+        return False
+
+    def _load(self, job: _Job, keys: list[bytes]) -> list[bool]:
+        return self.transfers.load(self._connection.live_client(), keys, job.block_ids, job.ready)
+
+    def _store(self, job: _Job, keys: list[bytes], block_ids: list[int]) -> list[bool]:
+        return self.transfers.store(self._connection.live_client(), keys, block_ids, job.ready)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.transfers.close()
