@@ -36,16 +36,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.engine_process import ENGINE_QUIET_S
 from kvtier.models import PRESETS, ensure_model
 from kvtier.openai_server import OpenAIServer, ServerError, free_port
-
-# Seconds of quiet before each timed request. After serving a step, a vLLM engine's processes keep
-# polling their shared-memory queues for 1 s (vLLM's shm_broadcast busy loop) before they sleep; on
-# a host whose engines share cores (this CPU demo), a request sent to one server within that second
-# of the other's activity competes with it (measured: a cross-engine DRAM hit 655-910 ms instead of
-# 190 ms, and a recompute 2.4-3.3 s instead of 1.4 s). GPU servers poll on cores the model does not
-# compute on.
-QUIET_S = 1.5
 
 
 class DemoError(RuntimeError):
@@ -128,7 +121,7 @@ def run_workload(
     results: list[RequestResult] = []
 
     def send(label: str, expected_source: str, prompt: str, on: OpenAIServer = server) -> str:
-        time.sleep(QUIET_S)
+        time.sleep(ENGINE_QUIET_S)  # the other server's busy poll must not compete (engine_process)
         before = kvtier_hits(store_dir)
         completion = on.complete(prompt, max_tokens)
         after = kvtier_hits(store_dir)

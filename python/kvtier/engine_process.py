@@ -22,6 +22,13 @@ from typing import Any
 MARK = "@@kvtier-engine@@ "
 TOKENS_PER_BLOCK = 128  # vLLM's block size on CPU
 ENGINE_START_TIMEOUT_S = 600
+# Seconds of quiet before a timed request when several engines share the host's cores. After
+# serving a step, a vLLM engine's processes keep polling their shared-memory queues for 1 s (vLLM's
+# shm_broadcast busy loop, not configurable) before they sleep; a request sent to another engine
+# within that second computes beside it. On this 2-core machine that made a cross-engine DRAM hit
+# cost 655-910 ms against an own hit of 190 ms (kv8b, 2K; 779 against 253 ms at 8K), and a
+# recompute 2.4-3.3 s instead of 1.4 s. GPU servers poll on cores the model does not compute on.
+ENGINE_QUIET_S = 1.5
 
 
 def random_prompt(seed: int, tokens: int, vocab: int = 4000) -> list[int]:

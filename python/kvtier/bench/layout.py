@@ -17,9 +17,10 @@ tokens on the ``kv8b`` model (the KV cache of Llama-3-8B), it measures:
   (what holding stores back during prefill saves);
 - this process's memcpy rate (numpy, 256 MiB copies), to put a DRAM hit's copy in proportion.
 
-TTFT is the wall time of one ``generate`` with ``max_tokens=1``. Figures are min / median / max over
-repeats; compare rows of one run only (this machine's speed varies from run to run). Writes
-``layout.json`` to ``--out``.
+TTFT is the wall time of one ``generate`` with ``max_tokens=1``, each after ``ENGINE_QUIET_S`` of quiet
+(``kvtier.engine_process``: another engine's busy poll would otherwise compete for the cores).
+Figures are min / median / max over repeats; compare rows of one run only (this machine's speed
+varies from run to run). Writes ``layout.json`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import service as kvtier_service
-from kvtier.engine_process import TOKENS_PER_BLOCK, EngineProcess
+from kvtier.engine_process import ENGINE_QUIET_S, TOKENS_PER_BLOCK, EngineProcess
 from kvtier.models import PRESETS
 
 
@@ -87,6 +88,8 @@ class Run:
         return kvtier_service.service_stats(self.socket)
 
     def measure(self, row: str, engine: EngineProcess, seed: int, expect_cached: int | None) -> dict:
+        # Engines here share the cores: the last one to serve must have stopped polling first.
+        time.sleep(ENGINE_QUIET_S)
         before = self.stats()
         result = engine.generate(seed, self.tokens, max_tokens=1)
         after = self.stats()
