@@ -215,6 +215,21 @@ def test_dram_hit_after_prefix_cache_reset(engine):
 
 
 @pytest.mark.slow
+def test_only_prompt_blocks_are_stored_not_decode_blocks(engine):
+    """vLLM's OffloadingConnector offloads prompt blocks only by default (``offload_prompt_only``):
+    a request that decodes three blocks' worth of tokens past its prompt writes its prompt's blocks,
+    no more (issue 24, item 12: storing decode KV is write volume that is rarely read back)."""
+    llm, store = engine
+    prompt = random_prompt(seed=12, full_blocks=3)
+    delta = StatsDelta(store)
+    generate(llm, prompt, max_tokens=3 * TOKENS_PER_BLOCK + 20)
+    settle(llm, store)
+    # settle's own short prompts fill no block; the decoded tokens would fill three more.
+    assert delta["puts"] == 3, delta["puts"]
+    assert delta["bytes_copied_in"] == 3 * OBJECT_BYTES_TINY
+
+
+@pytest.mark.slow
 def test_nvme_hit_after_dram_eviction(engine):
     llm, store = engine
     prompt = random_prompt(seed=2, full_blocks=4)
