@@ -728,6 +728,28 @@ impl Catalog {
         self.free_slot(slot);
     }
 
+    /// A reserved put given up while a writer may still copy into its slot (the host service's
+    /// connection that holds it is alive but hung): forgets the entry and gives back its share of
+    /// the write backlog now, but keeps the slot out of use, keyless and never allocated or evicted,
+    /// until `free_abandoned_slot`: a late copy then lands in a slot no block uses.
+    pub fn abandon_put(&mut self, key: &BlockKey, slot: u32) {
+        let ours = self.index.get(key).is_some_and(|e| e.dram == Some(slot) && !e.dram_ready);
+        assert!(ours, "abandon_put of a slot that is not a reserved fill of this key");
+        assert_eq!(self.slots[slot as usize].state, SlotState::Filling);
+        self.index.remove(key);
+        if self.nvme.is_some() {
+            self.dirty_bytes -= self.slot_bytes as usize;
+        }
+        self.slots[slot as usize] = Slot { key: None, state: SlotState::Filling, writing: false };
+    }
+
+    /// The last writer of an abandoned slot let go: the slot is free again.
+    pub fn free_abandoned_slot(&mut self, slot: u32) {
+        let s = &self.slots[slot as usize];
+        assert!(s.state == SlotState::Filling && s.key.is_none(), "slot {slot} was not abandoned");
+        self.free_slot(slot);
+    }
+
     /// The slot now holds the whole value; makes it visible and plans its NVMe write.
     pub fn finish_put(
         &mut self,

@@ -594,6 +594,29 @@ impl Store {
         abort_puts(&self.shared, fills);
     }
 
+    /// Reserved fills given up while their writers may still copy into the slots (counted as dropped
+    /// stores): the blocks and their share of the write backlog go now, the slots stay out of use
+    /// until `free_abandoned_slots`.
+    pub fn abandon_puts(&self, fills: &[(BlockKey, u32)]) {
+        let mut cat = self.shared.catalog.lock();
+        for (key, slot) in fills {
+            cat.abandon_put(key, *slot);
+        }
+        drop(cat);
+        Stats::add(&self.shared.stats.dropped_stores, fills.len() as u64);
+        self.shared.changed.notify_all();
+    }
+
+    /// Abandoned slots (`abandon_puts`) no writer can copy into any more.
+    pub fn free_abandoned_slots(&self, slots: &[u32]) {
+        let mut cat = self.shared.catalog.lock();
+        for &slot in slots {
+            cat.free_abandoned_slot(slot);
+        }
+        drop(cat);
+        self.shared.changed.notify_all();
+    }
+
     /// Makes blocks resident in DRAM (reading NVMe or the shared tier, verified) and pins them: per
     /// key the slot to copy the value out of, or `None` for a miss. Give each slot back with `release`.
     pub fn acquire(&self, keys: &[BlockKey]) -> Result<Vec<Option<u32>>> {
