@@ -808,3 +808,217 @@ fn a_client_is_answered_while_another_namespace_opens() {
     );
     service.stop().unwrap();
 }
+
+// ---- issue 24: leases of live connections, panics, dropped keys, second hellos ----
+
+/// A service whose store has 4 slots and room for 2 blocks in the NVMe write backlog.
+fn start_small(dir: &Path, slot_wait_ms: u64) -> (Service, std::path::PathBuf) {
+    let mut store = StoreConfig::new(dir.join("store"), 1);
+    store.dram_bytes = 4 * (2 * SLICE + 4096);
+    store.nvme_bytes = 4 << 20;
+    store.region_bytes = 1 << 20;
+    store.slot_wait_ms = slot_wait_ms;
+    store.staging_slots = 2;
+    let socket = dir.join("run").join("kvtier.sock");
+    let mut config = ServiceConfig::new(&socket, store);
+    config.pool_dir = dir.to_path_buf();
+    (Service::start(config).unwrap(), socket)
+}
+
+fn stats_of(c: &mut Client) -> std::collections::HashMap<String, u64> {
+    c.stats().unwrap().into_iter().collect()
+}
+
+/// Copies `v` into the pool at `offset` as a worker's DMA would (the two-phase API).
+fn copy_into_pool(c: &Client, offset: usize, v: &[u8]) {
+    let (address, bytes) = c.pool_span().unwrap();
+    assert!(offset + v.len() <= bytes);
+    // SAFETY: inside the mapping (checked above).
+    unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), (address + offset) as *mut u8, v.len()) }
+}
+
+/// Issue 24 item 4. A TP rank reserves a backlog's worth of blocks and hangs (its connection stays
+/// open). Past `reservation_timeout_ms` the fills are abandoned: the backlog is free again, so other
+/// stores and a flush go on; when the hung rank wakes up, copies into its slots and commits, every
+/// commit is refused and no block appears, and the blocks stored meanwhile are intact (the
+/// abandoned slots were not reused under the late copies).
+#[test]
+fn a_hung_rank_s_reservations_expire_and_its_late_commit_is_refused() {
+    use kvtier_core::service::ReserveReply;
+    let dir = tempfile::tempdir().unwrap();
+    let mut store_config = StoreConfig::new(dir.path().join("store"), 1);
+    store_config.dram_bytes = 16 * (2 * SLICE + 4096); // 16 slots, a backlog of 8
+    store_config.nvme_bytes = 4 << 20;
+    store_config.region_bytes = 1 << 20;
+    store_config.slot_wait_ms = 200;
+    let socket = dir.path().join("run").join("kvtier.sock");
+    let mut config = ServiceConfig::new(&socket, store_config);
+    config.pool_dir = dir.path().to_path_buf();
+    config.reservation_timeout_ms = 1_000;
+    let mut service = Service::start(config).unwrap();
+    let held: Vec<BlockKey> = (0..8).map(key).collect();
+    let mut hung = client(&socket, 2, 1);
+    let offsets: Vec<usize> = hung
+        .reserve(&held)
+        .unwrap()
+        .into_iter()
+        .map(|r| match r {
+            ReserveReply::Fill { object_offset } => object_offset,
+            other => panic!("a fill, got {other:?}"),
+        })
+        .collect();
+    let (mut rank0, mut rank1) = (client(&socket, 2, 0), client(&socket, 2, 1));
+    let fresh: Vec<BlockKey> = (100..104).map(key).collect();
+    let halves: [Vec<Vec<u8>>; 2] =
+        [(0..4).map(|i| value(200 + i, SLICE)).collect(), (0..4).map(|i| value(300 + i, SLICE)).collect()];
+    let starved: Vec<BlockKey> = (90..92).map(key).collect();
+    let starved_values = vec![value(90, SLICE); 2];
+    assert_eq!(store(&mut rank0, &starved, &starved_values), vec![false; 2], "the hung rank holds the backlog");
+
+    std::thread::sleep(Duration::from_millis(2_000)); // the deadline, and a janitor pass
+    let stats = stats_of(&mut rank0);
+    assert_eq!(stats["service_pending_fills"], 0, "{stats:?}");
+    assert_eq!(stats["service_expired_fills"], 8);
+    assert_eq!(stats["service_abandoned_slots"], 8, "kept out of use while the hung rank may copy");
+    assert_eq!(rank0.reserve(&held).unwrap(), vec![ReserveReply::Dropped; 8], "given up by every rank");
+    assert_eq!(store(&mut rank0, &fresh, &halves[0]), vec![true; 4], "the backlog is free again");
+    assert_eq!(store(&mut rank1, &fresh, &halves[1]), vec![true; 4]);
+    let started = std::time::Instant::now();
+    rank0.flush().unwrap();
+    assert!(started.elapsed() < Duration::from_secs(10), "flush waited {:?}", started.elapsed());
+
+    // The hung rank wakes up: its copies land in its own (abandoned) slots, its commits are refused.
+    for &at in &offsets {
+        copy_into_pool(&hung, at, &vec![0xEE; SLICE]);
+    }
+    assert_eq!(hung.commit(&held).unwrap(), vec![false; 8]);
+    assert_eq!(rank0.locate(&held).unwrap(), vec![0; 8], "no half-written block is visible");
+    let stats = stats_of(&mut rank0);
+    assert_eq!(stats["service_refused_commits"], 8);
+    assert_eq!(stats["service_abandoned_slots"], 0, "freed once the last holder let go");
+    assert_eq!(load(&mut rank0, &fresh), (vec![true; 4], halves[0].clone()));
+    assert_eq!(load(&mut rank1, &fresh), (vec![true; 4], halves[1].clone()));
+    drop((hung, rank0, rank1));
+    service.stop().unwrap();
+}
+
+/// Issue 24 item 5. A request that panics in its connection thread is answered at once with an
+/// error frame (not a timeout), and the pins, readers, reservations and connection slot the
+/// connection held are given back. A Hello whose object size overflows is an error, not a panic.
+#[test]
+fn a_request_that_panics_is_answered_and_its_connection_s_holds_are_given_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store_config = StoreConfig::new(dir.path().join("store"), 1);
+    store_config.dram_bytes = 32 * (SLICE + 4096);
+    store_config.nvme_bytes = 4 << 20;
+    store_config.region_bytes = 1 << 20;
+    let socket = dir.path().join("run").join("kvtier.sock");
+    let mut config = ServiceConfig::new(&socket, store_config);
+    config.pool_dir = dir.path().to_path_buf();
+    config.panic_on_label = Some("boom".to_string());
+    let mut service = Service::start(config).unwrap();
+    let keys: Vec<BlockKey> = (0..4).map(key).collect();
+    let values: Vec<Vec<u8>> = (0..4).map(|i| value(i, SLICE)).collect();
+    let mut a = client(&socket, 1, 0);
+    assert_eq!(store(&mut a, &keys, &values), vec![true; 4]);
+    a.flush().unwrap();
+    let mut victim = client(&socket, 1, 0);
+    assert_eq!(victim.pin(&keys[..2]).unwrap(), vec![true; 2]);
+    assert!(victim.acquire(&keys[2..]).unwrap().iter().all(Option::is_some));
+    assert_eq!(victim.reserve(&[key(50), key(51)]).unwrap().len(), 2);
+    let started = std::time::Instant::now();
+    let err = victim.set_label("boom").unwrap_err().to_string();
+    assert!(started.elapsed() < Duration::from_secs(5), "answered after {:?}", started.elapsed());
+    assert!(err.contains("failed on this request") && err.contains("reconnect"), "{err}");
+    assert!(victim.locate(&keys).is_err(), "the service closed the connection");
+
+    let (_, namespaces) = a.namespaces().unwrap();
+    let digest = namespaces[0].digest;
+    let attached = |a: &mut Client| -> u64 {
+        let (_, namespaces) = a.namespaces().unwrap();
+        namespaces[0].values.iter().find(|(n, _)| n == "service_attached_connections").unwrap().1
+    };
+    assert!(wait_until(Duration::from_secs(5), || attached(&mut a) == 1), "the panicked connection detached");
+    assert_eq!(stats_of(&mut a)["service_pending_fills"], 0, "its reservations were given back");
+    let trimmed: std::collections::HashMap<String, u64> = a.trim(&digest, 0, 0).unwrap().into_iter().collect();
+    assert_eq!(trimmed["skipped_in_use"], 0, "its pins and readers were given back: {trimmed:?}");
+    let mut operator = Client::connect(&socket, Duration::from_secs(10)).unwrap();
+    assert_eq!(stats_of(&mut operator)["service_connections"], 2, "its connection slot was given back");
+
+    let mut huge = Client::connect(&socket, Duration::from_secs(10)).unwrap();
+    let err = huge.hello(b"huge", 64, 0, 1 << 58).unwrap_err().to_string();
+    assert!(err.contains("block object over"), "{err}");
+    assert_eq!(store(&mut a, &[key(60)], &[value(60, SLICE)]), vec![true], "still serving");
+    drop((a, victim, operator, huge));
+    service.stop().unwrap();
+}
+
+/// Issue 24 item 6. With no time to wait for room (`slot_wait_ms` 0), rank 0 gets one block of a
+/// batch and not the other; the one it could not take must be given up for every rank, so that
+/// rank 1, finding room later, does not open a fill rank 0 will never commit.
+#[test]
+fn a_block_left_undecided_when_a_reserve_pass_times_out_is_given_up_by_every_rank() {
+    use kvtier_core::service::ReserveReply;
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start_small(dir.path(), 0);
+    let (a, b, x) = (key(1), key(2), key(3));
+    let mut other = client(&socket, 2, 0);
+    assert!(matches!(other.reserve(&[x]).unwrap()[0], ReserveReply::Fill { .. })); // half the backlog
+    let mut rank0 = client(&socket, 2, 0);
+    let replies = rank0.reserve(&[a, b]).unwrap();
+    assert!(matches!(replies[0], ReserveReply::Fill { .. }), "{replies:?}");
+    assert_eq!(replies[1], ReserveReply::Dropped, "no room left for the second block");
+    other.abort(&[x]).unwrap(); // room again
+    let mut rank1 = client(&socket, 2, 1);
+    let replies = rank1.reserve(&[a, b]).unwrap();
+    assert!(matches!(replies[0], ReserveReply::Fill { .. }), "{replies:?}");
+    assert_eq!(replies[1], ReserveReply::Dropped, "rank 0 gave it up: rank 1 must not open a fill of it");
+    assert_eq!(rank0.commit(&[a]).unwrap(), vec![true]);
+    assert_eq!(rank1.commit(&[a]).unwrap(), vec![true]);
+    assert_eq!(stats_of(&mut rank0)["service_pending_fills"], 0, "no fill waits for a rank that never comes");
+    assert_eq!(rank0.locate(&[a, b]).unwrap(), vec![1, 0]);
+    drop((other, rank0, rank1));
+    service.stop().unwrap();
+}
+
+/// Issue 24 item 7. A store the client gives up after a round with no progress (the service kept
+/// answering "no room now") is counted as a dropped store, and given up by every rank.
+#[test]
+fn a_store_given_up_for_want_of_room_is_counted_and_given_up_by_every_rank() {
+    use kvtier_core::service::ReserveReply;
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start_small(dir.path(), 200);
+    let mut rank0 = client(&socket, 2, 0);
+    let mut other = client(&socket, 2, 0);
+    assert!(matches!(rank0.reserve(&[key(9)]).unwrap()[0], ReserveReply::Fill { .. }));
+    assert!(matches!(other.reserve(&[key(8)]).unwrap()[0], ReserveReply::Fill { .. })); // backlog full
+    let (a, b) = (key(1), key(2));
+    // Rank 0 holds a reservation, so the service answers "no room now" rather than waiting.
+    assert_eq!(store(&mut rank0, &[a, b], &[value(1, SLICE), value(2, SLICE)]), vec![false, false]);
+    assert_eq!(stats_of(&mut rank0)["dropped_stores"], 2, "the two stores given up are counted");
+    other.abort(&[key(8)]).unwrap(); // room again
+    let mut rank1 = client(&socket, 2, 1);
+    assert_eq!(rank1.reserve(&[a, b]).unwrap(), vec![ReserveReply::Dropped; 2], "rank 0 gave them up");
+    drop((rank0, other, rank1));
+    service.stop().unwrap();
+}
+
+/// Issue 24 item 11. A second hello on one client used to map the new pool and unmap the old one
+/// under the caller's views of it. Another namespace is refused (the mapping and the connection
+/// stay); the same namespace keeps the mapping.
+#[test]
+fn a_second_hello_keeps_the_pool_mapped_or_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start(dir.path(), 0);
+    let mut c = client(&socket, 1, 0);
+    let span = c.pool_span().unwrap();
+    let err = c.hello(b"another model", 1, 0, SLICE).unwrap_err().to_string();
+    assert!(err.contains("open a new connection"), "{err}");
+    assert_eq!(c.pool_span(), Some(span), "the first pool stays mapped");
+    assert_eq!(store(&mut c, &[key(1)], &[value(1, SLICE)]), vec![true], "still attached to the first namespace");
+    c.hello(b"service-test/model/tp", 1, 0, SLICE).unwrap();
+    assert_eq!(c.pool_span(), Some(span), "the same pool is not mapped again");
+    assert_eq!(load(&mut c, &[key(1)]), (vec![true], vec![value(1, SLICE)]));
+    drop(c);
+    service.stop().unwrap();
+}

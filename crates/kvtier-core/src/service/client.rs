@@ -62,6 +62,8 @@ pub enum ReserveReply {
 struct PoolMap {
     base: *mut u8,
     len: usize,
+    /// The mapped file's `(device, inode)`: a second hello keeps the mapping only for this file.
+    file_id: (u64, u64),
 }
 
 // SAFETY: the mapping is process memory; the client serialises its use (`&mut self` calls).
@@ -75,7 +77,8 @@ impl PoolMap {
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(path)
             .map_err(|e| Error::io(format!("opening the kvtier pool {}", path.display()), e))?;
-        let size = file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?.len();
+        let meta = file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?;
+        let size = meta.len();
         if size != len as u64 {
             return Err(Error::format(path, format!("{size} bytes, the service said {len}; reconnect")));
         }
@@ -91,8 +94,18 @@ impl PoolMap {
                 std::io::Error::last_os_error(),
             ));
         }
-        Ok(PoolMap { base: p.cast(), len })
+        Ok(PoolMap { base: p.cast(), len, file_id: file_id(&meta) })
     }
+
+    /// Whether `path` is the file mapped here, at `len` bytes.
+    fn is(&self, path: &Path, len: usize) -> bool {
+        std::fs::symlink_metadata(path).is_ok_and(|meta| file_id(&meta) == self.file_id && self.len == len)
+    }
+}
+
+fn file_id(meta: &std::fs::Metadata) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    (meta.dev(), meta.ino())
 }
 
 impl Drop for PoolMap {
@@ -107,6 +120,8 @@ pub struct Client {
     stream: Option<UnixStream>,
     pool: Option<PoolMap>,
     attached: Option<Attached>,
+    /// The namespace description of the hello that mapped `pool`.
+    description: Option<Vec<u8>>,
     copy_threads: usize,
 }
 
@@ -158,6 +173,7 @@ impl Client {
             stream: Some(stream),
             pool: None,
             attached: None,
+            description: None,
             copy_threads: 1,
         })
     }
@@ -213,7 +229,19 @@ impl Client {
 
     /// Attaches to the namespace `description` as `rank` of `tp_size`, each moving `slice_bytes` of
     /// every block; maps its pool.
+    ///
+    /// Once per client: the caller may hold views of the mapped pool (`pool_span`, a GPU's
+    /// registration of it), and another namespace's hello would have to unmap it under them. A
+    /// second hello of the same namespace is accepted while the service still has the same pool
+    /// file at the same size (the mapping is kept); anything else is refused: open a new client.
     pub fn hello(&mut self, description: &[u8], tp_size: u32, rank: u32, slice_bytes: usize) -> Result<&Attached> {
+        if self.description.as_deref().is_some_and(|said| said != description) {
+            return Err(service_error(
+                &self.socket_path,
+                "this client already said hello to another namespace, and its pool may still be in use: open a \
+                 new connection (Client::connect) for this one",
+            ));
+        }
         let body = self.call(Op::Hello, |w| {
             w.u16(PROTOCOL_VERSION).u32(tp_size).u32(rank).u64(slice_bytes as u64).bytes(description);
         })?;
@@ -234,10 +262,26 @@ impl Client {
                 placement: Placement::contiguous(rank, slice_bytes),
             })
         })?;
-        if attached.object_bytes != slice_bytes * tp_size as usize {
+        if slice_bytes.checked_mul(tp_size as usize) != Some(attached.object_bytes) {
+            self.stream = None;
             return Err(service_error(&self.socket_path, "object size does not match slices * tp_size"));
         }
-        self.pool = Some(PoolMap::map(&attached.pool_path, attached.pool_bytes)?);
+        match &self.pool {
+            Some(pool) if pool.is(&attached.pool_path, attached.pool_bytes) => {}
+            Some(_) => {
+                // The service attached this connection to a pool other than the one mapped here (the
+                // namespace was closed and reopened): the mapping stays for the views of it, and the
+                // connection, now attached elsewhere, goes.
+                self.stream = None;
+                return Err(service_error(
+                    &self.socket_path,
+                    "has another pool for this namespace than the one this client mapped at its first hello \
+                     (it was closed and reopened): open a new connection (Client::connect)",
+                ));
+            }
+            None => self.pool = Some(PoolMap::map(&attached.pool_path, attached.pool_bytes)?),
+        }
+        self.description = Some(description.to_vec());
         Ok(self.attached.insert(attached))
     }
 
@@ -427,7 +471,11 @@ impl Client {
             let round: Vec<BlockKey> = pending.iter().map(|&i| keys[i]).collect();
             let retry = self.store_round(&round, &pending, sources, &mut results)?;
             if retry.len() == pending.len() {
-                break; // no progress: the service keeps saying "no room now"
+                // No progress: the service keeps saying "no room now". Told, it counts the stores
+                // as dropped and every rank gives them up (no peer fills a slot this rank won't).
+                let given_up: Vec<BlockKey> = retry.iter().map(|&i| keys[i]).collect();
+                self.abort(&given_up)?;
+                break;
             }
             pending = retry;
         }
@@ -483,17 +531,18 @@ impl Client {
         let mut out = Vec::with_capacity(keys.len());
         let mut outside = Vec::new();
         for (&key, (kind, slot)) in keys.iter().zip(decided) {
-            out.push(match kind {
-                0 => match attached.object_offset(slot) {
+            out.push(match ReserveKind::from_u8(kind) {
+                Some(ReserveKind::Fill) => match attached.object_offset(slot) {
                     Some(object_offset) => ReserveReply::Fill { object_offset },
                     None => {
                         outside.push(key);
                         ReserveReply::Dropped
                     }
                 },
-                1 => ReserveReply::Present,
-                3 => ReserveReply::Retry,
-                _ => ReserveReply::Dropped,
+                Some(ReserveKind::Present) => ReserveReply::Present,
+                Some(ReserveKind::Retry) => ReserveReply::Retry,
+                // A kind this client does not know takes no slot: nothing is copied.
+                Some(ReserveKind::Dropped) | None => ReserveReply::Dropped,
             });
         }
         if !outside.is_empty() {
@@ -517,7 +566,9 @@ impl Client {
         Ok(body.iter().map(|&ok| ok != 0).collect())
     }
 
-    /// Gives reserved slots back without storing (the copy into them failed).
+    /// Gives reserved slots back without storing (the copy into them failed). A key this connection
+    /// did not reserve is a store it gives up (no room came): the service counts it as dropped, and
+    /// every rank gives the block up.
     pub fn abort(&mut self, keys: &[BlockKey]) -> Result<()> {
         self.call(Op::Abort, |w| {
             w.keys(keys);
@@ -555,7 +606,7 @@ impl Client {
 
     /// The pool as mapped in this process: its address and length. A caller registers it for
     /// DMA (cudaHostRegister) and copies at `address + object_offset`; valid until the client is
-    /// dropped or says hello again.
+    /// dropped (a second hello keeps it, or is refused).
     pub fn pool_span(&self) -> Option<(usize, usize)> {
         self.pool.as_ref().map(|p| (p.base as usize, p.len))
     }

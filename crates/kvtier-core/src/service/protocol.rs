@@ -25,17 +25,21 @@ pub enum Op {
     /// `u16 version, u32 tp_size, u32 rank, u64 slice_bytes, u32 len, description` ->
     /// `u64 slot_bytes, u64 slot_count, u64 value_offset, u64 pool_bytes, u64 object_bytes, u32 len, pool path`
     Hello = 1,
-    /// keys -> `count * u8` tier (0 none, 1 DRAM, 2 NVMe, 3 shared)
+    /// keys -> `count * u8` tier (`TierCode`: 0 none, 1 DRAM, 2 NVMe, 3 shared)
     Locate = 2,
     /// keys -> `u32 count` + `count * u8` (1: pinned, 0: present in the shared tier only, no pin)
     Pin = 3,
     /// keys -> (empty); releases this connection's pins only
     Unpin = 4,
-    /// keys -> `count * (u8 kind, u32 slot)`; kind 0 fill, 1 present, 2 dropped
+    /// keys -> `count * (u8 kind, u32 slot)`; kind (`ReserveKind`) 0 fill, 1 present, 2 dropped,
+    /// 3 no room now (commit what you hold, then reserve these again)
     Reserve = 5,
-    /// keys -> `count * u8` (1: this rank's slice is accepted)
+    /// keys -> `count * u8` (1: this rank's slice is accepted; 0 for a fill the service gave up,
+    /// past `reservation_timeout_ms` or aborted by another rank: never visible)
     Commit = 6,
-    /// keys -> (empty)
+    /// keys -> (empty). A key this connection reserved: the fill is given up. Any other key: a
+    /// store this rank gives up without a reservation (no room came): counted as dropped, and
+    /// given up by every rank of the namespace
     Abort = 7,
     /// keys -> `count * u32` slot (`NO_SLOT`: miss); each slot stays pinned until `Release`
     Acquire = 8,
@@ -60,6 +64,53 @@ pub enum Op {
     /// (version 2; no Hello needed) `32 digest` -> `u32 count` * (`bytes label`, pairs): the
     /// namespace's per-engine counters, one entry per label
     Engines = 16,
+}
+
+/// `Op::Reserve`'s answer for one block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ReserveKind {
+    /// Copy this rank's slice into the slot, then Commit (or Abort) the key.
+    Fill = 0,
+    /// Stored already, or being filled by an engine of another TP size.
+    Present = 1,
+    /// Not taken (a dropped store, counted by the service).
+    Dropped = 2,
+    /// No room now: commit what this connection holds, then reserve the block again.
+    Retry = 3,
+}
+
+impl ReserveKind {
+    pub fn from_u8(byte: u8) -> Option<ReserveKind> {
+        Some(match byte {
+            0 => ReserveKind::Fill,
+            1 => ReserveKind::Present,
+            2 => ReserveKind::Dropped,
+            3 => ReserveKind::Retry,
+            _ => return None,
+        })
+    }
+}
+
+/// Where a block is, in `Op::Locate` replies and `Op::Verify`'s bad blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum TierCode {
+    Absent = 0,
+    Dram = 1,
+    Nvme = 2,
+    Shared = 3,
+}
+
+impl From<Option<crate::catalog::Tier>> for TierCode {
+    fn from(tier: Option<crate::catalog::Tier>) -> TierCode {
+        match tier {
+            None => TierCode::Absent,
+            Some(crate::catalog::Tier::Dram) => TierCode::Dram,
+            Some(crate::catalog::Tier::Nvme) => TierCode::Nvme,
+            Some(crate::catalog::Tier::Shared) => TierCode::Shared,
+        }
+    }
 }
 
 /// The longest engine label (`Op::Label`).
@@ -231,6 +282,14 @@ pub fn read_frame(stream: &mut impl std::io::Read) -> std::io::Result<Option<Vec
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reserve_kinds_round_trip_and_unknown_ones_are_none() {
+        for kind in [ReserveKind::Fill, ReserveKind::Present, ReserveKind::Dropped, ReserveKind::Retry] {
+            assert_eq!(ReserveKind::from_u8(kind as u8), Some(kind));
+        }
+        assert_eq!(ReserveKind::from_u8(4), None);
+    }
 
     #[test]
     fn frames_round_trip_and_truncation_is_an_error() {

@@ -3,8 +3,21 @@
 //!
 //! Leases: everything a connection takes (pins, reserved slots) is recorded with the connection and
 //! given back when it closes, however it closed: an engine killed with SIGKILL loses its socket, and
-//! the kernel closing it is the lease expiring. A reserved slot is freed only once no connection
-//! holds it any more, so an aborted fill can never be reused while a live writer still copies in.
+//! the kernel closing it is the lease expiring; a connection thread that panics gives it back too
+//! (`Session`'s `Drop`). A reserved slot is freed only once no connection holds it any more, so an
+//! aborted fill can never be reused while a live writer still copies in.
+//!
+//! A live connection's reservations also have a deadline (`reservation_timeout_ms`): a rank hung in
+//! a collective, or on an event that never fires, must not keep its slots' share of the write
+//! backlog and starve every other engine's stores and flushes. Past the deadline the fill is
+//! abandoned: the block and its backlog share are given back at once, and every rank's commit of
+//! it is refused, so a half-written block is never visible. The slot itself is not: the hung
+//! writer may wake up and copy into it later (its copy was queued behind an event, or its process
+//! was stopped), and the service cannot take a mapping back. Reused for another block, that slot
+//! would serve the late bytes under the other block's key, and a DRAM hit is not verified again.
+//! So the slot stays out of use, keyless, until every connection that held the fill has let go of
+//! it (commit, abort or close), which is the existing rule for a slot's last writer. A late commit
+//! is matched by the fill's sequence, never by its key alone: the key may be filled again by then.
 
 use super::engines::{EngineCounters, EngineTable};
 use super::protocol::*;
@@ -26,6 +39,9 @@ use std::time::{Duration, Instant};
 
 /// Ranks per namespace: a fill records its ranks in a 64-bit mask.
 pub const MAX_TP_SIZE: u32 = 64;
+/// The largest block object a store takes (`StoreConfig::validate`'s bound), checked at Hello before
+/// any size is computed from it.
+const MAX_OBJECT_BYTES: u64 = 1 << 30;
 const ACCEPT_POLL_MS: i32 = 200;
 const JANITOR_PERIOD: Duration = Duration::from_millis(500);
 const TIMELINE_SAVE_PERIOD: Duration = Duration::from_secs(10);
@@ -44,6 +60,16 @@ pub struct ServiceConfig {
     /// A reserved fill that no connection holds any more, and that not every rank committed, is
     /// given back after this long (a rank that never came). Default 10000.
     pub fill_timeout_ms: u64,
+    /// A fill that live connections still hold, and that not every rank committed this long after
+    /// its first reservation, is abandoned (a rank hung between reserving and committing): its
+    /// block and share of the write backlog are given back, the holders' commits refused. Longer
+    /// than an engine's job timeout (vLLM's `job_timeout_ms`, 120 s by default), so that a slow
+    /// but live job is not cut off. 0: never. Default 180000.
+    pub reservation_timeout_ms: u64,
+    /// Fault injection for tests: a `Label` request naming this label panics in its connection
+    /// thread, as a bug would. `None` outside tests.
+    #[doc(hidden)]
+    pub panic_on_label: Option<String>,
     /// The most DRAM the pools of all namespaces may take together (0: no host cap, every namespace
     /// gets `store.dram_bytes`). Each namespace's pool is `store.dram_bytes`, or what is left of this
     /// budget when less; a namespace for which less than `MIN_POOL_SLOTS` slots are left is refused.
@@ -66,6 +92,8 @@ impl ServiceConfig {
             pool_dir: PathBuf::from("/dev/shm"),
             max_connections: 1024,
             fill_timeout_ms: 10_000,
+            reservation_timeout_ms: 180_000,
+            panic_on_label: None,
             host_dram_bytes: 0,
             idle_timeout_ms: 0,
         }
@@ -112,6 +140,101 @@ struct Fill {
     since: Instant,
 }
 
+/// The namespace's fills in progress (one lock).
+#[derive(Default)]
+struct Fills {
+    /// The fill a rank reserving the key joins.
+    open: HashMap<BlockKey, Fill>,
+    /// Fills abandoned while connections still held them (`reservation_timeout_ms`), by sequence:
+    /// their slots stay out of use until the last holder lets go (see the module comment).
+    abandoned: HashMap<u64, Abandoned>,
+}
+
+struct Abandoned {
+    slot: u32,
+    holders: u32,
+}
+
+/// What a holder letting go of a fill leaves for the store to do.
+enum Outcome {
+    /// Other ranks still hold or owe it.
+    Pending,
+    /// Every rank committed: the block becomes visible.
+    Complete { slot: u32, sequence: u64 },
+    /// Given up, and nobody can still copy into the slot.
+    GiveBack { slot: u32 },
+    /// The last holder of an abandoned fill let go: its slot may be used again.
+    FreeAbandoned { slot: u32 },
+    /// Nothing left (the namespace closed while the connection still held it).
+    Gone,
+}
+
+impl Fills {
+    /// A connection lets go of its reservation `(key, sequence)`, committing this rank's slice
+    /// (`committed`: the rank's bit) or not. Whether the commit counts, and what follows.
+    fn let_go(&mut self, key: &BlockKey, sequence: u64, committed: Option<u64>) -> (bool, Outcome) {
+        if let Some(fill) = self.open.get_mut(key).filter(|fill| fill.sequence == sequence) {
+            assert!(fill.holders > 0, "a reservation held by a connection counts it as a holder");
+            fill.holders -= 1;
+            match committed {
+                Some(bit) => fill.committed_ranks |= bit,
+                None => fill.aborted = true,
+            }
+            let (accepted, slot) = (committed.is_some() && !fill.aborted, fill.slot);
+            let outcome = if fill.aborted && fill.holders == 0 {
+                Outcome::GiveBack { slot }
+            } else if !fill.aborted && fill.committed_ranks == fill.all_ranks() {
+                Outcome::Complete { slot, sequence }
+            } else {
+                return (accepted, Outcome::Pending);
+            };
+            self.open.remove(key);
+            return (accepted, outcome);
+        }
+        let Some(gone) = self.abandoned.get_mut(&sequence) else { return (false, Outcome::Gone) };
+        assert!(gone.holders > 0, "an abandoned fill is kept only while someone holds it");
+        gone.holders -= 1;
+        if gone.holders > 0 {
+            return (false, Outcome::Pending);
+        }
+        let slot = gone.slot;
+        self.abandoned.remove(&sequence);
+        (false, Outcome::FreeAbandoned { slot })
+    }
+}
+
+/// The store calls that connections letting go of fills lead to, made outside the fills lock.
+#[derive(Default)]
+struct StoreSteps {
+    complete: Vec<(BlockKey, u32, u64)>,
+    give_back: Vec<(BlockKey, u32)>,
+    free_abandoned: Vec<u32>,
+}
+
+impl StoreSteps {
+    fn add(&mut self, key: BlockKey, outcome: Outcome) {
+        match outcome {
+            Outcome::Complete { slot, sequence } => self.complete.push((key, slot, sequence)),
+            Outcome::GiveBack { slot } => self.give_back.push((key, slot)),
+            Outcome::FreeAbandoned { slot } => self.free_abandoned.push(slot),
+            Outcome::Pending | Outcome::Gone => {}
+        }
+    }
+
+    fn apply(self, store: &Store) -> Result<()> {
+        if !self.give_back.is_empty() {
+            store.abort_puts(&self.give_back);
+        }
+        if !self.free_abandoned.is_empty() {
+            store.free_abandoned_slots(&self.free_abandoned);
+        }
+        if !self.complete.is_empty() {
+            store.commit_puts(&self.complete)?;
+        }
+        Ok(())
+    }
+}
+
 impl Fill {
     fn new(slot: u32, sequence: u64, tp_size: u32) -> Fill {
         Fill {
@@ -142,9 +265,12 @@ struct Namespaced {
     attached: AtomicU64,
     /// When the last attached connection left (or the namespace opened).
     detached_at: Mutex<Instant>,
-    fills: Mutex<HashMap<BlockKey, Fill>>,
+    fills: Mutex<Fills>,
     /// Blocks a rank gave up for want of room; locked after `fills`.
     dropped: Mutex<DroppedKeys>,
+    /// Fills abandoned past `reservation_timeout_ms`, and commits refused because of it.
+    expired_fills: AtomicU64,
+    refused_commits: AtomicU64,
     /// What each labelled engine did here; locked alone.
     engines: Mutex<EngineTable>,
 }
@@ -243,7 +369,12 @@ impl Service {
 fn close_namespace(ns: &Namespaced) -> Result<()> {
     // Blocks some ranks committed and others never will: given back, so that the flush below does
     // not wait on slots nobody fills.
-    let orphans: Vec<(BlockKey, u32)> = ns.fills.lock().drain().map(|(key, fill)| (key, fill.slot)).collect();
+    // Abandoned slots go with the store; a connection that lets go of one later finds nothing.
+    let orphans: Vec<(BlockKey, u32)> = {
+        let mut fills = ns.fills.lock();
+        fills.abandoned.clear();
+        fills.open.drain().map(|(key, fill)| (key, fill.slot)).collect()
+    };
     if !orphans.is_empty() {
         ns.store.abort_puts(&orphans);
     }
@@ -367,13 +498,26 @@ fn accept_loop(state: &Arc<State>, listener: UnixListener) {
         }
         let conn_state = Arc::clone(state);
         let spawned = std::thread::Builder::new().name(format!("kvtier-svc-conn-{id}")).spawn(move || {
-            Connection { state: Arc::clone(&conn_state), session: None }.serve(stream);
-            conn_state.connections.lock().remove(&id);
-            *conn_state.busy_at.lock() = Instant::now();
+            let _slot = ConnectionSlot { state: Arc::clone(&conn_state), id };
+            Connection { state: conn_state, session: None }.serve(stream);
         });
         if spawned.is_err() {
             state.connections.lock().remove(&id);
         }
+    }
+}
+
+/// A connection's place in `State::connections` (counted against `max_connections`), given back
+/// when its thread ends, even by a panic.
+struct ConnectionSlot {
+    state: Arc<State>,
+    id: u64,
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.state.connections.lock().remove(&self.id);
+        *self.state.busy_at.lock() = Instant::now();
     }
 }
 
@@ -392,7 +536,6 @@ fn admit(state: &State, stream: &UnixStream) -> std::result::Result<(), String> 
 }
 
 fn janitor_loop(state: &Arc<State>) {
-    let timeout = Duration::from_millis(state.config.fill_timeout_ms);
     let mut timelines_saved = Instant::now();
     while !state.stop.load(Ordering::Acquire) {
         std::thread::park_timeout(JANITOR_PERIOD);
@@ -408,25 +551,56 @@ fn janitor_loop(state: &Arc<State>) {
                     log::warn!("kvtier: saving block dates failed: {e}");
                 }
             }
-            let mut stale = Vec::new();
-            ns.fills.lock().retain(|key, fill| {
-                let keep = fill.holders > 0 || fill.since.elapsed() < timeout;
-                if !keep {
-                    stale.push((*key, fill.slot));
-                }
-                keep
-            });
-            if !stale.is_empty() {
-                log::warn!("kvtier: {} stores waited {timeout:?} for a rank that never came; dropped", stale.len());
-                ns.store.abort_puts(&stale);
-            }
+            expire_fills(&ns, &state.config);
         }
         state.close_idle_namespaces();
     }
 }
 
-/// `Op::Reserve`'s answer for a block the service will not take now (see `Session::reserve`).
-const RESERVE_DROPPED: u8 = 2;
+/// Gives back the fills no connection holds that waited `fill_timeout_ms` for a rank that never
+/// came, and abandons those live connections have held past `reservation_timeout_ms`.
+fn expire_fills(ns: &Namespaced, config: &ServiceConfig) {
+    let unheld_limit = Duration::from_millis(config.fill_timeout_ms);
+    let held_limit = (config.reservation_timeout_ms > 0).then(|| Duration::from_millis(config.reservation_timeout_ms));
+    let (mut stale, mut expired) = (Vec::new(), Vec::new());
+    {
+        let mut fills = ns.fills.lock();
+        let Fills { open, abandoned } = &mut *fills;
+        open.retain(|key, fill| {
+            let age = fill.since.elapsed();
+            if fill.holders == 0 && age >= unheld_limit {
+                stale.push((*key, fill.slot));
+                return false;
+            }
+            if fill.holders > 0 && held_limit.is_some_and(|limit| age >= limit) {
+                abandoned.insert(fill.sequence, Abandoned { slot: fill.slot, holders: fill.holders });
+                expired.push((*key, fill.slot));
+                return false;
+            }
+            true
+        });
+        // A rank that reserves the block later gives it up too, rather than open a new fill that
+        // the hung rank will not complete either.
+        let mut dropped = ns.dropped.lock();
+        for (key, _) in &expired {
+            dropped.insert(*key);
+        }
+    }
+    if !stale.is_empty() {
+        log::warn!("kvtier: {} stores waited {unheld_limit:?} for a rank that never came; dropped", stale.len());
+        ns.store.abort_puts(&stale);
+    }
+    if !expired.is_empty() {
+        log::warn!(
+            "kvtier: {} stores were not committed by every rank within reservation_timeout_ms={} (a rank hung \
+             between reserving and committing); dropped, their slots kept out of use until the rank lets go",
+            expired.len(),
+            config.reservation_timeout_ms
+        );
+        ns.expired_fills.fetch_add(expired.len() as u64, Ordering::Relaxed);
+        ns.store.abandon_puts(&expired);
+    }
+}
 
 /// One engine connection's state: the namespace it said hello to and what it holds.
 struct Session {
@@ -437,8 +611,8 @@ struct Session {
     pins: HashMap<BlockKey, u32>,
     /// Slots handed out by `Acquire`, per key (the slot stays until `Release`).
     readers: HashMap<BlockKey, u32>,
-    /// Fills this connection reserved and has not committed or aborted.
-    reserved: Vec<BlockKey>,
+    /// Fills this connection reserved and has not committed or aborted: `(key, sequence)`.
+    reserved: Vec<(BlockKey, u64)>,
     /// The engine this connection works for (`Op::Label`), for the per-engine counters.
     label: Option<String>,
 }
@@ -459,23 +633,27 @@ impl Connection {
                     break;
                 }
             };
-            let reply = match self.handle(&body) {
-                Ok(payload) => {
-                    let mut w = Writer::new(STATUS_OK);
-                    w.0.extend_from_slice(&payload);
-                    w.0
-                }
-                Err(message) => {
-                    let mut w = Writer::new(STATUS_ERROR);
-                    w.0.extend_from_slice(message.as_bytes());
-                    w.0
+            // A panic is a bug; what the connection held is given back (`Session`'s `Drop`) and the
+            // client hears why at once instead of waiting out its timeout.
+            let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.handle(&body)));
+            let (reply, close) = match handled {
+                Ok(Ok(payload)) => (reply_frame(STATUS_OK, &payload), false),
+                Ok(Err(message)) => (reply_frame(STATUS_ERROR, message.as_bytes()), false),
+                Err(panic) => {
+                    let what = panic_message(panic.as_ref());
+                    log::error!("kvtier: a service request panicked ({what}); its connection is closed");
+                    let message = format!(
+                        "the kvtier service failed on this request (a bug: {what}); the connection is closed and \
+                         what it held given back: reconnect, and report it with the service log"
+                    );
+                    (reply_frame(STATUS_ERROR, message.as_bytes()), true)
                 }
             };
-            if write_frame(&mut stream, &reply).is_err() {
+            if write_frame(&mut stream, &reply).is_err() || close {
                 break;
             }
         }
-        self.release_all();
+        self.session = None;
     }
 
     fn handle(&mut self, body: &[u8]) -> std::result::Result<Vec<u8>, String> {
@@ -518,16 +696,17 @@ impl Connection {
         let mut w = Writer::default();
         match op {
             Op::Hello | Op::Namespaces | Op::Verify | Op::Trim | Op::Engines => unreachable!("answered above"),
-            Op::Label => session.label = Some(parse_label(r)?),
+            Op::Label => {
+                let label = parse_label(r)?;
+                if self.state.config.panic_on_label.as_ref() == Some(&label) {
+                    panic!("fault injection: a request labelled {label:?}");
+                }
+                session.label = Some(label);
+            }
             Op::Locate => {
                 let tiers = session.ns.store.locate_many(&keys);
                 for &tier in &tiers {
-                    w.u8(match tier {
-                        None => 0,
-                        Some(crate::catalog::Tier::Dram) => 1,
-                        Some(crate::catalog::Tier::Nvme) => 2,
-                        Some(crate::catalog::Tier::Shared) => 3,
-                    });
+                    w.u8(TierCode::from(tier) as u8);
                 }
                 session.count(|c| tiers.iter().for_each(|&tier| *c.lookup(tier) += 1));
             }
@@ -561,18 +740,21 @@ impl Connection {
             Op::Reserve => {
                 let mut dropped = 0;
                 for (kind, slot) in session.reserve(&keys).map_err(|e| e.to_string())? {
-                    dropped += u64::from(kind == RESERVE_DROPPED);
-                    w.u8(kind).u32(slot);
+                    dropped += u64::from(kind == ReserveKind::Dropped);
+                    w.u8(kind as u8).u32(slot);
                 }
                 session.count(|c| c.dropped_slices += dropped);
             }
             Op::Commit => {
-                let mut stored = 0;
-                for accepted in session.commit(&keys).map_err(|e| e.to_string())? {
-                    stored += u64::from(accepted);
-                    w.u8(u8::from(accepted));
+                let accepted = session.commit(&keys).map_err(|e| e.to_string())?;
+                let stored = accepted.iter().filter(|&&ok| ok).count() as u64;
+                for ok in accepted {
+                    w.u8(u8::from(ok));
                 }
-                session.count(|c| c.stored_slices += stored);
+                session.count(|c| {
+                    c.stored_slices += stored;
+                    c.dropped_slices += keys.len() as u64 - stored;
+                });
             }
             Op::Abort => session.abort(&keys),
             Op::Stats => {
@@ -608,7 +790,10 @@ impl Connection {
             add("nvme_capacity_bytes", g.nvme_capacity_bytes);
             add("blocks_dram", g.blocks_dram);
             add("blocks_nvme", g.blocks_nvme);
-            add("service_pending_fills", ns.fills.lock().len() as u64);
+            add("service_pending_fills", ns.fills.lock().open.len() as u64);
+            add("service_abandoned_slots", ns.fills.lock().abandoned.len() as u64);
+            add("service_expired_fills", ns.expired_fills.load(Ordering::Relaxed));
+            add("service_refused_commits", ns.refused_commits.load(Ordering::Relaxed));
         }
         add("service_connections", self.state.connections.lock().len() as u64);
         add("service_namespaces", self.state.namespaces.lock().len() as u64);
@@ -641,11 +826,18 @@ impl Connection {
         if slice_bytes == 0 || description.is_empty() {
             return Err(bad("slice_bytes and the namespace description must not be empty"));
         }
-        if let Some(old) = self.session.take() {
-            Session::release(old);
+        if slice_bytes.checked_mul(u64::from(tp_size)).is_none_or(|bytes| bytes > MAX_OBJECT_BYTES) {
+            return Err(bad(&format!(
+                "{tp_size} slices of {slice_bytes} bytes make a block object over {MAX_OBJECT_BYTES} bytes: \
+                 store smaller blocks (a smaller block_size in the engine)"
+            )));
         }
+        // Given back first: a connection holds one namespace at a time.
+        self.session = None;
         let ns = self.state.namespace(&description, tp_size, slice_bytes)?;
-        let pool = ns.store.pool().expect("service stores have a shared pool");
+        let Some(pool) = ns.store.pool() else {
+            return Err(Error::config("hello", "the namespace's store has no shared pool (a bug; report it)"));
+        };
         let mut w = Writer::default();
         w.u64(pool.slot_bytes as u64)
             .u64(pool.slot_count as u64)
@@ -664,11 +856,21 @@ impl Connection {
         });
         Ok(w.0)
     }
+}
 
-    fn release_all(&mut self) {
-        if let Some(session) = self.session.take() {
-            Session::release(session);
-        }
+/// A reply frame's body: `status`, then `payload`.
+fn reply_frame(status: u8, payload: &[u8]) -> Vec<u8> {
+    let mut w = Writer::new(status);
+    w.raw(payload);
+    w.0
+}
+
+/// What a caught panic said (its payload is a `&str` or a `String` for `panic!` with a message).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    match (payload.downcast_ref::<&str>(), payload.downcast_ref::<String>()) {
+        (Some(s), _) => (*s).to_string(),
+        (_, Some(s)) => s.clone(),
+        _ => "a panic without a message".to_string(),
     }
 }
 
@@ -743,8 +945,10 @@ impl State {
             detached_at: Mutex::new(Instant::now()),
             tp_size,
             slice_bytes,
-            fills: Mutex::new(HashMap::new()),
+            fills: Mutex::new(Fills::default()),
             dropped: Mutex::new(DroppedKeys::default()),
+            expired_fills: AtomicU64::new(0),
+            refused_commits: AtomicU64::new(0),
             engines: Mutex::new(EngineTable::default()),
         })
     }
@@ -882,6 +1086,10 @@ impl State {
                 stats.counters.fields().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
             let g = stats.gauges;
             let facts = ns.store.namespace_facts();
+            let (pending_fills, abandoned_slots) = {
+                let fills = ns.fills.lock();
+                (fills.open.len() as u64, fills.abandoned.len() as u64)
+            };
             pairs.extend([
                 ("dram_used_bytes".to_string(), g.dram_used_bytes),
                 ("dram_capacity_bytes".to_string(), g.dram_capacity_bytes),
@@ -896,7 +1104,10 @@ impl State {
                 ("newest_block_before_open".to_string(), u64::from(facts.newest_before_open)),
                 ("opened_unix_ms".to_string(), facts.opened_unix_ms),
                 ("nvme_write_backlog_bytes".to_string(), facts.write_backlog_bytes),
-                ("service_pending_fills".to_string(), ns.fills.lock().len() as u64),
+                ("service_pending_fills".to_string(), pending_fills),
+                ("service_abandoned_slots".to_string(), abandoned_slots),
+                ("service_expired_fills".to_string(), ns.expired_fills.load(Ordering::Relaxed)),
+                ("service_refused_commits".to_string(), ns.refused_commits.load(Ordering::Relaxed)),
                 ("service_attached_connections".to_string(), ns.attached.load(Ordering::Relaxed)),
             ]);
             if let Some(age) = facts.shared_index_age_ms {
@@ -943,11 +1154,7 @@ impl State {
         ]);
         w.u32(batch.bad.len() as u32);
         for bad in &batch.bad {
-            let tier = match bad.tier {
-                crate::catalog::Tier::Dram => 1,
-                crate::catalog::Tier::Nvme => 2,
-                crate::catalog::Tier::Shared => 3,
-            };
+            let tier = TierCode::from(Some(bad.tier)) as u8;
             w.raw(&bad.key.0).u8(tier).u8(u8::from(bad.quarantined)).bytes(bad.reason.as_bytes());
         }
         Ok(w.0)
@@ -1004,8 +1211,8 @@ impl Session {
         }
     }
 
-    /// Per key `(kind, slot)`: 0 fill this slot, 1 present, 2 dropped, 3 no room now: fill and
-    /// commit what you got, then reserve these again.
+    /// Per key `(kind, slot)` (`ReserveKind`): fill this slot, present, dropped, or no room now:
+    /// fill and commit what you got, then reserve these again.
     ///
     /// A block another rank reserved is taken at once (its slot exists). A new block needs room in
     /// the NVMe write backlog. When there is none, a connection that holds reservations it has not
@@ -1014,25 +1221,14 @@ impl Session {
     /// commits or for NVMe writes to drain, without holding the fills lock. A block one rank gave
     /// up is given up by every rank (`dropped`), so no rank fills a slot the others will never
     /// complete.
-    fn reserve(&mut self, keys: &[BlockKey]) -> Result<Vec<(u8, u32)>> {
+    fn reserve(&mut self, keys: &[BlockKey]) -> Result<Vec<(ReserveKind, u32)>> {
         let ns = Arc::clone(&self.ns);
         let deadline = Instant::now() + Duration::from_millis(ns.store.slot_wait_ms());
-        let mut out: Vec<Option<(u8, u32)>> = vec![None; keys.len()];
+        let mut out: Vec<Option<(ReserveKind, u32)>> = vec![None; keys.len()];
         loop {
             let mut fills = ns.fills.lock();
             let mut dropped = ns.dropped.lock();
-            let mut seen = std::collections::HashSet::new();
-            let mut fresh = Vec::new();
-            for (key, decided) in keys.iter().zip(out.iter_mut()) {
-                if decided.is_some() || fills.contains_key(key) || !seen.insert(*key) {
-                    continue;
-                }
-                if dropped.contains(key) {
-                    *decided = Some((2, NO_SLOT));
-                } else {
-                    fresh.push(*key);
-                }
-            }
+            let fresh = self.fresh_keys(keys, &mut out, &fills, &dropped);
             let mut reserved: HashMap<BlockKey, Reservation> =
                 fresh.iter().copied().zip(ns.store.try_reserve_puts(&fresh)?).collect();
             let mut short_of_room = false;
@@ -1042,10 +1238,10 @@ impl Session {
                 }
                 match reserved.remove(key) {
                     Some(Reservation::Fill { slot, sequence }) => {
-                        fills.insert(*key, Fill::new(slot, sequence, self.tp_size));
+                        fills.open.insert(*key, Fill::new(slot, sequence, self.tp_size));
                     }
                     Some(Reservation::Present) => {
-                        *decided = Some((1, NO_SLOT));
+                        *decided = Some((ReserveKind::Present, NO_SLOT));
                         continue;
                     }
                     Some(Reservation::Dropped) => {
@@ -1057,11 +1253,13 @@ impl Session {
                 *decided = self.join(&mut fills, key);
             }
             let out_of_time = Instant::now() >= deadline;
-            if short_of_room && self.reserved.is_empty() && out_of_time {
-                // Given up, for every rank: a rank that comes later drops it at once.
+            if short_of_room && out_of_time {
+                // Given up, for every rank: a rank that comes later drops it at once. Also when this
+                // pass reserved others of the batch: a key reported dropped but left out of `dropped`
+                // lets a peer rank open a fill this rank never commits.
                 for (key, decided) in keys.iter().zip(out.iter_mut()).filter(|(_, d)| d.is_none()) {
                     dropped.insert(*key);
-                    *decided = Some((2, NO_SLOT));
+                    *decided = Some((ReserveKind::Dropped, NO_SLOT));
                 }
             }
             drop((fills, dropped));
@@ -1071,105 +1269,160 @@ impl Session {
             if !self.reserved.is_empty() {
                 // Its own commits free room: the client fills and commits, then asks again.
                 for decided in out.iter_mut().filter(|d| d.is_none()) {
-                    *decided = Some((3, NO_SLOT));
+                    *decided = Some((ReserveKind::Retry, NO_SLOT));
                 }
                 break;
             }
             // Whether or not room came, one more pass decides (joins a fill another rank made).
             ns.store.wait_for_put_room_until(deadline);
         }
-        let dropped = out.iter().filter(|d| d.is_none_or(|(kind, _)| kind == 2)).count();
+        let out: Vec<(ReserveKind, u32)> =
+            out.into_iter().map(|d| d.unwrap_or((ReserveKind::Dropped, NO_SLOT))).collect();
+        let dropped = out.iter().filter(|(kind, _)| *kind == ReserveKind::Dropped).count();
         ns.store.count_dropped_stores(dropped as u64);
-        Ok(out.into_iter().map(|d| d.unwrap_or((2, NO_SLOT))).collect())
+        Ok(out)
+    }
+
+    /// The keys of this pass that need a new fill: not decided, not being filled, not repeated;
+    /// a key given up recently is decided dropped here.
+    fn fresh_keys(
+        &self,
+        keys: &[BlockKey],
+        out: &mut [Option<(ReserveKind, u32)>],
+        fills: &Fills,
+        dropped: &DroppedKeys,
+    ) -> Vec<BlockKey> {
+        let mut seen = std::collections::HashSet::new();
+        let mut fresh = Vec::new();
+        for (key, decided) in keys.iter().zip(out.iter_mut()) {
+            if decided.is_some() || fills.open.contains_key(key) || !seen.insert(*key) {
+                continue;
+            }
+            if dropped.contains(key) {
+                *decided = Some((ReserveKind::Dropped, NO_SLOT));
+            } else {
+                fresh.push(*key);
+            }
+        }
+        fresh
     }
 
     /// This rank's share of an existing fill, if it may take one.
-    fn join(&mut self, fills: &mut HashMap<BlockKey, Fill>, key: &BlockKey) -> Option<(u8, u32)> {
+    fn join(&mut self, fills: &mut Fills, key: &BlockKey) -> Option<(ReserveKind, u32)> {
         let bit = 1u64 << self.rank;
-        let fill = fills.get_mut(key)?;
+        let fill = fills.open.get_mut(key)?;
         if fill.tp_size != self.tp_size {
             // An engine of another TP size is storing it: present for this one, as a put of a block
             // being stored (if that engine gives up, the block is a later miss, never wrong bytes).
-            return Some((1, NO_SLOT));
+            return Some((ReserveKind::Present, NO_SLOT));
         }
         if fill.aborted || fill.reserved_ranks & bit != 0 {
-            return Some((2, NO_SLOT)); // a repeated reserve by one rank, or a fill being given up
+            // A repeated reserve by one rank, or a fill being given up.
+            return Some((ReserveKind::Dropped, NO_SLOT));
         }
         fill.reserved_ranks |= bit;
         fill.holders += 1;
-        self.reserved.push(*key);
-        Some((0, fill.slot))
+        self.reserved.push((*key, fill.sequence));
+        Some((ReserveKind::Fill, fill.slot))
     }
 
+    /// This rank's slices of `keys` are in their slots: per key, whether the commit counts. A key
+    /// whose fill was given up meanwhile (another rank aborted it, or it expired) is refused.
     fn commit(&mut self, keys: &[BlockKey]) -> Result<Vec<bool>> {
-        let bit = 1u64 << self.rank;
-        let (mut complete, mut given_up, mut accepted) = (Vec::new(), Vec::new(), Vec::new());
-        {
-            let mut fills = self.ns.fills.lock();
-            for key in keys {
-                let Some(at) = self.reserved.iter().position(|k| k == key) else {
-                    accepted.push(false);
-                    continue;
-                };
-                self.reserved.swap_remove(at);
-                let fill = fills.get_mut(key).expect("a reserved fill stays until its holders let go");
-                fill.holders -= 1;
-                fill.committed_ranks |= bit;
-                accepted.push(!fill.aborted);
-                if fill.aborted && fill.holders == 0 {
-                    let fill = fills.remove(key).unwrap();
-                    given_up.push((*key, fill.slot));
-                } else if !fill.aborted && fill.committed_ranks == fill.all_ranks() {
-                    let fill = fills.remove(key).unwrap();
-                    complete.push((*key, fill.slot, fill.sequence));
-                }
-            }
-        }
-        if !complete.is_empty() {
-            self.ns.store.commit_puts(&complete)?;
-        }
-        if !given_up.is_empty() {
-            self.ns.store.abort_puts(&given_up);
-        }
+        let accepted = self.let_go(keys, true)?;
+        let refused = accepted.iter().filter(|&&ok| !ok).count() as u64;
+        self.ns.refused_commits.fetch_add(refused, Ordering::Relaxed);
         Ok(accepted)
     }
 
+    /// Gives up `keys`: the fills this connection holds, and the stores of the others (a rank that
+    /// found no room for them), for every rank.
     fn abort(&mut self, keys: &[BlockKey]) {
-        let mut given_up = Vec::new();
-        {
-            let mut fills = self.ns.fills.lock();
-            for key in keys {
-                let Some(at) = self.reserved.iter().position(|k| k == key) else { continue };
-                self.reserved.swap_remove(at);
-                let fill = fills.get_mut(key).expect("a reserved fill stays until its holders let go");
-                fill.holders -= 1;
-                fill.aborted = true;
-                if fill.holders == 0 {
-                    let fill = fills.remove(key).unwrap();
-                    given_up.push((*key, fill.slot));
-                }
-            }
-        }
-        if !given_up.is_empty() {
-            self.ns.store.abort_puts(&given_up);
+        let held: std::collections::HashSet<BlockKey> = self.reserved.iter().map(|(key, _)| *key).collect();
+        let unheld: Vec<BlockKey> = keys.iter().filter(|key| !held.contains(key)).copied().collect();
+        // Aborts only give back: no store call that can fail.
+        let _ = self.let_go(keys, false);
+        if !unheld.is_empty() {
+            self.give_up(&unheld);
         }
     }
 
-    /// Gives back everything the connection held (it closed, or said hello again).
-    fn release(mut session: Session) {
-        let reserved = session.reserved.clone();
-        session.abort(&reserved);
-        let pinned = drain_held(&mut session.pins);
-        if !pinned.is_empty() {
-            session.ns.store.unpin(&pinned);
+    /// Ends every reservation this connection holds of each of `keys`, committing this rank's slice
+    /// or not; per key, whether a commit counted.
+    fn let_go(&mut self, keys: &[BlockKey], commit: bool) -> Result<Vec<bool>> {
+        let committed = commit.then_some(1u64 << self.rank);
+        let mut steps = StoreSteps::default();
+        let mut accepted = Vec::with_capacity(keys.len());
+        {
+            let mut fills = self.ns.fills.lock();
+            for key in keys {
+                let mut counted = false;
+                self.reserved.retain(|(held, sequence)| {
+                    if held != key {
+                        return true;
+                    }
+                    let (ok, outcome) = fills.let_go(key, *sequence, committed);
+                    counted |= ok;
+                    steps.add(*key, outcome);
+                    false
+                });
+                accepted.push(counted);
+            }
         }
-        let read = drain_held(&mut session.readers);
+        steps.apply(&self.ns.store)?;
+        Ok(accepted)
+    }
+
+    /// Stores this rank gives up without holding them (a client that got no room): counted as
+    /// dropped, and given up by every rank, as `reserve` does when it runs out of time.
+    fn give_up(&mut self, keys: &[BlockKey]) {
+        let bit = 1u64 << self.rank;
+        let (mut give_back, mut counted) = (Vec::new(), 0u64);
+        {
+            let mut fills = self.ns.fills.lock();
+            let mut dropped = self.ns.dropped.lock();
+            for key in keys {
+                dropped.insert(*key);
+                match fills.open.get_mut(key) {
+                    // Another rank's fill this rank will now never complete: given up at once, or
+                    // when its holders let go.
+                    Some(fill) if fill.tp_size == self.tp_size && fill.reserved_ranks & bit == 0 => {
+                        fill.aborted = true;
+                        if fill.holders == 0 {
+                            give_back.push((*key, fill.slot));
+                            fills.open.remove(key);
+                        }
+                    }
+                    _ => counted += 1,
+                }
+            }
+        }
+        self.ns.store.count_dropped_stores(counted);
+        if !give_back.is_empty() {
+            self.ns.store.abort_puts(&give_back);
+        }
+        self.count(|c| c.dropped_slices += keys.len() as u64);
+    }
+}
+
+/// A connection's holds end with it, however it ended: closed, said hello again, or its thread
+/// panicked (the unwinding drops the session).
+impl Drop for Session {
+    fn drop(&mut self) {
+        let reserved: Vec<BlockKey> = self.reserved.iter().map(|(key, _)| *key).collect();
+        // Gives back only: `let_go` without commits makes no store call that can fail.
+        let _ = self.let_go(&reserved, false);
+        let pinned = drain_held(&mut self.pins);
+        if !pinned.is_empty() {
+            self.ns.store.unpin(&pinned);
+        }
+        let read = drain_held(&mut self.readers);
         if !read.is_empty() {
-            session.ns.store.release(&read);
+            self.ns.store.release(&read);
         }
         // The date first: the janitor reads `attached` before it, and must not see a stale date.
-        *session.ns.detached_at.lock() = Instant::now();
-        session.ns.attached.fetch_sub(1, Ordering::Relaxed);
+        *self.ns.detached_at.lock() = Instant::now();
+        self.ns.attached.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
