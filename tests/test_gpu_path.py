@@ -274,6 +274,24 @@ def test_a_store_larger_than_the_pool_commits_and_asks_again(tmp_path, small_cac
         host.service.stop()
 
 
+def test_a_store_that_never_gets_room_is_counted_as_a_dropped_store(tmp_path, small_cache):
+    """Issue 24 item 7: a store given up after a round with no progress (the service kept answering
+    "no room now") is counted in the service's ``dropped_stores``, like the drops it decides."""
+    host = Host(tmp_path, small_cache.block_bytes, dram_bytes=8 * 8192)
+    try:
+        holder, other = host.client(), host.client()
+        assert holder.reserve_many([key(90)])[0][0] == "fill"
+        replies = other.reserve_many([key(100 + i) for i in range(16)])
+        assert replies[-1][0] == "retry", "the backlog is full"
+        assert holder.stats()["dropped_stores"] == 0
+        transfers = BlockTransfers(small_cache.rows)
+        keys = [key(i) for i in range(3)]
+        assert transfers.store(holder, keys, [0, 1, 2]) == [False] * 3
+        assert holder.stats()["dropped_stores"] == 3
+    finally:
+        host.service.stop()
+
+
 class FailingExecutor(HostExecutor):
     name = "failing"
 

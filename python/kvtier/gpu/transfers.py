@@ -164,11 +164,21 @@ class BlockTransfers:
         # the service's own store_blocks does); each round places a block or ends the job.
         while pending:
             retry = self._store_round(binding, keys, block_ids, ready, pending, stored)
-            if len(retry) == len(pending):
+            if retry and len(retry) == len(pending):
+                self._give_up(binding, [keys[i] for i in retry])
                 break
             self.counters.retried_reserves += int(bool(retry))
             pending = retry
         return stored
+
+    def _give_up(self, binding: _Binding, keys: list[bytes]) -> None:
+        """No progress: the service keeps answering "no room now". Aborting keys this connection
+        holds no reservation of tells it these stores are given up: it counts them in
+        ``dropped_stores`` (as its own drops) and every rank of the engine gives them up."""
+        try:
+            binding.client.abort_many(keys)
+        except Exception as error:
+            self._failed_call("abort", error)
 
     def _store_round(
         self,
