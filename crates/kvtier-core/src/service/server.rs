@@ -696,18 +696,10 @@ impl Connection {
         let mut w = Writer::default();
         match op {
             Op::Hello | Op::Namespaces | Op::Verify | Op::Trim | Op::Engines => unreachable!("answered above"),
-            Op::Label => {
-                let label = parse_label(r)?;
-                if self.state.config.panic_on_label.as_ref() == Some(&label) {
-                    panic!("fault injection: a request labelled {label:?}");
-                }
-                session.label = Some(label);
-            }
+            Op::Label => session.label = Some(checked_label(&self.state.config, r)?),
             Op::Locate => {
                 let tiers = session.ns.store.locate_many(&keys);
-                for &tier in &tiers {
-                    w.u8(TierCode::from(tier) as u8);
-                }
+                w.raw(&tiers.iter().map(|&tier| TierCode::from(tier) as u8).collect::<Vec<u8>>());
                 session.count(|c| tiers.iter().for_each(|&tier| *c.lookup(tier) += 1));
             }
             Op::Pin => {
@@ -748,9 +740,7 @@ impl Connection {
             Op::Commit => {
                 let accepted = session.commit(&keys).map_err(|e| e.to_string())?;
                 let stored = accepted.iter().filter(|&&ok| ok).count() as u64;
-                for ok in accepted {
-                    w.u8(u8::from(ok));
-                }
+                w.raw(&accepted.iter().map(|&ok| u8::from(ok)).collect::<Vec<u8>>());
                 session.count(|c| {
                     c.stored_slices += stored;
                     c.dropped_slices += keys.len() as u64 - stored;
@@ -1039,6 +1029,15 @@ impl State {
         }
         Ok(granted)
     }
+}
+
+/// `parse_label`, and the panic a test asks for with `ServiceConfig::panic_on_label`.
+fn checked_label(config: &ServiceConfig, r: &mut Reader<'_>) -> std::result::Result<String, String> {
+    let label = parse_label(r)?;
+    if config.panic_on_label.as_ref() == Some(&label) {
+        panic!("fault injection: a request labelled {label:?}");
+    }
+    Ok(label)
 }
 
 /// An engine label (`Op::Label`): UTF-8, 1 to `MAX_ENGINE_LABEL_BYTES` bytes.
