@@ -61,6 +61,7 @@ def _child(store_dir: str, spec: dict[str, Any]) -> None:
         # vLLM's LLM class defaults to 4096 prompt tokens per step on CPU, `vllm serve` to 2048.
         **({"max_num_batched_tokens": spec["chunk_tokens"]} if spec.get("chunk_tokens") else {}),
         kv_transfer_config=(KVTransferConfig(**transfer_config(store_dir, spec)) if spec.get("kvtier", True) else None),
+        **_kv_events(spec),
     )
     vocab = PRESETS[preset].vocab_size
 
@@ -103,6 +104,16 @@ def _child(store_dir: str, spec: dict[str, Any]) -> None:
         _reply(reply)
 
 
+def _kv_events(spec: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's KV-event publisher (ZMQ, bound to ``spec["kv_events_endpoint"]``), when asked for."""
+    endpoint = spec.get("kv_events_endpoint")
+    if not endpoint:
+        return {}
+    from vllm.config import KVEventsConfig
+
+    return {"kv_events_config": KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)}
+
+
 def transfer_config(store_dir: str, spec: dict[str, Any]) -> dict[str, Any]:
     """kvtier's ``kv_transfer_config`` through the route ``spec["route"]`` names: ``KvtierConnector``
     (the default), or vLLM's own ``OffloadingConnector`` with kvtier's spec."""
@@ -129,7 +140,8 @@ class EngineProcess:
 
     ``spec``: ``model`` (a ``kvtier.models`` preset), ``tp_size``, ``max_model_len`` and ``store``
     (the ``kv_connector_extra_config`` options besides ``path``), ``route`` (``KvtierConnector``, the
-    default, or vLLM's plain ``OffloadingConnector``), ``chunk_tokens`` (prompt tokens per
+    default, or vLLM's plain ``OffloadingConnector``), ``kv_events_endpoint`` (vLLM's ZMQ KV-event
+    publisher binds there), ``chunk_tokens`` (prompt tokens per
     engine step; vLLM's default if absent); ``kvtier: false`` runs the engine
     without kvtier (vLLM's own prefix cache only, a benchmark's baseline). The engine runs with vLLM's
     defaults: no ``VLLM_ENABLE_V1_MULTIPROCESSING``, no executor flag.

@@ -1133,6 +1133,17 @@ impl Catalog {
         (dram, nvme)
     }
 
+    /// Every visible block with the local tiers it is loadable from: bit 0 DRAM, bit 1 NVMe (the
+    /// service's change log for KV events, `service::changes`).
+    pub fn residency(&self, into: &mut HashMap<BlockKey, u8>) {
+        for (key, e) in &self.index {
+            let tiers = u8::from(e.dram_ready) | (u8::from(e.nvme.is_some()) << 1);
+            if tiers != 0 {
+                into.insert(*key, tiers);
+            }
+        }
+    }
+
     /// Visible blocks (for progress totals).
     pub fn visible_blocks(&self) -> usize {
         self.index.values().filter(|e| e.visible()).count()

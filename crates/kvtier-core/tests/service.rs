@@ -1022,3 +1022,53 @@ fn a_second_hello_keeps_the_pool_mapped_or_is_refused() {
     drop(c);
     service.stop().unwrap();
 }
+
+#[test]
+fn the_change_log_reports_what_any_engine_stored_and_what_eviction_removed() {
+    use kvtier_core::service::changes::{TIER_DRAM, TIER_NVME};
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start(dir.path(), 0);
+    let mut a = client(&socket, 1, 0);
+    let mut follower = client(&socket, 1, 0);
+    let first = follower.changes(0, 1000).unwrap();
+    assert!(first.reset && first.changes.is_empty());
+    let keys: Vec<BlockKey> = (0..4).map(key).collect();
+    let values: Vec<Vec<u8>> = (0..4).map(|i| value(i, SLICE)).collect();
+    assert_eq!(store(&mut a, &keys, &values), vec![true; 4]);
+    std::thread::sleep(Duration::from_millis(600)); // the log is read from the store at most every 500 ms
+    let added = follower.changes(first.next, 1000).unwrap();
+    assert!(!added.reset);
+    let mut stored: Vec<BlockKey> =
+        added.changes.iter().filter(|c| !c.removed && c.tier == TIER_DRAM).map(|c| c.key).collect();
+    stored.sort_by_key(|k| k.0);
+    assert_eq!(stored, keys, "another engine's stores, as DRAM additions");
+    assert!(added.changes.iter().all(|c| c.tier != TIER_NVME), "a DRAM-only store has no NVMe tier");
+    // A pool of 53 slots: 80 more blocks evict some (DRAM only: gone); each one that went is a removal.
+    let more: Vec<BlockKey> = (100..180).map(key).collect();
+    let more_values: Vec<Vec<u8>> = (100..180).map(|i| value(i, SLICE)).collect();
+    for (chunk, chunk_values) in more.chunks(8).zip(more_values.chunks(8)) {
+        store(&mut a, chunk, chunk_values);
+    }
+    std::thread::sleep(Duration::from_millis(600));
+    let later = follower.changes(added.next, 1000).unwrap();
+    let all: Vec<BlockKey> = keys.iter().chain(&more).copied().collect();
+    let here = a.locate(&all).unwrap();
+    let mut reported: std::collections::HashSet<BlockKey> = stored.into_iter().collect();
+    for change in &later.changes {
+        assert_eq!(change.tier, TIER_DRAM);
+        if change.removed {
+            assert!(reported.remove(&change.key), "a removal of a block never reported");
+        } else {
+            assert!(reported.insert(change.key), "a block reported twice");
+        }
+    }
+    let held: std::collections::HashSet<BlockKey> =
+        all.iter().zip(&here).filter(|(_, &t)| t != 0).map(|(k, _)| *k).collect();
+    assert!(held.len() < all.len(), "a 53-slot pool holds {} of {} blocks", held.len(), all.len());
+    assert_eq!(reported, held, "the log's view and the store's agree");
+    // A cursor from another log (a restarted service) is a reset to the current state.
+    let again = follower.changes(1, 1000).unwrap();
+    assert!(again.reset && again.changes.iter().all(|c| !c.removed));
+    drop((a, follower));
+    service.stop().unwrap();
+}

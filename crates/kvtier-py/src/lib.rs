@@ -789,6 +789,22 @@ impl PyServiceClient {
         py.detach(|| self.inner.lock().set_label(&label)).map_err(to_py)
     }
 
+    /// What became or stopped being loadable in this connection's namespace since `cursor` (after
+    /// `hello`): `(reset, next_cursor, [(key, tier, removed)])`, tier "dram", "nvme" or "shared";
+    /// `reset`: the cursor was not a position in the service's log, the changes are its state.
+    fn changes<'py>(&self, py: Python<'py>, cursor: u64, max: u32) -> PyResult<(bool, u64, Vec<PyChange<'py>>)> {
+        use kvtier_core::service::changes::{TIER_DRAM, TIER_NVME};
+        let reply = py.detach(|| self.inner.lock().changes(cursor, max)).map_err(to_py)?;
+        let tier_name = |tier: u8| match tier {
+            TIER_DRAM => "dram",
+            TIER_NVME => "nvme",
+            _ => "shared",
+        };
+        let changes =
+            reply.changes.iter().map(|c| (PyBytes::new(py, &c.key.0), tier_name(c.tier), c.removed)).collect();
+        Ok((reply.reset, reply.next, changes))
+    }
+
     /// The per-engine counters of namespace `digest` (64 hex digits): `[(label, {name: int})]`,
     /// sorted by label (no hello needed).
     fn engines<'py>(&self, py: Python<'py>, digest: &str) -> PyResult<Vec<(String, Bound<'py, PyDict>)>> {
@@ -995,6 +1011,9 @@ impl PyServiceClient {
         r.map_err(to_py)
     }
 }
+
+/// One change of `ServiceClient.changes`: `(key, tier name, removed)`.
+type PyChange<'py> = (Bound<'py, PyBytes>, &'static str, bool);
 
 /// The host service running in this process (`kvtier serve` runs one until it is signalled).
 #[pyclass(name = "Service", module = "kvtier._core", frozen)]

@@ -18,6 +18,7 @@ from kvtier.vllm.namespace import namespace_digest
 from kvtier.vllm.options import KvtierOptions
 
 if TYPE_CHECKING:
+    from kvtier.vllm.events import EventFeed
     from kvtier.vllm.prefetch import Prefetcher
     from kvtier.vllm.worker import ServiceWorker
 
@@ -209,6 +210,7 @@ class ServiceBackend:
 
     store: ServiceConnection
     prefetcher: Prefetcher | None = None
+    events: EventFeed | None = None
 
     def take_observations(self) -> tuple[list[tuple[str, float]], Counter]:
         # Job latencies are observed in the worker processes; they reach vLLM as transfer times.
@@ -217,4 +219,6 @@ class ServiceBackend:
     def release(self) -> None:
         if self.prefetcher is not None:
             self.prefetcher.close()
+        if self.events is not None:
+            self.events.close()
         self.store.close()

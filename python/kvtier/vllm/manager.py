@@ -6,7 +6,7 @@ import contextlib
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
@@ -14,6 +14,7 @@ from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
+    OffloadingEvent,
     OffloadingManager,
     OffloadKey,
     PrepareStoreOutput,
@@ -235,6 +236,12 @@ class KvtierManager(OffloadingManager):
         if payload is None or payload.is_empty():
             return None
         return payload
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Blocks that became or stopped being loadable in kvtier's tiers, whichever engine on the
+        host stored or evicted them (the host service's change log; ``kvtier.vllm.events``)."""
+        events = self._shared.events if isinstance(self._shared, ServiceBackend) else None
+        return events.take() if events is not None else ()
 
     def shutdown(self) -> None:
         held = [store_key for request_pins in self._pins.values() for store_key in request_pins.elements()]

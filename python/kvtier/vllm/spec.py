@@ -20,6 +20,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtier.vllm.connection import ServiceBackend, ServiceConnection
+from kvtier.vllm.events import EventFeed, direct_offload_key
 from kvtier.vllm.local_store import acquire_store, find_engine_store
 from kvtier.vllm.manager import KvtierManager
 from kvtier.vllm.metrics import kvtier_metric_definitions
@@ -176,8 +177,12 @@ class KvtierOffloadingSpec(OffloadingSpec):
             # per-engine counters.
             prefetch_connection = lambda: self._service_connection(rank=0, labelled=False)  # noqa: E731
             prefetcher = Prefetcher(prefetch_connection) if self.options.prefetch else None
+            # vLLM drains take_events() only when its KV-event publisher is on.
+            events = None
+            if getattr(self.config, "enable_kv_cache_events", False):
+                events = EventFeed(prefetch_connection, direct_offload_key(self.config.groups[0].group_id))
             return KvtierManager(
-                ServiceBackend(self._service_connection(rank=0), prefetcher),
+                ServiceBackend(self._service_connection(rank=0), prefetcher, events),
                 pin_lease_s,
                 self.options.admission,
                 self.options.admission_memory_blocks,

@@ -341,6 +341,27 @@ impl Client {
         })
     }
 
+    /// The change log of this connection's namespace from `cursor` (after `hello`; `Op::Changes`):
+    /// at most `max` changes, and whether the cursor was reset (then they are the current state).
+    pub fn changes(&mut self, cursor: u64, max: u32) -> Result<super::changes::ChangesReply> {
+        let body = self.operator_call(Op::Changes, |w| {
+            w.u64(cursor).u32(max);
+        })?;
+        self.parse(&body, |r| {
+            let reset = r.u8()? != 0;
+            let next = r.u64()?;
+            let n = r.u32()?;
+            let mut changes = Vec::with_capacity(n.min(1 << 16) as usize);
+            for _ in 0..n {
+                let key = BlockKey(r.array32()?);
+                let tier = r.u8()?;
+                let removed = r.u8()? != 0;
+                changes.push(super::changes::Change { key, tier, removed });
+            }
+            Ok(super::changes::ChangesReply { reset, next, changes })
+        })
+    }
+
     /// An operator op (protocol version 2); a version-1 service does not know it.
     fn operator_call(&mut self, op: Op, build: impl FnOnce(&mut Writer)) -> Result<Vec<u8>> {
         self.call(op, build).map_err(|e| match e {

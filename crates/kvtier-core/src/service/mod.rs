@@ -3,6 +3,7 @@
 //! socket ([`protocol`]) and copies its own KV slices in and out of the pool ([`client`]), so a
 //! prefix that any engine computed is a DRAM hit for all of them and outlives engine restarts.
 
+pub mod changes;
 pub mod client;
 pub mod engines;
 pub mod latency;

@@ -64,6 +64,10 @@ pub enum Op {
     /// (version 2; no Hello needed) `32 digest` -> `u32 count` * (`bytes label`, pairs): the
     /// namespace's per-engine counters, one entry per label
     Engines = 16,
+    /// (version 2, after Hello) `u64 cursor`, `u32 max` -> `u8 reset`, `u64 next`, `u32 count` *
+    /// (`32 key`, `u8 tier` (1 DRAM, 2 NVMe, 4 shared tier), `u8 removed`): the namespace's change
+    /// log from `cursor` (`service::changes`; KV events for routers)
+    Changes = 17,
 }
 
 /// `Op::Reserve`'s answer for one block.
@@ -135,6 +139,7 @@ impl Op {
             14 => Op::Trim,
             15 => Op::Label,
             16 => Op::Engines,
+            17 => Op::Changes,
             _ => return None,
         })
     }

@@ -273,6 +273,9 @@ struct Namespaced {
     refused_commits: AtomicU64,
     /// What each labelled engine did here; locked alone.
     engines: Mutex<EngineTable>,
+    /// Which blocks became or stopped being loadable, for the engines' KV events (`Op::Changes`);
+    /// read from the store only while someone asks.
+    changes: Mutex<super::changes::ChangeLog>,
 }
 
 impl Fill {
@@ -670,6 +673,7 @@ impl Connection {
             Op::Engines => return self.state.describe_engines(&mut r),
             Op::Verify => return self.state.verify(&mut r),
             Op::Trim => return self.state.trim(&mut r),
+            Op::Changes => return self.changes(&mut r),
             _ => {}
         }
         let class = match op {
@@ -695,7 +699,9 @@ impl Connection {
         };
         let mut w = Writer::default();
         match op {
-            Op::Hello | Op::Namespaces | Op::Verify | Op::Trim | Op::Engines => unreachable!("answered above"),
+            Op::Hello | Op::Namespaces | Op::Verify | Op::Trim | Op::Engines | Op::Changes => {
+                unreachable!("answered above")
+            }
             Op::Label => session.label = Some(checked_label(&self.state.config, r)?),
             Op::Locate => {
                 let tiers = session.ns.store.locate_many(&keys);
@@ -752,6 +758,29 @@ impl Connection {
                 return Ok(self.encode_stats(&[ns]));
             }
             Op::Flush => session.ns.store.flush().map_err(|e| e.to_string())?,
+        }
+        Ok(w.0)
+    }
+
+    /// `Op::Changes`: the connection's namespace's change log from a cursor. The store's residency
+    /// is read again first when the log is older than `REFRESH_PERIOD` (one walk of the index, on
+    /// this connection's thread: engines follow on connections of their own).
+    fn changes(&mut self, r: &mut Reader<'_>) -> std::result::Result<Vec<u8>, String> {
+        use super::changes::{LOG_CAPACITY, TIER_SHARED};
+        let session = self.session.as_ref().ok_or("say hello first (the namespace of this connection)")?;
+        let cursor = r.u64().map_err(|e| e.to_string())?;
+        let max = (r.u32().map_err(|e| e.to_string())? as usize).clamp(1, LOG_CAPACITY);
+        let mut log = session.ns.changes.lock();
+        if log.stale() {
+            log.update(session.ns.store.residency(LOG_CAPACITY * 16));
+        }
+        let reply = log.since(cursor, max);
+        drop(log);
+        let mut w = Writer::default();
+        w.u8(u8::from(reply.reset)).u64(reply.next).u32(reply.changes.len() as u32);
+        for change in &reply.changes {
+            debug_assert!(change.tier != 0 && change.tier <= TIER_SHARED);
+            w.raw(&change.key.0).u8(change.tier).u8(u8::from(change.removed));
         }
         Ok(w.0)
     }
@@ -940,6 +969,7 @@ impl State {
             expired_fills: AtomicU64::new(0),
             refused_commits: AtomicU64::new(0),
             engines: Mutex::new(EngineTable::default()),
+            changes: Mutex::new(super::changes::ChangeLog::new(super::changes::LOG_CAPACITY)),
         })
     }
 

@@ -1,0 +1,209 @@
+//! The change log of one namespace: which blocks became or stopped being loadable in which tier.
+//!
+//! Engines turn it into vLLM's KV events, so that prefix-aware routers see what kvtier holds
+//! (`Op::Changes`, docs/service.md). Only the service knows what every engine on the host stored
+//! and what eviction, trim, quarantine or another node's shared-tier eviction removed, so the log
+//! is built here, by diffing successive snapshots of the store's residency (DRAM, NVMe, shared
+//! tier): whatever changed a block's tiers, the diff sees it, with no hook in every path that
+//! can. A snapshot costs a walk of the index under the catalog's lock, so it is taken only while
+//! some engine follows the log, at most once per `CHANGES_PERIOD` of the janitor.
+//!
+//! Sequence numbers start at the log's birth time in microseconds: a follower's cursor from an
+//! earlier log (a restarted service, a namespace closed and reopened) is below the first sequence
+//! of the new one, and gets a reset, never a wrong continuation.
+
+use crate::key::BlockKey;
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+/// A log is rebuilt from the store at most this often, when a follower asks.
+pub const REFRESH_PERIOD: Duration = Duration::from_millis(500);
+/// Changes kept (a follower further behind gets a reset), and the most one reply carries.
+pub const LOG_CAPACITY: usize = 1 << 16;
+
+/// Tier bits of a block's residency and of a change (`Op::Changes`'s `u8 tier`).
+pub const TIER_DRAM: u8 = 1;
+pub const TIER_NVME: u8 = 2;
+pub const TIER_SHARED: u8 = 4;
+const TIERS: [u8; 3] = [TIER_DRAM, TIER_NVME, TIER_SHARED];
+
+/// One block's change in one tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Change {
+    pub key: BlockKey,
+    pub tier: u8,
+    pub removed: bool,
+}
+
+/// `ChangeLog::since`'s answer.
+#[derive(Debug, PartialEq, Eq)]
+pub struct ChangesReply {
+    /// The cursor was not a position in this log (first call, fallen behind, another log): forget
+    /// what you were told; `changes` is the current state, every block as added.
+    pub reset: bool,
+    /// The cursor to ask with next.
+    pub next: u64,
+    pub changes: Vec<Change>,
+}
+
+pub struct ChangeLog {
+    /// When the residency was last read into the log (`None`: never, no follower yet).
+    pub refreshed_at: Option<Instant>,
+    current: HashMap<BlockKey, u8>,
+    ring: VecDeque<Change>,
+    /// Sequence of `ring[0]`; `first + ring.len()` is the next change's.
+    first: u64,
+    capacity: usize,
+}
+
+impl ChangeLog {
+    /// A log keeping the latest `capacity` changes (a follower further behind gets a reset).
+    pub fn new(capacity: usize) -> ChangeLog {
+        assert!(capacity > 0);
+        let born_us = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX / 2));
+        ChangeLog {
+            refreshed_at: None,
+            current: HashMap::new(),
+            ring: VecDeque::new(),
+            first: born_us.max(1),
+            capacity,
+        }
+    }
+
+    fn next_sequence(&self) -> u64 {
+        self.first + self.ring.len() as u64
+    }
+
+    /// Whether a follower asking now should see the store read again first.
+    pub fn stale(&self) -> bool {
+        self.refreshed_at.is_none_or(|at| at.elapsed() >= REFRESH_PERIOD)
+    }
+
+    /// Records what changed between the last snapshot and `now` (key -> tier bits).
+    pub fn update(&mut self, now: HashMap<BlockKey, u8>) {
+        self.refreshed_at = Some(Instant::now());
+        let mut changes = Vec::new();
+        for (key, &tiers) in &now {
+            let before = self.current.get(key).copied().unwrap_or(0);
+            push_diff(&mut changes, key, before, tiers);
+        }
+        for (key, &before) in &self.current {
+            if !now.contains_key(key) {
+                push_diff(&mut changes, key, before, 0);
+            }
+        }
+        // Removals first: a block that moved from DRAM to NVMe is never reported in neither.
+        changes.sort_by_key(|c| !c.removed);
+        for change in changes {
+            if self.ring.len() == self.capacity {
+                self.ring.pop_front();
+                self.first += 1;
+            }
+            self.ring.push_back(change);
+        }
+        self.current = now;
+    }
+
+    /// The changes from `cursor` on, at most `max` of them; a reset's snapshot is cut at `max`
+    /// too (the follower then learns the rest as those blocks change).
+    pub fn since(&self, cursor: u64, max: usize) -> ChangesReply {
+        let next = self.next_sequence();
+        if cursor < self.first || cursor > next {
+            let mut keys: Vec<(&BlockKey, &u8)> = self.current.iter().collect();
+            keys.sort_unstable_by_key(|(k, _)| k.0);
+            let mut changes = Vec::new();
+            for (key, &tiers) in keys {
+                push_diff(&mut changes, key, 0, tiers);
+            }
+            // A snapshot larger than `max` is cut: the follower's reset then knows only part of
+            // the state until those blocks change again (bounded replies beat a frame too large).
+            changes.truncate(max);
+            return ChangesReply { reset: true, next, changes };
+        }
+        let skip = (cursor - self.first) as usize;
+        let changes: Vec<Change> = self.ring.iter().skip(skip).take(max).copied().collect();
+        ChangesReply { reset: false, next: cursor + changes.len() as u64, changes }
+    }
+
+    /// Blocks loadable now, in any tier.
+    pub fn blocks(&self) -> usize {
+        self.current.len()
+    }
+}
+
+fn push_diff(changes: &mut Vec<Change>, key: &BlockKey, before: u8, after: u8) {
+    for tier in TIERS {
+        match (before & tier != 0, after & tier != 0) {
+            (false, true) => changes.push(Change { key: *key, tier, removed: false }),
+            (true, false) => changes.push(Change { key: *key, tier, removed: true }),
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(n: u8) -> BlockKey {
+        BlockKey([n; 32])
+    }
+
+    fn state(entries: &[(u8, u8)]) -> HashMap<BlockKey, u8> {
+        entries.iter().map(|&(k, t)| (key(k), t)).collect()
+    }
+
+    #[test]
+    fn a_follower_gets_the_snapshot_then_exactly_what_changed() {
+        let mut log = ChangeLog::new(100);
+        log.update(state(&[(1, TIER_DRAM), (2, TIER_DRAM | TIER_NVME)]));
+        let first = log.since(0, 100);
+        assert!(first.reset);
+        assert_eq!(first.changes.len(), 3);
+        // Block 1 goes to NVMe only (DRAM evicted), block 2 is trimmed, block 3 arrives.
+        log.update(state(&[(1, TIER_NVME), (3, TIER_SHARED)]));
+        let next = log.since(first.next, 100);
+        assert!(!next.reset);
+        let expected = [
+            Change { key: key(1), tier: TIER_DRAM, removed: true },
+            Change { key: key(2), tier: TIER_DRAM, removed: true },
+            Change { key: key(2), tier: TIER_NVME, removed: true },
+            Change { key: key(1), tier: TIER_NVME, removed: false },
+            Change { key: key(3), tier: TIER_SHARED, removed: false },
+        ];
+        let mut got = next.changes.clone();
+        got[..3].sort_by_key(|c| (c.key.0, c.tier));
+        got[3..].sort_by_key(|c| (c.key.0, c.tier));
+        assert_eq!(got, expected);
+        assert_eq!(log.since(next.next, 100).changes, vec![], "nothing more");
+    }
+
+    #[test]
+    fn a_follower_that_fell_behind_or_comes_from_another_log_gets_a_reset() {
+        let mut log = ChangeLog::new(2);
+        log.update(state(&[(1, TIER_DRAM)]));
+        let cursor = log.since(0, 10).next;
+        log.update(state(&[(1, TIER_DRAM), (2, TIER_DRAM), (3, TIER_DRAM), (4, TIER_DRAM)]));
+        let behind = log.since(cursor, 10);
+        assert!(behind.reset, "three changes happened in a log of two");
+        assert_eq!(behind.changes.len(), 4);
+        let reborn = ChangeLog::new(2);
+        assert!(reborn.since(behind.next + 1_000_000_000, 10).reset, "a cursor past the end is another log's");
+    }
+
+    #[test]
+    fn replies_are_bounded_and_pages_follow_on() {
+        let mut log = ChangeLog::new(100);
+        log.update(HashMap::new());
+        let cursor = log.since(0, 10).next;
+        log.update((0..10).map(|n| (key(n), TIER_DRAM)).collect());
+        let page = log.since(cursor, 4);
+        assert_eq!(page.changes.len(), 4);
+        let rest = log.since(page.next, 100);
+        assert_eq!(rest.changes.len(), 6);
+        assert!(!rest.reset);
+        assert_eq!(log.since(0, 3).changes.len(), 3, "a snapshot is cut at max too");
+    }
+}

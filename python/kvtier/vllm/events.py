@@ -1,0 +1,156 @@
+"""KV events for routers: what kvtier holds, per tier, as vLLM's ``OffloadingEvent`` stream.
+
+vLLM publishes the events a manager yields from ``take_events()`` on its KV-event publisher
+(``--kv-events-config``: ZMQ, ``BlockStored`` / ``BlockRemoved``), so prefix-aware routers (llm-d's
+KV-cache indexer, Dynamo's KV router) see where a prefix lives. kvtier's blocks live in the host
+service, which every engine on the host shares, and only the service knows what other engines
+stored and what eviction, trim, quarantine or a restart removed. So the service keeps a change log
+per namespace (``Op::Changes``, docs/service.md) and each engine's manager follows it here, on a
+thread and a connection of its own, off the scheduler's path:
+
+- the DRAM pool is vLLM's CPU medium, local (every engine on the host can load it);
+- NVMe is the storage medium, local, owned by ``kvtier-nvme``;
+- the shared tier is the storage medium, remote (any engine on any node can load it), owned by
+  ``kvtier-shared``.
+
+A follower that fell behind the service's bounded log (or a service that restarted and lost its
+DRAM tier) gets a reset: it reports every block it had reported as removed, then the service's
+current state as stored. Only blocks whose kvtier key is the engine's own block hash (one KV-cache
+group, a 32-byte prefix hash) can be named in vLLM's terms; others are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent, OffloadKey
+
+from kvtier.vllm.connection import ServiceConnection
+
+logger = logging.getLogger("kvtier.vllm")
+
+# (medium, locality, ownership) of each kvtier tier as the service names it.
+TIER_MEDIA: dict[str, tuple[Medium, Locality, str | None]] = {
+    "dram": (Medium.CPU, Locality.LOCAL, None),
+    "nvme": (Medium.STORAGE, Locality.LOCAL, "kvtier-nvme"),
+    "shared": (Medium.STORAGE, Locality.REMOTE, "kvtier-shared"),
+}
+# Changes asked for per call; the service answers at most this many (a reset's snapshot too).
+CHANGES_PER_CALL = 1 << 16
+# Events held for vLLM between two take_events() calls; past it the oldest are folded into a reset.
+MAX_PENDING_EVENTS = 1 << 20
+
+
+class EventFeed:
+    """Follows the service's change log of one namespace; ``take()`` hands vLLM what changed since
+    the last call. ``offload_key`` maps a kvtier key to vLLM's ``OffloadKey`` (``None``: not
+    nameable)."""
+
+    def __init__(
+        self,
+        connect: Callable[[], ServiceConnection],
+        offload_key: Callable[[bytes], OffloadKey | None],
+        poll_interval_s: float = 0.5,
+    ):
+        self._connect = connect
+        self._offload_key = offload_key
+        self._poll_interval_s = poll_interval_s
+        self._lock = threading.Lock()
+        self._pending: list[OffloadingEvent] = []
+        self._pending_keys = 0
+        self._reported: dict[str, set[bytes]] = {tier: set() for tier in TIER_MEDIA}
+        self._cursor = 0
+        self.resets = 0
+        self.unnameable_keys = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvtier-events", daemon=True)
+        self._thread.start()
+
+    def take(self) -> list[OffloadingEvent]:
+        with self._lock:
+            events, self._pending, self._pending_keys = self._pending, [], 0
+        return events
+
+    def _run(self) -> None:
+        connection: ServiceConnection | None = None
+        while not self._stop.wait(self._poll_interval_s):
+            if connection is None:
+                try:
+                    connection = self._connect()
+                except Exception as error:
+                    logger.warning("kvtier: KV events cannot reach the host service (%s); retrying", error)
+                    continue
+            self.poll_once(connection)
+        if connection is not None:
+            connection.close()
+
+    def poll_once(self, connection: ServiceConnection) -> None:
+        """Reads what changed since the cursor (every page of it) and queues the events."""
+        for _ in range(64):  # at most 64 pages a round; the rest waits for the next round
+            answer = connection.call("changes", self._cursor, CHANGES_PER_CALL, default=None)
+            if answer is None:
+                return
+            reset, next_cursor, changes = answer
+            if reset:
+                self._reset()
+            self._queue(changes)
+            self._cursor = next_cursor
+            if len(changes) < CHANGES_PER_CALL:
+                return
+
+    def _reset(self) -> None:
+        """Everything reported so far is withdrawn; the snapshot that follows restates the rest."""
+        self.resets += 1
+        removed = [(key, tier, True) for tier, keys in self._reported.items() for key in keys]
+        self._queue(removed)
+
+    def _queue(self, changes: list[tuple[bytes, str, bool]]) -> None:
+        grouped: dict[tuple[str, bool], list[OffloadKey]] = {}
+        for key, tier, removed in changes:
+            reported = self._reported.get(tier)
+            if reported is None:
+                continue
+            if removed:
+                if key not in reported:
+                    continue
+                reported.discard(key)
+            else:
+                if key in reported:
+                    continue
+                reported.add(key)
+            offload_key = self._offload_key(key)
+            if offload_key is None:
+                self.unnameable_keys += 1
+                continue
+            grouped.setdefault((tier, removed), []).append(offload_key)
+        events = []
+        for (tier, removed), keys in grouped.items():
+            medium, locality, ownership = TIER_MEDIA[tier]
+            events.append(
+                OffloadingEvent(keys=keys, medium=medium, removed=removed, locality=locality, ownership=ownership)
+            )
+        with self._lock:
+            self._pending.extend(events)
+            self._pending_keys += sum(len(event.keys) for event in events)
+            if self._pending_keys > MAX_PENDING_EVENTS:
+                # vLLM stopped draining (events off, or a stuck scheduler): keep memory bounded.
+                self._pending, self._pending_keys = [], 0
+                self._cursor = 0  # the next round starts from a reset
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def direct_offload_key(group_id: int) -> Callable[[bytes], Any]:
+    """kvtier keys are the engine's own 32-byte block hashes for group 0 (``kvtier_key``); those
+    map back to vLLM's ``OffloadKey``. A model whose offloaded group is another has folded keys,
+    which cannot be named: its feed reports nothing (and counts them)."""
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    if group_id != 0:
+        return lambda key: None
+    return lambda key: make_offload_key(key, 0)
