@@ -12,15 +12,21 @@ use std::time::Duration;
 
 const SLICE: usize = 8192;
 
-fn start(dir: &Path, nvme_bytes: u64) -> (Service, std::path::PathBuf) {
+/// A service over `dir` with a pool of 53 slots of one `SLICE` block each (two-rank blocks: 32).
+fn config(dir: &Path, nvme_bytes: u64) -> ServiceConfig {
     let mut store = StoreConfig::new(dir.join("store"), 1);
     store.dram_bytes = 32 * (2 * SLICE + 4096);
     store.nvme_bytes = nvme_bytes;
     store.region_bytes = 1 << 20;
-    let socket = dir.join("run").join("kvtier.sock");
-    let mut config = ServiceConfig::new(&socket, store);
+    let mut config = ServiceConfig::new(dir.join("run").join("kvtier.sock"), store);
     config.pool_dir = dir.to_path_buf();
+    config
+}
+
+fn start(dir: &Path, nvme_bytes: u64) -> (Service, std::path::PathBuf) {
+    let mut config = config(dir, nvme_bytes);
     config.fill_timeout_ms = 300;
+    let socket = config.socket_path.clone();
     (Service::start(config).unwrap(), socket)
 }
 
@@ -657,14 +663,9 @@ fn labelled_connections_count_per_engine() {
 }
 
 fn start_idle(dir: &Path, nvme_bytes: u64, idle_timeout_ms: u64) -> (Service, std::path::PathBuf) {
-    let mut store = StoreConfig::new(dir.join("store"), 1);
-    store.dram_bytes = 32 * (2 * SLICE + 4096);
-    store.nvme_bytes = nvme_bytes;
-    store.region_bytes = 1 << 20;
-    let socket = dir.join("run").join("kvtier.sock");
-    let mut config = ServiceConfig::new(&socket, store);
-    config.pool_dir = dir.to_path_buf();
+    let mut config = config(dir, nvme_bytes);
     config.idle_timeout_ms = idle_timeout_ms;
+    let socket = config.socket_path.clone();
     (Service::start(config).unwrap(), socket)
 }
 
