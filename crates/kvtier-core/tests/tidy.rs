@@ -30,7 +30,6 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
     ("io/faults.rs", "submit"),                         // 74
     ("maintenance.rs", "verify_batch"),                 // 81
     ("mover.rs", "get_blocks"),                         // 293
-    ("service/server.rs", "handle_session_op"),         // 74
     ("store.rs", "open"),                               // 176
     ("tiers/nvme.rs", "open_device"),                   // 78
     ("tiers/shared/config.rs", "validate"),             // 75
