@@ -780,7 +780,7 @@ fn a_client_is_answered_while_another_namespace_opens() {
     let dir = tempfile::tempdir().unwrap();
     let pool_dir = tempfile::tempdir_in("/dev/shm").unwrap();
     let mut store = StoreConfig::new(dir.path().join("store"), 1);
-    store.dram_bytes = 512 << 20;
+    store.dram_bytes = 1 << 30;
     let socket = dir.path().join("run").join("kvtier.sock");
     let mut config = ServiceConfig::new(&socket, store);
     config.pool_dir = pool_dir.path().to_path_buf();
@@ -793,19 +793,22 @@ fn a_client_is_answered_while_another_namespace_opens() {
         started.elapsed()
     });
     std::thread::sleep(Duration::from_millis(20));
-    let mut slowest = Duration::ZERO;
+    let (mut slowest, mut answered) = (Duration::ZERO, 0);
     while !opener.is_finished() {
         let started = std::time::Instant::now();
         let mut c = Client::connect(&socket, Duration::from_secs(60)).unwrap();
         c.stats().unwrap();
         slowest = slowest.max(started.elapsed());
+        answered += 1;
         std::thread::sleep(Duration::from_millis(5));
     }
     let open_time = opener.join().unwrap();
-    eprintln!("a namespace opened in {open_time:?}; the slowest Stats meanwhile took {slowest:?}");
+    eprintln!("a namespace opened in {open_time:?}; {answered} Stats meanwhile, the slowest {slowest:?}");
+    // Before: the first Stats waited for the whole open (the namespaces lock, and one populate call
+    // holding the memory-map lock against the new connection thread's stack).
     assert!(
-        slowest < Duration::from_millis(250) || slowest * 4 < open_time,
-        "stats waited {slowest:?} while a namespace opened in {open_time:?}"
+        answered >= 3 && slowest * 2 < open_time,
+        "{answered} Stats answered, the slowest after {slowest:?}, while a namespace opened in {open_time:?}"
     );
     service.stop().unwrap();
 }
