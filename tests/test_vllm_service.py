@@ -192,6 +192,7 @@ def test_kill_9_of_an_engine_during_stores_leaves_the_other_engine_correct(
 ):
     if route != "KvtierConnector":
         pytest.skip("under vLLM's plain OffloadingConnector a failed load stops the engine (docs/vllm.md)")
+    shm_before = set(os.listdir("/dev/shm"))
     victim = Engine(store_dir, tmp_path, "victim", route)
     victim.send(op="generate", seed=4, tokens=12 * TOKENS_PER_BLOCK + 10)
     deadline = time.monotonic() + 120
@@ -199,6 +200,12 @@ def test_kill_9_of_an_engine_during_stores_leaves_the_other_engine_correct(
     while stats(socket_path)["puts"] == puts_before and time.monotonic() < deadline:
         time.sleep(0.05)
     victim.kill()  # in the middle of its stores (or just after its first ones)
+    # vLLM's own shared memory of the killed engine (its shm_broadcast queue, psm_*, and a
+    # semaphore) has no owner left to unlink it: hundreds of MB of RAM until reboot otherwise.
+    for name in set(os.listdir("/dev/shm")) - shm_before:
+        if name.startswith(("psm_", "sem.mp-")):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join("/dev/shm", name))
     time.sleep(1.0)
     assert stats(socket_path)["service_connections"] >= 1
     reference = engine_a.generate(seed=4, blocks=12, salt="no-sharing")  # a recompute: another salt
