@@ -86,13 +86,14 @@ def service_command(
 
 def private_dir(directory: Path) -> Path:
     """Creates ``directory`` (0700) or checks the one there: a real directory (no symlink), owned by
-    this user, closed to others. Anything else is refused before a file is opened in it: in a shared
-    /tmp, another user could have made it, to have the engine append to a file of theirs."""
+    this user, that no one else can write (the service's own check on its socket directory). Anything
+    else is refused before a file is opened in it: in a shared /tmp, another user could have made it,
+    to have the engine append to a file of theirs."""
     with contextlib.suppress(FileExistsError):
         directory.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         os.mkdir(directory, 0o700)
     info = os.lstat(directory)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
         kind = "a directory"
         if stat.S_ISLNK(info.st_mode):
             kind = "a symlink"
@@ -100,7 +101,8 @@ def private_dir(directory: Path) -> Path:
             kind = "not a directory"
         raise ServiceError(
             f"{directory} is {kind} owned by uid {info.st_uid} with mode {stat.S_IMODE(info.st_mode):o}; kvtier "
-            f"keeps its service socket there and needs a directory of uid {os.geteuid()} closed to others (0700). "
+            f"keeps its service socket there and needs a directory of uid {os.geteuid()} closed to others "
+            "(no group or other write bit). "
             f"Remove it, set XDG_RUNTIME_DIR, or set service_socket to a path in a private directory"
         )
     return directory
