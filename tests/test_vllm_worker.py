@@ -21,6 +21,7 @@ try:
 except Exception as import_error:  # pragma: no cover - depends on the environment
     pytest.skip(f"vllm is not importable ({import_error!r}); run scripts/install_vllm.sh", allow_module_level=True)
 
+import kvtier
 from kvtier import service as kvtier_service
 from kvtier.vllm import (
     GpuServiceWorker,
@@ -251,6 +252,32 @@ def test_admission_options_are_checked():
         KvtierOptions.from_extra_config({"path": "/tmp/x", "admission": "sometimes"})
     with pytest.raises(KvtierVllmConfigError, match="admission_memory_blocks"):
         KvtierOptions.from_extra_config({"path": "/tmp/x", "admission_memory_blocks": 0})
+
+
+def test_config_info_fills_every_label_the_spec_declares_and_no_secret(service):
+    from kvtier.vllm import KvtierConnector, KvtierOffloadingSpec
+
+    extra = {"path": "/tmp/kvtier-info", "dram_bytes": 64 << 20, "shared_root": "/mnt/s", "shared_key_file": "/k"}
+    options = KvtierOptions.from_extra_config(extra)
+    manager = KvtierManager(ServiceBackend(connection(service)), config_info=options.config_info())
+    (info,) = manager.config_info()
+    assert tuple(info) == KvtierOffloadingSpec.config_info_keys(extra)
+    assert info["kvtier_dram_bytes"] == 64 << 20 and info["kvtier_shared_tier"] is True
+    assert info["kvtier_store_path"] == "/tmp/kvtier-info" and info["kvtier_host_service"] is True
+    assert info["kvtier_nvme_bytes"] == next(row["default"] for row in kvtier.options() if row["name"] == "nvme_bytes")
+    assert "/k" not in {str(value) for value in info.values()}
+    assert KvtierConnector.supports_sleep_mode(None) is False
+    manager.shutdown()
+
+
+def test_sleep_mode_is_refused_with_the_fix():
+    from types import SimpleNamespace
+
+    from kvtier.vllm.spec import refuse_sleep_mode
+
+    refuse_sleep_mode(SimpleNamespace(model_config=SimpleNamespace(enable_sleep_mode=False)))
+    with pytest.raises(KvtierVllmConfigError, match="without enable_sleep_mode"):
+        refuse_sleep_mode(SimpleNamespace(model_config=SimpleNamespace(enable_sleep_mode=True)))
 
 
 def test_host_dram_bytes_reaches_a_service_the_engine_starts_and_caps_the_pools(tmp_path):

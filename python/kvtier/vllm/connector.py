@@ -51,6 +51,12 @@ class KvtierConnector(OffloadingConnector):
         finally:
             _constructing.vllm_config = None
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33 asks this at start when sleep mode is on, and refuses with its own message; under
+        the plain OffloadingConnector route kvtier's spec refuses (``spec.refuse_sleep_mode``)."""
+        return False
+
     def register_kv_caches(self, kv_caches: Any) -> None:
         super().register_kv_caches(kv_caches)
         worker = self._kvtier_worker()

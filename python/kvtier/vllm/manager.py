@@ -6,7 +6,7 @@ import contextlib
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
@@ -54,8 +54,10 @@ class KvtierManager(OffloadingManager):
         pin_lease_s: float = 300.0,
         admission: str = "all",
         admission_memory_blocks: int = 1 << 18,
+        config_info: Mapping[str, str | int | float | bool] | None = None,
     ):
         self._shared = shared
+        self._config_info = dict(config_info or {})
         self._store = shared.store
         # Pins this engine holds, per request: a request releases only its own pins, never another
         # request's pin on the same block.
@@ -242,6 +244,10 @@ class KvtierManager(OffloadingManager):
         host stored or evicted them (the host service's change log; ``kvtier.vllm.events``)."""
         events = self._shared.events if isinstance(self._shared, ServiceBackend) else None
         return events.take() if events is not None else ()
+
+    def config_info(self) -> Sequence[Mapping[str, str | int | float | bool]]:
+        """vLLM 0.33+ publishes this once as ``vllm:kv_offload_config_info`` (kvtier.vllm.options)."""
+        return [self._config_info]
 
     def shutdown(self) -> None:
         held = [store_key for request_pins in self._pins.values() for store_key in request_pins.elements()]

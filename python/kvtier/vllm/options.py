@@ -80,6 +80,18 @@ class KvtierVllmConfigError(ValueError):
     """The vLLM configuration cannot be served by kvtier; the message says what to change."""
 
 
+# Labels of vLLM's ``vllm:kv_offload_config_info`` series (vLLM 0.33+) that kvtier fills: static facts
+# an operator needs to tell which store an engine uses. Never a credential or a key file's contents.
+CONFIG_INFO_KEYS = (
+    "kvtier_version",
+    "kvtier_store_path",
+    "kvtier_host_service",
+    "kvtier_dram_bytes",
+    "kvtier_nvme_bytes",
+    "kvtier_shared_tier",
+)
+
+
 @dataclass(frozen=True)
 class KvtierOptions:
     path: str
@@ -171,6 +183,32 @@ class KvtierOptions:
         from kvtier.service import default_socket_path
 
         return Path(self.service_socket) if self.service_socket else default_socket_path(self.path)
+
+    def config_info(self) -> dict[str, str | int | bool]:
+        """The values of ``CONFIG_INFO_KEYS`` (store sizes as configured, else the store's defaults)."""
+        from kvtier import __version__
+        from kvtier import options as option_table
+
+        defaults = {row["name"]: row["default"] for row in option_table()}
+
+        def size(name: str) -> int | str:
+            value = self.store_options.get(name, defaults.get(name))
+            try:
+                return int(value or 0)
+            except (TypeError, ValueError):
+                return str(value)
+
+        paths = self.path if isinstance(self.path, (list, tuple)) else [self.path]
+        info: dict[str, str | int | bool] = {
+            "kvtier_version": __version__,
+            "kvtier_store_path": os.pathsep.join(os.fspath(p) for p in paths),
+            "kvtier_host_service": self.host_service,
+            "kvtier_dram_bytes": size("dram_bytes"),
+            "kvtier_nvme_bytes": size("nvme_bytes"),
+            "kvtier_shared_tier": bool(self.store_options.get("shared_root")),
+        }
+        assert tuple(info) == CONFIG_INFO_KEYS
+        return info
 
     @property
     def registry_path(self) -> str:

@@ -32,7 +32,7 @@ from kvtier.vllm.namespace import (
     rank_independent_objects,
     service_namespace_description,
 )
-from kvtier.vllm.options import KvtierOptions, KvtierVllmConfigError
+from kvtier.vllm.options import CONFIG_INFO_KEYS, KvtierOptions, KvtierVllmConfigError
 from kvtier.vllm.prefetch import Prefetcher
 from kvtier.vllm.worker import GpuServiceWorker, KvtierWorker, ServiceWorker
 
@@ -96,12 +96,28 @@ def _log_route_once(vllm_config: Any) -> None:
     )
 
 
+def refuse_sleep_mode(vllm_config: Any) -> None:
+    """Sleep mode frees and remaps the KV-cache memory that kvtier's workers copy blocks into and out
+    of, and vLLM's offloading connector does not re-register it on wake-up: a load after a wake-up
+    would write pages that no longer belong to the KV cache."""
+    if getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False):
+        raise KvtierVllmConfigError(
+            "kvtier does not support vLLM's sleep mode (it frees and remaps the KV cache that kvtier copies "
+            "blocks into): start the engine without enable_sleep_mode (--enable-sleep-mode), or without kvtier"
+        )
+
+
 class KvtierOffloadingSpec(OffloadingSpec):
     """kvtier as an OffloadingSpec; options come from kv_connector_extra_config."""
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
         return kvtier_metric_definitions()
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """vLLM 0.33+: the labels of ``vllm:kv_offload_config_info`` the manager fills."""
+        return CONFIG_INFO_KEYS
 
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
@@ -114,6 +130,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 '"kv_connector": "KvtierConnector" (kvtier.vllm.kv_transfer_config) or "OffloadingConnector" '
                 "with spec_name/spec_module_path"
             )
+        refuse_sleep_mode(self.vllm_config)
         if self.blocks_per_chunk != 1:
             raise KvtierVllmConfigError(
                 f"kvtier stores one object per engine block; remove block_size/blocks_per_chunk from "
@@ -186,6 +203,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 pin_lease_s,
                 self.options.admission,
                 self.options.admission_memory_blocks,
+                config_info=self.options.config_info(),
             )
         shared = find_engine_store(self.options, self.config.engine_id)
         if shared is None:
@@ -200,6 +218,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             max(60.0, 2 * self.options.job_timeout_ms / 1000),
             self.options.admission,
             self.options.admission_memory_blocks,
+            config_info=self.options.config_info(),
         )
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
