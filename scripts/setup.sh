@@ -33,12 +33,13 @@ fi
 # GlusterFS and CephFS on 127.0.0.1 for the shared tier's filesystem tests (tests/test_shared_fs.py,
 # scripts/distfs/): the daemons and FUSE clients, and the brick host name the gluster CLI accepts
 # (it refuses 127.0.0.1 and localhost). KVTIER_SKIP_DISTFS=1 leaves them out (the tests then skip).
-# Also mkfs for xfs, f2fs and btrfs (scripts/distfs/bench_filesystems.py, experiment 4).
+# Also mkfs for xfs, f2fs and btrfs (scripts/distfs/bench_filesystems.py, experiment 4), and Ceph's
+# RADOS gateway, the S3 server of the object tier's tests (tests/test_object_tier.py, scripts/distfs/radosgw.sh).
 distfs_packages=(glusterfs-server glusterfs-client ceph-mon ceph-mgr ceph-osd ceph-mds ceph-fuse ceph-common
-    xfsprogs f2fs-tools btrfs-progs)
+    xfsprogs f2fs-tools btrfs-progs radosgw)
 if [[ "${KVTIER_SKIP_DISTFS:-0}" != "1" ]]; then
     if ! command -v glusterd >/dev/null || ! command -v ceph-fuse >/dev/null || ! command -v ceph-mds >/dev/null \
-        || ! command -v mkfs.f2fs >/dev/null || ! command -v mkfs.btrfs >/dev/null; then
+        || ! command -v mkfs.f2fs >/dev/null || ! command -v mkfs.btrfs >/dev/null || ! command -v radosgw >/dev/null; then
         if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
             log "installing GlusterFS and CephFS (the shared tier's filesystem tests)"
             apt-get update -qq >/dev/null
