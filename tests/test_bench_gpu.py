@@ -5,6 +5,7 @@ NVMe, and compares every byte; the JSON carries the figures docs/gpu.md reports.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from kvtier.bench import gpu
 
@@ -18,8 +19,12 @@ def test_the_cpu_run_restores_every_byte_from_dram_and_nvme(tmp_path):
     assert document["ordering"] == {"stored": 64, "found": 64, "blocks": 64, "wrong_pages": 0, "ok": True}
     cases = {case["case"]: case for case in document["cases"]}
     assert set(cases) == {"small/nhd/block16", "small/kv-split/block16", "small-mla/mla/block16"}
+    assert [case["case"] for case in document["cases"]][:2] == ["small/nhd/block16", "small-mla/mla/block16"]
+    assert document["complete"] and document["skipped_cases"] == []
     for case in cases.values():
         assert case["executor"] == "host-memmove"
+        # Issue 27: the pool is in /dev/shm (pinnable) whatever --dir is, and removed after the case.
+        assert case["pool_dir"] == "/dev/shm", case["pool_dir"]
         assert case["missing_blocks"] == {"store": 0, "dram": 0, "nvme": 0}
         assert case["wrong_blocks"] == {"dram": 0, "nvme": 0}
         for phase in ("gpu_to_dram", "dram_to_gpu", "nvme_to_gpu"):
@@ -31,3 +36,13 @@ def test_the_cpu_run_restores_every_byte_from_dram_and_nvme(tmp_path):
         }
         assert case["limits"]["direct_read"]["file_bytes"] > 0
     assert cases["small/kv-split/block16"]["tensors"] == 2 * cases["small/nhd/block16"]["tensors"]
+    assert not list(Path("/dev/shm").glob("kvtier-bench-gpu-pool-*")), "a case left its pool in /dev/shm"
+
+
+def test_a_budget_skips_the_cases_that_would_not_finish_and_keeps_what_ran(tmp_path):
+    out = tmp_path / "out"
+    argv = ["--device", "cpu", "--small", "--repeats", "1", "--block-tokens", "16", "--skip-fio", "--budget-s", "0.01"]
+    gpu.main([*argv, "--out", str(out), "--dir", str(tmp_path)])
+    document = json.loads((out / "gpu.json").read_text())
+    assert document["cases"] == [] and not document["complete"]
+    assert document["skipped_cases"][:2] == ["small/nhd/block16", "small-mla/mla/block16"]

@@ -10,6 +10,9 @@ misses with nothing pinned or half-written. The CUDA pieces (events, ``cudaHostR
 from __future__ import annotations
 
 import ctypes
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,18 @@ import torch
 
 from kvtier import Service, ServiceClient
 from kvtier.gpu import CopyPlan
-from kvtier.gpu.executors import CopyJob, HostExecutor, StagedExecutor, _MemcpyAttributes, choose, self_test
+from kvtier.gpu.device import POOL_PINS, HostSide, PinnedRange
+from kvtier.gpu.executors import (
+    ACCESS_ORDER_ANY,
+    ACCESS_ORDER_STREAM,
+    CopyJob,
+    HostExecutor,
+    StagedExecutor,
+    _MemcpyAttributes,
+    batch_attributes,
+    choose,
+    self_test,
+)
 from kvtier.gpu.layouts import ModelShape, PagedCache, fill_random, layouts_for, paged_cache
 from kvtier.gpu.plan import PlanError, round_blocks
 from kvtier.gpu.transfers import BlockTransfers
@@ -155,7 +169,7 @@ def test_the_driver_attribute_struct_matches_cuda_h():
 
 @pytest.mark.parametrize("executor", [HostExecutor(), StagedExecutor(CPU, staging_bytes=3 * 1000)])
 def test_executors_pass_their_self_test_and_place_bytes_identically(executor, small_cache):
-    self_test(executor, CPU)
+    self_test(executor, CPU, HostSide(CPU))
     page_bytes = [r.shape[1] for r in small_cache.rows]
     slice_bytes = sum(page_bytes)
     plan = CopyPlan(page_bytes, [(0, 8, slice_bytes)], slice_bytes + 16)
@@ -180,7 +194,7 @@ def test_a_wrong_executor_fails_its_self_test():
                 ctypes.memmove(d, s + 1, n - 1)
 
     with pytest.raises(RuntimeError, match="wrong bytes"):
-        self_test(Shifted(), CPU)
+        self_test(Shifted(), CPU, HostSide(CPU))
 
 
 def test_staged_copies_refuse_interleaved_placements():
@@ -189,7 +203,7 @@ def test_staged_copies_refuse_interleaved_placements():
     rows = [torch.zeros((2, 30), dtype=torch.uint8)] * 2
     with pytest.raises(RuntimeError, match="contiguous plan"):
         StagedExecutor(CPU).copy(CopyJob(plan, rows, [0], [0], pool, pool.data_ptr(), True))
-    assert isinstance(choose(CPU, plan), HostExecutor)
+    assert isinstance(choose(CPU, plan, HostSide(CPU)), HostExecutor)
 
 
 # ---- transfers against the real service -----------------------------------------------------------
@@ -387,5 +401,234 @@ def test_two_ranks_with_interleaved_placements_build_one_object_a_tp1_engine_rea
             got = np.frombuffer(base, dtype=np.uint8, count=2 * slice_bytes, offset=offset)
             assert np.array_equal(got, whole[i].reshape(-1).numpy()), f"block {i}"
         reader.release_many(keys)
+    finally:
+        host.service.stop()
+
+
+# ---- issue 27: what a desk review of the CUDA path found, shown on a CPU ---------------------------
+# Fakes of the CUDA runtime below test kvtier's logic around it only; the CUDA calls themselves are
+# validated by the GPU run alone (docs/gpu.md).
+
+
+class RecordingSide(HostSide):
+    """A host side that knows whether copies are being issued on its (side) stream."""
+
+    def __init__(self) -> None:
+        super().__init__(CPU)
+        self.on_side_stream = False
+        self.active = False
+
+    @contextmanager
+    def running(self, ready: Any) -> Iterator[None]:
+        self.on_side_stream = True
+        try:
+            yield
+        finally:
+            self.on_side_stream = False
+
+
+class SideStreamOnly(HostExecutor):
+    """Like ``cuMemcpyBatchAsync``: copies issued on the legacy default stream are refused."""
+
+    name = "side-stream-only"
+
+    def __init__(self, side: RecordingSide):
+        self.side = side
+
+    def copy(self, job: CopyJob) -> None:
+        if not self.side.on_side_stream:
+            raise RuntimeError("CUDA_ERROR_INVALID_VALUE: the legacy default stream")
+        super().copy(job)
+
+
+def test_the_executor_self_test_runs_on_the_side_stream_so_the_batch_copy_is_chosen():
+    side = RecordingSide()
+    plan = CopyPlan([64], [(0, 0, 64)], 64)
+    candidates: list[tuple[str, Callable[[], Any]]] = [
+        ("batch", lambda: SideStreamOnly(side)),
+        ("staged", lambda: StagedExecutor(CPU)),
+    ]
+    assert choose(CPU, plan, side, candidates).name == "side-stream-only"
+
+
+def test_batch_copy_attributes_are_vllms_stream_order_for_stores_any_for_loads_no_flags():
+    store, load = batch_attributes(to_pool=True), batch_attributes(to_pool=False)
+    assert store.src_access_order == ACCESS_ORDER_STREAM == 1
+    assert load.src_access_order == ACCESS_ORDER_ANY == 3
+    for attributes in (store, load):
+        assert attributes.flags == 0, "vLLM passes 0, not PREFER_OVERLAP_WITH_COMPUTE"
+        assert attributes.src_location_hint.type == attributes.dst_location_hint.type == 0
+
+
+class FakeRuntime:
+    """cudaHostRegister's bookkeeping as the CUDA runtime keeps it: a range registered twice is
+    refused (cudaErrorHostMemoryAlreadyRegistered), and a refusal sets the last error."""
+
+    ALREADY_REGISTERED = 712
+
+    def __init__(self, refuse: bool = False):
+        self.refuse = refuse
+        self.registered: dict[int, int] = {}
+        self.register_calls = 0
+        self.last_error = 0
+
+    def host_register(self, address: int, nbytes: int, flags: int) -> int:
+        self.register_calls += 1
+        code = 1 if self.refuse else self.ALREADY_REGISTERED if address in self.registered else 0
+        if code:
+            self.last_error = code
+        else:
+            self.registered[address] = nbytes
+        return code
+
+    def host_unregister(self, address: int) -> int:
+        return 0 if self.registered.pop(address, None) is not None else 713
+
+    def get_last_error(self) -> int:
+        code, self.last_error = self.last_error, 0
+        return code
+
+
+class PinningSide(RecordingSide):
+    """A host side that registers the pool through a fake runtime, as ``CudaSide`` does through CUDA."""
+
+    def __init__(self, runtime: FakeRuntime):
+        super().__init__()
+        self.runtime = runtime
+
+    @contextmanager
+    def activate(self) -> Iterator[None]:
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def register(self, address: int, nbytes: int, align: int) -> Any:
+        assert self.active, "pinned outside the KV cache's device context"
+        return PinnedRange(address, nbytes, align, self.runtime)
+
+
+def test_a_refused_registration_clears_the_runtime_error():
+    runtime = FakeRuntime(refuse=True)
+    pinned = PinnedRange(1 << 30, 1 << 20, 4096, runtime)
+    assert not pinned.pinned and runtime.registered == {}
+    assert runtime.last_error == 0, "left set, torch's next kernel launch check raises it as its own"
+
+
+def test_transfers_on_one_client_share_one_registration_until_the_last_closes(tmp_path, small_cache):
+    runtime = FakeRuntime()
+    host = Host(tmp_path, small_cache.block_bytes)
+    try:
+        client = host.client()
+        storer = BlockTransfers(small_cache.rows, side=PinningSide(runtime))
+        loader = BlockTransfers(small_cache.rows, side=PinningSide(runtime))
+        storer.bind(client)
+        loader.bind(client)
+        assert storer.pool_pinned and loader.pool_pinned, "the second registration of the pool was refused"
+        assert runtime.register_calls == 1 and len(runtime.registered) == 1
+        storer.close()
+        assert runtime.registered and loader.pool_pinned, "unpinned under the other transfers"
+        loader.close()
+        assert runtime.registered == {} and runtime.last_error == 0
+    finally:
+        host.service.stop()
+
+
+def test_the_benchmark_closes_its_registrations_after_the_ordering_check_and_a_failed_case(tmp_path, monkeypatch):
+    from kvtier.bench import gpu as bench
+
+    before = POOL_PINS.open_count()
+    assert bench.ordering_check(CPU, tmp_path)["ok"]
+    assert POOL_PINS.open_count() == before, "the ordering check left its pool registered"
+
+    def broken_compare(*args: Any) -> int:
+        raise RuntimeError("a case failed halfway")
+
+    monkeypatch.setattr(bench, "compare", broken_compare)
+    args = bench.build_parser().parse_args(
+        ["--device", "cpu", "--job-mib", "1", "--repeats", "1", "--dir", str(tmp_path)]
+    )
+    with pytest.raises(RuntimeError, match="halfway"):
+        bench.run_case(args, bench.SMALL_MODELS["small"], 16, "nhd", tmp_path)
+    assert POOL_PINS.open_count() == before, "a failed case left its pool registered"
+
+
+class QueueingSide(HostSide):
+    """Copies queue as on a GPU stream and run only when a marker after them is waited on (or
+    ``flush``: the DMA engine getting to them later)."""
+
+    def __init__(self) -> None:
+        super().__init__(CPU)
+        self.queued: list[Callable[[], Any]] = []
+        self.issued = self.ran = 0
+
+    def done_marker(self) -> int:
+        return self.issued
+
+    def wait(self, marker: Any) -> None:
+        while self.ran < marker:
+            self.queued[self.ran]()
+            self.ran += 1
+
+    def flush(self) -> None:
+        self.wait(self.issued)
+
+
+class RaisesHalfway(HostExecutor):
+    """Queues the first half of a job's copies on the side, then raises (a staged copy's second pass)."""
+
+    name = "raises-halfway"
+
+    def __init__(self, side: QueueingSide):
+        self.side = side
+
+    def copy(self, job: CopyJob) -> None:
+        sources, destinations, sizes = job.pointers()
+        for n, (s, d, size) in enumerate(zip(sources.tolist(), destinations.tolist(), sizes.tolist(), strict=True)):
+            if n == len(sizes) // 2:
+                raise RuntimeError("the copy failed halfway")
+            self.side.queued.append(functools.partial(ctypes.memmove, d, s, size))
+            self.side.issued += 1
+
+
+def test_a_store_failing_halfway_hands_no_slot_back_while_its_copies_may_land(tmp_path, small_cache):
+    host = Host(tmp_path, small_cache.block_bytes, dram_bytes=4 * 8192)
+    try:
+        client = host.client()
+        slots = client.pool()["slot_count"]
+        assert slots <= NUM_BLOCKS // 2, "the failed store takes every slot; the next store reuses them"
+        side = QueueingSide()
+        broken = BlockTransfers(small_cache.rows, executor=RaisesHalfway(side), side=side)
+        assert broken.store(client, [key(i) for i in range(slots)], list(range(slots))) == [False] * slots
+        other = paged_cache(SMALL, "nhd", NUM_BLOCKS, BLOCK_TOKENS, CPU)
+        fill_random(other, seed=9)
+        keys = [key(i, salt=1) for i in range(slots)]
+        assert BlockTransfers(other.rows).store(client, keys, list(range(slots, 2 * slots))) == [True] * slots
+        side.flush()  # whatever the failed store left queued lands now
+        out = np.zeros((slots, small_cache.block_bytes), dtype=np.uint8)
+        assert host.client().load_blocks(keys, [out], list(range(slots))) == [True] * slots
+        for i in range(slots):
+            assert np.array_equal(out[i], other.block(slots + i).numpy()), f"block {i} holds the failed store's bytes"
+    finally:
+        host.service.stop()
+
+
+def test_a_load_failing_halfway_reports_its_misses_only_once_its_copies_landed(tmp_path, small_cache):
+    host = Host(tmp_path, small_cache.block_bytes)
+    try:
+        client = host.client()
+        keys = [key(i) for i in range(4)]
+        assert BlockTransfers(small_cache.rows).store(client, keys, [0, 1, 2, 3]) == [True] * 4
+        restored = paged_cache(SMALL, "nhd", NUM_BLOCKS, BLOCK_TOKENS, CPU)
+        side = QueueingSide()
+        broken = BlockTransfers(restored.rows, executor=RaisesHalfway(side), side=side)
+        assert broken.load(client, keys, [10, 11, 12, 13]) == [False] * 4
+        for row in restored.rows:  # vLLM recomputes the missed blocks into the same pages
+            row[10:14].fill_(0x55)
+        side.flush()
+        for block in range(10, 14):
+            assert bool((restored.block(block) == 0x55).all()), f"a late copy overwrote recomputed block {block}"
+        host.assert_nothing_pinned(client)
     finally:
         host.service.stop()

@@ -1,8 +1,9 @@
 """``kvtier bench gpu``: the GPU data path against its limits, with PyTorch and kvtier only (no vLLM).
 
 For each model shape, engine block size and vLLM GPU layout (``kvtier.gpu.layouts``) it builds a
-paged KV cache on the device, runs a host service in this process (DRAM pool, NVMe tier in
-``--dir``) and, through the worker's own transfers (``kvtier.gpu.transfers.BlockTransfers``):
+paged KV cache on the device, runs a host service in this process (DRAM pool in ``/dev/shm`` as in
+production, whatever ``--dir`` is: a file mapping on a disk filesystem cannot be pinned long-term;
+NVMe tier in ``--dir``) and, through the worker's own transfers (``kvtier.gpu.transfers.BlockTransfers``):
 
 - stores a job of blocks GPU→DRAM and restores them DRAM→GPU into other block ids (``--repeats``
   times, new keys each time), comparing every byte;
@@ -14,8 +15,11 @@ paged KV cache on the device, runs a host service in this process (DRAM pool, NV
 - reports GB/s, the ratios to the limits, and CPU core-seconds per GB (``getrusage`` of this
   process, which runs the service as well).
 
-Writes ``gpu.json`` in ``--out``. ``--device cpu --small`` runs the same path on host tensors (CI
-does, to keep the harness working); only a CUDA run says anything about a GPU.
+Cases run most informative first (the first model's first layout and block size, then MLA, then
+the rest); ``gpu.json`` in ``--out`` is rewritten after the ordering check and after every case, so a
+run cut off by its time limit still leaves what it measured, and ``--budget-s`` skips the cases that
+would not finish in time. ``--device cpu --small`` runs the same path on host tensors (CI does, to
+keep the harness working); only a CUDA run says anything about a GPU.
 """
 
 from __future__ import annotations
@@ -52,6 +56,10 @@ DIRECT_ALIGN = 4096
 DISK_READ_THREADS = 8
 TARGET_DRAM_RATIO = 0.9
 TARGET_NVME_RATIO = 0.85
+# The pool's filesystem: tmpfs, which the driver pins long-term, as the service's own default.
+SHM_DIR = Path("/dev/shm")
+# The ordering check's busy kernel: about 0.3 s of an H100's clock before the writes it orders.
+BUSY_CYCLES = 600_000_000
 
 
 def log(message: str) -> None:
@@ -95,6 +103,7 @@ class Host:
     def __init__(self, directory: Path, object_bytes: int, dram_bytes: int, nvme_bytes: int):
         self.directory, self.object_bytes = directory, object_bytes
         self.dram_bytes, self.nvme_bytes = dram_bytes, nvme_bytes
+        self.pool_dir = pool_directory(dram_bytes)
         # Under /tmp/kvtier-<uid>/ (or $XDG_RUNTIME_DIR): a socket path beside a deep --dir could
         # pass the 108 bytes a Unix socket's path may have.
         self.socket = str(default_socket_path(directory / "store"))
@@ -105,7 +114,7 @@ class Host:
         self.service = Service.start(
             self.socket,
             str(self.directory / "store"),
-            str(self.directory),
+            str(self.pool_dir),
             30_000,
             dram_bytes=self.dram_bytes,
             nvme_bytes=self.nvme_bytes,
@@ -124,6 +133,19 @@ class Host:
         if self.service is not None:
             self.service.stop()
             self.service = None
+        shutil.rmtree(self.pool_dir, ignore_errors=True)
+
+
+def pool_directory(pool_bytes: int) -> Path:
+    """A directory of ours in /dev/shm for one service's pool (removed by ``Host.stop``)."""
+    base = SHM_DIR if SHM_DIR.is_dir() else None
+    if base is not None and shutil.disk_usage(base).free < pool_bytes + (64 << 20):
+        free = shutil.disk_usage(base).free
+        raise SystemExit(
+            f"kvtier bench gpu: /dev/shm has {free / 2**30:.1f} GiB free, the pool needs {pool_bytes / 2**30:.1f} GiB: "
+            "grow it (as root: mount -o remount,size=32g /dev/shm) or pass a smaller --job-mib"
+        )
+    return Path(tempfile.mkdtemp(prefix="kvtier-bench-gpu-pool-", dir=base))
 
 
 def keys_for(case: str, repeat: int, count: int) -> list[bytes]:
@@ -220,98 +242,133 @@ def run_case(args: argparse.Namespace, model: ModelShape, block_tokens: int, lay
     restored = paged_cache(model, layout, blocks, block_tokens, device)
     fill_random(source, seed=11)
     fill_random(restored, seed=12)
-    # Restores land in other block ids: reversed order.
-    source_ids, restored_ids = list(range(blocks)), list(reversed(range(blocks)))
     directory = Path(tempfile.mkdtemp(prefix="case-", dir=work))
     # Room for every repeat's blocks at once, so that no store waits for NVMe writes to free slots.
     dram_bytes = (args.repeats + 1) * (job_bytes + blocks * 8192)
-    host = Host(directory, block_bytes, dram_bytes, nvme_bytes=2 * (args.repeats + 1) * job_bytes + (256 << 20))
     result: dict[str, Any] = {"case": name, "model": model.name, "layout": layout, "block_tokens": block_tokens}
     result.update({"blocks": blocks, "block_bytes": block_bytes, "job_bytes": job_bytes, "tensors": len(source.rows)})
+    host = None
     try:
-        client = host.client()
-        storer, loader = BlockTransfers(source.rows), BlockTransfers(restored.rows)
-        storer.bind(client)
-        loader.bind(client)
-        rates: dict[str, list[float]] = {"gpu_to_dram": [], "dram_to_gpu": [], "nvme_to_gpu": []}
-        cpu: dict[str, list[float]] = {key: [] for key in rates}
-        wrong: dict[str, int] = {"dram": 0, "nvme": 0}
-        missing: dict[str, int] = {"store": 0, "dram": 0, "nvme": 0}
-
-        def measure(phase: str, miss_kind: str, action: Callable[[], list[bool]]) -> None:
-            seconds, cpu_s, moved = timed(device, action)
-            missing[miss_kind] += moved.count(False)
-            rates[phase].append(job_bytes / seconds / 1e9)
-            cpu[phase].append(cpu_s / (job_bytes / 1e9))
-
-        for repeat in range(args.repeats):
-            keys = keys_for(name, repeat, blocks)
-            measure("gpu_to_dram", "store", functools.partial(storer.store, client, keys, source_ids))
-            measure("dram_to_gpu", "dram", functools.partial(loader.load, client, keys, restored_ids))
-            wrong["dram"] = max(wrong["dram"], compare(source, source_ids, restored, restored_ids))
-            fill_random(restored, seed=13 + repeat)
-        client.flush()
-        host.restart()  # the DRAM pool is gone: every block is on NVMe only
-        client = host.client()
-        loader.bind(client)  # the new pool mapping, pinned before the clock starts
-        for repeat in range(args.repeats):
-            keys = keys_for(name, repeat, blocks)
-            measure("nvme_to_gpu", "nvme", functools.partial(loader.load, client, keys, restored_ids))
-            wrong["nvme"] = max(wrong["nvme"], compare(source, source_ids, restored, restored_ids))
-            fill_random(restored, seed=31 + repeat)
-        result["executor"] = storer.executor.name if storer.executor else None
-        result["pinned_pool"] = storer.pool_pinned
-        result["gbps"] = {key: summary(values) for key, values in rates.items()}
-        result["cpu_core_s_per_gb"] = {key: summary(values) for key, values in cpu.items()}
-        result["wrong_blocks"], result["missing_blocks"] = wrong, missing
-        result["load_rounds"] = loader.counters.load_rounds
+        host = Host(directory, block_bytes, dram_bytes, nvme_bytes=2 * (args.repeats + 1) * job_bytes + (256 << 20))
+        result["pool_dir"] = str(host.pool_dir.parent)
+        # Closed (unpinned) on every way out, before the service and the clients' mappings go.
+        with BlockTransfers(source.rows) as storer, BlockTransfers(restored.rows) as loader:
+            result.update(measure_phases(args, device, host, (storer, loader), (source, restored), name))
         result["limits"] = {"pinned_copy": pinned_copy_gbps(device, job_bytes, args.repeats)}
         result["limits"]["direct_read"] = direct_read_gbps(directory, job_bytes, block_bytes, args.repeats)
         if not args.skip_fio:
             result["limits"]["fio_read"] = fio_read_gbps(directory, job_bytes, block_bytes)
         result["ratios"] = ratios(result)
-        storer.close()
-        loader.close()
     finally:
-        host.stop()
+        if host is not None:
+            host.stop()
         shutil.rmtree(directory, ignore_errors=True)
     return result
 
 
+def measure_phases(
+    args: argparse.Namespace,
+    device: torch.device,
+    host: Host,
+    transfers: tuple[BlockTransfers, BlockTransfers],
+    caches: tuple[PagedCache, PagedCache],
+    name: str,
+) -> dict[str, Any]:
+    """GPU→DRAM stores and DRAM→GPU restores, then NVMe→GPU restores after a restart; every byte
+    compared. Restores land in other block ids (reversed order)."""
+    (storer, loader), (source, restored) = transfers, caches
+    blocks = source.rows[0].shape[0]
+    job_bytes = blocks * source.block_bytes
+    source_ids, restored_ids = list(range(blocks)), list(reversed(range(blocks)))
+    client = host.client()
+    storer.bind(client)
+    loader.bind(client)
+    rates: dict[str, list[float]] = {"gpu_to_dram": [], "dram_to_gpu": [], "nvme_to_gpu": []}
+    cpu: dict[str, list[float]] = {key: [] for key in rates}
+    wrong: dict[str, int] = {"dram": 0, "nvme": 0}
+    missing: dict[str, int] = {"store": 0, "dram": 0, "nvme": 0}
+
+    def measure(phase: str, miss_kind: str, action: Callable[[], list[bool]]) -> None:
+        seconds, cpu_s, moved = timed(device, action)
+        missing[miss_kind] += moved.count(False)
+        rates[phase].append(job_bytes / seconds / 1e9)
+        cpu[phase].append(cpu_s / (job_bytes / 1e9))
+
+    for repeat in range(args.repeats):
+        keys = keys_for(name, repeat, blocks)
+        measure("gpu_to_dram", "store", functools.partial(storer.store, client, keys, source_ids))
+        measure("dram_to_gpu", "dram", functools.partial(loader.load, client, keys, restored_ids))
+        wrong["dram"] = max(wrong["dram"], compare(source, source_ids, restored, restored_ids))
+        fill_random(restored, seed=13 + repeat)
+    client.flush()
+    host.restart()  # the DRAM pool is gone: every block is on NVMe only
+    client = host.client()
+    loader.bind(client)  # the new pool mapping, pinned before the clock starts
+    for repeat in range(args.repeats):
+        keys = keys_for(name, repeat, blocks)
+        measure("nvme_to_gpu", "nvme", functools.partial(loader.load, client, keys, restored_ids))
+        wrong["nvme"] = max(wrong["nvme"], compare(source, source_ids, restored, restored_ids))
+        fill_random(restored, seed=31 + repeat)
+    return {
+        "executor": storer.executor.name if storer.executor else None,
+        "pinned_pool": storer.pool_pinned and loader.pool_pinned,
+        "gbps": {key: summary(values) for key, values in rates.items()},
+        "cpu_core_s_per_gb": {key: summary(values) for key, values in cpu.items()},
+        "wrong_blocks": wrong,
+        "missing_blocks": missing,
+        "load_rounds": loader.counters.load_rounds,
+        "errors": storer.counters.errors + loader.counters.errors,
+    }
+
+
+def keep_busy(device: torch.device) -> None:
+    """Queues about 0.3 s of work on the current (engine) stream, so that writes queued next are
+    still pending when the transfers are handed the job."""
+    if device.type == "cuda":
+        torch.cuda._sleep(BUSY_CYCLES)
+
+
 def ordering_check(device: torch.device, work: Path) -> dict[str, Any]:
-    """A store submitted right after the engine's stream was told to write the blocks (and is still
-    busy: a chain of kernels runs first) must copy the written bytes, not what was there before; a
-    load must land after earlier writes to its blocks. On the host every copy is synchronous, so
-    this checks the GPU's event ordering only with ``--device cuda``."""
+    """A store submitted while the engine's stream is still busy and about to write the blocks must
+    copy the written bytes, not what was there before; a load submitted while the engine's stream
+    is about to overwrite its destination (vLLM zeroes reused blocks) must land after that write.
+    On the host every copy is synchronous, so this checks the GPU's event ordering only with
+    ``--device cuda``."""
     model = ModelShape("ordering", layers=4, kv_heads=8, head_dim=128)
-    cache = paged_cache(model, "nhd", 64, 16, device)
-    for row in cache.rows:
+    cache, back = paged_cache(model, "nhd", 64, 16, device), paged_cache(model, "nhd", 64, 16, device)
+    for row in [*cache.rows, *back.rows]:
         row.zero_()
     directory = Path(tempfile.mkdtemp(prefix="ordering-", dir=work))
-    host = Host(directory, cache.block_bytes, 64 * (cache.block_bytes + 8192), 256 << 20)
+    host = None
     try:
+        host = Host(directory, cache.block_bytes, 64 * (cache.block_bytes + 8192), 256 << 20)
         client = host.client()
-        transfers = BlockTransfers(cache.rows)
-        transfers.bind(client)
-        busy = torch.ones((2048, 2048), device=device)
-        for _ in range(
-            20 if device.type == "cuda" else 1
-        ):  # keeps the engine's stream busy for a while before the writes below
-            busy = busy @ busy / 2048
-        for index, row in enumerate(cache.rows):
-            row.fill_(index + 1)
-        ready = transfers.ready_marker()
-        keys = keys_for("ordering", 0, 64)
-        stored = transfers.store(client, keys, list(range(64)), ready)
-        for row in cache.rows:  # later writes to the same blocks must not reach the stored copies
-            row.fill_(0xEE)
-        synchronize(device)
-        back = paged_cache(model, "nhd", 64, 16, device)
-        found = BlockTransfers(back.rows).load(client, keys, list(range(64)))
+        keys, ids = keys_for("ordering", 0, 64), list(range(64))
+        with BlockTransfers(cache.rows) as storer, BlockTransfers(back.rows) as loader:
+            storer.bind(client)
+            loader.bind(client)
+            keep_busy(device)
+            for index, row in enumerate(cache.rows):
+                row.fill_(index + 1)
+            started = time.perf_counter()
+            stored = storer.store(client, keys, ids, storer.ready_marker())
+            store_s = time.perf_counter() - started
+            for row in cache.rows:  # later writes to the same blocks must not reach the stored copies
+                row.fill_(0xEE)
+            synchronize(device)
+            keep_busy(device)
+            for row in back.rows:
+                row.fill_(0x55)
+            found = loader.load(client, keys, ids, loader.ready_marker())
+            synchronize(device)
         wrong = sum(int((row != index + 1).any(dim=1).sum()) for index, row in enumerate(back.rows))
-        return {"stored": sum(stored), "found": sum(found), "blocks": 64, "wrong_pages": wrong, "ok": wrong == 0}
+        ok = wrong == 0 and sum(stored) == sum(found) == 64
+        return {"stored": sum(stored), "found": sum(found), "blocks": 64, "wrong_pages": wrong, "ok": ok} | (
+            {"store_waited_s": round(store_s, 3)} if device.type == "cuda" else {}
+        )
     finally:
-        host.stop()
+        if host is not None:
+            host.stop()
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -339,9 +396,13 @@ def machine(device: torch.device) -> dict[str, Any]:
 
 
 def verdict(cases: list[dict[str, Any]], device: torch.device) -> dict[str, Any]:
-    exact = all(not any(c["wrong_blocks"].values()) and not any(c["missing_blocks"].values()) for c in cases)
+    exact = all(
+        "error" not in c and not any(c["wrong_blocks"].values()) and not any(c["missing_blocks"].values())
+        for c in cases
+    )
     out: dict[str, Any] = {"bytes_identical_everywhere": exact}
-    if device.type == "cuda":
+    cases = [c for c in cases if "error" not in c]
+    if device.type == "cuda" and cases:
         out["dram_targets_met"] = all(
             c["ratios"]["gpu_to_dram_vs_pinned_copy"] >= TARGET_DRAM_RATIO
             and c["ratios"]["dram_to_gpu_vs_pinned_copy"] >= TARGET_DRAM_RATIO
@@ -355,6 +416,9 @@ def print_table(cases: list[dict[str, Any]]) -> None:
     header = f"{'case':34} {'exec':24} {'G->D':>7} {'D->G':>7} {'N->G':>7} {'pin<-':>7} {'pin->':>7} {'disk':>7}  ok"
     print(header)
     for c in cases:
+        if "error" in c:
+            print(f"{c['case']:34} failed: {c['error']}")
+            continue
         g, lim = c["gbps"], c["limits"]
         row = f"{c['case']:34} {str(c['executor'])[:24]:24}"
         row += f" {g['gpu_to_dram']['median']:7.2f} {g['dram_to_gpu']['median']:7.2f}"
@@ -378,10 +442,40 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="bench-gpu", help="directory for gpu.json")
     parser.add_argument("--skip-fio", action="store_true", help="no fio limit even where fio is installed")
     parser.add_argument("--small", action="store_true", help="tiny shapes and jobs (CI, --device cpu)")
+    parser.add_argument(
+        "--budget-s", type=float, default=0, help="skip the cases that would end past this many seconds (0: none)"
+    )
     return parser
 
 
+def ordered_cases(args: argparse.Namespace, models: dict[str, ModelShape]) -> list[tuple[ModelShape, str, int]]:
+    """Every (model, layout, block size) asked for, the most informative first: the first model's
+    first layout at the first block size (Llama-3-8B, NHD, 16 by default), then the first MLA case,
+    then the rest in order."""
+    wanted = {layout for layout in args.layouts.split(",") if layout}
+    block_sizes = [int(b) for b in args.block_tokens.split(",") if b]
+    cases = [
+        (model, layout, block)
+        for model in models.values()
+        for layout in layouts_for(model)
+        if not wanted or layout in wanted
+        for block in block_sizes
+    ]
+    first_mla = next((c for c in cases if c[0].latent), None)
+    leaders = [c for c in (cases[0] if cases else None, first_mla) if c is not None]
+    return list(dict.fromkeys(leaders)) + [c for c in cases if c not in leaders]
+
+
+def write_document(out: Path, document: dict[str, Any]) -> None:
+    """Replaces gpu.json whole (a reader never sees half a file)."""
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / "gpu.json.partial"
+    partial.write_text(json.dumps(document, indent=2) + "\n")
+    os.replace(partial, out / "gpu.json")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    started = time.monotonic()
     args = build_parser().parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -389,39 +483,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     models = SMALL_MODELS if args.small else {name: MODELS[name] for name in args.models.split(",") if name}
     if args.small:
         args.job_mib = min(args.job_mib, 2)
-    wanted_layouts = {layout for layout in args.layouts.split(",") if layout}
-    block_sizes = [int(b) for b in args.block_tokens.split(",") if b]
-    work = Path(tempfile.mkdtemp(prefix="kvtier-bench-gpu-", dir=args.dir))
-    cases = []
-    ordering: dict[str, Any] = {}
-    try:
-        log("ordering: a store submitted while the engine's stream still writes the blocks")
-        ordering = ordering_check(device, work)
-        for model in models.values():
-            for layout in layouts_for(model):
-                if wanted_layouts and layout not in wanted_layouts:
-                    continue
-                for block_tokens in block_sizes:
-                    log(f"{model.name} {layout} block {block_tokens}")
-                    cases.append(run_case(args, model, block_tokens, layout, work))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    document = {
+    out = Path(args.out)
+    document: dict[str, Any] = {
         "command": "kvtier bench gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
         "device": str(device),
         "machine": machine(device),
         "job_mib": args.job_mib,
         "repeats": args.repeats,
         "targets": {"dram_vs_pinned_copy": TARGET_DRAM_RATIO, "nvme_vs_disk_read": TARGET_NVME_RATIO},
-        "ordering": ordering,
-        "cases": cases,
-        "verdict": {**verdict(cases, device), "ordering_ok": bool(ordering.get("ok"))},
+        "ordering": {},
+        "cases": [],
+        "skipped_cases": [],
+        "complete": False,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu.json").write_text(json.dumps(document, indent=2) + "\n")
+    cases: list[dict[str, Any]] = document["cases"]
+    work = Path(tempfile.mkdtemp(prefix="kvtier-bench-gpu-", dir=args.dir))
+    try:
+        log("ordering: a store and a load submitted while the engine's stream still writes their blocks")
+        document["ordering"] = ordering_check(device, work)
+        write_document(out, document)
+        longest_s = 0.0
+        for model, layout, block_tokens in ordered_cases(args, models):
+            name = f"{model.name}/{layout}/block{block_tokens}"
+            if args.budget_s and time.monotonic() - started + 1.2 * longest_s > args.budget_s:
+                document["skipped_cases"].append(name)
+                continue
+            log(f"{model.name} {layout} block {block_tokens}")
+            case_started = time.monotonic()
+            try:
+                case = run_case(args, model, block_tokens, layout, work)
+            except Exception as error:  # the next cases still run: one failure must not cost the others
+                case = {"case": name, "error": f"{type(error).__name__}: {error}"}
+            case["seconds"] = round(time.monotonic() - case_started, 2)
+            longest_s = max(longest_s, case["seconds"])
+            cases.append(case)
+            document["verdict"] = {**verdict(cases, device), "ordering_ok": bool(document["ordering"].get("ok"))}
+            write_document(out, document)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    document["verdict"] = {**verdict(cases, device), "ordering_ok": bool(document["ordering"].get("ok"))}
+    document["complete"] = not document["skipped_cases"]
+    document["seconds"] = round(time.monotonic() - started, 1)
+    write_document(out, document)
     print_table(cases)
-    log(f"verdict {document['verdict']}; wrote {out / 'gpu.json'}")
+    log(f"verdict {document['verdict']}; skipped {document['skipped_cases']}; wrote {out / 'gpu.json'}")
     return 0 if document["verdict"]["bytes_identical_everywhere"] and document["verdict"]["ordering_ok"] else 1
 
 

@@ -14,8 +14,10 @@ order ``choose`` tries them on a GPU:
 - ``HostExecutor``: ``memmove`` per copy, for KV caches in host memory (the CPU tests run the whole
   path through it).
 
-A GPU executor is chosen only after a self-test: a small batch through it, read back and compared.
-A driver whose ABI differs from what this module declares fails that test and is never used.
+A GPU executor is chosen only after a self-test: a small batch through it, read back and compared,
+issued on the side stream the jobs use (``cuMemcpyBatchAsync`` refuses the legacy default stream, so
+a self-test there would never pick it). A driver whose ABI differs from what this module declares
+fails that test and is never used.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import ctypes
 import ctypes.util
 import logging
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -92,10 +95,12 @@ class _MemcpyAttributes(ctypes.Structure):
     ]
 
 
-_ACCESS_ORDER_STREAM = 1
-_LOCATION_DEVICE = 1
-_LOCATION_HOST = 2
-_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
+# CUmemcpySrcAccessOrder. Stores read the live KV cache: in stream order, after the engine's event.
+# Loads read pool slots the service pinned before the call and keeps unchanged until release: ANY
+# lets the driver read them early. Both as vLLM 0.32's own batch copies (simple_kv_offload), which
+# also pass no location hints and flags 0 (not PREFER_OVERLAP_WITH_COMPUTE).
+ACCESS_ORDER_STREAM = 1
+ACCESS_ORDER_ANY = 3
 # The batch API's first driver (12.8) took a failIdx out-parameter; CUDA 13.0 dropped it.
 _FIRST_BATCH_DRIVER = 12080
 _NO_FAIL_INDEX_DRIVER = 13000
@@ -161,13 +166,7 @@ class DriverBatchExecutor:
             arguments.append(size_p)
         arguments.append(ctypes.c_void_p)
         self._batch = ctypes.CFUNCTYPE(ctypes.c_int, *arguments)(function.value)
-        self._attributes = {to_pool: self._attributes_for(to_pool) for to_pool in (True, False)}
-
-    def _attributes_for(self, to_pool: bool) -> _MemcpyAttributes:
-        device = _MemLocation(_LOCATION_DEVICE, self.device.index)
-        host = _MemLocation(_LOCATION_HOST, 0)
-        source, destination = (device, host) if to_pool else (host, device)
-        return _MemcpyAttributes(_ACCESS_ORDER_STREAM, source, destination, _FLAG_PREFER_OVERLAP_WITH_COMPUTE)
+        self._attributes = {to_pool: batch_attributes(to_pool) for to_pool in (True, False)}
 
     def copy(self, job: CopyJob) -> None:
         sources, destinations, sizes = job.pointers()
@@ -177,6 +176,9 @@ class DriverBatchExecutor:
         count = len(sizes)
         if count == 0:
             return
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        if stream == 0:
+            raise RuntimeError("cuMemcpyBatchAsync refuses the legacy default stream: issue copies on the side stream")
         _check(self._driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
         # ctypes reads the arrays during the call only: the driver copies the descriptors.
         sources, destinations, sizes = (
@@ -196,10 +198,16 @@ class DriverBatchExecutor:
         fail_index = ctypes.c_size_t(0)
         if self.with_fail_index:
             arguments.append(ctypes.byref(fail_index))
-        arguments.append(ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream))
+        arguments.append(ctypes.c_void_p(stream))
         code = self._batch(*arguments)
         if code != 0:
             raise RuntimeError(f"cuMemcpyBatchAsync failed with CUDA error {code} (copy {fail_index.value} of {count})")
+
+
+def batch_attributes(to_pool: bool) -> _MemcpyAttributes:
+    """The one attributes entry every copy of a job uses."""
+    order = ACCESS_ORDER_STREAM if to_pool else ACCESS_ORDER_ANY
+    return _MemcpyAttributes(order, _MemLocation(0, 0), _MemLocation(0, 0), 0)
 
 
 def _check(code: int, what: str) -> None:
@@ -249,11 +257,11 @@ class StagedExecutor:
             raise RuntimeError("staged copies need the rank's slice as one range of the object (a contiguous plan)")
         staging = self._rows(plan.slice_bytes)
         starts = np.cumsum([0, *plan.page_bytes])
+        all_ids = self._index(job.block_ids)
         for first in range(0, len(job.block_ids), staging.shape[0]):
-            ids = list(job.block_ids[first : first + staging.shape[0]])
-            offsets = job.object_offsets[first : first + len(ids)]
-            index = torch.tensor(ids, dtype=torch.int64, device=self.device)
-            rows = staging[: len(ids)]
+            index = all_ids[first : first + staging.shape[0]]
+            offsets = job.object_offsets[first : first + len(index)]
+            rows = staging[: len(index)]
             if job.to_pool:
                 for t, tensor in enumerate(job.tensors):
                     rows[:, int(starts[t]) : int(starts[t + 1])].copy_(tensor.index_select(0, index))
@@ -268,25 +276,51 @@ class StagedExecutor:
                 for t, tensor in enumerate(job.tensors):
                     tensor.index_copy_(0, index, rows[:, int(starts[t]) : int(starts[t + 1])])
 
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The job's block ids on the device, uploaded once per job without stalling the host:
+        ``torch.tensor(ids, device=...)`` copies from pageable memory and synchronizes every pass.
+        torch's pinned allocator keeps the host buffer until the copy completed."""
+        host = torch.tensor(list(block_ids), dtype=torch.int64)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
 
 # ---- choosing one ------------------------------------------------------------------------------
 
 
-def choose(device: torch.device, plan: CopyPlan) -> Executor:
-    """The executor for KV caches on ``device``: on a GPU the first that passes its self-test."""
-    if device.type == "cpu":
-        return HostExecutor()
+class Side(Protocol):
+    """What the self-test needs of ``kvtier.gpu.device``'s sides: the jobs' stream and its events."""
+
+    def running(self, ready: Any) -> AbstractContextManager[Any]: ...
+
+    def done_marker(self) -> Any: ...
+
+    def wait(self, marker: Any) -> None: ...
+
+
+def gpu_candidates(device: torch.device, plan: CopyPlan) -> list[tuple[str, Any]]:
     candidates: list[tuple[str, Any]] = [
         ("cuMemcpyBatchAsync", lambda: DriverBatchExecutor(device)),
         ("vLLM's swap_blocks_batch", VllmSwapExecutor),
     ]
     if plan.contiguous:
         candidates.append(("staged index copies", lambda: StagedExecutor(device)))
+    return candidates
+
+
+def choose(
+    device: torch.device, plan: CopyPlan, side: Side, candidates: list[tuple[str, Any]] | None = None
+) -> Executor:
+    """The executor for KV caches on ``device``: on a GPU the first that passes its self-test on
+    ``side``'s stream (``candidates``: label and constructor, first preferred)."""
+    if device.type == "cpu" and candidates is None:
+        return HostExecutor()
     failures = []
-    for label, make in candidates:
+    for label, make in candidates if candidates is not None else gpu_candidates(device, plan):
         try:
             executor = make()
-            self_test(executor, device)
+            self_test(executor, device, side)
         except Exception as error:
             failures.append(f"{label}: {error}")
             continue
@@ -301,9 +335,10 @@ def choose(device: torch.device, plan: CopyPlan) -> Executor:
     )
 
 
-def self_test(executor: Executor, device: torch.device, blocks: int = 4, page_bytes: int = 4096) -> None:
-    """One small job each way through ``executor``, between a device tensor and pinned host memory,
-    checked byte for byte. Raises when the executor moved anything but the expected bytes."""
+def self_test(executor: Executor, device: torch.device, side: Side, blocks: int = 4, page_bytes: int = 4096) -> None:
+    """One small job each way through ``executor`` on ``side``'s stream, between a device tensor and
+    pinned host memory, checked byte for byte. Raises when the executor moved anything but the
+    expected bytes."""
     plan = CopyPlan([page_bytes, page_bytes], [(0, 0, 2 * page_bytes)], 2 * page_bytes)
     generator = torch.Generator(device="cpu").manual_seed(7)
     expected = torch.randint(0, 256, (2, blocks * 2, page_bytes), dtype=torch.uint8, generator=generator)
@@ -312,18 +347,24 @@ def self_test(executor: Executor, device: torch.device, blocks: int = 4, page_by
     ids = list(range(1, 2 * blocks, 2))
     offsets = [i * 2 * page_bytes for i in range(blocks)]
     job = CopyJob(plan, tensors, ids, offsets, pool, pool.data_ptr(), to_pool=True)
-    executor.copy(job)
-    _synchronize(device)
+    _run_on(side, executor, job)
     stored = pool.view(blocks, 2, page_bytes)
     if not (torch.equal(stored[:, 0], expected[0][ids]) and torch.equal(stored[:, 1], expected[1][ids])):
         raise RuntimeError("the self-test's store moved the wrong bytes")
     back = [torch.zeros_like(t) for t in tensors]
-    executor.copy(CopyJob(plan, back, ids, offsets, pool, pool.data_ptr(), to_pool=False))
-    _synchronize(device)
+    _run_on(side, executor, CopyJob(plan, back, ids, offsets, pool, pool.data_ptr(), to_pool=False))
     if not (torch.equal(back[0][ids].cpu(), expected[0][ids]) and torch.equal(back[1][ids].cpu(), expected[1][ids])):
         raise RuntimeError("the self-test's load moved the wrong bytes")
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+def _run_on(side: Side, executor: Executor, job: CopyJob) -> None:
+    """The job's copies on the side stream (after the caller's work, as a job runs), then waited for."""
+    if isinstance(job.tensors[0], torch.Tensor) and job.tensors[0].is_cuda:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(job.tensors[0].device))  # the tensors' uploads above
+    else:
+        ready = None
+    with side.running(ready):
+        executor.copy(job)
+        marker = side.done_marker()
+    side.wait(marker)

@@ -6,6 +6,13 @@ Every failure ends as misses, never as wrong bytes: a store whose copy failed ab
 blocks stay absent, and another engine may fill them); a load whose copy failed reports the round's
 blocks as missing (vLLM recomputes them) and releases its pins. A service call that fails is
 counted, and the job's remaining blocks are misses.
+
+A copy that raised may have queued some of its copies first (a staged copy fails in its second
+pass, a later round fails after earlier rounds were issued). Nothing goes back to the service, and
+no failure is reported to vLLM, until every copy already queued on the side stream completed: an
+aborted slot is handed to another block at once, a released pin lets the slot be evicted and reused,
+and vLLM recomputes a missed block into the same pages, so a late copy would land in someone else's
+bytes.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvtier.gpu.device import CudaSide, HostSide, PinnedRange, pool_view, side_for
+from kvtier.gpu.device import POOL_PINS, CudaSide, HostSide, pool_view, side_for
 from kvtier.gpu.executors import CopyJob, Executor, choose
 from kvtier.gpu.plan import CopyPlan, round_blocks
 
@@ -41,7 +48,7 @@ class TransferCounters:
 class _Binding:
     """What depends on one service client: its pool mapping, pinned for DMA, and the plan."""
 
-    def __init__(self, client: Any, tensors: Sequence[torch.Tensor], side: HostSide | CudaSide):
+    def __init__(self, client: Any, tensors: Sequence[torch.Tensor], side: Any):
         pool = client.pool()
         self.client = client
         self.address, self.bytes = int(pool["address"]), int(pool["bytes"])
@@ -50,12 +57,14 @@ class _Binding:
         self.plan = CopyPlan(
             [t.shape[1] * t.element_size() for t in tensors], pool["placement_runs"], self.object_bytes
         )
-        self.pinned = PinnedRange(self.address, self.bytes, int(pool["slot_bytes"])) if side.is_cuda else None
+        # Shared with the client's other transfers (one registration per mapping), closed before the
+        # client goes: a registration that outlives its mapping pins stale pages, and a later pool
+        # mapped at the same address could not be registered.
+        self.pins = POOL_PINS.lease(client, self.address, self.bytes, int(pool["slot_bytes"]), side)
         self.round_blocks = round_blocks(self.slot_count, self.object_bytes)
 
     def close(self) -> None:
-        if self.pinned is not None:
-            self.pinned.close()
+        self.pins.close()
 
 
 class BlockTransfers:
@@ -63,13 +72,15 @@ class BlockTransfers:
     page_bytes)`` uint8 view per tensor, on one device) and the service's pool.
 
     ``client`` is the live service client; a new one (after a reconnect) re-maps and re-pins.
-    ``ready`` is the marker ``side.ready_marker()`` recorded when the job was submitted."""
+    ``ready`` is the marker ``side.ready_marker()`` recorded when the job was submitted. Close it
+    (or use it as a context manager) before the client goes: that unpins the pool mapping."""
 
     def __init__(
         self,
         tensors: Sequence[torch.Tensor],
         executor: Executor | None = None,
         on_failed_call: Callable[[], None] | None = None,
+        side: Any = None,
     ):
         if not tensors:
             raise ValueError("kvtier: a rank needs at least one KV-cache tensor")
@@ -86,7 +97,7 @@ class BlockTransfers:
                 )
         self.tensors = list(tensors)
         self.device = next(iter(devices))
-        self.side = side_for(self.device)
+        self.side: HostSide | CudaSide = side if side is not None else side_for(self.device)
         self._executor = executor
         self._binding: _Binding | None = None
         self._on_failed_call = on_failed_call
@@ -100,7 +111,7 @@ class BlockTransfers:
     def pool_pinned(self) -> bool:
         """Whether the bound pool is registered with CUDA (False on the host, or when refused)."""
         binding = self._binding
-        return bool(binding is not None and binding.pinned is not None and binding.pinned.pinned)
+        return bool(binding is not None and binding.pins.pinned)
 
     def ready_marker(self) -> Any:
         return self.side.ready_marker()
@@ -115,16 +126,37 @@ class BlockTransfers:
             return self._binding
         if self._binding is not None:
             self._binding.close()
-        self._binding = _Binding(client, self.tensors, self.side)
-        if self._executor is None:
-            self._executor = choose(self.device, self._binding.plan)
-            logger.info("kvtier: this rank copies with %s", self._executor.name)
+            self._binding = None
+        # On the KV cache's device: after a reconnect this runs on the job thread, whose current
+        # device is 0 unless set (TP > 1).
+        with self.side.activate():
+            self._binding = _Binding(client, self.tensors, self.side)
+            if self._executor is None:
+                self._executor = choose(self.device, self._binding.plan, self.side)
+                logger.info("kvtier: this rank copies with %s", self._executor.name)
         return self._binding
 
     def close(self) -> None:
+        """Unpins the pool (this object's share of the registration). Bind again to reuse it."""
         if self._binding is not None:
             self._binding.close()
             self._binding = None
+
+    def __enter__(self) -> BlockTransfers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _settle(self) -> None:
+        """Waits until every copy already queued on the side stream completed (see the module's
+        docstring). When even that fails the device is in a sticky error and runs nothing more."""
+        try:
+            with self.side.running(None):
+                marker = self.side.done_marker()
+            self.side.wait(marker)
+        except Exception as error:
+            self._note(f"waiting for the copies queued before a failure failed too: {error}")
 
     def _job(self, binding: _Binding, ids: Sequence[int], offsets: Sequence[int], to_pool: bool) -> CopyJob:
         return CopyJob(binding.plan, self.tensors, ids, offsets, binding.pool, binding.address, to_pool)
@@ -212,6 +244,7 @@ class BlockTransfers:
         except Exception as error:
             self.counters.failed_copies += 1
             self._note(f"copying {len(fills)} blocks to the pool failed: {error}")
+            self._settle()
             self._abort(binding, fill_keys)
             return []
         try:
@@ -257,6 +290,7 @@ class BlockTransfers:
                     except Exception as error:
                         self.counters.failed_copies += 1
                         self._note(f"copying {len(hits)} blocks from the pool failed: {error}")
+                        self._settle()
                         self._release(binding, pinned)
                         break
                     in_flight.append((marker, pinned, range(at, at + len(hits))))
@@ -298,9 +332,12 @@ class BlockTransfers:
                 self.counters.failed_copies += 1
                 self._note(f"a load's copies failed: {error}")
                 ok = False
+            if not ok:
+                # Later rounds may have landed, but a prefix with a hole is useless: drop them too,
+                # once their copies are no longer in flight.
+                self._settle()
             self._release(binding, pinned)
             if not ok:
-                # Later rounds may have landed, but a prefix with a hole is useless: drop them too.
                 for _, later_pinned, _ in in_flight:
                     self._release(binding, later_pinned)
                 in_flight.clear()

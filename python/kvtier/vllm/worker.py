@@ -447,7 +447,11 @@ class ServiceWorker(KvtierWorker):
             self._stopping = True
             self._cv.notify_all()
         self._thread.join(timeout=self._job_timeout_ms / 1000)
+        self._before_disconnect()
         self._connection.close()
+
+    def _before_disconnect(self) -> None:
+        """What must end while the connection's pool mapping is still there."""
 
 
 class GpuServiceWorker(ServiceWorker):
@@ -483,6 +487,5 @@ class GpuServiceWorker(ServiceWorker):
     def _store(self, job: _Job, keys: list[bytes], block_ids: list[int]) -> list[bool]:
         return self.transfers.store(self._connection.live_client(), keys, block_ids, job.ready)
 
-    def shutdown(self) -> None:
-        super().shutdown()
-        self.transfers.close()
+    def _before_disconnect(self) -> None:
+        self.transfers.close()  # unpins the pool before the connection unmaps it
