@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds kvtier's abi3 wheel (CPython 3.11 and later) into dist/, for a machine that cannot build it
 # (the GPU machine: no Rust toolchain, no network). Carry dist/ there and install it with
-# scripts/gpu_validate.sh. Needs scripts/setup.sh first (maturin in .venv).
+# scripts/gpu_run.sh (docs/gpu.md). Needs scripts/setup.sh first (maturin in .venv).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 rm -rf dist
