@@ -34,7 +34,12 @@ def documented_command() -> str:
 def fresh_wheel() -> Path:
     """dist/'s wheel, rebuilt (scripts/build_wheel.sh) when missing or older than a source."""
     wheels = sorted((REPO / "dist").glob("kvtier-*.whl"))
-    sources = [*REPO.glob("python/kvtier/**/*.py"), *REPO.glob("crates/*/src/**/*.rs"), REPO / "pyproject.toml"]
+    sources = [
+        *REPO.glob("python/kvtier/**/*.py"),
+        *REPO.glob("crates/*/src/**/*.rs"),
+        *REPO.glob("crates/*/Cargo.toml"),
+    ]
+    sources += [REPO / "pyproject.toml", REPO / "Cargo.lock"]
     newest = max(path.stat().st_mtime for path in sources if path.exists())
     if not wheels or wheels[0].stat().st_mtime < newest:
         subprocess.run(["bash", "scripts/build_wheel.sh"], cwd=REPO, check=True, capture_output=True, timeout=900)
