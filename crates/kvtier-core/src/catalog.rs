@@ -20,7 +20,7 @@ use crate::key::BlockKey;
 use crate::stats::Stats;
 use crate::tiers::eviction::EvictionPolicy;
 use crate::tiers::nvme::{Geometry, RecoveredRegion};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 /// Where a block is served from.
@@ -70,6 +70,148 @@ struct Entry {
 impl Entry {
     fn visible(&self) -> bool {
         self.dram_ready || self.nvme.is_some()
+    }
+
+    fn counted(&self) -> Counted {
+        Counted {
+            dram: u64::from(self.dram_ready),
+            nvme: u64::from(self.nvme.is_some()),
+            visible: u64::from(self.visible()),
+        }
+    }
+}
+
+/// How many entries are DRAM-ready, have an NVMe copy, are visible: kept up to date as entries change,
+/// so that `gauges()` (every Stats call) and a scrub's progress never walk millions of entries under
+/// the catalog lock (4M blocks: 174 ms for the walk).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Counted {
+    dram: u64,
+    nvme: u64,
+    visible: u64,
+}
+
+impl Counted {
+    fn add(&mut self, other: Counted) {
+        self.dram += other.dram;
+        self.nvme += other.nvme;
+        self.visible += other.visible;
+    }
+
+    fn sub(&mut self, other: Counted) {
+        self.dram -= other.dram;
+        self.nvme -= other.nvme;
+        self.visible -= other.visible;
+    }
+}
+
+/// The block index: entries by key, their keys by sequence (a scrub walks that order without sorting
+/// the index: with 4M blocks that sort took 440 ms under the lock per 64-block step), and the counts
+/// of `Counted`. The entry last handed out by `get_mut` may have changed since: its counts are
+/// settled at the next change of the index, and reads of the counts allow for it (`counted()`).
+#[derive(Default)]
+struct Index {
+    by_key: HashMap<BlockKey, Entry>,
+    /// By (sequence, key): sequences are unique in what a store writes, but recovery may adopt a forged
+    /// entry that repeats one.
+    by_sequence: BTreeSet<(u64, BlockKey)>,
+    /// The counts of every entry as it was when last settled.
+    settled: Counted,
+    /// The entry `get_mut` handed out last, with its counts as they were then.
+    changing: Option<(BlockKey, Counted)>,
+}
+
+impl Index {
+    fn get(&self, key: &BlockKey) -> Option<&Entry> {
+        self.by_key.get(key)
+    }
+
+    fn contains_key(&self, key: &BlockKey) -> bool {
+        self.by_key.contains_key(key)
+    }
+
+    fn get_mut(&mut self, key: &BlockKey) -> Option<&mut Entry> {
+        self.settle();
+        let entry = self.by_key.get_mut(key)?;
+        self.changing = Some((*key, entry.counted()));
+        Some(entry)
+    }
+
+    fn insert(&mut self, key: BlockKey, entry: Entry) {
+        self.settle();
+        self.settled.add(entry.counted());
+        self.by_sequence.insert((entry.sequence, key));
+        if let Some(old) = self.by_key.insert(key, entry) {
+            self.forget(&key, &old);
+        }
+    }
+
+    fn remove(&mut self, key: &BlockKey) -> Option<Entry> {
+        self.settle();
+        let old = self.by_key.remove(key)?;
+        self.forget(key, &old);
+        Some(old)
+    }
+
+    fn forget(&mut self, key: &BlockKey, old: &Entry) {
+        self.settled.sub(old.counted());
+        let removed = self.by_sequence.remove(&(old.sequence, *key));
+        assert!(removed, "sequence {} of an indexed entry was not in by_sequence", old.sequence);
+    }
+
+    fn settle(&mut self) {
+        self.settled = self.counted();
+        self.changing = None;
+    }
+
+    /// The counts of every entry as it is now.
+    fn counted(&self) -> Counted {
+        let mut now = self.settled;
+        if let Some((key, before)) = &self.changing {
+            now.sub(*before);
+            // An entry's sequence never changes in place: by_sequence stays right.
+            now.add(self.by_key[key].counted());
+        }
+        now
+    }
+
+    /// `(sequence, key, entry)` from the lowest sequence above `after` upward.
+    fn above_sequence(&self, after: u64) -> impl Iterator<Item = (u64, &BlockKey, &Entry)> {
+        let start = (after.saturating_add(1), BlockKey([0; crate::key::KEY_BYTES]));
+        self.by_sequence.range(start..).map(|(sequence, key)| (*sequence, key, &self.by_key[key]))
+    }
+
+    /// Checks the sequence map and the counts against the entries (tests and debug builds).
+    fn check(&self) {
+        assert_eq!(self.by_key.len(), self.by_sequence.len(), "by_sequence out of step with the entries");
+        let mut recount = Counted::default();
+        for (key, e) in &self.by_key {
+            assert!(self.by_sequence.contains(&(e.sequence, *key)), "{key:?}: by_sequence lost its sequence");
+            recount.add(e.counted());
+        }
+        assert_eq!(recount, self.counted(), "the index's counts drifted from its entries");
+    }
+}
+
+#[cfg(test)]
+impl Index {
+    fn values(&self) -> impl Iterator<Item = &Entry> {
+        self.by_key.values()
+    }
+}
+
+impl std::ops::Index<&BlockKey> for Index {
+    type Output = Entry;
+    fn index(&self, key: &BlockKey) -> &Entry {
+        &self.by_key[key]
+    }
+}
+
+impl<'a> IntoIterator for &'a Index {
+    type Item = (&'a BlockKey, &'a Entry);
+    type IntoIter = std::collections::hash_map::Iter<'a, BlockKey, Entry>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.by_key.iter()
     }
 }
 
@@ -231,7 +373,7 @@ pub enum LoadOutcome {
 pub struct Catalog {
     slot_bytes: u64,
     object_bytes: u32,
-    index: HashMap<BlockKey, Entry>,
+    index: Index,
     slots: Vec<Slot>,
     free_slots: Vec<u32>,
     policy: Box<dyn EvictionPolicy>,
@@ -297,7 +439,7 @@ impl Catalog {
         Catalog {
             slot_bytes,
             object_bytes,
-            index: HashMap::new(),
+            index: Index::default(),
             slots: vec![Slot { key: None, state: SlotState::Free, writing: false }; slot_count],
             free_slots: (0..slot_count as u32).rev().collect(),
             policy,
@@ -986,13 +1128,14 @@ impl Catalog {
             dram_capacity_bytes: self.slots.len() as u64 * self.slot_bytes,
             nvme_used_bytes: used_regions * region_bytes,
             nvme_capacity_bytes: total_regions * region_bytes,
-            blocks_dram: self.index.values().filter(|e| e.dram_ready).count() as u64,
-            blocks_nvme: self.index.values().filter(|e| e.nvme.is_some()).count() as u64,
+            blocks_dram: self.index.counted().dram,
+            blocks_nvme: self.index.counted().nvme,
         }
     }
 
     /// Checks the catalog's invariants (tests and debug builds).
     pub fn check_invariants(&self) {
+        self.index.check();
         let loading: HashSet<BlockKey> =
             self.slots.iter().filter(|s| s.state == SlotState::Loading).filter_map(|s| s.key).collect();
         for (key, e) in &self.index {
@@ -1090,15 +1233,12 @@ impl Catalog {
 impl Catalog {
     /// Up to `max` visible blocks with a sequence above `after`, lowest first: `(sequence, key)`.
     pub fn scrub_batch(&self, after: u64, max: usize) -> Vec<(u64, BlockKey)> {
-        let mut chosen: Vec<(u64, BlockKey)> = self
-            .index
-            .iter()
-            .filter(|(_, e)| e.visible() && e.sequence > after)
-            .map(|(k, e)| (e.sequence, *k))
-            .collect();
-        chosen.sort_unstable();
-        chosen.truncate(max);
-        chosen
+        self.index
+            .above_sequence(after)
+            .filter(|(_, _, e)| e.visible())
+            .map(|(sequence, key, _)| (sequence, *key))
+            .take(max)
+            .collect()
     }
 
     /// Pins one block for a scrub if it is still that version and visible (release with `unpin`).
@@ -1146,14 +1286,15 @@ impl Catalog {
 
     /// Visible blocks (for progress totals).
     pub fn visible_blocks(&self) -> usize {
-        self.index.values().filter(|e| e.visible()).count()
+        self.index.counted().visible as usize
     }
 
     /// Lowest and highest sequence of the visible blocks.
     pub fn sequence_range(&self) -> Option<(u64, u64)> {
-        let mut it = self.index.values().filter(|e| e.visible()).map(|e| e.sequence);
-        let first = it.next()?;
-        Some(it.fold((first, first), |(lo, hi), s| (lo.min(s), hi.max(s))))
+        let visible = |&(sequence, key): &(u64, BlockKey)| self.index.by_key[&key].visible().then_some(sequence);
+        let lowest = self.index.by_sequence.iter().find_map(visible)?;
+        let highest = self.index.by_sequence.iter().rev().find_map(visible)?;
+        Some((lowest, highest))
     }
 
     /// Bytes accepted into DRAM and not yet on NVMe (the NVMe write backlog).
@@ -1401,3 +1542,7 @@ pub struct TrimCounts {
 #[cfg(test)]
 #[path = "catalog_model_tests.rs"]
 mod model_tests;
+
+#[cfg(test)]
+#[path = "catalog_scale_tests.rs"]
+mod catalog_scale_tests;

@@ -361,7 +361,11 @@ fn valid_entry_position(geometry: &Geometry, offset: u64) -> bool {
         && offset.checked_add(geometry.slot_bytes).is_some_and(|end| end <= geometry.data_bytes())
 }
 
-/// Keeps the leading entries of a trailer-less region whose descriptor and value checksums pass.
+/// Recovers a trailer-less region (the open one at a crash, or one whose trailer write failed): every
+/// entry position is read, not only up to the first bad one, so a failed or torn entry write leaves a
+/// hole of one entry instead of losing every entry written after it. The region's generation is the
+/// highest `region_seq` among the descriptors of this namespace whose value checksum passes; entries of
+/// older generations (positions past where the current one reached before the crash) are left out.
 fn scan_region(
     device: &DeviceFile,
     geometry: &Geometry,
@@ -370,35 +374,61 @@ fn scan_region(
     region: u32,
     slot_buf: &mut AlignedBuf,
 ) -> Result<Option<RecoveredRegion>> {
-    let mut entries = Vec::new();
-    let mut region_seq = None;
+    let mut candidates = scan_descriptors(device, geometry, namespace, object_bytes, region, slot_buf)?;
+    // Newest generation first; within one, by position. A generation none of whose values verify
+    // (a forged or torn descriptor claiming a newer one) gives way to the next.
+    candidates.sort_by_key(|&(offset, ref desc)| (std::cmp::Reverse(desc.region_seq), offset));
+    let mut at = 0;
+    while at < candidates.len() {
+        let region_seq = candidates[at].1.region_seq;
+        let generation_end = candidates[at..].iter().position(|(_, d)| d.region_seq != region_seq);
+        let generation = &candidates[at..at + generation_end.unwrap_or(candidates.len() - at)];
+        let mut entries = Vec::new();
+        for (offset, desc) in generation {
+            let position = geometry.region_offset(region) + offset;
+            read_exact_at(device, &mut slot_buf.as_mut_slice()[..geometry.slot_bytes as usize], position)?;
+            let value = &slot_buf.as_slice()[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + object_bytes as usize];
+            if checksum(value) == desc.value_checksum {
+                entries.push(TrailerEntry {
+                    key: desc.key,
+                    sequence: desc.sequence,
+                    offset: *offset,
+                    value_bytes: desc.value_bytes,
+                    value_checksum: desc.value_checksum,
+                });
+            }
+        }
+        if !entries.is_empty() {
+            return Ok(Some(RecoveredRegion { region, region_seq, entries, sealed: false }));
+        }
+        at += generation.len();
+    }
+    Ok(None)
+}
+
+/// The descriptors of this namespace and object size at every entry position of a region:
+/// `(offset in the region, descriptor)`.
+fn scan_descriptors(
+    device: &DeviceFile,
+    geometry: &Geometry,
+    namespace: &Namespace,
+    object_bytes: u64,
+    region: u32,
+    slot_buf: &mut AlignedBuf,
+) -> Result<Vec<(u64, Descriptor)>> {
+    let mut found = Vec::new();
     let mut offset = 0;
     while offset + geometry.slot_bytes <= geometry.data_bytes() {
         let at = geometry.region_offset(region) + offset;
         read_exact_at(device, &mut slot_buf.as_mut_slice()[..DESCRIPTOR_BYTES], at)?;
-        let Ok(desc) = Descriptor::decode(slot_buf.as_slice()) else { break };
-        if desc.namespace != *namespace
-            || desc.value_bytes as u64 != object_bytes
-            || region_seq.is_some_and(|s| s != desc.region_seq)
-        {
-            break;
+        if let Ok(desc) = Descriptor::decode(slot_buf.as_slice()) {
+            if desc.namespace == *namespace && desc.value_bytes as u64 == object_bytes {
+                found.push((offset, desc));
+            }
         }
-        read_exact_at(device, &mut slot_buf.as_mut_slice()[..geometry.slot_bytes as usize], at)?;
-        let value = &slot_buf.as_slice()[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + object_bytes as usize];
-        if checksum(value) != desc.value_checksum {
-            break;
-        }
-        region_seq = Some(desc.region_seq);
-        entries.push(TrailerEntry {
-            key: desc.key,
-            sequence: desc.sequence,
-            offset,
-            value_bytes: desc.value_bytes,
-            value_checksum: desc.value_checksum,
-        });
         offset += geometry.slot_bytes;
     }
-    Ok(region_seq.map(|region_seq| RecoveredRegion { region, region_seq, entries, sealed: false }))
+    Ok(found)
 }
 
 /// Builds the trailer bytes for a region (an aligned buffer of `trailer_bytes`).
