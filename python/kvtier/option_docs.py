@@ -22,6 +22,7 @@ DOCS_DIR = Path(__file__).resolve().parents[2] / "docs"
 BLOCKS = {
     "store": "configuration.md",
     "shared": "configuration.md",
+    "bucket": "configuration.md",
     "shared-tier": "shared-tier.md",
 }
 
@@ -32,7 +33,9 @@ def _cell(text: str) -> str:
 
 def _rows(block: str) -> list[dict]:
     if block == "store":
-        return [o for o in options() if not o["name"].startswith("shared_")]
+        return [o for o in options() if not o["name"].startswith(("shared_", "bucket_"))]
+    if block == "bucket":
+        return [o for o in options() if o["name"].startswith("bucket_")]
     if block == "shared":
         return [o for o in options() if o["name"].startswith("shared_")]
     if block == "shared-tier":

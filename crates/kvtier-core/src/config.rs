@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 use crate::format::{round_up, ALIGN_BYTES};
 use crate::io::faults::FaultPlan;
 use crate::io::{DirectIo, EngineChoice};
+use crate::tiers::object::ObjectConfig;
 use crate::tiers::shared::SharedConfig;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -63,6 +64,8 @@ pub struct StoreConfig {
     /// Shared-filesystem tier below (or instead of) NVMe; None disables it.
     /// See `docs/shared-tier.md` for its options.
     pub shared: Option<SharedConfig>,
+    /// Object-storage (S3) tier below the others; None disables it. See `docs/object-tier.md`.
+    pub bucket: Option<ObjectConfig>,
 }
 
 impl StoreConfig {
@@ -96,6 +99,7 @@ impl StoreConfig {
             fault_plan: None,
             pool_path: None,
             shared: None,
+            bucket: None,
         }
     }
 
@@ -219,6 +223,9 @@ impl StoreConfig {
         }
         if let Some(shared) = &self.shared {
             shared.validate(self.slot_bytes())?;
+        }
+        if let Some(bucket) = &self.bucket {
+            bucket.validate(self.slot_bytes())?;
         }
         Ok(())
     }
@@ -449,6 +456,21 @@ fn shared_get<T>(c: &StoreConfig, f: impl Fn(&SharedConfig) -> T) -> T {
         Some(shared) => f(shared),
         None => f(&SharedConfig::new(PathBuf::new())),
     }
+}
+
+fn bucket_mut(c: &mut StoreConfig) -> &mut ObjectConfig {
+    c.bucket.get_or_insert_with(|| ObjectConfig::new(String::new()))
+}
+
+fn bucket_get<T>(c: &StoreConfig, f: impl Fn(&ObjectConfig) -> T) -> T {
+    match &c.bucket {
+        Some(bucket) => f(bucket),
+        None => f(&ObjectConfig::new(String::new())),
+    }
+}
+
+fn text(v: OptionValue) -> String {
+    String::from_utf8_lossy(&v.bytes()).into_owned()
 }
 
 const IO_ENGINE_CHOICES: &[&str] = &["auto", "io_uring", "psync"];
@@ -722,6 +744,117 @@ pub static OPTIONS: &[ConfigOption] = &[
         description: "Deployment key: every shared block and manifest record carries a keyed BLAKE3 tag and anything without a valid one is a miss (`shared_auth_failures`), its file quarantined. Without it the tier trusts everyone who can write shared_root.",
         set: |c, v| shared_mut(c).key_file = Some(v.path()),
         get: |c| shared_get(c, |s| s.key_file.clone()).map(OptionValue::Path),
+    },
+    // Object-storage tier (docs/object-tier.md): any bucket_* option needs bucket_url too.
+    ConfigOption {
+        name: "bucket_url",
+        field: "bucket.url",
+        python: true,
+        kind: OptionKind::BytesOrStr,
+        unset: "none (tier off)",
+        constraint: "`s3://bucket` or `s3://bucket/prefix`; the bucket must exist",
+        description: "Object-storage tier: blocks are published to segment objects under the prefix and read with ranged GETs by every store on the same bucket, prefix and namespace (docs/object-tier.md). Credentials come from the environment / profile chain (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_PROFILE`, instance metadata), never from options.",
+        set: |c, v| bucket_mut(c).url = text(v),
+        get: |c| c.bucket.as_ref().map(|b| OptionValue::Bytes(b.url.clone().into_bytes())),
+    },
+    ConfigOption {
+        name: "bucket_endpoint",
+        field: "bucket.endpoint",
+        python: true,
+        kind: OptionKind::BytesOrStr,
+        unset: "none (AWS, or `AWS_ENDPOINT_URL`)",
+        constraint: "`http://host:port` or `https://host:port` of an S3-compatible server",
+        description: "S3 endpoint for servers other than AWS (Ceph RGW, MinIO, ...); plain http is allowed only when given here.",
+        set: |c, v| bucket_mut(c).endpoint = Some(text(v)),
+        get: |c| bucket_get(c, |b| b.endpoint.clone()).map(|e| OptionValue::Bytes(e.into_bytes())),
+    },
+    ConfigOption {
+        name: "bucket_segment_bytes",
+        field: "bucket.segment_bytes",
+        python: true,
+        kind: OptionKind::Size,
+        unset: "",
+        constraint: "one block + 4 KiB ..= 5 GiB",
+        description: "Target size of one segment object (the unit of publishing, listing and eviction; blocks are read with ranged GETs).",
+        set: |c, v| bucket_mut(c).segment_bytes = v.int(),
+        get: |c| int(bucket_get(c, |b| b.segment_bytes)),
+    },
+    ConfigOption {
+        name: "bucket_budget_bytes",
+        field: "bucket.budget_bytes",
+        python: true,
+        kind: OptionKind::Size,
+        unset: "",
+        constraint: "0 (no budget) or >= 2 segments",
+        description: "Byte budget of the namespace's segments under the prefix: past it, the oldest segments are deleted down to 90% (`bucket_evicted_segments`). 0 leaves capacity to the bucket (e.g. an expiry lifecycle rule).",
+        set: |c, v| bucket_mut(c).budget_bytes = v.int(),
+        get: |c| int(bucket_get(c, |b| b.budget_bytes)),
+    },
+    ConfigOption {
+        name: "bucket_refresh_ms",
+        field: "bucket.refresh_ms",
+        python: true,
+        kind: OptionKind::Int,
+        unset: "",
+        constraint: "10 ..= 600000",
+        description: "Period of the bucket listing that feeds the in-memory index and the budget: bound on how long another store's segment takes to become visible.",
+        set: |c, v| bucket_mut(c).refresh_ms = v.int(),
+        get: |c| int(bucket_get(c, |b| b.refresh_ms)),
+    },
+    ConfigOption {
+        name: "bucket_publish_delay_ms",
+        field: "bucket.publish_delay_ms",
+        python: true,
+        kind: OptionKind::Int,
+        unset: "",
+        constraint: "milliseconds",
+        description: "A partly filled segment is published at the latest this long after its first block (checked every `bucket_refresh_ms`).",
+        set: |c, v| bucket_mut(c).publish_delay_ms = v.int(),
+        get: |c| int(bucket_get(c, |b| b.publish_delay_ms)),
+    },
+    ConfigOption {
+        name: "bucket_publish_queue_bytes",
+        field: "bucket.publish_queue_bytes",
+        python: true,
+        kind: OptionKind::Size,
+        unset: "",
+        constraint: ">= one slot",
+        description: "Copies of accepted blocks waiting for the publisher; past it keys wait in a backlog (`bucket_deferred_publishes`) and only a block that left DRAM first is not published (`bucket_dropped_publishes`).",
+        set: |c, v| bucket_mut(c).publish_queue_bytes = v.int() as usize,
+        get: |c| int(bucket_get(c, |b| b.publish_queue_bytes) as u64),
+    },
+    ConfigOption {
+        name: "bucket_reads_in_flight",
+        field: "bucket.reads_in_flight",
+        python: true,
+        kind: OptionKind::Int,
+        unset: "",
+        constraint: "1 ..= 1024",
+        description: "Ranged GETs in flight per store.",
+        set: |c, v| bucket_mut(c).reads_in_flight = v.int() as usize,
+        get: |c| int(bucket_get(c, |b| b.reads_in_flight) as u64),
+    },
+    ConfigOption {
+        name: "bucket_request_timeout_ms",
+        field: "bucket.request_timeout_ms",
+        python: true,
+        kind: OptionKind::Int,
+        unset: "",
+        constraint: "100 ..= 600000",
+        description: "A GET that takes longer is a miss; a PUT, a failed publish. Bounds a load when the server is gone.",
+        set: |c, v| bucket_mut(c).request_timeout_ms = v.int(),
+        get: |c| int(bucket_get(c, |b| b.request_timeout_ms)),
+    },
+    ConfigOption {
+        name: "bucket_key_file",
+        field: "bucket.key_file",
+        python: true,
+        kind: OptionKind::Path,
+        unset: "none (`KVTIER_SHARED_KEY_FILE` if set, else no MAC)",
+        constraint: "as `shared_key_file`",
+        description: "Deployment key: every block and index object carries a keyed BLAKE3 tag and anything without a valid one is a miss (`bucket_auth_failures`).",
+        set: |c, v| bucket_mut(c).key_file = Some(v.path()),
+        get: |c| bucket_get(c, |b| b.key_file.clone()).map(OptionValue::Path),
     },
     // Rust only (`StoreConfig::shared`); from Python these keep their defaults.
     ConfigOption {

@@ -7,11 +7,13 @@ use crate::catalog::{Catalog, GetStep, LoadOutcome, MetaWrite, NvmeRead, PutStep
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::format::ALIGN_BYTES;
 use crate::io::buffer::AlignedBuf;
+use crate::io::device::OnDone;
 use crate::io::device::{is_abandoned, is_cancelled, IoOp};
 use crate::io::OpKind;
 use crate::key::BlockKey;
 use crate::shared_state::Shared;
 use crate::stats::Stats;
+use crate::tiers::object::ObjectRead;
 use crate::tiers::shared::{ReadOutcome, StartedRead};
 use crossbeam_channel::unbounded;
 use std::collections::HashSet;
@@ -71,6 +73,45 @@ enum Landing {
 enum Done {
     Nvme(usize, NvmeRead, std::io::Result<()>, Landing),
     Shared(usize, std::io::Result<()>),
+}
+
+/// A remote read in flight: from the shared filesystem tier or from the object tier.
+enum RemoteRead {
+    Fs(StartedRead),
+    Object(ObjectRead),
+}
+
+/// Starts reading `key` into `slot` from the tier that indexes it (the shared tier first).
+///
+/// # Safety
+/// As `SharedTier::start_read`: the slot is ours until the read is judged by `finish_remote_read`.
+unsafe fn start_remote_read(sh: &Shared, key: &BlockKey, slot: *mut u8, on_done: OnDone) -> Option<RemoteRead> {
+    if let Some(tier) = sh.shared_tier.as_ref().filter(|t| t.contains(key) || sh.object_tier.is_none()) {
+        // SAFETY: forwarded contract.
+        return unsafe { tier.start_read(key, slot, on_done) }.map(RemoteRead::Fs);
+    }
+    let tier = sh.object_tier.as_ref().expect("remote reads need the shared or the object tier");
+    // SAFETY: forwarded contract.
+    unsafe { tier.start_read(key, slot, on_done) }.map(RemoteRead::Object)
+}
+
+/// Judges a finished remote read (see `start_remote_read`).
+///
+/// # Safety
+/// The read into `slot` finished.
+unsafe fn finish_remote_read(sh: &Shared, read: RemoteRead, slot: *mut u8, result: std::io::Result<()>) -> ReadOutcome {
+    match read {
+        RemoteRead::Fs(read) => {
+            let tier = sh.shared_tier.as_ref().expect("shared reads need the shared tier");
+            // SAFETY: forwarded contract.
+            unsafe { tier.finish_started(read, slot, result) }
+        }
+        RemoteRead::Object(read) => {
+            let tier = sh.object_tier.as_ref().expect("object reads need the object tier");
+            // SAFETY: forwarded contract.
+            unsafe { tier.finish_started(read, slot, result) }
+        }
+    }
 }
 
 /// Heap-staged loads in flight per call, when no DRAM slot can be had.
@@ -227,7 +268,7 @@ fn get_blocks(
     let mut results = vec![false; n];
     let (done_tx, done_rx) = unbounded::<Done>();
     // Shared-tier reads in flight, by key index: their DRAM slot and the tier's read state.
-    let mut shared_started: Vec<Option<(u32, StartedRead)>> = (0..n).map(|_| None).collect();
+    let mut shared_started: Vec<Option<(u32, RemoteRead)>> = (0..n).map(|_| None).collect();
     let mut staged_inflight = 0;
     // Direct reads need O_DIRECT semantics end to end and values that fill whole pages.
     let direct_io = sh.device_files.iter().all(|d| d.direct) && sh.config.object_bytes.is_multiple_of(ALIGN_BYTES);
@@ -391,13 +432,12 @@ fn get_blocks(
             }
             // In flight beside the NVMe reads: a load of blocks from both tiers waits for the slower.
             for (i, slot) in shared_reads.drain(..) {
-                let tier = sh.shared_tier.as_ref().expect("shared reads need the shared tier");
                 let tx = done_tx.clone();
                 let on_done = Box::new(move |r| {
                     let _ = tx.send(Done::Shared(i, r));
                 });
                 // SAFETY: the slot is ours (Loading) until `finish_get_shared`; an abandoned one is retired.
-                match unsafe { tier.start_read(&keys[i], sh.arena.slot_ptr(slot), on_done) } {
+                match unsafe { start_remote_read(sh, &keys[i], sh.arena.slot_ptr(slot), on_done) } {
                     Some(read) => {
                         shared_started[i] = Some((slot, read));
                         inflight += 1;
@@ -439,9 +479,8 @@ fn get_blocks(
                 Done::Nvme(i, read, io_result, landing) => (i, read, io_result, landing),
                 Done::Shared(i, io_result) => {
                     let (slot, read) = shared_started[i].take().expect("a started shared read finishes once");
-                    let tier = sh.shared_tier.as_ref().expect("shared reads need the shared tier");
                     // SAFETY: the read into our slot finished; an abandoned slot is retired below.
-                    let outcome = unsafe { tier.finish_started(read, sh.arena.slot_ptr(slot), io_result) };
+                    let outcome = unsafe { finish_remote_read(sh, read, sh.arena.slot_ptr(slot), io_result) };
                     shared_done.push((i, slot, outcome));
                     continue;
                 }
@@ -607,7 +646,7 @@ fn complete_fills(sh: &Arc<Shared>, filled: &[Filled]) {
         }
         .encode(&mut bytes[..DESCRIPTOR_BYTES]);
         // Copied while the slot is still ours (Filling); the publisher thread does the rest.
-        if let Some(publisher) = &sh.shared_publisher {
+        for publisher in sh.shared_publisher.iter().chain(&sh.object_publisher) {
             publisher.offer(f.key, bytes);
         }
     }
@@ -791,8 +830,9 @@ fn plan_shared_read(
     spare: &mut Option<HashSet<BlockKey>>,
     keys: &[BlockKey],
 ) -> Result<Option<u32>, ()> {
-    let Some(tier) = sh.shared_tier.as_ref() else { return Ok(None) };
-    if !tier.contains(key) || cat.has_entry(key) {
+    let indexed = sh.shared_tier.as_ref().is_some_and(|t| t.contains(key))
+        || sh.object_tier.as_ref().is_some_and(|t| t.contains(key));
+    if !indexed || cat.has_entry(key) {
         return Ok(None);
     }
     let slot = cat

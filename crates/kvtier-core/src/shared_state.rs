@@ -7,6 +7,7 @@ use crate::key::Namespace;
 use crate::stats::Stats;
 use crate::tiers::dram::Arena;
 use crate::tiers::nvme::{DeviceFile, Geometry};
+use crate::tiers::object::ObjectTier;
 use crate::tiers::shared::{Publisher, SharedTier};
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
@@ -28,6 +29,10 @@ pub(crate) struct Shared {
     /// The shared-filesystem tier and its publisher thread, when `config.shared` is set.
     pub shared_tier: Option<Arc<SharedTier>>,
     pub shared_publisher: Option<Publisher>,
+    /// The object-storage tier and its publisher thread, when `config.bucket` is set. Loads try the
+    /// shared tier first; blocks of either are reported as tier "shared" (remote).
+    pub object_tier: Option<Arc<ObjectTier>>,
+    pub object_publisher: Option<Publisher>,
     pub(crate) finished: Mutex<HashMap<u64, Vec<bool>>>,
     pub(crate) finished_cv: Condvar,
     pub(crate) loads_active: AtomicUsize,

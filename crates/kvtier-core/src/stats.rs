@@ -62,6 +62,25 @@ counters!(
     // Opens under the shared root refused because a symlink, FIFO, socket or device sat where a data
     // file, manifest or lease should be (each refusal; such a data file is also quarantined).
     shared_not_regular_files,
+    // The object-storage tier (docs/object-tier.md): blocks served and missed, segment and index
+    // objects written, bytes moved, requests by kind, segments evicted for the budget, publishing
+    // drops and deferrals (as the shared tier's), blocks refused by checksum or keyed MAC, and
+    // failed requests (publishing, refresh, eviction).
+    bucket_hits,
+    bucket_misses,
+    bucket_segments_published,
+    bucket_bytes_written,
+    bucket_bytes_read,
+    bucket_get_requests,
+    bucket_put_requests,
+    bucket_list_requests,
+    bucket_delete_requests,
+    bucket_evicted_segments,
+    bucket_dropped_publishes,
+    bucket_deferred_publishes,
+    bucket_verify_failures,
+    bucket_auth_failures,
+    bucket_request_errors,
     // The NVMe tier's I/O pattern, as the device queues submit it (seed 002's experiment 6): requests,
     // their bytes, those starting where the device's previous request of the same kind ended, and
     // how many fall in each size class (upper bounds, `IO_SIZE_CLASSES`).

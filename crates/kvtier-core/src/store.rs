@@ -24,6 +24,7 @@ use crate::stats::{Stats, StatsSnapshot};
 use crate::tiers::dram::Arena;
 use crate::tiers::eviction::S3Fifo;
 use crate::tiers::nvme::{self, DeviceFile, Geometry};
+use crate::tiers::object::ObjectTier;
 use crate::tiers::shared::{Publisher, SharedTier};
 use crossbeam_channel::{bounded, unbounded, Sender, TrySendError};
 use parking_lot::{Condvar, Mutex};
@@ -190,7 +191,12 @@ impl Store {
             }
             None => None,
         };
-        let shared_publisher = shared_tier.as_ref().map(|t| Publisher::start(Arc::clone(t))).transpose()?;
+        let shared_publisher = shared_tier.as_ref().map(|t| Publisher::start(t.clone())).transpose()?;
+        let object_tier = match &config.bucket {
+            Some(c) => Some(ObjectTier::open(c, namespace, config.object_bytes, Arc::clone(&stats))?),
+            None => None,
+        };
+        let object_publisher = object_tier.as_ref().map(|t| Publisher::start(t.clone())).transpose()?;
         let (engine_name, buffers_registered, devices) =
             start_devices(&config, &device_files, &arena.registration_ranges(), &stats)?;
         let direct_io = device_files.iter().all(|d| d.direct) && !device_files.is_empty();
@@ -205,6 +211,8 @@ impl Store {
             stats,
             shared_tier,
             shared_publisher,
+            object_tier,
+            object_publisher,
             finished: Mutex::new(HashMap::new()),
             finished_cv: Condvar::new(),
             loads_active: AtomicUsize::new(0),
@@ -214,7 +222,7 @@ impl Store {
             config,
         });
         submit_meta(&shared, startup_meta);
-        if let Some(publisher) = &shared.shared_publisher {
+        for publisher in shared.shared_publisher.iter().chain(&shared.object_publisher) {
             // Weak: the publisher belongs to `shared`, and a strong reference would keep it alive.
             let weak = Arc::downgrade(&shared);
             publisher.set_refetch(Box::new(move |key, out| {
@@ -434,6 +442,11 @@ impl Store {
                 *tiers.entry(key).or_insert(0) |= 4;
             }
         }
+        if let Some(tier) = &self.shared.object_tier {
+            for key in tier.indexed_keys(max_shared) {
+                *tiers.entry(key).or_insert(0) |= 4;
+            }
+        }
         tiers
     }
 
@@ -446,6 +459,7 @@ impl Store {
 
     fn in_shared_tier(&self, key: &BlockKey) -> bool {
         self.shared.shared_tier.as_ref().is_some_and(|t| t.contains(key))
+            || self.shared.object_tier.as_ref().is_some_and(|t| t.contains(key))
     }
 
     /// Pins the leading present keys: one flag per present key, in order. `true`: a pin was taken
@@ -501,7 +515,7 @@ impl Store {
         for d in &sh.device_files {
             d.file.sync_data().map_err(|e| Error::io(format!("fdatasync {}", d.path.display()), e))?;
         }
-        if let Some(publisher) = &sh.shared_publisher {
+        for publisher in sh.shared_publisher.iter().chain(&sh.object_publisher) {
             publisher.flush(limit)?;
         }
         // Dates are a convenience: a directory that cannot take the file (removed, read-only) must
@@ -533,10 +547,13 @@ impl Store {
             let _ = t.join();
         }
         let flushed = self.flush_inner();
-        if let Some(publisher) = &self.shared.shared_publisher {
+        for publisher in self.shared.shared_publisher.iter().chain(&self.shared.object_publisher) {
             publisher.close();
         }
         if let Some(tier) = &self.shared.shared_tier {
+            tier.close();
+        }
+        if let Some(tier) = &self.shared.object_tier {
             tier.close();
         }
         for d in &self.shared.devices {

@@ -59,6 +59,7 @@ pub const BLOCK_TAG_AT: usize = crate::format::descriptor::DESCRIPTOR_USED_BYTES
 pub const KEY_DERIVATION_CONTEXT: &str = "kvtier shared tier v1";
 const BLOCK_TAG_DOMAIN: &[u8; 16] = b"kvtier block v1\0";
 const RECORD_TAG_DOMAIN: &[u8; 16] = b"kvtier record v1";
+const OBJECT_INDEX_TAG_DOMAIN: &[u8; 16] = b"kvtier objidx v1";
 pub const FILE_HEADER_BYTES: usize = ALIGN_BYTES;
 pub const INDEX_ENTRY_BYTES: usize = 48;
 pub const FOOTER_TRAILER_BYTES: usize = 64;
@@ -462,6 +463,16 @@ impl AuthKey {
         h.update(&namespace.0);
         h.update(&writer_id.to_le_bytes());
         h.update(record_head);
+        *h.finalize().as_bytes()
+    }
+
+    /// Tag of an object tier index object (docs/object-tier.md): keyed BLAKE3 of `b"kvtier objidx v1"`
+    /// (16), namespace (32), then the object's bytes before the tag.
+    pub fn object_index_tag(&self, namespace: &Namespace, head: &[u8]) -> [u8; TAG_BYTES] {
+        let mut h = blake3::Hasher::new_keyed(&self.0);
+        h.update(OBJECT_INDEX_TAG_DOMAIN);
+        h.update(&namespace.0);
+        h.update(head);
         *h.finalize().as_bytes()
     }
 

@@ -1019,7 +1019,7 @@ fn read_at_most(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usi
     Ok(got)
 }
 
-fn random_nonzero_u64() -> u64 {
+pub(crate) fn random_nonzero_u64() -> u64 {
     let mut buf = [0u8; 8];
     loop {
         if rustix::rand::getrandom(&mut buf, rustix::rand::GetRandomFlags::empty()).is_err() {

@@ -15,9 +15,11 @@ use crate::error::{Error, Result};
 use crate::io::buffer::AlignedBuf;
 use crate::key::BlockKey;
 use crate::stats::Stats;
+use crate::tiers::object::ObjectTier;
 use crossbeam_channel::{bounded, Receiver, Sender, TryRecvError, TrySendError};
 use parking_lot::Mutex;
 use std::collections::VecDeque;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -32,6 +34,75 @@ const BACKLOG_BLOCKS: usize = 1 << 16;
 /// Copies a block's slot (descriptor page + value) into the buffer; `false` when the block is no
 /// longer in DRAM.
 pub type Refetch = Box<dyn Fn(&BlockKey, &mut [u8]) -> bool + Send + Sync>;
+
+/// What a publisher publishes into: the shared tier, or the object tier (docs/object-tier.md), each
+/// with its own counters of deferred and dropped offers.
+pub trait PublishSink: Send + Sync {
+    fn slot_bytes(&self) -> usize;
+    fn publish_queue_bytes(&self) -> usize;
+    fn contains(&self, key: &BlockKey) -> bool;
+    /// Appends whole slots; returns how many were taken.
+    fn append_slots(&self, slots: &mut [(BlockKey, &mut [u8])]) -> usize;
+    /// Publishes what was appended.
+    fn flush(&self);
+    fn close(&self);
+    fn deferred(&self) -> &AtomicU64;
+    fn dropped(&self) -> &AtomicU64;
+}
+
+impl PublishSink for SharedTier {
+    fn slot_bytes(&self) -> usize {
+        SharedTier::slot_bytes(self)
+    }
+    fn publish_queue_bytes(&self) -> usize {
+        self.config().publish_queue_bytes
+    }
+    fn contains(&self, key: &BlockKey) -> bool {
+        SharedTier::contains(self, key)
+    }
+    fn append_slots(&self, slots: &mut [(BlockKey, &mut [u8])]) -> usize {
+        SharedTier::append_slots(self, slots)
+    }
+    fn flush(&self) {
+        SharedTier::flush(self)
+    }
+    fn close(&self) {
+        SharedTier::close(self)
+    }
+    fn deferred(&self) -> &AtomicU64 {
+        &self.stats().shared_deferred_publishes
+    }
+    fn dropped(&self) -> &AtomicU64 {
+        &self.stats().shared_dropped_publishes
+    }
+}
+
+impl PublishSink for ObjectTier {
+    fn slot_bytes(&self) -> usize {
+        ObjectTier::slot_bytes(self)
+    }
+    fn publish_queue_bytes(&self) -> usize {
+        self.config().publish_queue_bytes
+    }
+    fn contains(&self, key: &BlockKey) -> bool {
+        ObjectTier::contains(self, key)
+    }
+    fn append_slots(&self, slots: &mut [(BlockKey, &mut [u8])]) -> usize {
+        ObjectTier::append_slots(self, slots)
+    }
+    fn flush(&self) {
+        ObjectTier::flush(self)
+    }
+    fn close(&self) {
+        ObjectTier::close(self)
+    }
+    fn deferred(&self) -> &AtomicU64 {
+        &self.stats().bucket_deferred_publishes
+    }
+    fn dropped(&self) -> &AtomicU64 {
+        &self.stats().bucket_dropped_publishes
+    }
+}
 
 enum Msg {
     Block(BlockKey, AlignedBuf),
@@ -72,7 +143,7 @@ impl Pool {
 
 /// What the caller and the publisher thread share.
 struct Inner {
-    tier: Arc<SharedTier>,
+    tier: Arc<dyn PublishSink>,
     pool: Mutex<Pool>,
     max_buffers: usize,
     refetch: OnceLock<Refetch>,
@@ -87,7 +158,7 @@ impl Inner {
     }
 
     fn dropped(&self, blocks: u64) {
-        Stats::add(&self.tier.stats().shared_dropped_publishes, blocks);
+        Stats::add(self.tier.dropped(), blocks);
     }
 
     /// Up to `room` backlogged blocks, copied again from DRAM into staging buffers.
@@ -209,8 +280,8 @@ pub struct Publisher {
 }
 
 impl Publisher {
-    pub fn start(tier: Arc<SharedTier>) -> Result<Publisher> {
-        let max_buffers = (tier.config().publish_queue_bytes / tier.slot_bytes()).max(1);
+    pub fn start(tier: Arc<dyn PublishSink>) -> Result<Publisher> {
+        let max_buffers = (tier.publish_queue_bytes() / tier.slot_bytes()).max(1);
         let (tx, rx) = bounded::<Msg>(max_buffers + 4);
         let inner = Arc::new(Inner {
             tier,
@@ -253,7 +324,7 @@ impl Publisher {
                     pool.backlog.push_back(key);
                     pool.pushed += 1;
                     drop(pool);
-                    Stats::add(&inner.tier.stats().shared_deferred_publishes, 1);
+                    Stats::add(inner.tier.deferred(), 1);
                     return true;
                 }
                 None => {

@@ -1,0 +1,289 @@
+//! Byte layouts of the object tier (docs/object-tier.md, version 1): segment objects (a header page,
+//! then slots exactly as the DRAM tier and the shared tier hold them) and index objects (the keys of
+//! one segment, checksummed and, with a deployment key, tagged). Little-endian; xxh3-64 checksums.
+
+use crate::format::descriptor::DESCRIPTOR_BYTES;
+use crate::format::shared::{AuthKey, TAG_BYTES};
+use crate::format::{checksum, get_u32, get_u64, put_u32, put_u64, ParseError, ALIGN_BYTES};
+use crate::key::{BlockKey, Namespace};
+
+pub const SEGMENT_MAGIC: [u8; 8] = *b"KVTOSEG\0";
+pub const INDEX_MAGIC: [u8; 8] = *b"KVTOIDX\0";
+pub const OBJECT_FORMAT_VERSION: u32 = 1;
+pub const SEGMENT_HEADER_BYTES: usize = ALIGN_BYTES;
+pub const INDEX_HEADER_BYTES: usize = 96;
+pub const INDEX_ENTRY_BYTES: usize = 48;
+/// Bounds what a reader allocates for an index object: 1M entries (48 MiB).
+pub const MAX_INDEX_ENTRIES: usize = 1 << 20;
+
+/// `<writer 16 hex>-<seq 16 hex>`: the stem of a segment's and its index object's names.
+pub fn stem(writer_id: u64, seq: u64) -> String {
+    format!("{writer_id:016x}-{seq:016x}")
+}
+
+/// Whether `stem` is one kvtier writes (anything else under the prefix is ignored).
+pub fn valid_stem(stem: &str) -> bool {
+    stem.len() == 33
+        && stem.as_bytes()[16] == b'-'
+        && stem.bytes().enumerate().all(|(i, b)| i == 16 || matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// One block of a segment: its key, the offset of its descriptor page, its value checksum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Entry {
+    pub key: BlockKey,
+    pub offset: u64,
+    pub value_checksum: u64,
+}
+
+/// The segment's header page (bytes 0..4096; checksum over 0..120, zero after 128).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegmentHeader {
+    pub namespace: Namespace,
+    pub object_bytes: u64,
+    pub slot_bytes: u64,
+    pub writer_id: u64,
+    pub seq: u64,
+    pub created_unix_ms: u64,
+    pub count: u32,
+}
+
+impl SegmentHeader {
+    pub fn encode(&self, out: &mut [u8]) {
+        out[..SEGMENT_HEADER_BYTES].fill(0);
+        out[..8].copy_from_slice(&SEGMENT_MAGIC);
+        put_u32(out, 8, OBJECT_FORMAT_VERSION);
+        put_u32(out, 12, self.count);
+        out[16..48].copy_from_slice(&self.namespace.0);
+        put_u64(out, 48, self.object_bytes);
+        put_u64(out, 56, self.slot_bytes);
+        put_u64(out, 64, self.writer_id);
+        put_u64(out, 72, self.seq);
+        put_u64(out, 80, self.created_unix_ms);
+        let sum = checksum(&out[..120]);
+        put_u64(out, 120, sum);
+    }
+
+    /// For tools and tests: no read path needs the header (the index object locates every block).
+    #[cfg(test)]
+    pub fn decode(b: &[u8]) -> Result<Self, ParseError> {
+        if b.len() < SEGMENT_HEADER_BYTES {
+            return Err(ParseError::TooShort(b.len()));
+        }
+        if b[..8] != SEGMENT_MAGIC {
+            return Err(ParseError::BadMagic);
+        }
+        if get_u64(b, 120) != checksum(&b[..120]) {
+            return Err(ParseError::HeaderChecksum);
+        }
+        let version = get_u32(b, 8);
+        if version != OBJECT_FORMAT_VERSION {
+            return Err(ParseError::Version(version));
+        }
+        Ok(SegmentHeader {
+            count: get_u32(b, 12),
+            namespace: Namespace(b[16..48].try_into().unwrap()),
+            object_bytes: get_u64(b, 48),
+            slot_bytes: get_u64(b, 56),
+            writer_id: get_u64(b, 64),
+            seq: get_u64(b, 72),
+            created_unix_ms: get_u64(b, 80),
+        })
+    }
+}
+
+/// The index object of one segment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegmentIndex {
+    pub namespace: Namespace,
+    pub object_bytes: u64,
+    pub writer_id: u64,
+    pub seq: u64,
+    pub segment_bytes: u64,
+    pub created_unix_ms: u64,
+    pub entries: Vec<Entry>,
+}
+
+impl SegmentIndex {
+    /// Header (96), entries (48 each), tag (32; zero without a key), checksum (8) of all before it.
+    pub fn encode(&self, auth: Option<&AuthKey>) -> Vec<u8> {
+        let n = self.entries.len();
+        let mut out = vec![0u8; INDEX_HEADER_BYTES + n * INDEX_ENTRY_BYTES + TAG_BYTES + 8];
+        out[..8].copy_from_slice(&INDEX_MAGIC);
+        put_u32(&mut out, 8, OBJECT_FORMAT_VERSION);
+        put_u32(&mut out, 12, n as u32);
+        out[16..48].copy_from_slice(&self.namespace.0);
+        put_u64(&mut out, 48, self.object_bytes);
+        put_u64(&mut out, 56, self.writer_id);
+        put_u64(&mut out, 64, self.seq);
+        put_u64(&mut out, 72, self.segment_bytes);
+        put_u64(&mut out, 80, self.created_unix_ms);
+        for (i, e) in self.entries.iter().enumerate() {
+            let at = INDEX_HEADER_BYTES + i * INDEX_ENTRY_BYTES;
+            out[at..at + 32].copy_from_slice(&e.key.0);
+            put_u64(&mut out, at + 32, e.offset);
+            put_u64(&mut out, at + 40, e.value_checksum);
+        }
+        let tag_at = out.len() - TAG_BYTES - 8;
+        if let Some(auth) = auth {
+            let tag = auth.object_index_tag(&self.namespace, &out[..tag_at]);
+            out[tag_at..tag_at + TAG_BYTES].copy_from_slice(&tag);
+        }
+        let sum = checksum(&out[..out.len() - 8]);
+        let end = out.len() - 8;
+        put_u64(&mut out, end, sum);
+        out
+    }
+
+    /// Decodes and checks an index object (length, checksum, tag when `auth` is set, entry bounds).
+    /// `Ok(None)`: intact but its tag does not verify (counted by the caller as an auth failure).
+    pub fn decode(b: &[u8], auth: Option<(&AuthKey, &Namespace)>) -> Result<Option<Self>, ParseError> {
+        if b.len() < INDEX_HEADER_BYTES + TAG_BYTES + 8 {
+            return Err(ParseError::TooShort(b.len()));
+        }
+        if b[..8] != INDEX_MAGIC {
+            return Err(ParseError::BadMagic);
+        }
+        let version = get_u32(b, 8);
+        if version != OBJECT_FORMAT_VERSION {
+            return Err(ParseError::Version(version));
+        }
+        let n = get_u32(b, 12) as usize;
+        if n > MAX_INDEX_ENTRIES || b.len() != INDEX_HEADER_BYTES + n * INDEX_ENTRY_BYTES + TAG_BYTES + 8 {
+            return Err(ParseError::OutOfRange("index entry count"));
+        }
+        if get_u64(b, b.len() - 8) != checksum(&b[..b.len() - 8]) {
+            return Err(ParseError::BodyChecksum("index object"));
+        }
+        let tag_at = b.len() - TAG_BYTES - 8;
+        if let Some((key, namespace)) = auth {
+            let expected = blake3::Hash::from(key.object_index_tag(namespace, &b[..tag_at]));
+            let stored: [u8; TAG_BYTES] = b[tag_at..tag_at + TAG_BYTES].try_into().unwrap();
+            if expected != stored {
+                return Ok(None);
+            }
+        }
+        Ok(Some(Self::decode_body(b, n)))
+    }
+
+    fn decode_body(b: &[u8], n: usize) -> Self {
+        let entries = (0..n)
+            .map(|i| {
+                let at = INDEX_HEADER_BYTES + i * INDEX_ENTRY_BYTES;
+                Entry {
+                    key: BlockKey(b[at..at + 32].try_into().unwrap()),
+                    offset: get_u64(b, at + 32),
+                    value_checksum: get_u64(b, at + 40),
+                }
+            })
+            .collect();
+        SegmentIndex {
+            namespace: Namespace(b[16..48].try_into().unwrap()),
+            object_bytes: get_u64(b, 48),
+            writer_id: get_u64(b, 56),
+            seq: get_u64(b, 64),
+            segment_bytes: get_u64(b, 72),
+            created_unix_ms: get_u64(b, 80),
+            entries,
+        }
+    }
+
+    /// Whether every entry is a whole slot inside the segment, past its header, and the index is
+    /// this namespace's, object size's and name's.
+    pub fn consistent(&self, namespace: &Namespace, object_bytes: u64, slot_bytes: u64, stem: &str) -> bool {
+        self.namespace == *namespace
+            && self.object_bytes == object_bytes
+            && self::stem(self.writer_id, self.seq) == stem
+            && self.entries.iter().all(|e| {
+                e.offset >= SEGMENT_HEADER_BYTES as u64
+                    && (e.offset - SEGMENT_HEADER_BYTES as u64).is_multiple_of(slot_bytes)
+                    && e.offset.checked_add(slot_bytes).is_some_and(|end| end <= self.segment_bytes)
+            })
+    }
+}
+
+const _: () = assert!(SEGMENT_HEADER_BYTES == DESCRIPTOR_BYTES);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slot_offset(i: usize, slot_bytes: usize) -> u64 {
+        (SEGMENT_HEADER_BYTES + i * slot_bytes) as u64
+    }
+
+    fn index() -> SegmentIndex {
+        let entries = (0..3u8)
+            .map(|i| Entry {
+                key: BlockKey([i; 32]),
+                offset: slot_offset(i as usize, 8192),
+                value_checksum: i as u64 * 7,
+            })
+            .collect();
+        SegmentIndex {
+            namespace: Namespace([9; 32]),
+            object_bytes: 4096,
+            writer_id: 0xabc,
+            seq: 5,
+            segment_bytes: slot_offset(3, 8192),
+            created_unix_ms: 1,
+            entries,
+        }
+    }
+
+    #[test]
+    fn index_round_trips_and_checks() {
+        let idx = index();
+        let bytes = idx.encode(None);
+        assert_eq!(bytes.len(), INDEX_HEADER_BYTES + 3 * INDEX_ENTRY_BYTES + TAG_BYTES + 8);
+        assert_eq!(SegmentIndex::decode(&bytes, None).unwrap().unwrap(), idx);
+        assert!(idx.consistent(&Namespace([9; 32]), 4096, 8192, &stem(0xabc, 5)));
+        assert!(!idx.consistent(&Namespace([8; 32]), 4096, 8192, &stem(0xabc, 5)));
+        assert!(!idx.consistent(&Namespace([9; 32]), 4096, 8192, &stem(0xabc, 6)));
+        let mut flipped = bytes.clone();
+        flipped[INDEX_HEADER_BYTES + 40] ^= 1;
+        assert!(SegmentIndex::decode(&flipped, None).is_err());
+        assert!(SegmentIndex::decode(&bytes[..bytes.len() - 1], None).is_err());
+    }
+
+    #[test]
+    fn index_tag_binds_key_and_namespace() {
+        let (k1, k2) = (AuthKey::derive(&[1; 32]), AuthKey::derive(&[2; 32]));
+        let idx = index();
+        let bytes = idx.encode(Some(&k1));
+        let ns = Namespace([9; 32]);
+        assert_eq!(SegmentIndex::decode(&bytes, Some((&k1, &ns))).unwrap(), Some(idx.clone()));
+        assert_eq!(SegmentIndex::decode(&bytes, Some((&k2, &ns))).unwrap(), None);
+        assert_eq!(SegmentIndex::decode(&bytes, Some((&k1, &Namespace([1; 32])))).unwrap(), None);
+        assert_eq!(SegmentIndex::decode(&idx.encode(None), Some((&k1, &ns))).unwrap(), None);
+    }
+
+    #[test]
+    fn entries_outside_the_segment_are_inconsistent() {
+        let mut idx = index();
+        idx.entries[1].offset += 1;
+        assert!(!idx.consistent(&Namespace([9; 32]), 4096, 8192, &stem(0xabc, 5)));
+        let mut idx = index();
+        idx.segment_bytes -= 1;
+        assert!(!idx.consistent(&Namespace([9; 32]), 4096, 8192, &stem(0xabc, 5)));
+    }
+
+    #[test]
+    fn header_round_trips() {
+        let h = SegmentHeader {
+            namespace: Namespace([3; 32]),
+            object_bytes: 4096,
+            slot_bytes: 8192,
+            writer_id: 1,
+            seq: 2,
+            created_unix_ms: 3,
+            count: 4,
+        };
+        let mut page = vec![0u8; SEGMENT_HEADER_BYTES];
+        h.encode(&mut page);
+        assert_eq!(SegmentHeader::decode(&page).unwrap(), h);
+        page[50] ^= 1;
+        assert!(SegmentHeader::decode(&page).is_err());
+        assert!(valid_stem(&stem(1, 2)) && !valid_stem("x") && !valid_stem(&stem(0xab, 2).to_uppercase()));
+    }
+}

@@ -1,0 +1,324 @@
+//! The object-storage tier (docs/object-tier.md): blocks in an S3 bucket, grouped into segment
+//! objects written once, each with an index object naming its blocks. Lookups use an in-memory
+//! index that a background thread keeps fresh by listing the index objects; a load reads each block
+//! with a ranged GET (many in flight) into its DRAM slot and verifies it before it is served.
+//!
+//! Every request runs on the tier's own small tokio runtime, never on the store's threads: loads
+//! hand it their reads and wait for the completions like any other I/O, publishing runs on the
+//! store's publisher thread, refresh and eviction on the tier's maintenance thread.
+
+pub mod config;
+pub mod format;
+mod sync;
+mod writer;
+
+pub use config::ObjectConfig;
+
+use crate::error::{Error, Result};
+use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
+use crate::format::shared::{AuthKey, BLOCK_TAG_AT, TAG_BYTES};
+use crate::format::{checksum, round_up, ALIGN_BYTES};
+use crate::io::device::OnDone;
+use crate::key::{BlockKey, Namespace};
+use crate::stats::Stats;
+use crate::tiers::shared::ReadOutcome;
+use object_store::path::Path as ObjectPath;
+use object_store::ObjectStore;
+use parking_lot::{Condvar, Mutex, RwLock};
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// Where an indexed block is: its segment's name stem, offset and value checksum.
+#[derive(Debug, Clone)]
+struct Loc {
+    stem: Arc<str>,
+    offset: u64,
+    value_checksum: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Segment {
+    keys: Vec<BlockKey>,
+}
+
+/// The blocks of every segment whose index object the bucket listed (first segment wins a key).
+#[derive(Default)]
+struct Index {
+    blocks: HashMap<BlockKey, Loc>,
+    segments: HashMap<Arc<str>, Segment>,
+}
+
+impl Index {
+    fn insert(&mut self, stem: &str, index: &format::SegmentIndex) {
+        let stem: Arc<str> = Arc::from(stem);
+        let mut keys = Vec::with_capacity(index.entries.len());
+        for e in &index.entries {
+            if let std::collections::hash_map::Entry::Vacant(v) = self.blocks.entry(e.key) {
+                v.insert(Loc { stem: Arc::clone(&stem), offset: e.offset, value_checksum: e.value_checksum });
+                keys.push(e.key);
+            }
+        }
+        self.segments.insert(stem, Segment { keys });
+    }
+
+    fn remove(&mut self, stem: &str) {
+        if let Some(seg) = self.segments.remove(stem) {
+            for k in seg.keys {
+                self.blocks.remove(&k);
+            }
+        }
+    }
+}
+
+/// A ranged GET of one block, from `start_read` until `finish_started` judges it.
+pub struct ObjectRead {
+    key: BlockKey,
+    stem: Arc<str>,
+    value_checksum: u64,
+}
+
+pub struct ObjectTier {
+    config: ObjectConfig,
+    namespace: Namespace,
+    object_bytes: usize,
+    slot_bytes: usize,
+    writer_id: u64,
+    store: Arc<dyn ObjectStore>,
+    /// `<prefix>/<namespace hex>`: segments under `seg/`, index objects under `idx/`.
+    base: String,
+    rt: tokio::runtime::Runtime,
+    read_permits: Arc<tokio::sync::Semaphore>,
+    index: RwLock<Index>,
+    /// Segments found bad (verification failed): never indexed again by this process.
+    bad: Mutex<HashSet<String>>,
+    writer: Mutex<writer::SegmentWriter>,
+    auth: Option<AuthKey>,
+    stats: Arc<Stats>,
+    stop: Mutex<bool>,
+    stop_cv: Condvar,
+    closed: AtomicBool,
+    maintenance: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl ObjectTier {
+    /// Connects (credentials from the environment and profile chain, as object_store's
+    /// `AmazonS3Builder::from_env`), checks that the bucket answers with them (a clear error now,
+    /// not misses later), reads the index and starts the maintenance thread.
+    pub fn open(
+        config: &ObjectConfig,
+        namespace: Namespace,
+        object_bytes: usize,
+        stats: Arc<Stats>,
+    ) -> Result<Arc<Self>> {
+        let slot_bytes = DESCRIPTOR_BYTES + round_up(object_bytes, ALIGN_BYTES);
+        config.validate(slot_bytes)?;
+        let (bucket, prefix) = config.bucket_and_prefix()?;
+        let store = sync::connect(config, &bucket)?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("kvtier-bucket")
+            .enable_all()
+            .build()
+            .map_err(|e| Error::io("starting the object tier's runtime", e))?;
+        let auth = crate::tiers::shared::auth::load_key(&key_config(config))?;
+        let base = if prefix.is_empty() { namespace.hex() } else { format!("{prefix}/{}", namespace.hex()) };
+        let tier = Arc::new(ObjectTier {
+            writer: Mutex::new(writer::SegmentWriter::new()),
+            read_permits: Arc::new(tokio::sync::Semaphore::new(config.reads_in_flight)),
+            config: config.clone(),
+            namespace,
+            object_bytes,
+            slot_bytes,
+            writer_id: crate::tiers::shared::random_nonzero_u64(),
+            store,
+            base,
+            rt,
+            index: RwLock::new(Index::default()),
+            bad: Mutex::new(HashSet::new()),
+            auth,
+            stats,
+            stop: Mutex::new(false),
+            stop_cv: Condvar::new(),
+            closed: AtomicBool::new(false),
+            maintenance: Mutex::new(None),
+        });
+        tier.refresh().map_err(|e| refused(&bucket, config, e))?;
+        sync::start_maintenance(&tier)?;
+        Ok(tier)
+    }
+
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    pub fn config(&self) -> &ObjectConfig {
+        &self.config
+    }
+
+    pub fn stats(&self) -> &Arc<Stats> {
+        &self.stats
+    }
+
+    pub fn contains(&self, key: &BlockKey) -> bool {
+        self.index.read().blocks.contains_key(key)
+    }
+
+    /// Up to `limit` indexed keys (for residency reports).
+    pub fn indexed_keys(&self, limit: usize) -> Vec<BlockKey> {
+        self.index.read().blocks.keys().take(limit).copied().collect()
+    }
+
+    fn segment_path(&self, stem: &str) -> ObjectPath {
+        ObjectPath::from(format!("{}/seg/{stem}.kvo", self.base))
+    }
+
+    fn index_path(&self, stem: &str) -> ObjectPath {
+        ObjectPath::from(format!("{}/idx/{stem}.kvi", self.base))
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_millis(self.config.request_timeout_ms)
+    }
+
+    /// Starts a ranged GET of `key`'s slot into `slot` on the tier's runtime: `on_done` gets the
+    /// result (always, within `request_timeout_ms`), to be handed with the returned read to
+    /// `finish_started`. `None`: not indexed, a counted miss, and `on_done` is dropped uncalled.
+    ///
+    /// # Safety
+    /// `slot` is valid for `slot_bytes` bytes of writes and used by nothing else until `on_done` ran.
+    pub unsafe fn start_read(&self, key: &BlockKey, slot: *mut u8, on_done: OnDone) -> Option<ObjectRead> {
+        let Some(loc) = self.index.read().blocks.get(key).cloned() else {
+            Stats::add(&self.stats.bucket_misses, 1);
+            return None;
+        };
+        Stats::add(&self.stats.bucket_get_requests, 1);
+        let (store, path, n) = (Arc::clone(&self.store), self.segment_path(&loc.stem), self.slot_bytes);
+        let (permits, timeout, addr) = (Arc::clone(&self.read_permits), self.timeout(), slot as usize);
+        let range = loc.offset..loc.offset + n as u64;
+        self.rt.spawn(async move {
+            let got = tokio::time::timeout(timeout, async {
+                let _permit = permits.acquire_owned().await.map_err(std::io::Error::other)?;
+                store.get_range(&path, range).await.map_err(std::io::Error::from)
+            })
+            .await;
+            let result = match got {
+                Err(_) => Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "ranged GET timed out")),
+                Ok(Err(e)) => Err(e),
+                Ok(Ok(bytes)) if bytes.len() == n => {
+                    // SAFETY: the caller's slot is ours until on_done (contract above); the GET future,
+                    // dropped on timeout, never writes into it.
+                    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), addr as *mut u8, n) };
+                    Ok(())
+                }
+                Ok(Ok(_)) => Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "short ranged GET")),
+            };
+            on_done(result);
+        });
+        Some(ObjectRead { key: *key, stem: loc.stem, value_checksum: loc.value_checksum })
+    }
+
+    /// Judges a finished read: a verified block is a hit; anything else is a counted miss, and a
+    /// segment that is gone or fails verification leaves the index.
+    ///
+    /// # Safety
+    /// `slot` is the read's own and its `on_done` ran.
+    pub unsafe fn finish_started(&self, read: ObjectRead, slot: *mut u8, result: std::io::Result<()>) -> ReadOutcome {
+        if let Err(e) = result {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                // Evicted by another store or expired by a lifecycle rule since the last listing.
+                self.index.write().remove(&read.stem);
+            } else {
+                log::debug!("kvtier: bucket read of {:?} failed: {e}; counted as a miss", read.key);
+                Stats::add(&self.stats.bucket_request_errors, 1);
+            }
+            Stats::add(&self.stats.bucket_misses, 1);
+            return ReadOutcome::Miss;
+        }
+        // SAFETY: the read into the caller's slot finished (contract above).
+        let slot = unsafe { std::slice::from_raw_parts_mut(slot, self.slot_bytes) };
+        if let Err(why) = self.verify(&read, slot) {
+            log::warn!("kvtier: bucket segment {} refused ({why}); its blocks are misses from now on", read.stem);
+            self.bad.lock().insert(read.stem.to_string());
+            self.index.write().remove(&read.stem);
+            Stats::add(&self.stats.bucket_misses, 1);
+            return ReadOutcome::Miss;
+        }
+        // The tag belongs to the segment: the DRAM slot's padding stays zero as elsewhere.
+        slot[BLOCK_TAG_AT..BLOCK_TAG_AT + TAG_BYTES].fill(0);
+        Stats::add(&self.stats.bucket_hits, 1);
+        Stats::add(&self.stats.bucket_bytes_read, self.slot_bytes as u64);
+        ReadOutcome::Hit
+    }
+
+    fn verify(&self, read: &ObjectRead, slot: &[u8]) -> std::result::Result<(), &'static str> {
+        let checked = (|| {
+            let desc = Descriptor::decode(&slot[..DESCRIPTOR_BYTES]).map_err(|_| "descriptor rejected")?;
+            if desc.key != read.key || desc.namespace != self.namespace {
+                return Err("key or namespace mismatch");
+            }
+            if desc.value_bytes as usize != self.object_bytes || desc.value_checksum != read.value_checksum {
+                return Err("length or checksum differs from the index");
+            }
+            if checksum(&slot[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + self.object_bytes]) != desc.value_checksum {
+                return Err("value checksum mismatch");
+            }
+            Ok(())
+        })();
+        if checked.is_err() {
+            Stats::add(&self.stats.bucket_verify_failures, 1);
+            return checked;
+        }
+        if let Some(auth) = &self.auth {
+            let (page, value) = slot[..DESCRIPTOR_BYTES + self.object_bytes].split_at(DESCRIPTOR_BYTES);
+            if !auth.verify_block(&self.namespace, &read.key, page, value) {
+                Stats::add(&self.stats.bucket_auth_failures, 1);
+                return Err("block tag does not verify: written without the deployment key or with another");
+            }
+        }
+        Ok(())
+    }
+
+    /// Publishes the open segment, stops the maintenance thread. Idempotent.
+    pub fn close(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.flush();
+        *self.stop.lock() = true;
+        self.stop_cv.notify_all();
+        if let Some(h) = self.maintenance.lock().take() {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+impl Drop for ObjectTier {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// The shared tier's key loader, pointed at `bucket_key_file` (or `KVTIER_SHARED_KEY_FILE`).
+fn key_config(config: &ObjectConfig) -> crate::tiers::shared::SharedConfig {
+    // No shared root: the loader's "not on the shared root" check has nothing to compare against.
+    let mut c = crate::tiers::shared::SharedConfig::new("/nonexistent/kvtier-object-tier");
+    c.key_file = config.key_file.clone();
+    c
+}
+
+/// The open-time refusal: the bucket did not answer a listing with these credentials.
+fn refused(bucket: &str, config: &ObjectConfig, e: Error) -> Error {
+    let endpoint = config.endpoint.as_deref().unwrap_or("AWS (AWS_ENDPOINT_URL unset)");
+    Error::config(
+        "bucket_url",
+        format!(
+            "bucket {bucket:?} at {endpoint} refused a listing: {e}. Check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY \
+             (or the profile / instance credentials), that the bucket exists, and bucket_endpoint"
+        ),
+    )
+}

@@ -1,0 +1,231 @@
+//! The bucket side of the index: connecting, listing index objects into the in-memory index
+//! (`refresh`), the byte budget (`evict`), and the maintenance thread that runs both.
+
+use super::format::{self, SegmentIndex};
+use super::{ObjectConfig, ObjectTier};
+use crate::error::{Error, Result};
+use crate::stats::Stats;
+use object_store::aws::AmazonS3Builder;
+use object_store::path::Path as ObjectPath;
+use object_store::{ObjectMeta, ObjectStore, RetryConfig};
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Eviction stops at this fraction of the budget, so that it runs in batches, not per segment.
+const LOW_WATER: f64 = 0.9;
+
+/// The S3 client: credentials, region and endpoint from the environment and profile chain
+/// (`AWS_ACCESS_KEY_ID`, `AWS_PROFILE`, instance metadata, ...), the bucket and endpoint from the
+/// options. Retries are bounded by the request timeout, so a dead server costs misses, not hangs.
+pub(super) fn connect(config: &ObjectConfig, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
+    let timeout = Duration::from_millis(config.request_timeout_ms);
+    let mut builder = AmazonS3Builder::from_env()
+        .with_bucket_name(bucket)
+        .with_retry(RetryConfig { max_retries: 2, retry_timeout: timeout, ..RetryConfig::default() })
+        .with_client_options(
+            object_store::ClientOptions::new()
+                .with_timeout(timeout)
+                .with_connect_timeout(timeout.min(Duration::from_secs(5))),
+        );
+    if let Some(endpoint) = &config.endpoint {
+        builder = builder.with_endpoint(endpoint).with_allow_http(endpoint.starts_with("http://"));
+    }
+    let store = builder.build().map_err(|e| {
+        Error::config(
+            "bucket_url",
+            format!("cannot configure the S3 client: {e}; check bucket_url, bucket_endpoint and AWS_* variables"),
+        )
+    })?;
+    Ok(Arc::new(store))
+}
+
+impl ObjectTier {
+    fn list(&self, dir: &str) -> std::io::Result<Vec<ObjectMeta>> {
+        Stats::add(&self.stats.bucket_list_requests, 1);
+        let prefix = ObjectPath::from(format!("{}/{dir}", self.base));
+        let store = &self.store;
+        // Listing a large prefix takes a request per 1000 objects: allow it several timeouts' worth.
+        let timeout = self.timeout() * 4;
+        self.rt.block_on(async {
+            match tokio::time::timeout(timeout, store.list_with_delimiter(Some(&prefix))).await {
+                Ok(r) => r.map(|l| l.objects).map_err(std::io::Error::from),
+                Err(_) => Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "listing timed out")),
+            }
+        })
+    }
+
+    /// Lists the index objects: indexes segments new to this process, forgets those gone (evicted
+    /// elsewhere, or expired by a lifecycle rule). Returns whether the index changed.
+    pub fn refresh(&self) -> Result<bool> {
+        let listed = self.list("idx").map_err(|e| Error::io("listing the bucket's index objects", e))?;
+        let stems: HashSet<String> = listed
+            .iter()
+            .filter_map(|m| m.location.filename()?.strip_suffix(".kvi").map(str::to_string))
+            .filter(|s| format::valid_stem(s))
+            .collect();
+        let (known, gone): (HashSet<String>, Vec<String>) = {
+            let index = self.index.read();
+            let known = index.segments.keys().map(|s| s.to_string()).collect::<HashSet<_>>();
+            let gone = known.iter().filter(|s| !stems.contains(*s)).cloned().collect();
+            (known, gone)
+        };
+        let bad = self.bad.lock().clone();
+        let new: Vec<String> = stems.into_iter().filter(|s| !known.contains(s) && !bad.contains(s)).collect();
+        let fetched = self.fetch_indexes(&new);
+        let mut index = self.index.write();
+        for stem in &gone {
+            index.remove(stem);
+        }
+        for (stem, idx) in &fetched {
+            index.insert(stem, idx);
+        }
+        Ok(!gone.is_empty() || !fetched.is_empty())
+    }
+
+    /// GETs index objects, several in flight; a forged, foreign or corrupt one is remembered as bad.
+    fn fetch_indexes(&self, stems: &[String]) -> Vec<(String, SegmentIndex)> {
+        let timeout = self.timeout();
+        let handles: Vec<_> = stems
+            .iter()
+            .map(|stem| {
+                Stats::add(&self.stats.bucket_get_requests, 1);
+                let (store, path) = (Arc::clone(&self.store), self.index_path(stem));
+                self.rt.spawn(async move {
+                    let got = tokio::time::timeout(timeout, async { store.get(&path).await?.bytes().await }).await;
+                    got.map_err(|_| ()).and_then(|r| r.map_err(|_| ()))
+                })
+            })
+            .collect();
+        let results: Vec<_> = self.rt.block_on(async {
+            let mut out = Vec::with_capacity(handles.len());
+            for h in handles {
+                out.push(h.await.ok().and_then(|r| r.ok()));
+            }
+            out
+        });
+        let mut fetched = Vec::new();
+        for (stem, bytes) in stems.iter().zip(results) {
+            match bytes {
+                Some(bytes) => match self.judge_index(stem, &bytes) {
+                    Some(idx) => fetched.push((stem.clone(), idx)),
+                    None => {
+                        self.bad.lock().insert(stem.clone());
+                    }
+                },
+                // Gone meanwhile, or the server is slow: tried again at the next refresh.
+                None => Stats::add(&self.stats.bucket_request_errors, 1),
+            }
+        }
+        fetched
+    }
+
+    fn judge_index(&self, stem: &str, bytes: &[u8]) -> Option<SegmentIndex> {
+        let auth = self.auth.as_ref().map(|k| (k, &self.namespace));
+        match SegmentIndex::decode(bytes, auth) {
+            Ok(Some(idx))
+                if idx.consistent(&self.namespace, self.object_bytes as u64, self.slot_bytes as u64, stem) =>
+            {
+                Some(idx)
+            }
+            Ok(Some(_)) => {
+                log::warn!(
+                    "kvtier: bucket index object {stem} names another namespace, block size or segment; ignored"
+                );
+                Stats::add(&self.stats.bucket_verify_failures, 1);
+                None
+            }
+            Ok(None) => {
+                log::warn!("kvtier: bucket index object {stem} has no valid tag for the deployment key; ignored");
+                Stats::add(&self.stats.bucket_auth_failures, 1);
+                None
+            }
+            Err(e) => {
+                log::warn!("kvtier: bucket index object {stem} rejected ({e}); ignored");
+                Stats::add(&self.stats.bucket_verify_failures, 1);
+                None
+            }
+        }
+    }
+
+    /// Keeps the namespace's segments under `bucket_budget_bytes`: when the listed segments exceed
+    /// it, the oldest are deleted (index object first, so readers stop choosing them) down to 90%.
+    /// Returns how many segments were evicted.
+    pub fn evict(&self) -> Result<usize> {
+        if self.config.budget_bytes == 0 {
+            return Ok(0);
+        }
+        let mut segments = self.list("seg").map_err(|e| Error::io("listing the bucket's segments", e))?;
+        let mut total: u64 = segments.iter().map(|m| m.size).sum();
+        if total <= self.config.budget_bytes {
+            return Ok(0);
+        }
+        segments.sort_by_key(|m| (m.last_modified, m.location.to_string()));
+        let target = (self.config.budget_bytes as f64 * LOW_WATER) as u64;
+        let mut evicted = 0;
+        for m in segments {
+            if total <= target {
+                break;
+            }
+            let Some(stem) = m.location.filename().and_then(|f| f.strip_suffix(".kvo")).map(str::to_string) else {
+                continue;
+            };
+            self.index.write().remove(&stem);
+            if self.delete(&self.index_path(&stem)).is_ok() && self.delete(&m.location).is_ok() {
+                Stats::add(&self.stats.bucket_evicted_segments, 1);
+                evicted += 1;
+            }
+            total = total.saturating_sub(m.size);
+        }
+        Ok(evicted)
+    }
+
+    fn delete(&self, path: &ObjectPath) -> std::io::Result<()> {
+        Stats::add(&self.stats.bucket_delete_requests, 1);
+        let (store, timeout) = (&self.store, self.timeout());
+        let r = self.rt.block_on(async { tokio::time::timeout(timeout, store.delete(path)).await });
+        match r {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(object_store::Error::NotFound { .. })) => Ok(()),
+            Ok(Err(e)) => Err(std::io::Error::from(e)),
+            Err(_) => Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "DELETE timed out")),
+        }
+    }
+
+    /// One maintenance pass: publish a segment that waited long enough, refresh, keep the budget.
+    pub fn maintain(&self) {
+        self.publish_if_due();
+        if let Err(e) = self.refresh() {
+            log::debug!("kvtier: bucket refresh failed: {e}");
+            Stats::add(&self.stats.bucket_request_errors, 1);
+        }
+        if let Err(e) = self.evict() {
+            log::debug!("kvtier: bucket eviction failed: {e}");
+            Stats::add(&self.stats.bucket_request_errors, 1);
+        }
+    }
+}
+
+/// Runs `maintain` every `bucket_refresh_ms` until the tier closes (holding only a weak reference).
+pub(super) fn start_maintenance(tier: &Arc<ObjectTier>) -> Result<()> {
+    let weak = Arc::downgrade(tier);
+    let period = Duration::from_millis(tier.config.refresh_ms);
+    let handle = std::thread::Builder::new()
+        .name("kvtier-bucket-sync".into())
+        .spawn(move || loop {
+            let Some(tier) = weak.upgrade() else { return };
+            {
+                let mut stop = tier.stop.lock();
+                if !*stop {
+                    tier.stop_cv.wait_for(&mut stop, period);
+                }
+                if *stop {
+                    return;
+                }
+            }
+            tier.maintain();
+        })
+        .map_err(|e| Error::io("spawning the object tier's maintenance thread", e))?;
+    *tier.maintenance.lock() = Some(handle);
+    Ok(())
+}

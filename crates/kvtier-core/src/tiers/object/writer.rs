@@ -1,0 +1,167 @@
+//! Publishing: slots gathered into one segment in memory, then written with one PUT of the segment
+//! and one PUT of its index object (only the index makes the blocks visible to others).
+
+use super::format::{self, Entry, SegmentHeader, SegmentIndex, SEGMENT_HEADER_BYTES};
+use super::ObjectTier;
+use crate::format::checksum;
+use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
+use crate::format::shared::{unix_ms, BLOCK_TAG_AT, TAG_BYTES};
+use crate::key::BlockKey;
+use crate::stats::Stats;
+use object_store::PutPayload;
+use std::collections::HashSet;
+use std::time::Instant;
+
+/// The segment being filled by this store's publisher.
+pub(super) struct SegmentWriter {
+    buf: Vec<u8>,
+    entries: Vec<Entry>,
+    keys: HashSet<BlockKey>,
+    seq: u64,
+    first_at: Option<Instant>,
+}
+
+impl SegmentWriter {
+    pub(super) fn new() -> Self {
+        SegmentWriter {
+            buf: vec![0; SEGMENT_HEADER_BYTES],
+            entries: Vec::new(),
+            keys: HashSet::new(),
+            seq: 0,
+            first_at: None,
+        }
+    }
+
+    fn take(&mut self) -> (Vec<u8>, Vec<Entry>, u64) {
+        let buf = std::mem::replace(&mut self.buf, vec![0; SEGMENT_HEADER_BYTES]);
+        let entries = std::mem::take(&mut self.entries);
+        self.keys.clear();
+        self.first_at = None;
+        self.seq += 1;
+        (buf, entries, self.seq - 1)
+    }
+}
+
+impl ObjectTier {
+    /// Appends whole slots (as the DRAM tier holds them) to the open segment, publishing it when the
+    /// next slot would pass `bucket_segment_bytes`. A slot whose descriptor or checksum does not
+    /// match its key is skipped; so is a key already indexed. Returns how many were appended.
+    pub fn append_slots(&self, slots: &mut [(BlockKey, &mut [u8])]) -> usize {
+        let mut appended = 0;
+        for (key, slot) in slots.iter_mut() {
+            if self.contains(key) || !self.slot_is_sound(key, slot) {
+                continue;
+            }
+            let mut w = self.writer.lock();
+            if w.keys.contains(key) {
+                continue;
+            }
+            if !w.entries.is_empty() && (w.buf.len() + self.slot_bytes) as u64 > self.config.segment_bytes {
+                self.seal(&mut w);
+            }
+            self.append_one(&mut w, key, slot);
+            appended += 1;
+        }
+        appended
+    }
+
+    fn slot_is_sound(&self, key: &BlockKey, slot: &[u8]) -> bool {
+        let Ok(desc) = Descriptor::decode(&slot[..DESCRIPTOR_BYTES]) else { return false };
+        desc.key == *key
+            && desc.namespace == self.namespace
+            && desc.value_bytes as usize == self.object_bytes
+            && checksum(&slot[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + self.object_bytes]) == desc.value_checksum
+    }
+
+    fn append_one(&self, w: &mut SegmentWriter, key: &BlockKey, slot: &[u8]) {
+        let offset = w.buf.len() as u64;
+        w.buf.extend_from_slice(&slot[..self.slot_bytes]);
+        let page_at = offset as usize;
+        let tag = match &self.auth {
+            Some(auth) => {
+                let value = &w.buf[page_at + DESCRIPTOR_BYTES..page_at + DESCRIPTOR_BYTES + self.object_bytes];
+                auth.block_tag(&self.namespace, key, value)
+            }
+            None => [0; TAG_BYTES],
+        };
+        w.buf[page_at + BLOCK_TAG_AT..page_at + BLOCK_TAG_AT + TAG_BYTES].copy_from_slice(&tag);
+        let value_checksum = Descriptor::decode(&slot[..DESCRIPTOR_BYTES]).map(|d| d.value_checksum).unwrap_or(0);
+        w.entries.push(Entry { key: *key, offset, value_checksum });
+        w.keys.insert(*key);
+        w.first_at.get_or_insert_with(Instant::now);
+    }
+
+    /// Publishes the open segment if it holds blocks.
+    pub fn flush(&self) {
+        let mut w = self.writer.lock();
+        if !w.entries.is_empty() {
+            self.seal(&mut w);
+        }
+    }
+
+    /// Publishes the open segment if its first block waited `bucket_publish_delay_ms`.
+    pub(super) fn publish_if_due(&self) {
+        let mut w = self.writer.lock();
+        if w.first_at.is_some_and(|t| t.elapsed().as_millis() as u64 >= self.config.publish_delay_ms) {
+            self.seal(&mut w);
+        }
+    }
+
+    /// Writes the segment, then its index object; only then are its blocks in this store's index.
+    /// A failed PUT loses the segment's blocks (a cache; counted in `bucket_dropped_publishes`).
+    fn seal(&self, w: &mut SegmentWriter) {
+        let (mut buf, entries, seq) = w.take();
+        let stem = format::stem(self.writer_id, seq);
+        let created_unix_ms = unix_ms();
+        SegmentHeader {
+            namespace: self.namespace,
+            object_bytes: self.object_bytes as u64,
+            slot_bytes: self.slot_bytes as u64,
+            writer_id: self.writer_id,
+            seq,
+            created_unix_ms,
+            count: entries.len() as u32,
+        }
+        .encode(&mut buf[..SEGMENT_HEADER_BYTES]);
+        let index = SegmentIndex {
+            namespace: self.namespace,
+            object_bytes: self.object_bytes as u64,
+            writer_id: self.writer_id,
+            seq,
+            segment_bytes: buf.len() as u64,
+            created_unix_ms,
+            entries,
+        };
+        let bytes = buf.len() as u64;
+        let index_bytes = index.encode(self.auth.as_ref());
+        let written =
+            self.put(&self.segment_path(&stem), buf).and_then(|()| self.put(&self.index_path(&stem), index_bytes));
+        match written {
+            Ok(()) => {
+                Stats::add(&self.stats.bucket_segments_published, 1);
+                Stats::add(&self.stats.bucket_bytes_written, bytes);
+                self.index.write().insert(&stem, &index);
+            }
+            Err(e) => {
+                log::warn!(
+                    "kvtier: publishing bucket segment {stem} failed: {e}; its {} blocks are not published",
+                    index.entries.len()
+                );
+                Stats::add(&self.stats.bucket_request_errors, 1);
+                Stats::add(&self.stats.bucket_dropped_publishes, index.entries.len() as u64);
+            }
+        }
+    }
+
+    fn put(&self, path: &object_store::path::Path, bytes: Vec<u8>) -> std::io::Result<()> {
+        Stats::add(&self.stats.bucket_put_requests, 1);
+        let (store, timeout) = (&self.store, self.timeout());
+        let payload = PutPayload::from(bytes);
+        self.rt.block_on(async {
+            match tokio::time::timeout(timeout, store.put(path, payload)).await {
+                Ok(r) => r.map(|_| ()).map_err(std::io::Error::from),
+                Err(_) => Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "PUT timed out")),
+            }
+        })
+    }
+}

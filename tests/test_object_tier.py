@@ -1,0 +1,341 @@
+"""The object-storage tier against a real S3 server: Ceph's RADOS gateway on 127.0.0.1
+(``scripts/distfs/radosgw.sh``, one cluster for the whole module), two stores ("nodes") that share
+only the bucket.
+
+Every test checks the bytes it is served against the values it stored. Tampering goes straight to
+the bucket with curl's SigV4 signing (no S3 SDK in the test environment).
+
+Skips (with the fix in the reason) when not root or without the Debian packages (``scripts/setup.sh``
+installs them as root); ``KVTIER_REQUIRE_DISTFS=1`` turns the skips into failures.
+
+Run: ``.venv/bin/python -m pytest tests/test_object_tier.py -v`` (as root). See docs/object-tier.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvtier
+from fs_fixtures import REPO, STATE_ROOT, _skip_or_fail, processes_naming
+
+pytestmark = pytest.mark.radosgw
+
+OBJECT_BYTES = 64 * 1024
+SLOT_BYTES = 4096 + OBJECT_BYTES
+BUCKET = "kvtier-test"
+SCRIPT = REPO / "scripts" / "distfs" / "radosgw.sh"
+BINARIES = ["ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "ceph-authtool", "monmaptool", "curl"]
+
+
+@dataclass
+class Rgw:
+    endpoint: str
+    access_key: str
+    secret_key: str
+    pid: int
+    state: Path
+
+    def s3(self, method: str, path: str, body: bytes = b"", query: str = "") -> tuple[int, bytes]:
+        """One signed request (curl --aws-sigv4); returns (HTTP status, body)."""
+        url = f"{self.endpoint}/{path}" + (f"?{query}" if query else "")
+        cmd = ["curl", "-s", "-X", method, "--aws-sigv4", "aws:amz:us-east-1:s3"]
+        cmd += ["--user", f"{self.access_key}:{self.secret_key}", "-o", "-", "-w", "\n%{http_code}"]
+        cmd += ["-H", f"x-amz-content-sha256: {hashlib.sha256(body).hexdigest()}", url]
+        if body or method == "PUT":
+            cmd[1:1] = ["--data-binary", "@-"]
+        done = subprocess.run(cmd, input=body, capture_output=True, timeout=30)
+        out, _, code = done.stdout.rpartition(b"\n")
+        return int(code or 0), out
+
+    def keys(self, prefix: str) -> list[tuple[str, int]]:
+        status, body = self.s3("GET", BUCKET, query=f"list-type=2&prefix={prefix}")
+        assert status == 200, body
+        ns = {"s3": "http://s3.amazonaws.com/doc/2006-03-01/"}
+        root = ET.fromstring(body)
+        return [
+            (c.findtext("s3:Key", namespaces=ns) or "", int(c.findtext("s3:Size", namespaces=ns) or 0))
+            for c in root.findall("s3:Contents", ns)
+        ]
+
+
+def missing_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "object tier tests need root (the Ceph daemons radosgw.sh starts); run them as root"
+    absent = [b for b in BINARIES if shutil.which(b) is None]
+    if absent:
+        return (
+            f"object tier tests need {' '.join(absent)}: apt-get install ceph-mon ceph-osd radosgw ceph-common curl "
+            "(scripts/setup.sh installs them when run as root)"
+        )
+    return None
+
+
+def _down(state: Path) -> None:
+    subprocess.run(["bash", str(SCRIPT), "down", str(state)], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def rgw() -> Iterator[Rgw]:
+    reason = missing_reason()
+    if reason:
+        _skip_or_fail(reason)
+    state = STATE_ROOT / "radosgw"
+    atexit.register(_down, state)
+    started = time.monotonic()
+    done = subprocess.run(["bash", str(SCRIPT), "up", str(state)], capture_output=True, text=True, timeout=300)
+    if done.returncode == 3:
+        _down(state)
+        _skip_or_fail(done.stderr.strip())
+    if done.returncode != 0:
+        _down(state)
+        pytest.fail(f"bringing up radosgw failed (rc {done.returncode}):\n{done.stdout}\n{done.stderr}")
+    info = dict(line.split("=", 1) for line in done.stdout.split() if "=" in line)
+    server = Rgw(info["ENDPOINT"], info["ACCESS_KEY"], info["SECRET_KEY"], int(info["PID"]), state)
+    print(f"\nradosgw: up in {time.monotonic() - started:.1f} s at {server.endpoint}")
+    status, body = server.s3("PUT", BUCKET)
+    assert status == 200, f"creating bucket {BUCKET}: {status} {body!r}"
+    try:
+        yield server
+    finally:
+        _down(state)
+        assert not processes_naming(state), "radosgw processes survived teardown"
+
+
+@pytest.fixture
+def bucket(rgw, request, monkeypatch) -> Iterator[dict]:
+    """Options of a fresh prefix in the test bucket, with the credentials in the environment."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", rgw.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", rgw.secret_key)
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    prefix = re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name) + f"-{time.time_ns()}"
+    yield {
+        "bucket_url": f"s3://{BUCKET}/{prefix}",
+        "bucket_endpoint": rgw.endpoint,
+        "bucket_segment_bytes": 4096 + 8 * SLOT_BYTES,
+        "bucket_refresh_ms": 100,
+        "bucket_request_timeout_ms": 2000,
+    }
+
+
+class Nodes:
+    """Stores opened by a test (closed by the fixture, also when the test fails)."""
+
+    def __init__(self, local: Path) -> None:
+        self.local = local
+        self.stores: list[kvtier.Store] = []
+
+    def open(self, name: str, **options) -> kvtier.Store:
+        store = kvtier.Store.open(
+            str(self.local / name),
+            object_bytes=OBJECT_BYTES,
+            namespace="object-test",
+            dram_bytes=64 * SLOT_BYTES,
+            nvme_bytes=0,
+            **options,
+        )
+        self.stores.append(store)
+        return store
+
+
+@pytest.fixture
+def nodes(tmp_path) -> Iterator[Nodes]:
+    n = Nodes(tmp_path)
+    yield n
+    for store in n.stores:
+        store.close()
+
+
+def key(i: int, tag: str = "obj") -> bytes:
+    return hashlib.sha256(f"{tag}-{i}".encode()).digest()
+
+
+def value(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, OBJECT_BYTES, dtype=np.uint8)
+
+
+def wait_visible(store: kvtier.Store, keys: list[bytes], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if store.lookup_prefix(keys) == len(keys):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def load(store: kvtier.Store, ids: list[int], tag: str = "obj") -> list[bool]:
+    """Loads the blocks; every block served must hold exactly the value stored."""
+    out = [np.zeros(OBJECT_BYTES, np.uint8) for _ in ids]
+    got = store.get_many([key(i, tag) for i in ids], out)
+    for ok, i, o in zip(got, ids, out, strict=True):
+        assert not ok or np.array_equal(o, value(i)), f"block {i} served with wrong bytes"
+    return got
+
+
+def publish(store: kvtier.Store, ids: list[int], tag: str = "obj") -> None:
+    store.put_many([key(i, tag) for i in ids], [value(i) for i in ids])
+    store.flush()
+
+
+def test_two_nodes_share_a_bucket_and_it_survives_reopen(nodes, bucket):
+    a = nodes.open("a", **bucket)
+    b = nodes.open("b", **bucket)
+    ids = list(range(20))
+    publish(a, ids)
+    stats = a.stats()
+    assert stats["bucket_segments_published"] == 3  # 8 blocks per segment
+    assert stats["bucket_dropped_publishes"] == 0
+    assert wait_visible(b, [key(i) for i in ids]), "segments published by A never became visible to B"
+    before = b.stats()["bucket_get_requests"]
+    assert all(load(b, ids))
+    stats = b.stats()
+    assert stats["bucket_hits"] == 20 and stats["bucket_misses"] == 0
+    assert stats["bucket_get_requests"] - before == 20  # one ranged GET per block, no listing on the path
+    # Staged through the DRAM pool: the next load is a DRAM hit.
+    assert all(load(b, ids))
+    assert b.stats()["bucket_hits"] == 20
+    a.close()
+    b.close()
+    # A fresh node with an empty local store: the index comes from the bucket at open.
+    c = nodes.open("c", **bucket)
+    assert c.lookup_prefix([key(i) for i in ids]) == 20
+    assert all(load(c, ids))
+    assert c.stats()["bucket_hits"] == 20
+
+
+def _tamper(rgw: Rgw, name: str, offset: int) -> None:
+    status, body = rgw.s3("GET", f"{BUCKET}/{name}")
+    assert status == 200
+    data = bytearray(body)
+    data[offset] ^= 0xFF
+    status, _ = rgw.s3("PUT", f"{BUCKET}/{name}", bytes(data))
+    assert status == 200
+
+
+def test_corrupt_truncated_and_foreign_objects_are_counted_misses(rgw, nodes, bucket):
+    a = nodes.open("a", **bucket)
+    publish(a, list(range(16)))  # two segments of 8
+    prefix = bucket["bucket_url"].removeprefix(f"s3://{BUCKET}/")
+    segments = sorted(k for k, _ in rgw.keys(prefix) if k.endswith(".kvo"))
+    assert len(segments) == 2
+    # A flipped value byte in the first segment's first block; the second segment truncated.
+    _tamper(rgw, segments[0], 4096 + 4096 + 100)
+    status, body = rgw.s3("GET", f"{BUCKET}/{segments[1]}")
+    assert status == 200
+    assert rgw.s3("PUT", f"{BUCKET}/{segments[1]}", body[: len(body) // 2])[0] == 200
+    # Garbage and a foreign-looking index object beside them: ignored, counted.
+    idx_dir = segments[0].rsplit("/seg/", 1)[0] + "/idx/"
+    assert rgw.s3("PUT", f"{BUCKET}/{idx_dir}{'f' * 16}-{'0' * 16}.kvi", b"not an index")[0] == 200
+    b = nodes.open("b", **bucket)
+    got = load(b, list(range(16)))
+    stats = b.stats()
+    assert not got[0], "a block whose value was flipped in the bucket was served"
+    # Halved, the second segment still holds its first 3 slots whole (served, bytes checked by load).
+    assert all(got[8:11]) and not any(got[11:]), f"truncated segment: {got[8:]}"
+    assert stats["bucket_verify_failures"] >= 2  # the flipped block, the garbage index
+    assert stats["bucket_misses"] >= 6
+    assert stats["bucket_request_errors"] >= 1  # a range past the end of the truncated object
+
+
+def test_forged_blocks_are_refused_with_a_deployment_key(rgw, nodes, bucket, tmp_path):
+    good, other = tmp_path / "good.key", tmp_path / "other.key"
+    for path in (good, other):
+        path.write_bytes(os.urandom(32))
+        path.chmod(0o600)
+    forger = nodes.open("forger", bucket_key_file=str(other), **bucket)
+    publish(forger, list(range(8)), tag="forged")
+    unkeyed = nodes.open("unkeyed", **bucket)
+    publish(unkeyed, list(range(8)), tag="unkeyed")
+    honest = nodes.open("honest", bucket_key_file=str(good), **bucket)
+    publish(honest, list(range(8)), tag="honest")
+    reader = nodes.open("reader", bucket_key_file=str(good), **bucket)
+    assert wait_visible(reader, [key(i, "honest") for i in range(8)])
+    assert all(load(reader, list(range(8)), tag="honest"))
+    assert not any(load(reader, list(range(8)), tag="forged"))
+    assert not any(load(reader, list(range(8)), tag="unkeyed"))
+    assert reader.stats()["bucket_auth_failures"] >= 2  # the two index objects without our tag
+
+
+def test_budget_evicts_the_oldest_segments(rgw, nodes, bucket):
+    segment = bucket["bucket_segment_bytes"]
+    a = nodes.open("a", bucket_budget_bytes=3 * segment, **bucket)
+    for first in range(0, 48, 8):  # six segments, oldest first
+        publish(a, list(range(first, first + 8)))
+        time.sleep(1.1)  # S3 modification times have a resolution of one second
+    prefix = bucket["bucket_url"].removeprefix(f"s3://{BUCKET}/")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        total = sum(size for k, size in rgw.keys(prefix) if k.endswith(".kvo"))
+        if total <= 3 * segment:
+            break
+        time.sleep(0.1)
+    assert total <= 3 * segment, f"{total} bytes of segments stayed over the {3 * segment}-byte budget"
+    assert a.stats()["bucket_evicted_segments"] >= 3
+    b = nodes.open("b", **bucket)
+    assert not any(load(b, list(range(8)))), "the oldest segment survived eviction"
+    assert all(load(b, list(range(40, 48)))), "the newest segment was evicted"
+
+
+def test_a_stopped_server_costs_misses_not_a_hang(rgw, nodes, bucket):
+    a = nodes.open("a", **bucket)
+    publish(a, list(range(16)))
+    b = nodes.open("b", **bucket)
+    assert wait_visible(b, [key(i) for i in range(16)])
+    os.kill(rgw.pid, signal.SIGSTOP)  # connections hang: harder than a refused connection
+    try:
+        started = time.monotonic()
+        got = load(b, list(range(16)))
+        elapsed = time.monotonic() - started
+    finally:
+        os.kill(rgw.pid, signal.SIGCONT)
+    assert not any(got)
+    assert elapsed < 3 * bucket["bucket_request_timeout_ms"] / 1000, f"the load took {elapsed:.1f} s"
+    assert b.stats()["bucket_request_errors"] >= 1
+    # The server is back: the same blocks load again.
+    assert all(load(b, list(range(16))))
+
+
+def test_refused_credentials_are_a_clear_error_at_open(nodes, bucket, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
+    with pytest.raises(kvtier.ConfigError, match=r"refused a listing.*AWS_SECRET_ACCESS_KEY") as e:
+        nodes.open("a", **bucket)
+    assert "wrong-secret" not in str(e.value)
+    with pytest.raises(kvtier.ConfigError, match="bucket_url"):
+        nodes.open("b", **{**bucket, "bucket_url": "http://not-s3"})
+
+
+def test_every_bucket_option_is_accepted_by_open(nodes, bucket, tmp_path):
+    key_file = tmp_path / "bucket.key"
+    key_file.write_bytes(os.urandom(32))
+    key_file.chmod(0o600)
+    values = {
+        **bucket,
+        "bucket_budget_bytes": 64 << 20,
+        "bucket_publish_delay_ms": 50,
+        "bucket_publish_queue_bytes": 4 << 20,
+        "bucket_reads_in_flight": 4,
+        "bucket_key_file": str(key_file),
+    }
+    names = {o["name"] for o in kvtier.options() if o["name"].startswith("bucket_")}
+    assert set(values) == names, "cover every bucket_* option"
+    store = nodes.open("all", **values)
+    store.put_many([key(0)], [value(0)])
+    deadline = time.monotonic() + 10  # published by the delay, without a flush
+    while store.stats()["bucket_segments_published"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.stats()["bucket_segments_published"] == 1
+    defaults = {o["name"]: o["default"] for o in kvtier.options() if o["name"] in names and o["default"] is not None}
+    nodes.open("defaults", **{**defaults, **bucket}).close()
