@@ -125,7 +125,7 @@ for _words, _module, _summary in (
     (("bench", "gpu"), "kvtier.bench.gpu", "the GPU data path: store/restore GB/s vs pinned copies and O_DIRECT reads"),
     (("bench", "serve"), "kvtier.bench.serve", "throughput and TTFT against users under load, with vllm bench serve"),
     (("demo",), "kvtier.demo", "end-to-end demo with a real engine"),
-    (("serve",), "kvtier.service", "run the host service for a store path (engines start one when none runs)"),
+    (("serve",), "kvtier.service_main", "run the host service for a store path (engines start one when none runs)"),
 ):
     _passthrough(bench if _words[0] == "bench" else cli, _words, _module, _summary)
 
@@ -210,10 +210,31 @@ def status(paths: tuple[Path, ...], socket: Path | None, as_json: bool, plain: b
 @_socket_option
 @_json_option
 @_plain_option
-def ls_command(paths: tuple[Path, ...], socket: Path | None, as_json: bool, plain: bool) -> None:
+@click.option(
+    "--blocks",
+    is_flag=True,
+    help="also each open namespace's blocks per tier (DRAM, NVMe, shared), from the running service",
+)
+def ls_command(paths: tuple[Path, ...], socket: Path | None, as_json: bool, plain: bool, blocks: bool) -> None:
     """The namespaces under PATH: digest, device file size, geometry from its superblock, and whether
-    the service has it open. Exit 1 when PATH is not a kvtier store."""
-    _report("ls", paths, socket, as_json, plain)
+    the service has it open. With --blocks, the keys of the blocks each namespace the service has
+    open holds per tier (counts in the table, hex keys in --json): the set the engines' KV events
+    describe. Exit 1 when PATH is not a kvtier store (or, with --blocks, no service answers)."""
+    if not blocks:
+        _report("ls", paths, socket, as_json, plain)
+        return
+    from kvtier.ops import report
+
+    try:
+        result = report.add_blocks(report.ls_report(list(paths), socket))
+    except report.OpsError as error:
+        raise click.ClickException(f"kvtier ls: {error}") from None
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    output = report.Output(plain=plain)
+    report.print_ls(result, output)
+    report.print_blocks(result, output)
 
 
 _namespace_option = click.option(

@@ -19,7 +19,6 @@ never reaches it). It frees a model's pool once no engine has been attached to i
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import errno
 import fcntl
@@ -30,13 +29,12 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtier._core import Service, ServiceClient
+from kvtier._core import ServiceClient
 from kvtier.errors import ServiceError
 
 DEFAULT_POOL_DIR = "/dev/shm"
@@ -216,16 +214,6 @@ def service_stats(socket_path: str | os.PathLike) -> dict[str, int]:
 # --------------------------------------------------------------------------------------------
 
 
-def _parse_option(text: str) -> tuple[str, Any]:
-    name, sep, raw = text.partition("=")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"--option takes NAME=VALUE, got {text!r}")
-    try:
-        return name, json.loads(raw)
-    except json.JSONDecodeError:
-        return name, raw
-
-
 def usable_cores() -> set[int]:
     """Every core of this machine. Setting an affinity to it gives a thread every core its cgroup
     allows (the kernel intersects the two)."""
@@ -238,118 +226,6 @@ def widen_affinity() -> None:
     service starts later inherit what is set here."""
     with contextlib.suppress(OSError, AttributeError):
         os.sched_setaffinity(0, usable_cores())
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    widen_affinity()
-    parser = argparse.ArgumentParser(
-        prog="kvtier serve",
-        description="Run the kvtier host service for a store path until SIGTERM or SIGINT.",
-    )
-    parser.add_argument("path", nargs="+", help="store directories (the engines' `path`), striped")
-    parser.add_argument("--socket", help="Unix socket to serve (default: derived from the path)")
-    parser.add_argument("--pool-dir", default=DEFAULT_POOL_DIR, help="where the shared DRAM pools live (a tmpfs)")
-    parser.add_argument(
-        "--option", action="append", type=_parse_option, default=[], help="Store.open option NAME=VALUE"
-    )
-    parser.add_argument("--options-json", default="{}", help="Store.open options as a JSON object")
-    parser.add_argument("--fill-timeout-ms", type=int, default=10_000, help="give up a rank's missing slice after this")
-    parser.add_argument(
-        "--host-dram-bytes",
-        type=int,
-        default=None,
-        help="the most DRAM the pools of all models take together (default: no cap; each gets dram_bytes)",
-    )
-    parser.add_argument(
-        "--idle-timeout-s",
-        type=float,
-        default=0.0,
-        help="free a model's pool after this many seconds with no engine attached (0: never)",
-    )
-    parser.add_argument(
-        "--exit-when-idle",
-        action="store_true",
-        help="exit once no model and no connection has been held for --idle-timeout-s (services engines start)",
-    )
-    parser.add_argument(
-        "--detach",
-        action="store_true",
-        help="start the service in a session of its own, print its pid and return at once",
-    )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (kvtier_* names, docs/cli.md)",
-    )
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    if args.idle_timeout_s < 0 or (args.exit_when_idle and args.idle_timeout_s == 0):
-        parser.error("--idle-timeout-s takes seconds > 0 with --exit-when-idle, >= 0 without")
-    if args.detach:
-        return _detach(list(argv) if argv is not None else sys.argv[1:])
-    options = {**json.loads(args.options_json), **dict(args.option)}
-    if args.host_dram_bytes is not None:
-        options["host_dram_bytes"] = args.host_dram_bytes
-    socket = Path(args.socket) if args.socket else default_socket_path(args.path)
-    paths = args.path if len(args.path) > 1 else args.path[0]
-    try:
-        service = Service.start(
-            os.fspath(socket),
-            paths,
-            args.pool_dir,
-            args.fill_timeout_ms,
-            idle_timeout_ms=int(args.idle_timeout_s * 1000),
-            **options,
-        )
-    except Exception as error:
-        print(f"kvtier serve: {error}", file=sys.stderr)
-        return 1
-    exporter = None
-    if args.metrics_port is not None:
-        from kvtier.ops.metrics import start_exporter
-
-        try:
-            exporter = start_exporter(socket, args.metrics_port)
-        except RuntimeError as error:
-            service.stop()
-            print(f"kvtier serve: {error}", file=sys.stderr)
-            return 1
-        print(f"kvtier serve: metrics on http://127.0.0.1:{args.metrics_port}/metrics", flush=True)
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    pid_path = pid_file(socket)
-    pid_path.write_text(f"{os.getpid()}\n")
-    print(f"kvtier serve: serving {args.path} on {socket} (pid {os.getpid()})", flush=True)
-    idle_limit_ms = int(args.idle_timeout_s * 1000) if args.exit_when_idle else None
-    while not stop.wait(1.0):
-        if idle_limit_ms is not None and service.idle_ms() >= idle_limit_ms:
-            print(f"kvtier serve: no engine for {args.idle_timeout_s:g} s; exiting", flush=True)
-            break
-    print("kvtier serve: stopping (flushing stores)", flush=True)
-    if exporter is not None:
-        exporter.shutdown()
-    service.stop()
-    with contextlib.suppress(OSError):
-        pid_path.unlink()
-    return 0
-
-
-def _detach(argv: list[str]) -> int:
-    """Starts ``kvtier serve`` (these arguments, less ``--detach``) in a session of its own, prints
-    its pid, and returns: the service is then no child of whoever started this (an engine, whose
-    shutdown kills its process tree). Its output goes where this process's stderr goes."""
-    words = [word for word in argv if word != "--detach"]
-    child = subprocess.Popen(
-        [sys.executable, "-m", "kvtier", "serve", *words],
-        stdin=subprocess.DEVNULL,
-        stdout=sys.stderr.fileno(),
-        stderr=sys.stderr.fileno(),
-        start_new_session=True,
-        close_fds=True,
-    )
-    print(f"kvtier serve: started pid {child.pid}", flush=True)
-    return 0
 
 
 def pid_file(socket_path: str | os.PathLike) -> Path:
@@ -398,7 +274,3 @@ def service_pid(socket_path: str | os.PathLike) -> int | None:
         return int(pid_file(socket_path).read_text().strip())
     except (OSError, ValueError):
         return None
-
-
-if __name__ == "__main__":
-    sys.exit(main())
