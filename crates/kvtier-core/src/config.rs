@@ -753,7 +753,7 @@ pub static OPTIONS: &[ConfigOption] = &[
         kind: OptionKind::BytesOrStr,
         unset: "none (tier off)",
         constraint: "`s3://bucket` or `s3://bucket/prefix`; the bucket must exist",
-        description: "Object-storage tier: blocks are published to segment objects under the prefix and read with ranged GETs by every store on the same bucket, prefix and namespace (docs/object-tier.md). Credentials come from the environment / profile chain (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_PROFILE`, instance metadata), never from options.",
+        description: "Object-storage tier: blocks are published to segment objects under the prefix and read with ranged GETs by every store on the same bucket, prefix and namespace (docs/object-tier.md). Credentials come from the environment and the credential chain (`AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY`, web identity, ECS, instance metadata; no profile files), never from options.",
         set: |c, v| bucket_mut(c).url = text(v),
         get: |c| c.bucket.as_ref().map(|b| OptionValue::Bytes(b.url.clone().into_bytes())),
     },

@@ -104,7 +104,7 @@ pub struct ObjectTier {
 }
 
 impl ObjectTier {
-    /// Connects (credentials from the environment and profile chain, as object_store's
+    /// Connects (credentials from the environment and credential chain, as object_store's
     /// `AmazonS3Builder::from_env`), checks that the bucket answers with them (a clear error now,
     /// not misses later), reads the index and starts the maintenance thread.
     pub fn open(
@@ -318,7 +318,7 @@ fn refused(bucket: &str, config: &ObjectConfig, e: Error) -> Error {
         "bucket_url",
         format!(
             "bucket {bucket:?} at {endpoint} refused a listing: {e}. Check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY \
-             (or the profile / instance credentials), that the bucket exists, and bucket_endpoint"
+             (or the web identity / instance credentials), that the bucket exists, and bucket_endpoint"
         ),
     )
 }

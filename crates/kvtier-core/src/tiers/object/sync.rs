@@ -15,8 +15,8 @@ use std::time::Duration;
 /// Eviction stops at this fraction of the budget, so that it runs in batches, not per segment.
 const LOW_WATER: f64 = 0.9;
 
-/// The S3 client: credentials, region and endpoint from the environment and profile chain
-/// (`AWS_ACCESS_KEY_ID`, `AWS_PROFILE`, instance metadata, ...), the bucket and endpoint from the
+/// The S3 client: credentials, region and endpoint from the environment and the credential chain
+/// (`AWS_ACCESS_KEY_ID`, web identity, ECS, instance metadata; no profile files), the bucket and endpoint from the
 /// options. Retries are bounded by the request timeout, so a dead server costs misses, not hangs.
 pub(super) fn connect(config: &ObjectConfig, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
     let timeout = Duration::from_millis(config.request_timeout_ms);
