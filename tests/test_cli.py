@@ -186,6 +186,24 @@ def test_ls_with_a_running_service(store: RunningStore) -> None:
     assert entry["open_in_service"] is True
 
 
+def test_ls_blocks_lists_every_block_per_tier(store: RunningStore) -> None:
+    """`kvtier ls --blocks`: the keys the service holds per tier, as the engines' KV events name them."""
+    report = run_json("ls", str(store.path), "--socket", str(store.socket), "--blocks")
+    [entry] = report["namespaces"]
+    assert set(entry) == NAMESPACE_KEYS | {"blocks", "blocks_truncated"}
+    assert entry["blocks_truncated"] is False
+    assert set(entry["blocks"]) == {"dram", "nvme", "shared"}
+    stored = {(i.to_bytes(8, "little") * 4).hex() for i in range(STORED)}
+    assert set(entry["blocks"]["dram"]) | set(entry["blocks"]["nvme"]) == stored
+    assert entry["blocks"]["shared"] == []
+    table = invoke("ls", str(store.path), "--socket", str(store.socket), "--blocks", "--plain")
+    assert table.exit_code == 0, table.output
+    assert "blocks per tier" in table.stdout and entry["digest"][:16] in table.stdout
+    store.stop()
+    refused = invoke("ls", str(store.path), "--socket", str(store.socket), "--blocks")
+    assert refused.exit_code == 1 and "needs the running service" in refused.output
+
+
 def test_status_and_ls_of_the_closed_store(store: RunningStore) -> None:
     store.stop()
     report = run_json("status", str(store.path), "--socket", str(store.socket))

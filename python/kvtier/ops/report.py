@@ -374,3 +374,62 @@ def print_status(report: dict[str, Any], output: Output) -> None:
     else:
         output.line(report["message"])
     _namespace_table(report, output, f"{len(report['namespaces'])} namespace(s) on disk")
+
+
+# --------------------------------------------------------------------------------------------
+# kvtier ls --blocks
+# --------------------------------------------------------------------------------------------
+
+# Keys asked for per namespace; the service answers at most its change log's capacity (65,536).
+LS_BLOCKS_MAX = 1 << 16
+
+
+def namespace_blocks(socket: Path, max_blocks: int = LS_BLOCKS_MAX) -> dict[str, dict[str, Any]]:
+    """The blocks each namespace the service has open holds, per tier (hex keys, sorted), keyed by
+    digest. Read from the namespace's change log as a new follower reads it (``Op::Changes`` from
+    cursor 0, docs/service.md): the store's residency as read at most 500 ms earlier, which is
+    exactly the set the engines' KV events describe. ``truncated``: the namespace holds more than
+    ``max_blocks`` block-tier entries and the lists are cut."""
+    from kvtier.service import connect
+
+    try:
+        listing = connect(socket, timeout_ms=10_000).namespaces()["namespaces"]
+    except Exception as error:
+        raise OpsError(f"--blocks needs the running service, and none answers on {socket} ({error})") from None
+    result: dict[str, dict[str, Any]] = {}
+    for ns in listing:
+        # A follower attaches to the namespace as one more rank-0 client of the same layout; its
+        # connection closes when the client is dropped, at the end of this iteration.
+        client = connect(socket, timeout_ms=60_000)
+        client.hello(bytes(ns["description"]), int(ns["tp_size"]), 0, int(ns["slice_bytes"]))
+        _reset, _next, changes = client.changes(0, max_blocks)
+        del client
+        tiers: dict[str, list[str]] = {"dram": [], "nvme": [], "shared": []}
+        for key, tier, removed in changes:
+            if not removed:
+                tiers[tier].append(bytes(key).hex())
+        result[ns["digest"]] = {
+            "blocks": {tier: sorted(keys) for tier, keys in tiers.items()},
+            "truncated": len(changes) >= max_blocks,
+        }
+    return result
+
+
+def add_blocks(report: dict[str, Any]) -> dict[str, Any]:
+    """``kvtier ls --blocks``: each namespace of ``report`` gains ``blocks`` (tier -> hex keys) and
+    ``blocks_truncated``; both null for a namespace the service does not have open."""
+    held = namespace_blocks(Path(report["socket"]))
+    for ns in report["namespaces"]:
+        entry = held.get(ns["digest"])
+        ns["blocks"] = entry["blocks"] if entry else None
+        ns["blocks_truncated"] = entry["truncated"] if entry else None
+    return report
+
+
+def print_blocks(report: dict[str, Any], output: Output) -> None:
+    rows = [
+        [ns["digest"][:16], *(str(len(ns["blocks"][tier])) for tier in ("dram", "nvme", "shared"))]
+        for ns in report["namespaces"]
+        if ns.get("blocks") is not None
+    ]
+    output.table("blocks per tier (service)", ["namespace", "dram", "nvme", "shared"], rows, right=3)
