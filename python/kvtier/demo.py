@@ -23,6 +23,9 @@ started by the first engine, holds the store and the DRAM pool they share (docs/
 Options: ``--preset tiny|kv8b`` (default kv8b: Llama-3-8B-sized KV, 128 KiB per token),
 ``--store DIR`` (default: a temporary directory, removed afterwards unless ``--keep-store``),
 ``--port``, ``--prefix-tokens``.
+
+``kvtier demo events`` (``python -m kvtier.demo events``) runs another demo: two servers with vLLM's
+KV events on and a router's index of them (``kvtier.demo_events``).
 """
 
 from __future__ import annotations
@@ -226,6 +229,11 @@ def failed_claims(results: list[RequestResult]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    words = sys.argv[1:] if argv is None else list(argv)
+    if words[:1] == ["events"]:  # `kvtier demo events`: KV events for routers (kvtier.demo_events)
+        from kvtier.demo_events import main as events_main
+
+        return events_main(words[1:])
     parser = argparse.ArgumentParser(prog="python -m kvtier.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="kv8b")
     parser.add_argument("--store", help="kvtier store directory (default: a temporary directory)")
