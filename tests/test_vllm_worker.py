@@ -25,6 +25,7 @@ import kvtier
 from kvtier import service as kvtier_service
 from kvtier.vllm import (
     GpuServiceWorker,
+    JobQueueWorker,
     KvtierLoadStoreSpec,
     KvtierManager,
     KvtierOptions,
@@ -84,7 +85,7 @@ def engine_blocks(ids: list[int]) -> GPULoadStoreSpec:
     return GPULoadStoreSpec(ids, group_sizes=[len(ids)], block_indices=[0])
 
 
-def finished(w: ServiceWorker, job_id: int, timeout_s: float = 10) -> bool:
+def finished(w: JobQueueWorker, job_id: int, timeout_s: float = 10) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if any(result.job_id == job_id for result in w.get_finished()):

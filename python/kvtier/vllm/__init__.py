@@ -6,8 +6,9 @@ This package owns everything vLLM-specific:
   (``"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.vllm"``).
 - ``KvtierManager`` (scheduler side): lookups from the store's in-memory index, pins held from
   ``prepare_load`` to ``complete_load``, ``prepare_store`` skipping blocks already present.
-- ``KvtierWorker`` (worker side): moves engine blocks to and from the store with batched,
-  asynchronous jobs (one kvtier object per engine block: that block's page in every layer).
+- Workers (worker side) move engine blocks to and from the store with batched, asynchronous jobs
+  (one kvtier object per engine block: that block's page in every layer): ``JobQueueWorker`` with a
+  ``ServiceCopy`` or ``GpuDma`` transport (host service), ``KvtierWorker`` (in-process store).
 - ``KvtierConnector``: an ``OffloadingConnector`` that can report a failed load to vLLM, which then
   recomputes the affected blocks. Plain ``OffloadingConnector`` cannot (vLLM 0.32 asserts every
   transfer succeeded), so with it a failed load stops the engine rather than serving wrong bytes.
@@ -94,8 +95,11 @@ from kvtier.vllm.spec import (
     KvtierOffloadingSpec,
 )
 from kvtier.vllm.worker import (
+    GpuDma,
     GpuServiceWorker,
+    JobQueueWorker,
     KvtierWorker,
+    ServiceCopy,
     ServiceWorker,
 )
 
@@ -103,7 +107,9 @@ __all__ = [
     "INTEGRATION_OPTION_DEFAULTS",
     "SPEC_MODULE_PATH",
     "SPEC_NAME",
+    "GpuDma",
     "GpuServiceWorker",
+    "JobQueueWorker",
     "KvtierConnector",
     "KvtierLoadStoreSpec",
     "KvtierManager",
@@ -114,6 +120,7 @@ __all__ = [
     "Prefetcher",
     "ServiceBackend",
     "ServiceConnection",
+    "ServiceCopy",
     "ServiceWorker",
     "SharedStore",
     "canonical_placement",

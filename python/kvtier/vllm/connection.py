@@ -20,7 +20,7 @@ from kvtier.vllm.options import KvtierOptions
 if TYPE_CHECKING:
     from kvtier.vllm.events import EventFeed
     from kvtier.vllm.prefetch import Prefetcher
-    from kvtier.vllm.worker import ServiceWorker
+    from kvtier.vllm.worker import JobQueueWorker
 
 logger = logging.getLogger("kvtier.vllm")
 
@@ -38,13 +38,13 @@ def service_connections() -> list[ServiceConnection]:
         return list(_service_connections)
 
 
-# Every ServiceWorker of this process (for the benchmarks: a worker in this process holds stores
+# Every JobQueueWorker of this process (for the benchmarks: a worker in this process holds stores
 # back, so "stored" means its queue is empty, not only that the service took what it was sent).
-_service_workers: weakref.WeakSet[ServiceWorker] = weakref.WeakSet()
+_service_workers: weakref.WeakSet[JobQueueWorker] = weakref.WeakSet()
 
 
 def wait_for_stores(timeout_s: float) -> bool:
-    """Waits until every ServiceWorker in this process has handed every store vLLM gave it to the
+    """Waits until every JobQueueWorker in this process has handed every store vLLM gave it to the
     service (or dropped it); False on timeout. Stores go in idle windows, so the engine must be idle."""
     with registry_lock:
         workers = list(_service_workers)

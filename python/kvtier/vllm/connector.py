@@ -11,7 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 
 from kvtier.vllm.options import SPEC_MODULE_PATH, SPEC_NAME
 from kvtier.vllm.spec import _constructing
-from kvtier.vllm.worker import KvtierWorker
+from kvtier.vllm.worker import JobQueueWorker, KvtierWorker
 
 logger = logging.getLogger("kvtier.vllm")
 
@@ -63,10 +63,10 @@ class KvtierConnector(OffloadingConnector):
         if worker is not None:
             worker.can_report_load_failures = True
 
-    def _kvtier_worker(self) -> KvtierWorker | None:
+    def _kvtier_worker(self) -> KvtierWorker | JobQueueWorker | None:
         connector_worker = self.connector_worker
         worker = getattr(connector_worker, "worker", None) if connector_worker is not None else None
-        return worker if isinstance(worker, KvtierWorker) else None
+        return worker if isinstance(worker, (KvtierWorker, JobQueueWorker)) else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         worker = self._kvtier_worker()

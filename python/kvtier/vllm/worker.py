@@ -1,5 +1,17 @@
-"""The worker side: jobs that copy engine blocks to and from the store (in-process, host service,
-GPU)."""
+"""The worker side: jobs that copy engine blocks to and from the store.
+
+Two workers, no inheritance between them:
+
+- ``KvtierWorker``: the one-process layout (``host_service: false``); the store's own threads run
+  the jobs.
+- ``JobQueueWorker``: the host-service layout; one job queue (loads first, stores held back during
+  prefill, fences for what vLLM waits on) on a thread of its own, composed with a transport that
+  does the copies: ``ServiceCopy`` (the CPU copies rows through the service's pool) or ``GpuDma``
+  (the GPU's DMA engine, ``kvtier.gpu``). ``ServiceWorker`` and ``GpuServiceWorker`` build one
+  with each.
+
+Both report finished jobs, and failed loads for recompute, through ``JobResults``.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +21,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -47,34 +59,88 @@ class _Job:
     ready: Any = None
 
 
+class JobResults:
+    """What vLLM collects of finished jobs: ``TransferResult``s, and the engine blocks of failed
+    loads (reported only when the connector may recompute them)."""
+
+    def __init__(self, object_bytes: int):
+        self.object_bytes = object_bytes
+        self.finished: list[TransferResult] = []
+        self.failed_load_block_ids: set[int] = set()
+        # Set by KvtierConnector: failed loads are reported to vLLM, which recomputes them.
+        self.can_report_load_failures = False
+
+    def complete(self, job: _Job, found: list[bool]) -> tuple[float, int]:
+        """Records ``job``'s outcome; returns its seconds and how many of a load's blocks failed."""
+        seconds = (time.monotonic_ns() - job.started_ns) / 1e9
+        first_failure = next((index for index, ok in enumerate(found) if not ok), len(found))
+        moved_blocks = first_failure if job.is_load else sum(1 for ok in found if ok)
+        success = True
+        if job.is_load and first_failure < len(found):
+            # Every block from the first failure on is invalid: later blocks of a prefix are
+            # useless without it, and vLLM truncates the request there anyway.
+            failed_block_ids = job.block_ids[first_failure:]
+            if self.can_report_load_failures:
+                self.failed_load_block_ids.update(failed_block_ids)
+            else:
+                logger.error(
+                    "kvtier: %d of %d blocks of load job %d failed (missing or failed verification). "
+                    "vLLM's OffloadingConnector cannot recompute a failed load, so the engine will stop "
+                    "instead of using wrong KV data. Use kv_connector='KvtierConnector' with "
+                    "kv_connector_module_path='kvtier.vllm' to recompute such blocks instead.",
+                    len(failed_block_ids),
+                    len(found),
+                    job.vllm_job_id,
+                )
+                success = False
+        self.finished.append(TransferResult(job.vllm_job_id, success, moved_blocks * self.object_bytes, seconds))
+        return seconds, len(found) - first_failure if job.is_load else 0
+
+    def take_finished(self) -> list[TransferResult]:
+        finished, self.finished = self.finished, []
+        return finished
+
+    def take_failed_load_block_ids(self) -> set[int]:
+        failed, self.failed_load_block_ids = self.failed_load_block_ids, set()
+        return failed
+
+
+def _check_job(vllm_job_id: int, keys: list[bytes], block_ids: list[int]) -> None:
+    if len(keys) != len(block_ids):
+        raise RuntimeError(
+            f"kvtier: job {vllm_job_id} has {len(keys)} keys for {len(block_ids)} engine blocks; "
+            "kvtier needs blocks_per_chunk=1 and one KV-cache group"
+        )
+
+
 class KvtierWorker(OffloadingWorker):
-    """Moves engine blocks to and from kvtier. One kvtier object per engine block: the block's page
-    in every layer, in layer order (the store gathers and scatters; no Python loop per block)."""
+    """Moves engine blocks to and from the in-process store (``host_service: false``). One kvtier
+    object per engine block: the block's page in every layer, in layer order (the store gathers and
+    scatters; no Python loop per block)."""
 
     def __init__(self, shared: SharedStore, layer_buffers: list[np.ndarray], page_bytes: int, job_timeout_ms: int):
         self._shared = shared
         self._store = shared.store
         self._layers = layer_buffers
-        self._page_bytes = page_bytes
-        self._object_bytes = page_bytes * len(layer_buffers)
         self._job_timeout_ms = job_timeout_ms
         self._in_flight: dict[int, _Job] = {}
-        self._finished: list[TransferResult] = []
-        self._failed_load_block_ids: set[int] = set()
-        # Set by KvtierConnector: failed loads are reported to vLLM, which recomputes them.
-        self.can_report_load_failures = False
+        self.results = JobResults(page_bytes * len(layer_buffers))
+
+    @property
+    def can_report_load_failures(self) -> bool:
+        return self.results.can_report_load_failures
+
+    @can_report_load_failures.setter
+    def can_report_load_failures(self, value: bool) -> None:
+        self.results.can_report_load_failures = value
 
     # -- submission -------------------------------------------------------------------------
 
     def _submit(self, vllm_job_id: int, is_load: bool, keys: list[bytes], block_ids: list[int]) -> bool:
-        if len(keys) != len(block_ids):
-            raise RuntimeError(
-                f"kvtier: job {vllm_job_id} has {len(keys)} keys for {len(block_ids)} engine blocks; "
-                "kvtier needs blocks_per_chunk=1 and one KV-cache group"
-            )
+        _check_job(vllm_job_id, keys, block_ids)
         started_ns = time.monotonic_ns()
         if not keys:
-            self._finished.append(TransferResult(vllm_job_id, True, 0, 0.0))
+            self.results.finished.append(TransferResult(vllm_job_id, True, 0, 0.0))
             return True
         store_job_id = self._shared.next_job_id()
         job = _Job(vllm_job_id, is_load, block_ids, started_ns)
@@ -105,32 +171,8 @@ class KvtierWorker(OffloadingWorker):
     # -- completion -------------------------------------------------------------------------
 
     def _complete(self, job: _Job, found: list[bool]) -> None:
-        seconds = (time.monotonic_ns() - job.started_ns) / 1e9
-        first_failure = next((index for index, ok in enumerate(found) if not ok), len(found))
-        moved_blocks = first_failure if job.is_load else sum(1 for ok in found if ok)
-        success = True
-        if job.is_load and first_failure < len(found):
-            # Every block from the first failure on is invalid: later blocks of a prefix are
-            # useless without it, and vLLM truncates the request there anyway.
-            failed_block_ids = job.block_ids[first_failure:]
-            if self.can_report_load_failures:
-                self._failed_load_block_ids.update(failed_block_ids)
-            else:
-                logger.error(
-                    "kvtier: %d of %d blocks of load job %d failed (missing or failed verification). "
-                    "vLLM's OffloadingConnector cannot recompute a failed load, so the engine will stop "
-                    "instead of using wrong KV data. Use kv_connector='KvtierConnector' with "
-                    "kv_connector_module_path='kvtier.vllm' to recompute such blocks instead.",
-                    len(failed_block_ids),
-                    len(found),
-                    job.vllm_job_id,
-                )
-                success = False
-        self._record_job("load" if job.is_load else "store", seconds, len(found) - first_failure if job.is_load else 0)
-        self._finished.append(TransferResult(job.vllm_job_id, success, moved_blocks * self._object_bytes, seconds))
-
-    def _record_job(self, kind: str, seconds: float, failed_blocks: int) -> None:
-        self._shared.record_job(kind, seconds, failed_blocks)
+        seconds, failed_blocks = self.results.complete(job, found)
+        self._shared.record_job("load" if job.is_load else "store", seconds, failed_blocks)
 
     def step_begins(self, prefill_tokens: int) -> None:
         """A forward pass starts (the in-process store's own threads do not hold stores back)."""
@@ -146,8 +188,7 @@ class KvtierWorker(OffloadingWorker):
 
     def get_finished(self) -> list[TransferResult]:
         self._drain_store()
-        finished, self._finished = self._finished, []
-        return finished
+        return self.results.take_finished()
 
     def wait(self, job_ids: set[int]) -> None:
         waiting = {store_job_id for store_job_id, job in self._in_flight.items() if job.vllm_job_id in job_ids}
@@ -167,8 +208,7 @@ class KvtierWorker(OffloadingWorker):
                 self._complete(job, found)
 
     def take_failed_load_block_ids(self) -> set[int]:
-        failed, self._failed_load_block_ids = self._failed_load_block_ids, set()
-        return failed
+        return self.results.take_failed_load_block_ids()
 
     def shutdown(self) -> None:
         for store_job_id in list(self._in_flight):
@@ -216,10 +256,114 @@ def _set_affinity(cores: set[int]) -> None:
         logger.debug("kvtier: binding the worker's job thread to cores %s failed: %s", sorted(cores), error)
 
 
-class ServiceWorker(KvtierWorker):
-    """A rank's worker in the host-service layout: copies its own slice of each block between its
-    KV cache and the service's shared pool, on a thread of its own, so that vLLM's step never waits
-    for a transfer it did not ask to wait for.
+class Transport(Protocol):
+    """Does a ``JobQueueWorker``'s copies, on its job thread."""
+
+    object_bytes: int
+
+    def on_job_thread(self) -> None:
+        """Runs first on the job thread."""
+
+    def ready_marker(self) -> Any:
+        """Runs on the engine's thread when vLLM submits a job; the job's copies wait for it."""
+
+    def load(self, job: _Job, keys: list[bytes], engine_idle: bool) -> list[bool]:
+        """Copies ``keys`` into ``job.block_ids``; ``engine_idle``: no forward pass runs, vLLM waits."""
+        ...
+
+    def store(self, job: _Job, keys: list[bytes], block_ids: list[int]) -> list[bool]: ...
+
+    def close(self) -> None:
+        """Runs while the connection's pool mapping is still there."""
+
+
+class ServiceCopy:
+    """The CPU copies a rank's rows between its KV cache and the service's shared pool (the Rust
+    binding's ``load_blocks``/``store_blocks``), on a spare core when there is one."""
+
+    def __init__(self, connection: ServiceConnection, layer_buffers: list[np.ndarray], page_bytes: int):
+        self._connection = connection
+        self._layers = layer_buffers
+        self.object_bytes = page_bytes * len(layer_buffers)
+        self._copy_threads = 1  # what the connection copies loads with now
+        # The cores vLLM bound this worker's compute to (this constructor runs on its main thread,
+        # after the binding) and the others: stores are copied on a spare core when there is one.
+        self._compute_cores = _affinity()
+        self._spare_cores = _usable_cores() - self._compute_cores if self._compute_cores else set()
+
+    def on_job_thread(self) -> None:
+        _set_affinity(self._spare_cores)
+
+    def ready_marker(self) -> Any:
+        return None
+
+    def load(self, job: _Job, keys: list[bytes], engine_idle: bool) -> list[bool]:
+        spread = self._spread_load(engine_idle)
+        found = self._connection.call("load_blocks", keys, self._layers, job.block_ids, default=None)
+        if spread:
+            _set_affinity(self._spare_cores)
+        return list(found) if found is not None else [False] * len(keys)
+
+    def store(self, job: _Job, keys: list[bytes], block_ids: list[int]) -> list[bool]:
+        found = self._connection.call("store_blocks", keys, self._layers, block_ids, default=None)
+        return list(found) if found is not None else [False] * len(keys)
+
+    def _spread_load(self, engine_idle: bool) -> bool:
+        """While no forward pass runs the engine waits for this load, so every core copies it (the
+        job thread's binding widens for the copy; True if it did). Beside a forward pass one thread
+        copies, on a spare core if there is one."""
+        threads = LOAD_COPY_THREADS if engine_idle else 1
+        if threads != self._copy_threads:
+            self._connection.call("set_copy_threads", threads)
+            self._copy_threads = threads
+        if engine_idle and self._spare_cores:
+            _set_affinity(self._spare_cores | self._compute_cores)
+            return True
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+class GpuDma:
+    """A GPU rank's copies, by the GPU's DMA engine (``kvtier.gpu``): stores reserve pool slots,
+    copy on a side stream after the engine's event, wait for their own event and commit; loads
+    acquire rounds and copy each while the service reads the next one from NVMe. The engine's stream
+    is never synchronized."""
+
+    def __init__(self, connection: ServiceConnection, rows: list[torch.Tensor]):
+        from kvtier.gpu.transfers import BlockTransfers
+
+        self._connection = connection
+        # Failed service calls of the transfers count as the connection's (metrics, logs).
+        self.transfers = BlockTransfers(rows, on_failed_call=connection.count_failed_call)
+        self.object_bytes = sum(int(r.shape[1]) for r in rows)
+        client = connection.live_client()
+        if client is not None:
+            try:
+                self.transfers.bind(client)  # pins the pool and picks the executor: fails at start-up
+            except Exception as error:
+                raise KvtierVllmConfigError(f"kvtier cannot move this rank's GPU KV cache: {error}") from error
+
+    def on_job_thread(self) -> None:
+        pass
+
+    def ready_marker(self) -> Any:
+        return self.transfers.ready_marker()
+
+    def load(self, job: _Job, keys: list[bytes], engine_idle: bool) -> list[bool]:
+        return self.transfers.load(self._connection.live_client(), keys, job.block_ids, job.ready)
+
+    def store(self, job: _Job, keys: list[bytes], block_ids: list[int]) -> list[bool]:
+        return self.transfers.store(self._connection.live_client(), keys, block_ids, job.ready)
+
+    def close(self) -> None:
+        self.transfers.close()  # unpins the pool before the connection unmaps it
+
+
+class JobQueueWorker(OffloadingWorker):
+    """A rank's worker in the host-service layout: runs vLLM's jobs on a thread of its own, so that
+    vLLM's step never waits for a transfer it did not ask to wait for; ``transport`` does the copies.
 
     Loads go first: a queued load is taken before the next batch of any store. Stores are held back
     while the engine runs a forward pass with prompt tokens in it (``defer_stores``): on a CPU engine
@@ -230,22 +374,17 @@ class ServiceWorker(KvtierWorker):
     def __init__(
         self,
         connection: ServiceConnection,
-        layer_buffers: list[np.ndarray],
-        page_bytes: int,
+        transport: Transport,
         job_timeout_ms: int,
         defer_stores: bool = True,
         deferred_store_max_blocks: int = 4096,
     ):
         self._connection = connection
-        self._layers = layer_buffers
-        self._page_bytes = page_bytes
-        self._object_bytes = page_bytes * len(layer_buffers)
+        self.transport = transport
         self._job_timeout_ms = job_timeout_ms
         self._defer_stores = defer_stores
         self._deferred_store_max_blocks = deferred_store_max_blocks
-        self._finished: list[TransferResult] = []
-        self._failed_load_block_ids: set[int] = set()
-        self.can_report_load_failures = False
+        self.results = JobResults(transport.object_bytes)
         self._cv = threading.Condition()
         self._loads: list[tuple[_Job, list[bytes]]] = []
         self._stores: list[_StoreWork] = []
@@ -253,12 +392,7 @@ class ServiceWorker(KvtierWorker):
         self._urgent: set[int] = set()  # store jobs vLLM waits for: never held back
         self._prefill_running = False
         self._forward_running = False
-        self._copy_threads = 1  # what the connection copies loads with now
         self._stopping = False
-        # The cores vLLM bound this worker's compute to (this constructor runs on its main thread,
-        # after the binding) and the others: stores are copied on a spare core when there is one.
-        self._compute_cores = _affinity()
-        self._spare_cores = _usable_cores() - self._compute_cores if self._compute_cores else set()
         # Counters (read by tests and the benchmark): stores held back by a prefill step, and blocks
         # dropped because the held-back backlog was full.
         self.deferred_store_jobs = 0
@@ -268,8 +402,14 @@ class ServiceWorker(KvtierWorker):
         with registry_lock:
             _service_workers.add(self)
 
-    def _record_job(self, kind: str, seconds: float, failed_blocks: int) -> None:
-        pass  # the transfer time reaches vLLM's metrics through TransferResult
+    @property
+    def can_report_load_failures(self) -> bool:
+        return self.results.can_report_load_failures
+
+    @can_report_load_failures.setter
+    def can_report_load_failures(self, value: bool) -> None:
+        with self._cv:
+            self.results.can_report_load_failures = value
 
     def wait_stores_done(self, deadline: float) -> bool:
         """Waits (until the monotonic ``deadline``) for the store queue to empty; False on timeout."""
@@ -299,15 +439,11 @@ class ServiceWorker(KvtierWorker):
     # -- submission ------------------------------------------------------------------------------
 
     def _submit(self, vllm_job_id: int, is_load: bool, keys: list[bytes], block_ids: list[int]) -> bool:
-        if len(keys) != len(block_ids):
-            raise RuntimeError(
-                f"kvtier: job {vllm_job_id} has {len(keys)} keys for {len(block_ids)} engine blocks; "
-                "kvtier needs blocks_per_chunk=1 and one KV-cache group"
-            )
-        job = _Job(vllm_job_id, is_load, block_ids, time.monotonic_ns(), self._ready_marker())
+        _check_job(vllm_job_id, keys, block_ids)
+        job = _Job(vllm_job_id, is_load, block_ids, time.monotonic_ns(), self.transport.ready_marker())
         with self._cv:
             if not keys:
-                self._finished.append(TransferResult(vllm_job_id, True, 0, 0.0))
+                self.results.finished.append(TransferResult(vllm_job_id, True, 0, 0.0))
                 return True
             if is_load:
                 self._loads.append((job, keys))
@@ -320,9 +456,17 @@ class ServiceWorker(KvtierWorker):
             self._cv.notify_all()
         return True
 
-    def _ready_marker(self) -> Any:
-        """Runs on the engine's thread at submission (GPU workers record an event there)."""
-        return None
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        assert isinstance(dst_spec, KvtierLoadStoreSpec), f"unexpected store spec {type(dst_spec).__name__}"
+        return self._submit(job_id, False, dst_spec.keys, src_spec.block_ids.tolist())
+
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+    ) -> bool:
+        # vLLM 0.33 passes expedited=True for a load a step waits on; every load here already goes
+        # before any store, so it needs nothing more.
+        assert isinstance(src_spec, KvtierLoadStoreSpec), f"unexpected load spec {type(src_spec).__name__}"
+        return self._submit(job_id, True, src_spec.keys, dst_spec.block_ids.tolist())
 
     def _backlog_blocks(self) -> int:
         return sum(work.remaining for work in self._stores)
@@ -337,7 +481,7 @@ class ServiceWorker(KvtierWorker):
                 self._deferred_store_max_blocks,
             )
         self.dropped_store_blocks += len(keys)
-        self._complete(job, [False] * len(keys))
+        self.results.complete(job, [False] * len(keys))
 
     # -- the job thread --------------------------------------------------------------------------
 
@@ -359,7 +503,7 @@ class ServiceWorker(KvtierWorker):
             self._cv.wait()
 
     def _run(self) -> None:
-        _set_affinity(self._spare_cores)
+        self.transport.on_job_thread()
         while True:
             with self._cv:
                 work = self._next_work()
@@ -369,36 +513,11 @@ class ServiceWorker(KvtierWorker):
                 self._store_batch(work)
                 continue
             job, keys = work
-            self._finish(job, self._load(job, keys))
-
-    def _load(self, job: _Job, keys: list[bytes]) -> list[bool]:
-        spread = self._spread_load()
-        found = self._connection.call("load_blocks", keys, self._layers, job.block_ids, default=None)
-        if spread:
-            _set_affinity(self._spare_cores)
-        return list(found) if found is not None else [False] * len(keys)
-
-    def _store(self, job: _Job, keys: list[bytes], block_ids: list[int]) -> list[bool]:
-        found = self._connection.call("store_blocks", keys, self._layers, block_ids, default=None)
-        return list(found) if found is not None else [False] * len(keys)
-
-    def _spread_load(self) -> bool:
-        """While no forward pass runs the engine waits for this load, so every core copies it (the
-        job thread's binding widens for the copy; True if it did). Beside a forward pass one thread
-        copies, on a spare core if there is one."""
-        idle = not self._forward_running
-        threads = LOAD_COPY_THREADS if idle else 1
-        if threads != self._copy_threads:
-            self._connection.call("set_copy_threads", threads)
-            self._copy_threads = threads
-        if idle and self._spare_cores:
-            _set_affinity(self._spare_cores | self._compute_cores)
-            return True
-        return False
+            self._finish(job, self.transport.load(job, keys, engine_idle=not self._forward_running))
 
     def _store_batch(self, work: _StoreWork) -> None:
-        batch = slice(work.copied, work.copied + max(1, STORE_BATCH_BYTES // self._object_bytes))
-        work.found[batch] = self._store(work.job, work.keys[batch], work.job.block_ids[batch])
+        batch = slice(work.copied, work.copied + max(1, STORE_BATCH_BYTES // self.transport.object_bytes))
+        work.found[batch] = self.transport.store(work.job, work.keys[batch], work.job.block_ids[batch])
         keys = work.keys[batch]
         with self._cv:
             work.copied += len(keys)
@@ -409,7 +528,7 @@ class ServiceWorker(KvtierWorker):
 
     def _finish(self, job: _Job, found: list[bool]) -> None:
         with self._cv:
-            self._complete(job, found)
+            self.results.complete(job, found)
             self._pending.discard(job.vllm_job_id)
             self._urgent.discard(job.vllm_job_id)
             self._cv.notify_all()
@@ -418,8 +537,7 @@ class ServiceWorker(KvtierWorker):
 
     def get_finished(self) -> list[TransferResult]:
         with self._cv:
-            finished, self._finished = self._finished, []
-        return finished
+            return self.results.take_finished()
 
     def wait(self, job_ids: set[int]) -> None:
         deadline = time.monotonic() + self._job_timeout_ms / 1000
@@ -439,53 +557,39 @@ class ServiceWorker(KvtierWorker):
 
     def take_failed_load_block_ids(self) -> set[int]:
         with self._cv:
-            failed, self._failed_load_block_ids = self._failed_load_block_ids, set()
-        return failed
+            return self.results.take_failed_load_block_ids()
 
     def shutdown(self) -> None:
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
         self._thread.join(timeout=self._job_timeout_ms / 1000)
-        self._before_disconnect()
+        self.transport.close()
         self._connection.close()
 
-    def _before_disconnect(self) -> None:
-        """What must end while the connection's pool mapping is still there."""
+
+class ServiceWorker(JobQueueWorker):
+    """A CPU rank's worker in the host-service layout: the job queue with ``ServiceCopy`` (a
+    constructor only: the queue's behaviour is ``JobQueueWorker``'s, the copies the transport's)."""
+
+    def __init__(
+        self,
+        connection: ServiceConnection,
+        layer_buffers: list[np.ndarray],
+        page_bytes: int,
+        job_timeout_ms: int,
+        defer_stores: bool = True,
+        deferred_store_max_blocks: int = 4096,
+    ):
+        transport = ServiceCopy(connection, layer_buffers, page_bytes)
+        super().__init__(connection, transport, job_timeout_ms, defer_stores, deferred_store_max_blocks)
 
 
-class GpuServiceWorker(ServiceWorker):
-    """A rank whose KV cache is on a GPU: the same job queue, with the copies done by the GPU's
-    DMA engine (``kvtier.gpu``): stores reserve pool slots, copy on a side stream after the engine's
-    event, wait for their own event and commit; loads acquire rounds and copy each while the service
-    reads the next one from NVMe. The engine's stream is never synchronized. No CPU copy threads are
-    involved, so stores need not be held back behind prefill (``defer_stores`` is off)."""
+class GpuServiceWorker(JobQueueWorker):
+    """A GPU rank's worker: the job queue with ``GpuDma`` (a constructor only). No CPU copy threads
+    are involved, so stores need not be held back behind prefill (``defer_stores`` is off)."""
 
     def __init__(self, connection: ServiceConnection, rows: list[torch.Tensor], job_timeout_ms: int):
-        from kvtier.gpu.transfers import BlockTransfers
-
-        # Failed service calls of the transfers count as the connection's (metrics, logs).
-        self.transfers = BlockTransfers(rows, on_failed_call=connection.count_failed_call)
-        client = connection.live_client()
-        if client is not None:
-            try:
-                self.transfers.bind(client)  # pins the pool and picks the executor: fails at start-up
-            except Exception as error:
-                raise KvtierVllmConfigError(f"kvtier cannot move this rank's GPU KV cache: {error}") from error
-        super().__init__(connection, rows, int(rows[0].shape[1]), job_timeout_ms, defer_stores=False)  # type: ignore[arg-type]
-        self._object_bytes = sum(int(r.shape[1]) for r in rows)
-
-    def _ready_marker(self) -> Any:
-        return self.transfers.ready_marker()
-
-    def _spread_load(self) -> bool:
-        return False
-
-    def _load(self, job: _Job, keys: list[bytes]) -> list[bool]:
-        return self.transfers.load(self._connection.live_client(), keys, job.block_ids, job.ready)
-
-    def _store(self, job: _Job, keys: list[bytes], block_ids: list[int]) -> list[bool]:
-        return self.transfers.store(self._connection.live_client(), keys, block_ids, job.ready)
-
-    def _before_disconnect(self) -> None:
-        self.transfers.close()  # unpins the pool before the connection unmaps it
+        transport = GpuDma(connection, rows)
+        self.transfers = transport.transfers
+        super().__init__(connection, transport, job_timeout_ms, defer_stores=False)
