@@ -846,6 +846,17 @@ pub static OPTIONS: &[ConfigOption] = &[
         get: |c| int(bucket_get(c, |b| b.request_timeout_ms)),
     },
     ConfigOption {
+        name: "bucket_lease_ms",
+        field: "bucket.lease_ms",
+        python: true,
+        kind: OptionKind::Int,
+        unset: "",
+        constraint: ">= 100 and >= 2 x bucket_refresh_ms",
+        description: "Term of the evictor lease: of the stores with a budget on one prefix only the holder evicts; one that stops renewing loses it after this.",
+        set: |c, v| bucket_mut(c).lease_ms = v.int(),
+        get: |c| int(bucket_get(c, |b| b.lease_ms)),
+    },
+    ConfigOption {
         name: "bucket_key_file",
         field: "bucket.key_file",
         python: true,

@@ -26,6 +26,9 @@ pub struct ObjectConfig {
     pub reads_in_flight: usize,
     /// A request (one GET of a block, a PUT of a segment) that takes longer is a miss or an error.
     pub request_timeout_ms: u64,
+    /// Term of the evictor lease (only stores with a budget take it); a holder that stops renewing
+    /// loses it after this.
+    pub lease_ms: u64,
     /// Deployment key file (as `shared_key_file`); unset: `KVTIER_SHARED_KEY_FILE` if set, else no MAC.
     pub key_file: Option<PathBuf>,
 }
@@ -42,6 +45,7 @@ impl ObjectConfig {
             publish_queue_bytes: 256 << 20,
             reads_in_flight: 32,
             request_timeout_ms: 10_000,
+            lease_ms: 10_000,
             key_file: None,
         }
     }
@@ -98,6 +102,15 @@ impl ObjectConfig {
         }
         if !(1..=1024).contains(&self.reads_in_flight) {
             return Err(Error::config("bucket_reads_in_flight", "give 1 ..= 1024"));
+        }
+        if self.lease_ms < 100 || self.lease_ms < 2 * self.refresh_ms {
+            return Err(Error::config(
+                "bucket_lease_ms",
+                format!(
+                    "{} is too short; give at least 100 and twice bucket_refresh_ms ({})",
+                    self.lease_ms, self.refresh_ms
+                ),
+            ));
         }
         if !(100..=600_000).contains(&self.request_timeout_ms) {
             return Err(Error::config("bucket_request_timeout_ms", "give 100 ..= 600000"));

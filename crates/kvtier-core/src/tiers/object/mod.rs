@@ -9,6 +9,7 @@
 
 pub mod config;
 pub mod format;
+mod lease;
 mod sync;
 mod writer;
 
@@ -100,6 +101,8 @@ pub struct ObjectTier {
     stop: Mutex<bool>,
     stop_cv: Condvar,
     closed: AtomicBool,
+    /// Whether the last maintenance pass held the evictor lease.
+    lease_held: AtomicBool,
     maintenance: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -143,6 +146,7 @@ impl ObjectTier {
             stop: Mutex::new(false),
             stop_cv: Condvar::new(),
             closed: AtomicBool::new(false),
+            lease_held: AtomicBool::new(false),
             maintenance: Mutex::new(None),
         });
         tier.refresh().map_err(|e| refused(&bucket, config, e))?;
@@ -294,6 +298,7 @@ impl ObjectTier {
                 let _ = h.join();
             }
         }
+        self.release_lease();
     }
 }
 

@@ -41,7 +41,7 @@ pub(super) fn connect(config: &ObjectConfig, bucket: &str) -> Result<Arc<dyn Obj
 }
 
 impl ObjectTier {
-    fn list(&self, dir: &str) -> std::io::Result<Vec<ObjectMeta>> {
+    pub(super) fn list(&self, dir: &str) -> std::io::Result<Vec<ObjectMeta>> {
         Stats::add(&self.stats.bucket_list_requests, 1);
         let prefix = ObjectPath::from(format!("{}/{dir}", self.base));
         let store = &self.store;
@@ -148,8 +148,9 @@ impl ObjectTier {
         }
     }
 
-    /// Keeps the namespace's segments under `bucket_budget_bytes`: when the listed segments exceed
-    /// it, the oldest are deleted (index object first, so readers stop choosing them) down to 90%.
+    /// Keeps the namespace's segments under `bucket_budget_bytes` (run by the lease holder): when the
+    /// listed segments exceed it, the oldest are deleted (index object first, so readers stop
+    /// choosing them) down to 90%.
     /// Returns how many segments were evicted.
     pub fn evict(&self) -> Result<usize> {
         if self.config.budget_bytes == 0 {
@@ -180,7 +181,7 @@ impl ObjectTier {
         Ok(evicted)
     }
 
-    fn delete(&self, path: &ObjectPath) -> std::io::Result<()> {
+    pub(super) fn delete(&self, path: &ObjectPath) -> std::io::Result<()> {
         Stats::add(&self.stats.bucket_delete_requests, 1);
         let (store, timeout) = (&self.store, self.timeout());
         let r = self.rt.block_on(async { tokio::time::timeout(timeout, store.delete(path)).await });
@@ -192,12 +193,16 @@ impl ObjectTier {
         }
     }
 
-    /// One maintenance pass: publish a segment that waited long enough, refresh, keep the budget.
+    /// One maintenance pass: publish a segment that waited long enough, refresh, and, holding the
+    /// evictor lease, keep the budget.
     pub fn maintain(&self) {
         self.publish_if_due();
         if let Err(e) = self.refresh() {
             log::debug!("kvtier: bucket refresh failed: {e}");
             Stats::add(&self.stats.bucket_request_errors, 1);
+        }
+        if self.config.budget_bytes == 0 || !self.hold_lease() {
+            return;
         }
         if let Err(e) = self.evict() {
             log::debug!("kvtier: bucket eviction failed: {e}");
