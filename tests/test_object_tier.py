@@ -312,6 +312,28 @@ def test_budget_evicts_the_oldest_segments_by_the_lease_holder_only(rgw, nodes, 
     assert 1 <= len(leases) <= 2, leases
 
 
+def test_objects_deleted_behind_its_back_are_misses_then_forgotten(rgw, nodes, bucket):
+    """What an expiry lifecycle rule does (not the rule itself: RGW runs those on a daily schedule):
+    a segment deleted while indexed is a miss at once; a deleted index object leaves the index at the
+    next listing."""
+    a = nodes.open("a", **bucket)
+    publish(a, list(range(16)))  # two segments
+    b = nodes.open("b", **bucket)
+    assert wait_visible(b, [key(i) for i in range(16)])
+    prefix = bucket["bucket_url"].removeprefix(f"s3://{BUCKET}/")
+    names = sorted(k for k, _ in rgw.keys(prefix))
+    segments = [k for k in names if k.endswith(".kvo")]
+    indexes = [k for k in names if k.endswith(".kvi")]
+    assert rgw.s3("DELETE", f"{BUCKET}/{segments[0]}")[0] == 204
+    assert not any(load(b, list(range(8))))
+    assert b.stats()["bucket_request_errors"] == 0  # a 404 is a clean miss
+    assert rgw.s3("DELETE", f"{BUCKET}/{indexes[1]}")[0] == 204
+    deadline = time.monotonic() + 5
+    while b.contains_many([key(i) for i in range(8, 16)]) != [False] * 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert b.contains_many([key(i) for i in range(8, 16)]) == [False] * 8
+
+
 def test_a_stopped_server_costs_misses_not_a_hang(rgw, nodes, bucket):
     a = nodes.open("a", **bucket)
     publish(a, list(range(16)))
