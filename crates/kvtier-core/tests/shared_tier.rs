@@ -1,6 +1,7 @@
 //! The shared-filesystem tier against real files in temporary directories (and child processes for
 //! the concurrency and lease tests).
 
+use kvtier_core::format::shared::Lease;
 use kvtier_core::Stats;
 use kvtier_core::{BlockKey, Namespace};
 use kvtier_core::{Error, Store, StoreConfig};
@@ -260,6 +261,42 @@ fn watermarks_evict_least_recently_used_files_after_grace() {
     assert_eq!(hot_reads, 40, "the recently read file was evicted");
     assert!(read_ok(&a, 0));
     assert!(!a.contains(&key(20)), "an old, unread file should be gone");
+}
+
+/// Forged evictor leases (anyone who can write the root can plant one): of the highest possible
+/// generation, and expiring at the end of time. Both are ignored as forged and eviction goes on.
+/// Before, the latter held every process off for good (usage grew past the high watermark), and
+/// the former left no next generation to take (the increment overflows).
+#[test]
+fn a_forged_lease_of_the_last_generation_does_not_stop_eviction() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(dir.path());
+    c.capacity_bytes = Some(4 << 20); // high 3.6 MiB, low 3.2 MiB
+    let (a, stats) = open(&c, "model-a");
+    let lease_dir = a.namespace_dir().join("lease");
+    std::fs::create_dir_all(&lease_dir).unwrap();
+    for generation in [u64::MAX, 1 << 40] {
+        let forged = Lease { generation, holder: 0xdead, expires_unix_ms: u64::MAX, renewed_unix_ms: now_ms() };
+        std::fs::write(lease_dir.join(format!("{generation:016x}.lease")), forged.encode()).unwrap();
+    }
+    for round in 0..30u64 {
+        let keys: Vec<_> = (round * 15..round * 15 + 15).map(key).collect();
+        let values: Vec<_> = (round * 15..round * 15 + 15).map(value).collect();
+        let refs: Vec<&[u8]> = values.iter().map(|v| v.as_slice()).collect();
+        // Refused at the hard ceiling while victims wait out their grace period: fine here.
+        let _ = a.publish_values(&keys, &refs);
+        a.flush();
+        std::thread::sleep(Duration::from_millis(30));
+        let usage = a.usage();
+        assert!(
+            usage.used_bytes <= (0.95 * usage.capacity_bytes as f64) as u64 + (256 << 10),
+            "round {round}: usage {} of {}: eviction stopped",
+            usage.used_bytes,
+            usage.capacity_bytes
+        );
+    }
+    assert!(stats.snapshot().shared_evicted_files > 0, "{:?}", stats.snapshot());
+    assert!(wait_until(Duration::from_secs(2), || a.is_evictor()), "no process holds a real lease generation");
 }
 
 #[test]
