@@ -2,7 +2,8 @@
 # Runs every check and test: static checks (scripts/lint.sh: rustfmt, clippy, ruff, mypy), the Rust
 # core (both I/O engines, crash torture, faults, fuzzing at CI size), then the Python suite (API,
 # benchmark smoke run, and the slow tests on the real vLLM engine).
-# Needs scripts/setup.sh first. Extra arguments go to pytest (e.g. -m "not slow").
+# Needs scripts/setup.sh first. Extra arguments go to pytest (e.g. -m "not slow"). KVTIER_FULL_TESTS=1 also runs
+# the tests marked `full` (benchmarks end to end beyond smoke size; CI skips them for time).
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"

@@ -111,7 +111,10 @@ def test_shared_file_bytes_reaches_both_nodes_store_config(tmp_path) -> None:
         blocks.ttft.make_plan(blocks.ttft.build_parser().parse_args([*argv[:-1], "1MiB"]))
 
 
+# Full only: two `kvtier bench ttft --small` runs (about 3 minutes); the sweep's plumbing into each run
+# is checked above without an engine, and `kvtier bench ttft --small` runs in tests/test_bench_ttft.py.
 @pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (scripts/install_vllm.sh)")
 def test_small_sweep_runs_every_block_size(tmp_path) -> None:
     out = tmp_path / "out"

@@ -50,6 +50,9 @@ def test_small_run_measures_ext4_xfs_and_the_local_shared_tier(tmp_path: Path) -
     assert not [line for line in Path("/proc/mounts").read_text().splitlines() if str(tmp_path) in line]
 
 
+# Full only: five engine starts; a fresh engine reading a prompt from the shared tier is checked by
+# tests/test_vllm_tiers.py::test_second_engine_hits_blocks_published_by_first.
+@pytest.mark.full
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (scripts/install_vllm.sh)")
 def test_small_exp5_ttft_reads_every_block_of_the_prompt_from_the_local_shared_tier(tmp_path: Path) -> None:
     out = tmp_path / "out"
