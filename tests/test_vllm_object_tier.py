@@ -4,8 +4,9 @@ recompute baseline, and publishes its blocks to the object tier; engine B, a fre
 empty local store), gets the prefix from the bucket with the same output.
 
 Run: ``KVTIER_VLLM_OBJECT_TIER=1 .venv/bin/python -m pytest tests/test_vllm_object_tier.py -v -s`` (root,
-radosgw). Opt-in: two engine starts cost about 150 s, more than CI's budget has room for; without
-the variable the test skips saying so.
+radosgw), or with the other full tests (``KVTIER_FULL_TESTS=1 bash scripts/test.sh``). Opt-in: two
+engine starts cost about 150 s, more than CI's budget has room for; without either variable the test
+skips saying so.
 """
 
 from __future__ import annotations
@@ -21,8 +22,13 @@ from pathlib import Path
 
 import pytest
 
-if os.environ.get("KVTIER_VLLM_OBJECT_TIER") != "1":  # before importing vLLM: a skip costs nothing
-    pytest.skip("opt-in (about 150 s): set KVTIER_VLLM_OBJECT_TIER=1 to run it", allow_module_level=True)
+# Before importing vLLM: a skip costs nothing.
+if "1" not in (os.environ.get("KVTIER_VLLM_OBJECT_TIER"), os.environ.get("KVTIER_FULL_TESTS")):
+    pytest.skip(
+        "full-size check, not in CI's time budget (about 150 s): KVTIER_FULL_TESTS=1 or KVTIER_VLLM_OBJECT_TIER=1 "
+        "runs it",
+        allow_module_level=True,
+    )
 
 import kvtier.vllm as kvtier_vllm
 from kvtier.models import ensure_model
