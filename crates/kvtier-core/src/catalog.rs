@@ -72,6 +72,11 @@ impl Entry {
         self.dram_ready || self.nvme.is_some()
     }
 
+    /// The local tiers the block is loadable from: bit 0 DRAM, bit 1 NVMe (`service::changes`).
+    fn tiers(&self) -> u8 {
+        self.counted().tiers()
+    }
+
     fn counted(&self) -> Counted {
         Counted {
             dram: u64::from(self.dram_ready),
@@ -103,6 +108,46 @@ impl Counted {
         self.nvme -= other.nvme;
         self.visible -= other.visible;
     }
+
+    /// One entry's counts as its tier bits (`Entry::tiers`).
+    fn tiers(self) -> u8 {
+        u8::from(self.dram > 0) | (u8::from(self.nvme > 0) << 1)
+    }
+}
+
+/// The keys whose tier bits (`Entry::tiers`) changed since the change log last read them, so that
+/// a refresh of the log looks up those keys instead of walking the index (4M blocks: a 2 s walk
+/// under the lock, every 500 ms while an engine follows the log). Kept only once a change log asked
+/// (`residency_changes`); past `cap` keys it gives up and forgets them (`overflowed`): the next
+/// refresh walks the whole index, as it would have anyway, and a log nobody reads any more costs
+/// no memory beyond the cap.
+struct ResidencyTracker {
+    keys: HashSet<BlockKey>,
+    cap: usize,
+    overflowed: bool,
+}
+
+impl ResidencyTracker {
+    fn note(&mut self, key: &BlockKey, before: u8, after: u8) {
+        if before == after || self.overflowed || self.keys.contains(key) {
+            return;
+        }
+        if self.keys.len() >= self.cap {
+            self.overflowed = true;
+            self.keys = HashSet::new();
+            return;
+        }
+        self.keys.insert(*key);
+    }
+}
+
+/// `Catalog::residency_changes`'s answer.
+#[derive(Debug, PartialEq, Eq)]
+pub enum ResidencyChanges {
+    /// Every block with a local tier (the first refresh, or more than `cap` keys changed).
+    All(HashMap<BlockKey, u8>),
+    /// The keys whose tiers changed since the last call, with their tiers now (0: in none).
+    Keys(Vec<(BlockKey, u8)>),
 }
 
 /// The block index: entries by key, their keys by sequence (a scrub walks that order without sorting
@@ -119,6 +164,8 @@ struct Index {
     settled: Counted,
     /// The entry `get_mut` handed out last, with its counts as they were then.
     changing: Option<(BlockKey, Counted)>,
+    /// Keys whose tier bits changed, while a change log follows (`None`: none ever asked).
+    tracker: Option<ResidencyTracker>,
 }
 
 impl Index {
@@ -141,7 +188,10 @@ impl Index {
         self.settle();
         self.settled.add(entry.counted());
         self.by_sequence.insert((entry.sequence, key));
-        if let Some(old) = self.by_key.insert(key, entry) {
+        let after = entry.tiers();
+        let old = self.by_key.insert(key, entry);
+        self.note(&key, old.as_ref().map_or(0, Entry::tiers), after);
+        if let Some(old) = old {
             self.forget(&key, &old);
         }
     }
@@ -149,8 +199,15 @@ impl Index {
     fn remove(&mut self, key: &BlockKey) -> Option<Entry> {
         self.settle();
         let old = self.by_key.remove(key)?;
+        self.note(key, old.tiers(), 0);
         self.forget(key, &old);
         Some(old)
+    }
+
+    fn note(&mut self, key: &BlockKey, before: u8, after: u8) {
+        if let Some(tracker) = &mut self.tracker {
+            tracker.note(key, before, after);
+        }
     }
 
     fn forget(&mut self, key: &BlockKey, old: &Entry) {
@@ -161,7 +218,19 @@ impl Index {
 
     fn settle(&mut self) {
         self.settled = self.counted();
-        self.changing = None;
+        if let Some((key, before)) = self.changing.take() {
+            let after = self.by_key[&key].tiers();
+            self.note(&key, before.tiers(), after);
+        }
+    }
+
+    /// Starts tracking the keys whose tiers change (again, after an overflow), empty.
+    fn track(&mut self, cap: usize) -> &mut ResidencyTracker {
+        self.settle();
+        let tracker =
+            self.tracker.get_or_insert_with(|| ResidencyTracker { keys: HashSet::new(), cap, overflowed: false });
+        tracker.cap = cap;
+        tracker
     }
 
     /// The counts of every entry as it is now.
@@ -1277,11 +1346,30 @@ impl Catalog {
     /// service's change log for KV events, `service::changes`).
     pub fn residency(&self, into: &mut HashMap<BlockKey, u8>) {
         for (key, e) in &self.index {
-            let tiers = u8::from(e.dram_ready) | (u8::from(e.nvme.is_some()) << 1);
+            let tiers = e.tiers();
             if tiers != 0 {
                 into.insert(*key, tiers);
             }
         }
+    }
+
+    /// What changed in `residency()` since the last call: the keys whose tiers changed, looked up
+    /// now (O(changes) under the lock). The first call, a call with `full` (a log that has not seen
+    /// the state), and the first after more than `cap` keys changed walk the whole index instead.
+    /// From the first call on, the index records the keys whose tiers change (`ResidencyTracker`).
+    pub fn residency_changes(&mut self, full: bool, cap: usize) -> ResidencyChanges {
+        let first = self.index.tracker.is_none();
+        let tracker = self.index.track(cap);
+        if first || full || tracker.overflowed {
+            tracker.overflowed = false;
+            tracker.keys.clear();
+            let mut all = HashMap::new();
+            self.residency(&mut all);
+            return ResidencyChanges::All(all);
+        }
+        let keys: Vec<BlockKey> = tracker.keys.drain().collect();
+        let index = &self.index;
+        ResidencyChanges::Keys(keys.into_iter().map(|k| (k, index.get(&k).map_or(0, Entry::tiers))).collect())
     }
 
     /// Visible blocks (for progress totals).

@@ -18,9 +18,10 @@
 //! - a key is never both missing and readable, and a put never reaches a key that is visible.
 
 use super::*;
+use crate::service::changes::{Change, ChangeLog, ChangesReply, TIER_SHARED};
 use crate::tiers::eviction::{Lru, S3Fifo};
 use proptest::prelude::*;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 const SLOT_BYTES: u64 = 4096;
 const KEYS: u8 = 7;
@@ -964,8 +965,94 @@ impl Model {
     }
 }
 
+/// Keys a catalog tracks between two refreshes of the change logs below: small, so that overflows
+/// (and the full walk after them) happen in the model's runs too.
+const TRACK_CAP: usize = 3;
+
+/// Two change logs fed after every step (issue 26): one with full snapshots of the residency (the
+/// service's way before the catalog tracked changes), one with `Catalog::residency_changes`. They
+/// must tell a follower the same thing; and the tracked keys, applied to what was applied before,
+/// must give the full walk (a key whose tiers changed and was not recorded fails here).
+struct Followers {
+    full: ChangeLog,
+    tracked: ChangeLog,
+    cursors: (u64, u64),
+    applied: HashMap<BlockKey, u8>,
+    shared_seen: Option<Vec<BlockKey>>,
+}
+
+/// `(key, tier)` pairs of a reply, sorted.
+type Tiers = Vec<(BlockKey, u8)>;
+
+/// A follower's view of one reply: removals come before additions; each part sorted.
+fn removals_then_additions(changes: Vec<Change>) -> (Tiers, Tiers) {
+    assert!(
+        changes.windows(2).all(|w| w[0].removed || !w[1].removed),
+        "an addition came before a removal: {changes:?}"
+    );
+    let part = |removed: bool| {
+        let mut part: Tiers = changes.iter().filter(|c| c.removed == removed).map(|c| (c.key, c.tier)).collect();
+        part.sort_unstable_by_key(|(k, t)| (k.0, *t));
+        part
+    };
+    (part(true), part(false))
+}
+
+impl Followers {
+    fn new() -> Self {
+        Followers {
+            full: ChangeLog::new(1 << 16),
+            tracked: ChangeLog::new(1 << 16),
+            cursors: (0, 0),
+            applied: HashMap::new(),
+            shared_seen: None,
+        }
+    }
+
+    fn follow(&mut self, m: &mut Model) {
+        let mut local = HashMap::new();
+        m.cat.residency(&mut local);
+        let changes = m.cat.residency_changes(false, TRACK_CAP);
+        match &changes {
+            ResidencyChanges::All(all) => {
+                m.saw("residency walked");
+                self.applied = all.clone();
+            }
+            ResidencyChanges::Keys(keys) => {
+                m.saw("residency by tracked keys");
+                for &(key, tiers) in keys {
+                    match tiers {
+                        0 => self.applied.remove(&key),
+                        _ => self.applied.insert(key, tiers),
+                    };
+                }
+            }
+        }
+        assert_eq!(self.applied, local, "the tracked keys missed a change of tiers");
+        let mut shared: Vec<BlockKey> = m.shared_tier.keys().copied().collect();
+        shared.sort_unstable_by_key(|k| k.0);
+        let remote = (self.shared_seen.as_ref() != Some(&shared)).then(|| shared.clone());
+        let mut now = local;
+        for key in &shared {
+            *now.entry(*key).or_insert(0) |= TIER_SHARED;
+        }
+        self.shared_seen = Some(shared);
+        self.full.update(now);
+        self.tracked.apply(changes, remote);
+        let (a, b) = (self.full.since(self.cursors.0, usize::MAX), self.tracked.since(self.cursors.1, usize::MAX));
+        assert_eq!(a.reset, b.reset);
+        assert_eq!(removals_then_additions(a.changes), removals_then_additions(b.changes));
+        self.cursors = (a.next, b.next);
+        assert_eq!(
+            self.full.since(0, usize::MAX),
+            ChangesReply { next: self.full.since(0, 1).next, ..self.tracked.since(0, usize::MAX) }
+        );
+    }
+}
+
 fn run(setup: Setup, ops: &[Op]) -> BTreeMap<&'static str, u64> {
     let mut m = Model::new(setup);
+    let mut followers = Followers::new();
     for op in ops {
         let before = m.pinned_copies();
         // The key of a read finished with a failure (its copy may go although pinned).
@@ -981,6 +1068,7 @@ fn run(setup: Setup, ops: &[Op]) -> BTreeMap<&'static str, u64> {
         m.step(op);
         m.check();
         m.check_pinned_kept(&before, op, &failed);
+        followers.follow(&mut m);
     }
     m.fold_stats();
     m.seen
@@ -1040,6 +1128,8 @@ fn model_reaches_every_path() {
         "shared read abandoned",
         "DRAM copy quarantined",
         "NVMe copy quarantined",
+        "residency walked",
+        "residency by tracked keys",
     ] {
         assert!(seen.get(what).copied().unwrap_or(0) > 0, "the model never reached: {what}");
     }
@@ -1177,5 +1267,47 @@ fn a_second_load_joins_the_read_in_flight() {
     assert!(matches!(cat.plan_get(&b, false), GetStep::Pending));
     cat.finish_get_nvme(&b, &read, LoadOutcome::Corrupt);
     assert!(matches!(cat.plan_get(&b, false), GetStep::Miss), "a failed read leaves the waiter a miss");
+    cat.check_invariants();
+}
+
+/// What differs between two full walks, as the tracked keys should report it.
+fn residency_diff(before: &HashMap<BlockKey, u8>, after: &HashMap<BlockKey, u8>) -> Vec<(BlockKey, u8)> {
+    let keys: BTreeSet<[u8; 32]> = before.keys().chain(after.keys()).map(|k| k.0).collect();
+    let tiers = |m: &HashMap<BlockKey, u8>, k: [u8; 32]| m.get(&BlockKey(k)).copied().unwrap_or(0);
+    keys.into_iter().filter(|&k| tiers(before, k) != tiers(after, k)).map(|k| (BlockKey(k), tiers(after, k))).collect()
+}
+
+/// The catalog records exactly the keys whose local tiers changed, from the first refresh on: not
+/// a pin, not a load's staging slot, not an entry that came and went without being loadable; and
+/// past its cap it asks for a walk of the whole index.
+#[test]
+fn the_catalog_tracks_exactly_the_keys_whose_tiers_changed() {
+    let mut cat = recovered_catalog(3);
+    let (a, b) = (key(0), key(1));
+    let all: HashMap<BlockKey, u8> = [(key(0), 2), (key(1), 2), (key(2), 2)].into_iter().collect();
+    assert_eq!(cat.residency_changes(false, 10), ResidencyChanges::All(all.clone()), "the first refresh walks");
+    assert_eq!(cat.pin_prefix(&[a, b]), 2);
+    let read = nvme_read(cat.plan_get(&a, false));
+    assert_eq!(cat.residency_changes(false, 10), ResidencyChanges::Keys(vec![]), "pins and a read in flight");
+    cat.finish_get_nvme(&a, &read, LoadOutcome::Ok);
+    let (new, gone) = (key(7), key(8));
+    let PutStep::Fill { slot, .. } = cat.plan_put(&gone) else { panic!("a slot is free") };
+    cat.abort_put(&gone, slot);
+    let PutStep::Fill { slot, .. } = cat.plan_put(&new) else { panic!("a slot is free") };
+    let mut meta = Vec::new();
+    let _ = cat.finish_put(&new, slot, 7, &mut meta);
+    cat.unpin(&[a, b]);
+    let mut now = HashMap::new();
+    cat.residency(&mut now);
+    assert_eq!((now[&a], now[&new]), (3, 1), "a in DRAM too, the new block in DRAM");
+    let ResidencyChanges::Keys(mut keys) = cat.residency_changes(false, 10) else { panic!("a walk") };
+    keys.sort_unstable_by_key(|(k, _)| k.0);
+    assert_eq!(keys, residency_diff(&all, &now));
+    assert_eq!(cat.residency_changes(false, 0), ResidencyChanges::Keys(vec![]), "nothing since");
+    let mut meta = Vec::new();
+    assert!(cat.quarantine_nvme(&b, cat.index[&b].nvme.unwrap(), &mut meta));
+    assert!(matches!(cat.residency_changes(false, 0), ResidencyChanges::All(_)), "past the cap: a walk");
+    assert_eq!(cat.residency_changes(false, 0), ResidencyChanges::Keys(vec![]));
+    assert!(matches!(cat.residency_changes(true, 10), ResidencyChanges::All(_)), "asked for everything");
     cat.check_invariants();
 }

@@ -2,6 +2,8 @@
 //! A measurement, not a timed test: `cargo test -p kvtier-core --release catalog_scale -- --ignored
 //! --nocapture` prints the figures docs/reliability.md quotes. The non-ignored test checks that a
 //! scrub walk over a recovered catalog visits every visible block once, in sequence order.
+//! `residency_refresh_costs` (ignored too) measures a refresh of the service's change log (issue 26):
+//! the whole-index walk it was, and the tracked keys it is now.
 
 use super::*;
 use crate::format::trailer::TrailerEntry;
@@ -99,4 +101,80 @@ fn catalog_scale_lock_hold_times() {
              by_sequence about {by_sequence_mib} MiB"
         );
     }
+}
+
+/// Loads `keys` NVMe-only blocks into DRAM (the catalog's own path): each goes from NVMe to
+/// DRAM+NVMe, a change of tiers. Returns the microseconds the loads' catalog calls took.
+fn load_into_dram(catalog: &mut Catalog, keys: &[BlockKey]) -> f64 {
+    micros(|| {
+        for key in keys {
+            let GetStep::Nvme(read) = catalog.plan_get(key, false) else { panic!("an NVMe read") };
+            catalog.finish_get_nvme(key, &read, LoadOutcome::Ok);
+        }
+    })
+}
+
+#[test]
+#[ignore = "measurement: run with --ignored --nocapture in release"]
+fn residency_refresh_costs() {
+    use crate::service::changes::{ChangeLog, LOG_CAPACITY};
+    const CHANGED: u64 = 1000;
+    for millions in [1u64, 2, 4] {
+        let blocks = millions * 1_000_000;
+        let mut catalog = recovered_catalog(blocks);
+        // Before: every refresh walked the index under the lock and diffed a full snapshot.
+        let mut snapshot = HashMap::new();
+        let walk = micros(|| catalog.residency(&mut snapshot));
+        let mut log = ChangeLog::new(LOG_CAPACITY);
+        let first_update = micros(|| log.update(snapshot.clone()));
+        let steady_update = micros(|| log.update(snapshot.clone()));
+        let untracked = load_into_dram(&mut catalog, &(0..CHANGED).map(key_of).collect::<Vec<_>>());
+        // After: the first refresh walks once; then a refresh looks up the keys that changed.
+        let mut log = ChangeLog::new(LOG_CAPACITY);
+        let first = catalog.residency_changes(true, LOG_CAPACITY);
+        log.apply(first, Some(Vec::new()));
+        let tracked = load_into_dram(&mut catalog, &(CHANGED..2 * CHANGED).map(key_of).collect::<Vec<_>>());
+        let mut changes = None;
+        let hold = micros(|| changes = Some(catalog.residency_changes(false, LOG_CAPACITY)));
+        let Some(ResidencyChanges::Keys(keys)) = changes.take() else { panic!("tracked keys expected") };
+        // The loads evict most of the first batch's DRAM copies: those keys changed too.
+        let changed = keys.len();
+        assert!(changed as u64 >= CHANGED);
+        let apply = micros(|| log.apply(ResidencyChanges::Keys(keys), None));
+        let idle = micros(|| changes = Some(catalog.residency_changes(false, LOG_CAPACITY)));
+        assert_eq!(changes, Some(ResidencyChanges::Keys(Vec::new())));
+        println!(
+            "{millions}M blocks: before: residency walk {walk:.0} us under the lock, ChangeLog update {first_update:.0} \
+             us (first) {steady_update:.0} us (nothing changed); after, {changed} changed: lock hold {hold:.0} us, \
+             apply {apply:.0} us; nothing changed: lock hold {idle:.1} us; {CHANGED} loads' catalog calls \
+             {untracked:.0} us untracked, {tracked:.0} us tracked"
+        );
+        drop(catalog);
+        shared_index_walk(blocks);
+    }
+}
+
+/// The shared tier's index walk a refresh makes (`SharedTier::indexed_keys`, at most
+/// `LOG_CAPACITY * 16` keys) and the change log's diff of the shared keys, with `blocks` keys.
+fn shared_index_walk(blocks: u64) {
+    use crate::format::shared::IndexEntry;
+    use crate::service::changes::{ChangeLog, LOG_CAPACITY};
+    let mut index = crate::tiers::shared::index::Index::default();
+    for file in 0..blocks.div_ceil(1000) {
+        let entries: Vec<IndexEntry> = (file * 1000..((file + 1) * 1000).min(blocks))
+            .map(|i| IndexEntry { key: key_of(i), offset: i, value_checksum: i })
+            .collect();
+        index.insert_file(format!("f{file}"), 1 << 20, 0, &entries);
+    }
+    let mut keys = Vec::new();
+    let walk = micros(|| keys = index.keys().take(LOG_CAPACITY * 16).copied().collect());
+    let mut log = ChangeLog::new(LOG_CAPACITY);
+    log.apply(ResidencyChanges::Keys(Vec::new()), Some(keys.clone()));
+    let diff = micros(|| log.apply(ResidencyChanges::Keys(Vec::new()), Some(keys.clone())));
+    println!(
+        "  shared index of {}M keys: walk of {} keys {walk:.0} us (under its read lock), change log diff {diff:.0} \
+         us; skipped when its generation is unchanged",
+        blocks / 1_000_000,
+        keys.len()
+    );
 }

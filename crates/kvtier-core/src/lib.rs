@@ -26,6 +26,7 @@ pub mod service;
 mod shared_state;
 mod stats;
 mod store;
+mod store_residency;
 mod tiers;
 mod timeline;
 

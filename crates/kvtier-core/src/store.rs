@@ -431,25 +431,6 @@ impl Store {
     }
 
     /// The tier each block would be served from (memory only, no I/O).
-    /// Every loadable block with the tiers it is in: bit 0 DRAM, bit 1 NVMe, bit 2 the shared tier
-    /// (at most `max_shared` of those, from its in-memory index). One walk of the index under the
-    /// catalog's lock: for the service's change log, taken while engines follow it.
-    pub fn residency(&self, max_shared: usize) -> HashMap<BlockKey, u8> {
-        let mut tiers = HashMap::new();
-        self.shared.catalog.lock().residency(&mut tiers);
-        if let Some(tier) = &self.shared.shared_tier {
-            for key in tier.indexed_keys(max_shared) {
-                *tiers.entry(key).or_insert(0) |= 4;
-            }
-        }
-        if let Some(tier) = &self.shared.object_tier {
-            for key in tier.indexed_keys(max_shared) {
-                *tiers.entry(key).or_insert(0) |= 4;
-            }
-        }
-        tiers
-    }
-
     pub fn locate_many(&self, keys: &[BlockKey]) -> Vec<Option<crate::catalog::Tier>> {
         let cat = self.shared.catalog.lock();
         keys.iter()

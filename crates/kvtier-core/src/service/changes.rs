@@ -3,17 +3,21 @@
 //! Engines turn it into vLLM's KV events, so that prefix-aware routers see what kvtier holds
 //! (`Op::Changes`, docs/service.md). Only the service knows what every engine on the host stored
 //! and what eviction, trim, quarantine or another node's shared-tier eviction removed, so the log
-//! is built here, by diffing successive snapshots of the store's residency (DRAM, NVMe, shared
-//! tier): whatever changed a block's tiers, the diff sees it, with no hook in every path that
-//! can. A snapshot costs a walk of the index under the catalog's lock, so it is taken only while
-//! some engine follows the log, at most once per `CHANGES_PERIOD` of the janitor.
+//! is built here, by diffing the store's residency (DRAM, NVMe, shared tier) against what the log
+//! last saw. The catalog's index records which keys' local tiers changed (its one choke point for
+//! entry changes, `Catalog::residency_changes`), so a refresh looks up only those keys under the
+//! catalog's lock; the whole index is walked on the first refresh and when more than
+//! `LOG_CAPACITY` keys changed in between (then the followers get resets anyway). The shared
+//! tier's index is walked again only when it changed (`Store::residency_changes`). A refresh
+//! happens only while some engine follows the log, at most once per `REFRESH_PERIOD`.
 //!
 //! Sequence numbers start at the log's birth time in microseconds: a follower's cursor from an
 //! earlier log (a restarted service, a namespace closed and reopened) is below the first sequence
 //! of the new one, and gets a reset, never a wrong continuation.
 
+use crate::catalog::ResidencyChanges;
 use crate::key::BlockKey;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 /// A log is rebuilt from the store at most this often, when a follower asks.
@@ -49,7 +53,11 @@ pub struct ChangesReply {
 pub struct ChangeLog {
     /// When the residency was last read into the log (`None`: never, no follower yet).
     pub refreshed_at: Option<Instant>,
+    /// What the shared tier's index was when last read (`Store::residency_changes`'s cursor).
+    pub shared_generation: Option<u64>,
     current: HashMap<BlockKey, u8>,
+    /// The keys of `current` with `TIER_SHARED`.
+    shared: HashSet<BlockKey>,
     ring: VecDeque<Change>,
     /// Sequence of `ring[0]`; `first + ring.len()` is the next change's.
     first: u64,
@@ -65,7 +73,9 @@ impl ChangeLog {
             .map_or(1, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX / 2));
         ChangeLog {
             refreshed_at: None,
+            shared_generation: None,
             current: HashMap::new(),
+            shared: HashSet::new(),
             ring: VecDeque::new(),
             first: born_us.max(1),
             capacity,
@@ -81,6 +91,11 @@ impl ChangeLog {
         self.refreshed_at.is_none_or(|at| at.elapsed() >= REFRESH_PERIOD)
     }
 
+    /// Whether the next refresh must read the whole state (`Catalog::residency_changes`'s `full`).
+    pub fn needs_full(&self) -> bool {
+        self.refreshed_at.is_none()
+    }
+
     /// Records what changed between the last snapshot and `now` (key -> tier bits).
     pub fn update(&mut self, now: HashMap<BlockKey, u8>) {
         self.refreshed_at = Some(Instant::now());
@@ -94,6 +109,48 @@ impl ChangeLog {
                 push_diff(&mut changes, key, before, 0);
             }
         }
+        self.shared = now.iter().filter(|(_, &t)| t & TIER_SHARED != 0).map(|(k, _)| *k).collect();
+        self.current = now;
+        self.record(changes);
+    }
+
+    /// Records what changed: the local tiers of the blocks in `local`, and the shared tier's keys
+    /// (`None`: its index did not change since the last refresh). Costs O(changes) when `local`
+    /// lists keys, O(shared tier's keys) when `shared` is given; the ring gets what `update`
+    /// with a full snapshot would have given it.
+    pub fn apply(&mut self, local: ResidencyChanges, shared: Option<Vec<BlockKey>>) {
+        let changed = match local {
+            ResidencyChanges::All(mut now) => {
+                let shared: HashSet<BlockKey> = shared.map_or_else(|| self.shared.clone(), |k| k.into_iter().collect());
+                for key in shared {
+                    *now.entry(key).or_insert(0) |= TIER_SHARED;
+                }
+                return self.update(now);
+            }
+            ResidencyChanges::Keys(changed) => changed,
+        };
+        self.refreshed_at = Some(Instant::now());
+        let mut after: HashMap<BlockKey, u8> = HashMap::new();
+        if let Some(keys) = shared {
+            let mut now = HashSet::with_capacity(keys.len());
+            now.extend(keys);
+            let local_tiers = |key: &BlockKey| self.current.get(key).map_or(0, |t| t & !TIER_SHARED);
+            after.extend(self.shared.difference(&now).map(|k| (*k, local_tiers(k))));
+            after.extend(now.difference(&self.shared).map(|k| (*k, local_tiers(k) | TIER_SHARED)));
+            self.shared = now;
+        }
+        for (key, local) in changed {
+            after.insert(key, local | if self.shared.contains(&key) { TIER_SHARED } else { 0 });
+        }
+        let mut changes = Vec::new();
+        for (key, tiers) in after {
+            let before = if tiers == 0 { self.current.remove(&key) } else { self.current.insert(key, tiers) };
+            push_diff(&mut changes, &key, before.unwrap_or(0), tiers);
+        }
+        self.record(changes);
+    }
+
+    fn record(&mut self, mut changes: Vec<Change>) {
         // Removals first: a block that moved from DRAM to NVMe is never reported in neither.
         changes.sort_by_key(|c| !c.removed);
         for change in changes {
@@ -103,7 +160,6 @@ impl ChangeLog {
             }
             self.ring.push_back(change);
         }
-        self.current = now;
     }
 
     /// The changes from `cursor` on, at most `max` of them; a reset's snapshot is cut at `max`
@@ -191,6 +247,43 @@ mod tests {
         assert_eq!(behind.changes.len(), 4);
         let reborn = ChangeLog::new(2);
         assert!(reborn.since(behind.next + 1_000_000_000, 10).reset, "a cursor past the end is another log's");
+    }
+
+    /// A refresh from the catalog's tracked keys and the shared tier's keys (given only when its
+    /// index changed) keeps the other tiers' bits of a block and tells what a snapshot would.
+    #[test]
+    fn a_refresh_by_changed_keys_keeps_the_other_tiers() {
+        let mut log = ChangeLog::new(100);
+        let local = ResidencyChanges::All(state(&[(1, TIER_DRAM), (2, TIER_NVME)]));
+        log.apply(local, Some(vec![key(2), key(3)]));
+        let cursor = log.since(0, 100).next;
+        // Block 1 leaves DRAM for NVMe; the shared tier is unchanged (`None`): block 2 keeps its bit.
+        log.apply(ResidencyChanges::Keys(vec![(key(1), TIER_NVME), (key(2), TIER_DRAM | TIER_NVME)]), None);
+        let next = log.since(cursor, 100);
+        let mut got = next.changes.clone();
+        got.sort_by_key(|c| (!c.removed, c.key.0, c.tier));
+        let expected = [
+            Change { key: key(1), tier: TIER_DRAM, removed: true },
+            Change { key: key(1), tier: TIER_NVME, removed: false },
+            Change { key: key(2), tier: TIER_DRAM, removed: false },
+        ];
+        assert_eq!(got, expected);
+        assert!(next.changes[0].removed, "the removal comes first");
+        // The shared tier drops block 3 and gains block 1; block 2 leaves every local tier.
+        log.apply(ResidencyChanges::Keys(vec![(key(2), 0)]), Some(vec![key(1), key(2)]));
+        let mut got = log.since(next.next, 100).changes;
+        got.sort_by_key(|c| (!c.removed, c.key.0, c.tier));
+        let expected = [
+            Change { key: key(2), tier: TIER_DRAM, removed: true },
+            Change { key: key(2), tier: TIER_NVME, removed: true },
+            Change { key: key(3), tier: TIER_SHARED, removed: true },
+            Change { key: key(1), tier: TIER_SHARED, removed: false },
+        ];
+        assert_eq!(got, expected);
+        let mut snapshot = ChangeLog::new(100);
+        snapshot.update(state(&[(1, TIER_NVME | TIER_SHARED), (2, TIER_SHARED)]));
+        assert_eq!(log.since(0, 100).changes, snapshot.since(0, 100).changes);
+        assert_eq!(log.blocks(), 2);
     }
 
     #[test]

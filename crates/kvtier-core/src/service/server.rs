@@ -763,8 +763,8 @@ impl Connection {
     }
 
     /// `Op::Changes`: the connection's namespace's change log from a cursor. The store's residency
-    /// is read again first when the log is older than `REFRESH_PERIOD` (one walk of the index, on
-    /// this connection's thread: engines follow on connections of their own).
+    /// is read again first when the log is older than `REFRESH_PERIOD` (the keys that changed since,
+    /// on this connection's thread: engines follow on connections of their own).
     fn changes(&mut self, r: &mut Reader<'_>) -> std::result::Result<Vec<u8>, String> {
         use super::changes::{LOG_CAPACITY, TIER_SHARED};
         let session = self.session.as_ref().ok_or("say hello first (the namespace of this connection)")?;
@@ -772,7 +772,11 @@ impl Connection {
         let max = (r.u32().map_err(|e| e.to_string())? as usize).clamp(1, LOG_CAPACITY);
         let mut log = session.ns.changes.lock();
         if log.stale() {
-            log.update(session.ns.store.residency(LOG_CAPACITY * 16));
+            let store = &session.ns.store;
+            let update =
+                store.residency_changes(log.needs_full(), LOG_CAPACITY, LOG_CAPACITY * 16, log.shared_generation);
+            log.shared_generation = update.remote_generation;
+            log.apply(update.local, update.remote);
         }
         let reply = log.since(cursor, max);
         drop(log);

@@ -54,6 +54,9 @@ pub struct Index {
     /// the grace period; until then their bytes still count in the filesystem's usage.
     pub doomed: HashMap<String, (u64, u64)>,
     pub cursors: HashMap<u64, ManifestCursor>,
+    /// Bumped whenever `keys` gains or loses a key: the service's change log walks the keys again
+    /// only when it moved (`SharedTier::indexed_keys_since`).
+    keys_generation: u64,
 }
 
 impl Index {
@@ -145,7 +148,10 @@ impl Index {
         for e in entries {
             // A key published twice (two writers raced) keeps its first location; the second copy
             // is still listed with its file so that eviction accounting is exact.
-            self.keys.entry(e.key).or_insert(Location { file: id, offset: e.offset, value_checksum: e.value_checksum });
+            if let std::collections::hash_map::Entry::Vacant(v) = self.keys.entry(e.key) {
+                v.insert(Location { file: id, offset: e.offset, value_checksum: e.value_checksum });
+                self.keys_generation += 1;
+            }
             keys.push(e.key);
         }
         self.by_name.insert(name.clone(), id);
@@ -160,6 +166,7 @@ impl Index {
         for key in &info.keys {
             if self.keys.get(key).is_some_and(|l| l.file == id) {
                 self.keys.remove(key);
+                self.keys_generation += 1;
             }
         }
         Some(info)
@@ -171,5 +178,17 @@ impl Index {
                 f.last_access_unix_ms = f.last_access_unix_ms.max(at_unix_ms);
             }
         }
+    }
+}
+
+impl super::SharedTier {
+    /// Up to `limit` indexed keys and the index's generation, or `None` when the index has not
+    /// gained or lost a key since generation `seen` (the change log's refresh skips the walk).
+    pub fn indexed_keys_since(&self, limit: usize, seen: Option<u64>) -> Option<(u64, Vec<BlockKey>)> {
+        let index = self.index.read();
+        if seen == Some(index.keys_generation) {
+            return None;
+        }
+        Some((index.keys_generation, index.keys.keys().take(limit).copied().collect()))
     }
 }

@@ -1,0 +1,51 @@
+//! What the service's change log reads from a store on each refresh (`service::changes`): the
+//! local tiers of the blocks whose tiers changed (the catalog tracks them, `Catalog::residency_changes`)
+//! and the remote tiers' keys when their indexes changed. A refresh holds the catalog's lock for
+//! O(changes), not for a walk of millions of entries.
+
+use crate::catalog::ResidencyChanges;
+use crate::key::BlockKey;
+use crate::store::Store;
+
+/// `Store::residency_changes`'s answer.
+pub struct ResidencyUpdate {
+    /// The local tiers (bit 0 DRAM, bit 1 NVMe) of every block or of the blocks that changed.
+    pub local: ResidencyChanges,
+    /// The keys in the remote tiers now (shared filesystem, object store), at most `max_remote`
+    /// of each; `None`: unchanged since the generation the caller passed.
+    pub remote: Option<Vec<BlockKey>>,
+    /// The generation to pass next time.
+    pub remote_generation: Option<u64>,
+}
+
+impl Store {
+    /// What changed since the last call: see `ResidencyUpdate`. `full`: the caller has not seen
+    /// the state yet (every block and the remote keys are read whatever changed). `cap`: past this
+    /// many changed keys the catalog stops recording them and the next call walks its index.
+    pub(crate) fn residency_changes(
+        &self,
+        full: bool,
+        cap: usize,
+        max_remote: usize,
+        remote_generation: Option<u64>,
+    ) -> ResidencyUpdate {
+        let shared = self.shared();
+        let local = shared.catalog.lock().residency_changes(full, cap);
+        let seen = if full { None } else { remote_generation };
+        let (remote_generation, mut remote) = match &shared.shared_tier {
+            Some(tier) => match tier.indexed_keys_since(max_remote, seen) {
+                Some((generation, keys)) => (Some(generation), Some(keys)),
+                None => (seen, None),
+            },
+            None => (Some(0), seen.is_none().then(Vec::new)),
+        };
+        if let Some(tier) = &shared.object_tier {
+            // The object tier's index keeps no generation: with it, both are read every refresh.
+            let mut keys = remote
+                .unwrap_or_else(|| shared.shared_tier.as_ref().map_or_else(Vec::new, |t| t.indexed_keys(max_remote)));
+            keys.extend(tier.indexed_keys(max_remote));
+            remote = Some(keys);
+        }
+        ResidencyUpdate { local, remote, remote_generation }
+    }
+}
