@@ -287,7 +287,8 @@ def _wait_under_budget(rgw: Rgw, prefix: str, budget: int) -> int:
 def test_budget_evicts_the_oldest_segments_by_the_lease_holder_only(rgw, nodes, bucket):
     segment = bucket["bucket_segment_bytes"]
     budget = 3 * segment
-    options = {**bucket, "bucket_budget_bytes": budget, "bucket_lease_ms": 1000}
+    # A 1 s request timeout: evicted segments are deleted after 2 x 100 ms + 1 s of grace.
+    options = {**bucket, "bucket_budget_bytes": budget, "bucket_lease_ms": 1000, "bucket_request_timeout_ms": 1000}
     a, b = nodes.open("a", **options), nodes.open("b", **options)
     for first in range(0, 48, 8):  # six segments, oldest first
         publish(a, list(range(first, first + 8)))

@@ -101,6 +101,8 @@ pub struct ObjectTier {
     stop: Mutex<bool>,
     stop_cv: Condvar,
     closed: AtomicBool,
+    /// Segments whose index object the evictor deleted, and when: deleted after the grace period.
+    doomed: Mutex<Vec<(ObjectPath, std::time::Instant)>>,
     /// Whether the last maintenance pass held the evictor lease.
     lease_held: AtomicBool,
     maintenance: Mutex<Option<JoinHandle<()>>>,
@@ -147,6 +149,7 @@ impl ObjectTier {
             stop_cv: Condvar::new(),
             closed: AtomicBool::new(false),
             lease_held: AtomicBool::new(false),
+            doomed: Mutex::new(Vec::new()),
             maintenance: Mutex::new(None),
         });
         tier.refresh().map_err(|e| refused(&bucket, config, e))?;
@@ -298,6 +301,8 @@ impl ObjectTier {
                 let _ = h.join();
             }
         }
+        // Left for the grace period, they would be nobody's: no index object names them.
+        self.delete_doomed(true);
         self.release_lease();
     }
 }

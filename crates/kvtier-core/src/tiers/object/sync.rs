@@ -10,7 +10,7 @@ use object_store::path::Path as ObjectPath;
 use object_store::{ObjectMeta, ObjectStore, RetryConfig};
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Eviction stops at this fraction of the budget, so that it runs in batches, not per segment.
 const LOW_WATER: f64 = 0.9;
@@ -156,7 +156,11 @@ impl ObjectTier {
         if self.config.budget_bytes == 0 {
             return Ok(0);
         }
+        self.delete_doomed(false);
         let mut segments = self.list("seg").map_err(|e| Error::io("listing the bucket's segments", e))?;
+        // Doomed segments are gone for the budget: counting them again would evict more.
+        let doomed: HashSet<String> = self.doomed.lock().iter().map(|(path, _)| path.to_string()).collect();
+        segments.retain(|m| !doomed.contains(m.location.as_ref()));
         let mut total: u64 = segments.iter().map(|m| m.size).sum();
         if total <= self.config.budget_bytes {
             return Ok(0);
@@ -172,13 +176,34 @@ impl ObjectTier {
                 continue;
             };
             self.index.write().remove(&stem);
-            if self.delete(&self.index_path(&stem)).is_ok() && self.delete(&m.location).is_ok() {
+            // The index object goes now (no store picks the segment after its next listing); the
+            // segment after the grace period, so that loads that chose it before still find it.
+            if self.delete(&self.index_path(&stem)).is_ok() {
+                self.doomed.lock().push((m.location, Instant::now()));
                 Stats::add(&self.stats.bucket_evicted_segments, 1);
                 evicted += 1;
             }
             total = total.saturating_sub(m.size);
         }
         Ok(evicted)
+    }
+
+    /// Deletes the doomed segments whose grace period (`2 * bucket_refresh_ms +
+    /// bucket_request_timeout_ms`: every store has listed the bucket and finished a GET since) is
+    /// over, or all of them (`all`, at close).
+    pub(super) fn delete_doomed(&self, all: bool) {
+        let grace = Duration::from_millis(2 * self.config.refresh_ms) + self.timeout();
+        let due: Vec<ObjectPath> = {
+            let mut doomed = self.doomed.lock();
+            let (due, keep): (Vec<_>, Vec<_>) = doomed.drain(..).partition(|(_, at)| all || at.elapsed() >= grace);
+            *doomed = keep;
+            due.into_iter().map(|(path, _)| path).collect()
+        };
+        for path in due {
+            // A failed delete leaves an unindexed segment: the next evictor's listing counts it and,
+            // as the oldest, deletes it.
+            let _ = self.delete(&path);
+        }
     }
 
     pub(super) fn delete(&self, path: &ObjectPath) -> std::io::Result<()> {
