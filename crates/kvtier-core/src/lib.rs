@@ -11,7 +11,8 @@
 //! - `timeline`: when sequences were handed out (dates for trim and inspect); `namespace_dir`: the
 //!   DESCRIPTION and TIMELINE files beside a namespace's device file.
 //! - `maintenance`: scrub, trim and namespace facts for operators (`kvtier verify|trim|inspect`).
-//! - `store`: the facade tying them together, with blocking and asynchronous APIs ([`Store`]).
+//! - `store`: the facade tying them together, with blocking and asynchronous APIs ([`Store`]);
+//!   `store_residency`: what the service's change log reads from it on each refresh.
 
 mod catalog;
 mod config;
