@@ -18,6 +18,7 @@ def pytest_collection_modifyitems(config, items):
         if "full" in item.keywords:
             item.add_marker(skip)
 
+
 ENGINES = ["io_uring", "psync"]
 
 
