@@ -374,6 +374,12 @@ fn scan_region(
     region: u32,
     slot_buf: &mut AlignedBuf,
 ) -> Result<Option<RecoveredRegion>> {
+    // `kvtier trim` empties a region by zeroing its trailer and its first descriptor page: such a
+    // region stays empty, whatever older entries still lie further in (docs/format.md).
+    read_exact_at(device, &mut slot_buf.as_mut_slice()[..DESCRIPTOR_BYTES], geometry.region_offset(region))?;
+    if slot_buf.as_slice()[..DESCRIPTOR_BYTES].iter().all(|&b| b == 0) {
+        return Ok(None);
+    }
     let mut candidates = scan_descriptors(device, geometry, namespace, object_bytes, region, slot_buf)?;
     // Newest generation first; within one, by position. A generation none of whose values verify
     // (a forged or torn descriptor claiming a newer one) gives way to the next.
