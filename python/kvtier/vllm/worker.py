@@ -105,6 +105,19 @@ class JobResults:
         return failed
 
 
+def _store_job(src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> tuple[list[bytes], list[int]]:
+    """A vLLM store job as (kvtier keys, engine block ids)."""
+    assert isinstance(dst_spec, KvtierLoadStoreSpec), f"unexpected store spec {type(dst_spec).__name__}"
+    return dst_spec.keys, src_spec.block_ids.tolist()
+
+
+def _load_job(src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> tuple[list[bytes], list[int]]:
+    """A vLLM load job as (kvtier keys, engine block ids). vLLM 0.33 marks a load a step waits on
+    ``expedited``; every kvtier load already goes before any store, so that needs nothing more."""
+    assert isinstance(src_spec, KvtierLoadStoreSpec), f"unexpected load spec {type(src_spec).__name__}"
+    return src_spec.keys, dst_spec.block_ids.tolist()
+
+
 def _check_job(vllm_job_id: int, keys: list[bytes], block_ids: list[int]) -> None:
     if len(keys) != len(block_ids):
         raise RuntimeError(
@@ -157,16 +170,12 @@ class KvtierWorker(OffloadingWorker):
         return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        assert isinstance(dst_spec, KvtierLoadStoreSpec), f"unexpected store spec {type(dst_spec).__name__}"
-        return self._submit(job_id, False, dst_spec.keys, src_spec.block_ids.tolist())
+        return self._submit(job_id, False, *_store_job(src_spec, dst_spec))
 
     def submit_load(
         self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
     ) -> bool:
-        # vLLM 0.33 passes expedited=True for a load a step waits on; every kvtier load already goes
-        # before any store, so it needs nothing more here.
-        assert isinstance(src_spec, KvtierLoadStoreSpec), f"unexpected load spec {type(src_spec).__name__}"
-        return self._submit(job_id, True, src_spec.keys, dst_spec.block_ids.tolist())
+        return self._submit(job_id, True, *_load_job(src_spec, dst_spec))
 
     # -- completion -------------------------------------------------------------------------
 
@@ -457,16 +466,12 @@ class JobQueueWorker(OffloadingWorker):
         return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        assert isinstance(dst_spec, KvtierLoadStoreSpec), f"unexpected store spec {type(dst_spec).__name__}"
-        return self._submit(job_id, False, dst_spec.keys, src_spec.block_ids.tolist())
+        return self._submit(job_id, False, *_store_job(src_spec, dst_spec))
 
     def submit_load(
         self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
     ) -> bool:
-        # vLLM 0.33 passes expedited=True for a load a step waits on; every load here already goes
-        # before any store, so it needs nothing more.
-        assert isinstance(src_spec, KvtierLoadStoreSpec), f"unexpected load spec {type(src_spec).__name__}"
-        return self._submit(job_id, True, src_spec.keys, dst_spec.block_ids.tolist())
+        return self._submit(job_id, True, *_load_job(src_spec, dst_spec))
 
     def _backlog_blocks(self) -> int:
         return sum(work.remaining for work in self._stores)
