@@ -46,6 +46,20 @@ def test_sizes_full_and_small():
     assert plan_of("--prefix-len", "4k")["prefix_len"] == 4096
 
 
+def test_kv_events_are_counted_per_point():
+    assert plan_of("--kv-events")["kv_events"] and not plan_of()["kv_events"]
+    args = serve.events_args("ipc:///tmp/x.ipc")
+    assert args[0] == "--kv-events-config" and json.loads(args[1])["endpoint"] == "ipc:///tmp/x.ipc"
+    before = {"events": 10, "bytes": 1000, "by_medium": {"GPU": 10}}
+    after = {"events": 70, "bytes": 9000, "by_medium": {"GPU": 30, "CPU": 30, "STORAGE": 10}}
+    delta = serve.events_delta(before, after, {"completed": 20, "duration_s": 4.0})
+    assert delta["events"] == 60 and delta["events_per_request"] == 3.0
+    assert delta["kvtier_events_per_request"] == 2.0 and delta["by_medium"] == {"GPU": 20, "CPU": 30, "STORAGE": 10}
+    assert delta["bytes_per_s"] == 2000.0
+    point = {"request_throughput": 1.0, "output_throughput": 2.0, "ttft_ms": {"p50": 1, "p90": 2, "p99": 3}}
+    assert "KV events 3.0 per request (2.0 kvtier's), 2.0 KB/s" in serve.point_line({**point, "kv_events": delta})
+
+
 @pytest.mark.parametrize("argv", [["--users", "0"], ["--rows", "nope"], ["--concurrency", "0"]])
 def test_bad_arguments(argv):
     with pytest.raises(serve.BenchError):

@@ -50,6 +50,8 @@ class KvEventIndex:
         self.blocks: dict[str, dict[Tier, set[Any]]] = defaultdict(lambda: defaultdict(set))
         self.events_seen = 0
         self.bytes_seen = 0
+        # Events per medium ("GPU", "CPU", "STORAGE"; AllBlocksCleared counts as GPU).
+        self.events_by_medium: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-index", daemon=True)
         self._thread.start()
@@ -69,6 +71,8 @@ class KvEventIndex:
         from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
         self.events_seen += 1
+        medium = getattr(event, "medium", None) or "GPU"
+        self.events_by_medium[medium] = self.events_by_medium.get(medium, 0) + 1
         if isinstance(event, AllBlocksCleared):
             self.blocks[engine][GPU].clear()
             return
@@ -84,6 +88,11 @@ class KvEventIndex:
     def held(self, engine: str, tier: Tier) -> set[Any]:
         with self._lock:
             return set(self.blocks[engine][tier])
+
+    def counts(self) -> dict[str, Any]:
+        """Events and bytes received so far, and events per medium."""
+        with self._lock:
+            return {"events": self.events_seen, "bytes": self.bytes_seen, "by_medium": dict(self.events_by_medium)}
 
     def snapshot(self) -> dict[str, dict[Tier, int]]:
         with self._lock:

@@ -54,6 +54,12 @@ still queued when the load generator returns count in the next point). After eac
 are stopped (SIGTERM) and then its services (``kvtier service stop``), and its store directories
 removed, so nothing stays in ``/dev/shm``.
 
+``--kv-events`` turns vLLM's KV-event publisher on in every server (ZMQ on an ``ipc://`` endpoint in
+the output directory) and subscribes to it with ``kvtier.kv_index.KvEventIndex``, as a router would:
+each point then records its events (in all, per request, per medium: vLLM's GPU blocks and kvtier's
+``CPU``/``STORAGE`` tiers) and the bytes per second of the stream. The cost of emitting them is the
+difference to the same run without the flag.
+
 Output (``--out DIR``, default a new temporary directory, printed at the end): ``results.json``
 (settings, every point with the exact ``vllm serve`` and ``vllm bench serve`` commands, vLLM's
 saved result), ``table.md`` (also printed), ``serve.png`` (request throughput and TTFT p99 against
@@ -103,6 +109,8 @@ COUNTERS = ("dram_hits", "nvme_hits", "puts")
 POINT_TIMEOUT_S = 4 * 3600
 MODEL_LEN_MARGIN = 128  # tokens beyond prefix + suffix + output (the server re-aligns prompts to its tokenizer)
 SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+# How long a point waits for its last KV events (kvtier's event feed polls the service every 0.5 s).
+EVENTS_SETTLE_S = 1.5
 WARM_UP_SEED = 2**31 - 7  # the warm-up prompt's seed: no point's dataset shares its tokens
 
 
@@ -154,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--bench-arg", action="append", default=[], metavar="ARG",
         help="one more `vllm bench serve` argument (repeat)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-events", action="store_true",
+        help="turn vLLM's KV-event publisher on (ZMQ, ipc) in every server, subscribe to it, and report events "
+        "per request and bytes per second for each point (compare with a run without it for the cost)",
     )  # fmt: skip
     parser.add_argument("--point-timeout-s", type=int, default=POINT_TIMEOUT_S, help="limit per point")
     parser.add_argument("--run-proxy", nargs="+", help=argparse.SUPPRESS)  # internal: PORT URL URL...
@@ -212,6 +225,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         "server_args": list(args.server_arg),
         "bench_args": list(args.bench_arg),
         "small": args.small,
+        "kv_events": args.kv_events,
     }
     if plan["requests_per_user"] < 1 or plan["concurrency"] < 1 or plan["output_len"] < 1:
         raise BenchError("--requests-per-user, --concurrency and --output-len must be at least 1")
@@ -448,6 +462,39 @@ def warm_up(server: Any, plan: dict[str, Any]) -> None:
     server.reset_prefix_cache()
 
 
+def events_args(endpoint: str) -> list[str]:
+    """``vllm serve`` arguments that publish the server's KV events on ``endpoint`` (vLLM binds it)."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
+    return ["--kv-events-config", json.dumps(config)]
+
+
+def subscribe(endpoints: list[str]) -> Any:
+    """A router's index (``kvtier.kv_index``) on the servers' event endpoints; None without any. It
+    connects before the servers bind, so it sees every event."""
+    if not endpoints:
+        return None
+    from kvtier.kv_index import KvEventIndex
+
+    return KvEventIndex({f"server-{n}": endpoint for n, endpoint in enumerate(endpoints)})
+
+
+def events_delta(before: dict[str, Any], after: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
+    """The events of one point: in all, per request, per medium, and bytes per second of the run."""
+    events = after["events"] - before["events"]
+    by_medium = {m: n - before["by_medium"].get(m, 0) for m, n in after["by_medium"].items()}
+    requests = max(1, int(point.get("completed") or 0))
+    duration_s = float(point.get("duration_s") or 0.0)
+    payload = after["bytes"] - before["bytes"]
+    return {
+        "events": events,
+        "events_per_request": events / requests,
+        "kvtier_events_per_request": sum(n for m, n in by_medium.items() if m != "GPU") / requests,
+        "by_medium": by_medium,
+        "bytes": payload,
+        "bytes_per_s": payload / duration_s if duration_s > 0 else None,
+    }
+
+
 def run_point(
     plan: dict[str, Any],
     row: str,
@@ -490,6 +537,8 @@ def run_row(plan: dict[str, Any], row: str, model_dir: Path, out_dir: Path, time
     record: dict[str, Any] = {"row": row, "label": ROW_LABELS[row], "servers": [], "points": [], "problems": []}
     servers: list[Any] = []
     proxy: Proxy | None = None
+    endpoints = [f"ipc://{out_dir}/events-{row}-{n}.ipc" for n in range(server_count)] if plan["kv_events"] else []
+    events = subscribe(endpoints)
     try:
         for number in range(server_count):
             transfer = None
@@ -498,7 +547,8 @@ def run_row(plan: dict[str, Any], row: str, model_dir: Path, out_dir: Path, time
                 transfer = kv_transfer_config(stores[number], **store_options(row, plan))
             log_path = out_dir / "logs" / f"server-{row}-{number}.log"
             log_path.parent.mkdir(parents=True, exist_ok=True)
-            server = OpenAIServer(model_dir, plan["preset"], log_path, transfer, server_args(plan), env)
+            extra = events_args(endpoints[number]) if endpoints else []
+            server = OpenAIServer(model_dir, plan["preset"], log_path, transfer, server_args(plan) + extra, env)
             servers.append(server)
             record["servers"].append({"command": command_of(server.process), "log": str(log_path), "url": server.url})
             seconds = server.wait_healthy()  # one after the other: two engines never start at the same time
@@ -513,11 +563,15 @@ def run_row(plan: dict[str, Any], row: str, model_dir: Path, out_dir: Path, time
             for server in servers:
                 server.reset_prefix_cache()
             before = service_counters(sockets) if sockets else None
+            events_before = events.counts() if events is not None else None
             progress(started, f"{row}: {users} users, {users * plan['requests_per_user']} requests")
             point = run_point(plan, row, index, users, base_url, model_dir, out_dir, timeout_s)
             after = service_counters(sockets) if sockets else None
             if before is not None and after is not None:
                 point["kvtier"] = {name: after[name] - before[name] for name in COUNTERS}
+            if events is not None and events_before is not None:
+                time.sleep(EVENTS_SETTLE_S)  # the last steps' events, and kvtier's next change-log poll
+                point["kv_events"] = events_delta(events_before, events.counts(), point)
             record["points"].append(point)
             if point.get("failed"):
                 record["problems"].append(f"{users} users: {point['failed']} requests failed")
@@ -530,6 +584,8 @@ def run_row(plan: dict[str, Any], row: str, model_dir: Path, out_dir: Path, time
             proxy.stop()
         for server in servers:
             server.stop()
+        if events is not None:
+            events.close()
         for socket in sockets:
             if not stop_service(socket):
                 record["problems"].append(f"the kvtier service on {socket} did not stop")
@@ -557,6 +613,13 @@ def point_line(point: dict[str, Any]) -> str:
         counters = point["kvtier"]
         text += (
             f", kvtier DRAM hits {counters['dram_hits']}, NVMe hits {counters['nvme_hits']}, puts {counters['puts']}"
+        )
+    if point.get("kv_events"):
+        events = point["kv_events"]
+        rate = events["bytes_per_s"]
+        text += (
+            f", KV events {events['events_per_request']:.1f} per request ({events['kvtier_events_per_request']:.1f} "
+            f"kvtier's), {_number(rate / 1000 if rate is not None else None, 1)} KB/s"
         )
     return text
 
