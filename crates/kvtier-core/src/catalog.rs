@@ -1142,6 +1142,11 @@ impl Catalog {
         ResidencyChanges::Keys(keys.into_iter().map(|k| (k, index.get(&k).map_or(0, Entry::tiers))).collect())
     }
 
+    /// The highest sequence handed out so far (0: none yet).
+    pub fn newest_sequence(&self) -> u64 {
+        self.next_sequence - 1
+    }
+
     /// Visible blocks (for progress totals).
     pub fn visible_blocks(&self) -> usize {
         self.index.counted().visible as usize

@@ -46,6 +46,10 @@ pub struct VerifyBatch {
     pub skipped_busy: u64,
     /// Visible blocks at the start of the batch above `after` (progress).
     pub remaining_blocks: u64,
+    /// The highest sequence handed out when the batch began (0 for the shared tier's scrub). A scrub
+    /// ends once it passes the value of its first batch: blocks stored meanwhile are the next
+    /// scrub's, or a scrub beside a busy engine would chase new blocks for ever.
+    pub newest_sequence: u64,
     pub bad: Vec<BadBlock>,
 }
 
@@ -113,14 +117,15 @@ impl Store {
     pub fn verify_batch(&self, after: u64, max_blocks: usize, max_bytes_per_s: u64) -> Result<VerifyBatch> {
         self.check_open()?;
         let sh = self.shared();
-        let (chosen, remaining) = {
+        let (chosen, remaining, newest_sequence) = {
             let cat = sh.catalog.lock();
-            (cat.scrub_batch(after, max_blocks.max(1)), cat.visible_blocks() as u64)
+            (cat.scrub_batch(after, max_blocks.max(1)), cat.visible_blocks() as u64, cat.newest_sequence())
         };
         let mut batch = VerifyBatch {
             next_after: chosen.last().map_or(after, |&(sequence, _)| sequence),
             done: chosen.len() < max_blocks.max(1),
             remaining_blocks: remaining,
+            newest_sequence,
             ..VerifyBatch::default()
         };
         let started = Instant::now();

@@ -349,7 +349,7 @@ def verify(
             bad: list[dict[str, Any]] = []
             totals["checked_shared"] = totals["bad_shared"] = 0
             for shared in (False, True) if target.has_shared_tier else (False,):
-                after, total = 0, None
+                after, total, ceiling = 0, None, 0
                 while True:
                     step = target.verify_batch(after, target.step_blocks(rate), rate, shared)
                     if shared:  # the shared tier's steps count its blocks as checked_nvme / bad_nvme
@@ -357,6 +357,9 @@ def verify(
                         step["bad_shared"] = step.pop("bad_nvme", 0)
                     if total is None:
                         total = int(step.get("remaining_blocks", 0))
+                        # Blocks stored after the scrub began are the next scrub's: beside an engine
+                        # that keeps storing, a walk to the newest would never end.
+                        ceiling = int(step.get("newest_sequence", 0))
                     for name in (*_VERIFY_COUNTS, "checked_shared", "bad_shared"):
                         totals[name] += int(step.get(name, 0))
                     bad += step["bad"]
@@ -365,7 +368,7 @@ def verify(
                         label = f"{target.digest}{' shared' if shared else ''}"
                         done = totals["checked_shared"] if shared else totals["checked_dram"] + totals["checked_nvme"]
                         progress(label, min(done, total or done), max(total or 0, done), totals["bytes_read"])
-                    if step["done"]:
+                    if step["done"] or (ceiling and after >= ceiling):
                         break
             seconds = time.monotonic() - started
             results.append(

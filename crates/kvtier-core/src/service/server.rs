@@ -1184,6 +1184,7 @@ impl State {
             ("bytes_read", batch.bytes_read),
             ("skipped_busy", batch.skipped_busy),
             ("remaining_blocks", batch.remaining_blocks),
+            ("newest_sequence", batch.newest_sequence),
         ]);
         w.u32(batch.bad.len() as u32);
         for bad in &batch.bad {
