@@ -374,12 +374,6 @@ fn scan_region(
     region: u32,
     slot_buf: &mut AlignedBuf,
 ) -> Result<Option<RecoveredRegion>> {
-    // `kvtier trim` empties a region by zeroing its trailer and its first descriptor page: such a
-    // region stays empty, whatever older entries still lie further in (docs/format.md).
-    read_exact_at(device, &mut slot_buf.as_mut_slice()[..DESCRIPTOR_BYTES], geometry.region_offset(region))?;
-    if slot_buf.as_slice()[..DESCRIPTOR_BYTES].iter().all(|&b| b == 0) {
-        return Ok(None);
-    }
     let mut candidates = scan_descriptors(device, geometry, namespace, object_bytes, region, slot_buf)?;
     // Newest generation first; within one, by position. A generation none of whose values verify
     // (a forged or torn descriptor claiming a newer one) gives way to the next.
@@ -413,7 +407,9 @@ fn scan_region(
 }
 
 /// The descriptors of this namespace and object size at every entry position of a region:
-/// `(offset in the region, descriptor)`.
+/// `(offset in the region, descriptor)`. Empty when the first descriptor page is all zeros: `kvtier
+/// trim` empties a region by zeroing its trailer and that page, and it stays empty whatever older
+/// entries still lie further in (docs/format.md).
 fn scan_descriptors(
     device: &DeviceFile,
     geometry: &Geometry,
@@ -427,6 +423,9 @@ fn scan_descriptors(
     while offset + geometry.slot_bytes <= geometry.data_bytes() {
         let at = geometry.region_offset(region) + offset;
         read_exact_at(device, &mut slot_buf.as_mut_slice()[..DESCRIPTOR_BYTES], at)?;
+        if offset == 0 && slot_buf.as_slice()[..DESCRIPTOR_BYTES].iter().all(|&b| b == 0) {
+            return Ok(found);
+        }
         if let Ok(desc) = Descriptor::decode(slot_buf.as_slice()) {
             if desc.namespace == *namespace && desc.value_bytes as u64 == object_bytes {
                 found.push((offset, desc));
