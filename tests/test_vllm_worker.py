@@ -9,6 +9,7 @@ vLLM's own specs, get_finished, wait), over numpy "layers" that stand in for the
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from pathlib import Path
@@ -17,7 +18,14 @@ import numpy as np
 import pytest
 
 try:
-    from vllm.v1.kv_offload.base import CacheHitSource, GPULoadStoreSpec, LookupResult, ReqContext, make_offload_key
+    from vllm.v1.kv_offload.base import (
+        CacheHitSource,
+        GPULoadStoreSpec,
+        LookupResult,
+        OffloadingEvent,
+        ReqContext,
+        make_offload_key,
+    )
 except Exception as import_error:  # pragma: no cover - depends on the environment
     pytest.skip(f"vllm is not importable ({import_error!r}); run scripts/install_vllm.sh", allow_module_level=True)
 
@@ -306,3 +314,36 @@ def test_host_dram_bytes_reaches_a_service_the_engine_starts_and_caps_the_pools(
             kvtier_service.connect(socket).hello(b"model-three", 1, 0, PAGE_BYTES * LAYERS)
     finally:
         kvtier_service.stop_service(socket)
+
+
+def test_a_completed_store_that_never_landed_is_released_and_one_that_landed_is_stored(service):
+    """vLLM 0.33 keeps a stored block's tokens (self-describing events) until a removal; a store
+    that never reached kvtier must free them without telling routers anything."""
+    from kvtier.vllm.events import EventFeed, direct_offload_key
+
+    w = worker(service, layers())
+    feed = EventFeed(lambda: connection(service), direct_offload_key(0), poll_interval_s=3600)
+    follower = connection(service)
+    try:
+        assert w.submit_store(1, engine_blocks([0, 1]), KvtierLoadStoreSpec([key(40), key(41)]))
+        assert finished(w, 1)
+        # vLLM completes the store job; key(42)'s copy never landed (dropped, refused or failed).
+        feed.expect_stored([key(40), key(41), key(42)])
+        feed.poll_once(follower)
+        assert feed.unlanded_store_blocks == 1
+        events = feed.take()
+        stored = [k for e in events if not e.removed for k in e.keys]
+        assert sorted(stored) == sorted(make_offload_key(k, 0) for k in (key(40), key(41)))
+        released = [e for e in events if e.removed]
+        if "metadata_only" in {f.name for f in dataclasses.fields(OffloadingEvent)}:  # vLLM 0.33
+            assert [e.keys for e in released] == [[make_offload_key(key(42), 0)]]
+            assert all(e.metadata_only for e in released)
+            assert all(e.removal_expected for e in events if not e.removed)
+        else:  # vLLM 0.32 keeps no snapshot: nothing to release, no removal reaches routers
+            assert released == []
+        feed.poll_once(follower)
+        assert feed.unlanded_store_blocks == 1, "each completed store is settled once"
+    finally:
+        feed.close()
+        follower.close()
+        w.shutdown()

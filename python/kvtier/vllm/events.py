@@ -17,13 +17,23 @@ A follower that fell behind the service's bounded log (or a service that restart
 DRAM tier) gets a reset: it reports every block it had reported as removed, then the service's
 current state as stored. Only blocks whose kvtier key is the engine's own block hash (one KV-cache
 group, a 32-byte prefix hash) can be named in vLLM's terms; others are skipped and counted.
+
+vLLM 0.33's self-describing events (``self_describing_kv_events``) keep each stored block's tokens
+from the scheduler's store until the last removal of that block from a tier that said it expects
+one. kvtier reports a removal for every block it stops holding, in every tier, so its stored events
+say ``removal_expected``. A store this engine asked for that never landed (dropped behind prefill,
+refused by a full pool, a failed copy) has no stored event and would keep its snapshot in vLLM for
+the engine's life: after the store completes, the feed reads the change log past that moment and
+releases every such block with a ``metadata_only`` removal, which frees the snapshot and tells
+routers nothing. vLLM 0.32 has neither field and keeps no snapshot; there the feed only counts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent, OffloadKey
@@ -42,6 +52,17 @@ TIER_MEDIA: dict[str, tuple[Medium, Locality, str | None]] = {
 CHANGES_PER_CALL = 1 << 16
 # Events held for vLLM between two take_events() calls; past it the oldest are folded into a reset.
 MAX_PENDING_EVENTS = 1 << 20
+# Completed stores waiting for the change log to say whether they landed; past it the oldest go
+# unchecked (vLLM then keeps their snapshots until a cache reset, as it would without this check).
+MAX_UNSETTLED_BLOCKS = 1 << 18
+_EVENT_FIELDS = {field.name for field in dataclasses.fields(OffloadingEvent)}
+
+
+def offloading_event(keys: list[OffloadKey], tier: str, removed: bool, **flags: bool) -> OffloadingEvent:
+    """vLLM's event for kvtier's ``tier``; flags vLLM's version does not know (0.32) are left out."""
+    medium, locality, ownership = TIER_MEDIA[tier]
+    known = {name: value for name, value in flags.items() if name in _EVENT_FIELDS}
+    return OffloadingEvent(keys=keys, medium=medium, removed=removed, locality=locality, ownership=ownership, **known)
 
 
 class EventFeed:
@@ -63,8 +84,10 @@ class EventFeed:
         self._pending_keys = 0
         self._reported: dict[str, set[bytes]] = {tier: set() for tier in TIER_MEDIA}
         self._cursor = 0
+        self._unsettled: list[bytes] = []
         self.resets = 0
         self.unnameable_keys = 0
+        self.unlanded_store_blocks = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-events", daemon=True)
         self._thread.start()
@@ -73,6 +96,14 @@ class EventFeed:
         with self._lock:
             events, self._pending, self._pending_keys = self._pending, [], 0
         return events
+
+    def expect_stored(self, keys: Iterable[bytes]) -> None:
+        """Stores of these kvtier keys completed: the next poll releases those that did not land."""
+        with self._lock:
+            self._unsettled.extend(keys)
+            overflow = len(self._unsettled) - MAX_UNSETTLED_BLOCKS
+            if overflow > 0:
+                del self._unsettled[:overflow]
 
     def _run(self) -> None:
         connection: ServiceConnection | None = None
@@ -88,18 +119,45 @@ class EventFeed:
             connection.close()
 
     def poll_once(self, connection: ServiceConnection) -> None:
-        """Reads what changed since the cursor (every page of it) and queues the events."""
+        """Reads what changed since the cursor (every page of it) and queues the events; then
+        settles the stores that completed before this poll began."""
+        with self._lock:
+            settling, self._unsettled = self._unsettled, []
+        caught_up = self._read_changes(connection)
+        if caught_up:
+            self._release_unlanded(settling)
+        else:
+            with self._lock:
+                self._unsettled[:0] = settling
+
+    def _read_changes(self, connection: ServiceConnection) -> bool:
+        """Whether the feed reached the end of the service's change log."""
         for _ in range(64):  # at most 64 pages a round; the rest waits for the next round
             answer = connection.call("changes", self._cursor, CHANGES_PER_CALL, default=None)
             if answer is None:
-                return
+                return False
             reset, next_cursor, changes = answer
             if reset:
                 self._reset()
             self._queue(changes)
             self._cursor = next_cursor
             if len(changes) < CHANGES_PER_CALL:
-                return
+                return True
+        return False
+
+    def _release_unlanded(self, keys: list[bytes]) -> None:
+        """The change log is read past these stores' completion: a key no tier reported never
+        landed (or already left, and its removal went out)."""
+        unlanded = {key for key in keys if not any(key in reported for reported in self._reported.values())}
+        self.unlanded_store_blocks += len(unlanded)
+        if not unlanded or "metadata_only" not in _EVENT_FIELDS:
+            return
+        offload_keys = [k for k in map(self._offload_key, unlanded) if k is not None]
+        if offload_keys:
+            event = offloading_event(offload_keys, "dram", True, metadata_only=True)
+            with self._lock:
+                self._pending.append(event)
+                self._pending_keys += len(offload_keys)
 
     def _reset(self) -> None:
         """Everything reported so far is withdrawn; the snapshot that follows restates the rest."""
@@ -126,12 +184,12 @@ class EventFeed:
                 self.unnameable_keys += 1
                 continue
             grouped.setdefault((tier, removed), []).append(offload_key)
-        events = []
-        for (tier, removed), keys in grouped.items():
-            medium, locality, ownership = TIER_MEDIA[tier]
-            events.append(
-                OffloadingEvent(keys=keys, medium=medium, removed=removed, locality=locality, ownership=ownership)
-            )
+        # Every tier reports its removals (evictions, trims, quarantines, lost DRAM), so vLLM 0.33 may
+        # keep a stored block's tokens until then.
+        events = [
+            offloading_event(keys, tier, removed, removal_expected=not removed)
+            for (tier, removed), keys in grouped.items()
+        ]
         with self._lock:
             self._pending.extend(events)
             self._pending_keys += sum(len(event.keys) for event in events)

@@ -24,6 +24,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.vllm.connection import ServiceBackend
+from kvtier.vllm.events import EventFeed
 from kvtier.vllm.local_store import SharedStore
 from kvtier.vllm.metrics import StatsDeltaTracker
 from kvtier.vllm.namespace import kvtier_key
@@ -217,12 +218,15 @@ class KvtierManager(OffloadingManager):
         return False
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
-        for key in keys:
-            store_key = kvtier_key(key)
+        store_keys = [kvtier_key(key) for key in keys]
+        for store_key in store_keys:
             if self._being_stored.get(store_key, 0) > 0:
                 self._being_stored[store_key] -= 1
                 if self._being_stored[store_key] == 0:
                     del self._being_stored[store_key]
+        events = self._event_feed()
+        if events is not None:
+            events.expect_stored(store_keys)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -242,8 +246,11 @@ class KvtierManager(OffloadingManager):
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Blocks that became or stopped being loadable in kvtier's tiers, whichever engine on the
         host stored or evicted them (the host service's change log; ``kvtier.vllm.events``)."""
-        events = self._shared.events if isinstance(self._shared, ServiceBackend) else None
+        events = self._event_feed()
         return events.take() if events is not None else ()
+
+    def _event_feed(self) -> EventFeed | None:
+        return self._shared.events if isinstance(self._shared, ServiceBackend) else None
 
     def config_info(self) -> Sequence[Mapping[str, str | int | float | bool]]:
         """vLLM 0.33+ publishes this once as ``vllm:kv_offload_config_info`` (kvtier.vllm.options)."""
