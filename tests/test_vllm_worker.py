@@ -343,6 +343,13 @@ def test_a_completed_store_that_never_landed_is_released_and_one_that_landed_is_
             assert released == []
         feed.poll_once(follower)
         assert feed.unlanded_store_blocks == 1, "each completed store is settled once"
+        assert feed.take() == []
+
+        # vLLM's cache reset (reset_connector) publishes AllBlocksCleared: kvtier restates its blocks.
+        feed.restate()
+        feed.poll_once(follower)
+        restated = [k for e in feed.take() if not e.removed for k in e.keys]
+        assert sorted(restated) == sorted(stored)
     finally:
         feed.close()
         follower.close()

@@ -85,6 +85,7 @@ class EventFeed:
         self._reported: dict[str, set[bytes]] = {tier: set() for tier in TIER_MEDIA}
         self._cursor = 0
         self._unsettled: list[bytes] = []
+        self._restate_requested = False
         self.resets = 0
         self.unnameable_keys = 0
         self.unlanded_store_blocks = 0
@@ -105,6 +106,13 @@ class EventFeed:
             if overflow > 0:
                 del self._unsettled[:overflow]
 
+    def restate(self) -> None:
+        """vLLM cleared its caches and told routers ``AllBlocksCleared``, which drops kvtier's tiers
+        from their index too, though kvtier still holds every block: the next poll states them
+        again."""
+        with self._lock:
+            self._restate_requested = True
+
     def _run(self) -> None:
         connection: ServiceConnection | None = None
         while not self._stop.wait(self._poll_interval_s):
@@ -123,6 +131,12 @@ class EventFeed:
         settles the stores that completed before this poll began."""
         with self._lock:
             settling, self._unsettled = self._unsettled, []
+            restate, self._restate_requested = self._restate_requested, False
+        if restate:
+            held = [(key, tier) for tier, keys in self._reported.items() for key in keys]
+            for reported in self._reported.values():
+                reported.clear()
+            self._queue([(key, tier, False) for key, tier in held])
         caught_up = self._read_changes(connection)
         if caught_up:
             self._release_unlanded(settling)

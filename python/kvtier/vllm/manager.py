@@ -236,6 +236,9 @@ class KvtierManager(OffloadingManager):
         # delete blocks other engines (or this engine after a restart) rely on.
         logger.info("kvtier: reset_cache ignored; kvtier keeps its blocks (remove the store directory to drop them)")
         self._being_stored.clear()
+        events = self._event_feed()
+        if events is not None:
+            events.restate()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         payload = self._stats.collect(self._shared)
