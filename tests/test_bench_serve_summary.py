@@ -1,0 +1,68 @@
+"""`kvtier bench serve-summary`: medians over repeats, the issue's targets judged on them, a missed
+target named in the table and in the exit status. Runs are `kvtier bench serve` documents written
+here with chosen figures (the real runs take 15 minutes each; tests/test_bench_serve.py runs one)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvtier.bench import serve_summary
+
+SETTINGS = {
+    "preset": "kv8b", "prefix_len": 2048, "suffix_len": 64, "requests_per_user": 3, "cpu_count": 2,
+    "kv_bytes_per_token": 131072, "dram_gib": 2.0, "nvme_gib": 8.0,
+}  # fmt: skip
+
+
+def point(users: int, req_s: float, p99_ms: float) -> dict:
+    return {"users": users, "request_throughput": req_s, "ttft_ms": {"p50": 1.0, "p90": 1.0, "p99": p99_ms}}
+
+
+def run(tmp_path: Path, name: str, concurrency: int, rows: dict[str, list[tuple[int, float, float]]]) -> Path:
+    document = {
+        "settings": {**SETTINGS, "concurrency": concurrency},
+        "rows": [
+            {"row": row, "label": row, "points": [point(*p) for p in points], "problems": []}
+            for row, points in rows.items()
+        ],
+    }
+    directory = tmp_path / name
+    directory.mkdir()
+    (directory / "results.json").write_text(json.dumps(document))
+    return directory
+
+
+def test_repeats_give_medians_and_every_target_is_judged(tmp_path):
+    first = run(tmp_path, "a", 4, {"vllm": [(4, 1.0, 5000), (32, 0.5, 11000)],
+                                   "kvtier-nvme": [(4, 1.2, 4800), (32, 1.1, 6000)]})  # fmt: skip
+    second = run(tmp_path, "b", 4, {"vllm": [(4, 1.0, 5200), (32, 0.4, 12000)],
+                                    "kvtier-nvme": [(4, 1.0, 4000), (32, 1.0, 5000)]})  # fmt: skip
+    third = run(tmp_path, "c", 4, {"vllm": [(4, 0.9, 5100), (32, 0.6, 10000)],
+                                   "kvtier-nvme": [(4, 1.1, 4500), (32, 1.05, 7000)]})  # fmt: skip
+    out = tmp_path / "summary"
+    assert serve_summary.main([str(first), str(second), str(third), "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    nvme_32 = summary["points"]["4"]["kvtier-nvme"]["32"]
+    assert nvme_32["req_s"] == {"median": 1.05, "min": 1.0, "max": 1.1, "n": 3}
+    assert summary["capacity_users"]["kvtier-nvme"] == 40  # 10 GiB over 256 MiB per prefix
+    verdict = next(v for v in summary["verdicts"]["4"] if v["users"] == 32)
+    assert round(verdict["vs_first_users"], 3) == round(1.05 / 1.1, 3)
+    assert "1.05 (1.00-1.10)" in (out / "summary.md").read_text()
+
+
+def test_a_collapse_or_a_slower_kvtier_is_a_missed_target(tmp_path):
+    collapsed = run(tmp_path, "c8", 8, {"vllm": [(4, 1.0, 5000), (12, 0.5, 9000), (32, 0.4, 11000)],
+                                        "kvtier-nvme": [(4, 1.2, 4800), (12, 1.0, 6000), (32, 0.8, 6000)],
+                                        "kvtier-dram": [(4, 0.9, 4000), (12, 0.6, 9500), (32, 0.3, 8000)]})  # fmt: skip
+    out = tmp_path / "summary"
+    assert serve_summary.main([str(collapsed), "--out", str(out)]) == 1
+    verdicts = {(v["row"], v["users"]): v for v in json.loads((out / "summary.json").read_text())["verdicts"]["8"]}
+    assert not verdicts[("kvtier-nvme", 32)]["met"], "0.8 / 1.2 = 0.67x of the 4-user throughput"
+    assert round(verdicts[("kvtier-nvme", 12)]["vs_first_users"], 2) == 0.83, "1.0 / 1.2: under 0.9x"
+    assert not verdicts[("kvtier-nvme", 12)]["met"]
+    assert verdicts[("kvtier-nvme", 4)]["met"]
+    assert not verdicts[("kvtier-dram", 4)]["met"], "slower than vLLM alone"
+    assert not verdicts[("kvtier-dram", 12)]["met"], "TTFT p99 above vLLM alone's"
+    assert "vs_first_users" not in verdicts[("kvtier-dram", 32)], "32 prefixes do not fit 2 GiB: no collapse check"
+    assert "**missed**" in (out / "summary.md").read_text()
