@@ -14,9 +14,13 @@ pub struct ResidencyUpdate {
     /// The keys in the remote tiers now (shared filesystem, object store), at most `max_remote`
     /// of each; `None`: unchanged since the generation the caller passed.
     pub remote: Option<Vec<BlockKey>>,
-    /// The generation to pass next time.
-    pub remote_generation: Option<u64>,
+    /// The generations to pass next time.
+    pub remote_generation: Option<RemoteGeneration>,
 }
+
+/// The remote indexes' generations: (shared filesystem tier, object tier); 0 for a tier not
+/// configured.
+pub type RemoteGeneration = (u64, u64);
 
 impl Store {
     /// What changed since the last call: see `ResidencyUpdate`. `full`: the caller has not seen
@@ -27,25 +31,21 @@ impl Store {
         full: bool,
         cap: usize,
         max_remote: usize,
-        remote_generation: Option<u64>,
+        remote_generation: Option<RemoteGeneration>,
     ) -> ResidencyUpdate {
         let shared = self.shared();
         let local = shared.catalog.lock().residency_changes(full, cap);
-        let seen = if full { None } else { remote_generation };
-        let (remote_generation, mut remote) = match &shared.shared_tier {
-            Some(tier) => match tier.indexed_keys_since(max_remote, seen) {
-                Some((generation, keys)) => (Some(generation), Some(keys)),
-                None => (seen, None),
-            },
-            None => (Some(0), seen.is_none().then(Vec::new)),
-        };
-        if let Some(tier) = &shared.object_tier {
-            // The object tier's index keeps no generation: with it, both are read every refresh.
-            let mut keys = remote
-                .unwrap_or_else(|| shared.shared_tier.as_ref().map_or_else(Vec::new, |t| t.indexed_keys(max_remote)));
-            keys.extend(tier.indexed_keys(max_remote));
-            remote = Some(keys);
-        }
-        ResidencyUpdate { local, remote, remote_generation }
+        // Generations first, keys after: a change in between is read again next time, never missed.
+        let now = (
+            shared.shared_tier.as_ref().map_or(0, |t| t.keys_generation()),
+            shared.object_tier.as_ref().map_or(0, |t| t.keys_generation()),
+        );
+        let unchanged = !full && remote_generation == Some(now);
+        let remote = (!unchanged).then(|| {
+            let mut keys = shared.shared_tier.as_ref().map_or_else(Vec::new, |t| t.indexed_keys(max_remote));
+            keys.extend(shared.object_tier.as_ref().map_or_else(Vec::new, |t| t.indexed_keys(max_remote)));
+            keys
+        });
+        ResidencyUpdate { local, remote, remote_generation: Some(now) }
     }
 }

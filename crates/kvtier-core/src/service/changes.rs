@@ -17,6 +17,7 @@
 
 use crate::catalog::ResidencyChanges;
 use crate::key::BlockKey;
+use crate::store_residency::RemoteGeneration;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -53,8 +54,8 @@ pub struct ChangesReply {
 pub struct ChangeLog {
     /// When the residency was last read into the log (`None`: never, no follower yet).
     pub refreshed_at: Option<Instant>,
-    /// What the shared tier's index was when last read (`Store::residency_changes`'s cursor).
-    pub shared_generation: Option<u64>,
+    /// What the remote tiers' indexes were when last read (`Store::residency_changes`'s cursor).
+    pub remote_generation: Option<RemoteGeneration>,
     current: HashMap<BlockKey, u8>,
     /// The keys of `current` with `TIER_SHARED`.
     shared: HashSet<BlockKey>,
@@ -73,7 +74,7 @@ impl ChangeLog {
             .map_or(1, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX / 2));
         ChangeLog {
             refreshed_at: None,
-            shared_generation: None,
+            remote_generation: None,
             current: HashMap::new(),
             shared: HashSet::new(),
             ring: VecDeque::new(),
@@ -184,7 +185,8 @@ impl ChangeLog {
     }
 
     /// Blocks loadable now, in any tier.
-    pub fn blocks(&self) -> usize {
+    #[cfg(test)]
+    fn blocks(&self) -> usize {
         self.current.len()
     }
 }

@@ -774,8 +774,8 @@ impl Connection {
         if log.stale() {
             let store = &session.ns.store;
             let update =
-                store.residency_changes(log.needs_full(), LOG_CAPACITY, LOG_CAPACITY * 16, log.shared_generation);
-            log.shared_generation = update.remote_generation;
+                store.residency_changes(log.needs_full(), LOG_CAPACITY, LOG_CAPACITY * 16, log.remote_generation);
+            log.remote_generation = update.remote_generation;
             log.apply(update.local, update.remote);
         }
         let reply = log.since(cursor, max);

@@ -50,6 +50,8 @@ struct Segment {
 struct Index {
     blocks: HashMap<BlockKey, Loc>,
     segments: HashMap<Arc<str>, Segment>,
+    /// Bumped whenever a key is gained or lost, so the change log skips unchanged refreshes.
+    keys_generation: u64,
 }
 
 impl Index {
@@ -62,13 +64,20 @@ impl Index {
                 keys.push(e.key);
             }
         }
+        if !keys.is_empty() {
+            self.keys_generation += 1;
+        }
         self.segments.insert(stem, Segment { keys });
     }
 
     fn remove(&mut self, stem: &str) {
         if let Some(seg) = self.segments.remove(stem) {
+            if !seg.keys.is_empty() {
+                self.keys_generation += 1;
+            }
             for k in seg.keys {
-                self.blocks.remove(&k);
+                let removed = self.blocks.remove(&k);
+                debug_assert!(removed.is_some_and(|loc| &*loc.stem == stem), "a segment owns the keys it lists");
             }
         }
     }
@@ -174,6 +183,12 @@ impl ObjectTier {
     }
 
     /// Up to `limit` indexed keys (for residency reports).
+    /// Changes whenever the index gains or loses a key; read it before the keys (a refresh that
+    /// races a change then reads the keys again next time, never misses one).
+    pub fn keys_generation(&self) -> u64 {
+        self.index.read().keys_generation
+    }
+
     pub fn indexed_keys(&self, limit: usize) -> Vec<BlockKey> {
         self.index.read().blocks.keys().take(limit).copied().collect()
     }
@@ -331,4 +346,46 @@ fn refused(bucket: &str, config: &ObjectConfig, e: Error) -> Error {
              (or the web identity / instance credentials), that the bucket exists, and bucket_endpoint"
         ),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::key::Namespace;
+
+    fn segment(keys: &[u8]) -> format::SegmentIndex {
+        let entries = keys
+            .iter()
+            .enumerate()
+            .map(|(i, &k)| format::Entry { key: BlockKey([k; 32]), offset: 4096 * (i as u64 + 1), value_checksum: 0 })
+            .collect();
+        format::SegmentIndex {
+            namespace: Namespace([1; 32]),
+            object_bytes: 4096,
+            writer_id: 7,
+            seq: 0,
+            segment_bytes: 4096 * (keys.len() as u64 + 1),
+            created_unix_ms: 0,
+            entries,
+        }
+    }
+
+    #[test]
+    fn the_generation_moves_exactly_when_the_index_gains_or_loses_a_key() {
+        let mut index = Index::default();
+        index.insert("a", &segment(&[1, 2]));
+        let after_a = index.keys_generation;
+        assert!(after_a > 0, "new keys");
+        index.insert("b", &segment(&[2]));
+        assert_eq!(index.keys_generation, after_a, "a segment whose keys are all indexed adds none");
+        index.remove("b");
+        assert_eq!(index.keys_generation, after_a, "removing it loses none");
+        assert!(index.blocks.contains_key(&BlockKey([2; 32])), "the first segment still owns the key");
+        index.remove("a");
+        assert!(index.keys_generation > after_a, "keys lost");
+        assert!(index.blocks.is_empty() && index.segments.is_empty());
+        let emptied = index.keys_generation;
+        index.remove("a");
+        assert_eq!(index.keys_generation, emptied, "a segment no longer listed changes nothing");
+    }
 }

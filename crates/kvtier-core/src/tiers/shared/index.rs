@@ -55,7 +55,7 @@ pub struct Index {
     pub doomed: HashMap<String, (u64, u64)>,
     pub cursors: HashMap<u64, ManifestCursor>,
     /// Bumped whenever `keys` gains or loses a key: the service's change log walks the keys again
-    /// only when it moved (`SharedTier::indexed_keys_since`).
+    /// only when it moved (`SharedTier::keys_generation`).
     keys_generation: u64,
 }
 
@@ -182,13 +182,9 @@ impl Index {
 }
 
 impl super::SharedTier {
-    /// Up to `limit` indexed keys and the index's generation, or `None` when the index has not
-    /// gained or lost a key since generation `seen` (the change log's refresh skips the walk).
-    pub fn indexed_keys_since(&self, limit: usize, seen: Option<u64>) -> Option<(u64, Vec<BlockKey>)> {
-        let index = self.index.read();
-        if seen == Some(index.keys_generation) {
-            return None;
-        }
-        Some((index.keys_generation, index.keys.keys().take(limit).copied().collect()))
+    /// Changes whenever the index gains or loses a key; read it before the keys (a refresh that
+    /// races a change then reads the keys again next time, never misses one).
+    pub fn keys_generation(&self) -> u64 {
+        self.index.read().keys_generation
     }
 }
