@@ -37,8 +37,6 @@ mod timeline;
 pub use catalog::{Gauges, Tier, TrimCounts};
 pub use config::{find_option, unknown_option_message, ConfigOption, OptionKind, OptionValue, StoreConfig, OPTIONS};
 pub use error::{Error, Result};
-pub use io::buffer::AlignedBuf;
-pub use io::faults::FaultPlan;
 pub use io::{DirectIo, EngineChoice, IoSetup};
 pub use key::{BlockKey, Namespace};
 pub use maintenance::{BadBlock, NamespaceFacts, TrimRequest, VerifyBatch};
@@ -46,5 +44,19 @@ pub use mover::{BlockBuffer, Reservation};
 pub use namespace_dir::DESCRIPTION_FILE_NAME;
 pub use stats::{Stats, StatsSnapshot};
 pub use store::{Job, JobKind, PoolLayout, Store, StoreStats};
-pub use tiers::eviction::{EvictionPolicy, Lru, S3Fifo};
-pub use tiers::shared::{SharedConfig, SharedTier};
+pub use tiers::shared::SharedConfig;
+
+/// What only tests, fuzzers and stress tools need: fault injection, aligned buffers, the shared
+/// tier and the eviction policies driven on their own, and the wire framing for forged requests.
+/// Not an interface for engines or operators; it may change with any release.
+pub mod testing {
+    pub use crate::io::buffer::AlignedBuf;
+    pub use crate::io::faults::FaultPlan;
+    pub use crate::tiers::eviction::{EvictionPolicy, Lru, S3Fifo};
+    pub use crate::tiers::shared::SharedTier;
+
+    /// The host service's framing (docs/service.md), for tests that speak to it byte by byte.
+    pub mod wire {
+        pub use crate::service::protocol::{read_frame, write_frame, Op, Writer, PROTOCOL_VERSION};
+    }
+}

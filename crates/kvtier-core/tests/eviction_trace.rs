@@ -2,7 +2,7 @@
 //! prompts, documents reused across requests) mixed with one-hit unique suffixes. The DRAM policy
 //! must keep the hot prefixes when unique blocks stream through.
 
-use kvtier_core::{EvictionPolicy, Lru, S3Fifo};
+use kvtier_core::testing::{EvictionPolicy, Lru, S3Fifo};
 use std::collections::HashMap;
 
 struct Rng(u64);

@@ -13,7 +13,7 @@
 mod common;
 use common::*;
 
-use kvtier_core::FaultPlan;
+use kvtier_core::testing::FaultPlan;
 use kvtier_core::{EngineChoice, Store, StoreConfig};
 use std::path::Path;
 use std::sync::atomic::Ordering;

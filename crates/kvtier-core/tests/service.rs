@@ -167,7 +167,7 @@ fn a_rank_that_dies_mid_store_leaves_nothing_half_written() {
     // A rank that reserved and then disconnected: its reservation ends with its connection, and a
     // new pair of ranks stores the block cleanly afterwards.
     {
-        use kvtier_core::service::protocol::{read_frame, write_frame, Op, Writer, PROTOCOL_VERSION};
+        use kvtier_core::testing::wire::{read_frame, write_frame, Op, Writer, PROTOCOL_VERSION};
         let mut raw = std::os::unix::net::UnixStream::connect(&socket).unwrap();
         let mut hello = Writer::new(Op::Hello as u8);
         hello.u16(PROTOCOL_VERSION).u32(2).u32(1).u64(SLICE as u64).bytes(b"service-test/model/tp");
@@ -1029,7 +1029,7 @@ fn a_second_hello_keeps_the_pool_mapped_or_is_refused() {
 
 #[test]
 fn the_change_log_reports_what_any_engine_stored_and_what_eviction_removed() {
-    use kvtier_core::service::changes::{TIER_DRAM, TIER_NVME};
+    use kvtier_core::service::{TIER_DRAM, TIER_NVME};
     let dir = tempfile::tempdir().unwrap();
     let (mut service, socket) = start(dir.path(), 0);
     let mut a = client(&socket, 1, 0);

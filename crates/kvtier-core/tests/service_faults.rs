@@ -10,7 +10,8 @@ mod common;
 use common::*;
 
 use kvtier_core::service::{Client, Service, ServiceConfig};
-use kvtier_core::{BlockBuffer, BlockKey, FaultPlan, StoreConfig};
+use kvtier_core::testing::FaultPlan;
+use kvtier_core::{BlockBuffer, BlockKey, StoreConfig};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;

@@ -2,11 +2,11 @@
 //! the concurrency and lease tests).
 
 use kvtier_core::format::shared::Lease;
+use kvtier_core::testing::{FaultPlan, SharedTier};
 use kvtier_core::Stats;
 use kvtier_core::{BlockKey, Namespace};
 use kvtier_core::{Error, Store, StoreConfig};
-use kvtier_core::{FaultPlan, IoSetup};
-use kvtier_core::{SharedConfig, SharedTier};
+use kvtier_core::{IoSetup, SharedConfig};
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
@@ -1011,7 +1011,7 @@ fn measure_tag_cost() {
         assert_eq!(tier.publish_values(&keys, &values).unwrap(), n);
         tier.flush();
         let publish = t.elapsed().as_secs_f64();
-        let mut slot = kvtier_core::AlignedBuf::zeroed(tier.slot_bytes());
+        let mut slot = kvtier_core::testing::AlignedBuf::zeroed(tier.slot_bytes());
         let read = best(&mut || {
             for k in &keys {
                 assert!(tier.read_into(k, slot.as_mut_slice()).unwrap());

@@ -167,7 +167,7 @@ fn striped_over_two_directories() {
 
 #[test]
 fn aligned_buffers_take_direct_reads_and_are_verified() {
-    use kvtier_core::AlignedBuf;
+    use kvtier_core::testing::AlignedBuf;
     for engine in engines() {
         let dir = tempfile::tempdir().unwrap();
         let n = 64 * 1024;
@@ -273,7 +273,8 @@ fn a_load_short_of_slots_takes_the_slots_of_queued_writes() {
             cfg.slot_wait_ms = 30_000;
             cfg.loads_cancel_queued_writes = cancel;
             let mut slow = cfg.clone();
-            slow.fault_plan = Some(std::sync::Arc::new(kvtier_core::FaultPlan { delay_ms: 40, ..Default::default() }));
+            slow.fault_plan =
+                Some(std::sync::Arc::new(kvtier_core::testing::FaultPlan { delay_ms: 40, ..Default::default() }));
             let store = Store::open(slow).unwrap();
             let old: Vec<u64> = (0..8).collect();
             assert!(put(&store, &old).iter().all(|&b| b));
@@ -323,7 +324,8 @@ fn stores_do_not_evict_the_blocks_of_a_pending_load() {
         let mut cfg = config(dir.path(), engine, 64 * 1024);
         cfg.max_write_inflight_bytes = cfg.slot_bytes();
         cfg.slot_wait_ms = 30_000;
-        cfg.fault_plan = Some(std::sync::Arc::new(kvtier_core::FaultPlan { delay_ms: 20, ..Default::default() }));
+        cfg.fault_plan =
+            Some(std::sync::Arc::new(kvtier_core::testing::FaultPlan { delay_ms: 20, ..Default::default() }));
         let store = Store::open(cfg).unwrap();
         let ids: Vec<u64> = (0..16).collect();
         assert!(put(&store, &ids).iter().all(|&b| b));

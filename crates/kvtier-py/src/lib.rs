@@ -794,7 +794,7 @@ impl PyServiceClient {
     /// `hello`): `(reset, next_cursor, [(key, tier, removed)])`, tier "dram", "nvme" or "shared";
     /// `reset`: the cursor was not a position in the service's log, the changes are its state.
     fn changes<'py>(&self, py: Python<'py>, cursor: u64, max: u32) -> PyResult<(bool, u64, Vec<PyChange<'py>>)> {
-        use kvtier_core::service::changes::{TIER_DRAM, TIER_NVME};
+        use kvtier_core::service::{TIER_DRAM, TIER_NVME};
         let reply = py.detach(|| self.inner.lock().changes(cursor, max)).map_err(to_py)?;
         let tier_name = |tier: u8| match tier {
             TIER_DRAM => "dram",

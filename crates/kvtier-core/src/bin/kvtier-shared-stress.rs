@@ -6,9 +6,10 @@
 //! Usage: kvtier-shared-stress root=DIR [namespace=S] [secs=N] [capacity_bytes=N] [file_bytes=N]
 //!        [object_bytes=N] [staleness_ms=N] [lease_ms=N] [grace_ms=N] [publish_every_ms=N] [tag=N]
 
+use kvtier_core::testing::SharedTier;
+use kvtier_core::SharedConfig;
 use kvtier_core::Stats;
 use kvtier_core::{BlockKey, Namespace};
-use kvtier_core::{SharedConfig, SharedTier};
 use std::collections::HashMap;
 use std::io::Write;
 use std::sync::Arc;

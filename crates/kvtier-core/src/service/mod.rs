@@ -1,16 +1,19 @@
 //! The host service: one process per host and store path owns the stores (catalog, NVMe and shared
 //! tiers) and their DRAM pools in shared memory; every engine on the host talks to it over a Unix
-//! socket ([`protocol`]) and copies its own KV slices in and out of the pool ([`client`]), so a
+//! socket (`protocol`) and copies its own KV slices in and out of the pool (`client`), so a
 //! prefix that any engine computed is a DRAM hit for all of them and outlives engine restarts.
 
-pub mod changes;
-pub mod client;
-pub mod engines;
-pub mod latency;
-pub mod placement;
-pub mod protocol;
-pub mod server;
+pub(crate) mod changes;
+mod client;
+mod engines;
+mod latency;
+mod placement;
+// The framing is the service's own: engines use `Client`; tests that forge frames use
+// `kvtier_core::testing::wire`.
+pub(crate) mod protocol;
+mod server;
 
+pub use changes::{TIER_DRAM, TIER_NVME, TIER_SHARED};
 pub use client::{Attached, Client, EngineEntry, NamespaceInfo, RemoteBadBlock, RemoteVerifyBatch, ReserveReply};
 pub use engines::{EngineCounters, MAX_ENGINES};
 pub use placement::{Placement, PlacementRun};
