@@ -96,3 +96,17 @@ def test_shared_row_fails_on_another_token_a_block_not_from_the_shared_tier_or_a
     the_plan, summary, measurements = shared_run(token_id=1, repeats=2)
     (failure,) = ttft.shared_row_failures(the_plan, summary, measurements)
     assert failure == "1 of 2 repeats measured at 512 tokens"
+
+
+def test_object_row_is_checked_like_the_shared_row():
+    the_plan = {**plan([512], 0), "hit_rates": [], "object": {"bucket_url": "s3://b/p", "bucket_endpoint": "http://x"}}
+    recompute = {**measurement(1, "recompute", 512, 0.5), "prompt_id": "p:512:0"}
+    hit = {**measurement(1, "kvtier_object", 512, 0.2), "prompt_id": "p:512:0", "token_id": 3}
+    hit.update(cached_tokens=512, expected_cached_tokens=512)
+    summary = ttft.summarize(the_plan, [recompute, hit])
+    (failure,) = ttft.shared_row_failures(the_plan, summary, [recompute, hit], "kvtier_object")
+    assert "p:512:0: token 3" in failure
+    assert ttft.shared_row_failures(the_plan, summary, [recompute, hit]) == []  # no kvtier_shared row planned
+    assert "kvtier object-tier hit / recompute" in [target["name"] for target in summary["targets"]]
+    rows1 = ttft.table_rows(the_plan, summary)[1]
+    assert [row[0] for row in rows1] == [ttft.CONFIG_LABELS["recompute"], ttft.CONFIG_LABELS["kvtier_object"]]

@@ -387,3 +387,33 @@ def test_every_bucket_option_is_accepted_by_open(nodes, bucket, tmp_path):
     assert store.stats()["bucket_segments_published"] == 1
     defaults = {o["name"]: o["default"] for o in kvtier.options() if o["name"] in names and o["default"] is not None}
     nodes.open("defaults", **{**defaults, **bucket}).close()
+
+
+def test_bench_io_object_sweep_at_ci_size(rgw, bucket, tmp_path):
+    """`kvtier bench io --small --object` on the module's gateway: every block read back is compared
+    with what was written (the benchmark fails on one wrong byte), and the requests it counts are the
+    ones docs/object-tier.md promises: 2 PUTs per segment, 1 ranged GET per block."""
+    import json
+
+    from kvtier.bench import io
+
+    out = tmp_path / "out"
+    argv = ["--small", "--object", "--no-kvtier", "--no-fio", "--no-lmcache", "--object-size", "512"]
+    argv += ["--bucket-url", f"s3://{BUCKET}/bench-io", "--bucket-endpoint", rgw.endpoint]
+    argv += ["--dir", str(tmp_path / "scratch"), "--out", str(out)]
+    started = time.monotonic()
+    assert io.main(argv) == io.EXIT_OK
+    print(f"\nbench io --small --object: {time.monotonic() - started:.1f} s")
+    section = json.loads((out / "results.json").read_text())["object_tier"]
+    sweep = section["sweep"]
+    assert section["problems"] == [] and (out / "io-object.png").exists()
+    assert [p["segment_bytes"] >> 20 for p in section["points"]] == [4, 16]
+    for point in section["points"]:
+        published = point["publish"]
+        assert published["put_requests"] == 2 * published["segments"] > 0
+        assert [r["reads_in_flight"] for r in point["retrieves"]] == [1, 8]
+        for retrieved in point["retrieves"]:
+            assert retrieved["found_objects"] == retrieved["bucket_hits"] == sweep["object_count"]
+            assert retrieved["get_requests"] == sweep["object_count"] and retrieved["wrong_objects"] == 0
+        assert point["deleted_objects"] == 2 * published["segments"]
+    assert rgw.keys("bench-io") == [], "the benchmark left objects in the bucket"

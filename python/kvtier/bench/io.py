@@ -11,7 +11,12 @@ repeated, for every (model shape, prompt size, object kind) case:
 - with ``--shared``: kvtier's shared-filesystem tier on a directory beside fio's file: store A publishes
   the prompt (put_many + flush), store B (another local directory, same root and namespace) waits until
   the blocks are visible and reads them cold; files and metadata operations per GB; and, once per run,
-  the latency of lookup_prefix / contains_many for 10,000 keys present in the shared index.
+  the latency of lookup_prefix / contains_many for 10,000 keys present in the shared index;
+- with ``--object``: kvtier's object-storage tier (S3) on a bucket (``--bucket-url``, or Ceph's RADOS
+  gateway on 127.0.0.1 brought up and torn down by the benchmark): publish GB/s and cold retrieve
+  GB/s from another, empty store, with the segment size and the GETs in flight swept, and the
+  requests per GiB stored and loaded (``kvtier.bench.object_tier``). With ``--no-kvtier --no-fio
+  --no-lmcache`` only this sweep runs.
 
 It prints a table, writes ``results.json``, ``table.txt`` and ``io.png`` to the output directory and
 exits non-zero (3) if kvtier ever returned wrong bytes. ``--small`` is the CI size: a few seconds of
@@ -31,7 +36,7 @@ import sys
 import time
 import traceback
 
-from . import fio, kvtier_store, lmcache_client, report, workload
+from . import bucket, fio, kvtier_store, lmcache_client, object_tier, report, workload
 
 DEFAULT_SIZES = "8k,32k,64k"
 DEFAULT_OBJECTS = "block16,block128,chunk256"
@@ -90,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(publish, visibility, cold retrieve from another store, files per GB, lookup latency "
         "of 10,000 keys) on a directory beside fio's file (on with --small)",
     )
+    add_object_arguments(parser)
     parser.add_argument(
         "--lmcache-python", help="interpreter with lmcache installed (default: .venv-lmcache/bin/python when it exists)"
     )
@@ -113,6 +119,96 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=20240601, help="seed of the block data (default: %(default)s)")
     return parser
+
+
+def add_object_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--object",
+        action="store_true",
+        help="also sweep kvtier's object-storage (S3) tier: publish and cold retrieve from another store, "
+        "segment size x GETs in flight, requests per GiB (docs/object-tier.md)",
+    )
+    parser.add_argument(
+        "--bucket-url",
+        help="s3://bucket[/prefix] for --object, credentials from the environment (AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY, AWS_REGION); the run's objects go under a fresh prefix, deleted afterwards "
+        "(default: Ceph's RADOS gateway on 127.0.0.1, brought up and torn down by scripts/distfs/radosgw.sh; root)",
+    )
+    parser.add_argument("--bucket-endpoint", help="S3 endpoint of --bucket-url (http(s)://host:port; default AWS)")
+    parser.add_argument(
+        "--object-size",
+        help=f"prompt of the object sweep in tokens (default {object_tier.DEFAULT_SIZE}; "
+        f"--small {object_tier.SMALL_SIZE})",
+    )
+    parser.add_argument(
+        "--object-kind", default=object_tier.DEFAULT_KIND, help="object kind of the object sweep (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--object-segment-mib",
+        help=f"bucket_segment_bytes values in MiB (default {object_tier.DEFAULT_SEGMENT_MIB}; "
+        f"--small {object_tier.SMALL_SEGMENT_MIB})",
+    )
+    parser.add_argument(
+        "--object-reads-in-flight",
+        help=f"bucket_reads_in_flight values (default {object_tier.DEFAULT_READS_IN_FLIGHT}; "
+        f"--small {object_tier.SMALL_READS_IN_FLIGHT})",
+    )
+    parser.add_argument("--object-repeats", type=int, help="repeats of the object sweep (default: 3; --small: 1)")
+
+
+def object_options(args: argparse.Namespace, model: str) -> dict | None:
+    """The object sweep's plan from the command line (None without --object)."""
+    if not args.object:
+        if args.bucket_url or args.bucket_endpoint:
+            raise ValueError("--bucket-url and --bucket-endpoint go with --object")
+        return None
+    repeats = args.object_repeats if args.object_repeats is not None else (1 if args.small else 3)
+    if repeats < 1:
+        raise ValueError("--object-repeats must be at least 1")
+    small = args.small
+    segments = args.object_segment_mib or (object_tier.SMALL_SEGMENT_MIB if small else object_tier.DEFAULT_SEGMENT_MIB)
+    in_flight = args.object_reads_in_flight or (
+        object_tier.SMALL_READS_IN_FLIGHT if small else object_tier.DEFAULT_READS_IN_FLIGHT
+    )
+    size = args.object_size or (object_tier.SMALL_SIZE if small else object_tier.DEFAULT_SIZE)
+    sweep = object_tier.plan_sweep(
+        workload.parse_token_count(size),
+        args.object_kind,
+        model,
+        [int(part) for part in _split(segments)],
+        [int(part) for part in _split(in_flight)],
+    )
+    return {"sweep": sweep, "repeats": repeats, "bucket_url": args.bucket_url, "bucket_endpoint": args.bucket_endpoint}
+
+
+def run_object_tier(options: dict, errors: list[dict]) -> dict | None:
+    """The object sweep in a scratch folder of its own, on the run's bucket; None when it could not run
+    (the reason is in ``errors``)."""
+    plan = options["object"]
+    sweep = plan["sweep"]
+    scratch = os.path.join(options["scratch_dir"], "object")
+    # The memstore OSD (RAM) holds one segment size's prompt at a time (deleted, then collected, after it).
+    osd_bytes = 2 * sweep["prompt_bytes"] + workload.GIB
+    try:
+        with bucket.open_bucket(plan["bucket_url"], plan["bucket_endpoint"], osd_bytes, log) as target:
+            section = object_tier.run_sweep(sweep, target, scratch, plan["repeats"], options["seed"], log)
+            section["bucket"] = {"endpoint": target.endpoint, "self_hosted": target.self_hosted, "url": target.url()}
+    except bucket.BucketUnavailable as error:
+        errors.append({"system": "kvtier_object", "case": "bucket", "error": str(error)})
+        log(f"object tier: not measured: {error}")
+        return None
+    except Exception as error:  # record and go on: the rest of the run's figures stand
+        errors.append({"system": "kvtier_object", "case": "sweep", "error": f"{type(error).__name__}: {error}"})
+        log(f"object tier FAILED: {type(error).__name__}: {error}")
+        if options["small"]:
+            traceback.print_exc()
+        return None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    section["problems"] = object_tier.problems(section)
+    for line in object_tier.table_lines(section):
+        log(line)
+    return section
 
 
 def _split(text: str) -> list[str]:
@@ -160,6 +256,8 @@ def resolve_options(args: argparse.Namespace) -> dict:
         "reopen": not args.keep_open,
         "seed": args.seed,
         "started": started,
+        "object": object_options(args, models[0]),
+        "regular": not (args.no_kvtier and args.no_fio and args.no_lmcache),
     }
 
 
@@ -247,9 +345,11 @@ def environment_info(options: dict) -> dict:
 
 def run(options: dict) -> dict:
     """Run every case, interleaved over repeats; return the results document (also written to disk)."""
-    cases = build_cases(options)
-    pool_bytes = max(workload.pool_bytes_for(case["prompt_bytes"], case["object_bytes"]) for case in cases)
-    check_resources(options, cases, pool_bytes)
+    # --object with --no-kvtier --no-fio --no-lmcache: only the object sweep (which makes its own data).
+    cases = build_cases(options) if options["regular"] else []
+    pool_bytes = max((workload.pool_bytes_for(case["prompt_bytes"], case["object_bytes"]) for case in cases), default=0)
+    if cases:
+        check_resources(options, cases, pool_bytes)
     models = {
         model: {
             field: getattr(workload.MODEL_SHAPES[model], field)
@@ -304,6 +404,18 @@ def run(options: dict) -> dict:
             "enabled": False,
             "skipped_reason": "--no-kvtier" if options["use_kvtier"] is False else "not requested (--shared)",
         }
+    systems["kvtier_object"] = (
+        {
+            "enabled": True,
+            "timed": "publish: store A (nvme_bytes=0, DRAM for the prompt) put_many + flush, which PUTs every "
+            "segment and its index object; retrieve: A closed, store B (another empty local directory, same "
+            "bucket prefix and namespace, listing period 600 s) opened (one listing + index GETs, not timed), "
+            "then one get_many of the prompt: a ranged GET per block, verified byte for byte; requests from "
+            "the tier's counters",
+        }
+        if options["object"]
+        else {"enabled": False, "skipped_reason": "not requested (--object)"}
+    )
     if not options["use_fio"]:
         systems["fio"] = {"enabled": False, "skipped_reason": "--no-fio"}
     elif not fio.fio_path():
@@ -351,8 +463,9 @@ def run(options: dict) -> dict:
     os.makedirs(options["out_dir"], exist_ok=True)
     os.makedirs(options["scratch_dir"], exist_ok=True)
     fio_file = os.path.join(options["scratch_dir"], "fio-testfile")
-    log(f"generating {workload.format_bytes(pool_bytes)} of block data ...")
-    pool = workload.make_pool(pool_bytes, options["seed"])
+    if cases:
+        log(f"generating {workload.format_bytes(pool_bytes)} of block data ...")
+    pool = workload.make_pool(pool_bytes, options["seed"]) if cases else None
 
     enabled = [name for name in ("fio", "kvtier", "kvtier_shared", "lmcache") if systems[name]["enabled"]]
     run_started = time.perf_counter()
@@ -473,6 +586,8 @@ def run(options: dict) -> dict:
                     {"system": "kvtier_shared", "case": "lookup", "error": f"{type(error).__name__}: {error}"}
                 )
                 log(f"kvtier shared lookup FAILED: {type(error).__name__}: {error}")
+        if options["object"]:
+            document["object_tier"] = run_object_tier(options, document["errors"])
     finally:
         if lmcache_session is not None:
             lmcache_session.close()
@@ -490,7 +605,11 @@ def run(options: dict) -> dict:
         system: sum(case["summary"]["wrong_objects"][system] for case in cases)
         for system in ("kvtier", "kvtier_shared", "lmcache")
     }
-    document["sanity_problems"] = sanity_problems(document)
+    object_section = document.get("object_tier") or {"points": []}
+    document["wrong_objects"]["kvtier_object"] = sum(
+        retrieved["wrong_objects"] for point in object_section["points"] for retrieved in point["retrieves"]
+    )
+    document["sanity_problems"] = sanity_problems(document) + object_section.get("problems", [])
     all_checks = [
         dict(check, case=f"{case['model']} {case['prompt_tokens']} {case['object_kind']}")
         for case in cases
@@ -570,11 +689,20 @@ def write_outputs(document: dict, out_dir: str) -> dict:
         "table": os.path.join(out_dir, "table.txt"),
         "plot": os.path.join(out_dir, "io.png"),
     }
-    plain_table = report.render_table(document)
-    plot_problem = report.write_plot(document, paths["plot"])
+    plain_table = report.render_table(document) if document["cases"] else ""
+    plot_problem = report.write_plot(document, paths["plot"]) if document["cases"] else None
     if plot_problem:
         log(f"note: no plot: {plot_problem}")
+    if plot_problem or not document["cases"]:
         paths.pop("plot")
+    if document.get("object_tier"):
+        object_table = "\n".join(object_tier.table_lines(document["object_tier"]))
+        plain_table = f"{plain_table}\n\n{object_table}" if plain_table else object_table
+        paths["object_plot"] = os.path.join(out_dir, "io-object.png")
+        object_plot_problem = object_tier.write_plot(document["object_tier"], paths["object_plot"])
+        if object_plot_problem:
+            log(f"note: no object-tier plot: {object_plot_problem}")
+            paths.pop("object_plot")
     document["outputs"] = paths
     with open(paths["table"], "w") as handle:
         handle.write(plain_table + "\n")
@@ -598,11 +726,13 @@ def main(argv: list[str] | None = None) -> int:
     summary = document["targets_summary"]
     if summary["met"] or summary["missed"]:
         log(f"kvtier targets: {summary['met']} met, {len(summary['missed'])} missed (figures, not asserts)")
-    log(f"results: {paths['json']}" + (f", plot: {paths['plot']}" if "plot" in paths else ""))
-    if document["wrong_objects"]["kvtier"] or document["wrong_objects"]["kvtier_shared"]:
+    plots = ", ".join(paths[name] for name in ("plot", "object_plot") if name in paths)
+    log(f"results: {paths['json']}" + (f", plots: {plots}" if plots else ""))
+    wrong = document["wrong_objects"]
+    if wrong["kvtier"] or wrong["kvtier_shared"] or wrong["kvtier_object"]:
         log(
-            f"FAIL: kvtier returned wrong bytes for {document['wrong_objects']['kvtier']} objects "
-            f"(shared tier: {document['wrong_objects']['kvtier_shared']})"
+            f"FAIL: kvtier returned wrong bytes for {wrong['kvtier']} objects "
+            f"(shared tier: {wrong['kvtier_shared']}, object tier: {wrong['kvtier_object']})"
         )
         return EXIT_WRONG_BYTES
     if document["sanity_problems"]:

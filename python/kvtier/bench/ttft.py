@@ -36,6 +36,14 @@ Configurations (one engine alive at a time, each in its own child process):
   the table shows ``!`` and the benchmark exits 1). Each run uses a fresh subdirectory of the shared
   root (``kvtier-ttft-<timestamp>-<pid>``), removed at the end. ``--shared-file-bytes`` sets both
   nodes' ``shared_file_bytes`` (how many blocks node A packs into one published file).
+- ``kvtier_object``: an object-tier hit (S3), only with ``--object``: the bucket is ``--bucket-url`` (credentials
+  from the environment) or Ceph's RADOS gateway on 127.0.0.1, brought up and torn down by the benchmark
+  (``scripts/distfs/radosgw.sh``, root). As ``kvtier_shared``, with the bucket instead of the shared
+  directory: node A computes every prompt with the object tier on and its flush waits until the blocks'
+  segments and index objects are PUT; then per prompt a fresh engine and service with an empty local
+  store and the same bucket prefix, every block of the prompt placed in the remote tier by
+  ``locate_many`` before timing, and every block of the timed request counted in ``bucket_hits`` (one
+  ranged GET each). ``--bucket-segment-bytes`` sets both nodes' ``bucket_segment_bytes``.
 - ``lmcache_disk``: LMCache's vLLM connector (LMCacheConnectorV1, LMCache 0.5.6) with its local disk
   backend, through kvtier's CPU copy shim (``kvtier.bench.lmcache_cpu_shim``: LMCache has no data
   mover for CPU vLLM). It runs in its own virtualenv (``scripts/install_lmcache_vllm.sh`` makes
@@ -73,7 +81,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench import io_pattern, workload
+from kvtier.bench import bucket, io_pattern, workload
 
 TOKENS_PER_BLOCK_CPU = 128  # vLLM's default block size on CPU (checked against the engine at start)
 CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention takes block sizes that are multiples of this
@@ -104,9 +112,12 @@ CONFIG_LABELS = {
     "example_connector": "vLLM ExampleConnector (disk, page cache dropped)",
     "lmcache_disk": "LMCache + CPU copy shim (local disk)",
     "kvtier_shared": "kvtier shared-tier hit (other node's mount, empty local store, page cache dropped)",
+    "kvtier_object": "kvtier object-tier hit (S3 bucket, other node, empty local store)",
     "disk_floor": "disk floor: fio O_DIRECT read of the same bytes",
 }
-RESTORED_CONFIGS = ("vllm_prefix", "kvtier_dram", "kvtier_nvme", "example_connector", "lmcache_disk", "kvtier_shared")
+RESTORED_CONFIGS = (
+    "vllm_prefix", "kvtier_dram", "kvtier_nvme", "example_connector", "lmcache_disk", "kvtier_shared", "kvtier_object",
+)  # fmt: skip
 SHARED_VISIBLE_WAIT_S = 30  # longest node B waits for node A's blocks in its shared index
 
 
@@ -200,6 +211,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="the kvtier_shared row's shared_file_bytes (bytes per shared file, e.g. 64MiB; default: the store's, "
         "256 MiB): how many blocks node A groups into one published file",
     )  # fmt: skip
+    parser.add_argument(
+        "--object", action="store_true",
+        help="also measure an object-tier hit (kvtier_object): node A publishes to a bucket, node B (empty local "
+        "store) loads from it; the bucket is --bucket-url or Ceph's RADOS gateway on 127.0.0.1 (root)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--bucket-url", help="s3://bucket[/prefix] of the kvtier_object row (credentials from the environment)"
+    )
+    parser.add_argument("--bucket-endpoint", help="S3 endpoint of --bucket-url (default AWS)")
+    parser.add_argument(
+        "--bucket-segment-bytes", metavar="SIZE",
+        help="the kvtier_object row's bucket_segment_bytes (default: the store's, 32 MiB)",
+    )  # fmt: skip
     parser.add_argument("--skip-lmcache", action="store_true", help="do not run LMCache's connector (local disk)")
     parser.add_argument(
         "--lmcache-python",
@@ -268,6 +292,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.out) if args.out else Path("bench-results") / f"ttft-{stamp}"
     shared = shared_plan(args, stamp, lengths, repeats, slot_bytes, block)
+    object_row = object_plan(args, lengths, repeats, kv_bytes_per_token, slot_bytes)
     return {
         "preset": preset_name,
         "model": str(model_dir),
@@ -289,6 +314,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         "out_dir": str(out_dir),
         "example_connector": not args.skip_example_connector,
         "shared": shared,
+        "object": object_row,
         **lmcache_plan(args, lengths, kv_bytes_per_token),
     }
 
@@ -326,6 +352,34 @@ def shared_plan(
         **roots,
         "prompts": repeats * len(lengths),
         "file_bytes": file_bytes,  # None: the store's default shared_file_bytes
+    }
+
+
+def object_plan(
+    args: argparse.Namespace, lengths: list[int], repeats: int, kv_bytes_per_token: int, slot_bytes: int
+) -> dict[str, Any] | None:
+    """The kvtier_object row's bucket and segment size; None without --object. The bucket's URL and
+    endpoint are filled in by main once the bucket is up (``bucket_url``, ``bucket_endpoint``)."""
+    if not args.object:
+        if args.bucket_url or args.bucket_endpoint or args.bucket_segment_bytes:
+            raise BenchError("--bucket-url, --bucket-endpoint and --bucket-segment-bytes go with --object")
+        return None
+    segment_bytes = None
+    if args.bucket_segment_bytes:
+        from kvtier.ops.maintenance import parse_size
+
+        try:
+            segment_bytes = parse_size(args.bucket_segment_bytes)
+        except ValueError as error:
+            raise BenchError(f"--bucket-segment-bytes: {error}") from None
+        if segment_bytes < slot_bytes + 4096:
+            raise BenchError(f"--bucket-segment-bytes must hold one block: at least {slot_bytes + 4096} bytes")
+    return {
+        "given_url": args.bucket_url,
+        "given_endpoint": args.bucket_endpoint,
+        "segment_bytes": segment_bytes,
+        # The memstore OSD of a local gateway holds every prompt of the row (kept until the run ends).
+        "osd_bytes": int(repeats * sum(lengths) * kv_bytes_per_token * 1.25) + (1 << 30),
     }
 
 
@@ -499,24 +553,30 @@ class Engine:
         return keys
 
 
-def kvtier_transfer(plan: dict, store_dir: str | None = None, shared_root: str | None = None) -> dict:
+def kvtier_transfer(
+    plan: dict, store_dir: str | None = None, shared_root: str | None = None, object_tier: bool = False
+) -> dict:
     """kvtier's kv_transfer_config for the plan's store (or ``store_dir``), with the shared tier on
-    ``shared_root`` when given."""
+    ``shared_root`` when given, or the object tier on the plan's bucket with ``object_tier``."""
     from kvtier.vllm import kv_transfer_config
 
     # The default publish queue: a prefill hands every block of the prompt to the publisher at once,
     # and what does not fit waits in its backlog (a dropped publish fails the phase).
-    shared: dict[str, Any] = {}
+    remote: dict[str, Any] = {}
     if shared_root:
-        shared = {"shared_root": shared_root}
+        remote = {"shared_root": shared_root}
         if plan["shared"].get("file_bytes"):
-            shared["shared_file_bytes"] = plan["shared"]["file_bytes"]
+            remote["shared_file_bytes"] = plan["shared"]["file_bytes"]
+    if object_tier:
+        remote = {"bucket_url": plan["object"]["bucket_url"], "bucket_endpoint": plan["object"]["bucket_endpoint"]}
+        if plan["object"].get("segment_bytes"):
+            remote["bucket_segment_bytes"] = plan["object"]["segment_bytes"]
     return kv_transfer_config(
         store_dir or plan["store_dir"],
         dram_bytes=plan["dram_bytes"],
         nvme_bytes=plan["nvme_bytes"],
         region_bytes=plan["region_bytes"],
-        **shared,
+        **remote,
     )
 
 
@@ -602,8 +662,12 @@ def _tier_counts(store, keys: list[bytes]) -> dict[str, int]:
     return counts
 
 
-def _kvtier_measure(engine: Engine, store, tokens: list[int], hit: int, tier: str, drop_cache: bool) -> dict:
-    """Measures a request whose first ``hit`` tokens must be served from ``tier``."""
+def _kvtier_measure(
+    engine: Engine, store, tokens: list[int], hit: int, tier: str, drop_cache: bool, served_counter: str | None = None
+) -> dict:
+    """Measures a request whose first ``hit`` tokens must be served from ``tier`` (as ``locate_many``
+    names it), counted in ``served_counter`` (default ``<tier>_hits``; the object tier's blocks are
+    located as "shared" and counted in ``bucket_hits``)."""
     keys = engine.block_keys(tokens, hit // engine.block_tokens)
     engine.reset_prefix_cache()
     tiers_before = _tier_counts(store, keys)
@@ -622,12 +686,16 @@ def _kvtier_measure(engine: Engine, store, tokens: list[int], hit: int, tier: st
         "nvme_hits": after["nvme_hits"] - before["nvme_hits"],
         "shared_hits": after.get("shared_hits", 0) - before.get("shared_hits", 0),
         "shared_misses": after.get("shared_misses", 0) - before.get("shared_misses", 0),
+        "bucket_hits": after.get("bucket_hits", 0) - before.get("bucket_hits", 0),
+        "bucket_misses": after.get("bucket_misses", 0) - before.get("bucket_misses", 0),
+        "bucket_get_requests": after.get("bucket_get_requests", 0) - before.get("bucket_get_requests", 0),
         "misses": after["misses"] - before["misses"],
         "checksum_failures": after["checksum_failures"] - before["checksum_failures"],
     }
-    served = record["kvtier"][f"{tier}_hits"]
+    served_counter = served_counter or f"{tier}_hits"
+    served = record["kvtier"][served_counter]
     if served != len(keys):
-        record["problem"] = f"{served} of {len(keys)} blocks served from {tier}"
+        record["problem"] = f"{served} of {len(keys)} blocks served from {tier} ({served_counter})"
     if dropped is not None:
         record["page_cache_dropped"] = dropped
     return record
@@ -859,6 +927,66 @@ def phase_kvtier_shared_load(plan: dict, emit) -> None:
     store.close()
 
 
+OBJECT_PUBLISH_FAILURES = ("bucket_dropped_publishes", "bucket_request_errors")
+
+
+def phase_kvtier_object_store(plan: dict, emit) -> None:
+    """Node A of kvtier_object: computes every prompt of experiment 1 with the object tier on; the
+    flush after each waits until its segments and index objects are PUT."""
+    engine = Engine(plan, kvtier_transfer(plan, shared_store_dir(plan, "object-a"), object_tier=True))
+    store = _store_of_engine()
+    emit("engine", {"start_s": engine.start_s, "bucket_url": plan["object"]["bucket_url"]})
+    for length in plan["lengths"]:
+        for repeat in range(plan["repeats"]):
+            prompt = length_prompt(plan, length, repeat)
+            engine.reset_prefix_cache()
+            before = store.stats()
+            started = time.perf_counter()
+            engine.generate(prompt)
+            ttft_s = time.perf_counter() - started
+            _settle(engine, store)
+            after = store.stats()
+            counters = ("puts", "bucket_segments_published", "bucket_bytes_written", "bucket_put_requests")
+            delta = {name: after.get(name, 0) - before.get(name, 0) for name in (*counters, *OBJECT_PUBLISH_FAILURES)}
+            emit("object_publish", {"length_tokens": length, "repeat": repeat, "ttft_s": ttft_s,
+                                    "publish_wait_s": time.perf_counter() - started - ttft_s, **delta})  # fmt: skip
+            progress(f"kvtier_object_store: L={length} r{repeat}: {ttft_s * 1000:.0f} ms, published {delta}")
+            failed = {name: delta[name] for name in OBJECT_PUBLISH_FAILURES if delta[name]}
+            if failed or not delta["bucket_segments_published"]:
+                raise BenchError(f"node A did not publish prompt p:{length}:{repeat} to the bucket: {delta}")
+    emit("store_stats", dict(store.stats()))
+    store.close()  # publishes anything left and stops node A's service
+
+
+def phase_kvtier_object_load(plan: dict, emit) -> None:
+    """Node B of kvtier_object for one prompt: a fresh engine and service with an empty local store,
+    every block of the prompt read from the bucket (one ranged GET each)."""
+    length, repeat = plan["item"]
+    store_dir = shared_store_dir(plan, f"object-b-{length}-r{repeat}")
+    if Path(store_dir).exists() and any(Path(store_dir).iterdir()):
+        raise BenchError(f"node B's local store {store_dir} is not empty")
+    engine = Engine(plan, kvtier_transfer(plan, store_dir, object_tier=True))
+    store = _store_of_engine()
+    stats = store.stats()
+    emit("engine", {"start_s": engine.start_s, "bucket_url": plan["object"]["bucket_url"],
+                    "blocks_dram_at_start": stats.get("blocks_dram"),
+                    "blocks_nvme_at_start": stats.get("blocks_nvme")})  # fmt: skip
+    if stats.get("blocks_dram") or stats.get("blocks_nvme"):
+        raise BenchError(f"node B's store is not empty at start: {stats.get('blocks_dram')} blocks in DRAM, "
+                         f"{stats.get('blocks_nvme')} on NVMe")  # fmt: skip
+    prompt = length_prompt(plan, length, repeat)
+    keys = engine.block_keys(prompt, length // engine.block_tokens)
+    counts = _wait_shared_visible(store, keys)  # the object tier's blocks are located as "shared" (remote)
+    if counts.get("shared", 0) != len(keys):
+        raise BenchError(f"node B sees the {len(keys)} blocks of p:{length}:{repeat} in tiers {counts}, not all in "
+                         f"the bucket (after {SHARED_VISIBLE_WAIT_S} s)")  # fmt: skip
+    record = _kvtier_measure(engine, store, prompt, length, "shared", drop_cache=True, served_counter="bucket_hits")
+    emit("measure", {"experiment": 1, "config": "kvtier_object", "length_tokens": length, "repeat": repeat,
+                     "prompt_id": f"p:{length}:{repeat}", **record})  # fmt: skip
+    emit("store_stats", dict(store.stats()))
+    store.close()
+
+
 def phase_example_connector(plan: dict, emit) -> None:
     transfer = {
         "kv_connector": "ExampleConnector",
@@ -1027,6 +1155,8 @@ PHASES = {
     "lmcache_disk": phase_lmcache_disk,
     "kvtier_shared_store": phase_kvtier_shared_store,
     "kvtier_shared_load": phase_kvtier_shared_load,
+    "kvtier_object_store": phase_kvtier_object_store,
+    "kvtier_object_load": phase_kvtier_object_load,
 }
 
 
@@ -1232,14 +1362,16 @@ def summarize(plan: dict, measurements: list[dict]) -> dict:
     return summary
 
 
-def shared_row_failures(plan: dict, summary: dict, measurements: list[dict]) -> list[str]:
-    """Why the kvtier_shared row cannot be trusted (empty when it can): a length or repeat not
-    measured, a block not served from the shared tier, a wrong hit size, or a greedy token that
+def shared_row_failures(
+    plan: dict, summary: dict, measurements: list[dict], config: str = "kvtier_shared"
+) -> list[str]:
+    """Why the kvtier_shared (or kvtier_object) row cannot be trusted (empty when it can): a length or
+    repeat not measured, a block not served from that tier, a wrong hit size, or a greedy token that
     differs from the recompute of the same prompt."""
-    if not plan.get("shared"):
+    if not plan.get({"kvtier_shared": "shared", "kvtier_object": "object"}[config]):
         return []
     failures = []
-    points = summary["experiment1"].get("kvtier_shared", {})
+    points = summary["experiment1"].get(config, {})
     for length in plan["lengths"]:
         point = points.get(str(length))
         measured = point["ttft_s"]["n"] if point and point["ttft_s"] else 0
@@ -1247,7 +1379,7 @@ def shared_row_failures(plan: dict, summary: dict, measurements: list[dict]) -> 
             failures.append(f"{measured} of {plan['repeats']} repeats measured at {length} tokens")
         elif not point["cached_tokens_ok"] or point["problems"]:
             failures.append(f"at {length} tokens: {'; '.join(point['problems']) or 'cached tokens differ'}")
-    records = [record for record in measurements if record["config"] == "kvtier_shared"]
+    records = [record for record in measurements if record["config"] == config]
     reference = {r["prompt_id"]: r for r in measurements if r["config"] == "recompute" and r.get("prompt_id")}
     for record in records:
         base = reference.get(record["prompt_id"])
@@ -1279,6 +1411,7 @@ def targets(plan: dict, summary: dict) -> list[dict]:
     lmcache = _median(summary, "lmcache_disk", length)
     floor = _median(summary, "disk_floor", length)
     shared = _median(summary, "kvtier_shared", length)
+    object_hit = _median(summary, "kvtier_object", length)
 
     def ratio(numerator, denominator):
         return numerator / denominator if numerator is not None and denominator else None
@@ -1301,6 +1434,15 @@ def targets(plan: dict, summary: dict) -> list[dict]:
                 ("kvtier shared-tier hit / recompute", ratio(shared, recompute), None, None),
             ]
             if plan.get("shared")
+            else []
+        ),
+        *(
+            [
+                ("kvtier object-tier hit / kvtier NVMe hit", ratio(object_hit, nvme), None, None),
+                ("kvtier object-tier hit / kvtier shared-tier hit", ratio(object_hit, shared), None, None),
+                ("kvtier object-tier hit / recompute", ratio(object_hit, recompute), None, None),
+            ]
+            if plan.get("object")
             else []
         ),
         (
@@ -1410,7 +1552,7 @@ def _cell(point: dict | None) -> str:
 
 CONFIG_ORDER = (
     "recompute", "kvtier_miss", "vllm_prefix", "kvtier_dram", "kvtier_nvme",
-    "kvtier_shared", "example_connector", "lmcache_disk", "disk_floor",
+    "kvtier_shared", "kvtier_object", "example_connector", "lmcache_disk", "disk_floor",
 )  # fmt: skip
 
 
@@ -1602,6 +1744,26 @@ def write_plots(plan: dict, summary: dict, out_dir: Path) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
+def open_object_bucket(plan: dict, stack: contextlib.ExitStack, notes: list[str]) -> None:
+    """The kvtier_object row's bucket, open until ``stack`` closes: ``plan["object"]`` gets its
+    ``bucket_url`` and ``bucket_endpoint``; the credentials are in this process's environment, which
+    every engine process and its host service inherit (never in the plan, which is written to logs/)."""
+    if not plan["object"]:
+        return
+    row = plan["object"]
+    target = stack.enter_context(
+        bucket.open_bucket(row["given_url"], row["given_endpoint"], row["osd_bytes"], progress_line)
+    )
+    row.update(bucket_url=target.url(), bucket_endpoint=target.endpoint)
+    where = "the local RADOS gateway (radosgw.sh)" if target.self_hosted else "the given bucket"
+    segment = row["segment_bytes"] or "the default"
+    notes.append(f"kvtier_object: {target.url()} at {target.endpoint}, {where}, bucket_segment_bytes {segment}")
+
+
+def progress_line(message: str) -> None:
+    print(message, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.run_phase:
@@ -1634,6 +1796,7 @@ def main(argv: list[str] | None = None) -> int:
     needed_bytes += int(plan["lmcache_disk_gib"] * 2**30) if plan["lmcache_available"] else 0
     # kvtier_shared: node A's local store, and one node B store at a time (removed after its phase).
     needed_bytes += 2 * plan["nvme_bytes"] if plan["shared"] else 0
+    needed_bytes += 2 * plan["nvme_bytes"] if plan["object"] else 0  # the same for kvtier_object
     free_bytes = shutil.disk_usage(store_root).free
     if needed_bytes > free_bytes * 0.9:
         print(
@@ -1667,6 +1830,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{plan['shared']['load_root']}"
             + (f", shared_file_bytes {plan['shared']['file_bytes']}" if plan["shared"]["file_bytes"] else "")
         )
+    if plan["object"]:
+        phases.append(("kvtier_object_store", "kvtier_object_store", None))
+        phases += [
+            ("kvtier_object_load", f"kvtier_object_load-{n}-r{r}", [n, r])
+            for r in range(plan["repeats"])
+            for n in plan["lengths"]
+        ]
     if plan["example_connector"]:
         phases.append(("example_connector", "example_connector", None))
     else:
@@ -1694,8 +1864,12 @@ def main(argv: list[str] | None = None) -> int:
     measurements: list[dict] = []
     phase_info: dict[str, Any] = {}
     exit_code = 0
+    bucket_stack = contextlib.ExitStack()
     try:
         for index, (phase, run_name, item) in enumerate(phases):
+            if phase == "kvtier_object_store":
+                # Up only for its phases: an idle Ceph cluster still takes CPU from the other rows.
+                open_object_bucket(plan, bucket_stack, notes)
             print(
                 f"[{time.time() - started:6.0f} s] phase {index + 1} of {len(phases)}: {run_name}"
                 f" ({len(phases) - index - 1} after it)",
@@ -1709,17 +1883,24 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(shared_store_dir(plan, "a"), ignore_errors=True)  # the shared tier has its own copy
             elif phase == "kvtier_shared_load":
                 shutil.rmtree(shared_store_dir(plan, f"b-{item[0]}-r{item[1]}"), ignore_errors=True)
+            elif phase == "kvtier_object_store":
+                shutil.rmtree(shared_store_dir(plan, "object-a"), ignore_errors=True)  # the bucket has its copy
+            elif phase == "kvtier_object_load":
+                shutil.rmtree(shared_store_dir(plan, f"object-b-{item[0]}-r{item[1]}"), ignore_errors=True)
+                if not any(later[0] == "kvtier_object_load" for later in phases[index + 1 :]):
+                    bucket_stack.close()
             for record in records:
                 kind = record.pop("kind")
                 if kind == "measure":
                     measurements.append({"phase": run_name, **record})
                 else:
                     phase_info.setdefault(run_name, {})[kind] = record
-    except BenchError as error:
+    except (BenchError, bucket.BucketUnavailable) as error:
         print(f"kvtier bench ttft: {error}", file=sys.stderr)
         notes.append(f"incomplete: {str(error).splitlines()[0]}")
         exit_code = 1
     finally:
+        bucket_stack.close()  # the run's prefix deleted, or the local gateway torn down
         if temporary_store:
             shutil.rmtree(store_root, ignore_errors=True)
         else:
@@ -1732,10 +1913,11 @@ def main(argv: list[str] | None = None) -> int:
     if not measurements:
         return exit_code or 1
     summary = summarize(plan, measurements)
-    shared_failures = shared_row_failures(plan, summary, measurements)
-    if shared_failures:
-        notes += [f"kvtier_shared FAILED: {failure}" for failure in shared_failures]
-        exit_code = 1
+    for config in ("kvtier_shared", "kvtier_object"):
+        failures = shared_row_failures(plan, summary, measurements, config)
+        if failures:
+            notes += [f"{config} FAILED: {failure}" for failure in failures]
+            exit_code = 1
     markdown = print_report(plan, summary, notes, phase_info)
     plots = write_plots(plan, summary, out_dir)
     result = {
