@@ -17,6 +17,7 @@
 //! - a slot being written to NVMe is never reused, and no write lands on a live location;
 //! - a key is never both missing and readable, and a put never reaches a key that is visible.
 
+use super::regions::RegionState;
 use super::*;
 use crate::service::changes::{Change, ChangeLog, ChangesReply, TIER_SHARED};
 use crate::tiers::eviction::{Lru, S3Fifo};
@@ -728,7 +729,7 @@ impl Model {
         // open region's last, and the next entry takes its place; or its region is sealing.
         let loc = w.plan.loc;
         let nvme = self.cat.nvme.as_ref().unwrap();
-        let device = &nvme.devices[loc.device as usize];
+        let device = nvme.device(loc.device as usize);
         let region = &device.regions[loc.region as usize];
         if device.open == Some(loc.region) {
             assert_eq!(region.cursor, loc.offset, "a cancelled write left a hole in an open region");
@@ -850,11 +851,11 @@ impl Model {
         let cat = &self.cat;
         cat.check_invariants();
         // Slots: the free list is duplicate-free, holds only free slots, never more than the pool.
-        let free: HashSet<u32> = cat.free_slots.iter().copied().collect();
-        assert_eq!(free.len(), cat.free_slots.len(), "a slot is twice on the free list");
+        let free: HashSet<u32> = cat.slots.free_list().iter().copied().collect();
+        assert_eq!(free.len(), cat.slots.free_list().len(), "a slot is twice on the free list");
         assert!(free.len() <= cat.slots.len());
         for &s in &free {
-            assert_eq!(cat.slots[s as usize].state, SlotState::Free);
+            assert_eq!(cat.slots.get(s).state, SlotState::Free);
         }
         let mut owners: HashMap<u32, BlockKey> = HashMap::new();
         for (key, e) in &cat.index {
@@ -923,7 +924,7 @@ impl Model {
             assert_eq!(cat.dirty_bytes, dirty, "write backlog differs from the fills and writes in flight");
             assert!(dirty <= cat.max_dirty_bytes);
         }
-        assert_eq!(cat.pending_meta_writes, self.metas.len());
+        assert_eq!(cat.nvme.as_ref().map_or(0, |n| n.pending_meta_writes()), self.metas.len());
         assert_eq!(cat.loads_waiting, self.loads_waiting);
         let resident = cat.slots.iter().filter(|s| s.state == SlotState::Resident).count();
         let gauges = cat.gauges();

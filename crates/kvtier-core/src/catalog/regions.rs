@@ -1,0 +1,472 @@
+//! The NVMe regions of every device (`Regions`, after CacheLib navy's `RegionManager`). A region is
+//! free, open (taking entries at its cursor), sealing (its trailer being written, or held out of
+//! use) or sealed. Each device has at most one open region; devices take entries in turn; a device
+//! out of free regions reclaims its oldest sealed one (FIFO by region generation), whole.
+//!
+//! `Regions` keeps each region's trailer list (the entries recovery is to find there) and counts the
+//! metadata writes it hands out. Which of those entries are still current, and which are pinned, is
+//! the index's business: reclaim asks the catalog (`pinned`), and hands back what it dropped.
+
+use super::{MetaWrite, NvmeLoc};
+use crate::format::trailer::TrailerEntry;
+use crate::key::BlockKey;
+use crate::tiers::nvme::{Geometry, RecoveredRegion};
+
+/// Attempts at one trailer write: without its trailer a region is only recoverable by a scan that
+/// stops at the first hole, so a failed one is retried, a bounded number of times.
+const MAX_TRAILER_ATTEMPTS: u32 = 4;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum RegionState {
+    Free,
+    Open,
+    Sealing,
+    Sealed,
+}
+
+#[derive(Debug)]
+pub(super) struct Region {
+    pub(super) state: RegionState,
+    pub(super) region_seq: u64,
+    /// Where the next entry goes, in bytes from the region's start.
+    pub(super) cursor: u64,
+    /// The trailer's list: the entries written here that recovery is to find.
+    pub(super) entries: Vec<TrailerEntry>,
+    /// Entry writes planned here and not complete: a sealing region's trailer waits for them.
+    pub(super) pending_writes: u32,
+}
+
+impl Region {
+    fn free() -> Self {
+        Region { state: RegionState::Free, region_seq: 0, cursor: 0, entries: Vec::new(), pending_writes: 0 }
+    }
+}
+
+pub(super) struct DeviceRegions {
+    pub(super) regions: Vec<Region>,
+    /// The region taking entries, if any.
+    pub(super) open: Option<u32>,
+}
+
+/// Where `Regions::alloc` placed an entry.
+pub(super) struct Placement {
+    pub(super) loc: NvmeLoc,
+    pub(super) region_seq: u64,
+    /// The trailer list of the region reclaimed to make room, if one was (the placement's region):
+    /// the catalog forgets the copies still current there.
+    pub(super) reclaimed: Option<Vec<TrailerEntry>>,
+}
+
+pub(super) struct Regions {
+    geometry: Geometry,
+    devices: Vec<DeviceRegions>,
+    /// The device that takes the next entry, round robin.
+    next_device: usize,
+    next_region_seq: u64,
+    /// Metadata writes handed out and not complete (`complete_meta`): the store is not idle before
+    /// they land.
+    pending_meta_writes: usize,
+}
+
+impl Regions {
+    pub(super) fn new(geometry: Geometry, device_count: usize) -> Self {
+        let device =
+            || DeviceRegions { regions: (0..geometry.region_count).map(|_| Region::free()).collect(), open: None };
+        Regions {
+            geometry,
+            devices: (0..device_count).map(|_| device()).collect(),
+            next_device: 0,
+            next_region_seq: 1,
+            pending_meta_writes: 0,
+        }
+    }
+
+    pub(super) fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    #[cfg(test)]
+    pub(super) fn device(&self, device: usize) -> &DeviceRegions {
+        &self.devices[device]
+    }
+
+    pub(super) fn region(&self, device: usize, region: u32) -> &Region {
+        &self.devices[device].regions[region as usize]
+    }
+
+    fn region_mut(&mut self, device: usize, region: u32) -> &mut Region {
+        &mut self.devices[device].regions[region as usize]
+    }
+
+    pub(super) fn pending_meta_writes(&self) -> usize {
+        self.pending_meta_writes
+    }
+
+    /// Regions in use and in all.
+    pub(super) fn usage(&self) -> (u64, u64) {
+        let all = self.devices.iter().flat_map(|d| d.regions.iter());
+        let used = all.clone().filter(|r| r.state != RegionState::Free).count();
+        (used as u64, all.count() as u64)
+    }
+
+    /// The write of `region`'s trailer as its list stands now, counted until `complete_meta`.
+    fn trailer_write(&mut self, device: usize, region: u32) -> MetaWrite {
+        self.pending_meta_writes += 1;
+        let r = self.region(device, region);
+        MetaWrite { device, region, region_seq: r.region_seq, entries: Some(r.entries.clone()), attempt: 0 }
+    }
+
+    /// Takes over a region recovery found (full: a scanned region takes no more entries either). One
+    /// found by a scan has no trailer yet: its write is returned.
+    pub(super) fn adopt(&mut self, device: usize, found: RecoveredRegion) -> Option<MetaWrite> {
+        let cursor = self.geometry.data_bytes();
+        self.next_region_seq = self.next_region_seq.max(found.region_seq + 1);
+        let r = self.region_mut(device, found.region);
+        r.region_seq = found.region_seq;
+        r.cursor = cursor;
+        r.entries = found.entries;
+        if found.sealed {
+            r.state = RegionState::Sealed;
+            return None;
+        }
+        r.state = RegionState::Sealing;
+        Some(self.trailer_write(device, found.region))
+    }
+
+    /// A place for one more entry, on the next device in turn that has one: its open region, or a
+    /// region opened for it (sealing the full one, whose trailer may go to `meta`), reclaiming the
+    /// oldest sealed region none of whose entries is `pinned` when no region is free.
+    pub(super) fn alloc(
+        &mut self,
+        meta: &mut Vec<MetaWrite>,
+        pinned: &dyn Fn(usize, u32, &TrailerEntry) -> bool,
+    ) -> Option<Placement> {
+        let device_count = self.devices.len();
+        for _ in 0..device_count {
+            let device = self.next_device;
+            self.next_device = (device + 1) % device_count;
+            if let Some((region, reclaimed)) = self.open_region(device, meta, pinned) {
+                let slot_bytes = self.geometry.slot_bytes;
+                let r = self.region_mut(device, region);
+                let loc = NvmeLoc { device: device as u16, region, offset: r.cursor };
+                r.cursor += slot_bytes;
+                r.pending_writes += 1;
+                return Some(Placement { loc, region_seq: r.region_seq, reclaimed });
+            }
+        }
+        None
+    }
+
+    /// The device's open region with room for one more entry, opening (and if needed reclaiming) one;
+    /// with the reclaimed region's trailer list.
+    fn open_region(
+        &mut self,
+        device: usize,
+        meta: &mut Vec<MetaWrite>,
+        pinned: &dyn Fn(usize, u32, &TrailerEntry) -> bool,
+    ) -> Option<(u32, Option<Vec<TrailerEntry>>)> {
+        let geometry = self.geometry;
+        if let Some(open) = self.devices[device].open {
+            if self.region(device, open).cursor + geometry.slot_bytes <= geometry.data_bytes() {
+                return Some((open, None));
+            }
+            self.seal(device, open, meta);
+        }
+        let free = self.devices[device].regions.iter().position(|r| r.state == RegionState::Free);
+        let (region, reclaimed) = match free {
+            Some(r) => (r as u32, None),
+            None => self.reclaim_oldest(device, pinned).map(|(r, entries)| (r, Some(entries)))?,
+        };
+        assert_eq!(self.region(device, region).pending_writes, 0, "region {region} reopened under writes");
+        let region_seq = self.next_region_seq;
+        self.next_region_seq += 1;
+        *self.region_mut(device, region) =
+            Region { state: RegionState::Open, region_seq, cursor: 0, entries: Vec::new(), pending_writes: 0 };
+        self.devices[device].open = Some(region);
+        if reclaimed.is_some() {
+            // The old trailer goes first, or recovery would adopt the old entries over the new ones.
+            self.pending_meta_writes += 1;
+            meta.push(MetaWrite { device, region, region_seq, entries: None, attempt: 0 });
+        }
+        Some((region, reclaimed))
+    }
+
+    fn seal(&mut self, device: usize, region: u32, meta: &mut Vec<MetaWrite>) {
+        self.devices[device].open = None;
+        let r = self.region_mut(device, region);
+        r.state = RegionState::Sealing;
+        if r.pending_writes == 0 {
+            meta.push(self.trailer_write(device, region));
+        }
+    }
+
+    /// Empties the oldest sealed region of `device` none of whose entries is `pinned`: the region
+    /// and what its trailer listed.
+    fn reclaim_oldest(
+        &mut self,
+        device: usize,
+        pinned: &dyn Fn(usize, u32, &TrailerEntry) -> bool,
+    ) -> Option<(u32, Vec<TrailerEntry>)> {
+        let regions = &self.devices[device].regions;
+        let mut candidates: Vec<(u64, u32)> = regions
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.state == RegionState::Sealed)
+            .map(|(i, r)| (r.region_seq, i as u32))
+            .collect();
+        candidates.sort_unstable();
+        let victim = candidates
+            .into_iter()
+            .map(|(_, r)| r)
+            .find(|&region| !regions[region as usize].entries.iter().any(|t| pinned(device, region, t)))?;
+        Some((victim, std::mem::take(&mut self.region_mut(device, victim).entries)))
+    }
+
+    /// Whether dropping the write planned at `loc` leaves every open region without a hole: it is the
+    /// last entry planned in its device's open region, or its region is sealing.
+    pub(super) fn cancel_leaves_no_hole(&self, loc: NvmeLoc) -> bool {
+        let device = &self.devices[loc.device as usize];
+        let region = &device.regions[loc.region as usize];
+        match device.open {
+            Some(open) if open == loc.region => loc.offset + self.geometry.slot_bytes == region.cursor,
+            _ => region.state == RegionState::Sealing,
+        }
+    }
+
+    /// The write planned at `loc` is dropped: if it was its open region's last entry, the next
+    /// entry takes its place.
+    pub(super) fn rewind_if_last(&mut self, loc: NvmeLoc) {
+        let slot_bytes = self.geometry.slot_bytes;
+        let device = &mut self.devices[loc.device as usize];
+        let region = &mut device.regions[loc.region as usize];
+        if device.open == Some(loc.region) && loc.offset + slot_bytes == region.cursor {
+            region.cursor = loc.offset;
+        }
+    }
+
+    /// An entry write planned at `loc` is over; `listed`: it was written and its block is current, so
+    /// the trailer lists it. Returns the trailer write of a sealing region that waited only for it.
+    pub(super) fn entry_done(&mut self, loc: NvmeLoc, listed: Option<TrailerEntry>) -> Option<MetaWrite> {
+        let (device, region) = (loc.device as usize, loc.region);
+        let r = self.region_mut(device, region);
+        r.pending_writes = r.pending_writes.checked_sub(1).expect("an entry write completed twice");
+        r.entries.extend(listed);
+        let trailer_due = r.state == RegionState::Sealing && r.pending_writes == 0;
+        trailer_due.then(|| self.trailer_write(device, region))
+    }
+
+    /// A metadata write finished. A failed trailer write comes back to retry while attempts are
+    /// left; otherwise a trailer write seals its region if that generation still waits for it (after
+    /// the last failed attempt too: the region must become reclaimable again).
+    pub(super) fn complete_meta(&mut self, write: &MetaWrite, ok: bool) -> Option<MetaWrite> {
+        self.pending_meta_writes = self.pending_meta_writes.checked_sub(1).expect("a metadata write completed twice");
+        if !ok && write.entries.is_some() && write.attempt + 1 < MAX_TRAILER_ATTEMPTS {
+            self.pending_meta_writes += 1;
+            return Some(MetaWrite { entries: write.entries.clone(), attempt: write.attempt + 1, ..*write });
+        }
+        if write.entries.is_some() {
+            let r = self.region_mut(write.device, write.region);
+            if r.state == RegionState::Sealing && r.region_seq == write.region_seq {
+                r.state = RegionState::Sealed;
+            }
+        }
+        None
+    }
+
+    /// Drops one entry from its region's trailer list. A sealed region's trailer is rewritten without
+    /// it (returned), the region sealing until then: reclaim takes only sealed regions.
+    pub(super) fn forget_entry(&mut self, key: &BlockKey, loc: NvmeLoc) -> Option<MetaWrite> {
+        let r = self.region_mut(loc.device as usize, loc.region);
+        let before = r.entries.len();
+        r.entries.retain(|t| !(t.key == *key && t.offset == loc.offset));
+        if r.entries.len() == before || r.state != RegionState::Sealed {
+            return None;
+        }
+        r.state = RegionState::Sealing;
+        Some(self.trailer_write(loc.device as usize, loc.region))
+    }
+
+    /// Every region in use as `(device, region)`, oldest generation first.
+    pub(super) fn in_use_oldest_first(&self) -> Vec<(usize, u32)> {
+        let mut regions: Vec<(u64, usize, u32)> = self
+            .devices
+            .iter()
+            .enumerate()
+            .flat_map(|(d, dev)| {
+                dev.regions
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, r)| r.state != RegionState::Free)
+                    .map(move |(i, r)| (r.region_seq, d, i as u32))
+            })
+            .collect();
+        regions.sort_unstable();
+        regions.into_iter().map(|(_, d, r)| (d, r)).collect()
+    }
+
+    /// Empties a sealed region a trim frees and holds it out of use (sealing: neither reclaimed nor
+    /// opened) until its trailer and first entry are zeroed on disk, so that recovery cannot find them
+    /// again (`release_trimmed`). Its generation and what its trailer listed.
+    pub(super) fn hold_trimmed(&mut self, device: usize, region: u32) -> (u64, Vec<TrailerEntry>) {
+        let r = self.region_mut(device, region);
+        assert_eq!(r.state, RegionState::Sealed, "trimmed region {region} of device {device} was not sealed");
+        r.state = RegionState::Sealing;
+        (r.region_seq, std::mem::take(&mut r.entries))
+    }
+
+    /// A trimmed region is zeroed on disk: free, if it is still the generation that was trimmed.
+    pub(super) fn release_trimmed(&mut self, device: usize, region: u32, region_seq: u64) {
+        let r = self.region_mut(device, region);
+        if r.state == RegionState::Sealing && r.region_seq == region_seq && r.entries.is_empty() {
+            r.state = RegionState::Free;
+            r.cursor = 0;
+        }
+    }
+
+    /// The regions' own invariants (tests and debug builds).
+    pub(super) fn check(&self) {
+        let data_bytes = self.geometry.data_bytes();
+        for (d, device) in self.devices.iter().enumerate() {
+            for (i, r) in device.regions.iter().enumerate() {
+                let open = device.open == Some(i as u32);
+                assert_eq!(r.state == RegionState::Open, open, "device {d} region {i}: open disagrees with the device");
+                assert!(r.cursor <= data_bytes, "device {d} region {i}: cursor {} past the data", r.cursor);
+                if r.state == RegionState::Free {
+                    assert!(r.entries.is_empty() && r.pending_writes == 0, "device {d} region {i}: free but in use");
+                } else {
+                    assert!(r.region_seq < self.next_region_seq, "device {d} region {i}: generation from the future");
+                }
+                if r.state == RegionState::Sealed {
+                    assert_eq!(r.pending_writes, 0, "device {d} region {i}: sealed under writes");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog::test_support::key;
+
+    const SLOT_BYTES: u64 = 4096;
+
+    /// `devices` devices of `regions` regions of `entries` entries each.
+    fn regions(devices: usize, regions: u64, entries: u64) -> Regions {
+        let region_bytes = entries * SLOT_BYTES + crate::format::trailer::trailer_bytes(entries as usize) as u64;
+        let geometry = Geometry::new(SLOT_BYTES, region_bytes, regions);
+        assert_eq!(geometry.max_entries, entries);
+        Regions::new(geometry, devices)
+    }
+
+    fn nothing_pinned(_: usize, _: u32, _: &TrailerEntry) -> bool {
+        false
+    }
+
+    fn entry(k: u8, loc: NvmeLoc) -> TrailerEntry {
+        TrailerEntry { key: key(k), sequence: u64::from(k) + 1, offset: loc.offset, value_bytes: 1, value_checksum: 0 }
+    }
+
+    /// Places one entry, writes it (listed) and completes any trailer write it makes due; returns the
+    /// placement and the metadata writes made.
+    fn place_and_write(r: &mut Regions, k: u8) -> (Placement, Vec<MetaWrite>) {
+        let mut meta = Vec::new();
+        let placement = r.alloc(&mut meta, &nothing_pinned).expect("room");
+        meta.extend(r.entry_done(placement.loc, Some(entry(k, placement.loc))));
+        for write in &meta {
+            assert!(r.complete_meta(write, true).is_none());
+        }
+        r.check();
+        (placement, meta)
+    }
+
+    #[test]
+    fn devices_take_entries_in_turn_and_a_full_region_seals() {
+        let mut r = regions(2, 2, 2);
+        let devices: Vec<u16> = (0..4).map(|k| place_and_write(&mut r, k).0.loc.device).collect();
+        assert_eq!(devices, [0, 1, 0, 1]);
+        assert_eq!(r.region(0, 0).state, RegionState::Open, "full, but nothing asked for more room yet");
+        let (placement, meta) = place_and_write(&mut r, 4);
+        assert_eq!((placement.loc.device, placement.loc.region), (0, 1));
+        assert_eq!(meta.len(), 1, "the full region's trailer");
+        assert_eq!(meta[0].entries.as_ref().map(Vec::len), Some(2));
+        assert_eq!(r.region(0, 0).state, RegionState::Sealed);
+        assert_eq!(r.pending_meta_writes(), 0);
+    }
+
+    #[test]
+    fn the_oldest_unpinned_sealed_region_is_reclaimed_whole() {
+        let mut r = regions(1, 3, 1);
+        for k in 0..3 {
+            place_and_write(&mut r, k);
+        }
+        // Regions 0 and 1 are sealed, 2 is open and full: the next entry needs a reclaim.
+        let pinned_first = |_: usize, region: u32, _: &TrailerEntry| region == 0;
+        let mut meta = Vec::new();
+        let placement = r.alloc(&mut meta, &pinned_first).expect("region 1 is reclaimable");
+        assert_eq!(placement.loc.region, 1, "region 0 is older but pinned");
+        assert_eq!(placement.reclaimed.as_deref().map(|e| e[0].key), Some(key(1)));
+        assert!(meta.iter().any(|m| m.region == 1 && m.entries.is_none()), "the stale trailer is zeroed");
+        let everything_pinned = |_: usize, _: u32, _: &TrailerEntry| true;
+        let mut more = Vec::new();
+        meta.extend(r.entry_done(placement.loc, None));
+        assert!(r.alloc(&mut more, &everything_pinned).is_none(), "nothing free, nothing reclaimable");
+        r.check();
+    }
+
+    #[test]
+    fn a_failed_trailer_write_is_retried_then_seals_anyway() {
+        let mut r = regions(1, 2, 1);
+        let (placement, _) = place_and_write(&mut r, 0);
+        let mut meta = Vec::new();
+        r.alloc(&mut meta, &nothing_pinned).unwrap();
+        let mut write = meta.into_iter().find(|m| m.entries.is_some()).expect("region 0's trailer");
+        for attempt in 1..MAX_TRAILER_ATTEMPTS {
+            write = r.complete_meta(&write, false).expect("retried");
+            assert_eq!(write.attempt, attempt);
+        }
+        assert!(r.complete_meta(&write, false).is_none(), "attempts are bounded");
+        assert_eq!(r.region(0, placement.loc.region).state, RegionState::Sealed);
+        assert_eq!(r.pending_meta_writes(), 0);
+    }
+
+    #[test]
+    fn only_the_last_planned_entry_of_an_open_region_can_be_dropped_without_a_hole() {
+        let mut r = regions(1, 2, 3);
+        let mut meta = Vec::new();
+        let first = r.alloc(&mut meta, &nothing_pinned).unwrap().loc;
+        let second = r.alloc(&mut meta, &nothing_pinned).unwrap().loc;
+        assert!(!r.cancel_leaves_no_hole(first));
+        assert!(r.cancel_leaves_no_hole(second));
+        r.rewind_if_last(second);
+        let _ = r.entry_done(second, None);
+        assert_eq!(r.alloc(&mut meta, &nothing_pinned).unwrap().loc, second, "the next entry takes its place");
+    }
+
+    #[test]
+    fn a_trimmed_region_stays_out_of_use_until_released() {
+        let mut r = regions(1, 2, 1);
+        let (placement, _) = place_and_write(&mut r, 0);
+        place_and_write(&mut r, 1);
+        let (region_seq, entries) = r.hold_trimmed(0, placement.loc.region);
+        assert_eq!(entries.len(), 1);
+        let mut meta = Vec::new();
+        assert!(r.alloc(&mut meta, &nothing_pinned).is_none(), "held, not reclaimable");
+        r.release_trimmed(0, placement.loc.region, region_seq);
+        assert_eq!(r.alloc(&mut meta, &nothing_pinned).unwrap().loc.region, placement.loc.region);
+        r.check();
+    }
+
+    #[test]
+    fn a_dropped_entry_rewrites_a_sealed_trailer() {
+        let mut r = regions(1, 2, 1);
+        let (placement, _) = place_and_write(&mut r, 0);
+        place_and_write(&mut r, 1);
+        assert!(r.forget_entry(&key(9), placement.loc).is_none(), "not listed: nothing to rewrite");
+        let write = r.forget_entry(&key(0), placement.loc).expect("the trailer is rewritten");
+        assert_eq!(write.entries, Some(vec![]));
+        assert_eq!(r.region(0, 0).state, RegionState::Sealing, "not reclaimable until it lands");
+        assert!(r.complete_meta(&write, true).is_none());
+        assert_eq!(r.region(0, 0).state, RegionState::Sealed);
+    }
+}

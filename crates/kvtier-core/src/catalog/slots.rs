@@ -1,0 +1,243 @@
+//! The DRAM pool's slots (`Slots`): what each slot holds and in which state, the free list, and the
+//! eviction policy that picks victims among resident slots. Which block a slot serves is the index's
+//! business (`Entry::dram`); the catalog keeps the two pointing at each other, and decides which
+//! blocks may lose their slot (`Slots::evict` asks it).
+
+use crate::key::BlockKey;
+use crate::tiers::eviction::EvictionPolicy;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum SlotState {
+    Free,
+    Filling,
+    Loading,
+    Resident,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Slot {
+    pub(super) key: Option<BlockKey>,
+    pub(super) state: SlotState,
+    /// An NVMe write reads the slot, or waits in a device queue to: the slot is no victim.
+    pub(super) writing: bool,
+}
+
+impl Slot {
+    const EMPTY: Slot = Slot { key: None, state: SlotState::Free, writing: false };
+}
+
+pub(super) struct Slots {
+    slots: Vec<Slot>,
+    /// Free slots, the last freed on top. A slot emptied for its caller (a victim, a stolen write's
+    /// slot) is reused at once and never listed.
+    free: Vec<u32>,
+    /// Knows the resident slots only: a slot enters it when its block becomes visible and leaves it
+    /// when emptied.
+    policy: Box<dyn EvictionPolicy>,
+}
+
+/// The hash an eviction policy remembers a block by (S3-FIFO's ghost queue): keys are content
+/// hashes already, so their first bytes do.
+fn key_hash(key: &BlockKey) -> u64 {
+    u64::from_le_bytes(key.0[..8].try_into().unwrap())
+}
+
+impl Slots {
+    pub(super) fn new(count: usize, policy: Box<dyn EvictionPolicy>) -> Self {
+        Slots { slots: vec![Slot::EMPTY; count], free: (0..count as u32).rev().collect(), policy }
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub(super) fn get(&self, slot: u32) -> Slot {
+        self.slots[slot as usize]
+    }
+
+    pub(super) fn iter(&self) -> impl Iterator<Item = &Slot> {
+        self.slots.iter()
+    }
+
+    /// The free list, for checks.
+    #[cfg(test)]
+    pub(super) fn free_list(&self) -> &[u32] {
+        &self.free
+    }
+
+    pub(super) fn resident_count(&self) -> usize {
+        self.slots.iter().filter(|s| s.state == SlotState::Resident).count()
+    }
+
+    pub(super) fn take_free(&mut self) -> Option<u32> {
+        self.free.pop()
+    }
+
+    /// The policy's victim among the resident slots no NVMe write reads and whose key `may_evict`
+    /// lets go, emptied for the caller: `(slot, the key it held)`.
+    pub(super) fn evict(
+        &mut self,
+        mut may_evict: impl FnMut(Option<BlockKey>) -> bool,
+    ) -> Option<(u32, Option<BlockKey>)> {
+        let Slots { slots, policy, .. } = self;
+        let victim = policy.victim(&mut |slot| {
+            let s = &slots[slot as usize];
+            s.state == SlotState::Resident && !s.writing && may_evict(s.key)
+        })?;
+        let s = &mut self.slots[victim as usize];
+        let key = s.key.take();
+        s.state = SlotState::Free;
+        Some((victim, key))
+    }
+
+    /// Hands an empty slot (free, a victim, a stolen write's) to `key` for a fill or a load.
+    pub(super) fn claim(&mut self, slot: u32, key: BlockKey, state: SlotState) {
+        let s = &mut self.slots[slot as usize];
+        assert_eq!(s.state, SlotState::Free, "slot {slot} claimed while in use");
+        *s = Slot { key: Some(key), state, writing: false };
+    }
+
+    /// A put filled the slot: resident, and a newcomer to the eviction policy.
+    pub(super) fn admit(&mut self, slot: u32, key: &BlockKey) {
+        self.slots[slot as usize].state = SlotState::Resident;
+        self.policy.insert(slot, key_hash(key));
+    }
+
+    /// A block read up from NVMe or the shared tier is resident, and enters the eviction policy as
+    /// one already used once: it was read because it was hit. As a newcomer (S3-FIFO's small queue)
+    /// it would be the first victim of the next promotion, so a prefetch of a long prefix would evict
+    /// its own earlier blocks before the load that follows could copy them (each block read twice).
+    pub(super) fn promote(&mut self, slot: u32, key: &BlockKey) {
+        self.slots[slot as usize].state = SlotState::Resident;
+        self.policy.insert(slot, key_hash(key));
+        self.policy.touch(slot);
+    }
+
+    /// The block in `slot` was hit.
+    pub(super) fn touch(&mut self, slot: u32) {
+        self.policy.touch(slot);
+    }
+
+    pub(super) fn set_writing(&mut self, slot: u32, writing: bool) {
+        self.slots[slot as usize].writing = writing;
+    }
+
+    /// Empties `slot` for its caller to reuse at once, unlisted.
+    pub(super) fn take(&mut self, slot: u32) {
+        self.policy.remove(slot);
+        self.slots[slot as usize] = Slot::EMPTY;
+    }
+
+    pub(super) fn free(&mut self, slot: u32) {
+        assert_ne!(self.slots[slot as usize].state, SlotState::Free, "slot {slot} freed twice");
+        self.take(slot);
+        self.free.push(slot);
+    }
+
+    /// Takes a slot out of use for good: neither free nor a victim (it stays `Loading`, keyless). The
+    /// kernel may still write into it (an abandoned read).
+    pub(super) fn retire(&mut self, slot: u32) {
+        self.policy.remove(slot);
+        self.slots[slot as usize] = Slot { key: None, state: SlotState::Loading, writing: false };
+    }
+
+    /// Keeps a reserved fill's slot out of use, keyless, while a hung writer may still copy into it
+    /// (`free_abandoned` ends that).
+    pub(super) fn abandon(&mut self, slot: u32) {
+        self.slots[slot as usize] = Slot { key: None, state: SlotState::Filling, writing: false };
+    }
+
+    pub(super) fn free_abandoned(&mut self, slot: u32) {
+        let s = self.slots[slot as usize];
+        assert!(s.state == SlotState::Filling && s.key.is_none(), "slot {slot} was not abandoned");
+        self.free(slot);
+    }
+
+    /// The free list against the slots (tests and debug builds).
+    pub(super) fn check(&self) {
+        let mut listed = vec![false; self.slots.len()];
+        for &slot in &self.free {
+            assert!(!std::mem::replace(&mut listed[slot as usize], true), "slot {slot} is twice on the free list");
+            assert_eq!(self.slots[slot as usize].state, SlotState::Free, "listed slot {slot} is in use");
+        }
+        for (slot, s) in self.slots.iter().enumerate() {
+            if s.state == SlotState::Free {
+                assert!(s.key.is_none() && !s.writing, "free slot {slot} still holds {:?}", s.key);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog::test_support::key;
+    use crate::tiers::eviction::Lru;
+
+    fn pool(count: usize) -> Slots {
+        Slots::new(count, Box::new(Lru::new(count)))
+    }
+
+    /// Fills every slot with a resident block (slot `i` holds key `i`).
+    fn full_pool(count: usize) -> Slots {
+        let mut slots = pool(count);
+        for i in 0..count as u8 {
+            let slot = slots.take_free().unwrap();
+            slots.claim(slot, key(i), SlotState::Filling);
+            slots.admit(slot, &key(i));
+        }
+        slots
+    }
+
+    #[test]
+    fn free_slots_go_lowest_first_and_freed_ones_come_back() {
+        let mut slots = pool(3);
+        assert_eq!((slots.take_free(), slots.take_free()), (Some(0), Some(1)));
+        slots.claim(1, key(1), SlotState::Filling);
+        slots.free(1);
+        assert_eq!(slots.take_free(), Some(1), "the last freed goes first");
+        assert_eq!(slots.take_free(), Some(2));
+        assert_eq!(slots.take_free(), None);
+        slots.check();
+    }
+
+    #[test]
+    fn a_victim_is_resident_not_being_written_and_let_go_by_its_key() {
+        let mut slots = full_pool(3);
+        slots.set_writing(0, true);
+        let (victim, held) = slots.evict(|held| held != Some(key(1))).expect("slot 2 may go");
+        assert_eq!((victim, held), (2, Some(key(2))));
+        assert_eq!(slots.get(2).state, SlotState::Free);
+        assert!(slots.free_list().is_empty(), "a victim is the caller's, not listed");
+        assert!(slots.evict(|held| held != Some(key(1))).is_none(), "slot 0 is being written");
+        slots.check();
+    }
+
+    #[test]
+    fn retired_and_abandoned_slots_are_neither_free_nor_victims() {
+        let mut slots = full_pool(2);
+        slots.retire(0);
+        let slot = slots.evict(|_| true).map(|(slot, _)| slot);
+        assert_eq!(slot, Some(1));
+        slots.claim(1, key(9), SlotState::Filling);
+        slots.abandon(1);
+        assert!(slots.evict(|_| true).is_none() && slots.take_free().is_none());
+        slots.free_abandoned(1);
+        assert_eq!(slots.take_free(), Some(1));
+        slots.check();
+    }
+
+    #[test]
+    #[should_panic(expected = "freed twice")]
+    fn a_slot_freed_twice_panics() {
+        let mut slots = pool(1);
+        slots.free(0);
+    }
+
+    #[test]
+    #[should_panic(expected = "claimed while in use")]
+    fn a_slot_in_use_cannot_be_claimed() {
+        let mut slots = full_pool(1);
+        slots.claim(0, key(5), SlotState::Loading);
+    }
+}
