@@ -240,3 +240,66 @@ impl<'a> IntoIterator for &'a Index {
         self.by_key.iter()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog::test_support::key;
+
+    fn entry(sequence: u64, dram_ready: bool, on_nvme: bool) -> Entry {
+        Entry {
+            sequence,
+            value_checksum: 0,
+            dram: dram_ready.then_some(0),
+            dram_ready,
+            nvme: on_nvme.then_some(NvmeLoc { device: 0, region: 0, offset: 0 }),
+            write_pending: false,
+            pins: 0,
+            readers: 0,
+            loading: false,
+        }
+    }
+
+    #[test]
+    fn counts_follow_a_change_made_through_get_mut_before_the_next_change() {
+        let mut index = Index::default();
+        index.insert(key(1), entry(1, true, false));
+        index.insert(key(2), entry(2, false, true));
+        assert_eq!(index.counted(), Counted { dram: 1, nvme: 1, visible: 2 });
+        index.get_mut(&key(1)).unwrap().dram_ready = false;
+        assert_eq!(index.counted(), Counted { dram: 0, nvme: 1, visible: 1 });
+        index.remove(&key(2));
+        assert_eq!(index.counted(), Counted::default());
+        index.check();
+    }
+
+    #[test]
+    fn a_walk_by_sequence_starts_past_after_and_a_replaced_entry_moves() {
+        let mut index = Index::default();
+        for (k, sequence) in [(1, 5), (2, 3), (3, 9)] {
+            index.insert(key(k), entry(sequence, true, false));
+        }
+        let sequences: Vec<u64> = index.above_sequence(3).map(|(sequence, _, _)| sequence).collect();
+        assert_eq!(sequences, [5, 9]);
+        index.insert(key(2), entry(10, true, false));
+        let order: Vec<(u64, BlockKey)> = index.above_sequence(0).map(|(sequence, k, _)| (sequence, *k)).collect();
+        assert_eq!(order, [(5, key(1)), (9, key(3)), (10, key(2))]);
+        index.check();
+    }
+
+    #[test]
+    fn the_tracker_notes_tier_changes_only_and_gives_up_past_its_cap() {
+        let mut index = Index::default();
+        index.insert(key(1), entry(1, false, false));
+        index.track(2);
+        index.get_mut(&key(1)).unwrap().pins += 1;
+        index.insert(key(2), entry(2, true, false));
+        assert_eq!(index.tracker.as_ref().unwrap().keys, HashSet::from([key(2)]), "a pin is no tier change");
+        index.get_mut(&key(1)).unwrap().dram_ready = true;
+        index.settle();
+        assert_eq!(index.tracker.as_ref().unwrap().keys, HashSet::from([key(1), key(2)]));
+        index.insert(key(3), entry(3, false, true));
+        let tracker = index.tracker.as_ref().unwrap();
+        assert!(tracker.overflowed && tracker.keys.is_empty(), "past the cap the next refresh walks");
+    }
+}
