@@ -1,0 +1,685 @@
+//! The load path as a state machine of rounds, until every key is found or a counted miss:
+//!
+//! 1. **Plan** (under the catalog lock): each key becomes a DRAM hit, an NVMe read, a remote read
+//!    (shared filesystem or object tier), a miss, or waits for another load's read of it.
+//! 2. **Submit**: the reads go to their queues first, then the DRAM hits are copied out while the
+//!    devices work.
+//! 3. **Complete**: each finished read, from whichever tier, is one `PendingRead` judged in one step
+//!    (verified, copied out, or a counted miss), then settled with the catalog in one critical
+//!    section (made resident or dropped, its pin released, pinned for the caller if asked).
+
+use super::{for_each_chunk, slot_ref, BlockBuffer};
+use crate::catalog::{Catalog, GetStep, LoadOutcome, NvmeRead, NO_SLOT};
+use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
+use crate::format::ALIGN_BYTES;
+use crate::io::buffer::AlignedBuf;
+use crate::io::device::{is_abandoned, IoOp, OnDone};
+use crate::io::OpKind;
+use crate::key::BlockKey;
+use crate::shared_state::Shared;
+use crate::stats::Stats;
+use crate::tiers::object::ObjectRead;
+use crate::tiers::shared::{ReadOutcome, StartedRead};
+use crossbeam_channel::{unbounded, Receiver, Sender};
+use parking_lot::MutexGuard;
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Heap-staged loads in flight per call, when no DRAM slot can be had.
+const MAX_STAGED_READS: usize = 4;
+
+/// Loads blocks: into the caller's buffers (`Some`), or only into DRAM slots (`None`: promoting them
+/// for engine workers that copy out of the shared pool themselves).
+pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: Option<&[BlockBuffer]>) -> Vec<bool> {
+    Load::new(sh, keys, bufs, None).run()
+}
+
+/// Makes blocks resident in DRAM and pins each one found, in the same catalog critical section that
+/// finishes its load (a store elsewhere could otherwise evict it in between): per key its pinned
+/// slot, or `None` for a miss. The caller unpins each slot it got.
+pub(crate) fn execute_get_pinned(sh: &Arc<Shared>, keys: &[BlockKey]) -> Vec<Option<u32>> {
+    let mut pinned = vec![None; keys.len()];
+    Load::new(sh, keys, None, Some(&mut pinned)).run();
+    pinned
+}
+
+/// Where an NVMe read's bytes land (a remote read always lands in its DRAM slot).
+enum Landing {
+    /// In its DRAM slot (promoted to the DRAM tier on success).
+    Slot,
+    /// Value in the caller's memory; the descriptor in this page.
+    Direct(AlignedBuf),
+    /// In a heap staging buffer, because every DRAM slot was pinned or busy.
+    Staged(AlignedBuf),
+}
+
+impl Landing {
+    /// The memory an NVMe read into this landing fills, as `IoOp` takes it: `(buf, len, iovecs)`,
+    /// one buffer, or (direct) the descriptor page then the caller's segments.
+    fn target(&self, sh: &Shared, read: &NvmeRead, buf: Option<&BlockBuffer>) -> (*mut u8, usize, Vec<libc::iovec>) {
+        match self {
+            Landing::Slot => (sh.arena.slot_ptr(read.slot), sh.arena.slot_bytes(), Vec::new()),
+            Landing::Staged(staging) => (staging.as_ptr(), staging.len(), Vec::new()),
+            Landing::Direct(page) => {
+                let segments = &buf.expect("direct reads land in caller buffers").segments;
+                let page = libc::iovec { iov_base: page.as_ptr().cast(), iov_len: DESCRIPTOR_BYTES };
+                let values = segments.iter().map(|&(ptr, len)| libc::iovec { iov_base: ptr.cast(), iov_len: len });
+                let iovecs = std::iter::once(page).chain(values).collect();
+                (std::ptr::null_mut(), DESCRIPTOR_BYTES + sh.config.object_bytes, iovecs)
+            }
+        }
+    }
+
+    /// Checks a finished NVMe read against what the index expects and copies its value out.
+    fn verify_and_copy_out(&self, sh: &Shared, key: &BlockKey, read: &NvmeRead, buf: Option<&BlockBuffer>) -> bool {
+        match self {
+            Landing::Direct(page) => {
+                verify_direct(sh, key, read, page, buf.expect("direct reads land in caller buffers"))
+            }
+            Landing::Staged(staging) => verify_and_copy_out(sh, key, read, staging.as_slice(), buf),
+            // SAFETY: the read into the slot has completed and the slot is ours (Loading).
+            Landing::Slot => verify_and_copy_out(sh, key, read, unsafe { slot_ref(sh, read.slot) }, buf),
+        }
+    }
+
+    /// The I/O engine gave the read up: the kernel may still write into a heap buffer, so it is
+    /// never freed (a slot is retired by the catalog instead).
+    fn abandon(self) {
+        match self {
+            Landing::Direct(page) | Landing::Staged(page) => std::mem::forget(page),
+            Landing::Slot => {}
+        }
+    }
+}
+
+/// A remote read in flight: from the shared filesystem tier or from the object tier.
+enum RemoteRead {
+    Fs(StartedRead),
+    Object(ObjectRead),
+}
+
+/// A read in flight for one key, from its submission until it is judged. Kept in the load's table
+/// by key index, not in the completion: a remote tier hands its read state back only after
+/// submitting, and its `on_done` may already have run by then.
+enum PendingRead {
+    /// From NVMe, landing as its completion's `Landing` says.
+    Nvme(NvmeRead),
+    /// From the shared filesystem or object tier, into `slot` (Loading).
+    Remote { slot: u32, read: RemoteRead },
+}
+
+/// What a read's `on_done` sends back. The landing travels with the I/O operation, not in the
+/// load's table, so that a heap buffer the kernel still writes into outlives an unwinding load.
+struct Completion {
+    index: usize,
+    io_result: std::io::Result<()>,
+    landing: Landing,
+}
+
+/// How a remote read ended, once judged.
+#[derive(Clone, Copy)]
+enum RemoteVerdict {
+    /// Verified by the tier and copied out: the checksum its descriptor records.
+    Loaded { value_checksum: u64 },
+    /// Counted; the tier quarantined what was bad.
+    Miss,
+    /// The kernel may still write into the slot: retired, never reused.
+    Abandoned,
+}
+
+/// A judged key, for the catalog to settle.
+#[derive(Clone, Copy)]
+enum Judged {
+    /// A DRAM hit, copied out.
+    Dram,
+    Nvme(NvmeRead, LoadOutcome),
+    Remote {
+        slot: u32,
+        verdict: RemoteVerdict,
+    },
+}
+
+impl Judged {
+    fn loaded(&self) -> bool {
+        match self {
+            Judged::Dram => true,
+            Judged::Nvme(_, outcome) => matches!(outcome, LoadOutcome::Ok),
+            Judged::Remote { verdict, .. } => matches!(verdict, RemoteVerdict::Loaded { .. }),
+        }
+    }
+}
+
+/// What one round planned, by key index.
+#[derive(Default)]
+struct Round {
+    dram_hits: Vec<(usize, u32)>,
+    nvme_reads: Vec<(usize, NvmeRead)>,
+    /// DRAM slots (Loading) for reads from the shared filesystem or object tier.
+    remote_reads: Vec<(usize, u32)>,
+}
+
+impl Round {
+    fn reads(&self) -> usize {
+        self.nvme_reads.len() + self.remote_reads.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.dram_hits.is_empty() && self.reads() == 0
+    }
+}
+
+/// One call's load, between rounds.
+struct Load<'a> {
+    sh: &'a Arc<Shared>,
+    keys: &'a [BlockKey],
+    bufs: Option<&'a [BlockBuffer]>,
+    /// Per key, the slot pinned for the caller (`execute_get_pinned`).
+    pinned: Option<&'a mut [Option<u32>]>,
+    found: Vec<bool>,
+    /// Keys this load counted as misses: with `found`, every key once.
+    missed: usize,
+    /// The first key never planned.
+    next: usize,
+    /// Keys another load is reading into DRAM (`GetStep::Pending`): planned again once it is done.
+    waiting: Vec<usize>,
+    /// By key index: a key has one read at most, ever (a key waiting for another load reads nothing).
+    pending: Vec<Option<PendingRead>>,
+    reads_in_flight: usize,
+    staged_reads_in_flight: usize,
+    max_reads_in_flight: usize,
+    /// Direct reads need O_DIRECT semantics end to end and values that fill whole pages.
+    direct_io: bool,
+    /// Set while the load can plan nothing: past it, the keys left are given up.
+    wait_deadline: Option<Instant>,
+    /// This load's keys, built when it first runs short of slots: queued writes it may take are
+    /// other blocks' (`Catalog::plan_get_taking_queued_write`).
+    spare: Option<HashSet<BlockKey>>,
+    done_tx: Sender<Completion>,
+    done_rx: Receiver<Completion>,
+}
+
+impl<'a> Load<'a> {
+    fn new(
+        sh: &'a Arc<Shared>,
+        keys: &'a [BlockKey],
+        bufs: Option<&'a [BlockBuffer]>,
+        pinned: Option<&'a mut [Option<u32>]>,
+    ) -> Self {
+        assert!(bufs.is_none_or(|b| b.len() == keys.len()), "one caller buffer per key");
+        assert!(pinned.as_ref().is_none_or(|p| p.len() == keys.len()), "one pin per key");
+        let (done_tx, done_rx) = unbounded();
+        Load {
+            sh,
+            keys,
+            bufs,
+            pinned,
+            found: vec![false; keys.len()],
+            missed: 0,
+            next: 0,
+            waiting: Vec::new(),
+            pending: (0..keys.len()).map(|_| None).collect(),
+            reads_in_flight: 0,
+            staged_reads_in_flight: 0,
+            // Bounded by the devices' queue depth; reads that need a DRAM slot are further bounded by
+            // the slots the catalog can free (then heap-staged, see `MAX_STAGED_READS`).
+            max_reads_in_flight: (sh.config.io_depth * sh.devices.len().max(1)).max(1),
+            direct_io: sh.device_files.iter().all(|d| d.direct) && sh.config.object_bytes.is_multiple_of(ALIGN_BYTES),
+            wait_deadline: None,
+            spare: None,
+            done_tx,
+            done_rx,
+        }
+    }
+
+    fn run(mut self) -> Vec<bool> {
+        while self.has_unplanned() || self.reads_in_flight > 0 {
+            if self.has_unplanned() && self.reads_in_flight < self.max_reads_in_flight {
+                let Some(round) = self.plan() else { continue };
+                self.submit(round);
+            }
+            if self.reads_in_flight > 0 {
+                self.complete();
+            }
+        }
+        self.finish()
+    }
+
+    fn has_unplanned(&self) -> bool {
+        self.next < self.keys.len() || !self.waiting.is_empty()
+    }
+
+    /// Whether key `i`'s caller buffer can take an O_DIRECT read itself.
+    fn direct(&self, i: usize) -> bool {
+        self.direct_io && self.bufs.is_some_and(|b| b[i].direct_capable())
+    }
+
+    fn spare(&mut self) -> &HashSet<BlockKey> {
+        let keys = self.keys;
+        self.spare.get_or_insert_with(|| keys.iter().copied().collect())
+    }
+
+    fn count_misses(&mut self, keys: usize) {
+        Stats::add(&self.sh.stats.misses, keys as u64);
+        self.missed += keys;
+    }
+
+    // ---- plan ----
+
+    /// Plans keys, those waiting for other loads first, until the reads in flight would exceed the
+    /// budget or a key finds no slot. `None`: nothing was planned and nothing is in flight, so it
+    /// waited for the catalog to change (see `wait_for_change`) and the next round tries again.
+    fn plan(&mut self) -> Option<Round> {
+        let sh = self.sh;
+        let mut cat = sh.catalog.lock();
+        let mut round = Round::default();
+        let mut retry = std::mem::take(&mut self.waiting).into_iter().peekable();
+        while self.reads_in_flight + round.reads() < self.max_reads_in_flight {
+            let unplanned = (self.next < self.keys.len()).then_some(self.next);
+            let Some(i) = retry.peek().copied().or(unplanned) else { break };
+            if !self.plan_key(&mut cat, i, &mut round) {
+                break;
+            }
+            if retry.next_if_eq(&i).is_none() {
+                self.next += 1;
+            }
+        }
+        self.waiting.extend(retry);
+        if round.is_empty() && self.reads_in_flight == 0 && self.has_unplanned() {
+            self.wait_for_change(&mut cat);
+            return None;
+        }
+        self.wait_deadline = None;
+        Some(round)
+    }
+
+    /// Plans key `i` into `round`; `false` when it finds no slot now (the round ends there).
+    fn plan_key(&mut self, cat: &mut Catalog, i: usize, round: &mut Round) -> bool {
+        let keys = self.keys;
+        let key = &keys[i];
+        let mut step = cat.plan_get(key, self.direct(i));
+        let can_stage = self.bufs.is_some() && self.staged_reads_in_flight + round.nvme_reads.len() < MAX_STAGED_READS;
+        if matches!(step, GetStep::NoSlot) && !can_stage {
+            // Loads go first: rather than wait for the write backlog, take the slot of a queued write
+            // (not of a block this load still needs).
+            step = cat.plan_get_taking_queued_write(key, self.spare());
+        }
+        match step {
+            GetStep::Dram { slot } => round.dram_hits.push((i, slot)),
+            GetStep::Nvme(read) => round.nvme_reads.push((i, read)),
+            GetStep::Pending => self.waiting.push(i),
+            GetStep::Miss => match self.plan_remote_read(cat, key) {
+                Ok(Some(slot)) => round.remote_reads.push((i, slot)),
+                Ok(None) => self.count_misses(1),
+                Err(()) => return false,
+            },
+            // Every slot is pinned or busy: stage the read in a heap buffer rather than wait
+            // (bounded), so that pins held by the engine never stall a load.
+            GetStep::NoSlot if can_stage => match cat.plan_get(key, true) {
+                GetStep::Nvme(read) => round.nvme_reads.push((i, read)),
+                GetStep::Pending => self.waiting.push(i),
+                _ => self.count_misses(1),
+            },
+            GetStep::NoSlot => return false,
+        }
+        true
+    }
+
+    /// A DRAM slot to load `key` from the shared or object tier, if either indexes it and the
+    /// catalog does not. `Err(())`: indexed, but no DRAM slot is free right now (try again later).
+    /// Short of slots, it takes the slot of a queued write of a block outside this load (loads first).
+    fn plan_remote_read(&mut self, cat: &mut Catalog, key: &BlockKey) -> Result<Option<u32>, ()> {
+        let sh = self.sh;
+        let indexed = sh.shared_tier.as_ref().is_some_and(|t| t.contains(key))
+            || sh.object_tier.as_ref().is_some_and(|t| t.contains(key));
+        if !indexed || cat.has_entry(key) {
+            return Ok(None);
+        }
+        let slot = cat.plan_get_shared(key).or_else(|| cat.plan_get_shared_taking_queued_write(key, self.spare()));
+        slot.map(Some).ok_or(())
+    }
+
+    /// Out of slots, or every key left waits for another load's read: waits for the catalog to
+    /// change; past `slot_wait_ms` of planning nothing, the keys left are counted misses.
+    fn wait_for_change(&mut self, cat: &mut MutexGuard<'_, Catalog>) {
+        let sh = self.sh;
+        let slot_wait = Duration::from_millis(sh.config.slot_wait_ms);
+        let until = *self.wait_deadline.get_or_insert_with(|| Instant::now() + slot_wait);
+        // Only a load short of slots keeps puts off the pool; one waiting for another load's read
+        // needs no slot.
+        let starved = self.next < self.keys.len();
+        if starved {
+            cat.load_waits(true);
+        }
+        let timed_out = sh.changed.wait_until(cat, until).timed_out();
+        if starved {
+            cat.load_waits(false);
+        }
+        if timed_out && Instant::now() >= until {
+            Stats::add(&sh.stats.slot_wait_timeouts, 1);
+            self.count_misses(self.keys.len() - self.next + self.waiting.len());
+            self.next = self.keys.len();
+            self.waiting.clear();
+        }
+    }
+
+    // ---- submit ----
+
+    /// Starts the round's reads, then copies its DRAM hits out while the reads run, and settles
+    /// what needed no I/O.
+    fn submit(&mut self, round: Round) {
+        for (i, read) in round.nvme_reads {
+            self.submit_nvme_read(i, read);
+        }
+        let mut settled = Vec::with_capacity(round.dram_hits.len());
+        // In flight beside the NVMe reads: a load of blocks from both tiers waits for the slower.
+        for (i, slot) in round.remote_reads {
+            if !self.submit_remote_read(i, slot) {
+                settled.push((i, self.tally(i, Judged::Remote { slot, verdict: RemoteVerdict::Miss })));
+            }
+        }
+        if !round.dram_hits.is_empty() {
+            Stats::add(&self.sh.stats.dram_hits, round.dram_hits.len() as u64);
+        }
+        for (i, slot) in round.dram_hits {
+            if let Some(bufs) = self.bufs {
+                copy_value_out(self.sh, slot, &bufs[i]);
+            }
+            settled.push((i, self.tally(i, Judged::Dram)));
+        }
+        self.settle(settled);
+    }
+
+    /// The `on_done` of key `i`'s read.
+    fn sender(&self, i: usize, landing: Landing) -> OnDone {
+        let tx = self.done_tx.clone();
+        Box::new(move |io_result| {
+            let _ = tx.send(Completion { index: i, io_result, landing });
+        })
+    }
+
+    fn track(&mut self, i: usize, read: PendingRead) {
+        let earlier = self.pending[i].replace(read);
+        assert!(earlier.is_none(), "key {i} already has a read in flight");
+        self.reads_in_flight += 1;
+    }
+
+    fn submit_nvme_read(&mut self, i: usize, read: NvmeRead) {
+        let sh = self.sh;
+        let geometry = sh.geometry.expect("NVMe reads need the NVMe tier");
+        let landing = self.landing(i, &read);
+        let (buf, len, iovecs) = landing.target(sh, &read, self.bufs.map(|b| &b[i]));
+        sh.devices[read.loc.device as usize].read(IoOp {
+            kind: OpKind::Read,
+            offset: geometry.region_offset(read.loc.region) + read.loc.offset,
+            buf,
+            len,
+            iovecs,
+            file: None,
+            gate: None,
+            on_done: self.sender(i, landing),
+        });
+        self.track(i, PendingRead::Nvme(read));
+    }
+
+    /// Where key `i`'s NVMe read lands: its DRAM slot; with none (`NO_SLOT`), the caller's memory
+    /// when that takes an O_DIRECT read, else a heap staging buffer.
+    fn landing(&mut self, i: usize, read: &NvmeRead) -> Landing {
+        if read.slot != NO_SLOT {
+            return Landing::Slot;
+        }
+        if self.direct(i) {
+            return Landing::Direct(AlignedBuf::zeroed(DESCRIPTOR_BYTES));
+        }
+        self.staged_reads_in_flight += 1;
+        Landing::Staged(AlignedBuf::zeroed(self.sh.arena.slot_bytes()))
+    }
+
+    /// `false`: the tier could not start the read (a miss it counted); the slot is still ours.
+    fn submit_remote_read(&mut self, i: usize, slot: u32) -> bool {
+        let sh = self.sh;
+        let on_done = self.sender(i, Landing::Slot);
+        // SAFETY: the slot is ours (Loading) until the read is settled; an abandoned one is retired.
+        let Some(read) = (unsafe { start_remote_read(sh, &self.keys[i], sh.arena.slot_ptr(slot), on_done) }) else {
+            return false;
+        };
+        self.track(i, PendingRead::Remote { slot, read });
+        true
+    }
+
+    // ---- complete ----
+
+    /// Waits for a read to finish, judges it and every other finished one, and settles them.
+    fn complete(&mut self) {
+        let first = self.done_rx.recv().expect("the load holds a sender");
+        let finished: Vec<Completion> = std::iter::once(first).chain(self.done_rx.try_iter()).collect();
+        self.reads_in_flight -= finished.len();
+        let judged = finished.into_iter().map(|done| self.judge(done)).collect();
+        self.settle(judged);
+    }
+
+    /// Judges a finished read, whichever tier it came from: verified and copied out, it is found;
+    /// anything else is a counted miss.
+    fn judge(&mut self, done: Completion) -> (usize, Judged) {
+        let i = done.index;
+        let judged = match self.pending[i].take().expect("a read in flight completes exactly once") {
+            PendingRead::Nvme(read) => Judged::Nvme(read, self.judge_nvme(i, &read, done.io_result, done.landing)),
+            PendingRead::Remote { slot, read } => {
+                // SAFETY: the read into our slot finished; an abandoned slot is retired when settled.
+                let outcome =
+                    unsafe { finish_remote_read(self.sh, read, self.sh.arena.slot_ptr(slot), done.io_result) };
+                Judged::Remote { slot, verdict: self.judge_remote(i, slot, outcome) }
+            }
+        };
+        (i, self.tally(i, judged))
+    }
+
+    fn judge_nvme(
+        &mut self,
+        i: usize,
+        read: &NvmeRead,
+        io_result: std::io::Result<()>,
+        landing: Landing,
+    ) -> LoadOutcome {
+        let (sh, key) = (self.sh, &self.keys[i]);
+        if matches!(landing, Landing::Staged(_)) {
+            self.staged_reads_in_flight -= 1;
+        }
+        match io_result {
+            Err(e) if is_abandoned(&e) => {
+                log::error!("kvtier: read of block {key:?} abandoned by a broken I/O engine; counted as a miss");
+                Stats::add(&sh.stats.io_errors, 1);
+                landing.abandon();
+                LoadOutcome::Abandoned
+            }
+            Err(e) => {
+                log::warn!("kvtier: read of block {key:?} failed: {e}; counted as a miss");
+                Stats::add(&sh.stats.io_errors, 1);
+                LoadOutcome::IoError
+            }
+            Ok(()) if landing.verify_and_copy_out(sh, key, read, self.bufs.map(|b| &b[i])) => {
+                Stats::add(&sh.stats.nvme_hits, 1);
+                Stats::add(&sh.stats.bytes_read_nvme, sh.arena.slot_bytes() as u64);
+                LoadOutcome::Ok
+            }
+            Ok(()) => {
+                log::warn!("kvtier: block {key:?} failed verification on load; counted as a miss");
+                Stats::add(&sh.stats.checksum_failures, 1);
+                LoadOutcome::Corrupt
+            }
+        }
+    }
+
+    /// A remote read the tier judged (it counted and quarantined): a hit is copied out.
+    fn judge_remote(&self, i: usize, slot: u32, outcome: ReadOutcome) -> RemoteVerdict {
+        match outcome {
+            ReadOutcome::Hit => {}
+            ReadOutcome::Miss => return RemoteVerdict::Miss,
+            ReadOutcome::Abandoned => return RemoteVerdict::Abandoned,
+        }
+        let (sh, key) = (self.sh, &self.keys[i]);
+        // The tier verified the block; the checksum is taken before anything counts it a hit.
+        // SAFETY: the read into our slot finished.
+        let desc = match Descriptor::decode(&unsafe { slot_ref(sh, slot) }[..DESCRIPTOR_BYTES]) {
+            Ok(desc) => desc,
+            Err(e) => {
+                log::error!(
+                    "kvtier: shared block {key:?} passed verification but its descriptor does not decode ({e}); a miss"
+                );
+                Stats::add(&sh.stats.checksum_failures, 1);
+                return RemoteVerdict::Miss;
+            }
+        };
+        if let Some(bufs) = self.bufs {
+            copy_value_out(sh, slot, &bufs[i]);
+        }
+        RemoteVerdict::Loaded { value_checksum: desc.value_checksum }
+    }
+
+    /// Records key `i` as found or a counted miss: every key passes here once, or is given up in
+    /// `wait_for_change`.
+    fn tally(&mut self, i: usize, judged: Judged) -> Judged {
+        debug_assert!(!self.found[i], "key {i} judged twice");
+        if judged.loaded() {
+            self.found[i] = true;
+        } else {
+            self.count_misses(1);
+        }
+        judged
+    }
+
+    /// Hands judged keys to the catalog in one critical section: each load's pin released, a loaded
+    /// block made resident (and pinned for the caller right there, so that no store evicts it
+    /// first), a failed one dropped.
+    fn settle(&mut self, judged: Vec<(usize, Judged)>) {
+        if judged.is_empty() {
+            return;
+        }
+        let sh = self.sh;
+        let mut cat = sh.catalog.lock();
+        for (i, judged) in judged {
+            let key = &self.keys[i];
+            match judged {
+                Judged::Dram => cat.finish_get_dram(key),
+                Judged::Nvme(read, outcome) => cat.finish_get_nvme(key, &read, outcome),
+                Judged::Remote { slot, verdict: RemoteVerdict::Abandoned } => cat.abandon_get_shared(key, slot),
+                Judged::Remote { slot, verdict: RemoteVerdict::Loaded { value_checksum } } => {
+                    cat.finish_get_shared(key, slot, Some(value_checksum))
+                }
+                Judged::Remote { slot, verdict: RemoteVerdict::Miss } => cat.finish_get_shared(key, slot, None),
+            }
+            if let Some(pinned) = self.pinned.as_deref_mut().filter(|_| judged.loaded()) {
+                pinned[i] = cat.pin_resident(key);
+            }
+        }
+        drop(cat);
+        sh.changed.notify_all();
+    }
+
+    fn finish(self) -> Vec<bool> {
+        debug_assert!(self.pending.iter().all(Option::is_none), "every read started was judged");
+        debug_assert_eq!((self.reads_in_flight, self.staged_reads_in_flight), (0, 0));
+        let found = self.found.iter().filter(|&&f| f).count();
+        debug_assert_eq!(found + self.missed, self.keys.len(), "every key is found or a counted miss, once");
+        if let Some(pinned) = &self.pinned {
+            debug_assert!(pinned.iter().zip(&self.found).all(|(pin, &f)| f || pin.is_none()), "a miss is never pinned");
+        }
+        self.found
+    }
+}
+
+/// Starts reading `key` into `slot` from the tier that indexes it (the shared tier first).
+///
+/// # Safety
+/// As `SharedTier::start_read`: the slot is ours until the read is judged by `finish_remote_read`.
+unsafe fn start_remote_read(sh: &Shared, key: &BlockKey, slot: *mut u8, on_done: OnDone) -> Option<RemoteRead> {
+    if let Some(tier) = sh.shared_tier.as_ref().filter(|t| t.contains(key) || sh.object_tier.is_none()) {
+        // SAFETY: forwarded contract.
+        return unsafe { tier.start_read(key, slot, on_done) }.map(RemoteRead::Fs);
+    }
+    let tier = sh.object_tier.as_ref().expect("remote reads need the shared or the object tier");
+    // SAFETY: forwarded contract.
+    unsafe { tier.start_read(key, slot, on_done) }.map(RemoteRead::Object)
+}
+
+/// Judges a finished remote read (see `start_remote_read`).
+///
+/// # Safety
+/// The read into `slot` finished.
+unsafe fn finish_remote_read(sh: &Shared, read: RemoteRead, slot: *mut u8, result: std::io::Result<()>) -> ReadOutcome {
+    match read {
+        RemoteRead::Fs(read) => {
+            let tier = sh.shared_tier.as_ref().expect("shared reads need the shared tier");
+            // SAFETY: forwarded contract.
+            unsafe { tier.finish_started(read, slot, result) }
+        }
+        RemoteRead::Object(read) => {
+            let tier = sh.object_tier.as_ref().expect("object reads need the object tier");
+            // SAFETY: forwarded contract.
+            unsafe { tier.finish_started(read, slot, result) }
+        }
+    }
+}
+
+/// Hashes the value a direct read left in the caller's memory.
+fn checksum_segments(buf: &BlockBuffer) -> u64 {
+    let mut hasher = crate::format::checksum_hasher();
+    for &(ptr, len) in &buf.segments {
+        // SAFETY: the read filled the segment; the caller keeps it alive (submission contract).
+        std::hash::Hasher::write(&mut hasher, unsafe { std::slice::from_raw_parts(ptr, len) });
+    }
+    std::hash::Hasher::finish(&hasher)
+}
+
+/// Checks a direct read: the descriptor landed in `page`, the value in the caller's segments.
+fn verify_direct(sh: &Shared, key: &BlockKey, read: &NvmeRead, page: &AlignedBuf, buf: &BlockBuffer) -> bool {
+    let Ok(desc) = Descriptor::decode(page.as_slice()) else { return false };
+    desc.key == *key
+        && desc.namespace == sh.namespace
+        && desc.value_bytes as usize == sh.config.object_bytes
+        && desc.sequence == read.sequence
+        && desc.value_checksum == read.value_checksum
+        && checksum_segments(buf) == desc.value_checksum
+}
+
+/// Copies a slot's value out to the caller's segments (a DRAM hit).
+///
+/// SAFETY (callers): the slot is pinned and the caller's segments are valid for writing
+/// (submission contract).
+fn copy_value_out(sh: &Shared, slot: u32, buf: &BlockBuffer) {
+    let mut value = unsafe { sh.arena.slot_ptr(slot).add(DESCRIPTOR_BYTES) };
+    for &(segment, len) in &buf.segments {
+        unsafe {
+            std::ptr::copy_nonoverlapping(value, segment, len);
+            value = value.add(len);
+        }
+    }
+    Stats::add(&sh.stats.bytes_copied_out, sh.config.object_bytes as u64);
+}
+
+/// Checks a slot just read from NVMe against what the index expects and copies its value out.
+/// The value is hashed and copied in cache-sized chunks (one pass over memory instead of two); if the
+/// checksum then fails the caller's buffer holds unspecified bytes and the block is reported a miss.
+fn verify_and_copy_out(sh: &Shared, key: &BlockKey, read: &NvmeRead, bytes: &[u8], buf: Option<&BlockBuffer>) -> bool {
+    let Ok(desc) = Descriptor::decode(&bytes[..DESCRIPTOR_BYTES]) else { return false };
+    let object_bytes = sh.config.object_bytes;
+    let header_ok = desc.key == *key
+        && desc.namespace == sh.namespace
+        && desc.value_bytes as usize == object_bytes
+        && desc.sequence == read.sequence
+        && desc.value_checksum == read.value_checksum;
+    if !header_ok {
+        return false;
+    }
+    let value = &bytes[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + object_bytes];
+    let Some(buf) = buf else { return crate::format::checksum(value) == desc.value_checksum };
+    let mut hasher = crate::format::checksum_hasher();
+    for_each_chunk(buf, |dst, at, n| {
+        let chunk = &value[at..at + n];
+        std::hash::Hasher::write(&mut hasher, chunk);
+        // SAFETY: the caller's segment is valid for writing (submission contract).
+        unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), dst, n) };
+    });
+    Stats::add(&sh.stats.bytes_copied_out, object_bytes as u64);
+    std::hash::Hasher::finish(&hasher) == desc.value_checksum
+}
