@@ -52,8 +52,8 @@ def group_points(runs: list[dict[str, Any]]) -> dict[int, dict[str, dict[int, di
             for point in record["points"]:
                 if point.get("request_throughput") is None or point["ttft_ms"].get("p99") is None:
                     continue
-                values = grouped.setdefault(concurrency, {}).setdefault(record["row"], {})
-                values = values.setdefault(point["users"], {"req_s": [], "ttft_p99_ms": []})
+                by_users = grouped.setdefault(concurrency, {}).setdefault(record["row"], {})
+                values = by_users.setdefault(point["users"], {"req_s": [], "ttft_p99_ms": []})
                 values["req_s"].append(point["request_throughput"])
                 values["ttft_p99_ms"].append(point["ttft_ms"]["p99"])
     return {
