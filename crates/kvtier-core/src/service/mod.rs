@@ -6,6 +6,7 @@
 pub(crate) mod changes;
 mod client;
 mod engines;
+mod fills;
 mod latency;
 mod placement;
 // The framing is the service's own: engines use `Client`; tests that forge frames use

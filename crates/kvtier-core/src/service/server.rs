@@ -20,6 +20,7 @@
 //! is matched by the fill's sequence, never by its key alone: the key may be filled again by then.
 
 use super::engines::{EngineCounters, EngineTable};
+use super::fills::{DroppedKeys, Expired, Fill, Fills, Joined, Outcome};
 use super::protocol::*;
 use crate::config::StoreConfig;
 use crate::error::{Error, Result};
@@ -100,109 +101,6 @@ impl ServiceConfig {
     }
 }
 
-/// Blocks given up recently, so that every rank gives them up (bounded; entries expire).
-#[derive(Default)]
-struct DroppedKeys {
-    since: HashMap<BlockKey, Instant>,
-}
-
-impl DroppedKeys {
-    const MAX_KEYS: usize = 1 << 16;
-    const EXPIRY: Duration = Duration::from_secs(60);
-
-    fn contains(&self, key: &BlockKey) -> bool {
-        self.since.get(key).is_some_and(|at| at.elapsed() < Self::EXPIRY)
-    }
-
-    fn insert(&mut self, key: BlockKey) {
-        if self.since.len() >= Self::MAX_KEYS {
-            self.since.retain(|_, at| at.elapsed() < Self::EXPIRY);
-            if self.since.len() >= Self::MAX_KEYS {
-                self.since.clear();
-            }
-        }
-        self.since.insert(key, Instant::now());
-    }
-}
-
-/// A slot reserved for one block, filled by every rank of the engine that reserved it first.
-struct Fill {
-    slot: u32,
-    sequence: u64,
-    /// The tensor-parallel size of the engine filling it: engines of another size that share the
-    /// namespace (a rank-independent object layout) leave the block to it.
-    tp_size: u32,
-    reserved_ranks: u64,
-    committed_ranks: u64,
-    /// Connections that reserved it and have neither committed nor aborted.
-    holders: u32,
-    aborted: bool,
-    since: Instant,
-}
-
-/// The namespace's fills in progress (one lock).
-#[derive(Default)]
-struct Fills {
-    /// The fill a rank reserving the key joins.
-    open: HashMap<BlockKey, Fill>,
-    /// Fills abandoned while connections still held them (`reservation_timeout_ms`), by sequence:
-    /// their slots stay out of use until the last holder lets go (see the module comment).
-    abandoned: HashMap<u64, Abandoned>,
-}
-
-struct Abandoned {
-    slot: u32,
-    holders: u32,
-}
-
-/// What a holder letting go of a fill leaves for the store to do.
-enum Outcome {
-    /// Other ranks still hold or owe it.
-    Pending,
-    /// Every rank committed: the block becomes visible.
-    Complete { slot: u32, sequence: u64 },
-    /// Given up, and nobody can still copy into the slot.
-    GiveBack { slot: u32 },
-    /// The last holder of an abandoned fill let go: its slot may be used again.
-    FreeAbandoned { slot: u32 },
-    /// Nothing left (the namespace closed while the connection still held it).
-    Gone,
-}
-
-impl Fills {
-    /// A connection lets go of its reservation `(key, sequence)`, committing this rank's slice
-    /// (`committed`: the rank's bit) or not. Whether the commit counts, and what follows.
-    fn let_go(&mut self, key: &BlockKey, sequence: u64, committed: Option<u64>) -> (bool, Outcome) {
-        if let Some(fill) = self.open.get_mut(key).filter(|fill| fill.sequence == sequence) {
-            assert!(fill.holders > 0, "a reservation held by a connection counts it as a holder");
-            fill.holders -= 1;
-            match committed {
-                Some(bit) => fill.committed_ranks |= bit,
-                None => fill.aborted = true,
-            }
-            let (accepted, slot) = (committed.is_some() && !fill.aborted, fill.slot);
-            let outcome = if fill.aborted && fill.holders == 0 {
-                Outcome::GiveBack { slot }
-            } else if !fill.aborted && fill.committed_ranks == fill.all_ranks() {
-                Outcome::Complete { slot, sequence }
-            } else {
-                return (accepted, Outcome::Pending);
-            };
-            self.open.remove(key);
-            return (accepted, outcome);
-        }
-        let Some(gone) = self.abandoned.get_mut(&sequence) else { return (false, Outcome::Gone) };
-        assert!(gone.holders > 0, "an abandoned fill is kept only while someone holds it");
-        gone.holders -= 1;
-        if gone.holders > 0 {
-            return (false, Outcome::Pending);
-        }
-        let slot = gone.slot;
-        self.abandoned.remove(&sequence);
-        (false, Outcome::FreeAbandoned { slot })
-    }
-}
-
 /// The store calls that connections letting go of fills lead to, made outside the fills lock.
 #[derive(Default)]
 struct StoreSteps {
@@ -235,21 +133,6 @@ impl StoreSteps {
     }
 }
 
-impl Fill {
-    fn new(slot: u32, sequence: u64, tp_size: u32) -> Fill {
-        Fill {
-            slot,
-            sequence,
-            tp_size,
-            reserved_ranks: 0,
-            committed_ranks: 0,
-            holders: 0,
-            aborted: false,
-            since: Instant::now(),
-        }
-    }
-}
-
 struct Namespaced {
     store: Store,
     /// The engines' description (its SHA-256 is the namespace).
@@ -276,16 +159,6 @@ struct Namespaced {
     /// Which blocks became or stopped being loadable, for the engines' KV events (`Op::Changes`);
     /// read from the store only while someone asks.
     changes: Mutex<super::changes::ChangeLog>,
-}
-
-impl Fill {
-    fn all_ranks(&self) -> u64 {
-        if self.tp_size == 64 {
-            u64::MAX
-        } else {
-            (1u64 << self.tp_size) - 1
-        }
-    }
 }
 
 struct State {
@@ -373,11 +246,7 @@ fn close_namespace(ns: &Namespaced) -> Result<()> {
     // Blocks some ranks committed and others never will: given back, so that the flush below does
     // not wait on slots nobody fills.
     // Abandoned slots go with the store; a connection that lets go of one later finds nothing.
-    let orphans: Vec<(BlockKey, u32)> = {
-        let mut fills = ns.fills.lock();
-        fills.abandoned.clear();
-        fills.open.drain().map(|(key, fill)| (key, fill.slot)).collect()
-    };
+    let orphans = ns.fills.lock().drain();
     if !orphans.is_empty() {
         ns.store.abort_puts(&orphans);
     }
@@ -565,30 +434,16 @@ fn janitor_loop(state: &Arc<State>) {
 fn expire_fills(ns: &Namespaced, config: &ServiceConfig) {
     let unheld_limit = Duration::from_millis(config.fill_timeout_ms);
     let held_limit = (config.reservation_timeout_ms > 0).then(|| Duration::from_millis(config.reservation_timeout_ms));
-    let (mut stale, mut expired) = (Vec::new(), Vec::new());
-    {
-        let mut fills = ns.fills.lock();
-        let Fills { open, abandoned } = &mut *fills;
-        open.retain(|key, fill| {
-            let age = fill.since.elapsed();
-            if fill.holders == 0 && age >= unheld_limit {
-                stale.push((*key, fill.slot));
-                return false;
-            }
-            if fill.holders > 0 && held_limit.is_some_and(|limit| age >= limit) {
-                abandoned.insert(fill.sequence, Abandoned { slot: fill.slot, holders: fill.holders });
-                expired.push((*key, fill.slot));
-                return false;
-            }
-            true
-        });
+    let Expired { stale, abandoned: expired } = {
+        let found = ns.fills.lock().expire(Instant::now(), unheld_limit, held_limit);
         // A rank that reserves the block later gives it up too, rather than open a new fill that
         // the hung rank will not complete either.
         let mut dropped = ns.dropped.lock();
-        for (key, _) in &expired {
+        for (key, _) in &found.abandoned {
             dropped.insert(*key);
         }
-    }
+        found
+    };
     if !stale.is_empty() {
         log::warn!("kvtier: {} stores waited {unheld_limit:?} for a rank that never came; dropped", stale.len());
         ns.store.abort_puts(&stale);
@@ -813,8 +668,9 @@ impl Connection {
             add("nvme_capacity_bytes", g.nvme_capacity_bytes);
             add("blocks_dram", g.blocks_dram);
             add("blocks_nvme", g.blocks_nvme);
-            add("service_pending_fills", ns.fills.lock().open.len() as u64);
-            add("service_abandoned_slots", ns.fills.lock().abandoned.len() as u64);
+            let (pending_fills, abandoned_slots) = ns.fills.lock().counts();
+            add("service_pending_fills", pending_fills);
+            add("service_abandoned_slots", abandoned_slots);
             add("service_expired_fills", ns.expired_fills.load(Ordering::Relaxed));
             add("service_refused_commits", ns.refused_commits.load(Ordering::Relaxed));
         }
@@ -1119,10 +975,7 @@ impl State {
                 stats.counters.fields().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
             let g = stats.gauges;
             let facts = ns.store.namespace_facts();
-            let (pending_fills, abandoned_slots) = {
-                let fills = ns.fills.lock();
-                (fills.open.len() as u64, fills.abandoned.len() as u64)
-            };
+            let (pending_fills, abandoned_slots) = ns.fills.lock().counts();
             pairs.extend([
                 ("dram_used_bytes".to_string(), g.dram_used_bytes),
                 ("dram_capacity_bytes".to_string(), g.dram_capacity_bytes),
@@ -1272,7 +1125,7 @@ impl Session {
                 }
                 match reserved.remove(key) {
                     Some(Reservation::Fill { slot, sequence }) => {
-                        fills.open.insert(*key, Fill::new(slot, sequence, self.tp_size));
+                        fills.open(*key, Fill::new(slot, sequence, self.tp_size, Instant::now()));
                     }
                     Some(Reservation::Present) => {
                         *decided = Some((ReserveKind::Present, NO_SLOT));
@@ -1329,7 +1182,7 @@ impl Session {
         let mut seen = std::collections::HashSet::new();
         let mut fresh = Vec::new();
         for (key, decided) in keys.iter().zip(out.iter_mut()) {
-            if decided.is_some() || fills.open.contains_key(key) || !seen.insert(*key) {
+            if decided.is_some() || fills.is_open(key) || !seen.insert(*key) {
                 continue;
             }
             if dropped.contains(key) {
@@ -1343,21 +1196,11 @@ impl Session {
 
     /// This rank's share of an existing fill, if it may take one.
     fn join(&mut self, fills: &mut Fills, key: &BlockKey) -> Option<(ReserveKind, u32)> {
-        let bit = 1u64 << self.rank;
-        let fill = fills.open.get_mut(key)?;
-        if fill.tp_size != self.tp_size {
-            // An engine of another TP size is storing it: present for this one, as a put of a block
-            // being stored (if that engine gives up, the block is a later miss, never wrong bytes).
-            return Some((ReserveKind::Present, NO_SLOT));
+        let joined = fills.join(key, self.rank, self.tp_size)?;
+        if let Joined::Fill { sequence, .. } = joined {
+            self.reserved.push((*key, sequence));
         }
-        if fill.aborted || fill.reserved_ranks & bit != 0 {
-            // A repeated reserve by one rank, or a fill being given up.
-            return Some((ReserveKind::Dropped, NO_SLOT));
-        }
-        fill.reserved_ranks |= bit;
-        fill.holders += 1;
-        self.reserved.push((*key, fill.sequence));
-        Some((ReserveKind::Fill, fill.slot))
+        Some(joined.reply())
     }
 
     /// This rank's slices of `keys` are in their slots: per key, whether the commit counts. A key
@@ -1410,24 +1253,16 @@ impl Session {
     /// Stores this rank gives up without holding them (a client that got no room): counted as
     /// dropped, and given up by every rank, as `reserve` does when it runs out of time.
     fn give_up(&mut self, keys: &[BlockKey]) {
-        let bit = 1u64 << self.rank;
         let (mut give_back, mut counted) = (Vec::new(), 0u64);
         {
             let mut fills = self.ns.fills.lock();
             let mut dropped = self.ns.dropped.lock();
             for key in keys {
                 dropped.insert(*key);
-                match fills.open.get_mut(key) {
-                    // Another rank's fill this rank will now never complete: given up at once, or
-                    // when its holders let go.
-                    Some(fill) if fill.tp_size == self.tp_size && fill.reserved_ranks & bit == 0 => {
-                        fill.aborted = true;
-                        if fill.holders == 0 {
-                            give_back.push((*key, fill.slot));
-                            fills.open.remove(key);
-                        }
-                    }
-                    _ => counted += 1,
+                match fills.give_up_unheld(key, self.rank, self.tp_size) {
+                    (true, Some(slot)) => give_back.push((*key, slot)),
+                    (true, None) => {}
+                    (false, _) => counted += 1,
                 }
             }
         }
