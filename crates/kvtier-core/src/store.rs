@@ -337,7 +337,9 @@ impl Store {
     pub unsafe fn put_raw(&self, keys: &[BlockKey], buffers: &[BlockBuffer]) -> Result<Vec<bool>> {
         self.check_open()?;
         self.check_buffers(keys.len(), buffers)?;
-        Ok(execute_put(&self.shared, keys, buffers))
+        let stored = execute_put(&self.shared, keys, buffers);
+        assert_eq!(stored.len(), keys.len(), "one answer per key, in the caller's order");
+        Ok(stored)
     }
 
     /// # Safety
@@ -345,7 +347,9 @@ impl Store {
     pub unsafe fn get_raw(&self, keys: &[BlockKey], buffers: &[BlockBuffer]) -> Result<Vec<bool>> {
         self.check_open()?;
         self.check_buffers(keys.len(), buffers)?;
-        Ok(execute_get(&self.shared, keys, Some(buffers)))
+        let found = execute_get(&self.shared, keys, Some(buffers));
+        assert_eq!(found.len(), keys.len(), "one answer per key, in the caller's order");
+        Ok(found)
     }
 
     /// Queues a job; its result is reported by `poll` or `wait`. A store job that finds the store
@@ -459,6 +463,7 @@ impl Store {
                 break;
             }
         }
+        debug_assert!(pinned.len() <= keys.len(), "a flag per leading present key");
         pinned
     }
 
@@ -637,6 +642,7 @@ impl Store {
         sh.loads_active.fetch_add(1, Ordering::AcqRel);
         let pinned = execute_get_pinned(sh, keys);
         sh.job_done(&sh.loads_active);
+        assert_eq!(pinned.len(), keys.len(), "one slot or miss per key");
         Ok(pinned)
     }
 
