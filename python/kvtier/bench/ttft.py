@@ -855,13 +855,13 @@ def shared_store_dir(plan: dict, node: str) -> str:
 SHARED_PUBLISH_FAILURES = ("shared_dropped_publishes", "shared_publish_errors")
 
 
-def phase_kvtier_shared_store(plan: dict, emit) -> None:
-    """Node A of kvtier_shared: computes every prompt of experiment 1 with the shared tier on and
-    waits, after each, until its blocks are published (the flush waits for the shared publisher)."""
-    shared_root = plan["shared"]["store_root"]
-    engine = Engine(plan, kvtier_transfer(plan, shared_store_dir(plan, "a"), shared_root))
-    store = _store_of_engine()
-    emit("engine", {"start_s": engine.start_s, "shared_root": shared_root})
+def _publish_every_prompt(
+    plan: dict, emit, engine, store, tier: str, counters: tuple[str, ...], failures: tuple[str, ...]
+) -> None:
+    """Node A's loop for a remote tier (`tier`: "shared" or "object"): computes every prompt of
+    experiment 1 and, after each, waits for the flush that publishes it; fails unless it was."""
+    published, where = {"shared": ("shared_files_published", "the shared tier"),
+                        "object": ("bucket_segments_published", "the bucket")}[tier]  # fmt: skip
     for length in plan["lengths"]:
         for repeat in range(plan["repeats"]):
             prompt = length_prompt(plan, length, repeat)
@@ -872,18 +872,26 @@ def phase_kvtier_shared_store(plan: dict, emit) -> None:
             ttft_s = time.perf_counter() - started
             _settle(engine, store)
             after = store.stats()
-            delta = {
-                name: after.get(name, 0) - before.get(name, 0)
-                for name in ("puts", "shared_files_published", "shared_bytes_written", *SHARED_PUBLISH_FAILURES)
-            }
-            emit("shared_publish", {"length_tokens": length, "repeat": repeat, "ttft_s": ttft_s,
-                                    "publish_wait_s": time.perf_counter() - started - ttft_s, **delta})  # fmt: skip
-            progress(f"kvtier_shared_store: L={length} r{repeat}: {ttft_s * 1000:.0f} ms, published {delta}")
-            failed = {name: delta[name] for name in SHARED_PUBLISH_FAILURES if delta[name]}
-            if failed or not delta["shared_files_published"]:
-                raise BenchError(f"node A did not publish prompt p:{length}:{repeat} to the shared tier: {delta}")
+            delta = {name: after.get(name, 0) - before.get(name, 0) for name in (*counters, *failures)}
+            emit(f"{tier}_publish", {"length_tokens": length, "repeat": repeat, "ttft_s": ttft_s,
+                                     "publish_wait_s": time.perf_counter() - started - ttft_s, **delta})  # fmt: skip
+            progress(f"kvtier_{tier}_store: L={length} r{repeat}: {ttft_s * 1000:.0f} ms, published {delta}")
+            failed = {name: delta[name] for name in failures if delta[name]}
+            if failed or not delta[published]:
+                raise BenchError(f"node A did not publish prompt p:{length}:{repeat} to {where}: {delta}")
     emit("store_stats", dict(store.stats()))
     store.close()  # publishes anything left and stops node A's service
+
+
+def phase_kvtier_shared_store(plan: dict, emit) -> None:
+    """Node A of kvtier_shared: computes every prompt of experiment 1 with the shared tier on and
+    waits, after each, until its blocks are published (the flush waits for the shared publisher)."""
+    shared_root = plan["shared"]["store_root"]
+    engine = Engine(plan, kvtier_transfer(plan, shared_store_dir(plan, "a"), shared_root))
+    store = _store_of_engine()
+    emit("engine", {"start_s": engine.start_s, "shared_root": shared_root})
+    counters = ("puts", "shared_files_published", "shared_bytes_written")
+    _publish_every_prompt(plan, emit, engine, store, "shared", counters, SHARED_PUBLISH_FAILURES)
 
 
 def _wait_shared_visible(store, keys: list[bytes]) -> dict[str, int]:
@@ -936,26 +944,8 @@ def phase_kvtier_object_store(plan: dict, emit) -> None:
     engine = Engine(plan, kvtier_transfer(plan, shared_store_dir(plan, "object-a"), object_tier=True))
     store = _store_of_engine()
     emit("engine", {"start_s": engine.start_s, "bucket_url": plan["object"]["bucket_url"]})
-    for length in plan["lengths"]:
-        for repeat in range(plan["repeats"]):
-            prompt = length_prompt(plan, length, repeat)
-            engine.reset_prefix_cache()
-            before = store.stats()
-            started = time.perf_counter()
-            engine.generate(prompt)
-            ttft_s = time.perf_counter() - started
-            _settle(engine, store)
-            after = store.stats()
-            counters = ("puts", "bucket_segments_published", "bucket_bytes_written", "bucket_put_requests")
-            delta = {name: after.get(name, 0) - before.get(name, 0) for name in (*counters, *OBJECT_PUBLISH_FAILURES)}
-            emit("object_publish", {"length_tokens": length, "repeat": repeat, "ttft_s": ttft_s,
-                                    "publish_wait_s": time.perf_counter() - started - ttft_s, **delta})  # fmt: skip
-            progress(f"kvtier_object_store: L={length} r{repeat}: {ttft_s * 1000:.0f} ms, published {delta}")
-            failed = {name: delta[name] for name in OBJECT_PUBLISH_FAILURES if delta[name]}
-            if failed or not delta["bucket_segments_published"]:
-                raise BenchError(f"node A did not publish prompt p:{length}:{repeat} to the bucket: {delta}")
-    emit("store_stats", dict(store.stats()))
-    store.close()  # publishes anything left and stops node A's service
+    counters = ("puts", "bucket_segments_published", "bucket_bytes_written", "bucket_put_requests")
+    _publish_every_prompt(plan, emit, engine, store, "object", counters, OBJECT_PUBLISH_FAILURES)
 
 
 def phase_kvtier_object_load(plan: dict, emit) -> None:
