@@ -128,6 +128,30 @@ def test_stores_wait_for_the_prefill_step_and_loads_do_not(service):
     assert stats["puts"] == 5 and stats["dram_hits"] == 2
 
 
+def test_steps_wake_the_job_thread_only_to_release_held_back_stores(service):
+    # On a CPU engine every wakeup of the job thread takes a core and the GIL from the forward pass.
+    w = worker(service, layers())
+    try:
+        assert w.submit_store(1, engine_blocks([0]), KvtierLoadStoreSpec([key(40)]))
+        assert finished(w, 1)
+        time.sleep(0.05)
+        idle_wakeups = w.job_thread_wakeups
+        for prefill_tokens in [2048, 0, 0, 512, 0] * 20:
+            w.step_begins(prefill_tokens)
+            w.step_ends()
+            w.step_ends()  # vLLM's clear_connector_metadata ends a step again
+        time.sleep(0.05)
+        assert w.job_thread_wakeups == idle_wakeups, "steps with nothing held back woke the job thread"
+
+        w.step_begins(prefill_tokens=2048)
+        assert w.submit_store(2, engine_blocks([1]), KvtierLoadStoreSpec([key(41)]))
+        assert not finished(w, 2, timeout_s=HELD_BACK_S)
+        w.step_ends()
+        assert finished(w, 2), "the end of the prefill step released the held-back store"
+    finally:
+        w.shutdown()
+
+
 def test_a_fenced_store_goes_at_once_during_a_prefill_step(service):
     w = worker(service, layers())
     try:

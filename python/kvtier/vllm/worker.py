@@ -406,6 +406,7 @@ class JobQueueWorker(OffloadingWorker):
         # dropped because the held-back backlog was full.
         self.deferred_store_jobs = 0
         self.dropped_store_blocks = 0
+        self.job_thread_wakeups = 0  # times the job thread woke from waiting for work
         self._thread = threading.Thread(target=self._run, name="kvtier-worker-jobs", daemon=True)
         self._thread.start()
         with registry_lock:
@@ -436,13 +437,20 @@ class JobQueueWorker(OffloadingWorker):
         """A forward pass starts; ``prefill_tokens`` of it are prompt tokens (0 for a decode step)."""
         with self._cv:
             self._forward_running = True
-            self._prefill_running = self._defer_stores and prefill_tokens > 0
-            self._cv.notify_all()
+            self._set_prefill_running(self._defer_stores and prefill_tokens > 0)
 
     def step_ends(self) -> None:
         with self._cv:
             self._forward_running = False
-            self._prefill_running = False
+            self._set_prefill_running(False)
+
+    def _set_prefill_running(self, running: bool) -> None:
+        """Holds ``_cv``. Wakes the job thread only when held-back stores may go now: no other change
+        of a step gives it work, and on a CPU engine every wakeup takes a core (and then the GIL) from
+        the forward pass's threads, three times a step."""
+        stores_released = self._prefill_running and not running and bool(self._stores)
+        self._prefill_running = running
+        if stores_released:
             self._cv.notify_all()
 
     # -- submission ------------------------------------------------------------------------------
@@ -506,6 +514,7 @@ class JobQueueWorker(OffloadingWorker):
             elif self._stopping:
                 return None
             self._cv.wait()
+            self.job_thread_wakeups += 1
 
     def _run(self) -> None:
         self.transport.on_job_thread()
