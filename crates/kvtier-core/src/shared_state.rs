@@ -3,6 +3,7 @@
 use crate::catalog::Catalog;
 use crate::config::StoreConfig;
 use crate::io::device::DeviceQueue;
+use crate::key::BlockKey;
 use crate::key::Namespace;
 use crate::stats::Stats;
 use crate::tiers::dram::Arena;
@@ -10,7 +11,7 @@ use crate::tiers::nvme::{DeviceFile, Geometry};
 use crate::tiers::object::ObjectTier;
 use crate::tiers::shared::{Publisher, SharedTier};
 use parking_lot::{Condvar, Mutex};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -40,6 +41,50 @@ pub(crate) struct Shared {
     /// Signalled (under `activity`) when `loads_active` or `stores_active` drops to zero.
     pub(crate) activity: Mutex<()>,
     pub(crate) activity_cv: Condvar,
+    /// Blocks a read-ahead brought into DRAM that no load has served since (`ReadAhead`).
+    pub(crate) read_ahead: ReadAhead,
+}
+
+/// The blocks a read-ahead (`Store::read_ahead`: an engine's scheduler making a lookup's hit resident
+/// before the load) brought into DRAM from a lower tier and no load has served yet. The read counted
+/// the hit at the tier it came from; the load that serves the block from DRAM then counts
+/// `read_ahead_hits`, not `dram_hits`, so that each block a load serves is one hit, of its origin.
+/// Bounded: a read-ahead beyond `max_blocks` unserved blocks is forgotten (its load then counts a
+/// DRAM hit as well), and a forgotten or evicted entry costs at most one uncounted DRAM hit.
+pub(crate) struct ReadAhead {
+    unserved: Mutex<HashSet<BlockKey>>,
+    max_blocks: usize,
+}
+
+impl ReadAhead {
+    pub(crate) fn new(max_blocks: usize) -> Self {
+        ReadAhead { unserved: Mutex::new(HashSet::new()), max_blocks: max_blocks.max(1) }
+    }
+
+    /// A read-ahead read `key` from a lower tier into DRAM.
+    pub(crate) fn brought_in(&self, key: &BlockKey) {
+        let mut unserved = self.unserved.lock();
+        if unserved.len() < self.max_blocks {
+            unserved.insert(*key);
+        }
+    }
+
+    /// A load read `key` from a lower tier itself: any earlier read-ahead of it is stale.
+    pub(crate) fn forget(&self, key: &BlockKey) {
+        let mut unserved = self.unserved.lock();
+        if !unserved.is_empty() {
+            unserved.remove(key);
+        }
+    }
+
+    /// A load serves `keys` from DRAM: how many of them a read-ahead brought in (each counted once).
+    pub(crate) fn take_served<'a>(&self, keys: impl Iterator<Item = &'a BlockKey>) -> usize {
+        let mut unserved = self.unserved.lock();
+        if unserved.is_empty() {
+            return 0;
+        }
+        keys.filter(|key| unserved.remove(*key)).count()
+    }
 }
 
 impl Shared {

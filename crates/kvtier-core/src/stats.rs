@@ -29,6 +29,9 @@ counters!(
     dram_hits,
     nvme_hits,
     misses,
+    // Loads served from DRAM blocks that a read-ahead (`Store::read_ahead`) brought in from a lower
+    // tier: counted there as that tier's hit, so not in `dram_hits`.
+    read_ahead_hits,
     bytes_read_nvme,
     bytes_written_nvme,
     bytes_copied_in,

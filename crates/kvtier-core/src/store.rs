@@ -16,10 +16,10 @@ use crate::io::uring::UringEngine;
 use crate::io::{EngineChoice, IoCompletion, IoEngine, IoRequest, OpKind, RegisteredRange};
 use crate::key::{BlockKey, Namespace};
 use crate::mover::{
-    abort_puts, commit_puts, execute_get, execute_get_pinned, execute_put, reserve_puts, submit_meta,
-    wait_for_put_room, BlockBuffer, Reservation,
+    abort_puts, commit_puts, execute_get, execute_get_pinned, execute_put, execute_read_ahead, reserve_puts,
+    submit_meta, wait_for_put_room, BlockBuffer, Reservation,
 };
-use crate::shared_state::Shared;
+use crate::shared_state::{ReadAhead, Shared};
 use crate::stats::{Stats, StatsSnapshot};
 use crate::tiers::dram::Arena;
 use crate::tiers::eviction::S3Fifo;
@@ -200,6 +200,7 @@ impl Store {
         let (engine_name, buffers_registered, devices) =
             start_devices(&config, &device_files, &arena.registration_ranges(), &stats)?;
         let direct_io = device_files.iter().all(|d| d.direct) && !device_files.is_empty();
+        let read_ahead = ReadAhead::new(arena.slot_count());
         let shared = Arc::new(Shared {
             geometry,
             namespace,
@@ -219,6 +220,7 @@ impl Store {
             stores_active: AtomicUsize::new(0),
             activity: Mutex::new(()),
             activity_cv: Condvar::new(),
+            read_ahead,
             config,
         });
         submit_meta(&shared, startup_meta);
@@ -632,6 +634,22 @@ impl Store {
         }
         drop(cat);
         self.shared.changed.notify_all();
+    }
+
+    /// Reads blocks ahead of their load: those on NVMe, in the shared or the object tier are read into
+    /// DRAM (verified) and stay there, unpinned; `true` per block resident afterwards. What an
+    /// engine's scheduler asks at lookup, so that the load is a DRAM copy. A read counts as a hit of
+    /// the tier it came from; the load that then serves the block counts `read_ahead_hits`, not a
+    /// DRAM hit, and neither a block already in DRAM nor a missing one counts anything here: every
+    /// block a load serves is one hit, of the tier it came from.
+    pub fn read_ahead(&self, keys: &[BlockKey]) -> Result<Vec<bool>> {
+        self.check_open()?;
+        let sh = &self.shared;
+        sh.loads_active.fetch_add(1, Ordering::AcqRel);
+        let resident = execute_read_ahead(sh, keys);
+        sh.job_done(&sh.loads_active);
+        assert_eq!(resident.len(), keys.len(), "one answer per key");
+        Ok(resident)
     }
 
     /// Makes blocks resident in DRAM (reading NVMe or the shared tier, verified) and pins them: per

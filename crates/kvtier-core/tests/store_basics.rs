@@ -224,8 +224,8 @@ fn loads_do_not_stall_when_every_dram_slot_is_pinned() {
     }
 }
 
-/// A prefetch (acquire, then release at once) of blocks that are only on NVMe must leave them in
-/// DRAM for the load that follows: promoted blocks are hits, not one-time newcomers, so the eviction
+/// A prefetch (`read_ahead`) of blocks that are only on NVMe must leave them in DRAM for the load
+/// that follows: promoted blocks are hits, not one-time newcomers, so the eviction
 /// policy must not push them out to make room for the next blocks the same prefetch promotes.
 #[test]
 fn blocks_prefetched_from_nvme_stay_in_dram_for_their_load() {
@@ -243,16 +243,26 @@ fn blocks_prefetched_from_nvme_stay_in_dram_for_their_load() {
         let wanted: Vec<u64> = (0..12).collect();
         let keys: Vec<_> = wanted.iter().map(|&i| key(i)).collect();
         // In rounds of a quarter of the pool, as the service client's prefetch does.
+        let before_read_ahead = store.stats().counters;
         for round in keys.chunks(4) {
-            let slots = store.acquire(round).unwrap();
-            assert!(slots.iter().all(|s| s.is_some()), "{slots:?}");
-            store.release(round);
+            let resident = store.read_ahead(round).unwrap();
+            assert!(resident.iter().all(|&r| r), "{resident:?}");
         }
         let before = store.stats().counters;
+        assert_eq!(before.nvme_hits - before_read_ahead.nvme_hits, 12, "each block read ahead from NVMe once");
+        assert_eq!(before.dram_hits, before_read_ahead.dram_hits, "a read-ahead serves nothing");
         assert!(get_checked(&store, &wanted).iter().all(|&h| h));
         let after = store.stats().counters;
         assert_eq!(after.nvme_hits - before.nvme_hits, 0, "engine {engine:?}: prefetched blocks were read again");
-        assert_eq!(after.dram_hits - before.dram_hits, 12);
+        assert_eq!(after.dram_hits - before.dram_hits, 0, "counted at NVMe by the read-ahead");
+        assert_eq!(after.read_ahead_hits - before.read_ahead_hits, 12);
+        // Blocks already in DRAM and absent ones: a read-ahead counts neither a hit nor a miss.
+        let mut again = keys[..2].to_vec();
+        again.push(key(1000));
+        assert_eq!(store.read_ahead(&again).unwrap(), vec![true, true, false]);
+        let last = store.stats().counters;
+        let hits = |c: &kvtier_core::StatsSnapshot| (c.dram_hits, c.nvme_hits, c.misses, c.read_ahead_hits);
+        assert_eq!(hits(&last), hits(&after), "engine {engine:?}");
         store.check_invariants();
     }
 }

@@ -48,7 +48,8 @@ come from its own users' repeats, while kvtier's pool still holds the earlier po
 pool, as in production). Each server is first warmed up with two requests of its own (a prompt of
 the point's shape and a question on it), then its prefix cache is reset.
 
-kvtier counters: the host service's ``dram_hits``, ``nvme_hits`` (blocks loaded from each tier) and
+kvtier counters: the host service's ``dram_hits``, ``nvme_hits`` (blocks loaded, each counted once at
+the tier it came from: a block the prefetch read from NVMe counts in ``nvme_hits`` only) and
 ``puts`` (blocks stored), read with ``service_stats`` right before and right after each point (stores
 still queued when the load generator returns count in the next point). After each row its servers
 are stopped (SIGTERM) and then its services (``kvtier service stop``), and its store directories

@@ -44,6 +44,22 @@ pub(crate) fn execute_get_pinned(sh: &Arc<Shared>, keys: &[BlockKey]) -> Vec<Opt
     pinned
 }
 
+/// Reads blocks into DRAM ahead of their load (`Store::read_ahead`): a read counts at its tier and is
+/// recorded in `Shared::read_ahead`; a block already in DRAM, or missing, counts nothing. The blocks
+/// are pinned while the call reads, as an acquire's are, so that its later reads cannot evict its
+/// first blocks, and released before it returns.
+pub(crate) fn execute_read_ahead(sh: &Arc<Shared>, keys: &[BlockKey]) -> Vec<bool> {
+    let mut pinned = vec![None; keys.len()];
+    Load { read_ahead: true, ..Load::new(sh, keys, None, Some(&mut pinned)) }.run();
+    let held: Vec<BlockKey> =
+        keys.iter().zip(&pinned).filter(|(_, slot)| slot.is_some()).map(|(key, _)| *key).collect();
+    if !held.is_empty() {
+        sh.catalog.lock().release_readers(&held);
+        sh.changed.notify_all();
+    }
+    pinned.iter().map(Option::is_some).collect()
+}
+
 /// Where an NVMe read's bytes land (a remote read always lands in its DRAM slot).
 enum Landing {
     /// In its DRAM slot (promoted to the DRAM tier on success).
@@ -197,6 +213,8 @@ struct Load<'a> {
     spare: Option<HashSet<BlockKey>>,
     done_tx: Sender<Completion>,
     done_rx: Receiver<Completion>,
+    /// A read-ahead, not a load: it serves nobody, so it counts no DRAM hit and no miss.
+    read_ahead: bool,
 }
 
 impl<'a> Load<'a> {
@@ -229,6 +247,7 @@ impl<'a> Load<'a> {
             spare: None,
             done_tx,
             done_rx,
+            read_ahead: false,
         }
     }
 
@@ -260,8 +279,20 @@ impl<'a> Load<'a> {
     }
 
     fn count_misses(&mut self, keys: usize) {
-        Stats::add(&self.sh.stats.misses, keys as u64);
+        if !self.read_ahead {
+            Stats::add(&self.sh.stats.misses, keys as u64);
+        }
         self.missed += keys;
+    }
+
+    /// A load's DRAM hits count once each: those a read-ahead brought in were counted at their tier.
+    fn count_dram_hits(&self, hits: &[(usize, u32)]) {
+        if self.read_ahead || hits.is_empty() {
+            return;
+        }
+        let brought_in = self.sh.read_ahead.take_served(hits.iter().map(|&(i, _)| &self.keys[i]));
+        Stats::add(&self.sh.stats.read_ahead_hits, brought_in as u64);
+        Stats::add(&self.sh.stats.dram_hits, (hits.len() - brought_in) as u64);
     }
 
     // ---- plan ----
@@ -378,9 +409,7 @@ impl<'a> Load<'a> {
                 settled.push((i, self.tally(i, Judged::Remote { slot, verdict: RemoteVerdict::Miss })));
             }
         }
-        if !round.dram_hits.is_empty() {
-            Stats::add(&self.sh.stats.dram_hits, round.dram_hits.len() as u64);
-        }
+        self.count_dram_hits(&round.dram_hits);
         for (i, slot) in round.dram_hits {
             if let Some(bufs) = self.bufs {
                 copy_value_out(self.sh, slot, &bufs[i]);
@@ -542,10 +571,23 @@ impl<'a> Load<'a> {
         debug_assert!(!self.found[i], "key {i} judged twice");
         if judged.loaded() {
             self.found[i] = true;
+            if !matches!(judged, Judged::Dram) {
+                self.note_read(&self.keys[i]);
+            }
         } else {
             self.count_misses(1);
         }
         judged
+    }
+
+    /// A block read from a lower tier: a read-ahead's is recorded for the load that serves it; a load's
+    /// own read makes any earlier record of it stale.
+    fn note_read(&self, key: &BlockKey) {
+        if self.read_ahead {
+            self.sh.read_ahead.brought_in(key);
+        } else {
+            self.sh.read_ahead.forget(key);
+        }
     }
 
     /// Hands judged keys to the catalog in one critical section: each load's pin released, a loaded

@@ -6,7 +6,7 @@
 
 mod load;
 
-pub(crate) use load::{execute_get, execute_get_pinned};
+pub(crate) use load::{execute_get, execute_get_pinned, execute_read_ahead};
 
 use crate::catalog::{MetaWrite, PutStep, WriteOutcome, WritePlan};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};

@@ -123,6 +123,8 @@ pub struct Client {
     /// The namespace description of the hello that mapped `pool`.
     description: Option<Vec<u8>>,
     copy_threads: usize,
+    /// The service answered `Op::ReadAhead` with `unknown request opcode` (an older version 2).
+    no_read_ahead_op: bool,
 }
 
 /// Below this many bytes a load is copied by the calling thread alone: starting threads costs more.
@@ -175,6 +177,7 @@ impl Client {
             attached: None,
             description: None,
             copy_threads: 1,
+            no_read_ahead_op: false,
         })
     }
 
@@ -664,16 +667,37 @@ impl Client {
         let readable = keys.len().min((slot_count / 2).max(1));
         let mut results = Vec::with_capacity(keys.len());
         for round in keys[..readable].chunks((slot_count / 4).max(1)) {
-            let offsets = self.acquire(round)?;
-            let acquired: Vec<BlockKey> =
-                round.iter().zip(&offsets).filter(|(_, at)| at.is_some()).map(|(key, _)| *key).collect();
-            if !acquired.is_empty() {
-                self.release(&acquired)?;
-            }
-            results.extend(offsets.iter().map(Option::is_some));
+            results.extend(self.read_ahead_round(round)?);
         }
         results.resize(keys.len(), false);
         Ok(results)
+    }
+
+    /// One round of `prefetch`: `Op::ReadAhead`, or on a service without it (an older version 2)
+    /// an Acquire and Release of the round, which counts each block as a load of its own.
+    fn read_ahead_round(&mut self, round: &[BlockKey]) -> Result<Vec<bool>> {
+        if !self.no_read_ahead_op {
+            match self.call(Op::ReadAhead, |w| {
+                w.keys(round);
+            }) {
+                Ok(body) if body.len() == round.len() => return Ok(body.iter().map(|&b| b != 0).collect()),
+                Ok(_) => {
+                    self.stream = None;
+                    return Err(service_error(&self.socket_path, "short read-ahead reply"));
+                }
+                Err(Error::Service { message }) if message.contains("unknown request opcode") => {
+                    self.no_read_ahead_op = true;
+                }
+                Err(other) => return Err(other),
+            }
+        }
+        let offsets = self.acquire(round)?;
+        let acquired: Vec<BlockKey> =
+            round.iter().zip(&offsets).filter(|(_, at)| at.is_some()).map(|(key, _)| *key).collect();
+        if !acquired.is_empty() {
+            self.release(&acquired)?;
+        }
+        Ok(offsets.iter().map(Option::is_some).collect())
     }
 
     unsafe fn load_round(

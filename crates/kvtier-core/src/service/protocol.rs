@@ -68,6 +68,10 @@ pub enum Op {
     /// (`32 key`, `u8 tier` (1 DRAM, 2 NVMe, 4 shared tier), `u8 removed`): the namespace's change
     /// log from `cursor` (`service::changes`; KV events for routers)
     Changes = 17,
+    /// (version 2, after Hello) keys -> `count * u8` (1: resident in DRAM afterwards): reads blocks
+    /// from NVMe, the shared or the object tier into DRAM ahead of their load, pinning nothing
+    /// (`Store::read_ahead`; each read counts at its tier, the later load's DRAM copy counts once)
+    ReadAhead = 18,
 }
 
 /// `Op::Reserve`'s answer for one block.
@@ -140,6 +144,7 @@ impl Op {
             15 => Op::Label,
             16 => Op::Engines,
             17 => Op::Changes,
+            18 => Op::ReadAhead,
             _ => return None,
         })
     }

@@ -573,23 +573,13 @@ impl Connection {
                     w.u8(u8::from(pinned));
                 }
             }
+            Op::ReadAhead => {
+                let resident = session.ns.store.read_ahead(&keys).map_err(|e| e.to_string())?;
+                w.raw(&resident.iter().map(|&found| u8::from(found)).collect::<Vec<u8>>());
+            }
             Op::Unpin => session.unpin(&keys),
             Op::Release => session.release_readers(&keys),
-            Op::Acquire => {
-                let slots = session.ns.store.acquire(&keys).map_err(|e| e.to_string())?;
-                let mut loaded = 0;
-                for (key, slot) in keys.iter().zip(slots) {
-                    if slot.is_some() {
-                        *session.readers.entry(*key).or_default() += 1;
-                        loaded += 1;
-                    }
-                    w.u32(slot.unwrap_or(NO_SLOT));
-                }
-                session.count(|c| {
-                    c.loaded_slices += loaded;
-                    c.load_missed_slices += keys.len() as u64 - loaded;
-                });
-            }
+            Op::Acquire => session.acquire(&keys, &mut w)?,
             Op::Reserve => {
                 let mut dropped = 0;
                 for (kind, slot) in session.reserve(&keys).map_err(|e| e.to_string())? {
@@ -1077,6 +1067,24 @@ fn socket_hash(path: &std::path::Path) -> u64 {
 }
 
 impl Session {
+    /// `Op::Acquire`: pins each block found for this connection until `Release`, and answers its slot.
+    fn acquire(&mut self, keys: &[BlockKey], w: &mut Writer) -> std::result::Result<(), String> {
+        let slots = self.ns.store.acquire(keys).map_err(|e| e.to_string())?;
+        let mut loaded = 0;
+        for (key, slot) in keys.iter().zip(slots) {
+            if slot.is_some() {
+                *self.readers.entry(*key).or_default() += 1;
+                loaded += 1;
+            }
+            w.u32(slot.unwrap_or(NO_SLOT));
+        }
+        self.count(|c| {
+            c.loaded_slices += loaded;
+            c.load_missed_slices += keys.len() as u64 - loaded;
+        });
+        Ok(())
+    }
+
     fn unpin(&mut self, keys: &[BlockKey]) {
         let held = take_held(&mut self.pins, keys);
         if !held.is_empty() {
