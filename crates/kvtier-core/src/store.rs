@@ -4,7 +4,7 @@
 //! Directory layout: `<path>/<namespace hex>/` holds `LOCK` (an exclusive flock held while the store
 //! is open, in every path) and `nvme.kvt` (one device file per path).
 
-use crate::catalog::{Catalog, Gauges, SlotLayout};
+use crate::catalog::{Catalog, Gauges, MetaWrite, SlotLayout};
 use crate::config::StoreConfig;
 use crate::error::{Error, Result};
 use crate::format::superblock::{Superblock, SUPERBLOCK_BYTES};
@@ -23,7 +23,7 @@ use crate::shared_state::{ReadAhead, Shared};
 use crate::stats::{Stats, StatsSnapshot};
 use crate::tiers::dram::Arena;
 use crate::tiers::eviction::S3Fifo;
-use crate::tiers::nvme::{self, DeviceFile, Geometry};
+use crate::tiers::nvme::{self, DeviceFile, Geometry, RecoveredRegion};
 use crate::tiers::object::ObjectTier;
 use crate::tiers::shared::{Publisher, SharedTier};
 use crossbeam_channel::{bounded, unbounded, Sender, TrySendError};
@@ -33,6 +33,7 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::DirBuilderExt;
 use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -93,110 +94,23 @@ pub struct Store {
 }
 
 impl Store {
+    /// Opens (creating what is missing) the store that `config` describes, in phases: the locked
+    /// namespace directories, the DRAM pool, the NVMe devices (with crash recovery of blocks already
+    /// on them), the remote tiers, the device queues, then the job threads.
     pub fn open(config: StoreConfig) -> Result<Store> {
         config.validate()?;
         let namespace = Namespace::from_description(&config.namespace);
-        let dirs: Vec<_> = config.paths.iter().map(|p| p.join(namespace.hex())).collect();
-        for dir in &dirs {
-            // The namespace directory is private (0700): its listing names the models cached here.
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(dir)
-                .map_err(|e| Error::io(format!("creating {} (give kvtier a writable directory)", dir.display()), e))?;
-            if std::fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_symlink()) {
-                return Err(Error::format(
-                    dir,
-                    "is a symbolic link; kvtier does not follow links out of its directory: remove it",
-                ));
-            }
-        }
-        // Every directory is locked: two stores must never write one device file.
-        let locks = dirs.iter().map(|dir| take_lock(dir)).collect::<Result<Vec<_>>>()?;
-        for dir in &dirs {
-            crate::namespace_dir::write_description(dir, &config.namespace)?;
-        }
+        let (dirs, locks) = prepare_namespace_dirs(&config, namespace)?;
         let slot_bytes = config.slot_bytes();
         let arena = Arena::map(slot_bytes, config.slot_count(), config.pool_path.as_deref())?;
         let stats = Arc::new(Stats::default());
-
-        let nvme_enabled = config.nvme_bytes > 0;
-        let geometry = nvme_enabled.then(|| {
-            Geometry::from_capacity(
-                slot_bytes as u64,
-                config.effective_region_bytes(),
-                config.nvme_bytes / config.paths.len() as u64,
-            )
-        });
-        if let Some(g) = &geometry {
-            // Before any bookkeeping is sized from the request: a capacity the disk cannot hold is
-            // a start-up error, not an allocation failure.
-            for dir in &dirs {
-                if !dir.join(nvme::DEVICE_FILE_NAME).exists() {
-                    nvme::check_free_space(dir, g.file_bytes())?;
-                }
-            }
-        }
-        let layout = SlotLayout {
-            slot_count: arena.slot_count(),
-            slot_bytes: slot_bytes as u64,
-            object_bytes: config.object_bytes as u32,
-            max_dirty_bytes: config.effective_max_dirty_bytes(),
+        let geometry = nvme_geometry(&config, &dirs, slot_bytes)?;
+        let mut catalog = new_catalog(&config, &arena, geometry, dirs.len(), &stats);
+        let (device_files, startup_meta) = match &geometry {
+            Some(geometry) => open_and_recover_devices(&config, &dirs, namespace, geometry, &mut catalog)?,
+            None => (Vec::new(), Vec::new()),
         };
-        let mut catalog = Catalog::new(
-            layout,
-            Box::new(S3Fifo::new(arena.slot_count())),
-            geometry.map(|g| (g, dirs.len())),
-            Arc::clone(&stats),
-        );
-        catalog.set_loads_cancel_writes(config.loads_cancel_queued_writes);
-
-        let mut device_files = Vec::new();
-        let mut startup_meta = Vec::new();
-        if let Some(geometry) = &geometry {
-            let store_id = nvme::existing_store_id(&dirs).unwrap_or_else(random_u64);
-            for (i, dir) in dirs.iter().enumerate() {
-                let template = Superblock {
-                    device_index: i as u32,
-                    device_count: dirs.len() as u32,
-                    namespace,
-                    region_bytes: geometry.region_bytes,
-                    region_count: geometry.region_count,
-                    slot_bytes: geometry.slot_bytes,
-                    object_bytes: config.object_bytes as u64,
-                    store_id,
-                };
-                let (device, created) = nvme::open_device(dir, &template, geometry, config.direct_io)?;
-                if !created {
-                    let started = Instant::now();
-                    let recovered = nvme::recover(&device, geometry, &namespace, config.object_bytes as u64)?;
-                    let blocks: usize = recovered.iter().map(|r| r.entries.len()).sum();
-                    log::info!(
-                        "kvtier: recovered {blocks} blocks from {} regions of {} in {:.0} ms",
-                        recovered.len(),
-                        device.path.display(),
-                        started.elapsed().as_secs_f64() * 1e3
-                    );
-                    startup_meta.extend(catalog.adopt_recovered(i, recovered));
-                }
-                device_files.push(device);
-            }
-            catalog.restore_timeline(crate::namespace_dir::read_timeline(&dirs[0]));
-        }
-
-        // The shared tier comes after NVMe: a store may have either, both, or neither.
-        let shared_tier = match &config.shared {
-            Some(c) => {
-                Some(SharedTier::open(c, namespace, config.object_bytes, Arc::clone(&stats), &config.io_setup())?)
-            }
-            None => None,
-        };
-        let shared_publisher = shared_tier.as_ref().map(|t| Publisher::start(t.clone())).transpose()?;
-        let object_tier = match &config.bucket {
-            Some(c) => Some(ObjectTier::open(c, namespace, config.object_bytes, Arc::clone(&stats))?),
-            None => None,
-        };
-        let object_publisher = object_tier.as_ref().map(|t| Publisher::start(t.clone())).transpose()?;
+        let remote = RemoteTiers::open(&config, namespace, &stats)?;
         let (engine_name, buffers_registered, devices) =
             start_devices(&config, &device_files, &arena.registration_ranges(), &stats)?;
         let direct_io = device_files.iter().all(|d| d.direct) && !device_files.is_empty();
@@ -210,10 +124,10 @@ impl Store {
             devices,
             device_files,
             stats,
-            shared_tier,
-            shared_publisher,
-            object_tier,
-            object_publisher,
+            shared_tier: remote.shared_tier,
+            shared_publisher: remote.shared_publisher,
+            object_tier: remote.object_tier,
+            object_publisher: remote.object_publisher,
             finished: Mutex::new(HashMap::new()),
             finished_cv: Condvar::new(),
             loads_active: AtomicUsize::new(0),
@@ -224,48 +138,9 @@ impl Store {
             config,
         });
         submit_meta(&shared, startup_meta);
-        for publisher in shared.shared_publisher.iter().chain(&shared.object_publisher) {
-            // Weak: the publisher belongs to `shared`, and a strong reference would keep it alive.
-            let weak = Arc::downgrade(&shared);
-            publisher.set_refetch(Box::new(move |key, out| {
-                weak.upgrade().is_some_and(|sh| crate::mover::copy_resident_block(&sh, key, out))
-            }));
-        }
-
-        let (load_tx, load_rx) = unbounded::<Job>();
-        let (store_tx, store_rx) = bounded::<Job>(shared.config.store_queue_jobs);
-        let mut threads = Vec::new();
-        for i in 0..shared.config.load_threads {
-            let sh = Arc::clone(&shared);
-            let rx = load_rx.clone();
-            threads.push(spawn(format!("kvtier-load-{i}"), move || {
-                for job in rx.iter() {
-                    let results = execute_get(&sh, &job.keys, Some(&job.buffers));
-                    sh.job_done(&sh.loads_active);
-                    finish_job(&sh, job.id, results);
-                }
-            })?);
-        }
-        let sh = Arc::clone(&shared);
-        threads.push(spawn("kvtier-store".into(), move || {
-            for job in store_rx.iter() {
-                // Stores yield to loads: a store job waits (bounded) while loads are queued or running.
-                sh.wait_idle(&sh.loads_active, Instant::now() + STORE_YIELD_LIMIT);
-                let results = execute_put(&sh, &job.keys, &job.buffers);
-                finish_job(&sh, job.id, results);
-                sh.job_done(&sh.stores_active);
-            }
-        })?);
-        log::info!(
-            "kvtier: store open at {} (namespace {}), {} DRAM slots of {} bytes, NVMe {} bytes on {} device(s), engine {}",
-            dirs[0].display(),
-            &namespace.hex()[..16],
-            shared.arena.slot_count(),
-            slot_bytes,
-            shared.config.nvme_bytes,
-            shared.devices.len(),
-            engine_name
-        );
+        set_publishers_refetch(&shared);
+        let JobThreads { load_tx, store_tx, threads } = start_job_threads(&shared)?;
+        log_store_open(&shared, &dirs[0], engine_name);
         Ok(Store {
             shared,
             load_tx: Mutex::new(Some(load_tx)),
@@ -676,6 +551,219 @@ impl Drop for Store {
             log::warn!("kvtier: closing the store: {e}");
         }
     }
+}
+
+/// Creates the namespace directory under every path (private, never a symbolic link), locks each,
+/// and writes its description: the directories with their locks, in the order of `config.paths`.
+fn prepare_namespace_dirs(config: &StoreConfig, namespace: Namespace) -> Result<(Vec<PathBuf>, Vec<File>)> {
+    let dirs: Vec<_> = config.paths.iter().map(|p| p.join(namespace.hex())).collect();
+    for dir in &dirs {
+        // The namespace directory is private (0700): its listing names the models cached here.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|e| Error::io(format!("creating {} (give kvtier a writable directory)", dir.display()), e))?;
+        if std::fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_symlink()) {
+            return Err(Error::format(
+                dir,
+                "is a symbolic link; kvtier does not follow links out of its directory: remove it",
+            ));
+        }
+    }
+    // Every directory is locked: two stores must never write one device file.
+    let locks = dirs.iter().map(|dir| take_lock(dir)).collect::<Result<Vec<_>>>()?;
+    for dir in &dirs {
+        crate::namespace_dir::write_description(dir, &config.namespace)?;
+    }
+    assert_eq!(locks.len(), dirs.len(), "one lock per namespace directory");
+    Ok((dirs, locks))
+}
+
+/// The NVMe geometry, `None` when the NVMe tier is off; fails if a device file still to be created
+/// would not fit on its disk.
+fn nvme_geometry(config: &StoreConfig, dirs: &[PathBuf], slot_bytes: usize) -> Result<Option<Geometry>> {
+    if config.nvme_bytes == 0 {
+        return Ok(None);
+    }
+    let geometry = Geometry::from_capacity(
+        slot_bytes as u64,
+        config.effective_region_bytes(),
+        config.nvme_bytes / config.paths.len() as u64,
+    );
+    // Before any bookkeeping is sized from the request: a capacity the disk cannot hold is a
+    // start-up error, not an allocation failure.
+    for dir in dirs {
+        if !dir.join(nvme::DEVICE_FILE_NAME).exists() {
+            nvme::check_free_space(dir, geometry.file_bytes())?;
+        }
+    }
+    Ok(Some(geometry))
+}
+
+fn new_catalog(
+    config: &StoreConfig,
+    arena: &Arena,
+    geometry: Option<Geometry>,
+    device_count: usize,
+    stats: &Arc<Stats>,
+) -> Catalog {
+    let layout = SlotLayout {
+        slot_count: arena.slot_count(),
+        slot_bytes: config.slot_bytes() as u64,
+        object_bytes: config.object_bytes as u32,
+        max_dirty_bytes: config.effective_max_dirty_bytes(),
+    };
+    let mut catalog = Catalog::new(
+        layout,
+        Box::new(S3Fifo::new(arena.slot_count())),
+        geometry.map(|g| (g, device_count)),
+        Arc::clone(stats),
+    );
+    catalog.set_loads_cancel_writes(config.loads_cancel_queued_writes);
+    catalog
+}
+
+/// Opens (or creates) one device file per directory, device `i` in `dirs[i]`, and hands the blocks
+/// recovered from existing ones to `catalog`: the device files, and the metadata writes that
+/// adopting them needs once the device queues run.
+fn open_and_recover_devices(
+    config: &StoreConfig,
+    dirs: &[PathBuf],
+    namespace: Namespace,
+    geometry: &Geometry,
+    catalog: &mut Catalog,
+) -> Result<(Vec<DeviceFile>, Vec<MetaWrite>)> {
+    let mut device_files = Vec::new();
+    let mut startup_meta = Vec::new();
+    let store_id = nvme::existing_store_id(dirs).unwrap_or_else(random_u64);
+    for (i, dir) in dirs.iter().enumerate() {
+        let template = Superblock {
+            device_index: i as u32,
+            device_count: dirs.len() as u32,
+            namespace,
+            region_bytes: geometry.region_bytes,
+            region_count: geometry.region_count,
+            slot_bytes: geometry.slot_bytes,
+            object_bytes: config.object_bytes as u64,
+            store_id,
+        };
+        let (device, created) = nvme::open_device(dir, &template, geometry, config.direct_io)?;
+        if !created {
+            let recovered = recover_device(&device, geometry, namespace, config.object_bytes as u64)?;
+            startup_meta.extend(catalog.adopt_recovered(i, recovered));
+        }
+        device_files.push(device);
+    }
+    catalog.restore_timeline(crate::namespace_dir::read_timeline(&dirs[0]));
+    assert_eq!(device_files.len(), dirs.len(), "one device file per namespace directory");
+    Ok((device_files, startup_meta))
+}
+
+/// The regions of an existing device file with the blocks they hold, logged with the time taken.
+fn recover_device(
+    device: &DeviceFile,
+    geometry: &Geometry,
+    namespace: Namespace,
+    object_bytes: u64,
+) -> Result<Vec<RecoveredRegion>> {
+    let started = Instant::now();
+    let recovered = nvme::recover(device, geometry, &namespace, object_bytes)?;
+    let blocks: usize = recovered.iter().map(|r| r.entries.len()).sum();
+    log::info!(
+        "kvtier: recovered {blocks} blocks from {} regions of {} in {:.0} ms",
+        recovered.len(),
+        device.path.display(),
+        started.elapsed().as_secs_f64() * 1e3
+    );
+    Ok(recovered)
+}
+
+/// The shared and object tiers, each with its publisher thread, as the configuration asks.
+struct RemoteTiers {
+    shared_tier: Option<Arc<SharedTier>>,
+    shared_publisher: Option<Publisher>,
+    object_tier: Option<Arc<ObjectTier>>,
+    object_publisher: Option<Publisher>,
+}
+
+impl RemoteTiers {
+    /// Opens them after NVMe: a store may have either, both, or neither.
+    fn open(config: &StoreConfig, namespace: Namespace, stats: &Arc<Stats>) -> Result<RemoteTiers> {
+        let shared_tier = match &config.shared {
+            Some(c) => {
+                Some(SharedTier::open(c, namespace, config.object_bytes, Arc::clone(stats), &config.io_setup())?)
+            }
+            None => None,
+        };
+        let shared_publisher = shared_tier.as_ref().map(|t| Publisher::start(t.clone())).transpose()?;
+        let object_tier = match &config.bucket {
+            Some(c) => Some(ObjectTier::open(c, namespace, config.object_bytes, Arc::clone(stats))?),
+            None => None,
+        };
+        let object_publisher = object_tier.as_ref().map(|t| Publisher::start(t.clone())).transpose()?;
+        Ok(RemoteTiers { shared_tier, shared_publisher, object_tier, object_publisher })
+    }
+}
+
+/// Lets each publisher copy a block that is still resident when it comes to publish it.
+fn set_publishers_refetch(shared: &Arc<Shared>) {
+    for publisher in shared.shared_publisher.iter().chain(&shared.object_publisher) {
+        // Weak: the publisher belongs to `shared`, and a strong reference would keep it alive.
+        let weak = Arc::downgrade(shared);
+        publisher.set_refetch(Box::new(move |key, out| {
+            weak.upgrade().is_some_and(|sh| crate::mover::copy_resident_block(&sh, key, out))
+        }));
+    }
+}
+
+/// The load threads and the store thread, with the senders of their job queues.
+struct JobThreads {
+    load_tx: Sender<Job>,
+    store_tx: Sender<Job>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// Starts the load threads and the store thread.
+fn start_job_threads(shared: &Arc<Shared>) -> Result<JobThreads> {
+    let (load_tx, load_rx) = unbounded::<Job>();
+    let (store_tx, store_rx) = bounded::<Job>(shared.config.store_queue_jobs);
+    let mut threads = Vec::new();
+    for i in 0..shared.config.load_threads {
+        let sh = Arc::clone(shared);
+        let rx = load_rx.clone();
+        threads.push(spawn(format!("kvtier-load-{i}"), move || {
+            for job in rx.iter() {
+                let results = execute_get(&sh, &job.keys, Some(&job.buffers));
+                sh.job_done(&sh.loads_active);
+                finish_job(&sh, job.id, results);
+            }
+        })?);
+    }
+    let sh = Arc::clone(shared);
+    threads.push(spawn("kvtier-store".into(), move || {
+        for job in store_rx.iter() {
+            // Stores yield to loads: a store job waits (bounded) while loads are queued or running.
+            sh.wait_idle(&sh.loads_active, Instant::now() + STORE_YIELD_LIMIT);
+            let results = execute_put(&sh, &job.keys, &job.buffers);
+            finish_job(&sh, job.id, results);
+            sh.job_done(&sh.stores_active);
+        }
+    })?);
+    Ok(JobThreads { load_tx, store_tx, threads })
+}
+
+fn log_store_open(shared: &Shared, first_dir: &Path, engine_name: &str) {
+    log::info!(
+        "kvtier: store open at {} (namespace {}), {} DRAM slots of {} bytes, NVMe {} bytes on {} device(s), engine {}",
+        first_dir.display(),
+        &shared.namespace.hex()[..16],
+        shared.arena.slot_count(),
+        shared.config.slot_bytes(),
+        shared.config.nvme_bytes,
+        shared.devices.len(),
+        engine_name
+    );
 }
 
 fn finish_job(sh: &Shared, id: u64, results: Vec<bool>) {

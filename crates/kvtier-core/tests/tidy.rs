@@ -28,7 +28,6 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
     ("config.rs", "validate"),                          // 98
     ("io/faults.rs", "submit"),                         // 74
     ("maintenance.rs", "verify_batch"),                 // 81
-    ("store.rs", "open"),                               // 176
     ("tiers/nvme.rs", "open_device"),                   // 78
     ("tiers/shared/config.rs", "validate"),             // 75
     ("tiers/shared/mod.rs", "append_slots"),            // 88
