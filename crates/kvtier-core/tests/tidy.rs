@@ -33,7 +33,6 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
     ("tiers/shared/mod.rs", "append_slots"),            // 88
     ("tiers/shared/mod.rs", "open"),                    // 84
     ("tiers/shared/mod.rs", "probe_direct_and_rename"), // 83
-    ("tiers/shared/mod.rs", "refresh"),                 // 109
 ];
 
 /// One source file: its path under `src/` with `/` separators, and its text.

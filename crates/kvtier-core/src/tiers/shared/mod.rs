@@ -162,6 +162,16 @@ pub struct SharedTier {
     last_refresh_unix_ms: AtomicU64,
 }
 
+/// What one pass decoded from one manifest: the authentic records, how many were rejected, the
+/// files those publish, and the bytes consumed (whole records only).
+#[derive(Default)]
+struct DecodedManifest {
+    records: Vec<Record>,
+    rejected: u64,
+    forged_files: Vec<String>,
+    consumed_bytes: usize,
+}
+
 fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
     let context = context.into();
     move |e| Error::io(context, e)
@@ -444,103 +454,125 @@ impl SharedTier {
             if writer == self.writer_id {
                 continue;
             }
-            let (offset, accepted) = {
-                let index = self.index.read();
-                let c = index.cursors.get(&writer);
-                (c.map_or(0, |c| c.offset), c.and_then(|c| c.accepted))
-            };
-            if accepted == Some(false) {
-                continue;
-            }
-            // Opened afresh every pass: on NFS, open revalidates the attribute cache (close-to-open
-            // consistency), which is what bounds staleness there.
-            let file = match open_regular(&entry.path(), 0) {
-                Ok(file) => file,
-                Err(OpenError::NotRegular(kind)) => {
-                    self.skip_not_regular_manifest(writer, &entry.path(), kind);
-                    continue;
-                }
-                Err(OpenError::Io(_)) => continue,
-            };
-            let Ok(len) = file.metadata().map(|m| m.len()) else { continue };
-            if len <= offset {
-                continue;
-            }
-            let want = (len - offset).min(MAX_MANIFEST_READ_BYTES) as usize;
-            let mut buf = vec![0u8; want];
-            let got = match read_at_most(&file, &mut buf, offset) {
-                Ok(n) => n,
-                Err(e) => {
-                    log::warn!("kvtier: reading manifest {} failed: {e}", entry.path().display());
-                    continue;
-                }
-            };
-            let mut at = 0;
-            let mut records = Vec::new();
-            let mut rejected = 0u64;
-            loop {
-                match Record::decode(&buf[at..got]) {
-                    Ok(Some((r, n))) => {
-                        let authentic = self
-                            .auth
-                            .as_ref()
-                            .is_none_or(|k| k.verify_record(&self.namespace, writer, &buf[at..at + n]));
-                        if authentic {
-                            records.push(r);
-                        } else {
-                            rejected += 1;
-                            // The files such a record publishes are named after its manifest's writer
-                            // (names are never reused): they are that writer's, and unauthenticated.
-                            if let Record::Publish { name, .. } = &r {
-                                if name.starts_with(&format!("{writer:016x}-")) {
-                                    forged_files.push(name.clone());
-                                }
-                            }
-                        }
-                        at += n;
-                    }
-                    Ok(None) => break,
-                    Err(e) => {
-                        // A torn tail that is still being written looks the same: retry next pass, and
-                        // say so once in case the writer died mid-record.
-                        if !self.warned_stall.swap(true, Ordering::Relaxed) {
-                            log::warn!(
-                                "kvtier: manifest {} has an unreadable record at {} ({e}); waiting for it",
-                                entry.path().display(),
-                                offset + at as u64
-                            );
-                        }
-                        break;
-                    }
-                }
-            }
-            if at == 0 {
-                continue;
-            }
-            progressed = true;
-            let mut index = self.index.write();
-            if rejected > 0 {
-                Stats::add(&self.stats.shared_auth_failures, rejected);
-                let cursor = index.cursors.entry(writer).or_default();
-                if !cursor.auth_warned {
-                    cursor.auth_warned = true;
-                    log::warn!(
-                        "kvtier: manifest {} has {rejected} records without a valid tag (written without the deployment \
-                         key or with another); ignoring them and quarantining the files they publish",
-                        entry.path().display()
-                    );
-                }
-            }
-            for r in records {
-                index.apply(writer, r, &self.namespace, self.object_bytes as u64);
-            }
-            index.cursors.entry(writer).or_default().offset = offset + at as u64;
+            progressed |= self.refresh_manifest(writer, &entry.path(), &mut forged_files);
         }
         for name in forged_files {
             self.quarantine_unauthenticated(&name);
         }
         self.last_refresh_unix_ms.store(unix_ms(), Ordering::Relaxed);
         Ok(progressed)
+    }
+
+    /// Reads one other writer's manifest from its cursor (at most `MAX_MANIFEST_READ_BYTES`) into
+    /// the index; adds the files its forged records publish to `forged_files`. Returns whether a
+    /// record was read. A manifest that cannot be read now is skipped: the next pass retries it.
+    fn refresh_manifest(&self, writer: u64, path: &Path, forged_files: &mut Vec<String>) -> bool {
+        let (offset, accepted) = {
+            let index = self.index.read();
+            let c = index.cursors.get(&writer);
+            (c.map_or(0, |c| c.offset), c.and_then(|c| c.accepted))
+        };
+        if accepted == Some(false) {
+            return false;
+        }
+        // Opened afresh every pass: on NFS, open revalidates the attribute cache (close-to-open
+        // consistency), which is what bounds staleness there.
+        let file = match open_regular(path, 0) {
+            Ok(file) => file,
+            Err(OpenError::NotRegular(kind)) => {
+                self.skip_not_regular_manifest(writer, path, kind);
+                return false;
+            }
+            Err(OpenError::Io(_)) => return false,
+        };
+        let Ok(len) = file.metadata().map(|m| m.len()) else { return false };
+        if len <= offset {
+            return false;
+        }
+        let want = (len - offset).min(MAX_MANIFEST_READ_BYTES) as usize;
+        let mut buf = vec![0u8; want];
+        let got = match read_at_most(&file, &mut buf, offset) {
+            Ok(n) => n,
+            Err(e) => {
+                log::warn!("kvtier: reading manifest {} failed: {e}", path.display());
+                return false;
+            }
+        };
+        let mut decoded = self.decode_manifest(writer, &buf[..got], path, offset);
+        if decoded.consumed_bytes == 0 {
+            return false;
+        }
+        forged_files.append(&mut decoded.forged_files);
+        self.apply_manifest(writer, path, offset, decoded);
+        true
+    }
+
+    /// Decodes the whole records at the start of `bytes` (read from `path` at `offset`), checking
+    /// each one's tag when a deployment key is set. Stops at a torn or unreadable record.
+    fn decode_manifest(&self, writer: u64, bytes: &[u8], path: &Path, offset: u64) -> DecodedManifest {
+        let mut decoded = DecodedManifest::default();
+        let mut at = 0;
+        loop {
+            match Record::decode(&bytes[at..]) {
+                Ok(Some((r, n))) => {
+                    let authentic =
+                        self.auth.as_ref().is_none_or(|k| k.verify_record(&self.namespace, writer, &bytes[at..at + n]));
+                    if authentic {
+                        decoded.records.push(r);
+                    } else {
+                        decoded.rejected += 1;
+                        // The files such a record publishes are named after its manifest's writer
+                        // (names are never reused): they are that writer's, and unauthenticated.
+                        if let Record::Publish { name, .. } = &r {
+                            if name.starts_with(&format!("{writer:016x}-")) {
+                                decoded.forged_files.push(name.clone());
+                            }
+                        }
+                    }
+                    at += n;
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    // A torn tail that is still being written looks the same: retry next pass, and
+                    // say so once in case the writer died mid-record.
+                    if !self.warned_stall.swap(true, Ordering::Relaxed) {
+                        log::warn!(
+                            "kvtier: manifest {} has an unreadable record at {} ({e}); waiting for it",
+                            path.display(),
+                            offset + at as u64
+                        );
+                    }
+                    break;
+                }
+            }
+        }
+        debug_assert!(at <= bytes.len(), "decoded past the bytes read");
+        decoded.consumed_bytes = at;
+        decoded
+    }
+
+    /// Applies the authentic records decoded from `path` at `offset` to the index, counts (and warns
+    /// once per writer about) the rejected ones, and moves the writer's cursor past them all.
+    fn apply_manifest(&self, writer: u64, path: &Path, offset: u64, decoded: DecodedManifest) {
+        debug_assert!(decoded.consumed_bytes > 0, "a cursor only moves forward");
+        let mut index = self.index.write();
+        if decoded.rejected > 0 {
+            let rejected = decoded.rejected;
+            Stats::add(&self.stats.shared_auth_failures, rejected);
+            let cursor = index.cursors.entry(writer).or_default();
+            if !cursor.auth_warned {
+                cursor.auth_warned = true;
+                log::warn!(
+                    "kvtier: manifest {} has {rejected} records without a valid tag (written without the deployment \
+                     key or with another); ignoring them and quarantining the files they publish",
+                    path.display()
+                );
+            }
+        }
+        for r in decoded.records {
+            index.apply(writer, r, &self.namespace, self.object_bytes as u64);
+        }
+        index.cursors.entry(writer).or_default().offset = offset + decoded.consumed_bytes as u64;
     }
 
     /// A manifest that is no regular file (as a FIFO, it would have blocked every refresh): skipped on
