@@ -128,7 +128,25 @@ impl StoreConfig {
         }
     }
 
+    /// Checks every option and their combinations, in this order: paths, the general options, the
+    /// NVMe layout, then the shared and object tiers' own options. The first problem is the error.
     pub fn validate(&self) -> Result<()> {
+        self.validate_paths()?;
+        self.validate_general()?;
+        if self.nvme_bytes > 0 {
+            self.validate_nvme_layout()?;
+        }
+        if let Some(shared) = &self.shared {
+            shared.validate(self.slot_bytes())?;
+        }
+        if let Some(bucket) = &self.bucket {
+            bucket.validate(self.slot_bytes())?;
+        }
+        Ok(())
+    }
+
+    /// At least one directory, none empty, none listed twice.
+    fn validate_paths(&self) -> Result<()> {
         if self.paths.is_empty() {
             return Err(Error::config("path", "no directory given; pass the local NVMe directory"));
         }
@@ -143,6 +161,11 @@ impl StoreConfig {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// The namespace, block size, queues and threads, and the dirty-bytes bound.
+    fn validate_general(&self) -> Result<()> {
         if self.namespace.is_empty() {
             return Err(Error::config(
                 "namespace",
@@ -183,49 +206,48 @@ impl StoreConfig {
                 ),
             ));
         }
-        if self.nvme_bytes > 0 {
-            let region = self.effective_region_bytes();
-            if !region.is_multiple_of(ALIGN_BYTES as u64) {
-                return Err(Error::config("region_bytes", "must be a multiple of 4096"));
-            }
-            if crate::tiers::nvme::Geometry::new(self.slot_bytes() as u64, region, 1).max_entries == 0 {
-                return Err(Error::config(
-                    "region_bytes",
-                    format!(
-                        "{region} cannot hold one slot of {} bytes plus its trailer; raise region_bytes",
-                        self.slot_bytes()
-                    ),
-                ));
-            }
-            let per_device = self.nvme_bytes / self.paths.len() as u64;
-            if per_device / region > MAX_REGIONS_PER_DEVICE {
-                return Err(Error::config(
-                    "region_bytes",
-                    format!(
-                        "nvme_bytes / region_bytes gives {} regions per directory, more than {MAX_REGIONS_PER_DEVICE}; \
-                         raise region_bytes",
-                        per_device / region
-                    ),
-                ));
-            }
-            if per_device < 2 * region {
-                return Err(Error::config(
-                    "nvme_bytes",
-                    format!(
-                        "{} bytes over {} directories leaves fewer than 2 regions of {region} bytes per directory; \
-                         raise nvme_bytes to at least {} or lower region_bytes",
-                        self.nvme_bytes,
-                        self.paths.len(),
-                        2 * region * self.paths.len() as u64
-                    ),
-                ));
-            }
+        Ok(())
+    }
+
+    /// The NVMe regions: aligned, able to hold a slot, and neither too many nor fewer than 2 per
+    /// directory.
+    fn validate_nvme_layout(&self) -> Result<()> {
+        assert!(!self.paths.is_empty(), "paths are validated first: the capacity is split over them");
+        let region = self.effective_region_bytes();
+        if !region.is_multiple_of(ALIGN_BYTES as u64) {
+            return Err(Error::config("region_bytes", "must be a multiple of 4096"));
         }
-        if let Some(shared) = &self.shared {
-            shared.validate(self.slot_bytes())?;
+        if crate::tiers::nvme::Geometry::new(self.slot_bytes() as u64, region, 1).max_entries == 0 {
+            return Err(Error::config(
+                "region_bytes",
+                format!(
+                    "{region} cannot hold one slot of {} bytes plus its trailer; raise region_bytes",
+                    self.slot_bytes()
+                ),
+            ));
         }
-        if let Some(bucket) = &self.bucket {
-            bucket.validate(self.slot_bytes())?;
+        let per_device = self.nvme_bytes / self.paths.len() as u64;
+        if per_device / region > MAX_REGIONS_PER_DEVICE {
+            return Err(Error::config(
+                "region_bytes",
+                format!(
+                    "nvme_bytes / region_bytes gives {} regions per directory, more than {MAX_REGIONS_PER_DEVICE}; \
+                     raise region_bytes",
+                    per_device / region
+                ),
+            ));
+        }
+        if per_device < 2 * region {
+            return Err(Error::config(
+                "nvme_bytes",
+                format!(
+                    "{} bytes over {} directories leaves fewer than 2 regions of {region} bytes per directory; \
+                     raise nvme_bytes to at least {} or lower region_bytes",
+                    self.nvme_bytes,
+                    self.paths.len(),
+                    2 * region * self.paths.len() as u64
+                ),
+            ));
         }
         Ok(())
     }

@@ -25,7 +25,6 @@ const MAX_FUNCTION_LINES: usize = 70;
 const LONG_FUNCTIONS: &[(&str, &str)] = &[
     ("bin/kvtier-shared-stress.rs", "main"),            // 83 lines
     ("bin/kvtier-torture.rs", "run"),                   // 75
-    ("config.rs", "validate"),                          // 98
     ("io/faults.rs", "submit"),                         // 74
     ("maintenance.rs", "verify_batch"),                 // 81
     ("tiers/nvme.rs", "open_device"),                   // 78
