@@ -29,7 +29,6 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
     ("maintenance.rs", "verify_batch"),                 // 81
     ("tiers/nvme.rs", "open_device"),                   // 78
     ("tiers/shared/config.rs", "validate"),             // 75
-    ("tiers/shared/mod.rs", "append_slots"),            // 88
     ("tiers/shared/mod.rs", "open"),                    // 84
     ("tiers/shared/mod.rs", "probe_direct_and_rename"), // 83
 ];

@@ -656,79 +656,16 @@ impl SharedTier {
         let mut w = self.writer.lock();
         let mut i = 0;
         while i < slots.len() {
-            // fail_on_full stops at the high watermark. Otherwise writers still stop at a hard ceiling
-            // halfway between the high watermark and full, so that writers outpacing the evictor (whose
-            // victims wait out the grace period) cannot fill the filesystem.
-            let limit = if self.config.fail_on_full { self.config.high_watermark } else { self.config.hard_ceiling() };
-            // Measured afresh (one statvfs) rather than from the maintenance thread's last pass: a
-            // stale figure lets every writer start files past the ceiling between two passes.
-            let usage_now =
-                || capacity::measure_usage(self).map(|u| u.fraction()).unwrap_or_else(|_| self.usage().fraction());
-            if w.open.is_none() && usage_now() >= limit {
+            if w.open.is_none() && !self.start_file_below_limit(&mut w) {
                 Stats::add(&self.stats.shared_publish_errors, (slots.len() - i) as u64);
                 return written;
             }
-            if w.open.is_none() {
-                match self.start_file(&mut w) {
-                    Ok(()) => {}
-                    Err(e) => {
-                        log::warn!("kvtier: starting a shared data file failed: {e}; blocks not published");
-                        Stats::add(&self.stats.shared_publish_errors, (slots.len() - i) as u64);
-                        return written;
-                    }
-                }
-            }
-            // As many slots as fit the file (at least one into an empty file).
-            let mut batch: Vec<usize> = Vec::new();
-            {
-                let open = w.open.as_mut().unwrap();
-                let mut count = open.entries.len();
-                let mut end = open.cursor;
-                while i < slots.len() {
-                    let (key, slot) = &mut slots[i];
-                    let fits = end + self.slot_bytes as u64 + format::footer_bytes(count + 1) as u64
-                        <= self.config.file_target_bytes;
-                    if !fits && count > 0 {
-                        break;
-                    }
-                    i += 1;
-                    if open.keys.contains(key) || self.index.read().contains(key) {
-                        continue;
-                    }
-                    if !self.prepare_slot(key, slot, open.file_seq) {
-                        Stats::add(&self.stats.shared_publish_errors, 1);
-                        continue;
-                    }
-                    batch.push(i - 1);
-                    count += 1;
-                    end += self.slot_bytes as u64;
-                }
-            }
+            let batch = self.pick_batch(w.open.as_ref().unwrap(), slots, &mut i);
             if !batch.is_empty() {
-                let open = w.open.as_mut().unwrap();
-                let bufs: Vec<&[u8]> = batch.iter().map(|&j| &slots[j].1[..self.slot_bytes]).collect();
-                match self.write_data(&open.file, &bufs, open.cursor) {
-                    Ok(()) => {
-                        for &j in &batch {
-                            let slot = &slots[j].1;
-                            let value_checksum =
-                                Descriptor::decode(&slot[..DESCRIPTOR_BYTES]).map(|d| d.value_checksum).unwrap_or(0);
-                            open.entries.push(IndexEntry { key: slots[j].0, offset: open.cursor, value_checksum });
-                            open.keys.insert(slots[j].0);
-                            open.cursor += self.slot_bytes as u64;
-                        }
-                        written += batch.len();
-                    }
-                    Err(e) => {
-                        log::warn!(
-                            "kvtier: writing shared file {} failed: {e}; abandoning it",
-                            open.tmp_path.display()
-                        );
-                        Stats::add(&self.stats.shared_publish_errors, (batch.len() + open.entries.len()) as u64);
-                        self.abandon(&mut w);
-                        continue;
-                    }
+                if !self.write_batch(&mut w, slots, &batch) {
+                    continue;
                 }
+                written += batch.len();
             }
             let open = w.open.as_ref().unwrap();
             let full = open.cursor + self.slot_bytes as u64 + format::footer_bytes(open.entries.len() + 1) as u64
@@ -738,6 +675,90 @@ impl SharedTier {
             }
         }
         written
+    }
+
+    /// Starts a data file unless the filesystem is too full for a new one, or creating it fails
+    /// (logged). Returns whether a file is open now.
+    fn start_file_below_limit(&self, w: &mut WriterState) -> bool {
+        debug_assert!(w.open.is_none(), "one open data file per writer");
+        // fail_on_full stops at the high watermark. Otherwise writers still stop at a hard ceiling
+        // halfway between the high watermark and full, so that writers outpacing the evictor (whose
+        // victims wait out the grace period) cannot fill the filesystem.
+        let limit = if self.config.fail_on_full { self.config.high_watermark } else { self.config.hard_ceiling() };
+        // Measured afresh (one statvfs) rather than from the maintenance thread's last pass: a
+        // stale figure lets every writer start files past the ceiling between two passes.
+        let usage_now = capacity::measure_usage(self).map(|u| u.fraction()).unwrap_or_else(|_| self.usage().fraction());
+        if usage_now >= limit {
+            return false;
+        }
+        match self.start_file(w) {
+            Ok(()) => true,
+            Err(e) => {
+                log::warn!("kvtier: starting a shared data file failed: {e}; blocks not published");
+                false
+            }
+        }
+    }
+
+    /// The indices of the slots from `slots[*next..]` to write next: as many as fit `open` (at least
+    /// one into an empty file), moving `*next` past every slot looked at. Slots already in the file
+    /// or the index are skipped, and so are slots that fail their checks (counted as errors).
+    fn pick_batch(&self, open: &OpenDataFile, slots: &mut [(BlockKey, &mut [u8])], next: &mut usize) -> Vec<usize> {
+        let mut batch: Vec<usize> = Vec::new();
+        let mut count = open.entries.len();
+        let mut end = open.cursor;
+        while *next < slots.len() {
+            let (key, slot) = &mut slots[*next];
+            let fits =
+                end + self.slot_bytes as u64 + format::footer_bytes(count + 1) as u64 <= self.config.file_target_bytes;
+            if !fits && count > 0 {
+                break;
+            }
+            *next += 1;
+            if open.keys.contains(key) || self.index.read().contains(key) {
+                continue;
+            }
+            if !self.prepare_slot(key, slot, open.file_seq) {
+                Stats::add(&self.stats.shared_publish_errors, 1);
+                continue;
+            }
+            batch.push(*next - 1);
+            count += 1;
+            end += self.slot_bytes as u64;
+        }
+        batch
+    }
+
+    /// Writes the slots `batch` names at the end of the open file and lists them in it. Returns
+    /// whether they were written; if not, the file is abandoned and its blocks, these and those
+    /// written before, are counted as errors.
+    fn write_batch(&self, w: &mut WriterState, slots: &[(BlockKey, &mut [u8])], batch: &[usize]) -> bool {
+        let open = w.open.as_mut().unwrap();
+        let bufs: Vec<&[u8]> = batch.iter().map(|&j| &slots[j].1[..self.slot_bytes]).collect();
+        match self.write_data(&open.file, &bufs, open.cursor) {
+            Ok(()) => {
+                for &j in batch {
+                    let slot = &slots[j].1;
+                    let value_checksum =
+                        Descriptor::decode(&slot[..DESCRIPTOR_BYTES]).map(|d| d.value_checksum).unwrap_or(0);
+                    open.entries.push(IndexEntry { key: slots[j].0, offset: open.cursor, value_checksum });
+                    open.keys.insert(slots[j].0);
+                    open.cursor += self.slot_bytes as u64;
+                }
+                debug_assert_eq!(
+                    open.cursor,
+                    FILE_HEADER_BYTES as u64 + (open.entries.len() * self.slot_bytes) as u64,
+                    "a data file holds its header, then one slot per entry"
+                );
+                true
+            }
+            Err(e) => {
+                log::warn!("kvtier: writing shared file {} failed: {e}; abandoning it", open.tmp_path.display());
+                Stats::add(&self.stats.shared_publish_errors, (batch.len() + open.entries.len()) as u64);
+                self.abandon(w);
+                false
+            }
+        }
     }
 
     /// Checks a slot handed to us and stamps the file sequence into its descriptor.
