@@ -23,14 +23,12 @@ const MAX_FUNCTION_LINES: usize = 70;
 /// Functions over the limit when this check came (issue 25), as (file under `src/`, name), with
 /// their length then. Shorten one, then remove its row; never add one.
 const LONG_FUNCTIONS: &[(&str, &str)] = &[
-    ("bin/kvtier-shared-stress.rs", "main"),            // 83 lines
-    ("bin/kvtier-torture.rs", "run"),                   // 75
-    ("io/faults.rs", "submit"),                         // 74
-    ("maintenance.rs", "verify_batch"),                 // 81
-    ("tiers/nvme.rs", "open_device"),                   // 78
-    ("tiers/shared/config.rs", "validate"),             // 75
-    ("tiers/shared/mod.rs", "open"),                    // 84
-    ("tiers/shared/mod.rs", "probe_direct_and_rename"), // 83
+    ("bin/kvtier-shared-stress.rs", "main"), // 83 lines
+    ("bin/kvtier-torture.rs", "run"),        // 75
+    ("io/faults.rs", "submit"),              // 74
+    ("maintenance.rs", "verify_batch"),      // 81
+    ("tiers/nvme.rs", "open_device"),        // 78
+    ("tiers/shared/config.rs", "validate"),  // 75
 ];
 
 /// One source file: its path under `src/` with `/` separators, and its text.

@@ -237,32 +237,37 @@ impl SharedTier {
             writer_id,
             created_unix_ms: unix_ms(),
         }])?;
-        let started = Instant::now();
-        while tier.refresh()? {}
-        let usage = capacity::measure_usage(&tier)?;
-        *tier.last_usage.lock() = usage;
-        tier.check_space_at_start(usage)?;
-        {
-            let index = tier.index.read();
-            log::info!(
-                "kvtier: shared tier open at {} (writer {writer_id:016x}): {} blocks in {} files indexed from manifests in \
-                 {:.0} ms; usage {:.1}% of {} bytes; O_DIRECT {}; {}",
-                tier.dir.display(),
-                index.key_count(),
-                index.files().count(),
-                started.elapsed().as_secs_f64() * 1e3,
-                usage.fraction() * 100.0,
-                usage.capacity_bytes,
-                if direct { "on" } else { "off" },
-                if tier.auth.is_some() {
-                    "blocks and records authenticated with the deployment key"
-                } else {
-                    "no deployment key: trusting everyone who can write the shared root"
-                }
-            );
-        }
+        tier.load_index_at_open()?;
         tier.start_maintenance()?;
         Ok(tier)
+    }
+
+    /// Reads every manifest to its end, measures usage and checks there is room to start in.
+    fn load_index_at_open(&self) -> Result<()> {
+        let started = Instant::now();
+        while self.refresh()? {}
+        let usage = capacity::measure_usage(self)?;
+        *self.last_usage.lock() = usage;
+        self.check_space_at_start(usage)?;
+        let index = self.index.read();
+        log::info!(
+            "kvtier: shared tier open at {} (writer {:016x}): {} blocks in {} files indexed from manifests in {:.0} ms; \
+             usage {:.1}% of {} bytes; O_DIRECT {}; {}",
+            self.dir.display(),
+            self.writer_id,
+            index.key_count(),
+            index.files().count(),
+            started.elapsed().as_secs_f64() * 1e3,
+            usage.fraction() * 100.0,
+            usage.capacity_bytes,
+            if self.direct { "on" } else { "off" },
+            if self.auth.is_some() {
+                "blocks and records authenticated with the deployment key"
+            } else {
+                "no deployment key: trusting everyone who can write the shared root"
+            }
+        );
+        Ok(())
     }
 
     fn check_space_at_start(&self, usage: Usage) -> Result<()> {
@@ -1196,71 +1201,66 @@ fn create_file(config: &SharedConfig, path: &Path, append: bool, direct: bool) -
 
 /// Probes O_DIRECT (write and read back one page) and rename-over-existing in `tmp/`.
 fn probe_direct_and_rename(config: &SharedConfig, tmp: &Path, writer_id: u64) -> Result<bool> {
+    let direct = probe_direct(config, tmp, writer_id)?;
+    probe_rename(config, tmp, writer_id)?;
+    Ok(direct)
+}
+
+/// Whether data files use O_DIRECT: as `direct_io` asks, where the filesystem supports it (`auto`
+/// falls back to buffered I/O with a warning; `on` is an error without it).
+fn probe_direct(config: &SharedConfig, tmp: &Path, writer_id: u64) -> Result<bool> {
+    let want = config.direct_io;
+    if want == DirectIo::Off {
+        return Ok(false);
+    }
     let probe = tmp.join(format!("probe-{writer_id:016x}.tmp"));
-    let direct = match config.direct_io {
-        DirectIo::Off => false,
-        want => {
-            let ok = (|| -> std::io::Result<()> {
-                let f = OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create_new(true)
-                    .mode(config.file_mode())
-                    .custom_flags(libc::O_DIRECT)
-                    .open(&probe)?;
-                let mut page = AlignedBuf::zeroed(ALIGN_BYTES);
-                page.as_mut_slice()[..8].copy_from_slice(b"kvtprobe");
-                f.write_all_at(page.as_slice(), 0)?;
-                let mut back = AlignedBuf::zeroed(ALIGN_BYTES);
-                f.read_exact_at(back.as_mut_slice(), 0)?;
-                if back.as_slice() != page.as_slice() {
-                    return Err(std::io::Error::other("O_DIRECT read back different bytes"));
-                }
-                Ok(())
-            })();
-            let _ = std::fs::remove_file(&probe);
-            match ok {
-                Ok(()) => true,
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) || e.kind() == ErrorKind::Other => {
-                    if want == DirectIo::On {
-                        return Err(Error::config(
-                            "shared_direct_io",
-                            format!("{} does not support O_DIRECT ({e}); set direct_io to auto or off", tmp.display()),
-                        ));
-                    }
-                    log::warn!(
-                        "kvtier: shared root {} does not support O_DIRECT ({e}); using buffered I/O for shared files",
-                        config.root.display()
-                    );
-                    false
-                }
-                Err(e) => return Err(writable_error(tmp, e)),
+    let ok = write_and_read_back_direct(config, &probe);
+    let _ = std::fs::remove_file(&probe);
+    match ok {
+        Ok(()) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) || e.kind() == ErrorKind::Other => {
+            if want == DirectIo::On {
+                return Err(Error::config(
+                    "shared_direct_io",
+                    format!("{} does not support O_DIRECT ({e}); set direct_io to auto or off", tmp.display()),
+                ));
             }
+            log::warn!(
+                "kvtier: shared root {} does not support O_DIRECT ({e}); using buffered I/O for shared files",
+                config.root.display()
+            );
+            Ok(false)
         }
-    };
-    // Publishing relies on rename replacing a name atomically; a filesystem that refuses rename
-    // (some object-store gateways) cannot host the tier.
+        Err(e) => Err(writable_error(tmp, e)),
+    }
+}
+
+/// Creates `probe` with O_DIRECT, writes one page and checks it reads back the same.
+fn write_and_read_back_direct(config: &SharedConfig, probe: &Path) -> std::io::Result<()> {
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(config.file_mode())
+        .custom_flags(libc::O_DIRECT)
+        .open(probe)?;
+    let mut page = AlignedBuf::zeroed(ALIGN_BYTES);
+    page.as_mut_slice()[..8].copy_from_slice(b"kvtprobe");
+    f.write_all_at(page.as_slice(), 0)?;
+    let mut back = AlignedBuf::zeroed(ALIGN_BYTES);
+    f.read_exact_at(back.as_mut_slice(), 0)?;
+    if back.as_slice() != page.as_slice() {
+        return Err(std::io::Error::other("O_DIRECT read back different bytes"));
+    }
+    Ok(())
+}
+
+/// Publishing relies on rename replacing a name atomically; a filesystem that refuses rename
+/// (some object-store gateways) cannot host the tier.
+fn probe_rename(config: &SharedConfig, tmp: &Path, writer_id: u64) -> Result<()> {
     let a = tmp.join(format!("probe-{writer_id:016x}.a"));
     let b = tmp.join(format!("probe-{writer_id:016x}.b"));
-    // Created exclusively and read back through `open_regular`: a FIFO planted under either name must
-    // not hang the open.
-    let create = |path: &Path| OpenOptions::new().write(true).create_new(true).mode(config.file_mode()).open(path);
-    let renamed = (|| -> std::io::Result<()> {
-        let mut fa = create(&a)?;
-        fa.write_all(b"a")?;
-        create(&b)?.write_all(b"b")?;
-        std::fs::rename(&a, &b)?;
-        let mut s = String::new();
-        let mut back = open_regular(&b, 0).map_err(|e| match e {
-            OpenError::Io(e) => e,
-            other => std::io::Error::other(other.to_string()),
-        })?;
-        back.read_to_string(&mut s)?;
-        if s != "a" {
-            return Err(std::io::Error::other("rename did not replace the target"));
-        }
-        Ok(())
-    })();
+    let renamed = rename_over_existing(config, &a, &b);
     let _ = std::fs::remove_file(&a);
     let _ = std::fs::remove_file(&b);
     if let Err(e) = renamed {
@@ -1276,5 +1276,26 @@ fn probe_direct_and_rename(config: &SharedConfig, tmp: &Path, writer_id: u64) ->
             ),
         });
     }
-    Ok(direct)
+    Ok(())
+}
+
+/// Creates `a` and `b`, renames `a` over `b` and checks that `b` now holds `a`'s bytes.
+fn rename_over_existing(config: &SharedConfig, a: &Path, b: &Path) -> std::io::Result<()> {
+    // Created exclusively and read back through `open_regular`: a FIFO planted under either name must
+    // not hang the open.
+    let create = |path: &Path| OpenOptions::new().write(true).create_new(true).mode(config.file_mode()).open(path);
+    let mut fa = create(a)?;
+    fa.write_all(b"a")?;
+    create(b)?.write_all(b"b")?;
+    std::fs::rename(a, b)?;
+    let mut s = String::new();
+    let mut back = open_regular(b, 0).map_err(|e| match e {
+        OpenError::Io(e) => e,
+        other => std::io::Error::other(other.to_string()),
+    })?;
+    back.read_to_string(&mut s)?;
+    if s != "a" {
+        return Err(std::io::Error::other("rename did not replace the target"));
+    }
+    Ok(())
 }
