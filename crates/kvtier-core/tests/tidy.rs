@@ -28,7 +28,6 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
     ("io/faults.rs", "submit"),              // 74
     ("maintenance.rs", "verify_batch"),      // 81
     ("tiers/nvme.rs", "open_device"),        // 78
-    ("tiers/shared/config.rs", "validate"),  // 75
 ];
 
 /// One source file: its path under `src/` with `/` separators, and its text.

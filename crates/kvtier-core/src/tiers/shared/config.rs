@@ -102,6 +102,29 @@ impl SharedConfig {
         if self.root.as_os_str().is_empty() {
             return Err(Error::config("shared_root", "empty path; give the directory on the shared filesystem"));
         }
+        self.validate_watermarks()?;
+        self.validate_file_bytes(slot_bytes)?;
+        self.validate_periods()?;
+        if self.capacity_bytes == Some(0) {
+            return Err(Error::config("shared_capacity_bytes", "must be positive (or unset to use statvfs)"));
+        }
+        if self.publish_queue_bytes < slot_bytes {
+            return Err(Error::config(
+                "shared_publish_queue_bytes",
+                format!("{} cannot hold one block of {slot_bytes} bytes; raise it", self.publish_queue_bytes),
+            ));
+        }
+        if self.key_file.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
+            return Err(Error::config("shared_key_file", "empty path; give the key file (or leave it unset)"));
+        }
+        if self.orphan_tmp_ms < self.grace_ms {
+            return Err(Error::config("shared_orphan_tmp_ms", "must be at least shared_grace_ms"));
+        }
+        Ok(())
+    }
+
+    /// Both watermarks are fractions of the filesystem, the low one below the high one.
+    fn validate_watermarks(&self) -> Result<()> {
         let fraction = |w: f64| w.is_finite() && w > 0.0 && w <= 0.99;
         if !fraction(self.high_watermark) {
             return Err(Error::config(
@@ -121,6 +144,11 @@ impl SharedConfig {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// A data file holds at least one block (of `slot_bytes`) and at most 64 GiB.
+    fn validate_file_bytes(&self, slot_bytes: usize) -> Result<()> {
         let minimum = (super::format::FILE_HEADER_BYTES + slot_bytes + super::format::footer_bytes(1)) as u64;
         if self.file_target_bytes < minimum {
             return Err(Error::config(
@@ -134,6 +162,11 @@ impl SharedConfig {
         if self.file_target_bytes > 64 << 30 {
             return Err(Error::config("shared_file_bytes", "at most 64 GiB; files are the unit of eviction"));
         }
+        Ok(())
+    }
+
+    /// The staleness bound, and the lease and grace periods that must outlast it.
+    fn validate_periods(&self) -> Result<()> {
         if !(10..=600_000).contains(&self.staleness_ms) {
             return Err(Error::config(
                 "shared_staleness_ms",
@@ -155,21 +188,6 @@ impl SharedConfig {
                     self.grace_ms, self.staleness_ms
                 ),
             ));
-        }
-        if self.capacity_bytes == Some(0) {
-            return Err(Error::config("shared_capacity_bytes", "must be positive (or unset to use statvfs)"));
-        }
-        if self.publish_queue_bytes < slot_bytes {
-            return Err(Error::config(
-                "shared_publish_queue_bytes",
-                format!("{} cannot hold one block of {slot_bytes} bytes; raise it", self.publish_queue_bytes),
-            ));
-        }
-        if self.key_file.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
-            return Err(Error::config("shared_key_file", "empty path; give the key file (or leave it unset)"));
-        }
-        if self.orphan_tmp_ms < self.grace_ms {
-            return Err(Error::config("shared_orphan_tmp_ms", "must be at least shared_grace_ms"));
         }
         Ok(())
     }
