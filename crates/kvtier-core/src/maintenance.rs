@@ -7,7 +7,7 @@
 //! A bad copy is quarantined: dropped from the index (a later load of it is a miss) and, on NVMe,
 //! from its region's trailer (recovery does not adopt it again).
 
-use crate::catalog::{ScrubTarget, Tier, TrimCounts, TrimPlan};
+use crate::catalog::{MetaWrite, NvmeLoc, ScrubTarget, Tier, TrimCounts, TrimPlan};
 use crate::error::{Error, Result};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::io::buffer::AlignedBuf;
@@ -129,62 +129,12 @@ impl Store {
             ..VerifyBatch::default()
         };
         let started = Instant::now();
-        let slot_bytes = sh.arena.slot_bytes();
-        let mut staging = AlignedBuf::zeroed(slot_bytes);
+        let mut staging = AlignedBuf::zeroed(sh.arena.slot_bytes());
         let mut meta = Vec::new();
         for (sequence, key) in &chosen {
             // One block pinned at a time, and none while the scrub sleeps to keep its pace.
-            let Some(target) = sh.catalog.lock().scrub_pin(key, *sequence) else { continue };
-            let mut bad_dram = None;
-            let mut bad_nvme = None;
-            if let Some(slot) = target.dram {
-                // SAFETY: the slot is resident, pinned by this scrub and not being written to NVMe:
-                // nothing writes into it while the pin lasts.
-                let bytes = unsafe { std::slice::from_raw_parts(sh.arena.slot_ptr(slot), slot_bytes) };
-                batch.checked_dram += 1;
-                batch.bytes_read += slot_bytes as u64;
-                bad_dram = check_copy(self, &target, bytes).err().map(|reason| (slot, reason));
-            } else if target.nvme.is_none() {
-                batch.skipped_busy += 1;
-            }
-            if let (Some(loc), Some(geometry)) = (target.nvme, sh.geometry) {
-                let device = &sh.device_files[loc.device as usize];
-                let offset = geometry.region_offset(loc.region) + loc.offset;
-                let outcome = nvme::read_exact_at(device, staging.as_mut_slice(), offset)
-                    .map_err(|e| format!("read failed: {e}"))
-                    .and_then(|()| check_copy(self, &target, staging.as_slice()));
-                batch.checked_nvme += 1;
-                batch.bytes_read += slot_bytes as u64;
-                Stats::add(&sh.stats.bytes_read_nvme, slot_bytes as u64);
-                bad_nvme = outcome.err().map(|reason| (loc, reason));
-            }
-            // Quarantine and the scrub's unpin in one critical section.
-            let (dram_quarantined, nvme_quarantined) = sh.catalog.lock().scrub_done(
-                key,
-                *sequence,
-                bad_dram.as_ref().map(|(slot, _)| *slot),
-                bad_nvme.as_ref().map(|(loc, _)| *loc),
-                &mut meta,
-            );
-            sh.changed.notify_all();
-            for (tier, reason, quarantined) in [
-                bad_dram.map(|(_, reason)| (Tier::Dram, reason, dram_quarantined)),
-                bad_nvme.map(|(_, reason)| (Tier::Nvme, reason, nvme_quarantined)),
-            ]
-            .into_iter()
-            .flatten()
-            {
-                if tier == Tier::Dram {
-                    batch.bad_dram += 1;
-                } else {
-                    batch.bad_nvme += 1;
-                }
-                Stats::add(&sh.stats.checksum_failures, 1);
-                log::warn!(
-                    "kvtier verify: {} copy of {key:?} is bad ({reason}); quarantined: {quarantined}",
-                    tier.name()
-                );
-                batch.bad.push(BadBlock { key: *key, tier, reason, quarantined });
+            if !self.verify_block(*sequence, key, &mut staging, &mut batch, &mut meta) {
+                continue;
             }
             if max_bytes_per_s > 0 {
                 let due = Duration::from_secs_f64(batch.bytes_read as f64 / max_bytes_per_s as f64);
@@ -195,6 +145,91 @@ impl Store {
         }
         crate::mover::submit_meta(sh, meta);
         Ok(batch)
+    }
+
+    /// Checks the copies of one block the scrub chose, quarantines the bad ones (their metadata
+    /// writes go to `meta`) and counts into `batch`. `false` if the block changed or went since it
+    /// was chosen: nothing was checked.
+    fn verify_block(
+        &self,
+        sequence: u64,
+        key: &BlockKey,
+        staging: &mut AlignedBuf,
+        batch: &mut VerifyBatch,
+        meta: &mut Vec<MetaWrite>,
+    ) -> bool {
+        let sh = self.shared();
+        let Some(target) = sh.catalog.lock().scrub_pin(key, sequence) else { return false };
+        let bad_dram = self.check_dram_copy(&target, batch);
+        let bad_nvme = self.check_nvme_copy(&target, staging, batch);
+        // Quarantine and the scrub's unpin in one critical section.
+        let (dram_quarantined, nvme_quarantined) = sh.catalog.lock().scrub_done(
+            key,
+            sequence,
+            bad_dram.as_ref().map(|(slot, _)| *slot),
+            bad_nvme.as_ref().map(|(loc, _)| *loc),
+            meta,
+        );
+        sh.changed.notify_all();
+        for (tier, reason, quarantined) in [
+            bad_dram.map(|(_, reason)| (Tier::Dram, reason, dram_quarantined)),
+            bad_nvme.map(|(_, reason)| (Tier::Nvme, reason, nvme_quarantined)),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if tier == Tier::Dram {
+                batch.bad_dram += 1;
+            } else {
+                batch.bad_nvme += 1;
+            }
+            Stats::add(&sh.stats.checksum_failures, 1);
+            log::warn!("kvtier verify: {} copy of {key:?} is bad ({reason}); quarantined: {quarantined}", tier.name());
+            batch.bad.push(BadBlock { key: *key, tier, reason, quarantined });
+        }
+        true
+    }
+
+    /// Checks the pinned block's DRAM copy, if it has a resident one: its slot and what is wrong
+    /// with it when it is bad.
+    fn check_dram_copy(&self, target: &ScrubTarget, batch: &mut VerifyBatch) -> Option<(u32, String)> {
+        let sh = self.shared();
+        let Some(slot) = target.dram else {
+            if target.nvme.is_none() {
+                batch.skipped_busy += 1;
+            }
+            return None;
+        };
+        let slot_bytes = sh.arena.slot_bytes();
+        // SAFETY: the slot is resident, pinned by this scrub and not being written to NVMe:
+        // nothing writes into it while the pin lasts.
+        let bytes = unsafe { std::slice::from_raw_parts(sh.arena.slot_ptr(slot), slot_bytes) };
+        batch.checked_dram += 1;
+        batch.bytes_read += slot_bytes as u64;
+        check_copy(self, target, bytes).err().map(|reason| (slot, reason))
+    }
+
+    /// Reads the pinned block's NVMe copy, if it has one, into `staging` and checks it: its location
+    /// and what is wrong with it when it is bad (or unreadable).
+    fn check_nvme_copy(
+        &self,
+        target: &ScrubTarget,
+        staging: &mut AlignedBuf,
+        batch: &mut VerifyBatch,
+    ) -> Option<(NvmeLoc, String)> {
+        let sh = self.shared();
+        let (Some(loc), Some(geometry)) = (target.nvme, sh.geometry) else { return None };
+        let slot_bytes = sh.arena.slot_bytes();
+        debug_assert_eq!(staging.as_slice().len(), slot_bytes, "the staging buffer holds one slot");
+        let device = &sh.device_files[loc.device as usize];
+        let offset = geometry.region_offset(loc.region) + loc.offset;
+        let outcome = nvme::read_exact_at(device, staging.as_mut_slice(), offset)
+            .map_err(|e| format!("read failed: {e}"))
+            .and_then(|()| check_copy(self, target, staging.as_slice()));
+        batch.checked_nvme += 1;
+        batch.bytes_read += slot_bytes as u64;
+        Stats::add(&sh.stats.bytes_read_nvme, slot_bytes as u64);
+        outcome.err().map(|reason| (loc, reason))
     }
 
     /// Scrubs up to `max_blocks` blocks of the shared tier, from position `after` of its indexed

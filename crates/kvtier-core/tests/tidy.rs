@@ -26,7 +26,6 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
     ("bin/kvtier-shared-stress.rs", "main"), // 83 lines
     ("bin/kvtier-torture.rs", "run"),        // 75
     ("io/faults.rs", "submit"),              // 74
-    ("maintenance.rs", "verify_batch"),      // 81
     ("tiers/nvme.rs", "open_device"),        // 78
 ];
 
