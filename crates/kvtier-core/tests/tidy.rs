@@ -26,7 +26,6 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
     ("bin/kvtier-shared-stress.rs", "main"), // 83 lines
     ("bin/kvtier-torture.rs", "run"),        // 75
     ("io/faults.rs", "submit"),              // 74
-    ("tiers/nvme.rs", "open_device"),        // 78
 ];
 
 /// One source file: its path under `src/` with `/` separators, and its text.

@@ -78,7 +78,6 @@ pub struct DeviceFile {
     pub index: u32,
 }
 
-/// Opens (or creates and preallocates) the device file in `dir`.
 /// The store id recorded by the first existing device file among `dirs` whose superblock decodes:
 /// devices created now take it, so every device of one store carries the same id. `None`: no device
 /// exists yet (a new store picks a random id).
@@ -92,6 +91,8 @@ pub fn existing_store_id(dirs: &[PathBuf]) -> Option<u64> {
     })
 }
 
+/// Opens (or creates and preallocates) the device file in `dir`: the device, and whether it was
+/// created now (else it was checked against `template` and `geometry`, its blocks to be recovered).
 pub fn open_device(
     dir: &Path,
     template: &Superblock,
@@ -106,69 +107,91 @@ pub fn open_device(
         check_free_space(dir, geometry.file_bytes())?;
     }
     let (file, direct) = open_file(&path, direct_io)?;
-    let device = DeviceFile { path: path.clone(), file, direct, index: template.device_index };
+    let device = DeviceFile { path, file, direct, index: template.device_index };
     if exists {
-        let len = device.file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?.len();
-        let mut page = AlignedBuf::zeroed(SUPERBLOCK_BYTES);
-        read_exact_at(&device, page.as_mut_slice(), 0)?;
-        let found = Superblock::decode(page.as_slice()).map_err(|e| {
-            Error::format(
-                &path,
-                format!("not a kvtier device file of format version 1 ({e}); remove it or choose another directory"),
-            )
-        })?;
-        if found.namespace != template.namespace {
-            return Err(Error::Namespace { path, expected: template.namespace.hex(), found: found.namespace.hex() });
-        }
-        let geometry_matches = found.region_bytes == template.region_bytes
-            && found.region_count == template.region_count
-            && found.slot_bytes == template.slot_bytes
-            && found.object_bytes == template.object_bytes
-            && found.device_count == template.device_count
-            && found.device_index == template.device_index;
-        if !geometry_matches {
-            return Err(Error::format(
-                &path,
-                format!(
-                    "created with object_bytes={}, region_bytes={}, {} regions, device {}/{}; reopen with the same \
-                     object_bytes, region_bytes, nvme_bytes and directories, or delete {} to start empty",
-                    found.object_bytes,
-                    found.region_bytes,
-                    found.region_count,
-                    found.device_index,
-                    found.device_count,
-                    path.display()
-                ),
-            ));
-        }
-        if found.store_id != template.store_id {
-            return Err(Error::format(
-                &path,
-                format!(
-                    "belongs to another store (store id {:016x}; this store's other directories have {:016x}): \
-                     directories of two stores were mixed; list the directories of one store, or delete {} to start \
-                     it empty",
-                    found.store_id,
-                    template.store_id,
-                    path.display()
-                ),
-            ));
-        }
-        if len < geometry.file_bytes() {
-            return Err(Error::format(
-                &path,
-                format!("truncated: {len} bytes, expected {}; delete it to start empty", geometry.file_bytes()),
-            ));
-        }
+        check_existing_device(&device, template, geometry)?;
         Ok((device, false))
     } else {
-        preallocate(&device, geometry.file_bytes())?;
-        let mut page = AlignedBuf::zeroed(SUPERBLOCK_BYTES);
-        template.encode(page.as_mut_slice());
-        write_all_at(&device, page.as_slice(), 0)?;
-        device.file.sync_all().map_err(|e| Error::io(format!("fsync {}", path.display()), e))?;
+        initialize_device(&device, template, geometry)?;
         Ok((device, true))
     }
+}
+
+/// An existing device file must be of this store and this layout, and not truncated.
+fn check_existing_device(device: &DeviceFile, template: &Superblock, geometry: &Geometry) -> Result<()> {
+    let path = &device.path;
+    let len = device.file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?.len();
+    let mut page = AlignedBuf::zeroed(SUPERBLOCK_BYTES);
+    read_exact_at(device, page.as_mut_slice(), 0)?;
+    let found = Superblock::decode(page.as_slice()).map_err(|e| {
+        Error::format(
+            path,
+            format!("not a kvtier device file of format version 1 ({e}); remove it or choose another directory"),
+        )
+    })?;
+    if found.namespace != template.namespace {
+        return Err(Error::Namespace {
+            path: path.clone(),
+            expected: template.namespace.hex(),
+            found: found.namespace.hex(),
+        });
+    }
+    check_same_store_and_layout(path, &found, template)?;
+    if len < geometry.file_bytes() {
+        return Err(Error::format(
+            path,
+            format!("truncated: {len} bytes, expected {}; delete it to start empty", geometry.file_bytes()),
+        ));
+    }
+    Ok(())
+}
+
+/// The superblock `found` in `path` records the layout and store id this store expects.
+fn check_same_store_and_layout(path: &Path, found: &Superblock, template: &Superblock) -> Result<()> {
+    let geometry_matches = found.region_bytes == template.region_bytes
+        && found.region_count == template.region_count
+        && found.slot_bytes == template.slot_bytes
+        && found.object_bytes == template.object_bytes
+        && found.device_count == template.device_count
+        && found.device_index == template.device_index;
+    if !geometry_matches {
+        return Err(Error::format(
+            path,
+            format!(
+                "created with object_bytes={}, region_bytes={}, {} regions, device {}/{}; reopen with the same \
+                 object_bytes, region_bytes, nvme_bytes and directories, or delete {} to start empty",
+                found.object_bytes,
+                found.region_bytes,
+                found.region_count,
+                found.device_index,
+                found.device_count,
+                path.display()
+            ),
+        ));
+    }
+    if found.store_id != template.store_id {
+        return Err(Error::format(
+            path,
+            format!(
+                "belongs to another store (store id {:016x}; this store's other directories have {:016x}): \
+                 directories of two stores were mixed; list the directories of one store, or delete {} to start \
+                 it empty",
+                found.store_id,
+                template.store_id,
+                path.display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Sizes a new device file for `geometry` and writes its superblock, durably.
+fn initialize_device(device: &DeviceFile, template: &Superblock, geometry: &Geometry) -> Result<()> {
+    preallocate(device, geometry.file_bytes())?;
+    let mut page = AlignedBuf::zeroed(SUPERBLOCK_BYTES);
+    template.encode(page.as_mut_slice());
+    write_all_at(device, page.as_slice(), 0)?;
+    device.file.sync_all().map_err(|e| Error::io(format!("fsync {}", device.path.display()), e))
 }
 
 fn open_file(path: &Path, direct_io: DirectIo) -> Result<(File, bool)> {
