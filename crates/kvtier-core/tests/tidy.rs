@@ -25,7 +25,6 @@ const MAX_FUNCTION_LINES: usize = 70;
 const LONG_FUNCTIONS: &[(&str, &str)] = &[
     ("bin/kvtier-shared-stress.rs", "main"), // 83 lines
     ("bin/kvtier-torture.rs", "run"),        // 75
-    ("io/faults.rs", "submit"),              // 74
 ];
 
 /// One source file: its path under `src/` with `/` separators, and its text.

@@ -54,6 +54,63 @@ impl FaultyEngine {
     pub fn new(inner: Box<dyn IoEngine>, plan: Arc<FaultPlan>) -> Self {
         FaultyEngine { inner, plan, synthetic: Vec::new(), altered: Mutex::new(HashMap::new()) }
     }
+
+    /// Applies the plan to one read. `false`: it failed here (an EIO completion is made up);
+    /// otherwise it goes on to the inner engine, maybe shortened or marked for a bit flip.
+    fn fault_read(&mut self, req: &mut IoRequest) -> bool {
+        let p = &self.plan;
+        let n = p.reads_seen.fetch_add(1, Ordering::Relaxed) + 1;
+        if FaultPlan::fires(p.read_eio_every, n) {
+            p.injected.fetch_add(1, Ordering::Relaxed);
+            self.synthetic.push(IoCompletion { token: req.token, result: -(libc::EIO as i64) });
+            return false;
+        }
+        if req.iov_count > 0 {
+            // Vectored reads land in caller memory: only errno faults apply to them.
+        } else if FaultPlan::fires(p.read_bitflip_every, n) {
+            p.injected.fetch_add(1, Ordering::Relaxed);
+            self.altered.lock().insert(req.token, (req.len, req.buf, Action::FlipBit));
+        } else if FaultPlan::fires(p.short_every, n) && req.len >= 2 * 4096 {
+            p.injected.fetch_add(1, Ordering::Relaxed);
+            req.len = (req.len / 2) / 4096 * 4096;
+        }
+        true
+    }
+
+    /// Applies the plan to one write. `false`: it failed here (an EIO or ENOSPC completion is made
+    /// up); otherwise it goes on to the inner engine, maybe cut to its first half (short or torn).
+    fn fault_write(&mut self, req: &mut IoRequest) -> bool {
+        let p = &self.plan;
+        let n = p.writes_seen.fetch_add(1, Ordering::Relaxed) + 1;
+        if FaultPlan::fires(p.write_eio_every, n) || FaultPlan::fires(p.write_enospc_every, n) {
+            p.injected.fetch_add(1, Ordering::Relaxed);
+            let errno = if FaultPlan::fires(p.write_eio_every, n) { libc::EIO } else { libc::ENOSPC };
+            self.synthetic.push(IoCompletion { token: req.token, result: -(errno as i64) });
+            return false;
+        }
+        if req.iov_count >= 2 {
+            // Vectored: the first half of the buffers, reported whole (torn) or as it is
+            // (short, which the device queue then writes again whole).
+            let torn = FaultPlan::fires(p.torn_write_every, n);
+            if torn || FaultPlan::fires(p.short_every, n) {
+                p.injected.fetch_add(1, Ordering::Relaxed);
+                if torn {
+                    self.altered.lock().insert(req.token, (req.len, req.buf, Action::ReportWhole));
+                }
+                req.iov_count /= 2;
+            }
+        } else if req.iov_count > 0 {
+            // One vectored buffer: only errno faults apply.
+        } else if FaultPlan::fires(p.torn_write_every, n) && req.len >= 2 * 4096 {
+            p.injected.fetch_add(1, Ordering::Relaxed);
+            self.altered.lock().insert(req.token, (req.len, req.buf, Action::ReportWhole));
+            req.len = (req.len / 2) / 4096 * 4096;
+        } else if FaultPlan::fires(p.short_every, n) && req.len >= 2 * 4096 {
+            p.injected.fetch_add(1, Ordering::Relaxed);
+            req.len = (req.len / 2) / 4096 * 4096;
+        }
+        true
+    }
 }
 
 impl IoEngine for FaultyEngine {
@@ -69,59 +126,15 @@ impl IoEngine for FaultyEngine {
         // Position in `requests` of each passed request, to map the inner engine's `accepted` back.
         let mut passed_at = Vec::with_capacity(requests.len());
         for (at, req) in requests.iter().enumerate() {
-            let p = &self.plan;
             let mut req = *req;
-            match req.kind {
-                OpKind::Read => {
-                    let n = p.reads_seen.fetch_add(1, Ordering::Relaxed) + 1;
-                    if FaultPlan::fires(p.read_eio_every, n) {
-                        p.injected.fetch_add(1, Ordering::Relaxed);
-                        self.synthetic.push(IoCompletion { token: req.token, result: -(libc::EIO as i64) });
-                        continue;
-                    }
-                    if req.iov_count > 0 {
-                        // Vectored reads land in caller memory: only errno faults apply to them.
-                    } else if FaultPlan::fires(p.read_bitflip_every, n) {
-                        p.injected.fetch_add(1, Ordering::Relaxed);
-                        self.altered.lock().insert(req.token, (req.len, req.buf, Action::FlipBit));
-                    } else if FaultPlan::fires(p.short_every, n) && req.len >= 2 * 4096 {
-                        p.injected.fetch_add(1, Ordering::Relaxed);
-                        req.len = (req.len / 2) / 4096 * 4096;
-                    }
-                }
-                OpKind::Write => {
-                    let n = p.writes_seen.fetch_add(1, Ordering::Relaxed) + 1;
-                    if FaultPlan::fires(p.write_eio_every, n) || FaultPlan::fires(p.write_enospc_every, n) {
-                        p.injected.fetch_add(1, Ordering::Relaxed);
-                        let errno = if FaultPlan::fires(p.write_eio_every, n) { libc::EIO } else { libc::ENOSPC };
-                        self.synthetic.push(IoCompletion { token: req.token, result: -(errno as i64) });
-                        continue;
-                    }
-                    if req.iov_count >= 2 {
-                        // Vectored: the first half of the buffers, reported whole (torn) or as it is
-                        // (short, which the device queue then writes again whole).
-                        let torn = FaultPlan::fires(p.torn_write_every, n);
-                        if torn || FaultPlan::fires(p.short_every, n) {
-                            p.injected.fetch_add(1, Ordering::Relaxed);
-                            if torn {
-                                self.altered.lock().insert(req.token, (req.len, req.buf, Action::ReportWhole));
-                            }
-                            req.iov_count /= 2;
-                        }
-                    } else if req.iov_count > 0 {
-                        // One vectored buffer: only errno faults apply.
-                    } else if FaultPlan::fires(p.torn_write_every, n) && req.len >= 2 * 4096 {
-                        p.injected.fetch_add(1, Ordering::Relaxed);
-                        self.altered.lock().insert(req.token, (req.len, req.buf, Action::ReportWhole));
-                        req.len = (req.len / 2) / 4096 * 4096;
-                    } else if FaultPlan::fires(p.short_every, n) && req.len >= 2 * 4096 {
-                        p.injected.fetch_add(1, Ordering::Relaxed);
-                        req.len = (req.len / 2) / 4096 * 4096;
-                    }
-                }
+            let passes = match req.kind {
+                OpKind::Read => self.fault_read(&mut req),
+                OpKind::Write => self.fault_write(&mut req),
+            };
+            if passes {
+                passed.push(req);
+                passed_at.push(at);
             }
-            passed.push(req);
-            passed_at.push(at);
         }
         if passed.is_empty() {
             return Ok(());
