@@ -256,31 +256,7 @@ fn run(args: &[String]) {
             f.served_wrong += 1;
         }
         f.loops += 1;
-        let acks = read_acks(&dir.join("acks.bin"));
-        f.acked = acks.len() as u64;
-        let newest = acks.iter().copied().max().unwrap_or(0);
-        let mut blocks = Blocks::open(args, &dir).expect("reopen after kill");
-        for &id in &acks {
-            let got = blocks.get(key(id));
-            let hit = got.is_some();
-            let recent = newest - id < survive_window();
-            if got.is_some_and(|bytes| bytes != value(id)) {
-                f.served_wrong += 1;
-                eprintln!("block {id} served wrong after a crash");
-            }
-            if recent {
-                f.checked_recent += 1;
-                if !hit {
-                    f.lost += 1;
-                    eprintln!("block {id} acknowledged (flushed) but lost after a crash");
-                }
-            } else if !hit {
-                f.misses_old += 1;
-            }
-        }
-        if let Blocks::Store(store) = blocks {
-            store.close().unwrap();
-        }
+        check_acknowledged_blocks(args, &dir, &mut f);
     }
     println!(
         "{{\"engine\": \"{engine}\", \"service\": {service}, \"loops\": {}, \"blocks_acknowledged\": {}, \"recent_block_checks\": {}, \
@@ -298,6 +274,36 @@ fn run(args: &[String]) {
     }
     if f.served_wrong > 0 || f.lost > 0 {
         std::process::exit(1);
+    }
+}
+
+/// Reopens the store the killed writer left in `dir` and reads back every block it acknowledged:
+/// the recent ones must all be there, and no block may be served with wrong bytes.
+fn check_acknowledged_blocks(args: &[String], dir: &Path, f: &mut Figures) {
+    let acks = read_acks(&dir.join("acks.bin"));
+    f.acked = acks.len() as u64;
+    let newest = acks.iter().copied().max().unwrap_or(0);
+    let mut blocks = Blocks::open(args, dir).expect("reopen after kill");
+    for &id in &acks {
+        let got = blocks.get(key(id));
+        let hit = got.is_some();
+        let recent = newest - id < survive_window();
+        if got.is_some_and(|bytes| bytes != value(id)) {
+            f.served_wrong += 1;
+            eprintln!("block {id} served wrong after a crash");
+        }
+        if recent {
+            f.checked_recent += 1;
+            if !hit {
+                f.lost += 1;
+                eprintln!("block {id} acknowledged (flushed) but lost after a crash");
+            }
+        } else if !hit {
+            f.misses_old += 1;
+        }
+    }
+    if let Blocks::Store(store) = blocks {
+        store.close().unwrap();
     }
 }
 
