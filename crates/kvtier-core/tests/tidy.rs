@@ -22,9 +22,7 @@ const MAX_FUNCTION_LINES: usize = 70;
 
 /// Functions over the limit when this check came (issue 25), as (file under `src/`, name), with
 /// their length then. Shorten one, then remove its row; never add one.
-const LONG_FUNCTIONS: &[(&str, &str)] = &[
-    ("bin/kvtier-shared-stress.rs", "main"), // 83 lines
-];
+const LONG_FUNCTIONS: &[(&str, &str)] = &[];
 
 /// One source file: its path under `src/` with `/` separators, and its text.
 type Source = (String, String);

@@ -27,16 +27,14 @@ fn value_for(key: &BlockKey, object_bytes: usize) -> Vec<u8> {
     v
 }
 
-fn main() {
-    let args: HashMap<String, String> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
-        .collect();
-    let num = |k: &str, d: u64| args.get(k).map(|v| v.parse::<u64>().expect(k)).unwrap_or(d);
-    let root = args.get("root").expect("root=DIR");
-    let namespace =
-        Namespace::from_description(args.get("namespace").map(String::as_str).unwrap_or("stress").as_bytes());
-    let object_bytes = num("object_bytes", 60_000) as usize;
+/// The number argument `key=N`, else `default`.
+fn number(args: &HashMap<String, String>, key: &str, default: u64) -> u64 {
+    args.get(key).map(|v| v.parse::<u64>().expect(key)).unwrap_or(default)
+}
+
+/// The shared tier's options from the arguments (defaults sized for a test of a few seconds).
+fn shared_config(args: &HashMap<String, String>, root: &str) -> SharedConfig {
+    let num = |k: &str, d: u64| number(args, k, d);
     let mut config = SharedConfig::new(root);
     config.capacity_bytes = args.get("capacity_bytes").map(|v| v.parse().unwrap());
     config.file_target_bytes = num("file_bytes", 1 << 20);
@@ -45,6 +43,62 @@ fn main() {
     config.grace_ms = num("grace_ms", 200);
     config.publish_delay_ms = num("publish_delay_ms", 100);
     config.orphan_tmp_ms = num("orphan_tmp_ms", 60_000);
+    config
+}
+
+/// The next four keys of writer `tag`: unique per process (`tag`) and per call (`counter`).
+fn next_keys(tag: u64, counter: &mut u64) -> Vec<BlockKey> {
+    (0..4)
+        .map(|_| {
+            *counter += 1;
+            let mut k = [0u8; 32];
+            k[..8].copy_from_slice(&tag.to_le_bytes());
+            k[8..16].copy_from_slice(&counter.to_le_bytes());
+            k[16..24].copy_from_slice(&(tag ^ *counter).wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes());
+            BlockKey(k)
+        })
+        .collect()
+}
+
+/// Reads of indexed blocks: found with the right bytes or wrong ones, or missed.
+#[derive(Default)]
+struct Reads {
+    hits: u64,
+    misses: u64,
+    wrong: u64,
+}
+
+/// Reads up to 8 blocks picked at random from the tier's index and checks each one found.
+fn read_sample(tier: &SharedTier, rng: &mut u64, out: &mut [u8], reads: &mut Reads) {
+    let sample = tier.indexed_keys(512);
+    for _ in 0..8.min(sample.len()) {
+        *rng ^= *rng << 13;
+        *rng ^= *rng >> 7;
+        *rng ^= *rng << 17;
+        let key = sample[(*rng % sample.len() as u64) as usize];
+        if tier.read_value(&key, out).unwrap() {
+            reads.hits += 1;
+            if out != value_for(&key, out.len()) {
+                reads.wrong += 1;
+                eprintln!("WRONG bytes for {key:?}");
+            }
+        } else {
+            reads.misses += 1;
+        }
+    }
+}
+
+fn main() {
+    let args: HashMap<String, String> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
+        .collect();
+    let num = |k: &str, d: u64| number(&args, k, d);
+    let root = args.get("root").expect("root=DIR");
+    let namespace =
+        Namespace::from_description(args.get("namespace").map(String::as_str).unwrap_or("stress").as_bytes());
+    let object_bytes = num("object_bytes", 60_000) as usize;
+    let config = shared_config(&args, root);
     let secs = num("secs", 5);
     let publish_every = Duration::from_millis(num("publish_every_ms", 10));
     let tag = num("tag", std::process::id() as u64);
@@ -54,41 +108,18 @@ fn main() {
     println!("WRITER {:016x}", tier.writer_id());
     std::io::stdout().flush().unwrap();
     let started = Instant::now();
-    let (mut published, mut hits, mut misses, mut wrong) = (0u64, 0u64, 0u64, 0u64);
+    let mut published = 0u64;
+    let mut reads = Reads::default();
     let mut counter = 0u64;
     let mut was_evictor = false;
     let mut out = vec![0u8; object_bytes];
     let mut rng = tag.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1;
     while started.elapsed() < Duration::from_secs(secs) {
-        let keys: Vec<BlockKey> = (0..4)
-            .map(|_| {
-                counter += 1;
-                let mut k = [0u8; 32];
-                k[..8].copy_from_slice(&tag.to_le_bytes());
-                k[8..16].copy_from_slice(&counter.to_le_bytes());
-                k[16..24].copy_from_slice(&(tag ^ counter).wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes());
-                BlockKey(k)
-            })
-            .collect();
+        let keys = next_keys(tag, &mut counter);
         let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, object_bytes)).collect();
         let refs: Vec<&[u8]> = values.iter().map(|v| v.as_slice()).collect();
         published += tier.publish_values(&keys, &refs).unwrap() as u64;
-        let sample = tier.indexed_keys(512);
-        for _ in 0..8.min(sample.len()) {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            let key = sample[(rng % sample.len() as u64) as usize];
-            if tier.read_value(&key, &mut out).unwrap() {
-                hits += 1;
-                if out != value_for(&key, object_bytes) {
-                    wrong += 1;
-                    eprintln!("WRONG bytes for {key:?}");
-                }
-            } else {
-                misses += 1;
-            }
-        }
+        read_sample(&tier, &mut rng, &mut out, &mut reads);
         let evictor = tier.is_evictor();
         if evictor && !was_evictor {
             println!("LEASE {:016x}", tier.writer_id());
@@ -99,6 +130,7 @@ fn main() {
     }
     tier.close();
     let s = stats.snapshot();
+    let Reads { hits, misses, wrong } = reads;
     println!(
         "STATS published={published} hits={hits} misses={misses} wrong={wrong} files={} evicted={} quarantined={} \
          publish_errors={} vanished={}",
