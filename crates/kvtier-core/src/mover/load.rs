@@ -204,6 +204,9 @@ struct Load<'a> {
     reads_in_flight: usize,
     staged_reads_in_flight: usize,
     max_reads_in_flight: usize,
+    /// A new round is planned once this many reads are done (or none is in flight): the object tier
+    /// reads a round's adjacent blocks with one GET, and rounds of one block would each cost a GET.
+    min_round: usize,
     /// Direct reads need O_DIRECT semantics end to end and values that fill whole pages.
     direct_io: bool,
     /// Set while the load can plan nothing: past it, the keys left are given up.
@@ -227,6 +230,9 @@ impl<'a> Load<'a> {
         assert!(bufs.is_none_or(|b| b.len() == keys.len()), "one caller buffer per key");
         assert!(pinned.as_ref().is_none_or(|p| p.len() == keys.len()), "one pin per key");
         let (done_tx, done_rx) = unbounded();
+        // Bounded by the devices' queue depth; reads that need a DRAM slot are further bounded by
+        // the slots the catalog can free (then heap-staged, see `MAX_STAGED_READS`).
+        let max_reads_in_flight = (sh.config.io_depth * sh.devices.len().max(1)).max(1);
         Load {
             sh,
             keys,
@@ -239,9 +245,8 @@ impl<'a> Load<'a> {
             pending: (0..keys.len()).map(|_| None).collect(),
             reads_in_flight: 0,
             staged_reads_in_flight: 0,
-            // Bounded by the devices' queue depth; reads that need a DRAM slot are further bounded by
-            // the slots the catalog can free (then heap-staged, see `MAX_STAGED_READS`).
-            max_reads_in_flight: (sh.config.io_depth * sh.devices.len().max(1)).max(1),
+            max_reads_in_flight,
+            min_round: min_round(sh, max_reads_in_flight),
             direct_io: sh.device_files.iter().all(|d| d.direct) && sh.config.object_bytes.is_multiple_of(ALIGN_BYTES),
             wait_deadline: None,
             spare: None,
@@ -253,7 +258,8 @@ impl<'a> Load<'a> {
 
     fn run(mut self) -> Vec<bool> {
         while self.has_unplanned() || self.reads_in_flight > 0 {
-            if self.has_unplanned() && self.reads_in_flight < self.max_reads_in_flight {
+            let room = self.max_reads_in_flight.saturating_sub(self.reads_in_flight);
+            if self.has_unplanned() && (room >= self.min_round || self.reads_in_flight == 0) {
                 let Some(round) = self.plan() else { continue };
                 self.submit(round);
             }
@@ -404,10 +410,8 @@ impl<'a> Load<'a> {
         }
         let mut settled = Vec::with_capacity(round.dram_hits.len());
         // In flight beside the NVMe reads: a load of blocks from both tiers waits for the slower.
-        for (i, slot) in round.remote_reads {
-            if !self.submit_remote_read(i, slot) {
-                settled.push((i, self.tally(i, Judged::Remote { slot, verdict: RemoteVerdict::Miss })));
-            }
+        for (i, slot) in self.submit_remote_reads(round.remote_reads) {
+            settled.push((i, self.tally(i, Judged::Remote { slot, verdict: RemoteVerdict::Miss })));
         }
         self.count_dram_hits(&round.dram_hits);
         for (i, slot) in round.dram_hits {
@@ -464,16 +468,42 @@ impl<'a> Load<'a> {
         Landing::Staged(AlignedBuf::zeroed(self.sh.arena.slot_bytes()))
     }
 
-    /// `false`: the tier could not start the read (a miss it counted); the slot is still ours.
-    fn submit_remote_read(&mut self, i: usize, slot: u32) -> bool {
+    /// Starts the round's remote reads: the shared filesystem tier's one by one, the object tier's
+    /// together (it reads adjacent blocks of a segment with one GET). Returns the reads that did not
+    /// start (misses the tier counted; their slots are still ours).
+    fn submit_remote_reads(&mut self, reads: Vec<(usize, u32)>) -> Vec<(usize, u32)> {
         let sh = self.sh;
-        let on_done = self.sender(i, Landing::Slot);
-        // SAFETY: the slot is ours (Loading) until the read is settled; an abandoned one is retired.
-        let Some(read) = (unsafe { start_remote_read(sh, &self.keys[i], sh.arena.slot_ptr(slot), on_done) }) else {
-            return false;
-        };
-        self.track(i, PendingRead::Remote { slot, read });
-        true
+        let mut not_started = Vec::new();
+        let mut object_reads = Vec::new();
+        for (i, slot) in reads {
+            match sh.shared_tier.as_ref().filter(|t| t.contains(&self.keys[i]) || sh.object_tier.is_none()) {
+                Some(tier) => {
+                    let on_done = self.sender(i, Landing::Slot);
+                    // SAFETY: the slot is ours (Loading) until the read is settled; an abandoned one is retired.
+                    match unsafe { tier.start_read(&self.keys[i], sh.arena.slot_ptr(slot), on_done) } {
+                        Some(read) => self.track(i, PendingRead::Remote { slot, read: RemoteRead::Fs(read) }),
+                        None => not_started.push((i, slot)),
+                    }
+                }
+                None => object_reads.push((i, slot)),
+            }
+        }
+        if object_reads.is_empty() {
+            return not_started;
+        }
+        let tier = sh.object_tier.as_ref().expect("remote reads need the shared or the object tier");
+        let requests = object_reads
+            .iter()
+            .map(|&(i, slot)| (self.keys[i], sh.arena.slot_ptr(slot), self.sender(i, Landing::Slot)));
+        // SAFETY: each slot is ours (Loading) until its read is settled; an abandoned one is retired.
+        let started = unsafe { tier.start_reads(requests.collect()) };
+        for ((i, slot), read) in object_reads.into_iter().zip(started) {
+            match read {
+                Some(read) => self.track(i, PendingRead::Remote { slot, read: RemoteRead::Object(read) }),
+                None => not_started.push((i, slot)),
+            }
+        }
+        not_started
     }
 
     // ---- complete ----
@@ -630,21 +660,14 @@ impl<'a> Load<'a> {
     }
 }
 
-/// Starts reading `key` into `slot` from the tier that indexes it (the shared tier first).
-///
-/// # Safety
-/// As `SharedTier::start_read`: the slot is ours until the read is judged by `finish_remote_read`.
-unsafe fn start_remote_read(sh: &Shared, key: &BlockKey, slot: *mut u8, on_done: OnDone) -> Option<RemoteRead> {
-    if let Some(tier) = sh.shared_tier.as_ref().filter(|t| t.contains(key) || sh.object_tier.is_none()) {
-        // SAFETY: forwarded contract.
-        return unsafe { tier.start_read(key, slot, on_done) }.map(RemoteRead::Fs);
-    }
-    let tier = sh.object_tier.as_ref().expect("remote reads need the shared or the object tier");
-    // SAFETY: forwarded contract.
-    unsafe { tier.start_read(key, slot, on_done) }.map(RemoteRead::Object)
+/// Reads a round waits for: the object tier's run of adjacent blocks (`bucket_get_max_bytes`), at
+/// most a quarter of the load's reads in flight so that NVMe reads beside it keep their depth.
+fn min_round(sh: &Shared, max_reads_in_flight: usize) -> usize {
+    let run = sh.object_tier.as_ref().map_or(1, |tier| tier.blocks_per_get());
+    run.min(max_reads_in_flight / 4).max(1)
 }
 
-/// Judges a finished remote read (see `start_remote_read`).
+/// Judges a finished remote read (see `Load::submit_remote_reads`).
 ///
 /// # Safety
 /// The read into `slot` finished.

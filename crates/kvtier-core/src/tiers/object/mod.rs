@@ -10,6 +10,7 @@
 pub mod config;
 pub mod format;
 mod lease;
+mod reads;
 mod sync;
 mod writer;
 
@@ -26,6 +27,7 @@ use crate::tiers::shared::ReadOutcome;
 use object_store::path::Path as ObjectPath;
 use object_store::ObjectStore;
 use parking_lot::{Condvar, Mutex, RwLock};
+use reads::Landing;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -95,6 +97,10 @@ pub struct ObjectTier {
     namespace: Namespace,
     object_bytes: usize,
     slot_bytes: usize,
+    /// Blocks per segment object (`ObjectConfig::segment_blocks`): a full segment is published.
+    segment_blocks: usize,
+    /// Adjacent blocks of one segment that one ranged GET reads at most.
+    blocks_per_get: usize,
     writer_id: u64,
     store: Arc<dyn ObjectStore>,
     /// `<prefix>/<namespace hex>`: segments under `seg/`, index objects under `idx/`.
@@ -146,6 +152,8 @@ impl ObjectTier {
             namespace,
             object_bytes,
             slot_bytes,
+            segment_blocks: config.segment_blocks(slot_bytes) as usize,
+            blocks_per_get: config.blocks_per_get(slot_bytes) as usize,
             writer_id: crate::tiers::shared::random_nonzero_u64(),
             store,
             base,
@@ -168,6 +176,11 @@ impl ObjectTier {
 
     pub fn slot_bytes(&self) -> usize {
         self.slot_bytes
+    }
+
+    /// Adjacent blocks of one segment that one ranged GET reads at most.
+    pub fn blocks_per_get(&self) -> usize {
+        self.blocks_per_get
     }
 
     pub fn config(&self) -> &ObjectConfig {
@@ -205,41 +218,34 @@ impl ObjectTier {
         Duration::from_millis(self.config.request_timeout_ms)
     }
 
-    /// Starts a ranged GET of `key`'s slot into `slot` on the tier's runtime: `on_done` gets the
-    /// result (always, within `request_timeout_ms`), to be handed with the returned read to
-    /// `finish_started`. `None`: not indexed, a counted miss, and `on_done` is dropped uncalled.
+    /// Starts reading the blocks of `requests` into their slots on the tier's runtime, adjacent blocks
+    /// of one segment with one ranged GET (`blocks_per_get` at most). Each read's `on_done` gets its
+    /// block's result (always, within `request_timeout_ms`), to be handed with the returned read to
+    /// `finish_started`: every block is verified alone. `None`: not indexed, a counted miss, and its
+    /// `on_done` is dropped uncalled.
     ///
     /// # Safety
-    /// `slot` is valid for `slot_bytes` bytes of writes and used by nothing else until `on_done` ran.
-    pub unsafe fn start_read(&self, key: &BlockKey, slot: *mut u8, on_done: OnDone) -> Option<ObjectRead> {
-        let Some(loc) = self.index.read().blocks.get(key).cloned() else {
-            Stats::add(&self.stats.bucket_misses, 1);
-            return None;
-        };
-        Stats::add(&self.stats.bucket_get_requests, 1);
-        let (store, path, n) = (Arc::clone(&self.store), self.segment_path(&loc.stem), self.slot_bytes);
-        let (permits, timeout, addr) = (Arc::clone(&self.read_permits), self.timeout(), slot as usize);
-        let range = loc.offset..loc.offset + n as u64;
-        self.rt.spawn(async move {
-            let got = tokio::time::timeout(timeout, async {
-                let _permit = permits.acquire_owned().await.map_err(std::io::Error::other)?;
-                store.get_range(&path, range).await.map_err(std::io::Error::from)
-            })
-            .await;
-            let result = match got {
-                Err(_) => Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "ranged GET timed out")),
-                Ok(Err(e)) => Err(e),
-                Ok(Ok(bytes)) if bytes.len() == n => {
-                    // SAFETY: the caller's slot is ours until on_done (contract above); the GET future,
-                    // dropped on timeout, never writes into it.
-                    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), addr as *mut u8, n) };
-                    Ok(())
-                }
-                Ok(Ok(_)) => Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "short ranged GET")),
-            };
-            on_done(result);
-        });
-        Some(ObjectRead { key: *key, stem: loc.stem, value_checksum: loc.value_checksum })
+    /// Each slot is valid for `slot_bytes` bytes of writes and used by nothing else until its
+    /// `on_done` ran.
+    pub unsafe fn start_reads(&self, requests: Vec<(BlockKey, *mut u8, OnDone)>) -> Vec<Option<ObjectRead>> {
+        let mut started = Vec::with_capacity(requests.len());
+        let mut located = Vec::with_capacity(requests.len());
+        {
+            let index = self.index.read();
+            for (key, slot, on_done) in requests {
+                let Some(loc) = index.blocks.get(&key) else {
+                    Stats::add(&self.stats.bucket_misses, 1);
+                    started.push(None);
+                    continue;
+                };
+                started.push(Some(ObjectRead { key, stem: Arc::clone(&loc.stem), value_checksum: loc.value_checksum }));
+                located.push((Arc::clone(&loc.stem), loc.offset, Landing { addr: slot as usize, on_done }));
+            }
+        }
+        for run in reads::plan_runs(located, self.slot_bytes as u64, self.blocks_per_get) {
+            self.spawn_run(run);
+        }
+        started
     }
 
     /// Judges a finished read: a verified block is a hit; anything else is a counted miss, and a
@@ -249,12 +255,12 @@ impl ObjectTier {
     /// `slot` is the read's own and its `on_done` ran.
     pub unsafe fn finish_started(&self, read: ObjectRead, slot: *mut u8, result: std::io::Result<()>) -> ReadOutcome {
         if let Err(e) = result {
+            // Failed requests were counted where they were made (`reads.rs`), once per GET.
             if e.kind() == std::io::ErrorKind::NotFound {
                 // Evicted by another store or expired by a lifecycle rule since the last listing.
                 self.index.write().remove(&read.stem);
             } else {
                 log::debug!("kvtier: bucket read of {:?} failed: {e}; counted as a miss", read.key);
-                Stats::add(&self.stats.bucket_request_errors, 1);
             }
             Stats::add(&self.stats.bucket_misses, 1);
             return ReadOutcome::Miss;

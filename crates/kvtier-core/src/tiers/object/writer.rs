@@ -43,8 +43,8 @@ impl SegmentWriter {
 }
 
 impl ObjectTier {
-    /// Appends whole slots (as the DRAM tier holds them) to the open segment, publishing it when the
-    /// next slot would pass `bucket_segment_bytes`. A slot whose descriptor or checksum does not
+    /// Appends whole slots (as the DRAM tier holds them) to the open segment, publishing it as soon
+    /// as it holds `segment_blocks` (`ObjectConfig::segment_blocks`). A slot whose descriptor or checksum does not
     /// match its key is skipped; so is a key already indexed. Returns how many were appended.
     pub fn append_slots(&self, slots: &mut [(BlockKey, &mut [u8])]) -> usize {
         let mut appended = 0;
@@ -56,11 +56,12 @@ impl ObjectTier {
             if w.keys.contains(key) {
                 continue;
             }
-            if !w.entries.is_empty() && (w.buf.len() + self.slot_bytes) as u64 > self.config.segment_bytes {
-                self.seal(&mut w);
-            }
             self.append_one(&mut w, key, slot);
             appended += 1;
+            debug_assert!(w.entries.len() <= self.segment_blocks, "a full segment is sealed at once");
+            if w.entries.len() == self.segment_blocks {
+                self.seal(&mut w);
+            }
         }
         appended
     }

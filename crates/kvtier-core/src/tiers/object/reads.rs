@@ -1,0 +1,169 @@
+//! Reads: a load's blocks grouped into runs of adjacent slots of one segment, each run one ranged
+//! GET (docs/object-tier.md, "Index and reads"). Every block is still verified alone
+//! (`ObjectTier::finish_started`): a bad block in a run is a miss, the others are served.
+
+use super::ObjectTier;
+use crate::io::device::OnDone;
+use crate::stats::Stats;
+use object_store::path::Path as ObjectPath;
+use object_store::ObjectStore;
+use std::io;
+use std::sync::Arc;
+
+/// Where one block of a run lands: its DRAM slot's address, and whom to tell when it is there.
+pub(super) struct Landing {
+    pub(super) addr: usize,
+    pub(super) on_done: OnDone,
+}
+
+/// Adjacent slots of one segment, read with one ranged GET from `start`.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Run<T> {
+    pub(super) stem: Arc<str>,
+    pub(super) start: u64,
+    pub(super) blocks: Vec<T>,
+}
+
+/// Groups blocks, given as (segment, offset of the slot, payload) in any order, into runs of
+/// adjacent slots of one segment, `max_blocks` at most per run.
+pub(super) fn plan_runs<T>(mut blocks: Vec<(Arc<str>, u64, T)>, slot_bytes: u64, max_blocks: usize) -> Vec<Run<T>> {
+    assert!(max_blocks >= 1 && slot_bytes > 0, "a run holds at least one slot");
+    blocks.sort_by(|a, b| (&*a.0, a.1).cmp(&(&*b.0, b.1)));
+    let mut runs: Vec<Run<T>> = Vec::new();
+    for (stem, offset, payload) in blocks {
+        if let Some(run) = runs.last_mut() {
+            let next = run.start + run.blocks.len() as u64 * slot_bytes;
+            if run.stem == stem && offset == next && run.blocks.len() < max_blocks {
+                run.blocks.push(payload);
+                continue;
+            }
+        }
+        runs.push(Run { stem, start: offset, blocks: vec![payload] });
+    }
+    runs
+}
+
+impl ObjectTier {
+    /// Reads `run` on the tier's runtime (one of `bucket_reads_in_flight` permits), then calls each
+    /// block's `on_done` with its result, within `request_timeout_ms` in all.
+    pub(super) fn spawn_run(&self, run: Run<Landing>) {
+        let get = RangedGet {
+            store: Arc::clone(&self.store),
+            path: self.segment_path(&run.stem),
+            slot_bytes: self.slot_bytes,
+            stats: Arc::clone(&self.stats),
+        };
+        let (permits, timeout) = (Arc::clone(&self.read_permits), self.timeout());
+        self.rt.spawn(async move {
+            let addrs: Vec<usize> = run.blocks.iter().map(|landing| landing.addr).collect();
+            // On timeout the future is dropped: nothing writes into a slot after its on_done.
+            let got = tokio::time::timeout(timeout, async {
+                let _permit = permits.acquire_owned().await.map_err(io::Error::other)?;
+                Ok::<_, io::Error>(get.run(run.start, &addrs).await)
+            })
+            .await;
+            let results = match got {
+                Ok(Ok(results)) => results,
+                Ok(Err(e)) => addrs.iter().map(|_| Err(same_error(&e))).collect(),
+                Err(_) => {
+                    Stats::add(&get.stats.bucket_request_errors, 1);
+                    addrs.iter().map(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "ranged GET timed out"))).collect()
+                }
+            };
+            debug_assert_eq!(results.len(), run.blocks.len(), "one result per block");
+            for (landing, result) in run.blocks.into_iter().zip(results) {
+                (landing.on_done)(result);
+            }
+        });
+    }
+}
+
+/// Ranged GETs of one segment object into DRAM slots.
+struct RangedGet {
+    store: Arc<dyn ObjectStore>,
+    path: ObjectPath,
+    slot_bytes: usize,
+    stats: Arc<Stats>,
+}
+
+impl RangedGet {
+    /// Reads the adjacent slots from `start` into `addrs` with one GET. When that fails other than
+    /// with a 404 (a truncated segment answers a range past its end with an error), each slot is
+    /// read with a GET of its own, so that the whole ones are still served.
+    async fn run(&self, start: u64, addrs: &[usize]) -> Vec<io::Result<()>> {
+        match self.get(start, addrs).await {
+            Ok(()) => addrs.iter().map(|_| Ok(())).collect(),
+            Err(e) if addrs.len() == 1 || e.kind() == io::ErrorKind::NotFound => {
+                addrs.iter().map(|_| Err(same_error(&e))).collect()
+            }
+            Err(_) => {
+                let mut results = Vec::with_capacity(addrs.len());
+                for (i, addr) in addrs.iter().enumerate() {
+                    results.push(self.get(start + (i * self.slot_bytes) as u64, std::slice::from_ref(addr)).await);
+                }
+                results
+            }
+        }
+    }
+
+    /// One ranged GET of `addrs.len()` slots from `start`, copied into them; counted, and a failure
+    /// other than a 404 counted as a request error.
+    async fn get(&self, start: u64, addrs: &[usize]) -> io::Result<()> {
+        Stats::add(&self.stats.bucket_get_requests, 1);
+        let wanted = self.slot_bytes * addrs.len();
+        let got = match self.store.get_range(&self.path, start..start + wanted as u64).await {
+            Ok(bytes) if bytes.len() == wanted => Ok(bytes),
+            Ok(_) => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "short ranged GET")),
+            Err(e) => Err(io::Error::from(e)),
+        };
+        let bytes = got.inspect_err(|e| {
+            if e.kind() != io::ErrorKind::NotFound {
+                Stats::add(&self.stats.bucket_request_errors, 1);
+            }
+        })?;
+        for (i, &addr) in addrs.iter().enumerate() {
+            let slot = &bytes[i * self.slot_bytes..(i + 1) * self.slot_bytes];
+            // SAFETY: each slot is the reader's until its on_done, which runs after this returns
+            // (`ObjectTier::start_reads`' contract); the slots of a run are distinct.
+            unsafe { std::ptr::copy_nonoverlapping(slot.as_ptr(), addr as *mut u8, self.slot_bytes) };
+        }
+        Ok(())
+    }
+}
+
+/// `io::Error` is not `Clone`: the same kind and message for each block of a failed run.
+fn same_error(e: &io::Error) -> io::Error {
+    io::Error::new(e.kind(), e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blocks(list: &[(&str, u64)]) -> Vec<(Arc<str>, u64, u64)> {
+        list.iter().map(|&(stem, offset)| (Arc::from(stem), offset, offset)).collect()
+    }
+
+    fn shape(runs: &[Run<u64>]) -> Vec<(&str, u64, usize)> {
+        runs.iter().map(|r| (&*r.stem, r.start, r.blocks.len())).collect()
+    }
+
+    #[test]
+    fn adjacent_slots_of_one_segment_make_one_run() {
+        let runs = plan_runs(blocks(&[("a", 4096 + 20), ("a", 4096), ("a", 4096 + 10)]), 10, 8);
+        assert_eq!(shape(&runs), [("a", 4096, 3)]);
+        assert_eq!(runs[0].blocks, [4096, 4106, 4116], "in slot order, whatever the load's order");
+    }
+
+    #[test]
+    fn runs_break_at_gaps_segments_and_the_bound() {
+        let list = [("a", 4096), ("a", 4106), ("a", 4126), ("b", 4136), ("b", 4146), ("b", 4156), ("b", 4166)];
+        let runs = plan_runs(blocks(&list), 10, 3);
+        assert_eq!(shape(&runs), [("a", 4096, 2), ("a", 4126, 1), ("b", 4136, 3), ("b", 4166, 1)]);
+        let singles = plan_runs(blocks(&list), 10, 1);
+        assert_eq!(singles.len(), list.len(), "a bound of one block: one GET per block");
+        let repeated = plan_runs(blocks(&[("a", 4096), ("a", 4096)]), 10, 8);
+        assert_eq!(shape(&repeated), [("a", 4096, 1), ("a", 4096, 1)], "the same slot twice is two reads");
+        assert!(plan_runs(Vec::<(Arc<str>, u64, u64)>::new(), 10, 4).is_empty());
+    }
+}
