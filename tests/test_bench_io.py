@@ -204,3 +204,18 @@ def test_workload_objects_are_distinct_and_keys_stable():
     assert keys == layout.keys()
     again = workload.make_pool(layout.pool_bytes, seed=7)
     assert (again[:4096] == pool[:4096]).all()
+
+
+def test_a_failed_object_sweep_fails_the_run_at_any_size(tmp_path, monkeypatch, capsys):
+    """Outside --small, other sanity problems are warnings, but an --object sweep that could not run
+    fails the run with the reason (here: no credentials for the bucket given, found before any request)."""
+    from kvtier.bench import io
+
+    for variable in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(variable, raising=False)
+    argv = ["--object", "--no-kvtier", "--no-fio", "--no-lmcache", "--object-size", "512", "--object-repeats", "1"]
+    argv += ["--bucket-url", "s3://kvtier-nowhere/bench", "--bucket-endpoint", "http://127.0.0.1:9"]
+    argv += ["--dir", str(tmp_path / "scratch"), "--out", str(tmp_path / "out")]
+    assert io.main(argv) == io.EXIT_NOT_SANE
+    err = capsys.readouterr().err
+    assert "FAIL: kvtier_object failed in bucket: --bucket-url needs the credentials" in err, err

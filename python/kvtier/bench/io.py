@@ -21,6 +21,8 @@ repeated, for every (model shape, prompt size, object kind) case:
 It prints a table, writes ``results.json``, ``table.txt`` and ``io.png`` to the output directory and
 exits non-zero (3) if kvtier ever returned wrong bytes. ``--small`` is the CI size: a few seconds of
 I/O, and it also fails (4) on results that are not sane (unexplained misses, errors, zero rates).
+An ``--object`` sweep that failed or could not run (no bucket, an error, blocks missing or dropped)
+fails the run (4) at any size, with the reason: its figures would be missing or wrong.
 """
 
 from __future__ import annotations
@@ -735,12 +737,26 @@ def main(argv: list[str] | None = None) -> int:
             f"(shared tier: {wrong['kvtier_shared']}, object tier: {wrong['kvtier_object']})"
         )
         return EXIT_WRONG_BYTES
+    object_failures = object_tier_failures(document)
     if document["sanity_problems"]:
         for problem in document["sanity_problems"]:
-            log(f"{'FAIL' if options['small'] else 'warning'}: {problem}")
-        if options["small"]:
+            failed = options["small"] or problem in object_failures
+            log(f"{'FAIL' if failed else 'warning'}: {problem}")
+        if options["small"] or object_failures:
             return EXIT_NOT_SANE
     return EXIT_OK
+
+
+def object_tier_failures(document: dict) -> list[str]:
+    """The sanity problems of the ``--object`` sweep (it failed, found no bucket, or missed or dropped
+    blocks): these fail the run at any size, the others only at ``--small``."""
+    object_section = document.get("object_tier") or {}
+    failures = [
+        f"{error['system']} failed in {error['case']}: {error['error']}"
+        for error in document["errors"]
+        if error["system"] == "kvtier_object"
+    ]
+    return failures + list(object_section.get("problems", []))
 
 
 if __name__ == "__main__":
