@@ -29,13 +29,7 @@ down() {
     set +e # tear down as much as possible, whatever fails
     [[ -d $state ]] || return 0
     unmount_all
-    # SIGKILL: the state is thrown away, and an MDS stopped with SIGTERM may respawn itself (a new
-    # process, no longer in its pid file).
-    for d in "${daemons[@]}"; do
-        pid=$(cat "$state/run/$d.pid" 2>/dev/null) && kill -9 "$pid" 2>/dev/null
-        rm -f "$state/run/$d.pid"
-    done
-    for _ in 1 2 3; do sweep_state_processes; sleep 0.2; done
+    stop_ceph_daemons
     rm -rf "$state"
     log "down: $state removed"
 }

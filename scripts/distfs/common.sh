@@ -1,5 +1,5 @@
-# Teardown helpers shared by glusterfs.sh and cephfs.sh (sourced; they use the caller's $state,
-# $mounts and log).
+# Teardown helpers shared by glusterfs.sh, cephfs.sh and radosgw.sh (sourced; they use the caller's
+# $state, $mounts, $daemons and log).
 
 alive() { # alive PID: running and not a zombie (daemons reparented to a non-reaping parent linger as Z)
     local st
@@ -48,4 +48,15 @@ unmount_all() { # every FUSE mount of $state, even one with I/O stuck in it, and
         fi
         kill_pidfile "$state/run/client-$m.pid"
     done
+}
+
+stop_ceph_daemons() { # SIGKILL every one of $daemons by its pid file in $state/run, then whatever is left
+    # SIGKILL: the state is thrown away, and an MDS stopped with SIGTERM may respawn itself (a new
+    # process, no longer in its pid file).
+    local d pid
+    for d in "${daemons[@]}"; do
+        pid=$(cat "$state/run/$d.pid" 2>/dev/null) && kill -9 "$pid" 2>/dev/null
+        rm -f "$state/run/$d.pid"
+    done
+    for _ in 1 2 3; do sweep_state_processes; sleep 0.2; done
 }

@@ -25,11 +25,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 down() {
     set +e # tear down as much as possible, whatever fails
     [[ -d $state ]] || return 0
-    for d in "${daemons[@]}"; do
-        pid=$(cat "$state/run/$d.pid" 2>/dev/null) && kill -9 "$pid" 2>/dev/null
-        rm -f "$state/run/$d.pid"
-    done
-    for _ in 1 2 3; do sweep_state_processes; sleep 0.2; done
+    stop_ceph_daemons
     rm -rf "$state"
     log "down: $state removed"
 }
