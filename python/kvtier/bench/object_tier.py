@@ -6,8 +6,9 @@ published) publishes one prompt with ``put_many`` + ``flush`` (the flush waits u
 and its index object are PUT) and closes. Then, for every ``bucket_reads_in_flight``, a fresh store
 B (another empty local directory, same bucket prefix and namespace) opens (it lists the prefix and
 GETs the index objects once), checks that ``lookup_prefix`` covers the prompt, and is timed for one
-``get_many`` of the whole prompt: every block a ranged GET from the bucket, compared byte for byte
-with what A stored. B's listing period is set to the maximum so that no listing lands in the timed
+``get_many`` of the whole prompt: the blocks come from the bucket, adjacent blocks of a segment with
+one ranged GET (``bucket_get_max_bytes``, automatic: 4 blocks), compared byte for byte with what A
+stored. B's listing period is set to the maximum so that no listing lands in the timed
 window. Requests come from the tier's counters (``bucket_put_requests``, ``bucket_get_requests``,
 ``bucket_list_requests``): per GiB stored are A's during the publish, per GiB loaded are B's during
 the ``get_many``; B's open (listing and index GETs) is reported apart. The prefix of a segment size

@@ -43,7 +43,8 @@ Configurations (one engine alive at a time, each in its own child process):
   segments and index objects are PUT; then per prompt a fresh engine and service with an empty local
   store and the same bucket prefix, every block of the prompt placed in the remote tier by
   ``locate_many`` before timing, and every block of the timed request counted in ``bucket_hits`` (one
-  ranged GET each). ``--bucket-segment-bytes`` sets both nodes' ``bucket_segment_bytes``.
+  ranged GET per run of adjacent blocks of a segment). ``--bucket-segment-bytes`` sets both nodes'
+  ``bucket_segment_bytes``.
 - ``lmcache_disk``: LMCache's vLLM connector (LMCacheConnectorV1, LMCache 0.5.6) with its local disk
   backend, through kvtier's CPU copy shim (``kvtier.bench.lmcache_cpu_shim``: LMCache has no data
   mover for CPU vLLM). It runs in its own virtualenv (``scripts/install_lmcache_vllm.sh`` makes
@@ -222,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bucket-endpoint", help="S3 endpoint of --bucket-url (default AWS)")
     parser.add_argument(
         "--bucket-segment-bytes", metavar="SIZE",
-        help="the kvtier_object row's bucket_segment_bytes (default: the store's, 32 MiB)",
+        help="the kvtier_object row's bucket_segment_bytes (default: the store's, whole blocks to 32 MiB, at least 4)",
     )  # fmt: skip
     parser.add_argument("--skip-lmcache", action="store_true", help="do not run LMCache's connector (local disk)")
     parser.add_argument(
