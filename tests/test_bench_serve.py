@@ -1,9 +1,12 @@
 """``kvtier bench serve`` (issue 23, item 4): serving under load with vLLM's own ``vllm bench serve``.
 
-Fast tests (no server): the plan's sizes, the load generator's command, the parsing of its saved
-JSON, and the round-robin proxy of the two-server rows against two small HTTP servers.
-The slow test runs ``kvtier bench serve --small`` end to end with the rows ``vllm`` and
-``kvtier-dram`` (tiny model, real ``vllm serve`` and ``vllm bench serve``) and checks the JSON.
+Fast tests (no server): the plan's sizes (closed loop and the mixed workload at a request rate), the
+load generator's command, the parsing of its saved JSON, vLLM's /metrics counters, the LMCache rows'
+configuration, their skip without LMCache's venv and the check that a cache row hits, and the
+round-robin proxy of the two-server rows against two small HTTP servers.
+The slow tests run ``kvtier bench serve --small`` end to end with the rows ``vllm`` and
+``kvtier-dram`` (tiny model, real ``vllm serve`` and ``vllm bench serve``) and check the JSON, and
+the mixed workload's small run on ``vllm`` alone; the LMCache row's small run when its venv exists.
 
 Run: ``.venv/bin/python -m pytest tests/test_bench_serve.py -v`` (add ``-m slow`` for the run).
 """
@@ -60,7 +63,41 @@ def test_kv_events_are_counted_per_point():
     assert "KV events 3.0 per request (2.0 kvtier's), 2.0 KB/s" in serve.point_line({**point, "kv_events": delta})
 
 
-@pytest.mark.parametrize("argv", [["--users", "0"], ["--rows", "nope"], ["--concurrency", "0"]])
+def test_mixed_workload_arrives_at_a_rate():
+    mixed = plan_of("--workload", "mixed")
+    assert (mixed["users"], mixed["requests_per_user"], mixed["output_len"]) == ([4, 12, 24], 2, 64)
+    assert (mixed["request_rate"], mixed["burstiness"], mixed["concurrency"]) == (0.4, 1.0, None)
+    assert mixed["preset"] == "kv8b" and mixed["prefix_len"] == 2048
+    command = serve.bench_command(mixed, "http://h:1", "kv8b", Path("/m"), 4, 7, Path("/r"), "x.json")
+    assert command[command.index("--request-rate") + 1] == "0.4"
+    assert command[command.index("--burstiness") + 1] == "1"
+    assert "--max-concurrency" not in command, "an open loop: no cap on requests in flight"
+    assert command[command.index("--prefix-repetition-output-len") + 1] == "64"
+    assert serve.load_text(mixed) == "0.4 req/s (Poisson)"
+    small = plan_of("--workload", "mixed", "--small")
+    assert (small["preset"], small["request_rate"], small["output_len"], small["concurrency"]) == (
+        "tiny",
+        4.0,
+        16,
+        None,
+    )
+    both = plan_of("--workload", "mixed", "--request-rate", "2", "--burstiness", "0.5", "--concurrency", "8")
+    command = serve.bench_command(both, "http://h:1", "kv8b", Path("/m"), 4, 7, Path("/r"), "x.json")
+    assert command[command.index("--max-concurrency") + 1] == "8"
+    assert command[command.index("--request-rate") + 1] == "2" and command[command.index("--burstiness") + 1] == "0.5"
+    assert serve.load_text(both) == "2 req/s (burstiness 0.5), concurrency 8"
+    closed = plan_of()
+    assert closed["request_rate"] is None and closed["burstiness"] is None and closed["workload"] == "closed"
+    assert "--request-rate" not in serve.bench_command(closed, "u", "m", Path("/m"), 4, 7, Path("/r"), "x.json")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--users", "0"], ["--rows", "nope"], ["--concurrency", "0"], ["--request-rate", "0"],
+        ["--workload", "mixed", "--burstiness", "0"],
+    ],
+)  # fmt: skip
 def test_bad_arguments(argv):
     with pytest.raises(serve.BenchError):
         plan_of(*argv)
@@ -93,7 +130,7 @@ def test_bench_command():
     assert value("--max-concurrency") == "2"
     assert value("--seed") == "7"
     assert value("--tokenizer") == "/m"
-    assert value("--percentile-metrics") == "ttft,e2el"
+    assert value("--percentile-metrics") == "ttft,tpot,itl,e2el"
     assert value("--metric-percentiles") == "50,90,99"
     assert "--ignore-eos" in command and "--save-result" in command
 
@@ -104,11 +141,13 @@ def test_parse_result():
         "total_input_tokens": 4608, "total_output_tokens": 32,
         "p50_ttft_ms": 100.0, "p90_ttft_ms": 150.0, "p99_ttft_ms": 199.0, "mean_ttft_ms": 110.0,
         "p50_e2el_ms": 120.0, "p90_e2el_ms": 170.0, "p99_e2el_ms": 220.0, "mean_e2el_ms": 130.0,
+        "p50_tpot_ms": 60.0, "p99_tpot_ms": 75.0, "p50_itl_ms": 58.0, "p99_itl_ms": 140.0,
     }  # fmt: skip
     point = serve.parse_result(saved)
     assert point["request_throughput"] == 2.0 and point["completed"] == 8
     assert point["ttft_ms"] == {"p50": 100.0, "p90": 150.0, "p99": 199.0, "mean": 110.0}
     assert point["e2el_ms"]["p99"] == 220.0
+    assert point["tpot_ms"]["p50"] == 60.0 and point["itl_ms"]["p99"] == 140.0
     document = {
         "settings": {},
         "rows": [
@@ -118,7 +157,107 @@ def test_parse_result():
     }
     rows = serve.table_rows(document)
     assert rows[0][:4] == ["x", "2", "8", "2.00"] and rows[0][-3:] == ["3", "0", "9"]
+    assert rows[0][serve.TABLE_HEADER.index("TPOT p50/p99 ms")] == "60/75"
+    assert rows[0][serve.TABLE_HEADER.index("ITL p50/p99 ms")] == "58/140"
     assert rows[1][2] == "not measured"
+    assert "TPOT p50/p99 60/75 ms, ITL p50/p99 58/140 ms" in serve.point_line(point)
+
+
+def test_lmcache_rows_without_their_venv_are_skipped_with_the_install_command(tmp_path, monkeypatch):
+    monkeypatch.setattr(serve, "repo_root", lambda: tmp_path)  # a checkout without .venv-lmcache-vllm
+    plan = plan_of("--rows", "vllm,lmcache,lmcache-disk")
+    assert plan["rows"] == ["vllm", "lmcache", "lmcache-disk"] and plan["lmcache_python"] is None
+    assert "scripts/install_lmcache_vllm.sh" in plan["lmcache_not_measured"]
+    record = serve.run_row(plan, "lmcache", tmp_path, 60, 0.0)
+    assert record["points"] == [] and record["problems"] == [] and not record["servers"]
+    assert record["skipped"].startswith("LMCache not measured: no .venv-lmcache-vllm")
+    row = serve.table_rows({"rows": [record]})[0]
+    assert row[0] == "LMCache CPU + CPU copy shim" and "install_lmcache_vllm.sh" in row[2]
+    with pytest.raises(serve.BenchError, match="not an executable"):
+        plan_of("--rows", "lmcache", "--lmcache-python", str(tmp_path / "nope"))
+    (tmp_path / ".venv-lmcache-vllm" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv-lmcache-vllm" / "bin" / "python").symlink_to(sys.executable)
+    found = plan_of("--rows", "lmcache")
+    assert found["lmcache_python"] == str(tmp_path / ".venv-lmcache-vllm" / "bin" / "python")
+    assert found["lmcache_not_measured"] is None
+    assert "lmcache_python" not in plan_of(), "no LMCache row: no interpreter looked up"
+
+
+def test_shim_counters_sum_the_server_processes(tmp_path):
+    prefix = tmp_path / "lmcache-lmcache-counters"
+    assert serve.shim_counters(prefix) is None, "nothing written yet"
+    scheduler = {"loaded_tokens": 0, "stored_tokens": 0, "disk_chunks_read": 0, "disk_chunks_missed": 0, "pid": 1}
+    worker = {"loaded_tokens": 512, "stored_tokens": 1024, "disk_chunks_read": 2, "disk_chunks_missed": 0, "pid": 2}
+    (tmp_path / "lmcache-lmcache-counters.1.json").write_text(json.dumps(scheduler))
+    (tmp_path / "lmcache-lmcache-counters.2.json").write_text(json.dumps(worker))
+    (tmp_path / "lmcache-lmcache-disk-counters.3.json").write_text(json.dumps(worker))  # another row's
+    assert serve.shim_counters(prefix) == {k: v for k, v in worker.items() if k != "pid"}
+    assert serve.row_stores("lmcache", Path("/stores")) == [], "no kvtier store, no kvtier service"
+
+
+def test_lmcache_config_is_sized_like_kvtier():
+    plan = plan_of("--dram-gib", "2", "--nvme-gib", "8")
+    cpu = serve.lmcache_config("lmcache", plan, Path("/d"))
+    assert cpu["local_cpu"] and cpu["max_local_cpu_size"] == pytest.approx(2 * 2**30 / 1e9)
+    assert "local_disk" not in cpu and cpu["chunk_size"] == 256 and not cpu["use_layerwise"]
+    disk = serve.lmcache_config("lmcache-disk", plan, Path("/d"))
+    assert disk["local_disk"] == "/d" and disk["max_local_disk_size"] == pytest.approx(8 * 2**30 / 1e9)
+
+
+def test_a_cache_row_without_hits_is_a_problem(tmp_path):
+    def record(points):
+        return {"points": points}
+
+    shim = {"loaded_tokens": 0, "stored_tokens": 512, "disk_chunks_read": 0, "disk_chunks_missed": 0}
+    assert "never ran" in serve.row_hit_problems("lmcache", record([{"users": 2}]), None)[0]
+    assert "no hit" in serve.row_hit_problems("lmcache", record([{"lmcache": shim}]), None)[0]
+    hit = {**shim, "loaded_tokens": 256}
+    assert serve.row_hit_problems("lmcache", record([{"lmcache": shim}, {"lmcache": hit}]), None) == []
+    log = tmp_path / "server.log"
+    log.write_text("INFO ok\nWARNING LMCache runs in degraded mode (recompute)\n")
+    assert "degraded mode" in serve.row_hit_problems("lmcache-disk", record([{"lmcache": hit}]), log)[0]
+    zero = {"dram_hits": 0, "nvme_hits": 0, "puts": 9}
+    assert "kvtier served no hit" in serve.row_hit_problems("kvtier-dram", record([{"kvtier": zero}]), None)[0]
+    assert serve.row_hit_problems("kvtier-nvme", record([{"kvtier": {**zero, "nvme_hits": 1}}]), None) == []
+    assert serve.row_hit_problems("vllm", record([{"users": 2}]), None) == []
+    assert serve.row_hit_problems("kvtier-dram", record([{"users": 2}]), None) == [], "no counters: not judged"
+
+
+METRICS = b"""# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 1024.0
+vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 4096.0
+vllm:external_prefix_cache_hits_total{engine="0",model_name="tiny"} 512.0
+vllm:external_prefix_cache_hits_created{engine="0",model_name="tiny"} 1.7e9
+vllm:external_prefix_cache_queries_total{engine="0",model_name="tiny"} 3072.0
+vllm:num_requests_running{engine="0",model_name="tiny"} 0.0
+"""
+
+
+class _Metrics(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(METRICS)))
+        self.end_headers()
+        self.wfile.write(METRICS)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_cache_metrics_sum_vllm_counters_over_servers():
+    servers = []
+    for _ in range(2):
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+    try:
+        totals = serve.cache_metrics([f"http://127.0.0.1:{s.server_address[1]}" for s in servers])
+    finally:
+        for server in servers:
+            server.shutdown()
+    assert totals == {"vllm_queried": 8192, "vllm_hits": 2048, "connector_queried": 6144, "connector_hits": 1024}
+    assert serve.cache_metrics(["http://127.0.0.1:1"]) is None, "no server: no figures, not zeros"
 
 
 class _Upstream(http.server.BaseHTTPRequestHandler):
@@ -197,3 +336,49 @@ def test_bench_serve_small_end_to_end(tmp_path):
     # Users repeat (2 requests each) and vLLM's own cache holds 12 blocks: kvtier serves repeats.
     assert sum(point["kvtier"]["dram_hits"] for point in rows["kvtier-dram"]["points"]) > 0
     assert (out / "serve.png").exists() and (out / "table.md").exists()
+
+
+def _require_vllm() -> None:
+    try:
+        import vllm  # noqa: F401
+    except Exception as import_error:  # pragma: no cover - depends on the environment
+        pytest.skip(f"vllm is not importable ({import_error!r})")
+
+
+@pytest.mark.slow
+def test_bench_serve_mixed_workload_small(tmp_path):
+    """The mixed workload end to end on vLLM alone (one server): requests at a rate, decode metrics."""
+    _require_vllm()
+    out = tmp_path / "mixed"
+    command = [sys.executable, "-m", "kvtier", "bench", "serve", "--small", "--workload", "mixed", "--rows", "vllm"]
+    completed = subprocess.run(
+        [*command, "--users", "2", "--out", str(out)], capture_output=True, text=True, timeout=900
+    )
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    document = json.loads((out / "results.json").read_text())
+    assert document["settings"]["workload"] == "mixed" and not document["problems"]
+    (point,) = document["rows"][0]["points"]
+    assert point["completed"] == 2 * 2 and point["failed"] == 0
+    assert "--request-rate" in point["command"] and "--max-concurrency" not in point["command"]
+    saved = json.loads(Path(point["result_file"]).read_text())
+    assert saved["request_rate"] == 4.0 and saved["burstiness"] == 1.0
+    assert point["total_output_tokens"] == 4 * 16
+    assert all(point[f"{metric}_ms"]["p99"] > 0 for metric in ("ttft", "tpot", "itl"))
+    assert point["cache_tokens"]["vllm_queried"] > 0, "vLLM's /metrics were read before and after the point"
+
+
+@pytest.mark.slow
+def test_bench_serve_lmcache_row_small(tmp_path):
+    """LMCache's CPU row under `vllm serve` through the shim, when LMCache's venv is installed: its
+    shim must have copied tokens into vLLM (hits), as vLLM's connector counter must say."""
+    venv_python = serve.repo_root() / serve.LMCACHE_VENV / "bin" / "python"
+    if not venv_python.exists():
+        pytest.skip(f"no {serve.LMCACHE_VENV} (bash {serve.LMCACHE_INSTALL})")
+    out = tmp_path / "lmcache"
+    command = [sys.executable, "-m", "kvtier", "bench", "serve", "--small", "--rows", "lmcache", "--users", "4"]
+    completed = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=1800)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    document = json.loads((out / "results.json").read_text())
+    (point,) = document["rows"][0]["points"]
+    assert point["failed"] == 0 and point["lmcache"]["loaded_tokens"] > 0
+    assert point["cache_tokens"]["connector_hits"] > 0

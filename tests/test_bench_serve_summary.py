@@ -66,3 +66,28 @@ def test_a_collapse_or_a_slower_kvtier_is_a_missed_target(tmp_path):
     assert not verdicts[("kvtier-dram", 12)]["met"], "TTFT p99 above vLLM alone's"
     assert "vs_first_users" not in verdicts[("kvtier-dram", 32)], "32 prefixes do not fit 2 GiB: no collapse check"
     assert "**missed**" in (out / "summary.md").read_text()
+
+
+def test_mixed_runs_group_by_rate_apart_from_closed_loop_runs(tmp_path):
+    closed = run(tmp_path, "c4", 4, {"vllm": [(4, 1.0, 5000)], "kvtier-nvme": [(4, 1.1, 4900)]})
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    tpot = {"p50": 60.0, "p90": 70.0, "p99": 80.0}
+    document = {
+        "settings": {**SETTINGS, "concurrency": None, "request_rate": 0.4, "burstiness": 1.0, "output_len": 64},
+        "rows": [
+            {"row": "vllm", "label": "vllm", "points": [point(4, 0.38, 9000) | {"tpot_ms": tpot}], "problems": []},
+            {"row": "kvtier-nvme", "label": "kvtier-nvme", "points": [point(4, 0.39, 3000)], "problems": []},
+            {"row": "lmcache", "label": "lmcache", "points": [point(4, 0.2, 20000)], "problems": []},
+        ],
+    }
+    (mixed / "results.json").write_text(json.dumps(document))
+    out = tmp_path / "summary"
+    assert serve_summary.main([str(closed), str(mixed), "--out", str(out)]) == 0, "LMCache is shown, not judged"
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["points"]) == {"4", "0.4 req/s, 64 out"}
+    assert summary["points"]["0.4 req/s, 64 out"]["vllm"]["4"]["tpot_p99_ms"]["median"] == 80.0
+    assert {v["row"] for v in summary["verdicts"]["0.4 req/s, 64 out"]} == {"kvtier-nvme"}
+    table = (out / "summary.md").read_text()
+    assert table.index("Concurrency 4") < table.index("Request rate 0.4 req/s, 64 out (1 runs")
+    assert "| vllm | 4 | 0.38 | 9000 | 80 |" in table

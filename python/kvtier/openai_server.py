@@ -53,7 +53,8 @@ class Completion:
 
 class OpenAIServer:
     """One ``vllm serve`` process group. ``transfer_config``: the ``--kv-transfer-config`` dict (None:
-    vLLM alone). ``extra_args``: more ``vllm serve`` flags. ``env``: more environment."""
+    vLLM alone). ``extra_args``: more ``vllm serve`` flags. ``env``: more environment. ``vllm``: the
+    command that stands for ``vllm`` (default: this environment's, see vllm_command)."""
 
     def __init__(
         self,
@@ -64,13 +65,14 @@ class OpenAIServer:
         extra_args: list[str] | None = None,
         env: dict[str, str] | None = None,
         port: int = 0,
+        vllm: list[str] | None = None,
     ):
         self.port = port or free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.model = served_name
         self.log_path = log_path
         command = [
-            *vllm_command(), "serve", str(model_dir),
+            *(vllm or vllm_command()), "serve", str(model_dir),
             "--served-model-name", served_name,
             "--host", HOST,
             "--port", str(self.port),

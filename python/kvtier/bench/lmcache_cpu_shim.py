@@ -222,10 +222,40 @@ def _count_disk_reads() -> None:
     LocalDiskBackend.batched_get_blocking = batched_get_blocking
 
 
+COUNTERS_FILE_ENV = "KVTIER_LMCACHE_SHIM_COUNTERS"  # prefix of the files where processes publish COUNTERS
+COUNTERS_FILE_PERIOD_S = 0.25
+
+
+def _publish_counters(prefix: str) -> None:
+    """Writes COUNTERS to ``<prefix>.<pid>.json`` every COUNTERS_FILE_PERIOD_S (write, then rename: a
+    reader never sees half a file). Under ``vllm serve`` LMCache's connector lives in two processes
+    the benchmark cannot ask, the engine core (scheduler side) and its worker (the copies): one file
+    per process, which the reader sums."""
+    import json
+    import os
+    import time
+
+    pid = os.getpid()
+    path, temporary = f"{prefix}.{pid}.json", f"{prefix}.{pid}.tmp"
+
+    def loop() -> None:
+        while True:
+            with open(temporary, "w") as handle:
+                json.dump({**counters(), "pid": pid}, handle)
+            os.replace(temporary, path)
+            time.sleep(COUNTERS_FILE_PERIOD_S)
+
+    threading.Thread(target=loop, name="kvtier-lmcache-shim-counters", daemon=True).start()
+
+
 def _patch_lmcache_factory() -> None:
     global _installed
     if _installed:
         return
+    import os
+
+    if os.environ.get(COUNTERS_FILE_ENV):
+        _publish_counters(os.environ[COUNTERS_FILE_ENV])
     import lmcache.v1.gpu_connector as factory_module
     from lmcache import torch_device_type
     from lmcache.utils import EngineType

@@ -15,9 +15,16 @@ then shuffles the whole list (``random.shuffle`` seeded by ``--seed``; ``--disab
 passed), so a user's requests arrive spread over the run, interleaved with other users'. It needs no
 ``--random-*`` option (its lengths are its own ``--prefix-repetition-*`` options). ``vllm bench serve``
 sends the requests as fast as ``--max-concurrency`` allows (``--request-rate`` inf, its default), and
-reports percentiles of TTFT and end-to-end latency (``--percentile-metrics ttft,e2el
---metric-percentiles 50,90,99``). With its defaults (``--ready-check-timeout-sec 0``, ``--num-warmups
-0``) it sends no request before the timed ones, and it leaves sampling to the server's defaults.
+reports percentiles of TTFT, time per output token, inter-token latency and end-to-end latency
+(``--percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99``). With its defaults
+(``--ready-check-timeout-sec 0``, ``--num-warmups 0``) it sends no request before the timed ones, and
+it leaves sampling to the server's defaults.
+
+``--workload mixed`` is seed 001's mixed workload scaled to this machine: the same dataset, a longer
+decode (64 tokens out), 2 requests per user, and requests arriving at ``--request-rate`` (0.4 req/s;
+``--burstiness`` 1: Poisson arrivals) with no cap on requests in flight, an open loop: a server slower
+than the offered load builds a queue, which shows in TTFT. The reasoning behind the rate is at
+``MIXED`` below. ``--request-rate`` and ``--concurrency`` also combine (both caps apply).
 
 Rows (each one server, or two, started fresh for the row and stopped after it; one row at a time):
 
@@ -36,6 +43,16 @@ Rows (each one server, or two, started fresh for the row and stopped after it; o
   servers: each server would see every user, private pools would hit as well as a shared one, and
   the comparison would measure nothing.) The offered load (``--concurrency``) is the same as for one
   server.
+- ``lmcache`` and ``lmcache-disk``: LMCache 0.5.6's vLLM connector (``LMCacheConnectorV1``,
+  ``kv_both``), its CPU cache sized like kvtier's DRAM (``--dram-gib``), on ``lmcache-disk`` also its
+  local disk backend sized like kvtier's NVMe (``--nvme-gib``), chunks of 256 tokens. ``vllm serve``
+  runs from LMCache's own venv (``scripts/install_lmcache_vllm.sh``; ``--lmcache-python``) through
+  ``kvtier.bench.lmcache_serve``, which installs kvtier's CPU copy shim (``lmcache_cpu_shim``: LMCache
+  has no CPU data mover) in the engine-core and worker processes. The shim publishes its counters
+  (tokens copied into and out of vLLM, chunks read from disk) to a file per process that each point
+  reads (summed); a row whose shim never
+  ran, or loaded no token, or whose log shows LMCache's degraded mode, is a problem. Without the venv
+  the rows are skipped with the reason and the install command.
 - A shared-tier row (kvtier's ``shared_root``, docs/shared-tier.md) is not offered: it needs a
   shared filesystem and a second node's view of it, which ``kvtier bench ttft --shared-root-*``
   measures one request at a time.
@@ -48,10 +65,13 @@ come from its own users' repeats, while kvtier's pool still holds the earlier po
 pool, as in production). Each server is first warmed up with two requests of its own (a prompt of
 the point's shape and a question on it), then its prefix cache is reset.
 
-kvtier counters: the host service's ``dram_hits``, ``nvme_hits`` (blocks loaded, each counted once at
-the tier it came from: a block the prefetch read from NVMe counts in ``nvme_hits`` only) and
-``puts`` (blocks stored), read with ``service_stats`` right before and right after each point (stores
-still queued when the load generator returns count in the next point). After each row its servers
+vLLM's own prefix-cache counters (``/metrics``: ``prefix_cache_hits`` and
+``external_prefix_cache_hits``, the tokens a connector said it holds) are read before and after each
+point in every row (``cache_tokens``). kvtier counters: the host service's ``dram_hits``,
+``nvme_hits`` (blocks loaded, each counted once at the tier it came from: a block the prefetch read
+from NVMe counts in ``nvme_hits`` only) and ``puts`` (blocks stored), read with ``service_stats``
+right before and right after each point (stores still queued when the load generator returns count
+in the next point). After each row its servers
 are stopped (SIGTERM) and then its services (``kvtier service stop``), and its store directories
 removed, so nothing stays in ``/dev/shm``.
 
@@ -63,8 +83,8 @@ difference to the same run without the flag.
 
 Output (``--out DIR``, default a new temporary directory, printed at the end): ``results.json``
 (settings, every point with the exact ``vllm serve`` and ``vllm bench serve`` commands, vLLM's
-saved result), ``table.md`` (also printed), ``serve.png`` (request throughput and TTFT p99 against
-users, one line per row), ``logs/`` (server logs) and ``bench/`` (``vllm bench serve``'s own JSON and
+saved result), ``table.md`` (also printed), ``serve.png`` (request throughput, TTFT p99 and TPOT p99
+against users, one line per row), ``logs/`` (server logs) and ``bench/`` (``vllm bench serve``'s own JSON and
 output per point).
 """
 
@@ -73,6 +93,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -84,32 +105,74 @@ import urllib.request
 from pathlib import Path
 from typing import Any, cast
 
-from kvtier.bench.ttft import markdown_table, parse_tokens
+from kvtier.bench.ttft import (
+    LMCACHE_CHUNK_TOKENS,
+    LMCACHE_HASH_SEED,
+    LMCACHE_INSTALL,
+    LMCACHE_VENV,
+    lmcache_log_problem,
+    markdown_table,
+    parse_tokens,
+    repo_root,
+)
 
 ROWS = ("vllm", "kvtier-dram", "kvtier-nvme")
 TWO_SERVER_ROWS = ("kvtier-2x-shared", "kvtier-2x-private")
+LMCACHE_ROWS = ("lmcache", "lmcache-disk")
+ALL_ROWS = ROWS + TWO_SERVER_ROWS + LMCACHE_ROWS
 ROW_LABELS = {
     "vllm": "vLLM alone",
     "kvtier-dram": "kvtier DRAM",
     "kvtier-nvme": "kvtier DRAM+NVMe",
     "kvtier-2x-shared": "2 servers, shared pool",
     "kvtier-2x-private": "2 servers, private pools",
+    "lmcache": "LMCache CPU + CPU copy shim",
+    "lmcache-disk": "LMCache CPU+disk + CPU copy shim",
 }
 FULL = {
     "preset": "kv8b", "users": "4,12,32", "requests_per_user": 3, "concurrency": 4, "prefix_len": 2048,
     "suffix_len": 64, "output_len": 16, "dram_gib": 2.0, "nvme_gib": 8.0, "vllm_blocks": None,
+    "request_rate": None, "burstiness": None,
 }  # fmt: skip
 # CI size: a tiny model, and vLLM's own KV cache cut to a few blocks (--num-gpu-blocks-override) so
 # that it cannot hold every user's prefix and kvtier serves the repeats.
 SMALL = {
     "preset": "tiny", "users": "2,4", "requests_per_user": 2, "concurrency": 2, "prefix_len": 512,
     "suffix_len": 64, "output_len": 4, "dram_gib": 0.25, "nvme_gib": 1.0, "vllm_blocks": 12,
+    "request_rate": None, "burstiness": None,
 }  # fmt: skip
+# Seed 001's mixed workload (a system prompt per user plus a question, a longer decode, requests
+# arriving at a rate), scaled to 2 cores. Requests arrive as a Poisson process (burstiness 1) with no
+# cap on requests in flight (an open loop: a slow server builds a queue, as in production). Rate:
+# on kv8b a missed 2,048-token prefill costs about 1.9 s of the machine and a decode step about 15 ms
+# per request in the batch (60 ms at 4; 2026-11-26 runs), so a 64-token request costs vLLM alone about
+# 1 s with a prefix hit and 2.9 s without one: 0.4 req/s loads it to about 40% at 4 users (its cache
+# holds them) and a little over 100% at 12 and 24 (it holds about 4 prompts), where a run of 24-48
+# requests builds a queue of a few requests, not an unbounded one. 2 requests per user: the fewest
+# that give repeats. Full size, 3 rows: 80 requests a row at 0.4/s is 200 s of arrivals, plus the
+# queue's drain and a server start with warm-up (about 1 min) per row: about 14 minutes.
+MIXED = {
+    **FULL, "users": "4,12,24", "requests_per_user": 2, "concurrency": None, "output_len": 64,
+    "request_rate": 0.4, "burstiness": 1.0,
+}  # fmt: skip
+MIXED_SMALL = {
+    **SMALL, "requests_per_user": 2, "concurrency": None, "output_len": 16, "request_rate": 4.0, "burstiness": 1.0,
+}  # fmt: skip
+WORKLOADS = {"closed": (FULL, SMALL), "mixed": (MIXED, MIXED_SMALL)}
 PERCENTILES = (50, 90, 99)
+DECODE_METRICS = ("tpot", "itl")  # time per output token (per request), inter-token latency (per token)
 COUNTERS = ("dram_hits", "nvme_hits", "puts")
 POINT_TIMEOUT_S = 4 * 3600
 MODEL_LEN_MARGIN = 128  # tokens beyond prefix + suffix + output (the server re-aligns prompts to its tokenizer)
 SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+SHIM_COUNTERS = ("loaded_tokens", "stored_tokens", "disk_chunks_read", "disk_chunks_missed")
+SHIM_COUNTERS_PERIOD_S = 0.25  # lmcache_cpu_shim.COUNTERS_FILE_PERIOD_S (that module imports torch)
+CACHE_METRICS = {  # vLLM's /metrics counter (without _total) -> name in a point's "cache_tokens"
+    "vllm:prefix_cache_queries": "vllm_queried",
+    "vllm:prefix_cache_hits": "vllm_hits",
+    "vllm:external_prefix_cache_queries": "connector_queried",
+    "vllm:external_prefix_cache_hits": "connector_hits",
+}
 # How long a point waits for its last KV events (kvtier's event feed polls the service every 0.5 s).
 EVENTS_SETTLE_S = 1.5
 WARM_UP_SEED = 2**31 - 7  # the warm-up prompt's seed: no point's dataset shares its tokens
@@ -132,16 +195,40 @@ def build_parser() -> argparse.ArgumentParser:
         "dataset: a system prompt per user plus a question) against `vllm serve` alone and with kvtier.",
     )
     parser.add_argument("--small", action="store_true", help="CI size: " + _sizes_text(SMALL))
+    parser.add_argument(
+        "--workload", choices=sorted(WORKLOADS), default="closed",
+        help="closed: each of --concurrency users sends its next request when the last one ends (default); "
+        "mixed: seed 001's mixed workload, requests arriving at --request-rate (Poisson), a longer decode: "
+        + _sizes_text(MIXED) + " (--small: " + _sizes_text(MIXED_SMALL) + ")",
+    )  # fmt: skip
+    parser.add_argument(
+        "--request-rate", type=float,
+        help="requests per second offered by vllm bench serve (default: none, as fast as --concurrency allows; "
+        f"--workload mixed: {MIXED['request_rate']}, --small {MIXED_SMALL['request_rate']})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--burstiness", type=float,
+        help="gamma shape of the arrival gaps with --request-rate (1: Poisson, the default; lower: burstier)",
+    )  # fmt: skip
     parser.add_argument("--preset", help="model preset of kvtier.models (default kv8b; --small: tiny)")
     parser.add_argument("--users", help="numbers of users, one point each (default 4,12,32; --small: 2,4)")
     parser.add_argument("--requests-per-user", type=int, help="requests per user (default 3; --small: 2)")
-    parser.add_argument("--concurrency", type=int, help="--max-concurrency of the load (default 4; --small: 2)")
+    parser.add_argument(
+        "--concurrency", type=int,
+        help="--max-concurrency of the load (default 4; --small: 2; --workload mixed: no cap)",
+    )  # fmt: skip
     parser.add_argument("--prefix-len", help="tokens of each user's system prompt (default 2k; --small: 512)")
     parser.add_argument("--suffix-len", help="tokens of each question (default 64)")
     parser.add_argument("--output-len", type=int, help="tokens generated per request (default 16; --small: 4)")
     parser.add_argument(
         "--rows", default=",".join(ROWS),
-        help=f"rows to run, comma-separated, from {', '.join(ROWS + TWO_SERVER_ROWS)} (default: {','.join(ROWS)})",
+        help=f"rows to run, comma-separated, from {', '.join(ALL_ROWS)} (default: {','.join(ROWS)}); the lmcache "
+        f"rows need {LMCACHE_VENV} ({LMCACHE_INSTALL}) or --lmcache-python",
+    )  # fmt: skip
+    parser.add_argument(
+        "--lmcache-python",
+        help=f"interpreter of a venv with vllm-cpu and lmcache for the lmcache rows (default: <repo>/{LMCACHE_VENV}"
+        f"/bin/python if present; {LMCACHE_INSTALL} makes it)",
     )  # fmt: skip
     parser.add_argument(
         "--two-servers", action="store_true",
@@ -177,9 +264,21 @@ def build_parser() -> argparse.ArgumentParser:
 def _sizes_text(sizes: dict[str, Any]) -> str:
     return (
         f"{sizes['preset']} model, users {sizes['users']}, {sizes['requests_per_user']} requests per user, "
-        f"concurrency {sizes['concurrency']}, prefix {sizes['prefix_len']}, suffix {sizes['suffix_len']}, "
+        f"{load_text(sizes)}, prefix {sizes['prefix_len']}, suffix {sizes['suffix_len']}, "
         f"output {sizes['output_len']} tokens"
-    )
+    ).replace("%", "%%")  # argparse formats help texts
+
+
+def load_text(plan: dict[str, Any]) -> str:
+    """How requests are offered: a concurrency (closed loop) and/or a rate (open loop)."""
+    parts = []
+    if plan.get("request_rate"):
+        burstiness = plan.get("burstiness") or 1.0
+        shape = "Poisson" if burstiness == 1.0 else f"burstiness {burstiness:g}"
+        parts.append(f"{plan['request_rate']:g} req/s ({shape})")
+    if plan.get("concurrency"):
+        parts.append(f"concurrency {plan['concurrency']}")
+    return ", ".join(parts) or "no limit"
 
 
 def parse_users(text: str) -> list[int]:
@@ -191,9 +290,9 @@ def parse_users(text: str) -> list[int]:
 
 def parse_rows(text: str, two_servers: bool) -> list[str]:
     rows = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [row for row in rows if row not in ROWS + TWO_SERVER_ROWS]
+    unknown = [row for row in rows if row not in ALL_ROWS]
     if unknown:
-        raise BenchError(f"unknown rows {unknown}; choose from {', '.join(ROWS + TWO_SERVER_ROWS)}")
+        raise BenchError(f"unknown rows {unknown}; choose from {', '.join(ALL_ROWS)}")
     if two_servers:
         rows += [row for row in TWO_SERVER_ROWS if row not in rows]
     if not rows:
@@ -203,7 +302,8 @@ def parse_rows(text: str, two_servers: bool) -> list[str]:
 
 def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     """Every setting of the run, defaults filled in (full size, or CI size with --small)."""
-    sizes = SMALL if args.small else FULL
+    full, small = WORKLOADS[args.workload]
+    sizes = small if args.small else full
 
     def pick(name: str) -> Any:
         value = getattr(args, name)
@@ -217,6 +317,9 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         "prefix_len": parse_tokens(str(pick("prefix_len"))),
         "suffix_len": parse_tokens(str(pick("suffix_len"))),
         "output_len": pick("output_len"),
+        "workload": args.workload,
+        "request_rate": pick("request_rate"),
+        "burstiness": pick("burstiness") if pick("request_rate") else None,
         "dram_gib": pick("dram_gib"),
         "nvme_gib": pick("nvme_gib"),
         "vllm_blocks": pick("vllm_blocks"),
@@ -228,8 +331,16 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         "small": args.small,
         "kv_events": args.kv_events,
     }
-    if plan["requests_per_user"] < 1 or plan["concurrency"] < 1 or plan["output_len"] < 1:
+    if plan["requests_per_user"] < 1 or (plan["concurrency"] or 1) < 1 or plan["output_len"] < 1:
         raise BenchError("--requests-per-user, --concurrency and --output-len must be at least 1")
+    if plan["request_rate"] is not None and plan["request_rate"] <= 0:
+        raise BenchError("--request-rate must be above 0 requests per second (leave it out for no rate limit)")
+    if plan["burstiness"] is not None and plan["burstiness"] <= 0:
+        raise BenchError("--burstiness must be above 0 (1 is Poisson)")
+    if not plan["concurrency"] and not plan["request_rate"]:
+        raise BenchError("give --concurrency or --request-rate: with neither, every request would be sent at once")
+    if any(row in LMCACHE_ROWS for row in plan["rows"]):
+        plan["lmcache_python"], plan["lmcache_not_measured"] = lmcache_interpreter(args.lmcache_python)
     if plan["prefix_len"] < 1 or plan["suffix_len"] < 1:
         raise BenchError("--prefix-len and --suffix-len must be at least 1 token")
     plan["max_model_len"] = plan["prefix_len"] + plan["suffix_len"] + plan["output_len"] + MODEL_LEN_MARGIN
@@ -284,10 +395,10 @@ def bench_command(
         "--prefix-repetition-num-prefixes", str(users),
         "--prefix-repetition-output-len", str(plan["output_len"]),
         "--num-prompts", str(users * plan["requests_per_user"]),
-        "--max-concurrency", str(plan["concurrency"]),
+        *load_args(plan),
         "--ignore-eos",
         "--seed", str(seed),
-        "--percentile-metrics", "ttft,e2el",
+        "--percentile-metrics", ",".join(("ttft", *DECODE_METRICS, "e2el")),
         "--metric-percentiles", ",".join(str(p) for p in PERCENTILES),
         "--save-result", "--save-detailed",
         "--result-dir", str(result_dir),
@@ -295,6 +406,14 @@ def bench_command(
         "--disable-tqdm",
         *plan["bench_args"],
     ]  # fmt: skip
+
+
+def load_args(plan: dict[str, Any]) -> list[str]:
+    """``vllm bench serve``'s load options: a cap on requests in flight and/or an arrival rate."""
+    args = ["--max-concurrency", str(plan["concurrency"])] if plan["concurrency"] else []
+    if plan["request_rate"]:
+        args += ["--request-rate", f"{plan['request_rate']:g}", "--burstiness", f"{plan['burstiness'] or 1.0:g}"]
+    return args
 
 
 def parse_result(result: dict[str, Any]) -> dict[str, Any]:
@@ -314,7 +433,10 @@ def parse_result(result: dict[str, Any]) -> dict[str, Any]:
         "total_input_tokens": result.get("total_input_tokens"),
         "total_output_tokens": result.get("total_output_tokens"),
         "ttft_ms": percentiles("ttft"),
+        "tpot_ms": percentiles("tpot"),
+        "itl_ms": percentiles("itl"),
         "e2el_ms": percentiles("e2el"),
+        "max_concurrent_requests": result.get("max_concurrent_requests"),
     }
 
 
@@ -416,8 +538,8 @@ def progress(started: float, message: str) -> None:
 
 
 def row_stores(row: str, store_root: Path) -> list[Path]:
-    """The store directory of each server of a row (a repeated path: one shared pool)."""
-    if row == "vllm":
+    """The kvtier store directory of each server of a row (a repeated path: one shared pool)."""
+    if row == "vllm" or row in LMCACHE_ROWS:
         return []
     if row == "kvtier-2x-shared":
         return [store_root / row, store_root / row]
@@ -433,6 +555,130 @@ def store_options(row: str, plan: dict[str, Any]) -> dict[str, Any]:
     if row == "kvtier-2x-private":  # the host's memory for kvtier is the same as in the shared row
         dram_gib, nvme_gib = dram_gib / 2, nvme_gib / 2
     return {"dram_bytes": int(dram_gib * 2**30), "nvme_bytes": int(nvme_gib * 2**30)}
+
+
+# --------------------------------------------------------------------------------------------
+# LMCache rows
+# --------------------------------------------------------------------------------------------
+
+
+def lmcache_interpreter(given: str | None) -> tuple[str | None, str | None]:
+    """The LMCache venv's interpreter, or None and why the LMCache rows are not measured."""
+    if given:
+        python = Path(given).absolute()
+        if not os.access(python, os.X_OK):
+            raise BenchError(f"--lmcache-python {python} is not an executable interpreter")
+        return str(python), None
+    candidate = repo_root() / LMCACHE_VENV / "bin" / "python"
+    if os.access(candidate, os.X_OK):
+        return str(candidate), None
+    return None, f"not measured: no {LMCACHE_VENV} (run bash {LMCACHE_INSTALL}, or pass --lmcache-python)"
+
+
+def lmcache_config(row: str, plan: dict[str, Any], disk_dir: Path) -> dict[str, Any]:
+    """LMCache's configuration (LMCACHE_CONFIG_FILE) of a row: its CPU cache sized like kvtier's DRAM
+    row, and on lmcache-disk its local disk sized like kvtier's NVMe tier. Whole chunks only, as in
+    ``kvtier bench ttft``; the shim copies without layerwise or blending."""
+    config: dict[str, Any] = {
+        "chunk_size": LMCACHE_CHUNK_TOKENS,
+        "local_cpu": True,
+        "max_local_cpu_size": plan["dram_gib"] * 2**30 / 1e9,  # LMCache counts GB
+        "save_unfull_chunk": False,
+        "use_layerwise": False,
+        "enable_blending": False,
+    }
+    if row == "lmcache-disk":
+        config.update(local_disk=str(disk_dir), max_local_disk_size=plan["nvme_gib"] * 2**30 / 1e9)
+    return config
+
+
+def lmcache_server_setup(row: str, plan: dict[str, Any], out_dir: Path) -> tuple[dict, list[str], dict, Path]:
+    """The transfer config, the command standing for ``vllm``, the environment and the shim's counters
+    file of an LMCache row's server (LMCache's venv, kvtier's CPU copy shim installed by the launcher)."""
+    import kvtier
+
+    disk_dir = out_dir / "stores" / row
+    disk_dir.mkdir(parents=True, exist_ok=True)
+    config_path = out_dir / f"lmcache-{row}.yaml"
+    config_path.write_text(json.dumps(lmcache_config(row, plan, disk_dir), indent=2) + "\n")  # JSON is YAML
+    counters_path = out_dir / f"lmcache-{row}-counters"  # a prefix: one file per process
+    for stale in out_dir.glob(f"{counters_path.name}.*"):
+        stale.unlink()
+    python_dir = str(Path(kvtier.__file__).resolve().parent.parent)
+    env = {
+        "PYTHONPATH": os.pathsep.join(
+            [python_dir] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        ),
+        "PYTHONHASHSEED": LMCACHE_HASH_SEED,
+        "LMCACHE_CONFIG_FILE": str(config_path),
+        "LMCACHE_TRACK_USAGE": "false",
+        "KVTIER_LMCACHE_SHIM_COUNTERS": str(counters_path),
+    }
+    transfer = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    return transfer, [plan["lmcache_python"], "-m", "kvtier.bench.lmcache_serve"], env, counters_path
+
+
+def shim_counters(prefix: Path | None) -> dict[str, int] | None:
+    """The LMCache shim's counters as the server's processes last wrote them, summed (one file per
+    process: ``<prefix>.<pid>.json``); None when none has written yet."""
+    if prefix is None:
+        return None
+    time.sleep(3 * SHIM_COUNTERS_PERIOD_S)  # the processes' next writes, after the point's last copies
+    files = sorted(prefix.parent.glob(f"{prefix.name}.*.json"))
+    if not files:
+        return None
+    totals = dict.fromkeys(SHIM_COUNTERS, 0)
+    for path in files:
+        data = json.loads(path.read_text())
+        for name in SHIM_COUNTERS:
+            totals[name] += int(data.get(name, 0))
+    return totals
+
+
+def cache_metrics(urls: list[str]) -> dict[str, float] | None:
+    """vLLM's prefix-cache counters summed over the servers (``/metrics``): its own cache's and the
+    KV connector's (``external_prefix_cache_*``: tokens kvtier or LMCache said they hold)."""
+    totals = dict.fromkeys(CACHE_METRICS.values(), 0.0)
+    try:
+        for url in urls:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+                text = answer.read().decode()
+            for line in text.splitlines():
+                if line.startswith("#") or " " not in line:
+                    continue
+                name = line.split("{", 1)[0].split(" ", 1)[0].removesuffix("_total")
+                if name in CACHE_METRICS:
+                    totals[CACHE_METRICS[name]] += float(line.rsplit(" ", 1)[1])
+    except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError) as error:
+        print(f"note: vLLM's /metrics unavailable ({error})", flush=True)
+        return None
+    return totals
+
+
+def row_hit_problems(row: str, record: dict[str, Any], server_log: Path | None) -> list[str]:
+    """A row that claims a cache must show hits: kvtier's counters, LMCache's shim (tokens copied into
+    vLLM) and LMCache's log (degraded mode)."""
+    points = record["points"]
+    if row == "vllm" or not points:
+        return []
+    problems = []
+    if row in LMCACHE_ROWS:
+        loaded = sum(point.get("lmcache", {}).get("loaded_tokens", 0) for point in points)
+        if not any("lmcache" in point for point in points):
+            problems.append(
+                "kvtier's LMCache CPU copy shim never ran in the engine process (no counters): LMCache had no "
+                "data mover and recomputed everything; see the server log"
+            )
+        elif loaded == 0:
+            problems.append("LMCache served no hit: its shim copied 0 tokens into vLLM over every point")
+        logged = lmcache_log_problem(server_log.read_text(errors="replace")) if server_log else None
+        if logged:
+            problems.append(f"LMCache's log reports a failure: {logged}")
+    elif any("kvtier" in point for point in points) and not any(
+        point.get("kvtier", {}).get("dram_hits") or point.get("kvtier", {}).get("nvme_hits") for point in points
+    ):
+        problems.append("kvtier served no hit (DRAM and NVMe hits 0 at every point)")
+    return problems
 
 
 def service_counters(sockets: list[Path]) -> dict[str, int] | None:
@@ -526,35 +772,84 @@ def run_point(
     return point
 
 
-def run_row(plan: dict[str, Any], row: str, model_dir: Path, out_dir: Path, timeout_s: int, started: float) -> dict:
+def start_server(
+    plan: dict[str, Any], row: str, number: int, out_dir: Path, stores: list[Path], extra: list[str]
+) -> tuple[Any, Path, Path | None]:
+    """One server of a row: (the server, its log, the LMCache shim's counters file or None)."""
     from kvtier.openai_server import OpenAIServer
-    from kvtier.service import default_socket_path, stop_service
     from kvtier.vllm import kv_transfer_config
 
     env = {**SERVER_ENV, "VLLM_CPU_KVCACHE_SPACE": str(plan["vllm_kv_gib"])}
+    transfer: dict[str, Any] | None = None
+    vllm: list[str] | None = None  # None: this environment's vllm command
+    counters_path: Path | None = None
+    if row in LMCACHE_ROWS:
+        transfer, vllm, lmcache_env, counters_path = lmcache_server_setup(row, plan, out_dir)
+        env.update(lmcache_env)
+    elif stores:
+        stores[number].mkdir(parents=True, exist_ok=True)
+        transfer = kv_transfer_config(stores[number], **store_options(row, plan))
+    log_path = out_dir / "logs" / f"server-{row}-{number}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    server = OpenAIServer(
+        Path(plan["model_dir"]), plan["preset"], log_path, transfer, server_args(plan) + extra, env, vllm=vllm
+    )
+    return server, log_path, counters_path
+
+
+def measure_point(
+    plan: dict[str, Any], row: str, index: int, users: int, base_url: str, out_dir: Path, timeout_s: int, probes: dict
+) -> dict[str, Any]:
+    """One point with the row's counters read right before and right after it: kvtier's service,
+    vLLM's prefix-cache metrics, the LMCache shim's, the KV events."""
+    sockets, urls, counters_path, events = probes["sockets"], probes["urls"], probes["shim"], probes["events"]
+    before = service_counters(sockets) if sockets else None
+    metrics_before = cache_metrics(urls)
+    shim_before = shim_counters(counters_path)
+    events_before = events.counts() if events is not None else None
+    point = run_point(plan, row, index, users, base_url, Path(plan["model_dir"]), out_dir, timeout_s)
+    after = service_counters(sockets) if sockets else None
+    if before is not None and after is not None:
+        point["kvtier"] = {name: after[name] - before[name] for name in COUNTERS}
+    metrics_after = cache_metrics(urls)
+    if metrics_before is not None and metrics_after is not None:
+        point["cache_tokens"] = {name: int(metrics_after[name] - metrics_before[name]) for name in metrics_after}
+    shim_after = shim_counters(counters_path)
+    if shim_after is not None:
+        start = shim_before or dict.fromkeys(SHIM_COUNTERS, 0)
+        point["lmcache"] = {name: shim_after[name] - start[name] for name in SHIM_COUNTERS}
+    if events is not None and events_before is not None:
+        time.sleep(EVENTS_SETTLE_S)  # the last steps' events, and kvtier's next change-log poll
+        point["kv_events"] = events_delta(events_before, events.counts(), point)
+    return point
+
+
+def run_row(plan: dict[str, Any], row: str, out_dir: Path, timeout_s: int, started: float) -> dict:
+    from kvtier.service import default_socket_path, stop_service
+
+    record: dict[str, Any] = {"row": row, "label": ROW_LABELS[row], "servers": [], "points": [], "problems": []}
+    if row in LMCACHE_ROWS and plan.get("lmcache_not_measured"):
+        record["skipped"] = f"LMCache {plan['lmcache_not_measured']}"
+        progress(started, f"{row}: {record['skipped']}")
+        return record
     stores = row_stores(row, out_dir / "stores")
     server_count = 2 if row in TWO_SERVER_ROWS else 1
     sockets = sorted({default_socket_path(store) for store in stores})
-    record: dict[str, Any] = {"row": row, "label": ROW_LABELS[row], "servers": [], "points": [], "problems": []}
     servers: list[Any] = []
     proxy: Proxy | None = None
     endpoints = [f"ipc://{out_dir}/events-{row}-{n}.ipc" for n in range(server_count)] if plan["kv_events"] else []
-    events = subscribe(endpoints)
+    probes: dict[str, Any] = {"sockets": sockets, "urls": [], "shim": None, "events": subscribe(endpoints)}
+    log_path = None
     try:
         for number in range(server_count):
-            transfer = None
-            if stores:
-                stores[number].mkdir(parents=True, exist_ok=True)
-                transfer = kv_transfer_config(stores[number], **store_options(row, plan))
-            log_path = out_dir / "logs" / f"server-{row}-{number}.log"
-            log_path.parent.mkdir(parents=True, exist_ok=True)
             extra = events_args(endpoints[number]) if endpoints else []
-            server = OpenAIServer(model_dir, plan["preset"], log_path, transfer, server_args(plan) + extra, env)
+            server, log_path, probes["shim"] = start_server(plan, row, number, out_dir, stores, extra)
             servers.append(server)
             record["servers"].append({"command": command_of(server.process), "log": str(log_path), "url": server.url})
             seconds = server.wait_healthy()  # one after the other: two engines never start at the same time
             progress(started, f"{row}: server {number + 1} of {server_count} healthy after {seconds:.0f} s")
             warm_up(server, plan)
+        probes["urls"] = [server.url for server in servers]
         base_url = servers[0].url
         if len(servers) > 1:
             proxy = Proxy([s.url for s in servers], out_dir / "logs" / f"proxy-{row}.log")
@@ -563,16 +858,8 @@ def run_row(plan: dict[str, Any], row: str, model_dir: Path, out_dir: Path, time
         for index, users in enumerate(plan["users"]):
             for server in servers:
                 server.reset_prefix_cache()
-            before = service_counters(sockets) if sockets else None
-            events_before = events.counts() if events is not None else None
             progress(started, f"{row}: {users} users, {users * plan['requests_per_user']} requests")
-            point = run_point(plan, row, index, users, base_url, model_dir, out_dir, timeout_s)
-            after = service_counters(sockets) if sockets else None
-            if before is not None and after is not None:
-                point["kvtier"] = {name: after[name] - before[name] for name in COUNTERS}
-            if events is not None and events_before is not None:
-                time.sleep(EVENTS_SETTLE_S)  # the last steps' events, and kvtier's next change-log poll
-                point["kv_events"] = events_delta(events_before, events.counts(), point)
+            point = measure_point(plan, row, index, users, base_url, out_dir, timeout_s, probes)
             record["points"].append(point)
             if point.get("failed"):
                 record["problems"].append(f"{users} users: {point['failed']} requests failed")
@@ -585,13 +872,14 @@ def run_row(plan: dict[str, Any], row: str, model_dir: Path, out_dir: Path, time
             proxy.stop()
         for server in servers:
             server.stop()
-        if events is not None:
-            events.close()
+        if probes["events"] is not None:
+            probes["events"].close()
         for socket in sockets:
             if not stop_service(socket):
                 record["problems"].append(f"the kvtier service on {socket} did not stop")
-        for store in set(stores):
+        for store in {*stores, out_dir / "stores" / row}:
             shutil.rmtree(store, ignore_errors=True)
+    record["problems"] += row_hit_problems(row, record, log_path)
     return record
 
 
@@ -610,6 +898,17 @@ def point_line(point: dict[str, Any]) -> str:
         f"{_number(point['request_throughput'])} req/s, {_number(point['output_throughput'], 1)} output tok/s, "
         f"TTFT p50/p90/p99 {_number(ttft['p50'], 0)}/{_number(ttft['p90'], 0)}/{_number(ttft['p99'], 0)} ms"
     )
+    for metric in DECODE_METRICS:
+        if point.get(f"{metric}_ms"):
+            text += f", {metric.upper()} p50/p99 {_p50_p99(point, metric)} ms"
+    if point.get("cache_tokens"):
+        tokens = point["cache_tokens"]
+        text += f", cached tokens: vLLM's {tokens['vllm_hits']}, connector's {tokens['connector_hits']}"
+    if point.get("lmcache"):
+        shim = point["lmcache"]
+        text += f", LMCache loaded {shim['loaded_tokens']} tokens, stored {shim['stored_tokens']}"
+        if shim["disk_chunks_read"]:
+            text += f" ({shim['disk_chunks_read']} chunks from disk)"
     if point.get("kvtier"):
         counters = point["kvtier"]
         text += (
@@ -625,9 +924,14 @@ def point_line(point: dict[str, Any]) -> str:
     return text
 
 
+def _p50_p99(point: dict[str, Any], metric: str) -> str:
+    values = point.get(f"{metric}_ms") or {}
+    return f"{_number(values.get('p50'), 0)}/{_number(values.get('p99'), 0)}"
+
+
 TABLE_HEADER = [
     "row", "users", "requests", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
-    "kvtier DRAM hits", "NVMe hits", "puts",
+    "TPOT p50/p99 ms", "ITL p50/p99 ms", "connector hit tokens", "kvtier DRAM hits", "NVMe hits", "puts",
 ]  # fmt: skip
 
 
@@ -645,11 +949,14 @@ def table_rows(document: dict[str, Any]) -> list[list[str]]:
                     _number(point["request_throughput"]),
                     _number(point["output_throughput"], 1),
                     *(_number(ttft[f"p{p}"], 0) for p in PERCENTILES),
+                    *(_p50_p99(point, metric) for metric in DECODE_METRICS),
+                    str((point.get("cache_tokens") or {}).get("connector_hits", "-")),
                     *(str(counters[name]) if name in counters else "-" for name in COUNTERS),
                 ]
             )
         if not record["points"]:
-            rows.append([record["label"], "-", "not measured", *["-"] * (len(TABLE_HEADER) - 3)])
+            why = record.get("skipped") or "not measured"
+            rows.append([record["label"], "-", why, *["-"] * (len(TABLE_HEADER) - 3)])
     return rows
 
 
@@ -662,7 +969,7 @@ def write_plot(document: dict[str, Any], path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install 'kvtier[bench]'); no plot written"
-    figure, (throughput_axis, ttft_axis) = plt.subplots(1, 2, figsize=(11, 4.5))
+    figure, (throughput_axis, ttft_axis, tpot_axis) = plt.subplots(1, 3, figsize=(15, 4.5))
     for record in document["rows"]:
         points = [p for p in record["points"] if p.get("request_throughput") is not None]
         if not points:
@@ -670,7 +977,14 @@ def write_plot(document: dict[str, Any], path: Path) -> str | None:
         users = [p["users"] for p in points]
         throughput_axis.plot(users, [p["request_throughput"] for p in points], marker="o", label=record["label"])
         ttft_axis.plot(users, [p["ttft_ms"]["p99"] for p in points], marker="o", label=record["label"])
-    for axis, label in ((throughput_axis, "requests / s"), (ttft_axis, "TTFT p99 (ms)")):
+        tpot = [(p.get("tpot_ms") or {}).get("p99") for p in points]
+        tpot_axis.plot(users, [math.nan if t is None else t for t in tpot], marker="o", label=record["label"])
+    axes = (
+        (throughput_axis, "requests / s"),
+        (ttft_axis, "TTFT p99 (ms)"),
+        (tpot_axis, "TPOT p99 (ms per output token)"),
+    )
+    for axis, label in axes:
         axis.set_xticks(document["settings"]["users"])
         axis.set_ylim(bottom=0)
         axis.set_xlabel("users (one system prompt each)")
@@ -680,8 +994,8 @@ def write_plot(document: dict[str, Any], path: Path) -> str | None:
     settings = document["settings"]
     figure.suptitle(
         f"kvtier bench serve: {settings['preset']}, prefix {settings['prefix_len']} + question "
-        f"{settings['suffix_len']} tokens, {settings['requests_per_user']} requests per user, concurrency "
-        f"{settings['concurrency']}, {os.cpu_count()} CPU cores",
+        f"{settings['suffix_len']} tokens, {settings['output_len']} out, {settings['requests_per_user']} requests per "
+        f"user, {load_text(settings)}, {os.cpu_count()} CPU cores",
         fontsize=9,
     )
     figure.tight_layout()
@@ -716,6 +1030,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvtier bench serve: {error}", file=sys.stderr)
         return 1
     model_dir = ensure_model(plan["preset"])
+    plan["model_dir"] = str(model_dir)
     kv_bytes = PRESETS[plan["preset"]].kv_bytes_per_token if plan["preset"] in PRESETS else None
     settings = dict(plan)
     settings.update(
@@ -732,14 +1047,15 @@ def main(argv: list[str] | None = None) -> int:
     }
     prefix_mib = f", {plan['prefix_len'] * kv_bytes / 2**20:.0f} MiB of KV per prefix" if kv_bytes else ""
     print(
-        f"kvtier bench serve: {plan['preset']}, users {plan['users']}, {plan['requests_per_user']} requests per user, "
-        f"concurrency {plan['concurrency']}, prefix {plan['prefix_len']} + question {plan['suffix_len']} tokens"
+        f"kvtier bench serve ({plan['workload']}): {plan['preset']}, users {plan['users']}, "
+        f"{plan['requests_per_user']} requests per user, {load_text(plan)}, prefix {plan['prefix_len']} + question "
+        f"{plan['suffix_len']} tokens"
         f"{prefix_mib}, {plan['output_len']} output tokens; rows {', '.join(plan['rows'])}\nresults {out_dir}",
         flush=True,
     )
     results_path = out_dir / "results.json"
     for row in plan["rows"]:
-        record = run_row(plan, row, model_dir, out_dir, args.point_timeout_s, started)
+        record = run_row(plan, row, out_dir, args.point_timeout_s, started)
         document["rows"].append(record)
         results_path.write_text(json.dumps(document, indent=2) + "\n")  # after each row: a partial run keeps its rows
     table = markdown_table(TABLE_HEADER, table_rows(document))
@@ -752,6 +1068,9 @@ def main(argv: list[str] | None = None) -> int:
     results_path.write_text(json.dumps(document, indent=2) + "\n")
     for problem in problems:
         print(f"problem: {problem}")
+    for record in document["rows"]:
+        if record.get("skipped"):
+            print(f"note: {record['row']}: {record['skipped']}")
     if plot_note:
         print(f"note: {plot_note}")
     print(f"results: {results_path}" + ("" if plot_note else f", plot: {out_dir / 'serve.png'}"))

@@ -1,7 +1,8 @@
 """`kvtier bench serve-summary`: several `kvtier bench serve` runs in one table, one plot and the
 issue's targets checked on them.
 
-Runs are grouped by concurrency; runs at one concurrency are repeats (other dataset seeds) and each
+Runs are grouped by their load: the concurrency of closed-loop runs, the request rate (and cap) of
+``--workload mixed`` runs (``load_key``); runs under one load are repeats (other dataset seeds) and each
 point reports the median with min and max. The targets (issue 23) are checked on the medians:
 
 - at every number of users, each kvtier row's request throughput is at least vLLM alone's, and its
@@ -41,12 +42,34 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def group_points(runs: list[dict[str, Any]]) -> dict[int, dict[str, dict[int, dict[str, Any]]]]:
-    """concurrency -> row -> users -> median/min/max of throughput and TTFT p99 over the runs."""
-    grouped: dict[int, dict[str, dict[int, dict[str, list[float]]]]] = {}
+def load_key(settings: dict[str, Any]) -> int | str:
+    """A run's load: its concurrency (closed loop, the key earlier runs had), or its request rate as
+    text (open loop, ``--workload mixed``; with its cap on requests in flight, if any)."""
+    rate = settings.get("request_rate")
+    if not rate:
+        return int(settings["concurrency"])
+    burstiness = settings.get("burstiness") or 1.0
+    text = f"{rate:g} req/s" + ("" if burstiness == 1.0 else f" burstiness {burstiness:g}")
+    text += f", {settings['output_len']} out" if settings.get("output_len") else ""
+    return text + (f", concurrency {settings['concurrency']}" if settings.get("concurrency") else "")
+
+
+def load_heading(key: int | str) -> str:
+    return f"Concurrency {key}" if isinstance(key, int) else f"Request rate {key}"
+
+
+def load_order(item: tuple[int | str, Any]) -> tuple[int, int, str]:
+    """Closed-loop loads first, by concurrency; then the rates (sorted() cannot compare int and str)."""
+    key = item[0]
+    return (0, key, "") if isinstance(key, int) else (1, 0, key)
+
+
+def group_points(runs: list[dict[str, Any]]) -> dict[int | str, dict[str, dict[int, dict[str, Any]]]]:
+    """load -> row -> users -> median/min/max of throughput and TTFT p99 over the runs."""
+    grouped: dict[int | str, dict[str, dict[int, dict[str, list[float]]]]] = {}
     labels: dict[str, str] = {}
     for run in runs:
-        concurrency = run["settings"]["concurrency"]
+        concurrency = load_key(run["settings"])
         for record in run["rows"]:
             labels[record["row"]] = record["label"]
             for point in record["points"]:
@@ -56,6 +79,9 @@ def group_points(runs: list[dict[str, Any]]) -> dict[int, dict[str, dict[int, di
                 values = by_users.setdefault(point["users"], {"req_s": [], "ttft_p99_ms": []})
                 values["req_s"].append(point["request_throughput"])
                 values["ttft_p99_ms"].append(point["ttft_ms"]["p99"])
+                tpot_p99 = (point.get("tpot_ms") or {}).get("p99")
+                if tpot_p99 is not None:  # runs before TPOT was recorded have none
+                    values.setdefault("tpot_p99_ms", []).append(tpot_p99)
     return {
         concurrency: {
             row: {users: {name: spread(v) for name, v in values.items()} | {"label": labels[row]}
@@ -80,7 +106,7 @@ def check_targets(points: dict[str, dict[int, dict[str, Any]]], capacities: dict
     baseline = points.get(BASELINE_ROW, {})
     verdicts = []
     for row, by_users in points.items():
-        if row == BASELINE_ROW or not by_users:
+        if row == BASELINE_ROW or not row.startswith("kvtier") or not by_users:  # the targets are kvtier's
             continue
         first_users = min(by_users)
         first_throughput = by_users[first_users]["req_s"]["median"]
@@ -115,12 +141,14 @@ def _ratio(verdict: dict[str, Any], name: str) -> str:
 
 def markdown(summary: dict[str, Any]) -> str:
     lines = []
-    for concurrency, points in sorted(summary["points"].items()):
+    for concurrency, points in sorted(summary["points"].items(), key=load_order):
         verdicts = {(v["row"], v["users"]): v for v in summary["verdicts"][concurrency]}
+        runs = summary["runs_per_concurrency"][concurrency]
         lines += [
-            f"\nConcurrency {concurrency} ({summary['runs_per_concurrency'][concurrency]} runs; median, (min-max)):\n",
-            "| row | users | req/s | TTFT p99 ms | req/s vs vLLM | p99 vs vLLM | vs fewest users | targets |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+            f"\n{load_heading(concurrency)} ({runs} runs; median, (min-max)):\n",
+            "| row | users | req/s | TTFT p99 ms | TPOT p99 ms | req/s vs vLLM | p99 vs vLLM | vs fewest users "
+            "| targets |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         ]
         for row, by_users in points.items():
             for users, values in by_users.items():
@@ -128,6 +156,7 @@ def markdown(summary: dict[str, Any]) -> str:
                 met = "-" if not verdict else ("met" if verdict["met"] else "**missed**")
                 lines.append(
                     f"| {values['label']} | {users} | {_cell(values['req_s'], 2)} | {_cell(values['ttft_p99_ms'], 0)} "
+                    f"| {_cell(values['tpot_p99_ms'], 0) if 'tpot_p99_ms' in values else '-'} "
                     f"| {_ratio(verdict, 'throughput_vs_vllm')} | {_ratio(verdict, 'p99_vs_vllm')} "
                     f"| {_ratio(verdict, 'vs_first_users')} | {met} |"
                 )
@@ -145,10 +174,10 @@ def write_plot(summary: dict[str, Any], path: Path) -> str | None:
     figure, (throughput_axis, ttft_axis) = plt.subplots(1, 2, figsize=(11, 4.5))
     styles = ["-", "--", ":", "-."]
     colors: dict[str, str] = {}  # one color per row, one line style per concurrency
-    for index, (concurrency, points) in enumerate(sorted(summary["points"].items())):
+    for index, (concurrency, points) in enumerate(sorted(summary["points"].items(), key=load_order)):
         for row, by_users in points.items():
             users = list(by_users)
-            label = f"{next(iter(by_users.values()))['label']}, concurrency {concurrency}"
+            label = f"{next(iter(by_users.values()))['label']}, {load_heading(concurrency).lower()}"
             color = colors.setdefault(row, f"C{len(colors)}")
             style = {"linestyle": styles[index % len(styles)], "color": color, "marker": "o"}
             for axis, name in ((throughput_axis, "req_s"), (ttft_axis, "ttft_p99_ms")):
@@ -172,9 +201,9 @@ def write_plot(summary: dict[str, Any], path: Path) -> str | None:
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     points = group_points(runs)
     capacities = {record["row"]: capacity_users(run, record["row"]) for run in runs for record in run["rows"]}
-    runs_per_concurrency: dict[int, int] = {}
+    runs_per_concurrency: dict[int | str, int] = {}
     for run in runs:
-        concurrency = run["settings"]["concurrency"]
+        concurrency = load_key(run["settings"])
         runs_per_concurrency[concurrency] = runs_per_concurrency.get(concurrency, 0) + 1
     settings = runs[0]["settings"]
     return {
