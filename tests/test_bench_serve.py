@@ -65,7 +65,7 @@ def test_kv_events_are_counted_per_point():
 
 def test_mixed_workload_arrives_at_a_rate():
     mixed = plan_of("--workload", "mixed")
-    assert (mixed["users"], mixed["requests_per_user"], mixed["output_len"]) == ([4, 12, 24], 2, 64)
+    assert (mixed["users"], mixed["requests_per_user"], mixed["output_len"]) == ([4, 12, 20], 2, 64)
     assert (mixed["request_rate"], mixed["burstiness"], mixed["concurrency"]) == (0.4, 1.0, None)
     assert mixed["preset"] == "kv8b" and mixed["prefix_len"] == 2048
     command = serve.bench_command(mixed, "http://h:1", "kv8b", Path("/m"), 4, 7, Path("/r"), "x.json")

@@ -147,12 +147,14 @@ SMALL = {
 # on kv8b a missed 2,048-token prefill costs about 1.9 s of the machine and a decode step about 15 ms
 # per request in the batch (60 ms at 4; 2026-11-26 runs), so a 64-token request costs vLLM alone about
 # 1 s with a prefix hit and 2.9 s without one: 0.4 req/s loads it to about 40% at 4 users (its cache
-# holds them) and a little over 100% at 12 and 24 (it holds about 4 prompts), where a run of 24-48
-# requests builds a queue of a few requests, not an unbounded one. 2 requests per user: the fewest
-# that give repeats. Full size, 3 rows: 80 requests a row at 0.4/s is 200 s of arrivals, plus the
-# queue's drain and a server start with warm-up (about 1 min) per row: about 14 minutes.
+# holds them) and to about 100% at 12 and 20 (it holds about 4 prompts). Checked once (2026-11-26,
+# vLLM alone, 12 users, 24 requests, other work on the cores): 0.37 req/s served of 0.4 offered, TTFT
+# p50/p99 3.1/10.4 s, TPOT p50 98 ms: loaded, a queue of a few requests, not an unbounded one. 2
+# requests per user: the fewest that give repeats. Users 4, 12, 20: all in vLLM's cache, beyond it,
+# beyond kvtier's 2 GiB DRAM (8 prefixes). Full size, 3 rows: that check's row took 51 s to start and
+# warm up and 78 s for its 12-user point, so a row is about 51 + 35 + 78 + 125 s: about 14.5 minutes.
 MIXED = {
-    **FULL, "users": "4,12,24", "requests_per_user": 2, "concurrency": None, "output_len": 64,
+    **FULL, "users": "4,12,20", "requests_per_user": 2, "concurrency": None, "output_len": 64,
     "request_rate": 0.4, "burstiness": 1.0,
 }  # fmt: skip
 MIXED_SMALL = {
