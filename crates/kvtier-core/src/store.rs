@@ -518,25 +518,28 @@ impl Store {
     /// DRAM hit, and neither a block already in DRAM nor a missing one counts anything here: every
     /// block a load serves is one hit, of the tier it came from.
     pub fn read_ahead(&self, keys: &[BlockKey]) -> Result<Vec<bool>> {
-        self.check_open()?;
-        let sh = &self.shared;
-        sh.loads_active.fetch_add(1, Ordering::AcqRel);
-        let resident = execute_read_ahead(sh, keys);
-        sh.job_done(&sh.loads_active);
-        assert_eq!(resident.len(), keys.len(), "one answer per key");
-        Ok(resident)
+        self.load_on_this_thread(keys, execute_read_ahead)
     }
 
     /// Makes blocks resident in DRAM (reading NVMe or the shared tier, verified) and pins them: per
     /// key the slot to copy the value out of, or `None` for a miss. Give each slot back with `release`.
     pub fn acquire(&self, keys: &[BlockKey]) -> Result<Vec<Option<u32>>> {
+        self.load_on_this_thread(keys, execute_get_pinned)
+    }
+
+    /// Runs a load on the calling thread, counted in `loads_active` so that store jobs yield to it.
+    fn load_on_this_thread<T>(
+        &self,
+        keys: &[BlockKey],
+        load: impl FnOnce(&Arc<Shared>, &[BlockKey]) -> Vec<T>,
+    ) -> Result<Vec<T>> {
         self.check_open()?;
         let sh = &self.shared;
         sh.loads_active.fetch_add(1, Ordering::AcqRel);
-        let pinned = execute_get_pinned(sh, keys);
+        let answers = load(sh, keys);
         sh.job_done(&sh.loads_active);
-        assert_eq!(pinned.len(), keys.len(), "one slot or miss per key");
-        Ok(pinned)
+        assert_eq!(answers.len(), keys.len(), "one answer per key");
+        Ok(answers)
     }
 
     /// Checks the catalog's internal invariants (for tests).
