@@ -105,10 +105,21 @@ def test_bad_arguments(argv):
 
 def test_store_options_per_row():
     plan = plan_of("--dram-gib", "2", "--nvme-gib", "8")
-    assert serve.store_options("kvtier-dram", plan) == {"dram_bytes": 2 << 30, "nvme_bytes": 0}
-    assert serve.store_options("kvtier-nvme", plan) == {"dram_bytes": 2 << 30, "nvme_bytes": 8 << 30}
-    assert serve.store_options("kvtier-2x-private", plan) == {"dram_bytes": 1 << 30, "nvme_bytes": 4 << 30}
+    store = Path("/stores/row")
+    assert serve.store_options("kvtier-dram", plan, store) == {"dram_bytes": 2 << 30, "nvme_bytes": 0}
+    assert serve.store_options("kvtier-nvme", plan, store) == {"dram_bytes": 2 << 30, "nvme_bytes": 8 << 30}
+    assert serve.store_options("kvtier-2x-private", plan, store) == {"dram_bytes": 1 << 30, "nvme_bytes": 4 << 30}
     root = Path("/stores")
+    # The shared-tier row: DRAM over the shared filesystem tier (no NVMe), its root beside the local
+    # store, inside the row's directory (removed with it).
+    (local,) = serve.row_stores("kvtier-shared", root)
+    assert local == root / "kvtier-shared" / "local"
+    assert serve.store_options("kvtier-shared", plan, local) == {
+        "dram_bytes": 2 << 30,
+        "nvme_bytes": 0,
+        "shared_root": str(root / "kvtier-shared" / "shared"),
+    }
+    assert "kvtier-shared" not in plan_of()["rows"] and plan_of("--rows", "kvtier-shared")["rows"] == ["kvtier-shared"]
     assert serve.row_stores("vllm", root) == []
     shared = serve.row_stores("kvtier-2x-shared", root)
     assert len(shared) == 2 and shared[0] == shared[1]
@@ -151,12 +162,17 @@ def test_parse_result():
     document = {
         "settings": {},
         "rows": [
-            {"label": "x", "points": [{"users": 2, **point, "kvtier": {"dram_hits": 3, "nvme_hits": 0, "puts": 9}}]},
+            {
+                "label": "x",
+                "points": [
+                    {"users": 2, **point, "kvtier": {"dram_hits": 3, "nvme_hits": 0, "shared_hits": 1, "puts": 9}}
+                ],
+            },
             {"label": "y", "points": []},
         ],
     }
     rows = serve.table_rows(document)
-    assert rows[0][:4] == ["x", "2", "8", "2.00"] and rows[0][-3:] == ["3", "0", "9"]
+    assert rows[0][:4] == ["x", "2", "8", "2.00"] and rows[0][-4:] == ["3", "0", "1", "9"]
     assert rows[0][serve.TABLE_HEADER.index("TPOT p50/p99 ms")] == "60/75"
     assert rows[0][serve.TABLE_HEADER.index("ITL p50/p99 ms")] == "58/140"
     assert rows[1][2] == "not measured"
@@ -219,6 +235,7 @@ def test_a_cache_row_without_hits_is_a_problem(tmp_path):
     zero = {"dram_hits": 0, "nvme_hits": 0, "puts": 9}
     assert "kvtier served no hit" in serve.row_hit_problems("kvtier-dram", record([{"kvtier": zero}]), None)[0]
     assert serve.row_hit_problems("kvtier-nvme", record([{"kvtier": {**zero, "nvme_hits": 1}}]), None) == []
+    assert serve.row_hit_problems("kvtier-shared", record([{"kvtier": {**zero, "shared_hits": 1}}]), None) == []
     assert serve.row_hit_problems("vllm", record([{"users": 2}]), None) == []
     assert serve.row_hit_problems("kvtier-dram", record([{"users": 2}]), None) == [], "no counters: not judged"
 

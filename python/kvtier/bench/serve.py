@@ -31,6 +31,10 @@ Rows (each one server, or two, started fresh for the row and stopped after it; o
 - ``vllm``: vLLM alone (no ``--kv-transfer-config``).
 - ``kvtier-dram``: ``KvtierConnector``, DRAM only (``nvme_bytes=0``), ``--dram-gib``.
 - ``kvtier-nvme``: ``KvtierConnector``, ``--dram-gib`` of DRAM over ``--nvme-gib`` of NVMe.
+- ``kvtier-shared`` (not in the default rows): ``KvtierConnector``, ``--dram-gib`` of DRAM over the
+  shared-filesystem tier (``shared_root``, no NVMe tier): a directory of the output's disk standing in
+  for the POSIX filesystem replicas share (its capacity is the filesystem's, by the tier's
+  watermarks). Its hits are ``shared_hits``.
 - ``kvtier-2x-shared`` and ``kvtier-2x-private`` (``--two-servers``): two servers behind a
   round-robin proxy, either on one store path (one host service, one shared pool) or on two store
   paths (two services, two private pools, each with half of ``--dram-gib`` and ``--nvme-gib``, so
@@ -117,13 +121,15 @@ from kvtier.bench.ttft import (
 )
 
 ROWS = ("vllm", "kvtier-dram", "kvtier-nvme")
+SHARED_TIER_ROW = "kvtier-shared"
 TWO_SERVER_ROWS = ("kvtier-2x-shared", "kvtier-2x-private")
 LMCACHE_ROWS = ("lmcache", "lmcache-disk")
-ALL_ROWS = ROWS + TWO_SERVER_ROWS + LMCACHE_ROWS
+ALL_ROWS = (*ROWS, SHARED_TIER_ROW, *TWO_SERVER_ROWS, *LMCACHE_ROWS)
 ROW_LABELS = {
     "vllm": "vLLM alone",
     "kvtier-dram": "kvtier DRAM",
     "kvtier-nvme": "kvtier DRAM+NVMe",
+    SHARED_TIER_ROW: "kvtier DRAM+shared FS",
     "kvtier-2x-shared": "2 servers, shared pool",
     "kvtier-2x-private": "2 servers, private pools",
     "lmcache": "LMCache CPU + CPU copy shim",
@@ -163,7 +169,7 @@ MIXED_SMALL = {
 WORKLOADS = {"closed": (FULL, SMALL), "mixed": (MIXED, MIXED_SMALL)}
 PERCENTILES = (50, 90, 99)
 DECODE_METRICS = ("tpot", "itl")  # time per output token (per request), inter-token latency (per token)
-COUNTERS = ("dram_hits", "nvme_hits", "puts")
+COUNTERS = ("dram_hits", "nvme_hits", "shared_hits", "puts")
 POINT_TIMEOUT_S = 4 * 3600
 MODEL_LEN_MARGIN = 128  # tokens beyond prefix + suffix + output (the server re-aligns prompts to its tokenizer)
 SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
@@ -547,16 +553,21 @@ def row_stores(row: str, store_root: Path) -> list[Path]:
         return [store_root / row, store_root / row]
     if row == "kvtier-2x-private":
         return [store_root / row / "a", store_root / row / "b"]
+    if row == SHARED_TIER_ROW:
+        return [store_root / row / "local"]
     return [store_root / row]
 
 
-def store_options(row: str, plan: dict[str, Any]) -> dict[str, Any]:
+def store_options(row: str, plan: dict[str, Any], store: Path) -> dict[str, Any]:
     dram_gib, nvme_gib = plan["dram_gib"], plan["nvme_gib"]
-    if row == "kvtier-dram":
+    if row in ("kvtier-dram", SHARED_TIER_ROW):
         nvme_gib = 0.0
     if row == "kvtier-2x-private":  # the host's memory for kvtier is the same as in the shared row
         dram_gib, nvme_gib = dram_gib / 2, nvme_gib / 2
-    return {"dram_bytes": int(dram_gib * 2**30), "nvme_bytes": int(nvme_gib * 2**30)}
+    options: dict[str, Any] = {"dram_bytes": int(dram_gib * 2**30), "nvme_bytes": int(nvme_gib * 2**30)}
+    if row == SHARED_TIER_ROW:  # beside the local store, removed with the row's store directory
+        options["shared_root"] = str(store.parent / "shared")
+    return options
 
 
 # --------------------------------------------------------------------------------------------
@@ -677,9 +688,9 @@ def row_hit_problems(row: str, record: dict[str, Any], server_log: Path | None) 
         if logged:
             problems.append(f"LMCache's log reports a failure: {logged}")
     elif any("kvtier" in point for point in points) and not any(
-        point.get("kvtier", {}).get("dram_hits") or point.get("kvtier", {}).get("nvme_hits") for point in points
+        any(point.get("kvtier", {}).get(name) for name in ("dram_hits", "nvme_hits", "shared_hits")) for point in points
     ):
-        problems.append("kvtier served no hit (DRAM and NVMe hits 0 at every point)")
+        problems.append("kvtier served no hit (DRAM, NVMe and shared hits 0 at every point)")
     return problems
 
 
@@ -790,7 +801,7 @@ def start_server(
         env.update(lmcache_env)
     elif stores:
         stores[number].mkdir(parents=True, exist_ok=True)
-        transfer = kv_transfer_config(stores[number], **store_options(row, plan))
+        transfer = kv_transfer_config(stores[number], **store_options(row, plan, stores[number]))
     log_path = out_dir / "logs" / f"server-{row}-{number}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     server = OpenAIServer(
@@ -914,7 +925,8 @@ def point_line(point: dict[str, Any]) -> str:
     if point.get("kvtier"):
         counters = point["kvtier"]
         text += (
-            f", kvtier DRAM hits {counters['dram_hits']}, NVMe hits {counters['nvme_hits']}, puts {counters['puts']}"
+            f", kvtier DRAM hits {counters['dram_hits']}, NVMe hits {counters['nvme_hits']}, "
+            f"shared hits {counters['shared_hits']}, puts {counters['puts']}"
         )
     if point.get("kv_events"):
         events = point["kv_events"]
@@ -933,7 +945,7 @@ def _p50_p99(point: dict[str, Any], metric: str) -> str:
 
 TABLE_HEADER = [
     "row", "users", "requests", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
-    "TPOT p50/p99 ms", "ITL p50/p99 ms", "connector hit tokens", "kvtier DRAM hits", "NVMe hits", "puts",
+    "TPOT p50/p99 ms", "ITL p50/p99 ms", "connector hit tokens", "kvtier DRAM hits", "NVMe hits", "shared hits", "puts",
 ]  # fmt: skip
 
 
