@@ -1,0 +1,744 @@
+"""`kvtier bench ttft`'s engine phases: each runs in a child process (one engine, one process),
+started by the parent as ``python -m kvtier.bench.ttft --run-phase SPEC`` (see ``run_phase``); it
+writes its records as JSON lines to the spec's ``result_path``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench import workload
+from kvtier.bench.ttft.plan import BenchError, hit_tokens
+from kvtier.bench.ttft.prompts import hit_rate_base, hit_rate_prompt, length_prompt
+
+RESET_ATTEMPTS = 50
+PROGRESS_PREFIX = "[ttft] "
+NUDGE_PROMPT = [5, 6, 7]  # shorter than a block: no kvtier lookup or store, drives engine steps
+LMCACHE_HASH_SEED = "0"  # PYTHONHASHSEED of the LMCache engine process (stable chunk keys)
+LMCACHE_STORE_WAIT_S = 600
+SHARED_VISIBLE_WAIT_S = 30  # longest node B waits for node A's blocks in its shared index
+
+
+def progress(message: str) -> None:
+    print(PROGRESS_PREFIX + message, flush=True)
+
+
+class Engine:
+    """One in-process vLLM engine and the measurement helpers of the benchmark."""
+
+    def __init__(self, plan: dict, kv_transfer: dict | None, **engine_options: Any):
+        from vllm import LLM, SamplingParams
+        from vllm.config import KVTransferConfig
+
+        started = time.monotonic()
+        self.llm = LLM(
+            model=plan["model"],
+            dtype=plan["dtype"],
+            max_model_len=plan["max_model_len"],
+            enable_prefix_caching=True,
+            enforce_eager=True,
+            distributed_executor_backend="uni",
+            seed=0,
+            kv_transfer_config=KVTransferConfig(**kv_transfer) if kv_transfer else None,
+            block_size=plan["block_tokens"],
+            **engine_options,
+        )
+        self.start_s = time.monotonic() - started
+        self.params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=1, seed=0)
+        block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
+        if block_size != plan["block_tokens"]:
+            raise BenchError(f"engine block size is {block_size} tokens, the benchmark assumes {plan['block_tokens']}")
+        self.hash_algo = getattr(self.llm.llm_engine.vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")
+        self.block_tokens = block_size
+        self.generate(NUDGE_PROMPT)  # first-request warm-up
+
+    def generate(self, tokens: list[int]):
+        from vllm.inputs import TokensPrompt
+
+        (output,) = self.llm.generate([TokensPrompt(prompt_token_ids=tokens)], self.params, use_tqdm=False)
+        return output
+
+    def measure(self, tokens: list[int], expected_cached_tokens: int) -> dict:
+        started = time.perf_counter()
+        output = self.generate(tokens)
+        ttft_s = time.perf_counter() - started
+        completion = output.outputs[0]
+        token_id = int(completion.token_ids[0])
+        logprob = float(completion.logprobs[0][token_id].logprob) if completion.logprobs else None
+        record = {
+            "ttft_s": ttft_s,
+            "prompt_tokens": len(tokens),
+            "cached_tokens": int(output.num_cached_tokens or 0),
+            "expected_cached_tokens": expected_cached_tokens,
+            "token_id": token_id,
+            "logprob": logprob,
+        }
+        engine_ttft = getattr(getattr(output, "metrics", None), "first_token_latency", None)
+        if engine_ttft:
+            record["engine_ttft_s"] = float(engine_ttft)
+        return record
+
+    def reset_prefix_cache(self) -> None:
+        # vLLM refuses while offload stores still hold blocks; short requests drive the steps that finish them.
+        for _ in range(RESET_ATTEMPTS):
+            if self.llm.reset_prefix_cache():
+                return
+            self.generate(NUDGE_PROMPT)
+        raise BenchError(f"vLLM did not reset its prefix cache after {RESET_ATTEMPTS} attempts")
+
+    def block_keys(self, tokens: list[int], full_blocks: int) -> list[bytes]:
+        """kvtier keys of the first full blocks of a prompt (vLLM's chained block hashes)."""
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core import kv_cache_utils
+        from vllm.v1.kv_offload.base import make_offload_key
+
+        import kvtier.vllm as kvtier_vllm
+
+        hash_fn = get_hash_fn_by_name(self.hash_algo)
+        parent = None
+        keys = []
+        for index in range(full_blocks):
+            block = tokens[index * self.block_tokens : (index + 1) * self.block_tokens]
+            parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, block, None)
+            keys.append(kvtier_vllm.kvtier_key(make_offload_key(bytes(parent), 0)))
+        return keys
+
+
+def kvtier_transfer(
+    plan: dict, store_dir: str | None = None, shared_root: str | None = None, object_tier: bool = False
+) -> dict:
+    """kvtier's kv_transfer_config for the plan's store (or ``store_dir``), with the shared tier on
+    ``shared_root`` when given, or the object tier on the plan's bucket with ``object_tier``."""
+    from kvtier.vllm import kv_transfer_config
+
+    # The default publish queue: a prefill hands every block of the prompt to the publisher at once,
+    # and what does not fit waits in its backlog (a dropped publish fails the phase).
+    remote: dict[str, Any] = {}
+    if shared_root:
+        remote = {"shared_root": shared_root}
+        if plan["shared"].get("file_bytes"):
+            remote["shared_file_bytes"] = plan["shared"]["file_bytes"]
+    if object_tier:
+        remote = {"bucket_url": plan["object"]["bucket_url"], "bucket_endpoint": plan["object"]["bucket_endpoint"]}
+        if plan["object"].get("segment_bytes"):
+            remote["bucket_segment_bytes"] = plan["object"]["segment_bytes"]
+    return kv_transfer_config(
+        store_dir or plan["store_dir"],
+        dram_bytes=plan["dram_bytes"],
+        nvme_bytes=plan["nvme_bytes"],
+        region_bytes=plan["region_bytes"],
+        **remote,
+    )
+
+
+class ServiceView:
+    """The engine's store as the benchmark reads it, through the host service the engine started:
+    the counters (summed over the service's namespaces: there is one), where blocks are, flush. At
+    the end of a phase the service is stopped, so the next phase's engine finds the blocks on NVMe
+    only, as after a restart."""
+
+    def __init__(self, connection: Any):
+        self._connection = connection
+        self._socket = connection.socket_path
+
+    def stats(self) -> dict[str, Any]:
+        from kvtier import service as kvtier_service
+
+        return kvtier_service.service_stats(self._socket)
+
+    def locate_many(self, keys: list[bytes]) -> list[str | None]:
+        return self._connection.locate_many(keys)
+
+    def flush(self) -> None:
+        self._connection.flush()
+
+    def close(self) -> None:
+        self.flush()
+        still_running = _stop_services_of_this_process()
+        if still_running:
+            raise BenchError(f"the kvtier service on {still_running[0]} did not stop")
+
+
+def _stop_services_of_this_process() -> list[Path]:
+    """Closes this process's service connections (no reconnecting: it would start the service
+    again) and stops the services they attached to; returns the sockets whose service did not stop.
+    A failed phase calls it too: a detached service would outlive the benchmark and keep the store's
+    (already removed) NVMe files open."""
+    import kvtier.vllm as kvtier_vllm
+    from kvtier import service as kvtier_service
+
+    connections = kvtier_vllm.service_connections()
+    sockets = {connection.socket_path for connection in connections}
+    for connection in connections:
+        connection.close()
+    still_running = []
+    for socket in sockets:
+        stopped = False
+        with contextlib.suppress(Exception):
+            stopped = kvtier_service.stop_service(socket)
+        if not stopped:
+            still_running.append(socket)
+    return still_running
+
+
+def _store_of_engine() -> ServiceView:
+    import kvtier.vllm as kvtier_vllm
+
+    connections = kvtier_vllm.service_connections()
+    if not connections:
+        raise BenchError("the engine opened no connection to a kvtier host service")
+    return ServiceView(connections[0])
+
+
+STORE_SETTLE_TIMEOUT_S = 600
+
+
+def _settle(engine: Engine, store) -> None:
+    """Until everything stored so far is in the store: vLLM hands a step's stores to the worker in
+    its next step (the nudges), the worker copies held-back stores while the engine idles (the
+    wait), and the flush waits for the service's NVMe writes."""
+    import kvtier.vllm as kvtier_vllm
+
+    for _ in range(2):
+        engine.generate(NUDGE_PROMPT)
+    if not kvtier_vllm.wait_for_stores(STORE_SETTLE_TIMEOUT_S):
+        raise BenchError(f"the kvtier worker still held stores after {STORE_SETTLE_TIMEOUT_S} s of idling")
+    store.flush()
+
+
+def _tier_counts(store, keys: list[bytes]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for tier in store.locate_many(keys):
+        counts[str(tier)] = counts.get(str(tier), 0) + 1
+    return counts
+
+
+def _kvtier_measure(
+    engine: Engine, store, tokens: list[int], hit: int, tier: str, drop_cache: bool, served_counter: str | None = None
+) -> dict:
+    """Measures a request whose first ``hit`` tokens must be served from ``tier`` (as ``locate_many``
+    names it), counted in ``served_counter`` (default ``<tier>_hits``; the object tier's blocks are
+    located as "shared" and counted in ``bucket_hits``)."""
+    keys = engine.block_keys(tokens, hit // engine.block_tokens)
+    engine.reset_prefix_cache()
+    tiers_before = _tier_counts(store, keys)
+    if keys and tiers_before.get(tier, 0) != len(keys):
+        raise BenchError(f"before timing, the {len(keys)} stored blocks are in tiers {tiers_before}, not all in {tier}")
+    dropped = None
+    if drop_cache:
+        dropped = workload.drop_page_cache()
+        engine.generate(NUDGE_PROMPT)  # fault the engine's own code back in; no kvtier I/O
+    before = store.stats()
+    record = engine.measure(tokens, hit)
+    after = store.stats()
+    record["kvtier"] = {
+        "tiers_before": tiers_before,
+        "dram_hits": after["dram_hits"] - before["dram_hits"],
+        "nvme_hits": after["nvme_hits"] - before["nvme_hits"],
+        "shared_hits": after.get("shared_hits", 0) - before.get("shared_hits", 0),
+        "shared_misses": after.get("shared_misses", 0) - before.get("shared_misses", 0),
+        "bucket_hits": after.get("bucket_hits", 0) - before.get("bucket_hits", 0),
+        "bucket_misses": after.get("bucket_misses", 0) - before.get("bucket_misses", 0),
+        "bucket_get_requests": after.get("bucket_get_requests", 0) - before.get("bucket_get_requests", 0),
+        "misses": after["misses"] - before["misses"],
+        "checksum_failures": after["checksum_failures"] - before["checksum_failures"],
+    }
+    served_counter = served_counter or f"{tier}_hits"
+    served = record["kvtier"][served_counter]
+    if served != len(keys):
+        record["problem"] = f"{served} of {len(keys)} blocks served from {tier} ({served_counter})"
+    if dropped is not None:
+        record["page_cache_dropped"] = dropped
+    return record
+
+
+def phase_baseline(plan: dict, emit) -> None:
+    """Recompute and vLLM prefix-cache hits for one repeat (``plan["item"]``; every repeat if None).
+
+    One engine process per repeat, run just before that repeat's kvtier phases, so that a slow
+    spell of this shared machine does not land on the baseline of every repeat at once."""
+    engine = Engine(plan, None)
+    emit("engine", {"start_s": engine.start_s})
+    for length in plan["lengths"]:
+        for repeat in repeats_of(plan):
+            prompt = length_prompt(plan, length, repeat)
+            engine.reset_prefix_cache()
+            emit("measure", {"experiment": 1, "config": "recompute", "length_tokens": length, "repeat": repeat,
+                             "prompt_id": f"p:{length}:{repeat}", **engine.measure(prompt, 0)})  # fmt: skip
+            emit("measure", {"experiment": 1, "config": "vllm_prefix", "length_tokens": length, "repeat": repeat,
+                             "prompt_id": f"p:{length}:{repeat}", **engine.measure(prompt, length)})  # fmt: skip
+    length = plan["hit_rate_length"]
+    for repeat in repeats_of(plan):
+        if not plan["hit_rates"]:
+            break
+        base_prompt = length_prompt(plan, length, repeat)
+        if length in plan["lengths"]:
+            engine.generate(base_prompt)  # usually still in vLLM's prefix cache from experiment 1
+        else:
+            engine.reset_prefix_cache()
+            warm = engine.measure(base_prompt, 0)
+            emit("measure", {"experiment": 2, "config": "recompute", "length_tokens": length, "hit_rate": None,
+                             "repeat": repeat, "prompt_id": f"p:{length}:{repeat}", **warm})  # fmt: skip
+        for rate in plan["hit_rates"]:
+            hit = hit_tokens(length, rate, plan["block_tokens"])
+            # The previous rate's new tokens may have pushed the base's tail out of vLLM's cache
+            # (least recently used first); this puts it back (a cheap hit when nothing was evicted).
+            engine.generate(base_prompt)
+            prompt = hit_rate_prompt(plan, base_prompt[:hit], rate, repeat, "vllm")
+            emit("measure", {"experiment": 2, "config": "vllm_prefix", "length_tokens": length, "hit_rate": rate,
+                             "repeat": repeat, **engine.measure(prompt, hit)})  # fmt: skip
+
+
+def repeats_of(plan: dict) -> list[int]:
+    return list(range(plan["repeats"])) if plan.get("item") is None else [plan["item"]]
+
+
+def phase_kvtier_store(plan: dict, emit) -> None:
+    """Stores one prompt and measures its DRAM hit (one length or one hit rate, one repeat).
+
+    kvtier keeps blocks that were read back in DRAM ahead of blocks seen once, so each prompt gets a
+    fresh engine process (an empty DRAM tier) and the tier stays the size of one prompt."""
+    engine = Engine(plan, kvtier_transfer(plan))
+    store = _store_of_engine()
+    emit("engine", {"start_s": engine.start_s, "io_engine": store.stats().get("io_engine"),
+                    "direct_io": store.stats().get("direct_io")})  # fmt: skip
+    kind, value, repeat = plan["item"]
+    if kind == "length":
+        length = value
+        prompt = length_prompt(plan, length, repeat)
+        engine.reset_prefix_cache()
+        emit("measure", {"experiment": 1, "config": "kvtier_miss", "length_tokens": length, "repeat": repeat,
+                         "prompt_id": f"p:{length}:{repeat}", **engine.measure(prompt, 0)})  # fmt: skip
+        _settle(engine, store)
+        emit("measure", {"experiment": 1, "config": "kvtier_dram", "length_tokens": length, "repeat": repeat,
+                         "prompt_id": f"p:{length}:{repeat}",
+                         **_kvtier_measure(engine, store, prompt, length, "dram", drop_cache=False)})  # fmt: skip
+    else:
+        rate = value
+        base = hit_rate_base(plan, rate, repeat)
+        if base:
+            engine.generate([*base, 11])  # computes and stores the part that will be hits
+            _settle(engine, store)
+        prompt = hit_rate_prompt(plan, base, rate, repeat, "dram")
+        emit("measure", {"experiment": 2, "config": "kvtier_dram", "length_tokens": plan["hit_rate_length"],
+                         "hit_rate": rate, "repeat": repeat,
+                         **_kvtier_measure(engine, store, prompt, len(base), "dram", drop_cache=False)})  # fmt: skip
+    _settle(engine, store)
+    emit("store_stats", dict(store.stats()))
+    store.close()  # the next engine process finds the blocks on NVMe only
+
+
+def disk_floor(plan: dict, length_tokens: int) -> dict | None:
+    """fio's best O_DIRECT read of the bytes an NVMe hit of ``length_tokens`` reads (whole slots:
+    descriptor page plus value per block), from a file beside the store, right after the hit: the
+    time no disk hit can beat on this disk at this moment. None (with a log line) without fio."""
+    from kvtier.bench import fio
+
+    if not plan.get("disk_floor", True) or fio.fio_path() is None:
+        return None
+    blocks = length_tokens // plan["block_tokens"]
+    read_bytes = blocks * plan["slot_bytes"]
+    path = Path(plan["store_dir"]).parent / "disk-floor.fio"
+    needed_bytes = max(plan["lengths"]) // plan["block_tokens"] * plan["slot_bytes"]
+    if not path.exists() or path.stat().st_size < needed_bytes:
+        # Written once, so that the reads find allocated extents (a sparse file reads as zeros, fast).
+        fio.run_fio_job(str(path), needed_bytes, "write", fio.FioCombo(plan["slot_bytes"], 8))
+    runs = []
+    # Depth 32 is kvtier's default io_depth, so fio gets at least the bytes in flight kvtier has.
+    for combo in (
+        fio.FioCombo(plan["slot_bytes"], 8),
+        fio.FioCombo(plan["slot_bytes"], 32),
+        fio.FioCombo(1 << 20, 16, jobs=4),
+    ):
+        try:
+            runs.append(fio.run_fio_job(str(path), read_bytes, "read", combo))
+        except fio.FioError as error:
+            progress(f"disk floor: {error}")
+    if not runs:
+        return None
+    best = max(runs, key=lambda run: run["gbps"])
+    return {
+        "ttft_s": read_bytes / (best["gbps"] * 1e9),
+        "prompt_tokens": length_tokens,
+        "cached_tokens": length_tokens,
+        "expected_cached_tokens": length_tokens,
+        "read_bytes": read_bytes,
+        "fio_best": best,
+    }
+
+
+def phase_kvtier_nvme(plan: dict, emit) -> None:
+    engine = Engine(plan, kvtier_transfer(plan))
+    store = _store_of_engine()
+    stats = store.stats()
+    emit("engine", {"start_s": engine.start_s, "blocks_dram_at_start": stats.get("blocks_dram"),
+                    "blocks_nvme_at_start": stats.get("blocks_nvme"),
+                    "recovered_blocks": stats.get("recovered_blocks")})  # fmt: skip
+    for length in plan["lengths"]:
+        for repeat in range(plan["repeats"]):
+            prompt = length_prompt(plan, length, repeat)
+            emit("measure", {"experiment": 1, "config": "kvtier_nvme", "length_tokens": length, "repeat": repeat,
+                             "prompt_id": f"p:{length}:{repeat}",
+                             **_kvtier_measure(engine, store, prompt, length, "nvme", drop_cache=True)})  # fmt: skip
+            floor = disk_floor(plan, length)
+            if floor is not None:
+                emit(
+                    "measure",
+                    {"experiment": 1, "config": "disk_floor", "length_tokens": length, "repeat": repeat, **floor},
+                )
+    length = plan["hit_rate_length"]
+    for repeat in range(plan["repeats"]):
+        for rate in plan["hit_rates"]:
+            base = hit_rate_base(plan, rate, repeat)
+            prompt = hit_rate_prompt(plan, base, rate, repeat, "nvme")
+            emit("measure", {"experiment": 2, "config": "kvtier_nvme", "length_tokens": length, "hit_rate": rate,
+                             "repeat": repeat,
+                             **_kvtier_measure(engine, store, prompt, len(base), "nvme", drop_cache=True)})  # fmt: skip
+    emit("store_stats", dict(store.stats()))
+    store.close()
+
+
+def shared_store_dir(plan: dict, node: str) -> str:
+    """A local store directory of the kvtier_shared phases, beside the plan's store (node "a" or "b-<L>-r<r>")."""
+    return str(Path(plan["store_dir"]).parent / f"shared-node-{node}")
+
+
+SHARED_PUBLISH_FAILURES = ("shared_dropped_publishes", "shared_publish_errors")
+
+
+def _publish_every_prompt(
+    plan: dict, emit, engine, store, tier: str, counters: tuple[str, ...], failures: tuple[str, ...]
+) -> None:
+    """Node A's loop for a remote tier (`tier`: "shared" or "object"): computes every prompt of
+    experiment 1 and, after each, waits for the flush that publishes it; fails unless it was."""
+    published, where = {"shared": ("shared_files_published", "the shared tier"),
+                        "object": ("bucket_segments_published", "the bucket")}[tier]  # fmt: skip
+    for length in plan["lengths"]:
+        for repeat in range(plan["repeats"]):
+            prompt = length_prompt(plan, length, repeat)
+            engine.reset_prefix_cache()
+            before = store.stats()
+            started = time.perf_counter()
+            engine.generate(prompt)
+            ttft_s = time.perf_counter() - started
+            _settle(engine, store)
+            after = store.stats()
+            delta = {name: after.get(name, 0) - before.get(name, 0) for name in (*counters, *failures)}
+            emit(f"{tier}_publish", {"length_tokens": length, "repeat": repeat, "ttft_s": ttft_s,
+                                     "publish_wait_s": time.perf_counter() - started - ttft_s, **delta})  # fmt: skip
+            progress(f"kvtier_{tier}_store: L={length} r{repeat}: {ttft_s * 1000:.0f} ms, published {delta}")
+            failed = {name: delta[name] for name in failures if delta[name]}
+            if failed or not delta[published]:
+                raise BenchError(f"node A did not publish prompt p:{length}:{repeat} to {where}: {delta}")
+    emit("store_stats", dict(store.stats()))
+    store.close()  # publishes anything left and stops node A's service
+
+
+def phase_kvtier_shared_store(plan: dict, emit) -> None:
+    """Node A of kvtier_shared: computes every prompt of experiment 1 with the shared tier on and
+    waits, after each, until its blocks are published (the flush waits for the shared publisher)."""
+    shared_root = plan["shared"]["store_root"]
+    engine = Engine(plan, kvtier_transfer(plan, shared_store_dir(plan, "a"), shared_root))
+    store = _store_of_engine()
+    emit("engine", {"start_s": engine.start_s, "shared_root": shared_root})
+    counters = ("puts", "shared_files_published", "shared_bytes_written")
+    _publish_every_prompt(plan, emit, engine, store, "shared", counters, SHARED_PUBLISH_FAILURES)
+
+
+def _wait_shared_visible(store, keys: list[bytes]) -> dict[str, int]:
+    """Until node B's index places every block in the shared tier (it replays the manifests when
+    the store opens, and re-reads them every shared_staleness_ms / 2); the tier counts at the end."""
+    deadline = time.monotonic() + SHARED_VISIBLE_WAIT_S
+    while True:
+        counts = _tier_counts(store, keys)
+        if counts.get("shared", 0) == len(keys) or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.1)
+
+
+def phase_kvtier_shared_load(plan: dict, emit) -> None:
+    """Node B of kvtier_shared for one prompt: a fresh engine and service with an empty local store,
+    every block of the prompt read from the shared tier."""
+    length, repeat = plan["item"]
+    store_dir = shared_store_dir(plan, f"b-{length}-r{repeat}")
+    if Path(store_dir).exists() and any(Path(store_dir).iterdir()):
+        raise BenchError(f"node B's local store {store_dir} is not empty")
+    shared_root = plan["shared"]["load_root"]
+    engine = Engine(plan, kvtier_transfer(plan, store_dir, shared_root))
+    store = _store_of_engine()
+    stats = store.stats()
+    emit("engine", {"start_s": engine.start_s, "shared_root": shared_root,
+                    "blocks_dram_at_start": stats.get("blocks_dram"),
+                    "blocks_nvme_at_start": stats.get("blocks_nvme")})  # fmt: skip
+    if stats.get("blocks_dram") or stats.get("blocks_nvme"):
+        raise BenchError(f"node B's store is not empty at start: {stats.get('blocks_dram')} blocks in DRAM, "
+                         f"{stats.get('blocks_nvme')} on NVMe")  # fmt: skip
+    prompt = length_prompt(plan, length, repeat)
+    keys = engine.block_keys(prompt, length // engine.block_tokens)
+    counts = _wait_shared_visible(store, keys)
+    if counts.get("shared", 0) != len(keys):
+        raise BenchError(f"node B sees the {len(keys)} blocks of p:{length}:{repeat} in tiers {counts}, not all shared "
+                         f"(after {SHARED_VISIBLE_WAIT_S} s)")  # fmt: skip
+    record = _kvtier_measure(engine, store, prompt, length, "shared", drop_cache=True)
+    emit("measure", {"experiment": 1, "config": "kvtier_shared", "length_tokens": length, "repeat": repeat,
+                     "prompt_id": f"p:{length}:{repeat}", **record})  # fmt: skip
+    emit("store_stats", dict(store.stats()))
+    store.close()
+
+
+OBJECT_PUBLISH_FAILURES = ("bucket_dropped_publishes", "bucket_request_errors")
+
+
+def phase_kvtier_object_store(plan: dict, emit) -> None:
+    """Node A of kvtier_object: computes every prompt of experiment 1 with the object tier on; the
+    flush after each waits until its segments and index objects are PUT."""
+    engine = Engine(plan, kvtier_transfer(plan, shared_store_dir(plan, "object-a"), object_tier=True))
+    store = _store_of_engine()
+    emit("engine", {"start_s": engine.start_s, "bucket_url": plan["object"]["bucket_url"]})
+    counters = ("puts", "bucket_segments_published", "bucket_bytes_written", "bucket_put_requests")
+    _publish_every_prompt(plan, emit, engine, store, "object", counters, OBJECT_PUBLISH_FAILURES)
+
+
+def phase_kvtier_object_load(plan: dict, emit) -> None:
+    """Node B of kvtier_object for one prompt: a fresh engine and service with an empty local store,
+    every block of the prompt read from the bucket (one ranged GET each)."""
+    length, repeat = plan["item"]
+    store_dir = shared_store_dir(plan, f"object-b-{length}-r{repeat}")
+    if Path(store_dir).exists() and any(Path(store_dir).iterdir()):
+        raise BenchError(f"node B's local store {store_dir} is not empty")
+    engine = Engine(plan, kvtier_transfer(plan, store_dir, object_tier=True))
+    store = _store_of_engine()
+    stats = store.stats()
+    emit("engine", {"start_s": engine.start_s, "bucket_url": plan["object"]["bucket_url"],
+                    "blocks_dram_at_start": stats.get("blocks_dram"),
+                    "blocks_nvme_at_start": stats.get("blocks_nvme")})  # fmt: skip
+    if stats.get("blocks_dram") or stats.get("blocks_nvme"):
+        raise BenchError(f"node B's store is not empty at start: {stats.get('blocks_dram')} blocks in DRAM, "
+                         f"{stats.get('blocks_nvme')} on NVMe")  # fmt: skip
+    prompt = length_prompt(plan, length, repeat)
+    keys = engine.block_keys(prompt, length // engine.block_tokens)
+    counts = _wait_shared_visible(store, keys)  # the object tier's blocks are located as "shared" (remote)
+    if counts.get("shared", 0) != len(keys):
+        raise BenchError(f"node B sees the {len(keys)} blocks of p:{length}:{repeat} in tiers {counts}, not all in "
+                         f"the bucket (after {SHARED_VISIBLE_WAIT_S} s)")  # fmt: skip
+    record = _kvtier_measure(engine, store, prompt, length, "shared", drop_cache=True, served_counter="bucket_hits")
+    emit("measure", {"experiment": 1, "config": "kvtier_object", "length_tokens": length, "repeat": repeat,
+                     "prompt_id": f"p:{length}:{repeat}", **record})  # fmt: skip
+    emit("store_stats", dict(store.stats()))
+    store.close()
+
+
+def phase_example_connector(plan: dict, emit) -> None:
+    transfer = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": plan["example_dir"]},
+    }
+    # ExampleConnector saves a prompt only in the step that schedules it first, so a prompt split by
+    # chunked prefill is saved partly and its load fails (shape mismatch). One chunk per prompt here.
+    engine = Engine(plan, transfer, max_num_batched_tokens=plan["max_model_len"])
+    emit("engine", {"start_s": engine.start_s})
+    for length in plan["lengths"]:
+        prompt = length_prompt(plan, length, 0)
+        engine.reset_prefix_cache()
+        engine.generate(prompt)  # computes and saves the per-layer files
+        for repeat in range(plan["repeats"]):
+            engine.reset_prefix_cache()
+            dropped = workload.drop_page_cache()
+            engine.generate(NUDGE_PROMPT)
+            record = engine.measure(prompt, length)
+            record["files_present"] = example_files_present(plan, prompt, engine.block_tokens)
+            if not record["files_present"]:
+                record["problem"] = "ExampleConnector has no files for this prompt (recomputed)"
+            record["page_cache_dropped"] = dropped
+            emit("measure", {"experiment": 1, "config": "example_connector", "length_tokens": length,
+                             "repeat": repeat, "prompt_id": f"p:{length}:0", **record})  # fmt: skip
+
+
+def example_files_present(plan: dict, prompt: list[int], block_tokens: int) -> bool:
+    """Whether ExampleConnector saved this prompt (its folder: md5 of the int64 token bytes it matches)."""
+    import hashlib
+
+    import numpy as np
+
+    matched = (len(prompt) - 1) // block_tokens * block_tokens
+    folder = hashlib.md5(np.asarray(prompt[:matched], dtype=np.int64).tobytes(), usedforsecurity=False).hexdigest()
+    return (Path(plan["example_dir"]) / folder).is_dir()
+
+
+def lmcache_config(plan: dict) -> dict[str, Any]:
+    """LMCache's configuration for the lmcache_disk phase (written as LMCACHE_CONFIG_FILE).
+
+    local_cpu off: LMCache's CPU cache never serves a hit, its pool only stages disk reads and
+    writes. Whole chunks only (save_unfull_chunk off), so a prompt of L + 2 tokens hits L."""
+    return {
+        "chunk_size": plan["lmcache_chunk_tokens"],
+        "local_cpu": False,
+        "max_local_cpu_size": plan["lmcache_cpu_gib"],
+        "local_disk": plan["lmcache_dir"],
+        "max_local_disk_size": plan["lmcache_disk_gib"],
+        "save_unfull_chunk": False,
+        "use_layerwise": False,
+        "enable_blending": False,
+    }
+
+
+def _lmcache_disk_backend():
+    """LMCache's LocalDiskBackend in this engine process (fails when LMCache runs degraded)."""
+    from lmcache.integration.vllm.utils import ENGINE_NAME
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    lmcache_engine = LMCacheEngineBuilder.get(ENGINE_NAME)
+    if lmcache_engine is None or getattr(lmcache_engine, "storage_manager", None) is None:
+        raise BenchError("LMCache's engine was not created in the engine process (degraded mode?)")
+    backends = lmcache_engine.storage_manager.storage_backends
+    backend = backends.get("LocalDiskBackend")
+    if backend is None:
+        raise BenchError(f"LMCache has no LocalDiskBackend (backends: {list(backends)})")
+    hot = backends.get("LocalCPUBackend")
+    if hot is not None and getattr(hot, "use_hot", False):
+        raise BenchError("LMCache's CPU cache is on (local_cpu): hits would not come from disk")
+    return backend
+
+
+def _lmcache_wait_stored(engine: Engine, backend, chunks: int) -> float:
+    """Waits until LMCache's disk index holds ``chunks`` chunks and no write is in flight."""
+    started = time.monotonic()
+    while True:
+        with backend.disk_lock:
+            indexed = len(backend.dict)
+        with backend.disk_worker.put_lock:
+            in_flight = len(backend.disk_worker.put_tasks)
+        if indexed >= chunks and not in_flight:
+            return time.monotonic() - started
+        if time.monotonic() - started > LMCACHE_STORE_WAIT_S:
+            raise BenchError(
+                f"LMCache stored {indexed} of {chunks} chunks on disk ({in_flight} writes in flight) "
+                f"after {LMCACHE_STORE_WAIT_S} s"
+            )
+        engine.generate(NUDGE_PROMPT)
+        time.sleep(0.05)
+
+
+def phase_lmcache_disk(plan: dict, emit) -> None:
+    """LMCache's vLLM connector with its local disk backend (runs in the LMCache virtualenv)."""
+    from kvtier.bench import lmcache_cpu_shim
+
+    lmcache_cpu_shim.install()
+    transfer = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    engine = Engine(plan, transfer)
+    backend = _lmcache_disk_backend()
+    emit("engine", {"start_s": engine.start_s, "lmcache_disk_path": str(backend.path),
+                    "lmcache_odirect": bool(getattr(backend, "use_odirect", False))})  # fmt: skip
+    chunk = plan["lmcache_chunk_tokens"]
+    stored_chunks = 0
+    for length in plan["lmcache_lengths"]:
+        prompt = length_prompt(plan, length, 0)
+        engine.reset_prefix_cache()
+        engine.generate(prompt)  # computes and stores (LMCache writes its chunk files asynchronously)
+        stored_chunks += length // chunk
+        store_wait_s = _lmcache_wait_stored(engine, backend, stored_chunks)
+        for repeat in range(plan["repeats"]):
+            engine.reset_prefix_cache()
+            dropped = workload.drop_page_cache()
+            engine.generate(NUDGE_PROMPT)  # shorter than a chunk: no LMCache I/O
+            before = lmcache_cpu_shim.counters()
+            record = engine.measure(prompt, length)
+            after = lmcache_cpu_shim.counters()
+            delta = {name: after[name] - before[name] for name in after}
+            record["lmcache"] = {**delta, "expected_disk_chunks": length // chunk, "store_wait_s": store_wait_s}
+            problems = []
+            if delta["loaded_tokens"] != length:
+                problems.append(f"LMCache loaded {delta['loaded_tokens']} of {length} tokens into vLLM")
+            if delta["disk_chunks_read"] != length // chunk:
+                problems.append(
+                    f"{delta['disk_chunks_read']} of {length // chunk} chunks read from LMCache's disk backend"
+                )
+            if problems:
+                record["problem"] = "; ".join(problems)
+            record["page_cache_dropped"] = dropped
+            emit("measure", {"experiment": 1, "config": "lmcache_disk", "length_tokens": length,
+                             "repeat": repeat, "prompt_id": f"p:{length}:0", **record})  # fmt: skip
+    emit("lmcache_stats", {**lmcache_cpu_shim.counters(), "disk_chunks_indexed": len(backend.dict)})
+
+
+LMCACHE_LOG_FAILURES = ("degraded mode", "No supported cpu connector", "Failed to initialize LMCacheManager")
+
+
+def lmcache_log_problem(log_text: str) -> str | None:
+    """A line of the LMCache phase's log that makes its figures untrustworthy, if any."""
+    for line in log_text.splitlines():
+        if any(marker in line for marker in LMCACHE_LOG_FAILURES):
+            return line.strip()[:300]
+    return None
+
+
+def lmcache_environment(plan: dict) -> dict[str, str]:
+    """Environment of the LMCache engine process (on top of phase_environment)."""
+    import kvtier
+
+    python_dir = str(Path(kvtier.__file__).resolve().parent.parent)
+    return {
+        "PYTHONPATH": os.pathsep.join(
+            [python_dir] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        ),
+        "PYTHONHASHSEED": LMCACHE_HASH_SEED,
+        "LMCACHE_CONFIG_FILE": plan["lmcache_config_file"],
+        "LMCACHE_TRACK_USAGE": "false",
+    }
+
+
+PHASES = {
+    "baseline": phase_baseline,
+    "kvtier_store": phase_kvtier_store,
+    "kvtier_nvme": phase_kvtier_nvme,
+    "example_connector": phase_example_connector,
+    "lmcache_disk": phase_lmcache_disk,
+    "kvtier_shared_store": phase_kvtier_shared_store,
+    "kvtier_shared_load": phase_kvtier_shared_load,
+    "kvtier_object_store": phase_kvtier_object_store,
+    "kvtier_object_load": phase_kvtier_object_load,
+}
+
+
+def run_phase(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    plan, phase = spec["plan"], spec["phase"]
+    spec_path_name = Path(spec_path).name.removesuffix(".spec.json")
+    with open(spec["result_path"], "w") as result_file:
+
+        def emit(kind: str, payload: dict) -> None:
+            result_file.write(json.dumps({"kind": kind, **payload}) + "\n")
+            result_file.flush()
+            if kind == "measure":
+                where = f"L={payload['length_tokens']}" + (
+                    f" hit={payload['hit_rate']}%" if payload.get("hit_rate") is not None else ""
+                )
+                progress(
+                    f"{spec_path_name}: exp{payload['experiment']} {payload['config']} {where} r{payload['repeat']}: "
+                    f"{payload['ttft_s'] * 1000:.0f} ms, "
+                    f"cached {payload['cached_tokens']}/{payload['expected_cached_tokens']}"
+                    + (f" PROBLEM: {payload['problem']}" if payload.get("problem") else "")
+                )
+            elif kind == "engine":
+                progress(f"{phase}: engine started in {payload['start_s']:.0f} s")
+
+        try:
+            PHASES[phase](plan, emit)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            _stop_services_of_this_process()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+    progress(f"{phase}: done")
+    # Skip interpreter teardown of the engine (threads, store close are not timed; the OS reclaims).
+    sys.stdout.flush()
+    os._exit(0)
