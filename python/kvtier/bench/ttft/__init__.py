@@ -64,7 +64,8 @@ the greedy token with its logprob; restored runs are compared to the recompute o
 Output: tables on stdout (rich if installed), ``results.json`` and PNG plots (matplotlib, Agg) in
 ``bench-results/ttft-<timestamp>/``, with one engine log per phase under ``logs/``.
 
-The package, in import order (each module imports only the ones before it):
+The package, in import order (each module imports only the ones before it; tests/test_bench_ttft_layout.py
+checks it):
 
 - ``plan``: constants, ``BenchError``, the command line (``build_parser``) and ``make_plan``.
 - ``prompts``: the seeded prompts of both experiments.
