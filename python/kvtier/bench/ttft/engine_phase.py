@@ -461,18 +461,20 @@ def _wait_shared_visible(store, keys: list[bytes]) -> dict[str, int]:
         time.sleep(0.1)
 
 
-def phase_kvtier_shared_load(plan: dict, emit) -> None:
-    """Node B of kvtier_shared for one prompt: a fresh engine and service with an empty local store,
-    every block of the prompt read from the shared tier."""
+def _start_node_b(plan: dict, emit, node: str, where: dict[str, str], **transfer: Any) -> tuple[Engine, Any, list[int]]:
+    """Node B of a remote-tier row for the plan's item (length, repeat): a fresh engine and service on
+    an empty local store (`node` names its directory), checked empty, and waited on until its index
+    places every block of the prompt in the remote tier (the object tier's blocks are located as
+    "shared" too). `where`: the tier's name for errors, and the option naming it for the record.
+    Returns the engine, its store and the prompt."""
     length, repeat = plan["item"]
-    store_dir = shared_store_dir(plan, f"b-{length}-r{repeat}")
+    store_dir = shared_store_dir(plan, f"{node}-{length}-r{repeat}")
     if Path(store_dir).exists() and any(Path(store_dir).iterdir()):
         raise BenchError(f"node B's local store {store_dir} is not empty")
-    shared_root = plan["shared"]["load_root"]
-    engine = Engine(plan, kvtier_transfer(plan, store_dir, shared_root))
+    engine = Engine(plan, kvtier_transfer(plan, store_dir, **transfer))
     store = _store_of_engine()
     stats = store.stats()
-    emit("engine", {"start_s": engine.start_s, "shared_root": shared_root,
+    emit("engine", {"start_s": engine.start_s, **{k: v for k, v in where.items() if k != "name"},
                     "blocks_dram_at_start": stats.get("blocks_dram"),
                     "blocks_nvme_at_start": stats.get("blocks_nvme")})  # fmt: skip
     if stats.get("blocks_dram") or stats.get("blocks_nvme"):
@@ -482,13 +484,28 @@ def phase_kvtier_shared_load(plan: dict, emit) -> None:
     keys = engine.block_keys(prompt, length // engine.block_tokens)
     counts = _wait_shared_visible(store, keys)
     if counts.get("shared", 0) != len(keys):
-        raise BenchError(f"node B sees the {len(keys)} blocks of p:{length}:{repeat} in tiers {counts}, not all shared "
-                         f"(after {SHARED_VISIBLE_WAIT_S} s)")  # fmt: skip
-    record = _kvtier_measure(engine, store, prompt, length, "shared", drop_cache=True)
-    emit("measure", {"experiment": 1, "config": "kvtier_shared", "length_tokens": length, "repeat": repeat,
+        raise BenchError(f"node B sees the {len(keys)} blocks of p:{length}:{repeat} in tiers {counts}, not all in "
+                         f"{where['name']} (after {SHARED_VISIBLE_WAIT_S} s)")  # fmt: skip
+    return engine, store, prompt
+
+
+def _measure_node_b(plan: dict, emit, config: str, engine: Engine, store, prompt: list[int], **measure: Any) -> None:
+    """Node B's one measurement (every block read from the remote tier), its record and its store's stats."""
+    length, repeat = plan["item"]
+    record = _kvtier_measure(engine, store, prompt, length, "shared", drop_cache=True, **measure)
+    emit("measure", {"experiment": 1, "config": config, "length_tokens": length, "repeat": repeat,
                      "prompt_id": f"p:{length}:{repeat}", **record})  # fmt: skip
     emit("store_stats", dict(store.stats()))
     store.close()
+
+
+def phase_kvtier_shared_load(plan: dict, emit) -> None:
+    """Node B of kvtier_shared for one prompt: a fresh engine and service with an empty local store,
+    every block of the prompt read from the shared tier."""
+    shared_root = plan["shared"]["load_root"]
+    where = {"name": "the shared tier", "shared_root": shared_root}
+    engine, store, prompt = _start_node_b(plan, emit, "b", where, shared_root=shared_root)
+    _measure_node_b(plan, emit, "kvtier_shared", engine, store, prompt)
 
 
 OBJECT_PUBLISH_FAILURES = ("bucket_dropped_publishes", "bucket_request_errors")
@@ -506,31 +523,10 @@ def phase_kvtier_object_store(plan: dict, emit) -> None:
 
 def phase_kvtier_object_load(plan: dict, emit) -> None:
     """Node B of kvtier_object for one prompt: a fresh engine and service with an empty local store,
-    every block of the prompt read from the bucket (one ranged GET each)."""
-    length, repeat = plan["item"]
-    store_dir = shared_store_dir(plan, f"object-b-{length}-r{repeat}")
-    if Path(store_dir).exists() and any(Path(store_dir).iterdir()):
-        raise BenchError(f"node B's local store {store_dir} is not empty")
-    engine = Engine(plan, kvtier_transfer(plan, store_dir, object_tier=True))
-    store = _store_of_engine()
-    stats = store.stats()
-    emit("engine", {"start_s": engine.start_s, "bucket_url": plan["object"]["bucket_url"],
-                    "blocks_dram_at_start": stats.get("blocks_dram"),
-                    "blocks_nvme_at_start": stats.get("blocks_nvme")})  # fmt: skip
-    if stats.get("blocks_dram") or stats.get("blocks_nvme"):
-        raise BenchError(f"node B's store is not empty at start: {stats.get('blocks_dram')} blocks in DRAM, "
-                         f"{stats.get('blocks_nvme')} on NVMe")  # fmt: skip
-    prompt = length_prompt(plan, length, repeat)
-    keys = engine.block_keys(prompt, length // engine.block_tokens)
-    counts = _wait_shared_visible(store, keys)  # the object tier's blocks are located as "shared" (remote)
-    if counts.get("shared", 0) != len(keys):
-        raise BenchError(f"node B sees the {len(keys)} blocks of p:{length}:{repeat} in tiers {counts}, not all in "
-                         f"the bucket (after {SHARED_VISIBLE_WAIT_S} s)")  # fmt: skip
-    record = _kvtier_measure(engine, store, prompt, length, "shared", drop_cache=True, served_counter="bucket_hits")
-    emit("measure", {"experiment": 1, "config": "kvtier_object", "length_tokens": length, "repeat": repeat,
-                     "prompt_id": f"p:{length}:{repeat}", **record})  # fmt: skip
-    emit("store_stats", dict(store.stats()))
-    store.close()
+    every block of the prompt read from the bucket (ranged GETs of adjacent blocks)."""
+    where = {"name": "the bucket", "bucket_url": plan["object"]["bucket_url"]}
+    engine, store, prompt = _start_node_b(plan, emit, "object-b", where, object_tier=True)
+    _measure_node_b(plan, emit, "kvtier_object", engine, store, prompt, served_counter="bucket_hits")
 
 
 def phase_example_connector(plan: dict, emit) -> None:

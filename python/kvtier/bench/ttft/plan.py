@@ -215,6 +215,18 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _size_option(flag: str, text: str | None) -> int | None:
+    """A size option's bytes (``64MiB``, ``1G``, ``4096``), None when not given."""
+    if not text:
+        return None
+    from kvtier.ops.maintenance import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise BenchError(f"{flag}: {error}") from None
+
+
 def shared_plan(
     args: argparse.Namespace, stamp: str, lengths: list[int], repeats: int, slot_bytes: int, block: int
 ) -> dict[str, Any] | None:
@@ -226,17 +238,11 @@ def shared_plan(
         return None
     if not (args.shared_root_store and args.shared_root_load):
         raise BenchError("--shared-root-store and --shared-root-load go together")
-    file_bytes = None
-    if args.shared_file_bytes:
-        from kvtier.ops.maintenance import parse_size
-
-        try:
-            file_bytes = parse_size(args.shared_file_bytes)
-        except ValueError as error:
-            raise BenchError(f"--shared-file-bytes: {error}") from None
-        if file_bytes < slot_bytes + 8192:  # a file header and footer of 4 KiB each around one slot
-            raise BenchError(f"--shared-file-bytes {file_bytes} cannot hold one {block}-token block: at least "
-                             f"{slot_bytes + 8192} bytes")  # fmt: skip
+    file_bytes = _size_option("--shared-file-bytes", args.shared_file_bytes)
+    # A file header and footer of 4 KiB each around one slot.
+    if file_bytes is not None and file_bytes < slot_bytes + 8192:
+        raise BenchError(f"--shared-file-bytes {file_bytes} cannot hold one {block}-token block: at least "
+                         f"{slot_bytes + 8192} bytes")  # fmt: skip
     subdirectory = f"kvtier-ttft-{stamp}-{os.getpid()}"
     roots = {}
     for name, path in (("store", args.shared_root_store), ("load", args.shared_root_load)):
@@ -260,16 +266,9 @@ def object_plan(
         if args.bucket_url or args.bucket_endpoint or args.bucket_segment_bytes:
             raise BenchError("--bucket-url, --bucket-endpoint and --bucket-segment-bytes go with --object")
         return None
-    segment_bytes = None
-    if args.bucket_segment_bytes:
-        from kvtier.ops.maintenance import parse_size
-
-        try:
-            segment_bytes = parse_size(args.bucket_segment_bytes)
-        except ValueError as error:
-            raise BenchError(f"--bucket-segment-bytes: {error}") from None
-        if segment_bytes < slot_bytes + 4096:
-            raise BenchError(f"--bucket-segment-bytes must hold one block: at least {slot_bytes + 4096} bytes")
+    segment_bytes = _size_option("--bucket-segment-bytes", args.bucket_segment_bytes)
+    if segment_bytes is not None and segment_bytes < slot_bytes + 4096:
+        raise BenchError(f"--bucket-segment-bytes must hold one block: at least {slot_bytes + 4096} bytes")
     return {
         "given_url": args.bucket_url,
         "given_endpoint": args.bucket_endpoint,
