@@ -91,3 +91,17 @@ def test_mixed_runs_group_by_rate_apart_from_closed_loop_runs(tmp_path):
     table = (out / "summary.md").read_text()
     assert table.index("Concurrency 4") < table.index("Request rate 0.4 req/s, 64 out (1 runs")
     assert "| vllm | 4 | 0.38 | 9000 | 80 |" in table
+
+
+def test_runs_with_kv_events_are_rows_of_their_own(tmp_path):
+    without = run(tmp_path, "off", 4, {"kvtier-nvme": [(4, 1.0, 5000)]})
+    with_events = run(tmp_path, "on", 4, {"kvtier-nvme": [(4, 0.9, 5500)]})
+    document = json.loads((with_events / "results.json").read_text())
+    document["settings"]["kv_events"] = True
+    (with_events / "results.json").write_text(json.dumps(document))
+    out = tmp_path / "summary"
+    serve_summary.main([str(without), str(with_events), "--out", str(out)])
+    points = json.loads((out / "summary.json").read_text())["points"]["4"]
+    assert points["kvtier-nvme"]["4"]["req_s"]["median"] == 1.0
+    assert points["kvtier-nvme+events"]["4"]["req_s"]["median"] == 0.9
+    assert "| kvtier-nvme, KV events | 4 | 0.90 |" in (out / "summary.md").read_text()

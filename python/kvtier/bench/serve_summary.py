@@ -64,6 +64,14 @@ def load_order(item: tuple[int | str, Any]) -> tuple[int, int, str]:
     return (0, key, "") if isinstance(key, int) else (1, 0, key)
 
 
+def row_key(run: dict[str, Any], record: dict[str, Any]) -> tuple[str, str]:
+    """A row's key and label: runs with vLLM's KV-event publisher on (``--kv-events``) are rows of
+    their own, so that the cost of the events shows beside the same row without them."""
+    if run["settings"].get("kv_events"):
+        return f"{record['row']}+events", f"{record['label']}, KV events"
+    return record["row"], record["label"]
+
+
 def group_points(runs: list[dict[str, Any]]) -> dict[int | str, dict[str, dict[int, dict[str, Any]]]]:
     """load -> row -> users -> median/min/max of throughput and TTFT p99 over the runs."""
     grouped: dict[int | str, dict[str, dict[int, dict[str, list[float]]]]] = {}
@@ -71,11 +79,11 @@ def group_points(runs: list[dict[str, Any]]) -> dict[int | str, dict[str, dict[i
     for run in runs:
         concurrency = load_key(run["settings"])
         for record in run["rows"]:
-            labels[record["row"]] = record["label"]
+            row, labels[row] = row_key(run, record)
             for point in record["points"]:
                 if point.get("request_throughput") is None or point["ttft_ms"].get("p99") is None:
                     continue
-                by_users = grouped.setdefault(concurrency, {}).setdefault(record["row"], {})
+                by_users = grouped.setdefault(concurrency, {}).setdefault(row, {})
                 values = by_users.setdefault(point["users"], {"req_s": [], "ttft_p99_ms": []})
                 values["req_s"].append(point["request_throughput"])
                 values["ttft_p99_ms"].append(point["ttft_ms"]["p99"])
@@ -200,7 +208,7 @@ def write_plot(summary: dict[str, Any], path: Path) -> str | None:
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     points = group_points(runs)
-    capacities = {record["row"]: capacity_users(run, record["row"]) for run in runs for record in run["rows"]}
+    capacities = {row_key(run, record)[0]: capacity_users(run, record["row"]) for run in runs for record in run["rows"]}
     runs_per_concurrency: dict[int | str, int] = {}
     for run in runs:
         concurrency = load_key(run["settings"])
