@@ -79,6 +79,11 @@ counters!(
     bucket_list_requests,
     bucket_delete_requests,
     bucket_evicted_segments,
+    // Access objects (the segments each store read, for least-recently-used eviction): written by
+    // this store, read by it as the evictor, and refused (corrupt, forged, foreign; each version once).
+    bucket_access_objects_put,
+    bucket_access_objects_read,
+    bucket_access_objects_ignored,
     bucket_dropped_publishes,
     bucket_deferred_publishes,
     bucket_verify_failures,

@@ -60,6 +60,7 @@ pub const KEY_DERIVATION_CONTEXT: &str = "kvtier shared tier v1";
 const BLOCK_TAG_DOMAIN: &[u8; 16] = b"kvtier block v1\0";
 const RECORD_TAG_DOMAIN: &[u8; 16] = b"kvtier record v1";
 const OBJECT_INDEX_TAG_DOMAIN: &[u8; 16] = b"kvtier objidx v1";
+const OBJECT_ACCESS_TAG_DOMAIN: &[u8; 16] = b"kvtier objacc v1";
 pub const FILE_HEADER_BYTES: usize = ALIGN_BYTES;
 pub const INDEX_ENTRY_BYTES: usize = 48;
 pub const FOOTER_TRAILER_BYTES: usize = 64;
@@ -471,6 +472,17 @@ impl AuthKey {
     pub fn object_index_tag(&self, namespace: &Namespace, head: &[u8]) -> [u8; TAG_BYTES] {
         let mut h = blake3::Hasher::new_keyed(&self.0);
         h.update(OBJECT_INDEX_TAG_DOMAIN);
+        h.update(&namespace.0);
+        h.update(head);
+        *h.finalize().as_bytes()
+    }
+
+    /// Tag of an object tier access object (docs/object-tier.md): keyed BLAKE3 of
+    /// `b"kvtier objacc v1"` (16), namespace (32), then the object's bytes before the tag. Its own
+    /// domain, so that no index object's tag is ever a valid access object's.
+    pub fn object_access_tag(&self, namespace: &Namespace, head: &[u8]) -> [u8; TAG_BYTES] {
+        let mut h = blake3::Hasher::new_keyed(&self.0);
+        h.update(OBJECT_ACCESS_TAG_DOMAIN);
         h.update(&namespace.0);
         h.update(head);
         *h.finalize().as_bytes()

@@ -7,6 +7,7 @@
 //! hand it their reads and wait for the completions like any other I/O, publishing runs on the
 //! store's publisher thread, refresh and eviction on the tier's maintenance thread.
 
+mod access;
 pub mod config;
 pub mod format;
 mod lease;
@@ -120,6 +121,8 @@ pub struct ObjectTier {
     doomed: Mutex<Vec<(ObjectPath, std::time::Instant)>>,
     /// Whether the last maintenance pass held the evictor lease.
     lease_held: AtomicBool,
+    /// The segments this store read, for its access object, and the others' as the evictor saw them.
+    access: access::AccessLog,
     maintenance: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -166,6 +169,7 @@ impl ObjectTier {
             stop_cv: Condvar::new(),
             closed: AtomicBool::new(false),
             lease_held: AtomicBool::new(false),
+            access: access::AccessLog::default(),
             doomed: Mutex::new(Vec::new()),
             maintenance: Mutex::new(None),
         });
@@ -278,6 +282,7 @@ impl ObjectTier {
         slot[BLOCK_TAG_AT..BLOCK_TAG_AT + TAG_BYTES].fill(0);
         Stats::add(&self.stats.bucket_hits, 1);
         Stats::add(&self.stats.bucket_bytes_read, self.slot_bytes as u64);
+        self.record_read(&read.stem);
         ReadOutcome::Hit
     }
 
@@ -322,6 +327,8 @@ impl ObjectTier {
                 let _ = h.join();
             }
         }
+        // The reads since the last pass still count for the evictor after this store is gone.
+        self.put_access_if_changed();
         // Left for the grace period, they would be nobody's: no index object names them.
         self.delete_doomed(true);
         self.release_lease();

@@ -1,6 +1,7 @@
 //! The bucket side of the index: connecting, listing index objects into the in-memory index
 //! (`refresh`), the byte budget (`evict`), and the maintenance thread that runs both.
 
+use super::access::{eviction_order, Candidate};
 use super::format::{self, SegmentIndex};
 use super::{ObjectConfig, ObjectTier};
 use crate::error::{Error, Result};
@@ -149,8 +150,9 @@ impl ObjectTier {
     }
 
     /// Keeps the namespace's segments under `bucket_budget_bytes` (run by the lease holder): when the
-    /// listed segments exceed it, the oldest are deleted (index object first, so readers stop
-    /// choosing them) down to 90%.
+    /// listed segments exceed it, the least recently used are deleted (index object first, so readers
+    /// stop choosing them) down to 90%. Last use: the later of a segment's modification time and its
+    /// latest read in any store's access object (`access.rs`).
     /// Returns how many segments were evicted.
     pub fn evict(&self) -> Result<usize> {
         if self.config.budget_bytes == 0 {
@@ -165,10 +167,21 @@ impl ObjectTier {
         if total <= self.config.budget_bytes {
             return Ok(0);
         }
-        segments.sort_by_key(|m| (m.last_modified, m.location.to_string()));
+        let modified_ms = |m: &ObjectMeta| m.last_modified.timestamp_millis().max(0) as u64;
+        let oldest_ms = segments.iter().map(modified_ms).min().unwrap_or(0);
+        // Read only when over budget: the access objects cost a LIST and GETs, and only this uses them.
+        let reads = self.latest_reads(oldest_ms);
+        let candidates = segments
+            .into_iter()
+            .map(|m| {
+                let name = m.location.filename().unwrap_or_default();
+                let stem = name.strip_suffix(".kvo").unwrap_or(name).to_string();
+                Candidate { stem, modified_unix_ms: modified_ms(&m), item: m }
+            })
+            .collect();
         let target = (self.config.budget_bytes as f64 * LOW_WATER) as u64;
         let mut evicted = 0;
-        for m in segments {
+        for m in eviction_order(candidates, &reads) {
             if total <= target {
                 break;
             }
@@ -226,6 +239,7 @@ impl ObjectTier {
             log::debug!("kvtier: bucket refresh failed: {e}");
             Stats::add(&self.stats.bucket_request_errors, 1);
         }
+        self.put_access_if_changed();
         if self.config.budget_bytes == 0 || !self.hold_lease() {
             return;
         }

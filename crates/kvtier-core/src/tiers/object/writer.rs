@@ -154,7 +154,7 @@ impl ObjectTier {
         }
     }
 
-    fn put(&self, path: &object_store::path::Path, bytes: Vec<u8>) -> std::io::Result<()> {
+    pub(super) fn put(&self, path: &object_store::path::Path, bytes: Vec<u8>) -> std::io::Result<()> {
         Stats::add(&self.stats.bucket_put_requests, 1);
         let (store, timeout) = (&self.store, self.timeout());
         let payload = PutPayload::from(bytes);
