@@ -342,6 +342,41 @@ def test_budget_evicts_the_oldest_segments_by_the_lease_holder_only(rgw, nodes, 
     assert 1 <= len(leases) <= 2, leases
 
 
+def test_budget_evicts_the_least_recently_read_segments_first(rgw, nodes, bucket):
+    """S1 is the oldest segment but was read after S2 and S3 were written: over budget, the evictor
+    (whichever store holds the lease) deletes S2 and S3, never read, and keeps S1."""
+    segment = bucket["bucket_segment_bytes"]
+    budget = 3 * segment
+    options = {**bucket, "bucket_budget_bytes": budget, "bucket_lease_ms": 1000, "bucket_request_timeout_ms": 1000}
+    writer, reader = nodes.open("writer", **options), nodes.open("reader", **options)
+    for first in range(0, 24, 8):  # S1, S2, S3: exactly the budget, nothing evicted
+        publish(writer, list(range(first, first + 8)))
+    assert wait_visible(reader, [key(i) for i in range(24)])
+    assert all(load(reader, list(range(8)))), "S1's blocks"
+    deadline = time.monotonic() + 5
+    while reader.stats()["bucket_access_objects_put"] == 0:
+        assert time.monotonic() < deadline, "the reader never wrote its access object"
+        time.sleep(0.05)
+    prefix = bucket["bucket_url"].removeprefix(f"s3://{BUCKET}/")
+    names = [k for k, _ in rgw.keys(prefix)]
+    accessed = [k for k in names if "/acc/" in k]
+    assert len(accessed) == 1 and accessed[0].endswith(".kva"), names
+    garbage = accessed[0].rsplit("/", 1)[0] + "/00000000000000ff.kva"
+    assert rgw.s3("PUT", f"{BUCKET}/{garbage}", b"not an access object")[0] == 200
+    time.sleep(1.1)  # S3 modification times have a resolution of one second: S4 is newer than the read
+    publish(writer, list(range(24, 32)))  # S4: over budget, evicted down to 90% of it: two segments go
+    total = _wait_under_budget(rgw, prefix, int(0.9 * budget))
+    assert total <= 0.9 * budget, f"{total} bytes of segments stayed over 90% of the {budget}-byte budget"
+    stats = {"writer": writer.stats(), "reader": reader.stats()}
+    assert sum(s["bucket_evicted_segments"] for s in stats.values()) == 2, stats
+    assert sum(s["bucket_access_objects_ignored"] for s in stats.values()) == 1, "the garbage access object"
+    assert garbage not in [k for k, _ in rgw.keys(prefix)], "garbage is deleted once counted"
+    fresh = nodes.open("fresh", **bucket)  # its DRAM holds nothing: every hit comes from the bucket
+    assert all(load(fresh, list(range(8)))), "S1, read after S2 and S3 were written, was evicted"
+    assert not any(load(fresh, list(range(8, 24)))), "S2 and S3, never read, survived"
+    assert all(load(fresh, list(range(24, 32)))), "S4, the newest, was evicted"
+
+
 def test_objects_deleted_behind_its_back_are_misses_then_forgotten(rgw, nodes, bucket):
     """What an expiry lifecycle rule does (not the rule itself: RGW runs those on a daily schedule):
     a segment deleted while indexed is a miss at once; a deleted index object leaves the index at the
