@@ -375,6 +375,17 @@ def test_budget_evicts_the_least_recently_read_segments_first(rgw, nodes, bucket
     assert all(load(fresh, list(range(8)))), "S1, read after S2 and S3 were written, was evicted"
     assert not any(load(fresh, list(range(8, 24)))), "S2 and S3, never read, survived"
     assert all(load(fresh, list(range(24, 32)))), "S4, the newest, was evicted"
+    # The reader goes; once every segment it read is evicted, its access object is garbage: the next
+    # eviction finds it older than every segment left, and deletes it.
+    reader.close()
+    publish(writer, list(range(32, 48)))  # S5, S6: S1 and S4 go
+    assert _wait_under_budget(rgw, prefix, int(0.9 * budget)) <= 0.9 * budget
+    assert [k for k, _ in rgw.keys(prefix) if "/acc/" in k] == accessed, "S1 was still listed: kept"
+    publish(writer, list(range(48, 64)))  # S7, S8: over budget again, every segment newer than it
+    deadline = time.monotonic() + 5
+    while [k for k, _ in rgw.keys(prefix) if "/acc/" in k]:
+        assert time.monotonic() < deadline, "an access object naming only deleted segments was kept"
+        time.sleep(0.1)
 
 
 def test_objects_deleted_behind_its_back_are_misses_then_forgotten(rgw, nodes, bucket):
