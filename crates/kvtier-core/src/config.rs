@@ -808,7 +808,7 @@ pub static OPTIONS: &[ConfigOption] = &[
         kind: OptionKind::Size,
         unset: "",
         constraint: "0 (no budget) or >= 2 segments",
-        description: "Byte budget of the namespace's segments under the prefix: past it, the least recently used segments (last written or read by any store with a budget) are deleted down to 90% (`bucket_evicted_segments`). 0 leaves capacity to the bucket (e.g. an expiry lifecycle rule) and writes no access objects.",
+        description: "Byte budget of the namespace's segments under the prefix: past it, the least recently used segments (last written or read by any store with a budget) are deleted down to 90% (`bucket_evicted_segments`); the holder also keeps the objects of `quarantine/` within a tenth of it, on top. 0 leaves capacity to the bucket (e.g. an expiry lifecycle rule, which should cover the whole prefix) and writes no access objects.",
         set: |c, v| bucket_mut(c).budget_bytes = v.int(),
         get: |c| int(bucket_get(c, |b| b.budget_bytes)),
     },

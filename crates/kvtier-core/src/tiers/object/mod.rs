@@ -9,6 +9,7 @@
 
 mod access;
 pub mod config;
+mod damage;
 pub mod format;
 mod lease;
 mod reads;
@@ -73,6 +74,18 @@ impl Index {
         self.segments.insert(stem, Segment { keys });
     }
 
+    /// Drops one block of `stem` (refused by verification); the segment's other blocks stay.
+    fn remove_block(&mut self, stem: &str, key: &BlockKey) {
+        if self.blocks.get(key).is_none_or(|loc| &*loc.stem != stem) {
+            return;
+        }
+        self.blocks.remove(key);
+        if let Some(seg) = self.segments.get_mut(stem) {
+            seg.keys.retain(|k| k != key);
+        }
+        self.keys_generation += 1;
+    }
+
     fn remove(&mut self, stem: &str) {
         if let Some(seg) = self.segments.remove(stem) {
             if !seg.keys.is_empty() {
@@ -90,6 +103,7 @@ impl Index {
 pub struct ObjectRead {
     key: BlockKey,
     stem: Arc<str>,
+    offset: u64,
     value_checksum: u64,
 }
 
@@ -109,8 +123,15 @@ pub struct ObjectTier {
     rt: tokio::runtime::Runtime,
     read_permits: Arc<tokio::sync::Semaphore>,
     index: RwLock<Index>,
-    /// Segments found bad (verification failed): never indexed again by this process.
+    /// Segments never indexed again by this process while their index object is listed: a bad
+    /// index object, or a segment found missing (its index object is an orphan).
     bad: Mutex<HashSet<String>>,
+    /// Blocks refused by verification, as (segment stem, offset): only they leave the index.
+    bad_blocks: Mutex<HashSet<(String, u64)>>,
+    /// Requests that damage found on the load path calls for, made by the maintenance thread.
+    cleanups: Mutex<Vec<damage::Cleanup>>,
+    /// Segments this process has copied into quarantine (once each).
+    quarantined: Mutex<HashSet<String>>,
     writer: Mutex<writer::SegmentWriter>,
     auth: Option<AuthKey>,
     stats: Arc<Stats>,
@@ -163,6 +184,9 @@ impl ObjectTier {
             rt,
             index: RwLock::new(Index::default()),
             bad: Mutex::new(HashSet::new()),
+            bad_blocks: Mutex::new(HashSet::new()),
+            cleanups: Mutex::new(Vec::new()),
+            quarantined: Mutex::new(HashSet::new()),
             auth,
             stats,
             stop: Mutex::new(false),
@@ -242,7 +266,8 @@ impl ObjectTier {
                     started.push(None);
                     continue;
                 };
-                started.push(Some(ObjectRead { key, stem: Arc::clone(&loc.stem), value_checksum: loc.value_checksum }));
+                let stem = Arc::clone(&loc.stem);
+                started.push(Some(ObjectRead { key, stem, offset: loc.offset, value_checksum: loc.value_checksum }));
                 located.push((Arc::clone(&loc.stem), loc.offset, Landing { addr: slot as usize, on_done }));
             }
         }
@@ -252,8 +277,9 @@ impl ObjectTier {
         started
     }
 
-    /// Judges a finished read: a verified block is a hit; anything else is a counted miss, and a
-    /// segment that is gone or fails verification leaves the index.
+    /// Judges a finished read: a verified block is a hit; anything else is a counted miss. A segment
+    /// that is gone leaves the index (and its index object the bucket); a block that fails
+    /// verification leaves it alone (`damage.rs`).
     ///
     /// # Safety
     /// `slot` is the read's own and its `on_done` ran.
@@ -262,7 +288,7 @@ impl ObjectTier {
             // Failed requests were counted where they were made (`reads.rs`), once per GET.
             if e.kind() == std::io::ErrorKind::NotFound {
                 // Evicted by another store or expired by a lifecycle rule since the last listing.
-                self.index.write().remove(&read.stem);
+                self.segment_missing(&read.stem);
             } else {
                 log::debug!("kvtier: bucket read of {:?} failed: {e}; counted as a miss", read.key);
             }
@@ -271,10 +297,8 @@ impl ObjectTier {
         }
         // SAFETY: the read into the caller's slot finished (contract above).
         let slot = unsafe { std::slice::from_raw_parts_mut(slot, self.slot_bytes) };
-        if let Err(why) = self.verify(&read, slot) {
-            log::warn!("kvtier: bucket segment {} refused ({why}); its blocks are misses from now on", read.stem);
-            self.bad.lock().insert(read.stem.to_string());
-            self.index.write().remove(&read.stem);
+        if let Err(refusal) = self.verify(&read, slot) {
+            self.block_refused(&read, refusal);
             Stats::add(&self.stats.bucket_misses, 1);
             return ReadOutcome::Miss;
         }
@@ -286,7 +310,7 @@ impl ObjectTier {
         ReadOutcome::Hit
     }
 
-    fn verify(&self, read: &ObjectRead, slot: &[u8]) -> std::result::Result<(), &'static str> {
+    fn verify(&self, read: &ObjectRead, slot: &[u8]) -> std::result::Result<(), damage::Refusal> {
         let checked = (|| {
             let desc = Descriptor::decode(&slot[..DESCRIPTOR_BYTES]).map_err(|_| "descriptor rejected")?;
             if desc.key != read.key || desc.namespace != self.namespace {
@@ -300,15 +324,15 @@ impl ObjectTier {
             }
             Ok(())
         })();
-        if checked.is_err() {
+        if let Err(why) = checked {
             Stats::add(&self.stats.bucket_verify_failures, 1);
-            return checked;
+            return Err(damage::Refusal::Corrupt(why));
         }
         if let Some(auth) = &self.auth {
             let (page, value) = slot[..DESCRIPTOR_BYTES + self.object_bytes].split_at(DESCRIPTOR_BYTES);
             if !auth.verify_block(&self.namespace, &read.key, page, value) {
                 Stats::add(&self.stats.bucket_auth_failures, 1);
-                return Err("block tag does not verify: written without the deployment key or with another");
+                return Err(damage::Refusal::Unauthenticated);
             }
         }
         Ok(())
@@ -400,5 +424,23 @@ mod tests {
         let emptied = index.keys_generation;
         index.remove("a");
         assert_eq!(index.keys_generation, emptied, "a segment no longer listed changes nothing");
+    }
+
+    #[test]
+    fn a_refused_block_leaves_alone_and_only_from_its_own_segment() {
+        let mut index = Index::default();
+        index.insert("a", &segment(&[1, 2, 3]));
+        index.insert("b", &segment(&[3, 4]));
+        let before = index.keys_generation;
+        index.remove_block("b", &BlockKey([3; 32]));
+        assert_eq!(index.keys_generation, before, "segment a owns key 3: nothing changes");
+        assert!(index.blocks.contains_key(&BlockKey([3; 32])));
+        index.remove_block("a", &BlockKey([2; 32]));
+        assert!(index.keys_generation > before, "a key lost");
+        assert!(!index.blocks.contains_key(&BlockKey([2; 32])));
+        assert!(index.blocks.contains_key(&BlockKey([1; 32])) && index.blocks.contains_key(&BlockKey([3; 32])));
+        index.remove("a");
+        assert!(!index.blocks.contains_key(&BlockKey([1; 32])), "the segment's remaining keys go with it");
+        assert!(index.blocks.contains_key(&BlockKey([4; 32])));
     }
 }

@@ -71,9 +71,13 @@ impl ObjectTier {
             let gone = known.iter().filter(|s| !stems.contains(*s)).cloned().collect();
             (known, gone)
         };
+        self.forget_damage_not_listed(&stems);
         let bad = self.bad.lock().clone();
         let new: Vec<String> = stems.into_iter().filter(|s| !known.contains(s) && !bad.contains(s)).collect();
-        let fetched = self.fetch_indexes(&new);
+        let mut fetched = self.fetch_indexes(&new);
+        for (stem, idx) in &mut fetched {
+            self.without_bad_blocks(stem, idx);
+        }
         let mut index = self.index.write();
         for stem in &gone {
             index.remove(stem);
@@ -139,6 +143,12 @@ impl ObjectTier {
             Ok(None) => {
                 log::warn!("kvtier: bucket index object {stem} has no valid tag for the deployment key; ignored");
                 Stats::add(&self.stats.bucket_auth_failures, 1);
+                None
+            }
+            Err(e) if super::damage::index_is_corrupt(bytes, &e) => {
+                log::warn!("kvtier: bucket index object {stem} is corrupt ({e}); moving it into quarantine");
+                Stats::add(&self.stats.bucket_verify_failures, 1);
+                self.cleanups.lock().push(super::damage::Cleanup::CorruptIndex(Arc::from(stem)));
                 None
             }
             Err(e) => {
@@ -235,6 +245,7 @@ impl ObjectTier {
     /// evictor lease, keep the budget.
     pub fn maintain(&self) {
         self.publish_if_due();
+        self.run_cleanups();
         if let Err(e) = self.refresh() {
             log::debug!("kvtier: bucket refresh failed: {e}");
             Stats::add(&self.stats.bucket_request_errors, 1);
@@ -245,6 +256,10 @@ impl ObjectTier {
         }
         if let Err(e) = self.evict() {
             log::debug!("kvtier: bucket eviction failed: {e}");
+            Stats::add(&self.stats.bucket_request_errors, 1);
+        }
+        if let Err(e) = self.bound_quarantine() {
+            log::debug!("kvtier: bounding the bucket's quarantine failed: {e}");
             Stats::add(&self.stats.bucket_request_errors, 1);
         }
     }
