@@ -14,6 +14,7 @@ Run: ``.venv/bin/python -m pytest tests/test_object_tier.py -v`` (as root). See 
 from __future__ import annotations
 
 import atexit
+import base64
 import hashlib
 import os
 import re
@@ -22,7 +23,7 @@ import signal
 import subprocess
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,8 @@ OBJECT_BYTES = 64 * 1024
 SLOT_BYTES = 4096 + OBJECT_BYTES
 BUCKET = "kvtier-test"
 SCRIPT = REPO / "scripts" / "distfs" / "radosgw.sh"
+# A lifecycle "day" of the test gateway (radosgw.sh sets rgw_lc_debug_interval to it; rules run as often).
+LC_DAY_S = int(os.environ.get("KVTIER_RGW_LC_DAY_S", "5"))
 BINARIES = ["ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "ceph-authtool", "monmaptool", "curl"]
 
 
@@ -49,11 +52,15 @@ class Rgw:
     pid: int
     state: Path
 
-    def s3(self, method: str, path: str, body: bytes = b"", query: str = "") -> tuple[int, bytes]:
+    def s3(
+        self, method: str, path: str, body: bytes = b"", query: str = "", headers: tuple[str, ...] = ()
+    ) -> tuple[int, bytes]:
         """One signed request (curl --aws-sigv4); returns (HTTP status, body)."""
         url = f"{self.endpoint}/{path}" + (f"?{query}" if query else "")
         cmd = ["curl", "-s", "-X", method, "--aws-sigv4", "aws:amz:us-east-1:s3"]
         cmd += ["--user", f"{self.access_key}:{self.secret_key}", "-o", "-", "-w", "\n%{http_code}"]
+        for header in headers:
+            cmd += ["-H", header]
         cmd += ["-H", f"x-amz-content-sha256: {hashlib.sha256(body).hexdigest()}", url]
         if body or method == "PUT":
             cmd[1:1] = ["--data-binary", "@-"]
@@ -62,12 +69,20 @@ class Rgw:
         return int(code or 0), out
 
     def keys(self, prefix: str) -> list[tuple[str, int]]:
+        return [(k, size) for k, size, _ in self.listing(prefix)]
+
+    def listing(self, prefix: str) -> list[tuple[str, int, str]]:
+        """(key, size, LastModified) of every object under `prefix`."""
         status, body = self.s3("GET", BUCKET, query=f"list-type=2&prefix={prefix}")
         assert status == 200, body
         ns = {"s3": "http://s3.amazonaws.com/doc/2006-03-01/"}
         root = ET.fromstring(body)
         return [
-            (c.findtext("s3:Key", namespaces=ns) or "", int(c.findtext("s3:Size", namespaces=ns) or 0))
+            (
+                c.findtext("s3:Key", namespaces=ns) or "",
+                int(c.findtext("s3:Size", namespaces=ns) or 0),
+                c.findtext("s3:LastModified", namespaces=ns) or "",
+            )
             for c in root.findall("s3:Contents", ns)
         ]
 
@@ -283,6 +298,33 @@ def test_adjacent_blocks_make_one_get_and_are_verified_alone(rgw, nodes, bucket)
     assert after["bucket_hits"] - before["bucket_hits"] == 7
     assert after["bucket_misses"] - before["bucket_misses"] == 1
     assert after["bucket_verify_failures"] - before["bucket_verify_failures"] == 1
+    # The flipped block takes only itself out: on a fresh node, after its miss and several
+    # refreshes, the segment's other blocks are still indexed and load from the bucket.
+    d = nodes.open("d", **bucket)
+    assert wait_visible(d, [key(i) for i in ids])
+    assert load(d, [4]) == [False]
+    time.sleep(0.5)  # five listings at bucket_refresh_ms = 100: none may index the block again
+    assert d.contains_many([key(i) for i in range(8)]) == [True] * 4 + [False] + [True] * 3
+    before = d.stats()
+    assert all(load(d, [0, 1, 2, 3, 5, 6, 7]))
+    after = d.stats()
+    assert after["bucket_hits"] - before["bucket_hits"] == 7
+    assert after["bucket_get_requests"] - before["bucket_get_requests"] == 2  # runs 0-3 and 5-7
+    assert load(d, [4]) == [False] and d.stats()["bucket_get_requests"] == after["bucket_get_requests"]
+    # A corrupt segment is copied into quarantine/ for the operator (and stays in service).
+    quarantined = segments[0].replace("/seg/", "/quarantine/")
+    assert _wait_for(lambda: quarantined in dict(rgw.keys(prefix))), rgw.keys(prefix)
+    assert c.stats()["bucket_quarantined_objects"] == 1 and d.stats()["bucket_quarantined_objects"] == 1
+    assert segments[0] in dict(rgw.keys(prefix))
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def test_forged_blocks_are_refused_with_a_deployment_key(rgw, nodes, bucket, tmp_path):
@@ -302,6 +344,12 @@ def test_forged_blocks_are_refused_with_a_deployment_key(rgw, nodes, bucket, tmp
     assert not any(load(reader, list(range(8)), tag="forged"))
     assert not any(load(reader, list(range(8)), tag="unkeyed"))
     assert reader.stats()["bucket_auth_failures"] >= 2  # the two index objects without our tag
+    # Without our tag is not damage (another key, or none): nothing is moved or deleted.
+    time.sleep(0.5)
+    prefix = bucket["bucket_url"].removeprefix(f"s3://{BUCKET}/")
+    names = [k for k, _ in rgw.keys(prefix)]
+    assert sum(k.endswith(".kvi") for k in names) == 3 and not any("/quarantine/" in k for k in names), names
+    assert reader.stats()["bucket_quarantined_objects"] == 0
 
 
 def _wait_under_budget(rgw: Rgw, prefix: str, budget: int) -> int:
@@ -410,6 +458,64 @@ def test_objects_deleted_behind_its_back_are_misses_then_forgotten(rgw, nodes, b
     assert b.contains_many([key(i) for i in range(8, 16)]) == [False] * 8
 
 
+def test_a_segment_gone_before_its_index_object_is_forgotten_and_its_index_object_deleted(rgw, nodes, bucket):
+    """An expiry rule deletes by age: a segment (written first) goes before its index object. The
+    first load of its blocks is a 404; then the segment stays out of the index across listings, its
+    index object is deleted (dead for every store), and no request is made for it again."""
+    a = nodes.open("a", **bucket)
+    publish(a, list(range(16)))  # two segments
+    b = nodes.open("b", **bucket)
+    assert wait_visible(b, [key(i) for i in range(16)])
+    prefix = bucket["bucket_url"].removeprefix(f"s3://{BUCKET}/")
+    names = sorted(k for k, _ in rgw.keys(prefix))
+    segment = next(k for k in names if k.endswith(".kvo"))
+    index = segment.replace("/seg/", "/idx/").removesuffix(".kvo") + ".kvi"
+    assert index in names
+    assert rgw.s3("DELETE", f"{BUCKET}/{segment}")[0] == 204
+    first, rest = list(range(8)), list(range(8, 16))  # names sort by sequence: blocks 0-7 first
+    assert not any(load(b, first))
+    assert b.stats()["bucket_request_errors"] == 0  # a 404 is a clean miss
+    assert _wait_for(lambda: index not in dict(rgw.keys(prefix))), "the orphan index object was not deleted"
+    time.sleep(0.5)  # five listings at bucket_refresh_ms = 100
+    assert b.contains_many([key(i) for i in first]) == [False] * 8
+    before = b.stats()["bucket_get_requests"]
+    assert not any(load(b, first))
+    time.sleep(0.3)
+    assert b.stats()["bucket_get_requests"] == before, "requests for a segment known to be gone"
+    assert all(load(b, rest))
+    c = nodes.open("c", **bucket)  # a fresh node never sees the orphan
+    assert c.contains_many([key(i) for i in first]) == [False] * 8
+
+
+def test_corrupt_index_objects_are_moved_into_quarantine_which_a_budget_bounds(rgw, nodes, bucket):
+    """An index object whose checksum fails is moved into quarantine/ (copied, then deleted from
+    idx/), so that no store fetches it again; the evictor lease's holder keeps quarantine/ within a
+    tenth of its budget."""
+    a = nodes.open("a", **bucket)
+    publish(a, list(range(16)))  # two segments
+    prefix = bucket["bucket_url"].removeprefix(f"s3://{BUCKET}/")
+    indexes = sorted(k for k, _ in rgw.keys(prefix) if k.endswith(".kvi"))
+    _tamper(rgw, indexes[0], 96 + 40)  # a byte of the first entry's value checksum
+    b = nodes.open("b", **bucket)
+    moved = indexes[0].replace("/idx/", "/quarantine/")
+    assert _wait_for(lambda: moved in dict(rgw.keys(prefix)) and indexes[0] not in dict(rgw.keys(prefix)))
+    stats = b.stats()
+    assert stats["bucket_quarantined_objects"] == 1 and stats["bucket_verify_failures"] >= 1, stats
+    got = load(b, list(range(16)))
+    assert got.count(True) == 8, got  # the other segment's blocks
+    # A copy of a segment (as a corrupt block makes), then a store with a budget of three segments:
+    # its quarantine share (0.3 segments) holds the small index object, not the segment.
+    segment = next(k for k, _ in rgw.keys(prefix) if k.endswith(".kvo"))
+    status, body = rgw.s3("GET", f"{BUCKET}/{segment}")
+    assert status == 200
+    big = segment.replace("/seg/", "/quarantine/")
+    assert rgw.s3("PUT", f"{BUCKET}/{big}", body)[0] == 200
+    budget = 3 * bucket["bucket_segment_bytes"]
+    nodes.open("keeper", **{**bucket, "bucket_budget_bytes": budget, "bucket_lease_ms": 1000})
+    assert _wait_for(lambda: big not in dict(rgw.keys(prefix))), "the quarantine outgrew its share of the budget"
+    assert moved in dict(rgw.keys(prefix))
+
+
 def test_a_stopped_server_costs_misses_not_a_hang(rgw, nodes, bucket):
     a = nodes.open("a", **bucket)
     publish(a, list(range(16)))
@@ -496,3 +602,77 @@ def test_bench_io_object_sweep_at_ci_size(rgw, bucket, tmp_path):
             assert retrieved["wrong_objects"] == 0
         assert point["deleted_objects"] == 2 * published["segments"]
     assert rgw.keys("bench-io") == [], "the benchmark left objects in the bucket"
+
+
+def _put_expiry_rule(rgw: Rgw, prefix: str, days: int) -> None:
+    """A bucket lifecycle configuration (it replaces the bucket's) expiring `prefix` after `days`."""
+    rule = (
+        "<LifecycleConfiguration><Rule><ID>kvtier-test-expiry</ID>"
+        f"<Filter><Prefix>{prefix}/</Prefix></Filter><Status>Enabled</Status>"
+        f"<Expiration><Days>{days}</Days></Expiration></Rule></LifecycleConfiguration>"
+    ).encode()
+    md5 = base64.b64encode(hashlib.md5(rule).digest()).decode()
+    status, body = rgw.s3("PUT", BUCKET, rule, query="lifecycle=", headers=(f"Content-MD5: {md5}",))
+    assert status == 200, f"PUT ?lifecycle: {status} {body!r}"
+
+
+def test_an_expiry_lifecycle_rule_under_a_working_store(rgw, nodes, bucket):
+    """A real expiry rule (1 lifecycle day: LC_DAY_S seconds on the test gateway) on the prefix while
+    a store publishes and others load: every load is a verified hit or a counted miss (load() checks
+    the bytes), none hangs, expired blocks leave the index, orphan index objects are not fetched
+    again and again, the evictor lease is taken again when its object expires, and new publishes
+    keep working."""
+    prefix = bucket["bucket_url"].removeprefix(f"s3://{BUCKET}/")
+    _put_expiry_rule(rgw, prefix, days=1)
+    try:
+        # A budget far above what is published: the writer takes the evictor lease, whose object
+        # (renewed after 60 s) the rule expires first.
+        options = {**bucket, "bucket_budget_bytes": 64 << 20, "bucket_lease_ms": 120_000}
+        writer = nodes.open("writer", **options)
+        reader, prober = nodes.open("reader", **bucket), nodes.open("prober", **bucket)
+        watcher = nodes.open("watcher", **bucket)  # loads nothing: what it contains is its index
+        assert _wait_for(lambda: any("/lease/" in k for k, _, _ in rgw.listing(prefix)))
+        first_lease = next(item for item in rgw.listing(prefix) if "/lease/" in item[0])
+        rounds, started = 0, time.monotonic()
+        while time.monotonic() - started < 4 * LC_DAY_S:
+            ids = list(range(8 * rounds, 8 * rounds + 8))
+            publish(writer, ids)
+            assert wait_visible(reader, [key(i) for i in ids]), f"round {rounds} never became visible"
+            t0 = time.monotonic()
+            assert all(load(reader, ids)), f"round {rounds}: fresh blocks missed"
+            # The prober loads each older round once, as it ages past a lifecycle day: hit or miss.
+            old = rounds - LC_DAY_S
+            if old >= 0:
+                load(prober, list(range(8 * old, 8 * old + 8)))
+            assert time.monotonic() - t0 < 4, "a load took longer than a request timeout"
+            rounds += 1
+            time.sleep(1)
+
+        # Publishing stops: the rule expires everything; every store's index follows.
+        def expired() -> bool:
+            return not any(k.endswith((".kvo", ".kvi")) for k, _, _ in rgw.listing(prefix))
+
+        assert _wait_for(expired, timeout_s=4 * LC_DAY_S), "the rule did not expire the objects"
+        published = [key(i) for i in range(8 * rounds)]
+        assert _wait_for(lambda: not any(watcher.contains_many(published))), "expired blocks stayed indexed"
+        stats = [s.stats() for s in (reader, prober)]
+        time.sleep(1)
+        assert [s.stats()["bucket_get_requests"] for s in (reader, prober)] == [
+            s["bucket_get_requests"] for s in stats
+        ], "GETs while idle: an orphan index object fetched again"
+        prober_stats = prober.stats()
+        assert prober_stats["bucket_request_errors"] == 0, prober_stats  # a 404 is a clean miss
+        hits, misses = prober_stats["bucket_hits"], prober_stats["bucket_misses"]
+        print(f"\nlifecycle: {rounds} rounds; the prober's loads of aged rounds: {hits} hits, {misses} misses")
+
+        # The lease's first object expired (before its renewal was due); the writer took it again.
+        def leases() -> list[tuple[str, int, str]]:
+            return [item for item in rgw.listing(prefix) if "/lease/" in item[0]]
+
+        assert _wait_for(lambda: leases() != [] and first_lease not in leases(), timeout_s=3 * LC_DAY_S), leases()
+        # New publishes still work.
+        ids = list(range(1000, 1008))
+        publish(writer, ids)
+        assert wait_visible(reader, [key(i) for i in ids]) and all(load(reader, ids))
+    finally:
+        rgw.s3("DELETE", BUCKET, query="lifecycle=")

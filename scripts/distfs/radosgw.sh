@@ -6,8 +6,9 @@
 #   scripts/distfs/radosgw.sh up STATE_DIR     # prints ENDPOINT=, ACCESS_KEY=, SECRET_KEY=, PID=
 #   scripts/distfs/radosgw.sh down STATE_DIR   # stops every daemon it started, removes STATE_DIR
 #
-# Its own ports (monitor 3301, gateway KVTIER_RGW_PORT or 7481), so it runs beside cephfs.sh's
-# cluster (3300). No manager: the gateway does not need one. Inside the cluster cephx is on, with
+# Its own ports (monitor KVTIER_CEPH_MON_PORT or 3301, gateway KVTIER_RGW_PORT or 7481), so it runs
+# beside cephfs.sh's cluster (3300). Lifecycle rules run every KVTIER_RGW_LC_DAY_S seconds (5), and a
+# lifecycle "day" lasts that long (for tests of expiry rules; 0: RGW's daily schedule). No manager: the gateway does not need one. Inside the cluster cephx is on, with
 # every daemon's key in one keyring in STATE_DIR (radosgw 16.2 cannot join a cluster with cephx off:
 # its monitor client fails with EACCES); S3 requests are signed with the gateway user's keys.
 # Needs root (the daemons' default paths) and Debian's ceph-mon ceph-osd radosgw ceph-common.
@@ -16,6 +17,10 @@ cmd=${1:?usage: radosgw.sh up|down STATE_DIR}
 state=${2:?usage: radosgw.sh up|down STATE_DIR}
 osd_bytes=${KVTIER_CEPH_OSD_BYTES:-1073741824}
 rgw_port=${KVTIER_RGW_PORT:-7481}
+mon_port=${KVTIER_CEPH_MON_PORT:-3301}
+# A lifecycle "day" in seconds (RGW's rgw_lc_debug_interval; also lifts the daily work-time window),
+# so that the tests can see an expiry rule act: a rule of 1 day expires objects after this long.
+lc_day_s=${KVTIER_RGW_LC_DAY_S:-5}
 mounts=()
 daemons=(client.rgw.a osd.0 mon.a)
 log() { printf '[radosgw %s] %s\n' "$(date +%T)" "$*" >&2; }
@@ -34,7 +39,7 @@ write_conf() {
     cat >"$1" <<CONF
 [global]
 fsid = $2
-mon host = v2:127.0.0.1:3301
+mon host = v2:127.0.0.1:$mon_port
 public addr = 127.0.0.1
 cluster addr = 127.0.0.1
 ms bind msgr1 = false
@@ -68,6 +73,7 @@ rgw frontends = beast endpoint=127.0.0.1:$rgw_port
 rgw data = $state/rgw
 rgw dns name = 127.0.0.1
 rgw enable usage log = false
+rgw lc debug interval = $lc_day_s
 CONF
 }
 
@@ -93,7 +99,7 @@ up() {
     write_conf "$conf" "$fsid"
     local c=(ceph -c "$conf" --connect-timeout 30)
     make_keyring "$state/keyring"
-    monmaptool --create --clobber --addv a "[v2:127.0.0.1:3301]" --fsid "$fsid" "$state/monmap" >/dev/null
+    monmaptool --create --clobber --addv a "[v2:127.0.0.1:$mon_port]" --fsid "$fsid" "$state/monmap" >/dev/null
     ceph-mon -c "$conf" --mkfs -i a --monmap "$state/monmap" --keyring "$state/keyring" >/dev/null
     ceph-mon -c "$conf" -i a >>"$state/logs/daemons.out" 2>&1
     log "mon started"
