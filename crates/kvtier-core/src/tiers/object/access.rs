@@ -9,10 +9,10 @@
 //! latest read anywhere (`eviction_order`). It also deletes access objects that can only name
 //! deleted segments (older than every segment listed) and garbage ones.
 
-use super::format::stem;
+use super::format::{stem, Framing};
 use super::ObjectTier;
-use crate::format::shared::{unix_ms, AuthKey, TAG_BYTES};
-use crate::format::{checksum, get_u32, get_u64, put_u32, put_u64, ParseError};
+use crate::format::shared::{unix_ms, AuthKey};
+use crate::format::{get_u64, put_u64, ParseError};
 use crate::key::Namespace;
 use crate::stats::Stats;
 use object_store::path::Path as ObjectPath;
@@ -28,6 +28,15 @@ pub const ACCESS_HEADER_BYTES: usize = 64;
 pub const ACCESS_ENTRY_BYTES: usize = 24;
 /// Entries an access object holds at most (the most recently read segments): 1.5 MiB.
 pub const MAX_ACCESS_ENTRIES: usize = 1 << 16;
+const ACCESS_FRAMING: Framing = Framing {
+    magic: ACCESS_MAGIC,
+    version: ACCESS_FORMAT_VERSION,
+    header_bytes: ACCESS_HEADER_BYTES,
+    entry_bytes: ACCESS_ENTRY_BYTES,
+    max_entries: MAX_ACCESS_ENTRIES,
+    object: "access object",
+    count: "access entry count",
+};
 
 /// `<writer 16 hex>.kva`: the name of a store's access object under `acc/`.
 pub fn access_name(writer_id: u64) -> String {
@@ -69,63 +78,30 @@ pub struct AccessObject {
 impl AccessObject {
     /// Header (64), entries (24 each), tag (32; zero without a key), checksum (8) of all before it.
     pub fn encode(&self, auth: Option<&AuthKey>) -> Vec<u8> {
-        let n = self.entries.len();
-        assert!(n <= MAX_ACCESS_ENTRIES, "the access log is capped before it is written");
-        let mut out = vec![0u8; ACCESS_HEADER_BYTES + n * ACCESS_ENTRY_BYTES + TAG_BYTES + 8];
-        out[..8].copy_from_slice(&ACCESS_MAGIC);
-        put_u32(&mut out, 8, ACCESS_FORMAT_VERSION);
-        put_u32(&mut out, 12, n as u32);
+        let mut out = ACCESS_FRAMING.start(self.entries.len());
         out[16..48].copy_from_slice(&self.namespace.0);
         put_u64(&mut out, 48, self.writer_id);
         put_u64(&mut out, 56, self.written_unix_ms);
         for (i, e) in self.entries.iter().enumerate() {
-            let at = ACCESS_HEADER_BYTES + i * ACCESS_ENTRY_BYTES;
+            let at = ACCESS_FRAMING.entry_at(i);
             put_u64(&mut out, at, e.writer_id);
             put_u64(&mut out, at + 8, e.seq);
             put_u64(&mut out, at + 16, e.last_read_unix_ms);
         }
-        let tag_at = out.len() - TAG_BYTES - 8;
-        if let Some(auth) = auth {
-            let tag = auth.object_access_tag(&self.namespace, &out[..tag_at]);
-            out[tag_at..tag_at + TAG_BYTES].copy_from_slice(&tag);
-        }
-        let end = out.len() - 8;
-        let sum = checksum(&out[..end]);
-        put_u64(&mut out, end, sum);
+        ACCESS_FRAMING.seal(&mut out, auth.map(|a| |body: &[u8]| a.object_access_tag(&self.namespace, body)));
         out
     }
 
     /// Decodes and checks an access object (length, checksum, tag when `auth` is set).
     /// `Ok(None)`: intact but its tag does not verify (written without our key, or forged).
     pub fn decode(b: &[u8], auth: Option<(&AuthKey, &Namespace)>) -> Result<Option<Self>, ParseError> {
-        if b.len() < ACCESS_HEADER_BYTES + TAG_BYTES + 8 {
-            return Err(ParseError::TooShort(b.len()));
-        }
-        if b[..8] != ACCESS_MAGIC {
-            return Err(ParseError::BadMagic);
-        }
-        let version = get_u32(b, 8);
-        if version != ACCESS_FORMAT_VERSION {
-            return Err(ParseError::Version(version));
-        }
-        let n = get_u32(b, 12) as usize;
-        if n > MAX_ACCESS_ENTRIES || b.len() != ACCESS_HEADER_BYTES + n * ACCESS_ENTRY_BYTES + TAG_BYTES + 8 {
-            return Err(ParseError::OutOfRange("access entry count"));
-        }
-        if get_u64(b, b.len() - 8) != checksum(&b[..b.len() - 8]) {
-            return Err(ParseError::BodyChecksum("access object"));
-        }
-        let tag_at = b.len() - TAG_BYTES - 8;
-        if let Some((key, namespace)) = auth {
-            let expected = blake3::Hash::from(key.object_access_tag(namespace, &b[..tag_at]));
-            let stored: [u8; TAG_BYTES] = b[tag_at..tag_at + TAG_BYTES].try_into().unwrap();
-            if expected != stored {
-                return Ok(None);
-            }
-        }
+        let tag = auth.map(|(key, namespace)| move |body: &[u8]| key.object_access_tag(namespace, body));
+        let Some(n) = ACCESS_FRAMING.open(b, tag)? else {
+            return Ok(None);
+        };
         let entries = (0..n)
             .map(|i| {
-                let at = ACCESS_HEADER_BYTES + i * ACCESS_ENTRY_BYTES;
+                let at = ACCESS_FRAMING.entry_at(i);
                 AccessEntry {
                     writer_id: get_u64(b, at),
                     seq: get_u64(b, at + 8),
@@ -403,6 +379,8 @@ fn version(m: &ObjectMeta) -> (Option<String>, u64, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::format::shared::TAG_BYTES;
+    use crate::format::{checksum, put_u32};
 
     fn object() -> AccessObject {
         AccessObject {

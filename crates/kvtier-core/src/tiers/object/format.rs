@@ -16,6 +16,92 @@ pub const INDEX_ENTRY_BYTES: usize = 48;
 /// Bounds what a reader allocates for an index object: 1M entries (48 MiB).
 pub const MAX_INDEX_ENTRIES: usize = 1 << 20;
 
+/// The framing that index and access objects share: magic (8), format version (4), entry count (4)
+/// at the start of a `header_bytes` header, `entry_bytes` per entry, then a tag (32; zero without a
+/// deployment key) and an xxh3 checksum (8) of everything before it.
+pub struct Framing {
+    pub magic: [u8; 8],
+    pub version: u32,
+    pub header_bytes: usize,
+    pub entry_bytes: usize,
+    /// Bounds what a reader allocates.
+    pub max_entries: usize,
+    /// Name the parse errors give: the object ("index object") and its count ("index entry count").
+    pub object: &'static str,
+    pub count: &'static str,
+}
+
+impl Framing {
+    /// A zeroed object of `n` entries, its magic, version and count written.
+    pub fn start(&self, n: usize) -> Vec<u8> {
+        assert!(n <= self.max_entries, "{}: {n} entries, at most {}", self.object, self.max_entries);
+        let mut out = vec![0u8; self.header_bytes + n * self.entry_bytes + TAG_BYTES + 8];
+        out[..8].copy_from_slice(&self.magic);
+        put_u32(&mut out, 8, self.version);
+        put_u32(&mut out, 12, n as u32);
+        out
+    }
+
+    /// Where entry `i` starts.
+    pub fn entry_at(&self, i: usize) -> usize {
+        self.header_bytes + i * self.entry_bytes
+    }
+
+    /// Writes the tag (`tag`: the keyed tag of the bytes before it, with a deployment key) and the
+    /// checksum: the object is complete.
+    pub fn seal(&self, out: &mut [u8], tag: Option<impl Fn(&[u8]) -> [u8; TAG_BYTES]>) {
+        let tag_at = out.len() - TAG_BYTES - 8;
+        if let Some(tag) = tag {
+            let t = tag(&out[..tag_at]);
+            out[tag_at..tag_at + TAG_BYTES].copy_from_slice(&t);
+        }
+        let end = out.len() - 8;
+        let sum = checksum(&out[..end]);
+        put_u64(out, end, sum);
+    }
+
+    /// Checks length, magic, version, entry count, checksum and (with `tag`) the tag, compared in
+    /// constant time. Returns the entry count; `Ok(None)`: intact but its tag does not verify.
+    pub fn open(&self, b: &[u8], tag: Option<impl Fn(&[u8]) -> [u8; TAG_BYTES]>) -> Result<Option<usize>, ParseError> {
+        if b.len() < self.header_bytes + TAG_BYTES + 8 {
+            return Err(ParseError::TooShort(b.len()));
+        }
+        if b[..8] != self.magic {
+            return Err(ParseError::BadMagic);
+        }
+        let version = get_u32(b, 8);
+        if version != self.version {
+            return Err(ParseError::Version(version));
+        }
+        let n = get_u32(b, 12) as usize;
+        if n > self.max_entries || b.len() != self.entry_at(n) + TAG_BYTES + 8 {
+            return Err(ParseError::OutOfRange(self.count));
+        }
+        if get_u64(b, b.len() - 8) != checksum(&b[..b.len() - 8]) {
+            return Err(ParseError::BodyChecksum(self.object));
+        }
+        let tag_at = b.len() - TAG_BYTES - 8;
+        if let Some(tag) = tag {
+            let expected = blake3::Hash::from(tag(&b[..tag_at]));
+            let stored: [u8; TAG_BYTES] = b[tag_at..tag_at + TAG_BYTES].try_into().unwrap();
+            if expected != stored {
+                return Ok(None);
+            }
+        }
+        Ok(Some(n))
+    }
+}
+
+pub const INDEX_FRAMING: Framing = Framing {
+    magic: INDEX_MAGIC,
+    version: OBJECT_FORMAT_VERSION,
+    header_bytes: INDEX_HEADER_BYTES,
+    entry_bytes: INDEX_ENTRY_BYTES,
+    max_entries: MAX_INDEX_ENTRIES,
+    object: "index object",
+    count: "index entry count",
+};
+
 /// `<writer 16 hex>-<seq 16 hex>`: the stem of a segment's and its index object's names.
 pub fn stem(writer_id: u64, seq: u64) -> String {
     format!("{writer_id:016x}-{seq:016x}")
@@ -107,11 +193,7 @@ pub struct SegmentIndex {
 impl SegmentIndex {
     /// Header (96), entries (48 each), tag (32; zero without a key), checksum (8) of all before it.
     pub fn encode(&self, auth: Option<&AuthKey>) -> Vec<u8> {
-        let n = self.entries.len();
-        let mut out = vec![0u8; INDEX_HEADER_BYTES + n * INDEX_ENTRY_BYTES + TAG_BYTES + 8];
-        out[..8].copy_from_slice(&INDEX_MAGIC);
-        put_u32(&mut out, 8, OBJECT_FORMAT_VERSION);
-        put_u32(&mut out, 12, n as u32);
+        let mut out = INDEX_FRAMING.start(self.entries.len());
         out[16..48].copy_from_slice(&self.namespace.0);
         put_u64(&mut out, 48, self.object_bytes);
         put_u64(&mut out, 56, self.writer_id);
@@ -119,57 +201,27 @@ impl SegmentIndex {
         put_u64(&mut out, 72, self.segment_bytes);
         put_u64(&mut out, 80, self.created_unix_ms);
         for (i, e) in self.entries.iter().enumerate() {
-            let at = INDEX_HEADER_BYTES + i * INDEX_ENTRY_BYTES;
+            let at = INDEX_FRAMING.entry_at(i);
             out[at..at + 32].copy_from_slice(&e.key.0);
             put_u64(&mut out, at + 32, e.offset);
             put_u64(&mut out, at + 40, e.value_checksum);
         }
-        let tag_at = out.len() - TAG_BYTES - 8;
-        if let Some(auth) = auth {
-            let tag = auth.object_index_tag(&self.namespace, &out[..tag_at]);
-            out[tag_at..tag_at + TAG_BYTES].copy_from_slice(&tag);
-        }
-        let sum = checksum(&out[..out.len() - 8]);
-        let end = out.len() - 8;
-        put_u64(&mut out, end, sum);
+        INDEX_FRAMING.seal(&mut out, auth.map(|a| |body: &[u8]| a.object_index_tag(&self.namespace, body)));
         out
     }
 
     /// Decodes and checks an index object (length, checksum, tag when `auth` is set, entry bounds).
     /// `Ok(None)`: intact but its tag does not verify (counted by the caller as an auth failure).
     pub fn decode(b: &[u8], auth: Option<(&AuthKey, &Namespace)>) -> Result<Option<Self>, ParseError> {
-        if b.len() < INDEX_HEADER_BYTES + TAG_BYTES + 8 {
-            return Err(ParseError::TooShort(b.len()));
-        }
-        if b[..8] != INDEX_MAGIC {
-            return Err(ParseError::BadMagic);
-        }
-        let version = get_u32(b, 8);
-        if version != OBJECT_FORMAT_VERSION {
-            return Err(ParseError::Version(version));
-        }
-        let n = get_u32(b, 12) as usize;
-        if n > MAX_INDEX_ENTRIES || b.len() != INDEX_HEADER_BYTES + n * INDEX_ENTRY_BYTES + TAG_BYTES + 8 {
-            return Err(ParseError::OutOfRange("index entry count"));
-        }
-        if get_u64(b, b.len() - 8) != checksum(&b[..b.len() - 8]) {
-            return Err(ParseError::BodyChecksum("index object"));
-        }
-        let tag_at = b.len() - TAG_BYTES - 8;
-        if let Some((key, namespace)) = auth {
-            let expected = blake3::Hash::from(key.object_index_tag(namespace, &b[..tag_at]));
-            let stored: [u8; TAG_BYTES] = b[tag_at..tag_at + TAG_BYTES].try_into().unwrap();
-            if expected != stored {
-                return Ok(None);
-            }
-        }
-        Ok(Some(Self::decode_body(b, n)))
+        let tag = auth.map(|(key, namespace)| move |body: &[u8]| key.object_index_tag(namespace, body));
+        let opened = INDEX_FRAMING.open(b, tag)?;
+        Ok(opened.map(|n| Self::decode_body(b, n)))
     }
 
     fn decode_body(b: &[u8], n: usize) -> Self {
         let entries = (0..n)
             .map(|i| {
-                let at = INDEX_HEADER_BYTES + i * INDEX_ENTRY_BYTES;
+                let at = INDEX_FRAMING.entry_at(i);
                 Entry {
                     key: BlockKey(b[at..at + 32].try_into().unwrap()),
                     offset: get_u64(b, at + 32),
