@@ -436,16 +436,21 @@ def test_budget_evicts_the_least_recently_read_segments_first(rgw, nodes, bucket
         time.sleep(0.1)
 
 
-def test_objects_deleted_behind_its_back_are_misses_then_forgotten(rgw, nodes, bucket):
-    """What an expiry lifecycle rule does (not the rule itself: RGW runs those on a daily schedule):
-    a segment deleted while indexed is a miss at once; a deleted index object leaves the index at the
-    next listing."""
+def _two_segments_seen_by_b(rgw: Rgw, nodes, bucket) -> tuple[kvtier.Store, list[str]]:
+    """Node A publishes blocks 0-15 (two segments); node B indexes them all. Returns B and the
+    prefix's object names, sorted (by sequence: the segment of blocks 0-7 first)."""
     a = nodes.open("a", **bucket)
-    publish(a, list(range(16)))  # two segments
+    publish(a, list(range(16)))
     b = nodes.open("b", **bucket)
     assert wait_visible(b, [key(i) for i in range(16)])
     prefix = bucket["bucket_url"].removeprefix(f"s3://{BUCKET}/")
-    names = sorted(k for k, _ in rgw.keys(prefix))
+    return b, sorted(k for k, _ in rgw.keys(prefix))
+
+
+def test_objects_deleted_behind_its_back_are_misses_then_forgotten(rgw, nodes, bucket):
+    """Deletions by anyone else (an operator, another tool): a segment deleted while indexed is a miss
+    at once; a deleted index object leaves the index at the next listing."""
+    b, names = _two_segments_seen_by_b(rgw, nodes, bucket)
     segments = [k for k in names if k.endswith(".kvo")]
     indexes = [k for k in names if k.endswith(".kvi")]
     assert rgw.s3("DELETE", f"{BUCKET}/{segments[0]}")[0] == 204
@@ -462,12 +467,7 @@ def test_a_segment_gone_before_its_index_object_is_forgotten_and_its_index_objec
     """An expiry rule deletes by age: a segment (written first) goes before its index object. The
     first load of its blocks is a 404; then the segment stays out of the index across listings, its
     index object is deleted (dead for every store), and no request is made for it again."""
-    a = nodes.open("a", **bucket)
-    publish(a, list(range(16)))  # two segments
-    b = nodes.open("b", **bucket)
-    assert wait_visible(b, [key(i) for i in range(16)])
-    prefix = bucket["bucket_url"].removeprefix(f"s3://{BUCKET}/")
-    names = sorted(k for k, _ in rgw.keys(prefix))
+    b, names = _two_segments_seen_by_b(rgw, nodes, bucket)
     segment = next(k for k in names if k.endswith(".kvo"))
     index = segment.replace("/seg/", "/idx/").removesuffix(".kvo") + ".kvi"
     assert index in names
@@ -475,6 +475,7 @@ def test_a_segment_gone_before_its_index_object_is_forgotten_and_its_index_objec
     first, rest = list(range(8)), list(range(8, 16))  # names sort by sequence: blocks 0-7 first
     assert not any(load(b, first))
     assert b.stats()["bucket_request_errors"] == 0  # a 404 is a clean miss
+    prefix = bucket["bucket_url"].removeprefix(f"s3://{BUCKET}/")
     assert _wait_for(lambda: index not in dict(rgw.keys(prefix))), "the orphan index object was not deleted"
     time.sleep(0.5)  # five listings at bucket_refresh_ms = 100
     assert b.contains_many([key(i) for i in first]) == [False] * 8
