@@ -110,3 +110,17 @@ def test_object_row_is_checked_like_the_shared_row():
     assert "kvtier object-tier hit / recompute" in [target["name"] for target in summary["targets"]]
     rows1 = ttft.table_rows(the_plan, summary)[1]
     assert [row[0] for row in rows1] == [ttft.CONFIG_LABELS["recompute"], ttft.CONFIG_LABELS["kvtier_object"]]
+
+
+def test_a_restored_row_may_match_vllms_own_prefix_hit_instead_of_recompute():
+    """In bf16 a cached prefix moves the logprob off recompute's (vLLM's own prefix cache does it):
+    a row that matches vLLM's prefix hit of the same prompt is right; one that matches neither is not."""
+    the_plan, summary, measurements = shared_run(token_id=1)
+    prefix_hit = {**measurement(1, "vllm_prefix", 512, 0.05), "prompt_id": "p:512:0", "logprob": -1.031}
+    measurements[1]["logprob"] = -1.031  # the shared-tier hit, 0.031 off recompute's -1.0
+    assert ttft.shared_row_failures(the_plan, summary, [*measurements, prefix_hit]) == []
+    (failure,) = ttft.shared_row_failures(the_plan, summary, measurements)
+    assert "p:512:0: token 1 (logprob -1.031)" in failure, "no prefix hit to compare with: recompute's logprob rules"
+    prefix_hit["logprob"] = -1.05
+    (failure,) = ttft.shared_row_failures(the_plan, summary, [*measurements, prefix_hit])
+    assert "against recompute's 1 (-1.0)" in failure

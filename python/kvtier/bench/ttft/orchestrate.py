@@ -201,22 +201,31 @@ def shared_row_failures(
             failures.append(f"{measured} of {plan['repeats']} repeats measured at {length} tokens")
         elif not point["cached_tokens_ok"] or point["problems"]:
             failures.append(f"at {length} tokens: {'; '.join(point['problems']) or 'cached tokens differ'}")
-    records = [record for record in measurements if record["config"] == config]
-    reference = {r["prompt_id"]: r for r in measurements if r["config"] == "recompute" and r.get("prompt_id")}
-    for record in records:
-        base = reference.get(record["prompt_id"])
+    by_prompt = {(r["config"], r["prompt_id"]): r for r in measurements if r.get("prompt_id")}
+    for record in (record for record in measurements if record["config"] == config):
+        base = by_prompt.get(("recompute", record["prompt_id"]))
         if base is None:
             failures.append(f"no recompute of {record['prompt_id']} to compare with")
-        elif record["token_id"] != base["token_id"] or (
-            record.get("logprob") is not None
-            and base.get("logprob") is not None
-            and abs(record["logprob"] - base["logprob"]) > LOGPROB_TOLERANCE
-        ):
+        elif not _same_output(record, base, by_prompt.get(("vllm_prefix", record["prompt_id"]))):
             failures.append(
                 f"{record['prompt_id']}: token {record['token_id']} (logprob {record.get('logprob')}) against "
                 f"recompute's {base['token_id']} ({base.get('logprob')})"
             )
     return failures
+
+
+def _same_output(record: dict, recompute: dict, prefix_hit: dict | None) -> bool:
+    """Whether a restored run gave recompute's greedy token with the logprob of recompute or of vLLM's
+    own prefix-cache hit of the same prompt (within LOGPROB_TOLERANCE). A cached prefix takes another
+    kernel path than a whole prefill: in bf16 that alone moves the logprob (0.031 seen at 2K tokens
+    on vLLM's own prefix cache, which every kvtier row then matched to the last digit)."""
+    if record["token_id"] != recompute["token_id"]:
+        return False
+    logprob = record.get("logprob")
+    references = [r.get("logprob") for r in (recompute, prefix_hit) if r is not None]
+    if logprob is None or all(reference is None for reference in references):
+        return True
+    return any(reference is not None and abs(logprob - reference) <= LOGPROB_TOLERANCE for reference in references)
 
 
 def _median(summary: dict, config: str, length: int) -> float | None:
