@@ -22,7 +22,6 @@ LONG_FUNCTIONS: dict[tuple[str, str], int] = {
     ("bench/io.py", "run"): 278,
     ("bench/ttft/entry.py", "main"): 175,
     ("bench/kvtier_store.py", "measure_shared"): 162,
-    ("ops/metrics.py", "families"): 157,
     ("bench/lmcache_cpu_shim.py", "_make_connector_class"): 134,
     ("bench/lmcache_runner.py", "measure"): 122,
     ("ops/top.py", "frame"): 111,

@@ -49,6 +49,129 @@ IO_SIZE_CLASSES: tuple[tuple[int, str], ...] = (
     (16 << 20, "16m"),
     (64 << 20, "64m"),
 )
+TIERS = ("dram", "nvme", "shared")
+
+# The families of each namespace, in the order a scrape lists them: (name, kind, the labels after
+# ``namespace`` and ``model``, help).
+NAMESPACE_FAMILIES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
+    ("kvtier_hits", "counter", ("tier",), "Blocks served, per tier they were found in"),
+    ("kvtier_misses", "counter", (), "Blocks asked for and not found (or failing verification)"),
+    ("kvtier_lookups", "counter", (), "Blocks asked for: hits of every tier plus misses"),
+    ("kvtier_used_bytes", "gauge", ("tier",), "Bytes in use per tier"),
+    ("kvtier_capacity_bytes", "gauge", ("tier",), "Capacity per tier"),
+    ("kvtier_blocks", "gauge", ("tier",), "Blocks held per tier"),
+    ("kvtier_stored_bytes", "counter", (), "Value bytes accepted into the cache (stores)"),
+    ("kvtier_loaded_bytes", "counter", (), "Value bytes served to engines (hits x block size)"),
+    ("kvtier_read_bytes", "counter", ("tier",), "Bytes read from a tier below DRAM"),
+    ("kvtier_written_bytes", "counter", ("tier",), "Bytes written to a tier below DRAM"),
+    ("kvtier_evictions", "counter", ("tier",), "Evictions: DRAM blocks, NVMe regions, shared-tier files"),
+    ("kvtier_dropped_stores", "counter", (), "Stores given up (no room, queue full, a rank that never came)"),
+    ("kvtier_nvme_dropped_writes", "counter", (), "Blocks kept in DRAM only: no NVMe region to write"),
+    (
+        "kvtier_cancelled_writes",
+        "counter",
+        (),
+        "Stores dropped before their NVMe write started: a load short of DRAM slots took their slot",
+    ),
+    ("kvtier_checksum_failures", "counter", (), "Block copies that failed verification (load or verify)"),
+    ("kvtier_io_errors", "counter", (), "Failed reads and writes"),
+    (
+        "kvtier_queue_depth",
+        "gauge",
+        ("queue",),
+        "Work waiting: pending_fills (blocks reserved, not all ranks committed)",
+    ),
+    ("kvtier_nvme_write_backlog_bytes", "gauge", (), "Bytes accepted into DRAM, not yet on NVMe"),
+    ("kvtier_attached_connections", "gauge", (), "Engine connections attached to the namespace"),
+    (
+        "kvtier_shared_index_age_seconds",
+        "gauge",
+        (),
+        "Time since the shared-tier index last read the other writers' manifests",
+    ),
+    ("kvtier_shared_published_files", "counter", (), "Files this host published to the shared tier"),
+    (
+        "kvtier_shared_publish_blocks",
+        "counter",
+        ("result",),
+        "Blocks not published at once: deferred (waited in the publisher's backlog, published later from DRAM), "
+        "dropped (left DRAM before their turn, or the backlog was full), failed (writing the file failed)",
+    ),
+    (
+        "kvtier_op_latency_seconds",
+        "histogram",
+        ("op",),
+        "Service-side latency of ops: lookup (Locate, Pin), load (Acquire), reserve and commit (a store)",
+    ),
+    (
+        "kvtier_nvme_request_bytes",
+        "histogram",
+        ("op",),
+        "Sizes of the requests the NVMe tier submits (reads: block loads; writes: blocks and region trailers)",
+    ),
+    (
+        "kvtier_nvme_requests",
+        "counter",
+        ("op", "order"),
+        "NVMe requests by access order: sequential (starts where the device's previous request of the same op "
+        "ended) or random",
+    ),
+    (
+        "kvtier_engine_lookup_blocks",
+        "counter",
+        ("engine", "tier"),
+        "Blocks an engine's scheduler looked up, by the tier that held them (none: a miss)",
+    ),
+    (
+        "kvtier_engine_loaded_slices",
+        "counter",
+        ("engine", "result"),
+        "Slices an engine's ranks loaded (a block counts once per rank): found, or missed",
+    ),
+    (
+        "kvtier_engine_stored_slices",
+        "counter",
+        ("engine", "result"),
+        "Slices an engine's ranks stored: accepted, or dropped (no room)",
+    ),
+)
+# Values a family shows as the service reports them: (family, the labels after ``namespace`` and
+# ``model``, the service's value name).
+PLAIN_VALUES: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("kvtier_misses", (), "misses"),
+    ("kvtier_blocks", ("dram",), "blocks_dram"),
+    ("kvtier_blocks", ("nvme",), "blocks_nvme"),
+    ("kvtier_read_bytes", ("nvme",), "bytes_read_nvme"),
+    ("kvtier_read_bytes", ("shared",), "shared_bytes_read"),
+    ("kvtier_written_bytes", ("nvme",), "bytes_written_nvme"),
+    ("kvtier_written_bytes", ("shared",), "shared_bytes_written"),
+    ("kvtier_evictions", ("dram",), "dram_evictions"),
+    ("kvtier_evictions", ("nvme",), "nvme_region_evictions"),
+    ("kvtier_evictions", ("shared",), "shared_evicted_files"),
+    ("kvtier_dropped_stores", (), "dropped_stores"),
+    ("kvtier_nvme_dropped_writes", (), "nvme_dropped_writes"),
+    ("kvtier_cancelled_writes", (), "cancelled_writes"),
+    ("kvtier_checksum_failures", (), "checksum_failures"),
+    ("kvtier_io_errors", (), "io_errors"),
+    ("kvtier_queue_depth", ("pending_fills",), "service_pending_fills"),
+    ("kvtier_nvme_write_backlog_bytes", (), "nvme_write_backlog_bytes"),
+    ("kvtier_attached_connections", (), "service_attached_connections"),
+)
+# The shared tier's publishing counters (stores with a shared tier only): (result label, value name).
+SHARED_PUBLISH_RESULTS = (
+    ("deferred", "shared_deferred_publishes"),
+    ("dropped", "shared_dropped_publishes"),
+    ("failed", "shared_publish_errors"),
+)
+# An engine's counters: (family, the labels after ``engine``, the engine's counter name).
+ENGINE_VALUES: tuple[tuple[str, str, str], ...] = (
+    *(("kvtier_engine_lookup_blocks", tier, f"lookup_{tier}") for tier in TIERS),
+    ("kvtier_engine_lookup_blocks", "none", "lookup_miss"),
+    ("kvtier_engine_loaded_slices", "found", "loaded_slices"),
+    ("kvtier_engine_loaded_slices", "missed", "load_missed_slices"),
+    ("kvtier_engine_stored_slices", "accepted", "stored_slices"),
+    ("kvtier_engine_stored_slices", "dropped", "dropped_slices"),
+)
 
 
 def io_request_buckets(values: dict[str, int], kind: str) -> list[tuple[str, float]]:
@@ -107,163 +230,76 @@ class ServiceSnapshot:
             raise
 
 
-def families(namespaces: list[dict[str, Any]], stats: dict[str, int]) -> Iterator[Any]:
-    """The metric families of one snapshot (prometheus_client objects)."""
+def new_families() -> dict[str, Any]:
+    """The empty families of ``NAMESPACE_FAMILIES`` by name, in scrape order (prometheus_client objects)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-    ns_labels = ["namespace", "model"]
-    tier_labels = [*ns_labels, "tier"]
+    kinds = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}
+    return {
+        name: kinds[kind](name, doc, labels=["namespace", "model", *labels])
+        for name, kind, labels, doc in NAMESPACE_FAMILIES
+    }
 
-    def counter(name: str, doc: str, labels: list[str]) -> Any:
-        return CounterMetricFamily(name, doc, labels=labels)
 
-    def gauge(name: str, doc: str, labels: list[str]) -> Any:
-        return GaugeMetricFamily(name, doc, labels=labels)
+def add_namespace(family: dict[str, Any], ns: dict[str, Any]) -> None:
+    """Adds one namespace's samples to the families of ``new_families``."""
+    v: dict[str, int] = dict(ns["values"])
+    labels = [str(ns["digest"])[:16], model_of(bytes(ns["description"]))]
+    object_bytes = int(ns["object_bytes"])
+    all_hits = sum(v.get(f"{tier}_hits", 0) for tier in TIERS)
+    for tier in TIERS:
+        family["kvtier_hits"].add_metric([*labels, tier], v.get(f"{tier}_hits", 0))
+    family["kvtier_lookups"].add_metric(labels, all_hits + v.get("misses", 0))
+    for tier in TIERS:
+        if f"{tier}_used_bytes" in v:  # a tier the store has
+            family["kvtier_used_bytes"].add_metric([*labels, tier], v[f"{tier}_used_bytes"])
+            family["kvtier_capacity_bytes"].add_metric([*labels, tier], v.get(f"{tier}_capacity_bytes", 0))
+    family["kvtier_stored_bytes"].add_metric(labels, v.get("puts", 0) * object_bytes)
+    family["kvtier_loaded_bytes"].add_metric(labels, all_hits * object_bytes)
+    for name, more_labels, key in PLAIN_VALUES:
+        family[name].add_metric([*labels, *more_labels], v.get(key, 0))
+    if "shared_index_age_ms" in v:  # a store with a shared tier
+        family["kvtier_shared_index_age_seconds"].add_metric(labels, v["shared_index_age_ms"] / 1000)
+        family["kvtier_shared_published_files"].add_metric(labels, v.get("shared_files_published", 0))
+        for result, key in SHARED_PUBLISH_RESULTS:
+            family["kvtier_shared_publish_blocks"].add_metric([*labels, result], v.get(key, 0))
+    for op in LATENCY_OPS:
+        buckets = [(str(le / 1e6), float(v.get(f"latency_{op}_le_{le}", 0))) for le in LATENCY_BUCKETS_US]
+        buckets.append(("+Inf", float(v.get(f"latency_{op}_count", 0))))
+        family["kvtier_op_latency_seconds"].add_metric([*labels, op], buckets, v.get(f"latency_{op}_sum_us", 0) / 1e6)
+    for engine, counts in ns.get("engines", []):
+        for name, label, key in ENGINE_VALUES:
+            family[name].add_metric([*labels, engine, label], counts.get(key, 0))
+    add_nvme_requests(family, labels, v)
 
-    hits = counter("kvtier_hits", "Blocks served, per tier they were found in", tier_labels)
-    misses = counter("kvtier_misses", "Blocks asked for and not found (or failing verification)", ns_labels)
-    lookups = counter("kvtier_lookups", "Blocks asked for: hits of every tier plus misses", ns_labels)
-    used = gauge("kvtier_used_bytes", "Bytes in use per tier", tier_labels)
-    capacity = gauge("kvtier_capacity_bytes", "Capacity per tier", tier_labels)
-    blocks = gauge("kvtier_blocks", "Blocks held per tier", tier_labels)
-    stored = counter("kvtier_stored_bytes", "Value bytes accepted into the cache (stores)", ns_labels)
-    loaded = counter("kvtier_loaded_bytes", "Value bytes served to engines (hits x block size)", ns_labels)
-    read = counter("kvtier_read_bytes", "Bytes read from a tier below DRAM", tier_labels)
-    written = counter("kvtier_written_bytes", "Bytes written to a tier below DRAM", tier_labels)
-    evictions = counter("kvtier_evictions", "Evictions: DRAM blocks, NVMe regions, shared-tier files", tier_labels)
-    drops = counter("kvtier_dropped_stores", "Stores given up (no room, queue full, a rank that never came)", ns_labels)
-    nvme_drops = counter("kvtier_nvme_dropped_writes", "Blocks kept in DRAM only: no NVMe region to write", ns_labels)
-    cancelled = counter(
-        "kvtier_cancelled_writes",
-        "Stores dropped before their NVMe write started: a load short of DRAM slots took their slot",
-        ns_labels,
-    )
-    checksum = counter("kvtier_checksum_failures", "Block copies that failed verification (load or verify)", ns_labels)
-    io_errors = counter("kvtier_io_errors", "Failed reads and writes", ns_labels)
-    queue = gauge(
-        "kvtier_queue_depth",
-        "Work waiting: pending_fills (blocks reserved, not all ranks committed)",
-        [*ns_labels, "queue"],
-    )
-    backlog = gauge("kvtier_nvme_write_backlog_bytes", "Bytes accepted into DRAM, not yet on NVMe", ns_labels)
-    attached = gauge("kvtier_attached_connections", "Engine connections attached to the namespace", ns_labels)
-    staleness = gauge(
-        "kvtier_shared_index_age_seconds",
-        "Time since the shared-tier index last read the other writers' manifests",
-        ns_labels,
-    )
-    shared_files = counter("kvtier_shared_published_files", "Files this host published to the shared tier", ns_labels)
-    shared_publish = counter(
-        "kvtier_shared_publish_blocks",
-        "Blocks not published at once: deferred (waited in the publisher's backlog, published later from DRAM), "
-        "dropped (left DRAM before their turn, or the backlog was full), failed (writing the file failed)",
-        [*ns_labels, "result"],
-    )
-    latency = HistogramMetricFamily(
-        "kvtier_op_latency_seconds",
-        "Service-side latency of ops: lookup (Locate, Pin), load (Acquire), reserve and commit (a store)",
-        labels=[*ns_labels, "op"],
-    )
-    io_sizes = HistogramMetricFamily(
-        "kvtier_nvme_request_bytes",
-        "Sizes of the requests the NVMe tier submits (reads: block loads; writes: blocks and region trailers)",
-        labels=[*ns_labels, "op"],
-    )
-    io_order = counter(
-        "kvtier_nvme_requests",
-        "NVMe requests by access order: sequential (starts where the device's previous request of the same op "
-        "ended) or random",
-        [*ns_labels, "op", "order"],
-    )
-    engine_labels = [*ns_labels, "engine"]
-    engine_lookups = counter(
-        "kvtier_engine_lookup_blocks",
-        "Blocks an engine's scheduler looked up, by the tier that held them (none: a miss)",
-        [*engine_labels, "tier"],
-    )
-    engine_loads = counter(
-        "kvtier_engine_loaded_slices",
-        "Slices an engine's ranks loaded (a block counts once per rank): found, or missed",
-        [*engine_labels, "result"],
-    )
-    engine_stores = counter(
-        "kvtier_engine_stored_slices",
-        "Slices an engine's ranks stored: accepted, or dropped (no room)",
-        [*engine_labels, "result"],
-    )
+
+def add_nvme_requests(family: dict[str, Any], labels: list[str], v: dict[str, int]) -> None:
+    """The NVMe tier's requests of one namespace: their sizes, and how many were sequential."""
+    for kind in ("read", "write"):
+        sizes = io_request_buckets(v, kind)
+        family["kvtier_nvme_request_bytes"].add_metric([*labels, kind], sizes, v.get(f"nvme_{kind}_request_bytes", 0))
+        sequential = v.get(f"nvme_{kind}_sequential", 0)
+        random = v.get(f"nvme_{kind}_requests", 0) - sequential
+        family["kvtier_nvme_requests"].add_metric([*labels, kind, "sequential"], sequential)
+        family["kvtier_nvme_requests"].add_metric([*labels, kind, "random"], random)
+
+
+def families(namespaces: list[dict[str, Any]], stats: dict[str, int]) -> Iterator[Any]:
+    """The metric families of one snapshot (prometheus_client objects)."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    family = new_families()
     for ns in namespaces:
-        v: dict[str, int] = dict(ns["values"])
-        labels = [str(ns["digest"])[:16], model_of(bytes(ns["description"]))]
-        object_bytes = int(ns["object_bytes"])
-        all_hits = 0
-        for tier in ("dram", "nvme", "shared"):
-            count = v.get(f"{tier}_hits", 0)
-            all_hits += count
-            hits.add_metric([*labels, tier], count)
-        misses.add_metric(labels, v.get("misses", 0))
-        lookups.add_metric(labels, all_hits + v.get("misses", 0))
-        for tier in ("dram", "nvme", "shared"):
-            if f"{tier}_used_bytes" in v:
-                used.add_metric([*labels, tier], v[f"{tier}_used_bytes"])
-                capacity.add_metric([*labels, tier], v.get(f"{tier}_capacity_bytes", 0))
-        blocks.add_metric([*labels, "dram"], v.get("blocks_dram", 0))
-        blocks.add_metric([*labels, "nvme"], v.get("blocks_nvme", 0))
-        stored.add_metric(labels, v.get("puts", 0) * object_bytes)
-        loaded.add_metric(labels, all_hits * object_bytes)
-        read.add_metric([*labels, "nvme"], v.get("bytes_read_nvme", 0))
-        read.add_metric([*labels, "shared"], v.get("shared_bytes_read", 0))
-        written.add_metric([*labels, "nvme"], v.get("bytes_written_nvme", 0))
-        written.add_metric([*labels, "shared"], v.get("shared_bytes_written", 0))
-        evictions.add_metric([*labels, "dram"], v.get("dram_evictions", 0))
-        evictions.add_metric([*labels, "nvme"], v.get("nvme_region_evictions", 0))
-        evictions.add_metric([*labels, "shared"], v.get("shared_evicted_files", 0))
-        drops.add_metric(labels, v.get("dropped_stores", 0))
-        nvme_drops.add_metric(labels, v.get("nvme_dropped_writes", 0))
-        cancelled.add_metric(labels, v.get("cancelled_writes", 0))
-        checksum.add_metric(labels, v.get("checksum_failures", 0))
-        io_errors.add_metric(labels, v.get("io_errors", 0))
-        queue.add_metric([*labels, "pending_fills"], v.get("service_pending_fills", 0))
-        backlog.add_metric(labels, v.get("nvme_write_backlog_bytes", 0))
-        attached.add_metric(labels, v.get("service_attached_connections", 0))
-        if "shared_index_age_ms" in v:
-            staleness.add_metric(labels, v["shared_index_age_ms"] / 1000)
-            shared_files.add_metric(labels, v.get("shared_files_published", 0))
-            for result, name in (
-                ("deferred", "shared_deferred_publishes"),
-                ("dropped", "shared_dropped_publishes"),
-                ("failed", "shared_publish_errors"),
-            ):
-                shared_publish.add_metric([*labels, result], v.get(name, 0))
-        for op in LATENCY_OPS:
-            count = v.get(f"latency_{op}_count", 0)
-            buckets = [(str(le / 1e6), float(v.get(f"latency_{op}_le_{le}", 0))) for le in LATENCY_BUCKETS_US]
-            buckets.append(("+Inf", float(count)))
-            latency.add_metric([*labels, op], buckets, v.get(f"latency_{op}_sum_us", 0) / 1e6)
-        for engine, counts in ns.get("engines", []):
-            at = [*labels, engine]
-            for tier in ("dram", "nvme", "shared"):
-                engine_lookups.add_metric([*at, tier], counts.get(f"lookup_{tier}", 0))
-            engine_lookups.add_metric([*at, "none"], counts.get("lookup_miss", 0))
-            engine_loads.add_metric([*at, "found"], counts.get("loaded_slices", 0))
-            engine_loads.add_metric([*at, "missed"], counts.get("load_missed_slices", 0))
-            engine_stores.add_metric([*at, "accepted"], counts.get("stored_slices", 0))
-            engine_stores.add_metric([*at, "dropped"], counts.get("dropped_slices", 0))
-        for kind in ("read", "write"):
-            io_sizes.add_metric([*labels, kind], io_request_buckets(v, kind), v.get(f"nvme_{kind}_request_bytes", 0))
-            sequential = v.get(f"nvme_{kind}_sequential", 0)
-            io_order.add_metric([*labels, kind, "sequential"], sequential)
-            io_order.add_metric([*labels, kind, "random"], v.get(f"nvme_{kind}_requests", 0) - sequential)
-    yield from (hits, misses, lookups, used, capacity, blocks, stored, loaded, read, written, evictions)
-    yield from (drops, nvme_drops, cancelled, checksum, io_errors, queue, backlog, attached, staleness, shared_files)
-    yield from (shared_publish, latency)
-    yield from (io_sizes, io_order, engine_lookups, engine_loads, engine_stores)
-    service_connections = GaugeMetricFamily("kvtier_service_connections", "Connections to the service now")
-    service_connections.add_metric([], stats.get("service_connections", 0))
-    service_namespaces = GaugeMetricFamily("kvtier_service_namespaces", "Namespaces the service has open")
-    service_namespaces.add_metric([], stats.get("service_namespaces", 0))
-    up = GaugeMetricFamily("kvtier_up", "1: the service answered this scrape")
-    up.add_metric([], 1)
-    yield from (service_connections, service_namespaces, up)
+        add_namespace(family, ns)
+    yield from family.values()
+    for name, doc, value in (
+        ("kvtier_service_connections", "Connections to the service now", stats.get("service_connections", 0)),
+        ("kvtier_service_namespaces", "Namespaces the service has open", stats.get("service_namespaces", 0)),
+        ("kvtier_up", "1: the service answered this scrape", 1),
+    ):
+        gauge = GaugeMetricFamily(name, doc)
+        gauge.add_metric([], value)
+        yield gauge
 
 
 class ServiceCollector:
