@@ -24,7 +24,6 @@ LONG_FUNCTIONS: dict[tuple[str, str], int] = {
     ("bench/kvtier_store.py", "measure_shared"): 162,
     ("bench/lmcache_cpu_shim.py", "_make_connector_class"): 134,
     ("bench/lmcache_runner.py", "measure"): 122,
-    ("ops/top.py", "frame"): 111,
     ("bench/kvtier_store.py", "measure"): 104,
     ("ops/maintenance.py", "gather"): 99,
     ("service_main.py", "main"): 91,

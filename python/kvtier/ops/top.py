@@ -57,64 +57,85 @@ def frame(
     seconds: float,
 ) -> Any:
     """One screen: rich renderables (a Group)."""
-    from rich import box
     from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
 
     old = {ns["digest"]: dict(ns["values"]) for ns in before}
     rows = []
     sums: dict[str, float] = {}
     for ns in after:
-        v = dict(ns["values"])
-        b = old.get(ns["digest"], {})
-
-        def delta(name: str, v: dict[str, int] = v, b: dict[str, int] = b) -> float:
-            return float(v.get(name, 0) - b.get(name, 0))
-
-        object_bytes = int(ns["object_bytes"])
-        hits = {t: delta(f"{t}_hits") for t in TIERS}
-        lookups = sum(hits.values()) + delta("misses")
-        loaded = sum(hits.values()) * object_bytes / seconds
-        stored = delta("puts") * object_bytes / seconds
-        for key, value in (
-            *((f"hits_{t}", hits[t]) for t in TIERS),
-            ("lookups", lookups),
-            ("loaded", loaded),
-            ("stored", stored),
-            ("nvme_read", delta("bytes_read_nvme") / seconds),
-            ("nvme_written", delta("bytes_written_nvme") / seconds),
-            ("dropped", delta("dropped_stores")),
-            ("nvme_dropped", delta("nvme_dropped_writes")),
-            ("pending_fills", v.get("service_pending_fills", 0)),
-            ("backlog", v.get("nvme_write_backlog_bytes", 0)),
-            ("checksum_failures", v.get("checksum_failures", 0)),
-            *((f"used_{t}", v.get(f"{t}_used_bytes", 0)) for t in TIERS),
-            *((f"capacity_{t}", v.get(f"{t}_capacity_bytes", 0)) for t in TIERS),
-        ):
+        summed, row = _namespace_interval(ns, old.get(ns["digest"], {}), seconds)
+        for key, value in summed:
             sums[key] = sums.get(key, 0) + value
-        rows.append(
-            (
-                loaded + stored,
-                [
-                    str(ns["digest"])[:16],
-                    model_of(bytes(ns["description"]))[:32],
-                    f"{lookups / seconds:.0f}",
-                    _pct(sum(hits.values()), lookups),
-                    _rate(loaded),
-                    _rate(stored),
-                    _ms(_quantile(b, v, "load", 0.5)),
-                    _ms(_quantile(b, v, "load", 0.99)),
-                    str(v.get("service_attached_connections", 0)),
-                ],
-            )
-        )
-    header = Text(
+        rows.append(row)
+    return Group(
+        _header(socket, stats, seconds),
+        _tiers_table(sums, seconds),
+        _flow_table(sums),
+        _namespaces_table(rows),
+        _engines_table(before, after, seconds),
+    )
+
+
+def _namespace_interval(
+    ns: dict[str, Any], was: dict[str, int], seconds: float
+) -> tuple[list[tuple[str, float]], tuple[float, list[str]]]:
+    """One namespace over the interval: what it adds to the sums of all namespaces, and its row of
+    the top namespaces with the bytes per second it moved (the busiest come first)."""
+    v = dict(ns["values"])
+
+    def delta(name: str) -> float:
+        return float(v.get(name, 0) - was.get(name, 0))
+
+    object_bytes = int(ns["object_bytes"])
+    hits = {t: delta(f"{t}_hits") for t in TIERS}
+    lookups = sum(hits.values()) + delta("misses")
+    loaded = sum(hits.values()) * object_bytes / seconds
+    stored = delta("puts") * object_bytes / seconds
+    summed = [
+        *((f"hits_{t}", hits[t]) for t in TIERS),
+        ("lookups", lookups),
+        ("loaded", loaded),
+        ("stored", stored),
+        ("nvme_read", delta("bytes_read_nvme") / seconds),
+        ("nvme_written", delta("bytes_written_nvme") / seconds),
+        ("dropped", delta("dropped_stores")),
+        ("nvme_dropped", delta("nvme_dropped_writes")),
+        ("pending_fills", v.get("service_pending_fills", 0)),
+        ("backlog", v.get("nvme_write_backlog_bytes", 0)),
+        ("checksum_failures", v.get("checksum_failures", 0)),
+        *((f"used_{t}", v.get(f"{t}_used_bytes", 0)) for t in TIERS),
+        *((f"capacity_{t}", v.get(f"{t}_capacity_bytes", 0)) for t in TIERS),
+    ]
+    row = [
+        str(ns["digest"])[:16],
+        model_of(bytes(ns["description"]))[:32],
+        f"{lookups / seconds:.0f}",
+        _pct(sum(hits.values()), lookups),
+        _rate(loaded),
+        _rate(stored),
+        _ms(_quantile(was, v, "load", 0.5)),
+        _ms(_quantile(was, v, "load", 0.99)),
+        str(v.get("service_attached_connections", 0)),
+    ]
+    return summed, (loaded + stored, row)
+
+
+def _header(socket: Path, stats: dict[str, int], seconds: float) -> Any:
+    from rich.text import Text
+
+    return Text(
         f"kvtier top  {socket}  {time.strftime('%H:%M:%S')}  every {seconds:.1f} s  "
         f"connections {stats.get('service_connections', 0)}  namespaces {stats.get('service_namespaces', 0)}"
         "   (q quits)",
         style="bold",
     )
+
+
+def _tiers_table(sums: dict[str, float], seconds: float) -> Any:
+    """Hit rate and hits per second of each tier, with what it holds (all namespaces together)."""
+    from rich import box
+    from rich.table import Table
+
     tiers = Table(title="tiers (last interval)", title_justify="left", box=box.SIMPLE_HEAD)
     for name in ("tier", "hit rate", "hits/s", "used", "capacity"):
         tiers.add_column(name, justify="left" if name == "tier" else "right")
@@ -130,6 +151,14 @@ def frame(
         )
     all_hits = sum(sums.get(f"hits_{t}", 0) for t in TIERS)
     tiers.add_row("all", _pct(all_hits, lookups), f"{all_hits / seconds:.0f}", "", "")
+    return tiers
+
+
+def _flow_table(sums: dict[str, float]) -> Any:
+    """Bytes per second in and out, and what waits or was dropped (all namespaces together)."""
+    from rich import box
+    from rich.table import Table
+
     flow = Table(title="throughput and queues", title_justify="left", box=box.SIMPLE_HEAD)
     for name in (
         "stored (in)",
@@ -152,6 +181,14 @@ def frame(
         f"{sums.get('dropped', 0) + sums.get('nvme_dropped', 0):.0f}",
         f"{sums.get('checksum_failures', 0):.0f}",
     )
+    return flow
+
+
+def _namespaces_table(rows: list[tuple[float, list[str]]]) -> Any:
+    """The ten busiest namespaces (rows of ``_namespace_interval``)."""
+    from rich import box
+    from rich.table import Table
+
     top = Table(title="top namespaces", title_justify="left", box=box.SIMPLE_HEAD)
     for name in ("namespace", "model", "lookups/s", "hit rate", "out", "in", "load p50 ms", "load p99 ms", "conns"):
         top.add_column(name, justify="left" if name in ("namespace", "model") else "right", no_wrap=True)
@@ -159,7 +196,7 @@ def frame(
         top.add_row(*row)
     if not rows:
         top.add_row("(no namespace open: no engine has attached yet)", "", "", "", "", "", "", "", "")
-    return Group(header, tiers, flow, top, _engines_table(before, after, seconds))
+    return top
 
 
 def _engines_table(before: list[dict[str, Any]], after: list[dict[str, Any]], seconds: float) -> Any:
