@@ -204,6 +204,112 @@ class Gathered:
     skipped: list[dict[str, str]]
 
 
+@dataclass
+class _Found:
+    """What ``gather`` finds before it opens anything: the service's namespaces and those on disk."""
+
+    paths: list[Path]
+    socket: Path
+    client: Any  # the service's, or None: no service answers
+    service_namespaces: dict[str, dict[str, Any]]  # digest -> the service's listing of it
+    on_disk: dict[str, list[store_files.NamespaceDir]]
+
+    def digests(self) -> list[str]:
+        return sorted(set(self.on_disk) | set(self.service_namespaces))
+
+
+def _listing_of_service(socket: Path) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """A client of the service on ``socket`` and its namespaces by digest; (None, {}) when none answers."""
+    from kvtier.service import connect
+
+    client = None
+    if socket.exists():
+        try:
+            client = connect(socket, timeout_ms=600_000)
+            listing = client.namespaces()
+        except Exception as error:
+            if client is not None and "protocol version 1" in str(error):
+                raise OpsError(str(error)) from None
+            client = None
+        else:
+            return client, {ns["digest"]: ns for ns in listing["namespaces"]}
+    return client, {}
+
+
+def _namespaces_on_disk(paths: list[Path]) -> dict[str, list[store_files.NamespaceDir]]:
+    """The namespace directories under ``paths`` by digest (one per path a store is striped over)."""
+    holders = store_files.flock_holders()
+    on_disk: dict[str, list[store_files.NamespaceDir]] = {}
+    for path in paths:
+        try:
+            for ns in store_files.scan(path, holders):
+                on_disk.setdefault(ns.digest, []).append(ns)
+        except OSError as error:
+            raise OpsError(f"cannot list {path}: {error.strerror} (run as the store's owner)") from None
+    return on_disk
+
+
+def _find(paths: Sequence[Path], socket_option: str | os.PathLike | None) -> _Found:
+    resolved = _check_paths(paths)
+    socket = resolve_socket(resolved, socket_option)
+    client, service_namespaces = _listing_of_service(socket)
+    on_disk = _namespaces_on_disk(resolved)
+    if client is None and not on_disk:
+        where = ", ".join(str(p) for p in resolved)
+        raise OpsError(
+            f"{where}: not a kvtier store (no namespace directory) and no service answers on {socket}: give the "
+            "directory the engines use as `path`, or --socket of the service that serves it"
+        )
+    return _Found(resolved, socket, client, service_namespaces, on_disk)
+
+
+def _service_target(found: _Found, digest: str, namespace: str | None) -> Target | None:
+    """The namespace the service has open; None when ``namespace`` names another."""
+    info = found.service_namespaces[digest]
+    description = bytes(info["description"])
+    if namespace is not None and not _matches(namespace, digest, description):
+        return None
+    return Target(
+        digest,
+        "service",
+        description,
+        found.on_disk.get(digest, []),
+        client=found.client,
+        values=dict(info["values"]),
+        object_bytes=int(info["object_bytes"]),
+    )
+
+
+def _disk_target(
+    found: _Found,
+    digest: str,
+    namespace: str | None,
+    open_disk: bool,
+    shared: Mapping[str, str] | None,
+    skipped: list[dict[str, str]],
+) -> Target | None:
+    """The namespace from its files, its store opened when ``open_disk``; None when ``namespace``
+    names another, or when it cannot be opened (then ``skipped`` gets the reason)."""
+    dirs = found.on_disk[digest]
+    description_file = dirs[0].directory / DESCRIPTION_FILE_NAME
+    description = description_file.read_bytes() if description_file.exists() else None
+    if namespace is not None and not _matches(namespace, digest, description):
+        return None
+    if not open_disk:
+        return Target(digest, "disk", description, dirs)
+    if dirs[0].superblock is None and dirs[0].device_file_bytes is None:
+        skipped.append({"digest": digest, "reason": "DRAM-only store (no device file): nothing on disk"})
+        return None
+    try:
+        store = _open_from_disk(found.paths, digest, dirs, shared)
+    except OpsError as error:
+        skipped.append({"digest": digest, "reason": str(error)})
+        return None
+    target = Target(digest, "disk", description, dirs, store=store, object_bytes=store.object_bytes)
+    target.shared_open = bool(shared)
+    return target
+
+
 @contextmanager
 def gather(
     paths: Sequence[Path],
@@ -215,89 +321,31 @@ def gather(
     """The namespaces under ``paths`` (only ``namespace`` when given: a digest prefix or a model
     name), each from the service if it has it open, else from disk (with the shared tier that
     ``shared`` names, if any). Stores opened here are closed on exit."""
-    from kvtier.service import connect, service_pid
+    from kvtier.service import service_pid
 
-    resolved = _check_paths(paths)
-    socket = resolve_socket(resolved, socket_option)
-    client = None
-    service_namespaces: dict[str, dict[str, Any]] = {}
-    if socket.exists():
-        try:
-            client = connect(socket, timeout_ms=600_000)
-            listing = client.namespaces()
-        except Exception as error:
-            if client is not None and "protocol version 1" in str(error):
-                raise OpsError(str(error)) from None
-            client = None
-        else:
-            service_namespaces = {ns["digest"]: ns for ns in listing["namespaces"]}
-    holders = store_files.flock_holders()
-    on_disk: dict[str, list[store_files.NamespaceDir]] = {}
-    for path in resolved:
-        try:
-            for ns in store_files.scan(path, holders):
-                on_disk.setdefault(ns.digest, []).append(ns)
-        except OSError as error:
-            raise OpsError(f"cannot list {path}: {error.strerror} (run as the store's owner)") from None
-    if client is None and not on_disk:
-        where = ", ".join(str(p) for p in resolved)
-        raise OpsError(
-            f"{where}: not a kvtier store (no namespace directory) and no service answers on {socket}: give the "
-            "directory the engines use as `path`, or --socket of the service that serves it"
-        )
+    found = _find(paths, socket_option)
     targets: list[Target] = []
     skipped: list[dict[str, str]] = []
     try:
-        for digest in sorted(set(on_disk) | set(service_namespaces)):
-            dirs = on_disk.get(digest, [])
-            description: bytes | None
-            if digest in service_namespaces:
-                info = service_namespaces[digest]
-                description = bytes(info["description"])
-                if namespace is not None and not _matches(namespace, digest, description):
-                    continue
-                targets.append(
-                    Target(
-                        digest,
-                        "service",
-                        description,
-                        dirs,
-                        client=client,
-                        values=dict(info["values"]),
-                        object_bytes=int(info["object_bytes"]),
-                    )
-                )
-                continue
-            description_file = dirs[0].directory / DESCRIPTION_FILE_NAME
-            description = description_file.read_bytes() if description_file.exists() else None
-            if namespace is not None and not _matches(namespace, digest, description):
-                continue
-            if not open_disk:
-                targets.append(Target(digest, "disk", description, dirs))
-                continue
-            if dirs[0].superblock is None and dirs[0].device_file_bytes is None:
-                skipped.append({"digest": digest, "reason": "DRAM-only store (no device file): nothing on disk"})
-                continue
-            try:
-                store = _open_from_disk(resolved, digest, dirs, shared)
-            except OpsError as error:
-                skipped.append({"digest": digest, "reason": str(error)})
-                continue
-            target = Target(digest, "disk", description, dirs, store=store, object_bytes=store.object_bytes)
-            target.shared_open = bool(shared)
-            targets.append(target)
+        for digest in found.digests():
+            if digest in found.service_namespaces:
+                target = _service_target(found, digest, namespace)
+            else:
+                target = _disk_target(found, digest, namespace, open_disk, shared, skipped)
+            if target is not None:
+                targets.append(target)
         if namespace is not None and not targets:
-            known = ", ".join(f"{d[:16]}" for d in sorted(set(on_disk) | set(service_namespaces))) or "none"
+            known = ", ".join(f"{d[:16]}" for d in found.digests()) or "none"
             reasons = "; ".join(s["reason"] for s in skipped)
             raise OpsError(
                 f"no namespace matches {namespace!r} (give a digest prefix of 4+ hex digits or a model name; "
                 f"namespaces here: {known}){': ' + reasons if reasons else ''}"
             )
         yield Gathered(
-            paths=resolved,
-            socket=socket,
-            service_running=client is not None,
-            service_pid=service_pid(socket) if client is not None else None,
+            paths=found.paths,
+            socket=found.socket,
+            service_running=found.client is not None,
+            service_pid=service_pid(found.socket) if found.client is not None else None,
             targets=targets,
             skipped=skipped,
         )
