@@ -25,7 +25,6 @@ LONG_FUNCTIONS: dict[tuple[str, str], int] = {
     ("bench/lmcache_cpu_shim.py", "_make_connector_class"): 134,
     ("bench/lmcache_runner.py", "measure"): 122,
     ("bench/kvtier_store.py", "measure"): 104,
-    ("service_main.py", "main"): 91,
     ("bench/kvtier_store.py", "measure_shared_lookup"): 87,
     ("bench/blocks.py", "main"): 83,
     ("bench/ttft/plan.py", "make_plan"): 79,

@@ -36,8 +36,7 @@ def _parse_option(text: str) -> tuple[str, Any]:
         return name, raw
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    widen_affinity()
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvtier serve",
         description="Run the kvtier host service for a store path until SIGTERM or SIGINT.",
@@ -78,6 +77,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (kvtier_* names, docs/cli.md)",
     )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    widen_affinity()
+    parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.idle_timeout_s < 0 or (args.exit_when_idle and args.idle_timeout_s == 0):
         parser.error("--idle-timeout-s takes seconds > 0 with --exit-when-idle, >= 0 without")
@@ -100,6 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:
         print(f"kvtier serve: {error}", file=sys.stderr)
         return 1
+    return _serve(service, socket, args)
+
+
+def _serve(service: Service, socket: Path, args: argparse.Namespace) -> int:
+    """Serves with the exporter of --metrics-port until SIGTERM or SIGINT (or, with --exit-when-idle,
+    until idle), then stops the service and removes its pid file. The exit status."""
     exporter = None
     if args.metrics_port is not None:
         try:
