@@ -127,6 +127,15 @@ def test_store_options_per_row():
     assert len(set(private)) == 2
 
 
+def test_two_servers_bind_to_their_own_share_of_the_cores(monkeypatch):
+    monkeypatch.setattr(serve.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 5})
+    assert [serve.core_share(n, 2) for n in (0, 1)] == ["0,1", "2,3"]
+    monkeypatch.setattr(serve.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert [serve.core_share(n, 2) for n in (0, 1)] == ["0", "1"]
+    monkeypatch.setattr(serve.os, "sched_getaffinity", lambda pid: {3})
+    assert serve.core_share(0, 2) is None and serve.core_share(0, 1) is None
+
+
 def test_bench_command():
     plan = plan_of("--small")
     command = serve.bench_command(plan, "http://h:1", "tiny", Path("/m"), 4, 7, Path("/r"), "x.json")
@@ -333,13 +342,17 @@ def test_bench_serve_small_end_to_end(tmp_path):
     except Exception as import_error:  # pragma: no cover - depends on the environment
         pytest.skip(f"vllm is not importable ({import_error!r})")
     out = tmp_path / "serve"
-    command = [sys.executable, "-m", "kvtier", "bench", "serve", "--small", "--rows", "vllm,kvtier-dram"]
+    # vLLM alone first and last (the drift-cancelling order docs/benchmarks.md measures the 4-user point in)
+    command = [sys.executable, "-m", "kvtier", "bench", "serve", "--small", "--rows", "vllm,kvtier-dram,vllm"]
     completed = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=3600)
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
     document = json.loads((out / "results.json").read_text())
     assert not document["problems"]
-    rows = {record["row"]: record for record in document["rows"]}
-    assert set(rows) == {"vllm", "kvtier-dram"}
+    assert [(r["row"], r["occurrence"]) for r in document["rows"]] == [("vllm", 1), ("kvtier-dram", 1), ("vllm", 2)]
+    again = document["rows"][2]
+    assert again["points"] and Path(again["servers"][0]["log"]).parent == out / "vllm-2" / "logs"
+    assert "vLLM alone (run 2)" in (out / "table.md").read_text()
+    rows = {record["row"]: record for record in document["rows"][:2]}
     users = document["settings"]["users"]
     for record in rows.values():
         assert [point["users"] for point in record["points"]] == users

@@ -785,6 +785,18 @@ def run_point(
     return point
 
 
+def core_share(number: int, count: int) -> str | None:
+    """The cores server ``number`` of ``count`` on this host binds its OpenMP threads to
+    (``VLLM_CPU_OMP_THREADS_BIND``): an even, contiguous share of this process's cores. vLLM's
+    automatic binding gives every engine the same cores, and two CPU engines whose OpenMP threads
+    spin on the same cores slow each other far below half speed. None: fewer cores than servers."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // count
+    if count < 2 or share < 1:
+        return None
+    return ",".join(str(core) for core in cores[number * share : (number + 1) * share])
+
+
 def start_server(
     plan: dict[str, Any], row: str, number: int, out_dir: Path, stores: list[Path], extra: list[str]
 ) -> tuple[Any, Path, Path | None]:
@@ -793,6 +805,9 @@ def start_server(
     from kvtier.vllm import kv_transfer_config
 
     env = {**SERVER_ENV, "VLLM_CPU_KVCACHE_SPACE": str(plan["vllm_kv_gib"])}
+    cores = core_share(number, 2) if row in TWO_SERVER_ROWS else None
+    if cores:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cores
     transfer: dict[str, Any] | None = None
     vllm: list[str] | None = None  # None: this environment's vllm command
     counters_path: Path | None = None
@@ -949,6 +964,11 @@ TABLE_HEADER = [
 ]  # fmt: skip
 
 
+def row_label(record: dict[str, Any]) -> str:
+    occurrence = record.get("occurrence", 1)
+    return record["label"] if occurrence == 1 else f"{record['label']} (run {occurrence})"
+
+
 def table_rows(document: dict[str, Any]) -> list[list[str]]:
     rows = []
     for record in document["rows"]:
@@ -957,7 +977,7 @@ def table_rows(document: dict[str, Any]) -> list[list[str]]:
             ttft = point["ttft_ms"]
             rows.append(
                 [
-                    record["label"],
+                    row_label(record),
                     str(point["users"]),
                     f"{point['completed']}" + (f" ({point['failed']} failed)" if point.get("failed") else ""),
                     _number(point["request_throughput"]),
@@ -970,7 +990,7 @@ def table_rows(document: dict[str, Any]) -> list[list[str]]:
             )
         if not record["points"]:
             why = record.get("skipped") or "not measured"
-            rows.append([record["label"], "-", why, *["-"] * (len(TABLE_HEADER) - 3)])
+            rows.append([row_label(record), "-", why, *["-"] * (len(TABLE_HEADER) - 3)])
     return rows
 
 
@@ -989,10 +1009,10 @@ def write_plot(document: dict[str, Any], path: Path) -> str | None:
         if not points:
             continue
         users = [p["users"] for p in points]
-        throughput_axis.plot(users, [p["request_throughput"] for p in points], marker="o", label=record["label"])
-        ttft_axis.plot(users, [p["ttft_ms"]["p99"] for p in points], marker="o", label=record["label"])
+        throughput_axis.plot(users, [p["request_throughput"] for p in points], marker="o", label=row_label(record))
+        ttft_axis.plot(users, [p["ttft_ms"]["p99"] for p in points], marker="o", label=row_label(record))
         tpot = [(p.get("tpot_ms") or {}).get("p99") for p in points]
-        tpot_axis.plot(users, [math.nan if t is None else t for t in tpot], marker="o", label=record["label"])
+        tpot_axis.plot(users, [math.nan if t is None else t for t in tpot], marker="o", label=row_label(record))
     axes = (
         (throughput_axis, "requests / s"),
         (ttft_axis, "TTFT p99 (ms)"),
@@ -1068,8 +1088,15 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     results_path = out_dir / "results.json"
+    occurrences: dict[str, int] = {}
     for row in plan["rows"]:
-        record = run_row(plan, row, out_dir, args.point_timeout_s, started)
+        # A row given twice (vLLM alone first and last: drift over the run favors no row) runs again
+        # in a directory of its own; serve-summary pools its points with the first run's.
+        occurrence = occurrences[row] = occurrences.get(row, 0) + 1
+        row_dir = out_dir if occurrence == 1 else out_dir / f"{row}-{occurrence}"
+        row_dir.mkdir(parents=True, exist_ok=True)
+        record = run_row(plan, row, row_dir, args.point_timeout_s, started)
+        record["occurrence"] = occurrence
         document["rows"].append(record)
         results_path.write_text(json.dumps(document, indent=2) + "\n")  # after each row: a partial run keeps its rows
     table = markdown_table(TABLE_HEADER, table_rows(document))
