@@ -105,3 +105,35 @@ def test_runs_with_kv_events_are_rows_of_their_own(tmp_path):
     assert points["kvtier-nvme"]["4"]["req_s"]["median"] == 1.0
     assert points["kvtier-nvme+events"]["4"]["req_s"]["median"] == 0.9
     assert "| kvtier-nvme, KV events | 4 | 0.90 |" in (out / "summary.md").read_text()
+
+
+def test_vllm_alone_twice_in_a_run_is_pooled_and_gives_the_noise_reference(tmp_path):
+    document = {
+        "settings": {**SETTINGS, "concurrency": 4},
+        "rows": [
+            {"row": "vllm", "label": "vLLM alone", "points": [point(4, 1.0, 5000)], "problems": [], "occurrence": 1},
+            {"row": "kvtier-dram", "label": "kvtier DRAM", "points": [point(4, 1.2, 4700)], "problems": []},
+            {"row": "vllm", "label": "vLLM alone", "points": [point(4, 1.1, 4500)], "problems": [], "occurrence": 2},
+        ],
+    }
+    directory = tmp_path / "sandwich"
+    directory.mkdir()
+    (directory / "results.json").write_text(json.dumps(document))
+    out = tmp_path / "summary"
+    assert serve_summary.main([str(directory), "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["points"]["4"]["vllm"]["4"]["ttft_p99_ms"]["median"] == 4750  # both vLLM-alone rows pooled
+    assert summary["baseline_self"]["4"]["4"]["p99"]["median"] == 0.9  # the last over the first
+    assert "vLLM alone against itself" in (out / "summary.md").read_text()
+    single = run(tmp_path, "single", 4, {"vllm": [(4, 1.0, 5000)], "kvtier-dram": [(4, 1.2, 4700)]})
+    assert serve_summary.baseline_self_ratios(serve_summary.load_runs([single])) == {}
+
+
+def test_a_path_that_is_not_a_run_is_a_clear_error(tmp_path, capsys):
+    log = tmp_path / "run.log"
+    log.write_text("kvtier bench serve (closed): kv8b\n")
+    other = tmp_path / "other.json"
+    other.write_text("[1, 2]")
+    for path in (log, other, tmp_path / "missing"):
+        assert serve_summary.main([str(path), "--out", str(tmp_path / "summary")]) == 2
+        assert "not the results" in capsys.readouterr().err

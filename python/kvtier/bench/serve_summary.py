@@ -25,6 +25,12 @@ from pathlib import Path
 from typing import Any
 
 NO_COLLAPSE_RATIO = 0.9
+
+
+class SummaryError(ValueError):
+    """An input that is not a `kvtier bench serve` run."""
+
+
 BASELINE_ROW = "vllm"
 
 
@@ -32,7 +38,15 @@ def load_runs(paths: list[Path]) -> list[dict[str, Any]]:
     runs = []
     for path in paths:
         results = path / "results.json" if path.is_dir() else path
-        document = json.loads(results.read_text())
+        try:
+            document = json.loads(results.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise SummaryError(
+                f"{results} is not the results.json of a `kvtier bench serve` run ({error}); "
+                "give its output directory (--out) or its results.json"
+            ) from error
+        if not isinstance(document, dict) or "rows" not in document or "settings" not in document:
+            raise SummaryError(f"{results} is JSON but not the results of a `kvtier bench serve` run")
         document["source"] = str(results)
         runs.append(document)
     return runs
@@ -98,6 +112,28 @@ def group_points(runs: list[dict[str, Any]]) -> dict[int | str, dict[str, dict[i
         }
         for concurrency, rows in grouped.items()
     }  # fmt: skip
+
+
+def baseline_self_ratios(runs: list[dict[str, Any]]) -> dict[int | str, dict[int, dict[str, list[float]]]]:
+    """load -> users -> the TTFT p99 and throughput of a run's last vLLM-alone row over its first, for
+    runs that give that row twice (``--rows vllm,...,vllm``): the same server and load measured twice,
+    this machine's noise and drift, against which a kvtier row's ratio to vLLM alone is read."""
+    ratios: dict[int | str, dict[int, dict[str, list[float]]]] = {}
+    for run in runs:
+        baseline = [r for r in run["rows"] if r["row"] == BASELINE_ROW and not run["settings"].get("kv_events")]
+        if len(baseline) < 2:
+            continue
+        first = {p["users"]: p for p in baseline[0]["points"] if p.get("request_throughput")}
+        for point in baseline[-1]["points"]:
+            earlier = first.get(point["users"])
+            if earlier is None or not point.get("request_throughput"):
+                continue
+            values = ratios.setdefault(load_key(run["settings"]), {}).setdefault(
+                point["users"], {"p99": [], "req_s": []}
+            )
+            values["p99"].append(point["ttft_ms"]["p99"] / earlier["ttft_ms"]["p99"])
+            values["req_s"].append(point["request_throughput"] / earlier["request_throughput"])
+    return ratios
 
 
 def capacity_users(run: dict[str, Any], row: str) -> int | None:
@@ -168,7 +204,19 @@ def markdown(summary: dict[str, Any]) -> str:
                     f"| {_ratio(verdict, 'throughput_vs_vllm')} | {_ratio(verdict, 'p99_vs_vllm')} "
                     f"| {_ratio(verdict, 'vs_first_users')} | {met} |"
                 )
+        lines += _baseline_self_lines(summary["baseline_self"].get(concurrency, {}))
     return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _baseline_self_lines(by_users: dict[int, dict[str, dict[str, float]]]) -> list[str]:
+    """The noise reference under a load's table: vLLM alone against itself in the same runs."""
+    if not by_users:
+        return []
+    parts = [
+        f"{users} users: TTFT p99 {_cell(values['p99'], 3)}x, req/s {_cell(values['req_s'], 3)}x"
+        for users, values in sorted(by_users.items())
+    ]
+    return [f"\nvLLM alone against itself (a run's last vLLM-alone row over its first): {'; '.join(parts)}."]
 
 
 def write_plot(summary: dict[str, Any], path: Path) -> str | None:
@@ -225,6 +273,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "runs_per_concurrency": runs_per_concurrency,
         "points": points,
         "verdicts": {concurrency: check_targets(by_row, capacities) for concurrency, by_row in points.items()},
+        "baseline_self": {
+            concurrency: {users: {name: spread(v) for name, v in values.items()} for users, values in by_users.items()}
+            for concurrency, by_users in baseline_self_ratios(runs).items()
+        },
     }
 
 
@@ -237,7 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", type=Path, help="output directories (or results.json) of bench serve")
     parser.add_argument("--out", type=Path, required=True, help="where summary.md, .json and .png go")
     args = parser.parse_args(argv)
-    summary = summarize(load_runs(args.runs))
+    try:
+        runs = load_runs(args.runs)
+    except SummaryError as error:
+        print(f"kvtier bench serve-summary: {error}", file=sys.stderr)
+        return 2
+    summary = summarize(runs)
     args.out.mkdir(parents=True, exist_ok=True)
     table = markdown(summary)
     (args.out / "summary.md").write_text(table)
