@@ -21,6 +21,7 @@ default at a block size already swept reuses that run), reported as its own tabl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -221,7 +222,7 @@ def plot(rows: list[dict[str, Any]], length: int, path: Path) -> bool:
     return True
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier bench blocks", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--block-tokens", default=None, help=f"block sizes (default {DEFAULT_BLOCKS}; --small: {SMALL_BLOCKS})"
@@ -246,9 +247,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--file-bytes-block", type=int, default=None, help="block size of the --shared-file-bytes sweep (default 256)"
     )
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    if args.repeats is None:
-        args.repeats = 1 if args.small else 2
+    return parser
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """The block sizes at one prompt length, and the shared_file_bytes sweep (``file_sizes``, maybe none)
+    at one block size."""
+
+    blocks: list[int]
+    length: int
+    file_sizes: list[int]
+    file_block: int
+
+    def runs(self) -> list[tuple[int, int | None]]:
+        """(block, shared_file_bytes or None: the default), in order; a file size equal to the default
+        at a block size of the sweep is that run."""
+        runs: list[tuple[int, int | None]] = [(block, None) for block in self.blocks]
+        runs += [
+            (self.file_block, size)
+            for size in self.file_sizes
+            if not (size == DEFAULT_SHARED_FILE_BYTES and self.file_block in self.blocks)
+        ]
+        return runs
+
+
+def parse_sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Sweep:
+    """The sweep of the command line; a usage error (exit 2) when it does not fit together."""
     try:
         blocks = parse_blocks(args.block_tokens or (SMALL_BLOCKS if args.small else DEFAULT_BLOCKS))
         length = ttft.parse_tokens(args.length or ("1k" if args.small else "8k"))
@@ -260,17 +285,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         file_block = parse_blocks(str(args.file_bytes_block or 256))[0]
         if any(length % block for block in [*blocks, *([file_block] if file_sizes else [])]):
             raise ttft.BenchError(f"--length {length} must be a multiple of every block size {blocks}")
+        return Sweep(blocks, length, file_sizes, file_block)
     except ttft.BenchError as error:
         parser.error(str(error))
-    out_dir = Path(args.out or f"bench-results/blocks-{time.strftime('%Y%m%d-%H%M%S')}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    # (block, shared_file_bytes or None: the default), in order; a file size equal to the default at a
-    # block size of the sweep is that run.
-    runs: list[tuple[int, int | None]] = [(block, None) for block in blocks]
-    runs += [
-        (file_block, size) for size in file_sizes if not (size == DEFAULT_SHARED_FILE_BYTES and file_block in blocks)
-    ]
+
+
+def run_sweep(
+    args: argparse.Namespace, sweep: Sweep, out_dir: Path
+) -> dict[tuple[int, int | None], dict[str, Any]] | None:
+    """One ``kvtier bench ttft`` per run of the sweep, with a progress line each: the rows by (block,
+    shared_file_bytes or None); None when a run failed (said on stderr)."""
+    runs = sweep.runs()
     by_run: dict[tuple[int, int | None], dict[str, Any]] = {}
     durations: list[float] = []
     for i, (block, size) in enumerate(runs):
@@ -279,14 +304,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PREFIX}{name} ({i + 1} of {len(runs)}{left}): kvtier bench ttft", flush=True)
         began = time.time()
         try:
-            result = run_one(args, block, length, out_dir / name, size)
+            result = run_one(args, block, sweep.length, out_dir / name, size)
         except ttft.BenchError as error:
             print(f"kvtier bench blocks: {error}", file=sys.stderr)
-            return 1
+            return None
         durations.append(time.time() - began)
-        by_run[(block, size)] = row_of(block, length, result)
-    rows = [by_run[(block, None)] for block in blocks]
-    file_rows = [by_run.get((file_block, size)) or by_run[(file_block, None)] for size in file_sizes]
+        by_run[(block, size)] = row_of(block, sweep.length, result)
+    return by_run
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.repeats is None:
+        args.repeats = 1 if args.small else 2
+    sweep = parse_sweep(parser, args)
+    length, file_block = sweep.length, sweep.file_block
+    out_dir = Path(args.out or f"bench-results/blocks-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    by_run = run_sweep(args, sweep, out_dir)
+    if by_run is None:
+        return 1
+    rows = [by_run[(block, None)] for block in sweep.blocks]
+    file_rows = [by_run.get((file_block, size)) or by_run[(file_block, None)] for size in sweep.file_sizes]
     markdown = report(rows, length, file_rows, file_block)
     print(markdown)
     plots = ["ttft_vs_block.png"] if plot(rows, length, out_dir / "ttft_vs_block.png") else []
@@ -296,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "duration_s": time.time() - started,
         "length_tokens": length,
         "rows": rows,
-        "file_bytes_block": file_block if file_sizes else None,
+        "file_bytes_block": file_block if sweep.file_sizes else None,
         "file_rows": file_rows,
         "plots": plots,
     }
