@@ -1043,6 +1043,21 @@ def write_plot(document: dict[str, Any], path: Path) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
+def run_rows(plan: dict[str, Any], document: dict[str, Any], out_dir: Path, timeout_s: int, started: float) -> None:
+    """Runs the rows in order into ``document``, writing results.json after each (a partial run keeps
+    its rows). A row given twice (vLLM alone first and last: drift over the run favors no row) runs
+    again in a directory of its own; serve-summary pools its points with the first run's."""
+    occurrences: dict[str, int] = {}
+    for row in plan["rows"]:
+        occurrence = occurrences[row] = occurrences.get(row, 0) + 1
+        row_dir = out_dir if occurrence == 1 else out_dir / f"{row}-{occurrence}"
+        row_dir.mkdir(parents=True, exist_ok=True)
+        record = run_row(plan, row, row_dir, timeout_s, started)
+        record["occurrence"] = occurrence
+        document["rows"].append(record)
+        (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.run_proxy:
@@ -1088,17 +1103,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     results_path = out_dir / "results.json"
-    occurrences: dict[str, int] = {}
-    for row in plan["rows"]:
-        # A row given twice (vLLM alone first and last: drift over the run favors no row) runs again
-        # in a directory of its own; serve-summary pools its points with the first run's.
-        occurrence = occurrences[row] = occurrences.get(row, 0) + 1
-        row_dir = out_dir if occurrence == 1 else out_dir / f"{row}-{occurrence}"
-        row_dir.mkdir(parents=True, exist_ok=True)
-        record = run_row(plan, row, row_dir, args.point_timeout_s, started)
-        record["occurrence"] = occurrence
-        document["rows"].append(record)
-        results_path.write_text(json.dumps(document, indent=2) + "\n")  # after each row: a partial run keeps its rows
+    run_rows(plan, document, out_dir, args.point_timeout_s, started)
     table = markdown_table(TABLE_HEADER, table_rows(document))
     (out_dir / "table.md").write_text(table + "\n")
     print(table)
