@@ -10,8 +10,9 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvtier.bench import bucket
 from kvtier.bench.ttft.engine_phase import lmcache_config, run_phase, shared_store_dir
@@ -40,7 +41,35 @@ def progress_line(message: str) -> None:
     print(message, flush=True)
 
 
+class Phase(NamedTuple):
+    """One engine phase of the run: ``name`` says what runs (launch_phase's phase), ``run_name`` names
+    its log and its measurements, ``item`` is the phase's point (None for a phase that runs them all)."""
+
+    name: str
+    run_name: str
+    item: Any
+
+
+@dataclass
+class PhaseResults:
+    """What the phases gave: the timed runs, each phase's other records by kind, and the exit code so far."""
+
+    measurements: list[dict] = field(default_factory=list)
+    phase_info: dict[str, Any] = field(default_factory=dict)
+    exit_code: int = 0
+
+    def add(self, run_name: str, records: list[dict]) -> None:
+        for record in records:
+            kind = record.pop("kind")
+            if kind == "measure":
+                self.measurements.append({"phase": run_name, **record})
+            else:
+                self.phase_info.setdefault(run_name, {})[kind] = record
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`kvtier bench ttft`: 0, 1 when a phase failed or a remote-tier row cannot be trusted, 2 when the
+    options or the free disk space do not allow the run."""
     args = build_parser().parse_args(argv)
     if args.run_phase:
         return run_phase(args.run_phase)
@@ -64,6 +93,22 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = []
     if os.geteuid() != 0:
         notes.append("not root: the page cache could not be dropped; disk hits may be served from the page cache")
+    if not disk_space_suffices(plan, store_root):
+        return 2
+    print_intro(plan, store_root, out_dir)
+    phases = phase_list(plan, store_root, out_dir, notes)
+    started = time.time()
+    try:
+        results = run_phases(plan, phases, args.phase_timeout_s, started, notes)
+    finally:
+        remove_stores(plan, store_root, temporary_store)
+    if not results.measurements:
+        return results.exit_code or 1
+    return write_outputs(plan, results, notes, out_dir, argv, started)
+
+
+def disk_space_needed_bytes(plan: dict) -> int:
+    """Bytes the run's stores take at most on the store's disk, all rows together."""
     needed_bytes = plan["nvme_bytes"] + (
         sum(plan["lengths"]) * plan["kv_bytes_per_token"] if plan["example_connector"] else 0
     )
@@ -73,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     # kvtier_shared: node A's local store, and one node B store at a time (removed after its phase).
     needed_bytes += 2 * plan["nvme_bytes"] if plan["shared"] else 0
     needed_bytes += 2 * plan["nvme_bytes"] if plan["object"] else 0  # the same for kvtier_object
+    return needed_bytes
+
+
+def disk_space_suffices(plan: dict, store_root: Path) -> bool:
+    """Whether the stores fit on ``store_root``'s disk (with a tenth to spare); says so on stderr if not."""
+    needed_bytes = disk_space_needed_bytes(plan)
     free_bytes = shutil.disk_usage(store_root).free
     if needed_bytes > free_bytes * 0.9:
         print(
@@ -80,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{free_bytes / 2**30:.1f} GiB are free; use fewer --lengths/--repeats or another --store-dir",
             file=sys.stderr,
         )
-        return 2
+        return False
+    return True
+
+
+def print_intro(plan: dict, store_root: Path, out_dir: Path) -> None:
     print(
         f"kvtier bench ttft: preset {plan['preset']} ({plan['kv_bytes_per_token'] >> 10} KiB KV per token), "
         f"lengths {plan['lengths']}, hit rates {plan['hit_rates']} at {plan['hit_rate_length']} tokens, "
@@ -88,113 +143,146 @@ def main(argv: list[str] | None = None) -> int:
         f"NVMe {plan['nvme_bytes'] / 2**30:.1f} GiB), vLLM KV cache {plan['kvcache_space_gib']} GiB\nresults {out_dir}",
         flush=True,
     )
-    phases: list[tuple[str, str, Any]] = []
+
+
+def phase_list(plan: dict, store_root: Path, out_dir: Path, notes: list[str]) -> list[Phase]:
+    """Every phase of the run, in order; the LMCache phase's directory and config file are made here."""
+    phases: list[Phase] = []
+    lengths, hit_rates = plan["lengths"], plan["hit_rates"]
     for repeat in range(plan["repeats"]):
-        phases.append(("baseline", f"baseline-r{repeat}", repeat))
-        phases += [("kvtier_store", f"kvtier_store-{n}-r{repeat}", ["length", n, repeat]) for n in plan["lengths"]]
-        phases += [("kvtier_store", f"kvtier_store-hit{h}-r{repeat}", ["rate", h, repeat]) for h in plan["hit_rates"]]
-    phases.append(("kvtier_nvme", "kvtier_nvme", None))
+        phases.append(Phase("baseline", f"baseline-r{repeat}", repeat))
+        phases += [Phase("kvtier_store", f"kvtier_store-{n}-r{repeat}", ["length", n, repeat]) for n in lengths]
+        phases += [Phase("kvtier_store", f"kvtier_store-hit{h}-r{repeat}", ["rate", h, repeat]) for h in hit_rates]
+    phases.append(Phase("kvtier_nvme", "kvtier_nvme", None))
     if plan["shared"]:
-        phases.append(("kvtier_shared_store", "kvtier_shared_store", None))
-        phases += [
-            ("kvtier_shared_load", f"kvtier_shared_load-{n}-r{r}", [n, r])
-            for r in range(plan["repeats"])
-            for n in plan["lengths"]
-        ]
+        phases += remote_row_phases(plan, "kvtier_shared")
         notes.append(
             f"kvtier_shared: node A published through {plan['shared']['store_root']}, node B read through "
             f"{plan['shared']['load_root']}"
             + (f", shared_file_bytes {plan['shared']['file_bytes']}" if plan["shared"]["file_bytes"] else "")
         )
     if plan["object"]:
-        phases.append(("kvtier_object_store", "kvtier_object_store", None))
-        phases += [
-            ("kvtier_object_load", f"kvtier_object_load-{n}-r{r}", [n, r])
-            for r in range(plan["repeats"])
-            for n in plan["lengths"]
-        ]
+        phases += remote_row_phases(plan, "kvtier_object")
     if plan["example_connector"]:
-        phases.append(("example_connector", "example_connector", None))
+        phases.append(Phase("example_connector", "example_connector", None))
     else:
         notes.append("ExampleConnector skipped (--skip-example-connector)")
     if plan["lmcache_available"]:
-        plan["lmcache_dir"] = str(store_root / "lmcache-disk")
-        plan["lmcache_config_file"] = str((out_dir / "lmcache-config.yaml").absolute())
-        Path(plan["lmcache_dir"]).mkdir(parents=True, exist_ok=True)
-        # JSON is YAML: LMCache reads this file with yaml.safe_load.
-        Path(plan["lmcache_config_file"]).write_text(json.dumps(lmcache_config(plan), indent=2) + "\n")
-        phases.append(("lmcache_disk", "lmcache_disk", None))
-        notes.append(
-            f"LMCache: LMCacheConnectorV1 with its local disk backend through kvtier's CPU copy shim "
-            f"({plan['lmcache_python']}; chunks of {plan['lmcache_chunk_tokens']} tokens, CPU cache off, "
-            f"config {plan['lmcache_config_file']})"
-        )
-        skipped = [length for length in plan["lengths"] if length not in plan["lmcache_lengths"]]
-        if skipped:
-            notes.append(
-                f"LMCache: lengths {skipped} are not whole {plan['lmcache_chunk_tokens']}-token chunks: not measured"
-            )
+        phases.append(lmcache_phase(plan, store_root, out_dir, notes))
     else:
         notes.append(plan["lmcache_not_measured"])
-    started = time.time()
-    measurements: list[dict] = []
-    phase_info: dict[str, Any] = {}
-    exit_code = 0
+    return phases
+
+
+def remote_row_phases(plan: dict, config: str) -> list[Phase]:
+    """A remote-tier row (kvtier_shared, kvtier_object): node A's store phase, which computes every
+    prompt, then one load phase of node B per prompt ([length, repeat])."""
+    loads = [
+        Phase(f"{config}_load", f"{config}_load-{n}-r{r}", [n, r])
+        for r in range(plan["repeats"])
+        for n in plan["lengths"]
+    ]
+    return [Phase(f"{config}_store", f"{config}_store", None), *loads]
+
+
+def lmcache_phase(plan: dict, store_root: Path, out_dir: Path, notes: list[str]) -> Phase:
+    """The lmcache_disk phase, its disk directory and config file made and its notes added."""
+    plan["lmcache_dir"] = str(store_root / "lmcache-disk")
+    plan["lmcache_config_file"] = str((out_dir / "lmcache-config.yaml").absolute())
+    Path(plan["lmcache_dir"]).mkdir(parents=True, exist_ok=True)
+    # JSON is YAML: LMCache reads this file with yaml.safe_load.
+    Path(plan["lmcache_config_file"]).write_text(json.dumps(lmcache_config(plan), indent=2) + "\n")
+    notes.append(
+        f"LMCache: LMCacheConnectorV1 with its local disk backend through kvtier's CPU copy shim "
+        f"({plan['lmcache_python']}; chunks of {plan['lmcache_chunk_tokens']} tokens, CPU cache off, "
+        f"config {plan['lmcache_config_file']})"
+    )
+    skipped = [length for length in plan["lengths"] if length not in plan["lmcache_lengths"]]
+    if skipped:
+        notes.append(
+            f"LMCache: lengths {skipped} are not whole {plan['lmcache_chunk_tokens']}-token chunks: not measured"
+        )
+    return Phase("lmcache_disk", "lmcache_disk", None)
+
+
+def run_phases(plan: dict, phases: list[Phase], timeout_s: int, started: float, notes: list[str]) -> PhaseResults:
+    """Runs the phases in order, one engine process each; the first failure ends the run (a note and
+    exit code 1). The object row's bucket is up only from its store phase to its last load phase."""
+    results = PhaseResults()
+    object_loads = [index for index, phase in enumerate(phases) if phase.name == "kvtier_object_load"]
     bucket_stack = contextlib.ExitStack()
     try:
-        for index, (phase, run_name, item) in enumerate(phases):
-            if phase == "kvtier_object_store":
+        for index, phase in enumerate(phases):
+            if phase.name == "kvtier_object_store":
                 # Up only for its phases: an idle Ceph cluster still takes CPU from the other rows.
                 open_object_bucket(plan, bucket_stack, notes)
             print(
-                f"[{time.time() - started:6.0f} s] phase {index + 1} of {len(phases)}: {run_name}"
+                f"[{time.time() - started:6.0f} s] phase {index + 1} of {len(phases)}: {phase.run_name}"
                 f" ({len(phases) - index - 1} after it)",
                 flush=True,
             )
-            if phase == "lmcache_disk":
-                records = run_lmcache_phase(plan, args.phase_timeout_s, notes)
-            else:
-                records = launch_phase({**plan, "item": item}, phase, args.phase_timeout_s, run_name)
-            if phase == "kvtier_shared_store":
-                shutil.rmtree(shared_store_dir(plan, "a"), ignore_errors=True)  # the shared tier has its own copy
-            elif phase == "kvtier_shared_load":
-                shutil.rmtree(shared_store_dir(plan, f"b-{item[0]}-r{item[1]}"), ignore_errors=True)
-            elif phase == "kvtier_object_store":
-                shutil.rmtree(shared_store_dir(plan, "object-a"), ignore_errors=True)  # the bucket has its copy
-            elif phase == "kvtier_object_load":
-                shutil.rmtree(shared_store_dir(plan, f"object-b-{item[0]}-r{item[1]}"), ignore_errors=True)
-                if not any(later[0] == "kvtier_object_load" for later in phases[index + 1 :]):
-                    bucket_stack.close()
-            for record in records:
-                kind = record.pop("kind")
-                if kind == "measure":
-                    measurements.append({"phase": run_name, **record})
-                else:
-                    phase_info.setdefault(run_name, {})[kind] = record
+            records = phase_records(plan, phase, timeout_s, notes)
+            remove_node_store(plan, phase)
+            if object_loads and index == object_loads[-1]:
+                bucket_stack.close()
+            results.add(phase.run_name, records)
     except (BenchError, bucket.BucketUnavailable) as error:
         print(f"kvtier bench ttft: {error}", file=sys.stderr)
         notes.append(f"incomplete: {str(error).splitlines()[0]}")
-        exit_code = 1
+        results.exit_code = 1
     finally:
         bucket_stack.close()  # the run's prefix deleted, or the local gateway torn down
-        if temporary_store:
-            shutil.rmtree(store_root, ignore_errors=True)
-        else:
-            for node in store_root.glob("shared-node-*"):
-                shutil.rmtree(node, ignore_errors=True)
-        if plan["shared"]:
-            # The run's subdirectory of the shared directory (through node A's view), so that a
-            # network filesystem sized for one run's blocks is empty again.
-            shutil.rmtree(plan["shared"]["store_root"], ignore_errors=True)
-    if not measurements:
-        return exit_code or 1
-    summary = summarize(plan, measurements)
+    return results
+
+
+def phase_records(plan: dict, phase: Phase, timeout_s: int, notes: list[str]) -> list[dict]:
+    """One phase run in its own process: its records (measurements and the phase's other facts)."""
+    if phase.name == "lmcache_disk":
+        return run_lmcache_phase(plan, timeout_s, notes)
+    return launch_phase({**plan, "item": phase.item}, phase.name, timeout_s, phase.run_name)
+
+
+def remove_node_store(plan: dict, phase: Phase) -> None:
+    """After a phase of a remote-tier row, the local store of its node: node A's once the shared tier
+    (or the bucket) has its own copy, each node B's once timed."""
+    if phase.name == "kvtier_shared_store":
+        node = "a"
+    elif phase.name == "kvtier_shared_load":
+        node = f"b-{phase.item[0]}-r{phase.item[1]}"
+    elif phase.name == "kvtier_object_store":
+        node = "object-a"
+    elif phase.name == "kvtier_object_load":
+        node = f"object-b-{phase.item[0]}-r{phase.item[1]}"
+    else:
+        return
+    shutil.rmtree(shared_store_dir(plan, node), ignore_errors=True)
+
+
+def remove_stores(plan: dict, store_root: Path, temporary_store: bool) -> None:
+    """The run's stores: all of a temporary store directory, else the remote-tier rows' node stores."""
+    if temporary_store:
+        shutil.rmtree(store_root, ignore_errors=True)
+    else:
+        for node in store_root.glob("shared-node-*"):
+            shutil.rmtree(node, ignore_errors=True)
+    if plan["shared"]:
+        # The run's subdirectory of the shared directory (through node A's view), so that a
+        # network filesystem sized for one run's blocks is empty again.
+        shutil.rmtree(plan["shared"]["store_root"], ignore_errors=True)
+
+
+def write_outputs(
+    plan: dict, results: PhaseResults, notes: list[str], out_dir: Path, argv: list[str] | None, started: float
+) -> int:
+    """The summary and its checks, the report (stdout, report.md), the plots and results.json; the exit code."""
+    summary = summarize(plan, results.measurements)
+    exit_code = results.exit_code
     for config in ("kvtier_shared", "kvtier_object"):
-        failures = shared_row_failures(plan, summary, measurements, config)
+        failures = shared_row_failures(plan, summary, results.measurements, config)
         if failures:
             notes += [f"{config} FAILED: {failure}" for failure in failures]
             exit_code = 1
-    markdown = print_report(plan, summary, notes, phase_info)
+    markdown = print_report(plan, summary, notes, results.phase_info)
     plots = write_plots(plan, summary, out_dir)
     result = {
         "benchmark": "kvtier bench ttft",
@@ -203,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         "duration_s": time.time() - started,
         "machine": {"cpu_count": os.cpu_count(), "gpu": False, "root": os.geteuid() == 0},
         "plan": plan,
-        "phases": phase_info,
-        "measurements": measurements,
+        "phases": results.phase_info,
+        "measurements": results.measurements,
         "summary": summary,
         "notes": notes,
         "plots": plots,
