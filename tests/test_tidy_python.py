@@ -24,7 +24,6 @@ LONG_FUNCTIONS: dict[tuple[str, str], int] = {
     ("bench/lmcache_runner.py", "measure"): 122,
     ("bench/kvtier_store.py", "measure"): 104,
     ("bench/kvtier_store.py", "measure_shared_lookup"): 87,
-    ("bench/serve.py", "build_parser"): 72,
 }
 
 

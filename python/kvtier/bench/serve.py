@@ -202,6 +202,20 @@ def build_parser() -> argparse.ArgumentParser:
         "percentiles against the number of users, with vLLM's own `vllm bench serve` (prefix_repetition "
         "dataset: a system prompt per user plus a question) against `vllm serve` alone and with kvtier.",
     )
+    _add_workload_options(parser)
+    _add_size_options(parser)
+    _add_row_options(parser)
+    _add_server_options(parser)
+    parser.add_argument("--seed", type=int, default=0, help="dataset seed of the first point (point i: seed + i)")
+    parser.add_argument("--out", help="output directory (default: a new temporary directory)")
+    _add_extra_options(parser)
+    parser.add_argument("--point-timeout-s", type=int, default=POINT_TIMEOUT_S, help="limit per point")
+    parser.add_argument("--run-proxy", nargs="+", help=argparse.SUPPRESS)  # internal: PORT URL URL...
+    return parser
+
+
+def _add_workload_options(parser: argparse.ArgumentParser) -> None:
+    """--small, and the workload: a closed loop of users or requests arriving at a rate."""
     parser.add_argument("--small", action="store_true", help="CI size: " + _sizes_text(SMALL))
     parser.add_argument(
         "--workload", choices=sorted(WORKLOADS), default="closed",
@@ -218,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--burstiness", type=float,
         help="gamma shape of the arrival gaps with --request-rate (1: Poisson, the default; lower: burstier)",
     )  # fmt: skip
+
+
+def _add_size_options(parser: argparse.ArgumentParser) -> None:
+    """The model and the load: users, their requests, the tokens in and out."""
     parser.add_argument("--preset", help="model preset of kvtier.models (default kv8b; --small: tiny)")
     parser.add_argument("--users", help="numbers of users, one point each (default 4,12,32; --small: 2,4)")
     parser.add_argument("--requests-per-user", type=int, help="requests per user (default 3; --small: 2)")
@@ -228,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefix-len", help="tokens of each user's system prompt (default 2k; --small: 512)")
     parser.add_argument("--suffix-len", help="tokens of each question (default 64)")
     parser.add_argument("--output-len", type=int, help="tokens generated per request (default 16; --small: 4)")
+
+
+def _add_row_options(parser: argparse.ArgumentParser) -> None:
+    """Which rows run (each a server, or two, started fresh)."""
     parser.add_argument(
         "--rows", default=",".join(ROWS),
         help=f"rows to run, comma-separated, from {', '.join(ALL_ROWS)} (default: {','.join(ROWS)}); the lmcache "
@@ -242,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--two-servers", action="store_true",
         help="also run two servers behind a round-robin proxy: one store path (shared pool) and two (private pools)",
     )  # fmt: skip
+
+
+def _add_server_options(parser: argparse.ArgumentParser) -> None:
+    """The servers' caches: vLLM's own KV cache and kvtier's tiers."""
     parser.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE: vLLM's own KV cache, GiB")
     parser.add_argument(
         "--vllm-blocks", type=int,
@@ -249,8 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--dram-gib", type=float, help="kvtier's DRAM tier, GiB (default 2; --small: 0.25)")
     parser.add_argument("--nvme-gib", type=float, help="kvtier's NVMe tier of kvtier-nvme, GiB (default 8; --small: 1)")
-    parser.add_argument("--seed", type=int, default=0, help="dataset seed of the first point (point i: seed + i)")
-    parser.add_argument("--out", help="output directory (default: a new temporary directory)")
+
+
+def _add_extra_options(parser: argparse.ArgumentParser) -> None:
+    """More arguments for `vllm serve` and `vllm bench serve`, and the KV-event publisher."""
     parser.add_argument(
         "--server-arg", action="append", default=[], metavar="ARG",
         help="one more `vllm serve` argument (repeat; e.g. --server-arg=--dtype --server-arg=float32)",
@@ -264,9 +292,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="turn vLLM's KV-event publisher on (ZMQ, ipc) in every server, subscribe to it, and report events "
         "per request and bytes per second for each point (compare with a run without it for the cost)",
     )  # fmt: skip
-    parser.add_argument("--point-timeout-s", type=int, default=POINT_TIMEOUT_S, help="limit per point")
-    parser.add_argument("--run-proxy", nargs="+", help=argparse.SUPPRESS)  # internal: PORT URL URL...
-    return parser
 
 
 def _sizes_text(sizes: dict[str, Any]) -> str:
