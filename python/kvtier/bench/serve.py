@@ -252,8 +252,9 @@ def _add_row_options(parser: argparse.ArgumentParser) -> None:
     """Which rows run (each a server, or two, started fresh)."""
     parser.add_argument(
         "--rows", default=",".join(ROWS),
-        help=f"rows to run, comma-separated, from {', '.join(ALL_ROWS)} (default: {','.join(ROWS)}); the lmcache "
-        f"rows need {LMCACHE_VENV} ({LMCACHE_INSTALL}) or --lmcache-python",
+        help=f"rows to run, comma-separated, from {', '.join(ALL_ROWS)} (default: {','.join(ROWS)}); a row may "
+        "come twice (vllm,kvtier-dram,kvtier-nvme,vllm: vLLM alone first and last, so drift over the run favors no "
+        f"row); the lmcache rows need {LMCACHE_VENV} ({LMCACHE_INSTALL}) or --lmcache-python",
     )  # fmt: skip
     parser.add_argument(
         "--lmcache-python",
@@ -262,7 +263,8 @@ def _add_row_options(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--two-servers", action="store_true",
-        help="also run two servers behind a round-robin proxy: one store path (shared pool) and two (private pools)",
+        help="also run two servers behind a round-robin proxy: one store path (shared pool) and two (private pools); "
+        "each server's OpenMP threads are bound to half of the cores",
     )  # fmt: skip
 
 
