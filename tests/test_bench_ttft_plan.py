@@ -70,3 +70,18 @@ def test_object_row_is_planned_with_its_segment_size():
 def test_object_row_refuses_what_cannot_run(argv, says):
     with pytest.raises(BenchError, match=says):
         _object(*argv)
+
+
+def test_too_little_disk_space_refuses_the_run_and_leaves_no_temporary_store(tmp_path, monkeypatch, capsys):
+    import shutil
+    import tempfile
+
+    from kvtier.bench import layout
+    from kvtier.bench.ttft import entry
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(layout, "memcpy_gbps", lambda: 10.0)  # not what this test is about
+    monkeypatch.setattr(entry.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1 << 20))
+    assert entry.main(["--small", "--out", str(tmp_path / "out")]) == 2
+    assert "GiB are free" in capsys.readouterr().err
+    assert not list(tmp_path.glob("kvtier-bench-ttft-*")), "the temporary store directory was left behind"

@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         notes.append("not root: the page cache could not be dropped; disk hits may be served from the page cache")
     if not disk_space_suffices(plan, store_root):
+        if temporary_store:
+            shutil.rmtree(store_root, ignore_errors=True)
         return 2
     print_intro(plan, store_root, out_dir)
     phases = phase_list(plan, store_root, out_dir, notes)
