@@ -17,10 +17,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtier.ops.metrics import LATENCY_BUCKETS_US, ServiceSnapshot, model_of
+from kvtier.ops.metrics import LATENCY_BUCKETS_US, TIERS, ServiceSnapshot, model_of
 from kvtier.ops.report import OpsError, _check_paths, human_bytes, resolve_socket
-
-TIERS = ("dram", "nvme", "shared")
 
 
 def _quantile(before: dict[str, int], after: dict[str, int], op: str, q: float) -> float | None:
