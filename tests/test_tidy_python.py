@@ -22,7 +22,6 @@ LONG_FUNCTIONS: dict[tuple[str, str], int] = {
     ("bench/kvtier_store.py", "measure_shared"): 162,
     ("bench/lmcache_cpu_shim.py", "_make_connector_class"): 134,
     ("bench/lmcache_runner.py", "measure"): 122,
-    ("bench/kvtier_store.py", "measure"): 104,
     ("bench/kvtier_store.py", "measure_shared_lookup"): 87,
 }
 

@@ -17,6 +17,9 @@ import os
 import resource
 import shutil
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from . import workload
 
@@ -70,6 +73,45 @@ def _stat_delta(after: dict, before: dict, name: str) -> int | None:
     return None
 
 
+@dataclass
+class TimedCall:
+    """One timed call on a store: wall and CPU seconds, the store's stats around it, and what it returned."""
+
+    seconds: float
+    cpu_seconds: float
+    stats_before: dict
+    stats_after: dict
+    returned: Any
+
+    def delta(self, name: str) -> int | None:
+        return _stat_delta(self.stats_after, self.stats_before, name)
+
+
+def _timed_call(store, call: Callable[[], Any]) -> TimedCall:
+    """Run ``call`` between two reads of the store's stats; time only the call itself."""
+    stats_before = store.stats()
+    cpu_before = cpu_seconds()
+    start = time.perf_counter()
+    returned = call()
+    seconds = time.perf_counter() - start
+    call_cpu_seconds = cpu_seconds() - cpu_before
+    return TimedCall(seconds, call_cpu_seconds, stats_before, store.stats(), returned)
+
+
+def _put_and_flush(store, keys: list, views: list) -> None:
+    store.put_many(keys, views)
+    store.flush()
+
+
+def _destination_views(layout: workload.PromptLayout, prompt_bytes: int) -> list:
+    """One page-aligned destination for the whole prompt, as one view per object."""
+    destination = workload.aligned_buffer(prompt_bytes)
+    return [
+        destination[index * layout.object_bytes : (index + 1) * layout.object_bytes]
+        for index in range(layout.object_count)
+    ]
+
+
 def open_store(store_class, directory: str, namespace: bytes, object_bytes: int, dram_bytes: int, nvme_bytes: int):
     return store_class.open(
         directory,
@@ -78,6 +120,59 @@ def open_store(store_class, directory: str, namespace: bytes, object_bytes: int,
         dram_bytes=dram_bytes,
         nvme_bytes=nvme_bytes,
     )
+
+
+def _open_with_dram_fallback(open_with_dram: Callable[[int], Any], dram_bytes: int, object_bytes: int, result: dict):
+    """Open with ``dram_bytes``; return the store, the DRAM bytes it got and whether it fell back.
+
+    A build that refuses a DRAM tier of 0 bytes gets the smallest sensible one (4 objects) instead, noted
+    in ``result``; the caller then reopens the store between store and retrieve so the retrieve is cold
+    all the same."""
+    try:
+        return open_with_dram(dram_bytes), dram_bytes, False
+    except ValueError as error:
+        if dram_bytes != 0 or "dram_bytes" not in str(error):
+            raise
+        dram_bytes = 4 * object_bytes
+        result.update(dram_bytes=dram_bytes, reopened=True, dram_bytes_fallback=str(error))
+        return open_with_dram(dram_bytes), dram_bytes, True
+
+
+def _store_summary(put: TimedCall, prompt_bytes: int) -> dict:
+    return {
+        "seconds": put.seconds,
+        "gbps": prompt_bytes / put.seconds / 1e9,
+        "cpu_seconds": put.cpu_seconds,
+        "dropped_stores": put.delta("dropped_stores") or 0,
+        "bytes_written_nvme": put.delta("bytes_written_nvme"),
+    }
+
+
+def _cold_retrieve(store, layout: workload.PromptLayout, pool, keys: list, dropped_stores: int) -> dict:
+    """get_many of the whole prompt into a fresh destination: timing, hits per tier and correctness."""
+    views = _destination_views(layout, layout.object_bytes * layout.object_count)
+    get = _timed_call(store, lambda: list(store.get_many(keys, views)))
+    found = get.returned
+    found_objects = sum(1 for ok in found if ok)
+    retrieve = {
+        "seconds": get.seconds,
+        "gbps": layout.object_bytes * layout.object_count / get.seconds / 1e9,
+        "cpu_seconds": get.cpu_seconds,
+        "nvme_hits": get.delta("nvme_hits"),
+        "dram_hits": get.delta("dram_hits"),
+        "bytes_read_nvme": get.delta("bytes_read_nvme"),
+        "checksum_failures": get.delta("checksum_failures"),
+    }
+    return {
+        "retrieve": retrieve,
+        "found_objects": found_objects,
+        "missing_objects": len(found) - found_objects,
+        # Misses the store explains (stores it dropped under backpressure) are allowed; others are not.
+        "unexplained_missing_objects": max(0, len(found) - found_objects - dropped_stores),
+        "wrong_objects": workload.count_wrong_objects(layout, pool, views, found),
+        "cold": not retrieve["dram_hits"],
+        "stats": {key: value for key, value in get.stats_after.items()},
+    }
 
 
 def measure(
@@ -95,6 +190,9 @@ def measure(
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory, exist_ok=True)
 
+    def open_with_dram(dram: int):
+        return open_store(store_class, directory, namespace, layout.object_bytes, dram, nvme_bytes)
+
     keys = layout.keys()
     views = layout.object_views(pool)
     result: dict = {
@@ -106,79 +204,26 @@ def measure(
         "nvme_bytes": nvme_bytes,
         "reopened": reopen,
     }
+    store, dram_bytes, fell_back = _open_with_dram_fallback(open_with_dram, dram_bytes, layout.object_bytes, result)
+    reopen = reopen or fell_back
     try:
-        store = open_store(store_class, directory, namespace, layout.object_bytes, dram_bytes, nvme_bytes)
-    except ValueError as error:
-        if dram_bytes != 0 or "dram_bytes" not in str(error):
-            raise
-        # This build refuses a DRAM tier of 0 bytes: take the smallest sensible one and reopen the
-        # store between store and retrieve so the retrieve is cold all the same.
-        dram_bytes = 4 * layout.object_bytes
-        reopen = True
-        result.update(dram_bytes=dram_bytes, reopened=True, dram_bytes_fallback=str(error))
-        store = open_store(store_class, directory, namespace, layout.object_bytes, dram_bytes, nvme_bytes)
-    try:
-        stats_before_store = store.stats()
-        result["io_engine"] = stats_before_store.get("io_engine")
-        result["direct_io"] = stats_before_store.get("direct_io")
-
-        cpu_before = cpu_seconds()
-        start = time.perf_counter()
-        store.put_many(keys, views)
-        store.flush()
-        store_seconds = time.perf_counter() - start
-        store_cpu_seconds = cpu_seconds() - cpu_before
-        stats_after_store = store.stats()
-        dropped_stores = _stat_delta(stats_after_store, stats_before_store, "dropped_stores") or 0
-        result["store"] = {
-            "seconds": store_seconds,
-            "gbps": prompt_bytes / store_seconds / 1e9,
-            "cpu_seconds": store_cpu_seconds,
-            "dropped_stores": dropped_stores,
-            "bytes_written_nvme": _stat_delta(stats_after_store, stats_before_store, "bytes_written_nvme"),
-        }
+        put = _timed_call(store, lambda: _put_and_flush(store, keys, views))
+        result["io_engine"] = put.stats_before.get("io_engine")
+        result["direct_io"] = put.stats_before.get("direct_io")
+        result["store"] = _store_summary(put, prompt_bytes)
 
         if reopen:
             store.close()
             store = None
             result["page_cache_dropped"] = workload.drop_page_cache()
             start = time.perf_counter()
-            store = open_store(store_class, directory, namespace, layout.object_bytes, dram_bytes, nvme_bytes)
+            store = open_with_dram(dram_bytes)
             result["reopen_seconds"] = time.perf_counter() - start
             result["recovered_blocks"] = store.stats().get("recovered_blocks")
         else:
             result["page_cache_dropped"] = workload.drop_page_cache()
 
-        destination = workload.aligned_buffer(prompt_bytes)
-        destination_views = [
-            destination[index * layout.object_bytes : (index + 1) * layout.object_bytes]
-            for index in range(layout.object_count)
-        ]
-        stats_before_retrieve = store.stats()
-        cpu_before = cpu_seconds()
-        start = time.perf_counter()
-        found = list(store.get_many(keys, destination_views))
-        retrieve_seconds = time.perf_counter() - start
-        retrieve_cpu_seconds = cpu_seconds() - cpu_before
-        stats_after_retrieve = store.stats()
-        result["retrieve"] = {
-            "seconds": retrieve_seconds,
-            "gbps": prompt_bytes / retrieve_seconds / 1e9,
-            "cpu_seconds": retrieve_cpu_seconds,
-            "nvme_hits": _stat_delta(stats_after_retrieve, stats_before_retrieve, "nvme_hits"),
-            "dram_hits": _stat_delta(stats_after_retrieve, stats_before_retrieve, "dram_hits"),
-            "bytes_read_nvme": _stat_delta(stats_after_retrieve, stats_before_retrieve, "bytes_read_nvme"),
-            "checksum_failures": _stat_delta(stats_after_retrieve, stats_before_retrieve, "checksum_failures"),
-        }
-        result["found_objects"] = sum(1 for ok in found if ok)
-        result["missing_objects"] = len(found) - result["found_objects"]
-        # Misses the store explains (stores it dropped under backpressure) are allowed; others are not.
-        result["unexplained_missing_objects"] = max(0, result["missing_objects"] - dropped_stores)
-        result["wrong_objects"] = workload.count_wrong_objects(layout, pool, destination_views, found)
-        dram_hits = result["retrieve"]["dram_hits"]
-        result["cold"] = not dram_hits
-        result["stats"] = {key: value for key, value in stats_after_retrieve.items()}
-        del destination_views, destination
+        result.update(_cold_retrieve(store, layout, pool, keys, result["store"]["dropped_stores"]))
     finally:
         if store is not None:
             store.close()
