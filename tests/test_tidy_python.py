@@ -19,7 +19,6 @@ MAX_FUNCTION_LINES = 70
 # Functions over the limit when this check came, as (file under python/kvtier, qualified name):
 # their length then. Shorten one, then remove its row; never add one.
 LONG_FUNCTIONS: dict[tuple[str, str], int] = {
-    ("bench/kvtier_store.py", "measure_shared"): 162,
     ("bench/lmcache_cpu_shim.py", "_make_connector_class"): 134,
     ("bench/lmcache_runner.py", "measure"): 122,
     ("bench/kvtier_store.py", "measure_shared_lookup"): 87,

@@ -302,6 +302,133 @@ def _open_shared(
     )
 
 
+def _shared_result_header(layout: workload.PromptLayout, file_bytes: int, dram_a: int, dram_b: int) -> dict:
+    return {
+        "system": "kvtier_shared",
+        "object_bytes": layout.object_bytes,
+        "object_count": layout.object_count,
+        "prompt_bytes": layout.object_bytes * layout.object_count,
+        "shared_file_bytes": file_bytes,
+        "a_dram_bytes": dram_a,
+        "b_dram_bytes": dram_b,
+        "b_dram_bytes_note": "B's DRAM tier holds the prompt: with fewer DRAM slots than blocks, get_many "
+        "served only about a slot count of blocks from the shared tier and missed the rest",
+        "nvme_bytes": 0,
+    }
+
+
+def _publish_summary(put: TimedCall, layout: workload.PromptLayout) -> dict:
+    """Store A's put_many + flush: what it published to the shared tier, and how fast."""
+    dropped_stores = put.delta("dropped_stores") or 0
+    dropped_publishes = put.delta("shared_dropped_publishes") or 0
+    published_objects = layout.object_count - dropped_stores - dropped_publishes
+    published_bytes = published_objects * layout.object_bytes
+    return {
+        "seconds": put.seconds,
+        "gbps": published_bytes / put.seconds / 1e9,
+        "offered_gbps": layout.object_bytes * layout.object_count / put.seconds / 1e9,
+        "bytes": published_bytes,
+        "published_objects": published_objects,
+        "cpu_seconds": put.cpu_seconds,
+        "dropped_stores": dropped_stores,
+        "shared_files_published": put.delta("shared_files_published"),
+        "shared_bytes_written": put.delta("shared_bytes_written"),
+        "shared_dropped_publishes": dropped_publishes,
+        "shared_publish_errors": put.delta("shared_publish_errors"),
+        "how": "one put_many of the whole prompt + flush; gbps = bytes of the blocks published (prompt minus "
+        "shared_dropped_publishes: the put path never waits for the publish queue "
+        f"(shared_publish_queue_bytes, default {publish_queue_bytes() // workload.MIB} MiB) and drops "
+        "what does not fit) / seconds; offered_gbps = prompt bytes / seconds",
+    }
+
+
+def _published_files(shared_root: str, published_bytes: int) -> dict:
+    """The files and directories the publish left under the shared root, also per GB published."""
+    namespace_dirs = [entry for entry in os.listdir(shared_root) if os.path.isdir(os.path.join(shared_root, entry))]
+    counts = shared_layout_counts(os.path.join(shared_root, namespace_dirs[0])) if namespace_dirs else {}
+    gigabytes = max(published_bytes, 1) / 1e9
+    return dict(
+        counts,
+        files_per_gb=counts.get("files", 0) / gigabytes,
+        data_files_per_gb=counts.get("data_files", 0) / gigabytes,
+        directory_entries_per_gb=(counts.get("files", 0) + counts.get("directories", 0)) / gigabytes,
+        counted_how="os.walk of <shared_root>/<namespace hex>/ after A was flushed and closed: files = data "
+        "files (data/<xx>/*.kvs) + manifests + temporaries + others (lease); directory entries = "
+        "files + directories; per GB = per 1e9 bytes published",
+    )
+
+
+def _publish_metadata_ops(files_published: int | None, published_bytes: int) -> dict:
+    """The filesystem metadata operations the publish took, inferred from the count of published files."""
+    published = files_published or 0
+    gigabytes = max(published_bytes, 1) / 1e9
+    return {
+        "file_creates": published,
+        "renames": published,
+        "directory_fsyncs": published,
+        "manifest_appends": published,
+        "unlinks": 0,
+        "total": 4 * published,
+        "total_per_gb": 4 * published / gigabytes,
+        "counted_how": "inferred from the writer's shared_files_published (not traced): per published file "
+        "one exclusive create of tmp/<writer>-<seq>.tmp, one rename into data/<xx>/, one "
+        "fsync of the directory and one O_APPEND publish record (+ fdatasync) in the "
+        "writer's manifest; no unlink on the publish path; one-time directory and manifest "
+        "creation at open are not counted",
+    }
+
+
+def _wait_until_visible(store_b, keys: list, expected: int, open_start: float, timeout_s: float, result: dict) -> list:
+    """Poll B's contains_many every 1 ms until it shows ``expected`` blocks or ``timeout_s`` passed since
+    ``open_start`` (the start of B's open); record how long that took and return what B shows."""
+    present = list(store_b.contains_many(keys))
+    result["visible_at_open"] = sum(1 for ok in present if ok)
+    while sum(present) < expected and time.perf_counter() - open_start < timeout_s:
+        time.sleep(0.001)
+        present = list(store_b.contains_many(keys))
+    result["visibility_seconds"] = time.perf_counter() - open_start
+    result["visible_objects"] = sum(1 for ok in present if ok)
+    result["visible_prefix"] = store_b.lookup_prefix(keys)
+    result["visibility_how"] = (
+        "from the start of B's Store.open until contains_many shows every published block (prompt minus "
+        "dropped publishes), polled every 1 ms; it includes B's open (manifest replay and populating B's "
+        "DRAM arena, b_open_seconds); visible_at_open = blocks B saw right after open"
+    )
+    return present
+
+
+def _retrieve_visible(store_b, layout: workload.PromptLayout, pool, keys: list, present: list, published: dict) -> dict:
+    """get_many of the blocks B sees into a fresh destination: timing, hits per tier and correctness."""
+    wanted = [index for index, ok in enumerate(present) if ok]
+    views = _destination_views(layout, layout.object_bytes * layout.object_count)
+    get = _timed_call(store_b, lambda: list(store_b.get_many([keys[i] for i in wanted], [views[i] for i in wanted])))
+    found = [False] * layout.object_count
+    for index, ok in zip(wanted, get.returned, strict=True):
+        found[index] = bool(ok)
+    found_objects = sum(1 for ok in found if ok)
+    explained_missing = published["dropped_stores"] + published["shared_dropped_publishes"]
+    retrieve = {
+        "seconds": get.seconds,
+        "gbps": len(wanted) * layout.object_bytes / get.seconds / 1e9,
+        "objects": len(wanted),
+        "bytes": len(wanted) * layout.object_bytes,
+        "cpu_seconds": get.cpu_seconds,
+        "shared_hits": get.delta("shared_hits"),
+        "shared_misses": get.delta("shared_misses"),
+        "dram_hits": get.delta("dram_hits"),
+        "shared_bytes_read": get.delta("shared_bytes_read"),
+        "checksum_failures": get.delta("checksum_failures"),
+    }
+    return {
+        "retrieve": retrieve,
+        "found_objects": found_objects,
+        "missing_objects": len(found) - found_objects,
+        "unexplained_missing_objects": max(0, len(found) - found_objects - explained_missing),
+        "wrong_objects": workload.count_wrong_objects(layout, pool, views, found),
+        "cold": not retrieve["dram_hits"],
+    }
+
+
 def measure_shared(
     layout: workload.PromptLayout,
     pool,
@@ -328,136 +455,30 @@ def measure_shared(
     file_bytes = shared_file_bytes_for(prompt_bytes, layout.object_bytes)
     dram_a = 8 * slot_bytes
     dram_b = (layout.object_count + 8) * slot_bytes
+
+    def open_on_shared_root(store_dir: str, dram_bytes: int):
+        return _open_shared(store_class, store_dir, namespace, layout.object_bytes, dram_bytes, shared_root, file_bytes)
+
     keys = layout.keys()
     views = layout.object_views(pool)
-    result: dict = {
-        "system": "kvtier_shared",
-        "object_bytes": layout.object_bytes,
-        "object_count": layout.object_count,
-        "prompt_bytes": prompt_bytes,
-        "shared_file_bytes": file_bytes,
-        "a_dram_bytes": dram_a,
-        "b_dram_bytes": dram_b,
-        "b_dram_bytes_note": "B's DRAM tier holds the prompt: with fewer DRAM slots than blocks, get_many "
-        "served only about a slot count of blocks from the shared tier and missed the rest",
-        "nvme_bytes": 0,
-    }
+    result = _shared_result_header(layout, file_bytes, dram_a, dram_b)
     store_a = store_b = None
     try:
-        store_a = _open_shared(store_class, dir_a, namespace, layout.object_bytes, dram_a, shared_root, file_bytes)
-        stats_before = store_a.stats()
-        cpu_before = cpu_seconds()
-        start = time.perf_counter()
-        store_a.put_many(keys, views)
-        store_a.flush()
-        store_seconds = time.perf_counter() - start
-        store_cpu_seconds = cpu_seconds() - cpu_before
-        stats_after = store_a.stats()
-        dropped_stores = _stat_delta(stats_after, stats_before, "dropped_stores") or 0
-        files_published = _stat_delta(stats_after, stats_before, "shared_files_published")
-        dropped_publishes = _stat_delta(stats_after, stats_before, "shared_dropped_publishes") or 0
-        published_bytes = (layout.object_count - dropped_stores - dropped_publishes) * layout.object_bytes
-        result["store"] = {
-            "seconds": store_seconds,
-            "gbps": published_bytes / store_seconds / 1e9,
-            "offered_gbps": prompt_bytes / store_seconds / 1e9,
-            "bytes": published_bytes,
-            "published_objects": layout.object_count - dropped_stores - dropped_publishes,
-            "cpu_seconds": store_cpu_seconds,
-            "dropped_stores": dropped_stores,
-            "shared_files_published": files_published,
-            "shared_bytes_written": _stat_delta(stats_after, stats_before, "shared_bytes_written"),
-            "shared_dropped_publishes": dropped_publishes,
-            "shared_publish_errors": _stat_delta(stats_after, stats_before, "shared_publish_errors"),
-            "how": "one put_many of the whole prompt + flush; gbps = bytes of the blocks published (prompt minus "
-            "shared_dropped_publishes: the put path never waits for the publish queue "
-            f"(shared_publish_queue_bytes, default {publish_queue_bytes() // workload.MIB} MiB) and drops "
-            "what does not fit) / seconds; offered_gbps = prompt bytes / seconds",
-        }
+        store_a = open_on_shared_root(dir_a, dram_a)
+        put = _timed_call(store_a, lambda: _put_and_flush(store_a, keys, views))
+        published = result["store"] = _publish_summary(put, layout)
         store_a.close()
         store_a = None
-
-        namespace_dirs = [entry for entry in os.listdir(shared_root) if os.path.isdir(os.path.join(shared_root, entry))]
-        counts = shared_layout_counts(os.path.join(shared_root, namespace_dirs[0])) if namespace_dirs else {}
-        gigabytes = max(published_bytes, 1) / 1e9
-        published = files_published or 0
-        result["files"] = dict(
-            counts,
-            files_per_gb=counts.get("files", 0) / gigabytes,
-            data_files_per_gb=counts.get("data_files", 0) / gigabytes,
-            directory_entries_per_gb=(counts.get("files", 0) + counts.get("directories", 0)) / gigabytes,
-            counted_how="os.walk of <shared_root>/<namespace hex>/ after A was flushed and closed: files = data "
-            "files (data/<xx>/*.kvs) + manifests + temporaries + others (lease); directory entries = "
-            "files + directories; per GB = per 1e9 bytes published",
-        )
-        result["metadata_ops"] = {
-            "file_creates": published,
-            "renames": published,
-            "directory_fsyncs": published,
-            "manifest_appends": published,
-            "unlinks": 0,
-            "total": 4 * published,
-            "total_per_gb": 4 * published / gigabytes,
-            "counted_how": "inferred from the writer's shared_files_published (not traced): per published file "
-            "one exclusive create of tmp/<writer>-<seq>.tmp, one rename into data/<xx>/, one "
-            "fsync of the directory and one O_APPEND publish record (+ fdatasync) in the "
-            "writer's manifest; no unlink on the publish path; one-time directory and manifest "
-            "creation at open are not counted",
-        }
+        result["files"] = _published_files(shared_root, published["bytes"])
+        result["metadata_ops"] = _publish_metadata_ops(published["shared_files_published"], published["bytes"])
 
         result["page_cache_dropped"] = workload.drop_page_cache()
         start = time.perf_counter()
-        store_b = _open_shared(store_class, dir_b, namespace, layout.object_bytes, dram_b, shared_root, file_bytes)
+        store_b = open_on_shared_root(dir_b, dram_b)
         result["b_open_seconds"] = time.perf_counter() - start
-        expected = result["store"]["published_objects"]
-        present = list(store_b.contains_many(keys))
-        result["visible_at_open"] = sum(1 for ok in present if ok)
-        while sum(present) < expected and time.perf_counter() - start < visibility_timeout_s:
-            time.sleep(0.001)
-            present = list(store_b.contains_many(keys))
-        result["visibility_seconds"] = time.perf_counter() - start
-        result["visible_objects"] = sum(1 for ok in present if ok)
-        result["visible_prefix"] = store_b.lookup_prefix(keys)
-        result["visibility_how"] = (
-            "from the start of B's Store.open until contains_many shows every published block (prompt minus "
-            "dropped publishes), polled every 1 ms; it includes B's open (manifest replay and populating B's "
-            "DRAM arena, b_open_seconds); visible_at_open = blocks B saw right after open"
-        )
-        wanted = [index for index, ok in enumerate(present) if ok]
-
-        destination = workload.aligned_buffer(prompt_bytes)
-        destination_views = [
-            destination[index * layout.object_bytes : (index + 1) * layout.object_bytes]
-            for index in range(layout.object_count)
-        ]
-        stats_before = store_b.stats()
-        cpu_before = cpu_seconds()
-        start = time.perf_counter()
-        found_wanted = list(store_b.get_many([keys[i] for i in wanted], [destination_views[i] for i in wanted]))
-        retrieve_seconds = time.perf_counter() - start
-        retrieve_cpu_seconds = cpu_seconds() - cpu_before
-        stats_after = store_b.stats()
-        found = [False] * layout.object_count
-        for index, ok in zip(wanted, found_wanted, strict=True):
-            found[index] = bool(ok)
-        result["retrieve"] = {
-            "seconds": retrieve_seconds,
-            "gbps": len(wanted) * layout.object_bytes / retrieve_seconds / 1e9,
-            "objects": len(wanted),
-            "bytes": len(wanted) * layout.object_bytes,
-            "cpu_seconds": retrieve_cpu_seconds,
-            "shared_hits": _stat_delta(stats_after, stats_before, "shared_hits"),
-            "shared_misses": _stat_delta(stats_after, stats_before, "shared_misses"),
-            "dram_hits": _stat_delta(stats_after, stats_before, "dram_hits"),
-            "shared_bytes_read": _stat_delta(stats_after, stats_before, "shared_bytes_read"),
-            "checksum_failures": _stat_delta(stats_after, stats_before, "checksum_failures"),
-        }
-        result["found_objects"] = sum(1 for ok in found if ok)
-        result["missing_objects"] = len(found) - result["found_objects"]
-        result["unexplained_missing_objects"] = max(0, result["missing_objects"] - dropped_stores - dropped_publishes)
-        result["wrong_objects"] = workload.count_wrong_objects(layout, pool, destination_views, found)
-        result["cold"] = not result["retrieve"]["dram_hits"]
-        del destination_views, destination
+        expected = published["published_objects"]
+        present = _wait_until_visible(store_b, keys, expected, start, visibility_timeout_s, result)
+        result.update(_retrieve_visible(store_b, layout, pool, keys, present, published))
     finally:
         for store in (store_a, store_b):
             if store is not None:
