@@ -21,7 +21,6 @@ MAX_FUNCTION_LINES = 70
 LONG_FUNCTIONS: dict[tuple[str, str], int] = {
     ("bench/lmcache_cpu_shim.py", "_make_connector_class"): 134,
     ("bench/lmcache_runner.py", "measure"): 122,
-    ("bench/kvtier_store.py", "measure_shared_lookup"): 87,
 }
 
 

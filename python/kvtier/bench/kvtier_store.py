@@ -13,6 +13,7 @@ NVMe and how many from DRAM, so a warm result cannot pass as a cold one.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import resource
 import shutil
@@ -487,6 +488,52 @@ def measure_shared(
     return result
 
 
+def _lookup_keys(key_count: int) -> list[bytes]:
+    """Chained 32-byte keys, like a prompt's (see workload.PromptLayout.keys), under their own salt."""
+    parent = hashlib.sha256(b"kvtier-bench-io/lookup").digest()
+    keys = []
+    for index in range(key_count):
+        parent = hashlib.sha256(parent + index.to_bytes(8, "little")).digest()
+        keys.append(parent)
+    return keys
+
+
+def _publish_lookup_blocks(writer, keys: list, views: list, slot_bytes: int, result: dict) -> None:
+    start = time.perf_counter()
+    batch = publish_queue_bytes() // 2 // slot_bytes  # one flush per batch: no publish is dropped
+    for first in range(0, len(keys), batch):
+        writer.put_many(keys[first : first + batch], views[first : first + batch])
+        writer.flush()
+    result["dropped_publishes"] = writer.stats().get("shared_dropped_publishes")
+    result["publish_seconds"] = time.perf_counter() - start
+
+
+def _min_median_max(values: list[float]) -> dict:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return {
+        "min": ordered[0],
+        "median": ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2,
+        "max": ordered[-1],
+        "n": len(ordered),
+    }
+
+
+def _time_lookup_call(call: Callable[[list], Any], keys: list, calls: int) -> dict:
+    """Wall time of ``calls`` calls with every key (after one warm call), per call and per key."""
+    call(keys)  # warm
+    micros = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        call(keys)
+        micros.append((time.perf_counter() - start) * 1e6)
+    per_call = _min_median_max(micros)
+    return {
+        "us_per_call": per_call,
+        "us_per_key": {key: (value / len(keys) if key != "n" else value) for key, value in per_call.items()},
+    }
+
+
 def measure_shared_lookup(
     directory: str, namespace: bytes, calls: int = LOOKUP_CALLS, key_count: int = LOOKUP_KEY_COUNT
 ) -> dict:
@@ -494,76 +541,37 @@ def measure_shared_lookup(
 
     A tiny writer publishes ``key_count`` blocks of 4 KiB once; a reader store (nvme_bytes=0, no block in
     its DRAM) opens on the same root and namespace and is timed ``calls`` times per call kind."""
-    import hashlib
-
     store_class = load_store_class()
     shared_root = os.path.join(directory, "shared")
     shutil.rmtree(directory, ignore_errors=True)
     for name in ("shared", "writer", "reader"):
         os.makedirs(os.path.join(directory, name), exist_ok=True)
-    parent = hashlib.sha256(b"kvtier-bench-io/lookup").digest()
-    keys = []
-    for index in range(key_count):
-        parent = hashlib.sha256(parent + index.to_bytes(8, "little")).digest()
-        keys.append(parent)
+    keys = _lookup_keys(key_count)
     values = workload.make_pool(key_count * LOOKUP_OBJECT_BYTES, seed=key_count)
     views = [values[i * LOOKUP_OBJECT_BYTES : (i + 1) * LOOKUP_OBJECT_BYTES] for i in range(key_count)]
     slot_bytes = workload.PAGE_BYTES + LOOKUP_OBJECT_BYTES
     result: dict = {"key_count": key_count, "object_bytes": LOOKUP_OBJECT_BYTES, "calls": calls}
+
+    def open_on_shared_root(name: str, dram_bytes: int):
+        store_dir = os.path.join(directory, name)
+        return _open_shared(
+            store_class, store_dir, namespace, LOOKUP_OBJECT_BYTES, dram_bytes, shared_root, SHARED_FILE_BYTES
+        )
+
     writer = reader = None
     try:
-        writer = _open_shared(
-            store_class,
-            os.path.join(directory, "writer"),
-            namespace,
-            LOOKUP_OBJECT_BYTES,
-            64 * slot_bytes,
-            shared_root,
-            SHARED_FILE_BYTES,
-        )
-        start = time.perf_counter()
-        batch = publish_queue_bytes() // 2 // slot_bytes  # one flush per batch: no publish is dropped
-        for first in range(0, key_count, batch):
-            writer.put_many(keys[first : first + batch], views[first : first + batch])
-            writer.flush()
-        result["dropped_publishes"] = writer.stats().get("shared_dropped_publishes")
-        result["publish_seconds"] = time.perf_counter() - start
+        writer = open_on_shared_root("writer", 64 * slot_bytes)
+        _publish_lookup_blocks(writer, keys, views, slot_bytes, result)
         writer.close()
         writer = None
-        reader = _open_shared(
-            store_class,
-            os.path.join(directory, "reader"),
-            namespace,
-            LOOKUP_OBJECT_BYTES,
-            8 * slot_bytes,
-            shared_root,
-            SHARED_FILE_BYTES,
-        )
+        reader = open_on_shared_root("reader", 8 * slot_bytes)
         deadline = time.perf_counter() + 30.0
         while reader.lookup_prefix(keys) < key_count and time.perf_counter() < deadline:
             time.sleep(0.001)
         result["present"] = reader.lookup_prefix(keys)
         result["present_contains"] = sum(1 for ok in reader.contains_many(keys) if ok)
         for name, call in (("lookup_prefix", reader.lookup_prefix), ("contains_many", reader.contains_many)):
-            call(keys)  # warm
-            micros = []
-            for _ in range(calls):
-                start = time.perf_counter()
-                call(keys)
-                micros.append((time.perf_counter() - start) * 1e6)
-            ordered = sorted(micros)
-            per_call = {
-                "min": ordered[0],
-                "median": ordered[len(ordered) // 2]
-                if len(ordered) % 2
-                else (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2,
-                "max": ordered[-1],
-                "n": len(ordered),
-            }
-            result[name] = {
-                "us_per_call": per_call,
-                "us_per_key": {key: (value / key_count if key != "n" else value) for key, value in per_call.items()},
-            }
+            result[name] = _time_lookup_call(call, keys, calls)
         result["timed"] = (
             "wall time of one Python call with the 10,000-key list (includes the binding's "
             "conversion of the keys), reader store that holds none of the blocks in DRAM"
