@@ -120,14 +120,8 @@ def get_pool(pool_bytes: int, seed: int) -> np.ndarray:
     return _pool_cache[key]
 
 
-def measure(request: dict) -> dict:
-    """Store then cold-retrieve one prompt through LocalDiskBackend; return GB/s, CPU and correctness."""
-    import torch
-    from lmcache.utils import CacheEngineKey
-    from lmcache.v1.memory_management import MemoryFormat
-
-    shape = workload.ModelShape(**request["shape"])
-    layout = workload.prompt_layout(
+def _prompt_layout(request: dict, shape):
+    return workload.prompt_layout(
         shape,
         request["prompt_tokens"],
         request["tokens_per_object"],
@@ -135,6 +129,92 @@ def measure(request: dict) -> dict:
         pool_bytes=request["pool_bytes"],
         start_slot=request.get("start_slot", 0),
     )
+
+
+def _cache_engine_keys(key_class, layout, dtype) -> list:
+    """LMCache's key (``key_class``: its CacheEngineKey) for each object of the prompt: the chunk hash
+    is the first 8 bytes of ours."""
+    return [
+        key_class(
+            model_name="kvtier-bench",
+            world_size=1,
+            worker_id=0,
+            chunk_hash=int.from_bytes(key[:8], "little"),
+            dtype=dtype,
+        )
+        for key in layout.keys()  # noqa: SIM118 (PromptLayout.keys() is a method returning a list, not a dict)
+    ]
+
+
+def _filled_memory_objects(harness: LMCacheDiskHarness, views: list, kv_shape, dtype, memory_format) -> list:
+    """LMCache memory objects in ``memory_format`` holding the prompt (the engine->CPU copy; not timed)."""
+    memory_objs = []
+    for view in views:
+        memory_obj = harness.cpu_backend.allocate(kv_shape, dtype, memory_format)
+        if memory_obj is None:
+            raise RuntimeError("LMCache staging pool exhausted while filling the prompt")
+        np.frombuffer(memory_obj.byte_array, dtype=np.uint8)[:] = view
+        memory_objs.append(memory_obj)
+    return memory_objs
+
+
+def _timed_store(harness: LMCacheDiskHarness, keys: list, memory_objs: list, timeout_s: float) -> dict:
+    """batched_submit_put_task of every object, timed until the last write's completion callback ran;
+    then the memory objects are released."""
+    remaining = [len(keys)]
+    all_written = threading.Event()
+    lock = threading.Lock()
+
+    def on_written(_key) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                all_written.set()
+
+    cpu_before = cpu_seconds()
+    start = time.perf_counter()
+    harness.disk_backend.batched_submit_put_task(keys, memory_objs, on_complete_callback=on_written)
+    if not all_written.wait(timeout_s):
+        raise RuntimeError(
+            f"LMCache store did not complete within {timeout_s:.0f} s ({remaining[0]} of {len(keys)} writes "
+            "pending): with use_odirect its staging pool must be page-aligned; see the LMCache log above"
+        )
+    store_seconds = time.perf_counter() - start
+    store_cpu_seconds = cpu_seconds() - cpu_before
+    for memory_obj in memory_objs:
+        memory_obj.ref_count_down()
+    memory_objs.clear()
+    return {"seconds": store_seconds, "cpu_seconds": store_cpu_seconds}
+
+
+def _timed_cold_retrieve(harness: LMCacheDiskHarness, keys: list, layout, pool: np.ndarray) -> dict:
+    """batched_get_blocking of every key: seconds, CPU seconds, which objects came back and how many were wrong."""
+    cpu_before = cpu_seconds()
+    start = time.perf_counter()
+    loaded = harness.disk_backend.batched_get_blocking(keys)
+    retrieve_seconds = time.perf_counter() - start
+    retrieve_cpu_seconds = cpu_seconds() - cpu_before
+    found = [memory_obj is not None for memory_obj in loaded]
+    received = [
+        np.frombuffer(memory_obj.byte_array, dtype=np.uint8) if memory_obj is not None else None
+        for memory_obj in loaded
+    ]
+    wrong = workload.count_wrong_objects(layout, pool, received, found)
+    del received
+    for memory_obj in loaded:
+        if memory_obj is not None:
+            memory_obj.ref_count_down()
+    return {"seconds": retrieve_seconds, "cpu_seconds": retrieve_cpu_seconds, "found": found, "wrong": wrong}
+
+
+def measure(request: dict) -> dict:
+    """Store then cold-retrieve one prompt through LocalDiskBackend; return GB/s, CPU and correctness."""
+    import torch
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.memory_management import MemoryFormat
+
+    shape = workload.ModelShape(**request["shape"])
+    layout = _prompt_layout(request, shape)
     pool = get_pool(request["pool_bytes"], request["seed"])
     directory = request["dir"]
     use_odirect = request.get("use_odirect", True)
@@ -161,81 +241,27 @@ def measure(request: dict) -> dict:
     try:
         kv_shape = torch.Size([2, shape.num_layers, request["tokens_per_object"], shape.num_kv_heads * shape.head_dim])
         dtype = {2: torch.bfloat16, 4: torch.float32, 1: torch.uint8}[shape.dtype_bytes]
-        keys = [
-            CacheEngineKey(
-                model_name="kvtier-bench",
-                world_size=1,
-                worker_id=0,
-                chunk_hash=int.from_bytes(key[:8], "little"),
-                dtype=dtype,
-            )
-            for key in layout.keys()  # noqa: SIM118 (PromptLayout.keys() is a method returning a list, not a dict)
-        ]
+        keys = _cache_engine_keys(CacheEngineKey, layout, dtype)
         views = layout.object_views(pool)
-
-        # Fill LMCache memory objects with the prompt (the engine->CPU copy; not timed).
-        memory_objs = []
-        for view in views:
-            memory_obj = harness.cpu_backend.allocate(kv_shape, dtype, MemoryFormat.KV_2LTD)
-            if memory_obj is None:
-                raise RuntimeError("LMCache staging pool exhausted while filling the prompt")
-            np.frombuffer(memory_obj.byte_array, dtype=np.uint8)[:] = view
-            memory_objs.append(memory_obj)
-
-        remaining = [len(keys)]
-        all_written = threading.Event()
-        lock = threading.Lock()
-
-        def on_written(_key) -> None:
-            with lock:
-                remaining[0] -= 1
-                if remaining[0] == 0:
-                    all_written.set()
-
-        cpu_before = cpu_seconds()
-        start = time.perf_counter()
-        harness.disk_backend.batched_submit_put_task(keys, memory_objs, on_complete_callback=on_written)
-        if not all_written.wait(timeout_s):
-            raise RuntimeError(
-                f"LMCache store did not complete within {timeout_s:.0f} s ({remaining[0]} of {len(keys)} writes "
-                "pending): with use_odirect its staging pool must be page-aligned; see the LMCache log above"
-            )
-        store_seconds = time.perf_counter() - start
-        store_cpu_seconds = cpu_seconds() - cpu_before
-        for memory_obj in memory_objs:
-            memory_obj.ref_count_down()
-        memory_objs.clear()
+        memory_objs = _filled_memory_objects(harness, views, kv_shape, dtype, MemoryFormat.KV_2LTD)
+        store = _timed_store(harness, keys, memory_objs, timeout_s)
         result["store"] = {
-            "seconds": store_seconds,
-            "gbps": prompt_bytes / store_seconds / 1e9,
-            "cpu_seconds": store_cpu_seconds,
+            "seconds": store["seconds"],
+            "gbps": prompt_bytes / store["seconds"] / 1e9,
+            "cpu_seconds": store["cpu_seconds"],
         }
 
-        dropped = workload.drop_page_cache()
-        result["page_cache_dropped"] = dropped
-        cpu_before = cpu_seconds()
-        start = time.perf_counter()
-        loaded = harness.disk_backend.batched_get_blocking(keys)
-        retrieve_seconds = time.perf_counter() - start
-        retrieve_cpu_seconds = cpu_seconds() - cpu_before
-        found = [memory_obj is not None for memory_obj in loaded]
-        received = [
-            np.frombuffer(memory_obj.byte_array, dtype=np.uint8) if memory_obj is not None else None
-            for memory_obj in loaded
-        ]
-        wrong = workload.count_wrong_objects(layout, pool, received, found)
-        del received
-        for memory_obj in loaded:
-            if memory_obj is not None:
-                memory_obj.ref_count_down()
+        result["page_cache_dropped"] = workload.drop_page_cache()
+        retrieve = _timed_cold_retrieve(harness, keys, layout, pool)
+        found = retrieve["found"]
         result["retrieve"] = {
-            "seconds": retrieve_seconds,
-            "gbps": prompt_bytes / retrieve_seconds / 1e9,
-            "cpu_seconds": retrieve_cpu_seconds,
+            "seconds": retrieve["seconds"],
+            "gbps": prompt_bytes / retrieve["seconds"] / 1e9,
+            "cpu_seconds": retrieve["cpu_seconds"],
         }
         result["found_objects"] = sum(found)
         result["missing_objects"] = len(found) - sum(found)
-        result["wrong_objects"] = wrong
+        result["wrong_objects"] = retrieve["wrong"]
     finally:
         harness.close()
         del harness
