@@ -31,7 +31,7 @@ that the benchmark can check that a hit was really served, and served from disk.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -61,138 +61,147 @@ def _connector_base():
     return GPUConnectorInterface
 
 
+class _PagedKVCopier:
+    """Copies KV between vLLM-CPU's paged per-layer tensors and LMCache KV_2LTD memory objects.
+
+    Plain torch: only the connector's base class comes from LMCache, which must be imported late (see
+    install), so _make_connector_class puts this class in front of that base when LMCache is loaded."""
+
+    kv_format: Any  # LMCache's MemoryFormat.KV_2LTD, set by _make_connector_class
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, chunk_size: int, dtype: torch.dtype):
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.chunk_size = chunk_size
+        self.dtype = dtype
+        self.kvcaches: list[torch.Tensor] | None = None
+        self._views: list[torch.Tensor] | None = None
+        self._views_source: list[int] = []
+        self.block_size = 0
+
+    # LMCache's factory signature hands us its metadata; kv_shape is
+    # (num_layers, 2, chunk_size, num_kv_heads, head_size).
+    @classmethod
+    def from_metadata(cls, metadata: Any) -> Self:
+        num_layers, kv_size, chunk_size, num_kv_heads, head_size = metadata.kv_shape
+        if metadata.use_mla or kv_size != 2:
+            raise RuntimeError("kvtier's LMCache CPU shim supports K/V attention only (no MLA)")
+        return cls(num_layers, num_kv_heads, head_size, chunk_size, metadata.kv_dtype)
+
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        return torch.Size([2, self.num_layers, num_tokens, self.num_kv_heads * self.head_size])
+
+    def initialize_kvcaches_ptr(self, **kwargs: Any) -> None:
+        if "kvcaches" in kwargs:
+            self.kvcaches = list(kwargs["kvcaches"])
+
+    def _layer_views(self) -> list[torch.Tensor]:
+        """Per layer, vLLM's tensor seen as [blocks, heads, 2 (K, V), block_size, head_size]."""
+        if self.kvcaches is None:
+            raise RuntimeError("LMCache CPU shim: no KV caches were passed (kvcaches kwarg)")
+        source = [tensor.data_ptr() for tensor in self.kvcaches]
+        if self._views is not None and source == self._views_source:
+            return self._views
+        if len(self.kvcaches) != self.num_layers:
+            raise RuntimeError(f"LMCache CPU shim: {len(self.kvcaches)} KV tensors for {self.num_layers} layers")
+        views = []
+        for tensor in self.kvcaches:
+            if tensor.device.type != "cpu" or tensor.dim() != 4:
+                raise RuntimeError(
+                    f"LMCache CPU shim: expected 4-d CPU KV tensors, got {tuple(tensor.shape)} on {tensor.device}"
+                )
+            num_blocks, heads, block_size, width = tensor.shape
+            if heads != self.num_kv_heads or width != 2 * self.head_size:
+                raise RuntimeError(
+                    "LMCache CPU shim: KV tensor shape "
+                    f"{tuple(tensor.shape)} is not [blocks, {self.num_kv_heads} heads, block, 2 * {self.head_size}]"
+                )
+            if tensor.dtype != self.dtype:
+                raise RuntimeError(f"LMCache CPU shim: KV dtype {tensor.dtype}, LMCache expects {self.dtype}")
+            views.append(tensor.view(num_blocks, heads, 2, block_size, self.head_size))
+            self.block_size = block_size
+        self._views, self._views_source = views, source
+        return views
+
+    def _runs(self, kwargs: dict, start: int, end: int) -> list[tuple[int, int, int, int]]:
+        """Tokens start..end as runs (first, last + 1 relative to start, block, offset) of
+        consecutive slots inside one block: each run is one strided copy per layer."""
+        if "slot_mapping" not in kwargs:
+            raise ValueError("LMCache CPU shim: 'slot_mapping' should be provided in kwargs")
+        slots = kwargs["slot_mapping"][start:end].to("cpu", torch.long).tolist()
+        runs = []
+        index = 0
+        while index < len(slots):
+            slot = slots[index]
+            if slot < 0:
+                raise RuntimeError("LMCache CPU shim: negative slot in the range to copy")
+            block, offset = divmod(slot, self.block_size)
+            stop = index + 1
+            while (
+                stop < len(slots) and slots[stop] == slot + (stop - index) and offset + (stop - index) < self.block_size
+            ):
+                stop += 1
+            runs.append((index, stop, block, offset))
+            index = stop
+        return runs
+
+    def from_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
+        """vLLM's paged cache (tokens start..end of the request) -> memory object."""
+        self.initialize_kvcaches_ptr(**kwargs)
+        views = self._layer_views()
+        runs = self._runs(kwargs, start, end)
+        count = end - start
+        target = memory_obj.tensor
+        if target is None:
+            raise RuntimeError("LMCache CPU shim: memory object has no tensor")
+        target = target[:, :, :count].view(2, self.num_layers, count, self.num_kv_heads, self.head_size)
+        for layer, view in enumerate(views):
+            for first, stop, block, offset in runs:
+                # [heads, 2, tokens, head_size] in vLLM -> [2, tokens, heads, head_size] in LMCache.
+                target[:, layer, first:stop].copy_(
+                    view[block, :, :, offset : offset + stop - first].permute(1, 2, 0, 3)
+                )
+        memory_obj.metadata.fmt = self.kv_format
+        _count("stored_tokens", count)
+
+    def to_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
+        """Memory object -> vLLM's paged cache, skipping tokens vLLM already has cached."""
+        self.initialize_kvcaches_ptr(**kwargs)
+        if memory_obj.metadata.fmt != self.kv_format:
+            raise ValueError(f"LMCache CPU shim: memory object format {memory_obj.metadata.fmt}, expected KV_2LTD")
+        views = self._layer_views()
+        vllm_cached = int(kwargs.get("vllm_cached_tokens", 0) or 0)
+        skip = min(end - start, max(0, vllm_cached - start))
+        if skip == end - start:
+            return
+        runs = self._runs(kwargs, start + skip, end)
+        count = end - start
+        source = memory_obj.tensor[:, :, :count].view(2, self.num_layers, count, self.num_kv_heads, self.head_size)
+        source = source[:, :, skip:]
+        for layer, view in enumerate(views):
+            for first, stop, block, offset in runs:
+                view[block, :, :, offset : offset + stop - first].copy_(
+                    source[:, layer, first:stop].permute(2, 0, 1, 3)
+                )
+        _count("loaded_tokens", count - skip)
+
+    def batched_from_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:
+        for memory_obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            self.from_gpu(memory_obj, start, end, **kwargs)
+
+    def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kwargs: Any) -> None:
+        for memory_obj, start, end in zip(memory_objs or [], starts or [], ends or [], strict=True):
+            self.to_gpu(memory_obj, start, end, **kwargs)
+
+
 def _make_connector_class():
     from lmcache.v1.memory_management import MemoryFormat
 
-    class CPUPagedKVConnector(_connector_base()):  # type: ignore[misc]  # LMCache's base, imported late (see install)
+    class CPUPagedKVConnector(_PagedKVCopier, _connector_base()):  # type: ignore[misc]  # LMCache's base, imported late (see install)
         """Copies KV between vLLM-CPU's paged per-layer tensors and LMCache KV_2LTD memory objects."""
 
-        def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, chunk_size: int, dtype: torch.dtype):
-            self.num_layers = num_layers
-            self.num_kv_heads = num_kv_heads
-            self.head_size = head_size
-            self.chunk_size = chunk_size
-            self.dtype = dtype
-            self.kvcaches: list[torch.Tensor] | None = None
-            self._views: list[torch.Tensor] | None = None
-            self._views_source: list[int] = []
-            self.block_size = 0
-
-        # LMCache's factory signature hands us its metadata; kv_shape is
-        # (num_layers, 2, chunk_size, num_kv_heads, head_size).
-        @classmethod
-        def from_metadata(cls, metadata: Any) -> CPUPagedKVConnector:
-            num_layers, kv_size, chunk_size, num_kv_heads, head_size = metadata.kv_shape
-            if metadata.use_mla or kv_size != 2:
-                raise RuntimeError("kvtier's LMCache CPU shim supports K/V attention only (no MLA)")
-            return cls(num_layers, num_kv_heads, head_size, chunk_size, metadata.kv_dtype)
-
-        def get_shape(self, num_tokens: int) -> torch.Size:
-            return torch.Size([2, self.num_layers, num_tokens, self.num_kv_heads * self.head_size])
-
-        def initialize_kvcaches_ptr(self, **kwargs: Any) -> None:
-            if "kvcaches" in kwargs:
-                self.kvcaches = list(kwargs["kvcaches"])
-
-        def _layer_views(self) -> list[torch.Tensor]:
-            """Per layer, vLLM's tensor seen as [blocks, heads, 2 (K, V), block_size, head_size]."""
-            if self.kvcaches is None:
-                raise RuntimeError("LMCache CPU shim: no KV caches were passed (kvcaches kwarg)")
-            source = [tensor.data_ptr() for tensor in self.kvcaches]
-            if self._views is not None and source == self._views_source:
-                return self._views
-            if len(self.kvcaches) != self.num_layers:
-                raise RuntimeError(f"LMCache CPU shim: {len(self.kvcaches)} KV tensors for {self.num_layers} layers")
-            views = []
-            for tensor in self.kvcaches:
-                if tensor.device.type != "cpu" or tensor.dim() != 4:
-                    raise RuntimeError(
-                        f"LMCache CPU shim: expected 4-d CPU KV tensors, got {tuple(tensor.shape)} on {tensor.device}"
-                    )
-                num_blocks, heads, block_size, width = tensor.shape
-                if heads != self.num_kv_heads or width != 2 * self.head_size:
-                    raise RuntimeError(
-                        "LMCache CPU shim: KV tensor shape "
-                        f"{tuple(tensor.shape)} is not [blocks, {self.num_kv_heads} heads, block, 2 * {self.head_size}]"
-                    )
-                if tensor.dtype != self.dtype:
-                    raise RuntimeError(f"LMCache CPU shim: KV dtype {tensor.dtype}, LMCache expects {self.dtype}")
-                views.append(tensor.view(num_blocks, heads, 2, block_size, self.head_size))
-                self.block_size = block_size
-            self._views, self._views_source = views, source
-            return views
-
-        def _runs(self, kwargs: dict, start: int, end: int) -> list[tuple[int, int, int, int]]:
-            """Tokens start..end as runs (first, last + 1 relative to start, block, offset) of
-            consecutive slots inside one block: each run is one strided copy per layer."""
-            if "slot_mapping" not in kwargs:
-                raise ValueError("LMCache CPU shim: 'slot_mapping' should be provided in kwargs")
-            slots = kwargs["slot_mapping"][start:end].to("cpu", torch.long).tolist()
-            runs = []
-            index = 0
-            while index < len(slots):
-                slot = slots[index]
-                if slot < 0:
-                    raise RuntimeError("LMCache CPU shim: negative slot in the range to copy")
-                block, offset = divmod(slot, self.block_size)
-                stop = index + 1
-                while (
-                    stop < len(slots)
-                    and slots[stop] == slot + (stop - index)
-                    and offset + (stop - index) < self.block_size
-                ):
-                    stop += 1
-                runs.append((index, stop, block, offset))
-                index = stop
-            return runs
-
-        def from_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
-            """vLLM's paged cache (tokens start..end of the request) -> memory object."""
-            self.initialize_kvcaches_ptr(**kwargs)
-            views = self._layer_views()
-            runs = self._runs(kwargs, start, end)
-            count = end - start
-            target = memory_obj.tensor
-            if target is None:
-                raise RuntimeError("LMCache CPU shim: memory object has no tensor")
-            target = target[:, :, :count].view(2, self.num_layers, count, self.num_kv_heads, self.head_size)
-            for layer, view in enumerate(views):
-                for first, stop, block, offset in runs:
-                    # [heads, 2, tokens, head_size] in vLLM -> [2, tokens, heads, head_size] in LMCache.
-                    target[:, layer, first:stop].copy_(
-                        view[block, :, :, offset : offset + stop - first].permute(1, 2, 0, 3)
-                    )
-            memory_obj.metadata.fmt = MemoryFormat.KV_2LTD
-            _count("stored_tokens", count)
-
-        def to_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
-            """Memory object -> vLLM's paged cache, skipping tokens vLLM already has cached."""
-            self.initialize_kvcaches_ptr(**kwargs)
-            if memory_obj.metadata.fmt != MemoryFormat.KV_2LTD:
-                raise ValueError(f"LMCache CPU shim: memory object format {memory_obj.metadata.fmt}, expected KV_2LTD")
-            views = self._layer_views()
-            vllm_cached = int(kwargs.get("vllm_cached_tokens", 0) or 0)
-            skip = min(end - start, max(0, vllm_cached - start))
-            if skip == end - start:
-                return
-            runs = self._runs(kwargs, start + skip, end)
-            count = end - start
-            source = memory_obj.tensor[:, :, :count].view(2, self.num_layers, count, self.num_kv_heads, self.head_size)
-            source = source[:, :, skip:]
-            for layer, view in enumerate(views):
-                for first, stop, block, offset in runs:
-                    view[block, :, :, offset : offset + stop - first].copy_(
-                        source[:, layer, first:stop].permute(2, 0, 1, 3)
-                    )
-            _count("loaded_tokens", count - skip)
-
-        def batched_from_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:
-            for memory_obj, start, end in zip(memory_objs, starts, ends, strict=True):
-                self.from_gpu(memory_obj, start, end, **kwargs)
-
-        def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kwargs: Any) -> None:
-            for memory_obj, start, end in zip(memory_objs or [], starts or [], ends or [], strict=True):
-                self.to_gpu(memory_obj, start, end, **kwargs)
+        kv_format = MemoryFormat.KV_2LTD
 
     return CPUPagedKVConnector
 
