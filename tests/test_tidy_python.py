@@ -16,10 +16,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "python" / "kvtier"
 MAX_FUNCTION_LINES = 70
 
-# Functions over the limit when this check came, as (file under python/kvtier, qualified name):
-# their length then. Shorten one, then remove its row; never add one.
-LONG_FUNCTIONS: dict[tuple[str, str], int] = {
-}
+# Functions allowed over the limit, as (file under python/kvtier, qualified name): their length when
+# listed. The fifteen listed when this check came (2026-11-27) are all shortened; never add one.
+LONG_FUNCTIONS: dict[tuple[str, str], int] = {}
 
 
 def module_name(path: Path) -> str:
