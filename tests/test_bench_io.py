@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -219,3 +220,19 @@ def test_a_failed_object_sweep_fails_the_run_at_any_size(tmp_path, monkeypatch, 
     assert io.main(argv) == io.EXIT_NOT_SANE
     err = capsys.readouterr().err
     assert "FAIL: kvtier_object failed in bucket: --bucket-url needs the credentials" in err, err
+
+
+def test_an_lmcache_runner_that_exits_is_reported_as_exited_not_as_a_hang(tmp_path):
+    """A stand-in interpreter speaks the runner's protocol (ready, then one request) and exits: the
+    benchmark must say the runner exited with its code, within seconds, not wait out a timeout."""
+    from kvtier.bench.lmcache_client import LMCacheSession, LMCacheUnavailable
+
+    stand_in = tmp_path / "python"
+    stand_in.write_text('#!/bin/sh\necho \'{"ready": true}\'\nread line\necho "runner: boom" >&2\nexit 3\n')
+    stand_in.chmod(0o755)
+    session = LMCacheSession(str(stand_in))
+    started = time.monotonic()
+    with pytest.raises(LMCacheUnavailable, match=r"exited \(3\) without answering"):
+        session.measure({"op": "measure"}, timeout_s=120)
+    assert time.monotonic() - started < 30
+    session.close()

@@ -77,7 +77,10 @@ class LMCacheSession:
         )
         self._stderr_thread = threading.Thread(target=self._drain_stderr, daemon=True)
         self._stderr_thread.start()
-        hello = self._read_answer(READY_TIMEOUT_S)
+        try:
+            hello = self._read_answer(READY_TIMEOUT_S)
+        except LMCacheUnavailable:  # it exited: the message below says why that usually is
+            hello = None
         if not hello or not hello.get("ready"):
             self.close()
             raise LMCacheUnavailable(
@@ -96,6 +99,8 @@ class LMCacheSession:
         return "\n".join(self.stderr_tail)
 
     def _read_answer(self, timeout_s: float) -> dict | None:
+        """The runner's next JSON line; None when none came within ``timeout_s``. Raises
+        LMCacheUnavailable when the runner closed its output: it exited (crashed) without answering."""
         answer: list[str] = []
 
         def read() -> None:
@@ -105,8 +110,16 @@ class LMCacheSession:
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         reader.join(timeout_s)
-        if reader.is_alive() or not answer or not answer[0]:
+        if reader.is_alive() or not answer:
             return None
+        if not answer[0]:
+            try:
+                code: int | str = self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                code = "still running, output closed"
+            raise LMCacheUnavailable(
+                f"LMCache runner exited ({code}) without answering; its last output:\n{self.log_tail()}"
+            )
         return json.loads(answer[0])
 
     def measure(self, request: dict, timeout_s: float) -> dict:
