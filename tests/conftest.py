@@ -38,13 +38,31 @@ from fs_fixtures import cephfs_fs, glusterfs_fs  # noqa: E402, F401
 # Nothing is left behind: every kvtier service a test started is stopped, and no pool file of ours
 # stays in /dev/shm (RAM until reboot), when the session ends.
 LEAK_GRACE_S = 15.0
+# Every process this session starts inherits this mark (services too: they are spawned with the
+# engine's environment), so a service of another test session running beside this one is not
+# counted as this one's leak. A service with no mark at all still counts.
+SESSION_MARK = "KVTIER_TEST_SESSION"
+
+
+def _session_of(pid: int) -> bytes | None:
+    """The test session mark in a process's environment (None: none, or the process is gone)."""
+    try:
+        from pathlib import Path
+
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    prefix = SESSION_MARK.encode() + b"="
+    return next((entry[len(prefix) :] for entry in environ if entry.startswith(prefix)), None)
 
 
 def _kvtier_services() -> set[int]:
+    import os
     import subprocess
 
     found = subprocess.run(["pgrep", "-f", "kvtier serve"], capture_output=True, text=True).stdout.split()
-    return {int(pid) for pid in found}
+    mine = os.environ[SESSION_MARK].encode()
+    return {int(pid) for pid in found if _session_of(int(pid)) in (None, mine)}
 
 
 def _kvtier_pool_files() -> set[str]:
@@ -55,8 +73,10 @@ def _kvtier_pool_files() -> set[str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind():
+    import os
     import time
 
+    os.environ[SESSION_MARK] = str(os.getpid())
     services_before, pools_before = _kvtier_services(), _kvtier_pool_files()
     yield
     deadline = time.monotonic() + LEAK_GRACE_S
