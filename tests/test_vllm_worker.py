@@ -378,3 +378,14 @@ def test_a_completed_store_that_never_landed_is_released_and_one_that_landed_is_
         feed.close()
         follower.close()
         w.shutdown()
+
+
+def test_spare_cores_are_the_reserved_ones_under_vllms_binding_and_none_under_the_users():
+    from kvtier.vllm.worker import spare_cores
+
+    host = {0, 1, 2, 3}
+    assert spare_cores({1, 2, 3}, host, "auto") == {0}  # VLLM_CPU_NUM_OF_RESERVED_CPU kept core 0 back
+    assert spare_cores({1, 2, 3}, host, "") == {0}
+    assert spare_cores({0, 1}, host, "0-1") == set()  # a partitioned host: 2-3 are another engine's
+    assert spare_cores({0, 1}, host, "0,1|2,3") == set()
+    assert spare_cores(set(), host, "auto") == set()  # unknown binding: leave the thread as it is

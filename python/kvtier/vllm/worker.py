@@ -255,6 +255,19 @@ def _usable_cores() -> set[int]:
     return usable_cores()
 
 
+def spare_cores(compute: set[int], usable: set[int], binding: str) -> set[int]:
+    """The cores a rank's job thread copies stores on, beside its engine's ``compute`` cores.
+
+    Under vLLM's automatic binding (``VLLM_CPU_OMP_THREADS_BIND`` unset or ``auto``) the cores it
+    leaves out are kept back for the engine's other processes (``VLLM_CPU_NUM_OF_RESERVED_CPU``): spare.
+    A binding the user gave (``0-7``, ``8-15|16-23``) partitions the host, typically one engine per
+    share, and the cores outside this engine's share are another engine's: none is spare then, and
+    copies stay on the engine's own cores (held back during its prefill steps)."""
+    if not compute or binding.strip().lower() not in ("", "auto"):
+        return set()
+    return usable - compute
+
+
 def _set_affinity(cores: set[int]) -> None:
     """Binds the calling thread (only it: pid 0 is the thread on Linux). An empty set: no change."""
     if not cores:
@@ -298,7 +311,8 @@ class ServiceCopy:
         # The cores vLLM bound this worker's compute to (this constructor runs on its main thread,
         # after the binding) and the others: stores are copied on a spare core when there is one.
         self._compute_cores = _affinity()
-        self._spare_cores = _usable_cores() - self._compute_cores if self._compute_cores else set()
+        binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+        self._spare_cores = spare_cores(self._compute_cores, _usable_cores(), binding)
 
     def on_job_thread(self) -> None:
         _set_affinity(self._spare_cores)
