@@ -36,11 +36,41 @@ wheel=$(ls dist/kvtier-*.whl 2>/dev/null | head -n 1 || true)
 [[ -n "$wheel" ]] || { say "no wheel in dist/: run scripts/build_wheel.sh here first and carry dist/"; exit 1; }
 # The machine's python3 is itself a virtual environment (/opt/torch/.venv): a venv made from it with
 # --system-site-packages does not see its torch (cpython #129445). The wheel goes into a directory
-# of its own, first on PYTHONPATH, over that python3 and its torch.
+# of its own, first on PYTHONPATH, over that python3 and its torch. No pip: nothing says the machine's
+# environment has one (uv makes venvs without it), and a wheel is a zip to unpack. Its tags are
+# checked first (abi3 for CPython >= 3.11, manylinux glibc >= 2.34), so a wheel the machine cannot
+# load stops the run here with the reason, not at stage 1's first import.
 site="${TMPDIR:-/tmp}/kvtier-site"
 rm -rf "$site"
-if ! python3 -m pip install --quiet --no-index --no-deps --no-compile --target "$site" "$wheel"; then
-    say "installing $wheel failed (no network there: --no-index, --no-deps)"
+if ! python3 - "$wheel" "$site" <<'PY'
+import os, re, sys, zipfile
+wheel, site = sys.argv[1], sys.argv[2]
+name = os.path.basename(wheel)
+tags = re.match(r"kvtier-[^-]+-(cp\d+)-(abi3|cp\d+)-(.+)\.whl$", name)
+if not tags:
+    sys.exit(f"{name}: not a kvtier wheel name (kvtier-VERSION-PY-ABI-PLATFORM.whl)")
+python, abi, platforms = tags.groups()
+need = (int(python[2]), int(python[3:]))
+if sys.implementation.name != "cpython" or sys.version_info[:2] < need or (abi != "abi3" and sys.version_info[:2] != need):
+    sys.exit(f"{name} needs CPython {need[0]}.{need[1]}{'+' if abi == 'abi3' else ''}; this is {sys.version.split()[0]}")
+libc, _, version = (os.confstr("CS_GNU_LIBC_VERSION") or "unknown 0.0").partition(" ")
+have = tuple(int(part) for part in version.split(".")[:2])
+for platform in platforms.split("."):
+    found = re.match(r"manylinux_(\d+)_(\d+)_(\w+)$", platform)
+    if found and (libc != "glibc" or have < (int(found[1]), int(found[2]))):
+        sys.exit(f"{name} needs glibc {found[1]}.{found[2]}; this machine has {libc} {version}: build it there or older")
+    if found and found[3] != os.uname().machine:
+        sys.exit(f"{name} is for {found[3]}; this machine is {os.uname().machine}")
+with zipfile.ZipFile(wheel) as archive:
+    for member in archive.namelist():
+        target = os.path.realpath(os.path.join(site, member))
+        if not target.startswith(os.path.realpath(site) + os.sep):
+            sys.exit(f"{name}: member {member} would land outside {site}")
+    archive.extractall(site)
+print(f"unpacked {name} ({libc} {version}, Python {sys.version.split()[0]})")
+PY
+then
+    say "installing $wheel into $site failed (above: the reason)"
     exit 1
 fi
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -2,7 +2,8 @@
 # Builds the GPU run's rehearsal environment (tests/test_gpu_rehearsal.py, docs/gpu.md): a Python 3.12
 # virtual environment shaped like the GPU machine's /opt/torch/.venv: itself a venv, holding torch
 # 2.11 (the machine's version, the CUDA build from PyPI, run on the CPU) and numpy with torch's own
-# pure-Python needs, and nothing of kvtier, vLLM or Rust. Idempotent; prints the environment's python.
+# pure-Python needs, and nothing of kvtier, vLLM or Rust, and no pip (as `uv venv` makes them: the
+# GPU run must not need one). Idempotent; prints the environment's python.
 #
 # Where: $KVTIER_REHEARSAL_DIR, default ~/.cache/kvtier-rehearsal (outside the repository; built once,
 # about 1.5 GB, of which the downloads are torch's 531 MB wheel and numpy's 16 MB; pip's cache keeps
@@ -15,7 +16,8 @@ root="${KVTIER_REHEARSAL_DIR:-$HOME/.cache/kvtier-rehearsal}"
 env_dir="$root/torch-venv"
 python="$env_dir/bin/python3"
 torch_version=2.11.0
-if [[ -x "$python" ]] && "$python" -c "import torch, numpy; assert torch.__version__.startswith('$torch_version')" 2>/dev/null; then
+if [[ -x "$python" ]] && "$python" -c "import torch, numpy; assert torch.__version__.startswith('$torch_version')" 2>/dev/null \
+    && ! "$python" -c "import pip" 2>/dev/null; then
     echo "$python"
     exit 0
 fi
@@ -34,5 +36,6 @@ rm -rf "$env_dir"
 "$python" -m pip install --quiet --no-index --no-deps "$root"/wheels/*.whl >&2
 site=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 cp -al "$venv_nvidia" "$site/nvidia" 2>/dev/null || cp -a "$venv_nvidia" "$site/nvidia"
+"$python" -m pip uninstall --quiet --yes pip >&2
 "$python" -c "import torch, numpy; print('rehearsal env: torch', torch.__version__, 'numpy', numpy.__version__)" >&2
 echo "$python"

@@ -2,7 +2,7 @@
 gives for the device tool, run with ``--device cpu --small`` in a copy of what travels there (the
 working tree's tracked and unignored files, and ``dist/`` with the abi3 wheel built by
 scripts/build_wheel.sh), with ``python3`` on the PATH a Python 3.12 virtual environment holding
-torch and numpy only (scripts/rehearsal_env.sh): no vLLM, no Rust, no .venv. It must finish and
+torch and numpy only (scripts/rehearsal_env.sh): no vLLM, no Rust, no .venv, no pip. It must finish and
 leave stage 1's and stage 2's JSON in ``$OUT``, in no more files than the device tool returns.
 
 The first run builds the environment (about a minute, a 531 MB download pip caches) under
@@ -70,6 +70,8 @@ def test_the_documented_gpu_command_runs_on_the_cpu_in_the_devices_shape(tmp_pat
     python = subprocess.run(
         ["bash", "scripts/rehearsal_env.sh"], cwd=REPO, check=True, capture_output=True, text=True, timeout=900
     ).stdout.strip()
+    no_pip = subprocess.run([python, "-c", "import pip"], capture_output=True)
+    assert no_pip.returncode != 0, "the rehearsal environment has pip; the GPU machine's need not"
     copy, out = tmp_path / "repo", tmp_path / "out"
     travelling_copy(copy, fresh_wheel())
     command = documented_command()
