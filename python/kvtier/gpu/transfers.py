@@ -108,6 +108,11 @@ class BlockTransfers:
         return self._executor
 
     @property
+    def plan(self) -> CopyPlan | None:
+        """How a block's bytes map between the tensors and the pool (None until bound)."""
+        return self._binding.plan if self._binding is not None else None
+
+    @property
     def pool_pinned(self) -> bool:
         """Whether the bound pool is registered with CUDA (False on the host, or when refused)."""
         binding = self._binding
