@@ -1086,3 +1086,40 @@ fn the_change_log_reports_what_any_engine_stored_and_what_eviction_removed() {
     drop((a, follower));
     service.stop().unwrap();
 }
+
+#[test]
+fn a_transfer_given_up_through_its_gate_copies_nothing_and_holds_nothing() {
+    use kvtier_core::service::CopyGate;
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start(dir.path(), 0);
+    let keys: Vec<BlockKey> = (0..4).map(key).collect();
+    let values: Vec<Vec<u8>> = (0..4).map(|i| value(i, SLICE)).collect();
+    let mut c = client(&socket, 1, 0);
+    // A store given up before its copy: the reserved slots go back, nothing becomes visible.
+    let cancelled = CopyGate::new();
+    assert!(cancelled.cancel());
+    let bufs: Vec<BlockBuffer> = values.iter().map(|v| BlockBuffer::single(v.as_ptr() as *mut u8, v.len())).collect();
+    // SAFETY: the values outlive the call.
+    let stored = unsafe { c.store_blocks_gated(&keys, &bufs, &cancelled).unwrap() };
+    assert_eq!(stored, vec![false; 4]);
+    assert_eq!(c.locate(&keys).unwrap(), vec![0; 4], "nothing of a given-up store is visible");
+    assert_eq!(store(&mut c, &keys, &values), vec![true; 4], "its slots were given back: the same keys store");
+    // A load given up: no byte lands in the destinations, and no pin stays behind.
+    let mut out: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; SLICE]).collect();
+    let dests: Vec<BlockBuffer> = out.iter_mut().map(|v| BlockBuffer::single(v.as_mut_ptr(), v.len())).collect();
+    // SAFETY: `out` outlives the call and nothing else touches it.
+    let found = unsafe { c.load_blocks_gated(&keys, &dests, &cancelled).unwrap() };
+    assert_eq!(found, vec![false; 4]);
+    assert!(out.iter().all(|v| v.iter().all(|&b| b == 0)));
+    let gate = CopyGate::new();
+    // SAFETY: as above.
+    let found = unsafe { c.load_blocks_gated(&keys, &dests, &gate).unwrap() };
+    assert_eq!((found, gate.rounds()), (vec![true; 4], 1));
+    assert_eq!(out, values);
+    // No pin stayed behind: a pool's worth of newer blocks evicts them (DRAM only).
+    let newer: Vec<BlockKey> = (100..160).map(key).collect();
+    store(&mut c, &newer, &(100..160).map(|i| value(i, SLICE)).collect::<Vec<_>>());
+    assert_eq!(c.locate(&keys).unwrap(), vec![0; 4]);
+    drop(c);
+    service.stop().unwrap();
+}

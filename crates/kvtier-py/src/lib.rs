@@ -3,7 +3,7 @@
 //! access without copies (held until a job finishes), typed exceptions, and releasing the GIL
 //! during I/O.
 
-use kvtier_core::service::{Client, PlacementRun, ReserveReply, Service, ServiceConfig};
+use kvtier_core::service::{Client, CopyGate, PlacementRun, ReserveReply, Service, ServiceConfig};
 use kvtier_core::{
     find_option, unknown_option_message, BlockBuffer, BlockKey, ConfigOption, Error, Job, JobKind, OptionKind,
     OptionValue, Store, StoreConfig, OPTIONS,
@@ -722,9 +722,11 @@ impl PyServiceClient {
         Ok(d)
     }
 
+    /// Whether no call has failed on the connection. True while a call is in progress on another
+    /// thread: asking must never wait behind it (the caller may hold the engine's step).
     #[getter]
     fn connected(&self) -> bool {
-        self.inner.lock().is_connected()
+        self.inner.try_lock().is_none_or(|client| client.is_connected())
     }
 
     /// Makes blocks resident in the service's DRAM pool (read from NVMe or the shared tier, verified)
@@ -736,19 +738,19 @@ impl PyServiceClient {
 
     /// Threads a large `load_blocks` copies with (clamped to 1..=8). Call it from the thread that
     /// loads: it waits for a call in progress on this connection.
-    fn set_copy_threads(&self, threads: usize) {
-        self.inner.lock().set_copy_threads(threads);
+    fn set_copy_threads(&self, py: Python<'_>, threads: usize) {
+        py.detach(|| self.inner.lock().set_copy_threads(threads));
     }
 
     /// Places this rank's slice in each block object by `runs`, `(slice_offset, object_offset, len)`
     /// tiling the slice in order, instead of one range at `rank * slice_bytes` (a rank-independent
     /// object layout, shared by engines of every TP size; after `hello`).
-    fn set_placement(&self, runs: Vec<(usize, usize, usize)>) -> PyResult<()> {
+    fn set_placement(&self, py: Python<'_>, runs: Vec<(usize, usize, usize)>) -> PyResult<()> {
         let runs = runs
             .into_iter()
             .map(|(slice_offset, object_offset, len)| PlacementRun { slice_offset, object_offset, len })
             .collect();
-        self.inner.lock().set_placement(runs).map_err(to_py)
+        py.detach(|| self.inner.lock().set_placement(runs)).map_err(to_py)
     }
 
     /// Per key: "dram", "nvme", "shared" or None.
@@ -898,9 +900,11 @@ impl PyServiceClient {
     /// path): `{"address", "bytes", "slot_bytes", "slot_count", "object_bytes", "slice_bytes",
     /// "placement_runs": [(slice_offset, object_offset, len)]}` (runs merged where they continue).
     fn pool<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let client = self.inner.lock();
-        let (attached, (address, bytes)) =
-            client.attached().zip(client.pool_span()).ok_or_else(|| PyValueError::new_err("call hello() first"))?;
+        let span = py.detach(|| {
+            let client = self.inner.lock();
+            client.attached().cloned().zip(client.pool_span())
+        });
+        let (attached, (address, bytes)) = span.ok_or_else(|| PyValueError::new_err("call hello() first"))?;
         let d = PyDict::new(py);
         d.set_item("address", address)?;
         d.set_item("bytes", bytes)?;
@@ -957,55 +961,93 @@ impl PyServiceClient {
     }
 
     /// Stores this rank's slice of blocks straight from the engine's layer buffers into the pool:
-    /// `True` per block accepted or already stored.
+    /// `True` per block accepted or already stored. `gate`: another thread may give the store up
+    /// (`CopyGate.cancel`); no copy from the buffers starts after that.
+    #[pyo3(signature = (keys, layers, block_ids, gate = None))]
     fn store_blocks(
         &self,
         py: Python<'_>,
         keys: &Bound<'_, PyAny>,
         layers: &Bound<'_, PyAny>,
         block_ids: &Bound<'_, PyAny>,
+        gate: Option<&PyCopyGate>,
     ) -> PyResult<Vec<bool>> {
-        self.move_blocks(py, keys, layers, block_ids, false)
+        self.move_blocks(py, (keys, layers, block_ids), false, gate)
     }
 
     /// Loads this rank's slice of blocks from the pool into the engine's layer buffers: `True` per
-    /// block loaded (verified by the service when it came from storage).
+    /// block loaded (verified by the service when it came from storage). `gate`: another thread may
+    /// give the load up (`CopyGate.cancel`); no copy into the buffers starts after that.
+    #[pyo3(signature = (keys, layers, block_ids, gate = None))]
     fn load_blocks(
         &self,
         py: Python<'_>,
         keys: &Bound<'_, PyAny>,
         layers: &Bound<'_, PyAny>,
         block_ids: &Bound<'_, PyAny>,
+        gate: Option<&PyCopyGate>,
     ) -> PyResult<Vec<bool>> {
-        self.move_blocks(py, keys, layers, block_ids, true)
+        self.move_blocks(py, (keys, layers, block_ids), true, gate)
+    }
+}
+
+/// One transfer's gate (`kvtier_core::service::CopyGate`): the job thread passes it to
+/// `load_blocks`/`store_blocks`; another thread gives the transfer up with `cancel`.
+#[pyclass(name = "CopyGate", module = "kvtier._core", frozen)]
+struct PyCopyGate {
+    inner: Arc<CopyGate>,
+}
+
+#[pymethods]
+impl PyCopyGate {
+    #[new]
+    fn new() -> Self {
+        PyCopyGate { inner: Arc::new(CopyGate::new()) }
+    }
+
+    /// Gives the transfer up unless a copy runs now: True once no copy of it will run from now on;
+    /// False while one runs (it is short: ask again).
+    fn cancel(&self) -> bool {
+        self.inner.cancel()
+    }
+
+    #[getter]
+    fn cancelled(&self) -> bool {
+        self.inner.is_cancelled()
+    }
+
+    /// Rounds copied so far (a transfer that makes none is stalled, not long).
+    #[getter]
+    fn rounds(&self) -> u64 {
+        self.inner.rounds()
     }
 }
 
 impl PyServiceClient {
+    /// `what`: the keys, the layer buffers and the engine block ids.
     fn move_blocks(
         &self,
         py: Python<'_>,
-        keys: &Bound<'_, PyAny>,
-        layers: &Bound<'_, PyAny>,
-        block_ids: &Bound<'_, PyAny>,
+        what: (&Bound<'_, PyAny>, &Bound<'_, PyAny>, &Bound<'_, PyAny>),
         load: bool,
+        gate: Option<&PyCopyGate>,
     ) -> PyResult<Vec<bool>> {
+        let (keys, layers, block_ids) = what;
         let keys = parse_keys(keys)?;
-        let slice_bytes = self
-            .inner
-            .lock()
-            .attached()
-            .map(|a| a.slice_bytes)
+        let slice_bytes = py
+            .detach(|| self.inner.lock().attached().map(|a| a.slice_bytes))
             .ok_or_else(|| PyValueError::new_err("call hello() first"))?;
         let mut held = Vec::new();
         let bufs = parse_layer_blocks(slice_bytes, layers, block_ids, load, &mut held)?;
-        // SAFETY: `held` keeps every buffer alive across the call; load buffers were requested writable.
+        let gate = gate.map_or_else(|| Arc::new(CopyGate::new()), |g| Arc::clone(&g.inner));
+        // SAFETY: `held` keeps every buffer alive across the call; load buffers were requested
+        // writable. A caller that cancels the gate stops relying on them only once cancel said so.
         let r = py.detach(|| unsafe {
             let mut client = self.inner.lock();
             if load {
-                client.load_blocks(&keys, &bufs)
+                client.load_blocks_gated(&keys, &bufs, &gate)
             } else {
-                client.store_blocks(&keys, &bufs)
+                client.store_blocks_gated(&keys, &bufs, &gate)
             }
         });
         drop(held);
@@ -1092,6 +1134,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStore>()?;
     m.add_class::<PyServiceClient>()?;
     m.add_class::<PyService>()?;
+    m.add_class::<PyCopyGate>()?;
     m.add_function(wrap_pyfunction!(options, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

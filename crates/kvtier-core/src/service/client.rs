@@ -6,6 +6,7 @@
 //! connection unusable (a late reply could be taken for the next one's), so the client drops it and
 //! every later call fails at once: the caller reconnects.
 
+use super::gate::CopyGate;
 use super::placement::{Placement, PlacementRun};
 use super::protocol::*;
 use crate::error::{Error, Result};
@@ -487,13 +488,30 @@ impl Client {
     /// # Safety
     /// Every source segment must be valid for reading for the duration of the call.
     pub unsafe fn store_blocks(&mut self, keys: &[BlockKey], sources: &[BlockBuffer]) -> Result<Vec<bool>> {
+        self.store_blocks_gated(keys, sources, &CopyGate::new())
+    }
+
+    /// `store_blocks` that another thread may give up through `gate` (`CopyGate::cancel`): no copy
+    /// from `sources` starts after that, and the slots reserved but not filled are given back.
+    ///
+    /// # Safety
+    /// As `store_blocks`, until the call returns or `gate.cancel()` returned true.
+    pub unsafe fn store_blocks_gated(
+        &mut self,
+        keys: &[BlockKey],
+        sources: &[BlockBuffer],
+        gate: &CopyGate,
+    ) -> Result<Vec<bool>> {
         self.check_buffers(keys, sources)?;
         let mut results = vec![false; keys.len()];
         let mut pending: Vec<usize> = (0..keys.len()).collect();
         // Each round commits at least one block or ends: bounded by the number of blocks.
         while !pending.is_empty() {
             let round: Vec<BlockKey> = pending.iter().map(|&i| keys[i]).collect();
-            let retry = self.store_round(&round, &pending, sources, &mut results)?;
+            let retry = self.store_round(&round, &pending, sources, &mut results, gate)?;
+            if gate.is_cancelled() {
+                break;
+            }
             if retry.len() == pending.len() {
                 // No progress: the service keeps saying "no room now". Told, it counts the stores
                 // as dropped and every rank gives them up (no peer fills a slot this rank won't).
@@ -513,27 +531,35 @@ impl Client {
         indices: &[usize],
         sources: &[BlockBuffer],
         results: &mut [bool],
+        gate: &CopyGate,
     ) -> Result<Vec<usize>> {
         let reservations = self.reserve(keys)?;
-        let attached = self.attached.as_ref().expect("checked by check_buffers");
-        let pool = self.pool.as_ref().expect("mapped at hello");
-        let (mut filled, mut filled_at, mut retry) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut fills, mut retry) = (Vec::new(), Vec::new()); // fills: (index, key, object offset)
         for ((&key, &i), reservation) in keys.iter().zip(indices).zip(reservations) {
             match reservation {
-                ReserveReply::Fill { object_offset } => {
-                    attached.placement.copy(pool.base.add(object_offset), &sources[i].segments, true);
-                    filled.push(key);
-                    filled_at.push(i);
-                }
+                ReserveReply::Fill { object_offset } => fills.push((i, key, object_offset)),
                 ReserveReply::Present => results[i] = true,
                 ReserveReply::Retry => retry.push(i),
                 ReserveReply::Dropped => {}
             }
         }
-        if !filled.is_empty() {
-            for (&i, ok) in filled_at.iter().zip(self.commit(&filled)?) {
-                results[i] = ok;
-            }
+        if fills.is_empty() {
+            return Ok(retry);
+        }
+        let filled: Vec<BlockKey> = fills.iter().map(|&(_, key, _)| key).collect();
+        if !gate.enter() {
+            // Given up while the reserve was in flight: the engine may reuse the sources already.
+            self.abort(&filled)?;
+            return Ok(Vec::new());
+        }
+        let attached = self.attached.as_ref().expect("checked by check_buffers");
+        let pool = self.pool.as_ref().expect("mapped at hello");
+        for &(i, _, object_offset) in &fills {
+            attached.placement.copy(pool.base.add(object_offset), &sources[i].segments, true);
+        }
+        gate.leave();
+        for (&(i, _, _), ok) in fills.iter().zip(self.commit(&filled)?) {
+            results[i] = ok;
         }
         Ok(retry)
     }
@@ -644,12 +670,30 @@ impl Client {
     /// # Safety
     /// Every destination segment must be valid for writing and untouched by others during the call.
     pub unsafe fn load_blocks(&mut self, keys: &[BlockKey], dests: &[BlockBuffer]) -> Result<Vec<bool>> {
+        self.load_blocks_gated(keys, dests, &CopyGate::new())
+    }
+
+    /// `load_blocks` that another thread may give up through `gate` (`CopyGate::cancel`): no copy
+    /// into `dests` starts after that; blocks not copied by then answer `false`.
+    ///
+    /// # Safety
+    /// As `load_blocks`, until the call returns or `gate.cancel()` returned true.
+    pub unsafe fn load_blocks_gated(
+        &mut self,
+        keys: &[BlockKey],
+        dests: &[BlockBuffer],
+        gate: &CopyGate,
+    ) -> Result<Vec<bool>> {
         let attached = self.check_buffers(keys, dests)?.clone();
         let round_blocks = (attached.slot_count / 4).max(1);
         let mut results = Vec::with_capacity(keys.len());
         for (round_keys, round_dests) in keys.chunks(round_blocks).zip(dests.chunks(round_blocks)) {
-            results.extend(self.load_round(&attached, round_keys, round_dests)?);
+            if gate.is_cancelled() {
+                break;
+            }
+            results.extend(self.load_round(&attached, round_keys, round_dests, gate)?);
         }
+        results.resize(keys.len(), false);
         Ok(results)
     }
 
@@ -705,6 +749,7 @@ impl Client {
         attached: &Attached,
         keys: &[BlockKey],
         dests: &[BlockBuffer],
+        gate: &CopyGate,
     ) -> Result<Vec<bool>> {
         let offsets = self.acquire(keys)?;
         let pool = self.pool.as_ref().expect("mapped at hello");
@@ -716,13 +761,18 @@ impl Client {
                 copies.push(SliceCopy { from: pool.base.add(at), to: &dests[i].segments });
             }
         }
-        copy_slices(copies, &attached.placement, attached.slice_bytes, self.copy_threads);
+        // Given up while the acquire was in flight: the engine may be recomputing into `dests`.
+        let copying = copies.is_empty() || gate.enter();
+        if copying && !copies.is_empty() {
+            copy_slices(copies, &attached.placement, attached.slice_bytes, self.copy_threads);
+            gate.leave();
+        }
         if !acquired.is_empty() {
             // The copies are done and were pinned while they ran. If the release fails the connection
             // is dropped, and its closing releases the pins in the service.
             let _ = self.release(&acquired);
         }
-        Ok(offsets.iter().map(Option::is_some).collect())
+        Ok(offsets.iter().map(|at| copying && at.is_some()).collect())
     }
 }
 

@@ -7,6 +7,7 @@ pub(crate) mod changes;
 mod client;
 mod engines;
 mod fills;
+mod gate;
 mod latency;
 mod placement;
 // The framing is the service's own: engines use `Client`; tests that forge frames use
@@ -17,5 +18,6 @@ mod server;
 pub use changes::{TIER_DRAM, TIER_NVME, TIER_SHARED};
 pub use client::{Attached, Client, EngineEntry, NamespaceInfo, RemoteBadBlock, RemoteVerifyBatch, ReserveReply};
 pub use engines::{EngineCounters, MAX_ENGINES};
+pub use gate::CopyGate;
 pub use placement::{Placement, PlacementRun};
 pub use server::{Service, ServiceConfig, MAX_TP_SIZE};
