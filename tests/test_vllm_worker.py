@@ -9,8 +9,11 @@ vLLM's own specs, get_finished, wait), over numpy "layers" that stand in for the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -389,3 +392,141 @@ def test_spare_cores_are_the_reserved_ones_under_vllms_binding_and_none_under_th
     assert spare_cores({0, 1}, host, "0-1") == set()  # a partitioned host: 2-3 are another engine's
     assert spare_cores({0, 1}, host, "0,1|2,3") == set()
     assert spare_cores(set(), host, "auto") == set()  # unknown binding: leave the thread as it is
+
+
+@contextlib.contextmanager
+def frozen(socket_path: Path):
+    """The host service stopped (SIGSTOP) for the block: it accepts connections, answers nothing."""
+    pid = kvtier_service.service_pid(socket_path)
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_a_frozen_service_costs_a_fence_or_a_load_one_stall_timeout_and_nothing_lands_late(service):
+    """Issue 36: a fence on a store stuck in a frozen service returned only after job_timeout_ms
+    (then raised, and the engine stopped). Now a job that copies nothing for the stall timeout is
+    given up through its gate: the fence returns, a load is reported failed (recomputed), and when
+    the service answers again the late replies copy nothing into pages vLLM has reused."""
+    source = layers()
+    w = ServiceWorker(connection(service), source, PAGE_BYTES, job_timeout_ms=30_000, stall_timeout_ms=1_000)
+    w.can_report_load_failures = True  # KvtierConnector's route
+    try:
+        assert w.submit_store(1, engine_blocks([0, 1]), KvtierLoadStoreSpec([key(60), key(61)])) and finished(w, 1)
+        with frozen(service.socket_path()):
+            assert w.submit_store(2, engine_blocks([2, 3]), KvtierLoadStoreSpec([key(62), key(63)]))
+            started = time.monotonic()
+            w.wait({2})  # vLLM fences the store before it reuses blocks 2 and 3
+            assert time.monotonic() - started < 3, "the fence waited past the stall timeout"
+            assert w.given_up_stores == 1 and finished(w, 2)
+            for layer in source:
+                layer[2:4] = 0xAA  # vLLM reuses the blocks at once
+            assert w.submit_load(3, KvtierLoadStoreSpec([key(60), key(61)]), engine_blocks([8, 9]))
+            assert finished(w, 3, timeout_s=4) and w.given_up_loads == 1
+            assert w.take_failed_load_block_ids() == {8, 9}, "a given-up load is recomputed"
+            for layer in source:
+                layer[8:10] = 0x55  # vLLM recomputes into them
+        time.sleep(1.0)  # the stuck calls come back late
+        assert all((layer[8:10] == 0x55).all() for layer in source), "a late load copied into recomputed pages"
+        probe = connection(service)
+        assert probe.locate_many([key(62), key(63)]) == [None, None], "a given-up store was committed late"
+        # The worker kept its connection: the next load works.
+        assert w.submit_load(4, KvtierLoadStoreSpec([key(60), key(61)]), engine_blocks([10, 11])) and finished(w, 4)
+        assert all(np.array_equal(layer[10:12], layer[0:2]) for layer in source)
+        probe.close()
+    finally:
+        w.shutdown()
+
+
+def test_under_the_plain_connector_a_stalled_load_is_waited_for_not_failed(service):
+    """vLLM's plain OffloadingConnector stops the engine on a failed load: there a load stuck behind a
+    frozen service is waited for, and completes once the service answers again."""
+    source = layers()
+    w = ServiceWorker(connection(service), source, PAGE_BYTES, job_timeout_ms=30_000, stall_timeout_ms=500)
+    try:
+        assert w.submit_store(1, engine_blocks([0, 1]), KvtierLoadStoreSpec([key(70), key(71)])) and finished(w, 1)
+        with frozen(service.socket_path()):
+            assert w.submit_load(2, KvtierLoadStoreSpec([key(70), key(71)]), engine_blocks([8, 9]))
+            assert not finished(w, 2, timeout_s=1.5) and w.given_up_loads == 0
+        assert finished(w, 2)
+        assert all(np.array_equal(layer[8:10], layer[0:2]) for layer in source)
+    finally:
+        w.shutdown()
+
+
+def test_a_frozen_service_costs_the_scheduler_one_timeout_then_misses_at_once_until_it_answers(service):
+    """Issue 36: the scheduler's connection waited max(job_timeout_ms, service_timeout_ms) = 120 s per
+    call on a frozen service, holding vLLM's engine loop. Now one call waits service_timeout_ms, the
+    service steps aside (later calls miss at once), and a probe reattaches once it answers."""
+    w = worker(service, layers())
+    scheduler = ServiceConnection(service, {"test": "worker"}, 1, 0, PAGE_BYTES * LAYERS, timeout_ms=1_000)
+    try:
+        assert w.submit_store(1, engine_blocks([0]), KvtierLoadStoreSpec([key(80)])) and finished(w, 1)
+        assert scheduler.locate_many([key(80)]) == ["dram"]
+        with frozen(service.socket_path()):
+            started = time.monotonic()
+            assert scheduler.locate_many([key(80)]) == [None]
+            assert time.monotonic() - started < 2.5, "one call waits service_timeout_ms, no longer"
+            started = time.monotonic()
+            assert scheduler.locate_many([key(80)]) == [None] and scheduler.pin_many([key(80)]) == []
+            assert time.monotonic() - started < 0.1, "a stepped-aside service costs nothing more"
+            assert not scheduler.available and scheduler.outages == 1
+        deadline = time.monotonic() + 30
+        while not scheduler.available and time.monotonic() < deadline:
+            scheduler.locate_many([key(80)])
+            time.sleep(0.1)
+        assert scheduler.locate_many([key(80)]) == ["dram"], "reattached without a restart"
+        assert scheduler.outages == 1
+    finally:
+        scheduler.close()
+        w.shutdown()
+
+
+def test_under_the_plain_connector_a_block_only_a_remote_tier_holds_is_not_offered(tmp_path):
+    """Issue 36: a block held only by the shared (or object) tier is not pinned: another node may
+    evict it between the lookup and the load, and under vLLM's plain OffloadingConnector that failed
+    load stops the engine. There such a block is a miss unless a prefetch brought it into DRAM;
+    KvtierConnector, which recomputes a failed load, is offered it."""
+    shared = {"shared_root": str(tmp_path / "shared"), "shared_staleness_ms": 100, "shared_file_bytes": 1 << 20}
+
+    def node(name: str) -> KvtierOptions:
+        own = options_for(tmp_path / name)
+        return KvtierOptions.from_extra_config(
+            {**own.store_options, **shared, "path": own.path, "pool_dir": str(tmp_path)}
+        )
+
+    writer, reader = node("a"), node("b")
+    offload_keys = [make_offload_key(hashlib.sha256(bytes([90 + i])).digest(), 0) for i in range(2)]
+    store_keys = [kvtier_key(k) for k in offload_keys]
+    try:
+        w = worker(writer, layers())
+        assert w.submit_store(1, engine_blocks([0, 1]), KvtierLoadStoreSpec(store_keys)) and finished(w, 1)
+        w.shutdown()
+        connection(writer).flush()  # published to the shared directory
+        probe = connection(reader)  # another node: nothing in its DRAM or on its NVMe
+        deadline = time.monotonic() + 10
+        while probe.locate_many(store_keys) != ["shared", "shared"]:
+            assert time.monotonic() < deadline, "the published blocks never became visible"
+            time.sleep(0.05)
+        request = ReqContext(req_id="r1")
+        plain = KvtierManager(ServiceBackend(connection(reader)))
+        assert plain.lookup(offload_keys[0], request) == LookupResult.MISS
+        recomputing = KvtierManager(ServiceBackend(connection(reader)))
+        recomputing.recomputes_failed_loads = True
+        assert recomputing.lookup(offload_keys[0], request) == LookupResult.HIT
+        # With the prefetcher the block is read into DRAM first, where a pin holds it: offered.
+        prefetching = KvtierManager(ServiceBackend(connection(reader), Prefetcher(lambda: connection(reader))))
+        deadline = time.monotonic() + 10
+        while prefetching.lookup(offload_keys[1], request) != LookupResult.HIT:
+            assert time.monotonic() < deadline, "the prefetch never ended"
+            time.sleep(0.02)
+        assert probe.locate_many(store_keys[1:]) == ["dram"]
+        for manager in (plain, recomputing, prefetching):
+            manager.shutdown()
+        probe.close()
+    finally:
+        kvtier_service.stop_service(writer.socket_path())
+        kvtier_service.stop_service(reader.socket_path())

@@ -18,6 +18,7 @@ bytes.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,51 @@ class TransferCounters:
     load_rounds: int = 0
     retried_reserves: int = 0
     errors: list[str] = field(default_factory=list)
+
+
+class DmaGate:
+    """``kvtier._core.CopyGate``'s protocol for copies the GPU runs asynchronously: the job thread
+    issues each round's copies through ``issue``; another thread gives the job up with ``cancel``,
+    which returns once every copy issued so far has landed, and no copy is issued after it. The job
+    thread may be stuck in a call to a frozen service meanwhile: ``cancel`` never waits for it."""
+
+    def __init__(self, side: Any):
+        self._side = side
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._markers: list[Any] = []
+        self.rounds = 0
+
+    def issue(self, copy: Callable[[], Any]) -> Any:
+        """Runs ``copy`` (it issues copies and returns their done marker) unless given up: its
+        marker, or ``GIVEN_UP`` when the job was given up (nothing issued)."""
+        with self._lock:
+            if self._cancelled:
+                return GIVEN_UP
+            marker = copy()
+            self._markers.append(marker)
+            self.rounds += 1
+            return marker
+
+    def cancel(self) -> bool:
+        with self._lock:
+            self._cancelled = True
+            markers, self._markers = self._markers, []
+        for marker in markers:
+            self._side.wait(marker)
+        return True
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+
+# What ``DmaGate.issue`` returns for a job given up (a host side's done marker is None).
+GIVEN_UP = object()
+
+
+def _issue(gate: DmaGate | None, copy: Callable[[], Any]) -> Any:
+    return copy() if gate is None else gate.issue(copy)
 
 
 class _Binding:
@@ -186,8 +232,11 @@ class BlockTransfers:
 
     # ---- stores ---------------------------------------------------------------------------------
 
-    def store(self, client: Any, keys: list[bytes], block_ids: Sequence[int], ready: Any = None) -> list[bool]:
-        """Stores the blocks: True per block the service has now (stored, or present already)."""
+    def store(
+        self, client: Any, keys: list[bytes], block_ids: Sequence[int], ready: Any = None, gate: DmaGate | None = None
+    ) -> list[bool]:
+        """Stores the blocks: True per block the service has now (stored, or present already).
+        ``gate``: another thread may give the store up (``DmaGate.cancel``)."""
         stored = [False] * len(keys)
         if client is None or not keys:
             return stored
@@ -199,8 +248,8 @@ class BlockTransfers:
         pending = list(range(len(keys)))
         # Blocks the service had no room for are asked for again once the others are committed (as
         # the service's own store_blocks does); each round places a block or ends the job.
-        while pending:
-            retry = self._store_round(binding, keys, block_ids, ready, pending, stored)
+        while pending and not (gate is not None and gate.cancelled):
+            retry = self._store_round(binding, (keys, block_ids), ready, pending, stored, gate)
             if retry and len(retry) == len(pending):
                 self._give_up(binding, [keys[i] for i in retry])
                 break
@@ -220,13 +269,15 @@ class BlockTransfers:
     def _store_round(
         self,
         binding: _Binding,
-        keys: list[bytes],
-        block_ids: Sequence[int],
+        job: tuple[list[bytes], Sequence[int]],
         ready: Any,
         indices: list[int],
         stored: list[bool],
+        gate: DmaGate | None,
     ) -> list[int]:
-        """One reserve → copy → commit round over ``indices``; the indices to reserve again."""
+        """One reserve → copy → commit round over ``indices`` of ``job`` (keys, engine block ids);
+        the indices to reserve again."""
+        keys, block_ids = job
         try:
             replies = binding.client.reserve_many([keys[i] for i in indices])
         except Exception as error:
@@ -244,7 +295,13 @@ class BlockTransfers:
             return retry
         fill_keys = [keys[i] for i, _ in fills]
         try:
-            marker = self._copy(binding, ready, [block_ids[i] for i, _ in fills], [o for _, o in fills], to_pool=True)
+            copy = lambda: self._copy(  # noqa: E731
+                binding, ready, [block_ids[i] for i, _ in fills], [o for _, o in fills], to_pool=True
+            )
+            marker = _issue(gate, copy)
+            if marker is GIVEN_UP:  # given up while the reserve was in flight: the engine reuses the blocks
+                self._abort(binding, fill_keys)
+                return []
             self.side.wait(marker)
         except Exception as error:
             self.counters.failed_copies += 1
@@ -271,9 +328,12 @@ class BlockTransfers:
 
     # ---- loads ----------------------------------------------------------------------------------
 
-    def load(self, client: Any, keys: list[bytes], block_ids: Sequence[int], ready: Any = None) -> list[bool]:
+    def load(
+        self, client: Any, keys: list[bytes], block_ids: Sequence[int], ready: Any = None, gate: DmaGate | None = None
+    ) -> list[bool]:
         """Loads the blocks' prefix that the service has: True per block copied in. Rounds are
-        pipelined: round n+1 is acquired (read up from NVMe by the service) while round n copies."""
+        pipelined: round n+1 is acquired (read up from NVMe by the service) while round n copies.
+        ``gate``: another thread may give the load up (``DmaGate.cancel``): no copy after that."""
         found = [False] * len(keys)
         if client is None or not keys:
             return found
@@ -290,12 +350,16 @@ class BlockTransfers:
                 hits, pinned = self._acquire(binding, keys[at:end])
                 self.counters.load_rounds += 1
                 if hits:
+                    ids = block_ids[at : at + len(hits)]
                     try:
-                        marker = self._copy(binding, ready, block_ids[at : at + len(hits)], hits, to_pool=False)
+                        marker = _issue(gate, lambda: self._copy(binding, ready, ids, hits, to_pool=False))  # noqa: B023
                     except Exception as error:
                         self.counters.failed_copies += 1
                         self._note(f"copying {len(hits)} blocks from the pool failed: {error}")
                         self._settle()
+                        self._release(binding, pinned)
+                        break
+                    if marker is GIVEN_UP:  # given up: the engine recomputes these blocks
                         self._release(binding, pinned)
                         break
                     in_flight.append((marker, pinned, range(at, at + len(hits))))

@@ -28,6 +28,11 @@ logger = logging.getLogger("kvtier.vllm")
 # A lost connection is retried at most this often, in the background: a call never waits for it.
 RECONNECT_INTERVAL_S = 1.0
 
+
+class ServiceUnreachable(ConnectionError):
+    """The host service did not answer (dead, frozen, or its socket gone): the engine serves misses."""
+
+
 # Every ServiceConnection this process opened and has not closed (for the benchmarks and tests).
 _service_connections: weakref.WeakSet[ServiceConnection] = weakref.WeakSet()
 
@@ -55,11 +60,14 @@ def wait_for_stores(timeout_s: float) -> bool:
 class ServiceConnection:
     """This process's connection to the host service, attached to the engine's namespace.
 
-    Every call is bounded by the connection's timeout and never raises: a dead or unreachable
-    service answers with the call's miss (nothing present, nothing pinned, no transfer), counted in
-    ``failed_calls`` and logged once per outage. A lost connection is re-established in the
-    background, starting the service again when none answers (its NVMe tier is recovered), so the
-    engine keeps serving through a service restart and then reattaches.
+    Every call is bounded by ``timeout_ms`` (per read and write on the socket) and never raises: a
+    dead, frozen or unreachable service answers with the call's miss (nothing present, nothing
+    pinned, no transfer), counted in ``failed_calls`` and logged once per outage. After a failed
+    call the service steps aside: calls answer their miss at once, without waiting, while one
+    reconnect at a time probes it in the background (starting the service again when none answers;
+    its NVMe tier is recovered), so an outage costs the engine at most one timeout and the engine
+    reattaches without a restart. An engine whose service cannot be reached at start starts anyway,
+    serving misses; a service that answers and refuses the engine stops it with the reason.
     """
 
     def __init__(
@@ -70,11 +78,13 @@ class ServiceConnection:
         rank: int,
         slice_bytes: int,
         label: str = "",
+        timeout_ms: int | None = None,
     ):
         self._options = options
         self._label = label[:128]
         self._description = json.dumps(description, sort_keys=True).encode()
         self._tp_size, self._rank, self._slice_bytes = tp_size, rank, slice_bytes
+        self.timeout_ms = timeout_ms if timeout_ms is not None else options.job_timeout_ms
         self._placement: list[tuple[int, int, int]] | None = None
         self._lock = threading.Lock()
         self._client: Any = None
@@ -82,8 +92,13 @@ class ServiceConnection:
         self._last_attempt = 0.0
         self._outage_logged = False
         self.failed_calls = 0
+        self.outages = 0  # times the service stopped answering this connection
         self.namespace = namespace_digest(description)
-        self._client = self._connect(start_timeout_s=None)
+        try:
+            self._client = self._connect(start_timeout_s=None)
+        except ServiceUnreachable as error:
+            self._note_outage(f"the host service cannot be reached at start ({error})")
+            self._reconnect_in_background()
         with registry_lock:
             _service_connections.add(self)
 
@@ -102,8 +117,14 @@ class ServiceConnection:
             start_timeout_s=start_timeout_s or SERVICE_START_TIMEOUT_S,
             idle_timeout_s=self._options.service_idle_timeout_s,
         )
-        client = connect(socket, timeout_ms=max(self._options.job_timeout_ms, self._options.service_timeout_ms))
-        client.hello(self._description, self._tp_size, self._rank, self._slice_bytes)
+        client: Any = None
+        try:
+            client = connect(socket, timeout_ms=self.timeout_ms)
+            client.hello(self._description, self._tp_size, self._rank, self._slice_bytes)
+        except Exception as error:
+            if client is not None and client.connected:
+                raise  # it answered, and refused this engine: the message says why
+            raise ServiceUnreachable(str(error)) from error
         if self._placement is not None:
             client.set_placement(self._placement)
         if self._label:
@@ -134,14 +155,15 @@ class ServiceConnection:
             try:
                 client = self._connect(start_timeout_s=None)
             except Exception as error:
-                logger.warning("kvtier: the host service is still unreachable (%s); serving misses", error)
+                logger.debug("kvtier: the host service is still unreachable (%s); serving misses", error)
                 client = None
             with self._lock:
                 self._reconnecting = False
                 if client is not None:
                     self._client = client
+                    if self._outage_logged:
+                        logger.warning("kvtier: reattached to the host service; serving its hits again")
                     self._outage_logged = False
-                    logger.info("kvtier: reattached to the host service")
 
         threading.Thread(target=attempt, name="kvtier-reconnect", daemon=True).start()
 
@@ -153,12 +175,26 @@ class ServiceConnection:
             return getattr(client, method)(*args)
         except Exception as error:
             self.failed_calls += 1
-            if not self._outage_logged:
-                self._outage_logged = True
-                logger.error("kvtier: host service call %s failed (%s); serving misses until it is back", method, error)
             if not client.connected:
+                self._note_outage(f"host service call {method} failed ({error})")
                 self._reconnect_in_background()
+            else:
+                logger.warning("kvtier: host service call %s refused (%s)", method, error)
             return default
+
+    def _note_outage(self, what: str) -> None:
+        """Counted and logged once per outage: every later call answers its miss at once until a
+        reconnect ends it."""
+        if not self._outage_logged:
+            self._outage_logged = True
+            self.outages += 1
+            logger.error("kvtier: %s; serving misses (recompute) until it answers again", what)
+
+    @property
+    def available(self) -> bool:
+        """Whether calls go to the service now (False while it is stepped aside after a failure)."""
+        client = self._client
+        return client is not None and client.connected
 
     def count_failed_call(self) -> None:
         self.failed_calls += 1
@@ -189,6 +225,7 @@ class ServiceConnection:
     def stats(self) -> dict[str, int]:
         stats = dict(self.call("stats", default={}))
         stats["service_failed_calls"] = self.failed_calls
+        stats["service_outages"] = self.outages
         return stats
 
     def flush(self) -> None:

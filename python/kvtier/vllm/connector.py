@@ -50,6 +50,10 @@ class KvtierConnector(OffloadingConnector):
             super().__init__(vllm_config, role, kv_cache_config)
         finally:
             _constructing.vllm_config = None
+        scheduler = getattr(self, "connector_scheduler", None)
+        manager = getattr(scheduler, "manager", None)
+        if manager is not None and hasattr(manager, "recomputes_failed_loads"):
+            manager.recomputes_failed_loads = True  # blocks held only by a remote tier may be offered
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:

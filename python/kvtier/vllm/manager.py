@@ -56,6 +56,7 @@ class KvtierManager(OffloadingManager):
         admission: str = "all",
         admission_memory_blocks: int = 1 << 18,
         config_info: Mapping[str, str | int | float | bool] | None = None,
+        pending_timeout_s: float = 5.0,
     ):
         self._shared = shared
         self._config_info = dict(config_info or {})
@@ -69,11 +70,20 @@ class KvtierManager(OffloadingManager):
         self._pinned_at: dict[str, float] = {}
         self._pin_lease_s = pin_lease_s
         self._being_stored: Counter[bytes] = Counter()
+        # When each key began being stored: a request waits in HIT_PENDING for a store at most
+        # ``pending_timeout_s`` (one stuck behind a frozen service turns into a miss, recomputed).
+        self._store_began: dict[bytes, float] = {}
+        self._pending_timeout_s = pending_timeout_s
+        self.expired_pending = 0
         # "second_sight": keys computed once and not stored, oldest first (an LRU of key -> None).
         self._second_sight: OrderedDict[bytes, None] | None = OrderedDict() if admission == "second_sight" else None
         self._admission_memory_blocks = admission_memory_blocks
         self.not_admitted_blocks = 0
         self._prefetcher = shared.prefetcher if isinstance(shared, ServiceBackend) else None
+        # Set by KvtierConnector, which reports failed loads to vLLM (recomputed). Under vLLM's plain
+        # OffloadingConnector a failed load stops the engine, so only blocks a pin holds (in DRAM or
+        # on NVMe) are offered there: one held only by a remote tier can vanish before its load.
+        self.recomputes_failed_loads = False
         self._stats = StatsDeltaTracker()
         self._stats.prime(shared)
 
@@ -95,12 +105,19 @@ class KvtierManager(OffloadingManager):
             # The store shows a block only once its bytes are complete, even if vLLM has not yet
             # been told that the store job finished.
             if tier != "dram" and self._prefetcher is not None:
-                return self._prefetcher.lookup(store_key, tier)
+                result = self._prefetcher.lookup(store_key, tier)
+                if result is LookupResult.HIT and tier == "shared" and not self.recomputes_failed_loads:
+                    return LookupResult.MISS  # its prefetch ended, yet no local tier holds it
+                return result
+            if tier == "shared" and not self.recomputes_failed_loads:
+                return LookupResult.MISS
             return LookupResult.HIT
         if store_key in self._being_stored:
             # Still being copied out of the engine: the request waits a step for it instead of
             # recomputing what is about to be readable (a dropped store turns this into a miss).
-            return LookupResult.HIT_PENDING
+            if time.monotonic() - self._store_began.get(store_key, 0.0) <= self._pending_timeout_s:
+                return LookupResult.HIT_PENDING
+            self.expired_pending += 1
         return LookupResult.MISS
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
@@ -195,8 +212,10 @@ class KvtierManager(OffloadingManager):
                 continue
             keys_to_store.append(key)
             store_keys_to_store.append(store_key)
+        now = time.monotonic()
         for store_key in store_keys_to_store:
             self._being_stored[store_key] += 1
+            self._store_began.setdefault(store_key, now)
         return PrepareStoreOutput(
             keys_to_store=keys_to_store,
             store_spec=KvtierLoadStoreSpec(store_keys_to_store),
@@ -224,6 +243,7 @@ class KvtierManager(OffloadingManager):
                 self._being_stored[store_key] -= 1
                 if self._being_stored[store_key] == 0:
                     del self._being_stored[store_key]
+                    self._store_began.pop(store_key, None)
         events = self._event_feed()
         if events is not None:
             events.expect_stored(store_keys)
@@ -236,6 +256,7 @@ class KvtierManager(OffloadingManager):
         # delete blocks other engines (or this engine after a restart) rely on.
         logger.info("kvtier: reset_cache ignored; kvtier keeps its blocks (remove the store directory to drop them)")
         self._being_stored.clear()
+        self._store_began.clear()
         events = self._event_feed()
         if events is not None:
             events.restate()

@@ -28,12 +28,17 @@ class Prefetcher:
 
     REMEMBER_S = 120.0
 
-    def __init__(self, connect: Callable[[], ServiceConnection]):
+    def __init__(self, connect: Callable[[], ServiceConnection], pending_timeout_s: float = 5.0):
         self._connect = connect
         self._connection: ServiceConnection | None = None
         self._cv = threading.Condition()
         self._queue: list[bytes] = []
         self._in_flight: dict[bytes, str] = {}  # key -> tier it is read from
+        self._since: dict[bytes, float] = {}  # key -> when its prefetch was asked for
+        # A request waits in HIT_PENDING at most this long: a prefetch stuck behind a frozen service
+        # or a stalled tier turns into a miss (recompute) instead of holding the request.
+        self._pending_timeout_s = pending_timeout_s
+        self.expired_pending = 0
         self._ended: dict[bytes, tuple[str, float]] = {}  # key -> (origin tier, when)
         self._stopping = False
         self.prefetched_blocks = 0
@@ -47,8 +52,12 @@ class Prefetcher:
                 return LookupResult.HIT
             if key not in self._in_flight:
                 self._in_flight[key] = tier
+                self._since[key] = time.monotonic()
                 self._queue.append(key)
                 self._cv.notify_all()
+            elif time.monotonic() - self._since[key] > self._pending_timeout_s:
+                self.expired_pending += 1
+                return LookupResult.MISS
             return LookupResult.HIT_PENDING
 
     def origin(self, key: bytes) -> str | None:
@@ -76,6 +85,7 @@ class Prefetcher:
             with self._cv:
                 for key in batch:
                     self._ended[key] = (self._in_flight.pop(key, "nvme"), now)
+                    self._since.pop(key, None)
                 self._forget_older_than(now - self.REMEMBER_S)
 
     def _forget_older_than(self, cutoff: float) -> None:

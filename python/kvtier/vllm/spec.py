@@ -161,7 +161,10 @@ class KvtierOffloadingSpec(OffloadingSpec):
             return None
         return getattr(self.vllm_config.cache_config, "prefix_caching_hash_algo", None)
 
-    def _service_connection(self, rank: int, labelled: bool = True) -> ServiceConnection:
+    def _service_connection(self, rank: int, labelled: bool = True, scheduler: bool = False) -> ServiceConnection:
+        """``scheduler``: a connection of the engine-core process (lookups, pins, prefetches, events),
+        whose calls hold up vLLM's engine loop: bounded by ``service_timeout_ms``. A worker's
+        transfers run on its own job thread, bounded by ``job_timeout_ms``."""
         if self.config.worker_kv_bytes_per_block <= 0:
             raise KvtierVllmConfigError(
                 "vLLM did not say how many KV bytes a worker holds per block (worker_kv_bytes_per_block); "
@@ -180,6 +183,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             rank,
             self.config.worker_kv_bytes_per_block,
             label=self._engine_label() if labelled else "",
+            timeout_ms=self.options.service_timeout_ms if scheduler else self.options.job_timeout_ms,
         )
 
     def _engine_label(self) -> str:
@@ -192,18 +196,20 @@ class KvtierOffloadingSpec(OffloadingSpec):
             pin_lease_s = max(60.0, 2 * self.options.job_timeout_ms / 1000)
             # The prefetcher's reads are not the engine's loads: its connection stays out of the
             # per-engine counters.
-            prefetch_connection = lambda: self._service_connection(rank=0, labelled=False)  # noqa: E731
-            prefetcher = Prefetcher(prefetch_connection) if self.options.prefetch else None
+            prefetch_connection = lambda: self._service_connection(rank=0, labelled=False, scheduler=True)  # noqa: E731
+            pending_timeout_s = self.options.service_timeout_ms / 1000
+            prefetcher = Prefetcher(prefetch_connection, pending_timeout_s) if self.options.prefetch else None
             # vLLM drains take_events() only when its KV-event publisher is on.
             events = None
             if getattr(self.config, "enable_kv_cache_events", False):
                 events = EventFeed(prefetch_connection, direct_offload_key(self.config.groups[0].group_id))
             return KvtierManager(
-                ServiceBackend(self._service_connection(rank=0), prefetcher, events),
+                ServiceBackend(self._service_connection(rank=0, scheduler=True), prefetcher, events),
                 pin_lease_s,
                 self.options.admission,
                 self.options.admission_memory_blocks,
                 config_info=self.options.config_info(),
+                pending_timeout_s=pending_timeout_s,
             )
         shared = find_engine_store(self.options, self.config.engine_id)
         if shared is None:
@@ -258,27 +264,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
         object_bytes = page_bytes * len(tensors)
         layer_buffers = [] if on_gpu else [tensor.numpy() for tensor in tensors]
         if self.options.host_service:
-            if object_bytes != self.config.worker_kv_bytes_per_block:
-                raise KvtierVllmConfigError(
-                    f"this rank's KV cache holds {object_bytes} bytes per block but vLLM reports "
-                    f"worker_kv_bytes_per_block={self.config.worker_kv_bytes_per_block}; kvtier cannot size its "
-                    "slices (an unsupported KV-cache layout)"
-                )
-            connection = self._service_connection(rank=self.config.parallel.rank)
-            if rank_independent_objects(self.config):
-                connection.set_placement(canonical_placement(group_refs, page_bytes))
-            if on_gpu:
-                from kvtier.gpu.transfers import rank_tensors
-
-                return GpuServiceWorker(connection, rank_tensors(tensors), self.options.job_timeout_ms)
-            return ServiceWorker(
-                connection,
-                layer_buffers,
-                page_bytes,
-                self.options.job_timeout_ms,
-                defer_stores=self.options.defer_stores,
-                deferred_store_max_blocks=self.options.deferred_store_max_blocks,
-            )
+            return self._service_worker(group_refs, tensors, layer_buffers, page_bytes)
         description = namespace_description(
             self.config,
             page_bytes_per_layer=page_bytes_per_layer,
@@ -289,3 +275,34 @@ class KvtierOffloadingSpec(OffloadingSpec):
         namespace = namespace_digest(description)
         shared = acquire_store(self.options, self.config.engine_id, namespace, description, object_bytes)
         return KvtierWorker(shared, layer_buffers, page_bytes, self.options.job_timeout_ms)
+
+    def _service_worker(
+        self, group_refs: Any, tensors: list[torch.Tensor], layer_buffers: list[Any], page_bytes: int
+    ) -> OffloadingWorker:
+        """This rank's worker in the host-service layout: its connection, then a GPU or CPU worker."""
+        on_gpu = tensors[0].device.type == "cuda"
+        object_bytes = page_bytes * len(tensors)
+        if object_bytes != self.config.worker_kv_bytes_per_block:
+            raise KvtierVllmConfigError(
+                f"this rank's KV cache holds {object_bytes} bytes per block but vLLM reports "
+                f"worker_kv_bytes_per_block={self.config.worker_kv_bytes_per_block}; kvtier cannot size its "
+                "slices (an unsupported KV-cache layout)"
+            )
+        connection = self._service_connection(rank=self.config.parallel.rank)
+        if rank_independent_objects(self.config):
+            connection.set_placement(canonical_placement(group_refs, page_bytes))
+        if on_gpu:
+            from kvtier.gpu.transfers import rank_tensors
+
+            return GpuServiceWorker(
+                connection, rank_tensors(tensors), self.options.job_timeout_ms, self.options.service_timeout_ms
+            )
+        return ServiceWorker(
+            connection,
+            layer_buffers,
+            page_bytes,
+            self.options.job_timeout_ms,
+            defer_stores=self.options.defer_stores,
+            deferred_store_max_blocks=self.options.deferred_store_max_blocks,
+            stall_timeout_ms=self.options.service_timeout_ms,
+        )

@@ -47,6 +47,9 @@ logger = logging.getLogger("kvtier.vllm")
 STORE_BATCH_BYTES = 16 << 20
 # Threads that copy a large load out of the pool while the engine has no forward pass running.
 LOAD_COPY_THREADS = min(4, os.cpu_count() or 1)
+# How often a fence looks at its jobs' progress, and the watchdog at pending loads'.
+FENCE_POLL_S = 0.05
+WATCH_INTERVAL_S = 0.25
 
 
 @dataclass
@@ -57,6 +60,11 @@ class _Job:
     started_ns: int
     # GPU workers: an event on the engine's stream at submission; the job's copies wait for it.
     ready: Any = None
+    # Lets another thread give the job up without racing its copies (``CopyGate``, ``DmaGate``).
+    gate: Any = None
+    # For the watchdog: the gate's rounds when last seen, and when they last changed.
+    seen_rounds: int = 0
+    progressed_at: float = 0.0
 
 
 class JobResults:
@@ -289,6 +297,9 @@ class Transport(Protocol):
     def ready_marker(self) -> Any:
         """Runs on the engine's thread when vLLM submits a job; the job's copies wait for it."""
 
+    def new_gate(self) -> Any:
+        """A job's gate: ``cancel()`` (True once no copy of the job will run again), ``rounds``."""
+
     def load(self, job: _Job, keys: list[bytes], engine_idle: bool) -> list[bool]:
         """Copies ``keys`` into ``job.block_ids``; ``engine_idle``: no forward pass runs, vLLM waits."""
         ...
@@ -320,15 +331,20 @@ class ServiceCopy:
     def ready_marker(self) -> Any:
         return None
 
+    def new_gate(self) -> Any:
+        from kvtier._core import CopyGate
+
+        return CopyGate()
+
     def load(self, job: _Job, keys: list[bytes], engine_idle: bool) -> list[bool]:
         spread = self._spread_load(engine_idle)
-        found = self._connection.call("load_blocks", keys, self._layers, job.block_ids, default=None)
+        found = self._connection.call("load_blocks", keys, self._layers, job.block_ids, job.gate, default=None)
         if spread:
             _set_affinity(self._spare_cores)
         return list(found) if found is not None else [False] * len(keys)
 
     def store(self, job: _Job, keys: list[bytes], block_ids: list[int]) -> list[bool]:
-        found = self._connection.call("store_blocks", keys, self._layers, block_ids, default=None)
+        found = self._connection.call("store_blocks", keys, self._layers, block_ids, job.gate, default=None)
         return list(found) if found is not None else [False] * len(keys)
 
     def _spread_load(self, engine_idle: bool) -> bool:
@@ -374,11 +390,16 @@ class GpuDma:
     def ready_marker(self) -> Any:
         return self.transfers.ready_marker()
 
+    def new_gate(self) -> Any:
+        from kvtier.gpu.transfers import DmaGate
+
+        return DmaGate(self.transfers.side)
+
     def load(self, job: _Job, keys: list[bytes], engine_idle: bool) -> list[bool]:
-        return self.transfers.load(self._connection.live_client(), keys, job.block_ids, job.ready)
+        return self.transfers.load(self._connection.live_client(), keys, job.block_ids, job.ready, job.gate)
 
     def store(self, job: _Job, keys: list[bytes], block_ids: list[int]) -> list[bool]:
-        return self.transfers.store(self._connection.live_client(), keys, block_ids, job.ready)
+        return self.transfers.store(self._connection.live_client(), keys, block_ids, job.ready, job.gate)
 
     def close(self) -> None:
         self.transfers.close()  # unpins the pool before the connection unmaps it
@@ -401,17 +422,20 @@ class JobQueueWorker(OffloadingWorker):
         job_timeout_ms: int,
         defer_stores: bool = True,
         deferred_store_max_blocks: int = 4096,
+        stall_timeout_ms: int = 5_000,
     ):
         self._connection = connection
         self.transport = transport
         self._job_timeout_ms = job_timeout_ms
+        self._stall_timeout_s = stall_timeout_ms / 1000
         self._defer_stores = defer_stores
         self._deferred_store_max_blocks = deferred_store_max_blocks
         self.results = JobResults(transport.object_bytes)
         self._cv = threading.Condition()
         self._loads: list[tuple[_Job, list[bytes]]] = []
         self._stores: list[_StoreWork] = []
-        self._pending: set[int] = set()  # vLLM job ids queued or running
+        self._pending: dict[int, _Job] = {}  # vLLM job id -> job, queued or running
+        self._works: dict[int, _StoreWork] = {}  # vLLM job id -> a pending store's progress
         self._urgent: set[int] = set()  # store jobs vLLM waits for: never held back
         self._prefill_running = False
         self._forward_running = False
@@ -421,8 +445,16 @@ class JobQueueWorker(OffloadingWorker):
         self.deferred_store_jobs = 0
         self.dropped_store_blocks = 0
         self.job_thread_wakeups = 0  # times the job thread woke from waiting for work
+        # Jobs given up because they made no progress for the stall timeout (a frozen service): a
+        # store vLLM fenced (the blocks it had not copied yet are not stored), a load (recomputed).
+        self.given_up_stores = 0
+        self.given_up_loads = 0
+        self._stall_logged = False
+        self._loads_pending = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-worker-jobs", daemon=True)
         self._thread.start()
+        self._watchdog = threading.Thread(target=self._watch_loads, name="kvtier-worker-watchdog", daemon=True)
+        self._watchdog.start()
         with registry_lock:
             _service_workers.add(self)
 
@@ -472,18 +504,22 @@ class JobQueueWorker(OffloadingWorker):
     def _submit(self, vllm_job_id: int, is_load: bool, keys: list[bytes], block_ids: list[int]) -> bool:
         _check_job(vllm_job_id, keys, block_ids)
         job = _Job(vllm_job_id, is_load, block_ids, time.monotonic_ns(), self.transport.ready_marker())
+        job.gate, job.progressed_at = self.transport.new_gate(), time.monotonic()
         with self._cv:
             if not keys:
                 self.results.finished.append(TransferResult(vllm_job_id, True, 0, 0.0))
                 return True
             if is_load:
                 self._loads.append((job, keys))
+                self._loads_pending.set()
             elif self._defer_stores and self._backlog_blocks() + len(keys) > self._deferred_store_max_blocks:
                 self._drop_store(job, keys)
                 return True
             else:
-                self._stores.append(_StoreWork(job, keys, [False] * len(keys)))
-            self._pending.add(vllm_job_id)
+                work = _StoreWork(job, keys, [False] * len(keys))
+                self._stores.append(work)
+                self._works[vllm_job_id] = work
+            self._pending[vllm_job_id] = job
             self._cv.notify_all()
         return True
 
@@ -545,21 +581,99 @@ class JobQueueWorker(OffloadingWorker):
 
     def _store_batch(self, work: _StoreWork) -> None:
         batch = slice(work.copied, work.copied + max(1, STORE_BATCH_BYTES // self.transport.object_bytes))
-        work.found[batch] = self.transport.store(work.job, work.keys[batch], work.job.block_ids[batch])
-        keys = work.keys[batch]
+        found = self.transport.store(work.job, work.keys[batch], work.job.block_ids[batch])
         with self._cv:
-            work.copied += len(keys)
+            if work.job.vllm_job_id not in self._pending:
+                return  # given up meanwhile, and reported with what it had stored then
+            work.found[batch] = found
+            work.copied += len(found)
+            work.job.progressed_at = time.monotonic()
             if work.remaining > 0:
                 return
             self._stores.remove(work)
-        self._finish(work.job, work.found)
+            self._finish_locked(work.job, work.found)
 
     def _finish(self, job: _Job, found: list[bool]) -> None:
         with self._cv:
-            self.results.complete(job, found)
-            self._pending.discard(job.vllm_job_id)
-            self._urgent.discard(job.vllm_job_id)
-            self._cv.notify_all()
+            self._finish_locked(job, found)
+
+    def _finish_locked(self, job: _Job, found: list[bool]) -> None:
+        """Holds ``_cv``. A job given up earlier was reported then: its late outcome is dropped."""
+        if self._pending.pop(job.vllm_job_id, None) is None:
+            return
+        self._works.pop(job.vllm_job_id, None)
+        self.results.complete(job, found)
+        self._urgent.discard(job.vllm_job_id)
+        if not any(pending.is_load for pending in self._pending.values()):
+            self._loads_pending.clear()
+        self._cv.notify_all()
+
+    # -- giving up stalled jobs -------------------------------------------------------------------
+
+    def _stalled(self, job: _Job, now: float) -> bool:
+        """Holds ``_cv``. Whether ``job`` copied nothing for the stall timeout: a frozen service or a
+        stalled tier, not a long transfer (that copies a round at a time)."""
+        rounds = int(job.gate.rounds) if job.gate is not None else 0
+        if rounds != job.seen_rounds:
+            job.seen_rounds, job.progressed_at = rounds, now
+        return now - job.progressed_at > self._stall_timeout_s
+
+    def _give_up(self, jobs: list[_Job], why: str) -> None:
+        """Reports ``jobs`` finished now, once their gates say no copy of theirs runs again: a store
+        with the blocks it stored so far (the rest are dropped: a cache), a load as failed (vLLM
+        recomputes it). The job thread may stay stuck in its call meanwhile; its outcome is dropped."""
+        for job in jobs:
+            self._cancel_gate(job)
+        with self._cv:
+            for job in jobs:
+                if job.vllm_job_id not in self._pending:
+                    continue  # finished meanwhile
+                work = self._works.get(job.vllm_job_id)
+                if work is not None and work in self._stores:
+                    self._stores.remove(work)
+                self._loads = [(queued, keys) for queued, keys in self._loads if queued is not job]
+                self.given_up_loads += int(job.is_load)
+                self.given_up_stores += int(not job.is_load)
+                self._finish_locked(job, work.found if work is not None else [False] * len(job.block_ids))
+        if not self._stall_logged:
+            self._stall_logged = True
+            logger.error(
+                "kvtier: %s: %d job(s) made no progress for %.1f s (service_timeout_ms); given up, the engine "
+                "recomputes what they would have loaded and keeps its blocks (logged once)",
+                why,
+                len(jobs),
+                self._stall_timeout_s,
+            )
+
+    def _cancel_gate(self, job: _Job) -> None:
+        """Waits until no copy of ``job`` runs and none will start: a copy in progress is a memory copy
+        of one round (milliseconds); the service call the job thread may be stuck in is not waited for."""
+        deadline = time.monotonic() + self._job_timeout_ms / 1000
+        while not job.gate.cancel():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kvtier: a copy of job {job.vllm_job_id} ran past job_timeout_ms; the engine stops")
+            time.sleep(0.001)
+
+    def _watch_loads(self) -> None:
+        """Gives up loads that stalled (on KvtierConnector's route, which recomputes them). vLLM's
+        plain OffloadingConnector stops the engine on a failed load: there a stalled load is waited for."""
+        while not self._stopping:
+            self._loads_pending.wait()
+            time.sleep(WATCH_INTERVAL_S)
+            with self._cv:
+                now = time.monotonic()
+                stalled = [job for job in self._pending.values() if job.is_load and self._stalled(job, now)]
+                can_fail = self.results.can_report_load_failures
+            if stalled and can_fail:
+                self._give_up(stalled, "stalled loads")
+            elif stalled and not self._stall_logged:
+                self._stall_logged = True
+                logger.error(
+                    "kvtier: %d load(s) made no progress for %.1f s; under vLLM's OffloadingConnector a failed "
+                    "load stops the engine, so they are waited for. kv_connector='KvtierConnector' recomputes them",
+                    len(stalled),
+                    self._stall_timeout_s,
+                )
 
     # -- vLLM's side -----------------------------------------------------------------------------
 
@@ -568,20 +682,24 @@ class JobQueueWorker(OffloadingWorker):
             return self.results.take_finished()
 
     def wait(self, job_ids: set[int]) -> None:
-        deadline = time.monotonic() + self._job_timeout_ms / 1000
+        """vLLM is about to reuse these jobs' engine blocks: a held-back store goes now, and the
+        fence waits while the jobs progress. One that copied nothing for the stall timeout (a frozen
+        service) is given up through its gate, so the fence returns without a copy left to land:
+        a sick service costs the engine one stall timeout, never its step loop."""
         with self._cv:
-            # vLLM is about to reuse these jobs' engine blocks: a held-back store goes now.
-            self._urgent |= self._pending & job_ids
+            self._urgent |= set(self._pending) & job_ids
             self._cv.notify_all()
-            while self._pending & job_ids:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    # Returning would let vLLM overwrite blocks kvtier may still be copying.
-                    raise RuntimeError(
-                        f"kvtier: jobs {sorted(self._pending & job_ids)} did not finish within "
-                        f"job_timeout_ms={self._job_timeout_ms}; raise job_timeout_ms or check the host service"
-                    )
-                self._cv.wait(left)
+        while True:
+            with self._cv:
+                waiting = [self._pending[job_id] for job_id in job_ids if job_id in self._pending]
+                now = time.monotonic()
+                stalled = [job for job in waiting if self._stalled(job, now)]
+                if not waiting:
+                    return
+                if not stalled:
+                    self._cv.wait(FENCE_POLL_S)
+                    continue
+            self._give_up(stalled, "a fence")
 
     def take_failed_load_block_ids(self) -> set[int]:
         with self._cv:
@@ -591,6 +709,7 @@ class JobQueueWorker(OffloadingWorker):
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
+        self._loads_pending.set()
         self._thread.join(timeout=self._job_timeout_ms / 1000)
         self.transport.close()
         self._connection.close()
@@ -608,16 +727,25 @@ class ServiceWorker(JobQueueWorker):
         job_timeout_ms: int,
         defer_stores: bool = True,
         deferred_store_max_blocks: int = 4096,
+        stall_timeout_ms: int = 5_000,
     ):
         transport = ServiceCopy(connection, layer_buffers, page_bytes)
-        super().__init__(connection, transport, job_timeout_ms, defer_stores, deferred_store_max_blocks)
+        super().__init__(
+            connection, transport, job_timeout_ms, defer_stores, deferred_store_max_blocks, stall_timeout_ms
+        )
 
 
 class GpuServiceWorker(JobQueueWorker):
     """A GPU rank's worker: the job queue with ``GpuDma`` (a constructor only). No CPU copy threads
     are involved, so stores need not be held back behind prefill (``defer_stores`` is off)."""
 
-    def __init__(self, connection: ServiceConnection, rows: list[torch.Tensor], job_timeout_ms: int):
+    def __init__(
+        self,
+        connection: ServiceConnection,
+        rows: list[torch.Tensor],
+        job_timeout_ms: int,
+        stall_timeout_ms: int = 5_000,
+    ):
         transport = GpuDma(connection, rows)
         self.transfers = transport.transfers
-        super().__init__(connection, transport, job_timeout_ms, defer_stores=False)
+        super().__init__(connection, transport, job_timeout_ms, defer_stores=False, stall_timeout_ms=stall_timeout_ms)
