@@ -11,6 +11,8 @@ Run: ``.venv/bin/python -m pytest tests/test_vllm_serve.py -m slow -v``.
 
 from __future__ import annotations
 
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -28,6 +30,7 @@ try:
     from kvtier.models import ensure_model
     from kvtier.openai_server import OpenAIServer
     from kvtier.vllm import kv_transfer_config
+    from processes import wait_stopped
 except Exception as import_error:  # pragma: no cover - depends on the environment
     pytest.skip(f"vllm or kvtier is not importable ({import_error!r})", allow_module_level=True)
 
@@ -85,6 +88,39 @@ def kvtier_processes(socket: Path) -> list[str]:
     return [line for line in found.splitlines() if str(socket) in line]
 
 
+def frozen_service_costs_one_deadline(server: OpenAIServer, pid: int, stored: list[int], stored_text: str) -> None:
+    """Issue 36: with the host service frozen (SIGSTOP), a new 3,000-token prompt took 120 s (the
+    scheduler's lookup waited for job_timeout_ms). Now the first call waits service_timeout_ms (2 s),
+    the service steps aside and the server answers at recompute speed, right; once the service
+    answers again the stored prefix hits again, with no restart."""
+    fresh = random_prompt(4242, 3000, 4000)
+    server.reset_prefix_cache()
+    os.kill(pid, signal.SIGSTOP)
+    wait_stopped(pid)
+    try:
+        started = time.monotonic()
+        during = server.complete(fresh)
+        first_s = time.monotonic() - started
+        again = server.complete(stored)  # stored in kvtier, now out of reach: recomputed
+        assert again.text == stored_text and again.cached_tokens == 0
+        print(
+            f"service frozen: a new prompt {first_s:.1f} s (TTFT {during.ttft_ms:.0f} ms), then {again.ttft_ms:.0f} ms"
+        )
+        assert first_s < 12, f"a frozen service held a request {first_s:.1f} s (service_timeout_ms is 2 s)"
+        assert again.ttft_ms < 2000, "the stepped-aside service still held requests"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while True:
+        server.reset_prefix_cache()
+        back = server.complete(stored)
+        if back.cached_tokens == PROMPT_BLOCKS * TOKENS_PER_BLOCK:
+            break
+        assert time.monotonic() < deadline, "hits did not come back within 30 s of the service answering"
+        time.sleep(1)
+    assert back.text == stored_text
+
+
 def test_servers_share_one_pool_that_outlives_each_of_them_and_nothing_is_left(tmp_path):
     store_dir = tmp_path / "store"
     socket = kvtier_service.default_socket_path(store_dir)
@@ -133,6 +169,7 @@ def test_servers_share_one_pool_that_outlives_each_of_them_and_nothing_is_left(t
         assert on_c.cached_tokens == PROMPT_BLOCKS * TOKENS_PER_BLOCK and on_c.text == computed.text
         assert dram_hits(socket) - before >= PROMPT_BLOCKS
         assert kvtier_service.service_pid(socket) == pid, "one service served A, B and C"
+        frozen_service_costs_one_deadline(c, pid, prompt, computed.text)
         c.stop()
     finally:
         for server in servers:

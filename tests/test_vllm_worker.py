@@ -47,6 +47,7 @@ from kvtier.vllm import (
     ServiceWorker,
     kvtier_key,
 )
+from processes import wait_stopped
 
 LAYERS = 2
 PAGE_BYTES = 64 * 1024
@@ -400,6 +401,7 @@ def frozen(socket_path: Path):
     pid = kvtier_service.service_pid(socket_path)
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)
+    wait_stopped(pid)
     try:
         yield
     finally:

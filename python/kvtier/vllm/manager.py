@@ -56,7 +56,7 @@ class KvtierManager(OffloadingManager):
         admission: str = "all",
         admission_memory_blocks: int = 1 << 18,
         config_info: Mapping[str, str | int | float | bool] | None = None,
-        pending_timeout_s: float = 5.0,
+        pending_timeout_s: float = 2.0,
     ):
         self._shared = shared
         self._config_info = dict(config_info or {})

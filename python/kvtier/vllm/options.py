@@ -28,7 +28,8 @@ VLLM_OFFLOADING_OPTION_NAMES = frozenset(
 )
 
 INTEGRATION_OPTION_DEFAULTS: dict[str, Any] = {
-    # Longest a worker waits for a store job that vLLM must fence before reusing its blocks.
+    # Longest one call of a worker's transfer to the service may block its job thread (the socket's
+    # timeout); what vLLM waits on is bounded by service_timeout_ms instead (below).
     "job_timeout_ms": 120_000,
     # Extra string mixed into the namespace (for example a deployment name); "" = none.
     "namespace_salt": "",
@@ -47,8 +48,11 @@ INTEGRATION_OPTION_DEFAULTS: dict[str, Any] = {
     # For a service this engine starts: the most DRAM the pools of all models on the host take
     # together; 0 = no host cap (each model's pool is dram_bytes).
     "host_dram_bytes": 0,
-    # Longest a scheduler-side call to the service (lookup, pin) waits before it counts as a miss.
-    "service_timeout_ms": 5_000,
+    # The deadline of what the engine waits on: a scheduler-side call (lookup, pin, prefetch) waits
+    # this long before it counts as a miss and the service steps aside until it answers again; a
+    # transfer that copies nothing this long is given up (a load is recomputed, a fenced store
+    # dropped); a request waits in HIT_PENDING at most this long.
+    "service_timeout_ms": 2_000,
     # Hold store copies while the engine runs a forward pass with prompt tokens in it (they compete
     # with prefill for the same cores and memory bandwidth); they run between steps, in decode steps
     # and when the engine idles. Needs kv_connector="KvtierConnector".
@@ -103,7 +107,7 @@ class KvtierOptions:
     pool_dir: str = "/dev/shm"
     service_idle_timeout_s: float = 300.0
     host_dram_bytes: int = 0
-    service_timeout_ms: int = 5_000
+    service_timeout_ms: int = 2_000
     defer_stores: bool = True
     deferred_store_max_blocks: int = 4096
     prefetch: bool = True

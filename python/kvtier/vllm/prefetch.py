@@ -28,7 +28,7 @@ class Prefetcher:
 
     REMEMBER_S = 120.0
 
-    def __init__(self, connect: Callable[[], ServiceConnection], pending_timeout_s: float = 5.0):
+    def __init__(self, connect: Callable[[], ServiceConnection], pending_timeout_s: float = 2.0):
         self._connect = connect
         self._connection: ServiceConnection | None = None
         self._cv = threading.Condition()

@@ -422,7 +422,7 @@ class JobQueueWorker(OffloadingWorker):
         job_timeout_ms: int,
         defer_stores: bool = True,
         deferred_store_max_blocks: int = 4096,
-        stall_timeout_ms: int = 5_000,
+        stall_timeout_ms: int = 2_000,
     ):
         self._connection = connection
         self.transport = transport
@@ -727,7 +727,7 @@ class ServiceWorker(JobQueueWorker):
         job_timeout_ms: int,
         defer_stores: bool = True,
         deferred_store_max_blocks: int = 4096,
-        stall_timeout_ms: int = 5_000,
+        stall_timeout_ms: int = 2_000,
     ):
         transport = ServiceCopy(connection, layer_buffers, page_bytes)
         super().__init__(
@@ -744,7 +744,7 @@ class GpuServiceWorker(JobQueueWorker):
         connection: ServiceConnection,
         rows: list[torch.Tensor],
         job_timeout_ms: int,
-        stall_timeout_ms: int = 5_000,
+        stall_timeout_ms: int = 2_000,
     ):
         transport = GpuDma(connection, rows)
         self.transfers = transport.transfers

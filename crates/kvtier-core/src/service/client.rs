@@ -128,6 +128,9 @@ pub struct Client {
     no_read_ahead_op: bool,
 }
 
+/// The most a load round asks for: a worker tells a stalled load from a long one by its rounds
+/// (`CopyGate::rounds`), so a round must end well within the engine's deadline even on a large pool.
+const MAX_LOAD_ROUND_BYTES: usize = 256 << 20;
 /// Below this many bytes a load is copied by the calling thread alone: starting threads costs more.
 const PARALLEL_COPY_MIN_BYTES: usize = 32 << 20;
 /// Most threads one load copies with; a copy is bound by memory bandwidth well before this.
@@ -665,7 +668,8 @@ impl Client {
     /// resident and verified, and pins it while this copies). `true` per block loaded.
     ///
     /// Asks for at most a quarter of the pool per round, so that the blocks one round reads from
-    /// NVMe are not evicted by its own later reads before they are pinned and copied.
+    /// NVMe are not evicted by its own later reads before they are pinned and copied, and for at
+    /// most `MAX_LOAD_ROUND_BYTES`.
     ///
     /// # Safety
     /// Every destination segment must be valid for writing and untouched by others during the call.
@@ -685,7 +689,7 @@ impl Client {
         gate: &CopyGate,
     ) -> Result<Vec<bool>> {
         let attached = self.check_buffers(keys, dests)?.clone();
-        let round_blocks = (attached.slot_count / 4).max(1);
+        let round_blocks = (attached.slot_count / 4).min(MAX_LOAD_ROUND_BYTES / attached.slot_bytes).max(1);
         let mut results = Vec::with_capacity(keys.len());
         for (round_keys, round_dests) in keys.chunks(round_blocks).zip(dests.chunks(round_blocks)) {
             if gate.is_cancelled() {
