@@ -532,3 +532,34 @@ def test_under_the_plain_connector_a_block_only_a_remote_tier_holds_is_not_offer
     finally:
         kvtier_service.stop_service(writer.socket_path())
         kvtier_service.stop_service(reader.socket_path())
+
+
+def test_the_manager_recomputes_nvme_hits_that_load_slower_than_the_engine_computes(tmp_path):
+    """Issue 36 (load or recompute): hits on NVMe are offered only when loading them is expected to
+    beat recomputing them. The first lookup pass retries (it sees every hit and its tier); the next
+    one offers the leading blocks that save time: none with a slow NVMe, all with a fast one."""
+    from kvtier.vllm.costs import work_of
+
+    options = options_for(tmp_path, nvme_bytes=16 << 20)
+    offload_keys = [make_offload_key(hashlib.sha256(bytes([100 + i])).digest(), 0) for i in range(4)]
+    store_keys = [kvtier_key(k) for k in offload_keys]
+    try:
+        w = worker(options, layers())
+        assert w.submit_store(1, engine_blocks([0, 1, 2, 3]), KvtierLoadStoreSpec(store_keys)) and finished(w, 1)
+        w.shutdown()
+        connection(options).flush()
+        assert kvtier_service.stop_service(options.socket_path())  # the blocks are on NVMe only now
+        manager = KvtierManager(ServiceBackend(connection(options), Prefetcher(lambda: connection(options))))
+        for tokens in range(64, 64 + 16 * 64, 64):  # an engine computing 1 ms per token
+            manager.decider.prefill.observe(tokens, work_of(tokens, 0), 0.001 * tokens)
+        per_block_s = 0.001 * manager.decider.block_tokens
+        for nvme_s, expected in ((50 * per_block_s, LookupResult.MISS), (per_block_s / 50, LookupResult.HIT_PENDING)):
+            for _ in range(40):  # a weighted mean: it follows the tier in a few observations
+                manager.decider.rates.observe("nvme", 1, nvme_s)
+            request = ReqContext(req_id=f"nvme-{nvme_s}")
+            assert [manager.lookup(k, request) for k in offload_keys] == [LookupResult.RETRY] * 4
+            assert manager.lookup(offload_keys[0], request) == expected
+        assert manager.decider.decisions == {("nvme", "recompute"): 4, ("nvme", "load"): 4}
+        manager.shutdown()
+    finally:
+        kvtier_service.stop_service(options.socket_path())

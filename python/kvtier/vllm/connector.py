@@ -9,6 +9,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
+from kvtier.vllm.costs import StepClock, step_work
 from kvtier.vllm.options import SPEC_MODULE_PATH, SPEC_NAME
 from kvtier.vllm.spec import _constructing
 from kvtier.vllm.worker import JobQueueWorker, KvtierWorker
@@ -54,6 +55,8 @@ class KvtierConnector(OffloadingConnector):
         manager = getattr(scheduler, "manager", None)
         if manager is not None and hasattr(manager, "recomputes_failed_loads"):
             manager.recomputes_failed_loads = True  # blocks held only by a remote tier may be offered
+        # The scheduler times vLLM's steps for the load-or-recompute model (kvtier.vllm.costs).
+        self._step_clock = StepClock() if self._decider() is not None else None
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -83,7 +86,27 @@ class KvtierConnector(OffloadingConnector):
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         metadata = super().build_connector_meta(scheduler_output)
         metadata.kvtier_prefill_tokens = prefill_tokens(scheduler_output)  # type: ignore[attr-defined]
+        if self._step_clock is not None:
+            self._step_clock.scheduled(*step_work(scheduler_output))
         return metadata
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The step's output reached the scheduler: its time feeds the prefill model, and the loads
+        the workers finished in it feed DRAM's rate (kvtier.vllm.costs)."""
+        decider = self._decider()
+        if decider is not None and self._step_clock is not None:
+            step = self._step_clock.finished()
+            if step is not None:
+                decider.prefill.observe(*step)
+            loads = getattr(getattr(connector_output.kv_connector_worker_meta, "transfer_stats", None), "load", None)
+            block_bytes = int(getattr(decider, "worker_block_bytes", 0))
+            if loads is not None and loads.bytes > 0 and block_bytes > 0:
+                decider.rates.observe("dram", max(1, loads.bytes // block_bytes), loads.time)
+        super().update_connector_output(connector_output)
+
+    def _decider(self) -> Any:
+        manager = getattr(getattr(self, "connector_scheduler", None), "manager", None)
+        return getattr(manager, "decider", None)
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -24,6 +24,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.vllm.connection import ServiceBackend
+from kvtier.vllm.costs import LoadDecider
 from kvtier.vllm.events import EventFeed
 from kvtier.vllm.local_store import SharedStore
 from kvtier.vllm.metrics import StatsDeltaTracker
@@ -57,6 +58,8 @@ class KvtierManager(OffloadingManager):
         admission_memory_blocks: int = 1 << 18,
         config_info: Mapping[str, str | int | float | bool] | None = None,
         pending_timeout_s: float = 2.0,
+        load_policy: str = "auto",
+        block_tokens: int = 16,
     ):
         self._shared = shared
         self._config_info = dict(config_info or {})
@@ -86,6 +89,11 @@ class KvtierManager(OffloadingManager):
         self.recomputes_failed_loads = False
         self._stats = StatsDeltaTracker()
         self._stats.prime(shared)
+        # Load or recompute (kvtier.vllm.costs): fed by KvtierConnector (step times, load times) and
+        # the prefetcher (what NVMe and remote tiers deliver now).
+        self.decider = LoadDecider(load_policy, block_tokens)
+        if self._prefetcher is not None:
+            self._prefetcher.rates = self.decider.rates
 
     @staticmethod
     def _allowed(req_context: ReqContext) -> bool:
@@ -101,6 +109,16 @@ class KvtierManager(OffloadingManager):
         except Exception:
             logger.exception("kvtier: lookup failed; treating as a miss")
             return LookupResult.MISS
+        answer = self.decider.answer(req_context.req_id, store_key, tier)
+        if answer == "retry":
+            return LookupResult.RETRY
+        if answer == "decline" and (tier is not None or self.decider.policy == "never"):
+            return LookupResult.MISS
+        return self._offer(store_key, tier)
+
+    def _offer(self, store_key: bytes, tier: str | None) -> LookupResult:
+        """A block the decider offers: a hit on ``tier`` (through the prefetcher below DRAM), or for
+        ``tier`` None a block still being copied out of the engine, or a miss."""
         if tier is not None:
             # The store shows a block only once its bytes are complete, even if vLLM has not yet
             # been told that the store job finished.
@@ -138,6 +156,7 @@ class KvtierManager(OffloadingManager):
         return _HIT_SOURCE_BY_TIER.get(tier or "", CacheHitSource.EXTERNAL_UNSPECIFIED)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        self.decider.forget(req_context.req_id)
         store_keys = [kvtier_key(key) for key in keys]
         try:
             # One flag per present key: False for a block only in the shared tier (no pin taken).
@@ -263,7 +282,10 @@ class KvtierManager(OffloadingManager):
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         payload = self._stats.collect(self._shared)
-        if payload is None or payload.is_empty():
+        if payload is None:
+            payload = OffloadingConnectorStats()  # the service is out of reach: the decisions still count
+        self._stats.count_decisions(payload, self.decider.decisions)
+        if payload.is_empty():
             return None
         return payload
 

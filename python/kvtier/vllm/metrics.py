@@ -73,6 +73,11 @@ def kvtier_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         "kvtier:failed_load_blocks": OffloadingCounterMetadata(
             "Engine blocks whose load from kvtier failed and that vLLM recomputed."
         ),
+        "kvtier:load_decisions": OffloadingCounterMetadata(
+            "Hit blocks per tier and what the load-or-recompute model chose for them: load, recompute, probe "
+            "(a few blocks time a tier of unknown rate) or untrained (loaded: no prefill timings yet).",
+            ("tier", "choice"),
+        ),
         "kvtier:used_bytes": OffloadingGaugeMetadata("Bytes used per tier.", ("tier",)),
         "kvtier:capacity_bytes": OffloadingGaugeMetadata("Capacity per tier in bytes.", ("tier",)),
         "kvtier:blocks": OffloadingGaugeMetadata("Blocks held per tier.", ("tier",)),
@@ -97,6 +102,15 @@ class StatsDeltaTracker:
         with contextlib.suppress(Exception):
             stats = shared.store.stats()
             self._last = {key: int(value) for key, value in stats.items() if isinstance(value, int)}
+
+    def count_decisions(self, payload: OffloadingConnectorStats, decisions: Mapping[tuple[str, str], int]) -> None:
+        """The load-or-recompute decisions since the last call (``LoadDecider.decisions``)."""
+        for (tier, choice), value in list(decisions.items()):
+            name = f"decision:{tier}:{choice}"
+            increment = value - self._last.get(name, 0)
+            self._last[name] = value
+            if increment > 0:
+                payload.increase_counter("kvtier:load_decisions", increment, (tier, choice))
 
     def collect(self, shared: SharedStore | ServiceBackend) -> OffloadingConnectorStats | None:
         try:

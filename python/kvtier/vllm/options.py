@@ -63,6 +63,9 @@ INTEGRATION_OPTION_DEFAULTS: dict[str, Any] = {
     # pool in the background and answers HIT_PENDING until it is there: the request waits without
     # holding up the engine's step, and its load is then a DRAM copy.
     "prefetch": True,
+    # Which hits are loaded: "auto" (those whose load is expected to beat recomputing them, judged
+    # from what the tiers and the engine deliver now), "always" or "never" (kvtier.vllm.costs).
+    "load_policy": "auto",
     # Which computed blocks are stored: "all", or "second_sight" (a block is stored the second time
     # this engine computes it, so a prompt seen once costs no store).
     "admission": "all",
@@ -74,6 +77,7 @@ INTEGRATION_OPTION_DEFAULTS: dict[str, Any] = {
 }
 
 ADMISSION_POLICIES = ("all", "second_sight")
+LOAD_POLICIES = ("auto", "always", "never")
 
 # Prefix-hash algorithms whose block hashes are the same in every process.
 STABLE_HASH_ALGOS = frozenset({"sha256", "sha256_cbor"})
@@ -113,6 +117,7 @@ class KvtierOptions:
     prefetch: bool = True
     admission: str = "all"
     admission_memory_blocks: int = 1 << 18
+    load_policy: str = "auto"
     engine_label: str = ""
 
     @classmethod
@@ -146,6 +151,9 @@ class KvtierOptions:
             raise KvtierVllmConfigError(
                 f'"admission" must be one of {", ".join(ADMISSION_POLICIES)}, not {admission!r}'
             )
+        load_policy = str(option("load_policy"))
+        if load_policy not in LOAD_POLICIES:
+            raise KvtierVllmConfigError(f'"load_policy" must be one of {", ".join(LOAD_POLICIES)}, not {load_policy!r}')
         admission_memory_blocks = int(option("admission_memory_blocks"))
         if admission_memory_blocks <= 0:
             raise KvtierVllmConfigError('"admission_memory_blocks" must be a positive number of blocks')
@@ -174,6 +182,7 @@ class KvtierOptions:
             prefetch=bool(option("prefetch")),
             admission=admission,
             admission_memory_blocks=admission_memory_blocks,
+            load_policy=load_policy,
             engine_label=str(option("engine_label")),
         )
 

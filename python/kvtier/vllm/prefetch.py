@@ -12,6 +12,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.vllm.connection import ServiceConnection
+from kvtier.vllm.costs import TierRates
 
 logger = logging.getLogger("kvtier.vllm")
 
@@ -39,6 +40,8 @@ class Prefetcher:
         # or a stalled tier turns into a miss (recompute) instead of holding the request.
         self._pending_timeout_s = pending_timeout_s
         self.expired_pending = 0
+        # Where what each tier delivers now is recorded (the manager's load-or-recompute rates).
+        self.rates: TierRates | None = None
         self._ended: dict[bytes, tuple[str, float]] = {}  # key -> (origin tier, when)
         self._stopping = False
         self.prefetched_blocks = 0
@@ -78,15 +81,26 @@ class Prefetcher:
                     self._connection = self._connect()
                 except Exception:
                     logger.exception("kvtier: the prefetcher cannot reach the host service; loads read storage")
+            started = time.monotonic()
             if self._connection is not None:
                 found = self._connection.call("prefetch", batch, default=None)
                 self.prefetched_blocks += sum(1 for ok in found or [] if ok)
             now = time.monotonic()
+            self._record_rate(batch, now - started)
             with self._cv:
                 for key in batch:
                     self._ended[key] = (self._in_flight.pop(key, "nvme"), now)
                     self._since.pop(key, None)
                 self._forget_older_than(now - self.REMEMBER_S)
+
+    def _record_rate(self, batch: list[bytes], seconds: float) -> None:
+        """What the batch's tier delivered, queueing included (a mixed batch: its slowest tier,
+        the one a remote tier's blocks make, counts them all)."""
+        if self.rates is None or not batch:
+            return
+        with self._cv:
+            tiers = {self._in_flight.get(key, "nvme") for key in batch}
+        self.rates.observe("shared" if "shared" in tiers else "nvme", len(batch), seconds)
 
     def _forget_older_than(self, cutoff: float) -> None:
         """Holds ``_cv``. Ended entries are in the order they ended."""

@@ -203,14 +203,18 @@ class KvtierOffloadingSpec(OffloadingSpec):
             events = None
             if getattr(self.config, "enable_kv_cache_events", False):
                 events = EventFeed(prefetch_connection, direct_offload_key(self.config.groups[0].group_id))
-            return KvtierManager(
+            manager = KvtierManager(
                 ServiceBackend(self._service_connection(rank=0, scheduler=True), prefetcher, events),
                 pin_lease_s,
                 self.options.admission,
                 self.options.admission_memory_blocks,
                 config_info=self.options.config_info(),
                 pending_timeout_s=pending_timeout_s,
+                load_policy=self.options.load_policy,
+                block_tokens=self.config.groups[0].tokens_per_block,
             )
+            manager.decider.worker_block_bytes = self.config.worker_kv_bytes_per_block
+            return manager
         shared = find_engine_store(self.options, self.config.engine_id)
         if shared is None:
             raise KvtierVllmConfigError(
@@ -219,13 +223,17 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 "VLLM_ENABLE_V1_MULTIPROCESSING=0 in the environment and distributed_executor_backend='uni' "
                 "(--distributed-executor-backend uni); CPU vLLM otherwise forces the multiprocess executor."
             )
-        return KvtierManager(
+        manager = KvtierManager(
             shared,
             max(60.0, 2 * self.options.job_timeout_ms / 1000),
             self.options.admission,
             self.options.admission_memory_blocks,
             config_info=self.options.config_info(),
+            load_policy=self.options.load_policy,
+            block_tokens=self.config.groups[0].tokens_per_block,
         )
+        manager.decider.worker_block_bytes = self.config.worker_kv_bytes_per_block
+        return manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         check_hash_algo(self._hash_algo())

@@ -1,0 +1,304 @@
+"""Load or recompute: what a prefix costs to recompute now, what each tier takes to deliver it now,
+and how many of a request's leading blocks are worth loading (docs/vllm.md, "Load or recompute").
+
+Three parts, each fed online on the scheduler's side:
+
+- ``PrefillModel``: a forward step's seconds against its work, ``a + b·N + c·W``, where ``N`` is the
+  tokens the step computes and ``W`` their attention work (each request's new tokens times the
+  context they attend to, ``n·(start + n/2)``). Fitted by recursive least squares with forgetting
+  from vLLM's own steps (``KvtierConnector`` times them), so it follows the engine as load and
+  context lengths change. Recomputing a prefix of ``n`` tokens then costs ``b·n + c·n²/2`` (the
+  step's fixed part ``a`` is paid anyway).
+- ``TierRates``: seconds per block each tier delivered recently (an exponentially weighted mean of
+  what prefetches and loads took, queueing included). A rate not refreshed for ``stale_s`` is
+  forgotten: a tier declined because it was slow is probed again with a few blocks.
+- ``choose_blocks``: of a request's ``n`` leading hits on their tiers, the count that saves the most
+  time: the largest saving ``recompute(k) - load(k)`` over ``k``, 0 when no ``k`` saves anything.
+
+Nothing here talks to vLLM or to the service: ``KvtierManager`` asks, ``KvtierConnector`` and the
+prefetcher feed.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtier.vllm.options import LOAD_POLICIES
+
+# Blocks offered from a tier whose rate is unknown (never measured, or forgotten): enough to time
+# it, few enough that a slow tier costs little.
+PROBE_BLOCKS = 4
+# The prefill model answers once it has seen this many steps that computed prompt tokens.
+MIN_PREFILL_STEPS = 8
+# Features are scaled so that the least-squares state stays well conditioned.
+_TOKENS_SCALE = 1e-3
+_WORK_SCALE = 1e-6
+
+
+class PrefillModel:
+    """``seconds = a + b·tokens + c·attention_work`` of a forward step, fitted online."""
+
+    def __init__(self, forgetting: float = 0.98):
+        self._forgetting = forgetting
+        self._theta = np.zeros(3)
+        self._p = np.eye(3) * 1e4
+        self._lock = threading.Lock()
+        self.prefill_steps = 0
+
+    def observe(self, tokens: int, attention_work: float, seconds: float) -> None:
+        """One step: ``tokens`` computed, their ``attention_work`` (``work_of``), wall ``seconds``."""
+        if tokens <= 0 or seconds <= 0 or not math.isfinite(seconds):
+            return
+        x = np.array([1.0, tokens * _TOKENS_SCALE, attention_work * _WORK_SCALE])
+        with self._lock:
+            px = self._p @ x
+            gain = px / (self._forgetting + x @ px)
+            self._theta = self._theta + gain * (seconds - x @ self._theta)
+            self._p = (self._p - np.outer(gain, px)) / self._forgetting
+            if tokens > 1:
+                self.prefill_steps += 1
+
+    def recompute_s(self, tokens: int) -> float | None:
+        """Seconds to compute a prefix of ``tokens`` from nothing; None until the model is trained."""
+        with self._lock:
+            if self.prefill_steps < MIN_PREFILL_STEPS:
+                return None
+            _, b, c = self._theta
+        per_token = max(b, 0.0) * _TOKENS_SCALE
+        attention = max(c, 0.0) * _WORK_SCALE
+        if per_token <= 0 and attention <= 0:
+            return None
+        return per_token * tokens + attention * tokens * tokens / 2
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        """``(a, b, c)`` in seconds, seconds per token and seconds per token of attention work."""
+        with self._lock:
+            a, b, c = self._theta
+        return float(a), float(b) * _TOKENS_SCALE, float(c) * _WORK_SCALE
+
+
+def work_of(new_tokens: int, context_start: int) -> float:
+    """Attention work of ``new_tokens`` computed after ``context_start`` tokens: each attends to the
+    context before it, ``n·(start + n/2)`` token pairs."""
+    return new_tokens * (context_start + new_tokens / 2)
+
+
+@dataclass
+class _Rate:
+    seconds_per_block: float
+    measured_at: float
+
+
+@dataclass
+class TierRates:
+    """Seconds per block each tier delivered lately (weighted mean, newest ``weight``)."""
+
+    weight: float = 0.3
+    stale_s: float = 30.0
+    _rates: dict[str, _Rate] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def observe(self, tier: str, blocks: int, seconds: float) -> None:
+        if blocks <= 0 or seconds < 0:
+            return
+        now = time.monotonic()
+        sample = seconds / blocks
+        with self._lock:
+            old = self._rates.get(tier)
+            if old is not None and now - old.measured_at <= self.stale_s:
+                sample = (1 - self.weight) * old.seconds_per_block + self.weight * sample
+            self._rates[tier] = _Rate(sample, now)
+
+    def seconds_per_block(self, tier: str) -> float | None:
+        """None when never measured, or not since ``stale_s``."""
+        with self._lock:
+            rate = self._rates.get(tier)
+        if rate is None or time.monotonic() - rate.measured_at > self.stale_s:
+            return None
+        return rate.seconds_per_block
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return {tier: rate.seconds_per_block for tier, rate in self._rates.items()}
+
+
+def load_s(tiers: Sequence[str], rates: TierRates) -> float | None:
+    """Seconds to load blocks on ``tiers`` (in order); None when a tier's rate is unknown. A block
+    on NVMe or a remote tier reaches the engine through the DRAM pool: its tier's rate (the prefetch
+    into DRAM) plus DRAM's (the copy to the engine). DRAM's rate unknown: taken as free."""
+    total = 0.0
+    dram = rates.seconds_per_block("dram") or 0.0
+    for tier in tiers:
+        rate = rates.seconds_per_block(tier)
+        if tier == "dram":
+            total += dram
+        elif rate is None:
+            return None
+        else:
+            total += rate + dram
+    return total
+
+
+def choose_blocks(tiers: Sequence[str], block_tokens: int, prefill: PrefillModel, rates: TierRates) -> tuple[int, str]:
+    """How many of the leading hits on ``tiers`` to load, and why: ``"saves"`` (the count that
+    saves the most time, 0 when none saves any), ``"probe"`` (a tier's rate is unknown: a few of its
+    blocks time it), or ``"untrained"`` (no prefill model yet: everything, as without the model)."""
+    if not tiers:
+        return 0, "saves"
+    if prefill.recompute_s(block_tokens) is None:
+        return len(tiers), "untrained"
+    unknown = next(
+        (i for i, tier in enumerate(tiers) if tier != "dram" and rates.seconds_per_block(tier) is None), None
+    )
+    if unknown is not None:
+        return min(len(tiers), unknown + PROBE_BLOCKS), "probe"
+    best_count, best_saving = 0, 0.0
+    loaded = 0.0
+    for count in range(1, len(tiers) + 1):
+        loaded += load_s(tiers[count - 1 : count], rates) or 0.0
+        recomputed = prefill.recompute_s(count * block_tokens) or 0.0
+        if recomputed - loaded > best_saving:
+            best_count, best_saving = count, recomputed - loaded
+    return best_count, "saves"
+
+
+# A plan's offer while the prefill model has no data: every hit, each counted as it is first seen.
+UNTRAINED = 1 << 62
+
+
+@dataclass
+class _Plan:
+    """One request's lookups from where vLLM asks: the keys of the first pass in order, with their
+    tier then, and once decided how many of them to offer."""
+
+    keys: list[bytes] = field(default_factory=list)
+    tiers: list[str] = field(default_factory=list)
+    index: dict[bytes, int] = field(default_factory=dict)
+    offer: int | None = None
+
+
+class LoadDecider:
+    """Answers the manager's lookups under ``policy`` (``LOAD_POLICIES``).
+
+    ``always`` offers every hit (kvtier before this model); ``never`` none (vLLM alone's loads, stores
+    unchanged). ``auto`` offers DRAM hits at once; a request whose hits reach a slower tier is asked
+    to retry (vLLM's ``RETRY``: it keeps scanning, so the first pass sees every hit and its tier),
+    and on the next pass the leading ``choose_blocks`` hits are offered, the rest recomputed.
+    Decisions are counted in blocks per (tier, choice)."""
+
+    MAX_PLANS = 4096
+
+    def __init__(self, policy: str = "auto", block_tokens: int = 16):
+        if policy not in LOAD_POLICIES:
+            raise ValueError(f"load_policy must be one of {', '.join(LOAD_POLICIES)}, not {policy!r}")
+        self.policy = policy
+        self.block_tokens = block_tokens
+        self.worker_block_bytes = 0  # one rank's bytes of a block (set by the spec): DRAM's rate
+        self.prefill = PrefillModel()
+        self.rates = TierRates()
+        self.decisions: dict[tuple[str, str], int] = {}
+        self._plans: dict[str, _Plan] = {}
+
+    def answer(self, req_id: str, key: bytes, tier: str | None) -> str:
+        """``"offer"`` (answer as a hit on ``tier``), ``"decline"`` (a miss: recomputed) or
+        ``"retry"`` (vLLM asks again next step). ``tier`` None (not held) ends a pass."""
+        if self.policy != "auto":
+            return "offer" if self.policy == "always" else "decline"
+        plan = self._plans.get(req_id)
+        if tier is None:
+            if plan is not None and plan.offer is None:
+                self._decide(plan)
+            return "decline"
+        if plan is None:
+            plan = self._new_plan(req_id)
+        elif plan.offer is None and plan.keys and key == plan.keys[0]:
+            self._decide(plan)  # a new pass over the same request: the last one saw every hit
+        if plan.offer is None and self.prefill.recompute_s(self.block_tokens) is None:
+            plan.offer = UNTRAINED  # no step timed yet: load everything, as without the model
+        at = plan.index.get(key)
+        if at is None and plan.offer in (None, UNTRAINED):
+            at = self._record(plan, key, tier)
+        if plan.offer is None:
+            return "offer" if all(seen == "dram" for seen in plan.tiers) else "retry"
+        if at is None:  # first held after the decision: DRAM is always worth loading
+            return "offer" if tier == "dram" else "decline"
+        return "offer" if at < plan.offer else "decline"
+
+    def _record(self, plan: _Plan, key: bytes, tier: str) -> int:
+        plan.index[key] = len(plan.keys)
+        plan.keys.append(key)
+        plan.tiers.append(tier)
+        if plan.offer == UNTRAINED:
+            self._count(tier, "untrained")
+        return plan.index[key]
+
+    def _count(self, tier: str, choice: str) -> None:
+        self.decisions[(tier, choice)] = self.decisions.get((tier, choice), 0) + 1
+
+    def forget(self, req_id: str) -> None:
+        """The request's load was prepared (or it ended): its plan is done."""
+        self._plans.pop(req_id, None)
+
+    def _new_plan(self, req_id: str) -> _Plan:
+        while len(self._plans) >= self.MAX_PLANS:
+            self._plans.pop(next(iter(self._plans)))  # the oldest: a request that never loaded
+        plan = _Plan()
+        self._plans[req_id] = plan
+        return plan
+
+    def _decide(self, plan: _Plan) -> None:
+        count, reason = choose_blocks(plan.tiers, self.block_tokens, self.prefill, self.rates)
+        plan.offer = count
+        for at, tier in enumerate(plan.tiers):
+            self._count(tier, ("load" if reason == "saves" else reason) if at < count else "recompute")
+
+
+class StepClock:
+    """Times vLLM's forward steps from the scheduler: a step is scheduled (``scheduled``), then its
+    output arrives (``finished``), in order. With asynchronous scheduling the next step is scheduled
+    while one still runs, so a step runs from when it was scheduled or when the one before it
+    finished, whichever is later."""
+
+    MAX_PENDING = 64
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[float, int, float]] = []  # (scheduled at, tokens, attention work)
+        self._last_finished = 0.0
+
+    def scheduled(self, tokens: int, attention_work: float, now: float | None = None) -> None:
+        if len(self._pending) >= self.MAX_PENDING:
+            self._pending.pop(0)  # outputs stopped arriving for these: never time them
+        self._pending.append((time.monotonic() if now is None else now, tokens, attention_work))
+
+    def finished(self, now: float | None = None) -> tuple[int, float, float] | None:
+        """The oldest pending step's (tokens, attention work, seconds); None if none is pending."""
+        if not self._pending:
+            return None
+        now = time.monotonic() if now is None else now
+        scheduled_at, tokens, work = self._pending.pop(0)
+        began = max(scheduled_at, self._last_finished)
+        self._last_finished = now
+        return tokens, work, now - began
+
+
+def step_work(scheduler_output: object) -> tuple[int, float]:
+    """Tokens a vLLM step computes and their attention work (``work_of`` per request), from its
+    ``SchedulerOutput``: new requests carry where they start, cached ones their computed tokens."""
+    scheduled: dict[str, int] = dict(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
+    starts: dict[str, int] = {}
+    for new in getattr(scheduler_output, "scheduled_new_reqs", []) or []:
+        starts[new.req_id] = int(new.num_computed_tokens)
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    if cached is not None:
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=False):
+            starts[req_id] = int(computed)
+    tokens = sum(scheduled.values())
+    work = sum(work_of(count, starts.get(req_id, 0)) for req_id, count in scheduled.items())
+    return tokens, work

@@ -1,0 +1,166 @@
+"""The load-or-recompute model (kvtier.vllm.costs) on its own: the prefill model fitted from steps,
+step timing under asynchronous scheduling, tier rates that expire, the choice of how many leading
+hits to load, and the two lookup passes the manager answers with (issue 36, item 3)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvtier.vllm.costs import (
+    MIN_PREFILL_STEPS,
+    PROBE_BLOCKS,
+    LoadDecider,
+    PrefillModel,
+    StepClock,
+    TierRates,
+    choose_blocks,
+    step_work,
+    work_of,
+)
+
+BLOCK_TOKENS = 16
+# An engine that computes a token in 0.5 ms plus 2 ns per token pair of attention, 4 ms per step.
+A_S, B_S, C_S = 0.004, 0.0005, 2e-9
+
+
+def trained(steps: int = 64, seed: int = 1, model: PrefillModel | None = None, slower: float = 1.0) -> PrefillModel:
+    rng = np.random.default_rng(seed)
+    model = model or PrefillModel()
+    for _ in range(steps):
+        tokens = int(rng.integers(64, 4096))
+        start = int(rng.integers(0, 16384))
+        work = work_of(tokens, start)
+        model.observe(tokens, work, slower * (A_S + B_S * tokens + C_S * work))
+    return model
+
+
+def test_the_prefill_model_recovers_the_engines_costs_and_waits_for_enough_steps():
+    assert trained(MIN_PREFILL_STEPS - 1).recompute_s(1024) is None
+    model = trained()
+    a, b, c = model.coefficients
+    assert a == pytest.approx(A_S, rel=0.05) and b == pytest.approx(B_S, rel=0.02) and c == pytest.approx(C_S, rel=0.05)
+    # A prefix from nothing: per-token cost plus attention that grows with its own length.
+    assert model.recompute_s(8192) == pytest.approx(B_S * 8192 + C_S * 8192 * 8192 / 2, rel=0.03)
+
+
+def test_the_prefill_model_follows_an_engine_that_slows_down():
+    model = trained(seed=2, model=trained(), slower=3.0, steps=200)  # now at a third of its speed
+    assert model.recompute_s(2048) == pytest.approx(3 * (B_S * 2048 + C_S * 2048 * 2048 / 2), rel=0.05)
+
+
+def test_a_step_runs_from_its_scheduling_or_the_previous_steps_end():
+    clock = StepClock()
+    clock.scheduled(100, 10.0, now=0.0)
+    clock.scheduled(200, 20.0, now=0.5)  # asynchronous scheduling: scheduled while step 1 runs
+    assert clock.finished(now=1.0) == (100, 10.0, 1.0)
+    assert clock.finished(now=1.75) == (200, 20.0, 0.75)  # ran from 1.0, not from 0.5
+    clock.scheduled(1, 1.0, now=3.0)  # the engine idled between
+    assert clock.finished(now=3.25) == (1, 1.0, 0.25)
+    assert clock.finished(now=4.0) is None
+
+
+def test_step_work_reads_vllms_scheduler_output():
+    output = SimpleNamespace(
+        num_scheduled_tokens={"new": 512, "resumed": 256, "decode": 1},
+        scheduled_new_reqs=[SimpleNamespace(req_id="new", num_computed_tokens=1024)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["resumed", "decode"], num_computed_tokens=[0, 4000]),
+    )
+    tokens, work = step_work(output)
+    assert tokens == 769
+    assert work == pytest.approx(work_of(512, 1024) + work_of(256, 0) + work_of(1, 4000))
+
+
+def test_a_tier_rate_is_a_weighted_mean_and_is_forgotten_when_stale(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("kvtier.vllm.costs.time.monotonic", lambda: now[0])
+    rates = TierRates(weight=0.5, stale_s=30)
+    rates.observe("shared", 10, 1.0)
+    rates.observe("shared", 10, 3.0)
+    assert rates.seconds_per_block("shared") == pytest.approx(0.2)
+    now[0] += 31
+    assert rates.seconds_per_block("shared") is None, "a slow tier is probed again after a while"
+
+
+def rates_of(**seconds_per_block: float) -> TierRates:
+    rates = TierRates()
+    for tier, rate in seconds_per_block.items():
+        rates.observe(tier, 1, rate)
+    return rates
+
+
+def test_choose_blocks_loads_what_saves_time_and_recomputes_the_rest():
+    model = trained()
+    per_block = model.recompute_s(BLOCK_TOKENS)
+    assert per_block is not None
+    fast = rates_of(dram=0.0001, nvme=per_block / 10, shared=per_block / 10)
+    slow = rates_of(dram=0.0001, nvme=per_block / 10, shared=per_block * 50)
+    tiers = ["dram"] * 4 + ["shared"] * 8
+    assert choose_blocks(tiers, BLOCK_TOKENS, model, fast) == (12, "saves")
+    assert choose_blocks(tiers, BLOCK_TOKENS, model, slow) == (4, "saves"), "the DRAM part, not the slow tier"
+    assert choose_blocks(["shared"] * 8, BLOCK_TOKENS, model, slow) == (0, "saves")
+    # Attention grows with the prefix: a tier too slow for a short prefix pays for a long one.
+    medium = rates_of(dram=0.0001, shared=1.05 * per_block)
+    assert choose_blocks(["shared"] * 4, BLOCK_TOKENS, model, medium) == (0, "saves")
+    long_count, _ = choose_blocks(["shared"] * 4096, BLOCK_TOKENS, model, medium)
+    assert long_count == 4096
+    # Unknown: a few blocks time the tier. Untrained: everything, as before the model.
+    assert choose_blocks(["dram", "nvme"] + ["shared"] * 20, BLOCK_TOKENS, model, rates_of(dram=0.0001)) == (
+        1 + PROBE_BLOCKS,
+        "probe",
+    )
+    assert choose_blocks(["shared"] * 20, BLOCK_TOKENS, PrefillModel(), slow) == (20, "untrained")
+
+
+def test_the_decider_offers_dram_at_once_and_decides_the_rest_on_the_next_pass():
+    decider = LoadDecider("auto", BLOCK_TOKENS)
+    decider.prefill = trained()
+    per_block = decider.prefill.recompute_s(BLOCK_TOKENS) or 0.0
+    decider.rates = rates_of(dram=0.0001, nvme=per_block * 50)
+    keys = [bytes([i]) * 32 for i in range(6)]
+    # A DRAM-only request: offered in its first pass, no decision needed.
+    assert [decider.answer("a", key, "dram") for key in keys[:3]] == ["offer"] * 3
+    # Two DRAM hits, then NVMe: the first pass retries from the first slower block on...
+    tiers = ["dram", "dram", "nvme", "nvme", "nvme", None]
+    assert [decider.answer("b", key, tier) for key, tier in zip(keys, tiers, strict=True)] == [
+        "offer",
+        "offer",
+        "retry",
+        "retry",
+        "retry",
+        "decline",
+    ]
+    # ... and the pass ended at a miss: decided. NVMe is too slow here: only DRAM's two are offered.
+    assert [decider.answer("b", key, tier) for key, tier in zip(keys, tiers, strict=True)][:5] == [
+        "offer",
+        "offer",
+        "decline",
+        "decline",
+        "decline",
+    ]
+    assert decider.decisions == {("dram", "load"): 2, ("nvme", "recompute"): 3}
+    decider.forget("b")
+    for policy, expected in (("always", "offer"), ("never", "decline")):
+        assert LoadDecider(policy, BLOCK_TOKENS).answer("c", keys[0], "nvme") == expected
+    with pytest.raises(ValueError, match="load_policy"):
+        LoadDecider("sometimes")
+
+
+def test_a_pass_that_ends_without_a_miss_is_decided_when_the_next_one_starts():
+    decider = LoadDecider("auto", BLOCK_TOKENS)
+    decider.prefill = trained()
+    decider.rates = rates_of(dram=0.0001, nvme=0.0)
+    keys = [bytes([i]) * 32 for i in range(3)]
+    assert [decider.answer("r", key, "nvme") for key in keys] == ["retry"] * 3
+    assert [decider.answer("r", key, "nvme") for key in keys] == ["offer"] * 3
+    assert decider.decisions == {("nvme", "load"): 3}
+
+
+def test_an_untrained_decider_offers_every_hit_at_once_and_counts_each_once():
+    decider = LoadDecider("auto", BLOCK_TOKENS)
+    keys = [bytes([i]) * 32 for i in range(3)]
+    for _ in range(2):  # a second pass (the prefetch answered HIT_PENDING) counts nothing again
+        assert [decider.answer("r", key, "nvme") for key in keys] == ["offer"] * 3
+    assert decider.decisions == {("nvme", "untrained"): 3}
