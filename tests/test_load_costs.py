@@ -164,3 +164,61 @@ def test_an_untrained_decider_offers_every_hit_at_once_and_counts_each_once():
     for _ in range(2):  # a second pass (the prefetch answered HIT_PENDING) counts nothing again
         assert [decider.answer("r", key, "nvme") for key in keys] == ["offer"] * 3
     assert decider.decisions == {("nvme", "untrained"): 3}
+
+
+def test_the_costs_file_carries_what_an_engine_learned_to_the_next_one(tmp_path):
+    from kvtier.vllm.costs import load_costs, save_costs
+
+    first = LoadDecider("auto", BLOCK_TOKENS)
+    first.prefill = trained()
+    first.rates.observe("shared", 4, 2.0)
+    path = tmp_path / "costs.json"
+    save_costs(first, path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    second = LoadDecider("auto", BLOCK_TOKENS)
+    assert load_costs(second, path)
+    assert second.prefill.recompute_s(1024) == pytest.approx(first.prefill.recompute_s(1024))
+    assert second.rates.seconds_per_block("shared") == pytest.approx(0.5)
+    # Another block size is another engine configuration: nothing restored.
+    assert not load_costs(LoadDecider("auto", 2 * BLOCK_TOKENS), path)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["truncated", "version", "nan", "shape", "huge", "symlink", "tier-name", "negative-rate"],
+)
+def test_a_costs_file_that_is_not_ours_in_every_detail_is_ignored(tmp_path, damage):
+    import json
+    import math
+
+    from kvtier.vllm.costs import MAX_COSTS_FILE_BYTES, load_costs, save_costs
+
+    learned = LoadDecider("auto", BLOCK_TOKENS)
+    learned.prefill = trained()
+    learned.rates.observe("nvme", 1, 0.01)
+    path = tmp_path / "costs.json"
+    save_costs(learned, path)
+    document = json.loads(path.read_text())
+    if damage == "truncated":
+        path.write_text(path.read_text()[:40])
+    elif damage == "symlink":
+        target = tmp_path / "elsewhere.json"
+        path.rename(target)
+        path.symlink_to(target)
+    elif damage == "huge":
+        path.write_text(" " * (MAX_COSTS_FILE_BYTES + 1) + json.dumps(document))
+    else:
+        if damage == "version":
+            document["version"] = 99
+        elif damage == "nan":
+            document["prefill"]["theta"][1] = math.nan
+        elif damage == "shape":
+            document["prefill"]["p"] = [[1.0, 0.0], [0.0, 1.0]]
+        elif damage == "tier-name":
+            document["rates"]["x" * 64] = {"seconds_per_block": 0.1, "measured_at": 0.0}
+        elif damage == "negative-rate":
+            document["rates"]["nvme"]["seconds_per_block"] = -1.0
+        path.write_text(json.dumps(document))
+    fresh = LoadDecider("auto", BLOCK_TOKENS)
+    assert not load_costs(fresh, path)
+    assert fresh.prefill.recompute_s(1024) is None and fresh.rates.snapshot() == {}

@@ -102,6 +102,7 @@ class KvtierConnector(OffloadingConnector):
             block_bytes = int(getattr(decider, "worker_block_bytes", 0))
             if loads is not None and loads.bytes > 0 and block_bytes > 0:
                 decider.rates.observe("dram", max(1, loads.bytes // block_bytes), loads.time)
+            decider.maybe_save()
         super().update_connector_output(connector_output)
 
     def _decider(self) -> Any:

@@ -21,15 +21,22 @@ prefetcher feed.
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
+import stat
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from kvtier.vllm.options import LOAD_POLICIES
+
+logger = logging.getLogger("kvtier.vllm")
 
 # Blocks offered from a tier whose rate is unknown (never measured, or forgotten): enough to time
 # it, few enough that a slow tier costs little.
@@ -76,6 +83,17 @@ class PrefillModel:
             return None
         return per_token * tokens + attention * tokens * tokens / 2
 
+    def state(self) -> dict[str, object]:
+        with self._lock:
+            return {"theta": self._theta.tolist(), "p": self._p.tolist(), "prefill_steps": self.prefill_steps}
+
+    def restore(self, state: dict[str, object]) -> None:
+        """From ``state`` (a costs file's; shapes and values checked by the caller)."""
+        theta, p = np.array(state["theta"], dtype=float), np.array(state["p"], dtype=float)
+        with self._lock:
+            self._theta, self._p = theta, p
+            self.prefill_steps = int(state["prefill_steps"])  # type: ignore[call-overload]
+
     @property
     def coefficients(self) -> tuple[float, float, float]:
         """``(a, b, c)`` in seconds, seconds per token and seconds per token of attention work."""
@@ -101,7 +119,9 @@ class TierRates:
     """Seconds per block each tier delivered lately (weighted mean, newest ``weight``)."""
 
     weight: float = 0.3
-    stale_s: float = 30.0
+    # A tier declined because it was slow is probed again after this long; engines started within it
+    # (a restart, another engine of the model on the host) reuse the rate (the costs file).
+    stale_s: float = 300.0
     _rates: dict[str, _Rate] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -127,6 +147,16 @@ class TierRates:
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return {tier: rate.seconds_per_block for tier, rate in self._rates.items()}
+
+    def ages(self) -> dict[str, tuple[float, float]]:
+        """Per tier: (seconds per block, seconds since measured)."""
+        now = time.monotonic()
+        with self._lock:
+            return {tier: (rate.seconds_per_block, now - rate.measured_at) for tier, rate in self._rates.items()}
+
+    def restore(self, tier: str, seconds_per_block: float, age_s: float) -> None:
+        with self._lock:
+            self._rates[tier] = _Rate(seconds_per_block, time.monotonic() - age_s)
 
 
 def load_s(tiers: Sequence[str], rates: TierRates) -> float | None:
@@ -201,6 +231,9 @@ class LoadDecider:
         self.policy = policy
         self.block_tokens = block_tokens
         self.worker_block_bytes = 0  # one rank's bytes of a block (set by the spec): DRAM's rate
+        # Where what this engine learned is kept for the next one of its model (``save_costs``).
+        self.costs_path: Path | None = None
+        self._saved_at = time.monotonic()
         self.prefill = PrefillModel()
         self.rates = TierRates()
         self.decisions: dict[tuple[str, str], int] = {}
@@ -241,6 +274,23 @@ class LoadDecider:
 
     def _count(self, tier: str, choice: str) -> None:
         self.decisions[(tier, choice)] = self.decisions.get((tier, choice), 0) + 1
+
+    def maybe_save(self, force: bool = False) -> None:
+        """Writes the costs file at most every ``SAVE_INTERVAL_S`` (or now, ``force``). A failure to
+        write is logged once and costs nothing else: the next engine learns from scratch."""
+        if self.costs_path is None or self.policy != "auto":
+            return
+        now = time.monotonic()
+        if not force and now - self._saved_at < SAVE_INTERVAL_S:
+            return
+        self._saved_at = now
+        try:
+            save_costs(self, self.costs_path)
+        except OSError as error:
+            logger.warning(
+                "kvtier: cannot write %s (%s); the next engine learns its costs anew", self.costs_path, error
+            )
+            self.costs_path = None
 
     def forget(self, req_id: str) -> None:
         """The request's load was prepared (or it ended): its plan is done."""
@@ -302,3 +352,92 @@ def step_work(scheduler_output: object) -> tuple[int, float]:
     tokens = sum(scheduled.values())
     work = sum(work_of(count, starts.get(req_id, 0)) for req_id, count in scheduled.items())
     return tokens, work
+
+
+# The costs file (docs/vllm.md, "The costs file"): what an engine learned of its own prefill and of
+# the tiers, for the next engine of the same model on this host (a restart, a second server). JSON,
+# versioned, size-bounded, every value checked on read: a file that is not ours in every detail is
+# ignored, and the engine learns from scratch.
+COSTS_FILE_VERSION = 1
+MAX_COSTS_FILE_BYTES = 64 << 10
+SAVE_INTERVAL_S = 10.0
+_TIER_NAME_MAX = 16
+
+
+def save_costs(decider: LoadDecider, path: Path) -> None:
+    """Writes ``path`` atomically (a temporary file beside it, then a rename), mode 0600."""
+    now = time.time()
+    document = {
+        "version": COSTS_FILE_VERSION,
+        "written_at": now,
+        "block_tokens": decider.block_tokens,
+        "prefill": decider.prefill.state(),
+        "rates": {
+            tier: {"seconds_per_block": rate, "measured_at": now - age}
+            for tier, (rate, age) in decider.rates.ages().items()
+        },
+    }
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as file:
+        json.dump(document, file)
+    os.replace(partial, path)
+
+
+def load_costs(decider: LoadDecider, path: Path) -> bool:
+    """Restores what ``path`` holds into ``decider``; False (and nothing restored) unless the file is
+    a regular file of this user, within the size bound, of this version and block size, and every
+    value is a finite number of the right shape."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(file.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_size > MAX_COSTS_FILE_BYTES:
+            return False
+        try:
+            document = json.loads(file.read(MAX_COSTS_FILE_BYTES))
+        except ValueError:
+            return False
+    parsed = _checked(document, decider.block_tokens)
+    if parsed is None:
+        return False
+    prefill, rates = parsed
+    decider.prefill.restore(prefill)
+    now = time.time()
+    for tier, (seconds_per_block, measured_at) in rates.items():
+        decider.rates.restore(tier, seconds_per_block, max(0.0, now - measured_at))
+    return True
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _checked(document: object, block_tokens: int) -> tuple[dict[str, object], dict[str, tuple[float, float]]] | None:
+    if not isinstance(document, dict) or document.get("version") != COSTS_FILE_VERSION:
+        return None
+    if document.get("block_tokens") != block_tokens:
+        return None
+    prefill, rates = document.get("prefill"), document.get("rates")
+    if not isinstance(prefill, dict) or not isinstance(rates, dict) or len(rates) > 8:
+        return None
+    theta, p, steps = prefill.get("theta"), prefill.get("p"), prefill.get("prefill_steps")
+    if not (isinstance(theta, list) and len(theta) == 3 and all(_finite(v) for v in theta)):
+        return None
+    if not (isinstance(p, list) and len(p) == 3 and all(isinstance(r, list) and len(r) == 3 for r in p)):
+        return None
+    if not all(_finite(v) for row in p for v in row) or not (isinstance(steps, int) and 0 <= steps < 1 << 40):
+        return None
+    parsed_rates: dict[str, tuple[float, float]] = {}
+    for tier, rate in rates.items():
+        if not (isinstance(tier, str) and 0 < len(tier) <= _TIER_NAME_MAX and isinstance(rate, dict)):
+            return None
+        seconds, measured_at = rate.get("seconds_per_block"), rate.get("measured_at")
+        if not (isinstance(seconds, (int, float)) and isinstance(measured_at, (int, float))):
+            return None
+        if not (_finite(seconds) and seconds >= 0 and _finite(measured_at)):
+            return None
+        parsed_rates[tier] = (float(seconds), float(measured_at))
+    return {"theta": theta, "p": p, "prefill_steps": steps}, parsed_rates

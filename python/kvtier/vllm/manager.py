@@ -309,4 +309,5 @@ class KvtierManager(OffloadingManager):
                 self._store.unpin_many(held)
         self._pins.clear()
         self._pinned_at.clear()
+        self.decider.maybe_save(force=True)
         self._shared.release()

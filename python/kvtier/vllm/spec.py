@@ -19,7 +19,9 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
+from kvtier.service import default_socket_path, private_dir
 from kvtier.vllm.connection import ServiceBackend, ServiceConnection
+from kvtier.vllm.costs import load_costs
 from kvtier.vllm.events import EventFeed, direct_offload_key
 from kvtier.vllm.local_store import acquire_store, find_engine_store
 from kvtier.vllm.manager import KvtierManager
@@ -213,7 +215,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 load_policy=self.options.load_policy,
                 block_tokens=self.config.groups[0].tokens_per_block,
             )
-            manager.decider.worker_block_bytes = self.config.worker_kv_bytes_per_block
+            self._learn_costs(manager)
             return manager
         shared = find_engine_store(self.options, self.config.engine_id)
         if shared is None:
@@ -232,8 +234,30 @@ class KvtierOffloadingSpec(OffloadingSpec):
             load_policy=self.options.load_policy,
             block_tokens=self.config.groups[0].tokens_per_block,
         )
-        manager.decider.worker_block_bytes = self.config.worker_kv_bytes_per_block
+        self._learn_costs(manager)
         return manager
+
+    def _learn_costs(self, manager: KvtierManager) -> None:
+        """Starts the manager's load-or-recompute model from what the last engine of this model on
+        this host learned (its costs file, next to the service sockets), and keeps it there."""
+        decider = manager.decider
+        decider.worker_block_bytes = self.config.worker_kv_bytes_per_block
+        if decider.policy != "auto":
+            return
+        description = service_namespace_description(
+            self.config,
+            hash_algo=self._hash_algo(),
+            model_revision=getattr(getattr(self.vllm_config, "model_config", None), "revision", None),
+            salt=self.options.namespace_salt,
+        )
+        try:
+            directory = private_dir(default_socket_path(self.options.path).parent)
+        except Exception as error:  # no private place for it: learn from scratch, save nothing
+            logger.warning("kvtier: no private directory for the costs file (%s); learning costs anew", error)
+            return
+        decider.costs_path = directory / f"costs-{namespace_digest(description).hex()[:32]}.json"
+        if load_costs(decider, decider.costs_path):
+            logger.info("kvtier: load-or-recompute model restored from %s", decider.costs_path)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         check_hash_algo(self._hash_algo())
