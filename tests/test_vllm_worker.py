@@ -563,3 +563,60 @@ def test_the_manager_recomputes_nvme_hits_that_load_slower_than_the_engine_compu
         manager.shutdown()
     finally:
         kvtier_service.stop_service(options.socket_path())
+
+
+def test_the_scheduler_fingerprints_the_weights_once_not_on_a_requests_path(tmp_path, monkeypatch):
+    """Issue 37, item 7: the prefetcher's and the event feed's connections open lazily, at a request's
+    first NVMe hit or event drain, and each hashed every weight file again there (about 15 s for an
+    8B model, spent in HIT_PENDING). The scheduler now fingerprints the model once, at start."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    from kvtier.models import ensure_model
+    from kvtier.vllm import namespace, spec
+
+    hashed: list[str] = []
+    real = namespace._file_sha256
+    monkeypatch.setattr(namespace, "_file_sha256", lambda path: (hashed.append(path.name), real(path))[1])
+    options = options_for(tmp_path)
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(16, ("layer.0", "layer.1"), 0),),
+        worker_kv_bytes_per_block=PAGE_BYTES * LAYERS,
+        enable_kv_cache_events=True,
+        extra_config={"path": options.path, **options.store_options, "pool_dir": str(tmp_path)},
+        engine_id="fingerprint-once",
+        model=OffloadingModelConfig(str(ensure_model("tiny")), "float32"),
+        cache=OffloadingCacheConfig(16, 1),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
+    )
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256"),
+        model_config=SimpleNamespace(enable_sleep_mode=False, revision=None),
+        load_config=SimpleNamespace(download_dir=None),
+        kv_transfer_config=SimpleNamespace(kv_connector="KvtierConnector"),
+    )
+    monkeypatch.setattr(spec._constructing, "vllm_config", vllm_config, raising=False)
+    manager = spec.KvtierOffloadingSpec(config).get_manager()
+    try:
+        at_start = len(hashed)
+        assert at_start >= 1
+        # A request's first lookup that needs the prefetcher, and the first drain of events.
+        prefetcher = manager._prefetcher
+        assert prefetcher is not None
+        prefetcher.lookup(key(120), "nvme")
+        deadline = time.monotonic() + 10
+        while prefetcher._connection is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        list(manager.take_events())
+        assert prefetcher._connection is not None
+        assert len(hashed) == at_start, f"weights hashed again on a request's path: {hashed}"
+    finally:
+        manager.shutdown()
+        kvtier_service.stop_service(options.socket_path())

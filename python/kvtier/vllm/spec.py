@@ -157,6 +157,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 "would hold a different part of a block. Run with pipeline_parallel_size=1"
             )
         self._connection: ServiceConnection | None = None
+        self._description: dict[str, Any] | None = None
 
     def _hash_algo(self) -> str | None:
         if self.vllm_config is None:
@@ -172,21 +173,36 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 "vLLM did not say how many KV bytes a worker holds per block (worker_kv_bytes_per_block); "
                 "kvtier's host service needs it to size the shared pool's slices"
             )
-        description = service_namespace_description(
-            self.config,
-            hash_algo=self._hash_algo(),
-            model_revision=getattr(getattr(self.vllm_config, "model_config", None), "revision", None),
-            salt=self.options.namespace_salt,
-        )
         return ServiceConnection(
             self.options,
-            description,
+            self._service_description(),
             self.config.parallel.tp_size,
             rank,
             self.config.worker_kv_bytes_per_block,
             label=self._engine_label() if labelled else "",
             timeout_ms=self.options.service_timeout_ms if scheduler else self.options.job_timeout_ms,
         )
+
+    def _service_description(self) -> dict[str, Any]:
+        """The host-service namespace, computed once per process: it fingerprints the model's weights
+        (seconds for a large model). The prefetcher's and the event feed's connections open lazily,
+        on a request's path: they must not hash the weights again there (issue 37, item 7). Once is
+        also right: the engine serves the weights it loaded at start, whatever is on disk later."""
+        if self._description is None:
+            self._description = service_namespace_description(
+                self.config,
+                hash_algo=self._hash_algo(),
+                model_revision=self._model_revision(),
+                salt=self.options.namespace_salt,
+                download_dir=self._download_dir(),
+            )
+        return self._description
+
+    def _model_revision(self) -> str | None:
+        return getattr(getattr(self.vllm_config, "model_config", None), "revision", None)
+
+    def _download_dir(self) -> str | None:
+        return getattr(getattr(self.vllm_config, "load_config", None), "download_dir", None)
 
     def _engine_label(self) -> str:
         return self.options.engine_label or str(getattr(self.config, "engine_id", "") or "")
@@ -244,12 +260,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
         decider.worker_block_bytes = self.config.worker_kv_bytes_per_block
         if decider.policy != "auto":
             return
-        description = service_namespace_description(
-            self.config,
-            hash_algo=self._hash_algo(),
-            model_revision=getattr(getattr(self.vllm_config, "model_config", None), "revision", None),
-            salt=self.options.namespace_salt,
-        )
+        description = self._service_description()
         try:
             directory = private_dir(default_socket_path(self.options.path).parent)
         except Exception as error:  # no private place for it: learn from scratch, save nothing
@@ -301,8 +312,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
             self.config,
             page_bytes_per_layer=page_bytes_per_layer,
             hash_algo=self._hash_algo(),
-            model_revision=getattr(getattr(self.vllm_config, "model_config", None), "revision", None),
+            model_revision=self._model_revision(),
             salt=self.options.namespace_salt,
+            download_dir=self._download_dir(),
         )
         namespace = namespace_digest(description)
         shared = acquire_store(self.options, self.config.engine_id, namespace, description, object_bytes)
