@@ -50,3 +50,41 @@ def test_weights_rewritten_in_place_with_same_size_and_mtime_change_the_fingerpr
     after = weights.stat()
     assert (after.st_size, after.st_mtime_ns, after.st_ino) == (stat.st_size, stat.st_mtime_ns, stat.st_ino)
     assert model_fingerprint(str(tmp_path / "m")) != before
+
+
+def hub_snapshot(cache, repo, commit, seed, ref="main"):
+    """A model in a Hugging Face cache as an upload leaves it: snapshots/<commit>/ and refs/<ref>."""
+    repo_dir = cache / f"models--{repo.replace('/', '--')}"
+    make_model_dir = repo_dir / "snapshots" / commit
+    make_model_dir.parent.mkdir(parents=True, exist_ok=True)
+    make_model(make_model_dir, seed)
+    (repo_dir / "refs").mkdir(exist_ok=True)
+    (repo_dir / "refs" / ref).write_text(commit)
+
+
+def test_a_hub_model_is_fingerprinted_by_the_snapshot_it_resolves_to(tmp_path, monkeypatch):
+    """Issue 37, item 10: a hub name was fingerprinted as "hub:<name>@main", so after the owner
+    uploaded new weights, KV computed with the old ones was served to the new ones."""
+    cache = tmp_path / "hub"
+    # The cache vLLM downloads into when no --download-dir is given (read when a download resolves).
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    first, second = "a" * 40, "b" * 40
+    hub_snapshot(cache, "org/model", first, seed=1)
+    before = model_fingerprint("org/model")
+    assert before == model_fingerprint("org/model", first), "main resolves to the same snapshot"
+    hub_snapshot(cache, "org/model", second, seed=2)  # a new upload moves main
+    assert model_fingerprint("org/model") != before
+    assert model_fingerprint("org/model", first) == before, "a pinned commit keeps its fingerprint"
+    # The same weights fetched into another directory (vLLM's --download-dir) share blocks.
+    other = tmp_path / "download-dir"
+    hub_snapshot(other, "org/model", first, seed=1)
+    assert model_fingerprint("org/model", first, download_dir=str(other)) == before
+
+
+def test_a_hub_model_with_no_local_snapshot_needs_a_commit_hash(tmp_path, monkeypatch):
+    from kvtier.vllm import KvtierVllmConfigError
+
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "empty"))
+    with pytest.raises(KvtierVllmConfigError, match="--revision with a commit hash"):
+        model_fingerprint("org/elsewhere")
+    assert model_fingerprint("org/elsewhere", "c" * 40) != model_fingerprint("org/elsewhere", "d" * 40)

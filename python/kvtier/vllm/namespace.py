@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,13 +35,16 @@ def kvtier_key(offload_key: OffloadKey) -> bytes:
     return hashlib.sha256(b"kvtier.vllm.key\0" + bytes(offload_key)).digest()
 
 
-def model_fingerprint(model: str, revision: str | None = None) -> str:
+def model_fingerprint(model: str, revision: str | None = None, download_dir: str | None = None) -> str:
     """sha256 over the model's config.json, its safetensors index and the full contents of its weight files.
 
     Contents, not sizes or timestamps: a model rewritten in place (a fine-tune saved over the old
     weights) must never be served the old model's KV blocks, and two replicas holding the same weights
-    under different paths or copy times must share them. For a model that is not a local directory (a
-    hub name), the name and revision stand in.
+    under different paths or copy times must share them. A hub name is resolved to the snapshot vLLM
+    loaded (the Hugging Face cache, or ``download_dir``) and that snapshot's files are fingerprinted:
+    a name and a branch ("main") stand for different weights after every upload (issue 37, item 10).
+    A hub model with no local snapshot is named by its revision only when that is a commit hash
+    (immutable); otherwise it is refused with the fix.
 
     Every call reads and hashes every weight file; nothing is cached. A cache needs a key that no
     rewrite can keep, and file metadata is not one: size and mtime survive a same-tick rewrite on a
@@ -54,8 +58,17 @@ def model_fingerprint(model: str, revision: str | None = None) -> str:
     model_dir = Path(model)
     digest = hashlib.sha256()
     if not model_dir.is_dir():
-        digest.update(f"hub:{model}@{revision or 'main'}".encode())
-        return digest.hexdigest()
+        snapshot = _hub_snapshot(model, revision, download_dir)
+        if snapshot is None:
+            if revision is None or not _COMMIT.fullmatch(revision):
+                raise KvtierVllmConfigError(
+                    f"kvtier cannot find the local snapshot of the hub model {model!r} (revision "
+                    f"{revision or 'main'}), so it cannot tell its weights from a later upload's. Pass --revision "
+                    "with a commit hash, or serve a local directory"
+                )
+            digest.update(f"hub:{model}@{revision}".encode())
+            return digest.hexdigest()
+        model_dir = snapshot
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise KvtierVllmConfigError(f"model directory {model_dir} has no config.json; kvtier fingerprints it")
@@ -67,6 +80,19 @@ def model_fingerprint(model: str, revision: str | None = None) -> str:
         size_bytes, content = _file_sha256(weight_path)
         digest.update(f"{weight_path.name}\0{size_bytes}\0{content}\0".encode())
     return digest.hexdigest()
+
+
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def _hub_snapshot(model: str, revision: str | None, download_dir: str | None) -> Path | None:
+    """The directory of the snapshot a hub name and revision resolve to in the local cache, or None."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=model, revision=revision, cache_dir=download_dir, local_files_only=True))
+    except Exception:
+        return None
 
 
 def _file_sha256(path: Path) -> tuple[int, str]:
@@ -109,6 +135,7 @@ def namespace_description(
     hash_algo: str | None,
     model_revision: str | None = None,
     salt: str = "",
+    download_dir: str | None = None,
 ) -> dict[str, Any]:
     """Everything that must match for a stored block to be valid in this engine."""
     parallel = config.parallel
@@ -118,7 +145,7 @@ def namespace_description(
         # A local model is identified by its contents alone, so replicas that mount the same weights
         # at different paths share blocks; a hub model by its name and revision.
         "model": config.model.name if not Path(config.model.name).is_dir() else "local",
-        "model_fingerprint": model_fingerprint(config.model.name, model_revision),
+        "model_fingerprint": model_fingerprint(config.model.name, model_revision, download_dir),
         "kv_dtype": config.model.dtype,
         "kv_cache_layout": config.kv_cache_layout,
         "canonical_layout": config.canonical_layout,
@@ -151,7 +178,12 @@ def rank_independent_objects(config: OffloadingConfig) -> bool:
 
 
 def service_namespace_description(
-    config: OffloadingConfig, *, hash_algo: str | None, model_revision: str | None = None, salt: str = ""
+    config: OffloadingConfig,
+    *,
+    hash_algo: str | None,
+    model_revision: str | None = None,
+    salt: str = "",
+    download_dir: str | None = None,
 ) -> dict[str, Any]:
     """The namespace of the host-service layout, the same in the scheduler and in every rank.
 
@@ -165,7 +197,12 @@ def service_namespace_description(
     it decides what a slice holds.
     """
     description = namespace_description(
-        config, page_bytes_per_layer=[], hash_algo=hash_algo, model_revision=model_revision, salt=salt
+        config,
+        page_bytes_per_layer=[],
+        hash_algo=hash_algo,
+        model_revision=model_revision,
+        salt=salt,
+        download_dir=download_dir,
     )
     del description["page_bytes_per_layer"]
     del description["parallel"]["rank"]
