@@ -584,7 +584,12 @@ def test_the_scheduler_fingerprints_the_weights_once_not_on_a_requests_path(tmp_
 
     hashed: list[str] = []
     real = namespace._file_sha256
-    monkeypatch.setattr(namespace, "_file_sha256", lambda path: (hashed.append(path.name), real(path))[1])
+
+    def counted(path: Path) -> tuple[int, str]:
+        hashed.append(path.name)
+        return real(path)
+
+    monkeypatch.setattr(namespace, "_file_sha256", counted)
     options = options_for(tmp_path)
     config = OffloadingConfig(
         groups=(OffloadingGroupConfig(16, ("layer.0", "layer.1"), 0),),
@@ -604,6 +609,7 @@ def test_the_scheduler_fingerprints_the_weights_once_not_on_a_requests_path(tmp_
     )
     monkeypatch.setattr(spec._constructing, "vllm_config", vllm_config, raising=False)
     manager = spec.KvtierOffloadingSpec(config).get_manager()
+    assert isinstance(manager, KvtierManager)
     try:
         at_start = len(hashed)
         assert at_start >= 1
