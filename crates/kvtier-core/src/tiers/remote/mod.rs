@@ -6,10 +6,13 @@
 //!   generation and keys, reads started and judged, and (as a [`PublishSink`]) publishing.
 //! - [`publisher`]: the store's background thread batching accepted blocks into a tier.
 //! - [`key`]: the deployment key's loader (the tags are `crate::format::shared::AuthKey`).
+//! - [`lease`]: the evictor lease's rules (which generation is in force, whether a record holds
+//!   others off), so that no forged lease object stops eviction in any tier.
 //! - [`ReadOutcome`], [`StartedRead`]: how a read ends, and a tier's own record of a read in flight.
 //! - [`random_nonzero_u64`]: writer ids.
 
 pub mod key;
+pub mod lease;
 pub mod publisher;
 
 pub use publisher::{PublishSink, Publisher, Refetch};
