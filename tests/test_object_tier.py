@@ -500,6 +500,44 @@ def test_a_lease_object_of_the_last_generation_is_ignored_not_wrapped(rgw, nodes
     assert last in leases and len(leases) >= 2, f"the store holds a generation under it: {leases}"
 
 
+def test_listed_objects_longer_than_their_format_allows_are_never_fetched(rgw, nodes, bucket):
+    """An index, an access and a lease object planted longer than their formats allow (each begins
+    like its format, so that fetched it would be judged corrupt and acted on): a store leaves each out
+    of its listing, counts it once in bucket_oversized_objects, never fetches it and never acts on it
+    (no quarantine, no delete), and keeps serving and keeping its budget beside them."""
+    writer = nodes.open("writer", **bucket)
+    publish(writer, list(range(48)))  # six segments
+    prefix = bucket["bucket_url"].removeprefix(f"s3://{BUCKET}/")
+    ns_dir = next(k for k, _ in rgw.keys(prefix) if k.endswith(".kvi")).rsplit("/idx/", 1)[0]
+    # The formats' longest: an index object of the largest segment (5 GiB) of these slots; an
+    # access object of 65,536 entries; a 64-byte lease record.
+    max_index = 96 + min(((5 << 30) - 4096) // SLOT_BYTES, 1 << 20) * 48 + 40
+    max_access = 64 + (1 << 16) * 24 + 40
+    version = (1).to_bytes(4, "little")
+    planted = {
+        f"{ns_dir}/idx/00000000000000ab-0000000000000001.kvi": b"KVTOIDX\0" + version + bytes(max_index),
+        f"{ns_dir}/acc/00000000000000ab.kva": b"KVTOACC\0" + version + bytes(max_access),
+        f"{ns_dir}/lease/0000000000000100.lease": b"KVTSLSE\0" + version + bytes(64),
+    }
+    for name, body in planted.items():
+        assert rgw.s3("PUT", f"{BUCKET}/{name}", body)[0] == 200
+    reader = nodes.open("reader", **bucket)  # no budget: it only lists and fetches index objects
+    assert wait_visible(reader, [key(i) for i in range(48)])
+    time.sleep(0.5)  # five more listings
+    assert reader.stats()["bucket_get_requests"] == 6, "only the six real index objects are fetched"
+    keeper = _keeps_the_budget(rgw, nodes, bucket)  # lists lease/ and, over the budget, acc/
+    time.sleep(0.5)
+    for store in (reader, keeper):
+        stats = store.stats()
+        assert stats["bucket_verify_failures"] == 0 and stats["bucket_quarantined_objects"] == 0, stats
+        assert stats["bucket_access_objects_ignored"] == 0, "the access object was fetched and judged"
+    assert reader.stats()["bucket_oversized_objects"] == 1, "the index object, once across many listings"
+    assert keeper.stats()["bucket_oversized_objects"] == 3, "each planted object, once"
+    listed = dict(rgw.keys(prefix))
+    assert all(listed.get(name) == len(body) for name, body in planted.items()), "left alone, not acted on"
+    assert load(reader, list(range(48))).count(True) >= 16, "the two segments the budget keeps are served"
+
+
 def _two_segments_seen_by_b(rgw: Rgw, nodes, bucket) -> tuple[kvtier.Store, list[str]]:
     """Node A publishes blocks 0-15 (two segments); node B indexes them all. Returns B and the
     prefix's object names, sorted (by sequence: the segment of blocks 0-7 first)."""

@@ -6,7 +6,7 @@
 //! (`tiers::remote::lease`): a forged generation or expiry is ignored, as the shared tier does.
 
 use super::ObjectTier;
-use crate::format::shared::{lease_file_name, parse_lease_file_name, unix_ms, Lease};
+use crate::format::shared::{lease_file_name, parse_lease_file_name, unix_ms, Lease, LEASE_BYTES};
 use crate::stats::Stats;
 use crate::tiers::remote::lease::{generation_in_force, holds_off, next_generation};
 use object_store::path::Path as ObjectPath;
@@ -21,7 +21,7 @@ impl ObjectTier {
     /// The generation in force (the highest genuine one listed) and its record (`None`: unreadable
     /// or gone: treated as expired).
     fn current_lease(&self) -> std::io::Result<(u64, Option<Lease>)> {
-        let listed = self.list("lease")?;
+        let listed = self.list_within("lease", LEASE_BYTES as u64)?;
         let generations = listed.iter().filter_map(|m| parse_lease_file_name(m.location.filename()?));
         let Some(generation) = generation_in_force(generations) else {
             return Ok((0, None));

@@ -134,6 +134,9 @@ pub struct ObjectTier {
     cleanups: Mutex<Vec<damage::Cleanup>>,
     /// Segments this process has copied into quarantine (once each).
     quarantined: Mutex<HashSet<String>>,
+    /// Listed objects longer than their format allows, already reported (never fetched; see
+    /// `list_within`), by path.
+    oversized: Mutex<HashSet<String>>,
     writer: Mutex<writer::SegmentWriter>,
     auth: Option<AuthKey>,
     stats: Arc<Stats>,
@@ -194,6 +197,7 @@ impl ObjectTier {
             bad_blocks: Mutex::new(HashSet::new()),
             cleanups: Mutex::new(Vec::new()),
             quarantined: Mutex::new(HashSet::new()),
+            oversized: Mutex::new(HashSet::new()),
             auth,
             stats,
             stop: Mutex::new(false),
