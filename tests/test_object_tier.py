@@ -436,6 +436,108 @@ def test_budget_evicts_the_least_recently_read_segments_first(rgw, nodes, bucket
         time.sleep(0.1)
 
 
+def _lease_objects(rgw: Rgw, prefix: str) -> list[str]:
+    return sorted(k for k, _ in rgw.keys(prefix) if "/lease/" in k)
+
+
+def _genuine_lease_record(rgw: Rgw, nodes, bucket, lease_ms: int) -> tuple[bytes, str]:
+    """A lease record as a store with a budget and this lease term writes it (its expiry: its clock
+    plus the term), and the namespace's lease directory. The store then closes, giving the lease up
+    (a newer generation, already expired): what is left is a record nobody holds any more."""
+    prefix = bucket["bucket_url"].removeprefix(f"s3://{BUCKET}/")
+    store = nodes.open("taker", **{**bucket, "bucket_budget_bytes": 64 << 20, "bucket_lease_ms": lease_ms})
+    assert _wait_for(lambda: _lease_objects(rgw, prefix) != []), "the store never took the lease"
+    taken = _lease_objects(rgw, prefix)[0]
+    status, record = rgw.s3("GET", f"{BUCKET}/{taken}")
+    assert status == 200 and len(record) == 64, (status, record)
+    store.close()
+    return record, taken.rsplit("/", 1)[0]
+
+
+def _keeps_the_budget(rgw: Rgw, nodes, bucket) -> kvtier.Store:
+    """A store with a budget of three segments publishes six; returns it once the bucket is back
+    under the budget (fails if it stays over)."""
+    budget = 3 * bucket["bucket_segment_bytes"]
+    options = {**bucket, "bucket_budget_bytes": budget, "bucket_lease_ms": 1000, "bucket_request_timeout_ms": 1000}
+    keeper = nodes.open("keeper", **options)
+    publish(keeper, list(range(48)))  # six segments
+    prefix = bucket["bucket_url"].removeprefix(f"s3://{BUCKET}/")
+    total = _wait_under_budget(rgw, prefix, budget)
+    assert total <= budget, f"{total} bytes of segments stayed over the {budget}-byte budget: nobody evicts"
+    assert keeper.stats()["bucket_evicted_segments"] >= 3
+    return keeper
+
+
+def test_a_lease_expiring_far_in_the_future_does_not_stop_eviction(rgw, nodes, bucket):
+    """A store whose clock ran a year ahead (here: one with a year-long lease term, which writes the
+    same record) took the evictor lease and died without giving it up. Its expiry is further out than
+    any holder's clock plus the term and the skew between nodes allow: forged, it holds nobody off,
+    and the next store with a budget takes the lease over and keeps the budget (as the shared tier
+    does)."""
+    year_ms = 365 * 24 * 3600 * 1000
+    record, lease_dir = _genuine_lease_record(rgw, nodes, bucket, year_ms)
+    # Above the released generation, so that it is the lease in force.
+    assert rgw.s3("PUT", f"{BUCKET}/{lease_dir}/0000000000000010.lease", record)[0] == 200
+    _keeps_the_budget(rgw, nodes, bucket)
+    prefix = bucket["bucket_url"].removeprefix(f"s3://{BUCKET}/")
+    generations = [int(k.rsplit("/", 1)[1].removesuffix(".lease"), 16) for k in _lease_objects(rgw, prefix)]
+    assert max(generations) > 0x10, f"not taken over above the forged one: {[hex(g) for g in generations]}"
+
+
+def test_a_lease_object_of_the_last_generation_is_ignored_not_wrapped(rgw, nodes, bucket):
+    """`lease/ffffffffffffffff.lease`, planted: no generation follows it (the increment would wrap to
+    0, or panic in a debug build). It is never the lease in force: the store takes generation 1 under
+    it and keeps the budget, and no lease object of generation 0 ever appears."""
+    record, lease_dir = _genuine_lease_record(rgw, nodes, bucket, 1000)
+    prefix = bucket["bucket_url"].removeprefix(f"s3://{BUCKET}/")
+    for name in _lease_objects(rgw, prefix):
+        assert rgw.s3("DELETE", f"{BUCKET}/{name}")[0] == 204
+    last = f"{lease_dir}/ffffffffffffffff.lease"
+    assert rgw.s3("PUT", f"{BUCKET}/{last}", record)[0] == 200
+    _keeps_the_budget(rgw, nodes, bucket)
+    leases = _lease_objects(rgw, prefix)
+    assert f"{lease_dir}/0000000000000000.lease" not in leases, f"the generation wrapped: {leases}"
+    assert last in leases and len(leases) >= 2, f"the store holds a generation under it: {leases}"
+
+
+def test_listed_objects_longer_than_their_format_allows_are_never_fetched(rgw, nodes, bucket):
+    """An index, an access and a lease object planted longer than their formats allow (each begins
+    like its format, so that fetched it would be judged corrupt and acted on): a store leaves each out
+    of its listing, counts it once in bucket_oversized_objects, never fetches it and never acts on it
+    (no quarantine, no delete), and keeps serving and keeping its budget beside them."""
+    writer = nodes.open("writer", **bucket)
+    publish(writer, list(range(48)))  # six segments
+    prefix = bucket["bucket_url"].removeprefix(f"s3://{BUCKET}/")
+    ns_dir = next(k for k, _ in rgw.keys(prefix) if k.endswith(".kvi")).rsplit("/idx/", 1)[0]
+    # The formats' longest: an index object of the largest segment (5 GiB) of these slots; an
+    # access object of 65,536 entries; a 64-byte lease record.
+    max_index = 96 + min(((5 << 30) - 4096) // SLOT_BYTES, 1 << 20) * 48 + 40
+    max_access = 64 + (1 << 16) * 24 + 40
+    version = (1).to_bytes(4, "little")
+    planted = {
+        f"{ns_dir}/idx/00000000000000ab-0000000000000001.kvi": b"KVTOIDX\0" + version + bytes(max_index),
+        f"{ns_dir}/acc/00000000000000ab.kva": b"KVTOACC\0" + version + bytes(max_access),
+        f"{ns_dir}/lease/0000000000000100.lease": b"KVTSLSE\0" + version + bytes(64),
+    }
+    for name, body in planted.items():
+        assert rgw.s3("PUT", f"{BUCKET}/{name}", body)[0] == 200
+    reader = nodes.open("reader", **bucket)  # no budget: it only lists and fetches index objects
+    assert wait_visible(reader, [key(i) for i in range(48)])
+    time.sleep(0.5)  # five more listings
+    assert reader.stats()["bucket_get_requests"] == 6, "only the six real index objects are fetched"
+    keeper = _keeps_the_budget(rgw, nodes, bucket)  # lists lease/ and, over the budget, acc/
+    time.sleep(0.5)
+    for store in (reader, keeper):
+        stats = store.stats()
+        assert stats["bucket_verify_failures"] == 0 and stats["bucket_quarantined_objects"] == 0, stats
+        assert stats["bucket_access_objects_ignored"] == 0, "the access object was fetched and judged"
+    assert reader.stats()["bucket_oversized_objects"] == 1, "the index object, once across many listings"
+    assert keeper.stats()["bucket_oversized_objects"] == 3, "each planted object, once"
+    listed = dict(rgw.keys(prefix))
+    assert all(listed.get(name) == len(body) for name, body in planted.items()), "left alone, not acted on"
+    assert load(reader, list(range(48))).count(True) >= 16, "the two segments the budget keeps are served"
+
+
 def _two_segments_seen_by_b(rgw: Rgw, nodes, bucket) -> tuple[kvtier.Store, list[str]]:
     """Node A publishes blocks 0-15 (two segments); node B indexes them all. Returns B and the
     prefix's object names, sorted (by sequence: the segment of blocks 0-7 first)."""

@@ -3,7 +3,9 @@
 //! - `catalog`: the control plane (index, allocation, eviction, pins, recovery adoption).
 //! - `mover`: the data plane (copies and I/O at locations the catalog hands out).
 //! - `shared_state`: `Shared`, the state a store's threads share; the mover works on it, not on `store`.
-//! - `tiers`: the DRAM arena and eviction policy; the NVMe device files and recovery; the shared tier.
+//! - `remote_tiers`: `RemoteTiers`, every remote tier of a store behind one value (no per-tier branches).
+//! - `tiers`: the DRAM arena and eviction policy; the NVMe device files and recovery; the remote tiers
+//!   (shared filesystem, object store) on their floor, `tiers::remote`.
 //! - `io`: I/O engines (io_uring, psync pool, fault injection) and the device queue every tier
 //!   moves block data through (NVMe: one per device file; the shared tier: one for its files).
 //! - [`format`]: on-disk structures, versioned and checksummed.
@@ -23,6 +25,7 @@ mod key;
 mod maintenance;
 mod mover;
 mod namespace_dir;
+mod remote_tiers;
 pub mod service;
 mod shared_state;
 mod stats;

@@ -240,7 +240,7 @@ impl Store {
     pub fn verify_shared_batch(&self, after: u64, max_blocks: usize, max_bytes_per_s: u64) -> Result<VerifyBatch> {
         self.check_open()?;
         let sh = self.shared();
-        let Some(tier) = &sh.shared_tier else {
+        let Some(tier) = sh.remote.shared_fs() else {
             return Ok(VerifyBatch { next_after: after, done: true, ..VerifyBatch::default() });
         };
         let mut keys = tier.indexed_keys(usize::MAX);
@@ -338,7 +338,7 @@ impl Store {
             write_backlog_bytes: cat.write_backlog_bytes() as u64,
             ..NamespaceFacts::default()
         };
-        if let Some(tier) = &self.shared().shared_tier {
+        if let Some(tier) = self.shared().remote.shared_fs() {
             facts.shared_index_age_ms = Some(tier.index_age_ms());
             let usage = tier.usage();
             facts.shared_used_bytes = usage.used_bytes;

@@ -1,15 +1,14 @@
-//! `Shared`, the state one store's threads share: catalog, arena, devices, counters, shared tier, job bookkeeping.
+//! `Shared`, the state one store's threads share: catalog, arena, devices, counters, remote tiers, job bookkeeping.
 
 use crate::catalog::Catalog;
 use crate::config::StoreConfig;
 use crate::io::device::DeviceQueue;
 use crate::key::BlockKey;
 use crate::key::Namespace;
+use crate::remote_tiers::RemoteTiers;
 use crate::stats::Stats;
 use crate::tiers::dram::Arena;
 use crate::tiers::nvme::{DeviceFile, Geometry};
-use crate::tiers::object::ObjectTier;
-use crate::tiers::shared::{Publisher, SharedTier};
 use parking_lot::{Condvar, Mutex};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -27,13 +26,9 @@ pub(crate) struct Shared {
     pub devices: Vec<DeviceQueue>,
     pub device_files: Vec<DeviceFile>,
     pub stats: Arc<Stats>,
-    /// The shared-filesystem tier and its publisher thread, when `config.shared` is set.
-    pub shared_tier: Option<Arc<SharedTier>>,
-    pub shared_publisher: Option<Publisher>,
-    /// The object-storage tier and its publisher thread, when `config.bucket` is set. Loads try the
-    /// shared tier first; blocks of either are reported as tier "shared" (remote).
-    pub object_tier: Option<Arc<ObjectTier>>,
-    pub object_publisher: Option<Publisher>,
+    /// The remote tiers (`config.shared`, `config.bucket`) with their publishers; blocks of any are
+    /// reported as tier "shared" (remote).
+    pub remote: RemoteTiers,
     pub(crate) finished: Mutex<HashMap<u64, Vec<bool>>>,
     pub(crate) finished_cv: Condvar,
     pub(crate) loads_active: AtomicUsize,

@@ -91,6 +91,9 @@ counters!(
     bucket_request_errors,
     // Objects copied into the bucket's quarantine/ (corrupt segments and index objects).
     bucket_quarantined_objects,
+    // Listed index, access and lease objects longer than their format allows: never fetched (each
+    // counted once while it stays listed).
+    bucket_oversized_objects,
     // The NVMe tier's I/O pattern, as the device queues submit it (seed 002's experiment 6): requests,
     // their bytes, those starting where the device's previous request of the same kind ended, and
     // how many fall in each size class (upper bounds, `IO_SIZE_CLASSES`).

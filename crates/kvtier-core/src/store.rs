@@ -19,13 +19,12 @@ use crate::mover::{
     abort_puts, commit_puts, execute_get, execute_get_pinned, execute_put, execute_read_ahead, reserve_puts,
     submit_meta, wait_for_put_room, BlockBuffer, Reservation,
 };
+use crate::remote_tiers::RemoteTiers;
 use crate::shared_state::{ReadAhead, Shared};
 use crate::stats::{Stats, StatsSnapshot};
 use crate::tiers::dram::Arena;
 use crate::tiers::eviction::S3Fifo;
 use crate::tiers::nvme::{self, DeviceFile, Geometry, RecoveredRegion};
-use crate::tiers::object::ObjectTier;
-use crate::tiers::shared::{Publisher, SharedTier};
 use crossbeam_channel::{bounded, unbounded, Sender, TrySendError};
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
@@ -124,10 +123,7 @@ impl Store {
             devices,
             device_files,
             stats,
-            shared_tier: remote.shared_tier,
-            shared_publisher: remote.shared_publisher,
-            object_tier: remote.object_tier,
-            object_publisher: remote.object_publisher,
+            remote,
             finished: Mutex::new(HashMap::new()),
             finished_cv: Condvar::new(),
             loads_active: AtomicUsize::new(0),
@@ -303,25 +299,20 @@ impl Store {
     /// Leading keys present in DRAM, NVMe or the shared index.
     pub fn lookup_prefix(&self, keys: &[BlockKey]) -> usize {
         let cat = self.shared.catalog.lock();
-        keys.iter().take_while(|k| cat.contains(k) || self.in_shared_tier(k)).count()
+        keys.iter().take_while(|k| cat.contains(k) || self.shared.remote.contains(k)).count()
     }
 
     pub fn contains_many(&self, keys: &[BlockKey]) -> Vec<bool> {
         let cat = self.shared.catalog.lock();
-        keys.iter().map(|k| cat.contains(k) || self.in_shared_tier(k)).collect()
+        keys.iter().map(|k| cat.contains(k) || self.shared.remote.contains(k)).collect()
     }
 
     /// The tier each block would be served from (memory only, no I/O).
     pub fn locate_many(&self, keys: &[BlockKey]) -> Vec<Option<crate::catalog::Tier>> {
         let cat = self.shared.catalog.lock();
         keys.iter()
-            .map(|k| cat.locate(k).or_else(|| self.in_shared_tier(k).then_some(crate::catalog::Tier::Shared)))
+            .map(|k| cat.locate(k).or_else(|| self.shared.remote.contains(k).then_some(crate::catalog::Tier::Shared)))
             .collect()
-    }
-
-    fn in_shared_tier(&self, key: &BlockKey) -> bool {
-        self.shared.shared_tier.as_ref().is_some_and(|t| t.contains(key))
-            || self.shared.object_tier.as_ref().is_some_and(|t| t.contains(key))
     }
 
     /// Pins the leading present keys: one flag per present key, in order. `true`: a pin was taken
@@ -334,7 +325,7 @@ impl Store {
         for key in keys {
             if cat.pin_prefix(std::slice::from_ref(key)) == 1 {
                 pinned.push(true);
-            } else if self.in_shared_tier(key) {
+            } else if self.shared.remote.contains(key) {
                 pinned.push(false);
             } else {
                 break;
@@ -378,9 +369,7 @@ impl Store {
         for d in &sh.device_files {
             d.file.sync_data().map_err(|e| Error::io(format!("fdatasync {}", d.path.display()), e))?;
         }
-        for publisher in sh.shared_publisher.iter().chain(&sh.object_publisher) {
-            publisher.flush(limit)?;
-        }
+        sh.remote.flush(limit)?;
         // Dates are a convenience: a directory that cannot take the file (removed, read-only) must
         // not fail a flush of blocks that did reach the disk.
         if let Err(e) = self.save_timeline() {
@@ -410,15 +399,7 @@ impl Store {
             let _ = t.join();
         }
         let flushed = self.flush_inner();
-        for publisher in self.shared.shared_publisher.iter().chain(&self.shared.object_publisher) {
-            publisher.close();
-        }
-        if let Some(tier) = &self.shared.shared_tier {
-            tier.close();
-        }
-        if let Some(tier) = &self.shared.object_tier {
-            tier.close();
-        }
+        self.shared.remote.close();
         for d in &self.shared.devices {
             d.shutdown();
         }
@@ -682,42 +663,13 @@ fn recover_device(
     Ok(recovered)
 }
 
-/// The shared and object tiers, each with its publisher thread, as the configuration asks.
-struct RemoteTiers {
-    shared_tier: Option<Arc<SharedTier>>,
-    shared_publisher: Option<Publisher>,
-    object_tier: Option<Arc<ObjectTier>>,
-    object_publisher: Option<Publisher>,
-}
-
-impl RemoteTiers {
-    /// Opens them after NVMe: a store may have either, both, or neither.
-    fn open(config: &StoreConfig, namespace: Namespace, stats: &Arc<Stats>) -> Result<RemoteTiers> {
-        let shared_tier = match &config.shared {
-            Some(c) => {
-                Some(SharedTier::open(c, namespace, config.object_bytes, Arc::clone(stats), &config.io_setup())?)
-            }
-            None => None,
-        };
-        let shared_publisher = shared_tier.as_ref().map(|t| Publisher::start(t.clone())).transpose()?;
-        let object_tier = match &config.bucket {
-            Some(c) => Some(ObjectTier::open(c, namespace, config.object_bytes, Arc::clone(stats))?),
-            None => None,
-        };
-        let object_publisher = object_tier.as_ref().map(|t| Publisher::start(t.clone())).transpose()?;
-        Ok(RemoteTiers { shared_tier, shared_publisher, object_tier, object_publisher })
-    }
-}
-
 /// Lets each publisher copy a block that is still resident when it comes to publish it.
 fn set_publishers_refetch(shared: &Arc<Shared>) {
-    for publisher in shared.shared_publisher.iter().chain(&shared.object_publisher) {
+    shared.remote.set_refetch(|| {
         // Weak: the publisher belongs to `shared`, and a strong reference would keep it alive.
         let weak = Arc::downgrade(shared);
-        publisher.set_refetch(Box::new(move |key, out| {
-            weak.upgrade().is_some_and(|sh| crate::mover::copy_resident_block(&sh, key, out))
-        }));
-    }
+        Box::new(move |key, out| weak.upgrade().is_some_and(|sh| crate::mover::copy_resident_block(&sh, key, out)))
+    });
 }
 
 /// The load threads and the store thread, with the senders of their job queues.

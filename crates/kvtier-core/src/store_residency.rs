@@ -5,6 +5,7 @@
 
 use crate::catalog::ResidencyChanges;
 use crate::key::BlockKey;
+pub use crate::remote_tiers::RemoteGeneration;
 use crate::store::Store;
 
 /// `Store::residency_changes`'s answer.
@@ -14,13 +15,9 @@ pub struct ResidencyUpdate {
     /// The keys in the remote tiers now (shared filesystem, object store), at most `max_remote`
     /// of each; `None`: unchanged since the generation the caller passed.
     pub remote: Option<Vec<BlockKey>>,
-    /// The generations to pass next time.
+    /// The remote generation to pass next time.
     pub remote_generation: Option<RemoteGeneration>,
 }
-
-/// The remote indexes' generations: (shared filesystem tier, object tier); 0 for a tier not
-/// configured.
-pub type RemoteGeneration = (u64, u64);
 
 impl Store {
     /// What changed since the last call: see `ResidencyUpdate`. `full`: the caller has not seen
@@ -36,16 +33,9 @@ impl Store {
         let shared = self.shared();
         let local = shared.catalog.lock().residency_changes(full, cap);
         // Generations first, keys after: a change in between is read again next time, never missed.
-        let now = (
-            shared.shared_tier.as_ref().map_or(0, |t| t.keys_generation()),
-            shared.object_tier.as_ref().map_or(0, |t| t.keys_generation()),
-        );
+        let now = shared.remote.generation();
         let unchanged = !full && remote_generation == Some(now);
-        let remote = (!unchanged).then(|| {
-            let mut keys = shared.shared_tier.as_ref().map_or_else(Vec::new, |t| t.indexed_keys(max_remote));
-            keys.extend(shared.object_tier.as_ref().map_or_else(Vec::new, |t| t.indexed_keys(max_remote)));
-            keys
-        });
+        let remote = (!unchanged).then(|| shared.remote.indexed_keys(max_remote));
         ResidencyUpdate { local, remote, remote_generation: Some(now) }
     }
 }

@@ -6,6 +6,13 @@
 //!   that wires them, and `src/bin/` holds separate crates: neither is a node. A `crate::X` path in a
 //!   node's code is an edge to node `X`. The edges must not close a cycle: the intended order is
 //!   key/format/io -> tiers -> catalog -> mover -> store -> maintenance/service.
+//! - **Siblings under `tiers/`.** Each folder and file directly under `src/tiers/` is a tier node
+//!   (`tiers/object/sync.rs` is `object`, `tiers/nvme.rs` is `nvme`). A tier node may use another
+//!   only if that is the floor, [`TIERS_FLOOR`] (`remote`: what every remote tier shares), and the
+//!   floor uses none: the shared-filesystem and object tiers never name each other, so a third
+//!   remote tier touches its own folder and not theirs. Paths count as `crate::tiers::X` and as
+//!   `super::` paths resolved against the file's place (`super::super::shared` from
+//!   `tiers/object/sync.rs` names `shared`).
 //! - **Short functions.** No `fn` in `src/` is longer than [`MAX_FUNCTION_LINES`] lines, from its
 //!   `fn` line to its closing brace, unless it is on [`LONG_FUNCTIONS`]; an entry there whose
 //!   functions all fit again fails too, so that the list only shrinks.
@@ -20,6 +27,9 @@ use std::path::Path;
 
 const MAX_FUNCTION_LINES: usize = 70;
 
+/// The one node under `src/tiers/` that its siblings may use.
+const TIERS_FLOOR: &str = "remote";
+
 /// Functions over the limit when this check came (issue 25), as (file under `src/`, name), with
 /// their length then. Shorten one, then remove its row; never add one.
 const LONG_FUNCTIONS: &[(&str, &str)] = &[];
@@ -33,6 +43,12 @@ fn no_cycle_between_modules() {
     if let Some(cycle) = find_cycle(&module_graph(&sources)) {
         panic!("module cycle (one-way layers, see this file's header):\n{}", cycle.join("\n"));
     }
+}
+
+#[test]
+fn tiers_share_only_their_floor() {
+    let problems = tiers_problems(&tiers_graph(&read_sources()));
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
 #[test]
@@ -93,57 +109,132 @@ fn module_graph(sources: &[Source]) -> BTreeMap<String, BTreeMap<String, String>
 /// The first segment of every `crate::` path, with its 1-based line; `crate::{a, b::c}` gives `a`
 /// and `b`. `$crate::` (in macros) is the same crate.
 fn crate_paths(code: &str) -> Vec<(String, usize)> {
+    let firsts = rooted_paths(code, "crate::").into_iter().filter_map(|(_, mut path, line)| {
+        let first = path.swap_remove(0);
+        (first != "self").then_some((first, line))
+    });
+    firsts.collect()
+}
+
+/// Every path starting with `root` (`crate::` or `super::`), whole: (how many times `root` starts
+/// it, its segments after that, its 1-based line). Groups expand: `crate::{a::{X, Y}, b}` gives
+/// `[a, X]`, `[a, Y]` and `[b]`; `super::super::x` gives `(2, [x])`. A path ends at anything that
+/// is not an identifier, `::` or a group (`crate::a::f(x)` is `[a, f]`).
+fn rooted_paths(code: &str, root: &str) -> Vec<(usize, Vec<String>, usize)> {
     let bytes = code.as_bytes();
     let mut found = Vec::new();
     let mut from = 0;
-    while let Some(at) = code[from..].find("crate::").map(|i| i + from) {
-        from = at + "crate::".len();
-        if at > 0 && is_ident_byte(bytes[at - 1]) {
-            continue; // `mycrate::`
+    while let Some(at) = code[from..].find(root).map(|i| i + from) {
+        from = at + root.len();
+        if at > 0 && (is_ident_byte(bytes[at - 1]) || code[..at].ends_with("::")) {
+            continue; // `mycrate::`, or the second `super::` of a chain
+        }
+        let mut repeats = 1;
+        while code[from..].starts_with(root) {
+            (repeats, from) = (repeats + 1, from + root.len());
         }
         let line = code[..at].matches('\n').count() + 1;
-        let rest = code[from..].trim_start();
-        match rest.strip_prefix('{') {
-            Some(group) => group_items(group).for_each(|item| push_ident(&mut found, item, line)),
-            None => push_ident(&mut found, rest, line),
-        }
+        let mut paths = Vec::new();
+        use_tree(&code[from..], Vec::new(), &mut paths);
+        found.extend(paths.into_iter().filter(|p| !p.is_empty()).map(|p| (repeats, p, line)));
     }
     found
 }
 
-/// The items of a `use` group whose `{` came just before `group`, up to its `}`:
-/// `a::{b, c}, d}` gives `a::{b, c}` and `d`.
-fn group_items(group: &str) -> impl Iterator<Item = &str> {
-    let mut depth = 0usize;
-    let mut items = Vec::new();
-    let mut start = 0;
-    for (i, b) in group.bytes().enumerate() {
-        match b {
-            b'{' => depth += 1,
-            b'}' if depth == 0 => {
-                items.push(&group[start..i]);
-                break;
+/// Expands the path (or use tree) that `text` starts with into `out`, each after `prefix`; returns
+/// how many bytes it took.
+fn use_tree(text: &str, mut prefix: Vec<String>, out: &mut Vec<Vec<String>>) -> usize {
+    let mut at = 0;
+    loop {
+        at += text[at..].len() - text[at..].trim_start().len();
+        if text[at..].starts_with('{') {
+            at += 1;
+            loop {
+                at += use_tree(&text[at..], prefix.clone(), out);
+                at += text[at..].len() - text[at..].trim_start().len();
+                match text.as_bytes().get(at) {
+                    Some(b',') => at += 1,
+                    Some(b'}') => return at + 1,
+                    _ => return at,
+                }
             }
-            b'}' => depth -= 1,
-            b',' if depth == 0 => {
-                items.push(&group[start..i]);
-                start = i + 1;
-            }
-            _ => {}
         }
-    }
-    items.into_iter().map(str::trim_start)
-}
-
-fn push_ident(found: &mut Vec<(String, usize)>, text: &str, line: usize) {
-    let ident: String = text.bytes().take_while(|&b| is_ident_byte(b)).map(char::from).collect();
-    if !ident.is_empty() && ident != "self" {
-        found.push((ident, line));
+        let ident: String = text[at..].bytes().take_while(|&b| is_ident_byte(b)).map(char::from).collect();
+        at += ident.len();
+        if !ident.is_empty() {
+            prefix.push(ident);
+        }
+        if !text[at..].starts_with("::") {
+            out.push(prefix);
+            return at;
+        }
+        at += 2; // `::`
     }
 }
 
 fn is_ident_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b == b'_'
+}
+
+/// The tier node a file under `src/tiers/` belongs to (`tiers/object/sync.rs`: `object`,
+/// `tiers/nvme.rs`: `nvme`); `None` for `tiers/mod.rs` and files elsewhere.
+fn tiers_node(path: &str) -> Option<&str> {
+    let rest = path.strip_prefix("tiers/")?;
+    let first = rest.split('/').next().unwrap();
+    let node = first.strip_suffix(".rs").unwrap_or(first);
+    (node != "mod").then_some(node)
+}
+
+/// The module a file is: `tiers/object/sync.rs` is `[tiers, object, sync]`, `tiers/object/mod.rs`
+/// `[tiers, object]`.
+fn module_path(path: &str) -> Vec<&str> {
+    let mut segments: Vec<&str> = path.split('/').collect();
+    let last = segments.pop().unwrap().strip_suffix(".rs").unwrap();
+    if last != "mod" && last != "lib" {
+        segments.push(last);
+    }
+    segments
+}
+
+/// Tier node -> tier node it uses -> where, first seen (`file:line`), over the files under
+/// `src/tiers/` (test code left out, as for `module_graph`).
+fn tiers_graph(sources: &[Source]) -> BTreeMap<String, BTreeMap<String, String>> {
+    let mut graph: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    for (path, text) in sources {
+        let Some(node) = tiers_node(path).filter(|_| !is_test_file(path)) else { continue };
+        let code = without_test_items(&blank_comments_and_literals(text));
+        let here = module_path(path);
+        let absolute = rooted_paths(&code, "crate::").into_iter().map(|(_, p, line)| (p, line));
+        let relative = rooted_paths(&code, "super::").into_iter().filter(|(ups, _, _)| *ups <= here.len()).map(
+            |(ups, p, line)| {
+                let base = here[..here.len() - ups].iter().map(|s| s.to_string());
+                (base.chain(p).collect::<Vec<_>>(), line)
+            },
+        );
+        let edges = graph.entry(node.to_string()).or_default();
+        for (target, line) in absolute.chain(relative) {
+            if let [first, sibling, ..] = target.as_slice() {
+                if first == "tiers" && sibling != node {
+                    edges.entry(sibling.clone()).or_insert_with(|| format!("src/{path}:{line}"));
+                }
+            }
+        }
+    }
+    graph
+}
+
+/// Every edge between tier nodes that does not go to the floor.
+fn tiers_problems(graph: &BTreeMap<String, BTreeMap<String, String>>) -> Vec<String> {
+    let edges = graph.iter().flat_map(|(node, edges)| edges.iter().map(move |(target, at)| (node, target, at)));
+    edges
+        .filter(|(_, target, _)| target.as_str() != TIERS_FLOOR)
+        .map(|(node, target, at)| {
+            format!(
+                "tiers/{node} uses tiers/{target} ({at}): siblings under tiers/ share only tiers/{TIERS_FLOOR}; move \
+                 what both need there"
+            )
+        })
+        .collect()
 }
 
 /// A cycle in the graph, as lines `a -> b (where)`, or `None`. Depth-first, in name order, so the
@@ -459,6 +550,44 @@ mod checker {
         assert_eq!(graph["d"].keys().collect::<Vec<_>>(), ["a"]);
         assert_eq!(graph["e"].keys().collect::<Vec<_>>(), ["a", "b"], "a nested group names its first segment");
         assert!(!graph.contains_key("b2_model_tests"));
+    }
+
+    #[test]
+    fn paths_expand_groups_and_count_supers() {
+        let code =
+            "use crate::{tiers::{shared::X, remote}, key};\nfn f() { super::super::a::b(1); crate::c::D::<u8>::e() }\n";
+        let crate_found: Vec<_> =
+            rooted_paths(code, "crate::").into_iter().map(|(_, p, line)| (p.join("::"), line)).collect();
+        let expected = [("tiers::shared::X", 1), ("tiers::remote", 1), ("key", 1), ("c::D", 2)];
+        assert_eq!(crate_found, expected.map(|(p, l)| (p.to_string(), l)));
+        let supers = rooted_paths(code, "super::");
+        assert_eq!(supers, [(2, vec!["a".to_string(), "b".to_string()], 2)], "one chain of two, not two paths");
+    }
+
+    #[test]
+    fn tier_siblings_may_use_only_the_floor() {
+        let files = sources(&[
+            ("tiers/mod.rs", "pub mod object; pub mod remote; pub mod shared;\n"),
+            ("tiers/remote/mod.rs", "pub mod publisher;\n"),
+            ("tiers/remote/publisher.rs", "use crate::tiers::shared::SharedTier;\n"),
+            ("tiers/shared/mod.rs", "use crate::tiers::remote::Publisher;\nuse crate::{io, tiers::{remote::X}};\n"),
+            ("tiers/shared/sink.rs", "use super::SharedTier;\nuse super::super::remote::Y;\n"),
+            ("tiers/object/mod.rs", "use super::shared::ReadOutcome;\nmod access;\n"),
+            ("tiers/object/access.rs", "use super::format::X;\nfn f() { super::super::shared::g() }\n"),
+            ("tiers/nvme.rs", "use super::dram::Arena;\n#[cfg(test)]\nmod tests { use crate::tiers::object::T; }\n"),
+            ("store.rs", "use crate::tiers::{object::ObjectTier, shared::SharedTier};\n"),
+        ]);
+        let graph = tiers_graph(&files);
+        assert!(!graph.contains_key("mod") && !graph.contains_key("store"), "{graph:?}");
+        assert_eq!(graph["shared"].keys().collect::<Vec<_>>(), ["remote"], "the floor, by path and by super::");
+        assert_eq!(graph["object"].keys().collect::<Vec<_>>(), ["shared"], "its own format is no edge");
+        assert_eq!(graph["object"]["shared"], "src/tiers/object/mod.rs:1", "first seen, in file order");
+        let problems = tiers_problems(&graph);
+        let wrong: Vec<&str> = problems.iter().map(|p| p.split(" (").next().unwrap()).collect();
+        assert_eq!(
+            wrong,
+            ["tiers/nvme uses tiers/dram", "tiers/object uses tiers/shared", "tiers/remote uses tiers/shared"]
+        );
     }
 
     #[test]

@@ -16,10 +16,10 @@ use crate::io::buffer::AlignedBuf;
 use crate::io::device::{is_abandoned, IoOp, OnDone};
 use crate::io::OpKind;
 use crate::key::BlockKey;
+use crate::remote_tiers::RemoteRead;
 use crate::shared_state::Shared;
 use crate::stats::Stats;
-use crate::tiers::object::ObjectRead;
-use crate::tiers::shared::{ReadOutcome, StartedRead};
+use crate::tiers::remote::ReadOutcome;
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use parking_lot::MutexGuard;
 use std::collections::HashSet;
@@ -109,19 +109,13 @@ impl Landing {
     }
 }
 
-/// A remote read in flight: from the shared filesystem tier or from the object tier.
-enum RemoteRead {
-    Fs(StartedRead),
-    Object(ObjectRead),
-}
-
 /// A read in flight for one key, from its submission until it is judged. Kept in the load's table
 /// by key index, not in the completion: a remote tier hands its read state back only after
 /// submitting, and its `on_done` may already have run by then.
 enum PendingRead {
     /// From NVMe, landing as its completion's `Landing` says.
     Nvme(NvmeRead),
-    /// From the shared filesystem or object tier, into `slot` (Loading).
+    /// From a remote tier (shared filesystem, object store), into `slot` (Loading).
     Remote { slot: u32, read: RemoteRead },
 }
 
@@ -171,7 +165,7 @@ impl Judged {
 struct Round {
     dram_hits: Vec<(usize, u32)>,
     nvme_reads: Vec<(usize, NvmeRead)>,
-    /// DRAM slots (Loading) for reads from the shared filesystem or object tier.
+    /// DRAM slots (Loading) for reads from a remote tier.
     remote_reads: Vec<(usize, u32)>,
 }
 
@@ -362,14 +356,11 @@ impl<'a> Load<'a> {
         true
     }
 
-    /// A DRAM slot to load `key` from the shared or object tier, if either indexes it and the
-    /// catalog does not. `Err(())`: indexed, but no DRAM slot is free right now (try again later).
+    /// A DRAM slot to load `key` from a remote tier, if one indexes it and the catalog does not. `Err(())`: indexed, but no DRAM slot is free right now (try again later).
     /// Short of slots, it takes the slot of a queued write of a block outside this load (loads first).
     fn plan_remote_read(&mut self, cat: &mut Catalog, key: &BlockKey) -> Result<Option<u32>, ()> {
         let sh = self.sh;
-        let indexed = sh.shared_tier.as_ref().is_some_and(|t| t.contains(key))
-            || sh.object_tier.as_ref().is_some_and(|t| t.contains(key));
-        if !indexed || cat.has_entry(key) {
+        if !sh.remote.contains(key) || cat.has_entry(key) {
             return Ok(None);
         }
         let slot = cat.plan_get_shared(key).or_else(|| cat.plan_get_shared_taking_queued_write(key, self.spare()));
@@ -468,38 +459,19 @@ impl<'a> Load<'a> {
         Landing::Staged(AlignedBuf::zeroed(self.sh.arena.slot_bytes()))
     }
 
-    /// Starts the round's remote reads: the shared filesystem tier's one by one, the object tier's
-    /// together (it reads adjacent blocks of a segment with one GET). Returns the reads that did not
-    /// start (misses the tier counted; their slots are still ours).
+    /// Starts the round's remote reads, each on the tier that reads its key (a tier reads adjacent
+    /// blocks of its own together). Returns the reads that did not start (misses the tier counted;
+    /// their slots are still ours).
     fn submit_remote_reads(&mut self, reads: Vec<(usize, u32)>) -> Vec<(usize, u32)> {
         let sh = self.sh;
-        let mut not_started = Vec::new();
-        let mut object_reads = Vec::new();
-        for (i, slot) in reads {
-            match sh.shared_tier.as_ref().filter(|t| t.contains(&self.keys[i]) || sh.object_tier.is_none()) {
-                Some(tier) => {
-                    let on_done = self.sender(i, Landing::Slot);
-                    // SAFETY: the slot is ours (Loading) until the read is settled; an abandoned one is retired.
-                    match unsafe { tier.start_read(&self.keys[i], sh.arena.slot_ptr(slot), on_done) } {
-                        Some(read) => self.track(i, PendingRead::Remote { slot, read: RemoteRead::Fs(read) }),
-                        None => not_started.push((i, slot)),
-                    }
-                }
-                None => object_reads.push((i, slot)),
-            }
-        }
-        if object_reads.is_empty() {
-            return not_started;
-        }
-        let tier = sh.object_tier.as_ref().expect("remote reads need the shared or the object tier");
-        let requests = object_reads
-            .iter()
-            .map(|&(i, slot)| (self.keys[i], sh.arena.slot_ptr(slot), self.sender(i, Landing::Slot)));
+        let requests =
+            reads.iter().map(|&(i, slot)| (self.keys[i], sh.arena.slot_ptr(slot), self.sender(i, Landing::Slot)));
         // SAFETY: each slot is ours (Loading) until its read is settled; an abandoned one is retired.
-        let started = unsafe { tier.start_reads(requests.collect()) };
-        for ((i, slot), read) in object_reads.into_iter().zip(started) {
+        let started = unsafe { sh.remote.start_reads(requests.collect()) };
+        let mut not_started = Vec::new();
+        for ((i, slot), read) in reads.into_iter().zip(started) {
             match read {
-                Some(read) => self.track(i, PendingRead::Remote { slot, read: RemoteRead::Object(read) }),
+                Some(read) => self.track(i, PendingRead::Remote { slot, read }),
                 None => not_started.push((i, slot)),
             }
         }
@@ -525,8 +497,7 @@ impl<'a> Load<'a> {
             PendingRead::Nvme(read) => Judged::Nvme(read, self.judge_nvme(i, &read, done.io_result, done.landing)),
             PendingRead::Remote { slot, read } => {
                 // SAFETY: the read into our slot finished; an abandoned slot is retired when settled.
-                let outcome =
-                    unsafe { finish_remote_read(self.sh, read, self.sh.arena.slot_ptr(slot), done.io_result) };
+                let outcome = unsafe { self.sh.remote.finish_read(read, self.sh.arena.slot_ptr(slot), done.io_result) };
                 Judged::Remote { slot, verdict: self.judge_remote(i, slot, outcome) }
             }
         };
@@ -660,30 +631,11 @@ impl<'a> Load<'a> {
     }
 }
 
-/// Reads a round waits for: the object tier's run of adjacent blocks (`bucket_get_max_bytes`), at
-/// most a quarter of the load's reads in flight so that NVMe reads beside it keep their depth.
+/// Reads a round waits for: a remote tier's run of adjacent blocks (the object tier's
+/// `bucket_get_max_bytes`), at most a quarter of the load's reads in flight so that NVMe reads
+/// beside it keep their depth.
 fn min_round(sh: &Shared, max_reads_in_flight: usize) -> usize {
-    let run = sh.object_tier.as_ref().map_or(1, |tier| tier.blocks_per_get());
-    run.min(max_reads_in_flight / 4).max(1)
-}
-
-/// Judges a finished remote read (see `Load::submit_remote_reads`).
-///
-/// # Safety
-/// The read into `slot` finished.
-unsafe fn finish_remote_read(sh: &Shared, read: RemoteRead, slot: *mut u8, result: std::io::Result<()>) -> ReadOutcome {
-    match read {
-        RemoteRead::Fs(read) => {
-            let tier = sh.shared_tier.as_ref().expect("shared reads need the shared tier");
-            // SAFETY: forwarded contract.
-            unsafe { tier.finish_started(read, slot, result) }
-        }
-        RemoteRead::Object(read) => {
-            let tier = sh.object_tier.as_ref().expect("object reads need the object tier");
-            // SAFETY: forwarded contract.
-            unsafe { tier.finish_started(read, slot, result) }
-        }
-    }
+    sh.remote.blocks_per_request().min(max_reads_in_flight / 4).max(1)
 }
 
 /// Hashes the value a direct read left in the caller's memory.

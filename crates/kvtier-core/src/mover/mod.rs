@@ -209,9 +209,7 @@ fn complete_fills(sh: &Arc<Shared>, filled: &[Filled]) {
         }
         .encode(&mut bytes[..DESCRIPTOR_BYTES]);
         // Copied while the slot is still ours (Filling); the publisher thread does the rest.
-        for publisher in sh.shared_publisher.iter().chain(&sh.object_publisher) {
-            publisher.offer(f.key, bytes);
-        }
+        sh.remote.offer(f.key, bytes);
     }
     let mut meta = Vec::new();
     let mut writes = Vec::new();

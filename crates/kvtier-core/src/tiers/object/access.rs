@@ -28,6 +28,10 @@ pub const ACCESS_HEADER_BYTES: usize = 64;
 pub const ACCESS_ENTRY_BYTES: usize = 24;
 /// Entries an access object holds at most (the most recently read segments): 1.5 MiB.
 pub const MAX_ACCESS_ENTRIES: usize = 1 << 16;
+/// The longest access object: a listed one longer than this is never fetched.
+pub fn max_access_bytes() -> u64 {
+    ACCESS_FRAMING.object_bytes(MAX_ACCESS_ENTRIES)
+}
 const ACCESS_FRAMING: Framing = Framing {
     magic: ACCESS_MAGIC,
     version: ACCESS_FORMAT_VERSION,
@@ -260,7 +264,7 @@ impl ObjectTier {
     pub(super) fn latest_reads(&self, oldest_segment_ms: u64) -> HashMap<String, u64> {
         let mut latest: HashMap<String, u64> =
             self.access.reads.lock().iter().map(|(stem, &at)| (stem.to_string(), at)).collect();
-        let listed = match self.list("acc") {
+        let listed = match self.list_within("acc", max_access_bytes()) {
             Ok(listed) => listed,
             Err(e) => {
                 log::debug!("kvtier: listing the bucket's access objects failed: {e}; evicting by this store's reads");
@@ -461,6 +465,13 @@ mod tests {
         }
         assert_eq!(parse_access_name(&access_name(u64::MAX)), Some(u64::MAX));
         assert_eq!(parse_stem(&stem(0xabc, 5)), Some((0xabc, 5)));
+    }
+
+    #[test]
+    fn a_full_access_object_is_exactly_the_longest_allowed() {
+        let entry = AccessEntry { writer_id: 1, seq: 2, last_read_unix_ms: 3 };
+        let full = AccessObject { entries: vec![entry; MAX_ACCESS_ENTRIES], ..object() };
+        assert_eq!(full.encode(None).len() as u64, max_access_bytes(), "a listing must never skip a real one");
     }
 
     #[test]

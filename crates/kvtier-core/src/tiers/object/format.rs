@@ -2,6 +2,7 @@
 //! then slots exactly as the DRAM tier and the shared tier hold them) and index objects (the keys of
 //! one segment, checksummed and, with a deployment key, tagged). Little-endian; xxh3-64 checksums.
 
+use super::config::MAX_SEGMENT_BYTES;
 use crate::format::descriptor::DESCRIPTOR_BYTES;
 use crate::format::shared::{AuthKey, TAG_BYTES};
 use crate::format::{checksum, get_u32, get_u64, put_u32, put_u64, ParseError, ALIGN_BYTES};
@@ -45,6 +46,11 @@ impl Framing {
     /// Where entry `i` starts.
     pub fn entry_at(&self, i: usize) -> usize {
         self.header_bytes + i * self.entry_bytes
+    }
+
+    /// The length of an object of `n` entries (header, entries, tag, checksum).
+    pub fn object_bytes(&self, n: usize) -> u64 {
+        (self.entry_at(n) + TAG_BYTES + 8) as u64
     }
 
     /// Writes the tag (`tag`: the keyed tag of the bytes before it, with a deployment key) and the
@@ -101,6 +107,15 @@ pub const INDEX_FRAMING: Framing = Framing {
     object: "index object",
     count: "index entry count",
 };
+
+/// The longest index object of a segment of `slot_bytes` slots: one entry per slot of the largest
+/// segment any store writes (`MAX_SEGMENT_BYTES`, one PUT), within `MAX_INDEX_ENTRIES`. A listed index
+/// object longer than this is no index of this namespace's block size, and is never fetched.
+pub fn max_index_bytes(slot_bytes: u64) -> u64 {
+    assert!(slot_bytes > 0, "a slot holds at least its descriptor page");
+    let slots = (MAX_SEGMENT_BYTES - SEGMENT_HEADER_BYTES as u64) / slot_bytes;
+    INDEX_FRAMING.object_bytes((slots as usize).min(MAX_INDEX_ENTRIES))
+}
 
 /// `<writer 16 hex>-<seq 16 hex>`: the stem of a segment's and its index object's names.
 pub fn stem(writer_id: u64, seq: u64) -> String {
@@ -262,6 +277,20 @@ mod tests {
 
     fn slot_offset(i: usize, slot_bytes: usize) -> u64 {
         (SEGMENT_HEADER_BYTES + i * slot_bytes) as u64
+    }
+
+    #[test]
+    fn the_index_object_of_the_largest_segment_is_exactly_the_longest_allowed() {
+        let slot_bytes = 4096 + 65536; // 64 KiB values: 77,101 slots in 5 GiB
+        let slots = ((MAX_SEGMENT_BYTES - SEGMENT_HEADER_BYTES as u64) / slot_bytes) as usize;
+        let entries = (0..slots)
+            .map(|i| Entry { key: BlockKey([0; 32]), offset: slot_offset(i, slot_bytes as usize), value_checksum: 0 })
+            .collect();
+        let full = SegmentIndex { entries, segment_bytes: MAX_SEGMENT_BYTES, ..index() };
+        let bytes = full.encode(None);
+        assert_eq!(bytes.len() as u64, max_index_bytes(slot_bytes), "a listing must never skip a real one");
+        assert!(SegmentIndex::decode(&bytes, None).is_ok());
+        assert_eq!(max_index_bytes(8192), INDEX_FRAMING.object_bytes(655_359), "the smallest slots");
     }
 
     fn index() -> SegmentIndex {

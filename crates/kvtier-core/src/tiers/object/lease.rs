@@ -1,11 +1,14 @@
 //! The evictor lease: of the stores with a budget on one prefix, only the holder evicts. Lease
 //! records are the shared tier's (`format::shared::Lease`, 64 bytes), one object per generation,
 //! `lease/<generation 16 hex>.lease`, each created with a conditional PUT (`If-None-Match: *`), so
-//! two stores cannot both win the same generation; the highest generation listed is in force.
+//! two stores cannot both win the same generation; the highest generation listed is in force. Which
+//! generation is in force and whether a record holds others off are the remote tiers' common rules
+//! (`tiers::remote::lease`): a forged generation or expiry is ignored, as the shared tier does.
 
 use super::ObjectTier;
-use crate::format::shared::{lease_file_name, parse_lease_file_name, unix_ms, Lease};
+use crate::format::shared::{lease_file_name, parse_lease_file_name, unix_ms, Lease, LEASE_BYTES};
 use crate::stats::Stats;
+use crate::tiers::remote::lease::{generation_in_force, holds_off, next_generation};
 use object_store::path::Path as ObjectPath;
 use object_store::{PutMode, PutOptions, PutPayload};
 use std::sync::atomic::Ordering;
@@ -15,10 +18,12 @@ impl ObjectTier {
         ObjectPath::from(format!("{}/lease/{}", self.base, lease_file_name(generation)))
     }
 
-    /// The highest generation listed and its record (`None`: unreadable or gone: treated as expired).
+    /// The generation in force (the highest genuine one listed) and its record (`None`: unreadable
+    /// or gone: treated as expired).
     fn current_lease(&self) -> std::io::Result<(u64, Option<Lease>)> {
-        let listed = self.list("lease")?;
-        let Some(generation) = listed.iter().filter_map(|m| parse_lease_file_name(m.location.filename()?)).max() else {
+        let listed = self.list_within("lease", LEASE_BYTES as u64)?;
+        let generations = listed.iter().filter_map(|m| parse_lease_file_name(m.location.filename()?));
+        let Some(generation) = generation_in_force(generations) else {
             return Ok((0, None));
         };
         Stats::add(&self.stats.bucket_get_requests, 1);
@@ -64,14 +69,14 @@ impl ObjectTier {
     fn try_hold_lease(&self) -> std::io::Result<bool> {
         let now = unix_ms();
         let (generation, current) = self.current_lease()?;
-        let live = current.as_ref().filter(|l| l.expires_unix_ms > now);
+        let live = current.as_ref().filter(|l| holds_off(l, now, self.config.lease_ms));
         match live {
             Some(l) if l.holder != self.writer_id => return Ok(false),
             Some(l) if l.renewed_unix_ms + self.config.lease_ms / 2 > now => return Ok(true),
             _ => {}
         }
         let next = Lease {
-            generation: generation + 1,
+            generation: next_generation(generation),
             holder: self.writer_id,
             expires_unix_ms: now + self.config.lease_ms,
             renewed_unix_ms: now,
@@ -95,7 +100,7 @@ impl ObjectTier {
         let released = self.current_lease().and_then(|(generation, current)| {
             if current.is_some_and(|l| l.holder == self.writer_id) {
                 let record = Lease {
-                    generation: generation + 1,
+                    generation: next_generation(generation),
                     holder: self.writer_id,
                     expires_unix_ms: 0,
                     renewed_unix_ms: unix_ms(),

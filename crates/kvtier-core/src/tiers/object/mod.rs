@@ -13,6 +13,7 @@ mod damage;
 pub mod format;
 mod lease;
 mod reads;
+mod sink;
 mod sync;
 mod writer;
 
@@ -25,7 +26,8 @@ use crate::format::{checksum, round_up, ALIGN_BYTES};
 use crate::io::device::OnDone;
 use crate::key::{BlockKey, Namespace};
 use crate::stats::Stats;
-use crate::tiers::shared::ReadOutcome;
+use crate::tiers::remote::key::{load_key, KeySource};
+use crate::tiers::remote::{random_nonzero_u64, ReadOutcome};
 use object_store::path::Path as ObjectPath;
 use object_store::ObjectStore;
 use parking_lot::{Condvar, Mutex, RwLock};
@@ -132,6 +134,9 @@ pub struct ObjectTier {
     cleanups: Mutex<Vec<damage::Cleanup>>,
     /// Segments this process has copied into quarantine (once each).
     quarantined: Mutex<HashSet<String>>,
+    /// Listed objects longer than their format allows, already reported (never fetched; see
+    /// `list_within`), by path.
+    oversized: Mutex<HashSet<String>>,
     writer: Mutex<writer::SegmentWriter>,
     auth: Option<AuthKey>,
     stats: Arc<Stats>,
@@ -167,7 +172,12 @@ impl ObjectTier {
             .enable_all()
             .build()
             .map_err(|e| Error::io("starting the object tier's runtime", e))?;
-        let auth = crate::tiers::shared::auth::load_key(&key_config(config))?;
+        // No shared root to keep the key off: the bucket is not a directory of this node.
+        let auth = load_key(&KeySource {
+            key_file: config.key_file.as_deref(),
+            option: "bucket_key_file",
+            shared_root: None,
+        })?;
         let base = if prefix.is_empty() { namespace.hex() } else { format!("{prefix}/{}", namespace.hex()) };
         let tier = Arc::new(ObjectTier {
             writer: Mutex::new(writer::SegmentWriter::new()),
@@ -178,7 +188,7 @@ impl ObjectTier {
             slot_bytes,
             segment_blocks: config.segment_blocks(slot_bytes) as usize,
             blocks_per_get: config.blocks_per_get(slot_bytes) as usize,
-            writer_id: crate::tiers::shared::random_nonzero_u64(),
+            writer_id: random_nonzero_u64(),
             store,
             base,
             rt,
@@ -187,6 +197,7 @@ impl ObjectTier {
             bad_blocks: Mutex::new(HashSet::new()),
             cleanups: Mutex::new(Vec::new()),
             quarantined: Mutex::new(HashSet::new()),
+            oversized: Mutex::new(HashSet::new()),
             auth,
             stats,
             stop: Mutex::new(false),
@@ -363,14 +374,6 @@ impl Drop for ObjectTier {
     fn drop(&mut self) {
         self.close();
     }
-}
-
-/// The shared tier's key loader, pointed at `bucket_key_file` (or `KVTIER_SHARED_KEY_FILE`).
-fn key_config(config: &ObjectConfig) -> crate::tiers::shared::SharedConfig {
-    // No shared root: the loader's "not on the shared root" check has nothing to compare against.
-    let mut c = crate::tiers::shared::SharedConfig::new("/nonexistent/kvtier-object-tier");
-    c.key_file = config.key_file.clone();
-    c
 }
 
 /// The open-time refusal: the bucket did not answer a listing with these credentials.

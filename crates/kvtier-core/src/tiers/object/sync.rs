@@ -56,10 +56,37 @@ impl ObjectTier {
         })
     }
 
+    /// Lists `dir` without the objects longer than `max_bytes` (the longest its format allows): those
+    /// are never fetched, whatever they hold. Each is counted in `bucket_oversized_objects` and
+    /// logged once while it stays listed.
+    pub(super) fn list_within(&self, dir: &str, max_bytes: u64) -> std::io::Result<Vec<ObjectMeta>> {
+        let mut listed = self.list(dir)?;
+        let too_long: HashSet<String> =
+            listed.iter().filter(|m| m.size > max_bytes).map(|m| m.location.to_string()).collect();
+        let under = format!("{}/{dir}/", self.base);
+        let mut reported = self.oversized.lock();
+        reported.retain(|path| !path.starts_with(&under) || too_long.contains(path));
+        for m in listed.iter().filter(|m| m.size > max_bytes) {
+            if reported.insert(m.location.to_string()) {
+                log::warn!(
+                    "kvtier: bucket object {} is {} bytes, longer than its format allows ({max_bytes}); never fetched",
+                    m.location,
+                    m.size
+                );
+                Stats::add(&self.stats.bucket_oversized_objects, 1);
+            }
+        }
+        drop(reported);
+        listed.retain(|m| m.size <= max_bytes);
+        Ok(listed)
+    }
+
     /// Lists the index objects: indexes segments new to this process, forgets those gone (evicted
     /// elsewhere, or expired by a lifecycle rule). Returns whether the index changed.
     pub fn refresh(&self) -> Result<bool> {
-        let listed = self.list("idx").map_err(|e| Error::io("listing the bucket's index objects", e))?;
+        let listed = self
+            .list_within("idx", format::max_index_bytes(self.slot_bytes as u64))
+            .map_err(|e| Error::io("listing the bucket's index objects", e))?;
         let stems: HashSet<String> = listed
             .iter()
             .filter_map(|m| m.location.filename()?.strip_suffix(".kvi").map(str::to_string))

@@ -22,6 +22,7 @@ use super::format::{
 use super::{SharedTier, Usage};
 use crate::error::{Error, Result};
 use crate::stats::Stats;
+use crate::tiers::remote::lease;
 use std::fs::{File, OpenOptions};
 use std::io::ErrorKind;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
@@ -153,19 +154,12 @@ fn release_locked(tier: &SharedTier, st: &mut EvictorState) {
     }
 }
 
-/// Lease generations at or above this are forged: one per takeover, no root reaches 2^62 of them.
-/// Counting `ffffffffffffffff.lease` as the newest would leave no next generation to take (the
-/// increment overflows) and stop eviction on every node for good.
-const LEASE_GENERATION_LIMIT: u64 = 1 << 62;
-/// The clock skew between nodes a lease's expiry may carry beyond `lease_ms` (ten minutes).
-const LEASE_CLOCK_SKEW_MS: u64 = 600_000;
-
 fn lease_generations(tier: &SharedTier) -> Vec<u64> {
     let Ok(entries) = std::fs::read_dir(tier.dir.join("lease")) else { return Vec::new() };
     let mut gens: Vec<u64> = entries
         .flatten()
         .filter_map(|e| e.file_name().to_str().and_then(parse_lease_file_name))
-        .filter(|&generation| generation < LEASE_GENERATION_LIMIT)
+        .filter(|&generation| lease::genuine_generation(generation))
         .collect();
     gens.sort_unstable();
     gens
@@ -205,7 +199,7 @@ fn try_hold(tier: &SharedTier, st: &mut EvictorState) -> bool {
             if !lease_expired(tier, &lease_dir.join(lease_file_name(g)), now) {
                 return false;
             }
-            g + 1
+            lease::next_generation(g)
         }
     };
     let path = lease_dir.join(lease_file_name(next));
@@ -256,9 +250,7 @@ fn lease_expired(tier: &SharedTier, path: &Path, now: u64) -> bool {
     };
     let mut buf = [0u8; LEASE_BYTES];
     match file.read_exact_at(&mut buf, 0).ok().and_then(|_| Lease::decode(&buf).ok()) {
-        // A holder sets its expiry to its clock plus `lease_ms`: one further out than that and any
-        // clock skew between nodes is forged, and would hold every evictor off for good.
-        Some(l) => now >= l.expires_unix_ms || l.expires_unix_ms > now + tier.config.lease_ms + LEASE_CLOCK_SKEW_MS,
+        Some(l) => !lease::holds_off(&l, now, tier.config.lease_ms),
         // Torn or unreadable: treat as held until its file has not changed for a whole lease.
         None => file.metadata().map(|m| age_ms(&m) >= tier.config.lease_ms).unwrap_or(false),
     }

@@ -14,11 +14,13 @@
 //! ```
 //!
 //! - [`format`]: the bytes. [`index`]: the in-memory index fed by manifest records.
-//! - [`auth`]: the optional deployment key; with it every block and manifest record carries a keyed
-//!   BLAKE3 tag, and anything without a valid one is never served nor applied
+//! - The optional deployment key (loaded by `tiers::remote::key`): with it every block and manifest
+//!   record carries a keyed BLAKE3 tag, and anything without a valid one is never served nor applied
 //!   (`shared_auth_failures`, its file quarantined).
 //! - [`capacity`]: usage measurement, the evictor lease, eviction with a grace period, orphan sweeps.
-//! - [`publisher`]: the store's background thread batching accepted blocks into files.
+//! - `sink`: what the tier implements for the store (`tiers::remote::RemoteTier`): its publisher
+//!   (`tiers::remote::publisher`, the store's background thread batching accepted blocks into files)
+//!   appends through it, and loads start and judge reads through it.
 //! - `reads`: the read path (batched reads, verification, quarantine of bad files).
 //! - `files`: every open of an existing file under the root (no FIFO waited on, no symlink followed).
 //!
@@ -30,17 +32,14 @@
 //! `staleness_ms / 2`, records file accesses, publishes files that waited `publish_delay_ms` and runs
 //! the capacity rules.
 
-pub mod auth;
 pub mod capacity;
 pub mod config;
 mod files;
 pub mod index;
-pub mod publisher;
 mod reads;
+mod sink;
 
 pub use config::SharedConfig;
-pub use publisher::Publisher;
-pub use reads::{ReadOutcome, StartedRead};
 
 use crate::error::{Error, Result};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
@@ -52,6 +51,8 @@ use crate::io::device::{DeviceQueue, Transfer};
 use crate::io::{DirectIo, IoSetup, OpKind};
 use crate::key::{BlockKey, Namespace};
 use crate::stats::Stats;
+use crate::tiers::remote::key::{load_key, KeySource};
+use crate::tiers::remote::random_nonzero_u64;
 use files::{open_dir, open_regular, OpenError};
 use format::{
     data_file_name, fanout_dir, unix_ms, AuthKey, FileHeader, IndexEntry, Record, BLOCK_TAG_AT, FILE_HEADER_BYTES,
@@ -190,7 +191,11 @@ impl SharedTier {
         let slot_bytes = DESCRIPTOR_BYTES + round_up(object_bytes, ALIGN_BYTES);
         config.validate(slot_bytes)?;
         check_root(config)?;
-        let auth = auth::load_key(config)?;
+        let auth = load_key(&KeySource {
+            key_file: config.key_file.as_deref(),
+            option: "shared_key_file",
+            shared_root: Some(&config.root),
+        })?;
         let dir = config.root.join(namespace.hex());
         for sub in ["", "data", "tmp", "manifests", "quarantine", "lease"] {
             make_dir(config, &dir.join(sub))?;
@@ -1075,20 +1080,6 @@ fn read_at_most(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usi
         }
     }
     Ok(got)
-}
-
-pub(crate) fn random_nonzero_u64() -> u64 {
-    let mut buf = [0u8; 8];
-    loop {
-        if rustix::rand::getrandom(&mut buf, rustix::rand::GetRandomFlags::empty()).is_err() {
-            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-            buf = (t.as_nanos() as u64 ^ ((std::process::id() as u64) << 32)).to_le_bytes();
-        }
-        let v = u64::from_le_bytes(buf);
-        if v != 0 {
-            return v;
-        }
-    }
 }
 
 /// The root must exist (created only when its parent does) and be a directory.

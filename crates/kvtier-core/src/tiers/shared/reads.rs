@@ -15,23 +15,12 @@ use crate::io::device::{is_abandoned, OnDone, Transfer};
 use crate::io::OpKind;
 use crate::key::BlockKey;
 use crate::stats::Stats;
+use crate::tiers::remote::ReadOutcome;
 use std::fs::File;
 use std::io::ErrorKind;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
-
-/// How one read of [`SharedTier::read_many`] ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReadOutcome {
-    /// The slot holds the verified block (descriptor page then value).
-    Hit,
-    /// Not indexed, gone, short, failed or not verified: counted, and a bad file quarantined.
-    Miss,
-    /// The I/O engine gave the read up: the kernel may still write into the slot, so its owner must
-    /// never reuse it.
-    Abandoned,
-}
 
 /// What a finished read of an indexed block proved (side effects already applied: a bad file is
 /// quarantined, a vanished one forgotten).
@@ -58,7 +47,7 @@ enum Located {
 
 /// A read of an indexed block, from `SharedTier::start_read` until `SharedTier::finish_started`
 /// judges it: where the block is.
-pub struct StartedRead {
+pub struct FileRead {
     key: BlockKey,
     loc: Location,
     name: String,
@@ -97,14 +86,14 @@ impl SharedTier {
     ///
     /// # Safety
     /// As `read_many` for `slot`, until `finish_started` has judged the read.
-    pub unsafe fn start_read(&self, key: &BlockKey, slot: *mut u8, on_done: OnDone) -> Option<StartedRead> {
+    pub unsafe fn start_read(&self, key: &BlockKey, slot: *mut u8, on_done: OnDone) -> Option<FileRead> {
         let (read, transfer) = self.plan_read(key, slot)?;
         self.io.read(transfer.into_op(on_done));
         Some(read)
     }
 
     /// Where `key` is and the transfer that reads it into `slot`; `None` is a counted miss.
-    fn plan_read(&self, key: &BlockKey, slot: *mut u8) -> Option<(StartedRead, Transfer)> {
+    fn plan_read(&self, key: &BlockKey, slot: *mut u8) -> Option<(FileRead, Transfer)> {
         assert!((slot as usize).is_multiple_of(ALIGN_BYTES), "unaligned shared-tier slot");
         let (loc, name, file) = match self.locate_for_read(key) {
             Ok(Located::File(loc, name, file)) => (loc, name, file),
@@ -127,7 +116,7 @@ impl SharedTier {
             len: self.slot_bytes,
             iovecs: Vec::new(),
         };
-        Some((StartedRead { key: *key, loc, name }, transfer))
+        Some((FileRead { key: *key, loc, name }, transfer))
     }
 
     /// Judges a finished read (`start_read` or `read_many`): counts it, quarantines a bad file, and
@@ -136,7 +125,7 @@ impl SharedTier {
     /// # Safety
     /// `slot` is the read's own, the read has finished (its `on_done` ran), and a slot whose outcome
     /// is `Abandoned` is never used again.
-    pub unsafe fn finish_started(&self, read: StartedRead, slot: *mut u8, result: std::io::Result<()>) -> ReadOutcome {
+    pub unsafe fn finish_started(&self, read: FileRead, slot: *mut u8, result: std::io::Result<()>) -> ReadOutcome {
         if result.as_ref().is_err_and(is_abandoned) {
             log::error!("kvtier: shared read of {:?} abandoned by a broken I/O engine; counted as a miss", read.key);
             Stats::add(&self.stats.io_errors, 1);
@@ -244,7 +233,7 @@ impl SharedTier {
     }
 
     /// Counts a load's read and makes a good one resident-ready (tag cleared, access recorded).
-    fn finish_read(&self, p: &StartedRead, result: std::io::Result<()>, slot: &mut [u8]) -> ReadOutcome {
+    fn finish_read(&self, p: &FileRead, result: std::io::Result<()>, slot: &mut [u8]) -> ReadOutcome {
         match self.judge(&p.key, p.loc, &p.name, result, slot) {
             Verdict::Good => {}
             Verdict::Failed(e) => {

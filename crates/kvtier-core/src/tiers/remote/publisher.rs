@@ -1,21 +1,19 @@
-//! The store's publisher: accepted blocks are copied (descriptor page + value, as their DRAM slot
-//! holds them) into staging buffers and handed to one background thread that appends them to the
-//! shared tier's open data file in batches.
+//! A remote tier's publisher: accepted blocks are copied (descriptor page + value, as their DRAM
+//! slot holds them) into staging buffers and handed to one background thread that appends them to
+//! the tier's open file or segment in batches (the tier's [`PublishSink`]).
 //!
-//! The put path never waits for the shared filesystem. When every staging buffer is in use
+//! The put path never waits for remote storage. When every staging buffer is in use
 //! (`publish_queue_bytes`), the block's key joins a backlog instead, and the publisher copies the
 //! block again from its DRAM slot when a buffer is free (the store hands it that copy function,
 //! `set_refetch`). A burst larger than the queue is therefore published whole, late rather than never,
 //! as long as its blocks are still in DRAM when their turn comes. A block that left DRAM first, or an
-//! offer past the backlog's bound, is not published (it is a cache) and counted in
-//! `shared_dropped_publishes`. A flush waits for what was backlogged before it, not for later offers.
+//! offer past the backlog's bound, is not published (it is a cache) and counted in the tier's
+//! dropped publishes (`PublishSink::dropped`). A flush waits for what was backlogged before it, not for later offers.
 
-use super::SharedTier;
 use crate::error::{Error, Result};
 use crate::io::buffer::AlignedBuf;
 use crate::key::BlockKey;
 use crate::stats::Stats;
-use crate::tiers::object::ObjectTier;
 use crossbeam_channel::{bounded, Receiver, Sender, TryRecvError, TrySendError};
 use parking_lot::Mutex;
 use std::collections::VecDeque;
@@ -35,8 +33,8 @@ const BACKLOG_BLOCKS: usize = 1 << 16;
 /// longer in DRAM.
 pub type Refetch = Box<dyn Fn(&BlockKey, &mut [u8]) -> bool + Send + Sync>;
 
-/// What a publisher publishes into: the shared tier, or the object tier (docs/object-tier.md), each
-/// with its own counters of deferred and dropped offers.
+/// What a publisher publishes into: each remote tier implements it in its own folder, with its own
+/// counters of deferred and dropped offers.
 pub trait PublishSink: Send + Sync {
     fn slot_bytes(&self) -> usize;
     fn publish_queue_bytes(&self) -> usize;
@@ -48,60 +46,6 @@ pub trait PublishSink: Send + Sync {
     fn close(&self);
     fn deferred(&self) -> &AtomicU64;
     fn dropped(&self) -> &AtomicU64;
-}
-
-impl PublishSink for SharedTier {
-    fn slot_bytes(&self) -> usize {
-        SharedTier::slot_bytes(self)
-    }
-    fn publish_queue_bytes(&self) -> usize {
-        self.config().publish_queue_bytes
-    }
-    fn contains(&self, key: &BlockKey) -> bool {
-        SharedTier::contains(self, key)
-    }
-    fn append_slots(&self, slots: &mut [(BlockKey, &mut [u8])]) -> usize {
-        SharedTier::append_slots(self, slots)
-    }
-    fn flush(&self) {
-        SharedTier::flush(self)
-    }
-    fn close(&self) {
-        SharedTier::close(self)
-    }
-    fn deferred(&self) -> &AtomicU64 {
-        &self.stats().shared_deferred_publishes
-    }
-    fn dropped(&self) -> &AtomicU64 {
-        &self.stats().shared_dropped_publishes
-    }
-}
-
-impl PublishSink for ObjectTier {
-    fn slot_bytes(&self) -> usize {
-        ObjectTier::slot_bytes(self)
-    }
-    fn publish_queue_bytes(&self) -> usize {
-        self.config().publish_queue_bytes
-    }
-    fn contains(&self, key: &BlockKey) -> bool {
-        ObjectTier::contains(self, key)
-    }
-    fn append_slots(&self, slots: &mut [(BlockKey, &mut [u8])]) -> usize {
-        ObjectTier::append_slots(self, slots)
-    }
-    fn flush(&self) {
-        ObjectTier::flush(self)
-    }
-    fn close(&self) {
-        ObjectTier::close(self)
-    }
-    fn deferred(&self) -> &AtomicU64 {
-        &self.stats().bucket_deferred_publishes
-    }
-    fn dropped(&self) -> &AtomicU64 {
-        &self.stats().bucket_dropped_publishes
-    }
 }
 
 enum Msg {

@@ -1,0 +1,162 @@
+//! `RemoteTiers`: the remote tiers a store was configured with (a shared filesystem, an object
+//! store), each with its publisher thread, behind one value. The store, the mover and residency ask
+//! it (contains, reads, publishing, generations, indexed keys) and never name a tier; a tier is named
+//! once, in `RemoteTiers::open`'s arm for it. What a tier implements is `tiers::remote::RemoteTier`.
+
+use crate::config::StoreConfig;
+use crate::error::Result;
+use crate::key::{BlockKey, Namespace};
+use crate::stats::Stats;
+use crate::tiers::object::ObjectTier;
+use crate::tiers::remote::{PublishSink, Publisher, ReadOutcome, ReadRequest, Refetch, RemoteTier, StartedRead};
+use crate::tiers::shared::SharedTier;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The remote indexes' generation: the sum of the tiers' own. Each tier's only grows (it counts the
+/// keys its index gained or lost), so the sum moves whenever any of them does.
+pub type RemoteGeneration = u64;
+
+/// One remote tier and the publisher thread that feeds it.
+struct Remote {
+    tier: Arc<dyn RemoteTier>,
+    publisher: Publisher,
+}
+
+impl Remote {
+    fn start<T: RemoteTier + 'static>(tier: Arc<T>) -> Result<Remote> {
+        let publisher = Publisher::start(Arc::clone(&tier) as Arc<dyn PublishSink>)?;
+        Ok(Remote { tier, publisher })
+    }
+}
+
+/// A read started on one of the remote tiers: which one, and that tier's record of it.
+pub(crate) struct RemoteRead {
+    tier: usize,
+    read: StartedRead,
+}
+
+pub(crate) struct RemoteTiers {
+    /// In load order: a block indexed by several is read from the first.
+    tiers: Vec<Remote>,
+    /// The shared-filesystem tier again, for the operator's tools that only it has (scrub, usage).
+    shared_fs: Option<Arc<SharedTier>>,
+}
+
+impl RemoteTiers {
+    /// Opens the tiers the configuration asks for, after NVMe: either, both, or neither. One arm per
+    /// tier; the shared filesystem comes first, so that a block in both is read from it.
+    pub(crate) fn open(config: &StoreConfig, namespace: Namespace, stats: &Arc<Stats>) -> Result<RemoteTiers> {
+        let mut tiers = Vec::new();
+        let mut shared_fs = None;
+        if let Some(c) = &config.shared {
+            let tier = SharedTier::open(c, namespace, config.object_bytes, Arc::clone(stats), &config.io_setup())?;
+            shared_fs = Some(Arc::clone(&tier));
+            tiers.push(Remote::start(tier)?);
+        }
+        if let Some(c) = &config.bucket {
+            tiers.push(Remote::start(ObjectTier::open(c, namespace, config.object_bytes, Arc::clone(stats))?)?);
+        }
+        Ok(RemoteTiers { tiers, shared_fs })
+    }
+
+    /// The shared-filesystem tier, for what only it offers (`kvtier verify`'s scrub, usage facts).
+    pub(crate) fn shared_fs(&self) -> Option<&Arc<SharedTier>> {
+        self.shared_fs.as_ref()
+    }
+
+    /// Whether any remote tier indexes the block (memory only).
+    pub(crate) fn contains(&self, key: &BlockKey) -> bool {
+        self.tiers.iter().any(|r| r.tier.contains(key))
+    }
+
+    /// Offers an accepted block (its slot: descriptor page + value) to every tier's publisher.
+    pub(crate) fn offer(&self, key: BlockKey, slot: &[u8]) {
+        for r in &self.tiers {
+            r.publisher.offer(key, slot);
+        }
+    }
+
+    /// Gives every publisher its way to copy a backlogged block out of DRAM.
+    pub(crate) fn set_refetch(&self, refetch: impl Fn() -> Refetch) {
+        for r in &self.tiers {
+            r.publisher.set_refetch(refetch());
+        }
+    }
+
+    /// Waits until every tier published what was offered before the call.
+    pub(crate) fn flush(&self, timeout: Duration) -> Result<()> {
+        self.tiers.iter().try_for_each(|r| r.publisher.flush(timeout))
+    }
+
+    /// Publishes what is queued, stops the publishers, then closes the tiers. Idempotent.
+    pub(crate) fn close(&self) {
+        for r in &self.tiers {
+            r.publisher.close();
+        }
+        for r in &self.tiers {
+            r.tier.close();
+        }
+    }
+
+    /// The tiers' index generation (see `RemoteTier::keys_generation`); 0 with no remote tier.
+    pub(crate) fn generation(&self) -> RemoteGeneration {
+        self.tiers.iter().fold(0, |sum, r| sum.wrapping_add(r.tier.keys_generation()))
+    }
+
+    /// Up to `limit_each` indexed keys of each tier.
+    pub(crate) fn indexed_keys(&self, limit_each: usize) -> Vec<BlockKey> {
+        self.tiers.iter().flat_map(|r| r.tier.indexed_keys(limit_each)).collect()
+    }
+
+    /// The most adjacent blocks one request of any tier reads (1 with no remote tier).
+    pub(crate) fn blocks_per_request(&self) -> usize {
+        self.tiers.iter().map(|r| r.tier.blocks_per_request()).max().unwrap_or(1)
+    }
+
+    /// The tier that reads `key`: the first that indexes it, else the last (which counts the miss).
+    fn tier_for(&self, key: &BlockKey) -> usize {
+        let last = self.tiers.len().checked_sub(1).expect("remote reads need a remote tier");
+        self.tiers.iter().position(|r| r.tier.contains(key)).unwrap_or(last)
+    }
+
+    /// Starts the reads, each on the tier that reads its key (`tier_for`), each tier's together (a
+    /// tier may read adjacent blocks with one request): per request, in order, its read or `None`
+    /// (not started: a miss its tier counted, its `on_done` dropped uncalled).
+    ///
+    /// # Safety
+    /// As `RemoteTier::start_reads`, for every request.
+    pub(crate) unsafe fn start_reads(&self, requests: Vec<ReadRequest>) -> Vec<Option<RemoteRead>> {
+        let count = requests.len();
+        let mut by_tier: Vec<(Vec<usize>, Vec<ReadRequest>)> = self.tiers.iter().map(|_| Default::default()).collect();
+        for (i, request) in requests.into_iter().enumerate() {
+            let (order, batch) = &mut by_tier[self.tier_for(&request.0)];
+            order.push(i);
+            batch.push(request);
+        }
+        let mut started: Vec<Option<RemoteRead>> = (0..count).map(|_| None).collect();
+        for (tier, (order, batch)) in by_tier.into_iter().enumerate().filter(|(_, (order, _))| !order.is_empty()) {
+            // SAFETY: forwarded contract.
+            let reads = unsafe { self.tiers[tier].tier.start_reads(batch) };
+            assert_eq!(reads.len(), order.len(), "a remote tier answers every request");
+            for (i, read) in order.into_iter().zip(reads) {
+                started[i] = read.map(|read| RemoteRead { tier, read });
+            }
+        }
+        started
+    }
+
+    /// Judges a finished read, by the tier that started it.
+    ///
+    /// # Safety
+    /// As `RemoteTier::finish_read`.
+    pub(crate) unsafe fn finish_read(
+        &self,
+        read: RemoteRead,
+        slot: *mut u8,
+        result: std::io::Result<()>,
+    ) -> ReadOutcome {
+        // SAFETY: forwarded contract.
+        unsafe { self.tiers[read.tier].tier.finish_read(read.read, slot, result) }
+    }
+}

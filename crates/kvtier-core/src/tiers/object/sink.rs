@@ -1,0 +1,60 @@
+//! What the object tier implements for the store (`tiers::remote`): the publisher's sink and the
+//! remote tier's reads, over the tier's own methods.
+
+use super::{ObjectRead, ObjectTier};
+use crate::key::BlockKey;
+use crate::tiers::remote::{PublishSink, ReadOutcome, ReadRequest, RemoteTier, StartedRead};
+use std::sync::atomic::AtomicU64;
+
+impl PublishSink for ObjectTier {
+    fn slot_bytes(&self) -> usize {
+        ObjectTier::slot_bytes(self)
+    }
+    fn publish_queue_bytes(&self) -> usize {
+        self.config().publish_queue_bytes
+    }
+    fn contains(&self, key: &BlockKey) -> bool {
+        ObjectTier::contains(self, key)
+    }
+    fn append_slots(&self, slots: &mut [(BlockKey, &mut [u8])]) -> usize {
+        ObjectTier::append_slots(self, slots)
+    }
+    fn flush(&self) {
+        ObjectTier::flush(self)
+    }
+    fn close(&self) {
+        ObjectTier::close(self)
+    }
+    fn deferred(&self) -> &AtomicU64 {
+        &self.stats().bucket_deferred_publishes
+    }
+    fn dropped(&self) -> &AtomicU64 {
+        &self.stats().bucket_dropped_publishes
+    }
+}
+
+impl RemoteTier for ObjectTier {
+    fn keys_generation(&self) -> u64 {
+        ObjectTier::keys_generation(self)
+    }
+
+    fn indexed_keys(&self, limit: usize) -> Vec<BlockKey> {
+        ObjectTier::indexed_keys(self, limit)
+    }
+
+    fn blocks_per_request(&self) -> usize {
+        self.blocks_per_get()
+    }
+
+    /// Adjacent blocks of one segment are read with one ranged GET.
+    unsafe fn start_reads(&self, requests: Vec<ReadRequest>) -> Vec<Option<StartedRead>> {
+        // SAFETY: forwarded contract.
+        let started = unsafe { ObjectTier::start_reads(self, requests) };
+        started.into_iter().map(|read| read.map(StartedRead::new)).collect()
+    }
+
+    unsafe fn finish_read(&self, read: StartedRead, slot: *mut u8, result: std::io::Result<()>) -> ReadOutcome {
+        // SAFETY: forwarded contract.
+        unsafe { self.finish_started(read.into_inner::<ObjectRead>(), slot, result) }
+    }
+}
