@@ -180,30 +180,27 @@ class EventFeed:
         self._queue(removed)
 
     def _queue(self, changes: list[tuple[bytes, str, bool]]) -> None:
-        grouped: dict[tuple[str, bool], list[OffloadKey]] = {}
+        """Queues vLLM's events for ``changes``, in the log's order. A page can span several log
+        refreshes (another engine's feed or ``kvtier ls --blocks`` refreshed the log in between), so
+        one block can be stored and removed again within it: events are cut into batches in which
+        each (block, tier) changes at most once, and only inside a batch are changes grouped (a
+        router applying the batch gets the same state in any order within it)."""
+        events: list[OffloadingEvent] = []
+        batch: dict[tuple[str, bool], list[OffloadKey]] = {}
+        changed: set[tuple[bytes, str]] = set()
         for key, tier, removed in changes:
-            reported = self._reported.get(tier)
-            if reported is None:
+            if not self._record(key, tier, removed):
                 continue
-            if removed:
-                if key not in reported:
-                    continue
-                reported.discard(key)
-            else:
-                if key in reported:
-                    continue
-                reported.add(key)
             offload_key = self._offload_key(key)
             if offload_key is None:
                 self.unnameable_keys += 1
                 continue
-            grouped.setdefault((tier, removed), []).append(offload_key)
-        # Every tier reports its removals (evictions, trims, quarantines, lost DRAM), so vLLM 0.33 may
-        # keep a stored block's tokens until then.
-        events = [
-            offloading_event(keys, tier, removed, removal_expected=not removed)
-            for (tier, removed), keys in grouped.items()
-        ]
+            if (key, tier) in changed:
+                events += batch_events(batch)
+                batch, changed = {}, set()
+            changed.add((key, tier))
+            batch.setdefault((tier, removed), []).append(offload_key)
+        events += batch_events(batch)
         with self._lock:
             self._pending.extend(events)
             self._pending_keys += sum(len(event.keys) for event in events)
@@ -212,9 +209,35 @@ class EventFeed:
                 self._pending, self._pending_keys = [], 0
                 self._cursor = 0  # the next round starts from a reset
 
+    def _record(self, key: bytes, tier: str, removed: bool) -> bool:
+        """Whether this change is news to the router (a store of a block not reported in ``tier``,
+        a removal of one that was); records it."""
+        reported = self._reported.get(tier)
+        if reported is None:
+            return False
+        if removed:
+            if key not in reported:
+                return False
+            reported.discard(key)
+        else:
+            if key in reported:
+                return False
+            reported.add(key)
+        return True
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+def batch_events(batch: dict[tuple[str, bool], list[OffloadKey]]) -> list[OffloadingEvent]:
+    """One event per (tier, removed) of a batch, removals first (the change log's own order)."""
+    # Every tier reports its removals (evictions, trims, quarantines, lost DRAM), so vLLM 0.33 may
+    # keep a stored block's tokens until then.
+    return [
+        offloading_event(keys, tier, removed, removal_expected=not removed)
+        for (tier, removed), keys in sorted(batch.items(), key=lambda item: not item[0][1])
+    ]
 
 
 def direct_offload_key(group_id: int) -> Callable[[bytes], Any]:
