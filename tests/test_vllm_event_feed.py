@@ -21,6 +21,7 @@ except Exception as import_error:  # pragma: no cover - depends on the environme
 
 from kvtier import service as kvtier_service
 from kvtier.vllm import KvtierLoadStoreSpec
+from kvtier.vllm import events as events_module
 from kvtier.vllm.events import TIER_MEDIA, EventFeed, direct_offload_key
 from test_vllm_worker import ENGINE_BLOCKS, connection, engine_blocks, finished, key, layers, options_for, worker
 
@@ -85,6 +86,13 @@ def refresh(follower) -> None:
     follower.call("changes", 0, 1)
 
 
+def churn(w, job_ids: list[int], other, first_round: int) -> None:
+    """Three rounds of stores, each evicting what the one before stored, each seen by a refresh."""
+    for round_ in range(first_round, first_round + 3):
+        store(w, [key(1000 * round_ + i) for i in range(CHURN_BLOCKS)], job_ids)
+        refresh(other)
+
+
 def test_a_page_spanning_refreshes_leaves_the_router_with_what_the_service_holds(service):
     """Blocks stored in one refresh and evicted in the next come out of one page as a store then a
     removal, in that order: grouped by (tier, removed), the router kept them for good."""
@@ -98,14 +106,45 @@ def test_a_page_spanning_refreshes_leaves_the_router_with_what_the_service_holds
         router.apply(feed.take())
         assert router.held() == service_blocks(other)
         # Each refresh logs its removals first: the page the feed reads next starts with one.
-        for round_ in range(1, 4):
-            store(w, [key(1000 * round_ + i) for i in range(CHURN_BLOCKS)], job_ids)
-            refresh(other)
+        churn(w, job_ids, other, first_round=1)
         feed.poll_once(follower)
         router.apply(feed.take())
         held = service_blocks(other)
         extra = {tier: len(keys - held.get(tier, set())) for tier, keys in router.held().items()}
         assert router.held() == held, f"the router holds blocks the service evicted: {extra}"
+    finally:
+        feed.close()
+        follower.close()
+        other.close()
+        w.shutdown()
+
+
+def test_past_the_cap_the_queue_folds_and_the_router_still_learns_every_removal(service, monkeypatch):
+    """vLLM stopped draining the feed (a stuck scheduler, an engine that never steps) while blocks
+    came and went: past the cap, the queue is folded into what routers were told against what the
+    service holds, so the router's next batch removes every evicted block it knew and adds the rest;
+    the feed then goes on from the same cursor."""
+    monkeypatch.setattr(events_module, "MAX_PENDING_EVENTS", 30)
+    w = worker(service, layers())
+    feed = EventFeed(lambda: connection(service), direct_offload_key(0), poll_interval_s=3600)
+    follower, other = connection(service), connection(service)
+    router, job_ids = Router(), list[int]()
+    try:
+        store(w, [key(i) for i in range(FIRST_BLOCKS)], job_ids)
+        feed.poll_once(follower)
+        router.apply(feed.take())
+        assert router.held() == service_blocks(other)
+        resets = feed.resets  # 1: the first read
+        churn(w, job_ids, other, first_round=1)
+        feed.poll_once(follower)  # vLLM takes nothing: hundreds of events wait, past the cap
+        assert feed.folds == 1
+        router.apply(feed.take())
+        assert router.held() == service_blocks(other), "the router missed removals or stores past the cap"
+        assert feed.resets == resets, "the feed went on from its cursor"
+        churn(w, job_ids, other, first_round=4)
+        feed.poll_once(follower)
+        router.apply(feed.take())
+        assert router.held() == service_blocks(other)
     finally:
         feed.close()
         follower.close()
