@@ -150,3 +150,35 @@ def test_past_the_cap_the_queue_folds_and_the_router_still_learns_every_removal(
         follower.close()
         other.close()
         w.shutdown()
+
+
+def test_a_store_that_landed_just_after_another_followers_refresh_is_not_released(service):
+    """Another follower (engine) refreshed the log just before this engine's store landed: this
+    feed's next poll reads that log, which cannot know the store yet. Settled then, a store that
+    did land would be released as never landed (vLLM 0.33 would free its tokens and publish its
+    stored event with none)."""
+    w = worker(service, layers())
+    feed = EventFeed(lambda: connection(service), direct_offload_key(0), poll_interval_s=3600)
+    follower, other = connection(service), connection(service)
+    job_ids = list[int]()
+    try:
+        feed.poll_once(follower)
+        stored = [key(500 + attempt) for attempt in range(3)]
+        for block in stored:
+            refresh(other)
+            started = time.monotonic()
+            store(w, [block], job_ids)
+            feed.expect_stored([block])
+            feed.poll_once(follower)
+            if time.monotonic() - started < REFRESH_S / 2:
+                break  # the poll read the log the other follower had refreshed
+        time.sleep(REFRESH_S + 0.15)
+        feed.poll_once(follower)
+        reported = [k for event in feed.take() if not event.removed for k in event.keys]
+        assert sorted(reported) == sorted(make_offload_key(k, 0) for k in stored[: len(job_ids)])
+        assert feed.unlanded_store_blocks == 0, "a store that landed was released as never landed"
+    finally:
+        feed.close()
+        follower.close()
+        other.close()
+        w.shutdown()

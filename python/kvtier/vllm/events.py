@@ -17,17 +17,20 @@ A follower that fell behind the service's bounded log (or a service that restart
 DRAM tier) gets a reset: it reports every block it had reported as removed, then the service's
 current state as stored. Events wait for vLLM in a queue; if vLLM stops taking them, the queue
 past ``MAX_PENDING_EVENTS`` is folded into its net effect (what routers were told against what the
-log says now), so that no removal a router needs is dropped and memory stays bounded. Only blocks whose kvtier key is the engine's own block hash (one KV-cache
-group, a 32-byte prefix hash) can be named in vLLM's terms; others are skipped and counted.
+log says now), so that no removal a router needs is dropped and memory stays bounded.
+
+Only blocks whose kvtier key is the engine's own block hash (one KV-cache group, a 32-byte prefix
+hash) can be named in vLLM's terms; others are skipped and counted.
 
 vLLM 0.33's self-describing events (``self_describing_kv_events``) keep each stored block's tokens
 from the scheduler's store until the last removal of that block from a tier that said it expects
 one. kvtier reports a removal for every block it stops holding, in every tier, so its stored events
 say ``removal_expected``. A store this engine asked for that never landed (dropped behind prefill,
 refused by a full pool, a failed copy) has no stored event and would keep its snapshot in vLLM for
-the engine's life: after the store completes, the feed reads the change log past that moment and
-releases every such block with a ``metadata_only`` removal, which frees the snapshot and tells
-routers nothing. vLLM 0.32 has neither field and keeps no snapshot; there the feed only counts.
+the engine's life: after the store completes, the feed reads a change log refreshed after that
+moment (``SETTLE_AFTER_S``) and releases every such block with a ``metadata_only`` removal, which
+frees the snapshot and tells routers nothing. vLLM 0.32 has neither field and keeps no snapshot;
+there the feed only counts.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -59,6 +63,12 @@ MAX_PENDING_EVENTS = 1 << 20
 # Completed stores waiting for the change log to say whether they landed; past it the oldest go
 # unchecked (vLLM then keeps their snapshots until a cache reset, as it would without this check).
 MAX_UNSETTLED_BLOCKS = 1 << 18
+# A completed store is settled by a poll that starts at least this long after it. The service reads
+# the store into a log only when a follower asks and the log is older than its 0.5 s refresh period
+# (``REFRESH_PERIOD``), and another engine's feed (or ``kvtier ls --blocks``) may have just had it
+# refreshed, before the store landed: only a log last refreshed more than 0.5 s before the poll is
+# read again, so the poll sees every store that completed before that.
+SETTLE_AFTER_S = 0.6
 _EVENT_FIELDS = {field.name for field in dataclasses.fields(OffloadingEvent)}
 
 
@@ -104,7 +114,7 @@ class EventFeed:
         self._reported: dict[str, set[bytes]] = {tier: set() for tier in TIER_MEDIA}
         self._delivered: dict[str, set[bytes]] = {tier: set() for tier in TIER_MEDIA}
         self._cursor = 0
-        self._unsettled: list[bytes] = []
+        self._unsettled: list[tuple[float, bytes]] = []  # (time.monotonic() of its completion, key)
         self._restate_requested = False
         self.resets = 0
         self.folds = 0
@@ -126,7 +136,8 @@ class EventFeed:
     def expect_stored(self, keys: Iterable[bytes]) -> None:
         """Stores of these kvtier keys completed: the next poll releases those that did not land."""
         with self._lock:
-            self._unsettled.extend(keys)
+            completed_at = time.monotonic()
+            self._unsettled.extend((completed_at, key) for key in keys)
             overflow = len(self._unsettled) - MAX_UNSETTLED_BLOCKS
             if overflow > 0:
                 del self._unsettled[:overflow]
@@ -153,9 +164,12 @@ class EventFeed:
 
     def poll_once(self, connection: ServiceConnection) -> None:
         """Reads what changed since the cursor (every page of it) and queues the events; then
-        settles the stores that completed before this poll began."""
+        settles the stores that completed ``SETTLE_AFTER_S`` before this poll began."""
+        settled_before = time.monotonic() - SETTLE_AFTER_S
         with self._lock:
-            settling, self._unsettled = self._unsettled, []
+            ripe = next((i for i, (at, _) in enumerate(self._unsettled) if at > settled_before), len(self._unsettled))
+            settling = self._unsettled[:ripe]
+            del self._unsettled[:ripe]
             restate, self._restate_requested = self._restate_requested, False
         if restate:
             held = [(key, tier) for tier, keys in self._reported.items() for key in keys]
@@ -167,7 +181,7 @@ class EventFeed:
             self._queue([(key, tier, False) for key, tier in held])
         caught_up = self._read_changes(connection)
         if caught_up:
-            self._release_unlanded(settling)
+            self._release_unlanded([key for _, key in settling])
         else:
             with self._lock:
                 self._unsettled[:0] = settling
