@@ -54,6 +54,10 @@ TIER_MEDIA: dict[str, tuple[Medium, Locality, str | None]] = {
     "nvme": (Medium.STORAGE, Locality.LOCAL, "kvtier-nvme"),
     "shared": (Medium.STORAGE, Locality.REMOTE, "kvtier-shared"),
 }
+# How often the feed reads the service's change log. The service reads the store into the log when
+# a follower asks and the log is older than 0.5 s: a change reaches the feed within about 0.5 s plus
+# two polls.
+POLL_INTERVAL_S = 0.25
 # Changes asked for per call; the service answers at most this many (a reset's snapshot too).
 CHANGES_PER_CALL = 1 << 16
 # Blocks named by the events held for vLLM between two take_events() calls. Past it (and past twice
@@ -101,11 +105,15 @@ class EventFeed:
         self,
         connect: Callable[[], ServiceConnection],
         offload_key: Callable[[bytes], OffloadKey | None],
-        poll_interval_s: float = 0.5,
+        poll_interval_s: float = POLL_INTERVAL_S,
+        wake: Callable[[], None] | None = None,
     ):
         self._connect = connect
         self._offload_key = offload_key
         self._poll_interval_s = poll_interval_s
+        # Called when a poll left events waiting: vLLM drains them only after a model step, so an
+        # idle engine is asked to publish them (``kvtier.vllm.idle_publish``).
+        self._wake = wake
         self._lock = threading.Lock()
         self._pending: list[Queued] = []
         self._pending_keys = 0
@@ -159,6 +167,10 @@ class EventFeed:
                     logger.warning("kvtier: KV events cannot reach the host service (%s); retrying", error)
                     continue
             self.poll_once(connection)
+            with self._lock:
+                waiting = bool(self._pending)
+            if waiting and self._wake is not None:
+                self._wake()
         if connection is not None:
             connection.close()
 
