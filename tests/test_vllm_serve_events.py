@@ -8,6 +8,9 @@ router's index.
 - An idle engine publishes kvtier's events: a store that lands after its last step, and an eviction
   another engine's stores cause, reach the router within about a second with no request to it
   (vLLM publishes a connector's events only after a model step; ``kvtier.vllm.idle_publish``).
+- Under churn (both servers storing and evicting within the same half-second, one idle while the
+  other is busy, a service restart), each server's index of kvtier's tiers equals
+  ``kvtier ls --json --blocks`` within about a second of the churn stopping.
 
 Run: ``.venv/bin/python -m pytest tests/test_vllm_serve_events.py -m slow -v -s``.
 """
@@ -15,8 +18,11 @@ Run: ``.venv/bin/python -m pytest tests/test_vllm_serve_events.py -m slow -v -s`
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import sysconfig
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +38,7 @@ try:
     from kvtier.kv_index import KvEventIndex
     from kvtier.models import ensure_model
     from kvtier.openai_server import OpenAIServer
-    from kvtier.ops.report import namespace_blocks
+    from kvtier.ops.report import OpsError, namespace_blocks
     from kvtier.vllm import kv_transfer_config
 except Exception as import_error:  # pragma: no cover - depends on the environment
     pytest.skip(f"vllm, pyzmq or kvtier is not importable ({import_error!r})", allow_module_level=True)
@@ -140,6 +146,16 @@ def listing(servers: Servers) -> dict[str, set]:
     return tiers
 
 
+def disagreements(servers: Servers, listed: dict[str, set]) -> list[str]:
+    found = []
+    for tier, keys in listed.items():
+        for name in servers.servers:
+            held = servers.index.held(name, KVTIER_TIERS[tier])
+            if held != keys:
+                found.append(f"{name} {tier}: {len(held - keys)} extra, {len(keys - held)} missing of {len(keys)}")
+    return found
+
+
 def test_an_idle_engine_publishes_stores_and_evictions_within_a_second(servers):
     """The issue's measurement: one prompt, no request after it. vLLM alone publishes kvtier's
     events only at a later step: the stored blocks were never heard of (nor by the other server,
@@ -167,3 +183,96 @@ def test_an_idle_engine_publishes_stores_and_evictions_within_a_second(servers):
     heard_s = wait_until(lambda: not set(hashes) & servers.index.held("A", POOL), 10)
     print(f"server A (idle) published the eviction {heard_s} s after kvtier ls listed it")
     assert heard_s is not None and heard_s <= HEARD_WITHIN_S, (heard_s, servers.index.snapshot())
+
+
+def send(server: OpenAIServer, servers: Servers, numbers: range) -> float:
+    """One-token completions of prompts ``numbers`` in turn; when the last one returned."""
+    for n in numbers:
+        server.complete(prompt(servers, n)[0], 1)
+    return time.monotonic()
+
+
+def in_dram(servers: Servers) -> set:
+    try:
+        return listing(servers)["dram"]
+    except OpsError:  # not back yet
+        return set()
+
+
+def store_after_restart(servers: Servers) -> float:
+    """A call that fails has the engine start the service again (NVMe recovered) and reattach in
+    the background, so the first stores after a restart are lost: both servers get a prompt a round
+    until the new DRAM tier holds one of each. When the last request returned."""
+    a, b = servers.servers["A"], servers.servers["B"]
+    firsts: dict[str, set] = {"A": set(), "B": set()}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for n in range(26, 46, 2):
+            jobs = [(a, servers, range(n, n + 1)), (b, servers, range(n + 1, n + 2))]
+            stopped = max(pool.map(lambda job: send(*job), jobs))
+            firsts["A"].add(prompt(servers, n)[1][0])
+            firsts["B"].add(prompt(servers, n + 1)[1][0])
+            held = in_dram(servers)
+            if all(blocks & held for blocks in firsts.values()):
+                return stopped
+    raise AssertionError("the servers stored nothing in the restarted service's DRAM tier")
+
+
+def settle(servers: Servers, quiet_s: float = 2.0, timeout_s: float = 30) -> tuple[dict[str, set], float, float]:
+    """Reads kvtier's listing every 0.1 s until it stayed the same for ``quiet_s`` with the index
+    agreeing. That listing, when (``time.monotonic()``) it last changed, and when the index agreed
+    with it."""
+    started = time.monotonic()
+    listed: dict[str, set] | None = None
+    changed_at, agreed_at = started, 0.0
+    found: list[str] = []
+    while time.monotonic() - started < timeout_s:
+        try:
+            current = listing(servers)
+        except OpsError as error:  # the service is not back yet
+            found = [str(error)]
+            time.sleep(0.1)
+            continue
+        now = time.monotonic()
+        if current != listed:
+            listed, changed_at, agreed_at = current, now, 0.0
+        found = disagreements(servers, current)
+        if found:
+            agreed_at = 0.0
+        elif not agreed_at:
+            agreed_at = now
+        if agreed_at and now - changed_at >= quiet_s:
+            return current, changed_at, agreed_at
+        time.sleep(0.1)
+    raise AssertionError(f"no quiet listing the index agreed with in {timeout_s:.0f} s: " + "; ".join(found))
+
+
+def test_the_routers_index_equals_kvtier_ls_within_a_second_of_churn_stopping(servers):
+    """Both servers store and evict within the same half-second, then one is idle while the other
+    is busy, then the service restarts (its DRAM tier is lost, its NVMe tier recovered, its change
+    log a new one) and both store again. When the requests stop, each server's index of kvtier's
+    tiers must equal what ``kvtier ls --json --blocks`` lists, with no request to drive them."""
+    a, b = servers.servers["A"], servers.servers["B"]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(lambda job: send(*job), [(a, servers, range(10, 16)), (b, servers, range(16, 22))]))
+    send(b, servers, range(22, 26))  # A idle, B busy
+    assert kvtier_service.stop_service(servers.socket())
+    restarted = time.monotonic()
+    stopped = store_after_restart(servers)
+    listed, changed_at, agreed_at = settle(servers)
+    print(
+        f"the last request returned {stopped - restarted:.1f} s after the restart; kvtier's blocks last changed "
+        f"{changed_at - stopped:.2f} s after it, the index agreed with kvtier ls {agreed_at - stopped:.2f} s after it"
+    )
+    print("blocks listed: " + ", ".join(f"{tier} {len(keys)}" for tier, keys in listed.items()))
+    assert listed["nvme"] and listed["dram"], "the churn evicted to NVMe and stored again after the restart"
+    assert agreed_at - max(changed_at, stopped) <= HEARD_WITHIN_S
+    # The command itself lists the same blocks.
+    command = [sys.executable, "-m", "kvtier", "ls", str(servers.store_dir), "--json", "--blocks"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    namespaces = json.loads(done.stdout)["namespaces"]
+    from_command = {
+        tier: {servers.key_hash(bytes.fromhex(k)) for ns in namespaces for k in (ns.get("blocks") or {}).get(tier, [])}
+        for tier in KVTIER_TIERS
+    }
+    assert from_command == listed
+    assert not disagreements(servers, from_command)
