@@ -347,7 +347,7 @@ def test_host_dram_bytes_reaches_a_service_the_engine_starts_and_caps_the_pools(
 def test_a_completed_store_that_never_landed_is_released_and_one_that_landed_is_stored(service):
     """vLLM 0.33 keeps a stored block's tokens (self-describing events) until a removal; a store
     that never reached kvtier must free them without telling routers anything."""
-    from kvtier.vllm.events import EventFeed, direct_offload_key
+    from kvtier.vllm.events import SETTLE_AFTER_S, EventFeed, direct_offload_key
 
     w = worker(service, layers())
     feed = EventFeed(lambda: connection(service), direct_offload_key(0), poll_interval_s=3600)
@@ -357,6 +357,9 @@ def test_a_completed_store_that_never_landed_is_released_and_one_that_landed_is_
         assert finished(w, 1)
         # vLLM completes the store job; key(42)'s copy never landed (dropped, refused or failed).
         feed.expect_stored([key(40), key(41), key(42)])
+        feed.poll_once(follower)
+        assert feed.unlanded_store_blocks == 0, "settled only on a log refreshed after the completion"
+        time.sleep(SETTLE_AFTER_S)
         feed.poll_once(follower)
         assert feed.unlanded_store_blocks == 1
         events = feed.take()

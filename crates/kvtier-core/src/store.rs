@@ -747,7 +747,8 @@ fn take_lock(dir: &std::path::Path) -> Result<File> {
     }
 }
 
-fn random_u64() -> u64 {
+/// 64 random bits (the kernel's; the time and pid where it refuses).
+pub(crate) fn random_u64() -> u64 {
     let mut buf = [0u8; 8];
     if rustix::rand::getrandom(&mut buf, rustix::rand::GetRandomFlags::empty()).is_err() {
         let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();

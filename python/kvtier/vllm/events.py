@@ -15,17 +15,22 @@ thread and a connection of its own, off the scheduler's path:
 
 A follower that fell behind the service's bounded log (or a service that restarted and lost its
 DRAM tier) gets a reset: it reports every block it had reported as removed, then the service's
-current state as stored. Only blocks whose kvtier key is the engine's own block hash (one KV-cache
-group, a 32-byte prefix hash) can be named in vLLM's terms; others are skipped and counted.
+current state as stored. Events wait for vLLM in a queue; if vLLM stops taking them, the queue
+past ``MAX_PENDING_EVENTS`` is folded into its net effect (what routers were told against what the
+log says now), so that no removal a router needs is dropped and memory stays bounded.
+
+Only blocks whose kvtier key is the engine's own block hash (one KV-cache group, a 32-byte prefix
+hash) can be named in vLLM's terms; others are skipped and counted.
 
 vLLM 0.33's self-describing events (``self_describing_kv_events``) keep each stored block's tokens
 from the scheduler's store until the last removal of that block from a tier that said it expects
 one. kvtier reports a removal for every block it stops holding, in every tier, so its stored events
 say ``removal_expected``. A store this engine asked for that never landed (dropped behind prefill,
 refused by a full pool, a failed copy) has no stored event and would keep its snapshot in vLLM for
-the engine's life: after the store completes, the feed reads the change log past that moment and
-releases every such block with a ``metadata_only`` removal, which frees the snapshot and tells
-routers nothing. vLLM 0.32 has neither field and keeps no snapshot; there the feed only counts.
+the engine's life: after the store completes, the feed reads a change log refreshed after that
+moment (``SETTLE_AFTER_S``) and releases every such block with a ``metadata_only`` removal, which
+frees the snapshot and tells routers nothing. vLLM 0.32 has neither field and keeps no snapshot;
+there the feed only counts.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -48,13 +54,25 @@ TIER_MEDIA: dict[str, tuple[Medium, Locality, str | None]] = {
     "nvme": (Medium.STORAGE, Locality.LOCAL, "kvtier-nvme"),
     "shared": (Medium.STORAGE, Locality.REMOTE, "kvtier-shared"),
 }
+# How often the feed reads the service's change log. The service reads the store into the log when
+# a follower asks and the log is older than 0.5 s: a change reaches the feed within about 0.5 s plus
+# two polls.
+POLL_INTERVAL_S = 0.25
 # Changes asked for per call; the service answers at most this many (a reset's snapshot too).
 CHANGES_PER_CALL = 1 << 16
-# Events held for vLLM between two take_events() calls; past it the oldest are folded into a reset.
+# Blocks named by the events held for vLLM between two take_events() calls. Past it (and past twice
+# the blocks reported, so that folding halves the queue at least), the queue is folded into its net
+# effect (``EventFeed._fold``).
 MAX_PENDING_EVENTS = 1 << 20
 # Completed stores waiting for the change log to say whether they landed; past it the oldest go
 # unchecked (vLLM then keeps their snapshots until a cache reset, as it would without this check).
 MAX_UNSETTLED_BLOCKS = 1 << 18
+# A completed store is settled by a poll that starts at least this long after it. The service reads
+# the store into a log only when a follower asks and the log is older than its 0.5 s refresh period
+# (``REFRESH_PERIOD``), and another engine's feed (or ``kvtier ls --blocks``) may have just had it
+# refreshed, before the store landed: only a log last refreshed more than 0.5 s before the poll is
+# read again, so the poll sees every store that completed before that.
+SETTLE_AFTER_S = 0.6
 _EVENT_FIELDS = {field.name for field in dataclasses.fields(OffloadingEvent)}
 
 
@@ -63,6 +81,19 @@ def offloading_event(keys: list[OffloadKey], tier: str, removed: bool, **flags: 
     medium, locality, ownership = TIER_MEDIA[tier]
     known = {name: value for name, value in flags.items() if name in _EVENT_FIELDS}
     return OffloadingEvent(keys=keys, medium=medium, removed=removed, locality=locality, ownership=ownership, **known)
+
+
+@dataclasses.dataclass
+class Queued:
+    """An event waiting for vLLM, with the kvtier keys it names."""
+
+    event: OffloadingEvent
+    tier: str | None  # None: a ``metadata_only`` release, which routers never see
+    keys: list[bytes]
+
+
+# Changes of one batch: (tier, removed) -> [(kvtier key, vLLM's key)].
+Batch = dict[tuple[str, bool], list[tuple[bytes, OffloadKey]]]
 
 
 class EventFeed:
@@ -74,19 +105,27 @@ class EventFeed:
         self,
         connect: Callable[[], ServiceConnection],
         offload_key: Callable[[bytes], OffloadKey | None],
-        poll_interval_s: float = 0.5,
+        poll_interval_s: float = POLL_INTERVAL_S,
+        wake: Callable[[], None] | None = None,
     ):
         self._connect = connect
         self._offload_key = offload_key
         self._poll_interval_s = poll_interval_s
+        # Called when a poll left events waiting: vLLM drains them only after a model step, so an
+        # idle engine is asked to publish them (``kvtier.vllm.idle_publish``).
+        self._wake = wake
         self._lock = threading.Lock()
-        self._pending: list[OffloadingEvent] = []
+        self._pending: list[Queued] = []
         self._pending_keys = 0
+        # Per tier, the blocks the log says are there as far as the feed read it (what the events
+        # queued so far tell), and the blocks routers were told of (the events vLLM took).
         self._reported: dict[str, set[bytes]] = {tier: set() for tier in TIER_MEDIA}
+        self._delivered: dict[str, set[bytes]] = {tier: set() for tier in TIER_MEDIA}
         self._cursor = 0
-        self._unsettled: list[bytes] = []
+        self._unsettled: list[tuple[float, bytes]] = []  # (time.monotonic() of its completion, key)
         self._restate_requested = False
         self.resets = 0
+        self.folds = 0
         self.unnameable_keys = 0
         self.unlanded_store_blocks = 0
         self._stop = threading.Event()
@@ -95,13 +134,18 @@ class EventFeed:
 
     def take(self) -> list[OffloadingEvent]:
         with self._lock:
-            events, self._pending, self._pending_keys = self._pending, [], 0
-        return events
+            queued, self._pending, self._pending_keys = self._pending, [], 0
+            for item in queued:
+                if item.tier is not None:
+                    delivered = self._delivered[item.tier]
+                    (delivered.difference_update if item.event.removed else delivered.update)(item.keys)
+        return [item.event for item in queued]
 
     def expect_stored(self, keys: Iterable[bytes]) -> None:
         """Stores of these kvtier keys completed: the next poll releases those that did not land."""
         with self._lock:
-            self._unsettled.extend(keys)
+            completed_at = time.monotonic()
+            self._unsettled.extend((completed_at, key) for key in keys)
             overflow = len(self._unsettled) - MAX_UNSETTLED_BLOCKS
             if overflow > 0:
                 del self._unsettled[:overflow]
@@ -123,23 +167,33 @@ class EventFeed:
                     logger.warning("kvtier: KV events cannot reach the host service (%s); retrying", error)
                     continue
             self.poll_once(connection)
+            with self._lock:
+                waiting = bool(self._pending)
+            if waiting and self._wake is not None:
+                self._wake()
         if connection is not None:
             connection.close()
 
     def poll_once(self, connection: ServiceConnection) -> None:
         """Reads what changed since the cursor (every page of it) and queues the events; then
-        settles the stores that completed before this poll began."""
+        settles the stores that completed ``SETTLE_AFTER_S`` before this poll began."""
+        settled_before = time.monotonic() - SETTLE_AFTER_S
         with self._lock:
-            settling, self._unsettled = self._unsettled, []
+            ripe = next((i for i, (at, _) in enumerate(self._unsettled) if at > settled_before), len(self._unsettled))
+            settling = self._unsettled[:ripe]
+            del self._unsettled[:ripe]
             restate, self._restate_requested = self._restate_requested, False
         if restate:
             held = [(key, tier) for tier, keys in self._reported.items() for key in keys]
             for reported in self._reported.values():
                 reported.clear()
+            with self._lock:  # routers dropped every block with vLLM's AllBlocksCleared
+                for delivered in self._delivered.values():
+                    delivered.clear()
             self._queue([(key, tier, False) for key, tier in held])
         caught_up = self._read_changes(connection)
         if caught_up:
-            self._release_unlanded(settling)
+            self._release_unlanded([key for _, key in settling])
         else:
             with self._lock:
                 self._unsettled[:0] = settling
@@ -170,7 +224,7 @@ class EventFeed:
         if offload_keys:
             event = offloading_event(offload_keys, "dram", True, metadata_only=True)
             with self._lock:
-                self._pending.append(event)
+                self._pending.append(Queued(event, None, []))
                 self._pending_keys += len(offload_keys)
 
     def _reset(self) -> None:
@@ -180,41 +234,84 @@ class EventFeed:
         self._queue(removed)
 
     def _queue(self, changes: list[tuple[bytes, str, bool]]) -> None:
-        grouped: dict[tuple[str, bool], list[OffloadKey]] = {}
+        """Queues vLLM's events for ``changes``, in the log's order. A page can span several log
+        refreshes (another engine's feed or ``kvtier ls --blocks`` refreshed the log in between), so
+        one block can be stored and removed again within it: events are cut into batches in which
+        each (block, tier) changes at most once, and only inside a batch are changes grouped (a
+        router applying the batch gets the same state in any order within it)."""
+        queued: list[Queued] = []
+        batch: Batch = {}
+        changed: set[tuple[bytes, str]] = set()
         for key, tier, removed in changes:
-            reported = self._reported.get(tier)
-            if reported is None:
+            if not self._record(key, tier, removed):
                 continue
-            if removed:
-                if key not in reported:
-                    continue
-                reported.discard(key)
-            else:
-                if key in reported:
-                    continue
-                reported.add(key)
             offload_key = self._offload_key(key)
             if offload_key is None:
                 self.unnameable_keys += 1
                 continue
-            grouped.setdefault((tier, removed), []).append(offload_key)
-        # Every tier reports its removals (evictions, trims, quarantines, lost DRAM), so vLLM 0.33 may
-        # keep a stored block's tokens until then.
-        events = [
-            offloading_event(keys, tier, removed, removal_expected=not removed)
-            for (tier, removed), keys in grouped.items()
-        ]
+            if (key, tier) in changed:
+                queued += batch_events(batch)
+                batch, changed = {}, set()
+            changed.add((key, tier))
+            batch.setdefault((tier, removed), []).append((key, offload_key))
+        queued += batch_events(batch)
         with self._lock:
-            self._pending.extend(events)
-            self._pending_keys += sum(len(event.keys) for event in events)
-            if self._pending_keys > MAX_PENDING_EVENTS:
-                # vLLM stopped draining (events off, or a stuck scheduler): keep memory bounded.
-                self._pending, self._pending_keys = [], 0
-                self._cursor = 0  # the next round starts from a reset
+            self._pending.extend(queued)
+            self._pending_keys += sum(len(item.keys) for item in queued)
+            reported_blocks = sum(len(keys) for keys in self._reported.values())
+            if self._pending_keys > max(MAX_PENDING_EVENTS, 2 * reported_blocks):
+                self._fold()
+
+    def _fold(self) -> None:
+        """Holds the lock. vLLM stopped draining (a stuck scheduler, an engine that never steps):
+        the queue becomes its net effect, what routers were told against what the log says now
+        (removals first). Nothing a router needs is lost, and the queue stays within the blocks
+        reported. Not a reset: vLLM's ``AllBlocksCleared`` carries no medium, and routers apply it
+        to the GPU tier or to every tier of the engine (llm-d), not to kvtier's alone. Pending
+        ``metadata_only`` releases are dropped (vLLM 0.33 then keeps those snapshots until a cache
+        reset, as past ``MAX_UNSETTLED_BLOCKS``)."""
+        self.folds += 1
+        removals = {tier: self._delivered[tier] - self._reported[tier] for tier in TIER_MEDIA}
+        stores = {tier: self._reported[tier] - self._delivered[tier] for tier in TIER_MEDIA}
+        batch: Batch = {}
+        for removed, keys_by_tier in ((True, removals), (False, stores)):
+            for tier, keys in keys_by_tier.items():
+                named = [(key, offload_key) for key in keys if (offload_key := self._offload_key(key)) is not None]
+                if named:
+                    batch[(tier, removed)] = named
+        self._pending = batch_events(batch)
+        self._pending_keys = sum(len(item.keys) for item in self._pending)
+
+    def _record(self, key: bytes, tier: str, removed: bool) -> bool:
+        """Whether this change is news to the router (a store of a block not reported in ``tier``,
+        a removal of one that was); records it."""
+        reported = self._reported.get(tier)
+        if reported is None:
+            return False
+        if removed:
+            if key not in reported:
+                return False
+            reported.discard(key)
+        else:
+            if key in reported:
+                return False
+            reported.add(key)
+        return True
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+def batch_events(batch: Batch) -> list[Queued]:
+    """One event per (tier, removed) of a batch, removals first (the change log's own order)."""
+    queued = []
+    for (tier, removed), named in sorted(batch.items(), key=lambda item: not item[0][1]):
+        # Every tier reports its removals (evictions, trims, quarantines, lost DRAM), so vLLM 0.33 may
+        # keep a stored block's tokens until then.
+        event = offloading_event([k for _, k in named], tier, removed, removal_expected=not removed)
+        queued.append(Queued(event, tier, [key for key, _ in named]))
+    return queued
 
 
 def direct_offload_key(group_id: int) -> Callable[[bytes], Any]:

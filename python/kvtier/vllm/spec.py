@@ -23,6 +23,7 @@ from kvtier.service import default_socket_path, private_dir
 from kvtier.vllm.connection import ServiceBackend, ServiceConnection
 from kvtier.vllm.costs import load_costs
 from kvtier.vllm.events import EventFeed, direct_offload_key
+from kvtier.vllm.idle_publish import idle_publisher_of_this_engine
 from kvtier.vllm.local_store import acquire_store, find_engine_store
 from kvtier.vllm.manager import KvtierManager
 from kvtier.vllm.metrics import kvtier_metric_definitions
@@ -220,7 +221,12 @@ class KvtierOffloadingSpec(OffloadingSpec):
             # vLLM drains take_events() only when its KV-event publisher is on.
             events = None
             if getattr(self.config, "enable_kv_cache_events", False):
-                events = EventFeed(prefetch_connection, direct_offload_key(self.config.groups[0].group_id))
+                idle = idle_publisher_of_this_engine()
+                events = EventFeed(
+                    prefetch_connection,
+                    direct_offload_key(self.config.groups[0].group_id),
+                    wake=idle.ask if idle is not None else None,
+                )
             manager = KvtierManager(
                 ServiceBackend(self._service_connection(rank=0, scheduler=True), prefetcher, events),
                 pin_lease_s,

@@ -11,9 +11,12 @@
 //! tier's index is walked again only when it changed (`Store::residency_changes`). A refresh
 //! happens only while some engine follows the log, at most once per `REFRESH_PERIOD`.
 //!
-//! Sequence numbers start at the log's birth time in microseconds: a follower's cursor from an
-//! earlier log (a restarted service, a namespace closed and reopened) is below the first sequence
-//! of the new one, and gets a reset, never a wrong continuation.
+//! Sequence numbers start at a random point of [1, 2^62): a follower's cursor from another log (a
+//! restarted service, a namespace closed and reopened) falls inside the new one's window of kept
+//! changes with a chance of about `LOG_CAPACITY` in 2^62, so it gets a reset, never a wrong
+//! continuation. (They started at the log's birth time in microseconds, which a log that recorded
+//! more changes than microseconds passed before its successor was born, or a clock set back,
+//! defeated: a big store's first snapshot records millions of changes at once.)
 
 use crate::catalog::ResidencyChanges;
 use crate::key::BlockKey;
@@ -69,16 +72,13 @@ impl ChangeLog {
     /// A log keeping the latest `capacity` changes (a follower further behind gets a reset).
     pub fn new(capacity: usize) -> ChangeLog {
         assert!(capacity > 0);
-        let born_us = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX / 2));
         ChangeLog {
             refreshed_at: None,
             remote_generation: None,
             current: HashMap::new(),
             shared: HashSet::new(),
             ring: VecDeque::new(),
-            first: born_us.max(1),
+            first: (crate::store::random_u64() >> 2).max(1),
             capacity,
         }
     }
@@ -249,6 +249,26 @@ mod tests {
         assert_eq!(behind.changes.len(), 4);
         let reborn = ChangeLog::new(2);
         assert!(reborn.since(behind.next + 1_000_000_000, 10).reset, "a cursor past the end is another log's");
+    }
+
+    /// A log restarted (service restart, namespace reopened) soon after the last one recorded more
+    /// changes than microseconds passed in between: the old cursor is still another log's.
+    #[test]
+    fn a_cursor_from_a_log_just_replaced_gets_a_reset() {
+        let held: HashMap<BlockKey, u8> = (0..20_000u32)
+            .map(|n| {
+                let mut k = [0u8; 32];
+                k[..4].copy_from_slice(&n.to_le_bytes());
+                (BlockKey(k), TIER_DRAM | TIER_NVME)
+            })
+            .collect();
+        let mut old = ChangeLog::new(LOG_CAPACITY);
+        let mut new = ChangeLog::new(LOG_CAPACITY);
+        old.update(held.clone());
+        let cursor = old.since(0, 10).next;
+        new.update(held);
+        let reply = new.since(cursor, LOG_CAPACITY);
+        assert!(reply.reset, "an old log's cursor read {} changes of the new log as its own", reply.changes.len());
     }
 
     /// A refresh from the catalog's tracked keys and the shared tier's keys (given only when its
