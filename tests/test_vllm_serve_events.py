@@ -35,7 +35,7 @@ try:
 
     from kvtier import demo_events
     from kvtier import service as kvtier_service
-    from kvtier.kv_index import KvEventIndex
+    from kvtier.kv_index import GPU, KvEventIndex
     from kvtier.models import ensure_model
     from kvtier.openai_server import OpenAIServer
     from kvtier.ops.report import OpsError, namespace_blocks
@@ -170,6 +170,12 @@ def test_an_idle_engine_publishes_stores_and_evictions_within_a_second(servers):
         heard_s = wait_until(lambda: set(hashes) <= servers.index.held(name, POOL), 10)  # noqa: B023
         print(f"server {name} (idle) published the stored blocks {heard_s} s after they landed")
         assert heard_s is not None and heard_s <= HEARD_WITHIN_S, (name, heard_s, servers.index.snapshot())
+    # kvtier names a block by the hash vLLM publishes for it in its own GPU events, and its blocks
+    # outlive vLLM's prefix-cache reset, which removes them from the GPU tier.
+    assert wait_until(lambda: set(hashes) <= servers.index.held("A", GPU), 10) is not None, servers.index.snapshot()
+    a.reset_prefix_cache()
+    assert wait_until(lambda: not set(hashes) & servers.index.held("A", GPU), 10) is not None, "no GPU removal"
+    assert set(hashes) <= servers.index.held("A", POOL), "kvtier's blocks must outlive vLLM's prefix-cache reset"
 
     # B's prompts push A's out of the DRAM tier (to NVMe); A gets no request.
     for n in range(1, 1 + DRAM_BLOCKS // PROMPT_BLOCKS + 1):
