@@ -170,12 +170,8 @@ def test_an_idle_engine_publishes_stores_and_evictions_within_a_second(servers):
         heard_s = wait_until(lambda: set(hashes) <= servers.index.held(name, POOL), 10)  # noqa: B023
         print(f"server {name} (idle) published the stored blocks {heard_s} s after they landed")
         assert heard_s is not None and heard_s <= HEARD_WITHIN_S, (name, heard_s, servers.index.snapshot())
-    # kvtier names a block by the hash vLLM publishes for it in its own GPU events, and its blocks
-    # outlive vLLM's prefix-cache reset, which removes them from the GPU tier.
+    # kvtier names a block by the hash vLLM publishes for it in its own GPU events.
     assert wait_until(lambda: set(hashes) <= servers.index.held("A", GPU), 10) is not None, servers.index.snapshot()
-    a.reset_prefix_cache()
-    assert wait_until(lambda: not set(hashes) & servers.index.held("A", GPU), 10) is not None, "no GPU removal"
-    assert set(hashes) <= servers.index.held("A", POOL), "kvtier's blocks must outlive vLLM's prefix-cache reset"
 
     # B's prompts push A's out of the DRAM tier (to NVMe); A gets no request.
     for n in range(1, 1 + DRAM_BLOCKS // PROMPT_BLOCKS + 1):
@@ -189,6 +185,13 @@ def test_an_idle_engine_publishes_stores_and_evictions_within_a_second(servers):
     heard_s = wait_until(lambda: not set(hashes) & servers.index.held("A", POOL), 10)
     print(f"server A (idle) published the eviction {heard_s} s after kvtier ls listed it")
     assert heard_s is not None and heard_s <= HEARD_WITHIN_S, (heard_s, servers.index.snapshot())
+
+    # vLLM's prefix-cache reset removes the blocks from its GPU tier (published at A's next step: a
+    # one-token request) and leaves kvtier's: they are still held, on NVMe now.
+    a.reset_prefix_cache()
+    a.complete("# a step", 1)
+    assert wait_until(lambda: not set(hashes) & servers.index.held("A", GPU), 10) is not None, "no GPU removal"
+    assert set(hashes) <= servers.index.held("A", KVTIER_TIERS["nvme"]), "kvtier's blocks outlive the reset"
 
 
 def send(server: OpenAIServer, servers: Servers, numbers: range) -> float:
