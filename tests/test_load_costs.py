@@ -53,6 +53,9 @@ def test_the_prefill_model_follows_an_engine_that_slows_down():
 
 def test_a_step_runs_from_its_scheduling_or_the_previous_steps_end():
     clock = StepClock()
+    for warmup in range(2):  # an engine's first prompt steps are its warm-up: never timed
+        clock.scheduled(100, 10.0, now=-10.0 + warmup)
+        assert clock.finished(now=-9.5 + warmup) is None
     clock.scheduled(100, 10.0, now=0.0)
     clock.scheduled(200, 20.0, now=0.5)  # asynchronous scheduling: scheduled while step 1 runs
     assert clock.finished(now=1.0) == (100, 10.0, 1.0)
@@ -222,3 +225,12 @@ def test_a_costs_file_that_is_not_ours_in_every_detail_is_ignored(tmp_path, dama
     fresh = LoadDecider("auto", BLOCK_TOKENS)
     assert not load_costs(fresh, path)
     assert fresh.prefill.recompute_s(1024) is None and fresh.rates.snapshot() == {}
+
+
+def test_a_step_far_slower_than_predicted_is_not_fitted_unless_the_engine_stays_slow():
+    model = trained()
+    per_1k = model.recompute_s(1024)
+    model.observe(1024, work_of(1024, 0), 4.0)  # a pause of seconds where a step takes a fraction
+    assert model.recompute_s(1024) == pytest.approx(per_1k) and model.outliers == 1
+    trained(seed=3, model=model, slower=10.0, steps=100)  # the engine really is 10x slower now
+    assert model.recompute_s(1024) == pytest.approx(10 * (per_1k or 0), rel=0.1)

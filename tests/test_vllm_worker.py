@@ -629,3 +629,24 @@ def test_the_scheduler_fingerprints_the_weights_once_not_on_a_requests_path(tmp_
     finally:
         manager.shutdown()
         kvtier_service.stop_service(options.socket_path())
+
+
+def test_a_request_waits_for_a_prefetch_only_while_it_progresses(service):
+    """A prefetch stuck behind a frozen service holds its requests in HIT_PENDING at most the pending
+    timeout after its last chunk ended: then they are misses (recomputed)."""
+    w = worker(service, layers())
+    try:
+        assert w.submit_store(1, engine_blocks([0]), KvtierLoadStoreSpec([key(130)])) and finished(w, 1)
+        prefetcher = Prefetcher(lambda: connection(service), pending_timeout_s=0.5)
+        with frozen(service.socket_path()):
+            assert prefetcher.lookup(key(131), "nvme") == LookupResult.HIT_PENDING
+            time.sleep(0.2)
+            assert prefetcher.lookup(key(131), "nvme") == LookupResult.HIT_PENDING, "not yet stalled"
+            deadline = time.monotonic() + 5
+            while prefetcher.lookup(key(131), "nvme") == LookupResult.HIT_PENDING:
+                assert time.monotonic() < deadline, "a stalled prefetch held its request"
+                time.sleep(0.05)
+            assert prefetcher.expired_pending >= 1
+        prefetcher.close()
+    finally:
+        w.shutdown()

@@ -43,6 +43,14 @@ logger = logging.getLogger("kvtier.vllm")
 PROBE_BLOCKS = 4
 # The prefill model answers once it has seen this many steps that computed prompt tokens.
 MIN_PREFILL_STEPS = 8
+# A step slower than OUTLIER_FACTOR times the prediction (at least OUTLIER_FLOOR_S) is not fitted: an
+# engine's first steps (warm-up: allocations, lazy initialization; seconds where a step takes tens of
+# milliseconds) would otherwise dominate the fit. OUTLIER_RUN such steps in a row are fitted.
+OUTLIER_FACTOR = 5.0
+OUTLIER_FLOOR_S = 0.005
+OUTLIER_RUN = 3
+# The first steps an engine times are its warm-up, whatever the model says: never fitted.
+WARMUP_STEPS = 2
 # Features are scaled so that the least-squares state stays well conditioned.
 _TOKENS_SCALE = 1e-3
 _WORK_SCALE = 1e-6
@@ -57,13 +65,25 @@ class PrefillModel:
         self._p = np.eye(3) * 1e4
         self._lock = threading.Lock()
         self.prefill_steps = 0
+        self.outliers = 0
+        self._outliers_in_a_row = 0
 
     def observe(self, tokens: int, attention_work: float, seconds: float) -> None:
-        """One step: ``tokens`` computed, their ``attention_work`` (``work_of``), wall ``seconds``."""
+        """One step: ``tokens`` computed, their ``attention_work`` (``work_of``), wall ``seconds``.
+        Once trained, a step far slower than predicted (an engine's warm-up, a pause) is not fitted,
+        unless more than ``OUTLIER_RUN`` come in a row: then the engine really is slower now, and
+        they are fitted until a step fits the prediction again."""
         if tokens <= 0 or seconds <= 0 or not math.isfinite(seconds):
             return
         x = np.array([1.0, tokens * _TOKENS_SCALE, attention_work * _WORK_SCALE])
         with self._lock:
+            if self.prefill_steps >= MIN_PREFILL_STEPS:
+                predicted = max(float(x @ self._theta), OUTLIER_FLOOR_S)
+                outlier = seconds > OUTLIER_FACTOR * predicted
+                self._outliers_in_a_row = self._outliers_in_a_row + 1 if outlier else 0
+                if outlier and self._outliers_in_a_row <= OUTLIER_RUN:
+                    self.outliers += 1
+                    return
             px = self._p @ x
             gain = px / (self._forgetting + x @ px)
             self._theta = self._theta + gain * (seconds - x @ self._theta)
@@ -321,6 +341,7 @@ class StepClock:
     def __init__(self) -> None:
         self._pending: list[tuple[float, int, float]] = []  # (scheduled at, tokens, attention work)
         self._last_finished = 0.0
+        self._warmup_left = WARMUP_STEPS
 
     def scheduled(self, tokens: int, attention_work: float, now: float | None = None) -> None:
         if len(self._pending) >= self.MAX_PENDING:
@@ -335,6 +356,9 @@ class StepClock:
         scheduled_at, tokens, work = self._pending.pop(0)
         began = max(scheduled_at, self._last_finished)
         self._last_finished = now
+        if tokens > 1 and self._warmup_left > 0:
+            self._warmup_left -= 1
+            return None
         return tokens, work, now - began
 
 

@@ -17,13 +17,19 @@ from kvtier.vllm.costs import TierRates
 logger = logging.getLogger("kvtier.vllm")
 
 
+# Blocks per prefetch call: a chunk that ends shows the prefetcher progresses (a request waits in
+# HIT_PENDING while it does, and is recomputed once it stalls), and times its tier.
+CHUNK_BLOCKS = 16
+
+
 class Prefetcher:
     """Reads blocks that lookups found on NVMe or in the shared tier into the service's DRAM pool,
     on a thread and a connection of its own (a prefetch of a long prefix takes a while; lookups on the
     manager's connection must not wait behind it).
 
-    Each key is prefetched once: lookups answer HIT_PENDING while it is in flight and HIT after it
-    ended, whatever became of it (a block evicted again before its load is read by the load itself).
+    Each key is prefetched once, in chunks of ``CHUNK_BLOCKS``: lookups answer HIT_PENDING while it
+    is in flight (a miss once no chunk ended for the pending timeout) and HIT after it ended,
+    whatever became of it (a block evicted again before its load is read by the load itself).
     Ended prefetches are remembered for ``REMEMBER_S``, with the tier the block came from, so that
     vLLM's hit-source metric names NVMe or the shared tier, not the DRAM the load copied from."""
 
@@ -39,6 +45,7 @@ class Prefetcher:
         # A request waits in HIT_PENDING at most this long: a prefetch stuck behind a frozen service
         # or a stalled tier turns into a miss (recompute) instead of holding the request.
         self._pending_timeout_s = pending_timeout_s
+        self._progress_at = time.monotonic()  # when a chunk last started or ended
         self.expired_pending = 0
         # Where what each tier delivers now is recorded (the manager's load-or-recompute rates).
         self.rates: TierRates | None = None
@@ -58,10 +65,18 @@ class Prefetcher:
                 self._since[key] = time.monotonic()
                 self._queue.append(key)
                 self._cv.notify_all()
-            elif time.monotonic() - self._since[key] > self._pending_timeout_s:
+            elif self._stalled(key):
                 self.expired_pending += 1
                 return LookupResult.MISS
             return LookupResult.HIT_PENDING
+
+    def _stalled(self, key: bytes) -> bool:
+        """Holds ``_cv``. Whether ``key`` waited past the timeout with no chunk of any prefetch
+        ended meanwhile: a stalled tier or service, not a slow tier that still delivers (its loads
+        are the load-or-recompute model's to judge)."""
+        now = time.monotonic()
+        timeout_s = self._pending_timeout_s
+        return now - self._since[key] > timeout_s and now - self._progress_at > timeout_s
 
     def origin(self, key: bytes) -> str | None:
         with self._cv:
@@ -81,17 +96,40 @@ class Prefetcher:
                     self._connection = self._connect()
                 except Exception:
                     logger.exception("kvtier: the prefetcher cannot reach the host service; loads read storage")
-            started = time.monotonic()
-            if self._connection is not None:
-                found = self._connection.call("prefetch", batch, default=None)
-                self.prefetched_blocks += sum(1 for ok in found or [] if ok)
-            now = time.monotonic()
-            self._record_rate(batch, now - started)
-            with self._cv:
-                for key in batch:
-                    self._ended[key] = (self._in_flight.pop(key, "nvme"), now)
-                    self._since.pop(key, None)
-                self._forget_older_than(now - self.REMEMBER_S)
+            readable = self._readable_blocks()
+            for first in range(0, len(batch), CHUNK_BLOCKS):
+                chunk = batch[first : first + CHUNK_BLOCKS]
+                if first < readable:
+                    self._prefetch(chunk)
+                self._end(chunk)
+
+    def _prefetch(self, chunk: list[bytes]) -> None:
+        started = time.monotonic()
+        with self._cv:
+            self._progress_at = started
+        if self._connection is not None:
+            found = self._connection.call("prefetch", chunk, default=None)
+            self.prefetched_blocks += sum(1 for ok in found or [] if ok)
+        self._record_rate(chunk, time.monotonic() - started)
+
+    def _end(self, chunk: list[bytes]) -> None:
+        """The chunk's prefetch ended, whatever became of it: its lookups answer HIT from now on."""
+        now = time.monotonic()
+        with self._cv:
+            self._progress_at = now
+            for key in chunk:
+                self._ended[key] = (self._in_flight.pop(key, "nvme"), now)
+                self._since.pop(key, None)
+            self._forget_older_than(now - self.REMEMBER_S)
+
+    def _readable_blocks(self) -> int:
+        """Half the pool: a longer prefetch would evict its own first blocks before the load copies
+        them (the rest of a batch is left to the load, which reads them itself)."""
+        client = self._connection.live_client() if self._connection is not None else None
+        try:
+            return max(1, int(client.pool()["slot_count"]) // 2) if client is not None else 1 << 30
+        except Exception:
+            return 1 << 30
 
     def _record_rate(self, batch: list[bytes], seconds: float) -> None:
         """What the batch's tier delivered, queueing included (a mixed batch: its slowest tier,

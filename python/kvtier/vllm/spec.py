@@ -214,8 +214,11 @@ class KvtierOffloadingSpec(OffloadingSpec):
             check_hash_algo(self._hash_algo())
             pin_lease_s = max(60.0, 2 * self.options.job_timeout_ms / 1000)
             # The prefetcher's reads are not the engine's loads: its connection stays out of the
-            # per-engine counters.
-            prefetch_connection = lambda: self._service_connection(rank=0, labelled=False, scheduler=True)  # noqa: E731
+            # per-engine counters. They run on its own thread, a chunk taking as long as its tier
+            # needs (a slow link): bounded as a worker's calls, while a request waits for them only
+            # as long as chunks keep ending (Prefetcher). The event feed's calls are the scheduler's.
+            prefetch_connection = lambda: self._service_connection(rank=0, labelled=False)  # noqa: E731
+            feed_connection = lambda: self._service_connection(rank=0, labelled=False, scheduler=True)  # noqa: E731
             pending_timeout_s = self.options.service_timeout_ms / 1000
             prefetcher = Prefetcher(prefetch_connection, pending_timeout_s) if self.options.prefetch else None
             # vLLM drains take_events() only when its KV-event publisher is on.
@@ -223,7 +226,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             if getattr(self.config, "enable_kv_cache_events", False):
                 idle = idle_publisher_of_this_engine()
                 events = EventFeed(
-                    prefetch_connection,
+                    feed_connection,
                     direct_offload_key(self.config.groups[0].group_id),
                     wake=idle.ask if idle is not None else None,
                 )
