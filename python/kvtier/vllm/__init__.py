@@ -43,30 +43,34 @@ Every ``kvtier.Store.open`` option is accepted in ``kv_connector_extra_config`` 
 (``path`` is required); see :data:`INTEGRATION_OPTION_DEFAULTS` for the few options of this module.
 
 The package follows vLLM's own seams (``vllm/v1/kv_offload/``): ``options``, ``namespace``,
-``connection`` (the host service), ``prefetch``, ``metrics``, ``manager`` (scheduler side),
-``worker`` (worker side: in-process, host service, GPU), ``spec``, ``connector``, and
-``local_store`` (the one-process layout, ``host_service: false``). What it exports here is its
+``load_store_spec`` (what a job moves), ``connection`` (the host service), ``prefetch``, ``backend``
+(the store as the scheduler side sees it), ``metrics``, ``manager`` (scheduler side), ``worker``
+(worker side: in-process, host service, GPU), ``spec``, ``connector``, and ``local_store`` (the
+one-process layout, ``host_service: false``). What it exports here is its
 public surface; the module path users configure stays ``kvtier.vllm``.
 """
 
 from __future__ import annotations
 
-from kvtier.vllm.connection import (
+from kvtier.vllm.backend import (
     ServiceBackend,
+)
+from kvtier.vllm.connection import (
     ServiceConnection,
     service_connections,
-    wait_for_stores,
 )
 from kvtier.vllm.connector import (
     KvtierConnector,
     kv_transfer_config,
+)
+from kvtier.vllm.load_store_spec import (
+    KvtierLoadStoreSpec,
 )
 from kvtier.vllm.local_store import (
     SharedStore,
     open_stores,
 )
 from kvtier.vllm.manager import (
-    KvtierLoadStoreSpec,
     KvtierManager,
 )
 from kvtier.vllm.metrics import (
@@ -101,6 +105,7 @@ from kvtier.vllm.worker import (
     KvtierWorker,
     ServiceCopy,
     ServiceWorker,
+    wait_for_stores,
 )
 
 __all__ = [
