@@ -6,6 +6,8 @@
   the other).
 - **kvtier.vllm's layers.** Its ``__init__``'s docstring lists its modules in numbered layers, lowest
   first; every module is listed, and each imports only modules of lower layers.
+- **No test seams in kvtier.vllm's public names.** What ``kvtier.vllm.testing`` offers tests and
+  benchmarks is not imported by the package's ``__init__``.
 - **Short functions.** No function or method of the package is longer than ``MAX_FUNCTION_LINES``,
   from its ``def`` (decorators left out) to its last line, unless it is on ``LONG_FUNCTIONS``; an
   entry there that fits again fails too, so that the list only shrinks.
@@ -148,6 +150,28 @@ def test_the_layer_check_finds_an_upward_import_and_an_unlisted_module():
     assert any("kvtier.vllm.options (layer 1) imports kvtier.vllm.manager" in p for p in layer_problems(upward, layers))
     unlisted = {**graph, "kvtier.vllm.planted": set()}
     assert any("kvtier.vllm.planted is in no layer" in p for p in layer_problems(unlisted, layers))
+
+
+def test_kvtier_vllm_exports_no_test_seam():
+    def names_of(tree: ast.Module) -> set[str]:
+        """The names a module imports at its top level, and those its ``__all__`` lists."""
+        names: set[str] = set()
+        for node in tree.body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.Assign) and isinstance(node.value, (ast.List, ast.Tuple)):
+                names.update(
+                    element.value
+                    for element in node.value.elts
+                    if isinstance(element, ast.Constant) and isinstance(element.value, str)
+                )
+        return names
+
+    seams = names_of(ast.parse((PACKAGE / "vllm" / "testing.py").read_text())) - {"annotations"}
+    assert {"service_connections", "open_stores", "wait_for_stores"} <= seams
+    exported = names_of(ast.parse((PACKAGE / "vllm" / "__init__.py").read_text()))
+    assert "KvtierConnector" in exported
+    assert not seams & exported, f"kvtier.vllm exports test seams: {sorted(seams & exported)}"
 
 
 def function_lengths() -> dict[tuple[str, str], int]:

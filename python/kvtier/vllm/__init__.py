@@ -58,7 +58,8 @@ type-only imports included (``tests/test_tidy_python.py`` checks this list again
 6. ``metrics``: kvtier's metrics on vLLM's ``/metrics``
 7. ``manager``: the scheduler side (``KvtierManager``)
 8. ``spec``: ``KvtierOffloadingSpec``, which vLLM builds in both processes
-9. ``connector``: ``KvtierConnector`` and ``kv_transfer_config``
+9. ``connector``, ``testing``: ``KvtierConnector`` and ``kv_transfer_config``; what tests and
+   benchmarks read of this process's integration (not exported here)
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ from kvtier.vllm.backend import (
 )
 from kvtier.vllm.connection import (
     ServiceConnection,
-    service_connections,
 )
 from kvtier.vllm.connector import (
     KvtierConnector,
@@ -79,7 +79,6 @@ from kvtier.vllm.load_store_spec import (
 )
 from kvtier.vllm.local_store import (
     SharedStore,
-    open_stores,
 )
 from kvtier.vllm.manager import (
     KvtierManager,
@@ -116,7 +115,6 @@ from kvtier.vllm.worker import (
     KvtierWorker,
     ServiceCopy,
     ServiceWorker,
-    wait_for_stores,
 )
 
 __all__ = [
@@ -147,8 +145,5 @@ __all__ = [
     "model_fingerprint",
     "namespace_description",
     "namespace_digest",
-    "open_stores",
-    "service_connections",
     "service_namespace_description",
-    "wait_for_stores",
 ]
