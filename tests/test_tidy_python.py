@@ -1,8 +1,13 @@
 """Python's half of the tidy test (crates/kvtier-core/tests/tidy.rs is the Rust half).
 
 - **One-way imports.** The modules of the ``kvtier`` package import each other one way. Every import
-  counts, also one inside a function (made late on purpose, it still ties the two modules together),
-  except under ``if TYPE_CHECKING``.
+  counts: one inside a function (made late on purpose, it still ties the two modules together), and
+  one under ``if TYPE_CHECKING`` (no cycle at run time, but a reader still needs each module to read
+  the other).
+- **kvtier.vllm's layers.** Its ``__init__``'s docstring lists its modules in numbered layers, lowest
+  first; every module is listed, and each imports only modules of lower layers.
+- **No test seams in kvtier.vllm's public names.** What ``kvtier.vllm.testing`` offers tests and
+  benchmarks is not imported by the package's ``__init__``.
 - **Short functions.** No function or method of the package is longer than ``MAX_FUNCTION_LINES``,
   from its ``def`` (decorators left out) to its last line, unless it is on ``LONG_FUNCTIONS``; an
   entry there that fits again fails too, so that the list only shrinks.
@@ -11,6 +16,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "python" / "kvtier"
@@ -41,10 +47,6 @@ def imports_of(tree: ast.Module, name: str, is_package: bool) -> set[str]:
                     base = ".".join(anchor + ([base] if base else []))
                 found.add(base)
                 found.update(f"{base}.{alias.name}" for alias in node.names)
-            elif isinstance(node, ast.If):
-                if "TYPE_CHECKING" not in ast.unparse(node.test):
-                    visit(node.body)
-                visit(node.orelse)
             else:
                 for field in ("body", "orelse", "finalbody"):
                     visit([child for child in getattr(node, field, None) or [] if isinstance(child, ast.stmt)])
@@ -97,6 +99,79 @@ def test_the_checker_finds_a_planted_cycle():
     graph = import_graph()
     graph["kvtier.service"] = graph["kvtier.service"] | {"kvtier.ops.metrics"}
     assert find_cycle(graph) is not None
+
+
+def test_the_checker_counts_an_import_for_type_checking_only():
+    # The circle kvtier.vllm once had: the connection named the worker for its annotations only.
+    source = "import typing\n\nif typing.TYPE_CHECKING:\n    from kvtier.vllm.worker import JobQueueWorker\n"
+    planted = imports_of(ast.parse(source), "kvtier.vllm.connection", is_package=False)
+    assert "kvtier.vllm.worker" in planted
+    graph = import_graph()
+    graph["kvtier.vllm.connection"] = graph["kvtier.vllm.connection"] | (planted & graph.keys())
+    cycle = find_cycle(graph)
+    assert cycle is not None and "kvtier.vllm.connection" in cycle and "kvtier.vllm.worker" in cycle
+
+
+def documented_layers() -> dict[str, int]:
+    """kvtier.vllm's modules -> their layer, from the numbered list in its ``__init__``'s docstring
+    (``N. ``module``, ``module``: what they hold``)."""
+    docstring = ast.get_docstring(ast.parse((PACKAGE / "vllm" / "__init__.py").read_text())) or ""
+    layers: dict[str, int] = {}
+    for line in docstring.splitlines():
+        if match := re.match(r"(\d+)\. ([^:]*):", line):
+            for module in re.findall(r"``(\w+)``", match.group(2)):
+                layers[f"kvtier.vllm.{module}"] = int(match.group(1))
+    return layers
+
+
+def layer_problems(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    modules = {name for name in graph if name.startswith("kvtier.vllm.")}
+    problems = [f"{name} is in no layer of kvtier/vllm/__init__.py's list" for name in sorted(modules - layers.keys())]
+    problems += [f"{name} is in the layers and is no module" for name in sorted(layers.keys() - modules)]
+    for name in sorted(modules & layers.keys()):
+        problems += [
+            f"{name} (layer {layers[name]}) imports {target} (layer {layers[target]}): only lower layers"
+            for target in sorted(graph[name])
+            if target in layers and layers[target] >= layers[name]
+        ]
+    return problems
+
+
+def test_kvtier_vllm_imports_only_down_its_documented_layers():
+    layers = documented_layers()
+    assert layers["kvtier.vllm.options"] == 1 and layers["kvtier.vllm.connector"] > layers["kvtier.vllm.spec"]
+    problems = layer_problems(import_graph(), layers)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_layer_check_finds_an_upward_import_and_an_unlisted_module():
+    graph, layers = import_graph(), documented_layers()
+    upward = {**graph, "kvtier.vllm.options": graph["kvtier.vllm.options"] | {"kvtier.vllm.manager"}}
+    assert any("kvtier.vllm.options (layer 1) imports kvtier.vllm.manager" in p for p in layer_problems(upward, layers))
+    unlisted = {**graph, "kvtier.vllm.planted": set()}
+    assert any("kvtier.vllm.planted is in no layer" in p for p in layer_problems(unlisted, layers))
+
+
+def test_kvtier_vllm_exports_no_test_seam():
+    def names_of(tree: ast.Module) -> set[str]:
+        """The names a module imports at its top level, and those its ``__all__`` lists."""
+        names: set[str] = set()
+        for node in tree.body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.Assign) and isinstance(node.value, (ast.List, ast.Tuple)):
+                names.update(
+                    element.value
+                    for element in node.value.elts
+                    if isinstance(element, ast.Constant) and isinstance(element.value, str)
+                )
+        return names
+
+    seams = names_of(ast.parse((PACKAGE / "vllm" / "testing.py").read_text())) - {"annotations"}
+    assert {"service_connections", "open_stores", "wait_for_stores"} <= seams
+    exported = names_of(ast.parse((PACKAGE / "vllm" / "__init__.py").read_text()))
+    assert "KvtierConnector" in exported
+    assert not seams & exported, f"kvtier.vllm exports test seams: {sorted(seams & exported)}"
 
 
 def function_lengths() -> dict[tuple[str, str], int]:

@@ -38,6 +38,7 @@ except Exception as import_error:  # pragma: no cover - depends on the environme
 try:
     import kvtier
     import kvtier.vllm as kvtier_vllm
+    from kvtier.vllm.testing import open_stores
 except Exception as import_error:  # pragma: no cover
     pytest.skip(f"kvtier is not importable ({import_error!r}); run `maturin develop` first", allow_module_level=True)
 
@@ -129,7 +130,7 @@ def _restart_phase(phase: str, store_dir: str, result_path: str) -> None:
     from vllm import LLM
 
     llm = LLM(**engine_kwargs(Path(store_dir)))
-    (shared,) = kvtier_vllm.open_stores()
+    (shared,) = open_stores()
     prompt = random_prompt(seed=900, full_blocks=4)
     before = shared.store.stats()
     result = generate(llm, prompt)
@@ -191,7 +192,7 @@ def engine(store_dir):
     started = time.monotonic()
     llm = LLM(**engine_kwargs(store_dir))
     print(f"engine start: {time.monotonic() - started:.1f} s")
-    (shared,) = kvtier_vllm.open_stores()
+    (shared,) = open_stores()
     yield llm, shared.store
     del llm
 

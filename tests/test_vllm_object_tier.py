@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-import kvtier.vllm as kvtier_vllm
 from kvtier.models import ensure_model
+from kvtier.vllm.testing import open_stores
 from test_object_tier import BUCKET, rgw  # noqa: F401 - the module's server fixture
 from test_vllm_tiers import (  # skips this module too where vLLM or kvtier is not importable
     TOKENS_PER_BLOCK,
@@ -42,7 +42,7 @@ def _phase_publish(options_json: str, nvme_dir: str, result_path: str) -> None:
     from vllm import LLM
 
     llm = LLM(**engine_kwargs(Path(nvme_dir), **json.loads(options_json)))
-    (store,) = kvtier_vllm.open_stores()
+    (store,) = open_stores()
     output = generate(llm, random_prompt(PROMPT_SEED, FULL_BLOCKS))
     settle(llm, store.store)
     stats = store.store.stats()
@@ -82,7 +82,7 @@ def test_fresh_engine_gets_its_prefix_from_the_bucket(rgw, tmp_path, monkeypatch
     print(f"\nengine A computed and published in {time.monotonic() - started:.0f} s")
     llm = LLM(**engine_kwargs(nvme_b, **options))
     try:
-        (store,) = kvtier_vllm.open_stores()
+        (store,) = open_stores()
         assert store.namespace_hex == result["namespace"], "same model and layout must give the same namespace"
         delta = StatsDelta(store.store)
         restored = generate(llm, random_prompt(PROMPT_SEED, FULL_BLOCKS))

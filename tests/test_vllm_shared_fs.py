@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-import kvtier.vllm as kvtier_vllm
 from fs_fixtures import DistFs
 from kvtier.models import ensure_model
+from kvtier.vllm.testing import open_stores
 from test_vllm_tiers import (  # skips this module too where vLLM or kvtier is not importable
     PROMPTS_OF_A,
     SHARED_OPTIONS,
@@ -50,7 +50,7 @@ def test_engine_b_restores_engine_a_prefix_through_glusterfs(glusterfs_fs: DistF
     print(f"\nengine A (node A's GlusterFS mount) done in {time.monotonic() - started:.0f} s")
     llm = LLM(**engine_kwargs(nvme_b, shared_root=str(node_b), **SHARED_OPTIONS))
     try:
-        (shared,) = kvtier_vllm.open_stores()
+        (shared,) = open_stores()
         assert shared.namespace_hex == result["namespace"], "same model and layout must give the same namespace"
         full_blocks = PROMPTS_OF_A["hit"][1]
         delta = StatsDelta(shared.store)

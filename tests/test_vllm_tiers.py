@@ -46,7 +46,7 @@ except Exception as import_error:  # pragma: no cover - depends on the environme
     )
 try:
     import kvtier  # noqa: F401
-    import kvtier.vllm as kvtier_vllm
+    from kvtier.vllm.testing import open_stores
 except Exception as import_error:  # pragma: no cover
     pytest.skip(f"kvtier is not importable ({import_error!r}); run `maturin develop` first", allow_module_level=True)
 
@@ -104,7 +104,7 @@ def _phase_publish(model: str, nvme_dir: str, shared_root: str, result_path: str
     from vllm import LLM
 
     llm = LLM(**{**engine_kwargs(Path(nvme_dir), shared_root=shared_root, **SHARED_OPTIONS), "model": model})
-    (shared,) = kvtier_vllm.open_stores()
+    (shared,) = open_stores()
     outputs = {}
     for name, (seed, full_blocks) in PROMPTS_OF_A.items():
         outputs[name] = generate(llm, random_prompt(seed, full_blocks))
@@ -130,7 +130,7 @@ def _phase_other_model(model: str, nvme_dir: str, shared_root: str, result_path:
     from vllm import LLM
 
     llm = LLM(**{**engine_kwargs(Path(nvme_dir), shared_root=shared_root, **SHARED_OPTIONS), "model": model})
-    (shared,) = kvtier_vllm.open_stores()
+    (shared,) = open_stores()
     seed, full_blocks = PROMPTS_OF_A["hit"]
     before = shared.store.stats()
     result = generate(llm, random_prompt(seed, full_blocks))
@@ -256,7 +256,7 @@ def engine_b(tmp_path_factory, shared_root, engine_a):
         disable_log_stats=False,
     )
     print(f"engine B start: {time.monotonic() - started:.1f} s")
-    (shared,) = kvtier_vllm.open_stores()
+    (shared,) = open_stores()
     assert shared.namespace_hex == engine_a["namespace"], "same model and layout must give the same namespace"
     try:
         yield llm, shared.store, nvme_dir

@@ -42,31 +42,45 @@ Recommended configuration::
 Every ``kvtier.Store.open`` option is accepted in ``kv_connector_extra_config`` under its own name
 (``path`` is required); see :data:`INTEGRATION_OPTION_DEFAULTS` for the few options of this module.
 
-The package follows vLLM's own seams (``vllm/v1/kv_offload/``): ``options``, ``namespace``,
-``connection`` (the host service), ``prefetch``, ``metrics``, ``manager`` (scheduler side),
-``worker`` (worker side: in-process, host service, GPU), ``spec``, ``connector``, and
-``local_store`` (the one-process layout, ``host_service: false``). What it exports here is its
-public surface; the module path users configure stays ``kvtier.vllm``.
+The package follows vLLM's own seams (``vllm/v1/kv_offload/``: spec, load/store spec, manager,
+worker). What it exports here is its public surface; the module path users configure stays
+``kvtier.vllm``. Its modules in layers, lowest first; a module imports only modules of lower layers,
+type-only imports included (``tests/test_tidy_python.py`` checks this list against the code):
+
+1. ``options``, ``_registry``, ``load_store_spec``, ``idle_publish``: the options, the registries'
+   lock, what a job moves, KV events published by an idle engine core
+2. ``namespace``, ``costs``, ``local_store``: the engine's namespace, load or recompute, the
+   in-process store (``host_service: false``)
+3. ``connection``: this process's connection to the host service
+4. ``prefetch``, ``events``, ``worker``: the scheduler's prefetcher and KV-event feed; the worker side
+   (in-process, host service, GPU)
+5. ``backend``: the store as the scheduler side sees it (``StoreBackend``, ``ServiceBackend``)
+6. ``metrics``: kvtier's metrics on vLLM's ``/metrics``
+7. ``manager``: the scheduler side (``KvtierManager``)
+8. ``spec``: ``KvtierOffloadingSpec``, which vLLM builds in both processes
+9. ``connector``, ``testing``: ``KvtierConnector`` and ``kv_transfer_config``; what tests and
+   benchmarks read of this process's integration (not exported here)
 """
 
 from __future__ import annotations
 
-from kvtier.vllm.connection import (
+from kvtier.vllm.backend import (
     ServiceBackend,
+)
+from kvtier.vllm.connection import (
     ServiceConnection,
-    service_connections,
-    wait_for_stores,
 )
 from kvtier.vllm.connector import (
     KvtierConnector,
     kv_transfer_config,
 )
+from kvtier.vllm.load_store_spec import (
+    KvtierLoadStoreSpec,
+)
 from kvtier.vllm.local_store import (
     SharedStore,
-    open_stores,
 )
 from kvtier.vllm.manager import (
-    KvtierLoadStoreSpec,
     KvtierManager,
 )
 from kvtier.vllm.metrics import (
@@ -131,8 +145,5 @@ __all__ = [
     "model_fingerprint",
     "namespace_description",
     "namespace_digest",
-    "open_stores",
-    "service_connections",
     "service_namespace_description",
-    "wait_for_stores",
 ]

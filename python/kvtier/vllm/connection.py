@@ -1,4 +1,4 @@
-"""This process's connections to the host service, and the registries benchmarks and tests read."""
+"""This process's connection to the host service: ``ServiceConnection``."""
 
 from __future__ import annotations
 
@@ -7,20 +7,13 @@ import logging
 import threading
 import time
 import weakref
-from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtier.vllm._registry import registry_lock
 from kvtier.vllm.namespace import namespace_digest
 from kvtier.vllm.options import KvtierOptions
-
-if TYPE_CHECKING:
-    from kvtier.vllm.events import EventFeed
-    from kvtier.vllm.prefetch import Prefetcher
-    from kvtier.vllm.worker import JobQueueWorker
 
 logger = logging.getLogger("kvtier.vllm")
 
@@ -41,20 +34,6 @@ def service_connections() -> list[ServiceConnection]:
     """This process's open connections to host services (the manager's, each rank's)."""
     with registry_lock:
         return list(_service_connections)
-
-
-# Every JobQueueWorker of this process (for the benchmarks: a worker in this process holds stores
-# back, so "stored" means its queue is empty, not only that the service took what it was sent).
-_service_workers: weakref.WeakSet[JobQueueWorker] = weakref.WeakSet()
-
-
-def wait_for_stores(timeout_s: float) -> bool:
-    """Waits until every JobQueueWorker in this process has handed every store vLLM gave it to the
-    service (or dropped it); False on timeout. Stores go in idle windows, so the engine must be idle."""
-    with registry_lock:
-        workers = list(_service_workers)
-    deadline = time.monotonic() + timeout_s
-    return all(worker.wait_stores_done(deadline) for worker in workers)
 
 
 class ServiceConnection:
@@ -209,7 +188,7 @@ class ServiceConnection:
             return None
         return client
 
-    # The store-like interface KvtierManager uses.
+    # The store's calls KvtierManager makes (``backend.BlockIndex``).
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         return [tier is not None for tier in self.locate_many(keys)]
 
@@ -239,23 +218,3 @@ class ServiceConnection:
             self._last_attempt = float("inf")  # no reconnecting after close
         with registry_lock:
             _service_connections.discard(self)
-
-
-@dataclass
-class ServiceBackend:
-    """What KvtierManager needs from its store when the store lives in the host service."""
-
-    store: ServiceConnection
-    prefetcher: Prefetcher | None = None
-    events: EventFeed | None = None
-
-    def take_observations(self) -> tuple[list[tuple[str, float]], Counter]:
-        # Job latencies are observed in the worker processes; they reach vLLM as transfer times.
-        return [], Counter()
-
-    def release(self) -> None:
-        if self.prefetcher is not None:
-            self.prefetcher.close()
-        if self.events is not None:
-            self.events.close()
-        self.store.close()

@@ -40,6 +40,16 @@ class SharedStore:
     _job_ids: Any = field(default_factory=lambda: itertools.count(1))
     _finished_jobs: dict[int, list[bool]] = field(default_factory=dict)
 
+    # What backend.StoreBackend asks of a store beside it, neither of which this layout has: a load
+    # reads whatever tier holds its blocks itself, and no host service keeps a change log to follow.
+    @property
+    def prefetcher(self) -> None:
+        return None
+
+    @property
+    def events(self) -> None:
+        return None
+
     def next_job_id(self) -> int:
         with self._jobs_lock:
             return next(self._job_ids)

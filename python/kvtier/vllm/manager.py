@@ -1,4 +1,4 @@
-"""The scheduler side: ``KvtierManager`` (vLLM's ``OffloadingManager``) and its load/store spec."""
+"""The scheduler side: ``KvtierManager`` (vLLM's ``OffloadingManager``)."""
 
 from __future__ import annotations
 
@@ -23,24 +23,14 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.vllm.connection import ServiceBackend
+from kvtier.vllm.backend import StoreBackend
 from kvtier.vllm.costs import LoadDecider
 from kvtier.vllm.events import EventFeed
-from kvtier.vllm.local_store import SharedStore
+from kvtier.vllm.load_store_spec import KvtierLoadStoreSpec
 from kvtier.vllm.metrics import StatsDeltaTracker
 from kvtier.vllm.namespace import kvtier_key
 
 logger = logging.getLogger("kvtier.vllm")
-
-
-class KvtierLoadStoreSpec(LoadStoreSpec):
-    """The kvtier keys of a load or store job, in the order of the engine blocks of the job."""
-
-    def __init__(self, keys: list[bytes]):
-        self.keys = keys
-
-    def __repr__(self) -> str:
-        return f"KvtierLoadStoreSpec({len(self.keys)} blocks)"
 
 
 # store.locate_many() tier -> vLLM's cache-hit source (shared and unknown: external_unspecified).
@@ -52,7 +42,7 @@ class KvtierManager(OffloadingManager):
 
     def __init__(
         self,
-        shared: SharedStore | ServiceBackend,
+        shared: StoreBackend,
         pin_lease_s: float = 300.0,
         admission: str = "all",
         admission_memory_blocks: int = 1 << 18,
@@ -82,7 +72,7 @@ class KvtierManager(OffloadingManager):
         self._second_sight: OrderedDict[bytes, None] | None = OrderedDict() if admission == "second_sight" else None
         self._admission_memory_blocks = admission_memory_blocks
         self.not_admitted_blocks = 0
-        self._prefetcher = shared.prefetcher if isinstance(shared, ServiceBackend) else None
+        self._prefetcher = shared.prefetcher
         # Set by KvtierConnector, which reports failed loads to vLLM (recomputed). Under vLLM's plain
         # OffloadingConnector a failed load stops the engine, so only blocks a pin holds (in DRAM or
         # on NVMe) are offered there: one held only by a remote tier can vanish before its load.
@@ -296,7 +286,7 @@ class KvtierManager(OffloadingManager):
         return events.take() if events is not None else ()
 
     def _event_feed(self) -> EventFeed | None:
-        return self._shared.events if isinstance(self._shared, ServiceBackend) else None
+        return self._shared.events
 
     def config_info(self) -> Sequence[Mapping[str, str | int | float | bool]]:
         """vLLM 0.33+ publishes this once as ``vllm:kv_offload_config_info`` (kvtier.vllm.options)."""

@@ -14,8 +14,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingMetricMetadata,
 )
 
-from kvtier.vllm.connection import ServiceBackend
-from kvtier.vllm.local_store import SharedStore
+from kvtier.vllm.backend import StoreBackend
 
 _LATENCY_BUCKETS_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -96,7 +95,7 @@ class StatsDeltaTracker:
     def __init__(self) -> None:
         self._last: dict[str, int] = {}
 
-    def prime(self, shared: SharedStore | ServiceBackend) -> None:
+    def prime(self, shared: StoreBackend) -> None:
         """Starts counting from the store's counters now: an engine that attaches to a store (or a
         host service) that already served others reports only what happens from then on."""
         with contextlib.suppress(Exception):
@@ -112,7 +111,7 @@ class StatsDeltaTracker:
             if increment > 0:
                 payload.increase_counter("kvtier:load_decisions", increment, (tier, choice))
 
-    def collect(self, shared: SharedStore | ServiceBackend) -> OffloadingConnectorStats | None:
+    def collect(self, shared: StoreBackend) -> OffloadingConnectorStats | None:
         try:
             stats = shared.store.stats()
         except Exception:

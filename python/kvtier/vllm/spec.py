@@ -20,7 +20,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtier.service import default_socket_path, private_dir
-from kvtier.vllm.connection import ServiceBackend, ServiceConnection
+from kvtier.vllm.backend import ServiceBackend
+from kvtier.vllm.connection import ServiceConnection
 from kvtier.vllm.costs import load_costs
 from kvtier.vllm.events import EventFeed, direct_offload_key
 from kvtier.vllm.idle_publish import idle_publisher_of_this_engine

@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,9 +34,9 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.vllm._registry import registry_lock
-from kvtier.vllm.connection import ServiceConnection, _service_workers
+from kvtier.vllm.connection import ServiceConnection
+from kvtier.vllm.load_store_spec import KvtierLoadStoreSpec
 from kvtier.vllm.local_store import SharedStore, release_store
-from kvtier.vllm.manager import KvtierLoadStoreSpec
 from kvtier.vllm.options import KvtierVllmConfigError
 
 logger = logging.getLogger("kvtier.vllm")
@@ -403,6 +404,20 @@ class GpuDma:
 
     def close(self) -> None:
         self.transfers.close()  # unpins the pool before the connection unmaps it
+
+
+# Every JobQueueWorker of this process (for the benchmarks: a worker in this process holds stores
+# back, so "stored" means its queue is empty, not only that the service took what it was sent).
+_service_workers: weakref.WeakSet[JobQueueWorker] = weakref.WeakSet()
+
+
+def wait_for_stores(timeout_s: float) -> bool:
+    """Waits until every JobQueueWorker in this process has handed every store vLLM gave it to the
+    service (or dropped it); False on timeout. Stores go in idle windows, so the engine must be idle."""
+    with registry_lock:
+        workers = list(_service_workers)
+    deadline = time.monotonic() + timeout_s
+    return all(worker.wait_stores_done(deadline) for worker in workers)
 
 
 class JobQueueWorker(OffloadingWorker):

@@ -169,10 +169,10 @@ def _stop_services_of_this_process() -> list[Path]:
     again) and stops the services they attached to; returns the sockets whose service did not stop.
     A failed phase calls it too: a detached service would outlive the benchmark and keep the store's
     (already removed) NVMe files open."""
-    import kvtier.vllm as kvtier_vllm
     from kvtier import service as kvtier_service
+    from kvtier.vllm.testing import service_connections
 
-    connections = kvtier_vllm.service_connections()
+    connections = service_connections()
     sockets = {connection.socket_path for connection in connections}
     for connection in connections:
         connection.close()
@@ -187,9 +187,9 @@ def _stop_services_of_this_process() -> list[Path]:
 
 
 def _store_of_engine() -> ServiceView:
-    import kvtier.vllm as kvtier_vllm
+    from kvtier.vllm.testing import service_connections
 
-    connections = kvtier_vllm.service_connections()
+    connections = service_connections()
     if not connections:
         raise BenchError("the engine opened no connection to a kvtier host service")
     return ServiceView(connections[0])
@@ -202,11 +202,11 @@ def _settle(engine: Engine, store) -> None:
     """Until everything stored so far is in the store: vLLM hands a step's stores to the worker in
     its next step (the nudges), the worker copies held-back stores while the engine idles (the
     wait), and the flush waits for the service's NVMe writes."""
-    import kvtier.vllm as kvtier_vllm
+    from kvtier.vllm.testing import wait_for_stores
 
     for _ in range(2):
         engine.generate(NUDGE_PROMPT)
-    if not kvtier_vllm.wait_for_stores(STORE_SETTLE_TIMEOUT_S):
+    if not wait_for_stores(STORE_SETTLE_TIMEOUT_S):
         raise BenchError(f"the kvtier worker still held stores after {STORE_SETTLE_TIMEOUT_S} s of idling")
     store.flush()
 
