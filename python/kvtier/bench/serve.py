@@ -57,6 +57,10 @@ Rows (each one server, or two, started fresh for the row and stopped after it; o
   reads (summed); a row whose shim never
   ran, or loaded no token, or whose log shows LMCache's degraded mode, is a problem. Without the venv
   the rows are skipped with the reason and the install command.
+- ``kvtier-object-always`` and ``kvtier-object-auto`` (with ``--slow-link MB/S,...``): a fresh server
+  reading a bucket through a slow link, which ``kvtier-object-publish`` (node A, added before them)
+  filled by running every point first; per link speed, always-load and kvtier's choice
+  (``kvtier.bench.serve_slow``, which says how).
 - A shared-tier row (kvtier's ``shared_root``, docs/shared-tier.md) is not offered: it needs a
   shared filesystem and a second node's view of it, which ``kvtier bench ttft --shared-root-*``
   measures one request at a time.
