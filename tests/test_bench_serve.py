@@ -425,8 +425,9 @@ def test_bench_serve_slow_link_small(tmp_path):
     _require_vllm()
     from kvtier.bench import bucket
 
-    if bucket.missing_reason():
-        pytest.skip(bucket.missing_reason())
+    reason = bucket.missing_reason()
+    if reason:
+        pytest.skip(reason)
     out = tmp_path / "slow"
     command = [sys.executable, "-m", "kvtier", "bench", "serve", "--small", "--slow-link", "4", "--users", "4"]
     completed = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=3600)

@@ -31,7 +31,7 @@ def test_ttft_options_plan_the_link_speeds_or_say_the_fix():
     assert _slow_plan() is None
     plan = _slow_plan("--object", "--slow-link", "200,20,50", "--slow-link-latency-ms", "40")
     assert plan == {"rates_mb_per_s": [200.0, 20.0, 50.0], "latency_ms": 40.0, "tiers": ["object"]}
-    with pytest.raises(BenchError, match="add --object .* or --shared-root-store"):
+    with pytest.raises(BenchError, match=r"add --object .* or --shared-root-store"):
         _slow_plan("--slow-link", "20")
     with pytest.raises(BenchError, match="--slow-link-latency-ms goes with --slow-link"):
         _slow_plan("--slow-link-latency-ms", "10")
@@ -84,8 +84,9 @@ def _record(policy, length, repeat, ttft_s, cached, decisions, token=7, problem=
     blocks = length // 128
     offered = sum(n for key, n in decisions.items() if key.split(":")[1] in ("load", "probe", "untrained"))
     record = {
-        "experiment": "slow_link", "config": f"kvtier_object_{policy}", "tier": "object", "policy": policy, "link_mb_per_s": 2.0,
-        "length_tokens": length, "repeat": repeat, "prompt_id": f"p:{length}:{repeat}", "ttft_s": ttft_s,
+        "experiment": "slow_link", "config": f"kvtier_object_{policy}", "tier": "object", "policy": policy,
+        "link_mb_per_s": 2.0, "length_tokens": length, "repeat": repeat, "prompt_id": f"p:{length}:{repeat}",
+        "ttft_s": ttft_s,
         "cached_tokens": cached, "token_id": token, "logprob": -1.0, "decisions": decisions,
         "decided_blocks": sum(decisions.values()) if policy == "auto" else blocks, "offered_tokens": offered * 128,
         "kvtier": {"bucket_hits": cached // 128}, "believed": {"predicted_recompute_s": 0.05, "predicted_load_s": 1.0},

@@ -206,8 +206,9 @@ def test_object_tier_behind_a_slow_link(tmp_path):
     engine starts."""
     from kvtier.bench import bucket, ttft
 
-    if bucket.missing_reason():
-        pytest.skip(bucket.missing_reason())
+    reason = bucket.missing_reason()
+    if reason:
+        pytest.skip(reason)
     out_dir = tmp_path / "out"
     argv = ["--small", "--lengths", "1k", "--repeats", "2", "--hit-rate-length", "0", "--skip-example-connector",
             "--no-disk-floor", "--object", "--slow-link", "2,200", "--out", str(out_dir), "--store-dir",

@@ -750,7 +750,8 @@ def row_hit_problems(row: str, record: dict[str, Any], server_log: Path | None) 
     """A row that claims a cache must show hits: kvtier's counters, LMCache's shim (tokens copied into
     vLLM) and LMCache's log (degraded mode)."""
     points = record["points"]
-    if row == "vllm" or not points:
+    # kvtier's choice may recompute every hit (a slow tier): its own check is that it decided (serve_slow).
+    if row == "vllm" or not points or serve_slow.row_base(row) == serve_slow.AUTO_ROW:
         return []
     problems = []
     if row in LMCACHE_ROWS:
