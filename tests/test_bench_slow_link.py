@@ -77,6 +77,8 @@ def test_each_speed_starts_from_the_costs_node_a_left(tmp_path):
         links.plan_for("kvtier_object_slow", [512, 0, 2.0, "auto"], {**plan, "object": {"bucket_endpoint": "s3.x:1"}})
     assert sorted(p.name for p in costs.glob("costs-*")) == ["costs-abc.json"]
     assert json.loads((costs / "costs-abc.json").read_text()) == {"node": "a"}
+    links.plan_for("kvtier_shared_store", None, plan)  # another tier's node A: a chain of its own
+    assert not list(costs.glob("costs-*"))
     links.close()
 
 

@@ -16,7 +16,8 @@ delay line); node A publishes directly. Three rows per tier and speed:
 How the choice learns, as across a user's restarts: node A's engine (``load_policy: auto``) trains
 the prefill model from its own steps and writes the costs file when it stops; every engine of the run
 shares one runtime directory (``XDG_RUNTIME_DIR``, the run's own), so each node B starts from the
-file the engines before it left, and writes what it learned when it stops. At each link speed the
+file the engines before it left, and writes what it learned when it stops (each tier's node A starts
+with none: the tiers' rates share one name). At each link speed the
 file is put back to what node A left (as if that link were the deployment's only one), so the first
 ``auto`` engine of each speed probes the slow tier (its first 4 blocks) and records its rate; the
 later ones start from that rate (forgotten after 300 s without a load, then probed again). The
@@ -99,6 +100,12 @@ class SlowLinks:
     def plan_for(self, phase: str, item: Any, plan: dict) -> dict:
         """The plan a phase runs with: a slow phase's remote tier is reached through its speed's link
         (started here, the previous one stopped, the costs files put back to its node A's)."""
+        if phase in NODE_A_PHASES and self._plan.get("slow_link"):
+            # Each tier's chain is a deployment of its own: its node A starts with no costs file (the
+            # tiers' rates share one name, "shared", so one tier's would steer the other's choices).
+            self.close()
+            for path in costs_dir(self._plan).glob("costs-*.json"):
+                path.unlink()
         tier = next((tier for tier, name in SLOW_PHASES.items() if name == phase), None)
         if tier is None:
             return plan
