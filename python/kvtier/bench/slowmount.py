@@ -71,85 +71,92 @@ class _Line:
             time.sleep(delay_s)
 
 
+class _PassthroughOps:
+    """The FUSE operations of the slow mount: each passed to the source directory; reads and writes
+    wait on their delay line first (``passthrough`` adds fusepy's base and error mapping)."""
+
+    def __init__(self, source: str, spec: LinkSpec):
+        self._source = source
+        self._reads, self._writes = _Line(spec), _Line(spec)
+
+    def _path(self, path: str) -> str:
+        return os.path.join(self._source, path.lstrip("/"))
+
+    def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
+        st = os.lstat(self._path(path))
+        names = ("st_atime", "st_ctime", "st_gid", "st_mode", "st_mtime", "st_nlink", "st_size", "st_uid")
+        return {name: getattr(st, name) for name in names}
+
+    def readdir(self, path: str, fh: Any) -> list[str]:
+        return [".", "..", *os.listdir(self._path(path))]
+
+    def statfs(self, path: str) -> dict[str, Any]:
+        st = os.statvfs(self._path(path))
+        names = ("f_bavail", "f_bfree", "f_blocks", "f_bsize", "f_favail", "f_ffree", "f_files", "f_frsize")
+        return {name: getattr(st, name) for name in (*names, "f_flag", "f_namemax")}
+
+    def open(self, path: str, flags: int) -> int:
+        # O_DIRECT is the mount's (the kernel sends such reads here uncached); the source file is
+        # read with Python's unaligned buffers.
+        return os.open(self._path(path), flags & ~os.O_DIRECT)
+
+    def create(self, path: str, mode: int, fi: Any = None) -> int:
+        # fusepy does not pass the open flags here: read-write, so a file written and read back
+        # through one descriptor (kvtier's O_DIRECT probe) works.
+        return os.open(self._path(path), os.O_RDWR | os.O_CREAT, mode)
+
+    def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+        data = os.pread(fh, size, offset)
+        self._reads.wait(len(data))
+        return data
+
+    def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
+        self._writes.wait(len(data))
+        return os.pwrite(fh, data, offset)
+
+    def truncate(self, path: str, length: int, fh: Any = None) -> None:
+        os.truncate(self._path(path), length)
+
+    def flush(self, path: str, fh: int) -> None:
+        return None
+
+    def fsync(self, path: str, datasync: int, fh: int) -> None:
+        (os.fdatasync if datasync else os.fsync)(fh)
+
+    def release(self, path: str, fh: int) -> None:
+        os.close(fh)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(self._path(path))
+
+    def rename(self, old: str, new: str) -> None:
+        os.rename(self._path(old), self._path(new))
+
+    def mkdir(self, path: str, mode: int) -> None:
+        os.mkdir(self._path(path), mode)
+
+    def rmdir(self, path: str) -> None:
+        os.rmdir(self._path(path))
+
+    def chmod(self, path: str, mode: int) -> None:
+        os.chmod(self._path(path), mode)
+
+    def utimens(self, path: str, times: Any = None) -> None:
+        os.utime(self._path(path), times)
+
+
 def passthrough(source: str, spec: LinkSpec) -> Any:
-    """The FUSE operations: everything passed to ``source``; reads and writes through a delay line."""
+    """fusepy's operations object for the slow mount of ``source``."""
     from fuse import FuseOSError, Operations
 
-    reads, writes = _Line(spec), _Line(spec)
-
-    class Passthrough(Operations):
+    class Passthrough(_PassthroughOps, Operations):
         def __call__(self, op: str, *args: Any) -> Any:
             try:
                 return super().__call__(op, *args)
             except OSError as error:  # the source's own error, as the caller would see it locally
                 raise FuseOSError(error.errno or errno.EIO) from None
 
-        def _path(self, path: str) -> str:
-            return os.path.join(source, path.lstrip("/"))
-
-        def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
-            st = os.lstat(self._path(path))
-            names = ("st_atime", "st_ctime", "st_gid", "st_mode", "st_mtime", "st_nlink", "st_size", "st_uid")
-            return {name: getattr(st, name) for name in names}
-
-        def readdir(self, path: str, fh: Any) -> list[str]:
-            return [".", "..", *os.listdir(self._path(path))]
-
-        def statfs(self, path: str) -> dict[str, Any]:
-            st = os.statvfs(self._path(path))
-            names = ("f_bavail", "f_bfree", "f_blocks", "f_bsize", "f_favail", "f_ffree", "f_files", "f_frsize")
-            return {name: getattr(st, name) for name in (*names, "f_flag", "f_namemax")}
-
-        def open(self, path: str, flags: int) -> int:
-            # O_DIRECT is the mount's (the kernel sends such reads here uncached); the source file is
-            # read with Python's unaligned buffers.
-            return os.open(self._path(path), flags & ~os.O_DIRECT)
-
-        def create(self, path: str, mode: int, fi: Any = None) -> int:
-            # fusepy does not pass the open flags here: read-write, so a file written and read back
-            # through one descriptor (kvtier's O_DIRECT probe) works.
-            return os.open(self._path(path), os.O_RDWR | os.O_CREAT, mode)
-
-        def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
-            data = os.pread(fh, size, offset)
-            reads.wait(len(data))
-            return data
-
-        def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
-            writes.wait(len(data))
-            return os.pwrite(fh, data, offset)
-
-        def truncate(self, path: str, length: int, fh: Any = None) -> None:
-            os.truncate(self._path(path), length)
-
-        def flush(self, path: str, fh: int) -> None:
-            return None
-
-        def fsync(self, path: str, datasync: int, fh: int) -> None:
-            (os.fdatasync if datasync else os.fsync)(fh)
-
-        def release(self, path: str, fh: int) -> None:
-            os.close(fh)
-
-        def unlink(self, path: str) -> None:
-            os.unlink(self._path(path))
-
-        def rename(self, old: str, new: str) -> None:
-            os.rename(self._path(old), self._path(new))
-
-        def mkdir(self, path: str, mode: int) -> None:
-            os.mkdir(self._path(path), mode)
-
-        def rmdir(self, path: str) -> None:
-            os.rmdir(self._path(path))
-
-        def chmod(self, path: str, mode: int) -> None:
-            os.chmod(self._path(path), mode)
-
-        def utimens(self, path: str, times: Any = None) -> None:
-            os.utime(self._path(path), times)
-
-    return Passthrough()
+    return Passthrough(source, spec)
 
 
 def _unmount(mountpoint: str) -> None:
