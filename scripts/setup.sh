@@ -16,10 +16,12 @@ if ! cargo fmt --version >/dev/null 2>&1 || ! cargo clippy --version >/dev/null 
 fi
 
 # fio: the benchmarks' yardstick; strace: tests/test_io_pattern.py checks the I/O pattern counters
-# against the system calls it sees.
+# against the system calls it sees; libfuse2: the slow mount of the benchmarks (kvtier.bench.slowmount,
+# fusepy over libfuse 2).
 tools=()
 command -v fio >/dev/null || tools+=(fio)
 command -v strace >/dev/null || tools+=(strace)
+ldconfig -p 2>/dev/null | grep -q 'libfuse\.so\.2' || tools+=(libfuse2)
 if (( ${#tools[@]} )); then
     if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
         log "installing ${tools[*]}"
@@ -65,9 +67,10 @@ fi
 
 log "installing build and test tools"
 if command -v uv >/dev/null; then
-    uv pip install --quiet --python .venv/bin/python maturin pytest numpy click matplotlib rich prometheus-client ruff mypy
+    uv pip install --quiet --python .venv/bin/python maturin pytest numpy click matplotlib rich prometheus-client ruff mypy \
+        fusepy
 else
-    .venv/bin/python -m pip install --quiet maturin pytest numpy click matplotlib rich prometheus-client ruff mypy
+    .venv/bin/python -m pip install --quiet maturin pytest numpy click matplotlib rich prometheus-client ruff mypy fusepy
 fi
 
 log "building kvtier (release)"

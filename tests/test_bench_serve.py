@@ -412,3 +412,34 @@ def test_bench_serve_lmcache_row_small(tmp_path):
     (point,) = document["rows"][0]["points"]
     assert point["failed"] == 0 and point["lmcache"]["loaded_tokens"] > 0
     assert point["cache_tokens"]["connector_hits"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.radosgw
+def test_bench_serve_slow_link_small(tmp_path):
+    """`kvtier bench serve --slow-link` end to end at CI size (Ceph's RADOS gateway, root): vLLM alone, node
+    A publishing, then always-load and kvtier's choice through a 4 MB/s link; no problem (node A published,
+    always-load loaded from the bucket, kvtier's choice counted decisions) and the choice judged. Full only:
+    the gateway and four servers."""
+    _require_vllm()
+    from kvtier.bench import bucket
+
+    reason = bucket.missing_reason()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "slow"
+    command = [sys.executable, "-m", "kvtier", "bench", "serve", "--small", "--slow-link", "4", "--users", "4"]
+    completed = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=3600)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    document = json.loads((out / "results.json").read_text())
+    assert [r["row"] for r in document["rows"]] == [
+        "vllm", "kvtier-object-publish", "kvtier-object-always@4", "kvtier-object-auto@4",
+    ]  # fmt: skip
+    rows = {record["row"]: record for record in document["rows"]}
+    (always,) = rows["kvtier-object-always@4"]["points"]
+    (auto,) = rows["kvtier-object-auto@4"]["points"]
+    assert always["kvtier"]["bucket_hits"] > 0 and always["failed"] == 0 and auto["failed"] == 0
+    assert auto["load_decisions"], "kvtier's choice counted its decisions"
+    (judged,) = document["slow_link"]
+    assert judged["users"] == 4 and judged["auto_over_best"] is not None

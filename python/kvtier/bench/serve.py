@@ -57,6 +57,10 @@ Rows (each one server, or two, started fresh for the row and stopped after it; o
   reads (summed); a row whose shim never
   ran, or loaded no token, or whose log shows LMCache's degraded mode, is a problem. Without the venv
   the rows are skipped with the reason and the install command.
+- ``kvtier-object-always`` and ``kvtier-object-auto`` (with ``--slow-link MB/S,...``): a fresh server
+  reading a bucket through a slow link, which ``kvtier-object-publish`` (node A, added before them)
+  filled by running every point first; per link speed, always-load and kvtier's choice
+  (``kvtier.bench.serve_slow``, which says how).
 - A shared-tier row (kvtier's ``shared_root``, docs/shared-tier.md) is not offered: it needs a
   shared filesystem and a second node's view of it, which ``kvtier bench ttft --shared-root-*``
   measures one request at a time.
@@ -95,6 +99,7 @@ output per point).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import math
@@ -106,9 +111,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
+from kvtier.bench import serve_slow
 from kvtier.bench.ttft import (
     LMCACHE_CHUNK_TOKENS,
     LMCACHE_HASH_SEED,
@@ -124,7 +131,7 @@ ROWS = ("vllm", "kvtier-dram", "kvtier-nvme")
 SHARED_TIER_ROW = "kvtier-shared"
 TWO_SERVER_ROWS = ("kvtier-2x-shared", "kvtier-2x-private")
 LMCACHE_ROWS = ("lmcache", "lmcache-disk")
-ALL_ROWS = (*ROWS, SHARED_TIER_ROW, *TWO_SERVER_ROWS, *LMCACHE_ROWS)
+ALL_ROWS = (*ROWS, SHARED_TIER_ROW, *TWO_SERVER_ROWS, *LMCACHE_ROWS, *serve_slow.OBJECT_ROWS)
 ROW_LABELS = {
     "vllm": "vLLM alone",
     "kvtier-dram": "kvtier DRAM",
@@ -134,6 +141,7 @@ ROW_LABELS = {
     "kvtier-2x-private": "2 servers, private pools",
     "lmcache": "LMCache CPU + CPU copy shim",
     "lmcache-disk": "LMCache CPU+disk + CPU copy shim",
+    **serve_slow.ROW_LABELS,
 }
 FULL = {
     "preset": "kv8b", "users": "4,12,32", "requests_per_user": 3, "concurrency": 4, "prefix_len": 2048,
@@ -170,6 +178,8 @@ WORKLOADS = {"closed": (FULL, SMALL), "mixed": (MIXED, MIXED_SMALL)}
 PERCENTILES = (50, 90, 99)
 DECODE_METRICS = ("tpot", "itl")  # time per output token (per request), inter-token latency (per token)
 COUNTERS = ("dram_hits", "nvme_hits", "shared_hits", "puts")
+# Read too where a row has the object tier (the slow-link rows: serve_slow).
+OBJECT_COUNTERS = ("bucket_hits", "bucket_misses", "bucket_get_requests", "bucket_segments_published")
 POINT_TIMEOUT_S = 4 * 3600
 MODEL_LEN_MARGIN = 128  # tokens beyond prefix + suffix + output (the server re-aligns prompts to its tokenizer)
 SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
@@ -209,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="dataset seed of the first point (point i: seed + i)")
     parser.add_argument("--out", help="output directory (default: a new temporary directory)")
     _add_extra_options(parser)
+    _add_slow_link_options(parser)
     parser.add_argument("--point-timeout-s", type=int, default=POINT_TIMEOUT_S, help="limit per point")
     parser.add_argument("--run-proxy", nargs="+", help=argparse.SUPPRESS)  # internal: PORT URL URL...
     return parser
@@ -251,8 +262,9 @@ def _add_size_options(parser: argparse.ArgumentParser) -> None:
 def _add_row_options(parser: argparse.ArgumentParser) -> None:
     """Which rows run (each a server, or two, started fresh)."""
     parser.add_argument(
-        "--rows", default=",".join(ROWS),
-        help=f"rows to run, comma-separated, from {', '.join(ALL_ROWS)} (default: {','.join(ROWS)}); a row may "
+        "--rows", default=None,
+        help=f"rows to run, comma-separated, from {', '.join(ALL_ROWS)} (default: {','.join(ROWS)}; with "
+        f"--slow-link: vllm,{','.join(serve_slow.OBJECT_ROWS)}); a row may "
         "come twice (vllm,kvtier-dram,kvtier-nvme,vllm: vLLM alone first and last, so drift over the run favors no "
         f"row); the lmcache rows need {LMCACHE_VENV} ({LMCACHE_INSTALL}) or --lmcache-python",
     )  # fmt: skip
@@ -294,6 +306,23 @@ def _add_extra_options(parser: argparse.ArgumentParser) -> None:
         help="turn vLLM's KV-event publisher on (ZMQ, ipc) in every server, subscribe to it, and report events "
         "per request and bytes per second for each point (compare with a run without it for the cost)",
     )  # fmt: skip
+
+
+def _add_slow_link_options(parser: argparse.ArgumentParser) -> None:
+    """The object tier behind a slow link (kvtier.bench.serve_slow): node A publishes, node B loads."""
+    parser.add_argument(
+        "--slow-link", metavar="MB/S,...",
+        help=f"the rows {', '.join(serve_slow.OBJECT_ROWS)} read a bucket through a slow link of each of these "
+        f"speeds (e.g. 20,50,200); node A ({serve_slow.PUBLISH_ROW}) publishes every prefix first; default rows "
+        f"vllm,{','.join(serve_slow.OBJECT_ROWS)}, users {serve_slow.DEFAULT_USERS} (--users 12,32 adds 32)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--slow-link-latency-ms", type=float, default=30.0, help="latency the slow link adds each way (default 30)"
+    )
+    parser.add_argument(
+        "--bucket-url", help="s3://bucket[/prefix] of the object rows (default: Ceph's RADOS gateway on 127.0.0.1)"
+    )
+    parser.add_argument("--bucket-endpoint", help="S3 endpoint of --bucket-url (on 127.0.0.1 for the slow link)")
 
 
 def _sizes_text(sizes: dict[str, Any]) -> str:
@@ -344,6 +373,8 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, name)
         return sizes[name] if value is None else value
 
+    if args.slow_link and args.users is None:
+        args.users = serve_slow.DEFAULT_USERS
     plan = {
         "preset": pick("preset"),
         "users": parse_users(pick("users")),
@@ -359,7 +390,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         "nvme_gib": pick("nvme_gib"),
         "vllm_blocks": pick("vllm_blocks"),
         "vllm_kv_gib": args.vllm_kv_gib,
-        "rows": parse_rows(args.rows, args.two_servers),
+        "rows": slow_link_rows(args),
         "seed": args.seed,
         "server_args": list(args.server_arg),
         "bench_args": list(args.bench_arg),
@@ -379,7 +410,27 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     if plan["prefix_len"] < 1 or plan["suffix_len"] < 1:
         raise BenchError("--prefix-len and --suffix-len must be at least 1 token")
     plan["max_model_len"] = plan["prefix_len"] + plan["suffix_len"] + plan["output_len"] + MODEL_LEN_MARGIN
+    if args.slow_link:
+        from kvtier.models import PRESETS
+
+        kv_bytes = PRESETS[plan["preset"]].kv_bytes_per_token if plan["preset"] in PRESETS else None
+        plan.update(
+            slow_link=args.slow_link, slow_link_latency_ms=args.slow_link_latency_ms, bucket_url=args.bucket_url,
+            bucket_endpoint=args.bucket_endpoint,
+            bucket_osd_bytes=serve_slow.osd_bytes(plan["users"], plan["prefix_len"], kv_bytes),
+        )  # fmt: skip
+    elif args.bucket_url or args.bucket_endpoint:
+        raise BenchError("--bucket-url and --bucket-endpoint are the object rows' bucket: they go with --slow-link")
     return plan
+
+
+def slow_link_rows(args: argparse.Namespace) -> list[str]:
+    """The rows asked for, the object rows expanded per link speed (serve_slow.expand_rows)."""
+    default = f"vllm,{','.join(serve_slow.OBJECT_ROWS)}" if args.slow_link else ",".join(ROWS)
+    try:
+        return serve_slow.expand_rows(parse_rows(args.rows or default, args.two_servers), args.slow_link)
+    except serve_slow.SlowRowsError as error:
+        raise BenchError(str(error)) from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -587,7 +638,7 @@ def row_stores(row: str, store_root: Path) -> list[Path]:
 
 def store_options(row: str, plan: dict[str, Any], store: Path) -> dict[str, Any]:
     dram_gib, nvme_gib = plan["dram_gib"], plan["nvme_gib"]
-    if row in ("kvtier-dram", SHARED_TIER_ROW):
+    if row in ("kvtier-dram", SHARED_TIER_ROW) or serve_slow.row_base(row) in serve_slow.ROW_LABELS:
         nvme_gib = 0.0
     if row == "kvtier-2x-private":  # the host's memory for kvtier is the same as in the shared row
         dram_gib, nvme_gib = dram_gib / 2, nvme_gib / 2
@@ -699,7 +750,8 @@ def row_hit_problems(row: str, record: dict[str, Any], server_log: Path | None) 
     """A row that claims a cache must show hits: kvtier's counters, LMCache's shim (tokens copied into
     vLLM) and LMCache's log (degraded mode)."""
     points = record["points"]
-    if row == "vllm" or not points:
+    # kvtier's choice may recompute every hit (a slow tier): its own check is that it decided (serve_slow).
+    if row == "vllm" or not points or serve_slow.row_base(row) == serve_slow.AUTO_ROW:
         return []
     problems = []
     if row in LMCACHE_ROWS:
@@ -715,7 +767,8 @@ def row_hit_problems(row: str, record: dict[str, Any], server_log: Path | None) 
         if logged:
             problems.append(f"LMCache's log reports a failure: {logged}")
     elif any("kvtier" in point for point in points) and not any(
-        any(point.get("kvtier", {}).get(name) for name in ("dram_hits", "nvme_hits", "shared_hits")) for point in points
+        any(point.get("kvtier", {}).get(name) for name in ("dram_hits", "nvme_hits", "shared_hits", "bucket_hits"))
+        for point in points
     ):
         problems.append("kvtier served no hit (DRAM, NVMe and shared hits 0 at every point)")
     return problems
@@ -724,11 +777,11 @@ def row_hit_problems(row: str, record: dict[str, Any], server_log: Path | None) 
 def service_counters(sockets: list[Path]) -> dict[str, int] | None:
     from kvtier.service import service_stats
 
-    totals = dict.fromkeys(COUNTERS, 0)
+    totals = dict.fromkeys((*COUNTERS, *OBJECT_COUNTERS), 0)
     try:
         for socket in sockets:
             stats = service_stats(socket)
-            for name in COUNTERS:
+            for name in totals:
                 totals[name] += int(stats.get(name, 0))
     except Exception as error:  # the service is not up: recorded, the point still counts
         print(f"note: kvtier service counters unavailable ({error})", flush=True)
@@ -825,9 +878,16 @@ def core_share(number: int, count: int) -> str | None:
 
 
 def start_server(
-    plan: dict[str, Any], row: str, number: int, out_dir: Path, stores: list[Path], extra: list[str]
+    plan: dict[str, Any],
+    row: str,
+    number: int,
+    out_dir: Path,
+    stores: list[Path],
+    extra: list[str],
+    options: dict[str, Any] | None = None,
 ) -> tuple[Any, Path, Path | None]:
-    """One server of a row: (the server, its log, the LMCache shim's counters file or None)."""
+    """One server of a row: (the server, its log, the LMCache shim's counters file or None).
+    ``options``: more kvtier options (an object row's bucket, endpoint and load policy)."""
     from kvtier.openai_server import OpenAIServer
     from kvtier.vllm import kv_transfer_config
 
@@ -843,7 +903,7 @@ def start_server(
         env.update(lmcache_env)
     elif stores:
         stores[number].mkdir(parents=True, exist_ok=True)
-        transfer = kv_transfer_config(stores[number], **store_options(row, plan, stores[number]))
+        transfer = kv_transfer_config(stores[number], **store_options(row, plan, stores[number]), **(options or {}))
     log_path = out_dir / "logs" / f"server-{row}-{number}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     server = OpenAIServer(
@@ -862,10 +922,13 @@ def measure_point(
     metrics_before = cache_metrics(urls)
     shim_before = shim_counters(counters_path)
     events_before = events.counts() if events is not None else None
+    decisions_before = serve_slow.load_decisions(urls) if sockets else None
     point = run_point(plan, row, index, users, base_url, Path(plan["model_dir"]), out_dir, timeout_s)
     after = service_counters(sockets) if sockets else None
     if before is not None and after is not None:
-        point["kvtier"] = {name: after[name] - before[name] for name in COUNTERS}
+        point["kvtier"] = {name: after[name] - before[name] for name in after}
+        # kvtier's load-or-recompute decisions in blocks per tier and choice (kvtier:load_decisions).
+        point["load_decisions"] = serve_slow.decisions_delta(decisions_before, serve_slow.load_decisions(urls))
     metrics_after = cache_metrics(urls)
     if metrics_before is not None and metrics_after is not None:
         point["cache_tokens"] = {name: int(metrics_after[name] - metrics_before[name]) for name in metrics_after}
@@ -879,10 +942,19 @@ def measure_point(
     return point
 
 
-def run_row(plan: dict[str, Any], row: str, out_dir: Path, timeout_s: int, started: float) -> dict:
+def row_title(row: str) -> str:
+    """A row's label; an object row's with its link speed."""
+    rate = serve_slow.row_rate(row)
+    label = ROW_LABELS[serve_slow.row_base(row)]
+    return label if rate is None else f"{label}, {rate:g} MB/s"
+
+
+def run_row(plan: dict[str, Any], row: str, out_dir: Path, timeout_s: int, started: float, objects: Any = None) -> dict:
+    """One row: its server(s) started, warmed up, every point measured, then all of it stopped and
+    removed. ``objects``: the object rows' bucket and slow link (serve_slow.ObjectRows)."""
     from kvtier.service import default_socket_path, stop_service
 
-    record: dict[str, Any] = {"row": row, "label": ROW_LABELS[row], "servers": [], "points": [], "problems": []}
+    record: dict[str, Any] = {"row": row, "label": row_title(row), "servers": [], "points": [], "problems": []}
     if row in LMCACHE_ROWS and plan.get("lmcache_not_measured"):
         record["skipped"] = f"LMCache {plan['lmcache_not_measured']}"
         progress(started, f"{row}: {record['skipped']}")
@@ -896,9 +968,10 @@ def run_row(plan: dict[str, Any], row: str, out_dir: Path, timeout_s: int, start
     probes: dict[str, Any] = {"sockets": sockets, "urls": [], "shim": None, "events": subscribe(endpoints)}
     log_path = None
     try:
+        options = objects.options(row) if objects is not None else {}
         for number in range(server_count):
             extra = events_args(endpoints[number]) if endpoints else []
-            server, log_path, probes["shim"] = start_server(plan, row, number, out_dir, stores, extra)
+            server, log_path, probes["shim"] = start_server(plan, row, number, out_dir, stores, extra, options)
             servers.append(server)
             record["servers"].append({"command": command_of(server.process), "log": str(log_path), "url": server.url})
             seconds = server.wait_healthy()  # one after the other: two engines never start at the same time
@@ -934,7 +1007,7 @@ def run_row(plan: dict[str, Any], row: str, out_dir: Path, timeout_s: int, start
                 record["problems"].append(f"the kvtier service on {socket} did not stop")
         for store in {*stores, out_dir / "stores" / row}:
             shutil.rmtree(store, ignore_errors=True)
-    record["problems"] += row_hit_problems(row, record, log_path)
+    record["problems"] += row_hit_problems(row, record, log_path) + serve_slow.row_problems(row, record["points"])
     return record
 
 
@@ -1075,14 +1148,54 @@ def run_rows(plan: dict[str, Any], document: dict[str, Any], out_dir: Path, time
     its rows). A row given twice (vLLM alone first and last: drift over the run favors no row) runs
     again in a directory of its own; serve-summary pools its points with the first run's."""
     occurrences: dict[str, int] = {}
-    for row in plan["rows"]:
-        occurrence = occurrences[row] = occurrences.get(row, 0) + 1
-        row_dir = out_dir if occurrence == 1 else out_dir / f"{row}-{occurrence}"
-        row_dir.mkdir(parents=True, exist_ok=True)
-        record = run_row(plan, row, row_dir, timeout_s, started)
-        record["occurrence"] = occurrence
-        document["rows"].append(record)
-        (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
+    with serve_slow.ObjectRows(plan, out_dir, lambda message: progress(started, message)) as objects:
+        for row in plan["rows"]:
+            occurrence = occurrences[row] = occurrences.get(row, 0) + 1
+            row_dir = out_dir if occurrence == 1 else out_dir / f"{row}-{occurrence}"
+            row_dir.mkdir(parents=True, exist_ok=True)
+            record = run_row(plan, row, row_dir, timeout_s, started, objects)
+            objects.row_done(row)
+            record["occurrence"] = occurrence
+            document["rows"].append(record)
+            (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def own_runtime_dir() -> Iterator[None]:
+    """The run's servers and services get a runtime directory of their own (XDG_RUNTIME_DIR: their
+    sockets, and the costs files the engines leave each other for load or recompute), so that no costs
+    file of another run or engine of the model on this host steers this run's choices; removed after."""
+    saved = os.environ.get("XDG_RUNTIME_DIR")
+    os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="kvtier-serve-run-")
+    try:
+        yield
+    finally:
+        shutil.rmtree(os.environ["XDG_RUNTIME_DIR"], ignore_errors=True)
+        if saved is None:
+            os.environ.pop("XDG_RUNTIME_DIR", None)
+        else:
+            os.environ["XDG_RUNTIME_DIR"] = saved
+
+
+def slow_link_section(document: dict[str, Any]) -> str:
+    """Under the table: each object row's decisions per point, and kvtier's choice against the better of
+    vLLM alone and always-load (``document["slow_link"]``); "" without object rows."""
+    lines = []
+    for record in document["rows"]:
+        if serve_slow.row_base(record["row"]) in serve_slow.ROW_LABELS:
+            for point in record["points"]:
+                decisions = point.get("load_decisions") or {}
+                counted = ", ".join(f"{key} {count}" for key, count in sorted(decisions.items())) or "none"
+                lines.append(f"- {record['label']}, {point['users']} users: load decisions (blocks) {counted}")
+    document["slow_link"] = serve_slow.judged(document)
+    for judged in document["slow_link"]:
+        value = judged["auto_over_best"]
+        verdict = "-" if value is None else f"{value:.2f}x" + ("" if judged["met"] else " (NOT met)")
+        lines.append(
+            f"- kvtier's choice at {judged['link_mb_per_s']:g} MB/s, {judged['users']} users: {verdict} the req/s of "
+            f"the better of vLLM alone and always-load ({judged['better']}; target >= {judged['target_at_least']})"
+        )
+    return "\n\n" + "\n".join(lines) if lines else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1130,8 +1243,9 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     results_path = out_dir / "results.json"
-    run_rows(plan, document, out_dir, args.point_timeout_s, started)
-    table = markdown_table(TABLE_HEADER, table_rows(document))
+    with own_runtime_dir():
+        run_rows(plan, document, out_dir, args.point_timeout_s, started)
+    table = markdown_table(TABLE_HEADER, table_rows(document)) + slow_link_section(document)
     (out_dir / "table.md").write_text(table + "\n")
     print(table)
     problems = [f"{record['row']}: {problem}" for record in document["rows"] for problem in record["problems"]]

@@ -45,6 +45,16 @@ Configurations (one engine alive at a time, each in its own child process):
   ``locate_many`` before timing, and every block of the timed request counted in ``bucket_hits`` (one
   ranged GET per run of adjacent blocks of a segment). ``--bucket-segment-bytes`` sets both nodes'
   ``bucket_segment_bytes``.
+- ``kvtier_object_always`` / ``kvtier_object_auto`` (and ``kvtier_shared_*``): with ``--slow-link MB/S,...``
+  (and ``--object`` and/or the shared roots), node B of the remote-tier row behind a slow link, per link
+  speed: the bucket through ``kvtier.bench.slowlink`` (a TCP proxy), the shared directory through
+  ``kvtier.bench.slowmount`` (a FUSE passthrough), each limited to that rate with
+  ``--slow-link-latency-ms`` added. ``always`` loads every hit (``load_policy: always``, a deadline
+  long enough to wait for it), ``auto`` is kvtier's choice (``load_policy: auto``); recompute is the
+  baseline's. Their records are ``experiment: "slow_link"``, summarized apart (``slow_rows``). Every
+  other kvtier row pins ``load_policy: always`` (a row named for a tier's hit measures loading it),
+  and every engine of a run shares the run's own runtime directory (``XDG_RUNTIME_DIR``: its
+  sockets and the costs files the engines leave each other).
 - ``lmcache_disk``: LMCache's vLLM connector (LMCacheConnectorV1, LMCache 0.5.6) with its local disk
   backend, through kvtier's CPU copy shim (``kvtier.bench.lmcache_cpu_shim``: LMCache has no data
   mover for CPU vLLM). It runs in its own virtualenv (``scripts/install_lmcache_vllm.sh`` makes
@@ -72,6 +82,8 @@ checks it):
 - ``engine_phase``: what runs in a child process, one engine each (``run_phase`` and the phases).
 - ``orchestrate``: the parent's side: ``launch_phase`` and the summary (``summarize``, the targets).
 - ``report``: tables (stdout, report.md) and plots.
+- ``slow_rows``: the slow-link rows' phases, links (proxies, mounts, the costs files between speeds),
+  summary, checks and tables.
 - ``entry``: ``main(argv)``; ``__main__`` runs it for ``python -m kvtier.bench.ttft``.
 
 Below: the names the CLI, the other benchmarks (blocks, serve, scripts/distfs) and the tests use.

@@ -110,10 +110,20 @@ class Engine:
 
 
 def kvtier_transfer(
-    plan: dict, store_dir: str | None = None, shared_root: str | None = None, object_tier: bool = False
+    plan: dict,
+    store_dir: str | None = None,
+    shared_root: str | None = None,
+    object_tier: bool = False,
+    load_policy: str = "always",
+    **integration: Any,
 ) -> dict:
     """kvtier's kv_transfer_config for the plan's store (or ``store_dir``), with the shared tier on
-    ``shared_root`` when given, or the object tier on the plan's bucket with ``object_tier``."""
+    ``shared_root`` when given, or the object tier on the plan's bucket with ``object_tier``.
+
+    ``load_policy`` "always" by default: a row named for a tier's hit measures what loading it costs,
+    so kvtier must not decide to recompute it (docs/vllm.md, "Load or recompute"); the slow-link rows
+    and node A (whose steps train the prefill model) use "auto". ``integration``: more of
+    kvtier.vllm's integration options (``service_timeout_ms``)."""
     from kvtier.vllm import kv_transfer_config
 
     # The default publish queue: a prefill hands every block of the prompt to the publisher at once,
@@ -132,6 +142,8 @@ def kvtier_transfer(
         dram_bytes=plan["dram_bytes"],
         nvme_bytes=plan["nvme_bytes"],
         region_bytes=plan["region_bytes"],
+        load_policy=load_policy,
+        **integration,
         **remote,
     )
 
@@ -219,11 +231,19 @@ def _tier_counts(store, keys: list[bytes]) -> dict[str, int]:
 
 
 def _kvtier_measure(
-    engine: Engine, store, tokens: list[int], hit: int, tier: str, drop_cache: bool, served_counter: str | None = None
+    engine: Engine,
+    store,
+    tokens: list[int],
+    hit: int,
+    tier: str,
+    drop_cache: bool,
+    served_counter: str | None = None,
+    all_served: bool = True,
 ) -> dict:
-    """Measures a request whose first ``hit`` tokens must be served from ``tier`` (as ``locate_many``
-    names it), counted in ``served_counter`` (default ``<tier>_hits``; the object tier's blocks are
-    located as "shared" and counted in ``bucket_hits``)."""
+    """Measures a request whose first ``hit`` tokens are on ``tier`` (as ``locate_many`` names it)
+    and must all be served from it (unless not ``all_served``: kvtier may choose to recompute them),
+    counted in ``served_counter`` (default ``<tier>_hits``; the object tier's blocks are located as
+    "shared" and counted in ``bucket_hits``)."""
     keys = engine.block_keys(tokens, hit // engine.block_tokens)
     engine.reset_prefix_cache()
     tiers_before = _tier_counts(store, keys)
@@ -245,12 +265,13 @@ def _kvtier_measure(
         "bucket_hits": after.get("bucket_hits", 0) - before.get("bucket_hits", 0),
         "bucket_misses": after.get("bucket_misses", 0) - before.get("bucket_misses", 0),
         "bucket_get_requests": after.get("bucket_get_requests", 0) - before.get("bucket_get_requests", 0),
+        "bucket_put_requests": after.get("bucket_put_requests", 0) - before.get("bucket_put_requests", 0),
         "misses": after["misses"] - before["misses"],
         "checksum_failures": after["checksum_failures"] - before["checksum_failures"],
     }
     served_counter = served_counter or f"{tier}_hits"
     served = record["kvtier"][served_counter]
-    if served != len(keys):
+    if served != len(keys) and all_served:
         record["problem"] = f"{served} of {len(keys)} blocks served from {tier} ({served_counter})"
     if dropped is not None:
         record["page_cache_dropped"] = dropped
@@ -437,13 +458,16 @@ def _publish_every_prompt(
                 raise BenchError(f"node A did not publish prompt p:{length}:{repeat} to {where}: {delta}")
     emit("store_stats", dict(store.stats()))
     store.close()  # publishes anything left and stops node A's service
+    # As when node A's server stops: its manager writes what it learned of the prefill (its steps
+    # with load_policy auto) to the costs file, where the next engine of the model starts from.
+    emit("costs", shut_down(engine))
 
 
 def phase_kvtier_shared_store(plan: dict, emit) -> None:
     """Node A of kvtier_shared: computes every prompt of experiment 1 with the shared tier on and
     waits, after each, until its blocks are published (the flush waits for the shared publisher)."""
     shared_root = plan["shared"]["store_root"]
-    engine = Engine(plan, kvtier_transfer(plan, shared_store_dir(plan, "a"), shared_root))
+    engine = Engine(plan, kvtier_transfer(plan, shared_store_dir(plan, "a"), shared_root, load_policy="auto"))
     store = _store_of_engine()
     emit("engine", {"start_s": engine.start_s, "shared_root": shared_root})
     counters = ("puts", "shared_files_published", "shared_bytes_written")
@@ -514,7 +538,8 @@ OBJECT_PUBLISH_FAILURES = ("bucket_dropped_publishes", "bucket_request_errors")
 def phase_kvtier_object_store(plan: dict, emit) -> None:
     """Node A of kvtier_object: computes every prompt of experiment 1 with the object tier on; the
     flush after each waits until its segments and index objects are PUT."""
-    engine = Engine(plan, kvtier_transfer(plan, shared_store_dir(plan, "object-a"), object_tier=True))
+    transfer = kvtier_transfer(plan, shared_store_dir(plan, "object-a"), object_tier=True, load_policy="auto")
+    engine = Engine(plan, transfer)
     store = _store_of_engine()
     emit("engine", {"start_s": engine.start_s, "bucket_url": plan["object"]["bucket_url"]})
     counters = ("puts", "bucket_segments_published", "bucket_bytes_written", "bucket_put_requests")
@@ -527,6 +552,120 @@ def phase_kvtier_object_load(plan: dict, emit) -> None:
     where = {"name": "the bucket", "bucket_url": plan["object"]["bucket_url"]}
     engine, store, prompt = _start_node_b(plan, emit, "object-b", where, object_tier=True)
     _measure_node_b(plan, emit, "kvtier_object", engine, store, prompt, served_counter="bucket_hits")
+
+
+# The always-load rows behind a slow link wait for every hit, however long the link takes: with the
+# default deadline (service_timeout_ms, 2 s) a request gives up a prefetch still running after it
+# and recomputes, and the row would measure that instead of loading everything.
+ALWAYS_LOAD_TIMEOUT_MS = 3_600_000
+LOAD_CHOICES = ("load", "probe", "untrained")  # decisions that offer a block (recompute: declines it)
+
+
+def load_decider(engine: Engine) -> Any:
+    """kvtier's load-or-recompute decider in this engine's scheduler (kvtier.vllm.costs.LoadDecider)."""
+    try:
+        core = engine.llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]  # in-process client
+        return core.scheduler.connector.connector_scheduler.manager.decider
+    except AttributeError as error:
+        raise BenchError(
+            f"cannot reach kvtier's load decider in this vLLM's scheduler ({error}): the slow-link rows need "
+            "vLLM's one-process layout (VLLM_ENABLE_V1_MULTIPROCESSING=0) and KvtierConnector"
+        ) from None
+
+
+def decider_view(decider: Any, blocks: int, tier: str = "shared") -> dict[str, Any]:
+    """What the decider believes now, for ``blocks`` leading hits on ``tier``: its prefill model, each
+    tier's rate, and the recompute and load times it predicts for them (None: not known yet)."""
+    from kvtier.vllm.costs import load_s
+
+    a, b, c = decider.prefill.coefficients
+    tokens = blocks * decider.block_tokens
+    return {
+        "prefill_steps": decider.prefill.prefill_steps,
+        "prefill_a_s": a,
+        "prefill_b_s_per_token": b,
+        "prefill_c_s_per_work": c,
+        "rates_s_per_block": decider.rates.snapshot(),
+        "predicted_recompute_s": decider.prefill.recompute_s(tokens),
+        "predicted_load_s": load_s([tier] * blocks, decider.rates),
+    }
+
+
+def costs_files() -> dict[str, dict[str, Any]]:
+    """The costs files in this process's runtime directory (beside the service sockets), as read now."""
+    from kvtier.service import default_socket_path
+
+    found: dict[str, dict[str, Any]] = {}
+    for path in sorted(default_socket_path("/").parent.glob("costs-*.json")):
+        try:
+            document = json.loads(path.read_text())
+            found[path.name] = {
+                "prefill_steps": document["prefill"]["prefill_steps"],
+                "rates_s_per_block": {tier: rate["seconds_per_block"] for tier, rate in document["rates"].items()},
+            }
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            found[path.name] = {"unreadable": str(error)}
+    return found
+
+
+def shut_down(engine: Engine) -> dict[str, Any]:
+    """Stops the engine as a server's exit does (the connector's shutdown writes its costs file, as a
+    user's restart would leave it); returns the costs files then."""
+    engine.llm.llm_engine.engine_core.shutdown()
+    return {"costs_files": costs_files()}
+
+
+def phase_kvtier_object_slow(plan: dict, emit) -> None:
+    """Node B of kvtier_object behind the slow link (the parent started the link and gave it as the
+    bucket's endpoint), for one prompt and one load policy: ``_slow_node_b``."""
+    where = {"name": "the bucket (through the slow link)", "bucket_endpoint": plan["object"]["bucket_endpoint"]}
+    _slow_node_b(plan, emit, "object", where, {"object_tier": True}, "bucket_hits")
+
+
+def phase_kvtier_shared_slow(plan: dict, emit) -> None:
+    """Node B of kvtier_shared on the slow mount of the shared directory (the parent mounted it and
+    gave it as node B's shared root), for one prompt and one load policy: ``_slow_node_b``."""
+    shared_root = plan["shared"]["load_root"]
+    where = {"name": "the shared tier (through the slow mount)", "shared_root": shared_root}
+    _slow_node_b(plan, emit, "shared", where, {"shared_root": shared_root}, "shared_hits")
+
+
+def _slow_node_b(plan: dict, emit, tier: str, where: dict, remote: dict, served_counter: str) -> None:
+    """A remote-tier row's node B behind a slow link (the item: length, repeat, link MB/s, policy): a
+    fresh engine and service with an empty local store, as in kvtier_shared and kvtier_object, started
+    from the costs file the earlier engines of the model left; after the timed request it stops as a
+    server does, leaving what it learned for the next engine."""
+    length, repeat, rate, policy = plan["item"]
+    costs_at_start = costs_files()
+    integration = {"service_timeout_ms": ALWAYS_LOAD_TIMEOUT_MS} if policy == "always" else {}
+    node_plan = {**plan, "item": [length, repeat]}
+    engine, store, prompt = _start_node_b(
+        node_plan, emit, f"{tier}-slow-{rate:g}-{policy}", where, load_policy=policy, **remote, **integration
+    )  # fmt: skip
+    decider = load_decider(engine)
+    blocks = length // engine.block_tokens
+    believed = decider_view(decider, blocks)
+    decisions_before = dict(decider.decisions)
+    record = _kvtier_measure(
+        engine, store, prompt, length, "shared", drop_cache=True, served_counter=served_counter,
+        all_served=policy == "always",
+    )  # fmt: skip
+    decisions = {
+        f"{tier_name}:{choice}": count - decisions_before.get((tier_name, choice), 0)
+        for (tier_name, choice), count in decider.decisions.items()
+        if count != decisions_before.get((tier_name, choice), 0)
+    }
+    offered = sum(count for key, count in decisions.items() if key.split(":")[1] in LOAD_CHOICES)
+    record.update(
+        tier=tier, policy=policy, link_mb_per_s=rate, decisions=decisions, decided_blocks=sum(decisions.values()),
+        offered_tokens=offered * engine.block_tokens, believed=believed,
+        learned=decider_view(decider, blocks), costs_at_start=costs_at_start,
+    )  # fmt: skip
+    emit("measure", {"experiment": "slow_link", "config": f"kvtier_{tier}_{policy}", "length_tokens": length,
+                     "repeat": repeat, "prompt_id": f"p:{length}:{repeat}", **record})  # fmt: skip
+    emit("store_stats", dict(store.stats()))
+    store.close()
+    emit("costs", shut_down(engine))
 
 
 def phase_example_connector(plan: dict, emit) -> None:
@@ -699,6 +838,8 @@ PHASES = {
     "kvtier_shared_load": phase_kvtier_shared_load,
     "kvtier_object_store": phase_kvtier_object_store,
     "kvtier_object_load": phase_kvtier_object_load,
+    "kvtier_object_slow": phase_kvtier_object_slow,
+    "kvtier_shared_slow": phase_kvtier_shared_slow,
 }
 
 

@@ -19,6 +19,15 @@ from kvtier.bench.ttft.engine_phase import lmcache_config, run_phase, shared_sto
 from kvtier.bench.ttft.orchestrate import launch_phase, run_lmcache_phase, shared_row_failures, summarize
 from kvtier.bench.ttft.plan import BenchError, build_parser, make_plan
 from kvtier.bench.ttft.report import print_report, write_plots
+from kvtier.bench.ttft.slow_rows import (
+    SLOW_PHASES,
+    SlowLinks,
+    node_store_name,
+    slow_link_failures,
+    slow_link_markdown,
+    slow_link_phases,
+    summarize_slow_link,
+)
 
 
 def open_object_bucket(plan: dict, stack: contextlib.ExitStack, notes: list[str]) -> None:
@@ -85,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     store_root.mkdir(parents=True, exist_ok=True)
     plan["store_dir"] = str(store_root / "kvtier")
     plan["example_dir"] = str(store_root / "example-connector")
+    # The engines' runtime directory (XDG_RUNTIME_DIR): short, so that socket paths fit.
+    plan["runtime_dir"] = tempfile.mkdtemp(prefix="kvtier-ttft-run-")
     from kvtier.bench.layout import memcpy_gbps
 
     # The copy rate a DRAM hit's restore is judged against (issue 14), measured in this run.
@@ -96,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if not disk_space_suffices(plan, store_root):
         if temporary_store:
             shutil.rmtree(store_root, ignore_errors=True)
+        shutil.rmtree(plan["runtime_dir"], ignore_errors=True)
         return 2
     print_intro(plan, store_root, out_dir)
     phases = phase_list(plan, store_root, out_dir, notes)
@@ -104,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         results = run_phases(plan, phases, args.phase_timeout_s, started, notes)
     finally:
         remove_stores(plan, store_root, temporary_store)
+        shutil.rmtree(plan["runtime_dir"], ignore_errors=True)
     if not results.measurements:
         return results.exit_code or 1
     return write_outputs(plan, results, notes, out_dir, argv, started)
@@ -158,6 +171,7 @@ def phase_list(plan: dict, store_root: Path, out_dir: Path, notes: list[str]) ->
     phases.append(Phase("kvtier_nvme", "kvtier_nvme", None))
     if plan["shared"]:
         phases += remote_row_phases(plan, "kvtier_shared")
+        phases += [Phase(*phase) for phase in slow_link_phases(plan, "shared")]
         notes.append(
             f"kvtier_shared: node A published through {plan['shared']['store_root']}, node B read through "
             f"{plan['shared']['load_root']}"
@@ -165,6 +179,7 @@ def phase_list(plan: dict, store_root: Path, out_dir: Path, notes: list[str]) ->
         )
     if plan["object"]:
         phases += remote_row_phases(plan, "kvtier_object")
+        phases += [Phase(*phase) for phase in slow_link_phases(plan, "object")]
     if plan["example_connector"]:
         phases.append(Phase("example_connector", "example_connector", None))
     else:
@@ -209,10 +224,13 @@ def lmcache_phase(plan: dict, store_root: Path, out_dir: Path, notes: list[str])
 
 def run_phases(plan: dict, phases: list[Phase], timeout_s: int, started: float, notes: list[str]) -> PhaseResults:
     """Runs the phases in order, one engine process each; the first failure ends the run (a note and
-    exit code 1). The object row's bucket is up only from its store phase to its last load phase."""
+    exit code 1). The object row's bucket is up only from its store phase to its last load phase, and
+    each slow link only for its speed's phases."""
     results = PhaseResults()
-    object_loads = [index for index, phase in enumerate(phases) if phase.name == "kvtier_object_load"]
+    object_phases = ("kvtier_object_load", SLOW_PHASES["object"])
+    object_loads = [index for index, phase in enumerate(phases) if phase.name in object_phases]
     bucket_stack = contextlib.ExitStack()
+    links = SlowLinks(plan, progress_line)
     try:
         for index, phase in enumerate(phases):
             if phase.name == "kvtier_object_store":
@@ -223,9 +241,11 @@ def run_phases(plan: dict, phases: list[Phase], timeout_s: int, started: float, 
                 f" ({len(phases) - index - 1} after it)",
                 flush=True,
             )
-            records = phase_records(plan, phase, timeout_s, notes)
+            records = phase_records(links.plan_for(phase.name, phase.item, plan), phase, timeout_s, notes)
+            links.after_phase(phase.name)
             remove_node_store(plan, phase)
             if object_loads and index == object_loads[-1]:
+                links.close()
                 bucket_stack.close()
             results.add(phase.run_name, records)
     except (BenchError, bucket.BucketUnavailable) as error:
@@ -233,6 +253,7 @@ def run_phases(plan: dict, phases: list[Phase], timeout_s: int, started: float, 
         notes.append(f"incomplete: {str(error).splitlines()[0]}")
         results.exit_code = 1
     finally:
+        links.close()
         bucket_stack.close()  # the run's prefix deleted, or the local gateway torn down
     return results
 
@@ -255,6 +276,8 @@ def remove_node_store(plan: dict, phase: Phase) -> None:
         node = "object-a"
     elif phase.name == "kvtier_object_load":
         node = f"object-b-{phase.item[0]}-r{phase.item[1]}"
+    elif phase.name in SLOW_PHASES.values():
+        node = node_store_name(phase.name, phase.item)
     else:
         return
     shutil.rmtree(shared_store_dir(plan, node), ignore_errors=True)
@@ -284,7 +307,15 @@ def write_outputs(
         if failures:
             notes += [f"{config} FAILED: {failure}" for failure in failures]
             exit_code = 1
-    markdown = print_report(plan, summary, notes, results.phase_info)
+    summary["slow_link"] = summarize_slow_link(plan, results.measurements, summary)
+    failures = slow_link_failures(plan, results.measurements)
+    if failures:
+        notes += [f"slow link FAILED: {failure}" for failure in failures]
+        exit_code = 1
+    slow_lines = slow_link_markdown(plan, summary["slow_link"], summary)
+    if slow_lines:
+        print("\n".join(slow_lines))
+    markdown = print_report(plan, summary, notes, results.phase_info) + "\n".join(slow_lines)
     plots = write_plots(plan, summary, out_dir)
     result = {
         "benchmark": "kvtier bench ttft",

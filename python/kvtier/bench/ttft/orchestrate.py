@@ -34,6 +34,9 @@ def phase_environment(plan: dict) -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": str(plan["kvcache_space_gib"]),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "PYTHONUNBUFFERED": "1",
+        # The run's own runtime directory: its services' sockets and the costs files its engines
+        # leave for each other (load or recompute), apart from any other engine of the model here.
+        **({"XDG_RUNTIME_DIR": plan["runtime_dir"]} if plan.get("runtime_dir") else {}),
     }
 
 
@@ -128,6 +131,8 @@ def summarize(plan: dict, measurements: list[dict]) -> dict:
     experiment2: dict[str, dict[str, Any]] = {}
     experiment2_recompute: list[dict] = []  # recompute measured by experiment 2 itself (no hit rate)
     for record in measurements:
+        if record["experiment"] == "slow_link":  # their own summary (slow_rows)
+            continue
         if record["experiment"] == 1:
             point = experiment1.setdefault(record["config"], {}).setdefault(str(record["length_tokens"]), [])
         elif record.get("hit_rate") is None:
@@ -206,7 +211,7 @@ def shared_row_failures(
         base = by_prompt.get(("recompute", record["prompt_id"]))
         if base is None:
             failures.append(f"no recompute of {record['prompt_id']} to compare with")
-        elif not _same_output(record, base, by_prompt.get(("vllm_prefix", record["prompt_id"]))):
+        elif not same_output(record, base, by_prompt.get(("vllm_prefix", record["prompt_id"]))):
             failures.append(
                 f"{record['prompt_id']}: token {record['token_id']} (logprob {record.get('logprob')}) against "
                 f"recompute's {base['token_id']} ({base.get('logprob')})"
@@ -214,7 +219,7 @@ def shared_row_failures(
     return failures
 
 
-def _same_output(record: dict, recompute: dict, prefix_hit: dict | None) -> bool:
+def same_output(record: dict, recompute: dict, prefix_hit: dict | None) -> bool:
     """Whether a restored run gave recompute's greedy token with the logprob of recompute or of vLLM's
     own prefix-cache hit of the same prompt (within LOGPROB_TOLERANCE). A cached prefix takes another
     kernel path than a whole prefill: in bf16 that alone moves the logprob (0.031 seen at 2K tokens

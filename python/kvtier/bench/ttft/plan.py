@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_options(parser)
     _add_local_row_options(parser)
     _add_remote_row_options(parser)
+    _add_slow_link_options(parser)
     _add_lmcache_options(parser)
     parser.add_argument(
         "--kvcache-space-gib", type=int, default=None, help="VLLM_CPU_KVCACHE_SPACE (default: sized to the prompts)"
@@ -148,6 +149,54 @@ def _add_remote_row_options(parser: argparse.ArgumentParser) -> None:
         "--bucket-segment-bytes", metavar="SIZE",
         help="the kvtier_object row's bucket_segment_bytes (default: the store's, whole blocks to 32 MiB, at least 4)",
     )  # fmt: skip
+
+
+DEFAULT_SLOW_LINK_LATENCY_MS = 30.0
+
+
+def _add_slow_link_options(parser: argparse.ArgumentParser) -> None:
+    """The slow-link rows: the object tier's node B reads the bucket through kvtier.bench.slowlink."""
+    parser.add_argument(
+        "--slow-link", metavar="MB/S,...",
+        help="with --object (and/or --shared-root-*): also measure the remote tier behind a slow link, one link "
+        "speed at a time (e.g. 20,50,200 MB/s): node B reads the bucket through a proxy limited to that rate, or "
+        "the shared directory through a FUSE mount limited so (node A publishes directly); per speed the rows "
+        "always-load (load_policy always) and kvtier's choice (load_policy auto), against recompute",
+    )  # fmt: skip
+    parser.add_argument(
+        "--slow-link-latency-ms", type=float, default=DEFAULT_SLOW_LINK_LATENCY_MS,
+        help=f"latency the slow link adds to each direction (default {DEFAULT_SLOW_LINK_LATENCY_MS:g} ms)",
+    )  # fmt: skip
+
+
+def slow_link_plan(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The slow-link rows' link speeds and latency; None without --slow-link."""
+    if not args.slow_link:
+        if args.slow_link_latency_ms != DEFAULT_SLOW_LINK_LATENCY_MS:
+            raise BenchError("--slow-link-latency-ms goes with --slow-link")
+        return None
+    tiers = ["object"] if args.object else []
+    tiers += ["shared"] if args.shared_root_store and args.shared_root_load else []
+    if not tiers:
+        raise BenchError(
+            "--slow-link puts a remote tier behind a slow link: add --object (the bucket), or --shared-root-store "
+            "and --shared-root-load (the shared directory, through a slow FUSE mount)"
+        )
+    from kvtier.bench.slowlink import LinkSpec, SlowLinkError, parse_rates
+
+    try:
+        rates = parse_rates(args.slow_link)
+        for rate in rates:
+            LinkSpec(rate, args.slow_link_latency_ms)
+    except SlowLinkError as error:
+        raise BenchError(f"--slow-link: {error}") from None
+    if "shared" in tiers:
+        from kvtier.bench.slowmount import missing_reason
+
+        reason = missing_reason()
+        if reason:
+            raise BenchError(f"--slow-link with the shared tier: {reason}")
+    return {"rates_mb_per_s": rates, "latency_ms": args.slow_link_latency_ms, "tiers": tiers}
 
 
 def _add_lmcache_options(parser: argparse.ArgumentParser) -> None:
@@ -265,6 +314,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         "example_connector": not args.skip_example_connector,
         "shared": shared,
         "object": object_row,
+        "slow_link": slow_link_plan(args),
         **lmcache_plan(args, lengths, kv_bytes_per_token),
     }
 
