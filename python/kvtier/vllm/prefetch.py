@@ -76,7 +76,14 @@ class Prefetcher:
         are the load-or-recompute model's to judge)."""
         now = time.monotonic()
         timeout_s = self._pending_timeout_s
-        return now - self._since[key] > timeout_s and now - self._progress_at > timeout_s
+        return now - self._since[key] > timeout_s and now - self._progress_at > self._chunk_limit_s()
+
+    def _chunk_limit_s(self) -> float:
+        """How long a chunk may take before the prefetcher counts as stalled: the pending timeout, or
+        three times what a chunk of the slowest tier measured takes (a slow link delivers one)."""
+        rates = self.rates
+        known = [rate for tier in ("nvme", "shared") if rates and (rate := rates.seconds_per_block(tier)) is not None]
+        return max(self._pending_timeout_s, 3 * CHUNK_BLOCKS * max(known, default=0.0))
 
     def origin(self, key: bytes) -> str | None:
         with self._cv:
@@ -110,7 +117,8 @@ class Prefetcher:
         if self._connection is not None:
             found = self._connection.call("prefetch", chunk, default=None)
             self.prefetched_blocks += sum(1 for ok in found or [] if ok)
-        self._record_rate(chunk, time.monotonic() - started)
+            if found is not None:  # a call that failed timed the failure, not the tier
+                self._record_rate(chunk, time.monotonic() - started)
 
     def _end(self, chunk: list[bytes]) -> None:
         """The chunk's prefetch ended, whatever became of it: its lookups answer HIT from now on."""
