@@ -12,4 +12,4 @@ bash scripts/lint.sh
 echo "== cargo test (kvtier-core, both I/O engines) =="
 cargo test -p kvtier-core --release 2>&1
 echo "== pytest =="
-.venv/bin/python -m pytest -q -ra --durations=30 tests "$@"
+.venv/bin/python -m pytest -q -ra --durations=60 tests "$@"

@@ -343,7 +343,9 @@ def test_bench_serve_small_end_to_end(tmp_path):
         pytest.skip(f"vllm is not importable ({import_error!r})")
     out = tmp_path / "serve"
     # vLLM alone first and last (the drift-cancelling order docs/benchmarks.md measures the 4-user point in)
+    # One point (4 users) of --small's two: each point costs a `vllm bench serve` start per row.
     command = [sys.executable, "-m", "kvtier", "bench", "serve", "--small", "--rows", "vllm,kvtier-dram,vllm"]
+    command += ["--users", "4"]
     completed = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=3600)
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
     document = json.loads((out / "results.json").read_text())
@@ -376,8 +378,10 @@ def _require_vllm() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_bench_serve_mixed_workload_small(tmp_path):
-    """The mixed workload end to end on vLLM alone (one server): requests at a rate, decode metrics."""
+    """The mixed workload end to end on vLLM alone (one server): requests at a rate, decode metrics.
+    Full only (about 140 s): its arrival schedule and options are checked without a server above."""
     _require_vllm()
     out = tmp_path / "mixed"
     command = [sys.executable, "-m", "kvtier", "bench", "serve", "--small", "--workload", "mixed", "--rows", "vllm"]

@@ -20,7 +20,9 @@ try:
 except Exception as import_error:  # pragma: no cover - depends on the environment
     pytest.skip(f"vllm, pyzmq or kvtier is not importable ({import_error!r})", allow_module_level=True)
 
-pytestmark = pytest.mark.slow
+# Full only (about 160 s): CI checks the same agreement on two `vllm serve` servers a user starts
+# (tests/test_vllm_serve_events.py), through the demo's own helpers.
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 
 def test_demo_events_index_agrees_with_kvtier_ls_and_leaves_nothing(tmp_path, capsys):

@@ -8,7 +8,8 @@ below is a hit in the shared pool.
 
 The hit checks run through both routes the docs offer: ``KvtierConnector`` and vLLM's own
 ``OffloadingConnector`` with kvtier's spec (each with a store path of its own). The kill -9 checks
-run through ``KvtierConnector`` only: under the plain connector vLLM stops on a failed load.
+run through ``KvtierConnector`` only: under the plain connector vLLM stops on a failed load. TP=2
+runs through ``KvtierConnector`` in CI, through both with ``KVTIER_FULL_TESTS=1``.
 
 Run: ``.venv/bin/python -m pytest tests/test_vllm_service.py -m slow -v``.
 """
@@ -30,6 +31,8 @@ try:
     from kvtier.engine_process import EngineProcess
 except Exception as import_error:  # pragma: no cover - depends on the environment
     pytest.skip(f"vllm or kvtier is not importable ({import_error!r})", allow_module_level=True)
+
+from conftest import FULL_TESTS_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -133,23 +136,22 @@ def test_defaults_hit_after_prefix_cache_reset(engine_a, socket_path):
     assert counts["lookup_dram"] >= 5 and counts["loaded_slices"] >= 5 and counts["stored_slices"] >= 5, counts
 
 
-def test_a_second_engine_hits_the_first_engines_prefix_in_dram_and_so_does_a_restarted_one(
-    engine_a, store_dir, socket_path, tmp_path, route
-):
+def test_a_second_engine_hits_the_first_engines_prefix_in_dram(engine_a, store_dir, socket_path, tmp_path, route):
+    """A second engine on the same store hits what the first stored, from the service's DRAM pool. (A
+    restarted engine is one more such engine: tests/test_vllm_serve.py restarts OpenAI servers.)"""
     computed = engine_a.generate(seed=2, blocks=4)
     settle(engine_a, socket_path)
-    for name in ("b", "b-restarted"):
-        before = stats(socket_path)
-        other = Engine(store_dir, tmp_path, name, route)
-        try:
-            hit = other.generate(seed=2, blocks=4)
-        finally:
-            other.stop()
-        assert hit["cached"] == 4 * TOKENS_PER_BLOCK, name
-        assert_same_output(computed, hit)
-        after = stats(socket_path)
-        assert after["dram_hits"] - before["dram_hits"] >= 4, name
-        assert after["bytes_read_nvme"] == 0 and after["nvme_capacity_bytes"] == 0  # the DRAM pool served it
+    before = stats(socket_path)
+    other = Engine(store_dir, tmp_path, "b", route)
+    try:
+        hit = other.generate(seed=2, blocks=4)
+    finally:
+        other.stop()
+    assert hit["cached"] == 4 * TOKENS_PER_BLOCK
+    assert_same_output(computed, hit)
+    after = stats(socket_path)
+    assert after["dram_hits"] - before["dram_hits"] >= 4
+    assert after["bytes_read_nvme"] == 0 and after["nvme_capacity_bytes"] == 0  # the DRAM pool served it
 
 
 def test_tensor_parallel_hit_matches_a_tensor_parallel_recompute_and_tp_sizes_share_blocks(
@@ -157,7 +159,10 @@ def test_tensor_parallel_hit_matches_a_tensor_parallel_recompute_and_tp_sizes_sh
 ):
     """TP=2 stores and hits its own blocks; and blocks are rank-independent objects, so a TP=2 engine
     hits what a TP=1 engine stored and the other way round, each with the output of its own
-    recompute (issue 10, item 8)."""
+    recompute (issue 10, item 8). Through KvtierConnector only in CI: TP's ranks, slices and layout are
+    the worker's, the same under both routes (KVTIER_FULL_TESTS=1 runs the plain route too)."""
+    if route != "KvtierConnector" and os.environ.get(FULL_TESTS_ENV) != "1":
+        pytest.skip(f"TP=2 through the plain OffloadingConnector: {FULL_TESTS_ENV}=1 runs it (CI's time budget)")
     from_tp1 = engine_a.generate(seed=8, blocks=4)
     settle(engine_a, socket_path)
     engine = Engine(store_dir, tmp_path, "tp2", route, tp_size=2)

@@ -564,6 +564,15 @@ def test_the_manager_recomputes_nvme_hits_that_load_slower_than_the_engine_compu
             assert manager.lookup(offload_keys[0], request) == expected
         assert manager.decider.decisions == {("nvme", "recompute"): 4, ("nvme", "load"): 4}
         manager.shutdown()
+        # With ``prefetch: false`` the worker's load reads NVMe itself: no NVMe rate is ever measured,
+        # and its hits must not be probed 4 blocks at a time forever (they are costed as the loads').
+        direct = KvtierManager(ServiceBackend(connection(options)))
+        for tokens in range(64, 64 + 16 * 64, 64):
+            direct.decider.prefill.observe(tokens, work_of(tokens, 0), 0.001 * tokens)
+        direct.decider.rates.observe("dram", 1, per_block_s / 50)
+        request = ReqContext(req_id="direct")
+        assert [direct.lookup(k, request) for k in offload_keys] == [LookupResult.HIT] * 4
+        direct.shutdown()
     finally:
         kvtier_service.stop_service(options.socket_path())
 

@@ -99,7 +99,10 @@ class KvtierManager(OffloadingManager):
         except Exception:
             logger.exception("kvtier: lookup failed; treating as a miss")
             return LookupResult.MISS
-        answer = self.decider.answer(req_context.req_id, store_key, tier)
+        # Without the prefetcher the worker's load reads a block from whatever tier holds it, and the
+        # loads' measured rate (DRAM's) covers every tier: no per-tier rate exists to probe for.
+        cost_tier = tier if tier is None or self._prefetcher is not None else "dram"
+        answer = self.decider.answer(req_context.req_id, store_key, cost_tier)
         if answer == "retry":
             return LookupResult.RETRY
         if answer == "decline" and (tier is not None or self.decider.policy == "never"):
