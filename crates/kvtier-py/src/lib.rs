@@ -545,6 +545,7 @@ impl PyStore {
             ("skipped_busy", b.skipped_busy),
             ("remaining_blocks", b.remaining_blocks),
             ("newest_sequence", b.newest_sequence),
+            ("pace_wait_ms", b.pace_wait_ms),
         ];
         let bad = b.bad.iter().map(|x| (x.key.0, x.tier.name(), x.quarantined, x.reason.clone())).collect();
         verify_dict(py, b.next_after, b.done, pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect(), bad)

@@ -148,6 +148,9 @@ struct Namespaced {
     attached: AtomicU64,
     /// When the last attached connection left (or the namespace opened).
     detached_at: Mutex<Instant>,
+    /// Operator requests (Verify, Trim, Engines) working on it now (`OperatorHold`); changed
+    /// under `State::namespaces`' lock like `attached`. Not engines: they leave `detached_at` alone.
+    operator_holds: AtomicU64,
     fills: Mutex<Fills>,
     /// Blocks a rank gave up for want of room; locked after `fills`.
     dropped: Mutex<DroppedKeys>,
@@ -812,6 +815,7 @@ impl State {
             latency: super::latency::OpLatencies::default(),
             attached: AtomicU64::new(0),
             detached_at: Mutex::new(Instant::now()),
+            operator_holds: AtomicU64::new(0),
             tp_size,
             slice_bytes,
             fills: Mutex::new(Fills::default()),
@@ -829,8 +833,11 @@ impl State {
             return;
         }
         let idle = Duration::from_millis(self.config.idle_timeout_ms);
-        let is_idle =
-            |ns: &Namespaced| ns.attached.load(Ordering::Relaxed) == 0 && ns.detached_at.lock().elapsed() >= idle;
+        let is_idle = |ns: &Namespaced| {
+            ns.attached.load(Ordering::Relaxed) == 0
+                && ns.operator_holds.load(Ordering::Relaxed) == 0
+                && ns.detached_at.lock().elapsed() >= idle
+        };
         let candidates: Vec<Namespace> =
             self.namespaces.lock().iter().filter(|(_, ns)| is_idle(ns)).map(|(digest, _)| *digest).collect();
         for digest in candidates {
@@ -858,6 +865,27 @@ impl State {
             return 0;
         }
         u64::try_from(self.busy_at.lock().elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+}
+
+/// An operator request's hold on a namespace: the janitor does not close a namespace while one
+/// runs. A closed namespace's store would go on with the request (a paced verify: seconds), and
+/// the pool it still maps would outlive the namespace that engines reopen meanwhile. Unlike an
+/// engine's attachment it does not restart the idle time: a metrics scrape or a periodic verify
+/// must not keep a model's pool for ever.
+struct OperatorHold(Arc<Namespaced>);
+
+impl std::ops::Deref for OperatorHold {
+    type Target = Namespaced;
+
+    fn deref(&self) -> &Namespaced {
+        &self.0
+    }
+}
+
+impl Drop for OperatorHold {
+    fn drop(&mut self) {
+        self.0.operator_holds.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -942,15 +970,19 @@ impl State {
         Ok(w.0)
     }
 
-    fn open_namespace(&self, r: &mut Reader<'_>) -> std::result::Result<Arc<Namespaced>, String> {
+    /// The open namespace an operator request names, held open for the request (`OperatorHold`).
+    fn open_namespace(&self, r: &mut Reader<'_>) -> std::result::Result<OperatorHold, String> {
         let digest = Namespace(r.array32().map_err(|e| e.to_string())?);
-        self.namespaces.lock().get(&digest).cloned().ok_or_else(|| {
+        let namespaces = self.namespaces.lock();
+        let ns = namespaces.get(&digest).ok_or_else(|| {
             format!(
                 "namespace {} is not open in this service (no engine attached to it since the service started): \
                  run the command without a service for it, or list the open ones with `kvtier ls PATH`",
                 &digest.hex()[..16]
             )
-        })
+        })?;
+        ns.operator_holds.fetch_add(1, Ordering::Relaxed);
+        Ok(OperatorHold(Arc::clone(ns)))
     }
 
     fn describe_namespaces(&self) -> Vec<u8> {
@@ -1028,6 +1060,7 @@ impl State {
             ("skipped_busy", batch.skipped_busy),
             ("remaining_blocks", batch.remaining_blocks),
             ("newest_sequence", batch.newest_sequence),
+            ("pace_wait_ms", batch.pace_wait_ms),
         ]);
         w.u32(batch.bad.len() as u32);
         for bad in &batch.bad {

@@ -30,7 +30,7 @@ pub struct Arena {
     file: Option<PathBuf>,
     /// The open pool file, holding an exclusive flock for the arena's life: a file no process
     /// holds locked is an orphan (its service died), which `remove_orphan_pools` may delete.
-    _owner: Option<std::fs::File>,
+    owner: Option<std::fs::File>,
 }
 
 unsafe impl Send for Arena {}
@@ -67,7 +67,7 @@ impl Arena {
         };
         PROCESS_ARENA_BYTES.fetch_add(len, Ordering::Relaxed);
         let (file, owner) = file.unzip();
-        Ok(Arena { base, len, slot_bytes, slot_count, huge_pages, file, _owner: owner })
+        Ok(Arena { base, len, slot_bytes, slot_count, huge_pages, file, owner })
     }
 
     /// The shared-memory file behind the pool, when it has one.
@@ -122,9 +122,23 @@ impl Drop for Arena {
         // SAFETY: mapped in `map` with this length; no I/O is in flight (the store joined its threads).
         unsafe { libc::munmap(self.base.cast(), self.len) };
         PROCESS_ARENA_BYTES.fetch_sub(self.len, Ordering::Relaxed);
-        if let Some(path) = &self.file {
+        if let (Some(path), Some(owner)) = (&self.file, &self.owner) {
+            remove_if_same_file(path, owner);
+        }
+    }
+}
+
+/// Removes `path` if it still names the file `owner` is open on. The name may have been given to
+/// another file since this one was created (a namespace closed while a request still held its
+/// store, then reopened at the same name): that file is another store's pool, mapped by engines.
+fn remove_if_same_file(path: &Path, owner: &std::fs::File) {
+    use std::os::unix::fs::MetadataExt;
+    let same = |a: &std::fs::Metadata, b: &std::fs::Metadata| a.dev() == b.dev() && a.ino() == b.ino();
+    match (std::fs::symlink_metadata(path), owner.metadata()) {
+        (Ok(at_path), Ok(ours)) if same(&at_path, &ours) => {
             let _ = std::fs::remove_file(path);
         }
+        _ => {}
     }
 }
 

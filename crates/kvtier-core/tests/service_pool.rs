@@ -1,0 +1,106 @@
+//! The shared pool file's life and the service socket's, against other actors (issue 37, items 4
+//! and 5, and the suspects of item 12): an operator request that outlives its namespace, a local
+//! user who plants a file where the pool would go, two services started on one socket at once, and
+//! connections that never copy. Real services, real sockets, real files in real directories.
+
+mod common;
+use common::{key, value};
+
+use kvtier_core::service::{Client, Service, ServiceConfig};
+use kvtier_core::{BlockBuffer, BlockKey, Namespace, Store, StoreConfig};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+const SLICE: usize = 8192;
+const DESCRIPTION: &[u8] = b"service-pool-test/model";
+
+fn config(dir: &Path, nvme_bytes: u64) -> ServiceConfig {
+    let mut store = StoreConfig::new(dir.join("store"), 1);
+    store.dram_bytes = 32 * (SLICE + 4096);
+    store.nvme_bytes = nvme_bytes;
+    store.region_bytes = 1 << 20;
+    let mut config = ServiceConfig::new(dir.join("run").join("kvtier.sock"), store);
+    config.pool_dir = dir.to_path_buf();
+    config
+}
+
+fn pool_files(dir: &Path) -> Vec<PathBuf> {
+    let mut found: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "pool"))
+        .collect();
+    found.sort();
+    found
+}
+
+/// Item 4: a paced verify holds the namespace while its engine leaves and the idle time passes; an
+/// engine attaches meanwhile. When the verify ends, the pool that engine (and every later one)
+/// maps is still there. It used to be deleted by the verify's late drop of the old store (the
+/// namespace was closed under it and reopened at the same file name), and every later hello failed.
+#[test]
+fn a_verify_that_outlives_an_idle_close_leaves_the_pool_engines_attach_to() {
+    const BIG_SLICE: usize = 256 << 10;
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(dir.path(), 8 << 20);
+    config.store.dram_bytes = 8 * (BIG_SLICE + 4096);
+    config.store.region_bytes = 2 << 20;
+    config.idle_timeout_ms = 300;
+    let socket = config.socket_path.clone();
+    let mut service = Service::start(config).unwrap();
+    let hello = |socket: &Path| {
+        let mut c = Client::connect(socket, Duration::from_secs(30)).unwrap();
+        c.hello(DESCRIPTION, 1, 0, BIG_SLICE).unwrap();
+        c
+    };
+    let keys: Vec<BlockKey> = (0..5).map(key).collect();
+    let values: Vec<Vec<u8>> = (0..5).map(|i| value(i, BIG_SLICE)).collect();
+    let mut a = hello(&socket);
+    let bufs: Vec<BlockBuffer> = values.iter().map(|v| BlockBuffer::single(v.as_ptr() as *mut u8, v.len())).collect();
+    // SAFETY: the values outlive the call.
+    assert_eq!(unsafe { a.store_blocks(&keys, &bufs).unwrap() }, vec![true; 5]);
+    a.flush().unwrap();
+    drop(a);
+    // One request: 5 blocks, a DRAM and an NVMe copy of 260 KiB each, 2.7 MB at 1 MB/s.
+    let digest = Namespace::from_description(DESCRIPTION).0;
+    let verify_socket = socket.clone();
+    let verifier = std::thread::spawn(move || {
+        let mut op = Client::connect(&verify_socket, Duration::from_secs(60)).unwrap();
+        op.verify_batch(&digest, 0, 64, 1_000_000, false).unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(1_200));
+    let b = hello(&socket);
+    let b_pool = b.attached().unwrap().pool_path.clone();
+    let batch = verifier.join().unwrap();
+    assert!(batch.values.iter().any(|(name, n)| name == "checked_nvme" && *n > 0), "{:?}", batch.values);
+    assert!(b_pool.exists(), "the pool file engine B maps was deleted under it ({})", b_pool.display());
+    let mut c = hello(&socket);
+    let mut out: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; BIG_SLICE]).collect();
+    let outs: Vec<BlockBuffer> = out.iter_mut().map(|v| BlockBuffer::single(v.as_mut_ptr(), v.len())).collect();
+    // SAFETY: `out` outlives the call and nothing else touches it.
+    assert_eq!(unsafe { c.load_blocks(&keys, &outs).unwrap() }, vec![true; 5]);
+    assert_eq!(out, values);
+    drop((b, c));
+    service.stop().unwrap();
+    assert!(pool_files(dir.path()).is_empty());
+}
+
+/// Item 4's mechanism: a store removes its pool file at its end only while the name still names
+/// the file it created. A file put at that name since is another's (it was a reopened namespace's
+/// pool, mapped by engines).
+#[test]
+fn a_store_removes_only_the_pool_file_it_created() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = StoreConfig::new(dir.path().join("store"), SLICE);
+    c.namespace = DESCRIPTION.to_vec();
+    c.dram_bytes = 8 * (SLICE + 4096);
+    c.nvme_bytes = 0;
+    let pool = dir.path().join("a.pool");
+    c.pool_path = Some(pool.clone());
+    let store = Store::open(c).unwrap();
+    std::fs::rename(&pool, dir.path().join("moved")).unwrap();
+    std::fs::write(&pool, b"another store's pool").unwrap();
+    drop(store);
+    assert_eq!(std::fs::read(&pool).unwrap(), b"another store's pool");
+}
