@@ -8,9 +8,12 @@ issue 24, item 3). Real services over real sockets, no vLLM.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -118,3 +121,55 @@ def test_a_log_file_planted_as_a_symlink_is_never_written_through(tmp_path):
     with pytest.raises(ServiceError, match="symlink"):
         kvtier_service.ensure_service(tmp_path / "store", {}, run / "kvtier.sock", str(tmp_path))
     assert victim.read_text() == "precious\n"
+
+
+# What an engine does: find or start the service, attach to a model, print its pool file.
+_ATTACH = """
+import sys
+from kvtier import service
+socket = service.ensure_service(sys.argv[1], {"dram_bytes": 4 << 20, "nvme_bytes": 0}, sys.argv[2], sys.argv[3])
+print(service.connect(socket).hello(b"model", 1, 0, 65536)["pool_path"])
+"""
+
+
+def _attach_without_fowner(home: Path, pool_dir: Path) -> subprocess.CompletedProcess[str]:
+    """`_ATTACH` (and the service it starts) as root without CAP_FOWNER: like any user in /dev/shm,
+    it cannot remove another user's file from a sticky directory it does not own."""
+    command = ["setpriv", "--bounding-set", "-fowner", "--", sys.executable, "-c", _ATTACH]
+    command += [str(home / "store"), str(home / "run" / "kv.sock"), str(pool_dir)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def shm_of_another_owner(tmp_path: Path) -> Iterator[Path]:
+    """A directory like /dev/shm (sticky, open to all, owned by someone else: uid 54321) in
+    /dev/shm; the service a test started for `tmp_path` is stopped and the directory removed."""
+    pool_dir = Path(tempfile.mkdtemp(prefix="pooltest-", dir="/dev/shm"))
+    pool_dir.chmod(0o1777)
+    os.chown(pool_dir, 54321, 54321)
+    try:
+        yield pool_dir
+    finally:
+        kvtier_service.stop_service(tmp_path / "run" / "kv.sock")
+        shutil.rmtree(pool_dir, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_a_pool_name_another_user_took_does_not_stop_a_model(tmp_path, shm_of_another_owner):
+    """Issue 37, item 5: another local user sees a model's pool file in /dev/shm and, once it is
+    gone, creates a file of their own at that name. The engine's user, with no power over that
+    file, must still get its model's pool: the name used to be the same at every open, and every
+    Hello of that model failed with EEXIST until the other user removed their file."""
+    pool_dir = shm_of_another_owner
+    first = _attach_without_fowner(tmp_path, pool_dir)
+    assert first.returncode == 0, first.stderr
+    seen = Path(first.stdout.split()[-1])
+    assert seen.parent == pool_dir
+    assert kvtier_service.stop_service(tmp_path / "run" / "kv.sock")
+    assert not seen.exists()
+    seen.write_bytes(b"squatter")
+    os.chown(seen, 12345, 12345)
+    again = _attach_without_fowner(tmp_path, pool_dir)
+    assert again.returncode == 0, f"the model could not open its pool:\n{again.stderr[-2000:]}"
+    assert Path(again.stdout.split()[-1]) != seen
+    assert seen.read_bytes() == b"squatter" and seen.stat().st_uid == 12345

@@ -104,3 +104,108 @@ fn a_store_removes_only_the_pool_file_it_created() {
     drop(store);
     assert_eq!(std::fs::read(&pool).unwrap(), b"another store's pool");
 }
+
+fn is_root() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
+/// A sticky directory open to every user, like /dev/shm.
+fn shared_tmpfs_like(dir: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let shm = dir.join("shm");
+    std::fs::create_dir(&shm).unwrap();
+    std::fs::set_permissions(&shm, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    shm
+}
+
+/// A file of another user (uid 12345) at `path`, as that user would plant it.
+fn plant(path: &Path, bytes: &[u8]) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, bytes).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)).unwrap();
+    std::os::unix::fs::chown(path, Some(12345), Some(12345)).unwrap();
+}
+
+/// Item 5: another local user creates a file at the name a namespace's pool would take (the names
+/// used to be predictable: uid, socket hash, namespace). The namespace still opens, and the planted
+/// file is neither used nor removed. Before, the service removed it when it could (as root) and
+/// otherwise failed every Hello of that model with EEXIST (tests/test_service_life.py runs that
+/// case as an unprivileged user).
+#[test]
+fn a_file_planted_at_a_pool_name_neither_stops_the_namespace_nor_is_touched() {
+    if !is_root() {
+        eprintln!("skipped: planting a file of another user needs root (chown)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(dir.path(), 0);
+    config.pool_dir = shared_tmpfs_like(dir.path());
+    let uid = rustix::process::geteuid().as_raw();
+    let socket_hash = kvtier_core::format::checksum(config.socket_path.as_os_str().as_encoded_bytes());
+    let namespace = Namespace::from_description(DESCRIPTION).hex();
+    let predictable = config.pool_dir.join(format!("kvtier-{uid}-{socket_hash:016x}-{}.pool", &namespace[..16]));
+    plant(&predictable, b"squatter");
+    let socket = config.socket_path.clone();
+    let mut service = Service::start(config).unwrap();
+    let mut c = Client::connect(&socket, Duration::from_secs(10)).unwrap();
+    let attached = c.hello(DESCRIPTION, 1, 0, SLICE).unwrap().clone();
+    assert_ne!(attached.pool_path, predictable);
+    assert_eq!(std::fs::read(&predictable).unwrap(), b"squatter", "the planted file was written or replaced");
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(std::fs::metadata(&predictable).unwrap().uid(), 12345);
+    drop(c);
+    service.stop().unwrap();
+    assert!(!attached.pool_path.exists() && predictable.exists());
+}
+
+/// Item 5: a store never opens, truncates or removes a file it did not create at its pool path; the
+/// error names the owner and the fix. It used to remove whatever was there and create its own.
+#[test]
+fn a_store_refuses_a_pool_path_that_exists_and_leaves_it_alone() {
+    if !is_root() {
+        eprintln!("skipped: planting a file of another user needs root (chown)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let shm = shared_tmpfs_like(dir.path());
+    let pool = shm.join("kvtier-planted.pool");
+    plant(&pool, b"not yours");
+    let mut c = StoreConfig::new(dir.path().join("store"), SLICE);
+    c.namespace = DESCRIPTION.to_vec();
+    c.dram_bytes = 8 * (SLICE + 4096);
+    c.nvme_bytes = 0;
+    c.pool_path = Some(pool.clone());
+    let err = Store::open(c).err().expect("an existing pool file is refused");
+    assert!(err.to_string().contains("owner uid 12345") && err.to_string().contains("--pool-dir"), "{err}");
+    assert_eq!(std::fs::read(&pool).unwrap(), b"not yours");
+}
+
+/// Item 5, the engine's side: a pool path that is not a regular file of this user is refused before
+/// it is mapped, whatever answered the Hello. Here a stand-in service (this user, so the peer check
+/// passes) names a file of uid 12345 of the right size; the client used to map it and copy KV there.
+#[test]
+fn a_client_refuses_to_map_a_pool_file_of_another_user() {
+    use kvtier_core::testing::wire::{read_frame, write_frame, Writer};
+    if !is_root() {
+        eprintln!("skipped: planting a file of another user needs root (chown)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let planted = shared_tmpfs_like(dir.path()).join("kvtier-planted.pool");
+    plant(&planted, &vec![0u8; SLICE + 4096]);
+    let socket = dir.path().join("fake.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let reply_path = planted.clone();
+    let fake = std::thread::spawn(move || {
+        let (mut stream, _) = listener.accept().unwrap();
+        read_frame(&mut stream).unwrap().expect("a hello");
+        let mut w = Writer::new(0);
+        w.u64((SLICE + 4096) as u64).u64(1).u64(4096).u64((SLICE + 4096) as u64).u64(SLICE as u64);
+        w.bytes(reply_path.as_os_str().as_encoded_bytes());
+        write_frame(&mut stream, &w.0).unwrap();
+    });
+    let mut c = Client::connect(&socket, Duration::from_secs(10)).unwrap();
+    let err = c.hello(DESCRIPTION, 1, 0, SLICE).expect_err("a pool of another user is refused");
+    assert!(err.to_string().contains("owner uid 12345"), "{err}");
+    fake.join().unwrap();
+}

@@ -78,6 +78,19 @@ impl PoolMap {
             .open(path)
             .map_err(|e| Error::io(format!("opening the kvtier pool {}", path.display()), e))?;
         let meta = file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?;
+        // The service creates its pools itself, as this user: anything else at the name (another
+        // user's file in the shared tmpfs) would hold this engine's KV where others read it.
+        let me = rustix::process::geteuid().as_raw();
+        if !meta.file_type().is_file() || std::os::unix::fs::MetadataExt::uid(&meta) != me {
+            return Err(Error::format(
+                path,
+                format!(
+                    "is not a regular file of this user (uid {me}; owner uid {}), so no pool of this user's service: \
+                     refusing to map it; stop the service and remove the file",
+                    std::os::unix::fs::MetadataExt::uid(&meta)
+                ),
+            ));
+        }
         let size = meta.len();
         if size != len as u64 {
             return Err(Error::format(path, format!("{size} bytes, the service said {len}; reconnect")));

@@ -807,7 +807,7 @@ impl State {
         if self.config.host_dram_bytes > 0 {
             config.dram_bytes = self.pool_within_host_budget(&self.namespaces.lock(), &config)?;
         }
-        config.pool_path = Some(self.config.pool_dir.join(pool_file_name(&self.config.socket_path, namespace)));
+        config.pool_path = Some(self.config.pool_dir.join(pool_file_name(&self.config.socket_path, namespace)?));
         let store = Store::open(config)?;
         Ok(Namespaced {
             store,
@@ -889,15 +889,25 @@ impl Drop for OperatorHold {
     }
 }
 
-/// `kvtier-<uid>-<socket hash>-<namespace>.pool`: the pool files of one service (two services on one
-/// host serve different store paths).
-fn pool_file_name(socket_path: &std::path::Path, namespace: &Namespace) -> String {
-    format!(
-        "{POOL_FILE_PREFIX}{}-{:016x}-{}.pool",
+/// `kvtier-<uid>-<socket hash>-<namespace>-<random>.pool`: the pool files of one service (two
+/// services on one host serve different store paths), each open of a namespace its own. The random
+/// part (64 bits from the kernel) is what no other local user can guess: a predictable name in a
+/// shared /dev/shm could be taken first, and the namespace could then never open. Engines learn the
+/// name from Hello; leftovers are found by the prefix (`remove_orphan_pools`).
+fn pool_file_name(socket_path: &std::path::Path, namespace: &Namespace) -> Result<String> {
+    let mut random = [0u8; 8];
+    let filled = rustix::rand::getrandom(&mut random, rustix::rand::GetRandomFlags::empty())
+        .map_err(|e| Error::io("drawing a random pool file name (getrandom)", e.into()))?;
+    if filled != random.len() {
+        return Err(Error::io("drawing a random pool file name (getrandom)", std::io::ErrorKind::UnexpectedEof.into()));
+    }
+    Ok(format!(
+        "{POOL_FILE_PREFIX}{}-{:016x}-{}-{:016x}.pool",
         rustix::process::geteuid().as_raw(),
         socket_hash(socket_path),
-        &namespace.hex()[..16]
-    )
+        &namespace.hex()[..16],
+        u64::from_le_bytes(random)
+    ))
 }
 
 const POOL_FILE_PREFIX: &str = "kvtier-";
