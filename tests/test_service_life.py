@@ -85,6 +85,47 @@ def test_kvtier_service_stop_stops_the_service_of_a_path_and_says_when_none_runs
     assert again.returncode == 0 and "no service" in again.stdout
 
 
+def _service_stop(store: Path, socket: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "kvtier", "service", "stop", str(store), "--socket", str(socket)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def test_service_stop_never_signals_a_process_a_stale_pid_file_names(tmp_path):
+    """Issue 37, item 8: the service was killed (the OOM killer) and left its pid file; the pid now
+    belongs to an unrelated process of this user. `kvtier service stop` used to SIGTERM it. Pid
+    files of this kvtier (pid and start time) and of older ones (the pid alone) are both checked."""
+    socket = tmp_path / "run" / "kvtier.sock"
+    socket.parent.mkdir(mode=0o700)
+    unrelated = subprocess.Popen(["sleep", "120"])
+    try:
+        for record in (f"{unrelated.pid}\n", f"{unrelated.pid} 1\n"):
+            kvtier_service.pid_file(socket).write_text(record)
+            done = _service_stop(tmp_path / "store", socket)
+            assert done.returncode == 0, done.stderr
+            assert "no service runs" in done.stdout and f"names pid {unrelated.pid}" in done.stdout, done.stdout
+            assert kvtier_service.stop_service(socket, timeout_s=1)
+            time.sleep(0.2)
+            assert unrelated.poll() is None, f"the unrelated process was signalled (pid file {record!r})"
+    finally:
+        unrelated.kill()
+        unrelated.wait()
+
+
+def test_service_stop_finds_a_live_service_whose_socket_was_removed(tmp_path):
+    """The socket is the first witness (its listener's peer credentials); a service whose socket
+    file was removed is still found through its pid file, whose start time proves it is the one."""
+    pool_dir = tmp_path / "shm"
+    pool_dir.mkdir()
+    socket = tmp_path / "run" / "kvtier.sock"
+    kvtier_service.ensure_service(tmp_path / "store", {"dram_bytes": 4 << 20, "nvme_bytes": 0}, socket, str(pool_dir))
+    pid = kvtier_service.service_pid(socket)
+    assert pid is not None and kvtier_service.running_service(socket) == (pid, kvtier_service.process_start_time(pid))
+    socket.unlink()
+    done = _service_stop(tmp_path / "store", socket)
+    assert done.returncode == 0 and f"stopped pid {pid}" in done.stdout, done.stdout + done.stderr
+    assert not kvtier_service._running(pid)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="making a directory of another user needs root")
 def test_a_socket_directory_of_another_user_is_refused_before_anything_is_opened(tmp_path):
     run = tmp_path / "run"

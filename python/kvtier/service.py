@@ -26,7 +26,9 @@ import hashlib
 import json
 import os
 import signal
+import socket as socketlib
 import stat
+import struct
 import subprocess
 import sys
 import time
@@ -235,20 +237,76 @@ def pid_file(socket_path: str | os.PathLike) -> Path:
 
 def stop_service(socket_path: str | os.PathLike, timeout_s: float = 60) -> bool:
     """SIGTERM to the service on ``socket_path`` and a wait (bounded) while it flushes and exits;
-    ``True`` once it is gone (or none recorded itself there)."""
-    pid = service_pid(socket_path)
-    if pid is None:
+    ``True`` once it is gone (or none runs there). Only a process shown to be that service is
+    signalled (``running_service``): a pid file left by a service that was killed may name an
+    unrelated process of this user by now."""
+    found = running_service(socket_path)
+    if found is None:
         return True
+    pid, started = found
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return True
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not _running(pid):
+        if not _running(pid) or process_start_time(pid) != started:
             return True
         time.sleep(0.1)
     return False
+
+
+def running_service(socket_path: str | os.PathLike) -> tuple[int, int] | None:
+    """``(pid, start time)`` of the live service on ``socket_path``, or None. The process listening
+    on the socket (its peer credentials) is the service; when the socket does not answer (removed
+    or its directory replaced), a pid file whose recorded start time matches the process with that
+    pid. A pid alone proves nothing: pids are reused, and a service killed by the OOM killer leaves
+    its pid file behind."""
+    pid = socket_peer_pid(socket_path)
+    if pid is None:
+        pid, recorded = _pid_record(socket_path)
+        if pid is None or not _is_service_process(pid, recorded):
+            return None
+    started = process_start_time(pid)
+    return None if started is None else (pid, started)
+
+
+def socket_peer_pid(socket_path: str | os.PathLike) -> int | None:
+    """The pid of the process of this user listening on ``socket_path`` (SO_PEERCRED), or None
+    when nothing of this user answers there."""
+    probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    try:
+        probe.settimeout(2.0)
+        probe.connect(os.fspath(socket_path))
+        creds = probe.getsockopt(socketlib.SOL_SOCKET, socketlib.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return pid if uid == os.geteuid() and pid > 0 else None
+
+
+def process_start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, /proc/PID/stat field 22): with the pid, what
+    names one process for good. None when no such process runs."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _is_service_process(pid: int, recorded_start: int | None) -> bool:
+    """Whether ``pid`` is the process a pid file recorded: the same start time, or, for a pid file
+    of an older kvtier (no start time), a ``kvtier serve`` of this user."""
+    if recorded_start is not None:
+        return process_start_time(pid) == recorded_start
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        owner = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return False
+    return owner == os.geteuid() and b"serve" in words and any(b"kvtier" in word for word in words)
 
 
 def _running(pid: int) -> bool:
@@ -269,8 +327,21 @@ def _running(pid: int) -> bool:
 
 
 def service_pid(socket_path: str | os.PathLike) -> int | None:
-    """The process id of the service on ``socket_path``, if one recorded it."""
+    """The process id the service on ``socket_path`` recorded in its pid file, if any (not proof
+    that it still runs: ``running_service`` checks)."""
+    return _pid_record(socket_path)[0]
+
+
+def pid_record(pid: int) -> str:
+    """What ``kvtier serve`` writes to its pid file: its pid and its start time."""
+    return f"{pid} {process_start_time(pid)}\n"
+
+
+def _pid_record(socket_path: str | os.PathLike) -> tuple[int | None, int | None]:
+    """``(pid, start time)`` from the pid file; the start time is None in a pid file of an older
+    kvtier (the pid alone)."""
     try:
-        return int(pid_file(socket_path).read_text().strip())
-    except (OSError, ValueError):
-        return None
+        words = pid_file(socket_path).read_text().split()
+        return int(words[0]), int(words[1]) if len(words) > 1 else None
+    except (OSError, ValueError, IndexError):
+        return None, None

@@ -23,7 +23,7 @@ from typing import Any
 
 from kvtier._core import Service
 from kvtier.ops.metrics import start_exporter
-from kvtier.service import DEFAULT_POOL_DIR, default_socket_path, pid_file, widen_affinity
+from kvtier.service import DEFAULT_POOL_DIR, default_socket_path, pid_file, pid_record, widen_affinity
 
 
 def _parse_option(text: str) -> tuple[str, Any]:
@@ -124,7 +124,7 @@ def _serve(service: Service, socket: Path, args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     pid_path = pid_file(socket)
-    pid_path.write_text(f"{os.getpid()}\n")
+    pid_path.write_text(pid_record(os.getpid()))
     print(f"kvtier serve: serving {args.path} on {socket} (pid {os.getpid()})", flush=True)
     idle_limit_ms = int(args.idle_timeout_s * 1000) if args.exit_when_idle else None
     while not stop.wait(1.0):
