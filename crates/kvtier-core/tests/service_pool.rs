@@ -9,7 +9,7 @@ use common::{key, value};
 use kvtier_core::service::{Client, Service, ServiceConfig};
 use kvtier_core::{BlockBuffer, BlockKey, Namespace, Store, StoreConfig};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const SLICE: usize = 8192;
 const DESCRIPTION: &[u8] = b"service-pool-test/model";
@@ -22,6 +22,26 @@ fn config(dir: &Path, nvme_bytes: u64) -> ServiceConfig {
     let mut config = ServiceConfig::new(dir.join("run").join("kvtier.sock"), store);
     config.pool_dir = dir.to_path_buf();
     config
+}
+
+fn client(socket: &Path) -> Client {
+    let mut c = Client::connect(socket, Duration::from_secs(30)).unwrap();
+    c.hello(DESCRIPTION, 1, 0, SLICE).unwrap();
+    c
+}
+
+fn store(c: &mut Client, keys: &[BlockKey], values: &[Vec<u8>]) -> Vec<bool> {
+    let bufs: Vec<BlockBuffer> = values.iter().map(|v| BlockBuffer::single(v.as_ptr() as *mut u8, v.len())).collect();
+    // SAFETY: the values outlive the call.
+    unsafe { c.store_blocks(keys, &bufs).unwrap() }
+}
+
+fn load(c: &mut Client, keys: &[BlockKey]) -> (Vec<bool>, Vec<Vec<u8>>) {
+    let mut out: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; SLICE]).collect();
+    let bufs: Vec<BlockBuffer> = out.iter_mut().map(|v| BlockBuffer::single(v.as_mut_ptr(), v.len())).collect();
+    // SAFETY: `out` outlives the call and nothing else touches it.
+    let found = unsafe { c.load_blocks(keys, &bufs).unwrap() };
+    (found, out)
 }
 
 fn pool_files(dir: &Path) -> Vec<PathBuf> {
@@ -208,4 +228,58 @@ fn a_client_refuses_to_map_a_pool_file_of_another_user() {
     let err = c.hello(DESCRIPTION, 1, 0, SLICE).expect_err("a pool of another user is refused");
     assert!(err.to_string().contains("owner uid 12345"), "{err}");
     fake.join().unwrap();
+}
+
+/// Resident bytes of this process's mapping that starts at `base` (`Rss:` in /proc/self/smaps).
+fn mapping_rss_bytes(base: usize) -> u64 {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut in_mapping = false;
+    for line in smaps.lines() {
+        if let Some((range, _)) = line.split_once(' ').filter(|(r, _)| r.contains('-') && !r.ends_with(':')) {
+            let start = usize::from_str_radix(range.split('-').next().unwrap(), 16).unwrap_or(usize::MAX);
+            in_mapping = start == base;
+        } else if in_mapping && line.starts_with("Rss:") {
+            return line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024;
+        }
+    }
+    panic!("no mapping at {base:#x}")
+}
+
+/// Item 12, a suspect confirmed: every connection used to map the pool with MAP_POPULATE at Hello,
+/// so an engine's scheduler side (its manager, prefetcher and event feed: three connections that
+/// never copy a byte) and every `kvtier ls --blocks` faulted in the whole pool (page tables and
+/// time per GiB, for each). A connection that never copies now leaves the pool unfaulted; one that
+/// copies faults it in when it asks (`populate_pool`, the workers at attach).
+#[test]
+fn a_connection_that_never_copies_does_not_fault_in_the_pool() {
+    const POOL_BYTES: usize = 1 << 30;
+    let dir = tempfile::tempdir().unwrap();
+    let pool_dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let mut config = config(dir.path(), 0);
+    config.store.dram_bytes = POOL_BYTES;
+    config.pool_dir = pool_dir.path().to_path_buf();
+    let socket = config.socket_path.clone();
+    let mut service = Service::start(config).unwrap();
+    drop(client(&socket)); // the namespace opens (and the service faults its own mapping in)
+    let started = Instant::now();
+    let mut scheduler = client(&socket);
+    let hello_ms = started.elapsed().as_secs_f64() * 1e3;
+    assert_eq!(scheduler.locate(&[key(1)]).unwrap(), vec![0]);
+    let (base, len) = scheduler.pool_span().unwrap();
+    let rss = mapping_rss_bytes(base);
+    eprintln!("hello of a {len}-byte pool: {hello_ms:.1} ms, {rss} bytes of it resident in this connection");
+    assert!(rss < (len / 64) as u64, "a connection that never copied faulted in {rss} of {len} bytes");
+    let mut worker = client(&socket);
+    let started = Instant::now();
+    worker.populate_pool().unwrap();
+    let populate_ms = started.elapsed().as_secs_f64() * 1e3;
+    let (worker_base, _) = worker.pool_span().unwrap();
+    let worker_rss = mapping_rss_bytes(worker_base);
+    eprintln!("populate_pool: {populate_ms:.1} ms, {worker_rss} bytes resident");
+    assert!(worker_rss >= (len - len / 64) as u64, "populate_pool faulted in {worker_rss} of {len} bytes");
+    let values = vec![value(1, SLICE)];
+    assert_eq!(store(&mut worker, &[key(1)], &values), vec![true]);
+    assert_eq!(load(&mut scheduler, &[key(1)]), (vec![true], values));
+    drop((scheduler, worker));
+    service.stop().unwrap();
 }

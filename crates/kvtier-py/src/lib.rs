@@ -723,6 +723,12 @@ impl PyServiceClient {
         Ok(d)
     }
 
+    /// Faults the mapped pool in now, so that this connection's copies take no page fault per
+    /// 4 KiB: a worker that copies calls it at attach; a connection that never copies leaves it.
+    fn populate_pool(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.lock().populate_pool()).map_err(to_py)
+    }
+
     #[getter]
     fn connected(&self) -> bool {
         self.inner.lock().is_connected()

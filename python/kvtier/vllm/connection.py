@@ -70,9 +70,14 @@ class ServiceConnection:
         rank: int,
         slice_bytes: int,
         label: str = "",
+        populate_pool: bool = False,
     ):
         self._options = options
         self._label = label[:128]
+        # A worker copies through the pool: it faults it in at each attach. The scheduler side never
+        # copies, and faulting in a pool of tens of GiB would cost each of its connections seconds
+        # and the page tables of the whole pool.
+        self._populate_pool = populate_pool
         self._description = json.dumps(description, sort_keys=True).encode()
         self._tp_size, self._rank, self._slice_bytes = tp_size, rank, slice_bytes
         self._placement: list[tuple[int, int, int]] | None = None
@@ -104,6 +109,8 @@ class ServiceConnection:
         )
         client = connect(socket, timeout_ms=max(self._options.job_timeout_ms, self._options.service_timeout_ms))
         client.hello(self._description, self._tp_size, self._rank, self._slice_bytes)
+        if self._populate_pool:
+            client.populate_pool()
         if self._placement is not None:
             client.set_placement(self._placement)
         if self._label:

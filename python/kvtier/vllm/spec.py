@@ -161,7 +161,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             return None
         return getattr(self.vllm_config.cache_config, "prefix_caching_hash_algo", None)
 
-    def _service_connection(self, rank: int, labelled: bool = True) -> ServiceConnection:
+    def _service_connection(self, rank: int, labelled: bool = True, copies: bool = False) -> ServiceConnection:
         if self.config.worker_kv_bytes_per_block <= 0:
             raise KvtierVllmConfigError(
                 "vLLM did not say how many KV bytes a worker holds per block (worker_kv_bytes_per_block); "
@@ -180,6 +180,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             rank,
             self.config.worker_kv_bytes_per_block,
             label=self._engine_label() if labelled else "",
+            populate_pool=copies,
         )
 
     def _engine_label(self) -> str:
@@ -264,7 +265,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
                     f"worker_kv_bytes_per_block={self.config.worker_kv_bytes_per_block}; kvtier cannot size its "
                     "slices (an unsupported KV-cache layout)"
                 )
-            connection = self._service_connection(rank=self.config.parallel.rank)
+            connection = self._service_connection(rank=self.config.parallel.rank, copies=True)
             if rank_independent_objects(self.config):
                 connection.set_placement(canonical_placement(group_refs, page_bytes))
             if on_gpu:
