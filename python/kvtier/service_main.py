@@ -10,7 +10,6 @@ importer.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -110,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _serve(service: Service, socket: Path, args: argparse.Namespace) -> int:
     """Serves with the exporter of --metrics-port until SIGTERM or SIGINT (or, with --exit-when-idle,
-    until idle), then stops the service and removes its pid file. The exit status."""
+    until idle), then stops the service (which removes its socket and pid file). The exit status."""
     exporter = None
     if args.metrics_port is not None:
         try:
@@ -134,9 +133,9 @@ def _serve(service: Service, socket: Path, args: argparse.Namespace) -> int:
     print("kvtier serve: stopping (flushing stores)", flush=True)
     if exporter is not None:
         exporter.shutdown()
+    # The service removes its pid file with its socket (before it, under the socket path's lock), and
+    # only while it names this process: a service started since may have written its own.
     service.stop()
-    with contextlib.suppress(OSError):
-        pid_path.unlink()
     return 0
 
 

@@ -283,3 +283,70 @@ fn a_connection_that_never_copies_does_not_fault_in_the_pool() {
     drop((scheduler, worker));
     service.stop().unwrap();
 }
+
+/// Item 12, a suspect confirmed: services started at once on one socket (by hand, by systemd
+/// and an engine: only engines coordinate through their lock file), with a dead service's socket
+/// left there. Each found the old socket refusing, removed what was at the path and bound its own:
+/// the later one removed the earlier one's live socket, which then served nobody until it exited,
+/// and its stop removed the other's socket in turn. Now the look at the path, the old socket's
+/// removal and the bind are done under a lock of the socket path, and a service removes only the
+/// socket it bound: in every round exactly one of four starts, and it answers.
+#[test]
+fn services_started_at_once_on_one_socket_never_both_run() {
+    const ROUNDS: usize = 30;
+    const STARTERS: usize = 4;
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), 0);
+    let socket = config.socket_path.clone();
+    std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
+    let mut both = 0;
+    for _ in 0..ROUNDS {
+        drop(std::os::unix::net::UnixListener::bind(&socket).unwrap()); // a dead service's socket
+        let barrier = std::sync::Barrier::new(STARTERS);
+        let started: Vec<Option<Service>> = std::thread::scope(|scope| {
+            let starts: Vec<_> = (0..STARTERS)
+                .map(|_| {
+                    let (barrier, config) = (&barrier, config.clone());
+                    scope.spawn(move || {
+                        barrier.wait();
+                        Service::start(config).ok()
+                    })
+                })
+                .collect();
+            starts.into_iter().map(|s| s.join().unwrap()).collect()
+        });
+        let mut running: Vec<Service> = started.into_iter().flatten().collect();
+        both += usize::from(running.len() > 1);
+        assert!(!running.is_empty(), "no service started");
+        assert!(std::os::unix::net::UnixStream::connect(&socket).is_ok(), "the socket answers");
+        for service in &mut running {
+            service.stop().unwrap();
+        }
+        assert!(!socket.exists(), "a stopped service left its socket");
+    }
+    assert_eq!(both, 0, "in {both} of {ROUNDS} rounds more than one service started");
+}
+
+/// The other half of that race, made deterministic: A's socket file is removed (by a racing start,
+/// or by hand) and B starts on the path and writes its pid file. A stops: it removes neither B's
+/// socket nor B's pid file (it used to remove whatever was at its socket's path, so B then served
+/// nobody; the pid file was removed by `kvtier serve` after the stop, whoever it named).
+#[test]
+fn a_stopping_service_removes_only_its_own_socket_and_pid_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), 0);
+    let socket = config.socket_path.clone();
+    let pid_file = socket.with_extension("pid");
+    let mut a = Service::start(config.clone()).unwrap();
+    std::fs::write(&pid_file, format!("{} 1\n", std::process::id())).unwrap();
+    std::fs::remove_file(&socket).unwrap();
+    std::fs::remove_file(&pid_file).unwrap();
+    let mut b = Service::start(config).unwrap();
+    std::fs::write(&pid_file, "1 1\n").unwrap(); // B's, as `kvtier serve` records it (another process)
+    a.stop().unwrap();
+    assert!(std::os::unix::net::UnixStream::connect(&socket).is_ok(), "B's socket was removed by A's stop");
+    assert_eq!(std::fs::read_to_string(&pid_file).unwrap(), "1 1\n", "B's pid file was removed by A's stop");
+    std::fs::write(&pid_file, format!("{} 1\n", std::process::id())).unwrap(); // now B's names this process
+    b.stop().unwrap();
+    assert!(!socket.exists() && !pid_file.exists(), "B's stop leaves its own socket or pid file");
+}

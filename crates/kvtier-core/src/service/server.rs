@@ -22,6 +22,7 @@
 use super::engines::{EngineCounters, EngineTable};
 use super::fills::{DroppedKeys, Expired, Fill, Fills, Joined, Outcome};
 use super::protocol::*;
+use super::socket_file;
 use crate::config::StoreConfig;
 use crate::error::{Error, Result};
 use crate::key::{BlockKey, Namespace};
@@ -30,7 +31,6 @@ use crate::store::Store;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::os::fd::AsFd;
-use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -166,6 +166,9 @@ struct Namespaced {
 
 struct State {
     config: ServiceConfig,
+    /// The socket file this service bound: at stop it removes that file, not whatever another
+    /// service may have put at the path since.
+    socket_id: socket_file::FileId,
     namespaces: Mutex<HashMap<Namespace, Arc<Namespaced>>>,
     /// One lock per namespace being opened: `Store::open` (recovery, fallocate and faulting in the
     /// pool: seconds for a few GiB) runs outside `namespaces`' lock, so other clients' calls go on,
@@ -191,10 +194,11 @@ pub struct Service {
 impl Service {
     /// Binds the socket and starts serving. Fails if another service answers on the socket.
     pub fn start(config: ServiceConfig) -> Result<Service> {
-        let listener = bind(&config.socket_path)?;
+        let (listener, socket_id) = socket_file::bind(&config.socket_path)?;
         remove_leftovers(&config);
         let state = Arc::new(State {
             config,
+            socket_id,
             namespaces: Mutex::new(HashMap::new()),
             opening: Mutex::new(HashMap::new()),
             budget: Mutex::new(()),
@@ -231,9 +235,10 @@ impl Service {
             let _ = stream.shutdown(std::net::Shutdown::Both);
         }
         for thread in self.threads.drain(..) {
+            thread.thread().unpark(); // the janitor sleeps in `park_timeout`
             let _ = thread.join();
         }
-        let _ = std::fs::remove_file(&self.state.config.socket_path);
+        socket_file::release(&self.state.config.socket_path, self.state.socket_id);
         let mut result = Ok(());
         for (_, ns) in self.state.namespaces.lock().drain() {
             if let Err(e) = close_namespace(&ns) {
@@ -280,34 +285,6 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
     std::thread::Builder::new().name(name.into()).spawn(f).map_err(|e| Error::io("spawning a service thread", e))
 }
 
-/// Creates the socket's directory (0700) and the socket (0600); a stale socket of a dead service is
-/// replaced, a live one is an error.
-fn bind(socket_path: &std::path::Path) -> Result<UnixListener> {
-    if let Some(dir) = socket_path.parent() {
-        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| {
-            Error::io(format!("creating the service socket directory {} (give a writable path)", dir.display()), e)
-        })?;
-        check_private_dir(dir)?;
-    }
-    if socket_path.exists() {
-        if UnixStream::connect(socket_path).is_ok() {
-            return Err(Error::config(
-                "service_socket",
-                format!(
-                    "a kvtier service already serves {}; use it, or stop it first (one service per store path)",
-                    socket_path.display()
-                ),
-            ));
-        }
-        let _ = std::fs::remove_file(socket_path);
-    }
-    let listener = UnixListener::bind(socket_path)
-        .map_err(|e| Error::io(format!("binding the service socket {}", socket_path.display()), e))?;
-    std::fs::set_permissions(socket_path, std::fs::Permissions::from_mode(0o600))
-        .map_err(|e| Error::io(format!("chmod 0600 {}", socket_path.display()), e))?;
-    Ok(listener)
-}
-
 /// Removes what dead services of this user left: pool files no process holds (tmpfs memory until
 /// reboot) and sockets nothing listens on, with their pid files.
 fn remove_leftovers(config: &ServiceConfig) {
@@ -315,42 +292,9 @@ fn remove_leftovers(config: &ServiceConfig) {
     for path in crate::tiers::dram::remove_orphan_pools(&config.pool_dir, &prefix) {
         log::info!("kvtier: removed the pool file {} of a service that is gone", path.display());
     }
-    let Some(dir) = config.socket_path.parent() else { return };
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    for entry in entries.flatten() {
-        let path = entry.path();
-        let is_socket = entry.file_type().is_ok_and(|t| std::os::unix::fs::FileTypeExt::is_socket(&t));
-        if !is_socket || path == config.socket_path {
-            continue;
-        }
-        let refused = matches!(UnixStream::connect(&path), Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused);
-        if refused && std::fs::remove_file(&path).is_ok() {
-            let _ = std::fs::remove_file(path.with_extension("pid"));
-            log::info!("kvtier: removed the socket {} of a service that is gone", path.display());
-        }
+    if let Some(dir) = config.socket_path.parent() {
+        socket_file::remove_dead_sockets(dir, &config.socket_path);
     }
-}
-
-/// The socket's directory must be ours and closed to others: someone who can write it could put
-/// their own socket in place of the service's.
-fn check_private_dir(dir: &std::path::Path) -> Result<()> {
-    use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::symlink_metadata(dir)
-        .map_err(|e| Error::io(format!("stat of the service socket directory {}", dir.display()), e))?;
-    let me = rustix::process::geteuid().as_raw();
-    if !meta.is_dir() || meta.uid() != me || meta.mode() & 0o022 != 0 {
-        return Err(Error::config(
-            "service_socket",
-            format!(
-                "{} is not a directory owned by uid {me} and closed to writes by others (owner uid {}, mode {:o}); \
-                 remove it so kvtier can create it 0700, or choose another socket path",
-                dir.display(),
-                meta.uid(),
-                meta.mode() & 0o7777
-            ),
-        ));
-    }
-    Ok(())
 }
 
 fn accept_loop(state: &Arc<State>, listener: UnixListener) {
