@@ -126,6 +126,38 @@ def test_service_stop_finds_a_live_service_whose_socket_was_removed(tmp_path):
     assert not kvtier_service._running(pid)
 
 
+def test_an_engine_that_attaches_as_the_idle_service_exits_gets_a_service(tmp_path):
+    """Issue 37, item 12 (a suspect, confirmed): the service decides it has been idle long enough
+    and exits; an engine attaches at that moment (`ensure_service`, then connect and Hello, as a
+    ServiceConnection does). It found the socket still there and counted the dying service as
+    answering, then its connect or Hello failed: a failed engine start. The service now decides
+    to exit and removes its socket in one step with its accepting (a connection already queued is
+    closed unanswered), and the engine starts a new service."""
+    pool_dir = tmp_path / "shm"
+    pool_dir.mkdir()
+    socket = tmp_path / "run" / "kvtier.sock"
+    options = {"dram_bytes": 4 << 20, "nvme_bytes": 0}
+    kvtier_service.ensure_service(tmp_path / "store", options, socket, str(pool_dir), idle_timeout_s=1.0)
+    first = kvtier_service.service_pid(socket)
+    log = socket.parent / kvtier_service.SERVICE_LOG_NAME
+    try:
+        deadline = time.monotonic() + 20
+        while "exiting" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert "exiting" in log.read_text(), "the idle service did not decide to exit"
+        started = time.monotonic()
+        found = kvtier_service.ensure_service(tmp_path / "store", options, socket, str(pool_dir), idle_timeout_s=1.0)
+        client = kvtier_service.connect(found)
+        client.hello(b"model", 1, 0, SLICE_BYTES)
+        assert time.monotonic() - started < 15
+        assert kvtier_service.service_pid(socket) != first
+        del client
+    finally:
+        kvtier_service.stop_service(socket)
+        if first is not None and kvtier_service._running(first):
+            os.kill(first, 9)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="making a directory of another user needs root")
 def test_a_socket_directory_of_another_user_is_refused_before_anything_is_opened(tmp_path):
     run = tmp_path / "run"

@@ -49,6 +49,8 @@ DEFAULT_IDLE_TIMEOUT_S = 300.0
 # How long `_answers` waits for a service that accepted the connection to answer `Stats`. A service
 # busy opening a namespace still answers at once (the open runs outside its locks).
 ANSWER_TIMEOUT_MS = 10_000
+# The protocol's Stats request (docs/service.md): what `_answers` sends as its probe.
+_STATS_OP = 10
 
 
 def _paths(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
@@ -186,17 +188,33 @@ def _start_detached(command: list[str], log_path: Path) -> int | None:
 
 
 def _answers(socket: Path) -> bool:
-    """Whether a service serves ``socket``. One that accepts the connection but answers slowly (busy
-    opening a large pool) still counts: starting a second one would only be refused."""
+    """Whether a service of this user serves ``socket``: it answers a Stats request, or accepted the
+    connection and is slow to answer (busy: starting a second one would only be refused). A
+    connection closed or reset unanswered is a service on its way out (its idle exit reset the
+    queue it was in): not answering, so the caller starts a new one."""
     if not socket.exists():
         return False
+    probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
     try:
-        client = connect(socket, timeout_ms=ANSWER_TIMEOUT_MS)
-    except Exception:
+        probe.settimeout(ANSWER_TIMEOUT_MS / 1000)
+        probe.connect(os.fspath(socket))
+        if _peer_credentials(probe)[1] != os.geteuid():
+            return False
+        probe.sendall(struct.pack("<IB", 1, _STATS_OP))
+        return probe.recv(1) != b""
+    except TimeoutError:
+        return True
+    except OSError:
         return False
-    with contextlib.suppress(Exception):
-        client.stats()
-    return True
+    finally:
+        probe.close()
+
+
+def _peer_credentials(connected: socketlib.socket) -> tuple[int, int]:
+    """``(pid, uid)`` of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    creds = connected.getsockopt(socketlib.SOL_SOCKET, socketlib.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return pid, uid
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -278,12 +296,11 @@ def socket_peer_pid(socket_path: str | os.PathLike) -> int | None:
     try:
         probe.settimeout(2.0)
         probe.connect(os.fspath(socket_path))
-        creds = probe.getsockopt(socketlib.SOL_SOCKET, socketlib.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid = _peer_credentials(probe)
     except OSError:
         return None
     finally:
         probe.close()
-    pid, uid, _gid = struct.unpack("3i", creds)
     return pid if uid == os.geteuid() and pid > 0 else None
 
 

@@ -127,7 +127,9 @@ def _serve(service: Service, socket: Path, args: argparse.Namespace) -> int:
     print(f"kvtier serve: serving {args.path} on {socket} (pid {os.getpid()})", flush=True)
     idle_limit_ms = int(args.idle_timeout_s * 1000) if args.exit_when_idle else None
     while not stop.wait(1.0):
-        if idle_limit_ms is not None and service.idle_ms() >= idle_limit_ms:
+        # Decided in one step with the service's accepting: an engine that connects meanwhile is
+        # either counted (no exit) or finds no socket and starts a new service.
+        if idle_limit_ms is not None and service.stop_if_idle(idle_limit_ms):
             print(f"kvtier serve: no engine for {args.idle_timeout_s:g} s; exiting", flush=True)
             break
     print("kvtier serve: stopping (flushing stores)", flush=True)

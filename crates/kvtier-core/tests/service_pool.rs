@@ -350,3 +350,23 @@ fn a_stopping_service_removes_only_its_own_socket_and_pid_file() {
     b.stop().unwrap();
     assert!(!socket.exists() && !pid_file.exists(), "B's stop leaves its own socket or pid file");
 }
+
+/// The idle exit's decision (`stop_if_idle`): never while a connection is held; once idle, it
+/// stops accepting and removes the socket at once, so that an engine arriving next finds no
+/// socket (and starts a service) instead of a service on its way out.
+#[test]
+fn the_idle_exit_is_decided_with_accepting_and_removes_the_socket_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = config(dir.path(), 0).socket_path.clone();
+    let mut service = Service::start(config(dir.path(), 0)).unwrap();
+    let held = Client::connect(&socket, Duration::from_secs(10)).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(!service.stop_if_idle(0), "a service holding a connection decided to exit");
+    drop(held);
+    assert!(!service.stop_if_idle(60_000), "idle for less than the limit");
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(service.stop_if_idle(50));
+    assert!(!socket.exists(), "the socket stayed after the decision");
+    assert!(Client::connect(&socket, Duration::from_secs(1)).is_err());
+    service.stop().unwrap();
+}

@@ -1083,6 +1083,12 @@ impl PyService {
         self.inner.lock().as_ref().map_or(0, Service::idle_ms)
     }
 
+    /// Stops accepting and removes the socket if the service has held nothing for `limit_ms`, in
+    /// one step with accepting (`Service::stop_if_idle`): `True` if it did; call `stop` next.
+    fn stop_if_idle(&self, limit_ms: u64) -> bool {
+        self.inner.lock().as_ref().is_some_and(|service| service.stop_if_idle(limit_ms))
+    }
+
     /// Closes every connection, then flushes and closes the stores. Idempotent.
     fn stop(&self, py: Python<'_>) -> PyResult<()> {
         let service = self.inner.lock().take();

@@ -179,6 +179,8 @@ struct State {
     budget: Mutex<()>,
     /// When the service last held a connection or a namespace (for `Service::idle_ms`).
     busy_at: Mutex<Instant>,
+    /// Held while a connection is accepted and counted, and while `Service::stop_if_idle` decides.
+    accepting: Mutex<()>,
     /// Clones of the live connections, to shut them down when the service stops.
     connections: Mutex<HashMap<u64, UnixStream>>,
     next_connection: AtomicU64,
@@ -203,6 +205,7 @@ impl Service {
             opening: Mutex::new(HashMap::new()),
             budget: Mutex::new(()),
             busy_at: Mutex::new(Instant::now()),
+            accepting: Mutex::new(()),
             connections: Mutex::new(HashMap::new()),
             next_connection: AtomicU64::new(1),
             stop: AtomicBool::new(false),
@@ -226,6 +229,23 @@ impl Service {
     /// service started on demand exits once this passes its idle timeout.
     pub fn idle_ms(&self) -> u64 {
         self.state.idle_ms()
+    }
+
+    /// Stops accepting and removes the socket (and pid file) if the service has held no connection
+    /// and no namespace for `limit_ms`, in one step with accepting: `true` if it did; `stop` then
+    /// closes the rest. A client that connected before the decision was accepted, so the service
+    /// was not idle; one that connects after it finds no socket and starts a new service; one
+    /// queued at the decision is reset unanswered (the service it reached is leaving). Deciding
+    /// from `idle_ms` and stopping after left a moment in which an engine found the socket and a
+    /// service that then went away.
+    pub fn stop_if_idle(&self, limit_ms: u64) -> bool {
+        let _accepting = self.state.accepting.lock();
+        if self.state.holds_anything() || self.state.idle_ms() < limit_ms {
+            return false;
+        }
+        self.state.stop.store(true, Ordering::Release);
+        socket_file::release(&self.state.config.socket_path, self.state.socket_id);
+        true
     }
 
     /// Stops accepting, closes every connection, then flushes and closes every store. Idempotent.
@@ -306,15 +326,24 @@ fn accept_loop(state: &Arc<State>, listener: UnixListener) {
         if poll(&mut fds, Some(&timeout)).unwrap_or(0) == 0 {
             continue;
         }
+        // Accepting and the idle exit's decision exclude each other (`Service::stop_if_idle`): a
+        // connection is either counted before the decision, or never accepted (the listener's
+        // queue is reset when this thread ends).
+        let accepting = state.accepting.lock();
+        if state.stop.load(Ordering::Acquire) {
+            break;
+        }
         let Ok((stream, _)) = listener.accept() else { continue };
         if let Err(why) = admit(state, &stream) {
             log::warn!("kvtier: service refused a connection: {why}");
             continue;
         }
         let id = state.next_connection.fetch_add(1, Ordering::Relaxed);
+        *state.busy_at.lock() = Instant::now();
         if let Ok(clone) = stream.try_clone() {
             state.connections.lock().insert(id, clone);
         }
+        drop(accepting);
         let conn_state = Arc::clone(state);
         let spawned = std::thread::Builder::new().name(format!("kvtier-svc-conn-{id}")).spawn(move || {
             let _slot = ConnectionSlot { state: Arc::clone(&conn_state), id };
@@ -805,10 +834,14 @@ impl State {
     }
 
     fn idle_ms(&self) -> u64 {
-        if !self.connections.lock().is_empty() || !self.namespaces.lock().is_empty() {
+        if self.holds_anything() {
             return 0;
         }
         u64::try_from(self.busy_at.lock().elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn holds_anything(&self) -> bool {
+        !self.connections.lock().is_empty() || !self.namespaces.lock().is_empty()
     }
 }
 
