@@ -158,6 +158,36 @@ def test_an_engine_that_attaches_as_the_idle_service_exits_gets_a_service(tmp_pa
             os.kill(first, 9)
 
 
+def test_the_service_log_is_rotated_at_start_and_while_the_service_runs(tmp_path):
+    """Issue 37, item 12 (a suspect, confirmed): service.log lives next to the socket (in
+    $XDG_RUNTIME_DIR, a small tmpfs, or /tmp), every service of every store path with that socket
+    directory appends to it, and nothing ever truncated it. Past SERVICE_LOG_MAX_BYTES it is now
+    rotated to service.log.1 (one generation kept): at a service's start, and while it runs
+    (checked every second, whoever wrote the bytes)."""
+    pool_dir = tmp_path / "shm"
+    pool_dir.mkdir()
+    socket = tmp_path / "run" / "kvtier.sock"
+    kvtier_service.private_dir(socket.parent)
+    log = socket.parent / kvtier_service.SERVICE_LOG_NAME
+    rotated = log.with_name(log.name + ".1")
+    big = b"an old line of a chatty service\n" * (kvtier_service.SERVICE_LOG_MAX_BYTES // 32 + 1)
+    log.write_bytes(big)
+    options = {"dram_bytes": 4 << 20, "nvme_bytes": 0}
+    try:
+        kvtier_service.ensure_service(tmp_path / "store", options, socket, str(pool_dir))
+        assert rotated.exists() and rotated.stat().st_size == len(big), "the log was not rotated at start"
+        assert log.stat().st_size < 4096 and "serving" in log.read_text()
+        with log.open("ab") as more:  # the service's own output, or another service's
+            more.write(big)
+        assert _wait(lambda: log.stat().st_size < 4096, 10), f"a {log.stat().st_size}-byte log was not rotated"
+        assert rotated.stat().st_size > len(big)
+        assert kvtier_service.stop_service(socket)
+        assert "stopping" in log.read_text(), "the service's output after the rotation went elsewhere"
+        assert log.stat().st_size + rotated.stat().st_size < 3 * kvtier_service.SERVICE_LOG_MAX_BYTES
+    finally:
+        kvtier_service.stop_service(socket)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="making a directory of another user needs root")
 def test_a_socket_directory_of_another_user_is_refused_before_anything_is_opened(tmp_path):
     run = tmp_path / "run"

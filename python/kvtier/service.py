@@ -43,6 +43,10 @@ DEFAULT_POOL_DIR = "/dev/shm"
 # How long an engine waits for a service it started to answer.
 SERVICE_START_TIMEOUT_S = 120.0
 SERVICE_LOG_NAME = "service.log"
+# A service's log is rotated (to service.log.1) past this size: it lives next to the socket, in
+# $XDG_RUNTIME_DIR (a tmpfs of a few hundred MiB at most) or /tmp, and services of every store path
+# with that socket directory append to it, start after start, for months.
+SERVICE_LOG_MAX_BYTES = 8 << 20
 # A service started on demand frees a model's pool after this long with no engine attached, and
 # exits once it holds none: long enough for an engine restart to find its blocks in DRAM.
 DEFAULT_IDLE_TIMEOUT_S = 300.0
@@ -77,10 +81,14 @@ def service_command(
     options: Mapping[str, Any],
     pool_dir: str = DEFAULT_POOL_DIR,
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+    log_path: Path | None = None,
 ) -> list[str]:
-    """The command an engine starts a service with: detached, freeing idle pools, exiting when idle."""
+    """The command an engine starts a service with: detached, freeing idle pools, exiting when idle,
+    keeping its own log (rotated) when ``log_path`` is given."""
     command = [sys.executable, "-m", "kvtier", "serve", *_paths(path), "--socket", os.fspath(socket_path)]
     command += ["--pool-dir", pool_dir, "--detach", "--exit-when-idle", "--idle-timeout-s", str(idle_timeout_s)]
+    if log_path is not None:
+        command += ["--log-file", os.fspath(log_path)]
     if options:
         command += ["--options-json", json.dumps(dict(options))]
     return command
@@ -147,7 +155,8 @@ def ensure_service(
         if _answers(socket):
             return socket
         log_path = socket.parent / SERVICE_LOG_NAME
-        pid = _start_detached(service_command(path, socket, options or {}, pool_dir, idle_timeout_s), log_path)
+        command = service_command(path, socket, options or {}, pool_dir, idle_timeout_s, log_path)
+        pid = _start_detached(command, log_path)
         deadline = time.monotonic() + start_timeout_s
         while time.monotonic() < deadline:
             # Its pid file is written just after the socket answers: callers may read it at once.
@@ -215,6 +224,49 @@ def _peer_credentials(connected: socketlib.socket) -> tuple[int, int]:
     creds = connected.getsockopt(socketlib.SOL_SOCKET, socketlib.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, _gid = struct.unpack("3i", creds)
     return pid, uid
+
+
+def open_log(path: Path) -> None:
+    """Points this process's stdout and stderr (fds 1 and 2: Python's output and the core's log
+    lines) at ``path``: appended, created 0600, never through a symlink."""
+    fd = _open_private(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    finally:
+        os.close(fd)
+
+
+def rotate_log(path: Path, max_bytes: int = SERVICE_LOG_MAX_BYTES) -> None:
+    """Keeps the log this process writes (fd 2, opened by ``open_log``) under ``max_bytes``: past it,
+    ``path`` becomes ``path.1`` (replacing the one before) and a new ``path`` is opened. Services of
+    other store paths append to the same file: the rename is done under an flock of it, and a
+    process whose file another one rotated (``path`` names another file now) opens the new one.
+    A rotation that fails (the directory gone, a symlink planted) leaves the log as it is."""
+    with contextlib.suppress(OSError, ServiceError):
+        _rotate_log(path, max_bytes)
+
+
+def _rotate_log(path: Path, max_bytes: int) -> None:
+    try:
+        current = os.fstat(2)
+        at_path = os.lstat(path)
+    except FileNotFoundError:
+        open_log(path)
+        return
+    if (at_path.st_dev, at_path.st_ino) != (current.st_dev, current.st_ino):
+        open_log(path)
+        return
+    if current.st_size <= max_bytes:
+        return
+    fcntl.flock(2, fcntl.LOCK_EX)
+    try:
+        at_path = os.lstat(path)
+        if (at_path.st_dev, at_path.st_ino) == (current.st_dev, current.st_ino):
+            os.replace(path, path.with_name(path.name + ".1"))
+    finally:
+        fcntl.flock(2, fcntl.LOCK_UN)
+    open_log(path)
 
 
 def _tail(path: Path, lines: int = 20) -> str:

@@ -22,7 +22,16 @@ from typing import Any
 
 from kvtier._core import Service
 from kvtier.ops.metrics import start_exporter
-from kvtier.service import DEFAULT_POOL_DIR, default_socket_path, pid_file, pid_record, widen_affinity
+from kvtier.service import (
+    DEFAULT_POOL_DIR,
+    SERVICE_LOG_MAX_BYTES,
+    default_socket_path,
+    open_log,
+    pid_file,
+    pid_record,
+    rotate_log,
+    widen_affinity,
+)
 
 
 def _parse_option(text: str) -> tuple[str, Any]:
@@ -71,6 +80,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="start the service in a session of its own, print its pid and return at once",
     )
     parser.add_argument(
+        "--log-file",
+        type=Path,
+        default=None,
+        help="append this service's output to this file, rotated to FILE.1 past --log-max-bytes "
+        "(services engines start: service.log next to the socket)",
+    )
+    parser.add_argument(
+        "--log-max-bytes",
+        type=int,
+        default=SERVICE_LOG_MAX_BYTES,
+        help="rotate --log-file once it is larger than this (checked every second)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -87,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--idle-timeout-s takes seconds > 0 with --exit-when-idle, >= 0 without")
     if args.detach:
         return _detach(list(argv) if argv is not None else sys.argv[1:])
+    if args.log_file is not None:
+        open_log(args.log_file)
+        rotate_log(args.log_file, args.log_max_bytes)
     options = {**json.loads(args.options_json), **dict(args.option)}
     if args.host_dram_bytes is not None:
         options["host_dram_bytes"] = args.host_dram_bytes
@@ -127,6 +152,8 @@ def _serve(service: Service, socket: Path, args: argparse.Namespace) -> int:
     print(f"kvtier serve: serving {args.path} on {socket} (pid {os.getpid()})", flush=True)
     idle_limit_ms = int(args.idle_timeout_s * 1000) if args.exit_when_idle else None
     while not stop.wait(1.0):
+        if args.log_file is not None:
+            rotate_log(args.log_file, args.log_max_bytes)
         # Decided in one step with the service's accepting: an engine that connects meanwhile is
         # either counted (no exit) or finds no socket and starts a new service.
         if idle_limit_ms is not None and service.stop_if_idle(idle_limit_ms):
