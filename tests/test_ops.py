@@ -223,6 +223,9 @@ def test_usage_errors_name_the_fix(tmp_path: Path) -> None:
     assert unknown.exit_code == 1 and "no namespace matches 'no-such-model'" in unknown.output
     missing = invoke("verify", str(tmp_path / "nowhere"))
     assert missing.exit_code == 1 and "does not exist" in missing.output
+    # A byte a second would sleep for hours per block (issue 37, item 4): refused, with the floor.
+    crawl = invoke("verify", str(path), "--max-mbps", "0.000001")
+    assert crawl.exit_code == 1 and "--max-mbps 1 or more" in crawl.output, crawl.output
     # Held by another process that is not the service: the command says who, and what to do.
     store = open_store(path)
     try:

@@ -8,9 +8,12 @@ issue 24, item 3). Real services over real sockets, no vLLM.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -82,6 +85,109 @@ def test_kvtier_service_stop_stops_the_service_of_a_path_and_says_when_none_runs
     assert again.returncode == 0 and "no service" in again.stdout
 
 
+def _service_stop(store: Path, socket: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "kvtier", "service", "stop", str(store), "--socket", str(socket)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def test_service_stop_never_signals_a_process_a_stale_pid_file_names(tmp_path):
+    """Issue 37, item 8: the service was killed (the OOM killer) and left its pid file; the pid now
+    belongs to an unrelated process of this user. `kvtier service stop` used to SIGTERM it. Pid
+    files of this kvtier (pid and start time) and of older ones (the pid alone) are both checked."""
+    socket = tmp_path / "run" / "kvtier.sock"
+    socket.parent.mkdir(mode=0o700)
+    unrelated = subprocess.Popen(["sleep", "120"])
+    try:
+        for record in (f"{unrelated.pid}\n", f"{unrelated.pid} 1\n"):
+            kvtier_service.pid_file(socket).write_text(record)
+            done = _service_stop(tmp_path / "store", socket)
+            assert done.returncode == 0, done.stderr
+            assert "no service runs" in done.stdout and f"names pid {unrelated.pid}" in done.stdout, done.stdout
+            assert kvtier_service.stop_service(socket, timeout_s=1)
+            time.sleep(0.2)
+            assert unrelated.poll() is None, f"the unrelated process was signalled (pid file {record!r})"
+    finally:
+        unrelated.kill()
+        unrelated.wait()
+
+
+def test_service_stop_finds_a_live_service_whose_socket_was_removed(tmp_path):
+    """The socket is the first witness (its listener's peer credentials); a service whose socket
+    file was removed is still found through its pid file, whose start time proves it is the one."""
+    pool_dir = tmp_path / "shm"
+    pool_dir.mkdir()
+    socket = tmp_path / "run" / "kvtier.sock"
+    kvtier_service.ensure_service(tmp_path / "store", {"dram_bytes": 4 << 20, "nvme_bytes": 0}, socket, str(pool_dir))
+    pid = kvtier_service.service_pid(socket)
+    assert pid is not None and kvtier_service.running_service(socket) == (pid, kvtier_service.process_start_time(pid))
+    socket.unlink()
+    done = _service_stop(tmp_path / "store", socket)
+    assert done.returncode == 0 and f"stopped pid {pid}" in done.stdout, done.stdout + done.stderr
+    assert not kvtier_service._running(pid)
+
+
+def test_an_engine_that_attaches_as_the_idle_service_exits_gets_a_service(tmp_path):
+    """Issue 37, item 12 (a suspect, confirmed): the service decides it has been idle long enough
+    and exits; an engine attaches at that moment (`ensure_service`, then connect and Hello, as a
+    ServiceConnection does). It found the socket still there and counted the dying service as
+    answering, then its connect or Hello failed: a failed engine start. The service now decides
+    to exit and removes its socket in one step with its accepting (a connection already queued is
+    closed unanswered), and the engine starts a new service."""
+    pool_dir = tmp_path / "shm"
+    pool_dir.mkdir()
+    socket = tmp_path / "run" / "kvtier.sock"
+    options = {"dram_bytes": 4 << 20, "nvme_bytes": 0}
+    kvtier_service.ensure_service(tmp_path / "store", options, socket, str(pool_dir), idle_timeout_s=1.0)
+    first = kvtier_service.service_pid(socket)
+    log = socket.parent / kvtier_service.SERVICE_LOG_NAME
+    try:
+        deadline = time.monotonic() + 20
+        while "exiting" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert "exiting" in log.read_text(), "the idle service did not decide to exit"
+        started = time.monotonic()
+        found = kvtier_service.ensure_service(tmp_path / "store", options, socket, str(pool_dir), idle_timeout_s=1.0)
+        client = kvtier_service.connect(found)
+        client.hello(b"model", 1, 0, SLICE_BYTES)
+        assert time.monotonic() - started < 15
+        assert kvtier_service.service_pid(socket) != first
+        del client
+    finally:
+        kvtier_service.stop_service(socket)
+        if first is not None and kvtier_service._running(first):
+            os.kill(first, 9)
+
+
+def test_the_service_log_is_rotated_at_start_and_while_the_service_runs(tmp_path):
+    """Issue 37, item 12 (a suspect, confirmed): service.log lives next to the socket (in
+    $XDG_RUNTIME_DIR, a small tmpfs, or /tmp), every service of every store path with that socket
+    directory appends to it, and nothing ever truncated it. Past SERVICE_LOG_MAX_BYTES it is now
+    rotated to service.log.1 (one generation kept): at a service's start, and while it runs
+    (checked every second, whoever wrote the bytes)."""
+    pool_dir = tmp_path / "shm"
+    pool_dir.mkdir()
+    socket = tmp_path / "run" / "kvtier.sock"
+    kvtier_service.private_dir(socket.parent)
+    log = socket.parent / kvtier_service.SERVICE_LOG_NAME
+    rotated = log.with_name(log.name + ".1")
+    big = b"an old line of a chatty service\n" * (kvtier_service.SERVICE_LOG_MAX_BYTES // 32 + 1)
+    log.write_bytes(big)
+    options = {"dram_bytes": 4 << 20, "nvme_bytes": 0}
+    try:
+        kvtier_service.ensure_service(tmp_path / "store", options, socket, str(pool_dir))
+        assert rotated.exists() and rotated.stat().st_size == len(big), "the log was not rotated at start"
+        assert log.stat().st_size < 4096 and "serving" in log.read_text()
+        with log.open("ab") as more:  # the service's own output, or another service's
+            more.write(big)
+        assert _wait(lambda: log.stat().st_size < 4096, 10), f"a {log.stat().st_size}-byte log was not rotated"
+        assert rotated.stat().st_size > len(big)
+        assert kvtier_service.stop_service(socket)
+        assert "stopping" in log.read_text(), "the service's output after the rotation went elsewhere"
+        assert log.stat().st_size + rotated.stat().st_size < 3 * kvtier_service.SERVICE_LOG_MAX_BYTES
+    finally:
+        kvtier_service.stop_service(socket)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="making a directory of another user needs root")
 def test_a_socket_directory_of_another_user_is_refused_before_anything_is_opened(tmp_path):
     run = tmp_path / "run"
@@ -118,3 +224,55 @@ def test_a_log_file_planted_as_a_symlink_is_never_written_through(tmp_path):
     with pytest.raises(ServiceError, match="symlink"):
         kvtier_service.ensure_service(tmp_path / "store", {}, run / "kvtier.sock", str(tmp_path))
     assert victim.read_text() == "precious\n"
+
+
+# What an engine does: find or start the service, attach to a model, print its pool file.
+_ATTACH = """
+import sys
+from kvtier import service
+socket = service.ensure_service(sys.argv[1], {"dram_bytes": 4 << 20, "nvme_bytes": 0}, sys.argv[2], sys.argv[3])
+print(service.connect(socket).hello(b"model", 1, 0, 65536)["pool_path"])
+"""
+
+
+def _attach_without_fowner(home: Path, pool_dir: Path) -> subprocess.CompletedProcess[str]:
+    """`_ATTACH` (and the service it starts) as root without CAP_FOWNER: like any user in /dev/shm,
+    it cannot remove another user's file from a sticky directory it does not own."""
+    command = ["setpriv", "--bounding-set", "-fowner", "--", sys.executable, "-c", _ATTACH]
+    command += [str(home / "store"), str(home / "run" / "kv.sock"), str(pool_dir)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def shm_of_another_owner(tmp_path: Path) -> Iterator[Path]:
+    """A directory like /dev/shm (sticky, open to all, owned by someone else: uid 54321) in
+    /dev/shm; the service a test started for `tmp_path` is stopped and the directory removed."""
+    pool_dir = Path(tempfile.mkdtemp(prefix="pooltest-", dir="/dev/shm"))
+    pool_dir.chmod(0o1777)
+    os.chown(pool_dir, 54321, 54321)
+    try:
+        yield pool_dir
+    finally:
+        kvtier_service.stop_service(tmp_path / "run" / "kv.sock")
+        shutil.rmtree(pool_dir, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_a_pool_name_another_user_took_does_not_stop_a_model(tmp_path, shm_of_another_owner):
+    """Issue 37, item 5: another local user sees a model's pool file in /dev/shm and, once it is
+    gone, creates a file of their own at that name. The engine's user, with no power over that
+    file, must still get its model's pool: the name used to be the same at every open, and every
+    Hello of that model failed with EEXIST until the other user removed their file."""
+    pool_dir = shm_of_another_owner
+    first = _attach_without_fowner(tmp_path, pool_dir)
+    assert first.returncode == 0, first.stderr
+    seen = Path(first.stdout.split()[-1])
+    assert seen.parent == pool_dir
+    assert kvtier_service.stop_service(tmp_path / "run" / "kv.sock")
+    assert not seen.exists()
+    seen.write_bytes(b"squatter")
+    os.chown(seen, 12345, 12345)
+    again = _attach_without_fowner(tmp_path, pool_dir)
+    assert again.returncode == 0, f"the model could not open its pool:\n{again.stderr[-2000:]}"
+    assert Path(again.stdout.split()[-1]) != seen
+    assert seen.read_bytes() == b"squatter" and seen.stat().st_uid == 12345

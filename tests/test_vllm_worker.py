@@ -659,3 +659,30 @@ def test_a_request_waits_for_a_prefetch_only_while_it_progresses(service):
         prefetcher.close()
     finally:
         w.shutdown()
+
+
+def _resident_bytes(address: int) -> int:
+    """Resident bytes of this process's mapping that starts at ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and not head.endswith(":"):
+            inside = int(head.split("-")[0], 16) == address
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def test_only_a_connection_that_copies_faults_the_pool_in(service):
+    """Issue 37, item 12: the scheduler side's connections (manager, prefetcher, event feed) never
+    copy; each used to fault in the whole pool at attach (MAP_POPULATE). A worker's connection,
+    which copies, still does (and again after a reconnect: it is part of attaching)."""
+    asks = ServiceConnection(service, {"test": "worker"}, 1, 0, PAGE_BYTES * LAYERS)
+    copies = ServiceConnection(service, {"test": "worker"}, 1, 0, PAGE_BYTES * LAYERS, populate_pool=True)
+    try:
+        asks_pool, copies_pool = asks.live_client().pool(), copies.live_client().pool()
+        assert _resident_bytes(asks_pool["address"]) == 0
+        assert _resident_bytes(copies_pool["address"]) == copies_pool["bytes"]
+    finally:
+        asks.close()
+        copies.close()

@@ -184,13 +184,16 @@ def service_stop(paths: tuple[Path, ...], socket: Path | None, timeout_s: float)
     """SIGTERM to the service of PATH, then a wait while it flushes its stores to NVMe, removes its
     pool files from /dev/shm and its socket, and exits. Exit 0 when none runs; 1 when it did not stop
     within --timeout."""
-    from kvtier.service import default_socket_path, service_pid, stop_service
+    from kvtier.service import default_socket_path, running_service, service_pid, stop_service
 
     socket_path = socket or default_socket_path(list(paths) if len(paths) > 1 else paths[0])
-    pid = service_pid(socket_path)
-    if pid is None:
-        click.echo(f"kvtier service stop: no service recorded on {socket_path}")
+    found = running_service(socket_path)
+    if found is None:
+        recorded = service_pid(socket_path)
+        stale = f" (its pid file names pid {recorded}, which is not that service: left alone)" if recorded else ""
+        click.echo(f"kvtier service stop: no service runs on {socket_path}{stale}")
         return
+    pid = found[0]
     if not stop_service(socket_path, timeout_s=timeout_s):
         raise click.ClickException(f"kvtier service stop: pid {pid} on {socket_path} still runs after {timeout_s:g} s")
     click.echo(f"kvtier service stop: stopped pid {pid} ({socket_path})")

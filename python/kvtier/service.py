@@ -26,7 +26,9 @@ import hashlib
 import json
 import os
 import signal
+import socket as socketlib
 import stat
+import struct
 import subprocess
 import sys
 import time
@@ -41,12 +43,18 @@ DEFAULT_POOL_DIR = "/dev/shm"
 # How long an engine waits for a service it started to answer.
 SERVICE_START_TIMEOUT_S = 120.0
 SERVICE_LOG_NAME = "service.log"
+# A service's log is rotated (to service.log.1) past this size: it lives next to the socket, in
+# $XDG_RUNTIME_DIR (a tmpfs of a few hundred MiB at most) or /tmp, and services of every store path
+# with that socket directory append to it, start after start, for months.
+SERVICE_LOG_MAX_BYTES = 8 << 20
 # A service started on demand frees a model's pool after this long with no engine attached, and
 # exits once it holds none: long enough for an engine restart to find its blocks in DRAM.
 DEFAULT_IDLE_TIMEOUT_S = 300.0
 # How long `_answers` waits for a service that accepted the connection to answer `Stats`. A service
 # busy opening a namespace still answers at once (the open runs outside its locks).
 ANSWER_TIMEOUT_MS = 10_000
+# The protocol's Stats request (docs/service.md): what `_answers` sends as its probe.
+_STATS_OP = 10
 
 
 def _paths(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
@@ -73,10 +81,14 @@ def service_command(
     options: Mapping[str, Any],
     pool_dir: str = DEFAULT_POOL_DIR,
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+    log_path: Path | None = None,
 ) -> list[str]:
-    """The command an engine starts a service with: detached, freeing idle pools, exiting when idle."""
+    """The command an engine starts a service with: detached, freeing idle pools, exiting when idle,
+    keeping its own log (rotated) when ``log_path`` is given."""
     command = [sys.executable, "-m", "kvtier", "serve", *_paths(path), "--socket", os.fspath(socket_path)]
     command += ["--pool-dir", pool_dir, "--detach", "--exit-when-idle", "--idle-timeout-s", str(idle_timeout_s)]
+    if log_path is not None:
+        command += ["--log-file", os.fspath(log_path)]
     if options:
         command += ["--options-json", json.dumps(dict(options))]
     return command
@@ -143,7 +155,8 @@ def ensure_service(
         if _answers(socket):
             return socket
         log_path = socket.parent / SERVICE_LOG_NAME
-        pid = _start_detached(service_command(path, socket, options or {}, pool_dir, idle_timeout_s), log_path)
+        command = service_command(path, socket, options or {}, pool_dir, idle_timeout_s, log_path)
+        pid = _start_detached(command, log_path)
         deadline = time.monotonic() + start_timeout_s
         while time.monotonic() < deadline:
             # Its pid file is written just after the socket answers: callers may read it at once.
@@ -184,17 +197,76 @@ def _start_detached(command: list[str], log_path: Path) -> int | None:
 
 
 def _answers(socket: Path) -> bool:
-    """Whether a service serves ``socket``. One that accepts the connection but answers slowly (busy
-    opening a large pool) still counts: starting a second one would only be refused."""
+    """Whether a service of this user serves ``socket``: it answers a Stats request, or accepted the
+    connection and is slow to answer (busy: starting a second one would only be refused). A
+    connection closed or reset unanswered is a service on its way out (its idle exit reset the
+    queue it was in): not answering, so the caller starts a new one."""
     if not socket.exists():
         return False
+    probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
     try:
-        client = connect(socket, timeout_ms=ANSWER_TIMEOUT_MS)
-    except Exception:
+        probe.settimeout(ANSWER_TIMEOUT_MS / 1000)
+        probe.connect(os.fspath(socket))
+        if _peer_credentials(probe)[1] != os.geteuid():
+            return False
+        probe.sendall(struct.pack("<IB", 1, _STATS_OP))
+        return probe.recv(1) != b""
+    except TimeoutError:
+        return True
+    except OSError:
         return False
-    with contextlib.suppress(Exception):
-        client.stats()
-    return True
+    finally:
+        probe.close()
+
+
+def _peer_credentials(connected: socketlib.socket) -> tuple[int, int]:
+    """``(pid, uid)`` of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    creds = connected.getsockopt(socketlib.SOL_SOCKET, socketlib.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return pid, uid
+
+
+def open_log(path: Path) -> None:
+    """Points this process's stdout and stderr (fds 1 and 2: Python's output and the core's log
+    lines) at ``path``: appended, created 0600, never through a symlink."""
+    fd = _open_private(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    finally:
+        os.close(fd)
+
+
+def rotate_log(path: Path, max_bytes: int = SERVICE_LOG_MAX_BYTES) -> None:
+    """Keeps the log this process writes (fd 2, opened by ``open_log``) under ``max_bytes``: past it,
+    ``path`` becomes ``path.1`` (replacing the one before) and a new ``path`` is opened. Services of
+    other store paths append to the same file: the rename is done under an flock of it, and a
+    process whose file another one rotated (``path`` names another file now) opens the new one.
+    A rotation that fails (the directory gone, a symlink planted) leaves the log as it is."""
+    with contextlib.suppress(OSError, ServiceError):
+        _rotate_log(path, max_bytes)
+
+
+def _rotate_log(path: Path, max_bytes: int) -> None:
+    try:
+        current = os.fstat(2)
+        at_path = os.lstat(path)
+    except FileNotFoundError:
+        open_log(path)
+        return
+    if (at_path.st_dev, at_path.st_ino) != (current.st_dev, current.st_ino):
+        open_log(path)
+        return
+    if current.st_size <= max_bytes:
+        return
+    fcntl.flock(2, fcntl.LOCK_EX)
+    try:
+        at_path = os.lstat(path)
+        if (at_path.st_dev, at_path.st_ino) == (current.st_dev, current.st_ino):
+            os.replace(path, path.with_name(path.name + ".1"))
+    finally:
+        fcntl.flock(2, fcntl.LOCK_UN)
+    open_log(path)
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -235,20 +307,75 @@ def pid_file(socket_path: str | os.PathLike) -> Path:
 
 def stop_service(socket_path: str | os.PathLike, timeout_s: float = 60) -> bool:
     """SIGTERM to the service on ``socket_path`` and a wait (bounded) while it flushes and exits;
-    ``True`` once it is gone (or none recorded itself there)."""
-    pid = service_pid(socket_path)
-    if pid is None:
+    ``True`` once it is gone (or none runs there). Only a process shown to be that service is
+    signalled (``running_service``): a pid file left by a service that was killed may name an
+    unrelated process of this user by now."""
+    found = running_service(socket_path)
+    if found is None:
         return True
+    pid, started = found
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return True
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not _running(pid):
+        if not _running(pid) or process_start_time(pid) != started:
             return True
         time.sleep(0.1)
     return False
+
+
+def running_service(socket_path: str | os.PathLike) -> tuple[int, int] | None:
+    """``(pid, start time)`` of the live service on ``socket_path``, or None. The process listening
+    on the socket (its peer credentials) is the service; when the socket does not answer (removed
+    or its directory replaced), a pid file whose recorded start time matches the process with that
+    pid. A pid alone proves nothing: pids are reused, and a service killed by the OOM killer leaves
+    its pid file behind."""
+    pid = socket_peer_pid(socket_path)
+    if pid is None:
+        pid, recorded = _pid_record(socket_path)
+        if pid is None or not _is_service_process(pid, recorded):
+            return None
+    started = process_start_time(pid)
+    return None if started is None else (pid, started)
+
+
+def socket_peer_pid(socket_path: str | os.PathLike) -> int | None:
+    """The pid of the process of this user listening on ``socket_path`` (SO_PEERCRED), or None
+    when nothing of this user answers there."""
+    probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    try:
+        probe.settimeout(2.0)
+        probe.connect(os.fspath(socket_path))
+        pid, uid = _peer_credentials(probe)
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return pid if uid == os.geteuid() and pid > 0 else None
+
+
+def process_start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, /proc/PID/stat field 22): with the pid, what
+    names one process for good. None when no such process runs."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _is_service_process(pid: int, recorded_start: int | None) -> bool:
+    """Whether ``pid`` is the process a pid file recorded: the same start time, or, for a pid file
+    of an older kvtier (no start time), a ``kvtier serve`` of this user."""
+    if recorded_start is not None:
+        return process_start_time(pid) == recorded_start
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        owner = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return False
+    return owner == os.geteuid() and b"serve" in words and any(b"kvtier" in word for word in words)
 
 
 def _running(pid: int) -> bool:
@@ -269,8 +396,21 @@ def _running(pid: int) -> bool:
 
 
 def service_pid(socket_path: str | os.PathLike) -> int | None:
-    """The process id of the service on ``socket_path``, if one recorded it."""
+    """The process id the service on ``socket_path`` recorded in its pid file, if any (not proof
+    that it still runs: ``running_service`` checks)."""
+    return _pid_record(socket_path)[0]
+
+
+def pid_record(pid: int) -> str:
+    """What ``kvtier serve`` writes to its pid file: its pid and its start time."""
+    return f"{pid} {process_start_time(pid)}\n"
+
+
+def _pid_record(socket_path: str | os.PathLike) -> tuple[int | None, int | None]:
+    """``(pid, start time)`` from the pid file; the start time is None in a pid file of an older
+    kvtier (the pid alone)."""
     try:
-        return int(pid_file(socket_path).read_text().strip())
-    except (OSError, ValueError):
-        return None
+        words = pid_file(socket_path).read_text().split()
+        return int(words[0]), int(words[1]) if len(words) > 1 else None
+    except (OSError, ValueError, IndexError):
+        return None, None

@@ -10,7 +10,6 @@ importer.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -23,7 +22,16 @@ from typing import Any
 
 from kvtier._core import Service
 from kvtier.ops.metrics import start_exporter
-from kvtier.service import DEFAULT_POOL_DIR, default_socket_path, pid_file, widen_affinity
+from kvtier.service import (
+    DEFAULT_POOL_DIR,
+    SERVICE_LOG_MAX_BYTES,
+    default_socket_path,
+    open_log,
+    pid_file,
+    pid_record,
+    rotate_log,
+    widen_affinity,
+)
 
 
 def _parse_option(text: str) -> tuple[str, Any]:
@@ -72,6 +80,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="start the service in a session of its own, print its pid and return at once",
     )
     parser.add_argument(
+        "--log-file",
+        type=Path,
+        default=None,
+        help="append this service's output to this file, rotated to FILE.1 past --log-max-bytes "
+        "(services engines start: service.log next to the socket)",
+    )
+    parser.add_argument(
+        "--log-max-bytes",
+        type=int,
+        default=SERVICE_LOG_MAX_BYTES,
+        help="rotate --log-file once it is larger than this (checked every second)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -88,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--idle-timeout-s takes seconds > 0 with --exit-when-idle, >= 0 without")
     if args.detach:
         return _detach(list(argv) if argv is not None else sys.argv[1:])
+    if args.log_file is not None:
+        open_log(args.log_file)
+        rotate_log(args.log_file, args.log_max_bytes)
     options = {**json.loads(args.options_json), **dict(args.option)}
     if args.host_dram_bytes is not None:
         options["host_dram_bytes"] = args.host_dram_bytes
@@ -110,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _serve(service: Service, socket: Path, args: argparse.Namespace) -> int:
     """Serves with the exporter of --metrics-port until SIGTERM or SIGINT (or, with --exit-when-idle,
-    until idle), then stops the service and removes its pid file. The exit status."""
+    until idle), then stops the service (which removes its socket and pid file). The exit status."""
     exporter = None
     if args.metrics_port is not None:
         try:
@@ -124,19 +148,23 @@ def _serve(service: Service, socket: Path, args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     pid_path = pid_file(socket)
-    pid_path.write_text(f"{os.getpid()}\n")
+    pid_path.write_text(pid_record(os.getpid()))
     print(f"kvtier serve: serving {args.path} on {socket} (pid {os.getpid()})", flush=True)
     idle_limit_ms = int(args.idle_timeout_s * 1000) if args.exit_when_idle else None
     while not stop.wait(1.0):
-        if idle_limit_ms is not None and service.idle_ms() >= idle_limit_ms:
+        if args.log_file is not None:
+            rotate_log(args.log_file, args.log_max_bytes)
+        # Decided in one step with the service's accepting: an engine that connects meanwhile is
+        # either counted (no exit) or finds no socket and starts a new service.
+        if idle_limit_ms is not None and service.stop_if_idle(idle_limit_ms):
             print(f"kvtier serve: no engine for {args.idle_timeout_s:g} s; exiting", flush=True)
             break
     print("kvtier serve: stopping (flushing stores)", flush=True)
     if exporter is not None:
         exporter.shutdown()
+    # The service removes its pid file with its socket (before it, under the socket path's lock), and
+    # only while it names this process: a service started since may have written its own.
     service.stop()
-    with contextlib.suppress(OSError):
-        pid_path.unlink()
     return 0
 
 

@@ -50,7 +50,65 @@ pub struct VerifyBatch {
     /// ends once it passes the value of its first batch: blocks stored meanwhile are the next
     /// scrub's, or a scrub beside a busy engine would chase new blocks for ever.
     pub newest_sequence: u64,
+    /// How long the caller should wait before the next batch to keep the pace. A batch sleeps at
+    /// most `STEP_PACING_LIMIT` itself and ends early when its pace asks for more: the rest of the
+    /// wait is taken between batches, where it holds nothing in the store or the service.
+    pub pace_wait_ms: u64,
     pub bad: Vec<BadBlock>,
+}
+
+/// The slowest pace a scrub may be asked for: 1 MB/s (`kvtier verify --max-mbps 1`). At a byte a
+/// second one block of a few MiB would take weeks.
+pub const MIN_VERIFY_BYTES_PER_S: u64 = 1_000_000;
+
+/// The longest one batch of a scrub sleeps to keep its pace. A batch holds its namespace open in
+/// the service (and, unpaced, each block's pin), so its length is bounded whatever the pace.
+const STEP_PACING_LIMIT: Duration = Duration::from_secs(2);
+
+/// The pace of one scrub batch: `bytes_per_s` from `started` (0: unpaced).
+struct Pace {
+    bytes_per_s: u64,
+    started: Instant,
+}
+
+impl Pace {
+    fn new(bytes_per_s: u64) -> Result<Pace> {
+        if bytes_per_s > 0 && bytes_per_s < MIN_VERIFY_BYTES_PER_S {
+            return Err(Error::config(
+                "max_bytes_per_s",
+                format!(
+                    "a scrub paced to {bytes_per_s} bytes/s would take days per GiB; give at least \
+                     {MIN_VERIFY_BYTES_PER_S} (1 MB/s: `kvtier verify --max-mbps 1`), or 0 to read unpaced"
+                ),
+            ));
+        }
+        Ok(Pace { bytes_per_s, started: Instant::now() })
+    }
+
+    /// Sleeps until `bytes_read` are due at the pace, but not past `STEP_PACING_LIMIT` from the
+    /// batch's start. `Some(rest)` when the pace asks for more: the batch ends after this block,
+    /// and the caller waits `rest` before the next one.
+    fn keep(&self, bytes_read: u64) -> Option<Duration> {
+        if self.bytes_per_s == 0 {
+            return None;
+        }
+        let due = Duration::from_secs_f64(bytes_read as f64 / self.bytes_per_s as f64);
+        let elapsed = self.started.elapsed();
+        let wait = due.checked_sub(elapsed)?;
+        let allowed = STEP_PACING_LIMIT.saturating_sub(elapsed);
+        std::thread::sleep(wait.min(allowed));
+        (wait > allowed).then(|| wait - allowed)
+    }
+}
+
+impl VerifyBatch {
+    /// The batch ends at `next_after` because its pace asks for a wait of `rest` first; it is not
+    /// `done` when `more_left` of its chosen blocks were not checked.
+    fn end_early(&mut self, next_after: u64, more_left: bool, rest: Duration) {
+        self.next_after = next_after;
+        self.done &= !more_left;
+        self.pace_wait_ms = u64::try_from(rest.as_millis()).unwrap_or(u64::MAX).max(1);
+    }
 }
 
 /// What `Store::trim` removes.
@@ -116,6 +174,7 @@ impl Store {
     /// to at most `max_bytes_per_s` (0: unpaced). Safe while the store serves.
     pub fn verify_batch(&self, after: u64, max_blocks: usize, max_bytes_per_s: u64) -> Result<VerifyBatch> {
         self.check_open()?;
+        let pace = Pace::new(max_bytes_per_s)?;
         let sh = self.shared();
         let (chosen, remaining, newest_sequence) = {
             let cat = sh.catalog.lock();
@@ -128,19 +187,16 @@ impl Store {
             newest_sequence,
             ..VerifyBatch::default()
         };
-        let started = Instant::now();
         let mut staging = AlignedBuf::zeroed(sh.arena.slot_bytes());
         let mut meta = Vec::new();
-        for (sequence, key) in &chosen {
+        for (index, (sequence, key)) in chosen.iter().enumerate() {
             // One block pinned at a time, and none while the scrub sleeps to keep its pace.
             if !self.verify_block(*sequence, key, &mut staging, &mut batch, &mut meta) {
                 continue;
             }
-            if max_bytes_per_s > 0 {
-                let due = Duration::from_secs_f64(batch.bytes_read as f64 / max_bytes_per_s as f64);
-                if let Some(wait) = due.checked_sub(started.elapsed()) {
-                    std::thread::sleep(wait);
-                }
+            if let Some(rest) = pace.keep(batch.bytes_read) {
+                batch.end_early(*sequence, index + 1 < chosen.len(), rest);
+                break;
             }
         }
         crate::mover::submit_meta(sh, meta);
@@ -239,6 +295,7 @@ impl Store {
     /// an empty batch, done.
     pub fn verify_shared_batch(&self, after: u64, max_blocks: usize, max_bytes_per_s: u64) -> Result<VerifyBatch> {
         self.check_open()?;
+        let pace = Pace::new(max_bytes_per_s)?;
         let sh = self.shared();
         let Some(tier) = sh.remote.shared_fs() else {
             return Ok(VerifyBatch { next_after: after, done: true, ..VerifyBatch::default() });
@@ -254,8 +311,7 @@ impl Store {
             ..VerifyBatch::default()
         };
         let slot_bytes = tier.slot_bytes();
-        let started = Instant::now();
-        for key in &keys[start..end] {
+        for (position, key) in (start..end).zip(&keys[start..end]) {
             let outcome = tier.scrub_block(key);
             batch.checked_nvme += 1;
             batch.bytes_read += slot_bytes as u64;
@@ -270,11 +326,9 @@ impl Store {
                 log::warn!("kvtier verify: shared copy of {key:?} is bad ({reason}); quarantined: {quarantined}");
                 batch.bad.push(BadBlock { key: *key, tier: Tier::Shared, reason, quarantined });
             }
-            if max_bytes_per_s > 0 {
-                let due = Duration::from_secs_f64(batch.bytes_read as f64 / max_bytes_per_s as f64);
-                if let Some(wait) = due.checked_sub(started.elapsed()) {
-                    std::thread::sleep(wait);
-                }
+            if let Some(rest) = pace.keep(batch.bytes_read) {
+                batch.end_early(position as u64 + 1, position + 1 < end, rest);
+                break;
             }
         }
         Ok(batch)

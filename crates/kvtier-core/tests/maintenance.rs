@@ -152,6 +152,59 @@ fn verify_is_paced() {
     assert!(elapsed >= floor * 0.95, "{} bytes in {elapsed:.3} s at 2 MiB/s", b.bytes_read);
 }
 
+/// Runs `verify_batch(after, max_blocks, rate)` on another thread and waits at most `limit` for it.
+fn verify_within(
+    store: &std::sync::Arc<Store>,
+    max_blocks: usize,
+    rate: u64,
+    limit: Duration,
+) -> kvtier_core::Result<kvtier_core::VerifyBatch> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let store = std::sync::Arc::clone(store);
+    std::thread::spawn(move || tx.send(store.verify_batch(0, max_blocks, rate)));
+    rx.recv_timeout(limit).unwrap_or_else(|_| panic!("a verify step at {rate} bytes/s took over {limit:?}"))
+}
+
+/// Issue 37, item 4: a pace of a byte a second used to sleep for hours per block inside one step
+/// (holding the namespace in the service). It is refused at once, naming the slowest pace taken.
+#[test]
+fn a_verify_slower_than_the_slowest_pace_is_refused_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = std::sync::Arc::new(Store::open(config(dir.path())).unwrap());
+    put_all(&store, 4);
+    let err = verify_within(&store, 1000, 1, Duration::from_secs(5)).expect_err("1 byte/s is refused");
+    assert!(err.to_string().contains("max_bytes_per_s") && err.to_string().contains("1 MB/s"), "{err}");
+    assert!(store.verify_batch(0, 1000, 1_000_000).is_ok(), "1 MB/s is the slowest pace taken");
+}
+
+/// A step sleeps at most about 2 s for its pace: past that it ends early, not done, and names the
+/// rest of the wait for the caller (who holds nothing meanwhile). The scrub still checks every
+/// block, at the pace asked overall.
+#[test]
+fn a_paced_verify_step_is_bounded_and_hands_the_rest_of_its_wait_to_the_caller() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = std::sync::Arc::new(Store::open(config(dir.path())).unwrap());
+    put_all(&store, 120);
+    let started = std::time::Instant::now();
+    let first = verify_within(&store, 1000, 1_000_000, Duration::from_secs(10)).unwrap();
+    let step = started.elapsed();
+    assert!(step < Duration::from_millis(2_700), "one step took {step:?}");
+    assert!(!first.done && first.pace_wait_ms > 0, "done {} pace_wait_ms {}", first.done, first.pace_wait_ms);
+    let (mut checked, mut after, mut bytes) = (first.checked_nvme, first.next_after, first.bytes_read);
+    std::thread::sleep(Duration::from_millis(first.pace_wait_ms));
+    loop {
+        let b = store.verify_batch(after, 1000, 1_000_000).unwrap();
+        (checked, after, bytes) = (checked + b.checked_nvme, b.next_after, bytes + b.bytes_read);
+        if b.done {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(b.pace_wait_ms));
+    }
+    assert_eq!(checked, 120, "every NVMe copy checked once");
+    let floor = bytes as f64 / 1e6;
+    assert!(started.elapsed().as_secs_f64() >= floor * 0.95, "{bytes} bytes in {:?} at 1 MB/s", started.elapsed());
+}
+
 #[test]
 fn trim_keeps_what_is_pinned_and_frees_regions() {
     let dir = tempfile::tempdir().unwrap();

@@ -545,6 +545,7 @@ impl PyStore {
             ("skipped_busy", b.skipped_busy),
             ("remaining_blocks", b.remaining_blocks),
             ("newest_sequence", b.newest_sequence),
+            ("pace_wait_ms", b.pace_wait_ms),
         ];
         let bad = b.bad.iter().map(|x| (x.key.0, x.tier.name(), x.quarantined, x.reason.clone())).collect();
         verify_dict(py, b.next_after, b.done, pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect(), bad)
@@ -720,6 +721,12 @@ impl PyServiceClient {
         d.set_item("slot_count", attached.slot_count)?;
         d.set_item("object_bytes", attached.object_bytes)?;
         Ok(d)
+    }
+
+    /// Faults the mapped pool in now, so that this connection's copies take no page fault per
+    /// 4 KiB: a worker that copies calls it at attach; a connection that never copies leaves it.
+    fn populate_pool(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.lock().populate_pool()).map_err(to_py)
     }
 
     /// Whether no call has failed on the connection. True while a call is in progress on another
@@ -1116,6 +1123,12 @@ impl PyService {
     /// Milliseconds the service has held no connection and no namespace (0 while it holds either).
     fn idle_ms(&self) -> u64 {
         self.inner.lock().as_ref().map_or(0, Service::idle_ms)
+    }
+
+    /// Stops accepting and removes the socket if the service has held nothing for `limit_ms`, in
+    /// one step with accepting (`Service::stop_if_idle`): `True` if it did; call `stop` next.
+    fn stop_if_idle(&self, limit_ms: u64) -> bool {
+        self.inner.lock().as_ref().is_some_and(|service| service.stop_if_idle(limit_ms))
     }
 
     /// Closes every connection, then flushes and closes the stores. Idempotent.

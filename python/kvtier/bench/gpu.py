@@ -125,6 +125,7 @@ class Host:
     def client(self) -> Any:
         client = ServiceClient.connect(self.socket, 600_000)
         client.hello(b"kvtier-bench-gpu", 1, 0, self.object_bytes)
+        client.populate_pool()  # as an engine's worker does: copies measured without page faults
         return client
 
     def restart(self) -> None:

@@ -30,6 +30,8 @@ DESCRIPTION_FILE_NAME = "DESCRIPTION"
 VERIFY_BATCH_BLOCKS = 64
 # A paced step lasts about this long at most (the service answers each step within its timeout).
 VERIFY_STEP_SECONDS = 2.0
+# The slowest pace the core takes (`MIN_VERIFY_BYTES_PER_S` in maintenance.rs): 1 MB/s.
+MIN_VERIFY_BYTES_PER_S = 1_000_000
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$", re.IGNORECASE)
@@ -385,7 +387,7 @@ def verify(
     tier: for the service's namespaces that have one, and for stores opened here when
     ``shared_root`` names it), paced to ``max_mbps`` (MB/s, 10^6 bytes; 0 unpaced), and quarantines
     bad copies."""
-    rate = int(max_mbps * 1_000_000)
+    rate = _verify_rate(max_mbps)
     shared_options = _shared_options(shared_root, shared_key_file)
     with gather(paths, socket, namespace, shared=shared_options) as g:
         report = _header(g, VERIFY_SCHEMA)
@@ -418,6 +420,9 @@ def verify(
                         progress(label, min(done, total or done), max(total or 0, done), totals["bytes_read"])
                     if step["done"] or (ceiling and after >= ceiling):
                         break
+                    # A step sleeps at most ~2 s for its pace (holding its namespace in the
+                    # service); what the pace asks beyond that is waited here, holding nothing.
+                    time.sleep(int(step.get("pace_wait_ms", 0)) / 1000)
             seconds = time.monotonic() - started
             results.append(
                 {
@@ -437,6 +442,17 @@ def verify(
         report["bad_blocks"] = sum(r["bad_blocks"] for r in results)
         report["ok"] = report["bad_blocks"] == 0
         return report
+
+
+def _verify_rate(max_mbps: float) -> int:
+    """Bytes per second for ``--max-mbps``; a pace slower than the core takes is refused here."""
+    rate = int(max_mbps * 1_000_000)
+    if 0 < rate < MIN_VERIFY_BYTES_PER_S:
+        raise OpsError(
+            f"--max-mbps {max_mbps:g} is below the slowest pace a scrub takes (1 MB/s): at that pace one block "
+            "would take minutes to hours. Give --max-mbps 1 or more, or 0 to read unpaced"
+        )
+    return rate
 
 
 def _shared_options(root: str | os.PathLike | None, key_file: str | os.PathLike | None) -> dict[str, str] | None:

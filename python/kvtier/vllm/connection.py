@@ -58,9 +58,14 @@ class ServiceConnection:
         slice_bytes: int,
         label: str = "",
         timeout_ms: int | None = None,
+        populate_pool: bool = False,
     ):
         self._options = options
         self._label = label[:128]
+        # A worker copies through the pool: it faults it in at each attach. The scheduler side never
+        # copies, and faulting in a pool of tens of GiB would cost each of its connections seconds
+        # and the page tables of the whole pool.
+        self._populate_pool = populate_pool
         self._description = json.dumps(description, sort_keys=True).encode()
         self._tp_size, self._rank, self._slice_bytes = tp_size, rank, slice_bytes
         self.timeout_ms = timeout_ms if timeout_ms is not None else options.job_timeout_ms
@@ -100,6 +105,8 @@ class ServiceConnection:
         try:
             client = connect(socket, timeout_ms=self.timeout_ms)
             client.hello(self._description, self._tp_size, self._rank, self._slice_bytes)
+            if self._populate_pool:
+                client.populate_pool()
         except Exception as error:
             if client is not None and client.connected:
                 raise  # it answered, and refused this engine: the message says why

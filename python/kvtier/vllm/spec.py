@@ -166,10 +166,13 @@ class KvtierOffloadingSpec(OffloadingSpec):
             return None
         return getattr(self.vllm_config.cache_config, "prefix_caching_hash_algo", None)
 
-    def _service_connection(self, rank: int, labelled: bool = True, scheduler: bool = False) -> ServiceConnection:
+    def _service_connection(
+        self, rank: int, labelled: bool = True, scheduler: bool = False, copies: bool = False
+    ) -> ServiceConnection:
         """``scheduler``: a connection of the engine-core process (lookups, pins, prefetches, events),
         whose calls hold up vLLM's engine loop: bounded by ``service_timeout_ms``. A worker's
-        transfers run on its own job thread, bounded by ``job_timeout_ms``."""
+        transfers run on its own job thread, bounded by ``job_timeout_ms``. ``copies``: a worker's
+        connection, which faults the pool in at attach (the others never copy)."""
         if self.config.worker_kv_bytes_per_block <= 0:
             raise KvtierVllmConfigError(
                 "vLLM did not say how many KV bytes a worker holds per block (worker_kv_bytes_per_block); "
@@ -183,6 +186,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             self.config.worker_kv_bytes_per_block,
             label=self._engine_label() if labelled else "",
             timeout_ms=self.options.service_timeout_ms if scheduler else self.options.job_timeout_ms,
+            populate_pool=copies,
         )
 
     def _service_description(self) -> dict[str, Any]:
@@ -342,7 +346,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 f"worker_kv_bytes_per_block={self.config.worker_kv_bytes_per_block}; kvtier cannot size its "
                 "slices (an unsupported KV-cache layout)"
             )
-        connection = self._service_connection(rank=self.config.parallel.rank)
+        connection = self._service_connection(rank=self.config.parallel.rank, copies=True)
         if rank_independent_objects(self.config):
             connection.set_placement(canonical_placement(group_refs, page_bytes))
         if on_gpu:

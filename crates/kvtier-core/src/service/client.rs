@@ -65,6 +65,8 @@ struct PoolMap {
     len: usize,
     /// The mapped file's `(device, inode)`: a second hello keeps the mapping only for this file.
     file_id: (u64, u64),
+    /// `populate` faulted the whole mapping in.
+    populated: bool,
 }
 
 // SAFETY: the mapping is process memory; the client serialises its use (`&mut self` calls).
@@ -79,23 +81,65 @@ impl PoolMap {
             .open(path)
             .map_err(|e| Error::io(format!("opening the kvtier pool {}", path.display()), e))?;
         let meta = file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?;
+        // The service creates its pools itself, as this user: anything else at the name (another
+        // user's file in the shared tmpfs) would hold this engine's KV where others read it.
+        let me = rustix::process::geteuid().as_raw();
+        if !meta.file_type().is_file() || std::os::unix::fs::MetadataExt::uid(&meta) != me {
+            return Err(Error::format(
+                path,
+                format!(
+                    "is not a regular file of this user (uid {me}; owner uid {}), so no pool of this user's service: \
+                     refusing to map it; stop the service and remove the file",
+                    std::os::unix::fs::MetadataExt::uid(&meta)
+                ),
+            ));
+        }
         let size = meta.len();
         if size != len as u64 {
             return Err(Error::format(path, format!("{size} bytes, the service said {len}; reconnect")));
         }
         let prot = libc::PROT_READ | libc::PROT_WRITE;
-        // MAP_POPULATE: the page tables are filled now, at attach, so that the engine's first load
-        // does not take a page fault per 4 KiB of the pool.
-        let flags = libc::MAP_SHARED | libc::MAP_POPULATE;
+        // No MAP_POPULATE: most connections never copy (an engine's scheduler side opens three),
+        // and faulting in the whole pool cost each of them its page tables and time per GiB. A
+        // connection that copies asks for it (`Client::populate_pool`).
         // SAFETY: maps the whole file, whose size we checked; the mapping outlives the fd.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, file.as_raw_fd(), 0) };
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, file.as_raw_fd(), 0) };
         if p == libc::MAP_FAILED {
             return Err(Error::io(
                 format!("mapping the kvtier pool {}", path.display()),
                 std::io::Error::last_os_error(),
             ));
         }
-        Ok(PoolMap { base: p.cast(), len, file_id: file_id(&meta) })
+        Ok(PoolMap { base: p.cast(), len, file_id: file_id(&meta), populated: false })
+    }
+
+    /// Faults every page of the mapping in, in steps of `POPULATE_STEP_BYTES`: the kernel holds the
+    /// process's memory-map lock for a whole call, and the engine's other threads that map memory
+    /// meanwhile would wait on it for the whole pool.
+    fn populate(&mut self) {
+        // Read faults, as MAP_POPULATE makes on a shared mapping (with fault-around: 3x faster than
+        // MADV_POPULATE_WRITE here, and no page is dirtied).
+        const MADV_POPULATE_READ: libc::c_int = 22;
+        const POPULATE_STEP_BYTES: usize = 16 << 20;
+        const PAGE_BYTES: usize = 4096;
+        if self.populated {
+            return;
+        }
+        let mut offset = 0;
+        while offset < self.len {
+            let step = POPULATE_STEP_BYTES.min(self.len - offset);
+            // SAFETY: inside our own mapping; faults pages in, changes no byte.
+            if unsafe { libc::madvise(self.base.add(offset).cast(), step, MADV_POPULATE_READ) } != 0 {
+                break;
+            }
+            offset += step;
+        }
+        // Kernels before 5.14: read one byte per page (never write: the pool holds other engines' KV).
+        for at in (offset..self.len).step_by(PAGE_BYTES) {
+            // SAFETY: in bounds of the mapping.
+            unsafe { self.base.add(at).read_volatile() };
+        }
+        self.populated = true;
     }
 
     /// Whether `path` is the file mapped here, at `len` bytes.
@@ -655,6 +699,16 @@ impl Client {
             w.keys(keys);
         })
         .map(drop)
+    }
+
+    /// Faults the whole mapped pool in now (its page tables filled), so that this connection's
+    /// copies take no page fault per 4 KiB: for a connection that copies (an engine's worker), at
+    /// attach. One that only asks (an engine's scheduler side, operator commands) never calls it,
+    /// and the pool then costs its process neither the time nor the page tables. Idempotent.
+    pub fn populate_pool(&mut self) -> Result<()> {
+        let pool = self.pool.as_mut().ok_or_else(|| service_error(&self.socket_path, "say hello first"))?;
+        pool.populate();
+        Ok(())
     }
 
     /// The pool as mapped in this process: its address and length. A caller registers it for

@@ -14,6 +14,7 @@ mod placement;
 // `kvtier_core::testing::wire`.
 pub(crate) mod protocol;
 mod server;
+mod socket_file;
 
 pub use changes::{TIER_DRAM, TIER_NVME, TIER_SHARED};
 pub use client::{Attached, Client, EngineEntry, NamespaceInfo, RemoteBadBlock, RemoteVerifyBatch, ReserveReply};

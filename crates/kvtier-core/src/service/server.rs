@@ -22,6 +22,7 @@
 use super::engines::{EngineCounters, EngineTable};
 use super::fills::{DroppedKeys, Expired, Fill, Fills, Joined, Outcome};
 use super::protocol::*;
+use super::socket_file;
 use crate::config::StoreConfig;
 use crate::error::{Error, Result};
 use crate::key::{BlockKey, Namespace};
@@ -30,7 +31,6 @@ use crate::store::Store;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::os::fd::AsFd;
-use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -148,6 +148,9 @@ struct Namespaced {
     attached: AtomicU64,
     /// When the last attached connection left (or the namespace opened).
     detached_at: Mutex<Instant>,
+    /// Operator requests (Verify, Trim, Engines) working on it now (`OperatorHold`); changed
+    /// under `State::namespaces`' lock like `attached`. Not engines: they leave `detached_at` alone.
+    operator_holds: AtomicU64,
     fills: Mutex<Fills>,
     /// Blocks a rank gave up for want of room; locked after `fills`.
     dropped: Mutex<DroppedKeys>,
@@ -163,6 +166,9 @@ struct Namespaced {
 
 struct State {
     config: ServiceConfig,
+    /// The socket file this service bound: at stop it removes that file, not whatever another
+    /// service may have put at the path since.
+    socket_id: socket_file::FileId,
     namespaces: Mutex<HashMap<Namespace, Arc<Namespaced>>>,
     /// One lock per namespace being opened: `Store::open` (recovery, fallocate and faulting in the
     /// pool: seconds for a few GiB) runs outside `namespaces`' lock, so other clients' calls go on,
@@ -173,6 +179,8 @@ struct State {
     budget: Mutex<()>,
     /// When the service last held a connection or a namespace (for `Service::idle_ms`).
     busy_at: Mutex<Instant>,
+    /// Held while a connection is accepted and counted, and while `Service::stop_if_idle` decides.
+    accepting: Mutex<()>,
     /// Clones of the live connections, to shut them down when the service stops.
     connections: Mutex<HashMap<u64, UnixStream>>,
     next_connection: AtomicU64,
@@ -188,14 +196,16 @@ pub struct Service {
 impl Service {
     /// Binds the socket and starts serving. Fails if another service answers on the socket.
     pub fn start(config: ServiceConfig) -> Result<Service> {
-        let listener = bind(&config.socket_path)?;
+        let (listener, socket_id) = socket_file::bind(&config.socket_path)?;
         remove_leftovers(&config);
         let state = Arc::new(State {
             config,
+            socket_id,
             namespaces: Mutex::new(HashMap::new()),
             opening: Mutex::new(HashMap::new()),
             budget: Mutex::new(()),
             busy_at: Mutex::new(Instant::now()),
+            accepting: Mutex::new(()),
             connections: Mutex::new(HashMap::new()),
             next_connection: AtomicU64::new(1),
             stop: AtomicBool::new(false),
@@ -221,6 +231,23 @@ impl Service {
         self.state.idle_ms()
     }
 
+    /// Stops accepting and removes the socket (and pid file) if the service has held no connection
+    /// and no namespace for `limit_ms`, in one step with accepting: `true` if it did; `stop` then
+    /// closes the rest. A client that connected before the decision was accepted, so the service
+    /// was not idle; one that connects after it finds no socket and starts a new service; one
+    /// queued at the decision is reset unanswered (the service it reached is leaving). Deciding
+    /// from `idle_ms` and stopping after left a moment in which an engine found the socket and a
+    /// service that then went away.
+    pub fn stop_if_idle(&self, limit_ms: u64) -> bool {
+        let _accepting = self.state.accepting.lock();
+        if self.state.holds_anything() || self.state.idle_ms() < limit_ms {
+            return false;
+        }
+        self.state.stop.store(true, Ordering::Release);
+        socket_file::release(&self.state.config.socket_path, self.state.socket_id);
+        true
+    }
+
     /// Stops accepting, closes every connection, then flushes and closes every store. Idempotent.
     pub fn stop(&mut self) -> Result<()> {
         self.state.stop.store(true, Ordering::Release);
@@ -228,9 +255,10 @@ impl Service {
             let _ = stream.shutdown(std::net::Shutdown::Both);
         }
         for thread in self.threads.drain(..) {
+            thread.thread().unpark(); // the janitor sleeps in `park_timeout`
             let _ = thread.join();
         }
-        let _ = std::fs::remove_file(&self.state.config.socket_path);
+        socket_file::release(&self.state.config.socket_path, self.state.socket_id);
         let mut result = Ok(());
         for (_, ns) in self.state.namespaces.lock().drain() {
             if let Err(e) = close_namespace(&ns) {
@@ -277,34 +305,6 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
     std::thread::Builder::new().name(name.into()).spawn(f).map_err(|e| Error::io("spawning a service thread", e))
 }
 
-/// Creates the socket's directory (0700) and the socket (0600); a stale socket of a dead service is
-/// replaced, a live one is an error.
-fn bind(socket_path: &std::path::Path) -> Result<UnixListener> {
-    if let Some(dir) = socket_path.parent() {
-        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| {
-            Error::io(format!("creating the service socket directory {} (give a writable path)", dir.display()), e)
-        })?;
-        check_private_dir(dir)?;
-    }
-    if socket_path.exists() {
-        if UnixStream::connect(socket_path).is_ok() {
-            return Err(Error::config(
-                "service_socket",
-                format!(
-                    "a kvtier service already serves {}; use it, or stop it first (one service per store path)",
-                    socket_path.display()
-                ),
-            ));
-        }
-        let _ = std::fs::remove_file(socket_path);
-    }
-    let listener = UnixListener::bind(socket_path)
-        .map_err(|e| Error::io(format!("binding the service socket {}", socket_path.display()), e))?;
-    std::fs::set_permissions(socket_path, std::fs::Permissions::from_mode(0o600))
-        .map_err(|e| Error::io(format!("chmod 0600 {}", socket_path.display()), e))?;
-    Ok(listener)
-}
-
 /// Removes what dead services of this user left: pool files no process holds (tmpfs memory until
 /// reboot) and sockets nothing listens on, with their pid files.
 fn remove_leftovers(config: &ServiceConfig) {
@@ -312,42 +312,9 @@ fn remove_leftovers(config: &ServiceConfig) {
     for path in crate::tiers::dram::remove_orphan_pools(&config.pool_dir, &prefix) {
         log::info!("kvtier: removed the pool file {} of a service that is gone", path.display());
     }
-    let Some(dir) = config.socket_path.parent() else { return };
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    for entry in entries.flatten() {
-        let path = entry.path();
-        let is_socket = entry.file_type().is_ok_and(|t| std::os::unix::fs::FileTypeExt::is_socket(&t));
-        if !is_socket || path == config.socket_path {
-            continue;
-        }
-        let refused = matches!(UnixStream::connect(&path), Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused);
-        if refused && std::fs::remove_file(&path).is_ok() {
-            let _ = std::fs::remove_file(path.with_extension("pid"));
-            log::info!("kvtier: removed the socket {} of a service that is gone", path.display());
-        }
+    if let Some(dir) = config.socket_path.parent() {
+        socket_file::remove_dead_sockets(dir, &config.socket_path);
     }
-}
-
-/// The socket's directory must be ours and closed to others: someone who can write it could put
-/// their own socket in place of the service's.
-fn check_private_dir(dir: &std::path::Path) -> Result<()> {
-    use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::symlink_metadata(dir)
-        .map_err(|e| Error::io(format!("stat of the service socket directory {}", dir.display()), e))?;
-    let me = rustix::process::geteuid().as_raw();
-    if !meta.is_dir() || meta.uid() != me || meta.mode() & 0o022 != 0 {
-        return Err(Error::config(
-            "service_socket",
-            format!(
-                "{} is not a directory owned by uid {me} and closed to writes by others (owner uid {}, mode {:o}); \
-                 remove it so kvtier can create it 0700, or choose another socket path",
-                dir.display(),
-                meta.uid(),
-                meta.mode() & 0o7777
-            ),
-        ));
-    }
-    Ok(())
 }
 
 fn accept_loop(state: &Arc<State>, listener: UnixListener) {
@@ -359,15 +326,24 @@ fn accept_loop(state: &Arc<State>, listener: UnixListener) {
         if poll(&mut fds, Some(&timeout)).unwrap_or(0) == 0 {
             continue;
         }
+        // Accepting and the idle exit's decision exclude each other (`Service::stop_if_idle`): a
+        // connection is either counted before the decision, or never accepted (the listener's
+        // queue is reset when this thread ends).
+        let accepting = state.accepting.lock();
+        if state.stop.load(Ordering::Acquire) {
+            break;
+        }
         let Ok((stream, _)) = listener.accept() else { continue };
         if let Err(why) = admit(state, &stream) {
             log::warn!("kvtier: service refused a connection: {why}");
             continue;
         }
         let id = state.next_connection.fetch_add(1, Ordering::Relaxed);
+        *state.busy_at.lock() = Instant::now();
         if let Ok(clone) = stream.try_clone() {
             state.connections.lock().insert(id, clone);
         }
+        drop(accepting);
         let conn_state = Arc::clone(state);
         let spawned = std::thread::Builder::new().name(format!("kvtier-svc-conn-{id}")).spawn(move || {
             let _slot = ConnectionSlot { state: Arc::clone(&conn_state), id };
@@ -804,7 +780,7 @@ impl State {
         if self.config.host_dram_bytes > 0 {
             config.dram_bytes = self.pool_within_host_budget(&self.namespaces.lock(), &config)?;
         }
-        config.pool_path = Some(self.config.pool_dir.join(pool_file_name(&self.config.socket_path, namespace)));
+        config.pool_path = Some(self.config.pool_dir.join(pool_file_name(&self.config.socket_path, namespace)?));
         let store = Store::open(config)?;
         Ok(Namespaced {
             store,
@@ -812,6 +788,7 @@ impl State {
             latency: super::latency::OpLatencies::default(),
             attached: AtomicU64::new(0),
             detached_at: Mutex::new(Instant::now()),
+            operator_holds: AtomicU64::new(0),
             tp_size,
             slice_bytes,
             fills: Mutex::new(Fills::default()),
@@ -829,8 +806,11 @@ impl State {
             return;
         }
         let idle = Duration::from_millis(self.config.idle_timeout_ms);
-        let is_idle =
-            |ns: &Namespaced| ns.attached.load(Ordering::Relaxed) == 0 && ns.detached_at.lock().elapsed() >= idle;
+        let is_idle = |ns: &Namespaced| {
+            ns.attached.load(Ordering::Relaxed) == 0
+                && ns.operator_holds.load(Ordering::Relaxed) == 0
+                && ns.detached_at.lock().elapsed() >= idle
+        };
         let candidates: Vec<Namespace> =
             self.namespaces.lock().iter().filter(|(_, ns)| is_idle(ns)).map(|(digest, _)| *digest).collect();
         for digest in candidates {
@@ -854,22 +834,57 @@ impl State {
     }
 
     fn idle_ms(&self) -> u64 {
-        if !self.connections.lock().is_empty() || !self.namespaces.lock().is_empty() {
+        if self.holds_anything() {
             return 0;
         }
         u64::try_from(self.busy_at.lock().elapsed().as_millis()).unwrap_or(u64::MAX)
     }
+
+    fn holds_anything(&self) -> bool {
+        !self.connections.lock().is_empty() || !self.namespaces.lock().is_empty()
+    }
 }
 
-/// `kvtier-<uid>-<socket hash>-<namespace>.pool`: the pool files of one service (two services on one
-/// host serve different store paths).
-fn pool_file_name(socket_path: &std::path::Path, namespace: &Namespace) -> String {
-    format!(
-        "{POOL_FILE_PREFIX}{}-{:016x}-{}.pool",
+/// An operator request's hold on a namespace: the janitor does not close a namespace while one
+/// runs. A closed namespace's store would go on with the request (a paced verify: seconds), and
+/// the pool it still maps would outlive the namespace that engines reopen meanwhile. Unlike an
+/// engine's attachment it does not restart the idle time: a metrics scrape or a periodic verify
+/// must not keep a model's pool for ever.
+struct OperatorHold(Arc<Namespaced>);
+
+impl std::ops::Deref for OperatorHold {
+    type Target = Namespaced;
+
+    fn deref(&self) -> &Namespaced {
+        &self.0
+    }
+}
+
+impl Drop for OperatorHold {
+    fn drop(&mut self) {
+        self.0.operator_holds.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// `kvtier-<uid>-<socket hash>-<namespace>-<random>.pool`: the pool files of one service (two
+/// services on one host serve different store paths), each open of a namespace its own. The random
+/// part (64 bits from the kernel) is what no other local user can guess: a predictable name in a
+/// shared /dev/shm could be taken first, and the namespace could then never open. Engines learn the
+/// name from Hello; leftovers are found by the prefix (`remove_orphan_pools`).
+fn pool_file_name(socket_path: &std::path::Path, namespace: &Namespace) -> Result<String> {
+    let mut random = [0u8; 8];
+    let filled = rustix::rand::getrandom(&mut random, rustix::rand::GetRandomFlags::empty())
+        .map_err(|e| Error::io("drawing a random pool file name (getrandom)", e.into()))?;
+    if filled != random.len() {
+        return Err(Error::io("drawing a random pool file name (getrandom)", std::io::ErrorKind::UnexpectedEof.into()));
+    }
+    Ok(format!(
+        "{POOL_FILE_PREFIX}{}-{:016x}-{}-{:016x}.pool",
         rustix::process::geteuid().as_raw(),
         socket_hash(socket_path),
-        &namespace.hex()[..16]
-    )
+        &namespace.hex()[..16],
+        u64::from_le_bytes(random)
+    ))
 }
 
 const POOL_FILE_PREFIX: &str = "kvtier-";
@@ -942,15 +957,19 @@ impl State {
         Ok(w.0)
     }
 
-    fn open_namespace(&self, r: &mut Reader<'_>) -> std::result::Result<Arc<Namespaced>, String> {
+    /// The open namespace an operator request names, held open for the request (`OperatorHold`).
+    fn open_namespace(&self, r: &mut Reader<'_>) -> std::result::Result<OperatorHold, String> {
         let digest = Namespace(r.array32().map_err(|e| e.to_string())?);
-        self.namespaces.lock().get(&digest).cloned().ok_or_else(|| {
+        let namespaces = self.namespaces.lock();
+        let ns = namespaces.get(&digest).ok_or_else(|| {
             format!(
                 "namespace {} is not open in this service (no engine attached to it since the service started): \
                  run the command without a service for it, or list the open ones with `kvtier ls PATH`",
                 &digest.hex()[..16]
             )
-        })
+        })?;
+        ns.operator_holds.fetch_add(1, Ordering::Relaxed);
+        Ok(OperatorHold(Arc::clone(ns)))
     }
 
     fn describe_namespaces(&self) -> Vec<u8> {
@@ -1028,6 +1047,7 @@ impl State {
             ("skipped_busy", batch.skipped_busy),
             ("remaining_blocks", batch.remaining_blocks),
             ("newest_sequence", batch.newest_sequence),
+            ("pace_wait_ms", batch.pace_wait_ms),
         ]);
         w.u32(batch.bad.len() as u32);
         for bad in &batch.bad {

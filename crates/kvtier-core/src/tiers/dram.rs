@@ -30,7 +30,7 @@ pub struct Arena {
     file: Option<PathBuf>,
     /// The open pool file, holding an exclusive flock for the arena's life: a file no process
     /// holds locked is an orphan (its service died), which `remove_orphan_pools` may delete.
-    _owner: Option<std::fs::File>,
+    owner: Option<std::fs::File>,
 }
 
 unsafe impl Send for Arena {}
@@ -67,7 +67,7 @@ impl Arena {
         };
         PROCESS_ARENA_BYTES.fetch_add(len, Ordering::Relaxed);
         let (file, owner) = file.unzip();
-        Ok(Arena { base, len, slot_bytes, slot_count, huge_pages, file, _owner: owner })
+        Ok(Arena { base, len, slot_bytes, slot_count, huge_pages, file, owner })
     }
 
     /// The shared-memory file behind the pool, when it has one.
@@ -122,9 +122,23 @@ impl Drop for Arena {
         // SAFETY: mapped in `map` with this length; no I/O is in flight (the store joined its threads).
         unsafe { libc::munmap(self.base.cast(), self.len) };
         PROCESS_ARENA_BYTES.fetch_sub(self.len, Ordering::Relaxed);
-        if let Some(path) = &self.file {
+        if let (Some(path), Some(owner)) = (&self.file, &self.owner) {
+            remove_if_same_file(path, owner);
+        }
+    }
+}
+
+/// Removes `path` if it still names the file `owner` is open on. The name may have been given to
+/// another file since this one was created (a namespace closed while a request still held its
+/// store, then reopened at the same name): that file is another store's pool, mapped by engines.
+fn remove_if_same_file(path: &Path, owner: &std::fs::File) {
+    use std::os::unix::fs::MetadataExt;
+    let same = |a: &std::fs::Metadata, b: &std::fs::Metadata| a.dev() == b.dev() && a.ino() == b.ino();
+    match (std::fs::symlink_metadata(path), owner.metadata()) {
+        (Ok(at_path), Ok(ours)) if same(&at_path, &ours) => {
             let _ = std::fs::remove_file(path);
         }
+        _ => {}
     }
 }
 
@@ -151,25 +165,17 @@ fn map_anonymous(len: usize) -> Result<(*mut u8, bool)> {
     Ok((p.cast(), false))
 }
 
-/// Creates (or replaces) the pool file, locks it and maps it shared. A leftover file of a dead
-/// service is replaced: its blocks were never recorded anywhere but in that service's memory.
+/// Creates the pool file, locks it and maps it shared. Only a file created here is used: whatever
+/// is at `path` already (a file another local user put there, a symbolic link) is neither opened
+/// nor removed. The service names its pools unpredictably, so nothing can be there in its way.
 fn map_shared_file(path: &Path, len: usize) -> Result<(*mut u8, std::fs::File)> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let _ = std::fs::remove_file(path);
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|e| Error::io(format!("creating the shared DRAM pool {}", path.display()), e))?;
+    let file = create_pool_file(path)?;
     rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)
         .map_err(|e| Error::io(format!("locking the shared DRAM pool {}", path.display()), e.into()))?;
     // SAFETY: a valid fd; allocates the file's blocks up front.
     let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
     if rc != 0 {
-        let _ = std::fs::remove_file(path);
+        remove_if_same_file(path, &file);
         let dir = path.parent().unwrap_or(Path::new("/"));
         return Err(Error::Capacity {
             message: format!(
@@ -185,7 +191,7 @@ fn map_shared_file(path: &Path, len: usize) -> Result<(*mut u8, std::fs::File)> 
     // SAFETY: maps the whole file we just sized; the mapping outlives the fd.
     let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, file.as_raw_fd(), 0) };
     if p == libc::MAP_FAILED {
-        let _ = std::fs::remove_file(path);
+        remove_if_same_file(path, &file);
         return Err(Error::io(
             format!("mapping the shared DRAM pool {}", path.display()),
             std::io::Error::last_os_error(),
@@ -193,6 +199,35 @@ fn map_shared_file(path: &Path, len: usize) -> Result<(*mut u8, std::fs::File)> 
     }
     populate(p.cast(), len);
     Ok((p.cast(), file))
+}
+
+/// `path`, created here (0600, never through a symbolic link). Anything already there is an error
+/// naming its owner: in a shared tmpfs it may be another user's, planted to be written into or to
+/// stop kvtier.
+fn create_pool_file(path: &Path) -> Result<std::fs::File> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let created = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path);
+    match created {
+        Ok(file) => Ok(file),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            let owner = std::fs::symlink_metadata(path).map_or_else(|_| "unknown".to_string(), |m| m.uid().to_string());
+            Err(Error::io(
+                format!(
+                    "creating the shared DRAM pool {}: a file is there already (owner uid {owner}); kvtier uses \
+                     only pool files it creates itself. Remove it, or give the service another --pool-dir",
+                    path.display()
+                ),
+                e,
+            ))
+        }
+        Err(e) => Err(Error::io(format!("creating the shared DRAM pool {}", path.display()), e)),
+    }
 }
 
 /// Pool files younger than this are left alone by `remove_orphan_pools`: their creator may not have
