@@ -49,10 +49,13 @@ struct Loc {
 
 #[derive(Debug, Clone)]
 struct Segment {
+    /// Every block it holds, whether its copy is the one in use or another's is.
     keys: Vec<BlockKey>,
 }
 
-/// The blocks of every segment whose index object the bucket listed (first segment wins a key).
+/// The blocks of every segment whose index object the bucket listed. A block in several segments
+/// (two writers published it before either listed the other's) is read from the first listed, and
+/// from another when that one goes (`KeyIndex`).
 #[derive(Default)]
 struct Index {
     /// Where each block is; its generation moves whenever a key is gained or lost, so the change
@@ -64,30 +67,28 @@ struct Index {
 impl Index {
     fn insert(&mut self, stem: &str, index: &format::SegmentIndex) {
         let stem: Arc<str> = Arc::from(stem);
-        let mut keys = Vec::with_capacity(index.entries.len());
         for e in &index.entries {
             let loc = Loc { stem: Arc::clone(&stem), offset: e.offset, value_checksum: e.value_checksum };
-            if self.blocks.insert(e.key, loc) {
-                keys.push(e.key);
-            }
+            self.blocks.insert(e.key, loc);
         }
+        let keys = index.entries.iter().map(|e| e.key).collect();
         self.segments.insert(stem, Segment { keys });
     }
 
-    /// Drops one block of `stem` (refused by verification); the segment's other blocks stay.
+    /// Drops one block of `stem` (refused by verification); the segment's other blocks stay, and
+    /// another segment's copy of the block, if any, is used instead.
     fn remove_block(&mut self, stem: &str, key: &BlockKey) {
-        if self.blocks.remove(key, |loc| &*loc.stem == stem) {
-            if let Some(seg) = self.segments.get_mut(stem) {
-                seg.keys.retain(|k| k != key);
-            }
+        self.blocks.remove(key, |loc| &*loc.stem == stem);
+        if let Some(seg) = self.segments.get_mut(stem) {
+            seg.keys.retain(|k| k != key);
         }
     }
 
+    /// Drops a segment: its blocks leave the index unless another segment holds them too.
     fn remove(&mut self, stem: &str) {
         if let Some(seg) = self.segments.remove(stem) {
             for k in seg.keys {
-                let removed = self.blocks.remove(&k, |loc| &*loc.stem == stem);
-                debug_assert!(removed, "a segment owns the keys it lists");
+                self.blocks.remove(&k, |loc| &*loc.stem == stem);
             }
         }
     }
@@ -414,6 +415,22 @@ mod tests {
         let emptied = index.blocks.generation();
         index.remove("a");
         assert_eq!(index.blocks.generation(), emptied, "a segment no longer listed changes nothing");
+    }
+
+    #[test]
+    fn a_block_in_two_segments_is_read_from_the_other_once_the_first_goes() {
+        let mut index = Index::default();
+        index.insert("a", &segment(&[1, 2]));
+        index.insert("b", &segment(&[2, 3]));
+        assert_eq!(index.blocks.get(&BlockKey([2; 32])).map(|l| &*l.stem), Some("a"), "the first listed");
+        let before = index.blocks.generation();
+        index.remove("a");
+        let loc = index.blocks.get(&BlockKey([2; 32])).expect("segment b still holds block 2");
+        assert_eq!((&*loc.stem, loc.offset), ("b", 4096), "b's copy, at b's offset");
+        assert_eq!(index.blocks.generation(), before + 1, "only block 1 was lost");
+        index.remove_block("b", &BlockKey([2; 32]));
+        assert!(!index.blocks.contains(&BlockKey([2; 32])), "refused in its last segment: gone");
+        assert!(index.blocks.contains(&BlockKey([3; 32])));
     }
 
     #[test]

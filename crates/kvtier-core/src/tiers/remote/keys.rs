@@ -1,6 +1,10 @@
 //! The keys of a remote tier's index (the shared filesystem's files, the object store's segments):
-//! where each block is, a generation that moves whenever a key is gained or lost, and which keys the
-//! residency report names when the index holds more than it takes.
+//! where each block is, its other copies, a generation that moves whenever a key is gained or lost,
+//! and which keys the residency report names when the index holds more than it takes.
+//!
+//! Two writers that have not yet seen each other's file or segment can both publish a block: both
+//! copies are indexed, the first listed in use, the others kept for when it goes (evicted, gone,
+//! refused), so that a block another writer still holds is never a miss.
 //!
 //! The report (`Store::residency_changes`, the change log behind routers' KV events) takes at most
 //! `limit` keys of a tier. A cut in the map's own order changed with every insert and resize: blocks
@@ -26,6 +30,8 @@ struct Entry<L> {
 /// segment and offset).
 pub struct KeyIndex<L> {
     keys: HashMap<BlockKey, Entry<L>>,
+    /// The other copies of indexed keys (rarely any), in the order they were listed.
+    others: HashMap<BlockKey, Vec<L>>,
     /// How many entries are named.
     named: AtomicUsize,
     /// One `cut` at a time: it changes marks and `named` without the write lock.
@@ -36,7 +42,13 @@ pub struct KeyIndex<L> {
 
 impl<L> Default for KeyIndex<L> {
     fn default() -> Self {
-        KeyIndex { keys: HashMap::new(), named: AtomicUsize::new(0), cutting: Mutex::new(()), generation: 0 }
+        KeyIndex {
+            keys: HashMap::new(),
+            others: HashMap::new(),
+            named: AtomicUsize::new(0),
+            cutting: Mutex::new(()),
+            generation: 0,
+        }
     }
 }
 
@@ -62,11 +74,14 @@ impl<L> KeyIndex<L> {
         self.generation
     }
 
-    /// Indexes `key` at `loc` unless it is indexed already (the first copy listed is the one used);
-    /// `true` when the key is new.
+    /// Indexes a copy of `key` at `loc`: the one used if the key had none (`true`: a key gained),
+    /// else kept for when the copies before it go.
     pub fn insert(&mut self, key: BlockKey, loc: L) -> bool {
         match self.keys.entry(key) {
-            std::collections::hash_map::Entry::Occupied(_) => false,
+            std::collections::hash_map::Entry::Occupied(_) => {
+                self.others.entry(key).or_default().push(loc);
+                false
+            }
             std::collections::hash_map::Entry::Vacant(v) => {
                 v.insert(Entry { loc, named: AtomicBool::new(false) });
                 self.generation += 1;
@@ -75,10 +90,26 @@ impl<L> KeyIndex<L> {
         }
     }
 
-    /// Drops `key` if `is_it` says its location is the one going (its file or segment); `true` when
-    /// the key left the index.
+    /// Drops the copies of `key` that `is_it` picks (those in the file or segment going). When the
+    /// copy in use goes, the next other copy takes its place and the key stays (named or not);
+    /// `true` only when the key left the index, its last copy gone.
     pub fn remove(&mut self, key: &BlockKey, is_it: impl Fn(&L) -> bool) -> bool {
-        if !self.keys.get(key).is_some_and(|e| is_it(&e.loc)) {
+        let Some(entry) = self.keys.get_mut(key) else {
+            debug_assert!(!self.others.contains_key(key), "other copies only of an indexed key");
+            return false;
+        };
+        let mut others = self.others.remove(key).unwrap_or_default();
+        others.retain(|loc| !is_it(loc));
+        let in_use_goes = is_it(&entry.loc);
+        let replaced = in_use_goes && !others.is_empty();
+        if replaced {
+            entry.loc = others.remove(0);
+        }
+        let gone = in_use_goes && !replaced;
+        if !others.is_empty() {
+            self.others.insert(*key, others);
+        }
+        if !gone {
             return false;
         }
         let mut entry = self.keys.remove(key).expect("checked present");
@@ -167,6 +198,26 @@ mod tests {
         let smaller = cut_of(&index, 4);
         assert!(smaller.len() == 4 && smaller.is_subset(&second), "a smaller limit keeps named keys");
         assert_eq!(cut_of(&index, 4), smaller, "and then stays");
-        assert!(!index.insert(key(5), 0), "indexed already: the first location stays");
+        let present = *smaller.iter().next().unwrap();
+        assert!(!index.insert(present, u32::MAX), "indexed already: another copy, no key gained");
+    }
+
+    #[test]
+    fn another_copy_takes_over_when_the_one_in_use_goes() {
+        let mut index = KeyIndex::default();
+        assert!(index.insert(key(1), 10), "a key gained");
+        assert!(!index.insert(key(1), 20) && !index.insert(key(1), 30), "other copies: no key gained");
+        assert_eq!(index.get(&key(1)), Some(&10), "the first listed is used");
+        let named = cut_of(&index, 4);
+        let before = index.generation();
+        assert!(!index.remove(&key(1), |&loc| loc == 20), "another copy going changes nothing in use");
+        assert_eq!(index.get(&key(1)), Some(&10));
+        assert!(!index.remove(&key(1), |&loc| loc == 10), "the copy in use going: the next takes over");
+        assert_eq!(index.get(&key(1)), Some(&30));
+        assert_eq!(index.generation(), before, "the key never left");
+        assert_eq!(cut_of(&index, 4), named, "and stays named");
+        assert!(index.remove(&key(1), |&loc| loc == 30), "its last copy: the key leaves");
+        assert!(index.get(&key(1)).is_none() && index.generation() == before + 1);
+        assert!(!index.remove(&key(1), |_| true), "gone already");
     }
 }
