@@ -538,6 +538,30 @@ def test_listed_objects_longer_than_their_format_allows_are_never_fetched(rgw, n
     assert load(reader, list(range(48))).count(True) >= 16, "the two segments the budget keeps are served"
 
 
+def test_a_block_two_writers_published_is_read_from_the_other_segment_once_the_first_goes(rgw, nodes, bucket):
+    """Two stores publish the same blocks before either listed the other's segment (two nodes
+    racing; here the second lists the bucket only at open). A reader indexes the first segment; when
+    that one goes (its index object, then the segment, deleted as the evictor does), the reader
+    serves the blocks from the other store's segment instead of missing them."""
+    a = nodes.open("a", **bucket)
+    b = nodes.open("b", **{**bucket, "bucket_refresh_ms": 600_000, "bucket_lease_ms": 1_200_000})
+    publish(a, list(range(8)))
+    prefix = bucket["bucket_url"].removeprefix(f"s3://{BUCKET}/")
+    first = sorted(k for k, _ in rgw.keys(prefix))
+    reader = nodes.open("reader", **bucket)  # indexes a's segment at open
+    publish(b, list(range(8)))  # b never listed a's segment: the same blocks again, in b's segment
+    second = [k for k, _ in rgw.keys(prefix) if k not in first]
+    assert len(first) == 2 and len(second) == 2, (first, second)
+    assert _wait_for(lambda: reader.stats()["bucket_get_requests"] >= 2), "the reader never fetched b's index"
+    index, segment = (next(k for k in first if k.endswith(ext)) for ext in (".kvi", ".kvo"))
+    assert rgw.s3("DELETE", f"{BUCKET}/{index}")[0] == 204
+    assert rgw.s3("DELETE", f"{BUCKET}/{segment}")[0] == 204
+    time.sleep(0.5)  # five listings: a's segment left the reader's index
+    assert reader.contains_many([key(i) for i in range(8)]) == [True] * 8, "b's copies were forgotten"
+    assert all(load(reader, list(range(8)))), "not served from b's segment"
+    assert reader.stats()["bucket_hits"] == 8
+
+
 def _two_segments_seen_by_b(rgw: Rgw, nodes, bucket) -> tuple[kvtier.Store, list[str]]:
     """Node A publishes blocks 0-15 (two segments); node B indexes them all. Returns B and the
     prefix's object names, sorted (by sequence: the segment of blocks 0-7 first)."""

@@ -104,9 +104,10 @@ impl RemoteTiers {
         self.tiers.iter().fold(0, |sum, r| sum.wrapping_add(r.tier.keys_generation()))
     }
 
-    /// Up to `limit_each` indexed keys of each tier.
+    /// Up to `limit_each` indexed keys of each tier, for the residency report: a key it named stays
+    /// named while its tier indexes it (`KeyIndex::cut`), whatever else the index gains.
     pub(crate) fn indexed_keys(&self, limit_each: usize) -> Vec<BlockKey> {
-        self.tiers.iter().flat_map(|r| r.tier.indexed_keys(limit_each)).collect()
+        self.tiers.iter().flat_map(|r| r.tier.cut_keys(limit_each)).collect()
     }
 
     /// The most adjacent blocks one request of any tier reads (1 with no remote tier).

@@ -39,3 +39,46 @@ impl Store {
         ResidencyUpdate { local, remote, remote_generation: Some(now) }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::StoreConfig;
+    use crate::tiers::shared::SharedConfig;
+    use std::collections::HashSet;
+
+    const OBJECT_BYTES: usize = 4096;
+
+    fn key(i: u64) -> BlockKey {
+        BlockKey(*blake3::hash(&i.to_le_bytes()).as_bytes())
+    }
+
+    /// A store whose remote tier holds more keys than the report takes: the keys it names stay
+    /// named while the blocks are there, whatever the remote index gains (and however its map grows).
+    #[test]
+    fn a_present_remote_block_is_never_reported_removed_past_the_cut() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = StoreConfig::new(dir.path().join("local"), OBJECT_BYTES);
+        config.namespace = b"residency-cut-test".to_vec();
+        config.nvme_bytes = 0;
+        config.dram_bytes = 64 * 2 * OBJECT_BYTES;
+        let mut shared = SharedConfig::new(dir.path().join("shared"));
+        shared.publish_delay_ms = 20;
+        config.shared = Some(shared);
+        let store = Store::open(config).unwrap();
+        let (max_remote, mut generation, mut named) = (16, None, HashSet::new());
+        for round in 0..20u64 {
+            let keys: Vec<BlockKey> = (round * 25..(round + 1) * 25).map(key).collect();
+            let value = vec![round as u8; OBJECT_BYTES];
+            assert!(store.put_many(&keys, &vec![value.as_slice(); keys.len()]).unwrap().iter().all(|&ok| ok));
+            store.flush().unwrap();
+            let update = store.residency_changes(false, 1024, max_remote, generation);
+            generation = update.remote_generation;
+            let now: HashSet<BlockKey> = update.remote.expect("the remote index grew").into_iter().collect();
+            assert_eq!(now.len(), max_remote, "as many as the report takes, at round {round}");
+            let dropped = named.difference(&now).count();
+            assert_eq!(dropped, 0, "{dropped} present blocks reported removed at round {round}");
+            named = now;
+        }
+    }
+}

@@ -123,6 +123,35 @@ fn publish_and_read_roundtrip_across_processes_views() {
     assert!(read_ok(&a, 109));
 }
 
+/// Two writers publish the same blocks before either has read the other's manifest (two nodes
+/// racing); a reader uses the file it listed first. When that file goes (here removed behind its
+/// back, as another node's evictor unlinks it), the reader serves the blocks from the other file.
+#[test]
+fn a_block_two_writers_published_is_served_from_the_other_file_once_the_first_goes() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = config(dir.path());
+    let mut unaware = config(dir.path());
+    // Its index is read at open only, within the test: it never learns of the other's file.
+    (unaware.staleness_ms, unaware.lease_ms) = (600_000, 2_000);
+    (unaware.grace_ms, unaware.orphan_tmp_ms) = (1_200_000, 1_200_000);
+    let (a, _) = open(&c, "raced");
+    let (b, _) = open(&unaware, "raced");
+    publish(&a, 0..4);
+    let (reader, stats) = open(&c, "raced");
+    assert!((0..4).all(|i| reader.contains(&key(i))), "a's file, indexed at open");
+    publish(&b, 0..4); // not in b's index: published again, in b's file
+    reader.maintain();
+    let prefix = format!("{:016x}-", a.writer_id());
+    let files = data_files(reader.namespace_dir());
+    assert_eq!(files.len(), 2, "one file per writer: {files:?}");
+    let first = files.iter().find(|f| f.file_name().unwrap().to_str().unwrap().starts_with(&prefix)).unwrap();
+    std::fs::remove_file(first).unwrap();
+    assert!(!read_ok(&reader, 0), "its file vanished: a clean miss, and the file is forgotten");
+    assert!((0..4).all(|i| reader.contains(&key(i))), "the blocks stay indexed: b's file holds them");
+    assert!((0..4).all(|i| read_ok(&reader, i)), "served from b's file");
+    assert_eq!(stats.snapshot().shared_hits, 4);
+}
+
 #[test]
 fn restart_rebuilds_index_from_manifests_without_reading_values() {
     let dir = tempfile::tempdir().unwrap();

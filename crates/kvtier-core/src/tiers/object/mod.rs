@@ -27,6 +27,7 @@ use crate::io::device::OnDone;
 use crate::key::{BlockKey, Namespace};
 use crate::stats::Stats;
 use crate::tiers::remote::key::{load_key, KeySource};
+use crate::tiers::remote::keys::KeyIndex;
 use crate::tiers::remote::{random_nonzero_u64, ReadOutcome};
 use object_store::path::Path as ObjectPath;
 use object_store::ObjectStore;
@@ -48,54 +49,46 @@ struct Loc {
 
 #[derive(Debug, Clone)]
 struct Segment {
+    /// Every block it holds, whether its copy is the one in use or another's is.
     keys: Vec<BlockKey>,
 }
 
-/// The blocks of every segment whose index object the bucket listed (first segment wins a key).
+/// The blocks of every segment whose index object the bucket listed. A block in several segments
+/// (two writers published it before either listed the other's) is read from the first listed, and
+/// from another when that one goes (`KeyIndex`).
 #[derive(Default)]
 struct Index {
-    blocks: HashMap<BlockKey, Loc>,
+    /// Where each block is; its generation moves whenever a key is gained or lost, so the change
+    /// log skips unchanged refreshes.
+    blocks: KeyIndex<Loc>,
     segments: HashMap<Arc<str>, Segment>,
-    /// Bumped whenever a key is gained or lost, so the change log skips unchanged refreshes.
-    keys_generation: u64,
 }
 
 impl Index {
     fn insert(&mut self, stem: &str, index: &format::SegmentIndex) {
         let stem: Arc<str> = Arc::from(stem);
-        let mut keys = Vec::with_capacity(index.entries.len());
         for e in &index.entries {
-            if let std::collections::hash_map::Entry::Vacant(v) = self.blocks.entry(e.key) {
-                v.insert(Loc { stem: Arc::clone(&stem), offset: e.offset, value_checksum: e.value_checksum });
-                keys.push(e.key);
-            }
+            let loc = Loc { stem: Arc::clone(&stem), offset: e.offset, value_checksum: e.value_checksum };
+            self.blocks.insert(e.key, loc);
         }
-        if !keys.is_empty() {
-            self.keys_generation += 1;
-        }
+        let keys = index.entries.iter().map(|e| e.key).collect();
         self.segments.insert(stem, Segment { keys });
     }
 
-    /// Drops one block of `stem` (refused by verification); the segment's other blocks stay.
+    /// Drops one block of `stem` (refused by verification); the segment's other blocks stay, and
+    /// another segment's copy of the block, if any, is used instead.
     fn remove_block(&mut self, stem: &str, key: &BlockKey) {
-        if self.blocks.get(key).is_none_or(|loc| &*loc.stem != stem) {
-            return;
-        }
-        self.blocks.remove(key);
+        self.blocks.remove(key, |loc| &*loc.stem == stem);
         if let Some(seg) = self.segments.get_mut(stem) {
             seg.keys.retain(|k| k != key);
         }
-        self.keys_generation += 1;
     }
 
+    /// Drops a segment: its blocks leave the index unless another segment holds them too.
     fn remove(&mut self, stem: &str) {
         if let Some(seg) = self.segments.remove(stem) {
-            if !seg.keys.is_empty() {
-                self.keys_generation += 1;
-            }
             for k in seg.keys {
-                let removed = self.blocks.remove(&k);
-                debug_assert!(removed.is_some_and(|loc| &*loc.stem == stem), "a segment owns the keys it lists");
+                self.blocks.remove(&k, |loc| &*loc.stem == stem);
             }
         }
     }
@@ -231,18 +224,13 @@ impl ObjectTier {
     }
 
     pub fn contains(&self, key: &BlockKey) -> bool {
-        self.index.read().blocks.contains_key(key)
+        self.index.read().blocks.contains(key)
     }
 
-    /// Up to `limit` indexed keys (for residency reports).
     /// Changes whenever the index gains or loses a key; read it before the keys (a refresh that
     /// races a change then reads the keys again next time, never misses one).
     pub fn keys_generation(&self) -> u64 {
-        self.index.read().keys_generation
-    }
-
-    pub fn indexed_keys(&self, limit: usize) -> Vec<BlockKey> {
-        self.index.read().blocks.keys().take(limit).copied().collect()
+        self.index.read().blocks.generation()
     }
 
     fn segment_path(&self, stem: &str) -> ObjectPath {
@@ -414,19 +402,35 @@ mod tests {
     fn the_generation_moves_exactly_when_the_index_gains_or_loses_a_key() {
         let mut index = Index::default();
         index.insert("a", &segment(&[1, 2]));
-        let after_a = index.keys_generation;
+        let after_a = index.blocks.generation();
         assert!(after_a > 0, "new keys");
         index.insert("b", &segment(&[2]));
-        assert_eq!(index.keys_generation, after_a, "a segment whose keys are all indexed adds none");
+        assert_eq!(index.blocks.generation(), after_a, "a segment whose keys are all indexed adds none");
         index.remove("b");
-        assert_eq!(index.keys_generation, after_a, "removing it loses none");
-        assert!(index.blocks.contains_key(&BlockKey([2; 32])), "the first segment still owns the key");
+        assert_eq!(index.blocks.generation(), after_a, "removing it loses none");
+        assert!(index.blocks.contains(&BlockKey([2; 32])), "the first segment still owns the key");
         index.remove("a");
-        assert!(index.keys_generation > after_a, "keys lost");
-        assert!(index.blocks.is_empty() && index.segments.is_empty());
-        let emptied = index.keys_generation;
+        assert!(index.blocks.generation() > after_a, "keys lost");
+        assert!(index.blocks.len() == 0 && index.segments.is_empty());
+        let emptied = index.blocks.generation();
         index.remove("a");
-        assert_eq!(index.keys_generation, emptied, "a segment no longer listed changes nothing");
+        assert_eq!(index.blocks.generation(), emptied, "a segment no longer listed changes nothing");
+    }
+
+    #[test]
+    fn a_block_in_two_segments_is_read_from_the_other_once_the_first_goes() {
+        let mut index = Index::default();
+        index.insert("a", &segment(&[1, 2]));
+        index.insert("b", &segment(&[2, 3]));
+        assert_eq!(index.blocks.get(&BlockKey([2; 32])).map(|l| &*l.stem), Some("a"), "the first listed");
+        let before = index.blocks.generation();
+        index.remove("a");
+        let loc = index.blocks.get(&BlockKey([2; 32])).expect("segment b still holds block 2");
+        assert_eq!((&*loc.stem, loc.offset), ("b", 4096), "b's copy, at b's offset");
+        assert_eq!(index.blocks.generation(), before + 1, "only block 1 was lost");
+        index.remove_block("b", &BlockKey([2; 32]));
+        assert!(!index.blocks.contains(&BlockKey([2; 32])), "refused in its last segment: gone");
+        assert!(index.blocks.contains(&BlockKey([3; 32])));
     }
 
     #[test]
@@ -434,16 +438,16 @@ mod tests {
         let mut index = Index::default();
         index.insert("a", &segment(&[1, 2, 3]));
         index.insert("b", &segment(&[3, 4]));
-        let before = index.keys_generation;
+        let before = index.blocks.generation();
         index.remove_block("b", &BlockKey([3; 32]));
-        assert_eq!(index.keys_generation, before, "segment a owns key 3: nothing changes");
-        assert!(index.blocks.contains_key(&BlockKey([3; 32])));
+        assert_eq!(index.blocks.generation(), before, "segment a owns key 3: nothing changes");
+        assert!(index.blocks.contains(&BlockKey([3; 32])));
         index.remove_block("a", &BlockKey([2; 32]));
-        assert!(index.keys_generation > before, "a key lost");
-        assert!(!index.blocks.contains_key(&BlockKey([2; 32])));
-        assert!(index.blocks.contains_key(&BlockKey([1; 32])) && index.blocks.contains_key(&BlockKey([3; 32])));
+        assert!(index.blocks.generation() > before, "a key lost");
+        assert!(!index.blocks.contains(&BlockKey([2; 32])));
+        assert!(index.blocks.contains(&BlockKey([1; 32])) && index.blocks.contains(&BlockKey([3; 32])));
         index.remove("a");
-        assert!(!index.blocks.contains_key(&BlockKey([1; 32])), "the segment's remaining keys go with it");
-        assert!(index.blocks.contains_key(&BlockKey([4; 32])));
+        assert!(!index.blocks.contains(&BlockKey([1; 32])), "the segment's remaining keys go with it");
+        assert!(index.blocks.contains(&BlockKey([4; 32])));
     }
 }

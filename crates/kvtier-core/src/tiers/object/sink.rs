@@ -38,8 +38,8 @@ impl RemoteTier for ObjectTier {
         ObjectTier::keys_generation(self)
     }
 
-    fn indexed_keys(&self, limit: usize) -> Vec<BlockKey> {
-        ObjectTier::indexed_keys(self, limit)
+    fn cut_keys(&self, limit: usize) -> Vec<BlockKey> {
+        self.index.read().blocks.cut(limit)
     }
 
     fn blocks_per_request(&self) -> usize {

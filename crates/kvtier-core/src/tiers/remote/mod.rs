@@ -5,6 +5,8 @@
 //!   `RemoteTiers` (`crate::remote_tiers`) to answer for all of them: membership, the index's
 //!   generation and keys, reads started and judged, and (as a [`PublishSink`]) publishing.
 //! - [`publisher`]: the store's background thread batching accepted blocks into a tier.
+//! - [`keys`]: a remote index's keys (`KeyIndex`): locations, the generation, and which keys a
+//!   residency report names when there are more than it takes.
 //! - [`key`]: the deployment key's loader (the tags are `crate::format::shared::AuthKey`).
 //! - [`lease`]: the evictor lease's rules (which generation is in force, whether a record holds
 //!   others off), so that no forged lease object stops eviction in any tier.
@@ -12,6 +14,7 @@
 //! - [`random_nonzero_u64`]: writer ids.
 
 pub mod key;
+pub mod keys;
 pub mod lease;
 pub mod publisher;
 
@@ -62,12 +65,13 @@ impl StartedRead {
 /// What a remote tier implements (besides publishing, [`PublishSink`]) for the store to use it
 /// without naming it. Every answer comes from memory except the reads.
 pub trait RemoteTier: PublishSink {
-    /// Changes whenever the index gains or loses a key. Read it before `indexed_keys`: a change in
+    /// Changes whenever the index gains or loses a key. Read it before `cut_keys`: a change in
     /// between is then read again next time, never missed.
     fn keys_generation(&self) -> u64;
 
-    /// Up to `limit` indexed keys (residency reports).
-    fn indexed_keys(&self, limit: usize) -> Vec<BlockKey>;
+    /// Up to `limit` indexed keys for the residency report (`KeyIndex::cut`): the same keys from
+    /// call to call while the index holds them.
+    fn cut_keys(&self, limit: usize) -> Vec<BlockKey>;
 
     /// Adjacent blocks one request reads at most: a load plans rounds of at least this many, so
     /// that a run is not cut into single-block requests.

@@ -9,6 +9,7 @@
 
 use super::format::{IndexEntry, Record};
 use crate::key::{BlockKey, Namespace};
+use crate::tiers::remote::keys::KeyIndex;
 use std::collections::{HashMap, HashSet};
 
 pub type FileId = u32;
@@ -44,7 +45,9 @@ pub struct ManifestCursor {
 
 #[derive(Default)]
 pub struct Index {
-    keys: HashMap<BlockKey, Location>,
+    /// Where each key is; its generation moves whenever a key is gained or lost (the service's
+    /// change log walks the keys again only then, `SharedTier::keys_generation`).
+    keys: KeyIndex<Location>,
     files: HashMap<FileId, FileInfo>,
     by_name: HashMap<String, FileId>,
     next_file: FileId,
@@ -54,9 +57,6 @@ pub struct Index {
     /// the grace period; until then their bytes still count in the filesystem's usage.
     pub doomed: HashMap<String, (u64, u64)>,
     pub cursors: HashMap<u64, ManifestCursor>,
-    /// Bumped whenever `keys` gains or loses a key: the service's change log walks the keys again
-    /// only when it moved (`SharedTier::keys_generation`).
-    keys_generation: u64,
 }
 
 impl Index {
@@ -66,7 +66,7 @@ impl Index {
     }
 
     pub fn contains(&self, key: &BlockKey) -> bool {
-        self.keys.contains_key(key)
+        self.keys.contains(key)
     }
 
     pub fn key_count(&self) -> usize {
@@ -75,6 +75,11 @@ impl Index {
 
     pub fn keys(&self) -> impl Iterator<Item = &BlockKey> {
         self.keys.keys()
+    }
+
+    /// Up to `limit` keys for the residency report (`KeyIndex::cut`).
+    pub fn cut(&self, limit: usize) -> Vec<BlockKey> {
+        self.keys.cut(limit)
     }
 
     pub fn files(&self) -> impl Iterator<Item = &FileInfo> {
@@ -148,10 +153,7 @@ impl Index {
         for e in entries {
             // A key published twice (two writers raced) keeps its first location; the second copy
             // is still listed with its file so that eviction accounting is exact.
-            if let std::collections::hash_map::Entry::Vacant(v) = self.keys.entry(e.key) {
-                v.insert(Location { file: id, offset: e.offset, value_checksum: e.value_checksum });
-                self.keys_generation += 1;
-            }
+            self.keys.insert(e.key, Location { file: id, offset: e.offset, value_checksum: e.value_checksum });
             keys.push(e.key);
         }
         self.by_name.insert(name.clone(), id);
@@ -164,10 +166,7 @@ impl Index {
         let id = self.by_name.remove(name)?;
         let info = self.files.remove(&id)?;
         for key in &info.keys {
-            if self.keys.get(key).is_some_and(|l| l.file == id) {
-                self.keys.remove(key);
-                self.keys_generation += 1;
-            }
+            self.keys.remove(key, |l| l.file == id);
         }
         Some(info)
     }
@@ -185,6 +184,6 @@ impl super::SharedTier {
     /// Changes whenever the index gains or loses a key; read it before the keys (a refresh that
     /// races a change then reads the keys again next time, never misses one).
     pub fn keys_generation(&self) -> u64 {
-        self.index.read().keys_generation
+        self.index.read().keys.generation()
     }
 }

@@ -39,8 +39,8 @@ impl RemoteTier for SharedTier {
         SharedTier::keys_generation(self)
     }
 
-    fn indexed_keys(&self, limit: usize) -> Vec<BlockKey> {
-        SharedTier::indexed_keys(self, limit)
+    fn cut_keys(&self, limit: usize) -> Vec<BlockKey> {
+        self.index.read().cut(limit)
     }
 
     /// One read per block on the tier's device queue, all in flight together.
