@@ -1,6 +1,9 @@
 """Smoke test of `kvtier bench ttft` at CI size (tiny model, 512 tokens, one repeat, experiment 2 at 50%).
 
-It runs the real benchmark (one vLLM engine at a time, each in its own process: nine engine starts
+vLLM's ExampleConnector row is left out (``--skip-example-connector``: vLLM's own reference
+connector, not kvtier's; the full runs of docs/benchmarks.md measure it).
+
+It runs the real benchmark (one vLLM engine at a time, each in its own process: eight engine starts
 of about 35 s, most of it vLLM's import; each length or hit rate more costs two to four) and checks
 the JSON it writes: the fields, that every restored configuration really was a hit of the expected
 size, and that restored runs give the same greedy token as the recompute of the same prompt
@@ -50,7 +53,8 @@ def results(tmp_path_factory):
 
     out_dir = tmp_path_factory.mktemp("ttft-results")
     store_dir = tmp_path_factory.mktemp("ttft-store")
-    argv = ["--small", "--lengths", "512", "--hit-rates", "50", "--out", str(out_dir), "--store-dir", str(store_dir)]
+    argv = ["--small", "--lengths", "512", "--hit-rates", "50", "--skip-example-connector"]
+    argv += ["--out", str(out_dir), "--store-dir", str(store_dir)]
     if slowmount.missing_reason() is None:
         shared = tmp_path_factory.mktemp("ttft-shared")
         argv += ["--shared-root-store", str(shared), "--shared-root-load", str(shared)]
@@ -78,7 +82,7 @@ def test_json_fields(results):
         assert set(measurement) >= MEASUREMENT_FIELDS, measurement
         assert measurement["ttft_s"] > 0
     experiment1 = result["summary"]["experiment1"]
-    for config in ("recompute", "vllm_prefix", "kvtier_miss", "kvtier_dram", "kvtier_nvme", "example_connector"):
+    for config in ("recompute", "vllm_prefix", "kvtier_miss", "kvtier_dram", "kvtier_nvme"):
         for length in ("512",):
             spread = experiment1[config][length]["ttft_s"]
             assert spread["min"] <= spread["median"] <= spread["max"], (config, length)
@@ -118,8 +122,6 @@ def test_restores_were_real_hits(results):
             assert measurement["kvtier"]["tiers_before"].get("nvme", 0) == stored_blocks
         if measurement["config"] == "kvtier_dram":
             assert measurement["kvtier"]["dram_hits"] == measurement["expected_cached_tokens"] // 128
-        if measurement["config"] == "example_connector":
-            assert measurement["files_present"]
 
 
 def test_restored_outputs_match_recompute(results):
@@ -127,7 +129,7 @@ def test_restored_outputs_match_recompute(results):
     recompute = {m["prompt_id"]: m for m in result["measurements"] if m["config"] == "recompute" and m.get("prompt_id")}
     compared = 0
     for measurement in result["measurements"]:
-        if measurement["config"] not in ("vllm_prefix", "kvtier_dram", "kvtier_nvme", "example_connector"):
+        if measurement["config"] not in ("vllm_prefix", "kvtier_dram", "kvtier_nvme"):
             continue
         if measurement.get("prompt_id") not in recompute:
             continue
@@ -135,9 +137,9 @@ def test_restored_outputs_match_recompute(results):
         assert measurement["token_id"] == reference["token_id"], (measurement["config"], measurement["prompt_id"])
         assert abs(measurement["logprob"] - reference["logprob"]) <= LOGPROB_TOLERANCE
         compared += 1
-    assert compared >= 4  # 4 restored configurations x 1 length
+    assert compared >= 3  # 3 restored configurations x 1 length
     outputs = result["summary"]["outputs_vs_recompute"]
-    for config in ("vllm_prefix", "kvtier_dram", "kvtier_nvme", "example_connector"):
+    for config in ("vllm_prefix", "kvtier_dram", "kvtier_nvme"):
         assert outputs[config]["same_token"] == outputs[config]["compared"] > 0
 
 

@@ -298,7 +298,10 @@ def wait_for_counter(store, name: str, minimum: int, timeout_s: float = 5.0) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_other_model_on_same_directories_gets_no_hit(engine_a, shared_root, tmp_path):
+    """Full only (an engine start): CI checks that the namespace follows the weights without an engine
+    (tests/test_vllm.py::test_namespace_changes_with_dtype_and_block_size, tests/test_vllm_fingerprint.py)."""
     root, _ = shared_root
     other_model = tiny_model_with_other_weights(tmp_path / "tiny-negated")
     result = run_engine_process(
