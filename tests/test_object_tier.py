@@ -658,9 +658,14 @@ def test_a_stopped_server_costs_misses_not_a_hang(rgw, nodes, bucket):
         os.kill(rgw.pid, signal.SIGCONT)
     assert not any(got)
     assert elapsed < 3 * bucket["bucket_request_timeout_ms"] / 1000, f"the load took {elapsed:.1f} s"
-    assert b.stats()["bucket_request_errors"] >= 1
-    # The server is back: the same blocks load again.
-    assert all(load(b, list(range(16))))
+    stats = b.stats()
+    assert stats["bucket_request_errors"] >= 1
+    # Its reads timed out: the bucket turned sick and steps aside for its back-off (1 s), then one
+    # probe read brings it back (docs/reliability.md, "Sick remote tiers").
+    assert (stats["remote_tier_outages"], stats["remote_tiers_sick"]) == (1, 1), stats
+    # The server is back: after the back-off, a probe, and the same blocks load again.
+    assert _wait_for(lambda: all(load(b, list(range(16)))), timeout_s=10.0)
+    assert b.stats()["remote_tiers_sick"] == 0
 
 
 def test_refused_credentials_are_a_clear_error_at_open(nodes, bucket, monkeypatch):

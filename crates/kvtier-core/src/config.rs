@@ -11,6 +11,7 @@ use crate::format::{round_up, ALIGN_BYTES};
 use crate::io::faults::FaultPlan;
 use crate::io::{DirectIo, EngineChoice};
 use crate::tiers::object::ObjectConfig;
+use crate::tiers::remote::health::HealthPolicy;
 use crate::tiers::shared::SharedConfig;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -58,6 +59,10 @@ pub struct StoreConfig {
     pub loads_cancel_queued_writes: bool,
     /// Test seam: inject I/O faults. Never set in production.
     pub fault_plan: Option<Arc<FaultPlan>>,
+    /// Test seam: when a remote tier turns sick and how long it steps aside
+    /// (`tiers::remote::health`). Not a user option.
+    #[doc(hidden)]
+    pub remote_health: HealthPolicy,
     /// Put the DRAM pool in this shared-memory file (a host service sharing it with engine processes)
     /// instead of anonymous memory. Set by the service, not a user option.
     pub pool_path: Option<PathBuf>,
@@ -97,6 +102,7 @@ impl StoreConfig {
             slot_wait_ms: 5000,
             loads_cancel_queued_writes: true,
             fault_plan: None,
+            remote_health: HealthPolicy::default(),
             pool_path: None,
             shared: None,
             bucket: None,

@@ -2,16 +2,23 @@
 //! store), each with its publisher thread, behind one value. The store, the mover and residency ask
 //! it (contains, reads, publishing, generations, indexed keys) and never name a tier; a tier is named
 //! once, in `RemoteTiers::open`'s arm for it. What a tier implements is `tiers::remote::RemoteTier`.
+//!
+//! Each tier has its health (`tiers::remote::health`): reads that fail in a row make it sick, and a
+//! sick tier steps aside (not offered by `contains`, no reads started) for a back-off, until one
+//! probe read brings it back. Counted in `remote_tier_*` / `remote_tiers_sick`, logged once per
+//! change of state.
 
 use crate::config::StoreConfig;
 use crate::error::Result;
 use crate::key::{BlockKey, Namespace};
 use crate::stats::Stats;
 use crate::tiers::object::ObjectTier;
+use crate::tiers::remote::health::{Admit, Change, Health, HealthPolicy, Observed};
 use crate::tiers::remote::{PublishSink, Publisher, ReadOutcome, ReadRequest, Refetch, RemoteTier, StartedRead};
 use crate::tiers::shared::SharedTier;
+use std::io::ErrorKind;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The remote indexes' generation: the sum of the tiers' own. Each tier's only grows (it counts the
 /// keys its index gained or lost), so the sum moves whenever any of them does.
@@ -21,12 +28,20 @@ pub type RemoteGeneration = u64;
 struct Remote {
     tier: Arc<dyn RemoteTier>,
     publisher: Publisher,
+    /// For the log: "shared filesystem", "object store".
+    name: &'static str,
+    health: Health,
 }
 
 impl Remote {
-    fn start<T: RemoteTier + 'static>(tier: Arc<T>) -> Result<Remote> {
+    fn start<T: RemoteTier + 'static>(tier: Arc<T>, name: &'static str, policy: HealthPolicy) -> Result<Remote> {
         let publisher = Publisher::start(Arc::clone(&tier) as Arc<dyn PublishSink>)?;
-        Ok(Remote { tier, publisher })
+        Ok(Remote { tier, publisher, name, health: Health::new(policy, Instant::now()) })
+    }
+
+    /// Whether the tier indexes `key` and is offered in lookups now (not sick, or due a probe).
+    fn offers(&self, key: &BlockKey) -> bool {
+        self.tier.contains(key) && self.health.offered(Instant::now)
     }
 }
 
@@ -34,6 +49,8 @@ impl Remote {
 pub(crate) struct RemoteRead {
     tier: usize,
     read: StartedRead,
+    /// The one read let through to a sick tier to see whether it is back.
+    probe: bool,
 }
 
 pub(crate) struct RemoteTiers {
@@ -41,6 +58,7 @@ pub(crate) struct RemoteTiers {
     tiers: Vec<Remote>,
     /// The shared-filesystem tier again, for the operator's tools that only it has (scrub, usage).
     shared_fs: Option<Arc<SharedTier>>,
+    stats: Arc<Stats>,
 }
 
 impl RemoteTiers {
@@ -52,12 +70,13 @@ impl RemoteTiers {
         if let Some(c) = &config.shared {
             let tier = SharedTier::open(c, namespace, config.object_bytes, Arc::clone(stats), &config.io_setup())?;
             shared_fs = Some(Arc::clone(&tier));
-            tiers.push(Remote::start(tier)?);
+            tiers.push(Remote::start(tier, "shared filesystem", config.remote_health)?);
         }
         if let Some(c) = &config.bucket {
-            tiers.push(Remote::start(ObjectTier::open(c, namespace, config.object_bytes, Arc::clone(stats))?)?);
+            let tier = ObjectTier::open(c, namespace, config.object_bytes, Arc::clone(stats))?;
+            tiers.push(Remote::start(tier, "object store", config.remote_health)?);
         }
-        Ok(RemoteTiers { tiers, shared_fs })
+        Ok(RemoteTiers { tiers, shared_fs, stats: Arc::clone(stats) })
     }
 
     /// The shared-filesystem tier, for what only it offers (`kvtier verify`'s scrub, usage facts).
@@ -65,9 +84,20 @@ impl RemoteTiers {
         self.shared_fs.as_ref()
     }
 
-    /// Whether any remote tier indexes the block (memory only).
+    /// Whether any remote tier indexes the block and is offered (memory only): a sick tier in its
+    /// back-off is not, and a block only it holds is a counted `remote_tier_lookups_skipped`.
     pub(crate) fn contains(&self, key: &BlockKey) -> bool {
-        self.tiers.iter().any(|r| r.tier.contains(key))
+        let mut skipped = false;
+        for r in self.tiers.iter().filter(|r| r.tier.contains(key)) {
+            if r.health.offered(Instant::now) {
+                return true;
+            }
+            skipped = true;
+        }
+        if skipped {
+            Stats::add(&self.stats.remote_tier_lookups_skipped, 1);
+        }
+        false
     }
 
     /// Offers an accepted block (its slot: descriptor page + value) to every tier's publisher.
@@ -115,15 +145,24 @@ impl RemoteTiers {
         self.tiers.iter().map(|r| r.tier.blocks_per_request()).max().unwrap_or(1)
     }
 
-    /// The tier that reads `key`: the first that indexes it, else the last (which counts the miss).
-    fn tier_for(&self, key: &BlockKey) -> usize {
+    /// The tier that reads `key`: the first offered one that indexes it, else the last (which
+    /// counts the miss); `None` when only sick tiers index it (a skipped lookup, not started).
+    fn tier_for(&self, key: &BlockKey) -> Option<usize> {
         let last = self.tiers.len().checked_sub(1).expect("remote reads need a remote tier");
-        self.tiers.iter().position(|r| r.tier.contains(key)).unwrap_or(last)
+        if let Some(tier) = self.tiers.iter().position(|r| r.offers(key)) {
+            return Some(tier);
+        }
+        if self.tiers.iter().any(|r| r.tier.contains(key)) {
+            Stats::add(&self.stats.remote_tier_lookups_skipped, 1);
+            return None;
+        }
+        Some(last)
     }
 
     /// Starts the reads, each on the tier that reads its key (`tier_for`), each tier's together (a
     /// tier may read adjacent blocks with one request): per request, in order, its read or `None`
-    /// (not started: a miss its tier counted, its `on_done` dropped uncalled).
+    /// (not started: a miss its tier counted, or one only a sick tier could serve; its `on_done`
+    /// dropped uncalled). A sick tier due a probe gets one request of the batch, the probe.
     ///
     /// # Safety
     /// As `RemoteTier::start_reads`, for every request.
@@ -131,17 +170,34 @@ impl RemoteTiers {
         let count = requests.len();
         let mut by_tier: Vec<(Vec<usize>, Vec<ReadRequest>)> = self.tiers.iter().map(|_| Default::default()).collect();
         for (i, request) in requests.into_iter().enumerate() {
-            let (order, batch) = &mut by_tier[self.tier_for(&request.0)];
-            order.push(i);
-            batch.push(request);
+            if let Some(tier) = self.tier_for(&request.0) {
+                let (order, batch) = &mut by_tier[tier];
+                order.push(i);
+                batch.push(request);
+            }
         }
         let mut started: Vec<Option<RemoteRead>> = (0..count).map(|_| None).collect();
-        for (tier, (order, batch)) in by_tier.into_iter().enumerate().filter(|(_, (order, _))| !order.is_empty()) {
+        for (tier, (mut order, mut batch)) in
+            by_tier.into_iter().enumerate().filter(|(_, (order, _))| !order.is_empty())
+        {
+            let health = &self.tiers[tier].health;
+            let probe = match health.admit(Instant::now) {
+                Admit::Read => false,
+                Admit::Probe => true,
+                Admit::Refused => continue,
+            };
+            if probe {
+                order.truncate(1);
+                batch.truncate(1);
+            }
             // SAFETY: forwarded contract.
             let reads = unsafe { self.tiers[tier].tier.start_reads(batch) };
             assert_eq!(reads.len(), order.len(), "a remote tier answers every request");
+            if probe && reads[0].is_none() {
+                health.release_probe();
+            }
             for (i, read) in order.into_iter().zip(reads) {
-                started[i] = read.map(|read| RemoteRead { tier, read });
+                started[i] = read.map(|read| RemoteRead { tier, read, probe });
             }
         }
         started
@@ -157,7 +213,49 @@ impl RemoteTiers {
         slot: *mut u8,
         result: std::io::Result<()>,
     ) -> ReadOutcome {
+        let failure = match &result {
+            Err(e) if !is_clean_miss(e) => Some(e.to_string()),
+            _ => None,
+        };
+        let remote = &self.tiers[read.tier];
         // SAFETY: forwarded contract.
-        unsafe { self.tiers[read.tier].tier.finish_read(read.read, slot, result) }
+        let outcome = unsafe { remote.tier.finish_read(read.read, slot, result) };
+        let observed = match (outcome, failure) {
+            (ReadOutcome::Abandoned, _) => Observed::Failed("the I/O engine gave the read up".to_string()),
+            (_, Some(error)) => Observed::Failed(error),
+            (ReadOutcome::Hit, None) => Observed::Hit,
+            (ReadOutcome::Miss, None) => Observed::CleanMiss,
+        };
+        self.note(remote, remote.health.record(read.probe, observed, Instant::now()));
+        outcome
     }
+
+    /// Counts and logs a change of a tier's health, once.
+    fn note(&self, remote: &Remote, change: Change) {
+        match change {
+            Change::None => {}
+            Change::Sick { backoff, last_error } => {
+                Stats::add(&self.stats.remote_tier_outages, 1);
+                Stats::add(&self.stats.remote_tiers_sick, 1);
+                log::warn!(
+                    "kvtier: the {} tier is sick after failed reads (last: {last_error}); its blocks are \
+                     misses for {backoff:?}, then one read probes it",
+                    remote.name
+                );
+            }
+            Change::ProbeFailed { backoff, last_error } => {
+                log::debug!("kvtier: the {} tier's probe failed ({last_error}); next in {backoff:?}", remote.name);
+            }
+            Change::Healthy => {
+                self.stats.remote_tiers_sick.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+                log::info!("kvtier: the {} tier answers again; its blocks are offered again", remote.name);
+            }
+        }
+    }
+}
+
+/// A failed read's error that is no failure of the tier: the block is gone (evicted elsewhere, a
+/// stale NFS handle) or shorter than its slot (being replaced): a clean miss the tier deals with.
+fn is_clean_miss(e: &std::io::Error) -> bool {
+    matches!(e.kind(), ErrorKind::NotFound | ErrorKind::UnexpectedEof) || e.raw_os_error() == Some(libc::ESTALE)
 }

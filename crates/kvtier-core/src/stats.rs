@@ -94,6 +94,12 @@ counters!(
     // Listed index, access and lease objects longer than their format allows: never fetched (each
     // counted once while it stays listed).
     bucket_oversized_objects,
+    // Remote tiers' health (crate::tiers::remote::health, docs/reliability.md): times a remote tier
+    // turned sick (failed reads in a row), lookups and reads of blocks a sick tier indexes that it was
+    // not offered (counted misses, recomputed), and how many remote tiers are sick now (a gauge).
+    remote_tier_outages,
+    remote_tier_lookups_skipped,
+    remote_tiers_sick,
     // The NVMe tier's I/O pattern, as the device queues submit it (seed 002's experiment 6): requests,
     // their bytes, those starting where the device's previous request of the same kind ended, and
     // how many fall in each size class (upper bounds, `IO_SIZE_CLASSES`).

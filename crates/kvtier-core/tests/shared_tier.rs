@@ -2,7 +2,7 @@
 //! the concurrency and lease tests).
 
 use kvtier_core::format::shared::Lease;
-use kvtier_core::testing::{FaultPlan, SharedTier};
+use kvtier_core::testing::{FaultPlan, HealthPolicy, SharedTier};
 use kvtier_core::Stats;
 use kvtier_core::{BlockKey, Namespace};
 use kvtier_core::{Error, Store, StoreConfig};
@@ -651,6 +651,71 @@ fn one_load_reads_from_nvme_and_the_shared_tier_together() {
     let mut outs: Vec<&mut [u8]> = out.iter_mut().map(|v| v.as_mut_slice()).collect();
     assert!(b.get_many(&keys, &mut outs).unwrap().iter().all(|&ok| ok));
     assert_eq!(b.stats().counters.dram_hits, 32);
+    b.check_invariants();
+}
+
+/// Gets one block from `store`: whether it was found (and right).
+fn get_one(store: &Store, i: u64) -> bool {
+    let mut out = vec![0u8; OBJECT_BYTES];
+    let found = store.get_many(&[key(i)], &mut [out.as_mut_slice()]).unwrap()[0];
+    assert!(!found || out == value(i), "block {i} read back wrong");
+    found
+}
+
+#[test]
+fn a_shared_tier_whose_reads_fail_steps_aside_until_a_probe_brings_it_back() {
+    // Node B reads node A's blocks from the shared tier through an I/O engine that fails every read
+    // with EIO while the fault is on: three failed reads in a row make the tier sick, its blocks are
+    // then not offered (counted misses, no read tried) for the back-off; with the fault off and the
+    // back-off passed, one probe read brings it back and reads hit again.
+    let dir = tempfile::tempdir().unwrap();
+    let shared_root = dir.path().join("shared");
+    let make = |local: &str| node_config(&dir.path().join(local), &shared_root, 0);
+    let keys: Vec<_> = (0..20).map(key).collect();
+    let values: Vec<_> = (0..20).map(value).collect();
+    let refs: Vec<&[u8]> = values.iter().map(|v| v.as_slice()).collect();
+    let a = Store::open(make("node-a")).unwrap();
+    assert!(a.put_many(&keys, &refs).unwrap().iter().all(|&ok| ok));
+    a.close().unwrap();
+    let plan = Arc::new(FaultPlan { read_eio_every: 1, ..FaultPlan::default() });
+    plan.paused.store(true, std::sync::atomic::Ordering::Relaxed);
+    let backoff = Duration::from_millis(300);
+    let mut c = make("node-b");
+    c.fault_plan = Some(Arc::clone(&plan));
+    c.remote_health = HealthPolicy { sick_after: 3, first_backoff: backoff, max_backoff: 4 * backoff };
+    let b = Store::open(c).unwrap();
+    assert!(wait_until(Duration::from_secs(2), || b.lookup_prefix(&keys) == 20));
+    plan.paused.store(false, std::sync::atomic::Ordering::Relaxed);
+    for i in 0..3 {
+        assert!(!get_one(&b, i), "block {i}: its read fails");
+    }
+    let s = b.stats().counters;
+    assert_eq!((s.remote_tier_outages, s.remote_tiers_sick, s.shared_hits), (1, 1, 0), "{s:?}");
+    assert!(s.io_errors >= 3, "{s:?}");
+    // Sick: not offered, and a load tries no read.
+    assert_eq!(b.lookup_prefix(&keys[3..]), 0);
+    let reads_before = plan.reads_seen.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(!get_one(&b, 3));
+    assert_eq!(plan.reads_seen.load(std::sync::atomic::Ordering::Relaxed), reads_before, "no read on a sick tier");
+    let s = b.stats().counters;
+    assert!(s.remote_tier_lookups_skipped >= 2, "{s:?}");
+    // Still failing when the back-off ends: the probe fails and the back-off doubles.
+    std::thread::sleep(backoff + Duration::from_millis(50));
+    assert_eq!(b.lookup_prefix(&keys[3..4]), 1, "due a probe: offered");
+    assert!(!get_one(&b, 3), "the probe fails");
+    assert_eq!(b.lookup_prefix(&keys[3..4]), 0, "sick again, for twice the back-off");
+    // The fault cleared: after the doubled back-off, one probe brings the tier back.
+    plan.paused.store(true, std::sync::atomic::Ordering::Relaxed);
+    std::thread::sleep(2 * backoff + Duration::from_millis(50));
+    assert!(get_one(&b, 3), "the probe hits");
+    let s = b.stats().counters;
+    assert_eq!((s.remote_tier_outages, s.remote_tiers_sick, s.shared_hits), (1, 0, 1), "{s:?}");
+    assert_eq!(b.lookup_prefix(&keys), 20, "offered again, the failed blocks too");
+    let mut out: Vec<Vec<u8>> = (0..20).map(|_| vec![0u8; OBJECT_BYTES]).collect();
+    let mut outs: Vec<&mut [u8]> = out.iter_mut().map(|v| v.as_mut_slice()).collect();
+    assert!(b.get_many(&keys, &mut outs).unwrap().iter().all(|&ok| ok));
+    assert_eq!(out, values);
+    assert_eq!(b.stats().counters.shared_hits, 20, "block 3 from DRAM, the others from the shared tier");
     b.check_invariants();
 }
 

@@ -91,6 +91,19 @@ NAMESPACE_FAMILIES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ),
     ("kvtier_shared_published_files", "counter", (), "Files this host published to the shared tier"),
     (
+        "kvtier_remote_tier_outages",
+        "counter",
+        (),
+        "Times a remote tier (shared filesystem, object store) turned sick: reads failed in a row",
+    ),
+    (
+        "kvtier_remote_tier_lookups_skipped",
+        "counter",
+        (),
+        "Lookups and reads of blocks only a sick remote tier holds: not offered, counted misses",
+    ),
+    ("kvtier_remote_tiers_sick", "gauge", (), "Remote tiers sick now (stepping aside for a back-off)"),
+    (
         "kvtier_shared_publish_blocks",
         "counter",
         ("result",),
@@ -156,6 +169,9 @@ PLAIN_VALUES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("kvtier_queue_depth", ("pending_fills",), "service_pending_fills"),
     ("kvtier_nvme_write_backlog_bytes", (), "nvme_write_backlog_bytes"),
     ("kvtier_attached_connections", (), "service_attached_connections"),
+    ("kvtier_remote_tier_outages", (), "remote_tier_outages"),
+    ("kvtier_remote_tier_lookups_skipped", (), "remote_tier_lookups_skipped"),
+    ("kvtier_remote_tiers_sick", (), "remote_tiers_sick"),
 )
 # The shared tier's publishing counters (stores with a shared tier only): (result label, value name).
 SHARED_PUBLISH_RESULTS = (

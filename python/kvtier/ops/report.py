@@ -367,6 +367,9 @@ def print_status(report: dict[str, Any], output: Output) -> None:
             ("checksum failures", stats.get("checksum_failures", 0)),
             ("I/O errors", stats.get("io_errors", 0)),
             ("pending fills", stats.get("service_pending_fills", 0)),
+            ("remote tiers sick now", stats.get("remote_tiers_sick", 0)),
+            ("remote tier outages", stats.get("remote_tier_outages", 0)),
+            ("lookups skipped (sick tier)", stats.get("remote_tier_lookups_skipped", 0)),
         ]
         if report.get("shared_index_age_ms") is not None:
             counters.append(("shared index age (ms)", report["shared_index_age_ms"]))

@@ -5,7 +5,7 @@
 use super::*;
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// What to inject. Each `*_every` field fires on every n-th operation of its kind (0 = never).
@@ -22,6 +22,9 @@ pub struct FaultPlan {
     pub read_bitflip_every: u64,
     /// Sleeps this long before submitting each operation.
     pub delay_ms: u64,
+    /// While set, nothing is injected and nothing counted: operations pass through untouched (a
+    /// test turns a fault on and off while the store runs).
+    pub paused: AtomicBool,
     pub reads_seen: AtomicU64,
     pub writes_seen: AtomicU64,
     pub injected: AtomicU64,
@@ -59,6 +62,9 @@ impl FaultyEngine {
     /// otherwise it goes on to the inner engine, maybe shortened or marked for a bit flip.
     fn fault_read(&mut self, req: &mut IoRequest) -> bool {
         let p = &self.plan;
+        if p.paused.load(Ordering::Relaxed) {
+            return true;
+        }
         let n = p.reads_seen.fetch_add(1, Ordering::Relaxed) + 1;
         if FaultPlan::fires(p.read_eio_every, n) {
             p.injected.fetch_add(1, Ordering::Relaxed);
@@ -81,6 +87,9 @@ impl FaultyEngine {
     /// up); otherwise it goes on to the inner engine, maybe cut to its first half (short or torn).
     fn fault_write(&mut self, req: &mut IoRequest) -> bool {
         let p = &self.plan;
+        if p.paused.load(Ordering::Relaxed) {
+            return true;
+        }
         let n = p.writes_seen.fetch_add(1, Ordering::Relaxed) + 1;
         if FaultPlan::fires(p.write_eio_every, n) || FaultPlan::fires(p.write_enospc_every, n) {
             p.injected.fetch_add(1, Ordering::Relaxed);
