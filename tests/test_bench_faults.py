@@ -98,12 +98,13 @@ def test_read_error_fault_holds_its_flag_while_it_lasts(tmp_path, monkeypatch):
         faults.Fault("nvme-read-errors", tmp_path / "socket").start()
 
 
-def test_read_error_row_has_one_prefix_of_dram():
+def test_read_error_row_has_a_few_blocks_of_dram():
     plan = plan_of("--small", "--faults", "nvme-read-errors")
     assert plan["rows"] == ["vllm", "nvme-read-errors"]
-    assert faults.row_plan(plan, "vllm") is plan
-    assert faults.row_plan(plan, "nvme-read-errors")["dram_gib"] == 2 / 1024  # tiny: 2 MiB a prefix
-    assert faults.row_plan(plan_of("--faults", "nvme-read-errors"), "nvme-read-errors")["dram_gib"] == 0.25
+    assert faults.row_options(plan, "vllm") == (plan, {})
+    row_plan, options = faults.row_options(plan, "nvme-read-errors")
+    assert row_plan["dram_gib"] == 0 and options == {"staging_slots": faults.READ_ERROR_DRAM_SLOTS}
+    assert plan["dram_gib"] == 0.25
 
 
 def test_a_fault_without_a_service_is_an_error(tmp_path, monkeypatch):
@@ -129,7 +130,7 @@ def row(name: str, outputs: list[str], failed: int = 0, errors: list[str] | None
     return {
         "row": name, "problems": [], "completed": len(outputs) - failed, "failed": failed, "outputs": outputs,
         "request_errors": errors or [""] * len(outputs), "request_throughput": 1.0, "output_throughput": 4.0,
-        "ttft_ms": {"p50": 10.0, "p99": 20.0}, "fault": {"hits_again_s": 1.25},
+        "ttft_ms": {"p50": 10.0, "p99": 20.0}, "fault": {"hits_again_s": 1.25, "pid": 7},
         "kvtier": {"dram_hits": 3, "nvme_hits": 1},
     }  # fmt: skip
 
@@ -153,6 +154,14 @@ def test_judging_a_failed_request_fails_once():
     rows = [row("vllm", ["a", "b"]), row("service-kill", ["a", ""], failed=1, errors=["", "connection reset"])]
     assert faults.judge(rows) == ["service-kill: 1 requests failed"]
     assert rows[1]["wrong_outputs"] == 0
+
+
+def test_judging_a_fault_after_the_load_fails():
+    rows = [row("vllm", ["a"]), row("service-stop", ["a"])]
+    rows[1]["fault"] = {"note": "the load ended before the fault started", "hits_again_s": None}
+    assert faults.judge(rows) == [
+        "service-stop: the fault was not injected under load (the load ended before the fault started)"
+    ]
 
 
 def test_judging_a_row_that_did_not_run_fails():

@@ -51,6 +51,7 @@ from kvtier.bench.ttft import markdown_table, parse_tokens
 FAULTS = ("service-stop", "service-kill", "nvme-read-errors")
 DEFAULT_FAULTS = ("service-stop", "service-kill")
 READ_ERRORS = "nvme-read-errors"
+READ_ERROR_DRAM_SLOTS = 4  # the read-error row's DRAM tier: a few blocks (I/O staging), not a prefix
 MOUNT_RATE_MB_PER_S = 100_000.0  # the read-error mount's line: no limit (the FUSE daemon's own ceiling)
 BASELINE_ROW = "vllm"
 KVTIER_ROW = "kvtier-nvme"  # bench serve's row whose store options the fault rows use (DRAM over NVMe)
@@ -217,7 +218,7 @@ class Fault:
 def read_error_mount(plan: dict[str, Any], row_dir: Path) -> Any:
     """The ``nvme-read-errors`` row's store directory (its NVMe tier's files) on a FUSE passthrough
     (``kvtier.bench.slowmount``, no rate limit) whose reads fail with EIO while ``row_dir/fail-reads``
-    exists; started. Its DRAM tier holds one prefix, so that repeats are read from NVMe."""
+    exists; started."""
     from kvtier.bench.slowlink import LinkSpec
     from kvtier.bench.slowmount import SlowMount
 
@@ -231,14 +232,12 @@ def read_error_mount(plan: dict[str, Any], row_dir: Path) -> Any:
     return mount
 
 
-def row_plan(plan: dict[str, Any], row: str) -> dict[str, Any]:
-    """The plan of one row: the read-error row's DRAM tier cut to one prefix's KV (at least 1 MiB)."""
+def row_options(plan: dict[str, Any], row: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The plan and the extra store options of one row: the read-error row's DRAM tier cut to its
+    ``READ_ERROR_DRAM_SLOTS`` staging slots (no ``dram_bytes``), so that repeats are read from NVMe."""
     if row != READ_ERRORS:
-        return plan
-    from kvtier.models import PRESETS
-
-    kv_bytes = PRESETS[plan["preset"]].kv_bytes_per_token if plan["preset"] in PRESETS else 2**17
-    return {**plan, "dram_gib": max(kv_bytes * plan["prefix_len"], 1 << 20) / 2**30}
+        return plan, {}
+    return {**plan, "dram_gib": 0.0}, {"staging_slots": READ_ERROR_DRAM_SLOTS}
 
 
 def engine_notes(log_path: Path, limit: int = 10) -> list[str]:
@@ -373,7 +372,8 @@ def run_row(plan: dict[str, Any], row: str, out_dir: Path, timeout_s: int, start
         if row == READ_ERRORS:
             mount = read_error_mount(plan, row_dir)
         kind = KVTIER_ROW if stores else BASELINE_ROW
-        server, log_path, _ = serve.start_server(row_plan(plan, row), kind, 0, row_dir, stores, [])
+        this_plan, options = row_options(plan, row)
+        server, log_path, _ = serve.start_server(this_plan, kind, 0, row_dir, stores, [], options)
         record["server"] = {"command": serve.command_of(server.process), "log": str(log_path)}
         progress(started, f"{row}: server healthy after {server.wait_healthy():.0f} s")
         serve.warm_up(server, plan)
@@ -423,7 +423,8 @@ def wrong_outputs(reference: list[str], outputs: list[str], errors: list[str]) -
 
 def judge(rows: list[dict[str, Any]]) -> list[str]:
     """Counts each row's wrong outputs against the first row's (vLLM alone) and lists the problems: a
-    failed request, a wrong output, a row that did not run. Fills ``wrong_outputs`` per row."""
+    failed request, a wrong output, a fault not injected while the load ran, a row that did not run.
+    Fills ``wrong_outputs`` per row."""
     reference = rows[0].get("outputs") if rows else None
     problems = []
     for record in rows:
@@ -435,6 +436,9 @@ def judge(rows: list[dict[str, Any]]) -> list[str]:
             problems.append(f"{record['row']}: {record['failed']} requests failed")
         if record.get("wrong_outputs"):
             problems.append(f"{record['row']}: {record['wrong_outputs']} outputs differ from vLLM alone's")
+        if record["row"] != BASELINE_ROW and "completed" in record and "pid" not in (record.get("fault") or {}):
+            why = (record.get("fault") or {}).get("note", "no fault timeline")
+            problems.append(f"{record['row']}: the fault was not injected under load ({why})")
         if "completed" not in record and not record.get("problems"):
             problems.append(f"{record['row']}: not measured")
     return problems
