@@ -13,6 +13,9 @@ Rows (each a fresh server, stopped after it, with its store removed):
 - ``service-kill``: the host service SIGKILLed; nothing restarts it from outside: the engine's
   connection reconnects and starts a new service on the store (``service_restarted`` records the new
   process id).
+- ``nvme-read-errors``: the row's store directory (its NVMe tier's files) on a FUSE passthrough
+  (``kvtier.bench.slowmount``) whose reads fail with EIO while a flag file exists; the flag is there
+  during the fault. The row's DRAM tier is cut to a few blocks so that repeats are read from NVMe.
 
 The load: ``--users`` users, ``--requests-per-user`` requests each, sent at a steady rate (gamma
 arrivals of burstiness ``BURSTINESS``: nearly even gaps) so that they spread over ``--fault-after-s`` +
