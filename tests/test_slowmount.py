@@ -5,13 +5,15 @@ reads and writes go through the slow link's delay line.
   of it on this busy machine), and a small read waits the added latency;
 - a write through the mount lands in the source, at the rate;
 - renames, listings and removals pass through (what the shared tier's publisher does);
-- closing it unmounts and leaves no process.
+- closing it unmounts and leaves no process;
+- with a fail-reads flag, every read fails with EIO while the flag file exists.
 
 Needs fusepy and /dev/fuse (root, or fusermount): skipped with the install command otherwise. About 3 s.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 
@@ -61,3 +63,30 @@ def test_each_request_waits_the_added_latency(tmp_path):
         assert (mountpoint / "small").read_bytes() == b"x"
         small_s = time.perf_counter() - started
     assert 0.05 <= small_s <= 0.05 * 1.6 + 0.1, small_s
+
+
+def test_reads_fail_while_the_flag_exists(tmp_path):
+    """``--fail-reads-when FLAG`` (kvtier bench faults' nvme-read-errors): EIO on every read while the
+    flag file exists; writes go on; reads work again once it is gone."""
+    source, mountpoint, flag = tmp_path / "source", tmp_path / "mount", tmp_path / "fail-reads"
+    source.mkdir()
+    (source / "blob").write_bytes(b"kv" * 1000)
+    with slowmount.SlowMount(source, mountpoint, LinkSpec(1000), fail_reads_flag=flag):
+        assert (mountpoint / "blob").read_bytes() == b"kv" * 1000
+        flag.touch()
+        fd = os.open(mountpoint / "blob", os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        try:
+            with pytest.raises(OSError) as raised:
+                os.read(fd, 4096)
+            assert raised.value.errno == errno.EIO
+        finally:
+            os.close(fd)
+        (mountpoint / "written").write_bytes(b"ok")
+        flag.unlink()
+        fd = os.open(mountpoint / "blob", os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        try:
+            assert os.read(fd, 4096).startswith(b"kvkv")
+        finally:
+            os.close(fd)
+    assert (source / "written").read_bytes() == b"ok"
+    assert not os.path.ismount(mountpoint)

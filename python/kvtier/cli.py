@@ -18,6 +18,7 @@
     kvtier bench gpu          the GPU data path against pinned copies and the disk (kvtier.bench.gpu)
     kvtier bench serve        throughput and TTFT against users, under load (kvtier.bench.serve)
     kvtier bench serve-summary  several bench serve runs: medians, plot, targets (kvtier.bench.serve_summary)
+    kvtier bench faults       faults injected under load: failed requests, wrong outputs (kvtier.bench.faults)
 
 `serve`, `demo` and the benchmarks keep their own argparse parsers: each lives in its own module with
 its own `main(argv)`, imported only when it runs, so that one missing optional part never breaks the
@@ -104,7 +105,7 @@ class _Group(click.Group):
     epilog=(
         "\b\nBenchmarks: kvtier bench io, kvtier bench ttft, kvtier bench lookup, kvtier bench layout,\n"
         "kvtier bench reads-first, kvtier bench blocks, kvtier bench gpu, kvtier bench serve,\n"
-        "kvtier bench serve-summary.\n"
+        "kvtier bench serve-summary, kvtier bench faults.\n"
         "Run `kvtier COMMAND --help` for the options of one command. Docs: docs/cli.md."
     ),
 )
@@ -127,6 +128,7 @@ for _words, _module, _summary in (
     (("bench", "gpu"), "kvtier.bench.gpu", "the GPU data path: store/restore GB/s vs pinned copies and O_DIRECT reads"),
     (("bench", "serve"), "kvtier.bench.serve", "throughput and TTFT against users under load, with vllm bench serve"),
     (("bench", "serve-summary"), "kvtier.bench.serve_summary", "bench serve runs in one table and plot"),
+    (("bench", "faults"), "kvtier.bench.faults", "faults injected under load (service stopped, killed) vs vLLM alone"),
     (("demo",), "kvtier.demo", "end-to-end demo with a real engine"),
     (("serve",), "kvtier.service_main", "run the host service for a store path (engines start one when none runs)"),
 ):

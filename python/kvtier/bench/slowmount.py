@@ -14,6 +14,13 @@ child process (``python -m kvtier.bench.slowmount SOURCE MOUNTPOINT ...``) that 
 standard input closes, so it goes with the benchmark that started it. libfuse 2 reads at most 128 KiB
 per request, and the passthrough runs in Python: on this 2-core machine it moves about 150 MB/s
 unthrottled, so speeds near that are the daemon's, not the line's (``SlowMount.ceiling_note``).
+
+Read errors (``fail_reads_flag``, ``--fail-reads-when PATH``): while the file PATH exists (outside the
+mount), every read of the mount fails with EIO, as a disk's bad sectors do; writes and metadata go on.
+``kvtier bench faults`` puts kvtier's NVMe tier on such a mount to inject read errors, because this
+kernel has no device-mapper (``dmsetup``'s ``error`` and ``flakey`` targets): ``/dev/mapper/control``
+is absent. kvtier's NVMe tier opens its file there with O_DIRECT (FUSE passes such reads to the
+daemon uncached, so each one sees the flag).
 """
 
 from __future__ import annotations
@@ -75,9 +82,10 @@ class _PassthroughOps:
     """The FUSE operations of the slow mount: each passed to the source directory; reads and writes
     wait on their delay line first (``passthrough`` adds fusepy's base and error mapping)."""
 
-    def __init__(self, source: str, spec: LinkSpec):
+    def __init__(self, source: str, spec: LinkSpec, fail_reads_flag: str | None = None):
         self._source = source
         self._reads, self._writes = _Line(spec), _Line(spec)
+        self._fail_reads_flag = fail_reads_flag
 
     def _path(self, path: str) -> str:
         return os.path.join(self._source, path.lstrip("/"))
@@ -106,6 +114,8 @@ class _PassthroughOps:
         return os.open(self._path(path), os.O_RDWR | os.O_CREAT, mode)
 
     def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+        if self._fail_reads_flag is not None and os.path.exists(self._fail_reads_flag):
+            raise OSError(errno.EIO, "read error injected (slowmount --fail-reads-when)")
         data = os.pread(fh, size, offset)
         self._reads.wait(len(data))
         return data
@@ -145,8 +155,9 @@ class _PassthroughOps:
         os.utime(self._path(path), times)
 
 
-def passthrough(source: str, spec: LinkSpec) -> Any:
-    """fusepy's operations object for the slow mount of ``source``."""
+def passthrough(source: str, spec: LinkSpec, fail_reads_flag: str | None = None) -> Any:
+    """fusepy's operations object for the slow mount of ``source`` (reads fail with EIO while
+    ``fail_reads_flag`` exists, when given)."""
     from fuse import FuseOSError, Operations
 
     class Passthrough(_PassthroughOps, Operations):
@@ -156,7 +167,7 @@ def passthrough(source: str, spec: LinkSpec) -> Any:
             except OSError as error:  # the source's own error, as the caller would see it locally
                 raise FuseOSError(error.errno or errno.EIO) from None
 
-    return Passthrough(source, spec)
+    return Passthrough(source, spec, fail_reads_flag)
 
 
 def _unmount(mountpoint: str) -> None:
@@ -165,11 +176,20 @@ def _unmount(mountpoint: str) -> None:
 
 
 class SlowMount:
-    """The slow mount of ``source`` at ``mountpoint`` in a child process; unmounted by ``close()``."""
+    """The slow mount of ``source`` at ``mountpoint`` in a child process; unmounted by ``close()``.
+    ``fail_reads_flag``: while this file exists, every read of the mount fails with EIO."""
 
-    def __init__(self, source: str | os.PathLike, mountpoint: str | os.PathLike, spec: LinkSpec, log_path: Any = None):
+    def __init__(
+        self,
+        source: str | os.PathLike,
+        mountpoint: str | os.PathLike,
+        spec: LinkSpec,
+        log_path: Any = None,
+        fail_reads_flag: str | os.PathLike | None = None,
+    ):
         self.source, self.mountpoint, self.spec = Path(source), Path(mountpoint), spec
         self._log_path = log_path
+        self.fail_reads_flag = Path(fail_reads_flag).absolute() if fail_reads_flag is not None else None
         self.process: subprocess.Popen | None = None
 
     @property
@@ -188,6 +208,8 @@ class SlowMount:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "kvtier.bench.slowmount", str(self.source), str(self.mountpoint)]
         command += ["--rate-mb-per-s", repr(self.spec.rate_mb_per_s), "--latency-ms", repr(self.spec.latency_ms)]
+        if self.fail_reads_flag is not None:
+            command += ["--fail-reads-when", str(self.fail_reads_flag)]
         with contextlib.ExitStack() as stack:  # the log is the child's: closed here once it has it
             log = stack.enter_context(open(self._log_path, "a")) if self._log_path else subprocess.DEVNULL
             self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log, stderr=log)
@@ -231,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("mountpoint", help="where it is mounted")
     parser.add_argument("--rate-mb-per-s", type=float, required=True, help="bandwidth of reads, and of writes, MB/s")
     parser.add_argument("--latency-ms", type=float, default=0.0, help="latency added to each read and write")
+    parser.add_argument("--fail-reads-when", metavar="PATH", help="every read fails with EIO while this file exists")
     args = parser.parse_args(argv)
     try:
         spec = LinkSpec(args.rate_mb_per_s, args.latency_ms)
@@ -245,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
 
     threading.Thread(target=unmount_at_end_of_input, daemon=True).start()
     print(f"{READY_PREFIX}{args.mountpoint}", flush=True)
-    FUSE(passthrough(args.source, spec), args.mountpoint, foreground=True, nothreads=False)
+    FUSE(passthrough(args.source, spec, args.fail_reads_when), args.mountpoint, foreground=True, nothreads=False)
     return 0
 
 

@@ -1,0 +1,514 @@
+"""`kvtier bench faults`: a fault matrix under load (issue 36, item 5).
+
+vLLM's own load client (``vllm bench serve``, the prefix_repetition dataset, as ``kvtier bench serve``
+runs it: ``kvtier.bench.serve``'s commands, servers and result parsing) against an OpenAI server
+(``vllm serve``) with kvtier (``KvtierConnector``, DRAM over NVMe, as bench serve's ``kvtier-nvme``
+row), and a fault injected mid-run; the same load against vLLM alone first, as the reference.
+
+Rows (each a fresh server, stopped after it, with its store removed):
+
+- ``vllm``: vLLM alone, no fault. Its generated texts are the reference outputs.
+- ``service-stop``: kvtier's host service SIGSTOPped (``kvtier.service.service_pid``), then SIGCONT:
+  a hung service (a stalled disk, a debugger, a frozen container).
+- ``service-kill``: the host service SIGKILLed; nothing restarts it from outside: the engine's
+  connection reconnects and starts a new service on the store (``service_restarted`` records the new
+  process id).
+- ``nvme-read-errors``: the row's store directory (its NVMe tier's files) on a FUSE passthrough
+  (``kvtier.bench.slowmount``) whose reads fail with EIO while a flag file exists; the flag is there
+  during the fault. The row's DRAM tier is cut to a few blocks so that repeats are read from NVMe.
+
+The load: ``--users`` users, ``--requests-per-user`` requests each, sent at a steady rate (gamma
+arrivals of burstiness ``BURSTINESS``: nearly even gaps) so that they spread over ``--fault-after-s`` +
+``--fault-s`` + ``--after-s`` seconds, with at most ``--concurrency`` in flight, greedy
+(``--temperature 0``). The fault starts ``--fault-after-s`` seconds after the server saw the first
+request (vLLM's prefix-cache query counter moved) and lasts ``--fault-s`` seconds.
+
+Per row: failed requests (vllm bench serve's ``failed``), wrong outputs (each request's generated text
+against vLLM alone's for the same request: the same seed gives the same prompts in the same order),
+request and output throughput, TTFT p50/p99, and the seconds from the fault's end until kvtier served
+a hit again (its service's ``dram_hits`` + ``nvme_hits`` rose; a service started anew counts from 0).
+A row with a failed request or a wrong output is a problem: the command exits 1.
+
+Output (``--out DIR``): ``results.json``, ``table.md`` (also printed), ``logs/`` and ``bench/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench import serve
+from kvtier.bench.ttft import markdown_table, parse_tokens
+
+FAULTS = ("service-stop", "service-kill", "nvme-read-errors")
+DEFAULT_FAULTS = ("service-stop", "service-kill")
+READ_ERRORS = "nvme-read-errors"
+READ_ERROR_DRAM_SLOTS = 4  # the read-error row's DRAM tier: a few blocks (I/O staging), not a prefix
+MOUNT_RATE_MB_PER_S = 100_000.0  # the read-error mount's line: no limit (the FUSE daemon's own ceiling)
+BASELINE_ROW = "vllm"
+KVTIER_ROW = "kvtier-nvme"  # bench serve's row whose store options the fault rows use (DRAM over NVMe)
+BURSTINESS = 100.0  # gamma shape of the arrival gaps: nearly even
+POLL_S = 0.2
+LOAD_START_TIMEOUT_S = 300  # the load client's start (it imports vLLM, tokenizes the dataset)
+FULL = {
+    "preset": "kv8b", "users": 8, "requests_per_user": 3, "concurrency": 4, "prefix_len": 2048, "suffix_len": 64,
+    "output_len": 16, "dram_gib": 2.0, "nvme_gib": 8.0, "vllm_blocks": None,
+}  # fmt: skip
+# CI size: the tiny model, vLLM's own KV cache cut to a few blocks so that kvtier serves the repeats.
+SMALL = {
+    "preset": "tiny", "users": 4, "requests_per_user": 2, "concurrency": 4, "prefix_len": 512, "suffix_len": 64,
+    "output_len": 4, "dram_gib": 0.25, "nvme_gib": 1.0, "vllm_blocks": 12,
+}  # fmt: skip
+TABLE_HEADER = [
+    "row", "requests", "failed", "wrong outputs", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
+    "hits again after fault (s)", "kvtier DRAM hits", "NVMe hits",
+]  # fmt: skip
+
+
+class FaultError(RuntimeError):
+    """A fault could not be injected (no service to signal), or the arguments are wrong."""
+
+
+# --------------------------------------------------------------------------------------------
+# arguments and plan
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtier bench faults",
+        description="Faults under load: vllm bench serve against vllm serve with kvtier (DRAM+NVMe) while a fault "
+        "is injected mid-run (the host service stopped or killed), against vLLM alone under the same load: failed "
+        "requests, wrong outputs (greedy, against vLLM alone's), throughput, TTFT, time until kvtier hits again.",
+    )
+    parser.add_argument("--small", action="store_true", help="CI size: tiny model, 4 users x 2 requests")
+    parser.add_argument(
+        "--faults", default=",".join(DEFAULT_FAULTS),
+        help=f"comma-separated, from {', '.join(FAULTS)} (default {','.join(DEFAULT_FAULTS)}; {READ_ERRORS} needs "
+        "FUSE: kvtier.bench.slowmount)",
+    )  # fmt: skip
+    parser.add_argument("--fault-s", type=float, default=20.0, help="how long each fault lasts (default 20)")
+    parser.add_argument("--fault-after-s", type=float, default=3.0, help="fault start after the load's start (3)")
+    parser.add_argument("--after-s", type=float, default=12.0, help="seconds of load after the fault's end (12)")
+    parser.add_argument("--preset", help="model preset of kvtier.models (default kv8b; --small: tiny)")
+    parser.add_argument("--users", type=int, help="users, one system prompt each (default 8; --small: 4)")
+    parser.add_argument("--requests-per-user", type=int, help="requests per user (default 3; --small: 2)")
+    parser.add_argument("--concurrency", type=int, help="at most this many requests in flight (default 4)")
+    parser.add_argument("--prefix-len", help="tokens of each user's system prompt (default 2k; --small: 512)")
+    parser.add_argument("--suffix-len", help="tokens of each question (default 64)")
+    parser.add_argument("--output-len", type=int, help="tokens generated per request (default 16; --small: 4)")
+    parser.add_argument("--request-rate", type=float, help="requests/s (default: the requests spread over the run)")
+    parser.add_argument("--dram-gib", type=float, help="kvtier's DRAM tier, GiB (default 2; --small: 0.25)")
+    parser.add_argument("--nvme-gib", type=float, help="kvtier's NVMe tier, GiB (default 8; --small: 1)")
+    parser.add_argument("--vllm-blocks", type=int, help="vLLM's own KV cache in blocks (--small: 12)")
+    parser.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE, GiB")
+    parser.add_argument("--seed", type=int, default=0, help="dataset seed (the same in every row)")
+    parser.add_argument("--out", help="output directory (default: a new temporary directory)")
+    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG", help="one more vllm serve arg")
+    parser.add_argument("--bench-arg", action="append", default=[], metavar="ARG", help="one more bench serve arg")
+    parser.add_argument("--point-timeout-s", type=int, default=3600, help="limit per row's load")
+    return parser
+
+
+def parse_faults(text: str) -> list[str]:
+    faults = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [fault for fault in faults if fault not in FAULTS]
+    if unknown:
+        raise FaultError(f"unknown faults {unknown}; choose from {', '.join(FAULTS)}")
+    if not faults:
+        raise FaultError("--faults names no fault")
+    return faults
+
+
+def make_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """Every setting of the run (a plan kvtier.bench.serve's commands and servers take), defaults filled in."""
+    sizes = SMALL if args.small else FULL
+
+    def pick(name: str) -> Any:
+        value = getattr(args, name)
+        return sizes[name] if value is None else value
+
+    plan: dict[str, Any] = {name: pick(name) for name in sizes}
+    for name in ("prefix_len", "suffix_len"):
+        plan[name] = parse_tokens(str(plan[name]))
+    if min(plan["users"], plan["requests_per_user"], plan["concurrency"], plan["output_len"]) < 1:
+        raise FaultError("--users, --requests-per-user, --concurrency and --output-len must be at least 1")
+    if args.fault_s <= 0 or args.fault_after_s < 0 or args.after_s < 0:
+        raise FaultError("--fault-s must be above 0, --fault-after-s and --after-s at least 0")
+    requests = plan["users"] * plan["requests_per_user"]
+    span_s = args.fault_after_s + args.fault_s + args.after_s
+    rate = args.request_rate if args.request_rate is not None else requests / span_s
+    if rate <= 0:
+        raise FaultError("--request-rate must be above 0")
+    plan.update(
+        faults=parse_faults(args.faults), fault_s=args.fault_s, fault_after_s=args.fault_after_s,
+        after_s=args.after_s, request_rate=rate, burstiness=BURSTINESS, vllm_kv_gib=args.vllm_kv_gib,
+        seed=args.seed, server_args=list(args.server_arg), small=args.small, workload="faults", kv_events=False,
+        bench_args=["--temperature", "0", *args.bench_arg],
+        rows=[BASELINE_ROW, *parse_faults(args.faults)],
+    )  # fmt: skip
+    plan["max_model_len"] = plan["prefix_len"] + plan["suffix_len"] + plan["output_len"] + serve.MODEL_LEN_MARGIN
+    return plan
+
+
+# --------------------------------------------------------------------------------------------
+# faults
+# --------------------------------------------------------------------------------------------
+
+
+def kvtier_hits(socket: Path) -> tuple[int | None, int | None]:
+    """(the service's pid, its dram_hits + nvme_hits), each None while it does not answer."""
+    from kvtier.service import running_service, service_stats
+
+    found = running_service(socket)
+    try:
+        stats = service_stats(socket)
+    except Exception:  # stopped, killed or not yet restarted
+        return (found[0] if found else None), None
+    return (found[0] if found else None), int(stats.get("dram_hits", 0)) + int(stats.get("nvme_hits", 0))
+
+
+class Fault:
+    """One fault on a row's host service or its NVMe tier: ``start()``, ``end()``; ``release()``
+    undoes what is left (a stopped service continued, the read-error flag removed) whatever happened.
+    ``flag``: the read-error mount's flag file (``nvme-read-errors``)."""
+
+    def __init__(self, kind: str, socket: Path, flag: Path | None = None):
+        self.kind, self.socket, self.flag = kind, socket, flag
+        self.pid: int | None = None
+        self.stopped = False
+
+    def start(self) -> None:
+        from kvtier.service import running_service
+
+        found = running_service(self.socket)
+        if found is None:
+            raise FaultError(f"no kvtier service runs on {self.socket} to inject {self.kind} into")
+        self.pid = found[0]
+        if self.kind == "service-stop":
+            os.kill(self.pid, signal.SIGSTOP)
+            self.stopped = True
+        elif self.kind == "service-kill":
+            os.kill(self.pid, signal.SIGKILL)
+        elif self.kind == READ_ERRORS and self.flag is not None:
+            self.flag.touch()
+        else:
+            raise FaultError(f"unknown fault {self.kind} (or {READ_ERRORS} without its mount's flag)")
+
+    def end(self) -> None:
+        self.release()
+
+    def release(self) -> None:
+        if self.stopped and self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
+            self.stopped = False
+        if self.flag is not None:
+            self.flag.unlink(missing_ok=True)
+
+
+def read_error_mount(plan: dict[str, Any], row_dir: Path) -> Any:
+    """The ``nvme-read-errors`` row's store directory (its NVMe tier's files) on a FUSE passthrough
+    (``kvtier.bench.slowmount``, no rate limit) whose reads fail with EIO while ``row_dir/fail-reads``
+    exists; started."""
+    from kvtier.bench.slowlink import LinkSpec
+    from kvtier.bench.slowmount import SlowMount
+
+    (row_dir / "nvme-source").mkdir(parents=True, exist_ok=True)
+    (row_dir / "logs").mkdir(parents=True, exist_ok=True)
+    mount = SlowMount(
+        row_dir / "nvme-source", row_dir / "store", LinkSpec(MOUNT_RATE_MB_PER_S), row_dir / "logs" / "mount.log",
+        fail_reads_flag=row_dir / "fail-reads",
+    )  # fmt: skip
+    mount.start()
+    return mount
+
+
+def row_options(plan: dict[str, Any], row: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The plan and the extra store options of one row: the read-error row's DRAM tier cut to its
+    ``READ_ERROR_DRAM_SLOTS`` staging slots (no ``dram_bytes``), so that repeats are read from NVMe."""
+    if row != READ_ERRORS:
+        return plan, {}
+    return {**plan, "dram_gib": 0.0}, {"staging_slots": READ_ERROR_DRAM_SLOTS}
+
+
+def engine_notes(log_path: Path, limit: int = 10) -> list[str]:
+    """The engine's own lines about kvtier's host service in its log (calls failed: serving misses;
+    reattached: serving hits again), the first ``limit``."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return []
+    marks = ("kvtier: host service", "kvtier: reattached", "kvtier: read of block")
+    return [line.strip()[:300] for line in text.splitlines() if line.startswith(marks)][:limit]
+
+
+def wait_for_load(url: str, before: float, client: subprocess.Popen, timeout_s: float) -> float:
+    """Waits until the server has seen the load's first request (vLLM's prefix-cache queries moved);
+    returns the time (monotonic). The client exiting first ends the wait too."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and client.poll() is None:
+        metrics = serve.cache_metrics([url])
+        if metrics is not None and metrics["vllm_queried"] > before:
+            return time.monotonic()
+        time.sleep(POLL_S)
+    return time.monotonic()
+
+
+def inject(fault: Fault, plan: dict[str, Any], url: str, client: subprocess.Popen, record: dict[str, Any]) -> None:
+    """The fault timeline of one row while its load runs: wait for the load, the fault for ``fault_s``,
+    then the hits' return (polled until they rise or the load ends). Fills ``record["fault"]``."""
+    before = (serve.cache_metrics([url]) or {}).get("vllm_queried", 0.0)
+    load_seen = wait_for_load(url, before, client, LOAD_START_TIMEOUT_S)
+    info: dict[str, Any] = {"kind": fault.kind, "seconds": plan["fault_s"], "hits_again_s": None}
+    record["fault"] = info
+    time.sleep(max(0.0, load_seen + plan["fault_after_s"] - time.monotonic()))
+    if client.poll() is not None:
+        info["note"] = "the load ended before the fault started"
+        return
+    info["hits_before"] = kvtier_hits(fault.socket)[1]
+    fault.start()
+    info["pid"], info["started_after_load_s"] = fault.pid, round(time.monotonic() - load_seen, 2)
+    if fault.kind != "service-kill":  # a kill is over at once: the return is timed from it
+        time.sleep(plan["fault_s"])
+    fault.end()
+    ended = time.monotonic()
+    info["load_running_at_end"] = client.poll() is None
+    info["hits_again_s"] = wait_for_hits(fault, client, info)
+    if info["hits_again_s"] is not None:
+        info["hits_again_s"] = round(info["hits_again_s"] - ended, 2)
+
+
+def wait_for_hits(fault: Fault, client: subprocess.Popen, info: dict[str, Any]) -> float | None:
+    """Polls the service until its hits rise (the time, monotonic) or the load ends (None). A service
+    other than the faulted one (restarted after a kill) counts from 0."""
+    base: int | None = None
+    while True:
+        pid, hits = kvtier_hits(fault.socket)
+        if pid is not None and pid != fault.pid:
+            info["service_restarted"] = pid
+            base = 0
+        elif base is None:
+            base = hits
+        if hits is not None and base is not None and hits > base:
+            return time.monotonic()
+        if client.poll() is not None:
+            return None
+        time.sleep(POLL_S)
+
+
+# --------------------------------------------------------------------------------------------
+# rows
+# --------------------------------------------------------------------------------------------
+
+
+def run_load(plan: dict[str, Any], row: str, url: str, out_dir: Path, fault: Fault | None, timeout_s: int) -> dict:
+    """The load of one row (vllm bench serve as bench serve runs it) with the fault injected from a
+    thread; the point's figures, the fault's timeline and the per-request outputs."""
+    result_dir = out_dir / "bench"
+    result_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(plan["model_dir"])
+    users, seed = plan["users"], plan["seed"]
+    command = serve.bench_command(plan, url, plan["preset"], model_dir, users, seed, result_dir, f"{row}.json")
+    log_path = result_dir / f"{row}.log"
+    record: dict[str, Any] = {"command": command, "log": str(log_path)}
+    errors: list[BaseException] = []
+    with log_path.open("w") as log:
+        client = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        injector = None
+        if fault is not None:
+
+            def timeline() -> None:
+                try:
+                    inject(fault, plan, url, client, record)
+                except BaseException as error:  # reported by the row, after the load
+                    errors.append(error)
+                    fault.release()
+
+            injector = threading.Thread(target=timeline, daemon=True)
+            injector.start()
+        try:
+            returncode = client.wait(timeout=timeout_s)
+        finally:
+            if client.poll() is None:
+                client.kill()
+                client.wait()
+            if injector is not None:
+                injector.join(timeout=plan["fault_s"] + 30)
+            if fault is not None:
+                fault.release()
+    if errors:
+        raise errors[0]
+    result_path = result_dir / f"{row}.json"
+    if returncode != 0 or not result_path.exists():
+        tail = log_path.read_text(errors="replace")[-2000:]
+        raise serve.BenchError(f"vllm bench serve failed (exit {returncode}) for {row}; {log_path}:\n{tail}")
+    result = json.loads(result_path.read_text())
+    record.update(serve.parse_result(result), result_file=str(result_path))
+    record["outputs"] = result.get("generated_texts") or []
+    record["request_errors"] = result.get("errors") or []
+    return record
+
+
+def run_row(plan: dict[str, Any], row: str, out_dir: Path, timeout_s: int, started: float) -> dict[str, Any]:
+    """One row: a fresh server (vLLM alone, or with kvtier on a store of its own), warmed up, the load
+    with the row's fault; then the server, the service, the read-error mount and the store gone."""
+    from kvtier.service import default_socket_path, stop_service
+
+    row_dir = out_dir / row
+    stores = [] if row == BASELINE_ROW else [row_dir / "store"]
+    sockets = [default_socket_path(store) for store in stores]
+    record: dict[str, Any] = {"row": row, "problems": []}
+    server = mount = None
+    try:
+        if row == READ_ERRORS:
+            mount = read_error_mount(plan, row_dir)
+        kind = KVTIER_ROW if stores else BASELINE_ROW
+        this_plan, options = row_options(plan, row)
+        server, log_path, _ = serve.start_server(this_plan, kind, 0, row_dir, stores, [], options)
+        record["server"] = {"command": serve.command_of(server.process), "log": str(log_path)}
+        progress(started, f"{row}: server healthy after {server.wait_healthy():.0f} s")
+        serve.warm_up(server, plan)
+        fault = Fault(row, sockets[0], mount.fail_reads_flag if mount else None) if stores else None
+        hits_before = serve.service_counters(sockets) if sockets else None
+        progress(started, f"{row}: load of {plan['users'] * plan['requests_per_user']} requests")
+        record.update(run_load(plan, row, server.url, row_dir, fault, timeout_s))
+        hits_after = serve.service_counters(sockets) if sockets else None
+        if hits_after is not None:  # a killed service's counters start again from 0
+            start = hits_before if hits_before is not None and row != "service-kill" else {}
+            record["kvtier"] = {name: hits_after[name] - start.get(name, 0) for name in ("dram_hits", "nvme_hits")}
+        progress(started, f"{row}: {record.get('completed')} completed, {record.get('failed')} failed")
+    except Exception as error:
+        record["problems"].append(f"{type(error).__name__}: {error}")
+        print(f"kvtier bench faults: {row}: {error}", file=sys.stderr, flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+            record["engine_notes"] = engine_notes(server.log_path)
+        for socket in sockets:
+            if not stop_service(socket):
+                record["problems"].append(f"the kvtier service on {socket} did not stop")
+        if mount is not None:
+            mount.close()
+            if os.path.ismount(mount.mountpoint):
+                record["problems"].append(f"the read-error mount {mount.mountpoint} is still mounted")
+        for store in (*stores, row_dir / "nvme-source"):
+            if not os.path.ismount(store):
+                shutil.rmtree(store, ignore_errors=True)
+    return record
+
+
+# --------------------------------------------------------------------------------------------
+# judging and report
+# --------------------------------------------------------------------------------------------
+
+
+def wrong_outputs(reference: list[str], outputs: list[str], errors: list[str]) -> int:
+    """Requests whose generated text differs from the reference's (a failed request counts as failed,
+    not as wrong); a different number of requests counts as that many wrong."""
+    wrong = abs(len(reference) - len(outputs))
+    for index, (expected, got) in enumerate(zip(reference, outputs, strict=False)):
+        if expected != got and not (index < len(errors) and errors[index]):
+            wrong += 1
+    return wrong
+
+
+def judge(rows: list[dict[str, Any]]) -> list[str]:
+    """Counts each row's wrong outputs against the first row's (vLLM alone) and lists the problems: a
+    failed request, a wrong output, a fault not injected while the load ran, a row that did not run.
+    Fills ``wrong_outputs`` per row."""
+    reference = rows[0].get("outputs") if rows else None
+    problems = []
+    for record in rows:
+        outputs = record.get("outputs")
+        if reference is not None and outputs is not None:
+            record["wrong_outputs"] = wrong_outputs(reference, outputs, record.get("request_errors") or [])
+        problems += [f"{record['row']}: {problem}" for problem in record.get("problems", [])]
+        if record.get("failed"):
+            problems.append(f"{record['row']}: {record['failed']} requests failed")
+        if record.get("wrong_outputs"):
+            problems.append(f"{record['row']}: {record['wrong_outputs']} outputs differ from vLLM alone's")
+        if record["row"] != BASELINE_ROW and "completed" in record and "pid" not in (record.get("fault") or {}):
+            why = (record.get("fault") or {}).get("note", "no fault timeline")
+            problems.append(f"{record['row']}: the fault was not injected under load ({why})")
+        if "completed" not in record and not record.get("problems"):
+            problems.append(f"{record['row']}: not measured")
+    return problems
+
+
+def _number(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    lines = []
+    for record in rows:
+        ttft = record.get("ttft_ms") or {}
+        fault = record.get("fault") or {}
+        hits = record.get("kvtier") or {}
+        again = "-" if record["row"] == BASELINE_ROW else _number(fault.get("hits_again_s"), 1)
+        if record["row"] != BASELINE_ROW and fault and fault.get("hits_again_s") is None:
+            again = "not during the run"
+        lines.append([
+            "vLLM alone" if record["row"] == BASELINE_ROW else f"kvtier, {record['row']}",
+            str(record.get("completed", "-")), str(record.get("failed", "-")), str(record.get("wrong_outputs", "-")),
+            _number(record.get("request_throughput")), _number(record.get("output_throughput"), 1),
+            _number(ttft.get("p50"), 0), _number(ttft.get("p99"), 0), again,
+            str(hits.get("dram_hits", "-")), str(hits.get("nvme_hits", "-")),
+        ])  # fmt: skip
+    return lines
+
+
+def progress(started: float, message: str) -> None:
+    print(f"[faults {time.monotonic() - started:6.0f} s] {message}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        plan = make_plan(args)
+        serve.check_vllm_command()
+    except (FaultError, serve.BenchError, ValueError) as error:
+        print(f"kvtier bench faults: {error}", file=sys.stderr)
+        return 2
+    from kvtier.models import ensure_model
+
+    out_dir = Path(args.out or tempfile.mkdtemp(prefix="kvtier-bench-faults-")).absolute()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan["model_dir"] = str(ensure_model(plan["preset"]))
+    started = time.monotonic()
+    document: dict[str, Any] = {"benchmark": "kvtier bench faults", "settings": plan, "rows": []}
+    print(
+        f"kvtier bench faults: {plan['preset']}, {plan['users']} users x {plan['requests_per_user']} requests at "
+        f"{plan['request_rate']:.2f} req/s, faults {', '.join(plan['faults'])} of {plan['fault_s']:g} s\n"
+        f"results {out_dir}",
+        flush=True,
+    )
+    with serve.own_runtime_dir():
+        for row in plan["rows"]:
+            document["rows"].append(run_row(plan, row, out_dir, args.point_timeout_s, started))
+            (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
+    document["problems"] = judge(document["rows"])
+    table = markdown_table(TABLE_HEADER, table_rows(document["rows"]))
+    (out_dir / "table.md").write_text(table + "\n")
+    (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
+    print(table)
+    for problem in document["problems"]:
+        print(f"problem: {problem}")
+    print(f"results: {out_dir / 'results.json'}")
+    return 1 if document["problems"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
