@@ -668,6 +668,33 @@ def test_a_stopped_server_costs_misses_not_a_hang(rgw, nodes, bucket):
     assert b.stats()["remote_tiers_sick"] == 0
 
 
+def test_a_bucket_out_of_reach_at_open_is_an_empty_tier_until_it_answers(rgw, nodes, bucket):
+    """Issue 36, item 2: a bucket that does not answer at open (here: nothing listens at its endpoint
+    yet) no longer refuses the store, so engines start and serve from DRAM and NVMe; the tier starts
+    empty and lists the bucket every bucket_refresh_ms, and its blocks become hits once it answers
+    (here: a proxy to the gateway starts listening at that endpoint)."""
+    import socket
+
+    from kvtier.bench.slowlink import LinkSpec, SlowLink
+
+    publish(nodes.open("a", **bucket), list(range(8)))
+    with socket.socket() as probe:  # a free port: connections to it are refused until the proxy starts
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    reader = nodes.open("reader", **{**bucket, "bucket_endpoint": f"http://127.0.0.1:{port}"})
+    assert reader.stats()["bucket_unreachable_at_open"] == 1
+    assert reader.lookup_prefix([key(0)]) == 0, "an empty tier until the bucket answers"
+    reader.put_many([key(100, "local")], [value(100)])  # DRAM serves meanwhile
+    assert reader.lookup_prefix([key(100, "local")]) == 1
+    link = SlowLink(rgw.endpoint.removeprefix("http://"), LinkSpec(1000.0))
+    link.start(port)
+    try:
+        assert wait_visible(reader, [key(i) for i in range(8)]), "the bucket's blocks never appeared"
+        assert all(load(reader, list(range(8))))
+    finally:
+        link.close()
+
+
 def test_refused_credentials_are_a_clear_error_at_open(nodes, bucket, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
     with pytest.raises(kvtier.ConfigError, match=r"refused a listing.*AWS_SECRET_ACCESS_KEY") as e:

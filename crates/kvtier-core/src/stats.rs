@@ -94,6 +94,9 @@ counters!(
     // Listed index, access and lease objects longer than their format allows: never fetched (each
     // counted once while it stays listed).
     bucket_oversized_objects,
+    // Opens whose first listing of the bucket got no answer (connection refused or timed out): the
+    // tier started empty and retried in the background (a refusal refuses the open instead).
+    bucket_unreachable_at_open,
     // Remote tiers' health (crate::tiers::remote::health, docs/reliability.md): times a remote tier
     // turned sick (failed reads in a row), lookups and reads of blocks a sick tier indexes that it was
     // not offered (counted misses, recomputed), and how many remote tiers are sick now (a gauge).

@@ -201,7 +201,19 @@ impl ObjectTier {
             doomed: Mutex::new(Vec::new()),
             maintenance: Mutex::new(None),
         });
-        tier.refresh().map_err(|e| refused(&bucket, config, e))?;
+        if let Err(e) = tier.refresh() {
+            if !out_of_reach(&e) {
+                return Err(refused(&bucket, config, e));
+            }
+            // Out of reach is not a refusal: DRAM and NVMe serve, the maintenance thread lists the
+            // bucket every `bucket_refresh_ms`, and its blocks become hits once it answers.
+            log::warn!(
+                "kvtier: bucket {bucket:?} did not answer at open ({e}); the object tier starts empty and lists \
+                 it again every {} ms",
+                config.refresh_ms
+            );
+            Stats::add(&tier.stats.bucket_unreachable_at_open, 1);
+        }
         sync::start_maintenance(&tier)?;
         Ok(tier)
     }
@@ -365,6 +377,33 @@ impl Drop for ObjectTier {
 }
 
 /// The open-time refusal: the bucket did not answer a listing with these credentials.
+/// Whether a listing failed because nothing answered in time (a connection refused or reset, a
+/// timeout: the gateway down, frozen or cut off), not because the bucket refused it: refused
+/// credentials and a missing bucket are answers, and refuse the store at open.
+fn out_of_reach(e: &Error) -> bool {
+    use std::io::ErrorKind;
+    let Error::Io { source, .. } = e else { return false };
+    if matches!(
+        source.kind(),
+        ErrorKind::TimedOut | ErrorKind::ConnectionRefused | ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted
+    ) {
+        return true;
+    }
+    // object_store reports a failed connection as a generic error: its chain names the cause.
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = source.get_ref().map(|inner| inner as _);
+    while let Some(inner) = cause {
+        let text = inner.to_string().to_ascii_lowercase();
+        if ["error sending request", "connection refused", "timed out", "connection reset"]
+            .iter()
+            .any(|t| text.contains(t))
+        {
+            return true;
+        }
+        cause = inner.source();
+    }
+    false
+}
+
 fn refused(bucket: &str, config: &ObjectConfig, e: Error) -> Error {
     let endpoint = config.endpoint.as_deref().unwrap_or("AWS (AWS_ENDPOINT_URL unset)");
     Error::config(
@@ -415,6 +454,18 @@ mod tests {
         let emptied = index.blocks.generation();
         index.remove("a");
         assert_eq!(index.blocks.generation(), emptied, "a segment no longer listed changes nothing");
+    }
+
+    #[test]
+    fn only_a_listing_nothing_answered_is_out_of_reach() {
+        use std::io::{Error as IoError, ErrorKind};
+        let io = |kind, text: &str| Error::io("listing", IoError::new(kind, text.to_string()));
+        assert!(out_of_reach(&io(ErrorKind::TimedOut, "listing timed out")));
+        assert!(out_of_reach(&io(ErrorKind::ConnectionRefused, "refused")));
+        assert!(out_of_reach(&io(ErrorKind::Other, "Generic S3 error: error sending request for url")));
+        assert!(!out_of_reach(&io(ErrorKind::Other, "Client error with status 403 Forbidden: SignatureDoesNotMatch")));
+        assert!(!out_of_reach(&io(ErrorKind::NotFound, "NoSuchBucket")));
+        assert!(!out_of_reach(&Error::config("bucket_url", "not an s3:// URL")));
     }
 
     #[test]
