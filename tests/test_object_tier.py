@@ -668,6 +668,33 @@ def test_a_stopped_server_costs_misses_not_a_hang(rgw, nodes, bucket):
     assert b.stats()["remote_tiers_sick"] == 0
 
 
+def test_a_close_against_a_frozen_bucket_ends_within_its_deadline(rgw, nodes, bucket):
+    """Issue 37, item 12 (confirmed): closing a store sends its last segment, its access object and
+    its lease release, and waits for its maintenance thread's listing, each request with its own
+    timeout (a listing four), so a frozen gateway held a close (and the host service's lock of the
+    namespace, which a reopening engine waits on) for request after request. Now every request of
+    the close ends by one deadline, two request timeouts from its start; what did not get out is a
+    miss for the other nodes."""
+    timeout_ms = 1000
+    publish(nodes.open("a", **bucket), list(range(8)))
+    store = nodes.open(
+        "closing",
+        **{**bucket, "bucket_request_timeout_ms": timeout_ms, "bucket_publish_delay_ms": 600_000},
+        bucket_budget_bytes=64 * bucket["bucket_segment_bytes"],  # it takes the evictor lease
+    )
+    assert wait_visible(store, [key(i) for i in range(8)]) and all(load(store, list(range(8))))  # reads to log
+    store.put_many([key(i, "closing") for i in range(6)], [value(i) for i in range(6)])  # a segment to send
+    time.sleep(0.5)  # maintenance passes every 100 ms: the lease taken, a listing under way
+    os.kill(rgw.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        store.close()
+        elapsed = time.monotonic() - started
+    finally:
+        os.kill(rgw.pid, signal.SIGCONT)
+    assert elapsed < 2 * timeout_ms / 1000 + 0.5, f"the close took {elapsed:.2f} s"  # before: 3.0 s
+
+
 def test_a_bucket_out_of_reach_at_open_is_an_empty_tier_until_it_answers(rgw, nodes, bucket):
     """Issue 36, item 2: a bucket that does not answer at open (here: nothing listens at its endpoint
     yet) no longer refuses the store, so engines start and serve from DRAM and NVMe; the tier starts

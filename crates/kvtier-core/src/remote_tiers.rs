@@ -119,13 +119,23 @@ impl RemoteTiers {
         self.tiers.iter().try_for_each(|r| r.publisher.flush(timeout))
     }
 
-    /// Publishes what is queued, stops the publishers, then closes the tiers. Idempotent.
+    /// Publishes what is queued, stops the publishers, then closes the tiers, each within its own
+    /// close deadline (`PublishSink::closing`). Idempotent.
     pub(crate) fn close(&self) {
+        self.closing(); // before the publishers' last flush, which sends into the tiers
         for r in &self.tiers {
             r.publisher.close();
         }
         for r in &self.tiers {
             r.tier.close();
+        }
+    }
+
+    /// The store starts closing: each tier's deadline for what is left to send starts now
+    /// (`PublishSink::closing`), the store's last flush included. Idempotent.
+    pub(crate) fn closing(&self) {
+        for r in &self.tiers {
+            r.tier.closing();
         }
     }
 

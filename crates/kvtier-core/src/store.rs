@@ -393,6 +393,9 @@ impl Store {
         if self.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
+        // One deadline for what the remote tiers still send, the last flush's included: a frozen
+        // bucket must not hold a close (and the service's lock of its namespace) request by request.
+        self.shared.remote.closing();
         self.load_tx.lock().take();
         self.store_tx.lock().take();
         for t in self.threads.lock().drain(..) {

@@ -37,7 +37,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Where an indexed block is: its segment's name stem, offset and value checksum.
 #[derive(Debug, Clone)]
@@ -143,6 +143,10 @@ pub struct ObjectTier {
     /// The segments this store read, for its access object, and the others' as the evictor saw them.
     access: access::AccessLog,
     maintenance: Mutex<Option<JoinHandle<()>>>,
+    /// Set once the store starts closing (`closing`): every request from then on, the publisher's
+    /// last flush included, ends by it, so that a frozen or cut-off bucket cannot hold a close (and
+    /// the service's namespace lock with it) for request after request.
+    close_deadline: Mutex<Option<Instant>>,
 }
 
 impl ObjectTier {
@@ -200,6 +204,7 @@ impl ObjectTier {
             access: access::AccessLog::default(),
             doomed: Mutex::new(Vec::new()),
             maintenance: Mutex::new(None),
+            close_deadline: Mutex::new(None),
         });
         if let Err(e) = tier.refresh() {
             if !out_of_reach(&e) {
@@ -254,7 +259,27 @@ impl ObjectTier {
     }
 
     fn timeout(&self) -> Duration {
-        Duration::from_millis(self.config.request_timeout_ms)
+        self.bounded(Duration::from_millis(self.config.request_timeout_ms))
+    }
+
+    /// `limit`, cut to what is left before the close's deadline once the store is closing (at
+    /// least 1 ms: a request past the deadline times out at once).
+    fn bounded(&self, limit: Duration) -> Duration {
+        match *self.close_deadline.lock() {
+            Some(deadline) => {
+                limit.min(deadline.saturating_duration_since(Instant::now())).max(Duration::from_millis(1))
+            }
+            None => limit,
+        }
+    }
+
+    /// The store is closing: from now on the publisher's last flush and the close's own requests
+    /// all end within two request timeouts in all, whatever the bucket does. Idempotent.
+    pub fn closing(&self) -> Instant {
+        *self
+            .close_deadline
+            .lock()
+            .get_or_insert_with(|| Instant::now() + 2 * Duration::from_millis(self.config.request_timeout_ms))
     }
 
     /// Starts reading the blocks of `requests` into their slots on the tier's runtime, adjacent blocks
@@ -349,17 +374,26 @@ impl ObjectTier {
         Ok(())
     }
 
-    /// Publishes the open segment, stops the maintenance thread. Idempotent.
+    /// Publishes the open segment, stops the maintenance thread, all by the close's deadline
+    /// (`closing`). Idempotent.
     pub fn close(&self) {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
         }
+        let deadline = self.closing();
         self.flush();
         *self.stop.lock() = true;
         self.stop_cv.notify_all();
         if let Some(h) = self.maintenance.lock().take() {
             if h.thread().id() != std::thread::current().id() {
-                let _ = h.join();
+                // A listing it began before the deadline keeps its own timeout: past the deadline
+                // the thread is left to end by itself (it holds only a weak reference).
+                while !h.is_finished() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                if h.is_finished() {
+                    let _ = h.join();
+                }
             }
         }
         // The reads since the last pass still count for the evictor after this store is gone.

@@ -22,6 +22,9 @@ impl PublishSink for ObjectTier {
     fn flush(&self) {
         ObjectTier::flush(self)
     }
+    fn closing(&self) {
+        ObjectTier::closing(self);
+    }
     fn close(&self) {
         ObjectTier::close(self)
     }

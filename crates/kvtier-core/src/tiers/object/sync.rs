@@ -47,7 +47,7 @@ impl ObjectTier {
         let prefix = ObjectPath::from(format!("{}/{dir}", self.base));
         let store = &self.store;
         // Listing a large prefix takes a request per 1000 objects: allow it several timeouts' worth.
-        let timeout = self.timeout() * 4;
+        let timeout = self.bounded(Duration::from_millis(self.config.request_timeout_ms) * 4);
         self.rt.block_on(async {
             match tokio::time::timeout(timeout, store.list_with_delimiter(Some(&prefix))).await {
                 Ok(r) => r.map(|l| l.objects).map_err(std::io::Error::from),

@@ -43,6 +43,9 @@ pub trait PublishSink: Send + Sync {
     fn append_slots(&self, slots: &mut [(BlockKey, &mut [u8])]) -> usize;
     /// Publishes what was appended.
     fn flush(&self);
+    /// The store starts closing: what the publisher's last flush and `close` still send must end
+    /// by a deadline the sink sets (a bucket's requests; a filesystem's writes are not bounded here).
+    fn closing(&self) {}
     fn close(&self);
     fn deferred(&self) -> &AtomicU64;
     fn dropped(&self) -> &AtomicU64;
