@@ -28,7 +28,9 @@ try:
 except Exception as import_error:  # pragma: no cover - depends on the environment
     pytest.skip(f"vllm or kvtier is not importable ({import_error!r})", allow_module_level=True)
 
-pytestmark = pytest.mark.slow
+# Full only (about 90 s, an engine of its own): CI runs verify and trim against a client storing and
+# loading through the same service (tests/test_ops.py::test_trim_and_verify_while_a_client_stores_and_loads).
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 TOKENS_PER_BLOCK = 128
 LOGPROB_TOLERANCE = 1e-3

@@ -200,6 +200,8 @@ def test_kill_9_of_an_engine_during_stores_leaves_the_other_engine_correct(
 ):
     if route != "KvtierConnector":
         pytest.skip("under vLLM's plain OffloadingConnector a failed load stops the engine (docs/vllm.md)")
+    stored = engine_a.generate(seed=12, blocks=4)  # in the service before the victim starts
+    settle(engine_a, socket_path)
     shm_before = set(os.listdir("/dev/shm"))
     victim = Engine(store_dir, tmp_path, "victim", route)
     victim.send(op="generate", seed=4, tokens=12 * TOKENS_PER_BLOCK + 10)
@@ -219,8 +221,11 @@ def test_kill_9_of_an_engine_during_stores_leaves_the_other_engine_correct(
     reference = engine_a.generate(seed=4, blocks=12, salt="no-sharing")  # a recompute: another salt
     served = engine_a.generate(seed=4, blocks=12)  # whatever the victim stored, verified and complete
     assert_same_output(reference, served)
-    earlier = engine_a.generate(seed=2, blocks=4)
+    # What the service held before the kill still serves (vLLM's own cache emptied: from kvtier's pool).
+    assert engine_a.call(op="reset")["ok"]
+    earlier = engine_a.generate(seed=12, blocks=4)
     assert earlier["cached"] == 4 * TOKENS_PER_BLOCK
+    assert_same_output(stored, earlier)
 
 
 def test_kill_9_of_the_service_while_an_engine_serves(engine_a, socket_path, route):
