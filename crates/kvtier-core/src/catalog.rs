@@ -144,6 +144,17 @@ pub enum WriteOutcome {
     Cancelled,
 }
 
+/// What a stored block's put does below DRAM, as the store's admission decided (`admission.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Persist {
+    /// Written to NVMe now (when the store has the tier).
+    Now,
+    /// Kept in DRAM only (the NVMe tier's write budget is spent).
+    DramOnly,
+    /// Kept in DRAM only until evidence of reuse (`note_reuse`) hands it back to the store.
+    OnReuse,
+}
+
 #[derive(Debug, Clone, Copy)]
 pub enum LoadOutcome {
     Ok,
@@ -170,6 +181,9 @@ pub struct Catalog {
     queued_writes: BTreeMap<u64, (BlockKey, u32, NvmeLoc)>,
     /// Whether loads may take the slots of queued writes (`loads_cancel_queued_writes`).
     loads_cancel_writes: bool,
+    /// Blocks kept in DRAM for want of evidence of reuse that have been reused since, for the store
+    /// to write below DRAM (`take_reused`).
+    reused: Vec<BlockKey>,
     stats: Arc<Stats>,
     /// When sequences were handed out (for `kvtier trim --older-than` and `kvtier inspect`).
     pub timeline: crate::timeline::Timeline,
@@ -205,6 +219,7 @@ impl Catalog {
             loads_waiting: 0,
             queued_writes: BTreeMap::new(),
             loads_cancel_writes: true,
+            reused: Vec::new(),
             stats,
             timeline: crate::timeline::Timeline::default(),
         }
@@ -249,6 +264,7 @@ impl Catalog {
                 pins: 0,
                 readers: 0,
                 loading: false,
+                awaiting_reuse: false,
             },
         );
     }
@@ -312,6 +328,9 @@ impl Catalog {
             e.dram_ready = false;
         }
         if e.dram.is_none() && e.nvme.is_none() && !e.write_pending {
+            if e.awaiting_reuse {
+                Stats::add(&self.stats.dropped_without_evidence, 1);
+            }
             self.index.remove(key);
         }
     }
@@ -381,6 +400,7 @@ impl Catalog {
                 pins,
                 readers: 0,
                 loading: state == SlotState::Loading,
+                awaiting_reuse: false,
             },
         );
         sequence
@@ -406,6 +426,7 @@ impl Catalog {
             let slot = e.dram.expect("ready entry has a slot");
             e.pin_reader();
             self.slots.touch(slot);
+            self.note_reuse(key);
             return GetStep::Dram { slot };
         }
         if e.loading {
@@ -473,6 +494,7 @@ impl Catalog {
             if let (true, Some(slot)) = (e.dram_ready, e.dram) {
                 self.slots.touch(slot);
             }
+            self.note_reuse(key);
             return PutStep::Present;
         }
         if self.loads_waiting > 0 {
@@ -538,20 +560,32 @@ impl Catalog {
         self.slots.free_abandoned(slot);
     }
 
-    /// The slot now holds the whole value; makes it visible and plans its NVMe write.
+    /// The slot now holds the whole value; makes it visible and, with `Persist::Now`, plans its NVMe
+    /// write.
     pub fn finish_put(
         &mut self,
         key: &BlockKey,
         slot: u32,
         value_checksum: u64,
+        persist: Persist,
         meta: &mut Vec<MetaWrite>,
     ) -> Option<WritePlan> {
         let e = self.index.get_mut(key).expect("filled entry exists");
         e.value_checksum = value_checksum;
         e.dram_ready = true;
+        e.awaiting_reuse = persist == Persist::OnReuse;
         self.slots.admit(slot, key);
         Stats::add(&self.stats.puts, 1);
         self.nvme.as_ref()?;
+        if persist != Persist::Now {
+            self.dirty_bytes -= self.slot_bytes as usize; // reserved by plan_put
+            return None;
+        }
+        self.plan_write(key, slot, meta)
+    }
+
+    /// Plans the NVMe write of `key`'s block in `slot`, whose share of the write backlog is counted.
+    fn plan_write(&mut self, key: &BlockKey, slot: u32, meta: &mut Vec<MetaWrite>) -> Option<WritePlan> {
         let Some((loc, region_seq)) = self.alloc_nvme(meta) else {
             // Every region is open, sealing or pinned: the block stays in DRAM only.
             self.dirty_bytes -= self.slot_bytes as usize;
@@ -562,6 +596,40 @@ impl Catalog {
         let e = self.index.get_mut(key).unwrap();
         e.write_pending = true;
         Some(WritePlan { slot, loc, region_seq, sequence: e.sequence })
+    }
+
+    // ---- admission below DRAM (the store decides: `admission.rs`) ----
+
+    /// A use of `key`'s block (a load, a pin, a second store): evidence of reuse for a block kept in
+    /// DRAM for want of it.
+    fn note_reuse(&mut self, key: &BlockKey) {
+        if let Some(e) = self.index.get_mut(key).filter(|e| e.awaiting_reuse) {
+            e.awaiting_reuse = false;
+            self.reused.push(*key);
+        }
+    }
+
+    /// The blocks reused since the last call that are still in DRAM and nowhere below it: the store
+    /// writes them below DRAM now (`plan_reused_write` for NVMe).
+    pub fn take_reused(&mut self) -> Vec<BlockKey> {
+        let mut reused = std::mem::take(&mut self.reused);
+        let index = &self.index;
+        reused.retain(|key| index.get(key).is_some_and(|e| e.dram_ready && e.nvme.is_none() && !e.write_pending));
+        reused
+    }
+
+    /// Plans the NVMe write of a reused block still in DRAM only, when the write backlog has room
+    /// (else it stays in DRAM only: a reuse never waits).
+    pub fn plan_reused_write(&mut self, key: &BlockKey, meta: &mut Vec<MetaWrite>) -> Option<WritePlan> {
+        self.nvme.as_ref()?;
+        let e = self.index.get(key).filter(|e| e.dram_ready && e.nvme.is_none() && !e.write_pending)?;
+        let slot = e.dram.expect("a resident entry has a slot");
+        if self.dirty_bytes + self.slot_bytes as usize > self.max_dirty_bytes {
+            Stats::add(&self.stats.nvme_dropped_writes, 1);
+            return None;
+        }
+        self.dirty_bytes += self.slot_bytes as usize;
+        self.plan_write(key, slot, meta)
     }
 
     // ---- NVMe writes (the regions themselves: `regions.rs`) ----
@@ -676,6 +744,8 @@ impl Catalog {
             nvme_capacity_bytes: total_regions * region_bytes,
             blocks_dram: self.index.counted().dram,
             blocks_nvme: self.index.counted().nvme,
+            nvme_write_budget_bytes_per_day: 0,
+            nvme_write_budget_left_bytes: 0,
         }
     }
 
@@ -715,6 +785,26 @@ pub struct Gauges {
     pub nvme_capacity_bytes: u64,
     pub blocks_dram: u64,
     pub blocks_nvme: u64,
+    /// The NVMe tier's write budget (`admission.rs`), set by the store: bytes per day (0: unbounded)
+    /// and the bytes it would take now.
+    pub nvme_write_budget_bytes_per_day: u64,
+    pub nvme_write_budget_left_bytes: u64,
+}
+
+impl Gauges {
+    /// (name, value) pairs, for the Python dict, the service's replies and Prometheus.
+    pub fn fields(&self) -> [(&'static str, u64); 8] {
+        [
+            ("dram_used_bytes", self.dram_used_bytes),
+            ("dram_capacity_bytes", self.dram_capacity_bytes),
+            ("nvme_used_bytes", self.nvme_used_bytes),
+            ("nvme_capacity_bytes", self.nvme_capacity_bytes),
+            ("blocks_dram", self.blocks_dram),
+            ("blocks_nvme", self.blocks_nvme),
+            ("nvme_write_budget_bytes_per_day", self.nvme_write_budget_bytes_per_day),
+            ("nvme_write_budget_left_bytes", self.nvme_write_budget_left_bytes),
+        ]
+    }
 }
 
 /// Loads from the shared-filesystem tier (`tiers::shared`): for a block the catalog does not hold, it

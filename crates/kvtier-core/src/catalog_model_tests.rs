@@ -355,7 +355,7 @@ impl Model {
                 let (key, slot, vid) = self.fills.remove(i % self.fills.len());
                 assert_eq!(self.slot_bytes[slot as usize], Bytes::Value(key, vid), "a filling slot was reused");
                 let mut meta = Vec::new();
-                let plan = self.cat.finish_put(&key, slot, vid, &mut meta);
+                let plan = self.cat.finish_put(&key, slot, vid, Persist::Now, &mut meta);
                 self.latest.insert(key, vid);
                 self.shared_tier.insert(key, vid);
                 if let Some(plan) = plan {
@@ -1186,7 +1186,7 @@ fn failed_read_keeps_a_pinned_entry_until_its_last_pin() {
     assert!(!cat.has_entry(&k), "the last pin takes the copyless entry");
     let PutStep::Fill { slot, .. } = cat.plan_put(&k) else { panic!("the block can be stored again") };
     let mut meta = Vec::new();
-    let _ = cat.finish_put(&k, slot, 7, &mut meta);
+    let _ = cat.finish_put(&k, slot, 7, Persist::Now, &mut meta);
     assert_eq!(cat.pin_resident(&k), Some(slot));
     assert_eq!(cat.index[&k].pins, 1);
     cat.check_invariants();
@@ -1208,7 +1208,7 @@ fn region_under_an_inflight_read_waits_and_the_copyless_entry_goes() {
     let x = key(5);
     let PutStep::Fill { slot, .. } = cat.plan_put(&x) else { panic!("a slot is free") };
     let mut meta = Vec::new();
-    let plan = cat.finish_put(&x, slot, 9, &mut meta).expect("region 1 is reclaimable");
+    let plan = cat.finish_put(&x, slot, 9, Persist::Now, &mut meta).expect("region 1 is reclaimable");
     assert_ne!(plan.loc.region, direct.loc.region, "a region was reclaimed under a read in flight");
     cat.finish_get_nvme(&k, &direct, LoadOutcome::Ok);
     assert!(!cat.has_entry(&k), "a copyless, unpinned entry was left behind");
@@ -1296,7 +1296,7 @@ fn the_catalog_tracks_exactly_the_keys_whose_tiers_changed() {
     cat.abort_put(&gone, slot);
     let PutStep::Fill { slot, .. } = cat.plan_put(&new) else { panic!("a slot is free") };
     let mut meta = Vec::new();
-    let _ = cat.finish_put(&new, slot, 7, &mut meta);
+    let _ = cat.finish_put(&new, slot, 7, Persist::Now, &mut meta);
     cat.unpin(&[a, b]);
     let mut now = HashMap::new();
     cat.residency(&mut now);

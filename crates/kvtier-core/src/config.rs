@@ -6,6 +6,7 @@
 //! --write`), defaults rendered from `StoreConfig::new` / `SharedConfig::new`. Field comments below
 //! therefore state no default values: they would be one more copy to drift.
 
+use crate::admission::WriteAdmission;
 use crate::error::{Error, Result};
 use crate::format::{round_up, ALIGN_BYTES};
 use crate::io::faults::FaultPlan;
@@ -57,6 +58,21 @@ pub struct StoreConfig {
     /// A load short of DRAM slots takes the slot of a stored block whose NVMe write has not started
     /// (dropping that store) instead of waiting for the write backlog to drain.
     pub loads_cancel_queued_writes: bool,
+    /// Which stored blocks are written below DRAM (NVMe, shared filesystem, bucket): those with
+    /// evidence of reuse, or all (`admission.rs`).
+    pub write_admission: WriteAdmission,
+    /// How many blocks stored once `write_admission: "reuse"` remembers (8 bytes each).
+    pub write_admission_memory_blocks: usize,
+    /// The NVMe tier's write budget in drive writes per day of the filesystems holding `paths`
+    /// (their total size); 0 = unbounded. Overridden by `write_budget_nvme_bytes_per_day`.
+    pub write_budget_nvme_dwpd: f64,
+    /// The NVMe tier's write budget in bytes per day; 0 = from `write_budget_nvme_dwpd`.
+    pub write_budget_nvme_bytes_per_day: u64,
+    /// The shared-filesystem and object tiers' write budgets in bytes per day; 0 = unbounded.
+    pub write_budget_shared_bytes_per_day: u64,
+    pub write_budget_bucket_bytes_per_day: u64,
+    /// Seconds of its rate a write budget may spend at once (after an idle spell).
+    pub write_budget_burst_s: u64,
     /// Test seam: inject I/O faults. Never set in production.
     pub fault_plan: Option<Arc<FaultPlan>>,
     /// Test seam: when a remote tier turns sick and how long it steps aside
@@ -101,6 +117,13 @@ impl StoreConfig {
             load_threads: 2,
             slot_wait_ms: 5000,
             loads_cancel_queued_writes: true,
+            write_admission: WriteAdmission::All,
+            write_admission_memory_blocks: 1 << 20,
+            write_budget_nvme_dwpd: 1.0,
+            write_budget_nvme_bytes_per_day: 0,
+            write_budget_shared_bytes_per_day: 0,
+            write_budget_bucket_bytes_per_day: 0,
+            write_budget_burst_s: 3600,
             fault_plan: None,
             remote_health: HealthPolicy::default(),
             pool_path: None,
@@ -200,6 +223,7 @@ impl StoreConfig {
         if self.max_write_inflight_bytes == 0 {
             return Err(Error::config("max_write_inflight_bytes", "must be positive"));
         }
+        self.validate_write_budgets()?;
         if self.max_dirty_bytes != 0 && self.max_dirty_bytes < self.slot_bytes() {
             // Below one slot no store is ever admitted: every put would wait slot_wait_ms and be dropped.
             return Err(Error::config(
@@ -213,6 +237,32 @@ impl StoreConfig {
             ));
         }
         Ok(())
+    }
+
+    fn validate_write_budgets(&self) -> Result<()> {
+        if self.write_admission_memory_blocks == 0 {
+            return Err(Error::config("write_admission_memory_blocks", "must be at least 1 block"));
+        }
+        let dwpd = self.write_budget_nvme_dwpd;
+        if !dwpd.is_finite() || !(0.0..=1000.0).contains(&dwpd) {
+            return Err(Error::config(
+                "write_budget_nvme_dwpd",
+                format!("{dwpd} is out of range; give drive writes per day, 0 (unbounded) ..= 1000"),
+            ));
+        }
+        if !(1..=86_400).contains(&self.write_budget_burst_s) {
+            return Err(Error::config("write_budget_burst_s", "must be in 1 ..= 86400 seconds"));
+        }
+        Ok(())
+    }
+
+    /// The NVMe tier's write budget in bytes per day (0: unbounded), given the total size of the
+    /// filesystems holding `paths` (`write_budget_nvme_dwpd` applies to it).
+    pub fn nvme_write_budget_bytes_per_day(&self, filesystem_bytes: u64) -> u64 {
+        if self.write_budget_nvme_bytes_per_day != 0 {
+            return self.write_budget_nvme_bytes_per_day;
+        }
+        (self.write_budget_nvme_dwpd * filesystem_bytes as f64) as u64
     }
 
     /// The NVMe regions: aligned, able to hold a slot, and neither too many nor fewer than 2 per
@@ -506,6 +556,14 @@ const IO_ENGINES: [EngineChoice; 3] = [EngineChoice::Auto, EngineChoice::IoUring
 const DIRECT_IO_CHOICES: &[&str] = &["auto", "on", "off"];
 const DIRECT_IOS: [DirectIo; 3] = [DirectIo::Auto, DirectIo::On, DirectIo::Off];
 
+const WRITE_ADMISSION_CHOICES: &[&str] = &["reuse", "all"];
+const WRITE_ADMISSIONS: [WriteAdmission; 2] = [WriteAdmission::Reuse, WriteAdmission::All];
+
+fn write_admission_value(a: WriteAdmission) -> Option<OptionValue> {
+    let at = WRITE_ADMISSIONS.iter().position(|x| *x == a).unwrap_or(0);
+    Some(OptionValue::Str(WRITE_ADMISSION_CHOICES[at].into()))
+}
+
 fn direct_io_value(d: DirectIo) -> OptionValue {
     OptionValue::Str(DIRECT_IO_CHOICES[DIRECT_IOS.iter().position(|x| *x == d).unwrap_or(0)].into())
 }
@@ -683,6 +741,83 @@ pub static OPTIONS: &[ConfigOption] = &[
         description: "Loads first: a load short of DRAM slots takes the slot of a stored block whose NVMe write has not started yet (that store is dropped, counted in `cancelled_writes`) instead of waiting for the write backlog to drain.",
         set: |c, v| c.loads_cancel_queued_writes = v.bool(),
         get: |c| Some(OptionValue::Bool(c.loads_cancel_queued_writes)),
+    },
+    ConfigOption {
+        name: "write_admission",
+        field: "write_admission",
+        python: true,
+        kind: OptionKind::Choice(WRITE_ADMISSION_CHOICES),
+        unset: "",
+        constraint: "",
+        description: "Which stored blocks are written below DRAM (NVMe, shared filesystem, bucket). `reuse`: a block goes down once there is evidence it is used again (stored a second time, or pinned or loaded while in DRAM, by any engine of the host); one that leaves DRAM unused is dropped, never written (`dropped_without_evidence`). `all`: every block, at once (restart persistence of everything, the most writes). DRAM takes every block either way.",
+        set: |c, v| c.write_admission = WRITE_ADMISSIONS[v.choice(WRITE_ADMISSION_CHOICES)],
+        get: |c| write_admission_value(c.write_admission),
+    },
+    ConfigOption {
+        name: "write_admission_memory_blocks",
+        field: "write_admission_memory_blocks",
+        python: true,
+        kind: OptionKind::Int,
+        unset: "",
+        constraint: ">= 1",
+        description: "Blocks stored once that `reuse` remembers (8 bytes each; a newer block may replace an older one's entry).",
+        set: |c, v| c.write_admission_memory_blocks = v.int() as usize,
+        get: |c| int(c.write_admission_memory_blocks as u64),
+    },
+    ConfigOption {
+        name: "write_budget_nvme_dwpd",
+        field: "write_budget_nvme_dwpd",
+        python: true,
+        kind: OptionKind::Float,
+        unset: "",
+        constraint: "0 ..= 1000",
+        description: "The NVMe tier's write budget, in drive writes per day of the filesystems holding the directories (their whole size); 0 = unbounded. A write past the budget is refused, never waited for: the block stays in DRAM only (`nvme_write_budget_refusals`).",
+        set: |c, v| c.write_budget_nvme_dwpd = v.float(),
+        get: |c| Some(OptionValue::Float(c.write_budget_nvme_dwpd)),
+    },
+    ConfigOption {
+        name: "write_budget_nvme_bytes_per_day",
+        field: "write_budget_nvme_bytes_per_day",
+        python: true,
+        kind: OptionKind::Size,
+        unset: "0: from `write_budget_nvme_dwpd`",
+        constraint: "bytes per day",
+        description: "The NVMe tier's write budget in bytes per day; overrides `write_budget_nvme_dwpd`.",
+        set: |c, v| c.write_budget_nvme_bytes_per_day = v.int(),
+        get: |c| (c.write_budget_nvme_bytes_per_day != 0).then_some(OptionValue::Int(c.write_budget_nvme_bytes_per_day)),
+    },
+    ConfigOption {
+        name: "write_budget_shared_bytes_per_day",
+        field: "write_budget_shared_bytes_per_day",
+        python: true,
+        kind: OptionKind::Size,
+        unset: "0: unbounded",
+        constraint: "bytes per day",
+        description: "The shared-filesystem tier's write budget; an offer past it is not published (`remote_write_budget_refusals`).",
+        set: |c, v| c.write_budget_shared_bytes_per_day = v.int(),
+        get: |c| (c.write_budget_shared_bytes_per_day != 0).then_some(OptionValue::Int(c.write_budget_shared_bytes_per_day)),
+    },
+    ConfigOption {
+        name: "write_budget_bucket_bytes_per_day",
+        field: "write_budget_bucket_bytes_per_day",
+        python: true,
+        kind: OptionKind::Size,
+        unset: "0: unbounded",
+        constraint: "bytes per day",
+        description: "The object tier's write budget (bytes of blocks per day, and so PUTs); an offer past it is not published (`remote_write_budget_refusals`).",
+        set: |c, v| c.write_budget_bucket_bytes_per_day = v.int(),
+        get: |c| (c.write_budget_bucket_bytes_per_day != 0).then_some(OptionValue::Int(c.write_budget_bucket_bytes_per_day)),
+    },
+    ConfigOption {
+        name: "write_budget_burst_s",
+        field: "write_budget_burst_s",
+        python: true,
+        kind: OptionKind::Int,
+        unset: "",
+        constraint: "1 ..= 86400",
+        description: "Seconds of its rate a write budget may spend at once: over any span of t seconds a tier takes at most (t + burst) x its rate.",
+        set: |c, v| c.write_budget_burst_s = v.int(),
+        get: |c| int(c.write_budget_burst_s),
     },
     // Shared-filesystem tier (docs/shared-tier.md): any shared_* option needs shared_root too.
     ConfigOption {

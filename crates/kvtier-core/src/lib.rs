@@ -1,5 +1,6 @@
 //! kvtier core: a tiered store for LLM KV-cache blocks (DRAM arena + NVMe region log).
 //!
+//! - `admission`: which stored blocks go below DRAM (evidence of reuse) and how fast (write budgets).
 //! - `catalog`: the control plane (index, allocation, eviction, pins, recovery adoption).
 //! - `mover`: the data plane (copies and I/O at locations the catalog hands out).
 //! - `shared_state`: `Shared`, the state a store's threads share; the mover works on it, not on `store`.
@@ -16,6 +17,7 @@
 //! - `store`: the facade tying them together, with blocking and asynchronous APIs ([`Store`]);
 //!   `store_residency`: what the service's change log reads from it on each refresh.
 
+mod admission;
 mod catalog;
 mod config;
 mod error;
@@ -37,6 +39,7 @@ mod timeline;
 // The public surface, on purpose: everything else is private, so rustc reports what nothing uses.
 // `format` stays a public module: the on-disk structures are an interface of their own (tools,
 // the format fuzzers).
+pub use admission::WriteAdmission;
 pub use catalog::{Gauges, Tier, TrimCounts};
 pub use config::{find_option, unknown_option_message, ConfigOption, OptionKind, OptionValue, StoreConfig, OPTIONS};
 pub use error::{Error, Result};

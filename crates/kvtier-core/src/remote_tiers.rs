@@ -8,14 +8,16 @@
 //! probe read brings it back. Counted in `remote_tier_*` / `remote_tiers_sick`, logged once per
 //! change of state.
 
+use crate::admission::WriteBudget;
 use crate::config::StoreConfig;
 use crate::error::Result;
 use crate::key::{BlockKey, Namespace};
 use crate::stats::Stats;
 use crate::tiers::object::ObjectTier;
-use crate::tiers::remote::health::{Admit, Change, Health, HealthPolicy, Observed};
+use crate::tiers::remote::health::{Admit, Change, Health, Observed};
 use crate::tiers::remote::{PublishSink, Publisher, ReadOutcome, ReadRequest, Refetch, RemoteTier, StartedRead};
 use crate::tiers::shared::SharedTier;
+use parking_lot::Mutex;
 use std::io::ErrorKind;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,12 +33,26 @@ struct Remote {
     /// For the log: "shared filesystem", "object store".
     name: &'static str,
     health: Health,
+    /// Bytes per day this tier may take (`write_budget_*_bytes_per_day`); `None`: unbounded.
+    budget: Option<Mutex<WriteBudget>>,
 }
 
 impl Remote {
-    fn start<T: RemoteTier + 'static>(tier: Arc<T>, name: &'static str, policy: HealthPolicy) -> Result<Remote> {
+    fn start<T: RemoteTier + 'static>(
+        tier: Arc<T>,
+        name: &'static str,
+        config: &StoreConfig,
+        budget_bytes_per_day: u64,
+    ) -> Result<Remote> {
         let publisher = Publisher::start(Arc::clone(&tier) as Arc<dyn PublishSink>)?;
-        Ok(Remote { tier, publisher, name, health: Health::new(policy, Instant::now()) })
+        let now = Instant::now();
+        let budget = WriteBudget::new(budget_bytes_per_day, config.write_budget_burst_s, now);
+        Ok(Remote { tier, publisher, name, health: Health::new(config.remote_health, now), budget })
+    }
+
+    /// Whether the tier's write budget takes one more block of `bytes`.
+    fn budget_allows(&self, bytes: u64) -> bool {
+        self.budget.as_ref().is_none_or(|b| b.lock().try_take(bytes, Instant::now()))
     }
 
     /// Whether the tier indexes `key` and is offered in lookups now (not sick, or due a probe).
@@ -70,11 +86,11 @@ impl RemoteTiers {
         if let Some(c) = &config.shared {
             let tier = SharedTier::open(c, namespace, config.object_bytes, Arc::clone(stats), &config.io_setup())?;
             shared_fs = Some(Arc::clone(&tier));
-            tiers.push(Remote::start(tier, "shared filesystem", config.remote_health)?);
+            tiers.push(Remote::start(tier, "shared filesystem", config, config.write_budget_shared_bytes_per_day)?);
         }
         if let Some(c) = &config.bucket {
             let tier = ObjectTier::open(c, namespace, config.object_bytes, Arc::clone(stats))?;
-            tiers.push(Remote::start(tier, "object store", config.remote_health)?);
+            tiers.push(Remote::start(tier, "object store", config, config.write_budget_bucket_bytes_per_day)?);
         }
         Ok(RemoteTiers { tiers, shared_fs, stats: Arc::clone(stats) })
     }
@@ -103,8 +119,17 @@ impl RemoteTiers {
     /// Offers an accepted block (its slot: descriptor page + value) to every tier's publisher.
     pub(crate) fn offer(&self, key: BlockKey, slot: &[u8]) {
         for r in &self.tiers {
-            r.publisher.offer(key, slot);
+            if r.budget_allows(slot.len() as u64) {
+                r.publisher.offer(key, slot);
+            } else {
+                Stats::add(&self.stats.remote_write_budget_refusals, 1);
+            }
         }
+    }
+
+    /// Whether the store has any remote tier.
+    pub(crate) fn any(&self) -> bool {
+        !self.tiers.is_empty()
     }
 
     /// Gives every publisher its way to copy a backlogged block out of DRAM.

@@ -1,5 +1,6 @@
 //! `Shared`, the state one store's threads share: catalog, arena, devices, counters, remote tiers, job bookkeeping.
 
+use crate::admission::Admission;
 use crate::catalog::Catalog;
 use crate::config::StoreConfig;
 use crate::io::device::DeviceQueue;
@@ -29,6 +30,8 @@ pub(crate) struct Shared {
     /// The remote tiers (`config.shared`, `config.bucket`) with their publishers; blocks of any are
     /// reported as tier "shared" (remote).
     pub remote: RemoteTiers,
+    /// Which stored blocks go below DRAM, and the NVMe tier's write budget.
+    pub admission: Admission,
     pub(crate) finished: Mutex<HashMap<u64, Vec<bool>>>,
     pub(crate) finished_cv: Condvar,
     pub(crate) loads_active: AtomicUsize,

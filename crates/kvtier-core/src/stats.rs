@@ -103,6 +103,15 @@ counters!(
     remote_tier_outages,
     remote_tier_lookups_skipped,
     remote_tiers_sick,
+    // Writes below DRAM (crate::admission, docs/architecture.md "Writes below DRAM"): stored blocks
+    // kept in DRAM only for want of evidence of reuse, such blocks written below DRAM once reused,
+    // such blocks evicted from DRAM unused (never written), and writes refused by a tier's write
+    // budget (NVMe blocks; remote-tier offers).
+    writes_awaiting_reuse,
+    writes_admitted_on_reuse,
+    dropped_without_evidence,
+    nvme_write_budget_refusals,
+    remote_write_budget_refusals,
     // The NVMe tier's I/O pattern, as the device queues submit it (seed 002's experiment 6): requests,
     // their bytes, those starting where the device's previous request of the same kind ended, and
     // how many fall in each size class (upper bounds, `IO_SIZE_CLASSES`).

@@ -4,6 +4,7 @@
 //! Directory layout: `<path>/<namespace hex>/` holds `LOCK` (an exclusive flock held while the store
 //! is open, in every path) and `nvme.kvt` (one device file per path).
 
+use crate::admission::{Admission, WriteBudget};
 use crate::catalog::{Catalog, Gauges, MetaWrite, SlotLayout};
 use crate::config::StoreConfig;
 use crate::error::{Error, Result};
@@ -16,8 +17,8 @@ use crate::io::uring::UringEngine;
 use crate::io::{EngineChoice, IoCompletion, IoEngine, IoRequest, OpKind, RegisteredRange};
 use crate::key::{BlockKey, Namespace};
 use crate::mover::{
-    abort_puts, commit_puts, execute_get, execute_get_pinned, execute_put, execute_read_ahead, reserve_puts,
-    submit_meta, wait_for_put_room, BlockBuffer, Reservation,
+    abort_puts, commit_puts, execute_get, execute_get_pinned, execute_put, execute_read_ahead, persist_reused,
+    reserve_puts, submit_meta, wait_for_put_room, BlockBuffer, Reservation,
 };
 use crate::remote_tiers::RemoteTiers;
 use crate::shared_state::{ReadAhead, Shared};
@@ -114,6 +115,7 @@ impl Store {
             start_devices(&config, &device_files, &arena.registration_ranges(), &stats)?;
         let direct_io = device_files.iter().all(|d| d.direct) && !device_files.is_empty();
         let read_ahead = ReadAhead::new(arena.slot_count());
+        let admission = open_admission(&config, &dirs, geometry.is_some());
         let shared = Arc::new(Shared {
             geometry,
             namespace,
@@ -131,6 +133,7 @@ impl Store {
             activity: Mutex::new(()),
             activity_cv: Condvar::new(),
             read_ahead,
+            admission,
             config,
         });
         submit_meta(&shared, startup_meta);
@@ -332,6 +335,8 @@ impl Store {
             }
         }
         debug_assert!(pinned.len() <= keys.len(), "a flag per leading present key");
+        drop(cat);
+        persist_reused(&self.shared);
         pinned
     }
 
@@ -411,9 +416,14 @@ impl Store {
     }
 
     pub fn stats(&self) -> StoreStats {
+        let mut gauges = self.shared.catalog.lock().gauges();
+        if let Some((bytes_per_day, left_bytes)) = self.shared.admission.nvme_budget() {
+            gauges.nvme_write_budget_bytes_per_day = bytes_per_day;
+            gauges.nvme_write_budget_left_bytes = left_bytes;
+        }
         StoreStats {
             counters: self.shared.stats.snapshot(),
-            gauges: self.shared.catalog.lock().gauges(),
+            gauges,
             io_engine: self.io_engine,
             direct_io: self.direct_io,
             buffers_registered: self.buffers_registered,
@@ -614,6 +624,19 @@ fn new_catalog(
 /// Opens (or creates) one device file per directory, device `i` in `dirs[i]`, and hands the blocks
 /// recovered from existing ones to `catalog`: the device files, and the metadata writes that
 /// adopting them needs once the device queues run.
+/// The store's admission below DRAM, with the NVMe tier's write budget sized from the filesystems
+/// holding its directories (a filesystem that cannot be measured counts nothing).
+fn open_admission(config: &StoreConfig, dirs: &[PathBuf], nvme: bool) -> Admission {
+    let filesystem_bytes: u64 = dirs
+        .iter()
+        .filter_map(|dir| rustix::fs::statvfs(dir).ok())
+        .map(|fs| fs.f_blocks.saturating_mul(fs.f_frsize))
+        .sum();
+    let bytes_per_day = if nvme { config.nvme_write_budget_bytes_per_day(filesystem_bytes) } else { 0 };
+    let budget = WriteBudget::new(bytes_per_day, config.write_budget_burst_s, Instant::now());
+    Admission::new(config.write_admission, config.write_admission_memory_blocks, budget)
+}
+
 fn open_and_recover_devices(
     config: &StoreConfig,
     dirs: &[PathBuf],

@@ -596,13 +596,9 @@ impl PyStore {
         for (name, value) in s.counters.fields() {
             d.set_item(name, value)?;
         }
-        let g = s.gauges;
-        d.set_item("dram_used_bytes", g.dram_used_bytes)?;
-        d.set_item("dram_capacity_bytes", g.dram_capacity_bytes)?;
-        d.set_item("nvme_used_bytes", g.nvme_used_bytes)?;
-        d.set_item("nvme_capacity_bytes", g.nvme_capacity_bytes)?;
-        d.set_item("blocks_dram", g.blocks_dram)?;
-        d.set_item("blocks_nvme", g.blocks_nvme)?;
+        for (name, value) in s.gauges.fields() {
+            d.set_item(name, value)?;
+        }
         d.set_item("io_engine", s.io_engine)?;
         d.set_item("direct_io", s.direct_io)?;
         d.set_item("buffers_registered", s.buffers_registered)?;

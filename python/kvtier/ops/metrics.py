@@ -68,6 +68,15 @@ NAMESPACE_FAMILIES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("kvtier_dropped_stores", "counter", (), "Stores given up (no room, queue full, a rank that never came)"),
     ("kvtier_nvme_dropped_writes", "counter", (), "Blocks kept in DRAM only: no NVMe region to write"),
     (
+        "kvtier_write_admission_blocks",
+        "counter",
+        ("result",),
+        "Writes below DRAM (write_admission): stored blocks kept in DRAM awaiting reuse, written once reused, "
+        "evicted unused (never written), refused by a write budget (nvme, remote)",
+    ),
+    ("kvtier_write_budget_bytes_per_day", "gauge", ("tier",), "A tier's write budget (absent: unbounded)"),
+    ("kvtier_write_budget_left_bytes", "gauge", ("tier",), "Bytes the tier's write budget would take now"),
+    (
         "kvtier_cancelled_writes",
         "counter",
         (),
@@ -158,6 +167,13 @@ PLAIN_VALUES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("kvtier_read_bytes", ("shared",), "shared_bytes_read"),
     ("kvtier_written_bytes", ("nvme",), "bytes_written_nvme"),
     ("kvtier_written_bytes", ("shared",), "shared_bytes_written"),
+    ("kvtier_read_bytes", ("bucket",), "bucket_bytes_read"),
+    ("kvtier_written_bytes", ("bucket",), "bucket_bytes_written"),
+    ("kvtier_write_admission_blocks", ("awaiting_reuse",), "writes_awaiting_reuse"),
+    ("kvtier_write_admission_blocks", ("admitted_on_reuse",), "writes_admitted_on_reuse"),
+    ("kvtier_write_admission_blocks", ("dropped_without_evidence",), "dropped_without_evidence"),
+    ("kvtier_write_admission_blocks", ("budget_refused_nvme",), "nvme_write_budget_refusals"),
+    ("kvtier_write_admission_blocks", ("budget_refused_remote",), "remote_write_budget_refusals"),
     ("kvtier_evictions", ("dram",), "dram_evictions"),
     ("kvtier_evictions", ("nvme",), "nvme_region_evictions"),
     ("kvtier_evictions", ("shared",), "shared_evicted_files"),
@@ -287,6 +303,9 @@ def add_namespace(family: dict[str, Any], ns: dict[str, Any]) -> None:
         for name, label, key in ENGINE_VALUES:
             family[name].add_metric([*labels, engine, label], counts.get(key, 0))
     add_nvme_requests(family, labels, v)
+    if v.get("nvme_write_budget_bytes_per_day", 0):  # a bounded NVMe budget
+        family["kvtier_write_budget_bytes_per_day"].add_metric([*labels, "nvme"], v["nvme_write_budget_bytes_per_day"])
+        family["kvtier_write_budget_left_bytes"].add_metric([*labels, "nvme"], v.get("nvme_write_budget_left_bytes", 0))
 
 
 def add_nvme_requests(family: dict[str, Any], labels: list[str], v: dict[str, int]) -> None:

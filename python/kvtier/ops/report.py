@@ -162,6 +162,7 @@ def status_report(paths: Sequence[Path], socket: str | os.PathLike | None = None
         "hit_rate": None,
         "tiers": None,
         "shared_index_age_ms": None,
+        "writes": None,
         "namespaces": [_namespace_json(ns, running, gathered["pid"]) for ns in gathered["namespaces"]],
     }
     if stats is not None:
@@ -195,7 +196,38 @@ def status_report(paths: Sequence[Path], socket: str | os.PathLike | None = None
                 "hit_rate": _rate(hits["shared"], lookups),
             },
         }
+        report["writes"] = writes_below_dram(stats)
     return report
+
+
+# Per tier below DRAM: (name, the counter of bytes written, of bytes read back).
+WRITTEN_AND_READ = (
+    ("nvme", "bytes_written_nvme", "bytes_read_nvme"),
+    ("shared", "shared_bytes_written", "shared_bytes_read"),
+    ("bucket", "bucket_bytes_written", "bucket_bytes_read"),
+)
+# What admission below DRAM did with stored blocks (docs/architecture.md, "Writes below DRAM").
+ADMISSION_COUNTERS = (
+    "writes_awaiting_reuse",
+    "writes_admitted_on_reuse",
+    "dropped_without_evidence",
+    "nvme_write_budget_refusals",
+    "remote_write_budget_refusals",
+)
+
+
+def writes_below_dram(stats: dict[str, int]) -> dict[str, Any]:
+    """Bytes written and read back per tier below DRAM, their ratio (write amplification: bytes
+    written per byte read back, ``None`` before anything was read), the NVMe write budget, and what
+    admission did with stored blocks."""
+    tiers = {}
+    for tier, written_key, read_key in WRITTEN_AND_READ:
+        written, read = int(stats.get(written_key, 0)), int(stats.get(read_key, 0))
+        tiers[tier] = {"written_bytes": written, "read_bytes": read, "write_amplification": written / read if read else None}
+    budget = int(stats.get("nvme_write_budget_bytes_per_day", 0))
+    tiers["nvme"]["budget_bytes_per_day"] = budget or None
+    tiers["nvme"]["budget_left_bytes"] = int(stats.get("nvme_write_budget_left_bytes", 0)) if budget else None
+    return {"tiers": tiers, "admission": {name: int(stats.get(name, 0)) for name in ADMISSION_COUNTERS}}
 
 
 # --------------------------------------------------------------------------------------------
@@ -374,9 +406,35 @@ def print_status(report: dict[str, Any], output: Output) -> None:
         if report.get("shared_index_age_ms") is not None:
             counters.append(("shared index age (ms)", report["shared_index_age_ms"]))
         output.table("counters", ["counter", "value"], [[name, str(value)] for name, value in counters])
+        _writes_table(report["writes"], output)
     else:
         output.line(report["message"])
     _namespace_table(report, output, f"{len(report['namespaces'])} namespace(s) on disk")
+
+
+def _writes_table(writes: dict[str, Any], output: Output) -> None:
+    rows = []
+    for tier, label in (("nvme", "NVMe"), ("shared", "shared"), ("bucket", "bucket")):
+        t = writes["tiers"][tier]
+        amplification = t["write_amplification"]
+        budget = t.get("budget_bytes_per_day")
+        rows.append(
+            [
+                label,
+                human_bytes(t["written_bytes"]),
+                human_bytes(t["read_bytes"]),
+                "-" if amplification is None else f"{amplification:.2f}",
+                "unbounded" if budget is None else f"{human_bytes(budget)}/day, {human_bytes(t['budget_left_bytes'])} left",
+            ]
+        )
+    admission = writes["admission"]
+    output.table(
+        f"writes below DRAM ({admission['writes_awaiting_reuse']} block(s) kept awaiting reuse, "
+        f"{admission['writes_admitted_on_reuse']} written on reuse, {admission['dropped_without_evidence']} dropped "
+        f"unused, {admission['nvme_write_budget_refusals'] + admission['remote_write_budget_refusals']} over budget)",
+        ["tier", "written", "read back", "written per read", "write budget"],
+        rows,
+    )
 
 
 # --------------------------------------------------------------------------------------------

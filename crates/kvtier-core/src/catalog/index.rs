@@ -22,6 +22,9 @@ pub(super) struct Entry {
     /// load waits for it (`GetStep::Pending`) instead of reading the same bytes again, as the ranks
     /// of one tensor-parallel engine, or engines sharing a prefix, would.
     pub(super) loading: bool,
+    /// Stored in DRAM only for want of evidence of reuse (`admission.rs`): the first reuse
+    /// (`Catalog::note_reuse`) hands it to the store to write below DRAM; eviction drops it.
+    pub(super) awaiting_reuse: bool,
 }
 
 impl Entry {
@@ -257,6 +260,7 @@ mod tests {
             pins: 0,
             readers: 0,
             loading: false,
+            awaiting_reuse: false,
         }
     }
 

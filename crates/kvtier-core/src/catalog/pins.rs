@@ -47,7 +47,7 @@ impl Index {
 }
 
 impl Catalog {
-    /// Pins the leading visible keys; returns how many were pinned.
+    /// Pins the leading visible keys (a use of each: `note_reuse`); returns how many were pinned.
     pub fn pin_prefix(&mut self, keys: &[BlockKey]) -> usize {
         let mut pinned = 0;
         for key in keys {
@@ -58,6 +58,7 @@ impl Catalog {
                 }
                 _ => break,
             }
+            self.note_reuse(key);
         }
         pinned
     }

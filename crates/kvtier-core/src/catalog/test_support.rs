@@ -1,6 +1,6 @@
 //! Small catalogs and a store path for the unit tests of the catalog's parts.
 
-use super::{Catalog, MetaWrite, PutStep, SlotLayout, WriteOutcome};
+use super::{Catalog, MetaWrite, Persist, PutStep, SlotLayout, WriteOutcome};
 use crate::format::trailer::TrailerEntry;
 use crate::key::BlockKey;
 use crate::stats::Stats;
@@ -69,7 +69,7 @@ pub(super) fn recovered_catalog(regions: u32) -> Catalog {
 pub(super) fn put(cat: &mut Catalog, key: BlockKey) -> u32 {
     let PutStep::Fill { slot, .. } = cat.plan_put(&key) else { panic!("no slot for {key:?}") };
     let mut meta = Vec::new();
-    if let Some(plan) = cat.finish_put(&key, slot, checksum_of(&key), &mut meta) {
+    if let Some(plan) = cat.finish_put(&key, slot, checksum_of(&key), Persist::Now, &mut meta) {
         cat.write_queued(&key, &plan);
         assert!(cat.start_write(&plan));
         meta.extend(cat.complete_write(&key, &plan, WriteOutcome::Written));

@@ -32,7 +32,9 @@ const MAX_STAGED_READS: usize = 4;
 /// Loads blocks: into the caller's buffers (`Some`), or only into DRAM slots (`None`: promoting them
 /// for engine workers that copy out of the shared pool themselves).
 pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: Option<&[BlockBuffer]>) -> Vec<bool> {
-    Load::new(sh, keys, bufs, None).run()
+    let found = Load::new(sh, keys, bufs, None).run();
+    super::persist_reused(sh);
+    found
 }
 
 /// Makes blocks resident in DRAM and pins each one found, in the same catalog critical section that
@@ -41,6 +43,7 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: Option<&[Bl
 pub(crate) fn execute_get_pinned(sh: &Arc<Shared>, keys: &[BlockKey]) -> Vec<Option<u32>> {
     let mut pinned = vec![None; keys.len()];
     Load::new(sh, keys, None, Some(&mut pinned)).run();
+    super::persist_reused(sh);
     pinned
 }
 
@@ -51,6 +54,7 @@ pub(crate) fn execute_get_pinned(sh: &Arc<Shared>, keys: &[BlockKey]) -> Vec<Opt
 pub(crate) fn execute_read_ahead(sh: &Arc<Shared>, keys: &[BlockKey]) -> Vec<bool> {
     let mut pinned = vec![None; keys.len()];
     Load { read_ahead: true, ..Load::new(sh, keys, None, Some(&mut pinned)) }.run();
+    super::persist_reused(sh);
     let held: Vec<BlockKey> =
         keys.iter().zip(&pinned).filter(|(_, slot)| slot.is_some()).map(|(key, _)| *key).collect();
     if !held.is_empty() {

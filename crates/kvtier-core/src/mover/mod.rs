@@ -8,7 +8,7 @@ mod load;
 
 pub(crate) use load::{execute_get, execute_get_pinned, execute_read_ahead};
 
-use crate::catalog::{MetaWrite, PutStep, WriteOutcome, WritePlan};
+use crate::catalog::{MetaWrite, Persist, PutStep, WriteOutcome, WritePlan};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::format::ALIGN_BYTES;
 use crate::io::buffer::AlignedBuf;
@@ -194,9 +194,11 @@ pub(crate) struct Filled {
     pub value_checksum: u64,
 }
 
-/// Makes filled slots blocks: descriptor, shared-tier offer, visible in the catalog, NVMe write.
+/// Makes filled slots blocks: descriptor, remote-tier offer, visible in the catalog, NVMe write (the
+/// last two below DRAM as `admission` decides), then writes the blocks reused meanwhile.
 fn complete_fills(sh: &Arc<Shared>, filled: &[Filled]) {
-    for f in filled {
+    let persist: Vec<Persist> = filled.iter().map(|f| admit_store(sh, &f.key)).collect();
+    for (f, &persist) in filled.iter().zip(&persist) {
         // SAFETY: the slot is ours (Filling) and no I/O touches it until finish_put.
         let bytes = unsafe { slot_mut(sh.arena.slot_ptr(f.slot), sh.arena.slot_bytes()) };
         Descriptor {
@@ -208,20 +210,77 @@ fn complete_fills(sh: &Arc<Shared>, filled: &[Filled]) {
             value_checksum: f.value_checksum,
         }
         .encode(&mut bytes[..DESCRIPTOR_BYTES]);
-        // Copied while the slot is still ours (Filling); the publisher thread does the rest.
-        sh.remote.offer(f.key, bytes);
+        if persist != Persist::OnReuse {
+            // Copied while the slot is still ours (Filling); the publisher thread does the rest.
+            sh.remote.offer(f.key, bytes);
+        }
     }
     let mut meta = Vec::new();
     let mut writes = Vec::new();
     {
         let mut cat = sh.catalog.lock();
-        for f in filled {
-            if let Some(plan) = cat.finish_put(&f.key, f.slot, f.value_checksum, &mut meta) {
+        for (f, &persist) in filled.iter().zip(&persist) {
+            if let Some(plan) = cat.finish_put(&f.key, f.slot, f.value_checksum, persist, &mut meta) {
                 writes.push((f.key, plan));
             }
         }
     }
     sh.changed.notify_all();
+    submit_meta(sh, meta);
+    for (key, plan) in writes {
+        submit_entry_write(sh, key, plan);
+    }
+    persist_reused(sh);
+}
+
+/// What a block just stored does below DRAM: evidence of reuse first (`admission`), then the NVMe
+/// tier's write budget (the remote tiers check theirs as they take the offer).
+fn admit_store(sh: &Shared, key: &BlockKey) -> Persist {
+    if !sh.admission.admits_store(key) {
+        Stats::add(&sh.stats.writes_awaiting_reuse, 1);
+        return Persist::OnReuse;
+    }
+    nvme_budget_allows(sh)
+}
+
+fn nvme_budget_allows(sh: &Shared) -> Persist {
+    if sh.geometry.is_none() || sh.admission.take_nvme_budget(sh.arena.slot_bytes() as u64) {
+        return Persist::Now;
+    }
+    Stats::add(&sh.stats.nvme_write_budget_refusals, 1);
+    Persist::DramOnly
+}
+
+/// Writes below DRAM the blocks kept in DRAM for want of evidence of reuse that were used since (a
+/// load, a pin, a second store): offered to the remote tiers, and written to NVMe within its write
+/// budget and backlog. Called after each put, pin and load; cheap when nothing was reused.
+pub(crate) fn persist_reused(sh: &Arc<Shared>) {
+    let reused = sh.catalog.lock().take_reused();
+    if reused.is_empty() {
+        return;
+    }
+    Stats::add(&sh.stats.writes_admitted_on_reuse, reused.len() as u64);
+    if sh.remote.any() {
+        let mut slot = vec![0u8; sh.arena.slot_bytes()];
+        for key in &reused {
+            if copy_resident_block(sh, key, &mut slot) {
+                sh.remote.offer(*key, &slot);
+            }
+        }
+    }
+    let mut meta = Vec::new();
+    let mut writes = Vec::new();
+    {
+        let mut cat = sh.catalog.lock();
+        for key in &reused {
+            if nvme_budget_allows(sh) != Persist::Now {
+                continue;
+            }
+            if let Some(plan) = cat.plan_reused_write(key, &mut meta) {
+                writes.push((*key, plan));
+            }
+        }
+    }
     submit_meta(sh, meta);
     for (key, plan) in writes {
         submit_entry_write(sh, key, plan);

@@ -627,13 +627,9 @@ impl Connection {
             for (name, value) in stats.counters.fields() {
                 add(name, value);
             }
-            let g = stats.gauges;
-            add("dram_used_bytes", g.dram_used_bytes);
-            add("dram_capacity_bytes", g.dram_capacity_bytes);
-            add("nvme_used_bytes", g.nvme_used_bytes);
-            add("nvme_capacity_bytes", g.nvme_capacity_bytes);
-            add("blocks_dram", g.blocks_dram);
-            add("blocks_nvme", g.blocks_nvme);
+            for (name, value) in stats.gauges.fields() {
+                add(name, value);
+            }
             let (pending_fills, abandoned_slots) = ns.fills.lock().counts();
             add("service_pending_fills", pending_fills);
             add("service_abandoned_slots", abandoned_slots);
@@ -982,16 +978,10 @@ impl State {
             let stats = ns.store.stats();
             let mut pairs: Vec<(String, u64)> =
                 stats.counters.fields().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
-            let g = stats.gauges;
+            pairs.extend(stats.gauges.fields().into_iter().map(|(k, v)| (k.to_string(), v)));
             let facts = ns.store.namespace_facts();
             let (pending_fills, abandoned_slots) = ns.fills.lock().counts();
             pairs.extend([
-                ("dram_used_bytes".to_string(), g.dram_used_bytes),
-                ("dram_capacity_bytes".to_string(), g.dram_capacity_bytes),
-                ("nvme_used_bytes".to_string(), g.nvme_used_bytes),
-                ("nvme_capacity_bytes".to_string(), g.nvme_capacity_bytes),
-                ("blocks_dram".to_string(), g.blocks_dram),
-                ("blocks_nvme".to_string(), g.blocks_nvme),
                 ("blocks".to_string(), facts.visible_blocks),
                 ("oldest_block_unix_ms".to_string(), facts.oldest_unix_ms),
                 ("newest_block_unix_ms".to_string(), facts.newest_unix_ms),

@@ -1,0 +1,205 @@
+//! Which stored blocks go below DRAM (the NVMe tier and the remote tiers), and how fast
+//! (docs/architecture.md, "Writes below DRAM").
+//!
+//! DRAM takes every block an engine stores: it is the cheap tier, and the source of cross-engine
+//! hits. Most prompts are never seen again, and each byte written below DRAM costs flash endurance
+//! or a billed PUT, so with `write_admission: "reuse"` a block goes on down only with evidence that
+//! it is used again: it is stored a second time (an engine computed it again: the first copy had
+//! left DRAM, or the engine never looked), or a lookup pins it, or a load reads it from DRAM. The
+//! store is one per host and namespace, so that evidence comes from every engine on the host. A
+//! block that leaves DRAM with no evidence is dropped, not written (`dropped_without_evidence`).
+//! CacheLib's navy admits flash writes the same way ("reject first"), for the same reason.
+//!
+//! `SeenOnce` remembers the blocks stored once; `WriteBudget` is a rate of bytes per day for a tier
+//! below DRAM: a write past it is refused (the block stays in DRAM only, counted), never waited for.
+
+use crate::key::BlockKey;
+use parking_lot::Mutex;
+use std::time::Instant;
+use twox_hash::XxHash3_64;
+
+/// Which stored blocks are written below DRAM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteAdmission {
+    /// Blocks with evidence of reuse (stored twice, pinned or loaded while in DRAM).
+    Reuse,
+    /// Every stored block, at once (restart persistence of everything; the most writes).
+    All,
+}
+
+/// Fingerprints of the blocks stored once, direct-mapped: a later block whose fingerprint lands on
+/// the same entry replaces it, so the table forgets the oldest evidence first, roughly, in O(1)
+/// and in a fixed `8 * capacity` bytes. A forgotten block costs one more sighting before it is
+/// written; a false "seen" needs two keys with the same 64-bit fingerprint.
+pub(crate) struct SeenOnce {
+    fingerprints: Vec<u64>,
+}
+
+impl SeenOnce {
+    pub(crate) fn new(capacity: usize) -> Self {
+        SeenOnce { fingerprints: vec![0; capacity.max(1)] }
+    }
+
+    /// Whether `key` was noted before; notes it either way.
+    pub(crate) fn seen_before(&mut self, key: &BlockKey) -> bool {
+        // Hashed rather than read from the key's bytes: keys are hashes in vLLM, but not every
+        // caller's. Two seeds make the entry and the fingerprint independent; the low bit is set so
+        // that a fingerprint is never the empty entry's 0.
+        let at = (XxHash3_64::oneshot_with_seed(1, &key.0) % self.fingerprints.len() as u64) as usize;
+        let fingerprint = XxHash3_64::oneshot_with_seed(2, &key.0) | 1;
+        std::mem::replace(&mut self.fingerprints[at], fingerprint) == fingerprint
+    }
+}
+
+/// A token bucket of bytes for a tier's writes: it refills at `bytes_per_day / 86400` per second up
+/// to `burst_s` seconds of that rate, and starts full. Over any span of `t` seconds the tier takes
+/// at most `(t + burst_s) * rate` bytes.
+#[derive(Debug)]
+pub(crate) struct WriteBudget {
+    bytes_per_s: f64,
+    burst_bytes: f64,
+    tokens: f64,
+    refilled_at: Instant,
+}
+
+const SECONDS_PER_DAY: f64 = 86_400.0;
+
+impl WriteBudget {
+    /// `bytes_per_day == 0`: unbounded (`None`).
+    pub(crate) fn new(bytes_per_day: u64, burst_s: u64, now: Instant) -> Option<Mutex<WriteBudget>> {
+        if bytes_per_day == 0 {
+            return None;
+        }
+        let bytes_per_s = bytes_per_day as f64 / SECONDS_PER_DAY;
+        let burst_bytes = bytes_per_s * burst_s.max(1) as f64;
+        Some(Mutex::new(WriteBudget { bytes_per_s, burst_bytes, tokens: burst_bytes, refilled_at: now }))
+    }
+
+    fn refill(&mut self, now: Instant) {
+        let elapsed_s = now.saturating_duration_since(self.refilled_at).as_secs_f64();
+        self.tokens = (self.tokens + elapsed_s * self.bytes_per_s).min(self.burst_bytes);
+        self.refilled_at = now;
+    }
+
+    /// Takes `bytes` if the budget has them now.
+    pub(crate) fn try_take(&mut self, bytes: u64, now: Instant) -> bool {
+        self.refill(now);
+        // A block larger than the whole burst could never pass: it passes when the bucket is full.
+        let bytes = (bytes as f64).min(self.burst_bytes);
+        if self.tokens + 1e-6 < bytes {
+            return false;
+        }
+        self.tokens -= bytes;
+        true
+    }
+
+    /// Bytes the budget would take now.
+    pub(crate) fn left_bytes(&mut self, now: Instant) -> u64 {
+        self.refill(now);
+        self.tokens as u64
+    }
+
+    pub(crate) fn bytes_per_day(&self) -> u64 {
+        (self.bytes_per_s * SECONDS_PER_DAY).round() as u64
+    }
+}
+
+/// A store's admission below DRAM: the policy, what it remembers, and the NVMe tier's budget (the
+/// remote tiers keep theirs beside their publishers, `RemoteTiers`).
+pub(crate) struct Admission {
+    policy: WriteAdmission,
+    seen: Mutex<SeenOnce>,
+    nvme_budget: Option<Mutex<WriteBudget>>,
+}
+
+impl Admission {
+    pub(crate) fn new(policy: WriteAdmission, memory_blocks: usize, nvme_budget: Option<Mutex<WriteBudget>>) -> Self {
+        let capacity = if policy == WriteAdmission::Reuse { memory_blocks } else { 1 };
+        Admission { policy, seen: Mutex::new(SeenOnce::new(capacity)), nvme_budget }
+    }
+
+    /// Whether a block just stored goes below DRAM now, by evidence alone (budgets aside).
+    pub(crate) fn admits_store(&self, key: &BlockKey) -> bool {
+        match self.policy {
+            WriteAdmission::All => true,
+            WriteAdmission::Reuse => self.seen.lock().seen_before(key),
+        }
+    }
+
+    /// Takes one block's bytes from the NVMe tier's budget; `true` when it has them (or is unbounded).
+    pub(crate) fn take_nvme_budget(&self, bytes: u64) -> bool {
+        self.nvme_budget.as_ref().is_none_or(|b| b.lock().try_take(bytes, Instant::now()))
+    }
+
+    /// The NVMe budget: (bytes per day, bytes it would take now); `None` when unbounded.
+    pub(crate) fn nvme_budget(&self) -> Option<(u64, u64)> {
+        self.nvme_budget.as_ref().map(|b| {
+            let mut b = b.lock();
+            (b.bytes_per_day(), b.left_bytes(Instant::now()))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn key(i: u64) -> BlockKey {
+        let mut k = [0u8; 32];
+        k[8..16].copy_from_slice(&(i * 0x9e37_79b9_7f4a_7c15).to_le_bytes());
+        k[16..24].copy_from_slice(&(i.wrapping_mul(0xc2b2_ae3d_27d4_eb4f)).to_le_bytes());
+        BlockKey(k)
+    }
+
+    #[test]
+    fn a_block_is_seen_before_only_from_its_second_sighting() {
+        let mut seen = SeenOnce::new(1 << 12);
+        assert!(!seen.seen_before(&key(1)));
+        assert!(!seen.seen_before(&key(2)));
+        assert!(seen.seen_before(&key(1)));
+        assert!(seen.seen_before(&key(1)), "evidence stays while nothing replaces it");
+    }
+
+    #[test]
+    fn a_full_table_forgets_but_never_invents_evidence() {
+        let mut seen = SeenOnce::new(64);
+        let fresh_seen = (0..10_000).filter(|&i| seen.seen_before(&key(i))).count();
+        assert_eq!(fresh_seen, 0, "no key seen once is taken for seen twice");
+        let remembered = (9_936..10_000).filter(|&i| seen.seen_before(&key(i))).count();
+        assert!(remembered > 20, "the newest keys are mostly remembered: {remembered} of 64");
+    }
+
+    #[test]
+    fn a_budget_takes_its_burst_then_its_rate_and_never_more() {
+        let start = Instant::now();
+        // 86,400 bytes a day: 1 byte per second, a 100-second burst.
+        let budget = WriteBudget::new(86_400, 100, start).unwrap();
+        let mut b = budget.lock();
+        assert!(b.try_take(60, start) && b.try_take(40, start));
+        assert!(!b.try_take(1, start), "the burst is spent");
+        assert!(!b.try_take(10, start + Duration::from_secs(9)));
+        assert!(b.try_take(10, start + Duration::from_secs(10)), "ten seconds refill ten bytes");
+        assert_eq!(b.left_bytes(start + Duration::from_secs(1_000)), 100, "the bucket holds its burst at most");
+        assert_eq!(b.bytes_per_day(), 86_400);
+    }
+
+    #[test]
+    fn a_block_larger_than_the_burst_passes_from_a_full_bucket() {
+        let start = Instant::now();
+        let budget = WriteBudget::new(86_400, 10, start).unwrap();
+        assert!(budget.lock().try_take(1 << 20, start));
+        assert!(!budget.lock().try_take(1 << 20, start + Duration::from_secs(5)));
+        assert!(WriteBudget::new(0, 10, start).is_none(), "0 bytes a day: unbounded");
+    }
+
+    #[test]
+    fn policy_all_admits_every_store_and_reuse_the_second() {
+        let all = Admission::new(WriteAdmission::All, 16, None);
+        assert!(all.admits_store(&key(3)));
+        let reuse = Admission::new(WriteAdmission::Reuse, 16, None);
+        assert!(!reuse.admits_store(&key(3)));
+        assert!(reuse.admits_store(&key(3)));
+        assert!(reuse.take_nvme_budget(u64::MAX) && reuse.nvme_budget().is_none());
+    }
+}

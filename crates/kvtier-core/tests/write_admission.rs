@@ -1,0 +1,118 @@
+//! Writes below DRAM (`write_admission`, the write budgets): which stored blocks reach NVMe, what a
+//! restart keeps, and that a budget refuses writes without ever refusing a store.
+
+mod common;
+use common::*;
+use kvtier_core::{EngineChoice, Store, StoreConfig, WriteAdmission};
+
+const OBJECT_BYTES: usize = 64 * 1024;
+const SLOT_BYTES: u64 = OBJECT_BYTES as u64 + 4096;
+
+fn reuse_config(dir: &std::path::Path) -> StoreConfig {
+    let mut c = config(dir, EngineChoice::Psync, OBJECT_BYTES);
+    c.write_admission = WriteAdmission::Reuse;
+    c
+}
+
+/// Fills the 16-slot DRAM pool with blocks nobody uses again, evicting everything else.
+fn flood(store: &Store, from: u64) {
+    let ids: Vec<u64> = (from..from + 40).collect();
+    assert!(put(store, &ids).iter().all(|&stored| stored), "a flood is stored whatever is written below");
+}
+
+#[test]
+fn reuse_writes_only_the_blocks_used_again_and_drops_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(reuse_config(dir.path())).unwrap();
+    assert!(put(&store, &[0, 1, 2, 3, 4, 5, 6, 7]).iter().all(|&b| b));
+    store.flush().unwrap();
+    let s = store.stats().counters;
+    assert_eq!((s.writes_awaiting_reuse, s.bytes_written_nvme), (8, 0), "nothing is written on first sight");
+    assert_eq!(get_checked(&store, &[0, 1, 2, 3]), vec![true; 4], "served from DRAM");
+    store.flush().unwrap();
+    let s = store.stats().counters;
+    assert_eq!(s.writes_admitted_on_reuse, 4);
+    assert_eq!(s.bytes_written_nvme, 4 * SLOT_BYTES, "the four reused blocks, once each");
+    flood(&store, 100);
+    let s = store.stats().counters;
+    assert!(s.dropped_without_evidence >= 24, "unused blocks left DRAM unwritten: {s:?}");
+    store.check_invariants();
+    store.close().unwrap();
+    let store = Store::open(reuse_config(dir.path())).unwrap();
+    assert_eq!(get_checked(&store, &[0, 1, 2, 3, 4, 5, 6, 7]), [[true; 4], [false; 4]].concat());
+    assert_eq!(store.stats().counters.nvme_hits, 4, "the reused blocks came back from NVMe");
+}
+
+#[test]
+fn a_block_stored_again_after_it_left_dram_is_written_and_survives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let store = Store::open(reuse_config(dir.path())).unwrap();
+        put(&store, &[0, 1, 2]);
+        flood(&store, 100);
+        assert_eq!(get_checked(&store, &[0]), vec![false], "seen once, evicted: gone");
+        put(&store, &[0, 1, 2]); // computed again: the second sighting is the evidence
+        store.flush().unwrap();
+        assert_eq!(store.stats().counters.bytes_written_nvme, 3 * SLOT_BYTES);
+        store.close().unwrap();
+    }
+    let store = Store::open(reuse_config(dir.path())).unwrap();
+    assert_eq!(get_checked(&store, &[0, 1, 2, 100]), vec![true, true, true, false], "admitted and synced: kept");
+    assert_eq!(store.stats().counters.nvme_hits, 3);
+}
+
+#[test]
+fn a_pin_is_evidence_of_reuse() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(reuse_config(dir.path())).unwrap();
+    put(&store, &[0, 1, 2, 3]);
+    let pinned = store.pin_prefix(&[key(0), key(1)]);
+    assert_eq!(pinned, vec![true, true]);
+    store.unpin(&[key(0), key(1)]);
+    store.flush().unwrap();
+    let s = store.stats().counters;
+    assert_eq!((s.writes_admitted_on_reuse, s.bytes_written_nvme), (2, 2 * SLOT_BYTES));
+    store.check_invariants();
+}
+
+#[test]
+fn policy_all_writes_every_block_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = reuse_config(dir.path());
+    c.write_admission = WriteAdmission::All;
+    let store = Store::open(c).unwrap();
+    put(&store, &[0, 1, 2, 3, 4]);
+    store.flush().unwrap();
+    let s = store.stats().counters;
+    assert_eq!((s.bytes_written_nvme, s.writes_awaiting_reuse), (5 * SLOT_BYTES, 0));
+}
+
+#[test]
+fn an_nvme_budget_refuses_writes_past_it_and_never_a_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = reuse_config(dir.path());
+    c.write_admission = WriteAdmission::All;
+    // Three slots per minute with a one-minute burst: three writes now, the next one in 20 s.
+    c.write_budget_burst_s = 60;
+    c.write_budget_nvme_bytes_per_day = 3 * SLOT_BYTES * 24 * 60;
+    let store = Store::open(c).unwrap();
+    let ids: Vec<u64> = (0..10).collect();
+    assert_eq!(put(&store, &ids), vec![true; 10], "every store is taken into DRAM");
+    store.flush().unwrap();
+    let stats = store.stats();
+    let s = &stats.counters;
+    assert_eq!((s.bytes_written_nvme, s.nvme_write_budget_refusals), (3 * SLOT_BYTES, 7));
+    assert_eq!(stats.gauges.nvme_write_budget_bytes_per_day, 3 * SLOT_BYTES * 24 * 60);
+    assert!(stats.gauges.nvme_write_budget_left_bytes < SLOT_BYTES, "{:?}", stats.gauges);
+    assert_eq!(get_checked(&store, &ids), vec![true; 10], "refused blocks are still served from DRAM");
+}
+
+#[test]
+fn the_default_nvme_budget_is_one_drive_write_a_day_of_the_filesystem() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(config(dir.path(), EngineChoice::Psync, OBJECT_BYTES)).unwrap();
+    let g = store.stats().gauges;
+    let fs = rustix::fs::statvfs(dir.path()).unwrap();
+    assert_eq!(g.nvme_write_budget_bytes_per_day, fs.f_blocks * fs.f_frsize);
+    assert!(g.nvme_write_budget_left_bytes > 0);
+}
