@@ -12,6 +12,7 @@
     kvtier bench io [...]     the store against fio and LMCache (kvtier.bench.io)
     kvtier bench ttft [...]   time to first token through a real engine (kvtier.bench.ttft)
     kvtier bench lookup       host service round-trip latency (kvtier.bench.lookup)
+    kvtier bench admission    writes below DRAM per write_admission (kvtier.bench.admission)
     kvtier bench layout       TTFT across engines sharing the host service (kvtier.bench.layout)
     kvtier bench reads-first  NVMe-hit tail latency right after heavy stores (kvtier.bench.reads_first)
     kvtier bench blocks       TTFT against the engine's block size (kvtier.bench.blocks)
@@ -129,6 +130,11 @@ for _words, _module, _summary in (
     (("bench", "serve"), "kvtier.bench.serve", "throughput and TTFT against users under load, with vllm bench serve"),
     (("bench", "serve-summary"), "kvtier.bench.serve_summary", "bench serve runs in one table and plot"),
     (("bench", "faults"), "kvtier.bench.faults", "faults injected under load (service stopped, killed) vs vLLM alone"),
+    (
+        ("bench", "admission"),
+        "kvtier.bench.admission",
+        "NVMe bytes written and hit rate per write_admission, a write budget held",
+    ),
     (("demo",), "kvtier.demo", "end-to-end demo with a real engine"),
     (("serve",), "kvtier.service_main", "run the host service for a store path (engines start one when none runs)"),
 ):

@@ -223,7 +223,11 @@ def writes_below_dram(stats: dict[str, int]) -> dict[str, Any]:
     tiers = {}
     for tier, written_key, read_key in WRITTEN_AND_READ:
         written, read = int(stats.get(written_key, 0)), int(stats.get(read_key, 0))
-        tiers[tier] = {"written_bytes": written, "read_bytes": read, "write_amplification": written / read if read else None}
+        tiers[tier] = {
+            "written_bytes": written,
+            "read_bytes": read,
+            "write_amplification": written / read if read else None,
+        }
     budget = int(stats.get("nvme_write_budget_bytes_per_day", 0))
     tiers["nvme"]["budget_bytes_per_day"] = budget or None
     tiers["nvme"]["budget_left_bytes"] = int(stats.get("nvme_write_budget_left_bytes", 0)) if budget else None
@@ -424,7 +428,9 @@ def _writes_table(writes: dict[str, Any], output: Output) -> None:
                 human_bytes(t["written_bytes"]),
                 human_bytes(t["read_bytes"]),
                 "-" if amplification is None else f"{amplification:.2f}",
-                "unbounded" if budget is None else f"{human_bytes(budget)}/day, {human_bytes(t['budget_left_bytes'])} left",
+                "unbounded"
+                if budget is None
+                else f"{human_bytes(budget)}/day, {human_bytes(t['budget_left_bytes'])} left",
             ]
         )
     admission = writes["admission"]
