@@ -109,12 +109,38 @@ def test_choose_blocks_loads_what_saves_time_and_recomputes_the_rest():
     assert choose_blocks(["shared"] * 4, BLOCK_TOKENS, model, medium) == (0, "saves")
     long_count, _ = choose_blocks(["shared"] * 4096, BLOCK_TOKENS, model, medium)
     assert long_count == 4096
-    # Unknown: a few blocks time the tier. Untrained: everything, as before the model.
+    # Unknown: a few blocks time the remote tier (the unmeasured NVMe before it is offered whole).
+    # Untrained: everything, as before the model.
     assert choose_blocks(["dram", "nvme"] + ["shared"] * 20, BLOCK_TOKENS, model, rates_of(dram=0.0001)) == (
-        1 + PROBE_BLOCKS,
+        2 + PROBE_BLOCKS,
         "probe",
     )
     assert choose_blocks(["shared"] * 20, BLOCK_TOKENS, PrefillModel(), slow) == (20, "untrained")
+
+
+def test_an_unmeasured_local_tier_is_offered_whole_and_only_a_remote_one_is_probed():
+    """The README demo's NVMe row loaded 4 blocks of a long prefix and recomputed the rest: a local
+    tier's worst case is bounded by the local disk, so one with no rate yet is loaded whole (which
+    times it); a remote link can be arbitrarily slow, so only there are PROBE_BLOCKS blocks tried."""
+    model = trained()
+    per_block = model.recompute_s(BLOCK_TOKENS)
+    assert per_block is not None
+    assert PROBE_BLOCKS < 64
+    assert choose_blocks(["nvme"] * 64, BLOCK_TOKENS, model, TierRates()) == (64, "probe")
+    assert choose_blocks(["dram"] * 2 + ["nvme"] * 62, BLOCK_TOKENS, model, rates_of(dram=0.0001)) == (64, "probe")
+    # The remote tier's rate unknown, NVMe's known: the remote one is probed, as before.
+    assert choose_blocks(["shared"] * 64, BLOCK_TOKENS, model, rates_of(nvme=per_block / 10)) == (
+        PROBE_BLOCKS,
+        "probe",
+    )
+    # A known slow remote tier behind an unmeasured NVMe part: the NVMe part alone is loaded.
+    slow_shared = rates_of(dram=0.0001, shared=per_block * 50)
+    assert choose_blocks(["nvme"] * 8 + ["shared"] * 56, BLOCK_TOKENS, model, slow_shared) == (8, "probe")
+    # Once measured slow, NVMe is declined like any tier; once its rate is forgotten, loaded whole again.
+    slow_nvme = rates_of(dram=0.0001, nvme=per_block * 50)
+    assert choose_blocks(["nvme"] * 64, BLOCK_TOKENS, model, slow_nvme) == (0, "saves")
+    slow_nvme.stale_s = -1.0
+    assert choose_blocks(["nvme"] * 64, BLOCK_TOKENS, model, slow_nvme) == (64, "probe")
 
 
 def test_the_decider_offers_dram_at_once_and_decides_the_rest_on_the_next_pass():
@@ -159,6 +185,16 @@ def test_a_pass_that_ends_without_a_miss_is_decided_when_the_next_one_starts():
     assert [decider.answer("r", key, "nvme") for key in keys] == ["retry"] * 3
     assert [decider.answer("r", key, "nvme") for key in keys] == ["offer"] * 3
     assert decider.decisions == {("nvme", "load"): 3}
+
+
+def test_the_decider_offers_every_hit_on_an_unmeasured_nvme_on_the_next_pass():
+    decider = LoadDecider("auto", BLOCK_TOKENS)
+    decider.prefill = trained()
+    decider.rates = rates_of(dram=0.0001)
+    keys = [bytes([i]) * 32 for i in range(12)]
+    assert [decider.answer("r", key, "nvme") for key in keys] == ["retry"] * 12
+    assert [decider.answer("r", key, "nvme") for key in keys] == ["offer"] * 12
+    assert decider.decisions == {("nvme", "probe"): 12}
 
 
 def test_an_untrained_decider_offers_every_hit_at_once_and_counts_each_once():

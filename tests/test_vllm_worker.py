@@ -540,15 +540,17 @@ def test_under_the_plain_connector_a_block_only_a_remote_tier_holds_is_not_offer
 def test_the_manager_recomputes_nvme_hits_that_load_slower_than_the_engine_computes(tmp_path):
     """Issue 36 (load or recompute): hits on NVMe are offered only when loading them is expected to
     beat recomputing them. The first lookup pass retries (it sees every hit and its tier); the next
-    one offers the leading blocks that save time: none with a slow NVMe, all with a fast one."""
+    one offers the leading blocks that save time: none with a slow NVMe, all with a fast one, and all
+    with an NVMe not measured yet (a local tier is not probed a few blocks at a time)."""
     from kvtier.vllm.costs import work_of
 
     options = options_for(tmp_path, nvme_bytes=16 << 20)
-    offload_keys = [make_offload_key(hashlib.sha256(bytes([100 + i])).digest(), 0) for i in range(4)]
-    store_keys = [kvtier_key(k) for k in offload_keys]
+    all_keys = [make_offload_key(hashlib.sha256(bytes([100 + i])).digest(), 0) for i in range(8)]
+    offload_keys, unmeasured_keys = all_keys[:4], all_keys[4:]  # the second four: a fresh manager's
+    store_keys = [kvtier_key(k) for k in all_keys]
     try:
         w = worker(options, layers())
-        assert w.submit_store(1, engine_blocks([0, 1, 2, 3]), KvtierLoadStoreSpec(store_keys)) and finished(w, 1)
+        assert w.submit_store(1, engine_blocks(list(range(8))), KvtierLoadStoreSpec(store_keys)) and finished(w, 1)
         w.shutdown()
         connection(options).flush()
         assert kvtier_service.stop_service(options.socket_path())  # the blocks are on NVMe only now
@@ -564,6 +566,15 @@ def test_the_manager_recomputes_nvme_hits_that_load_slower_than_the_engine_compu
             assert manager.lookup(offload_keys[0], request) == expected
         assert manager.decider.decisions == {("nvme", "recompute"): 4, ("nvme", "load"): 4}
         manager.shutdown()
+        # A fresh engine's manager: no NVMe rate yet. Every hit is offered (the load times the tier).
+        fresh = KvtierManager(ServiceBackend(connection(options), Prefetcher(lambda: connection(options))))
+        for tokens in range(64, 64 + 16 * 64, 64):
+            fresh.decider.prefill.observe(tokens, work_of(tokens, 0), 0.001 * tokens)
+        request = ReqContext(req_id="nvme-unmeasured")
+        assert [fresh.lookup(k, request) for k in unmeasured_keys] == [LookupResult.RETRY] * 4
+        assert fresh.lookup(unmeasured_keys[0], request) == LookupResult.HIT_PENDING
+        assert fresh.decider.decisions == {("nvme", "probe"): 4}
+        fresh.shutdown()
         # With ``prefetch: false`` the worker's load reads NVMe itself: no NVMe rate is ever measured,
         # and its hits must not be probed 4 blocks at a time forever (they are costed as the loads').
         direct = KvtierManager(ServiceBackend(connection(options)))

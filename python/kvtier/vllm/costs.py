@@ -11,7 +11,8 @@ Three parts, each fed online on the scheduler's side:
   step's fixed part ``a`` is paid anyway).
 - ``TierRates``: seconds per block each tier delivered recently (an exponentially weighted mean of
   what prefetches and loads took, queueing included). A rate not refreshed for ``stale_s`` is
-  forgotten: a tier declined because it was slow is probed again with a few blocks.
+  forgotten: a remote tier declined because it was slow is probed again with a few blocks, a local
+  one is loaded whole again.
 - ``choose_blocks``: of a request's ``n`` leading hits on their tiers, the count that saves the most
   time: the largest saving ``recompute(k) - load(k)`` over ``k``, 0 when no ``k`` saves anything.
 
@@ -38,9 +39,15 @@ from kvtier.vllm.options import LOAD_POLICIES
 
 logger = logging.getLogger("kvtier.vllm")
 
-# Blocks offered from a tier whose rate is unknown (never measured, or forgotten): enough to time
-# it, few enough that a slow tier costs little.
+# Blocks offered from a remote tier whose rate is unknown (never measured, or forgotten): enough to
+# time it, few enough that a slow tier costs little.
 PROBE_BLOCKS = 4
+# Tiers on this host. One of them with no rate yet is not probed but offered whole: its worst case is
+# bounded by the local disk, so a probe (which recomputes all but a few blocks of a long prefix) costs
+# more than it can save. A remote link can be arbitrarily slow (issue 36's 40 MB/s gateway): only
+# there is a probe worth its cost. Any other tier name (``shared``: the shared-filesystem and object
+# tiers) counts as remote.
+LOCAL_TIERS = frozenset({"dram", "nvme"})
 # The prefill model answers once it has seen this many steps that computed prompt tokens.
 MIN_PREFILL_STEPS = 8
 # A step slower than OUTLIER_FACTOR times the prediction (at least OUTLIER_FLOOR_S) is not fitted: an
@@ -139,7 +146,8 @@ class TierRates:
     """Seconds per block each tier delivered lately (weighted mean, newest ``weight``)."""
 
     weight: float = 0.3
-    # A tier declined because it was slow is probed again after this long; engines started within it
+    # A tier declined because it was slow is tried again after this long (a remote one probed, a local
+    # one loaded whole: ``choose_blocks``); engines started within it
     # (a restart, another engine of the model on the host) reuse the rate (the costs file).
     stale_s: float = 300.0
     _rates: dict[str, _Rate] = field(default_factory=dict)
@@ -198,25 +206,31 @@ def load_s(tiers: Sequence[str], rates: TierRates) -> float | None:
 
 def choose_blocks(tiers: Sequence[str], block_tokens: int, prefill: PrefillModel, rates: TierRates) -> tuple[int, str]:
     """How many of the leading hits on ``tiers`` to load, and why: ``"saves"`` (the count that
-    saves the most time, 0 when none saves any), ``"probe"`` (a tier's rate is unknown: a few of its
-    blocks time it), or ``"untrained"`` (no prefill model yet: everything, as without the model)."""
+    saves the most time, 0 when none saves any), ``"probe"`` (a tier's rate is unknown: a remote
+    tier's first ``PROBE_BLOCKS`` blocks time it; a local tier's blocks (``LOCAL_TIERS``) are all
+    offered, costed as their copy out of DRAM alone), or ``"untrained"`` (no prefill model yet:
+    everything, as without the model)."""
     if not tiers:
         return 0, "saves"
     if prefill.recompute_s(block_tokens) is None:
         return len(tiers), "untrained"
-    unknown = next(
-        (i for i, tier in enumerate(tiers) if tier != "dram" and rates.seconds_per_block(tier) is None), None
+    unknown_remote = next(
+        (i for i, tier in enumerate(tiers) if tier not in LOCAL_TIERS and rates.seconds_per_block(tier) is None),
+        None,
     )
-    if unknown is not None:
-        return min(len(tiers), unknown + PROBE_BLOCKS), "probe"
+    if unknown_remote is not None:
+        return min(len(tiers), unknown_remote + PROBE_BLOCKS), "probe"
+    unmeasured = [tier != "dram" and rates.seconds_per_block(tier) is None for tier in tiers]
     best_count, best_saving = 0, 0.0
     loaded = 0.0
     for count in range(1, len(tiers) + 1):
-        loaded += load_s(tiers[count - 1 : count], rates) or 0.0
+        # An unmeasured local tier's block: only its copy out of DRAM is known (load_s says None).
+        block_s = load_s(tiers[count - 1 : count], rates)
+        loaded += block_s if block_s is not None else load_s(["dram"], rates) or 0.0
         recomputed = prefill.recompute_s(count * block_tokens) or 0.0
         if recomputed - loaded > best_saving:
             best_count, best_saving = count, recomputed - loaded
-    return best_count, "saves"
+    return best_count, "probe" if any(unmeasured[:best_count]) else "saves"
 
 
 # A plan's offer while the prefill model has no data: every hit, each counted as it is first seen.
