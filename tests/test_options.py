@@ -38,6 +38,7 @@ def valid_values(tmp_path):
         "slot_wait_ms": 100,
         "loads_cancel_queued_writes": False,
         "write_admission": "reuse",
+        "remote_write_admission": "all",
         "write_admission_memory_blocks": 4096,
         "write_budget_nvme_dwpd": 2.5,
         "write_budget_nvme_bytes_per_day": 64 << 30,

@@ -104,26 +104,41 @@ impl WriteBudget {
     }
 }
 
-/// A store's admission below DRAM: the policy, what it remembers, and the NVMe tier's budget (the
-/// remote tiers keep theirs beside their publishers, `RemoteTiers`).
+/// Which tiers below DRAM a block just stored goes to now, by evidence alone (budgets aside).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Verdict {
+    pub nvme: bool,
+    pub remote: bool,
+}
+
+/// A store's admission below DRAM: the policies (the NVMe tier's, the remote tiers'), what they
+/// remember, and the NVMe tier's budget (the remote tiers keep theirs beside their publishers,
+/// `RemoteTiers`).
 pub(crate) struct Admission {
-    policy: WriteAdmission,
+    nvme: WriteAdmission,
+    remote: WriteAdmission,
     seen: Mutex<SeenOnce>,
     nvme_budget: Option<Mutex<WriteBudget>>,
 }
 
 impl Admission {
-    pub(crate) fn new(policy: WriteAdmission, memory_blocks: usize, nvme_budget: Option<Mutex<WriteBudget>>) -> Self {
-        let capacity = if policy == WriteAdmission::Reuse { memory_blocks } else { 1 };
-        Admission { policy, seen: Mutex::new(SeenOnce::new(capacity)), nvme_budget }
+    pub(crate) fn new(
+        (nvme, remote): (WriteAdmission, WriteAdmission),
+        memory_blocks: usize,
+        nvme_budget: Option<Mutex<WriteBudget>>,
+    ) -> Self {
+        let reuse = nvme == WriteAdmission::Reuse || remote == WriteAdmission::Reuse;
+        let capacity = if reuse { memory_blocks } else { 1 };
+        Admission { nvme, remote, seen: Mutex::new(SeenOnce::new(capacity)), nvme_budget }
     }
 
-    /// Whether a block just stored goes below DRAM now, by evidence alone (budgets aside).
-    pub(crate) fn admits_store(&self, key: &BlockKey) -> bool {
-        match self.policy {
-            WriteAdmission::All => true,
-            WriteAdmission::Reuse => self.seen.lock().seen_before(key),
+    pub(crate) fn admits_store(&self, key: &BlockKey) -> Verdict {
+        let (nvme, remote) = (self.nvme == WriteAdmission::All, self.remote == WriteAdmission::All);
+        if nvme && remote {
+            return Verdict { nvme, remote };
         }
+        let seen = self.seen.lock().seen_before(key);
+        Verdict { nvme: nvme || seen, remote: remote || seen }
     }
 
     /// Takes one block's bytes from the NVMe tier's budget; `true` when it has them (or is unbounded).
@@ -194,12 +209,16 @@ mod tests {
     }
 
     #[test]
-    fn policy_all_admits_every_store_and_reuse_the_second() {
-        let all = Admission::new(WriteAdmission::All, 16, None);
-        assert!(all.admits_store(&key(3)));
-        let reuse = Admission::new(WriteAdmission::Reuse, 16, None);
-        assert!(!reuse.admits_store(&key(3)));
-        assert!(reuse.admits_store(&key(3)));
+    fn policy_all_admits_every_store_and_reuse_the_second_per_tier() {
+        use WriteAdmission::{All, Reuse};
+        let (yes, no) = (Verdict { nvme: true, remote: true }, Verdict { nvme: false, remote: false });
+        let all = Admission::new((All, All), 16, None);
+        assert_eq!(all.admits_store(&key(3)), yes);
+        let reuse = Admission::new((Reuse, Reuse), 16, None);
+        assert_eq!((reuse.admits_store(&key(3)), reuse.admits_store(&key(3))), (no, yes));
         assert!(reuse.take_nvme_budget(u64::MAX) && reuse.nvme_budget().is_none());
+        let nvme_only = Admission::new((Reuse, All), 16, None);
+        assert_eq!(nvme_only.admits_store(&key(4)), Verdict { nvme: false, remote: true });
+        assert_eq!(nvme_only.admits_store(&key(4)), yes);
     }
 }

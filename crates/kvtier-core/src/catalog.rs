@@ -36,7 +36,7 @@ mod slots;
 mod test_support;
 mod upkeep;
 
-pub use index::ResidencyChanges;
+pub use index::{AwaitingReuse, ResidencyChanges};
 use index::{Entry, Index};
 use regions::Regions;
 use slots::{SlotState, Slots};
@@ -181,9 +181,9 @@ pub struct Catalog {
     queued_writes: BTreeMap<u64, (BlockKey, u32, NvmeLoc)>,
     /// Whether loads may take the slots of queued writes (`loads_cancel_queued_writes`).
     loads_cancel_writes: bool,
-    /// Blocks kept in DRAM for want of evidence of reuse that have been reused since, for the store
-    /// to write below DRAM (`take_reused`).
-    reused: Vec<BlockKey>,
+    /// Blocks kept from a tier for want of evidence of reuse that have been reused since, with the
+    /// tiers they were kept from, for the store to write there (`take_reused`).
+    reused: Vec<(BlockKey, AwaitingReuse)>,
     stats: Arc<Stats>,
     /// When sequences were handed out (for `kvtier trim --older-than` and `kvtier inspect`).
     pub timeline: crate::timeline::Timeline,
@@ -264,7 +264,7 @@ impl Catalog {
                 pins: 0,
                 readers: 0,
                 loading: false,
-                awaiting_reuse: false,
+                awaiting_reuse: AwaitingReuse::default(),
             },
         );
     }
@@ -328,7 +328,7 @@ impl Catalog {
             e.dram_ready = false;
         }
         if e.dram.is_none() && e.nvme.is_none() && !e.write_pending {
-            if e.awaiting_reuse {
+            if e.awaiting_reuse.any() {
                 Stats::add(&self.stats.dropped_without_evidence, 1);
             }
             self.index.remove(key);
@@ -400,7 +400,7 @@ impl Catalog {
                 pins,
                 readers: 0,
                 loading: state == SlotState::Loading,
-                awaiting_reuse: false,
+                awaiting_reuse: AwaitingReuse::default(),
             },
         );
         sequence
@@ -573,7 +573,7 @@ impl Catalog {
         let e = self.index.get_mut(key).expect("filled entry exists");
         e.value_checksum = value_checksum;
         e.dram_ready = true;
-        e.awaiting_reuse = persist == Persist::OnReuse;
+        e.awaiting_reuse.nvme = persist == Persist::OnReuse;
         self.slots.admit(slot, key);
         Stats::add(&self.stats.puts, 1);
         self.nvme.as_ref()?;
@@ -600,21 +600,27 @@ impl Catalog {
 
     // ---- admission below DRAM (the store decides: `admission.rs`) ----
 
-    /// A use of `key`'s block (a load, a pin, a second store): evidence of reuse for a block kept in
-    /// DRAM for want of it.
+    /// A use of `key`'s block (a load, a pin, a second store): evidence of reuse for a block kept
+    /// from a tier for want of it.
     fn note_reuse(&mut self, key: &BlockKey) {
-        if let Some(e) = self.index.get_mut(key).filter(|e| e.awaiting_reuse) {
-            e.awaiting_reuse = false;
-            self.reused.push(*key);
+        if let Some(e) = self.index.get_mut(key).filter(|e| e.awaiting_reuse.any()) {
+            self.reused.push((*key, std::mem::take(&mut e.awaiting_reuse)));
         }
     }
 
-    /// The blocks reused since the last call that are still in DRAM and nowhere below it: the store
-    /// writes them below DRAM now (`plan_reused_write` for NVMe).
-    pub fn take_reused(&mut self) -> Vec<BlockKey> {
+    /// The block just stored (`finish_put`) is kept from the remote tiers until evidence of reuse.
+    pub fn await_remote_reuse(&mut self, key: &BlockKey) {
+        if let Some(e) = self.index.get_mut(key).filter(|e| e.dram_ready) {
+            e.awaiting_reuse.remote = true;
+        }
+    }
+
+    /// The blocks reused since the last call that are still in DRAM, with the tiers they were kept
+    /// from: the store writes them there now (`plan_reused_write` for NVMe).
+    pub fn take_reused(&mut self) -> Vec<(BlockKey, AwaitingReuse)> {
         let mut reused = std::mem::take(&mut self.reused);
         let index = &self.index;
-        reused.retain(|key| index.get(key).is_some_and(|e| e.dram_ready && e.nvme.is_none() && !e.write_pending));
+        reused.retain(|(key, _)| index.get(key).is_some_and(|e| e.dram_ready));
         reused
     }
 

@@ -61,6 +61,8 @@ pub struct StoreConfig {
     /// Which stored blocks are written below DRAM (NVMe, shared filesystem, bucket): those with
     /// evidence of reuse, or all (`admission.rs`).
     pub write_admission: WriteAdmission,
+    /// `write_admission` of the shared-filesystem and object tiers; `None`: as `write_admission`.
+    pub remote_write_admission: Option<WriteAdmission>,
     /// How many blocks stored once `write_admission: "reuse"` remembers (8 bytes each).
     pub write_admission_memory_blocks: usize,
     /// The NVMe tier's write budget in drive writes per day of the filesystems holding `paths`
@@ -118,6 +120,7 @@ impl StoreConfig {
             slot_wait_ms: 5000,
             loads_cancel_queued_writes: true,
             write_admission: WriteAdmission::All,
+            remote_write_admission: None,
             write_admission_memory_blocks: 1 << 20,
             write_budget_nvme_dwpd: 1.0,
             write_budget_nvme_bytes_per_day: 0,
@@ -558,6 +561,14 @@ const DIRECT_IOS: [DirectIo; 3] = [DirectIo::Auto, DirectIo::On, DirectIo::Off];
 
 const WRITE_ADMISSION_CHOICES: &[&str] = &["reuse", "all"];
 const WRITE_ADMISSIONS: [WriteAdmission; 2] = [WriteAdmission::Reuse, WriteAdmission::All];
+const REMOTE_WRITE_ADMISSION_CHOICES: &[&str] = &["same", "reuse", "all"];
+const REMOTE_WRITE_ADMISSIONS: [Option<WriteAdmission>; 3] =
+    [None, Some(WriteAdmission::Reuse), Some(WriteAdmission::All)];
+
+fn remote_write_admission_value(a: Option<WriteAdmission>) -> Option<OptionValue> {
+    let at = REMOTE_WRITE_ADMISSIONS.iter().position(|x| *x == a).unwrap_or(0);
+    Some(OptionValue::Str(REMOTE_WRITE_ADMISSION_CHOICES[at].into()))
+}
 
 fn write_admission_value(a: WriteAdmission) -> Option<OptionValue> {
     let at = WRITE_ADMISSIONS.iter().position(|x| *x == a).unwrap_or(0);
@@ -749,9 +760,20 @@ pub static OPTIONS: &[ConfigOption] = &[
         kind: OptionKind::Choice(WRITE_ADMISSION_CHOICES),
         unset: "",
         constraint: "",
-        description: "Which stored blocks are written below DRAM (NVMe, shared filesystem, bucket). `reuse`: a block goes down once there is evidence it is used again (stored a second time, or pinned or loaded while in DRAM, by any engine of the host); one that leaves DRAM unused is dropped, never written (`dropped_without_evidence`). `all`: every block, at once (restart persistence of everything, the most writes). DRAM takes every block either way.",
+        description: "Which stored blocks are written below DRAM (NVMe; the shared filesystem and the bucket too unless `remote_write_admission` says otherwise). `reuse`: a block goes down once there is evidence it is used again (stored a second time, or pinned or loaded while in DRAM, by any engine of the host); one that leaves DRAM unused is dropped, never written (`dropped_without_evidence`). `all`: every block, at once (restart persistence of everything, the most writes). DRAM takes every block either way.",
         set: |c, v| c.write_admission = WRITE_ADMISSIONS[v.choice(WRITE_ADMISSION_CHOICES)],
         get: |c| write_admission_value(c.write_admission),
+    },
+    ConfigOption {
+        name: "remote_write_admission",
+        field: "remote_write_admission",
+        python: true,
+        kind: OptionKind::Choice(REMOTE_WRITE_ADMISSION_CHOICES),
+        unset: "",
+        constraint: "",
+        description: "`write_admission` of the shared-filesystem and object tiers: `same` (as `write_admission`), `reuse` or `all`. For example `write_admission: \"reuse\"` with `remote_write_admission: \"all\"` spares the local drive and still publishes every block for the other hosts.",
+        set: |c, v| c.remote_write_admission = REMOTE_WRITE_ADMISSIONS[v.choice(REMOTE_WRITE_ADMISSION_CHOICES)],
+        get: |c| remote_write_admission_value(c.remote_write_admission),
     },
     ConfigOption {
         name: "write_admission_memory_blocks",

@@ -634,7 +634,8 @@ fn open_admission(config: &StoreConfig, dirs: &[PathBuf], nvme: bool) -> Admissi
         .sum();
     let bytes_per_day = if nvme { config.nvme_write_budget_bytes_per_day(filesystem_bytes) } else { 0 };
     let budget = WriteBudget::new(bytes_per_day, config.write_budget_burst_s, Instant::now());
-    Admission::new(config.write_admission, config.write_admission_memory_blocks, budget)
+    let policies = (config.write_admission, config.remote_write_admission.unwrap_or(config.write_admission));
+    Admission::new(policies, config.write_admission_memory_blocks, budget)
 }
 
 fn open_and_recover_devices(

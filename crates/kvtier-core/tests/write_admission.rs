@@ -3,7 +3,7 @@
 
 mod common;
 use common::*;
-use kvtier_core::{EngineChoice, Store, StoreConfig, WriteAdmission};
+use kvtier_core::{EngineChoice, SharedConfig, Store, StoreConfig, WriteAdmission};
 
 const OBJECT_BYTES: usize = 64 * 1024;
 const SLOT_BYTES: u64 = OBJECT_BYTES as u64 + 4096;
@@ -115,4 +115,45 @@ fn the_default_nvme_budget_is_one_drive_write_a_day_of_the_filesystem() {
     let fs = rustix::fs::statvfs(dir.path()).unwrap();
     assert_eq!(g.nvme_write_budget_bytes_per_day, fs.f_blocks * fs.f_frsize);
     assert!(g.nvme_write_budget_left_bytes > 0);
+}
+
+/// A store on `dir/local` with the shared-filesystem tier on `dir/shared`, NVMe by `nvme`, the
+/// remote tiers by `remote`.
+fn tiered(dir: &std::path::Path, nvme: WriteAdmission, remote: WriteAdmission) -> Store {
+    let mut c = reuse_config(&dir.join("local"));
+    c.write_admission = nvme;
+    c.remote_write_admission = Some(remote);
+    let mut shared = SharedConfig::new(dir.join("shared"));
+    shared.file_target_bytes = 256 << 10;
+    shared.publish_delay_ms = 20;
+    c.shared = Some(shared);
+    Store::open(c).unwrap()
+}
+
+#[test]
+fn nvme_by_reuse_while_the_shared_tier_takes_every_block() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiered(dir.path(), WriteAdmission::Reuse, WriteAdmission::All);
+    put(&store, &[0, 1, 2, 3]);
+    store.flush().unwrap();
+    let s = store.stats().counters;
+    assert_eq!(s.bytes_written_nvme, 0, "the local drive waits for evidence");
+    assert!(s.shared_bytes_written >= 4 * OBJECT_BYTES as u64, "published for the other hosts: {s:?}");
+}
+
+#[test]
+fn the_shared_tier_by_reuse_is_offered_a_block_once_it_is_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiered(dir.path(), WriteAdmission::All, WriteAdmission::Reuse);
+    put(&store, &[0, 1, 2, 3]);
+    store.flush().unwrap();
+    let s = store.stats().counters;
+    assert_eq!((s.bytes_written_nvme, s.shared_bytes_written), (4 * SLOT_BYTES, 0));
+    assert_eq!(get_checked(&store, &[0, 1]), vec![true; 2]);
+    store.flush().unwrap();
+    let s = store.stats().counters;
+    assert_eq!(s.writes_admitted_on_reuse, 2);
+    assert_eq!(s.bytes_written_nvme, 4 * SLOT_BYTES, "NVMe took them at once, and only once");
+    assert!(s.shared_bytes_written >= 2 * OBJECT_BYTES as u64, "the two used blocks published: {s:?}");
+    assert!(s.shared_bytes_written < 4 * OBJECT_BYTES as u64, "and only those: {s:?}");
 }

@@ -22,9 +22,22 @@ pub(super) struct Entry {
     /// load waits for it (`GetStep::Pending`) instead of reading the same bytes again, as the ranks
     /// of one tensor-parallel engine, or engines sharing a prefix, would.
     pub(super) loading: bool,
-    /// Stored in DRAM only for want of evidence of reuse (`admission.rs`): the first reuse
-    /// (`Catalog::note_reuse`) hands it to the store to write below DRAM; eviction drops it.
-    pub(super) awaiting_reuse: bool,
+    /// Kept from NVMe or the remote tiers for want of evidence of reuse (`admission.rs`): the first
+    /// reuse (`Catalog::note_reuse`) hands it to the store to write there; eviction drops it.
+    pub(super) awaiting_reuse: AwaitingReuse,
+}
+
+/// Where a block waits for evidence of reuse before it is written (`write_admission`, per tier).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AwaitingReuse {
+    pub nvme: bool,
+    pub remote: bool,
+}
+
+impl AwaitingReuse {
+    pub fn any(self) -> bool {
+        self.nvme || self.remote
+    }
 }
 
 impl Entry {
@@ -260,7 +273,7 @@ mod tests {
             pins: 0,
             readers: 0,
             loading: false,
-            awaiting_reuse: false,
+            awaiting_reuse: AwaitingReuse::default(),
         }
     }
 

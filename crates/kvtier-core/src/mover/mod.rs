@@ -197,8 +197,8 @@ pub(crate) struct Filled {
 /// Makes filled slots blocks: descriptor, remote-tier offer, visible in the catalog, NVMe write (the
 /// last two below DRAM as `admission` decides), then writes the blocks reused meanwhile.
 fn complete_fills(sh: &Arc<Shared>, filled: &[Filled]) {
-    let persist: Vec<Persist> = filled.iter().map(|f| admit_store(sh, &f.key)).collect();
-    for (f, &persist) in filled.iter().zip(&persist) {
+    let verdicts: Vec<(Persist, bool)> = filled.iter().map(|f| admit_store(sh, &f.key)).collect();
+    for (f, &(_, offer_now)) in filled.iter().zip(&verdicts) {
         // SAFETY: the slot is ours (Filling) and no I/O touches it until finish_put.
         let bytes = unsafe { slot_mut(sh.arena.slot_ptr(f.slot), sh.arena.slot_bytes()) };
         Descriptor {
@@ -210,7 +210,7 @@ fn complete_fills(sh: &Arc<Shared>, filled: &[Filled]) {
             value_checksum: f.value_checksum,
         }
         .encode(&mut bytes[..DESCRIPTOR_BYTES]);
-        if persist != Persist::OnReuse {
+        if offer_now {
             // Copied while the slot is still ours (Filling); the publisher thread does the rest.
             sh.remote.offer(f.key, bytes);
         }
@@ -219,9 +219,12 @@ fn complete_fills(sh: &Arc<Shared>, filled: &[Filled]) {
     let mut writes = Vec::new();
     {
         let mut cat = sh.catalog.lock();
-        for (f, &persist) in filled.iter().zip(&persist) {
+        for (f, &(persist, offer_now)) in filled.iter().zip(&verdicts) {
             if let Some(plan) = cat.finish_put(&f.key, f.slot, f.value_checksum, persist, &mut meta) {
                 writes.push((f.key, plan));
+            }
+            if !offer_now && sh.remote.any() {
+                cat.await_remote_reuse(&f.key);
             }
         }
     }
@@ -233,14 +236,17 @@ fn complete_fills(sh: &Arc<Shared>, filled: &[Filled]) {
     persist_reused(sh);
 }
 
-/// What a block just stored does below DRAM: evidence of reuse first (`admission`), then the NVMe
-/// tier's write budget (the remote tiers check theirs as they take the offer).
-fn admit_store(sh: &Shared, key: &BlockKey) -> Persist {
-    if !sh.admission.admits_store(key) {
+/// What a block just stored does below DRAM, by evidence of reuse (`admission`, per tier) and the
+/// NVMe tier's write budget (the remote tiers check theirs as they take the offer): the NVMe part,
+/// and whether the remote tiers are offered it now.
+fn admit_store(sh: &Shared, key: &BlockKey) -> (Persist, bool) {
+    let verdict = sh.admission.admits_store(key);
+    let has_nvme = sh.geometry.is_some();
+    if (has_nvme && !verdict.nvme) || (sh.remote.any() && !verdict.remote) {
         Stats::add(&sh.stats.writes_awaiting_reuse, 1);
-        return Persist::OnReuse;
     }
-    nvme_budget_allows(sh)
+    let nvme = if verdict.nvme { nvme_budget_allows(sh) } else { Persist::OnReuse };
+    (nvme, verdict.remote)
 }
 
 fn nvme_budget_allows(sh: &Shared) -> Persist {
@@ -251,28 +257,27 @@ fn nvme_budget_allows(sh: &Shared) -> Persist {
     Persist::DramOnly
 }
 
-/// Writes below DRAM the blocks kept in DRAM for want of evidence of reuse that were used since (a
-/// load, a pin, a second store): offered to the remote tiers, and written to NVMe within its write
-/// budget and backlog. Called after each put, pin and load; cheap when nothing was reused.
+/// Writes the blocks kept from a tier for want of evidence of reuse that were used since (a load, a
+/// pin, a second store) to those tiers: offered to the remote tiers, and written to NVMe within its
+/// write budget and backlog. Called after each put, pin and load; cheap when nothing was reused.
 pub(crate) fn persist_reused(sh: &Arc<Shared>) {
     let reused = sh.catalog.lock().take_reused();
     if reused.is_empty() {
         return;
     }
     Stats::add(&sh.stats.writes_admitted_on_reuse, reused.len() as u64);
-    if sh.remote.any() {
-        let mut slot = vec![0u8; sh.arena.slot_bytes()];
-        for key in &reused {
-            if copy_resident_block(sh, key, &mut slot) {
-                sh.remote.offer(*key, &slot);
-            }
+    let mut slot = Vec::new();
+    for (key, _) in reused.iter().filter(|(_, awaiting)| awaiting.remote) {
+        slot.resize(sh.arena.slot_bytes(), 0);
+        if copy_resident_block(sh, key, &mut slot) {
+            sh.remote.offer(*key, &slot);
         }
     }
     let mut meta = Vec::new();
     let mut writes = Vec::new();
     {
         let mut cat = sh.catalog.lock();
-        for key in &reused {
+        for (key, _) in reused.iter().filter(|(_, awaiting)| awaiting.nvme) {
             if nvme_budget_allows(sh) != Persist::Now {
                 continue;
             }
