@@ -9,11 +9,13 @@ mod engines;
 mod fills;
 mod gate;
 mod latency;
+mod namespaces;
 mod placement;
 // The framing is the service's own: engines use `Client`; tests that forge frames use
 // `kvtier_core::testing::wire`.
 pub(crate) mod protocol;
 mod server;
+mod sessions;
 mod socket_file;
 
 pub use changes::{TIER_DRAM, TIER_NVME, TIER_SHARED};

@@ -1,33 +1,19 @@
 //! The service side: accepts engine connections, opens one store per namespace (its DRAM pool a
 //! shared-memory file the engines map), and answers the protocol's requests.
 //!
-//! Leases: everything a connection takes (pins, reserved slots) is recorded with the connection and
-//! given back when it closes, however it closed: an engine killed with SIGKILL loses its socket, and
-//! the kernel closing it is the lease expiring; a connection thread that panics gives it back too
-//! (`Session`'s `Drop`). A reserved slot is freed only once no connection holds it any more, so an
-//! aborted fill can never be reused while a live writer still copies in.
-//!
-//! A live connection's reservations also have a deadline (`reservation_timeout_ms`): a rank hung in
-//! a collective, or on an event that never fires, must not keep its slots' share of the write
-//! backlog and starve every other engine's stores and flushes. Past the deadline the fill is
-//! abandoned: the block and its backlog share are given back at once, and every rank's commit of
-//! it is refused, so a half-written block is never visible. The slot itself is not: the hung
-//! writer may wake up and copy into it later (its copy was queued behind an event, or its process
-//! was stopped), and the service cannot take a mapping back. Reused for another block, that slot
-//! would serve the late bytes under the other block's key, and a DRAM hit is not verified again.
-//! So the slot stays out of use, keyless, until every connection that held the fill has let go of
-//! it (commit, abort or close), which is the existing rule for a slot's last writer. A late commit
-//! is matched by the fill's sequence, never by its key alone: the key may be filled again by then.
+//! This file holds the running service (`Service`, its `ServiceConfig` and shared `State`), the
+//! accept loop and the janitor, and each connection's request dispatch (`Connection`). The
+//! namespace table, with the host DRAM budget and the operator requests, is `namespaces.rs`; what
+//! a connection holds and how it is given back (the lease protocol: reserve, commit, abort) is
+//! `sessions.rs`.
 
-use super::engines::{EngineCounters, EngineTable};
-use super::fills::{DroppedKeys, Expired, Fill, Fills, Joined, Outcome};
+use super::namespaces::{close_namespace, Namespaced, POOL_FILE_PREFIX};
 use super::protocol::*;
+use super::sessions::{expire_fills, Session};
 use super::socket_file;
 use crate::config::StoreConfig;
 use crate::error::{Error, Result};
-use crate::key::{BlockKey, Namespace};
-use crate::mover::Reservation;
-use crate::store::Store;
+use crate::key::Namespace;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::os::fd::AsFd;
@@ -101,90 +87,27 @@ impl ServiceConfig {
     }
 }
 
-/// The store calls that connections letting go of fills lead to, made outside the fills lock.
-#[derive(Default)]
-struct StoreSteps {
-    complete: Vec<(BlockKey, u32, u64)>,
-    give_back: Vec<(BlockKey, u32)>,
-    free_abandoned: Vec<u32>,
-}
-
-impl StoreSteps {
-    fn add(&mut self, key: BlockKey, outcome: Outcome) {
-        match outcome {
-            Outcome::Complete { slot, sequence } => self.complete.push((key, slot, sequence)),
-            Outcome::GiveBack { slot } => self.give_back.push((key, slot)),
-            Outcome::FreeAbandoned { slot } => self.free_abandoned.push(slot),
-            Outcome::Pending | Outcome::Gone => {}
-        }
-    }
-
-    fn apply(self, store: &Store) -> Result<()> {
-        if !self.give_back.is_empty() {
-            store.abort_puts(&self.give_back);
-        }
-        if !self.free_abandoned.is_empty() {
-            store.free_abandoned_slots(&self.free_abandoned);
-        }
-        if !self.complete.is_empty() {
-            store.commit_puts(&self.complete)?;
-        }
-        Ok(())
-    }
-}
-
-struct Namespaced {
-    store: Store,
-    /// The engines' description (its SHA-256 is the namespace).
-    description: Vec<u8>,
-    /// The layout of the engine that opened it (engines of other TP sizes may attach when the
-    /// description allows it: same object size, see `State::namespace`).
-    tp_size: u32,
-    slice_bytes: u64,
-    /// Service-side latency of the ops on this namespace.
-    latency: super::latency::OpLatencies,
-    /// Connections attached (said hello) to it now; changed under `State::namespaces`' lock, so the
-    /// janitor never closes a namespace a hello is attaching to.
-    attached: AtomicU64,
-    /// When the last attached connection left (or the namespace opened).
-    detached_at: Mutex<Instant>,
-    /// Operator requests (Verify, Trim, Engines) working on it now (`OperatorHold`); changed
-    /// under `State::namespaces`' lock like `attached`. Not engines: they leave `detached_at` alone.
-    operator_holds: AtomicU64,
-    fills: Mutex<Fills>,
-    /// Blocks a rank gave up for want of room; locked after `fills`.
-    dropped: Mutex<DroppedKeys>,
-    /// Fills abandoned past `reservation_timeout_ms`, and commits refused because of it.
-    expired_fills: AtomicU64,
-    refused_commits: AtomicU64,
-    /// What each labelled engine did here; locked alone.
-    engines: Mutex<EngineTable>,
-    /// Which blocks became or stopped being loadable, for the engines' KV events (`Op::Changes`);
-    /// read from the store only while someone asks.
-    changes: Mutex<super::changes::ChangeLog>,
-}
-
-struct State {
-    config: ServiceConfig,
+pub(super) struct State {
+    pub(super) config: ServiceConfig,
     /// The socket file this service bound: at stop it removes that file, not whatever another
     /// service may have put at the path since.
-    socket_id: socket_file::FileId,
-    namespaces: Mutex<HashMap<Namespace, Arc<Namespaced>>>,
+    pub(super) socket_id: socket_file::FileId,
+    pub(super) namespaces: Mutex<HashMap<Namespace, Arc<Namespaced>>>,
     /// One lock per namespace being opened: `Store::open` (recovery, fallocate and faulting in the
     /// pool: seconds for a few GiB) runs outside `namespaces`' lock, so other clients' calls go on,
     /// and two hellos for one new namespace open it once.
-    opening: Mutex<HashMap<Namespace, Arc<Mutex<()>>>>,
+    pub(super) opening: Mutex<HashMap<Namespace, Arc<Mutex<()>>>>,
     /// Serializes the opening of namespaces under a host DRAM budget (each new pool is sized from
     /// what the others left).
-    budget: Mutex<()>,
+    pub(super) budget: Mutex<()>,
     /// When the service last held a connection or a namespace (for `Service::idle_ms`).
-    busy_at: Mutex<Instant>,
+    pub(super) busy_at: Mutex<Instant>,
     /// Held while a connection is accepted and counted, and while `Service::stop_if_idle` decides.
-    accepting: Mutex<()>,
+    pub(super) accepting: Mutex<()>,
     /// Clones of the live connections, to shut them down when the service stops.
-    connections: Mutex<HashMap<u64, UnixStream>>,
-    next_connection: AtomicU64,
-    stop: AtomicBool,
+    pub(super) connections: Mutex<HashMap<u64, UnixStream>>,
+    pub(super) next_connection: AtomicU64,
+    pub(super) stop: AtomicBool,
 }
 
 /// A running service. `stop` (or drop) closes the connections, flushes and closes every store.
@@ -267,32 +190,6 @@ impl Service {
         }
         result
     }
-}
-
-/// Flushes and closes a namespace's store and removes its pool file.
-fn close_namespace(ns: &Namespaced) -> Result<()> {
-    // Blocks some ranks committed and others never will: given back, so that the flush below does
-    // not wait on slots nobody fills.
-    // Abandoned slots go with the store; a connection that lets go of one later finds nothing.
-    let orphans = ns.fills.lock().drain();
-    if !orphans.is_empty() {
-        ns.store.abort_puts(&orphans);
-    }
-    let pool_file = ns.store.pool().map(|pool| pool.path);
-    let closed = ns.store.close();
-    if let Err(e) = &closed {
-        log::warn!("kvtier: closing a store: {e}");
-    }
-    // The pool is tmpfs memory: left behind, it would hold RAM until reboot. Engines that still map
-    // it keep their mapping; the memory goes when the last one unmaps.
-    if let Some(path) = pool_file {
-        if let Err(e) = std::fs::remove_file(&path) {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                log::warn!("kvtier: removing the pool file {}: {e}", path.display());
-            }
-        }
-    }
-    closed
 }
 
 impl Drop for Service {
@@ -403,52 +300,6 @@ fn janitor_loop(state: &Arc<State>) {
         }
         state.close_idle_namespaces();
     }
-}
-
-/// Gives back the fills no connection holds that waited `fill_timeout_ms` for a rank that never
-/// came, and abandons those live connections have held past `reservation_timeout_ms`.
-fn expire_fills(ns: &Namespaced, config: &ServiceConfig) {
-    let unheld_limit = Duration::from_millis(config.fill_timeout_ms);
-    let held_limit = (config.reservation_timeout_ms > 0).then(|| Duration::from_millis(config.reservation_timeout_ms));
-    let Expired { stale, abandoned: expired } = {
-        let found = ns.fills.lock().expire(Instant::now(), unheld_limit, held_limit);
-        // A rank that reserves the block later gives it up too, rather than open a new fill that
-        // the hung rank will not complete either.
-        let mut dropped = ns.dropped.lock();
-        for (key, _) in &found.abandoned {
-            dropped.insert(*key);
-        }
-        found
-    };
-    if !stale.is_empty() {
-        log::warn!("kvtier: {} stores waited {unheld_limit:?} for a rank that never came; dropped", stale.len());
-        ns.store.abort_puts(&stale);
-    }
-    if !expired.is_empty() {
-        log::warn!(
-            "kvtier: {} stores were not committed by every rank within reservation_timeout_ms={} (a rank hung \
-             between reserving and committing); dropped, their slots kept out of use until the rank lets go",
-            expired.len(),
-            config.reservation_timeout_ms
-        );
-        ns.expired_fills.fetch_add(expired.len() as u64, Ordering::Relaxed);
-        ns.store.abandon_puts(&expired);
-    }
-}
-
-/// One engine connection's state: the namespace it said hello to and what it holds.
-struct Session {
-    ns: Arc<Namespaced>,
-    rank: u32,
-    tp_size: u32,
-    /// Pins taken by `Pin`, per key (the block stays loadable).
-    pins: HashMap<BlockKey, u32>,
-    /// Slots handed out by `Acquire`, per key (the slot stays until `Release`).
-    readers: HashMap<BlockKey, u32>,
-    /// Fills this connection reserved and has not committed or aborted: `(key, sequence)`.
-    reserved: Vec<(BlockKey, u64)>,
-    /// The engine this connection works for (`Op::Label`), for the per-engine counters.
-    label: Option<String>,
 }
 
 struct Connection {
@@ -686,15 +537,7 @@ impl Connection {
             .u64(pool.pool_bytes as u64)
             .u64(ns.store.object_bytes() as u64)
             .bytes(pool.path.as_os_str().as_encoded_bytes());
-        self.session = Some(Session {
-            ns,
-            rank,
-            tp_size,
-            pins: HashMap::new(),
-            readers: HashMap::new(),
-            reserved: Vec::new(),
-            label: None,
-        });
+        self.session = Some(Session::new(ns, rank, tp_size));
         Ok(w.0)
     }
 }
@@ -716,119 +559,6 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 }
 
 impl State {
-    /// The namespace's store, opened on first use with the engines' layout, with this connection
-    /// counted as attached to it.
-    fn namespace(&self, description: &[u8], tp_size: u32, slice_bytes: u64) -> Result<Arc<Namespaced>> {
-        let namespace = Namespace::from_description(description);
-        if let Some(ns) = self.attach_open(&namespace, tp_size, slice_bytes)? {
-            return Ok(ns);
-        }
-        let opening = Arc::clone(self.opening.lock().entry(namespace).or_default());
-        let _opening = opening.lock();
-        if let Some(ns) = self.attach_open(&namespace, tp_size, slice_bytes)? {
-            return Ok(ns);
-        }
-        let _budget = (self.config.host_dram_bytes > 0).then(|| self.budget.lock());
-        let ns = Arc::new(self.open_store(&namespace, description, tp_size, slice_bytes)?);
-        let mut namespaces = self.namespaces.lock();
-        ns.attached.fetch_add(1, Ordering::Relaxed);
-        namespaces.insert(namespace, Arc::clone(&ns));
-        Ok(ns)
-    }
-
-    /// The namespace if it is open (counting one more attached connection), `None` if not.
-    fn attach_open(&self, namespace: &Namespace, tp_size: u32, slice_bytes: u64) -> Result<Option<Arc<Namespaced>>> {
-        let namespaces = self.namespaces.lock();
-        let Some(ns) = namespaces.get(namespace) else { return Ok(None) };
-        // Engines of different TP sizes share a namespace only when their description says the
-        // object is rank-independent (it then leaves the TP size out); each rank places its slice
-        // itself. All the service can check is that the objects are the same size.
-        if slice_bytes.checked_mul(u64::from(tp_size)) != Some(ns.store.object_bytes() as u64) {
-            return Err(Error::config(
-                "hello",
-                format!(
-                    "namespace {} is open with tp_size={} and {}-byte slices, not {tp_size} and {slice_bytes}: \
-                     the engines disagree on their layout",
-                    &namespace.hex()[..16],
-                    ns.tp_size,
-                    ns.slice_bytes
-                ),
-            ));
-        }
-        ns.attached.fetch_add(1, Ordering::Relaxed);
-        Ok(Some(Arc::clone(ns)))
-    }
-
-    /// Opens a new namespace's store (outside the namespaces' lock: this takes seconds).
-    fn open_store(
-        &self,
-        namespace: &Namespace,
-        description: &[u8],
-        tp_size: u32,
-        slice_bytes: u64,
-    ) -> Result<Namespaced> {
-        let mut config = self.config.store.clone();
-        config.namespace = description.to_vec();
-        config.object_bytes = slice_bytes
-            .checked_mul(u64::from(tp_size))
-            .and_then(|bytes| usize::try_from(bytes).ok())
-            .ok_or_else(|| Error::config("object_bytes", "slices too large"))?;
-        if self.config.host_dram_bytes > 0 {
-            config.dram_bytes = self.pool_within_host_budget(&self.namespaces.lock(), &config)?;
-        }
-        config.pool_path = Some(self.config.pool_dir.join(pool_file_name(&self.config.socket_path, namespace)?));
-        let store = Store::open(config)?;
-        Ok(Namespaced {
-            store,
-            description: description.to_vec(),
-            latency: super::latency::OpLatencies::default(),
-            attached: AtomicU64::new(0),
-            detached_at: Mutex::new(Instant::now()),
-            operator_holds: AtomicU64::new(0),
-            tp_size,
-            slice_bytes,
-            fills: Mutex::new(Fills::default()),
-            dropped: Mutex::new(DroppedKeys::default()),
-            expired_fills: AtomicU64::new(0),
-            refused_commits: AtomicU64::new(0),
-            engines: Mutex::new(EngineTable::default()),
-            changes: Mutex::new(super::changes::ChangeLog::new(super::changes::LOG_CAPACITY)),
-        })
-    }
-
-    /// Closes the namespaces no connection has been attached to for `idle_timeout_ms`.
-    fn close_idle_namespaces(&self) {
-        if self.config.idle_timeout_ms == 0 {
-            return;
-        }
-        let idle = Duration::from_millis(self.config.idle_timeout_ms);
-        let is_idle = |ns: &Namespaced| {
-            ns.attached.load(Ordering::Relaxed) == 0
-                && ns.operator_holds.load(Ordering::Relaxed) == 0
-                && ns.detached_at.lock().elapsed() >= idle
-        };
-        let candidates: Vec<Namespace> =
-            self.namespaces.lock().iter().filter(|(_, ns)| is_idle(ns)).map(|(digest, _)| *digest).collect();
-        for digest in candidates {
-            // Held while closing: a hello for this namespace waits, then reopens it (the store's
-            // directory lock and its pool file name are free again by then).
-            let opening = Arc::clone(self.opening.lock().entry(digest).or_default());
-            let _opening = opening.lock();
-            let ns = {
-                let mut namespaces = self.namespaces.lock();
-                match namespaces.get(&digest) {
-                    Some(ns) if is_idle(ns) => namespaces.remove(&digest),
-                    _ => None,
-                }
-            };
-            if let Some(ns) = ns {
-                log::info!("kvtier: closing namespace {} (no engine attached for {idle:?})", &digest.hex()[..16]);
-                let _ = close_namespace(&ns);
-                *self.busy_at.lock() = Instant::now();
-            }
-        }
-    }
-
     fn idle_ms(&self) -> u64 {
         if self.holds_anything() {
             return 0;
@@ -838,87 +568,6 @@ impl State {
 
     fn holds_anything(&self) -> bool {
         !self.connections.lock().is_empty() || !self.namespaces.lock().is_empty()
-    }
-}
-
-/// An operator request's hold on a namespace: the janitor does not close a namespace while one
-/// runs. A closed namespace's store would go on with the request (a paced verify: seconds), and
-/// the pool it still maps would outlive the namespace that engines reopen meanwhile. Unlike an
-/// engine's attachment it does not restart the idle time: a metrics scrape or a periodic verify
-/// must not keep a model's pool for ever.
-struct OperatorHold(Arc<Namespaced>);
-
-impl std::ops::Deref for OperatorHold {
-    type Target = Namespaced;
-
-    fn deref(&self) -> &Namespaced {
-        &self.0
-    }
-}
-
-impl Drop for OperatorHold {
-    fn drop(&mut self) {
-        self.0.operator_holds.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// `kvtier-<uid>-<socket hash>-<namespace>-<random>.pool`: the pool files of one service (two
-/// services on one host serve different store paths), each open of a namespace its own. The random
-/// part (64 bits from the kernel) is what no other local user can guess: a predictable name in a
-/// shared /dev/shm could be taken first, and the namespace could then never open. Engines learn the
-/// name from Hello; leftovers are found by the prefix (`remove_orphan_pools`).
-fn pool_file_name(socket_path: &std::path::Path, namespace: &Namespace) -> Result<String> {
-    let mut random = [0u8; 8];
-    let filled = rustix::rand::getrandom(&mut random, rustix::rand::GetRandomFlags::empty())
-        .map_err(|e| Error::io("drawing a random pool file name (getrandom)", e.into()))?;
-    if filled != random.len() {
-        return Err(Error::io("drawing a random pool file name (getrandom)", std::io::ErrorKind::UnexpectedEof.into()));
-    }
-    Ok(format!(
-        "{POOL_FILE_PREFIX}{}-{:016x}-{}-{:016x}.pool",
-        rustix::process::geteuid().as_raw(),
-        socket_hash(socket_path),
-        &namespace.hex()[..16],
-        u64::from_le_bytes(random)
-    ))
-}
-
-const POOL_FILE_PREFIX: &str = "kvtier-";
-
-impl State {
-    /// The DRAM a new namespace may take under `host_dram_bytes`: its `dram_bytes`, or what the open
-    /// namespaces left of the budget.
-    fn pool_within_host_budget(
-        &self,
-        namespaces: &HashMap<Namespace, Arc<Namespaced>>,
-        config: &StoreConfig,
-    ) -> Result<usize> {
-        let host = self.config.host_dram_bytes;
-        let taken: u64 = namespaces.values().filter_map(|ns| ns.store.pool()).map(|pool| pool.pool_bytes as u64).sum();
-        let left = host.saturating_sub(taken);
-        let slot_bytes = config.slot_bytes() as u64;
-        if left < MIN_POOL_SLOTS * slot_bytes {
-            return Err(Error::config(
-                "host_dram_bytes",
-                format!(
-                    "the host's DRAM budget ({host} bytes) is taken by {} open namespace(s) ({taken} bytes); a new one \
-                     needs at least {} bytes ({MIN_POOL_SLOTS} blocks). Raise host_dram_bytes, lower dram_bytes so \
-                     models share it, or stop the engines of another model and restart the service",
-                    namespaces.len(),
-                    MIN_POOL_SLOTS * slot_bytes
-                ),
-            ));
-        }
-        let granted = config.dram_bytes.min(usize::try_from(left).unwrap_or(usize::MAX));
-        if granted < config.dram_bytes {
-            log::warn!(
-                "kvtier: a new namespace gets {granted} bytes of DRAM, not dram_bytes={}: host_dram_bytes={host} \
-                 and {taken} bytes are taken by the {} open namespace(s)",
-                config.dram_bytes,
-                namespaces.len()
-            );
-        }
-        Ok(granted)
     }
 }
 
@@ -938,398 +587,4 @@ fn parse_label(r: &mut Reader<'_>) -> std::result::Result<String, String> {
         return Err(format!("an engine label has 1 to {MAX_ENGINE_LABEL_BYTES} bytes, got {}", bytes.len()));
     }
     String::from_utf8(bytes.to_vec()).map_err(|_| "an engine label must be UTF-8".to_string())
-}
-
-/// The operator ops (protocol version 2): they name a namespace by its digest and need no Hello.
-impl State {
-    fn describe_engines(&self, r: &mut Reader<'_>) -> std::result::Result<Vec<u8>, String> {
-        let ns = self.open_namespace(r)?;
-        let engines = ns.engines.lock().snapshot();
-        let mut w = Writer::default();
-        w.u32(engines.len() as u32);
-        for (label, counters) in engines {
-            w.bytes(label.as_bytes()).pairs(&counters.fields());
-        }
-        Ok(w.0)
-    }
-
-    /// The open namespace an operator request names, held open for the request (`OperatorHold`).
-    fn open_namespace(&self, r: &mut Reader<'_>) -> std::result::Result<OperatorHold, String> {
-        let digest = Namespace(r.array32().map_err(|e| e.to_string())?);
-        let namespaces = self.namespaces.lock();
-        let ns = namespaces.get(&digest).ok_or_else(|| {
-            format!(
-                "namespace {} is not open in this service (no engine attached to it since the service started): \
-                 run the command without a service for it, or list the open ones with `kvtier ls PATH`",
-                &digest.hex()[..16]
-            )
-        })?;
-        ns.operator_holds.fetch_add(1, Ordering::Relaxed);
-        Ok(OperatorHold(Arc::clone(ns)))
-    }
-
-    fn describe_namespaces(&self) -> Vec<u8> {
-        let mut namespaces: Vec<(Namespace, Arc<Namespaced>)> =
-            self.namespaces.lock().iter().map(|(k, v)| (*k, Arc::clone(v))).collect();
-        namespaces.sort_by_key(|(k, _)| k.0);
-        let mut w = Writer::default();
-        w.u16(PROTOCOL_VERSION).u32(namespaces.len() as u32);
-        for (digest, ns) in namespaces {
-            let stats = ns.store.stats();
-            let mut pairs: Vec<(String, u64)> =
-                stats.counters.fields().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
-            pairs.extend(stats.gauges.fields().into_iter().map(|(k, v)| (k.to_string(), v)));
-            let facts = ns.store.namespace_facts();
-            let (pending_fills, abandoned_slots) = ns.fills.lock().counts();
-            pairs.extend([
-                ("blocks".to_string(), facts.visible_blocks),
-                ("oldest_block_unix_ms".to_string(), facts.oldest_unix_ms),
-                ("newest_block_unix_ms".to_string(), facts.newest_unix_ms),
-                ("oldest_block_before_open".to_string(), u64::from(facts.oldest_before_open)),
-                ("newest_block_before_open".to_string(), u64::from(facts.newest_before_open)),
-                ("opened_unix_ms".to_string(), facts.opened_unix_ms),
-                ("nvme_write_backlog_bytes".to_string(), facts.write_backlog_bytes),
-                ("service_pending_fills".to_string(), pending_fills),
-                ("service_abandoned_slots".to_string(), abandoned_slots),
-                ("service_expired_fills".to_string(), ns.expired_fills.load(Ordering::Relaxed)),
-                ("service_refused_commits".to_string(), ns.refused_commits.load(Ordering::Relaxed)),
-                ("service_attached_connections".to_string(), ns.attached.load(Ordering::Relaxed)),
-            ]);
-            if let Some(age) = facts.shared_index_age_ms {
-                pairs.push(("shared_index_age_ms".to_string(), age));
-                pairs.push(("shared_used_bytes".to_string(), facts.shared_used_bytes));
-                pairs.push(("shared_capacity_bytes".to_string(), facts.shared_capacity_bytes));
-            }
-            ns.latency.fields(&mut pairs);
-            w.raw(&digest.0)
-                .bytes(&ns.description)
-                .u32(ns.tp_size)
-                .u64(ns.slice_bytes)
-                .u64(ns.store.object_bytes() as u64)
-                .pairs(&pairs);
-        }
-        w.0
-    }
-
-    fn verify(&self, r: &mut Reader<'_>) -> std::result::Result<Vec<u8>, String> {
-        let ns = self.open_namespace(r)?;
-        let after = r.u64().map_err(|e| e.to_string())?;
-        let max_blocks = r.u32().map_err(|e| e.to_string())?;
-        let max_bytes_per_s = r.u64().map_err(|e| e.to_string())?;
-        // Optional `u8 scope` (0 DRAM and NVMe, 1 the shared tier); absent: 0.
-        let scope = if r.rest().is_empty() { 0 } else { r.u8().map_err(|e| e.to_string())? };
-        let batch = if scope == 1 {
-            ns.store
-                .verify_shared_batch(after, max_blocks.clamp(1, 1 << 16) as usize, max_bytes_per_s)
-                .map_err(|e| e.to_string())?
-        } else {
-            ns.store
-                .verify_batch(after, max_blocks.clamp(1, 1 << 16) as usize, max_bytes_per_s)
-                .map_err(|e| e.to_string())?
-        };
-        let mut w = Writer::default();
-        w.u64(batch.next_after).u8(u8::from(batch.done)).pairs(&[
-            ("checked_dram", batch.checked_dram),
-            ("checked_nvme", batch.checked_nvme),
-            ("bad_dram", batch.bad_dram),
-            ("bad_nvme", batch.bad_nvme),
-            ("bytes_read", batch.bytes_read),
-            ("skipped_busy", batch.skipped_busy),
-            ("remaining_blocks", batch.remaining_blocks),
-            ("newest_sequence", batch.newest_sequence),
-            ("pace_wait_ms", batch.pace_wait_ms),
-        ]);
-        w.u32(batch.bad.len() as u32);
-        for bad in &batch.bad {
-            let tier = TierCode::from(Some(bad.tier)) as u8;
-            w.raw(&bad.key.0).u8(tier).u8(u8::from(bad.quarantined)).bytes(bad.reason.as_bytes());
-        }
-        Ok(w.0)
-    }
-
-    fn trim(&self, r: &mut Reader<'_>) -> std::result::Result<Vec<u8>, String> {
-        let ns = self.open_namespace(r)?;
-        let mode = r.u8().map_err(|e| e.to_string())?;
-        let value = r.u64().map_err(|e| e.to_string())?;
-        let request = match mode {
-            0 => crate::maintenance::TrimRequest::All,
-            1 => crate::maintenance::TrimRequest::OlderThan(Duration::from_millis(value)),
-            2 => crate::maintenance::TrimRequest::NvmeTo(value),
-            other => return Err(format!("trim mode {other} is unknown (0 all, 1 older than, 2 NVMe to bytes)")),
-        };
-        let c = ns.store.trim(request).map_err(|e| e.to_string())?;
-        let mut w = Writer::default();
-        w.pairs(&[
-            ("dram_blocks", c.dram_blocks),
-            ("dram_bytes", c.dram_bytes),
-            ("nvme_blocks", c.nvme_blocks),
-            ("nvme_bytes", c.nvme_bytes),
-            ("regions_freed", c.regions_freed),
-            ("skipped_in_use", c.skipped_in_use),
-        ]);
-        Ok(w.0)
-    }
-}
-
-/// Names the pool files of one service (two services on one host serve different store paths).
-fn socket_hash(path: &std::path::Path) -> u64 {
-    crate::format::checksum(path.as_os_str().as_encoded_bytes())
-}
-
-impl Session {
-    /// `Op::Acquire`: pins each block found for this connection until `Release`, and answers its slot.
-    fn acquire(&mut self, keys: &[BlockKey], w: &mut Writer) -> std::result::Result<(), String> {
-        let slots = self.ns.store.acquire(keys).map_err(|e| e.to_string())?;
-        let mut loaded = 0;
-        for (key, slot) in keys.iter().zip(slots) {
-            if slot.is_some() {
-                *self.readers.entry(*key).or_default() += 1;
-                loaded += 1;
-            }
-            w.u32(slot.unwrap_or(NO_SLOT));
-        }
-        self.count(|c| {
-            c.loaded_slices += loaded;
-            c.load_missed_slices += keys.len() as u64 - loaded;
-        });
-        Ok(())
-    }
-
-    fn unpin(&mut self, keys: &[BlockKey]) {
-        let held = take_held(&mut self.pins, keys);
-        if !held.is_empty() {
-            self.ns.store.unpin(&held);
-        }
-    }
-
-    /// Adds to this connection's engine's counters (nothing for an unlabelled connection).
-    fn count(&self, update: impl FnOnce(&mut EngineCounters)) {
-        if let Some(label) = &self.label {
-            self.ns.engines.lock().record(label, update);
-        }
-    }
-
-    fn release_readers(&mut self, keys: &[BlockKey]) {
-        let held = take_held(&mut self.readers, keys);
-        if !held.is_empty() {
-            self.ns.store.release(&held);
-        }
-    }
-
-    /// Per key `(kind, slot)` (`ReserveKind`): fill this slot, present, dropped, or no room now:
-    /// fill and commit what you got, then reserve these again.
-    ///
-    /// A block another rank reserved is taken at once (its slot exists). A new block needs room in
-    /// the NVMe write backlog. When there is none, a connection that holds reservations it has not
-    /// committed gets "no room now" (its own commits are what frees room: waiting would deadlock on
-    /// itself); one that holds none waits like a local put (at most `slot_wait_ms`) for other ranks'
-    /// commits or for NVMe writes to drain, without holding the fills lock. A block one rank gave
-    /// up is given up by every rank (`dropped`), so no rank fills a slot the others will never
-    /// complete.
-    fn reserve(&mut self, keys: &[BlockKey]) -> Result<Vec<(ReserveKind, u32)>> {
-        let ns = Arc::clone(&self.ns);
-        let deadline = Instant::now() + Duration::from_millis(ns.store.slot_wait_ms());
-        let mut out: Vec<Option<(ReserveKind, u32)>> = vec![None; keys.len()];
-        loop {
-            let mut fills = ns.fills.lock();
-            let mut dropped = ns.dropped.lock();
-            let fresh = self.fresh_keys(keys, &mut out, &fills, &dropped);
-            let mut reserved: HashMap<BlockKey, Reservation> =
-                fresh.iter().copied().zip(ns.store.try_reserve_puts(&fresh)?).collect();
-            let mut short_of_room = false;
-            for (key, decided) in keys.iter().zip(out.iter_mut()) {
-                if decided.is_some() {
-                    continue;
-                }
-                match reserved.remove(key) {
-                    Some(Reservation::Fill { slot, sequence }) => {
-                        fills.open(*key, Fill::new(slot, sequence, self.tp_size, Instant::now()));
-                    }
-                    Some(Reservation::Present) => {
-                        *decided = Some((ReserveKind::Present, NO_SLOT));
-                        continue;
-                    }
-                    Some(Reservation::Dropped) => {
-                        short_of_room = true;
-                        continue;
-                    }
-                    None => {}
-                }
-                *decided = self.join(&mut fills, key);
-            }
-            let out_of_time = Instant::now() >= deadline;
-            if short_of_room && out_of_time {
-                // Given up, for every rank: a rank that comes later drops it at once. Also when this
-                // pass reserved others of the batch: a key reported dropped but left out of `dropped`
-                // lets a peer rank open a fill this rank never commits.
-                for (key, decided) in keys.iter().zip(out.iter_mut()).filter(|(_, d)| d.is_none()) {
-                    dropped.insert(*key);
-                    *decided = Some((ReserveKind::Dropped, NO_SLOT));
-                }
-            }
-            drop((fills, dropped));
-            if !short_of_room || out_of_time {
-                break;
-            }
-            if !self.reserved.is_empty() {
-                // Its own commits free room: the client fills and commits, then asks again.
-                for decided in out.iter_mut().filter(|d| d.is_none()) {
-                    *decided = Some((ReserveKind::Retry, NO_SLOT));
-                }
-                break;
-            }
-            // Whether or not room came, one more pass decides (joins a fill another rank made).
-            ns.store.wait_for_put_room_until(deadline);
-        }
-        let out: Vec<(ReserveKind, u32)> =
-            out.into_iter().map(|d| d.unwrap_or((ReserveKind::Dropped, NO_SLOT))).collect();
-        let dropped = out.iter().filter(|(kind, _)| *kind == ReserveKind::Dropped).count();
-        ns.store.count_dropped_stores(dropped as u64);
-        Ok(out)
-    }
-
-    /// The keys of this pass that need a new fill: not decided, not being filled, not repeated;
-    /// a key given up recently is decided dropped here.
-    fn fresh_keys(
-        &self,
-        keys: &[BlockKey],
-        out: &mut [Option<(ReserveKind, u32)>],
-        fills: &Fills,
-        dropped: &DroppedKeys,
-    ) -> Vec<BlockKey> {
-        let mut seen = std::collections::HashSet::new();
-        let mut fresh = Vec::new();
-        for (key, decided) in keys.iter().zip(out.iter_mut()) {
-            if decided.is_some() || fills.is_open(key) || !seen.insert(*key) {
-                continue;
-            }
-            if dropped.contains(key) {
-                *decided = Some((ReserveKind::Dropped, NO_SLOT));
-            } else {
-                fresh.push(*key);
-            }
-        }
-        fresh
-    }
-
-    /// This rank's share of an existing fill, if it may take one.
-    fn join(&mut self, fills: &mut Fills, key: &BlockKey) -> Option<(ReserveKind, u32)> {
-        let joined = fills.join(key, self.rank, self.tp_size)?;
-        if let Joined::Fill { sequence, .. } = joined {
-            self.reserved.push((*key, sequence));
-        }
-        Some(joined.reply())
-    }
-
-    /// This rank's slices of `keys` are in their slots: per key, whether the commit counts. A key
-    /// whose fill was given up meanwhile (another rank aborted it, or it expired) is refused.
-    fn commit(&mut self, keys: &[BlockKey]) -> Result<Vec<bool>> {
-        let accepted = self.let_go(keys, true)?;
-        let refused = accepted.iter().filter(|&&ok| !ok).count() as u64;
-        self.ns.refused_commits.fetch_add(refused, Ordering::Relaxed);
-        Ok(accepted)
-    }
-
-    /// Gives up `keys`: the fills this connection holds, and the stores of the others (a rank that
-    /// found no room for them), for every rank.
-    fn abort(&mut self, keys: &[BlockKey]) {
-        let held: std::collections::HashSet<BlockKey> = self.reserved.iter().map(|(key, _)| *key).collect();
-        let unheld: Vec<BlockKey> = keys.iter().filter(|key| !held.contains(key)).copied().collect();
-        // Aborts only give back: no store call that can fail.
-        let _ = self.let_go(keys, false);
-        if !unheld.is_empty() {
-            self.give_up(&unheld);
-        }
-    }
-
-    /// Ends every reservation this connection holds of each of `keys`, committing this rank's slice
-    /// or not; per key, whether a commit counted.
-    fn let_go(&mut self, keys: &[BlockKey], commit: bool) -> Result<Vec<bool>> {
-        let committed = commit.then_some(1u64 << self.rank);
-        let mut steps = StoreSteps::default();
-        let mut accepted = Vec::with_capacity(keys.len());
-        {
-            let mut fills = self.ns.fills.lock();
-            for key in keys {
-                let mut counted = false;
-                self.reserved.retain(|(held, sequence)| {
-                    if held != key {
-                        return true;
-                    }
-                    let (ok, outcome) = fills.let_go(key, *sequence, committed);
-                    counted |= ok;
-                    steps.add(*key, outcome);
-                    false
-                });
-                accepted.push(counted);
-            }
-        }
-        steps.apply(&self.ns.store)?;
-        Ok(accepted)
-    }
-
-    /// Stores this rank gives up without holding them (a client that got no room): counted as
-    /// dropped, and given up by every rank, as `reserve` does when it runs out of time.
-    fn give_up(&mut self, keys: &[BlockKey]) {
-        let (mut give_back, mut counted) = (Vec::new(), 0u64);
-        {
-            let mut fills = self.ns.fills.lock();
-            let mut dropped = self.ns.dropped.lock();
-            for key in keys {
-                dropped.insert(*key);
-                match fills.give_up_unheld(key, self.rank, self.tp_size) {
-                    (true, Some(slot)) => give_back.push((*key, slot)),
-                    (true, None) => {}
-                    (false, _) => counted += 1,
-                }
-            }
-        }
-        self.ns.store.count_dropped_stores(counted);
-        if !give_back.is_empty() {
-            self.ns.store.abort_puts(&give_back);
-        }
-        self.count(|c| c.dropped_slices += keys.len() as u64);
-    }
-}
-
-/// A connection's holds end with it, however it ended: closed, said hello again, or its thread
-/// panicked (the unwinding drops the session).
-impl Drop for Session {
-    fn drop(&mut self) {
-        let reserved: Vec<BlockKey> = self.reserved.iter().map(|(key, _)| *key).collect();
-        // Gives back only: `let_go` without commits makes no store call that can fail.
-        let _ = self.let_go(&reserved, false);
-        let pinned = drain_held(&mut self.pins);
-        if !pinned.is_empty() {
-            self.ns.store.unpin(&pinned);
-        }
-        let read = drain_held(&mut self.readers);
-        if !read.is_empty() {
-            self.ns.store.release(&read);
-        }
-        // The date first: the janitor reads `attached` before it, and must not see a stale date.
-        *self.ns.detached_at.lock() = Instant::now();
-        self.ns.attached.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// The keys of `keys` this connection holds in `held`, each taken off once (a key it does not hold
-/// is ignored: releasing it would take away another connection's hold).
-fn take_held(held: &mut HashMap<BlockKey, u32>, keys: &[BlockKey]) -> Vec<BlockKey> {
-    let mut taken = Vec::new();
-    for key in keys {
-        if let Some(count) = held.get_mut(key) {
-            *count -= 1;
-            if *count == 0 {
-                held.remove(key);
-            }
-            taken.push(*key);
-        }
-    }
-    taken
-}
-
-/// Every hold in `held`, once per count (the connection closed).
-fn drain_held(held: &mut HashMap<BlockKey, u32>) -> Vec<BlockKey> {
-    held.drain().flat_map(|(key, count)| std::iter::repeat_n(key, count as usize)).collect()
 }
