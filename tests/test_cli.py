@@ -33,6 +33,7 @@ STATUS_KEYS = {
     "hit_rate",
     "tiers",
     "shared_index_age_ms",
+    "writes",
     "namespaces",
 }
 LS_KEYS = {"schema", "paths", "socket", "service", "namespaces"}
@@ -143,7 +144,7 @@ def test_unknown_command_and_usage_errors_exit_2() -> None:
     unknown = invoke("bench", "lookp")
     assert unknown.exit_code == 2
     assert (
-        "unknown command 'lookp'; choose one of: blocks, faults, gpu, io, layout, lookup, reads-first, serve, "
+        "unknown command 'lookp'; choose one of: admission, blocks, faults, gpu, io, layout, lookup, reads-first, serve, "
         "serve-summary, ttft" in unknown.stderr
     )
     assert "Did you mean 'lookup'?" in unknown.stderr
