@@ -661,7 +661,7 @@ def test_a_stopped_server_costs_misses_not_a_hang(rgw, nodes, bucket):
     stats = b.stats()
     assert stats["bucket_request_errors"] >= 1
     # Its reads timed out: the bucket turned sick and steps aside for its back-off (1 s), then one
-    # probe read brings it back (docs/reliability.md, "Sick remote tiers").
+    # probe read brings it back (docs/reliability.md, "Sick tiers").
     assert (stats["remote_tier_outages"], stats["remote_tiers_sick"]) == (1, 1), stats
     # The server is back: after the back-off, a probe, and the same blocks load again.
     assert _wait_for(lambda: all(load(b, list(range(16)))), timeout_s=10.0)

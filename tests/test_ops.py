@@ -446,6 +446,9 @@ def test_metrics_scrape_has_the_issue_list(served: Served) -> None:
         "kvtier_remote_tier_outages_total",
         "kvtier_remote_tier_lookups_skipped_total",
         "kvtier_remote_tiers_sick",
+        "kvtier_nvme_outages_total",
+        "kvtier_nvme_lookups_skipped_total",
+        "kvtier_nvme_sick",
         "kvtier_up",
     ):
         assert name in names, name

@@ -127,8 +127,8 @@ impl Admission {
         memory_blocks: usize,
         nvme_budget: Option<Mutex<WriteBudget>>,
     ) -> Self {
-        let reuse = nvme == WriteAdmission::Reuse || remote == WriteAdmission::Reuse;
-        let capacity = if reuse { memory_blocks } else { 1 };
+        let awaits_reuse = nvme == WriteAdmission::Reuse || remote == WriteAdmission::Reuse;
+        let capacity = if awaits_reuse { memory_blocks } else { 1 };
         Admission { nvme, remote, seen: Mutex::new(SeenOnce::new(capacity)), nvme_budget }
     }
 
@@ -139,6 +139,12 @@ impl Admission {
         }
         let seen = self.seen.lock().seen_before(key);
         Verdict { nvme: nvme || seen, remote: remote || seen }
+    }
+
+    /// Whether any tier keeps blocks back until evidence of reuse: without, no block ever awaits
+    /// reuse and the store never looks for reused ones.
+    pub(crate) fn awaits_reuse(&self) -> bool {
+        self.nvme == WriteAdmission::Reuse || self.remote == WriteAdmission::Reuse
     }
 
     /// Takes one block's bytes from the NVMe tier's budget; `true` when it has them (or is unbounded).

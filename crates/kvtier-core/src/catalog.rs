@@ -279,6 +279,8 @@ impl Catalog {
         self.next_sequence = next_sequence;
     }
 
+    /// Whether the block is loadable from DRAM or NVMe (tests; the store asks `locate`).
+    #[cfg(test)]
     pub fn contains(&self, key: &BlockKey) -> bool {
         self.index.get(key).is_some_and(Entry::visible)
     }

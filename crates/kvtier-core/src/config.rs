@@ -12,7 +12,7 @@ use crate::format::{round_up, ALIGN_BYTES};
 use crate::io::faults::FaultPlan;
 use crate::io::{DirectIo, EngineChoice};
 use crate::tiers::object::ObjectConfig;
-use crate::tiers::remote::health::HealthPolicy;
+use crate::tiers::health::HealthPolicy;
 use crate::tiers::shared::SharedConfig;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -77,10 +77,10 @@ pub struct StoreConfig {
     pub write_budget_burst_s: u64,
     /// Test seam: inject I/O faults. Never set in production.
     pub fault_plan: Option<Arc<FaultPlan>>,
-    /// Test seam: when a remote tier turns sick and how long it steps aside
-    /// (`tiers::remote::health`). Not a user option.
+    /// Test seam: when a tier below DRAM (NVMe, a remote tier) turns sick and how long it steps
+    /// aside (`tiers::health`). Not a user option.
     #[doc(hidden)]
-    pub remote_health: HealthPolicy,
+    pub tier_health: HealthPolicy,
     /// Put the DRAM pool in this shared-memory file (a host service sharing it with engine processes)
     /// instead of anonymous memory. Set by the service, not a user option.
     pub pool_path: Option<PathBuf>,
@@ -128,7 +128,7 @@ impl StoreConfig {
             write_budget_bucket_bytes_per_day: 0,
             write_budget_burst_s: 86_400,
             fault_plan: None,
-            remote_health: HealthPolicy::default(),
+            tier_health: HealthPolicy::default(),
             pool_path: None,
             shared: None,
             bucket: None,

@@ -59,7 +59,7 @@ pub mod testing {
     pub use crate::io::buffer::AlignedBuf;
     pub use crate::io::faults::FaultPlan;
     pub use crate::tiers::eviction::{EvictionPolicy, Lru, S3Fifo};
-    pub use crate::tiers::remote::health::HealthPolicy;
+    pub use crate::tiers::health::HealthPolicy;
     pub use crate::tiers::shared::SharedTier;
 
     /// The host service's framing (docs/service.md), for tests that speak to it byte by byte.

@@ -3,7 +3,7 @@
 //! it (contains, reads, publishing, generations, indexed keys) and never name a tier; a tier is named
 //! once, in `RemoteTiers::open`'s arm for it. What a tier implements is `tiers::remote::RemoteTier`.
 //!
-//! Each tier has its health (`tiers::remote::health`): reads that fail in a row make it sick, and a
+//! Each tier has its health (`tiers::health`): reads that fail in a row make it sick, and a
 //! sick tier steps aside (not offered by `contains`, no reads started) for a back-off, until one
 //! probe read brings it back. Counted in `remote_tier_*` / `remote_tiers_sick`, logged once per
 //! change of state.
@@ -14,7 +14,7 @@ use crate::error::Result;
 use crate::key::{BlockKey, Namespace};
 use crate::stats::Stats;
 use crate::tiers::object::ObjectTier;
-use crate::tiers::remote::health::{Admit, Change, Health, Observed};
+use crate::tiers::health::{Admit, Change, Health, Observed};
 use crate::tiers::remote::{PublishSink, Publisher, ReadOutcome, ReadRequest, Refetch, RemoteTier, StartedRead};
 use crate::tiers::shared::SharedTier;
 use parking_lot::Mutex;
@@ -47,7 +47,7 @@ impl Remote {
         let publisher = Publisher::start(Arc::clone(&tier) as Arc<dyn PublishSink>)?;
         let now = Instant::now();
         let budget = WriteBudget::new(budget_bytes_per_day, config.write_budget_burst_s, now);
-        Ok(Remote { tier, publisher, name, health: Health::new(config.remote_health, now), budget })
+        Ok(Remote { tier, publisher, name, health: Health::new(config.tier_health, now), budget })
     }
 
     /// Whether the tier's write budget takes one more block of `bytes`.

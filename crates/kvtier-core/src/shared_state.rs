@@ -8,6 +8,7 @@ use crate::key::BlockKey;
 use crate::key::Namespace;
 use crate::remote_tiers::RemoteTiers;
 use crate::stats::Stats;
+use crate::tiers::health::{Admit, Change, Health, HealthPolicy, Observed};
 use crate::tiers::dram::Arena;
 use crate::tiers::nvme::{DeviceFile, Geometry};
 use parking_lot::{Condvar, Mutex};
@@ -30,6 +31,8 @@ pub(crate) struct Shared {
     /// The remote tiers (`config.shared`, `config.bucket`) with their publishers; blocks of any are
     /// reported as tier "shared" (remote).
     pub remote: RemoteTiers,
+    /// Whether the NVMe tier is offered (its reads failing in a row make it step aside).
+    pub nvme_health: NvmeHealth,
     /// Which stored blocks go below DRAM, and the NVMe tier's write budget.
     pub admission: Admission,
     pub(crate) finished: Mutex<HashMap<u64, Vec<bool>>>,
@@ -41,6 +44,68 @@ pub(crate) struct Shared {
     pub(crate) activity_cv: Condvar,
     /// Blocks a read-ahead brought into DRAM that no load has served since (`ReadAhead`).
     pub(crate) read_ahead: ReadAhead,
+}
+
+/// The NVMe tier's health (`tiers::health`, the rules the remote tiers follow): I/O errors and reads
+/// the I/O engine gave up, `sick_after` in a row, make it sick. While sick, a block only NVMe holds is
+/// not offered in lookups nor read (a counted `nvme_lookups_skipped` miss the engine recomputes, never
+/// a wait on a failing disk); after the back-off one read probes it. A block that fails verification
+/// is no failure of the tier (the block is bad, not the disk). Writes are not judged: a failed write
+/// leaves its block in DRAM only, which costs no request anything.
+pub(crate) struct NvmeHealth {
+    health: Health,
+    stats: Arc<Stats>,
+}
+
+impl NvmeHealth {
+    pub(crate) fn new(policy: HealthPolicy, stats: Arc<Stats>) -> Self {
+        NvmeHealth { health: Health::new(policy, Instant::now()), stats }
+    }
+
+    /// Whether lookups are offered blocks only NVMe holds; counts the refusal when not.
+    pub(crate) fn offered(&self) -> bool {
+        let offered = self.health.offered(Instant::now);
+        if !offered {
+            Stats::add(&self.stats.nvme_lookups_skipped, 1);
+        }
+        offered
+    }
+
+    /// Whether an NVMe read may start now (`Probe`: it is the one probe; hand `probe: true` to `record`
+    /// or call `release_probe`). A refusal is counted.
+    pub(crate) fn admit(&self) -> Admit {
+        let admit = self.health.admit(Instant::now);
+        if admit == Admit::Refused {
+            Stats::add(&self.stats.nvme_lookups_skipped, 1);
+        }
+        admit
+    }
+
+    pub(crate) fn release_probe(&self) {
+        self.health.release_probe();
+    }
+
+    /// How an NVMe read ended; counts and logs a change of state once.
+    pub(crate) fn record(&self, probe: bool, observed: Observed) {
+        match self.health.record(probe, observed, Instant::now()) {
+            Change::None => {}
+            Change::Sick { backoff, last_error } => {
+                Stats::add(&self.stats.nvme_outages, 1);
+                self.stats.nvme_sick.store(1, Ordering::Relaxed);
+                log::warn!(
+                    "kvtier: the NVMe tier is sick after failed reads (last: {last_error}); blocks only it \
+                     holds are misses for {backoff:?}, then one read probes it"
+                );
+            }
+            Change::ProbeFailed { backoff, last_error } => {
+                log::debug!("kvtier: the NVMe tier's probe failed ({last_error}); next in {backoff:?}");
+            }
+            Change::Healthy => {
+                self.stats.nvme_sick.store(0, Ordering::Relaxed);
+                log::info!("kvtier: the NVMe tier answers again; its blocks are offered again");
+            }
+        }
+    }
 }
 
 /// The blocks a read-ahead (`Store::read_ahead`: an engine's scheduler making a lookup's hit resident

@@ -97,12 +97,18 @@ counters!(
     // Opens whose first listing of the bucket got no answer (connection refused or timed out): the
     // tier started empty and retried in the background (a refusal refuses the open instead).
     bucket_unreachable_at_open,
-    // Remote tiers' health (crate::tiers::remote::health, docs/reliability.md): times a remote tier
+    // Remote tiers' health (crate::tiers::health, docs/reliability.md): times a remote tier
     // turned sick (failed reads in a row), lookups and reads of blocks a sick tier indexes that it was
     // not offered (counted misses, recomputed), and how many remote tiers are sick now (a gauge).
     remote_tier_outages,
     remote_tier_lookups_skipped,
     remote_tiers_sick,
+    // The NVMe tier's health (the same rules, `shared_state::NvmeHealth`): times it turned sick
+    // (I/O errors or abandoned reads in a row), lookups and reads of blocks only NVMe holds while it
+    // stepped aside (counted misses, recomputed), and whether it is sick now (a gauge, 0 or 1).
+    nvme_outages,
+    nvme_lookups_skipped,
+    nvme_sick,
     // Writes below DRAM (crate::admission, docs/architecture.md "Writes below DRAM"): stored blocks
     // kept in DRAM only for want of evidence of reuse, such blocks written below DRAM once reused,
     // such blocks evicted from DRAM unused (never written), and writes refused by a tier's write

@@ -21,7 +21,7 @@ use crate::mover::{
     reserve_puts, submit_meta, wait_for_put_room, BlockBuffer, Reservation,
 };
 use crate::remote_tiers::RemoteTiers;
-use crate::shared_state::{ReadAhead, Shared};
+use crate::shared_state::{NvmeHealth, ReadAhead, Shared};
 use crate::stats::{Stats, StatsSnapshot};
 use crate::tiers::dram::Arena;
 use crate::tiers::eviction::S3Fifo;
@@ -116,6 +116,7 @@ impl Store {
         let direct_io = device_files.iter().all(|d| d.direct) && !device_files.is_empty();
         let read_ahead = ReadAhead::new(arena.slot_count());
         let admission = open_admission(&config, &dirs, geometry.is_some());
+        let nvme_health = NvmeHealth::new(config.tier_health, Arc::clone(&stats));
         let shared = Arc::new(Shared {
             geometry,
             namespace,
@@ -133,6 +134,7 @@ impl Store {
             activity: Mutex::new(()),
             activity_cv: Condvar::new(),
             read_ahead,
+            nvme_health,
             admission,
             config,
         });
@@ -299,23 +301,32 @@ impl Store {
         }
     }
 
-    /// Leading keys present in DRAM, NVMe or the shared index.
+    /// Leading keys present in DRAM, NVMe or the shared index (and offered: see `locate_many`).
     pub fn lookup_prefix(&self, keys: &[BlockKey]) -> usize {
         let cat = self.shared.catalog.lock();
-        keys.iter().take_while(|k| cat.contains(k) || self.shared.remote.contains(k)).count()
+        keys.iter().take_while(|k| self.offered_tier(&cat, k).is_some()).count()
     }
 
     pub fn contains_many(&self, keys: &[BlockKey]) -> Vec<bool> {
         let cat = self.shared.catalog.lock();
-        keys.iter().map(|k| cat.contains(k) || self.shared.remote.contains(k)).collect()
+        keys.iter().map(|k| self.offered_tier(&cat, k).is_some()).collect()
     }
 
-    /// The tier each block would be served from (memory only, no I/O).
+    /// The tier each block would be served from (memory only, no I/O). A block only a sick tier
+    /// holds (NVMe or remote, in its back-off) is not offered: a counted miss the engine recomputes.
     pub fn locate_many(&self, keys: &[BlockKey]) -> Vec<Option<crate::catalog::Tier>> {
         let cat = self.shared.catalog.lock();
-        keys.iter()
-            .map(|k| cat.locate(k).or_else(|| self.shared.remote.contains(k).then_some(crate::catalog::Tier::Shared)))
-            .collect()
+        keys.iter().map(|k| self.offered_tier(&cat, k)).collect()
+    }
+
+    /// Where `key` is served from, if offered: DRAM, NVMe unless it is sick, then a remote tier.
+    fn offered_tier(&self, cat: &Catalog, key: &BlockKey) -> Option<crate::catalog::Tier> {
+        use crate::catalog::Tier;
+        match cat.locate(key) {
+            Some(Tier::Nvme) if !self.shared.nvme_health.offered() => None,
+            None if self.shared.remote.contains(key) => Some(Tier::Shared),
+            tier => tier,
+        }
     }
 
     /// Pins the leading present keys: one flag per present key, in order. `true`: a pin was taken
@@ -326,12 +337,14 @@ impl Store {
         let mut cat = self.shared.catalog.lock();
         let mut pinned = Vec::with_capacity(keys.len());
         for key in keys {
-            if cat.pin_prefix(std::slice::from_ref(key)) == 1 {
-                pinned.push(true);
-            } else if self.shared.remote.contains(key) {
-                pinned.push(false);
-            } else {
-                break;
+            match self.offered_tier(&cat, key) {
+                None => break,
+                Some(crate::catalog::Tier::Shared) => pinned.push(false),
+                Some(_) => {
+                    let took = cat.pin_prefix(std::slice::from_ref(key));
+                    assert_eq!(took, 1, "a block the catalog locates is visible, and a visible block pins");
+                    pinned.push(true);
+                }
             }
         }
         debug_assert!(pinned.len() <= keys.len(), "a flag per leading present key");

@@ -13,8 +13,8 @@
 mod common;
 use common::*;
 
-use kvtier_core::testing::FaultPlan;
-use kvtier_core::{EngineChoice, Store, StoreConfig};
+use kvtier_core::testing::{FaultPlan, HealthPolicy};
+use kvtier_core::{EngineChoice, Store, StoreConfig, Tier};
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -65,6 +65,8 @@ struct Row {
     misses: u64,
     io_errors: u64,
     checksum_failures: u64,
+    /// Loads of blocks only a sick NVMe tier held: not read (not in the printed table).
+    skipped: u64,
     reopen_hits: u64,
     secs: f64,
 }
@@ -148,8 +150,10 @@ fn read_side(kind: &'static str, engine: EngineChoice, plan: FaultPlan) -> Row {
         let c = store.stats().counters;
         row.io_errors = c.io_errors;
         row.checksum_failures = c.checksum_failures;
-        // Every miss is a counted fault.
-        assert_eq!(row.misses, c.io_errors + c.checksum_failures, "{kind}: uncounted misses {c:?}");
+        // Every miss is a counted fault, or a block the NVMe tier was not asked for while the failed
+        // reads made it sick (`nvme_lookups_skipped`).
+        row.skipped = c.nvme_lookups_skipped;
+        assert_eq!(row.misses, c.io_errors + c.checksum_failures + c.nvme_lookups_skipped, "{kind}: {c:?}");
         assert_eq!(c.misses, row.misses);
         // A second pass: failed blocks were dropped from the index (misses), the others still hit.
         get_checked(&store, &ids);
@@ -230,7 +234,8 @@ fn read_eio_is_a_counted_miss() {
     {
         assert!(row.injected > 0 && row.misses > 0, "{row:?}");
         // Each injected EIO is exactly one counted I/O error (first pass, second pass and fresh blocks).
-        assert!(row.io_errors >= row.misses && row.io_errors <= row.injected, "{row:?}");
+        // The EIOs in a row make the tier sick: the misses past them are skips, not reads.
+        assert!(row.io_errors + row.skipped >= row.misses && row.io_errors <= row.injected, "{row:?}");
         assert_eq!(row.checksum_failures, 0, "{row:?}");
     }
 }
@@ -354,4 +359,64 @@ fn mixed_faults_over_reopens_never_serve_wrong_bytes() {
         assert!(row.injected > 0 && row.hits > 0 && row.reopen_hits > 0, "{row:?}");
         assert!(row.io_errors + row.checksum_failures > 0, "{row:?}");
     }
+}
+
+/// A disk whose reads fail steps aside (issue 36, "tiers that step aside when they are sick"): after
+/// three failed reads in a row, blocks only NVMe holds are not offered (lookups and pins answer a
+/// miss, loads read nothing from the disk), DRAM blocks are still served, and once the disk answers
+/// again one probe read after the back-off brings the tier back.
+#[test]
+fn a_failing_nvme_tier_steps_aside_until_a_probe_brings_it_back() {
+    for engine in engines() {
+        watchdog("nvme health", move || nvme_steps_aside(engine));
+    }
+}
+
+fn nvme_steps_aside(engine: EngineChoice) {
+    let plan = Arc::new(FaultPlan { read_eio_every: 1, ..Default::default() });
+    plan.paused.store(true, Ordering::Relaxed);
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = cfg(dir.path(), engine, Some(Arc::clone(&plan)));
+    let backoff = Duration::from_millis(300);
+    c.tier_health = HealthPolicy { sick_after: 3, first_backoff: backoff, max_backoff: 4 * backoff };
+    let store = Store::open(c).unwrap();
+    let ids: Vec<u64> = (0..40).collect();
+    put_all(&store, &ids);
+    store.flush().unwrap();
+    let tiers = store.locate_many(&ids.iter().map(|&i| key(i)).collect::<Vec<_>>());
+    let on_nvme: Vec<u64> = ids.iter().copied().filter(|&i| tiers[i as usize] == Some(Tier::Nvme)).collect();
+    assert!(on_nvme.len() >= 12, "{tiers:?}");
+
+    plan.paused.store(false, Ordering::Relaxed);
+    for &id in &on_nvme[..3] {
+        // One at a time, so that the failures are in a row whatever order a batch completes in.
+        assert_eq!(get_checked(&store, &[id]), vec![false]);
+    }
+    let s = store.stats().counters;
+    assert_eq!((s.nvme_outages, s.nvme_sick, s.io_errors), (1, 1, 3), "{s:?}");
+
+    let reads_when_sick = plan.reads_seen.load(Ordering::Relaxed);
+    let sick_keys: Vec<_> = on_nvme[3..6].iter().map(|&i| key(i)).collect();
+    assert_eq!(store.locate_many(&sick_keys), vec![None; 3], "a sick tier's blocks are not offered");
+    assert_eq!(store.lookup_prefix(&sick_keys), 0);
+    assert!(store.pin_prefix(&sick_keys).is_empty(), "nothing to pin on a sick tier");
+    assert_eq!(get_checked(&store, &on_nvme[3..6]), vec![false; 3]);
+    assert_eq!(plan.reads_seen.load(Ordering::Relaxed), reads_when_sick, "a sick tier is not read");
+    // The failed loads took DRAM slots: what DRAM holds now is still served.
+    let tiers = store.locate_many(&ids.iter().map(|&i| key(i)).collect::<Vec<_>>());
+    let in_dram: Vec<u64> = ids.iter().copied().filter(|&i| tiers[i as usize] == Some(Tier::Dram)).collect();
+    assert!(!in_dram.is_empty() && get_checked(&store, &in_dram).iter().all(|&hit| hit), "DRAM still serves");
+    let s = store.stats().counters;
+    assert!(s.nvme_lookups_skipped >= 3 + 1 + 1 + 3, "{s:?}");
+    assert_eq!(s.io_errors, 3, "{s:?}");
+
+    // The disk heals; after the back-off the next read is the probe, and it brings the tier back.
+    plan.paused.store(true, Ordering::Relaxed);
+    std::thread::sleep(backoff + Duration::from_millis(100));
+    assert_eq!(store.locate_many(&sick_keys[..1]), vec![Some(Tier::Nvme)], "offered for the probe");
+    assert_eq!(get_checked(&store, &on_nvme[3..4]), vec![true], "the probe");
+    let s = store.stats().counters;
+    assert_eq!((s.nvme_outages, s.nvme_sick), (1, 0), "{s:?}");
+    assert!(get_checked(&store, &on_nvme[4..]).iter().all(|&hit| hit), "every NVMe block is served again");
+    store.close().unwrap();
 }

@@ -682,7 +682,7 @@ fn a_shared_tier_whose_reads_fail_steps_aside_until_a_probe_brings_it_back() {
     let backoff = Duration::from_millis(300);
     let mut c = make("node-b");
     c.fault_plan = Some(Arc::clone(&plan));
-    c.remote_health = HealthPolicy { sick_after: 3, first_backoff: backoff, max_backoff: 4 * backoff };
+    c.tier_health = HealthPolicy { sick_after: 3, first_backoff: backoff, max_backoff: 4 * backoff };
     let b = Store::open(c).unwrap();
     assert!(wait_until(Duration::from_secs(2), || b.lookup_prefix(&keys) == 20));
     plan.paused.store(false, std::sync::atomic::Ordering::Relaxed);

@@ -112,6 +112,14 @@ NAMESPACE_FAMILIES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         "Lookups and reads of blocks only a sick remote tier holds: not offered, counted misses",
     ),
     ("kvtier_remote_tiers_sick", "gauge", (), "Remote tiers sick now (stepping aside for a back-off)"),
+    ("kvtier_nvme_outages", "counter", (), "Times the NVMe tier turned sick: reads failed in a row"),
+    (
+        "kvtier_nvme_lookups_skipped",
+        "counter",
+        (),
+        "Lookups and reads of blocks only a sick NVMe tier holds: not offered, counted misses",
+    ),
+    ("kvtier_nvme_sick", "gauge", (), "1 while the NVMe tier is sick (stepping aside for a back-off)"),
     (
         "kvtier_shared_publish_blocks",
         "counter",
@@ -188,6 +196,9 @@ PLAIN_VALUES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("kvtier_remote_tier_outages", (), "remote_tier_outages"),
     ("kvtier_remote_tier_lookups_skipped", (), "remote_tier_lookups_skipped"),
     ("kvtier_remote_tiers_sick", (), "remote_tiers_sick"),
+    ("kvtier_nvme_outages", (), "nvme_outages"),
+    ("kvtier_nvme_lookups_skipped", (), "nvme_lookups_skipped"),
+    ("kvtier_nvme_sick", (), "nvme_sick"),
 )
 # The shared tier's publishing counters (stores with a shared tier only): (result label, value name).
 SHARED_PUBLISH_RESULTS = (

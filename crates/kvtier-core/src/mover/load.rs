@@ -9,7 +9,7 @@
 //!    section (made resident or dropped, its pin released, pinned for the caller if asked).
 
 use super::{for_each_chunk, slot_ref, BlockBuffer};
-use crate::catalog::{Catalog, GetStep, LoadOutcome, NvmeRead, NO_SLOT};
+use crate::catalog::{Catalog, GetStep, LoadOutcome, NvmeRead, Tier, NO_SLOT};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::format::ALIGN_BYTES;
 use crate::io::buffer::AlignedBuf;
@@ -19,6 +19,7 @@ use crate::key::BlockKey;
 use crate::remote_tiers::RemoteRead;
 use crate::shared_state::Shared;
 use crate::stats::Stats;
+use crate::tiers::health::{Admit, Observed};
 use crate::tiers::remote::ReadOutcome;
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use parking_lot::MutexGuard;
@@ -216,6 +217,8 @@ struct Load<'a> {
     done_rx: Receiver<Completion>,
     /// A read-ahead, not a load: it serves nobody, so it counts no DRAM hit and no miss.
     read_ahead: bool,
+    /// The key whose NVMe read is the sick NVMe tier's probe (`NvmeHealth`), until it is judged.
+    nvme_probe: Option<usize>,
 }
 
 impl<'a> Load<'a> {
@@ -251,6 +254,7 @@ impl<'a> Load<'a> {
             done_tx,
             done_rx,
             read_ahead: false,
+            nvme_probe: None,
         }
     }
 
@@ -332,6 +336,17 @@ impl<'a> Load<'a> {
     fn plan_key(&mut self, cat: &mut Catalog, i: usize, round: &mut Round) -> bool {
         let keys = self.keys;
         let key = &keys[i];
+        let probe = match cat.locate(key) {
+            Some(Tier::Nvme) => match self.sh.nvme_health.admit() {
+                Admit::Read => false,
+                Admit::Probe => true,
+                Admit::Refused => {
+                    self.count_misses(1);
+                    return true;
+                }
+            },
+            _ => false,
+        };
         let mut step = cat.plan_get(key, self.direct(i));
         let can_stage = self.bufs.is_some() && self.staged_reads_in_flight + round.nvme_reads.len() < MAX_STAGED_READS;
         if matches!(step, GetStep::NoSlot) && !can_stage {
@@ -355,9 +370,27 @@ impl<'a> Load<'a> {
                 GetStep::Pending => self.waiting.push(i),
                 _ => self.count_misses(1),
             },
-            GetStep::NoSlot => return false,
+            GetStep::NoSlot => {
+                if probe {
+                    self.sh.nvme_health.release_probe();
+                }
+                return false;
+            }
+        }
+        if probe {
+            self.note_nvme_probe(i, round);
         }
         true
+    }
+
+    /// Key `i` was admitted as the sick NVMe tier's probe: it is, if its read was planned; else the
+    /// probe slot goes back (nothing was learnt).
+    fn note_nvme_probe(&mut self, i: usize, round: &Round) {
+        if round.nvme_reads.last().is_some_and(|&(planned, _)| planned == i) {
+            self.nvme_probe = Some(i);
+        } else {
+            self.sh.nvme_health.release_probe();
+        }
     }
 
     /// A DRAM slot to load `key` from a remote tier, if one indexes it and the catalog does not. `Err(())`: indexed, but no DRAM slot is free right now (try again later).
@@ -519,29 +552,10 @@ impl<'a> Load<'a> {
         if matches!(landing, Landing::Staged(_)) {
             self.staged_reads_in_flight -= 1;
         }
-        match io_result {
-            Err(e) if is_abandoned(&e) => {
-                log::error!("kvtier: read of block {key:?} abandoned by a broken I/O engine; counted as a miss");
-                Stats::add(&sh.stats.io_errors, 1);
-                landing.abandon();
-                LoadOutcome::Abandoned
-            }
-            Err(e) => {
-                log::warn!("kvtier: read of block {key:?} failed: {e}; counted as a miss");
-                Stats::add(&sh.stats.io_errors, 1);
-                LoadOutcome::IoError
-            }
-            Ok(()) if landing.verify_and_copy_out(sh, key, read, self.bufs.map(|b| &b[i])) => {
-                Stats::add(&sh.stats.nvme_hits, 1);
-                Stats::add(&sh.stats.bytes_read_nvme, sh.arena.slot_bytes() as u64);
-                LoadOutcome::Ok
-            }
-            Ok(()) => {
-                log::warn!("kvtier: block {key:?} failed verification on load; counted as a miss");
-                Stats::add(&sh.stats.checksum_failures, 1);
-                LoadOutcome::Corrupt
-            }
-        }
+        let probe = self.nvme_probe.take_if(|&mut probe| probe == i).is_some();
+        let (outcome, observed) = judge_nvme_read(sh, key, read, io_result, landing, self.bufs.map(|b| &b[i]));
+        sh.nvme_health.record(probe, observed);
+        outcome
     }
 
     /// A remote read the tier judged (it counted and quarantined): a hit is copied out.
@@ -638,6 +652,41 @@ impl<'a> Load<'a> {
 /// Reads a round waits for: a remote tier's run of adjacent blocks (the object tier's
 /// `bucket_get_max_bytes`), at most a quarter of the load's reads in flight so that NVMe reads
 /// beside it keep their depth.
+/// How an NVMe read ended, counted, and what it says of the tier's health (a block that fails
+/// verification is bad, the disk is not).
+fn judge_nvme_read(
+    sh: &Shared,
+    key: &BlockKey,
+    read: &NvmeRead,
+    io_result: std::io::Result<()>,
+    landing: Landing,
+    buf: Option<&BlockBuffer>,
+) -> (LoadOutcome, Observed) {
+    match io_result {
+        Err(e) if is_abandoned(&e) => {
+            log::error!("kvtier: read of block {key:?} abandoned by a broken I/O engine; counted as a miss");
+            Stats::add(&sh.stats.io_errors, 1);
+            landing.abandon();
+            (LoadOutcome::Abandoned, Observed::Failed("the I/O engine gave the read up".to_string()))
+        }
+        Err(e) => {
+            log::warn!("kvtier: read of block {key:?} failed: {e}; counted as a miss");
+            Stats::add(&sh.stats.io_errors, 1);
+            (LoadOutcome::IoError, Observed::Failed(e.to_string()))
+        }
+        Ok(()) if landing.verify_and_copy_out(sh, key, read, buf) => {
+            Stats::add(&sh.stats.nvme_hits, 1);
+            Stats::add(&sh.stats.bytes_read_nvme, sh.arena.slot_bytes() as u64);
+            (LoadOutcome::Ok, Observed::Hit)
+        }
+        Ok(()) => {
+            log::warn!("kvtier: block {key:?} failed verification on load; counted as a miss");
+            Stats::add(&sh.stats.checksum_failures, 1);
+            (LoadOutcome::Corrupt, Observed::CleanMiss)
+        }
+    }
+}
+
 fn min_round(sh: &Shared, max_reads_in_flight: usize) -> usize {
     sh.remote.blocks_per_request().min(max_reads_in_flight / 4).max(1)
 }

@@ -259,8 +259,12 @@ fn nvme_budget_allows(sh: &Shared) -> Persist {
 
 /// Writes the blocks kept from a tier for want of evidence of reuse that were used since (a load, a
 /// pin, a second store) to those tiers: offered to the remote tiers, and written to NVMe within its
-/// write budget and backlog. Called after each put, pin and load; cheap when nothing was reused.
+/// write budget and backlog. Called after each put, pin and load; cheap when nothing was reused, and
+/// free (no lock) when every tier admits every store.
 pub(crate) fn persist_reused(sh: &Arc<Shared>) {
+    if !sh.admission.awaits_reuse() {
+        return;
+    }
     let reused = sh.catalog.lock().take_reused();
     if reused.is_empty() {
         return;

@@ -7,15 +7,12 @@
 //! - [`publisher`]: the store's background thread batching accepted blocks into a tier.
 //! - [`keys`]: a remote index's keys (`KeyIndex`): locations, the generation, and which keys a
 //!   residency report names when there are more than it takes.
-//! - [`health`]: a tier's health: failed reads make it sick, it steps aside for a back-off, and one
-//!   read at a time probes it back.
 //! - [`key`]: the deployment key's loader (the tags are `crate::format::shared::AuthKey`).
 //! - [`lease`]: the evictor lease's rules (which generation is in force, whether a record holds
 //!   others off), so that no forged lease object stops eviction in any tier.
 //! - [`ReadOutcome`], [`StartedRead`]: how a read ends, and a tier's own record of a read in flight.
 //! - [`random_nonzero_u64`]: writer ids.
 
-pub mod health;
 pub mod key;
 pub mod keys;
 pub mod lease;

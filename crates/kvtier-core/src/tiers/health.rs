@@ -1,10 +1,10 @@
-//! A remote tier's health (issue 36): a tier whose reads failed `sick_after` times in a row is sick.
+//! A tier's health below DRAM (issue 36): a tier whose reads failed `sick_after` times in a row is sick.
 //! A sick tier is not offered in lookups for a back-off (its blocks are then misses the engine
 //! recomputes, never a wait); once the back-off has passed, one read at a time is let through as the
 //! probe. A probe that the tier answers (a hit, or a clean miss) makes it healthy again; a probe that
-//! fails doubles the back-off, up to `max_backoff`. Knows no tier: `RemoteTiers` keeps one per tier,
-//! says how each read ended, and counts and logs the changes this returns. Time is passed in, so
-//! that tests drive the clock.
+//! fails doubles the back-off, up to `max_backoff`. Knows no tier: `RemoteTiers` keeps one per
+//! remote tier and the store one for NVMe (`Shared::nvme_health`); each says how its reads ended,
+//! and counts and logs the changes this returns. Time is passed in, so that tests drive the clock.
 
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
