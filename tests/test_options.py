@@ -45,6 +45,7 @@ def valid_values(tmp_path):
         "write_budget_shared_bytes_per_day": 32 << 30,
         "write_budget_bucket_bytes_per_day": 16 << 30,
         "write_budget_burst_s": 60,
+        "encryption_key_file": str(key_file),
         "shared_root": str(shared),
         "shared_high_watermark": 0.95,
         "shared_low_watermark": 0.85,

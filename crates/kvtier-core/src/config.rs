@@ -11,8 +11,8 @@ use crate::error::{Error, Result};
 use crate::format::{round_up, ALIGN_BYTES};
 use crate::io::faults::FaultPlan;
 use crate::io::{DirectIo, EngineChoice};
-use crate::tiers::object::ObjectConfig;
 use crate::tiers::health::HealthPolicy;
+use crate::tiers::object::ObjectConfig;
 use crate::tiers::shared::SharedConfig;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -75,6 +75,9 @@ pub struct StoreConfig {
     pub write_budget_bucket_bytes_per_day: u64,
     /// Seconds of its rate a write budget may spend at once (after an idle spell).
     pub write_budget_burst_s: u64,
+    /// Key file for encryption at rest of NVMe values (`format::encrypted`); None: the
+    /// `KVTIER_ENCRYPTION_KEY_FILE` file if set, else values are written in clear.
+    pub encryption_key_file: Option<PathBuf>,
     /// Test seam: inject I/O faults. Never set in production.
     pub fault_plan: Option<Arc<FaultPlan>>,
     /// Test seam: when a tier below DRAM (NVMe, a remote tier) turns sick and how long it steps
@@ -127,6 +130,7 @@ impl StoreConfig {
             write_budget_shared_bytes_per_day: 0,
             write_budget_bucket_bytes_per_day: 0,
             write_budget_burst_s: 86_400,
+            encryption_key_file: None,
             fault_plan: None,
             tier_health: HealthPolicy::default(),
             pool_path: None,
@@ -840,6 +844,17 @@ pub static OPTIONS: &[ConfigOption] = &[
         description: "Seconds of its rate a write budget may spend at once: over any span of t seconds a tier takes at most (t + burst) x its rate. The default, a day, lets a day's budget go in one burst (a restart that refills a cold cache) and holds the daily rate over days.",
         set: |c, v| c.write_budget_burst_s = v.int(),
         get: |c| int(c.write_budget_burst_s),
+    },
+    ConfigOption {
+        name: "encryption_key_file",
+        field: "encryption_key_file",
+        python: true,
+        kind: OptionKind::Path,
+        unset: "none (`KVTIER_ENCRYPTION_KEY_FILE` if set, else values in clear)",
+        constraint: "a file of >= 32 bytes, mode 0600 (no group/other bits)",
+        description: "Encryption at rest of the NVMe tier: every value written is encrypted with AES-256-GCM under a key derived from this file (docs/format.md, \"Sealed values\"); a value that does not decrypt under it is a miss (`nvme_auth_failures`). Values in clear written before are still read. The DRAM pool stays in clear (process memory).",
+        set: |c, v| c.encryption_key_file = Some(v.path()),
+        get: |c| c.encryption_key_file.clone().map(OptionValue::Path),
     },
     // Shared-filesystem tier (docs/shared-tier.md): any shared_* option needs shared_root too.
     ConfigOption {

@@ -10,6 +10,7 @@
 use crate::catalog::{MetaWrite, NvmeLoc, ScrubTarget, Tier, TrimCounts, TrimPlan};
 use crate::error::{Error, Result};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
+use crate::format::encrypted::decrypt_in_place;
 use crate::io::buffer::AlignedBuf;
 use crate::key::BlockKey;
 use crate::stats::Stats;
@@ -143,6 +144,16 @@ pub struct NamespaceFacts {
     pub shared_index_age_ms: Option<u64>,
     pub shared_used_bytes: u64,
     pub shared_capacity_bytes: u64,
+}
+
+/// Decrypts an NVMe copy in place when its value is encrypted (`encryption_key_file`), so that
+/// `check_copy` checks the plaintext, as a load does.
+fn open_nvme_copy(store: &Store, bytes: &mut [u8]) -> std::result::Result<(), String> {
+    let sh = store.shared();
+    let (page, rest) = bytes.split_at_mut(DESCRIPTOR_BYTES);
+    decrypt_in_place(sh.value_cipher.as_ref(), page, &mut rest[..sh.config.object_bytes])
+        .map(|_| ())
+        .map_err(|e| format!("encrypted value {e}"))
 }
 
 /// Checks one copy (descriptor page + value) against what the index expects.
@@ -281,6 +292,7 @@ impl Store {
         let offset = geometry.region_offset(loc.region) + loc.offset;
         let outcome = nvme::read_exact_at(device, staging.as_mut_slice(), offset)
             .map_err(|e| format!("read failed: {e}"))
+            .and_then(|()| open_nvme_copy(self, staging.as_mut_slice()))
             .and_then(|()| check_copy(self, target, staging.as_slice()));
         batch.checked_nvme += 1;
         batch.bytes_read += slot_bytes as u64;

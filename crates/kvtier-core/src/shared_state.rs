@@ -3,13 +3,14 @@
 use crate::admission::Admission;
 use crate::catalog::Catalog;
 use crate::config::StoreConfig;
+use crate::format::encrypted::ValueCipher;
 use crate::io::device::DeviceQueue;
 use crate::key::BlockKey;
 use crate::key::Namespace;
 use crate::remote_tiers::RemoteTiers;
 use crate::stats::Stats;
-use crate::tiers::health::{Admit, Change, Health, HealthPolicy, Observed};
 use crate::tiers::dram::Arena;
+use crate::tiers::health::{Admit, Change, Health, HealthPolicy, Observed};
 use crate::tiers::nvme::{DeviceFile, Geometry};
 use parking_lot::{Condvar, Mutex};
 use std::collections::{HashMap, HashSet};
@@ -33,6 +34,8 @@ pub(crate) struct Shared {
     pub remote: RemoteTiers,
     /// Whether the NVMe tier is offered (its reads failing in a row make it step aside).
     pub nvme_health: NvmeHealth,
+    /// Encryption at rest of NVMe values (`encryption_key_file`); None: written in clear.
+    pub value_cipher: Option<ValueCipher>,
     /// Which stored blocks go below DRAM, and the NVMe tier's write budget.
     pub admission: Admission,
     pub(crate) finished: Mutex<HashMap<u64, Vec<bool>>>,

@@ -8,6 +8,7 @@ use crate::admission::{Admission, WriteBudget};
 use crate::catalog::{Catalog, Gauges, MetaWrite, SlotLayout};
 use crate::config::StoreConfig;
 use crate::error::{Error, Result};
+use crate::format::encrypted::ValueCipher;
 use crate::format::superblock::{Superblock, SUPERBLOCK_BYTES};
 use crate::io::buffer::AlignedBuf;
 use crate::io::device::DeviceQueue;
@@ -26,6 +27,7 @@ use crate::stats::{Stats, StatsSnapshot};
 use crate::tiers::dram::Arena;
 use crate::tiers::eviction::S3Fifo;
 use crate::tiers::nvme::{self, DeviceFile, Geometry, RecoveredRegion};
+use crate::tiers::remote::key::{load_key_bytes, KeySource};
 use crossbeam_channel::{bounded, unbounded, Sender, TrySendError};
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
@@ -80,6 +82,9 @@ pub struct StoreStats {
     pub namespace_hex: String,
 }
 
+/// Names the encryption key file when `encryption_key_file` is unset.
+pub const ENCRYPTION_KEY_FILE_ENV: &str = "KVTIER_ENCRYPTION_KEY_FILE";
+
 pub struct Store {
     shared: Arc<Shared>,
     load_tx: Mutex<Option<Sender<Job>>>,
@@ -106,8 +111,11 @@ impl Store {
         let stats = Arc::new(Stats::default());
         let geometry = nvme_geometry(&config, &dirs, slot_bytes)?;
         let mut catalog = new_catalog(&config, &arena, geometry, dirs.len(), &stats);
+        let cipher = open_value_cipher(&config)?;
         let (device_files, startup_meta) = match &geometry {
-            Some(geometry) => open_and_recover_devices(&config, &dirs, namespace, geometry, &mut catalog)?,
+            Some(geometry) => {
+                open_and_recover_devices(&config, &dirs, namespace, geometry, &mut catalog, cipher.as_ref())?
+            }
             None => (Vec::new(), Vec::new()),
         };
         let remote = RemoteTiers::open(&config, namespace, &stats)?;
@@ -135,6 +143,7 @@ impl Store {
             activity_cv: Condvar::new(),
             read_ahead,
             nvme_health,
+            value_cipher: cipher,
             admission,
             config,
         });
@@ -657,6 +666,7 @@ fn open_and_recover_devices(
     namespace: Namespace,
     geometry: &Geometry,
     catalog: &mut Catalog,
+    cipher: Option<&ValueCipher>,
 ) -> Result<(Vec<DeviceFile>, Vec<MetaWrite>)> {
     let mut device_files = Vec::new();
     let mut startup_meta = Vec::new();
@@ -674,7 +684,7 @@ fn open_and_recover_devices(
         };
         let (device, created) = nvme::open_device(dir, &template, geometry, config.direct_io)?;
         if !created {
-            let recovered = recover_device(&device, geometry, namespace, config.object_bytes as u64)?;
+            let recovered = recover_device(&device, geometry, namespace, config.object_bytes as u64, cipher)?;
             startup_meta.extend(catalog.adopt_recovered(i, recovered));
         }
         device_files.push(device);
@@ -684,15 +694,29 @@ fn open_and_recover_devices(
     Ok((device_files, startup_meta))
 }
 
+/// The NVMe tier's value cipher, from `encryption_key_file` (else the file `KVTIER_ENCRYPTION_KEY_FILE`
+/// names); None: values are written in clear.
+fn open_value_cipher(config: &StoreConfig) -> Result<Option<ValueCipher>> {
+    let source = KeySource {
+        key_file: config.encryption_key_file.as_deref(),
+        option: "encryption_key_file",
+        env: ENCRYPTION_KEY_FILE_ENV,
+        // Whoever can write the shared root must not read the key that keeps NVMe values from them.
+        shared_root: config.shared.as_ref().map(|s| s.root.as_path()),
+    };
+    Ok(load_key_bytes(&source)?.map(|bytes| ValueCipher::new(&bytes)))
+}
+
 /// The regions of an existing device file with the blocks they hold, logged with the time taken.
 fn recover_device(
     device: &DeviceFile,
     geometry: &Geometry,
     namespace: Namespace,
     object_bytes: u64,
+    cipher: Option<&ValueCipher>,
 ) -> Result<Vec<RecoveredRegion>> {
     let started = Instant::now();
-    let recovered = nvme::recover(device, geometry, &namespace, object_bytes)?;
+    let recovered = nvme::recover(device, geometry, &namespace, object_bytes, cipher)?;
     let blocks: usize = recovered.iter().map(|r| r.entries.len()).sum();
     log::info!(
         "kvtier: recovered {blocks} blocks from {} regions of {} in {:.0} ms",

@@ -398,7 +398,11 @@ fn device_file_truncated_while_open_gives_counted_misses() {
             let misses = hits.iter().filter(|&&h| !h).count() as u64;
             assert!(misses >= 40, "{hits:?}");
             // Reads failing in a row make the NVMe tier step aside: the misses past them are skips.
-            assert_eq!(misses, c.io_errors + c.checksum_failures + c.nvme_lookups_skipped, "every miss is counted: {c:?}");
+            assert_eq!(
+                misses,
+                c.io_errors + c.checksum_failures + c.nvme_lookups_skipped,
+                "every miss is counted: {c:?}"
+            );
             assert_eq!((c.nvme_outages, c.nvme_sick), (1, 1), "{c:?}");
             // Still serving: new blocks are written (extending the file again) and read back, once
             // the first read after the tier's back-off (1 s) has probed it back.

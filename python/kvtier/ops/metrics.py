@@ -83,6 +83,12 @@ NAMESPACE_FAMILIES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         "Stores dropped before their NVMe write started: a load short of DRAM slots took their slot",
     ),
     ("kvtier_checksum_failures", "counter", (), "Block copies that failed verification (load or verify)"),
+    (
+        "kvtier_nvme_auth_failures",
+        "counter",
+        (),
+        "Encrypted NVMe values that did not decrypt (another key, changed bytes, no key): counted misses",
+    ),
     ("kvtier_io_errors", "counter", (), "Failed reads and writes"),
     (
         "kvtier_queue_depth",
@@ -189,6 +195,7 @@ PLAIN_VALUES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("kvtier_nvme_dropped_writes", (), "nvme_dropped_writes"),
     ("kvtier_cancelled_writes", (), "cancelled_writes"),
     ("kvtier_checksum_failures", (), "checksum_failures"),
+    ("kvtier_nvme_auth_failures", (), "nvme_auth_failures"),
     ("kvtier_io_errors", (), "io_errors"),
     ("kvtier_queue_depth", ("pending_fills",), "service_pending_fills"),
     ("kvtier_nvme_write_backlog_bytes", (), "nvme_write_backlog_bytes"),

@@ -4,8 +4,8 @@
 //! ```text
 //! offset size field
 //!      0    8 magic            b"KVTRENT\0"
-//!      8    2 format_version   u16 LE (1)
-//!     10    2 flags            u16 LE (0)
+//!      8    2 format_version   u16 LE (1; 2: the value is encrypted, see `encrypted.rs`)
+//!     10    2 flags            u16 LE (0; version 2: bit 0, encrypted, set)
 //!     12    4 value_bytes      u32 LE (length of the value that follows the page)
 //!     16   32 key              block key
 //!     48   32 namespace        namespace digest
@@ -14,7 +14,7 @@
 //!     96    8 value_checksum   xxh3-64 of the value bytes
 //!    104   16 reserved (0)
 //!    120    8 header_checksum  xxh3-64 of bytes 0..120
-//!    128 3968 zero padding
+//!    128 3968 zero padding (version 2: the encryption header's 48 bytes at 256, `encrypted.rs`)
 //! ```
 
 use super::*;
@@ -22,6 +22,9 @@ use crate::key::{BlockKey, Namespace};
 
 pub const DESCRIPTOR_MAGIC: [u8; 8] = *b"KVTRENT\0";
 pub const DESCRIPTOR_VERSION: u16 = 1;
+/// The version of a descriptor whose value is encrypted (at rest, `format::encrypted`).
+pub const DESCRIPTOR_VERSION_ENCRYPTED: u16 = 2;
+const FLAG_ENCRYPTED: u16 = 1;
 pub const DESCRIPTOR_BYTES: usize = 4096;
 const CHECKSUM_AT: usize = 120;
 pub const DESCRIPTOR_USED_BYTES: usize = 128;
@@ -61,6 +64,22 @@ impl Descriptor {
         Ok(())
     }
 
+    /// Whether an encoded page says its value is encrypted (version 2, flag set; not validated).
+    pub fn is_encrypted(page: &[u8]) -> bool {
+        page.len() >= DESCRIPTOR_USED_BYTES
+            && get_u16(page, 8) == DESCRIPTOR_VERSION_ENCRYPTED
+            && get_u16(page, 10) & FLAG_ENCRYPTED != 0
+    }
+
+    /// Marks an encoded page encrypted (version 2, flag bit 0) and checksums it again; the encryption
+    /// header is the cipher's to write.
+    pub fn mark_encrypted(page: &mut [u8]) {
+        put_u16(page, 8, DESCRIPTOR_VERSION_ENCRYPTED);
+        put_u16(page, 10, FLAG_ENCRYPTED);
+        let sum = checksum(&page[..CHECKSUM_AT]);
+        put_u64(page, CHECKSUM_AT, sum);
+    }
+
     pub fn decode(bytes: &[u8]) -> Result<Self, ParseError> {
         if bytes.len() < DESCRIPTOR_USED_BYTES {
             return Err(ParseError::TooShort(bytes.len()));
@@ -69,7 +88,10 @@ impl Descriptor {
             return Err(ParseError::BadMagic);
         }
         let version = get_u16(bytes, 8);
-        if version != DESCRIPTOR_VERSION {
+        let flags = get_u16(bytes, 10);
+        let known =
+            matches!((version, flags), (DESCRIPTOR_VERSION, 0) | (DESCRIPTOR_VERSION_ENCRYPTED, FLAG_ENCRYPTED));
+        if !known {
             return Err(ParseError::Version(version as u32));
         }
         if checksum(&bytes[..CHECKSUM_AT]) != get_u64(bytes, CHECKSUM_AT) {

@@ -6,6 +6,7 @@
 //! nothing is trusted until its checksum passes.
 
 pub mod descriptor;
+pub mod encrypted;
 /// The shared tier's files (data file header and footer, manifest records, lease). Here rather than
 /// beside the tier that writes them, so that formats depend on nothing above them.
 pub mod shared;

@@ -8,9 +8,10 @@
 //!    (verified, copied out, or a counted miss), then settled with the catalog in one critical
 //!    section (made resident or dropped, its pin released, pinned for the caller if asked).
 
-use super::{for_each_chunk, slot_ref, BlockBuffer};
+use super::{for_each_chunk, slot_mut, slot_ref, BlockBuffer};
 use crate::catalog::{Catalog, GetStep, LoadOutcome, NvmeRead, Tier, NO_SLOT};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
+use crate::format::encrypted::{decrypt_in_place, DecryptError};
 use crate::format::ALIGN_BYTES;
 use crate::io::buffer::AlignedBuf;
 use crate::io::device::{is_abandoned, IoOp, OnDone};
@@ -90,6 +91,20 @@ impl Landing {
                 (std::ptr::null_mut(), DESCRIPTOR_BYTES + sh.config.object_bytes, iovecs)
             }
         }
+    }
+
+    /// Decrypts an encrypted value where it landed (`encryption_key_file`); a value in clear is left
+    /// as it is. A direct read only ever lands in clear (direct reads are off with a key).
+    fn open(&mut self, sh: &Shared, read: &NvmeRead) -> Result<(), DecryptError> {
+        let bytes = match self {
+            Landing::Direct(page) if Descriptor::is_encrypted(page.as_slice()) => return Err(DecryptError::NoKey),
+            Landing::Direct(_) => return Ok(()),
+            Landing::Staged(staging) => staging.as_mut_slice(),
+            // SAFETY: the read into the slot has completed and the slot is ours (Loading).
+            Landing::Slot => unsafe { slot_mut(sh.arena.slot_ptr(read.slot), sh.arena.slot_bytes()) },
+        };
+        let (page, rest) = bytes.split_at_mut(DESCRIPTOR_BYTES);
+        decrypt_in_place(sh.value_cipher.as_ref(), page, &mut rest[..sh.config.object_bytes]).map(|_| ())
     }
 
     /// Checks a finished NVMe read against what the index expects and copies its value out.
@@ -248,7 +263,10 @@ impl<'a> Load<'a> {
             staged_reads_in_flight: 0,
             max_reads_in_flight,
             min_round: min_round(sh, max_reads_in_flight),
-            direct_io: sh.device_files.iter().all(|d| d.direct) && sh.config.object_bytes.is_multiple_of(ALIGN_BYTES),
+            // An encrypted value is decrypted where it lands, never in the caller's memory.
+            direct_io: sh.device_files.iter().all(|d| d.direct)
+                && sh.config.object_bytes.is_multiple_of(ALIGN_BYTES)
+                && sh.value_cipher.is_none(),
             wait_deadline: None,
             spare: None,
             done_tx,
@@ -659,7 +677,7 @@ fn judge_nvme_read(
     key: &BlockKey,
     read: &NvmeRead,
     io_result: std::io::Result<()>,
-    landing: Landing,
+    mut landing: Landing,
     buf: Option<&BlockBuffer>,
 ) -> (LoadOutcome, Observed) {
     match io_result {
@@ -673,6 +691,11 @@ fn judge_nvme_read(
             log::warn!("kvtier: read of block {key:?} failed: {e}; counted as a miss");
             Stats::add(&sh.stats.io_errors, 1);
             (LoadOutcome::IoError, Observed::Failed(e.to_string()))
+        }
+        Ok(()) if let Err(e) = landing.open(sh, read) => {
+            log::warn!("kvtier: block {key:?} on NVMe is encrypted and {e}; counted as a miss");
+            Stats::add(&sh.stats.nvme_auth_failures, 1);
+            (LoadOutcome::Corrupt, Observed::CleanMiss)
         }
         Ok(()) if landing.verify_and_copy_out(sh, key, read, buf) => {
             Stats::add(&sh.stats.nvme_hits, 1);

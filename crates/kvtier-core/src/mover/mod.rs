@@ -10,6 +10,7 @@ pub(crate) use load::{execute_get, execute_get_pinned, execute_read_ahead};
 
 use crate::catalog::{MetaWrite, Persist, PutStep, WriteOutcome, WritePlan};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
+use crate::format::encrypted::{fresh_nonce, ValueCipher, DEFAULT_TENANT};
 use crate::format::ALIGN_BYTES;
 use crate::io::buffer::AlignedBuf;
 use crate::io::device::{is_abandoned, is_cancelled, IoOp};
@@ -408,6 +409,18 @@ fn submit_entry_write(sh: &Arc<Shared>, key: BlockKey, plan: WritePlan) {
         finish_entry_write(sh, &key, &plan, WriteOutcome::Failed);
         return;
     }
+    // With a key, the device writes an encrypted copy, made while the slot is still ours.
+    let encrypted = match sh.value_cipher.as_ref().map(|cipher| encrypted_copy(sh, cipher, plan.slot)) {
+        None => None,
+        Some(Ok(copy)) => Some(copy),
+        Some(Err(e)) => {
+            log::error!("kvtier: no random nonce for {key:?} ({e}); not writing it to NVMe");
+            Stats::add(&sh.stats.nvme_dropped_writes, 1);
+            finish_entry_write(sh, &key, &plan, WriteOutcome::Failed);
+            return;
+        }
+    };
+    let buf = encrypted.as_ref().map_or(sh.arena.slot_ptr(plan.slot), AlignedBuf::as_ptr);
     // Stamped: from here until the device queue submits it, a load short of slots may take the slot
     // (the gate then cancels the write, which never touches the slot again).
     sh.catalog.lock().write_queued(&key, &plan);
@@ -416,7 +429,7 @@ fn submit_entry_write(sh: &Arc<Shared>, key: BlockKey, plan: WritePlan) {
     sh.devices[plan.loc.device as usize].write(IoOp {
         kind: OpKind::Write,
         offset: geometry.region_offset(plan.loc.region) + plan.loc.offset,
-        buf: sh.arena.slot_ptr(plan.slot),
+        buf,
         len: sh.arena.slot_bytes(),
         iovecs: Vec::new(),
         file: None,
@@ -424,6 +437,10 @@ fn submit_entry_write(sh: &Arc<Shared>, key: BlockKey, plan: WritePlan) {
         on_done: Box::new(move |r| {
             // An abandoned write may still read the slot; reusing it can only change bytes at an
             // NVMe location the catalog records as unwritten (no trailer lists it), so it is freed.
+            if r.as_ref().is_err_and(is_abandoned) {
+                // The kernel may still read the encrypted copy: it is never freed.
+                std::mem::forget(encrypted);
+            }
             let outcome = match &r {
                 Ok(()) => WriteOutcome::Written,
                 Err(e) if is_cancelled(e) => WriteOutcome::Cancelled,
@@ -435,6 +452,17 @@ fn submit_entry_write(sh: &Arc<Shared>, key: BlockKey, plan: WritePlan) {
             finish_entry_write(&shared, &key, &plan, outcome);
         }),
     });
+}
+
+/// A copy of the slot with its value encrypted (`encryption_key_file`): the DRAM pool stays in clear.
+fn encrypted_copy(sh: &Shared, cipher: &ValueCipher, slot: u32) -> std::io::Result<AlignedBuf> {
+    let nonce = fresh_nonce()?;
+    let mut copy = AlignedBuf::zeroed(sh.arena.slot_bytes());
+    // SAFETY: the slot is marked writing: nothing else writes into it.
+    copy.as_mut_slice().copy_from_slice(unsafe { slot_ref(sh, slot) });
+    let (page, rest) = copy.as_mut_slice().split_at_mut(DESCRIPTOR_BYTES);
+    cipher.encrypt(page, &mut rest[..sh.config.object_bytes], &DEFAULT_TENANT, nonce);
+    Ok(copy)
 }
 
 fn finish_entry_write(sh: &Arc<Shared>, key: &BlockKey, plan: &WritePlan, outcome: WriteOutcome) {

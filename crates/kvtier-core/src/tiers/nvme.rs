@@ -9,6 +9,7 @@
 
 use crate::error::{Error, Result};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
+use crate::format::encrypted::{decrypt_in_place, ValueCipher};
 use crate::format::superblock::{Superblock, SUPERBLOCK_BYTES};
 use crate::format::trailer::{trailer_bytes, Trailer, TrailerEntry};
 use crate::format::{checksum, ALIGN_BYTES};
@@ -313,6 +314,7 @@ pub fn recover(
     geometry: &Geometry,
     namespace: &Namespace,
     object_bytes: u64,
+    cipher: Option<&ValueCipher>,
 ) -> Result<Vec<RecoveredRegion>> {
     let mut trailer_buf = AlignedBuf::zeroed(geometry.trailer_bytes as usize);
     let mut slot_buf = AlignedBuf::zeroed(geometry.slot_bytes as usize);
@@ -337,7 +339,7 @@ pub fn recover(
                 device.path.display()
             ),
         }
-        if let Some(r) = scan_region(device, geometry, namespace, object_bytes, region, &mut slot_buf)? {
+        if let Some(r) = scan_region(device, geometry, namespace, object_bytes, region, &mut slot_buf, cipher)? {
             found.push(r);
         }
     }
@@ -396,6 +398,7 @@ fn scan_region(
     object_bytes: u64,
     region: u32,
     slot_buf: &mut AlignedBuf,
+    cipher: Option<&ValueCipher>,
 ) -> Result<Option<RecoveredRegion>> {
     let mut candidates = scan_descriptors(device, geometry, namespace, object_bytes, region, slot_buf)?;
     // Newest generation first; within one, by position. A generation none of whose values verify
@@ -409,9 +412,12 @@ fn scan_region(
         let mut entries = Vec::new();
         for (offset, desc) in generation {
             let position = geometry.region_offset(region) + offset;
-            read_exact_at(device, &mut slot_buf.as_mut_slice()[..geometry.slot_bytes as usize], position)?;
-            let value = &slot_buf.as_slice()[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + object_bytes as usize];
-            if checksum(value) == desc.value_checksum {
+            let slot = &mut slot_buf.as_mut_slice()[..geometry.slot_bytes as usize];
+            read_exact_at(device, slot, position)?;
+            let (page, rest) = slot.split_at_mut(DESCRIPTOR_BYTES);
+            let value = &mut rest[..object_bytes as usize];
+            // An encrypted value is checked as a load checks it: opened, then its plaintext's checksum.
+            if decrypt_in_place(cipher, page, value).is_ok() && checksum(value) == desc.value_checksum {
                 entries.push(TrailerEntry {
                     key: desc.key,
                     sequence: desc.sequence,

@@ -26,7 +26,7 @@ use crate::format::{checksum, round_up, ALIGN_BYTES};
 use crate::io::device::OnDone;
 use crate::key::{BlockKey, Namespace};
 use crate::stats::Stats;
-use crate::tiers::remote::key::{load_key, KeySource};
+use crate::tiers::remote::key::{load_key, KeySource, KEY_FILE_ENV};
 use crate::tiers::remote::keys::KeyIndex;
 use crate::tiers::remote::{random_nonzero_u64, ReadOutcome};
 use object_store::path::Path as ObjectPath;
@@ -171,6 +171,7 @@ impl ObjectTier {
             .map_err(|e| Error::io("starting the object tier's runtime", e))?;
         // No shared root to keep the key off: the bucket is not a directory of this node.
         let auth = load_key(&KeySource {
+            env: KEY_FILE_ENV,
             key_file: config.key_file.as_deref(),
             option: "bucket_key_file",
             shared_root: None,

@@ -24,11 +24,13 @@ const MAX_KEY_BYTES: u64 = 1 << 20;
 const MAKE_ONE: &str = "create one with `head -c 32 /dev/urandom > FILE && chmod 600 FILE` on each node's local \
                         storage, every node with the same bytes";
 
-/// Where a tier's deployment key comes from.
+/// Where a key comes from.
 pub struct KeySource<'a> {
-    /// The tier's key file option, and its name (for the refusals).
+    /// The key file option, and its name (for the refusals).
     pub key_file: Option<&'a Path>,
     pub option: &'static str,
+    /// The environment variable naming the file when the option is unset.
+    pub env: &'static str,
     /// A directory every writer of the tier can write (the shared filesystem's root): the key must
     /// not be under it. `None` for a tier with no such directory (a bucket).
     pub shared_root: Option<&'a Path>,
@@ -39,8 +41,8 @@ fn key_file(source: &KeySource) -> Option<(PathBuf, &'static str)> {
     if let Some(p) = source.key_file {
         return Some((p.to_path_buf(), source.option));
     }
-    match std::env::var_os(KEY_FILE_ENV) {
-        Some(v) if !v.is_empty() => Some((PathBuf::from(v), KEY_FILE_ENV)),
+    match std::env::var_os(source.env) {
+        Some(v) if !v.is_empty() => Some((PathBuf::from(v), source.env)),
         _ => None,
     }
 }
@@ -48,6 +50,12 @@ fn key_file(source: &KeySource) -> Option<(PathBuf, &'static str)> {
 /// Loads and checks the deployment key; `Ok(None)` when none is configured. Every refusal names the
 /// option (or variable) and the fix.
 pub fn load_key(source: &KeySource) -> Result<Option<AuthKey>> {
+    Ok(load_key_bytes(source)?.map(|bytes| AuthKey::derive(&bytes)))
+}
+
+/// Loads and checks a key file's bytes (the deployment key's, the encryption key's); `Ok(None)` when
+/// none is configured.
+pub fn load_key_bytes(source: &KeySource) -> Result<Option<Vec<u8>>> {
     let Some((path, option)) = key_file(source) else { return Ok(None) };
     let refuse = |why: String| Error::config(option, format!("key file {}: {why}", path.display()));
     // Checked and read through its resolved path (a symlink, such as a Kubernetes secret volume's, is
@@ -89,7 +97,7 @@ pub fn load_key(source: &KeySource) -> Result<Option<AuthKey>> {
             bytes.len()
         )));
     }
-    Ok(Some(AuthKey::derive(&bytes)))
+    Ok(Some(bytes))
 }
 
 /// On the shared root, anyone who can write the root (whom the key is there to exclude) could read

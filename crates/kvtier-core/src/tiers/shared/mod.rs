@@ -51,7 +51,7 @@ use crate::io::device::{DeviceQueue, Transfer};
 use crate::io::{DirectIo, IoSetup, OpKind};
 use crate::key::{BlockKey, Namespace};
 use crate::stats::Stats;
-use crate::tiers::remote::key::{load_key, KeySource};
+use crate::tiers::remote::key::{load_key, KeySource, KEY_FILE_ENV};
 use crate::tiers::remote::random_nonzero_u64;
 use files::{open_dir, open_regular, OpenError};
 use format::{
@@ -192,6 +192,7 @@ impl SharedTier {
         config.validate(slot_bytes)?;
         check_root(config)?;
         let auth = load_key(&KeySource {
+            env: KEY_FILE_ENV,
             key_file: config.key_file.as_deref(),
             option: "shared_key_file",
             shared_root: Some(&config.root),
