@@ -3,8 +3,12 @@
 Fast tests (no engine): the options and the plan (the load spread over the fault's timeline, greedy
 sampling, the rows), the fault on a stand-in process (stopped and continued), the judging of made-up
 results (a failed request or a different output is a problem), the table.
-The slow test (``full``: not in CI's time) runs ``kvtier bench faults --small`` end to end: vLLM alone,
-then kvtier with its service stopped for 5 s mid-run.
+The remote tiers' rows (``bucket-stop``, ``bucket-kill``, ``fuse-stop``) without an engine: their plan and
+store options, the fault on stand-in processes (stopped and continued; killed and started again once),
+one gateway for every bucket row, the tier's reads during the fault and the note when there were none.
+The slow tests (``full``: not in CI's time) run ``kvtier bench faults --small`` end to end: vLLM alone,
+then kvtier with its service stopped for 5 s mid-run; and the three remote tiers' rows (root, Ceph's
+radosgw and FUSE, else skipped).
 
 Run: ``.venv/bin/python -m pytest tests/test_bench_faults.py -v`` (``KVTIER_FULL_TESTS=1`` and ``-m slow``
 for the run).
@@ -12,7 +16,9 @@ for the run).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -21,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench import faults
+from kvtier.bench import faults, faults_tiers
 
 
 def plan_of(*argv: str) -> dict:
@@ -176,9 +182,177 @@ def test_table():
     rows[1]["fault"] = {"hits_again_s": None}
     faults.judge(rows)
     lines = faults.table_rows(rows)
-    assert lines[0][:4] == ["vLLM alone", "1", "0", "0"] and lines[0][8:] == ["-", "-", "-"]
-    assert lines[1][0] == "kvtier, service-stop" and lines[1][8:] == ["not during the run", "3", "1"]
+    assert lines[0][:4] == ["vLLM alone", "1", "0", "0"] and lines[0][8:] == ["-", "-", "-", "-", "-"]
+    assert lines[1][0] == "kvtier, service-stop" and lines[1][8:] == ["not during the run", "3", "1", "0", "-"]
     assert len(lines[1]) == len(faults.TABLE_HEADER)
+
+
+# --------------------------------------------------------------------------------------------
+# remote tiers' faults: the S3 gateway, the shared filesystem's FUSE daemon
+# --------------------------------------------------------------------------------------------
+
+
+def test_plan_of_the_remote_tier_rows():
+    plan = plan_of("--small", "--faults", "bucket-stop,bucket-kill,fuse-stop", "--rgw-state-dir", "/tmp/x")
+    assert plan["rows"] == ["vllm", "bucket-stop", "bucket-kill", "fuse-stop"]
+    assert plan["rgw_state_dir"] == "/tmp/x" and plan["bucket_osd_bytes"] >= 1 << 30
+    assert "rgw_state_dir" not in plan_of("--small")  # no gateway without a bucket row
+
+
+@pytest.mark.parametrize("row", faults_tiers.TIER_FAULTS)
+def test_a_remote_tier_row_reads_from_its_tier(row):
+    plan = plan_of("--small", "--faults", row)
+    row_plan, options = faults.row_options(plan, row)
+    assert (row_plan["dram_gib"], row_plan["nvme_gib"]) == (0.0, 0.0)
+    assert options == {"staging_slots": faults_tiers.TIER_DRAM_SLOTS, "load_policy": "always"}
+    tier = "shared" if row == "fuse-stop" else "bucket"
+    assert faults_tiers.hit_counters(row) == (f"{tier}_hits",)
+    assert faults_tiers.read_counters(row) == (f"{tier}_hits", f"{tier}_misses", "remote_tier_lookups_skipped")
+    assert faults_tiers.hit_counters("service-stop") == ("dram_hits", "nvme_hits")
+    assert faults_tiers.read_counters("service-kill") == ()
+
+
+class StandIn:
+    """A remote tier's process stood in for by a sleeping child; ``restart`` starts another."""
+
+    def __init__(self):
+        self.process = self._spawn()
+        self.restarts = 0
+
+    @staticmethod
+    def _spawn() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+    def pid(self) -> int:
+        return self.process.pid
+
+    def restart(self) -> int:
+        self.process.wait(timeout=10)
+        self.process, self.restarts = self._spawn(), self.restarts + 1
+        return self.process.pid
+
+    def state(self) -> str:
+        return Path(f"/proc/{self.process.pid}/stat").read_text().split(")")[1].split()[0]
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def test_bucket_stop_and_fuse_stop_freeze_the_tiers_process(tmp_path, monkeypatch):
+    monkeypatch.setattr("kvtier.service.running_service", lambda socket: (4242, 0))
+    for kind in ("bucket-stop", "fuse-stop"):
+        target = StandIn()
+        try:
+            fault = faults.Fault(kind, tmp_path / "socket", target=target)
+            fault.start()
+            time.sleep(0.2)
+            assert target.state() == "T" and (fault.pid, fault.service_pid) == (target.pid(), 4242)
+            fault.end()
+            time.sleep(0.2)
+            assert target.state() != "T" and target.restarts == 0
+            fault.release()  # nothing left to undo
+        finally:
+            target.kill()
+
+
+def test_bucket_kill_kills_the_gateway_and_starts_it_again_once(tmp_path, monkeypatch):
+    monkeypatch.setattr("kvtier.service.running_service", lambda socket: (4242, 0))
+    target = StandIn()
+    try:
+        killed = target.pid()
+        fault = faults.Fault("bucket-kill", tmp_path / "socket", target=target)
+        fault.start()
+        assert fault.pid == killed
+        fault.end()
+        assert target.restarts == 1 and fault.tier is not None and fault.tier.restarted_pid == target.pid() != killed
+        fault.release()
+        assert target.restarts == 1
+    finally:
+        target.kill()
+
+
+def test_a_remote_tier_fault_without_its_process_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr("kvtier.service.running_service", lambda socket: (4242, 0))
+    with pytest.raises(faults.FaultError, match="without its tier"):
+        faults.Fault("bucket-stop", tmp_path / "socket").start()
+
+
+def test_gateway_pid_is_radosgw_shs_pid_file(tmp_path):
+    (tmp_path / "run").mkdir()
+    gateway = faults_tiers.Gateway(type("B", (), {"state_dir": str(tmp_path)})())
+    with pytest.raises(RuntimeError, match="pid file"):
+        gateway.pid()
+    (tmp_path / "run" / f"{faults_tiers.GATEWAY_NAME}.pid").write_text("1234\n")
+    assert gateway.pid() == 1234
+
+
+def test_one_gateway_for_every_bucket_row(tmp_path, monkeypatch):
+    from kvtier.bench import bucket
+
+    opened: list = []
+
+    @contextlib.contextmanager
+    def fake_open(url, endpoint, osd_bytes, log, state_dir):
+        opened.append((url, osd_bytes, state_dir))
+        yield bucket.Bucket("b", "run", "http://127.0.0.1:7591", "us-east-1", True, state_dir)
+        opened.append("down")
+
+    monkeypatch.setattr(bucket, "open_bucket", fake_open)
+    plan = plan_of("--small", "--faults", "bucket-stop,bucket-kill", "--rgw-state-dir", str(tmp_path))
+    with faults_tiers.Tiers(plan, print) as tiers:
+        options, target = tiers.open("bucket-stop", tmp_path / "bucket-stop")
+        tiers.open("bucket-kill", tmp_path / "bucket-kill")
+        assert tiers.close_row("bucket-stop") == []
+    assert opened == [(None, plan["bucket_osd_bytes"], str(tmp_path)), "down"]
+    assert options["bucket_url"] == "s3://b/run/bucket-stop" and options["bucket_endpoint"] == "http://127.0.0.1:7591"
+    assert options["bucket_publish_delay_ms"] == faults_tiers.BUCKET_TIMING["bucket_publish_delay_ms"]
+    assert isinstance(target, faults_tiers.Gateway)
+
+
+def counters(**values: int) -> dict[str, int]:
+    return {name: values.get(name, 0) for name in faults_tiers.STATS}
+
+
+def test_tier_reads_are_taken_once_after_the_fault(monkeypatch):
+    reads = faults.TierReads("bucket-stop", counters(bucket_hits=2), time.monotonic() + 60)
+    reads.note(counters(bucket_hits=3))  # too early: the reads the fault held may not have finished
+    assert not reads.taken
+    reads.at = time.monotonic()
+    reads.note(counters(bucket_hits=3, bucket_misses=1, remote_tier_lookups_skipped=2, dram_hits=5))
+    reads.note(counters(bucket_hits=9))  # once
+    assert reads.reads == 4 and reads.counters is not None and reads.counters["dram_hits"] == 5
+    service = faults.TierReads("service-stop", counters(), time.monotonic())
+    assert service.taken and service.reads is None
+
+
+def test_hits_of_a_tier_fault_are_its_tiers_and_its_pid_is_no_restart(tmp_path, monkeypatch):
+    answers = iter([(4242, counters(bucket_hits=1, dram_hits=5)), (4242, counters(bucket_hits=2, dram_hits=5))])
+    monkeypatch.setattr(faults, "service_now", lambda socket: next(answers))
+    monkeypatch.setattr(faults, "POLL_S", 0.0)
+    fault = faults.Fault("bucket-stop", tmp_path / "socket", target=object())
+    fault.pid, fault.service_pid = 999, 4242  # the gateway's pid is not the service's
+    client = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        info: dict = {}
+        assert faults.wait_for_hits(fault, client, info, faults.TierReads("bucket-stop", None, 0.0)) is not None
+        assert "service_restarted" not in info
+    finally:
+        client.kill()
+        client.wait()
+
+
+def test_a_fault_that_touched_no_read_of_its_tier_says_so():
+    rows = [row("vllm", ["a"]), row("bucket-stop", ["a"]), row("fuse-stop", ["a"]), row("service-stop", ["a"])]
+    rows[0].pop("kvtier"), rows[0].pop("fault")
+    rows[1]["fault"]["tier_reads"] = 0
+    rows[2]["fault"]["tier_reads"] = 3
+    rows[2]["kvtier"] = {"dram_hits": 0, "nvme_hits": 0, "bucket_hits": 0, "shared_hits": 4}
+    assert faults.judge(rows) == []  # a note, not a problem
+    assert [note.split(":")[0] for note in faults.untouched(rows)] == ["bucket-stop"]
+    lines = faults.table_rows(rows)
+    assert [line[-1] for line in lines] == ["-", faults.NO_TIER_READ, "3", "-"]
+    assert lines[2][-2] == "4"
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,3 +383,29 @@ def test_bench_faults_service_stop_small(tmp_path):
     assert stopped["fault"]["pid"] > 0 and stopped["fault"]["load_running_at_end"]
     assert (out / "table.md").exists()
     assert not list(out.glob("*/store"))  # the store went with the row
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_bench_faults_remote_tiers_small(tmp_path):
+    """The S3 gateway stopped and killed, the shared filesystem's FUSE daemon stopped, each row's hits
+    read from that tier: no failed request, no wrong output, the tier served hits, nothing left."""
+    from kvtier.bench import bucket, slowmount
+
+    reason = bucket.missing_reason() or slowmount.missing_reason()
+    if reason:
+        pytest.skip(reason)
+    out, state = tmp_path / "faults", tmp_path / "radosgw"
+    command = [sys.executable, "-m", "kvtier", "bench", "faults", "--small", "--fault-s", "5", "--out", str(out)]
+    command += ["--faults", ",".join(faults_tiers.TIER_FAULTS), "--rgw-state-dir", str(state)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=2400)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    document = json.loads((out / "results.json").read_text())
+    assert not document["problems"]
+    for record in document["rows"][1:]:
+        assert record["completed"] == 8 and record["failed"] == 0 and record["wrong_outputs"] == 0
+        tier = "shared_hits" if record["row"] == "fuse-stop" else "bucket_hits"
+        assert record["kvtier"][tier] > 0, record["kvtier"]  # hits came from the faulted tier
+        assert record["fault"]["pid"] > 0 and record["fault"]["tier_reads"] is not None
+    assert document["rows"][2]["fault"]["gateway_restarted"] > 0
+    assert not state.exists() and not any(os.path.ismount(path) for path in out.glob("*/shared"))

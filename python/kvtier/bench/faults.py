@@ -16,6 +16,9 @@ Rows (each a fresh server, stopped after it, with its store removed):
 - ``nvme-read-errors``: the row's store directory (its NVMe tier's files) on a FUSE passthrough
   (``kvtier.bench.slowmount``) whose reads fail with EIO while a flag file exists; the flag is there
   during the fault. The row's DRAM tier is cut to a few blocks so that repeats are read from NVMe.
+- ``bucket-stop``, ``bucket-kill``, ``fuse-stop``: the S3 gateway (Ceph's radosgw on 127.0.0.1) stopped
+  or killed, the shared filesystem's FUSE daemon stopped, with the row's hits coming from that tier
+  (``kvtier.bench.faults_tiers``, which says how).
 
 The load: ``--users`` users, ``--requests-per-user`` requests each, sent at a steady rate (gamma
 arrivals of burstiness ``BURSTINESS``: nearly even gaps) so that they spread over ``--fault-after-s`` +
@@ -26,7 +29,10 @@ request (vLLM's prefix-cache query counter moved) and lasts ``--fault-s`` second
 Per row: failed requests (vllm bench serve's ``failed``), wrong outputs (each request's generated text
 against vLLM alone's for the same request: the same seed gives the same prompts in the same order),
 request and output throughput, TTFT p50/p99, and the seconds from the fault's end until kvtier served
-a hit again (its service's ``dram_hits`` + ``nvme_hits`` rose; a service started anew counts from 0).
+a hit again (its service's ``dram_hits`` + ``nvme_hits`` rose, or for a remote tier's fault that tier's
+own hits; a service started anew counts from 0), and the reads of the faulted tier from the fault's start
+to a second after its end (``faults_tiers.TIER_READS``): a row whose fault touched no read of its tier
+says so (in the table and a note), since it then checked nothing of that tier.
 A row with a failed request or a wrong output is a problem: the command exits 1.
 
 Output (``--out DIR``): ``results.json``, ``table.md`` (also printed), ``logs/`` and ``bench/``.
@@ -48,15 +54,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench import serve
+from kvtier.bench import faults_tiers, serve
+from kvtier.bench.faults_tiers import READ_ERRORS, TIER_FAULTS
 from kvtier.bench.ttft import markdown_table, parse_tokens
 
-FAULTS = ("service-stop", "service-kill", "nvme-read-errors")
+FAULTS = ("service-stop", "service-kill", READ_ERRORS, *TIER_FAULTS)
 DEFAULT_FAULTS = ("service-stop", "service-kill")
-READ_ERRORS = "nvme-read-errors"
 READ_ERROR_DRAM_SLOTS = 4  # the read-error row's DRAM tier: a few blocks (I/O staging), not a prefix
-MOUNT_RATE_MB_PER_S = 100_000.0  # the read-error mount's line: no limit (the FUSE daemon's own ceiling)
 BASELINE_ROW = "vllm"
+HIT_COLUMNS = ("dram_hits", "nvme_hits", "bucket_hits", "shared_hits")  # kvtier's hits over a row's load
 KVTIER_ROW = "kvtier-nvme"  # bench serve's row whose store options the fault rows use (DRAM over NVMe)
 BURSTINESS = 100.0  # gamma shape of the arrival gaps: nearly even
 POLL_S = 0.2
@@ -72,8 +78,9 @@ SMALL = {
 }  # fmt: skip
 TABLE_HEADER = [
     "row", "requests", "failed", "wrong outputs", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
-    "hits again after fault (s)", "kvtier DRAM hits", "NVMe hits",
+    "hits again after fault (s)", "kvtier DRAM hits", "NVMe hits", "bucket/shared hits", "tier reads in fault",
 ]  # fmt: skip
+NO_TIER_READ = "0: none touched"  # the table's cell for a fault that touched no read of its tier
 
 
 class FaultError(RuntimeError):
@@ -89,14 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvtier bench faults",
         description="Faults under load: vllm bench serve against vllm serve with kvtier (DRAM+NVMe) while a fault "
-        "is injected mid-run (the host service stopped or killed), against vLLM alone under the same load: failed "
-        "requests, wrong outputs (greedy, against vLLM alone's), throughput, TTFT, time until kvtier hits again.",
+        "is injected mid-run (the host service stopped or killed, NVMe read errors; the S3 gateway stopped or killed, "
+        "the shared filesystem's FUSE daemon stopped, each with the row's hits read from that tier), against vLLM "
+        "alone under the same load: failed requests, wrong outputs (greedy, against vLLM alone's), throughput, TTFT, "
+        "time until kvtier hits again, reads of the faulted tier during the fault.",
     )
     parser.add_argument("--small", action="store_true", help="CI size: tiny model, 4 users x 2 requests")
     parser.add_argument(
         "--faults", default=",".join(DEFAULT_FAULTS),
-        help=f"comma-separated, from {', '.join(FAULTS)} (default {','.join(DEFAULT_FAULTS)}; {READ_ERRORS} needs "
-        "FUSE: kvtier.bench.slowmount)",
+        help=f"comma-separated, from {', '.join(FAULTS)} (default {','.join(DEFAULT_FAULTS)}; {READ_ERRORS} and "
+        "fuse-stop need FUSE: kvtier.bench.slowmount; bucket-stop and bucket-kill need root and Ceph's radosgw, "
+        "brought up on 127.0.0.1 by scripts/distfs/radosgw.sh, ports KVTIER_RGW_PORT and KVTIER_CEPH_MON_PORT)",
     )  # fmt: skip
     parser.add_argument("--fault-s", type=float, default=20.0, help="how long each fault lasts (default 20)")
     parser.add_argument("--fault-after-s", type=float, default=3.0, help="fault start after the load's start (3)")
@@ -118,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG", help="one more vllm serve arg")
     parser.add_argument("--bench-arg", action="append", default=[], metavar="ARG", help="one more bench serve arg")
     parser.add_argument("--point-timeout-s", type=int, default=3600, help="limit per row's load")
+    parser.add_argument(
+        "--rgw-state-dir", default=faults_tiers.DEFAULT_RGW_STATE_DIR,
+        help=f"state directory of the bucket rows' gateway (default {faults_tiers.DEFAULT_RGW_STATE_DIR}; removed)",
+    )  # fmt: skip
     return parser
 
 
@@ -159,7 +173,20 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         rows=[BASELINE_ROW, *parse_faults(args.faults)],
     )  # fmt: skip
     plan["max_model_len"] = plan["prefix_len"] + plan["suffix_len"] + plan["output_len"] + serve.MODEL_LEN_MARGIN
+    if any(fault in TIER_FAULTS for fault in plan["faults"]):
+        plan["rgw_state_dir"] = args.rgw_state_dir
+        plan["bucket_osd_bytes"] = osd_bytes(plan)
     return plan
+
+
+def osd_bytes(plan: dict[str, Any]) -> int:
+    """The local gateway's memstore OSD (RAM): every bucket row's prefixes, with room."""
+    from kvtier.bench.serve_slow import osd_bytes as object_rows_osd_bytes
+    from kvtier.models import PRESETS
+
+    kv_bytes = PRESETS[plan["preset"]].kv_bytes_per_token if plan["preset"] in PRESETS else None
+    rows = sum(fault.startswith("bucket-") for fault in plan["faults"])
+    return object_rows_osd_bytes([plan["users"]] * rows, plan["prefix_len"] + plan["suffix_len"], kv_bytes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,26 +194,31 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def kvtier_hits(socket: Path) -> tuple[int | None, int | None]:
-    """(the service's pid, its dram_hits + nvme_hits), each None while it does not answer."""
-    from kvtier.service import running_service, service_stats
+def service_now(socket: Path) -> tuple[int | None, dict[str, int] | None]:
+    """(the service's pid, its counters: ``faults_tiers.STATS``), each None while it does not answer."""
+    from kvtier.service import running_service
 
     found = running_service(socket)
-    try:
-        stats = service_stats(socket)
-    except Exception:  # stopped, killed or not yet restarted
-        return (found[0] if found else None), None
-    return (found[0] if found else None), int(stats.get("dram_hits", 0)) + int(stats.get("nvme_hits", 0))
+    return (found[0] if found else None), faults_tiers.service_counters(socket)
+
+
+def hits_of(kind: str, counters: dict[str, int] | None) -> int | None:
+    """The hits whose rise means kvtier serves again after this fault (``faults_tiers.hit_counters``)."""
+    return None if counters is None else sum(counters[name] for name in faults_tiers.hit_counters(kind))
 
 
 class Fault:
-    """One fault on a row's host service or its NVMe tier: ``start()``, ``end()``; ``release()``
-    undoes what is left (a stopped service continued, the read-error flag removed) whatever happened.
-    ``flag``: the read-error mount's flag file (``nvme-read-errors``)."""
+    """One fault on a row's host service, its NVMe tier or its remote tier: ``start()``, ``end()``;
+    ``release()`` undoes what is left (a stopped process continued, a killed gateway started again, the
+    read-error flag removed) whatever happened. ``flag``: the read-error mount's flag file
+    (``nvme-read-errors``); ``target``: a remote tier's process (``faults_tiers.Gateway`` or
+    ``MountDaemon``). ``pid``: the process the fault hit; ``service_pid``: the service's then."""
 
-    def __init__(self, kind: str, socket: Path, flag: Path | None = None):
+    def __init__(self, kind: str, socket: Path, flag: Path | None = None, target: Any = None):
         self.kind, self.socket, self.flag = kind, socket, flag
+        self.tier = faults_tiers.TierFault(kind, target) if target is not None else None
         self.pid: int | None = None
+        self.service_pid: int | None = None
         self.stopped = False
 
     def start(self) -> None:
@@ -195,8 +227,11 @@ class Fault:
         found = running_service(self.socket)
         if found is None:
             raise FaultError(f"no kvtier service runs on {self.socket} to inject {self.kind} into")
-        self.pid = found[0]
-        if self.kind == "service-stop":
+        self.pid = self.service_pid = found[0]
+        if self.kind in TIER_FAULTS and self.tier is not None:
+            self.tier.start()
+            self.pid = self.tier.pid
+        elif self.kind == "service-stop":
             os.kill(self.pid, signal.SIGSTOP)
             self.stopped = True
         elif self.kind == "service-kill":
@@ -204,7 +239,9 @@ class Fault:
         elif self.kind == READ_ERRORS and self.flag is not None:
             self.flag.touch()
         else:
-            raise FaultError(f"unknown fault {self.kind} (or {READ_ERRORS} without its mount's flag)")
+            raise FaultError(
+                f"unknown fault {self.kind} (or {READ_ERRORS} without its flag, {self.kind} without its tier)"
+            )
 
     def end(self) -> None:
         self.release()
@@ -216,28 +253,23 @@ class Fault:
             self.stopped = False
         if self.flag is not None:
             self.flag.unlink(missing_ok=True)
+        if self.tier is not None:
+            self.tier.release()
 
 
 def read_error_mount(plan: dict[str, Any], row_dir: Path) -> Any:
     """The ``nvme-read-errors`` row's store directory (its NVMe tier's files) on a FUSE passthrough
     (``kvtier.bench.slowmount``, no rate limit) whose reads fail with EIO while ``row_dir/fail-reads``
     exists; started."""
-    from kvtier.bench.slowlink import LinkSpec
-    from kvtier.bench.slowmount import SlowMount
-
-    (row_dir / "nvme-source").mkdir(parents=True, exist_ok=True)
-    (row_dir / "logs").mkdir(parents=True, exist_ok=True)
-    mount = SlowMount(
-        row_dir / "nvme-source", row_dir / "store", LinkSpec(MOUNT_RATE_MB_PER_S), row_dir / "logs" / "mount.log",
-        fail_reads_flag=row_dir / "fail-reads",
-    )  # fmt: skip
-    mount.start()
-    return mount
+    return faults_tiers.passthrough_mount(row_dir, "nvme-source", "store", row_dir / "fail-reads")
 
 
 def row_options(plan: dict[str, Any], row: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The plan and the extra store options of one row: the read-error row's DRAM tier cut to its
-    ``READ_ERROR_DRAM_SLOTS`` staging slots (no ``dram_bytes``), so that repeats are read from NVMe."""
+    ``READ_ERROR_DRAM_SLOTS`` staging slots (no ``dram_bytes``), so that repeats are read from NVMe; a
+    remote tier's row as ``faults_tiers.row_options`` says."""
+    if row in TIER_FAULTS:
+        return faults_tiers.row_options(plan, row)
     if row != READ_ERRORS:
         return plan, {}
     return {**plan, "dram_gib": 0.0}, {"staging_slots": READ_ERROR_DRAM_SLOTS}
@@ -268,7 +300,8 @@ def wait_for_load(url: str, before: float, client: subprocess.Popen, timeout_s: 
 
 def inject(fault: Fault, plan: dict[str, Any], url: str, client: subprocess.Popen, record: dict[str, Any]) -> None:
     """The fault timeline of one row while its load runs: wait for the load, the fault for ``fault_s``,
-    then the hits' return (polled until they rise or the load ends). Fills ``record["fault"]``."""
+    then the hits' return (polled until they rise or the load ends) and the faulted tier's reads from
+    the fault's start to ``READS_SETTLE_S`` after its end. Fills ``record["fault"]``."""
     before = (serve.cache_metrics([url]) or {}).get("vllm_queried", 0.0)
     load_seen = wait_for_load(url, before, client, LOAD_START_TIMEOUT_S)
     info: dict[str, Any] = {"kind": fault.kind, "seconds": plan["fault_s"], "hits_again_s": None}
@@ -277,26 +310,56 @@ def inject(fault: Fault, plan: dict[str, Any], url: str, client: subprocess.Pope
     if client.poll() is not None:
         info["note"] = "the load ended before the fault started"
         return
-    info["hits_before"] = kvtier_hits(fault.socket)[1]
+    counters_before = faults_tiers.service_counters(fault.socket)
+    info["hits_before"] = hits_of(fault.kind, counters_before)
     fault.start()
     info["pid"], info["started_after_load_s"] = fault.pid, round(time.monotonic() - load_seen, 2)
     if fault.kind != "service-kill":  # a kill is over at once: the return is timed from it
         time.sleep(plan["fault_s"])
+    ended = time.monotonic()  # a killed gateway's restart is part of the return
     fault.end()
-    ended = time.monotonic()
+    if fault.tier is not None and fault.tier.restarted_pid is not None:
+        info["gateway_restarted"] = fault.tier.restarted_pid
+        info["gateway_restart_s"] = round(time.monotonic() - ended, 2)
     info["load_running_at_end"] = client.poll() is None
-    info["hits_again_s"] = wait_for_hits(fault, client, info)
+    reads = TierReads(fault.kind, counters_before, ended + faults_tiers.READS_SETTLE_S)
+    info["hits_again_s"] = wait_for_hits(fault, client, info, reads)
     if info["hits_again_s"] is not None:
         info["hits_again_s"] = round(info["hits_again_s"] - ended, 2)
+    time.sleep(max(0.0, reads.at - time.monotonic()))
+    reads.note(faults_tiers.service_counters(fault.socket))
+    info["tier_reads"], info["tier_counters"] = reads.reads, reads.counters
 
 
-def wait_for_hits(fault: Fault, client: subprocess.Popen, info: dict[str, Any]) -> float | None:
-    """Polls the service until its hits rise (the time, monotonic) or the load ends (None). A service
-    other than the faulted one (restarted after a kill) counts from 0."""
+class TierReads:
+    """The faulted tier's reads from the fault's start (``before``: the service's counters then) to
+    ``at`` (a second after its end: the reads the fault held have finished), taken once."""
+
+    def __init__(self, kind: str, before: dict[str, int] | None, at: float):
+        self.names, self.before, self.at = faults_tiers.read_counters(kind), before, at
+        self.reads: int | None = None
+        self.counters: dict[str, int] | None = None
+        self.taken = not self.names  # the service's own faults: no tier of their own
+
+    def note(self, counters: dict[str, int] | None) -> None:
+        if self.taken or time.monotonic() < self.at:
+            return
+        self.taken = True
+        self.reads = faults_tiers.delta(self.before, counters, self.names)
+        if self.before is not None and counters is not None:
+            self.counters = {name: counters[name] - self.before[name] for name in faults_tiers.STATS}
+
+
+def wait_for_hits(fault: Fault, client: subprocess.Popen, info: dict[str, Any], reads: TierReads) -> float | None:
+    """Polls the service until its hits rise (the time, monotonic) or the load ends (None); notes the
+    tier's reads on the way. A service other than the faulted row's (restarted after a kill) counts
+    from 0."""
     base: int | None = None
     while True:
-        pid, hits = kvtier_hits(fault.socket)
-        if pid is not None and pid != fault.pid:
+        pid, counters = service_now(fault.socket)
+        reads.note(counters)
+        hits = hits_of(fault.kind, counters)
+        if pid is not None and pid != fault.service_pid:
             info["service_restarted"] = pid
             base = 0
         elif base is None:
@@ -361,10 +424,13 @@ def run_load(plan: dict[str, Any], row: str, url: str, out_dir: Path, fault: Fau
     return record
 
 
-def run_row(plan: dict[str, Any], row: str, out_dir: Path, timeout_s: int, started: float) -> dict[str, Any]:
+def run_row(
+    plan: dict[str, Any], row: str, out_dir: Path, timeout_s: int, started: float, tiers: faults_tiers.Tiers
+) -> dict[str, Any]:
     """One row: a fresh server (vLLM alone, or with kvtier on a store of its own), warmed up, the load
-    with the row's fault; then the server, the service, the read-error mount and the store gone."""
-    from kvtier.service import default_socket_path, stop_service
+    with the row's fault; then the server, the service, the row's mount and the store gone. ``tiers``:
+    the remote tiers (gateway, FUSE mount) of the rows that fault one."""
+    from kvtier.service import default_socket_path
 
     row_dir = out_dir / row
     stores = [] if row == BASELINE_ROW else [row_dir / "store"]
@@ -374,39 +440,66 @@ def run_row(plan: dict[str, Any], row: str, out_dir: Path, timeout_s: int, start
     try:
         if row == READ_ERRORS:
             mount = read_error_mount(plan, row_dir)
-        kind = KVTIER_ROW if stores else BASELINE_ROW
         this_plan, options = row_options(plan, row)
-        server, log_path, _ = serve.start_server(this_plan, kind, 0, row_dir, stores, [], options)
+        target = None
+        if row in TIER_FAULTS:
+            tier_options, target = tiers.open(row, row_dir)
+            options.update(tier_options)
+        server, log_path, _ = serve.start_server(
+            this_plan, KVTIER_ROW if stores else BASELINE_ROW, 0, row_dir, stores, [], options
+        )  # fmt: skip
         record["server"] = {"command": serve.command_of(server.process), "log": str(log_path)}
         progress(started, f"{row}: server healthy after {server.wait_healthy():.0f} s")
         serve.warm_up(server, plan)
-        fault = Fault(row, sockets[0], mount.fail_reads_flag if mount else None) if stores else None
-        hits_before = serve.service_counters(sockets) if sockets else None
+        fault = Fault(row, sockets[0], mount.fail_reads_flag if mount else None, target) if stores else None
+        counters_before = faults_tiers.service_counters(sockets[0]) if sockets else None
         progress(started, f"{row}: load of {plan['users'] * plan['requests_per_user']} requests")
         record.update(run_load(plan, row, server.url, row_dir, fault, timeout_s))
-        hits_after = serve.service_counters(sockets) if sockets else None
-        if hits_after is not None:  # a killed service's counters start again from 0
-            start = hits_before if hits_before is not None and row != "service-kill" else {}
-            record["kvtier"] = {name: hits_after[name] - start.get(name, 0) for name in ("dram_hits", "nvme_hits")}
+        record["kvtier"] = load_hits(row, counters_before, sockets)
         progress(started, f"{row}: {record.get('completed')} completed, {record.get('failed')} failed")
     except Exception as error:
         record["problems"].append(f"{type(error).__name__}: {error}")
         print(f"kvtier bench faults: {row}: {error}", file=sys.stderr, flush=True)
     finally:
-        if server is not None:
-            server.stop()
-            record["engine_notes"] = engine_notes(server.log_path)
-        for socket in sockets:
-            if not stop_service(socket):
-                record["problems"].append(f"the kvtier service on {socket} did not stop")
-        if mount is not None:
-            mount.close()
-            if os.path.ismount(mount.mountpoint):
-                record["problems"].append(f"the read-error mount {mount.mountpoint} is still mounted")
-        for store in (*stores, row_dir / "nvme-source"):
-            if not os.path.ismount(store):
-                shutil.rmtree(store, ignore_errors=True)
+        tear_down_row(record, server, sockets, mount, tiers, row_dir, stores)
     return record
+
+
+def load_hits(row: str, before: dict[str, int] | None, sockets: list[Path]) -> dict[str, int] | None:
+    """kvtier's hits per tier over the row's load (a killed service's counters start again from 0)."""
+    after = faults_tiers.service_counters(sockets[0]) if sockets else None
+    if after is None:
+        return None
+    start = before if before is not None and row != "service-kill" else {}
+    return {name: after[name] - start.get(name, 0) for name in HIT_COLUMNS}
+
+
+def tear_down_row(
+    record: dict[str, Any],
+    server: Any,
+    sockets: list[Path],
+    mount: Any,
+    tiers: faults_tiers.Tiers,
+    row_dir: Path,
+    stores: list[Path],
+) -> None:
+    """The row's server, service, mounts and store gone; what is left is a problem of the row."""
+    from kvtier.service import stop_service
+
+    if server is not None:
+        server.stop()
+        record["engine_notes"] = engine_notes(server.log_path)
+    for socket in sockets:
+        if not stop_service(socket):
+            record["problems"].append(f"the kvtier service on {socket} did not stop")
+    if mount is not None:
+        mount.close()
+        if os.path.ismount(mount.mountpoint):
+            record["problems"].append(f"the read-error mount {mount.mountpoint} is still mounted")
+    record["problems"] += tiers.close_row(record["row"])
+    for store in (*stores, row_dir / "nvme-source", row_dir / "shared-source", row_dir / "shared"):
+        if not os.path.ismount(store):
+            shutil.rmtree(store, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -447,6 +540,28 @@ def judge(rows: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
+def untouched(rows: list[dict[str, Any]]) -> list[str]:
+    """Notes (not problems: the load decides when repeats come) for each row whose fault touched no read
+    of its tier: such a row checked the rest of the engine under the fault, not the tier's failure."""
+    notes = []
+    for record in rows:
+        fault = record.get("fault") or {}
+        if fault.get("tier_reads") == 0:
+            notes.append(
+                f"{record['row']}: the fault touched no read of its tier (no load of a block it held began "
+                "during the fault): the row checked nothing of that tier's failure"
+            )
+    return notes
+
+
+def tier_reads_cell(record: dict[str, Any]) -> str:
+    fault = record.get("fault") or {}
+    if record["row"] not in faults_tiers.TIER_OF or not fault:
+        return "-"
+    reads = fault.get("tier_reads")
+    return "unknown" if reads is None else (NO_TIER_READ if reads == 0 else str(reads))
+
+
 def _number(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -466,6 +581,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
             _number(record.get("request_throughput")), _number(record.get("output_throughput"), 1),
             _number(ttft.get("p50"), 0), _number(ttft.get("p99"), 0), again,
             str(hits.get("dram_hits", "-")), str(hits.get("nvme_hits", "-")),
+            str(hits.get("bucket_hits", 0) + hits.get("shared_hits", 0)) if hits else "-", tier_reads_cell(record),
         ])  # fmt: skip
     return lines
 
@@ -495,15 +611,18 @@ def main(argv: list[str] | None = None) -> int:
         f"results {out_dir}",
         flush=True,
     )
-    with serve.own_runtime_dir():
+    with serve.own_runtime_dir(), faults_tiers.Tiers(plan, lambda message: progress(started, message)) as tiers:
         for row in plan["rows"]:
-            document["rows"].append(run_row(plan, row, out_dir, args.point_timeout_s, started))
+            document["rows"].append(run_row(plan, row, out_dir, args.point_timeout_s, started, tiers))
             (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
     document["problems"] = judge(document["rows"])
+    document["notes"] = untouched(document["rows"])
     table = markdown_table(TABLE_HEADER, table_rows(document["rows"]))
     (out_dir / "table.md").write_text(table + "\n")
     (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
     print(table)
+    for note in document["notes"]:
+        print(f"note: {note}")
     for problem in document["problems"]:
         print(f"problem: {problem}")
     print(f"results: {out_dir / 'results.json'}")
