@@ -3,26 +3,32 @@
 vLLM's ExampleConnector row is left out (``--skip-example-connector``: vLLM's own reference
 connector, not kvtier's; the full runs of docs/benchmarks.md measure it).
 
-It runs the real benchmark (one vLLM engine at a time, each in its own process: eight engine starts
-of about 35 s, most of it vLLM's import; each length or hit rate more costs two to four) and checks
-the JSON it writes: the fields, that every restored configuration really was a hit of the expected
-size, and that restored runs give the same greedy token as the recompute of the same prompt
-(logprob within 1e-3).
+It runs the real benchmark (one vLLM engine at a time, each in its own process, of about 35 s each,
+most of it vLLM's import) and checks the JSON it writes: the fields, that every restored configuration
+really was a hit of the expected size, and that restored runs give the same greedy token as the
+recompute of the same prompt (logprob within 1e-3). Two runs, the ``results`` fixture's parameters:
 
-The same run also measures the shared tier behind a slow link (``--slow-link 4``: node A publishes to a
-directory, node B reads it through ``kvtier.bench.slowmount``, a FUSE mount limited to 4 MB/s; its
-blocks of 512 KiB then load slower than the tiny model recomputes them), so that
-``test_slow_link_rows`` checks the rows always-load and kvtier's choice: every always-load block from
-the shared tier, kvtier's decisions covering every block, outputs equal to recompute's, and the
-first run of kvtier's choice probing the tier. Without fusepy or /dev/fuse those rows are left out
-(skipped with the reason). That kvtier's choice starts from what the last engine learned (its costs
-file) is checked without an engine in tests/test_bench_slow_link.py and tests/test_load_costs.py.
+- ``local`` (CI): the local rows, four engine starts (baseline, kvtier_store per length and per hit
+  rate, kvtier_nvme); each length or hit rate more costs two to four.
+- ``remote`` (``full``: KVTIER_FULL_TESTS=1 runs it; eight engine starts): the same run plus the shared
+  tier's rows and the shared tier behind a slow link. Node A publishes to a directory, node B reads
+  it directly (kvtier_shared, checked by the run itself: exit 1 otherwise) and through
+  ``kvtier.bench.slowmount`` (``--slow-link 4``: a FUSE mount limited to 4 MB/s; its blocks of 512 KiB
+  then load slower than the tiny model recomputes them), so that ``test_slow_link_rows`` checks the
+  rows always-load and kvtier's choice: every always-load block from the shared tier, kvtier's
+  decisions covering every block, outputs equal to recompute's, and the first run of kvtier's choice
+  probing the tier. Without fusepy or /dev/fuse the slow-link rows are left out (skipped with the
+  reason). In CI, without this run: engines restoring another engine's prefix from the shared tier
+  are checked by tests/test_vllm_tiers.py and tests/test_vllm_shared_fs.py; the slow mount by
+  tests/test_slowmount.py; the slow-link phases, rows, checks and report without an engine by
+  tests/test_bench_slow_link.py; kvtier's choice (load or recompute) and its costs file by
+  tests/test_load_costs.py.
 
 When ``.venv-lmcache-vllm`` exists (scripts/install_lmcache_vllm.sh; CI does not install it) the same
 run also measures LMCache's connector with its local disk backend through kvtier's CPU copy shim,
 and ``test_lmcache_disk_hits`` checks those hits; without it, that test is skipped.
 
-Run: ``.venv/bin/python -m pytest tests/test_bench_ttft.py -m slow -v``.
+Run: ``.venv/bin/python -m pytest tests/test_bench_ttft.py -m slow -v`` (``KVTIER_FULL_TESTS=1`` for ``remote``).
 """
 
 from __future__ import annotations
@@ -47,15 +53,17 @@ MEASUREMENT_FIELDS = {"experiment", "config", "length_tokens", "repeat", "ttft_s
                       "expected_cached_tokens", "token_id", "logprob"}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
+@pytest.fixture(scope="module", params=["local", pytest.param("remote", marks=pytest.mark.full)])
+def results(request, tmp_path_factory):
+    """(results.json, output directory) of the local rows' run, or (``remote``) of the run with the
+    shared tier's rows and its slow-link rows too."""
     from kvtier.bench import ttft
 
-    out_dir = tmp_path_factory.mktemp("ttft-results")
-    store_dir = tmp_path_factory.mktemp("ttft-store")
+    out_dir = tmp_path_factory.mktemp(f"ttft-results-{request.param}")
+    store_dir = tmp_path_factory.mktemp(f"ttft-store-{request.param}")
     argv = ["--small", "--lengths", "512", "--hit-rates", "50", "--skip-example-connector"]
     argv += ["--out", str(out_dir), "--store-dir", str(store_dir)]
-    if slowmount.missing_reason() is None:
+    if request.param == "remote" and slowmount.missing_reason() is None:
         shared = tmp_path_factory.mktemp("ttft-shared")
         argv += ["--shared-root-store", str(shared), "--shared-root-load", str(shared)]
         argv += ["--slow-link", "4", "--slow-link-latency-ms", "20"]
@@ -176,6 +184,8 @@ def test_slow_link_rows(results):
     if slowmount.missing_reason() is not None:
         pytest.skip(f"the slow-link rows need the slow mount: {slowmount.missing_reason()}")
     result, out_dir = results
+    if not result["plan"].get("slow_link"):
+        pytest.skip("the local rows' run has no slow-link rows: the remote run (KVTIER_FULL_TESTS=1) has them")
     slow = result["summary"]["slow_link"]
     assert slow["tiers"] == ["shared"] and slow["rates_mb_per_s"] == [4.0]
     records = [m for m in result["measurements"] if m["experiment"] == "slow_link"]
