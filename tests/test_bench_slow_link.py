@@ -3,7 +3,7 @@ engine: the options and their refusals, the order of the phases and rows (node A
 always-load then kvtier's choice), the costs files put back to node A's at each speed, and the
 summaries and checks on made-up records (an always-load run that recomputed fails, a choice to
 recompute passes, a wrong output fails, decisions that miss blocks fail). Under a second, no engine.
-The end-to-end run is in tests/test_bench_ttft.py (test_slow_link_rows, slow)."""
+The end-to-end run is in tests/test_bench_ttft.py (test_slow_link_rows[remote], with KVTIER_FULL_TESTS=1)."""
 
 from __future__ import annotations
 
