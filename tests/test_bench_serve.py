@@ -4,9 +4,11 @@ Fast tests (no server): the plan's sizes (closed loop and the mixed workload at 
 load generator's command, the parsing of its saved JSON, vLLM's /metrics counters, the LMCache rows'
 configuration, their skip without LMCache's venv and the check that a cache row hits, and the
 round-robin proxy of the two-server rows against two small HTTP servers.
-The slow tests run ``kvtier bench serve --small`` end to end with the rows ``vllm`` and
-``kvtier-dram`` (tiny model, real ``vllm serve`` and ``vllm bench serve``) and check the JSON, and
-the mixed workload's small run on ``vllm`` alone; the LMCache row's small run when its venv exists.
+The vLLM-alone row's flow (a server with no kvtier, its points with no kvtier counters) against a
+fake server. The slow tests run ``kvtier bench serve --small`` end to end: the row ``kvtier-dram`` in
+CI (tiny model, real ``vllm serve`` and ``vllm bench serve``) and check the JSON; the rows ``vllm``
+and ``kvtier-dram`` together, and the mixed workload's small run on ``vllm`` alone, with
+KVTIER_FULL_TESTS=1; the LMCache row's small run when its venv exists.
 
 Run: ``.venv/bin/python -m pytest tests/test_bench_serve.py -v`` (add ``-m slow`` for the run).
 """
@@ -20,6 +22,7 @@ import sys
 import threading
 import urllib.request
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 
@@ -330,32 +333,91 @@ def test_round_robin_proxy(tmp_path):
             server.shutdown()
 
 
+class _FakeServer:
+    """An OpenAIServer stand-in: the arguments it was given, and the calls a row makes."""
+
+    made: ClassVar[list[_FakeServer]] = []
+
+    def __init__(self, model_dir, preset, log_path, transfer, args, env, vllm=None):
+        self.transfer, self.args, self.env, self.url = transfer, args, env, "http://127.0.0.1:9"
+        self.process: subprocess.CompletedProcess[str] = subprocess.CompletedProcess(["vllm", "serve"], 0)
+        self.calls: list[str] = []
+        _FakeServer.made.append(self)
+
+    def wait_healthy(self) -> float:
+        self.calls.append("healthy")
+        return 1.0
+
+    def complete(self, prompt, max_tokens):
+        self.calls.append("complete")
+
+    def reset_prefix_cache(self) -> None:
+        self.calls.append("reset")
+
+    def stop(self) -> int:
+        self.calls.append("stop")
+        return 0
+
+
+def test_the_vllm_row_runs_a_server_without_kvtier_and_reads_no_kvtier_counters(tmp_path, monkeypatch):
+    """The vLLM-alone row without a server (its real run: test_bench_serve_small_end_to_end_both_rows
+    and the mixed workload's, with KVTIER_FULL_TESTS=1): no --kv-transfer-config, no store, no service
+    read or stopped, and its points carry no kvtier counters."""
+    import types
+
+    import kvtier.openai_server
+
+    _FakeServer.made = []
+    monkeypatch.setattr(kvtier.openai_server, "OpenAIServer", _FakeServer)
+    # kvtier.vllm imports vLLM (seconds to a minute): a stand-in whose config must not be asked for.
+    no_kvtier: Any = types.ModuleType("kvtier.vllm")
+    no_kvtier.kv_transfer_config = lambda *a, **k: pytest.fail("the vllm row built a kv-transfer config")
+    monkeypatch.setitem(sys.modules, "kvtier.vllm", no_kvtier)
+    points = []
+
+    def fake_run_point(plan, row, index, users, base_url, model_dir, out_dir, timeout_s):
+        points.append((row, users, base_url))
+        figures = {"request_throughput": 1.0, "output_throughput": 2.0, "ttft_ms": {"p50": 1, "p90": 2, "p99": 3}}
+        return {"users": users, "completed": users * plan["requests_per_user"], "failed": 0, **figures}
+
+    monkeypatch.setattr(serve, "run_point", fake_run_point)
+    monkeypatch.setattr(serve, "cache_metrics", lambda urls: None)
+    monkeypatch.setattr(serve, "service_counters", lambda sockets: pytest.fail("the vllm row read kvtier's counters"))
+    plan = plan_of("--small", "--rows", "vllm", "--users", "2,4")
+    plan["model_dir"] = str(tmp_path / "model")
+    record = serve.run_row(plan, "vllm", tmp_path, 60, 0.0)
+    assert not record["problems"], record["problems"]
+    (server,) = _FakeServer.made
+    assert server.transfer is None and "--kv-transfer-config" not in server.args
+    assert server.args == serve.server_args(plan) and "--enforce-eager" in server.args
+    assert server.calls[:3] == ["healthy", "complete", "complete"] and server.calls[-1] == "stop"
+    assert points == [("vllm", 2, server.url), ("vllm", 4, server.url)]
+    assert [point["users"] for point in record["points"]] == [2, 4]
+    assert all("kvtier" not in point and "load_decisions" not in point for point in record["points"])
+    assert record["servers"][0]["command"][:2] == ["vllm", "serve"]
+    assert not (tmp_path / "stores").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # end to end (slow)
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_bench_serve_small_end_to_end(tmp_path):
-    try:
-        import vllm  # noqa: F401
-    except Exception as import_error:  # pragma: no cover - depends on the environment
-        pytest.skip(f"vllm is not importable ({import_error!r})")
+def _run_small(tmp_path: Path, rows: list[str]) -> tuple[dict, Path]:
+    """``kvtier bench serve --small`` with ``rows`` and one point (4 users) of --small's two: its
+    results.json, checked for what every row's points must have, and its output directory."""
+    _require_vllm()
     out = tmp_path / "serve"
-    # Two rows and one point (4 users) of --small's two: each server and each point of each row costs a
-    # vLLM start (about 30 s). A row run twice (vLLM alone first and last, the drift-cancelling order
-    # docs/benchmarks.md uses) is summed up in tests/test_bench_serve_summary.py.
-    command = [sys.executable, "-m", "kvtier", "bench", "serve", "--small", "--rows", "vllm,kvtier-dram"]
+    command = [sys.executable, "-m", "kvtier", "bench", "serve", "--small", "--rows", ",".join(rows)]
     command += ["--users", "4"]
     completed = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=3600)
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
     document = json.loads((out / "results.json").read_text())
     assert not document["problems"]
-    assert [(r["row"], r["occurrence"]) for r in document["rows"]] == [("vllm", 1), ("kvtier-dram", 1)]
+    assert [(r["row"], r["occurrence"]) for r in document["rows"]] == [(row, 1) for row in rows]
     assert Path(document["rows"][0]["servers"][0]["log"]).parent == out / "logs"
-    rows = {record["row"]: record for record in document["rows"]}
     users = document["settings"]["users"]
-    for record in rows.values():
+    for record in document["rows"]:
         assert [point["users"] for point in record["points"]] == users
         for point in record["points"]:
             assert point["completed"] == point["users"] * document["settings"]["requests_per_user"]
@@ -363,10 +425,35 @@ def test_bench_serve_small_end_to_end(tmp_path):
             assert point["request_throughput"] > 0 and point["output_throughput"] > 0
             assert all(point["ttft_ms"][f"p{p}"] > 0 for p in (50, 90, 99))
             assert "bench" in point["command"] and "prefix_repetition" in point["command"]
-    assert all("kvtier" not in point for point in rows["vllm"]["points"])
-    # Users repeat (2 requests each) and vLLM's own cache holds 12 blocks: kvtier serves repeats.
-    assert sum(point["kvtier"]["dram_hits"] for point in rows["kvtier-dram"]["points"]) > 0
     assert (out / "serve.png").exists() and (out / "table.md").exists()
+    return document, out
+
+
+def _kvtier_dram_served_repeats(document: dict) -> None:
+    # Users repeat (2 requests each) and vLLM's own cache holds 12 blocks: kvtier serves repeats.
+    (record,) = [record for record in document["rows"] if record["row"] == "kvtier-dram"]
+    assert sum(point["kvtier"]["dram_hits"] for point in record["points"]) > 0
+
+
+@pytest.mark.slow
+def test_bench_serve_small_end_to_end(tmp_path):
+    """The kvtier row end to end (one server, one `vllm bench serve`). The vLLM-alone row is run for
+    real by the two tests below (KVTIER_FULL_TESTS=1) and its flow checked against a fake server above;
+    a row run twice (vLLM alone first and last, the drift-cancelling order docs/benchmarks.md uses) is
+    summed up in tests/test_bench_serve_summary.py."""
+    document, _ = _run_small(tmp_path, ["kvtier-dram"])
+    _kvtier_dram_served_repeats(document)
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_bench_serve_small_end_to_end_both_rows(tmp_path):
+    """vLLM alone and kvtier-dram in one run, as docs/benchmarks.md compares them. Full only: the vLLM row
+    is one more server and one more `vllm bench serve` (110 s of 288 here, on 2 busy cores)."""
+    document, _ = _run_small(tmp_path, ["vllm", "kvtier-dram"])
+    (vllm_row,) = [record for record in document["rows"] if record["row"] == "vllm"]
+    assert all("kvtier" not in point for point in vllm_row["points"])
+    _kvtier_dram_served_repeats(document)
 
 
 def _require_vllm() -> None:
