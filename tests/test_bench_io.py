@@ -113,11 +113,18 @@ def test_bench_io_small_shared(tmp_path):
     reason = _kvtier_core_missing_reason()
     if reason:
         pytest.skip(reason)
-    completed, document = _run_bench(tmp_path, "--shared", "--no-lmcache", *_fio_args())
+    completed, document = _run_bench(tmp_path, "--shared", "--encrypted", "--no-lmcache", *_fio_args())
     assert completed.returncode != 3, f"kvtier returned wrong bytes:\n{completed.stderr}"
     assert completed.returncode == 0, f"bench io --small --shared failed:\n{completed.stderr}"
     assert document["systems"]["kvtier_shared"]["enabled"] is True
     assert document["wrong_objects"]["kvtier_shared"] == 0
+    # --encrypted (issue 40): the same store with encryption at rest, paired with the one in clear.
+    assert document["systems"]["kvtier_encrypted"]["enabled"] is True
+    assert document["wrong_objects"]["kvtier_encrypted"] == 0
+    for case in document["cases"]:
+        for sample in case["repeats"]:
+            assert sample["kvtier_encrypted"]["found_objects"] == case["object_count"], sample["kvtier_encrypted"]
+        assert case["summary"]["encryption_cost_retrieve"]["median"] > 0
     for case in document["cases"]:
         for sample in case["repeats"]:
             measured = sample["kvtier_shared"]

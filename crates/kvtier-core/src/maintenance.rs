@@ -146,6 +146,9 @@ pub struct NamespaceFacts {
     pub shared_capacity_bytes: u64,
 }
 
+/// Logged once per process: a verify without the key met encrypted NVMe copies.
+static ENCRYPTED_SKIP_LOGGED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// Decrypts an NVMe copy in place when its value is encrypted (`encryption_key_file`), so that
 /// `check_copy` checks the plaintext, as a load does.
 fn open_nvme_copy(store: &Store, bytes: &mut [u8]) -> std::result::Result<(), String> {
@@ -290,7 +293,19 @@ impl Store {
         debug_assert_eq!(staging.as_slice().len(), slot_bytes, "the staging buffer holds one slot");
         let device = &sh.device_files[loc.device as usize];
         let offset = geometry.region_offset(loc.region) + loc.offset;
-        let outcome = nvme::read_exact_at(device, staging.as_mut_slice(), offset)
+        let read = nvme::read_exact_at(device, staging.as_mut_slice(), offset);
+        if read.is_ok() && sh.value_cipher.is_none() && Descriptor::is_encrypted(staging.as_slice()) {
+            // Without the key nothing can tell an encrypted copy good from bad: it is not checked (and
+            // never quarantined), rather than every block of a store opened without its key dropped.
+            if !ENCRYPTED_SKIP_LOGGED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                log::warn!(
+                    "kvtier verify: NVMe values are encrypted and no encryption_key_file is set \
+                     (KVTIER_ENCRYPTION_KEY_FILE): their copies are not checked"
+                );
+            }
+            return None;
+        }
+        let outcome = read
             .map_err(|e| format!("read failed: {e}"))
             .and_then(|()| open_nvme_copy(self, staging.as_mut_slice()))
             .and_then(|()| check_copy(self, target, staging.as_slice()));

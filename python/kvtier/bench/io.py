@@ -119,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="kvtier DRAM tier for the benchmark store (default: 0, so gets come from NVMe)",
     )
     parser.add_argument(
+        "--encrypted",
+        action="store_true",
+        help="also measure kvtier with encryption at rest (encryption_key_file, a throwaway key), beside the "
+        "store in clear in the same run (system kvtier_encrypted)",
+    )
+    parser.add_argument(
         "--keep-open",
         action="store_true",
         help="keep the kvtier store open between store and retrieve (default: close and reopen "
@@ -257,6 +263,7 @@ def resolve_options(args: argparse.Namespace) -> dict:
         "use_lmcache": not args.no_lmcache,
         "use_kvtier": not args.no_kvtier,
         "use_shared": (args.shared or args.small) and not args.no_kvtier,
+        "use_encrypted": args.encrypted and not args.no_kvtier,
         "lmcache_python": args.lmcache_python,
         "fio_inflight_bytes": args.fio_inflight_mib * workload.MIB,
         "dram_bytes": args.dram_bytes,
@@ -385,6 +392,7 @@ def run(options: dict) -> dict:
     document = new_document(options, cases, pool_bytes)
     systems = document["systems"]
     systems["kvtier"] = kvtier_system(options)
+    systems["kvtier_encrypted"] = kvtier_encrypted_system(options)
     systems["kvtier_shared"] = kvtier_shared_system(options)
     systems["kvtier_object"] = kvtier_object_system(options)
     systems["fio"] = fio_system(options)
@@ -397,7 +405,8 @@ def run(options: dict) -> dict:
         log(f"generating {workload.format_bytes(pool_bytes)} of block data ...")
     pool = workload.make_pool(pool_bytes, options["seed"]) if cases else None
 
-    enabled = [name for name in ("fio", "kvtier", "kvtier_shared", "lmcache") if systems[name]["enabled"]]
+    systems_run = ("fio", "kvtier", "kvtier_encrypted", "kvtier_shared", "lmcache")
+    enabled = [name for name in systems_run if systems[name]["enabled"]]
     rig = Rig(options, document, pool_bytes, pool, fio_file, lmcache_session, enabled)
     run_started = time.perf_counter()
     try:
@@ -455,6 +464,17 @@ def kvtier_system(options: dict) -> dict:
         "timed": "store: put_many from the caller's buffers + flush (synced); retrieve: get_many into "
         "prefaulted caller buffers, after close/reopen (unless --keep-open) and a page-cache drop; "
         "CPU: getrusage of this process (the store's I/O threads are in it)",
+    }
+
+
+def kvtier_encrypted_system(options: dict) -> dict:
+    """kvtier with encryption at rest (``--encrypted``): the same store, its NVMe values encrypted."""
+    if not options["use_encrypted"]:
+        return {"enabled": False, "skipped_reason": "no --encrypted"}
+    return {
+        "enabled": True,
+        "timed": "as kvtier's, with encryption_key_file set (AES-256-GCM of every value written; loads "
+        "decrypt where the value lands, then copy out)",
     }
 
 
@@ -591,20 +611,21 @@ def measure_fio(rig: Rig, trial: Trial) -> None:
     )
 
 
-def measure_kvtier(rig: Rig, trial: Trial) -> None:
+def measure_kvtier(rig: Rig, trial: Trial, system: str = "kvtier", store_options: dict | None = None) -> None:
     case = trial.case
     namespace = f"kvtier-bench-io/{case['model']}/{case['tokens_per_object']}".encode()
-    trial.sample["kvtier"] = kvtier_store.measure(
+    trial.sample[system] = kvtier_store.measure(
         trial.layout,
         rig.pool,
         os.path.join(rig.options["scratch_dir"], "kvtier-store"),
         namespace,
         dram_bytes=rig.options["dram_bytes"],
         reopen=rig.options["reopen"],
+        store_options=store_options,
     )
-    measured = trial.sample["kvtier"]
+    measured = trial.sample[system]
     log(
-        f"{trial.label} kvtier: store {measured['store']['gbps']:.2f} GB/s, retrieve "
+        f"{trial.label} {system}: store {measured['store']['gbps']:.2f} GB/s, retrieve "
         f"{measured['retrieve']['gbps']:.2f} GB/s, wrong {measured['wrong_objects']}, "
         f"missing {measured['missing_objects']}"
     )
@@ -657,10 +678,21 @@ def measure_lmcache(rig: Rig, trial: Trial) -> None:
     )
 
 
+def measure_kvtier_encrypted(rig: Rig, trial: Trial) -> None:
+    """kvtier's measurement with a key file of 32 random bytes (mode 0600) beside the store."""
+    key_file = os.path.join(rig.options["scratch_dir"], "encryption.key")
+    if not os.path.exists(key_file):
+        descriptor = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "wb") as out:
+            out.write(os.urandom(32))
+    measure_kvtier(rig, trial, "kvtier_encrypted", {"encryption_key_file": key_file})
+
+
 # What measure_trial runs for each system of the order.
 MEASURE_SYSTEM = {
     "fio": measure_fio,
     "kvtier": measure_kvtier,
+    "kvtier_encrypted": measure_kvtier_encrypted,
     "kvtier_shared": measure_kvtier_shared,
     "lmcache": measure_lmcache,
 }
@@ -706,7 +738,7 @@ def summarize(document: dict, cases: list[dict]) -> None:
         case["targets"] = report.evaluate_targets(case)
     document["wrong_objects"] = {
         system: sum(case["summary"]["wrong_objects"][system] for case in cases)
-        for system in ("kvtier", "kvtier_shared", "lmcache")
+        for system in ("kvtier", "kvtier_encrypted", "kvtier_shared", "lmcache")
     }
     object_section = document.get("object_tier") or {"points": []}
     document["wrong_objects"]["kvtier_object"] = sum(

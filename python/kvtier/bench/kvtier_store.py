@@ -113,13 +113,22 @@ def _destination_views(layout: workload.PromptLayout, prompt_bytes: int) -> list
     ]
 
 
-def open_store(store_class, directory: str, namespace: bytes, object_bytes: int, dram_bytes: int, nvme_bytes: int):
+def open_store(
+    store_class,
+    directory: str,
+    namespace: bytes,
+    object_bytes: int,
+    dram_bytes: int,
+    nvme_bytes: int,
+    store_options: dict | None = None,
+):
     return store_class.open(
         directory,
         namespace=namespace,
         object_bytes=object_bytes,
         dram_bytes=dram_bytes,
         nvme_bytes=nvme_bytes,
+        **(store_options or {}),
     )
 
 
@@ -183,8 +192,10 @@ def measure(
     namespace: bytes,
     dram_bytes: int = 0,
     reopen: bool = False,
+    store_options: dict | None = None,
 ) -> dict:
-    """Store then cold-retrieve one prompt; return GB/s, CPU seconds, hits per tier and correctness."""
+    """Store then cold-retrieve one prompt; return GB/s, CPU seconds, hits per tier and correctness.
+    ``store_options``: more options of the store (``encryption_key_file``)."""
     store_class = load_store_class()
     prompt_bytes = layout.object_bytes * layout.object_count
     nvme_bytes = nvme_bytes_for(prompt_bytes, layout.object_bytes)
@@ -192,7 +203,7 @@ def measure(
     os.makedirs(directory, exist_ok=True)
 
     def open_with_dram(dram: int):
-        return open_store(store_class, directory, namespace, layout.object_bytes, dram, nvme_bytes)
+        return open_store(store_class, directory, namespace, layout.object_bytes, dram, nvme_bytes, store_options)
 
     keys = layout.keys()
     views = layout.object_views(pool)

@@ -21,7 +21,7 @@ LMCACHE_TARGET_MODEL = "llama3-8b"
 LMCACHE_TARGET_PROMPT_TOKENS = 8192
 
 OPERATIONS = ("retrieve", "store")
-SYSTEMS = ("kvtier", "kvtier_shared", "lmcache")
+SYSTEMS = ("kvtier", "kvtier_encrypted", "kvtier_shared", "lmcache")
 FIO_DIRECTION = {"retrieve": "read", "store": "write"}
 
 
@@ -79,6 +79,13 @@ def summarize_case(case: dict) -> dict:
     paired = [ours / theirs for ours, theirs in zip(kvtier_retrieve, lmcache_retrieve, strict=True) if ours and theirs]
     if paired:
         summary["kvtier_vs_lmcache_retrieve"] = spread(paired)
+    for operation in OPERATIONS:
+        # Encryption's cost, paired by repeat: how many times longer the encrypted store takes.
+        clear = [((s.get("kvtier") or {}).get(operation) or {}).get("gbps") for s in repeats]
+        encrypted = [((s.get("kvtier_encrypted") or {}).get(operation) or {}).get("gbps") for s in repeats]
+        costs = [plain / sealed for plain, sealed in zip(clear, encrypted, strict=True) if plain and sealed]
+        if costs:
+            summary[f"encryption_cost_{operation}"] = spread(costs)
     summary["wrong_objects"] = {
         system: sum((s.get(system) or {}).get("wrong_objects", 0) or 0 for s in repeats) for system in SYSTEMS
     }
@@ -206,6 +213,7 @@ def table_rows(document: dict) -> list[list[str]]:
             entries = [("fio (best)", fio_key)]
             entries += [
                 ("kvtier", f"kvtier_{operation}"),
+                ("kvtier encrypted", f"kvtier_encrypted_{operation}"),
                 ("kvtier shared fs", f"kvtier_shared_{operation}"),
                 ("LMCache disk", f"lmcache_{operation}"),
             ]
@@ -340,6 +348,7 @@ def write_plot(document: dict, path: str) -> str | None:
     systems = [
         ("fio (best)", "fio_{direction}", "#7f7f7f"),
         ("kvtier", "kvtier_{operation}", "#1f77b4"),
+        ("kvtier encrypted", "kvtier_encrypted_{operation}", "#9467bd"),
         ("kvtier shared fs", "kvtier_shared_{operation}", "#2ca02c"),
         ("LMCache disk", "lmcache_{operation}", "#ff7f0e"),
     ]
