@@ -4,6 +4,7 @@ use crate::admission::Admission;
 use crate::catalog::Catalog;
 use crate::config::StoreConfig;
 use crate::format::encrypted::ValueCipher;
+use crate::io::buffer::AlignedBuf;
 use crate::io::device::DeviceQueue;
 use crate::key::BlockKey;
 use crate::key::Namespace;
@@ -36,6 +37,9 @@ pub(crate) struct Shared {
     pub nvme_health: NvmeHealth,
     /// Encryption at rest of NVMe values (`encryption_key_file`); None: written in clear.
     pub value_cipher: Option<ValueCipher>,
+    /// Buffers of encrypted NVMe writes whose I/O is done, kept for the next (no fresh pages to fault
+    /// in and zero for every write); `mover::give_back_write_buffer` bounds them.
+    pub(crate) write_buffers: Mutex<Vec<AlignedBuf>>,
     /// Which stored blocks go below DRAM, and the NVMe tier's write budget.
     pub admission: Admission,
     pub(crate) finished: Mutex<HashMap<u64, Vec<bool>>>,

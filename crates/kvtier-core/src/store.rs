@@ -144,6 +144,7 @@ impl Store {
             read_ahead,
             nvme_health,
             value_cipher: cipher,
+            write_buffers: Mutex::new(Vec::new()),
             admission,
             config,
         });

@@ -440,6 +440,8 @@ fn submit_entry_write(sh: &Arc<Shared>, key: BlockKey, plan: WritePlan) {
             if r.as_ref().is_err_and(is_abandoned) {
                 // The kernel may still read the encrypted copy: it is never freed.
                 std::mem::forget(encrypted);
+            } else if let Some(buffer) = encrypted {
+                give_back_write_buffer(&shared, buffer);
             }
             let outcome = match &r {
                 Ok(()) => WriteOutcome::Written,
@@ -457,12 +459,28 @@ fn submit_entry_write(sh: &Arc<Shared>, key: BlockKey, plan: WritePlan) {
 /// A copy of the slot with its value encrypted (`encryption_key_file`): the DRAM pool stays in clear.
 fn encrypted_copy(sh: &Shared, cipher: &ValueCipher, slot: u32) -> std::io::Result<AlignedBuf> {
     let nonce = fresh_nonce()?;
-    let mut copy = AlignedBuf::zeroed(sh.arena.slot_bytes());
+    let reused = sh.write_buffers.lock().pop();
+    // Every byte is overwritten below: a reused buffer needs no zeroing.
+    let mut copy = reused.unwrap_or_else(|| AlignedBuf::zeroed(sh.arena.slot_bytes()));
+    assert_eq!(copy.len(), sh.arena.slot_bytes(), "write buffers hold one slot");
     // SAFETY: the slot is marked writing: nothing else writes into it.
     copy.as_mut_slice().copy_from_slice(unsafe { slot_ref(sh, slot) });
     let (page, rest) = copy.as_mut_slice().split_at_mut(DESCRIPTOR_BYTES);
     cipher.encrypt(page, &mut rest[..sh.config.object_bytes], &DEFAULT_TENANT, nonce);
     Ok(copy)
+}
+
+/// The most memory kept in idle write buffers of encrypted writes, per store.
+const WRITE_BUFFERS_MAX_BYTES: usize = 64 << 20;
+
+/// Keeps a finished write's buffer for the next encrypted write: at least one, and up to the writes
+/// the devices take at once within `WRITE_BUFFERS_MAX_BYTES`.
+fn give_back_write_buffer(sh: &Shared, buffer: AlignedBuf) {
+    let most = (WRITE_BUFFERS_MAX_BYTES / buffer.len()).clamp(1, sh.config.io_depth * sh.devices.len().max(1));
+    let mut buffers = sh.write_buffers.lock();
+    if buffers.len() < most {
+        buffers.push(buffer);
+    }
 }
 
 fn finish_entry_write(sh: &Arc<Shared>, key: &BlockKey, plan: &WritePlan, outcome: WriteOutcome) {
