@@ -428,6 +428,7 @@ def test_bench_faults_remote_tiers_small(tmp_path):
         assert record["completed"] == 8 and record["failed"] == 0 and record["wrong_outputs"] == 0
         tier = "shared_hits" if record["row"] == "fuse-stop" else "bucket_hits"
         assert record["kvtier"][tier] > 0, record["kvtier"]  # hits came from the faulted tier
-        assert record["fault"]["pid"] > 0 and record["fault"]["tier_reads"] is not None
+        assert record["fault"]["pid"] > 0
+        assert record["fault"]["tier_reads"] > 0, record["fault"]  # --small's fault covers the 9.7-s repeat
     assert document["rows"][2]["fault"]["gateway_restarted"] > 0
     assert not state.exists() and not any(os.path.ismount(path) for path in out.glob("*/shared"))
