@@ -38,8 +38,8 @@ def test_plan_small_and_full():
     small = plan_of("--small")
     assert (small["preset"], small["users"], small["requests_per_user"]) == ("tiny", 4, 2)
     assert small["rows"] == ["vllm", "service-stop", "service-kill"]
-    assert small["fault_s"] == 20.0
-    # 8 requests spread over 3 + 20 + 12 seconds, nearly evenly, greedy.
+    assert (small["fault_s"], small["fault_after_s"], small["after_s"]) == (20.0, 6.0, 9.0)
+    # 8 requests spread over 6 + 20 + 9 seconds, nearly evenly, greedy.
     assert small["request_rate"] == pytest.approx(8 / 35)
     assert small["burstiness"] == faults.BURSTINESS
     assert small["bench_args"][:2] == ["--temperature", "0"]
@@ -48,6 +48,20 @@ def test_plan_small_and_full():
     assert (full["preset"], full["users"], full["prefix_len"]) == ("kv8b", 8, 2048)
     assert full["rows"] == ["vllm", "service-kill"]
     assert full["request_rate"] == 2
+    assert (full["fault_after_s"], full["after_s"]) == (3.0, 12.0)
+    chosen = plan_of("--small", "--fault-s", "5", "--fault-after-s", "3", "--after-s", "12")
+    assert (chosen["fault_after_s"], chosen["after_s"], chosen["request_rate"]) == (3.0, 12.0, pytest.approx(0.4))
+
+
+def test_small_fault_covers_the_repeat_kvtier_serves():
+    """--small --fault-s 5: the load's rate stays 0.40 req/s (6 + 5 + 9 s), and the fault (6 s to 11 s)
+    covers the fifth request (about 4 gaps in: 10 s), the one repeat whose prefix vLLM's own 12 blocks no
+    longer hold, so kvtier serves it from the faulted tier; from 3 s the fault ended before it."""
+    plan = plan_of("--small", "--fault-s", "5")
+    assert plan["request_rate"] == pytest.approx(0.4)
+    fifth = 4 / plan["request_rate"]
+    assert plan["fault_after_s"] < fifth < plan["fault_after_s"] + plan["fault_s"]
+    assert not 3.0 < fifth < 3.0 + plan["fault_s"]
 
 
 @pytest.mark.parametrize(
@@ -326,6 +340,14 @@ def test_tier_reads_are_taken_once_after_the_fault(monkeypatch):
     assert service.taken and service.reads is None
 
 
+def test_read_errors_reads_count_the_blocks_a_sick_nvme_tier_skipped():
+    """NVMe steps aside after 3 failed reads in a row (docs/reliability.md "Sick tiers"): the blocks it
+    then skips are reads the fault touched, and its outages are in the row's counters."""
+    reads = faults.TierReads("nvme-read-errors", counters(nvme_read_requests=1), time.monotonic())
+    reads.note(counters(nvme_read_requests=4, nvme_outages=1, nvme_lookups_skipped=2))
+    assert reads.reads == 5 and reads.counters is not None and reads.counters["nvme_outages"] == 1
+
+
 def test_hits_of_a_tier_fault_are_its_tiers_and_its_pid_is_no_restart(tmp_path, monkeypatch):
     answers = iter([(4242, counters(bucket_hits=1, dram_hits=5)), (4242, counters(bucket_hits=2, dram_hits=5))])
     monkeypatch.setattr(faults, "service_now", lambda socket: next(answers))
@@ -406,6 +428,7 @@ def test_bench_faults_remote_tiers_small(tmp_path):
         assert record["completed"] == 8 and record["failed"] == 0 and record["wrong_outputs"] == 0
         tier = "shared_hits" if record["row"] == "fuse-stop" else "bucket_hits"
         assert record["kvtier"][tier] > 0, record["kvtier"]  # hits came from the faulted tier
-        assert record["fault"]["pid"] > 0 and record["fault"]["tier_reads"] is not None
+        assert record["fault"]["pid"] > 0
+        assert record["fault"]["tier_reads"] > 0, record["fault"]  # --small's fault covers the 9.7-s repeat
     assert document["rows"][2]["fault"]["gateway_restarted"] > 0
     assert not state.exists() and not any(os.path.ismount(path) for path in out.glob("*/shared"))

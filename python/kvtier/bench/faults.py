@@ -69,12 +69,16 @@ POLL_S = 0.2
 LOAD_START_TIMEOUT_S = 300  # the load client's start (it imports vLLM, tokenizes the dataset)
 FULL = {
     "preset": "kv8b", "users": 8, "requests_per_user": 3, "concurrency": 4, "prefix_len": 2048, "suffix_len": 64,
-    "output_len": 16, "dram_gib": 2.0, "nvme_gib": 8.0, "vllm_blocks": None,
+    "output_len": 16, "dram_gib": 2.0, "nvme_gib": 8.0, "vllm_blocks": None, "fault_after_s": 3.0, "after_s": 12.0,
 }  # fmt: skip
 # CI size: the tiny model, vLLM's own KV cache cut to a few blocks so that kvtier serves the repeats.
+# The fault from 6 s, the load 9 s past its end: with --fault-s 5 the same 0.40 req/s as before (arrivals
+# at about 0, 2.4, 4.8, 7.1, 9.7, 12.1, 14.4, 17.0 s), and the fault (6 s to 11 s) covers the 9.7-s
+# request, the one repeat vLLM's own 12 blocks no longer hold (seed 0's order: its prefix was last sent
+# at 2.4 s), so kvtier serves it from the faulted tier. From 3 s (the full size's start) it ended before.
 SMALL = {
     "preset": "tiny", "users": 4, "requests_per_user": 2, "concurrency": 4, "prefix_len": 512, "suffix_len": 64,
-    "output_len": 4, "dram_gib": 0.25, "nvme_gib": 1.0, "vllm_blocks": 12,
+    "output_len": 4, "dram_gib": 0.25, "nvme_gib": 1.0, "vllm_blocks": 12, "fault_after_s": 6.0, "after_s": 9.0,
 }  # fmt: skip
 TABLE_HEADER = [
     "row", "requests", "failed", "wrong outputs", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
@@ -109,8 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
         "brought up on 127.0.0.1 by scripts/distfs/radosgw.sh, ports KVTIER_RGW_PORT and KVTIER_CEPH_MON_PORT)",
     )  # fmt: skip
     parser.add_argument("--fault-s", type=float, default=20.0, help="how long each fault lasts (default 20)")
-    parser.add_argument("--fault-after-s", type=float, default=3.0, help="fault start after the load's start (3)")
-    parser.add_argument("--after-s", type=float, default=12.0, help="seconds of load after the fault's end (12)")
+    parser.add_argument(
+        "--fault-after-s", type=float,
+        help="fault start after the load's start (default 3; --small: 6, so that the fault covers the repeat that "
+        "kvtier serves from its tier)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--after-s", type=float, help="seconds of load after the fault's end (default 12; --small: 9)"
+    )  # fmt: skip
     parser.add_argument("--preset", help="model preset of kvtier.models (default kv8b; --small: tiny)")
     parser.add_argument("--users", type=int, help="users, one system prompt each (default 8; --small: 4)")
     parser.add_argument("--requests-per-user", type=int, help="requests per user (default 3; --small: 2)")
@@ -154,20 +164,21 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         return sizes[name] if value is None else value
 
     plan: dict[str, Any] = {name: pick(name) for name in sizes}
+    fault_after_s, after_s = plan.pop("fault_after_s"), plan.pop("after_s")
     for name in ("prefix_len", "suffix_len"):
         plan[name] = parse_tokens(str(plan[name]))
     if min(plan["users"], plan["requests_per_user"], plan["concurrency"], plan["output_len"]) < 1:
         raise FaultError("--users, --requests-per-user, --concurrency and --output-len must be at least 1")
-    if args.fault_s <= 0 or args.fault_after_s < 0 or args.after_s < 0:
+    if args.fault_s <= 0 or fault_after_s < 0 or after_s < 0:
         raise FaultError("--fault-s must be above 0, --fault-after-s and --after-s at least 0")
     requests = plan["users"] * plan["requests_per_user"]
-    span_s = args.fault_after_s + args.fault_s + args.after_s
+    span_s = fault_after_s + args.fault_s + after_s
     rate = args.request_rate if args.request_rate is not None else requests / span_s
     if rate <= 0:
         raise FaultError("--request-rate must be above 0")
     plan.update(
-        faults=parse_faults(args.faults), fault_s=args.fault_s, fault_after_s=args.fault_after_s,
-        after_s=args.after_s, request_rate=rate, burstiness=BURSTINESS, vllm_kv_gib=args.vllm_kv_gib,
+        faults=parse_faults(args.faults), fault_s=args.fault_s, fault_after_s=fault_after_s,
+        after_s=after_s, request_rate=rate, burstiness=BURSTINESS, vllm_kv_gib=args.vllm_kv_gib,
         seed=args.seed, server_args=list(args.server_arg), small=args.small, workload="faults", kv_events=False,
         bench_args=["--temperature", "0", *args.bench_arg],
         rows=[BASELINE_ROW, *parse_faults(args.faults)],

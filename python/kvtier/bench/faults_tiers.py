@@ -40,15 +40,17 @@ BUCKET_TIMING = {"bucket_publish_delay_ms": 500, "bucket_refresh_ms": 200}
 TIER_OF = {BUCKET_STOP: "bucket", BUCKET_KILL: "bucket", FUSE_STOP: "shared", READ_ERRORS: "nvme"}
 TIER_HITS = {"bucket": ("bucket_hits",), "shared": ("shared_hits",), "nvme": ("dram_hits", "nvme_hits")}
 # Reads of a tier: a finished load (hit or miss; a read the fault held finishes just after its end),
-# a block only the sick tier holds (not read: remote_tier_lookups_skipped), a GET or pread started.
+# a block only the sick tier holds (not read: remote_tier_lookups_skipped, or nvme_lookups_skipped for a
+# sick NVMe tier, docs/reliability.md "Sick tiers"), a GET or pread started.
 TIER_READS = {
     "bucket": ("bucket_hits", "bucket_misses", "remote_tier_lookups_skipped"),
     "shared": ("shared_hits", "shared_misses", "remote_tier_lookups_skipped"),
-    "nvme": ("nvme_read_requests",),
+    "nvme": ("nvme_read_requests", "nvme_lookups_skipped"),
 }
 STATS = (
     "dram_hits", "nvme_hits", "shared_hits", "shared_misses", "bucket_hits", "bucket_misses", "bucket_get_requests",
-    "bucket_request_errors", "nvme_read_requests", "remote_tier_outages", "remote_tier_lookups_skipped", "puts",
+    "bucket_request_errors", "nvme_read_requests", "nvme_outages", "nvme_lookups_skipped", "remote_tier_outages",
+    "remote_tier_lookups_skipped", "puts",
 )  # fmt: skip
 READS_SETTLE_S = 1.0  # after the fault's end: the reads it held finish (and are counted)
 
