@@ -112,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_FIO_INFLIGHT_BYTES // workload.MIB,
         help="bytes in flight for fio, in MiB (default: %(default)s)",
     )
+    add_store_arguments(parser)
+    parser.add_argument("--seed", type=int, default=20240601, help="seed of the block data (default: %(default)s)")
+    return parser
+
+
+def add_store_arguments(parser: argparse.ArgumentParser) -> None:
+    """How kvtier's own store is opened for the run."""
     parser.add_argument(
         "--dram-bytes",
         type=int,
@@ -130,8 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the kvtier store open between store and retrieve (default: close and reopen "
         "it, so no block can be served from DRAM; either way the page cache is dropped)",
     )
-    parser.add_argument("--seed", type=int, default=20240601, help="seed of the block data (default: %(default)s)")
-    return parser
 
 
 def add_object_arguments(parser: argparse.ArgumentParser) -> None:

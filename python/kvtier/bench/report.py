@@ -79,13 +79,7 @@ def summarize_case(case: dict) -> dict:
     paired = [ours / theirs for ours, theirs in zip(kvtier_retrieve, lmcache_retrieve, strict=True) if ours and theirs]
     if paired:
         summary["kvtier_vs_lmcache_retrieve"] = spread(paired)
-    for operation in OPERATIONS:
-        # Encryption's cost, paired by repeat: how many times longer the encrypted store takes.
-        clear = [((s.get("kvtier") or {}).get(operation) or {}).get("gbps") for s in repeats]
-        encrypted = [((s.get("kvtier_encrypted") or {}).get(operation) or {}).get("gbps") for s in repeats]
-        costs = [plain / sealed for plain, sealed in zip(clear, encrypted, strict=True) if plain and sealed]
-        if costs:
-            summary[f"encryption_cost_{operation}"] = spread(costs)
+    summary.update(encryption_costs(repeats))
     summary["wrong_objects"] = {
         system: sum((s.get(system) or {}).get("wrong_objects", 0) or 0 for s in repeats) for system in SYSTEMS
     }
@@ -199,6 +193,19 @@ TABLE_COLUMNS = (
     "core-s/GB",
     "target",
 )
+
+
+def encryption_costs(repeats: list[dict]) -> dict:
+    """Encryption's cost per operation, paired by repeat (``--encrypted``): how many times longer the
+    encrypted store takes than the one in clear."""
+    costs_by_operation = {}
+    for operation in OPERATIONS:
+        clear = [((s.get("kvtier") or {}).get(operation) or {}).get("gbps") for s in repeats]
+        encrypted = [((s.get("kvtier_encrypted") or {}).get(operation) or {}).get("gbps") for s in repeats]
+        costs = [plain / secret for plain, secret in zip(clear, encrypted, strict=True) if plain and secret]
+        if costs:
+            costs_by_operation[f"encryption_cost_{operation}"] = spread(costs)
+    return costs_by_operation
 
 
 def table_rows(document: dict) -> list[list[str]]:
