@@ -647,7 +647,8 @@ def test_a_stopped_server_costs_misses_not_a_hang(rgw, nodes, bucket):
     a = nodes.open("a", **bucket)
     publish(a, list(range(16)))
     bucket = {**bucket, "bucket_request_timeout_ms": 1000}
-    b = nodes.open("b", **bucket)
+    # The tier's own request deadline, not the load's stall limit (the next test).
+    b = nodes.open("b", **bucket, remote_read_stall_ms=0)
     assert wait_visible(b, [key(i) for i in range(16)])
     os.kill(rgw.pid, signal.SIGSTOP)  # connections hang: harder than a refused connection
     try:
@@ -666,6 +667,41 @@ def test_a_stopped_server_costs_misses_not_a_hang(rgw, nodes, bucket):
     # The server is back: after the back-off, a probe, and the same blocks load again.
     assert _wait_for(lambda: all(load(b, list(range(16)))), timeout_s=10.0)
     assert b.stats()["remote_tiers_sick"] == 0
+
+
+def test_a_load_gives_up_reads_from_a_frozen_bucket_long_before_their_requests_time_out(rgw, nodes, bucket):
+    """Issue 36, item 1: a frozen gateway held a load until its GETs timed out (10 s by default),
+    so a request waited the whole freeze or the timeout. Now a load whose remote reads all stall for
+    `remote_read_stall_ms` gives them up: counted misses the engine recomputes, failures of the tier
+    (which turns sick, so the next load does not wait at all). The slots the held GETs still write
+    into stay out of use until they finish, then are free again, and nothing wrong is ever served."""
+    a = nodes.open("a", **bucket)
+    publish(a, list(range(16)))
+    b = nodes.open("b", **{**bucket, "bucket_request_timeout_ms": 30_000}, remote_read_stall_ms=300)
+    assert wait_visible(b, [key(i) for i in range(16)])
+    os.kill(rgw.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        got = load(b, list(range(16)))
+        stalled_s = time.monotonic() - started
+        started = time.monotonic()
+        again = load(b, list(range(16)))
+        sick_s = time.monotonic() - started
+        stats = b.stats()
+    finally:
+        os.kill(rgw.pid, signal.SIGCONT)
+    assert not any(got) and not any(again)
+    assert stalled_s < 3.0, f"the load waited {stalled_s:.1f} s for a frozen bucket (its GETs time out in 30 s)"
+    assert sick_s < 0.5, f"the second load waited {sick_s:.2f} s for a sick tier"
+    assert stats["remote_reads_given_up"] == 16, stats
+    assert (stats["remote_tier_outages"], stats["remote_tiers_sick"]) == (1, 1), stats
+    assert stats["bucket_request_errors"] == 0, "the GETs are still held, not timed out"
+    # The gateway answers again: the held GETs finish, their slots come back (the next load settles
+    # them), and after the back-off a probe brings the tier back.
+    assert _wait_for(lambda: all(load(b, list(range(16)))), timeout_s=10.0)
+    stats = b.stats()
+    assert (stats["remote_tiers_sick"], stats["retired_slots"]) == (0, 0), stats
+    assert stats["dram_used_bytes"] == 16 * SLOT_BYTES, stats
 
 
 def test_a_close_against_a_frozen_bucket_ends_within_its_deadline(rgw, nodes, bucket):

@@ -36,6 +36,7 @@ def valid_values(tmp_path):
         "store_queue_jobs": 8,
         "load_threads": 1,
         "slot_wait_ms": 100,
+        "remote_read_stall_ms": 250,
         "loads_cancel_queued_writes": False,
         "write_admission": "reuse",
         "remote_write_admission": "all",

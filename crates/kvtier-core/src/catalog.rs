@@ -850,6 +850,26 @@ impl Catalog {
         self.retire_slot(slot);
     }
 
+    /// A shared-tier read into `slot` its load stopped waiting for (`remote_read_stall_ms`): the
+    /// block is a miss now and its entry goes, so that other loads plan it afresh; the slot stays
+    /// out of use, keyless, until the read finishes (`free_given_up_slot`).
+    pub fn give_up_get_shared(&mut self, key: &BlockKey, slot: u32) {
+        let ours = self.index.get(key).is_some_and(|e| e.dram == Some(slot) && e.loading);
+        assert!(ours, "give_up_get_shared of a slot that is not this key's load");
+        self.index.remove(key);
+        self.slots.retire(slot);
+    }
+
+    /// The read a load gave up (`give_up_get_shared`) finished: its slot is free again, or retired
+    /// for good when the I/O engine gave the read up (the kernel may still write into it).
+    pub fn finish_given_up_read(&mut self, slot: u32, abandoned: bool) {
+        if abandoned {
+            self.retire_slot(slot);
+        } else {
+            self.slots.free_retired(slot);
+        }
+    }
+
     /// The shared read into `slot` finished: `Some(checksum)` makes the block resident, `None` (a miss)
     /// drops the entry and frees the slot.
     pub fn finish_get_shared(&mut self, key: &BlockKey, slot: u32, value_checksum: Option<u64>) {

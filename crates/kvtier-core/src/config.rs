@@ -55,6 +55,10 @@ pub struct StoreConfig {
     pub load_threads: usize,
     /// How long a store or a load waits for a free DRAM slot before giving up (drop or miss).
     pub slot_wait_ms: u64,
+    /// How long a load waits for its remote reads (shared filesystem, object store) with none of
+    /// them finishing before it gives them up as misses; longer for a tier whose recent reads were
+    /// slow (`RemoteTiers::stall_limit`). 0: no limit.
+    pub remote_read_stall_ms: u64,
     /// A load short of DRAM slots takes the slot of a stored block whose NVMe write has not started
     /// (dropping that store) instead of waiting for the write backlog to drain.
     pub loads_cancel_queued_writes: bool,
@@ -121,6 +125,7 @@ impl StoreConfig {
             store_queue_jobs: 64,
             load_threads: 2,
             slot_wait_ms: 5000,
+            remote_read_stall_ms: 1000,
             loads_cancel_queued_writes: true,
             write_admission: WriteAdmission::All,
             remote_write_admission: None,
@@ -745,6 +750,17 @@ pub static OPTIONS: &[ConfigOption] = &[
         description: "How long a store or load waits for a free DRAM slot before it gives up (store dropped / block missed, both counted).",
         set: |c, v| c.slot_wait_ms = v.int(),
         get: |c| int(c.slot_wait_ms),
+    },
+    ConfigOption {
+        name: "remote_read_stall_ms",
+        field: "remote_read_stall_ms",
+        python: true,
+        kind: OptionKind::Int,
+        unset: "",
+        constraint: "milliseconds; 0 = no limit",
+        description: "A load gives up the reads from the shared-filesystem and object tiers it still waits for once none of them has finished for this long (or for 4x the tier's recent read time, at most 30 s, when that is longer: a slow link is not a dead one): their blocks are misses the engine recomputes, counted in `remote_reads_given_up` and as failures of the tier (docs/reliability.md, \"Sick tiers\").",
+        set: |c, v| c.remote_read_stall_ms = v.int(),
+        get: |c| int(c.remote_read_stall_ms),
     },
     ConfigOption {
         name: "loads_cancel_queued_writes",

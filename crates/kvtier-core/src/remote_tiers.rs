@@ -19,8 +19,15 @@ use crate::tiers::remote::{PublishSink, Publisher, ReadOutcome, ReadRequest, Ref
 use crate::tiers::shared::SharedTier;
 use parking_lot::Mutex;
 use std::io::ErrorKind;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// A load waits for its remote reads at least `remote_read_stall_ms` without any of them finishing,
+/// and at least this many times the tier's recent read time (a slow link is not a dead one).
+const STALL_READ_TIMES: u32 = 4;
+/// Nor longer than this, whatever the tier's recent reads took.
+const MAX_STALL: Duration = Duration::from_secs(30);
 
 /// The remote indexes' generation: the sum of the tiers' own. Each tier's only grows (it counts the
 /// keys its index gained or lost), so the sum moves whenever any of them does.
@@ -35,6 +42,9 @@ struct Remote {
     health: Health,
     /// Bytes per day this tier may take (`write_budget_*_bytes_per_day`); `None`: unbounded.
     budget: Option<Mutex<WriteBudget>>,
+    /// How long its recent reads took, start to finish, queueing included (an exponentially
+    /// weighted mean, in microseconds; 0: none measured yet).
+    recent_read_us: AtomicU64,
 }
 
 impl Remote {
@@ -47,7 +57,24 @@ impl Remote {
         let publisher = Publisher::start(Arc::clone(&tier) as Arc<dyn PublishSink>)?;
         let now = Instant::now();
         let budget = WriteBudget::new(budget_bytes_per_day, config.write_budget_burst_s, now);
-        Ok(Remote { tier, publisher, name, health: Health::new(config.tier_health, now), budget })
+        let health = Health::new(config.tier_health, now);
+        Ok(Remote { tier, publisher, name, health, budget, recent_read_us: AtomicU64::new(0) })
+    }
+
+    /// Folds a read that took `took` into the recent read time; `reset` (a late probe's answer: the
+    /// tier is alive but slower than it was) replaces it.
+    fn note_read_time(&self, took: Duration, reset: bool) {
+        let took_us = (took.as_micros() as u64).max(1);
+        let old = self.recent_read_us.load(Ordering::Relaxed);
+        let new = if old == 0 || reset { took_us } else { (old * 4 + took_us) / 5 };
+        self.recent_read_us.store(new, Ordering::Relaxed);
+    }
+
+    /// How long a load waits for this tier's reads with none finishing: `floor`, or longer for a
+    /// tier whose recent reads were slow.
+    fn stall_limit(&self, floor: Duration) -> Duration {
+        let recent = Duration::from_micros(self.recent_read_us.load(Ordering::Relaxed));
+        (recent * STALL_READ_TIMES).clamp(floor, MAX_STALL.max(floor))
     }
 
     /// Whether the tier's write budget takes one more block of `bytes`.
@@ -67,6 +94,7 @@ pub(crate) struct RemoteRead {
     read: StartedRead,
     /// The one read let through to a sick tier to see whether it is back.
     probe: bool,
+    started: Instant,
 }
 
 pub(crate) struct RemoteTiers {
@@ -75,6 +103,8 @@ pub(crate) struct RemoteTiers {
     /// The shared-filesystem tier again, for the operator's tools that only it has (scrub, usage).
     shared_fs: Option<Arc<SharedTier>>,
     stats: Arc<Stats>,
+    /// `remote_read_stall_ms`; zero: a load waits for its remote reads however long they take.
+    stall_floor: Duration,
 }
 
 impl RemoteTiers {
@@ -92,7 +122,8 @@ impl RemoteTiers {
             let tier = ObjectTier::open(c, namespace, config.object_bytes, Arc::clone(stats))?;
             tiers.push(Remote::start(tier, "object store", config, config.write_budget_bucket_bytes_per_day)?);
         }
-        Ok(RemoteTiers { tiers, shared_fs, stats: Arc::clone(stats) })
+        let stall_floor = Duration::from_millis(config.remote_read_stall_ms);
+        Ok(RemoteTiers { tiers, shared_fs, stats: Arc::clone(stats), stall_floor })
     }
 
     /// The shared-filesystem tier, for what only it offers (`kvtier verify`'s scrub, usage facts).
@@ -175,6 +206,16 @@ impl RemoteTiers {
         self.tiers.iter().flat_map(|r| r.tier.cut_keys(limit_each)).collect()
     }
 
+    /// How long a load waits for its remote reads while none of them finishes before it gives them
+    /// up (`give_up`): `remote_read_stall_ms`, or longer where a tier's recent reads were slow.
+    /// `None`: it waits however long they take (`remote_read_stall_ms` is 0).
+    pub(crate) fn stall_limit(&self) -> Option<Duration> {
+        if self.stall_floor.is_zero() {
+            return None;
+        }
+        self.tiers.iter().map(|r| r.stall_limit(self.stall_floor)).max()
+    }
+
     /// The most adjacent blocks one request of any tier reads (1 with no remote tier).
     pub(crate) fn blocks_per_request(&self) -> usize {
         self.tiers.iter().map(|r| r.tier.blocks_per_request()).max().unwrap_or(1)
@@ -231,8 +272,9 @@ impl RemoteTiers {
             if probe && reads[0].is_none() {
                 health.release_probe();
             }
+            let now = Instant::now();
             for (i, read) in order.into_iter().zip(reads) {
-                started[i] = read.map(|read| RemoteRead { tier, read, probe });
+                started[i] = read.map(|read| RemoteRead { tier, read, probe, started: now });
             }
         }
         started
@@ -248,20 +290,50 @@ impl RemoteTiers {
         slot: *mut u8,
         result: std::io::Result<()>,
     ) -> ReadOutcome {
-        let failure = match &result {
-            Err(e) if !is_clean_miss(e) => Some(e.to_string()),
-            _ => None,
-        };
-        let remote = &self.tiers[read.tier];
+        let (remote, probe, took) = (&self.tiers[read.tier], read.probe, read.started.elapsed());
         // SAFETY: forwarded contract.
-        let outcome = unsafe { remote.tier.finish_read(read.read, slot, result) };
-        let observed = match (outcome, failure) {
-            (ReadOutcome::Abandoned, _) => Observed::Failed("the I/O engine gave the read up".to_string()),
-            (_, Some(error)) => Observed::Failed(error),
-            (ReadOutcome::Hit, None) => Observed::Hit,
-            (ReadOutcome::Miss, None) => Observed::CleanMiss,
-        };
-        self.note(remote, remote.health.record(read.probe, observed, Instant::now()));
+        let (outcome, observed) = unsafe { judge(remote, read.read, slot, result) };
+        if outcome == ReadOutcome::Hit {
+            remote.note_read_time(took, false);
+        }
+        self.note(remote, remote.health.record(probe, observed, Instant::now()));
+        outcome
+    }
+
+    /// A load stopped waiting for this read (`stall_limit` passed with no remote read finishing):
+    /// its block is a counted miss, and a failure of the tier, unless it is the tier's probe, which
+    /// its late answer judges (`finish_late`). The read stays the tier's until it finishes.
+    pub(crate) fn give_up(&self, read: &RemoteRead, stalled: Duration) {
+        Stats::add(&self.stats.remote_reads_given_up, 1);
+        if read.probe {
+            return;
+        }
+        let remote = &self.tiers[read.tier];
+        let failure = Observed::Failed(format!("no read finished in {stalled:?}"));
+        self.note(remote, remote.health.record(false, failure, Instant::now()));
+    }
+
+    /// Judges a read its load gave up (`give_up`) once it finishes: nobody is served from it. A
+    /// probe's answer still tells the tier's health: a hit brings a slow tier back, with its new
+    /// read time.
+    ///
+    /// # Safety
+    /// As `RemoteTier::finish_read`.
+    pub(crate) unsafe fn finish_late(
+        &self,
+        read: RemoteRead,
+        slot: *mut u8,
+        result: std::io::Result<()>,
+    ) -> ReadOutcome {
+        let (remote, probe, took) = (&self.tiers[read.tier], read.probe, read.started.elapsed());
+        // SAFETY: forwarded contract.
+        let (outcome, observed) = unsafe { judge(remote, read.read, slot, result) };
+        if probe {
+            if outcome == ReadOutcome::Hit {
+                remote.note_read_time(took, true);
+            }
+            self.note(remote, remote.health.record(true, observed, Instant::now()));
+        }
         outcome
     }
 
@@ -287,6 +359,31 @@ impl RemoteTiers {
             }
         }
     }
+}
+
+/// Has `remote`'s tier judge a finished read; what it says of the tier's health.
+///
+/// # Safety
+/// As `RemoteTier::finish_read`.
+unsafe fn judge(
+    remote: &Remote,
+    read: StartedRead,
+    slot: *mut u8,
+    result: std::io::Result<()>,
+) -> (ReadOutcome, Observed) {
+    let failure = match &result {
+        Err(e) if !is_clean_miss(e) => Some(e.to_string()),
+        _ => None,
+    };
+    // SAFETY: forwarded contract.
+    let outcome = unsafe { remote.tier.finish_read(read, slot, result) };
+    let observed = match (outcome, failure) {
+        (ReadOutcome::Abandoned, _) => Observed::Failed("the I/O engine gave the read up".to_string()),
+        (_, Some(error)) => Observed::Failed(error),
+        (ReadOutcome::Hit, None) => Observed::Hit,
+        (ReadOutcome::Miss, None) => Observed::CleanMiss,
+    };
+    (outcome, observed)
 }
 
 /// A failed read's error that is no failure of the tier: the block is gone (evicted elsewhere, a

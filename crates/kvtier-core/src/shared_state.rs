@@ -8,7 +8,7 @@ use crate::io::buffer::AlignedBuf;
 use crate::io::device::DeviceQueue;
 use crate::key::BlockKey;
 use crate::key::Namespace;
-use crate::remote_tiers::RemoteTiers;
+use crate::remote_tiers::{RemoteRead, RemoteTiers};
 use crate::stats::Stats;
 use crate::tiers::dram::Arena;
 use crate::tiers::health::{Admit, Change, Health, HealthPolicy, Observed};
@@ -51,6 +51,49 @@ pub(crate) struct Shared {
     pub(crate) activity_cv: Condvar,
     /// Blocks a read-ahead brought into DRAM that no load has served since (`ReadAhead`).
     pub(crate) read_ahead: ReadAhead,
+    /// Remote reads that finished after their loads gave them up (`mover::load`).
+    pub(crate) late_reads: Arc<LateReads>,
+}
+
+/// Remote reads their loads gave up (`remote_read_stall_ms`), until they finish and the next load
+/// judges them and frees their slots (`mover::load`). Not judged on the thread that finished them:
+/// that is the tier's own, and the store (`Shared`) the judging needs must never be dropped there.
+#[derive(Default)]
+pub(crate) struct LateReads {
+    /// Given up and not finished: each still writes into a slot of the DRAM pool, so the store
+    /// waits for them before it unmaps the pool (`wait_outstanding`).
+    outstanding: AtomicUsize,
+    /// Finished, with their slots and results, for the next load to judge.
+    finished: Mutex<Vec<(u32, RemoteRead, std::io::Result<()>)>>,
+}
+
+impl LateReads {
+    /// A load gives up a read into `slot`; call before its `on_done` can see it given up.
+    pub(crate) fn given_up(&self) {
+        self.outstanding.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A given-up read finished (its `on_done`).
+    pub(crate) fn finished(&self, slot: u32, read: RemoteRead, result: std::io::Result<()>) {
+        self.finished.lock().push((slot, read, result));
+        let before = self.outstanding.fetch_sub(1, Ordering::AcqRel);
+        assert!(before > 0, "a read finished late that was never given up");
+    }
+
+    pub(crate) fn take_finished(&self) -> Vec<(u32, RemoteRead, std::io::Result<()>)> {
+        std::mem::take(&mut *self.finished.lock())
+    }
+
+    /// Waits until every given-up read finished; `false` if some had not by `deadline`.
+    pub(crate) fn wait_outstanding(&self, deadline: Instant) -> bool {
+        while self.outstanding.load(Ordering::Acquire) > 0 {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        true
+    }
 }
 
 /// The NVMe tier's health (`tiers::health`, the rules the remote tiers follow): I/O errors and reads

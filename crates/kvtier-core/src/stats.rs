@@ -103,6 +103,9 @@ counters!(
     remote_tier_outages,
     remote_tier_lookups_skipped,
     remote_tiers_sick,
+    // Remote reads a load stopped waiting for (`remote_read_stall_ms` passed with none of its remote
+    // reads finishing, a frozen gateway or FUSE daemon): counted misses, recomputed.
+    remote_reads_given_up,
     // The NVMe tier's health (the same rules, `shared_state::NvmeHealth`): times it turned sick
     // (I/O errors or abandoned reads in a row), lookups and reads of blocks only NVMe holds while it
     // stepped aside (counted misses, recomputed), and whether it is sick now (a gauge, 0 or 1).

@@ -142,6 +142,7 @@ impl Store {
             activity: Mutex::new(()),
             activity_cv: Condvar::new(),
             read_ahead,
+            late_reads: Arc::default(),
             nvme_health,
             value_cipher: cipher,
             write_buffers: Mutex::new(Vec::new()),
@@ -434,8 +435,21 @@ impl Store {
         for d in &self.shared.devices {
             d.shutdown();
         }
+        self.wait_for_given_up_reads();
         self.locks.lock().clear();
         flushed
+    }
+
+    /// Reads the loads gave up still write into DRAM slots until they finish: the shared tier's
+    /// finished when its queue shut down; an object GET ends within its request timeout. One that
+    /// outlives that leaves the pool mapped for good rather than let it write into other memory.
+    fn wait_for_given_up_reads(&self) {
+        let timeout_ms = self.shared.config.bucket.as_ref().map_or(0, |b| b.request_timeout_ms);
+        let deadline = Instant::now() + Duration::from_millis(timeout_ms) + Duration::from_secs(1);
+        if !self.shared.late_reads.wait_outstanding(deadline) {
+            log::error!("kvtier: remote reads given up by loads still run at close; the DRAM pool stays mapped");
+            self.shared.arena.keep_mapped();
+        }
     }
 
     pub fn stats(&self) -> StoreStats {

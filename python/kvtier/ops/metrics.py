@@ -118,6 +118,12 @@ NAMESPACE_FAMILIES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         "Lookups and reads of blocks only a sick remote tier holds: not offered, counted misses",
     ),
     ("kvtier_remote_tiers_sick", "gauge", (), "Remote tiers sick now (stepping aside for a back-off)"),
+    (
+        "kvtier_remote_reads_given_up",
+        "counter",
+        (),
+        "Remote reads a load stopped waiting for (none finished within remote_read_stall_ms): counted misses",
+    ),
     ("kvtier_nvme_outages", "counter", (), "Times the NVMe tier turned sick: reads failed in a row"),
     (
         "kvtier_nvme_lookups_skipped",
@@ -203,6 +209,7 @@ PLAIN_VALUES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("kvtier_remote_tier_outages", (), "remote_tier_outages"),
     ("kvtier_remote_tier_lookups_skipped", (), "remote_tier_lookups_skipped"),
     ("kvtier_remote_tiers_sick", (), "remote_tiers_sick"),
+    ("kvtier_remote_reads_given_up", (), "remote_reads_given_up"),
     ("kvtier_nvme_outages", (), "nvme_outages"),
     ("kvtier_nvme_lookups_skipped", (), "nvme_lookups_skipped"),
     ("kvtier_nvme_sick", (), "nvme_sick"),

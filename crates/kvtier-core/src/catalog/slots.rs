@@ -141,6 +141,13 @@ impl Slots {
         self.slots[slot as usize] = Slot { key: None, state: SlotState::Loading, writing: false };
     }
 
+    /// Frees a slot `retire`d while a read into it was still in flight, once that read finished.
+    pub(super) fn free_retired(&mut self, slot: u32) {
+        let s = self.slots[slot as usize];
+        assert!(s.state == SlotState::Loading && s.key.is_none(), "slot {slot} was not retired");
+        self.free(slot);
+    }
+
     /// Keeps a reserved fill's slot out of use, keyless, while a hung writer may still copy into it
     /// (`free_abandoned` ends that).
     pub(super) fn abandon(&mut self, slot: u32) {

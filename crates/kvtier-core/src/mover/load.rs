@@ -22,9 +22,9 @@ use crate::shared_state::Shared;
 use crate::stats::Stats;
 use crate::tiers::health::{Admit, Observed};
 use crate::tiers::remote::ReadOutcome;
-use crossbeam_channel::{unbounded, Receiver, Sender};
-use parking_lot::MutexGuard;
-use std::collections::HashSet;
+use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
+use parking_lot::{Mutex, MutexGuard};
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -156,7 +156,22 @@ enum RemoteVerdict {
     Miss,
     /// The kernel may still write into the slot: retired, never reused.
     Abandoned,
+    /// The load stopped waiting for it (`remote_read_stall_ms`): a counted miss, settled with the
+    /// catalog when given up; its slot is freed once the read finishes (`GivenUpReads`).
+    GivenUp,
 }
+
+/// A remote read its load gave up, until it finishes.
+struct GivenUpRead {
+    slot: u32,
+    read: RemoteRead,
+}
+
+/// A load's remote reads it gave up, by key index, shared with their `on_done`s: a read that
+/// finishes after its load gave it up goes to the store's `LateReads` (judged by the next load,
+/// `settle_late_reads`) instead of to the load. Locked by the load while it gives reads up, so that
+/// every completion is either received by the load or finds its read here.
+type GivenUpReads = Arc<Mutex<HashMap<usize, GivenUpRead>>>;
 
 /// A judged key, for the catalog to settle.
 #[derive(Clone, Copy)]
@@ -234,6 +249,11 @@ struct Load<'a> {
     read_ahead: bool,
     /// The key whose NVMe read is the sick NVMe tier's probe (`NvmeHealth`), until it is judged.
     nvme_probe: Option<usize>,
+    /// Remote reads in flight, and since when none of them finished (or the first started).
+    remote_reads_in_flight: usize,
+    remote_progress: Instant,
+    /// Made with the first remote read (see `GivenUpReads`).
+    given_up: Option<GivenUpReads>,
 }
 
 impl<'a> Load<'a> {
@@ -273,10 +293,14 @@ impl<'a> Load<'a> {
             done_rx,
             read_ahead: false,
             nvme_probe: None,
+            remote_reads_in_flight: 0,
+            remote_progress: Instant::now(),
+            given_up: None,
         }
     }
 
     fn run(mut self) -> Vec<bool> {
+        settle_late_reads(self.sh);
         while self.has_unplanned() || self.reads_in_flight > 0 {
             let room = self.max_reads_in_flight.saturating_sub(self.reads_in_flight);
             if self.has_unplanned() && (room >= self.min_round || self.reads_in_flight == 0) {
@@ -477,7 +501,33 @@ impl<'a> Load<'a> {
         })
     }
 
+    /// The `on_done` of key `i`'s remote read: to the load, or, once the load gave it up, to the
+    /// store's late reads.
+    fn remote_sender(&mut self, i: usize) -> OnDone {
+        let given_up = Arc::clone(self.given_up.get_or_insert_with(Default::default));
+        let (tx, late_reads) = (self.done_tx.clone(), Arc::clone(&self.sh.late_reads));
+        Box::new(move |io_result| {
+            let mut given_up = given_up.lock();
+            match given_up.remove(&i) {
+                Some(late) => {
+                    drop(given_up);
+                    late_reads.finished(late.slot, late.read, io_result);
+                }
+                // Sent under the lock: `give_up_remote_reads` receives it or finds the read in the table.
+                None => {
+                    let _ = tx.send(Completion { index: i, io_result, landing: Landing::Slot });
+                }
+            }
+        })
+    }
+
     fn track(&mut self, i: usize, read: PendingRead) {
+        if matches!(read, PendingRead::Remote { .. }) {
+            if self.remote_reads_in_flight == 0 {
+                self.remote_progress = Instant::now();
+            }
+            self.remote_reads_in_flight += 1;
+        }
         let earlier = self.pending[i].replace(read);
         assert!(earlier.is_none(), "key {i} already has a read in flight");
         self.reads_in_flight += 1;
@@ -519,10 +569,13 @@ impl<'a> Load<'a> {
     /// their slots are still ours).
     fn submit_remote_reads(&mut self, reads: Vec<(usize, u32)>) -> Vec<(usize, u32)> {
         let sh = self.sh;
-        let requests =
-            reads.iter().map(|&(i, slot)| (self.keys[i], sh.arena.slot_ptr(slot), self.sender(i, Landing::Slot)));
-        // SAFETY: each slot is ours (Loading) until its read is settled; an abandoned one is retired.
-        let started = unsafe { sh.remote.start_reads(requests.collect()) };
+        let mut requests = Vec::with_capacity(reads.len());
+        for &(i, slot) in &reads {
+            requests.push((self.keys[i], sh.arena.slot_ptr(slot), self.remote_sender(i)));
+        }
+        // SAFETY: each slot is ours (Loading) until its read is settled; an abandoned one is retired,
+        // a given-up one freed once its read finished.
+        let started = unsafe { sh.remote.start_reads(requests) };
         let mut not_started = Vec::new();
         for ((i, slot), read) in reads.into_iter().zip(started) {
             match read {
@@ -535,13 +588,66 @@ impl<'a> Load<'a> {
 
     // ---- complete ----
 
-    /// Waits for a read to finish, judges it and every other finished one, and settles them.
+    /// Waits for a read to finish, judges it and every other finished one, and settles them. Remote
+    /// reads that stall past `RemoteTiers::stall_limit` are given up instead.
     fn complete(&mut self) {
-        let first = self.done_rx.recv().expect("the load holds a sender");
+        let Some(first) = self.next_completion() else { return };
         let finished: Vec<Completion> = std::iter::once(first).chain(self.done_rx.try_iter()).collect();
+        self.judge_and_settle(finished);
+    }
+
+    fn judge_and_settle(&mut self, finished: Vec<Completion>) {
         self.reads_in_flight -= finished.len();
         let judged = finished.into_iter().map(|done| self.judge(done)).collect();
         self.settle(judged);
+    }
+
+    /// The next finished read; `None` when the remote reads stalled and were given up.
+    fn next_completion(&mut self) -> Option<Completion> {
+        let limit = self.sh.remote.stall_limit().filter(|_| self.remote_reads_in_flight > 0);
+        let Some(limit) = limit else { return Some(self.done_rx.recv().expect("the load holds a sender")) };
+        match self.done_rx.recv_deadline(self.remote_progress + limit) {
+            Ok(done) => Some(done),
+            Err(RecvTimeoutError::Timeout) => {
+                self.give_up_remote_reads();
+                None
+            }
+            Err(RecvTimeoutError::Disconnected) => unreachable!("the load holds a sender"),
+        }
+    }
+
+    /// No remote read finished within the stall limit (a frozen gateway or FUSE daemon): every
+    /// remote read still in flight is a counted miss now, its catalog entry gone and its slot kept
+    /// out of use until the read finishes. Reads that finished meanwhile are judged as usual.
+    fn give_up_remote_reads(&mut self) {
+        let (sh, stalled) = (self.sh, self.remote_progress.elapsed());
+        let table = Arc::clone(self.given_up.as_ref().expect("remote reads in flight have a table"));
+        let mut table = table.lock();
+        let arrived: Vec<Completion> = self.done_rx.try_iter().collect();
+        let stalled_keys: Vec<usize> = (0..self.pending.len())
+            .filter(|&i| matches!(self.pending[i], Some(PendingRead::Remote { .. })))
+            .filter(|&i| !arrived.iter().any(|done| done.index == i))
+            .collect();
+        let mut cat = sh.catalog.lock();
+        for &i in &stalled_keys {
+            let Some(PendingRead::Remote { slot, read }) = self.pending[i].take() else { unreachable!() };
+            cat.give_up_get_shared(&self.keys[i], slot);
+            sh.late_reads.given_up();
+            table.insert(i, GivenUpRead { slot, read });
+        }
+        drop(cat);
+        for i in &stalled_keys {
+            sh.remote.give_up(&table[i].read, stalled);
+        }
+        drop(table);
+        sh.changed.notify_all();
+        log::debug!("kvtier: gave up {} remote reads after {stalled:?} without any finishing", stalled_keys.len());
+        self.reads_in_flight -= stalled_keys.len();
+        self.remote_reads_in_flight -= stalled_keys.len();
+        for i in stalled_keys {
+            self.tally(i, Judged::Remote { slot: NO_SLOT, verdict: RemoteVerdict::GivenUp });
+        }
+        self.judge_and_settle(arrived);
     }
 
     /// Judges a finished read, whichever tier it came from: verified and copied out, it is found;
@@ -551,6 +657,8 @@ impl<'a> Load<'a> {
         let judged = match self.pending[i].take().expect("a read in flight completes exactly once") {
             PendingRead::Nvme(read) => Judged::Nvme(read, self.judge_nvme(i, &read, done.io_result, done.landing)),
             PendingRead::Remote { slot, read } => {
+                self.remote_reads_in_flight -= 1;
+                self.remote_progress = Instant::now();
                 // SAFETY: the read into our slot finished; an abandoned slot is retired when settled.
                 let outcome = unsafe { self.sh.remote.finish_read(read, self.sh.arena.slot_ptr(slot), done.io_result) };
                 Judged::Remote { slot, verdict: self.judge_remote(i, slot, outcome) }
@@ -646,6 +754,9 @@ impl<'a> Load<'a> {
                     cat.finish_get_shared(key, slot, Some(value_checksum))
                 }
                 Judged::Remote { slot, verdict: RemoteVerdict::Miss } => cat.finish_get_shared(key, slot, None),
+                Judged::Remote { verdict: RemoteVerdict::GivenUp, .. } => {
+                    unreachable!("a given-up read is settled when given up")
+                }
             }
             if let Some(pinned) = self.pinned.as_deref_mut().filter(|_| judged.loaded()) {
                 pinned[i] = cat.pin_resident(key);
@@ -667,9 +778,6 @@ impl<'a> Load<'a> {
     }
 }
 
-/// Reads a round waits for: a remote tier's run of adjacent blocks (the object tier's
-/// `bucket_get_max_bytes`), at most a quarter of the load's reads in flight so that NVMe reads
-/// beside it keep their depth.
 /// How an NVMe read ended, counted, and what it says of the tier's health (a block that fails
 /// verification is bad, the disk is not).
 fn judge_nvme_read(
@@ -710,8 +818,31 @@ fn judge_nvme_read(
     }
 }
 
+/// Reads a round waits for: a remote tier's run of adjacent blocks (the object tier's
+/// `bucket_get_max_bytes`), at most a quarter of the load's reads in flight so that NVMe reads
+/// beside it keep their depth.
 fn min_round(sh: &Shared, max_reads_in_flight: usize) -> usize {
     sh.remote.blocks_per_request().min(max_reads_in_flight / 4).max(1)
+}
+
+/// Judges the remote reads that finished after their loads gave them up, and frees their slots.
+fn settle_late_reads(sh: &Shared) {
+    let late = sh.late_reads.take_finished();
+    if late.is_empty() {
+        return;
+    }
+    let mut freed = Vec::with_capacity(late.len());
+    for (slot, read, io_result) in late {
+        // SAFETY: the read into the slot finished; the slot is retired, used by nothing else.
+        let outcome = unsafe { sh.remote.finish_late(read, sh.arena.slot_ptr(slot), io_result) };
+        freed.push((slot, outcome == ReadOutcome::Abandoned));
+    }
+    let mut cat = sh.catalog.lock();
+    for (slot, abandoned) in freed {
+        cat.finish_given_up_read(slot, abandoned);
+    }
+    drop(cat);
+    sh.changed.notify_all();
 }
 
 /// Hashes the value a direct read left in the caller's memory.

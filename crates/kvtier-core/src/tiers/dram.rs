@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::io::RegisteredRange;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// Bytes of DRAM arenas mapped by every store of this process (the process-wide budget).
 static PROCESS_ARENA_BYTES: AtomicUsize = AtomicUsize::new(0);
@@ -31,6 +31,8 @@ pub struct Arena {
     /// The open pool file, holding an exclusive flock for the arena's life: a file no process
     /// holds locked is an orphan (its service died), which `remove_orphan_pools` may delete.
     owner: Option<std::fs::File>,
+    /// Set when a read may still write into a slot after the store closed (`keep_mapped`).
+    keep_mapped: AtomicBool,
 }
 
 unsafe impl Send for Arena {}
@@ -67,7 +69,13 @@ impl Arena {
         };
         PROCESS_ARENA_BYTES.fetch_add(len, Ordering::Relaxed);
         let (file, owner) = file.unzip();
-        Ok(Arena { base, len, slot_bytes, slot_count, huge_pages, file, owner })
+        Ok(Arena { base, len, slot_bytes, slot_count, huge_pages, file, owner, keep_mapped: AtomicBool::new(false) })
+    }
+
+    /// The mapping outlives the arena (leaked, never unmapped): a read that did not finish by the
+    /// store's close may still write into it, and it must never land in memory mapped since.
+    pub fn keep_mapped(&self) {
+        self.keep_mapped.store(true, Ordering::Release);
     }
 
     /// The shared-memory file behind the pool, when it has one.
@@ -119,8 +127,11 @@ impl Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
-        // SAFETY: mapped in `map` with this length; no I/O is in flight (the store joined its threads).
-        unsafe { libc::munmap(self.base.cast(), self.len) };
+        if !self.keep_mapped.load(Ordering::Acquire) {
+            // SAFETY: mapped in `map` with this length; no I/O is in flight (the store joined its
+            // threads and waited for the reads its loads gave up).
+            unsafe { libc::munmap(self.base.cast(), self.len) };
+        }
         PROCESS_ARENA_BYTES.fetch_sub(self.len, Ordering::Relaxed);
         if let (Some(path), Some(owner)) = (&self.file, &self.owner) {
             remove_if_same_file(path, owner);
