@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from kvtier.bench import serve
+from kvtier.bench import serve, serve_plan
 
 
 def plan_of(*argv: str) -> dict:
@@ -192,7 +192,7 @@ def test_parse_result():
 
 
 def test_lmcache_rows_without_their_venv_are_skipped_with_the_install_command(tmp_path, monkeypatch):
-    monkeypatch.setattr(serve, "repo_root", lambda: tmp_path)  # a checkout without .venv-lmcache-vllm
+    monkeypatch.setattr(serve_plan, "repo_root", lambda: tmp_path)  # a checkout without .venv-lmcache-vllm
     plan = plan_of("--rows", "vllm,lmcache,lmcache-disk")
     assert plan["rows"] == ["vllm", "lmcache", "lmcache-disk"] and plan["lmcache_python"] is None
     assert "scripts/install_lmcache_vllm.sh" in plan["lmcache_not_measured"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import kvtier.bench.ttft
 
 PACKAGE = "kvtier.bench.ttft"
-LAYERS = ("plan", "prompts", "engine_phase", "orchestrate", "report", "slow_rows", "entry")
+LAYERS = ("plan", "prompts", "engine", "engine_phase", "orchestrate", "report", "slow_rows", "entry")
 PACKAGE_DIR = Path(kvtier.bench.ttft.__file__).parent
 
 

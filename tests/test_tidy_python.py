@@ -11,6 +11,8 @@
 - **Short functions.** No function or method of the package is longer than ``MAX_FUNCTION_LINES``,
   from its ``def`` (decorators left out) to its last line, unless it is on ``LONG_FUNCTIONS``; an
   entry there that fits again fails too, so that the list only shrinks.
+- **Short files.** No ``.py`` file of the package is longer than ``MAX_FILE_LINES`` lines (issue 38:
+  a module past it is split along its seams into modules named for what they hold).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "python" / "kvtier"
 MAX_FUNCTION_LINES = 70
+MAX_FILE_LINES = 800
 
 # Functions allowed over the limit, as (file under python/kvtier, qualified name): their length when
 # listed. The fifteen listed when this check came (2026-11-27) are all shortened; never add one.
@@ -226,3 +229,35 @@ def test_the_length_check_finds_a_new_long_function_and_a_stale_entry():
     assert any("planted" in problem for problem in long_function_problems(planted, LONG_FUNCTIONS))
     stale = {**LONG_FUNCTIONS, ("service.py", "ensure_service"): 99}
     assert any("ensure_service" in problem for problem in long_function_problems(lengths, stale))
+
+
+def file_lengths() -> dict[str, int]:
+    """File under python/kvtier -> its lines."""
+    return {
+        path.relative_to(PACKAGE).as_posix(): len(path.read_text().splitlines())
+        for path in sorted(PACKAGE.rglob("*.py"))
+    }
+
+
+def long_file_problems(lengths: dict[str, int]) -> list[str]:
+    return [
+        f"{file} is {lines} lines (at most {MAX_FILE_LINES}): split it along its seams into modules of their own"
+        for file, lines in sorted(lengths.items())
+        if lines > MAX_FILE_LINES
+    ]
+
+
+def test_files_stay_short():
+    problems = long_file_problems(file_lengths())
+    assert not problems, "\n".join(problems)
+
+
+def test_the_file_length_check_finds_a_planted_long_file():
+    lengths = file_lengths()
+    assert lengths["bench/serve.py"] > 10 and "bench/ttft/engine.py" in lengths  # paths as the problems spell them
+    planted = {**lengths, "planted.py": MAX_FILE_LINES + 1}
+    assert long_file_problems(planted) == [
+        f"planted.py is {MAX_FILE_LINES + 1} lines (at most {MAX_FILE_LINES}): split it along its seams into "
+        "modules of their own"
+    ]
+    assert not long_file_problems({**lengths, "planted.py": MAX_FILE_LINES})

@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench import faults_tiers, serve
+from kvtier.bench import faults_tiers, serve, serve_plan, serve_points, serve_servers
 from kvtier.bench.faults_tiers import READ_ERRORS, TIER_FAULTS
 from kvtier.bench.ttft import markdown_table, parse_tokens
 
@@ -183,7 +183,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         bench_args=["--temperature", "0", *args.bench_arg],
         rows=[BASELINE_ROW, *parse_faults(args.faults)],
     )  # fmt: skip
-    plan["max_model_len"] = plan["prefix_len"] + plan["suffix_len"] + plan["output_len"] + serve.MODEL_LEN_MARGIN
+    plan["max_model_len"] = plan["prefix_len"] + plan["suffix_len"] + plan["output_len"] + serve_plan.MODEL_LEN_MARGIN
     if any(fault in TIER_FAULTS for fault in plan["faults"]):
         plan["rgw_state_dir"] = args.rgw_state_dir
         plan["bucket_osd_bytes"] = osd_bytes(plan)
@@ -302,7 +302,7 @@ def wait_for_load(url: str, before: float, client: subprocess.Popen, timeout_s: 
     returns the time (monotonic). The client exiting first ends the wait too."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and client.poll() is None:
-        metrics = serve.cache_metrics([url])
+        metrics = serve_points.cache_metrics([url])
         if metrics is not None and metrics["vllm_queried"] > before:
             return time.monotonic()
         time.sleep(POLL_S)
@@ -313,7 +313,7 @@ def inject(fault: Fault, plan: dict[str, Any], url: str, client: subprocess.Pope
     """The fault timeline of one row while its load runs: wait for the load, the fault for ``fault_s``,
     then the hits' return (polled until they rise or the load ends) and the faulted tier's reads from
     the fault's start to ``READS_SETTLE_S`` after its end. Fills ``record["fault"]``."""
-    before = (serve.cache_metrics([url]) or {}).get("vllm_queried", 0.0)
+    before = (serve_points.cache_metrics([url]) or {}).get("vllm_queried", 0.0)
     load_seen = wait_for_load(url, before, client, LOAD_START_TIMEOUT_S)
     info: dict[str, Any] = {"kind": fault.kind, "seconds": plan["fault_s"], "hits_again_s": None}
     record["fault"] = info
@@ -394,7 +394,7 @@ def run_load(plan: dict[str, Any], row: str, url: str, out_dir: Path, fault: Fau
     result_dir.mkdir(parents=True, exist_ok=True)
     model_dir = Path(plan["model_dir"])
     users, seed = plan["users"], plan["seed"]
-    command = serve.bench_command(plan, url, plan["preset"], model_dir, users, seed, result_dir, f"{row}.json")
+    command = serve_points.bench_command(plan, url, plan["preset"], model_dir, users, seed, result_dir, f"{row}.json")
     log_path = result_dir / f"{row}.log"
     record: dict[str, Any] = {"command": command, "log": str(log_path)}
     errors: list[BaseException] = []
@@ -427,9 +427,9 @@ def run_load(plan: dict[str, Any], row: str, url: str, out_dir: Path, fault: Fau
     result_path = result_dir / f"{row}.json"
     if returncode != 0 or not result_path.exists():
         tail = log_path.read_text(errors="replace")[-2000:]
-        raise serve.BenchError(f"vllm bench serve failed (exit {returncode}) for {row}; {log_path}:\n{tail}")
+        raise serve_plan.BenchError(f"vllm bench serve failed (exit {returncode}) for {row}; {log_path}:\n{tail}")
     result = json.loads(result_path.read_text())
-    record.update(serve.parse_result(result), result_file=str(result_path))
+    record.update(serve_points.parse_result(result), result_file=str(result_path))
     record["outputs"] = result.get("generated_texts") or []
     record["request_errors"] = result.get("errors") or []
     return record
@@ -456,12 +456,12 @@ def run_row(
         if row in TIER_FAULTS:
             tier_options, target = tiers.open(row, row_dir)
             options.update(tier_options)
-        server, log_path, _ = serve.start_server(
+        server, log_path, _ = serve_servers.start_server(
             this_plan, KVTIER_ROW if stores else BASELINE_ROW, 0, row_dir, stores, [], options
         )  # fmt: skip
-        record["server"] = {"command": serve.command_of(server.process), "log": str(log_path)}
+        record["server"] = {"command": serve_servers.command_of(server.process), "log": str(log_path)}
         progress(started, f"{row}: server healthy after {server.wait_healthy():.0f} s")
-        serve.warm_up(server, plan)
+        serve_servers.warm_up(server, plan)
         fault = Fault(row, sockets[0], mount.fail_reads_flag if mount else None, target) if stores else None
         counters_before = faults_tiers.service_counters(sockets[0]) if sockets else None
         progress(started, f"{row}: load of {plan['users'] * plan['requests_per_user']} requests")
@@ -605,8 +605,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         plan = make_plan(args)
-        serve.check_vllm_command()
-    except (FaultError, serve.BenchError, ValueError) as error:
+        serve_points.check_vllm_command()
+    except (FaultError, serve_plan.BenchError, ValueError) as error:
         print(f"kvtier bench faults: {error}", file=sys.stderr)
         return 2
     from kvtier.models import ensure_model

@@ -79,6 +79,8 @@ checks it):
 
 - ``plan``: constants, ``BenchError``, the command line (``build_parser``) and ``make_plan``.
 - ``prompts``: the seeded prompts of both experiments.
+- ``engine``: one in-process vLLM engine and its store as the phases measure them (``Engine``,
+  ``kvtier_transfer``, ``ServiceView``).
 - ``engine_phase``: what runs in a child process, one engine each (``run_phase`` and the phases).
 - ``orchestrate``: the parent's side: ``launch_phase`` and the summary (``summarize``, the targets).
 - ``report``: tables (stdout, report.md) and plots.
@@ -89,7 +91,8 @@ checks it):
 Below: the names the CLI, the other benchmarks (blocks, serve, scripts/distfs) and the tests use.
 """
 
-from kvtier.bench.ttft.engine_phase import LMCACHE_HASH_SEED, kvtier_transfer, lmcache_log_problem
+from kvtier.bench.ttft.engine import kvtier_transfer
+from kvtier.bench.ttft.engine_phase import LMCACHE_HASH_SEED, lmcache_log_problem
 from kvtier.bench.ttft.entry import main
 from kvtier.bench.ttft.orchestrate import shared_row_failures, summarize
 from kvtier.bench.ttft.plan import (

@@ -4,7 +4,6 @@ writes its records as JSON lines to the spec's ``result_path``."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -13,269 +12,23 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench import workload
+from kvtier.bench.ttft.engine import (
+    NUDGE_PROMPT,
+    Engine,
+    kvtier_measure,
+    kvtier_transfer,
+    progress,
+    settle,
+    stop_services_of_this_process,
+    store_of_engine,
+    tier_counts,
+)
 from kvtier.bench.ttft.plan import BenchError, hit_tokens
 from kvtier.bench.ttft.prompts import hit_rate_base, hit_rate_prompt, length_prompt
 
-RESET_ATTEMPTS = 50
-PROGRESS_PREFIX = "[ttft] "
-NUDGE_PROMPT = [5, 6, 7]  # shorter than a block: no kvtier lookup or store, drives engine steps
 LMCACHE_HASH_SEED = "0"  # PYTHONHASHSEED of the LMCache engine process (stable chunk keys)
 LMCACHE_STORE_WAIT_S = 600
 SHARED_VISIBLE_WAIT_S = 30  # longest node B waits for node A's blocks in its shared index
-
-
-def progress(message: str) -> None:
-    print(PROGRESS_PREFIX + message, flush=True)
-
-
-class Engine:
-    """One in-process vLLM engine and the measurement helpers of the benchmark."""
-
-    def __init__(self, plan: dict, kv_transfer: dict | None, **engine_options: Any):
-        from vllm import LLM, SamplingParams
-        from vllm.config import KVTransferConfig
-
-        started = time.monotonic()
-        self.llm = LLM(
-            model=plan["model"],
-            dtype=plan["dtype"],
-            max_model_len=plan["max_model_len"],
-            enable_prefix_caching=True,
-            enforce_eager=True,
-            distributed_executor_backend="uni",
-            seed=0,
-            kv_transfer_config=KVTransferConfig(**kv_transfer) if kv_transfer else None,
-            block_size=plan["block_tokens"],
-            **engine_options,
-        )
-        self.start_s = time.monotonic() - started
-        self.params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=1, seed=0)
-        block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
-        if block_size != plan["block_tokens"]:
-            raise BenchError(f"engine block size is {block_size} tokens, the benchmark assumes {plan['block_tokens']}")
-        self.hash_algo = getattr(self.llm.llm_engine.vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")
-        self.block_tokens = block_size
-        self.generate(NUDGE_PROMPT)  # first-request warm-up
-
-    def generate(self, tokens: list[int]):
-        from vllm.inputs import TokensPrompt
-
-        (output,) = self.llm.generate([TokensPrompt(prompt_token_ids=tokens)], self.params, use_tqdm=False)
-        return output
-
-    def measure(self, tokens: list[int], expected_cached_tokens: int) -> dict:
-        started = time.perf_counter()
-        output = self.generate(tokens)
-        ttft_s = time.perf_counter() - started
-        completion = output.outputs[0]
-        token_id = int(completion.token_ids[0])
-        logprob = float(completion.logprobs[0][token_id].logprob) if completion.logprobs else None
-        record = {
-            "ttft_s": ttft_s,
-            "prompt_tokens": len(tokens),
-            "cached_tokens": int(output.num_cached_tokens or 0),
-            "expected_cached_tokens": expected_cached_tokens,
-            "token_id": token_id,
-            "logprob": logprob,
-        }
-        engine_ttft = getattr(getattr(output, "metrics", None), "first_token_latency", None)
-        if engine_ttft:
-            record["engine_ttft_s"] = float(engine_ttft)
-        return record
-
-    def reset_prefix_cache(self) -> None:
-        # vLLM refuses while offload stores still hold blocks; short requests drive the steps that finish them.
-        for _ in range(RESET_ATTEMPTS):
-            if self.llm.reset_prefix_cache():
-                return
-            self.generate(NUDGE_PROMPT)
-        raise BenchError(f"vLLM did not reset its prefix cache after {RESET_ATTEMPTS} attempts")
-
-    def block_keys(self, tokens: list[int], full_blocks: int) -> list[bytes]:
-        """kvtier keys of the first full blocks of a prompt (vLLM's chained block hashes)."""
-        from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core import kv_cache_utils
-        from vllm.v1.kv_offload.base import make_offload_key
-
-        import kvtier.vllm as kvtier_vllm
-
-        hash_fn = get_hash_fn_by_name(self.hash_algo)
-        parent = None
-        keys = []
-        for index in range(full_blocks):
-            block = tokens[index * self.block_tokens : (index + 1) * self.block_tokens]
-            parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, block, None)
-            keys.append(kvtier_vllm.kvtier_key(make_offload_key(bytes(parent), 0)))
-        return keys
-
-
-def kvtier_transfer(
-    plan: dict,
-    store_dir: str | None = None,
-    shared_root: str | None = None,
-    object_tier: bool = False,
-    load_policy: str = "always",
-    **integration: Any,
-) -> dict:
-    """kvtier's kv_transfer_config for the plan's store (or ``store_dir``), with the shared tier on
-    ``shared_root`` when given, or the object tier on the plan's bucket with ``object_tier``.
-
-    ``load_policy`` "always" by default: a row named for a tier's hit measures what loading it costs,
-    so kvtier must not decide to recompute it (docs/vllm.md, "Load or recompute"); the slow-link rows
-    and node A (whose steps train the prefill model) use "auto". ``integration``: more of
-    kvtier.vllm's integration options (``service_timeout_ms``)."""
-    from kvtier.vllm import kv_transfer_config
-
-    # The default publish queue: a prefill hands every block of the prompt to the publisher at once,
-    # and what does not fit waits in its backlog (a dropped publish fails the phase).
-    remote: dict[str, Any] = {}
-    if shared_root:
-        remote = {"shared_root": shared_root}
-        if plan["shared"].get("file_bytes"):
-            remote["shared_file_bytes"] = plan["shared"]["file_bytes"]
-    if object_tier:
-        remote = {"bucket_url": plan["object"]["bucket_url"], "bucket_endpoint": plan["object"]["bucket_endpoint"]}
-        if plan["object"].get("segment_bytes"):
-            remote["bucket_segment_bytes"] = plan["object"]["segment_bytes"]
-    return kv_transfer_config(
-        store_dir or plan["store_dir"],
-        dram_bytes=plan["dram_bytes"],
-        nvme_bytes=plan["nvme_bytes"],
-        region_bytes=plan["region_bytes"],
-        load_policy=load_policy,
-        **integration,
-        **remote,
-    )
-
-
-class ServiceView:
-    """The engine's store as the benchmark reads it, through the host service the engine started:
-    the counters (summed over the service's namespaces: there is one), where blocks are, flush. At
-    the end of a phase the service is stopped, so the next phase's engine finds the blocks on NVMe
-    only, as after a restart."""
-
-    def __init__(self, connection: Any):
-        self._connection = connection
-        self._socket = connection.socket_path
-
-    def stats(self) -> dict[str, Any]:
-        from kvtier import service as kvtier_service
-
-        return kvtier_service.service_stats(self._socket)
-
-    def locate_many(self, keys: list[bytes]) -> list[str | None]:
-        return self._connection.locate_many(keys)
-
-    def flush(self) -> None:
-        self._connection.flush()
-
-    def close(self) -> None:
-        self.flush()
-        still_running = _stop_services_of_this_process()
-        if still_running:
-            raise BenchError(f"the kvtier service on {still_running[0]} did not stop")
-
-
-def _stop_services_of_this_process() -> list[Path]:
-    """Closes this process's service connections (no reconnecting: it would start the service
-    again) and stops the services they attached to; returns the sockets whose service did not stop.
-    A failed phase calls it too: a detached service would outlive the benchmark and keep the store's
-    (already removed) NVMe files open."""
-    from kvtier import service as kvtier_service
-    from kvtier.vllm.testing import service_connections
-
-    connections = service_connections()
-    sockets = {connection.socket_path for connection in connections}
-    for connection in connections:
-        connection.close()
-    still_running = []
-    for socket in sockets:
-        stopped = False
-        with contextlib.suppress(Exception):
-            stopped = kvtier_service.stop_service(socket)
-        if not stopped:
-            still_running.append(socket)
-    return still_running
-
-
-def _store_of_engine() -> ServiceView:
-    from kvtier.vllm.testing import service_connections
-
-    connections = service_connections()
-    if not connections:
-        raise BenchError("the engine opened no connection to a kvtier host service")
-    return ServiceView(connections[0])
-
-
-STORE_SETTLE_TIMEOUT_S = 600
-
-
-def _settle(engine: Engine, store) -> None:
-    """Until everything stored so far is in the store: vLLM hands a step's stores to the worker in
-    its next step (the nudges), the worker copies held-back stores while the engine idles (the
-    wait), and the flush waits for the service's NVMe writes."""
-    from kvtier.vllm.testing import wait_for_stores
-
-    for _ in range(2):
-        engine.generate(NUDGE_PROMPT)
-    if not wait_for_stores(STORE_SETTLE_TIMEOUT_S):
-        raise BenchError(f"the kvtier worker still held stores after {STORE_SETTLE_TIMEOUT_S} s of idling")
-    store.flush()
-
-
-def _tier_counts(store, keys: list[bytes]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for tier in store.locate_many(keys):
-        counts[str(tier)] = counts.get(str(tier), 0) + 1
-    return counts
-
-
-def _kvtier_measure(
-    engine: Engine,
-    store,
-    tokens: list[int],
-    hit: int,
-    tier: str,
-    drop_cache: bool,
-    served_counter: str | None = None,
-    all_served: bool = True,
-) -> dict:
-    """Measures a request whose first ``hit`` tokens are on ``tier`` (as ``locate_many`` names it)
-    and must all be served from it (unless not ``all_served``: kvtier may choose to recompute them),
-    counted in ``served_counter`` (default ``<tier>_hits``; the object tier's blocks are located as
-    "shared" and counted in ``bucket_hits``)."""
-    keys = engine.block_keys(tokens, hit // engine.block_tokens)
-    engine.reset_prefix_cache()
-    tiers_before = _tier_counts(store, keys)
-    if keys and tiers_before.get(tier, 0) != len(keys):
-        raise BenchError(f"before timing, the {len(keys)} stored blocks are in tiers {tiers_before}, not all in {tier}")
-    dropped = None
-    if drop_cache:
-        dropped = workload.drop_page_cache()
-        engine.generate(NUDGE_PROMPT)  # fault the engine's own code back in; no kvtier I/O
-    before = store.stats()
-    record = engine.measure(tokens, hit)
-    after = store.stats()
-    record["kvtier"] = {
-        "tiers_before": tiers_before,
-        "dram_hits": after["dram_hits"] - before["dram_hits"],
-        "nvme_hits": after["nvme_hits"] - before["nvme_hits"],
-        "shared_hits": after.get("shared_hits", 0) - before.get("shared_hits", 0),
-        "shared_misses": after.get("shared_misses", 0) - before.get("shared_misses", 0),
-        "bucket_hits": after.get("bucket_hits", 0) - before.get("bucket_hits", 0),
-        "bucket_misses": after.get("bucket_misses", 0) - before.get("bucket_misses", 0),
-        "bucket_get_requests": after.get("bucket_get_requests", 0) - before.get("bucket_get_requests", 0),
-        "bucket_put_requests": after.get("bucket_put_requests", 0) - before.get("bucket_put_requests", 0),
-        "misses": after["misses"] - before["misses"],
-        "checksum_failures": after["checksum_failures"] - before["checksum_failures"],
-    }
-    served_counter = served_counter or f"{tier}_hits"
-    served = record["kvtier"][served_counter]
-    if served != len(keys) and all_served:
-        record["problem"] = f"{served} of {len(keys)} blocks served from {tier} ({served_counter})"
-    if dropped is not None:
-        record["page_cache_dropped"] = dropped
-    return record
 
 
 def phase_baseline(plan: dict, emit) -> None:
@@ -325,7 +78,7 @@ def phase_kvtier_store(plan: dict, emit) -> None:
     kvtier keeps blocks that were read back in DRAM ahead of blocks seen once, so each prompt gets a
     fresh engine process (an empty DRAM tier) and the tier stays the size of one prompt."""
     engine = Engine(plan, kvtier_transfer(plan))
-    store = _store_of_engine()
+    store = store_of_engine()
     emit("engine", {"start_s": engine.start_s, "io_engine": store.stats().get("io_engine"),
                     "direct_io": store.stats().get("direct_io")})  # fmt: skip
     kind, value, repeat = plan["item"]
@@ -335,21 +88,21 @@ def phase_kvtier_store(plan: dict, emit) -> None:
         engine.reset_prefix_cache()
         emit("measure", {"experiment": 1, "config": "kvtier_miss", "length_tokens": length, "repeat": repeat,
                          "prompt_id": f"p:{length}:{repeat}", **engine.measure(prompt, 0)})  # fmt: skip
-        _settle(engine, store)
+        settle(engine, store)
         emit("measure", {"experiment": 1, "config": "kvtier_dram", "length_tokens": length, "repeat": repeat,
                          "prompt_id": f"p:{length}:{repeat}",
-                         **_kvtier_measure(engine, store, prompt, length, "dram", drop_cache=False)})  # fmt: skip
+                         **kvtier_measure(engine, store, prompt, length, "dram", drop_cache=False)})  # fmt: skip
     else:
         rate = value
         base = hit_rate_base(plan, rate, repeat)
         if base:
             engine.generate([*base, 11])  # computes and stores the part that will be hits
-            _settle(engine, store)
+            settle(engine, store)
         prompt = hit_rate_prompt(plan, base, rate, repeat, "dram")
         emit("measure", {"experiment": 2, "config": "kvtier_dram", "length_tokens": plan["hit_rate_length"],
                          "hit_rate": rate, "repeat": repeat,
-                         **_kvtier_measure(engine, store, prompt, len(base), "dram", drop_cache=False)})  # fmt: skip
-    _settle(engine, store)
+                         **kvtier_measure(engine, store, prompt, len(base), "dram", drop_cache=False)})  # fmt: skip
+    settle(engine, store)
     emit("store_stats", dict(store.stats()))
     store.close()  # the next engine process finds the blocks on NVMe only
 
@@ -395,7 +148,7 @@ def disk_floor(plan: dict, length_tokens: int) -> dict | None:
 
 def phase_kvtier_nvme(plan: dict, emit) -> None:
     engine = Engine(plan, kvtier_transfer(plan))
-    store = _store_of_engine()
+    store = store_of_engine()
     stats = store.stats()
     emit("engine", {"start_s": engine.start_s, "blocks_dram_at_start": stats.get("blocks_dram"),
                     "blocks_nvme_at_start": stats.get("blocks_nvme"),
@@ -405,7 +158,7 @@ def phase_kvtier_nvme(plan: dict, emit) -> None:
             prompt = length_prompt(plan, length, repeat)
             emit("measure", {"experiment": 1, "config": "kvtier_nvme", "length_tokens": length, "repeat": repeat,
                              "prompt_id": f"p:{length}:{repeat}",
-                             **_kvtier_measure(engine, store, prompt, length, "nvme", drop_cache=True)})  # fmt: skip
+                             **kvtier_measure(engine, store, prompt, length, "nvme", drop_cache=True)})  # fmt: skip
             floor = disk_floor(plan, length)
             if floor is not None:
                 emit(
@@ -419,7 +172,7 @@ def phase_kvtier_nvme(plan: dict, emit) -> None:
             prompt = hit_rate_prompt(plan, base, rate, repeat, "nvme")
             emit("measure", {"experiment": 2, "config": "kvtier_nvme", "length_tokens": length, "hit_rate": rate,
                              "repeat": repeat,
-                             **_kvtier_measure(engine, store, prompt, len(base), "nvme", drop_cache=True)})  # fmt: skip
+                             **kvtier_measure(engine, store, prompt, len(base), "nvme", drop_cache=True)})  # fmt: skip
     emit("store_stats", dict(store.stats()))
     store.close()
 
@@ -447,7 +200,7 @@ def _publish_every_prompt(
             started = time.perf_counter()
             engine.generate(prompt)
             ttft_s = time.perf_counter() - started
-            _settle(engine, store)
+            settle(engine, store)
             after = store.stats()
             delta = {name: after.get(name, 0) - before.get(name, 0) for name in (*counters, *failures)}
             emit(f"{tier}_publish", {"length_tokens": length, "repeat": repeat, "ttft_s": ttft_s,
@@ -468,7 +221,7 @@ def phase_kvtier_shared_store(plan: dict, emit) -> None:
     waits, after each, until its blocks are published (the flush waits for the shared publisher)."""
     shared_root = plan["shared"]["store_root"]
     engine = Engine(plan, kvtier_transfer(plan, shared_store_dir(plan, "a"), shared_root, load_policy="auto"))
-    store = _store_of_engine()
+    store = store_of_engine()
     emit("engine", {"start_s": engine.start_s, "shared_root": shared_root})
     counters = ("puts", "shared_files_published", "shared_bytes_written")
     _publish_every_prompt(plan, emit, engine, store, "shared", counters, SHARED_PUBLISH_FAILURES)
@@ -479,7 +232,7 @@ def _wait_shared_visible(store, keys: list[bytes]) -> dict[str, int]:
     the store opens, and re-reads them every shared_staleness_ms / 2); the tier counts at the end."""
     deadline = time.monotonic() + SHARED_VISIBLE_WAIT_S
     while True:
-        counts = _tier_counts(store, keys)
+        counts = tier_counts(store, keys)
         if counts.get("shared", 0) == len(keys) or time.monotonic() > deadline:
             return counts
         time.sleep(0.1)
@@ -496,7 +249,7 @@ def _start_node_b(plan: dict, emit, node: str, where: dict[str, str], **transfer
     if Path(store_dir).exists() and any(Path(store_dir).iterdir()):
         raise BenchError(f"node B's local store {store_dir} is not empty")
     engine = Engine(plan, kvtier_transfer(plan, store_dir, **transfer))
-    store = _store_of_engine()
+    store = store_of_engine()
     stats = store.stats()
     emit("engine", {"start_s": engine.start_s, **{k: v for k, v in where.items() if k != "name"},
                     "blocks_dram_at_start": stats.get("blocks_dram"),
@@ -516,7 +269,7 @@ def _start_node_b(plan: dict, emit, node: str, where: dict[str, str], **transfer
 def _measure_node_b(plan: dict, emit, config: str, engine: Engine, store, prompt: list[int], **measure: Any) -> None:
     """Node B's one measurement (every block read from the remote tier), its record and its store's stats."""
     length, repeat = plan["item"]
-    record = _kvtier_measure(engine, store, prompt, length, "shared", drop_cache=True, **measure)
+    record = kvtier_measure(engine, store, prompt, length, "shared", drop_cache=True, **measure)
     emit("measure", {"experiment": 1, "config": config, "length_tokens": length, "repeat": repeat,
                      "prompt_id": f"p:{length}:{repeat}", **record})  # fmt: skip
     emit("store_stats", dict(store.stats()))
@@ -540,7 +293,7 @@ def phase_kvtier_object_store(plan: dict, emit) -> None:
     flush after each waits until its segments and index objects are PUT."""
     transfer = kvtier_transfer(plan, shared_store_dir(plan, "object-a"), object_tier=True, load_policy="auto")
     engine = Engine(plan, transfer)
-    store = _store_of_engine()
+    store = store_of_engine()
     emit("engine", {"start_s": engine.start_s, "bucket_url": plan["object"]["bucket_url"]})
     counters = ("puts", "bucket_segments_published", "bucket_bytes_written", "bucket_put_requests")
     _publish_every_prompt(plan, emit, engine, store, "object", counters, OBJECT_PUBLISH_FAILURES)
@@ -646,7 +399,7 @@ def _slow_node_b(plan: dict, emit, tier: str, where: dict, remote: dict, served_
     blocks = length // engine.block_tokens
     believed = decider_view(decider, blocks)
     decisions_before = dict(decider.decisions)
-    record = _kvtier_measure(
+    record = kvtier_measure(
         engine, store, prompt, length, "shared", drop_cache=True, served_counter=served_counter,
         all_served=policy == "always",
     )  # fmt: skip
@@ -871,7 +624,7 @@ def run_phase(spec_path: str) -> int:
             import traceback
 
             traceback.print_exc()
-            _stop_services_of_this_process()
+            stop_services_of_this_process()
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)

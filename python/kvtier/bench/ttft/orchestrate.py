@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.ttft.engine_phase import PROGRESS_PREFIX, lmcache_environment, lmcache_log_problem
+from kvtier.bench.ttft.engine import PROGRESS_PREFIX
+from kvtier.bench.ttft.engine_phase import lmcache_environment, lmcache_log_problem
 from kvtier.bench.ttft.plan import TARGET_LENGTH_TOKENS, BenchError
 
 TARGET_NVME_OVER_DRAM = 1.3
