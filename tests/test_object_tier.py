@@ -361,6 +361,36 @@ def _wait_under_budget(rgw: Rgw, prefix: str, budget: int) -> int:
         time.sleep(0.1)
 
 
+def test_values_in_the_bucket_are_encrypted_under_the_encryption_key(rgw, nodes, bucket, tmp_path):
+    """Issue 40, item 3: with `encryption_key_file`, the values a store publishes to the bucket are
+    AES-256-GCM encrypted (docs/format.md, "Encrypted values"): no stored value can be read from the
+    objects, a store with the key is served every block (through the deployment key's tag too), and a
+    store without it, or with another key, gets counted misses, never wrong bytes."""
+    keys = {}
+    for name in ("good", "other", "auth"):
+        keys[name] = tmp_path / f"{name}.key"
+        keys[name].write_bytes(os.urandom(32))
+        keys[name].chmod(0o600)
+    auth = {"bucket_key_file": str(keys["auth"])}
+    writer = nodes.open("writer", encryption_key_file=str(keys["good"]), **auth, **bucket)
+    ids = list(range(8))
+    publish(writer, ids)
+    prefix = bucket["bucket_url"].removeprefix(f"s3://{BUCKET}/")
+    stored = b"".join(rgw.s3("GET", f"{BUCKET}/{name}")[1] for name, _ in rgw.keys(prefix))
+    assert len(stored) > len(ids) * OBJECT_BYTES, "the segments were read back"
+    for i in ids:
+        plain = value(i).tobytes()
+        assert not any(plain[at : at + 64] in stored for at in range(0, OBJECT_BYTES, 4096)), f"block {i} in clear"
+    reader = nodes.open("reader", encryption_key_file=str(keys["good"]), **auth, **bucket)
+    assert wait_visible(reader, [key(i) for i in ids]) and all(load(reader, ids))
+    assert reader.stats()["remote_decrypt_failures"] == 0
+    for name, extra in (("keyless", {}), ("stranger", {"encryption_key_file": str(keys["other"])})):
+        other = nodes.open(name, **extra, **auth, **bucket)
+        assert wait_visible(other, [key(i) for i in ids])
+        assert not any(load(other, ids)), f"{name} was served encrypted blocks"
+        assert other.stats()["remote_decrypt_failures"] == len(ids), name
+
+
 def test_budget_evicts_the_oldest_segments_by_the_lease_holder_only(rgw, nodes, bucket):
     segment = bucket["bucket_segment_bytes"]
     budget = 3 * segment

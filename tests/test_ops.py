@@ -443,6 +443,7 @@ def test_metrics_scrape_has_the_issue_list(served: Served) -> None:
         "kvtier_cancelled_writes_total",
         "kvtier_checksum_failures_total",
         "kvtier_nvme_auth_failures_total",
+        "kvtier_remote_decrypt_failures_total",
         "kvtier_evictions_total",
         "kvtier_remote_tier_outages_total",
         "kvtier_remote_tier_lookups_skipped_total",

@@ -868,7 +868,7 @@ pub static OPTIONS: &[ConfigOption] = &[
         kind: OptionKind::Path,
         unset: "none (`KVTIER_ENCRYPTION_KEY_FILE` if set, else values in clear)",
         constraint: "a file of >= 32 bytes, mode 0600 (no group/other bits)",
-        description: "Encryption at rest of the NVMe tier: every value written is encrypted with AES-256-GCM under a key derived from this file (docs/format.md, \"Sealed values\"); a value that does not decrypt under it is a miss (`nvme_auth_failures`). Values in clear written before are still read. The DRAM pool stays in clear (process memory).",
+        description: "Encryption at rest below DRAM: every value written to NVMe, the shared filesystem and the bucket is encrypted with AES-256-GCM under a key derived from this file (docs/format.md, \"Encrypted values\"); a value that does not decrypt under it is a miss (`nvme_auth_failures`, `remote_decrypt_failures`). Values in clear written before are still read. Give every host that shares a remote tier the same file. The DRAM pool stays in clear (process memory).",
         set: |c, v| c.encryption_key_file = Some(v.path()),
         get: |c| c.encryption_key_file.clone().map(OptionValue::Path),
     },

@@ -154,7 +154,7 @@ static ENCRYPTED_SKIP_LOGGED: std::sync::atomic::AtomicBool = std::sync::atomic:
 fn open_nvme_copy(store: &Store, bytes: &mut [u8]) -> std::result::Result<(), String> {
     let sh = store.shared();
     let (page, rest) = bytes.split_at_mut(DESCRIPTOR_BYTES);
-    decrypt_in_place(sh.value_cipher.as_ref(), page, &mut rest[..sh.config.object_bytes])
+    decrypt_in_place(sh.value_cipher.as_deref(), page, &mut rest[..sh.config.object_bytes])
         .map(|_| ())
         .map_err(|e| format!("encrypted value {e}"))
 }

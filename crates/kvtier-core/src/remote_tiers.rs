@@ -11,6 +11,7 @@
 use crate::admission::WriteBudget;
 use crate::config::StoreConfig;
 use crate::error::Result;
+use crate::format::encrypted::ValueCipher;
 use crate::key::{BlockKey, Namespace};
 use crate::stats::Stats;
 use crate::tiers::health::{Admit, Change, Health, Observed};
@@ -110,7 +111,13 @@ pub(crate) struct RemoteTiers {
 impl RemoteTiers {
     /// Opens the tiers the configuration asks for, after NVMe: either, both, or neither. One arm per
     /// tier; the shared filesystem comes first, so that a block in both is read from it.
-    pub(crate) fn open(config: &StoreConfig, namespace: Namespace, stats: &Arc<Stats>) -> Result<RemoteTiers> {
+    /// `cipher`: encryption at rest (`encryption_key_file`), for every tier.
+    pub(crate) fn open(
+        config: &StoreConfig,
+        namespace: Namespace,
+        stats: &Arc<Stats>,
+        cipher: Option<&Arc<ValueCipher>>,
+    ) -> Result<RemoteTiers> {
         let mut tiers = Vec::new();
         let mut shared_fs = None;
         if let Some(c) = &config.shared {
@@ -120,6 +127,9 @@ impl RemoteTiers {
         }
         if let Some(c) = &config.bucket {
             let tier = ObjectTier::open(c, namespace, config.object_bytes, Arc::clone(stats))?;
+            if let Some(cipher) = cipher {
+                tier.encrypt_with(Arc::clone(cipher));
+            }
             tiers.push(Remote::start(tier, "object store", config, config.write_budget_bucket_bytes_per_day)?);
         }
         let stall_floor = Duration::from_millis(config.remote_read_stall_ms);

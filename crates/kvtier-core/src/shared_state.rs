@@ -36,7 +36,7 @@ pub(crate) struct Shared {
     /// Whether the NVMe tier is offered (its reads failing in a row make it step aside).
     pub nvme_health: NvmeHealth,
     /// Encryption at rest of NVMe values (`encryption_key_file`); None: written in clear.
-    pub value_cipher: Option<ValueCipher>,
+    pub value_cipher: Option<Arc<ValueCipher>>,
     /// Buffers of encrypted NVMe writes whose I/O is done, kept for the next (no fresh pages to fault
     /// in and zero for every write); `mover::give_back_write_buffer` bounds them.
     pub(crate) write_buffers: Mutex<Vec<AlignedBuf>>,

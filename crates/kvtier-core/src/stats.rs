@@ -115,6 +115,9 @@ counters!(
     // Encryption at rest (`encryption_key_file`, crate::format::encrypted): NVMe values that did not open
     // (another key, changed bytes, or encrypted and no key set): counted misses, never served.
     nvme_auth_failures,
+    // Blocks of the shared-filesystem and object tiers that did not decrypt (another key, changed
+    // bytes, or encrypted and this store has no key): counted misses, never served.
+    remote_decrypt_failures,
     // Writes below DRAM (crate::admission, docs/architecture.md "Writes below DRAM"): stored blocks
     // kept in DRAM only for want of evidence of reuse, such blocks written below DRAM once reused,
     // such blocks evicted from DRAM unused (never written), and writes refused by a tier's write

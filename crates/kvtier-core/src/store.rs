@@ -114,11 +114,11 @@ impl Store {
         let cipher = open_value_cipher(&config)?;
         let (device_files, startup_meta) = match &geometry {
             Some(geometry) => {
-                open_and_recover_devices(&config, &dirs, namespace, geometry, &mut catalog, cipher.as_ref())?
+                open_and_recover_devices(&config, &dirs, namespace, geometry, &mut catalog, cipher.as_deref())?
             }
             None => (Vec::new(), Vec::new()),
         };
-        let remote = RemoteTiers::open(&config, namespace, &stats)?;
+        let remote = RemoteTiers::open(&config, namespace, &stats, cipher.as_ref())?;
         let (engine_name, buffers_registered, devices) =
             start_devices(&config, &device_files, &arena.registration_ranges(), &stats)?;
         let direct_io = device_files.iter().all(|d| d.direct) && !device_files.is_empty();
@@ -711,7 +711,7 @@ fn open_and_recover_devices(
 
 /// The NVMe tier's value cipher, from `encryption_key_file` (else the file `KVTIER_ENCRYPTION_KEY_FILE`
 /// names); None: values are written in clear.
-fn open_value_cipher(config: &StoreConfig) -> Result<Option<ValueCipher>> {
+fn open_value_cipher(config: &StoreConfig) -> Result<Option<Arc<ValueCipher>>> {
     let source = KeySource {
         key_file: config.encryption_key_file.as_deref(),
         option: "encryption_key_file",
@@ -719,7 +719,7 @@ fn open_value_cipher(config: &StoreConfig) -> Result<Option<ValueCipher>> {
         // Whoever can write the shared root must not read the key that keeps NVMe values from them.
         shared_root: config.shared.as_ref().map(|s| s.root.as_path()),
     };
-    Ok(load_key_bytes(&source)?.map(|bytes| ValueCipher::new(&bytes)))
+    Ok(load_key_bytes(&source)?.map(|bytes| Arc::new(ValueCipher::new(&bytes))))
 }
 
 /// The regions of an existing device file with the blocks they hold, logged with the time taken.

@@ -89,6 +89,12 @@ NAMESPACE_FAMILIES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         (),
         "Encrypted NVMe values that did not decrypt (another key, changed bytes, no key): counted misses",
     ),
+    (
+        "kvtier_remote_decrypt_failures",
+        "counter",
+        (),
+        "Encrypted shared-filesystem and bucket blocks that did not decrypt (another key, changed bytes, no key)",
+    ),
     ("kvtier_io_errors", "counter", (), "Failed reads and writes"),
     (
         "kvtier_queue_depth",
@@ -202,6 +208,7 @@ PLAIN_VALUES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("kvtier_cancelled_writes", (), "cancelled_writes"),
     ("kvtier_checksum_failures", (), "checksum_failures"),
     ("kvtier_nvme_auth_failures", (), "nvme_auth_failures"),
+    ("kvtier_remote_decrypt_failures", (), "remote_decrypt_failures"),
     ("kvtier_io_errors", (), "io_errors"),
     ("kvtier_queue_depth", ("pending_fills",), "service_pending_fills"),
     ("kvtier_nvme_write_backlog_bytes", (), "nvme_write_backlog_bytes"),

@@ -402,6 +402,7 @@ def print_status(report: dict[str, Any], output: Output) -> None:
             ("dropped stores", stats.get("dropped_stores", 0)),
             ("checksum failures", stats.get("checksum_failures", 0)),
             ("NVMe values that did not decrypt", stats.get("nvme_auth_failures", 0)),
+            ("remote blocks that did not decrypt", stats.get("remote_decrypt_failures", 0)),
             ("I/O errors", stats.get("io_errors", 0)),
             ("pending fills", stats.get("service_pending_fills", 0)),
             ("remote tiers sick now", stats.get("remote_tiers_sick", 0)),

@@ -27,7 +27,7 @@
 //! An encrypted descriptor is format version 2 with flag bit 0 set (`descriptor.rs`); version 1 is a
 //! value in clear, still read.
 
-use super::descriptor::Descriptor;
+use super::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use super::{get_u32, put_u32};
 use ring::aead::{Aad, LessSafeKey, Nonce, Tag, UnboundKey, AES_256_GCM};
 use ring::hkdf::{Prk, Salt, HKDF_SHA256};
@@ -136,6 +136,21 @@ pub fn decrypt_in_place(cipher: Option<&ValueCipher>, page: &mut [u8], value: &m
     page[HEADER_AT..HEADER_AT + HEADER_BYTES].fill(0);
     desc.encode(page);
     Ok(true)
+}
+
+/// Encrypts a slot's value (the descriptor page, then the value) in place, as `ValueCipher::encrypt`,
+/// with a fresh nonce: the remote tiers' copies, which leave this host.
+pub fn seal_slot(cipher: &ValueCipher, slot: &mut [u8], object_bytes: usize) -> std::io::Result<()> {
+    let nonce = fresh_nonce()?;
+    let (page, rest) = slot.split_at_mut(DESCRIPTOR_BYTES);
+    cipher.encrypt(page, &mut rest[..object_bytes], &DEFAULT_TENANT, nonce);
+    Ok(())
+}
+
+/// Decrypts a slot read back (`decrypt_in_place` on its page and value).
+pub fn open_slot(cipher: Option<&ValueCipher>, slot: &mut [u8], object_bytes: usize) -> Result<bool, DecryptError> {
+    let (page, rest) = slot.split_at_mut(DESCRIPTOR_BYTES);
+    decrypt_in_place(cipher, page, &mut rest[..object_bytes])
 }
 
 /// 96 random bits from the kernel for one write's nonce.

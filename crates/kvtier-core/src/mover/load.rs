@@ -104,7 +104,7 @@ impl Landing {
             Landing::Slot => unsafe { slot_mut(sh.arena.slot_ptr(read.slot), sh.arena.slot_bytes()) },
         };
         let (page, rest) = bytes.split_at_mut(DESCRIPTOR_BYTES);
-        decrypt_in_place(sh.value_cipher.as_ref(), page, &mut rest[..sh.config.object_bytes]).map(|_| ())
+        decrypt_in_place(sh.value_cipher.as_deref(), page, &mut rest[..sh.config.object_bytes]).map(|_| ())
     }
 
     /// Checks a finished NVMe read against what the index expects and copies its value out.

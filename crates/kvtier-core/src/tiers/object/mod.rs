@@ -21,6 +21,7 @@ pub use config::ObjectConfig;
 
 use crate::error::{Error, Result};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
+use crate::format::encrypted::{open_slot, ValueCipher};
 use crate::format::shared::{AuthKey, BLOCK_TAG_AT, TAG_BYTES};
 use crate::format::{checksum, round_up, ALIGN_BYTES};
 use crate::io::device::OnDone;
@@ -35,7 +36,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use reads::Landing;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -132,6 +133,8 @@ pub struct ObjectTier {
     oversized: Mutex<HashSet<String>>,
     writer: Mutex<writer::SegmentWriter>,
     auth: Option<AuthKey>,
+    /// Encryption at rest of the values it publishes (`encryption_key_file`, `encrypt_with`).
+    cipher: OnceLock<Arc<ValueCipher>>,
     stats: Arc<Stats>,
     stop: Mutex<bool>,
     stop_cv: Condvar,
@@ -163,12 +166,7 @@ impl ObjectTier {
         config.validate(slot_bytes)?;
         let (bucket, prefix) = config.bucket_and_prefix()?;
         let store = sync::connect(config, &bucket)?;
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("kvtier-bucket")
-            .enable_all()
-            .build()
-            .map_err(|e| Error::io("starting the object tier's runtime", e))?;
+        let rt = runtime()?;
         // No shared root to keep the key off: the bucket is not a directory of this node.
         let auth = load_key(&KeySource {
             env: KEY_FILE_ENV,
@@ -197,6 +195,7 @@ impl ObjectTier {
             quarantined: Mutex::new(HashSet::new()),
             oversized: Mutex::new(HashSet::new()),
             auth,
+            cipher: OnceLock::new(),
             stats,
             stop: Mutex::new(false),
             stop_cv: Condvar::new(),
@@ -347,7 +346,29 @@ impl ObjectTier {
         ReadOutcome::Hit
     }
 
-    fn verify(&self, read: &ObjectRead, slot: &[u8]) -> std::result::Result<(), damage::Refusal> {
+    /// Encrypts the values this tier publishes from now on (`encryption_key_file`); a store sets it
+    /// once, before it publishes anything. Encrypted blocks are read with or without it: without
+    /// the key they are counted misses (`remote_decrypt_failures`).
+    pub fn encrypt_with(&self, cipher: Arc<ValueCipher>) {
+        assert!(self.cipher.set(cipher).is_ok(), "the object tier's cipher is set once");
+    }
+
+    /// A block in clear is checked, then its deployment-key tag. An encrypted one is authenticated
+    /// first (the tag is over what was stored), then decrypted in place and checked.
+    fn verify(&self, read: &ObjectRead, slot: &mut [u8]) -> std::result::Result<(), damage::Refusal> {
+        if !Descriptor::is_encrypted(&slot[..DESCRIPTOR_BYTES]) {
+            return self.check_block(read, slot).and_then(|()| self.check_tag(read, slot));
+        }
+        self.check_tag(read, slot)?;
+        if let Err(e) = open_slot(self.cipher.get().map(|c| &**c), slot, self.object_bytes) {
+            log::debug!("kvtier: bucket block {:?} {e}; a miss", read.key);
+            Stats::add(&self.stats.remote_decrypt_failures, 1);
+            return Err(damage::Refusal::Unauthenticated);
+        }
+        self.check_block(read, slot)
+    }
+
+    fn check_block(&self, read: &ObjectRead, slot: &[u8]) -> std::result::Result<(), damage::Refusal> {
         let checked = (|| {
             let desc = Descriptor::decode(&slot[..DESCRIPTOR_BYTES]).map_err(|_| "descriptor rejected")?;
             if desc.key != read.key || desc.namespace != self.namespace {
@@ -365,6 +386,11 @@ impl ObjectTier {
             Stats::add(&self.stats.bucket_verify_failures, 1);
             return Err(damage::Refusal::Corrupt(why));
         }
+        Ok(())
+    }
+
+    /// The deployment key's tag over the value as stored (`bucket_key_file`), if the tier has one.
+    fn check_tag(&self, read: &ObjectRead, slot: &[u8]) -> std::result::Result<(), damage::Refusal> {
         if let Some(auth) = &self.auth {
             let (page, value) = slot[..DESCRIPTOR_BYTES + self.object_bytes].split_at(DESCRIPTOR_BYTES);
             if !auth.verify_block(&self.namespace, &read.key, page, value) {
@@ -409,6 +435,16 @@ impl Drop for ObjectTier {
     fn drop(&mut self) {
         self.close();
     }
+}
+
+/// The tier's own runtime, for its requests.
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("kvtier-bucket")
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io("starting the object tier's runtime", e))
 }
 
 /// The open-time refusal: the bucket did not answer a listing with these credentials.

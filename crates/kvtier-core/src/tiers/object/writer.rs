@@ -5,6 +5,7 @@ use super::format::{self, Entry, SegmentHeader, SegmentIndex, SEGMENT_HEADER_BYT
 use super::ObjectTier;
 use crate::format::checksum;
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
+use crate::format::encrypted::seal_slot;
 use crate::format::shared::{unix_ms, BLOCK_TAG_AT, TAG_BYTES};
 use crate::key::BlockKey;
 use crate::stats::Stats;
@@ -56,7 +57,9 @@ impl ObjectTier {
             if w.keys.contains(key) {
                 continue;
             }
-            self.append_one(&mut w, key, slot);
+            if !self.append_one(&mut w, key, slot) {
+                continue;
+            }
             appended += 1;
             debug_assert!(w.entries.len() <= self.segment_blocks, "a full segment is sealed at once");
             if w.entries.len() == self.segment_blocks {
@@ -74,10 +77,19 @@ impl ObjectTier {
             && checksum(&slot[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + self.object_bytes]) == desc.value_checksum
     }
 
-    fn append_one(&self, w: &mut SegmentWriter, key: &BlockKey, slot: &[u8]) {
+    /// Appends one sound slot, its value encrypted with a key (`encrypt_with`); `false` when it could
+    /// not be (no nonce from the kernel): left out, as a failed publish is.
+    fn append_one(&self, w: &mut SegmentWriter, key: &BlockKey, slot: &[u8]) -> bool {
         let offset = w.buf.len() as u64;
         w.buf.extend_from_slice(&slot[..self.slot_bytes]);
         let page_at = offset as usize;
+        if let Some(cipher) = self.cipher.get() {
+            if let Err(e) = seal_slot(cipher, &mut w.buf[page_at..page_at + self.slot_bytes], self.object_bytes) {
+                log::warn!("kvtier: no nonce to encrypt block {key:?} for the bucket ({e}); not published");
+                w.buf.truncate(page_at);
+                return false;
+            }
+        }
         let tag = match &self.auth {
             Some(auth) => {
                 let value = &w.buf[page_at + DESCRIPTOR_BYTES..page_at + DESCRIPTOR_BYTES + self.object_bytes];
@@ -90,6 +102,7 @@ impl ObjectTier {
         w.entries.push(Entry { key: *key, offset, value_checksum });
         w.keys.insert(*key);
         w.first_at.get_or_insert_with(Instant::now);
+        true
     }
 
     /// Publishes the open segment if it holds blocks.
