@@ -122,6 +122,9 @@ impl RemoteTiers {
         let mut shared_fs = None;
         if let Some(c) = &config.shared {
             let tier = SharedTier::open(c, namespace, config.object_bytes, Arc::clone(stats), &config.io_setup())?;
+            if let Some(cipher) = cipher {
+                tier.encrypt_with(Arc::clone(cipher));
+            }
             shared_fs = Some(Arc::clone(&tier));
             tiers.push(Remote::start(tier, "shared filesystem", config, config.write_budget_shared_bytes_per_day)?);
         }

@@ -173,3 +173,60 @@ fn verify_checks_encrypted_copies_with_the_key_and_leaves_them_alone_without() {
     store.close().unwrap();
     assert_eq!(reopened_hits(dir.path(), engine, Some(&key)), (N as usize, 0), "nothing was dropped");
 }
+
+/// A node on `dir/<name>` with no NVMe tier and the shared-filesystem tier on `shared`.
+fn shared_node(dir: &Path, name: &str, shared: &Path, key: Option<&Path>, deployment: &Path) -> Store {
+    let mut c = cfg(&dir.join(name), EngineChoice::Psync, key);
+    c.nvme_bytes = 0;
+    let mut tier = kvtier_core::SharedConfig::new(shared.to_path_buf());
+    tier.publish_delay_ms = 10;
+    tier.key_file = Some(deployment.to_path_buf());
+    c.shared = Some(tier);
+    Store::open(c).unwrap()
+}
+
+/// Every regular file under `dir`, read whole.
+fn files_under(dir: &Path) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            bytes.extend(files_under(&path));
+        } else if path.is_file() {
+            bytes.extend(std::fs::read(&path).unwrap());
+        }
+    }
+    bytes
+}
+
+#[test]
+fn the_shared_tier_holds_only_encrypted_values_which_only_the_key_opens() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = tempfile::tempdir().unwrap();
+    let shared = dir.path().join("shared");
+    let (key, other) = (key_file(keys.path(), "kvtier.key", 7), key_file(keys.path(), "other.key", 8));
+    let deployment = key_file(keys.path(), "deployment.key", 9);
+    let ids: Vec<u64> = (0..24).collect();
+    let writer = shared_node(dir.path(), "writer", &shared, Some(&key), &deployment);
+    assert!(put(&writer, &ids).iter().all(|&ok| ok));
+    writer.flush().unwrap();
+    writer.close().unwrap();
+
+    let bytes = files_under(&shared);
+    assert!(bytes.len() > ids.len() * OBJ, "the blocks were published");
+    for &i in &ids {
+        let probe = &value(i, OBJ)[OBJ / 2..OBJ / 2 + 64];
+        assert!(!bytes.windows(64).any(|w| w == probe), "block {i}'s plaintext is in the shared directory");
+    }
+    let reader = shared_node(dir.path(), "reader", &shared, Some(&key), &deployment);
+    assert!(get_checked(&reader, &ids).iter().all(|&hit| hit), "the key opens every block");
+    assert_eq!(reader.stats().counters.remote_decrypt_failures, 0);
+    for (name, key) in [("keyless", None), ("stranger", Some(other.as_path()))] {
+        let node = shared_node(dir.path(), name, &shared, key, &deployment);
+        assert!(!get_checked(&node, &ids).iter().any(|&hit| hit), "{name} was served encrypted blocks");
+        let s = node.stats().counters;
+        assert_eq!((s.remote_decrypt_failures, s.shared_quarantined_files), (ids.len() as u64, 0), "{name}");
+    }
+    // Nothing was quarantined by the stores without the key: the reader still gets every block.
+    assert!(get_checked(&reader, &ids).iter().all(|&hit| hit));
+}

@@ -51,6 +51,7 @@ pub use config::SharedConfig;
 
 use crate::error::{Error, Result};
 use crate::format::descriptor::DESCRIPTOR_BYTES;
+use crate::format::encrypted::ValueCipher;
 // The tier's on-disk format, `super::format` to the submodules here.
 use crate::format::shared as format;
 use crate::format::{round_up, ALIGN_BYTES};
@@ -70,7 +71,7 @@ use std::fs::File;
 use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use writer::WriterState;
@@ -109,6 +110,8 @@ pub struct SharedTier {
     /// The deployment key (`shared_key_file`): when set, blocks and manifest records are tagged on
     /// write and verified before use.
     auth: Option<AuthKey>,
+    /// Encryption at rest of the values it publishes (`encryption_key_file`, `encrypt_with`).
+    cipher: OnceLock<Arc<ValueCipher>>,
     stats: Arc<Stats>,
     /// Block data I/O (see the module comment).
     io: DeviceQueue,
@@ -182,6 +185,7 @@ impl SharedTier {
             dir,
             direct,
             auth,
+            cipher: OnceLock::new(),
             stats,
             io,
             index: RwLock::new(Index::default()),
@@ -295,6 +299,13 @@ impl SharedTier {
 
     pub fn object_bytes(&self) -> usize {
         self.object_bytes
+    }
+
+    /// Encrypts the values this tier publishes from now on (`encryption_key_file`); a store sets it
+    /// once, before it publishes anything. Encrypted blocks are read with or without it: without
+    /// the key they are counted misses (`remote_decrypt_failures`).
+    pub fn encrypt_with(&self, cipher: Arc<ValueCipher>) {
+        assert!(self.cipher.set(cipher).is_ok(), "the shared tier's cipher is set once");
     }
 
     /// Whether a deployment key is configured (blocks and manifest records are authenticated).

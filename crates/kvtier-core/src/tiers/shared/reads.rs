@@ -9,6 +9,7 @@ use super::index::{FileId, Location};
 use super::{is_vanished, SharedTier, MAX_OPEN_DATA_FILES, SHORT_READ_SETTLE};
 use crate::error::{Error, Result};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
+use crate::format::encrypted::open_slot;
 use crate::format::{checksum, ALIGN_BYTES};
 use crate::io::buffer::AlignedBuf;
 use crate::io::device::{is_abandoned, OnDone, Transfer};
@@ -33,6 +34,9 @@ enum Verdict {
     Failed(std::io::Error),
     /// Verification failed and the file was quarantined.
     Bad(&'static str),
+    /// Encrypted, and it does not decrypt here (another key, changed bytes, no key): counted in
+    /// `remote_decrypt_failures`. The file is left alone: stores with the key read it.
+    NotOpened,
 }
 
 /// What `SharedTier::locate_for_read` found for a key.
@@ -180,7 +184,7 @@ impl SharedTier {
             Located::Absent => return Ok(None),
             Located::NotRegular => return Ok(Some("not a regular file")),
         };
-        let landing = AlignedBuf::zeroed(self.slot_bytes);
+        let mut landing = AlignedBuf::zeroed(self.slot_bytes);
         let read = Transfer {
             kind: OpKind::Read,
             file,
@@ -194,8 +198,9 @@ impl SharedTier {
             std::mem::forget(landing);
             return Err(Error::io(format!("reading shared file {name}"), result.unwrap_err()));
         }
-        match self.judge(key, loc, &name, result, landing.as_slice()) {
-            Verdict::Good | Verdict::Gone => Ok(None),
+        match self.judge(key, loc, &name, result, landing.as_mut_slice()) {
+            // Encrypted under a key this store does not hold: not its to judge, never quarantined.
+            Verdict::Good | Verdict::Gone | Verdict::NotOpened => Ok(None),
             Verdict::Bad(why) => Ok(Some(why)),
             Verdict::Short(true) => Ok(Some("file truncated")),
             Verdict::Short(false) => Err(Error::io(
@@ -242,7 +247,7 @@ impl SharedTier {
                 Stats::add(&self.stats.shared_misses, 1);
                 return ReadOutcome::Miss;
             }
-            Verdict::Gone | Verdict::Short(_) | Verdict::Bad(_) => {
+            Verdict::Gone | Verdict::Short(_) | Verdict::Bad(_) | Verdict::NotOpened => {
                 Stats::add(&self.stats.shared_misses, 1);
                 return ReadOutcome::Miss;
             }
@@ -262,7 +267,7 @@ impl SharedTier {
     }
 
     /// Judges a finished read of `key` at `loc` in file `name`; quarantines a bad file.
-    fn judge(&self, key: &BlockKey, loc: Location, name: &str, result: std::io::Result<()>, slot: &[u8]) -> Verdict {
+    fn judge(&self, key: &BlockKey, loc: Location, name: &str, result: std::io::Result<()>, slot: &mut [u8]) -> Verdict {
         match result {
             Ok(()) => {}
             Err(e) if is_vanished(&e) => {
@@ -278,11 +283,31 @@ impl SharedTier {
             }
             Err(e) => return Verdict::Failed(e),
         }
-        if let Err(why) = self.verify(key, loc.value_checksum, &slot[..self.slot_bytes]) {
-            Stats::add(&self.stats.checksum_failures, 1);
-            self.quarantine(name, why);
+        if !Descriptor::is_encrypted(&slot[..DESCRIPTOR_BYTES]) {
+            return self.check_block(key, loc, name, slot).unwrap_or_else(|| self.check_tag(key, name, slot));
+        }
+        // The tag is over what was stored: checked before the value is decrypted in place.
+        if let Verdict::Bad(why) = self.check_tag(key, name, slot) {
             return Verdict::Bad(why);
         }
+        if let Err(e) = open_slot(self.cipher.get().map(|c| &**c), slot, self.object_bytes) {
+            log::debug!("kvtier: shared block {key:?} in {name} {e}; a miss");
+            Stats::add(&self.stats.remote_decrypt_failures, 1);
+            return Verdict::NotOpened;
+        }
+        self.check_block(key, loc, name, slot).unwrap_or(Verdict::Good)
+    }
+
+    /// Checks the block in clear against the index; `Some(Bad)` (the file quarantined) if it fails.
+    fn check_block(&self, key: &BlockKey, loc: Location, name: &str, slot: &[u8]) -> Option<Verdict> {
+        let why = self.verify(key, loc.value_checksum, &slot[..self.slot_bytes]).err()?;
+        Stats::add(&self.stats.checksum_failures, 1);
+        self.quarantine(name, why);
+        Some(Verdict::Bad(why))
+    }
+
+    /// The deployment key's tag over the value as stored (`shared_key_file`), if the tier has one.
+    fn check_tag(&self, key: &BlockKey, name: &str, slot: &[u8]) -> Verdict {
         if let Some(auth) = &self.auth {
             let (page, value) = slot[..DESCRIPTOR_BYTES + self.object_bytes].split_at(DESCRIPTOR_BYTES);
             if !auth.verify_block(&self.namespace, key, page, value) {

@@ -9,6 +9,7 @@ use super::root::{create_file, make_dir};
 use super::{capacity, io_err, SharedTier};
 use crate::error::{Error, Result};
 use crate::format::checksum;
+use crate::format::encrypted::seal_slot;
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::io::buffer::AlignedBuf;
 use crate::io::device::Transfer;
@@ -191,6 +192,12 @@ impl SharedTier {
         if ok {
             desc.region_seq = file_seq;
             desc.encode(&mut slot[..DESCRIPTOR_BYTES]);
+            if let Some(cipher) = self.cipher.get() {
+                if let Err(e) = seal_slot(cipher, slot, self.object_bytes) {
+                    log::warn!("kvtier: no nonce to encrypt block {key:?} for the shared tier ({e}); not published");
+                    return false;
+                }
+            }
             let tag = match &self.auth {
                 Some(k) => {
                     k.block_tag(&self.namespace, key, &slot[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + self.object_bytes])
