@@ -267,7 +267,14 @@ impl SharedTier {
     }
 
     /// Judges a finished read of `key` at `loc` in file `name`; quarantines a bad file.
-    fn judge(&self, key: &BlockKey, loc: Location, name: &str, result: std::io::Result<()>, slot: &mut [u8]) -> Verdict {
+    fn judge(
+        &self,
+        key: &BlockKey,
+        loc: Location,
+        name: &str,
+        result: std::io::Result<()>,
+        slot: &mut [u8],
+    ) -> Verdict {
         match result {
             Ok(()) => {}
             Err(e) if is_vanished(&e) => {
