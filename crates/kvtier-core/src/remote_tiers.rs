@@ -314,16 +314,16 @@ impl RemoteTiers {
     }
 
     /// A load stopped waiting for this read (`stall_limit` passed with no remote read finishing):
-    /// its block is a counted miss, and a failure of the tier, unless it is the tier's probe, which
-    /// its late answer judges (`finish_late`). The read stays the tier's until it finishes.
+    /// its block is a counted miss, and the tier is sick at once (a stall is the tier, not a bad
+    /// block), unless this is its probe, which its late answer judges (`finish_late`). The read stays
+    /// the tier's until it finishes.
     pub(crate) fn give_up(&self, read: &RemoteRead, stalled: Duration) {
         Stats::add(&self.stats.remote_reads_given_up, 1);
         if read.probe {
             return;
         }
         let remote = &self.tiers[read.tier];
-        let failure = Observed::Failed(format!("no read finished in {stalled:?}"));
-        self.note(remote, remote.health.record(false, failure, Instant::now()));
+        self.note(remote, remote.health.stalled(format!("no read finished in {stalled:?}"), Instant::now()));
     }
 
     /// Judges a read its load gave up (`give_up`) once it finishes: nobody is served from it. A

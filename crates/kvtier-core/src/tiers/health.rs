@@ -144,6 +144,21 @@ impl Health {
         change
     }
 
+    /// The tier stopped answering: a load waited its whole stall limit without any read finishing.
+    /// Unlike an error, which may be one bad block, that is the tier: sick at once (the one probe's
+    /// own answer is recorded by `record` when it comes).
+    pub fn stalled(&self, last_error: String, now: Instant) -> Change {
+        let mut state = self.state.lock();
+        if self.is_sick() {
+            return Change::None;
+        }
+        state.failures = 0;
+        state.backoff = self.policy.first_backoff;
+        state.until = now + state.backoff;
+        self.sick.store(true, Ordering::Release);
+        Change::Sick { backoff: state.backoff, last_error }
+    }
+
     /// The tier answered: no failures in a row; healthy again if it was sick.
     fn answered(&self, state: &mut State) -> Change {
         state.failures = 0;
@@ -188,6 +203,19 @@ mod tests {
 
     fn fail(h: &Health, probe: bool, now: Instant) -> Change {
         h.record(probe, Observed::Failed("EIO".into()), now)
+    }
+
+    #[test]
+    fn a_stall_makes_a_tier_sick_at_once_and_a_probe_brings_it_back() {
+        let t0 = Instant::now();
+        let h = Health::new(policy(), t0);
+        assert_eq!(
+            h.stalled("no read finished".into(), t0),
+            Change::Sick { backoff: S, last_error: "no read finished".into() }
+        );
+        assert_eq!(h.stalled("again".into(), t0), Change::None, "already sick");
+        assert!(!h.offered(|| t0) && h.admit(|| t0 + S) == Admit::Probe);
+        assert_eq!(h.record(true, Observed::Hit, t0 + S), Change::Healthy);
     }
 
     #[test]
