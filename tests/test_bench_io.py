@@ -125,6 +125,15 @@ def test_bench_io_small_shared(tmp_path):
         for sample in case["repeats"]:
             assert sample["kvtier_encrypted"]["found_objects"] == case["object_count"], sample["kvtier_encrypted"]
         assert case["summary"]["encryption_cost_retrieve"]["median"] > 0
+    # --encrypted --shared: the shared-filesystem tier with the key on both stores, paired with it in clear.
+    assert document["systems"]["kvtier_shared_encrypted"]["enabled"] is True
+    assert document["wrong_objects"]["kvtier_shared_encrypted"] == 0
+    for case in document["cases"]:
+        for sample in case["repeats"]:
+            measured = sample["kvtier_shared_encrypted"]
+            assert measured["encrypted"] is True and measured["wrong_objects"] == 0
+            assert measured["found_objects"] == case["object_count"], measured
+        assert case["summary"]["shared_encryption_cost_retrieve"]["median"] > 0
     for case in document["cases"]:
         for sample in case["repeats"]:
             measured = sample["kvtier_shared"]
@@ -163,6 +172,7 @@ def test_bench_io_small_shared(tmp_path):
         assert lookup[name]["us_per_key"]["median"] == pytest.approx(lookup[name]["us_per_call"]["median"] / 10_000)
     table = Path(document["outputs"]["table"]).read_text()
     assert "kvtier shared fs" in table and "lookup_prefix" in table
+    assert "kvtier shared fs encrypted" in table
 
 
 def test_bench_io_small_fio_only(tmp_path):

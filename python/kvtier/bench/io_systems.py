@@ -1,7 +1,8 @@
-"""`kvtier bench io`'s systems (fio, kvtier and its encrypted and shared-filesystem variants, the object
-tier, LMCache): each one's entry in the results document's ``systems`` (run, with what is timed, or
-skipped and why), and one trial of a case on each (``measure_trial``), with what every measurement of
-a run shares (``Rig``). ``kvtier.bench.io`` owns the command line and the run loop."""
+"""`kvtier bench io`'s systems (fio, kvtier and its encrypted and shared-filesystem variants, the
+shared-filesystem tier encrypted, the object tier, LMCache): each one's entry in the results document's
+``systems`` (run, with what is timed, or skipped and why), and one trial of a case on each
+(``measure_trial``), with what every measurement of a run shares (``Rig``). ``kvtier.bench.io`` owns
+the command line and the run loop."""
 
 from __future__ import annotations
 
@@ -69,6 +70,19 @@ def kvtier_encrypted_system(options: dict) -> dict:
         "enabled": True,
         "timed": "as kvtier's, with encryption_key_file set (AES-256-GCM of every value written; loads "
         "decrypt where the value lands, then copy out)",
+    }
+
+
+def kvtier_shared_encrypted_system(options: dict) -> dict:
+    """The shared-filesystem tier with encryption at rest (``--encrypted --shared``): kvtier_shared's
+    measurement, both stores with the key."""
+    if not (options["use_encrypted"] and options["use_shared"]):
+        return {"enabled": False, "skipped_reason": "not requested (--encrypted --shared)"}
+    return {
+        "enabled": True,
+        "timed": "as kvtier_shared's (on a shared root of its own), with encryption_key_file set on stores A "
+        "and B (A seals every value before its tag; B checks the tag, decrypts in its DRAM slot, then "
+        "the checksum, then copies out)",
     }
 
 
@@ -225,18 +239,21 @@ def measure_kvtier(rig: Rig, trial: Trial, system: str = "kvtier", store_options
     )
 
 
-def measure_kvtier_shared(rig: Rig, trial: Trial) -> None:
+def measure_kvtier_shared(
+    rig: Rig, trial: Trial, system: str = "kvtier_shared", store_options: dict | None = None
+) -> None:
     case = trial.case
     namespace = f"kvtier-bench-io/{case['model']}/{case['tokens_per_object']}".encode()
-    trial.sample["kvtier_shared"] = kvtier_store.measure_shared(
+    trial.sample[system] = kvtier_store.measure_shared(
         trial.layout,
         rig.pool,
-        os.path.join(rig.options["scratch_dir"], "kvtier-shared"),
+        os.path.join(rig.options["scratch_dir"], system.replace("_", "-")),
         namespace,
+        store_options=store_options,
     )
-    measured = trial.sample["kvtier_shared"]
+    measured = trial.sample[system]
     log(
-        f"{trial.label} kvtier shared: store {measured['store']['gbps']:.2f} GB/s "
+        f"{trial.label} {system.replace('_', ' ')}: store {measured['store']['gbps']:.2f} GB/s "
         f"({measured['files']['data_files']} files, "
         f"{measured['store']['shared_dropped_publishes']} dropped publishes), visible after "
         f"{measured['visibility_seconds'] * 1e3:.1f} ms, retrieve "
@@ -272,14 +289,26 @@ def measure_lmcache(rig: Rig, trial: Trial) -> None:
     )
 
 
-def measure_kvtier_encrypted(rig: Rig, trial: Trial) -> None:
-    """kvtier's measurement with a key file of 32 random bytes (mode 0600) beside the store."""
+def encryption_key_file(rig: Rig) -> str:
+    """The run's throwaway key: 32 random bytes, mode 0600, in the scratch folder (beside the stores, never
+    under a shared root: the store refuses a key there), made on first use."""
     key_file = os.path.join(rig.options["scratch_dir"], "encryption.key")
     if not os.path.exists(key_file):
         descriptor = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(descriptor, "wb") as out:
             out.write(os.urandom(32))
-    measure_kvtier(rig, trial, "kvtier_encrypted", {"encryption_key_file": key_file})
+    return key_file
+
+
+def measure_kvtier_encrypted(rig: Rig, trial: Trial) -> None:
+    """kvtier's measurement with the run's key."""
+    measure_kvtier(rig, trial, "kvtier_encrypted", {"encryption_key_file": encryption_key_file(rig)})
+
+
+def measure_kvtier_shared_encrypted(rig: Rig, trial: Trial) -> None:
+    """The shared tier's measurement with the run's key on both stores (on a shared root of its own)."""
+    store_options = {"encryption_key_file": encryption_key_file(rig)}
+    measure_kvtier_shared(rig, trial, "kvtier_shared_encrypted", store_options)
 
 
 # What measure_trial runs for each system of the order.
@@ -288,6 +317,7 @@ MEASURE_SYSTEM = {
     "kvtier": measure_kvtier,
     "kvtier_encrypted": measure_kvtier_encrypted,
     "kvtier_shared": measure_kvtier_shared,
+    "kvtier_shared_encrypted": measure_kvtier_shared_encrypted,
     "lmcache": measure_lmcache,
 }
 

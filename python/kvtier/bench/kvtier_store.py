@@ -302,6 +302,7 @@ def _open_shared(
     dram_bytes: int,
     shared_root: str,
     shared_file_bytes: int,
+    store_options: dict | None = None,
 ):
     return store_class.open(
         directory,
@@ -311,6 +312,7 @@ def _open_shared(
         nvme_bytes=0,
         shared_root=shared_root,
         shared_file_bytes=shared_file_bytes,
+        **(store_options or {}),
     )
 
 
@@ -447,6 +449,7 @@ def measure_shared(
     directory: str,
     namespace: bytes,
     visibility_timeout_s: float = 10.0,
+    store_options: dict | None = None,
 ) -> dict:
     """Publish one prompt to the shared tier from store A, read it cold from store B (same root and namespace).
 
@@ -454,7 +457,9 @@ def measure_shared(
     partly filled shared file). B: another local directory, nvme_bytes=0, opened after A was closed and
     the page cache dropped; timed until lookup_prefix covers the prompt, then get_many (every block from
     the shared files, verified byte for byte). B's DRAM tier holds the prompt: a get_many of more blocks
-    than B has DRAM slots misses the excess in this build (see ``b_dram_bytes_note``)."""
+    than B has DRAM slots misses the excess in this build (see ``b_dram_bytes_note``).
+    ``store_options``: more options of both stores (``encryption_key_file``, never under ``directory``'s
+    shared root: the store refuses a key there)."""
     store_class = load_store_class()
     prompt_bytes = layout.object_bytes * layout.object_count
     page = workload.PAGE_BYTES
@@ -469,11 +474,14 @@ def measure_shared(
     dram_b = (layout.object_count + 8) * slot_bytes
 
     def open_on_shared_root(store_dir: str, dram_bytes: int):
-        return _open_shared(store_class, store_dir, namespace, layout.object_bytes, dram_bytes, shared_root, file_bytes)
+        return _open_shared(
+            store_class, store_dir, namespace, layout.object_bytes, dram_bytes, shared_root, file_bytes, store_options
+        )
 
     keys = layout.keys()
     views = layout.object_views(pool)
     result = _shared_result_header(layout, file_bytes, dram_a, dram_b)
+    result["encrypted"] = bool((store_options or {}).get("encryption_key_file"))
     store_a = store_b = None
     try:
         store_a = open_on_shared_root(dir_a, dram_a)

@@ -21,7 +21,12 @@ LMCACHE_TARGET_MODEL = "llama3-8b"
 LMCACHE_TARGET_PROMPT_TOKENS = 8192
 
 OPERATIONS = ("retrieve", "store")
-SYSTEMS = ("kvtier", "kvtier_encrypted", "kvtier_shared", "lmcache")
+SYSTEMS = ("kvtier", "kvtier_encrypted", "kvtier_shared", "kvtier_shared_encrypted", "lmcache")
+# Encryption's cost (--encrypted): the summary's field, the system in clear and the same one encrypted.
+ENCRYPTION_PAIRS = (
+    ("encryption_cost", "kvtier", "kvtier_encrypted"),
+    ("shared_encryption_cost", "kvtier_shared", "kvtier_shared_encrypted"),
+)
 FIO_DIRECTION = {"retrieve": "read", "store": "write"}
 
 
@@ -197,15 +202,26 @@ TABLE_COLUMNS = (
 
 def encryption_costs(repeats: list[dict]) -> dict:
     """Encryption's cost per operation, paired by repeat (``--encrypted``): how many times longer the
-    encrypted store takes than the one in clear."""
+    encrypted store takes than the one in clear (clear GB/s / encrypted GB/s); ``encryption_cost_*`` for
+    the local tiers, ``shared_encryption_cost_*`` for the shared-filesystem tier (with ``--shared``)."""
     costs_by_operation = {}
-    for operation in OPERATIONS:
-        clear = [((s.get("kvtier") or {}).get(operation) or {}).get("gbps") for s in repeats]
-        encrypted = [((s.get("kvtier_encrypted") or {}).get(operation) or {}).get("gbps") for s in repeats]
-        costs = [plain / secret for plain, secret in zip(clear, encrypted, strict=True) if plain and secret]
-        if costs:
-            costs_by_operation[f"encryption_cost_{operation}"] = spread(costs)
+    for field, clear_system, encrypted_system in ENCRYPTION_PAIRS:
+        for operation in OPERATIONS:
+            clear = [((s.get(clear_system) or {}).get(operation) or {}).get("gbps") for s in repeats]
+            encrypted = [((s.get(encrypted_system) or {}).get(operation) or {}).get("gbps") for s in repeats]
+            costs = [plain / secret for plain, secret in zip(clear, encrypted, strict=True) if plain and secret]
+            if costs:
+                costs_by_operation[f"{field}_{operation}"] = spread(costs)
     return costs_by_operation
+
+
+TABLE_SYSTEMS = (
+    ("kvtier", "kvtier"),
+    ("kvtier encrypted", "kvtier_encrypted"),
+    ("kvtier shared fs", "kvtier_shared"),
+    ("kvtier shared fs encrypted", "kvtier_shared_encrypted"),
+    ("LMCache disk", "lmcache"),
+)
 
 
 def table_rows(document: dict) -> list[list[str]]:
@@ -216,49 +232,14 @@ def table_rows(document: dict) -> list[list[str]]:
         label_prompt = workload.format_token_count(case["prompt_tokens"])
         checks = {check["target"]: check for check in case.get("targets", [])}
         for operation in OPERATIONS:
-            fio_key = f"fio_{FIO_DIRECTION[operation]}"
-            entries = [("fio (best)", fio_key)]
-            entries += [
-                ("kvtier", f"kvtier_{operation}"),
-                ("kvtier encrypted", f"kvtier_encrypted_{operation}"),
-                ("kvtier shared fs", f"kvtier_shared_{operation}"),
-                ("LMCache disk", f"lmcache_{operation}"),
-            ]
+            entries = [("fio (best)", f"fio_{FIO_DIRECTION[operation]}")]
+            entries += [(label, f"{system}_{operation}") for label, system in TABLE_SYSTEMS]
             for system_label, key in entries:
                 entry = summary.get(key)
                 if not entry or not entry.get("gbps"):
                     continue
                 ratio = (entry.get("ratio_to_fio") or {}).get("median") if system_label != "fio (best)" else 1.0
                 cpu = (entry.get("cpu_seconds_per_gb") or {}).get("median")
-                target_text = ""
-                if system_label == "kvtier":
-                    marks = []
-                    for name, check in checks.items():
-                        if name.startswith(operation) and "LMCache" not in name:
-                            marks.append(("ok " if check["met"] else "MISS ") + check["short"])
-                    target_text = "; ".join(marks)
-                if system_label == "kvtier shared fs":
-                    if operation == "store" and summary.get("kvtier_shared_files"):
-                        files = summary["kvtier_shared_files"]
-                        target_text = (
-                            f"{files['files_per_gb']['median']:.1f} files/GB, "
-                            f"{files['directory_entries_per_gb']['median']:.1f} dir entries/GB, "
-                            f"{files['metadata_ops_per_gb']['median']:.1f} meta ops/GB"
-                        )
-                        if summary.get("kvtier_shared_dropped_publishes"):
-                            target_text += f"; {summary['kvtier_shared_dropped_publishes']} publishes dropped"
-                    elif operation == "retrieve" and summary.get("kvtier_shared_visibility_ms"):
-                        target_text = (
-                            f"visible after {summary['kvtier_shared_visibility_ms']['median']:.1f} ms "
-                            f"(open {summary['kvtier_shared_open_ms']['median']:.1f} ms)"
-                        )
-                if system_label == "LMCache disk" and operation == "retrieve":
-                    versus = summary.get("kvtier_vs_lmcache_retrieve")
-                    if versus:
-                        target_text = f"kvtier = {versus['median']:.2f}x LMCache"
-                        check = next((c for n, c in checks.items() if "LMCache" in n), None)
-                        if check:
-                            target_text += " (ok)" if check["met"] else f" (MISS, goal {TARGET_VS_LMCACHE_RETRIEVE}x)"
                 rows.append(
                     [
                         document["models"][case["model"]]["name"],
@@ -269,10 +250,49 @@ def table_rows(document: dict) -> list[list[str]]:
                         _fmt_spread(entry["gbps"]),
                         _fmt_number(ratio),
                         _fmt_number(cpu, 3),
-                        target_text,
+                        _target_text(system_label, operation, summary, checks),
                     ]
                 )
     return rows
+
+
+def _target_text(system_label: str, operation: str, summary: dict, checks: dict) -> str:
+    """The table's last column for one system and operation: targets met or missed, the shared tier's
+    files and visibility, encryption's cost, kvtier against LMCache."""
+    if system_label == "kvtier":
+        marks = []
+        for name, check in checks.items():
+            if name.startswith(operation) and "LMCache" not in name:
+                marks.append(("ok " if check["met"] else "MISS ") + check["short"])
+        return "; ".join(marks)
+    encryption_field = {"kvtier encrypted": "encryption_cost", "kvtier shared fs encrypted": "shared_encryption_cost"}
+    cost = summary.get(f"{encryption_field.get(system_label)}_{operation}")
+    if cost:
+        return f"time x clear {_fmt_spread(cost)} (paired by repeat)"
+    if system_label == "kvtier shared fs":
+        if operation == "store" and summary.get("kvtier_shared_files"):
+            files = summary["kvtier_shared_files"]
+            text = (
+                f"{files['files_per_gb']['median']:.1f} files/GB, "
+                f"{files['directory_entries_per_gb']['median']:.1f} dir entries/GB, "
+                f"{files['metadata_ops_per_gb']['median']:.1f} meta ops/GB"
+            )
+            if summary.get("kvtier_shared_dropped_publishes"):
+                text += f"; {summary['kvtier_shared_dropped_publishes']} publishes dropped"
+            return text
+        if operation == "retrieve" and summary.get("kvtier_shared_visibility_ms"):
+            return (
+                f"visible after {summary['kvtier_shared_visibility_ms']['median']:.1f} ms "
+                f"(open {summary['kvtier_shared_open_ms']['median']:.1f} ms)"
+            )
+    versus = summary.get("kvtier_vs_lmcache_retrieve")
+    if system_label == "LMCache disk" and operation == "retrieve" and versus:
+        text = f"kvtier = {versus['median']:.2f}x LMCache"
+        check = next((c for n, c in checks.items() if "LMCache" in n), None)
+        if check:
+            text += " (ok)" if check["met"] else f" (MISS, goal {TARGET_VS_LMCACHE_RETRIEVE}x)"
+        return text
+    return ""
 
 
 def lookup_lines(document: dict) -> list[str]:
@@ -357,6 +377,7 @@ def write_plot(document: dict, path: str) -> str | None:
         ("kvtier", "kvtier_{operation}", "#1f77b4"),
         ("kvtier encrypted", "kvtier_encrypted_{operation}", "#9467bd"),
         ("kvtier shared fs", "kvtier_shared_{operation}", "#2ca02c"),
+        ("kvtier shared fs encrypted", "kvtier_shared_encrypted_{operation}", "#17becf"),
         ("LMCache disk", "lmcache_{operation}", "#ff7f0e"),
     ]
     labels = [
