@@ -8,13 +8,16 @@ reads and writes go through the slow link's delay line.
 - closing it unmounts and leaves no process;
 - with a fail-reads flag, every read fails with EIO while the flag file exists.
 
-Needs fusepy and /dev/fuse (root, or fusermount): skipped with the install command otherwise. About 3 s.
+- a store whose shared root is the mount gives up reads the stopped daemon holds, and serves them again after.
+
+Needs fusepy and /dev/fuse (root, or fusermount): skipped with the install command otherwise. About 4 s.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 
 import pytest
@@ -90,3 +93,76 @@ def test_reads_fail_while_the_flag_exists(tmp_path):
             os.close(fd)
     assert (source / "written").read_bytes() == b"ok"
     assert not os.path.ismount(mountpoint)
+
+
+def test_a_store_gives_up_reads_from_a_frozen_mount_then_serves_them_again(tmp_path):
+    """Issue 36, item 1: a FUSE daemon stopped with SIGSTOP holds every read of its mount in the
+    kernel, for as long as it stays stopped; a load waited for them all. Now the load gives them up
+    once none has finished for `remote_read_stall_ms`: counted misses, the tier sick at once (the next
+    load does not wait), and after SIGCONT the held reads finish, their DRAM slots come back and every
+    block is served again, byte for byte."""
+    import hashlib
+    import signal
+
+    import numpy as np
+
+    import kvtier
+
+    object_bytes = 512 * 1024
+    source, mountpoint = tmp_path / "source", tmp_path / "mount"
+    source.mkdir()
+    keys = [hashlib.sha256(f"frozen-{i}".encode()).digest() for i in range(16)]
+    values = [np.random.default_rng(i).integers(0, 256, object_bytes, dtype=np.uint8) for i in range(16)]
+    common = {"object_bytes": object_bytes, "namespace": "frozen-mount", "nvme_bytes": 0, "shared_staleness_ms": 50}
+    slots = 32 * (object_bytes + 4096)
+    writer = kvtier.Store.open(str(tmp_path / "w"), dram_bytes=slots, shared_root=str(source), **common)
+    writer.put_many(keys, values)
+    writer.flush()
+    writer.close()
+
+    def load(ids: list[int]) -> list[bool]:
+        out = [np.zeros(object_bytes, np.uint8) for _ in ids]
+        got = reader.get_many([keys[i] for i in ids], out)
+        served = zip(got, ids, out, strict=True)
+        assert all(not ok or np.array_equal(o, values[i]) for ok, i, o in served), "wrong bytes"
+        return got
+
+    with slowmount.SlowMount(source, mountpoint, LinkSpec(1000)) as mount:
+        reader = kvtier.Store.open(
+            str(tmp_path / "r"), dram_bytes=slots, shared_root=str(mountpoint), remote_read_stall_ms=300, **common
+        )
+        try:
+            deadline = time.monotonic() + 10
+            while reader.lookup_prefix(keys) < len(keys):
+                assert time.monotonic() < deadline, "the published blocks never became visible through the mount"
+                time.sleep(0.05)
+            assert load([0]) == [True]  # its data file is open now: later reads go to the daemon only
+            held = list(range(4, 16))  # past the kernel's read-ahead of block 0
+            assert mount.process is not None
+            os.kill(mount.process.pid, signal.SIGSTOP)
+            # A load that waits for the daemon would wait for ever: thawed by then, it fails the test instead.
+            thaw = threading.Timer(10.0, os.kill, (mount.process.pid, signal.SIGCONT))
+            thaw.start()
+            try:
+                started = time.monotonic()
+                got = load(held)
+                stalled_s = time.monotonic() - started
+                started = time.monotonic()
+                again = load(held)
+                sick_s = time.monotonic() - started
+                stats = reader.stats()
+            finally:
+                thaw.cancel()
+                os.kill(mount.process.pid, signal.SIGCONT)
+            assert not any(got) and not any(again)
+            assert stalled_s < 3.0, f"the load waited {stalled_s:.1f} s for a frozen mount"
+            assert sick_s < 0.5, f"the second load waited {sick_s:.2f} s for a sick tier"
+            assert stats["remote_reads_given_up"] == len(held), stats
+            assert (stats["remote_tier_outages"], stats["remote_tiers_sick"]) == (1, 1), stats
+            deadline = time.monotonic() + 10
+            while not all(load(held)):
+                assert time.monotonic() < deadline, f"the blocks never came back: {reader.stats()}"
+                time.sleep(0.1)
+            assert (reader.stats()["remote_tiers_sick"], reader.stats()["retired_slots"]) == (0, 0)
+        finally:
+            reader.close()
