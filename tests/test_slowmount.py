@@ -98,9 +98,10 @@ def test_reads_fail_while_the_flag_exists(tmp_path):
 def test_a_store_gives_up_reads_from_a_frozen_mount_then_serves_them_again(tmp_path):
     """Issue 36, item 1: a FUSE daemon stopped with SIGSTOP holds every read of its mount in the
     kernel, for as long as it stays stopped; a load waited for them all. Now the load gives them up
-    once none has finished for `remote_read_stall_ms`: counted misses, the tier sick at once (the next
-    load does not wait), and after SIGCONT the held reads finish, their DRAM slots come back and every
-    block is served again, byte for byte."""
+    once none has finished for `remote_read_stall_ms`, and an open of a data file the daemon holds
+    once it took a second: counted misses, the tier sick at once (the next load does not wait), and
+    after SIGCONT the held reads finish, their DRAM slots come back and every block is served again,
+    byte for byte."""
     import hashlib
     import signal
 
@@ -113,7 +114,14 @@ def test_a_store_gives_up_reads_from_a_frozen_mount_then_serves_them_again(tmp_p
     source.mkdir()
     keys = [hashlib.sha256(f"frozen-{i}".encode()).digest() for i in range(16)]
     values = [np.random.default_rng(i).integers(0, 256, object_bytes, dtype=np.uint8) for i in range(16)]
-    common = {"object_bytes": object_bytes, "namespace": "frozen-mount", "nvme_bytes": 0, "shared_staleness_ms": 50}
+    # Files of a few blocks each: the held loads read some from a file already open and open others.
+    common = {
+        "object_bytes": object_bytes,
+        "namespace": "frozen-mount",
+        "nvme_bytes": 0,
+        "shared_staleness_ms": 50,
+        "shared_file_bytes": 4 << 20,
+    }
     slots = 32 * (object_bytes + 4096)
     writer = kvtier.Store.open(str(tmp_path / "w"), dram_bytes=slots, shared_root=str(source), **common)
     writer.put_many(keys, values)
@@ -136,7 +144,7 @@ def test_a_store_gives_up_reads_from_a_frozen_mount_then_serves_them_again(tmp_p
             while reader.lookup_prefix(keys) < len(keys):
                 assert time.monotonic() < deadline, "the published blocks never became visible through the mount"
                 time.sleep(0.05)
-            assert load([0]) == [True]  # its data file is open now: later reads go to the daemon only
+            assert load([0]) == [True]  # its data file is open now: its blocks' reads go to the daemon only
             held = list(range(4, 16))  # past the kernel's read-ahead of block 0
             assert mount.process is not None
             os.kill(mount.process.pid, signal.SIGSTOP)
@@ -157,7 +165,9 @@ def test_a_store_gives_up_reads_from_a_frozen_mount_then_serves_them_again(tmp_p
             assert not any(got) and not any(again)
             assert stalled_s < 3.0, f"the load waited {stalled_s:.1f} s for a frozen mount"
             assert sick_s < 0.5, f"the second load waited {sick_s:.2f} s for a sick tier"
-            assert stats["remote_reads_given_up"] == len(held), stats
+            # Blocks of the open file: reads given up; of the others: an open that did not finish in 1 s
+            # (files.rs, OPEN_WAIT), then, while it is held, opens that fail at once.
+            assert stats["remote_reads_given_up"] >= 1 and stats["io_errors"] >= 1, stats
             assert (stats["remote_tier_outages"], stats["remote_tiers_sick"]) == (1, 1), stats
             deadline = time.monotonic() + 10
             while not all(load(held)):

@@ -6,9 +6,74 @@
 //! it refuses is a typed error the caller turns into a counted miss or a skipped entry. (Files kvtier
 //! creates are opened with `O_CREAT | O_EXCL`, which fails on any existing name, symlinks included.)
 
+use crossbeam_channel::{bounded, Sender};
+use parking_lot::Mutex;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long a load waits for a data file to open: past it, the block is a counted miss.
+pub(crate) const OPEN_WAIT: Duration = Duration::from_secs(1);
+
+/// One open of `path` with `flags`, answered on `reply`.
+type OpenRequest = (PathBuf, i32, Sender<Result<File, OpenError>>);
+
+/// Opens data files for loads on a thread of its own: on a frozen filesystem (a FUSE daemon stopped,
+/// a hung NFS server) `open` itself blocks, and a load must not (`remote_read_stall_ms` bounds its
+/// reads, not its opens). A load waits [`OPEN_WAIT`] for its open; while one open is held, the next
+/// ones fail at once, so a frozen mount holds one thread, never a load.
+pub(crate) struct Opener {
+    requests: Mutex<Option<Sender<OpenRequest>>>,
+    /// An open is in progress (set by the caller, cleared by the thread before it answers).
+    busy: Arc<AtomicBool>,
+}
+
+impl Opener {
+    pub(crate) fn start() -> std::io::Result<Opener> {
+        let (tx, rx) = crossbeam_channel::unbounded::<OpenRequest>();
+        let busy = Arc::new(AtomicBool::new(false));
+        let done = Arc::clone(&busy);
+        // Detached: a thread held by a frozen filesystem ends once it thaws (or with the process).
+        std::thread::Builder::new().name("kvtier-shared-open".into()).spawn(move || {
+            for (path, flags, reply) in rx {
+                let opened = open_regular(&path, flags);
+                done.store(false, Ordering::Release);
+                let _ = reply.send(opened);
+            }
+        })?;
+        Ok(Opener { requests: Mutex::new(Some(tx)), busy })
+    }
+
+    /// `open_regular(path, flags)`, within [`OPEN_WAIT`]; a timeout or a held open is an `Io` error.
+    pub(crate) fn open(&self, path: &Path, flags: i32) -> Result<File, OpenError> {
+        if self.busy.swap(true, Ordering::AcqRel) {
+            return Err(OpenError::Io(std::io::Error::new(
+                std::io::ErrorKind::WouldBlock,
+                "another open under the shared root is still held (is the filesystem frozen?)",
+            )));
+        }
+        let (reply, answer) = bounded(1);
+        let sent = self.requests.lock().as_ref().is_some_and(|tx| tx.send((path.to_path_buf(), flags, reply)).is_ok());
+        if !sent {
+            self.busy.store(false, Ordering::Release);
+            return Err(OpenError::Io(std::io::Error::other("the shared tier is closed")));
+        }
+        answer.recv_timeout(OPEN_WAIT).unwrap_or_else(|_| {
+            Err(OpenError::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("opening {} took over {OPEN_WAIT:?} (is the filesystem frozen?)", path.display()),
+            )))
+        })
+    }
+
+    /// Ends the thread once it is done with what it holds.
+    pub(crate) fn close(&self) {
+        self.requests.lock().take();
+    }
+}
 
 /// Why a path under the shared root was not opened.
 #[derive(Debug)]

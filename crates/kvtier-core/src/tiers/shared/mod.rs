@@ -61,6 +61,7 @@ use crate::key::{BlockKey, Namespace};
 use crate::stats::Stats;
 use crate::tiers::remote::key::{load_key, KeySource, KEY_FILE_ENV};
 use crate::tiers::remote::random_nonzero_u64;
+use files::Opener;
 use format::{fanout_dir, unix_ms, AuthKey, Record};
 use index::{FileId, Index};
 use manifest::ManifestWriter;
@@ -119,6 +120,8 @@ pub struct SharedTier {
     manifest: Mutex<ManifestWriter>,
     writer: Mutex<WriterState>,
     read_handles: Mutex<HashMap<FileId, Arc<File>>>,
+    /// Opens the data files loads read, within a bound (`files::Opener`).
+    opener: Opener,
     /// Reads since the last access record: file name -> latest read (unix ms).
     pending_access: Mutex<HashMap<String, u64>>,
     /// When each file's access was last recorded (rate limit: once per `grace_ms / 4`).
@@ -192,6 +195,7 @@ impl SharedTier {
             manifest: Mutex::new(ManifestWriter { file: Some(manifest_file), path: manifest_path, len: 0 }),
             writer: Mutex::new(WriterState { open: None, next_file_seq: 1 }),
             read_handles: Mutex::new(HashMap::new()),
+            opener: Opener::start().map_err(|e| Error::io("starting the shared tier's open thread", e))?,
             pending_access: Mutex::new(HashMap::new()),
             recorded_access: Mutex::new(HashMap::new()),
             evictor: Mutex::new(capacity::EvictorState::default()),
@@ -373,6 +377,7 @@ impl SharedTier {
         capacity::release(self);
         self.manifest.lock().file.take();
         self.read_handles.lock().clear();
+        self.opener.close();
         self.io.shutdown();
     }
 }

@@ -3,7 +3,7 @@
 //! still exists, with the key, namespace, checksums and (with a deployment key) tag it must have.
 //! What fails is a counted miss and, when the file itself is bad, quarantined; never bytes.
 
-use super::files::{open_regular, OpenError};
+use super::files::OpenError;
 use super::format::{unix_ms, BLOCK_TAG_AT, TAG_BYTES};
 use super::index::{FileId, Location};
 use super::{is_vanished, SharedTier, MAX_OPEN_DATA_FILES, SHORT_READ_SETTLE};
@@ -351,7 +351,7 @@ impl SharedTier {
             return Ok(Arc::clone(f));
         }
         let direct = if self.direct { libc::O_DIRECT } else { 0 };
-        let f = Arc::new(open_regular(&self.data_path(name), direct)?);
+        let f = Arc::new(self.opener.open(&self.data_path(name), direct)?);
         let mut handles = self.read_handles.lock();
         if handles.len() >= MAX_OPEN_DATA_FILES {
             handles.clear();
