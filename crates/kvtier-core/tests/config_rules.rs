@@ -4,7 +4,7 @@
 //! Not simulated here (with the reason):
 //! - `io_engine = io_uring` when io_uring is unavailable: needs a kernel or seccomp policy with io_uring
 //!   disabled (`kernel.io_uring_disabled=2`), which a test cannot switch; the message is covered by review
-//!   (`store.rs`, `start_devices`: names `io_engine` and the fix).
+//!   (`store/open.rs`, `start_devices`: names `io_engine` and the fix).
 //! - `direct_io = on` on a filesystem without O_DIRECT: run only when /dev/shm refuses O_DIRECT (tmpfs
 //!   accepts it since Linux 6.6, so on recent kernels this test reports a skip).
 //! - memlock too low for io_uring buffer registration: a graceful fallback with a log line, not an error.

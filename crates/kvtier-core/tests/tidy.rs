@@ -16,9 +16,13 @@
 //! - **Short functions.** No `fn` in `src/` is longer than [`MAX_FUNCTION_LINES`] lines, from its
 //!   `fn` line to its closing brace, unless it is on [`LONG_FUNCTIONS`]; an entry there whose
 //!   functions all fit again fails too, so that the list only shrinks.
+//! - **Short files.** No `.rs` file under `src/` of this crate or of the binding (`kvtier-py`) is
+//!   longer than [`MAX_FILE_LINES`] lines, but for [`LONG_FILES`] (issue 38): past that a file has
+//!   seams to split along into child modules.
 //!
-//! Test code is left out of both checks: `#[cfg(test)]` items (the `mod tests` blocks) and files
-//! named `*_tests.rs` (`catalog_model_tests.rs`). The checks read source text, not a syntax tree:
+//! Test code is left out of every check: files named `*_tests.rs` (`catalog_model_tests.rs`), and
+//! `#[cfg(test)]` items (the `mod tests` blocks), but for a file's length, which counts them (long
+//! tests move to a `*_tests.rs` file of their own). The checks read source text, not a syntax tree:
 //! comments and the contents of string and char literals are blanked first, so that neither a
 //! `crate::` in a doc comment nor a `{` in a format string counts.
 
@@ -33,6 +37,13 @@ const TIERS_FLOOR: &str = "remote";
 /// Functions over the limit when this check came (issue 25), as (file under `src/`, name), with
 /// their length then. Shorten one, then remove its row; never add one.
 const LONG_FUNCTIONS: &[(&str, &str)] = &[];
+
+/// The longest a source file may be.
+const MAX_FILE_LINES: usize = 800;
+
+/// Files allowed past [`MAX_FILE_LINES`], as the crate's directory and the path under its `src/`:
+/// the option table, one entry per option, is read by looking an option up, not front to back.
+const LONG_FILES: &[&str] = &["kvtier-core/config.rs"];
 
 /// One source file: its path under `src/` with `/` separators, and its text.
 type Source = (String, String);
@@ -57,26 +68,43 @@ fn functions_fit_on_a_screen() {
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
+#[test]
+fn files_fit_in_a_reading() {
+    let binding = Path::new(env!("CARGO_MANIFEST_DIR")).join("../kvtier-py/src");
+    let binding_sources = read_tree(&binding);
+    assert!(binding_sources.iter().any(|(path, _)| path == "lib.rs"), "{} has no lib.rs", binding.display());
+    let core = read_sources().into_iter().map(|(path, text)| (format!("kvtier-core/{path}"), text));
+    let all: Vec<Source> =
+        core.chain(binding_sources.into_iter().map(|(path, text)| (format!("kvtier-py/{path}"), text))).collect();
+    let problems = long_file_problems(&all, LONG_FILES);
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
 /// Every `.rs` file under the crate's `src/`.
 fn read_sources() -> Vec<Source> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let sources = read_tree(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"));
+    // A walker that found nothing would pass every check.
+    assert!(sources.iter().any(|(path, _)| path == "lib.rs"), "src/lib.rs not found");
+    assert!(sources.len() >= 20, "only {} source files found", sources.len());
+    sources
+}
+
+/// Every `.rs` file under `root`, by its path under `root`, in path order.
+fn read_tree(root: &Path) -> Vec<Source> {
     let mut sources = Vec::new();
-    let mut dirs = vec![root.clone()];
+    let mut dirs = vec![root.to_path_buf()];
     while let Some(dir) = dirs.pop() {
         for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();
             if path.is_dir() {
                 dirs.push(path);
             } else if path.extension().is_some_and(|e| e == "rs") {
-                let relative = path.strip_prefix(&root).unwrap().to_str().unwrap().replace('\\', "/");
+                let relative = path.strip_prefix(root).unwrap().to_str().unwrap().replace('\\', "/");
                 sources.push((relative, std::fs::read_to_string(&path).unwrap()));
             }
         }
     }
     sources.sort();
-    // A walker that found nothing would pass every check.
-    assert!(sources.iter().any(|(path, _)| path == "lib.rs"), "src/lib.rs not found");
-    assert!(sources.len() >= 20, "only {} source files found", sources.len());
     sources
 }
 
@@ -299,6 +327,23 @@ fn long_function_problems(sources: &[Source], exceptions: &[(&str, &str)]) -> Ve
             problems.push(format!(
                 "src/{path}: fn {name} is listed in LONG_FUNCTIONS but no longer over \
                  {MAX_FUNCTION_LINES} lines (or gone): remove it from the list"
+            ));
+        }
+    }
+    problems
+}
+
+/// The files in `sources` (paths `<crate>/<path under src/>`) longer than [`MAX_FILE_LINES`] and not
+/// in `exceptions`; test files are left out.
+fn long_file_problems(sources: &[Source], exceptions: &[&str]) -> Vec<String> {
+    let mut problems = Vec::new();
+    for (path, text) in sources.iter().filter(|(path, _)| !is_test_file(path) && !exceptions.contains(&path.as_str())) {
+        let lines = text.lines().count();
+        if lines > MAX_FILE_LINES {
+            let (krate, file) = path.split_once('/').unwrap_or(("", path));
+            problems.push(format!(
+                "crates/{krate}/src/{file} is {lines} lines (at most {MAX_FILE_LINES}): split it along its seams \
+                 into child modules"
             ));
         }
     }
@@ -607,6 +652,29 @@ mod checker {
         let problems = long_function_problems(&sources(&[("m.rs", &text)]), &[("m.rs", "shortened"), ("m.rs", "gone")]);
         assert_eq!(problems.len(), 2, "{problems:?}");
         assert!(problems.iter().all(|p| p.contains("remove it from the list")), "{problems:?}");
+    }
+
+    #[test]
+    fn a_planted_801_line_file_fails_and_800_passes_unless_listed_or_tests() {
+        let lines = |n: usize| "x\n".repeat(n);
+        let files = sources(&[
+            ("kvtier-core/fits.rs", &lines(800)),
+            ("kvtier-core/tiers/too_long.rs", &lines(801)),
+            ("kvtier-py/store.rs", &lines(900)),
+            ("kvtier-core/config.rs", &lines(900)),
+            ("kvtier-core/catalog_model_tests.rs", &lines(900)),
+        ]);
+        let problems = long_file_problems(&files, &["kvtier-core/config.rs"]);
+        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert!(problems[0].starts_with("crates/kvtier-core/src/tiers/too_long.rs is 801 lines"), "{problems:?}");
+        assert!(problems[1].starts_with("crates/kvtier-py/src/store.rs is 900 lines"), "{problems:?}");
+        assert_eq!(
+            long_file_problems(
+                &files,
+                &["kvtier-core/config.rs", "kvtier-core/tiers/too_long.rs", "kvtier-py/store.rs"]
+            ),
+            Vec::<String>::new()
+        );
     }
 
     #[test]

@@ -7,26 +7,33 @@
 //! 3. **Complete**: each finished read, from whichever tier, is one `PendingRead` judged in one step
 //!    (verified, copied out, or a counted miss), then settled with the catalog in one critical
 //!    section (made resident or dropped, its pin released, pinned for the caller if asked).
+//!
+//! The state machine is here; where an NVMe read lands and how it is verified is `landing.rs`, what
+//! is particular to remote reads (their `on_done`, giving up the ones that stall) `remote.rs`.
 
-use super::{for_each_chunk, slot_mut, slot_ref, BlockBuffer};
+use super::BlockBuffer;
 use crate::catalog::{Catalog, GetStep, LoadOutcome, NvmeRead, Tier, NO_SLOT};
-use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
-use crate::format::encrypted::{decrypt_in_place, DecryptError};
+use crate::format::descriptor::DESCRIPTOR_BYTES;
 use crate::format::ALIGN_BYTES;
 use crate::io::buffer::AlignedBuf;
-use crate::io::device::{is_abandoned, IoOp, OnDone};
+use crate::io::device::{IoOp, OnDone};
 use crate::io::OpKind;
 use crate::key::BlockKey;
 use crate::remote_tiers::RemoteRead;
 use crate::shared_state::Shared;
 use crate::stats::Stats;
-use crate::tiers::health::{Admit, Observed};
-use crate::tiers::remote::ReadOutcome;
+use crate::tiers::health::Admit;
 use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
-use parking_lot::{Mutex, MutexGuard};
-use std::collections::{HashMap, HashSet};
+use parking_lot::MutexGuard;
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+mod landing;
+mod remote;
+
+use landing::{copy_value_out, judge_nvme_read, Landing};
+use remote::{settle_late_reads, GivenUpReads};
 
 /// Heap-staged loads in flight per call, when no DRAM slot can be had.
 const MAX_STAGED_READS: usize = 4;
@@ -66,69 +73,6 @@ pub(crate) fn execute_read_ahead(sh: &Arc<Shared>, keys: &[BlockKey]) -> Vec<boo
     pinned.iter().map(Option::is_some).collect()
 }
 
-/// Where an NVMe read's bytes land (a remote read always lands in its DRAM slot).
-enum Landing {
-    /// In its DRAM slot (promoted to the DRAM tier on success).
-    Slot,
-    /// Value in the caller's memory; the descriptor in this page.
-    Direct(AlignedBuf),
-    /// In a heap staging buffer, because every DRAM slot was pinned or busy.
-    Staged(AlignedBuf),
-}
-
-impl Landing {
-    /// The memory an NVMe read into this landing fills, as `IoOp` takes it: `(buf, len, iovecs)`,
-    /// one buffer, or (direct) the descriptor page then the caller's segments.
-    fn target(&self, sh: &Shared, read: &NvmeRead, buf: Option<&BlockBuffer>) -> (*mut u8, usize, Vec<libc::iovec>) {
-        match self {
-            Landing::Slot => (sh.arena.slot_ptr(read.slot), sh.arena.slot_bytes(), Vec::new()),
-            Landing::Staged(staging) => (staging.as_ptr(), staging.len(), Vec::new()),
-            Landing::Direct(page) => {
-                let segments = &buf.expect("direct reads land in caller buffers").segments;
-                let page = libc::iovec { iov_base: page.as_ptr().cast(), iov_len: DESCRIPTOR_BYTES };
-                let values = segments.iter().map(|&(ptr, len)| libc::iovec { iov_base: ptr.cast(), iov_len: len });
-                let iovecs = std::iter::once(page).chain(values).collect();
-                (std::ptr::null_mut(), DESCRIPTOR_BYTES + sh.config.object_bytes, iovecs)
-            }
-        }
-    }
-
-    /// Decrypts an encrypted value where it landed (`encryption_key_file`); a value in clear is left
-    /// as it is. A direct read only ever lands in clear (direct reads are off with a key).
-    fn open(&mut self, sh: &Shared, read: &NvmeRead) -> Result<(), DecryptError> {
-        let bytes = match self {
-            Landing::Direct(page) if Descriptor::is_encrypted(page.as_slice()) => return Err(DecryptError::NoKey),
-            Landing::Direct(_) => return Ok(()),
-            Landing::Staged(staging) => staging.as_mut_slice(),
-            // SAFETY: the read into the slot has completed and the slot is ours (Loading).
-            Landing::Slot => unsafe { slot_mut(sh.arena.slot_ptr(read.slot), sh.arena.slot_bytes()) },
-        };
-        let (page, rest) = bytes.split_at_mut(DESCRIPTOR_BYTES);
-        decrypt_in_place(sh.value_cipher.as_deref(), page, &mut rest[..sh.config.object_bytes]).map(|_| ())
-    }
-
-    /// Checks a finished NVMe read against what the index expects and copies its value out.
-    fn verify_and_copy_out(&self, sh: &Shared, key: &BlockKey, read: &NvmeRead, buf: Option<&BlockBuffer>) -> bool {
-        match self {
-            Landing::Direct(page) => {
-                verify_direct(sh, key, read, page, buf.expect("direct reads land in caller buffers"))
-            }
-            Landing::Staged(staging) => verify_and_copy_out(sh, key, read, staging.as_slice(), buf),
-            // SAFETY: the read into the slot has completed and the slot is ours (Loading).
-            Landing::Slot => verify_and_copy_out(sh, key, read, unsafe { slot_ref(sh, read.slot) }, buf),
-        }
-    }
-
-    /// The I/O engine gave the read up: the kernel may still write into a heap buffer, so it is
-    /// never freed (a slot is retired by the catalog instead).
-    fn abandon(self) {
-        match self {
-            Landing::Direct(page) | Landing::Staged(page) => std::mem::forget(page),
-            Landing::Slot => {}
-        }
-    }
-}
-
 /// A read in flight for one key, from its submission until it is judged. Kept in the load's table
 /// by key index, not in the completion: a remote tier hands its read state back only after
 /// submitting, and its `on_done` may already have run by then.
@@ -160,18 +104,6 @@ enum RemoteVerdict {
     /// catalog when given up; its slot is freed once the read finishes (`GivenUpReads`).
     GivenUp,
 }
-
-/// A remote read its load gave up, until it finishes.
-struct GivenUpRead {
-    slot: u32,
-    read: RemoteRead,
-}
-
-/// A load's remote reads it gave up, by key index, shared with their `on_done`s: a read that
-/// finishes after its load gave it up goes to the store's `LateReads` (judged by the next load,
-/// `settle_late_reads`) instead of to the load. Locked by the load while it gives reads up, so that
-/// every completion is either received by the load or finds its read here.
-type GivenUpReads = Arc<Mutex<HashMap<usize, GivenUpRead>>>;
 
 /// A judged key, for the catalog to settle.
 #[derive(Clone, Copy)]
@@ -501,26 +433,6 @@ impl<'a> Load<'a> {
         })
     }
 
-    /// The `on_done` of key `i`'s remote read: to the load, or, once the load gave it up, to the
-    /// store's late reads.
-    fn remote_sender(&mut self, i: usize) -> OnDone {
-        let given_up = Arc::clone(self.given_up.get_or_insert_with(Default::default));
-        let (tx, late_reads) = (self.done_tx.clone(), Arc::clone(&self.sh.late_reads));
-        Box::new(move |io_result| {
-            let mut given_up = given_up.lock();
-            match given_up.remove(&i) {
-                Some(late) => {
-                    drop(given_up);
-                    late_reads.finished(late.slot, late.read, io_result);
-                }
-                // Sent under the lock: `give_up_remote_reads` receives it or finds the read in the table.
-                None => {
-                    let _ = tx.send(Completion { index: i, io_result, landing: Landing::Slot });
-                }
-            }
-        })
-    }
-
     fn track(&mut self, i: usize, read: PendingRead) {
         if matches!(read, PendingRead::Remote { .. }) {
             if self.remote_reads_in_flight == 0 {
@@ -564,28 +476,6 @@ impl<'a> Load<'a> {
         Landing::Staged(AlignedBuf::zeroed(self.sh.arena.slot_bytes()))
     }
 
-    /// Starts the round's remote reads, each on the tier that reads its key (a tier reads adjacent
-    /// blocks of its own together). Returns the reads that did not start (misses the tier counted;
-    /// their slots are still ours).
-    fn submit_remote_reads(&mut self, reads: Vec<(usize, u32)>) -> Vec<(usize, u32)> {
-        let sh = self.sh;
-        let mut requests = Vec::with_capacity(reads.len());
-        for &(i, slot) in &reads {
-            requests.push((self.keys[i], sh.arena.slot_ptr(slot), self.remote_sender(i)));
-        }
-        // SAFETY: each slot is ours (Loading) until its read is settled; an abandoned one is retired,
-        // a given-up one freed once its read finished.
-        let started = unsafe { sh.remote.start_reads(requests) };
-        let mut not_started = Vec::new();
-        for ((i, slot), read) in reads.into_iter().zip(started) {
-            match read {
-                Some(read) => self.track(i, PendingRead::Remote { slot, read }),
-                None => not_started.push((i, slot)),
-            }
-        }
-        not_started
-    }
-
     // ---- complete ----
 
     /// Waits for a read to finish, judges it and every other finished one, and settles them. Remote
@@ -614,40 +504,6 @@ impl<'a> Load<'a> {
             }
             Err(RecvTimeoutError::Disconnected) => unreachable!("the load holds a sender"),
         }
-    }
-
-    /// No remote read finished within the stall limit (a frozen gateway or FUSE daemon): every
-    /// remote read still in flight is a counted miss now, its catalog entry gone and its slot kept
-    /// out of use until the read finishes. Reads that finished meanwhile are judged as usual.
-    fn give_up_remote_reads(&mut self) {
-        let (sh, stalled) = (self.sh, self.remote_progress.elapsed());
-        let table = Arc::clone(self.given_up.as_ref().expect("remote reads in flight have a table"));
-        let mut table = table.lock();
-        let arrived: Vec<Completion> = self.done_rx.try_iter().collect();
-        let stalled_keys: Vec<usize> = (0..self.pending.len())
-            .filter(|&i| matches!(self.pending[i], Some(PendingRead::Remote { .. })))
-            .filter(|&i| !arrived.iter().any(|done| done.index == i))
-            .collect();
-        let mut cat = sh.catalog.lock();
-        for &i in &stalled_keys {
-            let Some(PendingRead::Remote { slot, read }) = self.pending[i].take() else { unreachable!() };
-            cat.give_up_get_shared(&self.keys[i], slot);
-            sh.late_reads.given_up();
-            table.insert(i, GivenUpRead { slot, read });
-        }
-        drop(cat);
-        for i in &stalled_keys {
-            sh.remote.give_up(&table[i].read, stalled);
-        }
-        drop(table);
-        sh.changed.notify_all();
-        log::debug!("kvtier: gave up {} remote reads after {stalled:?} without any finishing", stalled_keys.len());
-        self.reads_in_flight -= stalled_keys.len();
-        self.remote_reads_in_flight -= stalled_keys.len();
-        for i in stalled_keys {
-            self.tally(i, Judged::Remote { slot: NO_SLOT, verdict: RemoteVerdict::GivenUp });
-        }
-        self.judge_and_settle(arrived);
     }
 
     /// Judges a finished read, whichever tier it came from: verified and copied out, it is found;
@@ -682,32 +538,6 @@ impl<'a> Load<'a> {
         let (outcome, observed) = judge_nvme_read(sh, key, read, io_result, landing, self.bufs.map(|b| &b[i]));
         sh.nvme_health.record(probe, observed);
         outcome
-    }
-
-    /// A remote read the tier judged (it counted and quarantined): a hit is copied out.
-    fn judge_remote(&self, i: usize, slot: u32, outcome: ReadOutcome) -> RemoteVerdict {
-        match outcome {
-            ReadOutcome::Hit => {}
-            ReadOutcome::Miss => return RemoteVerdict::Miss,
-            ReadOutcome::Abandoned => return RemoteVerdict::Abandoned,
-        }
-        let (sh, key) = (self.sh, &self.keys[i]);
-        // The tier verified the block; the checksum is taken before anything counts it a hit.
-        // SAFETY: the read into our slot finished.
-        let desc = match Descriptor::decode(&unsafe { slot_ref(sh, slot) }[..DESCRIPTOR_BYTES]) {
-            Ok(desc) => desc,
-            Err(e) => {
-                log::error!(
-                    "kvtier: shared block {key:?} passed verification but its descriptor does not decode ({e}); a miss"
-                );
-                Stats::add(&sh.stats.checksum_failures, 1);
-                return RemoteVerdict::Miss;
-            }
-        };
-        if let Some(bufs) = self.bufs {
-            copy_value_out(sh, slot, &bufs[i]);
-        }
-        RemoteVerdict::Loaded { value_checksum: desc.value_checksum }
     }
 
     /// Records key `i` as found or a counted miss: every key passes here once, or is given up in
@@ -778,132 +608,9 @@ impl<'a> Load<'a> {
     }
 }
 
-/// How an NVMe read ended, counted, and what it says of the tier's health (a block that fails
-/// verification is bad, the disk is not).
-fn judge_nvme_read(
-    sh: &Shared,
-    key: &BlockKey,
-    read: &NvmeRead,
-    io_result: std::io::Result<()>,
-    mut landing: Landing,
-    buf: Option<&BlockBuffer>,
-) -> (LoadOutcome, Observed) {
-    match io_result {
-        Err(e) if is_abandoned(&e) => {
-            log::error!("kvtier: read of block {key:?} abandoned by a broken I/O engine; counted as a miss");
-            Stats::add(&sh.stats.io_errors, 1);
-            landing.abandon();
-            (LoadOutcome::Abandoned, Observed::Failed("the I/O engine gave the read up".to_string()))
-        }
-        Err(e) => {
-            log::warn!("kvtier: read of block {key:?} failed: {e}; counted as a miss");
-            Stats::add(&sh.stats.io_errors, 1);
-            (LoadOutcome::IoError, Observed::Failed(e.to_string()))
-        }
-        Ok(()) if let Err(e) = landing.open(sh, read) => {
-            log::warn!("kvtier: block {key:?} on NVMe is encrypted and {e}; counted as a miss");
-            Stats::add(&sh.stats.nvme_auth_failures, 1);
-            (LoadOutcome::Corrupt, Observed::CleanMiss)
-        }
-        Ok(()) if landing.verify_and_copy_out(sh, key, read, buf) => {
-            Stats::add(&sh.stats.nvme_hits, 1);
-            Stats::add(&sh.stats.bytes_read_nvme, sh.arena.slot_bytes() as u64);
-            (LoadOutcome::Ok, Observed::Hit)
-        }
-        Ok(()) => {
-            log::warn!("kvtier: block {key:?} failed verification on load; counted as a miss");
-            Stats::add(&sh.stats.checksum_failures, 1);
-            (LoadOutcome::Corrupt, Observed::CleanMiss)
-        }
-    }
-}
-
 /// Reads a round waits for: a remote tier's run of adjacent blocks (the object tier's
 /// `bucket_get_max_bytes`), at most a quarter of the load's reads in flight so that NVMe reads
 /// beside it keep their depth.
 fn min_round(sh: &Shared, max_reads_in_flight: usize) -> usize {
     sh.remote.blocks_per_request().min(max_reads_in_flight / 4).max(1)
-}
-
-/// Judges the remote reads that finished after their loads gave them up, and frees their slots.
-fn settle_late_reads(sh: &Shared) {
-    let late = sh.late_reads.take_finished();
-    if late.is_empty() {
-        return;
-    }
-    let mut freed = Vec::with_capacity(late.len());
-    for (slot, read, io_result) in late {
-        // SAFETY: the read into the slot finished; the slot is retired, used by nothing else.
-        let outcome = unsafe { sh.remote.finish_late(read, sh.arena.slot_ptr(slot), io_result) };
-        freed.push((slot, outcome == ReadOutcome::Abandoned));
-    }
-    let mut cat = sh.catalog.lock();
-    for (slot, abandoned) in freed {
-        cat.finish_given_up_read(slot, abandoned);
-    }
-    drop(cat);
-    sh.changed.notify_all();
-}
-
-/// Hashes the value a direct read left in the caller's memory.
-fn checksum_segments(buf: &BlockBuffer) -> u64 {
-    let mut hasher = crate::format::checksum_hasher();
-    for &(ptr, len) in &buf.segments {
-        // SAFETY: the read filled the segment; the caller keeps it alive (submission contract).
-        std::hash::Hasher::write(&mut hasher, unsafe { std::slice::from_raw_parts(ptr, len) });
-    }
-    std::hash::Hasher::finish(&hasher)
-}
-
-/// Checks a direct read: the descriptor landed in `page`, the value in the caller's segments.
-fn verify_direct(sh: &Shared, key: &BlockKey, read: &NvmeRead, page: &AlignedBuf, buf: &BlockBuffer) -> bool {
-    let Ok(desc) = Descriptor::decode(page.as_slice()) else { return false };
-    desc.key == *key
-        && desc.namespace == sh.namespace
-        && desc.value_bytes as usize == sh.config.object_bytes
-        && desc.sequence == read.sequence
-        && desc.value_checksum == read.value_checksum
-        && checksum_segments(buf) == desc.value_checksum
-}
-
-/// Copies a slot's value out to the caller's segments (a DRAM hit).
-///
-/// SAFETY (callers): the slot is pinned and the caller's segments are valid for writing
-/// (submission contract).
-fn copy_value_out(sh: &Shared, slot: u32, buf: &BlockBuffer) {
-    let mut value = unsafe { sh.arena.slot_ptr(slot).add(DESCRIPTOR_BYTES) };
-    for &(segment, len) in &buf.segments {
-        unsafe {
-            std::ptr::copy_nonoverlapping(value, segment, len);
-            value = value.add(len);
-        }
-    }
-    Stats::add(&sh.stats.bytes_copied_out, sh.config.object_bytes as u64);
-}
-
-/// Checks a slot just read from NVMe against what the index expects and copies its value out.
-/// The value is hashed and copied in cache-sized chunks (one pass over memory instead of two); if the
-/// checksum then fails the caller's buffer holds unspecified bytes and the block is reported a miss.
-fn verify_and_copy_out(sh: &Shared, key: &BlockKey, read: &NvmeRead, bytes: &[u8], buf: Option<&BlockBuffer>) -> bool {
-    let Ok(desc) = Descriptor::decode(&bytes[..DESCRIPTOR_BYTES]) else { return false };
-    let object_bytes = sh.config.object_bytes;
-    let header_ok = desc.key == *key
-        && desc.namespace == sh.namespace
-        && desc.value_bytes as usize == object_bytes
-        && desc.sequence == read.sequence
-        && desc.value_checksum == read.value_checksum;
-    if !header_ok {
-        return false;
-    }
-    let value = &bytes[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + object_bytes];
-    let Some(buf) = buf else { return crate::format::checksum(value) == desc.value_checksum };
-    let mut hasher = crate::format::checksum_hasher();
-    for_each_chunk(buf, |dst, at, n| {
-        let chunk = &value[at..at + n];
-        std::hash::Hasher::write(&mut hasher, chunk);
-        // SAFETY: the caller's segment is valid for writing (submission contract).
-        unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), dst, n) };
-    });
-    Stats::add(&sh.stats.bytes_copied_out, object_bytes as u64);
-    std::hash::Hasher::finish(&hasher) == desc.value_checksum
 }
