@@ -168,7 +168,7 @@ mod tests {
 
     fn key(i: u64) -> BlockKey {
         let mut k = [0u8; 32];
-        k[8..16].copy_from_slice(&(i * 0x9e37_79b9_7f4a_7c15).to_le_bytes());
+        k[8..16].copy_from_slice(&i.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes());
         k[16..24].copy_from_slice(&(i.wrapping_mul(0xc2b2_ae3d_27d4_eb4f)).to_le_bytes());
         BlockKey(k)
     }
