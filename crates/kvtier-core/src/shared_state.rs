@@ -131,6 +131,10 @@ impl NvmeHealth {
         admit
     }
 
+    pub(crate) fn is_sick(&self) -> bool {
+        self.health.is_sick()
+    }
+
     pub(crate) fn release_probe(&self) {
         self.health.release_probe();
     }

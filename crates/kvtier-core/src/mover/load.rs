@@ -310,7 +310,9 @@ impl<'a> Load<'a> {
     fn plan_key(&mut self, cat: &mut Catalog, i: usize, round: &mut Round) -> bool {
         let keys = self.keys;
         let key = &keys[i];
-        let probe = match cat.locate(key) {
+        // A healthy NVMe tier admits every read: the block's tier is looked up only while it is sick.
+        let nvme_sick = self.sh.nvme_health.is_sick();
+        let probe = match nvme_sick.then(|| cat.locate(key)).flatten() {
             Some(Tier::Nvme) => match self.sh.nvme_health.admit() {
                 Admit::Read => false,
                 Admit::Probe => true,
