@@ -303,14 +303,8 @@ impl RemoteTiers {
         slot: *mut u8,
         result: std::io::Result<()>,
     ) -> ReadOutcome {
-        let (remote, probe, took) = (&self.tiers[read.tier], read.probe, read.started.elapsed());
         // SAFETY: forwarded contract.
-        let (outcome, observed) = unsafe { judge(remote, read.read, slot, result) };
-        if outcome == ReadOutcome::Hit {
-            remote.note_read_time(took, false);
-        }
-        self.note(remote, remote.health.record(probe, observed, Instant::now()));
-        outcome
+        unsafe { self.judge_read(read, slot, result, false) }
     }
 
     /// A load stopped waiting for this read (`stall_limit` passed with no remote read finishing):
@@ -338,15 +332,33 @@ impl RemoteTiers {
         slot: *mut u8,
         result: std::io::Result<()>,
     ) -> ReadOutcome {
+        // SAFETY: forwarded contract.
+        unsafe { self.judge_read(read, slot, result, true) }
+    }
+
+    /// Has the read's tier judge it, and records what it says of the tier: every read in time; of
+    /// a late one (`late`), only the probe's, whose hit also resets the read time (the tier is
+    /// slower, not dead).
+    ///
+    /// # Safety
+    /// As `RemoteTier::finish_read`.
+    unsafe fn judge_read(
+        &self,
+        read: RemoteRead,
+        slot: *mut u8,
+        result: std::io::Result<()>,
+        late: bool,
+    ) -> ReadOutcome {
         let (remote, probe, took) = (&self.tiers[read.tier], read.probe, read.started.elapsed());
         // SAFETY: forwarded contract.
         let (outcome, observed) = unsafe { judge(remote, read.read, slot, result) };
-        if probe {
-            if outcome == ReadOutcome::Hit {
-                remote.note_read_time(took, true);
-            }
-            self.note(remote, remote.health.record(true, observed, Instant::now()));
+        if late && !probe {
+            return outcome;
         }
+        if outcome == ReadOutcome::Hit {
+            remote.note_read_time(took, late);
+        }
+        self.note(remote, remote.health.record(probe, observed, Instant::now()));
         outcome
     }
 

@@ -152,6 +152,11 @@ impl Health {
         if self.is_sick() {
             return Change::None;
         }
+        self.turn_sick(&mut state, last_error, now)
+    }
+
+    /// Healthy to sick, for the first back-off.
+    fn turn_sick(&self, state: &mut State, last_error: String, now: Instant) -> Change {
         state.failures = 0;
         state.backoff = self.policy.first_backoff;
         state.until = now + state.backoff;
@@ -183,11 +188,7 @@ impl Health {
         if state.failures < self.policy.sick_after.max(1) {
             return Change::None;
         }
-        state.failures = 0;
-        state.backoff = self.policy.first_backoff;
-        state.until = now + state.backoff;
-        self.sick.store(true, Ordering::Release);
-        Change::Sick { backoff: state.backoff, last_error }
+        self.turn_sick(state, last_error, now)
     }
 }
 
