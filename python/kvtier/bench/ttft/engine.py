@@ -117,7 +117,7 @@ def kvtier_transfer(
     ``load_policy`` "always" by default: a row named for a tier's hit measures what loading it costs,
     so kvtier must not decide to recompute it (docs/vllm.md, "Load or recompute"); the slow-link rows
     and node A (whose steps train the prefill model) use "auto". ``integration``: more of
-    kvtier.vllm's integration options (``service_timeout_ms``)."""
+    kvtier.vllm's integration or store options (``service_timeout_ms``, ``encryption_key_file``)."""
     from kvtier.vllm import kv_transfer_config
 
     # The default publish queue: a prefill hands every block of the prompt to the publisher at once,

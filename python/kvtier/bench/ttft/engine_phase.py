@@ -147,7 +147,54 @@ def disk_floor(plan: dict, length_tokens: int) -> dict | None:
 
 
 def phase_kvtier_nvme(plan: dict, emit) -> None:
-    engine = Engine(plan, kvtier_transfer(plan))
+    """NVMe hits of what the kvtier_store phases stored: a fresh engine and service over the same
+    store directory, every block on NVMe only; the disk floor after each of experiment 1's hits."""
+    _nvme_hits(plan, emit, "kvtier_nvme", kvtier_transfer(plan), with_disk_floor=True)
+
+
+def encrypted_transfer(plan: dict) -> dict:
+    """The kvtier_nvme_encrypted row's kv_transfer_config: the plan's store options on the row's own
+    store directory (never the clear row's blocks), with the run's key (``encryption_key_file``)."""
+    return kvtier_transfer(plan, plan["encrypted_store_dir"], encryption_key_file=plan["encryption_key_file"])
+
+
+def nvme_hit_prompts(plan: dict) -> list[list[int]]:
+    """Every prompt whose blocks the NVMe phase reads, as the kvtier_store phases compute them:
+    experiment 1's prompts, then experiment 2's stored bases (each with one token after it)."""
+    prompts = [length_prompt(plan, length, repeat) for length in plan["lengths"] for repeat in range(plan["repeats"])]
+    for repeat in range(plan["repeats"]):
+        for rate in plan["hit_rates"]:
+            base = hit_rate_base(plan, rate, repeat)
+            if base:
+                prompts.append([*base, 11])
+    return prompts
+
+
+def phase_kvtier_nvme_encrypted_store(plan: dict, emit) -> None:
+    """The storing engine of kvtier_nvme_encrypted: computes every prompt the NVMe phase reads into
+    the row's own store with the run's key (every value written to NVMe encrypted), then stops its
+    service, so that the timed engine finds the blocks on NVMe only."""
+    engine = Engine(plan, encrypted_transfer(plan))
+    store = store_of_engine()
+    emit("engine", {"start_s": engine.start_s, "encryption_key_file": plan["encryption_key_file"]})
+    for prompt in nvme_hit_prompts(plan):
+        engine.reset_prefix_cache()
+        engine.generate(prompt)
+        settle(engine, store)
+    emit("store_stats", dict(store.stats()))
+    store.close()
+
+
+def phase_kvtier_nvme_encrypted(plan: dict, emit) -> None:
+    """The kvtier_nvme row on the encrypted store: every hit decrypted (no disk floor: the same bytes
+    as the clear row's, whose floor is measured)."""
+    _nvme_hits(plan, emit, "kvtier_nvme_encrypted", encrypted_transfer(plan), with_disk_floor=False)
+
+
+def _nvme_hits(plan: dict, emit, config: str, transfer: dict, with_disk_floor: bool) -> None:
+    """The NVMe phase of ``config``: one engine on ``transfer``'s store, checked to start with every
+    block on NVMe (``kvtier_measure``); experiment 1's hits, then experiment 2's, page cache dropped."""
+    engine = Engine(plan, transfer)
     store = store_of_engine()
     stats = store.stats()
     emit("engine", {"start_s": engine.start_s, "blocks_dram_at_start": stats.get("blocks_dram"),
@@ -156,10 +203,10 @@ def phase_kvtier_nvme(plan: dict, emit) -> None:
     for length in plan["lengths"]:
         for repeat in range(plan["repeats"]):
             prompt = length_prompt(plan, length, repeat)
-            emit("measure", {"experiment": 1, "config": "kvtier_nvme", "length_tokens": length, "repeat": repeat,
+            emit("measure", {"experiment": 1, "config": config, "length_tokens": length, "repeat": repeat,
                              "prompt_id": f"p:{length}:{repeat}",
                              **kvtier_measure(engine, store, prompt, length, "nvme", drop_cache=True)})  # fmt: skip
-            floor = disk_floor(plan, length)
+            floor = disk_floor(plan, length) if with_disk_floor else None
             if floor is not None:
                 emit(
                     "measure",
@@ -170,7 +217,7 @@ def phase_kvtier_nvme(plan: dict, emit) -> None:
         for rate in plan["hit_rates"]:
             base = hit_rate_base(plan, rate, repeat)
             prompt = hit_rate_prompt(plan, base, rate, repeat, "nvme")
-            emit("measure", {"experiment": 2, "config": "kvtier_nvme", "length_tokens": length, "hit_rate": rate,
+            emit("measure", {"experiment": 2, "config": config, "length_tokens": length, "hit_rate": rate,
                              "repeat": repeat,
                              **kvtier_measure(engine, store, prompt, len(base), "nvme", drop_cache=True)})  # fmt: skip
     emit("store_stats", dict(store.stats()))
@@ -585,6 +632,8 @@ PHASES = {
     "baseline": phase_baseline,
     "kvtier_store": phase_kvtier_store,
     "kvtier_nvme": phase_kvtier_nvme,
+    "kvtier_nvme_encrypted_store": phase_kvtier_nvme_encrypted_store,
+    "kvtier_nvme_encrypted": phase_kvtier_nvme_encrypted,
     "example_connector": phase_example_connector,
     "lmcache_disk": phase_lmcache_disk,
     "kvtier_shared_store": phase_kvtier_shared_store,
