@@ -3,6 +3,13 @@ are parsed once, and bad combinations are refused with the flag to fix (no engin
 
 from __future__ import annotations
 
+import os
+import stat
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from kvtier.bench.ttft.plan import BenchError, build_parser, object_plan, shared_plan
@@ -85,3 +92,51 @@ def test_too_little_disk_space_refuses_the_run_and_leaves_no_temporary_store(tmp
     assert entry.main(["--small", "--out", str(tmp_path / "out")]) == 2
     assert "GiB are free" in capsys.readouterr().err
     assert not list(tmp_path.glob("kvtier-bench-ttft-*")), "the temporary store directory was left behind"
+
+
+def test_encrypted_flag_adds_the_encrypted_nvme_row_on_its_own_store_with_a_throwaway_key(tmp_path, monkeypatch):
+    from kvtier.bench import layout
+    from kvtier.bench.ttft import engine_phase, entry
+    from kvtier.bench.ttft.engine import kvtier_transfer
+
+    monkeypatch.setattr(layout, "memcpy_gbps", lambda: 10.0)
+    # kvtier.vllm imports vLLM (seconds to a minute): a stand-in that gives the store options it is passed.
+    stand_in: Any = types.ModuleType("kvtier.vllm")
+    stand_in.kv_transfer_config = lambda path, **options: {"kv_connector_extra_config": {"path": path, **options}}
+    monkeypatch.setitem(sys.modules, "kvtier.vllm", stand_in)
+    seen: dict[str, Any] = {}
+
+    def run_phases(plan, phases, timeout_s, started, notes):  # no engine: what main would run, and its key
+        key_file = plan["encryption_key_file"]
+        seen.update(plan=dict(plan), phases=[phase.name for phase in phases], key_mode=os.stat(key_file).st_mode,
+                    key_bytes=len(Path(key_file).read_bytes()))  # fmt: skip
+        seen["transfer"] = engine_phase.encrypted_transfer(plan)["kv_connector_extra_config"]
+        seen["clear"] = kvtier_transfer(plan)["kv_connector_extra_config"]
+        return entry.PhaseResults()
+
+    monkeypatch.setattr(entry, "run_phases", run_phases)
+    store_dir = tmp_path / "store"
+    argv = ["--small", "--encrypted", "--skip-lmcache", "--out", str(tmp_path / "out"), "--store-dir", str(store_dir)]
+    assert entry.main(argv) == 1, "no measurements"
+    plan, phases = seen["plan"], seen["phases"]
+    assert plan["encrypted"] and not entry.make_plan(_args("--small"))["encrypted"]
+    nvme = phases.index("kvtier_nvme")
+    assert phases[nvme + 1 : nvme + 3] == ["kvtier_nvme_encrypted_store", "kvtier_nvme_encrypted"]
+    assert stat.S_IMODE(seen["key_mode"]) == 0o600 and seen["key_bytes"] == 32
+    assert plan["encryption_key_file"].startswith(plan["runtime_dir"]), "in the run's scratch directory"
+    assert not os.path.exists(plan["encryption_key_file"]), "the throwaway key goes with the run"
+    assert seen["transfer"]["encryption_key_file"] == plan["encryption_key_file"]
+    assert seen["transfer"]["path"] == plan["encrypted_store_dir"] != plan["store_dir"] == seen["clear"]["path"]
+    assert "encryption_key_file" not in seen["clear"], "the clear rows stay in clear"
+    assert {key: seen["transfer"][key] for key in seen["clear"] if key != "path"} == {
+        key: value for key, value in seen["clear"].items() if key != "path"
+    }, "the same store options as kvtier_nvme's but the key and the directory"
+    assert not (store_dir / "kvtier-encrypted").exists(), "unreadable without its key: removed"
+
+
+def test_encrypted_row_needs_room_for_its_own_store():
+    from kvtier.bench.ttft.entry import disk_space_needed_bytes
+
+    plan = {"nvme_bytes": 1 << 30, "lengths": [512], "kv_bytes_per_token": 1, "example_connector": False,
+            "disk_floor": False, "lmcache_available": False, "shared": None, "object": None}  # fmt: skip
+    assert disk_space_needed_bytes({**plan, "encrypted": True}) == disk_space_needed_bytes(plan) + (1 << 30)

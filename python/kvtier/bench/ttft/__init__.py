@@ -21,6 +21,13 @@ Configurations (one engine alive at a time, each in its own child process):
   starts empty, every block is on NVMe: checked with ``locate_many`` before timing), page cache dropped
   (``echo 3 > /proc/sys/vm/drop_caches``) and one short warm-up request (no full block, so no kvtier
   I/O) to fault the engine's own code back in before timing.
+- ``kvtier_nvme_encrypted``: the cost of encryption at rest on an NVMe hit (issue 40), only with
+  ``--encrypted``: ``kvtier_nvme`` on a store directory of its own (``kvtier-encrypted``, never the clear
+  row's blocks) with ``encryption_key_file`` set, a throwaway key (32 random bytes, mode 0600) in the
+  run's runtime directory, for both engines: one engine computes every prompt the NVMe phase reads
+  (experiment 1's prompts, experiment 2's stored bases; every value written to NVMe encrypted), then
+  the timed engine, as ``kvtier_nvme`` (fresh service, every block on NVMe, page cache dropped, no
+  disk floor). The summary's ``encryption`` gives per length both medians and encrypted / clear.
 - ``example_connector``: vLLM's ExampleConnector (per-layer safetensors files), page cache dropped.
 - ``kvtier_shared``: a shared-tier hit (seed 002's experiment 5 through vLLM), only with
   ``--shared-root-store PATH --shared-root-load PATH``: two paths of the same shared directory as two

@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     plan["example_dir"] = str(store_root / "example-connector")
     # The engines' runtime directory (XDG_RUNTIME_DIR): short, so that socket paths fit.
     plan["runtime_dir"] = tempfile.mkdtemp(prefix="kvtier-ttft-run-")
+    if plan["encrypted"]:
+        plan["encrypted_store_dir"] = str(store_root / "kvtier-encrypted")
+        plan["encryption_key_file"] = write_encryption_key(Path(plan["runtime_dir"]))
     from kvtier.bench.layout import memcpy_gbps
 
     # The copy rate a DRAM hit's restore is judged against (issue 14), measured in this run.
@@ -122,6 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     return write_outputs(plan, results, notes, out_dir, argv, started)
 
 
+def write_encryption_key(scratch_dir: Path) -> str:
+    """The kvtier_nvme_encrypted row's throwaway key: 32 random bytes, mode 0600, in the run's scratch
+    directory (its runtime directory, removed with the run; never under a shared root, where the store
+    refuses a key). Only its path is in the plan (and the logs)."""
+    key_file = scratch_dir / "encryption.key"
+    descriptor = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "wb") as out:
+        out.write(os.urandom(32))
+    return str(key_file)
+
+
 def disk_space_needed_bytes(plan: dict) -> int:
     """Bytes the run's stores take at most on the store's disk, all rows together."""
     needed_bytes = plan["nvme_bytes"] + (
@@ -133,6 +147,7 @@ def disk_space_needed_bytes(plan: dict) -> int:
     # kvtier_shared: node A's local store, and one node B store at a time (removed after its phase).
     needed_bytes += 2 * plan["nvme_bytes"] if plan["shared"] else 0
     needed_bytes += 2 * plan["nvme_bytes"] if plan["object"] else 0  # the same for kvtier_object
+    needed_bytes += plan["nvme_bytes"] if plan.get("encrypted") else 0  # kvtier_nvme_encrypted's own store
     return needed_bytes
 
 
@@ -169,6 +184,11 @@ def phase_list(plan: dict, store_root: Path, out_dir: Path, notes: list[str]) ->
         phases += [Phase("kvtier_store", f"kvtier_store-{n}-r{repeat}", ["length", n, repeat]) for n in lengths]
         phases += [Phase("kvtier_store", f"kvtier_store-hit{h}-r{repeat}", ["rate", h, repeat]) for h in hit_rates]
     phases.append(Phase("kvtier_nvme", "kvtier_nvme", None))
+    if plan["encrypted"]:
+        phases += [Phase("kvtier_nvme_encrypted_store", "kvtier_nvme_encrypted_store", None),
+                   Phase("kvtier_nvme_encrypted", "kvtier_nvme_encrypted", None)]  # fmt: skip
+        notes.append(f"kvtier_nvme_encrypted: encryption_key_file {plan['encryption_key_file']} (a throwaway key), "
+                     f"store {plan['encrypted_store_dir']}")  # fmt: skip
     if plan["shared"]:
         phases += remote_row_phases(plan, "kvtier_shared")
         phases += [Phase(*phase) for phase in slow_link_phases(plan, "shared")]
@@ -284,12 +304,15 @@ def remove_node_store(plan: dict, phase: Phase) -> None:
 
 
 def remove_stores(plan: dict, store_root: Path, temporary_store: bool) -> None:
-    """The run's stores: all of a temporary store directory, else the remote-tier rows' node stores."""
+    """The run's stores: all of a temporary store directory, else the remote-tier rows' node stores and
+    the encrypted row's store."""
     if temporary_store:
         shutil.rmtree(store_root, ignore_errors=True)
     else:
         for node in store_root.glob("shared-node-*"):
             shutil.rmtree(node, ignore_errors=True)
+        if plan.get("encrypted_store_dir"):  # unreadable once the run's key is gone with its runtime directory
+            shutil.rmtree(plan["encrypted_store_dir"], ignore_errors=True)
     if plan["shared"]:
         # The run's subdirectory of the shared directory (through node A's view), so that a
         # network filesystem sized for one run's blocks is empty again.

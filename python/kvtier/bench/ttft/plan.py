@@ -116,6 +116,12 @@ def _add_local_row_options(parser: argparse.ArgumentParser) -> None:
         help="do not time fio reading the bytes of each NVMe hit (the disk floor row; needs fio)",
     )  # fmt: skip
     parser.add_argument("--skip-example-connector", action="store_true", help="do not run vLLM's ExampleConnector")
+    parser.add_argument(
+        "--encrypted", action="store_true",
+        help="also measure an encrypted NVMe hit (kvtier_nvme_encrypted): the kvtier_nvme row on a store of its "
+        "own with encryption_key_file set (a throwaway 32-byte key in the run's scratch directory) for the "
+        "storing and the timed engine; the report gives its ratio to the clear NVMe hit per length",
+    )  # fmt: skip
 
 
 def _add_remote_row_options(parser: argparse.ArgumentParser) -> None:
@@ -312,6 +318,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         "disk_floor": not args.no_disk_floor,
         "out_dir": str(out_dir),
         "example_connector": not args.skip_example_connector,
+        "encrypted": bool(args.encrypted),  # the kvtier_nvme_encrypted row
         "shared": shared,
         "object": object_row,
         "slow_link": slow_link_plan(args),
