@@ -124,3 +124,33 @@ def test_a_restored_row_may_match_vllms_own_prefix_hit_instead_of_recompute():
     prefix_hit["logprob"] = -1.05
     (failure,) = ttft.shared_row_failures(the_plan, summary, [*measurements, prefix_hit])
     assert "against recompute's 1 (-1.0)" in failure
+
+
+def test_encrypted_nvme_row_is_compared_with_the_clear_nvme_hit_per_length():
+    the_plan = {**plan([512, 1024], 0), "hit_rates": [], "encrypted": True}
+    measurements = [measurement(1, "kvtier_nvme", 512, 0.100), measurement(1, "kvtier_nvme", 1024, 0.200)]
+    measurements += [measurement(1, "kvtier_nvme_encrypted", 512, 0.110)]  # none at 1024 tokens
+    summary = ttft.summarize(the_plan, measurements)
+    at_512, at_1024 = summary["encryption"]
+    assert at_512["length_tokens"] == 512 and at_512["encrypted_median_s"] == 0.110
+    assert at_512["clear_median_s"] == 0.100 and abs(at_512["encrypted_over_clear"] - 1.1) < 1e-9
+    assert at_1024["encrypted_median_s"] is None and at_1024["encrypted_over_clear"] is None
+    figures = [target for target in summary["targets"] if target.get("issue") == 40]
+    assert [(target["length_tokens"], target["note"]) for target in figures] == [
+        (512, None), (1024, "a row was not measured at this length")
+    ]  # fmt: skip
+    assert figures[0]["name"] == "kvtier encrypted NVMe hit / kvtier NVMe hit" and figures[0]["target_at_most"] is None
+    rows1 = ttft.table_rows(the_plan, summary)[1]
+    assert [row[0] for row in rows1] == [ttft.CONFIG_LABELS["kvtier_nvme"], ttft.CONFIG_LABELS["kvtier_nvme_encrypted"]]
+    markdown = ttft.print_report(the_plan, summary, [])
+    assert "| 512 tok | 100 | 110 | 1.100 |" in markdown
+    assert "| 1024 tok | 200 | - | - |" in markdown
+    assert "kvtier encrypted NVMe hit / kvtier NVMe hit at 512 tokens: 1.100" in markdown
+
+
+def test_no_encryption_section_without_the_flag():
+    the_plan = {**plan([512], 0), "hit_rates": []}
+    summary = ttft.summarize(the_plan, [measurement(1, "kvtier_nvme", 512, 0.1)])
+    assert summary["encryption"] is None
+    assert not [target for target in summary["targets"] if target.get("issue") == 40]
+    assert "Encryption at rest" not in ttft.print_report(the_plan, summary, [])

@@ -22,7 +22,8 @@ TARGET_HIT_OVER_RECOMPUTE = 0.15
 TARGET_NVME_OVER_LMCACHE = 1 / 1.5  # NVMe at least 1.5x better than LMCache's disk backend
 LOGPROB_TOLERANCE = 1e-3
 RESTORED_CONFIGS = (
-    "vllm_prefix", "kvtier_dram", "kvtier_nvme", "example_connector", "lmcache_disk", "kvtier_shared", "kvtier_object",
+    "vllm_prefix", "kvtier_dram", "kvtier_nvme", "kvtier_nvme_encrypted", "example_connector", "lmcache_disk",
+    "kvtier_shared", "kvtier_object",
 )  # fmt: skip
 
 
@@ -186,8 +187,43 @@ def summarize(plan: dict, measurements: list[dict]) -> dict:
         if record.get("logprob") is not None and base.get("logprob") is not None:
             entry["max_logprob_diff"] = max(entry["max_logprob_diff"], abs(record["logprob"] - base["logprob"]))
     summary["outputs_vs_recompute"] = outputs
+    summary["encryption"] = encryption_summary(plan, summary)
     summary["targets"] = targets(plan, summary) + stores_off_the_critical_path_targets(plan, summary)
+    summary["targets"] += encryption_targets(summary["encryption"])
     return summary
+
+
+def encryption_summary(plan: dict, summary: dict) -> list[dict] | None:
+    """Issue 40: per length, the encrypted NVMe hit's median TTFT (kvtier_nvme_encrypted), the clear
+    NVMe hit's (kvtier_nvme) and encrypted / clear; None without --encrypted."""
+    if not plan.get("encrypted"):
+        return None
+    rows = []
+    for length in plan["lengths"]:
+        clear, encrypted = _median(summary, "kvtier_nvme", length), _median(summary, "kvtier_nvme_encrypted", length)
+        rows.append({
+            "length_tokens": length,
+            "clear_median_s": clear,
+            "encrypted_median_s": encrypted,
+            "encrypted_over_clear": encrypted / clear if encrypted is not None and clear else None,
+        })  # fmt: skip
+    return rows
+
+
+def encryption_targets(encryption: list[dict] | None) -> list[dict]:
+    """The encrypted NVMe hit over the clear one per length, as figures beside the targets (no target)."""
+    return [
+        {
+            "name": "kvtier encrypted NVMe hit / kvtier NVMe hit",
+            "length_tokens": row["length_tokens"],
+            "value": row["encrypted_over_clear"],
+            "target_at_most": None,
+            "met": None,
+            "note": None if row["encrypted_over_clear"] is not None else "a row was not measured at this length",
+            "issue": 40,
+        }
+        for row in encryption or []
+    ]
 
 
 def shared_row_failures(

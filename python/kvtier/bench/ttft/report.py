@@ -13,6 +13,7 @@ CONFIG_LABELS = {
     "kvtier_miss": "kvtier miss (recompute + store)",
     "kvtier_dram": "kvtier DRAM hit",
     "kvtier_nvme": "kvtier NVMe hit (page cache dropped)",
+    "kvtier_nvme_encrypted": "kvtier NVMe hit, encrypted (encryption_key_file, own store, page cache dropped)",
     "example_connector": "vLLM ExampleConnector (disk, page cache dropped)",
     "lmcache_disk": "LMCache + CPU copy shim (local disk)",
     "kvtier_shared": "kvtier shared-tier hit (other node's mount, empty local store, page cache dropped)",
@@ -32,7 +33,7 @@ def _cell(point: dict | None) -> str:
 
 
 CONFIG_ORDER = (
-    "recompute", "kvtier_miss", "vllm_prefix", "kvtier_dram", "kvtier_nvme",
+    "recompute", "kvtier_miss", "vllm_prefix", "kvtier_dram", "kvtier_nvme", "kvtier_nvme_encrypted",
     "kvtier_shared", "kvtier_object", "example_connector", "lmcache_disk", "disk_floor",
 )  # fmt: skip
 
@@ -99,6 +100,26 @@ def io_pattern_section(phase_info: dict) -> list[str]:
     return lines
 
 
+def encryption_section(summary: dict) -> list[str]:
+    """Markdown: the cost of encryption at rest on an NVMe hit (issue 40), per length: the clear and the
+    encrypted hit's median TTFT and encrypted / clear; nothing without --encrypted."""
+    rows = summary.get("encryption")
+    if not rows:
+        return []
+
+    def ms(seconds: float | None) -> str:
+        return "-" if seconds is None else f"{seconds * 1000:.0f}"
+
+    header = ["prompt length", "kvtier NVMe hit (ms, median)", "encrypted NVMe hit (ms, median)", "encrypted / clear"]
+    cells = [
+        [f"{row['length_tokens']} tok", ms(row["clear_median_s"]), ms(row["encrypted_median_s"]),
+         "-" if row["encrypted_over_clear"] is None else f"{row['encrypted_over_clear']:.3f}"]
+        for row in rows
+    ]  # fmt: skip
+    title = "### Encryption at rest: NVMe hit with encryption_key_file vs in clear (AES-256-GCM, issue 40)"
+    return [title, "", markdown_table(header, cells), ""]
+
+
 def print_report(plan: dict, summary: dict, notes: list[str], phase_info: dict | None = None) -> str:
     """Prints the tables, targets and notes; returns the same as Markdown (also written to report.md)."""
     header1, rows1, header2, rows2 = table_rows(plan, summary)
@@ -158,10 +179,10 @@ def print_report(plan: dict, summary: dict, notes: list[str], phase_info: dict |
     memcpy_line = [f"memcpy rate measured in this run: {memcpy:.1f} GB/s (numpy, 256 MiB copies)", ""] if memcpy else []
     markdown += ["Targets (figures, not asserts):", ""] + [f"- {line}" for line in target_lines] + [""] + memcpy_line
     markdown += ["Outputs:", ""] + [f"- {line}" for line in output_lines] + [""]
-    io_lines = io_pattern_section(phase_info or {})
-    if io_lines:
-        print("\n".join(io_lines))
-    markdown += io_lines
+    section_lines = encryption_section(summary) + io_pattern_section(phase_info or {})
+    if section_lines:
+        print("\n".join(section_lines))
+    markdown += section_lines
     markdown += [f"- note: {note}" for note in notes]
     return "\n".join(markdown) + "\n"
 
