@@ -68,7 +68,7 @@ pub(crate) struct LateReads {
 }
 
 impl LateReads {
-    /// A load gives up a read into `slot`; call before its `on_done` can see it given up.
+    /// A load gives up a read; called before its `on_done` can find it given up.
     pub(crate) fn given_up(&self) {
         self.outstanding.fetch_add(1, Ordering::AcqRel);
     }
