@@ -24,7 +24,6 @@
 use crate::format::trailer::TrailerEntry;
 use crate::key::BlockKey;
 use crate::stats::Stats;
-use crate::tiers::eviction::EvictionPolicy;
 use crate::tiers::nvme::{Geometry, RecoveredRegion};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -35,6 +34,7 @@ mod pins;
 mod puts;
 mod regions;
 mod slots;
+mod tenants;
 #[cfg(test)]
 mod test_support;
 mod upkeep;
@@ -43,6 +43,8 @@ pub use index::{AwaitingReuse, ResidencyChanges};
 use index::{Entry, Index};
 use regions::Regions;
 use slots::{SlotState, Slots};
+use tenants::TenantHints;
+pub use tenants::{PolicyFactory, TenantGauge};
 pub use upkeep::{ScrubTarget, TrimCounts, TrimPlan};
 
 /// Where a block is served from.
@@ -172,6 +174,8 @@ pub struct Catalog {
     object_bytes: u32,
     index: Index,
     slots: Slots,
+    /// Tenants named for blocks not in DRAM yet (`assign_tenant`), taken when a slot is claimed.
+    tenant_hints: TenantHints,
     nvme: Option<Regions>,
     next_sequence: u64,
     dirty_bytes: usize,
@@ -205,7 +209,7 @@ pub struct SlotLayout {
 impl Catalog {
     pub fn new(
         layout: SlotLayout,
-        policy: Box<dyn EvictionPolicy>,
+        make_policy: PolicyFactory,
         geometry: Option<(Geometry, usize)>,
         stats: Arc<Stats>,
     ) -> Self {
@@ -214,7 +218,8 @@ impl Catalog {
             slot_bytes,
             object_bytes,
             index: Index::default(),
-            slots: Slots::new(slot_count, policy),
+            slots: Slots::new(slot_count, make_policy),
+            tenant_hints: TenantHints::default(),
             nvme: geometry.map(|(geometry, device_count)| Regions::new(geometry, device_count)),
             next_sequence: 1,
             dirty_bytes: 0,
@@ -309,12 +314,12 @@ impl Catalog {
     /// between prepare_load and complete_load) may go when it has an NVMe copy, so that a request
     /// larger than the pool's free part can still be loaded through it, round by round. A store
     /// never evicts such a block: loads go first, and its load would have to read it again.
-    fn alloc_slot(&mut self, for_load: bool) -> Option<u32> {
+    fn alloc_slot(&mut self, for_load: bool, asker: u8) -> Option<u32> {
         if let Some(slot) = self.slots.take_free() {
             return Some(slot);
         }
         let index = &self.index;
-        let (victim, key) = self.slots.evict(|key| {
+        let (victim, key) = self.slots.evict(asker, |key| {
             key.and_then(|k| index.get(&k))
                 .is_none_or(|e| e.readers == 0 && (e.pins == 0 || (for_load && e.nvme.is_some())))
         })?;
@@ -345,8 +350,8 @@ impl Catalog {
     /// waits in a device queue. Loads go first: dropping a store that has not reached the disk costs
     /// a later miss of that block, while waiting for the write backlog to drain stalls a request
     /// that is being served now. The set names the blocks the load itself still needs.
-    fn alloc_slot_for_load(&mut self, take_queued: Option<&HashSet<BlockKey>>) -> Option<u32> {
-        self.alloc_slot(true).or_else(|| self.steal_queued_write(take_queued?))
+    fn alloc_slot_for_load(&mut self, take_queued: Option<&HashSet<BlockKey>>, asker: u8) -> Option<u32> {
+        self.alloc_slot(true, asker).or_else(|| self.steal_queued_write(take_queued?))
     }
 
     /// Takes the slot of the newest queued write whose block nobody pins: the block is forgotten (a
@@ -381,18 +386,46 @@ impl Catalog {
         self.loads_cancel_writes = on;
     }
 
+    /// Splits the DRAM pool by tenant (`tenant_dram_share`, `tenant_dram_shares`); before any use.
+    pub fn set_tenant_shares(&mut self, shares: crate::tenant::TenantShares) {
+        self.slots.set_tenant_shares(shares);
+    }
+
+    /// The blocks `keys` are `tenant`'s: one in DRAM is charged to it now, one on its way (a put, a
+    /// read from a lower tier) when it claims a slot. A no-op while the pool is not split by tenant.
+    pub fn assign_tenant(&mut self, keys: &[BlockKey], tenant: &crate::tenant::TenantId) {
+        if !self.slots.tenancy_enabled() {
+            return;
+        }
+        let account = self.slots.account_for(tenant);
+        for key in keys {
+            match self.index.get(key).and_then(|e| e.dram) {
+                Some(slot) => self.slots.charge(slot, account, key),
+                None => self.tenant_hints.name(*key, account),
+            }
+        }
+    }
+
+    /// Each tenant account of the DRAM pool (the default tenant's first), and the blocks charged to
+    /// the default tenant for want of an account (`MAX_TENANTS`).
+    pub fn tenant_gauges(&self) -> (Vec<TenantGauge>, u64) {
+        self.slots.tenant_gauges()
+    }
+
     /// Takes a slot out of use for good: neither free nor a victim (it stays `Loading`, keyless).
     fn retire_slot(&mut self, slot: u32) {
         self.slots.retire(slot);
         Stats::add(&self.stats.retired_slots, 1);
     }
 
-    /// A new entry for `key` whose only copy is `slot`, not yet visible; returns its sequence.
-    fn claim_slot(&mut self, key: &BlockKey, slot: u32, state: SlotState, pins: u32) -> u64 {
+    /// A new entry for `key` whose only copy is `slot` (charged to tenant `account`), not yet
+    /// visible; returns its sequence.
+    fn claim_slot(&mut self, key: &BlockKey, slot: u32, state: SlotState, pins: u32, account: u8) -> u64 {
         let sequence = self.next_sequence;
         self.next_sequence += 1;
         self.timeline.record(sequence);
-        self.slots.claim(slot, *key, state);
+        self.tenant_hints.take(key);
+        self.slots.claim(slot, *key, state, account);
         self.index.insert(
             *key,
             Entry {

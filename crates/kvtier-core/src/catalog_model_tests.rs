@@ -20,7 +20,7 @@
 use super::regions::RegionState;
 use super::*;
 use crate::service::changes::{Change, ChangeLog, ChangesReply, TIER_SHARED};
-use crate::tiers::eviction::{Lru, S3Fifo};
+use crate::tiers::eviction::{EvictionPolicy, Lru, S3Fifo};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
@@ -82,6 +82,8 @@ enum Op {
     /// A scrub pins a visible block, then reports which of its copies were bad.
     ScrubPin(u8),
     ScrubDone(usize, bool, bool),
+    /// The engine names a block's tenant (one of three), whether or not the block is held.
+    AssignTenant(u8, u8),
     Restart,
 }
 
@@ -113,9 +115,10 @@ fn op() -> impl Strategy<Value = Op> {
         3 => k.clone().prop_map(Op::StartShared),
         3 => (i, prop_oneof![6 => Just(SharedEnd::Hit), 2 => Just(SharedEnd::Miss), 1 => Just(SharedEnd::Abandoned)])
             .prop_map(|(i, end)| Op::FinishShared(i, end)),
-        3 => k.prop_map(Op::ScrubPin),
+        3 => k.clone().prop_map(Op::ScrubPin),
         3 => (i, prop_oneof![3 => Just(false), 1 => Just(true)], prop_oneof![3 => Just(false), 1 => Just(true)])
             .prop_map(|(i, d, n)| Op::ScrubDone(i, d, n)),
+        4 => (k.clone(), 0u8..3).prop_map(|(k, t)| Op::AssignTenant(k, t)),
         1 => Just(Op::Restart),
     ]
 }
@@ -130,16 +133,27 @@ struct Setup {
     lru: bool,
     /// Loads may take the slots of queued writes.
     cancel_writes: bool,
+    /// Every tenant's guaranteed share of the DRAM pool (0: the pool is not split).
+    tenant_share: f64,
 }
 
 fn setup() -> impl Strategy<Value = Setup> {
-    (2usize..6, prop::option::weighted(0.85, (1usize..3, 2u64..5, 1u64..4)), 1usize..5, any::<bool>(), any::<bool>())
-        .prop_map(|(slots, nvme, dirty_slots, lru, cancel_writes)| Setup {
+    let tenant_share = prop_oneof![Just(0.0), Just(0.25), Just(0.5)];
+    (
+        2usize..6,
+        prop::option::weighted(0.85, (1usize..3, 2u64..5, 1u64..4)),
+        1usize..5,
+        any::<bool>(),
+        any::<bool>(),
+        tenant_share,
+    )
+        .prop_map(|(slots, nvme, dirty_slots, lru, cancel_writes, tenant_share)| Setup {
             slots,
             nvme,
             dirty_slots,
             lru,
             cancel_writes,
+            tenant_share,
         })
 }
 
@@ -224,11 +238,15 @@ fn new_catalog(setup: &Setup, geometry: Option<Geometry>) -> Catalog {
         object_bytes: 1000,
         max_dirty_bytes: setup.dirty_slots * SLOT_BYTES as usize,
     };
-    let policy: Box<dyn EvictionPolicy> =
-        if setup.lru { Box::new(Lru::new(setup.slots)) } else { Box::new(S3Fifo::new(setup.slots)) };
+    let policy: crate::catalog::PolicyFactory = if setup.lru {
+        Box::new(|n| Box::new(Lru::new(n)) as Box<dyn EvictionPolicy>)
+    } else {
+        Box::new(|n| Box::new(S3Fifo::new(n)) as Box<dyn EvictionPolicy>)
+    };
     let devices = setup.nvme.map(|(d, _, _)| d).unwrap_or(0);
     let mut cat = Catalog::new(layout, policy, geometry.map(|g| (g, devices)), Arc::new(Stats::default()));
     cat.set_loads_cancel_writes(setup.cancel_writes);
+    cat.set_tenant_shares(crate::tenant::TenantShares { default_share: setup.tenant_share, named: vec![] });
     cat
 }
 
@@ -706,6 +724,10 @@ impl Model {
                     self.saw("NVMe copy quarantined");
                 }
             }
+            Op::AssignTenant(k, tenant) => {
+                self.cat.assign_tenant(&[key(k)], &crate::tenant::tenant_id(&[tenant]));
+                self.saw("tenant named");
+            }
             Op::Restart => self.restart(),
         }
     }
@@ -1117,6 +1139,7 @@ fn model_reaches_every_path() {
         "trailer write failed",
         "reclaimed trailer zeroed",
         "restart",
+        "tenant named",
         "dram eviction",
         "region reclaim",
         "retired slot",
@@ -1141,7 +1164,7 @@ fn model_reaches_every_path() {
 /// A catalog with 2 DRAM slots and one device of `regions` one-entry regions, region `i` holding key
 /// `i` (sealed, as recovery adopts it): every key starts NVMe-only.
 fn recovered_catalog(regions: u32) -> Catalog {
-    let setup = Setup { slots: 2, nvme: Some((1, regions as u64, 1)), dirty_slots: 2, lru: false, cancel_writes: true };
+    let setup = Setup { slots: 2, nvme: Some((1, regions as u64, 1)), dirty_slots: 2, lru: false, cancel_writes: true, tenant_share: 0.0 };
     let g = Geometry::new(SLOT_BYTES, SLOT_BYTES + crate::format::trailer::trailer_bytes(1) as u64, regions as u64);
     let mut cat = new_catalog(&setup, Some(g));
     let found = (0..regions)

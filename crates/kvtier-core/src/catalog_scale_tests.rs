@@ -28,7 +28,8 @@ fn recovered_catalog(blocks: u64) -> Catalog {
         ENTRIES_PER_REGION * SLOT_BYTES + crate::format::trailer::trailer_bytes(ENTRIES_PER_REGION as usize) as u64;
     let geometry = Geometry::new(SLOT_BYTES, region_bytes, regions);
     let layout = SlotLayout { slot_count: 1024, slot_bytes: SLOT_BYTES, object_bytes: 1000, max_dirty_bytes: 1 << 20 };
-    let mut catalog = Catalog::new(layout, Box::new(Lru::new(1024)), Some((geometry, 1)), Arc::new(Stats::default()));
+    let mut catalog =
+        Catalog::new(layout, Box::new(|n| Box::new(Lru::new(n))), Some((geometry, 1)), Arc::new(Stats::default()));
     let recovered = (0..blocks.div_ceil(ENTRIES_PER_REGION))
         .map(|region| {
             let first = region * ENTRIES_PER_REGION;

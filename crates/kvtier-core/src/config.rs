@@ -74,6 +74,11 @@ pub struct StoreConfig {
     pub write_budget_nvme_dwpd: f64,
     /// The NVMe tier's write budget in bytes per day; 0 = from `write_budget_nvme_dwpd`.
     pub write_budget_nvme_bytes_per_day: u64,
+    /// The share of the DRAM pool guaranteed to each tenant not named in `tenant_dram_shares`
+    /// (`crate::tenant`); 0 with no named tenants: the pool is not split.
+    pub tenant_dram_share: f64,
+    /// `salt=share` pairs (`tenant::parse_named_shares`), as given.
+    pub tenant_dram_shares: Vec<u8>,
     /// The shared-filesystem and object tiers' write budgets in bytes per day; 0 = unbounded.
     pub write_budget_shared_bytes_per_day: u64,
     pub write_budget_bucket_bytes_per_day: u64,
@@ -132,6 +137,8 @@ impl StoreConfig {
             write_admission_memory_blocks: 1 << 20,
             write_budget_nvme_dwpd: 1.0,
             write_budget_nvme_bytes_per_day: 0,
+            tenant_dram_share: 0.0,
+            tenant_dram_shares: Vec::new(),
             write_budget_shared_bytes_per_day: 0,
             write_budget_bucket_bytes_per_day: 0,
             write_budget_burst_s: 86_400,
@@ -265,7 +272,22 @@ impl StoreConfig {
         if !(1..=86_400).contains(&self.write_budget_burst_s) {
             return Err(Error::config("write_budget_burst_s", "must be in 1 ..= 86400 seconds"));
         }
-        Ok(())
+        self.tenant_shares().map(|_| ())
+    }
+
+    /// The DRAM pool's tenant shares (`tenant_dram_share`, `tenant_dram_shares`), checked.
+    pub fn tenant_shares(&self) -> Result<crate::tenant::TenantShares> {
+        let default_share = self.tenant_dram_share;
+        if !(0.0..=1.0).contains(&default_share) {
+            return Err(Error::config(
+                "tenant_dram_share",
+                format!("{default_share} is out of range; give a fraction of the DRAM pool, 0 (no split) ..= 1"),
+            ));
+        }
+        let text = std::str::from_utf8(&self.tenant_dram_shares)
+            .map_err(|_| Error::config("tenant_dram_shares", "is not UTF-8; give salt=share pairs"))?;
+        let named = crate::tenant::parse_named_shares(text).map_err(|e| Error::config("tenant_dram_shares", e))?;
+        Ok(crate::tenant::TenantShares { default_share, named })
     }
 
     /// The NVMe tier's write budget in bytes per day (0: unbounded), given the total size of the
@@ -827,6 +849,28 @@ pub static OPTIONS: &[ConfigOption] = &[
         description: "The NVMe tier's write budget in bytes per day; overrides `write_budget_nvme_dwpd`.",
         set: |c, v| c.write_budget_nvme_bytes_per_day = v.int(),
         get: |c| (c.write_budget_nvme_bytes_per_day != 0).then_some(OptionValue::Int(c.write_budget_nvme_bytes_per_day)),
+    },
+    ConfigOption {
+        name: "tenant_dram_share",
+        field: "tenant_dram_share",
+        python: true,
+        kind: OptionKind::Float,
+        unset: "0: the pool is not split",
+        constraint: "0 ..= 1",
+        description: "The share of the DRAM pool guaranteed to each tenant (a request's `cache_salt`; no salt: the default tenant) not named in `tenant_dram_shares`. A tenant past its share evicts its own blocks first; one under it loses none to others while another tenant is past its share (docs/tenants.md).",
+        set: |c, v| c.tenant_dram_share = v.float(),
+        get: |c| (c.tenant_dram_share != 0.0).then_some(OptionValue::Float(c.tenant_dram_share)),
+    },
+    ConfigOption {
+        name: "tenant_dram_shares",
+        field: "tenant_dram_shares",
+        python: true,
+        kind: OptionKind::BytesOrStr,
+        unset: "",
+        constraint: "salt=share pairs, comma-separated, adding up to at most 1",
+        description: "Shares of the DRAM pool for named tenants, by their `cache_salt`: for example `\"team-a=0.5,team-b=0.25\"` (docs/tenants.md).",
+        set: |c, v| c.tenant_dram_shares = v.bytes(),
+        get: |c| (!c.tenant_dram_shares.is_empty()).then(|| OptionValue::Bytes(c.tenant_dram_shares.clone())),
     },
     ConfigOption {
         name: "write_budget_shared_bytes_per_day",

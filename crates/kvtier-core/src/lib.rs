@@ -5,6 +5,7 @@
 //! - `mover`: the data plane (copies and I/O at locations the catalog hands out).
 //! - `shared_state`: `Shared`, the state a store's threads share; the mover works on it, not on `store`.
 //! - `remote_tiers`: `RemoteTiers`, every remote tier of a store behind one value (no per-tier branches).
+//! - `tenant`: who stores a block (a request's `cache_salt`), and the DRAM pool's shares by tenant.
 //! - `tiers`: the DRAM arena and eviction policy; the NVMe device files and recovery; the remote tiers
 //!   (shared filesystem, object store) on their floor, `tiers::remote`.
 //! - `io`: I/O engines (io_uring, psync pool, fault injection) and the device queue every tier
@@ -33,6 +34,7 @@ mod shared_state;
 mod stats;
 mod store;
 mod store_residency;
+mod tenant;
 mod tiers;
 mod timeline;
 
@@ -50,6 +52,7 @@ pub use mover::{BlockBuffer, Reservation};
 pub use namespace_dir::DESCRIPTION_FILE_NAME;
 pub use stats::{Stats, StatsSnapshot};
 pub use store::{Job, JobKind, PoolLayout, Store, StoreStats};
+pub use tenant::{tenant_id, tenant_label, TenantId, DEFAULT_TENANT};
 pub use tiers::shared::SharedConfig;
 
 /// What only tests, fuzzers and stress tools need: fault injection, aligned buffers, the shared

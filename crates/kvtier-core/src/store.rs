@@ -60,6 +60,9 @@ pub struct StoreStats {
     /// The DRAM pool is backed by huge pages (MAP_HUGETLB); else transparent huge pages were asked for.
     pub huge_pages: bool,
     pub namespace_hex: String,
+    /// Per tenant of the DRAM pool (only when it is split, `tenant_dram_share`): `(name, value)`
+    /// pairs named `<figure>:<tenant label>` (`tenant_fields`).
+    pub tenant_fields: Vec<(String, u64)>,
 }
 
 /// Names the encryption key file when `encryption_key_file` is unset.
@@ -379,7 +382,34 @@ impl Store {
             buffers_registered: self.buffers_registered,
             huge_pages: self.shared.arena.huge_pages(),
             namespace_hex: self.shared.namespace.hex(),
+            tenant_fields: self.tenant_fields(),
         }
+    }
+
+    /// The DRAM pool by tenant: `tenant_dram_bytes`, `tenant_dram_guaranteed_bytes` and
+    /// `tenant_dram_evictions`, each `:<tenant label>`, and `untracked_tenant_blocks`; nothing when
+    /// the pool is not split.
+    fn tenant_fields(&self) -> Vec<(String, u64)> {
+        let cat = self.shared.catalog.lock();
+        let (gauges, untracked) = cat.tenant_gauges();
+        drop(cat);
+        if !self.shared.config.tenant_shares().is_ok_and(|shares| shares.enabled()) {
+            return Vec::new();
+        }
+        let slot_bytes = self.shared.arena.slot_bytes() as u64;
+        let mut fields = vec![("untracked_tenant_blocks".to_string(), untracked)];
+        for g in gauges {
+            fields.push((format!("tenant_dram_bytes:{}", g.label), g.resident_slots * slot_bytes));
+            fields.push((format!("tenant_dram_guaranteed_bytes:{}", g.label), g.guaranteed_slots * slot_bytes));
+            fields.push((format!("tenant_dram_evictions:{}", g.label), g.evicted_blocks));
+        }
+        fields
+    }
+
+    /// The blocks `keys` are `tenant`'s (a request's `cache_salt`, `crate::tenant`): charged to its
+    /// share of the DRAM pool, now if resident, else when they arrive (`Catalog::assign_tenant`).
+    pub fn assign_tenant(&self, keys: &[BlockKey], tenant: &crate::tenant::TenantId) {
+        self.shared.catalog.lock().assign_tenant(keys, tenant);
     }
 
     // ---- Split puts and gets: slots filled and read by other processes through the shared pool ----

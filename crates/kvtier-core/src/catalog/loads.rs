@@ -42,13 +42,15 @@ impl Catalog {
                 value_checksum: e.value_checksum,
             });
         }
-        let Some(slot) = self.alloc_slot_for_load(take_queued) else { return GetStep::NoSlot };
+        let account = self.tenant_hints.account_of(key);
+        let Some(slot) = self.alloc_slot_for_load(take_queued, account) else { return GetStep::NoSlot };
         // Eviction and stealing only drop entries without an NVMe copy, so this one is still here.
         let e = self.index.get_mut(key).expect("entry with an NVMe copy survives eviction");
         e.pin();
         e.loading = true;
         let read = NvmeRead { slot, loc, sequence: e.sequence, value_checksum: e.value_checksum };
-        self.slots.claim(slot, *key, SlotState::Loading);
+        self.tenant_hints.take(key);
+        self.slots.claim(slot, *key, SlotState::Loading, account);
         GetStep::Nvme(read)
     }
 
@@ -109,8 +111,9 @@ impl Catalog {
         if self.index.contains_key(key) {
             return None;
         }
-        let slot = self.alloc_slot_for_load(take_queued)?;
-        self.claim_slot(key, slot, SlotState::Loading, 1);
+        let account = self.tenant_hints.account_of(key);
+        let slot = self.alloc_slot_for_load(take_queued, account)?;
+        self.claim_slot(key, slot, SlotState::Loading, 1, account);
         Some(slot)
     }
 

@@ -26,11 +26,12 @@ impl Catalog {
         if needs_write && self.dirty_bytes + self.slot_bytes as usize > self.max_dirty_bytes {
             return PutStep::NoSlot;
         }
-        let Some(slot) = self.alloc_slot(false) else { return PutStep::NoSlot };
+        let account = self.tenant_hints.account_of(key);
+        let Some(slot) = self.alloc_slot(false, account) else { return PutStep::NoSlot };
         if needs_write {
             self.dirty_bytes += self.slot_bytes as usize;
         }
-        let sequence = self.claim_slot(key, slot, SlotState::Filling, 0);
+        let sequence = self.claim_slot(key, slot, SlotState::Filling, 0, account);
         PutStep::Fill { slot, sequence }
     }
 

@@ -3,8 +3,9 @@
 //! business (`Entry::dram`); the catalog keeps the two pointing at each other, and decides which
 //! blocks may lose their slot (`Slots::evict` asks it).
 
+use super::tenants::{PolicyFactory, TenantGauge, Tenants};
 use crate::key::BlockKey;
-use crate::tiers::eviction::EvictionPolicy;
+use crate::tenant::{TenantId, TenantShares};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum SlotState {
@@ -20,10 +21,12 @@ pub(super) struct Slot {
     pub(super) state: SlotState,
     /// An NVMe write reads the slot, or waits in a device queue to: the slot is no victim.
     pub(super) writing: bool,
+    /// The tenant account (`tenants.rs`) the block is charged to once resident.
+    pub(super) account: u8,
 }
 
 impl Slot {
-    const EMPTY: Slot = Slot { key: None, state: SlotState::Free, writing: false };
+    const EMPTY: Slot = Slot { key: None, state: SlotState::Free, writing: false, account: 0 };
 }
 
 pub(super) struct Slots {
@@ -31,9 +34,9 @@ pub(super) struct Slots {
     /// Free slots, the last freed on top. A slot emptied for its caller (a victim, a stolen write's
     /// slot) is reused at once and never listed.
     free: Vec<u32>,
-    /// Knows the resident slots only: a slot enters it when its block becomes visible and leaves it
-    /// when emptied.
-    policy: Box<dyn EvictionPolicy>,
+    /// The eviction policies, one per tenant account. They know the resident slots only: a slot
+    /// enters its account's when its block becomes visible and leaves it when emptied.
+    tenants: Tenants,
 }
 
 /// The hash an eviction policy remembers a block by (S3-FIFO's ghost queue): keys are content
@@ -43,8 +46,40 @@ fn key_hash(key: &BlockKey) -> u64 {
 }
 
 impl Slots {
-    pub(super) fn new(count: usize, policy: Box<dyn EvictionPolicy>) -> Self {
-        Slots { slots: vec![Slot::EMPTY; count], free: (0..count as u32).rev().collect(), policy }
+    pub(super) fn new(count: usize, make_policy: PolicyFactory) -> Self {
+        let tenants = Tenants::new(count, make_policy, TenantShares::default());
+        Slots { slots: vec![Slot::EMPTY; count], free: (0..count as u32).rev().collect(), tenants }
+    }
+
+    /// Splits the pool, still empty, by tenant (`Tenants::set_shares`).
+    pub(super) fn set_tenant_shares(&mut self, shares: TenantShares) {
+        self.tenants.set_shares(shares);
+    }
+
+    /// The account of tenant `id` (`Tenants::account_for`).
+    pub(super) fn account_for(&mut self, id: &TenantId) -> u8 {
+        self.tenants.account_for(id)
+    }
+
+    pub(super) fn tenancy_enabled(&self) -> bool {
+        self.tenants.enabled()
+    }
+
+    /// The block in `slot` is charged to `account` from now on (moved there if resident).
+    pub(super) fn charge(&mut self, slot: u32, account: u8, key: &BlockKey) {
+        let s = &mut self.slots[slot as usize];
+        if s.account == account {
+            return;
+        }
+        s.account = account;
+        if s.state == SlotState::Resident {
+            self.tenants.insert(slot, account, key_hash(key));
+            self.tenants.touch(slot);
+        }
+    }
+
+    pub(super) fn tenant_gauges(&self) -> (Vec<TenantGauge>, u64) {
+        (self.tenants.gauges(), self.tenants.untracked_blocks)
     }
 
     pub(super) fn len(&self) -> usize {
@@ -73,14 +108,15 @@ impl Slots {
         self.free.pop()
     }
 
-    /// The policy's victim among the resident slots no NVMe write reads and whose key `may_evict`
-    /// lets go, emptied for the caller: `(slot, the key it held)`.
+    /// The victim (`Tenants::victim`, for a block of `asker`'s) among the resident slots no NVMe
+    /// write reads and whose key `may_evict` lets go, emptied for the caller: `(slot, the key it held)`.
     pub(super) fn evict(
         &mut self,
+        asker: u8,
         mut may_evict: impl FnMut(Option<BlockKey>) -> bool,
     ) -> Option<(u32, Option<BlockKey>)> {
-        let Slots { slots, policy, .. } = self;
-        let victim = policy.victim(&mut |slot| {
+        let Slots { slots, tenants, .. } = self;
+        let victim = tenants.victim(asker, &mut |slot| {
             let s = &slots[slot as usize];
             s.state == SlotState::Resident && !s.writing && may_evict(s.key)
         })?;
@@ -90,17 +126,19 @@ impl Slots {
         Some((victim, key))
     }
 
-    /// Hands an empty slot (free, a victim, a stolen write's) to `key` for a fill or a load.
-    pub(super) fn claim(&mut self, slot: u32, key: BlockKey, state: SlotState) {
+    /// Hands an empty slot (free, a victim, a stolen write's) to `key` for a fill or a load, charged
+    /// to tenant `account`.
+    pub(super) fn claim(&mut self, slot: u32, key: BlockKey, state: SlotState, account: u8) {
         let s = &mut self.slots[slot as usize];
         assert_eq!(s.state, SlotState::Free, "slot {slot} claimed while in use");
-        *s = Slot { key: Some(key), state, writing: false };
+        *s = Slot { key: Some(key), state, writing: false, account };
     }
 
     /// A put filled the slot: resident, and a newcomer to the eviction policy.
     pub(super) fn admit(&mut self, slot: u32, key: &BlockKey) {
-        self.slots[slot as usize].state = SlotState::Resident;
-        self.policy.insert(slot, key_hash(key));
+        let s = &mut self.slots[slot as usize];
+        s.state = SlotState::Resident;
+        self.tenants.insert(slot, s.account, key_hash(key));
     }
 
     /// A block read up from NVMe or the shared tier is resident, and enters the eviction policy as
@@ -108,14 +146,13 @@ impl Slots {
     /// it would be the first victim of the next promotion, so a prefetch of a long prefix would evict
     /// its own earlier blocks before the load that follows could copy them (each block read twice).
     pub(super) fn promote(&mut self, slot: u32, key: &BlockKey) {
-        self.slots[slot as usize].state = SlotState::Resident;
-        self.policy.insert(slot, key_hash(key));
-        self.policy.touch(slot);
+        self.admit(slot, key);
+        self.tenants.touch(slot);
     }
 
     /// The block in `slot` was hit.
     pub(super) fn touch(&mut self, slot: u32) {
-        self.policy.touch(slot);
+        self.tenants.touch(slot);
     }
 
     pub(super) fn set_writing(&mut self, slot: u32, writing: bool) {
@@ -124,7 +161,7 @@ impl Slots {
 
     /// Empties `slot` for its caller to reuse at once, unlisted.
     pub(super) fn take(&mut self, slot: u32) {
-        self.policy.remove(slot);
+        self.tenants.remove(slot);
         self.slots[slot as usize] = Slot::EMPTY;
     }
 
@@ -137,8 +174,8 @@ impl Slots {
     /// Takes a slot out of use for good: neither free nor a victim (it stays `Loading`, keyless). The
     /// kernel may still write into it (an abandoned read).
     pub(super) fn retire(&mut self, slot: u32) {
-        self.policy.remove(slot);
-        self.slots[slot as usize] = Slot { key: None, state: SlotState::Loading, writing: false };
+        self.tenants.remove(slot);
+        self.slots[slot as usize] = Slot { key: None, state: SlotState::Loading, ..Slot::EMPTY };
     }
 
     /// Frees a slot `retire`d while a read into it was still in flight, once that read finished.
@@ -151,7 +188,7 @@ impl Slots {
     /// Keeps a reserved fill's slot out of use, keyless, while a hung writer may still copy into it
     /// (`free_abandoned` ends that).
     pub(super) fn abandon(&mut self, slot: u32) {
-        self.slots[slot as usize] = Slot { key: None, state: SlotState::Filling, writing: false };
+        self.slots[slot as usize] = Slot { key: None, state: SlotState::Filling, ..Slot::EMPTY };
     }
 
     pub(super) fn free_abandoned(&mut self, slot: u32) {
@@ -160,8 +197,9 @@ impl Slots {
         self.free(slot);
     }
 
-    /// The free list against the slots (tests and debug builds).
+    /// The free list against the slots, and the tenant accounts (tests and debug builds).
     pub(super) fn check(&self) {
+        self.tenants.check();
         let mut listed = vec![false; self.slots.len()];
         for &slot in &self.free {
             assert!(!std::mem::replace(&mut listed[slot as usize], true), "slot {slot} is twice on the free list");
@@ -182,7 +220,7 @@ mod tests {
     use crate::tiers::eviction::Lru;
 
     fn pool(count: usize) -> Slots {
-        Slots::new(count, Box::new(Lru::new(count)))
+        Slots::new(count, Box::new(|n| Box::new(Lru::new(n))))
     }
 
     /// Fills every slot with a resident block (slot `i` holds key `i`).
@@ -190,7 +228,7 @@ mod tests {
         let mut slots = pool(count);
         for i in 0..count as u8 {
             let slot = slots.take_free().unwrap();
-            slots.claim(slot, key(i), SlotState::Filling);
+            slots.claim(slot, key(i), SlotState::Filling, 0);
             slots.admit(slot, &key(i));
         }
         slots
@@ -200,7 +238,7 @@ mod tests {
     fn free_slots_go_lowest_first_and_freed_ones_come_back() {
         let mut slots = pool(3);
         assert_eq!((slots.take_free(), slots.take_free()), (Some(0), Some(1)));
-        slots.claim(1, key(1), SlotState::Filling);
+        slots.claim(1, key(1), SlotState::Filling, 0);
         slots.free(1);
         assert_eq!(slots.take_free(), Some(1), "the last freed goes first");
         assert_eq!(slots.take_free(), Some(2));
@@ -212,11 +250,11 @@ mod tests {
     fn a_victim_is_resident_not_being_written_and_let_go_by_its_key() {
         let mut slots = full_pool(3);
         slots.set_writing(0, true);
-        let (victim, held) = slots.evict(|held| held != Some(key(1))).expect("slot 2 may go");
+        let (victim, held) = slots.evict(0, |held| held != Some(key(1))).expect("slot 2 may go");
         assert_eq!((victim, held), (2, Some(key(2))));
         assert_eq!(slots.get(2).state, SlotState::Free);
         assert!(slots.free_list().is_empty(), "a victim is the caller's, not listed");
-        assert!(slots.evict(|held| held != Some(key(1))).is_none(), "slot 0 is being written");
+        assert!(slots.evict(0, |held| held != Some(key(1))).is_none(), "slot 0 is being written");
         slots.check();
     }
 
@@ -224,11 +262,11 @@ mod tests {
     fn retired_and_abandoned_slots_are_neither_free_nor_victims() {
         let mut slots = full_pool(2);
         slots.retire(0);
-        let slot = slots.evict(|_| true).map(|(slot, _)| slot);
+        let slot = slots.evict(0, |_| true).map(|(slot, _)| slot);
         assert_eq!(slot, Some(1));
-        slots.claim(1, key(9), SlotState::Filling);
+        slots.claim(1, key(9), SlotState::Filling, 0);
         slots.abandon(1);
-        assert!(slots.evict(|_| true).is_none() && slots.take_free().is_none());
+        assert!(slots.evict(0, |_| true).is_none() && slots.take_free().is_none());
         slots.free_abandoned(1);
         assert_eq!(slots.take_free(), Some(1));
         slots.check();
@@ -245,6 +283,6 @@ mod tests {
     #[should_panic(expected = "claimed while in use")]
     fn a_slot_in_use_cannot_be_claimed() {
         let mut slots = full_pool(1);
-        slots.claim(0, key(5), SlotState::Loading);
+        slots.claim(0, key(5), SlotState::Loading, 0);
     }
 }

@@ -28,7 +28,7 @@ fn catalog(slots: usize, geometry: Option<Geometry>) -> Catalog {
         object_bytes: 1000,
         max_dirty_bytes: slots * SLOT_BYTES as usize,
     };
-    Catalog::new(layout, Box::new(Lru::new(slots)), geometry.map(|g| (g, 1)), Arc::new(Stats::default()))
+    Catalog::new(layout, Box::new(|n| Box::new(Lru::new(n))), geometry.map(|g| (g, 1)), Arc::new(Stats::default()))
 }
 
 pub(super) fn dram_catalog(slots: usize) -> Catalog {

@@ -41,9 +41,8 @@ const NONCE_BYTES: usize = 12;
 const KEY_INFO: &[u8] = b"kvtier encrypted value v1";
 const AAD_CONTEXT: &[u8] = b"kvtier encrypted value v1\0";
 
-/// A tenant's id in the encryption header (`DEFAULT_TENANT` until tenants are passed with stores).
-pub type TenantId = [u8; 16];
-pub const DEFAULT_TENANT: TenantId = [0; 16];
+/// A tenant's id in the encryption header (`crate::tenant`).
+pub use crate::tenant::{TenantId, DEFAULT_TENANT};
 
 /// Why an encrypted value did not decrypt: a counted miss, never served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -172,11 +172,12 @@ fn new_catalog(
     };
     let mut catalog = Catalog::new(
         layout,
-        Box::new(S3Fifo::new(arena.slot_count())),
+        Box::new(|slots| Box::new(S3Fifo::new(slots))),
         geometry.map(|g| (g, device_count)),
         Arc::clone(stats),
     );
     catalog.set_loads_cancel_writes(config.loads_cancel_queued_writes);
+    catalog.set_tenant_shares(config.tenant_shares().expect("validated with the config"));
     catalog
 }
 
