@@ -4,7 +4,7 @@
 //! engine side of the multi-process layout. Calls release the GIL; a failed call drops the
 //! connection (`connected` turns false) and the caller reconnects.
 
-use crate::convert::{hex, parse_digest, parse_keys, parse_layer_blocks, to_py, verify_dict};
+use crate::convert::{hex, parse_digest, parse_keys, parse_layer_blocks, parse_tenant, to_py, verify_dict};
 use kvtier_core::service::{Client, CopyGate, PlacementRun, ReserveReply};
 use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
@@ -114,6 +114,12 @@ impl PyServiceClient {
     fn unpin_many(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
         let keys = parse_keys(keys)?;
         py.detach(|| self.inner.lock().unpin(&keys)).map_err(to_py)
+    }
+
+    /// The blocks are the tenant's (`tenant_id(cache_salt)`): charged to its share of the DRAM pool.
+    fn assign_tenant(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, tenant: &[u8]) -> PyResult<()> {
+        let (keys, tenant) = (parse_keys(keys)?, parse_tenant(tenant)?);
+        py.detach(|| self.inner.lock().assign_tenant(&keys, &tenant)).map_err(to_py)
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

@@ -95,6 +95,16 @@ fn borrow_memory(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResult
     )))
 }
 
+/// A tenant id (`kvtier._core.tenant_id`): 16 bytes.
+pub(crate) fn parse_tenant(tenant: &[u8]) -> PyResult<kvtier_core::TenantId> {
+    tenant.try_into().map_err(|_| {
+        PyValueError::new_err(format!(
+            "tenant: {} bytes; pass kvtier._core.tenant_id(cache_salt) (16 bytes)",
+            tenant.len()
+        ))
+    })
+}
+
 pub(crate) fn parse_keys(keys: &Bound<'_, PyAny>) -> PyResult<Vec<BlockKey>> {
     let mut out = Vec::new();
     for item in keys.try_iter()? {

@@ -47,6 +47,17 @@ fn options(py: Python<'_>, include_rust_only: bool) -> PyResult<Vec<Bound<'_, Py
     Ok(out)
 }
 
+/// The 16-byte id of the tenant whose requests carry `cache_salt` (b"" or "" for no salt: the
+/// default tenant, all zero); what `assign_tenant` takes.
+#[pyfunction]
+fn tenant_id<'py>(py: Python<'py>, cache_salt: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    let salt: Vec<u8> = match cache_salt.cast::<PyBytes>() {
+        Ok(b) => b.as_bytes().to_vec(),
+        Err(_) => cache_salt.extract::<String>()?.into_bytes(),
+    };
+    Ok(PyBytes::new(py, &kvtier_core::tenant_id(&salt)))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let _ = pyo3_log::try_init();
@@ -55,6 +66,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyService>()?;
     m.add_class::<PyCopyGate>()?;
     m.add_function(wrap_pyfunction!(options, m)?)?;
+    m.add_function(wrap_pyfunction!(tenant_id, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -1,7 +1,9 @@
 //! `kvtier._core.Store`: a store opened in this process. Every data call parses its keys and
 //! buffers, holds the buffers, runs without the GIL and releases them (`transfer`, `submit`).
 
-use crate::convert::{parse_buffers, parse_config, parse_keys, parse_layer_blocks, to_py, verify_dict, Held};
+use crate::convert::{
+    parse_buffers, parse_config, parse_keys, parse_layer_blocks, parse_tenant, to_py, verify_dict, Held,
+};
 use kvtier_core::{BlockBuffer, BlockKey, Job, JobKind, Store};
 use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
@@ -248,6 +250,12 @@ impl PyStore {
         Ok(())
     }
 
+    /// The blocks are the tenant's (`tenant_id(cache_salt)`): charged to its share of the DRAM pool.
+    fn assign_tenant(&self, keys: &Bound<'_, PyAny>, tenant: &[u8]) -> PyResult<()> {
+        self.inner.assign_tenant(&parse_keys(keys)?, &parse_tenant(tenant)?);
+        Ok(())
+    }
+
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         let inner = Arc::clone(&self.inner);
         py.detach(move || inner.flush()).map_err(to_py)
@@ -350,6 +358,9 @@ impl PyStore {
         d.set_item("buffers_registered", s.buffers_registered)?;
         d.set_item("huge_pages", s.huge_pages)?;
         d.set_item("namespace", s.namespace_hex)?;
+        for (name, value) in s.tenant_fields {
+            d.set_item(name, value)?;
+        }
         Ok(d)
     }
 

@@ -208,6 +208,9 @@ class ServiceConnection:
     def unpin_many(self, keys: list[bytes]) -> None:
         self.call("unpin_many", keys)
 
+    def assign_tenant(self, keys: list[bytes], tenant: bytes) -> None:
+        self.call("assign_tenant", keys, tenant)
+
     def stats(self) -> dict[str, int]:
         stats = dict(self.call("stats", default={}))
         stats["service_failed_calls"] = self.failed_calls

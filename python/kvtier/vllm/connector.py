@@ -75,6 +75,14 @@ class KvtierConnector(OffloadingConnector):
         worker = getattr(connector_worker, "worker", None) if connector_worker is not None else None
         return worker if isinstance(worker, (KvtierWorker, JobQueueWorker)) else None
 
+    def on_new_request(self, request: Any) -> None:
+        """Tells the manager the request's ``cache_salt``: its tenant (docs/tenants.md)."""
+        manager = getattr(getattr(self, "connector_scheduler", None), "manager", None)
+        note_cache_salt = getattr(manager, "note_cache_salt", None)
+        if note_cache_salt is not None:
+            note_cache_salt(request.request_id, getattr(request, "cache_salt", None))
+        super().on_new_request(request)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         worker = self._kvtier_worker()
         return worker.take_failed_load_block_ids() if worker is not None else set()

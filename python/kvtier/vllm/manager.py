@@ -23,6 +23,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtier._core import tenant_id
 from kvtier.vllm.backend import StoreBackend
 from kvtier.vllm.costs import LoadDecider
 from kvtier.vllm.events import EventFeed
@@ -77,6 +78,10 @@ class KvtierManager(OffloadingManager):
         # OffloadingConnector a failed load stops the engine, so only blocks a pin holds (in DRAM or
         # on NVMe) are offered there: one held only by a remote tier can vanish before its load.
         self.recomputes_failed_loads = False
+        # The tenant (kvtier._core.tenant_id of its cache_salt) of each running request that has a
+        # salt, told by KvtierConnector; its stores and loads are charged to that tenant's share of
+        # the DRAM pool (docs/tenants.md). Requests without a salt are the default tenant's.
+        self._tenants: dict[str, bytes] = {}
         self._stats = StatsDeltaTracker()
         self._stats.prime(shared)
         # Load or recompute (kvtier.vllm.costs): fed by KvtierConnector (step times, load times) and
@@ -167,6 +172,7 @@ class KvtierManager(OffloadingManager):
         else:
             del self._pins[req_context.req_id]
         self._expire_pins(now)
+        self._assign_tenant(store_keys, req_context)
         return KvtierLoadStoreSpec(store_keys)
 
     def _expire_pins(self, now: float) -> None:
@@ -228,6 +234,7 @@ class KvtierManager(OffloadingManager):
         for store_key in store_keys_to_store:
             self._being_stored[store_key] += 1
             self._store_began.setdefault(store_key, now)
+        self._assign_tenant(store_keys_to_store, req_context)
         return PrepareStoreOutput(
             keys_to_store=keys_to_store,
             store_spec=KvtierLoadStoreSpec(store_keys_to_store),
@@ -262,6 +269,26 @@ class KvtierManager(OffloadingManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
+
+    def note_cache_salt(self, req_id: str, cache_salt: str | None) -> None:
+        """A new request and its ``cache_salt`` (KvtierConnector tells; vLLM's ``ReqContext`` has no salt)."""
+        if cache_salt:
+            self._tenants[req_id] = tenant_id(cache_salt)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        # No prepare_store or prepare_load follows for this request.
+        self._tenants.pop(req_context.req_id, None)
+
+    def _assign_tenant(self, store_keys: list[bytes], req_context: ReqContext) -> None:
+        """Charges the blocks a salted request stores or loads to its tenant (before the worker's put
+        or the read claims their slots: the store remembers the tenant until then)."""
+        tenant = self._tenants.get(req_context.req_id)
+        if tenant is None or not store_keys:
+            return
+        try:
+            self._store.assign_tenant(store_keys, tenant)
+        except Exception:
+            logger.exception("kvtier: assigning blocks to their tenant failed; they count as the default tenant's")
 
     def reset_cache(self) -> None:
         # kvtier is a persistent, possibly shared store: resetting one engine's connector does not

@@ -70,6 +70,8 @@ pub struct Client {
     copy_threads: usize,
     /// The service answered `Op::ReadAhead` with `unknown request opcode` (an older version 2).
     no_read_ahead_op: bool,
+    /// The same for `Op::Tenant`.
+    no_tenant_op: bool,
 }
 
 fn service_error(socket: &Path, what: impl std::fmt::Display) -> Error {
@@ -107,6 +109,7 @@ impl Client {
             description: None,
             copy_threads: 1,
             no_read_ahead_op: false,
+            no_tenant_op: false,
         })
     }
 
@@ -247,6 +250,23 @@ impl Client {
             let n = r.u32()? as usize;
             (0..n).map(|_| r.u8().map(|b| b != 0)).collect()
         })
+    }
+
+    /// The blocks are `tenant`'s (`Op::Tenant`). A service without the op (an older version 2)
+    /// keeps no tenants: nothing to tell it.
+    pub fn assign_tenant(&mut self, keys: &[BlockKey], tenant: &crate::tenant::TenantId) -> Result<()> {
+        if self.no_tenant_op {
+            return Ok(());
+        }
+        match self.call(Op::Tenant, |w| {
+            w.keys(keys).raw(tenant);
+        }) {
+            Err(Error::Service { message }) if message.contains("unknown request opcode") => {
+                self.no_tenant_op = true;
+                Ok(())
+            }
+            other => other.map(drop),
+        }
     }
 
     pub fn unpin(&mut self, keys: &[BlockKey]) -> Result<()> {

@@ -313,6 +313,7 @@ impl State {
             let mut pairs: Vec<(String, u64)> =
                 stats.counters.fields().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
             pairs.extend(stats.gauges.fields().into_iter().map(|(k, v)| (k.to_string(), v)));
+            pairs.extend(stats.tenant_fields);
             let facts = ns.store.namespace_facts();
             let (pending_fills, abandoned_slots) = ns.fills.lock().counts();
             pairs.extend([

@@ -72,6 +72,9 @@ pub enum Op {
     /// from NVMe, the shared or the object tier into DRAM ahead of their load, pinning nothing
     /// (`Store::read_ahead`; each read counts at its tier, the later load's DRAM copy counts once)
     ReadAhead = 18,
+    /// (version 2, after Hello) keys, `16 tenant` -> (empty): the blocks are the tenant's
+    /// (`Store::assign_tenant`; the tenant id is hashed from a request's `cache_salt`)
+    Tenant = 19,
 }
 
 /// `Op::Reserve`'s answer for one block.
@@ -145,6 +148,7 @@ impl Op {
             16 => Op::Engines,
             17 => Op::Changes,
             18 => Op::ReadAhead,
+            19 => Op::Tenant,
             _ => return None,
         })
     }
@@ -258,6 +262,9 @@ impl<'a> Reader<'a> {
     }
     pub fn array32(&mut self) -> Result<[u8; 32], ProtocolError> {
         Ok(self.take(32)?.try_into().unwrap())
+    }
+    pub fn array16(&mut self) -> Result<[u8; 16], ProtocolError> {
+        Ok(self.take(16)?.try_into().unwrap())
     }
     pub fn rest(&self) -> &'a [u8] {
         self.bytes

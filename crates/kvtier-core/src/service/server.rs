@@ -405,6 +405,7 @@ impl Connection {
                 w.raw(&resident.iter().map(|&found| u8::from(found)).collect::<Vec<u8>>());
             }
             Op::Unpin => session.unpin(&keys),
+            Op::Tenant => session.ns.store.assign_tenant(&keys, &r.array16().map_err(|e| e.to_string())?),
             Op::Release => session.release_readers(&keys),
             Op::Acquire => session.acquire(&keys, &mut w)?,
             Op::Reserve => {
@@ -489,13 +490,12 @@ impl Connection {
         }
         add("service_connections", self.state.connections.lock().len() as u64);
         add("service_namespaces", self.state.namespaces.lock().len() as u64);
-        let mut w = Writer::default();
-        w.u32(totals.len() as u32);
-        for (name, value) in totals {
-            w.u16(name.len() as u16);
-            w.0.extend_from_slice(name.as_bytes());
-            w.u64(value);
+        let mut pairs: Vec<(String, u64)> = totals.into_iter().map(|(name, value)| (name.to_string(), value)).collect();
+        for ns in namespaces {
+            add_tenant_fields(&mut pairs, ns.store.stats().tenant_fields);
         }
+        let mut w = Writer::default();
+        w.pairs(&pairs);
         w.0
     }
 
@@ -578,6 +578,16 @@ fn checked_label(config: &ServiceConfig, r: &mut Reader<'_>) -> std::result::Res
         panic!("fault injection: a request labelled {label:?}");
     }
     Ok(label)
+}
+
+/// Adds per-tenant figures into `pairs`, summed by name (a tenant's figures over namespaces).
+fn add_tenant_fields(pairs: &mut Vec<(String, u64)>, fields: Vec<(String, u64)>) {
+    for (name, value) in fields {
+        match pairs.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, total)) => *total += value,
+            None => pairs.push((name, value)),
+        }
+    }
 }
 
 /// An engine label (`Op::Label`): UTF-8, 1 to `MAX_ENGINE_LABEL_BYTES` bytes.

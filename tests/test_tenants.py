@@ -1,0 +1,126 @@
+"""Tenants on one DRAM pool (docs/tenants.md): a tenant is a request's ``cache_salt``, and with
+``tenant_dram_share`` each keeps its share of the pool however hard another one floods it. Through the
+host service, as two engines of different tenants use it (each names its blocks' tenant before it
+stores them, as ``KvtierManager`` does)."""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier._core import Service, ServiceClient, Store, tenant_id
+
+SLICE_BYTES = 64 << 10
+POOL_BYTES = 8 << 20  # about 120 slots
+
+
+def key(tenant: int, i: int) -> bytes:
+    return bytes([tenant]) + i.to_bytes(8, "little") * 3 + bytes(7)
+
+
+def engine(socket: Path) -> ServiceClient:
+    client = ServiceClient.connect(os.fspath(socket), 10_000)
+    client.hello(b"tenants|service", 1, 0, SLICE_BYTES)
+    return client
+
+
+def store_as(client: ServiceClient, tenant: bytes, keys: list[bytes]) -> None:
+    client.assign_tenant(keys, tenant)
+    layer = np.zeros((len(keys), SLICE_BYTES), dtype=np.uint8)
+    client.store_blocks(keys, [layer], list(range(len(keys))))
+
+
+def resident_after_a_flood(tmp_path: Path, **options: object) -> tuple[int, dict[str, int]]:
+    """How many of the quiet tenant's 30 blocks are still in DRAM after the other tenant stored 600."""
+    socket = tmp_path / "kvtier.sock"
+    service = Service.start(
+        os.fspath(socket),
+        os.fspath(tmp_path / "store"),
+        os.fspath(tmp_path),
+        30_000,
+        dram_bytes=POOL_BYTES,
+        nvme_bytes=0,
+        **options,
+    )
+    try:
+        quiet, flood = engine(socket), engine(socket)
+        quiet_keys = [key(1, i) for i in range(30)]
+        store_as(quiet, tenant_id("quiet"), quiet_keys)
+        for batch in range(0, 600, 20):
+            store_as(flood, tenant_id("flood"), [key(2, i) for i in range(batch, batch + 20)])
+            # The quiet tenant keeps using its prefix, as a chat's system prompt is.
+            assert quiet.pin_many(quiet_keys[:1]) in ([True], [])
+            quiet.unpin_many(quiet_keys[:1])
+        resident = sum(tier == "dram" for tier in quiet.locate_many(quiet_keys))
+        return resident, quiet.stats()
+    finally:
+        service.stop()
+
+
+def test_a_tenant_keeps_its_share_of_the_pool_while_another_floods_it(tmp_path: Path) -> None:
+    resident, stats = resident_after_a_flood(tmp_path, tenant_dram_share=0.4)
+    assert resident == 30, f"the flood evicted {30 - resident} of the quiet tenant's blocks"
+    quiet_label, flood_label = tenant_id("quiet")[:8].hex(), tenant_id("flood")[:8].hex()
+    assert stats[f"tenant_dram_bytes:{quiet_label}"] == 30 * (SLICE_BYTES + 4096)  # a slot: descriptor + value
+    assert stats[f"tenant_dram_evictions:{quiet_label}"] == 0
+    assert stats[f"tenant_dram_evictions:{flood_label}"] > 400, "the flooder evicted its own blocks"
+    assert stats[f"tenant_dram_guaranteed_bytes:{flood_label}"] == stats[f"tenant_dram_guaranteed_bytes:{quiet_label}"]
+    assert "tenant_dram_bytes:default" in stats and stats["untracked_tenant_blocks"] == 0
+
+
+def test_without_shares_the_flood_evicts_the_quiet_tenant(tmp_path: Path) -> None:
+    resident, stats = resident_after_a_flood(tmp_path)
+    assert resident < 30, "the control: nothing protects a tenant when the pool is not split"
+    assert not any(name.startswith("tenant_") for name in stats)
+
+
+def test_an_in_process_store_splits_its_pool_by_tenant_too(tmp_path: Path) -> None:
+    named = "quiet=0.3,flood=0.1"
+    store = Store.open(
+        os.fspath(tmp_path),
+        namespace=b"t",
+        object_bytes=SLICE_BYTES,
+        dram_bytes=POOL_BYTES,
+        nvme_bytes=0,
+        tenant_dram_shares=named,
+    )
+    try:
+        value = bytes(SLICE_BYTES)
+        quiet_keys = [key(1, i) for i in range(20)]
+        store.assign_tenant(quiet_keys, tenant_id("quiet"))
+        store.put_many(quiet_keys, [value] * len(quiet_keys))
+        for i in range(400):
+            store.assign_tenant([key(2, i)], tenant_id("flood"))
+            store.put_many([key(2, i)], [value])
+        assert store.locate_many(quiet_keys) == ["dram"] * 20
+        stats = store.stats()
+        assert stats[f"tenant_dram_evictions:{tenant_id('quiet')[:8].hex()}"] == 0
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"tenant_dram_share": 1.5}, "tenant_dram_share"),
+        ({"tenant_dram_shares": "a=0.7,b=0.7"}, "add up to"),
+        ({"tenant_dram_shares": "team-a"}, "salt=share"),
+    ],
+)
+def test_bad_shares_are_refused_with_the_fix(tmp_path: Path, options: dict, message: str) -> None:
+    with pytest.raises(Exception, match=message):
+        Store.open(
+            os.fspath(tmp_path),
+            namespace=b"t",
+            object_bytes=SLICE_BYTES,
+            dram_bytes=POOL_BYTES,
+            nvme_bytes=0,
+            **options,
+        )
+
+
+def test_a_tenant_id_is_a_hash_of_the_salt_and_no_salt_is_the_default_tenant() -> None:
+    assert tenant_id("") == bytes(16) and tenant_id(b"") == bytes(16)
+    assert tenant_id("a") == tenant_id(b"a") != tenant_id("b")
+    assert b"a" not in tenant_id("a") and len(tenant_id("a")) == 16
