@@ -34,6 +34,7 @@ STATUS_KEYS = {
     "tiers",
     "shared_index_age_ms",
     "writes",
+    "tenants",
     "namespaces",
 }
 LS_KEYS = {"schema", "paths", "socket", "service", "namespaces"}
@@ -171,6 +172,7 @@ def test_status_with_a_running_service(store: RunningStore) -> None:
     assert dram["capacity_bytes"] > 0
     assert report["tiers"]["nvme"]["blocks"] == STORED  # flushed
     assert report["tiers"]["shared"]["hits"] == 0
+    assert report["tenants"] is None, "the pool is not split by tenant"
     [entry] = report["namespaces"]
     check_namespace(entry, store)
     assert entry["locked_by_pid"] == os.getpid()

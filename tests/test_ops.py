@@ -28,7 +28,7 @@ import pytest
 from click.testing import CliRunner
 
 import kvtier
-from kvtier import Service, ServiceClient
+from kvtier import Service, ServiceClient, tenant_id
 from kvtier.cli import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -375,6 +375,8 @@ class Served:
             + [f"--option={k}={v}" for k, v in OPTIONS.items()]
             # a shared tier too, so that its staleness is exported
             + [f"--option=shared_root={root / 'shared'}"]
+            # the DRAM pool split by tenant, so that the tenants are exported
+            + ["--option=tenant_dram_share=0.25"]
             + ["--pool-dir", str(root), "--metrics-port", str(self.port)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -413,6 +415,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     try:
         client = s.client()
         client.set_label("engine-a")  # its work shows in the kvtier_engine_* families
+        client.assign_tenant([key(i) for i in range(54, 60)], tenant_id("ops-tenant"))
         store_blocks(client, list(range(60)))
         assert load_checked(client, [0, 1, 2, 58, 59]) == (5, 0)
         assert client.locate_many([key(0), b"\xee" * 32])[1] is None
@@ -467,6 +470,24 @@ def test_metrics_scrape_has_the_issue_list(served: Served) -> None:
         rf'kvtier_op_latency_seconds_count{{model="ops-test-model",namespace="{digest}",op="commit"}} (\S+)', text
     )
     assert commit and float(commit.group(1)) >= 1
+
+
+def test_tenants_reach_the_scrape_and_status(served: Served) -> None:
+    label = tenant_id("ops-tenant")[:8].hex()
+    text = served.scrape()
+    used = re.search(rf'kvtier_tenant_dram_bytes{{[^}}]*tenant="{label}"}} (\S+)', text)
+    assert used and float(used.group(1)) == 6 * SLOT, "the six blocks named for the tenant"
+    assert re.search(r'kvtier_tenant_dram_guaranteed_bytes{[^}]*tenant="default"} ', text)
+    assert "kvtier_tenant_dram_evictions_total" in sample_names(text)
+    status = subprocess.run(
+        [sys.executable, "-m", "kvtier", "status", str(served.path), "--socket", str(served.socket), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    tenants = {t["tenant"]: t for t in json.loads(status.stdout)["tenants"]}
+    assert tenants[label]["dram_bytes"] == 6 * SLOT and set(tenants) == {label, "default"}
+    assert tenants["default"]["dram_guaranteed_bytes"] == tenants[label]["dram_guaranteed_bytes"] > 0
 
 
 def test_shared_publishing_reaches_the_scrape(served: Served) -> None:

@@ -42,6 +42,8 @@ def valid_values(tmp_path):
         "remote_write_admission": "all",
         "write_admission_memory_blocks": 4096,
         "write_budget_nvme_dwpd": 2.5,
+        "tenant_dram_share": 0.2,
+        "tenant_dram_shares": "team-a=0.5,team-b=0.25",
         "write_budget_nvme_bytes_per_day": 64 << 30,
         "write_budget_shared_bytes_per_day": 32 << 30,
         "write_budget_bucket_bytes_per_day": 16 << 30,

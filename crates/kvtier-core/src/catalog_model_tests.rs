@@ -1164,7 +1164,14 @@ fn model_reaches_every_path() {
 /// A catalog with 2 DRAM slots and one device of `regions` one-entry regions, region `i` holding key
 /// `i` (sealed, as recovery adopts it): every key starts NVMe-only.
 fn recovered_catalog(regions: u32) -> Catalog {
-    let setup = Setup { slots: 2, nvme: Some((1, regions as u64, 1)), dirty_slots: 2, lru: false, cancel_writes: true, tenant_share: 0.0 };
+    let setup = Setup {
+        slots: 2,
+        nvme: Some((1, regions as u64, 1)),
+        dirty_slots: 2,
+        lru: false,
+        cancel_writes: true,
+        tenant_share: 0.0,
+    };
     let g = Geometry::new(SLOT_BYTES, SLOT_BYTES + crate::format::trailer::trailer_bytes(1) as u64, regions as u64);
     let mut cat = new_catalog(&setup, Some(g));
     let found = (0..regions)

@@ -866,7 +866,7 @@ pub static OPTIONS: &[ConfigOption] = &[
         field: "tenant_dram_shares",
         python: true,
         kind: OptionKind::BytesOrStr,
-        unset: "",
+        unset: "none",
         constraint: "salt=share pairs, comma-separated, adding up to at most 1",
         description: "Shares of the DRAM pool for named tenants, by their `cache_salt`: for example `\"team-a=0.5,team-b=0.25\"` (docs/tenants.md).",
         set: |c, v| c.tenant_dram_shares = v.bytes(),

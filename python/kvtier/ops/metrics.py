@@ -182,6 +182,20 @@ NAMESPACE_FAMILIES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         ("engine", "result"),
         "Slices an engine's ranks stored: accepted, or dropped (no room)",
     ),
+    (
+        "kvtier_tenant_dram_bytes",
+        "gauge",
+        ("tenant",),
+        "DRAM pool bytes a tenant's blocks hold (tenant: hash of its cache_salt; with tenant_dram_share)",
+    ),
+    ("kvtier_tenant_dram_guaranteed_bytes", "gauge", ("tenant",), "DRAM pool bytes guaranteed to a tenant"),
+    ("kvtier_tenant_dram_evictions", "counter", ("tenant",), "A tenant's blocks evicted from the DRAM pool"),
+)
+# Per-tenant values, named ``<value>:<tenant>`` by the service: (family, value name).
+TENANT_VALUES: tuple[tuple[str, str], ...] = (
+    ("kvtier_tenant_dram_bytes", "tenant_dram_bytes"),
+    ("kvtier_tenant_dram_guaranteed_bytes", "tenant_dram_guaranteed_bytes"),
+    ("kvtier_tenant_dram_evictions", "tenant_dram_evictions"),
 )
 # Values a family shows as the service reports them: (family, the labels after ``namespace`` and
 # ``model``, the service's value name).
@@ -335,9 +349,19 @@ def add_namespace(family: dict[str, Any], ns: dict[str, Any]) -> None:
         for name, label, key in ENGINE_VALUES:
             family[name].add_metric([*labels, engine, label], counts.get(key, 0))
     add_nvme_requests(family, labels, v)
+    add_tenants(family, labels, v)
     if v.get("nvme_write_budget_bytes_per_day", 0):  # a bounded NVMe budget
         family["kvtier_write_budget_bytes_per_day"].add_metric([*labels, "nvme"], v["nvme_write_budget_bytes_per_day"])
         family["kvtier_write_budget_left_bytes"].add_metric([*labels, "nvme"], v.get("nvme_write_budget_left_bytes", 0))
+
+
+def add_tenants(family: dict[str, Any], labels: list[str], v: dict[str, int]) -> None:
+    """One namespace's DRAM pool per tenant (present only when the pool is split by tenant)."""
+    for name, value in v.items():
+        prefix, _, tenant = name.partition(":")
+        for family_name, value_name in TENANT_VALUES:
+            if prefix == value_name and tenant:
+                family[family_name].add_metric([*labels, tenant], value)
 
 
 def add_nvme_requests(family: dict[str, Any], labels: list[str], v: dict[str, int]) -> None:

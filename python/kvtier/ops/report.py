@@ -163,6 +163,7 @@ def status_report(paths: Sequence[Path], socket: str | os.PathLike | None = None
         "tiers": None,
         "shared_index_age_ms": None,
         "writes": None,
+        "tenants": None,
         "namespaces": [_namespace_json(ns, running, gathered["pid"]) for ns in gathered["namespaces"]],
     }
     if stats is not None:
@@ -197,7 +198,30 @@ def status_report(paths: Sequence[Path], socket: str | os.PathLike | None = None
             },
         }
         report["writes"] = writes_below_dram(stats)
+        report["tenants"] = tenants_of(stats)
     return report
+
+
+# Per tenant of the DRAM pool (docs/tenants.md): (JSON field, the service's value name before ``:<tenant>``).
+TENANT_FIGURES = (
+    ("dram_bytes", "tenant_dram_bytes"),
+    ("dram_guaranteed_bytes", "tenant_dram_guaranteed_bytes"),
+    ("dram_evictions", "tenant_dram_evictions"),
+)
+
+
+def tenants_of(stats: dict[str, int]) -> list[dict[str, Any]] | None:
+    """The DRAM pool per tenant (its label: the first bytes of the salt's hash, ``default`` for no
+    salt), largest first; ``None`` when the pool is not split by tenant (``tenant_dram_share``)."""
+    by_label: dict[str, dict[str, Any]] = {}
+    for name, value in stats.items():
+        figure, _, label = name.partition(":")
+        for field, prefix in TENANT_FIGURES:
+            if figure == prefix and label:
+                by_label.setdefault(label, {"tenant": label})[field] = int(value)
+    if not by_label:
+        return None
+    return sorted(by_label.values(), key=lambda t: (-t.get("dram_bytes", 0), t["tenant"]))
 
 
 # Per tier below DRAM: (name, the counter of bytes written, of bytes read back).
@@ -417,6 +441,8 @@ def print_status(report: dict[str, Any], output: Output) -> None:
             counters.append(("shared index age (ms)", report["shared_index_age_ms"]))
         output.table("counters", ["counter", "value"], [[name, str(value)] for name, value in counters])
         _writes_table(report["writes"], output)
+        if report.get("tenants"):
+            _tenants_table(report["tenants"], stats.get("untracked_tenant_blocks", 0), output)
     else:
         output.line(report["message"])
     _namespace_table(report, output, f"{len(report['namespaces'])} namespace(s) on disk")
@@ -447,6 +473,22 @@ def _writes_table(writes: dict[str, Any], output: Output) -> None:
         ["tier", "written", "read back", "written per read", "write budget"],
         rows,
     )
+
+
+def _tenants_table(tenants: list[dict[str, Any]], untracked: int, output: Output) -> None:
+    rows = [
+        [
+            t["tenant"],
+            human_bytes(t.get("dram_bytes", 0)),
+            human_bytes(t.get("dram_guaranteed_bytes", 0)),
+            str(t.get("dram_evictions", 0)),
+        ]
+        for t in tenants
+    ]
+    title = "DRAM pool by tenant (tenant: hash of its cache_salt)"
+    if untracked:
+        title += f", {untracked} block(s) of tenants past the first 64 counted as default"
+    output.table(title, ["tenant", "DRAM used", "guaranteed", "evictions"], rows)
 
 
 # --------------------------------------------------------------------------------------------
