@@ -34,6 +34,7 @@ except Exception as import_error:  # pragma: no cover - depends on the environme
 
 import kvtier
 from kvtier import service as kvtier_service
+from kvtier import tenant_id
 from kvtier.vllm import (
     GpuServiceWorker,
     JobQueueWorker,
@@ -282,6 +283,35 @@ def test_second_sight_admission_stores_a_block_the_second_time_it_is_computed(se
     assert manager.prepare_store([keys[0]], request).keys_to_store == []  # type: ignore[union-attr]
     assert manager.not_admitted_blocks == 2 + 3 + 1
     manager.shutdown()
+
+
+def test_a_salted_requests_stores_are_charged_to_its_tenant(tmp_path):
+    """KvtierConnector tells the manager a request's cache_salt; the manager names the tenant of the
+    blocks it plans to store, before the worker's store claims their slots (docs/tenants.md)."""
+    extra = {"path": str(tmp_path / "store"), "dram_bytes": 8 << 20, "nvme_bytes": 0, "pool_dir": str(tmp_path)}
+    options = KvtierOptions.from_extra_config({**extra, "tenant_dram_share": 0.3})
+    try:
+        manager = KvtierManager(ServiceBackend(connection(options)))
+        request = ReqContext(req_id="salted")
+        manager.note_cache_salt("salted", "team-a")
+        offload_keys = [make_offload_key(hashlib.sha256(bytes([60 + i])).digest(), 0) for i in range(3)]
+        planned = manager.prepare_store(offload_keys, request)
+        assert planned is not None and planned.keys_to_store == offload_keys
+        w = worker(options, layers())
+        assert w.submit_store(1, engine_blocks([0, 1, 2]), planned.store_spec)
+        assert finished(w, 1)
+        w.shutdown()
+        manager.complete_store(offload_keys, request)
+        manager.on_request_finished(request)
+        stats = connection(options).stats()
+        label = tenant_id("team-a")[:8].hex()
+        slot_bytes = stats["dram_used_bytes"] // stats["blocks_dram"]
+        assert stats[f"tenant_dram_bytes:{label}"] == 3 * slot_bytes
+        assert stats["tenant_dram_bytes:default"] == 0
+        assert manager._tenants == {}, "a finished request's tenant is forgotten"
+        manager.shutdown()
+    finally:
+        kvtier_service.stop_service(options.socket_path())
 
 
 def test_admission_options_are_checked():

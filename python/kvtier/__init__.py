@@ -4,7 +4,8 @@
 stores and their DRAM pools with every engine on a host, and ``kvtier.ServiceClient`` an engine's
 connection to it (see docs/architecture.md); ``kvtier.options()`` lists the options of
 ``Store.open`` with their kinds, defaults and descriptions (the option tables of the docs are generated
-from it); ``kvtier.tenant_id(cache_salt)`` names a tenant of the DRAM pool (docs/tenants.md); ``kvtier.vllm`` holds the vLLM OffloadingConnector spec; ``kvtier.bench`` the benchmarks;
+from it); ``kvtier.tenant_id(cache_salt)`` names a tenant of the DRAM pool (docs/tenants.md);
+``kvtier.vllm`` holds the vLLM OffloadingConnector spec; ``kvtier.bench`` the benchmarks;
 ``kvtier.cli`` the ``kvtier`` command.
 """
 

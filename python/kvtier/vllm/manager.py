@@ -34,6 +34,9 @@ from kvtier.vllm.namespace import kvtier_key
 logger = logging.getLogger("kvtier.vllm")
 
 
+# How often the manager asks the store whether its DRAM pool is split by tenant.
+TENANCY_CHECK_S = 30.0
+
 # store.locate_many() tier -> vLLM's cache-hit source (shared and unknown: external_unspecified).
 _HIT_SOURCE_BY_TIER = {"dram": CacheHitSource.HOST, "nvme": CacheHitSource.DISK}
 
@@ -82,6 +85,10 @@ class KvtierManager(OffloadingManager):
         # salt, told by KvtierConnector; its stores and loads are charged to that tenant's share of
         # the DRAM pool (docs/tenants.md). Requests without a salt are the default tenant's.
         self._tenants: dict[str, bytes] = {}
+        # Whether the store splits its pool by tenant, asked at most every TENANCY_CHECK_S: naming
+        # tenants costs a call to the host service per store and load, paid only where it counts.
+        self._tenancy = False
+        self._tenancy_checked_at = -TENANCY_CHECK_S
         self._stats = StatsDeltaTracker()
         self._stats.prime(shared)
         # Load or recompute (kvtier.vllm.costs): fed by KvtierConnector (step times, load times) and
@@ -135,6 +142,16 @@ class KvtierManager(OffloadingManager):
                 return LookupResult.HIT_PENDING
             self.expired_pending += 1
         return LookupResult.MISS
+
+    def _splits_by_tenant(self) -> bool:
+        now = time.monotonic()
+        if now - self._tenancy_checked_at >= TENANCY_CHECK_S:
+            self._tenancy_checked_at = now
+            try:
+                self._tenancy = "untracked_tenant_blocks" in self._store.stats()
+            except Exception:
+                self._tenancy = False
+        return self._tenancy
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         """The tier a hit is served from, for vLLM's ``vllm:prompt_tokens_cached_by_source``.
@@ -283,7 +300,7 @@ class KvtierManager(OffloadingManager):
         """Charges the blocks a salted request stores or loads to its tenant (before the worker's put
         or the read claims their slots: the store remembers the tenant until then)."""
         tenant = self._tenants.get(req_context.req_id)
-        if tenant is None or not store_keys:
+        if tenant is None or not store_keys or not self._splits_by_tenant():
             return
         try:
             self._store.assign_tenant(store_keys, tenant)
