@@ -220,6 +220,8 @@ def test_two_nodes_share_a_bucket_and_it_survives_reopen(nodes, bucket):
     assert stats["bucket_segments_published"] == 3  # 8 blocks per segment
     assert stats["bucket_dropped_publishes"] == 0
     assert wait_visible(b, [key(i) for i in ids]), "segments published by A never became visible to B"
+    # Named as the tier they come from: the load-or-recompute model keeps a rate per tier.
+    assert b.locate_many([key(i) for i in ids]) == ["bucket"] * 20
     before = b.stats()["bucket_get_requests"]
     assert all(load(b, ids))
     stats = b.stats()

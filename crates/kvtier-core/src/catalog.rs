@@ -30,6 +30,7 @@ use std::sync::Arc;
 
 mod index;
 mod loads;
+mod lock;
 mod pins;
 mod puts;
 mod regions;
@@ -41,18 +42,21 @@ mod upkeep;
 
 pub use index::{AwaitingReuse, ResidencyChanges};
 use index::{Entry, Index};
+pub use lock::{CatalogGuard, CatalogLock};
 use regions::Regions;
 use slots::{SlotState, Slots};
 use tenants::TenantHints;
 pub use tenants::{PolicyFactory, TenantGauge};
 pub use upkeep::{ScrubTarget, TrimCounts, TrimPlan};
 
-/// Where a block is served from.
+/// Where a block is served from. The catalog itself holds DRAM and NVMe; the remote tiers
+/// (`RemoteTiers`) hold the shared-filesystem tier's and the object tier's (`bucket_url`) blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Tier {
     Dram,
     Nvme,
     Shared,
+    Bucket,
 }
 
 impl Tier {
@@ -61,7 +65,13 @@ impl Tier {
             Tier::Dram => "dram",
             Tier::Nvme => "nvme",
             Tier::Shared => "shared",
+            Tier::Bucket => "bucket",
         }
+    }
+
+    /// A tier that no pin holds a block in (another host's evictor may take it before its load).
+    pub fn is_remote(self) -> bool {
+        matches!(self, Tier::Shared | Tier::Bucket)
     }
 }
 

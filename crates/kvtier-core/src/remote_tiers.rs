@@ -9,6 +9,7 @@
 //! change of state.
 
 use crate::admission::WriteBudget;
+use crate::catalog::Tier;
 use crate::config::StoreConfig;
 use crate::error::Result;
 use crate::format::encrypted::ValueCipher;
@@ -40,6 +41,8 @@ struct Remote {
     publisher: Publisher,
     /// For the log: "shared filesystem", "object store".
     name: &'static str,
+    /// What lookups call a block this tier serves.
+    serves_as: Tier,
     health: Health,
     /// Bytes per day this tier may take (`write_budget_*_bytes_per_day`); `None`: unbounded.
     budget: Option<Mutex<WriteBudget>>,
@@ -51,7 +54,7 @@ struct Remote {
 impl Remote {
     fn start<T: RemoteTier + 'static>(
         tier: Arc<T>,
-        name: &'static str,
+        (name, serves_as): (&'static str, Tier),
         config: &StoreConfig,
         budget_bytes_per_day: u64,
     ) -> Result<Remote> {
@@ -59,7 +62,7 @@ impl Remote {
         let now = Instant::now();
         let budget = WriteBudget::new(budget_bytes_per_day, config.write_budget_burst_s, now);
         let health = Health::new(config.tier_health, now);
-        Ok(Remote { tier, publisher, name, health, budget, recent_read_us: AtomicU64::new(0) })
+        Ok(Remote { tier, publisher, name, serves_as, health, budget, recent_read_us: AtomicU64::new(0) })
     }
 
     /// Folds a read that took `took` into the recent read time; `reset` (a late probe's answer: the
@@ -126,14 +129,16 @@ impl RemoteTiers {
                 tier.encrypt_with(Arc::clone(cipher));
             }
             shared_fs = Some(Arc::clone(&tier));
-            tiers.push(Remote::start(tier, "shared filesystem", config, config.write_budget_shared_bytes_per_day)?);
+            let named = ("shared filesystem", Tier::Shared);
+            tiers.push(Remote::start(tier, named, config, config.write_budget_shared_bytes_per_day)?);
         }
         if let Some(c) = &config.bucket {
             let tier = ObjectTier::open(c, namespace, config.object_bytes, Arc::clone(stats))?;
             if let Some(cipher) = cipher {
                 tier.encrypt_with(Arc::clone(cipher));
             }
-            tiers.push(Remote::start(tier, "object store", config, config.write_budget_bucket_bytes_per_day)?);
+            let named = ("object store", Tier::Bucket);
+            tiers.push(Remote::start(tier, named, config, config.write_budget_bucket_bytes_per_day)?);
         }
         let stall_floor = Duration::from_millis(config.remote_read_stall_ms);
         Ok(RemoteTiers { tiers, shared_fs, stats: Arc::clone(stats), stall_floor })
@@ -147,17 +152,23 @@ impl RemoteTiers {
     /// Whether any remote tier indexes the block and is offered (memory only): a sick tier in its
     /// back-off is not, and a block only it holds is a counted `remote_tier_lookups_skipped`.
     pub(crate) fn contains(&self, key: &BlockKey) -> bool {
+        self.locate(key).is_some()
+    }
+
+    /// The remote tier a load would read `key` from (the first healthy one that holds it, as
+    /// `tier_for` picks), or `None`.
+    pub(crate) fn locate(&self, key: &BlockKey) -> Option<Tier> {
         let mut skipped = false;
         for r in self.tiers.iter().filter(|r| r.tier.contains(key)) {
             if r.health.offered(Instant::now) {
-                return true;
+                return Some(r.serves_as);
             }
             skipped = true;
         }
         if skipped {
             Stats::add(&self.stats.remote_tier_lookups_skipped, 1);
         }
-        false
+        None
     }
 
     /// Offers an accepted block (its slot: descriptor page + value) to every tier's publisher.

@@ -1,7 +1,7 @@
 //! `Shared`, the state one store's threads share: catalog, arena, devices, counters, remote tiers, job bookkeeping.
 
 use crate::admission::Admission;
-use crate::catalog::Catalog;
+use crate::catalog::CatalogLock;
 use crate::config::StoreConfig;
 use crate::format::encrypted::ValueCipher;
 use crate::io::buffer::AlignedBuf;
@@ -23,7 +23,7 @@ pub(crate) struct Shared {
     pub config: StoreConfig,
     pub namespace: Namespace,
     pub geometry: Option<Geometry>,
-    pub catalog: Mutex<Catalog>,
+    pub catalog: CatalogLock,
     /// Signalled whenever slots, pins or pending writes change.
     pub changed: Condvar,
     pub arena: Arena,

@@ -251,7 +251,7 @@ impl Store {
         use crate::catalog::Tier;
         match cat.locate(key) {
             Some(Tier::Nvme) if !self.shared.nvme_health.offered() => None,
-            None if self.shared.remote.contains(key) => Some(Tier::Shared),
+            None => self.shared.remote.locate(key),
             tier => tier,
         }
     }
@@ -266,7 +266,7 @@ impl Store {
         for key in keys {
             match self.offered_tier(&cat, key) {
                 None => break,
-                Some(crate::catalog::Tier::Shared) => pinned.push(false),
+                Some(tier) if tier.is_remote() => pinned.push(false),
                 Some(_) => {
                     let took = cat.pin_prefix(std::slice::from_ref(key));
                     assert_eq!(took, 1, "a block the catalog locates is visible, and a visible block pins");
@@ -306,7 +306,7 @@ impl Store {
         }
         let mut cat = sh.catalog.lock();
         while !cat.io_idle() {
-            if sh.changed.wait_until(&mut cat, deadline).timed_out() && !cat.io_idle() {
+            if cat.wait_until(&sh.changed, deadline).timed_out() && !cat.io_idle() {
                 return Err(Error::Timeout { what: "NVMe writes".into(), timeout_ms: limit.as_millis() as u64 });
             }
         }

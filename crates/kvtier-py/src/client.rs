@@ -24,6 +24,7 @@ fn tier_name(code: u8) -> Option<&'static str> {
         1 => Some("dram"),
         2 => Some("nvme"),
         3 => Some("shared"),
+        4 => Some("bucket"),
         _ => None,
     }
 }

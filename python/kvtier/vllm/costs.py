@@ -45,8 +45,8 @@ PROBE_BLOCKS = 4
 # Tiers on this host. One of them with no rate yet is not probed but offered whole: its worst case is
 # bounded by the local disk, so a probe (which recomputes all but a few blocks of a long prefix) costs
 # more than it can save. A remote link can be arbitrarily slow (issue 36's 40 MB/s gateway): only
-# there is a probe worth its cost. Any other tier name (``shared``: the shared-filesystem and object
-# tiers) counts as remote.
+# there is a probe worth its cost. Any other tier name (``shared``: the shared-filesystem tier;
+# ``bucket``: the object tier) counts as remote, each with a rate of its own.
 LOCAL_TIERS = frozenset({"dram", "nvme"})
 # The prefill model answers once it has seen this many steps that computed prompt tokens.
 MIN_PREFILL_STEPS = 8

@@ -34,6 +34,9 @@ from kvtier.vllm.namespace import kvtier_key
 logger = logging.getLogger("kvtier.vllm")
 
 
+# Tiers a block can vanish from between lookup and load (another host's evictor): never pinned.
+REMOTE_TIERS = frozenset({"shared", "bucket"})
+
 # How often the manager asks the store whether its DRAM pool is split by tenant.
 TENANCY_CHECK_S = 30.0
 
@@ -129,10 +132,10 @@ class KvtierManager(OffloadingManager):
             # been told that the store job finished.
             if tier != "dram" and self._prefetcher is not None:
                 result = self._prefetcher.lookup(store_key, tier)
-                if result is LookupResult.HIT and tier == "shared" and not self.recomputes_failed_loads:
+                if result is LookupResult.HIT and tier in REMOTE_TIERS and not self.recomputes_failed_loads:
                     return LookupResult.MISS  # its prefetch ended, yet no local tier holds it
                 return result
-            if tier == "shared" and not self.recomputes_failed_loads:
+            if tier in REMOTE_TIERS and not self.recomputes_failed_loads:
                 return LookupResult.MISS
             return LookupResult.HIT
         if store_key in self._being_stored:
@@ -159,7 +162,7 @@ class KvtierManager(OffloadingManager):
         vLLM asks after ``prepare_load`` and before the load runs, so ``locate_many`` (memory only)
         still names the tier the worker will read. vLLM has no member for a shared filesystem; its
         ``external_unspecified`` is documented as the source of remote stores, so shared hits go
-        there (``kvtier:block_hits{tier="shared"}`` counts them exactly).
+        there (``kvtier:block_hits{tier="shared"}`` and ``{tier="bucket"}`` count them exactly).
         """
         store_key = kvtier_key(key)
         origin = self._prefetcher.origin(store_key) if self._prefetcher is not None else None

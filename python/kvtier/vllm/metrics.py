@@ -20,7 +20,12 @@ _LATENCY_BUCKETS_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1
 
 # kvtier counter name -> (stats() key, label values)
 _COUNTER_SOURCES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
-    "kvtier:block_hits": [("dram_hits", ("dram",)), ("nvme_hits", ("nvme",)), ("shared_hits", ("shared",))],
+    "kvtier:block_hits": [
+        ("dram_hits", ("dram",)),
+        ("nvme_hits", ("nvme",)),
+        ("shared_hits", ("shared",)),
+        ("bucket_hits", ("bucket",)),
+    ],
     "kvtier:block_misses": [("misses", ())],
     "kvtier:bytes_read": [("bytes_read_nvme", ("nvme",)), ("shared_bytes_read", ("shared",))],
     "kvtier:bytes_written": [("bytes_written_nvme", ("nvme",)), ("shared_bytes_written", ("shared",))],

@@ -20,6 +20,8 @@ logger = logging.getLogger("kvtier.vllm")
 # Blocks per prefetch call: a chunk that ends shows the prefetcher progresses (a request waits in
 # HIT_PENDING while it does, and is recomputed once it stalls), and times its tier.
 CHUNK_BLOCKS = 16
+# The tiers a prefetch reads from, the likely fastest first (locate_many's names).
+TIERS_BELOW_DRAM = ("nvme", "shared", "bucket")
 
 
 class Prefetcher:
@@ -82,7 +84,7 @@ class Prefetcher:
         """How long a chunk may take before the prefetcher counts as stalled: the pending timeout, or
         three times what a chunk of the slowest tier measured takes (a slow link delivers one)."""
         rates = self.rates
-        known = [rate for tier in ("nvme", "shared") if rates and (rate := rates.seconds_per_block(tier)) is not None]
+        known = [rate for tier in TIERS_BELOW_DRAM if rates and (rate := rates.seconds_per_block(tier)) is not None]
         return max(self._pending_timeout_s, 3 * CHUNK_BLOCKS * max(known, default=0.0))
 
     def origin(self, key: bytes) -> str | None:
@@ -140,13 +142,14 @@ class Prefetcher:
             return 1 << 30
 
     def _record_rate(self, batch: list[bytes], seconds: float) -> None:
-        """What the batch's tier delivered, queueing included (a mixed batch: its slowest tier,
-        the one a remote tier's blocks make, counts them all)."""
+        """What the batch's tier delivered, queueing included (a mixed batch: the last of its tiers
+        in ``TIERS_BELOW_DRAM``, the one likely slowest, counts them all)."""
         if self.rates is None or not batch:
             return
         with self._cv:
             tiers = {self._in_flight.get(key, "nvme") for key in batch}
-        self.rates.observe("shared" if "shared" in tiers else "nvme", len(batch), seconds)
+        slowest = max(tiers, key=lambda tier: TIERS_BELOW_DRAM.index(tier) if tier in TIERS_BELOW_DRAM else 0)
+        self.rates.observe(slowest, len(batch), seconds)
 
     def _forget_older_than(self, cutoff: float) -> None:
         """Holds ``_cv``. Ended entries are in the order they ended."""

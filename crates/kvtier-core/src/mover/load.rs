@@ -12,7 +12,7 @@
 //! is particular to remote reads (their `on_done`, giving up the ones that stall) `remote.rs`.
 
 use super::BlockBuffer;
-use crate::catalog::{Catalog, GetStep, LoadOutcome, NvmeRead, Tier, NO_SLOT};
+use crate::catalog::{Catalog, CatalogGuard, GetStep, LoadOutcome, NvmeRead, Tier, NO_SLOT};
 use crate::format::descriptor::DESCRIPTOR_BYTES;
 use crate::format::ALIGN_BYTES;
 use crate::io::buffer::AlignedBuf;
@@ -24,7 +24,6 @@ use crate::shared_state::Shared;
 use crate::stats::Stats;
 use crate::tiers::health::Admit;
 use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
-use parking_lot::MutexGuard;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -382,7 +381,7 @@ impl<'a> Load<'a> {
 
     /// Out of slots, or every key left waits for another load's read: waits for the catalog to
     /// change; past `slot_wait_ms` of planning nothing, the keys left are counted misses.
-    fn wait_for_change(&mut self, cat: &mut MutexGuard<'_, Catalog>) {
+    fn wait_for_change(&mut self, cat: &mut CatalogGuard<'_>) {
         let sh = self.sh;
         let slot_wait = Duration::from_millis(sh.config.slot_wait_ms);
         let until = *self.wait_deadline.get_or_insert_with(|| Instant::now() + slot_wait);
@@ -392,7 +391,7 @@ impl<'a> Load<'a> {
         if starved {
             cat.load_waits(true);
         }
-        let timed_out = sh.changed.wait_until(cat, until).timed_out();
+        let timed_out = cat.wait_until(&sh.changed, until).timed_out();
         if starved {
             cat.load_waits(false);
         }

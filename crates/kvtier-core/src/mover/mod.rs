@@ -74,6 +74,7 @@ unsafe fn slot_ref(sh: &Shared, slot: u32) -> &[u8] {
 /// The catalog has handed `slot` to the caller alone (Filling or Loading), no I/O is in flight on
 /// it, and no other reference to its bytes exists while the slice lives.
 unsafe fn slot_mut<'a>(slot_ptr: *mut u8, slot_bytes: usize) -> &'a mut [u8] {
+    debug_assert!(!slot_ptr.is_null() && slot_bytes > 0, "slot_mut of no slot");
     std::slice::from_raw_parts_mut(slot_ptr, slot_bytes)
 }
 
@@ -135,7 +136,7 @@ pub(crate) fn execute_put(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
             if fills.is_empty() && next < n {
                 let until =
                     *deadline.get_or_insert_with(|| Instant::now() + Duration::from_millis(sh.config.slot_wait_ms));
-                if sh.changed.wait_until(&mut cat, until).timed_out() && Instant::now() >= until {
+                if cat.wait_until(&sh.changed, until).timed_out() && Instant::now() >= until {
                     Stats::add(&sh.stats.slot_wait_timeouts, 1);
                     Stats::add(&sh.stats.dropped_stores, (n - next) as u64);
                     break;
@@ -314,7 +315,7 @@ pub enum Reservation {
 pub(crate) fn wait_for_put_room(sh: &Shared, deadline: Instant) -> bool {
     let mut cat = sh.catalog.lock();
     while !cat.has_put_room() {
-        if sh.changed.wait_until(&mut cat, deadline).timed_out() {
+        if cat.wait_until(&sh.changed, deadline).timed_out() {
             return cat.has_put_room();
         }
     }

@@ -30,7 +30,8 @@ impl EngineCounters {
             None => &mut self.lookup_miss,
             Some(crate::catalog::Tier::Dram) => &mut self.lookup_dram,
             Some(crate::catalog::Tier::Nvme) => &mut self.lookup_nvme,
-            Some(crate::catalog::Tier::Shared) => &mut self.lookup_shared,
+            // Either remote tier: the counter predates the object tier's own name.
+            Some(crate::catalog::Tier::Shared | crate::catalog::Tier::Bucket) => &mut self.lookup_shared,
         }
     }
 

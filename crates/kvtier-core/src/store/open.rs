@@ -4,7 +4,7 @@
 
 use super::{finish_job, random_u64, Job, Store, ENCRYPTION_KEY_FILE_ENV};
 use crate::admission::{Admission, WriteBudget};
-use crate::catalog::{Catalog, MetaWrite, SlotLayout};
+use crate::catalog::{Catalog, CatalogLock, MetaWrite, SlotLayout};
 use crate::config::StoreConfig;
 use crate::error::{Error, Result};
 use crate::format::encrypted::ValueCipher;
@@ -70,7 +70,7 @@ impl Store {
         let shared = Arc::new(Shared {
             geometry,
             namespace,
-            catalog: Mutex::new(catalog),
+            catalog: CatalogLock::new(catalog),
             changed: Condvar::new(),
             arena,
             devices,

@@ -292,6 +292,7 @@ impl ObjectTier {
     /// Each slot is valid for `slot_bytes` bytes of writes and used by nothing else until its
     /// `on_done` ran.
     pub unsafe fn start_reads(&self, requests: Vec<(BlockKey, *mut u8, OnDone)>) -> Vec<Option<ObjectRead>> {
+        debug_assert!(requests.iter().all(|(_, slot, _)| !slot.is_null()), "a read into no slot");
         let mut started = Vec::with_capacity(requests.len());
         let mut located = Vec::with_capacity(requests.len());
         {

@@ -66,6 +66,7 @@ impl SharedTier {
     /// writes and used by nothing else until this returns, and a slot whose outcome is `Abandoned`
     /// is never used again.
     pub unsafe fn read_many(&self, reads: &[(BlockKey, *mut u8)]) -> Vec<ReadOutcome> {
+        debug_assert!(reads.iter().all(|&(_, slot)| is_page_aligned(slot)), "a slot is not 4096-aligned");
         let mut outcomes = vec![ReadOutcome::Miss; reads.len()];
         let mut started = Vec::with_capacity(reads.len());
         let mut transfers = Vec::with_capacity(reads.len());
@@ -91,6 +92,7 @@ impl SharedTier {
     /// # Safety
     /// As `read_many` for `slot`, until `finish_started` has judged the read.
     pub unsafe fn start_read(&self, key: &BlockKey, slot: *mut u8, on_done: OnDone) -> Option<FileRead> {
+        debug_assert!(is_page_aligned(slot), "slot {slot:?} is not 4096-aligned");
         let (read, transfer) = self.plan_read(key, slot)?;
         self.io.read(transfer.into_op(on_done));
         Some(read)
@@ -397,4 +399,9 @@ impl SharedTier {
         }
         index.remove_file(name);
     }
+}
+
+/// Whether an O_DIRECT read may land at `slot` (non-null, 4096-aligned).
+fn is_page_aligned(slot: *mut u8) -> bool {
+    !slot.is_null() && (slot as usize).is_multiple_of(4096)
 }
