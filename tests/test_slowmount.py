@@ -176,3 +176,40 @@ def test_a_store_gives_up_reads_from_a_frozen_mount_then_serves_them_again(tmp_p
             assert (reader.stats()["remote_tiers_sick"], reader.stats()["retired_slots"]) == (0, 0)
         finally:
             reader.close()
+
+
+def test_a_store_closes_while_its_mount_is_frozen(tmp_path):
+    """Issue 36: closing a store (an engine stopping) waited for its shared tier, and a frozen mount
+    holds whatever touches it (the last publish, the maintenance thread, the queue's reads) for as
+    long as it stays frozen. Now the close waits a bounded time (5 s), then goes on without the tier:
+    its unpublished blocks are lost, nothing else."""
+    import hashlib
+    import signal
+
+    import numpy as np
+
+    import kvtier
+
+    object_bytes = 256 * 1024
+    source, mountpoint = tmp_path / "source", tmp_path / "mount"
+    source.mkdir()
+    keys = [hashlib.sha256(f"closing-{i}".encode()).digest() for i in range(8)]
+    values = [np.full(object_bytes, i, np.uint8) for i in range(8)]
+    common = {"object_bytes": object_bytes, "namespace": "frozen-close", "nvme_bytes": 0, "shared_staleness_ms": 50}
+    with slowmount.SlowMount(source, mountpoint, LinkSpec(1000)) as mount:
+        store = kvtier.Store.open(
+            str(tmp_path / "s"), dram_bytes=32 * (object_bytes + 4096), shared_root=str(mountpoint), **common
+        )
+        assert mount.process is not None
+        os.kill(mount.process.pid, signal.SIGSTOP)
+        thaw = threading.Timer(30.0, os.kill, (mount.process.pid, signal.SIGCONT))
+        thaw.start()
+        try:
+            store.put_many(keys, values)  # published on close: into the frozen mount
+            started = time.monotonic()
+            store.close()
+            closed_s = time.monotonic() - started
+        finally:
+            thaw.cancel()
+            os.kill(mount.process.pid, signal.SIGCONT)
+        assert closed_s < 8.0, f"the close waited {closed_s:.1f} s for a frozen mount"

@@ -294,10 +294,12 @@ impl Store {
     /// Waits until every accepted store (queued jobs included) is on NVMe, then syncs the files.
     pub fn flush(&self) -> Result<()> {
         self.check_open()?;
-        self.flush_inner()
+        self.flush_inner(true)
     }
 
-    fn flush_inner(&self) -> Result<()> {
+    /// `remote`: also waits for the remote tiers' publishers to send what they hold (`close` does
+    /// not: `close_remote_tiers` publishes it, within a bound a frozen mount cannot stretch).
+    fn flush_inner(&self, remote: bool) -> Result<()> {
         let sh = &self.shared;
         let limit = Duration::from_secs(120);
         let deadline = Instant::now() + limit;
@@ -314,7 +316,9 @@ impl Store {
         for d in &sh.device_files {
             d.file.sync_data().map_err(|e| Error::io(format!("fdatasync {}", d.path.display()), e))?;
         }
-        sh.remote.flush(limit)?;
+        if remote {
+            sh.remote.flush(limit)?;
+        }
         // Dates are a convenience: a directory that cannot take the file (removed, read-only) must
         // not fail a flush of blocks that did reach the disk.
         if let Err(e) = self.save_timeline() {
@@ -346,12 +350,17 @@ impl Store {
         for t in self.threads.lock().drain(..) {
             let _ = t.join();
         }
-        let flushed = self.flush_inner();
-        self.shared.remote.close();
+        let flushed = self.flush_inner(false);
+        let remote_closed = close_remote_tiers(&self.shared);
         for d in &self.shared.devices {
             d.shutdown();
         }
         self.wait_for_given_up_reads();
+        if !remote_closed {
+            // Its reads may still land in DRAM slots, and its thread holds the store's state.
+            self.shared.arena.keep_mapped();
+            self.shared.arena.remove_file();
+        }
         self.locks.lock().clear();
         flushed
     }
@@ -543,4 +552,43 @@ pub(crate) fn random_u64() -> u64 {
         return t.as_nanos() as u64 ^ std::process::id() as u64;
     }
     u64::from_le_bytes(buf)
+}
+
+/// How long a close waits for its remote tiers (their last publish, their threads and queues) at
+/// least; a bucket's requests have their own deadline (`bucket_request_timeout_ms`), which it
+/// outwaits by a second.
+const REMOTE_CLOSE_WAIT: Duration = Duration::from_secs(5);
+
+/// Closes the remote tiers on a thread of their own and waits for them a bounded time: whatever
+/// touches a frozen mount (a FUSE daemon stopped, a hard NFS mount whose server is gone) blocks in
+/// the kernel for as long as it stays frozen, the tier's last publish, its maintenance thread and
+/// its queue's reads alike, and a user stopping the engine must not wait for the mount. `false`:
+/// they did not close in time; that thread goes on alone (holding the store's state: the catalog and
+/// the DRAM pool are never freed, as a read may still land in a slot), and what it had not published
+/// is lost, as a cache may lose it.
+fn close_remote_tiers(shared: &Arc<Shared>) -> bool {
+    if !shared.remote.any() {
+        return true;
+    }
+    let bucket_timeout = shared.config.bucket.as_ref().map_or(0, |b| b.request_timeout_ms);
+    let limit = REMOTE_CLOSE_WAIT.max(Duration::from_millis(bucket_timeout) + Duration::from_secs(1));
+    let (done_tx, done_rx) = crossbeam_channel::bounded::<()>(1);
+    let closing = Arc::clone(shared);
+    let spawned = std::thread::Builder::new().name("kvtier-remote-close".into()).spawn(move || {
+        closing.remote.close();
+        let _ = done_tx.send(());
+    });
+    if spawned.is_err() {
+        shared.remote.close(); // no thread to be had: wait, as before
+        return true;
+    }
+    if done_rx.recv_timeout(limit).is_ok() {
+        return true;
+    }
+    log::error!(
+        "kvtier: a remote tier did not close within {} ms (a frozen mount?); closing without it, \
+         its unpublished blocks lost",
+        limit.as_millis()
+    );
+    false
 }

@@ -78,6 +78,15 @@ impl Arena {
         self.keep_mapped.store(true, Ordering::Release);
     }
 
+    /// Removes the pool's shared-memory file now, if it has one (what `Drop` does), for an arena
+    /// that will never drop (`keep_mapped`, held by a thread that outlives its store): the mapping
+    /// stays, and no file is left in `/dev/shm` once the process exits.
+    pub fn remove_file(&self) {
+        if let (Some(path), Some(owner)) = (&self.file, &self.owner) {
+            remove_if_same_file(path, owner);
+        }
+    }
+
     /// The shared-memory file behind the pool, when it has one.
     pub fn file(&self) -> Option<&Path> {
         self.file.as_deref()
