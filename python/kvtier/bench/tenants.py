@@ -25,8 +25,8 @@ Rows, each a fresh server on a fresh store (removed after it):
 
 Per row: the quiet tenant's hit rate (prompt tokens served from a cache / prompt tokens, from each
 response's ``usage.prompt_tokens_details.cached_tokens``, which counts the tokens loaded through the
-connector too: checked against vLLM's ``/metrics``), also over its repeats only (requests whose document
-was sent before), its TTFT p50/p99, the flood's requests/s and prompt tokens/s, and kvtier's counters
+connector too: checked against vLLM's ``/metrics``) and its TTFT p50/p99, each also over its repeats only
+(requests whose document was sent before), the flood's requests/s and prompt tokens/s, and kvtier's counters
 (``tenant_dram_bytes``, ``tenant_dram_guaranteed_bytes`` and ``tenant_dram_evictions`` per tenant).
 
 A row that contradicts its label is a problem, and the command exits 1: a failed request; quiet hits
@@ -48,7 +48,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -88,7 +87,7 @@ SMALL = {
     "block_tokens": 128, "vllm_kv_gib": 1,
 }  # fmt: skip
 TABLE_HEADER = [
-    "row", "quiet hit rate", "on repeats", "vs alone", "quiet TTFT p50 ms", "quiet TTFT p99 ms", "flood req/s",
+    "row", "quiet hit rate", "on repeats", "vs alone", "quiet TTFT p50 / p99 ms", "on repeats", "flood req/s",
     "flood prompt tok/s", "quiet in pool MiB", "quiet guaranteed MiB", "quiet evicted", "flood evicted", "failed",
 ]  # fmt: skip
 
@@ -247,7 +246,6 @@ def drive(plan: dict[str, Any], url: str, model: str, flood: bool) -> dict[str, 
     in the ``alone`` row); each round waits for all of its requests."""
     quiet: list[dict[str, Any]] = []
     floods: list[dict[str, Any]] = []
-    lock = threading.Lock()
     started = time.monotonic()
     flood_seconds = 0.0
     with ThreadPoolExecutor(max_workers=plan["flood_concurrency"]) as flood_pool:
@@ -261,8 +259,7 @@ def drive(plan: dict[str, Any], url: str, model: str, flood: bool) -> dict[str, 
             doc, prompt = quiet_prompt(plan, number)
             answer = complete(url, model, prompt, plan["output_len"], QUIET)
             answer.update(number=number, doc=doc, repeat=number >= plan["docs"])
-            with lock:
-                quiet.append(answer)
+            quiet.append(answer)
             floods += [future.result() for future in futures]
             if futures:
                 flood_seconds += time.monotonic() - round_started
@@ -314,6 +311,7 @@ def summarize(plan: dict[str, Any], load: dict[str, Any]) -> dict[str, Any]:
         return sum(answer["cached_tokens"] for answer in answers) / prompt if prompt else None
 
     ttfts = [answer["ttft_ms"] for answer in quiet_ok]
+    repeat_ttfts = [answer["ttft_ms"] for answer in repeats]
     flood_s = load["flood_s"]
     return {
         "quiet_requests": len(load["quiet"]),
@@ -327,6 +325,7 @@ def summarize(plan: dict[str, Any], load: dict[str, Any]) -> dict[str, Any]:
             "p99": percentile(ttfts, 99),
             "mean": statistics.fmean(ttfts) if ttfts else None,
         },
+        "quiet_repeat_ttft_ms": {"p50": percentile(repeat_ttfts, 50), "p99": percentile(repeat_ttfts, 99)},
         "flood_requests": len(load["flood"]),
         "flood_failed": len(load["flood"]) - len(flood_ok),
         "flood_cached_tokens": sum(answer["cached_tokens"] for answer in flood_ok),
@@ -478,12 +477,14 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
     lines = []
     for record in rows:
         ttft = record.get("quiet_ttft_ms") or {}
+        repeat_ttft = record.get("quiet_repeat_ttft_ms") or {}
         tenants = record.get("tenants") or {}
         quiet, flood = tenants.get(QUIET, {}), tenants.get(FLOOD, {})
         failed = record.get("quiet_failed", 0) + record.get("flood_failed", 0) if "quiet_failed" in record else None
         lines.append([
             record["label"], _number(record.get("quiet_hit_rate"), 3), _number(record.get("quiet_repeat_hit_rate"), 3),
-            _number(record.get("vs_alone")), _number(ttft.get("p50"), 0), _number(ttft.get("p99"), 0),
+            _number(record.get("vs_alone")), f"{_number(ttft.get('p50'), 0)} / {_number(ttft.get('p99'), 0)}",
+            f"{_number(repeat_ttft.get('p50'), 0)} / {_number(repeat_ttft.get('p99'), 0)}",
             _number(record.get("flood_request_throughput")), _number(record.get("flood_prompt_throughput"), 0),
             _mib(quiet.get("bytes")), _mib(quiet.get("guaranteed_bytes")), str(quiet.get("evictions", "-")),
             str(flood.get("evictions", "-")), "-" if failed is None else str(failed),
