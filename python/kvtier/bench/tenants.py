@@ -144,7 +144,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         raise TenantsError(f"--rows: unknown or none {unknown}; choose from {', '.join(ROWS)}")
     counts = ("docs", "doc_len", "quiet_requests", "flood_len", "flood_concurrency", "output_len", "block_tokens")
     if min(plan[name] for name in counts) < 1 or plan["question_len"] < 1 or plan["flood_per_round"] < 0:
-        raise TenantsError(f"{', '.join(counts)} and --question-len must be at least 1, --flood-per-round 0")
+        raise TenantsError(f"{', '.join(counts)} and --question-len must be at least 1, --flood-per-round at least 0")
     if not 0 < args.share <= 1:
         raise TenantsError("--share is a fraction of the pool in (0, 1]")
     if plan["preset"] not in PRESETS:
