@@ -146,7 +146,7 @@ def test_unknown_command_and_usage_errors_exit_2() -> None:
     assert unknown.exit_code == 2
     assert (
         "unknown command 'lookp'; choose one of: admission, blocks, faults, gpu, io, layout, lookup, reads-first, "
-        "serve, serve-summary, ttft" in unknown.stderr
+        "serve, serve-summary, tenants, ttft" in unknown.stderr
     )
     assert "Did you mean 'lookup'?" in unknown.stderr
 

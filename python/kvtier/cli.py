@@ -20,6 +20,7 @@
     kvtier bench serve        throughput and TTFT against users, under load (kvtier.bench.serve)
     kvtier bench serve-summary  several bench serve runs: medians, plot, targets (kvtier.bench.serve_summary)
     kvtier bench faults       faults injected under load: failed requests, wrong outputs (kvtier.bench.faults)
+    kvtier bench tenants      two tenants on one DRAM pool, one flooding it (kvtier.bench.tenants)
 
 `serve`, `demo` and the benchmarks keep their own argparse parsers: each lives in its own module with
 its own `main(argv)`, imported only when it runs, so that one missing optional part never breaks the
@@ -130,6 +131,11 @@ for _words, _module, _summary in (
     (("bench", "serve"), "kvtier.bench.serve", "throughput and TTFT against users under load, with vllm bench serve"),
     (("bench", "serve-summary"), "kvtier.bench.serve_summary", "bench serve runs in one table and plot"),
     (("bench", "faults"), "kvtier.bench.faults", "faults injected under load (service stopped, killed) vs vLLM alone"),
+    (
+        ("bench", "tenants"),
+        "kvtier.bench.tenants",
+        "two tenants on one DRAM pool, one flooding it, with and without shares",
+    ),
     (
         ("bench", "admission"),
         "kvtier.bench.admission",

@@ -1,0 +1,541 @@
+"""``kvtier bench tenants``: two tenants on one kvtier DRAM pool, one of them flooding it (issue 40).
+
+A tenant is a request's ``cache_salt`` (docs/tenants.md). Real ``vllm serve`` servers with kvtier
+(``KvtierConnector``, the host service as ``kvtier bench faults`` runs it: ``serve_servers.start_server``,
+its ``kvtier-dram`` row: DRAM only, no NVMe tier), driven by streamed completions that carry the salt.
+
+- The quiet tenant (salt ``quiet``) sends ``--quiet-requests`` requests, one after the other, each one
+  of ``--docs`` long shared prefixes (a system prompt, a document; taken in turn) followed by a question
+  of its own.
+- The flooding tenant (salt ``flood``) sends ``--flood-per-round`` one-off long prompts in each round
+  (one round per quiet request, sent beside it, ``--flood-concurrency`` at a time): far more new blocks
+  between two uses of a document than kvtier's pool holds.
+
+vLLM's own KV cache is cut to ``--vllm-blocks`` blocks (``--num-gpu-blocks-override``), too few to keep
+a document until its next use, so the quiet tenant's hits come from kvtier's pool; the pool
+(``--pool-blocks`` blocks, ``dram_bytes``; ``nvme_bytes`` 0) holds the quiet tenant's documents
+(within its share) but not the flood too. kvtier loads every hit (``load_policy: always``): the rows
+measure what the pool keeps, not the choice to load or recompute.
+
+Rows, each a fresh server on a fresh store (removed after it):
+
+- ``alone``: the quiet tenant only.
+- ``flood``: the same quiet requests with the flood, ``tenant_dram_share`` unset (one pool for all).
+- ``flood-shares``: the same with ``tenant_dram_share`` ``--share`` (each tenant guaranteed that share).
+
+Per row: the quiet tenant's hit rate (prompt tokens served from a cache / prompt tokens, from each
+response's ``usage.prompt_tokens_details.cached_tokens``, which counts the tokens loaded through the
+connector too: checked against vLLM's ``/metrics``) and its TTFT p50/p99, each also over its repeats only
+(requests whose document was sent before), the flood's requests/s and prompt tokens/s, and kvtier's counters
+(``tenant_dram_bytes``, ``tenant_dram_guaranteed_bytes`` and ``tenant_dram_evictions`` per tenant).
+
+A row that contradicts its label is a problem, and the command exits 1: a failed request; quiet hits
+served by vLLM's own cache rather than kvtier's pool (over ``LOCAL_HIT_LIMIT`` of them); ``alone``
+without hits; ``flood`` where the flood did not cost the quiet tenant hits (at least ``MIN_RATIO`` of its
+hit rate alone: the pool held both, nothing was measured); ``flood-shares`` where the quiet tenant kept
+less than ``MIN_RATIO`` of its hit rate alone (the claim fails), or its documents do not fit its
+guaranteed share, or the pool shows no tenant counters.
+
+Output: the table (also ``--out DIR``/``table.md``), ``--json``: the result document on stdout;
+``--out DIR``/``results.json`` and the servers' logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench import serve, serve_plan, serve_points, serve_servers
+from kvtier.bench.ttft import markdown_table
+
+ROWS = ("alone", "flood", "flood-shares")
+ROW_LABELS = {"alone": "alone", "flood": "flood, no shares", "flood-shares": "flood, shares"}
+QUIET, FLOOD = "quiet", "flood"
+KVTIER_ROW = "kvtier-dram"  # serve_servers' row whose store options the rows use: DRAM only
+MIN_RATIO = 0.9  # issue 40: the quiet tenant keeps at least this share of its hit rate alone
+LOCAL_HIT_LIMIT = 0.1  # at most this share of the quiet tenant's hits from vLLM's own cache
+SLOT_OVERHEAD_BYTES = 4096  # a DRAM slot: the block's bytes and a descriptor
+SERVER_DTYPE = "bfloat16"
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+REQUEST_TIMEOUT_S = 600
+# Seeds of the prompts: documents, questions, flood prompts and the warm-up never share a block.
+DOC_SEED, QUESTION_SEED, FLOOD_SEED, WARM_UP_SEED = 4_000_000, 5_000_000, 6_000_000, 7_000_000
+# Full size: kv8b (128 KiB a token: 16 MiB a 128-token block), 4 documents of 2,048 tokens (64 blocks in
+# all), the pool 168 blocks (2.6 GiB; a 0.4 share is 67 blocks), 96 flood blocks a round (384 between two
+# uses of a document: past the pool and S3-FIFO's ghost queue of as many entries, which would otherwise
+# bring a returning document into its main queue); vLLM's cache 40 blocks (two requests of 17).
+FULL = {
+    "preset": "kv8b", "docs": 4, "doc_len": 2048, "question_len": 64, "quiet_requests": 16, "flood_per_round": 6,
+    "flood_len": 2048, "flood_concurrency": 1, "output_len": 16, "vllm_blocks": 40, "pool_blocks": 168,
+    "block_tokens": 128, "vllm_kv_gib": 2,
+}  # fmt: skip
+# CI size: the tiny model (run in bfloat16: 2 KiB a token, 256 KiB a block), 3 documents of 512 tokens (12 blocks), the
+# pool 40 blocks (a 0.4 share: 16), 40 flood blocks a round (120 between two uses of a document: past the
+# pool and its ghost queue); vLLM's cache 10 blocks (a quiet and a flood request of 5 at once).
+SMALL = {
+    "preset": "tiny", "docs": 3, "doc_len": 512, "question_len": 64, "quiet_requests": 9, "flood_per_round": 10,
+    "flood_len": 512, "flood_concurrency": 1, "output_len": 4, "vllm_blocks": 10, "pool_blocks": 40,
+    "block_tokens": 128, "vllm_kv_gib": 1,
+}  # fmt: skip
+TABLE_HEADER = [
+    "row", "quiet hit rate", "on repeats", "vs alone", "quiet TTFT p50 / p99 ms", "on repeats", "flood req/s",
+    "flood prompt tok/s", "quiet in pool MiB", "quiet guaranteed MiB", "quiet evicted", "flood evicted", "failed",
+]  # fmt: skip
+
+
+class TenantsError(RuntimeError):
+    """The arguments are wrong or a row could not run; the message says why."""
+
+
+# --------------------------------------------------------------------------------------------
+# arguments and plan
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtier bench tenants",
+        description="Two tenants (cache_salt) on one kvtier DRAM pool through real vllm serve servers: the quiet "
+        "tenant's hit rate and TTFT alone, beside a flooding tenant, and beside it with tenant_dram_share.",
+    )
+    parser.add_argument("--small", action="store_true", help="CI size: tiny model, 9 quiet requests, 90 flood ones")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from {', '.join(ROWS)}")
+    parser.add_argument("--share", type=float, default=0.4, help="tenant_dram_share of the shares row (0.4)")
+    parser.add_argument("--preset", help="model preset of kvtier.models (default kv8b; --small: tiny)")
+    parser.add_argument("--docs", type=int, help="the quiet tenant's shared prefixes (default 4; --small: 3)")
+    parser.add_argument("--doc-len", type=int, help="tokens of each shared prefix (default 2048; --small: 512)")
+    parser.add_argument("--question-len", type=int, help="tokens of each quiet question (default 64)")
+    parser.add_argument("--quiet-requests", type=int, help="quiet requests, one per round (default 16; --small: 9)")
+    parser.add_argument("--flood-per-round", type=int, help="flood prompts per round (default 6; --small: 10)")
+    parser.add_argument("--flood-len", type=int, help="tokens of each flood prompt (default 2048; --small: 512)")
+    parser.add_argument("--flood-concurrency", type=int, help="flood requests in flight (default 1)")
+    parser.add_argument("--output-len", type=int, help="tokens generated per request (default 16; --small: 4)")
+    parser.add_argument("--vllm-blocks", type=int, help="vLLM's own KV cache in blocks (default 40; --small: 10)")
+    parser.add_argument("--pool-blocks", type=int, help="kvtier's DRAM pool in blocks (default 168; --small: 40)")
+    parser.add_argument("--block-tokens", type=int, help="vLLM's block size, tokens (default 128: CPU vLLM's)")
+    parser.add_argument("--vllm-kv-gib", type=int, help="VLLM_CPU_KVCACHE_SPACE, GiB (default 2; --small: 1)")
+    parser.add_argument("--out", help="output directory (default: a new temporary directory)")
+    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG", help="one more vllm serve arg")
+    parser.add_argument("--json", action="store_true", help="print the result document (JSON) on stdout")
+    return parser
+
+
+def make_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """Every setting of the run, defaults filled in, with what ``serve_servers.start_server`` reads."""
+    from kvtier.models import PRESETS
+
+    sizes = SMALL if args.small else FULL
+    plan: dict[str, Any] = {}
+    for name, default in sizes.items():
+        value = getattr(args, name)
+        plan[name] = default if value is None else value
+    rows = [row.strip() for row in args.rows.split(",") if row.strip()]
+    unknown = [row for row in rows if row not in ROWS]
+    if unknown or not rows:
+        raise TenantsError(f"--rows: unknown or none {unknown}; choose from {', '.join(ROWS)}")
+    counts = ("docs", "doc_len", "quiet_requests", "flood_len", "flood_concurrency", "output_len", "block_tokens")
+    if min(plan[name] for name in counts) < 1 or plan["question_len"] < 1 or plan["flood_per_round"] < 0:
+        raise TenantsError(f"{', '.join(counts)} and --question-len must be at least 1, --flood-per-round at least 0")
+    if not 0 < args.share <= 1:
+        raise TenantsError("--share is a fraction of the pool in (0, 1]")
+    if plan["preset"] not in PRESETS:
+        raise TenantsError(f"--preset: unknown {plan['preset']!r}; choose from {', '.join(sorted(PRESETS))}")
+    preset = PRESETS[plan["preset"]]
+    # The servers run bfloat16 (--dtype; CPU vLLM downcasts float32 anyway): 2 bytes a value.
+    kv_bytes_per_token = preset.kv_bytes_per_token * 2 // DTYPE_BYTES[preset.dtype]
+    slot_bytes = plan["block_tokens"] * kv_bytes_per_token + SLOT_OVERHEAD_BYTES
+    pool_bytes = plan["pool_blocks"] * slot_bytes + SLOT_OVERHEAD_BYTES // 2  # no slot lost to rounding
+    longest = max(plan["doc_len"] + plan["question_len"], plan["flood_len"])
+    plan.update(
+        rows=rows, share=args.share, small=args.small, vocab=min(PRESETS[plan["preset"]].vocab_size, 4000),
+        kv_bytes_per_token=kv_bytes_per_token, slot_bytes=slot_bytes, pool_bytes=pool_bytes,
+        doc_blocks=plan["doc_len"] // plan["block_tokens"],
+        # what serve_servers.start_server reads
+        dram_gib=pool_bytes / 2**30, nvme_gib=0.0,
+        max_model_len=longest + plan["output_len"] + serve_plan.MODEL_LEN_MARGIN,
+        server_args=["--block-size", str(plan["block_tokens"]), "--dtype", SERVER_DTYPE, *args.server_arg],
+    )  # fmt: skip
+    plan["quiet_blocks"] = plan["docs"] * plan["doc_blocks"]  # the quiet tenant's working set in the pool
+    return plan
+
+
+# --------------------------------------------------------------------------------------------
+# requests
+# --------------------------------------------------------------------------------------------
+
+
+def quiet_prompt(plan: dict[str, Any], number: int) -> tuple[int, list[int]]:
+    """The ``number``-th quiet request: (its document, its prompt: the document, then its own question)."""
+    from kvtier.engine_process import random_prompt
+
+    doc = number % plan["docs"]
+    prefix = random_prompt(DOC_SEED + doc, plan["doc_len"], plan["vocab"])
+    return doc, prefix + random_prompt(QUESTION_SEED + number, plan["question_len"], plan["vocab"])
+
+
+def flood_prompt(plan: dict[str, Any], number: int) -> list[int]:
+    from kvtier.engine_process import random_prompt
+
+    return random_prompt(FLOOD_SEED + number, plan["flood_len"], plan["vocab"])
+
+
+def complete(url: str, model: str, prompt: list[int], max_tokens: int, salt: str | None) -> dict[str, Any]:
+    """One streamed completion (greedy) with ``cache_salt`` ``salt``: its TTFT, prompt and cached tokens
+    (``usage.prompt_tokens_details``), or its error."""
+    payload: dict[str, Any] = {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+        "stream_options": {"include_usage": True}, "ignore_eos": True,
+    }  # fmt: skip
+    if salt is not None:
+        payload["cache_salt"] = salt
+    request = urllib.request.Request(
+        f"{url}/v1/completions", data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+    )
+    started = time.perf_counter()
+    first_token_s = None
+    usage: dict[str, Any] = {}
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+            for raw_line in response:
+                line = raw_line.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                if chunk.get("choices") and first_token_s is None:
+                    first_token_s = time.perf_counter() - started
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+    except Exception as error:  # a failed request is counted by its row
+        return {"error": f"{type(error).__name__}: {error}"}
+    if first_token_s is None:
+        return {"error": "the server streamed no token"}
+    details = usage.get("prompt_tokens_details") or {}
+    return {
+        "ttft_ms": first_token_s * 1000,
+        "prompt_tokens": int(usage.get("prompt_tokens", 0)),
+        "cached_tokens": int(details.get("cached_tokens") or 0),
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def warm_up(server: Any, plan: dict[str, Any]) -> None:
+    """vLLM's one-time costs for prompts of this shape (and kvtier's first store) on flood-salted prompts
+    no row sends (the blocks it leaves in the pool are the flood's, not the default tenant's); then an
+    empty prefix cache."""
+    from kvtier.engine_process import random_prompt
+
+    for number in range(2):
+        prompt = random_prompt(WARM_UP_SEED + number, plan["doc_len"] + plan["question_len"], plan["vocab"])
+        answer = complete(server.url, server.model, prompt, 1, FLOOD)
+        if "error" in answer:
+            raise TenantsError(f"the warm-up request failed: {answer['error']}")
+    server.reset_prefix_cache()
+
+
+def drive(plan: dict[str, Any], url: str, model: str, flood: bool) -> dict[str, Any]:
+    """The load of one row: round after round, a quiet request beside ``flood_per_round`` flood ones (none
+    in the ``alone`` row); each round waits for all of its requests."""
+    quiet: list[dict[str, Any]] = []
+    floods: list[dict[str, Any]] = []
+    started = time.monotonic()
+    flood_seconds = 0.0
+    with ThreadPoolExecutor(max_workers=plan["flood_concurrency"]) as flood_pool:
+        for number in range(plan["quiet_requests"]):
+            round_started = time.monotonic()
+            futures = []
+            if flood:
+                for index in range(plan["flood_per_round"]):
+                    prompt = flood_prompt(plan, number * plan["flood_per_round"] + index)
+                    futures.append(flood_pool.submit(complete, url, model, prompt, plan["output_len"], FLOOD))
+            doc, prompt = quiet_prompt(plan, number)
+            answer = complete(url, model, prompt, plan["output_len"], QUIET)
+            answer.update(number=number, doc=doc, repeat=number >= plan["docs"])
+            quiet.append(answer)
+            floods += [future.result() for future in futures]
+            if futures:
+                flood_seconds += time.monotonic() - round_started
+    return {"quiet": quiet, "flood": floods, "load_s": time.monotonic() - started, "flood_s": flood_seconds}
+
+
+# --------------------------------------------------------------------------------------------
+# rows
+# --------------------------------------------------------------------------------------------
+
+
+def tenant_label(salt: str) -> str:
+    from kvtier._core import tenant_id
+
+    return tenant_id(salt)[:8].hex()
+
+
+def tenant_stats(stats: dict[str, int]) -> dict[str, dict[str, int]]:
+    """The pool's tenant counters by tenant (``quiet``, ``flood``, ``default``; others by label)."""
+    names = {tenant_label(QUIET): QUIET, tenant_label(FLOOD): FLOOD, "default": "default"}
+    tenants: dict[str, dict[str, int]] = {}
+    for name, value in stats.items():
+        if not name.startswith("tenant_dram_") or ":" not in name:
+            continue
+        counter, label = name.split(":", 1)
+        tenants.setdefault(names.get(label, label), {})[counter.removeprefix("tenant_dram_")] = int(value)
+    return tenants
+
+
+def percentile(values: list[float], pct: float) -> float | None:
+    """The ``pct``-th percentile (linear between the closest ranks), None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * pct / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarize(plan: dict[str, Any], load: dict[str, Any]) -> dict[str, Any]:
+    """The quiet tenant's hit rates and TTFTs, the flood's throughput, the failures."""
+    quiet_ok = [answer for answer in load["quiet"] if "error" not in answer]
+    flood_ok = [answer for answer in load["flood"] if "error" not in answer]
+    repeats = [answer for answer in quiet_ok if answer["repeat"]]
+
+    def hit_rate(answers: list[dict[str, Any]]) -> float | None:
+        prompt = sum(answer["prompt_tokens"] for answer in answers)
+        return sum(answer["cached_tokens"] for answer in answers) / prompt if prompt else None
+
+    ttfts = [answer["ttft_ms"] for answer in quiet_ok]
+    repeat_ttfts = [answer["ttft_ms"] for answer in repeats]
+    flood_s = load["flood_s"]
+    return {
+        "quiet_requests": len(load["quiet"]),
+        "quiet_failed": len(load["quiet"]) - len(quiet_ok),
+        "quiet_prompt_tokens": sum(answer["prompt_tokens"] for answer in quiet_ok),
+        "quiet_cached_tokens": sum(answer["cached_tokens"] for answer in quiet_ok),
+        "quiet_hit_rate": hit_rate(quiet_ok),
+        "quiet_repeat_hit_rate": hit_rate(repeats),
+        "quiet_ttft_ms": {
+            "p50": percentile(ttfts, 50),
+            "p99": percentile(ttfts, 99),
+            "mean": statistics.fmean(ttfts) if ttfts else None,
+        },
+        "quiet_repeat_ttft_ms": {"p50": percentile(repeat_ttfts, 50), "p99": percentile(repeat_ttfts, 99)},
+        "flood_requests": len(load["flood"]),
+        "flood_failed": len(load["flood"]) - len(flood_ok),
+        "flood_cached_tokens": sum(answer["cached_tokens"] for answer in flood_ok),
+        "flood_request_throughput": len(flood_ok) / flood_s if flood_s else None,
+        "flood_prompt_throughput": sum(answer["prompt_tokens"] for answer in flood_ok) / flood_s if flood_s else None,
+        "load_s": load["load_s"],
+        "errors": [answer["error"] for answer in load["quiet"] + load["flood"] if "error" in answer][:10],
+    }
+
+
+def row_options(plan: dict[str, Any], row: str) -> dict[str, Any]:
+    """The row's kvtier options beyond the pool's size: every hit loaded; the shares row's share."""
+    options: dict[str, Any] = {"load_policy": "always"}
+    if row == "flood-shares":
+        options["tenant_dram_share"] = plan["share"]
+    return options
+
+
+def counter_deltas(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    if before is None or after is None:
+        return None
+    return {name: after[name] - before.get(name, 0.0) for name in after}
+
+
+def run_row(plan: dict[str, Any], row: str, out_dir: Path, started: float) -> dict[str, Any]:
+    """One row: a fresh server on a fresh store, warmed up, the load; then the server, its service and
+    the store gone."""
+    from kvtier.service import default_socket_path, service_stats, stop_service
+
+    row_dir = out_dir / row
+    store = row_dir / "store"
+    socket = default_socket_path(store)
+    record: dict[str, Any] = {"row": row, "label": ROW_LABELS[row], "options": row_options(plan, row), "problems": []}
+    server = None
+    try:
+        server, log_path, _ = serve_servers.start_server(plan, KVTIER_ROW, 0, row_dir, [store], [], record["options"])
+        record["server"] = {"command": serve_servers.command_of(server.process), "log": str(log_path)}
+        progress(started, f"{row}: server healthy after {server.wait_healthy():.0f} s")
+        warm_up(server, plan)
+        metrics_before = serve_points.cache_metrics([server.url])
+        stats_before = dict(service_stats(socket))
+        rounds = plan["quiet_requests"]
+        floods = rounds * plan["flood_per_round"] if row != "alone" else 0
+        progress(started, f"{row}: {rounds} quiet requests, {floods} flood ones")
+        load = drive(plan, server.url, server.model, flood=row != "alone")
+        record["requests"] = load
+        record.update(summarize(plan, load))
+        time.sleep(1.0)  # the last stores land before the counters are read
+        metrics = counter_deltas(metrics_before, serve_points.cache_metrics([server.url]))
+        stats = dict(service_stats(socket))
+        record["vllm_cache_tokens"] = metrics
+        record["kvtier"] = {
+            name: int(stats.get(name, 0)) - int(stats_before.get(name, 0))
+            for name in ("dram_hits", "dram_evictions", "puts")
+        }
+        record["tenants"] = tenant_stats(stats)
+        record["pool"] = {name: stats[name] for name in stats if name.startswith("dram_") and "bytes" in name}
+        progress(
+            started,
+            f"{row}: quiet hit rate {_number(record['quiet_hit_rate'], 3)}, "
+            f"{record['quiet_failed'] + record['flood_failed']} failed",
+        )
+    except Exception as error:
+        record["problems"].append(f"{type(error).__name__}: {error}")
+        print(f"kvtier bench tenants: {row}: {error}", file=sys.stderr, flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+        if not stop_service(socket):
+            record["problems"].append(f"the kvtier service on {socket} did not stop")
+        shutil.rmtree(store, ignore_errors=True)
+    return record
+
+
+# --------------------------------------------------------------------------------------------
+# judging and report
+# --------------------------------------------------------------------------------------------
+
+
+def judge(plan: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """The problems of the run: a row that contradicts its label (module docstring). Fills each row's
+    ``vs_alone`` (its quiet hit rate over the alone row's) and ``local_hit_share``."""
+    problems: list[str] = []
+    alone = next((record for record in rows if record["row"] == "alone"), None)
+    alone_rate = alone.get("quiet_hit_rate") if alone else None
+    for record in rows:
+        row = record["row"]
+        problems += [f"{row}: {problem}" for problem in record["problems"]]
+        if "quiet_hit_rate" not in record:
+            if not record["problems"]:
+                problems.append(f"{row}: not measured")
+            continue
+        failed = record["quiet_failed"] + record["flood_failed"]
+        if failed:
+            problems.append(f"{row}: {failed} requests failed ({'; '.join(record['errors'][:3])})")
+        rate = record["quiet_hit_rate"] or 0.0
+        cached = record["quiet_cached_tokens"]
+        metrics = record.get("vllm_cache_tokens") or {}
+        local = metrics.get("vllm_hits")
+        if local is not None:
+            record["local_hit_share"] = local / cached if cached else 0.0
+            if cached and local > LOCAL_HIT_LIMIT * cached:
+                problems.append(
+                    f"{row}: vLLM's own cache served {local:.0f} of the quiet tenant's {cached} cached tokens: "
+                    "the row does not measure kvtier's pool (fewer --vllm-blocks)"
+                )
+        if alone_rate:
+            record["vs_alone"] = rate / alone_rate
+        if row == "alone" and not cached:
+            problems.append("alone: the quiet tenant had no hit: kvtier served nothing to compare with")
+        if row == "flood" and alone_rate and rate >= MIN_RATIO * alone_rate:
+            problems.append(
+                f"flood: the flood cost the quiet tenant no hits ({rate:.3f} against {alone_rate:.3f} alone): the "
+                "pool holds both tenants, so the shares row shows nothing (more --flood-per-round, fewer --pool-blocks)"
+            )
+        if row == "flood-shares":
+            problems += shares_problems(plan, record, alone_rate)
+    return problems
+
+
+def shares_problems(plan: dict[str, Any], record: dict[str, Any], alone_rate: float | None) -> list[str]:
+    problems = []
+    rate = record["quiet_hit_rate"] or 0.0
+    if alone_rate and rate < MIN_RATIO * alone_rate:
+        problems.append(
+            f"flood-shares: the quiet tenant kept {rate / alone_rate:.2f}x its hit rate alone ({rate:.3f} against "
+            f"{alone_rate:.3f}), under {MIN_RATIO}x: the share did not protect it"
+        )
+    quiet = (record.get("tenants") or {}).get(QUIET)
+    if not quiet or FLOOD not in record["tenants"]:
+        problems.append(f"flood-shares: the pool shows no tenant counters for quiet and flood: {record.get('tenants')}")
+    elif quiet.get("guaranteed_bytes", 0) < plan["quiet_blocks"] * plan["slot_bytes"]:
+        problems.append(
+            f"flood-shares: the quiet tenant's documents ({plan['quiet_blocks']} blocks) do not fit its guaranteed "
+            f"{quiet.get('guaranteed_bytes', 0)} bytes (more --pool-blocks or --share)"
+        )
+    return problems
+
+
+def _number(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.1f}"
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    lines = []
+    for record in rows:
+        ttft = record.get("quiet_ttft_ms") or {}
+        repeat_ttft = record.get("quiet_repeat_ttft_ms") or {}
+        tenants = record.get("tenants") or {}
+        quiet, flood = tenants.get(QUIET, {}), tenants.get(FLOOD, {})
+        failed = record.get("quiet_failed", 0) + record.get("flood_failed", 0) if "quiet_failed" in record else None
+        lines.append([
+            record["label"], _number(record.get("quiet_hit_rate"), 3), _number(record.get("quiet_repeat_hit_rate"), 3),
+            _number(record.get("vs_alone")), f"{_number(ttft.get('p50'), 0)} / {_number(ttft.get('p99'), 0)}",
+            f"{_number(repeat_ttft.get('p50'), 0)} / {_number(repeat_ttft.get('p99'), 0)}",
+            _number(record.get("flood_request_throughput")), _number(record.get("flood_prompt_throughput"), 0),
+            _mib(quiet.get("bytes")), _mib(quiet.get("guaranteed_bytes")), str(quiet.get("evictions", "-")),
+            str(flood.get("evictions", "-")), "-" if failed is None else str(failed),
+        ])  # fmt: skip
+    return lines
+
+
+def progress(started: float, message: str) -> None:
+    print(f"[tenants {time.monotonic() - started:6.0f} s] {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        plan = make_plan(args)
+        serve_points.check_vllm_command()
+    except (TenantsError, serve_plan.BenchError) as error:
+        print(f"kvtier bench tenants: {error}", file=sys.stderr)
+        return 2
+    from kvtier.models import ensure_model
+
+    out_dir = Path(args.out or tempfile.mkdtemp(prefix="kvtier-bench-tenants-")).absolute()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan["model_dir"] = str(ensure_model(plan["preset"]))
+    started = time.monotonic()
+    document: dict[str, Any] = {"benchmark": "kvtier bench tenants", "settings": plan, "rows": []}
+    progress(
+        started,
+        f"{plan['preset']}: {plan['docs']} documents of {plan['doc_len']} tokens, {plan['quiet_requests']} quiet "
+        f"requests, {plan['flood_per_round']} flood prompts of {plan['flood_len']} tokens a round; pool "
+        f"{plan['pool_blocks']} blocks, vLLM {plan['vllm_blocks']}; results {out_dir}",
+    )
+    with serve.own_runtime_dir():
+        for row in plan["rows"]:
+            document["rows"].append(run_row(plan, row, out_dir, started))
+            (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
+    document["problems"] = judge(plan, document["rows"])
+    table = markdown_table(TABLE_HEADER, table_rows(document["rows"]))
+    (out_dir / "table.md").write_text(table + "\n")
+    (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
+    report = sys.stderr if args.json else sys.stdout
+    print(table, file=report)
+    for problem in document["problems"]:
+        print(f"problem: {problem}", file=report)
+    print(f"results: {out_dir / 'results.json'}", file=report, flush=True)
+    if args.json:
+        summary = {**document, "rows": [{k: v for k, v in r.items() if k != "requests"} for r in document["rows"]]}
+        json.dump(summary, sys.stdout, indent=2)
+        print()
+    return 1 if document["problems"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
