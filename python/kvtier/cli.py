@@ -107,7 +107,7 @@ class _Group(click.Group):
     epilog=(
         "\b\nBenchmarks: kvtier bench io, kvtier bench ttft, kvtier bench lookup, kvtier bench layout,\n"
         "kvtier bench reads-first, kvtier bench blocks, kvtier bench gpu, kvtier bench serve,\n"
-        "kvtier bench serve-summary, kvtier bench faults.\n"
+        "kvtier bench serve-summary, kvtier bench faults, kvtier bench admission, kvtier bench tenants.\n"
         "Run `kvtier COMMAND --help` for the options of one command. Docs: docs/cli.md."
     ),
 )
