@@ -576,6 +576,9 @@ fn close_remote_tiers(shared: &Arc<Shared>) -> bool {
     let closing = Arc::clone(shared);
     let spawned = std::thread::Builder::new().name("kvtier-remote-close".into()).spawn(move || {
         closing.remote.close();
+        // Let go of the store's state before saying so: once `close` returns, nothing of ours may
+        // still hold it (its pool's file and mapping go when the store does).
+        drop(closing);
         let _ = done_tx.send(());
     });
     if spawned.is_err() {

@@ -71,6 +71,15 @@ impl Tenants {
         let guaranteed_slots = (self.shares.share_of(&id) * slots as f64) as usize;
         let policy = (self.make_policy)(slots);
         self.accounts.push(Account { id, guaranteed_slots, resident_slots: 0, evicted_blocks: 0, policy });
+        let guaranteed: usize = self.accounts.iter().map(|a| a.guaranteed_slots).sum();
+        if guaranteed > slots && guaranteed - guaranteed_slots <= slots {
+            log::warn!(
+                "kvtier: {} tenants are guaranteed {guaranteed} of the DRAM pool's {slots} slots: past the whole \
+                 pool, a tenant under its share may lose blocks to another under its own (lower \
+                 tenant_dram_share, or name the tenants' shares in tenant_dram_shares)",
+                self.accounts.len()
+            );
+        }
         (self.accounts.len() - 1) as u8
     }
 
