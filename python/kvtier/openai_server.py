@@ -27,6 +27,36 @@ REQUEST_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 90
 
 
+def stream_completion(url: str, payload: dict[str, Any]) -> tuple[float, dict[str, Any], str]:
+    """POSTs a streamed completion (``payload`` with ``"stream": True`` and usage included) to the server
+    at ``url``: seconds to its first token, its usage, and its text. ``ServerError`` if it streamed no
+    token; the request's own errors (refused, timed out) are raised as they come."""
+    request = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    started = time.perf_counter()
+    first_token_s = None
+    usage: dict[str, Any] = {}
+    text = []
+    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+        for raw_line in response:
+            line = raw_line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if chunk.get("choices"):
+                if first_token_s is None:
+                    first_token_s = time.perf_counter() - started
+                text.append(chunk["choices"][0].get("text", ""))
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    if first_token_s is None:
+        raise ServerError("the server streamed no token")
+    return first_token_s, usage, "".join(text)
+
+
 class ServerError(RuntimeError):
     """The server could not start or answer; the message says why and where its log is."""
 
@@ -121,35 +151,13 @@ class OpenAIServer:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        request = urllib.request.Request(
-            f"{self.url}/v1/completions",
-            data=json.dumps(payload).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        started = time.perf_counter()
-        first_token_s = None
-        usage: dict = {}
-        text = []
-        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
-            for raw_line in response:
-                line = raw_line.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: ") :])
-                if chunk.get("choices"):
-                    if first_token_s is None:
-                        first_token_s = time.perf_counter() - started
-                    text.append(chunk["choices"][0].get("text", ""))
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-        if first_token_s is None:
-            raise ServerError("the server streamed no token")
+        first_token_s, usage, text = stream_completion(self.url, payload)
         details = usage.get("prompt_tokens_details") or {}
         return Completion(
             ttft_ms=first_token_s * 1000,
             prompt_tokens=int(usage.get("prompt_tokens", 0)),
             cached_tokens=int(details.get("cached_tokens") or 0),
-            text="".join(text),
+            text=text,
         )
 
     def reset_prefix_cache(self, attempts: int = 20) -> None:

@@ -49,7 +49,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -197,27 +196,13 @@ def complete(url: str, model: str, prompt: list[int], max_tokens: int, salt: str
     }  # fmt: skip
     if salt is not None:
         payload["cache_salt"] = salt
-    request = urllib.request.Request(
-        f"{url}/v1/completions", data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
-    )
+    from kvtier.openai_server import stream_completion
+
     started = time.perf_counter()
-    first_token_s = None
-    usage: dict[str, Any] = {}
     try:
-        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
-            for raw_line in response:
-                line = raw_line.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: ") :])
-                if chunk.get("choices") and first_token_s is None:
-                    first_token_s = time.perf_counter() - started
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
+        first_token_s, usage, _ = stream_completion(url, payload)
     except Exception as error:  # a failed request is counted by its row
         return {"error": f"{type(error).__name__}: {error}"}
-    if first_token_s is None:
-        return {"error": "the server streamed no token"}
     details = usage.get("prompt_tokens_details") or {}
     return {
         "ttft_ms": first_token_s * 1000,
