@@ -19,6 +19,7 @@ import errno
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -213,3 +214,18 @@ def test_a_store_closes_while_its_mount_is_frozen(tmp_path):
             thaw.cancel()
             os.kill(mount.process.pid, signal.SIGCONT)
         assert closed_s < 8.0, f"the close waited {closed_s:.1f} s for a frozen mount"
+        # Thawed, the tier's close ends on its own thread and lets go of the mount (else unmounting waits).
+        deadline = time.monotonic() + 10
+        while any(name.startswith("kvtier-remote-c") for name in thread_names()):
+            assert time.monotonic() < deadline, "the remote tier's close never ended after the mount thawed"
+            time.sleep(0.05)
+
+
+def thread_names() -> list[str]:
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+    return names
