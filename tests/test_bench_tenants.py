@@ -30,6 +30,7 @@ def test_plan_small_and_full() -> None:
     small = plan_of("--small")
     assert (small["preset"], small["docs"], small["quiet_requests"], small["flood_per_round"]) == ("tiny", 3, 9, 10)
     assert small["rows"] == ["alone", "flood", "flood-shares"]
+    assert small["start_together"]  # CI's time: three starts together take about as long as one
     # tiny in bfloat16: 2 KiB a token, a 128-token block in a 260-KiB slot; the pool is 40 of them.
     assert small["slot_bytes"] == 128 * 2048 + 4096
     assert int(small["dram_gib"] * 2**30) // small["slot_bytes"] == 40
@@ -39,6 +40,7 @@ def test_plan_small_and_full() -> None:
     full = plan_of("--rows", "alone,flood-shares", "--share", "0.5")
     assert (full["preset"], full["doc_len"], full["share"]) == ("kv8b", 2048, 0.5)
     assert full["rows"] == ["alone", "flood-shares"]
+    assert not full["start_together"] and plan_of("--start-together")["start_together"]
     assert full["slot_bytes"] == 128 * (128 << 10) + 4096
 
 

@@ -43,8 +43,8 @@ STORE_OPTIONS = {"dram_bytes": 64 << 20, "nvme_bytes": 0, "service_idle_timeout_
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
-def start(store_dir: Path, log_dir: Path, name: str) -> OpenAIServer:
-    server = OpenAIServer(
+def launch(store_dir: Path, log_dir: Path, name: str) -> OpenAIServer:
+    return OpenAIServer(
         ensure_model("tiny"),
         "tiny",
         log_dir / f"server-{name}.log",
@@ -52,10 +52,13 @@ def start(store_dir: Path, log_dir: Path, name: str) -> OpenAIServer:
         extra_args=["--max-model-len", "4096", "--enforce-eager", "--dtype", "float32"],
         env=SERVER_ENV,
     )
+
+
+def warm(server: OpenAIServer, name: str) -> OpenAIServer:
+    """Healthy, then each server's first requests of each shape pay vLLM's one-time set-up: a prompt of
+    its own and a question on it, as any benchmark warms up (nothing here reads from kvtier)."""
     try:
         server.wait_healthy()
-        # Each server's first requests of each shape pay vLLM's one-time set-up: a prompt of its
-        # own and a question on it, as any benchmark warms up (nothing here reads from kvtier).
         own = random_prompt(zlib.crc32(name.encode()), PROMPT_BLOCKS * TOKENS_PER_BLOCK, 4000)
         server.complete([*own, 11, 12, 13], 1)
         server.complete([*own, 14, 15, 16], 1)
@@ -127,10 +130,10 @@ def test_servers_share_one_pool_that_outlives_each_of_them_and_nothing_is_left(t
     prompt = random_prompt(2323, PROMPT_BLOCKS * TOKENS_PER_BLOCK + 10, 4000)
     servers: list[OpenAIServer] = []
     try:
-        a = start(store_dir, tmp_path, "a")
-        servers.append(a)
-        b = start(store_dir, tmp_path, "b")
-        servers.append(b)
+        # A and B start together, as an operator starts several servers on a host (and a start is
+        # mostly single-threaded imports: two take about as long as one on two cores).
+        servers += [launch(store_dir, tmp_path, "a"), launch(store_dir, tmp_path, "b")]
+        a, b = warm(servers[0], "a"), warm(servers[1], "b")
         computed = a.complete(prompt)
         assert computed.cached_tokens == 0
         settle(a, socket)
@@ -162,8 +165,8 @@ def test_servers_share_one_pool_that_outlives_each_of_them_and_nothing_is_left(t
         assert dram_hits(socket) - before >= PROMPT_BLOCKS
 
         assert b.stop() is not None
-        c = start(store_dir, tmp_path, "c")
-        servers.append(c)
+        servers.append(launch(store_dir, tmp_path, "c"))
+        c = warm(servers[-1], "c")
         before = dram_hits(socket)
         on_c = c.complete(prompt)
         assert on_c.cached_tokens == PROMPT_BLOCKS * TOKENS_PER_BLOCK and on_c.text == computed.text

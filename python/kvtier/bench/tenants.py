@@ -23,6 +23,11 @@ Rows, each a fresh server on a fresh store (removed after it):
 - ``flood``: the same quiet requests with the flood, ``tenant_dram_share`` unset (one pool for all).
 - ``flood-shares``: the same with ``tenant_dram_share`` ``--share`` (each tenant guaranteed that share).
 
+The rows are measured one after the other. ``--start-together`` (``--small`` implies it) starts every
+row's server at once and waits for all of them before the first row: a start is mostly single-threaded
+imports, so on two cores three starts take about as long as one or two, and an idle server polls nothing
+while another row runs.
+
 Per row: the quiet tenant's hit rate (prompt tokens served from a cache / prompt tokens, from each
 response's ``usage.prompt_tokens_details.cached_tokens``, which counts the tokens loaded through the
 connector too: checked against vLLM's ``/metrics``) and its TTFT p50/p99, each also over its repeats only
@@ -122,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pool-blocks", type=int, help="kvtier's DRAM pool in blocks (default 168; --small: 40)")
     parser.add_argument("--block-tokens", type=int, help="vLLM's block size, tokens (default 128: CPU vLLM's)")
     parser.add_argument("--vllm-kv-gib", type=int, help="VLLM_CPU_KVCACHE_SPACE, GiB (default 2; --small: 1)")
+    parser.add_argument(
+        "--start-together",
+        action="store_true",
+        help="start every row's server at once, then measure the rows in turn (--small does)",
+    )
     parser.add_argument("--out", help="output directory (default: a new temporary directory)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG", help="one more vllm serve arg")
     parser.add_argument("--json", action="store_true", help="print the result document (JSON) on stdout")
@@ -163,6 +173,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=longest + plan["output_len"] + serve_plan.MODEL_LEN_MARGIN,
         server_args=["--block-size", str(plan["block_tokens"]), "--dtype", SERVER_DTYPE, *args.server_arg],
     )  # fmt: skip
+    plan["start_together"] = args.start_together or args.small
     plan["quiet_blocks"] = plan["docs"] * plan["doc_blocks"]  # the quiet tenant's working set in the pool
     return plan
 
@@ -335,54 +346,123 @@ def counter_deltas(before: dict[str, float] | None, after: dict[str, float] | No
     return {name: after[name] - before.get(name, 0.0) for name in after}
 
 
-def run_row(plan: dict[str, Any], row: str, out_dir: Path, started: float) -> dict[str, Any]:
-    """One row: a fresh server on a fresh store, warmed up, the load; then the server, its service and
-    the store gone."""
-    from kvtier.service import default_socket_path, service_stats, stop_service
+class Row:
+    """A row's server on its own store, started (``launch``) before ``run_row`` measures it."""
 
-    row_dir = out_dir / row
-    store = row_dir / "store"
-    socket = default_socket_path(store)
-    record: dict[str, Any] = {"row": row, "label": ROW_LABELS[row], "options": row_options(plan, row), "problems": []}
-    server = None
+    def __init__(self, plan: dict[str, Any], row: str, out_dir: Path) -> None:
+        from kvtier.service import default_socket_path
+
+        self.row_dir = out_dir / row
+        self.store = self.row_dir / "store"
+        self.socket = default_socket_path(self.store)
+        self.record: dict[str, Any] = {
+            "row": row, "label": ROW_LABELS[row], "options": row_options(plan, row), "problems": [],
+        }  # fmt: skip
+        self.server: Any = None
+        self.healthy = False
+
+    def launch(self, plan: dict[str, Any]) -> None:
+        """The row's ``vllm serve`` process, not yet healthy; a failure is the row's problem."""
+        try:
+            self.server, log_path, _ = serve_servers.start_server(
+                plan, KVTIER_ROW, 0, self.row_dir, [self.store], [], self.record["options"]
+            )
+            self.record["server"] = {"command": serve_servers.command_of(self.server.process), "log": str(log_path)}
+        except Exception as error:
+            self.fail(error)
+
+    def wait_healthy(self, started: float) -> None:
+        if self.server is None or self.healthy:
+            return
+        try:
+            progress(started, f"{self.record['row']}: server healthy after {self.server.wait_healthy():.0f} s")
+            self.healthy = True
+        except Exception as error:
+            self.fail(error)
+            self.close()
+
+    def fail(self, error: Exception) -> None:
+        self.record["problems"].append(f"{type(error).__name__}: {error}")
+        print(f"kvtier bench tenants: {self.record['row']}: {error}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """The server, its service and the store gone."""
+        from kvtier.service import stop_service
+
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        if not stop_service(self.socket):
+            self.record["problems"].append(f"the kvtier service on {self.socket} did not stop")
+        shutil.rmtree(self.store, ignore_errors=True)
+
+
+def run_row(plan: dict[str, Any], row: Row, started: float) -> dict[str, Any]:
+    """One row on its launched server: healthy, warmed up, the load, the counters; then the server, its
+    service and the store gone."""
+    from kvtier.service import service_stats
+
+    name, record, server = row.record["row"], row.record, row.server
     try:
-        server, log_path, _ = serve_servers.start_server(plan, KVTIER_ROW, 0, row_dir, [store], [], record["options"])
-        record["server"] = {"command": serve_servers.command_of(server.process), "log": str(log_path)}
-        progress(started, f"{row}: server healthy after {server.wait_healthy():.0f} s")
+        if server is None:
+            return record  # its launch failed: the problem is recorded
+        row.wait_healthy(started)
+        if row.server is None:
+            return record
         warm_up(server, plan)
         metrics_before = serve_points.cache_metrics([server.url])
-        stats_before = dict(service_stats(socket))
+        stats_before = dict(service_stats(row.socket))
         rounds = plan["quiet_requests"]
-        floods = rounds * plan["flood_per_round"] if row != "alone" else 0
-        progress(started, f"{row}: {rounds} quiet requests, {floods} flood ones")
-        load = drive(plan, server.url, server.model, flood=row != "alone")
+        floods = rounds * plan["flood_per_round"] if name != "alone" else 0
+        progress(started, f"{name}: {rounds} quiet requests, {floods} flood ones")
+        load = drive(plan, server.url, server.model, flood=name != "alone")
         record["requests"] = load
         record.update(summarize(plan, load))
         time.sleep(1.0)  # the last stores land before the counters are read
         metrics = counter_deltas(metrics_before, serve_points.cache_metrics([server.url]))
-        stats = dict(service_stats(socket))
+        stats = dict(service_stats(row.socket))
         record["vllm_cache_tokens"] = metrics
         record["kvtier"] = {
-            name: int(stats.get(name, 0)) - int(stats_before.get(name, 0))
-            for name in ("dram_hits", "dram_evictions", "puts")
+            counter: int(stats.get(counter, 0)) - int(stats_before.get(counter, 0))
+            for counter in ("dram_hits", "dram_evictions", "puts")
         }
         record["tenants"] = tenant_stats(stats)
-        record["pool"] = {name: stats[name] for name in stats if name.startswith("dram_") and "bytes" in name}
+        record["pool"] = {
+            counter: stats[counter] for counter in stats if counter.startswith("dram_") and "bytes" in counter
+        }
         progress(
             started,
-            f"{row}: quiet hit rate {_number(record['quiet_hit_rate'], 3)}, "
+            f"{name}: quiet hit rate {_number(record['quiet_hit_rate'], 3)}, "
             f"{record['quiet_failed'] + record['flood_failed']} failed",
         )
     except Exception as error:
-        record["problems"].append(f"{type(error).__name__}: {error}")
-        print(f"kvtier bench tenants: {row}: {error}", file=sys.stderr, flush=True)
+        row.fail(error)
     finally:
-        if server is not None:
-            server.stop()
-        if not stop_service(socket):
-            record["problems"].append(f"the kvtier service on {socket} did not stop")
-        shutil.rmtree(store, ignore_errors=True)
+        row.close()
     return record
+
+
+def run_rows(plan: dict[str, Any], out_dir: Path, started: float, document: dict[str, Any]) -> None:
+    """Every row in turn, each on a fresh server and store. With ``start_together`` every row's server
+    starts at once (a start is mostly single-threaded imports: on two cores three take about as long
+    as two) and every one is healthy before the first row; an idle server polls nothing, so the row
+    measured has the cores to itself."""
+    rows = [Row(plan, row, out_dir) for row in plan["rows"]]
+    try:
+        if plan["start_together"]:
+            for row in rows:
+                row.launch(plan)
+            for row in rows:
+                row.wait_healthy(started)
+        for row in rows:
+            if row.server is None and not row.record["problems"]:
+                row.launch(plan)
+            document["rows"].append(run_row(plan, row, started))
+            (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
+    finally:
+        for row in rows:
+            if row.server is not None:
+                row.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -503,9 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{plan['pool_blocks']} blocks, vLLM {plan['vllm_blocks']}; results {out_dir}",
     )
     with serve.own_runtime_dir():
-        for row in plan["rows"]:
-            document["rows"].append(run_row(plan, row, out_dir, started))
-            (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
+        run_rows(plan, out_dir, started, document)
     document["problems"] = judge(plan, document["rows"])
     table = markdown_table(TABLE_HEADER, table_rows(document["rows"]))
     (out_dir / "table.md").write_text(table + "\n")
