@@ -164,7 +164,7 @@ def test_status_with_a_running_service(store: RunningStore) -> None:
     assert stats["service_namespaces"] == 1
     assert report["lookups"] == 5
     assert report["hit_rate"] == pytest.approx(0.8)
-    assert set(report["tiers"]) == {"dram", "nvme", "shared"}
+    assert set(report["tiers"]) == {"dram", "nvme", "shared", "bucket"}
     for tier in report["tiers"].values():
         assert set(tier) == TIER_KEYS
     dram = report["tiers"]["dram"]

@@ -16,12 +16,16 @@ from __future__ import annotations
 import atexit
 import base64
 import hashlib
+import json
 import os
 import re
 import shutil
 import signal
+import socket as socketlib
 import subprocess
+import sys
 import time
+import urllib.request
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -930,3 +934,105 @@ def test_an_expiry_lifecycle_rule_under_a_working_store(rgw, nodes, bucket):
         assert wait_visible(reader, [key(i) for i in ids]) and all(load(reader, ids))
     finally:
         rgw.s3("DELETE", BUCKET, query="lifecycle=")
+
+
+SERVICE_SLICE = 16 << 10
+SERVICE_DESCRIPTION = json.dumps(
+    {
+        "engine": "vllm",
+        "model": "bucket-ops-model",
+        "kv_dtype": "bfloat16",
+        "kv_cache_layout": "NHD",
+        "parallel": {"tp_size": 1, "pp_size": 1},
+        "groups": [{"tokens_per_block": 16, "layers": ["layer.0"]}],
+        "object_layout": "rank-major slices of layer pages",
+    },
+    sort_keys=True,
+).encode()
+
+
+def service_value(i: int) -> np.ndarray:
+    return ((np.arange(SERVICE_SLICE, dtype=np.uint32) * 13 + i * 5) % 251).astype(np.uint8)
+
+
+class HostService:
+    """``kvtier serve`` of one host on the bucket (credentials from the environment), scraped on its port."""
+
+    def __init__(self, root: Path, bucket: dict) -> None:
+        self.path, self.socket = root / "store", root / "svc.sock"
+        with socketlib.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        options = {"dram_bytes": 64 * (4096 + SERVICE_SLICE), "nvme_bytes": 0, **bucket}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvtier", "serve", str(self.path), "--socket", str(self.socket)]
+            + [f"--option={name}={value}" for name, value in options.items()]
+            + ["--pool-dir", str(root), "--metrics-port", str(self.port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        deadline = time.monotonic() + 60
+        while not self.socket.exists() or not self._scrape_ok():
+            assert self.process.poll() is None, self.process.communicate()[0]
+            assert time.monotonic() < deadline, "kvtier serve did not start"
+            time.sleep(0.2)
+        self.client = kvtier.ServiceClient.connect(os.fspath(self.socket), 30_000)
+        self.client.hello(SERVICE_DESCRIPTION, 1, 0, SERVICE_SLICE)
+
+    def _scrape_ok(self) -> bool:
+        try:
+            self.scrape()
+            return True
+        except OSError:
+            return False
+
+    def scrape(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as reply:
+            return str(reply.read().decode())
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=60)
+
+
+def test_bucket_hits_reach_the_scrape_and_status(bucket, tmp_path):
+    """Two hosts' services share the bucket: the blocks B serves from it are bucket hits in its scrape
+    (``kvtier_hits_total{tier="bucket"}``, counted in its lookups and loaded bytes) and in ``kvtier
+    status``'s tiers, not lost from the hit rate."""
+    from click.testing import CliRunner
+
+    from kvtier.cli import cli
+
+    keys = [hashlib.sha256(f"ops-{i}".encode()).digest() for i in range(12)]
+    hosts: list[HostService] = []
+    try:
+        hosts.append(HostService(tmp_path / "a", bucket))
+        a = hosts[0]
+        assert all(a.client.store_blocks(keys, [np.stack([service_value(i) for i in range(12)])], list(range(12))))
+        a.client.flush()
+        hosts.append(HostService(tmp_path / "b", bucket))
+        b = hosts[1]
+        deadline = time.monotonic() + 15
+        while b.client.locate_many(keys) != ["bucket"] * 12:
+            assert time.monotonic() < deadline, (
+                f"A's blocks never reached B through the bucket: {b.client.locate_many(keys)}"
+            )
+            time.sleep(0.1)
+        out = np.zeros((12, SERVICE_SLICE), dtype=np.uint8)
+        assert all(b.client.load_blocks(keys, [out], list(range(12))))
+        assert all(np.array_equal(out[i], service_value(i)) for i in range(12))
+        text = b.scrape()
+        hits = dict(re.findall(r'kvtier_hits_total\{[^}]*tier="(\w+)"\} (\S+)', text))
+        assert float(hits["bucket"]) == 12 and float(hits["dram"]) == 0, hits
+        lookups = re.search(r"kvtier_lookups_total\{[^}]*\} (\S+)", text)
+        assert lookups is not None and float(lookups.group(1)) >= 12
+        result = CliRunner().invoke(cli, ["status", str(b.path), "--socket", str(b.socket), "--json"])
+        assert result.exit_code == 0, result.output
+        tiers = json.loads(result.stdout)["tiers"]
+        assert tiers["bucket"]["hits"] == 12 and tiers["bucket"]["hit_rate"] > 0, tiers
+        table = CliRunner().invoke(cli, ["status", str(b.path), "--socket", str(b.socket)])
+        assert re.search(r"bucket .* 12 ", table.output), table.output
+    finally:
+        for host in hosts:
+            host.stop()

@@ -50,6 +50,9 @@ IO_SIZE_CLASSES: tuple[tuple[int, str], ...] = (
     (64 << 20, "64m"),
 )
 TIERS = ("dram", "nvme", "shared")
+# Tiers a block is served from: the object tier's hits are counted apart from the shared filesystem's
+# (``bucket_hits``); per engine, ``lookup_shared`` covers both.
+HIT_TIERS = (*TIERS, "bucket")
 
 # The families of each namespace, in the order a scrape lists them: (name, kind, the labels after
 # ``namespace`` and ``model``, help).
@@ -324,8 +327,8 @@ def add_namespace(family: dict[str, Any], ns: dict[str, Any]) -> None:
     v: dict[str, int] = dict(ns["values"])
     labels = [str(ns["digest"])[:16], model_of(bytes(ns["description"]))]
     object_bytes = int(ns["object_bytes"])
-    all_hits = sum(v.get(f"{tier}_hits", 0) for tier in TIERS)
-    for tier in TIERS:
+    all_hits = sum(v.get(f"{tier}_hits", 0) for tier in HIT_TIERS)
+    for tier in HIT_TIERS:
         family["kvtier_hits"].add_metric([*labels, tier], v.get(f"{tier}_hits", 0))
     family["kvtier_lookups"].add_metric(labels, all_hits + v.get("misses", 0))
     for tier in TIERS:

@@ -170,7 +170,7 @@ def status_report(paths: Sequence[Path], socket: str | os.PathLike | None = None
         shared = _shared_facts(gathered["socket"])
         report["shared_index_age_ms"] = shared["index_age_ms"]
         get = lambda name: int(stats.get(name, 0))  # noqa: E731
-        hits = {tier: get(f"{tier}_hits") for tier in ("dram", "nvme", "shared")}
+        hits = {tier: get(f"{tier}_hits") for tier in ("dram", "nvme", "shared", "bucket")}
         lookups = sum(hits.values()) + get("misses")
         report["lookups"] = lookups
         report["hit_rate"] = _rate(sum(hits.values()), lookups)
@@ -195,6 +195,13 @@ def status_report(paths: Sequence[Path], socket: str | os.PathLike | None = None
                 "blocks": None,
                 "hits": hits["shared"],
                 "hit_rate": _rate(hits["shared"], lookups),
+            },
+            "bucket": {
+                "used_bytes": None,
+                "capacity_bytes": None,
+                "blocks": None,
+                "hits": hits["bucket"],
+                "hit_rate": _rate(hits["bucket"], lookups),
             },
         }
         report["writes"] = writes_below_dram(stats)
@@ -398,7 +405,7 @@ def print_status(report: dict[str, Any], output: Output) -> None:
     if stats is not None:
         tiers = report["tiers"]
         rows = []
-        for name, label in (("dram", "DRAM"), ("nvme", "NVMe"), ("shared", "shared")):
+        for name, label in (("dram", "DRAM"), ("nvme", "NVMe"), ("shared", "shared"), ("bucket", "bucket")):
             tier = tiers[name]
             rows.append(
                 [
