@@ -12,7 +12,7 @@ use crate::format::{round_up, ALIGN_BYTES};
 use crate::io::faults::FaultPlan;
 use crate::io::{DirectIo, EngineChoice};
 use crate::tiers::health::HealthPolicy;
-use crate::tiers::object::ObjectConfig;
+use crate::tiers::object::BucketConfig;
 use crate::tiers::shared::SharedConfig;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -100,7 +100,7 @@ pub struct StoreConfig {
     /// See `docs/shared-tier.md` for its options.
     pub shared: Option<SharedConfig>,
     /// Object-storage (S3) tier below the others; None disables it. See `docs/object-tier.md`.
-    pub bucket: Option<ObjectConfig>,
+    pub bucket: Option<BucketConfig>,
 }
 
 impl StoreConfig {
@@ -570,14 +570,14 @@ fn shared_get<T>(c: &StoreConfig, f: impl Fn(&SharedConfig) -> T) -> T {
     }
 }
 
-fn bucket_mut(c: &mut StoreConfig) -> &mut ObjectConfig {
-    c.bucket.get_or_insert_with(|| ObjectConfig::new(String::new()))
+fn bucket_mut(c: &mut StoreConfig) -> &mut BucketConfig {
+    c.bucket.get_or_insert_with(|| BucketConfig::new(String::new()))
 }
 
-fn bucket_get<T>(c: &StoreConfig, f: impl Fn(&ObjectConfig) -> T) -> T {
+fn bucket_get<T>(c: &StoreConfig, f: impl Fn(&BucketConfig) -> T) -> T {
     match &c.bucket {
         Some(bucket) => f(bucket),
-        None => f(&ObjectConfig::new(String::new())),
+        None => f(&BucketConfig::new(String::new())),
     }
 }
 

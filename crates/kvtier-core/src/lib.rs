@@ -3,7 +3,7 @@
 //! - `admission`: which stored blocks go below DRAM (evidence of reuse) and how fast (write budgets).
 //! - `catalog`: the control plane (index, allocation, eviction, pins, recovery adoption).
 //! - `mover`: the data plane (copies and I/O at locations the catalog hands out).
-//! - `shared_state`: `Shared`, the state a store's threads share; the mover works on it, not on `store`.
+//! - `store_state`: `StoreState`, the state a store's threads share; the mover works on it, not on `store`.
 //! - `remote_tiers`: `RemoteTiers`, every remote tier of a store behind one value (no per-tier branches).
 //! - `tenant`: who stores a block (a request's `cache_salt`), and the DRAM pool's shares by tenant.
 //! - `tiers`: the DRAM arena and eviction policy; the NVMe device files and recovery; the remote tiers
@@ -30,10 +30,10 @@ mod mover;
 mod namespace_dir;
 mod remote_tiers;
 pub mod service;
-mod shared_state;
 mod stats;
 mod store;
 mod store_residency;
+mod store_state;
 mod tenant;
 mod tiers;
 mod timeline;

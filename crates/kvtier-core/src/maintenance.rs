@@ -152,7 +152,7 @@ static ENCRYPTED_SKIP_LOGGED: std::sync::atomic::AtomicBool = std::sync::atomic:
 /// Decrypts an NVMe copy in place when its value is encrypted (`encryption_key_file`), so that
 /// `check_copy` checks the plaintext, as a load does.
 fn open_nvme_copy(store: &Store, bytes: &mut [u8]) -> std::result::Result<(), String> {
-    let sh = store.shared();
+    let sh = store.state();
     let (page, rest) = bytes.split_at_mut(DESCRIPTOR_BYTES);
     decrypt_in_place(sh.value_cipher.as_deref(), page, &mut rest[..sh.config.object_bytes])
         .map(|_| ())
@@ -161,7 +161,7 @@ fn open_nvme_copy(store: &Store, bytes: &mut [u8]) -> std::result::Result<(), St
 
 /// Checks one copy (descriptor page + value) against what the index expects.
 fn check_copy(store: &Store, target: &ScrubTarget, bytes: &[u8]) -> std::result::Result<(), String> {
-    let sh = store.shared();
+    let sh = store.state();
     let desc = Descriptor::decode(&bytes[..DESCRIPTOR_BYTES]).map_err(|e| format!("descriptor: {e}"))?;
     let object_bytes = sh.config.object_bytes;
     if desc.key != target.key {
@@ -189,7 +189,7 @@ impl Store {
     pub fn verify_batch(&self, after: u64, max_blocks: usize, max_bytes_per_s: u64) -> Result<VerifyBatch> {
         self.check_open()?;
         let pace = Pace::new(max_bytes_per_s)?;
-        let sh = self.shared();
+        let sh = self.state();
         let (chosen, remaining, newest_sequence) = {
             let cat = sh.catalog.lock();
             (cat.scrub_batch(after, max_blocks.max(1)), cat.visible_blocks() as u64, cat.newest_sequence())
@@ -228,7 +228,7 @@ impl Store {
         batch: &mut VerifyBatch,
         meta: &mut Vec<MetaWrite>,
     ) -> bool {
-        let sh = self.shared();
+        let sh = self.state();
         let Some(target) = sh.catalog.lock().scrub_pin(key, sequence) else { return false };
         let bad_dram = self.check_dram_copy(&target, batch);
         let bad_nvme = self.check_nvme_copy(&target, staging, batch);
@@ -263,7 +263,7 @@ impl Store {
     /// Checks the pinned block's DRAM copy, if it has a resident one: its slot and what is wrong
     /// with it when it is bad.
     fn check_dram_copy(&self, target: &ScrubTarget, batch: &mut VerifyBatch) -> Option<(u32, String)> {
-        let sh = self.shared();
+        let sh = self.state();
         let Some(slot) = target.dram else {
             if target.nvme.is_none() {
                 batch.skipped_busy += 1;
@@ -287,7 +287,7 @@ impl Store {
         staging: &mut AlignedBuf,
         batch: &mut VerifyBatch,
     ) -> Option<(NvmeLoc, String)> {
-        let sh = self.shared();
+        let sh = self.state();
         let (Some(loc), Some(geometry)) = (target.nvme, sh.geometry) else { return None };
         let slot_bytes = sh.arena.slot_bytes();
         debug_assert_eq!(staging.as_slice().len(), slot_bytes, "the staging buffer holds one slot");
@@ -323,7 +323,7 @@ impl Store {
     pub fn verify_shared_batch(&self, after: u64, max_blocks: usize, max_bytes_per_s: u64) -> Result<VerifyBatch> {
         self.check_open()?;
         let pace = Pace::new(max_bytes_per_s)?;
-        let sh = self.shared();
+        let sh = self.state();
         let Some(tier) = sh.remote.shared_fs() else {
             return Ok(VerifyBatch { next_after: after, done: true, ..VerifyBatch::default() });
         };
@@ -365,7 +365,7 @@ impl Store {
     /// filled, loaded, or written to NVMe). Freed NVMe regions get their trailers zeroed on disk.
     pub fn trim(&self, request: TrimRequest) -> Result<TrimCounts> {
         self.check_open()?;
-        let sh = self.shared();
+        let sh = self.state();
         let mut meta = Vec::new();
         let mut freed = Vec::new();
         let counts = {
@@ -412,14 +412,14 @@ impl Store {
 
     /// Block counts and dates, for `kvtier inspect`.
     pub fn namespace_facts(&self) -> NamespaceFacts {
-        let cat = self.shared().catalog.lock();
+        let cat = self.state().catalog.lock();
         let mut facts = NamespaceFacts {
             visible_blocks: cat.visible_blocks() as u64,
             opened_unix_ms: cat.timeline.opened_unix_ms(),
             write_backlog_bytes: cat.write_backlog_bytes() as u64,
             ..NamespaceFacts::default()
         };
-        if let Some(tier) = self.shared().remote.shared_fs() {
+        if let Some(tier) = self.state().remote.shared_fs() {
             facts.shared_index_age_ms = Some(tier.index_age_ms());
             let usage = tier.usage();
             facts.shared_used_bytes = usage.used_bytes;

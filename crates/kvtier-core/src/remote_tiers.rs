@@ -16,7 +16,7 @@ use crate::format::encrypted::ValueCipher;
 use crate::key::{BlockKey, Namespace};
 use crate::stats::Stats;
 use crate::tiers::health::{Admit, Change, Health, Observed};
-use crate::tiers::object::ObjectTier;
+use crate::tiers::object::BucketTier;
 use crate::tiers::remote::{PublishSink, Publisher, ReadOutcome, ReadRequest, Refetch, RemoteTier, StartedRead};
 use crate::tiers::shared::SharedTier;
 use parking_lot::Mutex;
@@ -133,7 +133,7 @@ impl RemoteTiers {
             tiers.push(Remote::start(tier, named, config, config.write_budget_shared_bytes_per_day)?);
         }
         if let Some(c) = &config.bucket {
-            let tier = ObjectTier::open(c, namespace, config.object_bytes, Arc::clone(stats))?;
+            let tier = BucketTier::open(c, namespace, config.object_bytes, Arc::clone(stats))?;
             if let Some(cipher) = cipher {
                 tier.encrypt_with(Arc::clone(cipher));
             }

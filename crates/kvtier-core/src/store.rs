@@ -12,8 +12,8 @@ use crate::mover::{
     abort_puts, commit_puts, execute_get, execute_get_pinned, execute_put, execute_read_ahead, persist_reused,
     reserve_puts, wait_for_put_room, BlockBuffer, Reservation,
 };
-use crate::shared_state::Shared;
 use crate::stats::{Stats, StatsSnapshot};
+use crate::store_state::StoreState;
 use crossbeam_channel::{Sender, TrySendError};
 use parking_lot::Mutex;
 use std::fs::File;
@@ -69,7 +69,7 @@ pub struct StoreStats {
 pub const ENCRYPTION_KEY_FILE_ENV: &str = "KVTIER_ENCRYPTION_KEY_FILE";
 
 pub struct Store {
-    shared: Arc<Shared>,
+    state: Arc<StoreState>,
     load_tx: Mutex<Option<Sender<Job>>>,
     store_tx: Mutex<Option<Sender<Job>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
@@ -83,8 +83,8 @@ pub struct Store {
 
 impl Store {
     /// The store's internals, for `maintenance` (verify, trim, inspect).
-    pub(crate) fn shared(&self) -> &Arc<Shared> {
-        &self.shared
+    pub(crate) fn state(&self) -> &Arc<StoreState> {
+        &self.state
     }
 
     pub(crate) fn check_open(&self) -> Result<()> {
@@ -96,11 +96,11 @@ impl Store {
     }
 
     pub fn object_bytes(&self) -> usize {
-        self.shared.config.object_bytes
+        self.state.config.object_bytes
     }
 
     pub fn namespace(&self) -> Namespace {
-        self.shared.namespace
+        self.state.namespace
     }
 
     fn check_buffers(&self, keys: usize, buffers: &[BlockBuffer]) -> Result<()> {
@@ -142,7 +142,7 @@ impl Store {
     pub unsafe fn put_raw(&self, keys: &[BlockKey], buffers: &[BlockBuffer]) -> Result<Vec<bool>> {
         self.check_open()?;
         self.check_buffers(keys.len(), buffers)?;
-        let stored = execute_put(&self.shared, keys, buffers);
+        let stored = execute_put(&self.state, keys, buffers);
         assert_eq!(stored.len(), keys.len(), "one answer per key, in the caller's order");
         Ok(stored)
     }
@@ -152,7 +152,7 @@ impl Store {
     pub unsafe fn get_raw(&self, keys: &[BlockKey], buffers: &[BlockBuffer]) -> Result<Vec<bool>> {
         self.check_open()?;
         self.check_buffers(keys.len(), buffers)?;
-        let found = execute_get(&self.shared, keys, Some(buffers));
+        let found = execute_get(&self.state, keys, Some(buffers));
         assert_eq!(found.len(), keys.len(), "one answer per key, in the caller's order");
         Ok(found)
     }
@@ -167,29 +167,29 @@ impl Store {
         self.check_buffers(job.keys.len(), &job.buffers)?;
         match job.kind {
             JobKind::Get => {
-                self.shared.loads_active.fetch_add(1, Ordering::AcqRel);
+                self.state.loads_active.fetch_add(1, Ordering::AcqRel);
                 let sent = self.load_tx.lock().as_ref().is_some_and(|tx| tx.send(job).is_ok());
                 if !sent {
-                    self.shared.job_done(&self.shared.loads_active);
+                    self.state.job_done(&self.state.loads_active);
                     return Err(Error::Closed);
                 }
             }
             JobKind::Put => {
-                self.shared.stores_active.fetch_add(1, Ordering::AcqRel);
+                self.state.stores_active.fetch_add(1, Ordering::AcqRel);
                 let tx = self.store_tx.lock();
                 let Some(tx) = tx.as_ref() else {
-                    self.shared.job_done(&self.shared.stores_active);
+                    self.state.job_done(&self.state.stores_active);
                     return Err(Error::Closed);
                 };
                 match tx.try_send(job) {
                     Ok(()) => {}
                     Err(TrySendError::Full(job)) => {
-                        self.shared.job_done(&self.shared.stores_active);
-                        Stats::add(&self.shared.stats.dropped_stores, job.keys.len() as u64);
-                        finish_job(&self.shared, job.id, vec![false; job.keys.len()]);
+                        self.state.job_done(&self.state.stores_active);
+                        Stats::add(&self.state.stats.dropped_stores, job.keys.len() as u64);
+                        finish_job(&self.state, job.id, vec![false; job.keys.len()]);
                     }
                     Err(TrySendError::Disconnected(_)) => {
-                        self.shared.job_done(&self.shared.stores_active);
+                        self.state.job_done(&self.state.stores_active);
                         return Err(Error::Closed);
                     }
                 }
@@ -200,20 +200,20 @@ impl Store {
 
     /// Jobs finished since the last poll.
     pub fn poll(&self) -> Vec<(u64, Vec<bool>)> {
-        self.shared.finished.lock().drain().collect()
+        self.state.finished.lock().drain().collect()
     }
 
     /// Waits for one job; `None` timeout waits without limit.
     pub fn wait(&self, job_id: u64, timeout: Option<Duration>) -> Result<Vec<bool>> {
         let deadline = timeout.map(|t| Instant::now() + t);
-        let mut finished = self.shared.finished.lock();
+        let mut finished = self.state.finished.lock();
         loop {
             if let Some(r) = finished.remove(&job_id) {
                 return Ok(r);
             }
             match deadline {
                 Some(d) => {
-                    if self.shared.finished_cv.wait_until(&mut finished, d).timed_out() {
+                    if self.state.finished_cv.wait_until(&mut finished, d).timed_out() {
                         if let Some(r) = finished.remove(&job_id) {
                             return Ok(r);
                         }
@@ -223,26 +223,26 @@ impl Store {
                         });
                     }
                 }
-                None => self.shared.finished_cv.wait(&mut finished),
+                None => self.state.finished_cv.wait(&mut finished),
             }
         }
     }
 
     /// Leading keys present in DRAM, NVMe or the shared index (and offered: see `locate_many`).
     pub fn lookup_prefix(&self, keys: &[BlockKey]) -> usize {
-        let cat = self.shared.catalog.lock();
+        let cat = self.state.catalog.lock();
         keys.iter().take_while(|k| self.offered_tier(&cat, k).is_some()).count()
     }
 
     pub fn contains_many(&self, keys: &[BlockKey]) -> Vec<bool> {
-        let cat = self.shared.catalog.lock();
+        let cat = self.state.catalog.lock();
         keys.iter().map(|k| self.offered_tier(&cat, k).is_some()).collect()
     }
 
     /// The tier each block would be served from (memory only, no I/O). A block only a sick tier
     /// holds (NVMe or remote, in its back-off) is not offered: a counted miss the engine recomputes.
     pub fn locate_many(&self, keys: &[BlockKey]) -> Vec<Option<crate::catalog::Tier>> {
-        let cat = self.shared.catalog.lock();
+        let cat = self.state.catalog.lock();
         keys.iter().map(|k| self.offered_tier(&cat, k)).collect()
     }
 
@@ -250,8 +250,8 @@ impl Store {
     fn offered_tier(&self, cat: &Catalog, key: &BlockKey) -> Option<crate::catalog::Tier> {
         use crate::catalog::Tier;
         match cat.locate(key) {
-            Some(Tier::Nvme) if !self.shared.nvme_health.offered() => None,
-            None => self.shared.remote.locate(key),
+            Some(Tier::Nvme) if !self.state.nvme_health.offered() => None,
+            None => self.state.remote.locate(key),
             tier => tier,
         }
     }
@@ -261,7 +261,7 @@ impl Store {
     /// pinned against another node's evictor (its load may be a clean miss); there is nothing to
     /// release, and unpinning it would take away a pin that another request holds.
     pub fn pin_prefix(&self, keys: &[BlockKey]) -> Vec<bool> {
-        let mut cat = self.shared.catalog.lock();
+        let mut cat = self.state.catalog.lock();
         let mut pinned = Vec::with_capacity(keys.len());
         for key in keys {
             match self.offered_tier(&cat, key) {
@@ -276,19 +276,19 @@ impl Store {
         }
         debug_assert!(pinned.len() <= keys.len(), "a flag per leading present key");
         drop(cat);
-        persist_reused(&self.shared);
+        persist_reused(&self.state);
         pinned
     }
 
     pub fn unpin(&self, keys: &[BlockKey]) {
-        self.shared.catalog.lock().unpin(keys);
-        self.shared.changed.notify_all();
+        self.state.catalog.lock().unpin(keys);
+        self.state.changed.notify_all();
     }
 
     /// Releases the slots `acquire` handed out (their copies are done).
     pub fn release(&self, keys: &[BlockKey]) {
-        self.shared.catalog.lock().release_readers(keys);
-        self.shared.changed.notify_all();
+        self.state.catalog.lock().release_readers(keys);
+        self.state.changed.notify_all();
     }
 
     /// Waits until every accepted store (queued jobs included) is on NVMe, then syncs the files.
@@ -300,7 +300,7 @@ impl Store {
     /// `remote`: also waits for the remote tiers' publishers to send what they hold (`close` does
     /// not: `close_remote_tiers` publishes it, within a bound a frozen mount cannot stretch).
     fn flush_inner(&self, remote: bool) -> Result<()> {
-        let sh = &self.shared;
+        let sh = &self.state;
         let limit = Duration::from_secs(120);
         let deadline = Instant::now() + limit;
         if !sh.wait_idle(&sh.stores_active, deadline) {
@@ -331,7 +331,7 @@ impl Store {
     /// (stores with an NVMe tier: without one nothing survives a restart to be dated). `flush` and
     /// `close` call it; so does the host service, every few seconds.
     pub fn save_timeline(&self) -> Result<()> {
-        let sh = &self.shared;
+        let sh = &self.state;
         let Some(dir) = sh.device_files.first().and_then(|d| d.path.parent()) else { return Ok(()) };
         let Some(points) = sh.catalog.lock().timeline.take_unsaved() else { return Ok(()) };
         crate::namespace_dir::write_timeline(dir, &points).inspect_err(|_| sh.catalog.lock().timeline.mark_unsaved())
@@ -344,22 +344,22 @@ impl Store {
         }
         // One deadline for what the remote tiers still send, the last flush's included: a frozen
         // bucket must not hold a close (and the service's lock of its namespace) request by request.
-        self.shared.remote.closing();
+        self.state.remote.closing();
         self.load_tx.lock().take();
         self.store_tx.lock().take();
         for t in self.threads.lock().drain(..) {
             let _ = t.join();
         }
         let flushed = self.flush_inner(false);
-        let remote_closed = close_remote_tiers(&self.shared);
-        for d in &self.shared.devices {
+        let remote_closed = close_remote_tiers(&self.state);
+        for d in &self.state.devices {
             d.shutdown();
         }
         self.wait_for_given_up_reads();
         if !remote_closed {
             // Its reads may still land in DRAM slots, and its thread holds the store's state.
-            self.shared.arena.keep_mapped();
-            self.shared.arena.remove_file();
+            self.state.arena.keep_mapped();
+            self.state.arena.remove_file();
         }
         self.locks.lock().clear();
         flushed
@@ -369,28 +369,28 @@ impl Store {
     /// finished when its queue shut down; an object GET ends within its request timeout. One that
     /// outlives that leaves the pool mapped for good rather than let it write into other memory.
     fn wait_for_given_up_reads(&self) {
-        let timeout_ms = self.shared.config.bucket.as_ref().map_or(0, |b| b.request_timeout_ms);
+        let timeout_ms = self.state.config.bucket.as_ref().map_or(0, |b| b.request_timeout_ms);
         let deadline = Instant::now() + Duration::from_millis(timeout_ms) + Duration::from_secs(1);
-        if !self.shared.late_reads.wait_outstanding(deadline) {
+        if !self.state.late_reads.wait_outstanding(deadline) {
             log::error!("kvtier: remote reads given up by loads still run at close; the DRAM pool stays mapped");
-            self.shared.arena.keep_mapped();
+            self.state.arena.keep_mapped();
         }
     }
 
     pub fn stats(&self) -> StoreStats {
-        let mut gauges = self.shared.catalog.lock().gauges();
-        if let Some((bytes_per_day, left_bytes)) = self.shared.admission.nvme_budget() {
+        let mut gauges = self.state.catalog.lock().gauges();
+        if let Some((bytes_per_day, left_bytes)) = self.state.admission.nvme_budget() {
             gauges.nvme_write_budget_bytes_per_day = bytes_per_day;
             gauges.nvme_write_budget_left_bytes = left_bytes;
         }
         StoreStats {
-            counters: self.shared.stats.snapshot(),
+            counters: self.state.stats.snapshot(),
             gauges,
             io_engine: self.io_engine,
             direct_io: self.direct_io,
             buffers_registered: self.buffers_registered,
-            huge_pages: self.shared.arena.huge_pages(),
-            namespace_hex: self.shared.namespace.hex(),
+            huge_pages: self.state.arena.huge_pages(),
+            namespace_hex: self.state.namespace.hex(),
             tenant_fields: self.tenant_fields(),
         }
     }
@@ -399,13 +399,13 @@ impl Store {
     /// `tenant_dram_evictions`, each `:<tenant label>`, and `untracked_tenant_blocks`; nothing when
     /// the pool is not split.
     fn tenant_fields(&self) -> Vec<(String, u64)> {
-        let cat = self.shared.catalog.lock();
+        let cat = self.state.catalog.lock();
         let (gauges, untracked) = cat.tenant_gauges();
         drop(cat);
-        if !self.shared.config.tenant_shares().is_ok_and(|shares| shares.enabled()) {
+        if !self.state.config.tenant_shares().is_ok_and(|shares| shares.enabled()) {
             return Vec::new();
         }
-        let slot_bytes = self.shared.arena.slot_bytes() as u64;
+        let slot_bytes = self.state.arena.slot_bytes() as u64;
         let mut fields = vec![("untracked_tenant_blocks".to_string(), untracked)];
         for g in gauges {
             fields.push((format!("tenant_dram_bytes:{}", g.label), g.resident_slots * slot_bytes));
@@ -418,14 +418,14 @@ impl Store {
     /// The blocks `keys` are `tenant`'s (a request's `cache_salt`, `crate::tenant`): charged to its
     /// share of the DRAM pool, now if resident, else when they arrive (`Catalog::assign_tenant`).
     pub fn assign_tenant(&self, keys: &[BlockKey], tenant: &crate::tenant::TenantId) {
-        self.shared.catalog.lock().assign_tenant(keys, tenant);
+        self.state.catalog.lock().assign_tenant(keys, tenant);
     }
 
     // ---- Split puts and gets: slots filled and read by other processes through the shared pool ----
 
     /// Where the DRAM pool lives when it is shared (`pool_path`): the file and its slot geometry.
     pub fn pool(&self) -> Option<PoolLayout> {
-        let arena = &self.shared.arena;
+        let arena = &self.state.arena;
         arena.file().map(|path| PoolLayout {
             path: path.to_path_buf(),
             pool_bytes: arena.mapped_bytes(),
@@ -440,58 +440,58 @@ impl Store {
     /// its final drops with `count_dropped_stores`). Commit or abort every `Fill`.
     pub fn try_reserve_puts(&self, keys: &[BlockKey]) -> Result<Vec<Reservation>> {
         self.check_open()?;
-        Ok(reserve_puts(&self.shared, keys))
+        Ok(reserve_puts(&self.state, keys))
     }
 
     /// Counts stores given up (`dropped_stores`).
     pub fn count_dropped_stores(&self, blocks: u64) {
-        Stats::add(&self.shared.stats.dropped_stores, blocks);
+        Stats::add(&self.state.stats.dropped_stores, blocks);
     }
 
     /// How long a put may wait for room (`slot_wait_ms`).
     pub fn slot_wait_ms(&self) -> u64 {
-        self.shared.config.slot_wait_ms
+        self.state.config.slot_wait_ms
     }
 
     /// Waits until the NVMe write backlog admits a put; `false` if it did not by `deadline`. Call it
     /// before `try_reserve_puts` without holding anything the writers need.
     pub fn wait_for_put_room_until(&self, deadline: Instant) -> bool {
-        wait_for_put_room(&self.shared, deadline)
+        wait_for_put_room(&self.state, deadline)
     }
 
     /// The reserved slots' values are complete: (key, slot, sequence) of each `Fill`.
     pub fn commit_puts(&self, fills: &[(BlockKey, u32, u64)]) -> Result<()> {
         self.check_open()?;
-        commit_puts(&self.shared, fills);
+        commit_puts(&self.state, fills);
         Ok(())
     }
 
     /// Reserved slots that will not be filled (their writers gave up or died): (key, slot).
     pub fn abort_puts(&self, fills: &[(BlockKey, u32)]) {
-        abort_puts(&self.shared, fills);
+        abort_puts(&self.state, fills);
     }
 
     /// Reserved fills given up while their writers may still copy into the slots (counted as dropped
     /// stores): the blocks and their share of the write backlog go now, the slots stay out of use
     /// until `free_abandoned_slots`.
     pub fn abandon_puts(&self, fills: &[(BlockKey, u32)]) {
-        let mut cat = self.shared.catalog.lock();
+        let mut cat = self.state.catalog.lock();
         for (key, slot) in fills {
             cat.abandon_put(key, *slot);
         }
         drop(cat);
-        Stats::add(&self.shared.stats.dropped_stores, fills.len() as u64);
-        self.shared.changed.notify_all();
+        Stats::add(&self.state.stats.dropped_stores, fills.len() as u64);
+        self.state.changed.notify_all();
     }
 
     /// Abandoned slots (`abandon_puts`) no writer can copy into any more.
     pub fn free_abandoned_slots(&self, slots: &[u32]) {
-        let mut cat = self.shared.catalog.lock();
+        let mut cat = self.state.catalog.lock();
         for &slot in slots {
             cat.free_abandoned_slot(slot);
         }
         drop(cat);
-        self.shared.changed.notify_all();
+        self.state.changed.notify_all();
     }
 
     /// Reads blocks ahead of their load: those on NVMe, in the shared or the object tier are read into
@@ -514,10 +514,10 @@ impl Store {
     fn load_on_this_thread<T>(
         &self,
         keys: &[BlockKey],
-        load: impl FnOnce(&Arc<Shared>, &[BlockKey]) -> Vec<T>,
+        load: impl FnOnce(&Arc<StoreState>, &[BlockKey]) -> Vec<T>,
     ) -> Result<Vec<T>> {
         self.check_open()?;
-        let sh = &self.shared;
+        let sh = &self.state;
         sh.loads_active.fetch_add(1, Ordering::AcqRel);
         let answers = load(sh, keys);
         sh.job_done(&sh.loads_active);
@@ -527,7 +527,7 @@ impl Store {
 
     /// Checks the catalog's internal invariants (for tests).
     pub fn check_invariants(&self) {
-        self.shared.catalog.lock().check_invariants();
+        self.state.catalog.lock().check_invariants();
     }
 }
 
@@ -539,7 +539,7 @@ impl Drop for Store {
     }
 }
 
-fn finish_job(sh: &Shared, id: u64, results: Vec<bool>) {
+fn finish_job(sh: &StoreState, id: u64, results: Vec<bool>) {
     sh.finished.lock().insert(id, results);
     sh.finished_cv.notify_all();
 }
@@ -566,14 +566,14 @@ const REMOTE_CLOSE_WAIT: Duration = Duration::from_secs(5);
 /// they did not close in time; that thread goes on alone (holding the store's state: the catalog and
 /// the DRAM pool are never freed, as a read may still land in a slot), and what it had not published
 /// is lost, as a cache may lose it.
-fn close_remote_tiers(shared: &Arc<Shared>) -> bool {
-    if !shared.remote.any() {
+fn close_remote_tiers(state: &Arc<StoreState>) -> bool {
+    if !state.remote.any() {
         return true;
     }
-    let bucket_timeout = shared.config.bucket.as_ref().map_or(0, |b| b.request_timeout_ms);
+    let bucket_timeout = state.config.bucket.as_ref().map_or(0, |b| b.request_timeout_ms);
     let limit = REMOTE_CLOSE_WAIT.max(Duration::from_millis(bucket_timeout) + Duration::from_secs(1));
     let (done_tx, done_rx) = crossbeam_channel::bounded::<()>(1);
-    let closing = Arc::clone(shared);
+    let closing = Arc::clone(state);
     let spawned = std::thread::Builder::new().name("kvtier-remote-close".into()).spawn(move || {
         closing.remote.close();
         // Let go of the store's state before saying so: once `close` returns, nothing of ours may
@@ -582,7 +582,7 @@ fn close_remote_tiers(shared: &Arc<Shared>) -> bool {
         let _ = done_tx.send(());
     });
     if spawned.is_err() {
-        shared.remote.close(); // no thread to be had: wait, as before
+        state.remote.close(); // no thread to be had: wait, as before
         return true;
     }
     if done_rx.recv_timeout(limit).is_ok() {

@@ -30,12 +30,12 @@ impl Store {
         max_remote: usize,
         remote_generation: Option<RemoteGeneration>,
     ) -> ResidencyUpdate {
-        let shared = self.shared();
-        let local = shared.catalog.lock().residency_changes(full, cap);
+        let state = self.state();
+        let local = state.catalog.lock().residency_changes(full, cap);
         // Generations first, keys after: a change in between is read again next time, never missed.
-        let now = shared.remote.generation();
+        let now = state.remote.generation();
         let unchanged = !full && remote_generation == Some(now);
-        let remote = (!unchanged).then(|| shared.remote.indexed_keys(max_remote));
+        let remote = (!unchanged).then(|| state.remote.indexed_keys(max_remote));
         ResidencyUpdate { local, remote, remote_generation: Some(now) }
     }
 }

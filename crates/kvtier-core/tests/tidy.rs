@@ -620,7 +620,7 @@ mod checker {
             ("tiers/object/mod.rs", "use super::shared::ReadOutcome;\nmod access;\n"),
             ("tiers/object/access.rs", "use super::format::X;\nfn f() { super::super::shared::g() }\n"),
             ("tiers/nvme.rs", "use super::dram::Arena;\n#[cfg(test)]\nmod tests { use crate::tiers::object::T; }\n"),
-            ("store.rs", "use crate::tiers::{object::ObjectTier, shared::SharedTier};\n"),
+            ("store.rs", "use crate::tiers::{object::BucketTier, shared::SharedTier};\n"),
         ]);
         let graph = tiers_graph(&files);
         assert!(!graph.contains_key("mod") && !graph.contains_key("store"), "{graph:?}");

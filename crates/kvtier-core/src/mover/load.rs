@@ -20,8 +20,8 @@ use crate::io::device::{IoOp, OnDone};
 use crate::io::OpKind;
 use crate::key::BlockKey;
 use crate::remote_tiers::RemoteRead;
-use crate::shared_state::Shared;
 use crate::stats::Stats;
+use crate::store_state::StoreState;
 use crate::tiers::health::Admit;
 use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
 use std::collections::HashSet;
@@ -39,7 +39,7 @@ const MAX_STAGED_READS: usize = 4;
 
 /// Loads blocks: into the caller's buffers (`Some`), or only into DRAM slots (`None`: promoting them
 /// for engine workers that copy out of the shared pool themselves).
-pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: Option<&[BlockBuffer]>) -> Vec<bool> {
+pub(crate) fn execute_get(sh: &Arc<StoreState>, keys: &[BlockKey], bufs: Option<&[BlockBuffer]>) -> Vec<bool> {
     let found = Load::new(sh, keys, bufs, None).run();
     super::persist_reused(sh);
     found
@@ -48,7 +48,7 @@ pub(crate) fn execute_get(sh: &Arc<Shared>, keys: &[BlockKey], bufs: Option<&[Bl
 /// Makes blocks resident in DRAM and pins each one found, in the same catalog critical section that
 /// finishes its load (a store elsewhere could otherwise evict it in between): per key its pinned
 /// slot, or `None` for a miss. The caller unpins each slot it got.
-pub(crate) fn execute_get_pinned(sh: &Arc<Shared>, keys: &[BlockKey]) -> Vec<Option<u32>> {
+pub(crate) fn execute_get_pinned(sh: &Arc<StoreState>, keys: &[BlockKey]) -> Vec<Option<u32>> {
     let mut pinned = vec![None; keys.len()];
     Load::new(sh, keys, None, Some(&mut pinned)).run();
     super::persist_reused(sh);
@@ -56,10 +56,10 @@ pub(crate) fn execute_get_pinned(sh: &Arc<Shared>, keys: &[BlockKey]) -> Vec<Opt
 }
 
 /// Reads blocks into DRAM ahead of their load (`Store::read_ahead`): a read counts at its tier and is
-/// recorded in `Shared::read_ahead`; a block already in DRAM, or missing, counts nothing. The blocks
+/// recorded in `StoreState::read_ahead`; a block already in DRAM, or missing, counts nothing. The blocks
 /// are pinned while the call reads, as an acquire's are, so that its later reads cannot evict its
 /// first blocks, and released before it returns.
-pub(crate) fn execute_read_ahead(sh: &Arc<Shared>, keys: &[BlockKey]) -> Vec<bool> {
+pub(crate) fn execute_read_ahead(sh: &Arc<StoreState>, keys: &[BlockKey]) -> Vec<bool> {
     let mut pinned = vec![None; keys.len()];
     Load { read_ahead: true, ..Load::new(sh, keys, None, Some(&mut pinned)) }.run();
     super::persist_reused(sh);
@@ -147,7 +147,7 @@ impl Round {
 
 /// One call's load, between rounds.
 struct Load<'a> {
-    sh: &'a Arc<Shared>,
+    sh: &'a Arc<StoreState>,
     keys: &'a [BlockKey],
     bufs: Option<&'a [BlockBuffer]>,
     /// Per key, the slot pinned for the caller (`execute_get_pinned`).
@@ -189,7 +189,7 @@ struct Load<'a> {
 
 impl<'a> Load<'a> {
     fn new(
-        sh: &'a Arc<Shared>,
+        sh: &'a Arc<StoreState>,
         keys: &'a [BlockKey],
         bufs: Option<&'a [BlockBuffer]>,
         pinned: Option<&'a mut [Option<u32>]>,
@@ -612,6 +612,6 @@ impl<'a> Load<'a> {
 /// Reads a round waits for: a remote tier's run of adjacent blocks (the object tier's
 /// `bucket_get_max_bytes`), at most a quarter of the load's reads in flight so that NVMe reads
 /// beside it keep their depth.
-fn min_round(sh: &Shared, max_reads_in_flight: usize) -> usize {
+fn min_round(sh: &StoreState, max_reads_in_flight: usize) -> usize {
     sh.remote.blocks_per_request().min(max_reads_in_flight / 4).max(1)
 }

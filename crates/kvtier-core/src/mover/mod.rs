@@ -16,8 +16,8 @@ use crate::io::buffer::AlignedBuf;
 use crate::io::device::{is_abandoned, is_cancelled, IoOp};
 use crate::io::OpKind;
 use crate::key::BlockKey;
-use crate::shared_state::Shared;
 use crate::stats::Stats;
+use crate::store_state::StoreState;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -63,12 +63,12 @@ impl BlockBuffer {
 /// # Safety
 /// The catalog has handed `slot` to the caller (Filling, Loading, or Resident and pinned or being
 /// written) and nothing writes into it while the slice lives: no read is in flight into it.
-unsafe fn slot_ref(sh: &Shared, slot: u32) -> &[u8] {
+unsafe fn slot_ref(sh: &StoreState, slot: u32) -> &[u8] {
     std::slice::from_raw_parts(sh.arena.slot_ptr(slot), sh.arena.slot_bytes())
 }
 
-/// A slot's bytes, to write. Takes the slot's pointer, not `&Shared`, so that the exclusive borrow
-/// it creates is visibly the caller's claim, not something `&Shared` grants.
+/// A slot's bytes, to write. Takes the slot's pointer, not `&StoreState`, so that the exclusive borrow
+/// it creates is visibly the caller's claim, not something `&StoreState` grants.
 ///
 /// # Safety
 /// The catalog has handed `slot` to the caller alone (Filling or Loading), no I/O is in flight on
@@ -98,7 +98,7 @@ fn for_each_chunk(buf: &BlockBuffer, mut visit: impl FnMut(*mut u8, usize, usize
 /// Copies a value being stored into its slot and hashes it in the same pass: each cache-sized chunk
 /// is hashed right after it is copied, while it is still in cache, instead of reading the whole
 /// value back from memory (a store runs beside the engine's compute; memory traffic is what it costs).
-fn copy_in_and_checksum(sh: &Shared, slot: u32, buf: &BlockBuffer) -> u64 {
+fn copy_in_and_checksum(sh: &StoreState, slot: u32, buf: &BlockBuffer) -> u64 {
     // SAFETY: the slot is ours (Filling) and the caller's segments are valid for reading
     // (submission contract); the slot's value area holds object_bytes = the segments' total.
     let value = unsafe {
@@ -115,7 +115,7 @@ fn copy_in_and_checksum(sh: &Shared, slot: u32, buf: &BlockBuffer) -> u64 {
     std::hash::Hasher::finish(&hasher)
 }
 
-pub(crate) fn execute_put(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuffer]) -> Vec<bool> {
+pub(crate) fn execute_put(sh: &Arc<StoreState>, keys: &[BlockKey], bufs: &[BlockBuffer]) -> Vec<bool> {
     let n = keys.len();
     let mut results = vec![false; n];
     let batch_max = (sh.arena.slot_count() / 4).clamp(1, 64);
@@ -165,7 +165,7 @@ pub(crate) fn execute_put(sh: &Arc<Shared>, keys: &[BlockKey], bufs: &[BlockBuff
 /// Copies a DRAM-resident block into `out` as its slot holds it (descriptor page + value), for the
 /// shared publisher's backlog; `false` when the block is no longer in DRAM. The descriptor is built
 /// from the catalog, not copied: an NVMe write may be stamping the slot's own descriptor page.
-pub(crate) fn copy_resident_block(sh: &Shared, key: &BlockKey, out: &mut [u8]) -> bool {
+pub(crate) fn copy_resident_block(sh: &StoreState, key: &BlockKey, out: &mut [u8]) -> bool {
     let object_bytes = sh.config.object_bytes;
     assert!(out.len() >= DESCRIPTOR_BYTES + object_bytes, "a publish buffer holds a whole slot");
     let Some(block) = sh.catalog.lock().pin_resident_for_copy(key) else { return false };
@@ -198,7 +198,7 @@ pub(crate) struct Filled {
 
 /// Makes filled slots blocks: descriptor, remote-tier offer, visible in the catalog, NVMe write (the
 /// last two below DRAM as `admission` decides), then writes the blocks reused meanwhile.
-fn complete_fills(sh: &Arc<Shared>, filled: &[Filled]) {
+fn complete_fills(sh: &Arc<StoreState>, filled: &[Filled]) {
     let verdicts: Vec<(Persist, bool)> = filled.iter().map(|f| admit_store(sh, &f.key)).collect();
     for (f, &(_, offer_now)) in filled.iter().zip(&verdicts) {
         // SAFETY: the slot is ours (Filling) and no I/O touches it until finish_put.
@@ -241,7 +241,7 @@ fn complete_fills(sh: &Arc<Shared>, filled: &[Filled]) {
 /// What a block just stored does below DRAM, by evidence of reuse (`admission`, per tier) and the
 /// NVMe tier's write budget (the remote tiers check theirs as they take the offer): the NVMe part,
 /// and whether the remote tiers are offered it now.
-fn admit_store(sh: &Shared, key: &BlockKey) -> (Persist, bool) {
+fn admit_store(sh: &StoreState, key: &BlockKey) -> (Persist, bool) {
     let verdict = sh.admission.admits_store(key);
     let has_nvme = sh.geometry.is_some();
     if (has_nvme && !verdict.nvme) || (sh.remote.any() && !verdict.remote) {
@@ -251,7 +251,7 @@ fn admit_store(sh: &Shared, key: &BlockKey) -> (Persist, bool) {
     (nvme, verdict.remote)
 }
 
-fn nvme_budget_allows(sh: &Shared) -> Persist {
+fn nvme_budget_allows(sh: &StoreState) -> Persist {
     if sh.geometry.is_none() || sh.admission.take_nvme_budget(sh.arena.slot_bytes() as u64) {
         return Persist::Now;
     }
@@ -263,7 +263,7 @@ fn nvme_budget_allows(sh: &Shared) -> Persist {
 /// pin, a second store) to those tiers: offered to the remote tiers, and written to NVMe within its
 /// write budget and backlog. Called after each put, pin and load; cheap when nothing was reused, and
 /// free (no lock) when every tier admits every store.
-pub(crate) fn persist_reused(sh: &Arc<Shared>) {
+pub(crate) fn persist_reused(sh: &Arc<StoreState>) {
     if !sh.admission.awaits_reuse() {
         return;
     }
@@ -312,7 +312,7 @@ pub enum Reservation {
 
 /// Waits until the NVMe write backlog admits a put, as a local put does; `false` if it did not by
 /// `deadline`.
-pub(crate) fn wait_for_put_room(sh: &Shared, deadline: Instant) -> bool {
+pub(crate) fn wait_for_put_room(sh: &StoreState, deadline: Instant) -> bool {
     let mut cat = sh.catalog.lock();
     while !cat.has_put_room() {
         if cat.wait_until(&sh.changed, deadline).timed_out() {
@@ -324,7 +324,7 @@ pub(crate) fn wait_for_put_room(sh: &Shared, deadline: Instant) -> bool {
 
 /// Reserves DRAM slots for blocks that other processes fill through the shared pool. Never waits:
 /// a block with no slot now is `Dropped` (not counted: the caller may wait and try again).
-pub(crate) fn reserve_puts(sh: &Shared, keys: &[BlockKey]) -> Vec<Reservation> {
+pub(crate) fn reserve_puts(sh: &StoreState, keys: &[BlockKey]) -> Vec<Reservation> {
     let mut cat = sh.catalog.lock();
     keys.iter()
         .map(|key| match cat.plan_put(key) {
@@ -337,7 +337,7 @@ pub(crate) fn reserve_puts(sh: &Shared, keys: &[BlockKey]) -> Vec<Reservation> {
 
 /// The reserved slots were filled: checksums their values (the writers are other processes, so the
 /// checksum is taken here, after the last of them finished) and stores the blocks.
-pub(crate) fn commit_puts(sh: &Arc<Shared>, fills: &[(BlockKey, u32, u64)]) {
+pub(crate) fn commit_puts(sh: &Arc<StoreState>, fills: &[(BlockKey, u32, u64)]) {
     let object_bytes = sh.config.object_bytes;
     let values: Vec<&[u8]> = fills
         .iter()
@@ -385,7 +385,7 @@ fn checksums(values: &[&[u8]]) -> Vec<u64> {
 }
 
 /// Gives reserved slots back unfilled.
-pub(crate) fn abort_puts(sh: &Shared, fills: &[(BlockKey, u32)]) {
+pub(crate) fn abort_puts(sh: &StoreState, fills: &[(BlockKey, u32)]) {
     let mut cat = sh.catalog.lock();
     for (key, slot) in fills {
         cat.abort_put(key, *slot);
@@ -395,7 +395,7 @@ pub(crate) fn abort_puts(sh: &Shared, fills: &[(BlockKey, u32)]) {
     sh.changed.notify_all();
 }
 
-fn submit_entry_write(sh: &Arc<Shared>, key: BlockKey, plan: WritePlan) {
+fn submit_entry_write(sh: &Arc<StoreState>, key: BlockKey, plan: WritePlan) {
     // The descriptor on disk records the region generation, which recovery uses to tell a reused
     // region's new entries from stale ones.
     // SAFETY: the slot is marked writing: nothing else writes into it, and no I/O is in flight on it yet.
@@ -426,7 +426,7 @@ fn submit_entry_write(sh: &Arc<Shared>, key: BlockKey, plan: WritePlan) {
     // (the gate then cancels the write, which never touches the slot again).
     sh.catalog.lock().write_queued(&key, &plan);
     let geometry = sh.geometry.expect("writes need the NVMe tier");
-    let (gate_shared, shared) = (Arc::clone(sh), Arc::clone(sh));
+    let (gate_state, state) = (Arc::clone(sh), Arc::clone(sh));
     sh.devices[plan.loc.device as usize].write(IoOp {
         kind: OpKind::Write,
         offset: geometry.region_offset(plan.loc.region) + plan.loc.offset,
@@ -434,7 +434,7 @@ fn submit_entry_write(sh: &Arc<Shared>, key: BlockKey, plan: WritePlan) {
         len: sh.arena.slot_bytes(),
         iovecs: Vec::new(),
         file: None,
-        gate: Some(Box::new(move || gate_shared.catalog.lock().start_write(&plan))),
+        gate: Some(Box::new(move || gate_state.catalog.lock().start_write(&plan))),
         on_done: Box::new(move |r| {
             // An abandoned write may still read the slot; reusing it can only change bytes at an
             // NVMe location the catalog records as unwritten (no trailer lists it), so it is freed.
@@ -442,7 +442,7 @@ fn submit_entry_write(sh: &Arc<Shared>, key: BlockKey, plan: WritePlan) {
                 // The kernel may still read the encrypted copy: it is never freed.
                 std::mem::forget(encrypted);
             } else if let Some(buffer) = encrypted {
-                give_back_write_buffer(&shared, buffer);
+                give_back_write_buffer(&state, buffer);
             }
             let outcome = match &r {
                 Ok(()) => WriteOutcome::Written,
@@ -452,13 +452,13 @@ fn submit_entry_write(sh: &Arc<Shared>, key: BlockKey, plan: WritePlan) {
                     WriteOutcome::Failed
                 }
             };
-            finish_entry_write(&shared, &key, &plan, outcome);
+            finish_entry_write(&state, &key, &plan, outcome);
         }),
     });
 }
 
 /// A copy of the slot with its value encrypted (`encryption_key_file`): the DRAM pool stays in clear.
-fn encrypted_copy(sh: &Shared, cipher: &ValueCipher, slot: u32) -> std::io::Result<AlignedBuf> {
+fn encrypted_copy(sh: &StoreState, cipher: &ValueCipher, slot: u32) -> std::io::Result<AlignedBuf> {
     let nonce = fresh_nonce()?;
     let reused = sh.write_buffers.lock().pop();
     // Every byte is overwritten below: a reused buffer needs no zeroing.
@@ -476,7 +476,7 @@ const WRITE_BUFFERS_MAX_BYTES: usize = 64 << 20;
 
 /// Keeps a finished write's buffer for the next encrypted write: at least one, and up to the writes
 /// the devices take at once within `WRITE_BUFFERS_MAX_BYTES`.
-fn give_back_write_buffer(sh: &Shared, buffer: AlignedBuf) {
+fn give_back_write_buffer(sh: &StoreState, buffer: AlignedBuf) {
     let most = (WRITE_BUFFERS_MAX_BYTES / buffer.len()).clamp(1, sh.config.io_depth * sh.devices.len().max(1));
     let mut buffers = sh.write_buffers.lock();
     if buffers.len() < most {
@@ -484,7 +484,7 @@ fn give_back_write_buffer(sh: &Shared, buffer: AlignedBuf) {
     }
 }
 
-fn finish_entry_write(sh: &Arc<Shared>, key: &BlockKey, plan: &WritePlan, outcome: WriteOutcome) {
+fn finish_entry_write(sh: &Arc<StoreState>, key: &BlockKey, plan: &WritePlan, outcome: WriteOutcome) {
     let trailer = sh.catalog.lock().complete_write(key, plan, outcome);
     sh.changed.notify_all();
     if let Some(t) = trailer {
@@ -492,14 +492,14 @@ fn finish_entry_write(sh: &Arc<Shared>, key: &BlockKey, plan: &WritePlan, outcom
     }
 }
 
-pub(crate) fn submit_meta(sh: &Arc<Shared>, writes: Vec<MetaWrite>) {
+pub(crate) fn submit_meta(sh: &Arc<StoreState>, writes: Vec<MetaWrite>) {
     let Some(geometry) = sh.geometry else { return };
     for write in writes {
         let buf = match &write.entries {
             Some(entries) => crate::tiers::nvme::encode_trailer(&geometry, write.region, write.region_seq, entries),
             None => AlignedBuf::zeroed(geometry.trailer_bytes as usize),
         };
-        let shared = Arc::clone(sh);
+        let state = Arc::clone(sh);
         let ptr = buf.as_ptr();
         let len = buf.len();
         sh.devices[write.device].write(IoOp {
@@ -519,10 +519,10 @@ pub(crate) fn submit_meta(sh: &Arc<Shared>, writes: Vec<MetaWrite>) {
                 if let Err(e) = &r {
                     log::warn!("kvtier: writing the trailer of region {} failed: {e}", write.region);
                 }
-                let retry = shared.catalog.lock().complete_meta(&write, r.is_ok());
-                shared.changed.notify_all();
+                let retry = state.catalog.lock().complete_meta(&write, r.is_ok());
+                state.changed.notify_all();
                 if let Some(retry) = retry {
-                    submit_meta(&shared, vec![retry]);
+                    submit_meta(&state, vec![retry]);
                 }
             }),
         });

@@ -18,8 +18,8 @@ use crate::io::{EngineChoice, IoCompletion, IoEngine, IoRequest, OpKind, Registe
 use crate::key::Namespace;
 use crate::mover::{execute_get, execute_put, submit_meta};
 use crate::remote_tiers::RemoteTiers;
-use crate::shared_state::{NvmeHealth, ReadAhead, Shared};
 use crate::stats::Stats;
+use crate::store_state::{NvmeHealth, ReadAhead, StoreState};
 use crate::tiers::dram::Arena;
 use crate::tiers::eviction::S3Fifo;
 use crate::tiers::nvme::{self, DeviceFile, Geometry, RecoveredRegion};
@@ -67,7 +67,7 @@ impl Store {
         let read_ahead = ReadAhead::new(arena.slot_count());
         let admission = open_admission(&config, &dirs, geometry.is_some());
         let nvme_health = NvmeHealth::new(config.tier_health, Arc::clone(&stats));
-        let shared = Arc::new(Shared {
+        let state = Arc::new(StoreState {
             geometry,
             namespace,
             catalog: CatalogLock::new(catalog),
@@ -91,12 +91,12 @@ impl Store {
             admission,
             config,
         });
-        submit_meta(&shared, startup_meta);
-        set_publishers_refetch(&shared);
-        let JobThreads { load_tx, store_tx, threads } = start_job_threads(&shared)?;
-        log_store_open(&shared, &dirs[0], engine_name);
+        submit_meta(&state, startup_meta);
+        set_publishers_refetch(&state);
+        let JobThreads { load_tx, store_tx, threads } = start_job_threads(&state)?;
+        log_store_open(&state, &dirs[0], engine_name);
         Ok(Store {
-            shared,
+            state,
             load_tx: Mutex::new(Some(load_tx)),
             store_tx: Mutex::new(Some(store_tx)),
             threads: Mutex::new(threads),
@@ -266,10 +266,10 @@ fn recover_device(
 }
 
 /// Lets each publisher copy a block that is still resident when it comes to publish it.
-fn set_publishers_refetch(shared: &Arc<Shared>) {
-    shared.remote.set_refetch(|| {
-        // Weak: the publisher belongs to `shared`, and a strong reference would keep it alive.
-        let weak = Arc::downgrade(shared);
+fn set_publishers_refetch(state: &Arc<StoreState>) {
+    state.remote.set_refetch(|| {
+        // Weak: the publisher belongs to `state`, and a strong reference would keep it alive.
+        let weak = Arc::downgrade(state);
         Box::new(move |key, out| weak.upgrade().is_some_and(|sh| crate::mover::copy_resident_block(&sh, key, out)))
     });
 }
@@ -282,12 +282,12 @@ struct JobThreads {
 }
 
 /// Starts the load threads and the store thread.
-fn start_job_threads(shared: &Arc<Shared>) -> Result<JobThreads> {
+fn start_job_threads(state: &Arc<StoreState>) -> Result<JobThreads> {
     let (load_tx, load_rx) = unbounded::<Job>();
-    let (store_tx, store_rx) = bounded::<Job>(shared.config.store_queue_jobs);
+    let (store_tx, store_rx) = bounded::<Job>(state.config.store_queue_jobs);
     let mut threads = Vec::new();
-    for i in 0..shared.config.load_threads {
-        let sh = Arc::clone(shared);
+    for i in 0..state.config.load_threads {
+        let sh = Arc::clone(state);
         let rx = load_rx.clone();
         threads.push(spawn(format!("kvtier-load-{i}"), move || {
             for job in rx.iter() {
@@ -297,7 +297,7 @@ fn start_job_threads(shared: &Arc<Shared>) -> Result<JobThreads> {
             }
         })?);
     }
-    let sh = Arc::clone(shared);
+    let sh = Arc::clone(state);
     threads.push(spawn("kvtier-store".into(), move || {
         for job in store_rx.iter() {
             // Stores yield to loads: a store job waits (bounded) while loads are queued or running.
@@ -310,15 +310,15 @@ fn start_job_threads(shared: &Arc<Shared>) -> Result<JobThreads> {
     Ok(JobThreads { load_tx, store_tx, threads })
 }
 
-fn log_store_open(shared: &Shared, first_dir: &Path, engine_name: &str) {
+fn log_store_open(state: &StoreState, first_dir: &Path, engine_name: &str) {
     log::info!(
         "kvtier: store open at {} (namespace {}), {} DRAM slots of {} bytes, NVMe {} bytes on {} device(s), engine {}",
         first_dir.display(),
-        &shared.namespace.hex()[..16],
-        shared.arena.slot_count(),
-        shared.config.slot_bytes(),
-        shared.config.nvme_bytes,
-        shared.devices.len(),
+        &state.namespace.hex()[..16],
+        state.arena.slot_count(),
+        state.config.slot_bytes(),
+        state.config.nvme_bytes,
+        state.devices.len(),
         engine_name
     );
 }

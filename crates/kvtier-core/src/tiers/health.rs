@@ -3,7 +3,7 @@
 //! recomputes, never a wait); once the back-off has passed, one read at a time is let through as the
 //! probe. A probe that the tier answers (a hit, or a clean miss) makes it healthy again; a probe that
 //! fails doubles the back-off, up to `max_backoff`. Knows no tier: `RemoteTiers` keeps one per
-//! remote tier and the store one for NVMe (`Shared::nvme_health`); each says how its reads ended,
+//! remote tier and the store one for NVMe (`StoreState::nvme_health`); each says how its reads ended,
 //! and counts and logs the changes this returns. Time is passed in, so that tests drive the clock.
 
 use parking_lot::Mutex;

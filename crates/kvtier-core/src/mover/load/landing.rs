@@ -8,8 +8,8 @@ use crate::io::buffer::AlignedBuf;
 use crate::io::device::is_abandoned;
 use crate::key::BlockKey;
 use crate::mover::{for_each_chunk, slot_mut, slot_ref, BlockBuffer};
-use crate::shared_state::Shared;
 use crate::stats::Stats;
+use crate::store_state::StoreState;
 use crate::tiers::health::Observed;
 
 /// Where an NVMe read's bytes land (a remote read always lands in its DRAM slot).
@@ -27,7 +27,7 @@ impl Landing {
     /// one buffer, or (direct) the descriptor page then the caller's segments.
     pub(super) fn target(
         &self,
-        sh: &Shared,
+        sh: &StoreState,
         read: &NvmeRead,
         buf: Option<&BlockBuffer>,
     ) -> (*mut u8, usize, Vec<libc::iovec>) {
@@ -46,7 +46,7 @@ impl Landing {
 
     /// Decrypts an encrypted value where it landed (`encryption_key_file`); a value in clear is left
     /// as it is. A direct read only ever lands in clear (direct reads are off with a key).
-    fn open(&mut self, sh: &Shared, read: &NvmeRead) -> Result<(), DecryptError> {
+    fn open(&mut self, sh: &StoreState, read: &NvmeRead) -> Result<(), DecryptError> {
         let bytes = match self {
             Landing::Direct(page) if Descriptor::is_encrypted(page.as_slice()) => return Err(DecryptError::NoKey),
             Landing::Direct(_) => return Ok(()),
@@ -59,7 +59,7 @@ impl Landing {
     }
 
     /// Checks a finished NVMe read against what the index expects and copies its value out.
-    fn verify_and_copy_out(&self, sh: &Shared, key: &BlockKey, read: &NvmeRead, buf: Option<&BlockBuffer>) -> bool {
+    fn verify_and_copy_out(&self, sh: &StoreState, key: &BlockKey, read: &NvmeRead, buf: Option<&BlockBuffer>) -> bool {
         match self {
             Landing::Direct(page) => {
                 verify_direct(sh, key, read, page, buf.expect("direct reads land in caller buffers"))
@@ -83,7 +83,7 @@ impl Landing {
 /// How an NVMe read ended, counted, and what it says of the tier's health (a block that fails
 /// verification is bad, the disk is not).
 pub(super) fn judge_nvme_read(
-    sh: &Shared,
+    sh: &StoreState,
     key: &BlockKey,
     read: &NvmeRead,
     io_result: std::io::Result<()>,
@@ -131,7 +131,7 @@ fn checksum_segments(buf: &BlockBuffer) -> u64 {
 }
 
 /// Checks a direct read: the descriptor landed in `page`, the value in the caller's segments.
-fn verify_direct(sh: &Shared, key: &BlockKey, read: &NvmeRead, page: &AlignedBuf, buf: &BlockBuffer) -> bool {
+fn verify_direct(sh: &StoreState, key: &BlockKey, read: &NvmeRead, page: &AlignedBuf, buf: &BlockBuffer) -> bool {
     let Ok(desc) = Descriptor::decode(page.as_slice()) else { return false };
     desc.key == *key
         && desc.namespace == sh.namespace
@@ -145,7 +145,7 @@ fn verify_direct(sh: &Shared, key: &BlockKey, read: &NvmeRead, page: &AlignedBuf
 ///
 /// SAFETY (callers): the slot is pinned and the caller's segments are valid for writing
 /// (submission contract).
-pub(super) fn copy_value_out(sh: &Shared, slot: u32, buf: &BlockBuffer) {
+pub(super) fn copy_value_out(sh: &StoreState, slot: u32, buf: &BlockBuffer) {
     let mut value = unsafe { sh.arena.slot_ptr(slot).add(DESCRIPTOR_BYTES) };
     for &(segment, len) in &buf.segments {
         unsafe {
@@ -159,7 +159,13 @@ pub(super) fn copy_value_out(sh: &Shared, slot: u32, buf: &BlockBuffer) {
 /// Checks a slot just read from NVMe against what the index expects and copies its value out.
 /// The value is hashed and copied in cache-sized chunks (one pass over memory instead of two); if the
 /// checksum then fails the caller's buffer holds unspecified bytes and the block is reported a miss.
-fn verify_and_copy_out(sh: &Shared, key: &BlockKey, read: &NvmeRead, bytes: &[u8], buf: Option<&BlockBuffer>) -> bool {
+fn verify_and_copy_out(
+    sh: &StoreState,
+    key: &BlockKey,
+    read: &NvmeRead,
+    bytes: &[u8],
+    buf: Option<&BlockBuffer>,
+) -> bool {
     let Ok(desc) = Descriptor::decode(&bytes[..DESCRIPTOR_BYTES]) else { return false };
     let object_bytes = sh.config.object_bytes;
     let header_ok = desc.key == *key

@@ -9,8 +9,8 @@ use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::io::device::OnDone;
 use crate::mover::slot_ref;
 use crate::remote_tiers::RemoteRead;
-use crate::shared_state::Shared;
 use crate::stats::Stats;
+use crate::store_state::StoreState;
 use crate::tiers::remote::ReadOutcome;
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -133,7 +133,7 @@ impl Load<'_> {
 }
 
 /// Judges the remote reads that finished after their loads gave them up, and frees their slots.
-pub(super) fn settle_late_reads(sh: &Shared) {
+pub(super) fn settle_late_reads(sh: &StoreState) {
     let late = sh.late_reads.take_finished();
     if late.is_empty() {
         return;

@@ -10,7 +10,7 @@
 //! deleted segments (older than every segment listed) and garbage ones.
 
 use super::format::{stem, Framing};
-use super::ObjectTier;
+use super::BucketTier;
 use crate::format::shared::{unix_ms, AuthKey};
 use crate::format::{get_u64, put_u64, ParseError};
 use crate::key::Namespace;
@@ -197,7 +197,7 @@ fn modified_ms(m: &ObjectMeta) -> u64 {
     m.last_modified.timestamp_millis().max(0) as u64
 }
 
-impl ObjectTier {
+impl BucketTier {
     fn access_path(&self, name: &str) -> ObjectPath {
         ObjectPath::from(format!("{}/acc/{name}", self.base))
     }

@@ -1,4 +1,4 @@
-//! Options of the object-storage tier: `ObjectConfig::new` holds the defaults and `validate` the
+//! Options of the object-storage tier: `BucketConfig::new` holds the defaults and `validate` the
 //! constraints (naming the option and the fix). Names and descriptions are in the option table,
 //! `crate::config::OPTIONS` (the `bucket_*` rows), from which `docs/configuration.md` is generated.
 
@@ -19,7 +19,7 @@ pub const AUTO_GET_BYTES: u64 = 8 << 20;
 pub const MAX_SEGMENT_BYTES: u64 = 5 << 30;
 
 #[derive(Debug, Clone)]
-pub struct ObjectConfig {
+pub struct BucketConfig {
     /// `s3://bucket` or `s3://bucket/prefix`. Required.
     pub url: String,
     /// S3 endpoint for S3-compatible servers (`http://host:port`); unset: AWS (or `AWS_ENDPOINT_URL`).
@@ -50,9 +50,9 @@ pub struct ObjectConfig {
     pub key_file: Option<PathBuf>,
 }
 
-impl ObjectConfig {
+impl BucketConfig {
     pub fn new(url: impl Into<String>) -> Self {
-        ObjectConfig {
+        BucketConfig {
             url: url.into(),
             endpoint: None,
             segment_bytes: 0,
@@ -201,13 +201,13 @@ mod tests {
         (4096 + value_bytes) as usize
     }
 
-    fn with_segment(segment_bytes: u64) -> ObjectConfig {
-        ObjectConfig { segment_bytes, ..ObjectConfig::new("s3://b") }
+    fn with_segment(segment_bytes: u64) -> BucketConfig {
+        BucketConfig { segment_bytes, ..BucketConfig::new("s3://b") }
     }
 
     #[test]
     fn the_automatic_segment_holds_several_blocks_of_any_size() {
-        let auto = ObjectConfig::new("s3://b");
+        let auto = BucketConfig::new("s3://b");
         assert_eq!(auto.segment_blocks(slot(2 * MIB)), 16, "2 MiB blocks: 32 MiB of them");
         assert_eq!(auto.segment_blocks(slot(16 * MIB)), 4, "16 MiB blocks: four, not one");
         assert_eq!(auto.segment_blocks(slot(64 * 1024)), 482, "64 KiB blocks: 32 MiB of them");
@@ -247,14 +247,14 @@ mod tests {
 
     #[test]
     fn a_get_reads_a_bounded_run_of_blocks() {
-        let auto = ObjectConfig::new("s3://b");
+        let auto = BucketConfig::new("s3://b");
         assert_eq!(auto.blocks_per_get(slot(2 * MIB)), 4);
         assert_eq!(auto.blocks_per_get(slot(16 * MIB)), 4);
         assert_eq!(auto.blocks_per_get(slot(64 * 1024)), 120, "8 MiB of small blocks");
-        let set = ObjectConfig { get_max_bytes: MIB, ..ObjectConfig::new("s3://b") };
+        let set = BucketConfig { get_max_bytes: MIB, ..BucketConfig::new("s3://b") };
         assert_eq!(set.blocks_per_get(slot(2 * MIB)), 1, "at least one block");
         assert_eq!(set.blocks_per_get(slot(60 * 1024)), 16);
-        let err = ObjectConfig { get_max_bytes: 6 << 30, ..ObjectConfig::new("s3://b") }.validate(slot(MIB));
+        let err = BucketConfig { get_max_bytes: 6 << 30, ..BucketConfig::new("s3://b") }.validate(slot(MIB));
         assert!(err.unwrap_err().to_string().contains("bucket_get_max_bytes"));
     }
 }

@@ -10,7 +10,7 @@
 //! store must not be able to destroy another's data.
 
 use super::format::{self, INDEX_MAGIC, OBJECT_FORMAT_VERSION};
-use super::ObjectTier;
+use super::BucketTier;
 use crate::format::shared::unix_ms;
 use crate::format::{get_u32, ParseError};
 use crate::stats::Stats;
@@ -62,7 +62,7 @@ pub(super) fn index_is_corrupt(bytes: &[u8], err: &ParseError) -> bool {
     ours && matches!(err, ParseError::BodyChecksum(_) | ParseError::OutOfRange(_) | ParseError::TooShort(_))
 }
 
-impl ObjectTier {
+impl BucketTier {
     /// A ranged GET of the segment answered 404: it is gone (evicted, or expired by a lifecycle rule
     /// before its index object). Its blocks leave the index; the index object is not indexed again
     /// and is deleted at the next maintenance pass.
@@ -76,7 +76,7 @@ impl ObjectTier {
 
     /// A block failed verification: it alone leaves the index, for the life of the process (a
     /// refresh does not add it back). A corrupt one also has its segment copied into quarantine.
-    pub(super) fn block_refused(&self, read: &super::ObjectRead, refusal: Refusal) {
+    pub(super) fn block_refused(&self, read: &super::BucketRead, refusal: Refusal) {
         log::warn!(
             "kvtier: bucket block at {:#x} of segment {} refused ({}); it is a miss from now on",
             read.offset,

@@ -5,7 +5,7 @@
 //! generation is in force and whether a record holds others off are the remote tiers' common rules
 //! (`tiers::remote::lease`): a forged generation or expiry is ignored, as the shared tier does.
 
-use super::ObjectTier;
+use super::BucketTier;
 use crate::format::shared::{lease_file_name, parse_lease_file_name, unix_ms, Lease, LEASE_BYTES};
 use crate::stats::Stats;
 use crate::tiers::remote::lease::{generation_in_force, holds_off, next_generation};
@@ -13,7 +13,7 @@ use object_store::path::Path as ObjectPath;
 use object_store::{PutMode, PutOptions, PutPayload};
 use std::sync::atomic::Ordering;
 
-impl ObjectTier {
+impl BucketTier {
     fn lease_path(&self, generation: u64) -> ObjectPath {
         ObjectPath::from(format!("{}/lease/{}", self.base, lease_file_name(generation)))
     }

@@ -1,7 +1,8 @@
-//! The object-storage tier (docs/object-tier.md): blocks in an S3 bucket, grouped into segment
-//! objects written once, each with an index object naming its blocks. Lookups use an in-memory
-//! index that a background thread keeps fresh by listing the index objects; a load reads each block
-//! with a ranged GET (many in flight) into its DRAM slot and verifies it before it is served.
+//! The bucket tier, `BucketTier` (object storage, docs/object-tier.md): blocks in an S3 bucket,
+//! grouped into segment objects written once, each with an index object naming its blocks. Lookups
+//! use an in-memory index that a background thread keeps fresh by listing the index objects; a load
+//! reads each block with a ranged GET (many in flight) into its DRAM slot and verifies it before it
+//! is served.
 //!
 //! Every request runs on the tier's own small tokio runtime, never on the store's threads: loads
 //! hand it their reads and wait for the completions like any other I/O, publishing runs on the
@@ -17,7 +18,7 @@ mod sink;
 mod sync;
 mod writer;
 
-pub use config::ObjectConfig;
+pub use config::BucketConfig;
 
 use crate::error::{Error, Result};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
@@ -96,19 +97,19 @@ impl Index {
 }
 
 /// A ranged GET of one block, from `start_read` until `finish_started` judges it.
-pub struct ObjectRead {
+pub struct BucketRead {
     key: BlockKey,
     stem: Arc<str>,
     offset: u64,
     value_checksum: u64,
 }
 
-pub struct ObjectTier {
-    config: ObjectConfig,
+pub struct BucketTier {
+    config: BucketConfig,
     namespace: Namespace,
     object_bytes: usize,
     slot_bytes: usize,
-    /// Blocks per segment object (`ObjectConfig::segment_blocks`): a full segment is published.
+    /// Blocks per segment object (`BucketConfig::segment_blocks`): a full segment is published.
     segment_blocks: usize,
     /// Adjacent blocks of one segment that one ranged GET reads at most.
     blocks_per_get: usize,
@@ -152,12 +153,12 @@ pub struct ObjectTier {
     close_deadline: Mutex<Option<Instant>>,
 }
 
-impl ObjectTier {
+impl BucketTier {
     /// Connects (credentials from the environment and credential chain, as object_store's
     /// `AmazonS3Builder::from_env`), checks that the bucket answers with them (a clear error now,
     /// not misses later), reads the index and starts the maintenance thread.
     pub fn open(
-        config: &ObjectConfig,
+        config: &BucketConfig,
         namespace: Namespace,
         object_bytes: usize,
         stats: Arc<Stats>,
@@ -175,7 +176,7 @@ impl ObjectTier {
             shared_root: None,
         })?;
         let base = if prefix.is_empty() { namespace.hex() } else { format!("{prefix}/{}", namespace.hex()) };
-        let tier = Arc::new(ObjectTier {
+        let tier = Arc::new(BucketTier {
             writer: Mutex::new(writer::SegmentWriter::new()),
             read_permits: Arc::new(tokio::sync::Semaphore::new(config.reads_in_flight)),
             config: config.clone(),
@@ -232,7 +233,7 @@ impl ObjectTier {
         self.blocks_per_get
     }
 
-    pub fn config(&self) -> &ObjectConfig {
+    pub fn config(&self) -> &BucketConfig {
         &self.config
     }
 
@@ -291,7 +292,7 @@ impl ObjectTier {
     /// # Safety
     /// Each slot is valid for `slot_bytes` bytes of writes and used by nothing else until its
     /// `on_done` ran.
-    pub unsafe fn start_reads(&self, requests: Vec<(BlockKey, *mut u8, OnDone)>) -> Vec<Option<ObjectRead>> {
+    pub unsafe fn start_reads(&self, requests: Vec<(BlockKey, *mut u8, OnDone)>) -> Vec<Option<BucketRead>> {
         debug_assert!(requests.iter().all(|(_, slot, _)| !slot.is_null()), "a read into no slot");
         let mut started = Vec::with_capacity(requests.len());
         let mut located = Vec::with_capacity(requests.len());
@@ -304,7 +305,7 @@ impl ObjectTier {
                     continue;
                 };
                 let stem = Arc::clone(&loc.stem);
-                started.push(Some(ObjectRead { key, stem, offset: loc.offset, value_checksum: loc.value_checksum }));
+                started.push(Some(BucketRead { key, stem, offset: loc.offset, value_checksum: loc.value_checksum }));
                 located.push((Arc::clone(&loc.stem), loc.offset, Landing { addr: slot as usize, on_done }));
             }
         }
@@ -320,7 +321,7 @@ impl ObjectTier {
     ///
     /// # Safety
     /// `slot` is the read's own and its `on_done` ran.
-    pub unsafe fn finish_started(&self, read: ObjectRead, slot: *mut u8, result: std::io::Result<()>) -> ReadOutcome {
+    pub unsafe fn finish_started(&self, read: BucketRead, slot: *mut u8, result: std::io::Result<()>) -> ReadOutcome {
         if let Err(e) = result {
             // Failed requests were counted where they were made (`reads.rs`), once per GET.
             if e.kind() == std::io::ErrorKind::NotFound {
@@ -356,7 +357,7 @@ impl ObjectTier {
 
     /// A block in clear is checked, then its deployment-key tag. An encrypted one is authenticated
     /// first (the tag is over what was stored), then decrypted in place and checked.
-    fn verify(&self, read: &ObjectRead, slot: &mut [u8]) -> std::result::Result<(), damage::Refusal> {
+    fn verify(&self, read: &BucketRead, slot: &mut [u8]) -> std::result::Result<(), damage::Refusal> {
         if !Descriptor::is_encrypted(&slot[..DESCRIPTOR_BYTES]) {
             return self.check_block(read, slot).and_then(|()| self.check_tag(read, slot));
         }
@@ -369,7 +370,7 @@ impl ObjectTier {
         self.check_block(read, slot)
     }
 
-    fn check_block(&self, read: &ObjectRead, slot: &[u8]) -> std::result::Result<(), damage::Refusal> {
+    fn check_block(&self, read: &BucketRead, slot: &[u8]) -> std::result::Result<(), damage::Refusal> {
         let checked = (|| {
             let desc = Descriptor::decode(&slot[..DESCRIPTOR_BYTES]).map_err(|_| "descriptor rejected")?;
             if desc.key != read.key || desc.namespace != self.namespace {
@@ -391,7 +392,7 @@ impl ObjectTier {
     }
 
     /// The deployment key's tag over the value as stored (`bucket_key_file`), if the tier has one.
-    fn check_tag(&self, read: &ObjectRead, slot: &[u8]) -> std::result::Result<(), damage::Refusal> {
+    fn check_tag(&self, read: &BucketRead, slot: &[u8]) -> std::result::Result<(), damage::Refusal> {
         if let Some(auth) = &self.auth {
             let (page, value) = slot[..DESCRIPTOR_BYTES + self.object_bytes].split_at(DESCRIPTOR_BYTES);
             if !auth.verify_block(&self.namespace, &read.key, page, value) {
@@ -432,7 +433,7 @@ impl ObjectTier {
     }
 }
 
-impl Drop for ObjectTier {
+impl Drop for BucketTier {
     fn drop(&mut self) {
         self.close();
     }
@@ -476,7 +477,7 @@ fn out_of_reach(e: &Error) -> bool {
     false
 }
 
-fn refused(bucket: &str, config: &ObjectConfig, e: Error) -> Error {
+fn refused(bucket: &str, config: &BucketConfig, e: Error) -> Error {
     let endpoint = config.endpoint.as_deref().unwrap_or("AWS (AWS_ENDPOINT_URL unset)");
     Error::config(
         "bucket_url",

@@ -1,8 +1,8 @@
 //! Reads: a load's blocks grouped into runs of adjacent slots of one segment, each run one ranged
 //! GET (docs/object-tier.md, "Index and reads"). Every block is still verified alone
-//! (`ObjectTier::finish_started`): a bad block in a run is a miss, the others are served.
+//! (`BucketTier::finish_started`): a bad block in a run is a miss, the others are served.
 
-use super::ObjectTier;
+use super::BucketTier;
 use crate::io::device::OnDone;
 use crate::stats::Stats;
 use object_store::path::Path as ObjectPath;
@@ -43,7 +43,7 @@ pub(super) fn plan_runs<T>(mut blocks: Vec<(Arc<str>, u64, T)>, slot_bytes: u64,
     runs
 }
 
-impl ObjectTier {
+impl BucketTier {
     /// Reads `run` on the tier's runtime (one of `bucket_reads_in_flight` permits), then calls each
     /// block's `on_done` with its result, within `request_timeout_ms` in all.
     pub(super) fn spawn_run(&self, run: Run<Landing>) {
@@ -124,7 +124,7 @@ impl RangedGet {
         for (i, &addr) in addrs.iter().enumerate() {
             let slot = &bytes[i * self.slot_bytes..(i + 1) * self.slot_bytes];
             // SAFETY: each slot is the reader's until its on_done, which runs after this returns
-            // (`ObjectTier::start_reads`' contract); the slots of a run are distinct.
+            // (`BucketTier::start_reads`' contract); the slots of a run are distinct.
             unsafe { std::ptr::copy_nonoverlapping(slot.as_ptr(), addr as *mut u8, self.slot_bytes) };
         }
         Ok(())

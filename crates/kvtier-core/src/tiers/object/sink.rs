@@ -1,32 +1,32 @@
 //! What the object tier implements for the store (`tiers::remote`): the publisher's sink and the
 //! remote tier's reads, over the tier's own methods.
 
-use super::{ObjectRead, ObjectTier};
+use super::{BucketRead, BucketTier};
 use crate::key::BlockKey;
 use crate::tiers::remote::{PublishSink, ReadOutcome, ReadRequest, RemoteTier, StartedRead};
 use std::sync::atomic::AtomicU64;
 
-impl PublishSink for ObjectTier {
+impl PublishSink for BucketTier {
     fn slot_bytes(&self) -> usize {
-        ObjectTier::slot_bytes(self)
+        BucketTier::slot_bytes(self)
     }
     fn publish_queue_bytes(&self) -> usize {
         self.config().publish_queue_bytes
     }
     fn contains(&self, key: &BlockKey) -> bool {
-        ObjectTier::contains(self, key)
+        BucketTier::contains(self, key)
     }
     fn append_slots(&self, slots: &mut [(BlockKey, &mut [u8])]) -> usize {
-        ObjectTier::append_slots(self, slots)
+        BucketTier::append_slots(self, slots)
     }
     fn flush(&self) {
-        ObjectTier::flush(self)
+        BucketTier::flush(self)
     }
     fn closing(&self) {
-        ObjectTier::closing(self);
+        BucketTier::closing(self);
     }
     fn close(&self) {
-        ObjectTier::close(self)
+        BucketTier::close(self)
     }
     fn deferred(&self) -> &AtomicU64 {
         &self.stats().bucket_deferred_publishes
@@ -36,9 +36,9 @@ impl PublishSink for ObjectTier {
     }
 }
 
-impl RemoteTier for ObjectTier {
+impl RemoteTier for BucketTier {
     fn keys_generation(&self) -> u64 {
-        ObjectTier::keys_generation(self)
+        BucketTier::keys_generation(self)
     }
 
     fn cut_keys(&self, limit: usize) -> Vec<BlockKey> {
@@ -52,12 +52,12 @@ impl RemoteTier for ObjectTier {
     /// Adjacent blocks of one segment are read with one ranged GET.
     unsafe fn start_reads(&self, requests: Vec<ReadRequest>) -> Vec<Option<StartedRead>> {
         // SAFETY: forwarded contract.
-        let started = unsafe { ObjectTier::start_reads(self, requests) };
+        let started = unsafe { BucketTier::start_reads(self, requests) };
         started.into_iter().map(|read| read.map(StartedRead::new)).collect()
     }
 
     unsafe fn finish_read(&self, read: StartedRead, slot: *mut u8, result: std::io::Result<()>) -> ReadOutcome {
         // SAFETY: forwarded contract.
-        unsafe { self.finish_started(read.into_inner::<ObjectRead>(), slot, result) }
+        unsafe { self.finish_started(read.into_inner::<BucketRead>(), slot, result) }
     }
 }

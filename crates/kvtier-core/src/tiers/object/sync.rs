@@ -3,7 +3,7 @@
 
 use super::access::{eviction_order, Candidate};
 use super::format::{self, SegmentIndex};
-use super::{ObjectConfig, ObjectTier};
+use super::{BucketConfig, BucketTier};
 use crate::error::{Error, Result};
 use crate::stats::Stats;
 use object_store::aws::AmazonS3Builder;
@@ -19,7 +19,7 @@ const LOW_WATER: f64 = 0.9;
 /// The S3 client: credentials, region and endpoint from the environment and the credential chain
 /// (`AWS_ACCESS_KEY_ID`, web identity, ECS, instance metadata; no profile files), the bucket and endpoint from the
 /// options. Retries are bounded by the request timeout, so a dead server costs misses, not hangs.
-pub(super) fn connect(config: &ObjectConfig, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
+pub(super) fn connect(config: &BucketConfig, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
     let timeout = Duration::from_millis(config.request_timeout_ms);
     let mut builder = AmazonS3Builder::from_env()
         .with_bucket_name(bucket)
@@ -41,7 +41,7 @@ pub(super) fn connect(config: &ObjectConfig, bucket: &str) -> Result<Arc<dyn Obj
     Ok(Arc::new(store))
 }
 
-impl ObjectTier {
+impl BucketTier {
     pub(super) fn list(&self, dir: &str) -> std::io::Result<Vec<ObjectMeta>> {
         Stats::add(&self.stats.bucket_list_requests, 1);
         let prefix = ObjectPath::from(format!("{}/{dir}", self.base));
@@ -293,7 +293,7 @@ impl ObjectTier {
 }
 
 /// Runs `maintain` every `bucket_refresh_ms` until the tier closes (holding only a weak reference).
-pub(super) fn start_maintenance(tier: &Arc<ObjectTier>) -> Result<()> {
+pub(super) fn start_maintenance(tier: &Arc<BucketTier>) -> Result<()> {
     let weak = Arc::downgrade(tier);
     let period = Duration::from_millis(tier.config.refresh_ms);
     let handle = std::thread::Builder::new()

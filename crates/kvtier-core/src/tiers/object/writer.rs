@@ -2,7 +2,7 @@
 //! and one PUT of its index object (only the index makes the blocks visible to others).
 
 use super::format::{self, Entry, SegmentHeader, SegmentIndex, SEGMENT_HEADER_BYTES};
-use super::ObjectTier;
+use super::BucketTier;
 use crate::format::checksum;
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::format::encrypted::seal_slot;
@@ -43,9 +43,9 @@ impl SegmentWriter {
     }
 }
 
-impl ObjectTier {
+impl BucketTier {
     /// Appends whole slots (as the DRAM tier holds them) to the open segment, publishing it as soon
-    /// as it holds `segment_blocks` (`ObjectConfig::segment_blocks`). A slot whose descriptor or checksum does not
+    /// as it holds `segment_blocks` (`BucketConfig::segment_blocks`). A slot whose descriptor or checksum does not
     /// match its key is skipped; so is a key already indexed. Returns how many were appended.
     pub fn append_slots(&self, slots: &mut [(BlockKey, &mut [u8])]) -> usize {
         let mut appended = 0;

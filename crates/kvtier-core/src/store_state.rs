@@ -1,4 +1,4 @@
-//! `Shared`, the state one store's threads share: catalog, arena, devices, counters, remote tiers, job bookkeeping.
+//! `StoreState`, the state one store's threads share: catalog, arena, devices, counters, remote tiers, job bookkeeping.
 
 use crate::admission::Admission;
 use crate::catalog::CatalogLock;
@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-pub(crate) struct Shared {
+pub(crate) struct StoreState {
     pub config: StoreConfig,
     pub namespace: Namespace,
     pub geometry: Option<Geometry>,
@@ -57,7 +57,7 @@ pub(crate) struct Shared {
 
 /// Remote reads their loads gave up (`remote_read_stall_ms`), until they finish and the next load
 /// judges them and frees their slots (`mover::load`). Not judged on the thread that finished them:
-/// that is the tier's own, and the store (`Shared`) the judging needs must never be dropped there.
+/// that is the tier's own, and the store (`StoreState`) the judging needs must never be dropped there.
 #[derive(Default)]
 pub(crate) struct LateReads {
     /// Given up and not finished: each still writes into a slot of the DRAM pool, so the store
@@ -204,7 +204,7 @@ impl ReadAhead {
     }
 }
 
-impl Shared {
+impl StoreState {
     pub(crate) fn job_done(&self, counter: &AtomicUsize) {
         if counter.fetch_sub(1, Ordering::AcqRel) == 1 {
             let _guard = self.activity.lock();
