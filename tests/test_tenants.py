@@ -69,6 +69,25 @@ def test_a_tenant_keeps_its_share_of_the_pool_while_another_floods_it(tmp_path: 
     assert "tenant_dram_bytes:default" in stats and stats["untracked_tenant_blocks"] == 0
 
 
+def test_a_cap_keeps_a_flood_to_its_part_of_the_pool_while_slots_are_free(tmp_path: Path) -> None:
+    """``tenant_dram_max_share`` alone: the flood evicts its own blocks at the cap, so the quiet tenant,
+    which never needs a guarantee here, finds its blocks where it left them and free room after them."""
+    resident, stats = resident_after_a_flood(tmp_path, tenant_dram_max_share=0.25)
+    assert resident == 30, f"the flood evicted {30 - resident} of the quiet tenant's blocks"
+    quiet_label, flood_label = tenant_id("quiet")[:8].hex(), tenant_id("flood")[:8].hex()
+    slot = SLICE_BYTES + 4096
+    assert stats[f"tenant_dram_bytes:{flood_label}"] <= 0.25 * POOL_BYTES, "the flood is past its cap"
+    assert stats[f"tenant_dram_bytes:{flood_label}"] >= 0.25 * POOL_BYTES - slot, "the flood stopped short of its cap"
+    assert stats[f"tenant_dram_evictions:{flood_label}"] > 500 and stats[f"tenant_dram_evictions:{quiet_label}"] == 0
+    assert stats["dram_used_bytes"] < 0.75 * POOL_BYTES, "the flood's evictions left the rest of the pool free"
+
+
+def test_a_cap_under_a_guaranteed_share_is_refused_with_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="tenant_dram_max_share.*under a guaranteed share"):
+        Store.open(os.fspath(tmp_path / "s"), object_bytes=SLICE_BYTES, namespace="cap", dram_bytes=POOL_BYTES, nvme_bytes=0,
+                   tenant_dram_share=0.3, tenant_dram_max_share=0.2)  # fmt: skip
+
+
 def test_without_shares_the_flood_evicts_the_quiet_tenant(tmp_path: Path) -> None:
     resident, stats = resident_after_a_flood(tmp_path)
     assert resident < 30, "the control: nothing protects a tenant when the pool is not split"

@@ -324,15 +324,29 @@ impl Catalog {
     /// between prepare_load and complete_load) may go when it has an NVMe copy, so that a request
     /// larger than the pool's free part can still be loaded through it, round by round. A store
     /// never evicts such a block: loads go first, and its load would have to read it again.
+    ///
+    /// A tenant at its cap (`tenant_dram_max_share`) makes room from its own blocks first, free slots
+    /// or not; when none of them may go it is served as any other (a cap never makes a store wait).
     fn alloc_slot(&mut self, for_load: bool, asker: u8) -> Option<u32> {
-        if let Some(slot) = self.slots.take_free() {
-            return Some(slot);
+        let past_cap = self.slots.past_cap(asker);
+        if !past_cap {
+            if let Some(slot) = self.slots.take_free() {
+                return Some(slot);
+            }
         }
         let index = &self.index;
-        let (victim, key) = self.slots.evict(asker, |key| {
+        let may_evict = |key: Option<BlockKey>| {
             key.and_then(|k| index.get(&k))
                 .is_none_or(|e| e.readers == 0 && (e.pins == 0 || (for_load && e.nvme.is_some())))
-        })?;
+        };
+        let mut evicted = if past_cap { self.slots.evict(asker, true, may_evict) } else { None };
+        if evicted.is_none() {
+            if let Some(slot) = self.slots.take_free() {
+                return Some(slot);
+            }
+            evicted = self.slots.evict(asker, false, may_evict);
+        }
+        let (victim, key) = evicted?;
         Stats::add(&self.stats.dram_evictions, 1);
         if let Some(key) = key {
             self.forget_evicted_copy(&key, victim);

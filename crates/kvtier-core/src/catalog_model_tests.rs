@@ -246,7 +246,11 @@ fn new_catalog(setup: &Setup, geometry: Option<Geometry>) -> Catalog {
     let devices = setup.nvme.map(|(d, _, _)| d).unwrap_or(0);
     let mut cat = Catalog::new(layout, policy, geometry.map(|g| (g, devices)), Arc::new(Stats::default()));
     cat.set_loads_cancel_writes(setup.cancel_writes);
-    cat.set_tenant_shares(crate::tenant::TenantShares { default_share: setup.tenant_share, named: vec![] });
+    cat.set_tenant_shares(crate::tenant::TenantShares {
+        default_share: setup.tenant_share,
+        named: vec![],
+        max_share: None,
+    });
     cat
 }
 

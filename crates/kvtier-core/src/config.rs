@@ -79,6 +79,8 @@ pub struct StoreConfig {
     pub tenant_dram_share: f64,
     /// `salt=share` pairs (`tenant::parse_named_shares`), as given.
     pub tenant_dram_shares: Vec<u8>,
+    /// The most of the DRAM pool one tenant holds before it evicts its own blocks; 0 = no cap.
+    pub tenant_dram_max_share: f64,
     /// The shared-filesystem and object tiers' write budgets in bytes per day; 0 = unbounded.
     pub write_budget_shared_bytes_per_day: u64,
     pub write_budget_bucket_bytes_per_day: u64,
@@ -139,6 +141,7 @@ impl StoreConfig {
             write_budget_nvme_bytes_per_day: 0,
             tenant_dram_share: 0.0,
             tenant_dram_shares: Vec::new(),
+            tenant_dram_max_share: 0.0,
             write_budget_shared_bytes_per_day: 0,
             write_budget_bucket_bytes_per_day: 0,
             write_budget_burst_s: 86_400,
@@ -287,7 +290,34 @@ impl StoreConfig {
         let text = std::str::from_utf8(&self.tenant_dram_shares)
             .map_err(|_| Error::config("tenant_dram_shares", "is not UTF-8; give salt=share pairs"))?;
         let named = crate::tenant::parse_named_shares(text).map_err(|e| Error::config("tenant_dram_shares", e))?;
-        Ok(crate::tenant::TenantShares { default_share, named })
+        let max_share = self.tenant_max_share(default_share, &named)?;
+        Ok(crate::tenant::TenantShares { default_share, named, max_share })
+    }
+
+    /// `tenant_dram_max_share` checked against the guarantees: a cap under a tenant's guaranteed
+    /// share could not hold both.
+    fn tenant_max_share(&self, default_share: f64, named: &[(crate::tenant::TenantId, f64)]) -> Result<Option<f64>> {
+        let max_share = self.tenant_dram_max_share;
+        if max_share == 0.0 {
+            return Ok(None);
+        }
+        if !(max_share > 0.0 && max_share <= 1.0) {
+            return Err(Error::config(
+                "tenant_dram_max_share",
+                format!("{max_share} is out of range; give a fraction of the DRAM pool in (0, 1], or 0 for no cap"),
+            ));
+        }
+        let largest = named.iter().map(|&(_, share)| share).fold(default_share, f64::max);
+        if max_share < largest {
+            return Err(Error::config(
+                "tenant_dram_max_share",
+                format!(
+                    "{max_share} is under a guaranteed share ({largest}): a tenant cannot be held under the \
+                     share it is guaranteed; raise the cap or lower tenant_dram_share / tenant_dram_shares"
+                ),
+            ));
+        }
+        Ok(Some(max_share))
     }
 
     /// The NVMe tier's write budget in bytes per day (0: unbounded), given the total size of the
@@ -860,6 +890,17 @@ pub static OPTIONS: &[ConfigOption] = &[
         description: "The share of the DRAM pool guaranteed to each tenant (a request's `cache_salt`; no salt: the default tenant) not named in `tenant_dram_shares`. A tenant past its share evicts its own blocks first; one under it loses none to others while another tenant is past its share (docs/tenants.md).",
         set: |c, v| c.tenant_dram_share = v.float(),
         get: |c| (c.tenant_dram_share != 0.0).then_some(OptionValue::Float(c.tenant_dram_share)),
+    },
+    ConfigOption {
+        name: "tenant_dram_max_share",
+        field: "tenant_dram_max_share",
+        python: true,
+        kind: OptionKind::Float,
+        unset: "0: no cap",
+        constraint: "0 ..= 1, at least every guaranteed share",
+        description: "The most of the DRAM pool one tenant holds: a tenant at its cap evicts its own blocks for new ones, even while slots are free (when none of its blocks may go, it takes room as any other: stores never wait on a cap). Splits the pool by tenant as `tenant_dram_share` does (docs/tenants.md).",
+        set: |c, v| c.tenant_dram_max_share = v.float(),
+        get: |c| (c.tenant_dram_max_share != 0.0).then_some(OptionValue::Float(c.tenant_dram_max_share)),
     },
     ConfigOption {
         name: "tenant_dram_shares",

@@ -1,7 +1,8 @@
 //! Tenants (issue 40): a tenant is the `cache_salt` of the requests whose blocks it stores (no salt:
 //! the default tenant). Blocks of different salts never share keys, so tenancy is about who pays for
 //! the room: each tenant may be guaranteed a share of the DRAM pool (`tenant_dram_share`,
-//! `tenant_dram_shares`; the catalog's `tenants` module enforces it).
+//! `tenant_dram_shares`) and capped at another (`tenant_dram_max_share`); the catalog's `tenants`
+//! module enforces both.
 //!
 //! A tenant is known by a 16-byte id hashed from its salt (`tenant_id`), never by the salt itself:
 //! the id is what the wire, the counters and the metrics carry. The salt guards a tenant's prefixes
@@ -38,12 +39,19 @@ pub struct TenantShares {
     /// Every tenant not named below (the default tenant too).
     pub default_share: f64,
     pub named: Vec<(TenantId, f64)>,
+    /// The most of the pool any one tenant holds (`tenant_dram_max_share`); None: no cap.
+    pub max_share: Option<f64>,
 }
 
 impl TenantShares {
     /// Whether the pool is split by tenant at all (otherwise one eviction order serves everyone).
     pub fn enabled(&self) -> bool {
-        self.default_share > 0.0 || !self.named.is_empty()
+        self.default_share > 0.0 || !self.named.is_empty() || self.max_share.is_some()
+    }
+
+    /// The most slots of a `slots`-slot pool one tenant holds before it evicts its own blocks.
+    pub fn cap_slots(&self, slots: usize) -> usize {
+        self.max_share.map_or(usize::MAX, |share| ((share * slots as f64) as usize).max(1))
     }
 
     pub fn share_of(&self, id: &TenantId) -> f64 {

@@ -3,7 +3,7 @@
 //! business (`Entry::dram`); the catalog keeps the two pointing at each other, and decides which
 //! blocks may lose their slot (`Slots::evict` asks it).
 
-use super::tenants::{PolicyFactory, TenantGauge, Tenants};
+use super::tenants::{PolicyFactory, TenantGauge, Tenants, MAX_TENANTS};
 use crate::key::BlockKey;
 use crate::tenant::{TenantId, TenantShares};
 
@@ -27,6 +27,11 @@ pub(super) struct Slot {
 
 impl Slot {
     const EMPTY: Slot = Slot { key: None, state: SlotState::Free, writing: false, account: 0 };
+
+    /// A fill or a read under way for a block: its tenant's slot, not yet in its eviction policy.
+    fn in_flight(&self) -> bool {
+        self.key.is_some() && matches!(self.state, SlotState::Filling | SlotState::Loading)
+    }
 }
 
 pub(super) struct Slots {
@@ -37,6 +42,9 @@ pub(super) struct Slots {
     /// The eviction policies, one per tenant account. They know the resident slots only: a slot
     /// enters its account's when its block becomes visible and leaves it when emptied.
     tenants: Tenants,
+    /// Slots in flight (`Slot::in_flight`) per tenant account: with its resident ones, what a cap
+    /// counts, so that a batch of fills cannot pass it before any of them lands.
+    in_flight: Vec<u32>,
 }
 
 /// The hash an eviction policy remembers a block by (S3-FIFO's ghost queue): keys are content
@@ -48,7 +56,21 @@ fn key_hash(key: &BlockKey) -> u64 {
 impl Slots {
     pub(super) fn new(count: usize, make_policy: PolicyFactory) -> Self {
         let tenants = Tenants::new(count, make_policy, TenantShares::default());
-        Slots { slots: vec![Slot::EMPTY; count], free: (0..count as u32).rev().collect(), tenants }
+        let free = (0..count as u32).rev().collect();
+        Slots { slots: vec![Slot::EMPTY; count], free, tenants, in_flight: vec![0; MAX_TENANTS] }
+    }
+
+    /// Changes `slot`, keeping the in-flight counts.
+    fn update(&mut self, slot: u32, change: impl FnOnce(&mut Slot)) {
+        let Slots { slots, in_flight, .. } = self;
+        let s = &mut slots[slot as usize];
+        if s.in_flight() {
+            in_flight[s.account as usize] -= 1;
+        }
+        change(s);
+        if s.in_flight() {
+            in_flight[s.account as usize] += 1;
+        }
     }
 
     /// Splits the pool, still empty, by tenant (`Tenants::set_shares`).
@@ -67,12 +89,11 @@ impl Slots {
 
     /// The block in `slot` is charged to `account` from now on (moved there if resident).
     pub(super) fn charge(&mut self, slot: u32, account: u8, key: &BlockKey) {
-        let s = &mut self.slots[slot as usize];
-        if s.account == account {
+        if self.slots[slot as usize].account == account {
             return;
         }
-        s.account = account;
-        if s.state == SlotState::Resident {
+        self.update(slot, |s| s.account = account);
+        if self.slots[slot as usize].state == SlotState::Resident {
             self.tenants.insert(slot, account, key_hash(key));
             self.tenants.touch(slot);
         }
@@ -108,18 +129,28 @@ impl Slots {
         self.free.pop()
     }
 
-    /// The victim (`Tenants::victim`, for a block of `asker`'s) among the resident slots no NVMe
-    /// write reads and whose key `may_evict` lets go, emptied for the caller: `(slot, the key it held)`.
+    /// Whether tenant account `asker` holds its cap with its resident and in-flight slots
+    /// (`Tenants::past_cap`).
+    pub(super) fn past_cap(&self, asker: u8) -> bool {
+        self.tenants.past_cap(asker, self.in_flight[asker as usize] as usize)
+    }
+
+    /// The victim (`Tenants::victim`, for a block of `asker`'s; `own_only`: among `asker`'s own
+    /// blocks) among the resident slots no NVMe write reads and whose key `may_evict` lets go, emptied
+    /// for the caller: `(slot, the key it held)`.
     pub(super) fn evict(
         &mut self,
         asker: u8,
+        own_only: bool,
         mut may_evict: impl FnMut(Option<BlockKey>) -> bool,
     ) -> Option<(u32, Option<BlockKey>)> {
         let Slots { slots, tenants, .. } = self;
-        let victim = tenants.victim(asker, &mut |slot| {
+        let mut evictable = |slot: u32| {
             let s = &slots[slot as usize];
             s.state == SlotState::Resident && !s.writing && may_evict(s.key)
-        })?;
+        };
+        let victim =
+            if own_only { tenants.own_victim(asker, &mut evictable) } else { tenants.victim(asker, &mut evictable) }?;
         let s = &mut self.slots[victim as usize];
         let key = s.key.take();
         s.state = SlotState::Free;
@@ -129,16 +160,14 @@ impl Slots {
     /// Hands an empty slot (free, a victim, a stolen write's) to `key` for a fill or a load, charged
     /// to tenant `account`.
     pub(super) fn claim(&mut self, slot: u32, key: BlockKey, state: SlotState, account: u8) {
-        let s = &mut self.slots[slot as usize];
-        assert_eq!(s.state, SlotState::Free, "slot {slot} claimed while in use");
-        *s = Slot { key: Some(key), state, writing: false, account };
+        assert_eq!(self.slots[slot as usize].state, SlotState::Free, "slot {slot} claimed while in use");
+        self.update(slot, |s| *s = Slot { key: Some(key), state, writing: false, account });
     }
 
     /// A put filled the slot: resident, and a newcomer to the eviction policy.
     pub(super) fn admit(&mut self, slot: u32, key: &BlockKey) {
-        let s = &mut self.slots[slot as usize];
-        s.state = SlotState::Resident;
-        self.tenants.insert(slot, s.account, key_hash(key));
+        self.update(slot, |s| s.state = SlotState::Resident);
+        self.tenants.insert(slot, self.slots[slot as usize].account, key_hash(key));
     }
 
     /// A block read up from NVMe or the shared tier is resident, and enters the eviction policy as
@@ -162,7 +191,7 @@ impl Slots {
     /// Empties `slot` for its caller to reuse at once, unlisted.
     pub(super) fn take(&mut self, slot: u32) {
         self.tenants.remove(slot);
-        self.slots[slot as usize] = Slot::EMPTY;
+        self.update(slot, |s| *s = Slot::EMPTY);
     }
 
     pub(super) fn free(&mut self, slot: u32) {
@@ -175,7 +204,7 @@ impl Slots {
     /// kernel may still write into it (an abandoned read).
     pub(super) fn retire(&mut self, slot: u32) {
         self.tenants.remove(slot);
-        self.slots[slot as usize] = Slot { key: None, state: SlotState::Loading, ..Slot::EMPTY };
+        self.update(slot, |s| *s = Slot { key: None, state: SlotState::Loading, ..Slot::EMPTY });
     }
 
     /// Frees a slot `retire`d while a read into it was still in flight, once that read finished.
@@ -188,7 +217,7 @@ impl Slots {
     /// Keeps a reserved fill's slot out of use, keyless, while a hung writer may still copy into it
     /// (`free_abandoned` ends that).
     pub(super) fn abandon(&mut self, slot: u32) {
-        self.slots[slot as usize] = Slot { key: None, state: SlotState::Filling, ..Slot::EMPTY };
+        self.update(slot, |s| *s = Slot { key: None, state: SlotState::Filling, ..Slot::EMPTY });
     }
 
     pub(super) fn free_abandoned(&mut self, slot: u32) {
@@ -200,6 +229,11 @@ impl Slots {
     /// The free list against the slots, and the tenant accounts (tests and debug builds).
     pub(super) fn check(&self) {
         self.tenants.check();
+        let mut in_flight = vec![0u32; MAX_TENANTS];
+        for s in self.slots.iter().filter(|s| s.in_flight()) {
+            in_flight[s.account as usize] += 1;
+        }
+        assert_eq!(in_flight, self.in_flight, "slots in flight miscounted per tenant account");
         let mut listed = vec![false; self.slots.len()];
         for &slot in &self.free {
             assert!(!std::mem::replace(&mut listed[slot as usize], true), "slot {slot} is twice on the free list");
@@ -250,11 +284,11 @@ mod tests {
     fn a_victim_is_resident_not_being_written_and_let_go_by_its_key() {
         let mut slots = full_pool(3);
         slots.set_writing(0, true);
-        let (victim, held) = slots.evict(0, |held| held != Some(key(1))).expect("slot 2 may go");
+        let (victim, held) = slots.evict(0, false, |held| held != Some(key(1))).expect("slot 2 may go");
         assert_eq!((victim, held), (2, Some(key(2))));
         assert_eq!(slots.get(2).state, SlotState::Free);
         assert!(slots.free_list().is_empty(), "a victim is the caller's, not listed");
-        assert!(slots.evict(0, |held| held != Some(key(1))).is_none(), "slot 0 is being written");
+        assert!(slots.evict(0, false, |held| held != Some(key(1))).is_none(), "slot 0 is being written");
         slots.check();
     }
 
@@ -262,11 +296,11 @@ mod tests {
     fn retired_and_abandoned_slots_are_neither_free_nor_victims() {
         let mut slots = full_pool(2);
         slots.retire(0);
-        let slot = slots.evict(0, |_| true).map(|(slot, _)| slot);
+        let slot = slots.evict(0, false, |_| true).map(|(slot, _)| slot);
         assert_eq!(slot, Some(1));
         slots.claim(1, key(9), SlotState::Filling, 0);
         slots.abandon(1);
-        assert!(slots.evict(0, |_| true).is_none() && slots.take_free().is_none());
+        assert!(slots.evict(0, false, |_| true).is_none() && slots.take_free().is_none());
         slots.free_abandoned(1);
         assert_eq!(slots.take_free(), Some(1));
         slots.check();

@@ -10,7 +10,11 @@
 //! past its share and nothing of the asker's can go: shares that add up to the whole pool, with
 //! blocks held by fills, loads and writes. Choosing is O(tenants), at most `MAX_TENANTS`.
 //!
-//! Without shares every block is in account 0 and the pool behaves as it always did.
+//! A cap (`TenantShares::max_share`) is the ceiling: a tenant holding its cap makes room from its own
+//! blocks even while slots are free (`past_cap`, `own_victim`; the catalog asks before it takes a
+//! free slot). When none of its blocks may go it is served as above: a cap never makes a store wait.
+//!
+//! Without shares or a cap every block is in account 0 and the pool behaves as it always did.
 
 use crate::key::BlockKey;
 use crate::tenant::{tenant_label, TenantId, TenantShares, DEFAULT_TENANT};
@@ -28,6 +32,8 @@ pub type PolicyFactory = Box<dyn Fn(usize) -> Box<dyn EvictionPolicy> + Send>;
 struct Account {
     id: TenantId,
     guaranteed_slots: usize,
+    /// The most slots it holds before it evicts its own blocks (`usize::MAX`: no cap).
+    cap_slots: usize,
     resident_slots: usize,
     evicted_blocks: u64,
     policy: Box<dyn EvictionPolicy>,
@@ -70,7 +76,9 @@ impl Tenants {
         let slots = self.listed_in.len();
         let guaranteed_slots = (self.shares.share_of(&id) * slots as f64) as usize;
         let policy = (self.make_policy)(slots);
-        self.accounts.push(Account { id, guaranteed_slots, resident_slots: 0, evicted_blocks: 0, policy });
+        let cap_slots = self.shares.cap_slots(slots);
+        assert!(cap_slots >= guaranteed_slots, "a cap under a guarantee is refused by the config");
+        self.accounts.push(Account { id, guaranteed_slots, cap_slots, resident_slots: 0, evicted_blocks: 0, policy });
         let guaranteed: usize = self.accounts.iter().map(|a| a.guaranteed_slots).sum();
         if guaranteed > slots && guaranteed - guaranteed_slots <= slots {
             log::warn!(
@@ -86,7 +94,9 @@ impl Tenants {
     /// Sets the shares of a pool that holds nothing yet.
     pub(super) fn set_shares(&mut self, shares: TenantShares) {
         assert!(self.accounts.len() == 1 && self.accounts[0].resident_slots == 0, "shares set on a used pool");
-        self.accounts[0].guaranteed_slots = (shares.share_of(&DEFAULT_TENANT) * self.listed_in.len() as f64) as usize;
+        let slots = self.listed_in.len();
+        self.accounts[0].guaranteed_slots = (shares.share_of(&DEFAULT_TENANT) * slots as f64) as usize;
+        self.accounts[0].cap_slots = shares.cap_slots(slots);
         self.shares = shares;
     }
 
@@ -144,16 +154,28 @@ impl Tenants {
     /// taken out of its account.
     pub(super) fn victim(&mut self, asker: u8, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
         let order = if self.enabled() { self.eviction_order(asker as usize) } else { vec![0] };
-        for a in order {
-            if let Some(slot) = self.accounts[a].policy.victim(evictable) {
-                let account = &mut self.accounts[a];
-                account.resident_slots -= 1;
-                account.evicted_blocks += 1;
-                self.listed_in[slot as usize] = UNLISTED;
-                return Some(slot);
-            }
-        }
-        None
+        order.into_iter().find_map(|a| self.take_victim(a, evictable))
+    }
+
+    /// Whether `asker`, with `in_flight` more slots filling or loading, holds its cap: its new
+    /// blocks take the room of its own (`own_victim`).
+    pub(super) fn past_cap(&self, asker: u8, in_flight: usize) -> bool {
+        let account = &self.accounts[asker as usize];
+        account.resident_slots + in_flight >= account.cap_slots
+    }
+
+    /// A victim among `asker`'s own slots only, taken out of its account.
+    pub(super) fn own_victim(&mut self, asker: u8, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
+        self.take_victim(asker as usize, evictable)
+    }
+
+    fn take_victim(&mut self, a: usize, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
+        let slot = self.accounts[a].policy.victim(evictable)?;
+        let account = &mut self.accounts[a];
+        account.resident_slots -= 1;
+        account.evicted_blocks += 1;
+        self.listed_in[slot as usize] = UNLISTED;
+        Some(slot)
     }
 
     fn eviction_order(&self, asker: usize) -> Vec<usize> {
@@ -245,7 +267,7 @@ mod tests {
     use crate::tiers::eviction::S3Fifo;
 
     fn tenants(slots: usize, default_share: f64) -> Tenants {
-        let shares = TenantShares { default_share, named: vec![] };
+        let shares = TenantShares { default_share, named: vec![], max_share: None };
         Tenants::new(slots, Box::new(|n| Box::new(S3Fifo::new(n))), shares)
     }
 
@@ -325,7 +347,7 @@ mod catalog_tests {
     #[test]
     fn a_flooding_tenant_leaves_the_other_its_share_of_the_pool() {
         let mut cat = dram_catalog(8);
-        cat.set_tenant_shares(TenantShares { default_share: 0.5, named: vec![] });
+        cat.set_tenant_shares(TenantShares { default_share: 0.5, named: vec![], max_share: None });
         let (quiet, flood) = (tenant_id(b"quiet"), tenant_id(b"flood"));
         let quiet_keys: Vec<BlockKey> = (0..4).map(|i| keyed(1, i)).collect();
         cat.assign_tenant(&quiet_keys, &quiet);
@@ -358,9 +380,46 @@ mod catalog_tests {
     }
 
     #[test]
+    fn a_tenant_at_its_cap_evicts_its_own_blocks_while_slots_are_free() {
+        let mut cat = dram_catalog(8);
+        cat.set_tenant_shares(TenantShares { default_share: 0.0, named: vec![], max_share: Some(0.25) });
+        let (flood, quiet) = (tenant_id(b"flood"), tenant_id(b"quiet"));
+        for i in 0..20 {
+            let k = keyed(2, i);
+            cat.assign_tenant(&[k], &flood);
+            put(&mut cat, k);
+        }
+        let resident =
+            |cat: &crate::catalog::Catalog| cat.tenant_gauges().0.iter().map(|g| g.resident_slots).collect::<Vec<_>>();
+        assert_eq!(resident(&cat), vec![0, 2], "the flood holds its cap, 2 of 8 slots, and no more");
+        assert!((18..20).all(|i| cat.contains(&keyed(2, i))), "its newest blocks stay");
+        let quiet_keys: Vec<BlockKey> = (0..2).map(|i| keyed(1, i)).collect();
+        cat.assign_tenant(&quiet_keys, &quiet);
+        for k in &quiet_keys {
+            put(&mut cat, *k);
+        }
+        assert_eq!(resident(&cat), vec![0, 2, 2], "the other tenant took free slots, not the flood's");
+        cat.check_invariants();
+    }
+
+    #[test]
+    fn a_tenant_at_its_cap_with_nothing_to_let_go_still_gets_a_slot() {
+        let mut cat = dram_catalog(8);
+        cat.set_tenant_shares(TenantShares { default_share: 0.0, named: vec![], max_share: Some(0.25) });
+        let keys: Vec<BlockKey> = (0..3).map(|i| keyed(2, i)).collect();
+        cat.assign_tenant(&keys, &tenant_id(b"flood"));
+        put(&mut cat, keys[0]);
+        put(&mut cat, keys[1]);
+        assert_eq!(cat.pin_prefix(&keys[..2]), 2);
+        put(&mut cat, keys[2]);
+        assert!(keys.iter().all(|k| cat.contains(k)), "pinned blocks stayed and the store was not refused");
+        cat.check_invariants();
+    }
+
+    #[test]
     fn a_resident_block_named_for_a_tenant_moves_to_its_account() {
         let mut cat = dram_catalog(4);
-        cat.set_tenant_shares(TenantShares { default_share: 0.5, named: vec![] });
+        cat.set_tenant_shares(TenantShares { default_share: 0.5, named: vec![], max_share: None });
         put(&mut cat, keyed(1, 0));
         cat.assign_tenant(&[keyed(1, 0)], &tenant_id(b"late"));
         let (gauges, _) = cat.tenant_gauges();
