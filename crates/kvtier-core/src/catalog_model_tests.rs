@@ -3,7 +3,7 @@
 //! proptest drives random sequences of catalog operations the way the data plane issues them (puts
 //! reserved, filled, aborted; loads planned and finished with good, corrupt, failed and abandoned reads;
 //! pins by prefix and by slot; NVMe entry and trailer writes completing or failing; loads waiting for a
-//! slot; shared-tier loads; scrubs that quarantine bad copies; a restart that adopts what a recovery would
+//! slot; remote-tier loads; scrubs that quarantine bad copies; a restart that adopts what a recovery would
 //! find) on a tiny geometry, so that eviction and region reclaim run all the time. The model owns the
 //! "bytes": what each DRAM slot and each NVMe location holds, as `(key, value id)`, written where the
 //! data plane would write them. After every step it checks the catalog's own invariants and the model's:
@@ -75,10 +75,10 @@ enum Op {
     CompleteWrite(usize, bool),
     CompleteMeta(usize, bool),
     LoadWaits(bool),
-    /// A shared-tier load of a key the catalog does not hold; finished as a hit (the tier holds it),
+    /// A remote-tier load of a key the catalog does not hold; finished as a hit (the tier holds it),
     /// a miss, or abandoned by a broken I/O engine.
-    StartShared(u8),
-    FinishShared(usize, SharedEnd),
+    StartRemote(u8),
+    FinishRemote(usize, RemoteEnd),
     /// A scrub pins a visible block, then reports which of its copies were bad.
     ScrubPin(u8),
     ScrubDone(usize, bool, bool),
@@ -87,9 +87,9 @@ enum Op {
     Restart,
 }
 
-/// How a shared-tier read into a slot ends.
+/// How a remote-tier read into a slot ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum SharedEnd {
+enum RemoteEnd {
     Hit,
     Miss,
     Abandoned,
@@ -112,9 +112,9 @@ fn op() -> impl Strategy<Value = Op> {
         15 => (i, prop_oneof![6 => Just(true), 1 => Just(false)]).prop_map(|(i, ok)| Op::CompleteWrite(i, ok)),
         12 => (i, prop_oneof![6 => Just(true), 1 => Just(false)]).prop_map(|(i, ok)| Op::CompleteMeta(i, ok)),
         3 => any::<bool>().prop_map(Op::LoadWaits),
-        3 => k.clone().prop_map(Op::StartShared),
-        3 => (i, prop_oneof![6 => Just(SharedEnd::Hit), 2 => Just(SharedEnd::Miss), 1 => Just(SharedEnd::Abandoned)])
-            .prop_map(|(i, end)| Op::FinishShared(i, end)),
+        3 => k.clone().prop_map(Op::StartRemote),
+        3 => (i, prop_oneof![6 => Just(RemoteEnd::Hit), 2 => Just(RemoteEnd::Miss), 1 => Just(RemoteEnd::Abandoned)])
+            .prop_map(|(i, end)| Op::FinishRemote(i, end)),
         3 => k.clone().prop_map(Op::ScrubPin),
         3 => (i, prop_oneof![3 => Just(false), 1 => Just(true)], prop_oneof![3 => Just(false), 1 => Just(true)])
             .prop_map(|(i, d, n)| Op::ScrubDone(i, d, n)),
@@ -223,9 +223,10 @@ struct Model {
     metas: Vec<MetaWrite>,
     loads_waiting: usize,
     retired: HashSet<u32>,
-    /// The shared tier: the last value published for each key (every finished put publishes).
-    shared_tier: HashMap<BlockKey, u64>,
-    shared_reads: Vec<(BlockKey, u32)>,
+    /// A remote tier (shared filesystem or bucket: the catalog's loads do not tell them apart): the
+    /// last value published for each key (every finished put publishes).
+    remote_tier: HashMap<BlockKey, u64>,
+    remote_reads: Vec<(BlockKey, u32)>,
     scrubs: Vec<ScrubTarget>,
     /// What the run exercised (for the coverage test).
     seen: BTreeMap<&'static str, u64>,
@@ -279,8 +280,8 @@ impl Model {
             metas: Vec::new(),
             loads_waiting: 0,
             retired: HashSet::new(),
-            shared_tier: HashMap::new(),
-            shared_reads: Vec::new(),
+            remote_tier: HashMap::new(),
+            remote_reads: Vec::new(),
             scrubs: Vec::new(),
             seen: BTreeMap::new(),
         }
@@ -294,9 +295,9 @@ impl Model {
                 Get::Dram { key: k, .. } | Get::Nvme { key: k, .. } => k == key,
             })
             .count();
-        let shared = self.shared_reads.iter().filter(|r| r.0 == *key).count();
+        let remote = self.remote_reads.iter().filter(|r| r.0 == *key).count();
         let scrubs = self.scrubs.iter().filter(|t| t.key == *key).count();
-        (gets + shared + scrubs + self.pins.iter().filter(|p| p.key() == *key).count()) as u32
+        (gets + remote + scrubs + self.pins.iter().filter(|p| p.key() == *key).count()) as u32
     }
 
     /// The pins of `key` that copy out of its DRAM slot: DRAM hits, resident pins, scrubs.
@@ -379,7 +380,7 @@ impl Model {
                 let mut meta = Vec::new();
                 let plan = self.cat.finish_put(&key, slot, vid, Persist::Now, &mut meta);
                 self.latest.insert(key, vid);
-                self.shared_tier.insert(key, vid);
+                self.remote_tier.insert(key, vid);
                 if let Some(plan) = plan {
                     let l = loc_of(plan.loc);
                     assert!(
@@ -452,8 +453,8 @@ impl Model {
                             .gets
                             .iter()
                             .any(|g| matches!(g, Get::Nvme { key: k, read, .. } if *k == key && read.slot != NO_SLOT));
-                        let shared = self.shared_reads.iter().any(|(k, _)| *k == key);
-                        assert!(staged || shared, "a load waits for a read of {key:?} that nobody does");
+                        let remote = self.remote_reads.iter().any(|(k, _)| *k == key);
+                        assert!(staged || remote, "a load waits for a read of {key:?} that nobody does");
                         self.saw("load joins a read in flight");
                     }
                 }
@@ -608,57 +609,57 @@ impl Model {
                     self.loads_waiting -= 1;
                 }
             }
-            Op::StartShared(k) => {
+            Op::StartRemote(k) => {
                 let key = key(k);
                 let tracked = self.cat.has_entry(&key);
                 let spare = self::key((k + 1) % KEYS);
-                let slot = self.cat.plan_get_shared(&key).or_else(|| {
+                let slot = self.cat.plan_get_remote(&key).or_else(|| {
                     let tracked = self.cat.has_entry(&key);
-                    (!tracked).then(|| self.cat.plan_get_shared_taking_queued_write(&key, &HashSet::from([spare])))?
+                    (!tracked).then(|| self.cat.plan_get_remote_taking_queued_write(&key, &HashSet::from([spare])))?
                 });
                 match slot {
                     Some(slot) => {
-                        assert!(!tracked, "a shared load planned for a key the catalog holds");
+                        assert!(!tracked, "a remote load planned for a key the catalog holds");
                         assert!(!self.retired.contains(&slot));
                         self.note_stolen(slot, spare);
                         assert!(!self.cat.contains(&key), "a block being loaded is visible");
                         self.slot_bytes[slot as usize] = Bytes::Garbage;
-                        self.shared_reads.push((key, slot));
-                        self.saw("shared load");
+                        self.remote_reads.push((key, slot));
+                        self.saw("remote load");
                     }
                     None => assert!(tracked || self.setup.slots > 0),
                 }
             }
-            Op::FinishShared(i, end) => {
-                if self.shared_reads.is_empty() {
+            Op::FinishRemote(i, end) => {
+                if self.remote_reads.is_empty() {
                     return;
                 }
-                let (key, slot) = self.shared_reads.remove(i % self.shared_reads.len());
-                if end == SharedEnd::Abandoned {
+                let (key, slot) = self.remote_reads.remove(i % self.remote_reads.len());
+                if end == RemoteEnd::Abandoned {
                     // The engine gave the read up: the slot may still be written, so never reused.
-                    self.cat.abandon_get_shared(&key, slot);
+                    self.cat.abandon_get_remote(&key, slot);
                     self.retired.insert(slot);
                     assert!(
                         self.held_pins(&key) > 0 || !self.cat.has_entry(&key),
-                        "an abandoned shared load left an entry"
+                        "an abandoned remote load left an entry"
                     );
-                    self.saw("shared read abandoned");
+                    self.saw("remote read abandoned");
                     return;
                 }
-                match self.shared_tier.get(&key).copied().filter(|_| end == SharedEnd::Hit) {
+                match self.remote_tier.get(&key).copied().filter(|_| end == RemoteEnd::Hit) {
                     Some(vid) => {
                         // The mover read and verified the tier's file into the slot.
                         self.slot_bytes[slot as usize] = Bytes::Value(key, vid);
-                        self.cat.finish_get_shared(&key, slot, Some(vid));
+                        self.cat.finish_get_remote(&key, slot, Some(vid));
                         self.latest.insert(key, vid);
                         assert!(self.cat.contains(&key));
-                        self.saw("shared hit");
+                        self.saw("remote hit");
                     }
                     None => {
-                        self.cat.finish_get_shared(&key, slot, None);
+                        self.cat.finish_get_remote(&key, slot, None);
                         assert!(
                             self.held_pins(&key) > 0 || !self.cat.has_entry(&key),
-                            "a missed shared load left an entry"
+                            "a missed remote load left an entry"
                         );
                     }
                 }
@@ -798,8 +799,8 @@ impl Model {
         while !self.pins.is_empty() {
             self.step(&Op::Unpin(0));
         }
-        while !self.shared_reads.is_empty() {
-            self.step(&Op::FinishShared(0, SharedEnd::Miss));
+        while !self.remote_reads.is_empty() {
+            self.step(&Op::FinishRemote(0, RemoteEnd::Miss));
         }
         while !self.scrubs.is_empty() {
             self.step(&Op::ScrubDone(0, false, false));
@@ -936,10 +937,10 @@ impl Model {
                 assert!(holds(self.slot_bytes[*slot as usize], *expect), "a hit's slot was reused");
             }
         }
-        for (key, slot) in &self.shared_reads {
+        for (key, slot) in &self.remote_reads {
             let e = &cat.index[key];
-            assert_eq!(e.dram, Some(*slot), "a shared load's slot is not its entry's");
-            assert!(!e.visible(), "a block being loaded from the shared tier is visible");
+            assert_eq!(e.dram, Some(*slot), "a remote load's slot is not its entry's");
+            assert!(!e.visible(), "a block being loaded from the remote tier is visible");
         }
         for w in self.writes.iter().filter(|w| !w.stolen) {
             assert_eq!(self.slot_bytes[w.plan.slot as usize], w.bytes, "a slot being written was reused");
@@ -1005,7 +1006,7 @@ struct Followers {
     tracked: ChangeLog,
     cursors: (u64, u64),
     applied: HashMap<BlockKey, u8>,
-    shared_seen: Option<Vec<BlockKey>>,
+    remote_seen: Option<Vec<BlockKey>>,
 }
 
 /// `(key, tier)` pairs of a reply, sorted.
@@ -1032,7 +1033,7 @@ impl Followers {
             tracked: ChangeLog::new(1 << 16),
             cursors: (0, 0),
             applied: HashMap::new(),
-            shared_seen: None,
+            remote_seen: None,
         }
     }
 
@@ -1056,14 +1057,14 @@ impl Followers {
             }
         }
         assert_eq!(self.applied, local, "the tracked keys missed a change of tiers");
-        let mut shared: Vec<BlockKey> = m.shared_tier.keys().copied().collect();
-        shared.sort_unstable_by_key(|k| k.0);
-        let remote = (self.shared_seen.as_ref() != Some(&shared)).then(|| shared.clone());
+        let mut remote_keys: Vec<BlockKey> = m.remote_tier.keys().copied().collect();
+        remote_keys.sort_unstable_by_key(|k| k.0);
+        let remote = (self.remote_seen.as_ref() != Some(&remote_keys)).then(|| remote_keys.clone());
         let mut now = local;
-        for key in &shared {
+        for key in &remote_keys {
             *now.entry(*key).or_insert(0) |= TIER_SHARED;
         }
-        self.shared_seen = Some(shared);
+        self.remote_seen = Some(remote_keys);
         self.full.update(now);
         self.tracked.apply(changes, remote);
         let (a, b) = (self.full.since(self.cursors.0, usize::MAX), self.tracked.since(self.cursors.1, usize::MAX));
@@ -1151,9 +1152,9 @@ fn model_reaches_every_path() {
         "write dropped (no region)",
         "write cancelled for a load",
         "load took a queued write's slot",
-        "shared load",
-        "shared hit",
-        "shared read abandoned",
+        "remote load",
+        "remote hit",
+        "remote read abandoned",
         "DRAM copy quarantined",
         "NVMe copy quarantined",
         "residency walked",
@@ -1283,7 +1284,7 @@ fn engine_pins_on_nvme_blocks_do_not_hold_the_slots_their_loads_use() {
 
 /// The ranks of a tensor-parallel engine load the same blocks at once (each copies its slice of the
 /// one object). The second load of a block being read into DRAM used to read it again into another
-/// slot (N reads per block for TP=N, or, for a shared-tier read, a miss); it now waits for that read
+/// slot (N reads per block for TP=N, or, for a remote-tier read, a miss); it now waits for that read
 /// and copies from the slot it fills, and a failed read leaves it a clean miss.
 #[test]
 fn a_second_load_joins_the_read_in_flight() {

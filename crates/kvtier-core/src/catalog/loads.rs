@@ -1,6 +1,6 @@
 //! Loads, as the catalog sees them: a DRAM hit, an NVMe read into a slot it hands out (or straight
-//! into the caller's memory), a read from the shared-filesystem tier into a slot, each finished
-//! (made resident, or dropped) once the mover has read and verified it.
+//! into the caller's memory), a read from a remote tier (shared filesystem or bucket) into a slot,
+//! each finished (made resident, or dropped) once the mover has read and verified it.
 
 use super::slots::SlotState;
 use super::{Catalog, GetStep, LoadOutcome, NvmeRead, NO_SLOT};
@@ -90,24 +90,25 @@ impl Catalog {
     }
 }
 
-/// Loads from the shared-filesystem tier (`tiers::shared`): for a block the catalog does not hold, it
-/// hands out a DRAM slot to read into and, once the mover has read and verified it, makes the block
-/// resident (mirroring `plan_get` / `finish_get_nvme`). Pins cannot protect a shared-only block from
-/// another node's evictor; a read that loses that race is a clean miss.
+/// Loads from a remote tier (the shared filesystem, `tiers::shared`, or the bucket, `tiers::object`):
+/// for a block the catalog does not hold, it hands out a DRAM slot to read into and, once the mover
+/// has read and verified it, makes the block resident (mirroring `plan_get` / `finish_get_nvme`). Pins
+/// cannot protect a remote-only block from another node's evictor; a read that loses that race is a
+/// clean miss.
 impl Catalog {
     /// A slot in `Loading` state for `key`, or `None` when the catalog already has an entry for it (a
     /// put or another load in flight) or no slot can be freed.
-    pub fn plan_get_shared(&mut self, key: &BlockKey) -> Option<u32> {
-        self.plan_get_shared_with(key, None)
+    pub fn plan_get_remote(&mut self, key: &BlockKey) -> Option<u32> {
+        self.plan_get_remote_with(key, None)
     }
 
-    /// `plan_get_shared` that may take the slot of a queued write of a block outside `spare` (see
+    /// `plan_get_remote` that may take the slot of a queued write of a block outside `spare` (see
     /// `alloc_slot_for_load`).
-    pub fn plan_get_shared_taking_queued_write(&mut self, key: &BlockKey, spare: &HashSet<BlockKey>) -> Option<u32> {
-        self.plan_get_shared_with(key, Some(spare))
+    pub fn plan_get_remote_taking_queued_write(&mut self, key: &BlockKey, spare: &HashSet<BlockKey>) -> Option<u32> {
+        self.plan_get_remote_with(key, Some(spare))
     }
 
-    fn plan_get_shared_with(&mut self, key: &BlockKey, take_queued: Option<&HashSet<BlockKey>>) -> Option<u32> {
+    fn plan_get_remote_with(&mut self, key: &BlockKey, take_queued: Option<&HashSet<BlockKey>>) -> Option<u32> {
         if self.index.contains_key(key) {
             return None;
         }
@@ -117,26 +118,26 @@ impl Catalog {
         Some(slot)
     }
 
-    /// A shared-tier read into `slot` that the I/O engine gave up: the kernel may still write into
+    /// A remote-tier read into `slot` that the I/O engine gave up: the kernel may still write into
     /// the slot, so it is retired rather than freed.
-    pub fn abandon_get_shared(&mut self, key: &BlockKey, slot: u32) {
+    pub fn abandon_get_remote(&mut self, key: &BlockKey, slot: u32) {
         if self.index.get(key).is_some_and(|e| e.dram == Some(slot)) {
             self.index.remove(key);
         }
         self.retire_slot(slot);
     }
 
-    /// A shared-tier read into `slot` its load stopped waiting for (`remote_read_stall_ms`): the
+    /// A remote-tier read into `slot` its load stopped waiting for (`remote_read_stall_ms`): the
     /// block is a miss now and its entry goes, so that other loads plan it afresh; the slot stays
     /// out of use, keyless, until the read finishes (`free_given_up_slot`).
-    pub fn give_up_get_shared(&mut self, key: &BlockKey, slot: u32) {
+    pub fn give_up_get_remote(&mut self, key: &BlockKey, slot: u32) {
         let ours = self.index.get(key).is_some_and(|e| e.dram == Some(slot) && e.loading);
-        assert!(ours, "give_up_get_shared of a slot that is not this key's load");
+        assert!(ours, "give_up_get_remote of a slot that is not this key's load");
         self.index.remove(key);
         self.slots.retire(slot);
     }
 
-    /// The read a load gave up (`give_up_get_shared`) finished: its slot is free again, or retired
+    /// The read a load gave up (`give_up_get_remote`) finished: its slot is free again, or retired
     /// for good when the I/O engine gave the read up (the kernel may still write into it).
     pub fn finish_given_up_read(&mut self, slot: u32, abandoned: bool) {
         if abandoned {
@@ -146,9 +147,9 @@ impl Catalog {
         }
     }
 
-    /// The shared read into `slot` finished: `Some(checksum)` makes the block resident, `None` (a miss)
+    /// The remote read into `slot` finished: `Some(checksum)` makes the block resident, `None` (a miss)
     /// drops the entry and frees the slot.
-    pub fn finish_get_shared(&mut self, key: &BlockKey, slot: u32, value_checksum: Option<u64>) {
+    pub fn finish_get_remote(&mut self, key: &BlockKey, slot: u32, value_checksum: Option<u64>) {
         let ours = self.index.get(key).is_some_and(|e| e.dram == Some(slot));
         match value_checksum {
             Some(sum) if ours => {

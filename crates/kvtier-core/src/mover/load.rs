@@ -375,7 +375,7 @@ impl<'a> Load<'a> {
         if !sh.remote.contains(key) || cat.has_entry(key) {
             return Ok(None);
         }
-        let slot = cat.plan_get_shared(key).or_else(|| cat.plan_get_shared_taking_queued_write(key, self.spare()));
+        let slot = cat.plan_get_remote(key).or_else(|| cat.plan_get_remote_taking_queued_write(key, self.spare()));
         slot.map(Some).ok_or(())
     }
 
@@ -580,11 +580,11 @@ impl<'a> Load<'a> {
             match judged {
                 Judged::Dram => cat.finish_get_dram(key),
                 Judged::Nvme(read, outcome) => cat.finish_get_nvme(key, &read, outcome),
-                Judged::Remote { slot, verdict: RemoteVerdict::Abandoned } => cat.abandon_get_shared(key, slot),
+                Judged::Remote { slot, verdict: RemoteVerdict::Abandoned } => cat.abandon_get_remote(key, slot),
                 Judged::Remote { slot, verdict: RemoteVerdict::Loaded { value_checksum } } => {
-                    cat.finish_get_shared(key, slot, Some(value_checksum))
+                    cat.finish_get_remote(key, slot, Some(value_checksum))
                 }
-                Judged::Remote { slot, verdict: RemoteVerdict::Miss } => cat.finish_get_shared(key, slot, None),
+                Judged::Remote { slot, verdict: RemoteVerdict::Miss } => cat.finish_get_remote(key, slot, None),
                 Judged::Remote { verdict: RemoteVerdict::GivenUp, .. } => {
                     unreachable!("a given-up read is settled when given up")
                 }

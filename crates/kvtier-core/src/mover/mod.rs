@@ -162,8 +162,8 @@ pub(crate) fn execute_put(sh: &Arc<StoreState>, keys: &[BlockKey], bufs: &[Block
     results
 }
 
-/// Copies a DRAM-resident block into `out` as its slot holds it (descriptor page + value), for the
-/// shared publisher's backlog; `false` when the block is no longer in DRAM. The descriptor is built
+/// Copies a DRAM-resident block into `out` as its slot holds it (descriptor page + value), for a
+/// remote publisher's backlog; `false` when the block is no longer in DRAM. The descriptor is built
 /// from the catalog, not copied: an NVMe write may be stamping the slot's own descriptor page.
 pub(crate) fn copy_resident_block(sh: &StoreState, key: &BlockKey, out: &mut [u8]) -> bool {
     let object_bytes = sh.config.object_bytes;

@@ -32,6 +32,7 @@ pub const LOG_CAPACITY: usize = 1 << 16;
 /// Tier bits of a block's residency and of a change (`Op::Changes`'s `u8 tier`).
 pub const TIER_DRAM: u8 = 1;
 pub const TIER_NVME: u8 = 2;
+/// Either remote tier (shared filesystem or bucket); the name stays for wire compatibility.
 pub const TIER_SHARED: u8 = 4;
 const TIERS: [u8; 3] = [TIER_DRAM, TIER_NVME, TIER_SHARED];
 

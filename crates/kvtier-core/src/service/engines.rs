@@ -15,6 +15,7 @@ pub const MAX_ENGINES: usize = 64;
 pub struct EngineCounters {
     pub lookup_dram: u64,
     pub lookup_nvme: u64,
+    /// Either remote tier (shared filesystem or bucket); the name stays for metric compatibility.
     pub lookup_shared: u64,
     pub lookup_miss: u64,
     pub loaded_slices: u64,

@@ -86,7 +86,7 @@ impl Load<'_> {
         let mut cat = sh.catalog.lock();
         for &i in &stalled_keys {
             let Some(PendingRead::Remote { slot, read }) = self.pending[i].take() else { unreachable!() };
-            cat.give_up_get_shared(&self.keys[i], slot);
+            cat.give_up_get_remote(&self.keys[i], slot);
             sh.late_reads.given_up();
             table.insert(i, GivenUpRead { slot, read });
         }
@@ -119,7 +119,7 @@ impl Load<'_> {
             Ok(desc) => desc,
             Err(e) => {
                 log::error!(
-                    "kvtier: shared block {key:?} passed verification but its descriptor does not decode ({e}); a miss"
+                    "kvtier: remote block {key:?} passed verification but its descriptor does not decode ({e}); a miss"
                 );
                 Stats::add(&sh.stats.checksum_failures, 1);
                 return RemoteVerdict::Miss;
