@@ -84,8 +84,15 @@ def test_a_cap_keeps_a_flood_to_its_part_of_the_pool_while_slots_are_free(tmp_pa
 
 def test_a_cap_under_a_guaranteed_share_is_refused_with_the_fix(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"tenant_dram_max_share.*under a guaranteed share"):
-        Store.open(os.fspath(tmp_path / "s"), object_bytes=SLICE_BYTES, namespace="cap", dram_bytes=POOL_BYTES, nvme_bytes=0,
-                   tenant_dram_share=0.3, tenant_dram_max_share=0.2)  # fmt: skip
+        Store.open(
+            os.fspath(tmp_path / "s"),
+            object_bytes=SLICE_BYTES,
+            namespace="cap",
+            dram_bytes=POOL_BYTES,
+            nvme_bytes=0,
+            tenant_dram_share=0.3,
+            tenant_dram_max_share=0.2,
+        )
 
 
 def test_without_shares_the_flood_evicts_the_quiet_tenant(tmp_path: Path) -> None:
