@@ -3,7 +3,7 @@
 Fast tests (no engine): the plan (the pool sized in blocks of the served dtype, the quiet tenant's
 documents within its share), the arguments refused, the tenant counters by tenant, the judging of made-up
 rows (a flood row that cost nothing, a shares row under 0.9x, hits from vLLM's own cache), the table.
-The slow test runs ``kvtier bench tenants --small`` end to end through three real ``vllm serve`` servers:
+The slow test runs ``kvtier bench tenants --small`` end to end through two real ``vllm serve`` servers:
 with two tenants, one flooding the pool, the quiet one keeps at least 0.9x its hit rate alone with
 ``tenant_dram_share`` and loses hits without it (issue 40's "done when").
 
@@ -30,7 +30,7 @@ def test_plan_small_and_full() -> None:
     small = plan_of("--small")
     assert (small["preset"], small["docs"], small["quiet_requests"], small["flood_per_round"]) == ("tiny", 3, 9, 10)
     assert small["rows"] == ["alone", "flood", "flood-shares"]
-    assert small["start_together"]  # CI's time: three starts together take about as long as one
+    assert small["start_together"]  # CI's time: two starts together take about as long as one
     # tiny in bfloat16: 2 KiB a token, a 128-token block in a 260-KiB slot; the pool is 40 of them.
     assert small["slot_bytes"] == 128 * 2048 + 4096
     assert int(small["dram_gib"] * 2**30) // small["slot_bytes"] == 40
@@ -100,6 +100,16 @@ def shares_counters(plan: dict[str, Any], guaranteed_blocks: int) -> dict[str, A
     return {"quiet": {"bytes": 1, "guaranteed_bytes": guaranteed, "evictions": 0}, "flood": {"evictions": 300}}
 
 
+def test_rows_with_the_same_options_share_a_server(tmp_path) -> None:
+    plan = plan_of("--small")
+    servers = tenants.row_servers(plan, tmp_path)
+    assert servers["alone"] is servers["flood"] is not servers["flood-shares"]
+    assert (servers["alone"].name, servers["flood-shares"].name) == ("alone", "flood-shares")
+    assert servers["flood-shares"].options["tenant_dram_share"] == plan["share"]
+    # each row its own documents: the second row on a server finds none of the first's
+    assert tenants.quiet_prompt(plan, 0, 0)[1][:8] != tenants.quiet_prompt(plan, 0, 1)[1][:8]
+
+
 def test_judge_a_run_that_shows_the_claim() -> None:
     plan = plan_of("--small")
     rows = [row("alone", 0.6), row("flood", 0.2), row("flood-shares", 0.58, tenants=shares_counters(plan, 16))]
@@ -128,7 +138,7 @@ def test_judge_finds_rows_that_contradict_their_label() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# end to end (slow): three real vllm serve servers
+# end to end (slow): two real vllm serve servers
 # --------------------------------------------------------------------------------------------
 
 
@@ -157,4 +167,5 @@ def test_bench_tenants_small_a_share_keeps_the_quiet_tenants_hits(tmp_path) -> N
     assert shares["vs_alone"] >= tenants.MIN_RATIO  # issue 40's claim
     assert shares["tenants"]["quiet"]["evictions"] == 0 and shares["tenants"]["flood"]["evictions"] > 0
     assert not flood["tenants"]  # no tenant counters while the pool is not split
+    assert alone["server_name"] == flood["server_name"] == "alone" and shares["server_name"] == "flood-shares"
     assert not list(out.glob("*/store"))  # each store went with its row

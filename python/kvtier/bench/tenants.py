@@ -17,16 +17,17 @@ a document until its next use, so the quiet tenant's hits come from kvtier's poo
 (within its share) but not the flood too. kvtier loads every hit (``load_policy: always``): the rows
 measure what the pool keeps, not the choice to load or recompute.
 
-Rows, each a fresh server on a fresh store (removed after it):
+Rows, each on a fresh store; rows with the same kvtier options (``alone`` and ``flood``) share one
+server and store, one after the other, each with documents of its own (removed after the last):
 
 - ``alone``: the quiet tenant only.
 - ``flood``: the same quiet requests with the flood, ``tenant_dram_share`` unset (one pool for all).
 - ``flood-shares``: the same with ``tenant_dram_share`` ``--share`` (each tenant guaranteed that share).
 
-The rows are measured one after the other. ``--start-together`` (``--small`` implies it) starts every
-row's server at once and waits for all of them before the first row: a start is mostly single-threaded
-imports, so on two cores three starts take about as long as one or two, and an idle server polls nothing
-while another row runs.
+The rows are measured one after the other. ``--start-together`` (``--small`` implies it) starts both
+servers at once and waits for both before the first row: a start is mostly single-threaded imports, so
+on two cores two starts take about as long as one, and an idle server polls nothing while another row
+runs.
 
 Per row: the quiet tenant's hit rate (prompt tokens served from a cache / prompt tokens, from each
 response's ``usage.prompt_tokens_details.cached_tokens``, which counts the tokens loaded through the
@@ -183,12 +184,14 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def quiet_prompt(plan: dict[str, Any], number: int) -> tuple[int, list[int]]:
-    """The ``number``-th quiet request: (its document, its prompt: the document, then its own question)."""
+def quiet_prompt(plan: dict[str, Any], number: int, row_index: int = 0) -> tuple[int, list[int]]:
+    """The ``number``-th quiet request of row ``row_index``: (its document, its prompt: the document,
+    then its own question). Each row has documents of its own: a row measured after another on the
+    same server finds none of its documents left by the one before."""
     from kvtier.engine_process import random_prompt
 
     doc = number % plan["docs"]
-    prefix = random_prompt(DOC_SEED + doc, plan["doc_len"], plan["vocab"])
+    prefix = random_prompt(DOC_SEED + 1000 * row_index + doc, plan["doc_len"], plan["vocab"])
     return doc, prefix + random_prompt(QUESTION_SEED + number, plan["question_len"], plan["vocab"])
 
 
@@ -237,7 +240,7 @@ def warm_up(server: Any, plan: dict[str, Any]) -> None:
     server.reset_prefix_cache()
 
 
-def drive(plan: dict[str, Any], url: str, model: str, flood: bool) -> dict[str, Any]:
+def drive(plan: dict[str, Any], url: str, model: str, flood: bool, row_index: int = 0) -> dict[str, Any]:
     """The load of one row: round after round, a quiet request beside ``flood_per_round`` flood ones (none
     in the ``alone`` row); each round waits for all of its requests."""
     quiet: list[dict[str, Any]] = []
@@ -252,7 +255,7 @@ def drive(plan: dict[str, Any], url: str, model: str, flood: bool) -> dict[str, 
                 for index in range(plan["flood_per_round"]):
                     prompt = flood_prompt(plan, number * plan["flood_per_round"] + index)
                     futures.append(flood_pool.submit(complete, url, model, prompt, plan["output_len"], FLOOD))
-            doc, prompt = quiet_prompt(plan, number)
+            doc, prompt = quiet_prompt(plan, number, row_index)
             answer = complete(url, model, prompt, plan["output_len"], QUIET)
             answer.update(number=number, doc=doc, repeat=number >= plan["docs"])
             quiet.append(answer)
@@ -346,28 +349,31 @@ def counter_deltas(before: dict[str, float] | None, after: dict[str, float] | No
     return {name: after[name] - before.get(name, 0.0) for name in after}
 
 
-class Row:
-    """A row's server on its own store, started (``launch``) before ``run_row`` measures it."""
+class RowServer:
+    """A ``vllm serve`` server on its own store, for the rows with the same kvtier options: started
+    (``launch``), healthy (``wait_healthy``), then gone with its service and store (``close``)."""
 
-    def __init__(self, plan: dict[str, Any], row: str, out_dir: Path) -> None:
+    def __init__(self, plan: dict[str, Any], name: str, options: dict[str, Any], out_dir: Path) -> None:
         from kvtier.service import default_socket_path
 
-        self.row_dir = out_dir / row
+        self.name, self.options = name, options
+        self.row_dir = out_dir / name
         self.store = self.row_dir / "store"
         self.socket = default_socket_path(self.store)
-        self.record: dict[str, Any] = {
-            "row": row, "label": ROW_LABELS[row], "options": row_options(plan, row), "problems": [],
-        }  # fmt: skip
         self.server: Any = None
         self.healthy = False
+        self.problems: list[str] = []
+        self.info: dict[str, Any] = {}
 
     def launch(self, plan: dict[str, Any]) -> None:
-        """The row's ``vllm serve`` process, not yet healthy; a failure is the row's problem."""
+        """The server's process, not yet healthy; a failure is each of its rows' problem."""
+        if self.server is not None or self.problems:
+            return
         try:
             self.server, log_path, _ = serve_servers.start_server(
-                plan, KVTIER_ROW, 0, self.row_dir, [self.store], [], self.record["options"]
+                plan, KVTIER_ROW, 0, self.row_dir, [self.store], [], self.options
             )
-            self.record["server"] = {"command": serve_servers.command_of(self.server.process), "log": str(log_path)}
+            self.info = {"command": serve_servers.command_of(self.server.process), "log": str(log_path)}
         except Exception as error:
             self.fail(error)
 
@@ -375,52 +381,53 @@ class Row:
         if self.server is None or self.healthy:
             return
         try:
-            progress(started, f"{self.record['row']}: server healthy after {self.server.wait_healthy():.0f} s")
+            progress(started, f"{self.name}: server healthy after {self.server.wait_healthy():.0f} s")
             self.healthy = True
         except Exception as error:
             self.fail(error)
             self.close()
 
     def fail(self, error: Exception) -> None:
-        self.record["problems"].append(f"{type(error).__name__}: {error}")
-        print(f"kvtier bench tenants: {self.record['row']}: {error}", file=sys.stderr, flush=True)
+        self.problems.append(f"{type(error).__name__}: {error}")
+        print(f"kvtier bench tenants: {self.name}: {error}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        """The server, its service and the store gone."""
         from kvtier.service import stop_service
 
         if self.server is not None:
             self.server.stop()
             self.server = None
         if not stop_service(self.socket):
-            self.record["problems"].append(f"the kvtier service on {self.socket} did not stop")
+            self.problems.append(f"the kvtier service on {self.socket} did not stop")
         shutil.rmtree(self.store, ignore_errors=True)
 
 
-def run_row(plan: dict[str, Any], row: Row, started: float) -> dict[str, Any]:
-    """One row on its launched server: healthy, warmed up, the load, the counters; then the server, its
-    service and the store gone."""
+def run_row(plan: dict[str, Any], row: str, row_index: int, host: RowServer, started: float) -> dict[str, Any]:
+    """One row on its server (launched if it is not yet): healthy, warmed up, the load, the counters."""
     from kvtier.service import service_stats
 
-    name, record, server = row.record["row"], row.record, row.server
+    record: dict[str, Any] = {
+        "row": row, "label": ROW_LABELS[row], "options": host.options, "problems": [], "server_name": host.name,
+    }  # fmt: skip
     try:
-        if server is None:
-            return record  # its launch failed: the problem is recorded
-        row.wait_healthy(started)
-        if row.server is None:
-            return record
+        host.launch(plan)
+        host.wait_healthy(started)
+        record["server"] = host.info
+        if host.server is None:
+            return record  # the server's problems are added by run_rows
+        server = host.server
         warm_up(server, plan)
         metrics_before = serve_points.cache_metrics([server.url])
-        stats_before = dict(service_stats(row.socket))
+        stats_before = dict(service_stats(host.socket))
         rounds = plan["quiet_requests"]
-        floods = rounds * plan["flood_per_round"] if name != "alone" else 0
-        progress(started, f"{name}: {rounds} quiet requests, {floods} flood ones")
-        load = drive(plan, server.url, server.model, flood=name != "alone")
+        floods = rounds * plan["flood_per_round"] if row != "alone" else 0
+        progress(started, f"{row}: {rounds} quiet requests, {floods} flood ones")
+        load = drive(plan, server.url, server.model, row != "alone", row_index)
         record["requests"] = load
         record.update(summarize(plan, load))
         time.sleep(1.0)  # the last stores land before the counters are read
         metrics = counter_deltas(metrics_before, serve_points.cache_metrics([server.url]))
-        stats = dict(service_stats(row.socket))
+        stats = dict(service_stats(host.socket))
         record["vllm_cache_tokens"] = metrics
         record["kvtier"] = {
             counter: int(stats.get(counter, 0)) - int(stats_before.get(counter, 0))
@@ -432,37 +439,55 @@ def run_row(plan: dict[str, Any], row: Row, started: float) -> dict[str, Any]:
         }
         progress(
             started,
-            f"{name}: quiet hit rate {_number(record['quiet_hit_rate'], 3)}, "
+            f"{row}: quiet hit rate {_number(record['quiet_hit_rate'], 3)}, "
             f"{record['quiet_failed'] + record['flood_failed']} failed",
         )
     except Exception as error:
-        row.fail(error)
-    finally:
-        row.close()
+        record["problems"].append(f"{type(error).__name__}: {error}")
+        print(f"kvtier bench tenants: {row}: {error}", file=sys.stderr, flush=True)
     return record
 
 
+def row_servers(plan: dict[str, Any], out_dir: Path) -> dict[str, RowServer]:
+    """Each row's server: rows with the same kvtier options (``alone`` and ``flood``) share one,
+    named after the first of them."""
+    by_options: dict[str, RowServer] = {}
+    servers: dict[str, RowServer] = {}
+    for row in plan["rows"]:
+        options = row_options(plan, row)
+        signature = json.dumps(options, sort_keys=True)
+        if signature not in by_options:
+            by_options[signature] = RowServer(plan, row, options, out_dir)
+        servers[row] = by_options[signature]
+    return servers
+
+
 def run_rows(plan: dict[str, Any], out_dir: Path, started: float, document: dict[str, Any]) -> None:
-    """Every row in turn, each on a fresh server and store. With ``start_together`` every row's server
-    starts at once (a start is mostly single-threaded imports: on two cores three take about as long
-    as two) and every one is healthy before the first row; an idle server polls nothing, so the row
-    measured has the cores to itself."""
-    rows = [Row(plan, row, out_dir) for row in plan["rows"]]
+    """Every row in turn. Rows with the same kvtier options run one after the other on one server and
+    store, each with documents of its own; a server goes after its last row. With ``start_together``
+    every server starts at once (a start is mostly single-threaded imports: on two cores two take
+    about as long as one) and all are healthy before the first row; an idle server polls nothing, so
+    the row measured has the cores to itself."""
+    servers = row_servers(plan, out_dir)
+    hosts = list(dict.fromkeys(servers.values()))
     try:
         if plan["start_together"]:
-            for row in rows:
-                row.launch(plan)
-            for row in rows:
-                row.wait_healthy(started)
-        for row in rows:
-            if row.server is None and not row.record["problems"]:
-                row.launch(plan)
-            document["rows"].append(run_row(plan, row, started))
+            for host in hosts:
+                host.launch(plan)
+            for host in hosts:
+                host.wait_healthy(started)
+        for index, row in enumerate(plan["rows"]):
+            host = servers[row]
+            record = run_row(plan, row, index, host, started)
+            if row == [r for r in plan["rows"] if servers[r] is host][-1]:
+                host.close()
+            record["problems"] = host.problems + record["problems"]
+            document["rows"].append(record)
             (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
     finally:
-        for row in rows:
-            if row.server is not None:
-                row.close()
+        for host in hosts:
+            if host.server is not None:
+                host.close()
 
 
 # --------------------------------------------------------------------------------------------
