@@ -67,6 +67,7 @@ def test_a_tenant_keeps_its_share_of_the_pool_while_another_floods_it(tmp_path: 
     assert stats[f"tenant_dram_evictions:{flood_label}"] > 400, "the flooder evicted its own blocks"
     assert stats[f"tenant_dram_guaranteed_bytes:{flood_label}"] == stats[f"tenant_dram_guaranteed_bytes:{quiet_label}"]
     assert "tenant_dram_bytes:default" in stats and stats["untracked_tenant_blocks"] == 0
+    assert not any(name.startswith("tenant_dram_cap_bytes") for name in stats), "no cap set"
 
 
 def test_a_cap_keeps_a_flood_to_its_part_of_the_pool_while_slots_are_free(tmp_path: Path) -> None:
@@ -80,6 +81,8 @@ def test_a_cap_keeps_a_flood_to_its_part_of_the_pool_while_slots_are_free(tmp_pa
     assert stats[f"tenant_dram_bytes:{flood_label}"] >= 0.25 * POOL_BYTES - slot, "the flood stopped short of its cap"
     assert stats[f"tenant_dram_evictions:{flood_label}"] > 500 and stats[f"tenant_dram_evictions:{quiet_label}"] == 0
     assert stats["dram_used_bytes"] < 0.75 * POOL_BYTES, "the flood's evictions left the rest of the pool free"
+    cap = stats[f"tenant_dram_cap_bytes:{flood_label}"]
+    assert cap == stats[f"tenant_dram_cap_bytes:{quiet_label}"] == int(0.25 * (POOL_BYTES // slot)) * slot
 
 
 def test_a_cap_under_a_guaranteed_share_is_refused_with_the_fix(tmp_path: Path) -> None:

@@ -395,9 +395,9 @@ impl Store {
         }
     }
 
-    /// The DRAM pool by tenant: `tenant_dram_bytes`, `tenant_dram_guaranteed_bytes` and
-    /// `tenant_dram_evictions`, each `:<tenant label>`, and `untracked_tenant_blocks`; nothing when
-    /// the pool is not split.
+    /// The DRAM pool by tenant: `tenant_dram_bytes`, `tenant_dram_guaranteed_bytes`,
+    /// `tenant_dram_evictions` and, with a cap, `tenant_dram_cap_bytes`, each `:<tenant label>`, and
+    /// `untracked_tenant_blocks`; nothing when the pool is not split.
     fn tenant_fields(&self) -> Vec<(String, u64)> {
         let cat = self.state.catalog.lock();
         let (gauges, untracked) = cat.tenant_gauges();
@@ -411,6 +411,9 @@ impl Store {
             fields.push((format!("tenant_dram_bytes:{}", g.label), g.resident_slots * slot_bytes));
             fields.push((format!("tenant_dram_guaranteed_bytes:{}", g.label), g.guaranteed_slots * slot_bytes));
             fields.push((format!("tenant_dram_evictions:{}", g.label), g.evicted_blocks));
+            if let Some(cap_slots) = g.cap_slots {
+                fields.push((format!("tenant_dram_cap_bytes:{}", g.label), cap_slots * slot_bytes));
+            }
         }
         fields
     }

@@ -193,12 +193,19 @@ NAMESPACE_FAMILIES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ),
     ("kvtier_tenant_dram_guaranteed_bytes", "gauge", ("tenant",), "DRAM pool bytes guaranteed to a tenant"),
     ("kvtier_tenant_dram_evictions", "counter", ("tenant",), "A tenant's blocks evicted from the DRAM pool"),
+    (
+        "kvtier_tenant_dram_cap_bytes",
+        "gauge",
+        ("tenant",),
+        "The most DRAM pool bytes a tenant holds (tenant_dram_max_share)",
+    ),
 )
 # Per-tenant values, named ``<value>:<tenant>`` by the service: (family, value name).
 TENANT_VALUES: tuple[tuple[str, str], ...] = (
     ("kvtier_tenant_dram_bytes", "tenant_dram_bytes"),
     ("kvtier_tenant_dram_guaranteed_bytes", "tenant_dram_guaranteed_bytes"),
     ("kvtier_tenant_dram_evictions", "tenant_dram_evictions"),
+    ("kvtier_tenant_dram_cap_bytes", "tenant_dram_cap_bytes"),
 )
 # Values a family shows as the service reports them: (family, the labels after ``namespace`` and
 # ``model``, the service's value name).

@@ -214,6 +214,7 @@ TENANT_FIGURES = (
     ("dram_bytes", "tenant_dram_bytes"),
     ("dram_guaranteed_bytes", "tenant_dram_guaranteed_bytes"),
     ("dram_evictions", "tenant_dram_evictions"),
+    ("dram_cap_bytes", "tenant_dram_cap_bytes"),
 )
 
 
@@ -489,13 +490,14 @@ def _tenants_table(tenants: list[dict[str, Any]], untracked: int, output: Output
             human_bytes(t.get("dram_bytes", 0)),
             human_bytes(t.get("dram_guaranteed_bytes", 0)),
             str(t.get("dram_evictions", 0)),
+            human_bytes(t.get("dram_cap_bytes")),
         ]
         for t in tenants
     ]
     title = "DRAM pool by tenant (tenant: hash of its cache_salt)"
     if untracked:
         title += f", {untracked} block(s) of tenants past the first 64 counted as default"
-    output.table(title, ["tenant", "DRAM used", "guaranteed", "evictions"], rows)
+    output.table(title, ["tenant", "DRAM used", "guaranteed", "evictions", "cap"], rows)
 
 
 # --------------------------------------------------------------------------------------------

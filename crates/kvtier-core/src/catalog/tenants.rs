@@ -45,6 +45,8 @@ pub struct TenantGauge {
     /// `tenant_label`: the id's first bytes in hex, never the salt.
     pub label: String,
     pub guaranteed_slots: u64,
+    /// The most it holds (`tenant_dram_max_share`); None: no cap.
+    pub cap_slots: Option<u64>,
     pub resident_slots: u64,
     pub evicted_blocks: u64,
 }
@@ -205,6 +207,7 @@ impl Tenants {
             .map(|a| TenantGauge {
                 label: tenant_label(&a.id),
                 guaranteed_slots: a.guaranteed_slots as u64,
+                cap_slots: (a.cap_slots != usize::MAX).then_some(a.cap_slots as u64),
                 resident_slots: a.resident_slots as u64,
                 evicted_blocks: a.evicted_blocks,
             })
