@@ -347,6 +347,7 @@ impl Catalog {
             evicted = self.slots.evict(asker, false, may_evict);
         }
         let (victim, key) = evicted?;
+        debug_assert_eq!(self.slots.get(victim).state, SlotState::Free, "victim {victim} not emptied");
         Stats::add(&self.stats.dram_evictions, 1);
         if let Some(key) = key {
             self.forget_evicted_copy(&key, victim);
@@ -398,6 +399,8 @@ impl Catalog {
                 (unpinned && nvme.cancel_leaves_no_hole(loc)).then_some((sequence, key, slot, loc))
             })?;
         self.queued_writes.remove(&sequence);
+        let s = self.slots.get(slot);
+        debug_assert!(s.state == SlotState::Resident && s.writing, "a queued write's slot {slot} is {s:?}");
         self.index.remove(&key);
         self.nvme.as_mut().unwrap().rewind_if_last(loc);
         self.slots.take(slot);
@@ -446,6 +449,7 @@ impl Catalog {
     /// visible; returns its sequence.
     fn claim_slot(&mut self, key: &BlockKey, slot: u32, state: SlotState, pins: u32, account: u8) -> u64 {
         let sequence = self.next_sequence;
+        debug_assert!(!self.index.contains_key(key), "a new entry for a key the index holds");
         self.next_sequence += 1;
         self.timeline.record(sequence);
         self.tenant_hints.take(key);

@@ -236,7 +236,9 @@ impl Store {
 
     pub fn contains_many(&self, keys: &[BlockKey]) -> Vec<bool> {
         let cat = self.state.catalog.lock();
-        keys.iter().map(|k| self.offered_tier(&cat, k).is_some()).collect()
+        let found: Vec<bool> = keys.iter().map(|k| self.offered_tier(&cat, k).is_some()).collect();
+        debug_assert_eq!(found.len(), keys.len());
+        found
     }
 
     /// The tier each block would be served from (memory only, no I/O). A block only a sick tier

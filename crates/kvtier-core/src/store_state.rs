@@ -207,7 +207,9 @@ impl ReadAhead {
 
 impl StoreState {
     pub(crate) fn job_done(&self, counter: &AtomicUsize) {
-        if counter.fetch_sub(1, Ordering::AcqRel) == 1 {
+        let before = counter.fetch_sub(1, Ordering::AcqRel);
+        debug_assert!(before > 0, "a job finished that was never counted");
+        if before == 1 {
             let _guard = self.activity.lock();
             self.activity_cv.notify_all();
         }

@@ -24,6 +24,7 @@ impl Catalog {
         let Some(e) = self.index.get_mut(key) else { return GetStep::Miss };
         if e.dram_ready {
             let slot = e.dram.expect("ready entry has a slot");
+            debug_assert_eq!(self.slots.get(slot).state, SlotState::Resident, "a ready entry's slot {slot}");
             e.pin_reader();
             self.slots.touch(slot);
             self.note_reuse(key);
@@ -61,6 +62,11 @@ impl Catalog {
     }
 
     pub fn finish_get_nvme(&mut self, key: &BlockKey, read: &NvmeRead, outcome: LoadOutcome) {
+        debug_assert!(
+            read.slot == NO_SLOT || self.slots.get(read.slot).state == SlotState::Loading,
+            "an NVMe read finished into slot {} that is not loading",
+            read.slot
+        );
         let Some(e) = self.index.get_mut(key) else {
             if read.slot != NO_SLOT {
                 self.slots.free(read.slot);
@@ -134,6 +140,7 @@ impl Catalog {
         let ours = self.index.get(key).is_some_and(|e| e.dram == Some(slot) && e.loading);
         assert!(ours, "give_up_get_remote of a slot that is not this key's load");
         self.index.remove(key);
+        debug_assert_eq!(self.slots.get(slot).state, SlotState::Loading, "a given-up load's slot {slot}");
         self.slots.retire(slot);
     }
 
@@ -154,6 +161,7 @@ impl Catalog {
         match value_checksum {
             Some(sum) if ours => {
                 let e = self.index.get_mut(key).unwrap();
+                debug_assert!(e.loading && e.pins > 0 && !e.dram_ready, "a remote read into a slot not loading");
                 e.unpin();
                 e.value_checksum = sum;
                 e.dram_ready = true;

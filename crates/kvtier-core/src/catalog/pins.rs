@@ -18,6 +18,7 @@ impl Entry {
     pub(super) fn pin_reader(&mut self) {
         self.pins += 1;
         self.readers += 1;
+        debug_assert!(self.readers <= self.pins, "more readers than pins");
     }
 
     // A release without a pin is a caller's bug, but a count wrapped below zero would pin the block
@@ -70,6 +71,7 @@ impl Catalog {
         if !e.dram_ready {
             return None;
         }
+        assert!(e.dram.is_some(), "a ready entry without a slot");
         e.pin_reader();
         e.dram
     }

@@ -30,6 +30,7 @@ impl Catalog {
         let Some(slot) = self.alloc_slot(false, account) else { return PutStep::NoSlot };
         if needs_write {
             self.dirty_bytes += self.slot_bytes as usize;
+            assert!(self.dirty_bytes <= self.max_dirty_bytes, "a put past the write backlog budget");
         }
         let sequence = self.claim_slot(key, slot, SlotState::Filling, 0, account);
         PutStep::Fill { slot, sequence }
@@ -73,6 +74,7 @@ impl Catalog {
         assert_eq!(self.slots.get(slot).state, SlotState::Filling);
         self.index.remove(key);
         if self.nvme.is_some() {
+            assert!(self.dirty_bytes >= self.slot_bytes as usize, "a reserved put missing from the backlog");
             self.dirty_bytes -= self.slot_bytes as usize;
         }
     }
@@ -93,6 +95,8 @@ impl Catalog {
         meta: &mut Vec<MetaWrite>,
     ) -> Option<WritePlan> {
         let e = self.index.get_mut(key).expect("filled entry exists");
+        debug_assert!(e.dram == Some(slot) && !e.dram_ready, "finish_put of a slot that is not this key's fill");
+        debug_assert!(!e.write_pending && e.nvme.is_none(), "a fill with an NVMe copy or write already");
         e.value_checksum = value_checksum;
         e.dram_ready = true;
         e.awaiting_reuse.nvme = persist == Persist::OnReuse;
@@ -100,6 +104,7 @@ impl Catalog {
         Stats::add(&self.stats.puts, 1);
         self.nvme.as_ref()?;
         if persist != Persist::Now {
+            assert!(self.dirty_bytes >= self.slot_bytes as usize, "a put missing from the backlog");
             self.dirty_bytes -= self.slot_bytes as usize; // reserved by plan_put
             return None;
         }
@@ -110,12 +115,15 @@ impl Catalog {
     pub(super) fn plan_write(&mut self, key: &BlockKey, slot: u32, meta: &mut Vec<MetaWrite>) -> Option<WritePlan> {
         let Some((loc, region_seq)) = self.alloc_nvme(meta) else {
             // Every region is open, sealing or pinned: the block stays in DRAM only.
+            assert!(self.dirty_bytes >= self.slot_bytes as usize, "a planned write missing from the backlog");
             self.dirty_bytes -= self.slot_bytes as usize;
             Stats::add(&self.stats.nvme_dropped_writes, 1);
             return None;
         };
         self.slots.set_writing(slot, true);
         let e = self.index.get_mut(key).unwrap();
+        debug_assert!(!e.write_pending, "a second NVMe write planned for one entry");
+        debug_assert_eq!(e.dram, Some(slot), "an NVMe write of a slot the entry does not hold");
         e.write_pending = true;
         Some(WritePlan { slot, loc, region_seq, sequence: e.sequence })
     }
@@ -157,6 +165,7 @@ impl Catalog {
             return None;
         }
         self.dirty_bytes += self.slot_bytes as usize;
+        assert!(self.dirty_bytes <= self.max_dirty_bytes, "a reused write past the write backlog budget");
         self.plan_write(key, slot, meta)
     }
 
@@ -195,7 +204,8 @@ impl Catalog {
     /// from now until `start_write`, a load short of slots may take the slot.
     pub fn write_queued(&mut self, key: &BlockKey, plan: &WritePlan) {
         if self.index.get(key).is_some_and(|e| e.sequence == plan.sequence && e.dram == Some(plan.slot)) {
-            self.queued_writes.insert(plan.sequence, (*key, plan.slot, plan.loc));
+            let before = self.queued_writes.insert(plan.sequence, (*key, plan.slot, plan.loc));
+            debug_assert!(before.is_none(), "write {} queued twice", plan.sequence);
         }
     }
 
@@ -210,6 +220,7 @@ impl Catalog {
         self.queued_writes.remove(&plan.sequence);
         // A cancelled write stays in the backlog until the queue reaches it, so that `flush` (which
         // waits for an empty backlog) also waits for the trailer of a sealing region it completes.
+        assert!(self.dirty_bytes >= self.slot_bytes as usize, "a write completed that was not in the backlog");
         self.dirty_bytes -= self.slot_bytes as usize;
         if outcome != WriteOutcome::Cancelled {
             // A cancelled write's slot belongs to the load that took it.

@@ -113,6 +113,9 @@ impl Regions {
     fn trailer_write(&mut self, device: usize, region: u32) -> MetaWrite {
         self.pending_meta_writes += 1;
         let r = self.region(device, region);
+        debug_assert_eq!(r.state, RegionState::Sealing, "a trailer for region {region} that is not sealing");
+        debug_assert_eq!(r.pending_writes, 0, "a trailer for region {region} under entry writes");
+        debug_assert!(r.entries.len() as u64 <= self.geometry.max_entries, "a trailer past the region's entries");
         MetaWrite { device, region, region_seq: r.region_seq, entries: Some(r.entries.clone()), attempt: 0 }
     }
 
@@ -120,6 +123,7 @@ impl Regions {
     /// found by a scan has no trailer yet: its write is returned.
     pub(super) fn adopt(&mut self, device: usize, found: RecoveredRegion) -> Option<MetaWrite> {
         let cursor = self.geometry.data_bytes();
+        debug_assert!(found.entries.len() as u64 <= self.geometry.max_entries, "recovery found too many entries");
         self.next_region_seq = self.next_region_seq.max(found.region_seq + 1);
         let r = self.region_mut(device, found.region);
         r.region_seq = found.region_seq;
@@ -142,15 +146,19 @@ impl Regions {
         pinned: &dyn Fn(usize, u32, &TrailerEntry) -> bool,
     ) -> Option<Placement> {
         let device_count = self.devices.len();
+        let data_bytes = self.geometry.data_bytes();
         for _ in 0..device_count {
             let device = self.next_device;
             self.next_device = (device + 1) % device_count;
             if let Some((region, reclaimed)) = self.open_region(device, meta, pinned) {
                 let slot_bytes = self.geometry.slot_bytes;
                 let r = self.region_mut(device, region);
+                debug_assert_eq!(r.state, RegionState::Open, "an entry placed in region {region} that is not open");
+                debug_assert!(r.cursor.is_multiple_of(slot_bytes), "region {region}'s cursor off the slot grid");
                 let loc = NvmeLoc { device: device as u16, region, offset: r.cursor };
                 r.cursor += slot_bytes;
                 r.pending_writes += 1;
+                debug_assert!(r.cursor <= data_bytes, "an entry placed past region {region}'s data");
                 return Some(Placement { loc, region_seq: r.region_seq, reclaimed });
             }
         }
@@ -172,12 +180,18 @@ impl Regions {
             }
             self.seal(device, open, meta);
         }
+        debug_assert!(self.devices[device].open.is_none(), "device {device} opens a second region");
         let free = self.devices[device].regions.iter().position(|r| r.state == RegionState::Free);
         let (region, reclaimed) = match free {
             Some(r) => (r as u32, None),
             None => self.reclaim_oldest(device, pinned).map(|(r, entries)| (r, Some(entries)))?,
         };
         assert_eq!(self.region(device, region).pending_writes, 0, "region {region} reopened under writes");
+        debug_assert!(
+            matches!(self.region(device, region).state, RegionState::Free | RegionState::Sealed),
+            "region {region} reopened from {:?}",
+            self.region(device, region).state
+        );
         let region_seq = self.next_region_seq;
         self.next_region_seq += 1;
         *self.region_mut(device, region) =
@@ -194,6 +208,7 @@ impl Regions {
     fn seal(&mut self, device: usize, region: u32, meta: &mut Vec<MetaWrite>) {
         self.devices[device].open = None;
         let r = self.region_mut(device, region);
+        assert_eq!(r.state, RegionState::Open, "region {region} sealed while not open");
         r.state = RegionState::Sealing;
         if r.pending_writes == 0 {
             meta.push(self.trailer_write(device, region));
@@ -241,6 +256,7 @@ impl Regions {
         let region = &mut device.regions[loc.region as usize];
         if device.open == Some(loc.region) && loc.offset + slot_bytes == region.cursor {
             region.cursor = loc.offset;
+            debug_assert!(region.cursor.is_multiple_of(slot_bytes), "a rewound cursor off the slot grid");
         }
     }
 
@@ -249,6 +265,12 @@ impl Regions {
     pub(super) fn entry_done(&mut self, loc: NvmeLoc, listed: Option<TrailerEntry>) -> Option<MetaWrite> {
         let (device, region) = (loc.device as usize, loc.region);
         let r = self.region_mut(device, region);
+        debug_assert!(
+            matches!(r.state, RegionState::Open | RegionState::Sealing),
+            "a write into a {:?} region",
+            r.state
+        );
+        debug_assert!(listed.is_none_or(|t| t.offset == loc.offset), "a trailer entry listed at another offset");
         r.pending_writes = r.pending_writes.checked_sub(1).expect("an entry write completed twice");
         r.entries.extend(listed);
         let trailer_due = r.state == RegionState::Sealing && r.pending_writes == 0;

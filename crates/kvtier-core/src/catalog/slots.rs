@@ -65,6 +65,7 @@ impl Slots {
         let Slots { slots, in_flight, .. } = self;
         let s = &mut slots[slot as usize];
         if s.in_flight() {
+            assert!(in_flight[s.account as usize] > 0, "slot {slot} in flight but its account counts none");
             in_flight[s.account as usize] -= 1;
         }
         change(s);
@@ -92,7 +93,9 @@ impl Slots {
         if self.slots[slot as usize].account == account {
             return;
         }
+        debug_assert!((account as usize) < MAX_TENANTS, "account {account} past MAX_TENANTS");
         self.update(slot, |s| s.account = account);
+        assert_eq!(self.slots[slot as usize].account, account);
         if self.slots[slot as usize].state == SlotState::Resident {
             self.tenants.insert(slot, account, key_hash(key));
             self.tenants.touch(slot);
@@ -126,7 +129,9 @@ impl Slots {
     }
 
     pub(super) fn take_free(&mut self) -> Option<u32> {
-        self.free.pop()
+        let slot = self.free.pop()?;
+        debug_assert_eq!(self.slots[slot as usize].state, SlotState::Free, "listed slot {slot} is in use");
+        Some(slot)
     }
 
     /// Whether tenant account `asker` holds its cap with its resident and in-flight slots
@@ -152,6 +157,7 @@ impl Slots {
         let victim =
             if own_only { tenants.own_victim(asker, &mut evictable) } else { tenants.victim(asker, &mut evictable) }?;
         let s = &mut self.slots[victim as usize];
+        debug_assert!(s.state == SlotState::Resident && !s.writing, "victim {victim} is not evictable");
         let key = s.key.take();
         s.state = SlotState::Free;
         Some((victim, key))
@@ -161,11 +167,16 @@ impl Slots {
     /// to tenant `account`.
     pub(super) fn claim(&mut self, slot: u32, key: BlockKey, state: SlotState, account: u8) {
         assert_eq!(self.slots[slot as usize].state, SlotState::Free, "slot {slot} claimed while in use");
+        assert!(matches!(state, SlotState::Filling | SlotState::Loading), "slot {slot} claimed as {state:?}");
         self.update(slot, |s| *s = Slot { key: Some(key), state, writing: false, account });
+        debug_assert!(self.slots[slot as usize].in_flight());
     }
 
     /// A put filled the slot: resident, and a newcomer to the eviction policy.
     pub(super) fn admit(&mut self, slot: u32, key: &BlockKey) {
+        let s = self.slots[slot as usize];
+        debug_assert!(s.in_flight(), "slot {slot} admitted from {:?}", s.state);
+        debug_assert_eq!(s.key, Some(*key), "slot {slot} admitted for another key");
         self.update(slot, |s| s.state = SlotState::Resident);
         self.tenants.insert(slot, self.slots[slot as usize].account, key_hash(key));
     }
@@ -185,6 +196,10 @@ impl Slots {
     }
 
     pub(super) fn set_writing(&mut self, slot: u32, writing: bool) {
+        debug_assert!(
+            !writing || self.slots[slot as usize].state == SlotState::Resident,
+            "an NVMe write of slot {slot} that is not resident"
+        );
         self.slots[slot as usize].writing = writing;
     }
 
@@ -198,6 +213,7 @@ impl Slots {
         assert_ne!(self.slots[slot as usize].state, SlotState::Free, "slot {slot} freed twice");
         self.take(slot);
         self.free.push(slot);
+        debug_assert!(self.free.len() <= self.slots.len(), "the free list outgrew the pool");
     }
 
     /// Takes a slot out of use for good: neither free nor a victim (it stays `Loading`, keyless). The
@@ -217,6 +233,7 @@ impl Slots {
     /// Keeps a reserved fill's slot out of use, keyless, while a hung writer may still copy into it
     /// (`free_abandoned` ends that).
     pub(super) fn abandon(&mut self, slot: u32) {
+        assert_eq!(self.slots[slot as usize].state, SlotState::Filling, "slot {slot} abandoned while not filling");
         self.update(slot, |s| *s = Slot { key: None, state: SlotState::Filling, ..Slot::EMPTY });
     }
 

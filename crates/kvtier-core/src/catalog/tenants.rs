@@ -80,6 +80,7 @@ impl Tenants {
         let policy = (self.make_policy)(slots);
         let cap_slots = self.shares.cap_slots(slots);
         assert!(cap_slots >= guaranteed_slots, "a cap under a guarantee is refused by the config");
+        debug_assert!(self.accounts.len() < MAX_TENANTS, "an account past MAX_TENANTS");
         self.accounts.push(Account { id, guaranteed_slots, cap_slots, resident_slots: 0, evicted_blocks: 0, policy });
         let guaranteed: usize = self.accounts.iter().map(|a| a.guaranteed_slots).sum();
         if guaranteed > slots && guaranteed - guaranteed_slots <= slots {
@@ -125,9 +126,11 @@ impl Tenants {
     /// `slot` holds a resident block of `account`'s, a newcomer to its policy.
     pub(super) fn insert(&mut self, slot: u32, account: u8, key_hash: u64) {
         self.remove(slot);
+        debug_assert!(self.lister(slot).is_none(), "slot {slot} listed twice");
         let a = &mut self.accounts[account as usize];
         a.policy.insert(slot, key_hash);
         a.resident_slots += 1;
+        debug_assert!(a.resident_slots <= self.listed_in.len(), "more resident slots than the pool has");
         self.listed_in[slot as usize] = account;
     }
 
@@ -142,6 +145,7 @@ impl Tenants {
         if let Some(a) = self.lister(slot) {
             let account = &mut self.accounts[a];
             account.policy.remove(slot);
+            assert!(account.resident_slots > 0, "slot {slot} listed in an account that counts none");
             account.resident_slots -= 1;
             self.listed_in[slot as usize] = UNLISTED;
         }
@@ -173,7 +177,9 @@ impl Tenants {
 
     fn take_victim(&mut self, a: usize, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
         let slot = self.accounts[a].policy.victim(evictable)?;
+        debug_assert_eq!(self.listed_in[slot as usize] as usize, a, "victim {slot} of an account it is not in");
         let account = &mut self.accounts[a];
+        assert!(account.resident_slots > 0, "a victim from an account that counts no slot");
         account.resident_slots -= 1;
         account.evicted_blocks += 1;
         self.listed_in[slot as usize] = UNLISTED;
@@ -198,6 +204,7 @@ impl Tenants {
             order.push(asker);
         }
         order.extend(rest);
+        debug_assert_eq!(order.len(), self.accounts.len(), "every account once in the eviction order");
         order
     }
 
@@ -246,6 +253,7 @@ impl TenantHints {
             let oldest = self.order.pop_front().expect("order is longer than the bound");
             self.account.remove(&oldest);
         }
+        debug_assert!(self.order.len() <= MAX_HINTS && self.account.len() <= self.order.len());
     }
 
     /// The account `key`'s block is charged to when it claims a slot (the default tenant's unless named).

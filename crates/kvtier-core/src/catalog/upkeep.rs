@@ -108,6 +108,7 @@ impl Catalog {
 
     /// The highest sequence handed out so far (0: none yet).
     pub fn newest_sequence(&self) -> u64 {
+        debug_assert!(self.next_sequence >= 1, "sequences start at 1");
         self.next_sequence - 1
     }
 
@@ -121,6 +122,7 @@ impl Catalog {
         let visible = |&(sequence, key): &(u64, BlockKey)| self.index.by_key[&key].visible().then_some(sequence);
         let lowest = self.index.by_sequence.iter().find_map(visible)?;
         let highest = self.index.by_sequence.iter().rev().find_map(visible)?;
+        debug_assert!(lowest <= highest);
         Some((lowest, highest))
     }
 }
@@ -144,6 +146,7 @@ impl Catalog {
         if gone {
             self.index.remove(key);
         }
+        debug_assert_eq!(self.slots.get(slot).state, SlotState::Resident, "a ready copy's slot {slot}");
         self.slots.free(slot);
         true
     }
@@ -189,6 +192,7 @@ impl Catalog {
                 break;
             }
             if self.trim_region(plan, (device, region), &mut counts, meta, freed) {
+                assert!(used >= region_bytes, "more regions freed than were in use");
                 used -= region_bytes;
             }
         }
@@ -211,6 +215,7 @@ impl Catalog {
                 counts.skipped_in_use += 1;
                 continue;
             }
+            debug_assert!(e.readers == 0, "an unpinned block with a reader");
             e.dram = None;
             e.dram_ready = false;
             if e.nvme.is_none() {

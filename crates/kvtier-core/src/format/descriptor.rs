@@ -42,6 +42,7 @@ pub struct Descriptor {
 impl Descriptor {
     /// Writes the used part of the page; the padding is left as the caller has it (zero).
     pub fn encode(&self, out: &mut [u8]) {
+        assert!(out.len() >= DESCRIPTOR_USED_BYTES, "a descriptor page of {} bytes", out.len());
         let out = &mut out[..DESCRIPTOR_USED_BYTES];
         out.fill(0);
         out[0..8].copy_from_slice(&DESCRIPTOR_MAGIC);
@@ -54,6 +55,7 @@ impl Descriptor {
         put_u64(out, 96, self.value_checksum);
         let sum = checksum(&out[..CHECKSUM_AT]);
         put_u64(out, CHECKSUM_AT, sum);
+        debug_assert_eq!(Descriptor::decode(out), Ok(*self), "a descriptor reads back as written");
     }
 
     /// Rewrites the `region_seq` of an encoded descriptor (and its header checksum) in place.
@@ -61,6 +63,7 @@ impl Descriptor {
         let mut desc = Descriptor::decode(page)?;
         desc.region_seq = region_seq;
         desc.encode(page);
+        debug_assert_eq!(Descriptor::decode(page).map(|d| d.region_seq), Ok(region_seq));
         Ok(())
     }
 
@@ -74,10 +77,12 @@ impl Descriptor {
     /// Marks an encoded page encrypted (version 2, flag bit 0) and checksums it again; the encryption
     /// header is the cipher's to write.
     pub fn mark_encrypted(page: &mut [u8]) {
+        assert!(page.len() >= DESCRIPTOR_USED_BYTES, "a descriptor page of {} bytes", page.len());
         put_u16(page, 8, DESCRIPTOR_VERSION_ENCRYPTED);
         put_u16(page, 10, FLAG_ENCRYPTED);
         let sum = checksum(&page[..CHECKSUM_AT]);
         put_u64(page, CHECKSUM_AT, sum);
+        debug_assert!(Descriptor::is_encrypted(page));
     }
 
     pub fn decode(bytes: &[u8]) -> Result<Self, ParseError> {

@@ -18,7 +18,10 @@ pub mod trailer;
 pub const ALIGN_BYTES: usize = 4096;
 
 pub(crate) fn round_up(value: usize, align: usize) -> usize {
-    value.div_ceil(align) * align
+    debug_assert!(align > 0);
+    let rounded = value.div_ceil(align) * align;
+    debug_assert!(rounded >= value && rounded.is_multiple_of(align) && rounded - value < align);
+    rounded
 }
 
 /// XXH3-64 (seed 0) of `bytes`. twox-hash picks AVX2/SSE2/NEON at run time, about twice the speed

@@ -94,7 +94,9 @@ pub fn fanout_dir(name: &str) -> String {
 
 /// Length of the footer (index, padding, trailer) of a file holding `count` entries.
 pub fn footer_bytes(count: usize) -> usize {
-    round_up(count * INDEX_ENTRY_BYTES + FOOTER_TRAILER_BYTES, ALIGN_BYTES)
+    let bytes = round_up(count * INDEX_ENTRY_BYTES + FOOTER_TRAILER_BYTES, ALIGN_BYTES);
+    debug_assert!(bytes.is_multiple_of(ALIGN_BYTES) && bytes >= count * INDEX_ENTRY_BYTES + FOOTER_TRAILER_BYTES);
+    bytes
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,6 +111,7 @@ pub struct FileHeader {
 
 impl FileHeader {
     pub fn encode(&self, out: &mut [u8]) {
+        assert!(out.len() >= FILE_HEADER_BYTES, "a file header page of {} bytes", out.len());
         let out = &mut out[..FILE_HEADER_BYTES];
         out.fill(0);
         out[0..8].copy_from_slice(&FILE_HEADER_MAGIC);
@@ -121,6 +124,7 @@ impl FileHeader {
         put_u64(out, 80, self.created_unix_ms);
         let sum = checksum(&out[..HEADER_CHECKSUM_AT]);
         put_u64(out, HEADER_CHECKSUM_AT, sum);
+        debug_assert_eq!(FileHeader::decode(out), Ok(*self), "a file header reads back as written");
     }
 
     pub fn decode(b: &[u8]) -> Result<Self, ParseError> {
@@ -159,6 +163,7 @@ pub struct IndexEntry {
 
 impl IndexEntry {
     fn encode(&self, out: &mut [u8]) {
+        debug_assert!(out.len() >= INDEX_ENTRY_BYTES);
         out[..32].copy_from_slice(&self.key.0);
         put_u64(out, 32, self.offset);
         put_u64(out, 40, self.value_checksum);
@@ -176,6 +181,8 @@ impl IndexEntry {
 /// Encodes the footer (index + padding + trailer) of a file whose entries end at `index_offset`.
 pub fn encode_footer(entries: &[IndexEntry], index_offset: u64, writer_id: u64, file_seq: u64, out: &mut [u8]) {
     let len = footer_bytes(entries.len());
+    assert!(out.len() >= len, "a footer of {} entries in {} bytes", entries.len(), out.len());
+    assert!(entries.len() <= u32::MAX as usize);
     let out = &mut out[..len];
     out.fill(0);
     for (i, e) in entries.iter().enumerate() {
@@ -193,6 +200,11 @@ pub fn encode_footer(entries: &[IndexEntry], index_offset: u64, writer_id: u64, 
     put_u64(t, 48, index_offset + len as u64);
     let sum = checksum(&t[..56]);
     put_u64(t, 56, sum);
+    debug_assert!(
+        FooterTrailer::decode(t)
+            .is_ok_and(|f| f.entry_count as usize == entries.len() && f.index_offset == index_offset),
+        "a footer reads back as written"
+    );
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -285,6 +297,7 @@ const RECORD_VERSION_UNTAGGED: u8 = 1;
 const MAX_NAME_BYTES: usize = 64;
 
 fn push_name(out: &mut Vec<u8>, name: &str) {
+    debug_assert!(name.len() <= MAX_NAME_BYTES, "a record names a file of {} bytes", name.len());
     out.extend_from_slice(&(name.len() as u16).to_le_bytes());
     out.extend_from_slice(name.as_bytes());
 }
@@ -351,6 +364,7 @@ impl Record {
         out.extend_from_slice(&tag);
         let sum = checksum(&out);
         out.extend_from_slice(&sum.to_le_bytes());
+        debug_assert_eq!(out.len(), total, "a record's length field is its length");
         out
     }
 

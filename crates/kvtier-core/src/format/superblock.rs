@@ -40,6 +40,7 @@ pub struct Superblock {
 
 impl Superblock {
     pub fn encode(&self, out: &mut [u8]) {
+        assert!(out.len() >= SUPERBLOCK_BYTES, "a superblock page of {} bytes", out.len());
         let out = &mut out[..SUPERBLOCK_BYTES];
         out.fill(0);
         out[0..8].copy_from_slice(&SUPERBLOCK_MAGIC);
@@ -54,6 +55,11 @@ impl Superblock {
         put_u64(out, 88, self.store_id);
         let sum = checksum(&out[..CHECKSUM_AT]);
         put_u64(out, CHECKSUM_AT, sum);
+        // Reads back past its checksum (the ranges it checks are the caller's choice).
+        debug_assert!(!matches!(
+            Superblock::decode(out),
+            Err(ParseError::TooShort(_) | ParseError::BadMagic | ParseError::Version(_) | ParseError::HeaderChecksum)
+        ));
     }
 
     pub fn decode(bytes: &[u8]) -> Result<Self, ParseError> {

@@ -42,6 +42,7 @@ pub fn encode(points: &[(u64, u64)]) -> Vec<u8> {
     put_u64(&mut out, 16, points_sum);
     let sum = checksum(&out[..24]);
     put_u64(&mut out, 24, sum);
+    debug_assert_eq!(out.len(), TIMELINE_HEADER_BYTES + points.len() * TIMELINE_POINT_BYTES);
     out
 }
 

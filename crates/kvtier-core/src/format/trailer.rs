@@ -31,7 +31,9 @@ pub const TRAILER_ENTRY_BYTES: usize = 64;
 
 /// Bytes reserved at the end of a region for a trailer of up to `max_entries` entries.
 pub fn trailer_bytes(max_entries: usize) -> usize {
-    round_up(TRAILER_HEADER_BYTES + TRAILER_ENTRY_BYTES * max_entries, ALIGN_BYTES)
+    let bytes = round_up(TRAILER_HEADER_BYTES + TRAILER_ENTRY_BYTES * max_entries, ALIGN_BYTES);
+    debug_assert!(bytes.is_multiple_of(ALIGN_BYTES) && bytes >= TRAILER_HEADER_BYTES);
+    bytes
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,8 +55,14 @@ pub struct Trailer {
 impl Trailer {
     /// Encodes into `out`, which must be `trailer_bytes(max_entries)` long.
     pub fn encode(&self, out: &mut [u8]) {
-        out.fill(0);
         let count = self.entries.len();
+        assert!(
+            out.len() >= TRAILER_HEADER_BYTES + count * TRAILER_ENTRY_BYTES,
+            "a trailer of {count} entries in {} bytes",
+            out.len()
+        );
+        assert!(count <= u32::MAX as usize);
+        out.fill(0);
         for (i, e) in self.entries.iter().enumerate() {
             let at = TRAILER_HEADER_BYTES + i * TRAILER_ENTRY_BYTES;
             out[at..at + 32].copy_from_slice(&e.key.0);
@@ -73,6 +81,7 @@ impl Trailer {
         put_u64(out, 32, entries_sum);
         let sum = checksum(&out[..56]);
         put_u64(out, 56, sum);
+        debug_assert_eq!(Trailer::decode(out), Ok(Some(self.clone())), "a trailer reads back as written");
     }
 
     /// Decodes a trailer area. `Ok(None)` means no trailer (an open, empty or invalidated region).

@@ -22,6 +22,8 @@ impl AlignedBuf {
         if ptr.is_null() {
             std::alloc::handle_alloc_error(layout);
         }
+        debug_assert!((ptr as usize).is_multiple_of(ALIGN_BYTES), "an O_DIRECT buffer off its alignment");
+        assert!(len.is_multiple_of(ALIGN_BYTES) && len > 0);
         AlignedBuf { ptr, len }
     }
 

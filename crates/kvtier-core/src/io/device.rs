@@ -280,6 +280,8 @@ impl DeviceLoop {
                 }
             }
             self.flush_batch();
+            debug_assert!(self.batch.is_empty(), "a batch left unsubmitted");
+            debug_assert!(self.inflight.len() <= self.depth, "more operations in flight than the queue depth");
             if self.inflight.is_empty() {
                 if !reads_open && !writes_open {
                     return;
@@ -366,6 +368,11 @@ impl DeviceLoop {
             stats.record_io(write, op.len, *next_offset == Some(op.offset));
         }
         *next_offset = Some(op.offset + op.len as u64);
+        debug_assert!(
+            op.iovecs.is_empty() || op.iovecs.iter().map(|v| v.iov_len).sum::<usize>() == op.len,
+            "a vectored op's length is its iovecs' total"
+        );
+        debug_assert!(!op.iovecs.is_empty() || !op.buf.is_null(), "an op with neither a buffer nor iovecs");
         if op.kind == OpKind::Write {
             self.write_inflight_bytes += op.len;
             self.writes_inflight += 1;
@@ -380,7 +387,8 @@ impl DeviceLoop {
             iov: op.iovecs.as_ptr(),
             iov_count: op.iovecs.len(),
         });
-        self.inflight.insert(token, InFlight { op, done_bytes: 0, retries: 0 });
+        let before = self.inflight.insert(token, InFlight { op, done_bytes: 0, retries: 0 });
+        assert!(before.is_none(), "token {token} handed out twice");
     }
 
     fn flush_batch(&mut self) {
@@ -411,6 +419,10 @@ impl DeviceLoop {
     fn finish(&mut self, token: u64, result: std::io::Result<()>) {
         if let Some(f) = self.inflight.remove(&token) {
             if f.op.kind == OpKind::Write {
+                assert!(
+                    self.write_inflight_bytes >= f.op.len && self.writes_inflight > 0,
+                    "a write finished that was not counted in flight"
+                );
                 self.write_inflight_bytes -= f.op.len;
                 self.writes_inflight -= 1;
             }
@@ -433,6 +445,8 @@ impl DeviceLoop {
             });
             return;
         }
+        assert!(f.done_bytes <= f.op.len, "{} bytes done of a {}-byte op", f.done_bytes, f.op.len);
+        debug_assert!(f.done_bytes < f.op.len || f.op.len == 0);
         // SAFETY: done_bytes < len, so the pointer stays inside the op's buffer.
         self.batch.push(IoRequest {
             token,
@@ -490,6 +504,7 @@ impl DeviceLoop {
             return;
         }
         f.done_bytes += c.result as usize;
+        debug_assert!(f.op.iovecs.is_empty() || f.done_bytes >= f.op.len, "a short vectored transfer completed");
         if f.done_bytes >= f.op.len {
             self.finish(c.token, Ok(()));
         } else {

@@ -35,6 +35,8 @@ impl PsyncEngine {
 
 /// One pread/pwrite; partial transfers are returned as such and resubmitted by the device queue.
 fn execute(req: &IoRequest) -> i64 {
+    debug_assert!(req.iov_count > 0 || !req.buf.is_null(), "a plain transfer without a buffer");
+    debug_assert!(req.iov_count == 0 || !req.iov.is_null(), "a vectored transfer without iovecs");
     // SAFETY: the device queue guarantees the buffer is valid for `len` bytes until completion.
     let n = unsafe {
         match req.kind {

@@ -59,10 +59,15 @@ impl UringEngine {
                 let base = r.base as usize;
                 start >= base && start + len <= base + r.len
             })
-            .map(|i| i as u16)
+            .map(|i| {
+                debug_assert!(i <= u16::MAX as usize, "more registered ranges than io_uring indexes");
+                i as u16
+            })
     }
 
     fn entry(&self, req: &IoRequest) -> squeue::Entry {
+        debug_assert!(req.iov_count <= u32::MAX as usize);
+        debug_assert!(req.iov_count > 0 || !req.buf.is_null(), "a plain transfer without a buffer");
         let len = req.len as u32;
         let fixed_buf = self.registered_index(req.buf, req.len);
         macro_rules! build {

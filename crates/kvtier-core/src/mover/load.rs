@@ -272,6 +272,7 @@ impl<'a> Load<'a> {
             return;
         }
         let brought_in = self.sh.read_ahead.take_served(hits.iter().map(|&(i, _)| &self.keys[i]));
+        debug_assert!(brought_in <= hits.len(), "more read-ahead hits than hits");
         Stats::add(&self.sh.stats.read_ahead_hits, brought_in as u64);
         Stats::add(&self.sh.stats.dram_hits, (hits.len() - brought_in) as u64);
     }
@@ -297,6 +298,8 @@ impl<'a> Load<'a> {
             }
         }
         self.waiting.extend(retry);
+        debug_assert!(self.reads_in_flight + round.reads() <= self.max_reads_in_flight, "a round past the read bound");
+        debug_assert!(self.next <= self.keys.len());
         if round.is_empty() && self.reads_in_flight == 0 && self.has_unplanned() {
             self.wait_for_change(&mut cat);
             return None;
@@ -396,6 +399,7 @@ impl<'a> Load<'a> {
             cat.load_waits(false);
         }
         if timed_out && Instant::now() >= until {
+            debug_assert!(self.next <= self.keys.len());
             Stats::add(&sh.stats.slot_wait_timeouts, 1);
             self.count_misses(self.keys.len() - self.next + self.waiting.len());
             self.next = self.keys.len();
@@ -444,6 +448,7 @@ impl<'a> Load<'a> {
         let earlier = self.pending[i].replace(read);
         assert!(earlier.is_none(), "key {i} already has a read in flight");
         self.reads_in_flight += 1;
+        debug_assert!(self.remote_reads_in_flight <= self.reads_in_flight);
     }
 
     fn submit_nvme_read(&mut self, i: usize, read: NvmeRead) {
@@ -451,6 +456,13 @@ impl<'a> Load<'a> {
         let geometry = sh.geometry.expect("NVMe reads need the NVMe tier");
         let landing = self.landing(i, &read);
         let (buf, len, iovecs) = landing.target(sh, &read, self.bufs.map(|b| &b[i]));
+        debug_assert!(len as u64 <= geometry.slot_bytes, "a read of {len} bytes past its entry");
+        debug_assert!(
+            read.loc.offset.is_multiple_of(geometry.slot_bytes)
+                && read.loc.offset + geometry.slot_bytes <= geometry.data_bytes(),
+            "an NVMe read at {} outside its region's data",
+            read.loc.offset
+        );
         sh.devices[read.loc.device as usize].read(IoOp {
             kind: OpKind::Read,
             offset: geometry.region_offset(read.loc.region) + read.loc.offset,
@@ -488,6 +500,7 @@ impl<'a> Load<'a> {
     }
 
     fn judge_and_settle(&mut self, finished: Vec<Completion>) {
+        assert!(finished.len() <= self.reads_in_flight, "more reads finished than were in flight");
         self.reads_in_flight -= finished.len();
         let judged = finished.into_iter().map(|done| self.judge(done)).collect();
         self.settle(judged);
@@ -514,6 +527,7 @@ impl<'a> Load<'a> {
         let judged = match self.pending[i].take().expect("a read in flight completes exactly once") {
             PendingRead::Nvme(read) => Judged::Nvme(read, self.judge_nvme(i, &read, done.io_result, done.landing)),
             PendingRead::Remote { slot, read } => {
+                assert!(self.remote_reads_in_flight > 0, "a remote read finished that was not counted");
                 self.remote_reads_in_flight -= 1;
                 self.remote_progress = Instant::now();
                 // SAFETY: the read into our slot finished; an abandoned slot is retired when settled.
@@ -533,6 +547,7 @@ impl<'a> Load<'a> {
     ) -> LoadOutcome {
         let (sh, key) = (self.sh, &self.keys[i]);
         if matches!(landing, Landing::Staged(_)) {
+            assert!(self.staged_reads_in_flight > 0, "a staged read finished that was not counted");
             self.staged_reads_in_flight -= 1;
         }
         let probe = self.nvme_probe.take_if(|&mut probe| probe == i).is_some();
@@ -590,6 +605,7 @@ impl<'a> Load<'a> {
                 }
             }
             if let Some(pinned) = self.pinned.as_deref_mut().filter(|_| judged.loaded()) {
+                debug_assert!(pinned[i].is_none(), "key {i} pinned twice");
                 pinned[i] = cat.pin_resident(key);
             }
         }

@@ -47,6 +47,7 @@ impl BlockBuffer {
     pub fn layer_page_offset(block_id: usize, page_bytes: usize, layer_bytes: usize) -> Option<usize> {
         let start = block_id.checked_mul(page_bytes)?;
         let end = start.checked_add(page_bytes)?;
+        debug_assert_eq!(end - start, page_bytes);
         (end <= layer_bytes).then_some(start)
     }
 
@@ -99,6 +100,8 @@ fn for_each_chunk(buf: &BlockBuffer, mut visit: impl FnMut(*mut u8, usize, usize
 /// is hashed right after it is copied, while it is still in cache, instead of reading the whole
 /// value back from memory (a store runs beside the engine's compute; memory traffic is what it costs).
 fn copy_in_and_checksum(sh: &StoreState, slot: u32, buf: &BlockBuffer) -> u64 {
+    debug_assert_eq!(buf.total_bytes(), sh.config.object_bytes, "a put's buffer holds one value");
+    debug_assert!(DESCRIPTOR_BYTES + sh.config.object_bytes <= sh.arena.slot_bytes(), "a value fits its slot");
     // SAFETY: the slot is ours (Filling) and the caller's segments are valid for reading
     // (submission contract); the slot's value area holds object_bytes = the segments' total.
     let value = unsafe {
@@ -154,6 +157,7 @@ pub(crate) fn execute_put(sh: &Arc<StoreState>, keys: &[BlockKey], bufs: &[Block
                 value_checksum: copy_in_and_checksum(sh, slot, &bufs[i]),
             })
             .collect();
+        debug_assert!(filled.len() <= batch_max, "a fill batch past its bound");
         complete_fills(sh, &filled);
         for &(i, _, _) in &fills {
             results[i] = true;
@@ -169,6 +173,7 @@ pub(crate) fn copy_resident_block(sh: &StoreState, key: &BlockKey, out: &mut [u8
     let object_bytes = sh.config.object_bytes;
     assert!(out.len() >= DESCRIPTOR_BYTES + object_bytes, "a publish buffer holds a whole slot");
     let Some(block) = sh.catalog.lock().pin_resident_for_copy(key) else { return false };
+    assert!((block.slot as usize) < sh.arena.slot_count(), "a resident block in slot {}", block.slot);
     // SAFETY: the block is pinned as a reader: its slot is resident and its value does not change
     // until released. Only the value area is read.
     let value =
@@ -200,6 +205,7 @@ pub(crate) struct Filled {
 /// last two below DRAM as `admission` decides), then writes the blocks reused meanwhile.
 fn complete_fills(sh: &Arc<StoreState>, filled: &[Filled]) {
     let verdicts: Vec<(Persist, bool)> = filled.iter().map(|f| admit_store(sh, &f.key)).collect();
+    debug_assert_eq!(verdicts.len(), filled.len());
     for (f, &(_, offer_now)) in filled.iter().zip(&verdicts) {
         // SAFETY: the slot is ours (Filling) and no I/O touches it until finish_put.
         let bytes = unsafe { slot_mut(sh.arena.slot_ptr(f.slot), sh.arena.slot_bytes()) };
@@ -345,6 +351,7 @@ pub(crate) fn commit_puts(sh: &Arc<StoreState>, fills: &[(BlockKey, u32, u64)]) 
         .map(|&(_, slot, _)| &unsafe { slot_ref(sh, slot) }[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + object_bytes])
         .collect();
     let value_checksums = checksums(&values);
+    debug_assert_eq!(value_checksums.len(), fills.len(), "one checksum per fill");
     Stats::add(&sh.stats.bytes_copied_in, (object_bytes * fills.len()) as u64);
     let filled: Vec<Filled> = fills
         .iter()
@@ -381,6 +388,7 @@ fn checksums(values: &[&[u8]]) -> Vec<u64> {
             });
         }
     });
+    debug_assert_eq!(out.len(), values.len());
     out
 }
 
@@ -426,6 +434,14 @@ fn submit_entry_write(sh: &Arc<StoreState>, key: BlockKey, plan: WritePlan) {
     // (the gate then cancels the write, which never touches the slot again).
     sh.catalog.lock().write_queued(&key, &plan);
     let geometry = sh.geometry.expect("writes need the NVMe tier");
+    debug_assert_eq!(sh.arena.slot_bytes() as u64, geometry.slot_bytes, "a DRAM slot is an NVMe entry");
+    debug_assert!(
+        plan.loc.offset.is_multiple_of(geometry.slot_bytes)
+            && plan.loc.offset + geometry.slot_bytes <= geometry.data_bytes(),
+        "an entry write at {} outside its region's data",
+        plan.loc.offset
+    );
+    debug_assert!((buf as usize).is_multiple_of(ALIGN_BYTES), "an entry write from an unaligned buffer");
     let (gate_state, state) = (Arc::clone(sh), Arc::clone(sh));
     sh.devices[plan.loc.device as usize].write(IoOp {
         kind: OpKind::Write,
@@ -477,6 +493,7 @@ const WRITE_BUFFERS_MAX_BYTES: usize = 64 << 20;
 /// Keeps a finished write's buffer for the next encrypted write: at least one, and up to the writes
 /// the devices take at once within `WRITE_BUFFERS_MAX_BYTES`.
 fn give_back_write_buffer(sh: &StoreState, buffer: AlignedBuf) {
+    debug_assert_eq!(buffer.len(), sh.arena.slot_bytes(), "write buffers hold one slot");
     let most = (WRITE_BUFFERS_MAX_BYTES / buffer.len()).clamp(1, sh.config.io_depth * sh.devices.len().max(1));
     let mut buffers = sh.write_buffers.lock();
     if buffers.len() < most {
@@ -502,6 +519,7 @@ pub(crate) fn submit_meta(sh: &Arc<StoreState>, writes: Vec<MetaWrite>) {
         let state = Arc::clone(sh);
         let ptr = buf.as_ptr();
         let len = buf.len();
+        debug_assert_eq!(len as u64, geometry.trailer_bytes, "a trailer write covers the trailer area");
         sh.devices[write.device].write(IoOp {
             kind: OpKind::Write,
             offset: geometry.trailer_offset(write.region),

@@ -32,6 +32,7 @@ impl DroppedKeys {
             }
         }
         self.since.insert(key, Instant::now());
+        debug_assert!(self.since.len() <= Self::MAX_KEYS);
     }
 }
 
@@ -57,11 +58,9 @@ impl Fill {
     }
 
     fn all_ranks(&self) -> u64 {
-        if self.tp_size == 64 {
-            u64::MAX
-        } else {
-            (1u64 << self.tp_size) - 1
-        }
+        let all = if self.tp_size == 64 { u64::MAX } else { (1u64 << self.tp_size) - 1 };
+        debug_assert_eq!(all.count_ones(), self.tp_size);
+        all
     }
 }
 
@@ -142,6 +141,7 @@ impl Fills {
 
     /// Rank `rank` of an engine of `tp_size` ranks takes its share of the fill of `key`, if any.
     pub(super) fn join(&mut self, key: &BlockKey, rank: u32, tp_size: u32) -> Option<Joined> {
+        assert!(rank < tp_size && tp_size <= 64, "rank {rank} of {tp_size}");
         let bit = 1u64 << rank;
         let fill = self.open.get_mut(key)?;
         if fill.tp_size != tp_size {
@@ -153,6 +153,8 @@ impl Fills {
         }
         fill.reserved_ranks |= bit;
         fill.holders += 1;
+        debug_assert!(fill.holders <= fill.reserved_ranks.count_ones(), "more holders than ranks that reserved");
+        debug_assert_eq!(fill.reserved_ranks & !fill.all_ranks(), 0, "a rank past the fill's tp_size");
         Some(Joined::Fill { slot: fill.slot, sequence: fill.sequence })
     }
 
@@ -166,6 +168,7 @@ impl Fills {
                 Some(bit) => fill.committed_ranks |= bit,
                 None => fill.aborted = true,
             }
+            debug_assert_eq!(fill.committed_ranks & !fill.reserved_ranks, 0, "a commit by a rank that never reserved");
             let (accepted, slot) = (committed.is_some() && !fill.aborted, fill.slot);
             let outcome = if fill.aborted && fill.holders == 0 {
                 Outcome::GiveBack { slot }
@@ -192,6 +195,7 @@ impl Fills {
     /// now never complete is given up, at once (its slot, to give back) or when its holders let go.
     /// `false`: no such fill, the store was this rank's alone to drop.
     pub(super) fn give_up_unheld(&mut self, key: &BlockKey, rank: u32, tp_size: u32) -> (bool, Option<u32>) {
+        assert!(rank < tp_size && tp_size <= 64, "rank {rank} of {tp_size}");
         let bit = 1u64 << rank;
         match self.open.get_mut(key) {
             Some(fill) if fill.tp_size == tp_size && fill.reserved_ranks & bit == 0 => {
@@ -219,7 +223,8 @@ impl Fills {
                 return false;
             }
             if fill.holders > 0 && held_limit.is_some_and(|limit| age >= limit) {
-                abandoned.insert(fill.sequence, Abandoned { slot: fill.slot, holders: fill.holders });
+                let before = abandoned.insert(fill.sequence, Abandoned { slot: fill.slot, holders: fill.holders });
+                debug_assert!(before.is_none(), "two fills of sequence {}", fill.sequence);
                 found.abandoned.push((*key, fill.slot));
                 return false;
             }

@@ -210,7 +210,8 @@ impl std::ops::Deref for OperatorHold {
 
 impl Drop for OperatorHold {
     fn drop(&mut self) {
-        self.0.operator_holds.fetch_sub(1, Ordering::Relaxed);
+        let before = self.0.operator_holds.fetch_sub(1, Ordering::Relaxed);
+        debug_assert!(before > 0, "an operator hold released that was never taken");
     }
 }
 

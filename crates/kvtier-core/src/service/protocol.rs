@@ -187,15 +187,18 @@ impl Writer {
         self
     }
     pub fn bytes(&mut self, v: &[u8]) -> &mut Self {
+        debug_assert!(v.len() <= u32::MAX as usize, "a field of {} bytes overflows its length", v.len());
         self.u32(v.len() as u32);
         self.0.extend_from_slice(v);
         self
     }
     /// `u32 count` + `count * (u16 len, name, u64 value)`: named values, extensible without a version.
     pub fn pairs<S: AsRef<str>>(&mut self, pairs: &[(S, u64)]) -> &mut Self {
+        debug_assert!(pairs.len() <= u32::MAX as usize);
         self.u32(pairs.len() as u32);
         for (name, value) in pairs {
             let name = name.as_ref().as_bytes();
+            debug_assert!(name.len() <= u16::MAX as usize, "a pair's name of {} bytes", name.len());
             self.u16(name.len() as u16);
             self.0.extend_from_slice(name);
             self.u64(*value);
@@ -207,10 +210,13 @@ impl Writer {
         self
     }
     pub fn keys(&mut self, keys: &[BlockKey]) -> &mut Self {
+        debug_assert!(keys.len() <= u32::MAX as usize);
+        let start = self.0.len();
         self.u32(keys.len() as u32);
         for key in keys {
             self.0.extend_from_slice(&key.0);
         }
+        debug_assert_eq!(self.0.len() - start, 4 + keys.len() * 32, "a key list is its count, then 32 bytes a key");
         self
     }
 }
@@ -251,6 +257,7 @@ impl<'a> Reader<'a> {
     pub fn keys(&mut self) -> Result<Vec<BlockKey>, ProtocolError> {
         let n = self.u32()? as usize;
         let raw = self.take(n.checked_mul(32).ok_or(ProtocolError("key count overflows"))?)?;
+        debug_assert_eq!(raw.len(), n * 32);
         Ok(raw.chunks_exact(32).map(|k| BlockKey(k.try_into().unwrap())).collect())
     }
     pub fn pairs(&mut self) -> Result<Vec<(String, u64)>, ProtocolError> {

@@ -85,12 +85,14 @@ pub(super) struct Session {
 impl Session {
     /// A connection's session on `ns` after its hello, holding nothing yet.
     pub(super) fn new(ns: Arc<Namespaced>, rank: u32, tp_size: u32) -> Session {
+        assert!(rank < tp_size && tp_size <= 64, "hello checked rank {rank} of {tp_size}");
         Session { ns, rank, tp_size, pins: HashMap::new(), readers: HashMap::new(), reserved: Vec::new(), label: None }
     }
 
     /// `Op::Acquire`: pins each block found for this connection until `Release`, and answers its slot.
     pub(super) fn acquire(&mut self, keys: &[BlockKey], w: &mut Writer) -> std::result::Result<(), String> {
         let slots = self.ns.store.acquire(keys).map_err(|e| e.to_string())?;
+        debug_assert_eq!(slots.len(), keys.len(), "one slot or none per key");
         let mut loaded = 0;
         for (key, slot) in keys.iter().zip(slots) {
             if slot.is_some() {
@@ -99,6 +101,7 @@ impl Session {
             }
             w.u32(slot.unwrap_or(NO_SLOT));
         }
+        debug_assert!(loaded <= keys.len() as u64);
         self.count(|c| {
             c.loaded_slices += loaded;
             c.load_missed_slices += keys.len() as u64 - loaded;
@@ -194,6 +197,8 @@ impl Session {
         }
         let out: Vec<(ReserveKind, u32)> =
             out.into_iter().map(|d| d.unwrap_or((ReserveKind::Dropped, NO_SLOT))).collect();
+        debug_assert_eq!(out.len(), keys.len(), "one reply per key");
+        debug_assert!(out.iter().all(|&(kind, slot)| (kind == ReserveKind::Fill) == (slot != NO_SLOT)));
         let dropped = out.iter().filter(|(kind, _)| *kind == ReserveKind::Dropped).count();
         ns.store.count_dropped_stores(dropped as u64);
         Ok(out)
@@ -227,6 +232,7 @@ impl Session {
     fn join(&mut self, fills: &mut Fills, key: &BlockKey) -> Option<(ReserveKind, u32)> {
         let joined = fills.join(key, self.rank, self.tp_size)?;
         if let Joined::Fill { sequence, .. } = joined {
+            debug_assert!(!self.reserved.contains(&(*key, sequence)), "a fill joined twice by one connection");
             self.reserved.push((*key, sequence));
         }
         Some(joined.reply())
@@ -275,6 +281,7 @@ impl Session {
                 accepted.push(counted);
             }
         }
+        debug_assert_eq!(accepted.len(), keys.len());
         steps.apply(&self.ns.store)?;
         Ok(accepted)
     }
@@ -320,7 +327,8 @@ impl Drop for Session {
         }
         // The date first: the janitor reads `attached` before it, and must not see a stale date.
         *self.ns.detached_at.lock() = Instant::now();
-        self.ns.attached.fetch_sub(1, Ordering::Relaxed);
+        let before = self.ns.attached.fetch_sub(1, Ordering::Relaxed);
+        debug_assert!(before > 0, "a session left a namespace it was not counted in");
     }
 }
 
@@ -330,6 +338,7 @@ fn take_held(held: &mut HashMap<BlockKey, u32>, keys: &[BlockKey]) -> Vec<BlockK
     let mut taken = Vec::new();
     for key in keys {
         if let Some(count) = held.get_mut(key) {
+            assert!(*count > 0, "a held key's count is removed at zero");
             *count -= 1;
             if *count == 0 {
                 held.remove(key);

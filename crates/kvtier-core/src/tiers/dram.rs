@@ -67,6 +67,7 @@ impl Arena {
                 (base, false, Some((path.to_path_buf(), owner)))
             }
         };
+        debug_assert!((base as usize).is_multiple_of(4096), "a mapping off its page");
         PROCESS_ARENA_BYTES.fetch_add(len, Ordering::Relaxed);
         let (file, owner) = file.unzip();
         Ok(Arena { base, len, slot_bytes, slot_count, huge_pages, file, owner, keep_mapped: AtomicBool::new(false) })
@@ -112,6 +113,7 @@ impl Arena {
     /// Start of slot `index` (its descriptor page).
     pub fn slot_ptr(&self, index: u32) -> *mut u8 {
         assert!((index as usize) < self.slot_count, "slot index out of range");
+        debug_assert!((index as usize + 1) * self.slot_bytes <= self.len, "slot {index} ends past the mapping");
         // SAFETY: in bounds of the mapping.
         unsafe { self.base.add(index as usize * self.slot_bytes) }
     }
@@ -130,6 +132,8 @@ impl Arena {
             ranges.push(RegisteredRange { base: self.slot_ptr(first as u32), len });
             first += count;
         }
+        debug_assert!(ranges.iter().all(|r| r.len <= MAX_REGISTERED_BYTES && r.len > 0));
+        debug_assert!(ranges.iter().map(|r| r.len).sum::<usize>() <= self.len, "ranges past the mapping");
         ranges
     }
 }
@@ -141,7 +145,8 @@ impl Drop for Arena {
             // threads and waited for the reads its loads gave up).
             unsafe { libc::munmap(self.base.cast(), self.len) };
         }
-        PROCESS_ARENA_BYTES.fetch_sub(self.len, Ordering::Relaxed);
+        let before = PROCESS_ARENA_BYTES.fetch_sub(self.len, Ordering::Relaxed);
+        debug_assert!(before >= self.len, "an arena unmapped that was never counted");
         if let (Some(path), Some(owner)) = (&self.file, &self.owner) {
             remove_if_same_file(path, owner);
         }

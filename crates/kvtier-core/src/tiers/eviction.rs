@@ -57,6 +57,7 @@ impl S3Fifo {
 
     fn push(&mut self, slot: u32, queue: Queue) {
         let s = slot as usize;
+        debug_assert!(self.queue_of[s] == Queue::None, "slot {slot} queued twice");
         self.queue_of[s] = queue;
         let item = (slot, self.generation[s]);
         match queue {
@@ -75,8 +76,14 @@ impl S3Fifo {
     fn forget(&mut self, slot: u32) {
         let s = slot as usize;
         match self.queue_of[s] {
-            Queue::Small => self.small_live -= 1,
-            Queue::Main => self.main_live -= 1,
+            Queue::Small => {
+                assert!(self.small_live > 0, "slot {slot} in the small queue, which counts none");
+                self.small_live -= 1;
+            }
+            Queue::Main => {
+                assert!(self.main_live > 0, "slot {slot} in the main queue, which counts none");
+                self.main_live -= 1;
+            }
             Queue::None => return,
         }
         self.queue_of[s] = Queue::None;
@@ -92,6 +99,7 @@ impl S3Fifo {
                 }
             }
         }
+        debug_assert!(self.ghost.len() <= self.ghost_capacity && self.ghost_set.len() <= self.ghost.len());
     }
 }
 
@@ -153,6 +161,7 @@ impl EvictionPolicy for S3Fifo {
                 let h = self.key_hash[s];
                 self.remember_ghost(h);
             }
+            debug_assert!(self.queue_of[s] == Queue::None, "victim {slot} still queued");
             return Some(slot);
         }
         None
@@ -173,11 +182,13 @@ impl Lru {
 
     fn bump(&mut self, slot: u32) {
         if let Some(t) = self.last_use[slot as usize].take() {
-            self.order.remove(&t);
+            let listed = self.order.remove(&t);
+            debug_assert_eq!(listed, Some(slot), "slot {slot}'s last use lists another slot");
         }
         self.tick += 1;
         self.last_use[slot as usize] = Some(self.tick);
         self.order.insert(self.tick, slot);
+        debug_assert!(self.order.len() <= self.last_use.len(), "more uses listed than slots");
     }
 }
 

@@ -40,13 +40,12 @@ impl Geometry {
         while max_entries > 0 && max_entries * slot_bytes + trailer_bytes(max_entries as usize) as u64 > region_bytes {
             max_entries -= 1;
         }
-        Geometry {
-            slot_bytes,
-            region_bytes,
-            region_count,
-            max_entries,
-            trailer_bytes: trailer_bytes(max_entries as usize) as u64,
-        }
+        let trailer_bytes = trailer_bytes(max_entries as usize) as u64;
+        assert!(
+            max_entries == 0 || max_entries * slot_bytes + trailer_bytes <= region_bytes,
+            "{max_entries} entries and their trailer overflow a region"
+        );
+        Geometry { slot_bytes, region_bytes, region_count, max_entries, trailer_bytes }
     }
 
     pub fn from_capacity(slot_bytes: u64, region_bytes: u64, device_bytes: u64) -> Self {
@@ -59,10 +58,12 @@ impl Geometry {
     }
 
     pub fn region_offset(&self, region: u32) -> u64 {
+        debug_assert!((region as u64) < self.region_count, "region {region} past the device's last");
         SUPERBLOCK_BYTES as u64 + region as u64 * self.region_bytes
     }
 
     pub fn trailer_offset(&self, region: u32) -> u64 {
+        debug_assert!(self.trailer_bytes <= self.region_bytes, "a trailer larger than its region");
         self.region_offset(region) + self.region_bytes - self.trailer_bytes
     }
 
@@ -190,6 +191,7 @@ fn check_same_store_and_layout(path: &Path, found: &Superblock, template: &Super
 fn initialize_device(device: &DeviceFile, template: &Superblock, geometry: &Geometry) -> Result<()> {
     preallocate(device, geometry.file_bytes())?;
     let mut page = AlignedBuf::zeroed(SUPERBLOCK_BYTES);
+    assert_eq!(page.len(), SUPERBLOCK_BYTES, "the superblock is one aligned page");
     template.encode(page.as_mut_slice());
     write_all_at(device, page.as_slice(), 0)?;
     device.file.sync_all().map_err(|e| Error::io(format!("fsync {}", device.path.display()), e))
@@ -318,6 +320,11 @@ pub fn recover(
 ) -> Result<Vec<RecoveredRegion>> {
     let mut trailer_buf = AlignedBuf::zeroed(geometry.trailer_bytes as usize);
     let mut slot_buf = AlignedBuf::zeroed(geometry.slot_bytes as usize);
+    debug_assert!(trailer_buf.len() as u64 >= geometry.trailer_bytes && slot_buf.len() as u64 >= geometry.slot_bytes);
+    debug_assert!(
+        DESCRIPTOR_BYTES as u64 + object_bytes <= geometry.slot_bytes,
+        "a slot holds the descriptor page and the value"
+    );
     let mut found = Vec::new();
     let mut progress = RecoveryProgress::new(device, geometry.region_count);
     for region in 0..geometry.region_count as u32 {
@@ -411,6 +418,7 @@ fn scan_region(
         let generation = &candidates[at..at + generation_end.unwrap_or(candidates.len() - at)];
         let mut entries = Vec::new();
         for (offset, desc) in generation {
+            debug_assert!(valid_entry_position(geometry, *offset), "a scanned entry at {offset} outside the data");
             let position = geometry.region_offset(region) + offset;
             let slot = &mut slot_buf.as_mut_slice()[..geometry.slot_bytes as usize];
             read_exact_at(device, slot, position)?;
@@ -428,6 +436,7 @@ fn scan_region(
             }
         }
         if !entries.is_empty() {
+            debug_assert!(entries.len() as u64 <= geometry.max_entries);
             return Ok(Some(RecoveredRegion { region, region_seq, entries, sealed: false }));
         }
         at += generation.len();
@@ -462,12 +471,15 @@ fn scan_descriptors(
         }
         offset += geometry.slot_bytes;
     }
+    debug_assert!(found.len() as u64 <= geometry.max_entries, "more descriptors than a region's entries");
     Ok(found)
 }
 
 /// Builds the trailer bytes for a region (an aligned buffer of `trailer_bytes`).
 pub fn encode_trailer(geometry: &Geometry, region: u32, region_seq: u64, entries: &[TrailerEntry]) -> AlignedBuf {
+    debug_assert!(entries.len() as u64 <= geometry.max_entries, "a trailer of more entries than a region holds");
     let mut buf = AlignedBuf::zeroed(geometry.trailer_bytes as usize);
+    assert_eq!(buf.len() as u64, geometry.trailer_bytes, "trailer_bytes is a multiple of the page");
     Trailer { region_seq, region_index: region as u64, entries: entries.to_vec() }.encode(buf.as_mut_slice());
     buf
 }

@@ -97,6 +97,8 @@ impl Load<'_> {
         drop(table);
         sh.changed.notify_all();
         log::debug!("kvtier: gave up {} remote reads after {stalled:?} without any finishing", stalled_keys.len());
+        assert!(stalled_keys.len() <= self.remote_reads_in_flight, "more reads given up than were in flight");
+        debug_assert!(self.remote_reads_in_flight <= self.reads_in_flight);
         self.reads_in_flight -= stalled_keys.len();
         self.remote_reads_in_flight -= stalled_keys.len();
         for i in stalled_keys {

@@ -40,6 +40,7 @@ impl Framing {
         out[..8].copy_from_slice(&self.magic);
         put_u32(&mut out, 8, self.version);
         put_u32(&mut out, 12, n as u32);
+        debug_assert_eq!(out.len() as u64, self.object_bytes(n), "a framed object's length is its entries'");
         out
     }
 
@@ -56,6 +57,7 @@ impl Framing {
     /// Writes the tag (`tag`: the keyed tag of the bytes before it, with a deployment key) and the
     /// checksum: the object is complete.
     pub fn seal(&self, out: &mut [u8], tag: Option<impl Fn(&[u8]) -> [u8; TAG_BYTES]>) {
+        assert!(out.len() >= self.header_bytes + TAG_BYTES + 8, "{}: sealed before it was started", self.object);
         let tag_at = out.len() - TAG_BYTES - 8;
         if let Some(tag) = tag {
             let t = tag(&out[..tag_at]);
@@ -64,6 +66,11 @@ impl Framing {
         let end = out.len() - 8;
         let sum = checksum(&out[..end]);
         put_u64(out, end, sum);
+        debug_assert!(
+            matches!(self.open(out, None::<fn(&[u8]) -> [u8; TAG_BYTES]>), Ok(Some(_))),
+            "{}: reads back as sealed",
+            self.object
+        );
     }
 
     /// Checks length, magic, version, entry count, checksum and (with `tag`) the tag, compared in
@@ -151,6 +158,7 @@ pub struct SegmentHeader {
 
 impl SegmentHeader {
     pub fn encode(&self, out: &mut [u8]) {
+        assert!(out.len() >= SEGMENT_HEADER_BYTES, "a segment header of {} bytes", out.len());
         out[..SEGMENT_HEADER_BYTES].fill(0);
         out[..8].copy_from_slice(&SEGMENT_MAGIC);
         put_u32(out, 8, OBJECT_FORMAT_VERSION);
@@ -222,6 +230,7 @@ impl SegmentIndex {
             put_u64(&mut out, at + 40, e.value_checksum);
         }
         INDEX_FRAMING.seal(&mut out, auth.map(|a| |body: &[u8]| a.object_index_tag(&self.namespace, body)));
+        debug_assert_eq!(out.len() as u64, INDEX_FRAMING.object_bytes(self.entries.len()));
         out
     }
 

@@ -81,6 +81,11 @@ impl BucketTier {
     /// not be (no nonce from the kernel): left out, as a failed publish is.
     fn append_one(&self, w: &mut SegmentWriter, key: &BlockKey, slot: &[u8]) -> bool {
         let offset = w.buf.len() as u64;
+        debug_assert_eq!(
+            offset as usize,
+            SEGMENT_HEADER_BYTES + w.entries.len() * self.slot_bytes,
+            "a segment holds its header, then one slot per entry"
+        );
         w.buf.extend_from_slice(&slot[..self.slot_bytes]);
         let page_at = offset as usize;
         if let Some(cipher) = self.cipher.get() {
@@ -100,6 +105,7 @@ impl BucketTier {
         w.buf[page_at + BLOCK_TAG_AT..page_at + BLOCK_TAG_AT + TAG_BYTES].copy_from_slice(&tag);
         let value_checksum = Descriptor::decode(&slot[..DESCRIPTOR_BYTES]).map(|d| d.value_checksum).unwrap_or(0);
         w.entries.push(Entry { key: *key, offset, value_checksum });
+        debug_assert_eq!(w.buf.len() as u64, offset + self.slot_bytes as u64);
         w.keys.insert(*key);
         w.first_at.get_or_insert_with(Instant::now);
         true
@@ -125,6 +131,12 @@ impl BucketTier {
     /// A failed PUT loses the segment's blocks (a cache; counted in `bucket_dropped_publishes`).
     fn seal(&self, w: &mut SegmentWriter) {
         let (mut buf, entries, seq) = w.take();
+        debug_assert!(
+            !entries.is_empty() && entries.len() <= self.segment_blocks,
+            "a segment of {} blocks",
+            entries.len()
+        );
+        debug_assert_eq!(buf.len(), SEGMENT_HEADER_BYTES + entries.len() * self.slot_bytes);
         let stem = format::stem(self.writer_id, seq);
         let created_unix_ms = unix_ms();
         SegmentHeader {

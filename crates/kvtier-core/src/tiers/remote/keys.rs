@@ -133,7 +133,8 @@ impl<L> KeyIndex<L> {
                     out.push(*key);
                 } else {
                     entry.named.store(false, Ordering::Relaxed);
-                    self.named.fetch_sub(1, Ordering::AcqRel);
+                    let before = self.named.fetch_sub(1, Ordering::AcqRel);
+                    debug_assert!(before > 0, "a named key not counted");
                 }
             } else if room > 0 {
                 room -= 1;

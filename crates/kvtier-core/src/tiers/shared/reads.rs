@@ -77,6 +77,7 @@ impl SharedTier {
             }
         }
         let results = self.io.run_all(transfers);
+        debug_assert_eq!(results.len(), started.len(), "one result per transfer");
         for ((index, read), result) in started.into_iter().zip(results) {
             // SAFETY: the caller's slot is ours for the call (contract above), and the read finished.
             outcomes[index] = unsafe { self.finish_started(read, reads[index].1, result) };
@@ -165,6 +166,7 @@ impl SharedTier {
     /// whose buffer is leaked, cannot land in the caller's).
     fn read_owned(&self, key: &BlockKey) -> Option<AlignedBuf> {
         let landing = AlignedBuf::zeroed(self.slot_bytes);
+        debug_assert_eq!(landing.len(), self.slot_bytes, "a shared slot is whole pages");
         // SAFETY: `landing` is ours and aligned; abandoned, it is leaked.
         match unsafe { self.read_many(&[(*key, landing.as_ptr())]) }[0] {
             ReadOutcome::Hit => Some(landing),
@@ -241,6 +243,7 @@ impl SharedTier {
 
     /// Counts a load's read and makes a good one resident-ready (tag cleared, access recorded).
     fn finish_read(&self, p: &FileRead, result: std::io::Result<()>, slot: &mut [u8]) -> ReadOutcome {
+        debug_assert!(slot.len() >= self.slot_bytes, "a landing of {} bytes", slot.len());
         match self.judge(&p.key, p.loc, &p.name, result, slot) {
             Verdict::Good => {}
             Verdict::Failed(e) => {

@@ -8,9 +8,9 @@ use super::format::{
 use super::root::{create_file, make_dir};
 use super::{capacity, io_err, SharedTier};
 use crate::error::{Error, Result};
-use crate::format::checksum;
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::format::encrypted::seal_slot;
+use crate::format::{checksum, ALIGN_BYTES};
 use crate::io::buffer::AlignedBuf;
 use crate::io::device::Transfer;
 use crate::io::OpKind;
@@ -49,6 +49,7 @@ impl SharedTier {
         let mut slots: Vec<(BlockKey, AlignedBuf)> = Vec::with_capacity(keys.len());
         for (key, value) in keys.iter().zip(values) {
             let mut buf = AlignedBuf::zeroed(self.slot_bytes);
+            debug_assert!(buf.len() >= self.slot_bytes);
             self.build_slot(key, value, buf.as_mut_slice());
             slots.push((*key, buf));
         }
@@ -57,6 +58,7 @@ impl SharedTier {
     }
 
     pub(crate) fn build_slot(&self, key: &BlockKey, value: &[u8], slot: &mut [u8]) {
+        debug_assert!(slot.len() >= self.slot_bytes, "a slot of {} bytes", slot.len());
         slot[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + value.len()].copy_from_slice(value);
         Descriptor {
             value_bytes: self.object_bytes as u32,
@@ -95,6 +97,7 @@ impl SharedTier {
                 self.seal(&mut w);
             }
         }
+        debug_assert!(written <= slots.len());
         written
     }
 
@@ -143,6 +146,7 @@ impl SharedTier {
                 Stats::add(&self.stats.shared_publish_errors, 1);
                 continue;
             }
+            debug_assert!(batch.last().is_none_or(|&last| last < *next - 1), "a slot picked twice");
             batch.push(*next - 1);
             count += 1;
             end += self.slot_bytes as u64;
@@ -155,6 +159,8 @@ impl SharedTier {
     /// written before, are counted as errors.
     fn write_batch(&self, w: &mut WriterState, slots: &[(BlockKey, &mut [u8])], batch: &[usize]) -> bool {
         let open = w.open.as_mut().unwrap();
+        debug_assert!(!batch.is_empty(), "an empty batch is not written");
+        debug_assert!(open.cursor.is_multiple_of(ALIGN_BYTES as u64), "a data file's cursor off its alignment");
         let bufs: Vec<&[u8]> = batch.iter().map(|&j| &slots[j].1[..self.slot_bytes]).collect();
         match self.write_data(&open.file, &bufs, open.cursor) {
             Ok(()) => {
@@ -210,12 +216,14 @@ impl SharedTier {
     }
 
     fn start_file(&self, w: &mut WriterState) -> Result<()> {
+        debug_assert!(w.open.is_none(), "one open data file per writer");
         let file_seq = w.next_file_seq;
         w.next_file_seq += 1;
         let name = data_file_name(self.writer_id, file_seq);
         let tmp_path = self.dir.join("tmp").join(format!("{}.tmp", name.trim_end_matches(".kvs")));
         let file = create_file(&self.config, &tmp_path, false, self.direct)?;
         let mut header = AlignedBuf::zeroed(FILE_HEADER_BYTES);
+        assert_eq!(header.len(), FILE_HEADER_BYTES, "the data file header is one page");
         FileHeader {
             namespace: self.namespace,
             object_bytes: self.object_bytes as u64,
