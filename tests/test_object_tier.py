@@ -21,11 +21,8 @@ import os
 import re
 import shutil
 import signal
-import socket as socketlib
 import subprocess
-import sys
 import time
-import urllib.request
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,6 +33,7 @@ import pytest
 
 import kvtier
 from fs_fixtures import REPO, STATE_ROOT, _skip_or_fail, processes_naming
+from served import ServedStore
 
 pytestmark = pytest.mark.radosgw
 
@@ -955,45 +953,14 @@ def service_value(i: int) -> np.ndarray:
     return ((np.arange(SERVICE_SLICE, dtype=np.uint32) * 13 + i * 5) % 251).astype(np.uint8)
 
 
-class HostService:
-    """``kvtier serve`` of one host on the bucket (credentials from the environment), scraped on its port."""
+class HostService(ServedStore):
+    """``kvtier serve`` of one host on the bucket (credentials from the environment), one engine's
+    connection to it."""
 
     def __init__(self, root: Path, bucket: dict) -> None:
-        self.path, self.socket = root / "store", root / "svc.sock"
-        with socketlib.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        options = {"dram_bytes": 64 * (4096 + SERVICE_SLICE), "nvme_bytes": 0, **bucket}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvtier", "serve", str(self.path), "--socket", str(self.socket)]
-            + [f"--option={name}={value}" for name, value in options.items()]
-            + ["--pool-dir", str(root), "--metrics-port", str(self.port)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        deadline = time.monotonic() + 60
-        while not self.socket.exists() or not self._scrape_ok():
-            assert self.process.poll() is None, self.process.communicate()[0]
-            assert time.monotonic() < deadline, "kvtier serve did not start"
-            time.sleep(0.2)
+        super().__init__(root, {"dram_bytes": 64 * (4096 + SERVICE_SLICE), "nvme_bytes": 0, **bucket})
         self.client = kvtier.ServiceClient.connect(os.fspath(self.socket), 30_000)
         self.client.hello(SERVICE_DESCRIPTION, 1, 0, SERVICE_SLICE)
-
-    def _scrape_ok(self) -> bool:
-        try:
-            self.scrape()
-            return True
-        except OSError:
-            return False
-
-    def scrape(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as reply:
-            return str(reply.read().decode())
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        self.process.wait(timeout=60)
 
 
 def test_bucket_hits_reach_the_scrape_and_status(bucket, tmp_path):

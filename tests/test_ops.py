@@ -11,14 +11,12 @@ import os
 import random
 import re
 import shutil
-import signal
 import socket as socketlib
 import struct
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from click.testing import CliRunner
 import kvtier
 from kvtier import Service, ServiceClient, tenant_id
 from kvtier.cli import cli
+from served import ServedStore
 
 ROOT = Path(__file__).resolve().parents[1]
 SLICE = 16 << 10
@@ -358,55 +357,17 @@ def test_trim_and_verify_while_a_client_stores_and_loads(running: Running) -> No
 # ------------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socketlib.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Served:
+class Served(ServedStore):
     def __init__(self, root: Path) -> None:
-        self.path = root / "store"
-        self.socket = root / "svc.sock"
-        self.port = free_port()
         (root / "shared").mkdir()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvtier", "serve", str(self.path), "--socket", str(self.socket)]
-            + [f"--option={k}={v}" for k, v in OPTIONS.items()]
-            # a shared tier too, so that its staleness is exported
-            + [f"--option=shared_root={root / 'shared'}"]
-            # the DRAM pool split by tenant, so that the tenants are exported
-            + ["--option=tenant_dram_share=0.25"]
-            + ["--pool-dir", str(root), "--metrics-port", str(self.port)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        deadline = time.monotonic() + 60
-        while not self.socket.exists() or not self._scrape_ok():
-            assert self.process.poll() is None, self.process.communicate()[0]
-            assert time.monotonic() < deadline, "kvtier serve did not start"
-            time.sleep(0.2)
-
-    def _scrape_ok(self) -> bool:
-        try:
-            self.scrape()
-            return True
-        except OSError:
-            return False
-
-    def scrape(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as reply:
-            return str(reply.read().decode())
+        # a shared tier too, so that its staleness is exported; the DRAM pool split by tenant, so that
+        # the tenants are exported
+        super().__init__(root, {**OPTIONS, "shared_root": root / "shared", "tenant_dram_share": 0.25})
 
     def client(self) -> Any:
         client = ServiceClient.connect(os.fspath(self.socket), 30_000)
         client.hello(DESCRIPTION, 1, 0, SLICE)
         return client
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        self.process.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
