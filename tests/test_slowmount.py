@@ -51,8 +51,10 @@ def test_reads_and_writes_go_at_the_rate_and_arrive_intact(tmp_path):
         process = mount.process
     assert (source / "copy").read_bytes() == payload[: 2 * MB]
     assert not (source / "blob").exists()
-    assert 0.95 * 0.2 <= read_s <= 1.6 * 0.2 + 0.1, read_s  # 4 MB at 20 MB/s
-    assert 0.95 * 0.1 <= write_s <= 1.6 * 0.1 + 0.1, write_s  # 2 MB
+    # The lower bounds are the claim (the link holds the rate); the upper ones only catch a stalled
+    # mount: the FUSE daemon is Python on two busy cores (a CI run took 0.33 s for the 2 MB write).
+    assert 0.95 * 0.2 <= read_s <= 2.5 * 0.2 + 0.3, read_s  # 4 MB at 20 MB/s
+    assert 0.95 * 0.1 <= write_s <= 2.5 * 0.1 + 0.3, write_s  # 2 MB
     assert not os.path.ismount(mountpoint)
     assert process is not None and process.poll() is not None
     assert slowmount.SlowMount(source, mountpoint, LinkSpec(100)).ceiling_note is not None
