@@ -328,25 +328,19 @@ impl Catalog {
     /// A tenant at its cap (`tenant_dram_max_share`) makes room from its own blocks first, free slots
     /// or not; when none of them may go it is served as any other (a cap never makes a store wait).
     fn alloc_slot(&mut self, for_load: bool, asker: u8) -> Option<u32> {
-        let past_cap = self.slots.past_cap(asker);
-        if !past_cap {
-            if let Some(slot) = self.slots.take_free() {
-                return Some(slot);
-            }
-        }
         let index = &self.index;
         let may_evict = |key: Option<BlockKey>| {
             key.and_then(|k| index.get(&k))
                 .is_none_or(|e| e.readers == 0 && (e.pins == 0 || (for_load && e.nvme.is_some())))
         };
-        let mut evicted = if past_cap { self.slots.evict(asker, true, may_evict) } else { None };
-        if evicted.is_none() {
-            if let Some(slot) = self.slots.take_free() {
-                return Some(slot);
-            }
-            evicted = self.slots.evict(asker, false, may_evict);
-        }
-        let (victim, key) = evicted?;
+        let own = if self.slots.past_cap(asker) { self.slots.evict(asker, true, may_evict) } else { None };
+        let (victim, key) = match own {
+            Some(evicted) => evicted,
+            None => match self.slots.take_free() {
+                Some(slot) => return Some(slot),
+                None => self.slots.evict(asker, false, may_evict)?,
+            },
+        };
         debug_assert_eq!(self.slots.get(victim).state, SlotState::Free, "victim {victim} not emptied");
         Stats::add(&self.stats.dram_evictions, 1);
         if let Some(key) = key {
