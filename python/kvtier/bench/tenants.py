@@ -470,6 +470,7 @@ def run_rows(plan: dict[str, Any], out_dir: Path, started: float, document: dict
     the row measured has the cores to itself."""
     servers = row_servers(plan, out_dir)
     hosts = list(dict.fromkeys(servers.values()))
+    last_row = {host: row for row, host in servers.items()}  # later rows overwrite earlier ones
     try:
         if plan["start_together"]:
             for host in hosts:
@@ -479,7 +480,7 @@ def run_rows(plan: dict[str, Any], out_dir: Path, started: float, document: dict
         for index, row in enumerate(plan["rows"]):
             host = servers[row]
             record = run_row(plan, row, index, host, started)
-            if row == [r for r in plan["rows"] if servers[r] is host][-1]:
+            if last_row[host] == row:
                 host.close()
             record["problems"] = host.problems + record["problems"]
             document["rows"].append(record)
