@@ -11,6 +11,9 @@ Presets:
 - ``kv8b``: the KV cache of Llama-3-8B (32 layers, 8 KV heads, head dim 128, bf16: 128 KiB per token)
   on a deliberately thin body (hidden size 512, MLP 1024) so that prefill on two CPU cores is
   bearable. Use it wherever I/O volume must be realistic (benchmarks).
+- ``lean``: a model whose prefill is cheap against its KV cache: 16 layers, 2 KV heads, head dim 128,
+  bf16 (16 KiB per token), hidden size 256. It is where loading and storing KV can cost more than
+  recomputing it (issue 36's "cheap prefill" case), so kvtier's overheads show there first.
 - ``tiny``: 4 layers, 2 KV heads, head dim 64, float32 (4 KiB per token), for fast tests. float32
   keeps the comparison of logprobs between a recomputed and a restored prefix tight.
 
@@ -87,6 +90,18 @@ PRESETS: dict[str, ModelPreset] = {
         max_position_embeddings=32768,
         dtype="bfloat16",
     ),
+    "lean": ModelPreset(
+        name="lean",
+        num_hidden_layers=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        hidden_size=256,
+        intermediate_size=512,
+        vocab_size=8192,
+        max_position_embeddings=32768,
+        dtype="bfloat16",
+    ),
     "tiny": ModelPreset(
         name="tiny",
         num_hidden_layers=4,
@@ -101,6 +116,7 @@ PRESETS: dict[str, ModelPreset] = {
     ),
 }
 assert PRESETS["kv8b"].kv_bytes_per_token == 128 << 10
+assert PRESETS["lean"].kv_bytes_per_token == 16 << 10
 
 
 def repo_root() -> Path | None:
