@@ -68,9 +68,9 @@ fi
 log "installing build and test tools"
 if command -v uv >/dev/null; then
     uv pip install --quiet --python .venv/bin/python maturin pytest numpy click matplotlib rich prometheus-client ruff mypy \
-        fusepy
+        fusepy pandas
 else
-    .venv/bin/python -m pip install --quiet maturin pytest numpy click matplotlib rich prometheus-client ruff mypy fusepy
+    .venv/bin/python -m pip install --quiet maturin pytest numpy click matplotlib rich prometheus-client ruff mypy fusepy pandas
 fi
 
 log "building kvtier (release)"

@@ -171,20 +171,22 @@ def test_parse_result():
     assert point["ttft_ms"] == {"p50": 100.0, "p90": 150.0, "p99": 199.0, "mean": 110.0}
     assert point["e2el_ms"]["p99"] == 220.0
     assert point["tpot_ms"]["p50"] == 60.0 and point["itl_ms"]["p99"] == 140.0
+    counters = {"dram_hits": 3, "nvme_hits": 0, "shared_hits": 1, "puts": 9}
+    counters |= {"bytes_written_nvme": 3 << 20, "dropped_without_evidence": 2}
     document = {
         "settings": {},
         "rows": [
             {
                 "label": "x",
                 "points": [
-                    {"users": 2, **point, "kvtier": {"dram_hits": 3, "nvme_hits": 0, "shared_hits": 1, "puts": 9}}
+                    {"users": 2, **point, "kvtier": counters},
                 ],
             },
             {"label": "y", "points": []},
         ],
     }
     rows = serve.table_rows(document)
-    assert rows[0][:4] == ["x", "2", "8", "2.00"] and rows[0][-4:] == ["3", "0", "1", "9"]
+    assert rows[0][:4] == ["x", "2", "8", "2.00"] and rows[0][-6:] == ["3", "0", "1", "9", "3", "2"]
     assert rows[0][serve.TABLE_HEADER.index("TPOT p50/p99 ms")] == "60/75"
     assert rows[0][serve.TABLE_HEADER.index("ITL p50/p99 ms")] == "58/140"
     assert rows[1][2] == "not measured"

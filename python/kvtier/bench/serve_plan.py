@@ -10,17 +10,22 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench import serve_slow
+from kvtier.bench.serve_longtail import ONE_OFF_SHARE
 from kvtier.bench.ttft import LMCACHE_INSTALL, LMCACHE_VENV, parse_tokens, repo_root
 
 ROWS = ("vllm", "kvtier-dram", "kvtier-nvme")
+# kvtier-nvme with `write_admission: "reuse"` (kvtier-nvme takes the default, "all"): the long-tail
+# workload's comparison (issue 39).
+REUSE_ROW = "kvtier-nvme-reuse"
 SHARED_TIER_ROW = "kvtier-shared"
 TWO_SERVER_ROWS = ("kvtier-2x-shared", "kvtier-2x-private")
 LMCACHE_ROWS = ("lmcache", "lmcache-disk")
-ALL_ROWS = (*ROWS, SHARED_TIER_ROW, *TWO_SERVER_ROWS, *LMCACHE_ROWS, *serve_slow.OBJECT_ROWS)
+ALL_ROWS = (*ROWS, REUSE_ROW, SHARED_TIER_ROW, *TWO_SERVER_ROWS, *LMCACHE_ROWS, *serve_slow.OBJECT_ROWS)
 ROW_LABELS = {
     "vllm": "vLLM alone",
     "kvtier-dram": "kvtier DRAM",
     "kvtier-nvme": "kvtier DRAM+NVMe",
+    REUSE_ROW: "kvtier DRAM+NVMe, reuse admission",
     SHARED_TIER_ROW: "kvtier DRAM+shared FS",
     "kvtier-2x-shared": "2 servers, shared pool",
     "kvtier-2x-private": "2 servers, private pools",
@@ -59,10 +64,16 @@ MIXED = {
 MIXED_SMALL = {
     **SMALL, "requests_per_user": 2, "concurrency": None, "output_len": 16, "request_rate": 4.0, "burstiness": 1.0,
 }  # fmt: skip
-WORKLOADS = {"closed": (FULL, SMALL), "mixed": (MIXED, MIXED_SMALL)}
+# Mostly one-off prompts (serve_longtail): per point, `users` users of `requests_per_user` requests each
+# and 4 one-off requests per returning one (--one-off-share 0.8). Full size: 12 returning and 48 one-off
+# requests; kv8b's 256 MiB per prefix make the 2 GiB DRAM tier hold 8 prefixes and vLLM's own 1 GiB
+# 4, so the users' later requests are served from below vLLM, and one-offs push blocks out of DRAM.
+LONGTAIL = {**FULL, "users": "4", "requests_per_user": 3}
+LONGTAIL_SMALL = {**SMALL, "users": "2", "requests_per_user": 3}
+WORKLOADS = {"closed": (FULL, SMALL), "mixed": (MIXED, MIXED_SMALL), "longtail": (LONGTAIL, LONGTAIL_SMALL)}
 PERCENTILES = (50, 90, 99)
 DECODE_METRICS = ("tpot", "itl")  # time per output token (per request), inter-token latency (per token)
-COUNTERS = ("dram_hits", "nvme_hits", "shared_hits", "puts")
+COUNTERS = ("dram_hits", "nvme_hits", "shared_hits", "puts", "bytes_written_nvme", "dropped_without_evidence")
 # Read too where a row has the object tier (the slow-link rows: serve_slow).
 OBJECT_COUNTERS = ("bucket_hits", "bucket_misses", "bucket_get_requests", "bucket_segments_published")
 POINT_TIMEOUT_S = 4 * 3600
@@ -117,7 +128,13 @@ def _add_workload_options(parser: argparse.ArgumentParser) -> None:
         "--workload", choices=sorted(WORKLOADS), default="closed",
         help="closed: each of --concurrency users sends its next request when the last one ends (default); "
         "mixed: seed 001's mixed workload, requests arriving at --request-rate (Poisson), a longer decode: "
-        + _sizes_text(MIXED) + " (--small: " + _sizes_text(MIXED_SMALL) + ")",
+        + _sizes_text(MIXED) + " (--small: " + _sizes_text(MIXED_SMALL) + "); "
+        f"longtail: most requests one-off (--one-off-share), a few users coming back, users {LONGTAIL['users']}"
+        + f" (--small: {LONGTAIL_SMALL['users']}); compare rows kvtier-nvme and {REUSE_ROW}",
+    )  # fmt: skip
+    parser.add_argument(
+        "--one-off-share", type=float, default=ONE_OFF_SHARE,
+        help=f"--workload longtail: share of requests whose prefix is never seen again (default {ONE_OFF_SHARE})",
     )  # fmt: skip
     parser.add_argument(
         "--request-rate", type=float,
@@ -281,7 +298,10 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         "bench_args": list(args.bench_arg),
         "small": args.small,
         "kv_events": args.kv_events,
+        "one_off_share": args.one_off_share,
     }
+    if not 0.0 <= plan["one_off_share"] < 1.0:
+        raise BenchError("--one-off-share is a share of the requests: at least 0 and below 1")
     if plan["requests_per_user"] < 1 or (plan["concurrency"] or 1) < 1 or plan["output_len"] < 1:
         raise BenchError("--requests-per-user, --concurrency and --output-len must be at least 1")
     if plan["request_rate"] is not None and plan["request_rate"] <= 0:

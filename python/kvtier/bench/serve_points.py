@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench import serve_longtail
 from kvtier.bench.serve_plan import (
     CACHE_METRICS,
     COUNTERS,
@@ -50,21 +51,27 @@ def bench_command(
     seed: int,
     result_dir: Path,
     result_filename: str,
+    dataset: list[str] | None = None,
 ) -> list[str]:
-    """The ``vllm bench serve`` command of one point."""
+    """The ``vllm bench serve`` command of one point. ``dataset``: its dataset options, if not
+    ``prefix_repetition``'s (the long-tail workload's file: ``serve_longtail.dataset_args``)."""
     from kvtier.openai_server import vllm_command
 
+    if dataset is None:
+        dataset = [
+            "--dataset-name", "prefix_repetition",
+            "--prefix-repetition-prefix-len", str(plan["prefix_len"]),
+            "--prefix-repetition-suffix-len", str(plan["suffix_len"]),
+            "--prefix-repetition-num-prefixes", str(users),
+            "--prefix-repetition-output-len", str(plan["output_len"]),
+            "--num-prompts", str(users * plan["requests_per_user"]),
+        ]  # fmt: skip
     return [
         *vllm_command(), "bench", "serve",
         "--base-url", base_url,
         "--model", served_name,
         "--tokenizer", str(model_dir),
-        "--dataset-name", "prefix_repetition",
-        "--prefix-repetition-prefix-len", str(plan["prefix_len"]),
-        "--prefix-repetition-suffix-len", str(plan["suffix_len"]),
-        "--prefix-repetition-num-prefixes", str(users),
-        "--prefix-repetition-output-len", str(plan["output_len"]),
-        "--num-prompts", str(users * plan["requests_per_user"]),
+        *dataset,
         *load_args(plan),
         "--ignore-eos",
         "--seed", str(seed),
@@ -208,11 +215,19 @@ def run_point(
     result_dir.mkdir(parents=True, exist_ok=True)
     name = f"{row}-users{users}"
     seed = plan["seed"] + index
-    command = bench_command(plan, base_url, plan["preset"], model_dir, users, seed, result_dir, f"{name}.json")
+    dataset, one_off = None, None
+    if plan["workload"] == "longtail":
+        dataset_path = result_dir / f"{name}.jsonl"
+        requests = serve_longtail.write_dataset(plan, users, seed, dataset_path)
+        dataset = serve_longtail.dataset_args(dataset_path, len(requests.prompts), plan["output_len"])
+        one_off = requests.one_off_requests
+    command = bench_command(plan, base_url, plan["preset"], model_dir, users, seed, result_dir, f"{name}.json", dataset)
     log_path = result_dir / f"{name}.log"
     with log_path.open("w") as log:
         completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
     point: dict[str, Any] = {"users": users, "seed": seed, "command": command, "log": str(log_path)}
+    if one_off is not None:
+        point["one_off_requests"] = one_off
     result_path = result_dir / f"{name}.json"
     if completed.returncode != 0 or not result_path.exists():
         tail = log_path.read_text(errors="replace")[-2000:]

@@ -37,8 +37,11 @@ def point_line(point: dict[str, Any]) -> str:
         counters = point["kvtier"]
         text += (
             f", kvtier DRAM hits {counters['dram_hits']}, NVMe hits {counters['nvme_hits']}, "
-            f"shared hits {counters['shared_hits']}, puts {counters['puts']}"
+            f"shared hits {counters['shared_hits']}, puts {counters['puts']}, "
+            f"NVMe written {counters.get('bytes_written_nvme', 0) / 2**20:.0f} MiB"
         )
+        if counters.get("dropped_without_evidence"):
+            text += f" ({counters['dropped_without_evidence']} blocks dropped unused)"
     if point.get("kv_events"):
         events = point["kv_events"]
         rate = events["bytes_per_s"]
@@ -57,12 +60,19 @@ def _p50_p99(point: dict[str, Any], metric: str) -> str:
 TABLE_HEADER = [
     "row", "users", "requests", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
     "TPOT p50/p99 ms", "ITL p50/p99 ms", "connector hit tokens", "kvtier DRAM hits", "NVMe hits", "shared hits", "puts",
+    "NVMe MiB written", "dropped unused",
 ]  # fmt: skip
 
 
 def row_label(record: dict[str, Any]) -> str:
     occurrence = record.get("occurrence", 1)
     return record["label"] if occurrence == 1 else f"{record['label']} (run {occurrence})"
+
+
+def _counter(counters: dict[str, int], name: str) -> str:
+    if name not in counters:
+        return "-"
+    return _number(counters[name] / 2**20, 0) if name.startswith("bytes_") else str(counters[name])
 
 
 def table_rows(document: dict[str, Any]) -> list[list[str]]:
@@ -81,7 +91,7 @@ def table_rows(document: dict[str, Any]) -> list[list[str]]:
                     *(_number(ttft[f"p{p}"], 0) for p in PERCENTILES),
                     *(_p50_p99(point, metric) for metric in DECODE_METRICS),
                     str((point.get("cache_tokens") or {}).get("connector_hits", "-")),
-                    *(str(counters[name]) if name in counters else "-" for name in COUNTERS),
+                    *(_counter(counters, name) for name in COUNTERS),
                 ]
             )
         if not record["points"]:

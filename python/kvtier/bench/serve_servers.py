@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Any, cast
 
 from kvtier.bench import serve_slow
-from kvtier.bench.serve_plan import LMCACHE_ROWS, SERVER_ENV, SHARED_TIER_ROW, TWO_SERVER_ROWS, WARM_UP_SEED, BenchError
+from kvtier.bench.serve_plan import (
+    LMCACHE_ROWS,
+    REUSE_ROW,
+    SERVER_ENV,
+    SHARED_TIER_ROW,
+    TWO_SERVER_ROWS,
+    WARM_UP_SEED,
+    BenchError,
+)
 from kvtier.bench.ttft import LMCACHE_CHUNK_TOKENS, LMCACHE_HASH_SEED
 
 
@@ -141,6 +149,8 @@ def store_options(row: str, plan: dict[str, Any], store: Path) -> dict[str, Any]
     options: dict[str, Any] = {"dram_bytes": int(dram_gib * 2**30), "nvme_bytes": int(nvme_gib * 2**30)}
     if row == SHARED_TIER_ROW:  # beside the local store, removed with the row's store directory
         options["shared_root"] = str(store.parent / "shared")
+    if row == REUSE_ROW:
+        options["write_admission"] = "reuse"
     return options
 
 
