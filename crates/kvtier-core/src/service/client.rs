@@ -410,7 +410,9 @@ impl Client {
         })
     }
 
-    /// Waits until every store the service accepted is on NVMe.
+    /// Waits until the service has written every store it accepted and queued for NVMe (the write
+    /// backlog empty, trailers written, the device files synced) and flushed the remote tiers. A
+    /// block whose NVMe write was dropped (no region free, `nvme_dropped_writes`) stays in DRAM only.
     pub fn flush(&mut self) -> Result<()> {
         self.call(Op::Flush, |_| {}).map(drop)
     }
