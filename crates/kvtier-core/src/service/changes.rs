@@ -2,13 +2,13 @@
 //!
 //! Engines turn it into vLLM's KV events, so that prefix-aware routers see what kvtier holds
 //! (`Op::Changes`, docs/service.md). Only the service knows what every engine on the host stored
-//! and what eviction, trim, quarantine or another node's shared-tier eviction removed, so the log
-//! is built here, by diffing the store's residency (DRAM, NVMe, shared tier) against what the log
+//! and what eviction, trim, quarantine or another node's eviction from a remote tier removed, so the log
+//! is built here, by diffing the store's residency (DRAM, NVMe, the remote tiers) against what the log
 //! last saw. The catalog's index records which keys' local tiers changed (its one choke point for
 //! entry changes, `Catalog::residency_changes`), so a refresh looks up only those keys under the
 //! catalog's lock; the whole index is walked on the first refresh and when more than
-//! `LOG_CAPACITY` keys changed in between (then the followers get resets anyway). The shared
-//! tier's index is walked again only when it changed (`Store::residency_changes`). A refresh
+//! `LOG_CAPACITY` keys changed in between (then the followers get resets anyway). The remote
+//! tiers' indexes are walked again only when they changed (`Store::residency_changes`). A refresh
 //! happens only while some engine follows the log, at most once per `REFRESH_PERIOD`.
 //!
 //! Sequence numbers start at a random point of [1, 2^62): a follower's cursor from another log (a
@@ -61,8 +61,8 @@ pub struct ChangeLog {
     /// What the remote tiers' indexes were when last read (`Store::residency_changes`'s cursor).
     pub remote_generation: Option<RemoteGeneration>,
     current: HashMap<BlockKey, u8>,
-    /// The keys of `current` with `TIER_SHARED`.
-    shared: HashSet<BlockKey>,
+    /// The keys of `current` with `TIER_SHARED` (held by either remote tier).
+    remote: HashSet<BlockKey>,
     ring: VecDeque<Change>,
     /// Sequence of `ring[0]`; `first + ring.len()` is the next change's.
     first: u64,
@@ -77,7 +77,7 @@ impl ChangeLog {
             refreshed_at: None,
             remote_generation: None,
             current: HashMap::new(),
-            shared: HashSet::new(),
+            remote: HashSet::new(),
             ring: VecDeque::new(),
             first: (crate::store::random_u64() >> 2).max(1),
             capacity,
@@ -111,20 +111,20 @@ impl ChangeLog {
                 push_diff(&mut changes, key, before, 0);
             }
         }
-        self.shared = now.iter().filter(|(_, &t)| t & TIER_SHARED != 0).map(|(k, _)| *k).collect();
+        self.remote = now.iter().filter(|(_, &t)| t & TIER_SHARED != 0).map(|(k, _)| *k).collect();
         self.current = now;
         self.record(changes);
     }
 
-    /// Records what changed: the local tiers of the blocks in `local`, and the shared tier's keys
-    /// (`None`: its index did not change since the last refresh). Costs O(changes) when `local`
-    /// lists keys, O(shared tier's keys) when `shared` is given; the ring gets what `update`
+    /// Records what changed: the local tiers of the blocks in `local`, and the remote tiers' keys
+    /// (`None`: their indexes did not change since the last refresh). Costs O(changes) when `local`
+    /// lists keys, O(remote tiers' keys) when `remote` is given; the ring gets what `update`
     /// with a full snapshot would have given it.
-    pub fn apply(&mut self, local: ResidencyChanges, shared: Option<Vec<BlockKey>>) {
+    pub fn apply(&mut self, local: ResidencyChanges, remote: Option<Vec<BlockKey>>) {
         let changed = match local {
             ResidencyChanges::All(mut now) => {
-                let shared: HashSet<BlockKey> = shared.map_or_else(|| self.shared.clone(), |k| k.into_iter().collect());
-                for key in shared {
+                let remote: HashSet<BlockKey> = remote.map_or_else(|| self.remote.clone(), |k| k.into_iter().collect());
+                for key in remote {
                     *now.entry(key).or_insert(0) |= TIER_SHARED;
                 }
                 return self.update(now);
@@ -133,16 +133,16 @@ impl ChangeLog {
         };
         self.refreshed_at = Some(Instant::now());
         let mut after: HashMap<BlockKey, u8> = HashMap::new();
-        if let Some(keys) = shared {
+        if let Some(keys) = remote {
             let mut now = HashSet::with_capacity(keys.len());
             now.extend(keys);
             let local_tiers = |key: &BlockKey| self.current.get(key).map_or(0, |t| t & !TIER_SHARED);
-            after.extend(self.shared.difference(&now).map(|k| (*k, local_tiers(k))));
-            after.extend(now.difference(&self.shared).map(|k| (*k, local_tiers(k) | TIER_SHARED)));
-            self.shared = now;
+            after.extend(self.remote.difference(&now).map(|k| (*k, local_tiers(k))));
+            after.extend(now.difference(&self.remote).map(|k| (*k, local_tiers(k) | TIER_SHARED)));
+            self.remote = now;
         }
         for (key, local) in changed {
-            after.insert(key, local | if self.shared.contains(&key) { TIER_SHARED } else { 0 });
+            after.insert(key, local | if self.remote.contains(&key) { TIER_SHARED } else { 0 });
         }
         let mut changes = Vec::new();
         for (key, tiers) in after {
@@ -272,15 +272,15 @@ mod tests {
         assert!(reply.reset, "an old log's cursor read {} changes of the new log as its own", reply.changes.len());
     }
 
-    /// A refresh from the catalog's tracked keys and the shared tier's keys (given only when its
-    /// index changed) keeps the other tiers' bits of a block and tells what a snapshot would.
+    /// A refresh from the catalog's tracked keys and the remote tiers' keys (given only when their
+    /// indexes changed) keeps the other tiers' bits of a block and tells what a snapshot would.
     #[test]
     fn a_refresh_by_changed_keys_keeps_the_other_tiers() {
         let mut log = ChangeLog::new(100);
         let local = ResidencyChanges::All(state(&[(1, TIER_DRAM), (2, TIER_NVME)]));
         log.apply(local, Some(vec![key(2), key(3)]));
         let cursor = log.since(0, 100).next;
-        // Block 1 leaves DRAM for NVMe; the shared tier is unchanged (`None`): block 2 keeps its bit.
+        // Block 1 leaves DRAM for NVMe; the remote tiers are unchanged (`None`): block 2 keeps its bit.
         log.apply(ResidencyChanges::Keys(vec![(key(1), TIER_NVME), (key(2), TIER_DRAM | TIER_NVME)]), None);
         let next = log.since(cursor, 100);
         let mut got = next.changes.clone();
@@ -292,7 +292,7 @@ mod tests {
         ];
         assert_eq!(got, expected);
         assert!(next.changes[0].removed, "the removal comes first");
-        // The shared tier drops block 3 and gains block 1; block 2 leaves every local tier.
+        // The remote tiers drop block 3 and gains block 1; block 2 leaves every local tier.
         log.apply(ResidencyChanges::Keys(vec![(key(2), 0)]), Some(vec![key(1), key(2)]));
         let mut got = log.since(next.next, 100).changes;
         got.sort_by_key(|c| (!c.removed, c.key.0, c.tier));
