@@ -481,7 +481,8 @@ def test_four_writers_with_eviction_and_lease_takeover_after_sigkill(nodes: Node
     all along; halfway the holder is SIGKILLed and another process must take the lease over."""
     if not STRESS.exists():
         pytest.skip(
-            f"{STRESS} missing: build it with `cargo build --release -p kvtier-core --bin kvtier-shared-stress`"
+            f"{STRESS} missing: build it with "
+            "`cargo build --release -p kvtier-core --features testing --bin kvtier-shared-stress`"
         )
     capacity = 24 << 20
     secs = 8

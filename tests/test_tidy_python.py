@@ -6,8 +6,9 @@
   the other).
 - **kvtier.vllm's layers.** Its ``__init__``'s docstring lists its modules in numbered layers, lowest
   first; every module is listed, and each imports only modules of lower layers.
-- **No test seams in kvtier.vllm's public names.** What ``kvtier.vllm.testing`` offers tests and
-  benchmarks is not imported by the package's ``__init__``.
+- **No test seams in kvtier.vllm's public names.** What the private ``kvtier.vllm._testing`` offers
+  tests and benchmarks is neither imported by the package's ``__init__`` nor defined or imported by
+  any of its public modules (their registries stay private: ``_``-named).
 - **Short functions.** No function or method of the package is longer than ``MAX_FUNCTION_LINES``,
   from its ``def`` (decorators left out) to its last line, unless it is on ``LONG_FUNCTIONS``; an
   entry there that fits again fails too, so that the list only shrinks.
@@ -157,11 +158,13 @@ def test_the_layer_check_finds_an_upward_import_and_an_unlisted_module():
 
 def test_kvtier_vllm_exports_no_test_seam():
     def names_of(tree: ast.Module) -> set[str]:
-        """The names a module imports at its top level, and those its ``__all__`` lists."""
+        """The names a module defines or imports at its top level, and those its ``__all__`` lists."""
         names: set[str] = set()
         for node in tree.body:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
             elif isinstance(node, ast.Assign) and isinstance(node.value, (ast.List, ast.Tuple)):
                 names.update(
                     element.value
@@ -170,11 +173,20 @@ def test_kvtier_vllm_exports_no_test_seam():
                 )
         return names
 
-    seams = names_of(ast.parse((PACKAGE / "vllm" / "testing.py").read_text())) - {"annotations"}
+    seams = {
+        node.name
+        for node in ast.parse((PACKAGE / "vllm" / "_testing.py").read_text()).body
+        if isinstance(node, ast.FunctionDef)
+    }
     assert {"service_connections", "open_stores", "wait_for_stores"} <= seams
-    exported = names_of(ast.parse((PACKAGE / "vllm" / "__init__.py").read_text()))
-    assert "KvtierConnector" in exported
-    assert not seams & exported, f"kvtier.vllm exports test seams: {sorted(seams & exported)}"
+    public = {
+        path.name: names_of(ast.parse(path.read_text()))
+        for path in sorted((PACKAGE / "vllm").glob("*.py"))
+        if not path.name.startswith("_") or path.name == "__init__.py"
+    }
+    assert "KvtierConnector" in public["__init__.py"] and "JobQueueWorker" in public["worker.py"]
+    leaks = [f"kvtier/vllm/{file}: {sorted(seams & names)}" for file, names in public.items() if seams & names]
+    assert not leaks, "test seams in kvtier.vllm's public modules:\n" + "\n".join(leaks)
 
 
 def function_lengths() -> dict[tuple[str, str], int]:

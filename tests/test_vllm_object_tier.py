@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.models import ensure_model
-from kvtier.vllm.testing import open_stores
+from kvtier.vllm._testing import open_stores
 from test_object_tier import BUCKET, rgw  # noqa: F401 - the module's server fixture
 from test_vllm_tiers import (  # skips this module too where vLLM or kvtier is not importable
     TOKENS_PER_BLOCK,

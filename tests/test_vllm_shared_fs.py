@@ -17,7 +17,7 @@ import pytest
 
 from fs_fixtures import DistFs
 from kvtier.models import ensure_model
-from kvtier.vllm.testing import open_stores
+from kvtier.vllm._testing import open_stores
 from test_vllm_tiers import (  # skips this module too where vLLM or kvtier is not importable
     PROMPTS_OF_A,
     SHARED_OPTIONS,

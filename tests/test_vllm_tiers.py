@@ -46,7 +46,7 @@ except Exception as import_error:  # pragma: no cover - depends on the environme
     )
 try:
     import kvtier  # noqa: F401
-    from kvtier.vllm.testing import open_stores
+    from kvtier.vllm._testing import open_stores
 except Exception as import_error:  # pragma: no cover
     pytest.skip(f"kvtier is not importable ({import_error!r}); run `maturin develop` first", allow_module_level=True)
 

@@ -9,13 +9,11 @@
 use crate::admission::WriteAdmission;
 use crate::error::{Error, Result};
 use crate::format::{round_up, ALIGN_BYTES};
-use crate::io::faults::FaultPlan;
 use crate::io::{DirectIo, EngineChoice};
 use crate::tiers::health::HealthPolicy;
 use crate::tiers::object::BucketConfig;
 use crate::tiers::shared::SharedConfig;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 /// Bounds the in-memory region table (and catches absurd capacities before anything is sized).
 pub const MAX_REGIONS_PER_DEVICE: u64 = 1 << 20;
@@ -89,8 +87,9 @@ pub struct StoreConfig {
     /// Key file for encryption at rest of NVMe values (`format::encrypted`); None: the
     /// `KVTIER_ENCRYPTION_KEY_FILE` file if set, else values are written in clear.
     pub encryption_key_file: Option<PathBuf>,
-    /// Test seam: inject I/O faults. Never set in production.
-    pub fault_plan: Option<Arc<FaultPlan>>,
+    /// Test seam: inject I/O faults. Only with the `testing` feature (not in production builds).
+    #[cfg(any(test, feature = "testing"))]
+    pub fault_plan: Option<std::sync::Arc<crate::io::faults::FaultPlan>>,
     /// Test seam: when a tier below DRAM (NVMe, a remote tier) turns sick and how long it steps
     /// aside (`tiers::health`). Not a user option.
     #[doc(hidden)]
@@ -111,6 +110,7 @@ impl StoreConfig {
         crate::io::IoSetup {
             depth: self.io_depth,
             max_write_inflight_bytes: self.max_write_inflight_bytes,
+            #[cfg(any(test, feature = "testing"))]
             fault_plan: self.fault_plan.clone(),
         }
     }
@@ -146,6 +146,7 @@ impl StoreConfig {
             write_budget_bucket_bytes_per_day: 0,
             write_budget_burst_s: 86_400,
             encryption_key_file: None,
+            #[cfg(any(test, feature = "testing"))]
             fault_plan: None,
             tier_health: HealthPolicy::default(),
             pool_path: None,

@@ -45,7 +45,7 @@ pub use admission::WriteAdmission;
 pub use catalog::{Gauges, Tier, TrimCounts};
 pub use config::{find_option, unknown_option_message, ConfigOption, OptionKind, OptionValue, StoreConfig, OPTIONS};
 pub use error::{Error, Result};
-pub use io::{DirectIo, EngineChoice, IoSetup};
+pub use io::{DirectIo, EngineChoice};
 pub use key::{BlockKey, Namespace};
 pub use maintenance::{BadBlock, NamespaceFacts, TrimRequest, VerifyBatch};
 pub use mover::{BlockBuffer, Reservation};
@@ -57,10 +57,14 @@ pub use tiers::shared::SharedConfig;
 
 /// What only tests, fuzzers and stress tools need: fault injection, aligned buffers, the shared
 /// tier and the eviction policies driven on their own, and the wire framing for forged requests.
-/// Not an interface for engines or operators; it may change with any release.
+/// Not an interface for engines or operators; it may change with any release. Built only with the
+/// `testing` feature (the integration tests get it from the crate's dev-dependency on itself), as are
+/// the other seams: `StoreConfig::fault_plan`, `ServiceConfig::panic_on_label`, `Store::check_invariants`.
+#[cfg(any(test, feature = "testing"))]
 pub mod testing {
     pub use crate::io::buffer::AlignedBuf;
     pub use crate::io::faults::FaultPlan;
+    pub use crate::io::IoSetup;
     pub use crate::tiers::eviction::{EvictionPolicy, Lru, S3Fifo};
     pub use crate::tiers::health::HealthPolicy;
     pub use crate::tiers::shared::SharedTier;

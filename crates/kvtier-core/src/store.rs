@@ -530,7 +530,9 @@ impl Store {
         Ok(answers)
     }
 
-    /// Checks the catalog's internal invariants (for tests).
+    /// Checks the catalog's internal invariants (for tests: the `testing` feature; debug builds check
+    /// them on their own, `catalog::lock`).
+    #[cfg(any(test, feature = "testing"))]
     pub fn check_invariants(&self) {
         self.state.catalog.lock().check_invariants();
     }

@@ -2,11 +2,11 @@
 //! the concurrency and lease tests).
 
 use kvtier_core::format::shared::Lease;
-use kvtier_core::testing::{FaultPlan, HealthPolicy, SharedTier};
+use kvtier_core::testing::{FaultPlan, HealthPolicy, IoSetup, SharedTier};
+use kvtier_core::SharedConfig;
 use kvtier_core::Stats;
 use kvtier_core::{BlockKey, Namespace};
 use kvtier_core::{Error, Store, StoreConfig};
-use kvtier_core::{IoSetup, SharedConfig};
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};

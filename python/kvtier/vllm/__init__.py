@@ -58,8 +58,8 @@ type-only imports included (``tests/test_tidy_python.py`` checks this list again
 6. ``metrics``: kvtier's metrics on vLLM's ``/metrics``
 7. ``manager``: the scheduler side (``KvtierManager``)
 8. ``spec``: ``KvtierOffloadingSpec``, which vLLM builds in both processes
-9. ``connector``, ``testing``: ``KvtierConnector`` and ``kv_transfer_config``; what tests and
-   benchmarks read of this process's integration (not exported here)
+9. ``connector``, ``_testing``: ``KvtierConnector`` and ``kv_transfer_config``; what tests and
+   benchmarks read of this process's integration (a private module, not exported here)
 """
 
 from __future__ import annotations

@@ -26,14 +26,9 @@ class ServiceUnreachable(ConnectionError):
     """The host service did not answer (dead, frozen, or its socket gone): the engine serves misses."""
 
 
-# Every ServiceConnection this process opened and has not closed (for the benchmarks and tests).
+# Every ServiceConnection this process opened and has not closed (for the benchmarks and tests:
+# ``kvtier.vllm._testing.service_connections``; under ``registry_lock``).
 _service_connections: weakref.WeakSet[ServiceConnection] = weakref.WeakSet()
-
-
-def service_connections() -> list[ServiceConnection]:
-    """This process's open connections to host services (the manager's, each rank's)."""
-    with registry_lock:
-        return list(_service_connections)
 
 
 class ServiceConnection:

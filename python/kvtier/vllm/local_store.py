@@ -92,6 +92,8 @@ class SharedStore:
         return observations, counters
 
 
+# The stores open in this process (under ``registry_lock``; tests read them through
+# ``kvtier.vllm._testing.open_stores``).
 _stores: dict[tuple[str, bytes], SharedStore] = {}
 _stores_by_engine: dict[tuple[str, str], SharedStore] = {}
 
@@ -156,9 +158,3 @@ def release_store(shared: SharedStore) -> None:
         shared.store.close()
     except Exception:  # closing is best effort at shutdown
         logger.exception("kvtier: closing store %s failed", shared.path)
-
-
-def open_stores() -> list[SharedStore]:
-    """The kvtier stores open in this process (for tests, the demo and diagnostics)."""
-    with registry_lock:
-        return list(_stores.values())

@@ -407,17 +407,9 @@ class GpuDma:
 
 
 # Every JobQueueWorker of this process (for the benchmarks: a worker in this process holds stores
-# back, so "stored" means its queue is empty, not only that the service took what it was sent).
+# back, so "stored" means its queue is empty, not only that the service took what it was sent;
+# ``kvtier.vllm._testing.wait_for_stores``). Under ``registry_lock``.
 _service_workers: weakref.WeakSet[JobQueueWorker] = weakref.WeakSet()
-
-
-def wait_for_stores(timeout_s: float) -> bool:
-    """Waits until every JobQueueWorker in this process has handed every store vLLM gave it to the
-    service (or dropped it); False on timeout. Stores go in idle windows, so the engine must be idle."""
-    with registry_lock:
-        workers = list(_service_workers)
-    deadline = time.monotonic() + timeout_s
-    return all(worker.wait_stores_done(deadline) for worker in workers)
 
 
 class JobQueueWorker(OffloadingWorker):

@@ -35,6 +35,7 @@ impl AlignedBuf {
         self.len
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

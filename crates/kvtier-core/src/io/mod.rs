@@ -5,10 +5,11 @@
 //! pread/pwrite thread pool. [`device::DeviceQueue`] owns one engine per device file and schedules:
 //! reads before writes, bounded writes in flight, strict completion handling (short transfers
 //! resubmitted, EINTR/EAGAIN retried with a cap, EINVAL reported as an alignment bug).
-//! [`faults`] wraps any engine to inject faults in tests.
+//! `faults` wraps any engine to inject faults in tests (built with the `testing` feature only).
 
 pub mod buffer;
 pub mod device;
+#[cfg(any(test, feature = "testing"))]
 pub mod faults;
 pub mod psync;
 pub mod uring;
@@ -106,12 +107,18 @@ unsafe impl Sync for RegisteredRange {}
 pub struct IoSetup {
     pub depth: usize,
     pub max_write_inflight_bytes: usize,
+    #[cfg(any(test, feature = "testing"))]
     pub fault_plan: Option<std::sync::Arc<faults::FaultPlan>>,
 }
 
 impl Default for IoSetup {
     fn default() -> Self {
-        IoSetup { depth: 8, max_write_inflight_bytes: 64 << 20, fault_plan: None }
+        IoSetup {
+            depth: 8,
+            max_write_inflight_bytes: 64 << 20,
+            #[cfg(any(test, feature = "testing"))]
+            fault_plan: None,
+        }
     }
 }
 
@@ -119,7 +126,9 @@ impl Default for IoSetup {
 /// there: network and FUSE filesystems complete no read asynchronously, so the kernel hands each one
 /// to a worker thread of its own, which is what these threads already are.
 pub fn start_file_queue(name: &str, setup: &IoSetup) -> std::io::Result<device::DeviceQueue> {
+    #[cfg_attr(not(any(test, feature = "testing")), allow(unused_mut))]
     let mut engine: Box<dyn IoEngine> = Box::new(psync::PsyncEngine::new(setup.depth.clamp(1, 16), name)?);
+    #[cfg(any(test, feature = "testing"))]
     if let Some(plan) = &setup.fault_plan {
         engine = Box::new(faults::FaultyEngine::new(engine, std::sync::Arc::clone(plan)));
     }

@@ -54,8 +54,8 @@ pub struct ServiceConfig {
     /// but live job is not cut off. 0: never. Default 180000.
     pub reservation_timeout_ms: u64,
     /// Fault injection for tests: a `Label` request naming this label panics in its connection
-    /// thread, as a bug would. `None` outside tests.
-    #[doc(hidden)]
+    /// thread, as a bug would. Only with the `testing` feature (not in production builds).
+    #[cfg(any(test, feature = "testing"))]
     pub panic_on_label: Option<String>,
     /// The most DRAM the pools of all namespaces may take together (0: no host cap, every namespace
     /// gets `store.dram_bytes`). Each namespace's pool is `store.dram_bytes`, or what is left of this
@@ -80,6 +80,7 @@ impl ServiceConfig {
             max_connections: 1024,
             fill_timeout_ms: 10_000,
             reservation_timeout_ms: 180_000,
+            #[cfg(any(test, feature = "testing"))]
             panic_on_label: None,
             host_dram_bytes: 0,
             idle_timeout_ms: 0,
@@ -571,9 +572,14 @@ impl State {
     }
 }
 
-/// `parse_label`, and the panic a test asks for with `ServiceConfig::panic_on_label`.
-fn checked_label(config: &ServiceConfig, r: &mut Reader<'_>) -> std::result::Result<String, String> {
+/// `parse_label`, and the panic a test asks for with `ServiceConfig::panic_on_label` (`testing`
+/// feature).
+fn checked_label(
+    #[cfg_attr(not(any(test, feature = "testing")), allow(unused_variables))] config: &ServiceConfig,
+    r: &mut Reader<'_>,
+) -> std::result::Result<String, String> {
     let label = parse_label(r)?;
+    #[cfg(any(test, feature = "testing"))]
     if config.panic_on_label.as_ref() == Some(&label) {
         panic!("fault injection: a request labelled {label:?}");
     }

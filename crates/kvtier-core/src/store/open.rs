@@ -11,6 +11,7 @@ use crate::format::encrypted::ValueCipher;
 use crate::format::superblock::{Superblock, SUPERBLOCK_BYTES};
 use crate::io::buffer::AlignedBuf;
 use crate::io::device::DeviceQueue;
+#[cfg(any(test, feature = "testing"))]
 use crate::io::faults::FaultyEngine;
 use crate::io::psync::PsyncEngine;
 use crate::io::uring::UringEngine;
@@ -384,6 +385,7 @@ fn start_devices(
     for file in files {
         let fd = file.file.as_raw_fd();
         let name = format!("{}", file.index);
+        #[cfg_attr(not(any(test, feature = "testing")), allow(unused_mut))]
         let mut engine: Box<dyn IoEngine> = if use_uring {
             let e = UringEngine::new(config.io_depth as u32, fd, ranges, &file.path.display().to_string())
                 .map_err(|e| Error::io("creating an io_uring", e))?;
@@ -394,6 +396,7 @@ fn start_devices(
                 PsyncEngine::new(config.io_depth.min(8), &name).map_err(|e| Error::io("starting psync threads", e))?,
             )
         };
+        #[cfg(any(test, feature = "testing"))]
         if let Some(plan) = &config.fault_plan {
             engine = Box::new(FaultyEngine::new(engine, Arc::clone(plan)));
         }

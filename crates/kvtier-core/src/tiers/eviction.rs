@@ -168,13 +168,15 @@ impl EvictionPolicy for S3Fifo {
     }
 }
 
-/// Least recently used, for comparison on traces.
+/// Least recently used, for comparison on traces (tests only: the `testing` feature).
+#[cfg(any(test, feature = "testing"))]
 pub struct Lru {
     tick: u64,
     last_use: Vec<Option<u64>>,
     order: std::collections::BTreeMap<u64, u32>,
 }
 
+#[cfg(any(test, feature = "testing"))]
 impl Lru {
     pub fn new(slot_count: usize) -> Self {
         Lru { tick: 0, last_use: vec![None; slot_count], order: Default::default() }
@@ -192,6 +194,7 @@ impl Lru {
     }
 }
 
+#[cfg(any(test, feature = "testing"))]
 impl EvictionPolicy for Lru {
     fn insert(&mut self, slot: u32, _key_hash: u64) {
         self.bump(slot);

@@ -176,7 +176,7 @@ def stop_services_of_this_process() -> list[Path]:
     A failed phase calls it too: a detached service would outlive the benchmark and keep the store's
     (already removed) NVMe files open."""
     from kvtier import service as kvtier_service
-    from kvtier.vllm.testing import service_connections
+    from kvtier.vllm._testing import service_connections
 
     connections = service_connections()
     sockets = {connection.socket_path for connection in connections}
@@ -193,7 +193,7 @@ def stop_services_of_this_process() -> list[Path]:
 
 
 def store_of_engine() -> ServiceView:
-    from kvtier.vllm.testing import service_connections
+    from kvtier.vllm._testing import service_connections
 
     connections = service_connections()
     if not connections:
@@ -208,7 +208,7 @@ def settle(engine: Engine, store) -> None:
     """Until everything stored so far is in the store: vLLM hands a step's stores to the worker in
     its next step (the nudges), the worker copies held-back stores while the engine idles (the
     wait), and the flush waits for the service's NVMe writes."""
-    from kvtier.vllm.testing import wait_for_stores
+    from kvtier.vllm._testing import wait_for_stores
 
     for _ in range(2):
         engine.generate(NUDGE_PROMPT)

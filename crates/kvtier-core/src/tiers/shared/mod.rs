@@ -70,7 +70,7 @@ use root::{check_root, create_file, make_dir, probe_direct_and_rename};
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::ErrorKind;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
@@ -289,11 +289,13 @@ impl SharedTier {
         &self.config
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub fn writer_id(&self) -> u64 {
         self.writer_id
     }
 
-    pub fn namespace_dir(&self) -> &Path {
+    #[cfg(any(test, feature = "testing"))]
+    pub fn namespace_dir(&self) -> &std::path::Path {
         &self.dir
     }
 
@@ -301,6 +303,7 @@ impl SharedTier {
         self.slot_bytes
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub fn object_bytes(&self) -> usize {
         self.object_bytes
     }
@@ -313,11 +316,13 @@ impl SharedTier {
     }
 
     /// Whether a deployment key is configured (blocks and manifest records are authenticated).
+    #[cfg(any(test, feature = "testing"))]
     pub fn authenticated(&self) -> bool {
         self.auth.is_some()
     }
 
     /// Whether data files are read and written with O_DIRECT (probed at open).
+    #[cfg(any(test, feature = "testing"))]
     pub fn direct_io(&self) -> bool {
         self.direct
     }
@@ -353,6 +358,7 @@ impl SharedTier {
     }
 
     /// Whether this process holds the evictor lease right now.
+    #[cfg(any(test, feature = "testing"))]
     pub fn is_evictor(&self) -> bool {
         self.evictor.lock().holds_lease()
     }

@@ -65,6 +65,7 @@ impl SharedTier {
     /// Each pointer is 4096-aligned (an O_DIRECT read lands there), valid for `slot_bytes` bytes of
     /// writes and used by nothing else until this returns, and a slot whose outcome is `Abandoned`
     /// is never used again.
+    #[cfg(any(test, feature = "testing"))]
     pub unsafe fn read_many(&self, reads: &[(BlockKey, *mut u8)]) -> Vec<ReadOutcome> {
         debug_assert!(reads.iter().all(|&(_, slot)| is_page_aligned(slot)), "a slot is not 4096-aligned");
         let mut outcomes = vec![ReadOutcome::Miss; reads.len()];
@@ -145,6 +146,7 @@ impl SharedTier {
     }
 
     /// Reads one block into `slot` (at least `slot_bytes` long) and verifies it. `Ok(false)`: a miss.
+    #[cfg(any(test, feature = "testing"))]
     pub fn read_into(&self, key: &BlockKey, slot: &mut [u8]) -> Result<bool> {
         if slot.len() < self.slot_bytes {
             return Err(Error::config("slot", format!("{} bytes, need slot_bytes = {}", slot.len(), self.slot_bytes)));
@@ -155,6 +157,7 @@ impl SharedTier {
     }
 
     /// Reads and verifies a block, copying only the value into `out` (object_bytes long).
+    #[cfg(any(test, feature = "testing"))]
     pub fn read_value(&self, key: &BlockKey, out: &mut [u8]) -> Result<bool> {
         let Some(landing) = self.read_owned(key) else { return Ok(false) };
         out[..self.object_bytes]
@@ -164,6 +167,7 @@ impl SharedTier {
 
     /// One verified block in a buffer of its own (never borrowed memory, so that an abandoned read,
     /// whose buffer is leaked, cannot land in the caller's).
+    #[cfg(any(test, feature = "testing"))]
     fn read_owned(&self, key: &BlockKey) -> Option<AlignedBuf> {
         let landing = AlignedBuf::zeroed(self.slot_bytes);
         debug_assert_eq!(landing.len(), self.slot_bytes, "a shared slot is whole pages");

@@ -45,6 +45,7 @@ pub(super) struct WriterState {
 impl SharedTier {
     /// Builds slots (descriptor page + value) for values and appends them; for tests and tools.
     /// Returns how many were queued into a file (they become visible when the file is published).
+    #[cfg(any(test, feature = "testing"))]
     pub fn publish_values(&self, keys: &[BlockKey], values: &[&[u8]]) -> Result<usize> {
         let mut slots: Vec<(BlockKey, AlignedBuf)> = Vec::with_capacity(keys.len());
         for (key, value) in keys.iter().zip(values) {
@@ -57,6 +58,7 @@ impl SharedTier {
         Ok(self.append_slots(&mut refs))
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) fn build_slot(&self, key: &BlockKey, value: &[u8], slot: &mut [u8]) {
         debug_assert!(slot.len() >= self.slot_bytes, "a slot of {} bytes", slot.len());
         slot[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + value.len()].copy_from_slice(value);
