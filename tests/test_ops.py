@@ -268,6 +268,16 @@ def store_blocks(client: Any, indices: list[int]) -> None:
     assert all(client.store_blocks([key(i) for i in indices], [layer], list(range(len(indices)))))
 
 
+def load_pinned(client: Any, indices: list[int]) -> tuple[int, int]:
+    """``load_checked`` with every block pinned over the load, as vLLM's prepare_load pins them."""
+    keys = [key(i) for i in indices]
+    assert client.pin_many(keys) == [True] * len(keys)
+    try:
+        return load_checked(client, indices)
+    finally:
+        client.unpin_many(keys)
+
+
 def load_checked(client: Any, indices: list[int]) -> tuple[int, int]:
     """(hits, wrong) for `indices`: a hit must hold exactly the stored bytes."""
     out = np.zeros((len(indices), SLICE), dtype=np.uint8)
@@ -354,12 +364,7 @@ def test_trim_and_verify_while_a_client_stores_and_loads(running: Running) -> No
     # Pinned first, as vLLM's prepare_load does: a located block may be in DRAM only (its NVMe write
     # dropped while trim held the freed regions for zeroing), and an unpinned one may be evicted by
     # the NVMe reads of this very load, which need DRAM slots (about 1 run in 12 loaded 12-18 of 20).
-    keys = [key(i) for i in survivors]
-    assert client.pin_many(keys) == [True] * len(keys)
-    try:
-        assert load_checked(client, survivors) == (len(survivors), 0)
-    finally:
-        client.unpin_many(keys)
+    assert load_pinned(client, survivors) == (len(survivors), 0)
 
 
 def test_a_pinned_block_in_dram_only_survives_the_nvme_reads_of_its_own_load(running: Running) -> None:
@@ -382,12 +387,7 @@ def test_a_pinned_block_in_dram_only_survives_the_nvme_reads_of_its_own_load(run
     on_nvme_only = [i for i in range(160) if tiers.get(key(i)) == {"nvme"}][:24]
     wanted = on_nvme_only + list(range(6))  # 24 NVMe reads, then the 6 DRAM-only blocks
     assert len(on_nvme_only) == 24 and len(wanted) > DRAM_SLOTS
-    keys = [key(i) for i in wanted]
-    assert client.pin_many(keys) == [True] * len(keys)
-    try:
-        assert load_checked(client, wanted) == (len(wanted), 0)
-    finally:
-        client.unpin_many(keys)
+    assert load_pinned(client, wanted) == (len(wanted), 0)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1192,8 +1192,12 @@ fn within<T: Send + 'static>(limit: Duration, what: &str, f: impl FnOnce() -> T 
 }
 
 fn mkfifo(path: &Path) {
+    try_mkfifo(path).unwrap();
+}
+
+fn try_mkfifo(path: &Path) -> std::io::Result<()> {
     let mode = rustix::fs::Mode::from_raw_mode(0o600);
-    rustix::fs::mknodat(rustix::fs::CWD, path, rustix::fs::FileType::Fifo, mode, 0).unwrap();
+    rustix::fs::mknodat(rustix::fs::CWD, path, rustix::fs::FileType::Fifo, mode, 0).map_err(std::io::Error::from)
 }
 
 /// What takes a published data file's place.
@@ -1430,33 +1434,59 @@ const SPECIALS: [Special; 7] = [
 ];
 
 /// Puts `what` at `path` (moving aside what is there), as plant number `n` (its helper files in
-/// `outside` are named after it); returns a bound socket to keep alive.
+/// `outside` are named after it); returns a bound socket to keep alive. A writer may recreate its
+/// file at `path` between the move and the plant: then that file is moved aside too and the plant
+/// tried again.
 fn put_special(path: &Path, what: Special, outside: &Path, n: usize) -> Option<std::os::unix::net::UnixListener> {
-    if std::fs::symlink_metadata(path).is_ok() {
-        std::fs::rename(path, path.with_extension(format!("aside{n}"))).unwrap();
-    }
     let garbage = outside.join(format!("garbage-{n}"));
     std::fs::write(&garbage, vec![0x5a; 20_000]).unwrap();
+    for attempt in 0..100 {
+        if std::fs::symlink_metadata(path).is_ok() {
+            std::fs::rename(path, path.with_extension(format!("aside{n}-{attempt}"))).unwrap();
+        }
+        match plant_special(path, what, outside, &garbage, n) {
+            Ok(listener) => return listener,
+            Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(error) => panic!("planting {what:?} at {}: {error}", path.display()),
+        }
+    }
+    panic!("a writer recreated {} 100 times in a row; nothing planted", path.display());
+}
+
+fn plant_special(
+    path: &Path,
+    what: Special,
+    outside: &Path,
+    garbage: &Path,
+    n: usize,
+) -> std::io::Result<Option<std::os::unix::net::UnixListener>> {
     match what {
-        Special::Fifo => mkfifo(path),
+        Special::Fifo => try_mkfifo(path)?,
         Special::SymlinkToFifo => {
             let fifo = outside.join(format!("fifo-{n}"));
-            mkfifo(&fifo);
-            std::os::unix::fs::symlink(&fifo, path).unwrap();
+            if std::fs::symlink_metadata(&fifo).is_err() {
+                mkfifo(&fifo);
+            }
+            std::os::unix::fs::symlink(&fifo, path)?;
         }
-        Special::SymlinkToGarbage => std::os::unix::fs::symlink(&garbage, path).unwrap(),
-        Special::DanglingSymlink => std::os::unix::fs::symlink(outside.join("nothing-here"), path).unwrap(),
-        Special::Directory => std::fs::create_dir(path).unwrap(),
+        Special::SymlinkToGarbage => std::os::unix::fs::symlink(garbage, path)?,
+        Special::DanglingSymlink => std::os::unix::fs::symlink(outside.join("nothing-here"), path)?,
+        Special::Directory => std::fs::create_dir(path)?,
         Special::Socket => {
             // Bound at a short path (a socket's path is limited to 108 bytes), then moved into place.
             let short = outside.join(format!("s{n}"));
-            let listener = std::os::unix::net::UnixListener::bind(&short).unwrap();
-            std::fs::rename(&short, path).unwrap();
-            return Some(listener);
+            let _ = std::fs::remove_file(&short);
+            let listener = std::os::unix::net::UnixListener::bind(&short)?;
+            std::fs::rename(&short, path)?;
+            return Ok(Some(listener));
         }
-        Special::Garbage => std::fs::copy(&garbage, path).map(drop).unwrap(),
+        Special::Garbage => {
+            // Not `fs::copy`: it would truncate a file a writer just recreated instead of failing.
+            let mut file = std::fs::OpenOptions::new().write(true).create_new(true).open(path)?;
+            std::io::Write::write_all(&mut file, &std::fs::read(garbage)?)?;
+        }
     }
-    None
+    Ok(None)
 }
 
 /// Fuzz over the file types of the shared root: random symlinks, FIFOs, sockets, directories and
