@@ -213,7 +213,8 @@ def run_point(
 ) -> dict[str, Any]:
     result_dir = out_dir / "bench"
     result_dir.mkdir(parents=True, exist_ok=True)
-    name = f"{row}-users{users}"
+    # The point's index too: `--users 4,4,4` (repeats on other seeds) must not overwrite its files.
+    name = f"{row}-users{users}" if plan["users"].count(users) == 1 else f"{row}-users{users}-point{index}"
     seed = plan["seed"] + index
     dataset, one_off = None, None
     if plan["workload"] == "longtail":
