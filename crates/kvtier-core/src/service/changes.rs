@@ -292,7 +292,7 @@ mod tests {
         ];
         assert_eq!(got, expected);
         assert!(next.changes[0].removed, "the removal comes first");
-        // The remote tiers drop block 3 and gains block 1; block 2 leaves every local tier.
+        // The remote tiers drop block 3 and gain block 1; block 2 leaves every local tier.
         log.apply(ResidencyChanges::Keys(vec![(key(2), 0)]), Some(vec![key(1), key(2)]));
         let mut got = log.since(next.next, 100).changes;
         got.sort_by_key(|c| (!c.removed, c.key.0, c.tier));
