@@ -285,33 +285,64 @@ def test_second_sight_admission_stores_a_block_the_second_time_it_is_computed(se
     manager.shutdown()
 
 
+def store_as_a_salted_request(options: KvtierOptions) -> KvtierManager:
+    """A request salted "team-a" stores three blocks: the manager plans them, a worker stores them."""
+    manager = KvtierManager(ServiceBackend(connection(options)))
+    request = ReqContext(req_id="salted")
+    manager.note_cache_salt("salted", "team-a")
+    offload_keys = [make_offload_key(hashlib.sha256(bytes([60 + i])).digest(), 0) for i in range(3)]
+    planned = manager.prepare_store(offload_keys, request)
+    assert planned is not None and planned.keys_to_store == offload_keys
+    w = worker(options, layers())
+    assert w.submit_store(1, engine_blocks([0, 1, 2]), planned.store_spec)
+    assert finished(w, 1)
+    w.shutdown()
+    manager.complete_store(offload_keys, request)
+    manager.on_request_finished(request)
+    assert manager._tenants == {}, "a finished request's tenant is forgotten"
+    return manager
+
+
 def test_a_salted_requests_stores_are_charged_to_its_tenant(tmp_path):
     """KvtierConnector tells the manager a request's cache_salt; the manager names the tenant of the
     blocks it plans to store, before the worker's store claims their slots (docs/tenants.md)."""
     extra = {"path": str(tmp_path / "store"), "dram_bytes": 8 << 20, "nvme_bytes": 0, "pool_dir": str(tmp_path)}
     options = KvtierOptions.from_extra_config({**extra, "tenant_dram_share": 0.3})
     try:
-        manager = KvtierManager(ServiceBackend(connection(options)))
-        request = ReqContext(req_id="salted")
-        manager.note_cache_salt("salted", "team-a")
-        offload_keys = [make_offload_key(hashlib.sha256(bytes([60 + i])).digest(), 0) for i in range(3)]
-        planned = manager.prepare_store(offload_keys, request)
-        assert planned is not None and planned.keys_to_store == offload_keys
-        w = worker(options, layers())
-        assert w.submit_store(1, engine_blocks([0, 1, 2]), planned.store_spec)
-        assert finished(w, 1)
-        w.shutdown()
-        manager.complete_store(offload_keys, request)
-        manager.on_request_finished(request)
+        manager = store_as_a_salted_request(options)
         stats = connection(options).stats()
         label = tenant_id("team-a")[:8].hex()
         slot_bytes = stats["dram_used_bytes"] // stats["blocks_dram"]
         assert stats[f"tenant_dram_bytes:{label}"] == 3 * slot_bytes
         assert stats["tenant_dram_bytes:default"] == 0
-        assert manager._tenants == {}, "a finished request's tenant is forgotten"
         manager.shutdown()
     finally:
         kvtier_service.stop_service(options.socket_path())
+
+
+def test_a_salted_requests_stores_are_sealed_under_its_tenants_key(tmp_path):
+    """With encryption_key_file and no split pool, the manager still names the tenant, and every
+    copy written to NVMe names it in its encryption header (sealed under its key; docs/tenants.md)."""
+    key_file = tmp_path / "kvtier.key"
+    key_file.write_bytes(os.urandom(32))
+    key_file.chmod(0o600)
+    store_dir = tmp_path / "store"
+    extra = {
+        "path": str(store_dir),
+        "dram_bytes": 8 << 20,
+        "nvme_bytes": 8 << 20,
+        "region_bytes": 1 << 20,
+        "pool_dir": str(tmp_path),
+    }
+    options = KvtierOptions.from_extra_config({**extra, "encryption_key_file": str(key_file)})
+    try:
+        manager = store_as_a_salted_request(options)
+        assert connection(options).stats()["tenant_keys"] == 1
+        manager.shutdown()
+    finally:
+        kvtier_service.stop_service(options.socket_path())
+    device = b"".join(path.read_bytes() for path in store_dir.rglob("*.kvt"))
+    assert device.count(tenant_id("team-a")) == 3, "each of the three blocks names team-a in its header"
 
 
 def test_admission_options_are_checked():

@@ -135,7 +135,12 @@ pub struct NvmeRead {
 pub enum PutStep {
     Present,
     NoSlot,
-    Fill { slot: u32, sequence: u64 },
+    /// `tenant`: the one named for the key (`assign_tenant`), else the default tenant.
+    Fill {
+        slot: u32,
+        sequence: u64,
+        tenant: crate::tenant::TenantId,
+    },
 }
 
 /// Where an accepted block is to be written on NVMe.
@@ -186,6 +191,8 @@ pub struct Catalog {
     slots: Slots,
     /// Tenants named for blocks not in DRAM yet (`assign_tenant`), taken when a slot is claimed.
     tenant_hints: TenantHints,
+    /// Whether stores are named by tenant although the pool is not split (`name_tenants`).
+    names_tenants: bool,
     nvme: Option<Regions>,
     next_sequence: u64,
     dirty_bytes: usize,
@@ -230,6 +237,7 @@ impl Catalog {
             index: Index::default(),
             slots: Slots::new(slot_count, make_policy),
             tenant_hints: TenantHints::default(),
+            names_tenants: false,
             nvme: geometry.map(|(geometry, device_count)| Regions::new(geometry, device_count)),
             next_sequence: 1,
             dirty_bytes: 0,
@@ -412,17 +420,32 @@ impl Catalog {
         self.slots.set_tenant_shares(shares);
     }
 
+    /// Names the tenant of every put (`PutStep::Fill`) even while the pool is not split: blocks
+    /// encrypted at rest are sealed under their tenant's key (`encryption_key_file`).
+    pub fn name_tenants(&mut self) {
+        self.names_tenants = true;
+    }
+
+    /// Whether `assign_tenant` does anything: the pool is split by tenant, or stores are named.
+    pub fn tracks_tenants(&self) -> bool {
+        self.names_tenants || self.slots.tenancy_enabled()
+    }
+
     /// The blocks `keys` are `tenant`'s: one in DRAM is charged to it now, one on its way (a put, a
-    /// read from a lower tier) when it claims a slot. A no-op while the pool is not split by tenant.
+    /// read from a lower tier) when it claims a slot (and a put is named for it, `PutStep::Fill`).
+    /// A no-op while the pool is not split by tenant and stores are not named.
     pub fn assign_tenant(&mut self, keys: &[BlockKey], tenant: &crate::tenant::TenantId) {
-        if !self.slots.tenancy_enabled() {
+        if !self.tracks_tenants() {
             return;
         }
-        let account = self.slots.account_for(tenant);
+        let split = self.slots.tenancy_enabled();
+        let account = if split { self.slots.account_for(tenant) } else { 0 };
         for key in keys {
             match self.index.get(key).and_then(|e| e.dram) {
-                Some(slot) => self.slots.charge(slot, account, key),
-                None => self.tenant_hints.name(*key, account),
+                Some(slot) if split => self.slots.charge(slot, account, key),
+                // Stored already: its page names the tenant it was put for.
+                Some(_) => {}
+                None => self.tenant_hints.name(*key, account, *tenant),
             }
         }
     }

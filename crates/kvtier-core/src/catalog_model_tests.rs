@@ -358,7 +358,7 @@ impl Model {
                         assert!(!tracked);
                         self.saw("put without a slot");
                     }
-                    PutStep::Fill { slot, sequence: _ } => {
+                    PutStep::Fill { slot, .. } => {
                         assert!(!tracked && !was_visible, "a put reserved a slot for a key already held");
                         assert_eq!(self.loads_waiting, 0, "a put got a slot while a load waits for one");
                         assert!(!self.retired.contains(&slot), "a retired slot was handed out");

@@ -399,16 +399,21 @@ impl Store {
 
     /// The DRAM pool by tenant: `tenant_dram_bytes`, `tenant_dram_guaranteed_bytes`,
     /// `tenant_dram_evictions` and, with a cap, `tenant_dram_cap_bytes`, each `:<tenant label>`, and
-    /// `untracked_tenant_blocks`; nothing when the pool is not split.
+    /// `untracked_tenant_blocks`; nothing when the pool is not split. `tenant_keys` (1) when blocks
+    /// are encrypted under their tenant's key: either way stores are to be named by tenant.
     fn tenant_fields(&self) -> Vec<(String, u64)> {
         let cat = self.state.catalog.lock();
         let (gauges, untracked) = cat.tenant_gauges();
         drop(cat);
+        let mut fields = Vec::new();
+        if self.state.value_cipher.is_some() {
+            fields.push(("tenant_keys".to_string(), 1));
+        }
         if !self.state.config.tenant_shares().is_ok_and(|shares| shares.enabled()) {
-            return Vec::new();
+            return fields;
         }
         let slot_bytes = self.state.arena.slot_bytes() as u64;
-        let mut fields = vec![("untracked_tenant_blocks".to_string(), untracked)];
+        fields.push(("untracked_tenant_blocks".to_string(), untracked));
         for g in gauges {
             fields.push((format!("tenant_dram_bytes:{}", g.label), g.resident_slots * slot_bytes));
             fields.push((format!("tenant_dram_guaranteed_bytes:{}", g.label), g.guaranteed_slots * slot_bytes));
@@ -421,7 +426,9 @@ impl Store {
     }
 
     /// The blocks `keys` are `tenant`'s (a request's `cache_salt`, `crate::tenant`): charged to its
-    /// share of the DRAM pool, now if resident, else when they arrive (`Catalog::assign_tenant`).
+    /// share of the DRAM pool, now if resident, else when they arrive (`Catalog::assign_tenant`);
+    /// with `encryption_key_file`, those not stored yet are sealed under its key when written below
+    /// DRAM. Name them before the put: a block stored before it is named stays the default tenant's.
     pub fn assign_tenant(&self, keys: &[BlockKey], tenant: &crate::tenant::TenantId) {
         self.state.catalog.lock().assign_tenant(keys, tenant);
     }

@@ -1,13 +1,15 @@
 //! Encryption at rest of the NVMe tier (`encryption_key_file`, docs/format.md "Encrypted values"),
 //! with both I/O engines: no plaintext of a stored block in the device file, every block served
 //! byte-identical through loads and reopens, a changed byte, another key or no key a counted miss,
-//! a store written in clear still read, and a key file others can read refused.
+//! a store written in clear still read, a key file others can read refused, and each tenant's blocks
+//! sealed under its own key (on NVMe and in the shared tier), a changed tenant a counted miss.
 
 mod common;
 
 use common::*;
 use kvtier_core::format::descriptor::{Descriptor, DESCRIPTOR_BYTES, DESCRIPTOR_MAGIC};
-use kvtier_core::{EngineChoice, Store, StoreConfig};
+use kvtier_core::format::encrypted::{page_tenant, HEADER_AT};
+use kvtier_core::{tenant_id, EngineChoice, Store, StoreConfig, TenantId, DEFAULT_TENANT};
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
@@ -229,4 +231,85 @@ fn the_shared_tier_holds_only_encrypted_values_which_only_the_key_opens() {
     }
     // Nothing was quarantined by the stores without the key: the reader still gets every block.
     assert!(get_checked(&reader, &ids).iter().all(|&hit| hit));
+}
+
+/// The first half of the blocks named for tenant "team-a" before their put, the rest unnamed.
+fn stored_for_a_tenant(store: &Store) -> TenantId {
+    let team_a = tenant_id(b"team-a");
+    let named: Vec<_> = (0..N / 2).map(key).collect();
+    store.assign_tenant(&named, &team_a);
+    for chunk in (0..N).collect::<Vec<_>>().chunks(10) {
+        assert!(put(store, chunk).iter().all(|&ok| ok));
+    }
+    store.flush().unwrap();
+    team_a
+}
+
+/// The tenant each stored block's encryption header names, by block id.
+fn tenants_on_disk(bytes: &[u8]) -> Vec<(u64, usize, TenantId)> {
+    descriptors(bytes)
+        .into_iter()
+        .filter_map(|(at, encrypted)| {
+            assert!(encrypted, "a block in clear at {at}");
+            let desc = Descriptor::decode(&bytes[at..at + 4096]).unwrap();
+            let id = (0..N).find(|&i| key(i) == desc.key)?;
+            Some((id, at, page_tenant(&bytes[at..at + 4096])))
+        })
+        .collect()
+}
+
+#[test]
+fn each_tenant_s_blocks_are_sealed_under_its_key_and_a_changed_tenant_is_a_counted_miss() {
+    for engine in engines() {
+        let dir = tempfile::tempdir().unwrap();
+        let keys = tempfile::tempdir().unwrap();
+        let key_path = key_file(keys.path(), "kvtier.key", 7);
+        let store = Store::open(cfg(dir.path(), engine, Some(&key_path))).unwrap();
+        assert!(store.stats().tenant_fields.contains(&("tenant_keys".to_string(), 1)), "stores are to be named");
+        let team_a = stored_for_a_tenant(&store);
+        store.close().unwrap();
+
+        let (path, bytes) = device_bytes(dir.path());
+        let on_disk = tenants_on_disk(&bytes);
+        assert!(on_disk.len() >= N as usize, "every block is on NVMe: {}", on_disk.len());
+        for &(id, at, tenant) in &on_disk {
+            let expected = if id < N / 2 { team_a } else { DEFAULT_TENANT };
+            assert_eq!(tenant, expected, "block {id} at {at}");
+        }
+        assert_eq!(reopened_hits(dir.path(), engine, Some(&key_path)), (N as usize, 0), "each under its key");
+
+        // A block of team-a's relabelled as the default tenant's: neither key nor associated data fit.
+        let &(id, at, _) = on_disk.iter().find(|&&(id, _, _)| id < N / 2).unwrap();
+        let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        file.write_all_at(&DEFAULT_TENANT, (at + HEADER_AT + 16) as u64).unwrap();
+        let (hits, failures) = reopened_hits(dir.path(), engine, Some(&key_path));
+        assert!(hits == N as usize - 1 && failures <= 1, "block {id} relabelled: {hits} hits, {failures} refused");
+    }
+}
+
+#[test]
+fn a_tenant_s_blocks_are_sealed_under_its_key_in_the_shared_tier_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = tempfile::tempdir().unwrap();
+    let shared = dir.path().join("shared");
+    let key_path = key_file(keys.path(), "kvtier.key", 7);
+    let deployment = key_file(keys.path(), "deployment.key", 9);
+    let writer = shared_node(dir.path(), "writer", &shared, Some(&key_path), &deployment);
+    let team_a = stored_for_a_tenant(&writer);
+    writer.close().unwrap();
+
+    let bytes = files_under(&shared);
+    let pages: Vec<TenantId> = (0..bytes.len() / 4096)
+        .map(|page| &bytes[page * 4096..(page + 1) * 4096])
+        .filter(|page| page[..8] == DESCRIPTOR_MAGIC && Descriptor::is_encrypted(page))
+        .map(page_tenant)
+        .collect();
+    assert!(pages.len() >= N as usize, "every block was published: {}", pages.len());
+    let named = pages.iter().filter(|&&t| t == team_a).count();
+    assert_eq!((named, pages.len() - named), (N as usize / 2, pages.len() - N as usize / 2));
+    assert!(pages.iter().all(|&t| t == team_a || t == DEFAULT_TENANT), "only the two tenants");
+    let reader = shared_node(dir.path(), "reader", &shared, Some(&key_path), &deployment);
+    let ids: Vec<u64> = (0..N).collect();
+    assert!(get_checked(&reader, &ids).iter().all(|&hit| hit), "the key file opens both tenants' blocks");
+    assert_eq!(reader.stats().counters.remote_decrypt_failures, 0);
 }

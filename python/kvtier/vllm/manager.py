@@ -37,7 +37,7 @@ logger = logging.getLogger("kvtier.vllm")
 # Tiers a block can vanish from between lookup and load (another host's evictor): never pinned.
 REMOTE_TIERS = frozenset({"shared", "bucket"})
 
-# How often the manager asks the store whether its DRAM pool is split by tenant.
+# How often the manager asks the store whether it tracks tenants (a split pool, tenant keys).
 TENANCY_CHECK_S = 30.0
 
 # store.locate_many() tier -> vLLM's cache-hit source (shared and unknown: external_unspecified).
@@ -88,8 +88,9 @@ class KvtierManager(OffloadingManager):
         # salt, told by KvtierConnector; its stores and loads are charged to that tenant's share of
         # the DRAM pool (docs/tenants.md). Requests without a salt are the default tenant's.
         self._tenants: dict[str, bytes] = {}
-        # Whether the store splits its pool by tenant, asked at most every TENANCY_CHECK_S: naming
-        # tenants costs a call to the host service per store and load, paid only where it counts.
+        # Whether the store tracks tenants (its pool is split by tenant, or it seals blocks under
+        # their tenant's key), asked at most every TENANCY_CHECK_S: naming tenants costs a call to
+        # the host service per store and load, paid only where it counts.
         self._tenancy = False
         self._tenancy_checked_at = -TENANCY_CHECK_S
         self._stats = StatsDeltaTracker()
@@ -146,12 +147,13 @@ class KvtierManager(OffloadingManager):
             self.expired_pending += 1
         return LookupResult.MISS
 
-    def _splits_by_tenant(self) -> bool:
+    def _tracks_tenants(self) -> bool:
         now = time.monotonic()
         if now - self._tenancy_checked_at >= TENANCY_CHECK_S:
             self._tenancy_checked_at = now
             try:
-                self._tenancy = "untracked_tenant_blocks" in self._store.stats()
+                stats = self._store.stats()
+                self._tenancy = "untracked_tenant_blocks" in stats or "tenant_keys" in stats
             except Exception:
                 self._tenancy = False
         return self._tenancy
@@ -300,10 +302,11 @@ class KvtierManager(OffloadingManager):
         self._tenants.pop(req_context.req_id, None)
 
     def _assign_tenant(self, store_keys: list[bytes], req_context: ReqContext) -> None:
-        """Charges the blocks a salted request stores or loads to its tenant (before the worker's put
-        or the read claims their slots: the store remembers the tenant until then)."""
+        """Charges the blocks a salted request stores or loads to its tenant, and names the tenant
+        whose key seals them at rest (before the worker's put or the read claims their slots: the
+        store remembers the tenant until then)."""
         tenant = self._tenants.get(req_context.req_id)
-        if tenant is None or not store_keys or not self._splits_by_tenant():
+        if tenant is None or not store_keys or not self._tracks_tenants():
             return
         try:
             self._store.assign_tenant(store_keys, tenant)

@@ -26,14 +26,14 @@ impl Catalog {
         if needs_write && self.dirty_bytes + self.slot_bytes as usize > self.max_dirty_bytes {
             return PutStep::NoSlot;
         }
-        let account = self.tenant_hints.account_of(key);
+        let (account, tenant) = self.tenant_hints.named(key);
         let Some(slot) = self.alloc_slot(false, account) else { return PutStep::NoSlot };
         if needs_write {
             self.dirty_bytes += self.slot_bytes as usize;
             assert!(self.dirty_bytes <= self.max_dirty_bytes, "a put past the write backlog budget");
         }
         let sequence = self.claim_slot(key, slot, SlotState::Filling, 0, account);
-        PutStep::Fill { slot, sequence }
+        PutStep::Fill { slot, sequence, tenant }
     }
 
     /// Whether one more put would be admitted now by the NVMe write backlog budget (`max_dirty_bytes`)

@@ -238,15 +238,16 @@ impl Tenants {
 /// slot. At most `MAX_HINTS`, the oldest forgotten first (a block stored by no one after all).
 #[derive(Default)]
 pub(super) struct TenantHints {
-    account: HashMap<BlockKey, u8>,
+    /// The account a named block is charged to, and its tenant.
+    account: HashMap<BlockKey, (u8, TenantId)>,
     order: VecDeque<BlockKey>,
 }
 
 const MAX_HINTS: usize = 1 << 16;
 
 impl TenantHints {
-    pub(super) fn name(&mut self, key: BlockKey, account: u8) {
-        if self.account.insert(key, account).is_none() {
+    pub(super) fn name(&mut self, key: BlockKey, account: u8, tenant: TenantId) {
+        if self.account.insert(key, (account, tenant)).is_none() {
             self.order.push_back(key);
         }
         while self.order.len() > MAX_HINTS {
@@ -258,7 +259,12 @@ impl TenantHints {
 
     /// The account `key`'s block is charged to when it claims a slot (the default tenant's unless named).
     pub(super) fn account_of(&self, key: &BlockKey) -> u8 {
-        self.account.get(key).copied().unwrap_or(0)
+        self.named(key).0
+    }
+
+    /// The account and tenant `key`'s block is stored for (the default tenant's unless named).
+    pub(super) fn named(&self, key: &BlockKey) -> (u8, TenantId) {
+        self.account.get(key).copied().unwrap_or((0, DEFAULT_TENANT))
     }
 
     /// The block claimed its slot: its hint is spent (its key stays in `order` until it comes
@@ -425,6 +431,27 @@ mod catalog_tests {
         put(&mut cat, keys[2]);
         assert!(keys.iter().all(|k| cat.contains(k)), "pinned blocks stayed and the store was not refused");
         cat.check_invariants();
+    }
+
+    #[test]
+    fn a_put_carries_the_tenant_named_for_it_when_the_catalog_names_tenants() {
+        use crate::catalog::PutStep;
+        use crate::tenant::DEFAULT_TENANT;
+        let put_tenant = |cat: &mut crate::catalog::Catalog, k: BlockKey| match cat.plan_put(&k) {
+            PutStep::Fill { tenant, .. } => tenant,
+            step => panic!("{k:?}: {step:?}"),
+        };
+        let team_a = tenant_id(b"team-a");
+        let mut cat = dram_catalog(4);
+        cat.assign_tenant(&[keyed(1, 0)], &team_a);
+        assert_eq!(put_tenant(&mut cat, keyed(1, 0)), DEFAULT_TENANT, "neither split nor naming: not remembered");
+        cat.name_tenants();
+        assert!(cat.tracks_tenants());
+        cat.assign_tenant(&[keyed(1, 1)], &team_a);
+        assert_eq!(put_tenant(&mut cat, keyed(1, 1)), team_a);
+        assert_eq!(put_tenant(&mut cat, keyed(1, 2)), DEFAULT_TENANT, "unnamed");
+        let (gauges, _) = cat.tenant_gauges();
+        assert_eq!(gauges.len(), 1, "naming alone opens no account: the pool is not split");
     }
 
     #[test]

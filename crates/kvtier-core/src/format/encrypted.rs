@@ -4,8 +4,10 @@
 //! of every block written is encrypted with AES-256-GCM.
 //!
 //! - **Keys.** One key per tenant, derived with HKDF-SHA256 from the key file's bytes
-//!   (`info = "kvtier encrypted value v1" || tenant id`). The tenant id travels in the encryption header;
-//!   every block is of the default tenant (all zero) until tenants are passed with stores.
+//!   (`info = "kvtier encrypted value v1" || tenant id`). The tenant id travels in the encryption header.
+//!   A block's tenant is the one its store named (`Store::assign_tenant`, before the put): the DRAM
+//!   slot's page carries it in clear at the header's tenant field (`set_page_tenant`), every copy
+//!   written below DRAM is sealed under that tenant's key, and a block read back keeps it.
 //! - **Nonces.** 96 random bits from the kernel per write. Writers are many processes (engines, the
 //!   host service, restarts of both) with no shared counter to draw from, so a counter could repeat
 //!   across them; random nonces collide with probability under 2^-32 for up to 2^32 writes per key
@@ -36,6 +38,8 @@ use ring::hkdf::{Prk, Salt, HKDF_SHA256};
 /// (bytes 128..160 of a page in a shared data file), so that the two never overlap.
 pub const HEADER_AT: usize = 256;
 pub const HEADER_BYTES: usize = 48;
+/// Where a page holds its block's tenant: in the encryption header, and in a DRAM slot's page in clear.
+const TENANT_AT: usize = HEADER_AT + 16;
 const CIPHER_AES_256_GCM: u32 = 1;
 const NONCE_BYTES: usize = 12;
 const KEY_INFO: &[u8] = b"kvtier encrypted value v1";
@@ -132,17 +136,33 @@ pub fn decrypt_in_place(cipher: Option<&ValueCipher>, page: &mut [u8], value: &m
     cipher
         .with_key(&tenant, |k| k.open_in_place_separate_tag(nonce, Aad::from(&aad), tag, value, 0..).map(|_| ()))
         .map_err(|_| DecryptError::Refused)?;
-    page[HEADER_AT..HEADER_AT + HEADER_BYTES].fill(0);
+    // The tenant stays: a block read back into a DRAM slot is sealed under its tenant's key again
+    // when it is written below DRAM once more.
+    page[HEADER_AT..TENANT_AT].fill(0);
+    page[TENANT_AT + 16..HEADER_AT + HEADER_BYTES].fill(0);
     desc.encode(page);
+    debug_assert_eq!(page_tenant(page), tenant, "a decrypted page keeps its tenant");
     Ok(true)
 }
 
+/// The tenant a page names (its encryption header's tenant field; all zero: the default tenant).
+pub fn page_tenant(page: &[u8]) -> TenantId {
+    page[TENANT_AT..TENANT_AT + 16].try_into().expect("16 bytes")
+}
+
+/// Names the tenant of the block in a DRAM slot whose page is `page` (in clear: the id is a hash
+/// of the salt, no secret), so that the writers below DRAM seal it under that tenant's key.
+pub fn set_page_tenant(page: &mut [u8], tenant: &TenantId) {
+    page[TENANT_AT..TENANT_AT + 16].copy_from_slice(tenant);
+}
+
 /// Encrypts a slot's value (the descriptor page, then the value) in place, as `ValueCipher::encrypt`,
-/// with a fresh nonce: the remote tiers' copies, which leave this host.
+/// under the key of the tenant its page names (`set_page_tenant`), with a fresh nonce.
 pub fn seal_slot(cipher: &ValueCipher, slot: &mut [u8], object_bytes: usize) -> std::io::Result<()> {
     let nonce = fresh_nonce()?;
     let (page, rest) = slot.split_at_mut(DESCRIPTOR_BYTES);
-    cipher.encrypt(page, &mut rest[..object_bytes], &DEFAULT_TENANT, nonce);
+    let tenant = page_tenant(page);
+    cipher.encrypt(page, &mut rest[..object_bytes], &tenant, nonce);
     Ok(())
 }
 
@@ -229,6 +249,7 @@ mod tests {
         assert_eq!(decrypt_in_place(Some(&cipher), &mut page, &mut value), Ok(true));
         assert_eq!(value, plain);
         assert!(!Descriptor::is_encrypted(&page) && page[HEADER_AT..HEADER_AT + HEADER_BYTES].iter().all(|&b| b == 0));
+        assert_eq!(page_tenant(&page), DEFAULT_TENANT);
         assert_eq!(decrypt_in_place(Some(&cipher), &mut page, &mut value), Ok(false), "now in clear");
     }
 
@@ -254,8 +275,21 @@ mod tests {
         let (mut page_default, mut value_default) = block(1);
         cipher.encrypt(&mut page_default, &mut value_default, &DEFAULT_TENANT, fresh_nonce().unwrap());
         assert_ne!(value, value_default);
+        // Another tenant named in the header: its key and associated data differ.
+        let (mut p, mut v) = (page.clone(), value.clone());
+        set_page_tenant(&mut p, &[6u8; 16]);
+        assert_eq!(decrypt_in_place(Some(&cipher), &mut p, &mut v), Err(DecryptError::Refused), "another tenant");
         assert_eq!(decrypt_in_place(Some(&cipher), &mut page, &mut value), Ok(true));
         assert_eq!(value, plain);
+        assert_eq!(page_tenant(&page), tenant, "a page read back keeps its tenant");
+        assert!(page[HEADER_AT..HEADER_AT + HEADER_BYTES].iter().filter(|&&b| b != 0).count() <= 16);
+        let mut slot = page.clone();
+        slot.extend_from_slice(&value);
+        seal_slot(&cipher, &mut slot, value.len()).unwrap();
+        assert_eq!(page_tenant(&slot), tenant, "sealed again under the tenant its page names");
+        let (p, v) = slot.split_at_mut(DESCRIPTOR_BYTES);
+        assert_eq!(decrypt_in_place(Some(&cipher), p, v), Ok(true));
+        assert_eq!(v, &plain[..]);
         let nonces: std::collections::HashSet<_> = (0..1000).map(|_| fresh_nonce().unwrap()).collect();
         assert_eq!(nonces.len(), 1000);
     }

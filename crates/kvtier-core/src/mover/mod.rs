@@ -10,7 +10,7 @@ pub(crate) use load::{execute_get, execute_get_pinned, execute_read_ahead};
 
 use crate::catalog::{MetaWrite, Persist, PutStep, WriteOutcome, WritePlan};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
-use crate::format::encrypted::{fresh_nonce, ValueCipher, DEFAULT_TENANT};
+use crate::format::encrypted::{fresh_nonce, page_tenant, set_page_tenant, ValueCipher};
 use crate::format::ALIGN_BYTES;
 use crate::io::buffer::AlignedBuf;
 use crate::io::device::{is_abandoned, is_cancelled, IoOp};
@@ -18,6 +18,7 @@ use crate::io::OpKind;
 use crate::key::BlockKey;
 use crate::stats::Stats;
 use crate::store_state::StoreState;
+use crate::tenant::TenantId;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -131,7 +132,10 @@ pub(crate) fn execute_put(sh: &Arc<StoreState>, keys: &[BlockKey], bufs: &[Block
             while next < n && fills.len() < batch_max {
                 match cat.plan_put(&keys[next]) {
                     PutStep::Present => results[next] = true,
-                    PutStep::Fill { slot, sequence } => fills.push((next, slot, sequence)),
+                    PutStep::Fill { slot, sequence, tenant } => {
+                        name_tenant(sh, slot, &tenant);
+                        fills.push((next, slot, sequence));
+                    }
                     PutStep::NoSlot => break,
                 }
                 next += 1;
@@ -179,6 +183,9 @@ pub(crate) fn copy_resident_block(sh: &StoreState, key: &BlockKey, out: &mut [u8
     let value =
         unsafe { std::slice::from_raw_parts(sh.arena.slot_ptr(block.slot).add(DESCRIPTOR_BYTES), object_bytes) };
     out[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + object_bytes].copy_from_slice(value);
+    // SAFETY: as above; a resident slot's tenant is written only while the slot is a fill's or a
+    // read's alone (`name_tenant`, a landing), and an NVMe write stamps only the descriptor's used bytes.
+    let tenant = page_tenant(unsafe { std::slice::from_raw_parts(sh.arena.slot_ptr(block.slot), DESCRIPTOR_BYTES) });
     sh.catalog.lock().release_readers(std::slice::from_ref(key));
     sh.changed.notify_all();
     Descriptor {
@@ -190,7 +197,21 @@ pub(crate) fn copy_resident_block(sh: &StoreState, key: &BlockKey, out: &mut [u8
         value_checksum: block.value_checksum,
     }
     .encode(&mut out[..DESCRIPTOR_BYTES]);
+    set_page_tenant(&mut out[..DESCRIPTOR_BYTES], &tenant);
     true
+}
+
+/// Writes the tenant of the block being stored in `slot` into its page (`set_page_tenant`), where the
+/// writers below DRAM find it, when blocks are encrypted (`encryption_key_file`); the page stays as it
+/// is otherwise.
+fn name_tenant(sh: &StoreState, slot: u32, tenant: &TenantId) {
+    if sh.value_cipher.is_none() {
+        return;
+    }
+    // SAFETY: the slot is ours (Filling). Only its descriptor page is touched: other processes may be
+    // copying into its value area (a reserved put through the shared pool).
+    let page = unsafe { std::slice::from_raw_parts_mut(sh.arena.slot_ptr(slot), DESCRIPTOR_BYTES) };
+    set_page_tenant(page, tenant);
 }
 
 /// A slot whose value is complete (copied in, here or by engine workers through the shared pool).
@@ -335,7 +356,10 @@ pub(crate) fn reserve_puts(sh: &StoreState, keys: &[BlockKey]) -> Vec<Reservatio
     keys.iter()
         .map(|key| match cat.plan_put(key) {
             PutStep::Present => Reservation::Present,
-            PutStep::Fill { slot, sequence } => Reservation::Fill { slot, sequence },
+            PutStep::Fill { slot, sequence, tenant } => {
+                name_tenant(sh, slot, &tenant);
+                Reservation::Fill { slot, sequence }
+            }
             PutStep::NoSlot => Reservation::Dropped,
         })
         .collect()
@@ -483,7 +507,8 @@ fn encrypted_copy(sh: &StoreState, cipher: &ValueCipher, slot: u32) -> std::io::
     // SAFETY: the slot is marked writing: nothing else writes into it.
     copy.as_mut_slice().copy_from_slice(unsafe { slot_ref(sh, slot) });
     let (page, rest) = copy.as_mut_slice().split_at_mut(DESCRIPTOR_BYTES);
-    cipher.encrypt(page, &mut rest[..sh.config.object_bytes], &DEFAULT_TENANT, nonce);
+    let tenant = page_tenant(page);
+    cipher.encrypt(page, &mut rest[..sh.config.object_bytes], &tenant, nonce);
     Ok(copy)
 }
 

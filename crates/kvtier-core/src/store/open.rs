@@ -55,6 +55,9 @@ impl Store {
         let geometry = nvme_geometry(&config, &dirs, slot_bytes)?;
         let mut catalog = new_catalog(&config, &arena, geometry, dirs.len(), &stats);
         let cipher = open_value_cipher(&config)?;
+        if cipher.is_some() {
+            catalog.name_tenants();
+        }
         let (device_files, startup_meta) = match &geometry {
             Some(geometry) => {
                 open_and_recover_devices(&config, &dirs, namespace, geometry, &mut catalog, cipher.as_deref())?
