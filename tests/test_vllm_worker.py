@@ -475,8 +475,9 @@ def frozen(socket_path: Path):
 def test_a_frozen_service_costs_a_fence_or_a_load_one_stall_timeout_and_nothing_lands_late(service):
     """Issue 36: a fence on a store stuck in a frozen service returned only after job_timeout_ms
     (then raised, and the engine stopped). Now a job that copies nothing for the stall timeout is
-    given up through its gate: the fence returns, a load is reported failed (recomputed), and when
-    the service answers again the late replies copy nothing into pages vLLM has reused."""
+    given up through its gate: the fence returns; jobs submitted while the job thread is still stuck
+    are answered at once (a store not stored, a load failed and recomputed), and when the service
+    answers again the late replies copy nothing into pages vLLM has reused."""
     source = layers()
     w = ServiceWorker(connection(service), source, PAGE_BYTES, job_timeout_ms=30_000, stall_timeout_ms=1_000)
     w.can_report_load_failures = True  # KvtierConnector's route
@@ -490,15 +491,22 @@ def test_a_frozen_service_costs_a_fence_or_a_load_one_stall_timeout_and_nothing_
             assert w.given_up_stores == 1 and finished(w, 2)
             for layer in source:
                 layer[2:4] = 0xAA  # vLLM reuses the blocks at once
+            # The job thread is still stuck in the store's call: later jobs are answered at once,
+            # not queued behind it (each would cost its fence or load another stall timeout).
+            started = time.monotonic()
+            assert w.submit_store(5, engine_blocks([4, 5]), KvtierLoadStoreSpec([key(64), key(65)]))
+            w.wait({5})
             assert w.submit_load(3, KvtierLoadStoreSpec([key(60), key(61)]), engine_blocks([8, 9]))
-            assert finished(w, 3, timeout_s=4) and w.given_up_loads == 1
-            assert w.take_failed_load_block_ids() == {8, 9}, "a given-up load is recomputed"
+            assert finished(w, 3, timeout_s=0.5) and time.monotonic() - started < 0.5
+            assert (w.skipped_store_blocks, w.skipped_loads, w.given_up_stores) == (2, 1, 1)
+            assert w.take_failed_load_block_ids() == {8, 9}, "a skipped load is recomputed"
             for layer in source:
                 layer[8:10] = 0x55  # vLLM recomputes into them
         time.sleep(1.0)  # the stuck calls come back late
         assert all((layer[8:10] == 0x55).all() for layer in source), "a late load copied into recomputed pages"
         probe = connection(service)
         assert probe.locate_many([key(62), key(63)]) == [None, None], "a given-up store was committed late"
+        assert probe.locate_many([key(64), key(65)]) == [None, None], "a skipped store was stored"
         # The worker kept its connection: the next load works.
         assert w.submit_load(4, KvtierLoadStoreSpec([key(60), key(61)]), engine_blocks([10, 11])) and finished(w, 4)
         assert all(np.array_equal(layer[10:12], layer[0:2]) for layer in source)

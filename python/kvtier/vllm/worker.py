@@ -456,7 +456,14 @@ class JobQueueWorker(OffloadingWorker):
         # store vLLM fenced (the blocks it had not copied yet are not stored), a load (recomputed).
         self.given_up_stores = 0
         self.given_up_loads = 0
+        # Jobs answered at submission while the job thread is stuck in a call (``_stuck``): store
+        # blocks not stored, loads failed (recomputed). Queued behind the stuck call, each would cost
+        # the engine's fence or load one more stall timeout.
+        self.skipped_store_blocks = 0
+        self.skipped_loads = 0
         self._stall_logged = False
+        self._current: _Job | None = None  # the job whose transfer the job thread is in, and since when
+        self._current_since = 0.0
         self._loads_pending = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-worker-jobs", daemon=True)
         self._thread.start()
@@ -516,6 +523,8 @@ class JobQueueWorker(OffloadingWorker):
             if not keys:
                 self.results.finished.append(TransferResult(vllm_job_id, True, 0, 0.0))
                 return True
+            if self._stuck() and self._skip(job, keys):
+                return True
             if is_load:
                 self._loads.append((job, keys))
                 self._loads_pending.set()
@@ -537,6 +546,27 @@ class JobQueueWorker(OffloadingWorker):
         self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
     ) -> bool:
         return self._submit(job_id, True, *_load_job(src_spec, dst_spec))
+
+    def _stuck(self) -> bool:
+        """Holds ``_cv``. Whether the job thread is in a transfer that copied nothing for the stall
+        timeout (a frozen service): a job queued now would wait behind it."""
+        now = time.monotonic()
+        current = self._current
+        return current is not None and now - self._current_since > self._stall_timeout_s and self._stalled(current, now)
+
+    def _skip(self, job: _Job, keys: list[bytes]) -> bool:
+        """Holds ``_cv``. Answers a job submitted while the job thread is stuck, at once: a store is
+        not stored (a cache: a miss later), a load fails (vLLM recomputes it) where the connector
+        reports failed loads. Under vLLM's plain OffloadingConnector a load is queued (False): a
+        failed load stops the engine there."""
+        if job.is_load and not self.results.can_report_load_failures:
+            return False
+        if job.is_load:
+            self.skipped_loads += 1
+        else:
+            self.skipped_store_blocks += len(keys)
+        self.results.complete(job, [False] * len(keys))
+        return True
 
     def _backlog_blocks(self) -> int:
         return sum(work.remaining for work in self._stores)
@@ -578,13 +608,17 @@ class JobQueueWorker(OffloadingWorker):
         while True:
             with self._cv:
                 work = self._next_work()
+                self._current = work.job if isinstance(work, _StoreWork) else work[0] if work else None
+                self._current_since = time.monotonic()
             if work is None:
                 return
             if isinstance(work, _StoreWork):
                 self._store_batch(work)
-                continue
-            job, keys = work
-            self._finish(job, self.transport.load(job, keys, engine_idle=not self._forward_running))
+            else:
+                job, keys = work
+                self._finish(job, self.transport.load(job, keys, engine_idle=not self._forward_running))
+            with self._cv:
+                self._current = None
 
     def _store_batch(self, work: _StoreWork) -> None:
         batch = slice(work.copied, work.copied + max(1, STORE_BATCH_BYTES // self.transport.object_bytes))
@@ -692,7 +726,9 @@ class JobQueueWorker(OffloadingWorker):
         """vLLM is about to reuse these jobs' engine blocks: a held-back store goes now, and the
         fence waits while the jobs progress. One that copied nothing for the stall timeout (a frozen
         service) is given up through its gate, so the fence returns without a copy left to land:
-        a sick service costs the engine one stall timeout, never its step loop."""
+        a sick service costs the engine one stall timeout, never its step loop. While the job thread
+        stays stuck in that call, jobs submitted are answered at once (``_skip``): a fence or a load
+        on them never waits behind it."""
         with self._cv:
             self._urgent |= set(self._pending) & job_ids
             self._cv.notify_all()
