@@ -170,6 +170,27 @@ def test_judging_a_different_output_fails():
     ]
 
 
+def test_outputs_the_runs_of_vllm_alone_disagree_on_are_unstable_not_wrong():
+    """--reference-runs 2: a request whose output vLLM alone does not repeat (near-tied greedy tokens)
+    is left out of every row's wrong outputs; one both runs agree on still counts."""
+    assert plan_of("--small", "--reference-runs", "3")["rows"] == [
+        "vllm",
+        "vllm-2",
+        "vllm-3",
+        "service-stop",
+        "service-kill",
+    ]
+    with pytest.raises(faults.FaultError, match="reference-runs"):
+        plan_of("--reference-runs", "0")
+    rows = [row("vllm", ["a", "b", "c"]), row("vllm-2", ["a", "B", "c"]), row("service-stop", ["a", "x", "y"])]
+    assert faults.unstable_requests(rows) == {1}
+    assert faults.judge(rows) == ["service-stop: 1 outputs differ from vLLM alone's"]
+    assert [r["wrong_outputs"] for r in rows] == [0, 0, 1]
+    assert faults.table_rows(rows)[1][0] == "vLLM alone, run 2" and faults.table_rows(rows)[1][8] == "-"
+    assert faults.is_reference("vllm-2") and not faults.is_reference("vllm-stop")
+    assert faults.unstable_requests(rows[:1] + rows[2:]) == set(), "one run of vLLM alone: nothing is unstable"
+
+
 def test_judging_a_failed_request_fails_once():
     rows = [row("vllm", ["a", "b"]), row("service-kill", ["a", ""], failed=1, errors=["", "connection reset"])]
     assert faults.judge(rows) == ["service-kill: 1 requests failed"]

@@ -134,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vllm-blocks", type=int, help="vLLM's own KV cache in blocks (--small: 12)")
     parser.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE, GiB")
     parser.add_argument("--seed", type=int, default=0, help="dataset seed (the same in every row)")
+    parser.add_argument(
+        "--reference-runs", type=int, default=1,
+        help="runs of vLLM alone (default 1). With 2 or more, a request whose greedy output differs between them "
+        "(a model whose top tokens nearly tie, as the random-weight presets' do under CPU batching) is unstable: "
+        "left out of every row's wrong outputs, and counted",
+    )  # fmt: skip
     parser.add_argument("--out", help="output directory (default: a new temporary directory)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG", help="one more vllm serve arg")
     parser.add_argument("--bench-arg", action="append", default=[], metavar="ARG", help="one more bench serve arg")
@@ -169,6 +175,9 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         plan[name] = parse_tokens(str(plan[name]))
     if min(plan["users"], plan["requests_per_user"], plan["concurrency"], plan["output_len"]) < 1:
         raise FaultError("--users, --requests-per-user, --concurrency and --output-len must be at least 1")
+    if args.reference_runs < 1:
+        raise FaultError("--reference-runs must be at least 1 (vLLM alone is every row's reference)")
+    references = [BASELINE_ROW, *(f"{BASELINE_ROW}-{run}" for run in range(2, args.reference_runs + 1))]
     if args.fault_s <= 0 or fault_after_s < 0 or after_s < 0:
         raise FaultError("--fault-s must be above 0, --fault-after-s and --after-s at least 0")
     requests = plan["users"] * plan["requests_per_user"]
@@ -181,7 +190,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         after_s=after_s, request_rate=rate, burstiness=BURSTINESS, vllm_kv_gib=args.vllm_kv_gib,
         seed=args.seed, server_args=list(args.server_arg), small=args.small, workload="faults", kv_events=False,
         bench_args=["--temperature", "0", *args.bench_arg],
-        rows=[BASELINE_ROW, *parse_faults(args.faults)],
+        rows=[*references, *parse_faults(args.faults)],
     )  # fmt: skip
     plan["max_model_len"] = plan["prefix_len"] + plan["suffix_len"] + plan["output_len"] + serve_plan.MODEL_LEN_MARGIN
     if any(fault in TIER_FAULTS for fault in plan["faults"]):
@@ -203,6 +212,11 @@ def osd_bytes(plan: dict[str, Any]) -> int:
 # --------------------------------------------------------------------------------------------
 # faults
 # --------------------------------------------------------------------------------------------
+
+
+def is_reference(row: str) -> bool:
+    """Whether ``row`` is a run of vLLM alone (``vllm``, ``vllm-2``, ...: ``--reference-runs``)."""
+    return row == BASELINE_ROW or (row.startswith(f"{BASELINE_ROW}-") and row[len(BASELINE_ROW) + 1 :].isdigit())
 
 
 def service_now(socket: Path) -> tuple[int | None, dict[str, int] | None]:
@@ -444,7 +458,7 @@ def run_row(
     from kvtier.service import default_socket_path
 
     row_dir = out_dir / row
-    stores = [] if row == BASELINE_ROW else [row_dir / "store"]
+    stores = [] if is_reference(row) else [row_dir / "store"]
     sockets = [default_socket_path(store) for store in stores]
     record: dict[str, Any] = {"row": row, "problems": []}
     server = mount = None
@@ -518,32 +532,45 @@ def tear_down_row(
 # --------------------------------------------------------------------------------------------
 
 
-def wrong_outputs(reference: list[str], outputs: list[str], errors: list[str]) -> int:
+def wrong_outputs(
+    reference: list[str], outputs: list[str], errors: list[str], unstable: frozenset[int] = frozenset()
+) -> int:
     """Requests whose generated text differs from the reference's (a failed request counts as failed,
-    not as wrong); a different number of requests counts as that many wrong."""
+    not as wrong; an ``unstable`` one, whose output vLLM alone does not repeat, counts as neither); a
+    different number of requests counts as that many wrong."""
     wrong = abs(len(reference) - len(outputs))
     for index, (expected, got) in enumerate(zip(reference, outputs, strict=False)):
-        if expected != got and not (index < len(errors) and errors[index]):
+        if expected != got and index not in unstable and not (index < len(errors) and errors[index]):
             wrong += 1
     return wrong
 
 
+def unstable_requests(rows: list[dict[str, Any]]) -> frozenset[int]:
+    """The requests whose outputs differ between the runs of vLLM alone (``--reference-runs``)."""
+    runs = [record["outputs"] for record in rows if is_reference(record["row"]) and record.get("outputs")]
+    if len(runs) < 2:
+        return frozenset()
+    return frozenset(i for i in range(len(runs[0])) if any(i >= len(run) or run[i] != runs[0][i] for run in runs))
+
+
 def judge(rows: list[dict[str, Any]]) -> list[str]:
-    """Counts each row's wrong outputs against the first row's (vLLM alone) and lists the problems: a
-    failed request, a wrong output, a fault not injected while the load ran, a row that did not run.
-    Fills ``wrong_outputs`` per row."""
+    """Counts each row's wrong outputs against the first row's (vLLM alone), leaving out the requests
+    the runs of vLLM alone disagree on, and lists the problems: a failed request, a wrong output, a
+    fault not injected while the load ran, a row that did not run. Fills ``wrong_outputs`` per row."""
     reference = rows[0].get("outputs") if rows else None
+    unstable = unstable_requests(rows)
     problems = []
     for record in rows:
         outputs = record.get("outputs")
         if reference is not None and outputs is not None:
-            record["wrong_outputs"] = wrong_outputs(reference, outputs, record.get("request_errors") or [])
+            errors = record.get("request_errors") or []
+            record["wrong_outputs"] = wrong_outputs(reference, outputs, errors, unstable)
         problems += [f"{record['row']}: {problem}" for problem in record.get("problems", [])]
         if record.get("failed"):
             problems.append(f"{record['row']}: {record['failed']} requests failed")
         if record.get("wrong_outputs"):
             problems.append(f"{record['row']}: {record['wrong_outputs']} outputs differ from vLLM alone's")
-        if record["row"] != BASELINE_ROW and "completed" in record and "pid" not in (record.get("fault") or {}):
+        if not is_reference(record["row"]) and "completed" in record and "pid" not in (record.get("fault") or {}):
             why = (record.get("fault") or {}).get("note", "no fault timeline")
             problems.append(f"{record['row']}: the fault was not injected under load ({why})")
         if "completed" not in record and not record.get("problems"):
@@ -583,11 +610,15 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
         ttft = record.get("ttft_ms") or {}
         fault = record.get("fault") or {}
         hits = record.get("kvtier") or {}
-        again = "-" if record["row"] == BASELINE_ROW else _number(fault.get("hits_again_s"), 1)
-        if record["row"] != BASELINE_ROW and fault and fault.get("hits_again_s") is None:
+        reference = is_reference(record["row"])
+        again = "-" if reference else _number(fault.get("hits_again_s"), 1)
+        if not reference and fault and fault.get("hits_again_s") is None:
             again = "not during the run"
+        label = f"kvtier, {record['row']}"
+        if reference:
+            label = "vLLM alone" if record["row"] == BASELINE_ROW else f"vLLM alone, run {record['row'].split('-')[-1]}"
         lines.append([
-            "vLLM alone" if record["row"] == BASELINE_ROW else f"kvtier, {record['row']}",
+            label,
             str(record.get("completed", "-")), str(record.get("failed", "-")), str(record.get("wrong_outputs", "-")),
             _number(record.get("request_throughput")), _number(record.get("output_throughput"), 1),
             _number(ttft.get("p50"), 0), _number(ttft.get("p99"), 0), again,
@@ -628,6 +659,13 @@ def main(argv: list[str] | None = None) -> int:
             (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
     document["problems"] = judge(document["rows"])
     document["notes"] = untouched(document["rows"])
+    unstable = unstable_requests(document["rows"])
+    document["unstable_requests"] = sorted(unstable)
+    if unstable:
+        document["notes"].append(
+            f"{len(unstable)} of {plan['users'] * plan['requests_per_user']} requests gave different outputs in the "
+            "runs of vLLM alone: left out of wrong outputs (the model's greedy choices nearly tie)"
+        )
     table = markdown_table(TABLE_HEADER, table_rows(document["rows"]))
     (out_dir / "table.md").write_text(table + "\n")
     (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
