@@ -464,7 +464,8 @@ class JobQueueWorker(OffloadingWorker):
         self._stall_logged = False
         self._current: _Job | None = None  # the job whose transfer the job thread is in, and since when
         self._current_since = 0.0
-        self._loads_pending = threading.Event()
+        # Set while the watchdog has something to watch: a load pending, or the job thread in a transfer.
+        self._watch_needed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-worker-jobs", daemon=True)
         self._thread.start()
         self._watchdog = threading.Thread(target=self._watch_loads, name="kvtier-worker-watchdog", daemon=True)
@@ -527,7 +528,7 @@ class JobQueueWorker(OffloadingWorker):
                 return True
             if is_load:
                 self._loads.append((job, keys))
-                self._loads_pending.set()
+                self._watch_needed.set()
             elif self._defer_stores and self._backlog_blocks() + len(keys) > self._deferred_store_max_blocks:
                 self._drop_store(job, keys)
                 return True
@@ -610,6 +611,8 @@ class JobQueueWorker(OffloadingWorker):
                 work = self._next_work()
                 self._current = work.job if isinstance(work, _StoreWork) else work[0] if work else None
                 self._current_since = time.monotonic()
+                if self._current is not None:
+                    self._watch_needed.set()
             if work is None:
                 return
             if isinstance(work, _StoreWork):
@@ -619,6 +622,7 @@ class JobQueueWorker(OffloadingWorker):
                 self._finish(job, self.transport.load(job, keys, engine_idle=not self._forward_running))
             with self._cv:
                 self._current = None
+                self._clear_watch()
 
     def _store_batch(self, work: _StoreWork) -> None:
         batch = slice(work.copied, work.copied + max(1, STORE_BATCH_BYTES // self.transport.object_bytes))
@@ -645,9 +649,13 @@ class JobQueueWorker(OffloadingWorker):
         self._works.pop(job.vllm_job_id, None)
         self.results.complete(job, found)
         self._urgent.discard(job.vllm_job_id)
-        if not any(pending.is_load for pending in self._pending.values()):
-            self._loads_pending.clear()
+        self._clear_watch()
         self._cv.notify_all()
+
+    def _clear_watch(self) -> None:
+        """Holds ``_cv``. The watchdog sleeps while no load is pending and no transfer runs."""
+        if self._current is None and not any(pending.is_load for pending in self._pending.values()):
+            self._watch_needed.clear()
 
     # -- giving up stalled jobs -------------------------------------------------------------------
 
@@ -697,14 +705,20 @@ class JobQueueWorker(OffloadingWorker):
 
     def _watch_loads(self) -> None:
         """Gives up loads that stalled (on KvtierConnector's route, which recomputes them). vLLM's
-        plain OffloadingConnector stops the engine on a failed load: there a stalled load is waited for."""
+        plain OffloadingConnector stops the engine on a failed load: there a stalled load is waited for.
+        While the job thread is stuck (a frozen service), every pending store is given up too: vLLM
+        keeps a storing request's engine blocks until its store finishes, and a small engine cache
+        that lends them to stores that cannot progress recomputes more than vLLM alone."""
         while not self._stopping:
-            self._loads_pending.wait()
+            self._watch_needed.wait()
             time.sleep(WATCH_INTERVAL_S)
             with self._cv:
                 now = time.monotonic()
                 stalled = [job for job in self._pending.values() if job.is_load and self._stalled(job, now)]
                 can_fail = self.results.can_report_load_failures
+                stores = [job for job in self._pending.values() if not job.is_load] if self._stuck() else []
+            if stores:
+                self._give_up(stores, "stores behind a stuck transfer")
             if stalled and can_fail:
                 self._give_up(stalled, "stalled loads")
             elif stalled and not self._stall_logged:
@@ -752,7 +766,7 @@ class JobQueueWorker(OffloadingWorker):
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
-        self._loads_pending.set()
+        self._watch_needed.set()
         self._thread.join(timeout=self._job_timeout_ms / 1000)
         self.transport.close()
         self._connection.close()
