@@ -449,7 +449,7 @@ def test_a_completed_store_that_never_landed_is_released_and_one_that_landed_is_
 
 
 def test_spare_cores_are_the_reserved_ones_under_vllms_binding_and_none_under_the_users():
-    from kvtier.vllm.worker import spare_cores
+    from kvtier.vllm.cores import spare_cores
 
     host = {0, 1, 2, 3}
     assert spare_cores({1, 2, 3}, host, "auto") == {0}  # VLLM_CPU_NUM_OF_RESERVED_CPU kept core 0 back

@@ -35,6 +35,7 @@ from vllm.v1.kv_offload.base import (
 
 from kvtier.vllm._registry import registry_lock
 from kvtier.vllm.connection import ServiceConnection
+from kvtier.vllm.cores import affinity, set_affinity, spare_cores, usable_cores
 from kvtier.vllm.load_store_spec import KvtierLoadStoreSpec
 from kvtier.vllm.local_store import SharedStore, release_store
 from kvtier.vllm.options import KvtierVllmConfigError
@@ -251,42 +252,6 @@ class _StoreWork:
         return len(self.keys) - self.copied
 
 
-def _affinity() -> set[int]:
-    try:
-        return set(os.sched_getaffinity(0))
-    except (OSError, AttributeError):
-        return set()
-
-
-def _usable_cores() -> set[int]:
-    from kvtier.service import usable_cores
-
-    return usable_cores()
-
-
-def spare_cores(compute: set[int], usable: set[int], binding: str) -> set[int]:
-    """The cores a rank's job thread copies stores on, beside its engine's ``compute`` cores.
-
-    Under vLLM's automatic binding (``VLLM_CPU_OMP_THREADS_BIND`` unset or ``auto``) the cores it
-    leaves out are kept back for the engine's other processes (``VLLM_CPU_NUM_OF_RESERVED_CPU``): spare.
-    A binding the user gave (``0-7``, ``8-15|16-23``) partitions the host, typically one engine per
-    share, and the cores outside this engine's share are another engine's: none is spare then, and
-    copies stay on the engine's own cores (held back during its prefill steps)."""
-    if not compute or binding.strip().lower() not in ("", "auto"):
-        return set()
-    return usable - compute
-
-
-def _set_affinity(cores: set[int]) -> None:
-    """Binds the calling thread (only it: pid 0 is the thread on Linux). An empty set: no change."""
-    if not cores:
-        return
-    try:
-        os.sched_setaffinity(0, cores)
-    except (OSError, AttributeError) as error:
-        logger.debug("kvtier: binding the worker's job thread to cores %s failed: %s", sorted(cores), error)
-
-
 class Transport(Protocol):
     """Does a ``JobQueueWorker``'s copies, on its job thread."""
 
@@ -322,12 +287,12 @@ class ServiceCopy:
         self._copy_threads = 1  # what the connection copies loads with now
         # The cores vLLM bound this worker's compute to (this constructor runs on its main thread,
         # after the binding) and the others: stores are copied on a spare core when there is one.
-        self._compute_cores = _affinity()
+        self._compute_cores = affinity()
         binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
-        self._spare_cores = spare_cores(self._compute_cores, _usable_cores(), binding)
+        self._spare_cores = spare_cores(self._compute_cores, usable_cores(), binding)
 
     def on_job_thread(self) -> None:
-        _set_affinity(self._spare_cores)
+        set_affinity(self._spare_cores)
 
     def ready_marker(self) -> Any:
         return None
@@ -341,7 +306,7 @@ class ServiceCopy:
         spread = self._spread_load(engine_idle)
         found = self._connection.call("load_blocks", keys, self._layers, job.block_ids, job.gate, default=None)
         if spread:
-            _set_affinity(self._spare_cores)
+            set_affinity(self._spare_cores)
         return list(found) if found is not None else [False] * len(keys)
 
     def store(self, job: _Job, keys: list[bytes], block_ids: list[int]) -> list[bool]:
@@ -357,7 +322,7 @@ class ServiceCopy:
             self._connection.call("set_copy_threads", threads)
             self._copy_threads = threads
         if engine_idle and self._spare_cores:
-            _set_affinity(self._spare_cores | self._compute_cores)
+            set_affinity(self._spare_cores | self._compute_cores)
             return True
         return False
 
