@@ -239,7 +239,7 @@ impl Tenants {
 #[derive(Default)]
 pub(super) struct TenantHints {
     /// The account a named block is charged to, and its tenant.
-    account: HashMap<BlockKey, (u8, TenantId)>,
+    named: HashMap<BlockKey, (u8, TenantId)>,
     order: VecDeque<BlockKey>,
 }
 
@@ -247,14 +247,14 @@ const MAX_HINTS: usize = 1 << 16;
 
 impl TenantHints {
     pub(super) fn name(&mut self, key: BlockKey, account: u8, tenant: TenantId) {
-        if self.account.insert(key, (account, tenant)).is_none() {
+        if self.named.insert(key, (account, tenant)).is_none() {
             self.order.push_back(key);
         }
         while self.order.len() > MAX_HINTS {
             let oldest = self.order.pop_front().expect("order is longer than the bound");
-            self.account.remove(&oldest);
+            self.named.remove(&oldest);
         }
-        debug_assert!(self.order.len() <= MAX_HINTS && self.account.len() <= self.order.len());
+        debug_assert!(self.order.len() <= MAX_HINTS && self.named.len() <= self.order.len());
     }
 
     /// The account `key`'s block is charged to when it claims a slot (the default tenant's unless named).
@@ -264,16 +264,16 @@ impl TenantHints {
 
     /// The account and tenant `key`'s block is stored for (the default tenant's unless named).
     pub(super) fn named(&self, key: &BlockKey) -> (u8, TenantId) {
-        self.account.get(key).copied().unwrap_or((0, DEFAULT_TENANT))
+        self.named.get(key).copied().unwrap_or((0, DEFAULT_TENANT))
     }
 
     /// The block claimed its slot: its hint is spent (its key stays in `order` until it comes
     /// round, where removing an absent key is harmless).
     pub(super) fn take(&mut self, key: &BlockKey) {
-        if self.account.is_empty() {
+        if self.named.is_empty() {
             return;
         }
-        self.account.remove(key);
+        self.named.remove(key);
     }
 }
 
