@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -66,6 +67,38 @@ def test_a_service_an_engine_starts_is_detached_frees_idle_pools_and_exits_leavi
         assert not socket.exists() and not kvtier_service.pid_file(socket).exists()
     finally:
         kvtier_service.stop_service(started)
+
+
+def test_a_service_killed_and_started_again_takes_over_the_dead_ones_pool(tmp_path):
+    """What an engine's connection does after a SIGKILL: it lets go of the dead client (unmapping
+    the pool) and starts a new service within a second or two. The new one takes the dead one's pool
+    over (the same file: no gigabytes zeroed beside a busy engine, none left behind); before, the
+    dead pool stayed in /dev/shm until some later start and the new one was allocated beside it."""
+    pool_dir = tmp_path / "shm"
+    pool_dir.mkdir()
+    socket = tmp_path / "run" / "kvtier.sock"
+    options = {"dram_bytes": 4 << 20, "nvme_bytes": 0}
+    started = kvtier_service.ensure_service(tmp_path / "store", options, socket, str(pool_dir))
+    try:
+        client = kvtier_service.connect(started)
+        client.hello(b"model", 1, 0, SLICE_BYTES)
+        [dead_pool] = _pool_files(pool_dir)
+        dead_inode = (pool_dir / dead_pool).stat().st_ino
+        pid = kvtier_service.service_pid(started)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        assert _wait(lambda: not kvtier_service._answers(started), 10)
+        del client
+        again = kvtier_service.connect(
+            kvtier_service.ensure_service(tmp_path / "store", options, socket, str(pool_dir))
+        )
+        again.hello(b"model", 1, 0, SLICE_BYTES)
+        [pool] = _pool_files(pool_dir)
+        assert pool != dead_pool and (pool_dir / pool).stat().st_ino == dead_inode, "the dead pool was not taken over"
+        del again
+    finally:
+        kvtier_service.stop_service(started)
+    assert not _pool_files(pool_dir)
 
 
 def test_kvtier_service_stop_stops_the_service_of_a_path_and_says_when_none_runs(tmp_path):

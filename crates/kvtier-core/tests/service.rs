@@ -785,6 +785,71 @@ fn a_starting_service_removes_pool_files_and_sockets_of_dead_services_only() {
     service.stop().unwrap();
 }
 
+/// What a SIGKILL leaves of a service's pool: the file at its size, locked by nobody; named like the
+/// namespace's pool `like` up to the random part.
+fn leave_orphan_pool(like: &Path, pool_bytes: usize, random: &str) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let name = like.file_name().unwrap().to_str().unwrap();
+    let orphan = like.with_file_name(format!("{}{random}.pool", &name[..name.rfind('-').unwrap() + 1]));
+    let file = std::fs::File::create(&orphan).unwrap();
+    file.set_len(pool_bytes as u64).unwrap();
+    file.set_permissions(std::fs::Permissions::from_mode(0o600)).unwrap();
+    orphan
+}
+
+fn inode(path: &Path) -> u64 {
+    std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(path).unwrap())
+}
+
+/// A client's mark on a pool it maps: an open-file-description read lock on byte 1 (docs/service.md).
+fn mark_as_mapped(pool: &Path) -> std::fs::File {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::options().read(true).write(true).open(pool).unwrap();
+    // SAFETY: all-zero is a valid flock; a valid fd.
+    let mut lock: libc::flock = unsafe { std::mem::zeroed() };
+    (lock.l_type, lock.l_whence, lock.l_start, lock.l_len) = (libc::F_RDLCK as i16, libc::SEEK_SET as i16, 1, 1);
+    assert_eq!(unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &mut lock) }, 0);
+    file
+}
+
+/// A service killed with SIGKILL and started again by its engines finds the pool its predecessor
+/// left for the namespace: once no process holds it (no service, no client mapping it), the new
+/// one takes it over (the same file, renamed) instead of allocating and zeroing another. While a
+/// client of the dead service still maps it, a new pool is made and the old one left alone (a late
+/// copy of that client's could land in it); the janitor's sweep removes it later.
+#[test]
+fn a_service_started_again_takes_over_its_predecessors_pool_once_no_client_maps_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start_idle(dir.path(), 0, 0);
+    let (like, pool_bytes) = {
+        let c = client(&socket, 1, 0);
+        let attached = c.attached().unwrap();
+        (attached.pool_path.clone(), attached.pool_bytes)
+    };
+    service.stop().unwrap();
+
+    let mapped = leave_orphan_pool(&like, pool_bytes, "00000000000000aa");
+    let client_of_the_dead = mark_as_mapped(&mapped);
+    let (mut service, _) = start_idle(dir.path(), 0, 0);
+    let c = client(&socket, 1, 0);
+    assert_ne!(inode(&c.attached().unwrap().pool_path), inode(&mapped), "a pool a client maps was taken over");
+    drop(c);
+    service.stop().unwrap();
+    assert!(mapped.exists(), "a pool a client maps was removed");
+    drop(client_of_the_dead);
+
+    let (mut service, _) = start_idle(dir.path(), 0, 0);
+    let orphan_inode = inode(&mapped);
+    let c = client(&socket, 1, 0);
+    let taken = c.attached().unwrap().pool_path.clone();
+    assert_eq!(inode(&taken), orphan_inode, "the dead service's pool was not taken over");
+    assert!(!mapped.exists(), "the pool taken over is still under its old name");
+    assert_eq!(pool_files(dir.path()), vec![taken], "one pool, the one taken over");
+    drop(c);
+    service.stop().unwrap();
+    assert!(pool_files(dir.path()).is_empty());
+}
+
 #[test]
 fn a_client_is_answered_while_another_namespace_opens() {
     // A pool large enough that opening it (fallocate, faulting it in) takes a while.

@@ -228,15 +228,22 @@ fn pool_file_name(socket_path: &std::path::Path, namespace: &Namespace) -> Resul
         return Err(Error::io("drawing a random pool file name (getrandom)", std::io::ErrorKind::UnexpectedEof.into()));
     }
     Ok(format!(
-        "{POOL_FILE_PREFIX}{}-{:016x}-{}-{:016x}.pool",
-        rustix::process::geteuid().as_raw(),
-        socket_hash(socket_path),
+        "{}{}-{:016x}.pool",
+        pool_file_prefix(Some(socket_path)),
         &namespace.hex()[..16],
         u64::from_le_bytes(random)
     ))
 }
 
-pub(super) const POOL_FILE_PREFIX: &str = "kvtier-";
+/// The start of the pool files' names of this user (`kvtier-<uid>-`), or of the services on one
+/// socket (`kvtier-<uid>-<socket hash>-`): only a service bound to that socket creates those.
+pub(super) fn pool_file_prefix(socket_path: Option<&std::path::Path>) -> String {
+    let uid = rustix::process::geteuid().as_raw();
+    match socket_path {
+        Some(path) => format!("kvtier-{uid}-{:016x}-", socket_hash(path)),
+        None => format!("kvtier-{uid}-"),
+    }
+}
 
 impl State {
     /// The DRAM a new namespace may take under `host_dram_bytes`: its `dram_bytes`, or what the open

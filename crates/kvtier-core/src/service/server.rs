@@ -7,7 +7,7 @@
 //! a connection holds and how it is given back (the lease protocol: reserve, commit, abort) is
 //! `sessions.rs`.
 
-use super::namespaces::{close_namespace, Namespaced, POOL_FILE_PREFIX};
+use super::namespaces::{close_namespace, pool_file_prefix, Namespaced};
 use super::protocol::*;
 use super::sessions::{expire_fills, Session};
 use super::socket_file;
@@ -32,6 +32,16 @@ const MAX_OBJECT_BYTES: u64 = 1 << 30;
 const ACCEPT_POLL_MS: i32 = 200;
 const JANITOR_PERIOD: Duration = Duration::from_millis(500);
 const TIMELINE_SAVE_PERIOD: Duration = Duration::from_secs(10);
+/// How often a running service removes what dead services left (`remove_leftovers`): a service
+/// killed on another socket and never started again there, or a pool of this socket's predecessor
+/// that no namespace took over, stays until then.
+const LEFTOVER_SWEEP_PERIOD: Duration = Duration::from_secs(60);
+/// A pool file of another socket's service younger than this is left alone: that service may be
+/// between creating and locking it.
+const FOREIGN_ORPHAN_MIN_AGE: Duration = Duration::from_secs(30);
+/// The same for this socket's own pool files, at the janitor's sweeps: only this service creates
+/// them now, and locks each at once.
+const OWN_ORPHAN_MIN_AGE: Duration = Duration::from_secs(2);
 
 #[derive(Debug, Clone)]
 pub struct ServiceConfig {
@@ -121,7 +131,7 @@ impl Service {
     /// Binds the socket and starts serving. Fails if another service answers on the socket.
     pub fn start(config: ServiceConfig) -> Result<Service> {
         let (listener, socket_id) = socket_file::bind(&config.socket_path)?;
-        remove_leftovers(&config);
+        remove_leftovers(&config, true);
         let state = Arc::new(State {
             config,
             socket_id,
@@ -204,10 +214,18 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
 }
 
 /// Removes what dead services of this user left: pool files no process holds (tmpfs memory until
-/// reboot) and sockets nothing listens on, with their pid files.
-fn remove_leftovers(config: &ServiceConfig) {
-    let prefix = format!("{POOL_FILE_PREFIX}{}-", rustix::process::geteuid().as_raw());
-    for path in crate::tiers::dram::remove_orphan_pools(&config.pool_dir, &prefix) {
+/// reboot) and sockets nothing listens on, with their pid files. At start (`at_start`) the pools of
+/// this socket's own dead predecessor stay: the namespace they held takes them over when its engines
+/// attach again (`tiers::dram`'s adoption), which spares zeroing gigabytes beside a busy engine.
+fn remove_leftovers(config: &ServiceConfig, at_start: bool) {
+    use crate::tiers::dram::remove_orphan_pools;
+    let own = pool_file_prefix(Some(&config.socket_path));
+    let mut removed =
+        remove_orphan_pools(&config.pool_dir, &pool_file_prefix(None), Some(&own), FOREIGN_ORPHAN_MIN_AGE);
+    if !at_start {
+        removed.extend(remove_orphan_pools(&config.pool_dir, &own, None, OWN_ORPHAN_MIN_AGE));
+    }
+    for path in removed {
         log::info!("kvtier: removed the pool file {} of a service that is gone", path.display());
     }
     if let Some(dir) = config.socket_path.parent() {
@@ -282,9 +300,13 @@ fn admit(state: &State, stream: &UnixStream) -> std::result::Result<(), String> 
 }
 
 fn janitor_loop(state: &Arc<State>) {
-    let mut timelines_saved = Instant::now();
+    let (mut timelines_saved, mut swept) = (Instant::now(), Instant::now());
     while !state.stop.load(Ordering::Acquire) {
         std::thread::park_timeout(JANITOR_PERIOD);
+        if swept.elapsed() >= LEFTOVER_SWEEP_PERIOD {
+            swept = Instant::now();
+            remove_leftovers(&state.config, false);
+        }
         let namespaces: Vec<Arc<Namespaced>> = state.namespaces.lock().values().cloned().collect();
         // A crash loses the block dates recorded since the last save (the blocks stay).
         let save_timelines = timelines_saved.elapsed() >= TIMELINE_SAVE_PERIOD;

@@ -194,6 +194,9 @@ fn map_anonymous(len: usize) -> Result<(*mut u8, bool)> {
 /// is at `path` already (a file another local user put there, a symbolic link) is neither opened
 /// nor removed. The service names its pools unpredictably, so nothing can be there in its way.
 fn map_shared_file(path: &Path, len: usize) -> Result<(*mut u8, std::fs::File)> {
+    if let Some(adopted) = adopt_orphan_pool(path, len) {
+        return Ok(adopted);
+    }
     let file = create_pool_file(path)?;
     rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)
         .map_err(|e| Error::io(format!("locking the shared DRAM pool {}", path.display()), e.into()))?;
@@ -226,6 +229,121 @@ fn map_shared_file(path: &Path, len: usize) -> Result<(*mut u8, std::fs::File)> 
     Ok((p.cast(), file))
 }
 
+/// The byte of a pool file on which each client that maps the pool holds an open-file-description
+/// read lock (`hold_as_client`) for as long as its mapping lives.
+const CLIENT_LOCK_BYTE: libc::off_t = 1;
+
+/// Marks `file` as mapped by this process until `file` is closed: a service never takes over a pool
+/// a client still maps (`adopt_orphan_pool`), since a copy of that client's could still land in it.
+/// Kernels without open-file-description locks (before 3.15) take no mark, and then no service can
+/// take a pool over either.
+pub fn hold_as_client(file: &std::fs::File) -> std::io::Result<()> {
+    match ofd_lock(file, libc::F_RDLCK) {
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(()),
+        other => other,
+    }
+}
+
+fn ofd_lock(file: &std::fs::File, kind: libc::c_int) -> std::io::Result<()> {
+    // SAFETY: a plain struct of integers, all zero is valid.
+    let mut lock: libc::flock = unsafe { std::mem::zeroed() };
+    lock.l_type = kind as libc::c_short;
+    lock.l_whence = libc::SEEK_SET as libc::c_short;
+    lock.l_start = CLIENT_LOCK_BYTE;
+    lock.l_len = 1;
+    // SAFETY: a valid fd and a valid lock description; F_OFD_SETLK never blocks.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &mut lock) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Takes over, as `path`, the pool of the same namespace that this socket's dead predecessor left
+/// (named like `path` up to its random part), if no process holds it any more: no service (its
+/// `flock`) and no client (`hold_as_client`). A service killed and started again by its engines then
+/// finds its pool's memory allocated and zeroed already; a new pool of gigabytes costs seconds of
+/// CPU, which on a busy host the engine's requests paid for. The blocks the old pool held are not
+/// trusted (their index died with the service): every slot is free, and written before it is read.
+fn adopt_orphan_pool(path: &Path, len: usize) -> Option<(*mut u8, std::fs::File)> {
+    let (dir, name) = (path.parent()?, path.file_name()?.to_str()?);
+    let stem = &name[..name.rfind('-')? + 1];
+    let deadline = std::time::Instant::now() + ADOPTION_WAIT;
+    loop {
+        let mut mapped = false;
+        for entry in std::fs::read_dir(dir).ok()?.flatten() {
+            let candidate = entry.file_name();
+            let Some(candidate) = candidate.to_str() else { continue };
+            if !candidate.starts_with(stem) || !candidate.ends_with(".pool") || candidate == name {
+                continue;
+            }
+            match try_adopt(&entry.path(), path, len) {
+                Adoption::Taken(p, file) => return Some((p, file)),
+                Adoption::Mapped => mapped = true,
+                Adoption::Unfit => {}
+            }
+        }
+        if !mapped || std::time::Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(ADOPTION_POLL);
+    }
+}
+
+/// How long a namespace's open waits for the clients of a dead service to let go of its pool (each
+/// does at its next call to the service, which fails), before it makes a new pool. An engine that
+/// makes no call meanwhile keeps its mapping, and the pool stays for the janitor's sweep.
+const ADOPTION_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+const ADOPTION_POLL: std::time::Duration = std::time::Duration::from_millis(20);
+
+enum Adoption {
+    Taken(*mut u8, std::fs::File),
+    /// A dead service's pool that a client still maps.
+    Mapped,
+    /// Not a pool to take over: held by a live service, another size or owner, gone.
+    Unfit,
+}
+
+fn try_adopt(orphan: &Path, path: &Path, len: usize) -> Adoption {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let opened = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(orphan);
+    let Ok(file) = opened else { return Adoption::Unfit };
+    let Ok(meta) = file.metadata() else { return Adoption::Unfit };
+    let mine = meta.uid() == rustix::process::geteuid().as_raw() && meta.mode() & 0o077 == 0;
+    if !meta.file_type().is_file() || !mine || meta.len() != len as u64 {
+        return Adoption::Unfit;
+    }
+    if rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_err() {
+        return Adoption::Unfit;
+    }
+    if ofd_lock(&file, libc::F_WRLCK).is_err() {
+        return Adoption::Mapped;
+    }
+    let _ = ofd_lock(&file, libc::F_UNLCK);
+    let flags = rustix::fs::RenameFlags::NOREPLACE;
+    if rustix::fs::renameat_with(rustix::fs::CWD, orphan, rustix::fs::CWD, path, flags).is_err() {
+        return Adoption::Unfit;
+    }
+    let renamed = std::fs::symlink_metadata(path).is_ok_and(|m| (m.dev(), m.ino()) == (meta.dev(), meta.ino()));
+    if !renamed {
+        return Adoption::Unfit; // another process of this user moved files there meanwhile: leave them be
+    }
+    let prot = libc::PROT_READ | libc::PROT_WRITE;
+    // SAFETY: maps the whole file, whose size we checked; the mapping outlives the fd.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, file.as_raw_fd(), 0) };
+    if p == libc::MAP_FAILED {
+        remove_if_same_file(path, &file);
+        return Adoption::Unfit;
+    }
+    populate(p.cast(), len);
+    log::info!("kvtier: took over the pool {} of a service that is gone, as {}", orphan.display(), path.display());
+    Adoption::Taken(p.cast(), file)
+}
+
 /// `path`, created here (0600, never through a symbolic link). Anything already there is an error
 /// naming its owner: in a shared tmpfs it may be another user's, planted to be written into or to
 /// stop kvtier.
@@ -255,14 +373,16 @@ fn create_pool_file(path: &Path) -> Result<std::fs::File> {
     }
 }
 
-/// Pool files younger than this are left alone by `remove_orphan_pools`: their creator may not have
-/// locked them yet.
-const ORPHAN_MIN_AGE: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// Removes the pool files in `dir` whose names start with `prefix` and that no process holds
-/// locked (their service died without removing them: tmpfs memory held until reboot). Returns the
-/// paths removed. Files of other users, and anything that is not a regular file, are left alone.
-pub fn remove_orphan_pools(dir: &Path, prefix: &str) -> Vec<PathBuf> {
+/// Removes the pool files in `dir` whose names start with `prefix` (and not with `keep_prefix`) and
+/// that no process holds locked (their service died without removing them: tmpfs memory held until
+/// reboot). Returns the paths removed. Files of other users, anything that is not a regular file,
+/// and files younger than `min_age` (their creator may not have locked them yet) are left alone.
+pub fn remove_orphan_pools(
+    dir: &Path,
+    prefix: &str,
+    keep_prefix: Option<&str>,
+    min_age: std::time::Duration,
+) -> Vec<PathBuf> {
     use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
     let me = rustix::process::geteuid().as_raw();
@@ -270,12 +390,15 @@ pub fn remove_orphan_pools(dir: &Path, prefix: &str) -> Vec<PathBuf> {
     for entry in entries.flatten() {
         let name = entry.file_name();
         let name = name.to_string_lossy();
-        if !name.starts_with(prefix) || !name.ends_with(".pool") {
+        if !name.starts_with(prefix)
+            || keep_prefix.is_some_and(|keep| name.starts_with(keep))
+            || !name.ends_with(".pool")
+        {
             continue;
         }
         let path = entry.path();
         let Ok(meta) = std::fs::symlink_metadata(&path) else { continue };
-        let young = meta.modified().ok().and_then(|t| t.elapsed().ok()).is_none_or(|age| age < ORPHAN_MIN_AGE);
+        let young = meta.modified().ok().and_then(|t| t.elapsed().ok()).is_none_or(|age| age < min_age);
         if !meta.file_type().is_file() || meta.uid() != me || young {
             continue;
         }

@@ -13,6 +13,8 @@ pub(super) struct PoolMap {
     file_id: (u64, u64),
     /// `populate` faulted the whole mapping in.
     populated: bool,
+    /// Open for the mapping's life: it holds this client's mark on the pool (`hold_as_client`).
+    _file: std::fs::File,
 }
 
 // SAFETY: the mapping is process memory; the client serialises its use (`&mut self` calls).
@@ -48,7 +50,7 @@ impl PoolMap {
         // No MAP_POPULATE: most connections never copy (an engine's scheduler side opens three),
         // and faulting in the whole pool cost each of them its page tables and time per GiB. A
         // connection that copies asks for it (`Client::populate_pool`).
-        // SAFETY: maps the whole file, whose size we checked; the mapping outlives the fd.
+        // SAFETY: maps the whole file, whose size we checked.
         let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, file.as_raw_fd(), 0) };
         if p == libc::MAP_FAILED {
             return Err(Error::io(
@@ -56,7 +58,9 @@ impl PoolMap {
                 std::io::Error::last_os_error(),
             ));
         }
-        Ok(PoolMap { base: p.cast(), len, file_id: file_id(&meta), populated: false })
+        crate::tiers::dram::hold_as_client(&file)
+            .map_err(|e| Error::io(format!("marking the kvtier pool {} as mapped here", path.display()), e))?;
+        Ok(PoolMap { base: p.cast(), len, file_id: file_id(&meta), populated: false, _file: file })
     }
 
     /// Faults every page of the mapping in, in steps of `POPULATE_STEP_BYTES`: the kernel holds the
