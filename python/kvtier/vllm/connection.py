@@ -158,6 +158,7 @@ class ServiceConnection:
             self.failed_calls += 1
             if not client.connected:
                 self._note_outage(f"host service call {method} failed ({error})")
+                self._drop_dead(client)
                 self._reconnect_in_background()
             else:
                 logger.warning("kvtier: host service call %s refused (%s)", method, error)
@@ -186,9 +187,25 @@ class ServiceConnection:
         client = self._client
         if client is None or not client.connected:
             self.failed_calls += 1
+            if client is not None:
+                self._drop_dead(client)
             self._reconnect_in_background()
             return None
         return client
+
+    def _drop_dead(self, client: Any) -> None:
+        """Lets go of a client whose service stopped answering, and so do this process's other
+        connections to that socket (idle ones would notice only at their next call): each unmaps
+        its pool once no call holds it. A service started again takes the dead one's pool over (no
+        gigabytes to zero beside the engine) only when no process maps it any more."""
+        with self._lock:
+            if self._client is client:
+                self._client = None
+        with registry_lock:
+            others = [c for c in _service_connections if c is not self and c.socket_path == self.socket_path]
+        for other in others:
+            with other._lock:
+                other._client = None
 
     # The store's calls KvtierManager makes (``backend.BlockIndex``).
     def contains_many(self, keys: list[bytes]) -> list[bool]:

@@ -1,0 +1,61 @@
+"""The engine's connection to the host service across the service's death (issue 36): a connection
+lets go of a dead client at its first failed call, and the service its reconnect starts takes the
+dead one's pool over. Real services over real sockets; no engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+try:
+    from kvtier.vllm import KvtierOptions, ServiceConnection
+except Exception as import_error:  # pragma: no cover - depends on the environment
+    pytest.skip(f"vllm is not importable ({import_error!r}); run scripts/install_vllm.sh", allow_module_level=True)
+
+from kvtier import service as kvtier_service
+
+SLICE_BYTES = 128 << 10
+
+
+@pytest.fixture
+def options(tmp_path: Path):
+    options = KvtierOptions.from_extra_config(
+        {"path": str(tmp_path / "store"), "dram_bytes": 8 << 20, "nvme_bytes": 0, "pool_dir": str(tmp_path)}
+    )
+    yield options
+    kvtier_service.stop_service(options.socket_path())
+
+
+def _pools(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.suffix == ".pool")
+
+
+def test_after_a_kill_the_connections_let_go_and_the_new_service_takes_the_pool_over(options, tmp_path):
+    """A service started again by the engine's connections used to allocate and zero a new pool
+    (seconds of CPU per GiB, taken from the engine's requests under load) beside the dead one's,
+    which stayed in /dev/shm. Now the new service takes the dead pool over: the same file."""
+    asks = ServiceConnection(options, {"test": "connection"}, 1, 0, SLICE_BYTES)
+    copies = ServiceConnection(options, {"test": "connection"}, 1, 0, SLICE_BYTES, populate_pool=True)
+    try:
+        [dead_pool] = _pools(tmp_path)
+        dead_inode = dead_pool.stat().st_ino
+        pid = kvtier_service.service_pid(options.socket_path())
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while kvtier_service._answers(options.socket_path()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "puts" not in asks.stats() and "puts" not in copies.stats(), "a dead service answered"
+        deadline = time.monotonic() + 30
+        while not (asks.available and copies.available) and time.monotonic() < deadline:
+            asks.stats(), copies.stats()
+            time.sleep(0.1)
+        assert asks.available and copies.available, "the connections did not reattach"
+        assert [p.stat().st_ino for p in _pools(tmp_path)] == [dead_inode], "the dead pool was not taken over"
+    finally:
+        asks.close()
+        copies.close()
