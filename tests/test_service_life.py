@@ -73,7 +73,8 @@ def test_a_service_killed_and_started_again_takes_over_the_dead_ones_pool(tmp_pa
     """What an engine's connection does after a SIGKILL: it lets go of the dead client (unmapping
     the pool) and starts a new service within a second or two. The new one takes the dead one's pool
     over (the same file: no gigabytes zeroed beside a busy engine, none left behind); before, the
-    dead pool stayed in /dev/shm until some later start and the new one was allocated beside it."""
+    new one was allocated and zeroed beside it, and a dead pool younger than 30 s (as here) stayed in
+    /dev/shm until some later start."""
     pool_dir = tmp_path / "shm"
     pool_dir.mkdir()
     socket = tmp_path / "run" / "kvtier.sock"

@@ -37,7 +37,8 @@ def _pools(directory: Path) -> list[Path]:
 def test_after_a_kill_the_connections_let_go_and_the_new_service_takes_the_pool_over(options, tmp_path):
     """A service started again by the engine's connections used to allocate and zero a new pool
     (seconds of CPU per GiB, taken from the engine's requests under load) beside the dead one's,
-    which stayed in /dev/shm. Now the new service takes the dead pool over: the same file."""
+    which went only at that start's sweep (or a later one). Now the new service takes the dead pool
+    over: the same file."""
     asks = ServiceConnection(options, {"test": "connection"}, 1, 0, SLICE_BYTES)
     copies = ServiceConnection(options, {"test": "connection"}, 1, 0, SLICE_BYTES, populate_pool=True)
     try:
