@@ -835,19 +835,42 @@ fn a_service_started_again_takes_over_its_predecessors_pool_once_no_client_maps_
     assert_ne!(inode(&c.attached().unwrap().pool_path), inode(&mapped), "a pool a client maps was taken over");
     drop(c);
     service.stop().unwrap();
-    assert!(mapped.exists(), "a pool a client maps was removed");
     drop(client_of_the_dead);
+    let _ = std::fs::remove_file(&mapped); // the stop's sweep removes it once 2 s old
 
+    let orphan = leave_orphan_pool(&like, pool_bytes, "00000000000000bb");
+    let orphan_inode = inode(&orphan);
     let (mut service, _) = start_idle(dir.path(), 0, 0);
-    let orphan_inode = inode(&mapped);
     let c = client(&socket, 1, 0);
     let taken = c.attached().unwrap().pool_path.clone();
     assert_eq!(inode(&taken), orphan_inode, "the dead service's pool was not taken over");
-    assert!(!mapped.exists(), "the pool taken over is still under its old name");
+    assert!(!orphan.exists(), "the pool taken over is still under its old name");
     assert_eq!(pool_files(dir.path()), vec![taken], "one pool, the one taken over");
     drop(c);
     service.stop().unwrap();
     assert!(pool_files(dir.path()).is_empty());
+}
+
+/// A predecessor's pool that no namespace took over (no engine of that model came back) goes when
+/// the service stops: a service that exits before its first sweep would leave it to the next one,
+/// which keeps it again at its start.
+#[test]
+fn a_stopping_service_removes_a_predecessors_pool_no_namespace_took_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start_idle(dir.path(), 0, 0);
+    let (like, pool_bytes) = {
+        let c = client(&socket, 1, 0);
+        let attached = c.attached().unwrap();
+        (attached.pool_path.clone(), attached.pool_bytes)
+    };
+    service.stop().unwrap();
+    let orphan = leave_orphan_pool(&like, pool_bytes, "00000000000000cc");
+    let three_s_ago = std::time::SystemTime::now() - Duration::from_secs(3);
+    std::fs::File::options().write(true).open(&orphan).unwrap().set_modified(three_s_ago).unwrap();
+    let (mut service, _) = start_idle(dir.path(), 0, 0);
+    assert!(orphan.exists(), "the start removed a pool its namespace may take over");
+    service.stop().unwrap();
+    assert!(!orphan.exists(), "the predecessor's pool outlived the service that did not take it over");
 }
 
 #[test]

@@ -199,6 +199,9 @@ impl Service {
                 result = Err(e);
             }
         }
+        // A predecessor's pool no namespace took over goes with this service (one that exits before
+        // its first sweep would otherwise leave it to the next, which keeps it again at its start).
+        remove_leftovers(&self.state.config, false);
         result
     }
 }
