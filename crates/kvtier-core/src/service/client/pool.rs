@@ -46,6 +46,8 @@ impl PoolMap {
         if size != len as u64 {
             return Err(Error::format(path, format!("{size} bytes, the service said {len}; reconnect")));
         }
+        crate::tiers::dram::hold_as_client(&file)
+            .map_err(|e| Error::io(format!("marking the kvtier pool {} as mapped here", path.display()), e))?;
         let prot = libc::PROT_READ | libc::PROT_WRITE;
         // No MAP_POPULATE: most connections never copy (an engine's scheduler side opens three),
         // and faulting in the whole pool cost each of them its page tables and time per GiB. A
@@ -58,8 +60,6 @@ impl PoolMap {
                 std::io::Error::last_os_error(),
             ));
         }
-        crate::tiers::dram::hold_as_client(&file)
-            .map_err(|e| Error::io(format!("marking the kvtier pool {} as mapped here", path.display()), e))?;
         Ok(PoolMap { base: p.cast(), len, file_id: file_id(&meta), populated: false, _file: file })
     }
 
