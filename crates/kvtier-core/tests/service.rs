@@ -785,6 +785,18 @@ fn a_starting_service_removes_pool_files_and_sockets_of_dead_services_only() {
     service.stop().unwrap();
 }
 
+/// The socket, and the pool file name and size the test namespace gets there (a service started,
+/// asked, and stopped again: no pool left).
+fn namespace_pool(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf, usize) {
+    let (mut service, socket) = start_idle(dir, 0, 0);
+    let c = client(&socket, 1, 0);
+    let attached = c.attached().unwrap();
+    let (pool_path, pool_bytes) = (attached.pool_path.clone(), attached.pool_bytes);
+    drop(c);
+    service.stop().unwrap();
+    (socket, pool_path, pool_bytes)
+}
+
 /// What a SIGKILL leaves of a service's pool: the file at its size, locked by nobody; named like the
 /// namespace's pool `like` up to the random part.
 fn leave_orphan_pool(like: &Path, pool_bytes: usize, random: &str) -> std::path::PathBuf {
@@ -816,17 +828,11 @@ fn mark_as_mapped(pool: &Path) -> std::fs::File {
 /// left for the namespace: once no process holds it (no service, no client mapping it), the new
 /// one takes it over (the same file, renamed) instead of allocating and zeroing another. While a
 /// client of the dead service still maps it, a new pool is made and the old one left alone (a late
-/// copy of that client's could land in it); the janitor's sweep removes it later.
+/// copy of that client's could land in it); the janitor's sweep or the stop removes it later.
 #[test]
 fn a_service_started_again_takes_over_its_predecessors_pool_once_no_client_maps_it() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut service, socket) = start_idle(dir.path(), 0, 0);
-    let (like, pool_bytes) = {
-        let c = client(&socket, 1, 0);
-        let attached = c.attached().unwrap();
-        (attached.pool_path.clone(), attached.pool_bytes)
-    };
-    service.stop().unwrap();
+    let (socket, like, pool_bytes) = namespace_pool(dir.path());
 
     let mapped = leave_orphan_pool(&like, pool_bytes, "00000000000000aa");
     let client_of_the_dead = mark_as_mapped(&mapped);
@@ -857,13 +863,7 @@ fn a_service_started_again_takes_over_its_predecessors_pool_once_no_client_maps_
 #[test]
 fn a_stopping_service_removes_a_predecessors_pool_no_namespace_took_over() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut service, socket) = start_idle(dir.path(), 0, 0);
-    let (like, pool_bytes) = {
-        let c = client(&socket, 1, 0);
-        let attached = c.attached().unwrap();
-        (attached.pool_path.clone(), attached.pool_bytes)
-    };
-    service.stop().unwrap();
+    let (_, like, pool_bytes) = namespace_pool(dir.path());
     let orphan = leave_orphan_pool(&like, pool_bytes, "00000000000000cc");
     let three_s_ago = std::time::SystemTime::now() - Duration::from_secs(3);
     std::fs::File::options().write(true).open(&orphan).unwrap().set_modified(three_s_ago).unwrap();
