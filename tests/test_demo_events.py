@@ -21,7 +21,7 @@ except Exception as import_error:  # pragma: no cover - depends on the environme
     pytest.skip(f"vllm, pyzmq or kvtier is not importable ({import_error!r})", allow_module_level=True)
 
 # Full only (about 160 s): CI checks the same agreement on two `vllm serve` servers a user starts
-# (tests/test_vllm_serve_events.py), through the demo's own helpers.
+# (tests/test_vllm_serve.py), through the demo's own helpers.
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 

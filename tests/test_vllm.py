@@ -158,7 +158,7 @@ def _restart_phase(phase: str, store_dir: str, result_path: str) -> None:
 def test_restart_hits_from_nvme(tmp_path):
     """Full only (about 70 s, two engine processes): CI's engines restarted onto a store are in
     tests/test_bench_ttft.py (kvtier_nvme: a fresh engine hits what earlier ones left on NVMe) and
-    tests/test_vllm_serve.py (OpenAI servers stopped and started on one pool)."""
+    tests/test_vllm_serve.py (OpenAI servers stopped one after the other on one pool)."""
     store_dir = tmp_path / "store"
     store_dir.mkdir()
     results = {}

@@ -27,7 +27,7 @@ try:
 except Exception as import_error:  # pragma: no cover - depends on the environment
     pytest.skip(f"vllm, pyzmq or kvtier is not importable ({import_error!r})", allow_module_level=True)
 
-# Its checks run in tests/test_vllm_serve_events.py on `vllm serve` servers (GPU hashes, a prefix-cache
+# Its checks run in tests/test_vllm_serve.py on `vllm serve` servers (GPU hashes, a prefix-cache
 # reset, a second engine, evictions, agreement with the service): this engine-process version is a
 # repeat, kept for KVTIER_FULL_TESTS=1 (CI's time budget).
 pytestmark = [pytest.mark.slow, pytest.mark.full]

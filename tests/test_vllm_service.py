@@ -138,7 +138,7 @@ def test_defaults_hit_after_prefix_cache_reset(engine_a, socket_path):
 
 def test_a_second_engine_hits_the_first_engines_prefix_in_dram(engine_a, store_dir, socket_path, tmp_path, route):
     """A second engine on the same store hits what the first stored, from the service's DRAM pool. (A
-    restarted engine is one more such engine: tests/test_vllm_serve.py restarts OpenAI servers.) In CI
+    restarted engine is one more such engine: tests/test_vllm_serve.py stops OpenAI servers.) In CI
     through the plain route only: tests/test_vllm_serve.py's servers share a pool through KvtierConnector."""
     if route == "KvtierConnector" and os.environ.get(FULL_TESTS_ENV) != "1":
         pytest.skip(f"checked through KvtierConnector by tests/test_vllm_serve.py; {FULL_TESTS_ENV}=1 runs it here")
