@@ -60,3 +60,50 @@ def test_after_a_kill_the_connections_let_go_and_the_new_service_takes_the_pool_
     finally:
         asks.close()
         copies.close()
+
+
+def _mapped(pool: Path) -> bool:
+    return str(pool) in Path("/proc/self/maps").read_text()
+
+
+def test_idle_connections_unmap_a_killed_services_pool_without_a_call(options, tmp_path):
+    """An idle engine kept a killed service's pool mapped until its next call, so a service started
+    meanwhile (by another engine, or by this one's first request) could not take it over. Now each
+    connection notices the hang-up within about a second, with no call, and unmaps; a frozen
+    service (SIGSTOP) is not taken for a dead one."""
+    from kvtier.vllm.connection import HANGUP_CHECK_S
+
+    asks = ServiceConnection(options, {"test": "connection"}, 1, 0, SLICE_BYTES)
+    copies = ServiceConnection(options, {"test": "connection"}, 1, 0, SLICE_BYTES, populate_pool=True)
+    try:
+        [pool] = _pools(tmp_path)
+        assert _mapped(pool)
+        pid = kvtier_service.service_pid(options.socket_path())
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(4 * HANGUP_CHECK_S)
+            assert asks.available and copies.available and _mapped(pool), "a frozen service was taken for dead"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()
+        while (_mapped(pool) or asks.available or copies.available) and time.monotonic() - started < 10:
+            time.sleep(0.05)
+        let_go_s = time.monotonic() - started
+        assert not _mapped(pool), "the idle connections still map the dead service's pool"
+        assert not asks.available and not copies.available
+        assert let_go_s < 4 * HANGUP_CHECK_S, f"let go after {let_go_s:.1f} s"
+        assert asks.outages + copies.outages == 1  # the first to notice lets go for both: one outage
+        inode = pool.stat().st_ino
+        kvtier_service.ensure_service(options.path, options.service_options(), socket_path=options.socket_path(),
+                                      pool_dir=options.pool_dir)  # fmt: skip
+        assert asks.locate_many([bytes(32)]) == [None]  # the call that reconnects (a miss meanwhile)
+        deadline = time.monotonic() + 30
+        while not asks.available and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert asks.available, "the connection did not reattach"
+        assert [p.stat().st_ino for p in _pools(tmp_path)] == [inode], "the dead pool was not taken over"
+    finally:
+        asks.close()
+        copies.close()

@@ -1212,3 +1212,19 @@ fn a_transfer_given_up_through_its_gate_copies_nothing_and_holds_nothing() {
     drop(c);
     service.stop().unwrap();
 }
+
+#[test]
+fn an_idle_client_sees_the_service_hang_up_without_a_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start(dir.path(), 0);
+    let mut idle = client(&socket, 1, 0);
+    assert_eq!(idle.locate(&[key(1)]).unwrap(), vec![0]);
+    assert!(!idle.peer_hung_up(), "a live service between calls");
+    service.stop().unwrap();
+    let started = std::time::Instant::now();
+    while !idle.peer_hung_up() {
+        assert!(started.elapsed() < Duration::from_secs(5), "the stopped service's hang-up was not seen");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(idle.is_connected(), "seeing the hang-up makes no call");
+}

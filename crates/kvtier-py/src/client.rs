@@ -74,6 +74,12 @@ impl PyServiceClient {
         self.inner.try_lock().is_none_or(|client| client.is_connected())
     }
 
+    /// Whether the service hung up on this connection while no call was on it (it died); False while
+    /// a call is in progress on another thread (that call finds out itself), without waiting for it.
+    fn peer_hung_up(&self) -> bool {
+        self.inner.try_lock().is_some_and(|client| client.peer_hung_up())
+    }
+
     /// Makes blocks resident in the service's DRAM pool (read from NVMe or the shared tier, verified)
     /// without copying them out: `True` per block resident afterwards.
     fn prefetch(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {

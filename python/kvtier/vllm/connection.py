@@ -20,6 +20,8 @@ logger = logging.getLogger("kvtier.vllm")
 
 # A lost connection is retried at most this often, in the background: a call never waits for it.
 RECONNECT_INTERVAL_S = 1.0
+# How often this process looks for connections the service hung up on (``_watch_hangups``).
+HANGUP_CHECK_S = 0.5
 
 
 class ServiceUnreachable(ConnectionError):
@@ -80,6 +82,7 @@ class ServiceConnection:
             self._reconnect_in_background()
         with registry_lock:
             _service_connections.add(self)
+        _start_hangup_watch()
 
     @property
     def socket_path(self) -> Path:
@@ -193,6 +196,16 @@ class ServiceConnection:
             return None
         return client
 
+    def drop_if_hung_up(self) -> bool:
+        """Lets go of the client if the service hung up on it while idle (killed): whether it did.
+        The next call reconnects, as after any failed call."""
+        client = self._client
+        if client is None or not client.peer_hung_up():
+            return False
+        self._note_outage("the host service closed the connection (it stopped or died)")
+        self._drop_dead(client)
+        return True
+
     def _drop_dead(self, client: Any) -> None:
         """Lets go of a client whose service stopped answering, and so do this process's other
         connections to that socket (idle ones would notice only at their next call): each unmaps
@@ -240,3 +253,34 @@ class ServiceConnection:
             self._last_attempt = float("inf")  # no reconnecting after close
         with registry_lock:
             _service_connections.discard(self)
+
+
+_hangup_watch: threading.Thread | None = None
+
+
+def _start_hangup_watch() -> None:
+    """Starts this process's watch for hung-up connections, once."""
+    global _hangup_watch
+    with registry_lock:
+        if _hangup_watch is not None and _hangup_watch.is_alive():
+            return
+        _hangup_watch = threading.Thread(target=_watch_hangups, name="kvtier-hangup-watch", daemon=True)
+        _hangup_watch.start()
+
+
+def _watch_hangups() -> None:
+    """Issue 36: an idle engine learned of a killed service only at its next call, and kept the dead
+    service's pool mapped until then; the service started again could not take that pool over and
+    allocated and zeroed a new one (seconds of kernel time beside a two-core engine). Every
+    ``HANGUP_CHECK_S`` each connection whose service hung up drops its client (unmapping the pool);
+    no call is made and none waits. It does not start the service: one stopped on purpose stays
+    stopped until a request needs it."""
+    while True:
+        time.sleep(HANGUP_CHECK_S)
+        with registry_lock:
+            connections = list(_service_connections)
+        for connection in connections:
+            try:
+                connection.drop_if_hung_up()
+            except Exception:  # a client of an older build without the check: nothing to watch
+                logger.debug("kvtier: hang-up check failed", exc_info=True)

@@ -128,6 +128,21 @@ impl Client {
         self.stream.is_some()
     }
 
+    /// Whether the service hung up on this idle connection (it died: the kernel closed its end), found
+    /// without a call and without waiting. The service never writes unasked, so between calls a
+    /// readable socket means end of file. An idle engine learns of a killed service only so: until
+    /// it unmaps the dead service's pool, a service started again cannot take that pool over.
+    pub fn peer_hung_up(&self) -> bool {
+        use rustix::event::{poll, PollFd, PollFlags};
+        let Some(stream) = &self.stream else { return true };
+        let mut fds = [PollFd::new(stream, PollFlags::IN | PollFlags::RDHUP)];
+        match poll(&mut fds, Some(&rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 })) {
+            Ok(0) => false,
+            Ok(_) => !fds[0].revents().is_empty(),
+            Err(_) => false, // EINTR: ask again next time
+        }
+    }
+
     fn call(&mut self, op: Op, build: impl FnOnce(&mut Writer)) -> Result<Vec<u8>> {
         let stream =
             self.stream.as_mut().ok_or_else(|| service_error(&self.socket_path, "connection lost; reconnect"))?;
