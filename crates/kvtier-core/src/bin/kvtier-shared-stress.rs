@@ -5,6 +5,7 @@
 //!
 //! Usage: kvtier-shared-stress root=DIR [namespace=S] [secs=N] [capacity_bytes=N] [file_bytes=N]
 //!        [object_bytes=N] [staleness_ms=N] [lease_ms=N] [grace_ms=N] [publish_every_ms=N] [tag=N]
+//!        [stop_file=PATH] (ends the run early once PATH exists: a test that waits for an event)
 
 use kvtier_core::testing::SharedTier;
 use kvtier_core::SharedConfig;
@@ -114,7 +115,8 @@ fn main() {
     let mut was_evictor = false;
     let mut out = vec![0u8; object_bytes];
     let mut rng = tag.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1;
-    while started.elapsed() < Duration::from_secs(secs) {
+    let stop_file = args.get("stop_file").map(std::path::PathBuf::from);
+    while started.elapsed() < Duration::from_secs(secs) && !stop_file.as_ref().is_some_and(|f| f.exists()) {
         let keys = next_keys(tag, &mut counter);
         let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, object_bytes)).collect();
         let refs: Vec<&[u8]> = values.iter().map(|v| v.as_slice()).collect();
