@@ -107,3 +107,41 @@ def test_idle_connections_unmap_a_killed_services_pool_without_a_call(options, t
     finally:
         asks.close()
         copies.close()
+
+
+def _engine_counts(options, label: str) -> dict[str, int]:
+    client = kvtier_service.connect(options.socket_path())
+    (namespace,) = client.namespaces()["namespaces"]
+    return next((dict(values) for name, values in client.engines(namespace["digest"]) if name == label), {})
+
+
+def test_what_an_engine_served_at_recompute_reaches_its_counters_once_a_service_answers(options):
+    """An engine's fallbacks happen while the service does not answer, so the service could not count
+    them: with `vllm serve` (other processes) they were nowhere to be seen. The connection reports
+    them, with its sources' (the worker's jobs given up), at its first call that succeeds afterwards."""
+    asks = ServiceConnection(options, {"test": "connection"}, 1, 0, SLICE_BYTES, label="engine-x")
+    given_up = {"given_up_loads": 0}
+    asks.add_count_source(lambda: dict(given_up))
+    try:
+        assert asks.locate_many([bytes(32)]) == [None]
+        assert _engine_counts(options, "engine-x").get("failed_calls") == 0, "nothing to report yet"
+        pid = kvtier_service.service_pid(options.socket_path())
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while asks.outages == 0 and time.monotonic() < deadline:
+            asks.locate_many([bytes(32)])  # a miss at once: failed, then stepped aside
+            time.sleep(0.05)
+        given_up["given_up_loads"] = 2
+        while not asks.available and time.monotonic() < deadline:
+            asks.locate_many([bytes(32)])  # misses until the reconnect (a new service) attaches
+            time.sleep(0.1)
+        assert asks.available, "the connection did not reattach"
+        failed = asks.failed_calls
+        asks.locate_many([bytes(32)])  # the first call that succeeds: the report goes with it
+        counts = _engine_counts(options, "engine-x")
+        assert (counts["failed_calls"], counts["outages"], counts["given_up_loads"]) == (failed, 1, 2), counts
+        asks.locate_many([bytes(32)])
+        assert _engine_counts(options, "engine-x")["failed_calls"] == failed, "counted once"
+    finally:
+        asks.close()

@@ -634,7 +634,8 @@ fn a_caller_that_copies_itself_stores_and_loads_through_reserve_and_acquire() {
 }
 
 /// Per-engine counters: each connection names its engine (`set_label`); the namespace's `engines`
-/// list what each engine looked up, loaded and stored, and unlabelled connections stay out of it.
+/// list what each engine looked up, loaded and stored, and what it reported of itself; unlabelled
+/// connections stay out of it.
 #[test]
 fn labelled_connections_count_per_engine() {
     let dir = tempfile::tempdir().unwrap();
@@ -652,6 +653,11 @@ fn labelled_connections_count_per_engine() {
     assert_eq!(found, vec![true, true, true, false]);
     let (found, _) = load(&mut anonymous, &keys[..1]);
     assert_eq!(found, vec![true]);
+    // What an engine counted itself while the service did not answer, reported afterwards.
+    let report = |pairs: &[(&str, u64)]| pairs.iter().map(|(n, v)| (n.to_string(), *v)).collect::<Vec<_>>();
+    a.report(&report(&[("failed_calls", 2), ("outages", 1), ("a_newer_count", 7)])).unwrap();
+    a.report(&report(&[("failed_calls", 1), ("given_up_loads", 4)])).unwrap();
+    anonymous.report(&report(&[("failed_calls", 100)])).unwrap();
     let (_, namespaces) = anonymous.namespaces().unwrap();
     let engines = anonymous.engines(&namespaces[0].digest).unwrap();
     let value = |label: &str, name: &str| -> u64 {
@@ -666,6 +672,9 @@ fn labelled_connections_count_per_engine() {
     assert_eq!(value("engine-b", "loaded_slices"), 3, "the anonymous load is not counted");
     assert_eq!(value("engine-b", "load_missed_slices"), 1);
     assert_eq!(value("engine-b", "stored_slices"), 0);
+    assert_eq!((value("engine-a", "failed_calls"), value("engine-a", "outages")), (3, 1));
+    assert_eq!((value("engine-a", "given_up_loads"), value("engine-a", "skipped_loads")), (4, 0));
+    assert_eq!(value("engine-b", "failed_calls"), 0, "the anonymous report is not counted");
     let empty = a.set_label("").unwrap_err().to_string();
     assert!(empty.contains("1 to 128 bytes"), "{empty}");
     drop((a, b, anonymous));

@@ -149,6 +149,12 @@ impl PyServiceClient {
         py.detach(|| self.inner.lock().set_label(&label)).map_err(to_py)
     }
 
+    /// Adds `(name, count)` pairs the engine counted itself since its last report to its per-engine
+    /// counters (after `set_label`; names: `kvtier_core::service::ENGINE_REPORTED`).
+    fn report_counts(&self, py: Python<'_>, counts: Vec<(String, u64)>) -> PyResult<bool> {
+        py.detach(|| self.inner.lock().report(&counts)).map_err(to_py).map(|()| true)
+    }
+
     /// What became or stopped being loadable in this connection's namespace since `cursor` (after
     /// `hello`): `(reset, next_cursor, [(key, tier, removed)])`, tier "dram", "nvme" or "shared";
     /// `reset`: the cursor was not a position in the service's log, the changes are its state.

@@ -186,6 +186,15 @@ NAMESPACE_FAMILIES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         "Slices an engine's ranks stored: accepted, or dropped (no room)",
     ),
     (
+        "kvtier_engine_fallbacks",
+        "counter",
+        ("engine", "event"),
+        "What an engine served at recompute because the service did not answer, as the engine reports "
+        "it when the service answers again: failed_call (a service call answered with its miss), outage "
+        "(the service stopped answering), given_up_load and given_up_store (jobs given up after a stall), "
+        "skipped_load and skipped_store_block (answered at once while a call was stuck)",
+    ),
+    (
         "kvtier_tenant_dram_bytes",
         "gauge",
         ("tenant",),
@@ -251,6 +260,16 @@ SHARED_PUBLISH_RESULTS = (
     ("dropped", "shared_dropped_publishes"),
     ("failed", "shared_publish_errors"),
 )
+# What an engine reports of itself (``kvtier_core::service::ENGINE_REPORTED``): what it served at
+# recompute because the service did not answer.
+ENGINE_FALLBACKS = (
+    "failed_calls",
+    "outages",
+    "given_up_loads",
+    "given_up_stores",
+    "skipped_loads",
+    "skipped_store_blocks",
+)
 # An engine's counters: (family, the labels after ``engine``, the engine's counter name).
 ENGINE_VALUES: tuple[tuple[str, str, str], ...] = (
     *(("kvtier_engine_lookup_blocks", tier, f"lookup_{tier}") for tier in TIERS),
@@ -259,6 +278,12 @@ ENGINE_VALUES: tuple[tuple[str, str, str], ...] = (
     ("kvtier_engine_loaded_slices", "missed", "load_missed_slices"),
     ("kvtier_engine_stored_slices", "accepted", "stored_slices"),
     ("kvtier_engine_stored_slices", "dropped", "dropped_slices"),
+    ("kvtier_engine_fallbacks", "failed_call", "failed_calls"),
+    ("kvtier_engine_fallbacks", "outage", "outages"),
+    ("kvtier_engine_fallbacks", "given_up_load", "given_up_loads"),
+    ("kvtier_engine_fallbacks", "given_up_store", "given_up_stores"),
+    ("kvtier_engine_fallbacks", "skipped_load", "skipped_loads"),
+    ("kvtier_engine_fallbacks", "skipped_store_block", "skipped_store_blocks"),
 )
 
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtier.ops.metrics import LATENCY_BUCKETS_US, TIERS, ServiceSnapshot, model_of
+from kvtier.ops.metrics import ENGINE_FALLBACKS, LATENCY_BUCKETS_US, TIERS, ServiceSnapshot, model_of
 from kvtier.ops.report import OpsError, _check_paths, human_bytes, resolve_socket
 
 
@@ -214,6 +214,8 @@ def _engines_table(before: list[dict[str, Any]], after: list[dict[str, Any]], se
             hits = sum(delta(f"lookup_{t}") for t in TIERS)
             lookups = hits + delta("lookup_miss")
             moved = delta("loaded_slices") + delta("stored_slices")
+            # what the engine served at recompute because the service did not answer (reported late)
+            fallbacks = sum(delta(name) for name in ENGINE_FALLBACKS)
             rows.append(
                 (
                     lookups + moved,
@@ -226,17 +228,20 @@ def _engines_table(before: list[dict[str, Any]], after: list[dict[str, Any]], se
                         f"{delta('load_missed_slices') / seconds:.0f}",
                         f"{delta('stored_slices') / seconds:.0f}",
                         f"{delta('dropped_slices') / seconds:.0f}",
+                        f"{fallbacks:.0f}",
                     ],
                 )
             )
     table = Table(title="engines", title_justify="left", box=box.SIMPLE_HEAD)
-    columns = ("engine", "namespace", "lookups/s", "hit rate", "loads/s", "load misses/s", "stores/s", "drops/s")
+    columns = (
+        "engine", "namespace", "lookups/s", "hit rate", "loads/s", "load misses/s", "stores/s", "drops/s", "fallbacks",
+    )  # fmt: skip
     for name in columns:
         table.add_column(name, justify="left" if name in ("engine", "namespace") else "right", no_wrap=True)
     for _, row in sorted(rows, key=lambda r: -r[0])[:10]:
         table.add_row(*row)
     if not rows:
-        table.add_row("(no engine has named itself: engine_label, docs/vllm.md)", "", "", "", "", "", "", "")
+        table.add_row("(no engine has named itself: engine_label, docs/vllm.md)", *[""] * (len(columns) - 1))
     return table
 
 

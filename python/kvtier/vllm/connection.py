@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,10 @@ class ServiceConnection:
         self._outage_logged = False
         self.failed_calls = 0
         self.outages = 0  # times the service stopped answering this connection
+        # What this engine counted itself, sent to the service's per-engine counters (``report_counts``).
+        self._count_sources: list[Callable[[], Mapping[str, int]]] = []
+        self._reported: dict[str, int] = {}
+        self._report_lock = threading.Lock()
         self.namespace = namespace_digest(description)
         try:
             self._client = self._connect(start_timeout_s=None)
@@ -156,7 +160,7 @@ class ServiceConnection:
         if client is None:
             return default
         try:
-            return getattr(client, method)(*args)
+            result = getattr(client, method)(*args)
         except Exception as error:
             self.failed_calls += 1
             if not client.connected:
@@ -166,6 +170,38 @@ class ServiceConnection:
             else:
                 logger.warning("kvtier: host service call %s refused (%s)", method, error)
             return default
+        self.report_counts()
+        return result
+
+    def add_count_source(self, source: Callable[[], Mapping[str, int]]) -> None:
+        """Counts this engine keeps itself (the worker's jobs given up or skipped, by the names of
+        ``kvtier_core::service::ENGINE_REPORTED``), reported with the connection's own."""
+        self._count_sources.append(source)
+
+    def report_counts(self) -> None:
+        """Sends the service what this engine counted since its last report, if anything: calls that
+        failed, outages, and its sources' counts. An engine's fallbacks happen while the service
+        does not answer; they reach its per-engine counters (``kvtier top``, the metrics) at the
+        first call that succeeds afterwards. A labelled connection only; never waits for another
+        report in progress."""
+        if not self._label or not self._report_lock.acquire(blocking=False):
+            return
+        try:
+            counts = {"failed_calls": self.failed_calls, "outages": self.outages}
+            for source in self._count_sources:
+                counts.update(source())
+            deltas = [(name, n - self._reported.get(name, 0)) for name, n in counts.items()]
+            deltas = [(name, delta) for name, delta in deltas if delta > 0]
+            client = self._client
+            if not deltas or client is None or not client.connected:
+                return
+            try:
+                client.report_counts(deltas)
+            except Exception:
+                return  # the next call finds out; the counts go with a later report
+            self._reported.update(counts)
+        finally:
+            self._report_lock.release()
 
     def _note_outage(self, what: str) -> None:
         """Counted and logged once per outage: every later call answers its miss at once until a

@@ -435,6 +435,7 @@ class JobQueueWorker(OffloadingWorker):
         self._thread.start()
         self._watchdog = threading.Thread(target=self._watch_loads, name="kvtier-worker-watchdog", daemon=True)
         self._watchdog.start()
+        connection.add_count_source(self.fallback_counts)
         with registry_lock:
             _service_workers.add(self)
 
@@ -513,6 +514,16 @@ class JobQueueWorker(OffloadingWorker):
     ) -> bool:
         return self._submit(job_id, True, *_load_job(src_spec, dst_spec))
 
+    def fallback_counts(self) -> dict[str, int]:
+        """The jobs this worker gave up or skipped (served at recompute), by the names the service's
+        per-engine counters give them."""
+        return {
+            "given_up_loads": self.given_up_loads,
+            "given_up_stores": self.given_up_stores,
+            "skipped_loads": self.skipped_loads,
+            "skipped_store_blocks": self.skipped_store_blocks,
+        }
+
     def _stuck(self) -> bool:
         """Holds ``_cv``. Whether the job thread is in a transfer that copied nothing for the stall
         timeout (a frozen service): a job queued now would wait behind it."""
@@ -588,6 +599,7 @@ class JobQueueWorker(OffloadingWorker):
             with self._cv:
                 self._current = None
                 self._clear_watch()
+            self._connection.report_counts()
 
     def _store_batch(self, work: _StoreWork) -> None:
         batch = slice(work.copied, work.copied + max(1, STORE_BATCH_BYTES // self.transport.object_bytes))

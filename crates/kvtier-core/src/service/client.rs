@@ -72,6 +72,8 @@ pub struct Client {
     no_read_ahead_op: bool,
     /// The same for `Op::Tenant`.
     no_tenant_op: bool,
+    /// The same for `Op::Report`.
+    no_report_op: bool,
 }
 
 fn service_error(socket: &Path, what: impl std::fmt::Display) -> Error {
@@ -110,6 +112,7 @@ impl Client {
             copy_threads: 1,
             no_read_ahead_op: false,
             no_tenant_op: false,
+            no_report_op: false,
         })
     }
 
@@ -412,6 +415,24 @@ impl Client {
             w.bytes(label.as_bytes());
         })
         .map(drop)
+    }
+
+    /// Adds what the engine counted itself since its last report to its per-engine counters (after
+    /// `set_label`; `ENGINE_REPORTED` names the counts). A service of an older kvtier keeps none of
+    /// them: nothing is sent to it again.
+    pub fn report(&mut self, counts: &[(String, u64)]) -> Result<()> {
+        if self.no_report_op {
+            return Ok(());
+        }
+        match self.call(Op::Report, |w| {
+            w.pairs(counts);
+        }) {
+            Err(Error::Service { message }) if message.contains("unknown request opcode") => {
+                self.no_report_op = true;
+                Ok(())
+            }
+            other => other.map(drop),
+        }
     }
 
     /// The namespace's per-engine counters: `(label, [(name, value)])`, sorted by label.

@@ -22,7 +22,16 @@ pub struct EngineCounters {
     pub load_missed_slices: u64,
     pub stored_slices: u64,
     pub dropped_slices: u64,
+    /// What the engine counted itself and reported (`Op::Report`), in `ENGINE_REPORTED`'s order.
+    pub reported: [u64; ENGINE_REPORTED.len()],
 }
+
+/// The counts an engine reports of itself (`Op::Report`): what it served at recompute because the
+/// service did not answer. Calls that failed (each answered with its miss), outages (times the
+/// service stopped answering), jobs given up after a stall (loads recomputed, stores not stored),
+/// and loads and store blocks answered at once while the job thread was stuck in a call.
+pub const ENGINE_REPORTED: [&str; 6] =
+    ["failed_calls", "outages", "given_up_loads", "given_up_stores", "skipped_loads", "skipped_store_blocks"];
 
 impl EngineCounters {
     /// The lookup counter of a block found in `tier` (`None`: a miss).
@@ -36,9 +45,18 @@ impl EngineCounters {
         }
     }
 
+    /// Adds an engine's report; names not in `ENGINE_REPORTED` (a newer engine's) are ignored.
+    pub fn add_reported(&mut self, counts: &[(String, u64)]) {
+        for (name, value) in counts {
+            if let Some(i) = ENGINE_REPORTED.iter().position(|known| known == name) {
+                self.reported[i] = self.reported[i].saturating_add(*value);
+            }
+        }
+    }
+
     /// Name and value of each counter, in the wire's pair form (docs/service.md).
-    pub fn fields(&self) -> [(&'static str, u64); 8] {
-        [
+    pub fn fields(&self) -> Vec<(&'static str, u64)> {
+        let mut fields = vec![
             ("lookup_dram", self.lookup_dram),
             ("lookup_nvme", self.lookup_nvme),
             ("lookup_shared", self.lookup_shared),
@@ -47,7 +65,9 @@ impl EngineCounters {
             ("load_missed_slices", self.load_missed_slices),
             ("stored_slices", self.stored_slices),
             ("dropped_slices", self.dropped_slices),
-        ]
+        ];
+        fields.extend(ENGINE_REPORTED.iter().copied().zip(self.reported));
+        fields
     }
 }
 
@@ -103,6 +123,18 @@ mod tests {
         assert_eq!(snapshot[0].0, "engine-a");
         assert_eq!((snapshot[0].1.loaded_slices, snapshot[0].1.lookup_dram), (3, 5));
         assert_eq!(snapshot[1].1.stored_slices, 2);
+    }
+
+    #[test]
+    fn reports_add_up_and_unknown_names_are_ignored() {
+        let mut table = EngineTable::default();
+        let report = |pairs: &[(&str, u64)]| pairs.iter().map(|(n, v)| (n.to_string(), *v)).collect::<Vec<_>>();
+        table.record("engine-a", |c| c.add_reported(&report(&[("failed_calls", 2), ("from_the_future", 9)])));
+        table.record("engine-a", |c| c.add_reported(&report(&[("failed_calls", 1), ("given_up_loads", 4)])));
+        let (_, counters) = &table.snapshot()[0];
+        let fields: std::collections::HashMap<_, _> = counters.fields().into_iter().collect();
+        assert_eq!((fields["failed_calls"], fields["given_up_loads"], fields["outages"]), (3, 4, 0));
+        assert!(!fields.contains_key("from_the_future"));
     }
 
     #[test]

@@ -75,6 +75,10 @@ pub enum Op {
     /// (version 2, after Hello) keys, `16 tenant` -> (empty): the blocks are the tenant's
     /// (`Store::assign_tenant`; the tenant id is hashed from a request's `cache_salt`)
     Tenant = 19,
+    /// (version 2, after Hello and Label) pairs -> (empty): what the engine counted itself since its
+    /// last report (`ENGINE_REPORTED`: service calls that failed, outages, jobs given up or skipped
+    /// while the service did not answer), added to its per-engine counters; other names are ignored
+    Report = 20,
 }
 
 /// `Op::Reserve`'s answer for one block.
@@ -152,6 +156,7 @@ impl Op {
             17 => Op::Changes,
             18 => Op::ReadAhead,
             19 => Op::Tenant,
+            20 => Op::Report,
             _ => return None,
         })
     }

@@ -402,7 +402,7 @@ impl Connection {
     fn handle_session_op(&mut self, op: Op, r: &mut Reader<'_>) -> std::result::Result<Vec<u8>, String> {
         let session = self.session.as_mut().ok_or("say hello first (the namespace of this connection)")?;
         let keys = match op {
-            Op::Stats | Op::Flush | Op::Label => Vec::new(),
+            Op::Stats | Op::Flush | Op::Label | Op::Report => Vec::new(),
             _ => r.keys().map_err(|e| e.to_string())?,
         };
         let mut w = Writer::default();
@@ -411,6 +411,10 @@ impl Connection {
                 unreachable!("answered above")
             }
             Op::Label => session.label = Some(checked_label(&self.state.config, r)?),
+            Op::Report => {
+                let counts = r.pairs().map_err(|e| e.to_string())?;
+                session.count(|c| c.add_reported(&counts));
+            }
             Op::Locate => {
                 let tiers = session.ns.store.locate_many(&keys);
                 w.raw(&tiers.iter().map(|&tier| TierCode::from(tier) as u8).collect::<Vec<u8>>());
