@@ -255,3 +255,8 @@ def test_kill_9_of_the_service_while_an_engine_serves(engine_a, socket_path, rou
     hit = engine_a.generate(seed=7, blocks=3)
     assert hit["cached"] == 3 * TOKENS_PER_BLOCK
     assert_same_output(fresh, hit)
+    # What the engine served at recompute meanwhile reached the new service's per-engine counters.
+    reported = [counts for _, counts in engine_counters(socket_path)]
+    assert sum(c.get("outages", 0) for c in reported) >= 1 and sum(c.get("failed_calls", 0) for c in reported) >= 1, (
+        reported
+    )
