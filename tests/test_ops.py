@@ -420,6 +420,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         assert client.locate_many([key(0), b"\xee" * 32])[1] is None
         client.pin_many([key(59)])
         client.unpin_many([key(59)])
+        client.report_counts([("failed_calls", 3), ("given_up_loads", 2)])  # what it served at recompute
         client.flush()
         yield s
     finally:
@@ -525,6 +526,9 @@ def test_per_engine_counters_reach_the_scrape(served: Served) -> None:
     assert sample("kvtier_engine_lookup_blocks_total", engine="engine-a", tier="none") == 1
     found = sum(sample("kvtier_engine_lookup_blocks_total", engine="engine-a", tier=t) or 0 for t in ("dram", "nvme"))
     assert found == 1
+    assert sample("kvtier_engine_fallbacks_total", engine="engine-a", event="failed_call") == 3
+    assert sample("kvtier_engine_fallbacks_total", engine="engine-a", event="given_up_load") == 2
+    assert sample("kvtier_engine_fallbacks_total", engine="engine-a", event="outage") == 0
     assert 'engine=""' not in served.scrape(), "unlabelled connections have no engine series"
 
 

@@ -278,12 +278,8 @@ ENGINE_VALUES: tuple[tuple[str, str, str], ...] = (
     ("kvtier_engine_loaded_slices", "missed", "load_missed_slices"),
     ("kvtier_engine_stored_slices", "accepted", "stored_slices"),
     ("kvtier_engine_stored_slices", "dropped", "dropped_slices"),
-    ("kvtier_engine_fallbacks", "failed_call", "failed_calls"),
-    ("kvtier_engine_fallbacks", "outage", "outages"),
-    ("kvtier_engine_fallbacks", "given_up_load", "given_up_loads"),
-    ("kvtier_engine_fallbacks", "given_up_store", "given_up_stores"),
-    ("kvtier_engine_fallbacks", "skipped_load", "skipped_loads"),
-    ("kvtier_engine_fallbacks", "skipped_store_block", "skipped_store_blocks"),
+    # event: the count's name in the singular (failed_call, outage, ..., skipped_store_block)
+    *(("kvtier_engine_fallbacks", name.removesuffix("s"), name) for name in ENGINE_FALLBACKS),
 )
 
 
