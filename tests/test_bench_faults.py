@@ -215,10 +215,13 @@ def test_table():
     rows = [row("vllm", ["a"]), row("service-stop", ["a"])]
     rows[0].pop("kvtier"), rows[0].pop("fault")
     rows[1]["fault"] = {"hits_again_s": None}
+    counts = dict.fromkeys(("outages", "given_up_stores", "skipped_loads", "skipped_store_blocks"), 0)
+    rows[1]["engine_fallbacks"] = {**counts, "failed_calls": 7, "given_up_loads": 2, "skipped_store_blocks": 5}
     faults.judge(rows)
     lines = faults.table_rows(rows)
-    assert lines[0][:4] == ["vLLM alone", "1", "0", "0"] and lines[0][8:] == ["-", "-", "-", "-", "-"]
-    assert lines[1][0] == "kvtier, service-stop" and lines[1][8:] == ["not during the run", "3", "1", "0", "-"]
+    assert lines[0][:4] == ["vLLM alone", "1", "0", "0"] and lines[0][8:] == ["-", "-", "-", "-", "-", "-"]
+    assert lines[1][0] == "kvtier, service-stop"
+    assert lines[1][8:] == ["not during the run", "3", "1", "0", "-", "7 / 2 / 5"]
     assert len(lines[1]) == len(faults.TABLE_HEADER)
 
 
@@ -394,8 +397,9 @@ def test_a_fault_that_touched_no_read_of_its_tier_says_so():
     assert faults.judge(rows) == []  # a note, not a problem
     assert [note.split(":")[0] for note in faults.untouched(rows)] == ["bucket-stop"]
     lines = faults.table_rows(rows)
-    assert [line[-1] for line in lines] == ["-", faults.NO_TIER_READ, "3", "-"]
-    assert lines[2][-2] == "4"
+    tier_reads = faults.TABLE_HEADER.index("tier reads in fault")
+    assert [line[tier_reads] for line in lines] == ["-", faults.NO_TIER_READ, "3", "-"]
+    assert lines[2][tier_reads - 1] == "4"
 
 
 # --------------------------------------------------------------------------------------------

@@ -83,6 +83,7 @@ SMALL = {
 TABLE_HEADER = [
     "row", "requests", "failed", "wrong outputs", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
     "hits again after fault (s)", "kvtier DRAM hits", "NVMe hits", "bucket/shared hits", "tier reads in fault",
+    "engine fallbacks (calls / loads / store blocks)",
 ]  # fmt: skip
 NO_TIER_READ = "0: none touched"  # the table's cell for a fault that touched no read of its tier
 
@@ -481,6 +482,7 @@ def run_row(
         progress(started, f"{row}: load of {plan['users'] * plan['requests_per_user']} requests")
         record.update(run_load(plan, row, server.url, row_dir, fault, timeout_s))
         record["kvtier"] = load_hits(row, counters_before, sockets)
+        record["engine_fallbacks"] = faults_tiers.engine_fallbacks(sockets[0]) if sockets else None
         progress(started, f"{row}: {record.get('completed')} completed, {record.get('failed')} failed")
     except Exception as error:
         record["problems"].append(f"{type(error).__name__}: {error}")
@@ -600,6 +602,17 @@ def tier_reads_cell(record: dict[str, Any]) -> str:
     return "unknown" if reads is None else (NO_TIER_READ if reads == 0 else str(reads))
 
 
+def fallbacks_cell(record: dict[str, Any]) -> str:
+    """Service calls that failed, loads and store blocks the engine gave up or skipped (recomputed or
+    not stored), as it reported them by the end of the load."""
+    counts = record.get("engine_fallbacks")
+    if not counts:
+        return "-"
+    loads = counts["given_up_loads"] + counts["skipped_loads"]
+    stores = counts["given_up_stores"] + counts["skipped_store_blocks"]
+    return f"{counts['failed_calls']} / {loads} / {stores}"
+
+
 def _number(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -624,6 +637,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
             _number(ttft.get("p50"), 0), _number(ttft.get("p99"), 0), again,
             str(hits.get("dram_hits", "-")), str(hits.get("nvme_hits", "-")),
             str(hits.get("bucket_hits", 0) + hits.get("shared_hits", 0)) if hits else "-", tier_reads_cell(record),
+            fallbacks_cell(record),
         ])  # fmt: skip
     return lines
 

@@ -77,6 +77,26 @@ def service_counters(socket: Path) -> dict[str, int] | None:
     return {name: int(stats.get(name, 0)) for name in STATS}
 
 
+def engine_fallbacks(socket: Path) -> dict[str, int] | None:
+    """What the row's engine served at recompute because the service did not answer, as it reported
+    it to the service (``kvtier.ops.metrics.ENGINE_FALLBACKS``, summed over its labels and the
+    namespaces); None while the service does not answer. A killed service's successor holds what the
+    engine reported after the kill: the outage's own failed calls included."""
+    from kvtier.ops.metrics import ENGINE_FALLBACKS
+    from kvtier.service import connect
+
+    totals = dict.fromkeys(ENGINE_FALLBACKS, 0)
+    try:
+        client = connect(socket, timeout_ms=5_000)
+        for namespace in client.namespaces()["namespaces"]:
+            for _label, counts in client.engines(namespace["digest"]):
+                for name in ENGINE_FALLBACKS:
+                    totals[name] += int(dict(counts).get(name, 0))
+    except Exception:  # stopped, killed or not yet restarted
+        return None
+    return totals
+
+
 def delta(before: dict[str, int] | None, after: dict[str, int] | None, names: tuple[str, ...]) -> int | None:
     if before is None or after is None or not names:
         return None
