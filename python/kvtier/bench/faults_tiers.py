@@ -89,9 +89,10 @@ def engine_fallbacks(socket: Path) -> dict[str, int] | None:
     try:
         client = connect(socket, timeout_ms=5_000)
         for namespace in client.namespaces()["namespaces"]:
-            for _label, counts in client.engines(namespace["digest"]):
+            for _label, pairs in client.engines(namespace["digest"]):
+                counts = dict(pairs)
                 for name in ENGINE_FALLBACKS:
-                    totals[name] += int(dict(counts).get(name, 0))
+                    totals[name] += int(counts.get(name, 0))
     except Exception:  # stopped, killed or not yet restarted
         return None
     return totals
