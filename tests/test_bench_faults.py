@@ -17,6 +17,7 @@ for the run).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -125,6 +126,71 @@ def test_read_error_row_has_a_few_blocks_of_dram():
     row_plan, options = faults.row_options(plan, "nvme-read-errors")
     assert row_plan["dram_gib"] == 0 and options == {"staging_slots": faults.READ_ERROR_DRAM_SLOTS}
     assert plan["dram_gib"] == 0.25
+
+
+def _can_make_disks() -> str | None:
+    import shutil as sh
+
+    if os.geteuid() != 0:
+        return "needs root (mount)"
+    return None if sh.which("mkfs.ext4") and sh.which("losetup") else "needs mkfs.ext4 and losetup"
+
+
+def test_a_full_disk_leaves_a_preallocated_file_writable(tmp_path):
+    """The premise of the nvme-full row, on a real filesystem: once the filler takes every free block
+    a new file gets ENOSPC, while a file preallocated before (as kvtier's device file is) still takes
+    writes; drained, the room is back; closed, nothing is left mounted."""
+    from kvtier.bench import faults_disk
+
+    reason = _can_make_disks()
+    if reason:
+        pytest.skip(reason)
+    disk = faults_disk.SmallDisk(tmp_path, tmp_path / "store", 64 << 20)
+    try:
+        disk.start()
+        device = tmp_path / "store" / "nvme.kvt"
+        fd = os.open(device, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, 16 << 20)
+            disk.fill()
+            assert disk.free_after_fill is not None and disk.free_after_fill < (1 << 20), disk.free_after_fill
+            with pytest.raises(OSError) as full:
+                (tmp_path / "store" / "new").write_bytes(b"x" * (1 << 20))
+            assert full.value.errno == errno.ENOSPC
+            assert os.pwrite(fd, b"k" * (1 << 20), 8 << 20) == 1 << 20
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        disk.drain()
+        assert disk.free_bytes() > (8 << 20)
+    finally:
+        disk.close()
+    assert not os.path.ismount(tmp_path / "store") and not disk.image.exists()
+
+
+def test_disk_full_fault_fills_and_drains_its_disk(tmp_path, monkeypatch):
+    monkeypatch.setattr("kvtier.service.running_service", lambda socket: (4242, 0))
+    calls: list[str] = []
+
+    class Disk:
+        def fill(self) -> None:
+            calls.append("fill")
+
+        def drain(self) -> None:
+            calls.append("drain")
+
+    fault = faults.Fault("nvme-full", tmp_path / "socket", disk=Disk())
+    fault.start()
+    fault.end()
+    assert calls == ["fill", "drain"]
+    with pytest.raises(faults.FaultError, match="nvme-full"):
+        faults.Fault("nvme-full", tmp_path / "socket").start()
+    plan = plan_of("--small", "--faults", "nvme-full")
+    row_plan, options = faults.row_options(plan, "nvme-full")
+    assert row_plan["dram_gib"] == 0 and options == {"staging_slots": faults.READ_ERROR_DRAM_SLOTS}
+    counters = {"bytes_written_nvme": 3 << 20, "io_errors": 0}
+    record = {"row": "nvme-full", "fault": {"tier_reads": 2, "tier_counters": counters}}
+    assert faults.tier_reads_cell(record) == "2; 3 MiB written, 0 I/O errors"
 
 
 def test_a_fault_without_a_service_is_an_error(tmp_path, monkeypatch):

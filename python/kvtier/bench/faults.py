@@ -16,6 +16,8 @@ Rows (each a fresh server, stopped after it, with its store removed):
 - ``nvme-read-errors``: the row's store directory (its NVMe tier's files) on a FUSE passthrough
   (``kvtier.bench.slowmount``) whose reads fail with EIO while a flag file exists; the flag is there
   during the fault. The row's DRAM tier is cut to a few blocks so that repeats are read from NVMe.
+- ``nvme-full``: the row's store directory on a filesystem of its own that a filler file fills for the
+  fault (``kvtier.bench.faults_disk``); DRAM cut as for the read errors.
 - ``bucket-stop``, ``bucket-kill``, ``fuse-stop``: the S3 gateway (Ceph's radosgw on 127.0.0.1) stopped
   or killed, the shared filesystem's FUSE daemon stopped, with the row's hits coming from that tier
   (``kvtier.bench.faults_tiers``, which says how).
@@ -54,13 +56,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench import faults_tiers, serve, serve_plan, serve_points, serve_servers
-from kvtier.bench.faults_tiers import READ_ERRORS, TIER_FAULTS
+from kvtier.bench import faults_disk, faults_tiers, serve, serve_plan, serve_points, serve_servers
+from kvtier.bench.faults_tiers import DISK_FULL, READ_ERRORS, TIER_FAULTS
 from kvtier.bench.ttft import markdown_table, parse_tokens
 
-FAULTS = ("service-stop", "service-kill", READ_ERRORS, *TIER_FAULTS)
+FAULTS = ("service-stop", "service-kill", READ_ERRORS, DISK_FULL, *TIER_FAULTS)
 DEFAULT_FAULTS = ("service-stop", "service-kill")
-READ_ERROR_DRAM_SLOTS = 4  # the read-error row's DRAM tier: a few blocks (I/O staging), not a prefix
+READ_ERROR_DRAM_SLOTS = 4  # the NVMe rows' DRAM tier: a few blocks (I/O staging), not a prefix
 BASELINE_ROW = "vllm"
 HIT_COLUMNS = ("dram_hits", "nvme_hits", "bucket_hits", "shared_hits")  # kvtier's hits over a row's load
 KVTIER_ROW = "kvtier-nvme"  # bench serve's row whose store options the fault rows use (DRAM over NVMe)
@@ -110,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--faults", default=",".join(DEFAULT_FAULTS),
         help=f"comma-separated, from {', '.join(FAULTS)} (default {','.join(DEFAULT_FAULTS)}; {READ_ERRORS} and "
-        "fuse-stop need FUSE: kvtier.bench.slowmount; bucket-stop and bucket-kill need root and Ceph's radosgw, "
+        f"fuse-stop need FUSE: kvtier.bench.slowmount; {DISK_FULL} needs root, mkfs.ext4 and a loop device; "
+        "bucket-stop and bucket-kill need root and Ceph's radosgw, "
         "brought up on 127.0.0.1 by scripts/distfs/radosgw.sh, ports KVTIER_RGW_PORT and KVTIER_CEPH_MON_PORT)",
     )  # fmt: skip
     parser.add_argument("--fault-s", type=float, default=20.0, help="how long each fault lasts (default 20)")
@@ -236,12 +239,15 @@ def hits_of(kind: str, counters: dict[str, int] | None) -> int | None:
 class Fault:
     """One fault on a row's host service, its NVMe tier or its remote tier: ``start()``, ``end()``;
     ``release()`` undoes what is left (a stopped process continued, a killed gateway started again, the
-    read-error flag removed) whatever happened. ``flag``: the read-error mount's flag file
-    (``nvme-read-errors``); ``target``: a remote tier's process (``faults_tiers.Gateway`` or
-    ``MountDaemon``). ``pid``: the process the fault hit; ``service_pid``: the service's then."""
+    read-error flag removed, the filler gone) whatever happened. ``flag``: the read-error mount's flag
+    file (``nvme-read-errors``); ``target``: a remote tier's process (``faults_tiers.Gateway`` or
+    ``MountDaemon``); ``disk``: the ``nvme-full`` row's filesystem (``faults_disk.SmallDisk``).
+    ``pid``: the process the fault hit; ``service_pid``: the service's then."""
 
-    def __init__(self, kind: str, socket: Path, flag: Path | None = None, target: Any = None):
-        self.kind, self.socket, self.flag = kind, socket, flag
+    def __init__(
+        self, kind: str, socket: Path, flag: Path | None = None, target: Any = None, disk: Any = None
+    ):  # fmt: skip
+        self.kind, self.socket, self.flag, self.disk = kind, socket, flag, disk
         self.tier = faults_tiers.TierFault(kind, target) if target is not None else None
         self.pid: int | None = None
         self.service_pid: int | None = None
@@ -264,9 +270,11 @@ class Fault:
             os.kill(self.pid, signal.SIGKILL)
         elif self.kind == READ_ERRORS and self.flag is not None:
             self.flag.touch()
+        elif self.kind == DISK_FULL and self.disk is not None:
+            self.disk.fill()
         else:
             raise FaultError(
-                f"unknown fault {self.kind} (or {READ_ERRORS} without its flag, {self.kind} without its tier)"
+                f"unknown fault {self.kind} (or {READ_ERRORS} without its flag, {self.kind} without its tier or disk)"
             )
 
     def end(self) -> None:
@@ -279,6 +287,8 @@ class Fault:
             self.stopped = False
         if self.flag is not None:
             self.flag.unlink(missing_ok=True)
+        if self.disk is not None:
+            self.disk.drain()
         if self.tier is not None:
             self.tier.release()
 
@@ -290,13 +300,29 @@ def read_error_mount(plan: dict[str, Any], row_dir: Path) -> Any:
     return faults_tiers.passthrough_mount(row_dir, "nvme-source", "store", row_dir / "fail-reads")
 
 
+def row_mount(plan: dict[str, Any], row: str, row_dir: Path) -> Any:
+    """The NVMe rows' store directory, started: a read-error passthrough, or a filesystem of its own
+    to fill (``nvme-full``); None for the other rows."""
+    if row == READ_ERRORS:
+        return read_error_mount(plan, row_dir)
+    if row != DISK_FULL:
+        return None
+    disk = faults_disk.SmallDisk(row_dir, row_dir / "store", faults_disk.disk_bytes(plan["nvme_gib"]))
+    try:
+        disk.start()
+    except BaseException:
+        disk.close()
+        raise
+    return disk
+
+
 def row_options(plan: dict[str, Any], row: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The plan and the extra store options of one row: the read-error row's DRAM tier cut to its
+    """The plan and the extra store options of one row: the NVMe rows' DRAM tier cut to its
     ``READ_ERROR_DRAM_SLOTS`` staging slots (no ``dram_bytes``), so that repeats are read from NVMe; a
     remote tier's row as ``faults_tiers.row_options`` says."""
     if row in TIER_FAULTS:
         return faults_tiers.row_options(plan, row)
-    if row != READ_ERRORS:
+    if row not in (READ_ERRORS, DISK_FULL):
         return plan, {}
     return {**plan, "dram_gib": 0.0}, {"staging_slots": READ_ERROR_DRAM_SLOTS}
 
@@ -340,6 +366,8 @@ def inject(fault: Fault, plan: dict[str, Any], url: str, client: subprocess.Pope
     info["hits_before"] = hits_of(fault.kind, counters_before)
     fault.start()
     info["pid"], info["started_after_load_s"] = fault.pid, round(time.monotonic() - load_seen, 2)
+    if fault.disk is not None:
+        info["free_bytes_after_fill"] = fault.disk.free_after_fill
     if fault.kind != "service-kill":  # a kill is over at once: the return is timed from it
         time.sleep(plan["fault_s"])
     ended = time.monotonic()  # a killed gateway's restart is part of the return
@@ -464,8 +492,7 @@ def run_row(
     record: dict[str, Any] = {"row": row, "problems": []}
     server = mount = None
     try:
-        if row == READ_ERRORS:
-            mount = read_error_mount(plan, row_dir)
+        mount = row_mount(plan, row, row_dir)
         this_plan, options = row_options(plan, row)
         target = None
         if row in TIER_FAULTS:
@@ -477,7 +504,9 @@ def run_row(
         record["server"] = {"command": serve_servers.command_of(server.process), "log": str(log_path)}
         progress(started, f"{row}: server healthy after {server.wait_healthy():.0f} s")
         serve_servers.warm_up(server, plan)
-        fault = Fault(row, sockets[0], mount.fail_reads_flag if mount else None, target) if stores else None
+        flag = mount.fail_reads_flag if row == READ_ERRORS else None
+        disk = mount if row == DISK_FULL else None
+        fault = Fault(row, sockets[0], flag, target, disk) if stores else None
         counters_before = faults_tiers.service_counters(sockets[0]) if sockets else None
         progress(started, f"{row}: load of {plan['users'] * plan['requests_per_user']} requests")
         record.update(run_load(plan, row, server.url, row_dir, fault, timeout_s))
@@ -522,7 +551,7 @@ def tear_down_row(
     if mount is not None:
         mount.close()
         if os.path.ismount(mount.mountpoint):
-            record["problems"].append(f"the read-error mount {mount.mountpoint} is still mounted")
+            record["problems"].append(f"the row's mount {mount.mountpoint} is still mounted")
     record["problems"] += tiers.close_row(record["row"])
     for store in (*stores, row_dir / "nvme-source", row_dir / "shared-source", row_dir / "shared"):
         if not os.path.ismount(store):
@@ -599,7 +628,12 @@ def tier_reads_cell(record: dict[str, Any]) -> str:
     if record["row"] not in faults_tiers.TIER_OF or not fault:
         return "-"
     reads = fault.get("tier_reads")
-    return "unknown" if reads is None else (NO_TIER_READ if reads == 0 else str(reads))
+    cell = "unknown" if reads is None else (NO_TIER_READ if reads == 0 else str(reads))
+    counters = fault.get("tier_counters")
+    if record["row"] == DISK_FULL and counters:  # a full disk is about writes: did the NVMe tier's go on?
+        written_mib = counters["bytes_written_nvme"] / (1 << 20)
+        cell += f"; {written_mib:.0f} MiB written, {counters['io_errors']} I/O errors"
+    return cell
 
 
 def fallbacks_cell(record: dict[str, Any]) -> str:

@@ -28,6 +28,7 @@ from typing import Any
 
 BUCKET_STOP, BUCKET_KILL, FUSE_STOP = "bucket-stop", "bucket-kill", "fuse-stop"
 READ_ERRORS = "nvme-read-errors"
+DISK_FULL = "nvme-full"  # the NVMe tier's filesystem full (kvtier.bench.faults_disk)
 TIER_FAULTS = (BUCKET_STOP, BUCKET_KILL, FUSE_STOP)
 TIER_DRAM_SLOTS = 4  # DRAM of a few blocks (I/O staging), not a prefix: repeats come from the tier below
 MOUNT_RATE_MB_PER_S = 100_000.0  # the FUSE passthrough's line: no limit (the daemon's own ceiling)
@@ -37,7 +38,7 @@ DEFAULT_RGW_STATE_DIR = "/tmp/kvtier-bench-faults-radosgw"
 # Published soon after the first request, listed soon after: the repeats a few seconds later find them.
 BUCKET_TIMING = {"bucket_publish_delay_ms": 500, "bucket_refresh_ms": 200}
 # The tier whose reads a fault touches, and the counters of the service that count them.
-TIER_OF = {BUCKET_STOP: "bucket", BUCKET_KILL: "bucket", FUSE_STOP: "shared", READ_ERRORS: "nvme"}
+TIER_OF = {BUCKET_STOP: "bucket", BUCKET_KILL: "bucket", FUSE_STOP: "shared", READ_ERRORS: "nvme", DISK_FULL: "nvme"}
 TIER_HITS = {"bucket": ("bucket_hits",), "shared": ("shared_hits",), "nvme": ("dram_hits", "nvme_hits")}
 # Reads of a tier: a finished load (hit or miss; a read the fault held finishes just after its end),
 # a block only the sick tier holds (not read: remote_tier_lookups_skipped, or nvme_lookups_skipped for a
@@ -50,7 +51,7 @@ TIER_READS = {
 STATS = (
     "dram_hits", "nvme_hits", "shared_hits", "shared_misses", "bucket_hits", "bucket_misses", "bucket_get_requests",
     "bucket_request_errors", "nvme_read_requests", "nvme_outages", "nvme_lookups_skipped", "remote_tier_outages",
-    "remote_tier_lookups_skipped", "puts",
+    "remote_tier_lookups_skipped", "puts", "bytes_written_nvme", "nvme_dropped_writes", "io_errors",
 )  # fmt: skip
 READS_SETTLE_S = 1.0  # after the fault's end: the reads it held finish (and are counted)
 
