@@ -327,10 +327,14 @@ def wait_for_load(url: str, before: float, client: subprocess.Popen, timeout_s: 
 def inject(fault: Fault, plan: dict[str, Any], url: str, client: subprocess.Popen, record: dict[str, Any]) -> None:
     """The fault timeline of one row while its load runs: wait for the load, the fault for ``fault_s``,
     then the hits' return (polled until they rise or the load ends) and the faulted tier's reads from
-    the fault's start to ``READS_SETTLE_S`` after its end. Fills ``record["fault"]``."""
+    the fault's start to ``READS_SETTLE_S`` after its end. Fills ``record["fault"]``, with the load's start
+    and the fault's start and end on ``time.monotonic()`` (``load_seen_at``, ``started_at``, ``ended_at``):
+    CLOCK_MONOTONIC on Linux, the clock of vllm bench serve's per-request ``start_times``
+    (``time.perf_counter()``), so that ``faults_plot`` places the fault among the requests."""
     before = (serve_points.cache_metrics([url]) or {}).get("vllm_queried", 0.0)
     load_seen = wait_for_load(url, before, client, LOAD_START_TIMEOUT_S)
     info: dict[str, Any] = {"kind": fault.kind, "seconds": plan["fault_s"], "hits_again_s": None}
+    info["load_seen_at"] = round(load_seen, 3)
     record["fault"] = info
     time.sleep(max(0.0, load_seen + plan["fault_after_s"] - time.monotonic()))
     if client.poll() is not None:
@@ -339,10 +343,13 @@ def inject(fault: Fault, plan: dict[str, Any], url: str, client: subprocess.Pope
     counters_before = faults_tiers.service_counters(fault.socket)
     info["hits_before"] = hits_of(fault.kind, counters_before)
     fault.start()
-    info["pid"], info["started_after_load_s"] = fault.pid, round(time.monotonic() - load_seen, 2)
+    started = time.monotonic()
+    info["pid"], info["started_after_load_s"] = fault.pid, round(started - load_seen, 2)
+    info["started_at"] = round(started, 3)
     if fault.kind != "service-kill":  # a kill is over at once: the return is timed from it
         time.sleep(plan["fault_s"])
     ended = time.monotonic()  # a killed gateway's restart is part of the return
+    info["ended_at"] = round(ended, 3)
     fault.end()
     if fault.tier is not None and fault.tier.restarted_pid is not None:
         info["gateway_restarted"] = fault.tier.restarted_pid
