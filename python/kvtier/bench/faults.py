@@ -35,7 +35,9 @@ to a second after its end (``faults_tiers.TIER_READS``): a row whose fault touch
 says so (in the table and a note), since it then checked nothing of that tier.
 A row with a failed request or a wrong output is a problem: the command exits 1.
 
-Output (``--out DIR``): ``results.json``, ``table.md`` (also printed), ``logs/`` and ``bench/``.
+Output (``--out DIR``): ``results.json``, ``table.md`` (also printed), ``faults.png`` (each request's TTFT
+over the run per fault row against vLLM alone's, the fault shaded: ``kvtier.bench.faults_plot``, which
+redraws it from a finished run's directory), ``logs/`` and ``bench/``.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench import faults_tiers, serve, serve_plan, serve_points, serve_servers
+from kvtier.bench import faults_plot, faults_tiers, serve, serve_plan, serve_points, serve_servers
 from kvtier.bench.faults_tiers import READ_ERRORS, TIER_FAULTS
 from kvtier.bench.ttft import markdown_table, parse_tokens
 
@@ -689,13 +691,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     table = markdown_table(TABLE_HEADER, table_rows(document["rows"]))
     (out_dir / "table.md").write_text(table + "\n")
+    document["plot"] = faults_plot.plot_run(document, out_dir)  # None, with a warning, when not drawn
     (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
     print(table)
     for note in document["notes"]:
         print(f"note: {note}")
     for problem in document["problems"]:
         print(f"problem: {problem}")
-    print(f"results: {out_dir / 'results.json'}")
+    print(
+        f"results: {out_dir / 'results.json'}" + (f", plot: {out_dir / document['plot']}" if document["plot"] else "")
+    )
     return 1 if document["problems"] else 0
 
 
