@@ -37,7 +37,9 @@ to a second after its end (``faults_tiers.TIER_READS``): a row whose fault touch
 says so (in the table and a note), since it then checked nothing of that tier.
 A row with a failed request or a wrong output is a problem: the command exits 1.
 
-Output (``--out DIR``): ``results.json``, ``table.md`` (also printed), ``logs/`` and ``bench/``.
+Output (``--out DIR``): ``results.json``, ``table.md`` (also printed), ``faults.png`` (each request's TTFT
+over the run per fault row against vLLM alone's, the fault shaded: ``kvtier.bench.faults_plot``, which
+redraws it from a finished run's directory), ``logs/`` and ``bench/``.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench import faults_disk, faults_tiers, serve, serve_plan, serve_points, serve_servers
+from kvtier.bench import faults_disk, faults_plot, faults_tiers, serve, serve_plan, serve_points, serve_servers
 from kvtier.bench.faults_tiers import DISK_FULL, READ_ERRORS, TIER_FAULTS
 from kvtier.bench.ttft import markdown_table, parse_tokens
 
@@ -353,10 +355,14 @@ def wait_for_load(url: str, before: float, client: subprocess.Popen, timeout_s: 
 def inject(fault: Fault, plan: dict[str, Any], url: str, client: subprocess.Popen, record: dict[str, Any]) -> None:
     """The fault timeline of one row while its load runs: wait for the load, the fault for ``fault_s``,
     then the hits' return (polled until they rise or the load ends) and the faulted tier's reads from
-    the fault's start to ``READS_SETTLE_S`` after its end. Fills ``record["fault"]``."""
+    the fault's start to ``READS_SETTLE_S`` after its end. Fills ``record["fault"]``, with the load's start
+    and the fault's start and end on ``time.monotonic()`` (``load_seen_at``, ``started_at``, ``ended_at``):
+    CLOCK_MONOTONIC on Linux, the clock of vllm bench serve's per-request ``start_times``
+    (``time.perf_counter()``), so that ``faults_plot`` places the fault among the requests."""
     before = (serve_points.cache_metrics([url]) or {}).get("vllm_queried", 0.0)
     load_seen = wait_for_load(url, before, client, LOAD_START_TIMEOUT_S)
     info: dict[str, Any] = {"kind": fault.kind, "seconds": plan["fault_s"], "hits_again_s": None}
+    info["load_seen_at"] = round(load_seen, 3)
     record["fault"] = info
     time.sleep(max(0.0, load_seen + plan["fault_after_s"] - time.monotonic()))
     if client.poll() is not None:
@@ -365,12 +371,15 @@ def inject(fault: Fault, plan: dict[str, Any], url: str, client: subprocess.Pope
     counters_before = faults_tiers.service_counters(fault.socket)
     info["hits_before"] = hits_of(fault.kind, counters_before)
     fault.start()
-    info["pid"], info["started_after_load_s"] = fault.pid, round(time.monotonic() - load_seen, 2)
+    started = time.monotonic()
+    info["pid"], info["started_after_load_s"] = fault.pid, round(started - load_seen, 2)
+    info["started_at"] = round(started, 3)
     if fault.disk is not None:
         info["free_bytes_after_fill"] = fault.disk.free_after_fill
     if fault.kind != "service-kill":  # a kill is over at once: the return is timed from it
         time.sleep(plan["fault_s"])
     ended = time.monotonic()  # a killed gateway's restart is part of the return
+    info["ended_at"] = round(ended, 3)
     fault.end()
     if fault.tier is not None and fault.tier.restarted_pid is not None:
         info["gateway_restarted"] = fault.tier.restarted_pid
@@ -716,13 +725,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     table = markdown_table(TABLE_HEADER, table_rows(document["rows"]))
     (out_dir / "table.md").write_text(table + "\n")
+    document["plot"] = faults_plot.plot_run(document, out_dir)  # None, with a warning, when not drawn
     (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
     print(table)
     for note in document["notes"]:
         print(f"note: {note}")
     for problem in document["problems"]:
         print(f"problem: {problem}")
-    print(f"results: {out_dir / 'results.json'}")
+    print(
+        f"results: {out_dir / 'results.json'}" + (f", plot: {out_dir / document['plot']}" if document["plot"] else "")
+    )
     return 1 if document["problems"] else 0
 
 

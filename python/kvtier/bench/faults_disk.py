@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 from kvtier.bench.faults_tiers import DISK_FULL
+
 FILLER_NAME = "kvtier-bench-filler"  # the file that fills the disk for the fault
 HEADROOM_BYTES = 256 << 20  # beside the device file: ext4's own metadata, the store's small files
 CHUNK_BYTES = 1 << 20  # the filler's last writes: what fallocate left (ext4 keeps some blocks back)
