@@ -27,6 +27,7 @@ def valid_values(tmp_path):
         "dram_bytes": 8 * SLOT_BYTES,
         "staging_slots": 4,
         "nvme_bytes": 64 << 20,
+        "nvme_without_space": "dram_only",
         "region_bytes": 2 << 20,
         "io_engine": "psync",
         "io_depth": 8,

@@ -449,7 +449,8 @@ def test_store_options_come_from_extra_config():
             "dram_bytes": 1 << 30,
         }
     )
-    assert options.store_options == {"dram_bytes": 1 << 30}
+    # An engine never fails to start for want of disk: the NVMe tier is left off (docs/reliability.md).
+    assert options.store_options == {"dram_bytes": 1 << 30, "nvme_without_space": "dram_only"}
     with pytest.raises(kvtier_vllm.KvtierVllmConfigError, match="path"):
         kvtier_vllm.KvtierOptions.from_extra_config({"dram_bytes": 1})
     with pytest.raises(kvtier_vllm.KvtierVllmConfigError, match="namespace"):

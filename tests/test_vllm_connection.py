@@ -145,3 +145,33 @@ def test_what_an_engine_served_at_recompute_reaches_its_counters_once_a_service_
         assert _engine_counts(options, "engine-x")["failed_calls"] == failed, "counted once"
     finally:
         asks.close()
+
+
+def test_an_engine_attaches_when_the_disk_has_no_room_for_its_nvme_tier(tmp_path):
+    """An engine whose store path had less room than `nvme_bytes` (8 GiB by default) for a namespace's
+    new device file was refused by the service (a capacity error at hello), so `vllm serve` did not
+    start where vLLM alone would. Now the service opens that namespace on DRAM only and says so;
+    `refuse` keeps the old behaviour for whoever asks for it."""
+    import shutil
+
+    too_large = 4 * shutil.disk_usage(tmp_path).free
+    extra = {"path": str(tmp_path / "store"), "dram_bytes": 8 << 20, "nvme_bytes": too_large, "pool_dir": str(tmp_path)}
+    options = KvtierOptions.from_extra_config(extra)
+    try:
+        connection = ServiceConnection(options, {"test": "full disk"}, 1, 0, SLICE_BYTES)
+        try:
+            assert connection.available, "the engine did not attach"
+            assert connection.locate_many([bytes(32)]) == [None]
+            stats = connection.stats()
+            assert stats["nvme_off_no_space"] == 1, stats
+        finally:
+            connection.close()
+        assert not list((tmp_path / "store").rglob("nvme.kvt")), "a device file was made on a disk without room"
+    finally:
+        kvtier_service.stop_service(options.socket_path())
+    refusing = KvtierOptions.from_extra_config({**extra, "nvme_without_space": "refuse"})
+    try:
+        with pytest.raises(Exception, match="nvme_bytes"):
+            ServiceConnection(refusing, {"test": "full disk"}, 1, 0, SLICE_BYTES)
+    finally:
+        kvtier_service.stop_service(refusing.socket_path())

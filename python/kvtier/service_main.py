@@ -113,6 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         open_log(args.log_file)
         rotate_log(args.log_file, args.log_max_bytes)
     options = {**json.loads(args.options_json), **dict(args.option)}
+    # Engines attach to this service: a disk without room for a new model's NVMe tier must not keep
+    # them from serving (the store opens DRAM only, with a warning), unless the operator says refuse.
+    options.setdefault("nvme_without_space", "dram_only")
     if args.host_dram_bytes is not None:
         options["host_dram_bytes"] = args.host_dram_bytes
     socket = Path(args.socket) if args.socket else default_socket_path(args.path)

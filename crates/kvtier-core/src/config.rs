@@ -33,6 +33,8 @@ pub struct StoreConfig {
     pub staging_slots: usize,
     /// NVMe tier capacity in bytes, split evenly over `paths`; 0 disables the NVMe tier.
     pub nvme_bytes: u64,
+    /// What `Store::open` does when a device file still to be created does not fit on its filesystem.
+    pub nvme_without_space: NvmeWithoutSpace,
     /// Region size in bytes (unit of sequential writing and eviction); 0 picks
     /// max(64 MiB, 8 slots) rounded to 4 KiB. Must hold at least one slot plus its trailer.
     pub region_bytes: u64,
@@ -104,6 +106,17 @@ pub struct StoreConfig {
     pub bucket: Option<BucketConfig>,
 }
 
+/// What a store does at open when its NVMe tier's device file is still to be created and the
+/// filesystem has no room for it (a full disk, or `nvme_bytes` larger than the disk).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NvmeWithoutSpace {
+    /// Fail the open with a capacity error (what a program opening a store itself asked for).
+    Refuse,
+    /// Open without the NVMe tier (DRAM and the remote tiers only), with a warning and the
+    /// `nvme_off_no_space` gauge: an engine must never fail to start because a disk is full.
+    DramOnly,
+}
+
 impl StoreConfig {
     /// The I/O settings the shared tier's device queue shares with the NVMe tier's.
     pub fn io_setup(&self) -> crate::io::IoSetup {
@@ -123,6 +136,7 @@ impl StoreConfig {
             dram_bytes: 1 << 30,
             staging_slots: 8,
             nvme_bytes: 8 << 30,
+            nvme_without_space: NvmeWithoutSpace::Refuse,
             region_bytes: 0,
             io_engine: EngineChoice::Auto,
             io_depth: 32,
@@ -616,6 +630,9 @@ fn text(v: OptionValue) -> String {
     String::from_utf8_lossy(&v.bytes()).into_owned()
 }
 
+const NVME_WITHOUT_SPACE_CHOICES: &[&str] = &["refuse", "dram_only"];
+const NVME_WITHOUT_SPACES: [NvmeWithoutSpace; 2] = [NvmeWithoutSpace::Refuse, NvmeWithoutSpace::DramOnly];
+
 const IO_ENGINE_CHOICES: &[&str] = &["auto", "io_uring", "psync"];
 const IO_ENGINES: [EngineChoice; 3] = [EngineChoice::Auto, EngineChoice::IoUring, EngineChoice::Psync];
 const DIRECT_IO_CHOICES: &[&str] = &["auto", "on", "off"];
@@ -701,6 +718,20 @@ pub static OPTIONS: &[ConfigOption] = &[
         description: "NVMe tier capacity, split evenly over the directories; 0 disables the tier (DRAM only). Preallocated at first open.",
         set: |c, v| c.nvme_bytes = v.int(),
         get: |c| int(c.nvme_bytes),
+    },
+    ConfigOption {
+        name: "nvme_without_space",
+        field: "nvme_without_space",
+        python: true,
+        kind: OptionKind::Choice(NVME_WITHOUT_SPACE_CHOICES),
+        unset: "refuse (dram_only in the host service and vLLM's engines)",
+        constraint: "",
+        description: "When the NVMe device file is still to be created and its filesystem has no room for it: refuse fails the open; dram_only opens without the NVMe tier (a warning, the gauge nvme_off_no_space) and tries again at the next open.",
+        set: |c, v| c.nvme_without_space = NVME_WITHOUT_SPACES[v.choice(NVME_WITHOUT_SPACE_CHOICES)],
+        get: |c| {
+            let at = NVME_WITHOUT_SPACES.iter().position(|x| *x == c.nvme_without_space).unwrap_or(0);
+            Some(OptionValue::Str(NVME_WITHOUT_SPACE_CHOICES[at].into()))
+        },
     },
     ConfigOption {
         name: "region_bytes",

@@ -43,7 +43,9 @@ mod timeline;
 // the format fuzzers).
 pub use admission::WriteAdmission;
 pub use catalog::{Gauges, Tier, TrimCounts};
-pub use config::{find_option, unknown_option_message, ConfigOption, OptionKind, OptionValue, StoreConfig, OPTIONS};
+pub use config::{
+    find_option, unknown_option_message, ConfigOption, NvmeWithoutSpace, OptionKind, OptionValue, StoreConfig, OPTIONS,
+};
 pub use error::{Error, Result};
 pub use io::{DirectIo, EngineChoice};
 pub use key::{BlockKey, Namespace};

@@ -112,6 +112,9 @@ counters!(
     nvme_outages,
     nvme_lookups_skipped,
     nvme_sick,
+    // 1 when the store opened without its NVMe tier because its filesystem had no room for the device
+    // file (`nvme_without_space = "dram_only"`): a gauge, until the next open.
+    nvme_off_no_space,
     // Encryption at rest (`encryption_key_file`, crate::format::encrypted): NVMe values that did not open
     // (another key, changed bytes, or encrypted and no key set): counted misses, never served.
     nvme_auth_failures,

@@ -15,7 +15,7 @@
 mod common;
 use common::*;
 
-use kvtier_core::{EngineChoice, Error, Store, StoreConfig};
+use kvtier_core::{EngineChoice, Error, NvmeWithoutSpace, Store, StoreConfig};
 use std::path::Path;
 
 const OBJ: usize = 64 * 1024;
@@ -269,6 +269,32 @@ fn nvme_bytes_larger_than_free_space_is_a_capacity_error() {
     // Nothing was left behind.
     let ns = dir.path().read_dir().unwrap().next().unwrap().unwrap().path();
     assert!(!ns.join("nvme.kvt").exists(), "a device file was left behind");
+}
+
+#[test]
+fn nvme_bytes_larger_than_free_space_opens_dram_only_when_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = base(dir.path());
+    c.region_bytes = 0; // default 64 MiB regions
+    c.nvme_bytes = 16 << 40; // 16 TiB: no disk here has room for it
+    c.nvme_without_space = NvmeWithoutSpace::DramOnly;
+    let store = Store::open(c).expect("a disk without room leaves the NVMe tier off, it does not fail the open");
+    assert_eq!(put(&store, &[1, 2, 3]), vec![true; 3]);
+    store.flush().unwrap();
+    assert_eq!(get_checked(&store, &[1, 2, 3, 4]), vec![true, true, true, false]);
+    let s = store.stats();
+    assert_eq!(s.counters.nvme_off_no_space, 1, "{s:?}");
+    assert_eq!((s.counters.dram_hits, s.counters.bytes_written_nvme), (3, 0), "{s:?}");
+    store.check_invariants();
+    drop(store);
+    let ns = dir.path().read_dir().unwrap().next().unwrap().unwrap().path();
+    assert!(!ns.join("nvme.kvt").exists(), "a device file was made on a disk without room");
+    // Opened again with a size that fits, the tier is back.
+    let mut c = base(dir.path());
+    c.nvme_without_space = NvmeWithoutSpace::DramOnly;
+    let store = Store::open(c).unwrap();
+    assert_eq!(store.stats().counters.nvme_off_no_space, 0);
+    assert!(ns.join("nvme.kvt").exists());
 }
 
 #[test]

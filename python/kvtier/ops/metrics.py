@@ -142,6 +142,12 @@ NAMESPACE_FAMILIES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ),
     ("kvtier_nvme_sick", "gauge", (), "1 while the NVMe tier is sick (stepping aside for a back-off)"),
     (
+        "kvtier_nvme_off_no_space",
+        "gauge",
+        (),
+        "1 when the store opened without its NVMe tier: no room on its filesystem for the device file",
+    ),
+    (
         "kvtier_shared_publish_blocks",
         "counter",
         ("result",),
@@ -253,6 +259,7 @@ PLAIN_VALUES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("kvtier_nvme_outages", (), "nvme_outages"),
     ("kvtier_nvme_lookups_skipped", (), "nvme_lookups_skipped"),
     ("kvtier_nvme_sick", (), "nvme_sick"),
+    ("kvtier_nvme_off_no_space", (), "nvme_off_no_space"),
 )
 # The shared tier's publishing counters (stores with a shared tier only): (result label, value name).
 SHARED_PUBLISH_RESULTS = (

@@ -133,6 +133,9 @@ class KvtierOptions:
             for name, value in extra_config.items()
             if name != "path" and name not in VLLM_OFFLOADING_OPTION_NAMES and name not in INTEGRATION_OPTION_DEFAULTS
         }
+        # An engine must start even when the disk has no room for its NVMe tier (it then runs on DRAM
+        # and the remote tiers, with a warning), as vLLM alone would.
+        store_options.setdefault("nvme_without_space", "dram_only")
         for reserved in ("namespace", "object_bytes"):
             if reserved in store_options:
                 raise KvtierVllmConfigError(

@@ -5,7 +5,7 @@
 use super::{finish_job, random_u64, Job, Store, ENCRYPTION_KEY_FILE_ENV};
 use crate::admission::{Admission, WriteBudget};
 use crate::catalog::{Catalog, CatalogLock, MetaWrite, SlotLayout};
-use crate::config::StoreConfig;
+use crate::config::{NvmeWithoutSpace, StoreConfig};
 use crate::error::{Error, Result};
 use crate::format::encrypted::ValueCipher;
 use crate::format::superblock::{Superblock, SUPERBLOCK_BYTES};
@@ -52,7 +52,7 @@ impl Store {
         let slot_bytes = config.slot_bytes();
         let arena = Arena::map(slot_bytes, config.slot_count(), config.pool_path.as_deref())?;
         let stats = Arc::new(Stats::default());
-        let geometry = nvme_geometry(&config, &dirs, slot_bytes)?;
+        let geometry = nvme_geometry(&config, &dirs, slot_bytes, &stats)?;
         let mut catalog = new_catalog(&config, &arena, geometry, dirs.len(), &stats);
         let cipher = open_value_cipher(&config)?;
         if cipher.is_some() {
@@ -140,9 +140,10 @@ fn prepare_namespace_dirs(config: &StoreConfig, namespace: Namespace) -> Result<
     Ok((dirs, locks))
 }
 
-/// The NVMe geometry, `None` when the NVMe tier is off; fails if a device file still to be created
-/// would not fit on its disk.
-fn nvme_geometry(config: &StoreConfig, dirs: &[PathBuf], slot_bytes: usize) -> Result<Option<Geometry>> {
+/// The NVMe geometry, `None` when the NVMe tier is off: `nvme_bytes` is 0, or a device file still to
+/// be created would not fit on its disk and `nvme_without_space` says to open without it (else that
+/// fails the open).
+fn nvme_geometry(config: &StoreConfig, dirs: &[PathBuf], slot_bytes: usize, stats: &Stats) -> Result<Option<Geometry>> {
     if config.nvme_bytes == 0 {
         return Ok(None);
     }
@@ -154,9 +155,21 @@ fn nvme_geometry(config: &StoreConfig, dirs: &[PathBuf], slot_bytes: usize) -> R
     // Before any bookkeeping is sized from the request: a capacity the disk cannot hold is a
     // start-up error, not an allocation failure.
     for dir in dirs {
-        if !dir.join(nvme::DEVICE_FILE_NAME).exists() {
-            nvme::check_free_space(dir, geometry.file_bytes())?;
+        if dir.join(nvme::DEVICE_FILE_NAME).exists() {
+            continue;
         }
+        let Err(error) = nvme::check_free_space(dir, geometry.file_bytes()) else { continue };
+        if config.nvme_without_space == NvmeWithoutSpace::Refuse {
+            return Err(error);
+        }
+        // Device files already made stay as they are (their blocks are recovered at the next open
+        // with room); none is created, so nothing of this open fills the disk further.
+        log::warn!(
+            "kvtier: {error}; the store runs without its NVMe tier (DRAM only) until it is opened again with room \
+             (nvme_without_space = \"dram_only\")"
+        );
+        Stats::add(&stats.nvme_off_no_space, 1);
+        return Ok(None);
     }
     Ok(Some(geometry))
 }
