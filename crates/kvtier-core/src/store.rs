@@ -259,8 +259,8 @@ impl Store {
     }
 
     /// Pins the leading present keys: one flag per present key, in order. `true`: a pin was taken
-    /// (release it with `unpin`). `false`: the block is only in the shared tier, which cannot be
-    /// pinned against another node's evictor (its load may be a clean miss); there is nothing to
+    /// (release it with `unpin`). `false`: the block is only in a remote tier (the shared filesystem
+    /// or the bucket), which cannot be pinned against another node's evictor (its load may be a clean miss); there is nothing to
     /// release, and unpinning it would take away a pin that another request holds.
     pub fn pin_prefix(&self, keys: &[BlockKey]) -> Vec<bool> {
         let mut cat = self.state.catalog.lock();
@@ -516,7 +516,7 @@ impl Store {
         self.load_on_this_thread(keys, execute_read_ahead)
     }
 
-    /// Makes blocks resident in DRAM (reading NVMe or the shared tier, verified) and pins them: per
+    /// Makes blocks resident in DRAM (reading NVMe or a remote tier, verified) and pins them: per
     /// key the slot to copy the value out of, or `None` for a miss. Give each slot back with `release`.
     pub fn acquire(&self, keys: &[BlockKey]) -> Result<Vec<Option<u32>>> {
         self.load_on_this_thread(keys, execute_get_pinned)

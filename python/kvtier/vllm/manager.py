@@ -179,7 +179,7 @@ class KvtierManager(OffloadingManager):
         self.decider.forget(req_context.req_id)
         store_keys = [kvtier_key(key) for key in keys]
         try:
-            # One flag per present key: False for a block only in the shared tier (no pin taken).
+            # One flag per present key: False for a block only in a remote tier (no pin taken).
             pinned = self._store.pin_many(store_keys)
         except Exception:
             logger.exception("kvtier: pin failed; the load will fail and vLLM will recompute")

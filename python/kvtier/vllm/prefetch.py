@@ -1,4 +1,4 @@
-"""The scheduler's prefetcher: NVMe and shared-tier hits read into the DRAM pool before the load."""
+"""The scheduler's prefetcher: NVMe and remote-tier hits read into the DRAM pool before the load."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ TIERS_BELOW_DRAM = ("nvme", "shared", "bucket")
 
 
 class Prefetcher:
-    """Reads blocks that lookups found on NVMe or in the shared tier into the service's DRAM pool,
+    """Reads blocks that lookups found on NVMe or in a remote tier into the service's DRAM pool,
     on a thread and a connection of its own (a prefetch of a long prefix takes a while; lookups on the
     manager's connection must not wait behind it).
 
@@ -33,7 +33,7 @@ class Prefetcher:
     is in flight (a miss once no chunk ended for the pending timeout) and HIT after it ended,
     whatever became of it (a block evicted again before its load is read by the load itself).
     Ended prefetches are remembered for ``REMEMBER_S``, with the tier the block came from, so that
-    vLLM's hit-source metric names NVMe or the shared tier, not the DRAM the load copied from."""
+    vLLM's hit-source metric names NVMe or the remote tier, not the DRAM the load copied from."""
 
     REMEMBER_S = 120.0
 

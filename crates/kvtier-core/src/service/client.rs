@@ -247,7 +247,8 @@ impl Client {
         Ok(())
     }
 
-    /// Per key: 0 absent, 1 DRAM, 2 NVMe, 3 shared tier.
+    /// Per key, the tier that holds it (`TierCode`): 0 absent, 1 DRAM, 2 NVMe, 3 shared filesystem,
+    /// 4 bucket.
     pub fn locate(&mut self, keys: &[BlockKey]) -> Result<Vec<u8>> {
         let body = self.call(Op::Locate, |w| {
             w.keys(keys);
@@ -259,7 +260,7 @@ impl Client {
         Ok(body)
     }
 
-    /// Pins the leading present keys: a flag per present key (`false`: shared tier only, no pin).
+    /// Pins the leading present keys: a flag per present key (`false`: a remote tier only, no pin).
     pub fn pin(&mut self, keys: &[BlockKey]) -> Result<Vec<bool>> {
         let body = self.call(Op::Pin, |w| {
             w.keys(keys);

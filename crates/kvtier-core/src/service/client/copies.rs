@@ -165,7 +165,7 @@ impl Client {
     }
 
     /// Makes blocks resident in the pool without copying them anywhere: the service reads the ones
-    /// on NVMe or in the shared tier into DRAM (verified), then they are released at once. `true`
+    /// on NVMe or in a remote tier into DRAM (verified), then they are released at once. `true`
     /// per block resident afterwards. What an engine's scheduler calls at lookup, so that the
     /// later load is a DRAM copy; in rounds of a quarter of the pool, as `load_blocks`.
     ///
