@@ -289,6 +289,8 @@ def test_table():
     assert lines[1][0] == "kvtier, service-stop"
     assert lines[1][8:] == ["not during the run", "3", "1", "0", "-", "7 / 2 / 5"]
     assert len(lines[1]) == len(faults.TABLE_HEADER)
+    rows[1]["engine_fallbacks"]["stepped_aside_calls"] = 600
+    assert faults.table_rows(rows)[1][-1] == "7 (+600 unsent) / 2 / 5"
 
 
 # --------------------------------------------------------------------------------------------

@@ -646,14 +646,17 @@ def tier_reads_cell(record: dict[str, Any]) -> str:
 
 
 def fallbacks_cell(record: dict[str, Any]) -> str:
-    """Service calls that failed, loads and store blocks the engine gave up or skipped (recomputed or
-    not stored), as it reported them by the end of the load."""
+    """Service calls that failed (and, in parentheses, those answered unsent while the service stepped
+    aside), loads and store blocks the engine gave up or skipped (recomputed or not stored), as it
+    reported them by the end of the load."""
     counts = record.get("engine_fallbacks")
     if not counts:
         return "-"
     loads = counts["given_up_loads"] + counts["skipped_loads"]
     stores = counts["given_up_stores"] + counts["skipped_store_blocks"]
-    return f"{counts['failed_calls']} / {loads} / {stores}"
+    unsent = counts.get("stepped_aside_calls", 0)  # results of runs before the split lack it
+    calls = f"{counts['failed_calls']} (+{unsent} unsent)" if unsent else str(counts["failed_calls"])
+    return f"{calls} / {loads} / {stores}"
 
 
 def _number(value: float | None, digits: int = 2) -> str:

@@ -276,6 +276,7 @@ ENGINE_FALLBACKS = (
     "given_up_stores",
     "skipped_loads",
     "skipped_store_blocks",
+    "stepped_aside_calls",
 )
 # An engine's counters: (family, the labels after ``engine``, the engine's counter name).
 ENGINE_VALUES: tuple[tuple[str, str, str], ...] = (

@@ -72,7 +72,8 @@ class ServiceConnection:
         self._reconnecting = False
         self._last_attempt = 0.0
         self._outage_logged = False
-        self.failed_calls = 0
+        self.failed_calls = 0  # calls sent that timed out or broke (each waited at most the deadline)
+        self.stepped_aside_calls = 0  # calls answered with their miss unsent: the service stepped aside
         self.outages = 0  # times the service stopped answering this connection
         # What this engine counted itself, sent to the service's per-engine counters (``report_counts``).
         self._count_sources: list[Callable[[], Mapping[str, int]]] = []
@@ -180,14 +181,18 @@ class ServiceConnection:
 
     def report_counts(self) -> None:
         """Sends the service what this engine counted since its last report, if anything: calls that
-        failed, outages, and its sources' counts. An engine's fallbacks happen while the service
-        does not answer; they reach its per-engine counters (``kvtier top``, the metrics) at the
-        first call that succeeds afterwards. A labelled connection only; never waits for another
-        report in progress."""
+        failed, calls not sent while it stepped aside, outages, and its sources' counts. An engine's
+        fallbacks happen while the service does not answer; they reach its per-engine counters
+        (``kvtier top``, the metrics) at the first call that succeeds afterwards. A labelled
+        connection only; never waits for another report in progress."""
         if not self._label or not self._report_lock.acquire(blocking=False):
             return
         try:
-            counts = {"failed_calls": self.failed_calls, "outages": self.outages}
+            counts = {
+                "failed_calls": self.failed_calls,
+                "stepped_aside_calls": self.stepped_aside_calls,
+                "outages": self.outages,
+            }
             for source in self._count_sources:
                 counts.update(source())
             deltas = [(name, n - self._reported.get(name, 0)) for name, n in counts.items()]
@@ -222,10 +227,11 @@ class ServiceConnection:
 
     def live_client(self) -> Any:
         """The connected client, for a caller that drives the two-phase calls itself (the GPU
-        worker); None while the service is unreachable (a reconnect is under way then)."""
+        worker); None while the service is unreachable (a reconnect is under way then): the call is
+        answered with its miss without being sent, counted in ``stepped_aside_calls``."""
         client = self._client
         if client is None or not client.connected:
-            self.failed_calls += 1
+            self.stepped_aside_calls += 1
             if client is not None:
                 self._drop_dead(client)
             self._reconnect_in_background()
@@ -275,6 +281,7 @@ class ServiceConnection:
     def stats(self) -> dict[str, int]:
         stats = dict(self.call("stats", default={}))
         stats["service_failed_calls"] = self.failed_calls
+        stats["service_stepped_aside_calls"] = self.stepped_aside_calls
         stats["service_outages"] = self.outages
         return stats
 

@@ -27,11 +27,20 @@ pub struct EngineCounters {
 }
 
 /// The counts an engine reports of itself (`Op::Report`): what it served at recompute because the
-/// service did not answer. Calls that failed (each answered with its miss), outages (times the
-/// service stopped answering), jobs given up after a stall (loads recomputed, stores not stored),
-/// and loads and store blocks answered at once while the job thread was stuck in a call.
-pub const ENGINE_REPORTED: [&str; 6] =
-    ["failed_calls", "outages", "given_up_loads", "given_up_stores", "skipped_loads", "skipped_store_blocks"];
+/// service did not answer. Calls that failed (sent, then timed out or broke; each answered with its
+/// miss), outages (times the service stopped answering), jobs given up after a stall (loads
+/// recomputed, stores not stored), loads and store blocks answered at once while the job thread was
+/// stuck in a call, and calls answered with their miss without being sent while the service was
+/// stepped aside (added last: an older service ignores the name).
+pub const ENGINE_REPORTED: [&str; 7] = [
+    "failed_calls",
+    "outages",
+    "given_up_loads",
+    "given_up_stores",
+    "skipped_loads",
+    "skipped_store_blocks",
+    "stepped_aside_calls",
+];
 
 impl EngineCounters {
     /// The lookup counter of a block found in `tier` (`None`: a miss).
