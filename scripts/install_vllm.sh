@@ -131,7 +131,11 @@ if [[ -z "$(installed_version vllm)" ]]; then
     : >"$alias_dir/RECORD"
 fi
 
-# 6. Smoke check: vLLM imports and picks the CPU platform, and the vllm command runs.
+# 6. Bytecode for every installed module (scripts/compile_bytecode.sh says why: engine starts).
+log "compiling the environment's bytecode"
+bash "$repo_root/scripts/compile_bytecode.sh" "$venv_python"
+
+# 7. Smoke check: vLLM imports and picks the CPU platform, and the vllm command runs.
 log "checking that vllm imports"
 VLLM_LOGGING_LEVEL=ERROR "$venv_python" -c '
 import vllm, torch

@@ -73,6 +73,9 @@ else
     .venv/bin/python -m pip install --quiet maturin pytest numpy click matplotlib rich prometheus-client ruff mypy fusepy pandas
 fi
 
+log "compiling bytecode (vLLM's engine processes start about 3x faster with it)"
+bash scripts/compile_bytecode.sh .venv/bin/python
+
 log "building kvtier (release)"
 .venv/bin/maturin develop --release --quiet
 .venv/bin/python -c 'import kvtier; print("kvtier", kvtier.__version__, "ready")'
