@@ -370,3 +370,35 @@ fn the_idle_exit_is_decided_with_accepting_and_removes_the_socket_at_once() {
     assert!(Client::connect(&socket, Duration::from_secs(1)).is_err());
     service.stop().unwrap();
 }
+
+/// Services sharing a socket directory probe each other's sockets (`remove_dead_sockets`, every
+/// minute: connect, then close). Two idle services started by engines never exited when each probe
+/// restarted the other's idle time. A connection that makes no request is no activity; one that
+/// makes a request is.
+#[test]
+fn a_connection_that_makes_no_request_does_not_restart_the_idle_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = config(dir.path(), 0).socket_path.clone();
+    let mut service = Service::start(config(dir.path(), 0)).unwrap();
+    std::thread::sleep(Duration::from_millis(400));
+    for _ in 0..3 {
+        drop(std::os::unix::net::UnixStream::connect(&socket).unwrap());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let drained = Instant::now() + Duration::from_secs(5);
+    while service.idle_ms() == 0 && Instant::now() < drained {
+        std::thread::sleep(Duration::from_millis(5)); // the probes' connection threads ending
+    }
+    let idle_ms = service.idle_ms();
+    assert!(idle_ms >= 400, "a probe restarted the idle time: idle for {idle_ms} ms");
+    let mut operator = Client::connect(&socket, Duration::from_secs(10)).unwrap();
+    assert!(!operator.stats().unwrap().is_empty());
+    drop(operator);
+    let drained = Instant::now() + Duration::from_secs(5);
+    while service.idle_ms() == 0 && Instant::now() < drained {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(service.idle_ms() < 400, "a request did not restart the idle time");
+    assert!(!service.stop_if_idle(400));
+    service.stop().unwrap();
+}

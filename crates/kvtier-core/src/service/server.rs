@@ -258,15 +258,17 @@ fn accept_loop(state: &Arc<State>, listener: UnixListener) {
             continue;
         }
         let id = state.next_connection.fetch_add(1, Ordering::Relaxed);
-        *state.busy_at.lock() = Instant::now();
+        // Not busy yet: a held connection keeps the service from being idle (`holds_anything`), and
+        // only one that made a request restarts the idle time when it ends (`ConnectionSlot`).
         if let Ok(clone) = stream.try_clone() {
             state.connections.lock().insert(id, clone);
         }
         drop(accepting);
         let conn_state = Arc::clone(state);
         let spawned = std::thread::Builder::new().name(format!("kvtier-svc-conn-{id}")).spawn(move || {
-            let _slot = ConnectionSlot { state: Arc::clone(&conn_state), id };
-            Connection { state: conn_state, session: None }.serve(stream);
+            // A panic outside a request's own catch counts as activity.
+            let mut slot = ConnectionSlot { state: Arc::clone(&conn_state), id, made_requests: true };
+            slot.made_requests = Connection { state: conn_state, session: None }.serve(stream);
         });
         if spawned.is_err() {
             state.connections.lock().remove(&id);
@@ -275,16 +277,22 @@ fn accept_loop(state: &Arc<State>, listener: UnixListener) {
 }
 
 /// A connection's place in `State::connections` (counted against `max_connections`), given back
-/// when its thread ends, even by a panic.
+/// when its thread ends, even by a panic. The end of a connection that made requests restarts the
+/// idle time; one that made none is no activity: services sharing a socket directory probe each
+/// other's sockets every `LEFTOVER_SWEEP_PERIOD` (connect, close), and two idle services whose
+/// probes counted kept each other from their idle exit for ever.
 struct ConnectionSlot {
     state: Arc<State>,
     id: u64,
+    made_requests: bool,
 }
 
 impl Drop for ConnectionSlot {
     fn drop(&mut self) {
         self.state.connections.lock().remove(&self.id);
-        *self.state.busy_at.lock() = Instant::now();
+        if self.made_requests {
+            *self.state.busy_at.lock() = Instant::now();
+        }
     }
 }
 
@@ -334,7 +342,9 @@ struct Connection {
 }
 
 impl Connection {
-    fn serve(mut self, mut stream: UnixStream) {
+    /// Answers the connection's requests until it closes; whether it made any.
+    fn serve(mut self, mut stream: UnixStream) -> bool {
+        let mut made_requests = false;
         loop {
             let body = match read_frame(&mut stream) {
                 Ok(Some(body)) => body,
@@ -344,6 +354,7 @@ impl Connection {
                     break;
                 }
             };
+            made_requests = true;
             // A panic is a bug; what the connection held is given back (`Session`'s `Drop`) and the
             // client hears why at once instead of waiting out its timeout.
             let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.handle(&body)));
@@ -365,6 +376,7 @@ impl Connection {
             }
         }
         self.session = None;
+        made_requests
     }
 
     fn handle(&mut self, body: &[u8]) -> std::result::Result<Vec<u8>, String> {
