@@ -68,5 +68,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(options, m)?)?;
     m.add_function(wrap_pyfunction!(tenant_id, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // What an engine reports of itself to the service, in the service's order: the metrics and the
+    // benchmarks read the names from here rather than keep a copy.
+    m.add("ENGINE_REPORTED", kvtier_core::service::ENGINE_REPORTED.to_vec())?;
     Ok(())
 }

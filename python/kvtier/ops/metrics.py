@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from kvtier import _core
 from kvtier.service import connect
 
 # The service's latency buckets, in microseconds (crates/kvtier-core/src/service/latency.rs).
@@ -267,17 +268,9 @@ SHARED_PUBLISH_RESULTS = (
     ("dropped", "shared_dropped_publishes"),
     ("failed", "shared_publish_errors"),
 )
-# What an engine reports of itself (``kvtier_core::service::ENGINE_REPORTED``): what it served at
-# recompute because the service did not answer.
-ENGINE_FALLBACKS = (
-    "failed_calls",
-    "outages",
-    "given_up_loads",
-    "given_up_stores",
-    "skipped_loads",
-    "skipped_store_blocks",
-    "stepped_aside_calls",
-)
+# What an engine reports of itself (``kvtier_core::service::ENGINE_REPORTED``, exported by the
+# binding): what it served at recompute because the service did not answer.
+ENGINE_FALLBACKS: tuple[str, ...] = tuple(_core.ENGINE_REPORTED)
 # An engine's counters: (family, the labels after ``engine``, the engine's counter name).
 ENGINE_VALUES: tuple[tuple[str, str, str], ...] = (
     *(("kvtier_engine_lookup_blocks", tier, f"lookup_{tier}") for tier in TIERS),
