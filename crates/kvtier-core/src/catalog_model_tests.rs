@@ -19,7 +19,7 @@
 
 use super::regions::RegionState;
 use super::*;
-use crate::service::changes::{Change, ChangeLog, ChangesReply, TIER_SHARED};
+use crate::service::changes::{Change, ChangeLog, ChangesReply, TIER_REMOTE};
 use crate::tiers::eviction::{EvictionPolicy, Lru, S3Fifo};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
@@ -1062,7 +1062,7 @@ impl Followers {
         let remote = (self.remote_seen.as_ref() != Some(&remote_keys)).then(|| remote_keys.clone());
         let mut now = local;
         for key in &remote_keys {
-            *now.entry(*key).or_insert(0) |= TIER_SHARED;
+            *now.entry(*key).or_insert(0) |= TIER_REMOTE;
         }
         self.remote_seen = Some(remote_keys);
         self.full.update(now);

@@ -31,7 +31,7 @@ pub(crate) struct StoreState {
     pub device_files: Vec<DeviceFile>,
     pub stats: Arc<Stats>,
     /// The remote tiers (`config.shared`, `config.bucket`) with their publishers. Lookups name the
-    /// tier a block is in ("shared" or "bucket"); the change log's `TIER_SHARED` bit and the
+    /// tier a block is in ("shared" or "bucket"); the change log's `TIER_REMOTE` bit and the
     /// `lookup_shared` counter cover both.
     pub remote: RemoteTiers,
     /// Whether the NVMe tier is offered (its reads failing in a row make it step aside).

@@ -32,9 +32,10 @@ pub const LOG_CAPACITY: usize = 1 << 16;
 /// Tier bits of a block's residency and of a change (`Op::Changes`'s `u8 tier`).
 pub const TIER_DRAM: u8 = 1;
 pub const TIER_NVME: u8 = 2;
-/// Either remote tier (shared filesystem or bucket); the name stays for wire compatibility.
-pub const TIER_SHARED: u8 = 4;
-const TIERS: [u8; 3] = [TIER_DRAM, TIER_NVME, TIER_SHARED];
+/// Either remote tier (shared filesystem or bucket): one bit for both, value 4 on the wire (called
+/// "shared tier" in docs/service.md's Changes reply, as since protocol v2).
+pub const TIER_REMOTE: u8 = 4;
+const TIERS: [u8; 3] = [TIER_DRAM, TIER_NVME, TIER_REMOTE];
 
 /// One block's change in one tier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,7 +62,7 @@ pub struct ChangeLog {
     /// What the remote tiers' indexes were when last read (`Store::residency_changes`'s cursor).
     pub remote_generation: Option<RemoteGeneration>,
     current: HashMap<BlockKey, u8>,
-    /// The keys of `current` with `TIER_SHARED` (held by either remote tier).
+    /// The keys of `current` with `TIER_REMOTE` (held by either remote tier).
     remote: HashSet<BlockKey>,
     ring: VecDeque<Change>,
     /// Sequence of `ring[0]`; `first + ring.len()` is the next change's.
@@ -111,7 +112,7 @@ impl ChangeLog {
                 push_diff(&mut changes, key, before, 0);
             }
         }
-        self.remote = now.iter().filter(|(_, &t)| t & TIER_SHARED != 0).map(|(k, _)| *k).collect();
+        self.remote = now.iter().filter(|(_, &t)| t & TIER_REMOTE != 0).map(|(k, _)| *k).collect();
         self.current = now;
         self.record(changes);
     }
@@ -125,7 +126,7 @@ impl ChangeLog {
             ResidencyChanges::All(mut now) => {
                 let remote: HashSet<BlockKey> = remote.map_or_else(|| self.remote.clone(), |k| k.into_iter().collect());
                 for key in remote {
-                    *now.entry(key).or_insert(0) |= TIER_SHARED;
+                    *now.entry(key).or_insert(0) |= TIER_REMOTE;
                 }
                 return self.update(now);
             }
@@ -136,13 +137,13 @@ impl ChangeLog {
         if let Some(keys) = remote {
             let mut now = HashSet::with_capacity(keys.len());
             now.extend(keys);
-            let local_tiers = |key: &BlockKey| self.current.get(key).map_or(0, |t| t & !TIER_SHARED);
+            let local_tiers = |key: &BlockKey| self.current.get(key).map_or(0, |t| t & !TIER_REMOTE);
             after.extend(self.remote.difference(&now).map(|k| (*k, local_tiers(k))));
-            after.extend(now.difference(&self.remote).map(|k| (*k, local_tiers(k) | TIER_SHARED)));
+            after.extend(now.difference(&self.remote).map(|k| (*k, local_tiers(k) | TIER_REMOTE)));
             self.remote = now;
         }
         for (key, local) in changed {
-            after.insert(key, local | if self.remote.contains(&key) { TIER_SHARED } else { 0 });
+            after.insert(key, local | if self.remote.contains(&key) { TIER_REMOTE } else { 0 });
         }
         let mut changes = Vec::new();
         for (key, tiers) in after {
@@ -222,7 +223,7 @@ mod tests {
         assert!(first.reset);
         assert_eq!(first.changes.len(), 3);
         // Block 1 goes to NVMe only (DRAM evicted), block 2 is trimmed, block 3 arrives.
-        log.update(state(&[(1, TIER_NVME), (3, TIER_SHARED)]));
+        log.update(state(&[(1, TIER_NVME), (3, TIER_REMOTE)]));
         let next = log.since(first.next, 100);
         assert!(!next.reset);
         let expected = [
@@ -230,7 +231,7 @@ mod tests {
             Change { key: key(2), tier: TIER_DRAM, removed: true },
             Change { key: key(2), tier: TIER_NVME, removed: true },
             Change { key: key(1), tier: TIER_NVME, removed: false },
-            Change { key: key(3), tier: TIER_SHARED, removed: false },
+            Change { key: key(3), tier: TIER_REMOTE, removed: false },
         ];
         let mut got = next.changes.clone();
         got[..3].sort_by_key(|c| (c.key.0, c.tier));
@@ -299,12 +300,12 @@ mod tests {
         let expected = [
             Change { key: key(2), tier: TIER_DRAM, removed: true },
             Change { key: key(2), tier: TIER_NVME, removed: true },
-            Change { key: key(3), tier: TIER_SHARED, removed: true },
-            Change { key: key(1), tier: TIER_SHARED, removed: false },
+            Change { key: key(3), tier: TIER_REMOTE, removed: true },
+            Change { key: key(1), tier: TIER_REMOTE, removed: false },
         ];
         assert_eq!(got, expected);
         let mut snapshot = ChangeLog::new(100);
-        snapshot.update(state(&[(1, TIER_NVME | TIER_SHARED), (2, TIER_SHARED)]));
+        snapshot.update(state(&[(1, TIER_NVME | TIER_REMOTE), (2, TIER_REMOTE)]));
         assert_eq!(log.since(0, 100).changes, snapshot.since(0, 100).changes);
         assert_eq!(log.blocks(), 2);
     }

@@ -18,7 +18,7 @@ mod server;
 mod sessions;
 mod socket_file;
 
-pub use changes::{TIER_DRAM, TIER_NVME, TIER_SHARED};
+pub use changes::{TIER_DRAM, TIER_NVME, TIER_REMOTE};
 pub use client::{Attached, Client, EngineEntry, NamespaceInfo, RemoteBadBlock, RemoteVerifyBatch, ReserveReply};
 pub use engines::{EngineCounters, ENGINE_REPORTED, MAX_ENGINES};
 pub use gate::CopyGate;

@@ -481,7 +481,7 @@ impl Connection {
     /// is read again first when the log is older than `REFRESH_PERIOD` (the keys that changed since,
     /// on this connection's thread: engines follow on connections of their own).
     fn changes(&mut self, r: &mut Reader<'_>) -> std::result::Result<Vec<u8>, String> {
-        use super::changes::{LOG_CAPACITY, TIER_SHARED};
+        use super::changes::{LOG_CAPACITY, TIER_REMOTE};
         let session = self.session.as_ref().ok_or("say hello first (the namespace of this connection)")?;
         let cursor = r.u64().map_err(|e| e.to_string())?;
         let max = (r.u32().map_err(|e| e.to_string())? as usize).clamp(1, LOG_CAPACITY);
@@ -498,7 +498,7 @@ impl Connection {
         let mut w = Writer::default();
         w.u8(u8::from(reply.reset)).u64(reply.next).u32(reply.changes.len() as u32);
         for change in &reply.changes {
-            debug_assert!(change.tier != 0 && change.tier <= TIER_SHARED);
+            debug_assert!(change.tier != 0 && change.tier <= TIER_REMOTE);
             w.raw(&change.key.0).u8(change.tier).u8(u8::from(change.removed));
         }
         Ok(w.0)
