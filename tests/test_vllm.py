@@ -505,7 +505,7 @@ def test_lookup_of_a_block_being_stored_is_pending_then_hit(tmp_path):
 
     store = kvtier.Store.open(str(tmp_path / "store"), namespace=b"lookup-test", object_bytes=4096,
                               dram_bytes=1 << 20, nvme_bytes=0)  # fmt: skip
-    shared = kvtier_vllm.SharedStore(
+    shared = kvtier_vllm.LocalStore(
         store=store, path=str(tmp_path), namespace=b"lookup-test", description={}, object_bytes=4096
     )
     manager = kvtier_vllm.KvtierManager(shared)
@@ -545,7 +545,7 @@ def test_a_request_releases_only_its_own_pins(tmp_path):
     while reader.locate_many([block]) != ["shared"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert reader.locate_many([block]) == ["shared"]
-    shared = kvtier_vllm.SharedStore(store=reader, path=str(tmp_path / "b"), namespace=b"pin-test", description={},
+    shared = kvtier_vllm.LocalStore(store=reader, path=str(tmp_path / "b"), namespace=b"pin-test", description={},
                                      object_bytes=object_bytes)  # fmt: skip
     manager = kvtier_vllm.KvtierManager(shared)
     first, second = ReqContext(req_id="first"), ReqContext(req_id="second")
@@ -577,7 +577,7 @@ def test_pins_of_a_request_that_never_completes_its_load_expire(tmp_path):
     object_bytes = 4096
     store = kvtier.Store.open(str(tmp_path / "s"), namespace=b"lease-test", object_bytes=object_bytes,
                               dram_bytes=4 * (object_bytes + 4096), staging_slots=4, nvme_bytes=0)  # fmt: skip
-    shared = kvtier_vllm.SharedStore(store=store, path=str(tmp_path), namespace=b"lease-test", description={},
+    shared = kvtier_vllm.LocalStore(store=store, path=str(tmp_path), namespace=b"lease-test", description={},
                                      object_bytes=object_bytes)  # fmt: skip
     manager = kvtier_vllm.KvtierManager(shared, pin_lease_s=0.2)
     engine_key = make_offload_key(bytes([7]) * 32, 0)

@@ -78,7 +78,7 @@ from kvtier.vllm.load_store_spec import (
     KvtierLoadStoreSpec,
 )
 from kvtier.vllm.local_store import (
-    SharedStore,
+    LocalStore,
 )
 from kvtier.vllm.manager import (
     KvtierManager,
@@ -131,12 +131,12 @@ __all__ = [
     "KvtierOptions",
     "KvtierVllmConfigError",
     "KvtierWorker",
+    "LocalStore",
     "Prefetcher",
     "ServiceBackend",
     "ServiceConnection",
     "ServiceCopy",
     "ServiceWorker",
-    "SharedStore",
     "canonical_placement",
     "check_hash_algo",
     "kv_transfer_config",

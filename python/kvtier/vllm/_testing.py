@@ -34,7 +34,7 @@ def wait_for_stores(timeout_s: float) -> bool:
     return all(w.wait_stores_done(deadline) for w in workers)
 
 
-def open_stores() -> list[local_store.SharedStore]:
+def open_stores() -> list[local_store.LocalStore]:
     """The kvtier stores open in this process (``host_service: false``)."""
     with registry_lock:
         return list(local_store._stores.values())

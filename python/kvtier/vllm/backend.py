@@ -2,7 +2,7 @@
 
 ``KvtierManager`` and its metrics take any ``StoreBackend``. Two meet it: ``ServiceBackend`` (the
 store lives in the host service: a connection, with the prefetcher and the event feed that follow
-the service on connections of their own) and ``local_store.SharedStore`` (the store in the engine's
+the service on connections of their own) and ``local_store.LocalStore`` (the store in the engine's
 own process, ``host_service: false``), which does so by shape alone, so neither layout's module
 needs the other's.
 """

@@ -21,7 +21,7 @@ MAX_UNCLAIMED_JOB_RESULTS = 10_000
 
 
 @dataclass
-class SharedStore:
+class LocalStore:
     """One open kvtier.Store and what the engines of this process share through it."""
 
     store: Any
@@ -94,8 +94,8 @@ class SharedStore:
 
 # The stores open in this process (under ``registry_lock``; tests read them through
 # ``kvtier.vllm._testing.open_stores``).
-_stores: dict[tuple[str, bytes], SharedStore] = {}
-_stores_by_engine: dict[tuple[str, str], SharedStore] = {}
+_stores: dict[tuple[str, bytes], LocalStore] = {}
+_stores_by_engine: dict[tuple[str, str], LocalStore] = {}
 
 
 def _open_store(path: Any, **options: Any) -> Any:
@@ -106,20 +106,20 @@ def _open_store(path: Any, **options: Any) -> Any:
 
 def acquire_store(
     options: KvtierOptions, engine_id: str, namespace: bytes, description: dict[str, Any], object_bytes: int
-) -> SharedStore:
+) -> LocalStore:
     key = (options.registry_path, namespace)
     with registry_lock:
-        shared = _stores.get(key)
-        if shared is None:
+        local = _stores.get(key)
+        if local is None:
             store = _open_store(options.path, namespace=namespace, object_bytes=object_bytes, **options.store_options)
-            shared = SharedStore(
+            local = LocalStore(
                 store=store,
                 path=options.registry_path,
                 namespace=namespace,
                 description=description,
                 object_bytes=object_bytes,
             )
-            _stores[key] = shared
+            _stores[key] = local
             logger.info(
                 "kvtier: opened store %s namespace %s (object %d bytes) for %s",
                 options.path,
@@ -127,34 +127,34 @@ def acquire_store(
                 object_bytes,
                 description.get("model"),
             )
-        elif shared.object_bytes != object_bytes:
+        elif local.object_bytes != object_bytes:
             raise KvtierVllmConfigError(
-                f"kvtier store {options.path} is open in this process with {shared.object_bytes}-byte objects; "
+                f"kvtier store {options.path} is open in this process with {local.object_bytes}-byte objects; "
                 f"this engine needs {object_bytes}"
             )
-        shared.users += 1
-        shared.engine_ids.add(engine_id)
-        _stores_by_engine[(options.registry_path, engine_id)] = shared
-        return shared
+        local.users += 1
+        local.engine_ids.add(engine_id)
+        _stores_by_engine[(options.registry_path, engine_id)] = local
+        return local
 
 
-def find_engine_store(options: KvtierOptions, engine_id: str) -> SharedStore | None:
+def find_engine_store(options: KvtierOptions, engine_id: str) -> LocalStore | None:
     with registry_lock:
-        shared = _stores_by_engine.get((options.registry_path, engine_id))
-        if shared is not None:
-            shared.users += 1
-        return shared
+        local = _stores_by_engine.get((options.registry_path, engine_id))
+        if local is not None:
+            local.users += 1
+        return local
 
 
-def release_store(shared: SharedStore) -> None:
+def release_store(local: LocalStore) -> None:
     with registry_lock:
-        shared.users -= 1
-        if shared.users > 0:
+        local.users -= 1
+        if local.users > 0:
             return
-        _stores.pop((shared.path, shared.namespace), None)
-        for engine_id in shared.engine_ids:
-            _stores_by_engine.pop((shared.path, engine_id), None)
+        _stores.pop((local.path, local.namespace), None)
+        for engine_id in local.engine_ids:
+            _stores_by_engine.pop((local.path, engine_id), None)
     try:
-        shared.store.close()
+        local.store.close()
     except Exception:  # closing is best effort at shutdown
-        logger.exception("kvtier: closing store %s failed", shared.path)
+        logger.exception("kvtier: closing store %s failed", local.path)

@@ -49,7 +49,7 @@ class KvtierManager(OffloadingManager):
 
     def __init__(
         self,
-        shared: StoreBackend,
+        backend: StoreBackend,
         pin_lease_s: float = 300.0,
         admission: str = "all",
         admission_memory_blocks: int = 1 << 18,
@@ -58,9 +58,9 @@ class KvtierManager(OffloadingManager):
         load_policy: str = "auto",
         block_tokens: int = 16,
     ):
-        self._shared = shared
+        self._backend = backend
         self._config_info = dict(config_info or {})
-        self._store = shared.store
+        self._store = backend.store
         # Pins this engine holds, per request: a request releases only its own pins, never another
         # request's pin on the same block.
         self._pins: dict[str, Counter[bytes]] = {}
@@ -79,7 +79,7 @@ class KvtierManager(OffloadingManager):
         self._second_sight: OrderedDict[bytes, None] | None = OrderedDict() if admission == "second_sight" else None
         self._admission_memory_blocks = admission_memory_blocks
         self.not_admitted_blocks = 0
-        self._prefetcher = shared.prefetcher
+        self._prefetcher = backend.prefetcher
         # Set by KvtierConnector, which reports failed loads to vLLM (recomputed). Under vLLM's plain
         # OffloadingConnector a failed load stops the engine, so only blocks a pin holds (in DRAM or
         # on NVMe) are offered there: one held only by a remote tier can vanish before its load.
@@ -94,7 +94,7 @@ class KvtierManager(OffloadingManager):
         self._tenancy = False
         self._tenancy_checked_at = -TENANCY_CHECK_S
         self._stats = StatsDeltaTracker()
-        self._stats.prime(shared)
+        self._stats.prime(backend)
         # Load or recompute (kvtier.vllm.costs): fed by KvtierConnector (step times, load times) and
         # the prefetcher (what NVMe and remote tiers deliver now).
         self.decider = LoadDecider(load_policy, block_tokens)
@@ -324,7 +324,7 @@ class KvtierManager(OffloadingManager):
             events.restate()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        payload = self._stats.collect(self._shared)
+        payload = self._stats.collect(self._backend)
         if payload is None:
             payload = OffloadingConnectorStats()  # the service is out of reach: the decisions still count
         self._stats.count_decisions(payload, self.decider.decisions)
@@ -339,7 +339,7 @@ class KvtierManager(OffloadingManager):
         return events.take() if events is not None else ()
 
     def _event_feed(self) -> EventFeed | None:
-        return self._shared.events
+        return self._backend.events
 
     def config_info(self) -> Sequence[Mapping[str, str | int | float | bool]]:
         """vLLM 0.33+ publishes this once as ``vllm:kv_offload_config_info`` (kvtier.vllm.options)."""
@@ -353,4 +353,4 @@ class KvtierManager(OffloadingManager):
         self._pins.clear()
         self._pinned_at.clear()
         self.decider.maybe_save(force=True)
-        self._shared.release()
+        self._backend.release()

@@ -247,8 +247,8 @@ class KvtierOffloadingSpec(OffloadingSpec):
             )
             self._learn_costs(manager)
             return manager
-        shared = find_engine_store(self.options, self.config.engine_id)
-        if shared is None:
+        local = find_engine_store(self.options, self.config.engine_id)
+        if local is None:
             raise KvtierVllmConfigError(
                 f"kvtier: the scheduler found no kvtier store opened by this engine's worker in this process "
                 f"(pid {os.getpid()}). kvtier needs vLLM's scheduler and worker in one process: set "
@@ -256,7 +256,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 "(--distributed-executor-backend uni); CPU vLLM otherwise forces the multiprocess executor."
             )
         manager = KvtierManager(
-            shared,
+            local,
             max(60.0, 2 * self.options.job_timeout_ms / 1000),
             self.options.admission,
             self.options.admission_memory_blocks,
@@ -331,8 +331,8 @@ class KvtierOffloadingSpec(OffloadingSpec):
             download_dir=self._download_dir(),
         )
         namespace = namespace_digest(description)
-        shared = acquire_store(self.options, self.config.engine_id, namespace, description, object_bytes)
-        return KvtierWorker(shared, layer_buffers, page_bytes, self.options.job_timeout_ms)
+        local = acquire_store(self.options, self.config.engine_id, namespace, description, object_bytes)
+        return KvtierWorker(local, layer_buffers, page_bytes, self.options.job_timeout_ms)
 
     def _service_worker(
         self, group_refs: Any, tensors: list[torch.Tensor], layer_buffers: list[Any], page_bytes: int

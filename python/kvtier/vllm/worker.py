@@ -37,7 +37,7 @@ from kvtier.vllm._registry import registry_lock
 from kvtier.vllm.connection import ServiceConnection
 from kvtier.vllm.cores import affinity, set_affinity, spare_cores, usable_cores
 from kvtier.vllm.load_store_spec import KvtierLoadStoreSpec
-from kvtier.vllm.local_store import SharedStore, release_store
+from kvtier.vllm.local_store import LocalStore, release_store
 from kvtier.vllm.options import KvtierVllmConfigError
 
 logger = logging.getLogger("kvtier.vllm")
@@ -141,9 +141,9 @@ class KvtierWorker(OffloadingWorker):
     object per engine block: the block's page in every layer, in layer order (the store gathers and
     scatters; no Python loop per block)."""
 
-    def __init__(self, shared: SharedStore, layer_buffers: list[np.ndarray], page_bytes: int, job_timeout_ms: int):
-        self._shared = shared
-        self._store = shared.store
+    def __init__(self, local: LocalStore, layer_buffers: list[np.ndarray], page_bytes: int, job_timeout_ms: int):
+        self._local = local
+        self._store = local.store
         self._layers = layer_buffers
         self._job_timeout_ms = job_timeout_ms
         self._in_flight: dict[int, _Job] = {}
@@ -165,7 +165,7 @@ class KvtierWorker(OffloadingWorker):
         if not keys:
             self.results.finished.append(TransferResult(vllm_job_id, True, 0, 0.0))
             return True
-        store_job_id = self._shared.next_job_id()
+        store_job_id = self._local.next_job_id()
         job = _Job(vllm_job_id, is_load, block_ids, started_ns)
         try:
             if is_load:
@@ -191,7 +191,7 @@ class KvtierWorker(OffloadingWorker):
 
     def _complete(self, job: _Job, found: list[bool]) -> None:
         seconds, failed_blocks = self.results.complete(job, found)
-        self._shared.record_job("load" if job.is_load else "store", seconds, failed_blocks)
+        self._local.record_job("load" if job.is_load else "store", seconds, failed_blocks)
 
     def step_begins(self, prefill_tokens: int) -> None:
         """A forward pass starts (the in-process store's own threads do not hold stores back)."""
@@ -202,7 +202,7 @@ class KvtierWorker(OffloadingWorker):
     def _drain_store(self) -> None:
         if not self._in_flight:
             return
-        for store_job_id, found in self._shared.take_finished(list(self._in_flight)).items():
+        for store_job_id, found in self._local.take_finished(list(self._in_flight)).items():
             self._complete(self._in_flight.pop(store_job_id), found)
 
     def get_finished(self) -> list[TransferResult]:
@@ -216,7 +216,7 @@ class KvtierWorker(OffloadingWorker):
             if job is None:
                 continue
             try:
-                found = self._shared.wait_job(store_job_id, self._job_timeout_ms)
+                found = self._local.wait_job(store_job_id, self._job_timeout_ms)
             except Exception as error:
                 # Returning would let vLLM overwrite blocks kvtier may still be reading.
                 raise RuntimeError(
@@ -232,9 +232,9 @@ class KvtierWorker(OffloadingWorker):
     def shutdown(self) -> None:
         for store_job_id in list(self._in_flight):
             with contextlib.suppress(Exception):
-                self._shared.wait_job(store_job_id, self._job_timeout_ms)
+                self._local.wait_job(store_job_id, self._job_timeout_ms)
         self._in_flight.clear()
-        release_store(self._shared)
+        release_store(self._local)
 
 
 @dataclass
