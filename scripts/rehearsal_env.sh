@@ -18,7 +18,6 @@ python="$env_dir/bin/python3"
 torch_version=2.11.0
 if [[ -x "$python" ]] && "$python" -c "import torch, numpy; assert torch.__version__.startswith('$torch_version')" 2>/dev/null \
     && ! "$python" -c "import pip" 2>/dev/null; then
-    bash "$repo_root/scripts/compile_bytecode.sh" "$python" >&2  # an environment built before it was
     echo "$python"
     exit 0
 fi
@@ -38,6 +37,5 @@ rm -rf "$env_dir"
 site=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 cp -al "$venv_nvidia" "$site/nvidia" 2>/dev/null || cp -a "$venv_nvidia" "$site/nvidia"
 "$python" -m pip uninstall --quiet --yes pip >&2
-bash "$repo_root/scripts/compile_bytecode.sh" "$python" >&2
 "$python" -c "import torch, numpy; print('rehearsal env: torch', torch.__version__, 'numpy', numpy.__version__)" >&2
 echo "$python"
