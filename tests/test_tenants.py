@@ -129,6 +129,48 @@ def test_an_in_process_store_splits_its_pool_by_tenant_too(tmp_path: Path) -> No
         store.close()
 
 
+@pytest.mark.parametrize("split_nvme", [True, False])
+def test_the_nvme_tier_keeps_a_quiet_tenants_blocks_through_a_flood_when_split(
+    tmp_path: Path, split_nvme: bool
+) -> None:
+    """Through the host service, a DRAM pool of 30 slots over 16 regions of NVMe: the quiet tenant's
+    share of the pool holds about half of its 30 blocks, its share of the NVMe tier all of them; a flood of
+    600 blocks (three passes over the device) rewrites its own regions. In one log (the control) the
+    flood pushes the quiet tenant's blocks off the device."""
+    socket = tmp_path / "kvtier.sock"
+    service = Service.start(
+        os.fspath(socket),
+        os.fspath(tmp_path / "store"),
+        os.fspath(tmp_path),
+        30_000,
+        dram_bytes=30 * (SLICE_BYTES + 4096),
+        nvme_bytes=16 << 20,
+        region_bytes=1 << 20,
+        tenant_dram_shares="quiet=0.4",
+        tenant_shares_nvme=split_nvme,
+    )
+    try:
+        quiet, flood = engine(socket), engine(socket)
+        quiet_keys = [key(1, i) for i in range(30)]
+        store_as(quiet, tenant_id("quiet"), quiet_keys)
+        for batch in range(0, 600, 10):
+            store_as(flood, tenant_id("flood"), [key(2, i) for i in range(batch, batch + 10)])
+        found = quiet.locate_many(quiet_keys)
+        stats = quiet.stats()
+    finally:
+        service.stop()
+    quiet_label = tenant_id("quiet")[:8].hex()
+    if split_nvme:
+        assert None not in found, f"the flood took {found.count(None)} of the quiet tenant's blocks"
+        assert found.count("nvme") >= 10, f"past its DRAM share, its blocks are on NVMe: {found}"
+        assert stats[f"tenant_nvme_reclaimed_regions:{quiet_label}"] == 0
+        assert stats[f"tenant_nvme_bytes:{quiet_label}"] >= 2 << 20, "two regions of 15 blocks"
+        assert stats[f"tenant_nvme_reclaimed_regions:{tenant_id('flood')[:8].hex()}"] > 16
+    else:
+        assert "nvme" not in found and found.count(None) >= 10, found
+        assert not any(name.startswith("tenant_nvme") for name in stats)
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

@@ -46,7 +46,7 @@ pub use lock::{CatalogGuard, CatalogLock};
 use regions::Regions;
 use slots::{SlotState, Slots};
 use tenants::TenantHints;
-pub use tenants::{PolicyFactory, TenantGauge};
+pub use tenants::{NvmeTenantGauge, PolicyFactory, TenantGauge};
 pub use upkeep::{ScrubTarget, TrimCounts, TrimPlan};
 
 /// Where a block is served from. The catalog itself holds DRAM and NVMe; the remote tiers
@@ -193,6 +193,8 @@ pub struct Catalog {
     tenant_hints: TenantHints,
     /// Whether stores are named by tenant although the pool is not split (`name_tenants`).
     names_tenants: bool,
+    /// Whether the NVMe regions are split by the pool's tenant accounts (`split_nvme_by_tenant`).
+    nvme_by_tenant: bool,
     nvme: Option<Regions>,
     next_sequence: u64,
     dirty_bytes: usize,
@@ -238,6 +240,7 @@ impl Catalog {
             slots: Slots::new(slot_count, make_policy),
             tenant_hints: TenantHints::default(),
             names_tenants: false,
+            nvme_by_tenant: false,
             nvme: geometry.map(|(geometry, device_count)| Regions::new(geometry, device_count)),
             next_sequence: 1,
             dirty_bytes: 0,
@@ -420,6 +423,12 @@ impl Catalog {
         self.slots.set_tenant_shares(shares);
     }
 
+    /// Splits the NVMe regions by the DRAM pool's tenant accounts, with the same shares and cap
+    /// (`tenant_shares_nvme`, `regions.rs`); a no-op while the pool is not split. Before any write.
+    pub fn split_nvme_by_tenant(&mut self) {
+        self.nvme_by_tenant = true;
+    }
+
     /// Names the tenant of every put (`PutStep::Fill`) even while the pool is not split: blocks
     /// encrypted at rest are sealed under their tenant's key (`encryption_key_file`).
     pub fn name_tenants(&mut self) {
@@ -453,7 +462,16 @@ impl Catalog {
     /// Each tenant account of the DRAM pool (the default tenant's first), and the blocks charged to
     /// the default tenant for want of an account (`MAX_TENANTS`).
     pub fn tenant_gauges(&self) -> (Vec<TenantGauge>, u64) {
-        self.slots.tenant_gauges()
+        let (mut gauges, untracked) = self.slots.tenant_gauges();
+        if let Some(regions) = self.nvme.as_ref().filter(|_| self.nvme_by_tenant) {
+            let region_bytes = regions.geometry().region_bytes;
+            let by_account = regions.by_account();
+            for (a, gauge) in gauges.iter_mut().enumerate() {
+                let (held, reclaimed) = by_account.get(a).copied().unwrap_or_default();
+                gauge.nvme = Some(NvmeTenantGauge { bytes: held * region_bytes, reclaimed_regions: reclaimed });
+            }
+        }
+        (gauges, untracked)
     }
 
     /// Takes a slot out of use for good: neither free nor a victim (it stays `Loading`, keyless).

@@ -81,6 +81,8 @@ pub struct StoreConfig {
     pub tenant_dram_shares: Vec<u8>,
     /// The most of the DRAM pool one tenant holds before it evicts its own blocks; 0 = no cap.
     pub tenant_dram_max_share: f64,
+    /// Whether the NVMe tier's regions are split by tenant with the DRAM pool's shares and cap.
+    pub tenant_shares_nvme: bool,
     /// The shared-filesystem and object tiers' write budgets in bytes per day; 0 = unbounded.
     pub write_budget_shared_bytes_per_day: u64,
     pub write_budget_bucket_bytes_per_day: u64,
@@ -156,6 +158,7 @@ impl StoreConfig {
             tenant_dram_share: 0.0,
             tenant_dram_shares: Vec::new(),
             tenant_dram_max_share: 0.0,
+            tenant_shares_nvme: true,
             write_budget_shared_bytes_per_day: 0,
             write_budget_bucket_bytes_per_day: 0,
             write_budget_burst_s: 86_400,
@@ -933,6 +936,17 @@ pub static OPTIONS: &[ConfigOption] = &[
         description: "The most of the DRAM pool one tenant holds: a tenant at its cap evicts its own blocks for new ones, even while slots are free (when none of its blocks may go, it takes room as any other: stores never wait on a cap). Splits the pool by tenant as `tenant_dram_share` does (docs/tenants.md).",
         set: |c, v| c.tenant_dram_max_share = v.float(),
         get: |c| (c.tenant_dram_max_share != 0.0).then_some(OptionValue::Float(c.tenant_dram_max_share)),
+    },
+    ConfigOption {
+        name: "tenant_shares_nvme",
+        field: "tenant_shares_nvme",
+        python: true,
+        kind: OptionKind::Bool,
+        unset: "",
+        constraint: "bool",
+        description: "Whether the tenant shares and cap of the DRAM pool (`tenant_dram_share`, `tenant_dram_shares`, `tenant_dram_max_share`) split the NVMe tier too, as fractions of each device's regions: a tenant's blocks go to regions of its own, and a tenant past its share or at its cap rewrites its own oldest regions first. false: one first-in first-out log for every tenant (docs/tenants.md).",
+        set: |c, v| c.tenant_shares_nvme = v.bool(),
+        get: |c| Some(OptionValue::Bool(c.tenant_shares_nvme)),
     },
     ConfigOption {
         name: "tenant_dram_shares",

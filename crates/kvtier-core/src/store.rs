@@ -398,7 +398,8 @@ impl Store {
     }
 
     /// The DRAM pool by tenant: `tenant_dram_bytes`, `tenant_dram_guaranteed_bytes`,
-    /// `tenant_dram_evictions` and, with a cap, `tenant_dram_cap_bytes`, each `:<tenant label>`, and
+    /// `tenant_dram_evictions`, with a cap `tenant_dram_cap_bytes` and, with the NVMe tier split too,
+    /// `tenant_nvme_bytes` and `tenant_nvme_reclaimed_regions`, each `:<tenant label>`, and
     /// `untracked_tenant_blocks`; nothing when the pool is not split. `tenant_keys` (1) when blocks
     /// are encrypted under their tenant's key: either way stores are to be named by tenant.
     fn tenant_fields(&self) -> Vec<(String, u64)> {
@@ -420,6 +421,10 @@ impl Store {
             fields.push((format!("tenant_dram_evictions:{}", g.label), g.evicted_blocks));
             if let Some(cap_slots) = g.cap_slots {
                 fields.push((format!("tenant_dram_cap_bytes:{}", g.label), cap_slots * slot_bytes));
+            }
+            if let Some(nvme) = g.nvme {
+                fields.push((format!("tenant_nvme_bytes:{}", g.label), nvme.bytes));
+                fields.push((format!("tenant_nvme_reclaimed_regions:{}", g.label), nvme.reclaimed_regions));
             }
         }
         fields

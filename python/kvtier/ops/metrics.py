@@ -215,6 +215,18 @@ NAMESPACE_FAMILIES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         ("tenant",),
         "The most DRAM pool bytes a tenant holds (tenant_dram_max_share)",
     ),
+    (
+        "kvtier_tenant_nvme_bytes",
+        "gauge",
+        ("tenant",),
+        "NVMe bytes of the regions that take a tenant's blocks (with tenant shares and tenant_shares_nvme)",
+    ),
+    (
+        "kvtier_tenant_nvme_reclaimed_regions",
+        "counter",
+        ("tenant",),
+        "A tenant's NVMe regions reclaimed to make room (its own oldest first when past its share)",
+    ),
 )
 # Per-tenant values, named ``<value>:<tenant>`` by the service: (family, value name).
 TENANT_VALUES: tuple[tuple[str, str], ...] = (
@@ -222,6 +234,8 @@ TENANT_VALUES: tuple[tuple[str, str], ...] = (
     ("kvtier_tenant_dram_guaranteed_bytes", "tenant_dram_guaranteed_bytes"),
     ("kvtier_tenant_dram_evictions", "tenant_dram_evictions"),
     ("kvtier_tenant_dram_cap_bytes", "tenant_dram_cap_bytes"),
+    ("kvtier_tenant_nvme_bytes", "tenant_nvme_bytes"),
+    ("kvtier_tenant_nvme_reclaimed_regions", "tenant_nvme_reclaimed_regions"),
 )
 # Values a family shows as the service reports them: (family, the labels after ``namespace`` and
 # ``model``, the service's value name).

@@ -209,18 +209,22 @@ def status_report(paths: Sequence[Path], socket: str | os.PathLike | None = None
     return report
 
 
-# Per tenant of the DRAM pool (docs/tenants.md): (JSON field, the service's value name before ``:<tenant>``).
+# Per tenant of the DRAM pool and, split too, the NVMe tier (docs/tenants.md): (JSON field, the
+# service's value name before ``:<tenant>``).
 TENANT_FIGURES = (
     ("dram_bytes", "tenant_dram_bytes"),
     ("dram_guaranteed_bytes", "tenant_dram_guaranteed_bytes"),
     ("dram_evictions", "tenant_dram_evictions"),
     ("dram_cap_bytes", "tenant_dram_cap_bytes"),
+    ("nvme_bytes", "tenant_nvme_bytes"),
+    ("nvme_reclaimed_regions", "tenant_nvme_reclaimed_regions"),
 )
 
 
 def tenants_of(stats: dict[str, int]) -> list[dict[str, Any]] | None:
-    """The DRAM pool per tenant (its label: the first bytes of the salt's hash, ``default`` for no
-    salt), largest first; ``None`` when the pool is not split by tenant (``tenant_dram_share``)."""
+    """The DRAM pool (and a split NVMe tier) per tenant (its label: the first bytes of the salt's
+    hash, ``default`` for no salt), largest first; ``None`` when the pool is not split by tenant
+    (``tenant_dram_share``)."""
     by_label: dict[str, dict[str, Any]] = {}
     for name, value in stats.items():
         figure, _, label = name.partition(":")
@@ -495,10 +499,15 @@ def _tenants_table(tenants: list[dict[str, Any]], untracked: int, output: Output
         ]
         for t in tenants
     ]
+    header = ["tenant", "DRAM used", "guaranteed", "evictions", "cap"]
+    if any("nvme_bytes" in t for t in tenants):
+        header += ["NVMe used", "NVMe regions reclaimed"]
+        for row, t in zip(rows, tenants, strict=True):
+            row += [human_bytes(t.get("nvme_bytes", 0)), str(t.get("nvme_reclaimed_regions", 0))]
     title = "DRAM pool by tenant (tenant: hash of its cache_salt)"
     if untracked:
         title += f", {untracked} block(s) of tenants past the first 64 counted as default"
-    output.table(title, ["tenant", "DRAM used", "guaranteed", "evictions", "cap"], rows)
+    output.table(title, header, rows)
 
 
 # --------------------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ impl Catalog {
 
     /// Plans the NVMe write of `key`'s block in `slot`, whose share of the write backlog is counted.
     pub(super) fn plan_write(&mut self, key: &BlockKey, slot: u32, meta: &mut Vec<MetaWrite>) -> Option<WritePlan> {
-        let Some((loc, region_seq)) = self.alloc_nvme(meta) else {
+        let Some((loc, region_seq)) = self.alloc_nvme(meta, slot) else {
             // Every region is open, sealing or pinned: the block stays in DRAM only.
             assert!(self.dirty_bytes >= self.slot_bytes as usize, "a planned write missing from the backlog");
             self.dirty_bytes -= self.slot_bytes as usize;
@@ -171,10 +171,15 @@ impl Catalog {
 
     // ---- NVMe writes (the regions themselves: `regions.rs`) ----
 
-    pub(super) fn alloc_nvme(&mut self, meta: &mut Vec<MetaWrite>) -> Option<(NvmeLoc, u64)> {
+    /// A place on NVMe for the block in `slot`: in a region of its tenant account's when the tier
+    /// is split by tenant (`split_nvme_by_tenant`).
+    pub(super) fn alloc_nvme(&mut self, meta: &mut Vec<MetaWrite>, slot: u32) -> Option<(NvmeLoc, u64)> {
+        let regions = self.nvme.as_ref()?.geometry().region_count as usize;
+        let quotas = if self.nvme_by_tenant { self.slots.region_quotas(regions) } else { Vec::new() };
+        let account = if quotas.is_empty() { 0 } else { self.slots.get(slot).account };
         let index = &self.index;
         let pinned = |device: usize, region: u32, t: &TrailerEntry| index.pins_region_entry(device, region, t);
-        let placement = self.nvme.as_mut()?.alloc(meta, &pinned)?;
+        let placement = self.nvme.as_mut()?.alloc(meta, &pinned, account, &quotas)?;
         if let Some(entries) = placement.reclaimed {
             self.forget_region_copies(placement.loc.device as usize, placement.loc.region, &entries);
             Stats::add(&self.stats.nvme_region_evictions, 1);

@@ -6,7 +6,16 @@
 //! `Regions` keeps each region's trailer list (the entries recovery is to find there) and counts the
 //! metadata writes it hands out. Which of those entries are still current, and which are pinned, is
 //! the index's business: reclaim asks the catalog (`pinned`), and hands back what it dropped.
+//!
+//! Split by tenant (`tenant_shares_nvme`, with shares or a cap on the DRAM pool), each region belongs
+//! to the tenant account whose blocks it takes: every account has an open region of its own per
+//! device, and a region for it is taken as a DRAM slot is (`tenants.rs`): its own oldest region
+//! when it holds its cap, else a free one, else the oldest region of the accounts past their
+//! guaranteed regions, the furthest past first, then its own, then the others', the largest first.
+//! So a flood rewrites its own regions and leaves a quiet tenant's share of the device alone. Not
+//! split, every region is account 0's and the tier is one FIFO log, as it always was.
 
+use super::tenants::eviction_order;
 use super::{MetaWrite, NvmeLoc};
 use crate::format::trailer::TrailerEntry;
 use crate::key::BlockKey;
@@ -34,18 +43,56 @@ pub(super) struct Region {
     pub(super) entries: Vec<TrailerEntry>,
     /// Entry writes planned here and not complete: a sealing region's trailer waits for them.
     pub(super) pending_writes: u32,
+    /// The tenant account whose blocks it takes (0 when the tier is not split by tenant, and for a
+    /// region recovery adopted: a device file does not record who stored a region).
+    pub(super) account: u8,
 }
 
 impl Region {
     fn free() -> Self {
-        Region { state: RegionState::Free, region_seq: 0, cursor: 0, entries: Vec::new(), pending_writes: 0 }
+        Region {
+            state: RegionState::Free,
+            region_seq: 0,
+            cursor: 0,
+            entries: Vec::new(),
+            pending_writes: 0,
+            account: 0,
+        }
     }
 }
 
 pub(super) struct DeviceRegions {
     pub(super) regions: Vec<Region>,
-    /// The region taking entries, if any.
-    pub(super) open: Option<u32>,
+    /// The regions taking entries, `(account, region)`: at most one per tenant account.
+    pub(super) open: Vec<(u8, u32)>,
+}
+
+impl DeviceRegions {
+    fn open_of(&self, account: u8) -> Option<u32> {
+        self.open.iter().find(|&&(a, _)| a == account).map(|&(_, region)| region)
+    }
+
+    /// Regions in use per account, for `accounts` accounts at least.
+    fn held(&self, accounts: usize) -> Vec<usize> {
+        let mut held = vec![0; accounts];
+        for r in self.regions.iter().filter(|r| r.state != RegionState::Free) {
+            let a = r.account as usize;
+            if a >= held.len() {
+                held.resize(a + 1, 0);
+            }
+            held[a] += 1;
+        }
+        held
+    }
+}
+
+/// A tenant account's part of each device (`Tenants::region_quotas`), in regions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct RegionQuota {
+    /// Regions no other account takes while any account is past its own.
+    pub(super) guaranteed: usize,
+    /// The most it holds before it rewrites its own oldest (`usize::MAX`: no cap).
+    pub(super) cap: usize,
 }
 
 /// Where `Regions::alloc` placed an entry.
@@ -66,19 +113,38 @@ pub(super) struct Regions {
     /// Metadata writes handed out and not complete (`complete_meta`): the store is not idle before
     /// they land.
     pending_meta_writes: usize,
+    /// Regions reclaimed from each tenant account, for the gauges.
+    reclaimed_from: Vec<u64>,
 }
 
 impl Regions {
     pub(super) fn new(geometry: Geometry, device_count: usize) -> Self {
-        let device =
-            || DeviceRegions { regions: (0..geometry.region_count).map(|_| Region::free()).collect(), open: None };
+        let device = || DeviceRegions {
+            regions: (0..geometry.region_count).map(|_| Region::free()).collect(),
+            open: Vec::new(),
+        };
         Regions {
             geometry,
             devices: (0..device_count).map(|_| device()).collect(),
             next_device: 0,
             next_region_seq: 1,
             pending_meta_writes: 0,
+            reclaimed_from: Vec::new(),
         }
+    }
+
+    /// Regions in use and regions reclaimed, per tenant account (index), over every device.
+    pub(super) fn by_account(&self) -> Vec<(u64, u64)> {
+        let mut by_account: Vec<(u64, u64)> = self.reclaimed_from.iter().map(|&n| (0, n)).collect();
+        for device in &self.devices {
+            for (a, held) in device.held(0).into_iter().enumerate() {
+                if a >= by_account.len() {
+                    by_account.resize(a + 1, (0, 0));
+                }
+                by_account[a].0 += held as u64;
+            }
+        }
+        by_account
     }
 
     pub(super) fn geometry(&self) -> Geometry {
@@ -137,23 +203,28 @@ impl Regions {
         Some(self.trailer_write(device, found.region))
     }
 
-    /// A place for one more entry, on the next device in turn that has one: its open region, or a
-    /// region opened for it (sealing the full one, whose trailer may go to `meta`), reclaiming the
-    /// oldest sealed region none of whose entries is `pinned` when no region is free.
+    /// A place for one more entry of tenant account `asker`'s, on the next device in turn that has
+    /// one: its open region there, or a region opened for it (sealing its full one, whose trailer may
+    /// go to `meta`), reclaiming a sealed region none of whose entries is `pinned` when it must
+    /// (`region_for`). `quotas`: each account's part of a device; empty when the tier is not split.
     pub(super) fn alloc(
         &mut self,
         meta: &mut Vec<MetaWrite>,
         pinned: &dyn Fn(usize, u32, &TrailerEntry) -> bool,
+        asker: u8,
+        quotas: &[RegionQuota],
     ) -> Option<Placement> {
+        debug_assert!(!quotas.is_empty() || asker == 0, "account {asker} in a tier not split by tenant");
         let device_count = self.devices.len();
         let data_bytes = self.geometry.data_bytes();
         for _ in 0..device_count {
             let device = self.next_device;
             self.next_device = (device + 1) % device_count;
-            if let Some((region, reclaimed)) = self.open_region(device, meta, pinned) {
+            if let Some((region, reclaimed)) = self.open_region(device, meta, pinned, asker, quotas) {
                 let slot_bytes = self.geometry.slot_bytes;
                 let r = self.region_mut(device, region);
                 debug_assert_eq!(r.state, RegionState::Open, "an entry placed in region {region} that is not open");
+                debug_assert_eq!(r.account, asker, "an entry placed in another account's region {region}");
                 debug_assert!(r.cursor.is_multiple_of(slot_bytes), "region {region}'s cursor off the slot grid");
                 let loc = NvmeLoc { device: device as u16, region, offset: r.cursor };
                 r.cursor += slot_bytes;
@@ -165,27 +236,25 @@ impl Regions {
         None
     }
 
-    /// The device's open region with room for one more entry, opening (and if needed reclaiming) one;
-    /// with the reclaimed region's trailer list.
+    /// `asker`'s open region of the device with room for one more entry, opening (and if needed
+    /// reclaiming) one; with the reclaimed region's trailer list.
     fn open_region(
         &mut self,
         device: usize,
         meta: &mut Vec<MetaWrite>,
         pinned: &dyn Fn(usize, u32, &TrailerEntry) -> bool,
+        asker: u8,
+        quotas: &[RegionQuota],
     ) -> Option<(u32, Option<Vec<TrailerEntry>>)> {
         let geometry = self.geometry;
-        if let Some(open) = self.devices[device].open {
+        if let Some(open) = self.devices[device].open_of(asker) {
             if self.region(device, open).cursor + geometry.slot_bytes <= geometry.data_bytes() {
                 return Some((open, None));
             }
             self.seal(device, open, meta);
         }
-        debug_assert!(self.devices[device].open.is_none(), "device {device} opens a second region");
-        let free = self.devices[device].regions.iter().position(|r| r.state == RegionState::Free);
-        let (region, reclaimed) = match free {
-            Some(r) => (r as u32, None),
-            None => self.reclaim_oldest(device, pinned).map(|(r, entries)| (r, Some(entries)))?,
-        };
+        debug_assert!(self.devices[device].open_of(asker).is_none(), "account {asker} opens a second region");
+        let (region, reclaimed) = self.region_for(device, pinned, asker, quotas)?;
         assert_eq!(self.region(device, region).pending_writes, 0, "region {region} reopened under writes");
         debug_assert!(
             matches!(self.region(device, region).state, RegionState::Free | RegionState::Sealed),
@@ -194,9 +263,15 @@ impl Regions {
         );
         let region_seq = self.next_region_seq;
         self.next_region_seq += 1;
-        *self.region_mut(device, region) =
-            Region { state: RegionState::Open, region_seq, cursor: 0, entries: Vec::new(), pending_writes: 0 };
-        self.devices[device].open = Some(region);
+        *self.region_mut(device, region) = Region {
+            state: RegionState::Open,
+            region_seq,
+            cursor: 0,
+            entries: Vec::new(),
+            pending_writes: 0,
+            account: asker,
+        };
+        self.devices[device].open.push((asker, region));
         if reclaimed.is_some() {
             // The old trailer goes first, or recovery would adopt the old entries over the new ones.
             self.pending_meta_writes += 1;
@@ -205,8 +280,37 @@ impl Regions {
         Some((region, reclaimed))
     }
 
+    /// The region `asker` opens next on `device` (the module's order): its own oldest at its cap, a
+    /// free one, else a reclaimed one, taken from the accounts in `eviction_order`.
+    fn region_for(
+        &mut self,
+        device: usize,
+        pinned: &dyn Fn(usize, u32, &TrailerEntry) -> bool,
+        asker: u8,
+        quotas: &[RegionQuota],
+    ) -> Option<(u32, Option<Vec<TrailerEntry>>)> {
+        let held = self.devices[device].held(quotas.len().max(asker as usize + 1));
+        let cap = quotas.get(asker as usize).map_or(usize::MAX, |q| q.cap);
+        if held[asker as usize] >= cap {
+            if let Some((region, entries)) = self.reclaim_oldest(device, pinned, asker) {
+                return Some((region, Some(entries)));
+            }
+        }
+        if let Some(free) = self.devices[device].regions.iter().position(|r| r.state == RegionState::Free) {
+            return Some((free as u32, None));
+        }
+        let order = if quotas.is_empty() {
+            (0..held.len()).collect()
+        } else {
+            let mut guaranteed: Vec<usize> = quotas.iter().map(|q| q.guaranteed).collect();
+            guaranteed.resize(held.len(), 0);
+            eviction_order(asker as usize, &held, &guaranteed)
+        };
+        order.into_iter().find_map(|a| self.reclaim_oldest(device, pinned, a as u8)).map(|(r, e)| (r, Some(e)))
+    }
+
     fn seal(&mut self, device: usize, region: u32, meta: &mut Vec<MetaWrite>) {
-        self.devices[device].open = None;
+        self.devices[device].open.retain(|&(_, open)| open != region);
         let r = self.region_mut(device, region);
         assert_eq!(r.state, RegionState::Open, "region {region} sealed while not open");
         r.state = RegionState::Sealing;
@@ -215,18 +319,19 @@ impl Regions {
         }
     }
 
-    /// Empties the oldest sealed region of `device` none of whose entries is `pinned`: the region
-    /// and what its trailer listed.
+    /// Empties the oldest sealed region of `account`'s on `device` none of whose entries is `pinned`:
+    /// the region and what its trailer listed.
     fn reclaim_oldest(
         &mut self,
         device: usize,
         pinned: &dyn Fn(usize, u32, &TrailerEntry) -> bool,
+        account: u8,
     ) -> Option<(u32, Vec<TrailerEntry>)> {
         let regions = &self.devices[device].regions;
         let mut candidates: Vec<(u64, u32)> = regions
             .iter()
             .enumerate()
-            .filter(|(_, r)| r.state == RegionState::Sealed)
+            .filter(|(_, r)| r.state == RegionState::Sealed && r.account == account)
             .map(|(i, r)| (r.region_seq, i as u32))
             .collect();
         candidates.sort_unstable();
@@ -234,17 +339,21 @@ impl Regions {
             .into_iter()
             .map(|(_, r)| r)
             .find(|&region| !regions[region as usize].entries.iter().any(|t| pinned(device, region, t)))?;
+        let a = account as usize;
+        if a >= self.reclaimed_from.len() {
+            self.reclaimed_from.resize(a + 1, 0);
+        }
+        self.reclaimed_from[a] += 1;
         Some((victim, std::mem::take(&mut self.region_mut(device, victim).entries)))
     }
 
     /// Whether dropping the write planned at `loc` leaves every open region without a hole: it is the
     /// last entry planned in its device's open region, or its region is sealing.
     pub(super) fn cancel_leaves_no_hole(&self, loc: NvmeLoc) -> bool {
-        let device = &self.devices[loc.device as usize];
-        let region = &device.regions[loc.region as usize];
-        match device.open {
-            Some(open) if open == loc.region => loc.offset + self.geometry.slot_bytes == region.cursor,
-            _ => region.state == RegionState::Sealing,
+        let region = &self.devices[loc.device as usize].regions[loc.region as usize];
+        match region.state {
+            RegionState::Open => loc.offset + self.geometry.slot_bytes == region.cursor,
+            state => state == RegionState::Sealing,
         }
     }
 
@@ -252,9 +361,8 @@ impl Regions {
     /// entry takes its place.
     pub(super) fn rewind_if_last(&mut self, loc: NvmeLoc) {
         let slot_bytes = self.geometry.slot_bytes;
-        let device = &mut self.devices[loc.device as usize];
-        let region = &mut device.regions[loc.region as usize];
-        if device.open == Some(loc.region) && loc.offset + slot_bytes == region.cursor {
+        let region = &mut self.devices[loc.device as usize].regions[loc.region as usize];
+        if region.state == RegionState::Open && loc.offset + slot_bytes == region.cursor {
             region.cursor = loc.offset;
             debug_assert!(region.cursor.is_multiple_of(slot_bytes), "a rewound cursor off the slot grid");
         }
@@ -349,8 +457,18 @@ impl Regions {
     pub(super) fn check(&self) {
         let data_bytes = self.geometry.data_bytes();
         for (d, device) in self.devices.iter().enumerate() {
+            for (n, &(account, region)) in device.open.iter().enumerate() {
+                assert_eq!(
+                    device.regions[region as usize].account, account,
+                    "device {d}: region {region} opened for another"
+                );
+                assert!(
+                    device.open[..n].iter().all(|&(a, _)| a != account),
+                    "device {d}: account {account} holds two open regions"
+                );
+            }
             for (i, r) in device.regions.iter().enumerate() {
-                let open = device.open == Some(i as u32);
+                let open = device.open.iter().any(|&(_, region)| region == i as u32);
                 assert_eq!(r.state == RegionState::Open, open, "device {d} region {i}: open disagrees with the device");
                 assert!(r.cursor <= data_bytes, "device {d} region {i}: cursor {} past the data", r.cursor);
                 if r.state == RegionState::Free {
@@ -392,8 +510,13 @@ mod tests {
     /// Places one entry, writes it (listed) and completes any trailer write it makes due; returns the
     /// placement and the metadata writes made.
     fn place_and_write(r: &mut Regions, k: u8) -> (Placement, Vec<MetaWrite>) {
+        place_and_write_for(r, k, 0, &[])
+    }
+
+    /// `place_and_write` for tenant account `account` of a tier split by `quotas`.
+    fn place_and_write_for(r: &mut Regions, k: u8, account: u8, quotas: &[RegionQuota]) -> (Placement, Vec<MetaWrite>) {
         let mut meta = Vec::new();
-        let placement = r.alloc(&mut meta, &nothing_pinned).expect("room");
+        let placement = r.alloc(&mut meta, &nothing_pinned, account, quotas).expect("room");
         meta.extend(r.entry_done(placement.loc, Some(entry(k, placement.loc))));
         for write in &meta {
             assert!(r.complete_meta(write, true).is_none());
@@ -425,14 +548,14 @@ mod tests {
         // Regions 0 and 1 are sealed, 2 is open and full: the next entry needs a reclaim.
         let pinned_first = |_: usize, region: u32, _: &TrailerEntry| region == 0;
         let mut meta = Vec::new();
-        let placement = r.alloc(&mut meta, &pinned_first).expect("region 1 is reclaimable");
+        let placement = r.alloc(&mut meta, &pinned_first, 0, &[]).expect("region 1 is reclaimable");
         assert_eq!(placement.loc.region, 1, "region 0 is older but pinned");
         assert_eq!(placement.reclaimed.as_deref().map(|e| e[0].key), Some(key(1)));
         assert!(meta.iter().any(|m| m.region == 1 && m.entries.is_none()), "the stale trailer is zeroed");
         let everything_pinned = |_: usize, _: u32, _: &TrailerEntry| true;
         let mut more = Vec::new();
         meta.extend(r.entry_done(placement.loc, None));
-        assert!(r.alloc(&mut more, &everything_pinned).is_none(), "nothing free, nothing reclaimable");
+        assert!(r.alloc(&mut more, &everything_pinned, 0, &[]).is_none(), "nothing free, nothing reclaimable");
         r.check();
     }
 
@@ -441,7 +564,7 @@ mod tests {
         let mut r = regions(1, 2, 1);
         let (placement, _) = place_and_write(&mut r, 0);
         let mut meta = Vec::new();
-        r.alloc(&mut meta, &nothing_pinned).unwrap();
+        r.alloc(&mut meta, &nothing_pinned, 0, &[]).unwrap();
         let mut write = meta.into_iter().find(|m| m.entries.is_some()).expect("region 0's trailer");
         for attempt in 1..MAX_TRAILER_ATTEMPTS {
             write = r.complete_meta(&write, false).expect("retried");
@@ -456,13 +579,13 @@ mod tests {
     fn only_the_last_planned_entry_of_an_open_region_can_be_dropped_without_a_hole() {
         let mut r = regions(1, 2, 3);
         let mut meta = Vec::new();
-        let first = r.alloc(&mut meta, &nothing_pinned).unwrap().loc;
-        let second = r.alloc(&mut meta, &nothing_pinned).unwrap().loc;
+        let first = r.alloc(&mut meta, &nothing_pinned, 0, &[]).unwrap().loc;
+        let second = r.alloc(&mut meta, &nothing_pinned, 0, &[]).unwrap().loc;
         assert!(!r.cancel_leaves_no_hole(first));
         assert!(r.cancel_leaves_no_hole(second));
         r.rewind_if_last(second);
         let _ = r.entry_done(second, None);
-        assert_eq!(r.alloc(&mut meta, &nothing_pinned).unwrap().loc, second, "the next entry takes its place");
+        assert_eq!(r.alloc(&mut meta, &nothing_pinned, 0, &[]).unwrap().loc, second, "the next entry takes its place");
     }
 
     #[test]
@@ -473,9 +596,9 @@ mod tests {
         let (region_seq, entries) = r.hold_trimmed(0, placement.loc.region);
         assert_eq!(entries.len(), 1);
         let mut meta = Vec::new();
-        assert!(r.alloc(&mut meta, &nothing_pinned).is_none(), "held, not reclaimable");
+        assert!(r.alloc(&mut meta, &nothing_pinned, 0, &[]).is_none(), "held, not reclaimable");
         r.release_trimmed(0, placement.loc.region, region_seq);
-        assert_eq!(r.alloc(&mut meta, &nothing_pinned).unwrap().loc.region, placement.loc.region);
+        assert_eq!(r.alloc(&mut meta, &nothing_pinned, 0, &[]).unwrap().loc.region, placement.loc.region);
         r.check();
     }
 
@@ -490,5 +613,78 @@ mod tests {
         assert_eq!(r.region(0, 0).state, RegionState::Sealing, "not reclaimable until it lands");
         assert!(r.complete_meta(&write, true).is_none());
         assert_eq!(r.region(0, 0).state, RegionState::Sealed);
+    }
+
+    const NO_CAP: usize = usize::MAX;
+
+    /// The entries of account `account`'s regions still listed, by key.
+    fn listed_keys(r: &Regions, account: u8) -> Vec<BlockKey> {
+        let regions = &r.device(0).regions;
+        regions.iter().filter(|g| g.account == account).flat_map(|g| g.entries.iter().map(|t| t.key)).collect()
+    }
+
+    #[test]
+    fn a_flood_rewrites_its_own_regions_and_leaves_a_guaranteed_share_alone() {
+        // Account 0 is guaranteed half of 8 regions; account 1, guaranteed none, floods.
+        let quotas = [RegionQuota { guaranteed: 4, cap: NO_CAP }, RegionQuota { guaranteed: 0, cap: NO_CAP }];
+        let mut split = regions(1, 8, 1);
+        for k in 0..3 {
+            place_and_write_for(&mut split, k, 0, &quotas);
+        }
+        for k in 10..40 {
+            let (placement, _) = place_and_write_for(&mut split, k, 1, &quotas);
+            if let Some(reclaimed) = placement.reclaimed {
+                assert!(
+                    reclaimed.iter().all(|t| t.key.0[0] >= 10),
+                    "the flood reclaimed the quiet tenant's {reclaimed:?}"
+                );
+            }
+        }
+        assert_eq!(listed_keys(&split, 0), [key(0), key(1), key(2)], "the quiet tenant's entries stay listed");
+        let by_account = split.by_account();
+        assert_eq!(by_account[0], (3, 0), "3 regions held, none reclaimed");
+        assert_eq!(by_account[1].0, 5, "the flood holds the rest");
+        assert!(by_account[1].1 >= 20, "and rewrites its own: {by_account:?}");
+        // The same writes in one log: the oldest regions go first, whoever wrote them.
+        let mut log = regions(1, 8, 1);
+        for k in (0..3).chain(10..40) {
+            place_and_write(&mut log, k);
+        }
+        assert!(listed_keys(&log, 0).iter().all(|k| k.0[0] >= 10), "one log keeps only the flood's newest");
+    }
+
+    #[test]
+    fn an_account_under_its_share_takes_regions_back_from_one_past_its_own() {
+        let quotas = [RegionQuota { guaranteed: 4, cap: NO_CAP }, RegionQuota { guaranteed: 0, cap: NO_CAP }];
+        let mut r = regions(1, 8, 1);
+        for k in 10..20 {
+            place_and_write_for(&mut r, k, 1, &quotas);
+        }
+        assert_eq!(r.by_account()[1].0, 8, "free regions go to whoever asks");
+        for k in 0..4 {
+            let (placement, _) = place_and_write_for(&mut r, k, 0, &quotas);
+            let reclaimed = placement.reclaimed.expect("nothing is free: a region is reclaimed");
+            assert!(reclaimed.iter().all(|t| t.key.0[0] >= 10), "taken from the account past its share");
+        }
+        assert_eq!(r.by_account()[0].0, 4);
+        assert_eq!(r.by_account()[1].0, 4);
+        r.check();
+    }
+
+    #[test]
+    fn an_account_at_its_cap_rewrites_its_own_oldest_region_while_regions_are_free() {
+        let quotas = [RegionQuota { guaranteed: 0, cap: 2 }];
+        let mut r = regions(1, 8, 1);
+        for k in 0..6 {
+            place_and_write_for(&mut r, k, 0, &quotas);
+            assert!(r.by_account()[0].0 <= 2, "past its cap of 2 regions");
+        }
+        assert_eq!(listed_keys(&r, 0), [key(4), key(5)], "its newest entries stay, in its own regions");
+        assert_eq!(r.usage(), (2, 8), "the other regions stay free for other tenants");
+        // With its own regions all pinned it takes a free one: a cap never refuses a write.
+        let everything_pinned = |_: usize, _: u32, _: &TrailerEntry| true;
+        let mut meta = Vec::new();
+        assert!(r.alloc(&mut meta, &everything_pinned, 0, &quotas).is_some());
+        r.check();
     }
 }

@@ -102,6 +102,11 @@ impl Slots {
         }
     }
 
+    /// Each tenant account's part of an NVMe device of `regions` regions (`Tenants::region_quotas`).
+    pub(super) fn region_quotas(&self, regions: usize) -> Vec<super::regions::RegionQuota> {
+        self.tenants.region_quotas(regions)
+    }
+
     pub(super) fn tenant_gauges(&self) -> (Vec<TenantGauge>, u64) {
         (self.tenants.gauges(), self.tenants.untracked_blocks)
     }

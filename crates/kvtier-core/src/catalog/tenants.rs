@@ -16,6 +16,7 @@
 //!
 //! Without shares or a cap every block is in account 0 and the pool behaves as it always did.
 
+use super::regions::RegionQuota;
 use crate::key::BlockKey;
 use crate::tenant::{tenant_label, TenantId, TenantShares, DEFAULT_TENANT};
 use crate::tiers::eviction::EvictionPolicy;
@@ -49,6 +50,17 @@ pub struct TenantGauge {
     pub cap_slots: Option<u64>,
     pub resident_slots: u64,
     pub evicted_blocks: u64,
+    /// Its part of the NVMe tier when that is split by tenant (`tenant_shares_nvme`).
+    pub nvme: Option<NvmeTenantGauge>,
+}
+
+/// One tenant's part of the NVMe tier (`regions.rs`), over every device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NvmeTenantGauge {
+    /// Bytes of the regions in use that take its blocks (open, sealing or sealed).
+    pub bytes: u64,
+    /// Its regions reclaimed to make room, its own or another tenant's blocks' (the oldest first).
+    pub reclaimed_regions: u64,
 }
 
 pub(super) struct Tenants {
@@ -187,25 +199,22 @@ impl Tenants {
     }
 
     fn eviction_order(&self, asker: usize) -> Vec<usize> {
-        let excess = |a: usize| {
-            let account = &self.accounts[a];
-            account.resident_slots as i64 - account.guaranteed_slots as i64
-        };
-        let mut past: Vec<usize> = (0..self.accounts.len()).filter(|&a| a != asker && excess(a) > 0).collect();
-        past.sort_by_key(|&a| std::cmp::Reverse(excess(a)));
-        let mut rest: Vec<usize> = (0..self.accounts.len()).filter(|&a| a != asker && excess(a) <= 0).collect();
-        rest.sort_by_key(|&a| std::cmp::Reverse(self.accounts[a].resident_slots));
-        let mut order = Vec::with_capacity(self.accounts.len());
-        if excess(asker) >= 0 {
-            order.push(asker);
-            order.extend(past);
-        } else {
-            order.extend(past);
-            order.push(asker);
+        let held: Vec<usize> = self.accounts.iter().map(|a| a.resident_slots).collect();
+        let guaranteed: Vec<usize> = self.accounts.iter().map(|a| a.guaranteed_slots).collect();
+        eviction_order(asker, &held, &guaranteed)
+    }
+
+    /// Each account's part of an NVMe device of `regions` regions, in account order (the same
+    /// shares and cap as the pool's); empty when the pool is not split.
+    pub(super) fn region_quotas(&self, regions: usize) -> Vec<RegionQuota> {
+        if !self.enabled() {
+            return Vec::new();
         }
-        order.extend(rest);
-        debug_assert_eq!(order.len(), self.accounts.len(), "every account once in the eviction order");
-        order
+        let quota = |a: &Account| RegionQuota {
+            guaranteed: (self.shares.share_of(&a.id) * regions as f64) as usize,
+            cap: self.shares.cap_slots(regions),
+        };
+        self.accounts.iter().map(quota).collect()
     }
 
     pub(super) fn gauges(&self) -> Vec<TenantGauge> {
@@ -217,6 +226,7 @@ impl Tenants {
                 cap_slots: (a.cap_slots != usize::MAX).then_some(a.cap_slots as u64),
                 resident_slots: a.resident_slots as u64,
                 evicted_blocks: a.evicted_blocks,
+                nvme: None,
             })
             .collect()
     }
@@ -231,6 +241,30 @@ impl Tenants {
             assert_eq!(account.resident_slots, listed[a], "tenant account {a} miscounts its slots");
         }
     }
+}
+
+/// The accounts, in the order they give up room to `asker` (the module's order), from what each
+/// `held` and is `guaranteed`: the asker first if it holds its guarantee, the accounts past theirs
+/// (furthest first), the asker, the rest (largest first). Every account once.
+pub(super) fn eviction_order(asker: usize, held: &[usize], guaranteed: &[usize]) -> Vec<usize> {
+    assert_eq!(held.len(), guaranteed.len(), "an account without a guarantee");
+    debug_assert!(asker < held.len(), "the asker {asker} has no account");
+    let excess = |a: usize| held[a] as i64 - guaranteed[a] as i64;
+    let mut past: Vec<usize> = (0..held.len()).filter(|&a| a != asker && excess(a) > 0).collect();
+    past.sort_by_key(|&a| std::cmp::Reverse(excess(a)));
+    let mut rest: Vec<usize> = (0..held.len()).filter(|&a| a != asker && excess(a) <= 0).collect();
+    rest.sort_by_key(|&a| std::cmp::Reverse(held[a]));
+    let mut order = Vec::with_capacity(held.len());
+    if excess(asker) >= 0 {
+        order.push(asker);
+        order.extend(past);
+    } else {
+        order.extend(past);
+        order.push(asker);
+    }
+    order.extend(rest);
+    debug_assert_eq!(order.len(), held.len(), "every account once in the eviction order");
+    order
 }
 
 /// Tenants named for blocks that are not in DRAM yet: the engine's scheduler names a request's

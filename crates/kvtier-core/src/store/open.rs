@@ -195,6 +195,9 @@ fn new_catalog(
     );
     catalog.set_loads_cancel_writes(config.loads_cancel_queued_writes);
     catalog.set_tenant_shares(config.tenant_shares().expect("validated with the config"));
+    if config.tenant_shares_nvme {
+        catalog.split_nvme_by_tenant();
+    }
     catalog
 }
 
