@@ -254,7 +254,10 @@ impl Regions {
             self.seal(device, open, meta);
         }
         debug_assert!(self.devices[device].open_of(asker).is_none(), "account {asker} opens a second region");
-        let (region, reclaimed) = self.region_for(device, pinned, asker, quotas)?;
+        let Some((region, reclaimed)) = self.region_for(device, pinned, asker, quotas) else {
+            self.seal_others(device, asker, meta);
+            return None;
+        };
         assert_eq!(self.region(device, region).pending_writes, 0, "region {region} reopened under writes");
         debug_assert!(
             matches!(self.region(device, region).state, RegionState::Free | RegionState::Sealed),
@@ -307,6 +310,17 @@ impl Regions {
             eviction_order(asker as usize, &held, &guaranteed)
         };
         order.into_iter().find_map(|a| self.reclaim_oldest(device, pinned, a as u8)).map(|(r, e)| (r, Some(e)))
+    }
+
+    /// Seals the other accounts' open regions of a device with nothing left to reclaim, so that the
+    /// next write may take one when its trailer lands: a tenant that stopped storing would otherwise
+    /// keep its open region out of use for ever. (Not split, the asker's was the only one.)
+    fn seal_others(&mut self, device: usize, asker: u8, meta: &mut Vec<MetaWrite>) {
+        let others: Vec<u32> =
+            self.devices[device].open.iter().filter(|&&(a, _)| a != asker).map(|&(_, region)| region).collect();
+        for region in others {
+            self.seal(device, region, meta);
+        }
     }
 
     fn seal(&mut self, device: usize, region: u32, meta: &mut Vec<MetaWrite>) {
@@ -685,6 +699,25 @@ mod tests {
         let everything_pinned = |_: usize, _: u32, _: &TrailerEntry| true;
         let mut meta = Vec::new();
         assert!(r.alloc(&mut meta, &everything_pinned, 0, &quotas).is_some());
+        r.check();
+    }
+
+    #[test]
+    fn with_every_region_open_for_another_tenant_they_are_sealed_for_the_next_write() {
+        let quotas = [RegionQuota { guaranteed: 0, cap: NO_CAP }; 4];
+        let mut r = regions(1, 4, 1);
+        for account in 0..4 {
+            place_and_write_for(&mut r, account, account, &quotas);
+        }
+        let mut meta = Vec::new();
+        assert!(r.alloc(&mut meta, &nothing_pinned, 0, &quotas).is_none(), "every region open or sealing");
+        assert_eq!(meta.iter().filter(|m| m.entries.is_some()).count(), 4, "its own and the others' trailers");
+        assert!(r.device(0).open.is_empty());
+        for write in &meta {
+            assert!(r.complete_meta(write, true).is_none());
+        }
+        let placement = r.alloc(&mut Vec::new(), &nothing_pinned, 0, &quotas).expect("a sealed region now");
+        assert_eq!(placement.reclaimed.map(|e| e.len()), Some(1));
         r.check();
     }
 }
