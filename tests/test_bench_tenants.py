@@ -137,6 +137,41 @@ def test_judge_finds_rows_that_contradict_their_label() -> None:
     assert "1 requests failed (URLError: refused)" in problems and "had no hit" in problems
 
 
+def test_the_nvme_plan_puts_the_documents_on_nvme_within_the_quiet_tenants_share() -> None:
+    """``--nvme-regions``: the pool cut to its staging slots, the documents on NVMe within the quiet
+    tenant's share of the regions, the flood past the whole tier between two uses of a document."""
+    plan = plan_of("--small", "--nvme-regions", "12")
+    assert (plan["kvtier_row"], plan["pool_blocks"], plan["region_blocks"]) == ("kvtier-nvme", 8, 4)
+    assert plan["region_bytes"] % 4096 == 0 and plan["region_bytes"] >= 4 * plan["slot_bytes"]
+    assert int(plan["nvme_gib"] * 2**30) // plan["region_bytes"] == 12
+    assert plan["quiet_regions"] == 3 + 1 <= int(plan["share"] * 12)
+    flood_blocks = plan["docs"] * plan["flood_per_round"] * (plan["flood_len"] // plan["block_tokens"])
+    assert flood_blocks > 12 * plan["region_blocks"], "the flood passes the whole tier between two uses"
+    assert tenants.row_options(plan, "flood-shares")["region_bytes"] == plan["region_bytes"]
+    assert plan_of("--small")["kvtier_row"] == "kvtier-dram" and "region_bytes" not in plan_of("--small")
+    short = plan_of("--small", "--nvme-regions", "8")  # a 0.4 share is 3 regions, the documents take 4
+    rows = [row("alone", 0.6), row("flood", 0.1), row("flood-shares", 0.6, tenants=shares_counters(short, 0))]
+    assert "take 4 NVMe regions, more than its guaranteed 3" in "\n".join(tenants.judge(short, rows))
+    with pytest.raises(tenants.TenantsError):
+        plan_of("--small", "--nvme-regions", "-1")
+
+
+def test_the_nvme_figures_by_tenant_and_in_the_table() -> None:
+    quiet, flood = tenants.tenant_label("quiet"), tenants.tenant_label("flood")
+    stats = {
+        f"tenant_dram_bytes:{quiet}": 10, f"tenant_nvme_bytes:{quiet}": 3 << 20,
+        f"tenant_nvme_reclaimed_regions:{quiet}": 0, f"tenant_nvme_reclaimed_regions:{flood}": 40,
+    }  # fmt: skip
+    counters = tenants.tenant_stats(stats)
+    assert counters == {
+        "quiet": {"bytes": 10, "nvme_bytes": 3 << 20, "nvme_reclaimed_regions": 0},
+        "flood": {"nvme_reclaimed_regions": 40},
+    }
+    line = tenants.table_rows([row("flood-shares", 0.6, tenants=counters)], nvme=True)[0]
+    assert len(line) == len(tenants.TABLE_HEADER + tenants.NVME_COLUMNS)
+    assert line[-2:] == ["3.0", "0 / 40"]
+
+
 # --------------------------------------------------------------------------------------------
 # end to end (slow): two real vllm serve servers
 # --------------------------------------------------------------------------------------------

@@ -42,6 +42,14 @@ hit rate alone: the pool held both, nothing was measured); ``flood-shares`` wher
 less than ``MIN_RATIO`` of its hit rate alone (the claim fails), or its documents do not fit its
 guaranteed share, or the pool shows no tenant counters.
 
+``--nvme-regions N``: the same rows with the quiet tenant's documents on kvtier's NVMe tier instead
+(issue 40's quotas below DRAM): the pool cut to ``--pool-blocks`` (default ``NVME_POOL_BLOCKS``: its
+staging slots), an NVMe tier of ``N`` regions of ``--region-blocks`` blocks each (``region_bytes``),
+the flood past the whole tier between two uses of a document. The shares row's share then splits the
+NVMe tier too (``tenant_shares_nvme``, true by default): a document must fit the quiet tenant's share
+of the regions (checked), and the table adds the quiet tenant's NVMe bytes and the regions reclaimed
+from each tenant.
+
 Output: the table (also ``--out DIR``/``table.md``), ``--json``: the result document on stdout;
 ``--out DIR``/``results.json`` and the servers' logs.
 """
@@ -66,6 +74,9 @@ ROWS = ("alone", "flood", "flood-shares")
 ROW_LABELS = {"alone": "alone", "flood": "flood, no shares", "flood-shares": "flood, shares"}
 QUIET, FLOOD = "quiet", "flood"
 KVTIER_ROW = "kvtier-dram"  # serve_servers' row whose store options the rows use: DRAM only
+KVTIER_NVME_ROW = "kvtier-nvme"  # with --nvme-regions: DRAM over NVMe
+NVME_POOL_BLOCKS = 8  # with --nvme-regions, the DRAM pool unless --pool-blocks: hardly more than staging
+TRAILER_ROOM_BYTES = 64 << 10  # a region's trailer (its entries' list) fits in this, for a few blocks
 MIN_RATIO = 0.9  # issue 40: the quiet tenant keeps at least this share of its hit rate alone
 LOCAL_HIT_LIMIT = 0.1  # at most this share of the quiet tenant's hits from vLLM's own cache
 SLOT_OVERHEAD_BYTES = 4096  # a DRAM slot: the block's bytes and a descriptor
@@ -95,6 +106,7 @@ TABLE_HEADER = [
     "row", "quiet hit rate", "on repeats", "vs alone", "quiet TTFT p50 / p99 ms", "on repeats", "flood req/s",
     "flood prompt tok/s", "quiet in pool MiB", "quiet guaranteed MiB", "quiet evicted", "flood evicted", "failed",
 ]  # fmt: skip
+NVME_COLUMNS = ["quiet on NVMe MiB", "regions reclaimed quiet / flood"]  # with --nvme-regions
 
 
 class TenantsError(RuntimeError):
@@ -127,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vllm-blocks", type=int, help="vLLM's own KV cache in blocks (default 40; --small: 10)")
     parser.add_argument("--pool-blocks", type=int, help="kvtier's DRAM pool in blocks (default 168; --small: 40)")
     parser.add_argument("--block-tokens", type=int, help="vLLM's block size, tokens (default 128: CPU vLLM's)")
+    parser.add_argument(
+        "--nvme-regions",
+        type=int,
+        default=0,
+        help="the quiet tenant's documents on an NVMe tier of this many regions (default 0: DRAM only)",
+    )
+    parser.add_argument("--region-blocks", type=int, default=4, help="blocks per NVMe region (default 4)")
     parser.add_argument("--vllm-kv-gib", type=int, help="VLLM_CPU_KVCACHE_SPACE, GiB (default 2; --small: 1)")
     parser.add_argument(
         "--start-together",
@@ -148,6 +167,8 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     for name, default in sizes.items():
         value = getattr(args, name)
         plan[name] = default if value is None else value
+    if args.nvme_regions and args.pool_blocks is None:
+        plan["pool_blocks"] = NVME_POOL_BLOCKS
     rows = [row.strip() for row in args.rows.split(",") if row.strip()]
     unknown = [row for row in rows if row not in ROWS]
     if unknown or not rows:
@@ -176,7 +197,25 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     )  # fmt: skip
     plan["start_together"] = args.start_together or args.small
     plan["quiet_blocks"] = plan["docs"] * plan["doc_blocks"]  # the quiet tenant's working set in the pool
+    plan.update(nvme_plan(args, plan))
     return plan
+
+
+def nvme_plan(args: argparse.Namespace, plan: dict[str, Any]) -> dict[str, Any]:
+    """With ``--nvme-regions``: the NVMe tier's size and region size (what ``start_server`` and the
+    row options read), and how many regions the quiet tenant's documents take."""
+    if args.nvme_regions < 0 or args.region_blocks < 1:
+        raise TenantsError("--nvme-regions must be at least 0 and --region-blocks at least 1")
+    if not args.nvme_regions:
+        return {"nvme_regions": 0, "kvtier_row": KVTIER_ROW}
+    region_bytes = -(-(args.region_blocks * plan["slot_bytes"] + TRAILER_ROOM_BYTES) // 4096) * 4096
+    # A region per document at least (its last partly written), and one open region per tenant.
+    quiet_regions = -(-plan["quiet_blocks"] // args.region_blocks) + 1
+    return {
+        "nvme_regions": args.nvme_regions, "region_blocks": args.region_blocks, "region_bytes": region_bytes,
+        "quiet_regions": quiet_regions, "kvtier_row": KVTIER_NVME_ROW,
+        "nvme_gib": (args.nvme_regions * region_bytes + (1 << 20)) / 2**30,  # and the superblock page
+    }  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,10 +320,12 @@ def tenant_stats(stats: dict[str, int]) -> dict[str, dict[str, int]]:
     names = {tenant_label(QUIET): QUIET, tenant_label(FLOOD): FLOOD, "default": "default"}
     tenants: dict[str, dict[str, int]] = {}
     for name, value in stats.items():
-        if not name.startswith("tenant_dram_") or ":" not in name:
+        if not name.startswith(("tenant_dram_", "tenant_nvme_")) or ":" not in name:
             continue
         counter, label = name.split(":", 1)
-        tenants.setdefault(names.get(label, label), {})[counter.removeprefix("tenant_dram_")] = int(value)
+        # DRAM figures keep their short names (bytes, evictions); NVMe ones are nvme_bytes and so on.
+        figure = counter.removeprefix("tenant_dram_").removeprefix("tenant_")
+        tenants.setdefault(names.get(label, label), {})[figure] = int(value)
     return tenants
 
 
@@ -338,6 +379,8 @@ def summarize(plan: dict[str, Any], load: dict[str, Any]) -> dict[str, Any]:
 def row_options(plan: dict[str, Any], row: str) -> dict[str, Any]:
     """The row's kvtier options beyond the pool's size: every hit loaded; the shares row's share."""
     options: dict[str, Any] = {"load_policy": "always"}
+    if plan["nvme_regions"]:
+        options["region_bytes"] = plan["region_bytes"]
     if row == "flood-shares":
         options["tenant_dram_share"] = plan["share"]
     return options
@@ -371,7 +414,7 @@ class RowServer:
             return
         try:
             self.server, log_path, _ = serve_servers.start_server(
-                plan, KVTIER_ROW, 0, self.row_dir, [self.store], [], self.options
+                plan, plan["kvtier_row"], 0, self.row_dir, [self.store], [], self.options
             )
             self.info = {"command": serve_servers.command_of(self.server.process), "log": str(log_path)}
         except Exception as error:
@@ -548,6 +591,13 @@ def shares_problems(plan: dict[str, Any], record: dict[str, Any], alone_rate: fl
     quiet = (record.get("tenants") or {}).get(QUIET)
     if not quiet or FLOOD not in record["tenants"]:
         problems.append(f"flood-shares: the pool shows no tenant counters for quiet and flood: {record.get('tenants')}")
+    elif plan["nvme_regions"]:
+        guaranteed_regions = int(plan["share"] * plan["nvme_regions"])
+        if guaranteed_regions < plan["quiet_regions"]:
+            problems.append(
+                f"flood-shares: the quiet tenant's documents take {plan['quiet_regions']} NVMe regions, more than "
+                f"its guaranteed {guaranteed_regions} (more --nvme-regions or --share)"
+            )
     elif quiet.get("guaranteed_bytes", 0) < plan["quiet_blocks"] * plan["slot_bytes"]:
         problems.append(
             f"flood-shares: the quiet tenant's documents ({plan['quiet_blocks']} blocks) do not fit its guaranteed "
@@ -564,7 +614,8 @@ def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / 2**20:.1f}"
 
 
-def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+def table_rows(rows: list[dict[str, Any]], nvme: bool = False) -> list[list[str]]:
+    """The table's lines; ``nvme``: with ``NVME_COLUMNS`` (``--nvme-regions``)."""
     lines = []
     for record in rows:
         ttft = record.get("quiet_ttft_ms") or {}
@@ -580,6 +631,9 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
             _mib(quiet.get("bytes")), _mib(quiet.get("guaranteed_bytes")), str(quiet.get("evictions", "-")),
             str(flood.get("evictions", "-")), "-" if failed is None else str(failed),
         ])  # fmt: skip
+        if nvme:
+            reclaimed = f"{quiet.get('nvme_reclaimed_regions', '-')} / {flood.get('nvme_reclaimed_regions', '-')}"
+            lines[-1] += [_mib(quiet.get("nvme_bytes")), reclaimed]
     return lines
 
 
@@ -606,12 +660,15 @@ def main(argv: list[str] | None = None) -> int:
         started,
         f"{plan['preset']}: {plan['docs']} documents of {plan['doc_len']} tokens, {plan['quiet_requests']} quiet "
         f"requests, {plan['flood_per_round']} flood prompts of {plan['flood_len']} tokens a round; pool "
-        f"{plan['pool_blocks']} blocks, vLLM {plan['vllm_blocks']}; results {out_dir}",
+        f"{plan['pool_blocks']} blocks, vLLM {plan['vllm_blocks']}, NVMe {plan['nvme_regions']} regions; "
+        f"results {out_dir}",
     )
     with serve.own_runtime_dir():
         run_rows(plan, out_dir, started, document)
     document["problems"] = judge(plan, document["rows"])
-    table = markdown_table(TABLE_HEADER, table_rows(document["rows"]))
+    nvme = bool(plan["nvme_regions"])
+    header = TABLE_HEADER + NVME_COLUMNS if nvme else TABLE_HEADER
+    table = markdown_table(header, table_rows(document["rows"], nvme))
     (out_dir / "table.md").write_text(table + "\n")
     (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
     report = sys.stderr if args.json else sys.stdout
