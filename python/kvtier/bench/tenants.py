@@ -474,7 +474,7 @@ def run_row(plan: dict[str, Any], row: str, row_index: int, host: RowServer, sta
         record["vllm_cache_tokens"] = metrics
         record["kvtier"] = {
             counter: int(stats.get(counter, 0)) - int(stats_before.get(counter, 0))
-            for counter in ("dram_hits", "dram_evictions", "puts")
+            for counter in ("dram_hits", "nvme_hits", "dram_evictions", "puts")
         }
         record["tenants"] = tenant_stats(stats)
         record["pool"] = {
