@@ -156,6 +156,23 @@ def test_the_nvme_plan_puts_the_documents_on_nvme_within_the_quiet_tenants_share
         plan_of("--small", "--nvme-regions", "-1")
 
 
+def test_the_cap_row_is_named_to_run_and_judged_like_the_shares_row() -> None:
+    plan = plan_of("--small", "--rows", "alone,flood,flood-cap", "--cap", "0.4")
+    assert plan_of("--small")["rows"] == ["alone", "flood", "flood-shares"], "not a default row (CI's time)"
+    assert tenants.row_options(plan, "flood-cap") == {"load_policy": "always", "tenant_dram_max_share": 0.4}
+    counters = {"quiet": {"bytes": 1}, "flood": {"evictions": 300}}
+    rows = [row("alone", 0.6), row("flood", 0.1), row("flood-cap", 0.58, tenants=counters)]
+    assert tenants.judge(plan, rows) == []
+    rows[2] = row("flood-cap", 0.3, tenants={})
+    problems = "\n".join(tenants.judge(plan, rows))
+    assert "the cap did not protect it" in problems and "no tenant counters" in problems
+    tight = plan_of("--small", "--rows", "flood-cap", "--cap", "0.2")  # 8 of 40 blocks, the documents take 12
+    assert "take 12 pool blocks, more than the 8" in "\n".join(tenants.cap_problems(tight, rows[2], None))
+    for cap in ("0", "1"):
+        with pytest.raises(tenants.TenantsError):
+            plan_of("--small", "--cap", cap)
+
+
 def test_the_nvme_figures_by_tenant_and_in_the_table() -> None:
     quiet, flood = tenants.tenant_label("quiet"), tenants.tenant_label("flood")
     stats = {

@@ -23,6 +23,9 @@ server and store, one after the other, each with documents of its own (removed a
 - ``alone``: the quiet tenant only.
 - ``flood``: the same quiet requests with the flood, ``tenant_dram_share`` unset (one pool for all).
 - ``flood-shares``: the same with ``tenant_dram_share`` ``--share`` (each tenant guaranteed that share).
+- ``flood-cap`` (only when named in ``--rows``): the same with ``tenant_dram_max_share`` ``--cap``
+  instead (no tenant holds more than that share, none is guaranteed any): the flood makes room from its
+  own blocks at its cap, and the rest of the pool stays the quiet tenant's.
 
 The rows are measured one after the other. ``--start-together`` (``--small`` implies it) starts both
 servers at once and waits for both before the first row: a start is mostly single-threaded imports, so
@@ -70,8 +73,10 @@ from typing import Any
 from kvtier.bench import serve, serve_plan, serve_points, serve_servers
 from kvtier.bench.ttft import markdown_table
 
-ROWS = ("alone", "flood", "flood-shares")
-ROW_LABELS = {"alone": "alone", "flood": "flood, no shares", "flood-shares": "flood, shares"}
+ROWS = ("alone", "flood", "flood-shares", "flood-cap")
+DEFAULT_ROWS = ("alone", "flood", "flood-shares")
+ROW_LABELS = {"alone": "alone", "flood": "flood, no shares", "flood-shares": "flood, shares", "flood-cap": "flood, cap"}
+PROTECTED_ROWS = {"flood-shares": "the share", "flood-cap": "the cap"}  # rows that must keep the quiet tenant's hits
 QUIET, FLOOD = "quiet", "flood"
 KVTIER_ROW = "kvtier-dram"  # serve_servers' row whose store options the rows use: DRAM only
 KVTIER_NVME_ROW = "kvtier-nvme"  # with --nvme-regions: DRAM over NVMe
@@ -125,8 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
         "tenant's hit rate and TTFT alone, beside a flooding tenant, and beside it with tenant_dram_share.",
     )
     parser.add_argument("--small", action="store_true", help="CI size: tiny model, 9 quiet requests, 90 flood ones")
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from {', '.join(ROWS)}")
+    parser.add_argument(
+        "--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated, from {', '.join(ROWS)} (default the first 3)"
+    )
     parser.add_argument("--share", type=float, default=0.4, help="tenant_dram_share of the shares row (0.4)")
+    parser.add_argument("--cap", type=float, default=0.5, help="tenant_dram_max_share of the cap row (0.5)")
     parser.add_argument("--preset", help="model preset of kvtier.models (default kv8b; --small: tiny)")
     parser.add_argument("--docs", type=int, help="the quiet tenant's shared prefixes (default 4; --small: 3)")
     parser.add_argument("--doc-len", type=int, help="tokens of each shared prefix (default 2048; --small: 512)")
@@ -178,6 +186,8 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         raise TenantsError(f"{', '.join(counts)} and --question-len must be at least 1, --flood-per-round at least 0")
     if not 0 < args.share <= 1:
         raise TenantsError("--share is a fraction of the pool in (0, 1]")
+    if not 0 < args.cap < 1:
+        raise TenantsError("--cap is a fraction of the pool in (0, 1)")
     if plan["preset"] not in PRESETS:
         raise TenantsError(f"--preset: unknown {plan['preset']!r}; choose from {', '.join(sorted(PRESETS))}")
     preset = PRESETS[plan["preset"]]
@@ -187,7 +197,8 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     pool_bytes = plan["pool_blocks"] * slot_bytes + SLOT_OVERHEAD_BYTES // 2  # no slot lost to rounding
     longest = max(plan["doc_len"] + plan["question_len"], plan["flood_len"])
     plan.update(
-        rows=rows, share=args.share, small=args.small, vocab=min(PRESETS[plan["preset"]].vocab_size, 4000),
+        rows=rows, share=args.share, cap=args.cap, small=args.small,
+        vocab=min(PRESETS[plan["preset"]].vocab_size, 4000),
         kv_bytes_per_token=kv_bytes_per_token, slot_bytes=slot_bytes, pool_bytes=pool_bytes,
         doc_blocks=plan["doc_len"] // plan["block_tokens"],
         # what serve_servers.start_server reads
@@ -383,6 +394,8 @@ def row_options(plan: dict[str, Any], row: str) -> dict[str, Any]:
         options["region_bytes"] = plan["region_bytes"]
     if row == "flood-shares":
         options["tenant_dram_share"] = plan["share"]
+    if row == "flood-cap":
+        options["tenant_dram_max_share"] = plan["cap"]
     return options
 
 
@@ -577,21 +590,53 @@ def judge(plan: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
             )
         if row == "flood-shares":
             problems += shares_problems(plan, record, alone_rate)
+        if row == "flood-cap":
+            problems += cap_problems(plan, record, alone_rate)
     return problems
 
 
-def shares_problems(plan: dict[str, Any], record: dict[str, Any], alone_rate: float | None) -> list[str]:
+def protection_problems(record: dict[str, Any], alone_rate: float | None) -> list[str]:
+    """A row with shares or a cap: the quiet tenant kept ``MIN_RATIO`` of its hit rate alone, and the
+    pool shows both tenants' counters."""
+    row, what = record["row"], PROTECTED_ROWS[record["row"]]
     problems = []
     rate = record["quiet_hit_rate"] or 0.0
     if alone_rate and rate < MIN_RATIO * alone_rate:
         problems.append(
-            f"flood-shares: the quiet tenant kept {rate / alone_rate:.2f}x its hit rate alone ({rate:.3f} against "
-            f"{alone_rate:.3f}), under {MIN_RATIO}x: the share did not protect it"
+            f"{row}: the quiet tenant kept {rate / alone_rate:.2f}x its hit rate alone ({rate:.3f} against "
+            f"{alone_rate:.3f}), under {MIN_RATIO}x: {what} did not protect it"
         )
-    quiet = (record.get("tenants") or {}).get(QUIET)
-    if not quiet or FLOOD not in record["tenants"]:
-        problems.append(f"flood-shares: the pool shows no tenant counters for quiet and flood: {record.get('tenants')}")
-    elif plan["nvme_regions"]:
+    tenants = record.get("tenants") or {}
+    if QUIET not in tenants or FLOOD not in tenants:
+        problems.append(f"{row}: the pool shows no tenant counters for quiet and flood: {record.get('tenants')}")
+    return problems
+
+
+def cap_problems(plan: dict[str, Any], record: dict[str, Any], alone_rate: float | None) -> list[str]:
+    """``flood-cap``: as a shares row, and the documents fit both the quiet tenant's own cap and the
+    room the flood's cap leaves it."""
+    problems = protection_problems(record, alone_rate)
+    room = min(plan["cap"], 1 - plan["cap"])
+    need, have, unit = (
+        (plan["quiet_regions"], int(room * plan["nvme_regions"]), "NVMe regions")
+        if plan["nvme_regions"]
+        else (plan["quiet_blocks"], int(room * plan["pool_blocks"]), "pool blocks")
+    )
+    if need > have:
+        problems.append(
+            f"flood-cap: the quiet tenant's documents take {need} {unit}, more than the {have} a cap of "
+            f"{plan['cap']} leaves it (more --pool-blocks or --nvme-regions)"
+        )
+    return problems
+
+
+def shares_problems(plan: dict[str, Any], record: dict[str, Any], alone_rate: float | None) -> list[str]:
+    problems = protection_problems(record, alone_rate)
+    tenants = record.get("tenants") or {}
+    quiet = tenants.get(QUIET)
+    if not quiet or FLOOD not in tenants:
+        return problems  # protection_problems named the missing counters
+    if plan["nvme_regions"]:
         guaranteed_regions = int(plan["share"] * plan["nvme_regions"])
         if guaranteed_regions < plan["quiet_regions"]:
             problems.append(
