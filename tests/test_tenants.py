@@ -31,18 +31,11 @@ def store_as(client: ServiceClient, tenant: bytes, keys: list[bytes]) -> None:
     client.store_blocks(keys, [layer], list(range(len(keys))))
 
 
-def resident_after_a_flood(tmp_path: Path, **options: object) -> tuple[int, dict[str, int]]:
-    """How many of the quiet tenant's 30 blocks are still in DRAM after the other tenant stored 600."""
+def where_after_a_flood(tmp_path: Path, **options: object) -> tuple[list[str | None], dict[str, int]]:
+    """Where the quiet tenant's 30 blocks are (``locate_many``) after the other tenant stored 600,
+    through a host service with ``options``, and the service's stats."""
     socket = tmp_path / "kvtier.sock"
-    service = Service.start(
-        os.fspath(socket),
-        os.fspath(tmp_path / "store"),
-        os.fspath(tmp_path),
-        30_000,
-        dram_bytes=POOL_BYTES,
-        nvme_bytes=0,
-        **options,
-    )
+    service = Service.start(os.fspath(socket), os.fspath(tmp_path / "store"), os.fspath(tmp_path), 30_000, **options)
     try:
         quiet, flood = engine(socket), engine(socket)
         quiet_keys = [key(1, i) for i in range(30)]
@@ -52,10 +45,15 @@ def resident_after_a_flood(tmp_path: Path, **options: object) -> tuple[int, dict
             # The quiet tenant keeps using its prefix, as a chat's system prompt is.
             assert quiet.pin_many(quiet_keys[:1]) in ([True], [])
             quiet.unpin_many(quiet_keys[:1])
-        resident = sum(tier == "dram" for tier in quiet.locate_many(quiet_keys))
-        return resident, quiet.stats()
+        return quiet.locate_many(quiet_keys), quiet.stats()
     finally:
         service.stop()
+
+
+def resident_after_a_flood(tmp_path: Path, **options: object) -> tuple[int, dict[str, int]]:
+    """How many of the quiet tenant's 30 blocks are still in a DRAM pool without NVMe after the flood."""
+    found, stats = where_after_a_flood(tmp_path, dram_bytes=POOL_BYTES, nvme_bytes=0, **options)
+    return found.count("dram"), stats
 
 
 def test_a_tenant_keeps_its_share_of_the_pool_while_another_floods_it(tmp_path: Path) -> None:
@@ -137,28 +135,14 @@ def test_the_nvme_tier_keeps_a_quiet_tenants_blocks_through_a_flood_when_split(
     share of the pool holds about half of its 30 blocks, its share of the NVMe tier all of them; a flood of
     600 blocks (three passes over the device) rewrites its own regions. In one log (the control) the
     flood pushes the quiet tenant's blocks off the device."""
-    socket = tmp_path / "kvtier.sock"
-    service = Service.start(
-        os.fspath(socket),
-        os.fspath(tmp_path / "store"),
-        os.fspath(tmp_path),
-        30_000,
+    found, stats = where_after_a_flood(
+        tmp_path,
         dram_bytes=30 * (SLICE_BYTES + 4096),
         nvme_bytes=16 << 20,
         region_bytes=1 << 20,
         tenant_dram_shares="quiet=0.4",
         tenant_shares_nvme=split_nvme,
     )
-    try:
-        quiet, flood = engine(socket), engine(socket)
-        quiet_keys = [key(1, i) for i in range(30)]
-        store_as(quiet, tenant_id("quiet"), quiet_keys)
-        for batch in range(0, 600, 10):
-            store_as(flood, tenant_id("flood"), [key(2, i) for i in range(batch, batch + 10)])
-        found = quiet.locate_many(quiet_keys)
-        stats = quiet.stats()
-    finally:
-        service.stop()
     quiet_label = tenant_id("quiet")[:8].hex()
     if split_nvme:
         assert None not in found, f"the flood took {found.count(None)} of the quiet tenant's blocks"
