@@ -479,15 +479,18 @@ def test_tenants_reach_the_scrape_and_status(served: Served) -> None:
     assert used and float(used.group(1)) == 6 * SLOT, "the six blocks named for the tenant"
     assert re.search(r'kvtier_tenant_dram_guaranteed_bytes{[^}]*tenant="default"} ', text)
     assert "kvtier_tenant_dram_evictions_total" in sample_names(text)
-    status = subprocess.run(
-        [sys.executable, "-m", "kvtier", "status", str(served.path), "--socket", str(served.socket), "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    # The shares split the NVMe tier too (tenant_shares_nvme): the tenant's blocks took a region of its own.
+    nvme = re.search(rf'kvtier_tenant_nvme_bytes{{[^}}]*tenant="{label}"}} (\S+)', text)
+    assert nvme and float(nvme.group(1)) == OPTIONS["region_bytes"]
+    assert "kvtier_tenant_nvme_reclaimed_regions_total" in sample_names(text)
+    status_command = [sys.executable, "-m", "kvtier", "status", str(served.path), "--socket", str(served.socket)]
+    status = subprocess.run([*status_command, "--json"], capture_output=True, text=True, check=True)
     tenants = {t["tenant"]: t for t in json.loads(status.stdout)["tenants"]}
     assert tenants[label]["dram_bytes"] == 6 * SLOT and set(tenants) == {label, "default"}
     assert tenants["default"]["dram_guaranteed_bytes"] == tenants[label]["dram_guaranteed_bytes"] > 0
+    assert tenants[label]["nvme_bytes"] == OPTIONS["region_bytes"] and tenants[label]["nvme_reclaimed_regions"] == 0
+    table = subprocess.run(status_command, capture_output=True, text=True, check=True).stdout
+    assert "NVMe regions reclaimed" in table and label in table
 
 
 def test_shared_publishing_reaches_the_scrape(served: Served) -> None:
