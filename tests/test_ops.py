@@ -483,14 +483,19 @@ def test_tenants_reach_the_scrape_and_status(served: Served) -> None:
     nvme = re.search(rf'kvtier_tenant_nvme_bytes{{[^}}]*tenant="{label}"}} (\S+)', text)
     assert nvme and float(nvme.group(1)) == OPTIONS["region_bytes"]
     assert "kvtier_tenant_nvme_reclaimed_regions_total" in sample_names(text)
+    # And the shared-filesystem tier (tenant_shares_shared_fs): the six blocks in a data file of its own.
+    shared = re.search(rf'kvtier_tenant_shared_bytes{{[^}}]*tenant="{label}"}} (\S+)', text)
+    assert shared and 6 * SLOT < float(shared.group(1)) < 7 * SLOT, "one file: a header page, six slots, a footer"
+    assert "kvtier_tenant_shared_evicted_files_total" in sample_names(text)
     status_command = [sys.executable, "-m", "kvtier", "status", str(served.path), "--socket", str(served.socket)]
     status = subprocess.run([*status_command, "--json"], capture_output=True, text=True, check=True)
     tenants = {t["tenant"]: t for t in json.loads(status.stdout)["tenants"]}
     assert tenants[label]["dram_bytes"] == 6 * SLOT and set(tenants) == {label, "default"}
     assert tenants["default"]["dram_guaranteed_bytes"] == tenants[label]["dram_guaranteed_bytes"] > 0
     assert tenants[label]["nvme_bytes"] == OPTIONS["region_bytes"] and tenants[label]["nvme_reclaimed_regions"] == 0
+    assert tenants[label]["shared_bytes"] > 6 * SLOT and tenants[label]["shared_evicted_files"] == 0
     table = subprocess.run(status_command, capture_output=True, text=True, check=True).stdout
-    assert "NVMe regions reclaimed" in table and label in table
+    assert "NVMe regions reclaimed" in table and "shared files evicted" in table and label in table
 
 
 def test_shared_publishing_reaches_the_scrape(served: Served) -> None:

@@ -83,6 +83,8 @@ pub struct StoreConfig {
     pub tenant_dram_max_share: f64,
     /// Whether the NVMe tier's regions are split by tenant with the DRAM pool's shares and cap.
     pub tenant_shares_nvme: bool,
+    /// Whether the shared-filesystem tier is split by tenant with the DRAM pool's shares and cap.
+    pub tenant_shares_shared_fs: bool,
     /// The shared-filesystem and object tiers' write budgets in bytes per day; 0 = unbounded.
     pub write_budget_shared_bytes_per_day: u64,
     pub write_budget_bucket_bytes_per_day: u64,
@@ -159,6 +161,7 @@ impl StoreConfig {
             tenant_dram_shares: Vec::new(),
             tenant_dram_max_share: 0.0,
             tenant_shares_nvme: true,
+            tenant_shares_shared_fs: true,
             write_budget_shared_bytes_per_day: 0,
             write_budget_bucket_bytes_per_day: 0,
             write_budget_burst_s: 86_400,
@@ -947,6 +950,17 @@ pub static OPTIONS: &[ConfigOption] = &[
         description: "Whether the tenant shares and cap of the DRAM pool (`tenant_dram_share`, `tenant_dram_shares`, `tenant_dram_max_share`) split the NVMe tier too, as fractions of each device's regions: a tenant's blocks go to regions of its own, and a tenant past its share or at its cap rewrites its own oldest regions first. false: one first-in first-out log for every tenant (docs/tenants.md).",
         set: |c, v| c.tenant_shares_nvme = v.bool(),
         get: |c| Some(OptionValue::Bool(c.tenant_shares_nvme)),
+    },
+    ConfigOption {
+        name: "tenant_shares_shared_fs",
+        field: "tenant_shares_shared_fs",
+        python: true,
+        kind: OptionKind::Bool,
+        unset: "",
+        constraint: "bool",
+        description: "Whether the tenant shares and cap of the DRAM pool (`tenant_dram_share`, `tenant_dram_shares`, `tenant_dram_max_share`) split the shared-filesystem tier too, as fractions of `shared_low_watermark` of its capacity: each tenant's blocks go to data files of its own, and above the high watermark the evictor takes files from the tenants past their shares first; a tenant past its cap loses its least recently used files even below the watermark. false: one least-recently-used order for every tenant (docs/tenants.md).",
+        set: |c, v| c.tenant_shares_shared_fs = v.bool(),
+        get: |c| Some(OptionValue::Bool(c.tenant_shares_shared_fs)),
     },
     ConfigOption {
         name: "tenant_dram_shares",

@@ -124,7 +124,11 @@ impl RemoteTiers {
         let mut tiers = Vec::new();
         let mut shared_fs = None;
         if let Some(c) = &config.shared {
-            let tier = SharedTier::open(c, namespace, config.object_bytes, Arc::clone(stats), &config.io_setup())?;
+            let mut c = c.clone();
+            if config.tenant_shares_shared_fs {
+                c.tenant_shares = config.tenant_shares()?;
+            }
+            let tier = SharedTier::open(&c, namespace, config.object_bytes, Arc::clone(stats), &config.io_setup())?;
             if let Some(cipher) = cipher {
                 tier.encrypt_with(Arc::clone(cipher));
             }

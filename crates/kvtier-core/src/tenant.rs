@@ -88,6 +88,48 @@ pub fn parse_named_shares(text: &str) -> Result<Vec<(TenantId, f64)>, String> {
     Ok(named)
 }
 
+/// The accounts, in the order they give up room to `asker` (the DRAM pool's and the NVMe tier's
+/// order, `catalog::tenants`), from what each `held` and is `guaranteed`: the asker first if it holds
+/// its guarantee, the accounts past theirs (furthest first), the asker, the rest (largest first).
+/// Every account once.
+pub fn eviction_order(asker: usize, held: &[usize], guaranteed: &[usize]) -> Vec<usize> {
+    debug_assert!(asker < held.len(), "the asker {asker} has no account");
+    let (past, rest) = past_and_rest(held, guaranteed, Some(asker));
+    let mut order = Vec::with_capacity(held.len());
+    if held[asker] >= guaranteed[asker] {
+        order.push(asker);
+        order.extend(past);
+    } else {
+        order.extend(past);
+        order.push(asker);
+    }
+    order.extend(rest);
+    debug_assert_eq!(order.len(), held.len(), "every account once in the eviction order");
+    order
+}
+
+/// The order in which accounts give up room when nobody asks for it (a watermark's eviction, the
+/// shared-filesystem tier's): the accounts past their guarantees, furthest first, then the rest,
+/// largest first. Every account once.
+pub fn order_to_give_up(held: &[usize], guaranteed: &[usize]) -> Vec<usize> {
+    let (mut order, rest) = past_and_rest(held, guaranteed, None);
+    order.extend(rest);
+    debug_assert_eq!(order.len(), held.len(), "every account once in the order");
+    order
+}
+
+/// The accounts other than `except` past their guarantees (furthest first), and the others (largest first).
+fn past_and_rest(held: &[usize], guaranteed: &[usize], except: Option<usize>) -> (Vec<usize>, Vec<usize>) {
+    assert_eq!(held.len(), guaranteed.len(), "an account without a guarantee");
+    let excess = |a: usize| held[a] as i64 - guaranteed[a] as i64;
+    let others = || (0..held.len()).filter(|&a| Some(a) != except);
+    let mut past: Vec<usize> = others().filter(|&a| excess(a) > 0).collect();
+    past.sort_by_key(|&a| std::cmp::Reverse(excess(a)));
+    let mut rest: Vec<usize> = others().filter(|&a| excess(a) <= 0).collect();
+    rest.sort_by_key(|&a| std::cmp::Reverse(held[a]));
+    (past, rest)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -99,6 +141,15 @@ mod tests {
         assert_eq!(tenant_id(b"a"), tenant_id(b"a"));
         assert_eq!(tenant_label(&DEFAULT_TENANT), "default");
         assert_eq!(tenant_label(&tenant_id(b"a")).len(), 16);
+    }
+
+    #[test]
+    fn accounts_give_up_room_past_their_guarantees_first_then_largest_first() {
+        let (held, guaranteed) = ([5, 30, 20, 12], [10, 10, 10, 10]);
+        assert_eq!(order_to_give_up(&held, &guaranteed), [1, 2, 3, 0], "20 past, 10 past, 2 past, then the rest");
+        assert_eq!(eviction_order(0, &held, &guaranteed), [1, 2, 3, 0], "an asker under its guarantee comes after");
+        assert_eq!(eviction_order(3, &held, &guaranteed), [3, 1, 2, 0], "an asker past its own comes first");
+        assert_eq!(order_to_give_up(&[4, 9, 6], &[10, 10, 10]), [1, 2, 0], "nobody past: the largest first");
     }
 
     #[test]

@@ -227,6 +227,18 @@ NAMESPACE_FAMILIES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         ("tenant",),
         "A tenant's NVMe regions reclaimed to make room (its own oldest first when past its share)",
     ),
+    (
+        "kvtier_tenant_shared_bytes",
+        "gauge",
+        ("tenant",),
+        "Bytes of a tenant's data files on the shared filesystem (with tenant shares and tenant_shares_shared_fs)",
+    ),
+    (
+        "kvtier_tenant_shared_evicted_files",
+        "counter",
+        ("tenant",),
+        "A tenant's shared-filesystem data files this process evicted (tenants past their shares or caps first)",
+    ),
 )
 # Per-tenant values, named ``<value>:<tenant>`` by the service: (family, value name).
 TENANT_VALUES: tuple[tuple[str, str], ...] = (
@@ -236,6 +248,8 @@ TENANT_VALUES: tuple[tuple[str, str], ...] = (
     ("kvtier_tenant_dram_cap_bytes", "tenant_dram_cap_bytes"),
     ("kvtier_tenant_nvme_bytes", "tenant_nvme_bytes"),
     ("kvtier_tenant_nvme_reclaimed_regions", "tenant_nvme_reclaimed_regions"),
+    ("kvtier_tenant_shared_bytes", "tenant_shared_bytes"),
+    ("kvtier_tenant_shared_evicted_files", "tenant_shared_evicted_files"),
 )
 # Values a family shows as the service reports them: (family, the labels after ``namespace`` and
 # ``model``, the service's value name).

@@ -218,6 +218,8 @@ TENANT_FIGURES = (
     ("dram_cap_bytes", "tenant_dram_cap_bytes"),
     ("nvme_bytes", "tenant_nvme_bytes"),
     ("nvme_reclaimed_regions", "tenant_nvme_reclaimed_regions"),
+    ("shared_bytes", "tenant_shared_bytes"),
+    ("shared_evicted_files", "tenant_shared_evicted_files"),
 )
 
 
@@ -504,6 +506,10 @@ def _tenants_table(tenants: list[dict[str, Any]], untracked: int, output: Output
         header += ["NVMe used", "NVMe regions reclaimed"]
         for row, t in zip(rows, tenants, strict=True):
             row += [human_bytes(t.get("nvme_bytes", 0)), str(t.get("nvme_reclaimed_regions", 0))]
+    if any("shared_bytes" in t for t in tenants):
+        header += ["shared used", "shared files evicted"]
+        for row, t in zip(rows, tenants, strict=True):
+            row += [human_bytes(t.get("shared_bytes", 0)), str(t.get("shared_evicted_files", 0))]
     title = "DRAM pool by tenant (tenant: hash of its cache_salt)"
     if untracked:
         title += f", {untracked} block(s) of tenants past the first 64 counted as default"

@@ -15,10 +15,10 @@
 //! So a flood rewrites its own regions and leaves a quiet tenant's share of the device alone. Not
 //! split, every region is account 0's and the tier is one FIFO log, as it always was.
 
-use super::tenants::eviction_order;
 use super::{MetaWrite, NvmeLoc};
 use crate::format::trailer::TrailerEntry;
 use crate::key::BlockKey;
+use crate::tenant::eviction_order;
 use crate::tiers::nvme::{Geometry, RecoveredRegion};
 
 /// Attempts at one trailer write: without its trailer a region is only recoverable by a scan that

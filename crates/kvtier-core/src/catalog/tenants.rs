@@ -18,7 +18,7 @@
 
 use super::regions::RegionQuota;
 use crate::key::BlockKey;
-use crate::tenant::{tenant_label, TenantId, TenantShares, DEFAULT_TENANT};
+use crate::tenant::{eviction_order, tenant_label, TenantId, TenantShares, DEFAULT_TENANT};
 use crate::tiers::eviction::EvictionPolicy;
 use std::collections::{HashMap, VecDeque};
 
@@ -241,30 +241,6 @@ impl Tenants {
             assert_eq!(account.resident_slots, listed[a], "tenant account {a} miscounts its slots");
         }
     }
-}
-
-/// The accounts, in the order they give up room to `asker` (the module's order), from what each
-/// `held` and is `guaranteed`: the asker first if it holds its guarantee, the accounts past theirs
-/// (furthest first), the asker, the rest (largest first). Every account once.
-pub(super) fn eviction_order(asker: usize, held: &[usize], guaranteed: &[usize]) -> Vec<usize> {
-    assert_eq!(held.len(), guaranteed.len(), "an account without a guarantee");
-    debug_assert!(asker < held.len(), "the asker {asker} has no account");
-    let excess = |a: usize| held[a] as i64 - guaranteed[a] as i64;
-    let mut past: Vec<usize> = (0..held.len()).filter(|&a| a != asker && excess(a) > 0).collect();
-    past.sort_by_key(|&a| std::cmp::Reverse(excess(a)));
-    let mut rest: Vec<usize> = (0..held.len()).filter(|&a| a != asker && excess(a) <= 0).collect();
-    rest.sort_by_key(|&a| std::cmp::Reverse(held[a]));
-    let mut order = Vec::with_capacity(held.len());
-    if excess(asker) >= 0 {
-        order.push(asker);
-        order.extend(past);
-    } else {
-        order.extend(past);
-        order.push(asker);
-    }
-    order.extend(rest);
-    debug_assert_eq!(order.len(), held.len(), "every account once in the eviction order");
-    order
 }
 
 /// Tenants named for blocks that are not in DRAM yet: the engine's scheduler names a request's

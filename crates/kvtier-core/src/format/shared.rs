@@ -9,7 +9,9 @@
 //! keyed BLAKE3 tag (all zero when written without a key), checked before the block is served or the
 //! record applied.
 //!
-//! Data file `<writer>-<seq>.kvs` (`writer` 16 hex digits, `seq` 8 hex digits):
+//! Data file `<writer>-<seq>.kvs` (`writer` 16 hex digits, `seq` 8 hex digits), or, when the tier is
+//! split by tenant, `<writer>-<tenant><seq>.kvs` for a tenant other than the default one (`tenant`:
+//! 8 hex digits, the first 4 bytes of its id; see [`data_file_name`]):
 //! ```text
 //! header page (4096 bytes)
 //!      0    8 magic            b"KVTSHDR\0"
@@ -69,9 +71,27 @@ pub const LEASE_BYTES: usize = 64;
 pub const MAX_RECORD_BYTES: usize = 64 << 20;
 const HEADER_CHECKSUM_AT: usize = 120;
 
-/// The one file name pattern kvtier writes for data files: `<16 hex>-<8 hex>.kvs`.
-pub fn data_file_name(writer_id: u64, file_seq: u64) -> String {
-    format!("{writer_id:016x}-{file_seq:08x}.kvs")
+/// The name of a data file: `<writer 16 hex>-<seq 8 hex>.kvs`, or with `tenant` (the tier split by
+/// tenant, its tag: the first 4 bytes of its id) `<writer>-<tenant 8 hex><seq 8 hex>.kvs`. The tenant is folded into the
+/// sequence's digits (at most 16 of them) so that the pattern stays the one every earlier version
+/// checks: those read, serve and evict a tenant's files as any other. A sequence past 32 bits (four
+/// billion files from one writer) is named without its tenant.
+pub fn data_file_name(writer_id: u64, file_seq: u64, tenant: Option<u32>) -> String {
+    match tenant {
+        Some(tag) if file_seq <= u32::MAX as u64 => format!("{writer_id:016x}-{tag:08x}{file_seq:08x}.kvs"),
+        _ => format!("{writer_id:016x}-{file_seq:08x}.kvs"),
+    }
+}
+
+/// The tenant tag a data file's name carries (`data_file_name`); None: the default tenant's, or a
+/// file named before the split. Sequences of 16 digits are never written otherwise (2^60 files), and
+/// a tag is never zero (`tiers::remote::tenants::tenant_tag`).
+pub fn data_file_tenant(name: &str) -> Option<u32> {
+    let digits = name.strip_suffix(".kvs")?.split_once('-')?.1;
+    if digits.len() != 16 {
+        return None;
+    }
+    u32::from_str_radix(&digits[..8], 16).ok().filter(|&tag| tag != 0)
 }
 
 /// Accepts only names produced by `data_file_name`, so a hostile manifest cannot name `../x`.
@@ -626,10 +646,15 @@ mod tests {
         let e = IndexEntry { key: BlockKey([7; 32]), offset: 4096, value_checksum: 9 };
         let recs = vec![
             Record::Header { namespace: Namespace([1; 32]), object_bytes: 10, writer_id: 3, created_unix_ms: 4 },
-            Record::Publish { name: data_file_name(1, 2), file_bytes: 3, published_unix_ms: 4, entries: vec![e, e] },
-            Record::Doom { at_unix_ms: 5, names: vec![data_file_name(1, 2)] },
-            Record::Quarantine { at_unix_ms: 5, names: vec![data_file_name(3, 2)] },
-            Record::Access { accesses: vec![(6, data_file_name(1, 2))] },
+            Record::Publish {
+                name: data_file_name(1, 2, None),
+                file_bytes: 3,
+                published_unix_ms: 4,
+                entries: vec![e, e],
+            },
+            Record::Doom { at_unix_ms: 5, names: vec![data_file_name(1, 2, None)] },
+            Record::Quarantine { at_unix_ms: 5, names: vec![data_file_name(3, 2, None)] },
+            Record::Access { accesses: vec![(6, data_file_name(1, 2, None))] },
         ];
         let mut log = Vec::new();
         for r in &recs {
@@ -644,8 +669,22 @@ mod tests {
         assert!(Record::decode(&log[..log.len() - 1 - (log.len() - at)]).is_ok());
         let bad = Record::Doom { at_unix_ms: 1, names: vec!["../../etc".into()] }.encode();
         assert!(Record::decode(&bad).is_err());
-        assert!(valid_data_file_name(&data_file_name(u64::MAX, 5)));
+        assert!(valid_data_file_name(&data_file_name(u64::MAX, 5, None)));
         assert!(!valid_data_file_name("0000000000000001-0000000/.kvs"));
+    }
+
+    #[test]
+    fn a_tenants_files_carry_its_tag_in_a_name_every_version_accepts() {
+        let tag = 0x1234_abcd;
+        let named = data_file_name(7, 5, Some(tag));
+        assert_eq!(named.len(), 16 + 1 + 16 + 4);
+        assert!(valid_data_file_name(&named), "the pattern of every earlier version");
+        assert_eq!(data_file_tenant(&named), Some(tag));
+        assert_eq!(data_file_tenant(&data_file_name(7, 5, None)), None, "the default tenant's");
+        assert_eq!(data_file_tenant(&data_file_name(7, 5, Some(0))), None, "no tag is zero");
+        let past_32_bits = data_file_name(7, 1 << 32, Some(tag));
+        assert_eq!(data_file_tenant(&past_32_bits), None, "named without its tenant");
+        assert!(valid_data_file_name(&past_32_bits));
     }
 
     #[test]
@@ -653,7 +692,7 @@ mod tests {
         let k = AuthKey::derive(&[1u8; 32]);
         let other = AuthKey::derive(&[2u8; 32]);
         let ns = Namespace([3; 32]);
-        let r = Record::Doom { at_unix_ms: 5, names: vec![data_file_name(1, 2)] };
+        let r = Record::Doom { at_unix_ms: 5, names: vec![data_file_name(1, 2, None)] };
         let tagged = r.encode_tagged(Some((&k, &ns, 7)));
         assert_eq!(Record::decode(&tagged).unwrap().unwrap(), (r.clone(), tagged.len()));
         assert!(k.verify_record(&ns, 7, &tagged));

@@ -202,12 +202,10 @@ pub(crate) fn copy_resident_block(sh: &StoreState, key: &BlockKey, out: &mut [u8
 }
 
 /// Writes the tenant of the block being stored in `slot` into its page (`set_page_tenant`), where the
-/// writers below DRAM find it, when blocks are encrypted (`encryption_key_file`); the page stays as it
-/// is otherwise.
+/// writers below DRAM find it: the NVMe writer seals it under that tenant's key (`encryption_key_file`)
+/// and the shared tier's publisher files it with the tenant's other blocks (`tenant_shares_shared_fs`).
+/// Always, so that a slot never passes on its previous block's tenant.
 fn name_tenant(sh: &StoreState, slot: u32, tenant: &TenantId) {
-    if sh.value_cipher.is_none() {
-        return;
-    }
     // SAFETY: the slot is ours (Filling). Only its descriptor page is touched: other processes may be
     // copying into its value area (a reserved put through the shared pool).
     let page = unsafe { std::slice::from_raw_parts_mut(sh.arena.slot_ptr(slot), DESCRIPTOR_BYTES) };

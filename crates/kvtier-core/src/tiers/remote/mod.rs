@@ -11,12 +11,15 @@
 //! - [`lease`]: the evictor lease's rules (which generation is in force, whether a record holds
 //!   others off), so that no forged lease object stops eviction in any tier.
 //! - [`ReadOutcome`], [`StartedRead`]: how a read ends, and a tier's own record of a read in flight.
+//! - [`tenants`]: a remote tier split by tenant: tenant tags in names, the evictor's accounts and
+//!   victims, the labels of the per-tenant figures.
 //! - [`random_nonzero_u64`]: writer ids.
 
 pub mod key;
 pub mod keys;
 pub mod lease;
 pub mod publisher;
+pub mod tenants;
 
 pub use publisher::{PublishSink, Publisher, Refetch};
 

@@ -19,10 +19,12 @@ use super::files::{open_regular, OpenError};
 use super::format::{
     lease_file_name, parse_lease_file_name, unix_ms, valid_data_file_name, Lease, Record, LEASE_BYTES,
 };
+use super::tenants;
 use super::{SharedTier, Usage};
 use crate::error::{Error, Result};
 use crate::stats::Stats;
 use crate::tiers::remote::lease;
+use crate::tiers::remote::tenants::Accounts;
 use std::fs::{File, OpenOptions};
 use std::io::ErrorKind;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
@@ -112,7 +114,14 @@ pub fn tick(tier: &SharedTier) {
     let over_high = usage.fraction() > config.high_watermark;
     let sweep_period = Duration::from_millis((config.orphan_tmp_ms / 4).max(config.grace_ms));
     let sweep_due = st.last_sweep.is_none_or(|t| t.elapsed() >= sweep_period);
-    if !(over_high || doomed_due || sweep_due) {
+    // With a cap, a tenant past it loses files below the watermark too: the accounts are needed then.
+    let accounts = (over_high || config.tenant_shares.max_share.is_some()).then(|| {
+        let room_bytes = (config.low_watermark * usage.capacity_bytes as f64) as u64;
+        let evictable_before = now.saturating_sub(config.grace_ms);
+        tenants::accounts(&tier.index.read(), &config.tenant_shares, room_bytes, evictable_before)
+    });
+    let past_cap = accounts.as_ref().is_some_and(Accounts::past_cap);
+    if !(over_high || doomed_due || sweep_due || past_cap) {
         release_locked(tier, &mut st);
         return;
     }
@@ -122,9 +131,15 @@ pub fn tick(tier: &SharedTier) {
     if doomed_due {
         unlink_doomed(tier, &st);
     }
-    if over_high && !config.fail_on_full {
+    if let Some(mut accounts) = accounts {
         let used = usage.used_bytes.saturating_sub(doomed_bytes);
-        doom_lru(tier, &mut st, used, usage.capacity_bytes);
+        // Below the high watermark (or refusing writes instead of evicting) only the caps take files.
+        let target = if over_high && !config.fail_on_full {
+            (config.low_watermark * usage.capacity_bytes as f64) as u64
+        } else {
+            used
+        };
+        doom(tier, &mut st, &mut accounts, used, target);
     }
     if over_high {
         // Quarantined files are evidence, not cache: under pressure they go first.
@@ -132,8 +147,7 @@ pub fn tick(tier: &SharedTier) {
     }
     if sweep_due {
         st.last_sweep = Some(Instant::now());
-        let own_tmp = tier.writer.try_lock().and_then(|w| w.open.as_ref().map(|o| o.tmp_path.clone()));
-        sweep_tmp(tier, own_tmp.as_deref());
+        sweep_tmp(tier, &tier.open_tmp_paths());
         sweep_dir(tier, &tier.dir.join("quarantine"), config.orphan_tmp_ms);
         doom_unlisted(tier);
     }
@@ -283,33 +297,12 @@ fn unlink_doomed(tier: &SharedTier, st: &EvictorState) {
     }
 }
 
-/// Dooms least recently used files until usage is back at the low watermark.
-fn doom_lru(tier: &SharedTier, st: &mut EvictorState, used_bytes: u64, capacity_bytes: u64) {
-    let config = &tier.config;
-    let target = (config.low_watermark * capacity_bytes as f64) as u64;
-    if used_bytes <= target {
-        return;
-    }
-    let now = unix_ms();
-    let mut candidates: Vec<(u64, String, u64)> = tier
-        .index
-        .read()
-        .files()
-        .filter(|f| f.last_access_unix_ms.saturating_add(config.grace_ms) <= now)
-        .map(|f| (f.last_access_unix_ms, f.name.clone(), f.file_bytes))
-        .collect();
-    candidates.sort_unstable();
-    let mut projected = used_bytes;
-    let mut names = Vec::new();
-    for (_, name, bytes) in candidates {
-        if projected <= target {
-            break;
-        }
-        projected = projected.saturating_sub(bytes);
-        names.push(name);
-    }
-    if names.is_empty() {
-        if !st.warned_nothing_to_evict {
+/// Dooms files until usage is back at `target_bytes` and every tenant at its cap, least recently
+/// used first within a tenant, the tenants in the order of the split (`tenants`).
+fn doom(tier: &SharedTier, st: &mut EvictorState, accounts: &mut Accounts<String>, used_bytes: u64, target_bytes: u64) {
+    let victims = accounts.victims(used_bytes, target_bytes);
+    if victims.is_empty() {
+        if used_bytes > target_bytes && !st.warned_nothing_to_evict {
             log::warn!(
                 "kvtier: shared usage is above shared_high_watermark but no kvtier file is old enough to evict (all read \
                  or published within shared_grace_ms, or the space is used by others)"
@@ -322,21 +315,28 @@ fn doom_lru(tier: &SharedTier, st: &mut EvictorState, used_bytes: u64, capacity_
     if !st.holds_lease() {
         return;
     }
-    let count = names.len();
+    let count = victims.len();
+    let names: Vec<String> = victims.iter().map(|(name, _)| name.clone()).collect();
     // Applying the record drops the files from our index and remembers their sizes with the doom.
-    if let Err(e) = tier.append_records(&[Record::Doom { at_unix_ms: now, names }]) {
+    if let Err(e) = tier.append_records(&[Record::Doom { at_unix_ms: unix_ms(), names }]) {
         log::warn!("kvtier: recording evictions failed: {e}");
         return;
     }
-    log::debug!("kvtier: doomed {count} shared files (usage {used_bytes} of {capacity_bytes})");
+    if tier.config.tenant_shares.enabled() {
+        let mut evicted = tier.tenant_evicted_files.lock();
+        for (_, tag) in &victims {
+            *evicted.entry(*tag).or_default() += 1;
+        }
+    }
+    log::debug!("kvtier: doomed {count} shared files (usage {used_bytes}, target {target_bytes})");
 }
 
 /// Removes temporaries not written for `orphan_tmp_ms` (their writer died).
-fn sweep_tmp(tier: &SharedTier, own: Option<&Path>) {
+fn sweep_tmp(tier: &SharedTier, own: &[std::path::PathBuf]) {
     let Ok(entries) = std::fs::read_dir(tier.dir.join("tmp")) else { return };
     for e in entries.flatten() {
         let path = e.path();
-        if Some(path.as_path()) == own {
+        if own.contains(&path) {
             continue;
         }
         let Ok(m) = e.metadata() else { continue };

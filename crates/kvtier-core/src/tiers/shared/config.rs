@@ -5,6 +5,7 @@
 
 use crate::error::{Error, Result};
 use crate::io::DirectIo;
+use crate::tenant::TenantShares;
 use std::path::PathBuf;
 
 #[derive(Debug, Clone)]
@@ -52,6 +53,10 @@ pub struct SharedConfig {
     /// set (or, unset, when `KVTIER_SHARED_KEY_FILE` names one), every block and manifest record
     /// carries a keyed BLAKE3 tag and nothing untagged or tagged with another key is served.
     pub key_file: Option<PathBuf>,
+    /// The tenants' shares of the tier (the DRAM pool's, `tenant_shares_shared_fs`), as fractions of
+    /// `low_watermark` of the capacity; not enabled: the tier is not split (one file and one
+    /// least-recently-used order for every tenant).
+    pub tenant_shares: TenantShares,
 }
 
 impl SharedConfig {
@@ -72,6 +77,7 @@ impl SharedConfig {
             orphan_tmp_ms: 600_000,
             direct_io: DirectIo::Auto,
             key_file: None,
+            tenant_shares: TenantShares::default(),
         }
     }
 

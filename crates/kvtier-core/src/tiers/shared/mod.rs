@@ -27,6 +27,8 @@
 //! - `maintenance`: the maintenance thread (see below).
 //! - `root`: the checks and probes of the shared root at open, and directory and file creation.
 //! - `files`: every open of an existing file under the root (no FIFO waited on, no symlink followed).
+//! - `tenants`: the tier split by tenant (`SharedConfig::tenant_shares`): the evictor's choice of
+//!   files by tenant, and the per-tenant figures.
 //!
 //! Block data (reads, data-file appends, headers and footers) moves through the tier's own device
 //! queue (`io::start_file_queue`): the I/O layer the NVMe tier uses, with its completion rules,
@@ -45,6 +47,7 @@ mod manifest;
 mod reads;
 mod root;
 mod sink;
+mod tenants;
 mod writer;
 
 pub use config::SharedConfig;
@@ -61,6 +64,7 @@ use crate::key::{BlockKey, Namespace};
 use crate::stats::Stats;
 use crate::tiers::remote::key::{load_key, KeySource, KEY_FILE_ENV};
 use crate::tiers::remote::random_nonzero_u64;
+use crate::tiers::remote::tenants::Labels;
 use files::Opener;
 use format::{fanout_dir, unix_ms, AuthKey, Record};
 use index::{FileId, Index};
@@ -143,6 +147,21 @@ pub struct SharedTier {
 
     /// When the index last finished reading the other writers' manifests (staleness, for metrics).
     last_refresh_unix_ms: AtomicU64,
+    /// Split by tenant: the files this process doomed, by tenant tag (None: the default tenant).
+    tenant_evicted_files: Mutex<HashMap<Option<u32>, u64>>,
+    /// Split by tenant: the labels of the tenants this process knows by their full ids.
+    tenant_labels: Mutex<Labels>,
+}
+
+/// One tenant's part of a shared tier split by tenant (`SharedTier::tenant_figures`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedTenantFigures {
+    /// `tenant_label` of its id when this process knows it, else the 8 hex digits of its files' tag.
+    pub label: String,
+    /// Bytes of its indexed data files.
+    pub bytes: u64,
+    /// Its files this process doomed to make room.
+    pub evicted_files: u64,
 }
 
 fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
@@ -193,7 +212,7 @@ impl SharedTier {
             io,
             index: RwLock::new(Index::default()),
             manifest: Mutex::new(ManifestWriter { file: Some(manifest_file), path: manifest_path, len: 0 }),
-            writer: Mutex::new(WriterState { open: None, next_file_seq: 1 }),
+            writer: Mutex::new(WriterState { open: Vec::new(), next_file_seq: 1 }),
             read_handles: Mutex::new(HashMap::new()),
             opener: Opener::start().map_err(|e| Error::io("starting the shared tier's open thread", e))?,
             pending_access: Mutex::new(HashMap::new()),
@@ -210,6 +229,8 @@ impl SharedTier {
             short_reads_settling: AtomicU64::new(0),
 
             last_refresh_unix_ms: AtomicU64::new(unix_ms()),
+            tenant_evicted_files: Mutex::new(HashMap::new()),
+            tenant_labels: Mutex::new(Labels::naming(&config.tenant_shares)),
         });
         tier.append_records(&[Record::Header {
             namespace,
@@ -351,6 +372,30 @@ impl SharedTier {
     /// Latest usage measured by the maintenance thread.
     pub fn usage(&self) -> Usage {
         *self.last_usage.lock()
+    }
+
+    /// The tier by tenant, largest first, when it is split by tenant (`tenant_shares_shared_fs`);
+    /// empty otherwise. Every tenant with indexed files or files this process doomed.
+    pub fn tenant_figures(&self) -> Vec<SharedTenantFigures> {
+        if !self.config.tenant_shares.enabled() {
+            return Vec::new();
+        }
+        let mut bytes = tenants::bytes_by_tenant(&self.index.read());
+        let evicted = self.tenant_evicted_files.lock().clone();
+        for tag in evicted.keys() {
+            bytes.entry(*tag).or_default();
+        }
+        let labels = self.tenant_labels.lock();
+        let mut figures: Vec<SharedTenantFigures> = bytes
+            .into_iter()
+            .map(|(tag, bytes)| SharedTenantFigures {
+                label: labels.label(tag),
+                bytes,
+                evicted_files: evicted.get(&tag).copied().unwrap_or(0),
+            })
+            .collect();
+        figures.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.label.cmp(&b.label)));
+        figures
     }
 
     pub(crate) fn data_path(&self, name: &str) -> PathBuf {

@@ -1,5 +1,8 @@
 //! Writing: slots appended to this process's open data file through the tier's device queue, and
 //! the file sealed (footer, fdatasync, rename into `data/`) and published by a manifest record.
+//! When the tier is split by tenant (`SharedConfig::tenant_shares`) each tenant's blocks go to an
+//! open file of its own, named with the tenant's tag (`format::data_file_name`), so that the evictor
+//! can account and evict by tenant from the names alone.
 
 use super::files::open_dir;
 use super::format::{
@@ -9,13 +12,14 @@ use super::root::{create_file, make_dir};
 use super::{capacity, io_err, SharedTier};
 use crate::error::{Error, Result};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
-use crate::format::encrypted::seal_slot;
+use crate::format::encrypted::{page_tenant, seal_slot};
 use crate::format::{checksum, ALIGN_BYTES};
 use crate::io::buffer::AlignedBuf;
 use crate::io::device::Transfer;
 use crate::io::OpKind;
 use crate::key::BlockKey;
 use crate::stats::Stats;
+use crate::tiers::remote::tenants::tenant_tag;
 use std::collections::HashSet;
 use std::fs::File;
 use std::path::PathBuf;
@@ -24,6 +28,9 @@ use std::time::{Duration, Instant};
 
 /// Buffers of one vectored write of a data file (IOV_MAX on Linux).
 const MAX_WRITE_IOVECS: usize = 1024;
+/// Files one writer fills at once when the tier is split by tenant (as many as the DRAM pool has
+/// tenant accounts); blocks of tenants past them go to the default tenant's file.
+const MAX_OPEN_FILES: usize = 64;
 
 /// A data file being filled by this process.
 pub(super) struct OpenDataFile {
@@ -31,6 +38,8 @@ pub(super) struct OpenDataFile {
     pub(super) tmp_path: PathBuf,
     name: String,
     file_seq: u64,
+    /// The tenant tag in its name; None: the default tenant's (or the tier is not split).
+    tenant: Option<u32>,
     entries: Vec<IndexEntry>,
     keys: HashSet<BlockKey>,
     cursor: u64,
@@ -38,8 +47,16 @@ pub(super) struct OpenDataFile {
 }
 
 pub(super) struct WriterState {
-    pub(super) open: Option<OpenDataFile>,
+    /// The files being filled: at most one per tenant, and one when the tier is not split.
+    pub(super) open: Vec<OpenDataFile>,
     pub(super) next_file_seq: u64,
+}
+
+impl WriterState {
+    /// Where the open file for `tenant`'s blocks is in `open`, if one is.
+    fn open_for(&self, tenant: Option<u32>) -> Option<usize> {
+        self.open.iter().position(|o| o.tenant == tenant)
+    }
 }
 
 impl SharedTier {
@@ -73,40 +90,75 @@ impl SharedTier {
         .encode(&mut slot[..DESCRIPTOR_BYTES]);
     }
 
-    /// Appends whole slots (as the DRAM tier holds them) to the open data file, sealing and publishing
-    /// files as they reach `file_target_bytes`. Each slot's descriptor and value checksum are checked
-    /// first (a slot that changed under us is skipped). Returns how many were written.
+    /// Appends whole slots (as the DRAM tier holds them) to the open data file of their tenant,
+    /// sealing and publishing files as they reach `file_target_bytes`. Each slot's descriptor and
+    /// value checksum are checked first (a slot that changed under us is skipped). Returns how many
+    /// were written. Split by tenant, the slots are reordered so that each tenant's are together,
+    /// in the order they came (a prompt's first blocks first).
     pub fn append_slots(&self, slots: &mut [(BlockKey, &mut [u8])]) -> usize {
+        if self.config.tenant_shares.enabled() {
+            slots.sort_by_cached_key(|(_, slot)| self.tenant_of(slot));
+        }
         let mut written = 0;
         let mut w = self.writer.lock();
-        let mut i = 0;
-        while i < slots.len() {
-            if w.open.is_none() && !self.start_file_below_limit(&mut w) {
-                Stats::add(&self.stats.shared_publish_errors, (slots.len() - i) as u64);
-                return written;
-            }
-            let batch = self.pick_batch(w.open.as_ref().unwrap(), slots, &mut i);
-            if !batch.is_empty() {
-                if !self.write_batch(&mut w, slots, &batch) {
-                    continue;
-                }
-                written += batch.len();
-            }
-            let open = w.open.as_ref().unwrap();
-            let full = open.cursor + self.slot_bytes as u64 + format::footer_bytes(open.entries.len() + 1) as u64
-                > self.config.file_target_bytes;
-            if full {
-                self.seal(&mut w);
-            }
+        let mut start = 0;
+        while start < slots.len() {
+            let tenant = self.tenant_of(slots[start].1);
+            let run = slots[start..].iter().take_while(|(_, slot)| self.tenant_of(slot) == tenant).count();
+            written += self.append_run(&mut w, tenant, &mut slots[start..start + run]);
+            start += run;
         }
         debug_assert!(written <= slots.len());
         written
     }
 
+    /// The tenant tag of the file a slot goes to: its page's tenant (`mover::name_tenant`) when the
+    /// tier is split by tenant, else None (one file for all).
+    fn tenant_of(&self, slot: &[u8]) -> Option<u32> {
+        if !self.config.tenant_shares.enabled() {
+            return None;
+        }
+        tenant_tag(&page_tenant(&slot[..DESCRIPTOR_BYTES]))
+    }
+
+    /// Appends slots of one tenant to its open file (see `append_slots`).
+    fn append_run(&self, w: &mut WriterState, tenant: Option<u32>, slots: &mut [(BlockKey, &mut [u8])]) -> usize {
+        let tenant = if w.open_for(tenant).is_none() && w.open.len() >= MAX_OPEN_FILES { None } else { tenant };
+        if tenant.is_some() {
+            self.tenant_labels.lock().learn(&page_tenant(&slots[0].1[..DESCRIPTOR_BYTES]));
+        }
+        let mut written = 0;
+        let mut i = 0;
+        while i < slots.len() {
+            let at = match w.open_for(tenant) {
+                Some(at) => at,
+                None if self.start_file_below_limit(w, tenant) => w.open.len() - 1,
+                None => {
+                    Stats::add(&self.stats.shared_publish_errors, (slots.len() - i) as u64);
+                    return written;
+                }
+            };
+            let batch = self.pick_batch(&w.open[at], slots, &mut i);
+            if !batch.is_empty() {
+                if !self.write_batch(w, at, slots, &batch) {
+                    continue;
+                }
+                written += batch.len();
+            }
+            let open = &w.open[at];
+            let full = open.cursor + self.slot_bytes as u64 + format::footer_bytes(open.entries.len() + 1) as u64
+                > self.config.file_target_bytes;
+            if full {
+                self.seal(w, at);
+            }
+        }
+        written
+    }
+
     /// Starts a data file unless the filesystem is too full for a new one, or creating it fails
     /// (logged). Returns whether a file is open now.
-    fn start_file_below_limit(&self, w: &mut WriterState) -> bool {
-        debug_assert!(w.open.is_none(), "one open data file per writer");
+    fn start_file_below_limit(&self, w: &mut WriterState, tenant: Option<u32>) -> bool {
+        debug_assert!(w.open_for(tenant).is_none(), "one open data file per writer and tenant");
         // fail_on_full stops at the high watermark. Otherwise writers still stop at a hard ceiling
         // halfway between the high watermark and full, so that writers outpacing the evictor (whose
         // victims wait out the grace period) cannot fill the filesystem.
@@ -117,7 +169,7 @@ impl SharedTier {
         if usage_now >= limit {
             return false;
         }
-        match self.start_file(w) {
+        match self.start_file(w, tenant) {
             Ok(()) => true,
             Err(e) => {
                 log::warn!("kvtier: starting a shared data file failed: {e}; blocks not published");
@@ -159,8 +211,8 @@ impl SharedTier {
     /// Writes the slots `batch` names at the end of the open file and lists them in it. Returns
     /// whether they were written; if not, the file is abandoned and its blocks, these and those
     /// written before, are counted as errors.
-    fn write_batch(&self, w: &mut WriterState, slots: &[(BlockKey, &mut [u8])], batch: &[usize]) -> bool {
-        let open = w.open.as_mut().unwrap();
+    fn write_batch(&self, w: &mut WriterState, at: usize, slots: &[(BlockKey, &mut [u8])], batch: &[usize]) -> bool {
+        let open = &mut w.open[at];
         debug_assert!(!batch.is_empty(), "an empty batch is not written");
         debug_assert!(open.cursor.is_multiple_of(ALIGN_BYTES as u64), "a data file's cursor off its alignment");
         let bufs: Vec<&[u8]> = batch.iter().map(|&j| &slots[j].1[..self.slot_bytes]).collect();
@@ -184,7 +236,7 @@ impl SharedTier {
             Err(e) => {
                 log::warn!("kvtier: writing shared file {} failed: {e}; abandoning it", open.tmp_path.display());
                 Stats::add(&self.stats.shared_publish_errors, (batch.len() + open.entries.len()) as u64);
-                self.abandon(w);
+                self.abandon(w, at);
                 false
             }
         }
@@ -217,11 +269,11 @@ impl SharedTier {
         ok
     }
 
-    fn start_file(&self, w: &mut WriterState) -> Result<()> {
-        debug_assert!(w.open.is_none(), "one open data file per writer");
+    fn start_file(&self, w: &mut WriterState, tenant: Option<u32>) -> Result<()> {
+        debug_assert!(w.open_for(tenant).is_none(), "one open data file per writer and tenant");
         let file_seq = w.next_file_seq;
         w.next_file_seq += 1;
-        let name = data_file_name(self.writer_id, file_seq);
+        let name = data_file_name(self.writer_id, file_seq, tenant);
         let tmp_path = self.dir.join("tmp").join(format!("{}.tmp", name.trim_end_matches(".kvs")));
         let file = create_file(&self.config, &tmp_path, false, self.direct)?;
         let mut header = AlignedBuf::zeroed(FILE_HEADER_BYTES);
@@ -240,11 +292,12 @@ impl SharedTier {
             let _ = std::fs::remove_file(&tmp_path);
             return Err(Error::io(format!("writing {}", tmp_path.display()), e));
         }
-        w.open = Some(OpenDataFile {
+        w.open.push(OpenDataFile {
             file,
             tmp_path,
             name,
             file_seq,
+            tenant,
             entries: Vec::new(),
             keys: HashSet::new(),
             cursor: FILE_HEADER_BYTES as u64,
@@ -283,16 +336,16 @@ impl SharedTier {
         self.io.run_all(transfers).into_iter().collect()
     }
 
-    fn abandon(&self, w: &mut WriterState) {
-        if let Some(open) = w.open.take() {
-            drop(open.file);
-            let _ = std::fs::remove_file(&open.tmp_path);
-        }
+    fn abandon(&self, w: &mut WriterState, at: usize) {
+        let open = w.open.swap_remove(at);
+        drop(open.file);
+        let _ = std::fs::remove_file(&open.tmp_path);
     }
 
-    /// Seals the open file: footer, fdatasync, rename into `data/`, directory fsync, publish record.
-    fn seal(&self, w: &mut WriterState) {
-        let Some(open) = w.open.take() else { return };
+    /// Seals the open file `w.open[at]`: footer, fdatasync, rename into `data/`, directory fsync,
+    /// publish record.
+    fn seal(&self, w: &mut WriterState, at: usize) {
+        let open = w.open.swap_remove(at);
         if open.entries.is_empty() {
             drop(open.file);
             let _ = std::fs::remove_file(&open.tmp_path);
@@ -351,18 +404,24 @@ impl SharedTier {
         Ok(open.cursor + footer_len as u64)
     }
 
-    /// Publishes the file being filled, if any, whatever its size.
+    /// Publishes the files being filled, whatever their size.
     pub fn flush(&self) {
         let mut w = self.writer.lock();
-        self.seal(&mut w);
+        while !w.open.is_empty() {
+            self.seal(&mut w, 0);
+        }
     }
 
     pub(super) fn seal_if_old(&self) {
         let Some(mut w) = self.writer.try_lock() else { return };
-        let old =
-            w.open.as_ref().is_some_and(|o| o.started.elapsed() >= Duration::from_millis(self.config.publish_delay_ms));
-        if old {
-            self.seal(&mut w);
+        let delay = Duration::from_millis(self.config.publish_delay_ms);
+        while let Some(at) = w.open.iter().position(|o| o.started.elapsed() >= delay) {
+            self.seal(&mut w, at);
         }
+    }
+
+    /// The temporaries of the files being filled (the orphan sweep leaves them alone).
+    pub(super) fn open_tmp_paths(&self) -> Vec<PathBuf> {
+        self.writer.try_lock().map(|w| w.open.iter().map(|o| o.tmp_path.clone()).collect()).unwrap_or_default()
     }
 }
