@@ -470,6 +470,48 @@ def test_budget_evicts_the_least_recently_read_segments_first(rgw, nodes, bucket
         time.sleep(0.1)
 
 
+@pytest.mark.parametrize("split", [True, False])
+def test_split_by_tenant_a_flood_loses_its_own_segments_and_the_quiet_tenant_keeps_its(rgw, nodes, bucket, split):
+    """Two segments of a quiet tenant, then eight of a flood, over a budget of six: the evictor brings the
+    bucket to 90% of the budget. Split by tenant (``tenant_shares_bucket``, shares 0.4 each), the flood,
+    past its share, gives up its own segments, and the quiet tenant's, the oldest, stay for another node
+    to read; in one order for everyone (the control) they go first."""
+    budget = 6 * bucket["bucket_segment_bytes"]
+    options = {
+        **bucket,
+        "bucket_budget_bytes": budget,
+        "bucket_lease_ms": 1000,
+        "bucket_request_timeout_ms": 1000,
+        "tenant_dram_share": 0.4,
+        "tenant_shares_bucket": split,
+    }
+    writer = nodes.open("writer", **options)
+    quiet, flood = list(range(16)), list(range(100, 164))
+    writer.assign_tenant([key(i) for i in quiet], kvtier.tenant_id("quiet"))
+    publish(writer, quiet)
+    time.sleep(1.1)  # S3 modification times have a resolution of one second: the quiet segments are older
+    for first in range(0, 64, 8):
+        chunk = flood[first : first + 8]
+        writer.assign_tenant([key(i) for i in chunk], kvtier.tenant_id("flood"))
+        publish(writer, chunk)
+    prefix = bucket["bucket_url"].removeprefix(f"s3://{BUCKET}/")
+    total = _wait_under_budget(rgw, prefix, int(0.9 * budget))
+    assert total <= 0.9 * budget, f"{total} bytes of segments stayed over 90% of the {budget}-byte budget"
+    fresh = nodes.open("fresh", **bucket)  # its DRAM holds nothing: every hit comes from the bucket
+    assert wait_visible(fresh, [key(flood[-1])])
+    served = load(fresh, quiet)
+    stats = writer.stats()
+    quiet_label, flood_label = kvtier.tenant_id("quiet")[:8].hex(), kvtier.tenant_id("flood")[:8].hex()
+    if split:
+        assert all(served), f"the flood took {served.count(False)} of the quiet tenant's blocks"
+        assert stats[f"tenant_bucket_bytes:{quiet_label}"] == 2 * bucket["bucket_segment_bytes"]
+        assert stats[f"tenant_bucket_evicted_segments:{quiet_label}"] == 0
+        assert stats[f"tenant_bucket_evicted_segments:{flood_label}"] >= 5, stats
+    else:
+        assert not any(served), "the oldest segments, the quiet tenant's, went first"
+        assert not any(name.startswith("tenant_bucket") for name in stats)
+
+
 def _lease_objects(rgw: Rgw, prefix: str) -> list[str]:
     return sorted(k for k, _ in rgw.keys(prefix) if "/lease/" in k)
 

@@ -48,6 +48,7 @@ def valid_values(tmp_path):
         "tenant_dram_max_share": 0.6,
         "tenant_shares_nvme": False,
         "tenant_shares_shared_fs": False,
+        "tenant_shares_bucket": False,
         "write_budget_nvme_bytes_per_day": 64 << 30,
         "write_budget_shared_bytes_per_day": 32 << 30,
         "write_budget_bucket_bytes_per_day": 16 << 30,

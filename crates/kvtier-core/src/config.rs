@@ -85,6 +85,8 @@ pub struct StoreConfig {
     pub tenant_shares_nvme: bool,
     /// Whether the shared-filesystem tier is split by tenant with the DRAM pool's shares and cap.
     pub tenant_shares_shared_fs: bool,
+    /// Whether the object tier's segments are split by tenant with the DRAM pool's shares and cap.
+    pub tenant_shares_bucket: bool,
     /// The shared-filesystem and object tiers' write budgets in bytes per day; 0 = unbounded.
     pub write_budget_shared_bytes_per_day: u64,
     pub write_budget_bucket_bytes_per_day: u64,
@@ -162,6 +164,7 @@ impl StoreConfig {
             tenant_dram_max_share: 0.0,
             tenant_shares_nvme: true,
             tenant_shares_shared_fs: true,
+            tenant_shares_bucket: true,
             write_budget_shared_bytes_per_day: 0,
             write_budget_bucket_bytes_per_day: 0,
             write_budget_burst_s: 86_400,
@@ -961,6 +964,17 @@ pub static OPTIONS: &[ConfigOption] = &[
         description: "Whether the tenant shares and cap of the DRAM pool (`tenant_dram_share`, `tenant_dram_shares`, `tenant_dram_max_share`) split the shared-filesystem tier too, as fractions of `shared_low_watermark` of its capacity: each tenant's blocks go to data files of its own, and above the high watermark the evictor takes files from the tenants past their shares first; a tenant past its cap loses its least recently used files even below the watermark. false: one least-recently-used order for every tenant (docs/tenants.md).",
         set: |c, v| c.tenant_shares_shared_fs = v.bool(),
         get: |c| Some(OptionValue::Bool(c.tenant_shares_shared_fs)),
+    },
+    ConfigOption {
+        name: "tenant_shares_bucket",
+        field: "tenant_shares_bucket",
+        python: true,
+        kind: OptionKind::Bool,
+        unset: "",
+        constraint: "bool",
+        description: "Whether the tenant shares and cap of the DRAM pool (`tenant_dram_share`, `tenant_dram_shares`, `tenant_dram_max_share`) split the object tier too, as fractions of 0.9 of `bucket_budget_bytes`: each tenant's blocks go to segments of its own, and over the budget the evictor deletes the segments of the tenants past their shares first; a tenant past its cap loses its least recently used segments under the budget too. Only with a budget. false: one least-recently-used order for every tenant (docs/tenants.md).",
+        set: |c, v| c.tenant_shares_bucket = v.bool(),
+        get: |c| Some(OptionValue::Bool(c.tenant_shares_bucket)),
     },
     ConfigOption {
         name: "tenant_dram_shares",

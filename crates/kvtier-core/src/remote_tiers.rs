@@ -106,6 +106,8 @@ pub(crate) struct RemoteTiers {
     tiers: Vec<Remote>,
     /// The shared-filesystem tier again, for the operator's tools that only it has (scrub, usage).
     shared_fs: Option<Arc<SharedTier>>,
+    /// The object tier again, for its per-tenant figures.
+    bucket: Option<Arc<BucketTier>>,
     stats: Arc<Stats>,
     /// `remote_read_stall_ms`; zero: a load waits for its remote reads however long they take.
     stall_floor: Duration,
@@ -136,8 +138,14 @@ impl RemoteTiers {
             let named = ("shared filesystem", Tier::Shared);
             tiers.push(Remote::start(tier, named, config, config.write_budget_shared_bytes_per_day)?);
         }
+        let mut bucket = None;
         if let Some(c) = &config.bucket {
-            let tier = BucketTier::open(c, namespace, config.object_bytes, Arc::clone(stats))?;
+            let mut c = c.clone();
+            if config.tenant_shares_bucket {
+                c.tenant_shares = config.tenant_shares()?;
+            }
+            let tier = BucketTier::open(&c, namespace, config.object_bytes, Arc::clone(stats))?;
+            bucket = Some(Arc::clone(&tier));
             if let Some(cipher) = cipher {
                 tier.encrypt_with(Arc::clone(cipher));
             }
@@ -145,12 +153,25 @@ impl RemoteTiers {
             tiers.push(Remote::start(tier, named, config, config.write_budget_bucket_bytes_per_day)?);
         }
         let stall_floor = Duration::from_millis(config.remote_read_stall_ms);
-        Ok(RemoteTiers { tiers, shared_fs, stats: Arc::clone(stats), stall_floor })
+        Ok(RemoteTiers { tiers, shared_fs, bucket, stats: Arc::clone(stats), stall_floor })
     }
 
     /// The shared-filesystem tier, for what only it offers (`kvtier verify`'s scrub, usage facts).
     pub(crate) fn shared_fs(&self) -> Option<&Arc<SharedTier>> {
         self.shared_fs.as_ref()
+    }
+
+    /// The remote tiers split by tenant, per tenant (`Store::stats`' tenant fields): each tier's
+    /// bytes and what this process evicted of them, `<figure>:<tenant label>`.
+    pub(crate) fn tenant_fields(&self) -> Vec<(String, u64)> {
+        let shared = self.shared_fs.iter().flat_map(|t| t.tenant_figures()).map(|t| ("shared", "files", t));
+        let bucket = self.bucket.iter().flat_map(|t| t.tenant_figures()).map(|t| ("bucket", "segments", t));
+        let mut fields = Vec::new();
+        for (tier, unit, t) in shared.chain(bucket) {
+            fields.push((format!("tenant_{tier}_bytes:{}", t.label), t.bytes));
+            fields.push((format!("tenant_{tier}_evicted_{unit}:{}", t.label), t.evicted));
+        }
+        fields
     }
 
     /// Whether any remote tier indexes the block and is offered (memory only): a sick tier in its

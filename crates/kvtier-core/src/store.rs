@@ -399,8 +399,9 @@ impl Store {
 
     /// The DRAM pool by tenant: `tenant_dram_bytes`, `tenant_dram_guaranteed_bytes`,
     /// `tenant_dram_evictions`, with a cap `tenant_dram_cap_bytes` and, with the NVMe tier split too,
-    /// `tenant_nvme_bytes` and `tenant_nvme_reclaimed_regions`, with the shared-filesystem tier split
-    /// too `tenant_shared_bytes` and `tenant_shared_evicted_files`, each `:<tenant label>`, and
+    /// `tenant_nvme_bytes` and `tenant_nvme_reclaimed_regions`, with the remote tiers split too
+    /// `tenant_shared_bytes`, `tenant_shared_evicted_files`, `tenant_bucket_bytes` and
+    /// `tenant_bucket_evicted_segments`, each `:<tenant label>`, and
     /// `untracked_tenant_blocks`; nothing when the pool is not split. `tenant_keys` (1) when blocks
     /// are encrypted under their tenant's key: either way stores are to be named by tenant.
     fn tenant_fields(&self) -> Vec<(String, u64)> {
@@ -428,12 +429,7 @@ impl Store {
                 fields.push((format!("tenant_nvme_reclaimed_regions:{}", g.label), nvme.reclaimed_regions));
             }
         }
-        if let Some(shared) = self.state.remote.shared_fs() {
-            for t in shared.tenant_figures() {
-                fields.push((format!("tenant_shared_bytes:{}", t.label), t.bytes));
-                fields.push((format!("tenant_shared_evicted_files:{}", t.label), t.evicted_files));
-            }
-        }
+        fields.extend(self.state.remote.tenant_fields());
         fields
     }
 

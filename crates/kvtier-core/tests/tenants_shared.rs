@@ -1,5 +1,5 @@
 //! The shared-filesystem tier split by tenant (`tenant_shares_shared_fs`, docs/tenants.md "Shares of
-//! the shared-filesystem tier"): a tenant that floods the tier past its capacity loses its own files
+//! the remote tiers"): a tenant that floods the tier past its capacity loses its own files
 //! to the evictor and leaves a quiet tenant's, which another node still reads; one least-recently-used
 //! order for everyone loses them. The cap takes a tenant's files below the watermark too.
 

@@ -239,6 +239,18 @@ NAMESPACE_FAMILIES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         ("tenant",),
         "A tenant's shared-filesystem data files this process evicted (tenants past their shares or caps first)",
     ),
+    (
+        "kvtier_tenant_bucket_bytes",
+        "gauge",
+        ("tenant",),
+        "Bytes of a tenant's segments in the bucket (with tenant shares, tenant_shares_bucket and a bucket budget)",
+    ),
+    (
+        "kvtier_tenant_bucket_evicted_segments",
+        "counter",
+        ("tenant",),
+        "A tenant's bucket segments this process evicted (tenants past their shares or caps first)",
+    ),
 )
 # Per-tenant values, named ``<value>:<tenant>`` by the service: (family, value name).
 TENANT_VALUES: tuple[tuple[str, str], ...] = (
@@ -250,6 +262,8 @@ TENANT_VALUES: tuple[tuple[str, str], ...] = (
     ("kvtier_tenant_nvme_reclaimed_regions", "tenant_nvme_reclaimed_regions"),
     ("kvtier_tenant_shared_bytes", "tenant_shared_bytes"),
     ("kvtier_tenant_shared_evicted_files", "tenant_shared_evicted_files"),
+    ("kvtier_tenant_bucket_bytes", "tenant_bucket_bytes"),
+    ("kvtier_tenant_bucket_evicted_segments", "tenant_bucket_evicted_segments"),
 )
 # Values a family shows as the service reports them: (family, the labels after ``namespace`` and
 # ``model``, the service's value name).

@@ -220,6 +220,8 @@ TENANT_FIGURES = (
     ("nvme_reclaimed_regions", "tenant_nvme_reclaimed_regions"),
     ("shared_bytes", "tenant_shared_bytes"),
     ("shared_evicted_files", "tenant_shared_evicted_files"),
+    ("bucket_bytes", "tenant_bucket_bytes"),
+    ("bucket_evicted_segments", "tenant_bucket_evicted_segments"),
 )
 
 
@@ -510,6 +512,10 @@ def _tenants_table(tenants: list[dict[str, Any]], untracked: int, output: Output
         header += ["shared used", "shared files evicted"]
         for row, t in zip(rows, tenants, strict=True):
             row += [human_bytes(t.get("shared_bytes", 0)), str(t.get("shared_evicted_files", 0))]
+    if any("bucket_bytes" in t for t in tenants):
+        header += ["bucket used", "bucket segments evicted"]
+        for row, t in zip(rows, tenants, strict=True):
+            row += [human_bytes(t.get("bucket_bytes", 0)), str(t.get("bucket_evicted_segments", 0))]
     title = "DRAM pool by tenant (tenant: hash of its cache_salt)"
     if untracked:
         title += f", {untracked} block(s) of tenants past the first 64 counted as default"

@@ -6,15 +6,18 @@
 //! `acc/<writer 16 hex>.kva`, with the latest read of each segment it still indexes. The lease holder,
 //! when over budget, reads them all (several in flight; one it read before and that did not change
 //! is not read again) and evicts by last use: the later of the segment's modification time and its
-//! latest read anywhere (`eviction_order`). It also deletes access objects that can only name
+//! latest read anywhere (`accounts_of`; split by tenant, the tenants past their shares give up
+//! segments first, `tiers::remote::tenants`). It also deletes access objects that can only name
 //! deleted segments (older than every segment listed) and garbage ones.
 
-use super::format::{stem, Framing};
+use super::format::{stem, stem_tenant, Framing};
 use super::BucketTier;
 use crate::format::shared::{unix_ms, AuthKey};
 use crate::format::{get_u64, put_u64, ParseError};
 use crate::key::Namespace;
 use crate::stats::Stats;
+use crate::tenant::TenantShares;
+use crate::tiers::remote::tenants::Accounts;
 use object_store::path::Path as ObjectPath;
 use object_store::ObjectMeta;
 use parking_lot::Mutex;
@@ -123,20 +126,33 @@ impl AccessObject {
 }
 
 /// A segment as the evictor orders it: its stem (or, for an object kvtier did not name, its file
-/// name), its modification time, and what the caller needs to evict it.
+/// name), its modification time and size, and what the caller needs to evict it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Candidate<T> {
     pub(super) stem: String,
     pub(super) modified_unix_ms: u64,
+    pub(super) bytes: u64,
     pub(super) item: T,
 }
 
-/// Least recently used first: by the later of the segment's modification time (its write) and its
-/// latest read in `reads` (stem -> unix ms), then by stem, so that the order is the same everywhere.
-pub(super) fn eviction_order<T>(mut segments: Vec<Candidate<T>>, reads: &HashMap<String, u64>) -> Vec<T> {
+/// The segments by tenant (`tiers::remote::tenants`: by the tag in their stems, when `shares` split
+/// the tier), each last used at the later of its modification time (its write) and its latest read
+/// in `reads` (stem -> unix ms); within a tenant least recently used first, then by stem, so that
+/// the order is the same everywhere. `room_bytes`: what the shares are fractions of.
+pub(super) fn accounts_of<T>(
+    mut segments: Vec<Candidate<T>>,
+    reads: &HashMap<String, u64>,
+    shares: &TenantShares,
+    room_bytes: u64,
+) -> Accounts<T> {
     let last_use = |c: &Candidate<T>| c.modified_unix_ms.max(reads.get(&c.stem).copied().unwrap_or(0));
     segments.sort_by(|a, b| (last_use(a), &a.stem).cmp(&(last_use(b), &b.stem)));
-    segments.into_iter().map(|c| c.item).collect()
+    let mut accounts = Accounts::new(shares, room_bytes);
+    for c in segments {
+        let used_at = last_use(&c);
+        accounts.add(stem_tenant(&c.stem), c.bytes, Some((used_at, c.item)));
+    }
+    accounts
 }
 
 /// What the evictor does with a listed access object.
@@ -438,7 +454,30 @@ mod tests {
     }
 
     fn candidate(stem: &str, modified_unix_ms: u64) -> Candidate<String> {
-        Candidate { stem: stem.to_string(), modified_unix_ms, item: stem.to_string() }
+        Candidate { stem: stem.to_string(), modified_unix_ms, bytes: 1, item: stem.to_string() }
+    }
+
+    /// The whole tier's eviction order, not split by tenant.
+    fn eviction_order(segments: Vec<Candidate<String>>, reads: &HashMap<String, u64>) -> Vec<String> {
+        let mut accounts = accounts_of(segments, reads, &TenantShares::default(), 0);
+        accounts.victims(u64::MAX, 0).into_iter().map(|(stem, _)| stem).collect()
+    }
+
+    #[test]
+    fn split_by_tenant_a_tenant_past_its_share_gives_up_its_segments_first() {
+        let quiet = crate::tenant::tenant_id(b"quiet");
+        let tag = crate::tiers::remote::tenants::tenant_tag(&quiet);
+        let shares = TenantShares { default_share: 0.1, named: vec![(quiet, 0.5)], max_share: None };
+        let quiet_stem = stem(1, super::super::format::tenant_seq(0, tag));
+        let segments = vec![
+            Candidate { stem: quiet_stem, modified_unix_ms: 10, bytes: 30, item: "quiet".to_string() },
+            Candidate { stem: stem(2, 0), modified_unix_ms: 20, bytes: 30, item: "flood-1".to_string() },
+            Candidate { stem: stem(2, 1), modified_unix_ms: 30, bytes: 30, item: "flood-2".to_string() },
+        ];
+        let mut accounts = accounts_of(segments.clone(), &HashMap::new(), &shares, 100);
+        let victims: Vec<String> = accounts.victims(90, 50).into_iter().map(|(item, _)| item).collect();
+        assert_eq!(victims, ["flood-1", "flood-2"], "the oldest segment is the quiet tenant's, within its share");
+        assert_eq!(eviction_order(segments, &HashMap::new()), ["quiet", "flood-1", "flood-2"], "not split");
     }
 
     #[test]

@@ -4,6 +4,7 @@
 
 use super::format::SEGMENT_HEADER_BYTES;
 use crate::error::{Error, Result};
+use crate::tenant::TenantShares;
 use std::path::PathBuf;
 
 /// `bucket_segment_bytes` unset (0): the fewest whole blocks that reach this many bytes ...
@@ -48,6 +49,9 @@ pub struct BucketConfig {
     pub lease_ms: u64,
     /// Deployment key file (as `shared_key_file`); unset: `KVTIER_SHARED_KEY_FILE` if set, else no MAC.
     pub key_file: Option<PathBuf>,
+    /// The tenants' shares of the namespace's segments (the DRAM pool's, `tenant_shares_bucket`), as
+    /// fractions of 0.9 of `budget_bytes` (where eviction stops); not enabled: the tier is not split.
+    pub tenant_shares: TenantShares,
 }
 
 impl BucketConfig {
@@ -65,6 +69,7 @@ impl BucketConfig {
             request_timeout_ms: 10_000,
             lease_ms: 10_000,
             key_file: None,
+            tenant_shares: TenantShares::default(),
         }
     }
 

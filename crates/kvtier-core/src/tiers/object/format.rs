@@ -129,6 +129,27 @@ pub fn stem(writer_id: u64, seq: u64) -> String {
     format!("{writer_id:016x}-{seq:016x}")
 }
 
+/// A segment's sequence number: the store's `count`-th segment, with a tenant's tag (the tier split
+/// by tenant) in the high 32 bits. The stem keeps its pattern, so every version reads, serves and
+/// evicts a tenant's segments. Past 2^32 segments from one store (petabytes) the tag is left out, so
+/// that names stay unique (such a count reads as a tag: those segments are misattributed, not lost).
+pub fn tenant_seq(count: u64, tenant: Option<u32>) -> u64 {
+    match tenant {
+        Some(tag) if count <= u32::MAX as u64 => (tag as u64) << 32 | count,
+        _ => count,
+    }
+}
+
+/// The tenant tag a stem's sequence carries (`tenant_seq`); None: the default tenant's, a segment
+/// written before the split, or no stem kvtier writes.
+pub fn stem_tenant(stem: &str) -> Option<u32> {
+    if !valid_stem(stem) {
+        return None;
+    }
+    let seq = u64::from_str_radix(&stem[17..], 16).ok()?;
+    Some((seq >> 32) as u32).filter(|&tag| tag != 0)
+}
+
 /// Whether `stem` is one kvtier writes (anything else under the prefix is ignored).
 pub fn valid_stem(stem: &str) -> bool {
     stem.len() == 33
@@ -375,5 +396,10 @@ mod tests {
         page[50] ^= 1;
         assert!(SegmentHeader::decode(&page).is_err());
         assert!(valid_stem(&stem(1, 2)) && !valid_stem("x") && !valid_stem(&stem(0xab, 2).to_uppercase()));
+        let tagged = stem(1, tenant_seq(2, Some(0x1234_abcd)));
+        assert!(valid_stem(&tagged) && stem_tenant(&tagged) == Some(0x1234_abcd), "{tagged}");
+        assert_eq!(stem_tenant(&stem(1, tenant_seq(2, None))), None, "the default tenant's");
+        assert_eq!(tenant_seq(1 << 32, Some(7)), 1 << 32, "past 2^32 segments: no tag, names stay unique");
+        assert_eq!(stem_tenant("not a stem"), None);
     }
 }

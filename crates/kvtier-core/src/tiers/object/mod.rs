@@ -30,6 +30,7 @@ use crate::key::{BlockKey, Namespace};
 use crate::stats::Stats;
 use crate::tiers::remote::key::{load_key, KeySource, KEY_FILE_ENV};
 use crate::tiers::remote::keys::KeyIndex;
+use crate::tiers::remote::tenants::{figures, Labels, TenantFigures};
 use crate::tiers::remote::{random_nonzero_u64, ReadOutcome};
 use object_store::path::Path as ObjectPath;
 use object_store::ObjectStore;
@@ -53,6 +54,8 @@ struct Loc {
 struct Segment {
     /// Every block it holds, whether its copy is the one in use or another's is.
     keys: Vec<BlockKey>,
+    /// Its length, as its index object gives it.
+    bytes: u64,
 }
 
 /// The blocks of every segment whose index object the bucket listed. A block in several segments
@@ -74,7 +77,7 @@ impl Index {
             self.blocks.insert(e.key, loc);
         }
         let keys = index.entries.iter().map(|e| e.key).collect();
-        self.segments.insert(stem, Segment { keys });
+        self.segments.insert(stem, Segment { keys, bytes: index.segment_bytes });
     }
 
     /// Drops one block of `stem` (refused by verification); the segment's other blocks stay, and
@@ -132,7 +135,11 @@ pub struct BucketTier {
     /// Listed objects longer than their format allows, already reported (never fetched; see
     /// `list_within`), by path.
     oversized: Mutex<HashSet<String>>,
-    writer: Mutex<writer::SegmentWriter>,
+    writer: Mutex<writer::SegmentWriters>,
+    /// Split by tenant: the segments this process evicted, by tenant tag (None: the default tenant).
+    tenant_evicted_segments: Mutex<HashMap<Option<u32>, u64>>,
+    /// Split by tenant: the labels of the tenants this process knows by their full ids.
+    tenant_labels: Mutex<Labels>,
     auth: Option<AuthKey>,
     /// Encryption at rest of the values it publishes (`encryption_key_file`, `encrypt_with`).
     cipher: OnceLock<Arc<ValueCipher>>,
@@ -177,7 +184,9 @@ impl BucketTier {
         })?;
         let base = if prefix.is_empty() { namespace.hex() } else { format!("{prefix}/{}", namespace.hex()) };
         let tier = Arc::new(BucketTier {
-            writer: Mutex::new(writer::SegmentWriter::new()),
+            writer: Mutex::new(writer::SegmentWriters::new()),
+            tenant_evicted_segments: Mutex::new(HashMap::new()),
+            tenant_labels: Mutex::new(Labels::naming(&config.tenant_shares)),
             read_permits: Arc::new(tokio::sync::Semaphore::new(config.reads_in_flight)),
             config: config.clone(),
             namespace,
@@ -239,6 +248,19 @@ impl BucketTier {
 
     pub fn stats(&self) -> &Arc<Stats> {
         &self.stats
+    }
+
+    /// The tier by tenant, largest first, when it is split by tenant (`tenant_shares_bucket`); empty
+    /// otherwise. Every tenant with indexed segments or segments this process evicted.
+    pub fn tenant_figures(&self) -> Vec<TenantFigures> {
+        if !self.config.tenant_shares.enabled() {
+            return Vec::new();
+        }
+        let mut bytes = HashMap::new();
+        for (stem, segment) in &self.index.read().segments {
+            *bytes.entry(format::stem_tenant(stem)).or_default() += segment.bytes;
+        }
+        figures(bytes, &self.tenant_evicted_segments.lock(), &self.tenant_labels.lock())
     }
 
     pub fn contains(&self, key: &BlockKey) -> bool {

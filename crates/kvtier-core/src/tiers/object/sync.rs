@@ -1,7 +1,7 @@
 //! The bucket side of the index: connecting, listing index objects into the in-memory index
 //! (`refresh`), the byte budget (`evict`), and the maintenance thread that runs both.
 
-use super::access::{eviction_order, Candidate};
+use super::access::{accounts_of, Candidate};
 use super::format::{self, SegmentIndex};
 use super::{BucketConfig, BucketTier};
 use crate::error::{Error, Result};
@@ -9,12 +9,28 @@ use crate::stats::Stats;
 use object_store::aws::AmazonS3Builder;
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectMeta, ObjectStore, RetryConfig};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Eviction stops at this fraction of the budget, so that it runs in batches, not per segment.
 const LOW_WATER: f64 = 0.9;
+
+fn modified_ms(m: &ObjectMeta) -> u64 {
+    m.last_modified.timestamp_millis().max(0) as u64
+}
+
+/// Listed segments as the evictor's candidates, by their stems.
+fn candidates(segments: Vec<ObjectMeta>) -> Vec<Candidate<ObjectMeta>> {
+    segments
+        .into_iter()
+        .map(|m| {
+            let name = m.location.filename().unwrap_or_default();
+            let stem = name.strip_suffix(".kvo").unwrap_or(name).to_string();
+            Candidate { stem, modified_unix_ms: modified_ms(&m), bytes: m.size, item: m }
+        })
+        .collect()
+}
 
 /// The S3 client: credentials, region and endpoint from the environment and the credential chain
 /// (`AWS_ACCESS_KEY_ID`, web identity, ECS, instance metadata; no profile files), the bucket and endpoint from the
@@ -189,8 +205,9 @@ impl BucketTier {
     /// Keeps the namespace's segments under `bucket_budget_bytes` (run by the lease holder): when the
     /// listed segments exceed it, the least recently used are deleted (index object first, so readers
     /// stop choosing them) down to 90%. Last use: the later of a segment's modification time and its
-    /// latest read in any store's access object (`access.rs`).
-    /// Returns how many segments were evicted.
+    /// latest read in any store's access object (`access.rs`). Split by tenant, the segments of the
+    /// tenants past their shares of that 90% go first, and a tenant past its cap loses segments under
+    /// the budget too (`tiers::remote::tenants`). Returns how many segments were evicted.
     pub fn evict(&self) -> Result<usize> {
         if self.config.budget_bytes == 0 {
             return Ok(0);
@@ -200,28 +217,22 @@ impl BucketTier {
         // Doomed segments are gone for the budget: counting them again would evict more.
         let doomed: HashSet<String> = self.doomed.lock().iter().map(|(path, _)| path.to_string()).collect();
         segments.retain(|m| !doomed.contains(m.location.as_ref()));
-        let mut total: u64 = segments.iter().map(|m| m.size).sum();
-        if total <= self.config.budget_bytes {
+        let total: u64 = segments.iter().map(|m| m.size).sum();
+        let (shares, room_bytes) = (&self.config.tenant_shares, (self.config.budget_bytes as f64 * LOW_WATER) as u64);
+        let over_budget = total > self.config.budget_bytes;
+        // A cap applies under the budget too; whether one is passed is seen by write times alone.
+        let past_cap = shares.max_share.is_some()
+            && accounts_of(candidates(segments.clone()), &HashMap::new(), shares, room_bytes).past_cap();
+        if !over_budget && !past_cap {
             return Ok(0);
         }
-        let modified_ms = |m: &ObjectMeta| m.last_modified.timestamp_millis().max(0) as u64;
         let oldest_ms = segments.iter().map(modified_ms).min().unwrap_or(0);
-        // Read only when over budget: the access objects cost a LIST and GETs, and only this uses them.
+        // Read only when evicting: the access objects cost a LIST and GETs, and only this uses them.
         let reads = self.latest_reads(oldest_ms);
-        let candidates = segments
-            .into_iter()
-            .map(|m| {
-                let name = m.location.filename().unwrap_or_default();
-                let stem = name.strip_suffix(".kvo").unwrap_or(name).to_string();
-                Candidate { stem, modified_unix_ms: modified_ms(&m), item: m }
-            })
-            .collect();
-        let target = (self.config.budget_bytes as f64 * LOW_WATER) as u64;
+        let mut accounts = accounts_of(candidates(segments), &reads, shares, room_bytes);
+        let target = if over_budget { room_bytes } else { total };
         let mut evicted = 0;
-        for m in eviction_order(candidates, &reads) {
-            if total <= target {
-                break;
-            }
+        for (m, tag) in accounts.victims(total, target) {
             let Some(stem) = m.location.filename().and_then(|f| f.strip_suffix(".kvo")).map(str::to_string) else {
                 continue;
             };
@@ -231,9 +242,11 @@ impl BucketTier {
             if self.delete(&self.index_path(&stem)).is_ok() {
                 self.doomed.lock().push((m.location, Instant::now()));
                 Stats::add(&self.stats.bucket_evicted_segments, 1);
+                if shares.enabled() {
+                    *self.tenant_evicted_segments.lock().entry(tag).or_default() += 1;
+                }
                 evicted += 1;
             }
-            total = total.saturating_sub(m.size);
         }
         Ok(evicted)
     }

@@ -1,45 +1,69 @@
 //! Publishing: slots gathered into one segment in memory, then written with one PUT of the segment
-//! and one PUT of its index object (only the index makes the blocks visible to others).
+//! and one PUT of its index object (only the index makes the blocks visible to others). When the
+//! tier is split by tenant (`BucketConfig::tenant_shares`) each tenant's blocks go to a segment of
+//! its own, whose sequence number carries the tenant's tag in its high 32 bits (`format::stem`), so
+//! that the evictor accounts segments by tenant from their names.
 
 use super::format::{self, Entry, SegmentHeader, SegmentIndex, SEGMENT_HEADER_BYTES};
 use super::BucketTier;
 use crate::format::checksum;
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
-use crate::format::encrypted::seal_slot;
+use crate::format::encrypted::{page_tenant, seal_slot};
 use crate::format::shared::{unix_ms, BLOCK_TAG_AT, TAG_BYTES};
 use crate::key::BlockKey;
 use crate::stats::Stats;
+use crate::tiers::remote::tenants::tenant_tag;
 use object_store::PutPayload;
 use std::collections::HashSet;
 use std::time::Instant;
 
-/// The segment being filled by this store's publisher.
+/// Segments one store fills at once when the tier is split by tenant (as many as the DRAM pool has
+/// tenant accounts); blocks of tenants past them go to the default tenant's segment.
+const MAX_OPEN_SEGMENTS: usize = 64;
+
+/// A segment being filled by this store's publisher, for one tenant.
 pub(super) struct SegmentWriter {
+    /// Its tenant's tag; None: the default tenant's (or the tier is not split).
+    tenant: Option<u32>,
     buf: Vec<u8>,
     entries: Vec<Entry>,
     keys: HashSet<BlockKey>,
-    seq: u64,
     first_at: Option<Instant>,
 }
 
-impl SegmentWriter {
+/// The segments this store's publisher fills: at most one per tenant, one when not split.
+pub(super) struct SegmentWriters {
+    open: Vec<SegmentWriter>,
+    /// The next segment's number (each segment's sequence carries it in its low 32 bits).
+    next_seq: u64,
+}
+
+impl SegmentWriters {
     pub(super) fn new() -> Self {
-        SegmentWriter {
-            buf: vec![0; SEGMENT_HEADER_BYTES],
-            entries: Vec::new(),
-            keys: HashSet::new(),
-            seq: 0,
-            first_at: None,
-        }
+        SegmentWriters { open: Vec::new(), next_seq: 0 }
     }
 
-    fn take(&mut self) -> (Vec<u8>, Vec<Entry>, u64) {
-        let buf = std::mem::replace(&mut self.buf, vec![0; SEGMENT_HEADER_BYTES]);
-        let entries = std::mem::take(&mut self.entries);
-        self.keys.clear();
-        self.first_at = None;
-        self.seq += 1;
-        (buf, entries, self.seq - 1)
+    /// Where the segment filling for `tenant` is, opened if none is.
+    fn open_for(&mut self, tenant: Option<u32>) -> usize {
+        let tenant = if self.open.len() >= MAX_OPEN_SEGMENTS { None } else { tenant };
+        if let Some(at) = self.open.iter().position(|w| w.tenant == tenant) {
+            return at;
+        }
+        let buf = vec![0; SEGMENT_HEADER_BYTES];
+        self.open.push(SegmentWriter { tenant, buf, entries: Vec::new(), keys: HashSet::new(), first_at: None });
+        self.open.len() - 1
+    }
+
+    fn holds(&self, key: &BlockKey) -> bool {
+        self.open.iter().any(|w| w.keys.contains(key))
+    }
+
+    /// Takes segment `at` out to publish: its bytes, entries and sequence number.
+    fn take(&mut self, at: usize) -> (Vec<u8>, Vec<Entry>, u64) {
+        let w = self.open.swap_remove(at);
+        let seq = format::tenant_seq(self.next_seq, w.tenant);
+        self.next_seq += 1;
+        (w.buf, w.entries, seq)
     }
 }
 
@@ -53,20 +77,36 @@ impl BucketTier {
             if self.contains(key) || !self.slot_is_sound(key, slot) {
                 continue;
             }
-            let mut w = self.writer.lock();
-            if w.keys.contains(key) {
+            let mut writers = self.writer.lock();
+            if writers.holds(key) {
                 continue;
             }
-            if !self.append_one(&mut w, key, slot) {
+            let at = writers.open_for(self.tenant_of(slot));
+            if !self.append_one(&mut writers.open[at], key, slot) {
                 continue;
             }
             appended += 1;
+            let w = &writers.open[at];
             debug_assert!(w.entries.len() <= self.segment_blocks, "a full segment is sealed at once");
             if w.entries.len() == self.segment_blocks {
-                self.seal(&mut w);
+                self.seal(&mut writers, at);
             }
         }
         appended
+    }
+
+    /// The tenant tag of the segment a slot goes to: its page's tenant when the tier is split by
+    /// tenant, else None (one segment for all).
+    fn tenant_of(&self, slot: &[u8]) -> Option<u32> {
+        if !self.config.tenant_shares.enabled() {
+            return None;
+        }
+        let id = page_tenant(&slot[..DESCRIPTOR_BYTES]);
+        let tag = tenant_tag(&id);
+        if tag.is_some() {
+            self.tenant_labels.lock().learn(&id);
+        }
+        tag
     }
 
     fn slot_is_sound(&self, key: &BlockKey, slot: &[u8]) -> bool {
@@ -111,26 +151,34 @@ impl BucketTier {
         true
     }
 
-    /// Publishes the open segment if it holds blocks.
+    /// Publishes the open segments that hold blocks.
     pub fn flush(&self) {
-        let mut w = self.writer.lock();
-        if !w.entries.is_empty() {
-            self.seal(&mut w);
+        let mut writers = self.writer.lock();
+        while !writers.open.is_empty() {
+            self.seal(&mut writers, 0);
         }
     }
 
-    /// Publishes the open segment if its first block waited `bucket_publish_delay_ms`.
+    /// Publishes the open segments whose first block waited `bucket_publish_delay_ms`.
     pub(super) fn publish_if_due(&self) {
-        let mut w = self.writer.lock();
-        if w.first_at.is_some_and(|t| t.elapsed().as_millis() as u64 >= self.config.publish_delay_ms) {
-            self.seal(&mut w);
+        let mut writers = self.writer.lock();
+        let delay_ms = self.config.publish_delay_ms;
+        while let Some(at) =
+            writers.open.iter().position(|w| w.first_at.is_some_and(|t| t.elapsed().as_millis() as u64 >= delay_ms))
+        {
+            self.seal(&mut writers, at);
         }
     }
 
-    /// Writes the segment, then its index object; only then are its blocks in this store's index.
-    /// A failed PUT loses the segment's blocks (a cache; counted in `bucket_dropped_publishes`).
-    fn seal(&self, w: &mut SegmentWriter) {
-        let (mut buf, entries, seq) = w.take();
+    /// Writes segment `at`, then its index object; only then are its blocks in this store's index.
+    /// A failed PUT loses the segment's blocks (a cache; counted in `bucket_dropped_publishes`). An
+    /// empty segment is dropped.
+    fn seal(&self, writers: &mut SegmentWriters, at: usize) {
+        if writers.open[at].entries.is_empty() {
+            writers.open.swap_remove(at);
+            return;
+        }
+        let (mut buf, entries, seq) = writers.take(at);
         debug_assert!(
             !entries.is_empty() && entries.len() <= self.segment_blocks,
             "a segment of {} blocks",

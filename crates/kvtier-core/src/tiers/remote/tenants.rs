@@ -175,6 +175,38 @@ impl Labels {
     }
 }
 
+/// One tenant's part of a remote tier split by tenant, for the stats and the metrics.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TenantFigures {
+    /// `tenant_label` of its id when this process knows it, else the 8 hex digits of its tag.
+    pub label: String,
+    /// Bytes of its files or segments the tier's index lists.
+    pub bytes: u64,
+    /// Its files or segments this process evicted (as the evictor lease holder).
+    pub evicted: u64,
+}
+
+/// The figures of every tenant with indexed bytes or evictions, largest first.
+pub fn figures(
+    mut bytes: HashMap<Option<u32>, u64>,
+    evicted: &HashMap<Option<u32>, u64>,
+    labels: &Labels,
+) -> Vec<TenantFigures> {
+    for tag in evicted.keys() {
+        bytes.entry(*tag).or_default();
+    }
+    let mut figures: Vec<TenantFigures> = bytes
+        .into_iter()
+        .map(|(tag, bytes)| TenantFigures {
+            label: labels.label(tag),
+            bytes,
+            evicted: evicted.get(&tag).copied().unwrap_or(0),
+        })
+        .collect();
+    figures.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.label.cmp(&b.label)));
+    figures
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

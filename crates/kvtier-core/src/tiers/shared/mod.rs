@@ -64,7 +64,7 @@ use crate::key::{BlockKey, Namespace};
 use crate::stats::Stats;
 use crate::tiers::remote::key::{load_key, KeySource, KEY_FILE_ENV};
 use crate::tiers::remote::random_nonzero_u64;
-use crate::tiers::remote::tenants::Labels;
+use crate::tiers::remote::tenants::{figures, Labels, TenantFigures};
 use files::Opener;
 use format::{fanout_dir, unix_ms, AuthKey, Record};
 use index::{FileId, Index};
@@ -151,17 +151,6 @@ pub struct SharedTier {
     tenant_evicted_files: Mutex<HashMap<Option<u32>, u64>>,
     /// Split by tenant: the labels of the tenants this process knows by their full ids.
     tenant_labels: Mutex<Labels>,
-}
-
-/// One tenant's part of a shared tier split by tenant (`SharedTier::tenant_figures`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SharedTenantFigures {
-    /// `tenant_label` of its id when this process knows it, else the 8 hex digits of its files' tag.
-    pub label: String,
-    /// Bytes of its indexed data files.
-    pub bytes: u64,
-    /// Its files this process doomed to make room.
-    pub evicted_files: u64,
 }
 
 fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
@@ -376,26 +365,12 @@ impl SharedTier {
 
     /// The tier by tenant, largest first, when it is split by tenant (`tenant_shares_shared_fs`);
     /// empty otherwise. Every tenant with indexed files or files this process doomed.
-    pub fn tenant_figures(&self) -> Vec<SharedTenantFigures> {
+    pub fn tenant_figures(&self) -> Vec<TenantFigures> {
         if !self.config.tenant_shares.enabled() {
             return Vec::new();
         }
-        let mut bytes = tenants::bytes_by_tenant(&self.index.read());
-        let evicted = self.tenant_evicted_files.lock().clone();
-        for tag in evicted.keys() {
-            bytes.entry(*tag).or_default();
-        }
-        let labels = self.tenant_labels.lock();
-        let mut figures: Vec<SharedTenantFigures> = bytes
-            .into_iter()
-            .map(|(tag, bytes)| SharedTenantFigures {
-                label: labels.label(tag),
-                bytes,
-                evicted_files: evicted.get(&tag).copied().unwrap_or(0),
-            })
-            .collect();
-        figures.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.label.cmp(&b.label)));
-        figures
+        let bytes = tenants::bytes_by_tenant(&self.index.read());
+        figures(bytes, &self.tenant_evicted_files.lock(), &self.tenant_labels.lock())
     }
 
     pub(crate) fn data_path(&self, name: &str) -> PathBuf {
