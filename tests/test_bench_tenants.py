@@ -156,6 +156,33 @@ def test_the_nvme_plan_puts_the_documents_on_nvme_within_the_quiet_tenants_share
         plan_of("--small", "--nvme-regions", "-1")
 
 
+def test_the_shared_plan_puts_the_documents_on_the_shared_tier_within_the_quiet_tenants_share(tmp_path) -> None:
+    """``--shared-files``: the pool cut to its staging slots, a shared tier of that many files of its own
+    per server, the documents within the quiet tenant's share of its room, the flood past the whole
+    tier between two uses of a document."""
+    plan = plan_of("--small", "--shared-files", "24")
+    assert (plan["kvtier_row"], plan["pool_blocks"], plan["file_blocks"]) == ("kvtier-dram", 8, 4)
+    assert plan["file_bytes"] == 8192 + 4 * plan["slot_bytes"] and plan["nvme_gib"] == 0
+    assert plan["shared_capacity_bytes"] == 24 * plan["file_bytes"]
+    assert plan["quiet_files"] == 3 + 1 <= int(plan["share"] * 0.6 * 24)
+    flood_blocks = plan["docs"] * plan["flood_per_round"] * (plan["flood_len"] // plan["block_tokens"])
+    assert flood_blocks > 24 * plan["file_blocks"], "the flood passes the whole tier between two uses"
+    options = tenants.row_options(plan, "flood-shares")
+    assert options["shared_capacity_bytes"] == plan["shared_capacity_bytes"] and options["shared_grace_ms"] == 1000
+    assert tenants.RowServer(plan, "alone", options, tmp_path).options["shared_root"] == str(tmp_path / "alone/shared")
+    assert "shared_root" not in tenants.RowServer(plan_of("--small"), "alone", {}, tmp_path).options
+    short = plan_of("--small", "--shared-files", "12")  # a 0.4 share of 0.6 of 12 is 2 files, the documents take 4
+    rows = [row("alone", 0.6), row("flood", 0.1), row("flood-shares", 0.6, tenants=shares_counters(short, 0))]
+    assert "take 4 shared files, more than its guaranteed 2" in "\n".join(tenants.judge(short, rows))
+    for argv in (["--shared-files", "-1"], ["--shared-files", "8", "--nvme-regions", "8"]):
+        with pytest.raises(tenants.TenantsError):
+            plan_of("--small", *argv)
+    stats = {f"tenant_shared_bytes:{tenants.tenant_label('quiet')}": 3 << 20}
+    stats[f"tenant_shared_evicted_files:{tenants.tenant_label('flood')}"] = 30
+    line = tenants.table_rows([row("flood-shares", 0.6, tenants=tenants.tenant_stats(stats))], shared=True)[0]
+    assert len(line) == len(tenants.TABLE_HEADER + tenants.SHARED_COLUMNS) and line[-2:] == ["3.0", "- / 30"]
+
+
 def test_the_cap_row_is_named_to_run_and_judged_like_the_shares_row() -> None:
     plan = plan_of("--small", "--rows", "alone,flood,flood-cap", "--cap", "0.4")
     assert plan_of("--small")["rows"] == ["alone", "flood", "flood-shares"], "not a default row (CI's time)"

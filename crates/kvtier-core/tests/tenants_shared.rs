@@ -131,3 +131,38 @@ fn a_tenant_past_its_cap_loses_its_oldest_files_below_the_watermark() {
     assert!(field(&store, "tenant_shared_evicted_files:default").is_none_or(|n| n == 0));
     store.close().unwrap();
 }
+
+/// The flood fills the tier to its hard ceiling with files too young to evict (a long grace period):
+/// split, the quiet tenant, under its share, still publishes its blocks past the ceiling; in one
+/// order for everyone its publishes are refused there with everyone else's.
+#[test]
+fn a_tenant_under_its_share_publishes_past_a_ceiling_the_flood_filled() {
+    for split in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = cfg(&dir.path().join("node-a"), &dir.path().join("shared"), split);
+        let shared = c.shared.as_mut().unwrap();
+        // The ceiling at 0.85 of 4 MiB: room for the quiet tenant's two files between it and full.
+        (shared.grace_ms, shared.high_watermark, shared.low_watermark) = (60_000, 0.7, 0.6);
+        let store = Store::open(c).unwrap();
+        for chunk in (1000..1000 + 100).collect::<Vec<_>>().chunks(4) {
+            store.assign_tenant(&chunk.iter().map(|&i| key(i)).collect::<Vec<_>>(), &tenant_id(b"flood"));
+            put(&store, chunk);
+            store.flush().unwrap();
+        }
+        let refused_before = store.stats().counters.shared_publish_errors;
+        assert!(refused_before > 0, "the flood reached the ceiling");
+        let quiet: Vec<u64> = (0..8).collect();
+        store.assign_tenant(&quiet.iter().map(|&i| key(i)).collect::<Vec<_>>(), &tenant_id(b"quiet"));
+        put(&store, &quiet);
+        store.flush().unwrap();
+        let refused = store.stats().counters.shared_publish_errors - refused_before;
+        let published = store.locate_many(&quiet.iter().map(|&i| key(i)).collect::<Vec<_>>());
+        eprintln!("split {split}: {refused} of the quiet tenant's refused, {published:?}");
+        if split {
+            assert_eq!(refused, 0, "the quiet tenant was refused at the ceiling");
+        } else {
+            assert_eq!(refused, quiet.len() as u64, "one order: refused with everyone");
+        }
+        store.close().unwrap();
+    }
+}

@@ -53,6 +53,14 @@ NVMe tier too (``tenant_shares_nvme``, true by default): a document must fit the
 of the regions (checked), and the table adds the quiet tenant's NVMe bytes and the regions reclaimed
 from each tenant.
 
+``--shared-files N``: the same with the quiet tenant's documents on kvtier's shared-filesystem tier
+instead (a directory of the row's, ``shared_root``; the pool cut as above, no NVMe tier): a tier of
+``N`` data files of ``--file-blocks`` blocks (``shared_capacity_bytes``, ``shared_file_bytes``; a short
+``shared_grace_ms``, so that eviction keeps up with the flood), the flood past the whole tier between
+two uses of a document. The shares row's share splits that tier too (``tenant_shares_shared_fs``, true
+by default): a document must fit the quiet tenant's share of the tier's room (checked), and the table
+adds the quiet tenant's bytes on the tier and the files evicted from each tenant.
+
 Output: the table (also ``--out DIR``/``table.md``), ``--json``: the result document on stdout;
 ``--out DIR``/``results.json`` and the servers' logs.
 """
@@ -80,7 +88,17 @@ PROTECTED_ROWS = {"flood-shares": "the share", "flood-cap": "the cap"}  # rows t
 QUIET, FLOOD = "quiet", "flood"
 KVTIER_ROW = "kvtier-dram"  # serve_servers' row whose store options the rows use: DRAM only
 KVTIER_NVME_ROW = "kvtier-nvme"  # with --nvme-regions: DRAM over NVMe
-NVME_POOL_BLOCKS = 8  # with --nvme-regions, the DRAM pool unless --pool-blocks: hardly more than staging
+NVME_POOL_BLOCKS = 8  # with --nvme-regions or --shared-files, the DRAM pool unless --pool-blocks: staging
+# With --shared-files: a data file's header page and footer (a few entries), and the tier's options
+# beside its size: eviction past a grace period of a second, files published within a fifth of one,
+# and watermarks that leave the ceiling ((high + 1) / 2: 0.85) room below full for a few files of a
+# tenant under its share while the flood's files wait out their grace period.
+SHARED_FILE_FRAMING_BYTES = 8192
+SHARED_LOW_WATERMARK = 0.6  # the room the shares are fractions of
+SHARED_TIER_OPTIONS = {
+    "shared_grace_ms": 1000, "shared_staleness_ms": 200, "shared_publish_delay_ms": 200,
+    "shared_high_watermark": 0.7, "shared_low_watermark": SHARED_LOW_WATERMARK,
+}  # fmt: skip
 TRAILER_ROOM_BYTES = 64 << 10  # a region's trailer (its entries' list) fits in this, for a few blocks
 MIN_RATIO = 0.9  # issue 40: the quiet tenant keeps at least this share of its hit rate alone
 LOCAL_HIT_LIMIT = 0.1  # at most this share of the quiet tenant's hits from vLLM's own cache
@@ -112,6 +130,7 @@ TABLE_HEADER = [
     "flood prompt tok/s", "quiet in pool MiB", "quiet guaranteed MiB", "quiet evicted", "flood evicted", "failed",
 ]  # fmt: skip
 NVME_COLUMNS = ["quiet on NVMe MiB", "regions reclaimed quiet / flood"]  # with --nvme-regions
+SHARED_COLUMNS = ["quiet on shared MiB", "files evicted quiet / flood"]  # with --shared-files
 
 
 class TenantsError(RuntimeError):
@@ -154,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the quiet tenant's documents on an NVMe tier of this many regions (default 0: DRAM only)",
     )
     parser.add_argument("--region-blocks", type=int, default=4, help="blocks per NVMe region (default 4)")
+    parser.add_argument(
+        "--shared-files",
+        type=int,
+        default=0,
+        help="the quiet tenant's documents on a shared-filesystem tier of this many files (default 0: none)",
+    )
+    parser.add_argument("--file-blocks", type=int, default=4, help="blocks per shared data file (default 4)")
     parser.add_argument("--vllm-kv-gib", type=int, help="VLLM_CPU_KVCACHE_SPACE, GiB (default 2; --small: 1)")
     parser.add_argument(
         "--start-together",
@@ -175,7 +201,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     for name, default in sizes.items():
         value = getattr(args, name)
         plan[name] = default if value is None else value
-    if args.nvme_regions and args.pool_blocks is None:
+    if (args.nvme_regions or args.shared_files) and args.pool_blocks is None:
         plan["pool_blocks"] = NVME_POOL_BLOCKS
     rows = [row.strip() for row in args.rows.split(",") if row.strip()]
     unknown = [row for row in rows if row not in ROWS]
@@ -209,7 +235,26 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     plan["start_together"] = args.start_together or args.small
     plan["quiet_blocks"] = plan["docs"] * plan["doc_blocks"]  # the quiet tenant's working set in the pool
     plan.update(nvme_plan(args, plan))
+    plan.update(shared_plan(args, plan))
     return plan
+
+
+def shared_plan(args: argparse.Namespace, plan: dict[str, Any]) -> dict[str, Any]:
+    """With ``--shared-files``: the shared tier's file size and capacity (the row options read them), and
+    how many files the quiet tenant's documents take."""
+    if args.shared_files < 0 or args.file_blocks < 1:
+        raise TenantsError("--shared-files must be at least 0 and --file-blocks at least 1")
+    if not args.shared_files:
+        return {"shared_files": 0}
+    if args.nvme_regions:
+        raise TenantsError("--shared-files and --nvme-regions measure one tier each: choose one")
+    file_bytes = SHARED_FILE_FRAMING_BYTES + args.file_blocks * plan["slot_bytes"]
+    # A file per document at least (its last partly filled), and one being filled.
+    quiet_files = -(-plan["quiet_blocks"] // args.file_blocks) + 1
+    return {
+        "shared_files": args.shared_files, "file_blocks": args.file_blocks, "file_bytes": file_bytes,
+        "quiet_files": quiet_files, "shared_capacity_bytes": args.shared_files * file_bytes,
+    }  # fmt: skip
 
 
 def nvme_plan(args: argparse.Namespace, plan: dict[str, Any]) -> dict[str, Any]:
@@ -331,10 +376,10 @@ def tenant_stats(stats: dict[str, int]) -> dict[str, dict[str, int]]:
     names = {tenant_label(QUIET): QUIET, tenant_label(FLOOD): FLOOD, "default": "default"}
     tenants: dict[str, dict[str, int]] = {}
     for name, value in stats.items():
-        if not name.startswith(("tenant_dram_", "tenant_nvme_")) or ":" not in name:
+        if not name.startswith(("tenant_dram_", "tenant_nvme_", "tenant_shared_")) or ":" not in name:
             continue
         counter, label = name.split(":", 1)
-        # DRAM figures keep their short names (bytes, evictions); NVMe ones are nvme_bytes and so on.
+        # DRAM figures keep their short names (bytes, evictions); the others are nvme_bytes, shared_bytes...
         figure = counter.removeprefix("tenant_dram_").removeprefix("tenant_")
         tenants.setdefault(names.get(label, label), {})[figure] = int(value)
     return tenants
@@ -392,6 +437,9 @@ def row_options(plan: dict[str, Any], row: str) -> dict[str, Any]:
     options: dict[str, Any] = {"load_policy": "always"}
     if plan["nvme_regions"]:
         options["region_bytes"] = plan["region_bytes"]
+    if plan["shared_files"]:
+        options.update(SHARED_TIER_OPTIONS)
+        options.update(shared_capacity_bytes=plan["shared_capacity_bytes"], shared_file_bytes=plan["file_bytes"])
     if row == "flood-shares":
         options["tenant_dram_share"] = plan["share"]
     if row == "flood-cap":
@@ -415,6 +463,10 @@ class RowServer:
         self.name, self.options = name, options
         self.row_dir = out_dir / name
         self.store = self.row_dir / "store"
+        self.shared_root: Path | None = None
+        if plan["shared_files"]:  # a shared tier of the server's own, beside its store
+            self.shared_root = self.row_dir / "shared"
+            self.options = {**options, "shared_root": str(self.shared_root)}
         self.socket = default_socket_path(self.store)
         self.server: Any = None
         self.healthy = False
@@ -426,6 +478,8 @@ class RowServer:
         if self.server is not None or self.problems:
             return
         try:
+            if self.shared_root is not None:
+                self.shared_root.mkdir(parents=True, exist_ok=True)
             self.server, log_path, _ = serve_servers.start_server(
                 plan, plan["kvtier_row"], 0, self.row_dir, [self.store], [], self.options
             )
@@ -456,6 +510,8 @@ class RowServer:
         if not stop_service(self.socket):
             self.problems.append(f"the kvtier service on {self.socket} did not stop")
         shutil.rmtree(self.store, ignore_errors=True)
+        if self.shared_root is not None:
+            shutil.rmtree(self.shared_root, ignore_errors=True)
 
 
 def run_row(plan: dict[str, Any], row: str, row_index: int, host: RowServer, started: float) -> dict[str, Any]:
@@ -487,7 +543,10 @@ def run_row(plan: dict[str, Any], row: str, row_index: int, host: RowServer, sta
         record["vllm_cache_tokens"] = metrics
         record["kvtier"] = {
             counter: int(stats.get(counter, 0)) - int(stats_before.get(counter, 0))
-            for counter in ("dram_hits", "nvme_hits", "dram_evictions", "puts")
+            for counter in (
+                "dram_hits", "nvme_hits", "shared_hits", "dram_evictions", "puts", "shared_files_published",
+                "shared_publish_errors", "shared_evicted_files", "shared_dropped_publishes",
+            )  # fmt: skip
         }
         record["tenants"] = tenant_stats(stats)
         record["pool"] = {
@@ -617,15 +676,11 @@ def cap_problems(plan: dict[str, Any], record: dict[str, Any], alone_rate: float
     room the flood's cap leaves it."""
     problems = protection_problems(record, alone_rate)
     room = min(plan["cap"], 1 - plan["cap"])
-    need, have, unit = (
-        (plan["quiet_regions"], int(room * plan["nvme_regions"]), "NVMe regions")
-        if plan["nvme_regions"]
-        else (plan["quiet_blocks"], int(room * plan["pool_blocks"]), "pool blocks")
-    )
+    need, have, unit = quiet_need_and_room(plan, room)
     if need > have:
         problems.append(
             f"flood-cap: the quiet tenant's documents take {need} {unit}, more than the {have} a cap of "
-            f"{plan['cap']} leaves it (more --pool-blocks or --nvme-regions)"
+            f"{plan['cap']} leaves it (more --pool-blocks, --nvme-regions or --shared-files)"
         )
     return problems
 
@@ -636,12 +691,12 @@ def shares_problems(plan: dict[str, Any], record: dict[str, Any], alone_rate: fl
     quiet = tenants.get(QUIET)
     if not quiet or FLOOD not in tenants:
         return problems  # protection_problems named the missing counters
-    if plan["nvme_regions"]:
-        guaranteed_regions = int(plan["share"] * plan["nvme_regions"])
-        if guaranteed_regions < plan["quiet_regions"]:
+    if plan["nvme_regions"] or plan["shared_files"]:
+        need, have, unit = quiet_need_and_room(plan, plan["share"])
+        if have < need:
             problems.append(
-                f"flood-shares: the quiet tenant's documents take {plan['quiet_regions']} NVMe regions, more than "
-                f"its guaranteed {guaranteed_regions} (more --nvme-regions or --share)"
+                f"flood-shares: the quiet tenant's documents take {need} {unit}, more than its guaranteed "
+                f"{have} (more --nvme-regions, --shared-files or --share)"
             )
     elif quiet.get("guaranteed_bytes", 0) < plan["quiet_blocks"] * plan["slot_bytes"]:
         problems.append(
@@ -649,6 +704,16 @@ def shares_problems(plan: dict[str, Any], record: dict[str, Any], alone_rate: fl
             f"{quiet.get('guaranteed_bytes', 0)} bytes (more --pool-blocks or --share)"
         )
     return problems
+
+
+def quiet_need_and_room(plan: dict[str, Any], fraction: float) -> tuple[int, int, str]:
+    """What the quiet tenant's documents take in the tier the run measures, and ``fraction`` of that
+    tier (of the shared tier's room, its low watermark's share of its capacity), in that tier's unit."""
+    if plan["nvme_regions"]:
+        return plan["quiet_regions"], int(fraction * plan["nvme_regions"]), "NVMe regions"
+    if plan["shared_files"]:
+        return plan["quiet_files"], int(fraction * SHARED_LOW_WATERMARK * plan["shared_files"]), "shared files"
+    return plan["quiet_blocks"], int(fraction * plan["pool_blocks"]), "pool blocks"
 
 
 def _number(value: float | None, digits: int = 2) -> str:
@@ -659,8 +724,9 @@ def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / 2**20:.1f}"
 
 
-def table_rows(rows: list[dict[str, Any]], nvme: bool = False) -> list[list[str]]:
-    """The table's lines; ``nvme``: with ``NVME_COLUMNS`` (``--nvme-regions``)."""
+def table_rows(rows: list[dict[str, Any]], nvme: bool = False, shared: bool = False) -> list[list[str]]:
+    """The table's lines; ``nvme``: with ``NVME_COLUMNS`` (``--nvme-regions``); ``shared``: with
+    ``SHARED_COLUMNS`` (``--shared-files``)."""
     lines = []
     for record in rows:
         ttft = record.get("quiet_ttft_ms") or {}
@@ -679,6 +745,9 @@ def table_rows(rows: list[dict[str, Any]], nvme: bool = False) -> list[list[str]
         if nvme:
             reclaimed = f"{quiet.get('nvme_reclaimed_regions', '-')} / {flood.get('nvme_reclaimed_regions', '-')}"
             lines[-1] += [_mib(quiet.get("nvme_bytes")), reclaimed]
+        if shared:
+            evicted = f"{quiet.get('shared_evicted_files', '-')} / {flood.get('shared_evicted_files', '-')}"
+            lines[-1] += [_mib(quiet.get("shared_bytes")), evicted]
     return lines
 
 
@@ -705,15 +774,16 @@ def main(argv: list[str] | None = None) -> int:
         started,
         f"{plan['preset']}: {plan['docs']} documents of {plan['doc_len']} tokens, {plan['quiet_requests']} quiet "
         f"requests, {plan['flood_per_round']} flood prompts of {plan['flood_len']} tokens a round; pool "
-        f"{plan['pool_blocks']} blocks, vLLM {plan['vllm_blocks']}, NVMe {plan['nvme_regions']} regions; "
+        f"{plan['pool_blocks']} blocks, vLLM {plan['vllm_blocks']}, NVMe {plan['nvme_regions']} regions, shared "
+        f"tier {plan['shared_files']} files; "
         f"results {out_dir}",
     )
     with serve.own_runtime_dir():
         run_rows(plan, out_dir, started, document)
     document["problems"] = judge(plan, document["rows"])
-    nvme = bool(plan["nvme_regions"])
-    header = TABLE_HEADER + NVME_COLUMNS if nvme else TABLE_HEADER
-    table = markdown_table(header, table_rows(document["rows"], nvme))
+    nvme, shared = bool(plan["nvme_regions"]), bool(plan["shared_files"])
+    header = TABLE_HEADER + (NVME_COLUMNS if nvme else []) + (SHARED_COLUMNS if shared else [])
+    table = markdown_table(header, table_rows(document["rows"], nvme, shared))
     (out_dir / "table.md").write_text(table + "\n")
     (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
     report = sys.stderr if args.json else sys.stdout

@@ -98,6 +98,15 @@ impl<T> Accounts<T> {
         }
     }
 
+    /// Whether the tenant `tag` names holds less than its share (split by tenant; never when not).
+    pub fn under_its_share(&mut self, tag: Option<u32>) -> bool {
+        if !self.split {
+            return false;
+        }
+        let a = self.account(tag);
+        self.held[a] < self.guaranteed[a]
+    }
+
     /// Whether a tenant holds more than its cap and has an item that may go.
     pub fn past_cap(&self) -> bool {
         (0..self.tags.len()).any(|a| self.held[a] > self.cap && !self.candidates[a].is_empty())
@@ -262,6 +271,15 @@ mod tests {
         assert!(a.past_cap());
         assert_eq!(names(&a.victims(40, 80)), ["f0"], "30 of a 25-byte cap: one item goes");
         assert!(!a.past_cap());
+    }
+
+    #[test]
+    fn a_tenant_is_under_its_share_until_it_holds_it() {
+        let shares = TenantShares { default_share: 0.2, named: vec![], max_share: None };
+        let mut a = accounts(&[(Some(1), 1, 10), (Some(2), 2, 30)], &shares, 100);
+        assert!(a.under_its_share(Some(1)) && !a.under_its_share(Some(2)), "10 and 30 of a 20-byte share");
+        assert!(a.under_its_share(Some(3)) && a.under_its_share(None), "holding nothing");
+        assert!(!accounts(&[], &TenantShares::default(), 100).under_its_share(None), "not split");
     }
 
     #[test]

@@ -34,7 +34,7 @@ pub struct SharedConfig {
     /// Files 0o640 and directories 0o750 (a group of service accounts shares the root) instead of
     /// 0o600 / 0o700.
     pub group_shared: bool,
-    /// Test and quota seam: when set, usage is the physical size (st_blocks) of the files under the
+    /// A quota on the filesystem: when set, usage is the physical size (st_blocks) of the files under the
     /// namespace directory and the capacity is this many bytes, instead of statvfs of the whole
     /// filesystem.
     pub capacity_bytes: Option<u64>,

@@ -9,7 +9,7 @@ use super::format::{
     self, data_file_name, unix_ms, FileHeader, IndexEntry, Record, BLOCK_TAG_AT, FILE_HEADER_BYTES, TAG_BYTES,
 };
 use super::root::{create_file, make_dir};
-use super::{capacity, io_err, SharedTier};
+use super::{capacity, io_err, tenants, SharedTier};
 use crate::error::{Error, Result};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::format::encrypted::{page_tenant, seal_slot};
@@ -165,8 +165,8 @@ impl SharedTier {
         let limit = if self.config.fail_on_full { self.config.high_watermark } else { self.config.hard_ceiling() };
         // Measured afresh (one statvfs) rather than from the maintenance thread's last pass: a
         // stale figure lets every writer start files past the ceiling between two passes.
-        let usage_now = capacity::measure_usage(self).map(|u| u.fraction()).unwrap_or_else(|_| self.usage().fraction());
-        if usage_now >= limit {
+        let usage = capacity::measure_usage(self).unwrap_or_else(|_| self.usage());
+        if usage.fraction() >= limit && !self.may_pass_the_ceiling(tenant, usage) {
             return false;
         }
         match self.start_file(w, tenant) {
@@ -176,6 +176,20 @@ impl SharedTier {
                 false
             }
         }
+    }
+
+    /// Split by tenant, a tenant under its share of the tier's room starts files past the hard
+    /// ceiling, until the tier is full: the files that fill it to the ceiling are then other
+    /// tenants', waiting out their grace period before the evictor may take them, and a tenant within
+    /// its share does not pay for them (its share is a floor, as in the DRAM pool). A file started
+    /// just under full may pass it by up to its size. Never with `fail_on_full`.
+    fn may_pass_the_ceiling(&self, tenant: Option<u32>, usage: super::Usage) -> bool {
+        let shares = &self.config.tenant_shares;
+        if !shares.enabled() || self.config.fail_on_full || usage.fraction() >= 1.0 {
+            return false;
+        }
+        let room_bytes = (self.config.low_watermark * usage.capacity_bytes as f64) as u64;
+        tenants::accounts(&self.index.read(), shares, room_bytes, 0).under_its_share(tenant)
     }
 
     /// The indices of the slots from `slots[*next..]` to write next: as many as fit `open` (at least
