@@ -131,6 +131,11 @@ TABLE_HEADER = [
 ]  # fmt: skip
 NVME_COLUMNS = ["quiet on NVMe MiB", "regions reclaimed quiet / flood"]  # with --nvme-regions
 SHARED_COLUMNS = ["quiet on shared MiB", "files evicted quiet / flood"]  # with --shared-files
+# The service's counters each row records (their change over the row).
+ROW_COUNTERS = (
+    "dram_hits", "nvme_hits", "shared_hits", "dram_evictions", "puts", "shared_files_published",
+    "shared_publish_errors", "shared_evicted_files", "shared_dropped_publishes",
+)  # fmt: skip
 
 
 class TenantsError(RuntimeError):
@@ -542,11 +547,7 @@ def run_row(plan: dict[str, Any], row: str, row_index: int, host: RowServer, sta
         stats = dict(service_stats(host.socket))
         record["vllm_cache_tokens"] = metrics
         record["kvtier"] = {
-            counter: int(stats.get(counter, 0)) - int(stats_before.get(counter, 0))
-            for counter in (
-                "dram_hits", "nvme_hits", "shared_hits", "dram_evictions", "puts", "shared_files_published",
-                "shared_publish_errors", "shared_evicted_files", "shared_dropped_publishes",
-            )  # fmt: skip
+            counter: int(stats.get(counter, 0)) - int(stats_before.get(counter, 0)) for counter in ROW_COUNTERS
         }
         record["tenants"] = tenant_stats(stats)
         record["pool"] = {
