@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.bench import tenants
+from kvtier.bench import tenants, tenants_judge
 
 
 def plan_of(*argv: str) -> dict[str, Any]:
@@ -194,7 +194,7 @@ def test_the_cap_row_is_named_to_run_and_judged_like_the_shares_row() -> None:
     problems = "\n".join(tenants.judge(plan, rows))
     assert "the cap did not protect it" in problems and "no tenant counters" in problems
     tight = plan_of("--small", "--rows", "flood-cap", "--cap", "0.2")  # 8 of 40 blocks, the documents take 12
-    assert "take 12 pool blocks, more than the 8" in "\n".join(tenants.cap_problems(tight, rows[2], None))
+    assert "take 12 pool blocks, more than the 8" in "\n".join(tenants_judge.cap_problems(tight, rows[2], None))
     for cap in ("0", "1"):
         with pytest.raises(tenants.TenantsError):
             plan_of("--small", "--cap", cap)
@@ -237,13 +237,13 @@ def test_bench_tenants_small_a_share_keeps_the_quiet_tenants_hits(tmp_path) -> N
     assert [record["row"] for record in document["rows"]] == ["alone", "flood", "flood-shares"]
     for record in document["rows"]:
         assert record["quiet_failed"] == 0 and record["flood_failed"] == 0
-        assert record["local_hit_share"] <= tenants.LOCAL_HIT_LIMIT  # hits from kvtier's pool, not vLLM's cache
+        assert record["local_hit_share"] <= tenants_judge.LOCAL_HIT_LIMIT  # hits from kvtier's pool, not vLLM's cache
         # usage's cached_tokens counts the tokens the connector loaded: vLLM's own counter agrees
         connector = record["vllm_cache_tokens"]["connector_hits"]
         assert record["quiet_cached_tokens"] == pytest.approx(connector, rel=0.1)
     assert alone["quiet_repeat_hit_rate"] > 0.8  # every repeat's document came back from the pool
-    assert flood["vs_alone"] < tenants.MIN_RATIO  # the flood evicts the quiet tenant without shares
-    assert shares["vs_alone"] >= tenants.MIN_RATIO  # issue 40's claim
+    assert flood["vs_alone"] < tenants_judge.MIN_RATIO  # the flood evicts the quiet tenant without shares
+    assert shares["vs_alone"] >= tenants_judge.MIN_RATIO  # issue 40's claim
     assert shares["tenants"]["quiet"]["evictions"] == 0 and shares["tenants"]["flood"]["evictions"] > 0
     assert not flood["tenants"]  # no tenant counters while the pool is not split
     assert alone["server_name"] == flood["server_name"] == "alone" and shares["server_name"] == "flood-shares"

@@ -79,13 +79,22 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench import serve, serve_plan, serve_points, serve_servers
+from kvtier.bench.tenants_judge import (
+    FLOOD,
+    NVME_COLUMNS,
+    QUIET,
+    SHARED_COLUMNS,
+    SHARED_LOW_WATERMARK,
+    TABLE_HEADER,
+    judge,
+    number_text,
+    table_rows,
+)
 from kvtier.bench.ttft import markdown_table
 
 ROWS = ("alone", "flood", "flood-shares", "flood-cap")
 DEFAULT_ROWS = ("alone", "flood", "flood-shares")
 ROW_LABELS = {"alone": "alone", "flood": "flood, no shares", "flood-shares": "flood, shares", "flood-cap": "flood, cap"}
-PROTECTED_ROWS = {"flood-shares": "the share", "flood-cap": "the cap"}  # rows that must keep the quiet tenant's hits
-QUIET, FLOOD = "quiet", "flood"
 KVTIER_ROW = "kvtier-dram"  # serve_servers' row whose store options the rows use: DRAM only
 KVTIER_NVME_ROW = "kvtier-nvme"  # with --nvme-regions: DRAM over NVMe
 NVME_POOL_BLOCKS = 8  # with --nvme-regions or --shared-files, the DRAM pool unless --pool-blocks: staging
@@ -94,14 +103,11 @@ NVME_POOL_BLOCKS = 8  # with --nvme-regions or --shared-files, the DRAM pool unl
 # and watermarks that leave the ceiling ((high + 1) / 2: 0.85) room below full for a few files of a
 # tenant under its share while the flood's files wait out their grace period.
 SHARED_FILE_FRAMING_BYTES = 8192
-SHARED_LOW_WATERMARK = 0.6  # the room the shares are fractions of
 SHARED_TIER_OPTIONS = {
     "shared_grace_ms": 1000, "shared_staleness_ms": 200, "shared_publish_delay_ms": 200,
     "shared_high_watermark": 0.7, "shared_low_watermark": SHARED_LOW_WATERMARK,
 }  # fmt: skip
 TRAILER_ROOM_BYTES = 64 << 10  # a region's trailer (its entries' list) fits in this, for a few blocks
-MIN_RATIO = 0.9  # issue 40: the quiet tenant keeps at least this share of its hit rate alone
-LOCAL_HIT_LIMIT = 0.1  # at most this share of the quiet tenant's hits from vLLM's own cache
 SLOT_OVERHEAD_BYTES = 4096  # a DRAM slot: the block's bytes and a descriptor
 SERVER_DTYPE = "bfloat16"
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -125,12 +131,6 @@ SMALL = {
     "flood_len": 512, "flood_concurrency": 1, "output_len": 4, "vllm_blocks": 10, "pool_blocks": 40,
     "block_tokens": 128, "vllm_kv_gib": 1,
 }  # fmt: skip
-TABLE_HEADER = [
-    "row", "quiet hit rate", "on repeats", "vs alone", "quiet TTFT p50 / p99 ms", "on repeats", "flood req/s",
-    "flood prompt tok/s", "quiet in pool MiB", "quiet guaranteed MiB", "quiet evicted", "flood evicted", "failed",
-]  # fmt: skip
-NVME_COLUMNS = ["quiet on NVMe MiB", "regions reclaimed quiet / flood"]  # with --nvme-regions
-SHARED_COLUMNS = ["quiet on shared MiB", "files evicted quiet / flood"]  # with --shared-files
 # The service's counters each row records (their change over the row).
 ROW_COUNTERS = (
     "dram_hits", "nvme_hits", "shared_hits", "dram_evictions", "puts", "shared_files_published",
@@ -555,7 +555,7 @@ def run_row(plan: dict[str, Any], row: str, row_index: int, host: RowServer, sta
         }
         progress(
             started,
-            f"{row}: quiet hit rate {_number(record['quiet_hit_rate'], 3)}, "
+            f"{row}: quiet hit rate {number_text(record['quiet_hit_rate'], 3)}, "
             f"{record['quiet_failed'] + record['flood_failed']} failed",
         )
     except Exception as error:
@@ -605,151 +605,6 @@ def run_rows(plan: dict[str, Any], out_dir: Path, started: float, document: dict
         for host in hosts:
             if host.server is not None:
                 host.close()
-
-
-# --------------------------------------------------------------------------------------------
-# judging and report
-# --------------------------------------------------------------------------------------------
-
-
-def judge(plan: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
-    """The problems of the run: a row that contradicts its label (module docstring). Fills each row's
-    ``vs_alone`` (its quiet hit rate over the alone row's) and ``local_hit_share``."""
-    problems: list[str] = []
-    alone = next((record for record in rows if record["row"] == "alone"), None)
-    alone_rate = alone.get("quiet_hit_rate") if alone else None
-    for record in rows:
-        row = record["row"]
-        problems += [f"{row}: {problem}" for problem in record["problems"]]
-        if "quiet_hit_rate" not in record:
-            if not record["problems"]:
-                problems.append(f"{row}: not measured")
-            continue
-        failed = record["quiet_failed"] + record["flood_failed"]
-        if failed:
-            problems.append(f"{row}: {failed} requests failed ({'; '.join(record['errors'][:3])})")
-        rate = record["quiet_hit_rate"] or 0.0
-        cached = record["quiet_cached_tokens"]
-        metrics = record.get("vllm_cache_tokens") or {}
-        local = metrics.get("vllm_hits")
-        if local is not None:
-            record["local_hit_share"] = local / cached if cached else 0.0
-            if cached and local > LOCAL_HIT_LIMIT * cached:
-                problems.append(
-                    f"{row}: vLLM's own cache served {local:.0f} of the quiet tenant's {cached} cached tokens: "
-                    "the row does not measure kvtier's pool (fewer --vllm-blocks)"
-                )
-        if alone_rate:
-            record["vs_alone"] = rate / alone_rate
-        if row == "alone" and not cached:
-            problems.append("alone: the quiet tenant had no hit: kvtier served nothing to compare with")
-        if row == "flood" and alone_rate and rate >= MIN_RATIO * alone_rate:
-            problems.append(
-                f"flood: the flood cost the quiet tenant no hits ({rate:.3f} against {alone_rate:.3f} alone): the "
-                "pool holds both tenants, so the shares row shows nothing (more --flood-per-round, fewer --pool-blocks)"
-            )
-        if row == "flood-shares":
-            problems += shares_problems(plan, record, alone_rate)
-        if row == "flood-cap":
-            problems += cap_problems(plan, record, alone_rate)
-    return problems
-
-
-def protection_problems(record: dict[str, Any], alone_rate: float | None) -> list[str]:
-    """A row with shares or a cap: the quiet tenant kept ``MIN_RATIO`` of its hit rate alone, and the
-    pool shows both tenants' counters."""
-    row, what = record["row"], PROTECTED_ROWS[record["row"]]
-    problems = []
-    rate = record["quiet_hit_rate"] or 0.0
-    if alone_rate and rate < MIN_RATIO * alone_rate:
-        problems.append(
-            f"{row}: the quiet tenant kept {rate / alone_rate:.2f}x its hit rate alone ({rate:.3f} against "
-            f"{alone_rate:.3f}), under {MIN_RATIO}x: {what} did not protect it"
-        )
-    tenants = record.get("tenants") or {}
-    if QUIET not in tenants or FLOOD not in tenants:
-        problems.append(f"{row}: the pool shows no tenant counters for quiet and flood: {record.get('tenants')}")
-    return problems
-
-
-def cap_problems(plan: dict[str, Any], record: dict[str, Any], alone_rate: float | None) -> list[str]:
-    """``flood-cap``: as a shares row, and the documents fit both the quiet tenant's own cap and the
-    room the flood's cap leaves it."""
-    problems = protection_problems(record, alone_rate)
-    room = min(plan["cap"], 1 - plan["cap"])
-    need, have, unit = quiet_need_and_room(plan, room)
-    if need > have:
-        problems.append(
-            f"flood-cap: the quiet tenant's documents take {need} {unit}, more than the {have} a cap of "
-            f"{plan['cap']} leaves it (more --pool-blocks, --nvme-regions or --shared-files)"
-        )
-    return problems
-
-
-def shares_problems(plan: dict[str, Any], record: dict[str, Any], alone_rate: float | None) -> list[str]:
-    problems = protection_problems(record, alone_rate)
-    tenants = record.get("tenants") or {}
-    quiet = tenants.get(QUIET)
-    if not quiet or FLOOD not in tenants:
-        return problems  # protection_problems named the missing counters
-    if plan["nvme_regions"] or plan["shared_files"]:
-        need, have, unit = quiet_need_and_room(plan, plan["share"])
-        if have < need:
-            problems.append(
-                f"flood-shares: the quiet tenant's documents take {need} {unit}, more than its guaranteed "
-                f"{have} (more --nvme-regions, --shared-files or --share)"
-            )
-    elif quiet.get("guaranteed_bytes", 0) < plan["quiet_blocks"] * plan["slot_bytes"]:
-        problems.append(
-            f"flood-shares: the quiet tenant's documents ({plan['quiet_blocks']} blocks) do not fit its guaranteed "
-            f"{quiet.get('guaranteed_bytes', 0)} bytes (more --pool-blocks or --share)"
-        )
-    return problems
-
-
-def quiet_need_and_room(plan: dict[str, Any], fraction: float) -> tuple[int, int, str]:
-    """What the quiet tenant's documents take in the tier the run measures, and ``fraction`` of that
-    tier (of the shared tier's room, its low watermark's share of its capacity), in that tier's unit."""
-    if plan["nvme_regions"]:
-        return plan["quiet_regions"], int(fraction * plan["nvme_regions"]), "NVMe regions"
-    if plan["shared_files"]:
-        return plan["quiet_files"], int(fraction * SHARED_LOW_WATERMARK * plan["shared_files"]), "shared files"
-    return plan["quiet_blocks"], int(fraction * plan["pool_blocks"]), "pool blocks"
-
-
-def _number(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _mib(value: int | None) -> str:
-    return "-" if value is None else f"{value / 2**20:.1f}"
-
-
-def table_rows(rows: list[dict[str, Any]], nvme: bool = False, shared: bool = False) -> list[list[str]]:
-    """The table's lines; ``nvme``: with ``NVME_COLUMNS`` (``--nvme-regions``); ``shared``: with
-    ``SHARED_COLUMNS`` (``--shared-files``)."""
-    lines = []
-    for record in rows:
-        ttft = record.get("quiet_ttft_ms") or {}
-        repeat_ttft = record.get("quiet_repeat_ttft_ms") or {}
-        tenants = record.get("tenants") or {}
-        quiet, flood = tenants.get(QUIET, {}), tenants.get(FLOOD, {})
-        failed = record.get("quiet_failed", 0) + record.get("flood_failed", 0) if "quiet_failed" in record else None
-        lines.append([
-            record["label"], _number(record.get("quiet_hit_rate"), 3), _number(record.get("quiet_repeat_hit_rate"), 3),
-            _number(record.get("vs_alone")), f"{_number(ttft.get('p50'), 0)} / {_number(ttft.get('p99'), 0)}",
-            f"{_number(repeat_ttft.get('p50'), 0)} / {_number(repeat_ttft.get('p99'), 0)}",
-            _number(record.get("flood_request_throughput")), _number(record.get("flood_prompt_throughput"), 0),
-            _mib(quiet.get("bytes")), _mib(quiet.get("guaranteed_bytes")), str(quiet.get("evictions", "-")),
-            str(flood.get("evictions", "-")), "-" if failed is None else str(failed),
-        ])  # fmt: skip
-        if nvme:
-            reclaimed = f"{quiet.get('nvme_reclaimed_regions', '-')} / {flood.get('nvme_reclaimed_regions', '-')}"
-            lines[-1] += [_mib(quiet.get("nvme_bytes")), reclaimed]
-        if shared:
-            evicted = f"{quiet.get('shared_evicted_files', '-')} / {flood.get('shared_evicted_files', '-')}"
-            lines[-1] += [_mib(quiet.get("shared_bytes")), evicted]
-    return lines
 
 
 def progress(started: float, message: str) -> None:
