@@ -63,7 +63,7 @@ def valid_values(tmp_path):
         "shared_publish_queue_bytes": 4 << 20,
         "shared_key_file": str(key_file),
         "shared_capacity_bytes": 1 << 30,
-        "shared_grace_ms": 200,
+        "shared_grace_ms": 5000,
         "shared_publish_delay_ms": 100,
     }
 
