@@ -56,10 +56,12 @@ from each tenant.
 ``--shared-files N``: the same with the quiet tenant's documents on kvtier's shared-filesystem tier
 instead (a directory of the row's, ``shared_root``; the pool cut as above, no NVMe tier): a tier of
 ``N`` data files of ``--file-blocks`` blocks (``shared_capacity_bytes``, ``shared_file_bytes``; a short
-``shared_grace_ms``, so that eviction keeps up with the flood), the flood past the whole tier between
-two uses of a document. The shares row's share splits that tier too (``tenant_shares_shared_fs``, true
-by default): a document must fit the quiet tenant's share of the tier's room (checked), and the table
-adds the quiet tenant's bytes on the tier and the files evicted from each tenant.
+``shared_grace_ms``, so that eviction keeps up with the flood, and watermarks of 0.7 and 0.6, so that a
+tenant under its share has a few files' room between the ceiling and full), the flood past the whole
+tier between two uses of a document. The shares row's share splits that tier too
+(``tenant_shares_shared_fs``, true by default): a document must fit the quiet tenant's share of the
+tier's room (0.6 of its capacity; checked), and the table adds the quiet tenant's bytes on the tier and
+the files evicted from each tenant.
 
 Output: the table (also ``--out DIR``/``table.md``), ``--json``: the result document on stdout;
 ``--out DIR``/``results.json`` and the servers' logs.
