@@ -12,14 +12,10 @@ use crate::format::encrypted::{page_tenant, seal_slot};
 use crate::format::shared::{unix_ms, BLOCK_TAG_AT, TAG_BYTES};
 use crate::key::BlockKey;
 use crate::stats::Stats;
-use crate::tiers::remote::tenants::tenant_tag;
+use crate::tiers::remote::tenants::{slot_tag, MAX_OPEN_PER_WRITER};
 use object_store::PutPayload;
 use std::collections::HashSet;
 use std::time::Instant;
-
-/// Segments one store fills at once when the tier is split by tenant (as many as the DRAM pool has
-/// tenant accounts); blocks of tenants past them go to the default tenant's segment.
-const MAX_OPEN_SEGMENTS: usize = 64;
 
 /// A segment being filled by this store's publisher, for one tenant.
 pub(super) struct SegmentWriter {
@@ -45,9 +41,11 @@ impl SegmentWriters {
 
     /// Where the segment filling for `tenant` is, opened if none is.
     fn open_for(&mut self, tenant: Option<u32>) -> usize {
-        let tenant = if self.open.len() >= MAX_OPEN_SEGMENTS { None } else { tenant };
         if let Some(at) = self.open.iter().position(|w| w.tenant == tenant) {
             return at;
+        }
+        if tenant.is_some() && self.open.len() >= MAX_OPEN_PER_WRITER {
+            return self.open_for(None);
         }
         let buf = vec![0; SEGMENT_HEADER_BYTES];
         self.open.push(SegmentWriter { tenant, buf, entries: Vec::new(), keys: HashSet::new(), first_at: None });
@@ -98,13 +96,9 @@ impl BucketTier {
     /// The tenant tag of the segment a slot goes to: its page's tenant when the tier is split by
     /// tenant, else None (one segment for all).
     fn tenant_of(&self, slot: &[u8]) -> Option<u32> {
-        if !self.config.tenant_shares.enabled() {
-            return None;
-        }
-        let id = page_tenant(&slot[..DESCRIPTOR_BYTES]);
-        let tag = tenant_tag(&id);
+        let tag = slot_tag(&self.config.tenant_shares, slot);
         if tag.is_some() {
-            self.tenant_labels.lock().learn(&id);
+            self.tenant_labels.lock().learn(&page_tenant(&slot[..DESCRIPTOR_BYTES]));
         }
         tag
     }

@@ -14,6 +14,8 @@
 //!
 //! Not split, every item is one account's with no share: plain least-recently-used order.
 
+use crate::format::descriptor::DESCRIPTOR_BYTES;
+use crate::format::encrypted::page_tenant;
 use crate::tenant::{order_to_give_up, tenant_label, TenantId, TenantShares, DEFAULT_TENANT};
 use std::collections::{HashMap, VecDeque};
 
@@ -23,6 +25,19 @@ use std::collections::{HashMap, VecDeque};
 pub fn tenant_tag(id: &TenantId) -> Option<u32> {
     let tag = u32::from_be_bytes(id[..4].try_into().expect("4 bytes"));
     (tag != 0).then_some(tag)
+}
+
+/// Files or segments one writer fills at once when its tier is split by tenant (as many as the DRAM
+/// pool has tenant accounts); blocks of tenants past them go to the default tenant's.
+pub const MAX_OPEN_PER_WRITER: usize = 64;
+
+/// The tag of the file or segment a DRAM slot's block goes to: its page's tenant (`set_page_tenant`,
+/// named by the mover for every store) when `shares` split the tier, else None (one for all).
+pub fn slot_tag(shares: &TenantShares, slot: &[u8]) -> Option<u32> {
+    if !shares.enabled() {
+        return None;
+    }
+    tenant_tag(&page_tenant(&slot[..DESCRIPTOR_BYTES]))
 }
 
 /// The items of a remote tier by tenant account (by tag; `None`: the default tenant's, or every

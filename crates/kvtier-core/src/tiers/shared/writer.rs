@@ -19,7 +19,7 @@ use crate::io::device::Transfer;
 use crate::io::OpKind;
 use crate::key::BlockKey;
 use crate::stats::Stats;
-use crate::tiers::remote::tenants::tenant_tag;
+use crate::tiers::remote::tenants::{slot_tag, MAX_OPEN_PER_WRITER};
 use std::collections::HashSet;
 use std::fs::File;
 use std::path::PathBuf;
@@ -28,9 +28,6 @@ use std::time::{Duration, Instant};
 
 /// Buffers of one vectored write of a data file (IOV_MAX on Linux).
 const MAX_WRITE_IOVECS: usize = 1024;
-/// Files one writer fills at once when the tier is split by tenant (as many as the DRAM pool has
-/// tenant accounts); blocks of tenants past them go to the default tenant's file.
-const MAX_OPEN_FILES: usize = 64;
 
 /// A data file being filled by this process.
 pub(super) struct OpenDataFile {
@@ -97,14 +94,17 @@ impl SharedTier {
     /// in the order they came (a prompt's first blocks first).
     pub fn append_slots(&self, slots: &mut [(BlockKey, &mut [u8])]) -> usize {
         if self.config.tenant_shares.enabled() {
-            slots.sort_by_cached_key(|(_, slot)| self.tenant_of(slot));
+            slots.sort_by_cached_key(|(_, slot)| slot_tag(&self.config.tenant_shares, slot));
         }
         let mut written = 0;
         let mut w = self.writer.lock();
         let mut start = 0;
         while start < slots.len() {
-            let tenant = self.tenant_of(slots[start].1);
-            let run = slots[start..].iter().take_while(|(_, slot)| self.tenant_of(slot) == tenant).count();
+            let tenant = slot_tag(&self.config.tenant_shares, slots[start].1);
+            let run = slots[start..]
+                .iter()
+                .take_while(|(_, slot)| slot_tag(&self.config.tenant_shares, slot) == tenant)
+                .count();
             written += self.append_run(&mut w, tenant, &mut slots[start..start + run]);
             start += run;
         }
@@ -112,18 +112,9 @@ impl SharedTier {
         written
     }
 
-    /// The tenant tag of the file a slot goes to: its page's tenant (`mover::name_tenant`) when the
-    /// tier is split by tenant, else None (one file for all).
-    fn tenant_of(&self, slot: &[u8]) -> Option<u32> {
-        if !self.config.tenant_shares.enabled() {
-            return None;
-        }
-        tenant_tag(&page_tenant(&slot[..DESCRIPTOR_BYTES]))
-    }
-
     /// Appends slots of one tenant to its open file (see `append_slots`).
     fn append_run(&self, w: &mut WriterState, tenant: Option<u32>, slots: &mut [(BlockKey, &mut [u8])]) -> usize {
-        let tenant = if w.open_for(tenant).is_none() && w.open.len() >= MAX_OPEN_FILES { None } else { tenant };
+        let tenant = if w.open_for(tenant).is_none() && w.open.len() >= MAX_OPEN_PER_WRITER { None } else { tenant };
         if tenant.is_some() {
             self.tenant_labels.lock().learn(&page_tenant(&slots[0].1[..DESCRIPTOR_BYTES]));
         }
