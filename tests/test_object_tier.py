@@ -472,10 +472,12 @@ def test_budget_evicts_the_least_recently_read_segments_first(rgw, nodes, bucket
 
 @pytest.mark.parametrize("split", [True, False])
 def test_split_by_tenant_a_flood_loses_its_own_segments_and_the_quiet_tenant_keeps_its(rgw, nodes, bucket, split):
-    """Two segments of a quiet tenant, then eight of a flood, over a budget of six: the evictor brings the
-    bucket to 90% of the budget. Split by tenant (``tenant_shares_bucket``, shares 0.4 each), the flood,
-    past its share, gives up its own segments, and the quiet tenant's, the oldest, stay for another node
-    to read; in one order for everyone (the control) they go first."""
+    """Two segments of a quiet tenant, then eight of a flood, over a budget of six: the evictor keeps the
+    bucket under the budget (each time it is passed, down to 90% of it; how the publishes and the
+    evictor's ticks interleave decides how many passes there are, so five or six segments are left).
+    Split by tenant (``tenant_shares_bucket``, shares 0.4 each), the flood, past its share, gives up its
+    own segments, and the quiet tenant's, the oldest, stay for another node to read; in one order for
+    everyone (the control) they go first."""
     budget = 6 * bucket["bucket_segment_bytes"]
     options = {
         **bucket,
@@ -495,8 +497,8 @@ def test_split_by_tenant_a_flood_loses_its_own_segments_and_the_quiet_tenant_kee
         writer.assign_tenant([key(i) for i in chunk], kvtier.tenant_id("flood"))
         publish(writer, chunk)
     prefix = bucket["bucket_url"].removeprefix(f"s3://{BUCKET}/")
-    total = _wait_under_budget(rgw, prefix, int(0.9 * budget))
-    assert total <= 0.9 * budget, f"{total} bytes of segments stayed over 90% of the {budget}-byte budget"
+    total = _wait_under_budget(rgw, prefix, budget)
+    assert total <= budget, f"{total} bytes of segments stayed over the {budget}-byte budget"
     fresh = nodes.open("fresh", **bucket)  # its DRAM holds nothing: every hit comes from the bucket
     assert wait_visible(fresh, [key(flood[-1])])
     served = load(fresh, quiet)
@@ -506,7 +508,8 @@ def test_split_by_tenant_a_flood_loses_its_own_segments_and_the_quiet_tenant_kee
         assert all(served), f"the flood took {served.count(False)} of the quiet tenant's blocks"
         assert stats[f"tenant_bucket_bytes:{quiet_label}"] == 2 * bucket["bucket_segment_bytes"]
         assert stats[f"tenant_bucket_evicted_segments:{quiet_label}"] == 0
-        assert stats[f"tenant_bucket_evicted_segments:{flood_label}"] >= 5, stats
+        # At most six segments stay and the quiet tenant's two are among them: the flood lost four at least.
+        assert stats[f"tenant_bucket_evicted_segments:{flood_label}"] >= 4, stats
     else:
         assert not any(served), "the oldest segments, the quiet tenant's, went first"
         assert not any(name.startswith("tenant_bucket") for name in stats)
