@@ -140,3 +140,38 @@ def test_encrypted_row_needs_room_for_its_own_store():
     plan = {"nvme_bytes": 1 << 30, "lengths": [512], "kv_bytes_per_token": 1, "example_connector": False,
             "disk_floor": False, "lmcache_available": False, "shared": None, "object": None}  # fmt: skip
     assert disk_space_needed_bytes({**plan, "encrypted": True}) == disk_space_needed_bytes(plan) + (1 << 30)
+
+
+def test_object_and_encrypted_flags_add_the_encrypted_object_row_on_its_own_prefix(monkeypatch):
+    """--object --encrypted: both rows' nodes A first, then each prompt's clear and encrypted loads one
+    after the other; the encrypted row's nodes carry the run's key and read and write a prefix of
+    their own under the run's, with the clear row's other options."""
+    from kvtier.bench.ttft import engine_phase, entry
+    from kvtier.bench.ttft.engine import kvtier_transfer
+
+    stand_in: Any = types.ModuleType("kvtier.vllm")
+    stand_in.kv_transfer_config = lambda path, **options: {"kv_connector_extra_config": {"path": path, **options}}
+    monkeypatch.setitem(sys.modules, "kvtier.vllm", stand_in)
+    the_plan = {"lengths": [512, 1024], "repeats": 2, "encrypted": True, "encryption_key_file": "/run/k.key",
+                "object": {"bucket_url": "s3://b/run", "bucket_endpoint": "http://127.0.0.1:1"}, "store_dir": "/s",
+                "dram_bytes": 1, "nvme_bytes": 2, "region_bytes": 3}  # fmt: skip
+    names = [phase.run_name for phase in entry.object_row_phases(the_plan)]
+    assert names[:2] == ["kvtier_object_store", "kvtier_object_encrypted_store"]
+    assert names[2:6] == [
+        "kvtier_object_load-512-r0", "kvtier_object_encrypted_load-512-r0",
+        "kvtier_object_load-1024-r0", "kvtier_object_encrypted_load-1024-r0",
+    ]  # fmt: skip
+    assert len(names) == 2 + 2 * 2 * 2
+    assert [p.run_name for p in entry.object_row_phases({**the_plan, "encrypted": False})] == [
+        name for name in names if "encrypted" not in name
+    ]
+    options = {}
+    for encrypted in (False, True):
+        node, row = engine_phase._object_row(the_plan, encrypted)
+        options[encrypted] = kvtier_transfer(the_plan, f"/nodes/{node}", **row)["kv_connector_extra_config"]
+    clear, sealed = options[False], options[True]
+    assert (clear["bucket_url"], sealed["bucket_url"]) == ("s3://b/run", "s3://b/run/encrypted")
+    assert sealed["encryption_key_file"] == "/run/k.key" and "encryption_key_file" not in clear
+    assert clear["path"] != sealed["path"]
+    ignored = ("path", "bucket_url", "encryption_key_file")
+    assert {k: v for k, v in clear.items() if k not in ignored} == {k: v for k, v in sealed.items() if k not in ignored}

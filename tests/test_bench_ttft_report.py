@@ -154,3 +154,36 @@ def test_no_encryption_section_without_the_flag():
     assert summary["encryption"] is None
     assert not [target for target in summary["targets"] if target.get("issue") == 40]
     assert "Encryption at rest" not in ttft.print_report(the_plan, summary, [])
+
+
+def test_encrypted_object_row_is_compared_with_the_clear_object_hit_and_checked_like_it():
+    """With --object --encrypted: the encrypted object-tier hit per length against the clear one (beside
+    the NVMe pair, each in a table of its own), and the row checked like kvtier_object's."""
+    the_plan = {**plan([512], 0), "hit_rates": [], "encrypted": True}
+    the_plan["object"] = {"bucket_url": "s3://b/p", "bucket_endpoint": "http://x"}
+    recompute = {**measurement(1, "recompute", 512, 0.5), "prompt_id": "p:512:0"}
+    hits = [
+        {**measurement(1, config, 512, seconds), "prompt_id": "p:512:0", "token_id": token}
+        for config, seconds, token in (("kvtier_object", 0.200, 1), ("kvtier_object_encrypted", 0.230, 4))
+    ]
+    for hit in hits:
+        hit.update(cached_tokens=512, expected_cached_tokens=512)
+    measurements = [recompute, measurement(1, "kvtier_nvme", 512, 0.1), *hits]
+    summary = ttft.summarize(the_plan, measurements)
+    nvme, bucket = summary["encryption"]
+    assert (nvme["tier"], nvme["encrypted_median_s"]) == ("nvme", None)
+    assert bucket["tier"] == "object" and abs(bucket["encrypted_over_clear"] - 1.15) < 1e-9
+    names = [target["name"] for target in summary["targets"] if target.get("issue") == 40]
+    assert names == [
+        "kvtier encrypted NVMe hit / kvtier NVMe hit",
+        "kvtier encrypted object-tier hit / kvtier object-tier hit",
+    ]
+    (failure,) = ttft.shared_row_failures(the_plan, summary, measurements, "kvtier_object_encrypted")
+    assert "p:512:0: token 4" in failure, "a wrong token on the encrypted row fails it"
+    assert ttft.shared_row_failures(the_plan, summary, measurements, "kvtier_object") == []
+    markdown = ttft.print_report(the_plan, summary, [])
+    assert "| 512 tok | 200 | 230 | 1.150 |" in markdown and "object-tier hit with encryption_key_file" in markdown
+    rows1 = ttft.table_rows(the_plan, summary)[1]
+    assert ttft.CONFIG_LABELS["kvtier_object_encrypted"] in [row[0] for row in rows1]
+    the_plan["encrypted"] = False
+    assert ttft.shared_row_failures(the_plan, summary, measurements, "kvtier_object_encrypted") == [], "not planned"

@@ -872,11 +872,14 @@ def test_every_bucket_option_is_accepted_by_open(nodes, bucket, tmp_path):
     nodes.open("defaults", **{**defaults, **bucket}).close()
 
 
-def test_bench_io_object_sweep_at_ci_size(rgw, bucket, tmp_path):
+@pytest.mark.parametrize("encrypted", [False, True])
+def test_bench_io_object_sweep_at_ci_size(rgw, bucket, tmp_path, encrypted):
     """`kvtier bench io --small --object` on the module's gateway: every block read back is compared
     with what was written (the benchmark fails on one wrong byte), and the requests it counts are the
     ones docs/object-tier.md promises: 2 PUTs per segment of whole blocks (4 MiB: 2 blocks of 2 MiB,
-    16 MiB: 8), 1 ranged GET per run of up to 4 adjacent blocks of a segment."""
+    16 MiB: 8), 1 ranged GET per run of up to 4 adjacent blocks of a segment. With ``--encrypted``
+    (issue 40), every point again with the key on both stores (same requests: the seal's tag and
+    nonce fit in the slot's page), and encryption's cost paired by repeat."""
     import json
 
     from kvtier.bench import io
@@ -884,15 +887,24 @@ def test_bench_io_object_sweep_at_ci_size(rgw, bucket, tmp_path):
     out = tmp_path / "out"
     argv = ["--small", "--object", "--no-kvtier", "--no-fio", "--no-lmcache", "--object-size", "512"]
     argv += ["--bucket-url", f"s3://{BUCKET}/bench-io", "--bucket-endpoint", rgw.endpoint]
-    argv += ["--dir", str(tmp_path / "scratch"), "--out", str(out)]
+    argv += ["--dir", str(tmp_path / "scratch"), "--out", str(out)] + (["--encrypted"] if encrypted else [])
     started = time.monotonic()
     assert io.main(argv) == io.EXIT_OK
-    print(f"\nbench io --small --object: {time.monotonic() - started:.1f} s")
+    print(f"\nbench io --small --object{' --encrypted' if encrypted else ''}: {time.monotonic() - started:.1f} s")
     section = json.loads((out / "results.json").read_text())["object_tier"]
     sweep = section["sweep"]
     assert section["problems"] == [] and (out / "io-object.png").exists()
-    assert [p["segment_bytes"] >> 20 for p in section["points"]] == [4, 16]
-    for point, blocks_per_segment in zip(section["points"], [2, 8], strict=True):
+    variants = [False, True] if encrypted else [False]
+    assert [(p["segment_bytes"] >> 20, p["encrypted"]) for p in section["points"]] == [
+        (mib, sealed) for mib in (4, 16) for sealed in variants
+    ]
+    if encrypted:
+        cost = section["summary"]["encryption_cost"]
+        assert all(cost["publish"][str(s)]["n"] == 1 for s in sweep["segment_bytes"]), cost
+        assert all(r["median"] > 0 for r in cost["retrieve"].values()) and len(cost["retrieve"]) == 4, cost
+        assert "Encryption at rest on the object tier" in (out / "table.txt").read_text()
+    for point in section["points"]:
+        blocks_per_segment = 2 if point["segment_bytes"] >> 20 == 4 else 8
         published = point["publish"]
         segments = sweep["object_count"] // blocks_per_segment
         assert published["put_requests"] == 2 * published["segments"] == 2 * segments

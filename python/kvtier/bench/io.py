@@ -21,7 +21,8 @@ prompt size, object kind) case:
   gateway on 127.0.0.1 brought up and torn down by the benchmark): publish GB/s and cold retrieve
   GB/s from another, empty store, with the segment size and the GETs in flight swept, and the
   requests per GiB stored and loaded (``kvtier.bench.object_tier``). With ``--no-kvtier --no-fio
-  --no-lmcache`` only this sweep runs.
+  --no-lmcache`` only this sweep runs; with ``--encrypted`` too, every point again with the key on
+  both stores (``encryption_cost``: encrypted time over clear time, paired by repeat).
 
 It prints a table, writes ``results.json``, ``table.txt`` and ``io.png`` to the output directory and
 exits non-zero (3) if kvtier ever returned wrong bytes. ``--small`` is the CI size: a few seconds of
@@ -143,7 +144,8 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also measure kvtier with encryption at rest (encryption_key_file, a throwaway key), beside the "
         "store in clear in the same run (system kvtier_encrypted; with --shared, also the shared-filesystem "
-        "tier, system kvtier_shared_encrypted)",
+        "tier, system kvtier_shared_encrypted; with --object, every point of the object sweep again with the "
+        "key on both stores, paired by repeat)",
     )
     parser.add_argument(
         "--keep-open",
@@ -210,7 +212,13 @@ def object_options(args: argparse.Namespace, model: str) -> dict | None:
         [int(part) for part in _split(segments)],
         [int(part) for part in _split(in_flight)],
     )
-    return {"sweep": sweep, "repeats": repeats, "bucket_url": args.bucket_url, "bucket_endpoint": args.bucket_endpoint}
+    return {
+        "sweep": sweep,
+        "repeats": repeats,
+        "encrypted": bool(args.encrypted),
+        "bucket_url": args.bucket_url,
+        "bucket_endpoint": args.bucket_endpoint,
+    }
 
 
 def run_object_tier(options: dict, errors: list[dict]) -> dict | None:
@@ -223,7 +231,8 @@ def run_object_tier(options: dict, errors: list[dict]) -> dict | None:
     osd_bytes = 2 * sweep["prompt_bytes"] + workload.GIB
     try:
         with bucket.open_bucket(plan["bucket_url"], plan["bucket_endpoint"], osd_bytes, log) as target:
-            section = object_tier.run_sweep(sweep, target, scratch, plan["repeats"], options["seed"], log)
+            key_file = workload.throwaway_key_file(options["scratch_dir"], "object.key") if plan["encrypted"] else None
+            section = object_tier.run_sweep(sweep, target, scratch, plan["repeats"], options["seed"], log, key_file)
             section["bucket"] = {"endpoint": target.endpoint, "self_hosted": target.self_hosted, "url": target.url()}
     except bucket.BucketUnavailable as error:
         errors.append({"system": "kvtier_object", "case": "bucket", "error": str(error)})

@@ -65,7 +65,7 @@ def kvtier_system(options: dict) -> dict:
 def kvtier_encrypted_system(options: dict) -> dict:
     """kvtier with encryption at rest (``--encrypted``): the same store, its NVMe values encrypted."""
     if not options["use_encrypted"]:
-        return {"enabled": False, "skipped_reason": "no --encrypted"}
+        return {"enabled": False, "skipped_reason": "--no-kvtier" if not options["use_kvtier"] else "no --encrypted"}
     return {
         "enabled": True,
         "timed": "as kvtier's, with encryption_key_file set (AES-256-GCM of every value written; loads "
@@ -77,7 +77,8 @@ def kvtier_shared_encrypted_system(options: dict) -> dict:
     """The shared-filesystem tier with encryption at rest (``--encrypted --shared``): kvtier_shared's
     measurement, both stores with the key."""
     if not (options["use_encrypted"] and options["use_shared"]):
-        return {"enabled": False, "skipped_reason": "not requested (--encrypted --shared)"}
+        why = "--no-kvtier" if not options["use_kvtier"] else "not requested (--encrypted --shared)"
+        return {"enabled": False, "skipped_reason": why}
     return {
         "enabled": True,
         "timed": "as kvtier_shared's (on a shared root of its own), with encryption_key_file set on stores A "
@@ -290,14 +291,8 @@ def measure_lmcache(rig: Rig, trial: Trial) -> None:
 
 
 def encryption_key_file(rig: Rig) -> str:
-    """The run's throwaway key: 32 random bytes, mode 0600, in the scratch folder (beside the stores, never
-    under a shared root: the store refuses a key there), made on first use."""
-    key_file = os.path.join(rig.options["scratch_dir"], "encryption.key")
-    if not os.path.exists(key_file):
-        descriptor = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(descriptor, "wb") as out:
-            out.write(os.urandom(32))
-    return key_file
+    """The run's throwaway key, in the scratch folder (beside the stores), made on first use."""
+    return workload.throwaway_key_file(rig.options["scratch_dir"])
 
 
 def measure_kvtier_encrypted(rig: Rig, trial: Trial) -> None:

@@ -13,6 +13,12 @@ window. Requests come from the tier's counters (``bucket_put_requests``, ``bucke
 ``bucket_list_requests``): per GiB stored are A's during the publish, per GiB loaded are B's during
 the ``get_many``; B's open (listing and index GETs) is reported apart. The prefix of a segment size
 is deleted after its reads.
+
+With a key file (``--encrypted``), every segment size and repeat runs twice, in clear and with
+``encryption_key_file`` on both stores (A seals every value, B opens it in its DRAM slot), on prefixes
+of their own; which runs first alternates by repeat. The summary keeps the clear figures where they
+always were and adds ``encrypted`` (the same figures) and ``encryption_cost`` (encrypted time / clear
+time, paired by repeat).
 """
 
 from __future__ import annotations
@@ -185,8 +191,41 @@ def measure_cold_retrieve(
     }
 
 
-def run_sweep(sweep: dict, bucket, scratch_dir: str, repeats: int, seed: int, log) -> dict:
-    """Every segment size x repeat: one publish, then one cold retrieve per reads-in-flight value."""
+def _variants(repeat: int, key_file: str | None) -> list[dict]:
+    """The store options of one repeat's variants: in clear, and with ``key_file`` encrypted too.
+    Which goes first alternates by repeat, so that neither always finds the bucket and the disk warmer."""
+    variants: list[dict] = [{}]
+    if key_file:
+        variants.append({"encryption_key_file": key_file})
+    return variants if repeat % 2 == 0 else variants[::-1]
+
+
+def _measure_point(store_class, layout, pool, scratch_dir: str, namespace: bytes, sweep: dict, options: dict, log):
+    """One publish, then one cold retrieve per reads-in-flight value, on the prefix of ``options``."""
+    point: dict = {"retrieves": []}
+    point["publish"] = measure_publish(
+        store_class, layout, pool, os.path.join(scratch_dir, "object-a"), namespace, sweep, options
+    )
+    published = point["publish"]
+    log(
+        f"publish {published['gbps']:.2f} GB/s, {published['segments']} segments, "
+        f"{published['puts_per_gib']:.0f} PUTs/GiB, {published['dropped_objects']} dropped"
+    )
+    for in_flight in sweep["reads_in_flight"]:
+        reader_dir = os.path.join(scratch_dir, "object-b")
+        retrieved = measure_cold_retrieve(store_class, layout, pool, reader_dir, namespace, sweep, options, in_flight)
+        point["retrieves"].append(retrieved)
+        log(
+            f"{in_flight} GETs in flight: retrieve {retrieved['gbps']:.2f} GB/s, "
+            f"{retrieved['gets_per_gib']:.0f} GETs/GiB, wrong {retrieved['wrong_objects']}, "
+            f"missing {retrieved['missing_objects']}"
+        )
+    return point
+
+
+def run_sweep(sweep: dict, bucket, scratch_dir: str, repeats: int, seed: int, log, key_file: str | None = None) -> dict:
+    """Every segment size x repeat (x variant: in clear, and encrypted with ``key_file``): one publish,
+    then one cold retrieve per reads-in-flight value."""
     store_class = kvtier_store.load_store_class()
     pool_bytes = workload.pool_bytes_for(sweep["prompt_bytes"], sweep["object_bytes"])
     pool = workload.make_pool(pool_bytes, seed)
@@ -195,35 +234,50 @@ def run_sweep(sweep: dict, bucket, scratch_dir: str, repeats: int, seed: int, lo
     points = []
     for repeat in range(repeats):
         for segment_bytes in sweep["segment_bytes"]:
-            sub_prefix = f"r{repeat}-seg{segment_bytes >> 20}m"
-            options = {**bucket.options(sub_prefix), "bucket_segment_bytes": segment_bytes}
-            layout = workload.prompt_layout(
-                shape, sweep["prompt_tokens"], sweep["tokens_per_object"], f"{seed}/object/{sub_prefix}", pool_bytes
-            )
-            label = f"[{repeat + 1}/{repeats}] object tier, {segment_bytes >> 20} MiB segments"
-            point = {"repeat": repeat, "segment_bytes": segment_bytes, "retrieves": []}
-            points.append(point)
-            point["publish"] = measure_publish(
-                store_class, layout, pool, os.path.join(scratch_dir, "object-a"), namespace, sweep, options
-            )
-            published = point["publish"]
-            log(
-                f"{label}: publish {published['gbps']:.2f} GB/s, {published['segments']} segments, "
-                f"{published['puts_per_gib']:.0f} PUTs/GiB, {published['dropped_objects']} dropped"
-            )
-            for in_flight in sweep["reads_in_flight"]:
-                reader_dir = os.path.join(scratch_dir, "object-b")
-                retrieved = measure_cold_retrieve(
-                    store_class, layout, pool, reader_dir, namespace, sweep, options, in_flight
+            for sealing in _variants(repeat, key_file):
+                encrypted = bool(sealing)
+                sub_prefix = f"r{repeat}-seg{segment_bytes >> 20}m" + ("-enc" if encrypted else "")
+                options = {**bucket.options(sub_prefix), "bucket_segment_bytes": segment_bytes, **sealing}
+                seed_text = f"{seed}/object/{sub_prefix}"
+                layout = workload.prompt_layout(
+                    shape, sweep["prompt_tokens"], sweep["tokens_per_object"], seed_text, pool_bytes
                 )
-                point["retrieves"].append(retrieved)
-                log(
-                    f"{label}, {in_flight} GETs in flight: retrieve {retrieved['gbps']:.2f} GB/s, "
-                    f"{retrieved['gets_per_gib']:.0f} GETs/GiB, wrong {retrieved['wrong_objects']}, "
-                    f"missing {retrieved['missing_objects']}"
-                )
-            point["deleted_objects"] = bucket.delete_prefix(sub_prefix)
-    return {"sweep": sweep, "repeats": repeats, "points": points, "summary": summarize(sweep, points)}
+                label = f"[{repeat + 1}/{repeats}] object tier{' (encrypted)' if encrypted else ''}, "
+                label += f"{segment_bytes >> 20} MiB segments"
+
+                def log_point(line: str, label: str = label) -> None:
+                    log(f"{label}: {line}")
+
+                point = _measure_point(store_class, layout, pool, scratch_dir, namespace, sweep, options, log_point)
+                point.update(repeat=repeat, segment_bytes=segment_bytes, encrypted=encrypted)
+                point["deleted_objects"] = bucket.delete_prefix(sub_prefix)
+                points.append(point)
+    section: dict = {"sweep": sweep, "repeats": repeats, "encrypted": key_file is not None, "points": points}
+    section["summary"] = summarize(sweep, [p for p in points if not p["encrypted"]])
+    if key_file:
+        section["summary"]["encrypted"] = summarize(sweep, [p for p in points if p["encrypted"]])
+        section["summary"]["encryption_cost"] = encryption_cost(sweep, points)
+    return section
+
+
+def encryption_cost(sweep: dict, points: list[dict]) -> dict:
+    """Encrypted time / clear time, paired by repeat: per segment size for the publish, per (segment
+    size, reads in flight) for the cold retrieve (min, median, max over the repeats)."""
+    by_key = {(p["repeat"], p["segment_bytes"], p["encrypted"]): p for p in points}
+    publish, retrieve = {}, {}
+    for segment_bytes in sweep["segment_bytes"]:
+        pairs = [
+            (by_key[(r, segment_bytes, False)], by_key[(r, segment_bytes, True)])
+            for r in sorted({p["repeat"] for p in points})
+            if (r, segment_bytes, False) in by_key and (r, segment_bytes, True) in by_key
+        ]
+        publish[str(segment_bytes)] = _spread(
+            [enc["publish"]["seconds"] / clear["publish"]["seconds"] for clear, enc in pairs]
+        )
+        for index, in_flight in enumerate(sweep["reads_in_flight"]):
+            ratios = [enc["retrieves"][index]["seconds"] / clear["retrieves"][index]["seconds"] for clear, enc in pairs]
+            retrieve[f"{segment_bytes}/{in_flight}"] = _spread(ratios)
+    return {"publish": publish, "retrieve": retrieve}
 
 
 def _spread(values: list[float]) -> dict | None:
@@ -257,6 +311,7 @@ def problems(section: dict) -> list[str]:
     found = []
     for point in section["points"]:
         where = f"repeat {point['repeat']}, {point['segment_bytes'] >> 20} MiB segments"
+        where += ", encrypted" if point.get("encrypted") else ""
         published = point["publish"]
         if published["dropped_objects"] or published["request_errors"]:
             found.append(
@@ -314,6 +369,36 @@ def table_lines(section: dict) -> list[str]:
             + " | ".join(_cell(cell["gbps"]) for cell in cells)
             + f" | {max(gets) if gets else 0:.0f} |"
         )
+    if section.get("encrypted"):
+        lines += encryption_table_lines(section)
+    return lines
+
+
+def encryption_table_lines(section: dict) -> list[str]:
+    """Encryption's cost on the object tier: GB/s in clear and encrypted, and encrypted time / clear
+    time paired by repeat, for the publish and every cold retrieve."""
+    sweep, summary = section["sweep"], section["summary"]
+    encrypted, cost = summary["encrypted"], summary["encryption_cost"]
+    lines = [
+        "",
+        "Encryption at rest on the object tier (encryption_key_file): encrypted time / clear time paired by "
+        "repeat, median (min-max)",
+        "",
+        "| segment | step | GB/s clear / encrypted | encrypted time, x clear |",
+        "| ---: | :--- | ---: | ---: |",
+    ]
+    for segment_bytes in sweep["segment_bytes"]:
+        size = str(segment_bytes)
+        steps = [("publish", summary["publish"][size], encrypted["publish"][size], cost["publish"][size])]
+        for n in sweep["reads_in_flight"]:
+            at = f"{segment_bytes}/{n}"
+            retrieve = (summary["retrieve"][at], encrypted["retrieve"][at], cost["retrieve"][at])
+            steps.append((f"cold retrieve, {n} in flight", *retrieve))
+        for step, clear, sealed, ratio in steps:
+            lines.append(
+                f"| {segment_bytes >> 20} MiB | {step} | {_cell(clear['gbps'])} / {_cell(sealed['gbps'])} | "
+                f"{_cell(ratio)} |"
+            )
     return lines
 
 

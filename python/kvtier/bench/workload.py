@@ -230,3 +230,15 @@ def drop_page_cache() -> bool:
         return True
     except OSError:
         return False
+
+
+def throwaway_key_file(directory: str, name: str = "encryption.key") -> str:
+    """A benchmark run's throwaway ``encryption_key_file``: 32 random bytes, mode 0600, made once in
+    ``directory`` (the run's scratch, removed with it; never under a shared root, where the store
+    refuses a key). Only its path goes into plans and logs."""
+    key_file = os.path.join(directory, name)
+    if not os.path.exists(key_file):
+        descriptor = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "wb") as out:
+            out.write(os.urandom(32))
+    return key_file

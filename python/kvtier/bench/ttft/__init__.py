@@ -52,6 +52,11 @@ Configurations (one engine alive at a time, each in its own child process):
   ``locate_many`` before timing, and every block of the timed request counted in ``bucket_hits`` (one
   ranged GET per run of adjacent blocks of a segment). ``--bucket-segment-bytes`` sets both nodes'
   ``bucket_segment_bytes``.
+- ``kvtier_object_encrypted``: with ``--object --encrypted``, ``kvtier_object`` again with the run's key
+  on both nodes (node A seals every value before its PUT, node B opens each hit in its DRAM slot), under
+  a prefix of its own (``<prefix>/encrypted``: node B can only be served blocks sealed by node A). Both
+  rows' nodes A run first, then the two rows' loads of each prompt one after the other. The summary's
+  ``encryption`` gives its rows with ``tier: object`` beside the NVMe ones.
 - ``kvtier_object_always`` / ``kvtier_object_auto`` (and ``kvtier_shared_*``): with ``--slow-link MB/S,...``
   (and ``--object`` and/or the shared roots), node B of the remote-tier row behind a slow link, per link
   speed: the bucket through ``kvtier.bench.slowlink`` (a TCP proxy), the shared directory through

@@ -109,10 +109,12 @@ def kvtier_transfer(
     shared_root: str | None = None,
     object_tier: bool = False,
     load_policy: str = "always",
+    bucket_subprefix: str = "",
     **integration: Any,
 ) -> dict:
     """kvtier's kv_transfer_config for the plan's store (or ``store_dir``), with the shared tier on
-    ``shared_root`` when given, or the object tier on the plan's bucket with ``object_tier``.
+    ``shared_root`` when given, or the object tier on the plan's bucket with ``object_tier`` (under
+    ``bucket_subprefix`` of the run's prefix when given: a row's blocks of its own).
 
     ``load_policy`` "always" by default: a row named for a tier's hit measures what loading it costs,
     so kvtier must not decide to recompute it (docs/vllm.md, "Load or recompute"); the slow-link rows
@@ -128,7 +130,8 @@ def kvtier_transfer(
         if plan["shared"].get("file_bytes"):
             remote["shared_file_bytes"] = plan["shared"]["file_bytes"]
     if object_tier:
-        remote = {"bucket_url": plan["object"]["bucket_url"], "bucket_endpoint": plan["object"]["bucket_endpoint"]}
+        bucket_url = plan["object"]["bucket_url"] + (f"/{bucket_subprefix}" if bucket_subprefix else "")
+        remote = {"bucket_url": bucket_url, "bucket_endpoint": plan["object"]["bucket_endpoint"]}
         if plan["object"].get("segment_bytes"):
             remote["bucket_segment_bytes"] = plan["object"]["segment_bytes"]
     return kv_transfer_config(
@@ -231,13 +234,11 @@ def kvtier_measure(
     hit: int,
     tier: str,
     drop_cache: bool,
-    served_counter: str | None = None,
     all_served: bool = True,
 ) -> dict:
-    """Measures a request whose first ``hit`` tokens are on ``tier`` (as ``locate_many`` names it)
-    and must all be served from it (unless not ``all_served``: kvtier may choose to recompute them),
-    counted in ``served_counter`` (default ``<tier>_hits``; the object tier's blocks are located as
-    "shared" and counted in ``bucket_hits``)."""
+    """Measures a request whose first ``hit`` tokens are on ``tier`` (as ``locate_many`` names it:
+    ``dram``, ``nvme``, ``shared``, ``bucket``) and must all be served from it, counted in its
+    ``<tier>_hits`` (unless not ``all_served``: kvtier may choose to recompute them)."""
     keys = engine.block_keys(tokens, hit // engine.block_tokens)
     engine.reset_prefix_cache()
     tiers_before = tier_counts(store, keys)
@@ -263,7 +264,7 @@ def kvtier_measure(
         "misses": after["misses"] - before["misses"],
         "checksum_failures": after["checksum_failures"] - before["checksum_failures"],
     }
-    served_counter = served_counter or f"{tier}_hits"
+    served_counter = f"{tier}_hits"
     served = record["kvtier"][served_counter]
     if served != len(keys) and all_served:
         record["problem"] = f"{served} of {len(keys)} blocks served from {tier} ({served_counter})"

@@ -274,13 +274,19 @@ def phase_kvtier_shared_store(plan: dict, emit) -> None:
     _publish_every_prompt(plan, emit, engine, store, "shared", counters, SHARED_PUBLISH_FAILURES)
 
 
-def _wait_shared_visible(store, keys: list[bytes]) -> dict[str, int]:
-    """Until node B's index places every block in the shared tier (it replays the manifests when
-    the store opens, and re-reads them every shared_staleness_ms / 2); the tier counts at the end."""
+def located_tier(transfer: dict[str, Any]) -> str:
+    """The name ``locate_many`` gives the remote tier of a node B's transfer options: ``bucket`` for the
+    object tier, ``shared`` for the shared-filesystem tier."""
+    return "bucket" if transfer.get("object_tier") else "shared"
+
+
+def _wait_remote_visible(store, keys: list[bytes], tier: str) -> dict[str, int]:
+    """Until node B's index places every block in the remote ``tier`` (it reads the manifests or the
+    bucket's index objects when the store opens, and again every refresh); the tier counts at the end."""
     deadline = time.monotonic() + SHARED_VISIBLE_WAIT_S
     while True:
         counts = tier_counts(store, keys)
-        if counts.get("shared", 0) == len(keys) or time.monotonic() > deadline:
+        if counts.get(tier, 0) == len(keys) or time.monotonic() > deadline:
             return counts
         time.sleep(0.1)
 
@@ -288,8 +294,8 @@ def _wait_shared_visible(store, keys: list[bytes]) -> dict[str, int]:
 def _start_node_b(plan: dict, emit, node: str, where: dict[str, str], **transfer: Any) -> tuple[Engine, Any, list[int]]:
     """Node B of a remote-tier row for the plan's item (length, repeat): a fresh engine and service on
     an empty local store (`node` names its directory), checked empty, and waited on until its index
-    places every block of the prompt in the remote tier (the object tier's blocks are located as
-    "shared" too). `where`: the tier's name for errors, and the option naming it for the record.
+    places every block of the prompt in the remote tier (`located_tier`). `where`: the tier's name for
+    errors, and the option naming it for the record.
     Returns the engine, its store and the prompt."""
     length, repeat = plan["item"]
     store_dir = shared_store_dir(plan, f"{node}-{length}-r{repeat}")
@@ -306,17 +312,18 @@ def _start_node_b(plan: dict, emit, node: str, where: dict[str, str], **transfer
                          f"{stats.get('blocks_nvme')} on NVMe")  # fmt: skip
     prompt = length_prompt(plan, length, repeat)
     keys = engine.block_keys(prompt, length // engine.block_tokens)
-    counts = _wait_shared_visible(store, keys)
-    if counts.get("shared", 0) != len(keys):
+    counts = _wait_remote_visible(store, keys, located_tier(transfer))
+    if counts.get(located_tier(transfer), 0) != len(keys):
         raise BenchError(f"node B sees the {len(keys)} blocks of p:{length}:{repeat} in tiers {counts}, not all in "
                          f"{where['name']} (after {SHARED_VISIBLE_WAIT_S} s)")  # fmt: skip
     return engine, store, prompt
 
 
-def _measure_node_b(plan: dict, emit, config: str, engine: Engine, store, prompt: list[int], **measure: Any) -> None:
-    """Node B's one measurement (every block read from the remote tier), its record and its store's stats."""
+def _measure_node_b(plan: dict, emit, config: str, engine: Engine, store, prompt: list[int], tier: str) -> None:
+    """Node B's one measurement (every block read from the remote `tier`, as `locate_many` names it,
+    and counted in its `<tier>_hits`), its record and its store's stats."""
     length, repeat = plan["item"]
-    record = kvtier_measure(engine, store, prompt, length, "shared", drop_cache=True, **measure)
+    record = kvtier_measure(engine, store, prompt, length, tier, drop_cache=True)
     emit("measure", {"experiment": 1, "config": config, "length_tokens": length, "repeat": repeat,
                      "prompt_id": f"p:{length}:{repeat}", **record})  # fmt: skip
     emit("store_stats", dict(store.stats()))
@@ -329,29 +336,67 @@ def phase_kvtier_shared_load(plan: dict, emit) -> None:
     shared_root = plan["shared"]["load_root"]
     where = {"name": "the shared tier", "shared_root": shared_root}
     engine, store, prompt = _start_node_b(plan, emit, "b", where, shared_root=shared_root)
-    _measure_node_b(plan, emit, "kvtier_shared", engine, store, prompt)
+    _measure_node_b(plan, emit, "kvtier_shared", engine, store, prompt, "shared")
 
 
 OBJECT_PUBLISH_FAILURES = ("bucket_dropped_publishes", "bucket_request_errors")
 
 
-def phase_kvtier_object_store(plan: dict, emit) -> None:
-    """Node A of kvtier_object: computes every prompt of experiment 1 with the object tier on; the
+# The encrypted object row's blocks: a prefix of their own under the run's, so that its node B can only
+# be served blocks its node A sealed (never the clear row's).
+ENCRYPTED_OBJECT_SUBPREFIX = "encrypted"
+
+
+def _object_row(plan: dict, encrypted: bool) -> tuple[str, dict[str, Any]]:
+    """The object row's node prefix and its transfer options: in clear, or with the run's key on the
+    bucket's encrypted subprefix (kvtier_object_encrypted)."""
+    if not encrypted:
+        return "object", {"object_tier": True}
+    return "object-enc", {
+        "object_tier": True,
+        "bucket_subprefix": ENCRYPTED_OBJECT_SUBPREFIX,
+        "encryption_key_file": plan["encryption_key_file"],
+    }
+
+
+def _object_store(plan: dict, emit, encrypted: bool) -> None:
+    """Node A of an object row: computes every prompt of experiment 1 with the object tier on; the
     flush after each waits until its segments and index objects are PUT."""
-    transfer = kvtier_transfer(plan, shared_store_dir(plan, "object-a"), object_tier=True, load_policy="auto")
-    engine = Engine(plan, transfer)
+    node, options = _object_row(plan, encrypted)
+    engine = Engine(plan, kvtier_transfer(plan, shared_store_dir(plan, f"{node}-a"), load_policy="auto", **options))
     store = store_of_engine()
-    emit("engine", {"start_s": engine.start_s, "bucket_url": plan["object"]["bucket_url"]})
+    emit("engine", {"start_s": engine.start_s, "bucket_url": plan["object"]["bucket_url"], "encrypted": encrypted})
     counters = ("puts", "bucket_segments_published", "bucket_bytes_written", "bucket_put_requests")
     _publish_every_prompt(plan, emit, engine, store, "object", counters, OBJECT_PUBLISH_FAILURES)
 
 
-def phase_kvtier_object_load(plan: dict, emit) -> None:
-    """Node B of kvtier_object for one prompt: a fresh engine and service with an empty local store,
+def _object_load(plan: dict, emit, encrypted: bool) -> None:
+    """Node B of an object row for one prompt: a fresh engine and service with an empty local store,
     every block of the prompt read from the bucket (ranged GETs of adjacent blocks)."""
+    node, options = _object_row(plan, encrypted)
     where = {"name": "the bucket", "bucket_url": plan["object"]["bucket_url"]}
-    engine, store, prompt = _start_node_b(plan, emit, "object-b", where, object_tier=True)
-    _measure_node_b(plan, emit, "kvtier_object", engine, store, prompt, served_counter="bucket_hits")
+    engine, store, prompt = _start_node_b(plan, emit, f"{node}-b", where, **options)
+    config = "kvtier_object_encrypted" if encrypted else "kvtier_object"
+    _measure_node_b(plan, emit, config, engine, store, prompt, located_tier(options))
+
+
+def phase_kvtier_object_store(plan: dict, emit) -> None:
+    _object_store(plan, emit, encrypted=False)
+
+
+def phase_kvtier_object_load(plan: dict, emit) -> None:
+    _object_load(plan, emit, encrypted=False)
+
+
+def phase_kvtier_object_encrypted_store(plan: dict, emit) -> None:
+    """Node A of kvtier_object_encrypted (``--object --encrypted``): as kvtier_object's, every value
+    sealed with the run's key before it is PUT, under the bucket's encrypted subprefix."""
+    _object_store(plan, emit, encrypted=True)
+
+
+def phase_kvtier_object_encrypted_load(plan: dict, emit) -> None:
+    """Node B of kvtier_object_encrypted: as kvtier_object's, with the key (every hit opened in its DRAM slot)."""
+    _object_load(plan, emit, encrypted=True)
 
 
 # The always-load rows behind a slow link wait for every hit, however long the link takes: with the
@@ -373,7 +418,7 @@ def load_decider(engine: Engine) -> Any:
         ) from None
 
 
-def decider_view(decider: Any, blocks: int, tier: str = "shared") -> dict[str, Any]:
+def decider_view(decider: Any, blocks: int, tier: str) -> dict[str, Any]:
     """What the decider believes now, for ``blocks`` leading hits on ``tier``: its prefill model, each
     tier's rate, and the recompute and load times it predicts for them (None: not known yet)."""
     from kvtier.vllm.costs import load_s
@@ -419,7 +464,7 @@ def phase_kvtier_object_slow(plan: dict, emit) -> None:
     """Node B of kvtier_object behind the slow link (the parent started the link and gave it as the
     bucket's endpoint), for one prompt and one load policy: ``_slow_node_b``."""
     where = {"name": "the bucket (through the slow link)", "bucket_endpoint": plan["object"]["bucket_endpoint"]}
-    _slow_node_b(plan, emit, "object", where, {"object_tier": True}, "bucket_hits")
+    _slow_node_b(plan, emit, "object", where, {"object_tier": True})
 
 
 def phase_kvtier_shared_slow(plan: dict, emit) -> None:
@@ -427,10 +472,10 @@ def phase_kvtier_shared_slow(plan: dict, emit) -> None:
     gave it as node B's shared root), for one prompt and one load policy: ``_slow_node_b``."""
     shared_root = plan["shared"]["load_root"]
     where = {"name": "the shared tier (through the slow mount)", "shared_root": shared_root}
-    _slow_node_b(plan, emit, "shared", where, {"shared_root": shared_root}, "shared_hits")
+    _slow_node_b(plan, emit, "shared", where, {"shared_root": shared_root})
 
 
-def _slow_node_b(plan: dict, emit, tier: str, where: dict, remote: dict, served_counter: str) -> None:
+def _slow_node_b(plan: dict, emit, tier: str, where: dict, remote: dict) -> None:
     """A remote-tier row's node B behind a slow link (the item: length, repeat, link MB/s, policy): a
     fresh engine and service with an empty local store, as in kvtier_shared and kvtier_object, started
     from the costs file the earlier engines of the model left; after the timed request it stops as a
@@ -444,12 +489,10 @@ def _slow_node_b(plan: dict, emit, tier: str, where: dict, remote: dict, served_
     )  # fmt: skip
     decider = load_decider(engine)
     blocks = length // engine.block_tokens
-    believed = decider_view(decider, blocks)
+    located = located_tier(remote)
+    believed = decider_view(decider, blocks, located)
     decisions_before = dict(decider.decisions)
-    record = kvtier_measure(
-        engine, store, prompt, length, "shared", drop_cache=True, served_counter=served_counter,
-        all_served=policy == "always",
-    )  # fmt: skip
+    record = kvtier_measure(engine, store, prompt, length, located, drop_cache=True, all_served=policy == "always")
     decisions = {
         f"{tier_name}:{choice}": count - decisions_before.get((tier_name, choice), 0)
         for (tier_name, choice), count in decider.decisions.items()
@@ -459,7 +502,7 @@ def _slow_node_b(plan: dict, emit, tier: str, where: dict, remote: dict, served_
     record.update(
         tier=tier, policy=policy, link_mb_per_s=rate, decisions=decisions, decided_blocks=sum(decisions.values()),
         offered_tokens=offered * engine.block_tokens, believed=believed,
-        learned=decider_view(decider, blocks), costs_at_start=costs_at_start,
+        learned=decider_view(decider, blocks, located), costs_at_start=costs_at_start,
     )  # fmt: skip
     emit("measure", {"experiment": "slow_link", "config": f"kvtier_{tier}_{policy}", "length_tokens": length,
                      "repeat": repeat, "prompt_id": f"p:{length}:{repeat}", **record})  # fmt: skip
@@ -634,6 +677,8 @@ PHASES = {
     "kvtier_nvme": phase_kvtier_nvme,
     "kvtier_nvme_encrypted_store": phase_kvtier_nvme_encrypted_store,
     "kvtier_nvme_encrypted": phase_kvtier_nvme_encrypted,
+    "kvtier_object_encrypted_store": phase_kvtier_object_encrypted_store,
+    "kvtier_object_encrypted_load": phase_kvtier_object_encrypted_load,
     "example_connector": phase_example_connector,
     "lmcache_disk": phase_lmcache_disk,
     "kvtier_shared_store": phase_kvtier_shared_store,

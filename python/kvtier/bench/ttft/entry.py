@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from kvtier.bench import bucket
+from kvtier.bench import bucket, workload
 from kvtier.bench.ttft.engine_phase import lmcache_config, run_phase, shared_store_dir
 from kvtier.bench.ttft.orchestrate import launch_phase, run_lmcache_phase, shared_row_failures, summarize
 from kvtier.bench.ttft.plan import BenchError, build_parser, make_plan
@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     plan["runtime_dir"] = tempfile.mkdtemp(prefix="kvtier-ttft-run-")
     if plan["encrypted"]:
         plan["encrypted_store_dir"] = str(store_root / "kvtier-encrypted")
-        plan["encryption_key_file"] = write_encryption_key(Path(plan["runtime_dir"]))
+        # The run's runtime directory is removed with the run; only the key's path is in the plan.
+        plan["encryption_key_file"] = workload.throwaway_key_file(plan["runtime_dir"])
     from kvtier.bench.layout import memcpy_gbps
 
     # The copy rate a DRAM hit's restore is judged against (issue 14), measured in this run.
@@ -123,17 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     if not results.measurements:
         return results.exit_code or 1
     return write_outputs(plan, results, notes, out_dir, argv, started)
-
-
-def write_encryption_key(scratch_dir: Path) -> str:
-    """The kvtier_nvme_encrypted row's throwaway key: 32 random bytes, mode 0600, in the run's scratch
-    directory (its runtime directory, removed with the run; never under a shared root, where the store
-    refuses a key). Only its path is in the plan (and the logs)."""
-    key_file = scratch_dir / "encryption.key"
-    descriptor = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "wb") as out:
-        out.write(os.urandom(32))
-    return str(key_file)
 
 
 def disk_space_needed_bytes(plan: dict) -> int:
@@ -198,7 +188,7 @@ def phase_list(plan: dict, store_root: Path, out_dir: Path, notes: list[str]) ->
             + (f", shared_file_bytes {plan['shared']['file_bytes']}" if plan["shared"]["file_bytes"] else "")
         )
     if plan["object"]:
-        phases += remote_row_phases(plan, "kvtier_object")
+        phases += object_row_phases(plan)
         phases += [Phase(*phase) for phase in slow_link_phases(plan, "object")]
     if plan["example_connector"]:
         phases.append(Phase("example_connector", "example_connector", None))
@@ -220,6 +210,18 @@ def remote_row_phases(plan: dict, config: str) -> list[Phase]:
         for n in plan["lengths"]
     ]
     return [Phase(f"{config}_store", f"{config}_store", None), *loads]
+
+
+def object_row_phases(plan: dict) -> list[Phase]:
+    """kvtier_object's phases and, with ``--encrypted``, kvtier_object_encrypted's: both nodes A first,
+    then the two rows' loads of each prompt one after the other, so that neither row always runs on
+    a machine warmer (or busier) than the other's."""
+    clear = remote_row_phases(plan, "kvtier_object")
+    if not plan["encrypted"]:
+        return clear
+    sealed = remote_row_phases(plan, "kvtier_object_encrypted")
+    loads = [phase for pair in zip(clear[1:], sealed[1:], strict=True) for phase in pair]
+    return [clear[0], sealed[0], *loads]
 
 
 def lmcache_phase(plan: dict, store_root: Path, out_dir: Path, notes: list[str]) -> Phase:
@@ -247,7 +249,7 @@ def run_phases(plan: dict, phases: list[Phase], timeout_s: int, started: float, 
     exit code 1). The object row's bucket is up only from its store phase to its last load phase, and
     each slow link only for its speed's phases."""
     results = PhaseResults()
-    object_phases = ("kvtier_object_load", SLOW_PHASES["object"])
+    object_phases = ("kvtier_object_load", "kvtier_object_encrypted_load", SLOW_PHASES["object"])
     object_loads = [index for index, phase in enumerate(phases) if phase.name in object_phases]
     bucket_stack = contextlib.ExitStack()
     links = SlowLinks(plan, progress_line)
@@ -296,6 +298,10 @@ def remove_node_store(plan: dict, phase: Phase) -> None:
         node = "object-a"
     elif phase.name == "kvtier_object_load":
         node = f"object-b-{phase.item[0]}-r{phase.item[1]}"
+    elif phase.name == "kvtier_object_encrypted_store":
+        node = "object-enc-a"
+    elif phase.name == "kvtier_object_encrypted_load":
+        node = f"object-enc-b-{phase.item[0]}-r{phase.item[1]}"
     elif phase.name in SLOW_PHASES.values():
         node = node_store_name(phase.name, phase.item)
     else:
@@ -325,7 +331,7 @@ def write_outputs(
     """The summary and its checks, the report (stdout, report.md), the plots and results.json; the exit code."""
     summary = summarize(plan, results.measurements)
     exit_code = results.exit_code
-    for config in ("kvtier_shared", "kvtier_object"):
+    for config in ("kvtier_shared", "kvtier_object", "kvtier_object_encrypted"):
         failures = shared_row_failures(plan, summary, results.measurements, config)
         if failures:
             notes += [f"{config} FAILED: {failure}" for failure in failures]

@@ -23,7 +23,7 @@ TARGET_NVME_OVER_LMCACHE = 1 / 1.5  # NVMe at least 1.5x better than LMCache's d
 LOGPROB_TOLERANCE = 1e-3
 RESTORED_CONFIGS = (
     "vllm_prefix", "kvtier_dram", "kvtier_nvme", "kvtier_nvme_encrypted", "example_connector", "lmcache_disk",
-    "kvtier_shared", "kvtier_object",
+    "kvtier_shared", "kvtier_object", "kvtier_object_encrypted",
 )  # fmt: skip
 
 
@@ -193,15 +193,32 @@ def summarize(plan: dict, measurements: list[dict]) -> dict:
     return summary
 
 
+# The rows measured in clear and encrypted (issue 40): tier, clear row, encrypted row.
+ENCRYPTED_ROWS = (
+    ("nvme", "kvtier_nvme", "kvtier_nvme_encrypted"),
+    ("object", "kvtier_object", "kvtier_object_encrypted"),
+)
+
+
 def encryption_summary(plan: dict, summary: dict) -> list[dict] | None:
-    """Issue 40: per length, the encrypted NVMe hit's median TTFT (kvtier_nvme_encrypted), the clear
-    NVMe hit's (kvtier_nvme) and encrypted / clear; None without --encrypted."""
+    """Issue 40: per tier (NVMe; the bucket with --object too) and length, the encrypted hit's median
+    TTFT, the clear hit's and encrypted / clear; None without --encrypted."""
     if not plan.get("encrypted"):
         return None
     rows = []
+    for tier, clear_row, encrypted_row in ENCRYPTED_ROWS:
+        if tier == "object" and not plan.get("object"):
+            continue
+        rows += _encryption_rows(plan, summary, tier, clear_row, encrypted_row)
+    return rows
+
+
+def _encryption_rows(plan: dict, summary: dict, tier: str, clear_row: str, encrypted_row: str) -> list[dict]:
+    rows = []
     for length in plan["lengths"]:
-        clear, encrypted = _median(summary, "kvtier_nvme", length), _median(summary, "kvtier_nvme_encrypted", length)
+        clear, encrypted = _median(summary, clear_row, length), _median(summary, encrypted_row, length)
         rows.append({
+            "tier": tier,
             "length_tokens": length,
             "clear_median_s": clear,
             "encrypted_median_s": encrypted,
@@ -210,11 +227,17 @@ def encryption_summary(plan: dict, summary: dict) -> list[dict] | None:
     return rows
 
 
+ENCRYPTION_FIGURE_NAMES = {
+    "nvme": "kvtier encrypted NVMe hit / kvtier NVMe hit",
+    "object": "kvtier encrypted object-tier hit / kvtier object-tier hit",
+}
+
+
 def encryption_targets(encryption: list[dict] | None) -> list[dict]:
-    """The encrypted NVMe hit over the clear one per length, as figures beside the targets (no target)."""
+    """The encrypted hit over the clear one per tier and length, as figures beside the targets (no target)."""
     return [
         {
-            "name": "kvtier encrypted NVMe hit / kvtier NVMe hit",
+            "name": ENCRYPTION_FIGURE_NAMES[row["tier"]],
             "length_tokens": row["length_tokens"],
             "value": row["encrypted_over_clear"],
             "target_at_most": None,
@@ -232,7 +255,8 @@ def shared_row_failures(
     """Why the kvtier_shared (or kvtier_object) row cannot be trusted (empty when it can): a length or
     repeat not measured, a block not served from that tier, a wrong hit size, or a greedy token that
     differs from the recompute of the same prompt."""
-    if not plan.get({"kvtier_shared": "shared", "kvtier_object": "object"}[config]):
+    tier = {"kvtier_shared": "shared", "kvtier_object": "object", "kvtier_object_encrypted": "object"}[config]
+    if not plan.get(tier) or (config == "kvtier_object_encrypted" and not plan.get("encrypted")):
         return []
     failures = []
     points = summary["experiment1"].get(config, {})

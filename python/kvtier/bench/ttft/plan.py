@@ -120,7 +120,9 @@ def _add_local_row_options(parser: argparse.ArgumentParser) -> None:
         "--encrypted", action="store_true",
         help="also measure an encrypted NVMe hit (kvtier_nvme_encrypted): the kvtier_nvme row on a store of its "
         "own with encryption_key_file set (a throwaway 32-byte key in the run's scratch directory) for the "
-        "storing and the timed engine; the report gives its ratio to the clear NVMe hit per length",
+        "storing and the timed engine; the report gives its ratio to the clear NVMe hit per length; with "
+        "--object, also an encrypted object-tier hit (kvtier_object_encrypted: both nodes with the key, on a "
+        "prefix of its own, its loads alternating with kvtier_object's)",
     )  # fmt: skip
 
 

@@ -18,6 +18,7 @@ CONFIG_LABELS = {
     "lmcache_disk": "LMCache + CPU copy shim (local disk)",
     "kvtier_shared": "kvtier shared-tier hit (other node's mount, empty local store, page cache dropped)",
     "kvtier_object": "kvtier object-tier hit (S3 bucket, other node, empty local store)",
+    "kvtier_object_encrypted": "kvtier object-tier hit, encrypted (encryption_key_file on both nodes, own prefix)",
     "disk_floor": "disk floor: fio O_DIRECT read of the same bytes",
 }
 
@@ -34,7 +35,7 @@ def _cell(point: dict | None) -> str:
 
 CONFIG_ORDER = (
     "recompute", "kvtier_miss", "vllm_prefix", "kvtier_dram", "kvtier_nvme", "kvtier_nvme_encrypted",
-    "kvtier_shared", "kvtier_object", "example_connector", "lmcache_disk", "disk_floor",
+    "kvtier_shared", "kvtier_object", "kvtier_object_encrypted", "example_connector", "lmcache_disk", "disk_floor",
 )  # fmt: skip
 
 
@@ -100,9 +101,13 @@ def io_pattern_section(phase_info: dict) -> list[str]:
     return lines
 
 
+ENCRYPTED_TIER_NAMES = {"nvme": "NVMe", "object": "object-tier"}
+
+
 def encryption_section(summary: dict) -> list[str]:
-    """Markdown: the cost of encryption at rest on an NVMe hit (issue 40), per length: the clear and the
-    encrypted hit's median TTFT and encrypted / clear; nothing without --encrypted."""
+    """Markdown: the cost of encryption at rest on a hit (issue 40), per tier (NVMe; the bucket with
+    --object) and length: the clear and the encrypted hit's median TTFT and encrypted / clear; nothing
+    without --encrypted."""
     rows = summary.get("encryption")
     if not rows:
         return []
@@ -110,14 +115,20 @@ def encryption_section(summary: dict) -> list[str]:
     def ms(seconds: float | None) -> str:
         return "-" if seconds is None else f"{seconds * 1000:.0f}"
 
-    header = ["prompt length", "kvtier NVMe hit (ms, median)", "encrypted NVMe hit (ms, median)", "encrypted / clear"]
-    cells = [
-        [f"{row['length_tokens']} tok", ms(row["clear_median_s"]), ms(row["encrypted_median_s"]),
-         "-" if row["encrypted_over_clear"] is None else f"{row['encrypted_over_clear']:.3f}"]
-        for row in rows
-    ]  # fmt: skip
-    title = "### Encryption at rest: NVMe hit with encryption_key_file vs in clear (AES-256-GCM, issue 40)"
-    return [title, "", markdown_table(header, cells), ""]
+    lines = []
+    for tier, name in ENCRYPTED_TIER_NAMES.items():
+        mine = [row for row in rows if row.get("tier", "nvme") == tier]
+        if not mine:
+            continue
+        header = ["prompt length", f"kvtier {name} hit (ms, median)", f"encrypted {name} hit (ms, median)"]
+        cells = [
+            [f"{row['length_tokens']} tok", ms(row["clear_median_s"]), ms(row["encrypted_median_s"]),
+             "-" if row["encrypted_over_clear"] is None else f"{row['encrypted_over_clear']:.3f}"]
+            for row in mine
+        ]  # fmt: skip
+        title = f"### Encryption at rest: {name} hit with encryption_key_file vs in clear (AES-256-GCM, issue 40)"
+        lines += [title, "", markdown_table([*header, "encrypted / clear"], cells), ""]
+    return lines
 
 
 def print_report(plan: dict, summary: dict, notes: list[str], phase_info: dict | None = None) -> str:

@@ -101,8 +101,9 @@ class SlowLinks:
         """The plan a phase runs with: a slow phase's remote tier is reached through its speed's link
         (started here, the previous one stopped, the costs files put back to its node A's)."""
         if phase in NODE_A_PHASES and self._plan.get("slow_link"):
-            # Each tier's chain is a deployment of its own: its node A starts with no costs file (the
-            # tiers' rates share one name, "shared", so one tier's would steer the other's choices).
+            # Each tier's chain is a deployment of its own: its node A starts with no costs file, as a
+            # user's first engine on that tier would (the prefill model the other chain learned would
+            # start it warmer).
             self.close()
             for path in costs_dir(self._plan).glob("costs-*.json"):
                 path.unlink()
