@@ -30,7 +30,7 @@ use crate::key::{BlockKey, Namespace};
 use crate::stats::Stats;
 use crate::tiers::remote::key::{load_key, KeySource, KEY_FILE_ENV};
 use crate::tiers::remote::keys::KeyIndex;
-use crate::tiers::remote::tenants::{figures, Labels, TenantFigures};
+use crate::tiers::remote::tenants::{TenantFigures, TenantLedger};
 use crate::tiers::remote::{random_nonzero_u64, ReadOutcome};
 use object_store::path::Path as ObjectPath;
 use object_store::ObjectStore;
@@ -136,10 +136,8 @@ pub struct BucketTier {
     /// `list_within`), by path.
     oversized: Mutex<HashSet<String>>,
     writer: Mutex<writer::SegmentWriters>,
-    /// Split by tenant: the segments this process evicted, by tenant tag (None: the default tenant).
-    tenant_evicted_segments: Mutex<HashMap<Option<u32>, u64>>,
-    /// Split by tenant: the labels of the tenants this process knows by their full ids.
-    tenant_labels: Mutex<Labels>,
+    /// Split by tenant: the tenants' labels and the segments this process evicted of each.
+    tenant_ledger: TenantLedger,
     auth: Option<AuthKey>,
     /// Encryption at rest of the values it publishes (`encryption_key_file`, `encrypt_with`).
     cipher: OnceLock<Arc<ValueCipher>>,
@@ -185,8 +183,7 @@ impl BucketTier {
         let base = if prefix.is_empty() { namespace.hex() } else { format!("{prefix}/{}", namespace.hex()) };
         let tier = Arc::new(BucketTier {
             writer: Mutex::new(writer::SegmentWriters::new()),
-            tenant_evicted_segments: Mutex::new(HashMap::new()),
-            tenant_labels: Mutex::new(Labels::naming(&config.tenant_shares)),
+            tenant_ledger: TenantLedger::new(&config.tenant_shares),
             read_permits: Arc::new(tokio::sync::Semaphore::new(config.reads_in_flight)),
             config: config.clone(),
             namespace,
@@ -260,7 +257,7 @@ impl BucketTier {
         for (stem, segment) in &self.index.read().segments {
             *bytes.entry(format::stem_tenant(stem)).or_default() += segment.bytes;
         }
-        figures(bytes, &self.tenant_evicted_segments.lock(), &self.tenant_labels.lock())
+        self.tenant_ledger.figures(bytes)
     }
 
     pub fn contains(&self, key: &BlockKey) -> bool {

@@ -243,7 +243,7 @@ impl BucketTier {
                 self.doomed.lock().push((m.location, Instant::now()));
                 Stats::add(&self.stats.bucket_evicted_segments, 1);
                 if shares.enabled() {
-                    *self.tenant_evicted_segments.lock().entry(tag).or_default() += 1;
+                    self.tenant_ledger.count_evicted([tag]);
                 }
                 evicted += 1;
             }

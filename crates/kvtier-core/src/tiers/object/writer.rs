@@ -8,7 +8,7 @@ use super::format::{self, Entry, SegmentHeader, SegmentIndex, SEGMENT_HEADER_BYT
 use super::BucketTier;
 use crate::format::checksum;
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
-use crate::format::encrypted::{page_tenant, seal_slot};
+use crate::format::encrypted::seal_slot;
 use crate::format::shared::{unix_ms, BLOCK_TAG_AT, TAG_BYTES};
 use crate::key::BlockKey;
 use crate::stats::Stats;
@@ -98,7 +98,7 @@ impl BucketTier {
     fn tenant_of(&self, slot: &[u8]) -> Option<u32> {
         let tag = slot_tag(&self.config.tenant_shares, slot);
         if tag.is_some() {
-            self.tenant_labels.lock().learn(&page_tenant(&slot[..DESCRIPTOR_BYTES]));
+            self.tenant_ledger.learn_slot(slot);
         }
         tag
     }

@@ -17,6 +17,7 @@
 use crate::format::descriptor::DESCRIPTOR_BYTES;
 use crate::format::encrypted::page_tenant;
 use crate::tenant::{order_to_give_up, tenant_label, TenantId, TenantShares, DEFAULT_TENANT};
+use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 
 /// A tenant's tag in the names of a remote tier's files and segments: the first 4 bytes of its id.
@@ -210,8 +211,47 @@ pub struct TenantFigures {
     pub evicted: u64,
 }
 
+/// What a remote tier split by tenant remembers of its tenants in this process: the full ids it
+/// stored for or was given shares for (their labels), and the files or segments it evicted of each.
+/// Only its per-tenant figures read it; eviction works from the names the tier lists.
+pub struct TenantLedger {
+    inner: Mutex<Ledger>,
+}
+
+#[derive(Default)]
+struct Ledger {
+    evicted: HashMap<Option<u32>, u64>,
+    labels: Labels,
+}
+
+impl TenantLedger {
+    /// A ledger that knows the tenants named in `shares` and has evicted nothing.
+    pub fn new(shares: &TenantShares) -> Self {
+        TenantLedger { inner: Mutex::new(Ledger { evicted: HashMap::new(), labels: Labels::naming(shares) }) }
+    }
+
+    /// Learns the full id of a slot's tenant (its descriptor page's), for the tenant's label.
+    pub fn learn_slot(&self, slot: &[u8]) {
+        self.inner.lock().labels.learn(&page_tenant(&slot[..DESCRIPTOR_BYTES]));
+    }
+
+    /// Counts one eviction per tag (one per file or segment this process evicted).
+    pub fn count_evicted(&self, tags: impl IntoIterator<Item = Option<u32>>) {
+        let mut ledger = self.inner.lock();
+        for tag in tags {
+            *ledger.evicted.entry(tag).or_default() += 1;
+        }
+    }
+
+    /// The figures of every tenant with `bytes` in the tier or evictions, largest first.
+    pub fn figures(&self, bytes: HashMap<Option<u32>, u64>) -> Vec<TenantFigures> {
+        let ledger = self.inner.lock();
+        figures(bytes, &ledger.evicted, &ledger.labels)
+    }
+}
+
 /// The figures of every tenant with indexed bytes or evictions, largest first.
-pub fn figures(
+fn figures(
     mut bytes: HashMap<Option<u32>, u64>,
     evicted: &HashMap<Option<u32>, u64>,
     labels: &Labels,
@@ -311,5 +351,28 @@ mod tests {
         labels.learn(&id);
         assert_eq!(labels.label(Some(tag)), tenant_label(&id));
         assert_eq!(labels.label(None), "default");
+    }
+
+    #[test]
+    fn a_ledger_names_the_tenants_it_stored_for_and_counts_their_evictions() {
+        let (known, stranger) = (tenant_id(b"team-a"), tenant_id(b"team-b"));
+        let (known_tag, stranger_tag) = (tenant_tag(&known), tenant_tag(&stranger));
+        let ledger = TenantLedger::new(&TenantShares::default());
+        let mut slot = vec![0u8; DESCRIPTOR_BYTES + 64];
+        crate::format::encrypted::set_page_tenant(&mut slot[..DESCRIPTOR_BYTES], &known);
+        ledger.learn_slot(&slot);
+        ledger.count_evicted([known_tag, known_tag, None]);
+        let bytes = HashMap::from([(known_tag, 10), (stranger_tag, 30)]);
+        let seen: Vec<(String, u64, u64)> =
+            ledger.figures(bytes).into_iter().map(|f| (f.label, f.bytes, f.evicted)).collect();
+        assert_eq!(
+            seen,
+            vec![
+                (format!("{:08x}", stranger_tag.unwrap()), 30, 0),
+                (tenant_label(&known), 10, 2),
+                ("default".to_string(), 0, 1),
+            ],
+            "largest first; a tenant known only by its tag keeps the tag; evictions without bytes still show"
+        );
     }
 }

@@ -323,10 +323,7 @@ fn doom(tier: &SharedTier, st: &mut EvictorState, accounts: &mut Accounts<String
         return;
     }
     if tier.config.tenant_shares.enabled() {
-        let mut evicted = tier.tenant_evicted_files.lock();
-        for (_, tag) in &victims {
-            *evicted.entry(*tag).or_default() += 1;
-        }
+        tier.tenant_ledger.count_evicted(victims.iter().map(|(_, tag)| *tag));
     }
     log::debug!("kvtier: doomed {count} shared files (usage {used_bytes}, target {target_bytes})");
 }

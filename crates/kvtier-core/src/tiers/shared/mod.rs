@@ -64,7 +64,7 @@ use crate::key::{BlockKey, Namespace};
 use crate::stats::Stats;
 use crate::tiers::remote::key::{load_key, KeySource, KEY_FILE_ENV};
 use crate::tiers::remote::random_nonzero_u64;
-use crate::tiers::remote::tenants::{figures, Labels, TenantFigures};
+use crate::tiers::remote::tenants::{TenantFigures, TenantLedger};
 use files::Opener;
 use format::{fanout_dir, unix_ms, AuthKey, Record};
 use index::{FileId, Index};
@@ -147,10 +147,8 @@ pub struct SharedTier {
 
     /// When the index last finished reading the other writers' manifests (staleness, for metrics).
     last_refresh_unix_ms: AtomicU64,
-    /// Split by tenant: the files this process doomed, by tenant tag (None: the default tenant).
-    tenant_evicted_files: Mutex<HashMap<Option<u32>, u64>>,
-    /// Split by tenant: the labels of the tenants this process knows by their full ids.
-    tenant_labels: Mutex<Labels>,
+    /// Split by tenant: the tenants' labels and the files this process doomed of each.
+    tenant_ledger: TenantLedger,
 }
 
 fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
@@ -218,8 +216,7 @@ impl SharedTier {
             short_reads_settling: AtomicU64::new(0),
 
             last_refresh_unix_ms: AtomicU64::new(unix_ms()),
-            tenant_evicted_files: Mutex::new(HashMap::new()),
-            tenant_labels: Mutex::new(Labels::naming(&config.tenant_shares)),
+            tenant_ledger: TenantLedger::new(&config.tenant_shares),
         });
         tier.append_records(&[Record::Header {
             namespace,
@@ -370,7 +367,7 @@ impl SharedTier {
             return Vec::new();
         }
         let bytes = tenants::bytes_by_tenant(&self.index.read());
-        figures(bytes, &self.tenant_evicted_files.lock(), &self.tenant_labels.lock())
+        self.tenant_ledger.figures(bytes)
     }
 
     pub(crate) fn data_path(&self, name: &str) -> PathBuf {

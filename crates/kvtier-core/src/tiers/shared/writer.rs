@@ -12,7 +12,7 @@ use super::root::{create_file, make_dir};
 use super::{capacity, io_err, tenants, SharedTier};
 use crate::error::{Error, Result};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
-use crate::format::encrypted::{page_tenant, seal_slot};
+use crate::format::encrypted::seal_slot;
 use crate::format::{checksum, ALIGN_BYTES};
 use crate::io::buffer::AlignedBuf;
 use crate::io::device::Transfer;
@@ -116,7 +116,7 @@ impl SharedTier {
     fn append_run(&self, w: &mut WriterState, tenant: Option<u32>, slots: &mut [(BlockKey, &mut [u8])]) -> usize {
         let tenant = if w.open_for(tenant).is_none() && w.open.len() >= MAX_OPEN_PER_WRITER { None } else { tenant };
         if tenant.is_some() {
-            self.tenant_labels.lock().learn(&page_tenant(&slots[0].1[..DESCRIPTOR_BYTES]));
+            self.tenant_ledger.learn_slot(slots[0].1);
         }
         let mut written = 0;
         let mut i = 0;
