@@ -229,3 +229,28 @@ fn write_eio_through_the_service_never_serves_wrong_bytes() {
 fn torn_writes_through_the_service_never_serve_wrong_bytes() {
     write_faults("torn writes", FaultPlan { torn_write_every: 5, ..FaultPlan::default() });
 }
+
+/// A flush waits for the service's writes, not for a reply on an engine's path: one slower than the
+/// connection's timeout (every NVMe write submission here delayed 250 ms, the connection's timeout
+/// 100 ms) succeeds, and the connection stays usable. Before `FLUSH_REPLY_TIMEOUT` the flush failed
+/// with EAGAIN and dropped the connection: an engine took a busy, healthy service for hung.
+#[test]
+fn a_flush_slower_than_the_connections_timeout_succeeds_and_keeps_the_connection() {
+    watchdog("slow flush", || {
+        let dir = tempfile::tempdir().unwrap();
+        let plan = Arc::new(FaultPlan { delay_ms: 250, ..FaultPlan::default() });
+        let (mut service, socket) = start(dir.path(), WHOLE_POOL, Some(Arc::clone(&plan)));
+        let ids: Vec<u64> = (0..8).collect();
+        assert!(store_all(&socket, &ids).iter().flatten().all(|&ok| ok));
+        let timeout = Duration::from_millis(100);
+        let mut client = Client::connect(&socket, timeout).unwrap();
+        client.hello(b"service-faults/model", TP, 0, SLICE).unwrap();
+        let started = std::time::Instant::now();
+        client.flush().unwrap();
+        assert!(started.elapsed() > timeout, "the flush did not wait on a delayed write: nothing tested");
+        assert!(client.is_connected(), "a slow flush dropped the connection");
+        assert!(client.stats().is_ok(), "the connection answers after the flush");
+        assert!(plan.writes_seen.load(std::sync::atomic::Ordering::Relaxed) > 0);
+        service.stop().unwrap();
+    });
+}

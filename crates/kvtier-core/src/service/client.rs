@@ -60,6 +60,13 @@ pub enum ReserveReply {
     Retry,
 }
 
+/// How long a flush's reply may take. A flush waits for the service's writes (NVMe, and the
+/// remote tiers' publishes, each PUT bounded by its own request timeout), not on any request's
+/// path: under the connection's timeout (`service_timeout_ms`, 2 s by default) a flush of a large
+/// backlog would take a busy, healthy service for hung and drop the connection, and the engine
+/// would serve misses and drop stores until it reattached. Past this, it is taken for hung.
+pub const FLUSH_REPLY_TIMEOUT: Duration = Duration::from_secs(300);
+
 pub struct Client {
     socket_path: PathBuf,
     stream: Option<UnixStream>,
@@ -159,8 +166,17 @@ impl Client {
                 return Err(service_error(&self.socket_path, "closed the connection (did it stop?)"));
             }
             Err(e) => {
+                let waited = stream.read_timeout().ok().flatten().unwrap_or_default();
                 self.stream = None;
-                return Err(service_error(&self.socket_path, format!("{op:?} failed: {e}")));
+                let what = match e.kind() {
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => format!(
+                        "no reply to {op:?} within {} ms (the connection's timeout, service_timeout_ms): \
+                         taken for hung",
+                        waited.as_millis()
+                    ),
+                    _ => format!("{op:?} failed: {e}"),
+                };
+                return Err(service_error(&self.socket_path, what));
             }
         };
         match body[0] {
@@ -450,8 +466,26 @@ impl Client {
     /// Waits until the service has written every store it accepted and queued for NVMe (the write
     /// backlog empty, trailers written, the device files synced) and flushed the remote tiers. A
     /// block whose NVMe write was dropped (no region free, `nvme_dropped_writes`) stays in DRAM only.
+    /// Its reply may take up to `FLUSH_REPLY_TIMEOUT`, whatever the connection's timeout.
     pub fn flush(&mut self) -> Result<()> {
-        self.call(Op::Flush, |_| {}).map(drop)
+        self.with_reply_timeout(FLUSH_REPLY_TIMEOUT, |c| c.call(Op::Flush, |_| {}).map(drop))
+    }
+
+    /// Runs `f` with the connection's read timeout raised to `timeout` (never lowered), then puts the
+    /// connection's own back.
+    fn with_reply_timeout<T>(&mut self, timeout: Duration, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        let own = self.stream.as_ref().and_then(|s| s.read_timeout().ok().flatten());
+        let raise = own.is_some_and(|own| own < timeout);
+        if let (Some(stream), true) = (&self.stream, raise) {
+            stream.set_read_timeout(Some(timeout)).map_err(|e| service_error(&self.socket_path, e))?;
+        }
+        let result = f(self);
+        if let (Some(stream), true) = (&self.stream, raise) {
+            if stream.set_read_timeout(own).is_err() {
+                self.stream = None; // a connection whose timeout cannot be put back would wait too long
+            }
+        }
+        result
     }
 
     // ---- the two-phase transfers, for a caller that copies itself (a GPU's DMA engine) ----
