@@ -230,3 +230,27 @@ def test_object_tier_behind_a_slow_link(tmp_path):
     records = [m for m in result["measurements"] if m["experiment"] == "slow_link"]
     assert len(records) == 2 * 2 * 2 and all(r["link_mb_per_s"] in (2.0, 200.0) for r in records)
     assert all(r["kvtier"]["bucket_hits"] == 8 for r in records if r["policy"] == "always")
+
+
+@pytest.mark.radosgw
+def test_object_row_at_ci_size(tmp_path):
+    """`kvtier bench ttft --object` at CI size (Ceph's RADOS gateway, root): node A publishes one prompt
+    to the bucket, a fresh node B with an empty local store loads every block of it from the bucket,
+    and the run's own checks pass (exit 0: node B found the blocks located in the object tier, each
+    served from it, and recompute's token). Five engine starts and the gateway; the only object row
+    CI runs through vLLM (the row's phases broke once while only full runs measured them)."""
+    from kvtier.bench import bucket, ttft
+
+    reason = bucket.missing_reason()
+    if reason:
+        pytest.skip(reason)
+    out_dir = tmp_path / "out"
+    argv = ["--small", "--lengths", "512", "--repeats", "1", "--hit-rate-length", "0", "--skip-example-connector",
+            "--no-disk-floor", "--object", "--out", str(out_dir), "--store-dir", str(tmp_path / "store")]  # fmt: skip
+    assert ttft.main(argv) == 0
+    result = json.loads((out_dir / "results.json").read_text())
+    (hit,) = [m for m in result["measurements"] if m["config"] == "kvtier_object"]
+    blocks = hit["expected_cached_tokens"] // result["plan"]["block_tokens"]
+    assert blocks > 0 and hit["kvtier"]["bucket_hits"] == blocks and hit["kvtier"]["tiers_before"] == {"bucket": blocks}
+    assert hit["cached_tokens"] == hit["expected_cached_tokens"] and not hit.get("problem")
+    assert not [note for note in result["notes"] if "FAILED" in note]
