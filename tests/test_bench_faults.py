@@ -498,6 +498,15 @@ def test_bench_faults_service_stop_small(tmp_path):
     assert stopped["fault"]["pid"] > 0 and stopped["fault"]["load_running_at_end"]
     assert (out / "table.md").exists()
     assert not list(out.glob("*/store"))  # the store went with the row
+    # the near-tie check on every output (none differed): each the greedy path of vLLM alone, one
+    # request at a time; an output made up for one request is wrong, not a tie
+    from kvtier.bench import faults_ties
+
+    stopped["outputs"][0] = "\u2603" + stopped["outputs"][0]
+    todo = {"service-stop": list(range(8))}
+    cleared, check = faults_ties.run_check(document["settings"], document["rows"], todo, tmp_path, 0.1)
+    assert cleared == {"service-stop": frozenset(range(1, 8))}, check
+    assert check["rows"]["service-stop"][0]["verdict"] == "wrong" and not check["problems"]
 
 
 @pytest.mark.slow

@@ -35,6 +35,9 @@ a hit again (its service's ``dram_hits`` + ``nvme_hits`` rose, or for a remote t
 own hits; a service started anew counts from 0), and the reads of the faulted tier from the fault's start
 to a second after its end (``faults_tiers.TIER_READS``): a row whose fault touched no read of its tier
 says so (in the table and a note), since it then checked nothing of that tier.
+An output that differs is then checked token by token (``kvtier.bench.faults_ties``) against vLLM
+alone's greedy path from a fresh server, one request at a time: one that left it only where the top
+tokens nearly tie (``--tie-nats``) is cleared as a near tie, not counted as wrong.
 A row with a failed request or a wrong output is a problem: the command exits 1.
 
 Output (``--out DIR``): ``results.json``, ``table.md`` (also printed), ``faults.png`` (each request's TTFT
@@ -58,7 +61,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench import faults_disk, faults_plot, faults_tiers, serve, serve_plan, serve_points, serve_servers
+from kvtier.bench import (
+    faults_disk,
+    faults_plot,
+    faults_tiers,
+    faults_ties,
+    serve,
+    serve_plan,
+    serve_points,
+    serve_servers,
+)
 from kvtier.bench.faults_tiers import DISK_FULL, READ_ERRORS, TIER_FAULTS
 from kvtier.bench.ttft import markdown_table, parse_tokens
 
@@ -145,6 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="runs of vLLM alone (default 1). With 2 or more, a request whose greedy output differs between them "
         "(a model whose top tokens nearly tie, as the random-weight presets' do under CPU batching) is unstable: "
         "left out of every row's wrong outputs, and counted",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tie-nats", type=float, default=faults_ties.DEFAULT_TIE_NATS,
+        help="an output that differs from vLLM alone's is cleared as a near tie when, at each token where it "
+        "leaves vLLM alone's greedy path (from a fresh server, one request at a time), it took a top-"
+        f"{faults_ties.TOP_LOGPROBS} token at most this many nats below the path's (default "
+        f"{faults_ties.DEFAULT_TIE_NATS}; kvtier.bench.faults_ties)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-tie-check", action="store_true", help="count every output that differs as wrong (no near-tie check)"
     )  # fmt: skip
     parser.add_argument("--out", help="output directory (default: a new temporary directory)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG", help="one more vllm serve arg")
@@ -484,6 +506,7 @@ def run_load(plan: dict[str, Any], row: str, url: str, out_dir: Path, fault: Fau
     record.update(serve_points.parse_result(result), result_file=str(result_path))
     record["outputs"] = result.get("generated_texts") or []
     record["request_errors"] = result.get("errors") or []
+    record["input_lens"] = result.get("input_lens") or []
     return record
 
 
@@ -593,18 +616,22 @@ def unstable_requests(rows: list[dict[str, Any]]) -> frozenset[int]:
     return frozenset(i for i in range(len(runs[0])) if any(i >= len(run) or run[i] != runs[0][i] for run in runs))
 
 
-def judge(rows: list[dict[str, Any]]) -> list[str]:
+def judge(rows: list[dict[str, Any]], cleared: dict[str, frozenset[int]] | None = None) -> list[str]:
     """Counts each row's wrong outputs against the first row's (vLLM alone), leaving out the requests
-    the runs of vLLM alone disagree on, and lists the problems: a failed request, a wrong output, a
-    fault not injected while the load ran, a row that did not run. Fills ``wrong_outputs`` per row."""
+    the runs of vLLM alone disagree on and the row's ``cleared`` ones (near ties), and lists the
+    problems: a failed request, a wrong output, a fault not injected while the load ran, a row that did
+    not run. Fills ``wrong_outputs`` (and ``near_ties``) per row."""
     reference = rows[0].get("outputs") if rows else None
     unstable = unstable_requests(rows)
     problems = []
     for record in rows:
         outputs = record.get("outputs")
+        ties = (cleared or {}).get(record["row"], frozenset())
+        if ties:
+            record["near_ties"] = len(ties)
         if reference is not None and outputs is not None:
             errors = record.get("request_errors") or []
-            record["wrong_outputs"] = wrong_outputs(reference, outputs, errors, unstable)
+            record["wrong_outputs"] = wrong_outputs(reference, outputs, errors, unstable | ties)
         problems += [f"{record['row']}: {problem}" for problem in record.get("problems", [])]
         if record.get("failed"):
             problems.append(f"{record['row']}: {record['failed']} requests failed")
@@ -616,6 +643,22 @@ def judge(rows: list[dict[str, Any]]) -> list[str]:
         if "completed" not in record and not record.get("problems"):
             problems.append(f"{record['row']}: not measured")
     return problems
+
+
+def tie_check(
+    plan: dict[str, Any], rows: list[dict[str, Any]], args: argparse.Namespace, out_dir: Path, started: float
+) -> tuple[dict[str, frozenset[int]], dict[str, Any] | None]:
+    """The near-tie check (kvtier.bench.faults_ties) of the outputs that differ from vLLM alone's, on a
+    server of its own; nothing to check, or --no-tie-check: nothing cleared and no record."""
+    todo = faults_ties.differing(rows, unstable_requests(rows))
+    if not todo or args.no_tie_check:
+        return {}, None
+    count = sum(len(found) for found in todo.values())
+    progress(started, f"near-tie check of {count} outputs that differ from vLLM alone's")
+    try:
+        return faults_ties.run_check(plan, rows, todo, out_dir, args.tie_nats)
+    except Exception as error:  # the check only clears: without it every difference stays wrong
+        return {}, {"problems": [f"the near-tie check failed ({type(error).__name__}: {error}): nothing cleared"]}
 
 
 def untouched(rows: list[dict[str, Any]]) -> list[str]:
@@ -659,6 +702,11 @@ def fallbacks_cell(record: dict[str, Any]) -> str:
     return f"{calls} / {loads} / {stores}"
 
 
+def wrong_cell(record: dict[str, Any]) -> str:
+    wrong = str(record.get("wrong_outputs", "-"))
+    return f"{wrong} ({record['near_ties']} near ties cleared)" if record.get("near_ties") else wrong
+
+
 def _number(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -678,7 +726,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
             label = "vLLM alone" if record["row"] == BASELINE_ROW else f"vLLM alone, run {record['row'].split('-')[-1]}"
         lines.append([
             label,
-            str(record.get("completed", "-")), str(record.get("failed", "-")), str(record.get("wrong_outputs", "-")),
+            str(record.get("completed", "-")), str(record.get("failed", "-")), wrong_cell(record),
             _number(record.get("request_throughput")), _number(record.get("output_throughput"), 1),
             _number(ttft.get("p50"), 0), _number(ttft.get("p99"), 0), again,
             str(hits.get("dram_hits", "-")), str(hits.get("nvme_hits", "-")),
@@ -717,7 +765,9 @@ def main(argv: list[str] | None = None) -> int:
         for row in plan["rows"]:
             document["rows"].append(run_row(plan, row, out_dir, args.point_timeout_s, started, tiers))
             (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
-    document["problems"] = judge(document["rows"])
+    cleared, document["tie_check"] = tie_check(plan, document["rows"], args, out_dir, started)
+    document["problems"] = judge(document["rows"], cleared)
+    document["problems"] += (document["tie_check"] or {}).get("problems", [])
     document["notes"] = untouched(document["rows"])
     unstable = unstable_requests(document["rows"])
     document["unstable_requests"] = sorted(unstable)

@@ -1,0 +1,262 @@
+"""Near ties: whether an output that differs from vLLM alone's is wrong, or the model's greedy choice
+nearly tied (``kvtier bench faults``' output check, issue 36).
+
+The random-weight presets have flat next-token distributions: their top tokens often differ by
+hundredths of a nat. Under CPU batching (which requests share a step, how a prompt is split into
+chunks, whether its prefix came from a cache) the same request then picks a different token from run
+to run, without kvtier, and diverges from there. Comparing texts cannot tell that from kvtier serving
+wrong KV. This module can, as vLLM's own tests compare logprobs (``check_logprobs_close``): a fresh
+server of vLLM alone, one request at a time, gives each checked request's greedy path with the top
+``TOP_LOGPROBS`` logprobs at every step. An output is
+
+- ``same``: its text is the path's;
+- ``tie``: at every token where it leaves the path, the token it took is among the top ones and within
+  ``tie_nats`` of the path's; after a divergence the path is followed on from the output's own
+  token (the prompt, the tokens so far and that token sent again as token ids), so every divergence of
+  the whole output is checked, up to ``MAX_DIVERGENCES``;
+- ``wrong``: it took a token that is not among the top ones, or one further than ``tie_nats`` below;
+- ``unchecked``: more divergences than ``MAX_DIVERGENCES``, or the path could not be had.
+
+Only ``same`` and ``tie`` clear an output. The reference run's own output is judged the same way: it
+measures the noise (its gaps are reported), and one judged ``wrong`` means the check's prompts or
+threshold are off, which the run reports as a problem instead of clearing anything.
+
+The prompts are the load's: vLLM's ``prefix_repetition`` dataset rebuilt in this process from the
+plan's seed (``vllm bench serve`` sends it in the same order; the saved prompt lengths are compared).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TOP_LOGPROBS = 5
+MAX_DIVERGENCES = 8
+DEFAULT_TIE_NATS = 0.1
+REQUEST_TIMEOUT_S = 600
+CLEARED = ("same", "tie")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One generated token of a greedy path: the token, its logprob, the top tokens' logprobs."""
+
+    token: int
+    logprob: float
+    top: dict[int, float]
+
+
+Decode = Callable[[list[int]], str]
+Ask = Callable[[list[int], int], list[Step]]  # (prompt token ids, tokens to generate) -> the greedy path
+
+
+def _shown(decode: Decode, ids: list[int]) -> str:
+    """The text of ``ids`` as far as it is whole: a trailing partial character (a byte-level token
+    that ends inside one) decodes to U+FFFD until the next token completes it."""
+    return decode(ids).rstrip("\ufffd")
+
+
+def first_divergence(decode: Decode, path: list[int], output: str, start: int) -> int | None:
+    """The first position from ``start`` whose token takes the path's text off ``output``; None if the
+    output is the path's text."""
+    if decode(path) == output:
+        return None
+    for position in range(start, len(path)):
+        text = _shown(decode, path[: position + 1])
+        if not (output.startswith(text) or text.startswith(output)):
+            # the character the output leaves on may have begun with tokens that showed nothing yet
+            while position > start and _shown(decode, path[:position]) == _shown(decode, path[: position - 1]):
+                position -= 1
+            return position
+    return len(path)  # the path's text is a prefix of the output: the output went on past it
+
+
+def taken_alternative(decode: Decode, before: list[int], step: Step, output: str) -> int | None:
+    """The token among ``step``'s top ones, other than the path's, that the output took after
+    ``before``: the likeliest whose text the output continues with; failing that, the likeliest that
+    shows no text yet (the first part of a character), which the next step's check then judges."""
+    shown_before = len(_shown(decode, before))
+    pending = None
+    for token, _ in sorted(step.top.items(), key=lambda item: -item[1]):
+        text = _shown(decode, [*before, token])
+        if token == step.token or not (output.startswith(text) or text.startswith(output)):
+            continue
+        if len(text) > shown_before:
+            return token
+        pending = token if pending is None else pending
+    return pending
+
+
+def judge_output(decode: Decode, ask: Ask, prompt: list[int], output: str, tokens: int, tie_nats: float) -> dict:
+    """The verdict on one output of ``tokens`` tokens against the greedy path of ``prompt`` (see the
+    module's text), with each divergence's position and gap in nats."""
+    assert tie_nats >= 0.0, tie_nats
+    context: list[int] = []
+    divergences: list[dict[str, Any]] = []
+    while True:
+        steps = ask([*prompt, *context], tokens - len(context)) if len(context) < tokens else []
+        path = [*context, *(step.token for step in steps)]
+        position = first_divergence(decode, path, output, len(context))
+        if position is None:
+            return {"verdict": "tie" if divergences else "same", "divergences": divergences}
+        if position >= len(path):
+            return {"verdict": "wrong", "divergences": divergences, "why": "longer than the path"}
+        step = steps[position - len(context)]
+        token = taken_alternative(decode, path[:position], step, output)
+        if token is None:
+            divergences.append({"position": position, "gap_nats": None})
+            return {"verdict": "wrong", "divergences": divergences, "why": f"not in the top {TOP_LOGPROBS}"}
+        gap_nats = step.logprob - step.top[token]
+        divergences.append({"position": position, "gap_nats": round(gap_nats, 6)})
+        if gap_nats > tie_nats:
+            return {"verdict": "wrong", "divergences": divergences, "why": f"{gap_nats:.4f} nats below the top"}
+        if len(divergences) >= MAX_DIVERGENCES:
+            return {"verdict": "unchecked", "divergences": divergences, "why": "too many divergences"}
+        context = [*path[:position], token]
+
+
+# --------------------------------------------------------------------------------------------
+# the server's side
+# --------------------------------------------------------------------------------------------
+
+
+def _post(url: str, payload: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as answer:
+        return json.loads(answer.read())
+
+
+def _token_id(name: str) -> int:
+    assert name.startswith("token_id:"), name  # return_tokens_as_token_ids
+    return int(name[len("token_id:") :])
+
+
+def server_asker(url: str, model: str) -> Ask:
+    """Greedy paths from a ``vllm serve`` at ``url``: one completion of token ids, as the load's
+    requests (temperature 0, EOS ignored), with the top logprobs as token ids."""
+
+    def ask(prompt: list[int], tokens: int) -> list[Step]:
+        payload = {
+            "model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True,
+            "logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True,
+        }  # fmt: skip
+        logprobs = _post(f"{url}/v1/completions", payload)["choices"][0]["logprobs"]
+        columns = (logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"])
+        return [
+            Step(_token_id(name), logprob, {_token_id(key): value for key, value in top.items()})
+            for name, logprob, top in zip(*columns, strict=True)
+        ]
+
+    return ask
+
+
+def tokenize(url: str, model: str, prompt: str) -> list[int]:
+    """The prompt's token ids as the server makes them of a completion's text."""
+    return _post(f"{url}/tokenize", {"model": model, "prompt": prompt})["tokens"]
+
+
+def load_prompts(plan: dict[str, Any], tokenizer: Any) -> list[tuple[str, int]]:
+    """The load's prompts and lengths, in sending order: ``vllm bench serve``'s prefix_repetition
+    dataset rebuilt from the plan (kvtier.bench.serve_points.bench_command's arguments)."""
+    from vllm.benchmarks.datasets.datasets import PrefixRepetitionRandomDataset
+
+    users = plan["users"]
+    requests = PrefixRepetitionRandomDataset(random_seed=plan["seed"], dataset_path=None).sample(
+        tokenizer=tokenizer, num_requests=users * plan["requests_per_user"], prefix_len=plan["prefix_len"],
+        suffix_len=plan["suffix_len"], num_prefixes=users, output_len=plan["output_len"],
+    )  # fmt: skip
+    return [(str(request.prompt), int(request.prompt_len)) for request in requests]
+
+
+# --------------------------------------------------------------------------------------------
+# a run's check
+# --------------------------------------------------------------------------------------------
+
+
+def differing(rows: list[dict[str, Any]], unstable: frozenset[int]) -> dict[str, list[int]]:
+    """Per row after the first (vLLM alone), the requests whose output differs from the first row's,
+    leaving out failed requests and ``unstable`` ones."""
+    if not rows or not rows[0].get("outputs"):
+        return {}
+    reference = rows[0]["outputs"]
+    found = {}
+    for record in rows[1:]:
+        outputs, errors = record.get("outputs") or [], record.get("request_errors") or []
+        indices = [
+            index for index, (expected, got) in enumerate(zip(reference, outputs, strict=False))
+            if expected != got and index not in unstable and not (index < len(errors) and errors[index])
+        ]  # fmt: skip
+        if indices:
+            found[record["row"]] = indices
+    return found
+
+
+def check_rows(
+    rows: list[dict[str, Any]], todo: dict[str, list[int]], prompts: list[tuple[str, int]], tokens: int, paths: Any
+) -> tuple[dict[str, frozenset[int]], dict[str, Any]]:
+    """Judges the ``todo`` outputs (``tokens`` tokens each) of each row and, for each of their
+    requests, the reference's own output; ``paths``: (decode, ask, tokenize, tie_nats). Returns the
+    cleared requests per row and the check's record (verdicts, the reference's gaps, problems)."""
+    decode, ask, to_ids, tie_nats = paths
+    reference = rows[0]
+    lengths = reference.get("input_lens") or []
+    if lengths and lengths != [length for _, length in prompts]:
+        return {}, {"problems": ["the rebuilt prompts' lengths differ from the load's: nothing checked"]}
+    indices = sorted({index for found in todo.values() for index in found})
+    prompt_ids = {index: to_ids(prompts[index][0]) for index in indices}
+
+    def verdict(index: int, output: str) -> dict:
+        return judge_output(decode, ask, prompt_ids[index], output, tokens, tie_nats)
+
+    own = {index: verdict(index, reference["outputs"][index]) for index in indices}
+    problems = [
+        f"vLLM alone's own output of request {index} is {own[index]['verdict']} against its greedy path alone: "
+        "that request is not cleared" for index in indices if own[index]["verdict"] not in CLEARED
+    ]  # fmt: skip
+    cleared, verdicts = {}, {}
+    for row, found in todo.items():
+        record = next(record for record in rows if record["row"] == row)
+        verdicts[row] = {index: verdict(index, record["outputs"][index]) for index in found}
+        cleared[row] = frozenset(
+            index for index, judged in verdicts[row].items()
+            if judged["verdict"] in CLEARED and own[index]["verdict"] in CLEARED
+        )  # fmt: skip
+    return cleared, {"tie_nats": tie_nats, "reference": own, "rows": verdicts, "problems": problems}
+
+
+def gaps(check: dict[str, Any], rows: bool) -> list[float]:
+    """The gaps (nats) of the check's divergences: the kvtier rows' (``rows``) or vLLM alone's own."""
+    judged = [v for found in check.get("rows", {}).values() for v in found.values()] if rows else []
+    judged = judged if rows else list(check.get("reference", {}).values())
+    return [d["gap_nats"] for v in judged for d in v["divergences"] if d["gap_nats"] is not None]
+
+
+def run_check(
+    plan: dict[str, Any], rows: list[dict[str, Any]], todo: dict[str, list[int]], out_dir: Path, tie_nats: float
+) -> tuple[dict[str, frozenset[int]], dict[str, Any]]:
+    """``check_rows`` against a fresh server of vLLM alone (started here, stopped after)."""
+    from vllm.tokenizers import get_tokenizer
+
+    from kvtier.bench import serve_servers
+
+    tokenizer = get_tokenizer(plan["model_dir"])
+    prompts = load_prompts(plan, tokenizer)
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    server, log_path, _ = serve_servers.start_server(plan, "vllm", 0, out_dir / "tie-check", [], [])
+    try:
+        server.wait_healthy()
+        paths = (decode, server_asker(server.url, server.model), lambda text: tokenize(server.url, server.model, text))
+        cleared, check = check_rows(rows, todo, prompts, plan["output_len"], (*paths, tie_nats))
+    finally:
+        server.stop()
+    check["server_log"] = str(log_path)
+    return cleared, check

@@ -1,0 +1,149 @@
+"""The near-tie check of ``kvtier bench faults`` (``kvtier.bench.faults_ties``), without an engine.
+
+A toy model stands in for vLLM alone's greedy paths: tokens are bytes (some of them halves of a UTF-8
+character, as a byte-level BPE's are), and each step's top logprobs are set per context. The checks:
+an output on the path is ``same``; one that leaves it only by near ties is ``tie``, every divergence
+followed on its own branch; a token further below, or not among the top ones, is ``wrong``; a reference
+that is itself wrong clears nothing; rebuilt prompts of the wrong lengths check nothing; ``judge``
+leaves cleared requests out of the wrong outputs.
+
+Run: ``.venv/bin/python -m pytest tests/test_bench_faults_ties.py -v``.
+"""
+
+from __future__ import annotations
+
+from kvtier.bench import faults, faults_ties
+from kvtier.bench.faults_ties import Step
+
+# token ids are byte values; 0xC3 then 0xA9 is "é", a character split over two tokens
+A, B, C, D = (ord(letter) for letter in "abcd")
+E_FIRST, E_SECOND = 0xC3, 0xA9
+
+
+def decode(ids: list[int]) -> str:
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+class ToyModel:
+    """Greedy paths: after a context, the step ``steps[context]`` if set, else ``A`` with ``B`` 0.5 nats
+    below and ``C`` 3 nats below. ``asked`` keeps every call, to see the branches followed."""
+
+    def __init__(self, steps: dict[tuple[int, ...], Step] | None = None):
+        self.steps = steps or {}
+        self.asked: list[tuple[int, ...]] = []
+
+    def step(self, context: tuple[int, ...]) -> Step:
+        return self.steps.get(context, Step(A, -1.0, {A: -1.0, B: -1.5, C: -4.0}))
+
+    def ask(self, prompt: list[int], tokens: int) -> list[Step]:
+        context = tuple(prompt[1:])  # the prompt is [0] + the tokens generated so far
+        self.asked.append(context)
+        path = []
+        for _ in range(tokens):
+            step = self.step(context)
+            path.append(step)
+            context = (*context, step.token)
+        return path
+
+
+def tie(token: int, other: int, gap_nats: float) -> Step:
+    return Step(token, -1.0, {token: -1.0, other: -1.0 - gap_nats, C: -5.0})
+
+
+def judge(model: ToyModel, output: str, tokens: int = 4, tie_nats: float = 0.1) -> dict:
+    return faults_ties.judge_output(decode, model.ask, [0], output, tokens, tie_nats)
+
+
+def test_an_output_on_the_greedy_path_is_the_same():
+    assert judge(ToyModel(), "aaaa") == {"verdict": "same", "divergences": []}
+
+
+def test_divergences_within_the_tie_are_followed_to_the_end():
+    model = ToyModel({(A,): tie(A, B, 0.02), (A, B, A): tie(A, D, 0.05)})
+    verdict = judge(model, "abad")
+    assert verdict["verdict"] == "tie", verdict
+    assert [(d["position"], d["gap_nats"]) for d in verdict["divergences"]] == [(1, 0.02), (3, 0.05)]
+    assert model.asked == [(), (A, B)], "each branch asked from the output's own token, the last one complete"
+
+
+def test_a_token_further_below_than_the_tie_is_wrong():
+    verdict = judge(ToyModel({(A,): tie(A, B, 0.3)}), "abaa")
+    assert verdict["verdict"] == "wrong" and verdict["divergences"] == [{"position": 1, "gap_nats": 0.3}]
+    assert judge(ToyModel({(A,): tie(A, B, 0.3)}), "abaa", tie_nats=0.5)["verdict"] == "tie"
+
+
+def test_a_token_not_among_the_top_ones_is_wrong():
+    verdict = judge(ToyModel(), "adaa")
+    assert verdict["verdict"] == "wrong" and "top" in verdict["why"]
+    assert verdict["divergences"] == [{"position": 1, "gap_nats": None}]
+
+
+def test_an_output_longer_than_the_path_is_wrong():
+    assert judge(ToyModel(), "aaaaa")["verdict"] == "wrong"
+
+
+def test_a_character_split_over_two_tokens_is_not_a_divergence():
+    split: dict[tuple[int, ...], Step] = {
+        (A,): Step(E_FIRST, -1.0, {E_FIRST: -1.0, B: -2.0}),
+        (A, E_FIRST): Step(E_SECOND, -0.1, {E_SECOND: -0.1}),
+    }
+    assert judge(ToyModel(split), "aéa")["verdict"] == "same"  # 4 tokens: a, half, half, a
+    # leaving the path on the split character's first half, by a near tie: still a tie, not wrong
+    first: dict[tuple[int, ...], Step] = {(A,): Step(E_FIRST, -1.0, {E_FIRST: -1.0, B: -1.01})}
+    assert judge(ToyModel(first), "abaa")["verdict"] == "tie"
+    # and leaving it for an alternative that is itself a first half: judged on the next step
+    second: dict[tuple[int, ...], Step] = {
+        (A,): Step(B, -1.0, {B: -1.0, E_FIRST: -1.02}),
+        (A, E_FIRST): Step(E_SECOND, -0.1, {E_SECOND: -0.1}),
+    }
+    assert judge(ToyModel(second), "aéa")["verdict"] == "tie"
+
+
+def test_too_many_divergences_are_unchecked():
+    model = ToyModel({context: tie(A, B, 0.01) for context in [(), (B,), (B, B), (B, B, B)]})
+    verdict = faults_ties.judge_output(decode, model.ask, [0], "bbbb", 4, 0.1)
+    assert verdict["verdict"] == "tie" and len(verdict["divergences"]) == 4
+    many = "b" * (faults_ties.MAX_DIVERGENCES + 1)
+    model = ToyModel({tuple([B] * n): tie(A, B, 0.01) for n in range(len(many))})
+    assert faults_ties.judge_output(decode, model.ask, [0], many, len(many), 0.1)["verdict"] == "unchecked"
+
+
+def rows_of(reference: list[str], **others: list[str]) -> list[dict]:
+    measured = {"completed": len(reference), "failed": 0, "problems": []}
+    rows = [{"row": "vllm", "outputs": reference, "input_lens": [3] * len(reference), **measured}]
+    fault = {"fault": {"pid": 1}}  # injected under load
+    return rows + [{"row": name, "outputs": outputs, **measured, **fault} for name, outputs in others.items()]
+
+
+def check(model: ToyModel, rows: list[dict], prompts: list[tuple[str, int]] | None = None) -> tuple:
+    todo = faults_ties.differing(rows, frozenset())
+    prompts = prompts or [("p", 3)] * len(rows[0]["outputs"])
+    return faults_ties.check_rows(rows, todo, prompts, 4, (decode, model.ask, lambda _: [0], 0.1))
+
+
+def test_a_run_clears_near_ties_and_keeps_wrong_outputs():
+    model = ToyModel({(A,): tie(A, B, 0.02)})
+    rows = rows_of(["aaaa", "aaaa", "aaaa"], **{"service-stop": ["abaa", "adaa", "aaaa"]})
+    assert faults_ties.differing(rows, frozenset()) == {"service-stop": [0, 1]}
+    assert faults_ties.differing(rows, frozenset({1})) == {"service-stop": [0]}
+    cleared, record = check(model, rows)
+    assert cleared == {"service-stop": frozenset({0})}
+    assert record["rows"]["service-stop"][1]["verdict"] == "wrong" and record["problems"] == []
+    assert faults_ties.gaps(record, rows=True) == [0.02] and faults_ties.gaps(record, rows=False) == []
+    problems = faults.judge(rows, cleared)
+    assert rows[1]["wrong_outputs"] == 1 and rows[1]["near_ties"] == 1
+    assert problems == ["service-stop: 1 outputs differ from vLLM alone's"]
+    assert faults.wrong_cell(rows[1]) == "1 (1 near ties cleared)"
+
+
+def test_a_reference_off_its_own_path_clears_nothing():
+    rows = rows_of(["adaa"], **{"service-kill": ["abaa"]})  # vLLM alone's own output is not a near tie
+    cleared, record = check(ToyModel({(A,): tie(A, B, 0.02)}), rows)
+    assert cleared == {"service-kill": frozenset()}
+    assert record["problems"] and "request 0" in record["problems"][0]
+
+
+def test_prompts_of_other_lengths_check_nothing():
+    rows = rows_of(["aaaa"], **{"service-kill": ["abaa"]})
+    cleared, record = check(ToyModel(), rows, prompts=[("p", 7)])
+    assert cleared == {} and "lengths" in record["problems"][0]
