@@ -291,6 +291,8 @@ def test_table():
     assert len(lines[1]) == len(faults.TABLE_HEADER)
     rows[1]["engine_fallbacks"]["stepped_aside_calls"] = 600
     assert faults.table_rows(rows)[1][-1] == "7 (+600 unsent) / 2 / 5"
+    rows[1]["fault"] = {"hits_again_s": 57.87, "reattached_s": 9.31}  # a kill: the engine's new service
+    assert faults.table_rows(rows)[1][8] == "57.9 (reattached 9.3)"
 
 
 # --------------------------------------------------------------------------------------------

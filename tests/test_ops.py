@@ -674,3 +674,13 @@ def test_verify_scrubs_the_shared_tier(served: Served) -> None:
     assert ns["bad_shared"] == 1 and ns["bad_dram"] == ns["bad_nvme"] == 0, ns
     assert ns["bad"][0]["tier"] == "shared" and ns["bad"][0]["quarantined"]
     assert invoke_json("verify", *args)["ok"], "the file is quarantined: its blocks are out of the index"
+
+
+def test_bench_faults_sees_the_engines_attached(served: Served, tmp_path: Path) -> None:
+    """``kvtier bench faults`` times an engine's reattachment to a killed service's successor by the
+    engines the service lists (``faults_tiers.engines_attached``): the labelled one here; none where
+    no service answers."""
+    from kvtier.bench import faults_tiers
+
+    assert faults_tiers.engines_attached(served.socket) >= 1
+    assert faults_tiers.engines_attached(tmp_path / "no-service.sock") == 0

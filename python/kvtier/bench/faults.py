@@ -72,12 +72,12 @@ from kvtier.bench import (
     serve_servers,
 )
 from kvtier.bench.faults_tiers import DISK_FULL, READ_ERRORS, TIER_FAULTS
+from kvtier.bench.faults_ties import BASELINE_ROW, is_reference, unstable_requests, wrong_outputs
 from kvtier.bench.ttft import markdown_table, parse_tokens
 
 FAULTS = ("service-stop", "service-kill", READ_ERRORS, DISK_FULL, *TIER_FAULTS)
 DEFAULT_FAULTS = ("service-stop", "service-kill")
 READ_ERROR_DRAM_SLOTS = 4  # the NVMe rows' DRAM tier: a few blocks (I/O staging), not a prefix
-BASELINE_ROW = "vllm"
 HIT_COLUMNS = ("dram_hits", "nvme_hits", "bucket_hits", "shared_hits")  # kvtier's hits over a row's load
 KVTIER_ROW = "kvtier-nvme"  # bench serve's row whose store options the fault rows use (DRAM over NVMe)
 BURSTINESS = 100.0  # gamma shape of the arrival gaps: nearly even
@@ -240,11 +240,6 @@ def osd_bytes(plan: dict[str, Any]) -> int:
 # --------------------------------------------------------------------------------------------
 # faults
 # --------------------------------------------------------------------------------------------
-
-
-def is_reference(row: str) -> bool:
-    """Whether ``row`` is a run of vLLM alone (``vllm``, ``vllm-2``, ...: ``--reference-runs``)."""
-    return row == BASELINE_ROW or (row.startswith(f"{BASELINE_ROW}-") and row[len(BASELINE_ROW) + 1 :].isdigit())
 
 
 def service_now(socket: Path) -> tuple[int | None, dict[str, int] | None]:
@@ -411,6 +406,8 @@ def inject(fault: Fault, plan: dict[str, Any], url: str, client: subprocess.Pope
     info["hits_again_s"] = wait_for_hits(fault, client, info, reads)
     if info["hits_again_s"] is not None:
         info["hits_again_s"] = round(info["hits_again_s"] - ended, 2)
+    if "reattached_at" in info:  # a killed service's successor: when the engine attached to it
+        info["reattached_s"] = round(info["reattached_at"] - ended, 2)
     time.sleep(max(0.0, reads.at - time.monotonic()))
     reads.note(faults_tiers.service_counters(fault.socket))
     info["tier_reads"], info["tier_counters"] = reads.reads, reads.counters
@@ -447,6 +444,8 @@ def wait_for_hits(fault: Fault, client: subprocess.Popen, info: dict[str, Any], 
         if pid is not None and pid != fault.service_pid:
             info["service_restarted"] = pid
             base = 0
+            if "reattached_at" not in info and faults_tiers.engines_attached(fault.socket):
+                info["reattached_at"] = round(time.monotonic(), 3)
         elif base is None:
             base = hits
         if hits is not None and base is not None and hits > base:
@@ -595,27 +594,6 @@ def tear_down_row(
 # --------------------------------------------------------------------------------------------
 
 
-def wrong_outputs(
-    reference: list[str], outputs: list[str], errors: list[str], unstable: frozenset[int] = frozenset()
-) -> int:
-    """Requests whose generated text differs from the reference's (a failed request counts as failed,
-    not as wrong; an ``unstable`` one, whose output vLLM alone does not repeat, counts as neither); a
-    different number of requests counts as that many wrong."""
-    wrong = abs(len(reference) - len(outputs))
-    for index, (expected, got) in enumerate(zip(reference, outputs, strict=False)):
-        if expected != got and index not in unstable and not (index < len(errors) and errors[index]):
-            wrong += 1
-    return wrong
-
-
-def unstable_requests(rows: list[dict[str, Any]]) -> frozenset[int]:
-    """The requests whose outputs differ between the runs of vLLM alone (``--reference-runs``)."""
-    runs = [record["outputs"] for record in rows if is_reference(record["row"]) and record.get("outputs")]
-    if len(runs) < 2:
-        return frozenset()
-    return frozenset(i for i in range(len(runs[0])) if any(i >= len(run) or run[i] != runs[0][i] for run in runs))
-
-
 def judge(rows: list[dict[str, Any]], cleared: dict[str, frozenset[int]] | None = None) -> list[str]:
     """Counts each row's wrong outputs against the first row's (vLLM alone), leaving out the requests
     the runs of vLLM alone disagree on and the row's ``cleared`` ones (near ties), and lists the
@@ -721,6 +699,8 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
         again = "-" if reference else _number(fault.get("hits_again_s"), 1)
         if not reference and fault and fault.get("hits_again_s") is None:
             again = "not during the run"
+        if fault.get("reattached_s") is not None:
+            again += f" (reattached {fault['reattached_s']:.1f})"
         label = f"kvtier, {record['row']}"
         if reference:
             label = "vLLM alone" if record["row"] == BASELINE_ROW else f"vLLM alone, run {record['row'].split('-')[-1]}"

@@ -99,6 +99,19 @@ def engine_fallbacks(socket: Path) -> dict[str, int] | None:
     return totals
 
 
+def engines_attached(socket: Path) -> int:
+    """Engines the service on ``socket`` knows (labels over its namespaces): an engine labels each of
+    its connections when it attaches, so a service started anew lists it once the engine reattached;
+    0 while it does not answer."""
+    from kvtier.service import connect
+
+    try:
+        client = connect(socket, timeout_ms=5_000)
+        return sum(len(client.engines(namespace["digest"])) for namespace in client.namespaces()["namespaces"])
+    except Exception:  # stopped, killed or not yet restarted
+        return 0
+
+
 def delta(before: dict[str, int] | None, after: dict[str, int] | None, names: tuple[str, ...]) -> int | None:
     if before is None or after is None or not names:
         return None

@@ -39,6 +39,7 @@ MAX_DIVERGENCES = 8
 DEFAULT_TIE_NATS = 0.1
 REQUEST_TIMEOUT_S = 600
 CLEARED = ("same", "tie")
+BASELINE_ROW = "vllm"  # the load against vLLM alone: the reference outputs
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,32 @@ def load_prompts(plan: dict[str, Any], tokenizer: Any) -> list[tuple[str, int]]:
 # --------------------------------------------------------------------------------------------
 
 
+def is_reference(row: str) -> bool:
+    """Whether ``row`` is a run of vLLM alone (``vllm``, ``vllm-2``, ...: ``--reference-runs``)."""
+    return row == BASELINE_ROW or (row.startswith(f"{BASELINE_ROW}-") and row[len(BASELINE_ROW) + 1 :].isdigit())
+
+
+def wrong_outputs(
+    reference: list[str], outputs: list[str], errors: list[str], unstable: frozenset[int] = frozenset()
+) -> int:
+    """Requests whose generated text differs from the reference's (a failed request counts as failed,
+    not as wrong; an ``unstable`` one, whose output vLLM alone does not repeat, counts as neither); a
+    different number of requests counts as that many wrong."""
+    wrong = abs(len(reference) - len(outputs))
+    for index, (expected, got) in enumerate(zip(reference, outputs, strict=False)):
+        if expected != got and index not in unstable and not (index < len(errors) and errors[index]):
+            wrong += 1
+    return wrong
+
+
+def unstable_requests(rows: list[dict[str, Any]]) -> frozenset[int]:
+    """The requests whose outputs differ between the runs of vLLM alone (``--reference-runs``)."""
+    runs = [record["outputs"] for record in rows if is_reference(record["row"]) and record.get("outputs")]
+    if len(runs) < 2:
+        return frozenset()
+    return frozenset(i for i in range(len(runs[0])) if any(i >= len(run) or run[i] != runs[0][i] for run in runs))
+
+
 def differing(rows: list[dict[str, Any]], unstable: frozenset[int]) -> dict[str, list[int]]:
     """Per row after the first (vLLM alone), the requests whose output differs from the first row's,
     leaving out failed requests and ``unstable`` ones."""
@@ -251,7 +278,7 @@ def run_check(
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
-    server, log_path, _ = serve_servers.start_server(plan, "vllm", 0, out_dir / "tie-check", [], [])
+    server, log_path, _ = serve_servers.start_server(plan, BASELINE_ROW, 0, out_dir / "tie-check", [], [])
     try:
         server.wait_healthy()
         paths = (decode, server_asker(server.url, server.model), lambda text: tokenize(server.url, server.model, text))
