@@ -295,6 +295,20 @@ def test_table():
     assert faults.table_rows(rows)[1][8] == "57.9 (reattached 9.3)"
 
 
+def test_recheck_judges_a_finished_run_again(tmp_path, capsys):
+    """``--recheck DIR`` judges a finished run's outputs again and rewrites its table; with no output
+    that differs it needs no server (the near-tie check has nothing to do)."""
+    rows = [row("vllm", ["a", "b"]), row("service-stop", ["a", "b"])]
+    document = {"benchmark": "kvtier bench faults", "settings": plan_of("--small"), "rows": rows, "problems": ["old"]}
+    (tmp_path / "results.json").write_text(json.dumps(document))
+    assert faults.main(["--recheck", str(tmp_path)]) == 0
+    rechecked = json.loads((tmp_path / "results.json").read_text())
+    assert rechecked["problems"] == [] and rechecked["tie_check"] is None
+    assert "kvtier, service-stop" in (tmp_path / "table.md").read_text()
+    assert faults.main(["--recheck", str(tmp_path / "missing")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------------------------
 # remote tiers' faults: the S3 gateway, the shared filesystem's FUSE daemon
 # --------------------------------------------------------------------------------------------

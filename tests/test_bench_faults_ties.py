@@ -36,7 +36,7 @@ class ToyModel:
         return self.steps.get(context, Step(A, -1.0, {A: -1.0, B: -1.5, C: -4.0}))
 
     def ask(self, prompt: list[int], tokens: int) -> list[Step]:
-        context = tuple(prompt[1:])  # the prompt is [0] + the tokens generated so far
+        context = tuple(token for token in prompt if token)  # the prompt's own tokens are 0s
         self.asked.append(context)
         path = []
         for _ in range(tokens):
@@ -99,6 +99,14 @@ def test_a_character_split_over_two_tokens_is_not_a_divergence():
     assert judge(ToyModel(second), "aéa")["verdict"] == "tie"
 
 
+def test_a_path_ending_inside_a_character_diverges_there():
+    """The greedy path's last token is the first half of a character (its text shows nothing more)
+    where the output took a letter: the divergence is that token, not the output being longer."""
+    end: dict[tuple[int, ...], Step] = {(A, A, A): Step(E_FIRST, -1.0, {E_FIRST: -1.0, B: -1.01})}
+    verdict = judge(ToyModel(end), "aaab")
+    assert verdict["verdict"] == "tie" and verdict["divergences"] == [{"position": 3, "gap_nats": 0.01}]
+
+
 def test_too_many_divergences_are_unchecked():
     model = ToyModel({context: tie(A, B, 0.01) for context in [(), (B,), (B, B), (B, B, B)]})
     verdict = faults_ties.judge_output(decode, model.ask, [0], "bbbb", 4, 0.1)
@@ -115,10 +123,10 @@ def rows_of(reference: list[str], **others: list[str]) -> list[dict]:
     return rows + [{"row": name, "outputs": outputs, **measured, **fault} for name, outputs in others.items()]
 
 
-def check(model: ToyModel, rows: list[dict], prompts: list[tuple[str, int]] | None = None) -> tuple:
+def check(model: ToyModel, rows: list[dict], prompts: list[str] | None = None) -> tuple:
     todo = faults_ties.differing(rows, frozenset())
-    prompts = prompts or [("p", 3)] * len(rows[0]["outputs"])
-    return faults_ties.check_rows(rows, todo, prompts, 4, (decode, model.ask, lambda _: [0], 0.1))
+    prompts = prompts or ["abc"] * len(rows[0]["outputs"])
+    return faults_ties.check_rows(rows, todo, prompts, 4, (decode, model.ask, lambda text: [0] * len(text), 0.1))
 
 
 def test_a_run_clears_near_ties_and_keeps_wrong_outputs():
@@ -143,7 +151,7 @@ def test_a_reference_off_its_own_path_clears_nothing():
     assert record["problems"] and "request 0" in record["problems"][0]
 
 
-def test_prompts_of_other_lengths_check_nothing():
+def test_prompts_of_other_token_counts_check_nothing():
     rows = rows_of(["aaaa"], **{"service-kill": ["abaa"]})
-    cleared, record = check(ToyModel(), rows, prompts=[("p", 7)])
-    assert cleared == {} and "lengths" in record["problems"][0]
+    cleared, record = check(ToyModel(), rows, prompts=["seven t"])
+    assert cleared == {} and "token counts" in record["problems"][0]

@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-tie-check", action="store_true", help="count every output that differs as wrong (no near-tie check)"
     )  # fmt: skip
+    parser.add_argument(
+        "--recheck", metavar="DIR", help="judge a finished run's outputs again (near-tie check), rewriting its table"
+    )  # fmt: skip
     parser.add_argument("--out", help="output directory (default: a new temporary directory)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG", help="one more vllm serve arg")
     parser.add_argument("--bench-arg", action="append", default=[], metavar="ARG", help="one more bench serve arg")
@@ -722,6 +725,8 @@ def progress(started: float, message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.recheck:
+        return recheck(Path(args.recheck).absolute(), args)
     try:
         plan = make_plan(args)
         serve_points.check_vllm_command()
@@ -745,7 +750,28 @@ def main(argv: list[str] | None = None) -> int:
         for row in plan["rows"]:
             document["rows"].append(run_row(plan, row, out_dir, args.point_timeout_s, started, tiers))
             (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
-    cleared, document["tie_check"] = tie_check(plan, document["rows"], args, out_dir, started)
+    return finish(document, args, out_dir, started)
+
+
+def recheck(out_dir: Path, args: argparse.Namespace) -> int:
+    """``--recheck DIR``: the outputs of a finished run judged again (the near-tie check with this
+    run's ``--tie-nats``), its table and results rewritten."""
+    path = out_dir / "results.json"
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        print(f"kvtier bench faults: --recheck: cannot read {path} ({error})", file=sys.stderr)
+        return 2
+    for record in document["rows"]:
+        record.pop("near_ties", None)
+    return finish(document, args, out_dir, time.monotonic())
+
+
+def finish(document: dict[str, Any], args: argparse.Namespace, out_dir: Path, started: float) -> int:
+    """The run's judgement (outputs checked for near ties), notes, table, plot and results."""
+    plan = document["settings"]
+    with serve.own_runtime_dir():
+        cleared, document["tie_check"] = tie_check(plan, document["rows"], args, out_dir, started)
     document["problems"] = judge(document["rows"], cleared)
     document["problems"] += (document["tie_check"] or {}).get("problems", [])
     document["notes"] = untouched(document["rows"])
@@ -761,13 +787,10 @@ def main(argv: list[str] | None = None) -> int:
     document["plot"] = faults_plot.plot_run(document, out_dir)  # None, with a warning, when not drawn
     (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
     print(table)
-    for note in document["notes"]:
-        print(f"note: {note}")
-    for problem in document["problems"]:
-        print(f"problem: {problem}")
-    print(
-        f"results: {out_dir / 'results.json'}" + (f", plot: {out_dir / document['plot']}" if document["plot"] else "")
-    )
+    for line in [f"note: {note}" for note in document["notes"]] + [f"problem: {p}" for p in document["problems"]]:
+        print(line)
+    plot = f", plot: {out_dir / document['plot']}" if document["plot"] else ""
+    print(f"results: {out_dir / 'results.json'}{plot}")
     return 1 if document["problems"] else 0
 
 

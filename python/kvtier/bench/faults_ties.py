@@ -66,14 +66,18 @@ def first_divergence(decode: Decode, path: list[int], output: str, start: int) -
     output is the path's text."""
     if decode(path) == output:
         return None
-    for position in range(start, len(path)):
-        text = _shown(decode, path[: position + 1])
-        if not (output.startswith(text) or text.startswith(output)):
-            # the character the output leaves on may have begun with tokens that showed nothing yet
-            while position > start and _shown(decode, path[:position]) == _shown(decode, path[: position - 1]):
-                position -= 1
-            return position
-    return len(path)  # the path's text is a prefix of the output: the output went on past it
+    position = next(
+        (k for k in range(start, len(path)) if not _compatible(_shown(decode, path[: k + 1]), output)), len(path)
+    )  # fmt: skip
+    # the character the output leaves the path on may have begun with tokens that showed nothing yet
+    # (at the end: the path's last tokens are the first part of a character the output does not have)
+    while position > start and _shown(decode, path[:position]) == _shown(decode, path[: position - 1]):
+        position -= 1
+    return position  # len(path): the path's text is a prefix of the output, which went on past it
+
+
+def _compatible(text: str, output: str) -> bool:
+    return output.startswith(text) or text.startswith(output)
 
 
 def taken_alternative(decode: Decode, before: list[int], step: Step, output: str) -> int | None:
@@ -84,7 +88,7 @@ def taken_alternative(decode: Decode, before: list[int], step: Step, output: str
     pending = None
     for token, _ in sorted(step.top.items(), key=lambda item: -item[1]):
         text = _shown(decode, [*before, token])
-        if token == step.token or not (output.startswith(text) or text.startswith(output)):
+        if token == step.token or not _compatible(text, output):
             continue
         if len(text) > shown_before:
             return token
@@ -162,9 +166,9 @@ def tokenize(url: str, model: str, prompt: str) -> list[int]:
     return _post(f"{url}/tokenize", {"model": model, "prompt": prompt})["tokens"]
 
 
-def load_prompts(plan: dict[str, Any], tokenizer: Any) -> list[tuple[str, int]]:
-    """The load's prompts and lengths, in sending order: ``vllm bench serve``'s prefix_repetition
-    dataset rebuilt from the plan (kvtier.bench.serve_points.bench_command's arguments)."""
+def load_prompts(plan: dict[str, Any], tokenizer: Any) -> list[str]:
+    """The load's prompts in sending order: ``vllm bench serve``'s prefix_repetition dataset rebuilt
+    from the plan (kvtier.bench.serve_points.bench_command's arguments)."""
     from vllm.benchmarks.datasets.datasets import PrefixRepetitionRandomDataset
 
     users = plan["users"]
@@ -172,7 +176,7 @@ def load_prompts(plan: dict[str, Any], tokenizer: Any) -> list[tuple[str, int]]:
         tokenizer=tokenizer, num_requests=users * plan["requests_per_user"], prefix_len=plan["prefix_len"],
         suffix_len=plan["suffix_len"], num_prefixes=users, output_len=plan["output_len"],
     )  # fmt: skip
-    return [(str(request.prompt), int(request.prompt_len)) for request in requests]
+    return [str(request.prompt) for request in requests]
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,18 +229,18 @@ def differing(rows: list[dict[str, Any]], unstable: frozenset[int]) -> dict[str,
 
 
 def check_rows(
-    rows: list[dict[str, Any]], todo: dict[str, list[int]], prompts: list[tuple[str, int]], tokens: int, paths: Any
+    rows: list[dict[str, Any]], todo: dict[str, list[int]], prompts: list[str], tokens: int, paths: Any
 ) -> tuple[dict[str, frozenset[int]], dict[str, Any]]:
     """Judges the ``todo`` outputs (``tokens`` tokens each) of each row and, for each of their
     requests, the reference's own output; ``paths``: (decode, ask, tokenize, tie_nats). Returns the
     cleared requests per row and the check's record (verdicts, the reference's gaps, problems)."""
     decode, ask, to_ids, tie_nats = paths
     reference = rows[0]
-    lengths = reference.get("input_lens") or []
-    if lengths and lengths != [length for _, length in prompts]:
-        return {}, {"problems": ["the rebuilt prompts' lengths differ from the load's: nothing checked"]}
+    # the load's prompt lengths are the server's counts (vllm bench serve takes them from the usage)
+    prompt_ids = [to_ids(prompt) for prompt in prompts]
+    if (reference.get("input_lens") or []) != [len(ids) for ids in prompt_ids]:
+        return {}, {"problems": ["the rebuilt prompts' token counts differ from the load's: nothing checked"]}
     indices = sorted({index for found in todo.values() for index in found})
-    prompt_ids = {index: to_ids(prompts[index][0]) for index in indices}
 
     def verdict(index: int, output: str) -> dict:
         return judge_output(decode, ask, prompt_ids[index], output, tokens, tie_nats)
