@@ -180,7 +180,41 @@ def test_the_shared_plan_puts_the_documents_on_the_shared_tier_within_the_quiet_
     stats = {f"tenant_shared_bytes:{tenants.tenant_label('quiet')}": 3 << 20}
     stats[f"tenant_shared_evicted_files:{tenants.tenant_label('flood')}"] = 30
     line = tenants.table_rows([row("flood-shares", 0.6, tenants=tenants.tenant_stats(stats))], shared=True)[0]
-    assert len(line) == len(tenants.TABLE_HEADER + tenants.SHARED_COLUMNS) and line[-2:] == ["3.0", "- / 30"]
+    assert len(line) == len(tenants.TABLE_HEADER + tenants_judge.SHARED_COLUMNS) and line[-2:] == ["3.0", "- / 30"]
+
+
+def test_the_bucket_plan_puts_the_documents_in_the_bucket_within_the_quiet_tenants_share(tmp_path) -> None:
+    """``--bucket-segments``: the pool cut to its staging slots, an object tier with a budget of that
+    many segments, a prefix of its own per server, the documents within the quiet tenant's share of
+    the budget's room (0.9 of it), the flood past the whole budget between two uses of a document."""
+    plan = plan_of("--small", "--bucket-segments", "24")
+    assert (plan["kvtier_row"], plan["pool_blocks"], plan["segment_blocks"]) == ("kvtier-dram", 8, 4)
+    block_room = 128 * plan["kv_bytes_per_token"] + 4096  # tiny in bf16: 256 KiB a block, whole pages
+    assert plan["segment_bytes"] == 4096 + 4 * block_room and plan["nvme_gib"] == 0
+    assert plan["bucket_budget_bytes"] == 24 * plan["segment_bytes"] and plan["bucket_osd_bytes"] >= 1 << 30
+    assert plan["quiet_segments"] == 3 + 1 <= int(plan["share"] * 0.9 * 24)
+    flood_blocks = plan["docs"] * plan["flood_per_round"] * (plan["flood_len"] // plan["block_tokens"])
+    assert flood_blocks > 24 * plan["segment_blocks"], "the flood passes the whole budget between two uses"
+    options = tenants.row_options(plan, "flood-shares")
+    assert options["bucket_budget_bytes"] == plan["bucket_budget_bytes"] and options["bucket_refresh_ms"] == 100
+    assert options["bucket_segment_bytes"] == plan["segment_bytes"] and options["tenant_dram_share"] == 0.4
+
+    class Bucket:
+        def options(self, sub_prefix: str) -> dict:
+            return {"bucket_url": f"s3://b/run/{sub_prefix}", "bucket_endpoint": "http://127.0.0.1:1"}
+
+    assert tenants.RowServer(plan, "alone", options, tmp_path, Bucket()).options["bucket_url"] == "s3://b/run/alone"
+    assert "bucket_url" not in tenants.RowServer(plan, "alone", options, tmp_path).options
+    short = plan_of("--small", "--bucket-segments", "8")  # a 0.4 share of 0.9 of 8 is 2 segments
+    rows = [row("alone", 0.6), row("flood", 0.1), row("flood-shares", 0.6, tenants=shares_counters(short, 0))]
+    assert "take 4 bucket segments, more than its guaranteed 2" in "\n".join(tenants.judge(short, rows))
+    for argv in (["--bucket-segments", "1"], ["--bucket-segments", "8", "--shared-files", "8"]):
+        with pytest.raises(tenants.TenantsError):
+            plan_of("--small", *argv)
+    stats = {f"tenant_bucket_bytes:{tenants.tenant_label('quiet')}": 3 << 20}
+    stats[f"tenant_bucket_evicted_segments:{tenants.tenant_label('flood')}"] = 30
+    line = tenants.table_rows([row("flood-shares", 0.6, tenants=tenants.tenant_stats(stats))], bucket=True)[0]
+    assert len(line) == len(tenants.TABLE_HEADER + tenants_judge.BUCKET_COLUMNS) and line[-2:] == ["3.0", "- / 30"]
 
 
 def test_the_cap_row_is_named_to_run_and_judged_like_the_shares_row() -> None:
@@ -212,7 +246,7 @@ def test_the_nvme_figures_by_tenant_and_in_the_table() -> None:
         "flood": {"nvme_reclaimed_regions": 40},
     }
     line = tenants.table_rows([row("flood-shares", 0.6, tenants=counters)], nvme=True)[0]
-    assert len(line) == len(tenants.TABLE_HEADER + tenants.NVME_COLUMNS)
+    assert len(line) == len(tenants.TABLE_HEADER + tenants_judge.NVME_COLUMNS)
     assert line[-2:] == ["3.0", "0 / 40"]
 
 

@@ -63,6 +63,16 @@ tier between two uses of a document. The shares row's share splits that tier too
 tier's room (0.6 of its capacity; checked), and the table adds the quiet tenant's bytes on the tier and
 the files evicted from each tenant.
 
+``--bucket-segments N``: the same with the quiet tenant's documents on kvtier's object tier instead
+(a bucket prefix per server: Ceph's RADOS gateway brought up on 127.0.0.1 by ``kvtier.bench.bucket``, or
+``--bucket-url``; the pool cut as above, no NVMe tier): a budget (``bucket_budget_bytes``) of ``N``
+segments of ``--segment-blocks`` blocks (``bucket_segment_bytes``; partly filled segments published
+after 200 ms, the bucket listed every 100 ms), the flood past the whole budget between two uses of a
+document. The shares row's share splits the bucket too (``tenant_shares_bucket``, true by default): a
+document must fit the quiet tenant's share of the budget's room (the evictor trims to 0.9 of the
+budget; checked), and the table adds the quiet tenant's bytes in the bucket and the segments evicted
+from each tenant.
+
 Output: the table (also ``--out DIR``/``table.md``), ``--json``: the result document on stdout;
 ``--out DIR``/``results.json`` and the servers' logs.
 """
@@ -70,22 +80,23 @@ Output: the table (also ``--out DIR``/``table.md``), ``--json``: the result docu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from kvtier.bench import serve, serve_plan, serve_points, serve_servers
 from kvtier.bench.tenants_judge import (
+    EXTRA_COLUMNS,
     FLOOD,
-    NVME_COLUMNS,
     QUIET,
-    SHARED_COLUMNS,
     SHARED_LOW_WATERMARK,
     TABLE_HEADER,
     judge,
@@ -109,6 +120,10 @@ SHARED_TIER_OPTIONS = {
     "shared_grace_ms": 1000, "shared_staleness_ms": 200, "shared_publish_delay_ms": 200,
     "shared_high_watermark": 0.7, "shared_low_watermark": SHARED_LOW_WATERMARK,
 }  # fmt: skip
+# With --bucket-segments: a segment's header page, each block's value rounded to 4 KiB and its
+# descriptor page (docs/object-tier.md, "Segment object"); the tier's options beside its size.
+BUCKET_PAGE_BYTES = 4096
+BUCKET_TIER_OPTIONS = {"bucket_publish_delay_ms": 200, "bucket_refresh_ms": 100}
 TRAILER_ROOM_BYTES = 64 << 10  # a region's trailer (its entries' list) fits in this, for a few blocks
 SLOT_OVERHEAD_BYTES = 4096  # a DRAM slot: the block's bytes and a descriptor
 SERVER_DTYPE = "bfloat16"
@@ -136,7 +151,8 @@ SMALL = {
 # The service's counters each row records (their change over the row).
 ROW_COUNTERS = (
     "dram_hits", "nvme_hits", "shared_hits", "dram_evictions", "puts", "shared_files_published",
-    "shared_publish_errors", "shared_evicted_files", "shared_dropped_publishes",
+    "shared_publish_errors", "shared_evicted_files", "shared_dropped_publishes", "bucket_hits",
+    "bucket_segments_published", "bucket_evicted_segments",
 )  # fmt: skip
 
 
@@ -187,6 +203,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="the quiet tenant's documents on a shared-filesystem tier of this many files (default 0: none)",
     )
     parser.add_argument("--file-blocks", type=int, default=4, help="blocks per shared data file (default 4)")
+    parser.add_argument(
+        "--bucket-segments", type=int, default=0,
+        help="the quiet tenant's documents on an object tier with a budget of this many segments (default 0: "
+        "none); needs root and Ceph's radosgw (brought up on 127.0.0.1), or --bucket-url",
+    )  # fmt: skip
+    parser.add_argument("--segment-blocks", type=int, default=4, help="blocks per bucket segment (default 4)")
+    parser.add_argument(
+        "--bucket-url", help="with --bucket-segments: s3://bucket[/prefix] to use instead of a local gateway"
+    )
+    parser.add_argument("--bucket-endpoint", help="with --bucket-url: its S3 endpoint (default AWS)")
+    parser.add_argument(
+        "--rgw-state-dir", default="/tmp/kvtier-bench-tenants-radosgw",
+        help="the local gateway's state directory (removed at the end)",
+    )  # fmt: skip
     parser.add_argument("--vllm-kv-gib", type=int, help="VLLM_CPU_KVCACHE_SPACE, GiB (default 2; --small: 1)")
     parser.add_argument(
         "--start-together",
@@ -208,7 +238,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     for name, default in sizes.items():
         value = getattr(args, name)
         plan[name] = default if value is None else value
-    if (args.nvme_regions or args.shared_files) and args.pool_blocks is None:
+    if (args.nvme_regions or args.shared_files or args.bucket_segments) and args.pool_blocks is None:
         plan["pool_blocks"] = NVME_POOL_BLOCKS
     rows = [row.strip() for row in args.rows.split(",") if row.strip()]
     unknown = [row for row in rows if row not in ROWS]
@@ -243,7 +273,34 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     plan["quiet_blocks"] = plan["docs"] * plan["doc_blocks"]  # the quiet tenant's working set in the pool
     plan.update(nvme_plan(args, plan))
     plan.update(shared_plan(args, plan))
+    plan.update(bucket_plan(args, plan))
     return plan
+
+
+def bucket_plan(args: argparse.Namespace, plan: dict[str, Any]) -> dict[str, Any]:
+    """With ``--bucket-segments``: the object tier's segment size and budget (the row options read
+    them), how many segments the quiet tenant's documents take, and the local gateway's OSD size."""
+    if args.bucket_segments < 0 or args.segment_blocks < 1:
+        raise TenantsError("--bucket-segments must be at least 0 and --segment-blocks at least 1")
+    if not args.bucket_segments:
+        return {"bucket_segments": 0}
+    if args.nvme_regions or args.shared_files:
+        raise TenantsError("--bucket-segments, --shared-files and --nvme-regions measure one tier each: choose one")
+    if args.bucket_segments < 2:
+        raise TenantsError("--bucket-segments: a budget is at least 2 segments")
+    value_bytes = plan["block_tokens"] * plan["kv_bytes_per_token"]
+    block_room = -(-value_bytes // BUCKET_PAGE_BYTES) * BUCKET_PAGE_BYTES + BUCKET_PAGE_BYTES
+    segment_bytes = BUCKET_PAGE_BYTES + args.segment_blocks * block_room
+    # A segment per document at least (its last partly filled), and one being filled.
+    quiet_segments = -(-plan["quiet_blocks"] // args.segment_blocks) + 1
+    return {
+        "bucket_segments": args.bucket_segments, "segment_blocks": args.segment_blocks,
+        "segment_bytes": segment_bytes, "bucket_budget_bytes": args.bucket_segments * segment_bytes,
+        "quiet_segments": quiet_segments, "bucket_url": args.bucket_url, "bucket_endpoint": args.bucket_endpoint,
+        "rgw_state_dir": args.rgw_state_dir,
+        # the gateway's memstore (RAM): the budget, and the flood's segments the evictor has yet to delete
+        "bucket_osd_bytes": max(1 << 30, 3 * args.bucket_segments * segment_bytes),
+    }  # fmt: skip
 
 
 def shared_plan(args: argparse.Namespace, plan: dict[str, Any]) -> dict[str, Any]:
@@ -383,7 +440,7 @@ def tenant_stats(stats: dict[str, int]) -> dict[str, dict[str, int]]:
     names = {tenant_label(QUIET): QUIET, tenant_label(FLOOD): FLOOD, "default": "default"}
     tenants: dict[str, dict[str, int]] = {}
     for name, value in stats.items():
-        if not name.startswith(("tenant_dram_", "tenant_nvme_", "tenant_shared_")) or ":" not in name:
+        if not name.startswith(("tenant_dram_", "tenant_nvme_", "tenant_shared_", "tenant_bucket_")) or ":" not in name:
             continue
         counter, label = name.split(":", 1)
         # DRAM figures keep their short names (bytes, evictions); the others are nvme_bytes, shared_bytes...
@@ -447,6 +504,9 @@ def row_options(plan: dict[str, Any], row: str) -> dict[str, Any]:
     if plan["shared_files"]:
         options.update(SHARED_TIER_OPTIONS)
         options.update(shared_capacity_bytes=plan["shared_capacity_bytes"], shared_file_bytes=plan["file_bytes"])
+    if plan["bucket_segments"]:
+        options.update(BUCKET_TIER_OPTIONS)
+        options.update(bucket_segment_bytes=plan["segment_bytes"], bucket_budget_bytes=plan["bucket_budget_bytes"])
     if row == "flood-shares":
         options["tenant_dram_share"] = plan["share"]
     if row == "flood-cap":
@@ -464,10 +524,14 @@ class RowServer:
     """A ``vllm serve`` server on its own store, for the rows with the same kvtier options: started
     (``launch``), healthy (``wait_healthy``), then gone with its service and store (``close``)."""
 
-    def __init__(self, plan: dict[str, Any], name: str, options: dict[str, Any], out_dir: Path) -> None:
+    def __init__(
+        self, plan: dict[str, Any], name: str, options: dict[str, Any], out_dir: Path, bucket: Any = None
+    ) -> None:
         from kvtier.service import default_socket_path
 
         self.name, self.options = name, options
+        if bucket is not None:  # a prefix of the server's own in the run's bucket
+            self.options = {**options, **bucket.options(name)}
         self.row_dir = out_dir / name
         self.store = self.row_dir / "store"
         self.shared_root: Path | None = None
@@ -566,27 +630,27 @@ def run_row(plan: dict[str, Any], row: str, row_index: int, host: RowServer, sta
     return record
 
 
-def row_servers(plan: dict[str, Any], out_dir: Path) -> dict[str, RowServer]:
+def row_servers(plan: dict[str, Any], out_dir: Path, bucket: Any = None) -> dict[str, RowServer]:
     """Each row's server: rows with the same kvtier options (``alone`` and ``flood``) share one,
-    named after the first of them."""
+    named after the first of them (``bucket``: the run's, with ``--bucket-segments``)."""
     by_options: dict[str, RowServer] = {}
     servers: dict[str, RowServer] = {}
     for row in plan["rows"]:
         options = row_options(plan, row)
         signature = json.dumps(options, sort_keys=True)
         if signature not in by_options:
-            by_options[signature] = RowServer(plan, row, options, out_dir)
+            by_options[signature] = RowServer(plan, row, options, out_dir, bucket)
         servers[row] = by_options[signature]
     return servers
 
 
-def run_rows(plan: dict[str, Any], out_dir: Path, started: float, document: dict[str, Any]) -> None:
+def run_rows(plan: dict[str, Any], out_dir: Path, started: float, document: dict[str, Any], bucket: Any = None) -> None:
     """Every row in turn. Rows with the same kvtier options run one after the other on one server and
     store, each with documents of its own; a server goes after its last row. With ``start_together``
     every server starts at once (a start is mostly single-threaded imports: on two cores two take
     about as long as one) and all are healthy before the first row; an idle server polls nothing, so
     the row measured has the cores to itself."""
-    servers = row_servers(plan, out_dir)
+    servers = row_servers(plan, out_dir, bucket)
     hosts = list(dict.fromkeys(servers.values()))
     last_row = {host: row for row, host in servers.items()}  # later rows overwrite earlier ones
     try:
@@ -607,6 +671,24 @@ def run_rows(plan: dict[str, Any], out_dir: Path, started: float, document: dict
         for host in hosts:
             if host.server is not None:
                 host.close()
+
+
+@contextlib.contextmanager
+def run_bucket(plan: dict[str, Any], started: float) -> Iterator[Any]:
+    """The run's bucket with ``--bucket-segments`` (kvtier.bench.bucket: the local gateway, brought up
+    and torn down here, or ``--bucket-url``); None without."""
+    if not plan["bucket_segments"]:
+        yield None
+        return
+    from kvtier.bench import bucket
+
+    if not plan["bucket_url"] and bucket.missing_reason():
+        raise TenantsError(str(bucket.missing_reason()))
+    log = lambda message: progress(started, message)  # noqa: E731
+    with bucket.open_bucket(
+        plan["bucket_url"], plan["bucket_endpoint"], plan["bucket_osd_bytes"], log, plan["rgw_state_dir"]
+    ) as opened:  # fmt: skip
+        yield opened
 
 
 def progress(started: float, message: str) -> None:
@@ -633,15 +715,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{plan['preset']}: {plan['docs']} documents of {plan['doc_len']} tokens, {plan['quiet_requests']} quiet "
         f"requests, {plan['flood_per_round']} flood prompts of {plan['flood_len']} tokens a round; pool "
         f"{plan['pool_blocks']} blocks, vLLM {plan['vllm_blocks']}, NVMe {plan['nvme_regions']} regions, shared "
-        f"tier {plan['shared_files']} files; "
+        f"tier {plan['shared_files']} files, bucket {plan['bucket_segments']} segments; "
         f"results {out_dir}",
     )
-    with serve.own_runtime_dir():
-        run_rows(plan, out_dir, started, document)
+    with serve.own_runtime_dir(), run_bucket(plan, started) as bucket:
+        run_rows(plan, out_dir, started, document, bucket)
     document["problems"] = judge(plan, document["rows"])
-    nvme, shared = bool(plan["nvme_regions"]), bool(plan["shared_files"])
-    header = TABLE_HEADER + (NVME_COLUMNS if nvme else []) + (SHARED_COLUMNS if shared else [])
-    table = markdown_table(header, table_rows(document["rows"], nvme, shared))
+    tiers = {"nvme": bool(plan["nvme_regions"]), "shared": bool(plan["shared_files"])}
+    tiers["bucket"] = bool(plan["bucket_segments"])
+    header = TABLE_HEADER + [column for tier, on in tiers.items() if on for column in EXTRA_COLUMNS[tier]]
+    table = markdown_table(header, table_rows(document["rows"], **tiers))
     (out_dir / "table.md").write_text(table + "\n")
     (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
     report = sys.stderr if args.json else sys.stdout

@@ -16,6 +16,9 @@ TABLE_HEADER = [
 ]  # fmt: skip
 NVME_COLUMNS = ["quiet on NVMe MiB", "regions reclaimed quiet / flood"]  # with --nvme-regions
 SHARED_COLUMNS = ["quiet on shared MiB", "files evicted quiet / flood"]  # with --shared-files
+BUCKET_COLUMNS = ["quiet in bucket MiB", "segments evicted quiet / flood"]  # with --bucket-segments
+EXTRA_COLUMNS = {"nvme": NVME_COLUMNS, "shared": SHARED_COLUMNS, "bucket": BUCKET_COLUMNS}
+BUCKET_TRIM_FRACTION = 0.9  # the object tier's evictor trims to this share of the budget: the room shares split
 
 
 def judge(plan: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
@@ -87,7 +90,7 @@ def cap_problems(plan: dict[str, Any], record: dict[str, Any], alone_rate: float
     if need > have:
         problems.append(
             f"flood-cap: the quiet tenant's documents take {need} {unit}, more than the {have} a cap of "
-            f"{plan['cap']} leaves it (more --pool-blocks, --nvme-regions or --shared-files)"
+            f"{plan['cap']} leaves it (more --pool-blocks, --nvme-regions, --shared-files or --bucket-segments)"
         )
     return problems
 
@@ -98,12 +101,12 @@ def shares_problems(plan: dict[str, Any], record: dict[str, Any], alone_rate: fl
     quiet = tenants.get(QUIET)
     if not quiet or FLOOD not in tenants:
         return problems  # protection_problems named the missing counters
-    if plan["nvme_regions"] or plan["shared_files"]:
+    if plan["nvme_regions"] or plan["shared_files"] or plan.get("bucket_segments"):
         need, have, unit = quiet_need_and_room(plan, plan["share"])
         if have < need:
             problems.append(
                 f"flood-shares: the quiet tenant's documents take {need} {unit}, more than its guaranteed "
-                f"{have} (more --nvme-regions, --shared-files or --share)"
+                f"{have} (more --nvme-regions, --shared-files, --bucket-segments or --share)"
             )
     elif quiet.get("guaranteed_bytes", 0) < plan["quiet_blocks"] * plan["slot_bytes"]:
         problems.append(
@@ -120,6 +123,9 @@ def quiet_need_and_room(plan: dict[str, Any], fraction: float) -> tuple[int, int
         return plan["quiet_regions"], int(fraction * plan["nvme_regions"]), "NVMe regions"
     if plan["shared_files"]:
         return plan["quiet_files"], int(fraction * SHARED_LOW_WATERMARK * plan["shared_files"]), "shared files"
+    if plan.get("bucket_segments"):
+        room = int(fraction * BUCKET_TRIM_FRACTION * plan["bucket_segments"])
+        return plan["quiet_segments"], room, "bucket segments"
     return plan["quiet_blocks"], int(fraction * plan["pool_blocks"]), "pool blocks"
 
 
@@ -131,9 +137,11 @@ def mib_text(value: int | None) -> str:
     return "-" if value is None else f"{value / 2**20:.1f}"
 
 
-def table_rows(rows: list[dict[str, Any]], nvme: bool = False, shared: bool = False) -> list[list[str]]:
+def table_rows(
+    rows: list[dict[str, Any]], nvme: bool = False, shared: bool = False, bucket: bool = False
+) -> list[list[str]]:
     """The table's lines; ``nvme``: with ``NVME_COLUMNS`` (``--nvme-regions``); ``shared``: with
-    ``SHARED_COLUMNS`` (``--shared-files``)."""
+    ``SHARED_COLUMNS`` (``--shared-files``); ``bucket``: with ``BUCKET_COLUMNS`` (``--bucket-segments``)."""
     lines = []
     for record in rows:
         ttft = record.get("quiet_ttft_ms") or {}
@@ -156,4 +164,7 @@ def table_rows(rows: list[dict[str, Any]], nvme: bool = False, shared: bool = Fa
         if shared:
             evicted = f"{quiet.get('shared_evicted_files', '-')} / {flood.get('shared_evicted_files', '-')}"
             lines[-1] += [mib_text(quiet.get("shared_bytes")), evicted]
+        if bucket:
+            evicted = f"{quiet.get('bucket_evicted_segments', '-')} / {flood.get('bucket_evicted_segments', '-')}"
+            lines[-1] += [mib_text(quiet.get("bucket_bytes")), evicted]
     return lines
