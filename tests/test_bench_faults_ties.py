@@ -107,6 +107,13 @@ def test_a_path_ending_inside_a_character_diverges_there():
     assert verdict["verdict"] == "tie" and verdict["divergences"] == [{"position": 3, "gap_nats": 0.01}]
 
 
+def test_a_partial_character_at_the_end_is_not_streamed():
+    """vLLM's stream never sends the replacement character of a last token that ends inside one (it
+    holds the bytes back for a next token that never comes): that output is the path's."""
+    end: dict[tuple[int, ...], Step] = {(A, A, A): Step(E_FIRST, -1.0, {E_FIRST: -1.0, B: -3.0})}
+    assert judge(ToyModel(end), "aaa") == {"verdict": "same", "divergences": []}
+
+
 def test_too_many_divergences_are_unchecked():
     model = ToyModel({context: tie(A, B, 0.01) for context in [(), (B,), (B, B), (B, B, B)]})
     verdict = faults_ties.judge_output(decode, model.ask, [0], "bbbb", 4, 0.1)

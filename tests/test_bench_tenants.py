@@ -282,3 +282,28 @@ def test_bench_tenants_small_a_share_keeps_the_quiet_tenants_hits(tmp_path) -> N
     assert not flood["tenants"]  # no tenant counters while the pool is not split
     assert alone["server_name"] == flood["server_name"] == "alone" and shares["server_name"] == "flood-shares"
     assert not list(out.glob("*/store"))  # each store went with its row
+
+
+@pytest.mark.slow
+def test_bench_tenants_small_the_bucket_split_keeps_the_quiet_tenants_hits(tmp_path) -> None:
+    """``--bucket-segments``: the quiet tenant's documents come back from the object tier (Ceph's RADOS
+    gateway on 127.0.0.1), a flood past the budget deletes them without shares, not with them."""
+    from kvtier.bench import bucket
+
+    if bucket.missing_reason():
+        pytest.skip(str(bucket.missing_reason()))
+    out, state = tmp_path / "tenants", tmp_path / "radosgw"
+    command = [sys.executable, "-m", "kvtier", "bench", "tenants", "--small", "--bucket-segments", "24"]
+    command += ["--rgw-state-dir", str(state), "--json", "--out", str(out)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    document = json.loads(completed.stdout)
+    assert not document["problems"]
+    alone, flood, shares = document["rows"]
+    assert alone["kvtier"]["bucket_hits"] > 0 and alone["quiet_repeat_hit_rate"] > 0.8  # from the bucket
+    assert flood["vs_alone"] < tenants_judge.MIN_RATIO and flood["kvtier"]["bucket_evicted_segments"] > 0
+    assert shares["vs_alone"] >= tenants_judge.MIN_RATIO  # issue 40's claim, on the object tier
+    quiet, flooding = shares["tenants"]["quiet"], shares["tenants"]["flood"]
+    assert quiet.get("bucket_evicted_segments", 0) == 0 and flooding["bucket_evicted_segments"] > 0
+    assert quiet["bucket_bytes"] > 0
+    assert not state.exists()  # the gateway went with the run

@@ -64,7 +64,7 @@ def _shown(decode: Decode, ids: list[int]) -> str:
 def first_divergence(decode: Decode, path: list[int], output: str, start: int) -> int | None:
     """The first position from ``start`` whose token takes the path's text off ``output``; None if the
     output is the path's text."""
-    if decode(path) == output:
+    if _shown(decode, path) == output.rstrip("\ufffd"):  # vLLM's stream holds back a last partial character
         return None
     position = next(
         (k for k in range(start, len(path)) if not _compatible(_shown(decode, path[: k + 1]), output)), len(path)
