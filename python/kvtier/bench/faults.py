@@ -72,7 +72,7 @@ from kvtier.bench import (
     serve_servers,
 )
 from kvtier.bench.faults_tiers import DISK_FULL, READ_ERRORS, TIER_FAULTS
-from kvtier.bench.faults_ties import BASELINE_ROW, is_reference, unstable_requests, wrong_outputs
+from kvtier.bench.faults_ties import BASELINE_ROW, is_reference, unstable_requests, wrong_cell, wrong_outputs
 from kvtier.bench.ttft import markdown_table, parse_tokens
 
 FAULTS = ("service-stop", "service-kill", READ_ERRORS, DISK_FULL, *TIER_FAULTS)
@@ -683,11 +683,6 @@ def fallbacks_cell(record: dict[str, Any]) -> str:
     return f"{calls} / {loads} / {stores}"
 
 
-def wrong_cell(record: dict[str, Any]) -> str:
-    wrong = str(record.get("wrong_outputs", "-"))
-    return f"{wrong} ({record['near_ties']} near ties cleared)" if record.get("near_ties") else wrong
-
-
 def _number(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -764,6 +759,9 @@ def recheck(out_dir: Path, args: argparse.Namespace) -> int:
         return 2
     for record in document["rows"]:
         record.pop("near_ties", None)
+        saved = Path(record.get("result_file") or out_dir / "missing")
+        if "input_lens" not in record and saved.exists():  # a run from before they were kept
+            record["input_lens"] = json.loads(saved.read_text()).get("input_lens") or []
     return finish(document, args, out_dir, time.monotonic())
 
 

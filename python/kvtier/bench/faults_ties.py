@@ -210,6 +210,12 @@ def unstable_requests(rows: list[dict[str, Any]]) -> frozenset[int]:
     return frozenset(i for i in range(len(runs[0])) if any(i >= len(run) or run[i] != runs[0][i] for run in runs))
 
 
+def wrong_cell(record: dict[str, Any]) -> str:
+    """A row's wrong outputs as the table shows them, with the near ties cleared."""
+    wrong = str(record.get("wrong_outputs", "-"))
+    return f"{wrong} ({record['near_ties']} near ties cleared)" if record.get("near_ties") else wrong
+
+
 def differing(rows: list[dict[str, Any]], unstable: frozenset[int]) -> dict[str, list[int]]:
     """Per row after the first (vLLM alone), the requests whose output differs from the first row's,
     leaving out failed requests and ``unstable`` ones."""
