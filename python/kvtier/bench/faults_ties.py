@@ -189,17 +189,24 @@ def is_reference(row: str) -> bool:
     return row == BASELINE_ROW or (row.startswith(f"{BASELINE_ROW}-") and row[len(BASELINE_ROW) + 1 :].isdigit())
 
 
+def differing_requests(
+    reference: list[str], outputs: list[str], errors: list[str], skip: frozenset[int] = frozenset()
+) -> list[int]:
+    """The requests whose generated text differs from the reference's, leaving out failed ones and
+    those in ``skip``."""
+    return [
+        index for index, (expected, got) in enumerate(zip(reference, outputs, strict=False))
+        if expected != got and index not in skip and not (index < len(errors) and errors[index])
+    ]  # fmt: skip
+
+
 def wrong_outputs(
     reference: list[str], outputs: list[str], errors: list[str], unstable: frozenset[int] = frozenset()
 ) -> int:
     """Requests whose generated text differs from the reference's (a failed request counts as failed,
     not as wrong; an ``unstable`` one, whose output vLLM alone does not repeat, counts as neither); a
     different number of requests counts as that many wrong."""
-    wrong = abs(len(reference) - len(outputs))
-    for index, (expected, got) in enumerate(zip(reference, outputs, strict=False)):
-        if expected != got and index not in unstable and not (index < len(errors) and errors[index]):
-            wrong += 1
-    return wrong
+    return abs(len(reference) - len(outputs)) + len(differing_requests(reference, outputs, errors, unstable))
 
 
 def unstable_requests(rows: list[dict[str, Any]]) -> frozenset[int]:
@@ -221,14 +228,10 @@ def differing(rows: list[dict[str, Any]], unstable: frozenset[int]) -> dict[str,
     leaving out failed requests and ``unstable`` ones."""
     if not rows or not rows[0].get("outputs"):
         return {}
-    reference = rows[0]["outputs"]
     found = {}
     for record in rows[1:]:
         outputs, errors = record.get("outputs") or [], record.get("request_errors") or []
-        indices = [
-            index for index, (expected, got) in enumerate(zip(reference, outputs, strict=False))
-            if expected != got and index not in unstable and not (index < len(errors) and errors[index])
-        ]  # fmt: skip
+        indices = differing_requests(rows[0]["outputs"], outputs, errors, unstable)
         if indices:
             found[record["row"]] = indices
     return found
@@ -269,8 +272,10 @@ def check_rows(
 
 def gaps(check: dict[str, Any], rows: bool) -> list[float]:
     """The gaps (nats) of the check's divergences: the kvtier rows' (``rows``) or vLLM alone's own."""
-    judged = [v for found in check.get("rows", {}).values() for v in found.values()] if rows else []
-    judged = judged if rows else list(check.get("reference", {}).values())
+    if rows:
+        judged = [verdict for found in check.get("rows", {}).values() for verdict in found.values()]
+    else:
+        judged = list(check.get("reference", {}).values())
     return [d["gap_nats"] for v in judged for d in v["divergences"] if d["gap_nats"] is not None]
 
 
