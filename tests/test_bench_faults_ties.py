@@ -162,3 +162,19 @@ def test_prompts_of_other_token_counts_check_nothing():
     rows = rows_of(["aaaa"], **{"service-kill": ["abaa"]})
     cleared, record = check(ToyModel(), rows, prompts=["seven t"])
     assert cleared == {} and "token counts" in record["problems"][0]
+
+
+def test_prompts_are_aligned_to_the_server_as_vllm_bench_serve_does(monkeypatch):
+    """When the server counts the first prompt's tokens other than the dataset did, ``vllm bench
+    serve`` cuts every prompt the server makes longer to the dataset's count; otherwise it sends them
+    as they are. Here the server's tokens are characters."""
+
+    def server(url: str, payload: dict) -> dict:
+        if url.endswith("/tokenize"):
+            assert payload["add_special_tokens"] is False
+            return {"tokens": [ord(c) for c in payload["prompt"]]}
+        return {"prompt": "".join(chr(token) for token in payload["tokens"])}
+
+    monkeypatch.setattr(faults_ties, "_post", server)
+    assert faults_ties.align_to_server([("abc", 3), ("defg", 3)], "u", "m") == ["abc", "defg"]
+    assert faults_ties.align_to_server([("abcd", 3), ("efgh", 3), ("ij", 3)], "u", "m") == ["abc", "efg", "ij"]

@@ -161,14 +161,30 @@ def server_asker(url: str, model: str) -> Ask:
     return ask
 
 
-def tokenize(url: str, model: str, prompt: str) -> list[int]:
-    """The prompt's token ids as the server makes them of a completion's text."""
-    return _post(f"{url}/tokenize", {"model": model, "prompt": prompt})["tokens"]
+def tokenize(url: str, model: str, prompt: str, special: bool = True) -> list[int]:
+    """The prompt's token ids as the server makes them of a completion's text (``special``: with the
+    special tokens a completion adds)."""
+    return _post(f"{url}/tokenize", {"model": model, "prompt": prompt, "add_special_tokens": special})["tokens"]
 
 
-def load_prompts(plan: dict[str, Any], tokenizer: Any) -> list[str]:
-    """The load's prompts in sending order: ``vllm bench serve``'s prefix_repetition dataset rebuilt
-    from the plan (kvtier.bench.serve_points.bench_command's arguments)."""
+def align_to_server(samples: list[tuple[str, int]], url: str, model: str) -> list[str]:
+    """The prompts as ``vllm bench serve`` sent them: when the server's tokenizer makes the first one
+    longer or shorter than the dataset's count, it cuts every prompt the server makes longer to its
+    count (``_align_prompts_to_server_tokenizer`` in vLLM 0.32's ``benchmarks/serve.py``)."""
+    if len(tokenize(url, model, samples[0][0], special=False)) == samples[0][1]:
+        return [prompt for prompt, _ in samples]
+    aligned = []
+    for prompt, length in samples:
+        ids = tokenize(url, model, prompt, special=False)
+        cut = _post(f"{url}/detokenize", {"model": model, "tokens": ids[:length]})["prompt"]
+        aligned.append(prompt if len(ids) <= length else cut)
+    return aligned
+
+
+def load_prompts(plan: dict[str, Any], tokenizer: Any) -> list[tuple[str, int]]:
+    """The load's prompts in sending order, with the dataset's token counts: ``vllm bench serve``'s
+    prefix_repetition dataset rebuilt from the plan (kvtier.bench.serve_points.bench_command's
+    arguments), before ``align_to_server``."""
     from vllm.benchmarks.datasets.datasets import PrefixRepetitionRandomDataset
 
     users = plan["users"]
@@ -176,7 +192,7 @@ def load_prompts(plan: dict[str, Any], tokenizer: Any) -> list[str]:
         tokenizer=tokenizer, num_requests=users * plan["requests_per_user"], prefix_len=plan["prefix_len"],
         suffix_len=plan["suffix_len"], num_prefixes=users, output_len=plan["output_len"],
     )  # fmt: skip
-    return [str(request.prompt) for request in requests]
+    return [(str(request.prompt), int(request.prompt_len)) for request in requests]
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,7 +304,7 @@ def run_check(
     from kvtier.bench import serve_servers
 
     tokenizer = get_tokenizer(plan["model_dir"])
-    prompts = load_prompts(plan, tokenizer)
+    samples = load_prompts(plan, tokenizer)
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
@@ -296,6 +312,7 @@ def run_check(
     server, log_path, _ = serve_servers.start_server(plan, BASELINE_ROW, 0, out_dir / "tie-check", [], [])
     try:
         server.wait_healthy()
+        prompts = align_to_server(samples, server.url, server.model)
         paths = (decode, server_asker(server.url, server.model), lambda text: tokenize(server.url, server.model, text))
         cleared, check = check_rows(rows, todo, prompts, plan["output_len"], (*paths, tie_nats))
     finally:
