@@ -25,6 +25,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "distfs" / "radosgw.sh"
@@ -36,6 +37,18 @@ BRING_UP_TIMEOUT_S = 300
 FIRST_OBJECT_TIMEOUT_S = 60  # the gateway creates its data pool at the first object written
 REQUEST_TIMEOUT_S = 60
 CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION")
+
+
+def add_arguments(parser: Any, use: str, endpoint_note: str = "default AWS") -> None:
+    """``--bucket-url`` and ``--bucket-endpoint`` of a benchmark's object rows (``use``: which of its
+    rows or options take the bucket), as ``open_bucket`` reads them."""
+    parser.add_argument(
+        "--bucket-url",
+        help=f"s3://bucket[/prefix] for {use}, credentials from the environment (AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY, AWS_REGION); the run's objects go under a fresh prefix, deleted afterwards "
+        "(default: Ceph's RADOS gateway on 127.0.0.1, brought up and torn down for the run; root)",
+    )
+    parser.add_argument("--bucket-endpoint", help=f"S3 endpoint of --bucket-url (http(s)://host:port; {endpoint_note})")
 
 
 class BucketUnavailable(RuntimeError):

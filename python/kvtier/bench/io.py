@@ -162,13 +162,7 @@ def add_object_arguments(parser: argparse.ArgumentParser) -> None:
         help="also sweep kvtier's object-storage (S3) tier: publish and cold retrieve from another store, "
         "segment size x GETs in flight, requests per GiB (docs/object-tier.md)",
     )
-    parser.add_argument(
-        "--bucket-url",
-        help="s3://bucket[/prefix] for --object, credentials from the environment (AWS_ACCESS_KEY_ID, "
-        "AWS_SECRET_ACCESS_KEY, AWS_REGION); the run's objects go under a fresh prefix, deleted afterwards "
-        "(default: Ceph's RADOS gateway on 127.0.0.1, brought up and torn down by scripts/distfs/radosgw.sh; root)",
-    )
-    parser.add_argument("--bucket-endpoint", help="S3 endpoint of --bucket-url (http(s)://host:port; default AWS)")
+    bucket.add_arguments(parser, "--object")
     parser.add_argument(
         "--object-size",
         help=f"prompt of the object sweep in tokens (default {object_tier.DEFAULT_SIZE}; "

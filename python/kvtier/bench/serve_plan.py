@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench import serve_slow
+from kvtier.bench import bucket, serve_slow
 from kvtier.bench.serve_longtail import ONE_OFF_SHARE
 from kvtier.bench.ttft import LMCACHE_INSTALL, LMCACHE_VENV, parse_tokens, repo_root
 
@@ -221,10 +221,7 @@ def _add_slow_link_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--slow-link-latency-ms", type=float, default=30.0, help="latency the slow link adds each way (default 30)"
     )
-    parser.add_argument(
-        "--bucket-url", help="s3://bucket[/prefix] of the object rows (default: Ceph's RADOS gateway on 127.0.0.1)"
-    )
-    parser.add_argument("--bucket-endpoint", help="S3 endpoint of --bucket-url (on 127.0.0.1 for the slow link)")
+    bucket.add_arguments(parser, "the object rows", "on 127.0.0.1 for the slow link")
 
 
 def _sizes_text(sizes: dict[str, Any]) -> str:

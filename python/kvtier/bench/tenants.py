@@ -92,7 +92,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench import serve, serve_plan, serve_points, serve_servers
+from kvtier.bench import bucket, serve, serve_plan, serve_points, serve_servers
 from kvtier.bench.tenants_judge import (
     EXTRA_COLUMNS,
     FLOOD,
@@ -209,10 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
         "none); needs root and Ceph's radosgw (brought up on 127.0.0.1), or --bucket-url",
     )  # fmt: skip
     parser.add_argument("--segment-blocks", type=int, default=4, help="blocks per bucket segment (default 4)")
-    parser.add_argument(
-        "--bucket-url", help="with --bucket-segments: s3://bucket[/prefix] to use instead of a local gateway"
-    )
-    parser.add_argument("--bucket-endpoint", help="with --bucket-url: its S3 endpoint (default AWS)")
+    bucket.add_arguments(parser, "--bucket-segments")
     parser.add_argument(
         "--rgw-state-dir", default="/tmp/kvtier-bench-tenants-radosgw",
         help="the local gateway's state directory (removed at the end)",
@@ -680,8 +677,6 @@ def run_bucket(plan: dict[str, Any], started: float) -> Iterator[Any]:
     if not plan["bucket_segments"]:
         yield None
         return
-    from kvtier.bench import bucket
-
     if not plan["bucket_url"] and bucket.missing_reason():
         raise TenantsError(str(bucket.missing_reason()))
     log = lambda message: progress(started, message)  # noqa: E731

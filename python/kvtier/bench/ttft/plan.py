@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench import bucket
+
 TOKENS_PER_BLOCK_CPU = 128  # vLLM's default block size on CPU (checked against the engine at start)
 CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention takes block sizes that are multiples of this
 DEFAULT_LENGTHS = "1k,2k,4k,8k,16k"
@@ -149,10 +151,7 @@ def _add_remote_row_options(parser: argparse.ArgumentParser) -> None:
         help="also measure an object-tier hit (kvtier_object): node A publishes to a bucket, node B (empty local "
         "store) loads from it; the bucket is --bucket-url or Ceph's RADOS gateway on 127.0.0.1 (root)",
     )  # fmt: skip
-    parser.add_argument(
-        "--bucket-url", help="s3://bucket[/prefix] of the kvtier_object row (credentials from the environment)"
-    )
-    parser.add_argument("--bucket-endpoint", help="S3 endpoint of --bucket-url (default AWS)")
+    bucket.add_arguments(parser, "the kvtier_object row")
     parser.add_argument(
         "--bucket-segment-bytes", metavar="SIZE",
         help="the kvtier_object row's bucket_segment_bytes (default: the store's, whole blocks to 32 MiB, at least 4)",
