@@ -522,13 +522,13 @@ class RowServer:
     (``launch``), healthy (``wait_healthy``), then gone with its service and store (``close``)."""
 
     def __init__(
-        self, plan: dict[str, Any], name: str, options: dict[str, Any], out_dir: Path, bucket: Any = None
+        self, plan: dict[str, Any], name: str, options: dict[str, Any], out_dir: Path, run_bucket: Any = None
     ) -> None:
         from kvtier.service import default_socket_path
 
         self.name, self.options = name, options
-        if bucket is not None:  # a prefix of the server's own in the run's bucket
-            self.options = {**options, **bucket.options(name)}
+        if run_bucket is not None:  # a prefix of the server's own in the run's bucket
+            self.options = {**options, **run_bucket.options(name)}
         self.row_dir = out_dir / name
         self.store = self.row_dir / "store"
         self.shared_root: Path | None = None
@@ -627,27 +627,29 @@ def run_row(plan: dict[str, Any], row: str, row_index: int, host: RowServer, sta
     return record
 
 
-def row_servers(plan: dict[str, Any], out_dir: Path, bucket: Any = None) -> dict[str, RowServer]:
+def row_servers(plan: dict[str, Any], out_dir: Path, run_bucket: Any = None) -> dict[str, RowServer]:
     """Each row's server: rows with the same kvtier options (``alone`` and ``flood``) share one,
-    named after the first of them (``bucket``: the run's, with ``--bucket-segments``)."""
+    named after the first of them (``run_bucket``: the run's bucket, with ``--bucket-segments``)."""
     by_options: dict[str, RowServer] = {}
     servers: dict[str, RowServer] = {}
     for row in plan["rows"]:
         options = row_options(plan, row)
         signature = json.dumps(options, sort_keys=True)
         if signature not in by_options:
-            by_options[signature] = RowServer(plan, row, options, out_dir, bucket)
+            by_options[signature] = RowServer(plan, row, options, out_dir, run_bucket)
         servers[row] = by_options[signature]
     return servers
 
 
-def run_rows(plan: dict[str, Any], out_dir: Path, started: float, document: dict[str, Any], bucket: Any = None) -> None:
+def run_rows(
+    plan: dict[str, Any], out_dir: Path, started: float, document: dict[str, Any], run_bucket: Any = None
+) -> None:
     """Every row in turn. Rows with the same kvtier options run one after the other on one server and
     store, each with documents of its own; a server goes after its last row. With ``start_together``
     every server starts at once (a start is mostly single-threaded imports: on two cores two take
     about as long as one) and all are healthy before the first row; an idle server polls nothing, so
     the row measured has the cores to itself."""
-    servers = row_servers(plan, out_dir, bucket)
+    servers = row_servers(plan, out_dir, run_bucket)
     hosts = list(dict.fromkeys(servers.values()))
     last_row = {host: row for row, host in servers.items()}  # later rows overwrite earlier ones
     try:
@@ -671,14 +673,12 @@ def run_rows(plan: dict[str, Any], out_dir: Path, started: float, document: dict
 
 
 @contextlib.contextmanager
-def run_bucket(plan: dict[str, Any], started: float) -> Iterator[Any]:
+def opened_bucket(plan: dict[str, Any], started: float) -> Iterator[Any]:
     """The run's bucket with ``--bucket-segments`` (kvtier.bench.bucket: the local gateway, brought up
     and torn down here, or ``--bucket-url``); None without."""
     if not plan["bucket_segments"]:
         yield None
         return
-    if not plan["bucket_url"] and bucket.missing_reason():
-        raise TenantsError(str(bucket.missing_reason()))
     log = lambda message: progress(started, message)  # noqa: E731
     with bucket.open_bucket(
         plan["bucket_url"], plan["bucket_endpoint"], plan["bucket_osd_bytes"], log, plan["rgw_state_dir"]
@@ -695,6 +695,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = make_plan(args)
         serve_points.check_vllm_command()
+        if plan["bucket_segments"] and not plan["bucket_url"] and bucket.missing_reason():
+            raise TenantsError(f"--bucket-segments: {bucket.missing_reason()}")
     except (TenantsError, serve_plan.BenchError) as error:
         print(f"kvtier bench tenants: {error}", file=sys.stderr)
         return 2
@@ -713,8 +715,8 @@ def main(argv: list[str] | None = None) -> int:
         f"tier {plan['shared_files']} files, bucket {plan['bucket_segments']} segments; "
         f"results {out_dir}",
     )
-    with serve.own_runtime_dir(), run_bucket(plan, started) as bucket:
-        run_rows(plan, out_dir, started, document, bucket)
+    with serve.own_runtime_dir(), opened_bucket(plan, started) as run_bucket:
+        run_rows(plan, out_dir, started, document, run_bucket)
     document["problems"] = judge(plan, document["rows"])
     tiers = {"nvme": bool(plan["nvme_regions"]), "shared": bool(plan["shared_files"])}
     tiers["bucket"] = bool(plan["bucket_segments"])
