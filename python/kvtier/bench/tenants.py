@@ -124,6 +124,10 @@ SHARED_TIER_OPTIONS = {
 # descriptor page (docs/object-tier.md, "Segment object"); the tier's options beside its size.
 BUCKET_PAGE_BYTES = 4096
 BUCKET_TIER_OPTIONS = {"bucket_publish_delay_ms": 200, "bucket_refresh_ms": 100}
+# A round (a quiet request and its flood) lasts at least this long with the bucket: a document used
+# once is published (its partly filled segment within the 200-ms delay, the PUT, the listing) before
+# its next use; without a flood the tiny model's rounds take a few tens of milliseconds.
+BUCKET_MIN_ROUND_S = 1.0
 TRAILER_ROOM_BYTES = 64 << 10  # a region's trailer (its entries' list) fits in this, for a few blocks
 SLOT_OVERHEAD_BYTES = 4096  # a DRAM slot: the block's bytes and a descriptor
 SERVER_DTYPE = "bfloat16"
@@ -294,7 +298,7 @@ def bucket_plan(args: argparse.Namespace, plan: dict[str, Any]) -> dict[str, Any
         "bucket_segments": args.bucket_segments, "segment_blocks": args.segment_blocks,
         "segment_bytes": segment_bytes, "bucket_budget_bytes": args.bucket_segments * segment_bytes,
         "quiet_segments": quiet_segments, "bucket_url": args.bucket_url, "bucket_endpoint": args.bucket_endpoint,
-        "rgw_state_dir": args.rgw_state_dir,
+        "rgw_state_dir": args.rgw_state_dir, "min_round_s": BUCKET_MIN_ROUND_S,
         # the gateway's memstore (RAM): the budget, and the flood's segments the evictor has yet to delete
         "bucket_osd_bytes": max(1 << 30, 3 * args.bucket_segments * segment_bytes),
     }  # fmt: skip
@@ -418,6 +422,9 @@ def drive(plan: dict[str, Any], url: str, model: str, flood: bool, row_index: in
             floods += [future.result() for future in futures]
             if futures:
                 flood_seconds += time.monotonic() - round_started
+            # a remote tier publishes a document some time after its first use: every row's rounds
+            # last long enough for it, as the flood rows' do anyway
+            time.sleep(max(0.0, plan.get("min_round_s", 0.0) - (time.monotonic() - round_started)))
     return {"quiet": quiet, "flood": floods, "load_s": time.monotonic() - started, "flood_s": flood_seconds}
 
 
