@@ -71,6 +71,7 @@ POOL_PROMPT_BLOCKS = 12  # the shared pool's test: half the DRAM tier
 # service refreshes its change log every 0.5 s, the feed polls it every 0.25 s. Checked with room
 # for a loaded two-core machine; the times measured are printed.
 HEARD_WITHIN_S = 2.0
+ROUND_WAIT_S = 2.0  # store_after_restart: how long a round waits for its stores in the new DRAM tier
 
 
 @dataclass
@@ -226,8 +227,10 @@ def in_dram(servers: Servers) -> set:
 
 def store_after_restart(servers: Servers) -> float:
     """A call that fails has the engine start the service again (NVMe recovered) and reattach in
-    the background, so the first stores after a restart are lost: both servers get a prompt a round
-    until the new DRAM tier holds one of each. When the last request returned."""
+    the background (a try a second at most), so the first stores after a restart are lost: both
+    servers get a prompt a round, and the round waits up to ``ROUND_WAIT_S`` for the new DRAM tier to
+    hold one of each (stores land after their request returns; on a loaded machine the new service
+    takes seconds to start). When the last request returned."""
     a, b = servers.servers["A"], servers.servers["B"]
     firsts: dict[str, set] = {"A": set(), "B": set()}
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -236,9 +239,11 @@ def store_after_restart(servers: Servers) -> float:
             stopped = max(pool.map(lambda job: send(*job), jobs))
             firsts["A"].add(prompt(servers, n)[1][0])
             firsts["B"].add(prompt(servers, n + 1)[1][0])
-            held = in_dram(servers)
-            if all(blocks & held for blocks in firsts.values()):
-                return stopped
+            waited_until = time.monotonic() + ROUND_WAIT_S
+            while time.monotonic() < waited_until:
+                if all(blocks & in_dram(servers) for blocks in firsts.values()):
+                    return stopped
+                time.sleep(0.1)
     raise AssertionError("the servers stored nothing in the restarted service's DRAM tier")
 
 
