@@ -403,11 +403,14 @@ def test_servers_share_one_pool_that_outlives_each_of_them_and_nothing_is_left(s
         a.reset_prefix_cache()
         time.sleep(ENGINE_QUIET_S)  # B's busy poll after its warm-up must not compete
         own_hits.append(hits_from_dram(a, socket, prompt_ids, computed.text))
-    time.sleep(ENGINE_QUIET_S)  # nor A's after its own hit (kvtier.engine_process)
-    cross_ms = hits_from_dram(b, socket, prompt_ids, computed.text)  # B's first load of a prefix only A computed
-    own_ms = statistics.median(own_hits)
-    print(f"own hit {own_hits} ms, cross-engine hit {cross_ms:.1f} ms")
-    assert cross_ms <= 1.2 * own_ms + 50, f"cross-engine {cross_ms:.0f} ms vs own {own_hits} ms"
+    cross_hits = []  # B's loads of a prefix only A computed: the median of three, as A's own
+    for _ in range(3):
+        time.sleep(ENGINE_QUIET_S)  # nor A's after its own hit (kvtier.engine_process)
+        b.reset_prefix_cache()
+        cross_hits.append(hits_from_dram(b, socket, prompt_ids, computed.text))
+    own_ms, cross_ms = statistics.median(own_hits), statistics.median(cross_hits)
+    print(f"own hit {own_hits} ms, cross-engine hit {cross_hits} ms")
+    assert cross_ms <= 1.2 * own_ms + 50, f"cross-engine {cross_hits} ms vs own {own_hits} ms"
 
     pid = kvtier_service.service_pid(socket)
     assert a.stop() is not None
