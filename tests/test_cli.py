@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -291,3 +293,31 @@ def test_bench_lookup_runs_through_the_cli() -> None:
     figures = json.loads(result.stdout)
     assert figures["calls_per_batch_size"] == 50
     assert set(figures["batches"]) == {"1", "32", "512"}
+
+
+def test_sigterm_stops_a_benchmark_after_its_cleanup(tmp_path: Path) -> None:
+    """SIGTERM (an operator's `kill`, a CI runner's timeout) to a running benchmark: it stops what it
+    started, as after Ctrl-C, and exits 143. Python's default ended it at once: `bench lookup` left its
+    store directory, and `bench faults` or `bench serve` left their `vllm serve` running."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvtier", "bench", "lookup", "--calls", "100000000", "--json"],
+        env={**os.environ, "TMPDIR": str(runs)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not list(runs.glob("*/kvtier.sock")) and time.monotonic() < deadline:
+            assert process.poll() is None, process.communicate()
+            time.sleep(0.05)
+        assert list(runs.glob("*/kvtier.sock")), "bench lookup did not start its service within 60 s"
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 143, stderr
+    assert "stopped by SIGTERM" in stderr
+    assert list(runs.iterdir()) == [], "its service's directory was left behind"

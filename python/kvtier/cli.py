@@ -26,17 +26,21 @@
 its own `main(argv)`, imported only when it runs, so that one missing optional part never breaks the
 others; every argument after the command's name goes to it unchanged (`--help` included).
 
-Exit status: 0 done, 1 failed (the message names the fix), 2 usage error, 3 `verify` found bad blocks.
+Exit status: 0 done, 1 failed (the message names the fix), 2 usage error, 3 `verify` found bad blocks,
+143 stopped by SIGTERM (the demo and the benchmarks stop what they started first, as after Ctrl-C).
 Shell completion: `eval "$(_KVTIER_COMPLETE=bash_source kvtier)"` (zsh_source, fish_source).
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import json
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +50,7 @@ from click.shell_completion import CompletionItem
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_BAD_BLOCKS = 3
+EXIT_TERMINATED = 128 + signal.SIGTERM
 PASSTHROUGH = {"ignore_unknown_options": True, "allow_extra_args": True}
 
 
@@ -68,12 +73,43 @@ def _load_main(module_name: str, words: tuple[str, ...]) -> Callable[[list[str]]
     return entry
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is: a benchmark's or the demo's cleanup (servers stopped,
+    services stopped, mounts removed, directories deleted) runs as after Ctrl-C. Python's default
+    SIGTERM ends the process at once and leaves every `vllm serve` it started running."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; the caller's own handling stays
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(_signum: int, _frame: object) -> None:
+        # A second SIGTERM during the cleanup ends the process at once, as a second Ctrl-C would.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
 def _passthrough(group: click.Group, words: tuple[str, ...], module_name: str, summary: str) -> None:
     """A command that hands every argument to ``module_name``'s own ``main(argv)``."""
 
     @click.pass_context
     def run(ctx: click.Context, args: tuple[str, ...]) -> None:
-        status = _load_main(module_name, words)(list(args))
+        entry = _load_main(module_name, words)
+        try:
+            with _sigterm_as_interrupt():
+                status = entry(list(args))
+        except _Terminated:
+            print(f"kvtier {' '.join(words)}: stopped by SIGTERM", file=sys.stderr)
+            ctx.exit(EXIT_TERMINATED)
         ctx.exit(int(status or 0))
 
     command = click.Command(
