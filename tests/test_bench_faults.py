@@ -203,12 +203,17 @@ def test_engine_notes_keep_kvtier_service_lines(tmp_path):
     log = tmp_path / "server.log"
     log.write_text(
         "(APIServer pid=1) INFO kvtier: nothing\n"
-        "kvtier: host service call locate_many failed (...); serving misses (recompute) until it answers again\n"
-        "kvtier: reattached to the host service; serving its hits again\n"
+        "(EngineCore pid=2) ERROR 12-03 21:02:03 [connection.py:217] kvtier: host service call locate_many "
+        "failed (...); serving misses (recompute) until it answers again\n"
+        "(EngineCore pid=2) WARNING 12-03 21:02:10 [connection.py:154] kvtier: reattached to the host service; "
+        "serving its hits again\n"
+        "kvtier: reattached to the host service; serving its hits again\n"  # without vLLM's handler
     )
-    assert [note[:30] for note in faults.engine_notes(log)] == [
-        "kvtier: host service call loca", "kvtier: reattached to the host",
-    ]  # fmt: skip
+    assert [note[:60] for note in faults.engine_notes(log)] == [
+        "(EngineCore pid=2) ERROR 12-03 21:02:03 [connection.py:217] ",
+        "(EngineCore pid=2) WARNING 12-03 21:02:10 [connection.py:154",
+        "kvtier: reattached to the host service; serving its hits aga",
+    ]
     assert faults.engine_notes(tmp_path / "missing.log") == []
 
 

@@ -357,7 +357,8 @@ def engine_notes(log_path: Path, limit: int = 10) -> list[str]:
     except OSError:
         return []
     marks = ("kvtier: host service", "kvtier: reattached", "kvtier: read of block")
-    return [line.strip()[:300] for line in text.splitlines() if line.startswith(marks)][:limit]
+    # Whole lines: vLLM's handler writes them with the process, level and time (kvtier.vllm.logs).
+    return [line.strip()[:300] for line in text.splitlines() if any(mark in line for mark in marks)][:limit]
 
 
 def wait_for_load(url: str, before: float, client: subprocess.Popen, timeout_s: float) -> float:

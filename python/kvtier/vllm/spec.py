@@ -26,6 +26,7 @@ from kvtier.vllm.costs import load_costs
 from kvtier.vllm.events import EventFeed, direct_offload_key
 from kvtier.vllm.idle_publish import idle_publisher_of_this_engine
 from kvtier.vllm.local_store import acquire_store, find_engine_store
+from kvtier.vllm.logs import follow_vllm_logging
 from kvtier.vllm.manager import KvtierManager
 from kvtier.vllm.metrics import kvtier_metric_definitions
 from kvtier.vllm.namespace import (
@@ -125,6 +126,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
+        follow_vllm_logging()
         self.options = KvtierOptions.from_extra_config(config.extra_config)
         self.vllm_config = _current_vllm_config()
         if self.vllm_config is None:
