@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import base64
 import hashlib
+import io
 import json
 import os
 import re
@@ -1022,11 +1023,15 @@ class HostService(ServedStore):
 
 def test_bucket_hits_reach_the_scrape_and_status(bucket, tmp_path):
     """Two hosts' services share the bucket: the blocks B serves from it are bucket hits in its scrape
-    (``kvtier_hits_total{tier="bucket"}``, counted in its lookups and loaded bytes) and in ``kvtier
-    status``'s tiers, not lost from the hit rate."""
+    (``kvtier_hits_total{tier="bucket"}``, counted in its lookups and loaded bytes), in its engine's
+    lookups (``tier="bucket"``, not the shared filesystem's), in ``kvtier status``'s tiers and in
+    ``kvtier top``'s, not lost from the hit rate."""
     from click.testing import CliRunner
+    from rich.console import Console
 
     from kvtier.cli import cli
+    from kvtier.ops import top
+    from kvtier.ops.metrics import ServiceSnapshot
 
     keys = [hashlib.sha256(f"ops-{i}".encode()).digest() for i in range(12)]
     hosts: list[HostService] = []
@@ -1037,18 +1042,29 @@ def test_bucket_hits_reach_the_scrape_and_status(bucket, tmp_path):
         a.client.flush()
         hosts.append(HostService(tmp_path / "b", bucket))
         b = hosts[1]
+        b.client.set_label("engine-b")
         deadline = time.monotonic() + 15
         while b.client.locate_many(keys) != ["bucket"] * 12:
             assert time.monotonic() < deadline, (
                 f"A's blocks never reached B through the bucket: {b.client.locate_many(keys)}"
             )
             time.sleep(0.1)
+        snapshot = ServiceSnapshot(b.socket)
+        before, _ = snapshot.read()
         out = np.zeros((12, SERVICE_SLICE), dtype=np.uint8)
         assert all(b.client.load_blocks(keys, [out], list(range(12))))
         assert all(np.array_equal(out[i], service_value(i)) for i in range(12))
+        after, stats = snapshot.read()
+        console = Console(width=160, record=True, file=io.StringIO())
+        console.print(top.frame(b.socket, before, after, stats, 1.0))
+        screen = console.export_text()
+        assert re.search(r"bucket\s+100\.0%\s+12\b", screen) and re.search(r"all\s+100\.0%", screen), screen
         text = b.scrape()
         hits = dict(re.findall(r'kvtier_hits_total\{[^}]*tier="(\w+)"\} (\S+)', text))
         assert float(hits["bucket"]) == 12 and float(hits["dram"]) == 0, hits
+        engine_lookups = r'kvtier_engine_lookup_blocks_total\{[^}]*engine="engine-b"[^}]*tier="(\w+)"\} (\S+)'
+        engine = dict(re.findall(engine_lookups, text))
+        assert float(engine["bucket"]) >= 12 and float(engine["shared"]) == 0, engine
         lookups = re.search(r"kvtier_lookups_total\{[^}]*\} (\S+)", text)
         assert lookups is not None and float(lookups.group(1)) >= 12
         result = CliRunner().invoke(cli, ["status", str(b.path), "--socket", str(b.socket), "--json"])

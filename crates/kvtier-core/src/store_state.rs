@@ -30,9 +30,9 @@ pub(crate) struct StoreState {
     pub devices: Vec<DeviceQueue>,
     pub device_files: Vec<DeviceFile>,
     pub stats: Arc<Stats>,
-    /// The remote tiers (`config.shared`, `config.bucket`) with their publishers. Lookups name the
-    /// tier a block is in ("shared" or "bucket"); the change log's `TIER_REMOTE` bit and the
-    /// `lookup_shared` counter cover both.
+    /// The remote tiers (`config.shared`, `config.bucket`) with their publishers. Lookups and the
+    /// per-engine lookup counts name the tier a block is in ("shared" or "bucket"); the change log's
+    /// `TIER_REMOTE` bit covers both.
     pub remote: RemoteTiers,
     /// Whether the NVMe tier is offered (its reads failing in a row make it step aside).
     pub nvme_health: NvmeHealth,

@@ -52,7 +52,7 @@ IO_SIZE_CLASSES: tuple[tuple[int, str], ...] = (
 )
 TIERS = ("dram", "nvme", "shared")
 # Tiers a block is served from: the object tier's hits are counted apart from the shared filesystem's
-# (``bucket_hits``); per engine, ``lookup_shared`` covers both.
+# (``bucket_hits``, and per engine ``lookup_bucket``).
 HIT_TIERS = (*TIERS, "bucket")
 
 # The families of each namespace, in the order a scrape lists them: (name, kind, the labels after
@@ -315,7 +315,7 @@ SHARED_PUBLISH_RESULTS = (
 ENGINE_FALLBACKS: tuple[str, ...] = tuple(_core.ENGINE_REPORTED)
 # An engine's counters: (family, the labels after ``engine``, the engine's counter name).
 ENGINE_VALUES: tuple[tuple[str, str, str], ...] = (
-    *(("kvtier_engine_lookup_blocks", tier, f"lookup_{tier}") for tier in TIERS),
+    *(("kvtier_engine_lookup_blocks", tier, f"lookup_{tier}") for tier in HIT_TIERS),
     ("kvtier_engine_lookup_blocks", "none", "lookup_miss"),
     ("kvtier_engine_loaded_slices", "found", "loaded_slices"),
     ("kvtier_engine_loaded_slices", "missed", "load_missed_slices"),

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtier.ops.metrics import ENGINE_FALLBACKS, LATENCY_BUCKETS_US, TIERS, ServiceSnapshot, model_of
+from kvtier.ops.metrics import ENGINE_FALLBACKS, HIT_TIERS, LATENCY_BUCKETS_US, TIERS, ServiceSnapshot, model_of
 from kvtier.ops.report import OpsError, _check_paths, human_bytes, resolve_socket
 
 
@@ -85,12 +85,12 @@ def _namespace_interval(
         return float(v.get(name, 0) - was.get(name, 0))
 
     object_bytes = int(ns["object_bytes"])
-    hits = {t: delta(f"{t}_hits") for t in TIERS}
+    hits = {t: delta(f"{t}_hits") for t in HIT_TIERS}
     lookups = sum(hits.values()) + delta("misses")
     loaded = sum(hits.values()) * object_bytes / seconds
     stored = delta("puts") * object_bytes / seconds
     summed = [
-        *((f"hits_{t}", hits[t]) for t in TIERS),
+        *((f"hits_{t}", hits[t]) for t in HIT_TIERS),
         ("lookups", lookups),
         ("loaded", loaded),
         ("stored", stored),
@@ -138,16 +138,16 @@ def _tiers_table(sums: dict[str, float], seconds: float) -> Any:
     for name in ("tier", "hit rate", "hits/s", "used", "capacity"):
         tiers.add_column(name, justify="left" if name == "tier" else "right")
     lookups = sums.get("lookups", 0)
-    for t in TIERS:
+    for t in HIT_TIERS:
         capacity = sums.get(f"capacity_{t}", 0)
         tiers.add_row(
-            {"dram": "DRAM", "nvme": "NVMe", "shared": "shared"}[t],
+            {"dram": "DRAM", "nvme": "NVMe", "shared": "shared", "bucket": "bucket"}[t],
             _pct(sums.get(f"hits_{t}", 0), lookups),
             f"{sums.get(f'hits_{t}', 0) / seconds:.0f}",
             human_bytes(int(sums.get(f"used_{t}", 0))) if capacity else "-",
             human_bytes(int(capacity)) if capacity else "-",
         )
-    all_hits = sum(sums.get(f"hits_{t}", 0) for t in TIERS)
+    all_hits = sum(sums.get(f"hits_{t}", 0) for t in HIT_TIERS)
     tiers.add_row("all", _pct(all_hits, lookups), f"{all_hits / seconds:.0f}", "", "")
     return tiers
 
@@ -211,7 +211,7 @@ def _engines_table(before: list[dict[str, Any]], after: list[dict[str, Any]], se
             def delta(name: str, now: dict[str, int] = counts, was: dict[str, int] = was) -> float:
                 return float(now.get(name, 0) - was.get(name, 0))
 
-            hits = sum(delta(f"lookup_{t}") for t in TIERS)
+            hits = sum(delta(f"lookup_{t}") for t in HIT_TIERS)
             lookups = hits + delta("lookup_miss")
             moved = delta("loaded_slices") + delta("stored_slices")
             # what the engine served at recompute because the service did not answer (reported late)

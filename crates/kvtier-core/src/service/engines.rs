@@ -15,8 +15,11 @@ pub const MAX_ENGINES: usize = 64;
 pub struct EngineCounters {
     pub lookup_dram: u64,
     pub lookup_nvme: u64,
-    /// Either remote tier (shared filesystem or bucket); the name stays for metric compatibility.
+    /// The shared-filesystem tier. Until the object tier had its own counter (`lookup_bucket`), this
+    /// one counted both remote tiers.
     pub lookup_shared: u64,
+    /// The object tier (the bucket), as `locate` names it.
+    pub lookup_bucket: u64,
     pub lookup_miss: u64,
     pub loaded_slices: u64,
     pub load_missed_slices: u64,
@@ -49,8 +52,8 @@ impl EngineCounters {
             None => &mut self.lookup_miss,
             Some(crate::catalog::Tier::Dram) => &mut self.lookup_dram,
             Some(crate::catalog::Tier::Nvme) => &mut self.lookup_nvme,
-            // Either remote tier: the counter predates the object tier's own name.
-            Some(crate::catalog::Tier::Shared | crate::catalog::Tier::Bucket) => &mut self.lookup_shared,
+            Some(crate::catalog::Tier::Shared) => &mut self.lookup_shared,
+            Some(crate::catalog::Tier::Bucket) => &mut self.lookup_bucket,
         }
     }
 
@@ -69,6 +72,8 @@ impl EngineCounters {
             ("lookup_dram", self.lookup_dram),
             ("lookup_nvme", self.lookup_nvme),
             ("lookup_shared", self.lookup_shared),
+            // After the others of the first version: pairs are read by name, an older reader skips it.
+            ("lookup_bucket", self.lookup_bucket),
             ("lookup_miss", self.lookup_miss),
             ("loaded_slices", self.loaded_slices),
             ("load_missed_slices", self.load_missed_slices),
@@ -132,6 +137,21 @@ mod tests {
         assert_eq!(snapshot[0].0, "engine-a");
         assert_eq!((snapshot[0].1.loaded_slices, snapshot[0].1.lookup_dram), (3, 5));
         assert_eq!(snapshot[1].1.stored_slices, 2);
+    }
+
+    #[test]
+    fn each_tier_a_lookup_names_has_its_own_counter() {
+        use crate::catalog::Tier;
+        let mut counters = EngineCounters::default();
+        let tiers =
+            [Some(Tier::Dram), Some(Tier::Nvme), Some(Tier::Shared), Some(Tier::Bucket), Some(Tier::Bucket), None];
+        for tier in tiers {
+            *counters.lookup(tier) += 1;
+        }
+        let fields: std::collections::HashMap<_, _> = counters.fields().into_iter().collect();
+        let lookups =
+            ["lookup_dram", "lookup_nvme", "lookup_shared", "lookup_bucket", "lookup_miss"].map(|n| fields[n]);
+        assert_eq!(lookups, [1, 1, 1, 2, 1], "the bucket's lookups are not the shared filesystem's");
     }
 
     #[test]
