@@ -65,6 +65,8 @@ def test_a_service_an_engine_starts_is_detached_frees_idle_pools_and_exits_leavi
         assert _wait(lambda: not _pool_files(pool_dir), 10), "the idle model's pool stayed"
         assert _wait(lambda: not kvtier_service._running(pid), 10), "the idle service did not exit"
         assert not socket.exists() and not kvtier_service.pid_file(socket).exists()
+        # the engines' start lock and the path lock go too: a pair per store path piled up
+        assert sorted(p.name for p in socket.parent.iterdir() if p.name != "service.log") == []
     finally:
         kvtier_service.stop_service(started)
 
@@ -310,3 +312,32 @@ def test_a_pool_name_another_user_took_does_not_stop_a_model(tmp_path, shm_of_an
     assert again.returncode == 0, f"the model could not open its pool:\n{again.stderr[-2000:]}"
     assert Path(again.stdout.split()[-1]) != seen
     assert seen.read_bytes() == b"squatter" and seen.stat().st_uid == 12345
+
+
+def test_an_engine_waiting_on_a_start_lock_a_service_removes_locks_the_file_at_the_path(tmp_path):
+    """A stopping service removes the engines' start lock while it holds it (so that lock files do
+    not pile up); an engine that was waiting on that file must then lock the file at the path, or two
+    engines would each start a service."""
+    import fcntl
+    import threading
+
+    lock_path = tmp_path / "kvtier.lock"
+    service_fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT, 0o600)
+    fcntl.flock(service_fd, fcntl.LOCK_EX)
+    taken: list[int] = []
+    engine = threading.Thread(target=lambda: taken.append(kvtier_service._lock_start(lock_path)))
+    engine.start()
+    time.sleep(0.2)  # the engine waits on the service's file
+    lock_path.unlink()
+    os.close(service_fd)
+    engine.join(timeout=10)
+    assert taken, "the engine never got the start lock"
+    try:
+        held, there = os.fstat(taken[0]), os.stat(lock_path)
+        assert (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino), "it holds a lock on a removed file"
+        other = os.open(lock_path, os.O_WRONLY)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(other)
+    finally:
+        os.close(taken[0])

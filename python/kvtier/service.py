@@ -130,6 +130,25 @@ def _open_private(path: Path, flags: int) -> int:
         raise
 
 
+def _lock_start(lock_path: Path) -> int:
+    """The engines' lock on starting the service of a socket, held (flock) on the file at ``lock_path``.
+    A stopping service removes the file while it holds the lock (so that lock files do not pile up),
+    so a lock taken on a file no longer at the path is let go and taken on the file there now."""
+    while True:
+        fd = _open_private(lock_path, os.O_WRONLY | os.O_APPEND)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held = os.fstat(fd)
+            with contextlib.suppress(FileNotFoundError):
+                there = os.stat(lock_path, follow_symlinks=False)
+                if (there.st_dev, there.st_ino) == (held.st_dev, held.st_ino):
+                    return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
 def ensure_service(
     path: str | os.PathLike | Sequence[str | os.PathLike],
     options: Mapping[str, Any] | None = None,
@@ -149,9 +168,8 @@ def ensure_service(
     if _answers(socket):
         return socket
     private_dir(socket.parent)
-    lock_fd = _open_private(socket.with_suffix(".lock"), os.O_WRONLY | os.O_APPEND)
+    lock_fd = _lock_start(socket.with_suffix(".lock"))
     try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)
         if _answers(socket):
             return socket
         log_path = socket.parent / SERVICE_LOG_NAME

@@ -349,6 +349,8 @@ fn a_stopping_service_removes_only_its_own_socket_and_pid_file() {
     std::fs::write(&pid_file, format!("{} 1\n", std::process::id())).unwrap(); // now B's names this process
     b.stop().unwrap();
     assert!(!socket.exists() && !pid_file.exists(), "B's stop leaves its own socket or pid file");
+    let left: Vec<_> = std::fs::read_dir(socket.parent().unwrap()).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert!(left.iter().all(|name| !name.to_string_lossy().contains("lock")), "lock files left: {left:?}");
 }
 
 /// The idle exit's decision (`stop_if_idle`): never while a connection is held; once idle, it

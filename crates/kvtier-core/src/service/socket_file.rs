@@ -9,7 +9,9 @@
 //! bound their own, so one removed the other's live socket (and later, stopping, removed the other's
 //! again). Here every such look-then-act runs under one lock per socket path (`PathLock`, an
 //! `flock` of `<socket>.path-lock`, held for microseconds), and a service removes only the socket
-//! it bound (its inode) and a pid file that names its own process.
+//! it bound (its inode) and a pid file that names its own process. With its socket it removes the
+//! path's lock files (they piled up, a pair per store path ever served): a lock file is removed only
+//! while locked, and a lock counts only once its file is checked to be still at its path (`is_at`).
 
 use crate::error::{Error, Result};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -45,11 +47,12 @@ impl PathLock {
     /// Waits (at most `PATH_LOCK_WAIT`) for the lock of `socket_path`.
     fn take(socket_path: &Path) -> Result<PathLock> {
         let lock_path = Self::path(socket_path);
-        let file = Self::open(socket_path).map_err(|e| Error::io(format!("opening {}", lock_path.display()), e))?;
         let deadline = Instant::now() + PATH_LOCK_WAIT;
         loop {
+            let file = Self::open(socket_path).map_err(|e| Error::io(format!("opening {}", lock_path.display()), e))?;
             match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
-                Ok(()) => return Ok(PathLock(file)),
+                Ok(()) if is_at(&file, &lock_path) => return Ok(PathLock(file)),
+                Ok(()) => continue, // removed while we waited (`remove_lock_files`): lock the file there now
                 Err(_) if Instant::now() < deadline => std::thread::sleep(PATH_LOCK_POLL),
                 Err(e) => {
                     return Err(Error::config(
@@ -70,7 +73,39 @@ impl PathLock {
     fn try_take(socket_path: &Path) -> Option<PathLock> {
         let file = Self::open(socket_path).ok()?;
         rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive).ok()?;
-        Some(PathLock(file))
+        is_at(&file, &Self::path(socket_path)).then_some(PathLock(file))
+    }
+}
+
+/// Whether `file` is the file at `path` now. A lock file is removed while locked
+/// (`remove_lock_files`), so a lock taken on a file no longer at its path locks nothing: everyone
+/// who locks one checks this after the lock is taken (Python's `ensure_service` too).
+fn is_at(file: &std::fs::File, path: &Path) -> bool {
+    match (file.metadata(), std::fs::symlink_metadata(path)) {
+        (Ok(held), Ok(there)) => file_id(&held) == file_id(&there),
+        _ => false,
+    }
+}
+
+/// Removes the lock files of a socket path whose service is gone, so that they do not pile up in
+/// the socket directory (one pair per store path ever served): the path lock, held by the caller,
+/// and the engines' start lock (`<socket>.lock`, `kvtier.service.ensure_service`) unless an engine
+/// holds it now (it is starting a service there). Each is removed while locked: whoever waited on it
+/// finds it gone once the lock is theirs, and locks the file at the path then.
+fn remove_lock_files(socket_path: &Path, held: PathLock) {
+    let path_lock = PathLock::path(socket_path);
+    if is_at(&held.0, &path_lock) {
+        let _ = std::fs::remove_file(&path_lock);
+    }
+    drop(held);
+    let start_lock = socket_path.with_extension("lock");
+    let opened =
+        std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC).open(&start_lock);
+    if let Ok(file) = opened {
+        let locked = rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_ok();
+        if locked && is_at(&file, &start_lock) {
+            let _ = std::fs::remove_file(&start_lock);
+        }
     }
 }
 
@@ -128,6 +163,11 @@ pub(super) fn release(socket_path: &Path, id: FileId) {
     if std::fs::symlink_metadata(socket_path).is_ok_and(|meta| file_id(&meta) == id) {
         let _ = std::fs::remove_file(socket_path);
     }
+    // Whoever serves the path now (a second release after the idle exit's, another service): a lock
+    // file removed while locked is safe to remove, and the lock just taken may have created it.
+    if let Ok(lock) = lock {
+        remove_lock_files(socket_path, lock);
+    }
 }
 
 /// Removes the sockets in `dir` (but `own`) that nothing listens on, with their pid files: a
@@ -141,10 +181,11 @@ pub(super) fn remove_dead_sockets(dir: &Path, own: &Path) {
         if !is_socket || path == own {
             continue;
         }
-        let Some(_lock) = PathLock::try_take(&path) else { continue };
+        let Some(lock) = PathLock::try_take(&path) else { continue };
         let refused = matches!(UnixStream::connect(&path), Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused);
         if refused && std::fs::remove_file(&path).is_ok() {
             let _ = std::fs::remove_file(path.with_extension("pid"));
+            remove_lock_files(&path, lock);
             log::info!("kvtier: removed the socket {} of a service that is gone", path.display());
         }
     }
@@ -169,4 +210,44 @@ fn check_private_dir(dir: &Path) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A service removes a path's lock file while it holds it; a process that waited on that file
+    /// must not count the lock it then gets (on a file no longer at the path), or it and whoever
+    /// locks the new file at the path would both act there at once.
+    #[test]
+    fn a_lock_taken_on_a_removed_lock_file_is_taken_again_on_the_file_at_the_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("kvtier.sock");
+        let first = PathLock::take(&socket).unwrap();
+        let waiting = socket.clone();
+        let waiter = std::thread::spawn(move || PathLock::take(&waiting).unwrap());
+        std::thread::sleep(Duration::from_millis(100)); // the waiter polls the first file's lock
+        remove_lock_files(&socket, first);
+        let held = waiter.join().unwrap();
+        assert!(is_at(&held.0, &PathLock::path(&socket)), "the waiter holds a lock on a removed file");
+        assert!(PathLock::try_take(&socket).is_none(), "two processes hold the path's lock at once");
+        drop(held);
+        assert!(PathLock::try_take(&socket).is_some());
+    }
+
+    /// The engines' start lock goes with the path lock, unless an engine holds it (it is starting a
+    /// service on the path).
+    #[test]
+    fn the_start_lock_is_removed_unless_an_engine_holds_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("kvtier.sock");
+        let start_lock = socket.with_extension("lock");
+        let engine = std::fs::File::create(&start_lock).unwrap();
+        rustix::fs::flock(&engine, rustix::fs::FlockOperation::NonBlockingLockExclusive).unwrap();
+        remove_lock_files(&socket, PathLock::take(&socket).unwrap());
+        assert!(start_lock.exists() && !PathLock::path(&socket).exists());
+        drop(engine);
+        remove_lock_files(&socket, PathLock::take(&socket).unwrap());
+        assert!(!start_lock.exists() && !PathLock::path(&socket).exists());
+    }
 }
