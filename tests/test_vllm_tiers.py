@@ -391,6 +391,26 @@ def test_full_shared_filesystem_keeps_serving(engine_b, engine_a, shared_root):
         filler.unlink()
 
 
+def remove_while_written(path: Path, tries: int = 50) -> None:
+    """Removes a tree that the store's background publishing may write into meanwhile.
+
+    A file published between rmtree's listing and its rmdir fails it with ENOTEMPTY (as for a user
+    removing a live store's directory); the next try removes that file too. Once one try has removed
+    the whole tree, the store may recreate it: that is what the test checks next.
+    """
+    last_error = None
+    for _ in range(tries):
+        if not path.exists():
+            return
+        try:
+            shutil.rmtree(path)
+            return
+        except OSError as error:  # ENOTEMPTY, or ENOENT for an entry the store removed itself
+            last_error = error
+            time.sleep(0.01)
+    raise AssertionError(f"{path} kept being refilled while removed: {last_error}")
+
+
 @pytest.mark.slow
 def test_store_directories_removed_while_serving(engine_b, engine_a, shared_root):
     llm, store, nvme_dir = engine_b
@@ -401,9 +421,9 @@ def test_store_directories_removed_while_serving(engine_b, engine_a, shared_root
     settle(llm, store)
     before = store.stats()
 
-    shutil.rmtree(nvme_dir)
+    remove_while_written(nvme_dir)
     for entry in root.iterdir():  # the root may be a mount point: empty it instead of removing it
-        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        remove_while_written(entry) if entry.is_dir() else entry.unlink()
 
     # A prompt only A computed, in a shared file B never opened: the file is gone, so the load
     # fails; vLLM recomputes (KvtierConnector reports the failed blocks) with the same output.
