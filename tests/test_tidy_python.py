@@ -14,6 +14,9 @@
   entry there that fits again fails too, so that the list only shrinks.
 - **Short files.** No ``.py`` file of the package is longer than ``MAX_FILE_LINES`` lines (issue 38:
   a module past it is split along its seams into modules named for what they hold).
+- **One list of tiers.** No module spells out the tiers below DRAM in a literal (a tuple, list, set
+  or dict's keys naming two remote tiers): tier lists derive from ``kvtier.tiers``, the core's table,
+  so that a tier the core adds reaches every list (issue 38).
 """
 
 from __future__ import annotations
@@ -273,3 +276,35 @@ def test_the_file_length_check_finds_a_planted_long_file():
         "modules of their own"
     ]
     assert not long_file_problems({**lengths, "planted.py": MAX_FILE_LINES})
+
+
+# The remote tiers' names: a literal naming two of them is a list of tiers written out.
+REMOTE_TIER_NAMES = frozenset({"shared", "bucket"})
+
+
+def tier_list_literals(path: Path, root: Path = PACKAGE) -> list[str]:
+    """Where ``path`` writes a list of tiers out: ``file:line`` (under ``root``) of each literal naming
+    two remote tiers."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        elements = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", None)
+        if not isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)) or elements is None:
+            continue
+        names = {e.value for e in elements if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+        if len(names & REMOTE_TIER_NAMES) >= 2:
+            found.append(f"{path.relative_to(root).as_posix()}:{node.lineno}")
+    return found
+
+
+def test_tier_lists_come_from_the_tier_table():
+    literals = [at for path in sorted(PACKAGE.rglob("*.py")) for at in tier_list_literals(path)]
+    # Not tier lists: the benchmarks' tables of their own figures per tier, and the option docs'
+    # blocks (a tier's options get a block of the configuration docs as they get their table rows).
+    problems = [at for at in literals if not at.startswith(("bench/", "option_docs.py:"))]
+    assert not problems, f"tiers written out (derive them from kvtier.tiers): {problems}"
+
+
+def test_the_tier_list_check_finds_a_written_out_list(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text('TIERS = ("dram", "nvme", "shared", "bucket")\nLABELS = {"shared": 1, "bucket": 2}\n')
+    assert tier_list_literals(planted, tmp_path) == ["planted.py:1", "planted.py:2"]

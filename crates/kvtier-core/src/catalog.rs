@@ -51,7 +51,9 @@ pub use upkeep::{ScrubTarget, TrimCounts, TrimPlan};
 
 /// Where a block is served from. The catalog itself holds DRAM and NVMe; the remote tiers
 /// (`RemoteTiers`) hold the shared-filesystem tier's and the object tier's (`bucket_url`) blocks.
+/// A tier's names and kind are its row of [`TIER_ROWS`]; a new tier is a variant and a row, last.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
 pub enum Tier {
     Dram,
     Nvme,
@@ -59,19 +61,53 @@ pub enum Tier {
     Bucket,
 }
 
+/// One tier's row: what the code, the wire and the reports call it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TierRow {
+    pub tier: Tier,
+    /// Its name in lookups, counters (`<name>_hits`), metrics' `tier` label and reports.
+    pub name: &'static str,
+    /// Its per-engine lookup counter (`service::EngineCounters`), a name on the wire.
+    pub lookup_counter: &'static str,
+    /// Whether no pin holds its blocks (another host's evictor may take one before its load).
+    pub remote: bool,
+}
+
+/// Every tier, in the order of the enum, which is the load order (a block held by several is read
+/// from the first). A row's position plus one is its code on the wire (`Op::Locate`, where 0 is
+/// "absent"): rows are only ever added, last (docs/service.md).
+pub const TIER_ROWS: [TierRow; 4] = [
+    TierRow { tier: Tier::Dram, name: "dram", lookup_counter: "lookup_dram", remote: false },
+    TierRow { tier: Tier::Nvme, name: "nvme", lookup_counter: "lookup_nvme", remote: false },
+    TierRow { tier: Tier::Shared, name: "shared", lookup_counter: "lookup_shared", remote: true },
+    // The object tier. Until it had a name of its own, its blocks were served (and counted) as `shared`.
+    TierRow { tier: Tier::Bucket, name: "bucket", lookup_counter: "lookup_bucket", remote: true },
+];
+
 impl Tier {
+    pub fn row(self) -> &'static TierRow {
+        let row = &TIER_ROWS[self as usize];
+        debug_assert_eq!(row.tier, self, "TIER_ROWS is out of the enum's order");
+        row
+    }
+
     pub fn name(self) -> &'static str {
-        match self {
-            Tier::Dram => "dram",
-            Tier::Nvme => "nvme",
-            Tier::Shared => "shared",
-            Tier::Bucket => "bucket",
-        }
+        self.row().name
     }
 
     /// A tier that no pin holds a block in (another host's evictor may take it before its load).
     pub fn is_remote(self) -> bool {
-        matches!(self, Tier::Shared | Tier::Bucket)
+        self.row().remote
+    }
+
+    /// The tier's code on the wire; 0 for none (a miss, an absent block).
+    pub fn wire_code(tier: Option<Tier>) -> u8 {
+        tier.map_or(0, |t| t as u8 + 1)
+    }
+
+    /// The tier of a wire code; `None` for 0 and for a code this build does not know (a newer peer's).
+    pub fn from_wire_code(code: u8) -> Option<Tier> {
+        TIER_ROWS.get(usize::from(code).checked_sub(1)?).map(|row| row.tier)
     }
 }
 
@@ -627,3 +663,25 @@ mod model_tests;
 #[cfg(test)]
 #[path = "catalog_scale_tests.rs"]
 mod catalog_scale_tests;
+
+#[cfg(test)]
+mod tier_rows_tests {
+    use super::*;
+
+    #[test]
+    fn every_tier_has_its_row_and_its_wire_code_reads_back() {
+        for (i, row) in TIER_ROWS.iter().enumerate() {
+            assert_eq!(row.tier as usize, i, "{} is not in the enum's place", row.name);
+            assert_eq!(row.tier.name(), row.name);
+            assert_eq!(row.lookup_counter, format!("lookup_{}", row.name));
+            assert_eq!(Tier::from_wire_code(Tier::wire_code(Some(row.tier))), Some(row.tier));
+        }
+        // The codes on the wire before the table: engines and tools of those builds read them so.
+        let codes = [Tier::Dram, Tier::Nvme, Tier::Shared, Tier::Bucket].map(|t| Tier::wire_code(Some(t)));
+        assert_eq!(codes, [1, 2, 3, 4]);
+        assert_eq!((Tier::wire_code(None), Tier::from_wire_code(0)), (0, None));
+        assert_eq!(Tier::from_wire_code(TIER_ROWS.len() as u8 + 1), None, "a newer peer's tier reads as none");
+        let remote: Vec<_> = TIER_ROWS.iter().filter(|r| r.tier.is_remote()).map(|r| r.name).collect();
+        assert_eq!(remote, ["shared", "bucket"]);
+    }
+}

@@ -42,7 +42,7 @@ mod timeline;
 // `format` stays a public module: the on-disk structures are an interface of their own (tools,
 // the format fuzzers).
 pub use admission::WriteAdmission;
-pub use catalog::{Gauges, Tier, TrimCounts};
+pub use catalog::{Gauges, Tier, TierRow, TrimCounts, TIER_ROWS};
 pub use config::{
     find_option, unknown_option_message, ConfigOption, NvmeWithoutSpace, OptionKind, OptionValue, StoreConfig, OPTIONS,
 };

@@ -20,13 +20,7 @@ pub(crate) struct PyServiceClient {
 }
 
 fn tier_name(code: u8) -> Option<&'static str> {
-    match code {
-        1 => Some("dram"),
-        2 => Some("nvme"),
-        3 => Some("shared"),
-        4 => Some("bucket"),
-        _ => None,
-    }
+    kvtier_core::Tier::from_wire_code(code).map(kvtier_core::Tier::name)
 }
 
 #[pymethods]

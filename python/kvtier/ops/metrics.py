@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from kvtier import _core
+from kvtier import _core, tiers
 from kvtier.service import connect
 
 # The service's latency buckets, in microseconds (crates/kvtier-core/src/service/latency.rs).
@@ -53,7 +53,7 @@ IO_SIZE_CLASSES: tuple[tuple[int, str], ...] = (
 TIERS = ("dram", "nvme", "shared")
 # Tiers a block is served from: the object tier's hits are counted apart from the shared filesystem's
 # (``bucket_hits``, and per engine ``lookup_bucket``).
-HIT_TIERS = (*TIERS, "bucket")
+HIT_TIERS = tiers.ALL
 
 # The families of each namespace, in the order a scrape lists them: (name, kind, the labels after
 # ``namespace`` and ``model``, help).

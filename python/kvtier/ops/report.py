@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.ops import store_files
+from kvtier.tiers import ALL as ALL_TIERS
+from kvtier.tiers import label as tier_label
 
 STATUS_SCHEMA = "kvtier.status/1"
 LS_SCHEMA = "kvtier.ls/1"
@@ -170,40 +172,23 @@ def status_report(paths: Sequence[Path], socket: str | os.PathLike | None = None
         shared = _shared_facts(gathered["socket"])
         report["shared_index_age_ms"] = shared["index_age_ms"]
         get = lambda name: int(stats.get(name, 0))  # noqa: E731
-        hits = {tier: get(f"{tier}_hits") for tier in ("dram", "nvme", "shared", "bucket")}
+        hits = {tier: get(f"{tier}_hits") for tier in ALL_TIERS}
         lookups = sum(hits.values()) + get("misses")
         report["lookups"] = lookups
         report["hit_rate"] = _rate(sum(hits.values()), lookups)
+        # Every tier's hits; sizes where the tier has them (the bucket's are the object store's).
         report["tiers"] = {
-            "dram": {
-                "used_bytes": get("dram_used_bytes"),
-                "capacity_bytes": get("dram_capacity_bytes"),
-                "blocks": get("blocks_dram"),
-                "hits": hits["dram"],
-                "hit_rate": _rate(hits["dram"], lookups),
-            },
-            "nvme": {
-                "used_bytes": get("nvme_used_bytes"),
-                "capacity_bytes": get("nvme_capacity_bytes"),
-                "blocks": get("blocks_nvme"),
-                "hits": hits["nvme"],
-                "hit_rate": _rate(hits["nvme"], lookups),
-            },
-            "shared": {
-                "used_bytes": shared["used_bytes"],
-                "capacity_bytes": shared["capacity_bytes"],
-                "blocks": None,
-                "hits": hits["shared"],
-                "hit_rate": _rate(hits["shared"], lookups),
-            },
-            "bucket": {
-                "used_bytes": None,
-                "capacity_bytes": None,
-                "blocks": None,
-                "hits": hits["bucket"],
-                "hit_rate": _rate(hits["bucket"], lookups),
-            },
+            tier: {"used_bytes": None, "capacity_bytes": None, "blocks": None, "hits": hits[tier]} for tier in ALL_TIERS
         }
+        for tier in ("dram", "nvme"):
+            report["tiers"][tier].update(
+                used_bytes=get(f"{tier}_used_bytes"),
+                capacity_bytes=get(f"{tier}_capacity_bytes"),
+                blocks=get(f"blocks_{tier}"),
+            )
+        report["tiers"]["shared"].update(used_bytes=shared["used_bytes"], capacity_bytes=shared["capacity_bytes"])
+        for facts in report["tiers"].values():
+            facts["hit_rate"] = _rate(facts["hits"], lookups)
         report["writes"] = writes_below_dram(stats)
         report["tenants"] = tenants_of(stats)
     return report
@@ -414,8 +399,8 @@ def print_status(report: dict[str, Any], output: Output) -> None:
     if stats is not None:
         tiers = report["tiers"]
         rows = []
-        for name, label in (("dram", "DRAM"), ("nvme", "NVMe"), ("shared", "shared"), ("bucket", "bucket")):
-            tier = tiers[name]
+        for name in ALL_TIERS:
+            tier, label = tiers[name], tier_label(name)
             rows.append(
                 [
                     label,
@@ -467,8 +452,8 @@ def print_status(report: dict[str, Any], output: Output) -> None:
 
 def _writes_table(writes: dict[str, Any], output: Output) -> None:
     rows = []
-    for tier, label in (("nvme", "NVMe"), ("shared", "shared"), ("bucket", "bucket")):
-        t = writes["tiers"][tier]
+    for tier, _, _ in WRITTEN_AND_READ:
+        t, label = writes["tiers"][tier], tier_label(tier)
         amplification = t["write_amplification"]
         budget = t.get("budget_bytes_per_day")
         rows.append(

@@ -19,6 +19,7 @@ from typing import Any
 
 from kvtier.ops.metrics import ENGINE_FALLBACKS, HIT_TIERS, LATENCY_BUCKETS_US, TIERS, ServiceSnapshot, model_of
 from kvtier.ops.report import OpsError, _check_paths, human_bytes, resolve_socket
+from kvtier.tiers import label as tier_label
 
 
 def _quantile(before: dict[str, int], after: dict[str, int], op: str, q: float) -> float | None:
@@ -141,7 +142,7 @@ def _tiers_table(sums: dict[str, float], seconds: float) -> Any:
     for t in HIT_TIERS:
         capacity = sums.get(f"capacity_{t}", 0)
         tiers.add_row(
-            {"dram": "DRAM", "nvme": "NVMe", "shared": "shared", "bucket": "bucket"}[t],
+            tier_label(t),
             _pct(sums.get(f"hits_{t}", 0), lookups),
             f"{sums.get(f'hits_{t}', 0) / seconds:.0f}",
             human_bytes(int(sums.get(f"used_{t}", 0))) if capacity else "-",

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier import tiers
 from kvtier.vllm.options import LOAD_POLICIES
 
 logger = logging.getLogger("kvtier.vllm")
@@ -47,7 +48,7 @@ PROBE_BLOCKS = 4
 # more than it can save. A remote link can be arbitrarily slow (issue 36's 40 MB/s gateway): only
 # there is a probe worth its cost. Any other tier name (``shared``: the shared-filesystem tier;
 # ``bucket``: the object tier) counts as remote, each with a rate of its own.
-LOCAL_TIERS = frozenset({"dram", "nvme"})
+LOCAL_TIERS = frozenset(tiers.ALL) - tiers.REMOTE
 # The prefill model answers once it has seen this many steps that computed prompt tokens.
 MIN_PREFILL_STEPS = 8
 # A step slower than OUTLIER_FACTOR times the prediction (at least OUTLIER_FLOOR_S) is not fitted: an

@@ -23,6 +23,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtier import tiers
 from kvtier._core import tenant_id
 from kvtier.vllm.backend import StoreBackend
 from kvtier.vllm.costs import LoadDecider
@@ -35,7 +36,7 @@ logger = logging.getLogger("kvtier.vllm")
 
 
 # Tiers a block can vanish from between lookup and load (another host's evictor): never pinned.
-REMOTE_TIERS = frozenset({"shared", "bucket"})
+REMOTE_TIERS = tiers.REMOTE
 
 # How often the manager asks the store whether it tracks tenants (a split pool, tenant keys).
 TENANCY_CHECK_S = 30.0

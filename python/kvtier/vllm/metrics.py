@@ -14,18 +14,14 @@ from vllm.v1.kv_offload.base import (
     OffloadingMetricMetadata,
 )
 
+from kvtier import tiers
 from kvtier.vllm.backend import StoreBackend
 
 _LATENCY_BUCKETS_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 # kvtier counter name -> (stats() key, label values)
 _COUNTER_SOURCES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
-    "kvtier:block_hits": [
-        ("dram_hits", ("dram",)),
-        ("nvme_hits", ("nvme",)),
-        ("shared_hits", ("shared",)),
-        ("bucket_hits", ("bucket",)),
-    ],
+    "kvtier:block_hits": [(f"{tier}_hits", (tier,)) for tier in tiers.ALL],
     "kvtier:block_misses": [("misses", ())],
     "kvtier:bytes_read": [("bytes_read_nvme", ("nvme",)), ("shared_bytes_read", ("shared",))],
     "kvtier:bytes_written": [("bytes_written_nvme", ("nvme",)), ("shared_bytes_written", ("shared",))],

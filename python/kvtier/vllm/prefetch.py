@@ -11,6 +11,7 @@ from vllm.v1.kv_offload.base import (
     LookupResult,
 )
 
+from kvtier import tiers
 from kvtier.vllm.connection import ServiceConnection
 from kvtier.vllm.costs import TierRates
 
@@ -21,7 +22,7 @@ logger = logging.getLogger("kvtier.vllm")
 # HIT_PENDING while it does, and is recomputed once it stalls), and times its tier.
 CHUNK_BLOCKS = 16
 # The tiers a prefetch reads from, the likely fastest first (locate_many's names).
-TIERS_BELOW_DRAM = ("nvme", "shared", "bucket")
+TIERS_BELOW_DRAM = tiers.BELOW_DRAM
 
 
 class Prefetcher:

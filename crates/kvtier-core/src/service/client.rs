@@ -263,7 +263,7 @@ impl Client {
         Ok(())
     }
 
-    /// Per key, the tier that holds it (`TierCode`): 0 absent, 1 DRAM, 2 NVMe, 3 shared filesystem,
+    /// Per key, the tier that holds it (`Tier::wire_code`): 0 absent, 1 DRAM, 2 NVMe, 3 shared filesystem,
     /// 4 bucket.
     pub fn locate(&mut self, keys: &[BlockKey]) -> Result<Vec<u8>> {
         let body = self.call(Op::Locate, |w| {

@@ -4,6 +4,7 @@
 //! The table is bounded: a label past `MAX_ENGINES` replaces the one idle the longest, so engines
 //! that restart under new labels cannot grow the service's memory.
 
+use crate::catalog::{Tier, TIER_ROWS};
 use std::collections::HashMap;
 
 /// Labels kept per namespace.
@@ -13,13 +14,9 @@ pub const MAX_ENGINES: usize = 64;
 /// count slices (each rank moves its own slice of a block).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct EngineCounters {
-    pub lookup_dram: u64,
-    pub lookup_nvme: u64,
-    /// The shared-filesystem tier. Until the object tier had its own counter (`lookup_bucket`), this
-    /// one counted both remote tiers.
-    pub lookup_shared: u64,
-    /// The object tier (the bucket), as `locate` names it.
-    pub lookup_bucket: u64,
+    /// Blocks found, per tier (`Tier as usize`; on the wire by `TierRow::lookup_counter`). Until the
+    /// object tier had its own counter (`lookup_bucket`), `lookup_shared` counted both remote tiers.
+    pub lookups: [u64; TIER_ROWS.len()],
     pub lookup_miss: u64,
     pub loaded_slices: u64,
     pub load_missed_slices: u64,
@@ -47,13 +44,10 @@ pub const ENGINE_REPORTED: [&str; 7] = [
 
 impl EngineCounters {
     /// The lookup counter of a block found in `tier` (`None`: a miss).
-    pub fn lookup(&mut self, tier: Option<crate::catalog::Tier>) -> &mut u64 {
+    pub fn lookup(&mut self, tier: Option<Tier>) -> &mut u64 {
         match tier {
             None => &mut self.lookup_miss,
-            Some(crate::catalog::Tier::Dram) => &mut self.lookup_dram,
-            Some(crate::catalog::Tier::Nvme) => &mut self.lookup_nvme,
-            Some(crate::catalog::Tier::Shared) => &mut self.lookup_shared,
-            Some(crate::catalog::Tier::Bucket) => &mut self.lookup_bucket,
+            Some(tier) => &mut self.lookups[tier as usize],
         }
     }
 
@@ -68,18 +62,16 @@ impl EngineCounters {
 
     /// Name and value of each counter, in the wire's pair form (docs/service.md).
     pub fn fields(&self) -> Vec<(&'static str, u64)> {
-        let mut fields = vec![
-            ("lookup_dram", self.lookup_dram),
-            ("lookup_nvme", self.lookup_nvme),
-            ("lookup_shared", self.lookup_shared),
-            // After the others of the first version: pairs are read by name, an older reader skips it.
-            ("lookup_bucket", self.lookup_bucket),
+        // Pairs are read by name: a tier added last (as the bucket was) is a pair an older reader skips.
+        let mut fields: Vec<(&'static str, u64)> =
+            TIER_ROWS.iter().map(|row| (row.lookup_counter, self.lookups[row.tier as usize])).collect();
+        fields.extend([
             ("lookup_miss", self.lookup_miss),
             ("loaded_slices", self.loaded_slices),
             ("load_missed_slices", self.load_missed_slices),
             ("stored_slices", self.stored_slices),
             ("dropped_slices", self.dropped_slices),
-        ];
+        ]);
         fields.extend(ENGINE_REPORTED.iter().copied().zip(self.reported));
         fields
     }
@@ -131,17 +123,16 @@ mod tests {
         let mut table = EngineTable::default();
         table.record("engine-a", |c| c.loaded_slices += 3);
         table.record("engine-b", |c| c.stored_slices += 2);
-        table.record("engine-a", |c| c.lookup_dram += 5);
+        table.record("engine-a", |c| c.lookups[Tier::Dram as usize] += 5);
         let snapshot = table.snapshot();
         assert_eq!(snapshot.len(), 2);
         assert_eq!(snapshot[0].0, "engine-a");
-        assert_eq!((snapshot[0].1.loaded_slices, snapshot[0].1.lookup_dram), (3, 5));
+        assert_eq!((snapshot[0].1.loaded_slices, snapshot[0].1.lookups[Tier::Dram as usize]), (3, 5));
         assert_eq!(snapshot[1].1.stored_slices, 2);
     }
 
     #[test]
     fn each_tier_a_lookup_names_has_its_own_counter() {
-        use crate::catalog::Tier;
         let mut counters = EngineCounters::default();
         let tiers =
             [Some(Tier::Dram), Some(Tier::Nvme), Some(Tier::Shared), Some(Tier::Bucket), Some(Tier::Bucket), None];

@@ -384,7 +384,7 @@ impl State {
         ]);
         w.u32(batch.bad.len() as u32);
         for bad in &batch.bad {
-            let tier = TierCode::from(Some(bad.tier)) as u8;
+            let tier = crate::catalog::Tier::wire_code(Some(bad.tier));
             w.raw(&bad.key.0).u8(tier).u8(u8::from(bad.quarantined)).bytes(bad.reason.as_bytes());
         }
         Ok(w.0)

@@ -25,7 +25,7 @@ pub enum Op {
     /// `u16 version, u32 tp_size, u32 rank, u64 slice_bytes, u32 len, description` ->
     /// `u64 slot_bytes, u64 slot_count, u64 value_offset, u64 pool_bytes, u64 object_bytes, u32 len, pool path`
     Hello = 1,
-    /// keys -> `count * u8` tier (`TierCode`: 0 none, 1 DRAM, 2 NVMe, 3 shared filesystem, 4 bucket)
+    /// keys -> `count * u8` tier (`Tier::wire_code`: 0 none, 1 DRAM, 2 NVMe, 3 shared filesystem, 4 bucket)
     Locate = 2,
     /// keys -> `u32 count` + `count * u8` (1: pinned, 0: present in the shared tier only, no pin)
     Pin = 3,
@@ -104,30 +104,6 @@ impl ReserveKind {
             3 => ReserveKind::Retry,
             _ => return None,
         })
-    }
-}
-
-/// Where a block is, in `Op::Locate` replies and `Op::Verify`'s bad blocks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-pub enum TierCode {
-    Absent = 0,
-    Dram = 1,
-    Nvme = 2,
-    Shared = 3,
-    /// The object tier (before it had a code of its own, its blocks were `Shared`).
-    Bucket = 4,
-}
-
-impl From<Option<crate::catalog::Tier>> for TierCode {
-    fn from(tier: Option<crate::catalog::Tier>) -> TierCode {
-        match tier {
-            None => TierCode::Absent,
-            Some(crate::catalog::Tier::Dram) => TierCode::Dram,
-            Some(crate::catalog::Tier::Nvme) => TierCode::Nvme,
-            Some(crate::catalog::Tier::Shared) => TierCode::Shared,
-            Some(crate::catalog::Tier::Bucket) => TierCode::Bucket,
-        }
     }
 }
 

@@ -429,7 +429,7 @@ impl Connection {
             }
             Op::Locate => {
                 let tiers = session.ns.store.locate_many(&keys);
-                w.raw(&tiers.iter().map(|&tier| TierCode::from(tier) as u8).collect::<Vec<u8>>());
+                w.raw(&tiers.iter().map(|&tier| crate::catalog::Tier::wire_code(tier)).collect::<Vec<u8>>());
                 session.count(|c| tiers.iter().for_each(|&tier| *c.lookup(tier) += 1));
             }
             Op::Pin => {
