@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from kvtier.threads import start_thread
 from kvtier.vllm._registry import registry_lock
 from kvtier.vllm.namespace import namespace_digest
 from kvtier.vllm.options import KvtierOptions
@@ -154,7 +155,7 @@ class ServiceConnection:
                         logger.warning("kvtier: reattached to the host service; serving its hits again")
                     self._outage_logged = False
 
-        threading.Thread(target=attempt, name="kvtier-reconnect", daemon=True).start()
+        start_thread(attempt, "kvtier-reconnect")
 
     def call(self, method: str, *args: Any, default: Any = None) -> Any:
         client = self.live_client()
@@ -307,8 +308,7 @@ def _start_hangup_watch() -> None:
     with registry_lock:
         if _hangup_watch is not None and _hangup_watch.is_alive():
             return
-        _hangup_watch = threading.Thread(target=_watch_hangups, name="kvtier-hangup-watch", daemon=True)
-        _hangup_watch.start()
+        _hangup_watch = start_thread(_watch_hangups, "kvtier-hangup-watch")
 
 
 def _watch_hangups() -> None:

@@ -44,6 +44,7 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent, OffloadKey
 
+from kvtier.threads import start_thread
 from kvtier.vllm.connection import ServiceConnection
 
 logger = logging.getLogger("kvtier.vllm")
@@ -129,8 +130,7 @@ class EventFeed:
         self.unnameable_keys = 0
         self.unlanded_store_blocks = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvtier-events", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, "kvtier-events")
 
     def take(self) -> list[OffloadingEvent]:
         with self._lock:

@@ -12,6 +12,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier import tiers
+from kvtier.threads import start_thread
 from kvtier.vllm.connection import ServiceConnection
 from kvtier.vllm.costs import TierRates
 
@@ -55,8 +56,7 @@ class Prefetcher:
         self._ended: dict[bytes, tuple[str, float]] = {}  # key -> (origin tier, when)
         self._stopping = False
         self.prefetched_blocks = 0
-        self._thread = threading.Thread(target=self._run, name="kvtier-prefetch", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, "kvtier-prefetch")
 
     def lookup(self, key: bytes, tier: str) -> LookupResult:
         """For a key the service holds on ``tier`` (NVMe or shared), not in DRAM."""

@@ -33,6 +33,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from kvtier.threads import start_thread
 from kvtier.vllm._registry import registry_lock
 from kvtier.vllm.connection import ServiceConnection
 from kvtier.vllm.cores import affinity, set_affinity, spare_cores, usable_cores
@@ -431,10 +432,8 @@ class JobQueueWorker(OffloadingWorker):
         self._current_since = 0.0
         # Set while the watchdog has something to watch: a load pending, or the job thread in a transfer.
         self._watch_needed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvtier-worker-jobs", daemon=True)
-        self._thread.start()
-        self._watchdog = threading.Thread(target=self._watch_loads, name="kvtier-worker-watchdog", daemon=True)
-        self._watchdog.start()
+        self._thread = start_thread(self._run, "kvtier-worker-jobs")
+        self._watchdog = start_thread(self._watch_loads, "kvtier-worker-watchdog")
         connection.add_count_source(self.fallback_counts)
         with registry_lock:
             _service_workers.add(self)
