@@ -114,7 +114,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench import serve_slow
+from kvtier import tiers
+from kvtier.bench import cpu_account, serve_slow
 from kvtier.bench.serve_plan import (
     EVENTS_SETTLE_S,
     LMCACHE_ROWS,
@@ -182,8 +183,7 @@ def row_hit_problems(row: str, record: dict[str, Any], server_log: Path | None) 
         if logged:
             problems.append(f"LMCache's log reports a failure: {logged}")
     elif any("kvtier" in point for point in points) and not any(
-        any(point.get("kvtier", {}).get(name) for name in ("dram_hits", "nvme_hits", "shared_hits", "bucket_hits"))
-        for point in points
+        any(point.get("kvtier", {}).get(f"{tier}_hits") for tier in tiers.ALL) for point in points
     ):
         problems.append("kvtier served no hit (DRAM, NVMe and shared hits 0 at every point)")
     return problems
@@ -194,13 +194,19 @@ def measure_point(
 ) -> dict[str, Any]:
     """One point with the row's counters read right before and right after it: kvtier's service,
     vLLM's prefix-cache metrics, the LMCache shim's, the KV events."""
+    from kvtier.service import socket_peer_pid
+
     sockets, urls, counters_path, events = probes["sockets"], probes["urls"], probes["shim"], probes["events"]
     before = service_counters(sockets) if sockets else None
     metrics_before = cache_metrics(urls)
     shim_before = shim_counters(counters_path)
     events_before = events.counts() if events is not None else None
     decisions_before = serve_slow.load_decisions(urls) if sockets else None
+    service_pids = [pid for socket in sockets if (pid := socket_peer_pid(socket)) is not None]
+    cpu_before = cpu_account.snapshot(probes["server_pids"], service_pids)
     point = run_point(plan, row, index, users, base_url, Path(plan["model_dir"]), out_dir, timeout_s)
+    cpu_after = cpu_account.snapshot(probes["server_pids"], service_pids)
+    point["cpu_s"] = cpu_account.delta(cpu_before, cpu_after, int(point.get("completed") or 0))
     after = service_counters(sockets) if sockets else None
     if before is not None and after is not None:
         point["kvtier"] = {name: after[name] - before[name] for name in after}
@@ -242,7 +248,13 @@ def run_row(plan: dict[str, Any], row: str, out_dir: Path, timeout_s: int, start
     servers: list[Any] = []
     proxy: Proxy | None = None
     endpoints = [f"ipc://{out_dir}/events-{row}-{n}.ipc" for n in range(server_count)] if plan["kv_events"] else []
-    probes: dict[str, Any] = {"sockets": sockets, "urls": [], "shim": None, "events": subscribe(endpoints)}
+    probes: dict[str, Any] = {
+        "sockets": sockets,
+        "urls": [],
+        "server_pids": [],
+        "shim": None,
+        "events": subscribe(endpoints),
+    }
     log_path = None
     try:
         options = objects.options(row) if objects is not None else {}
@@ -255,6 +267,7 @@ def run_row(plan: dict[str, Any], row: str, out_dir: Path, timeout_s: int, start
             progress(started, f"{row}: server {number + 1} of {server_count} healthy after {seconds:.0f} s")
             warm_up(server, plan)
         probes["urls"] = [server.url for server in servers]
+        probes["server_pids"] = [server.process.pid for server in servers]
         base_url = servers[0].url
         if len(servers) > 1:
             proxy = Proxy([s.url for s in servers], out_dir / "logs" / f"proxy-{row}.log")

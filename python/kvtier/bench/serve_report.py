@@ -42,6 +42,8 @@ def point_line(point: dict[str, Any]) -> str:
         )
         if counters.get("dropped_without_evidence"):
             text += f" ({counters['dropped_without_evidence']} blocks dropped unused)"
+    if point.get("cpu_s"):
+        text += f", CPU ms per request: server (kvtier threads) / service {cpu_text(point)}"
     if point.get("kv_events"):
         events = point["kv_events"]
         rate = events["bytes_per_s"]
@@ -52,6 +54,17 @@ def point_line(point: dict[str, Any]) -> str:
     return text
 
 
+def cpu_text(point: dict[str, Any]) -> str:
+    """The point's CPU per request (``cpu_account``), in ms: the servers' (kvtier's threads in them)
+    and the host service's; the service's is "-" for a row without one."""
+    per_request = (point.get("cpu_s") or {}).get("per_request")
+    if not per_request:
+        return "-"
+    ms = {name: value * 1000 for name, value in per_request.items()}
+    service = _number(ms["service_s"], 0) if point.get("kvtier") else "-"
+    return f"{ms['server_s']:.0f} ({ms['engine_kvtier_threads_s']:.0f}) / {service}"
+
+
 def _p50_p99(point: dict[str, Any], metric: str) -> str:
     values = point.get(f"{metric}_ms") or {}
     return f"{_number(values.get('p50'), 0)}/{_number(values.get('p99'), 0)}"
@@ -60,7 +73,7 @@ def _p50_p99(point: dict[str, Any], metric: str) -> str:
 TABLE_HEADER = [
     "row", "users", "requests", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
     "TPOT p50/p99 ms", "ITL p50/p99 ms", "connector hit tokens", "kvtier DRAM hits", "NVMe hits", "shared hits", "puts",
-    "NVMe MiB written", "dropped unused",
+    "NVMe MiB written", "dropped unused", "CPU ms/request server (kvtier threads) / service",
 ]  # fmt: skip
 
 
@@ -92,6 +105,7 @@ def table_rows(document: dict[str, Any]) -> list[list[str]]:
                     *(_p50_p99(point, metric) for metric in DECODE_METRICS),
                     str((point.get("cache_tokens") or {}).get("connector_hits", "-")),
                     *(_counter(counters, name) for name in COUNTERS),
+                    cpu_text(point),
                 ]
             )
         if not record["points"]:
