@@ -12,6 +12,11 @@
 //!
 //! `SeenOnce` remembers the blocks stored once; `WriteBudget` is a rate of bytes per day for a tier
 //! below DRAM: a write past it is refused (the block stays in DRAM only, counted), never waited for.
+//! Under `all` with a bounded NVMe budget, evidence goes first once the budget runs short: a block
+//! without evidence takes bytes only while the budget holds more than `EVIDENCE_RESERVE` of its
+//! burst, and one it refuses waits in DRAM for evidence (as under `reuse`), so that a budget spent
+//! by one-off prompts still has room for the blocks that come back (navy's dynamic admission lets
+//! its probability follow the budget; here the budget's last part is kept for evidence).
 
 use crate::key::BlockKey;
 use parking_lot::Mutex;
@@ -83,10 +88,16 @@ impl WriteBudget {
 
     /// Takes `bytes` if the budget has them now.
     pub(crate) fn try_take(&mut self, bytes: u64, now: Instant) -> bool {
+        self.try_take_above(bytes, now, 0.0)
+    }
+
+    /// Takes `bytes` if the budget has them now and keeps `reserve` (a fraction of its burst) after.
+    fn try_take_above(&mut self, bytes: u64, now: Instant, reserve: f64) -> bool {
+        debug_assert!((0.0..1.0).contains(&reserve), "a reserve is part of the burst: {reserve}");
         self.refill(now);
         // A block larger than the whole burst could never pass: it passes when the bucket is full.
         let bytes = (bytes as f64).min(self.burst_bytes);
-        if self.tokens + 1e-6 < bytes {
+        if self.tokens + 1e-6 < bytes + reserve * (self.burst_bytes - bytes) {
             return false;
         }
         self.tokens -= bytes;
@@ -104,11 +115,17 @@ impl WriteBudget {
     }
 }
 
-/// Which tiers below DRAM a block just stored goes to now, by evidence alone (budgets aside).
+/// The part of the NVMe budget's burst that only blocks with evidence of reuse may take, under
+/// `all` (module docs).
+pub(crate) const EVIDENCE_RESERVE: f64 = 0.5;
+
+/// Which tiers below DRAM a block just stored goes to now, by evidence alone (budgets aside), and
+/// whether it has evidence of reuse (stored before) for the budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Verdict {
     pub nvme: bool,
     pub remote: bool,
+    pub evidence: bool,
 }
 
 /// A store's admission below DRAM: the policies (the NVMe tier's, the remote tiers'), what they
@@ -127,29 +144,40 @@ impl Admission {
         memory_blocks: usize,
         nvme_budget: Option<Mutex<WriteBudget>>,
     ) -> Self {
-        let awaits_reuse = nvme == WriteAdmission::Reuse || remote == WriteAdmission::Reuse;
-        let capacity = if awaits_reuse { memory_blocks } else { 1 };
-        Admission { nvme, remote, seen: Mutex::new(SeenOnce::new(capacity)), nvme_budget }
+        let mut admission = Admission { nvme, remote, seen: Mutex::new(SeenOnce::new(1)), nvme_budget };
+        if admission.awaits_reuse() {
+            admission.seen = Mutex::new(SeenOnce::new(memory_blocks));
+        }
+        admission
     }
 
     pub(crate) fn admits_store(&self, key: &BlockKey) -> Verdict {
         let (nvme, remote) = (self.nvme == WriteAdmission::All, self.remote == WriteAdmission::All);
-        if nvme && remote {
-            return Verdict { nvme, remote };
+        if !self.awaits_reuse() {
+            return Verdict { nvme, remote, evidence: false };
         }
         let seen = self.seen.lock().seen_before(key);
-        Verdict { nvme: nvme || seen, remote: remote || seen }
+        Verdict { nvme: nvme || seen, remote: remote || seen, evidence: seen }
     }
 
-    /// Whether any tier keeps blocks back until evidence of reuse: without, no block ever awaits
-    /// reuse and the store never looks for reused ones.
+    /// Whether a block may wait in DRAM for evidence of reuse (a tier's policy is `reuse`, or NVMe's
+    /// budget keeps its last part for evidence): without, no block ever awaits reuse and the store
+    /// never looks for reused ones.
     pub(crate) fn awaits_reuse(&self) -> bool {
-        self.nvme == WriteAdmission::Reuse || self.remote == WriteAdmission::Reuse
+        self.nvme == WriteAdmission::Reuse || self.remote == WriteAdmission::Reuse || self.evidence_first()
     }
 
-    /// Takes one block's bytes from the NVMe tier's budget; `true` when it has them (or is unbounded).
-    pub(crate) fn take_nvme_budget(&self, bytes: u64) -> bool {
-        self.nvme_budget.as_ref().is_none_or(|b| b.lock().try_take(bytes, Instant::now()))
+    /// Whether a block the NVMe budget refuses for want of evidence waits in DRAM for it (`all` with
+    /// a bounded budget; under `reuse` every NVMe write has evidence).
+    pub(crate) fn evidence_first(&self) -> bool {
+        self.nvme == WriteAdmission::All && self.nvme_budget.is_some()
+    }
+
+    /// Takes one block's bytes from the NVMe tier's budget; `true` when it has them (or is
+    /// unbounded). A block without evidence of reuse leaves the budget's reserve to those with.
+    pub(crate) fn take_nvme_budget(&self, bytes: u64, evidence: bool) -> bool {
+        let reserve = if evidence || !self.evidence_first() { 0.0 } else { EVIDENCE_RESERVE };
+        self.nvme_budget.as_ref().is_none_or(|b| b.lock().try_take_above(bytes, Instant::now(), reserve))
     }
 
     /// The NVMe budget: (bytes per day, bytes it would take now); `None` when unbounded.
@@ -217,14 +245,32 @@ mod tests {
     #[test]
     fn policy_all_admits_every_store_and_reuse_the_second_per_tier() {
         use WriteAdmission::{All, Reuse};
-        let (yes, no) = (Verdict { nvme: true, remote: true }, Verdict { nvme: false, remote: false });
+        let verdict = |nvme, remote, evidence| Verdict { nvme, remote, evidence };
         let all = Admission::new((All, All), 16, None);
-        assert_eq!(all.admits_store(&key(3)), yes);
+        assert_eq!(all.admits_store(&key(3)), verdict(true, true, false));
+        assert!(!all.awaits_reuse(), "unbounded `all` never looks for evidence");
         let reuse = Admission::new((Reuse, Reuse), 16, None);
-        assert_eq!((reuse.admits_store(&key(3)), reuse.admits_store(&key(3))), (no, yes));
-        assert!(reuse.take_nvme_budget(u64::MAX) && reuse.nvme_budget().is_none());
+        let (first, second) = (reuse.admits_store(&key(3)), reuse.admits_store(&key(3)));
+        assert_eq!((first, second), (verdict(false, false, false), verdict(true, true, true)));
+        assert!(reuse.take_nvme_budget(u64::MAX, false) && reuse.nvme_budget().is_none());
         let nvme_only = Admission::new((Reuse, All), 16, None);
-        assert_eq!(nvme_only.admits_store(&key(4)), Verdict { nvme: false, remote: true });
-        assert_eq!(nvme_only.admits_store(&key(4)), yes);
+        assert_eq!(nvme_only.admits_store(&key(4)), verdict(false, true, false));
+        assert_eq!(nvme_only.admits_store(&key(4)), verdict(true, true, true));
+    }
+
+    #[test]
+    fn under_all_a_bounded_budget_keeps_its_last_part_for_blocks_with_evidence() {
+        use WriteAdmission::All;
+        // 100 bytes a day with a one-day burst: 100 bytes now, half of them kept for evidence.
+        let budget = WriteBudget::new(100, 86_400, Instant::now());
+        let all = Admission::new((All, All), 16, budget);
+        assert!(all.evidence_first() && all.awaits_reuse());
+        let (first, second) = (all.admits_store(&key(5)), all.admits_store(&key(5)));
+        assert_eq!((first.evidence, second.evidence), (false, true), "a second store is evidence");
+        let taken_without = (0..10).take_while(|_| all.take_nvme_budget(10, false)).count();
+        assert_eq!(taken_without, 5, "blocks without evidence stop at the reserve");
+        let taken_with = (0..10).take_while(|_| all.take_nvme_budget(10, true)).count();
+        assert_eq!(taken_with, 5, "blocks with evidence take the rest");
+        assert!(!all.take_nvme_budget(1, true), "and never more than the budget");
     }
 }

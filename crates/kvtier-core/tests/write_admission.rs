@@ -101,10 +101,40 @@ fn an_nvme_budget_refuses_writes_past_it_and_never_a_store() {
     store.flush().unwrap();
     let stats = store.stats();
     let s = &stats.counters;
-    assert_eq!((s.bytes_written_nvme, s.nvme_write_budget_refusals), (3 * SLOT_BYTES, 7));
+    // Blocks without evidence of reuse leave half the burst to those with (admission.rs).
+    assert_eq!((s.bytes_written_nvme, s.nvme_write_budget_refusals), (2 * SLOT_BYTES, 8));
     assert_eq!(stats.gauges.nvme_write_budget_bytes_per_day, 3 * SLOT_BYTES * 24 * 60);
-    assert!(stats.gauges.nvme_write_budget_left_bytes < SLOT_BYTES, "{:?}", stats.gauges);
+    assert!(stats.gauges.nvme_write_budget_left_bytes < 2 * SLOT_BYTES, "{:?}", stats.gauges);
     assert_eq!(get_checked(&store, &ids), vec![true; 10], "refused blocks are still served from DRAM");
+    store.flush().unwrap();
+    let s = store.stats().counters;
+    assert_eq!(s.bytes_written_nvme, 3 * SLOT_BYTES, "the reads were evidence: the budget's rest went to them");
+    assert_eq!(s.writes_admitted_on_reuse, 8, "every refused block was used again, within the budget or not");
+    store.check_invariants();
+}
+
+#[test]
+fn under_all_a_spent_budget_writes_the_blocks_used_again_not_the_one_off_flood() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = reuse_config(dir.path());
+    c.write_admission = WriteAdmission::All;
+    // Eight slots per day with a one-day burst: four for any block, four kept for evidence.
+    c.write_budget_burst_s = 86_400;
+    c.write_budget_nvme_bytes_per_day = 8 * SLOT_BYTES;
+    let store = Store::open(c.clone()).unwrap();
+    put(&store, &[0, 1, 2, 3, 4, 5, 6, 7]);
+    assert_eq!(get_checked(&store, &[6, 7]), vec![true; 2], "two of the blocks are used again");
+    flood(&store, 100);
+    put(&store, &[5]); // computed again after it left DRAM: a second sighting is evidence too
+    store.flush().unwrap();
+    let s = store.stats().counters;
+    assert_eq!(s.bytes_written_nvme, 7 * SLOT_BYTES, "four at once, then the three used again: {s:?}");
+    assert!(s.dropped_without_evidence >= 24, "the flood left DRAM unwritten: {s:?}");
+    store.check_invariants();
+    store.close().unwrap();
+    let store = Store::open(c).unwrap();
+    let kept = get_checked(&store, &[0, 1, 2, 3, 5, 6, 7, 100]);
+    assert_eq!(kept, [[true; 7].as_slice(), &[false]].concat(), "what was written survives a restart");
 }
 
 #[test]

@@ -272,16 +272,22 @@ fn admit_store(sh: &StoreState, key: &BlockKey) -> (Persist, bool) {
     if (has_nvme && !verdict.nvme) || (sh.remote.any() && !verdict.remote) {
         Stats::add(&sh.stats.writes_awaiting_reuse, 1);
     }
-    let nvme = if verdict.nvme { nvme_budget_allows(sh) } else { Persist::OnReuse };
+    let nvme = if verdict.nvme { nvme_budget_allows(sh, verdict.evidence) } else { Persist::OnReuse };
     (nvme, verdict.remote)
 }
 
-fn nvme_budget_allows(sh: &StoreState) -> Persist {
-    if sh.geometry.is_none() || sh.admission.take_nvme_budget(sh.arena.slot_bytes() as u64) {
+/// A block the budget refuses stays in DRAM only; one refused for want of evidence (`all`, the
+/// budget's reserve reached) waits there for it, as under `reuse`.
+fn nvme_budget_allows(sh: &StoreState, evidence: bool) -> Persist {
+    if sh.geometry.is_none() || sh.admission.take_nvme_budget(sh.arena.slot_bytes() as u64, evidence) {
         return Persist::Now;
     }
     Stats::add(&sh.stats.nvme_write_budget_refusals, 1);
-    Persist::DramOnly
+    if !evidence && sh.admission.evidence_first() {
+        Persist::OnReuse
+    } else {
+        Persist::DramOnly
+    }
 }
 
 /// Writes the blocks kept from a tier for want of evidence of reuse that were used since (a load, a
@@ -309,7 +315,7 @@ pub(crate) fn persist_reused(sh: &Arc<StoreState>) {
     {
         let mut cat = sh.catalog.lock();
         for (key, _) in reused.iter().filter(|(_, awaiting)| awaiting.nvme) {
-            if nvme_budget_allows(sh) != Persist::Now {
+            if nvme_budget_allows(sh, true) != Persist::Now {
                 continue;
             }
             if let Some(plan) = cat.plan_reused_write(key, &mut meta) {
