@@ -131,7 +131,9 @@ def budget_run(
         while time.perf_counter() - started < seconds:
             salt = lap.to_bytes(4, "little")
             for keys in requests:
-                served += serve(store, [hashlib.blake2b(salt + k, digest_size=32).digest() for k in keys], value, scratch)
+                served += serve(
+                    store, [hashlib.blake2b(salt + k, digest_size=32).digest() for k in keys], value, scratch
+                )
                 asked += len(keys)
                 if time.perf_counter() - started >= seconds:
                     break
