@@ -202,7 +202,13 @@ def test_slow_link_rows(results):
     # rate of the tier yet), so it probed the tier.
     (node_a,) = first["costs_at_start"].values()
     assert node_a["prefill_steps"] > 0 and "shared" not in node_a["rates_s_per_block"]
-    assert set(first["decisions"]) <= {"shared:probe", "shared:untrained", "shared:recompute", "shared:load"}
+    assert set(first["decisions"]) <= {
+        "shared:probe",
+        "shared:probe_aside",
+        "shared:untrained",
+        "shared:recompute",
+        "shared:load",
+    }
     assert not [note for note in result["notes"] if "FAILED" in note]
     report = (out_dir / "report.md").read_text()
     assert "The shared tier behind a slow link" in report and "kvtier's choice (auto)" in report

@@ -17,6 +17,7 @@ from kvtier.vllm.costs import (
     StepClock,
     TierRates,
     choose_blocks,
+    probe_aside,
     step_work,
     work_of,
 )
@@ -109,12 +110,13 @@ def test_choose_blocks_loads_what_saves_time_and_recomputes_the_rest():
     assert choose_blocks(["shared"] * 4, BLOCK_TOKENS, model, medium) == (0, "saves")
     long_count, _ = choose_blocks(["shared"] * 4096, BLOCK_TOKENS, model, medium)
     assert long_count == 4096
-    # Unknown: a few blocks time the remote tier (the unmeasured NVMe before it is offered whole).
-    # Untrained: everything, as before the model.
+    # Unknown: a few blocks time the remote tier in the background (the unmeasured NVMe before it is
+    # offered whole). Untrained: everything, as before the model.
     assert choose_blocks(["dram", "nvme"] + ["shared"] * 20, BLOCK_TOKENS, model, rates_of(dram=0.0001)) == (
-        2 + PROBE_BLOCKS,
-        "probe",
+        2,
+        "probe_aside",
     )
+    assert probe_aside(["dram", "nvme"] + ["shared"] * 20, rates_of(dram=0.0001)) == range(2, 2 + PROBE_BLOCKS)
     assert choose_blocks(["shared"] * 20, BLOCK_TOKENS, PrefillModel(), slow) == (20, "untrained")
 
 
@@ -128,11 +130,8 @@ def test_an_unmeasured_local_tier_is_offered_whole_and_only_a_remote_one_is_prob
     assert PROBE_BLOCKS < 64
     assert choose_blocks(["nvme"] * 64, BLOCK_TOKENS, model, TierRates()) == (64, "probe")
     assert choose_blocks(["dram"] * 2 + ["nvme"] * 62, BLOCK_TOKENS, model, rates_of(dram=0.0001)) == (64, "probe")
-    # The remote tier's rate unknown, NVMe's known: the remote one is probed, as before.
-    assert choose_blocks(["shared"] * 64, BLOCK_TOKENS, model, rates_of(nvme=per_block / 10)) == (
-        PROBE_BLOCKS,
-        "probe",
-    )
+    # The remote tier's rate unknown, NVMe's known: the remote one is probed aside, none loaded.
+    assert choose_blocks(["shared"] * 64, BLOCK_TOKENS, model, rates_of(nvme=per_block / 10)) == (0, "probe_aside")
     # A known slow remote tier behind an unmeasured NVMe part: the NVMe part alone is loaded.
     slow_shared = rates_of(dram=0.0001, shared=per_block * 50)
     assert choose_blocks(["nvme"] * 8 + ["shared"] * 56, BLOCK_TOKENS, model, slow_shared) == (8, "probe")
@@ -195,6 +194,31 @@ def test_the_decider_offers_every_hit_on_an_unmeasured_nvme_on_the_next_pass():
     assert [decider.answer("r", key, "nvme") for key in keys] == ["retry"] * 12
     assert [decider.answer("r", key, "nvme") for key in keys] == ["offer"] * 12
     assert decider.decisions == {("nvme", "probe"): 12}
+
+
+def test_a_remote_tier_with_no_rate_is_read_aside_while_the_request_recomputes_it():
+    """At kv8b a 20 MB/s bucket took 6.2 s to probe on the request's path, twice a recompute: the
+    hits that time an unknown remote tier are handed to the manager to read in the background."""
+    decider = LoadDecider("auto", BLOCK_TOKENS)
+    decider.prefill = trained()
+    decider.rates = rates_of(dram=0.0001)
+    keys = [bytes([i]) * 32 for i in range(10)]
+    tiers = ["dram"] * 2 + ["bucket"] * 8
+    first_pass = [decider.answer("r", key, tier) for key, tier in zip(keys, tiers, strict=True)]
+    assert first_pass == ["offer"] * 2 + ["retry"] * 8
+    assert [decider.answer("r", key, tier) for key, tier in zip(keys[:3], tiers, strict=False)] == [
+        "offer",
+        "offer",
+        "probe_aside",  # vLLM stops at this miss: the whole probe is handed over here
+    ]
+    assert decider.take_probe("r") == [(key, "bucket") for key in keys[2 : 2 + PROBE_BLOCKS]]
+    assert decider.take_probe("r") == [], "handed over once"
+    assert decider.answer("r", keys[2], "bucket") == "decline"
+    assert decider.decisions == {
+        ("dram", "load"): 2,
+        ("bucket", "probe_aside"): PROBE_BLOCKS,
+        ("bucket", "recompute"): 8 - PROBE_BLOCKS,
+    }
 
 
 def test_an_untrained_decider_offers_every_hit_at_once_and_counts_each_once():

@@ -26,6 +26,7 @@ try:
         GPULoadStoreSpec,
         LookupResult,
         OffloadingEvent,
+        OffloadKey,
         ReqContext,
         make_offload_key,
     )
@@ -567,11 +568,9 @@ def test_a_frozen_service_costs_the_scheduler_one_timeout_then_misses_at_once_un
         w.shutdown()
 
 
-def test_under_the_plain_connector_a_block_only_a_remote_tier_holds_is_not_offered(tmp_path):
-    """Issue 36: a block held only by the shared (or object) tier is not pinned: another node may
-    evict it between the lookup and the load, and under vLLM's plain OffloadingConnector that failed
-    load stops the engine. There such a block is a miss unless a prefetch brought it into DRAM;
-    KvtierConnector, which recomputes a failed load, is offered it."""
+def _published_to_a_shared_directory(tmp_path: Path, count: int) -> tuple[KvtierOptions, list[OffloadKey]]:
+    """``count`` blocks node A stored and published to a shared directory; node B's options (nothing
+    in its DRAM or on its NVMe): the blocks are held by the shared tier alone there."""
     shared = {"shared_root": str(tmp_path / "shared"), "shared_staleness_ms": 100, "shared_file_bytes": 1 << 20}
 
     def node(name: str) -> KvtierOptions:
@@ -581,18 +580,34 @@ def test_under_the_plain_connector_a_block_only_a_remote_tier_holds_is_not_offer
         )
 
     writer, reader = node("a"), node("b")
-    offload_keys = [make_offload_key(hashlib.sha256(bytes([90 + i])).digest(), 0) for i in range(2)]
+    offload_keys = [make_offload_key(hashlib.sha256(bytes([200 + i])).digest(), 0) for i in range(count)]
     store_keys = [kvtier_key(k) for k in offload_keys]
     try:
         w = worker(writer, layers())
-        assert w.submit_store(1, engine_blocks([0, 1]), KvtierLoadStoreSpec(store_keys)) and finished(w, 1)
+        assert w.submit_store(1, engine_blocks(list(range(count))), KvtierLoadStoreSpec(store_keys))
+        assert finished(w, 1)
         w.shutdown()
-        connection(writer).flush()  # published to the shared directory
+        connection(writer).flush()
+    finally:
+        kvtier_service.stop_service(writer.socket_path())
+    probe = connection(reader)
+    deadline = time.monotonic() + 10
+    while probe.locate_many(store_keys) != ["shared"] * count:
+        assert time.monotonic() < deadline, "the published blocks never became visible"
+        time.sleep(0.05)
+    probe.close()
+    return reader, offload_keys
+
+
+def test_under_the_plain_connector_a_block_only_a_remote_tier_holds_is_not_offered(tmp_path):
+    """Issue 36: a block held only by the shared (or object) tier is not pinned: another node may
+    evict it between the lookup and the load, and under vLLM's plain OffloadingConnector that failed
+    load stops the engine. There such a block is a miss unless a prefetch brought it into DRAM;
+    KvtierConnector, which recomputes a failed load, is offered it."""
+    reader, offload_keys = _published_to_a_shared_directory(tmp_path, 2)
+    store_keys = [kvtier_key(k) for k in offload_keys]
+    try:
         probe = connection(reader)  # another node: nothing in its DRAM or on its NVMe
-        deadline = time.monotonic() + 10
-        while probe.locate_many(store_keys) != ["shared", "shared"]:
-            assert time.monotonic() < deadline, "the published blocks never became visible"
-            time.sleep(0.05)
         request = ReqContext(req_id="r1")
         plain = KvtierManager(ServiceBackend(connection(reader)))
         assert plain.lookup(offload_keys[0], request) == LookupResult.MISS
@@ -610,7 +625,41 @@ def test_under_the_plain_connector_a_block_only_a_remote_tier_holds_is_not_offer
             manager.shutdown()
         probe.close()
     finally:
-        kvtier_service.stop_service(writer.socket_path())
+        kvtier_service.stop_service(reader.socket_path())
+
+
+def test_a_remote_tier_with_no_rate_is_timed_in_the_background_while_the_request_recomputes(tmp_path):
+    """Issue 36: at kv8b a 20 MB/s bucket took 6.2 s to probe on the request's path (twice a recompute).
+    A remote tier with no rate yet is now a miss for the request, and its first hits are read into DRAM
+    in the background, which times the tier for the next request."""
+    from kvtier.vllm.costs import PROBE_BLOCKS, work_of
+
+    reader, offload_keys = _published_to_a_shared_directory(tmp_path, PROBE_BLOCKS + 2)
+    store_keys = [kvtier_key(k) for k in offload_keys]
+    try:
+        manager = KvtierManager(ServiceBackend(connection(reader), Prefetcher(lambda: connection(reader))))
+        manager.recomputes_failed_loads = True  # KvtierConnector's route
+        for tokens in range(64, 64 + 16 * 64, 64):  # an engine computing 1 ms per token
+            manager.decider.prefill.observe(tokens, work_of(tokens, 0), 0.001 * tokens)
+        request = ReqContext(req_id="r1")
+        assert [manager.lookup(k, request) for k in offload_keys] == [LookupResult.RETRY] * len(offload_keys)
+        assert manager.lookup(offload_keys[0], request) == LookupResult.MISS, "the request does not wait"
+        assert manager.decider.decisions == {("shared", "probe_aside"): PROBE_BLOCKS, ("shared", "recompute"): 2}
+        probe = connection(reader)
+        deadline = time.monotonic() + 10
+        while manager.decider.rates.seconds_per_block("shared") is None:
+            assert time.monotonic() < deadline, "the probe never timed the tier"
+            time.sleep(0.02)
+        assert probe.locate_many(store_keys) == ["dram"] * PROBE_BLOCKS + ["shared"] * 2, "read aside: the probe's"
+        # The next request finds the rate known: its hits are weighed, none probed again.
+        second = ReqContext(req_id="r2")
+        for _ in range(2):  # the first pass sees every hit, the second decides
+            [manager.lookup(k, second) for k in offload_keys]
+        assert manager.decider.decisions[("shared", "probe_aside")] == PROBE_BLOCKS
+        assert manager.decider.decisions.get(("dram", "load"), 0) == PROBE_BLOCKS, "the probe's blocks, offered"
+        probe.close()
+        manager.shutdown()
+    finally:
         kvtier_service.stop_service(reader.socket_path())
 
 

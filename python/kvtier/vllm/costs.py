@@ -207,20 +207,20 @@ def load_s(tiers: Sequence[str], rates: TierRates) -> float | None:
 
 def choose_blocks(tiers: Sequence[str], block_tokens: int, prefill: PrefillModel, rates: TierRates) -> tuple[int, str]:
     """How many of the leading hits on ``tiers`` to load, and why: ``"saves"`` (the count that
-    saves the most time, 0 when none saves any), ``"probe"`` (a tier's rate is unknown: a remote
-    tier's first ``PROBE_BLOCKS`` blocks time it; a local tier's blocks (``LOCAL_TIERS``) are all
-    offered, costed as their copy out of DRAM alone), or ``"untrained"`` (no prefill model yet:
-    everything, as without the model)."""
+    saves the most time, 0 when none saves any), ``"probe"`` (a local tier's rate is unknown: its
+    blocks (``LOCAL_TIERS``) are all offered, costed as their copy out of DRAM alone),
+    ``"probe_aside"`` (a remote tier's rate is unknown: what comes before it is weighed, and its
+    first ``PROBE_BLOCKS`` blocks, ``probe_aside``, are read in the background to time it while the
+    request recomputes them), or ``"untrained"`` (no prefill model yet: everything, as without the
+    model)."""
     if not tiers:
         return 0, "saves"
     if prefill.recompute_s(block_tokens) is None:
         return len(tiers), "untrained"
-    unknown_remote = next(
-        (i for i, tier in enumerate(tiers) if tier not in LOCAL_TIERS and rates.seconds_per_block(tier) is None),
-        None,
-    )
+    unknown_remote = first_unknown_remote(tiers, rates)
     if unknown_remote is not None:
-        return min(len(tiers), unknown_remote + PROBE_BLOCKS), "probe"
+        count, _ = choose_blocks(tiers[:unknown_remote], block_tokens, prefill, rates)
+        return count, "probe_aside"
     unmeasured = [tier != "dram" and rates.seconds_per_block(tier) is None for tier in tiers]
     best_count, best_saving = 0, 0.0
     loaded = 0.0
@@ -232,6 +232,22 @@ def choose_blocks(tiers: Sequence[str], block_tokens: int, prefill: PrefillModel
         if recomputed - loaded > best_saving:
             best_count, best_saving = count, recomputed - loaded
     return best_count, "probe" if any(unmeasured[:best_count]) else "saves"
+
+
+def first_unknown_remote(tiers: Sequence[str], rates: TierRates) -> int | None:
+    """Where the first hit on a remote tier with no rate yet is, if any."""
+    return next(
+        (i for i, tier in enumerate(tiers) if tier not in LOCAL_TIERS and rates.seconds_per_block(tier) is None),
+        None,
+    )
+
+
+def probe_aside(tiers: Sequence[str], rates: TierRates) -> range:
+    """The hits read in the background to time a remote tier with no rate yet (``choose_blocks``'
+    ``"probe_aside"``): a request never waits for an unknown link (a 20 MB/s one took 6 s to probe
+    on the request's path at kv8b, twice a recompute), and the next request finds the rate known."""
+    first = first_unknown_remote(tiers, rates)
+    return range(0) if first is None else range(first, min(len(tiers), first + PROBE_BLOCKS))
 
 
 # A plan's offer while the prefill model has no data: every hit, each counted as it is first seen.
@@ -247,6 +263,7 @@ class _Plan:
     tiers: list[str] = field(default_factory=list)
     index: dict[bytes, int] = field(default_factory=dict)
     offer: int | None = None
+    probe: range = range(0)  # hits read aside to time their tier (``probe_aside``), recomputed
 
 
 class LoadDecider:
@@ -275,8 +292,9 @@ class LoadDecider:
         self._plans: dict[str, _Plan] = {}
 
     def answer(self, req_id: str, key: bytes, tier: str | None) -> str:
-        """``"offer"`` (answer as a hit on ``tier``), ``"decline"`` (a miss: recomputed) or
-        ``"retry"`` (vLLM asks again next step). ``tier`` None (not held) ends a pass."""
+        """``"offer"`` (answer as a hit on ``tier``), ``"decline"`` (a miss: recomputed),
+        ``"probe_aside"`` (a miss, and the manager reads ``take_probe``'s hits in the background to
+        time their tier) or ``"retry"`` (vLLM asks again next step). ``tier`` None (not held) ends a pass."""
         if self.policy != "auto":
             return "offer" if self.policy == "always" else "decline"
         plan = self._plans.get(req_id)
@@ -297,7 +315,19 @@ class LoadDecider:
             return "offer" if all(seen == "dram" for seen in plan.tiers) else "retry"
         if at is None:  # first held after the decision: DRAM is always worth loading
             return "offer" if tier == "dram" else "decline"
-        return "offer" if at < plan.offer else "decline"
+        if at < plan.offer:
+            return "offer"
+        # vLLM stops at a request's first miss: the probe's hits are handed over there, all at once.
+        return "probe_aside" if plan.probe else "decline"
+
+    def take_probe(self, req_id: str) -> list[tuple[bytes, str]]:
+        """The request's hits to read aside (key, tier), once (``answer`` said ``"probe_aside"``)."""
+        plan = self._plans.get(req_id)
+        if plan is None:
+            return []
+        aside = [(plan.keys[at], plan.tiers[at]) for at in plan.probe]
+        plan.probe = range(0)
+        return aside
 
     def _record(self, plan: _Plan, key: bytes, tier: str) -> int:
         plan.index[key] = len(plan.keys)
@@ -341,8 +371,13 @@ class LoadDecider:
     def _decide(self, plan: _Plan) -> None:
         count, reason = choose_blocks(plan.tiers, self.block_tokens, self.prefill, self.rates)
         plan.offer = count
+        if reason == "probe_aside":
+            plan.probe = probe_aside(plan.tiers, self.rates)
         for at, tier in enumerate(plan.tiers):
-            self._count(tier, ("load" if reason == "saves" else reason) if at < count else "recompute")
+            if at < count:
+                self._count(tier, "load" if reason in ("saves", "probe_aside") else reason)
+            else:
+                self._count(tier, "probe_aside" if at in plan.probe else "recompute")
 
 
 class StepClock:

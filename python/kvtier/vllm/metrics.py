@@ -75,7 +75,9 @@ def kvtier_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         ),
         "kvtier:load_decisions": OffloadingCounterMetadata(
             "Hit blocks per tier and what the load-or-recompute model chose for them: load, recompute, probe "
-            "(a few blocks time a tier of unknown rate) or untrained (loaded: no prefill timings yet).",
+            "(a local tier of unknown rate, loaded to time it), probe_aside (a few blocks of a remote tier of "
+            "unknown rate, read in the background to time it and recomputed) or untrained (loaded: no prefill "
+            "timings yet).",
             ("tier", "choice"),
         ),
         "kvtier:used_bytes": OffloadingGaugeMetadata("Bytes used per tier.", ("tier",)),

@@ -73,6 +73,11 @@ class Prefetcher:
                 return LookupResult.MISS
             return LookupResult.HIT_PENDING
 
+    def in_flight(self, keys: list[bytes]) -> bool:
+        """Whether any of ``keys`` is still being read."""
+        with self._cv:
+            return any(key in self._in_flight for key in keys)
+
     def _stalled(self, key: bytes) -> bool:
         """Holds ``_cv``. Whether ``key`` waited past the timeout with no chunk of any prefetch
         ended meanwhile: a stalled tier or service, not a slow tier that still delivers (its loads

@@ -19,10 +19,11 @@ shares one runtime directory (``XDG_RUNTIME_DIR``, the run's own), so each node 
 file the engines before it left, and writes what it learned when it stops (each tier's node A starts
 with none: the tiers' rates share one name). At each link speed the
 file is put back to what node A left (as if that link were the deployment's only one), so the first
-``auto`` engine of each speed probes the slow tier (its first 4 blocks) and records its rate; the
-later ones start from that rate (forgotten after 300 s without a load, then probed again). The
-decisions of each run (``load``, ``recompute``, ``probe``, ``untrained``, in blocks) are in its
-record, so the report says which runs were probes.
+``auto`` engine of each speed probes the slow tier (reads its first 4 blocks in the background while
+the request recomputes them) and records its rate; the later ones start from that rate (forgotten
+after 300 s without a load, then probed again). The decisions of each run (``load``, ``recompute``,
+``probe``, ``probe_aside``, ``untrained``, in blocks) are in its record, so the report says which runs
+were probes.
 
 Order: per tier (after its node A and its plain rows), per speed, per repeat, per length, always-load
 then kvtier's choice.
@@ -181,7 +182,9 @@ def _point(records: list[dict]) -> dict[str, Any]:
         "cached_tokens": spread([record["cached_tokens"] for record in records]),
         "remote_hits": sum(record["kvtier"][REMOTE_COUNTERS[record["tier"]]] for record in records),
         "decisions": decisions,
-        "probe_repeats": [r["repeat"] for r in records if any(k.endswith(":probe") for k in r["decisions"])],
+        "probe_repeats": [
+            r["repeat"] for r in records if any(k.endswith((":probe", ":probe_aside")) for k in r["decisions"])
+        ],
         "untrained_repeats": [r["repeat"] for r in records if any(k.endswith(":untrained") for k in r["decisions"])],
         "believed_first": first["believed"] if first else None,
         "problems": [record["problem"] for record in records if record.get("problem")],
