@@ -99,8 +99,7 @@ class KvtierManager(OffloadingManager):
         # Load or recompute (kvtier.vllm.costs): fed by KvtierConnector (step times, load times) and
         # the prefetcher (what NVMe and remote tiers deliver now).
         self.decider = LoadDecider(load_policy, block_tokens)
-        self._probe_owner = ""  # the request whose hits are read aside to time a tier (``_probe_aside``)
-        self._probe_keys: list[bytes] = []
+        self._probe_keys: list[bytes] = []  # the hits last read aside to time a tier (``_probe_aside``)
         if self._prefetcher is not None:
             self._prefetcher.rates = self.decider.rates
 
@@ -125,26 +124,22 @@ class KvtierManager(OffloadingManager):
         if answer == "retry":
             return LookupResult.RETRY
         if answer == "probe_aside":
-            for probe_key, probe_tier in self.decider.take_probe(req_context.req_id):
-                self._probe_aside(req_context.req_id, probe_key, probe_tier)
+            self._probe_aside(self.decider.take_probe(req_context.req_id))
             return LookupResult.MISS
         if answer == "decline" and (tier is not None or self.decider.policy == "never"):
             return LookupResult.MISS
         return self._offer(store_key, tier)
 
-    def _probe_aside(self, req_id: str, store_key: bytes, tier: str) -> None:
-        """Reads a hit on a tier with no rate yet into DRAM in the background, which times the tier,
-        while the request recomputes it. One request's probe at a time: its rate serves them all,
-        and a slow link is not filled with probes."""
+    def _probe_aside(self, probe: list[tuple[bytes, str]]) -> None:
+        """Reads a request's hits (key, tier) on a tier with no rate yet into DRAM in the background,
+        which times the tier, while the request recomputes them. One probe at a time: its rate
+        serves every request, and a slow link is not filled with probes."""
         prefetcher = self._prefetcher
-        if prefetcher is None:
+        if prefetcher is None or not probe or prefetcher.in_flight(self._probe_keys):
             return
-        if req_id != self._probe_owner:
-            if prefetcher.in_flight(self._probe_keys):
-                return
-            self._probe_owner, self._probe_keys = req_id, []
-        self._probe_keys.append(store_key)
-        prefetcher.lookup(store_key, tier)
+        self._probe_keys = [key for key, _ in probe]
+        for key, tier in probe:
+            prefetcher.lookup(key, tier)
 
     def _offer(self, store_key: bytes, tier: str | None) -> LookupResult:
         """A block the decider offers: a hit on ``tier`` (through the prefetcher below DRAM), or for
