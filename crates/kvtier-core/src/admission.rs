@@ -20,6 +20,7 @@
 
 use crate::key::BlockKey;
 use parking_lot::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 use twox_hash::XxHash3_64;
 
@@ -136,6 +137,9 @@ pub(crate) struct Admission {
     remote: WriteAdmission,
     seen: Mutex<SeenOnce>,
     nvme_budget: Option<Mutex<WriteBudget>>,
+    /// Whether the NVMe budget ever refused a block for want of evidence (`evidence_first`): until
+    /// then no block waits for a use under `all`, and the store path need not look for used ones.
+    deferred_for_evidence: AtomicBool,
 }
 
 impl Admission {
@@ -144,7 +148,9 @@ impl Admission {
         memory_blocks: usize,
         nvme_budget: Option<Mutex<WriteBudget>>,
     ) -> Self {
-        let mut admission = Admission { nvme, remote, seen: Mutex::new(SeenOnce::new(1)), nvme_budget };
+        let deferred_for_evidence = AtomicBool::new(false);
+        let mut admission =
+            Admission { nvme, remote, seen: Mutex::new(SeenOnce::new(1)), nvme_budget, deferred_for_evidence };
         if admission.awaits_reuse() {
             admission.seen = Mutex::new(SeenOnce::new(memory_blocks));
         }
@@ -167,6 +173,14 @@ impl Admission {
         self.nvme == WriteAdmission::Reuse || self.remote == WriteAdmission::Reuse || self.evidence_first()
     }
 
+    /// Whether a block may be waiting in DRAM for a use now: a tier's policy is `reuse`, or the NVMe
+    /// budget has refused a block for want of evidence.
+    pub(crate) fn may_hold_awaiting(&self) -> bool {
+        self.nvme == WriteAdmission::Reuse
+            || self.remote == WriteAdmission::Reuse
+            || self.deferred_for_evidence.load(Ordering::Relaxed)
+    }
+
     /// Whether a block the NVMe budget refuses for want of evidence waits in DRAM for it (`all` with
     /// a bounded budget; under `reuse` every NVMe write has evidence).
     pub(crate) fn evidence_first(&self) -> bool {
@@ -177,7 +191,11 @@ impl Admission {
     /// unbounded). A block without evidence of reuse leaves the budget's reserve to those with.
     pub(crate) fn take_nvme_budget(&self, bytes: u64, evidence: bool) -> bool {
         let reserve = if evidence || !self.evidence_first() { 0.0 } else { EVIDENCE_RESERVE };
-        self.nvme_budget.as_ref().is_none_or(|b| b.lock().try_take_above(bytes, Instant::now(), reserve))
+        let taken = self.nvme_budget.as_ref().is_none_or(|b| b.lock().try_take_above(bytes, Instant::now(), reserve));
+        if !taken && reserve > 0.0 {
+            self.deferred_for_evidence.store(true, Ordering::Relaxed);
+        }
+        taken
     }
 
     /// The NVMe budget: (bytes per day, bytes it would take now); `None` when unbounded.
@@ -267,8 +285,10 @@ mod tests {
         assert!(all.evidence_first() && all.awaits_reuse());
         let (first, second) = (all.admits_store(&key(5)), all.admits_store(&key(5)));
         assert_eq!((first.evidence, second.evidence), (false, true), "a second store is evidence");
+        assert!(!all.may_hold_awaiting(), "no block waits for a use before the budget refused one");
         let taken_without = (0..10).take_while(|_| all.take_nvme_budget(10, false)).count();
         assert_eq!(taken_without, 5, "blocks without evidence stop at the reserve");
+        assert!(all.may_hold_awaiting(), "the refused one waits for a use");
         let taken_with = (0..10).take_while(|_| all.take_nvme_budget(10, true)).count();
         assert_eq!(taken_with, 5, "blocks with evidence take the rest");
         assert!(!all.take_nvme_budget(1, true), "and never more than the budget");

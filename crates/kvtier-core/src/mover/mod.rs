@@ -293,9 +293,9 @@ fn nvme_budget_allows(sh: &StoreState, evidence: bool) -> Persist {
 /// Writes the blocks kept from a tier for want of evidence of reuse that were used since (a load, a
 /// pin, a second store) to those tiers: offered to the remote tiers, and written to NVMe within its
 /// write budget and backlog. Called after each put, pin and load; cheap when nothing was reused, and
-/// free (no lock) when every tier admits every store.
+/// free (no lock) until a block may wait for a use (`Admission::may_hold_awaiting`).
 pub(crate) fn persist_reused(sh: &Arc<StoreState>) {
-    if !sh.admission.awaits_reuse() {
+    if !sh.admission.may_hold_awaiting() {
         return;
     }
     let reused = sh.catalog.lock().take_reused();
