@@ -73,12 +73,27 @@ def _kvtier_pool_files() -> set[str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind():
+    import atexit
     import os
-    import time
+    import shutil
+    import tempfile
 
     os.environ[SESSION_MARK] = str(os.getpid())
+    # What services and engines keep beside their sockets (service.log, the costs files) goes to a
+    # runtime directory of the session's own, removed at its end, not to the user's /tmp/kvtier-<uid>.
+    # Removed at exit, after the engines still alive then have saved their costs (atexit runs
+    # handlers last registered first: this one after vLLM's).
+    runtime_dir = tempfile.mkdtemp(prefix="kvtier-tests-run-")
+    os.environ["XDG_RUNTIME_DIR"] = runtime_dir
+    atexit.register(shutil.rmtree, runtime_dir, ignore_errors=True)
     services_before, pools_before = _kvtier_services(), _kvtier_pool_files()
     yield
+    _assert_nothing_left(services_before, pools_before)
+
+
+def _assert_nothing_left(services_before: set[int], pools_before: set[str]) -> None:
+    import time
+
     deadline = time.monotonic() + LEAK_GRACE_S
     while True:
         services = _kvtier_services() - services_before

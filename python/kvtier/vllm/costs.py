@@ -13,8 +13,12 @@ Three parts, each fed online on the scheduler's side:
   what prefetches and loads took, queueing included). A rate not refreshed for ``stale_s`` is
   forgotten: a remote tier declined because it was slow is probed again with a few blocks, a local
   one is loaded whole again.
+- ``EngineBacklog``: the prompt tokens the engine still has to compute for the requests it runs. A
+  load runs beside those steps: while the engine is busy with them, the load costs the request no
+  time it would not have waited anyway.
 - ``choose_blocks``: of a request's ``n`` leading hits on their tiers, the count that saves the most
-  time: the largest saving ``recompute(k) - load(k)`` over ``k``, 0 when no ``k`` saves anything.
+  time: the largest saving ``recompute(k) - max(0, load(k) - busy)`` over ``k``, where ``busy`` is the
+  engine's backlog in seconds; 0 when no ``k`` saves anything.
 
 Nothing here talks to vLLM or to the service: ``KvtierManager`` asks, ``KvtierConnector`` and the
 prefetcher feed.
@@ -101,6 +105,11 @@ class PrefillModel:
 
     def recompute_s(self, tokens: int) -> float | None:
         """Seconds to compute a prefix of ``tokens`` from nothing; None until the model is trained."""
+        return self.span_s(0, tokens)
+
+    def span_s(self, start: int, end: int) -> float | None:
+        """Seconds to compute a prompt's tokens ``start`` to ``end`` (each attends to those before
+        it); None until the model is trained."""
         with self._lock:
             if self.prefill_steps < MIN_PREFILL_STEPS:
                 return None
@@ -109,7 +118,7 @@ class PrefillModel:
         attention = max(c, 0.0) * _WORK_SCALE
         if per_token <= 0 and attention <= 0:
             return None
-        return per_token * tokens + attention * tokens * tokens / 2
+        return per_token * (end - start) + attention * (end * end - start * start) / 2
 
     def state(self) -> dict[str, object]:
         with self._lock:
@@ -205,10 +214,14 @@ def load_s(tiers: Sequence[str], rates: TierRates) -> float | None:
     return total
 
 
-def choose_blocks(tiers: Sequence[str], block_tokens: int, prefill: PrefillModel, rates: TierRates) -> tuple[int, str]:
+def choose_blocks(
+    tiers: Sequence[str], block_tokens: int, prefill: PrefillModel, rates: TierRates, busy_s: float = 0.0
+) -> tuple[int, str]:
     """How many of the leading hits on ``tiers`` to load, and why: ``"saves"`` (the count that
-    saves the most time, 0 when none saves any), ``"probe"`` (a local tier's rate is unknown: its
-    blocks (``LOCAL_TIERS``) are all offered, costed as their copy out of DRAM alone),
+    saves the most time, 0 when none saves any; a load's first ``busy_s`` seconds, the engine's
+    backlog of other requests' prompts (``EngineBacklog``), cost nothing), ``"probe"`` (a local
+    tier's rate is unknown: its blocks (``LOCAL_TIERS``) are all offered, costed as their copy out
+    of DRAM alone),
     ``"probe_aside"`` (a remote tier's rate is unknown: what comes before it is weighed, and its
     first ``PROBE_BLOCKS`` blocks, ``probe_aside``, are read in the background to time it while the
     request recomputes them), or ``"untrained"`` (no prefill model yet: everything, as without the
@@ -219,7 +232,7 @@ def choose_blocks(tiers: Sequence[str], block_tokens: int, prefill: PrefillModel
         return len(tiers), "untrained"
     unknown_remote = first_unknown_remote(tiers, rates)
     if unknown_remote is not None:
-        count, _ = choose_blocks(tiers[:unknown_remote], block_tokens, prefill, rates)
+        count, _ = choose_blocks(tiers[:unknown_remote], block_tokens, prefill, rates, busy_s)
         return count, "probe_aside"
     unmeasured = [tier != "dram" and rates.seconds_per_block(tier) is None for tier in tiers]
     best_count, best_saving = 0, 0.0
@@ -228,9 +241,9 @@ def choose_blocks(tiers: Sequence[str], block_tokens: int, prefill: PrefillModel
         # An unmeasured local tier's block: only its copy out of DRAM is known (load_s says None).
         block_s = load_s(tiers[count - 1 : count], rates)
         loaded += block_s if block_s is not None else load_s(["dram"], rates) or 0.0
-        recomputed = prefill.recompute_s(count * block_tokens) or 0.0
-        if recomputed - loaded > best_saving:
-            best_count, best_saving = count, recomputed - loaded
+        saving = (prefill.recompute_s(count * block_tokens) or 0.0) - max(0.0, loaded - busy_s)
+        if saving > best_saving:
+            best_count, best_saving = count, saving
     return best_count, "probe" if any(unmeasured[:best_count]) else "saves"
 
 
@@ -288,6 +301,7 @@ class LoadDecider:
         self._saved_at = time.monotonic()
         self.prefill = PrefillModel()
         self.rates = TierRates()
+        self.backlog = EngineBacklog()
         self.decisions: dict[tuple[str, str], int] = {}
         self._plans: dict[str, _Plan] = {}
 
@@ -300,12 +314,12 @@ class LoadDecider:
         plan = self._plans.get(req_id)
         if tier is None:
             if plan is not None and plan.offer is None:
-                self._decide(plan)
+                self._decide(req_id, plan)
             return "decline"
         if plan is None:
             plan = self._new_plan(req_id)
         elif plan.offer is None and plan.keys and key == plan.keys[0]:
-            self._decide(plan)  # a new pass over the same request: the last one saw every hit
+            self._decide(req_id, plan)  # a new pass over the same request: the last one saw every hit
         if plan.offer is None and self.prefill.recompute_s(self.block_tokens) is None:
             plan.offer = UNTRAINED  # no step timed yet: load everything, as without the model
         at = plan.index.get(key)
@@ -368,14 +382,21 @@ class LoadDecider:
         self._plans[req_id] = plan
         return plan
 
-    def _decide(self, plan: _Plan) -> None:
-        count, reason = choose_blocks(plan.tiers, self.block_tokens, self.prefill, self.rates)
+    def _decide(self, req_id: str, plan: _Plan) -> None:
+        busy_s = self.backlog.busy_s(self.prefill, excluding=req_id)
+        count, reason = choose_blocks(plan.tiers, self.block_tokens, self.prefill, self.rates, busy_s)
+        # Blocks past what an idle engine would load are loaded for the backlog's sake: ``load_busy``.
+        idle_count = count
+        if busy_s > 0 and reason in ("saves", "probe_aside"):
+            idle_count = min(count, choose_blocks(plan.tiers, self.block_tokens, self.prefill, self.rates)[0])
         plan.offer = count
         if reason == "probe_aside":
             plan.probe = probe_aside(plan.tiers, self.rates)
         for at, tier in enumerate(plan.tiers):
-            if at < count:
+            if at < idle_count:
                 self._count(tier, "load" if reason in ("saves", "probe_aside") else reason)
+            elif at < count:
+                self._count(tier, "load_busy")
             else:
                 self._count(tier, "probe_aside" if at in plan.probe else "recompute")
 
@@ -412,9 +433,9 @@ class StepClock:
         return tokens, work, now - began
 
 
-def step_work(scheduler_output: object) -> tuple[int, float]:
-    """Tokens a vLLM step computes and their attention work (``work_of`` per request), from its
-    ``SchedulerOutput``: new requests carry where they start, cached ones their computed tokens."""
+def scheduled_spans(scheduler_output: object) -> list[tuple[str, int, int]]:
+    """(request, tokens computed before the step, tokens the step computes) of each request in a
+    vLLM ``SchedulerOutput``: new requests carry where they start, cached ones their computed tokens."""
     scheduled: dict[str, int] = dict(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
     starts: dict[str, int] = {}
     for new in getattr(scheduler_output, "scheduled_new_reqs", []) or []:
@@ -423,9 +444,61 @@ def step_work(scheduler_output: object) -> tuple[int, float]:
     if cached is not None:
         for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=False):
             starts[req_id] = int(computed)
-    tokens = sum(scheduled.values())
-    work = sum(work_of(count, starts.get(req_id, 0)) for req_id, count in scheduled.items())
-    return tokens, work
+    return [(req_id, starts.get(req_id, 0), int(count)) for req_id, count in scheduled.items()]
+
+
+def step_work(scheduler_output: object) -> tuple[int, float]:
+    """Tokens a vLLM step computes and their attention work (``work_of`` per request)."""
+    spans = scheduled_spans(scheduler_output)
+    return sum(count for _, _, count in spans), sum(work_of(count, start) for _, start, count in spans)
+
+
+class EngineBacklog:
+    """The prompt tokens the engine has yet to compute, per request it has begun (told by
+    ``KvtierConnector`` from the scheduler's outputs; scheduler thread only).
+
+    While the engine computes other requests' prompts, a request that loads its prefix waits beside
+    them rather than behind them: the seconds of that work (``busy_s``) are time the request would
+    wait anyway had it recomputed, so a load that ends within them costs it nothing, and takes its
+    prefill off the engine, which serves the others sooner (``choose_blocks``). Only requests the
+    engine has scheduled count: a waiting one's prompt may yet be a hit in vLLM's own cache, and one
+    waiting for its load computes only what the load leaves, so leaving them out errs towards
+    recompute, never towards a load that does not pay."""
+
+    MAX_REQUESTS = 4096
+
+    def __init__(self) -> None:
+        self._prompt_tokens: dict[str, int] = {}
+        self._computed: dict[str, int] = {}
+
+    def admitted(self, req_id: str, prompt_tokens: int) -> None:
+        while len(self._prompt_tokens) >= self.MAX_REQUESTS:
+            oldest = next(iter(self._prompt_tokens))  # a request whose end was never told
+            self.finished(oldest)
+        self._prompt_tokens[req_id] = max(0, int(prompt_tokens))
+
+    def scheduled(self, scheduler_output: object) -> None:
+        for req_id, start, count in scheduled_spans(scheduler_output):
+            if req_id in self._prompt_tokens:
+                self._computed[req_id] = start + count
+
+    def finished(self, req_id: str) -> None:
+        self._prompt_tokens.pop(req_id, None)
+        self._computed.pop(req_id, None)
+
+    def progress(self) -> dict[str, tuple[int, int]]:
+        """Per request followed: (tokens computed, or -1 before its first step; prompt tokens)."""
+        return {req_id: (self._computed.get(req_id, -1), prompt) for req_id, prompt in self._prompt_tokens.items()}
+
+    def busy_s(self, prefill: PrefillModel, excluding: str = "") -> float:
+        """Seconds of prompt work left in the requests the engine runs, ``excluding`` one; 0 while
+        the prefill model is untrained."""
+        total = 0.0
+        for req_id, computed in self._computed.items():
+            prompt = self._prompt_tokens.get(req_id, 0)
+            if req_id != excluding and computed < prompt:
+                total += prefill.span_s(computed, prompt) or 0.0
+        return total
 
 
 # The costs file (docs/vllm.md, "The costs file"): what an engine learned of its own prefill and of
