@@ -549,6 +549,43 @@ def test_lookup_of_a_block_being_stored_is_pending_then_hit(tmp_path):
     store.close()
 
 
+def test_a_request_looked_up_again_after_its_load_is_skipped_for_one_pass(tmp_path):
+    """A request vLLM looks up again after its load (the load failed whole, or a preemption) is
+    taken from vLLM's queue of requests that hold KV blocks, though it holds none now; if its new load
+    does not fit, vLLM 0.32's scheduler stops at it every step, and the requests behind it, which
+    hold the blocks it needs, never run (an engine stalled for good under load, 50 MB/s bucket,
+    always-load). The manager answers that first pass RETRY, which makes vLLM requeue the request
+    behind them; the next pass is answered as usual."""
+    import numpy as np
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+
+    store = kvtier.Store.open(str(tmp_path / "store"), namespace=b"requeue-test", object_bytes=4096,
+                              dram_bytes=1 << 20, nvme_bytes=0)  # fmt: skip
+    shared = kvtier_vllm.LocalStore(
+        store=store, path=str(tmp_path), namespace=b"requeue-test", description={}, object_bytes=4096
+    )
+    manager = kvtier_vllm.KvtierManager(shared)
+    keys = [make_offload_key(bytes([n]) * 32, 0) for n in range(1, 4)]
+    store.put_many([kvtier_vllm.kvtier_key(k) for k in keys], [np.full(4096, 7, dtype=np.uint8)] * 3)
+    hits = [LookupResult.HIT] * 3
+    for req_id, next_pass in (("failed", keys), ("shorter", keys[1:])):
+        context = ReqContext(req_id=req_id)
+        assert [manager.lookup(k, context) for k in keys] == hits
+        manager.prepare_load(keys, context)
+        assert [manager.lookup(k, context) for k in keys] == [LookupResult.RETRY] * 3, "requeued"
+        # The next pass, even one that begins later (vLLM's own cache now holds the first block).
+        assert [manager.lookup(k, context) for k in next_pass] == hits[: len(next_pass)]
+        assert [manager.lookup(k, context) for k in keys] == hits, "once only"
+    assert manager.requeued_after_load == 2
+    # A request that ended is forgotten: its id looked up again is a new request.
+    context = ReqContext(req_id="ended")
+    manager.prepare_load(keys, context)
+    manager.on_request_finished(context)
+    assert [manager.lookup(k, context) for k in keys] == hits
+    manager.shutdown()
+    store.close()
+
+
 def test_a_request_releases_only_its_own_pins(tmp_path):
     """A block only in the shared tier is present but unpinned. Once it is resident and another
     request pins it, the first request's complete_load must not take that pin away (the block would

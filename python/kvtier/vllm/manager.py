@@ -40,6 +40,9 @@ REMOTE_TIERS = tiers.REMOTE
 
 # How often the manager asks the store whether it tracks tenants (a split pool, tenant keys).
 TENANCY_CHECK_S = 30.0
+# Requests with a load prepared that the manager remembers (a request whose end vLLM never told
+# is forgotten, oldest first, past this many).
+MAX_LOADED_REQUESTS = 4096
 
 # store.locate_many() tier -> vLLM's cache-hit source (shared and unknown: external_unspecified).
 _HIT_SOURCE_BY_TIER = {"dram": CacheHitSource.HOST, "nvme": CacheHitSource.DISK}
@@ -100,6 +103,11 @@ class KvtierManager(OffloadingManager):
         # the prefetcher (what NVMe and remote tiers deliver now).
         self.decider = LoadDecider(load_policy, block_tokens)
         self._probe_keys: list[bytes] = []  # the hits last read aside to time a tier (``_probe_aside``)
+        # Requests whose load was prepared (``_requeue_once``), and those being requeued: the keys
+        # their requeued lookup pass has seen.
+        self._loaded: OrderedDict[str, None] = OrderedDict()
+        self._requeue: dict[str, set[bytes]] = {}
+        self.requeued_after_load = 0
         if self._prefetcher is not None:
             self._prefetcher.rates = self.decider.rates
 
@@ -112,6 +120,8 @@ class KvtierManager(OffloadingManager):
         if not self._allowed(req_context):
             return LookupResult.MISS
         store_key = kvtier_key(key)
+        if self._requeue_once(req_context.req_id, store_key):
+            return LookupResult.RETRY
         try:
             tier = self._store.locate_many([store_key])[0]
         except Exception:
@@ -129,6 +139,30 @@ class KvtierManager(OffloadingManager):
         if answer == "decline" and (tier is not None or self.decider.policy == "never"):
             return LookupResult.MISS
         return self._offer(store_key, tier)
+
+    def _requeue_once(self, req_id: str, store_key: bytes) -> bool:
+        """Whether to answer this lookup RETRY: every lookup of the first pass over a request that
+        is looked up again after its load was prepared. vLLM looks a request up again after a load
+        that failed whole (or a preemption); it does so from its queue of requests that hold KV
+        blocks, though this one holds none any more, and if the request's new load does not fit,
+        vLLM's scheduler (0.32) stops at it every step, while the requests queued behind it, whose
+        loads completed, hold the blocks it needs: the engine stalls for good (seen under load: four
+        requests in flight, a bucket behind a 50 MB/s link). RETRY makes vLLM skip the request for a
+        step and queue it again with the requests that hold nothing, behind those that do."""
+        seen = self._requeue.get(req_id)
+        if seen is None:
+            if req_id not in self._loaded:
+                return False
+            del self._loaded[req_id]
+            self.requeued_after_load += 1
+            self.decider.forget(req_id)
+            self._requeue[req_id] = {store_key}
+            return True
+        if store_key in seen:  # the next pass began: the request was requeued
+            del self._requeue[req_id]
+            return False
+        seen.add(store_key)
+        return True
 
     def _probe_aside(self, probe: list[tuple[bytes, str]]) -> None:
         """Reads a request's hits (key, tier) on a tier with no rate yet into DRAM in the background,
@@ -193,6 +227,9 @@ class KvtierManager(OffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         self.decider.forget(req_context.req_id)
+        self._loaded[req_context.req_id] = None
+        while len(self._loaded) > MAX_LOADED_REQUESTS:
+            self._loaded.popitem(last=False)
         store_keys = [kvtier_key(key) for key in keys]
         try:
             # One flag per present key: False for a block only in a remote tier (no pin taken).
@@ -316,6 +353,8 @@ class KvtierManager(OffloadingManager):
     def on_request_finished(self, req_context: ReqContext) -> None:
         # No prepare_store or prepare_load follows for this request.
         self._tenants.pop(req_context.req_id, None)
+        self._loaded.pop(req_context.req_id, None)
+        self._requeue.pop(req_context.req_id, None)
 
     def _assign_tenant(self, store_keys: list[bytes], req_context: ReqContext) -> None:
         """Charges the blocks a salted request stores or loads to its tenant, and names the tenant
