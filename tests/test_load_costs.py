@@ -12,9 +12,9 @@ import pytest
 from kvtier.vllm.costs import (
     MIN_PREFILL_STEPS,
     PROBE_BLOCKS,
-    EngineBacklog,
     LoadDecider,
     PrefillModel,
+    RunningRequests,
     StepClock,
     TierRates,
     choose_blocks,
@@ -154,54 +154,46 @@ def _step(**scheduled: tuple[int, int]) -> SimpleNamespace:
     )
 
 
-def test_the_engines_backlog_is_the_prompt_work_left_in_the_requests_it_runs():
-    model = trained()
-    backlog = EngineBacklog()
-    assert backlog.busy_s(model) == 0.0
-    backlog.admitted("running", 4096)
-    backlog.admitted("waiting", 8192)  # never scheduled: may yet hit vLLM's own cache, not counted
-    backlog.admitted("decoding", 1024)
-    backlog.scheduled(_step(running=(0, 1024), decoding=(0, 1024)))
-    assert backlog.busy_s(model) == pytest.approx(model.span_s(1024, 4096))
-    backlog.scheduled(_step(running=(1024, 2048), decoding=(1024, 1)))
-    assert backlog.busy_s(model) == pytest.approx(model.span_s(3072, 4096))
-    assert backlog.busy_s(model, excluding="running") == 0.0
-    assert backlog.busy_s(PrefillModel()) == 0.0, "untrained: no credit"
-    backlog.finished("running")
-    assert backlog.busy_s(model) == 0.0
+def test_the_engine_runs_the_requests_it_has_scheduled_until_they_end():
+    running = RunningRequests()
+    running.admitted("prefilling", 4096)
+    running.admitted("waiting", 8192)  # not scheduled yet (or waiting for its load): not slowed
+    running.admitted("decoding", 1024)
+    assert running.others() == 0
+    running.scheduled(_step(prefilling=(0, 1024), decoding=(1024, 1)))
+    assert running.others() == 2 and running.others(excluding="decoding") == 1
+    assert running.progress()["prefilling"] == (1024, 4096) and running.progress()["waiting"] == (-1, 8192)
+    running.scheduled(_step(unknown=(0, 16)))  # a request whose arrival was not told: never counted
+    assert running.others() == 2
+    running.finished("prefilling")
+    running.finished("decoding")
+    assert running.others() == 0
 
 
-def test_a_busy_engine_credits_a_slow_load_with_the_time_the_request_would_wait_anyway():
+def test_a_recompute_that_slows_other_requests_makes_a_slower_load_worth_it():
     """Under load (12 users, 4 in flight, kv8b) a 50 MB/s bucket hit loaded in 5.7 s against 3.4 s to
-    recompute it alone, so kvtier recomputed it, and made 0.84x the throughput of loading every hit:
-    with other prompts in the engine, the request that recomputes waits for them too, while the one
-    that loads waits beside them and leaves the engine to them."""
+    recompute it alone, so kvtier recomputed it and made 0.84x the throughput of loading every hit:
+    a request that recomputes lengthens the steps of every other request the engine runs, while
+    one that loads waits alone."""
     model = trained()
     recompute = model.recompute_s(16 * BLOCK_TOKENS) or 0.0
     link = rates_of(dram=0.0001, bucket=1.7 * recompute / 16)  # loading takes 1.7x recomputing
     tiers = ["bucket"] * 16
     assert choose_blocks(tiers, BLOCK_TOKENS, model, link) == (0, "saves")
-    # A backlog shorter than the whole load: the blocks that arrive within it are loaded (the rest,
-    # computed after the load, would wait for it), ...
-    partial, _ = choose_blocks(tiers, BLOCK_TOKENS, model, link, busy_s=0.5 * recompute)
-    assert partial == round(16 * 0.5 / 1.7)
-    # ... one longer than the load: every block.
-    assert choose_blocks(tiers, BLOCK_TOKENS, model, link, busy_s=1.8 * recompute) == (16, "saves")
-    # A crawling link: only the blocks that arrive within the backlog, whatever its length.
+    assert choose_blocks(tiers, BLOCK_TOKENS, model, link, others=1) == (16, "saves")
+    # A link far slower than the engine shared by three others is still declined.
     crawl = rates_of(dram=0.0001, bucket=10 * recompute / 16)
-    assert choose_blocks(tiers, BLOCK_TOKENS, model, crawl, busy_s=2 * recompute) == (3, "saves")
-    # The decider asks the backlog, leaving out the request it decides for.
+    assert choose_blocks(tiers, BLOCK_TOKENS, model, crawl, others=3) == (0, "saves")
+    # The decider asks which requests run, leaving out the one it decides for.
     decider = LoadDecider("auto", BLOCK_TOKENS)
     decider.prefill, decider.rates = model, link
-    tokens = 16 * BLOCK_TOKENS
-    for other in ("x", "y"):
-        decider.backlog.admitted(other, tokens)
-    decider.backlog.admitted("r", tokens)
-    decider.backlog.scheduled(_step(x=(0, BLOCK_TOKENS), y=(0, BLOCK_TOKENS)))
+    for req_id in ("x", "r"):
+        decider.running.admitted(req_id, 16 * BLOCK_TOKENS)
+    decider.running.scheduled(_step(x=(0, BLOCK_TOKENS)))
     keys = [bytes([i]) * 32 for i in range(16)]
     assert [decider.answer("r", key, "bucket") for key in keys] == ["retry"] * 16
     assert [decider.answer("r", key, "bucket") for key in keys] == ["offer"] * 16
-    assert decider.decisions == {("bucket", "load_busy"): 16}, "loaded for the backlog's sake"
+    assert decider.decisions == {("bucket", "load_busy"): 16}, "loaded for the other request's sake"
 
 
 def test_the_decider_offers_dram_at_once_and_decides_the_rest_on_the_next_pass():

@@ -261,26 +261,25 @@ def _scheduler_connector(llm):
 
 @pytest.mark.slow
 def test_the_connector_follows_each_request_the_engine_runs_until_it_ends(engine, monkeypatch):
-    """Issue 36: load-or-recompute credits a load with the prompt work of the other requests the
-    engine runs (kvtier.vllm.costs.EngineBacklog), which the connector learns through vLLM's own
-    hooks: the request's arrival, each step, and its end (a request never forgotten would count as
-    work forever)."""
+    """Issue 36: load-or-recompute weighs a recompute by the other requests the engine runs
+    (kvtier.vllm.costs.RunningRequests), which the connector learns through vLLM's own hooks: the
+    request's arrival, each step, and its end (a request never forgotten would count for ever)."""
     llm, _ = engine
-    backlog = _scheduler_connector(llm)._decider().backlog
+    running = _scheduler_connector(llm)._decider().running
     seen: list[dict[str, tuple[int, int]]] = []
-    record = backlog.scheduled
+    record = running.scheduled
 
     def recording(scheduler_output):
         record(scheduler_output)
-        seen.append(backlog.progress())
+        seen.append(running.progress())
 
-    monkeypatch.setattr(backlog, "scheduled", recording)
+    monkeypatch.setattr(running, "scheduled", recording)
     prompt = random_prompt(seed=21, full_blocks=3)
     generate(llm, prompt)
     followed = [progress for step in seen for progress in step.values()]
     assert (len(prompt), len(prompt)) in followed, f"the prompt was never seen computed: {followed}"
     assert all(0 <= computed <= prompt_tokens + 16 for computed, prompt_tokens in followed)
-    assert backlog.progress() == {}, "a finished request still counts as the engine's work"
+    assert running.progress() == {} and running.others() == 0, "a finished request still counts as running"
 
 
 @pytest.mark.slow

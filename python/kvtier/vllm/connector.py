@@ -77,31 +77,31 @@ class KvtierConnector(OffloadingConnector):
 
     def on_new_request(self, request: Any) -> None:
         """Tells the manager the request's ``cache_salt``: its tenant (docs/tenants.md), and the
-        load-or-recompute model its prompt's length (the engine's backlog, kvtier.vllm.costs)."""
+        load-or-recompute model the request (the requests the engine runs, kvtier.vllm.costs)."""
         manager = getattr(getattr(self, "connector_scheduler", None), "manager", None)
         note_cache_salt = getattr(manager, "note_cache_salt", None)
         if note_cache_salt is not None:
             note_cache_salt(request.request_id, getattr(request, "cache_salt", None))
         decider = self._decider()
         if decider is not None and self._step_clock is not None:
-            decider.backlog.admitted(request.request_id, int(getattr(request, "num_prompt_tokens", 0) or 0))
+            decider.running.admitted(request.request_id, int(getattr(request, "num_prompt_tokens", 0) or 0))
         super().on_new_request(request)
 
     # vLLM calls one of these two as a request ends (the second for connectors that support its
     # hybrid allocator, as OffloadingConnector does).
 
     def request_finished(self, request: Any, block_ids: Any) -> Any:
-        self._forget_backlog(request.request_id)
+        self._forget_running(request.request_id)
         return super().request_finished(request, block_ids)
 
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
-        self._forget_backlog(request.request_id)
+        self._forget_running(request.request_id)
         return super().request_finished_all_groups(request, block_ids)
 
-    def _forget_backlog(self, req_id: str) -> None:
+    def _forget_running(self, req_id: str) -> None:
         decider = self._decider()
         if decider is not None:
-            decider.backlog.finished(req_id)
+            decider.running.finished(req_id)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         worker = self._kvtier_worker()
@@ -118,7 +118,7 @@ class KvtierConnector(OffloadingConnector):
             self._step_clock.scheduled(*step_work(scheduler_output))
             decider = self._decider()
             if decider is not None:
-                decider.backlog.scheduled(scheduler_output)
+                decider.running.scheduled(scheduler_output)
         return metadata
 
     def update_connector_output(self, connector_output: Any) -> None:

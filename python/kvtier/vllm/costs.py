@@ -13,12 +13,11 @@ Three parts, each fed online on the scheduler's side:
   what prefetches and loads took, queueing included). A rate not refreshed for ``stale_s`` is
   forgotten: a remote tier declined because it was slow is probed again with a few blocks, a local
   one is loaded whole again.
-- ``EngineBacklog``: the prompt tokens the engine still has to compute for the requests it runs. A
-  load runs beside those steps: while the engine is busy with them, the load costs the request no
-  time it would not have waited anyway.
+- ``RunningRequests``: the requests the engine runs now. A recompute lengthens the steps of every one
+  of them; a load runs beside the engine and delays only the request that waits for it.
 - ``choose_blocks``: of a request's ``n`` leading hits on their tiers, the count that saves the most
-  time: the largest saving ``recompute(k) - max(0, load(k) - busy)`` over ``k``, where ``busy`` is the
-  engine's backlog in seconds; 0 when no ``k`` saves anything.
+  time: the largest saving ``(1 + others)·recompute(k) - load(k)`` over ``k``, where ``others`` is how
+  many other requests the engine runs; 0 when no ``k`` saves anything.
 
 Nothing here talks to vLLM or to the service: ``KvtierManager`` asks, ``KvtierConnector`` and the
 prefetcher feed.
@@ -215,11 +214,11 @@ def load_s(tiers: Sequence[str], rates: TierRates) -> float | None:
 
 
 def choose_blocks(
-    tiers: Sequence[str], block_tokens: int, prefill: PrefillModel, rates: TierRates, busy_s: float = 0.0
+    tiers: Sequence[str], block_tokens: int, prefill: PrefillModel, rates: TierRates, others: int = 0
 ) -> tuple[int, str]:
     """How many of the leading hits on ``tiers`` to load, and why: ``"saves"`` (the count that
-    saves the most time, 0 when none saves any; a load's first ``busy_s`` seconds, the engine's
-    backlog of other requests' prompts (``EngineBacklog``), cost nothing), ``"probe"`` (a local
+    saves the most time, 0 when none saves any; a recompute costs ``others``, the other requests
+    the engine runs (``RunningRequests``), its time too), ``"probe"`` (a local
     tier's rate is unknown: its blocks (``LOCAL_TIERS``) are all offered, costed as their copy out
     of DRAM alone),
     ``"probe_aside"`` (a remote tier's rate is unknown: what comes before it is weighed, and its
@@ -232,7 +231,7 @@ def choose_blocks(
         return len(tiers), "untrained"
     unknown_remote = first_unknown_remote(tiers, rates)
     if unknown_remote is not None:
-        count, _ = choose_blocks(tiers[:unknown_remote], block_tokens, prefill, rates, busy_s)
+        count, _ = choose_blocks(tiers[:unknown_remote], block_tokens, prefill, rates, others)
         return count, "probe_aside"
     unmeasured = [tier != "dram" and rates.seconds_per_block(tier) is None for tier in tiers]
     best_count, best_saving = 0, 0.0
@@ -241,7 +240,7 @@ def choose_blocks(
         # An unmeasured local tier's block: only its copy out of DRAM is known (load_s says None).
         block_s = load_s(tiers[count - 1 : count], rates)
         loaded += block_s if block_s is not None else load_s(["dram"], rates) or 0.0
-        saving = (prefill.recompute_s(count * block_tokens) or 0.0) - max(0.0, loaded - busy_s)
+        saving = (1 + others) * (prefill.recompute_s(count * block_tokens) or 0.0) - loaded
         if saving > best_saving:
             best_count, best_saving = count, saving
     return best_count, "probe" if any(unmeasured[:best_count]) else "saves"
@@ -301,7 +300,7 @@ class LoadDecider:
         self._saved_at = time.monotonic()
         self.prefill = PrefillModel()
         self.rates = TierRates()
-        self.backlog = EngineBacklog()
+        self.running = RunningRequests()
         self.decisions: dict[tuple[str, str], int] = {}
         self._plans: dict[str, _Plan] = {}
 
@@ -383,11 +382,11 @@ class LoadDecider:
         return plan
 
     def _decide(self, req_id: str, plan: _Plan) -> None:
-        busy_s = self.backlog.busy_s(self.prefill, excluding=req_id)
-        count, reason = choose_blocks(plan.tiers, self.block_tokens, self.prefill, self.rates, busy_s)
-        # Blocks past what an idle engine would load are loaded for the backlog's sake: ``load_busy``.
+        others = self.running.others(excluding=req_id)
+        count, reason = choose_blocks(plan.tiers, self.block_tokens, self.prefill, self.rates, others)
+        # Blocks past what an idle engine would load are loaded for the others' sake: ``load_busy``.
         idle_count = count
-        if busy_s > 0 and reason in ("saves", "probe_aside"):
+        if others > 0 and reason in ("saves", "probe_aside"):
             idle_count = min(count, choose_blocks(plan.tiers, self.block_tokens, self.prefill, self.rates)[0])
         plan.offer = count
         if reason == "probe_aside":
@@ -453,17 +452,15 @@ def step_work(scheduler_output: object) -> tuple[int, float]:
     return sum(count for _, _, count in spans), sum(work_of(count, start) for _, start, count in spans)
 
 
-class EngineBacklog:
-    """The prompt tokens the engine has yet to compute, per request it has begun (told by
-    ``KvtierConnector`` from the scheduler's outputs; scheduler thread only).
+class RunningRequests:
+    """The requests the engine runs: scheduled at least once (computing their prompt or decoding),
+    not yet finished (told by ``KvtierConnector`` from vLLM's hooks; scheduler thread only).
 
-    While the engine computes other requests' prompts, a request that loads its prefix waits beside
-    them rather than behind them: the seconds of that work (``busy_s``) are time the request would
-    wait anyway had it recomputed, so a load that ends within them costs it nothing, and takes its
-    prefill off the engine, which serves the others sooner (``choose_blocks``). Only requests the
-    engine has scheduled count: a waiting one's prompt may yet be a hit in vLLM's own cache, and one
-    waiting for its load computes only what the load leaves, so leaving them out errs towards
-    recompute, never towards a load that does not pay."""
+    A request that recomputes its prefix makes the engine's steps longer by that prefill for every
+    other request it runs (vLLM batches their decode tokens and prompt chunks into the same steps),
+    so with ``n`` others running its recompute costs ``(1 + n)`` times its time; one that loads waits
+    alone, beside the engine (``choose_blocks``). Requests waiting for their load, or not yet
+    scheduled, are not running: they are not slowed."""
 
     MAX_REQUESTS = 4096
 
@@ -487,18 +484,12 @@ class EngineBacklog:
         self._computed.pop(req_id, None)
 
     def progress(self) -> dict[str, tuple[int, int]]:
-        """Per request followed: (tokens computed, or -1 before its first step; prompt tokens)."""
+        """Per request followed: (tokens scheduled so far, or -1 before its first step; prompt tokens)."""
         return {req_id: (self._computed.get(req_id, -1), prompt) for req_id, prompt in self._prompt_tokens.items()}
 
-    def busy_s(self, prefill: PrefillModel, excluding: str = "") -> float:
-        """Seconds of prompt work left in the requests the engine runs, ``excluding`` one; 0 while
-        the prefill model is untrained."""
-        total = 0.0
-        for req_id, computed in self._computed.items():
-            prompt = self._prompt_tokens.get(req_id, 0)
-            if req_id != excluding and computed < prompt:
-                total += prefill.span_s(computed, prompt) or 0.0
-        return total
+    def others(self, excluding: str = "") -> int:
+        """How many requests the engine runs, ``excluding`` one."""
+        return sum(1 for req_id in self._computed if req_id != excluding)
 
 
 # The costs file (docs/vllm.md, "The costs file"): what an engine learned of its own prefill and of
