@@ -103,10 +103,11 @@ class KvtierManager(OffloadingManager):
         # the prefetcher (what NVMe and remote tiers deliver now).
         self.decider = LoadDecider(load_policy, block_tokens)
         self._probe_keys: list[bytes] = []  # the hits last read aside to time a tier (``_probe_aside``)
-        # Requests whose load was prepared (``_requeue_once``), and those being requeued: the keys
-        # their requeued lookup pass has seen.
+        # Requests whose load was prepared (``_after_load``); those being requeued, with the keys
+        # their requeued lookup pass has seen; and those requeued since, which recompute.
         self._loaded: OrderedDict[str, None] = OrderedDict()
         self._requeue: dict[str, set[bytes]] = {}
+        self._recompute: set[str] = set()
         self.requeued_after_load = 0
         if self._prefetcher is not None:
             self._prefetcher.rates = self.decider.rates
@@ -120,8 +121,9 @@ class KvtierManager(OffloadingManager):
         if not self._allowed(req_context):
             return LookupResult.MISS
         store_key = kvtier_key(key)
-        if self._requeue_once(req_context.req_id, store_key):
-            return LookupResult.RETRY
+        after_load = self._after_load(req_context.req_id, store_key)
+        if after_load is not None:
+            return after_load
         try:
             tier = self._store.locate_many([store_key])[0]
         except Exception:
@@ -140,29 +142,38 @@ class KvtierManager(OffloadingManager):
             return LookupResult.MISS
         return self._offer(store_key, tier)
 
-    def _requeue_once(self, req_id: str, store_key: bytes) -> bool:
-        """Whether to answer this lookup RETRY: every lookup of the first pass over a request that
-        is looked up again after its load was prepared. vLLM looks a request up again after a load
-        that failed whole (or a preemption); it does so from its queue of requests that hold KV
-        blocks, though this one holds none any more, and if the request's new load does not fit,
-        vLLM's scheduler (0.32) stops at it every step, while the requests queued behind it, whose
-        loads completed, hold the blocks it needs: the engine stalls for good (seen under load: four
-        requests in flight, a bucket behind a 50 MB/s link). RETRY makes vLLM skip the request for a
-        step and queue it again with the requests that hold nothing, behind those that do."""
+    def _after_load(self, req_id: str, store_key: bytes) -> LookupResult | None:
+        """The answer to a lookup of a request vLLM looks up again after its load was prepared (the
+        load failed whole, or the request was preempted), None for any other.
+
+        Its first lookup pass is answered RETRY. vLLM looks such a request up from its queue of
+        requests that hold KV blocks, though this one holds none any more; if its new load does not
+        fit, vLLM's scheduler (0.32) stops at it every step, while the requests queued behind it,
+        whose loads completed, hold the blocks it needs: the engine stalls for good (seen under
+        load: four requests in flight, a bucket behind a 50 MB/s link). RETRY makes vLLM skip the
+        request for a step and queue it again with the requests that hold nothing, behind those
+        that do. From the next pass on it is a miss: the request recomputes, rather than load again
+        what just failed (at 20 MB/s, behind a stuck transfer, 36 requests failed 1,066 loads that
+        way)."""
+        if req_id in self._recompute:
+            return LookupResult.MISS
         seen = self._requeue.get(req_id)
         if seen is None:
             if req_id not in self._loaded:
-                return False
+                return None
             del self._loaded[req_id]
             self.requeued_after_load += 1
             self.decider.forget(req_id)
             self._requeue[req_id] = {store_key}
-            return True
+            return LookupResult.RETRY
         if store_key in seen:  # the next pass began: the request was requeued
             del self._requeue[req_id]
-            return False
+            if len(self._recompute) >= MAX_LOADED_REQUESTS:
+                self._recompute.pop()  # a request whose end vLLM never told
+            self._recompute.add(req_id)
+            return LookupResult.MISS
         seen.add(store_key)
-        return True
+        return LookupResult.RETRY
 
     def _probe_aside(self, probe: list[tuple[bytes, str]]) -> None:
         """Reads a request's hits (key, tier) on a tier with no rate yet into DRAM in the background,
@@ -355,6 +366,7 @@ class KvtierManager(OffloadingManager):
         self._tenants.pop(req_context.req_id, None)
         self._loaded.pop(req_context.req_id, None)
         self._requeue.pop(req_context.req_id, None)
+        self._recompute.discard(req_context.req_id)
 
     def _assign_tenant(self, store_keys: list[bytes], req_context: ReqContext) -> None:
         """Charges the blocks a salted request stores or loads to its tenant, and names the tenant
