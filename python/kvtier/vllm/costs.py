@@ -104,11 +104,6 @@ class PrefillModel:
 
     def recompute_s(self, tokens: int) -> float | None:
         """Seconds to compute a prefix of ``tokens`` from nothing; None until the model is trained."""
-        return self.span_s(0, tokens)
-
-    def span_s(self, start: int, end: int) -> float | None:
-        """Seconds to compute a prompt's tokens ``start`` to ``end`` (each attends to those before
-        it); None until the model is trained."""
         with self._lock:
             if self.prefill_steps < MIN_PREFILL_STEPS:
                 return None
@@ -117,7 +112,7 @@ class PrefillModel:
         attention = max(c, 0.0) * _WORK_SCALE
         if per_token <= 0 and attention <= 0:
             return None
-        return per_token * (end - start) + attention * (end * end - start * start) / 2
+        return per_token * tokens + attention * tokens * tokens / 2
 
     def state(self) -> dict[str, object]:
         with self._lock:
