@@ -32,6 +32,7 @@ from kvtier.gpu.executors import (
     _MemcpyAttributes,
     batch_attributes,
     choose,
+    gpu_candidates,
     self_test,
 )
 from kvtier.gpu.layouts import ModelShape, PagedCache, fill_random, layouts_for, paged_cache
@@ -167,7 +168,15 @@ def test_the_driver_attribute_struct_matches_cuda_h():
     assert _MemcpyAttributes.dst_location_hint.offset == 12 and _MemcpyAttributes.flags.offset == 20
 
 
-@pytest.mark.parametrize("executor", [HostExecutor(), StagedExecutor(CPU, staging_bytes=3 * 1000)])
+@pytest.mark.parametrize(
+    "executor",
+    [
+        HostExecutor(),
+        StagedExecutor(CPU, staging_bytes=3 * 1000),
+        StagedExecutor(CPU, staging_bytes=3 * 1000, dma=HostExecutor()),
+    ],
+    ids=["host", "staged", "staged-batched-dma"],
+)
 def test_executors_pass_their_self_test_and_place_bytes_identically(executor, small_cache):
     self_test(executor, CPU, HostSide(CPU))
     page_bytes = [r.shape[1] for r in small_cache.rows]
@@ -184,6 +193,22 @@ def test_executors_pass_their_self_test_and_place_bytes_identically(executor, sm
     for new_id, block in enumerate(ids):
         assert torch.equal(restored.block(new_id), small_cache.block(block))
     assert not torch.equal(restored.block(5), small_cache.block(5)), "only the job's blocks were written"
+
+
+def test_small_pages_are_copied_staged_first_and_large_pages_batched_first():
+    # Only labels: nothing is constructed, so no GPU is needed.
+    def labels(page_bytes: list[int], runs: list[tuple[int, int, int]], object_bytes: int) -> list[str]:
+        return [label for label, _ in gpu_candidates(torch.device("cuda"), CopyPlan(page_bytes, runs, object_bytes))]
+
+    mla_block16 = [18432] * 61
+    assert labels(mla_block16, [(0, 0, sum(mla_block16))], sum(mla_block16))[:2] == [
+        "staged index copies, batched DMA",
+        "staged index copies",
+    ]
+    nhd_block64 = [256 << 10] * 32
+    assert labels(nhd_block64, [(0, 0, sum(nhd_block64))], sum(nhd_block64))[0] == "cuMemcpyBatchAsync"
+    interleaved = labels([16 << 10] * 2, [(0, 0, 16 << 10), (16 << 10, 32 << 10, 16 << 10)], 64 << 10)
+    assert not any(label.startswith("staged") for label in interleaved), "staged copies need one range"
 
 
 def test_a_wrong_executor_fails_its_self_test():
@@ -332,6 +357,42 @@ def test_a_store_whose_copy_fails_leaves_the_blocks_absent_and_fillable(tmp_path
         out = np.zeros((4, small_cache.block_bytes), dtype=np.uint8)
         assert host.client().load_blocks(keys, [out], [0, 1, 2, 3]) == [True] * 4
         assert np.array_equal(out[2], small_cache.block(2).numpy())
+    finally:
+        host.service.stop()
+
+
+class FailsAfter(HostExecutor):
+    """Copies ``good`` jobs, then raises."""
+
+    name = "fails-after"
+
+    def __init__(self, good: int):
+        self.good = good
+
+    def copy(self, job: CopyJob) -> None:
+        if self.good == 0:
+            raise RuntimeError("the copy engine reported an error")
+        self.good -= 1
+        super().copy(job)
+
+
+def test_a_store_commits_chunk_by_chunk_and_aborts_the_chunks_behind_a_failed_copy(tmp_path, small_cache):
+    host = Host(tmp_path, small_cache.block_bytes, dram_bytes=16 * 8192)
+    try:
+        client = host.client()
+        assert round_blocks(client.pool()["slot_count"], client.pool()["object_bytes"]) == 4, "chunks of 4"
+        keys = [key(i) for i in range(10)]
+        broken = BlockTransfers(small_cache.rows, executor=FailsAfter(good=1))
+        assert broken.store(client, keys, list(range(10))) == [True] * 4 + [False] * 6
+        # The blocks the service asked for again (its write backlog) fail in a round of their own.
+        assert broken.counters.stored_blocks == 4 and broken.counters.aborted_blocks == 6
+        assert client.locate_many(keys[4:]) == [None] * 6, "the aborted chunks are absent"
+        assert BlockTransfers(small_cache.rows).store(client, keys, list(range(10))) == [True] * 10
+        out = np.zeros((10, small_cache.block_bytes), dtype=np.uint8)
+        assert host.client().load_blocks(keys, [out], list(range(10))) == [True] * 10
+        for i in range(10):
+            assert np.array_equal(out[i], small_cache.block(i).numpy())
+        host.assert_nothing_pinned(client)
     finally:
         host.service.stop()
 
