@@ -36,6 +36,7 @@ def valid_values(tmp_path):
         "max_dirty_bytes": 4 * SLOT_BYTES,
         "store_queue_jobs": 8,
         "load_threads": 1,
+        "checksum_threads": 4,
         "slot_wait_ms": 100,
         "remote_read_stall_ms": 250,
         "loads_cancel_queued_writes": False,

@@ -53,6 +53,9 @@ pub struct StoreConfig {
     pub store_queue_jobs: usize,
     /// Threads serving asynchronous load jobs. Stores have one thread of their own.
     pub load_threads: usize,
+    /// Threads that checksum one large commit of blocks other processes filled (a GPU rank's
+    /// store). 0: the machine's cores, at most 8.
+    pub checksum_threads: usize,
     /// How long a store or a load waits for a free DRAM slot before giving up (drop or miss).
     pub slot_wait_ms: u64,
     /// How long a load waits for its remote reads (shared filesystem, object store) with none of
@@ -151,6 +154,7 @@ impl StoreConfig {
             max_dirty_bytes: 0,
             store_queue_jobs: 64,
             load_threads: 2,
+            checksum_threads: 0,
             slot_wait_ms: 5000,
             remote_read_stall_ms: 1000,
             loads_cancel_queued_writes: true,
@@ -262,6 +266,9 @@ impl StoreConfig {
         }
         if self.load_threads == 0 || self.load_threads > 64 {
             return Err(Error::config("load_threads", "must be in 1 ..= 64"));
+        }
+        if self.checksum_threads > 64 {
+            return Err(Error::config("checksum_threads", "must be in 0 ..= 64 (0: the cores, at most 8)"));
         }
         if self.store_queue_jobs == 0 {
             return Err(Error::config("store_queue_jobs", "must be at least 1"));
@@ -832,6 +839,17 @@ pub static OPTIONS: &[ConfigOption] = &[
         description: "Threads serving asynchronous load jobs. Stores have one thread of their own and yield to queued loads.",
         set: |c, v| c.load_threads = v.int() as usize,
         get: |c| int(c.load_threads as u64),
+    },
+    ConfigOption {
+        name: "checksum_threads",
+        field: "checksum_threads",
+        python: true,
+        kind: OptionKind::Int,
+        unset: "0: the cores, at most 8",
+        constraint: "0 ..= 64",
+        description: "Threads that checksum one commit of 32 MiB or more of blocks an engine's rank copied into the pool itself (GPU stores). A core checksums about 4-12 GB/s; a GPU copies 30-55 GB/s, so the commit bounds a GPU store: raise it where cores are spare.",
+        set: |c, v| c.checksum_threads = v.int() as usize,
+        get: |c| (c.checksum_threads != 0).then_some(OptionValue::Int(c.checksum_threads as u64)),
     },
     ConfigOption {
         name: "slot_wait_ms",

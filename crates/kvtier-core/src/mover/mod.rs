@@ -378,7 +378,7 @@ pub(crate) fn commit_puts(sh: &Arc<StoreState>, fills: &[(BlockKey, u32, u64)]) 
         // SAFETY: each slot is ours (Filling) and its writers have finished (commit contract).
         .map(|&(_, slot, _)| &unsafe { slot_ref(sh, slot) }[DESCRIPTOR_BYTES..DESCRIPTOR_BYTES + object_bytes])
         .collect();
-    let value_checksums = checksums(&values);
+    let value_checksums = checksums(&values, sh.config.checksum_threads);
     debug_assert_eq!(value_checksums.len(), fills.len(), "one checksum per fill");
     Stats::add(&sh.stats.bytes_copied_in, (object_bytes * fills.len()) as u64);
     let filled: Vec<Filled> = fills
@@ -391,17 +391,18 @@ pub(crate) fn commit_puts(sh: &Arc<StoreState>, fills: &[(BlockKey, u32, u64)]) 
 
 /// A commit smaller than this is checksummed on the calling thread (threads cost more than they save).
 const PARALLEL_CHECKSUM_MIN_BYTES: usize = 32 << 20;
-/// The most threads one commit checksums on. The service checksums every byte an engine's rank
-/// stores: on one core (XXH3, about 5-7 GB/s) a GPU rank's stores ran at 4-6 GB/s against 55 GB/s of
-/// DMA (H200, docs/gpu.md).
-const MAX_CHECKSUM_THREADS: usize = 8;
+/// The threads one commit checksums on when `checksum_threads` is 0 (and the cores allow). The
+/// service checksums every byte an engine's rank stores: on the H200 machine (docs/gpu.md) a core
+/// checksummed about 4 GB/s of the pool, 8 threads about 30 GB/s, against 30-55 GB/s of DMA.
+const DEFAULT_CHECKSUM_THREADS: usize = 8;
 
-/// `format::checksum` of each value, in order: on up to `MAX_CHECKSUM_THREADS` threads (contiguous
-/// shares) when the batch is large.
-fn checksums(values: &[&[u8]]) -> Vec<u64> {
+/// `format::checksum` of each value, in order: on up to `threads` threads (0: the cores, at most
+/// `DEFAULT_CHECKSUM_THREADS`; contiguous shares) when the batch is large.
+fn checksums(values: &[&[u8]], threads: usize) -> Vec<u64> {
     let total_bytes: usize = values.iter().map(|value| value.len()).sum();
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    let threads = cores.min(MAX_CHECKSUM_THREADS).min(values.len());
+    let threads = if threads == 0 { cores.min(DEFAULT_CHECKSUM_THREADS) } else { threads };
+    let threads = threads.min(values.len());
     if total_bytes < PARALLEL_CHECKSUM_MIN_BYTES || threads <= 1 {
         return values.iter().map(|value| crate::format::checksum(value)).collect();
     }
@@ -624,8 +625,10 @@ mod checksum_tests {
             (0..count).map(|i| (0..value_bytes).map(|j| (i * 31 + j * 7 % 251) as u8).collect()).collect();
         let values: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
         let expected: Vec<u64> = values.iter().map(|value| crate::format::checksum(value)).collect();
-        assert_eq!(checksums(&values), expected);
-        assert_eq!(checksums(&values[..3]), expected[..3]); // small: the calling thread
-        assert!(checksums(&[]).is_empty());
+        for threads in [0, 1, 3, 64] {
+            assert_eq!(checksums(&values, threads), expected);
+        }
+        assert_eq!(checksums(&values[..3], 0), expected[..3]); // small: the calling thread
+        assert!(checksums(&[], 0).is_empty());
     }
 }
