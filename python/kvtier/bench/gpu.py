@@ -45,7 +45,8 @@ from typing import Any
 import torch
 
 from kvtier._core import Service, ServiceClient
-from kvtier.gpu.executors import gpu_candidates, self_test
+from kvtier.gpu.device import pool_view
+from kvtier.gpu.executors import CopyJob, gpu_candidates, self_test
 from kvtier.gpu.layouts import MODELS, ModelShape, PagedCache, fill_random, layouts_for, paged_cache
 from kvtier.gpu.transfers import BlockTransfers
 from kvtier.service import default_socket_path
@@ -102,9 +103,10 @@ def summary(values: Sequence[float]) -> dict[str, float]:
 class Host:
     """A host service in this process for one case, restartable over the same store."""
 
-    def __init__(self, directory: Path, object_bytes: int, dram_bytes: int, nvme_bytes: int):
+    def __init__(self, directory: Path, object_bytes: int, dram_bytes: int, nvme_bytes: int, **options: Any):
         self.directory, self.object_bytes = directory, object_bytes
         self.dram_bytes, self.nvme_bytes = dram_bytes, nvme_bytes
+        self.options = options  # more store options (``kvtier.options()``)
         self.pool_dir = pool_directory(dram_bytes)
         # Under /tmp/kvtier-<uid>/ (or $XDG_RUNTIME_DIR): a socket path beside a deep --dir could
         # pass the 108 bytes a Unix socket's path may have.
@@ -120,6 +122,7 @@ class Host:
             30_000,
             dram_bytes=self.dram_bytes,
             nvme_bytes=self.nvme_bytes,
+            **self.options,
         )
 
     def client(self) -> Any:
@@ -312,6 +315,7 @@ def measure_phases(
         wrong["dram"] = max(wrong["dram"], compare(source, source_ids, restored, restored_ids))
         fill_random(restored, seed=13 + repeat)
     others = other_executor_loads(device, loader, (source, restored), client, name, args.repeats)
+    store_copies = store_copy_rates(device, storer, source, client, args.repeats)
     client.flush()
     host.restart()  # the DRAM pool is gone: every block is on NVMe only
     client = host.client()
@@ -329,9 +333,58 @@ def measure_phases(
         "wrong_blocks": wrong,
         "missing_blocks": missing,
         "dram_to_gpu_other_executors": others,
+        "gpu_to_dram_copy_only": store_copies,
         "load_rounds": loader.counters.load_rounds,
         "errors": storer.counters.errors + loader.counters.errors,
     }
+
+
+def store_copy_rates(
+    device: torch.device, chosen: BlockTransfers, source: PagedCache, client: Any, repeats: int
+) -> dict[str, Any]:
+    """GB/s of a store's copies alone (reserved slots, the copies issued and waited for, then the
+    slots given back: no commit, no checksum), through the chosen executor and every other that
+    passes its self-test: which copies a store fastest, apart from the service's commit."""
+    if chosen.plan is None or chosen.executor is None:
+        return {}
+    pool = client.pool()
+    view = pool_view(int(pool["address"]), int(pool["bytes"]))
+    blocks = source.rows[0].shape[0]
+    executors: list[Any] = [chosen.executor]
+    out: dict[str, Any] = {}
+    for label, make in gpu_candidates(device, chosen.plan):
+        try:
+            executor = make()
+            if executor.name != chosen.executor.name:
+                self_test(executor, device, chosen.side)
+                executors.append(executor)
+        except Exception as error:
+            out[label] = {"error": f"{type(error).__name__}: {error}"}
+    for executor in executors:
+        rates = []
+        for repeat in range(repeats):
+            keys = keys_for(f"copy-only/{executor.name}", repeat, blocks)
+            client.flush()  # the NVMe backlog drained: every block gets a slot now
+            replies = client.reserve_many(keys)
+            if any(kind != "fill" for kind, _ in replies):
+                client.abort_many(keys)
+                out[executor.name] = {"error": f"no slot for some blocks: {sorted({kind for kind, _ in replies})}"}
+                break
+            offsets = [offset for _, offset in replies]
+            job = CopyJob(chosen.plan, source.rows, list(range(blocks)), offsets, view, int(pool["address"]), True)
+
+            def copy(job: CopyJob = job, executor: Any = executor) -> None:
+                with chosen.side.running(None):
+                    executor.copy(job)
+                    marker = chosen.side.done_marker()
+                chosen.side.wait(marker)
+
+            seconds, _, _ = timed(device, copy)
+            client.abort_many(keys)
+            rates.append(blocks * source.block_bytes / seconds / 1e9)
+        if rates:
+            out[executor.name] = {"gbps": summary(rates)}
+    return out
 
 
 def other_executor_loads(

@@ -8,7 +8,10 @@ path's first contact with CUDA, in well under two minutes, before any figure is 
 - pinning: ``cudaHostRegister`` of a 256 MiB mapping of a ``/dev/shm`` file (as the service's pool);
 - executors: every candidate's self-test on kvtier's side stream, and the one ``choose`` picks;
 - one round trip of 256 MiB of a Llama-3-8B NHD cache through the real service (GPU→DRAM, then
-  DRAM→GPU into other block ids), compared byte for byte.
+  DRAM→GPU into other block ids), compared byte for byte;
+- a store's phases timed apart (reserve, the copies, the service's commit, which checksums every
+  byte), with and without an NVMe tier, and the commit of bytes the CPU wrote rather than the DMA:
+  where a store's time goes when it runs below the copy engine's rate.
 
 Every check is recorded whether it passed or failed, and ``stage1.json`` in ``--out`` is rewritten
 after each one, so a run cut off here still tells what broke first.
@@ -36,13 +39,15 @@ from typing import Any
 import torch
 
 from kvtier.bench import gpu as bench
-from kvtier.gpu.device import PinnedRange, side_for
-from kvtier.gpu.executors import gpu_candidates, self_test
+from kvtier.gpu.device import PinnedRange, pool_view, side_for
+from kvtier.gpu.executors import CopyJob, gpu_candidates, self_test
 from kvtier.gpu.layouts import MODELS, fill_random, paged_cache
 from kvtier.gpu.plan import CopyPlan
 from kvtier.gpu.transfers import BlockTransfers
 
 ROUND_TRIP_MIB = 256
+# The commit's checksum threads tried in ``store_phases`` (besides the default).
+CHECKSUM_THREADS = (1, 4, 16)
 _IO_URING_SETUP = 425  # the system call's number on x86-64 and arm64
 
 
@@ -198,6 +203,74 @@ def round_trip(device: torch.device, work: Path, mib: float) -> dict[str, Any]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def store_phases(device: torch.device, work: Path, mib: float, repeats: int = 4) -> dict[str, Any]:
+    """Milliseconds of each phase of a store of ``mib`` of Llama-3-8B blocks, one commit for the
+    whole job: reserve, the copies (issued and waited for), the commit. ``cpu_written``: the commit
+    of the same number of slots filled by the CPU (memset), to tell a slow checksum from slow reads
+    of bytes the DMA just wrote. With an NVMe tier (``nvme``) and without (``dram_only``), and
+    without one at other ``checksum_threads``."""
+    model = MODELS["llama-3-8b"]
+    block_bytes = model.token_bytes(torch.bfloat16) * 16
+    blocks = max(2, int(mib * (1 << 20)) // block_bytes)
+    source = paged_cache(model, "nhd", blocks, 16, device)
+    fill_random(source, seed=7)
+    out: dict[str, Any] = {"bytes": blocks * block_bytes, "blocks": blocks}
+    nvme_bytes = max(256 << 20, 2 * (repeats + 1) * blocks * block_bytes)
+    setups = [("nvme", nvme_bytes, 0), ("dram_only", 0, 0)]
+    setups += [(f"dram_only_checksum_threads_{threads}", 0, threads) for threads in CHECKSUM_THREADS]
+    for label, nvme, threads in setups:
+        directory = Path(tempfile.mkdtemp(prefix="store-phases-", dir=work))
+        host = None
+        try:
+            dram_bytes = 2 * (repeats + 1) * blocks * (block_bytes + 8192)
+            host = bench.Host(directory, block_bytes, dram_bytes, nvme, checksum_threads=threads)
+            out[label] = _phases(device, host, source, repeats)
+        finally:
+            if host is not None:
+                host.stop()
+            shutil.rmtree(directory, ignore_errors=True)
+    return out
+
+
+def _phases(device: torch.device, host: Any, source: Any, repeats: int) -> dict[str, Any]:
+    client = host.client()
+    pool = client.pool()
+    blocks = source.rows[0].shape[0]
+    ms: dict[str, list[float]] = {"reserve": [], "copy": [], "commit": [], "cpu_written_commit": []}
+    with BlockTransfers(source.rows) as storer:
+        storer.bind(client)
+        assert storer.plan is not None and storer.executor is not None, "bound"
+        view = pool_view(int(pool["address"]), int(pool["bytes"]))
+        for repeat in range(2 * repeats):
+            keys = bench.keys_for("phases", repeat, blocks)
+            bench.synchronize(device)
+            started = time.perf_counter()
+            offsets = [offset for _, offset in client.reserve_many(keys)]
+            reserved = time.perf_counter()
+            if repeat % 2 == 0:
+                job = CopyJob(
+                    storer.plan, storer.tensors, list(range(blocks)), offsets, view, int(pool["address"]), True
+                )
+                with storer.side.running(None):
+                    storer.executor.copy(job)
+                    marker = storer.side.done_marker()
+                storer.side.wait(marker)
+            else:
+                for offset in offsets:
+                    ctypes.memset(int(pool["address"]) + offset, repeat, int(pool["object_bytes"]))
+            copied = time.perf_counter()
+            assert all(client.commit_many(keys)), "every reserved block commits"
+            committed = time.perf_counter()
+            if repeat % 2 == 0:
+                ms["reserve"].append((reserved - started) * 1e3)
+                ms["copy"].append((copied - reserved) * 1e3)
+                ms["commit"].append((committed - copied) * 1e3)
+            else:
+                ms["cpu_written_commit"].append((committed - copied) * 1e3)
+            client.flush()
+    return {"ms": {key: [round(v, 2) for v in values] for key, values in ms.items()}, "executor": storer.executor.name}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtier.bench.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -218,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         ("registration", lambda: registration(device, ROUND_TRIP_MIB << 20)),
         ("executors", lambda: executors(device)),
         ("round_trip", lambda: round_trip(device, work, 8 if args.small else ROUND_TRIP_MIB)),
+        ("store_phases", lambda: store_phases(device, work, 8 if args.small else ROUND_TRIP_MIB)),
     ]
     try:
         for name, step in steps:
