@@ -524,6 +524,44 @@ def test_a_frozen_service_costs_a_fence_or_a_load_one_stall_timeout_and_nothing_
         w.shutdown()
 
 
+def test_a_load_queued_behind_a_slow_load_that_progresses_waits_its_turn(service):
+    """Issue 36, 200 MB/s under load: the worker's job thread runs one transfer at a time, and the
+    watchdog gave up any pending load that had copied nothing for the stall timeout, including
+    loads merely queued behind a slow load that was copying: they were recomputed while the tier
+    delivered. A queued load now counts as stalled only while the transfer ahead of it is stuck."""
+    source = layers()
+    w = ServiceWorker(connection(service), source, PAGE_BYTES, job_timeout_ms=30_000, stall_timeout_ms=400)
+    w.can_report_load_failures = True  # KvtierConnector's route: a stalled load would be failed
+    real_load = w.transport.load
+
+    def slow_first_load(job, keys, engine_idle):
+        if job.vllm_job_id != 2:
+            return real_load(job, keys, engine_idle)
+        for _ in range(6):  # copies a round every 0.25 s for 1.5 s: slow, never stalled
+            found = real_load(job, keys, engine_idle)
+            time.sleep(0.25)
+        return found
+
+    w.transport.load = slow_first_load
+    try:
+        assert w.submit_store(1, engine_blocks([0, 1, 2, 3]), KvtierLoadStoreSpec([key(i) for i in range(80, 84)]))
+        assert finished(w, 1)
+        assert w.submit_load(2, KvtierLoadStoreSpec([key(80), key(81)]), engine_blocks([8, 9]))
+        time.sleep(0.05)  # the job thread is in load 2
+        assert w.submit_load(3, KvtierLoadStoreSpec([key(82), key(83)]), engine_blocks([10, 11]))
+        reported: set[int] = set()
+        deadline = time.monotonic() + 10
+        while {2, 3} - reported and time.monotonic() < deadline:
+            reported |= {result.job_id for result in w.get_finished()}
+            time.sleep(0.01)
+        assert reported == {2, 3}
+        assert w.given_up_loads == 0, "a load queued behind one that progresses was given up"
+        assert w.take_failed_load_block_ids() == set()
+        assert all(np.array_equal(layer[8:12], layer[0:4]) for layer in source)
+    finally:
+        w.shutdown()
+
+
 def test_under_the_plain_connector_a_stalled_load_is_waited_for_not_failed(service):
     """vLLM's plain OffloadingConnector stops the engine on a failed load: there a load stuck behind a
     frozen service is waited for, and completes once the service answers again."""

@@ -587,6 +587,8 @@ class JobQueueWorker(OffloadingWorker):
                 self._current = work.job if isinstance(work, _StoreWork) else work[0] if work else None
                 self._current_since = time.monotonic()
                 if self._current is not None:
+                    # Its stall clock starts now: the wait behind the transfers before it is not its own.
+                    self._current.progressed_at = self._current_since
                     self._watch_needed.set()
             if work is None:
                 return
@@ -643,6 +645,25 @@ class JobQueueWorker(OffloadingWorker):
             job.seen_rounds, job.progressed_at = rounds, now
         return now - job.progressed_at > self._stall_timeout_s
 
+    def _stalled_loads(self, now: float) -> list[_Job]:
+        """Holds ``_cv``. The pending loads to give up: the job thread's own when it copied nothing
+        for the stall timeout, and those queued behind it only while it is stuck. A load queued
+        behind a transfer that progresses (a slow link: at 200 MB/s a 256 MiB load takes seconds)
+        waits its turn: giving it up would recompute what a working tier is delivering."""
+        stuck = self._stuck()
+        stalled = []
+        for job in self._pending.values():
+            if not job.is_load:
+                continue
+            if job is self._current:
+                if self._stalled(job, now):
+                    stalled.append(job)
+            elif stuck:
+                stalled.append(job)
+            else:
+                job.progressed_at = now
+        return stalled
+
     def _give_up(self, jobs: list[_Job], why: str) -> None:
         """Reports ``jobs`` finished now, once their gates say no copy of theirs runs again: a store
         with the blocks it stored so far (the rest are dropped: a cache), a load as failed (vLLM
@@ -690,7 +711,7 @@ class JobQueueWorker(OffloadingWorker):
             time.sleep(WATCH_INTERVAL_S)
             with self._cv:
                 now = time.monotonic()
-                stalled = [job for job in self._pending.values() if job.is_load and self._stalled(job, now)]
+                stalled = self._stalled_loads(now)
                 can_fail = self.results.can_report_load_failures
                 stores = [job for job in self._pending.values() if not job.is_load] if self._stuck() else []
             if stores:
