@@ -17,8 +17,8 @@ MB/s with ``--slow-link-latency-ms`` added each way. Rows, in order:
   hits to load), each a fresh node B with an empty store.
 
 Every server of the run shares one runtime directory (``XDG_RUNTIME_DIR``, the run's own), where the
-engines keep their costs files: node A's steps train the prefill model, and each speed's rows start
-from what node A left (the file is put back before each speed), so kvtier's choice probes the slow
+engines keep their costs files: node A's steps train the prefill model, and each object row starts
+from what node A left (the files are put back before each row), so kvtier's choice probes the slow
 tier at each speed and learns its rate as a user's fresh server would.
 
 Checks (a problem, exit 1): node A published segments; the always-load row loaded blocks from the
@@ -121,6 +121,9 @@ class ObjectRows:
         assert rate is not None
         if rate != self._rate:
             self._start_link(rate)
+        # Each row starts from node A's costs, as a user's fresh server would: the always-load row's
+        # rates, measured with every hit loaded at once, must not decide for kvtier's choice.
+        self._restore_costs()
         assert self._link is not None
         options["bucket_endpoint"] = self._link.url
         if base == ALWAYS_ROW:
@@ -129,7 +132,6 @@ class ObjectRows:
 
     def _start_link(self, rate: float) -> None:
         self._stop_link()
-        self._restore_costs()
         assert self._bucket is not None
         spec = LinkSpec(rate, self._plan["slow_link_latency_ms"])
         try:
