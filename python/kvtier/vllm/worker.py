@@ -651,18 +651,11 @@ class JobQueueWorker(OffloadingWorker):
         behind a transfer that progresses (a slow link: at 200 MB/s a 256 MiB load takes seconds)
         waits its turn: giving it up would recompute what a working tier is delivering."""
         stuck = self._stuck()
-        stalled = []
-        for job in self._pending.values():
-            if not job.is_load:
-                continue
-            if job is self._current:
-                if self._stalled(job, now):
-                    stalled.append(job)
-            elif stuck:
-                stalled.append(job)
-            else:
+        loads = [job for job in self._pending.values() if job.is_load]
+        for job in loads if not stuck else []:
+            if job is not self._current:
                 job.progressed_at = now
-        return stalled
+        return [job for job in loads if stuck or (job is self._current and self._stalled(job, now))]
 
     def _give_up(self, jobs: list[_Job], why: str) -> None:
         """Reports ``jobs`` finished now, once their gates say no copy of theirs runs again: a store
