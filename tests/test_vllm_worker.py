@@ -524,7 +524,7 @@ def test_a_frozen_service_costs_a_fence_or_a_load_one_stall_timeout_and_nothing_
         w.shutdown()
 
 
-def test_a_load_queued_behind_a_slow_load_that_progresses_waits_its_turn(service):
+def test_a_load_queued_behind_a_slow_load_that_progresses_waits_its_turn(service, monkeypatch):
     """Issue 36, 200 MB/s under load: the worker's job thread runs one transfer at a time, and the
     watchdog gave up any pending load that had copied nothing for the stall timeout, including
     loads merely queued behind a slow load that was copying: they were recomputed while the tier
@@ -542,7 +542,7 @@ def test_a_load_queued_behind_a_slow_load_that_progresses_waits_its_turn(service
             time.sleep(0.25)
         return found
 
-    w.transport.load = slow_first_load
+    monkeypatch.setattr(w.transport, "load", slow_first_load)
     try:
         assert w.submit_store(1, engine_blocks([0, 1, 2, 3]), KvtierLoadStoreSpec([key(i) for i in range(80, 84)]))
         assert finished(w, 1)
