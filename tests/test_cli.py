@@ -321,3 +321,21 @@ def test_sigterm_stops_a_benchmark_after_its_cleanup(tmp_path: Path) -> None:
     assert process.returncode == 143, stderr
     assert "stopped by SIGTERM" in stderr
     assert list(runs.iterdir()) == [], "its service's directory was left behind"
+
+
+def test_sigterm_inside_a_native_call_still_exits_143() -> None:
+    """CI caught SIGTERM arriving while `bench lookup` was inside `Service.start`: the handler's
+    exception was raised in a logging callback from the core and came back as the call's
+    `SystemError`, and the benchmark exited 1 with a traceback instead of 143."""
+    from kvtier.cli import _by_sigterm, _Terminated
+
+    try:
+        try:
+            raise _Terminated()
+        except _Terminated as terminated:
+            raise SystemError("<built-in method start> returned a result with an exception set") from terminated
+    except SystemError as error:
+        assert _by_sigterm(error)
+    assert _by_sigterm(_Terminated())
+    assert not _by_sigterm(SystemError("a real one"))
+    assert not _by_sigterm(KeyboardInterrupt())

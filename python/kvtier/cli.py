@@ -98,6 +98,18 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
+def _by_sigterm(error: BaseException | None) -> bool:
+    """Whether ``error`` is SIGTERM's ``_Terminated`` or came of it. Raised inside a callback from
+    native code (the core's log lines reach Python's logging), it comes back as the call's
+    ``SystemError`` with ``_Terminated`` as its cause."""
+    seen = 0
+    while error is not None and seen < 16:
+        if isinstance(error, _Terminated):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
 def _passthrough(group: click.Group, words: tuple[str, ...], module_name: str, summary: str) -> None:
     """A command that hands every argument to ``module_name``'s own ``main(argv)``."""
 
@@ -107,7 +119,9 @@ def _passthrough(group: click.Group, words: tuple[str, ...], module_name: str, s
         try:
             with _sigterm_as_interrupt():
                 status = entry(list(args))
-        except _Terminated:
+        except BaseException as error:
+            if not _by_sigterm(error):
+                raise
             print(f"kvtier {' '.join(words)}: stopped by SIGTERM", file=sys.stderr)
             ctx.exit(EXIT_TERMINATED)
         ctx.exit(int(status or 0))
