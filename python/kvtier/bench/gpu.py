@@ -46,7 +46,7 @@ import torch
 
 from kvtier._core import Service, ServiceClient
 from kvtier.gpu.device import pool_view
-from kvtier.gpu.executors import CopyJob, gpu_candidates, self_test
+from kvtier.gpu.executors import CopyJob, gpu_candidates, run_on, self_test
 from kvtier.gpu.layouts import MODELS, ModelShape, PagedCache, fill_random, layouts_for, paged_cache
 from kvtier.gpu.transfers import BlockTransfers
 from kvtier.service import default_socket_path
@@ -372,14 +372,7 @@ def store_copy_rates(
                 break
             offsets = [offset for _, offset in replies]
             job = CopyJob(chosen.plan, source.rows, list(range(blocks)), offsets, view, int(pool["address"]), True)
-
-            def copy(job: CopyJob = job, executor: Any = executor) -> None:
-                with chosen.side.running(None):
-                    executor.copy(job)
-                    marker = chosen.side.done_marker()
-                chosen.side.wait(marker)
-
-            seconds, _, _ = timed(device, copy)
+            seconds, _, _ = timed(device, functools.partial(run_on, chosen.side, executor, job))
             client.abort_many(keys)
             rates.append(blocks * source.block_bytes / seconds / 1e9)
         if rates:

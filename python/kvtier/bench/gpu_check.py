@@ -40,7 +40,7 @@ import torch
 
 from kvtier.bench import gpu as bench
 from kvtier.gpu.device import PinnedRange, pool_view, side_for
-from kvtier.gpu.executors import CopyJob, gpu_candidates, self_test
+from kvtier.gpu.executors import CopyJob, gpu_candidates, run_on, self_test
 from kvtier.gpu.layouts import MODELS, fill_random, paged_cache
 from kvtier.gpu.plan import CopyPlan
 from kvtier.gpu.transfers import BlockTransfers
@@ -251,10 +251,7 @@ def _phases(device: torch.device, host: Any, source: Any, repeats: int) -> dict[
                 job = CopyJob(
                     storer.plan, storer.tensors, list(range(blocks)), offsets, view, int(pool["address"]), True
                 )
-                with storer.side.running(None):
-                    storer.executor.copy(job)
-                    marker = storer.side.done_marker()
-                storer.side.wait(marker)
+                run_on(storer.side, storer.executor, job)
             else:
                 for offset in offsets:
                     ctypes.memset(int(pool["address"]) + offset, repeat, int(pool["object_bytes"]))

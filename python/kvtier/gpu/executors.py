@@ -383,18 +383,19 @@ def self_test(executor: Executor, device: torch.device, side: Side, blocks: int 
     ids = list(range(1, 2 * blocks, 2))
     offsets = [i * 2 * page_bytes for i in range(blocks)]
     job = CopyJob(plan, tensors, ids, offsets, pool, pool.data_ptr(), to_pool=True)
-    _run_on(side, executor, job)
+    run_on(side, executor, job)
     stored = pool.view(blocks, 2, page_bytes)
     if not (torch.equal(stored[:, 0], expected[0][ids]) and torch.equal(stored[:, 1], expected[1][ids])):
         raise RuntimeError("the self-test's store moved the wrong bytes")
     back = [torch.zeros_like(t) for t in tensors]
-    _run_on(side, executor, CopyJob(plan, back, ids, offsets, pool, pool.data_ptr(), to_pool=False))
+    run_on(side, executor, CopyJob(plan, back, ids, offsets, pool, pool.data_ptr(), to_pool=False))
     if not (torch.equal(back[0][ids].cpu(), expected[0][ids]) and torch.equal(back[1][ids].cpu(), expected[1][ids])):
         raise RuntimeError("the self-test's load moved the wrong bytes")
 
 
-def _run_on(side: Side, executor: Executor, job: CopyJob) -> None:
-    """The job's copies on the side stream (after the caller's work, as a job runs), then waited for."""
+def run_on(side: Side, executor: Executor, job: CopyJob) -> None:
+    """The job's copies on the side stream (after the caller's work, as a job runs), then waited for
+    (the self-test's and the benchmarks' single jobs)."""
     if isinstance(job.tensors[0], torch.Tensor) and job.tensors[0].is_cuda:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(job.tensors[0].device))  # the tensors' uploads above

@@ -219,6 +219,13 @@ class BlockTransfers:
             self._executor.copy(self._job(binding, ids, offsets, to_pool))
             return self.side.done_marker()
 
+    def _copy_failed(self, message: str) -> None:
+        """A copy failed: counted and logged once every copy already queued completed, so that no
+        slot or pin goes back while one of them may still land."""
+        self.counters.failed_copies += 1
+        self._note(message)
+        self._settle()
+
     def _failed_call(self, what: str, error: Exception) -> None:
         self.counters.failed_calls += 1
         if self._on_failed_call is not None:
@@ -317,9 +324,7 @@ class BlockTransfers:
             try:
                 marker = _issue(gate, lambda: self._copy(binding, ready, ids, offsets, to_pool=True))  # noqa: B023
             except Exception as error:
-                self.counters.failed_copies += 1
-                self._note(f"copying {len(fills)} blocks to the pool failed: {error}")
-                self._settle()  # no slot goes back while an earlier copy may still land in it
+                self._copy_failed(f"copying {len(fills)} blocks to the pool failed: {error}")
                 marker = GIVEN_UP
             if marker is GIVEN_UP:  # failed, or given up (the engine reuses the blocks)
                 self._abort(binding, [keys[i] for later in chunks[n:] for i, _ in later])
@@ -341,9 +346,7 @@ class BlockTransfers:
             try:
                 self.side.wait(marker)
             except Exception as error:
-                self.counters.failed_copies += 1
-                self._note(f"copying {len(fills)} blocks to the pool failed: {error}")
-                self._settle()
+                self._copy_failed(f"copying {len(fills)} blocks to the pool failed: {error}")
                 self._abort(binding, [keys[i] for _, later in issued[n:] for i, _ in later])
                 return
             try:
@@ -394,9 +397,7 @@ class BlockTransfers:
                     try:
                         marker = _issue(gate, lambda: self._copy(binding, ready, ids, hits, to_pool=False))  # noqa: B023
                     except Exception as error:
-                        self.counters.failed_copies += 1
-                        self._note(f"copying {len(hits)} blocks from the pool failed: {error}")
-                        self._settle()
+                        self._copy_failed(f"copying {len(hits)} blocks from the pool failed: {error}")
                         self._release(binding, pinned)
                         break
                     if marker is GIVEN_UP:  # given up: the engine recomputes these blocks
