@@ -74,6 +74,8 @@ counters!(
     bucket_segments_published,
     bucket_bytes_written,
     bucket_bytes_read,
+    // Bytes of ranged GETs as they arrive, before their blocks are verified (a load's progress).
+    bucket_bytes_received,
     bucket_get_requests,
     bucket_put_requests,
     bucket_list_requests,

@@ -183,6 +183,8 @@ struct Load<'a> {
     /// Remote reads in flight, and since when none of them finished (or the first started).
     remote_reads_in_flight: usize,
     remote_progress: Instant,
+    /// `bucket_bytes_received` when last looked at: bytes arriving are progress too (a slow link).
+    remote_bytes_seen: u64,
     /// Made with the first remote read (see `GivenUpReads`).
     given_up: Option<GivenUpReads>,
 }
@@ -226,6 +228,7 @@ impl<'a> Load<'a> {
             nvme_probe: None,
             remote_reads_in_flight: 0,
             remote_progress: Instant::now(),
+            remote_bytes_seen: 0,
             given_up: None,
         }
     }
@@ -442,6 +445,7 @@ impl<'a> Load<'a> {
         if matches!(read, PendingRead::Remote { .. }) {
             if self.remote_reads_in_flight == 0 {
                 self.remote_progress = Instant::now();
+                self.remote_bytes_arrived();
             }
             self.remote_reads_in_flight += 1;
         }
@@ -506,18 +510,32 @@ impl<'a> Load<'a> {
         self.settle(judged);
     }
 
-    /// The next finished read; `None` when the remote reads stalled and were given up.
+    /// The next finished read; `None` when the remote reads stalled and were given up. A ranged GET
+    /// whose bytes still arrive is not stalled: on a slow link one finishes after seconds, and all
+    /// of a load's GETs share the link, so none may finish for a while.
     fn next_completion(&mut self) -> Option<Completion> {
-        let limit = self.sh.remote.stall_limit().filter(|_| self.remote_reads_in_flight > 0);
-        let Some(limit) = limit else { return Some(self.done_rx.recv().expect("the load holds a sender")) };
-        match self.done_rx.recv_deadline(self.remote_progress + limit) {
-            Ok(done) => Some(done),
-            Err(RecvTimeoutError::Timeout) => {
-                self.give_up_remote_reads();
-                None
+        loop {
+            let limit = self.sh.remote.stall_limit().filter(|_| self.remote_reads_in_flight > 0);
+            let Some(limit) = limit else { return Some(self.done_rx.recv().expect("the load holds a sender")) };
+            match self.done_rx.recv_deadline(self.remote_progress + limit) {
+                Ok(done) => return Some(done),
+                Err(RecvTimeoutError::Timeout) if self.remote_bytes_arrived() => self.remote_progress = Instant::now(),
+                Err(RecvTimeoutError::Timeout) => {
+                    self.give_up_remote_reads();
+                    return None;
+                }
+                Err(RecvTimeoutError::Disconnected) => unreachable!("the load holds a sender"),
             }
-            Err(RecvTimeoutError::Disconnected) => unreachable!("the load holds a sender"),
         }
+    }
+
+    /// Whether ranged GETs received bytes since the last look (this store's, any load's: they share
+    /// the link). Looked at once per stall limit, so a link that delivers nothing ends the wait.
+    fn remote_bytes_arrived(&mut self) -> bool {
+        let received = self.sh.stats.bucket_bytes_received.load(std::sync::atomic::Ordering::Relaxed);
+        let arrived = received != self.remote_bytes_seen;
+        self.remote_bytes_seen = received;
+        arrived
     }
 
     /// Judges a finished read, whichever tier it came from: verified and copied out, it is found;
