@@ -811,6 +811,77 @@ def test_a_close_against_a_frozen_bucket_ends_within_its_deadline(rgw, nodes, bu
     assert elapsed < 2 * timeout_ms / 1000 + 0.5, f"the close took {elapsed:.2f} s"  # before: 3.0 s
 
 
+def test_a_worker_load_waiting_on_a_slow_bucket_that_delivers_is_not_given_up(rgw, bucket, tmp_path):
+    """Issue 36, 200 MB/s under load: a load round waits while the service reads its blocks from the
+    bucket (at kv8b one round is a whole 256 MiB prefix, and all of its GETs share the link, so none
+    ends for seconds), and the worker's watchdog gave up a transfer that copied no round for the
+    stall timeout: three loads through a link that delivered were recomputed. Bytes arriving now
+    count as progress, for the watchdog and for the service's own remote stall limit. Here: node A
+    publishes 16 blocks (2 MiB) through its host service, node B loads them through a 1 MB/s link,
+    about two seconds in one round, five stall timeouts, and gets every byte."""
+    pytest.importorskip("vllm")
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier import service as kvtier_service
+    from kvtier.bench.slowlink import LinkSpec, SlowLink
+    from kvtier.vllm import KvtierLoadStoreSpec, KvtierOptions, ServiceConnection, ServiceWorker
+
+    layers, page_bytes, count = 2, 64 * 1024, 16
+    blocks = GPULoadStoreSpec(list(range(count)), group_sizes=[count], block_indices=[0])
+    keys = KvtierLoadStoreSpec([hashlib.sha256(f"slow-{i}".encode()).digest() for i in range(count)])
+
+    def node(name: str, endpoint: str) -> tuple[KvtierOptions, ServiceConnection]:
+        own = {"path": str(tmp_path / name), "dram_bytes": 8 << 20, "nvme_bytes": 0, "region_bytes": 1 << 20}
+        options = KvtierOptions.from_extra_config(
+            {**own, **bucket, "bucket_endpoint": endpoint, "pool_dir": str(tmp_path)}
+        )
+        return options, ServiceConnection(options, {"test": "slow bucket"}, 1, 0, page_bytes * layers)
+
+    source = [np.random.default_rng(i).integers(0, 256, (count, page_bytes), dtype=np.uint8) for i in range(layers)]
+    writer, connection = node("a", rgw.endpoint)
+    try:
+        w = ServiceWorker(connection, source, page_bytes, job_timeout_ms=30_000)
+        assert w.submit_store(1, blocks, keys) and _finished(w, 1)
+        w.shutdown()
+        connection.flush()
+    finally:
+        kvtier_service.stop_service(writer.socket_path())
+    link = SlowLink(rgw.endpoint.removeprefix("http://"), LinkSpec(1.0))
+    reader, connection = node("b", f"http://127.0.0.1:{link.start()}")
+    try:
+        deadline = time.monotonic() + 10
+        while connection.locate_many(keys.keys) != ["bucket"] * count:
+            assert time.monotonic() < deadline, "the published blocks never became visible"
+            time.sleep(0.05)
+        target = [np.zeros_like(layer) for layer in source]
+        w = ServiceWorker(connection, target, page_bytes, job_timeout_ms=30_000, stall_timeout_ms=400)
+        w.can_report_load_failures = True  # KvtierConnector's route: a stalled load would be failed
+        started = time.monotonic()
+        assert w.submit_load(2, keys, blocks) and _finished(w, 2, timeout_s=30)
+        elapsed = time.monotonic() - started
+        received = connection.stats()["bucket_bytes_received"]
+        w.shutdown()
+        assert w.given_up_loads == 0, f"a load the bucket was delivering was given up after {elapsed:.1f} s"
+        assert w.take_failed_load_block_ids() == set(), "blocks missed (the service's remote stall limit?)"
+        assert elapsed > 1.2, f"{elapsed:.1f} s: not through the 1 MB/s link"
+        assert all(np.array_equal(got, want) for got, want in zip(target, source, strict=True)), (
+            "the bytes node A stored"
+        )
+        assert received >= count * page_bytes * layers, "the bytes received as they arrived"
+    finally:
+        kvtier_service.stop_service(reader.socket_path())
+        link.close()
+
+
+def _finished(worker, job_id: int, timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(result.job_id == job_id for result in worker.get_finished()):
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def test_a_bucket_out_of_reach_at_open_is_an_empty_tier_until_it_answers(rgw, nodes, bucket):
     """Issue 36, item 2: a bucket that does not answer at open (here: nothing listens at its endpoint
     yet) no longer refuses the store, so engines start and serve from DRAM and NVMe; the tier starts

@@ -23,6 +23,9 @@ logger = logging.getLogger("kvtier.vllm")
 RECONNECT_INTERVAL_S = 1.0
 # How often this process looks for connections the service hung up on (``_watch_hangups``).
 HANGUP_CHECK_S = 0.5
+# The service's counters of bytes read from its tiers below DRAM (``tier_bytes_read``); the bucket's
+# as they arrive, so that a ranged GET of seconds shows progress before it ends.
+TIER_READ_FIELDS = ("bytes_read_nvme", "shared_bytes_read", "bucket_bytes_received")
 
 
 class ServiceUnreachable(ConnectionError):
@@ -285,6 +288,19 @@ class ServiceConnection:
         stats["service_stepped_aside_calls"] = self.stepped_aside_calls
         stats["service_outages"] = self.outages
         return stats
+
+    def tier_bytes_read(self, timeout_ms: int) -> int | None:
+        """The bytes the service has read from NVMe, the shared tier and the bucket so far, asked on a
+        connection of its own (a transfer may be waiting on this one) within ``timeout_ms``; None
+        when it does not answer. A load round waits while the service reads it from its tiers: on a
+        slow link that is seconds with nothing copied, and these bytes tell it from a stalled one."""
+        from kvtier.service import connect
+
+        try:
+            stats = connect(self.socket_path, timeout_ms=timeout_ms).stats()
+        except Exception:
+            return None
+        return sum(int(stats.get(name, 0)) for name in TIER_READ_FIELDS)
 
     def flush(self) -> None:
         """Waits until every store the service accepted for this namespace is on NVMe."""

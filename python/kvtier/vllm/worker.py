@@ -10,7 +10,7 @@ Two workers, no inheritance between them:
   (the GPU's DMA engine, ``kvtier.gpu``). ``ServiceWorker`` and ``GpuServiceWorker`` build one
   with each.
 
-Both report finished jobs, and failed loads for recompute, through ``JobResults``.
+Both report finished jobs, and failed loads for recompute, through ``JobResults`` (``jobs.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from kvtier.threads import start_thread
 from kvtier.vllm._registry import registry_lock
 from kvtier.vllm.connection import ServiceConnection
 from kvtier.vllm.cores import affinity, set_affinity, spare_cores, usable_cores
+from kvtier.vllm.jobs import Job, JobResults
 from kvtier.vllm.load_store_spec import KvtierLoadStoreSpec
 from kvtier.vllm.local_store import LocalStore, release_store
 from kvtier.vllm.options import KvtierVllmConfigError
@@ -53,67 +54,8 @@ LOAD_COPY_THREADS = min(4, os.cpu_count() or 1)
 # How often a fence looks at its jobs' progress, and the watchdog at pending loads'.
 FENCE_POLL_S = 0.05
 WATCH_INTERVAL_S = 0.25
-
-
-@dataclass
-class _Job:
-    vllm_job_id: int
-    is_load: bool
-    block_ids: list[int]
-    started_ns: int
-    # GPU workers: an event on the engine's stream at submission; the job's copies wait for it.
-    ready: Any = None
-    # Lets another thread give the job up without racing its copies (``CopyGate``, ``DmaGate``).
-    gate: Any = None
-    # For the watchdog: the gate's rounds when last seen, and when they last changed.
-    seen_rounds: int = 0
-    progressed_at: float = 0.0
-
-
-class JobResults:
-    """What vLLM collects of finished jobs: ``TransferResult``s, and the engine blocks of failed
-    loads (reported only when the connector may recompute them)."""
-
-    def __init__(self, object_bytes: int):
-        self.object_bytes = object_bytes
-        self.finished: list[TransferResult] = []
-        self.failed_load_block_ids: set[int] = set()
-        # Set by KvtierConnector: failed loads are reported to vLLM, which recomputes them.
-        self.can_report_load_failures = False
-
-    def complete(self, job: _Job, found: list[bool]) -> tuple[float, int]:
-        """Records ``job``'s outcome; returns its seconds and how many of a load's blocks failed."""
-        seconds = (time.monotonic_ns() - job.started_ns) / 1e9
-        first_failure = next((index for index, ok in enumerate(found) if not ok), len(found))
-        moved_blocks = first_failure if job.is_load else sum(1 for ok in found if ok)
-        success = True
-        if job.is_load and first_failure < len(found):
-            # Every block from the first failure on is invalid: later blocks of a prefix are
-            # useless without it, and vLLM truncates the request there anyway.
-            failed_block_ids = job.block_ids[first_failure:]
-            if self.can_report_load_failures:
-                self.failed_load_block_ids.update(failed_block_ids)
-            else:
-                logger.error(
-                    "kvtier: %d of %d blocks of load job %d failed (missing or failed verification). "
-                    "vLLM's OffloadingConnector cannot recompute a failed load, so the engine will stop "
-                    "instead of using wrong KV data. Use kv_connector='KvtierConnector' with "
-                    "kv_connector_module_path='kvtier.vllm' to recompute such blocks instead.",
-                    len(failed_block_ids),
-                    len(found),
-                    job.vllm_job_id,
-                )
-                success = False
-        self.finished.append(TransferResult(job.vllm_job_id, success, moved_blocks * self.object_bytes, seconds))
-        return seconds, len(found) - first_failure if job.is_load else 0
-
-    def take_finished(self) -> list[TransferResult]:
-        finished, self.finished = self.finished, []
-        return finished
-
-    def take_failed_load_block_ids(self) -> set[int]:
-        failed, self.failed_load_block_ids = self.failed_load_block_ids, set()
-        return failed
+# The most the watchdog waits for the service's read counters (``_note_service_reads``).
+READS_PROBE_TIMEOUT_MS = 500
 
 
 def _store_job(src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> tuple[list[bytes], list[int]]:
@@ -147,7 +89,7 @@ class KvtierWorker(OffloadingWorker):
         self._store = local.store
         self._layers = layer_buffers
         self._job_timeout_ms = job_timeout_ms
-        self._in_flight: dict[int, _Job] = {}
+        self._in_flight: dict[int, Job] = {}
         self.results = JobResults(page_bytes * len(layer_buffers))
 
     @property
@@ -167,7 +109,7 @@ class KvtierWorker(OffloadingWorker):
             self.results.finished.append(TransferResult(vllm_job_id, True, 0, 0.0))
             return True
         store_job_id = self._local.next_job_id()
-        job = _Job(vllm_job_id, is_load, block_ids, started_ns)
+        job = Job(vllm_job_id, is_load, block_ids, started_ns)
         try:
             if is_load:
                 self._store.submit_get_blocks(store_job_id, keys, self._layers, block_ids)
@@ -190,7 +132,7 @@ class KvtierWorker(OffloadingWorker):
 
     # -- completion -------------------------------------------------------------------------
 
-    def _complete(self, job: _Job, found: list[bool]) -> None:
+    def _complete(self, job: Job, found: list[bool]) -> None:
         seconds, failed_blocks = self.results.complete(job, found)
         self._local.record_job("load" if job.is_load else "store", seconds, failed_blocks)
 
@@ -243,7 +185,7 @@ class _StoreWork:
     """A store job the worker thread copies in batches, so that a load or a prefill step can come
     between two batches."""
 
-    job: _Job
+    job: Job
     keys: list[bytes]
     found: list[bool]
     copied: int = 0
@@ -267,11 +209,11 @@ class Transport(Protocol):
     def new_gate(self) -> Any:
         """A job's gate: ``cancel()`` (True once no copy of the job will run again), ``rounds``."""
 
-    def load(self, job: _Job, keys: list[bytes], engine_idle: bool) -> list[bool]:
+    def load(self, job: Job, keys: list[bytes], engine_idle: bool) -> list[bool]:
         """Copies ``keys`` into ``job.block_ids``; ``engine_idle``: no forward pass runs, vLLM waits."""
         ...
 
-    def store(self, job: _Job, keys: list[bytes], block_ids: list[int]) -> list[bool]: ...
+    def store(self, job: Job, keys: list[bytes], block_ids: list[int]) -> list[bool]: ...
 
     def close(self) -> None:
         """Runs while the connection's pool mapping is still there."""
@@ -303,14 +245,14 @@ class ServiceCopy:
 
         return CopyGate()
 
-    def load(self, job: _Job, keys: list[bytes], engine_idle: bool) -> list[bool]:
+    def load(self, job: Job, keys: list[bytes], engine_idle: bool) -> list[bool]:
         spread = self._spread_load(engine_idle)
         found = self._connection.call("load_blocks", keys, self._layers, job.block_ids, job.gate, default=None)
         if spread:
             set_affinity(self._spare_cores)
         return list(found) if found is not None else [False] * len(keys)
 
-    def store(self, job: _Job, keys: list[bytes], block_ids: list[int]) -> list[bool]:
+    def store(self, job: Job, keys: list[bytes], block_ids: list[int]) -> list[bool]:
         found = self._connection.call("store_blocks", keys, self._layers, block_ids, job.gate, default=None)
         return list(found) if found is not None else [False] * len(keys)
 
@@ -362,10 +304,10 @@ class GpuDma:
 
         return DmaGate(self.transfers.side)
 
-    def load(self, job: _Job, keys: list[bytes], engine_idle: bool) -> list[bool]:
+    def load(self, job: Job, keys: list[bytes], engine_idle: bool) -> list[bool]:
         return self.transfers.load(self._connection.live_client(), keys, job.block_ids, job.ready, job.gate)
 
-    def store(self, job: _Job, keys: list[bytes], block_ids: list[int]) -> list[bool]:
+    def store(self, job: Job, keys: list[bytes], block_ids: list[int]) -> list[bool]:
         return self.transfers.store(self._connection.live_client(), keys, block_ids, job.ready, job.gate)
 
     def close(self) -> None:
@@ -405,9 +347,9 @@ class JobQueueWorker(OffloadingWorker):
         self._deferred_store_max_blocks = deferred_store_max_blocks
         self.results = JobResults(transport.object_bytes)
         self._cv = threading.Condition()
-        self._loads: list[tuple[_Job, list[bytes]]] = []
+        self._loads: list[tuple[Job, list[bytes]]] = []
         self._stores: list[_StoreWork] = []
-        self._pending: dict[int, _Job] = {}  # vLLM job id -> job, queued or running
+        self._pending: dict[int, Job] = {}  # vLLM job id -> job, queued or running
         self._works: dict[int, _StoreWork] = {}  # vLLM job id -> a pending store's progress
         self._urgent: set[int] = set()  # store jobs vLLM waits for: never held back
         self._prefill_running = False
@@ -428,7 +370,7 @@ class JobQueueWorker(OffloadingWorker):
         self.skipped_store_blocks = 0
         self.skipped_loads = 0
         self._stall_logged = False
-        self._current: _Job | None = None  # the job whose transfer the job thread is in, and since when
+        self._current: Job | None = None  # the job whose transfer the job thread is in, and since when
         self._current_since = 0.0
         # Set while the watchdog has something to watch: a load pending, or the job thread in a transfer.
         self._watch_needed = threading.Event()
@@ -483,7 +425,7 @@ class JobQueueWorker(OffloadingWorker):
 
     def _submit(self, vllm_job_id: int, is_load: bool, keys: list[bytes], block_ids: list[int]) -> bool:
         _check_job(vllm_job_id, keys, block_ids)
-        job = _Job(vllm_job_id, is_load, block_ids, time.monotonic_ns(), self.transport.ready_marker())
+        job = Job(vllm_job_id, is_load, block_ids, time.monotonic_ns(), self.transport.ready_marker())
         job.gate, job.progressed_at = self.transport.new_gate(), time.monotonic()
         with self._cv:
             if not keys:
@@ -530,7 +472,7 @@ class JobQueueWorker(OffloadingWorker):
         current = self._current
         return current is not None and now - self._current_since > self._stall_timeout_s and self._stalled(current, now)
 
-    def _skip(self, job: _Job, keys: list[bytes]) -> bool:
+    def _skip(self, job: Job, keys: list[bytes]) -> bool:
         """Holds ``_cv``. Answers a job submitted while the job thread is stuck, at once: a store is
         not stored (a cache: a miss later), a load fails (vLLM recomputes it) where the connector
         reports failed loads. Under vLLM's plain OffloadingConnector a load is queued (False): a
@@ -547,7 +489,7 @@ class JobQueueWorker(OffloadingWorker):
     def _backlog_blocks(self) -> int:
         return sum(work.remaining for work in self._stores)
 
-    def _drop_store(self, job: _Job, keys: list[bytes]) -> None:
+    def _drop_store(self, job: Job, keys: list[bytes]) -> None:
         """Holds ``_cv``. The newest job goes, not the oldest: older ones hold earlier prefix blocks."""
         if self.dropped_store_blocks == 0:
             logger.warning(
@@ -561,7 +503,7 @@ class JobQueueWorker(OffloadingWorker):
 
     # -- the job thread --------------------------------------------------------------------------
 
-    def _next_work(self) -> tuple[_Job, list[bytes]] | _StoreWork | None:
+    def _next_work(self) -> tuple[Job, list[bytes]] | _StoreWork | None:
         """Holds ``_cv``; waits for work it may do now. None when stopping with nothing left."""
         counted_deferral = False
         while True:
@@ -616,11 +558,11 @@ class JobQueueWorker(OffloadingWorker):
             self._stores.remove(work)
             self._finish_locked(work.job, work.found)
 
-    def _finish(self, job: _Job, found: list[bool]) -> None:
+    def _finish(self, job: Job, found: list[bool]) -> None:
         with self._cv:
             self._finish_locked(job, found)
 
-    def _finish_locked(self, job: _Job, found: list[bool]) -> None:
+    def _finish_locked(self, job: Job, found: list[bool]) -> None:
         """Holds ``_cv``. A job given up earlier was reported then: its late outcome is dropped."""
         if self._pending.pop(job.vllm_job_id, None) is None:
             return
@@ -637,7 +579,7 @@ class JobQueueWorker(OffloadingWorker):
 
     # -- giving up stalled jobs -------------------------------------------------------------------
 
-    def _stalled(self, job: _Job, now: float) -> bool:
+    def _stalled(self, job: Job, now: float) -> bool:
         """Holds ``_cv``. Whether ``job`` copied nothing for the stall timeout: a frozen service or a
         stalled tier, not a long transfer (that copies a round at a time)."""
         rounds = int(job.gate.rounds) if job.gate is not None else 0
@@ -645,7 +587,7 @@ class JobQueueWorker(OffloadingWorker):
             job.seen_rounds, job.progressed_at = rounds, now
         return now - job.progressed_at > self._stall_timeout_s
 
-    def _stalled_loads(self, now: float) -> list[_Job]:
+    def _stalled_loads(self, now: float) -> list[Job]:
         """Holds ``_cv``. The pending loads to give up: the job thread's own when it copied nothing
         for the stall timeout, and those queued behind it only while it is stuck. A load queued
         behind a transfer that progresses (a slow link: at 200 MB/s a 256 MiB load takes seconds)
@@ -657,7 +599,28 @@ class JobQueueWorker(OffloadingWorker):
                 job.progressed_at = now
         return [job for job in loads if stuck or (job is self._current and self._stalled(job, now))]
 
-    def _give_up(self, jobs: list[_Job], why: str) -> None:
+    def _note_service_reads(self) -> None:
+        """A load round waits while the service reads its blocks from NVMe or a remote tier: a round
+        of 256 MiB at 200 MB/s, sharing the link with another, copies nothing for 2.7 s. Once the job
+        thread's transfer has copied nothing for half the stall timeout, the service's tier reads are
+        asked for (on a connection of their own) at each look: while they grow, it progresses. A
+        service that does not answer (frozen) is not asked again for that job."""
+        with self._cv:
+            job = self._current
+            if (
+                job is None
+                or job.service_unanswered
+                or time.monotonic() - job.progressed_at < self._stall_timeout_s / 2
+            ):
+                return
+        timeout_ms = min(READS_PROBE_TIMEOUT_MS, int(self._stall_timeout_s * 250))
+        reads = self._connection.tier_bytes_read(timeout_ms)
+        with self._cv:
+            if reads is not None and job.service_reads is not None and reads > job.service_reads:
+                job.progressed_at = time.monotonic()
+            job.service_reads, job.service_unanswered = reads, reads is None
+
+    def _give_up(self, jobs: list[Job], why: str) -> None:
         """Reports ``jobs`` finished now, once their gates say no copy of theirs runs again: a store
         with the blocks it stored so far (the rest are dropped: a cache), a load as failed (vLLM
         recomputes it). The job thread may stay stuck in its call meanwhile; its outcome is dropped."""
@@ -684,7 +647,7 @@ class JobQueueWorker(OffloadingWorker):
                 self._stall_timeout_s,
             )
 
-    def _cancel_gate(self, job: _Job) -> None:
+    def _cancel_gate(self, job: Job) -> None:
         """Waits until no copy of ``job`` runs and none will start: a copy in progress is a memory copy
         of one round (milliseconds); the service call the job thread may be stuck in is not waited for."""
         deadline = time.monotonic() + self._job_timeout_ms / 1000
@@ -702,6 +665,7 @@ class JobQueueWorker(OffloadingWorker):
         while not self._stopping:
             self._watch_needed.wait()
             time.sleep(WATCH_INTERVAL_S)
+            self._note_service_reads()
             with self._cv:
                 now = time.monotonic()
                 stalled = self._stalled_loads(now)
