@@ -12,9 +12,9 @@ import pytest
 from kvtier.vllm.costs import (
     MIN_PREFILL_STEPS,
     PROBE_BLOCKS,
+    EngineRequests,
     LoadDecider,
     PrefillModel,
-    RunningRequests,
     StepClock,
     TierRates,
     choose_blocks,
@@ -154,20 +154,44 @@ def _step(**scheduled: tuple[int, int]) -> SimpleNamespace:
     )
 
 
-def test_the_engine_runs_the_requests_it_has_scheduled_until_they_end():
-    running = RunningRequests()
-    running.admitted("prefilling", 4096)
-    running.admitted("waiting", 8192)  # not scheduled yet (or waiting for its load): not slowed
-    running.admitted("decoding", 1024)
-    assert running.others() == 0
-    running.scheduled(_step(prefilling=(0, 1024), decoding=(1024, 1)))
-    assert running.others() == 2 and running.others(excluding="decoding") == 1
-    assert running.progress()["prefilling"] == (1024, 4096) and running.progress()["waiting"] == (-1, 8192)
-    running.scheduled(_step(unknown=(0, 16)))  # a request whose arrival was not told: never counted
-    assert running.others() == 2
-    running.finished("prefilling")
-    running.finished("decoding")
-    assert running.others() == 0
+def test_the_engine_holds_every_request_it_was_told_of_until_it_ends():
+    """A recompute delays every request the engine holds: those it runs, and those waiting for their
+    load or their turn (at 200 MB/s under load, counting only the running ones recomputed prefixes
+    while the others waited on the link: 0.77x the throughput of loading every hit)."""
+    requests = EngineRequests()
+    requests.admitted("prefilling", 4096)
+    requests.admitted("waiting", 8192)  # not scheduled yet, or waiting for its load: still delayed
+    requests.admitted("decoding", 1024)
+    assert requests.others() == 3 and requests.others(excluding="waiting") == 2
+    requests.scheduled(_step(prefilling=(0, 1024), decoding=(1024, 1)))
+    assert requests.progress()["prefilling"] == (1024, 4096) and requests.progress()["waiting"] == (-1, 8192)
+    requests.scheduled(_step(unknown=(0, 16)))  # a request whose arrival was not told: never counted
+    assert requests.others() == 3
+    requests.finished("prefilling")
+    requests.finished("decoding")
+    assert requests.others() == 1 and requests.others(excluding="waiting") == 0
+
+
+def test_a_load_below_dram_waits_behind_the_prefetches_queued_before_it():
+    """A load through a link waits for the blocks queued on it first (the prefetcher reads one chunk
+    at a time): with others waiting, a link that is worth loading from when idle is not once its
+    queue holds more than the recompute saves. DRAM hits wait for nothing."""
+    model = trained()
+    recompute = model.recompute_s(16 * BLOCK_TOKENS) or 0.0
+    link = rates_of(dram=0.0001, bucket=0.5 * recompute / 16)  # loading takes half the recompute
+    tiers = ["bucket"] * 16
+    assert choose_blocks(tiers, BLOCK_TOKENS, model, link, others=1) == (16, "saves")
+    assert choose_blocks(tiers, BLOCK_TOKENS, model, link, others=1, queued_s=1.0 * recompute) == (16, "saves")
+    assert choose_blocks(tiers, BLOCK_TOKENS, model, link, others=1, queued_s=2.0 * recompute) == (0, "saves")
+    assert choose_blocks(["dram"] * 4 + tiers, BLOCK_TOKENS, model, link, queued_s=9.0) == (4, "saves")
+    decider = LoadDecider("auto", BLOCK_TOKENS)
+    decider.prefill, decider.rates = model, link
+    decider.queued_s = lambda: 2.0 * recompute
+    decider.requests.admitted("other", 16 * BLOCK_TOKENS)
+    keys = [bytes([i]) * 32 for i in range(16)]
+    assert [decider.answer("r", key, "bucket") for key in keys] == ["retry"] * 16
+    assert [decider.answer("r", key, "bucket") for key in keys] == ["decline"] * 16
+    assert decider.decisions == {("bucket", "recompute"): 16}
 
 
 def test_a_recompute_that_slows_other_requests_makes_a_slower_load_worth_it():
@@ -184,12 +208,11 @@ def test_a_recompute_that_slows_other_requests_makes_a_slower_load_worth_it():
     # A link far slower than the engine shared by three others is still declined.
     crawl = rates_of(dram=0.0001, bucket=10 * recompute / 16)
     assert choose_blocks(tiers, BLOCK_TOKENS, model, crawl, others=3) == (0, "saves")
-    # The decider asks which requests run, leaving out the one it decides for.
+    # The decider asks which requests the engine holds, leaving out the one it decides for.
     decider = LoadDecider("auto", BLOCK_TOKENS)
     decider.prefill, decider.rates = model, link
     for req_id in ("x", "r"):
-        decider.running.admitted(req_id, 16 * BLOCK_TOKENS)
-    decider.running.scheduled(_step(x=(0, BLOCK_TOKENS)))
+        decider.requests.admitted(req_id, 16 * BLOCK_TOKENS)
     keys = [bytes([i]) * 32 for i in range(16)]
     assert [decider.answer("r", key, "bucket") for key in keys] == ["retry"] * 16
     assert [decider.answer("r", key, "bucket") for key in keys] == ["offer"] * 16

@@ -262,10 +262,10 @@ def _scheduler_connector(llm):
 @pytest.mark.slow
 def test_the_connector_follows_each_request_the_engine_runs_until_it_ends(engine, monkeypatch):
     """Issue 36: load-or-recompute weighs a recompute by the other requests the engine runs
-    (kvtier.vllm.costs.RunningRequests), which the connector learns through vLLM's own hooks: the
+    (kvtier.vllm.costs.EngineRequests), which the connector learns through vLLM's own hooks: the
     request's arrival, each step, and its end (a request never forgotten would count for ever)."""
     llm, _ = engine
-    running = _scheduler_connector(llm)._decider().running
+    running = _scheduler_connector(llm)._decider().requests
     seen: list[dict[str, tuple[int, int]]] = []
     record = running.scheduled
 

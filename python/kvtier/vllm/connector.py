@@ -84,7 +84,7 @@ class KvtierConnector(OffloadingConnector):
             note_cache_salt(request.request_id, getattr(request, "cache_salt", None))
         decider = self._decider()
         if decider is not None and self._step_clock is not None:
-            decider.running.admitted(request.request_id, int(getattr(request, "num_prompt_tokens", 0) or 0))
+            decider.requests.admitted(request.request_id, int(getattr(request, "num_prompt_tokens", 0) or 0))
         super().on_new_request(request)
 
     # vLLM calls one of these two as a request ends (the second for connectors that support its
@@ -101,7 +101,7 @@ class KvtierConnector(OffloadingConnector):
     def _forget_running(self, req_id: str) -> None:
         decider = self._decider()
         if decider is not None:
-            decider.running.finished(req_id)
+            decider.requests.finished(req_id)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         worker = self._kvtier_worker()
@@ -118,7 +118,7 @@ class KvtierConnector(OffloadingConnector):
             self._step_clock.scheduled(*step_work(scheduler_output))
             decider = self._decider()
             if decider is not None:
-                decider.running.scheduled(scheduler_output)
+                decider.requests.scheduled(scheduler_output)
         return metadata
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -111,6 +111,7 @@ class KvtierManager(OffloadingManager):
         self.requeued_after_load = 0
         if self._prefetcher is not None:
             self._prefetcher.rates = self.decider.rates
+            self.decider.queued_s = self._prefetcher.backlog_s
 
     @staticmethod
     def _allowed(req_context: ReqContext) -> bool:

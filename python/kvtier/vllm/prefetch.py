@@ -78,6 +78,17 @@ class Prefetcher:
         with self._cv:
             return any(key in self._in_flight for key in keys)
 
+    def backlog_s(self) -> float:
+        """Seconds the blocks queued or being read take at their tiers' recent rates (a tier with no
+        rate yet: none): a load of another request's blocks below DRAM waits behind them."""
+        rates = self.rates
+        if rates is None:
+            return 0.0
+        with self._cv:
+            tiers = list(self._in_flight.values())
+        per_block = {tier: rates.seconds_per_block(tier) or 0.0 for tier in set(tiers)}
+        return sum(per_block[tier] for tier in tiers)
+
     def _stalled(self, key: bytes) -> bool:
         """Holds ``_cv``. Whether ``key`` waited past the timeout with no chunk of any prefetch
         ended meanwhile: a stalled tier or service, not a slow tier that still delivers (its loads
