@@ -812,19 +812,21 @@ def test_a_close_against_a_frozen_bucket_ends_within_its_deadline(rgw, nodes, bu
 
 
 def test_a_worker_load_waiting_on_a_slow_bucket_that_delivers_is_not_given_up(rgw, bucket, tmp_path):
-    """Issue 36, 200 MB/s under load: a load round waits while the service reads its blocks from the
+    """Issue 36, slow links under load: a load round waits while the service reads its blocks from the
     bucket (at kv8b one round is a whole 256 MiB prefix, and all of its GETs share the link, so none
-    ends for seconds), and the worker's watchdog gave up a transfer that copied no round for the
-    stall timeout: three loads through a link that delivered were recomputed. Bytes arriving now
-    count as progress, for the watchdog and for the service's own remote stall limit. Here: node A
-    publishes 16 blocks (2 MiB) through its host service, node B loads them through a 1 MB/s link,
-    about two seconds in one round, five stall timeouts, and gets every byte."""
+    ends for seconds). Three places cut such a load short: the worker's watchdog (no round copied
+    for the stall timeout), the service's remote stall limit (no read finished), and each GET's
+    timeout (at 20 MB/s, 32 GETs of 8 MiB in flight take 13 s each). Bytes arriving now count as
+    progress at all three. Here node A publishes 16 blocks (2 MiB) through its host service and node
+    B loads them through a 1 MB/s link: one round of about 2 s, five stall timeouts (0.4 s), its GET
+    twice the request timeout (1 s); every byte arrives."""
     pytest.importorskip("vllm")
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
     from kvtier import service as kvtier_service
     from kvtier.bench.slowlink import LinkSpec, SlowLink
     from kvtier.vllm import KvtierLoadStoreSpec, KvtierOptions, ServiceConnection, ServiceWorker
+    from test_vllm_worker import finished
 
     layers, page_bytes, count = 2, 64 * 1024, 16
     blocks = GPULoadStoreSpec(list(range(count)), group_sizes=[count], block_indices=[0])
@@ -832,8 +834,14 @@ def test_a_worker_load_waiting_on_a_slow_bucket_that_delivers_is_not_given_up(rg
 
     def node(name: str, endpoint: str) -> tuple[KvtierOptions, ServiceConnection]:
         own = {"path": str(tmp_path / name), "dram_bytes": 8 << 20, "nvme_bytes": 0, "region_bytes": 1 << 20}
+        # One segment, read with one GET: its bytes arrive steadily (several GETs through this
+        # proxy's one delay line take turns, and a turn may outlast the 1 s timeout at 1 MB/s).
+        one_get = {
+            "bucket_segment_bytes": 4096 + count * (4096 + layers * page_bytes),
+            "bucket_request_timeout_ms": 1000,
+        }
         options = KvtierOptions.from_extra_config(
-            {**own, **bucket, "bucket_endpoint": endpoint, "pool_dir": str(tmp_path)}
+            {**own, **bucket, **one_get, "bucket_endpoint": endpoint, "pool_dir": str(tmp_path)}
         )
         return options, ServiceConnection(options, {"test": "slow bucket"}, 1, 0, page_bytes * layers)
 
@@ -841,7 +849,7 @@ def test_a_worker_load_waiting_on_a_slow_bucket_that_delivers_is_not_given_up(rg
     writer, connection = node("a", rgw.endpoint)
     try:
         w = ServiceWorker(connection, source, page_bytes, job_timeout_ms=30_000)
-        assert w.submit_store(1, blocks, keys) and _finished(w, 1)
+        assert w.submit_store(1, blocks, keys) and finished(w, 1)
         w.shutdown()
         connection.flush()
     finally:
@@ -857,9 +865,9 @@ def test_a_worker_load_waiting_on_a_slow_bucket_that_delivers_is_not_given_up(rg
         w = ServiceWorker(connection, target, page_bytes, job_timeout_ms=30_000, stall_timeout_ms=400)
         w.can_report_load_failures = True  # KvtierConnector's route: a stalled load would be failed
         started = time.monotonic()
-        assert w.submit_load(2, keys, blocks) and _finished(w, 2, timeout_s=30)
+        assert w.submit_load(2, keys, blocks) and finished(w, 2, timeout_s=30)
         elapsed = time.monotonic() - started
-        received = connection.stats()["bucket_bytes_received"]
+        received, errors = (connection.stats()[name] for name in ("bucket_bytes_received", "bucket_request_errors"))
         w.shutdown()
         assert w.given_up_loads == 0, f"a load the bucket was delivering was given up after {elapsed:.1f} s"
         assert w.take_failed_load_block_ids() == set(), "blocks missed (the service's remote stall limit?)"
@@ -868,18 +876,10 @@ def test_a_worker_load_waiting_on_a_slow_bucket_that_delivers_is_not_given_up(rg
             "the bytes node A stored"
         )
         assert received >= count * page_bytes * layers, "the bytes received as they arrived"
+        assert errors == 0, "a GET timed out while its bytes arrived"
     finally:
         kvtier_service.stop_service(reader.socket_path())
         link.close()
-
-
-def _finished(worker, job_id: int, timeout_s: float = 10) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(result.job_id == job_id for result in worker.get_finished()):
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def test_a_bucket_out_of_reach_at_open_is_an_empty_tier_until_it_answers(rgw, nodes, bucket):

@@ -1278,7 +1278,7 @@ pub static OPTIONS: &[ConfigOption] = &[
         kind: OptionKind::Int,
         unset: "",
         constraint: "100 ..= 600000",
-        description: "A GET that takes longer is a miss; a PUT, a failed publish. Bounds a load when the server is gone.",
+        description: "A load's ranged GET whose response, or next bytes, take longer is a miss (all of it at most 6 times this: a slow link that delivers is not cut short); any other request that takes longer fails (a PUT: a failed publish). Bounds a load when the server is gone.",
         set: |c, v| bucket_mut(c).request_timeout_ms = v.int(),
         get: |c| int(bucket_get(c, |b| b.request_timeout_ms)),
     },

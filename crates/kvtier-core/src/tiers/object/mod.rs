@@ -118,6 +118,8 @@ pub struct BucketTier {
     blocks_per_get: usize,
     writer_id: u64,
     store: Arc<dyn ObjectStore>,
+    /// The loads' ranged GETs (`sync::connect_reads`: bounded by `reads.rs`, not by the client).
+    read_store: Arc<dyn ObjectStore>,
     /// `<prefix>/<namespace hex>`: segments under `seg/`, index objects under `idx/`.
     base: String,
     rt: tokio::runtime::Runtime,
@@ -172,6 +174,7 @@ impl BucketTier {
         config.validate(slot_bytes)?;
         let (bucket, prefix) = config.bucket_and_prefix()?;
         let store = sync::connect(config, &bucket)?;
+        let read_store = sync::connect_reads(config, &bucket)?;
         let rt = runtime()?;
         // No shared root to keep the key off: the bucket is not a directory of this node.
         let auth = load_key(&KeySource {
@@ -193,6 +196,7 @@ impl BucketTier {
             blocks_per_get: config.blocks_per_get(slot_bytes) as usize,
             writer_id: random_nonzero_u64(),
             store,
+            read_store,
             base,
             rt,
             index: RwLock::new(Index::default()),

@@ -10,6 +10,7 @@ use object_store::path::Path as ObjectPath;
 use object_store::{GetOptions, GetRange, ObjectStore};
 use std::io;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Where one block of a run lands: its DRAM slot's address, and whom to tell when it is there.
 pub(super) struct Landing {
@@ -49,12 +50,13 @@ impl BucketTier {
     /// block's `on_done` with its result, within `request_timeout_ms` in all.
     pub(super) fn spawn_run(&self, run: Run<Landing>) {
         let get = RangedGet {
-            store: Arc::clone(&self.store),
+            store: Arc::clone(&self.read_store),
             path: self.segment_path(&run.stem),
             slot_bytes: self.slot_bytes,
             stats: Arc::clone(&self.stats),
+            idle: self.timeout(),
         };
-        let (permits, timeout) = (Arc::clone(&self.read_permits), self.timeout());
+        let (permits, timeout) = (Arc::clone(&self.read_permits), self.bounded(self.timeout() * MAX_GET_TIMEOUTS));
         self.rt.spawn(async move {
             let addrs: Vec<usize> = run.blocks.iter().map(|landing| landing.addr).collect();
             // On timeout the future is dropped: nothing writes into a slot after its on_done.
@@ -79,12 +81,18 @@ impl BucketTier {
     }
 }
 
+/// A run's GETs, its retries block by block included, end within this many request timeouts
+/// (`bucket_request_timeout_ms`), however steadily their bytes arrive: a trickle is not waited for.
+const MAX_GET_TIMEOUTS: u32 = 6;
+
 /// Ranged GETs of one segment object into DRAM slots.
 struct RangedGet {
     store: Arc<dyn ObjectStore>,
     path: ObjectPath,
     slot_bytes: usize,
     stats: Arc<Stats>,
+    /// The longest wait for the response, and then for each next chunk of its body.
+    idle: Duration,
 }
 
 impl RangedGet {
@@ -94,7 +102,8 @@ impl RangedGet {
     async fn run(&self, start: u64, addrs: &[usize]) -> Vec<io::Result<()>> {
         match self.get(start, addrs).await {
             Ok(()) => addrs.iter().map(|_| Ok(())).collect(),
-            Err(e) if addrs.len() == 1 || e.kind() == io::ErrorKind::NotFound => {
+            // A server that went quiet would keep the retries waiting as long, one by one.
+            Err(e) if addrs.len() == 1 || matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::TimedOut) => {
                 addrs.iter().map(|_| Err(same_error(&e))).collect()
             }
             Err(_) => {
@@ -124,12 +133,12 @@ impl RangedGet {
     async fn receive(&self, start: u64, addrs: &[usize]) -> io::Result<()> {
         let wanted = start..start + (self.slot_bytes * addrs.len()) as u64;
         let options = GetOptions { range: Some(GetRange::Bounded(wanted.clone())), ..GetOptions::default() };
-        let got = self.store.get_opts(&self.path, options).await.map_err(io::Error::from)?;
+        let got = self.within_idle(self.store.get_opts(&self.path, options)).await?.map_err(io::Error::from)?;
         if got.range != wanted {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "short ranged GET"));
         }
         let (mut body, mut landed) = (got.into_stream(), 0);
-        while let Some(chunk) = body.next().await {
+        while let Some(chunk) = self.within_idle(body.next()).await? {
             let chunk = chunk.map_err(io::Error::from)?;
             if landed + chunk.len() > self.slot_bytes * addrs.len() {
                 return Err(io::Error::new(io::ErrorKind::InvalidData, "ranged GET longer than its range"));
@@ -142,6 +151,13 @@ impl RangedGet {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "short ranged GET"));
         }
         Ok(())
+    }
+
+    /// `step`'s outcome, or a timeout once it waited `idle`: a server that stopped answering.
+    async fn within_idle<T>(&self, step: impl std::future::Future<Output = T>) -> io::Result<T> {
+        tokio::time::timeout(self.idle, step)
+            .await
+            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "ranged GET: no bytes for bucket_request_timeout_ms"))
     }
 
     /// Copies `chunk`, the body's bytes from offset `at`, into the slots it spans.

@@ -37,14 +37,24 @@ fn candidates(segments: Vec<ObjectMeta>) -> Vec<Candidate<ObjectMeta>> {
 /// options. Retries are bounded by the request timeout, so a dead server costs misses, not hangs.
 pub(super) fn connect(config: &BucketConfig, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
     let timeout = Duration::from_millis(config.request_timeout_ms);
+    client(config, bucket, object_store::ClientOptions::new().with_timeout(timeout))
+}
+
+/// The client of the ranged GETs that serve loads: no total timeout, because a load's GETs share
+/// the link and on a slow one each takes longer than a request timeout while bytes still arrive
+/// (at 20 MB/s, 32 GETs of 8 MiB in flight: 13 s each). `reads.rs` bounds each GET instead: its
+/// response and every next chunk of its body within the request timeout, all of it within
+/// `MAX_GET_TIMEOUTS` of them.
+pub(super) fn connect_reads(config: &BucketConfig, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
+    client(config, bucket, object_store::ClientOptions::new().with_timeout_disabled())
+}
+
+fn client(config: &BucketConfig, bucket: &str, options: object_store::ClientOptions) -> Result<Arc<dyn ObjectStore>> {
+    let timeout = Duration::from_millis(config.request_timeout_ms);
     let mut builder = AmazonS3Builder::from_env()
         .with_bucket_name(bucket)
         .with_retry(RetryConfig { max_retries: 2, retry_timeout: timeout, ..RetryConfig::default() })
-        .with_client_options(
-            object_store::ClientOptions::new()
-                .with_timeout(timeout)
-                .with_connect_timeout(timeout.min(Duration::from_secs(5))),
-        );
+        .with_client_options(options.with_connect_timeout(timeout.min(Duration::from_secs(5))));
     if let Some(endpoint) = &config.endpoint {
         builder = builder.with_endpoint(endpoint).with_allow_http(endpoint.starts_with("http://"));
     }
