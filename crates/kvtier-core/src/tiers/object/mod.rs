@@ -308,7 +308,7 @@ impl BucketTier {
 
     /// Starts reading the blocks of `requests` into their slots on the tier's runtime, adjacent blocks
     /// of one segment with one ranged GET (`blocks_per_get` at most). Each read's `on_done` gets its
-    /// block's result (always, within `request_timeout_ms`), to be handed with the returned read to
+    /// block's result (always, within 6 request timeouts: `reads.rs`), to be handed with the returned read to
     /// `finish_started`: every block is verified alone. `None`: not indexed, a counted miss, and its
     /// `on_done` is dropped uncalled.
     ///

@@ -47,7 +47,7 @@ pub(super) fn plan_runs<T>(mut blocks: Vec<(Arc<str>, u64, T)>, slot_bytes: u64,
 
 impl BucketTier {
     /// Reads `run` on the tier's runtime (one of `bucket_reads_in_flight` permits), then calls each
-    /// block's `on_done` with its result, within `request_timeout_ms` in all.
+    /// block's `on_done` with its result, within `MAX_GET_TIMEOUTS` request timeouts in all.
     pub(super) fn spawn_run(&self, run: Run<Landing>) {
         let get = RangedGet {
             store: Arc::clone(&self.read_store),
