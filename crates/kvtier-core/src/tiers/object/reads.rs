@@ -131,7 +131,8 @@ impl RangedGet {
     /// link a run of 8 MiB takes seconds, and a load waiting on it is told from a stalled one by
     /// these bytes (a worker's watchdog asks for them), not by whole blocks.
     async fn receive(&self, start: u64, addrs: &[usize]) -> io::Result<()> {
-        let wanted = start..start + (self.slot_bytes * addrs.len()) as u64;
+        let run_bytes = self.slot_bytes * addrs.len();
+        let wanted = start..start + run_bytes as u64;
         let options = GetOptions { range: Some(GetRange::Bounded(wanted.clone())), ..GetOptions::default() };
         let got = self.within_idle(self.store.get_opts(&self.path, options)).await?.map_err(io::Error::from)?;
         if got.range != wanted {
@@ -140,14 +141,14 @@ impl RangedGet {
         let (mut body, mut landed) = (got.into_stream(), 0);
         while let Some(chunk) = self.within_idle(body.next()).await? {
             let chunk = chunk.map_err(io::Error::from)?;
-            if landed + chunk.len() > self.slot_bytes * addrs.len() {
+            if landed + chunk.len() > run_bytes {
                 return Err(io::Error::new(io::ErrorKind::InvalidData, "ranged GET longer than its range"));
             }
             self.land(landed, &chunk, addrs);
             landed += chunk.len();
             Stats::add(&self.stats.bucket_bytes_received, chunk.len() as u64);
         }
-        if landed != self.slot_bytes * addrs.len() {
+        if landed != run_bytes {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "short ranged GET"));
         }
         Ok(())
