@@ -9,8 +9,9 @@ reads and writes go through the slow link's delay line.
 - with a fail-reads flag, every read fails with EIO while the flag file exists.
 
 - a store whose shared root is the mount gives up reads the stopped daemon holds, and serves them again after.
+- an engine worker's load through a 1 MB/s mount is waited for while its bytes land, not given up.
 
-Needs fusepy and /dev/fuse (root, or fusermount): skipped with the install command otherwise. About 4 s.
+Needs fusepy and /dev/fuse (root, or fusermount): skipped with the install command otherwise. About 15 s.
 """
 
 from __future__ import annotations
@@ -231,3 +232,77 @@ def thread_names() -> list[str]:
         except FileNotFoundError:  # the thread ended meanwhile
             continue
     return names
+
+
+def test_a_worker_load_waiting_on_a_slow_mount_that_delivers_is_not_given_up(tmp_path):
+    """Issue 36, slow tiers under load: the shared tier's reads were whole-block preads, every one of a
+    round in flight on the mount together; on a slow mount they share its bandwidth, so none finished
+    until nearly all had, and both the service's remote stall limit (no read finished) and the
+    worker's watchdog (no round copied, no tier bytes moving) gave the load up while the mount
+    delivered. Now a block is read in chunks that are counted as they land (`shared_bytes_received`),
+    and landing bytes are progress to both. Node A publishes 16 blocks (2 MiB) through its host
+    service; node B's worker loads them through a 1 MB/s mount: one round of about 2 s, five stall
+    timeouts (0.4 s), four of the service's stall floor (0.5 s)."""
+    import hashlib
+
+    import numpy as np
+
+    pytest.importorskip("vllm")
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier import service as kvtier_service
+    from kvtier.vllm import KvtierLoadStoreSpec, KvtierOptions, ServiceConnection, ServiceWorker
+    from test_vllm_worker import finished
+
+    layers, page_bytes, count = 2, 64 * 1024, 16
+    blocks = GPULoadStoreSpec(list(range(count)), group_sizes=[count], block_indices=[0])
+    keys = KvtierLoadStoreSpec([hashlib.sha256(f"slow-mount-{i}".encode()).digest() for i in range(count)])
+    source, mountpoint = tmp_path / "source", tmp_path / "mount"
+    source.mkdir()
+
+    def node(name: str, root: Path) -> tuple[KvtierOptions, ServiceConnection]:
+        options = KvtierOptions.from_extra_config(
+            {
+                "path": str(tmp_path / name),
+                "dram_bytes": 8 << 20,
+                "nvme_bytes": 0,
+                "shared_root": str(root),
+                "shared_staleness_ms": 50,
+                "remote_read_stall_ms": 500,
+                "pool_dir": str(tmp_path),
+            }
+        )
+        return options, ServiceConnection(options, {"test": "slow mount"}, 1, 0, page_bytes * layers)
+
+    data = [np.random.default_rng(i).integers(0, 256, (count, page_bytes), dtype=np.uint8) for i in range(layers)]
+    writer, connection = node("a", source)
+    try:
+        w = ServiceWorker(connection, data, page_bytes, job_timeout_ms=30_000)
+        assert w.submit_store(1, blocks, keys) and finished(w, 1)
+        w.shutdown()
+        connection.flush()
+    finally:
+        kvtier_service.stop_service(writer.socket_path())
+    with slowmount.SlowMount(source, mountpoint, LinkSpec(1.0), log_path=tmp_path / "mount.log"):
+        reader, connection = node("b", mountpoint)
+        try:
+            deadline = time.monotonic() + 10
+            while connection.locate_many(keys.keys) != ["shared"] * count:
+                assert time.monotonic() < deadline, "the published blocks never became visible through the mount"
+                time.sleep(0.05)
+            target = [np.zeros_like(layer) for layer in data]
+            w = ServiceWorker(connection, target, page_bytes, job_timeout_ms=30_000, stall_timeout_ms=400)
+            w.can_report_load_failures = True  # KvtierConnector's route: a stalled load would be failed
+            started = time.monotonic()
+            assert w.submit_load(2, keys, blocks) and finished(w, 2, timeout_s=30)
+            elapsed = time.monotonic() - started
+            stats = connection.stats()
+            w.shutdown()
+            assert w.given_up_loads == 0, f"a load the mount was delivering was given up after {elapsed:.1f} s"
+            assert stats["remote_reads_given_up"] == 0, f"the service's stall limit gave reads up: {stats}"
+            assert w.take_failed_load_block_ids() == set(), "blocks missed"
+            assert elapsed > 1.2, f"{elapsed:.1f} s: not through the 1 MB/s mount"
+            assert all(np.array_equal(got, want) for got, want in zip(target, data, strict=True)), "node A's bytes"
+            assert stats["shared_bytes_received"] >= count * page_bytes * layers, "bytes counted as they landed"
+        finally:
+            kvtier_service.stop_service(reader.socket_path())

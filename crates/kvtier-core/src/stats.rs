@@ -54,6 +54,9 @@ counters!(
     shared_files_published,
     shared_bytes_written,
     shared_bytes_read,
+    // Bytes of shared-tier reads as their pieces land, before their blocks are verified (a load's
+    // progress on a slow mount).
+    shared_bytes_received,
     shared_evicted_files,
     shared_quarantined_files,
     shared_publish_errors,

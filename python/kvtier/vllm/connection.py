@@ -23,9 +23,10 @@ logger = logging.getLogger("kvtier.vllm")
 RECONNECT_INTERVAL_S = 1.0
 # How often this process looks for connections the service hung up on (``_watch_hangups``).
 HANGUP_CHECK_S = 0.5
-# The service's counters of bytes read from its tiers below DRAM (``tier_bytes_read``); the bucket's
-# as they arrive, so that a ranged GET of seconds shows progress before it ends.
-TIER_READ_FIELDS = ("bytes_read_nvme", "shared_bytes_read", "bucket_bytes_received")
+# The service's counters of bytes read from its tiers below DRAM (``tier_bytes_read``); the remote
+# tiers' as they land (a ranged GET's body, a shared-tier read's pieces), so that a read of seconds
+# on a slow link or mount shows progress before it ends.
+TIER_READ_FIELDS = ("bytes_read_nvme", "shared_bytes_received", "bucket_bytes_received")
 
 
 class ServiceUnreachable(ConnectionError):

@@ -183,7 +183,8 @@ struct Load<'a> {
     /// Remote reads in flight, and since when none of them finished (or the first started).
     remote_reads_in_flight: usize,
     remote_progress: Instant,
-    /// `bucket_bytes_received` when last looked at: bytes arriving are progress too (a slow link).
+    /// Remote bytes received when last looked at (`remote_bytes_arrived`): bytes arriving are
+    /// progress too (a slow link or mount).
     remote_bytes_seen: u64,
     /// Made with the first remote read (see `GivenUpReads`).
     given_up: Option<GivenUpReads>,
@@ -529,10 +530,14 @@ impl<'a> Load<'a> {
         }
     }
 
-    /// Whether ranged GETs received bytes since the last look (this store's, any load's: they share
-    /// the link). Looked at once per stall limit, so a link that delivers nothing ends the wait.
+    /// Whether remote reads received bytes since the last look: ranged GETs' bodies, shared-tier
+    /// reads' pieces (this store's, any load's: they share the link or the mount). Looked at once per
+    /// stall limit, so a tier that delivers nothing ends the wait.
     fn remote_bytes_arrived(&mut self) -> bool {
-        let received = self.sh.stats.bucket_bytes_received.load(std::sync::atomic::Ordering::Relaxed);
+        use std::sync::atomic::Ordering::Relaxed;
+        let stats = &self.sh.stats;
+        let received =
+            stats.bucket_bytes_received.load(Relaxed).wrapping_add(stats.shared_bytes_received.load(Relaxed));
         let arrived = received != self.remote_bytes_seen;
         self.remote_bytes_seen = received;
         arrived

@@ -2,6 +2,11 @@
 //! flight at once, as the NVMe tier's are), each then judged: read whole, from an indexed file that
 //! still exists, with the key, namespace, checksums and (with a deployment key) tag it must have.
 //! What fails is a counted miss and, when the file itself is bad, quarantined; never bytes.
+//!
+//! A block is read in pieces of at most [`READ_PIECE_BYTES`], counted in `shared_bytes_received` as
+//! each lands. On a slow mount a load's reads share its bandwidth, so whole-block reads would all end
+//! together, late, and until then a load (the service's remote stall limit, the engine worker's
+//! watchdog) could not tell a slow mount from a frozen one; landing pieces are the progress they see.
 
 use super::files::OpenError;
 use super::format::{unix_ms, BLOCK_TAG_AT, TAG_BYTES};
@@ -12,16 +17,25 @@ use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::format::encrypted::open_slot;
 use crate::format::{checksum, ALIGN_BYTES};
 use crate::io::buffer::AlignedBuf;
+#[cfg(any(test, feature = "testing"))]
+use crate::io::device::Abandoned;
 use crate::io::device::{is_abandoned, OnDone, Transfer};
 use crate::io::OpKind;
 use crate::key::BlockKey;
 use crate::stats::Stats;
 use crate::tiers::remote::ReadOutcome;
+use parking_lot::Mutex;
 use std::fs::File;
 use std::io::ErrorKind;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
+
+/// The most bytes one read of a block asks the mount for (a multiple of the page, as O_DIRECT needs):
+/// small enough that a piece lands every quarter second at 1 MB/s, large enough to be one or two
+/// requests of a network filesystem's client (FUSE reads 128 KiB at a time, NFS up to 1 MiB).
+pub(crate) const READ_PIECE_BYTES: usize = 128 * 1024;
+const _: () = assert!(READ_PIECE_BYTES.is_multiple_of(ALIGN_BYTES));
 
 /// What a finished read of an indexed block proved (side effects already applied: a bad file is
 /// quarantined, a vanished one forgotten).
@@ -69,19 +83,29 @@ impl SharedTier {
     pub unsafe fn read_many(&self, reads: &[(BlockKey, *mut u8)]) -> Vec<ReadOutcome> {
         debug_assert!(reads.iter().all(|&(_, slot)| is_page_aligned(slot)), "a slot is not 4096-aligned");
         let mut outcomes = vec![ReadOutcome::Miss; reads.len()];
+        let (tx, rx) = crossbeam_channel::unbounded();
         let mut started = Vec::with_capacity(reads.len());
-        let mut transfers = Vec::with_capacity(reads.len());
         for (index, &(key, slot)) in reads.iter().enumerate() {
-            if let Some((read, transfer)) = self.plan_read(&key, slot) {
-                started.push((index, read));
-                transfers.push(transfer);
+            let tx = tx.clone();
+            let on_done: OnDone = Box::new(move |result| {
+                let _ = tx.send((index, result));
+            });
+            // SAFETY: forwarded contract; the slot is judged below once its read finished.
+            if let Some(read) = unsafe { self.start_read(&key, slot, on_done) } {
+                started.push((index, Some(read)));
             }
         }
-        let results = self.io.run_all(transfers);
-        debug_assert_eq!(results.len(), started.len(), "one result per transfer");
-        for ((index, read), result) in started.into_iter().zip(results) {
+        drop(tx);
+        // Ends once every `on_done` has run or been dropped (a dead device thread: abandoned).
+        let mut results: Vec<Option<std::io::Result<()>>> = (0..reads.len()).map(|_| None).collect();
+        for (index, result) in rx.iter() {
+            results[index] = Some(result);
+        }
+        for (index, read) in &mut started {
+            let result = results[*index].take().unwrap_or_else(|| Err(std::io::Error::other(Abandoned)));
+            let read = read.take().expect("each read judged once");
             // SAFETY: the caller's slot is ours for the call (contract above), and the read finished.
-            outcomes[index] = unsafe { self.finish_started(read, reads[index].1, result) };
+            outcomes[*index] = unsafe { self.finish_started(read, reads[*index].1, result) };
         }
         outcomes
     }
@@ -96,8 +120,38 @@ impl SharedTier {
     pub unsafe fn start_read(&self, key: &BlockKey, slot: *mut u8, on_done: OnDone) -> Option<FileRead> {
         debug_assert!(is_page_aligned(slot), "slot {slot:?} is not 4096-aligned");
         let (read, transfer) = self.plan_read(key, slot)?;
-        self.io.read(transfer.into_op(on_done));
+        self.read_in_pieces(transfer, on_done);
         Some(read)
+    }
+
+    /// Puts `transfer` on the tier's queue in pieces of at most [`READ_PIECE_BYTES`], each counted in
+    /// `shared_bytes_received` as it lands. `on_done` runs once, after the last piece: with the first
+    /// failure, an abandoned piece's before any other (the kernel may still write into that slot); it
+    /// is dropped uncalled, as a whole read's would be, if a piece's is.
+    fn read_in_pieces(&self, transfer: Transfer, on_done: OnDone) {
+        assert!(transfer.iovecs.is_empty() && transfer.len > 0, "a block is read into one buffer");
+        let pieces = transfer.len.div_ceil(READ_PIECE_BYTES);
+        let joined = Arc::new(Mutex::new(Pieces { left: pieces, outcome: Ok(()), on_done: Some(on_done) }));
+        for piece in 0..pieces {
+            let at = piece * READ_PIECE_BYTES;
+            let len = READ_PIECE_BYTES.min(transfer.len - at);
+            let (joined, stats) = (Arc::clone(&joined), Arc::clone(&self.stats));
+            let part = Transfer {
+                kind: OpKind::Read,
+                file: Arc::clone(&transfer.file),
+                offset: transfer.offset + at as u64,
+                // Inside the slot: `at < transfer.len`.
+                buf: transfer.buf.wrapping_add(at),
+                len,
+                iovecs: Vec::new(),
+            };
+            self.io.read(part.into_op(Box::new(move |result| {
+                if result.is_ok() {
+                    Stats::add(&stats.shared_bytes_received, len as u64);
+                }
+                Pieces::landed(&joined, result);
+            })));
+        }
     }
 
     /// Where `key` is and the transfer that reads it into `slot`; `None` is a counted miss.
@@ -408,7 +462,81 @@ impl SharedTier {
     }
 }
 
+/// The pieces of one block's read (`SharedTier::read_in_pieces`) still in flight, and how they went.
+struct Pieces {
+    left: usize,
+    outcome: std::io::Result<()>,
+    on_done: Option<OnDone>,
+}
+
+impl Pieces {
+    /// One piece finished: kept if it is the worst so far; the block's `on_done` runs after the last.
+    fn landed(joined: &Mutex<Pieces>, result: std::io::Result<()>) {
+        let mut pieces = joined.lock();
+        debug_assert!(pieces.left > 0, "more pieces landed than were read");
+        pieces.left -= 1;
+        if let Err(e) = result {
+            let worse = match &pieces.outcome {
+                Ok(()) => true,
+                Err(kept) => is_abandoned(&e) && !is_abandoned(kept),
+            };
+            if worse {
+                pieces.outcome = Err(e);
+            }
+        }
+        if pieces.left > 0 {
+            return;
+        }
+        let outcome = std::mem::replace(&mut pieces.outcome, Ok(()));
+        let on_done = pieces.on_done.take().expect("the last piece runs the block's on_done once");
+        drop(pieces);
+        on_done(outcome);
+    }
+}
+
 /// Whether an O_DIRECT read may land at `slot` (non-null, 4096-aligned).
 fn is_page_aligned(slot: *mut u8) -> bool {
     !slot.is_null() && (slot as usize).is_multiple_of(4096)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a block's `on_done` got (`None`: not run yet).
+    type Got = Arc<Mutex<Option<std::io::Result<()>>>>;
+
+    /// The pieces of one block, and what its `on_done` got.
+    fn pieces(left: usize) -> (Arc<Mutex<Pieces>>, Got) {
+        let got = Arc::new(Mutex::new(None));
+        let sink = Arc::clone(&got);
+        let on_done: OnDone = Box::new(move |result| *sink.lock() = Some(result));
+        (Arc::new(Mutex::new(Pieces { left, outcome: Ok(()), on_done: Some(on_done) })), got)
+    }
+
+    #[test]
+    fn a_block_is_done_after_its_last_piece_with_its_worst_outcome() {
+        let (joined, got) = pieces(3);
+        Pieces::landed(&joined, Err(std::io::Error::other("EIO")));
+        Pieces::landed(&joined, Ok(()));
+        assert!(got.lock().is_none(), "two of three pieces landed");
+        Pieces::landed(&joined, Err(std::io::Error::other(Abandoned)));
+        let outcome = got.lock().take().expect("the block is done");
+        assert!(outcome.is_err_and(|e| is_abandoned(&e)), "an abandoned piece outweighs a failed one");
+
+        let (joined, got) = pieces(2);
+        Pieces::landed(&joined, Ok(()));
+        Pieces::landed(&joined, Ok(()));
+        assert!(got.lock().take().expect("done").is_ok());
+    }
+
+    #[test]
+    fn a_block_whose_piece_was_dropped_drops_its_on_done_uncalled() {
+        let (joined, got) = pieces(2);
+        Pieces::landed(&joined, Ok(()));
+        let dropped = Arc::strong_count(&got);
+        drop(joined); // the other piece's operation dropped by a dead device thread
+        assert!(got.lock().is_none(), "never called");
+        assert_eq!(Arc::strong_count(&got), dropped - 1, "the block's on_done was dropped with it");
+    }
 }
