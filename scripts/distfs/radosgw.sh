@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # An S3 server on 127.0.0.1 for the object tier's tests and benchmarks: Ceph's RADOS gateway on a
-# one-node Ceph (one monitor, one OSD on memstore: in RAM, KVTIER_CEPH_OSD_BYTES, 1 GiB by default),
-# all state in STATE_DIR with its own cluster config (nothing in /etc/ceph or /var/lib/ceph).
+# one-node Ceph (one monitor, one OSD of KVTIER_CEPH_OSD_BYTES, 1 GiB by default), all state in
+# STATE_DIR with its own cluster config (nothing in /etc/ceph or /var/lib/ceph). The OSD is on
+# memstore (in RAM) unless KVTIER_CEPH_OSD_STORE=bluestore: then on a sparse file in STATE_DIR, its
+# cache held to 1 GiB (memstore takes about twice what it holds, more than a large benchmark's
+# bucket leaves of this machine's memory beside its engines).
 #
 #   scripts/distfs/radosgw.sh up STATE_DIR     # prints ENDPOINT=, ACCESS_KEY=, SECRET_KEY=, PID=
 #   scripts/distfs/radosgw.sh down STATE_DIR   # stops every daemon it started, removes STATE_DIR
@@ -16,6 +19,8 @@ set -euo pipefail
 cmd=${1:?usage: radosgw.sh up|down STATE_DIR}
 state=${2:?usage: radosgw.sh up|down STATE_DIR}
 osd_bytes=${KVTIER_CEPH_OSD_BYTES:-1073741824}
+osd_store=${KVTIER_CEPH_OSD_STORE:-memstore}
+[[ $osd_store == memstore || $osd_store == bluestore ]] || { echo "KVTIER_CEPH_OSD_STORE=$osd_store: memstore or bluestore" >&2; exit 2; }
 rgw_port=${KVTIER_RGW_PORT:-7481}
 mon_port=${KVTIER_CEPH_MON_PORT:-3301}
 # A lifecycle "day" in seconds (RGW's rgw_lc_debug_interval; also lifts the daily work-time window),
@@ -65,9 +70,13 @@ mon data = $state/mon/\$name
 mon cluster log file = $state/logs/cluster.log
 [osd]
 osd data = $state/osd/\$name
-osd objectstore = memstore
+osd objectstore = $osd_store
 memstore device bytes = $osd_bytes
 osd journal size = 100
+bluestore block create = true
+bluestore block size = $osd_bytes
+bluestore fsck on mount = false
+osd memory target = 1073741824
 [client.rgw.a]
 rgw frontends = beast endpoint=127.0.0.1:$rgw_port
 rgw data = $state/rgw

@@ -6,8 +6,10 @@ prefix, with the credentials in this process's environment (``AWS_ACCESS_KEY_ID`
 processes such as an engine's host service inherit them; they are never options, never in the
 results). Without a URL it brings up ``scripts/distfs/radosgw.sh`` (root, Debian's Ceph packages)
 in a state directory of its own, creates the bucket, and tears everything down at the end, also
-when the benchmark fails. With a URL it uses that bucket and the credentials already in the
-environment, and deletes the run's prefix at the end.
+when the benchmark fails. Its OSD holds the run's objects in RAM (memstore) when that fits beside
+the engines (``osd_store``), else on a sparse file in the state directory (bluestore): a 32-user
+run's memstore OSD took 17 GB and was OOM-killed on a 24 GiB machine. With a URL it uses that
+bucket and the credentials already in the environment, and deletes the run's prefix at the end.
 
 Requests made here (bucket creation, listing, deleting a prefix) are signed by curl's
 ``--aws-sigv4``: the test environment has no S3 SDK, and these few calls do not need one.
@@ -37,6 +39,10 @@ BRING_UP_TIMEOUT_S = 300
 FIRST_OBJECT_TIMEOUT_S = 60  # the gateway creates its data pool at the first object written
 REQUEST_TIMEOUT_S = 60
 CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION")
+# A memstore OSD took about twice the bytes it held (17 GB for 8 GiB of objects); it may take this
+# share of the memory available at bring-up, the rest is the engines'.
+MEMSTORE_SHARE_OF_AVAILABLE = 0.5
+MEMSTORE_BYTES_PER_BYTE = 2
 
 
 def add_arguments(parser: Any, use: str, endpoint_note: str = "default AWS") -> None:
@@ -142,8 +148,35 @@ def missing_reason() -> str | None:
     return None
 
 
-def _run_script(action: str, state_dir: str, osd_bytes: int) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "KVTIER_CEPH_OSD_BYTES": str(osd_bytes)}
+def available_memory_bytes() -> int:
+    """``MemAvailable`` of /proc/meminfo (0 where there is none)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def osd_store(osd_bytes: int, state_dir: str, available_bytes: int | None = None) -> str:
+    """Where the local gateway's OSD keeps ``osd_bytes``: ``memstore`` (RAM) while it takes at most
+    ``MEMSTORE_SHARE_OF_AVAILABLE`` of the memory available, else ``bluestore`` on a sparse file
+    under ``state_dir``, which needs that much free disk."""
+    available = available_memory_bytes() if available_bytes is None else available_bytes
+    if osd_bytes * MEMSTORE_BYTES_PER_BYTE <= available * MEMSTORE_SHARE_OF_AVAILABLE:
+        return "memstore"
+    parent = Path(state_dir).parent
+    free = shutil.disk_usage(parent).free if parent.exists() else 0
+    if free < osd_bytes:
+        raise BucketUnavailable(
+            f"the local gateway's OSD needs {osd_bytes >> 20} MiB: more than fits in memory beside the engines "
+            f"({available >> 20} MiB available) and than {parent} has free ({free >> 20} MiB); fewer users, "
+            "a disk with room, or --bucket-url"
+        )
+    return "bluestore"
+
+
+def _run_script(action: str, state_dir: str, osd_bytes: int, store: str = "memstore") -> subprocess.CompletedProcess:
+    environment = {**os.environ, "KVTIER_CEPH_OSD_BYTES": str(osd_bytes), "KVTIER_CEPH_OSD_STORE": store}
     return subprocess.run(
         ["bash", str(SCRIPT), action, state_dir],
         capture_output=True,
@@ -158,7 +191,8 @@ def _bring_up(state_dir: str, osd_bytes: int, prefix: str, log) -> Bucket:
     if reason:
         raise BucketUnavailable(reason)
     started = time.monotonic()
-    done = _run_script("up", state_dir, osd_bytes)
+    store = osd_store(osd_bytes, state_dir)
+    done = _run_script("up", state_dir, osd_bytes, store)
     if done.returncode != 0:
         _run_script("down", state_dir, osd_bytes)
         raise BucketUnavailable(f"radosgw.sh up failed (rc {done.returncode}): {done.stderr.strip()[-2000:]}")
@@ -178,7 +212,8 @@ def _bring_up(state_dir: str, osd_bytes: int, prefix: str, log) -> Bucket:
         time.sleep(0.5)
     bucket.request("DELETE", f"{bucket.name}/{prefix}-warm-up")
     elapsed_s = time.monotonic() - started
-    log(f"radosgw: up in {elapsed_s:.1f} s at {bucket.endpoint} (memstore OSD of {osd_bytes >> 20} MiB)")
+    where = "in RAM" if store == "memstore" else f"on a file under {state_dir}"
+    log(f"radosgw: up in {elapsed_s:.1f} s at {bucket.endpoint} ({store} OSD of {osd_bytes >> 20} MiB, {where})")
     return bucket
 
 

@@ -253,5 +253,5 @@ def judged(document: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def osd_bytes(users: list[int], prefix_tokens: int, kv_bytes_per_token: int | None) -> int:
-    """A local gateway's memstore OSD (RAM): every point's users' prefixes, with room."""
+    """A local gateway's OSD (``bucket.osd_store``: RAM or disk): every point's users' prefixes, with room."""
     return int(sum(users) * prefix_tokens * (kv_bytes_per_token or 0) * 1.25) + (1 << 30)
