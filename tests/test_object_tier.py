@@ -826,7 +826,7 @@ def test_a_worker_load_waiting_on_a_slow_bucket_that_delivers_is_not_given_up(rg
     from kvtier import service as kvtier_service
     from kvtier.bench.slowlink import LinkSpec, SlowLink
     from kvtier.vllm import KvtierLoadStoreSpec, KvtierOptions, ServiceConnection, ServiceWorker
-    from test_vllm_worker import finished
+    from test_vllm_worker import finished, load_watched
 
     layers, page_bytes, count = 2, 64 * 1024, 16
     blocks = GPULoadStoreSpec(list(range(count)), group_sizes=[count], block_indices=[0])
@@ -857,26 +857,16 @@ def test_a_worker_load_waiting_on_a_slow_bucket_that_delivers_is_not_given_up(rg
     link = SlowLink(rgw.endpoint.removeprefix("http://"), LinkSpec(1.0))
     reader, connection = node("b", f"http://127.0.0.1:{link.start()}")
     try:
-        deadline = time.monotonic() + 10
-        while connection.locate_many(keys.keys) != ["bucket"] * count:
-            assert time.monotonic() < deadline, "the published blocks never became visible"
-            time.sleep(0.05)
-        target = [np.zeros_like(layer) for layer in source]
-        w = ServiceWorker(connection, target, page_bytes, job_timeout_ms=30_000, stall_timeout_ms=400)
-        w.can_report_load_failures = True  # KvtierConnector's route: a stalled load would be failed
-        started = time.monotonic()
-        assert w.submit_load(2, keys, blocks) and finished(w, 2, timeout_s=30)
-        elapsed = time.monotonic() - started
-        received, errors = (connection.stats()[name] for name in ("bucket_bytes_received", "bucket_request_errors"))
-        w.shutdown()
-        assert w.given_up_loads == 0, f"a load the bucket was delivering was given up after {elapsed:.1f} s"
-        assert w.take_failed_load_block_ids() == set(), "blocks missed (the service's remote stall limit?)"
+        load = load_watched(connection, "bucket", keys, blocks, source, page_bytes)
+        elapsed, stats = load.elapsed_s, load.stats
+        assert load.worker.given_up_loads == 0, f"a load the bucket was delivering was given up after {elapsed:.1f} s"
+        assert load.worker.take_failed_load_block_ids() == set(), "blocks missed (the service's remote stall limit?)"
         assert elapsed > 1.2, f"{elapsed:.1f} s: not through the 1 MB/s link"
-        assert all(np.array_equal(got, want) for got, want in zip(target, source, strict=True)), (
+        assert all(np.array_equal(got, want) for got, want in zip(load.target, source, strict=True)), (
             "the bytes node A stored"
         )
-        assert received >= count * page_bytes * layers, "the bytes received as they arrived"
-        assert errors == 0, "a GET timed out while its bytes arrived"
+        assert stats["bucket_bytes_received"] >= count * page_bytes * layers, "the bytes received as they arrived"
+        assert stats["bucket_request_errors"] == 0, "a GET timed out while its bytes arrived"
     finally:
         kvtier_service.stop_service(reader.socket_path())
         link.close()

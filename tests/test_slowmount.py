@@ -252,7 +252,7 @@ def test_a_worker_load_waiting_on_a_slow_mount_that_delivers_is_not_given_up(tmp
 
     from kvtier import service as kvtier_service
     from kvtier.vllm import KvtierLoadStoreSpec, KvtierOptions, ServiceConnection, ServiceWorker
-    from test_vllm_worker import finished
+    from test_vllm_worker import finished, load_watched
 
     layers, page_bytes, count = 2, 64 * 1024, 16
     blocks = GPULoadStoreSpec(list(range(count)), group_sizes=[count], block_indices=[0])
@@ -286,23 +286,15 @@ def test_a_worker_load_waiting_on_a_slow_mount_that_delivers_is_not_given_up(tmp
     with slowmount.SlowMount(source, mountpoint, LinkSpec(1.0), log_path=tmp_path / "mount.log"):
         reader, connection = node("b", mountpoint)
         try:
-            deadline = time.monotonic() + 10
-            while connection.locate_many(keys.keys) != ["shared"] * count:
-                assert time.monotonic() < deadline, "the published blocks never became visible through the mount"
-                time.sleep(0.05)
-            target = [np.zeros_like(layer) for layer in data]
-            w = ServiceWorker(connection, target, page_bytes, job_timeout_ms=30_000, stall_timeout_ms=400)
-            w.can_report_load_failures = True  # KvtierConnector's route: a stalled load would be failed
-            started = time.monotonic()
-            assert w.submit_load(2, keys, blocks) and finished(w, 2, timeout_s=30)
-            elapsed = time.monotonic() - started
-            stats = connection.stats()
-            w.shutdown()
-            assert w.given_up_loads == 0, f"a load the mount was delivering was given up after {elapsed:.1f} s"
+            load = load_watched(connection, "shared", keys, blocks, data, page_bytes)
+            elapsed, stats = load.elapsed_s, load.stats
+            assert load.worker.given_up_loads == 0, (
+                f"a load the mount was delivering was given up after {elapsed:.1f} s"
+            )
             assert stats["remote_reads_given_up"] == 0, f"the service's stall limit gave reads up: {stats}"
-            assert w.take_failed_load_block_ids() == set(), "blocks missed"
+            assert load.worker.take_failed_load_block_ids() == set(), "blocks missed"
             assert elapsed > 1.2, f"{elapsed:.1f} s: not through the 1 MB/s mount"
-            assert all(np.array_equal(got, want) for got, want in zip(target, data, strict=True)), "node A's bytes"
+            assert all(np.array_equal(got, want) for got, want in zip(load.target, data, strict=True)), "node A's bytes"
             assert stats["shared_bytes_received"] >= count * page_bytes * layers, "bytes counted as they landed"
         finally:
             kvtier_service.stop_service(reader.socket_path())

@@ -108,6 +108,41 @@ def finished(w: JobQueueWorker, job_id: int, timeout_s: float = 10) -> bool:
     return False
 
 
+@dataclasses.dataclass
+class WatchedLoad:
+    """A load through a slow tier, watched as an engine's would be (`load_watched`)."""
+
+    target: list[np.ndarray]
+    worker: ServiceWorker  # shut down
+    elapsed_s: float
+    stats: dict  # the service's counters right after the load
+
+
+def load_watched(
+    connection: ServiceConnection,
+    tier: str,
+    keys: KvtierLoadStoreSpec,
+    blocks: GPULoadStoreSpec,
+    like: list[np.ndarray],
+    page_bytes: int,
+) -> WatchedLoad:
+    """Waits until the service locates every key in `tier`, then loads them into buffers shaped as
+    `like` on KvtierConnector's route (a stalled load is failed) with a 0.4-s stall timeout."""
+    deadline = time.monotonic() + 10
+    while connection.locate_many(keys.keys) != [tier] * len(keys.keys):
+        assert time.monotonic() < deadline, f"the published blocks never became visible in the {tier} tier"
+        time.sleep(0.05)
+    target = [np.zeros_like(layer) for layer in like]
+    w = ServiceWorker(connection, target, page_bytes, job_timeout_ms=30_000, stall_timeout_ms=400)
+    w.can_report_load_failures = True
+    started = time.monotonic()
+    assert w.submit_load(2, keys, blocks) and finished(w, 2, timeout_s=30)
+    elapsed_s = time.monotonic() - started
+    stats = connection.stats()
+    w.shutdown()
+    return WatchedLoad(target, w, elapsed_s, stats)
+
+
 def test_stores_wait_for_the_prefill_step_and_loads_do_not(service):
     source = layers()
     w = worker(service, source)
