@@ -542,3 +542,34 @@ def test_bench_serve_slow_link_small(tmp_path):
     assert auto["load_decisions"], "kvtier's choice counted its decisions"
     (judged,) = document["slow_link"]
     assert judged["users"] == 4 and judged["auto_over_best"] is not None
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_bench_serve_slow_mount_small(tmp_path):
+    """`kvtier bench serve --slow-mount` end to end at CI size (FUSE): vLLM alone, node A publishing into
+    the run's shared directory, then always-load and kvtier's choice through a 4 MB/s mount of it; no
+    problem (node A published, always-load loaded from the shared tier, kvtier's choice counted decisions),
+    the choice judged, and the mount and its directory gone. Full only: four servers."""
+    _require_vllm()
+    from kvtier.bench import slowmount
+
+    reason = slowmount.missing_reason()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "slow"
+    command = [sys.executable, "-m", "kvtier", "bench", "serve", "--small", "--slow-mount", "4", "--users", "4"]
+    completed = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=3600)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    document = json.loads((out / "results.json").read_text())
+    assert [r["row"] for r in document["rows"]] == [
+        "vllm", "kvtier-mount-publish", "kvtier-mount-always@4", "kvtier-mount-auto@4",
+    ]  # fmt: skip
+    rows = {record["row"]: record for record in document["rows"]}
+    (always,) = rows["kvtier-mount-always@4"]["points"]
+    (auto,) = rows["kvtier-mount-auto@4"]["points"]
+    assert always["kvtier"]["shared_hits"] > 0 and always["failed"] == 0 and auto["failed"] == 0
+    assert auto["load_decisions"], "kvtier's choice counted its decisions"
+    (judged,) = document["slow_link"]
+    assert judged["tier"] == "shared" and judged["users"] == 4 and judged["auto_over_best"] is not None
+    assert not (out / "slow-mount").exists(), "the shared directory and the mount point went with the run"

@@ -191,3 +191,54 @@ def test_serve_reads_the_decisions_and_judges_the_choice():
     assert "no load decision" in serve_slow.row_problems("kvtier-object-auto@20", points)[0]
     assert "published no segment" in serve_slow.row_problems("kvtier-object-publish", points)[0]
     assert serve_slow.row_problems("kvtier-dram", points) == []
+    mount_points = [{"users": 12, "kvtier": {"shared_hits": 0, "shared_files_published": 0}, "load_decisions": {}}]
+    assert serve_slow.row_problems("kvtier-mount-always@20", mount_points) == [
+        "always-load loaded no block from the shared directory"
+    ]
+    assert serve_slow.row_problems("kvtier-mount-publish", mount_points) == [], "checked after the row instead"
+    document["rows"] += [
+        {"row": "kvtier-mount-always@20", "points": [{"users": 12, "request_throughput": 1.2}]},
+        {"row": "kvtier-mount-auto@20", "points": [{"users": 12, "request_throughput": 1.1}]},
+    ]
+    bucket_row, mount_row = serve_slow.judged(document)
+    assert (bucket_row["tier"], mount_row["tier"]) == ("bucket", "shared")
+    assert mount_row["better"] == "always-load" and mount_row["auto_over_best"] == pytest.approx(1.1 / 1.2)
+
+
+def test_node_a_of_the_slow_mount_is_checked_for_files_after_its_row(tmp_path):
+    """The shared tier publishes a file once it is full or when the store closes: node A's row is judged
+    by the files in the run's shared directory once its server stopped, not by a point's counters."""
+    plan = {"slow_link_latency_ms": 30.0}
+    with serve_slow.ObjectRows(plan, tmp_path, lambda _: None) as rows:
+        assert rows.options("kvtier-mount-publish") == {
+            "shared_root": str(tmp_path / "slow-mount" / "source"), "load_policy": "auto",
+        }  # fmt: skip
+        record: dict = {"problems": []}
+        rows.row_done("kvtier-mount-publish", record)
+        assert record["problems"] == [
+            "node A published no file to the shared directory: the slow rows would read nothing"
+        ]
+        data = tmp_path / "slow-mount" / "source" / "data" / "ab"
+        data.mkdir(parents=True)
+        (data / "file").write_bytes(b"x")
+        record = {"problems": []}
+        rows.row_done("kvtier-mount-publish", record)
+        assert record["problems"] == []
+    assert not (tmp_path / "slow-mount").exists()
+
+
+def test_serve_plan_with_a_slow_mount():
+    """`--slow-mount`: the shared tier's rows, node A first, each speed's pair after; not with --slow-link."""
+    plan = serve.make_plan(serve.build_parser().parse_args(["--small", "--slow-mount", "4,50"]))
+    assert plan["users"] == [12] and plan["slow_mount"] == "4,50" and "bucket_osd_bytes" not in plan
+    assert plan["rows"] == [
+        "vllm", "kvtier-mount-publish", "kvtier-mount-always@4", "kvtier-mount-auto@4",
+        "kvtier-mount-always@50", "kvtier-mount-auto@50",
+    ]  # fmt: skip
+    assert serve.row_title("kvtier-mount-auto@4") == "kvtier's choice (auto), slow mount, 4 MB/s"
+    assert serve.store_options("kvtier-mount-always@4", plan, serve.Path("/s"))["nvme_bytes"] == 0
+    assert serve_slow.is_auto_row("kvtier-mount-auto@4") and not serve_slow.is_auto_row("kvtier-mount-always@4")
+    with pytest.raises(serve.BenchError, match="give one of them"):
+        serve.make_plan(serve.build_parser().parse_args(["--slow-mount", "4", "--slow-link", "4"]))
+    with pytest.raises(serve.BenchError, match="add --slow-mount"):
+        serve.make_plan(serve.build_parser().parse_args(["--rows", "kvtier-mount-auto"]))

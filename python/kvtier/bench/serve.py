@@ -60,10 +60,9 @@ Rows (each one server, or two, started fresh for the row and stopped after it; o
 - ``kvtier-object-always`` and ``kvtier-object-auto`` (with ``--slow-link MB/S,...``): a fresh server
   reading a bucket through a slow link, which ``kvtier-object-publish`` (node A, added before them)
   filled by running every point first; per link speed, always-load and kvtier's choice
-  (``kvtier.bench.serve_slow``, which says how).
-- A shared-tier row (kvtier's ``shared_root``, docs/shared-tier.md) is not offered: it needs a
-  shared filesystem and a second node's view of it, which ``kvtier bench ttft --shared-root-*``
-  measures one request at a time.
+  (``kvtier.bench.serve_slow``, which says how). ``kvtier-mount-always`` and ``kvtier-mount-auto``
+  (with ``--slow-mount MB/S,...``): the same with the shared-filesystem tier read through a slow
+  FUSE mount of the directory ``kvtier-mount-publish`` filled.
 
 Points: for each ``--users`` value, one ``vllm bench serve`` run on the row's server(s), kept across
 the points of the row (as a deployment keeps its servers). Before each point vLLM's own prefix cache
@@ -167,7 +166,7 @@ def row_hit_problems(row: str, record: dict[str, Any], server_log: Path | None) 
     vLLM) and LMCache's log (degraded mode)."""
     points = record["points"]
     # kvtier's choice may recompute every hit (a slow tier): its own check is that it decided (serve_slow).
-    if row == "vllm" or not points or serve_slow.row_base(row) == serve_slow.AUTO_ROW:
+    if row == "vllm" or not points or serve_slow.is_auto_row(row):
         return []
     problems = []
     if row in LMCACHE_ROWS:
@@ -226,7 +225,7 @@ def measure_point(
 
 
 def row_title(row: str) -> str:
-    """A row's label; an object row's with its link speed."""
+    """A row's label; a slow tier row's with its speed."""
     rate = serve_slow.row_rate(row)
     label = ROW_LABELS[serve_slow.row_base(row)]
     return label if rate is None else f"{label}, {rate:g} MB/s"
@@ -234,7 +233,7 @@ def row_title(row: str) -> str:
 
 def run_row(plan: dict[str, Any], row: str, out_dir: Path, timeout_s: int, started: float, objects: Any = None) -> dict:
     """One row: its server(s) started, warmed up, every point measured, then all of it stopped and
-    removed. ``objects``: the object rows' bucket and slow link (serve_slow.ObjectRows)."""
+    removed. ``objects``: the slow tier rows' tier and slow path (serve_slow.ObjectRows)."""
     from kvtier.service import default_socket_path, stop_service
 
     record: dict[str, Any] = {"row": row, "label": row_title(row), "servers": [], "points": [], "problems": []}
@@ -317,7 +316,7 @@ def run_rows(plan: dict[str, Any], document: dict[str, Any], out_dir: Path, time
             row_dir = out_dir if occurrence == 1 else out_dir / f"{row}-{occurrence}"
             row_dir.mkdir(parents=True, exist_ok=True)
             record = run_row(plan, row, row_dir, timeout_s, started, objects)
-            objects.row_done(row)
+            objects.row_done(row, record)
             record["occurrence"] = occurrence
             document["rows"].append(record)
             (out_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")

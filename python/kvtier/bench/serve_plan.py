@@ -20,7 +20,9 @@ REUSE_ROW = "kvtier-nvme-reuse"
 SHARED_TIER_ROW = "kvtier-shared"
 TWO_SERVER_ROWS = ("kvtier-2x-shared", "kvtier-2x-private")
 LMCACHE_ROWS = ("lmcache", "lmcache-disk")
-ALL_ROWS = (*ROWS, REUSE_ROW, SHARED_TIER_ROW, *TWO_SERVER_ROWS, *LMCACHE_ROWS, *serve_slow.OBJECT_ROWS)
+ALL_ROWS = (
+    *ROWS, REUSE_ROW, SHARED_TIER_ROW, *TWO_SERVER_ROWS, *LMCACHE_ROWS, *serve_slow.OBJECT_ROWS, *serve_slow.MOUNT_ROWS,
+)  # fmt: skip
 ROW_LABELS = {
     "vllm": "vLLM alone",
     "kvtier-dram": "kvtier DRAM",
@@ -166,7 +168,8 @@ def _add_row_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rows", default=None,
         help=f"rows to run, comma-separated, from {', '.join(ALL_ROWS)} (default: {','.join(ROWS)}; with "
-        f"--slow-link: vllm,{','.join(serve_slow.OBJECT_ROWS)}); a row may "
+        f"--slow-link: vllm,{','.join(serve_slow.OBJECT_ROWS)}; with --slow-mount: "
+        f"vllm,{','.join(serve_slow.MOUNT_ROWS)}); a row may "
         "come twice (vllm,kvtier-dram,kvtier-nvme,vllm: vLLM alone first and last, so drift over the run favors no "
         f"row); the lmcache rows need {LMCACHE_VENV} ({LMCACHE_INSTALL}) or --lmcache-python",
     )  # fmt: skip
@@ -219,8 +222,15 @@ def _add_slow_link_options(parser: argparse.ArgumentParser) -> None:
         f"vllm,{','.join(serve_slow.OBJECT_ROWS)}, users {serve_slow.DEFAULT_USERS} (--users 12,32 adds 32)",
     )  # fmt: skip
     parser.add_argument(
-        "--slow-link-latency-ms", type=float, default=30.0, help="latency the slow link adds each way (default 30)"
-    )
+        "--slow-mount", metavar="MB/S,...",
+        help=f"the rows {', '.join(serve_slow.MOUNT_ROWS)} read the shared-filesystem tier through a slow mount (a "
+        f"FUSE passthrough, kvtier.bench.slowmount) of each of these speeds; node A ({serve_slow.MOUNT.publish_row}) "
+        f"publishes every prefix first; default rows vllm,{','.join(serve_slow.MOUNT_ROWS)}; not with --slow-link",
+    )  # fmt: skip
+    parser.add_argument(
+        "--slow-link-latency-ms", type=float, default=30.0,
+        help="latency the slow link adds each way, or the slow mount to each request (default 30)",
+    )  # fmt: skip
     bucket.add_arguments(parser, "the object rows", "on 127.0.0.1 for the slow link")
 
 
@@ -272,7 +282,9 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, name)
         return sizes[name] if value is None else value
 
-    if args.slow_link and args.users is None:
+    if args.slow_link and args.slow_mount:
+        raise BenchError("--slow-link and --slow-mount are runs of their own: give one of them")
+    if (args.slow_link or args.slow_mount) and args.users is None:
         args.users = serve_slow.DEFAULT_USERS
     plan = {
         "preset": pick("preset"),
@@ -321,16 +333,23 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
             bucket_endpoint=args.bucket_endpoint,
             bucket_osd_bytes=serve_slow.osd_bytes(plan["users"], plan["prefix_len"], kv_bytes),
         )  # fmt: skip
-    elif args.bucket_url or args.bucket_endpoint:
+    elif args.slow_mount:
+        plan.update(slow_mount=args.slow_mount, slow_link_latency_ms=args.slow_link_latency_ms)
+    if not args.slow_link and (args.bucket_url or args.bucket_endpoint):
         raise BenchError("--bucket-url and --bucket-endpoint are the object rows' bucket: they go with --slow-link")
     return plan
 
 
 def slow_link_rows(args: argparse.Namespace) -> list[str]:
-    """The rows asked for, the object rows expanded per link speed (serve_slow.expand_rows)."""
-    default = f"vllm,{','.join(serve_slow.OBJECT_ROWS)}" if args.slow_link else ",".join(ROWS)
+    """The rows asked for, the slow tiers' rows expanded per speed (serve_slow.expand_rows)."""
+    default = ",".join(ROWS)
+    if args.slow_link:
+        default = f"vllm,{','.join(serve_slow.OBJECT_ROWS)}"
+    elif args.slow_mount:
+        default = f"vllm,{','.join(serve_slow.MOUNT_ROWS)}"
     try:
-        return serve_slow.expand_rows(parse_rows(args.rows or default, args.two_servers), args.slow_link)
+        rows = serve_slow.expand_rows(parse_rows(args.rows or default, args.two_servers), args.slow_link)
+        return serve_slow.expand_rows(rows, args.slow_mount, serve_slow.MOUNT)
     except serve_slow.SlowRowsError as error:
         raise BenchError(str(error)) from None
 

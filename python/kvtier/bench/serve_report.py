@@ -159,8 +159,8 @@ def write_plot(document: dict[str, Any], path: Path) -> str | None:
 
 
 def slow_link_section(document: dict[str, Any]) -> str:
-    """Under the table: each object row's decisions per point, and kvtier's choice against the better of
-    vLLM alone and always-load (``document["slow_link"]``); "" without object rows."""
+    """Under the table: each slow tier row's decisions per point, and kvtier's choice against the better
+    of vLLM alone and always-load (``document["slow_link"]``); "" without slow tier rows."""
     lines = []
     for record in document["rows"]:
         if serve_slow.row_base(record["row"]) in serve_slow.ROW_LABELS:
@@ -173,7 +173,8 @@ def slow_link_section(document: dict[str, Any]) -> str:
         value = judged["auto_over_best"]
         verdict = "-" if value is None else f"{value:.2f}x" + ("" if judged["met"] else " (NOT met)")
         lines.append(
-            f"- kvtier's choice at {judged['link_mb_per_s']:g} MB/s, {judged['users']} users: {verdict} the req/s of "
+            f"- kvtier's choice ({judged.get('tier', 'bucket')} tier) at {judged['link_mb_per_s']:g} MB/s, "
+            f"{judged['users']} users: {verdict} the req/s of "
             f"the better of vLLM alone and always-load ({judged['better']}; target >= {judged['target_at_least']})"
         )
     return "\n\n" + "\n".join(lines) if lines else ""
