@@ -869,7 +869,7 @@ pub static OPTIONS: &[ConfigOption] = &[
         kind: OptionKind::Int,
         unset: "",
         constraint: "milliseconds; 0 = no limit",
-        description: "A load gives up the reads from the shared-filesystem and object tiers it still waits for once none of them has finished and none of their bytes has landed for this long (or for the tier's recent read time, at most 30 s, when that is longer: a slow link is not a dead one): their blocks are misses the engine recomputes, counted in `remote_reads_given_up` and as failures of the tier (docs/reliability.md, \"Sick tiers\").",
+        description: "A load gives up the reads from the shared-filesystem and object tiers it still waits for once none of them has finished for this long (or for 4x the tier's recent read time, at most 30 s, when that is longer: a slow link is not a dead one): their blocks are misses the engine recomputes, counted in `remote_reads_given_up` and as failures of the tier (docs/reliability.md, \"Sick tiers\").",
         set: |c, v| c.remote_read_stall_ms = v.int(),
         get: |c| int(c.remote_read_stall_ms),
     },

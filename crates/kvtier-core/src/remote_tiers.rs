@@ -25,13 +25,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// A load waits for its remote reads at least `remote_read_stall_ms` without any of them finishing
-/// or any of their bytes landing, and at least this many times the tier's recent read time (a slow
-/// link is not a dead one). Once 4, when only a finished read was progress; since landing bytes are
-/// (`bucket_bytes_received`, `shared_bytes_received`), 4 only held a load on a frozen tier longer:
-/// at kv8b a frozen gateway cost a request 4 s of waiting before its recompute (`kvtier bench faults`,
-/// 2026-12-05).
-const STALL_READ_TIMES: u32 = 1;
+/// A load waits for its remote reads at least `remote_read_stall_ms` without any of them finishing,
+/// and at least this many times the tier's recent read time (a slow link is not a dead one).
+const STALL_READ_TIMES: u32 = 4;
 /// Nor longer than this, whatever the tier's recent reads took.
 const MAX_STALL: Duration = Duration::from_secs(30);
 
