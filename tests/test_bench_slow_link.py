@@ -218,7 +218,7 @@ def test_node_a_of_the_slow_mount_is_checked_for_files_after_its_row(tmp_path):
         assert record["problems"] == [
             "node A published no file to the shared directory: the slow rows would read nothing"
         ]
-        data = tmp_path / "slow-mount" / "source" / "data" / "ab"
+        data = tmp_path / "slow-mount" / "source" / "0123abcd" / "data" / "ab"  # <namespace>/data/<xx>/
         data.mkdir(parents=True)
         (data / "file").write_bytes(b"x")
         record = {"problems": []}

@@ -237,8 +237,8 @@ class ObjectRows:
         checks that it published (its server stopped: its last file is out)."""
         tier = tier_of(row)
         if tier is MOUNT and row_base(row) == tier.publish_row:
-            data = self._out_dir / "slow-mount" / "source" / "data"
-            if not any(path.is_file() for path in data.rglob("*")):
+            source = self._out_dir / "slow-mount" / "source"  # data files: <namespace>/data/<xx>/<file>
+            if not any(path.is_file() and "data" in path.relative_to(source).parts for path in source.rglob("*")):
                 record["problems"].append(
                     f"node A published no {tier.published_what}: the slow rows would read nothing"
                 )
