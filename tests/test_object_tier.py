@@ -825,8 +825,8 @@ def test_a_worker_load_waiting_on_a_slow_bucket_that_delivers_is_not_given_up(rg
 
     from kvtier import service as kvtier_service
     from kvtier.bench.slowlink import LinkSpec, SlowLink
-    from kvtier.vllm import KvtierLoadStoreSpec, KvtierOptions, ServiceConnection, ServiceWorker
-    from test_vllm_worker import finished, load_watched
+    from kvtier.vllm import KvtierLoadStoreSpec, KvtierOptions, ServiceConnection
+    from test_vllm_worker import load_watched, publish_and_stop
 
     layers, page_bytes, count = 2, 64 * 1024, 16
     blocks = GPULoadStoreSpec(list(range(count)), group_sizes=[count], block_indices=[0])
@@ -847,13 +847,7 @@ def test_a_worker_load_waiting_on_a_slow_bucket_that_delivers_is_not_given_up(rg
 
     source = [np.random.default_rng(i).integers(0, 256, (count, page_bytes), dtype=np.uint8) for i in range(layers)]
     writer, connection = node("a", rgw.endpoint)
-    try:
-        w = ServiceWorker(connection, source, page_bytes, job_timeout_ms=30_000)
-        assert w.submit_store(1, blocks, keys) and finished(w, 1)
-        w.shutdown()
-        connection.flush()
-    finally:
-        kvtier_service.stop_service(writer.socket_path())
+    publish_and_stop(writer, connection, source, page_bytes, keys, blocks)
     link = SlowLink(rgw.endpoint.removeprefix("http://"), LinkSpec(1.0))
     reader, connection = node("b", f"http://127.0.0.1:{link.start()}")
     try:

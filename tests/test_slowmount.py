@@ -251,8 +251,8 @@ def test_a_worker_load_waiting_on_a_slow_mount_that_delivers_is_not_given_up(tmp
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
     from kvtier import service as kvtier_service
-    from kvtier.vllm import KvtierLoadStoreSpec, KvtierOptions, ServiceConnection, ServiceWorker
-    from test_vllm_worker import finished, load_watched
+    from kvtier.vllm import KvtierLoadStoreSpec, KvtierOptions, ServiceConnection
+    from test_vllm_worker import load_watched, publish_and_stop
 
     layers, page_bytes, count = 2, 64 * 1024, 16
     blocks = GPULoadStoreSpec(list(range(count)), group_sizes=[count], block_indices=[0])
@@ -276,13 +276,7 @@ def test_a_worker_load_waiting_on_a_slow_mount_that_delivers_is_not_given_up(tmp
 
     data = [np.random.default_rng(i).integers(0, 256, (count, page_bytes), dtype=np.uint8) for i in range(layers)]
     writer, connection = node("a", source)
-    try:
-        w = ServiceWorker(connection, data, page_bytes, job_timeout_ms=30_000)
-        assert w.submit_store(1, blocks, keys) and finished(w, 1)
-        w.shutdown()
-        connection.flush()
-    finally:
-        kvtier_service.stop_service(writer.socket_path())
+    publish_and_stop(writer, connection, data, page_bytes, keys, blocks)
     with slowmount.SlowMount(source, mountpoint, LinkSpec(1.0), log_path=tmp_path / "mount.log"):
         reader, connection = node("b", mountpoint)
         try:

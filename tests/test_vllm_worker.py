@@ -118,6 +118,25 @@ class WatchedLoad:
     stats: dict  # the service's counters right after the load
 
 
+def publish_and_stop(
+    options: KvtierOptions,
+    connection: ServiceConnection,
+    data: list[np.ndarray],
+    page_bytes: int,
+    keys: KvtierLoadStoreSpec,
+    blocks: GPULoadStoreSpec,
+) -> None:
+    """Node A of a two-node test: stores `data` through its host service, waits until it is on its
+    tiers (published), then stops the service."""
+    try:
+        w = ServiceWorker(connection, data, page_bytes, job_timeout_ms=30_000)
+        assert w.submit_store(1, blocks, keys) and finished(w, 1)
+        w.shutdown()
+        connection.flush()
+    finally:
+        kvtier_service.stop_service(options.socket_path())
+
+
 def load_watched(
     connection: ServiceConnection,
     tier: str,
