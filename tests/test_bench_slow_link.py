@@ -209,7 +209,7 @@ def test_node_a_of_the_slow_mount_is_checked_for_files_after_its_row(tmp_path):
     """The shared tier publishes a file once it is full or when the store closes: node A's row is judged
     by the files in the run's shared directory once its server stopped, not by a point's counters."""
     plan = {"slow_link_latency_ms": 30.0}
-    with serve_slow.ObjectRows(plan, tmp_path, lambda _: None) as rows:
+    with serve_slow.SlowTierRows(plan, tmp_path, lambda _: None) as rows:
         assert rows.options("kvtier-mount-publish") == {
             "shared_root": str(tmp_path / "slow-mount" / "source"), "load_policy": "auto",
         }  # fmt: skip

@@ -233,7 +233,7 @@ def row_title(row: str) -> str:
 
 def run_row(plan: dict[str, Any], row: str, out_dir: Path, timeout_s: int, started: float, objects: Any = None) -> dict:
     """One row: its server(s) started, warmed up, every point measured, then all of it stopped and
-    removed. ``objects``: the slow tier rows' tier and slow path (serve_slow.ObjectRows)."""
+    removed. ``objects``: the slow tier rows' tier and slow path (serve_slow.SlowTierRows)."""
     from kvtier.service import default_socket_path, stop_service
 
     record: dict[str, Any] = {"row": row, "label": row_title(row), "servers": [], "points": [], "problems": []}
@@ -310,7 +310,7 @@ def run_rows(plan: dict[str, Any], document: dict[str, Any], out_dir: Path, time
     its rows). A row given twice (vLLM alone first and last: drift over the run favors no row) runs
     again in a directory of its own; serve-summary pools its points with the first run's."""
     occurrences: dict[str, int] = {}
-    with serve_slow.ObjectRows(plan, out_dir, lambda message: progress(started, message)) as objects:
+    with serve_slow.SlowTierRows(plan, out_dir, lambda message: progress(started, message)) as objects:
         for row in plan["rows"]:
             occurrence = occurrences[row] = occurrences.get(row, 0) + 1
             row_dir = out_dir if occurrence == 1 else out_dir / f"{row}-{occurrence}"

@@ -152,7 +152,7 @@ def expand_rows(rows: list[str], rates_text: str | None, tier: SlowTier = BUCKET
     return expanded
 
 
-class ObjectRows:
+class SlowTierRows:
     """The slow rows' tier (the bucket, or the shared directory), its slow path at the current speed,
     and the costs files between speeds."""
 
@@ -266,7 +266,7 @@ class ObjectRows:
         shutil.rmtree(self._snapshot, ignore_errors=True)
         shutil.rmtree(self._out_dir / "slow-mount", ignore_errors=True)
 
-    def __enter__(self) -> ObjectRows:
+    def __enter__(self) -> SlowTierRows:
         return self
 
     def __exit__(self, *_exc: object) -> None:
