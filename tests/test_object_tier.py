@@ -754,7 +754,9 @@ def test_a_load_gives_up_reads_from_a_frozen_bucket_long_before_their_requests_t
     so a request waited the whole freeze or the timeout. Now a load whose remote reads all stall for
     `remote_read_stall_ms` gives them up: counted misses the engine recomputes, failures of the tier
     (which turns sick, so the next load does not wait at all). The slots the held GETs still write
-    into stay out of use until they finish, then are free again, and nothing wrong is ever served."""
+    into stay out of use until they finish, then are free again, and nothing wrong is ever served.
+    Once its back-off passed, the store probes the sick tier itself: a request's load never is the
+    probe (with the tier still frozen it cost the request that met it a second stall limit)."""
     a = nodes.open("a", **bucket)
     publish(a, list(range(16)))
     b = nodes.open("b", **{**bucket, "bucket_request_timeout_ms": 30_000}, remote_read_stall_ms=300)
@@ -768,16 +770,28 @@ def test_a_load_gives_up_reads_from_a_frozen_bucket_long_before_their_requests_t
         again = load(b, list(range(16)))
         sick_s = time.monotonic() - started
         stats = b.stats()
+        # Past the back-off (1 s) the store probes the tier itself, in the background: still frozen,
+        # it stays out of lookups, and no request's load is the probe that waits on it.
+        time.sleep(1.5)
+        offered_after_backoff = b.lookup_prefix([key(i) for i in range(16)])
+        started = time.monotonic()
+        after_backoff = load(b, list(range(16)))
+        after_backoff_s = time.monotonic() - started
     finally:
         os.kill(rgw.pid, signal.SIGCONT)
-    assert not any(got) and not any(again)
+    assert not any(got) and not any(again) and not any(after_backoff)
     assert stalled_s < 3.0, f"the load waited {stalled_s:.1f} s for a frozen bucket (its GETs time out in 30 s)"
     assert sick_s < 0.5, f"the second load waited {sick_s:.2f} s for a sick tier"
+    assert offered_after_backoff == 0, "a sick tier was offered to a request after its back-off"
+    assert after_backoff_s < 0.2, f"a load after the back-off waited {after_backoff_s:.2f} s (it was the probe)"
     assert stats["remote_reads_given_up"] == 16, stats
     assert (stats["remote_tier_outages"], stats["remote_tiers_sick"]) == (1, 1), stats
     assert stats["bucket_request_errors"] == 0, "the GETs are still held, not timed out"
-    # The gateway answers again: the held GETs finish, their slots come back (the next load settles
-    # them), and after the back-off a probe brings the tier back.
+    # The gateway answers again: the store's probe, held with the other GETs, finishes and brings
+    # the tier back by itself (no load comes to settle it while the tier is out of lookups); the held
+    # GETs' slots come back too.
+    keys = [key(i) for i in range(16)]
+    assert _wait_for(lambda: b.lookup_prefix(keys) == 16, timeout_s=10.0), b.stats()
     assert _wait_for(lambda: all(load(b, list(range(16)))), timeout_s=10.0)
     stats = b.stats()
     assert (stats["remote_tiers_sick"], stats["retired_slots"]) == (0, 0), stats

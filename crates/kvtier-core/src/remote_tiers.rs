@@ -4,9 +4,10 @@
 //! once, in `RemoteTiers::open`'s arm for it. What a tier implements is `tiers::remote::RemoteTier`.
 //!
 //! Each tier has its health (`tiers::health`): reads that fail in a row make it sick, and a
-//! sick tier steps aside (not offered by `contains`, no reads started) for a back-off, until one
-//! probe read brings it back. Counted in `remote_tier_*` / `remote_tiers_sick`, logged once per
-//! change of state.
+//! sick tier steps aside (not offered by `contains`, no reads started) until one probe read brings
+//! it back. The probe is the store's own read (`due_probes`, `Store`'s prober thread), never an
+//! engine's load: a request that met the tier's outage once does not wait on it again. Counted in
+//! `remote_tier_*` / `remote_tiers_sick`, logged once per change of state.
 
 use crate::admission::WriteBudget;
 use crate::catalog::Tier;
@@ -30,6 +31,8 @@ use std::time::{Duration, Instant};
 const STALL_READ_TIMES: u32 = 4;
 /// Nor longer than this, whatever the tier's recent reads took.
 const MAX_STALL: Duration = Duration::from_secs(30);
+/// Indexed keys a sick tier's probe is chosen from (the first that no local tier holds).
+const PROBE_CANDIDATES: usize = 16;
 
 /// The remote indexes' generation: the sum of the tiers' own. Each tier's only grows (it counts the
 /// keys its index gained or lost), so the sum moves whenever any of them does.
@@ -86,9 +89,15 @@ impl Remote {
         self.budget.as_ref().is_none_or(|b| b.lock().try_take(bytes, Instant::now()))
     }
 
-    /// Whether the tier indexes `key` and is offered in lookups now (not sick, or due a probe).
+    /// Whether the tier indexes `key` and is offered in lookups now (not sick).
     fn offers(&self, key: &BlockKey) -> bool {
-        self.tier.contains(key) && self.health.offered(Instant::now)
+        !self.health.is_sick() && self.tier.contains(key)
+    }
+
+    /// A block to probe the tier with: one it indexes that no local tier holds (`held_locally`),
+    /// so that the probe's read-ahead reads it from the tier.
+    fn probe_candidate(&self, held_locally: &impl Fn(&BlockKey) -> bool) -> Option<BlockKey> {
+        self.tier.cut_keys(PROBE_CANDIDATES).into_iter().find(|key| !held_locally(key))
     }
 }
 
@@ -185,7 +194,7 @@ impl RemoteTiers {
     pub(crate) fn locate(&self, key: &BlockKey) -> Option<Tier> {
         let mut skipped = false;
         for r in self.tiers.iter().filter(|r| r.tier.contains(key)) {
-            if r.health.offered(Instant::now) {
+            if !r.health.is_sick() {
                 return Some(r.serves_as);
             }
             skipped = true;
@@ -194,6 +203,21 @@ impl RemoteTiers {
             Stats::add(&self.stats.remote_tier_lookups_skipped, 1);
         }
         None
+    }
+
+    /// The blocks to probe the sick tiers with now: one per tier whose back-off passed with no probe
+    /// in flight. The store's prober reads them ahead (a probe load, `probe: true` to
+    /// `readable` and `start_reads`), the only load let through to a sick tier; `held_locally` says
+    /// which blocks DRAM or NVMe holds (a read-ahead of those would not reach the tier).
+    pub(crate) fn due_probes(&self, held_locally: impl Fn(&BlockKey) -> bool) -> Vec<BlockKey> {
+        let due = self.tiers.iter().filter(|r| r.health.due_probe(Instant::now));
+        due.filter_map(|r| r.probe_candidate(&held_locally)).collect()
+    }
+
+    /// Whether a load may read `key` from a remote tier: one offers it, or, for the prober's probe
+    /// load (`probe`), a sick tier indexes it.
+    pub(crate) fn readable(&self, key: &BlockKey, probe: bool) -> bool {
+        self.contains(key) || (probe && self.tiers.iter().any(|r| r.health.is_sick() && r.tier.contains(key)))
     }
 
     /// Offers an accepted block (its slot: descriptor page + value) to every tier's publisher.
@@ -270,12 +294,16 @@ impl RemoteTiers {
         self.tiers.iter().map(|r| r.tier.blocks_per_request()).max().unwrap_or(1)
     }
 
-    /// The tier that reads `key`: the first offered one that indexes it, else the last (which
-    /// counts the miss); `None` when only sick tiers index it (a skipped lookup, not started).
-    fn tier_for(&self, key: &BlockKey) -> Option<usize> {
+    /// The tier that reads `key`: the first offered one that indexes it, else for a probe load a
+    /// sick one that does, else the last (which counts the miss); `None` when only sick tiers index
+    /// it (a skipped lookup, not started).
+    fn tier_for(&self, key: &BlockKey, probe: bool) -> Option<usize> {
         let last = self.tiers.len().checked_sub(1).expect("remote reads need a remote tier");
         if let Some(tier) = self.tiers.iter().position(|r| r.offers(key)) {
             return Some(tier);
+        }
+        if probe {
+            return self.tiers.iter().position(|r| r.tier.contains(key)).or(Some(last));
         }
         if self.tiers.iter().any(|r| r.tier.contains(key)) {
             Stats::add(&self.stats.remote_tier_lookups_skipped, 1);
@@ -287,15 +315,16 @@ impl RemoteTiers {
     /// Starts the reads, each on the tier that reads its key (`tier_for`), each tier's together (a
     /// tier may read adjacent blocks with one request): per request, in order, its read or `None`
     /// (not started: a miss its tier counted, or one only a sick tier could serve; its `on_done`
-    /// dropped uncalled). A sick tier due a probe gets one request of the batch, the probe.
+    /// dropped uncalled). Only a probe load (`probe`: the store's prober, `due_probes`) reads a sick
+    /// tier, one request of its batch, as the tier's probe.
     ///
     /// # Safety
     /// As `RemoteTier::start_reads`, for every request.
-    pub(crate) unsafe fn start_reads(&self, requests: Vec<ReadRequest>) -> Vec<Option<RemoteRead>> {
+    pub(crate) unsafe fn start_reads(&self, requests: Vec<ReadRequest>, probe: bool) -> Vec<Option<RemoteRead>> {
         let count = requests.len();
         let mut by_tier: Vec<(Vec<usize>, Vec<ReadRequest>)> = self.tiers.iter().map(|_| Default::default()).collect();
         for (i, request) in requests.into_iter().enumerate() {
-            if let Some(tier) = self.tier_for(&request.0) {
+            if let Some(tier) = self.tier_for(&request.0, probe) {
                 let (order, batch) = &mut by_tier[tier];
                 order.push(i);
                 batch.push(request);

@@ -72,6 +72,8 @@ pub struct Store {
     state: Arc<StoreState>,
     load_tx: Mutex<Option<Sender<Job>>>,
     store_tx: Mutex<Option<Sender<Job>>>,
+    /// Dropped at close: the prober of sick remote tiers stops (`mover::probe_sick_tiers`).
+    probe_stop: Mutex<Option<Sender<()>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     closed: AtomicBool,
     io_engine: &'static str,
@@ -349,6 +351,7 @@ impl Store {
         self.state.remote.closing();
         self.load_tx.lock().take();
         self.store_tx.lock().take();
+        self.probe_stop.lock().take();
         for t in self.threads.lock().drain(..) {
             let _ = t.join();
         }

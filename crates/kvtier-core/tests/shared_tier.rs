@@ -667,7 +667,7 @@ fn a_shared_tier_whose_reads_fail_steps_aside_until_a_probe_brings_it_back() {
     // Node B reads node A's blocks from the shared tier through an I/O engine that fails every read
     // with EIO while the fault is on: three failed reads in a row make the tier sick, its blocks are
     // then not offered (counted misses, no read tried) for the back-off; with the fault off and the
-    // back-off passed, one probe read brings it back and reads hit again.
+    // back-off passed, the store's own probe read brings it back and reads hit again.
     let dir = tempfile::tempdir().unwrap();
     let shared_root = dir.path().join("shared");
     let make = |local: &str| node_config(&dir.path().join(local), &shared_root, 0);
@@ -699,23 +699,29 @@ fn a_shared_tier_whose_reads_fail_steps_aside_until_a_probe_brings_it_back() {
     assert_eq!(plan.reads_seen.load(std::sync::atomic::Ordering::Relaxed), reads_before, "no read on a sick tier");
     let s = b.stats().counters;
     assert!(s.remote_tier_lookups_skipped >= 2, "{s:?}");
-    // Still failing when the back-off ends: the probe fails and the back-off doubles.
-    std::thread::sleep(backoff + Duration::from_millis(50));
-    assert_eq!(b.lookup_prefix(&keys[3..4]), 1, "due a probe: offered");
-    assert!(!get_one(&b, 3), "the probe fails");
-    assert_eq!(b.lookup_prefix(&keys[3..4]), 0, "sick again, for twice the back-off");
-    // The fault cleared: after the doubled back-off, one probe brings the tier back.
+    // Still failing when the back-off ends: the store's prober reads one block in the background,
+    // which fails, and the back-off doubles. No request is offered the tier meanwhile: none waits on
+    // a probe of a tier still down.
+    let reads = || plan.reads_seen.load(std::sync::atomic::Ordering::Relaxed);
+    let before_probe = reads();
+    assert!(wait_until(8 * backoff, || reads() > before_probe), "the prober never probed the sick tier");
+    for _ in 0..5 {
+        assert_eq!(b.lookup_prefix(&keys[3..]), 0, "a sick tier is never offered to a request");
+        assert!(!get_one(&b, 3));
+        std::thread::sleep(backoff / 5);
+    }
+    let s = b.stats().counters;
+    assert_eq!((s.remote_tier_outages, s.remote_tiers_sick, s.shared_hits), (1, 1, 0), "{s:?}");
+    // The fault cleared: a later probe hits and brings the tier back, with nobody asking.
     plan.paused.store(true, std::sync::atomic::Ordering::Relaxed);
-    std::thread::sleep(2 * backoff + Duration::from_millis(50));
-    assert!(get_one(&b, 3), "the probe hits");
+    assert!(wait_until(16 * backoff, || b.lookup_prefix(&keys) == 20), "the tier never came back");
     let s = b.stats().counters;
     assert_eq!((s.remote_tier_outages, s.remote_tiers_sick, s.shared_hits), (1, 0, 1), "{s:?}");
-    assert_eq!(b.lookup_prefix(&keys), 20, "offered again, the failed blocks too");
     let mut out: Vec<Vec<u8>> = (0..20).map(|_| vec![0u8; OBJECT_BYTES]).collect();
     let mut outs: Vec<&mut [u8]> = out.iter_mut().map(|v| v.as_mut_slice()).collect();
     assert!(b.get_many(&keys, &mut outs).unwrap().iter().all(|&ok| ok));
     assert_eq!(out, values);
-    assert_eq!(b.stats().counters.shared_hits, 20, "block 3 from DRAM, the others from the shared tier");
+    assert_eq!(b.stats().counters.shared_hits, 20, "the probed block from DRAM, the others from the shared tier");
     b.check_invariants();
 }
 

@@ -45,6 +45,25 @@ pub(crate) fn execute_get(sh: &Arc<StoreState>, keys: &[BlockKey], bufs: Option<
     found
 }
 
+/// How often the prober looks for a sick remote tier due its probe.
+const PROBE_TICK: Duration = Duration::from_millis(200);
+
+/// The store's prober, on a thread of its own until `stop` disconnects: reads a block of each sick
+/// remote tier whose back-off passed (`RemoteTiers::due_probes`) ahead into DRAM, which is the
+/// tier's probe. Off every engine's path: lookups do not offer a sick tier, so no request waits on
+/// the probe of a tier that is still down, and a probe that stalls costs nobody a deadline. A probe
+/// its load gave up is judged when it finishes late: settled here too, since while the tier is sick
+/// no engine's load may come to settle it (and the tier would wait for that answer for ever).
+pub(crate) fn probe_sick_tiers(sh: &Arc<StoreState>, stop: &Receiver<()>) {
+    while let Err(RecvTimeoutError::Timeout) = stop.recv_timeout(PROBE_TICK) {
+        settle_late_reads(sh);
+        let keys = sh.remote.due_probes(|key| sh.catalog.lock().locate(key).is_some());
+        if !keys.is_empty() {
+            read_ahead(sh, &keys, true);
+        }
+    }
+}
+
 /// Makes blocks resident in DRAM and pins each one found, in the same catalog critical section that
 /// finishes its load (a store elsewhere could otherwise evict it in between): per key its pinned
 /// slot, or `None` for a miss. The caller unpins each slot it got.
@@ -60,8 +79,13 @@ pub(crate) fn execute_get_pinned(sh: &Arc<StoreState>, keys: &[BlockKey]) -> Vec
 /// are pinned while the call reads, as an acquire's are, so that its later reads cannot evict its
 /// first blocks, and released before it returns.
 pub(crate) fn execute_read_ahead(sh: &Arc<StoreState>, keys: &[BlockKey]) -> Vec<bool> {
+    read_ahead(sh, keys, false)
+}
+
+/// `execute_read_ahead`; `probe`: the prober's, which alone may read a sick remote tier.
+fn read_ahead(sh: &Arc<StoreState>, keys: &[BlockKey], probe: bool) -> Vec<bool> {
     let mut pinned = vec![None; keys.len()];
-    Load { read_ahead: true, ..Load::new(sh, keys, None, Some(&mut pinned)) }.run();
+    Load { read_ahead: true, probe, ..Load::new(sh, keys, None, Some(&mut pinned)) }.run();
     super::persist_reused(sh);
     let held: Vec<BlockKey> =
         keys.iter().zip(&pinned).filter(|(_, slot)| slot.is_some()).map(|(key, _)| *key).collect();
@@ -178,6 +202,8 @@ struct Load<'a> {
     done_rx: Receiver<Completion>,
     /// A read-ahead, not a load: it serves nobody, so it counts no DRAM hit and no miss.
     read_ahead: bool,
+    /// The prober's read-ahead (`probe_sick_tiers`): the one load that may read a sick remote tier.
+    probe: bool,
     /// The key whose NVMe read is the sick NVMe tier's probe (`NvmeHealth`), until it is judged.
     nvme_probe: Option<usize>,
     /// Remote reads in flight, and since when none of them finished (or the first started).
@@ -226,6 +252,7 @@ impl<'a> Load<'a> {
             done_tx,
             done_rx,
             read_ahead: false,
+            probe: false,
             nvme_probe: None,
             remote_reads_in_flight: 0,
             remote_progress: Instant::now(),
@@ -379,7 +406,7 @@ impl<'a> Load<'a> {
     /// Short of slots, it takes the slot of a queued write of a block outside this load (loads first).
     fn plan_remote_read(&mut self, cat: &mut Catalog, key: &BlockKey) -> Result<Option<u32>, ()> {
         let sh = self.sh;
-        if !sh.remote.contains(key) || cat.has_entry(key) {
+        if !sh.remote.readable(key, self.probe) || cat.has_entry(key) {
             return Ok(None);
         }
         let slot = cat.plan_get_remote(key).or_else(|| cat.plan_get_remote_taking_queued_write(key, self.spare()));

@@ -6,7 +6,7 @@
 
 mod load;
 
-pub(crate) use load::{execute_get, execute_get_pinned, execute_read_ahead};
+pub(crate) use load::{execute_get, execute_get_pinned, execute_read_ahead, probe_sick_tiers};
 
 use crate::catalog::{MetaWrite, Persist, PutStep, WriteOutcome, WritePlan};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};

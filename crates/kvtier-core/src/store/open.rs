@@ -17,7 +17,7 @@ use crate::io::psync::PsyncEngine;
 use crate::io::uring::UringEngine;
 use crate::io::{EngineChoice, IoCompletion, IoEngine, IoRequest, OpKind, RegisteredRange};
 use crate::key::Namespace;
-use crate::mover::{execute_get, execute_put, submit_meta};
+use crate::mover::{execute_get, execute_put, probe_sick_tiers, submit_meta};
 use crate::remote_tiers::RemoteTiers;
 use crate::stats::Stats;
 use crate::store_state::{NvmeHealth, ReadAhead, StoreState};
@@ -97,12 +97,13 @@ impl Store {
         });
         submit_meta(&state, startup_meta);
         set_publishers_refetch(&state);
-        let JobThreads { load_tx, store_tx, threads } = start_job_threads(&state)?;
+        let JobThreads { load_tx, store_tx, probe_stop, threads } = start_job_threads(&state)?;
         log_store_open(&state, &dirs[0], engine_name);
         Ok(Store {
             state,
             load_tx: Mutex::new(Some(load_tx)),
             store_tx: Mutex::new(Some(store_tx)),
+            probe_stop: Mutex::new(Some(probe_stop)),
             threads: Mutex::new(threads),
             closed: AtomicBool::new(false),
             io_engine: engine_name,
@@ -294,14 +295,16 @@ fn set_publishers_refetch(state: &Arc<StoreState>) {
     });
 }
 
-/// The load threads and the store thread, with the senders of their job queues.
+/// The load threads, the store thread and the remote tiers' prober, with the senders of their job
+/// queues and the prober's stop (dropped: it stops).
 struct JobThreads {
     load_tx: Sender<Job>,
     store_tx: Sender<Job>,
+    probe_stop: Sender<()>,
     threads: Vec<JoinHandle<()>>,
 }
 
-/// Starts the load threads and the store thread.
+/// Starts the load threads, the store thread and, with a remote tier, the prober of sick tiers.
 fn start_job_threads(state: &Arc<StoreState>) -> Result<JobThreads> {
     let (load_tx, load_rx) = unbounded::<Job>();
     let (store_tx, store_rx) = bounded::<Job>(state.config.store_queue_jobs);
@@ -327,7 +330,12 @@ fn start_job_threads(state: &Arc<StoreState>) -> Result<JobThreads> {
             sh.job_done(&sh.stores_active);
         }
     })?);
-    Ok(JobThreads { load_tx, store_tx, threads })
+    let (probe_stop, stop_rx) = bounded::<()>(0);
+    if state.remote.any() {
+        let sh = Arc::clone(state);
+        threads.push(spawn("kvtier-probe".into(), move || probe_sick_tiers(&sh, &stop_rx))?);
+    }
+    Ok(JobThreads { load_tx, store_tx, probe_stop, threads })
 }
 
 fn log_store_open(state: &StoreState, first_dir: &Path, engine_name: &str) {

@@ -110,6 +110,13 @@ impl Health {
         !self.probing.load(Ordering::Acquire) && now() >= self.state.lock().until
     }
 
+    /// Whether a sick tier is due its probe now: its back-off passed and no probe is in flight.
+    /// For a tier probed off the requests' path (the remote tiers: `Store`'s prober), whose lookups
+    /// offer it only while it is healthy; `admit` then takes the probe slot.
+    pub fn due_probe(&self, now: impl FnOnce() -> Instant) -> bool {
+        self.is_sick() && !self.probing.load(Ordering::Acquire) && now() >= self.state.lock().until
+    }
+
     /// Whether a read may start now; `Probe` takes the one probe slot.
     pub fn admit(&self, now: impl FnOnce() -> Instant) -> Admit {
         if !self.is_sick() {
@@ -204,6 +211,20 @@ mod tests {
 
     fn fail(h: &Health, probe: bool, now: Instant) -> Change {
         h.record(probe, Observed::Failed("EIO".into()), now)
+    }
+
+    #[test]
+    fn a_sick_tier_is_due_its_probe_once_its_back_off_passed_and_none_is_in_flight() {
+        let t0 = Instant::now();
+        let h = Health::new(policy(), t0);
+        assert!(!h.due_probe(|| t0), "healthy: nothing to probe");
+        h.stalled("frozen".into(), t0);
+        assert!(!h.due_probe(|| t0 + S / 2), "in its back-off");
+        assert!(h.due_probe(|| t0 + S));
+        assert_eq!(h.admit(|| t0 + S), Admit::Probe);
+        assert!(!h.due_probe(|| t0 + 2 * S), "its probe is in flight");
+        assert_eq!(fail(&h, true, t0 + 2 * S), Change::ProbeFailed { backoff: 2 * S, last_error: "EIO".into() });
+        assert!(!h.due_probe(|| t0 + 3 * S) && h.due_probe(|| t0 + 4 * S), "the doubled back-off");
     }
 
     #[test]

@@ -60,7 +60,7 @@ impl Load<'_> {
         }
         // SAFETY: each slot is ours (Loading) until its read is settled; an abandoned one is retired,
         // a given-up one freed once its read finished.
-        let started = unsafe { sh.remote.start_reads(requests) };
+        let started = unsafe { sh.remote.start_reads(requests, self.probe) };
         let mut not_started = Vec::new();
         for ((i, slot), read) in reads.into_iter().zip(started) {
             match read {
