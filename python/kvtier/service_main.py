@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -112,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.log_file is not None:
         open_log(args.log_file)
         rotate_log(args.log_file, args.log_max_bytes)
+    log_with_times()
     options = {**json.loads(args.options_json), **dict(args.option)}
     # Engines attach to this service: a disk without room for a new model's NVMe tier must not keep
     # them from serving (the store opens DRAM only, with a warning), unless the operator says refuse.
@@ -133,6 +135,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvtier serve: {error}", file=sys.stderr)
         return 1
     return _serve(service, socket, args)
+
+
+def log_with_times() -> None:
+    """The service's log lines (its own and the core's) carry the time, the process and the level:
+    several services append to one log, and a fault is traced by when each line was written. INFO
+    keeps the changes of state (a tier sick or back, a namespace closed), not per-block lines."""
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s.%(msecs)03d %(process)d %(levelname)s %(name)s: %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+    )
 
 
 def _serve(service: Service, socket: Path, args: argparse.Namespace) -> int:
