@@ -290,14 +290,14 @@ def test_table():
     rows[1]["engine_fallbacks"] = {**counts, "failed_calls": 7, "given_up_loads": 2, "skipped_store_blocks": 5}
     faults.judge(rows)
     lines = faults.table_rows(rows)
-    assert lines[0][:4] == ["vLLM alone", "1", "0", "0"] and lines[0][8:] == ["-", "-", "-", "-", "-", "-"]
+    assert lines[0][:4] == ["vLLM alone", "1", "0", "0"] and lines[0][8:] == ["-", "-", "-", "-", "-", "-", "-"]
     assert lines[1][0] == "kvtier, service-stop"
-    assert lines[1][8:] == ["not during the run", "3", "1", "0", "-", "7 / 2 / 5"]
+    assert lines[1][8:] == ["-", "not during the run", "3", "1", "0", "-", "7 / 2 / 5"]
     assert len(lines[1]) == len(faults.TABLE_HEADER)
     rows[1]["engine_fallbacks"]["stepped_aside_calls"] = 600
     assert faults.table_rows(rows)[1][-1] == "7 (+600 unsent) / 2 / 5"
     rows[1]["fault"] = {"hits_again_s": 57.87, "reattached_s": 9.31}  # a kill: the engine's new service
-    assert faults.table_rows(rows)[1][8] == "57.9 (reattached 9.3)"
+    assert faults.table_rows(rows)[1][9] == "57.9 (reattached 9.3)"
 
 
 def test_recheck_judges_a_finished_run_again(tmp_path, capsys):

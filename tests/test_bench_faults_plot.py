@@ -117,6 +117,31 @@ def test_series_of_a_run(tmp_path):
     assert reference.window is None and reference.offsets_s == pytest.approx(GAPS), "each row on its own timeline"
 
 
+def test_the_worst_ttft_in_each_fault_against_vllm_alones_in_the_same_window(tmp_path):
+    """Issue 36 holds a fault to vLLM alone's TTFT plus one deadline: each fault row's worst TTFT among
+    the requests that started in the fault (and how many failed), vLLM alone's first run's
+    among its requests in the same window of its own run; a kill's window lasts until the hits came
+    back, or ``KILL_WINDOW_S``."""
+    document = standard_run(tmp_path)
+    vllm = bench_json([0.05, 0.05, 0.05, 0.3, 0.2, 0.05, 0.05, 0.05], t0=T0 - 500.0)
+    (tmp_path / "vllm" / "bench" / "vllm.json").write_text(json.dumps(vllm))
+    faults_plot.note_in_fault_ttfts(document, tmp_path)
+    rows = {record["row"]: record for record in document["rows"]}
+    assert "in_fault_ttft_ms" not in rows["vllm"] and "in_fault_ttft_ms" not in rows["vllm-2"]
+    # service-stop: 6.05-11.05 s holds requests 3 (7.1 s, 900 ms) and 4 (9.7 s, failed).
+    assert rows["service-stop"]["in_fault_ttft_ms"] == {
+        "kvtier": 900.0,
+        "failed": 1,
+        "vllm_alone": pytest.approx(300.0),
+    }
+    # service-kill at 6.1 s, hits never back: until 26.1 s, requests 3 to 7.
+    assert rows["service-kill"]["in_fault_ttft_ms"] == {
+        "kvtier": pytest.approx(50.0), "failed": 0, "vllm_alone": pytest.approx(300.0)
+    }  # fmt: skip
+    table = faults.table_rows(document["rows"])
+    assert [line[8] for line in table] == ["-", "-", "900 (300), 1 failed", "50 (300)"]
+
+
 def test_old_results_place_the_fault_after_the_first_request(tmp_path):
     """Results from before started_at/ended_at: the fault ``started_after_load_s`` after the first
     request, ``seconds`` long (a kill: none); marked approximate."""

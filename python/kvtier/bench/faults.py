@@ -98,8 +98,8 @@ SMALL = {
 }  # fmt: skip
 TABLE_HEADER = [
     "row", "requests", "failed", "wrong outputs", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
-    "hits again after fault (s)", "kvtier DRAM hits", "NVMe hits", "bucket/shared hits", "tier reads in fault",
-    "engine fallbacks (calls / loads / store blocks)",
+    "worst TTFT in fault ms (vLLM alone's)", "hits again after fault (s)", "kvtier DRAM hits", "NVMe hits",
+    "bucket/shared hits", "tier reads in fault", "engine fallbacks (calls / loads / store blocks)",
 ]  # fmt: skip
 NO_TIER_READ = "0: none touched"  # the table's cell for a fault that touched no read of its tier
 
@@ -526,6 +526,7 @@ def run_row(
     sockets = [default_socket_path(store) for store in stores]
     record: dict[str, Any] = {"row": row, "problems": []}
     server = mount = None
+    record["service_log_from"] = faults_tiers.service_log_size(sockets[0]) if sockets else 0
     try:
         mount = row_mount(plan, row, row_dir)
         this_plan, options = row_options(plan, row)
@@ -583,6 +584,7 @@ def tear_down_row(
     for socket in sockets:
         if not stop_service(socket):
             record["problems"].append(f"the kvtier service on {socket} did not stop")
+        faults_tiers.keep_service_log(socket, record.pop("service_log_from", 0), row_dir / "logs")
     if mount is not None:
         mount.close()
         if os.path.ismount(mount.mountpoint):
@@ -707,7 +709,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
             label,
             str(record.get("completed", "-")), str(record.get("failed", "-")), wrong_cell(record),
             _number(record.get("request_throughput")), _number(record.get("output_throughput"), 1),
-            _number(ttft.get("p50"), 0), _number(ttft.get("p99"), 0), again,
+            _number(ttft.get("p50"), 0), _number(ttft.get("p99"), 0), faults_plot.in_fault_cell(record), again,
             str(hits.get("dram_hits", "-")), str(hits.get("nvme_hits", "-")),
             str(hits.get("bucket_hits", 0) + hits.get("shared_hits", 0)) if hits else "-", tier_reads_cell(record),
             fallbacks_cell(record),
@@ -781,6 +783,7 @@ def finish(document: dict[str, Any], args: argparse.Namespace, out_dir: Path, st
             f"{len(unstable)} of {plan['users'] * plan['requests_per_user']} requests gave different outputs in the "
             "runs of vLLM alone: left out of wrong outputs (the model's greedy choices nearly tie)"
         )
+    faults_plot.note_in_fault_ttfts(document, out_dir)
     table = markdown_table(TABLE_HEADER, table_rows(document["rows"]))
     (out_dir / "table.md").write_text(table + "\n")
     document["plot"] = faults_plot.plot_run(document, out_dir)  # None, with a warning, when not drawn

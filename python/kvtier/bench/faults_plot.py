@@ -32,6 +32,7 @@ INSTANT_FAULTS = ("service-kill",)  # over at once: the return is timed from the
 CLOCK_SLACK_S = 30.0  # the server sees the first request this soon after it was sent, or the clocks differ
 PLOT_NAME = "faults.png"
 COLUMNS = 3  # panels per line of the figure
+KILL_WINDOW_S = 20.0  # "during" a kill whose hits never came back: this long after it
 
 
 @dataclass
@@ -121,6 +122,46 @@ def series_of(document: dict[str, Any], results_dir: Path) -> list[RowSeries]:
         if series is not None:
             found.append(series)
     return found
+
+
+def worst_in_window_ms(series: RowSeries, window: tuple[float, float]) -> tuple[float | None, int]:
+    """The worst TTFT among the requests that started in ``window`` that had a first token, and how
+    many of them failed."""
+    inside = [i for i, at in enumerate(series.offsets_s) if window[0] <= at <= window[1]]
+    ttfts = [series.ttft_ms[i] for i in inside if not series.failed[i]]
+    worst = max((ttft for ttft in ttfts if ttft is not None), default=None)
+    return worst, sum(series.failed[i] for i in inside)
+
+
+def note_in_fault_ttfts(document: dict[str, Any], results_dir: Path) -> None:
+    """Sets each fault row's ``in_fault_ttft_ms``: the worst TTFT among its requests that started
+    during the fault (and how many of them failed), and vLLM alone's among its own that started in the
+    same window of its run (both in seconds since the first request), what issue 36 holds a fault to
+    (vLLM alone's plus one deadline). A kill's window lasts until the hits came back, or
+    ``KILL_WINDOW_S``."""
+    found = {series.row: series for series in series_of(document, results_dir)}
+    references = reference_rows(document)
+    reference = found.get(references[0]) if references else None
+    for record in document.get("rows", []):
+        series = found.get(record["row"])
+        if series is None or series.window is None or series.row in references:
+            continue
+        start, end = series.window
+        if end <= start:
+            end = series.hits_again_at if series.hits_again_at is not None else start + KILL_WINDOW_S
+        worst, failed = worst_in_window_ms(series, (start, end))
+        alone = worst_in_window_ms(reference, (start, end))[0] if reference is not None else None
+        record["in_fault_ttft_ms"] = {"kvtier": worst, "failed": failed, "vllm_alone": alone}
+
+
+def in_fault_cell(record: dict[str, Any]) -> str:
+    """The table's cell of ``in_fault_ttft_ms``: "kvtier's (vLLM alone's)" in ms, and failed requests."""
+    worst = record.get("in_fault_ttft_ms")
+    if not worst:
+        return "-"
+    kvtier, alone = (_ms(worst.get(name)).removesuffix(" ms") for name in ("kvtier", "vllm_alone"))
+    failed = f", {worst['failed']} failed" if worst.get("failed") else ""
+    return f"{kvtier} ({alone}){failed}"
 
 
 def _ms(value: float | None) -> str:

@@ -56,6 +56,31 @@ STATS = (
 READS_SETTLE_S = 1.0  # after the fault's end: the reads it held finish (and are counted)
 
 
+def service_log_size(socket: Path) -> int:
+    """Bytes in the log the row's service will write to (shared by the services of this user)."""
+    from kvtier.service import SERVICE_LOG_NAME
+
+    try:
+        return (socket.parent / SERVICE_LOG_NAME).stat().st_size
+    except OSError:
+        return 0
+
+
+def keep_service_log(socket: Path, since_bytes: int, logs_dir: Path) -> None:
+    """What the row's service logged, beside the server's log: the service's log lives next to its
+    socket, shared by this user's services, and it alone tells what the service did in the fault."""
+    from kvtier.service import SERVICE_LOG_NAME
+
+    try:
+        with open(socket.parent / SERVICE_LOG_NAME, "rb") as log:
+            start = since_bytes if log.seek(0, os.SEEK_END) >= since_bytes else 0  # rotated meanwhile
+            log.seek(start)
+            logs_dir.mkdir(parents=True, exist_ok=True)
+            (logs_dir / SERVICE_LOG_NAME).write_bytes(log.read())
+    except OSError:
+        pass
+
+
 def hit_counters(kind: str) -> tuple[str, ...]:
     """The service's counters whose rise means "kvtier serves hits again" after this fault: the faulted
     tier's own hits for a remote tier's fault, DRAM + NVMe for the others."""
