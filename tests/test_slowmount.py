@@ -99,6 +99,102 @@ def test_reads_fail_while_the_flag_exists(tmp_path):
     assert not os.path.ismount(mountpoint)
 
 
+class FrozenMountBlocks:
+    """16 blocks of 512 KiB published into ``source`` by a store of its own, in files of a few blocks
+    each (a load reads some from a file already open and opens others), for a reader through a mount."""
+
+    OBJECT_BYTES = 512 * 1024
+
+    def __init__(self, tmp_path: Path, source: Path):
+        import hashlib
+
+        import numpy as np
+
+        import kvtier
+
+        source.mkdir()
+        self.keys = [hashlib.sha256(f"frozen-{i}".encode()).digest() for i in range(16)]
+        self.values = [np.random.default_rng(i).integers(0, 256, self.OBJECT_BYTES, dtype=np.uint8) for i in range(16)]
+        self.common = {
+            "object_bytes": self.OBJECT_BYTES,
+            "namespace": "frozen-mount",
+            "nvme_bytes": 0,
+            "shared_staleness_ms": 50,
+            "shared_file_bytes": 4 << 20,
+            "dram_bytes": 32 * (self.OBJECT_BYTES + 4096),
+        }
+        writer = kvtier.Store.open(str(tmp_path / "w"), shared_root=str(source), **self.common)
+        writer.put_many(self.keys, self.values)
+        writer.flush()
+        writer.close()
+
+    def reader(self, path: Path, mountpoint: Path):
+        """A store reading them through the mount, once it sees them all."""
+        import kvtier
+
+        reader = kvtier.Store.open(str(path), shared_root=str(mountpoint), remote_read_stall_ms=300, **self.common)
+        deadline = time.monotonic() + 10
+        while reader.lookup_prefix(self.keys) < len(self.keys):
+            if time.monotonic() > deadline:
+                reader.close()
+                raise AssertionError("the published blocks never became visible through the mount")
+            time.sleep(0.05)
+        return reader
+
+    def loader(self, reader):
+        """Loads blocks by index through ``reader``; every block served must be right."""
+        import numpy as np
+
+        def load(ids: list[int]) -> list[bool]:
+            out = [np.zeros(self.OBJECT_BYTES, np.uint8) for _ in ids]
+            got = reader.get_many([self.keys[i] for i in ids], out)
+            served = zip(got, ids, out, strict=True)
+            assert all(not ok or np.array_equal(o, self.values[i]) for ok, i, o in served), "wrong bytes"
+            return list(got)
+
+        return load
+
+
+def test_a_mount_frozen_before_its_files_open_turns_the_tier_sick(tmp_path):
+    """Issue 36, item 2: with the FUSE daemon stopped before the reader opened any data file, each
+    block's read fails at its open (the first takes OPEN_WAIT, the next fail at once while it is held).
+    Those were clean misses to the tier's health: the tier stayed offered, and every request's load
+    came to fail the same way. Now a data file that will not open is a failed read of the tier: the
+    tier turns sick, lookups stop offering it, and once the daemon runs again the store's own probe
+    brings it back, with no load asking."""
+    import signal
+
+    source, mountpoint = tmp_path / "source", tmp_path / "mount"
+    blocks = FrozenMountBlocks(tmp_path, source)
+    with slowmount.SlowMount(source, mountpoint, LinkSpec(1000)) as mount:
+        reader = blocks.reader(tmp_path / "r", mountpoint)
+        load = blocks.loader(reader)
+        try:
+            assert mount.process is not None
+            os.kill(mount.process.pid, signal.SIGSTOP)
+            thaw = threading.Timer(10.0, os.kill, (mount.process.pid, signal.SIGCONT))
+            thaw.start()
+            try:
+                started = time.monotonic()
+                got = load(list(range(16)))
+                failed_s = time.monotonic() - started
+                stats, offered = reader.stats(), reader.lookup_prefix(blocks.keys)
+            finally:
+                thaw.cancel()
+                os.kill(mount.process.pid, signal.SIGCONT)
+            assert not any(got)
+            assert failed_s < 3.0, f"the load waited {failed_s:.1f} s for a frozen mount"
+            assert (stats["remote_tier_outages"], stats["remote_tiers_sick"]) == (1, 1), stats
+            assert offered == 0, "a tier whose opens fail was still offered"
+            deadline = time.monotonic() + 10
+            while reader.lookup_prefix(blocks.keys) < 16:
+                assert time.monotonic() < deadline, f"the tier never came back: {reader.stats()}"
+                time.sleep(0.1)
+            assert all(load(list(range(16))))
+        finally:
+            reader.close()
+
+
 def test_a_store_gives_up_reads_from_a_frozen_mount_then_serves_them_again(tmp_path):
     """Issue 36, item 1: a FUSE daemon stopped with SIGSTOP holds every read of its mount in the
     kernel, for as long as it stays stopped; a load waited for them all. Now the load gives them up
@@ -106,48 +202,14 @@ def test_a_store_gives_up_reads_from_a_frozen_mount_then_serves_them_again(tmp_p
     once it took a second: counted misses, the tier sick at once (the next load does not wait), and
     after SIGCONT the held reads finish, their DRAM slots come back and every block is served again,
     byte for byte."""
-    import hashlib
     import signal
 
-    import numpy as np
-
-    import kvtier
-
-    object_bytes = 512 * 1024
     source, mountpoint = tmp_path / "source", tmp_path / "mount"
-    source.mkdir()
-    keys = [hashlib.sha256(f"frozen-{i}".encode()).digest() for i in range(16)]
-    values = [np.random.default_rng(i).integers(0, 256, object_bytes, dtype=np.uint8) for i in range(16)]
-    # Files of a few blocks each: the held loads read some from a file already open and open others.
-    common = {
-        "object_bytes": object_bytes,
-        "namespace": "frozen-mount",
-        "nvme_bytes": 0,
-        "shared_staleness_ms": 50,
-        "shared_file_bytes": 4 << 20,
-    }
-    slots = 32 * (object_bytes + 4096)
-    writer = kvtier.Store.open(str(tmp_path / "w"), dram_bytes=slots, shared_root=str(source), **common)
-    writer.put_many(keys, values)
-    writer.flush()
-    writer.close()
-
-    def load(ids: list[int]) -> list[bool]:
-        out = [np.zeros(object_bytes, np.uint8) for _ in ids]
-        got = reader.get_many([keys[i] for i in ids], out)
-        served = zip(got, ids, out, strict=True)
-        assert all(not ok or np.array_equal(o, values[i]) for ok, i, o in served), "wrong bytes"
-        return got
-
+    blocks = FrozenMountBlocks(tmp_path, source)
     with slowmount.SlowMount(source, mountpoint, LinkSpec(1000)) as mount:
-        reader = kvtier.Store.open(
-            str(tmp_path / "r"), dram_bytes=slots, shared_root=str(mountpoint), remote_read_stall_ms=300, **common
-        )
+        reader = blocks.reader(tmp_path / "r", mountpoint)
+        load = blocks.loader(reader)
         try:
-            deadline = time.monotonic() + 10
-            while reader.lookup_prefix(keys) < len(keys):
-                assert time.monotonic() < deadline, "the published blocks never became visible through the mount"
-                time.sleep(0.05)
             assert load([0]) == [True]  # its data file is open now: its blocks' reads go to the daemon only
             held = list(range(4, 16))  # past the kernel's read-ahead of block 0
             assert mount.process is not None

@@ -61,6 +61,18 @@ enum Located {
     /// Something other than a regular file sits where its data file should be: counted in
     /// `shared_not_regular_files` and quarantined, never opened for reading.
     NotRegular,
+    /// Its data file would not open (an I/O error, or a frozen filesystem: the open took over
+    /// `OPEN_WAIT`, or another one is still held): a failure of the tier, not a clean miss.
+    OpenFailed(Location, String, std::io::Error),
+}
+
+/// What `SharedTier::plan_read` made of a key.
+enum Planned {
+    Read(FileRead, Transfer),
+    /// A counted miss: not indexed, gone, not a regular file.
+    Miss,
+    /// Its file would not open: the read fails at once (`Located::OpenFailed`).
+    Failed(FileRead, std::io::Error),
 }
 
 /// A read of an indexed block, from `SharedTier::start_read` until `SharedTier::finish_started`
@@ -113,15 +125,25 @@ impl SharedTier {
     /// Starts reading `key` into `slot` on the tier's device queue, so that a load can keep its other
     /// reads (NVMe's) in flight meanwhile: `on_done` gets the I/O result, to be handed with the
     /// returned read to `finish_started`. `None`: a counted miss (not indexed, its file gone or not
-    /// openable), and `on_done` is dropped uncalled.
+    /// a regular file), and `on_done` is dropped uncalled. A file that will not open is a read that
+    /// failed at once (`on_done` gets the error before this returns), so that the tier's health
+    /// counts it: a frozen filesystem fails its opens, and it must turn the tier sick.
     ///
     /// # Safety
     /// As `read_many` for `slot`, until `finish_started` has judged the read.
     pub unsafe fn start_read(&self, key: &BlockKey, slot: *mut u8, on_done: OnDone) -> Option<FileRead> {
         debug_assert!(is_page_aligned(slot), "slot {slot:?} is not 4096-aligned");
-        let (read, transfer) = self.plan_read(key, slot)?;
-        self.read_in_pieces(transfer, on_done);
-        Some(read)
+        match self.plan_read(key, slot) {
+            Planned::Read(read, transfer) => {
+                self.read_in_pieces(transfer, on_done);
+                Some(read)
+            }
+            Planned::Failed(read, error) => {
+                on_done(Err(error));
+                Some(read)
+            }
+            Planned::Miss => None,
+        }
     }
 
     /// Puts `transfer` on the tier's queue in pieces of at most [`READ_PIECE_BYTES`], each counted in
@@ -154,20 +176,18 @@ impl SharedTier {
         }
     }
 
-    /// Where `key` is and the transfer that reads it into `slot`; `None` is a counted miss.
-    fn plan_read(&self, key: &BlockKey, slot: *mut u8) -> Option<(FileRead, Transfer)> {
+    /// Where `key` is and the transfer that reads it into `slot` (`Planned`; a miss is counted).
+    fn plan_read(&self, key: &BlockKey, slot: *mut u8) -> Planned {
         assert!((slot as usize).is_multiple_of(ALIGN_BYTES), "unaligned shared-tier slot");
         let (loc, name, file) = match self.locate_for_read(key) {
-            Ok(Located::File(loc, name, file)) => (loc, name, file),
-            Ok(Located::Absent | Located::NotRegular) => {
+            Located::File(loc, name, file) => (loc, name, file),
+            Located::Absent | Located::NotRegular => {
                 Stats::add(&self.stats.shared_misses, 1);
-                return None;
+                return Planned::Miss;
             }
-            Err(e) => {
-                log::warn!("kvtier: {e}; counted as a miss");
-                Stats::add(&self.stats.io_errors, 1);
-                Stats::add(&self.stats.shared_misses, 1);
-                return None;
+            Located::OpenFailed(loc, name, error) => {
+                let error = std::io::Error::new(error.kind(), format!("opening shared file {name}: {error}"));
+                return Planned::Failed(FileRead { key: *key, loc, name }, error);
             }
         };
         let transfer = Transfer {
@@ -178,7 +198,7 @@ impl SharedTier {
             len: self.slot_bytes,
             iovecs: Vec::new(),
         };
-        Some((FileRead { key: *key, loc, name }, transfer))
+        Planned::Read(FileRead { key: *key, loc, name }, transfer)
     }
 
     /// Judges a finished read (`start_read` or `read_many`): counts it, quarantines a bad file, and
@@ -241,10 +261,11 @@ impl SharedTier {
     /// what the evictor keeps). `Ok(None)`: good, or gone meanwhile (nothing to check);
     /// `Ok(Some(why))`: bad, and its file is quarantined as a load would.
     pub fn scrub_block(&self, key: &BlockKey) -> Result<Option<&'static str>> {
-        let (loc, name, file) = match self.locate_for_read(key)? {
+        let (loc, name, file) = match self.locate_for_read(key) {
             Located::File(loc, name, file) => (loc, name, file),
             Located::Absent => return Ok(None),
             Located::NotRegular => return Ok(Some("not a regular file")),
+            Located::OpenFailed(_, name, e) => return Err(Error::io(format!("opening shared file {name}"), e)),
         };
         let mut landing = AlignedBuf::zeroed(self.slot_bytes);
         let read = Transfer {
@@ -278,24 +299,24 @@ impl SharedTier {
 
     /// Where an indexed block is, and an open handle on its file; an error: the file is there but
     /// cannot be opened.
-    fn locate_for_read(&self, key: &BlockKey) -> Result<Located> {
+    fn locate_for_read(&self, key: &BlockKey) -> Located {
         let Some((loc, name)) = self.index.read().get(key).map(|(loc, name)| (loc, name.to_string())) else {
-            return Ok(Located::Absent);
+            return Located::Absent;
         };
         match self.read_handle(loc.file, &name) {
-            Ok(file) => Ok(Located::File(loc, name, file)),
+            Ok(file) => Located::File(loc, name, file),
             Err(OpenError::Io(e)) if is_vanished(&e) => {
                 self.forget_vanished(&name);
-                Ok(Located::Absent)
+                Located::Absent
             }
             Err(OpenError::NotRegular(kind)) => {
                 // Planted by someone who can write the root (a FIFO would have hung this load): the
                 // file is bad as a whole, like one that fails verification.
                 Stats::add(&self.stats.shared_not_regular_files, 1);
                 self.quarantine(&name, &format!("a {kind} in place of the data file"));
-                Ok(Located::NotRegular)
+                Located::NotRegular
             }
-            Err(OpenError::Io(e)) => Err(Error::io(format!("opening shared file {name}"), e)),
+            Err(OpenError::Io(e)) => Located::OpenFailed(loc, name, e),
         }
     }
 
