@@ -16,11 +16,14 @@ Needs fusepy and /dev/fuse (root, or fusermount): skipped with the install comma
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -155,6 +158,22 @@ class FrozenMountBlocks:
         return load
 
 
+@contextlib.contextmanager
+def frozen_mount_reader(
+    tmp_path: Path,
+) -> Iterator[tuple[Any, Any, Callable[[list[int]], list[bool]], FrozenMountBlocks]]:
+    """``FrozenMountBlocks`` published, a SlowMount of them at 1 GB/s, and a reader through it (closed
+    after): the mount, the reader, its ``load`` and the blocks."""
+    source, mountpoint = tmp_path / "source", tmp_path / "mount"
+    blocks = FrozenMountBlocks(tmp_path, source)
+    with slowmount.SlowMount(source, mountpoint, LinkSpec(1000)) as mount:
+        reader = blocks.reader(tmp_path / "r", mountpoint)
+        try:
+            yield mount, reader, blocks.loader(reader), blocks
+        finally:
+            reader.close()
+
+
 def test_a_mount_frozen_before_its_files_open_turns_the_tier_sick(tmp_path):
     """Issue 36, item 2: with the FUSE daemon stopped before the reader opened any data file, each
     block's read fails at its open (the first takes OPEN_WAIT, the next fail at once while it is held).
@@ -164,35 +183,28 @@ def test_a_mount_frozen_before_its_files_open_turns_the_tier_sick(tmp_path):
     brings it back, with no load asking."""
     import signal
 
-    source, mountpoint = tmp_path / "source", tmp_path / "mount"
-    blocks = FrozenMountBlocks(tmp_path, source)
-    with slowmount.SlowMount(source, mountpoint, LinkSpec(1000)) as mount:
-        reader = blocks.reader(tmp_path / "r", mountpoint)
-        load = blocks.loader(reader)
+    with frozen_mount_reader(tmp_path) as (mount, reader, load, blocks):
+        assert mount.process is not None
+        os.kill(mount.process.pid, signal.SIGSTOP)
+        thaw = threading.Timer(10.0, os.kill, (mount.process.pid, signal.SIGCONT))
+        thaw.start()
         try:
-            assert mount.process is not None
-            os.kill(mount.process.pid, signal.SIGSTOP)
-            thaw = threading.Timer(10.0, os.kill, (mount.process.pid, signal.SIGCONT))
-            thaw.start()
-            try:
-                started = time.monotonic()
-                got = load(list(range(16)))
-                failed_s = time.monotonic() - started
-                stats, offered = reader.stats(), reader.lookup_prefix(blocks.keys)
-            finally:
-                thaw.cancel()
-                os.kill(mount.process.pid, signal.SIGCONT)
-            assert not any(got)
-            assert failed_s < 3.0, f"the load waited {failed_s:.1f} s for a frozen mount"
-            assert (stats["remote_tier_outages"], stats["remote_tiers_sick"]) == (1, 1), stats
-            assert offered == 0, "a tier whose opens fail was still offered"
-            deadline = time.monotonic() + 10
-            while reader.lookup_prefix(blocks.keys) < 16:
-                assert time.monotonic() < deadline, f"the tier never came back: {reader.stats()}"
-                time.sleep(0.1)
-            assert all(load(list(range(16))))
+            started = time.monotonic()
+            got = load(list(range(16)))
+            failed_s = time.monotonic() - started
+            stats, offered = reader.stats(), reader.lookup_prefix(blocks.keys)
         finally:
-            reader.close()
+            thaw.cancel()
+            os.kill(mount.process.pid, signal.SIGCONT)
+        assert not any(got)
+        assert failed_s < 3.0, f"the load waited {failed_s:.1f} s for a frozen mount"
+        assert (stats["remote_tier_outages"], stats["remote_tiers_sick"]) == (1, 1), stats
+        assert offered == 0, "a tier whose opens fail was still offered"
+        deadline = time.monotonic() + 10
+        while reader.lookup_prefix(blocks.keys) < 16:
+            assert time.monotonic() < deadline, f"the tier never came back: {reader.stats()}"
+            time.sleep(0.1)
+        assert all(load(list(range(16))))
 
 
 def test_a_store_gives_up_reads_from_a_frozen_mount_then_serves_them_again(tmp_path):
@@ -204,44 +216,37 @@ def test_a_store_gives_up_reads_from_a_frozen_mount_then_serves_them_again(tmp_p
     byte for byte."""
     import signal
 
-    source, mountpoint = tmp_path / "source", tmp_path / "mount"
-    blocks = FrozenMountBlocks(tmp_path, source)
-    with slowmount.SlowMount(source, mountpoint, LinkSpec(1000)) as mount:
-        reader = blocks.reader(tmp_path / "r", mountpoint)
-        load = blocks.loader(reader)
+    with frozen_mount_reader(tmp_path) as (mount, reader, load, _):
+        assert load([0]) == [True]  # its data file is open now: its blocks' reads go to the daemon only
+        held = list(range(4, 16))  # past the kernel's read-ahead of block 0
+        assert mount.process is not None
+        os.kill(mount.process.pid, signal.SIGSTOP)
+        # A load that waits for the daemon would wait for ever: thawed by then, it fails the test instead.
+        thaw = threading.Timer(10.0, os.kill, (mount.process.pid, signal.SIGCONT))
+        thaw.start()
         try:
-            assert load([0]) == [True]  # its data file is open now: its blocks' reads go to the daemon only
-            held = list(range(4, 16))  # past the kernel's read-ahead of block 0
-            assert mount.process is not None
-            os.kill(mount.process.pid, signal.SIGSTOP)
-            # A load that waits for the daemon would wait for ever: thawed by then, it fails the test instead.
-            thaw = threading.Timer(10.0, os.kill, (mount.process.pid, signal.SIGCONT))
-            thaw.start()
-            try:
-                started = time.monotonic()
-                got = load(held)
-                stalled_s = time.monotonic() - started
-                started = time.monotonic()
-                again = load(held)
-                sick_s = time.monotonic() - started
-                stats = reader.stats()
-            finally:
-                thaw.cancel()
-                os.kill(mount.process.pid, signal.SIGCONT)
-            assert not any(got) and not any(again)
-            assert stalled_s < 3.0, f"the load waited {stalled_s:.1f} s for a frozen mount"
-            assert sick_s < 0.5, f"the second load waited {sick_s:.2f} s for a sick tier"
-            # Blocks of the open file: reads given up; of the others: an open that did not finish in 1 s
-            # (files.rs, OPEN_WAIT), then, while it is held, opens that fail at once.
-            assert stats["remote_reads_given_up"] >= 1 and stats["io_errors"] >= 1, stats
-            assert (stats["remote_tier_outages"], stats["remote_tiers_sick"]) == (1, 1), stats
-            deadline = time.monotonic() + 10
-            while not all(load(held)):
-                assert time.monotonic() < deadline, f"the blocks never came back: {reader.stats()}"
-                time.sleep(0.1)
-            assert (reader.stats()["remote_tiers_sick"], reader.stats()["retired_slots"]) == (0, 0)
+            started = time.monotonic()
+            got = load(held)
+            stalled_s = time.monotonic() - started
+            started = time.monotonic()
+            again = load(held)
+            sick_s = time.monotonic() - started
+            stats = reader.stats()
         finally:
-            reader.close()
+            thaw.cancel()
+            os.kill(mount.process.pid, signal.SIGCONT)
+        assert not any(got) and not any(again)
+        assert stalled_s < 3.0, f"the load waited {stalled_s:.1f} s for a frozen mount"
+        assert sick_s < 0.5, f"the second load waited {sick_s:.2f} s for a sick tier"
+        # Blocks of the open file: reads given up; of the others: an open that did not finish in 1 s
+        # (files.rs, OPEN_WAIT), then, while it is held, opens that fail at once.
+        assert stats["remote_reads_given_up"] >= 1 and stats["io_errors"] >= 1, stats
+        assert (stats["remote_tier_outages"], stats["remote_tiers_sick"]) == (1, 1), stats
+        deadline = time.monotonic() + 10
+        while not all(load(held)):
+            assert time.monotonic() < deadline, f"the blocks never came back: {reader.stats()}"
+            time.sleep(0.1)
+        assert (reader.stats()["remote_tiers_sick"], reader.stats()["retired_slots"]) == (0, 0)
 
 
 def test_a_store_closes_while_its_mount_is_frozen(tmp_path):
