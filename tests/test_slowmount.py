@@ -174,6 +174,23 @@ def frozen_mount_reader(
             reader.close()
 
 
+@contextlib.contextmanager
+def daemon_stopped(mount: Any) -> Iterator[None]:
+    """The mount's FUSE daemon stopped (SIGSTOP) for the block, continued after it, or after 10 s at
+    the latest: a load that waits for the daemon would wait for ever; thawed, it fails the test instead."""
+    import signal
+
+    assert mount.process is not None
+    os.kill(mount.process.pid, signal.SIGSTOP)
+    thaw = threading.Timer(10.0, os.kill, (mount.process.pid, signal.SIGCONT))
+    thaw.start()
+    try:
+        yield
+    finally:
+        thaw.cancel()
+        os.kill(mount.process.pid, signal.SIGCONT)
+
+
 def test_a_mount_frozen_before_its_files_open_turns_the_tier_sick(tmp_path):
     """Issue 36, item 2: with the FUSE daemon stopped before the reader opened any data file, each
     block's read fails at its open (the first takes OPEN_WAIT, the next fail at once while it is held).
@@ -181,21 +198,12 @@ def test_a_mount_frozen_before_its_files_open_turns_the_tier_sick(tmp_path):
     came to fail the same way. Now a data file that will not open is a failed read of the tier: the
     tier turns sick, lookups stop offering it, and once the daemon runs again the store's own probe
     brings it back, with no load asking."""
-    import signal
-
     with frozen_mount_reader(tmp_path) as (mount, reader, load, blocks):
-        assert mount.process is not None
-        os.kill(mount.process.pid, signal.SIGSTOP)
-        thaw = threading.Timer(10.0, os.kill, (mount.process.pid, signal.SIGCONT))
-        thaw.start()
-        try:
+        with daemon_stopped(mount):
             started = time.monotonic()
             got = load(list(range(16)))
             failed_s = time.monotonic() - started
             stats, offered = reader.stats(), reader.lookup_prefix(blocks.keys)
-        finally:
-            thaw.cancel()
-            os.kill(mount.process.pid, signal.SIGCONT)
         assert not any(got)
         assert failed_s < 3.0, f"the load waited {failed_s:.1f} s for a frozen mount"
         assert (stats["remote_tier_outages"], stats["remote_tiers_sick"]) == (1, 1), stats
@@ -214,17 +222,10 @@ def test_a_store_gives_up_reads_from_a_frozen_mount_then_serves_them_again(tmp_p
     once it took a second: counted misses, the tier sick at once (the next load does not wait), and
     after SIGCONT the held reads finish, their DRAM slots come back and every block is served again,
     byte for byte."""
-    import signal
-
     with frozen_mount_reader(tmp_path) as (mount, reader, load, _):
         assert load([0]) == [True]  # its data file is open now: its blocks' reads go to the daemon only
         held = list(range(4, 16))  # past the kernel's read-ahead of block 0
-        assert mount.process is not None
-        os.kill(mount.process.pid, signal.SIGSTOP)
-        # A load that waits for the daemon would wait for ever: thawed by then, it fails the test instead.
-        thaw = threading.Timer(10.0, os.kill, (mount.process.pid, signal.SIGCONT))
-        thaw.start()
-        try:
+        with daemon_stopped(mount):
             started = time.monotonic()
             got = load(held)
             stalled_s = time.monotonic() - started
@@ -232,9 +233,6 @@ def test_a_store_gives_up_reads_from_a_frozen_mount_then_serves_them_again(tmp_p
             again = load(held)
             sick_s = time.monotonic() - started
             stats = reader.stats()
-        finally:
-            thaw.cancel()
-            os.kill(mount.process.pid, signal.SIGCONT)
         assert not any(got) and not any(again)
         assert stalled_s < 3.0, f"the load waited {stalled_s:.1f} s for a frozen mount"
         assert sick_s < 0.5, f"the second load waited {sick_s:.2f} s for a sick tier"
