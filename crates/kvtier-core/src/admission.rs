@@ -166,6 +166,17 @@ impl Admission {
         Verdict { nvme: nvme || seen, remote: remote || seen, evidence: seen }
     }
 
+    /// A caller says `key`'s block will be read again (a request's retention hint): evidence of reuse
+    /// for its next store, as a first sighting would be. `false` when nothing awaits reuse (every
+    /// block is written anyway) and the hint is moot.
+    pub(crate) fn note_retained(&self, key: &BlockKey) -> bool {
+        if !self.awaits_reuse() {
+            return false;
+        }
+        self.seen.lock().seen_before(key);
+        true
+    }
+
     /// Whether a block may wait in DRAM for evidence of reuse (a tier's policy is `reuse`, or NVMe's
     /// budget keeps its last part for evidence): without, no block ever awaits reuse and the store
     /// never looks for reused ones.
@@ -274,6 +285,18 @@ mod tests {
         let nvme_only = Admission::new((Reuse, All), 16, None);
         assert_eq!(nvme_only.admits_store(&key(4)), verdict(false, true, false));
         assert_eq!(nvme_only.admits_store(&key(4)), verdict(true, true, true));
+    }
+
+    #[test]
+    fn a_retained_block_has_evidence_at_its_first_store() {
+        use WriteAdmission::{All, Reuse};
+        let reuse = Admission::new((Reuse, Reuse), 16, None);
+        assert!(reuse.note_retained(&key(6)));
+        let first = reuse.admits_store(&key(6));
+        assert_eq!(first, Verdict { nvme: true, remote: true, evidence: true });
+        assert!(!reuse.admits_store(&key(7)).evidence, "a block nobody said will come back has none");
+        let all = Admission::new((All, All), 16, None);
+        assert!(!all.note_retained(&key(6)), "under unbounded `all` every block is written: the hint is moot");
     }
 
     #[test]

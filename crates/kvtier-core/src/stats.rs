@@ -129,12 +129,14 @@ counters!(
     // Writes below DRAM (crate::admission, docs/architecture.md "Writes below DRAM"): stored blocks
     // kept in DRAM only for want of evidence of reuse, such blocks written below DRAM once reused,
     // such blocks evicted from DRAM unused (never written), and writes refused by a tier's write
-    // budget (NVMe blocks; remote-tier offers).
+    // budget (NVMe blocks; remote-tier offers); blocks a caller said will be read again
+    // (`Store::note_retained`, a request's retention hint), evidence of reuse by itself.
     writes_awaiting_reuse,
     writes_admitted_on_reuse,
     dropped_without_evidence,
     nvme_write_budget_refusals,
     remote_write_budget_refusals,
+    retained_by_hint,
     // The NVMe tier's I/O pattern, as the device queues submit it (seed 002's experiment 6): requests,
     // their bytes, those starting where the device's previous request of the same kind ended, and
     // how many fall in each size class (upper bounds, `IO_SIZE_CLASSES`).

@@ -444,6 +444,26 @@ impl Store {
         self.state.catalog.lock().assign_tenant(keys, tenant);
     }
 
+    /// The caller says the blocks `keys` will be read again (a request's retention hint: vLLM's
+    /// `kv_transfer_params`, docs/vllm.md): evidence of reuse for write admission below DRAM
+    /// (`write_admission: "reuse"`, or `all` under a bounded NVMe budget). A block stored already and
+    /// kept in DRAM for want of evidence is written on now; one not stored yet has evidence at its
+    /// store, as a second sighting would. Under unbounded `all` every block is written: a no-op.
+    pub fn note_retained(&self, keys: &[BlockKey]) {
+        if keys.is_empty() || !self.state.admission.awaits_reuse() {
+            return;
+        }
+        for key in keys {
+            let noted = self.state.admission.note_retained(key);
+            debug_assert!(noted, "a store that awaits reuse takes every hint");
+        }
+        let mut cat = self.state.catalog.lock();
+        keys.iter().for_each(|key| cat.note_retained(key));
+        drop(cat);
+        Stats::add(&self.state.stats.retained_by_hint, keys.len() as u64);
+        persist_reused(&self.state);
+    }
+
     // ---- Split puts and gets: slots filled and read by other processes through the shared pool ----
 
     /// Where the DRAM pool lives when it is shared (`pool_path`): the file and its slot geometry.

@@ -44,6 +44,27 @@ fn reuse_writes_only_the_blocks_used_again_and_drops_the_rest() {
 }
 
 #[test]
+fn blocks_a_caller_says_will_come_back_are_written_at_first_sight_and_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let store = Store::open(reuse_config(dir.path())).unwrap();
+        store.note_retained(&[key(0), key(1), key(2)]); // before the put: evidence at its store
+        put(&store, &[0, 1, 2, 3, 4, 5]);
+        store.flush().unwrap();
+        let s = store.stats().counters;
+        assert_eq!((s.retained_by_hint, s.bytes_written_nvme), (3, 3 * SLOT_BYTES), "the hinted three only");
+        store.note_retained(&[key(4)]); // after the put: the block kept awaiting reuse goes down now
+        store.flush().unwrap();
+        assert_eq!(store.stats().counters.bytes_written_nvme, 4 * SLOT_BYTES);
+        flood(&store, 100);
+        store.close().unwrap();
+    }
+    let store = Store::open(reuse_config(dir.path())).unwrap();
+    let back = get_checked(&store, &[0, 1, 2, 3, 4, 5]);
+    assert_eq!(back, vec![true, true, true, false, true, false], "hinted blocks kept, unhinted ones dropped unused");
+}
+
+#[test]
 fn a_block_stored_again_after_it_left_dram_is_written_and_survives_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     {

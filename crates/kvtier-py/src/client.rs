@@ -123,6 +123,12 @@ impl PyServiceClient {
         py.detach(|| self.inner.lock().assign_tenant(&keys, &tenant)).map_err(to_py)
     }
 
+    /// The blocks will be read again (a request's retention hint): evidence of reuse for writes below DRAM.
+    fn note_retained(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = parse_keys(keys)?;
+        py.detach(|| self.inner.lock().note_retained(&keys)).map_err(to_py)
+    }
+
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let fields = py.detach(|| self.inner.lock().stats()).map_err(to_py)?;
         let d = PyDict::new(py);

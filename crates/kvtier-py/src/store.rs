@@ -256,6 +256,12 @@ impl PyStore {
         Ok(())
     }
 
+    /// The blocks will be read again (a request's retention hint): evidence of reuse for writes below DRAM.
+    fn note_retained(&self, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.inner.note_retained(&parse_keys(keys)?);
+        Ok(())
+    }
+
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         let inner = Arc::clone(&self.inner);
         py.detach(move || inner.flush()).map_err(to_py)

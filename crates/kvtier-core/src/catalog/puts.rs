@@ -138,6 +138,12 @@ impl Catalog {
         }
     }
 
+    /// A caller says `key`'s block will be read again (`Store::note_retained`): a use, for a block
+    /// kept from a tier for want of evidence.
+    pub fn note_retained(&mut self, key: &BlockKey) {
+        self.note_reuse(key);
+    }
+
     /// The block just stored (`finish_put`) is kept from the remote tiers until evidence of reuse.
     pub fn await_remote_reuse(&mut self, key: &BlockKey) {
         if let Some(e) = self.index.get_mut(key).filter(|e| e.dram_ready) {

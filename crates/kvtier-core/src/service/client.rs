@@ -75,12 +75,9 @@ pub struct Client {
     /// The namespace description of the hello that mapped `pool`.
     description: Option<Vec<u8>>,
     copy_threads: usize,
-    /// The service answered `Op::ReadAhead` with `unknown request opcode` (an older version 2).
-    no_read_ahead_op: bool,
-    /// The same for `Op::Tenant`.
-    no_tenant_op: bool,
-    /// The same for `Op::Report`.
-    no_report_op: bool,
+    /// The ops (one bit per op code) the service answered with `unknown request opcode`: a service
+    /// of an older kvtier (version 2 without them), not asked them again (`call_if_known`).
+    unknown_ops: u32,
 }
 
 fn service_error(socket: &Path, what: impl std::fmt::Display) -> Error {
@@ -117,9 +114,7 @@ impl Client {
             attached: None,
             description: None,
             copy_threads: 1,
-            no_read_ahead_op: false,
-            no_tenant_op: false,
-            no_report_op: false,
+            unknown_ops: 0,
         })
     }
 
@@ -150,6 +145,23 @@ impl Client {
             Ok(0) => false,
             Ok(_) => !fds[0].revents().is_empty(),
             Err(_) => false, // EINTR: ask again next time
+        }
+    }
+
+    /// `call` for an op a service of an older kvtier may not know: `Ok(None)` from such a service,
+    /// now and from then on (it is not asked again).
+    fn call_if_known(&mut self, op: Op, build: impl FnOnce(&mut Writer)) -> Result<Option<Vec<u8>>> {
+        let bit = 1u32 << (op as u8);
+        debug_assert!((op as u8) < 32, "one bit per op code in `unknown_ops`");
+        if self.unknown_ops & bit != 0 {
+            return Ok(None);
+        }
+        match self.call(op, build) {
+            Err(Error::Service { message }) if message.contains("unknown request opcode") => {
+                self.unknown_ops |= bit;
+                Ok(None)
+            }
+            other => other.map(Some),
         }
     }
 
@@ -290,18 +302,19 @@ impl Client {
     /// The blocks are `tenant`'s (`Op::Tenant`). A service without the op (an older version 2)
     /// keeps no tenants: nothing to tell it.
     pub fn assign_tenant(&mut self, keys: &[BlockKey], tenant: &crate::tenant::TenantId) -> Result<()> {
-        if self.no_tenant_op {
-            return Ok(());
-        }
-        match self.call(Op::Tenant, |w| {
+        self.call_if_known(Op::Tenant, |w| {
             w.keys(keys).raw(tenant);
-        }) {
-            Err(Error::Service { message }) if message.contains("unknown request opcode") => {
-                self.no_tenant_op = true;
-                Ok(())
-            }
-            other => other.map(drop),
-        }
+        })
+        .map(drop)
+    }
+
+    /// The blocks will be read again, says the caller (`Op::Retain`, `Store::note_retained`). A
+    /// service without the op (an older version 2) admits by its own evidence: nothing to tell it.
+    pub fn note_retained(&mut self, keys: &[BlockKey]) -> Result<()> {
+        self.call_if_known(Op::Retain, |w| {
+            w.keys(keys);
+        })
+        .map(drop)
     }
 
     pub fn unpin(&mut self, keys: &[BlockKey]) -> Result<()> {
@@ -438,18 +451,10 @@ impl Client {
     /// `set_label`; `ENGINE_REPORTED` names the counts). A service of an older kvtier keeps none of
     /// them: nothing is sent to it again.
     pub fn report(&mut self, counts: &[(String, u64)]) -> Result<()> {
-        if self.no_report_op {
-            return Ok(());
-        }
-        match self.call(Op::Report, |w| {
+        self.call_if_known(Op::Report, |w| {
             w.pairs(counts);
-        }) {
-            Err(Error::Service { message }) if message.contains("unknown request opcode") => {
-                self.no_report_op = true;
-                Ok(())
-            }
-            other => other.map(drop),
-        }
+        })
+        .map(drop)
     }
 
     /// The namespace's per-engine counters: `(label, [(name, value)])`, sorted by label.

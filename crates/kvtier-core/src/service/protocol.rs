@@ -79,6 +79,9 @@ pub enum Op {
     /// last report (`ENGINE_REPORTED`: service calls that failed, outages, jobs given up or skipped
     /// while the service did not answer), added to its per-engine counters; other names are ignored
     Report = 20,
+    /// (version 2, after Hello) keys -> (empty): the caller says these blocks will be read again (a
+    /// request's retention hint): evidence of reuse for writes below DRAM (`Store::note_retained`)
+    Retain = 21,
 }
 
 /// `Op::Reserve`'s answer for one block.
@@ -133,6 +136,7 @@ impl Op {
             18 => Op::ReadAhead,
             19 => Op::Tenant,
             20 => Op::Report,
+            21 => Op::Retain,
             _ => return None,
         })
     }

@@ -447,6 +447,7 @@ impl Connection {
                 w.raw(&resident.iter().map(|&found| u8::from(found)).collect::<Vec<u8>>());
             }
             Op::Unpin => session.unpin(&keys),
+            Op::Retain => session.ns.store.note_retained(&keys),
             Op::Tenant => session.ns.store.assign_tenant(&keys, &r.array16().map_err(|e| e.to_string())?),
             Op::Release => session.release_readers(&keys),
             Op::Acquire => session.acquire(&keys, &mut w)?,

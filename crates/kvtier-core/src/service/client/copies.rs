@@ -187,20 +187,16 @@ impl Client {
     /// One round of `prefetch`: `Op::ReadAhead`, or on a service without it (an older version 2)
     /// an Acquire and Release of the round, which counts each block as a load of its own.
     fn read_ahead_round(&mut self, round: &[BlockKey]) -> Result<Vec<bool>> {
-        if !self.no_read_ahead_op {
-            match self.call(Op::ReadAhead, |w| {
-                w.keys(round);
-            }) {
-                Ok(body) if body.len() == round.len() => return Ok(body.iter().map(|&b| b != 0).collect()),
-                Ok(_) => {
-                    self.stream = None;
-                    return Err(service_error(&self.socket_path, "short read-ahead reply"));
-                }
-                Err(Error::Service { message }) if message.contains("unknown request opcode") => {
-                    self.no_read_ahead_op = true;
-                }
-                Err(other) => return Err(other),
+        let answer = self.call_if_known(Op::ReadAhead, |w| {
+            w.keys(round);
+        })?;
+        match answer {
+            Some(body) if body.len() == round.len() => return Ok(body.iter().map(|&b| b != 0).collect()),
+            Some(_) => {
+                self.stream = None;
+                return Err(service_error(&self.socket_path, "short read-ahead reply"));
             }
+            None => {}
         }
         let offsets = self.acquire(round)?;
         let acquired: Vec<BlockKey> =
