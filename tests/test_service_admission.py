@@ -47,3 +47,24 @@ def test_a_block_one_engine_stored_is_written_once_another_engine_uses_it(tmp_pa
         assert second.locate_many(keys[4:]) == ["dram"] * 4, "the others stay in DRAM, unwritten"
     finally:
         service.stop()
+
+
+def test_blocks_an_engine_says_will_come_back_are_written_at_their_first_store(tmp_path: Path) -> None:
+    """A request's retention hint (``kv_transfer_params: {"kvtier": {"retain": true}}``) reaches the
+    service as ``note_retained`` before the worker's store: those blocks go to NVMe at their first
+    store, the others wait in DRAM for evidence."""
+    socket = tmp_path / "kvtier.sock"
+    options = {"dram_bytes": 8 << 20, "nvme_bytes": 16 << 20, "region_bytes": 1 << 20, "write_admission": "reuse"}
+    service = Service.start(os.fspath(socket), os.fspath(tmp_path / "store"), os.fspath(tmp_path), 30_000, **options)
+    try:
+        scheduler, worker = engine(socket), engine(socket)
+        keys = [key(i) for i in range(8)]
+        scheduler.note_retained(keys[:3])
+        layer = np.stack([np.full(SLICE_BYTES, i, dtype=np.uint8) for i in range(8)])
+        assert all(worker.store_blocks(keys, [layer], list(range(8))))
+        worker.flush()
+        stats = worker.stats()
+        assert stats["retained_by_hint"] == 3
+        assert (stats["bytes_written_nvme"], stats["writes_awaiting_reuse"]) == (3 * SLOT_BYTES, 5)
+    finally:
+        service.stop()

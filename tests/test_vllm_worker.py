@@ -61,7 +61,7 @@ def key(i: int) -> bytes:
     return hashlib.sha256(f"worker-{i}".encode()).digest()
 
 
-def options_for(tmp_path: Path, nvme_bytes: int = 0) -> KvtierOptions:
+def options_for(tmp_path: Path, nvme_bytes: int = 0, **store_options: object) -> KvtierOptions:
     return KvtierOptions.from_extra_config(
         {
             "path": str(tmp_path / "store"),
@@ -69,6 +69,7 @@ def options_for(tmp_path: Path, nvme_bytes: int = 0) -> KvtierOptions:
             "nvme_bytes": nvme_bytes,
             "region_bytes": 1 << 20,
             "pool_dir": str(tmp_path),
+            **store_options,
         }
     )
 
@@ -338,6 +339,35 @@ def test_second_sight_admission_stores_a_block_the_second_time_it_is_computed(se
     assert manager.prepare_store([keys[0]], request).keys_to_store == []  # type: ignore[union-attr]
     assert manager.not_admitted_blocks == 2 + 3 + 1
     manager.shutdown()
+
+
+def test_a_request_that_says_it_comes_back_has_its_blocks_written_below_dram_at_once(tmp_path):
+    """``write_admission: "reuse"``: a request whose ``kv_transfer_params`` carry kvtier's retention
+    hint has the blocks it stores written to NVMe at their first store (the manager tells the service
+    before the worker stores); an unhinted request's wait in DRAM for evidence, as before. With
+    ``admission: "second_sight"`` a hinted request's blocks are stored at first sight too."""
+    options = options_for(tmp_path, nvme_bytes=16 << 20, write_admission="reuse")
+    try:
+        manager = KvtierManager(ServiceBackend(connection(options)), admission="second_sight")
+        hinted = ReqContext(req_id="doc", kv_transfer_params={"kvtier": {"retain": True}})
+        plain = ReqContext(req_id="one-off")
+        keys = [make_offload_key(hashlib.sha256(bytes([80 + i])).digest(), 0) for i in range(4)]
+        assert manager.prepare_store(keys[2:], plain).keys_to_store == [], "second sight: not at first"  # type: ignore[union-attr]
+        planned = [manager.prepare_store(keys[:2], hinted), manager.prepare_store(keys[2:], plain)]
+        assert [p.keys_to_store for p in planned if p is not None] == [keys[:2], keys[2:]], "hinted: at once"
+        w = worker(options, layers())
+        assert w.submit_store(1, engine_blocks([0, 1]), planned[0].store_spec)  # type: ignore[union-attr]
+        assert finished(w, 1)
+        assert w.submit_store(2, engine_blocks([2, 3]), planned[1].store_spec)  # type: ignore[union-attr]
+        assert finished(w, 2)
+        w.shutdown()
+        stats = connection(options).stats()
+        assert stats["retained_by_hint"] == 2
+        assert stats["bytes_written_nvme"] == 2 * (PAGE_BYTES * LAYERS + 4096), "the hinted two, at once"
+        assert stats["writes_awaiting_reuse"] == 2, "the unhinted blocks wait in DRAM for evidence"
+        manager.shutdown()
+    finally:
+        kvtier_service.stop_service(options.socket_path())
 
 
 def store_as_a_salted_request(options: KvtierOptions) -> KvtierManager:

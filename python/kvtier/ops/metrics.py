@@ -282,6 +282,7 @@ PLAIN_VALUES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("kvtier_write_admission_blocks", ("dropped_without_evidence",), "dropped_without_evidence"),
     ("kvtier_write_admission_blocks", ("budget_refused_nvme",), "nvme_write_budget_refusals"),
     ("kvtier_write_admission_blocks", ("budget_refused_remote",), "remote_write_budget_refusals"),
+    ("kvtier_write_admission_blocks", ("retained_by_hint",), "retained_by_hint"),
     ("kvtier_evictions", ("dram",), "dram_evictions"),
     ("kvtier_evictions", ("nvme",), "nvme_region_evictions"),
     ("kvtier_evictions", ("shared",), "shared_evicted_files"),

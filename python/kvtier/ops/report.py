@@ -238,6 +238,7 @@ ADMISSION_COUNTERS = (
     "dropped_without_evidence",
     "nvme_write_budget_refusals",
     "remote_write_budget_refusals",
+    "retained_by_hint",
 )
 
 
@@ -470,7 +471,8 @@ def _writes_table(writes: dict[str, Any], output: Output) -> None:
     admission = writes["admission"]
     output.table(
         f"writes below DRAM ({admission['writes_awaiting_reuse']} block(s) kept awaiting reuse, "
-        f"{admission['writes_admitted_on_reuse']} written on reuse, {admission['dropped_without_evidence']} dropped "
+        f"{admission['writes_admitted_on_reuse']} written on reuse, {admission['retained_by_hint']} hinted, "
+        f"{admission['dropped_without_evidence']} dropped "
         f"unused, {admission['nvme_write_budget_refusals'] + admission['remote_write_budget_refusals']} over budget)",
         ["tier", "written", "read back", "written per read", "write budget"],
         rows,

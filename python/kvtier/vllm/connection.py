@@ -283,6 +283,9 @@ class ServiceConnection:
     def assign_tenant(self, keys: list[bytes], tenant: bytes) -> None:
         self.call("assign_tenant", keys, tenant)
 
+    def note_retained(self, keys: list[bytes]) -> None:
+        self.call("note_retained", keys)
+
     def stats(self) -> dict[str, int]:
         stats = dict(self.call("stats", default={}))
         stats["service_failed_calls"] = self.failed_calls

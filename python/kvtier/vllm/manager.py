@@ -28,6 +28,7 @@ from kvtier._core import tenant_id
 from kvtier.vllm.backend import StoreBackend
 from kvtier.vllm.costs import LoadDecider
 from kvtier.vllm.events import EventFeed
+from kvtier.vllm.hints import retains
 from kvtier.vllm.load_store_spec import KvtierLoadStoreSpec
 from kvtier.vllm.metrics import StatsDeltaTracker
 from kvtier.vllm.namespace import kvtier_key
@@ -310,10 +311,13 @@ class KvtierManager(OffloadingManager):
         except Exception:
             logger.exception("kvtier: store unavailable; not offloading")
             return None
+        retain = retains(getattr(req_context, "kv_transfer_params", None))
+        if retain:
+            self._note_retained(store_keys)
         keys_to_store: list[OffloadKey] = []
         store_keys_to_store: list[bytes] = []
         for key, store_key, is_present in zip(keys, store_keys, present, strict=True):
-            if is_present or store_key in self._being_stored or not self._admit(store_key):
+            if is_present or store_key in self._being_stored or not (retain or self._admit(store_key)):
                 continue
             keys_to_store.append(key)
             store_keys_to_store.append(store_key)
@@ -327,6 +331,15 @@ class KvtierManager(OffloadingManager):
             store_spec=KvtierLoadStoreSpec(store_keys_to_store),
             evicted_keys=[],
         )
+
+    def _note_retained(self, store_keys: list[bytes]) -> None:
+        """The request says its prompt will come back (``hints.retains``): its blocks have evidence of
+        reuse when the worker stores them (told before the store job), and those stored already and
+        kept in DRAM for want of it go below DRAM now."""
+        try:
+            self._store.note_retained(store_keys)
+        except Exception:
+            logger.exception("kvtier: passing a retention hint on failed; its blocks wait for evidence of reuse")
 
     def _admit(self, store_key: bytes) -> bool:
         """Whether to store a block this engine just computed (``admission``)."""

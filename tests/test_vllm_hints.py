@@ -1,0 +1,33 @@
+"""What a request's ``kv_transfer_params`` tell kvtier (``kvtier.vllm.hints``): the retention hint, and
+malformed hints ignored with one warning that names the form (a cache hint never fails a request)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+hints = pytest.importorskip("kvtier.vllm.hints")
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        ({"kvtier": {"retain": True}}, True),
+        ({"kvtier": {"retain": False}}, False),
+        ({"kvtier": {}, "do_remote_prefill": True}, False),
+        ({"max_load_tokens": 5}, False),
+        (None, False),
+    ],
+)
+def test_a_request_says_its_prompt_comes_back_only_in_kvtiers_form(params, expected):
+    assert hints.retains(params) is expected
+
+
+def test_a_malformed_hint_is_ignored_with_one_warning_that_names_the_form(monkeypatch, caplog):
+    monkeypatch.setattr(hints, "_warned_bad_hint", False)
+    with caplog.at_level(logging.WARNING, logger="kvtier.vllm"):
+        assert not hints.retains({"kvtier": {"retain": "yes"}})
+        assert not hints.retains({"kvtier": True})
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and '{"kvtier": {"retain": true}}' in warnings[0], warnings
