@@ -173,7 +173,7 @@ def test_parse_result():
     assert point["e2el_ms"]["p99"] == 220.0
     assert point["tpot_ms"]["p50"] == 60.0 and point["itl_ms"]["p99"] == 140.0
     counters = {"dram_hits": 3, "nvme_hits": 0, "shared_hits": 1, "puts": 9}
-    counters |= {"bytes_written_nvme": 3 << 20, "dropped_without_evidence": 2}
+    counters |= {"bytes_written_nvme": 3 << 20, "dropped_without_evidence": 2, "retained_by_hint": 5}
     document = {
         "settings": {},
         "rows": [
@@ -187,7 +187,8 @@ def test_parse_result():
         ],
     }
     rows = serve.table_rows(document)
-    assert rows[0][:4] == ["x", "2", "8", "2.00"] and rows[0][-7:] == ["3", "0", "1", "9", "3", "2", "-"]
+    assert all(len(row) == len(serve.TABLE_HEADER) for row in rows), "a cell per column"
+    assert rows[0][:4] == ["x", "2", "8", "2.00"] and rows[0][-8:] == ["3", "0", "1", "9", "3", "2", "5", "-"]
     assert rows[0][serve.TABLE_HEADER.index("TPOT p50/p99 ms")] == "60/75"
     assert rows[0][serve.TABLE_HEADER.index("ITL p50/p99 ms")] == "58/140"
     assert rows[1][2] == "not measured"
@@ -407,13 +408,17 @@ def test_the_vllm_row_runs_a_server_without_kvtier_and_reads_no_kvtier_counters(
 # --------------------------------------------------------------------------------------------
 
 
-def _run_small(tmp_path: Path, rows: list[str]) -> tuple[dict, Path]:
+CPU_BLOCK_TOKENS = 128  # vLLM's block on CPU: one kvtier block
+SLOT_HEADER_BYTES = 4096  # a kvtier block's header on NVMe (docs/format.md)
+
+
+def _run_small(tmp_path: Path, rows: list[str], workload: str = "closed") -> tuple[dict, Path]:
     """``kvtier bench serve --small`` with ``rows`` and one point (4 users) of --small's two: its
     results.json, checked for what every row's points must have, and its output directory."""
     _require_vllm()
     out = tmp_path / "serve"
     command = [sys.executable, "-m", "kvtier", "bench", "serve", "--small", "--rows", ",".join(rows)]
-    command += ["--users", "4"]
+    command += ["--users", "4", "--workload", workload]
     completed = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=3600)
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
     document = json.loads((out / "results.json").read_text())
@@ -424,18 +429,20 @@ def _run_small(tmp_path: Path, rows: list[str]) -> tuple[dict, Path]:
     for record in document["rows"]:
         assert [point["users"] for point in record["points"]] == users
         for point in record["points"]:
-            assert point["completed"] == point["users"] * document["settings"]["requests_per_user"]
+            returning = point["users"] * document["settings"]["requests_per_user"]
+            assert point["completed"] == returning + point.get("one_off_requests", 0)
             assert point["failed"] == 0
             assert point["request_throughput"] > 0 and point["output_throughput"] > 0
             assert all(point["ttft_ms"][f"p{p}"] > 0 for p in (50, 90, 99))
-            assert "bench" in point["command"] and "prefix_repetition" in point["command"]
+            dataset = "prefix_repetition" if workload == "closed" else "custom"
+            assert "bench" in point["command"] and dataset in point["command"]
     assert (out / "serve.png").exists() and (out / "table.md").exists()
     return document, out
 
 
-def _kvtier_dram_served_repeats(document: dict) -> None:
+def _kvtier_dram_served_repeats(document: dict, row: str = "kvtier-dram") -> None:
     # Users repeat (2 requests each) and vLLM's own cache holds 12 blocks: kvtier serves repeats.
-    (record,) = [record for record in document["rows"] if record["row"] == "kvtier-dram"]
+    (record,) = [record for record in document["rows"] if record["row"] == row]
     assert sum(point["kvtier"]["dram_hits"] for point in record["points"]) > 0
     # The CPU account read the real processes: the server's tree, and kvtier's threads in it (the
     # worker's job thread and watchdog, the connections' hang-up watch at least); the tiny model's
@@ -445,11 +452,34 @@ def _kvtier_dram_served_repeats(document: dict) -> None:
 
 
 @pytest.mark.slow
+def test_bench_serve_longtail_small_end_to_end_with_retention_hints(tmp_path):
+    """A kvtier row end to end (one server, vLLM's own client): the long-tail workload's reuse row,
+    whose returning users' requests carry kvtier's retention hint in their body (``--retain-hints``,
+    through ``kvtier.bench.vllm_client``). The hint travels vLLM's OpenAI server, its scheduler's
+    ``kv_transfer_params`` and the host service: the hinted prefixes are written to NVMe at first
+    sight, and nothing else is (the one-off prompts' blocks stay in DRAM, unwritten). The closed
+    workload's kvtier row runs in the test below (KVTIER_FULL_TESTS=1), the vLLM-alone row's flow is
+    checked against a fake server above; a row run twice is summed up in
+    tests/test_bench_serve_summary.py."""
+    document, _ = _run_small(tmp_path, ["kvtier-nvme-reuse"], workload="longtail")
+    _kvtier_dram_served_repeats(document, "kvtier-nvme-reuse")
+    (point,) = document["rows"][0]["points"]
+    counters, settings = point["kvtier"], document["settings"]
+    assert counters["retained_by_hint"] > 0, "the hint reached the service"
+    # The preset's bytes per token are float32's; vLLM's default dtype on CPU may halve them.
+    slots = [CPU_BLOCK_TOKENS * settings["kv_bytes_per_token"] // halves + SLOT_HEADER_BYTES for halves in (1, 2)]
+    (slot_bytes,) = [slot for slot in slots if counters["bytes_written_nvme"] % slot == 0]
+    written_blocks = counters["bytes_written_nvme"] // slot_bytes
+    prefix_blocks = settings["prefix_len"] // CPU_BLOCK_TOKENS
+    assert written_blocks <= point["users"] * (prefix_blocks + 1), counters
+    assert written_blocks >= point["users"] * prefix_blocks, "every user's prefix, not one of the one-offs"
+
+
+@pytest.mark.slow
+@pytest.mark.full
 def test_bench_serve_small_end_to_end(tmp_path):
-    """The kvtier row end to end (one server, one `vllm bench serve`). The vLLM-alone row is run for
-    real by the two tests below (KVTIER_FULL_TESTS=1) and its flow checked against a fake server above;
-    a row run twice (vLLM alone first and last, the drift-cancelling order docs/benchmarks.md uses) is
-    summed up in tests/test_bench_serve_summary.py."""
+    """The closed workload's kvtier row end to end (one server, one `vllm bench serve`). Full only
+    since the long-tail row above runs in CI (one server each: CI's time budget)."""
     document, _ = _run_small(tmp_path, ["kvtier-dram"])
     _kvtier_dram_served_repeats(document)
 

@@ -62,17 +62,42 @@ def test_a_point_mixes_returning_users_and_one_offs(tokenizer):
 
 
 def test_the_dataset_file_and_its_bench_options(tokenizer, tmp_path):
-    plan = {**PLAN, "model_dir": str(ensure_model("tiny"))}
+    plan = {**PLAN, "model_dir": str(ensure_model("tiny")), "retain_hints": True}
     path = tmp_path / "point.jsonl"
     point = serve_longtail.write_dataset(plan, users=1, seed=3, path=path)
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [line["prompt"] for line in lines] == point.prompts and len(lines) == 3 + 12
+    hinted = [line.get("request_overrides") == serve_longtail.RETAIN_HINT for line in lines]
+    assert hinted == [user is not None for user in point.user_of_request], "the users' requests say so, no other"
     args = serve_longtail.dataset_args(path, len(lines), 16)
     assert args[args.index("--dataset-name") + 1] == "custom" and "--disable-shuffle" in args
     assert args[args.index("--num-prompts") + 1] == "15" and "--skip-chat-template" in args
     plan = {**plan_of("--workload", "longtail"), **plan}
     command = serve.bench_command(plan, "http://x", "m", tmp_path, 1, 3, tmp_path, "r.json", args)
     assert "prefix_repetition" not in command and command[command.index("--dataset-path") + 1] == str(path)
+    assert command[1:3] == ["-m", "kvtier.bench.vllm_client"] and command[3:5] == ["bench", "serve"]
+    unhinted = serve_longtail.write_dataset({**plan, "retain_hints": False}, users=1, seed=3, path=path)
+    assert unhinted == point and "request_overrides" not in path.read_text()
+
+
+def test_vllms_client_sends_each_lines_body_fields_with_its_request(tmp_path):
+    """vLLM's own ``custom`` dataset class, as ``vllm bench serve`` builds it, once the client module
+    installed its addition: a line's ``request_overrides`` reach its request, in file order."""
+    pytest.importorskip("vllm")
+    from vllm.benchmarks.datasets.datasets import CustomDataset
+
+    from kvtier.bench import vllm_client
+    from kvtier.vllm.hints import retains
+
+    path = tmp_path / "d.jsonl"
+    lines = [{"prompt": "a"}, {"prompt": "b", "request_overrides": serve_longtail.RETAIN_HINT}, {"prompt": "c"}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    vllm_client.install()
+    dataset = CustomDataset(dataset_path=str(path), disable_shuffle=True)
+    requests = dataset.sample(tokenizer=None, num_requests=3)
+    assert [r.prompt for r in requests] == ["a", "b", "c"]
+    assert [r.request_overrides for r in requests] == [None, serve_longtail.RETAIN_HINT, None]
+    assert retains(serve_longtail.RETAIN_HINT["kv_transfer_params"]), "the form kvtier's scheduler reads"
 
 
 def test_the_plan_and_the_reuse_row():

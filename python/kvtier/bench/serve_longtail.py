@@ -7,7 +7,10 @@ and where ``"reuse"`` (write once there is evidence of reuse) should write far l
 same hits. vLLM's ``prefix_repetition`` dataset repeats every prefix equally and ShareGPT's loader
 drops prompts over 1,024 tokens, so each point writes its own dataset: a JSONL file of vLLM's
 ``custom`` format (one ``{"prompt": ...}`` per line), sent in file order (``--disable-shuffle``)
-without a chat template, by ``vllm bench serve`` as in the other workloads.
+without a chat template, by ``vllm bench serve`` as in the other workloads (through
+``kvtier.bench.vllm_client``, which lets a line carry its request's body fields: with
+``--retain-hints``, the default, each returning user's requests say they come back, as a client that
+knows it will ask about the same document again would; one-off requests say nothing).
 
 A point of ``users`` users: each user has a prefix of ``prefix_len`` tokens and ``requests_per_user``
 requests (that prefix plus a fresh question of ``suffix_len`` tokens); beside them come one-off
@@ -25,7 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.vllm_client import OVERRIDES_FIELD
+
 ONE_OFF_SHARE = 0.8  # requests whose prefix is never seen again
+# What a returning user's request sends with --retain-hints: its prompt comes back (the form
+# kvtier.vllm.hints reads; not imported from there, which would import vLLM into the bench's CLI).
+RETAIN_HINT = {"kv_transfer_params": {"kvtier": {"retain": True}}}
 FIRST_TOKEN_ID = 16  # below it: the tokenizer's special and byte tokens, which decode unevenly
 
 
@@ -84,8 +92,11 @@ def write_dataset(plan: dict[str, Any], users: int, seed: int, path: Path) -> Lo
     tokenizer = AutoTokenizer.from_pretrained(plan["model_dir"])
     point = build_point(tokenizer, plan, users, seed)
     with path.open("w", encoding="utf-8") as out:
-        for prompt in point.prompts:
-            out.write(json.dumps({"prompt": prompt}) + "\n")
+        for prompt, user in zip(point.prompts, point.user_of_request, strict=True):
+            line: dict[str, Any] = {"prompt": prompt}
+            if user is not None and plan.get("retain_hints"):
+                line[OVERRIDES_FIELD] = RETAIN_HINT
+            out.write(json.dumps(line) + "\n")
     return point
 
 

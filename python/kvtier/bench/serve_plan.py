@@ -75,7 +75,10 @@ LONGTAIL_SMALL = {**SMALL, "users": "2", "requests_per_user": 3}
 WORKLOADS = {"closed": (FULL, SMALL), "mixed": (MIXED, MIXED_SMALL), "longtail": (LONGTAIL, LONGTAIL_SMALL)}
 PERCENTILES = (50, 90, 99)
 DECODE_METRICS = ("tpot", "itl")  # time per output token (per request), inter-token latency (per token)
-COUNTERS = ("dram_hits", "nvme_hits", "shared_hits", "puts", "bytes_written_nvme", "dropped_without_evidence")
+COUNTERS = (
+    "dram_hits", "nvme_hits", "shared_hits", "puts", "bytes_written_nvme", "dropped_without_evidence",
+    "retained_by_hint",
+)  # fmt: skip
 # Read too where a row has the object tier (the slow-link rows: serve_slow).
 OBJECT_COUNTERS = ("bucket_hits", "bucket_misses", "bucket_get_requests", "bucket_segments_published")
 POINT_TIMEOUT_S = 4 * 3600
@@ -137,6 +140,12 @@ def _add_workload_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--one-off-share", type=float, default=ONE_OFF_SHARE,
         help=f"--workload longtail: share of requests whose prefix is never seen again (default {ONE_OFF_SHARE})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--retain-hints", action=argparse.BooleanOptionalAction, default=True,
+        help="--workload longtail: each returning user's requests say they come back "
+        '(kv_transfer_params {"kvtier": {"retain": true}}, docs/vllm.md), as a client that knows its '
+        "prompt will be asked about again would (default on; --no-retain-hints: no request says)",
     )  # fmt: skip
     parser.add_argument(
         "--request-rate", type=float,
@@ -308,6 +317,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         "small": args.small,
         "kv_events": args.kv_events,
         "one_off_share": args.one_off_share,
+        "retain_hints": args.retain_hints,
     }
     if not 0.0 <= plan["one_off_share"] < 1.0:
         raise BenchError("--one-off-share is a share of the requests: at least 0 and below 1")

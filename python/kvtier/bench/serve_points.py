@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -54,9 +55,11 @@ def bench_command(
     dataset: list[str] | None = None,
 ) -> list[str]:
     """The ``vllm bench serve`` command of one point. ``dataset``: its dataset options, if not
-    ``prefix_repetition``'s (the long-tail workload's file: ``serve_longtail.dataset_args``)."""
+    ``prefix_repetition``'s (the long-tail workload's file, ``serve_longtail.dataset_args``, sent by
+    ``kvtier.bench.vllm_client``: vLLM's client, with the file's per-request body fields)."""
     from kvtier.openai_server import vllm_command
 
+    client = vllm_command() if dataset is None else [sys.executable, "-m", "kvtier.bench.vllm_client"]
     if dataset is None:
         dataset = [
             "--dataset-name", "prefix_repetition",
@@ -67,7 +70,7 @@ def bench_command(
             "--num-prompts", str(users * plan["requests_per_user"]),
         ]  # fmt: skip
     return [
-        *vllm_command(), "bench", "serve",
+        *client, "bench", "serve",
         "--base-url", base_url,
         "--model", served_name,
         "--tokenizer", str(model_dir),

@@ -42,6 +42,8 @@ def point_line(point: dict[str, Any]) -> str:
         )
         if counters.get("dropped_without_evidence"):
             text += f" ({counters['dropped_without_evidence']} blocks dropped unused)"
+        if counters.get("retained_by_hint"):
+            text += f", {counters['retained_by_hint']} blocks of hinted requests"
     if point.get("cpu_s"):
         text += f", CPU ms per request: server (kvtier threads) / service {cpu_text(point)}"
     if point.get("kv_events"):
@@ -73,7 +75,7 @@ def _p50_p99(point: dict[str, Any], metric: str) -> str:
 TABLE_HEADER = [
     "row", "users", "requests", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
     "TPOT p50/p99 ms", "ITL p50/p99 ms", "connector hit tokens", "kvtier DRAM hits", "NVMe hits", "shared hits", "puts",
-    "NVMe MiB written", "dropped unused", "CPU ms/request server (kvtier threads) / service",
+    "NVMe MiB written", "dropped unused", "hinted blocks", "CPU ms/request server (kvtier threads) / service",
 ]  # fmt: skip
 
 
