@@ -208,3 +208,16 @@ fn the_shared_tier_by_reuse_is_offered_a_block_once_it_is_used() {
     assert!(s.shared_bytes_written >= 2 * OBJECT_BYTES as u64, "the two used blocks published: {s:?}");
     assert!(s.shared_bytes_written < 4 * OBJECT_BYTES as u64, "and only those: {s:?}");
 }
+
+#[test]
+fn the_shared_tier_by_reuse_publishes_the_blocks_a_caller_says_come_back_at_their_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiered(dir.path(), WriteAdmission::Reuse, WriteAdmission::Reuse);
+    store.note_retained(&[key(0), key(1)]);
+    put(&store, &[0, 1, 2, 3]);
+    store.flush().unwrap();
+    let s = store.stats().counters;
+    assert_eq!(s.bytes_written_nvme, 2 * SLOT_BYTES, "the two hinted blocks, at once");
+    assert!(s.shared_bytes_written >= 2 * OBJECT_BYTES as u64, "published for the other hosts: {s:?}");
+    assert!(s.shared_bytes_written < 3 * OBJECT_BYTES as u64, "and nothing else: {s:?}");
+}
