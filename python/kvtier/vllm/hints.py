@@ -30,6 +30,8 @@ def retains(kv_transfer_params: Any) -> bool:
     if not isinstance(kv_transfer_params, Mapping) or PARAMS_KEY not in kv_transfer_params:
         return False
     hints = kv_transfer_params[PARAMS_KEY]
+    if isinstance(hints, Mapping) and RETAIN_KEY not in hints:
+        return False  # kvtier's object without this hint (another of its keys): nothing to say
     value = hints.get(RETAIN_KEY) if isinstance(hints, Mapping) else None
     if isinstance(value, bool):
         return value
