@@ -16,6 +16,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -355,16 +356,49 @@ def test_a_request_that_says_it_comes_back_has_its_blocks_written_below_dram_at_
         assert manager.prepare_store(keys[2:], plain).keys_to_store == [], "second sight: not at first"  # type: ignore[union-attr]
         planned = [manager.prepare_store(keys[:2], hinted), manager.prepare_store(keys[2:], plain)]
         assert [p.keys_to_store for p in planned if p is not None] == [keys[:2], keys[2:]], "hinted: at once"
-        w = worker(options, layers())
-        assert w.submit_store(1, engine_blocks([0, 1]), planned[0].store_spec)  # type: ignore[union-attr]
-        assert finished(w, 1)
-        assert w.submit_store(2, engine_blocks([2, 3]), planned[1].store_spec)  # type: ignore[union-attr]
-        assert finished(w, 2)
-        w.shutdown()
+        store_two_by_two(options, planned)
         stats = connection(options).stats()
         assert stats["retained_by_hint"] == 2
         assert stats["bytes_written_nvme"] == 2 * (PAGE_BYTES * LAYERS + 4096), "the hinted two, at once"
         assert stats["writes_awaiting_reuse"] == 2, "the unhinted blocks wait in DRAM for evidence"
+        manager.shutdown()
+    finally:
+        kvtier_service.stop_service(options.socket_path())
+
+
+def store_two_by_two(options: KvtierOptions, planned: list[Any]) -> None:
+    """A worker stores the planned blocks, two per job, from engine blocks 0, 1, 2, ..."""
+    w = worker(options, layers())
+    try:
+        for job, plan in enumerate(planned):
+            assert plan is not None and len(plan.keys_to_store) == 2, plan
+            assert w.submit_store(job, engine_blocks([2 * job, 2 * job + 1]), plan.store_spec)
+            assert finished(w, job)
+    finally:
+        w.shutdown()
+
+
+def test_a_hint_of_a_prompts_first_tokens_retains_only_the_blocks_that_end_within_them(tmp_path):
+    """``"retain": N``: of a request's blocks, those that end within its first N tokens (by the end
+    position vLLM's scheduler records per key) are written below DRAM at once and stored at first
+    sight under ``second_sight``; the request's later blocks (a unique question, the answer) wait for
+    evidence like an unhinted request's."""
+    options = options_for(tmp_path, nvme_bytes=16 << 20, write_admission="reuse")
+    try:
+        manager = KvtierManager(ServiceBackend(connection(options)), admission="second_sight")
+        request = ReqContext(req_id="doc-and-question", kv_transfer_params={"kvtier": {"retain": 40}})
+        keys = [make_offload_key(hashlib.sha256(bytes([90 + i])).digest(), 0) for i in range(4)]
+        for index, key in enumerate(keys):
+            request.set_offload_key_position(key, 16 * (index + 1))  # 16-token blocks: ends 16, 32, 48, 64
+        first = manager.prepare_store(keys, request)
+        assert first is not None and first.keys_to_store == keys[:2], "ends 16 and 32 within 40: at first sight"
+        second = manager.prepare_store(keys[2:], request)
+        assert second is not None and second.keys_to_store == keys[2:], "the tail: at its second sight"
+        store_two_by_two(options, [first, second])
+        stats = connection(options).stats()
+        assert stats["retained_by_hint"] == 2, "only the blocks within the first 40 tokens"
+        assert stats["bytes_written_nvme"] == 2 * (PAGE_BYTES * LAYERS + 4096), "the two retained, at once"
+        assert stats["writes_awaiting_reuse"] == 2, "the tail waits in DRAM for evidence"
         manager.shutdown()
     finally:
         kvtier_service.stop_service(options.socket_path())
@@ -688,6 +722,39 @@ def test_a_frozen_service_costs_the_scheduler_one_timeout_then_misses_at_once_un
     finally:
         scheduler.close()
         w.shutdown()
+
+
+def test_a_hinted_request_against_a_frozen_service_costs_one_timeout_and_the_hint_counts_once_it_answers(tmp_path):
+    """Issue 36 with issue 39's hint: a hinted request's ``prepare_store`` against a frozen service
+    waits the scheduler's one ``service_timeout_ms`` (its lookup), passes the hint on at no further
+    cost (the service stepped aside) and never raises; once the service answers again, the next
+    hinted request's blocks are retained and written below DRAM at once, no restart."""
+    options = options_for(tmp_path, nvme_bytes=16 << 20, write_admission="reuse")
+    try:
+        scheduler = ServiceConnection(options, {"test": "worker"}, 1, 0, PAGE_BYTES * LAYERS, timeout_ms=1_000)
+        manager = KvtierManager(ServiceBackend(scheduler))
+        hint = {"kvtier": {"retain": True}}
+        keys = [make_offload_key(hashlib.sha256(bytes([120 + i])).digest(), 0) for i in range(4)]
+        connection(options).stats()  # the service is up before it is frozen
+        with frozen(options.socket_path()):
+            started = time.monotonic()
+            planned = manager.prepare_store(keys[:2], ReqContext(req_id="during", kv_transfer_params=hint))
+            assert time.monotonic() - started < 2.5, "a hinted store waited more than the one deadline"
+            assert planned is not None and planned.keys_to_store == keys[:2], "vLLM's store goes on"
+            assert not scheduler.available
+        deadline = time.monotonic() + 30
+        while not scheduler.available and time.monotonic() < deadline:
+            scheduler.locate_many([kvtier_key(keys[0])])
+            time.sleep(0.1)
+        after = manager.prepare_store(keys[2:], ReqContext(req_id="after", kv_transfer_params=hint))
+        assert after is not None and after.keys_to_store == keys[2:]
+        store_two_by_two(options, [after])
+        stats = connection(options).stats()
+        assert stats["retained_by_hint"] == 2, "the hint reached the service once it answered"
+        assert stats["bytes_written_nvme"] == 2 * (PAGE_BYTES * LAYERS + 4096)
+        manager.shutdown()
+    finally:
+        kvtier_service.stop_service(options.socket_path())
 
 
 def _published_to_a_shared_directory(tmp_path: Path, count: int) -> tuple[KvtierOptions, list[OffloadKey]]:

@@ -891,7 +891,7 @@ pub static OPTIONS: &[ConfigOption] = &[
         kind: OptionKind::Choice(WRITE_ADMISSION_CHOICES),
         unset: "",
         constraint: "",
-        description: "Which stored blocks are written below DRAM (NVMe; the shared filesystem and the bucket too unless `remote_write_admission` says otherwise). `reuse`: a block goes down once there is evidence it is used again (stored a second time, or pinned or loaded while in DRAM, by any engine of the host, or its request said it comes back: `kv_transfer_params: {\"kvtier\": {\"retain\": true}}`, docs/vllm.md); one that leaves DRAM unused is dropped, never written (`dropped_without_evidence`). `all`: every block, at once (restart persistence of everything, the most writes). DRAM takes every block either way.",
+        description: "Which stored blocks are written below DRAM (NVMe; the shared filesystem and the bucket too unless `remote_write_admission` says otherwise). `reuse`: a block goes down once there is evidence it is used again (stored a second time, or pinned or loaded while in DRAM, by any engine of the host, or its request said it comes back: `kv_transfer_params: {\"kvtier\": {\"retain\": true}}`, or a token count for the prompt's first tokens, docs/vllm.md); one that leaves DRAM unused is dropped, never written (`dropped_without_evidence`). `all`: every block, at once (restart persistence of everything, the most writes). DRAM takes every block either way.",
         set: |c, v| c.write_admission = WRITE_ADMISSIONS[v.choice(WRITE_ADMISSION_CHOICES)],
         get: |c| write_admission_value(c.write_admission),
     },

@@ -28,7 +28,7 @@ from kvtier._core import tenant_id
 from kvtier.vllm.backend import StoreBackend
 from kvtier.vllm.costs import LoadDecider
 from kvtier.vllm.events import EventFeed
-from kvtier.vllm.hints import retains
+from kvtier.vllm.hints import is_retained, retained_tokens
 from kvtier.vllm.load_store_spec import KvtierLoadStoreSpec
 from kvtier.vllm.metrics import StatsDeltaTracker
 from kvtier.vllm.namespace import kvtier_key
@@ -311,13 +311,13 @@ class KvtierManager(OffloadingManager):
         except Exception:
             logger.exception("kvtier: store unavailable; not offloading")
             return None
-        retain = retains(getattr(req_context, "kv_transfer_params", None))
-        if retain:
-            self._note_retained(store_keys)
+        retained = self._retained(keys, req_context)
+        if any(retained):
+            self._note_retained([store_key for store_key, hinted in zip(store_keys, retained, strict=True) if hinted])
         keys_to_store: list[OffloadKey] = []
         store_keys_to_store: list[bytes] = []
-        for key, store_key, is_present in zip(keys, store_keys, present, strict=True):
-            if is_present or store_key in self._being_stored or not (retain or self._admit(store_key)):
+        for key, store_key, is_present, hinted in zip(keys, store_keys, present, retained, strict=True):
+            if is_present or store_key in self._being_stored or not (hinted or self._admit(store_key)):
                 continue
             keys_to_store.append(key)
             store_keys_to_store.append(store_key)
@@ -332,8 +332,19 @@ class KvtierManager(OffloadingManager):
             evicted_keys=[],
         )
 
+    @staticmethod
+    def _retained(keys: list[OffloadKey], req_context: ReqContext) -> list[bool]:
+        """Per key, whether the request's retention hint covers its block (``hints.retained_tokens``:
+        the whole request, or the blocks that end within its first N tokens, by the end position
+        vLLM's scheduler records for each key)."""
+        retained = retained_tokens(getattr(req_context, "kv_transfer_params", None))
+        if retained == 0:
+            return [False] * len(keys)
+        position_of = getattr(req_context, "get_offload_key_position", lambda key: None)
+        return [is_retained(position_of(key), retained) for key in keys]
+
     def _note_retained(self, store_keys: list[bytes]) -> None:
-        """The request says its prompt will come back (``hints.retains``): its blocks have evidence of
+        """The request says its prompt will come back (``hints.retained_tokens``): its blocks have evidence of
         reuse when the worker stores them (told before the store job), and those stored already and
         kept in DRAM for want of it go below DRAM now."""
         try:
