@@ -457,7 +457,8 @@ def test_bench_serve_longtail_small_end_to_end_with_retention_hints(tmp_path):
     whose returning users' requests carry kvtier's retention hint in their body (``--retain-hints``,
     through ``kvtier.bench.vllm_client``). The hint travels vLLM's OpenAI server, its scheduler's
     ``kv_transfer_params`` and the host service: the hinted prefixes are written to NVMe at first
-    sight, and nothing else is (the one-off prompts' blocks stay in DRAM, unwritten). The closed
+    sight, and nothing else is (the one-off prompts' blocks and the users' questions stay in DRAM,
+    unwritten). The closed
     workload's kvtier row runs in the test below (KVTIER_FULL_TESTS=1), the vLLM-alone row's flow is
     checked against a fake server above; a row run twice is summed up in
     tests/test_bench_serve_summary.py."""
@@ -471,8 +472,10 @@ def test_bench_serve_longtail_small_end_to_end_with_retention_hints(tmp_path):
     (slot_bytes,) = [slot for slot in slots if counters["bytes_written_nvme"] % slot == 0]
     written_blocks = counters["bytes_written_nvme"] // slot_bytes
     prefix_blocks = settings["prefix_len"] // CPU_BLOCK_TOKENS
-    assert written_blocks <= point["users"] * (prefix_blocks + 1), counters
-    assert written_blocks >= point["users"] * prefix_blocks, "every user's prefix, not one of the one-offs"
+    # The hint covers each user's prefix ("retain": prefix_len): the blocks of its questions and of the
+    # one-off prompts wait for evidence. One has it: vLLM's client sends its first request twice (its
+    # initial test run), a user's at this seed, so that request's question block is stored twice.
+    assert point["users"] * prefix_blocks <= written_blocks <= point["users"] * prefix_blocks + 1, counters
 
 
 @pytest.mark.slow

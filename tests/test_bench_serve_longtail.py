@@ -67,7 +67,7 @@ def test_the_dataset_file_and_its_bench_options(tokenizer, tmp_path):
     point = serve_longtail.write_dataset(plan, users=1, seed=3, path=path)
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [line["prompt"] for line in lines] == point.prompts and len(lines) == 3 + 12
-    hinted = [line.get("request_overrides") == serve_longtail.RETAIN_HINT for line in lines]
+    hinted = [line.get("request_overrides") == serve_longtail.retain_hint(int(PLAN["prefix_len"])) for line in lines]
     assert hinted == [user is not None for user in point.user_of_request], "the users' requests say so, no other"
     args = serve_longtail.dataset_args(path, len(lines), 16)
     assert args[args.index("--dataset-name") + 1] == "custom" and "--disable-shuffle" in args
@@ -87,17 +87,18 @@ def test_vllms_client_sends_each_lines_body_fields_with_its_request(tmp_path):
     from vllm.benchmarks.datasets.datasets import CustomDataset
 
     from kvtier.bench import vllm_client
-    from kvtier.vllm.hints import retains
+    from kvtier.vllm.hints import retained_tokens
 
     path = tmp_path / "d.jsonl"
-    lines = [{"prompt": "a"}, {"prompt": "b", "request_overrides": serve_longtail.RETAIN_HINT}, {"prompt": "c"}]
+    lines = [{"prompt": "a"}, {"prompt": "b", "request_overrides": serve_longtail.retain_hint(2048)}, {"prompt": "c"}]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     vllm_client.install()
     dataset = CustomDataset(dataset_path=str(path), disable_shuffle=True)
     requests = dataset.sample(tokenizer=None, num_requests=3)
     assert [r.prompt for r in requests] == ["a", "b", "c"]
-    assert [r.request_overrides for r in requests] == [None, serve_longtail.RETAIN_HINT, None]
-    assert retains(serve_longtail.RETAIN_HINT["kv_transfer_params"]), "the form kvtier's scheduler reads"
+    assert [r.request_overrides for r in requests] == [None, serve_longtail.retain_hint(2048), None]
+    hint = serve_longtail.retain_hint(2048)["kv_transfer_params"]
+    assert retained_tokens(hint) == 2048, "the form kvtier's scheduler reads"
 
 
 def test_the_plan_and_the_reuse_row():

@@ -9,7 +9,7 @@ drops prompts over 1,024 tokens, so each point writes its own dataset: a JSONL f
 ``custom`` format (one ``{"prompt": ...}`` per line), sent in file order (``--disable-shuffle``)
 without a chat template, by ``vllm bench serve`` as in the other workloads (through
 ``kvtier.bench.vllm_client``, which lets a line carry its request's body fields: with
-``--retain-hints``, the default, each returning user's requests say they come back, as a client that
+``--retain-hints``, the default, each returning user's requests say their prefix comes back, as a client that
 knows it will ask about the same document again would; one-off requests say nothing).
 
 A point of ``users`` users: each user has a prefix of ``prefix_len`` tokens and ``requests_per_user``
@@ -31,10 +31,14 @@ from typing import Any
 from kvtier.bench.vllm_client import OVERRIDES_FIELD
 
 ONE_OFF_SHARE = 0.8  # requests whose prefix is never seen again
-# What a returning user's request sends with --retain-hints: its prompt comes back (the form
-# kvtier.vllm.hints reads; not imported from there, which would import vLLM into the bench's CLI).
-RETAIN_HINT = {"kv_transfer_params": {"kvtier": {"retain": True}}}
 FIRST_TOKEN_ID = 16  # below it: the tokenizer's special and byte tokens, which decode unevenly
+
+
+def retain_hint(prefix_len: int) -> dict[str, Any]:
+    """What a returning user's request sends with --retain-hints: its prompt's first ``prefix_len``
+    tokens (the user's document) come back, its question does not (the form kvtier.vllm.hints reads;
+    not imported from there, which would import vLLM into the bench's CLI)."""
+    return {"kv_transfer_params": {"kvtier": {"retain": prefix_len}}}
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ def write_dataset(plan: dict[str, Any], users: int, seed: int, path: Path) -> Lo
         for prompt, user in zip(point.prompts, point.user_of_request, strict=True):
             line: dict[str, Any] = {"prompt": prompt}
             if user is not None and plan.get("retain_hints"):
-                line[OVERRIDES_FIELD] = RETAIN_HINT
+                line[OVERRIDES_FIELD] = retain_hint(plan["prefix_len"])
             out.write(json.dumps(line) + "\n")
     return point
 

@@ -143,9 +143,9 @@ def _add_workload_options(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--retain-hints", action=argparse.BooleanOptionalAction, default=True,
-        help="--workload longtail: each returning user's requests say they come back "
-        '(kv_transfer_params {"kvtier": {"retain": true}}, docs/vllm.md), as a client that knows its '
-        "prompt will be asked about again would (default on; --no-retain-hints: no request says)",
+        help="--workload longtail: each returning user's requests say their prefix comes back "
+        '(kv_transfer_params {"kvtier": {"retain": PREFIX_LEN}}, docs/vllm.md), as a client that knows its '
+        "document will be asked about again would (default on; --no-retain-hints: no request says)",
     )  # fmt: skip
     parser.add_argument(
         "--request-rate", type=float,

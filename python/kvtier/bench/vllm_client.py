@@ -6,7 +6,7 @@ custom --dataset-path FILE ...``. vLLM's client merges a request's ``request_ove
 ``output_tokens``. Here a line's ``request_overrides`` (a JSON object) is kept too, so that a
 benchmark can say per request what a real client would: ``kvtier bench serve --workload longtail``
 sends each returning user's requests with the retention hint (``{"kv_transfer_params": {"kvtier":
-{"retain": true}}}``, docs/vllm.md). Everything else is vLLM's client, unchanged.
+{"retain": PREFIX_LEN}}}``, docs/vllm.md). Everything else is vLLM's client, unchanged.
 """
 
 from __future__ import annotations
