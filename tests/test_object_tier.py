@@ -243,6 +243,26 @@ def test_two_nodes_share_a_bucket_and_it_survives_reopen(nodes, bucket):
     assert c.stats()["bucket_hits"] == 20
 
 
+def test_the_bucket_by_reuse_takes_the_blocks_a_caller_says_come_back_and_nothing_else(nodes, bucket):
+    """Issue 39: under ``write_admission: "reuse"`` the bucket is offered a block once there is
+    evidence it is read again; a retention hint (``note_retained``, what a hinted request's scheduler
+    sends) is that evidence before the first store. Of 16 stored blocks, the 8 hinted ones make one
+    segment (one PUT of data) that another node reads; the 8 others stay in DRAM, unpublished."""
+    a = nodes.open("a", write_admission="reuse", **bucket)
+    hinted, plain = list(range(8)), list(range(8, 16))
+    a.note_retained([key(i) for i in hinted])
+    publish(a, hinted + plain)
+    stats = a.stats()
+    assert stats["retained_by_hint"] == 8
+    assert stats["bucket_segments_published"] == 1, "the hinted eight, one segment"
+    assert stats["bucket_bytes_written"] < 9 * SLOT_BYTES + 8192, "and nothing of the unhinted eight"
+    assert stats["writes_awaiting_reuse"] == 8, "the unhinted blocks wait in DRAM for evidence"
+    b = nodes.open("b", **bucket)
+    assert wait_visible(b, [key(i) for i in hinted]), "the hinted blocks never became visible to B"
+    assert all(load(b, hinted))
+    assert b.lookup_prefix([key(plain[0])]) == 0, "an unhinted block was published"
+
+
 def _tamper(rgw: Rgw, name: str, offset: int) -> None:
     status, body = rgw.s3("GET", f"{BUCKET}/{name}")
     assert status == 200
