@@ -332,6 +332,10 @@ def test_a_remote_tier_row_reads_from_its_tier(row):
     row_plan, options = faults.row_options(plan, row)
     assert (row_plan["dram_gib"], row_plan["nvme_gib"]) == (0.0, 0.0)
     assert options == {"staging_slots": faults_tiers.TIER_DRAM_SLOTS, "load_policy": "always"}
+    full_plan, full_options = faults.row_options(plan_of("--faults", row), row)
+    prompt_blocks = -(-(2048 + 64 + 16) // 128)  # kv8b's prompt in vLLM's 128-token CPU blocks
+    assert full_options["staging_slots"] == prompt_blocks + faults_tiers.TIER_DRAM_SLOTS, "room for one load"
+    assert full_options["staging_slots"] < full_plan["users"] * prompt_blocks, "far below the users' prefixes"
     tier = "shared" if row == "fuse-stop" else "bucket"
     assert faults_tiers.hit_counters(row) == (f"{tier}_hits",)
     assert faults_tiers.read_counters(row) == (f"{tier}_hits", f"{tier}_misses", "remote_tier_lookups_skipped")

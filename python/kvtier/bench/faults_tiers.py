@@ -10,9 +10,10 @@ filesystem's FUSE daemon rather than in kvtier's own service (issue 36, item 5).
   (``kvtier.bench.slowmount``, no rate limit) whose daemon is SIGSTOPped for the fault, then SIGCONT:
   a network filesystem's client that hangs (every access to the mount waits in the kernel).
 
-Each such row's store has no NVMe tier and a DRAM tier of ``TIER_DRAM_SLOTS`` blocks (its I/O staging
-slots), and loads every hit (``load_policy: always``: recomputing the tiny model's prefix is so cheap
-that kvtier's own choice would skip a remote tier), so that repeats are read from the faulted tier.
+Each such row's store has no NVMe tier and a DRAM tier far below the users' prefixes
+(``tier_dram_slots``), and loads every hit (``load_policy: always``: recomputing the tiny model's
+prefix is so cheap that kvtier's own choice would skip a remote tier), so that repeats are read from
+the faulted tier.
 One gateway serves every bucket row of a run (a prefix each), up from the first to the end.
 """
 
@@ -31,6 +32,7 @@ READ_ERRORS = "nvme-read-errors"
 DISK_FULL = "nvme-full"  # the NVMe tier's filesystem full (kvtier.bench.faults_disk)
 TIER_FAULTS = (BUCKET_STOP, BUCKET_KILL, FUSE_STOP)
 TIER_DRAM_SLOTS = 4  # DRAM of a few blocks (I/O staging), not a prefix: repeats come from the tier below
+VLLM_CPU_BLOCK_TOKENS = 128  # vLLM's block on CPU by default: a prompt's KV is stored and loaded in these
 MOUNT_RATE_MB_PER_S = 100_000.0  # the FUSE passthrough's line: no limit (the daemon's own ceiling)
 GATEWAY_NAME = "client.rgw.a"  # radosgw.sh's gateway daemon (its pid file: STATE/run/client.rgw.a.pid)
 GATEWAY_RESTART_TIMEOUT_S = 60.0
@@ -146,7 +148,21 @@ def delta(before: dict[str, int] | None, after: dict[str, int] | None, names: tu
 def row_options(plan: dict[str, Any], row: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The plan and the extra store options of a remote tier's row: no NVMe tier, DRAM of a few slots,
     every hit loaded (the tier's own options come from ``Tiers.open``)."""
-    return {**plan, "dram_gib": 0.0, "nvme_gib": 0.0}, {"staging_slots": TIER_DRAM_SLOTS, "load_policy": "always"}
+    options = {"staging_slots": tier_dram_slots(plan), "load_policy": "always"}
+    return {**plan, "dram_gib": 0.0, "nvme_gib": 0.0}, options
+
+
+def tier_dram_slots(plan: dict[str, Any]) -> int:
+    """The remote tier rows' DRAM, in blocks. At full size, one prompt's blocks and ``TIER_DRAM_SLOTS``
+    more: a load streams through DRAM in rounds of a quarter of it while the engine's stores take
+    slots too, and through 4 slots a 16-block load read one block per round and stalled behind the
+    stores after every fault (stop 62's logs), a pool no deployment has. Still far below the users'
+    prefixes, so repeats come from the tier. At CI size (``--small``) 4: the tiny model's prompt is a
+    few blocks, and the one repeat the fault covers must come from the tier, not DRAM."""
+    if plan.get("small"):
+        return TIER_DRAM_SLOTS
+    prompt_tokens = plan["prefix_len"] + plan["suffix_len"] + plan["output_len"]
+    return TIER_DRAM_SLOTS + -(-prompt_tokens // VLLM_CPU_BLOCK_TOKENS)
 
 
 class Gateway:
