@@ -31,9 +31,17 @@ class ToyModel:
     def __init__(self, steps: dict[tuple[int, ...], Step] | None = None):
         self.steps = steps or {}
         self.asked: list[tuple[int, ...]] = []
+        self.rated: list[int] = []
 
     def step(self, context: tuple[int, ...]) -> Step:
         return self.steps.get(context, Step(A, -1.0, {A: -1.0, B: -1.5, C: -4.0}))
+
+    def rate(self, context: list[int], token: int) -> float:
+        """A token's logprob after ``context`` as a prefill gives it: the step's top ones, and ``D``
+        (never among them) 0.04 nats below ``A``, other tokens far below."""
+        step = self.step(tuple(t for t in context if t))
+        self.rated.append(token)
+        return step.top.get(token, -1.04 if token == D else -20.0)
 
     def ask(self, prompt: list[int], tokens: int) -> list[Step]:
         context = tuple(token for token in prompt if token)  # the prompt's own tokens are 0s
@@ -76,6 +84,17 @@ def test_a_token_not_among_the_top_ones_is_wrong():
     verdict = judge(ToyModel(), "adaa")
     assert verdict["verdict"] == "wrong" and "top" in verdict["why"]
     assert verdict["divergences"] == [{"position": 1, "gap_nats": None}]
+
+
+def test_a_token_outside_the_top_ones_is_rated_by_a_prefill_and_judged_by_its_gap():
+    """Flat logprobs (random weights): a batch's rounding may pick a token outside the top ones. Where
+    the check can rate tokens, it finds the one the output took and judges its gap, not its rank."""
+    model = ToyModel()
+    verdict = faults_ties.judge_output(decode, model.ask, [0], "adaa", 4, 0.1, faults_ties.Beyond(model.rate, 128))
+    assert verdict == {"verdict": "tie", "divergences": [{"position": 1, "gap_nats": 0.04, "beyond_top": True}]}
+    assert model.rated == [D, A], "only the token whose text the output continues with, and the path's"
+    strict = faults_ties.judge_output(decode, model.ask, [0], "adaa", 4, 0.01, faults_ties.Beyond(model.rate, 128))
+    assert strict["verdict"] == "wrong" and strict["divergences"][0]["gap_nats"] == 0.04
 
 
 def test_an_output_longer_than_the_path_is_wrong():

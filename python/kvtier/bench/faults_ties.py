@@ -14,12 +14,18 @@ server of vLLM alone, one request at a time, gives each checked request's greedy
   ``tie_nats`` of the path's; after a divergence the path is followed on from the output's own
   token (the prompt, the tokens so far and that token sent again as token ids), so every divergence of
   the whole output is checked, up to ``MAX_DIVERGENCES``;
-- ``wrong``: it took a token that is not among the top ones, or one further than ``tie_nats`` below;
+- ``wrong``: it took a token further than ``tie_nats`` below the path's, or one that is not among the
+  top ones where the check cannot rate others;
 - ``unchecked``: more divergences than ``MAX_DIVERGENCES``, or the path could not be had.
 
-Only ``same`` and ``tie`` clear an output. The reference run's own output is judged the same way: it
-measures the noise (its gaps are reported), and one judged ``wrong`` means the check's prompts or
-threshold are off, which the run reports as a problem instead of clearing anything.
+A token outside the top ones is not wrong for that alone: where every logprob is flat (random
+weights), a batch's rounding reorders dozens of tokens. The check then rates it (``Beyond``): of the
+vocabulary's tokens whose text the output continues with, each one's logprob after the same context,
+and the path's token's, from a prefill of the context and the token (``prompt_logprobs``), and judges
+the likeliest by the same ``tie_nats``. Only ``same`` and ``tie`` clear an output. The reference
+run's own output is judged the same way: it measures the noise (its gaps are reported), and one
+judged ``wrong`` means the check's prompts or threshold are off, which the run reports as a problem
+instead of clearing anything.
 
 The prompts are the load's: vLLM's ``prefix_repetition`` dataset rebuilt in this process from the
 plan's seed (``vllm bench serve`` sends it in the same order; the saved prompt lengths are compared).
@@ -53,6 +59,17 @@ class Step:
 
 Decode = Callable[[list[int]], str]
 Ask = Callable[[list[int], int], list[Step]]  # (prompt token ids, tokens to generate) -> the greedy path
+Rate = Callable[[list[int], int], float]  # (context token ids, a token) -> its logprob after them
+MAX_RATED = 8  # tokens outside the top ones rated at one divergence (each a request)
+
+
+@dataclass(frozen=True)
+class Beyond:
+    """How a divergence to a token outside the top ones is judged: ``rate`` gives a token's logprob
+    after a context; ``vocab_size`` token ids are searched for the ones the output continues with."""
+
+    rate: Rate
+    vocab_size: int
 
 
 def _shown(decode: Decode, ids: list[int]) -> str:
@@ -96,7 +113,30 @@ def taken_alternative(decode: Decode, before: list[int], step: Step, output: str
     return pending
 
 
-def judge_output(decode: Decode, ask: Ask, prompt: list[int], output: str, tokens: int, tie_nats: float) -> dict:
+def rated_alternative(
+    decode: Decode, beyond: Beyond, prompt: list[int], before: list[int], step: Step, output: str
+) -> tuple[int, float] | None:
+    """The token outside ``step``'s top ones that the output took after ``before`` (the likeliest of
+    those whose text it continues with) and its gap below the path's token in nats, both rated from a
+    prefill; None if no token of the vocabulary continues the output."""
+    shown_before = len(_shown(decode, before))
+    candidates = []
+    for token in range(beyond.vocab_size):
+        text = _shown(decode, [*before, token])
+        if token != step.token and token not in step.top and len(text) > shown_before and _compatible(text, output):
+            candidates.append(token)
+    if not candidates:
+        return None
+    context = [*prompt, *before]
+    rated = {token: beyond.rate(context, token) for token in candidates[:MAX_RATED]}
+    token = max(rated, key=lambda candidate: rated[candidate])
+    return token, beyond.rate(context, step.token) - rated[token]
+
+
+def judge_output(
+    decode: Decode, ask: Ask, prompt: list[int], output: str, tokens: int, tie_nats: float,
+    beyond: Beyond | None = None,
+) -> dict:  # fmt: skip
     """The verdict on one output of ``tokens`` tokens against the greedy path of ``prompt`` (see the
     module's text), with each divergence's position and gap in nats."""
     assert tie_nats >= 0.0, tie_nats
@@ -112,11 +152,15 @@ def judge_output(decode: Decode, ask: Ask, prompt: list[int], output: str, token
             return {"verdict": "wrong", "divergences": divergences, "why": "longer than the path"}
         step = steps[position - len(context)]
         token = taken_alternative(decode, path[:position], step, output)
-        if token is None:
+        found = (token, step.logprob - step.top[token]) if token is not None else None
+        if found is None and beyond is not None:
+            found = rated_alternative(decode, beyond, prompt, path[:position], step, output)
+        if found is None:
             divergences.append({"position": position, "gap_nats": None})
             return {"verdict": "wrong", "divergences": divergences, "why": f"not in the top {TOP_LOGPROBS}"}
-        gap_nats = step.logprob - step.top[token]
-        divergences.append({"position": position, "gap_nats": round(gap_nats, 6)})
+        token, gap_nats = found
+        beyond_top = {} if token in step.top else {"beyond_top": True}  # rated by a prefill
+        divergences.append({"position": position, "gap_nats": round(gap_nats, 6), **beyond_top})
         if gap_nats > tie_nats:
             return {"verdict": "wrong", "divergences": divergences, "why": f"{gap_nats:.4f} nats below the top"}
         if len(divergences) >= MAX_DIVERGENCES:
@@ -159,6 +203,19 @@ def server_asker(url: str, model: str) -> Ask:
         ]
 
     return ask
+
+
+def server_rater(url: str, model: str) -> Rate:
+    """A token's logprob after a context from a ``vllm serve`` at ``url``: the context and the token
+    sent as a prompt of token ids, the token's prompt logprob (one prefill; vLLM's prefix cache holds
+    the context after the first)."""
+
+    def rate(context: list[int], token: int) -> float:
+        payload = {"model": model, "prompt": [*context, token], "max_tokens": 1, "prompt_logprobs": 0}
+        last = _post(f"{url}/v1/completions", payload)["choices"][0]["prompt_logprobs"][-1]
+        return float(last[str(token)]["logprob"])
+
+    return rate
 
 
 def tokenize(url: str, model: str, prompt: str, special: bool = True) -> list[int]:
@@ -257,9 +314,10 @@ def check_rows(
     rows: list[dict[str, Any]], todo: dict[str, list[int]], prompts: list[str], tokens: int, paths: Any
 ) -> tuple[dict[str, frozenset[int]], dict[str, Any]]:
     """Judges the ``todo`` outputs (``tokens`` tokens each) of each row and, for each of their
-    requests, the reference's own output; ``paths``: (decode, ask, tokenize, tie_nats). Returns the
+    requests, the reference's own output; ``paths``: (decode, ask, tokenize, tie_nats[, beyond]). Returns the
     cleared requests per row and the check's record (verdicts, the reference's gaps, problems)."""
-    decode, ask, to_ids, tie_nats = paths
+    decode, ask, to_ids, tie_nats, *rest = paths
+    beyond = rest[0] if rest else None
     reference = rows[0]
     # the load's prompt lengths are the server's counts (vllm bench serve takes them from the usage)
     prompt_ids = [to_ids(prompt) for prompt in prompts]
@@ -268,7 +326,7 @@ def check_rows(
     indices = sorted({index for found in todo.values() for index in found})
 
     def verdict(index: int, output: str) -> dict:
-        return judge_output(decode, ask, prompt_ids[index], output, tokens, tie_nats)
+        return judge_output(decode, ask, prompt_ids[index], output, tokens, tie_nats, beyond)
 
     own = {index: verdict(index, reference["outputs"][index]) for index in indices}
     problems = [
@@ -314,7 +372,8 @@ def run_check(
         server.wait_healthy()
         prompts = align_to_server(samples, server.url, server.model)
         paths = (decode, server_asker(server.url, server.model), lambda text: tokenize(server.url, server.model, text))
-        cleared, check = check_rows(rows, todo, prompts, plan["output_len"], (*paths, tie_nats))
+        beyond = Beyond(server_rater(server.url, server.model), len(tokenizer))
+        cleared, check = check_rows(rows, todo, prompts, plan["output_len"], (*paths, tie_nats, beyond))
     finally:
         server.stop()
     check["server_log"] = str(log_path)
