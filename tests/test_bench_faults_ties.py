@@ -5,12 +5,16 @@ character, as a byte-level BPE's are), and each step's top logprobs are set per 
 an output on the path is ``same``; one that leaves it only by near ties is ``tie``, every divergence
 followed on its own branch; a token further below, or not among the top ones, is ``wrong``; a reference
 that is itself wrong clears nothing; rebuilt prompts of the wrong lengths check nothing; ``judge``
-leaves cleared requests out of the wrong outputs.
+leaves cleared requests out of the wrong outputs. With the tiny model's real tokenizer: a path's text is
+the one vLLM's detokenizer streams after the prompt (``stream_decoder``), also where the prompt ends
+inside a character.
 
 Run: ``.venv/bin/python -m pytest tests/test_bench_faults_ties.py -v``.
 """
 
 from __future__ import annotations
+
+import pytest
 
 from kvtier.bench import faults, faults_ties
 from kvtier.bench.faults_ties import Step
@@ -152,7 +156,8 @@ def rows_of(reference: list[str], **others: list[str]) -> list[dict]:
 def check(model: ToyModel, rows: list[dict], prompts: list[str] | None = None) -> tuple:
     todo = faults_ties.differing(rows, frozenset())
     prompts = prompts or ["abc"] * len(rows[0]["outputs"])
-    return faults_ties.check_rows(rows, todo, prompts, 4, (decode, model.ask, lambda text: [0] * len(text), 0.1))
+    paths = (lambda prompt: decode, model.ask, lambda text: [0] * len(text), 0.1)
+    return faults_ties.check_rows(rows, todo, prompts, 4, paths)
 
 
 def test_a_run_clears_near_ties_and_keeps_wrong_outputs():
@@ -197,3 +202,78 @@ def test_prompts_are_aligned_to_the_server_as_vllm_bench_serve_does(monkeypatch)
     monkeypatch.setattr(faults_ties, "_post", server)
     assert faults_ties.align_to_server([("abc", 3), ("defg", 3)], "u", "m") == ["abc", "defg"]
     assert faults_ties.align_to_server([("abcd", 3), ("efgh", 3), ("ij", 3)], "u", "m") == ["abc", "efg", "ij"]
+
+
+# --------------------------------------------------------------------------------------------
+# the text the server streams, with the tiny model's real tokenizer
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from vllm.tokenizers import get_tokenizer
+
+    from kvtier.models import ensure_model
+
+    return get_tokenizer(str(ensure_model("tiny")))
+
+
+def vllm_streamed(tokenizer, prompt: list[int], output: list[int]) -> str:
+    """What vLLM's own detokenizer streams for ``output`` after ``prompt``, delta by delta, as its
+    OpenAI server does for ``vllm bench serve`` (one token a step, no stop strings)."""
+    from vllm import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+
+    request = EngineCoreRequest(
+        request_id="r", prompt_token_ids=prompt, mm_features=None, sampling_params=SamplingParams(),
+        pooling_params=None, arrival_time=0.0, lora_request=None, cache_salt=None, data_parallel_rank=None,
+    )  # fmt: skip
+    detokenizer = IncrementalDetokenizer.from_new_request(tokenizer, request)
+    deltas = []
+    for token in output:
+        detokenizer.update([token], False)
+        deltas.append(detokenizer.get_next_output_text(False, True))
+    return "".join(deltas)
+
+
+def partial_tokens(tokenizer) -> list[int]:
+    """Byte-level tokens that are the first part of a character: alone they decode to U+FFFD."""
+    found = [token for token in range(len(tokenizer)) if tokenizer.decode([token]) == "\ufffd"]
+    assert len(found) >= 2, "the tiny model's byte-level BPE has byte tokens"
+    return found
+
+
+def test_a_paths_text_is_the_one_vllm_streams_after_its_prompt(tokenizer):
+    """A prompt that ends inside a character (random token ids, as vLLM's prefix_repetition dataset
+    makes them, often do: stop 62's request 3) changes the text vLLM streams for the output: its first
+    text holds the prompt's own. ``stream_decoder`` renders a path as vLLM's detokenizer does, for such
+    a prompt, a whole one, and outputs with characters split or left unfinished."""
+    partial = partial_tokens(tokenizer)
+    words = tokenizer.encode(" the store keeps every block", add_special_tokens=False)
+    decoder = faults_ties.stream_decoder(tokenizer)
+    for prompt in ([tokenizer.bos_token_id, *words, partial[0]], [tokenizer.bos_token_id, *words]):
+        for output in (words, [partial[1], *words], [*words, partial[0]], [partial[0], partial[1], *words[:2]]):
+            assert decoder(prompt)(output) == vllm_streamed(tokenizer, prompt, output), (prompt, output)
+    ends_inside = [tokenizer.bos_token_id, *words, partial[0]]
+    streamed = vllm_streamed(tokenizer, ends_inside, words)
+    assert streamed != tokenizer.decode(words, skip_special_tokens=True)  # what the check used to compare
+    assert streamed.endswith(tokenizer.decode(words)) and "store keeps" in streamed[: -len(tokenizer.decode(words))]
+
+
+def test_an_output_after_a_prompt_ending_inside_a_character_is_the_same(tokenizer):
+    """The check judges such an output ``same`` (it called it a divergence at its first token in every
+    row, vLLM alone's included, before it rendered paths as the server streams them)."""
+    partial = partial_tokens(tokenizer)
+    words = tokenizer.encode(" a block comes back", add_special_tokens=False)[:4]
+    prompt = [tokenizer.bos_token_id, *tokenizer.encode(" some words", add_special_tokens=False), partial[0]]
+
+    def ask(context: list[int], tokens: int) -> list[Step]:
+        done = len(context) - len(prompt)
+        return [Step(token, -1.0, {token: -1.0}) for token in words[done : done + tokens]]
+
+    output = vllm_streamed(tokenizer, prompt, words)
+    decoder = faults_ties.stream_decoder(tokenizer)
+    assert faults_ties.judge_output(decoder(prompt), ask, prompt, output, len(words), 0.1)["verdict"] == "same"
+    plain = faults_ties.judge_output(tokenizer.decode, ask, prompt, output, len(words), 0.1)
+    assert plain["verdict"] == "wrong"

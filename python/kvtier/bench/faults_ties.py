@@ -29,12 +29,17 @@ instead of clearing anything.
 
 The prompts are the load's: vLLM's ``prefix_repetition`` dataset rebuilt in this process from the
 plan's seed (``vllm bench serve`` sends it in the same order; the saved prompt lengths are compared).
+A path's text is the one the server streams (``stream_decoder``): vLLM renders the output tokens after
+the prompt's, so a prompt that ends inside a character (random token ids often do) changes the
+output's first text, which then holds the prompt's own.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import urllib.request
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +62,8 @@ class Step:
     top: dict[int, float]
 
 
-Decode = Callable[[list[int]], str]
+Decode = Callable[[list[int]], str]  # output token ids -> their text, as the server streams it
+Decoder = Callable[[list[int]], Decode]  # prompt token ids -> the Decode of that prompt's outputs
 Ask = Callable[[list[int], int], list[Step]]  # (prompt token ids, tokens to generate) -> the greedy path
 Rate = Callable[[list[int], int], float]  # (context token ids, a token) -> its logprob after them
 MAX_RATED = 8  # tokens outside the top ones rated at one divergence (each a request)
@@ -218,6 +224,56 @@ def server_rater(url: str, model: str) -> Rate:
     return rate
 
 
+INVALID_PREFIX = "Invalid prefix encountered"  # tokenizers' DecodeStream error vLLM recovers from
+RENDERED_STREAMS = 512  # streams a prompt's decoder keeps (the oldest used go first)
+
+
+def stream_decoder(tokenizer: Any) -> Decoder:
+    """The text vLLM 0.32's OpenAI server streams for output token ids after a prompt: its
+    ``FastIncrementalDetokenizer``, a ``tokenizers`` ``DecodeStream`` primed with the prompt's ids
+    (special tokens skipped), each token stepped in turn, a stream that loses its prefix restarted
+    without the prompt. Where the prompt ends inside a character, the first text holds the prompt's
+    (the stream had no whole prefix yet); a character split over output tokens shows when whole.
+    ``tokenizer``: a fast (``tokenizers``-backed) Hugging Face tokenizer, as vLLM's for our models."""
+    from tokenizers.decoders import DecodeStream
+
+    backend = tokenizer._tokenizer  # what vLLM steps: the tokenizers.Tokenizer
+    assert getattr(tokenizer, "is_fast", False), "vLLM renders a slow tokenizer's outputs otherwise"
+
+    def step(stream: Any, token: int) -> tuple[Any, str]:
+        try:
+            return stream, stream.step(backend, token) or ""
+        except Exception as error:
+            if not str(error).startswith(INVALID_PREFIX):
+                raise
+            stream = DecodeStream(skip_special_tokens=True)
+            return stream, stream.step(backend, token) or ""
+
+    def decoder(prompt: list[int]) -> Decode:
+        # the streams of paths rendered so far: the check renders a path's prefixes in turn and
+        # every token of the vocabulary after one prefix (a stream copied is independent)
+        primed = DecodeStream(ids=prompt, skip_special_tokens=True)
+        rendered: OrderedDict[tuple[int, ...], tuple[Any, str]] = OrderedDict()
+
+        def decode(ids: list[int]) -> str:
+            key = tuple(ids)
+            known = max((length for length in range(1, len(key) + 1) if key[:length] in rendered), default=0)
+            stream, text = rendered[key[:known]] if known else (primed, "")
+            if known:
+                rendered.move_to_end(key[:known])
+            for position in range(known, len(key)):
+                stream, piece = step(copy.copy(stream), key[position])
+                text += piece
+                rendered[key[: position + 1]] = (stream, text)
+            while len(rendered) > RENDERED_STREAMS:
+                rendered.popitem(last=False)
+            return text
+
+        return decode
+
+    return decoder
+
+
 def tokenize(url: str, model: str, prompt: str, special: bool = True) -> list[int]:
     """The prompt's token ids as the server makes them of a completion's text (``special``: with the
     special tokens a completion adds)."""
@@ -314,9 +370,10 @@ def check_rows(
     rows: list[dict[str, Any]], todo: dict[str, list[int]], prompts: list[str], tokens: int, paths: Any
 ) -> tuple[dict[str, frozenset[int]], dict[str, Any]]:
     """Judges the ``todo`` outputs (``tokens`` tokens each) of each row and, for each of their
-    requests, the reference's own output; ``paths``: (decode, ask, tokenize, tie_nats[, beyond]). Returns the
-    cleared requests per row and the check's record (verdicts, the reference's gaps, problems)."""
-    decode, ask, to_ids, tie_nats, *rest = paths
+    requests, the reference's own output; ``paths``: (decoder, ask, tokenize, tie_nats[, beyond]), the
+    decoder giving each prompt's ``Decode``. Returns the cleared requests per row and the check's
+    record (verdicts, the reference's gaps, problems)."""
+    decoder, ask, to_ids, tie_nats, *rest = paths
     beyond = rest[0] if rest else None
     reference = rows[0]
     # the load's prompt lengths are the server's counts (vllm bench serve takes them from the usage)
@@ -326,7 +383,8 @@ def check_rows(
     indices = sorted({index for found in todo.values() for index in found})
 
     def verdict(index: int, output: str) -> dict:
-        return judge_output(decode, ask, prompt_ids[index], output, tokens, tie_nats, beyond)
+        prompt = prompt_ids[index]
+        return judge_output(decoder(prompt), ask, prompt, output, tokens, tie_nats, beyond)
 
     own = {index: verdict(index, reference["outputs"][index]) for index in indices}
     problems = [
@@ -363,15 +421,15 @@ def run_check(
 
     tokenizer = get_tokenizer(plan["model_dir"])
     samples = load_prompts(plan, tokenizer)
-
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=True)
-
     server, log_path, _ = serve_servers.start_server(plan, BASELINE_ROW, 0, out_dir / "tie-check", [], [])
     try:
         server.wait_healthy()
         prompts = align_to_server(samples, server.url, server.model)
-        paths = (decode, server_asker(server.url, server.model), lambda text: tokenize(server.url, server.model, text))
+        paths = (
+            stream_decoder(tokenizer),
+            server_asker(server.url, server.model),
+            lambda text: tokenize(server.url, server.model, text),
+        )
         beyond = Beyond(server_rater(server.url, server.model), len(tokenizer))
         cleared, check = check_rows(rows, todo, prompts, plan["output_len"], (*paths, tie_nats, beyond))
     finally:
