@@ -18,6 +18,7 @@ from kvtier.vllm.costs import (
     StepClock,
     TierRates,
     choose_blocks,
+    load_s,
     probe_aside,
     step_work,
     work_of,
@@ -217,6 +218,41 @@ def test_a_recompute_that_slows_other_requests_makes_a_slower_load_worth_it():
     assert [decider.answer("r", key, "bucket") for key in keys] == ["retry"] * 16
     assert [decider.answer("r", key, "bucket") for key in keys] == ["offer"] * 16
     assert decider.decisions == {("bucket", "load_busy"): 16}, "loaded for the other request's sake"
+
+
+def test_a_request_waits_for_its_load_at_most_the_cap_times_its_recompute():
+    """With many other requests held (tens on a GPU), the weight ``1 + others`` makes a load worth it
+    however slow: a link 6x slower than recomputing the prefix would be loaded with 7 others, the
+    request waiting 6 recomputes for them. ``max_wait_ratio`` (``load_wait_max_ratio``, 2 by default)
+    bounds its wait; 0 leaves it unbounded. A DRAM run before the slow tier is still offered."""
+    model = trained()
+    recompute = model.recompute_s(16 * BLOCK_TOKENS) or 0.0
+    six_times = rates_of(dram=0.0001, bucket=6 * recompute / 16)
+    tiers = ["bucket"] * 16
+    assert choose_blocks(tiers, BLOCK_TOKENS, model, six_times, others=7) == (16, "saves"), "no cap"
+    assert choose_blocks(tiers, BLOCK_TOKENS, model, six_times, others=7, max_wait_ratio=2.0) == (0, "saves")
+    assert choose_blocks(tiers, BLOCK_TOKENS, model, six_times, others=7, max_wait_ratio=8.0) == (16, "saves")
+    # 1.7x (the 50 MB/s bucket under load, above) stays within the default cap.
+    link = rates_of(dram=0.0001, bucket=1.7 * recompute / 16)
+    assert choose_blocks(tiers, BLOCK_TOKENS, model, link, others=1, max_wait_ratio=2.0) == (16, "saves")
+    # A queue before the load counts in its wait.
+    queued = choose_blocks(tiers, BLOCK_TOKENS, model, link, others=1, queued_s=recompute, max_wait_ratio=2.0)
+    assert queued == (0, "saves")
+    # After a DRAM run, a few slow blocks fit within the cap (the fast run shortens the wait), not all.
+    mixed = ["dram"] * 4 + tiers
+    count, _ = choose_blocks(mixed, BLOCK_TOKENS, model, six_times, others=7, max_wait_ratio=2.0)
+    assert 4 <= count < len(mixed)
+    assert (load_s(mixed[:count], six_times) or 0.0) <= 2.0 * (model.recompute_s(count * BLOCK_TOKENS) or 0.0)
+    # The decider takes the option's cap (docs/vllm.md: load_wait_max_ratio); one cap for a decider.
+    decider = LoadDecider("auto", BLOCK_TOKENS)
+    assert decider.max_wait_ratio == 2.0
+    decider.prefill, decider.rates = model, six_times
+    for req_id in [f"other-{i}" for i in range(7)] + ["r"]:
+        decider.requests.admitted(req_id, 16 * BLOCK_TOKENS)
+    keys = [bytes([i]) * 32 for i in range(16)]
+    assert [decider.answer("r", key, "bucket") for key in keys] == ["retry"] * 16
+    assert [decider.answer("r", key, "bucket") for key in keys] == ["decline"] * 16
+    assert decider.decisions == {("bucket", "recompute"): 16}
 
 
 def test_the_decider_offers_dram_at_once_and_decides_the_rest_on_the_next_pass():

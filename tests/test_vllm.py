@@ -478,6 +478,17 @@ def test_store_options_come_from_extra_config():
         kvtier_vllm.KvtierOptions.from_extra_config({"dram_bytes": 1})
     with pytest.raises(kvtier_vllm.KvtierVllmConfigError, match="namespace"):
         kvtier_vllm.KvtierOptions.from_extra_config({"path": "/tmp/x", "namespace": "a"})
+    # The cap on a request's wait for its load: 0 (none) or a ratio >= 1; not a store option.
+    capped = kvtier_vllm.KvtierOptions.from_extra_config({"path": "/tmp/x", "load_wait_max_ratio": 3})
+    assert capped.load_wait_max_ratio == 3.0 and "load_wait_max_ratio" not in capped.store_options
+    assert kvtier_vllm.KvtierOptions.from_extra_config({"path": "/tmp/x"}).load_wait_max_ratio == 2.0
+    assert (
+        kvtier_vllm.KvtierOptions.from_extra_config({"path": "/tmp/x", "load_wait_max_ratio": 0}).load_wait_max_ratio
+        == 0
+    )
+    for bad in (0.5, -1, float("nan"), float("inf")):
+        with pytest.raises(kvtier_vllm.KvtierVllmConfigError, match="load_wait_max_ratio"):
+            kvtier_vllm.KvtierOptions.from_extra_config({"path": "/tmp/x", "load_wait_max_ratio": bad})
 
 
 def test_namespace_changes_with_dtype_and_block_size(tmp_path):

@@ -933,7 +933,12 @@ def test_the_scheduler_fingerprints_the_weights_once_not_on_a_requests_path(tmp_
         groups=(OffloadingGroupConfig(16, ("layer.0", "layer.1"), 0),),
         worker_kv_bytes_per_block=PAGE_BYTES * LAYERS,
         enable_kv_cache_events=True,
-        extra_config={"path": options.path, **options.store_options, "pool_dir": str(tmp_path)},
+        extra_config={
+            "path": options.path,
+            **options.store_options,
+            "pool_dir": str(tmp_path),
+            "load_wait_max_ratio": 3,
+        },  # fmt: skip
         engine_id="fingerprint-once",
         model=OffloadingModelConfig(str(ensure_model("tiny")), "float32"),
         cache=OffloadingCacheConfig(16, 1),
@@ -948,6 +953,7 @@ def test_the_scheduler_fingerprints_the_weights_once_not_on_a_requests_path(tmp_
     monkeypatch.setattr(spec._constructing, "vllm_config", vllm_config, raising=False)
     manager = spec.KvtierOffloadingSpec(config).get_manager()
     assert isinstance(manager, KvtierManager)
+    assert manager.decider.max_wait_ratio == 3.0, "the option reaches the scheduler's load decider"
     try:
         at_start = len(hashed)
         assert at_start >= 1

@@ -19,7 +19,9 @@ Three parts, each fed online on the scheduler's side:
 - ``choose_blocks``: of a request's ``n`` leading hits on their tiers, the count that saves the most
   time: the largest saving ``(1 + others)·recompute(k) - queued - load(k)`` over ``k``, where ``others``
   is how many other requests the engine holds and ``queued`` what the prefetches queued before it
-  take (only for ``k`` reaching below DRAM); 0 when no ``k`` saves anything.
+  take (only for ``k`` reaching below DRAM); 0 when no ``k`` saves anything. A ``k`` whose wait
+  (``queued + load(k)``) exceeds ``max_wait_ratio`` times ``recompute(k)`` is not offered: the
+  others make a load worth more than the request's own time, and this bounds what it pays for them.
 
 Nothing here talks to vLLM or to the service: ``KvtierManager`` asks, ``KvtierConnector`` and the
 prefetcher feed.
@@ -41,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier import tiers
-from kvtier.vllm.options import LOAD_POLICIES
+from kvtier.vllm.options import INTEGRATION_OPTION_DEFAULTS, LOAD_POLICIES
 
 logger = logging.getLogger("kvtier.vllm")
 
@@ -217,6 +219,7 @@ def choose_blocks(
     rates: TierRates,
     others: int = 0,
     queued_s: float = 0.0,
+    max_wait_ratio: float = 0.0,
 ) -> tuple[int, str]:
     """How many of the leading hits on ``tiers`` to load, and why: ``"saves"`` (the count that
     saves the most time, 0 when none saves any; a recompute costs ``others``, the other requests
@@ -227,14 +230,15 @@ def choose_blocks(
     ``"probe_aside"`` (a remote tier's rate is unknown: what comes before it is weighed, and its
     first ``PROBE_BLOCKS`` blocks, ``probe_aside``, are read in the background to time it while the
     request recomputes them), or ``"untrained"`` (no prefill model yet: everything, as without the
-    model)."""
+    model). ``max_wait_ratio`` (0: none) caps a count's wait at that many times its recompute."""
     if not tiers:
         return 0, "saves"
     if prefill.recompute_s(block_tokens) is None:
         return len(tiers), "untrained"
     unknown_remote = first_unknown_remote(tiers, rates)
     if unknown_remote is not None:
-        count, _ = choose_blocks(tiers[:unknown_remote], block_tokens, prefill, rates, others, queued_s)
+        before = tiers[:unknown_remote]
+        count, _ = choose_blocks(before, block_tokens, prefill, rates, others, queued_s, max_wait_ratio)
         return count, "probe_aside"
     unmeasured = [tier != "dram" and rates.seconds_per_block(tier) is None for tier in tiers]
     best_count, best_saving = 0, 0.0
@@ -245,7 +249,10 @@ def choose_blocks(
         loaded += block_s if block_s is not None else load_s(["dram"], rates) or 0.0
         if tiers[count - 1] != "dram" and not behind_queue:  # the first block read below DRAM
             loaded, behind_queue = loaded + queued_s, True
-        saving = (1 + others) * (prefill.recompute_s(count * block_tokens) or 0.0) - loaded
+        recompute_s = prefill.recompute_s(count * block_tokens) or 0.0
+        saving = (1 + others) * recompute_s - loaded
+        if max_wait_ratio and loaded > max_wait_ratio * recompute_s:
+            continue  # a longer count may wait less per recompute (a DRAM run after a slow tier's)
         if saving > best_saving:
             best_count, best_saving = count, saving
     return best_count, "probe" if any(unmeasured[:best_count]) else "saves"
@@ -294,10 +301,17 @@ class LoadDecider:
 
     MAX_PLANS = 4096
 
-    def __init__(self, policy: str = "auto", block_tokens: int = 16):
+    def __init__(
+        self,
+        policy: str = "auto",
+        block_tokens: int = 16,
+        max_wait_ratio: float = float(INTEGRATION_OPTION_DEFAULTS["load_wait_max_ratio"]),
+    ):
         if policy not in LOAD_POLICIES:
             raise ValueError(f"load_policy must be one of {', '.join(LOAD_POLICIES)}, not {policy!r}")
+        assert max_wait_ratio == 0.0 or max_wait_ratio >= 1.0, max_wait_ratio  # checked with the options
         self.policy = policy
+        self.max_wait_ratio = max_wait_ratio
         self.block_tokens = block_tokens
         self.worker_block_bytes = 0  # one rank's bytes of a block (set by the spec): DRAM's rate
         # Where what this engine learned is kept for the next one of its model (``save_costs``).
@@ -390,11 +404,12 @@ class LoadDecider:
 
     def _decide(self, req_id: str, plan: _Plan) -> None:
         others, queued_s = self.requests.others(excluding=req_id), self.queued_s()
-        count, reason = choose_blocks(plan.tiers, self.block_tokens, self.prefill, self.rates, others, queued_s)
+        costs = (self.prefill, self.rates)
+        count, reason = choose_blocks(plan.tiers, self.block_tokens, *costs, others, queued_s, self.max_wait_ratio)
         # Blocks past what an idle engine would load are loaded for the others' sake: ``load_busy``.
         idle_count = count
         if others > 0 and reason in ("saves", "probe_aside"):
-            alone = choose_blocks(plan.tiers, self.block_tokens, self.prefill, self.rates, 0, queued_s)[0]
+            alone = choose_blocks(plan.tiers, self.block_tokens, *costs, 0, queued_s, self.max_wait_ratio)[0]
             idle_count = min(count, alone)
         plan.offer = count
         if reason == "probe_aside":

@@ -62,6 +62,7 @@ class KvtierManager(OffloadingManager):
         pending_timeout_s: float = 2.0,
         load_policy: str = "auto",
         block_tokens: int = 16,
+        load_wait_max_ratio: float = 2.0,
     ):
         self._backend = backend
         self._config_info = dict(config_info or {})
@@ -102,7 +103,7 @@ class KvtierManager(OffloadingManager):
         self._stats.prime(backend)
         # Load or recompute (kvtier.vllm.costs): fed by KvtierConnector (step times, load times) and
         # the prefetcher (what NVMe and remote tiers deliver now).
-        self.decider = LoadDecider(load_policy, block_tokens)
+        self.decider = LoadDecider(load_policy, block_tokens, load_wait_max_ratio)
         self._probe_keys: list[bytes] = []  # the hits last read aside to time a tier (``_probe_aside``)
         # Requests whose load was prepared (``_after_load``); those being requeued, with the keys
         # their requeued lookup pass has seen; and those requeued since, which recompute.

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,10 @@ INTEGRATION_OPTION_DEFAULTS: dict[str, Any] = {
     # Which hits are loaded: "auto" (those whose load is expected to beat recomputing them, judged
     # from what the tiers and the engine deliver now), "always" or "never" (kvtier.vllm.costs).
     "load_policy": "auto",
+    # Under "auto", the longest a request waits for its load, as a multiple of what recomputing that
+    # prefix alone would take (0: no cap). The engine's other requests make a load worth more than
+    # its own time (a recompute delays them all); this bounds what one request pays for them.
+    "load_wait_max_ratio": 2.0,
     # Which computed blocks are stored: "all", or "second_sight" (a block is stored the second time
     # this engine computes it, so a prompt seen once costs no store).
     "admission": "all",
@@ -100,6 +105,23 @@ CONFIG_INFO_KEYS = (
 )
 
 
+def _checked_policies(option: Callable[[str], Any]) -> dict[str, Any]:
+    """The admission and load-or-recompute options, checked (``option``: a name's value or default)."""
+    admission = str(option("admission"))
+    if admission not in ADMISSION_POLICIES:
+        raise KvtierVllmConfigError(f'"admission" must be one of {", ".join(ADMISSION_POLICIES)}, not {admission!r}')
+    load_policy = str(option("load_policy"))
+    if load_policy not in LOAD_POLICIES:
+        raise KvtierVllmConfigError(f'"load_policy" must be one of {", ".join(LOAD_POLICIES)}, not {load_policy!r}')
+    load_wait_max_ratio = float(option("load_wait_max_ratio"))
+    if not (load_wait_max_ratio == 0.0 or 1.0 <= load_wait_max_ratio < math.inf):
+        raise KvtierVllmConfigError(
+            '"load_wait_max_ratio" must be 0 (no cap) or a ratio >= 1 (a load may take this many times '
+            f"the prefix's recompute), not {load_wait_max_ratio!r}"
+        )
+    return {"admission": admission, "load_policy": load_policy, "load_wait_max_ratio": load_wait_max_ratio}
+
+
 @dataclass(frozen=True)
 class KvtierOptions:
     path: str
@@ -118,6 +140,7 @@ class KvtierOptions:
     admission: str = "all"
     admission_memory_blocks: int = 1 << 18
     load_policy: str = "auto"
+    load_wait_max_ratio: float = 2.0
     engine_label: str = ""
 
     @classmethod
@@ -149,14 +172,7 @@ class KvtierOptions:
         service_timeout_ms = int(option("service_timeout_ms"))
         if service_timeout_ms <= 0:
             raise KvtierVllmConfigError('"service_timeout_ms" must be a positive number of milliseconds')
-        admission = str(option("admission"))
-        if admission not in ADMISSION_POLICIES:
-            raise KvtierVllmConfigError(
-                f'"admission" must be one of {", ".join(ADMISSION_POLICIES)}, not {admission!r}'
-            )
-        load_policy = str(option("load_policy"))
-        if load_policy not in LOAD_POLICIES:
-            raise KvtierVllmConfigError(f'"load_policy" must be one of {", ".join(LOAD_POLICIES)}, not {load_policy!r}')
+        policies = _checked_policies(option)
         admission_memory_blocks = int(option("admission_memory_blocks"))
         if admission_memory_blocks <= 0:
             raise KvtierVllmConfigError('"admission_memory_blocks" must be a positive number of blocks')
@@ -183,9 +199,8 @@ class KvtierOptions:
             defer_stores=bool(option("defer_stores")),
             deferred_store_max_blocks=deferred_store_max_blocks,
             prefetch=bool(option("prefetch")),
-            admission=admission,
             admission_memory_blocks=admission_memory_blocks,
-            load_policy=load_policy,
+            **policies,
             engine_label=str(option("engine_label")),
         )
 

@@ -246,6 +246,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 pending_timeout_s=pending_timeout_s,
                 load_policy=self.options.load_policy,
                 block_tokens=self.config.groups[0].tokens_per_block,
+                load_wait_max_ratio=self.options.load_wait_max_ratio,
             )
             self._learn_costs(manager)
             return manager
@@ -265,6 +266,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             config_info=self.options.config_info(),
             load_policy=self.options.load_policy,
             block_tokens=self.config.groups[0].tokens_per_block,
+            load_wait_max_ratio=self.options.load_wait_max_ratio,
         )
         self._learn_costs(manager)
         return manager
