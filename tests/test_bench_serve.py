@@ -174,8 +174,9 @@ def test_parse_result():
     assert point["tpot_ms"]["p50"] == 60.0 and point["itl_ms"]["p99"] == 140.0
     counters = {"dram_hits": 3, "nvme_hits": 0, "shared_hits": 1, "puts": 9}
     counters |= {"bytes_written_nvme": 3 << 20, "dropped_without_evidence": 2, "retained_by_hint": 5}
+    published = counters | {"bucket_put_requests": 4, "bucket_bytes_written": 8 << 20}
     document = {
-        "settings": {},
+        "settings": {"publish_bucket_rows": ["kvtier-nvme"]},
         "rows": [
             {
                 "label": "x",
@@ -184,11 +185,15 @@ def test_parse_result():
                 ],
             },
             {"label": "y", "points": []},
+            {"row": "kvtier-nvme", "label": "z", "points": [{"users": 2, **point, "kvtier": published}]},
         ],
     }
     rows = serve.table_rows(document)
     assert all(len(row) == len(serve.TABLE_HEADER) for row in rows), "a cell per column"
-    assert rows[0][:4] == ["x", "2", "8", "2.00"] and rows[0][-8:] == ["3", "0", "1", "9", "3", "2", "5", "-"]
+    assert rows[0][:4] == ["x", "2", "8", "2.00"]
+    assert rows[0][-10:] == ["3", "0", "1", "9", "3", "2", "5", "-", "-", "-"], "no bucket: no bucket figures"
+    assert rows[2][-3:] == ["4", "8", "-"], "a publishing row's PUTs and MiB written"
+    assert "bucket PUTs 4 (8 MiB)" in serve.point_line({"users": 2, **point, "kvtier": published})
     assert rows[0][serve.TABLE_HEADER.index("TPOT p50/p99 ms")] == "60/75"
     assert rows[0][serve.TABLE_HEADER.index("ITL p50/p99 ms")] == "58/140"
     assert rows[1][2] == "not measured"
@@ -606,3 +611,39 @@ def test_bench_serve_slow_mount_small(tmp_path):
     (judged,) = document["slow_link"]
     assert judged["tier"] == "shared" and judged["users"] == 4 and judged["auto_over_best"] is not None
     assert not (out / "slow-mount").exists(), "the shared directory and the mount point went with the run"
+
+
+def test_the_long_tail_publishing_to_a_bucket(tmp_path, monkeypatch):
+    """--publish-bucket: the long tail's kvtier rows publish to a bucket beside NVMe, each under a prefix
+    of its own (a row never reads another's blocks), with room in a local gateway for every block of
+    every prompt; the bucket's PUTs and bytes written are read with the other counters."""
+    import contextlib
+
+    from kvtier.bench import bucket, serve_slow
+
+    rows = "vllm,kvtier-nvme,kvtier-nvme-reuse"
+    plan = plan_of("--workload", "longtail", "--small", "--rows", rows, "--publish-bucket")
+    assert plan["publish_bucket_rows"] == ["kvtier-nvme", "kvtier-nvme-reuse"]
+    assert plan["bucket_osd_bytes"] > 1 << 30
+    assert {"bucket_put_requests", "bucket_bytes_written"} <= set(serve_plan.OBJECT_COUNTERS)
+    for wrong in (["--publish-bucket"], ["--workload", "longtail", "--rows", "vllm,kvtier-dram", "--publish-bucket"]):
+        with pytest.raises(serve.BenchError, match="--publish-bucket"):
+            plan_of(*wrong)
+    with pytest.raises(serve.BenchError, match="--bucket-url"):
+        plan_of("--workload", "longtail", "--bucket-url", "s3://b")
+    opened: list[int] = []
+
+    @contextlib.contextmanager
+    def fake_open(url, endpoint, osd_bytes, log):
+        opened.append(osd_bytes)
+        yield bucket.Bucket("b", "run", "http://127.0.0.1:1", "us-east-1", self_hosted=True)
+
+    monkeypatch.setattr(bucket, "open_bucket", fake_open)
+    with serve_slow.SlowTierRows(plan, tmp_path, lambda _: None) as objects:
+        assert objects.options("vllm") == {}
+        assert objects.options("kvtier-nvme") == {
+            "bucket_url": "s3://b/run/kvtier-nvme",
+            "bucket_endpoint": "http://127.0.0.1:1",
+        }
+        assert objects.options("kvtier-nvme-reuse")["bucket_url"] == "s3://b/run/kvtier-nvme-reuse"
+    assert opened == [plan["bucket_osd_bytes"]], "one gateway for the run"

@@ -938,7 +938,7 @@ def test_the_scheduler_fingerprints_the_weights_once_not_on_a_requests_path(tmp_
             **options.store_options,
             "pool_dir": str(tmp_path),
             "load_wait_max_ratio": 3,
-        },  # fmt: skip
+        },
         engine_id="fingerprint-once",
         model=OffloadingModelConfig(str(ensure_model("tiny")), "float32"),
         cache=OffloadingCacheConfig(16, 1),

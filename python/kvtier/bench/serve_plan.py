@@ -80,7 +80,12 @@ COUNTERS = (
     "retained_by_hint",
 )  # fmt: skip
 # Read too where a row has the object tier (the slow-link rows: serve_slow).
-OBJECT_COUNTERS = ("bucket_hits", "bucket_misses", "bucket_get_requests", "bucket_segments_published")
+OBJECT_COUNTERS = (
+    "bucket_hits", "bucket_misses", "bucket_get_requests", "bucket_segments_published", "bucket_put_requests",
+    "bucket_bytes_written",
+)  # fmt: skip
+# With --publish-bucket (--workload longtail) these rows publish to a bucket too, each under its own prefix.
+PUBLISHING_ROWS = ("kvtier-nvme", REUSE_ROW)
 POINT_TIMEOUT_S = 4 * 3600
 MODEL_LEN_MARGIN = 128  # tokens beyond prefix + suffix + output (the server re-aligns prompts to its tokenizer)
 SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
@@ -146,6 +151,12 @@ def _add_workload_options(parser: argparse.ArgumentParser) -> None:
         help="--workload longtail: each returning user's requests say their prefix comes back "
         '(kv_transfer_params {"kvtier": {"retain": PREFIX_LEN}}, docs/vllm.md), as a client that knows its '
         "document will be asked about again would (default on; --no-retain-hints: no request says)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--publish-bucket", action="store_true",
+        help=f"--workload longtail: the rows {', '.join(PUBLISHING_ROWS)} publish to a bucket too (Ceph's gateway "
+        "on 127.0.0.1, or --bucket-url/--bucket-endpoint), each under a prefix of its own; the report adds the "
+        "bucket's PUT requests and bytes written per point",
     )  # fmt: skip
     parser.add_argument(
         "--request-rate", type=float,
@@ -345,9 +356,33 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         )  # fmt: skip
     elif args.slow_mount:
         plan.update(slow_mount=args.slow_mount, slow_link_latency_ms=args.slow_link_latency_ms)
-    if not args.slow_link and (args.bucket_url or args.bucket_endpoint):
-        raise BenchError("--bucket-url and --bucket-endpoint are the object rows' bucket: they go with --slow-link")
+    if args.publish_bucket:
+        _plan_publish_bucket(args, plan)
+    if not (args.slow_link or args.publish_bucket) and (args.bucket_url or args.bucket_endpoint):
+        raise BenchError(
+            "--bucket-url and --bucket-endpoint are the object rows' bucket: "
+            "they go with --slow-link or --publish-bucket"
+        )
     return plan
+
+
+def _plan_publish_bucket(args: argparse.Namespace, plan: dict[str, Any]) -> None:
+    """--publish-bucket: which rows publish, and a local gateway's room for every block they store."""
+    from kvtier.models import PRESETS
+
+    if args.workload != "longtail" or args.slow_link:
+        raise BenchError("--publish-bucket goes with --workload longtail (and not with --slow-link)")
+    rows = [row for row in PUBLISHING_ROWS if row in plan["rows"]]
+    if not rows:
+        raise BenchError(f"--publish-bucket: none of the rows {', '.join(PUBLISHING_ROWS)} is asked for (--rows)")
+    kv_bytes = PRESETS[plan["preset"]].kv_bytes_per_token if plan["preset"] in PRESETS else 0
+    share = plan["one_off_share"]
+    requests = sum(users * plan["requests_per_user"] for users in plan["users"]) / (1.0 - share)
+    prompt_bytes = requests * (plan["prefix_len"] + plan["suffix_len"]) * kv_bytes
+    plan.update(
+        publish_bucket_rows=rows, bucket_url=args.bucket_url, bucket_endpoint=args.bucket_endpoint,
+        bucket_osd_bytes=int(prompt_bytes * len(rows) * 1.25) + (1 << 30),
+    )  # fmt: skip
 
 
 def slow_link_rows(args: argparse.Namespace) -> list[str]:

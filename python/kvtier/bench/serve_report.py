@@ -44,6 +44,9 @@ def point_line(point: dict[str, Any]) -> str:
             text += f" ({counters['dropped_without_evidence']} blocks dropped unused)"
         if counters.get("retained_by_hint"):
             text += f", {counters['retained_by_hint']} blocks of hinted requests"
+        if counters.get("bucket_put_requests"):
+            written_mib = counters.get("bucket_bytes_written", 0) / 2**20
+            text += f", bucket PUTs {counters['bucket_put_requests']} ({written_mib:.0f} MiB)"
     if point.get("cpu_s"):
         text += f", CPU ms per request: server (kvtier threads) / service {cpu_text(point)}"
     if point.get("kv_events"):
@@ -75,7 +78,8 @@ def _p50_p99(point: dict[str, Any], metric: str) -> str:
 TABLE_HEADER = [
     "row", "users", "requests", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
     "TPOT p50/p99 ms", "ITL p50/p99 ms", "connector hit tokens", "kvtier DRAM hits", "NVMe hits", "shared hits", "puts",
-    "NVMe MiB written", "dropped unused", "hinted blocks", "CPU ms/request server (kvtier threads) / service",
+    "NVMe MiB written", "dropped unused", "hinted blocks", "bucket PUTs", "bucket MiB written",
+    "CPU ms/request server (kvtier threads) / service",
 ]  # fmt: skip
 
 
@@ -87,7 +91,16 @@ def row_label(record: dict[str, Any]) -> str:
 def _counter(counters: dict[str, int], name: str) -> str:
     if name not in counters:
         return "-"
-    return _number(counters[name] / 2**20, 0) if name.startswith("bytes_") else str(counters[name])
+    return _number(counters[name] / 2**20, 0) if "bytes" in name.split("_") else str(counters[name])
+
+
+def _bucket_cells(document: dict[str, Any], record: dict[str, Any], counters: dict[str, int]) -> list[str]:
+    """The bucket's PUTs and MiB written in a point, for a row that has the object tier."""
+    publishing = (document.get("settings") or {}).get("publish_bucket_rows") or ()
+    row = record.get("row", "")
+    if row not in publishing and serve_slow.tier_of(row) is not serve_slow.BUCKET:
+        return ["-", "-"]
+    return [_counter(counters, "bucket_put_requests"), _counter(counters, "bucket_bytes_written")]
 
 
 def table_rows(document: dict[str, Any]) -> list[list[str]]:
@@ -107,6 +120,7 @@ def table_rows(document: dict[str, Any]) -> list[list[str]]:
                     *(_p50_p99(point, metric) for metric in DECODE_METRICS),
                     str((point.get("cache_tokens") or {}).get("connector_hits", "-")),
                     *(_counter(counters, name) for name in COUNTERS),
+                    *_bucket_cells(document, record, counters),
                     cpu_text(point),
                 ]
             )

@@ -165,7 +165,13 @@ class SlowTierRows:
         self._snapshot = Path(tempfile.mkdtemp(prefix="kvtier-serve-costs-"))
 
     def options(self, row: str) -> dict[str, Any]:
-        """kvtier options of a slow tier's row (where its tier is, load policy); {} for another row."""
+        """kvtier options of a slow tier's row (where its tier is, load policy), or of a row that
+        publishes to the bucket beside its NVMe tier (``--publish-bucket``: under a prefix of its own, so
+        that no row reads another's blocks); {} for another row."""
+        if row in self._plan.get("publish_bucket_rows", ()):
+            self._direct_options(BUCKET)
+            assert self._bucket is not None
+            return self._bucket.options(sub_prefix=row)
         tier = tier_of(row)
         if tier is None:
             return {}
