@@ -356,20 +356,22 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         )  # fmt: skip
     elif args.slow_mount:
         plan.update(slow_mount=args.slow_mount, slow_link_latency_ms=args.slow_link_latency_ms)
-    if args.publish_bucket:
-        _plan_publish_bucket(args, plan)
-    if not (args.slow_link or args.publish_bucket) and (args.bucket_url or args.bucket_endpoint):
-        raise BenchError(
-            "--bucket-url and --bucket-endpoint are the object rows' bucket: "
-            "they go with --slow-link or --publish-bucket"
-        )
+    _plan_publish_bucket(args, plan)
     return plan
 
 
 def _plan_publish_bucket(args: argparse.Namespace, plan: dict[str, Any]) -> None:
-    """--publish-bucket: which rows publish, and a local gateway's room for every block they store."""
+    """--publish-bucket: which rows publish, and a local gateway's room for every block they store;
+    without it (or --slow-link), no bucket option."""
     from kvtier.models import PRESETS
 
+    if not args.publish_bucket:
+        if not args.slow_link and (args.bucket_url or args.bucket_endpoint):
+            raise BenchError(
+                "--bucket-url and --bucket-endpoint are the object rows' bucket: "
+                "they go with --slow-link or --publish-bucket"
+            )
+        return
     if args.workload != "longtail" or args.slow_link:
         raise BenchError("--publish-bucket goes with --workload longtail (and not with --slow-link)")
     rows = [row for row in PUBLISHING_ROWS if row in plan["rows"]]
