@@ -20,7 +20,8 @@ The workload (every step bounded; only loopback traffic):
 Both servers run with vLLM's defaults (multiprocess engine core and executor); kvtier's host service,
 started by the first engine, holds the store and the DRAM pool they share (docs/architecture.md).
 
-Options: ``--preset tiny|kv8b`` (default kv8b: Llama-3-8B-sized KV, 128 KiB per token),
+Options: ``--preset`` (default kv8b: Llama-3-8B-sized KV, 128 KiB per token; on a CPU that computes
+bfloat16 slowly, no AVX-512 BF16 or AMX, its float32 twin kv8b-fp32, the same KV bytes per token),
 ``--store DIR`` (default: a temporary directory, removed afterwards unless ``--keep-store``),
 ``--port``, ``--prefix-tokens``.
 
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.engine_process import ENGINE_QUIET_S
-from kvtier.models import PRESETS, ensure_model
+from kvtier.models import PRESETS, ensure_model, preset_for_this_cpu, server_dtype_args
 from kvtier.openai_server import OpenAIServer, ServerError, free_port
 
 
@@ -82,7 +83,7 @@ def start_server(model_dir: Path, store_dir: Path, port: int, preset: str, log_p
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     }
-    args = ["--max-model-len", "8192", "--enforce-eager"]
+    args = ["--max-model-len", "8192", "--enforce-eager", *server_dtype_args(preset)]
     return OpenAIServer(model_dir, preset, log_path, transfer_config, args, env, port)
 
 
@@ -235,13 +236,21 @@ def main(argv: list[str] | None = None) -> int:
 
         return events_main(words[1:])
     parser = argparse.ArgumentParser(prog="python -m kvtier.demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="kv8b")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="model preset (default kv8b, or kv8b-fp32 on a CPU that computes bfloat16 slowly)",
+    )
     parser.add_argument("--store", help="kvtier store directory (default: a temporary directory)")
     parser.add_argument("--keep-store", action="store_true", help="keep the temporary store directory")
     parser.add_argument("--port", type=int, default=0, help="server port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--prefix-tokens", type=int, default=2000, help="tokens of the shared system prompt")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
     args = parser.parse_args(argv)
+    if args.preset is None:
+        args.preset, swapped = preset_for_this_cpu("kv8b")
+        if swapped:
+            print(f"kvtier demo: {swapped}", flush=True)
 
     model_dir = ensure_model(args.preset)
     temporary_store = args.store is None

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.models import PRESETS, ensure_model
+from kvtier.models import PRESETS, ensure_model, server_dtype_args
 from kvtier.openai_server import OpenAIServer, ServerError
 
 BLOCK_TOKENS = 128  # vLLM's block size on CPU, set explicitly (--block-size) so the hashes match
@@ -150,6 +150,7 @@ def start_servers(model_dir: Path, preset: str, store_dir: Path, work: Path, end
         args = [
             "--max-model-len", "4096", "--enforce-eager", "--block-size", str(BLOCK_TOKENS),
             "--prefix-caching-hash-algo", HASH_ALGO, "--kv-events-config", json.dumps(events),
+            *server_dtype_args(preset),
         ]  # fmt: skip
         servers[name] = OpenAIServer(model_dir, preset, work / f"server-{name}.log", transfer, args, env)
     return servers

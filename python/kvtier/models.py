@@ -23,6 +23,7 @@ CLI: ``python -m kvtier.models --preset kv8b [--out DIR] [--force]`` prints the 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -31,6 +32,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -67,6 +69,9 @@ class ModelPreset:
     vocab_size: int
     max_position_embeddings: int
     dtype: str
+    # The --dtype an OpenAI server is given. None leaves vLLM's "auto", which on CPU runs a float32
+    # model in bfloat16; the float32 twins exist to run in float32, so they say so.
+    server_dtype: str | None = None
     initializer_range: float = 0.05
     seed: int = 1234
     tokenizer_training_text_bytes: int = 4 << 20
@@ -102,6 +107,35 @@ PRESETS: dict[str, ModelPreset] = {
         max_position_embeddings=32768,
         dtype="bfloat16",
     ),
+    # Twins for CPUs without fast bfloat16 (no AVX-512 BF16 or AMX: there bf16 runs hundreds of times
+    # slower than float32): half the layers in float32, so the same KV bytes per token (the I/O a
+    # benchmark moves) at a prefill cost near the bf16 preset's on a CPU that has it.
+    "kv8b-fp32": ModelPreset(
+        name="kv8b-fp32",
+        num_hidden_layers=16,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=128,
+        hidden_size=512,
+        intermediate_size=1024,
+        vocab_size=8192,
+        max_position_embeddings=32768,
+        dtype="float32",
+        server_dtype="float32",
+    ),
+    "lean-fp32": ModelPreset(
+        name="lean-fp32",
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        hidden_size=256,
+        intermediate_size=512,
+        vocab_size=8192,
+        max_position_embeddings=32768,
+        dtype="float32",
+        server_dtype="float32",
+    ),
     "tiny": ModelPreset(
         name="tiny",
         num_hidden_layers=4,
@@ -117,6 +151,89 @@ PRESETS: dict[str, ModelPreset] = {
 }
 assert PRESETS["kv8b"].kv_bytes_per_token == 128 << 10
 assert PRESETS["lean"].kv_bytes_per_token == 16 << 10
+assert PRESETS["kv8b-fp32"].kv_bytes_per_token == PRESETS["kv8b"].kv_bytes_per_token
+assert PRESETS["lean-fp32"].kv_bytes_per_token == PRESETS["lean"].kv_bytes_per_token
+
+
+FP32_TWINS = {"kv8b": "kv8b-fp32", "lean": "lean-fp32"}
+"""The float32 twin of each bfloat16 preset: the same KV bytes per token, half the layers."""
+
+SLOW_BF16_RATIO = 3.0
+"""A bfloat16 linear layer this many times slower than float32 means a CPU without bf16 instructions."""
+
+
+@functools.cache
+def bf16_slowdown() -> float:
+    """How many times longer a bfloat16 linear layer takes than a float32 one on this CPU, at the
+    shape of kv8b's prefill (1,024 tokens, 512 to 1,024). Measured 2026-12-05 on an AVX2-only AMD EPYC:
+    about 9x (and kv8b prefilled 10x slower than its float32 twin), where AVX-512 BF16 or AMX make bf16
+    at least as fast as float32. Takes about a second there."""
+    import torch
+    import torch.nn.functional as functional
+
+    def best_seconds(dtype: torch.dtype) -> float:
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randn(1024, 512, generator=generator).to(dtype)
+        weight = torch.randn(1024, 512, generator=generator).to(dtype)
+        functional.linear(tokens, weight)  # the first call pays for kernel selection
+        timings = []
+        for _ in range(3):
+            started = time.perf_counter()
+            functional.linear(tokens, weight)
+            timings.append(time.perf_counter() - started)
+        return min(timings)
+
+    return best_seconds(torch.bfloat16) / max(best_seconds(torch.float32), 1e-9)
+
+
+def preset_for_this_cpu(preset: str) -> tuple[str, str | None]:
+    """``preset``, or its float32 twin where this CPU computes bfloat16 too slowly to run it; with the
+    reason to tell the user when it was swapped."""
+    twin = FP32_TWINS.get(preset)
+    if twin is None:
+        return preset, None
+    slowdown = bf16_slowdown()
+    if slowdown < SLOW_BF16_RATIO:
+        return preset, None
+    return twin, (
+        f"this CPU computes bfloat16 {slowdown:.0f}x slower than float32 (no AVX-512 BF16 or AMX), "
+        f"so {preset!r} is run as {twin!r}: the same {PRESETS[preset].kv_bytes_per_token >> 10} KiB of KV "
+        f"per token in float32 (pass --preset {preset} to run it anyway)"
+    )
+
+
+def slow_bf16_warning(preset: str) -> str | None:
+    """A warning for a benchmark about to run a bfloat16 preset on a CPU that computes it slowly."""
+    twin = FP32_TWINS.get(preset)
+    if twin is None or bf16_slowdown() < SLOW_BF16_RATIO:
+        return None
+    return (
+        f"warning: this CPU computes bfloat16 {bf16_slowdown():.0f}x slower than float32 (no AVX-512 BF16 "
+        f"or AMX): {preset!r} will prefill many times slower than its figures in docs/benchmarks.md; "
+        f"--preset {twin} has the same KV bytes per token in float32"
+    )
+
+
+def server_dtype_args(preset: str, server_args: Sequence[str] = ()) -> list[str]:
+    """``--dtype`` for a ``vllm serve`` of ``preset`` where the preset needs one and the user's own
+    ``server_args`` name none."""
+    dtype = PRESETS[preset].server_dtype if preset in PRESETS else None
+    if dtype is None or any(arg == "--dtype" or arg.startswith("--dtype=") for arg in server_args):
+        return []
+    return ["--dtype", dtype]
+
+
+def warn_about_slow_bf16(preset: str) -> None:
+    """Tells a benchmark's user on stderr that its bfloat16 preset will run slowly on this CPU."""
+    warning = slow_bf16_warning(preset)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+
+
+def ensure_bench_model(preset: str) -> Path:
+    """:func:`ensure_model` for a benchmark: it warns first where the preset will run slowly."""
+    warn_about_slow_bf16(preset)
+    return ensure_model(preset)
 
 
 def repo_root() -> Path | None:
@@ -232,6 +349,13 @@ def model_manifest(model_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def _recipe(spec: ModelPreset) -> dict:
+    """What a build's manifest must match. How a server runs the model is not part of its files: a
+    build from before ``server_dtype`` existed is the same build."""
+    preset = {key: value for key, value in asdict(spec).items() if key != "server_dtype"}
+    return {"recipe_version": MODEL_RECIPE_VERSION, "preset": preset}
+
+
 def build_model(preset: str = "tiny", out_dir: str | os.PathLike | None = None, force: bool = False) -> Path:
     """Builds the preset model into ``out_dir`` (default: :func:`default_model_dir`) unless a
     complete build of the same recipe is already there. Returns the model directory.
@@ -243,7 +367,7 @@ def build_model(preset: str = "tiny", out_dir: str | os.PathLike | None = None, 
         raise ModelBuildError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     spec = PRESETS[preset]
     target_dir = Path(out_dir) if out_dir is not None else default_model_dir(preset)
-    expected_recipe = {"recipe_version": MODEL_RECIPE_VERSION, "preset": asdict(spec)}
+    expected_recipe = _recipe(spec)
 
     manifest_path = target_dir / MANIFEST_FILE_NAME
     if manifest_path.is_file() and not force:

@@ -731,11 +731,11 @@ def main(argv: list[str] | None = None) -> int:
     except (FaultError, serve_plan.BenchError, ValueError) as error:
         print(f"kvtier bench faults: {error}", file=sys.stderr)
         return 2
-    from kvtier.models import ensure_model
+    from kvtier.models import ensure_bench_model
 
     out_dir = Path(args.out or tempfile.mkdtemp(prefix="kvtier-bench-faults-")).absolute()
     out_dir.mkdir(parents=True, exist_ok=True)
-    plan["model_dir"] = str(ensure_model(plan["preset"]))
+    plan["model_dir"] = str(ensure_bench_model(plan["preset"]))
     started = time.monotonic()
     document: dict[str, Any] = {"benchmark": "kvtier bench faults", "settings": plan, "rows": []}
     print(

@@ -38,7 +38,7 @@ from typing import Any
 
 from kvtier import service as kvtier_service
 from kvtier.engine_process import ENGINE_QUIET_S, TOKENS_PER_BLOCK, EngineProcess
-from kvtier.models import PRESETS
+from kvtier.models import PRESETS, warn_about_slow_bf16
 
 
 def _length(text: str) -> int:
@@ -270,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", default="bench-results/layout", help="directory for layout.json")
     args = parser.parse_args(list(argv) if argv is not None else None)
+    warn_about_slow_bf16(args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvtier-layout-") as scratch:

@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     except (BenchError, ValueError) as error:
         print(f"kvtier bench serve: {error}", file=sys.stderr)
         return 2
-    from kvtier.models import PRESETS, ensure_model
+    from kvtier.models import PRESETS, ensure_bench_model
 
     out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="kvtier-bench-serve-"))
     out_dir = out_dir.absolute()
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     except BenchError as error:
         print(f"kvtier bench serve: {error}", file=sys.stderr)
         return 1
-    model_dir = ensure_model(plan["preset"])
+    model_dir = ensure_bench_model(plan["preset"])
     plan["model_dir"] = str(model_dir)
     kv_bytes = PRESETS[plan["preset"]].kv_bytes_per_token if plan["preset"] in PRESETS else None
     settings = dict(plan)

@@ -25,13 +25,14 @@ from kvtier.bench.serve_plan import (
     BenchError,
 )
 from kvtier.bench.ttft import LMCACHE_CHUNK_TOKENS, LMCACHE_HASH_SEED
+from kvtier.models import server_dtype_args
 
 
 def server_args(plan: dict[str, Any]) -> list[str]:
     args = ["--max-model-len", str(plan["max_model_len"]), "--enforce-eager"]
     if plan["vllm_blocks"]:
         args += ["--num-gpu-blocks-override", str(plan["vllm_blocks"])]
-    return args + plan["server_args"]
+    return args + server_dtype_args(plan["preset"], plan["server_args"]) + plan["server_args"]
 
 
 # --------------------------------------------------------------------------------------------

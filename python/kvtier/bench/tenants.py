@@ -255,8 +255,9 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     if plan["preset"] not in PRESETS:
         raise TenantsError(f"--preset: unknown {plan['preset']!r}; choose from {', '.join(sorted(PRESETS))}")
     preset = PRESETS[plan["preset"]]
-    # The servers run bfloat16 (--dtype; CPU vLLM downcasts float32 anyway): 2 bytes a value.
-    kv_bytes_per_token = preset.kv_bytes_per_token * 2 // DTYPE_BYTES[preset.dtype]
+    # The servers run bfloat16 (--dtype; CPU vLLM downcasts float32 anyway), the float32 twins float32.
+    server_dtype = preset.server_dtype or SERVER_DTYPE
+    kv_bytes_per_token = preset.kv_bytes_per_token * DTYPE_BYTES[server_dtype] // DTYPE_BYTES[preset.dtype]
     slot_bytes = plan["block_tokens"] * kv_bytes_per_token + SLOT_OVERHEAD_BYTES
     pool_bytes = plan["pool_blocks"] * slot_bytes + SLOT_OVERHEAD_BYTES // 2  # no slot lost to rounding
     longest = max(plan["doc_len"] + plan["question_len"], plan["flood_len"])
@@ -268,7 +269,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         # what serve_servers.start_server reads
         dram_gib=pool_bytes / 2**30, nvme_gib=0.0,
         max_model_len=longest + plan["output_len"] + serve_plan.MODEL_LEN_MARGIN,
-        server_args=["--block-size", str(plan["block_tokens"]), "--dtype", SERVER_DTYPE, *args.server_arg],
+        server_args=["--block-size", str(plan["block_tokens"]), "--dtype", server_dtype, *args.server_arg],
     )  # fmt: skip
     plan["start_together"] = args.start_together or args.small
     plan["quiet_blocks"] = plan["docs"] * plan["doc_blocks"]  # the quiet tenant's working set in the pool
@@ -707,11 +708,11 @@ def main(argv: list[str] | None = None) -> int:
     except (TenantsError, serve_plan.BenchError) as error:
         print(f"kvtier bench tenants: {error}", file=sys.stderr)
         return 2
-    from kvtier.models import ensure_model
+    from kvtier.models import ensure_bench_model
 
     out_dir = Path(args.out or tempfile.mkdtemp(prefix="kvtier-bench-tenants-")).absolute()
     out_dir.mkdir(parents=True, exist_ok=True)
-    plan["model_dir"] = str(ensure_model(plan["preset"]))
+    plan["model_dir"] = str(ensure_bench_model(plan["preset"]))
     started = time.monotonic()
     document: dict[str, Any] = {"benchmark": "kvtier bench tenants", "settings": plan, "rows": []}
     progress(

@@ -276,7 +276,7 @@ def store_sizes(points: PromptPoints, block: int, kv_bytes_per_token: int) -> di
 
 
 def make_plan(args: argparse.Namespace) -> dict[str, Any]:
-    from kvtier.models import PRESETS, ensure_model, model_manifest
+    from kvtier.models import PRESETS, ensure_bench_model, model_manifest
 
     preset_name = args.preset or ("tiny" if args.small else "kv8b")
     if preset_name not in PRESETS:
@@ -289,7 +289,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
             f"prompts of {longest} tokens do not fit preset {preset_name} "
             f"(max_position_embeddings={preset.max_position_embeddings}); use shorter --lengths"
         )
-    model_dir = ensure_model(preset_name)
+    model_dir = ensure_bench_model(preset_name)
     vocab_size = int(model_manifest(model_dir)["vocab_size"])
     kv_bytes_per_token = preset.kv_bytes_per_token
     block = args.block_tokens
