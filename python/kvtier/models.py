@@ -14,6 +14,9 @@ Presets:
 - ``lean``: a model whose prefill is cheap against its KV cache: 16 layers, 2 KV heads, head dim 128,
   bf16 (16 KiB per token), hidden size 256. It is where loading and storing KV can cost more than
   recomputing it (issue 36's "cheap prefill" case), so kvtier's overheads show there first.
+- ``kv8b-fp32``, ``lean-fp32``: their float32 twins (half the layers, the same KV bytes per token) for
+  CPUs without bf16 instructions, where bf16 runs about ten times slower; ``kvtier demo`` picks
+  ``kv8b-fp32`` there by itself, and OpenAI servers run the twins with ``--dtype float32``.
 - ``tiny``: 4 layers, 2 KV heads, head dim 64, float32 (4 KiB per token), for fast tests. float32
   keeps the comparison of logprobs between a recomputed and a restored prefix tight.
 
@@ -33,7 +36,7 @@ import sysconfig
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 MODEL_RECIPE_VERSION = 1
@@ -107,35 +110,6 @@ PRESETS: dict[str, ModelPreset] = {
         max_position_embeddings=32768,
         dtype="bfloat16",
     ),
-    # Twins for CPUs without fast bfloat16 (no AVX-512 BF16 or AMX: there bf16 runs hundreds of times
-    # slower than float32): half the layers in float32, so the same KV bytes per token (the I/O a
-    # benchmark moves) at a prefill cost near the bf16 preset's on a CPU that has it.
-    "kv8b-fp32": ModelPreset(
-        name="kv8b-fp32",
-        num_hidden_layers=16,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        head_dim=128,
-        hidden_size=512,
-        intermediate_size=1024,
-        vocab_size=8192,
-        max_position_embeddings=32768,
-        dtype="float32",
-        server_dtype="float32",
-    ),
-    "lean-fp32": ModelPreset(
-        name="lean-fp32",
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        hidden_size=256,
-        intermediate_size=512,
-        vocab_size=8192,
-        max_position_embeddings=32768,
-        dtype="float32",
-        server_dtype="float32",
-    ),
     "tiny": ModelPreset(
         name="tiny",
         num_hidden_layers=4,
@@ -149,14 +123,31 @@ PRESETS: dict[str, ModelPreset] = {
         dtype="float32",
     ),
 }
+
+
+def _fp32_twin(preset: ModelPreset) -> ModelPreset:
+    """A twin for CPUs without fast bfloat16 (no AVX-512 BF16 or AMX: there bf16 runs about ten times
+    slower than float32): half the layers in float32, so the same KV bytes per token (the I/O a
+    benchmark moves) at a prefill cost near the bf16 preset's on a CPU that has it."""
+    assert preset.dtype == "bfloat16" and preset.num_hidden_layers % 2 == 0
+    return replace(
+        preset,
+        name=f"{preset.name}-fp32",
+        num_hidden_layers=preset.num_hidden_layers // 2,
+        dtype="float32",
+        server_dtype="float32",
+    )
+
+
+FP32_TWINS = {name: f"{name}-fp32" for name in ("kv8b", "lean")}
+"""The float32 twin of each bfloat16 preset: the same KV bytes per token, half the layers."""
+PRESETS.update({twin: _fp32_twin(PRESETS[name]) for name, twin in FP32_TWINS.items()})
+
 assert PRESETS["kv8b"].kv_bytes_per_token == 128 << 10
 assert PRESETS["lean"].kv_bytes_per_token == 16 << 10
 assert PRESETS["kv8b-fp32"].kv_bytes_per_token == PRESETS["kv8b"].kv_bytes_per_token
 assert PRESETS["lean-fp32"].kv_bytes_per_token == PRESETS["lean"].kv_bytes_per_token
 
-
-FP32_TWINS = {"kv8b": "kv8b-fp32", "lean": "lean-fp32"}
-"""The float32 twin of each bfloat16 preset: the same KV bytes per token, half the layers."""
 
 SLOW_BF16_RATIO = 3.0
 """A bfloat16 linear layer this many times slower than float32 means a CPU without bf16 instructions."""
