@@ -129,17 +129,38 @@ def test_the_worst_ttft_in_each_fault_against_vllm_alones_in_the_same_window(tmp
     rows = {record["row"]: record for record in document["rows"]}
     assert "in_fault_ttft_ms" not in rows["vllm"] and "in_fault_ttft_ms" not in rows["vllm-2"]
     # service-stop: 6.05-11.05 s holds requests 3 (7.1 s, 900 ms) and 4 (9.7 s, failed).
+    # The same requests of vLLM alone: 300 ms for request 3, so it took 600 ms more.
     assert rows["service-stop"]["in_fault_ttft_ms"] == {
         "kvtier": 900.0,
         "failed": 1,
         "vllm_alone": pytest.approx(300.0),
+        "excess": pytest.approx(600.0),
+        "excess_at_s": pytest.approx(7.1),
     }
-    # service-kill at 6.1 s, hits never back: until 26.1 s, requests 3 to 7.
+    # service-kill at 6.1 s, hits never back: until 26.1 s, requests 3 to 7 (none slower than vLLM
+    # alone's same request: the first one as fast, request 5, is the most).
     assert rows["service-kill"]["in_fault_ttft_ms"] == {
-        "kvtier": pytest.approx(50.0), "failed": 0, "vllm_alone": pytest.approx(300.0)
+        "kvtier": pytest.approx(50.0), "failed": 0, "vllm_alone": pytest.approx(300.0),
+        "excess": pytest.approx(0.0), "excess_at_s": pytest.approx(12.1),
     }  # fmt: skip
     table = faults.table_rows(document["rows"])
-    assert [line[8] for line in table] == ["-", "-", "900 (300), 1 failed", "50 (300)"]
+    assert [line[8] for line in table] == ["-", "-", "900 (300), 1 failed; +600 at 7 s", "50 (300); +0 at 12 s"]
+
+
+def test_at_capacity_the_request_the_fault_delayed_is_held_to_the_same_request_of_vllm_alone(tmp_path):
+    """stop 66's run at 0.25 req/s: vLLM alone's slowest request in the fault's window (7.2 s) was
+    another than the one the fault delayed (8.4 s against 4.0 s for the same request): worst against
+    worst shows +1.2 s, the same request +4.4 s."""
+    document = standard_run(tmp_path)
+    alone = bench_json([0.05, 0.05, 0.05, 7.2, 4.0, 0.05, 0.05, 0.05], t0=T0 - 500.0)
+    stopped = bench_json([0.05, 0.05, 0.05, 3.9, 8.4, 0.05, 0.05, 0.05])
+    (tmp_path / "vllm" / "bench" / "vllm.json").write_text(json.dumps(alone))
+    (tmp_path / "service-stop" / "bench" / "service-stop.json").write_text(json.dumps(stopped))
+    faults_plot.note_in_fault_ttfts(document, tmp_path)
+    worst = {record["row"]: record for record in document["rows"]}["service-stop"]["in_fault_ttft_ms"]
+    assert worst["kvtier"] == pytest.approx(8400.0) and worst["vllm_alone"] == pytest.approx(7200.0)
+    assert worst["excess"] == pytest.approx(4400.0) and worst["excess_at_s"] == pytest.approx(9.7)
+    assert faults_plot.in_fault_cell({"in_fault_ttft_ms": worst}) == "8400 (7200); +4400 at 10 s"
 
 
 def test_old_results_place_the_fault_after_the_first_request(tmp_path):

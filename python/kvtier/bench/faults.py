@@ -98,8 +98,8 @@ SMALL = {
 }  # fmt: skip
 TABLE_HEADER = [
     "row", "requests", "failed", "wrong outputs", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
-    "worst TTFT in fault ms (vLLM alone's)", "hits again after fault (s)", "kvtier DRAM hits", "NVMe hits",
-    "bucket/shared hits", "tier reads in fault", "engine fallbacks (calls / loads / store blocks)",
+    "worst TTFT in fault ms (vLLM alone's; most over same request)", "hits again after fault (s)", "kvtier DRAM hits",
+    "NVMe hits", "bucket/shared hits", "tier reads in fault", "engine fallbacks (calls / loads / store blocks)",
 ]  # fmt: skip
 NO_TIER_READ = "0: none touched"  # the table's cell for a fault that touched no read of its tier
 

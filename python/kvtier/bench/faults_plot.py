@@ -133,6 +133,26 @@ def worst_in_window_ms(series: RowSeries, window: tuple[float, float]) -> tuple[
     return worst, sum(series.failed[i] for i in inside)
 
 
+def worst_excess_ms(
+    series: RowSeries, reference: RowSeries | None, window: tuple[float, float]
+) -> tuple[float | None, float | None]:
+    """The most a request that started in ``window`` took over vLLM alone's TTFT of the same request,
+    and when it started. Every row sends the same prompts in the same order at the same arrivals, so
+    the i-th request of each is the same one; the worst TTFT of each row in the window may be two
+    different requests (at capacity vLLM alone's slowest can hide the one the fault delayed). None
+    without a reference of as many requests."""
+    if reference is None or len(reference.ttft_ms) != len(series.ttft_ms):
+        return None, None
+    excess: tuple[float, float] | None = None
+    for index, at in enumerate(series.offsets_s):
+        mine, alone = series.ttft_ms[index], reference.ttft_ms[index]
+        if not window[0] <= at <= window[1] or series.failed[index] or mine is None or alone is None:
+            continue
+        if excess is None or mine - alone > excess[0]:
+            excess = (mine - alone, at)
+    return excess if excess is not None else (None, None)
+
+
 def note_in_fault_ttfts(document: dict[str, Any], results_dir: Path) -> None:
     """Sets each fault row's ``in_fault_ttft_ms``: the worst TTFT among its requests that started
     during the fault (and how many of them failed), and vLLM alone's among its own that started in the
@@ -151,17 +171,23 @@ def note_in_fault_ttfts(document: dict[str, Any], results_dir: Path) -> None:
             end = series.hits_again_at if series.hits_again_at is not None else start + KILL_WINDOW_S
         worst, failed = worst_in_window_ms(series, (start, end))
         alone = worst_in_window_ms(reference, (start, end))[0] if reference is not None else None
-        record["in_fault_ttft_ms"] = {"kvtier": worst, "failed": failed, "vllm_alone": alone}
+        excess, excess_at = worst_excess_ms(series, reference, (start, end))
+        record["in_fault_ttft_ms"] = {
+            "kvtier": worst, "failed": failed, "vllm_alone": alone, "excess": excess, "excess_at_s": excess_at,
+        }  # fmt: skip
 
 
 def in_fault_cell(record: dict[str, Any]) -> str:
-    """The table's cell of ``in_fault_ttft_ms``: "kvtier's (vLLM alone's)" in ms, and failed requests."""
+    """The table's cell of ``in_fault_ttft_ms``: "kvtier's (vLLM alone's)" in ms, failed requests, and
+    the most a request took over vLLM alone's same request, with when it started ("+4420 at 40 s")."""
     worst = record.get("in_fault_ttft_ms")
     if not worst:
         return "-"
     kvtier, alone = (_ms(worst.get(name)).removesuffix(" ms") for name in ("kvtier", "vllm_alone"))
     failed = f", {worst['failed']} failed" if worst.get("failed") else ""
-    return f"{kvtier} ({alone}){failed}"
+    excess = worst.get("excess")  # results from before it lack it
+    over = "" if excess is None else f"; {excess:+.0f} at {worst['excess_at_s']:.0f} s"
+    return f"{kvtier} ({alone}){failed}{over}"
 
 
 def _ms(value: float | None) -> str:
