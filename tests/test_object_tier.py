@@ -769,6 +769,33 @@ def test_a_stopped_server_costs_misses_not_a_hang(rgw, nodes, bucket):
     assert b.stats()["remote_tiers_sick"] == 0
 
 
+def test_a_frozen_bucket_turns_sick_before_any_load_meets_it(rgw, nodes, bucket):
+    """Issue 36: only a load's read could tell that the gateway froze, so the first request after it
+    waited the whole stall limit. Now the tier's LIST every `bucket_refresh_ms` is its heartbeat:
+    unanswered for the stall limit, the store's prober makes the tier sick, and no load waits."""
+    a = nodes.open("a", **bucket)
+    publish(a, list(range(16)))
+    b = nodes.open("b", **{**bucket, "bucket_request_timeout_ms": 30_000}, remote_read_stall_ms=500)
+    keys = [key(i) for i in range(16)]
+    assert wait_visible(b, keys)
+    os.kill(rgw.pid, signal.SIGSTOP)
+    try:
+        offered_again = _wait_for(lambda: b.lookup_prefix(keys) == 0, timeout_s=3.0)
+        started = time.monotonic()
+        got = load(b, list(range(16)))
+        load_s = time.monotonic() - started
+        stats = b.stats()
+    finally:
+        os.kill(rgw.pid, signal.SIGCONT)
+    assert offered_again, f"the frozen bucket was still offered after 3 s: {b.stats()}"
+    assert not any(got)
+    assert load_s < 0.2, f"a load waited {load_s:.2f} s for a bucket already known frozen"
+    assert (stats["remote_refreshes_stalled"], stats["remote_tier_outages"]) == (1, 1), stats
+    assert stats["remote_reads_given_up"] == 0, f"a load met the frozen gateway: {stats}"
+    assert _wait_for(lambda: b.lookup_prefix(keys) == 16, timeout_s=10.0), b.stats()
+    assert all(load(b, list(range(16))))
+
+
 def test_a_load_gives_up_reads_from_a_frozen_bucket_long_before_their_requests_time_out(rgw, nodes, bucket):
     """Issue 36, item 1: a frozen gateway held a load until its GETs timed out (10 s by default),
     so a request waited the whole freeze or the timeout. Now a load whose remote reads all stall for

@@ -451,6 +451,7 @@ def test_metrics_scrape_has_the_issue_list(served: Served) -> None:
         "kvtier_remote_tier_outages_total",
         "kvtier_remote_tier_lookups_skipped_total",
         "kvtier_remote_reads_given_up_total",
+        "kvtier_remote_refreshes_stalled_total",
         "kvtier_remote_tiers_sick",
         "kvtier_nvme_outages_total",
         "kvtier_nvme_lookups_skipped_total",

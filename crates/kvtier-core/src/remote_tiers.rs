@@ -209,9 +209,41 @@ impl RemoteTiers {
     /// in flight. The store's prober reads them ahead (a probe load, `probe: true` to
     /// `readable` and `start_reads`), the only load let through to a sick tier; `held_locally` says
     /// which blocks DRAM or NVMe holds (a read-ahead of those would not reach the tier).
+    /// A due tier with no block to read (its index empty, or all of it held locally) is brought
+    /// back by its heartbeat instead: a refresh that began after it turned sick and finished.
     pub(crate) fn due_probes(&self, held_locally: impl Fn(&BlockKey) -> bool) -> Vec<BlockKey> {
-        let due = self.tiers.iter().filter(|r| r.health.due_probe(Instant::now));
-        due.filter_map(|r| r.probe_candidate(&held_locally)).collect()
+        let mut keys = Vec::new();
+        for r in self.tiers.iter().filter(|r| r.health.due_probe(Instant::now)) {
+            match r.probe_candidate(&held_locally) {
+                Some(key) => keys.push(key),
+                None => self.probe_by_heartbeat(r),
+            }
+        }
+        keys
+    }
+
+    /// A sick tier with nothing to read as its probe: healthy again once a refresh that began after
+    /// it turned sick finished (the tier answers).
+    fn probe_by_heartbeat(&self, r: &Remote) {
+        let Some(since) = r.health.sick_since() else { return };
+        if r.tier.heartbeat().answered_since(since) && r.health.admit(Instant::now) == Admit::Probe {
+            self.note(r, r.health.record(true, Observed::CleanMiss, Instant::now()));
+        }
+    }
+
+    /// Watches each healthy tier's heartbeat (`tiers::remote::heartbeat`): one whose index refresh
+    /// went unanswered for its stall limit turns sick now, before a request's load meets it and
+    /// waits that long. The store's prober calls it every tick; off with `remote_read_stall_ms` 0.
+    pub(crate) fn watch_heartbeats(&self) {
+        if self.stall_floor.is_zero() {
+            return;
+        }
+        let now = Instant::now();
+        for r in self.tiers.iter().filter(|r| !r.health.is_sick()) {
+            let Some(waited) = r.tier.heartbeat().stalled(r.stall_limit(self.stall_floor), now) else { continue };
+            Stats::add(&self.stats.remote_refreshes_stalled, 1);
+            self.note(r, r.health.stalled(format!("its index refresh has not answered in {waited:?}"), now));
+        }
     }
 
     /// Whether a load may read `key` from a remote tier: one offers it, or, for the prober's probe
@@ -435,8 +467,8 @@ impl RemoteTiers {
                 Stats::add(&self.stats.remote_tier_outages, 1);
                 Stats::add(&self.stats.remote_tiers_sick, 1);
                 log::warn!(
-                    "kvtier: the {} tier is sick after failed reads (last: {last_error}); its blocks are \
-                     misses for {backoff:?}, then one read probes it",
+                    "kvtier: the {} tier is sick (last: {last_error}); its blocks are misses for \
+                     {backoff:?}, then one read probes it",
                     remote.name
                 );
             }

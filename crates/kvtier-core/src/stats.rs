@@ -111,6 +111,9 @@ counters!(
     // Remote reads a load stopped waiting for (`remote_read_stall_ms` passed with none of its remote
     // reads finishing, a frozen gateway or FUSE daemon): counted misses, recomputed.
     remote_reads_given_up,
+    // Index refreshes of a remote tier that went unanswered for its stall limit (the tier's
+    // heartbeat, `tiers::remote::heartbeat`): each made the tier sick before a load met it.
+    remote_refreshes_stalled,
     // The NVMe tier's health (the same rules, `store_state::NvmeHealth`): times it turned sick
     // (I/O errors or abandoned reads in a row), lookups and reads of blocks only NVMe holds while it
     // stepped aside (counted misses, recomputed), and whether it is sick now (a gauge, 0 or 1).

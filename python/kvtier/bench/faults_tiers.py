@@ -53,7 +53,8 @@ TIER_READS = {
 STATS = (
     "dram_hits", "nvme_hits", "shared_hits", "shared_misses", "bucket_hits", "bucket_misses", "bucket_get_requests",
     "bucket_request_errors", "nvme_read_requests", "nvme_outages", "nvme_lookups_skipped", "remote_tier_outages",
-    "remote_tier_lookups_skipped", "puts", "bytes_written_nvme", "nvme_dropped_writes", "io_errors",
+    "remote_tier_lookups_skipped", "remote_refreshes_stalled", "puts", "bytes_written_nvme", "nvme_dropped_writes",
+    "io_errors",
 )  # fmt: skip
 READS_SETTLE_S = 1.0  # after the fault's end: the reads it held finish (and are counted)
 

@@ -134,6 +134,12 @@ NAMESPACE_FAMILIES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         (),
         "Remote reads a load stopped waiting for (none finished within remote_read_stall_ms): counted misses",
     ),
+    (
+        "kvtier_remote_refreshes_stalled",
+        "counter",
+        (),
+        "Remote tiers' index refreshes unanswered for the stall limit: each made its tier sick before a load met it",
+    ),
     ("kvtier_nvme_outages", "counter", (), "Times the NVMe tier turned sick: reads failed in a row"),
     (
         "kvtier_nvme_lookups_skipped",
@@ -300,6 +306,7 @@ PLAIN_VALUES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("kvtier_remote_tier_lookups_skipped", (), "remote_tier_lookups_skipped"),
     ("kvtier_remote_tiers_sick", (), "remote_tiers_sick"),
     ("kvtier_remote_reads_given_up", (), "remote_reads_given_up"),
+    ("kvtier_remote_refreshes_stalled", (), "remote_refreshes_stalled"),
     ("kvtier_nvme_outages", (), "nvme_outages"),
     ("kvtier_nvme_lookups_skipped", (), "nvme_lookups_skipped"),
     ("kvtier_nvme_sick", (), "nvme_sick"),

@@ -435,6 +435,7 @@ def print_status(report: dict[str, Any], output: Output) -> None:
             ("remote tier outages", stats.get("remote_tier_outages", 0)),
             ("lookups skipped (sick tier)", stats.get("remote_tier_lookups_skipped", 0)),
             ("remote reads given up (stalled)", stats.get("remote_reads_given_up", 0)),
+            ("remote refreshes stalled", stats.get("remote_refreshes_stalled", 0)),
             ("NVMe sick now", stats.get("nvme_sick", 0)),
             ("NVMe outages", stats.get("nvme_outages", 0)),
             ("lookups skipped (sick NVMe)", stats.get("nvme_lookups_skipped", 0)),

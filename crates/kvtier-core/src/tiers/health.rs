@@ -76,6 +76,8 @@ pub enum Change {
 struct State {
     failures: u32,
     backoff: Duration,
+    /// While sick: when it turned so.
+    since: Instant,
     /// While sick: when the next probe may go.
     until: Instant,
 }
@@ -93,7 +95,7 @@ pub struct Health {
 
 impl Health {
     pub fn new(policy: HealthPolicy, now: Instant) -> Health {
-        let state = State { failures: 0, backoff: policy.first_backoff, until: now };
+        let state = State { failures: 0, backoff: policy.first_backoff, since: now, until: now };
         Health { policy, sick: AtomicBool::new(false), probing: AtomicBool::new(false), state: Mutex::new(state) }
     }
 
@@ -115,6 +117,12 @@ impl Health {
     /// offer it only while it is healthy; `admit` then takes the probe slot.
     pub fn due_probe(&self, now: impl FnOnce() -> Instant) -> bool {
         self.is_sick() && !self.probing.load(Ordering::Acquire) && now() >= self.state.lock().until
+    }
+
+    /// When the tier turned sick; `None` while it is healthy.
+    pub fn sick_since(&self) -> Option<Instant> {
+        let since = self.state.lock().since;
+        self.is_sick().then_some(since)
     }
 
     /// Whether a read may start now; `Probe` takes the one probe slot.
@@ -166,6 +174,7 @@ impl Health {
     fn turn_sick(&self, state: &mut State, last_error: String, now: Instant) -> Change {
         state.failures = 0;
         state.backoff = self.policy.first_backoff;
+        state.since = now;
         state.until = now + state.backoff;
         self.sick.store(true, Ordering::Release);
         Change::Sick { backoff: state.backoff, last_error }

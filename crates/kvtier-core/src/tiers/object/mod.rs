@@ -31,7 +31,7 @@ use crate::stats::Stats;
 use crate::tiers::remote::key::{load_key, KeySource, KEY_FILE_ENV};
 use crate::tiers::remote::keys::KeyIndex;
 use crate::tiers::remote::tenants::{TenantFigures, TenantLedger};
-use crate::tiers::remote::{random_nonzero_u64, ReadOutcome};
+use crate::tiers::remote::{random_nonzero_u64, Heartbeat, ReadOutcome};
 use object_store::path::Path as ObjectPath;
 use object_store::ObjectStore;
 use parking_lot::{Condvar, Mutex, RwLock};
@@ -146,6 +146,8 @@ pub struct BucketTier {
     stats: Arc<Stats>,
     stop: Mutex<bool>,
     stop_cv: Condvar,
+    /// The maintenance thread's LISTs of the index objects, timed (`RemoteTier::heartbeat`).
+    heartbeat: Heartbeat,
     closed: AtomicBool,
     /// Segments whose index object the evictor deleted, and when: deleted after the grace period.
     doomed: Mutex<Vec<(ObjectPath, std::time::Instant)>>,
@@ -210,6 +212,7 @@ impl BucketTier {
             stats,
             stop: Mutex::new(false),
             stop_cv: Condvar::new(),
+            heartbeat: Heartbeat::new(Instant::now()),
             closed: AtomicBool::new(false),
             lease_held: AtomicBool::new(false),
             access: access::AccessLog::default(),

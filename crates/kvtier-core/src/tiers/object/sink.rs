@@ -3,7 +3,7 @@
 
 use super::{BucketRead, BucketTier};
 use crate::key::BlockKey;
-use crate::tiers::remote::{PublishSink, ReadOutcome, ReadRequest, RemoteTier, StartedRead};
+use crate::tiers::remote::{Heartbeat, PublishSink, ReadOutcome, ReadRequest, RemoteTier, StartedRead};
 use std::sync::atomic::AtomicU64;
 
 impl PublishSink for BucketTier {
@@ -43,6 +43,10 @@ impl RemoteTier for BucketTier {
 
     fn cut_keys(&self, limit: usize) -> Vec<BlockKey> {
         self.index.read().blocks.cut(limit)
+    }
+
+    fn heartbeat(&self) -> &Heartbeat {
+        &self.heartbeat
     }
 
     fn blocks_per_request(&self) -> usize {

@@ -291,15 +291,16 @@ impl BucketTier {
         }
     }
 
-    /// One maintenance pass: publish a segment that waited long enough, refresh, and, holding the
-    /// evictor lease, keep the budget.
+    /// One maintenance pass: refresh, publish a segment that waited long enough, and, holding the
+    /// evictor lease, keep the budget. The refresh comes first and is timed (the tier's
+    /// heartbeat): a frozen gateway shows in it within the stall limit, not after a PUT's timeout.
     pub fn maintain(&self) {
-        self.publish_if_due();
-        self.run_cleanups();
-        if let Err(e) = self.refresh() {
+        if let Err(e) = self.heartbeat.refresh(|| self.refresh()) {
             log::debug!("kvtier: bucket refresh failed: {e}");
             Stats::add(&self.stats.bucket_request_errors, 1);
         }
+        self.publish_if_due();
+        self.run_cleanups();
         self.put_access_if_changed();
         if self.config.budget_bytes == 0 || !self.hold_lease() {
             return;

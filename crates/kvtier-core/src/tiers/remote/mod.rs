@@ -5,6 +5,8 @@
 //!   `RemoteTiers` (`crate::remote_tiers`) to answer for all of them: membership, the index's
 //!   generation and keys, reads started and judged, and (as a [`PublishSink`]) publishing.
 //! - [`publisher`]: the store's background thread batching accepted blocks into a tier.
+//! - [`heartbeat`]: a tier's index refreshes, timed, so that a tier that stopped answering is
+//!   seen before a request's load meets it.
 //! - [`keys`]: a remote index's keys (`KeyIndex`): locations, the generation, and which keys a
 //!   residency report names when there are more than it takes.
 //! - [`key`]: the deployment key's loader (the tags are `crate::format::shared::AuthKey`).
@@ -15,12 +17,14 @@
 //!   victims, the labels of the per-tenant figures.
 //! - [`random_nonzero_u64`]: writer ids.
 
+pub mod heartbeat;
 pub mod key;
 pub mod keys;
 pub mod lease;
 pub mod publisher;
 pub mod tenants;
 
+pub use heartbeat::Heartbeat;
 pub use publisher::{PublishSink, Publisher, Refetch};
 
 use crate::io::device::OnDone;
@@ -75,6 +79,9 @@ pub trait RemoteTier: PublishSink {
     /// Up to `limit` indexed keys for the residency report (`KeyIndex::cut`): the same keys from
     /// call to call while the index holds them.
     fn cut_keys(&self, limit: usize) -> Vec<BlockKey>;
+
+    /// The tier's index refreshes, timed by its maintenance thread (`Heartbeat::refresh`).
+    fn heartbeat(&self) -> &Heartbeat;
 
     /// Adjacent blocks one request reads at most: a load plans rounds of at least this many, so
     /// that a run is not cut into single-block requests.

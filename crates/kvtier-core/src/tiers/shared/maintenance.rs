@@ -68,10 +68,14 @@ impl SharedTier {
     /// One maintenance pass: tail manifests, record accesses, publish an old open file, apply the
     /// capacity rules. Public so that tests can drive it deterministically.
     pub fn maintain(&self) {
-        if !self.dir.join("manifests").is_dir() && !self.closed.load(Ordering::Acquire) {
-            self.recreate_layout();
-        }
-        if let Err(e) = self.refresh() {
+        // Timed, as the tier's heartbeat: a mount that hangs shows here first.
+        let refreshed = self.heartbeat.refresh(|| {
+            if !self.dir.join("manifests").is_dir() && !self.closed.load(Ordering::Acquire) {
+                self.recreate_layout();
+            }
+            self.refresh()
+        });
+        if let Err(e) = refreshed {
             // Throttled: a broken mount must not flood the log at the maintenance rate.
             let now = unix_ms();
             if now.saturating_sub(self.last_warn_ms.swap(now, Ordering::Relaxed)) >= 60_000 {

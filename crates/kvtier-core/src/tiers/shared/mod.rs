@@ -63,8 +63,8 @@ use crate::io::IoSetup;
 use crate::key::{BlockKey, Namespace};
 use crate::stats::Stats;
 use crate::tiers::remote::key::{load_key, KeySource, KEY_FILE_ENV};
-use crate::tiers::remote::random_nonzero_u64;
 use crate::tiers::remote::tenants::{TenantFigures, TenantLedger};
+use crate::tiers::remote::{random_nonzero_u64, Heartbeat};
 use files::Opener;
 use format::{fanout_dir, unix_ms, AuthKey, Record};
 use index::{FileId, Index};
@@ -138,6 +138,8 @@ pub struct SharedTier {
     warned_stall: AtomicBool,
     /// When a throttled warning was last logged (unix ms).
     last_warn_ms: AtomicU64,
+    /// The maintenance thread's index refreshes, timed (`RemoteTier::heartbeat`).
+    heartbeat: Heartbeat,
     /// Reads that found their file gone (evicted elsewhere): clean misses, counted for tests.
     pub vanished_reads: AtomicU64,
     /// Files read short (past their end), by when that was first seen; see `SHORT_READ_SETTLE`.
@@ -211,6 +213,7 @@ impl SharedTier {
             closed: AtomicBool::new(false),
             warned_stall: AtomicBool::new(false),
             last_warn_ms: AtomicU64::new(0),
+            heartbeat: Heartbeat::new(Instant::now()),
             vanished_reads: AtomicU64::new(0),
             short_reads: Mutex::new(HashMap::new()),
             short_reads_settling: AtomicU64::new(0),

@@ -4,7 +4,7 @@
 use super::reads::FileRead;
 use super::SharedTier;
 use crate::key::BlockKey;
-use crate::tiers::remote::{PublishSink, ReadOutcome, ReadRequest, RemoteTier, StartedRead};
+use crate::tiers::remote::{Heartbeat, PublishSink, ReadOutcome, ReadRequest, RemoteTier, StartedRead};
 use std::sync::atomic::AtomicU64;
 
 impl PublishSink for SharedTier {
@@ -41,6 +41,10 @@ impl RemoteTier for SharedTier {
 
     fn cut_keys(&self, limit: usize) -> Vec<BlockKey> {
         self.index.read().cut(limit)
+    }
+
+    fn heartbeat(&self) -> &Heartbeat {
+        &self.heartbeat
     }
 
     /// One read per block on the tier's device queue, all in flight together.
