@@ -211,7 +211,12 @@ impl RemoteTiers {
     /// which blocks DRAM or NVMe holds (a read-ahead of those would not reach the tier).
     /// A due tier with no block to read (its index empty, or all of it held locally) is brought
     /// back by its heartbeat instead: a refresh that began after it turned sick and finished.
+    /// A sick tier whose stalled refresh finished (`Heartbeat::take_thaw`: the tier answers again)
+    /// is due its probe at once, whatever back-off its failed probes during the outage had reached.
     pub(crate) fn due_probes(&self, held_locally: impl Fn(&BlockKey) -> bool) -> Vec<BlockKey> {
+        for r in self.tiers.iter().filter(|r| r.tier.heartbeat().take_thaw()) {
+            r.health.end_backoff(Instant::now());
+        }
         let mut keys = Vec::new();
         for r in self.tiers.iter().filter(|r| r.health.due_probe(Instant::now)) {
             match r.probe_candidate(&held_locally) {

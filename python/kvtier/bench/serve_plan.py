@@ -79,10 +79,11 @@ COUNTERS = (
     "dram_hits", "nvme_hits", "shared_hits", "puts", "bytes_written_nvme", "dropped_without_evidence",
     "retained_by_hint",
 )  # fmt: skip
-# Read too where a row has the object tier (the slow-link rows: serve_slow).
+# Read too where a row has the object tier (the slow-link rows: serve_slow); with the remote tiers'
+# health, so that a slow link taken for a dead one (an outage, a stalled refresh) shows in the row.
 OBJECT_COUNTERS = (
     "bucket_hits", "bucket_misses", "bucket_get_requests", "bucket_segments_published", "bucket_put_requests",
-    "bucket_bytes_written",
+    "bucket_bytes_written", "remote_tier_outages", "remote_refreshes_stalled", "remote_reads_given_up",
 )  # fmt: skip
 # With --publish-bucket (--workload longtail) these rows publish to a bucket too, each under its own prefix.
 PUBLISHING_ROWS = ("kvtier-nvme", REUSE_ROW)

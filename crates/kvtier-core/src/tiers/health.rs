@@ -119,6 +119,15 @@ impl Health {
         self.is_sick() && !self.probing.load(Ordering::Acquire) && now() >= self.state.lock().until
     }
 
+    /// Ends a sick tier's back-off now: what made it sick is over (its stalled refresh finished), so
+    /// its next probe need not wait out a back-off that failed probes during the outage doubled.
+    pub fn end_backoff(&self, now: Instant) {
+        let mut state = self.state.lock();
+        if self.is_sick() {
+            state.until = state.until.min(now);
+        }
+    }
+
     /// When the tier turned sick; `None` while it is healthy.
     pub fn sick_since(&self) -> Option<Instant> {
         let since = self.state.lock().since;
@@ -234,6 +243,19 @@ mod tests {
         assert!(!h.due_probe(|| t0 + 2 * S), "its probe is in flight");
         assert_eq!(fail(&h, true, t0 + 2 * S), Change::ProbeFailed { backoff: 2 * S, last_error: "EIO".into() });
         assert!(!h.due_probe(|| t0 + 3 * S) && h.due_probe(|| t0 + 4 * S), "the doubled back-off");
+    }
+
+    #[test]
+    fn a_back_off_ended_early_makes_the_tier_due_its_probe_now() {
+        let t0 = Instant::now();
+        let h = Health::new(policy(), t0);
+        h.end_backoff(t0);
+        assert!(!h.is_sick(), "a healthy tier stays so");
+        h.stalled("frozen".into(), t0);
+        assert!(!h.due_probe(|| t0 + S / 2));
+        h.end_backoff(t0 + S / 2);
+        assert!(h.due_probe(|| t0 + S / 2));
+        assert_eq!(h.sick_since(), Some(t0));
     }
 
     #[test]

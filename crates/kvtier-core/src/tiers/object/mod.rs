@@ -220,7 +220,9 @@ impl BucketTier {
             maintenance: Mutex::new(None),
             close_deadline: Mutex::new(None),
         });
-        if let Err(e) = tier.refresh() {
+        // Timed as the heartbeat's first refresh: a large bucket's LIST sets its stall limit from
+        // the start.
+        if let Err(e) = tier.heartbeat.refresh(|| tier.refresh()) {
             if !out_of_reach(&e) {
                 return Err(refused(&bucket, config, e));
             }

@@ -59,6 +59,16 @@ impl Heartbeat {
         (previous != started).then_some(waited)
     }
 
+    /// Whether the refresh `stalled` last reported has finished since (the tier answers again):
+    /// true once per such refresh.
+    pub fn take_thaw(&self) -> bool {
+        let reported = self.reported.load(Ordering::Acquire);
+        let answered = self.answered.load(Ordering::Acquire);
+        reported != 0
+            && answered >= reported
+            && self.reported.compare_exchange(reported, 0, Ordering::AcqRel, Ordering::Acquire).is_ok()
+    }
+
     /// Whether a refresh that started at or after `since` has finished: the tier answered since.
     pub fn answered_since(&self, since: Instant) -> bool {
         let answered = self.answered.load(Ordering::Acquire);
@@ -107,8 +117,23 @@ mod tests {
         assert!(!h.answered_since(t0));
         h.end(t0 + 3 * S);
         assert!(h.answered_since(t0) && !h.answered_since(t0 + S), "answered: the refresh that began at t0");
+        assert!(h.take_thaw() && !h.take_thaw(), "the stalled refresh finished: once");
         h.begin(t0 + 4 * S);
         assert_eq!(h.stalled(S, t0 + 16 * S), Some(12 * S), "the next refresh is judged on its own");
+    }
+
+    #[test]
+    fn no_thaw_without_a_stalled_refresh_finishing() {
+        let t0 = Instant::now();
+        let h = Heartbeat::new(t0);
+        h.begin(t0);
+        h.end(t0 + S / 10);
+        assert!(!h.take_thaw(), "nothing was reported stalled");
+        h.begin(t0 + S);
+        assert_eq!(h.stalled(S, t0 + 3 * S), Some(2 * S));
+        assert!(!h.take_thaw(), "the stalled refresh is still in flight");
+        h.end(t0 + 4 * S);
+        assert!(h.take_thaw());
     }
 
     #[test]

@@ -235,7 +235,7 @@ impl SharedTier {
     /// Reads every manifest to its end, measures usage and checks there is room to start in.
     fn load_index_at_open(&self) -> Result<()> {
         let started = Instant::now();
-        while self.refresh()? {}
+        while self.heartbeat.refresh(|| self.refresh())? {}
         let usage = capacity::measure_usage(self)?;
         *self.last_usage.lock() = usage;
         self.check_space_at_start(usage)?;
