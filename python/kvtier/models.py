@@ -177,15 +177,23 @@ def bf16_slowdown() -> float:
     return best_seconds(torch.bfloat16) / max(best_seconds(torch.float32), 1e-9)
 
 
+def slow_here(preset: str) -> tuple[str, float] | None:
+    """``preset``'s float32 twin and how many times slower this CPU computes bfloat16, where that is
+    ``SLOW_BF16_RATIO`` or more; None for a preset with no twin or a CPU fast enough."""
+    twin = FP32_TWINS.get(preset)
+    if twin is None:
+        return None
+    slowdown = bf16_slowdown()
+    return (twin, slowdown) if slowdown >= SLOW_BF16_RATIO else None
+
+
 def preset_for_this_cpu(preset: str) -> tuple[str, str | None]:
     """``preset``, or its float32 twin where this CPU computes bfloat16 too slowly to run it; with the
     reason to tell the user when it was swapped."""
-    twin = FP32_TWINS.get(preset)
-    if twin is None:
+    slow = slow_here(preset)
+    if slow is None:
         return preset, None
-    slowdown = bf16_slowdown()
-    if slowdown < SLOW_BF16_RATIO:
-        return preset, None
+    twin, slowdown = slow
     return twin, (
         f"this CPU computes bfloat16 {slowdown:.0f}x slower than float32 (no AVX-512 BF16 or AMX), "
         f"so {preset!r} is run as {twin!r}: the same {PRESETS[preset].kv_bytes_per_token >> 10} KiB of KV "
@@ -195,11 +203,12 @@ def preset_for_this_cpu(preset: str) -> tuple[str, str | None]:
 
 def slow_bf16_warning(preset: str) -> str | None:
     """A warning for a benchmark about to run a bfloat16 preset on a CPU that computes it slowly."""
-    twin = FP32_TWINS.get(preset)
-    if twin is None or bf16_slowdown() < SLOW_BF16_RATIO:
+    slow = slow_here(preset)
+    if slow is None:
         return None
+    twin, slowdown = slow
     return (
-        f"warning: this CPU computes bfloat16 {bf16_slowdown():.0f}x slower than float32 (no AVX-512 BF16 "
+        f"warning: this CPU computes bfloat16 {slowdown:.0f}x slower than float32 (no AVX-512 BF16 "
         f"or AMX): {preset!r} will prefill many times slower than its figures in docs/benchmarks.md; "
         f"--preset {twin} has the same KV bytes per token in float32"
     )

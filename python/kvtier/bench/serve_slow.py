@@ -169,9 +169,7 @@ class SlowTierRows:
         publishes to the bucket beside its NVMe tier (``--publish-bucket``: under a prefix of its own, so
         that no row reads another's blocks); {} for another row."""
         if row in self._plan.get("publish_bucket_rows", ()):
-            self._direct_options(BUCKET)
-            assert self._bucket is not None
-            return self._bucket.options(sub_prefix=row)
+            return self._opened_bucket().options(sub_prefix=row)
         tier = tier_of(row)
         if tier is None:
             return {}
@@ -196,11 +194,16 @@ class SlowTierRows:
             source = self._out_dir / "slow-mount" / "source"
             source.mkdir(parents=True, exist_ok=True)
             return {"shared_root": str(source)}
+        opened = self._opened_bucket()
+        return {"bucket_url": opened.url(), "bucket_endpoint": opened.endpoint}
+
+    def _opened_bucket(self) -> bucket.Bucket:
+        """The rows' bucket, brought up at the first row that needs it."""
         if self._bucket is None:
             given = (self._plan.get("bucket_url"), self._plan.get("bucket_endpoint"))
             opened = bucket.open_bucket(*given, self._plan["bucket_osd_bytes"], self._log)
             self._bucket = self._stack.enter_context(opened)
-        return {"bucket_url": self._bucket.url(), "bucket_endpoint": self._bucket.endpoint}
+        return self._bucket
 
     def _slow_options(self) -> dict[str, Any]:
         """Where node B reaches the tier: through the slow path."""

@@ -32,6 +32,7 @@ from kvtier.vllm.hints import is_retained, retained_tokens
 from kvtier.vllm.load_store_spec import KvtierLoadStoreSpec
 from kvtier.vllm.metrics import StatsDeltaTracker
 from kvtier.vllm.namespace import kvtier_key
+from kvtier.vllm.options import INTEGRATION_OPTION_DEFAULTS
 
 logger = logging.getLogger("kvtier.vllm")
 
@@ -62,7 +63,7 @@ class KvtierManager(OffloadingManager):
         pending_timeout_s: float = 2.0,
         load_policy: str = "auto",
         block_tokens: int = 16,
-        load_wait_max_ratio: float = 2.0,
+        load_wait_max_ratio: float = float(INTEGRATION_OPTION_DEFAULTS["load_wait_max_ratio"]),
     ):
         self._backend = backend
         self._config_info = dict(config_info or {})

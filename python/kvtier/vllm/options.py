@@ -140,7 +140,7 @@ class KvtierOptions:
     admission: str = "all"
     admission_memory_blocks: int = 1 << 18
     load_policy: str = "auto"
-    load_wait_max_ratio: float = 2.0
+    load_wait_max_ratio: float = float(INTEGRATION_OPTION_DEFAULTS["load_wait_max_ratio"])
     engine_label: str = ""
 
     @classmethod
