@@ -6,8 +6,11 @@
 //! Each tier has its health (`tiers::health`): reads that fail in a row make it sick, and a
 //! sick tier steps aside (not offered by `contains`, no reads started) until one probe read brings
 //! it back. The probe is the store's own read (`due_probes`, `Store`'s prober thread), never an
-//! engine's load: a request that met the tier's outage once does not wait on it again. Counted in
-//! `remote_tier_*` / `remote_tiers_sick`, logged once per change of state.
+//! engine's load: a request that met the tier's outage once does not wait on it again. The prober
+//! also watches each tier's heartbeat (`tiers::remote::heartbeat`, its index refresh): a refresh
+//! unanswered for the stall limit makes the tier sick before any request meets the outage, and
+//! the refresh finishing ends the back-off. Counted in `remote_tier_*` / `remote_tiers_sick` /
+//! `remote_refreshes_stalled`, logged once per change of state.
 
 use crate::admission::WriteBudget;
 use crate::catalog::Tier;

@@ -220,23 +220,27 @@ impl BucketTier {
             maintenance: Mutex::new(None),
             close_deadline: Mutex::new(None),
         });
-        // Timed as the heartbeat's first refresh: a large bucket's LIST sets its stall limit from
-        // the start.
-        if let Err(e) = tier.heartbeat.refresh(|| tier.refresh()) {
-            if !out_of_reach(&e) {
-                return Err(refused(&bucket, config, e));
-            }
-            // Out of reach is not a refusal: DRAM and NVMe serve, the maintenance thread lists the
-            // bucket every `bucket_refresh_ms`, and its blocks become hits once it answers.
-            log::warn!(
-                "kvtier: bucket {bucket:?} did not answer at open ({e}); the object tier starts empty and lists \
-                 it again every {} ms",
-                config.refresh_ms
-            );
-            Stats::add(&tier.stats.bucket_unreachable_at_open, 1);
-        }
+        tier.refresh_at_open(&bucket)?;
         sync::start_maintenance(&tier)?;
         Ok(tier)
+    }
+
+    /// The first refresh, timed as the heartbeat's first (a large bucket's LIST sets its stall
+    /// limit from the start). Refused credentials or a missing bucket refuse the open; a bucket out
+    /// of reach is not a refusal: DRAM and NVMe serve, the maintenance thread lists the bucket every
+    /// `bucket_refresh_ms`, and its blocks become hits once it answers.
+    fn refresh_at_open(&self, bucket: &str) -> Result<()> {
+        let Err(e) = self.heartbeat.refresh(|| self.refresh()) else { return Ok(()) };
+        if !out_of_reach(&e) {
+            return Err(refused(bucket, &self.config, e));
+        }
+        log::warn!(
+            "kvtier: bucket {bucket:?} did not answer at open ({e}); the object tier starts empty and lists it \
+             again every {} ms",
+            self.config.refresh_ms
+        );
+        Stats::add(&self.stats.bucket_unreachable_at_open, 1);
+        Ok(())
     }
 
     pub fn slot_bytes(&self) -> usize {
