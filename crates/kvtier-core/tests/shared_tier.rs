@@ -747,8 +747,16 @@ fn publishing_resumes_after_the_shared_directory_is_removed_and_close_releases_f
         keys
     };
     put(&a, 0..8);
-    std::fs::remove_dir_all(&shared_root).unwrap();
-    std::fs::create_dir(&shared_root).unwrap();
+    // The store's maintenance thread may recreate the directory while it is being removed (what the
+    // test is about): `rm -rf` then finds it not empty, and is run again, as a person would.
+    let removed = (0..50).any(|_| {
+        std::fs::remove_dir_all(&shared_root).is_ok() || {
+            std::thread::sleep(Duration::from_millis(10));
+            false
+        }
+    });
+    assert!(removed, "the shared directory could not be removed");
+    std::fs::create_dir_all(&shared_root).unwrap();
     std::thread::sleep(Duration::from_millis(200)); // several maintenance passes
     let later = put(&a, 100..108);
     let b = Store::open(make("node-b")).unwrap();
