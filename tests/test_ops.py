@@ -456,6 +456,7 @@ def test_metrics_scrape_has_the_issue_list(served: Served) -> None:
         "kvtier_nvme_outages_total",
         "kvtier_nvme_lookups_skipped_total",
         "kvtier_nvme_sick",
+        "kvtier_nvme_reads_given_up_total",
         "kvtier_up",
     ):
         assert name in names, name

@@ -39,6 +39,7 @@ def valid_values(tmp_path):
         "checksum_threads": 4,
         "slot_wait_ms": 100,
         "remote_read_stall_ms": 250,
+        "nvme_read_stall_ms": 750,
         "loads_cancel_queued_writes": False,
         "write_admission": "reuse",
         "remote_write_admission": "all",

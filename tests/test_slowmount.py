@@ -9,6 +9,8 @@ reads and writes go through the slow link's delay line.
 - with a fail-reads flag, every read fails with EIO while the flag file exists.
 
 - a store whose shared root is the mount gives up reads the stopped daemon holds, and serves them again after.
+- a store whose NVMe device file is on the mount (a hung disk) gives up its reads after the stall limit,
+  steps aside, and comes back when they finish.
 - an engine worker's load through a 1 MB/s mount is waited for while its bytes land, not given up.
 
 Needs fusepy and /dev/fuse (root, or fusermount): skipped with the install command otherwise. About 15 s.
@@ -274,6 +276,78 @@ def test_a_frozen_mount_turns_its_tier_sick_before_any_load_meets_it(tmp_path):
             assert time.monotonic() < thawed_at + 1.5, f"the tier was not back 1.5 s after the thaw: {reader.stats()}"
             time.sleep(0.05)
         assert all(load(list(range(16))))
+
+
+def test_a_hung_disk_under_the_nvme_tier_costs_one_stall_limit_then_steps_aside(tmp_path):
+    """Issue 36, "a deadline on every wait": the NVMe tier's device file on a mount whose FUSE daemon
+    is stopped (a hung disk: its O_DIRECT reads wait in the kernel). A load waited for them as long as
+    the disk hung. Now it gives them up after `nvme_read_stall_ms` (counted misses), the tier steps
+    aside at once (the next load and lookups do not wait) and lets no probe through while they hang;
+    once the daemon runs again the held reads finish, the tier comes back and every block is served
+    byte for byte, with no DRAM slot lost."""
+    import hashlib
+
+    import numpy as np
+
+    import kvtier
+
+    object_bytes = 256 * 1024
+    keys = [hashlib.sha256(f"hung-{i}".encode()).digest() for i in range(16)]
+    values = [np.random.default_rng(i).integers(0, 256, object_bytes, dtype=np.uint8) for i in range(16)]
+    options = {
+        "object_bytes": object_bytes,
+        "namespace": "hung-disk",
+        "dram_bytes": 4 * (object_bytes + 4096),
+        "nvme_bytes": 8 << 20,
+        "region_bytes": 1 << 20,
+        "nvme_read_stall_ms": 300,
+        # The thread-pool engine: with io_uring the kernel keeps the device file of a closed store open
+        # on the mount for more than 30 s, which holds up its unmount (the Rust test
+        # `faults::a_hung_nvme_tier_...` covers both engines, with a hung device of its own).
+        "io_engine": "psync",
+    }
+    source, mountpoint = tmp_path / "source", tmp_path / "mount"
+    source.mkdir()
+
+    def load(store, ids: list[int]) -> list[bool]:
+        # One byte past an allocation: never a buffer the disk reads into itself (those are not given up).
+        out = [np.zeros(object_bytes + 1, np.uint8)[1:] for _ in ids]
+        got = store.get_many([keys[i] for i in ids], out)
+        assert all(not ok or np.array_equal(o, values[i]) for ok, i, o in zip(got, ids, out, strict=True))
+        return list(got)
+
+    with slowmount.SlowMount(source, mountpoint, LinkSpec(1000)) as mount:
+        with kvtier.Store.open(str(mountpoint / "store"), **options) as writer:
+            writer.put_many(keys, values)
+            writer.flush()
+        store = kvtier.Store.open(str(mountpoint / "store"), **options)  # every block on NVMe only
+        try:
+            assert store.locate_many(keys) == ["nvme"] * 16
+            with daemon_stopped(mount):
+                started = time.monotonic()
+                got = load(store, [0, 1, 2, 3])
+                stalled_s = time.monotonic() - started
+                started = time.monotonic()
+                again, offered = load(store, [4, 5, 6, 7]), store.lookup_prefix(keys)
+                sick_s = time.monotonic() - started
+                time.sleep(1.5)  # past the first back-off: still no probe while reads hang
+                probe_s, stats = time.monotonic(), store.stats()
+                assert load(store, [8]) == [False]
+                probe_s = time.monotonic() - probe_s
+            assert not any(got) and not any(again) and offered == 0
+            assert 0.3 <= stalled_s < 2.0, f"the load waited {stalled_s:.1f} s for a hung disk"
+            assert sick_s < 0.15 and probe_s < 0.15, f"later loads waited {sick_s:.2f} / {probe_s:.2f} s"
+            assert (stats["nvme_outages"], stats["nvme_sick"], stats["nvme_reads_given_up"]) == (1, 1, 4), stats
+            deadline = time.monotonic() + 5
+            while store.stats()["nvme_sick"]:
+                assert time.monotonic() < deadline, f"the tier never came back: {store.stats()}"
+                time.sleep(0.05)
+            assert all(load(store, list(range(16))))
+            assert store.stats()["retired_slots"] == 0
+        finally:
+            store.close()
+            # A closed store keeps its device file open until it is dropped: the mount would stay busy.
+            del store, writer
 
 
 def test_a_store_closes_while_its_mount_is_frozen(tmp_path):

@@ -62,6 +62,9 @@ pub struct StoreConfig {
     /// them finishing before it gives them up as misses; longer for a tier whose recent reads were
     /// slow (`RemoteTiers::stall_limit`). 0: no limit.
     pub remote_read_stall_ms: u64,
+    /// How long a load waits for its NVMe reads with none of them finishing (a hung disk) before it
+    /// gives them up as misses and the NVMe tier steps aside. 0: no limit.
+    pub nvme_read_stall_ms: u64,
     /// A load short of DRAM slots takes the slot of a stored block whose NVMe write has not started
     /// (dropping that store) instead of waiting for the write backlog to drain.
     pub loads_cancel_queued_writes: bool,
@@ -157,6 +160,7 @@ impl StoreConfig {
             checksum_threads: 0,
             slot_wait_ms: 5000,
             remote_read_stall_ms: 1000,
+            nvme_read_stall_ms: 1000,
             loads_cancel_queued_writes: true,
             write_admission: WriteAdmission::All,
             remote_write_admission: None,
@@ -872,6 +876,17 @@ pub static OPTIONS: &[ConfigOption] = &[
         description: "A load gives up the reads from the shared-filesystem and object tiers it still waits for once none of them has finished for this long (or for 4x the tier's recent read time, at most 30 s, when that is longer: a slow link is not a dead one): their blocks are misses the engine recomputes, counted in `remote_reads_given_up` and as failures of the tier (docs/reliability.md, \"Sick tiers\").",
         set: |c, v| c.remote_read_stall_ms = v.int(),
         get: |c| int(c.remote_read_stall_ms),
+    },
+    ConfigOption {
+        name: "nvme_read_stall_ms",
+        field: "nvme_read_stall_ms",
+        python: true,
+        kind: OptionKind::Int,
+        unset: "",
+        constraint: "milliseconds; 0 = no limit",
+        description: "A load gives up the NVMe reads it still waits for once none of them has finished for this long (a hung disk: a local drive's reads finish in milliseconds): their blocks are misses the engine recomputes, counted in `nvme_reads_given_up`, and the NVMe tier steps aside until one of those reads finishes (docs/reliability.md, \"The NVMe tier\"). A read straight into the caller's memory (`Store.get` with O_DIRECT-capable buffers, not the host service's loads) is never given up: the disk could still write into it.",
+        set: |c, v| c.nvme_read_stall_ms = v.int(),
+        get: |c| int(c.nvme_read_stall_ms),
     },
     ConfigOption {
         name: "loads_cancel_queued_writes",

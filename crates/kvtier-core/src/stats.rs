@@ -120,6 +120,9 @@ counters!(
     nvme_outages,
     nvme_lookups_skipped,
     nvme_sick,
+    // NVMe reads a load stopped waiting for (`nvme_read_stall_ms` passed with none of its NVMe reads
+    // finishing, a hung disk): counted misses, recomputed; the tier steps aside until one finishes.
+    nvme_reads_given_up,
     // 1 when the store opened without its NVMe tier because its filesystem had no room for the device
     // file (`nvme_without_space = "dram_only"`): a gauge, until the next open.
     nvme_off_no_space,

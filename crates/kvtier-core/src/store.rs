@@ -377,7 +377,7 @@ impl Store {
         let timeout_ms = self.state.config.bucket.as_ref().map_or(0, |b| b.request_timeout_ms);
         let deadline = Instant::now() + Duration::from_millis(timeout_ms) + Duration::from_secs(1);
         if !self.state.late_reads.wait_outstanding(deadline) {
-            log::error!("kvtier: remote reads given up by loads still run at close; the DRAM pool stays mapped");
+            log::error!("kvtier: reads given up by loads still run at close; the DRAM pool stays mapped");
             self.state.arena.keep_mapped();
         }
     }

@@ -56,7 +56,7 @@ pub(crate) struct StoreState {
     pub(crate) late_reads: Arc<LateReads>,
 }
 
-/// Remote reads their loads gave up (`remote_read_stall_ms`), until they finish and the next load
+/// Reads their loads gave up (`remote_read_stall_ms`, `nvme_read_stall_ms`), until they finish and the next load
 /// judges them and frees their slots (`mover::load`). Not judged on the thread that finished them:
 /// that is the tier's own, and the store (`StoreState`) the judging needs must never be dropped there.
 #[derive(Default)]
@@ -65,7 +65,17 @@ pub(crate) struct LateReads {
     /// waits for them before it unmaps the pool (`wait_outstanding`).
     outstanding: AtomicUsize,
     /// Finished, with their slots and results, for the next load to judge.
-    finished: Mutex<Vec<(u32, RemoteRead, std::io::Result<()>)>>,
+    finished: Mutex<Vec<(u32, LateRead, std::io::Result<()>)>>,
+}
+
+/// What a read its load gave up was reading, for its judging once it finishes.
+pub(crate) enum LateRead {
+    Remote(RemoteRead),
+    /// From NVMe (a hung disk); `probe`: it was the sick NVMe tier's probe. Its slot is `NO_SLOT`
+    /// when it landed in a heap buffer (which its I/O operation owns).
+    Nvme {
+        probe: bool,
+    },
 }
 
 impl LateReads {
@@ -75,13 +85,13 @@ impl LateReads {
     }
 
     /// A given-up read finished (its `on_done`).
-    pub(crate) fn finished(&self, slot: u32, read: RemoteRead, result: std::io::Result<()>) {
+    pub(crate) fn finished(&self, slot: u32, read: LateRead, result: std::io::Result<()>) {
         self.finished.lock().push((slot, read, result));
         let before = self.outstanding.fetch_sub(1, Ordering::AcqRel);
         assert!(before > 0, "a read finished late that was never given up");
     }
 
-    pub(crate) fn take_finished(&self) -> Vec<(u32, RemoteRead, std::io::Result<()>)> {
+    pub(crate) fn take_finished(&self) -> Vec<(u32, LateRead, std::io::Result<()>)> {
         std::mem::take(&mut *self.finished.lock())
     }
 
@@ -102,20 +112,30 @@ impl LateReads {
 /// not offered in lookups nor read (a counted `nvme_lookups_skipped` miss the engine recomputes, never
 /// a wait on a failing disk); after the back-off one read probes it. A block that fails verification
 /// is no failure of the tier (the block is bad, not the disk). Writes are not judged: a failed write
-/// leaves its block in DRAM only, which costs no request anything.
+/// leaves its block in DRAM only, which costs no request anything. A load that waited
+/// `nvme_read_stall_ms` with none of its reads finishing (a hung disk) makes it sick at once; while a
+/// read given up that way is still out, no probe goes (it would hang too): the first of them to
+/// finish tells whether the disk answers again.
 pub(crate) struct NvmeHealth {
     health: Health,
     stats: Arc<Stats>,
+    /// NVMe reads given up and not finished yet.
+    hung_reads: AtomicUsize,
 }
 
 impl NvmeHealth {
     pub(crate) fn new(policy: HealthPolicy, stats: Arc<Stats>) -> Self {
-        NvmeHealth { health: Health::new(policy, Instant::now()), stats }
+        NvmeHealth { health: Health::new(policy, Instant::now()), stats, hung_reads: AtomicUsize::new(0) }
+    }
+
+    /// Sick with a given-up read still out: no read, not even a probe, until one finishes.
+    fn waits_for_hung_read(&self) -> bool {
+        self.health.is_sick() && self.hung_reads.load(Ordering::Acquire) > 0
     }
 
     /// Whether lookups are offered blocks only NVMe holds; counts the refusal when not.
     pub(crate) fn offered(&self) -> bool {
-        let offered = self.health.offered(Instant::now);
+        let offered = self.health.offered(Instant::now) && !self.waits_for_hung_read();
         if !offered {
             Stats::add(&self.stats.nvme_lookups_skipped, 1);
         }
@@ -125,7 +145,7 @@ impl NvmeHealth {
     /// Whether an NVMe read may start now (`Probe`: it is the one probe; hand `probe: true` to `record`
     /// or call `release_probe`). A refusal is counted.
     pub(crate) fn admit(&self) -> Admit {
-        let admit = self.health.admit(Instant::now);
+        let admit = if self.waits_for_hung_read() { Admit::Refused } else { self.health.admit(Instant::now) };
         if admit == Admit::Refused {
             Stats::add(&self.stats.nvme_lookups_skipped, 1);
         }
@@ -140,9 +160,32 @@ impl NvmeHealth {
         self.health.release_probe();
     }
 
+    /// A load gave up `reads` NVMe reads after `stalled` without any finishing: the tier is sick
+    /// until one of them finishes (`finished_late`).
+    pub(crate) fn gave_up(&self, reads: usize, stalled: std::time::Duration) {
+        Stats::add(&self.stats.nvme_reads_given_up, reads as u64);
+        self.hung_reads.fetch_add(reads, Ordering::AcqRel);
+        self.note(self.health.stalled(format!("no NVMe read finished in {stalled:?}"), Instant::now()));
+    }
+
+    /// A read given up (`gave_up`) finished: the disk answers again (its data is not used), or failed.
+    pub(crate) fn finished_late(&self, probe: bool, result: &std::io::Result<()>) {
+        let before = self.hung_reads.fetch_sub(1, Ordering::AcqRel);
+        assert!(before > 0, "an NVMe read finished late that was never given up");
+        let observed = match result {
+            Ok(()) => Observed::Hit,
+            Err(error) => Observed::Failed(error.to_string()),
+        };
+        self.record(probe, observed);
+    }
+
     /// How an NVMe read ended; counts and logs a change of state once.
     pub(crate) fn record(&self, probe: bool, observed: Observed) {
-        match self.health.record(probe, observed, Instant::now()) {
+        self.note(self.health.record(probe, observed, Instant::now()));
+    }
+
+    fn note(&self, change: Change) {
+        match change {
             Change::None => {}
             Change::Sick { backoff, last_error } => {
                 Stats::add(&self.stats.nvme_outages, 1);

@@ -420,3 +420,67 @@ fn nvme_steps_aside(engine: EngineChoice) {
     assert!(get_checked(&store, &on_nvme[4..]).iter().all(|&hit| hit), "every NVMe block is served again");
     store.close().unwrap();
 }
+
+/// A hung disk (issue 36, "a deadline on every wait"): a load waits `nvme_read_stall_ms` at most for
+/// NVMe reads that do not finish. Its blocks are counted misses, the tier steps aside at once (no
+/// later load waits on it, DRAM still serves) and lets no probe through while its reads hang, even
+/// after the back-off; the first given-up read to finish brings it back, and the slots those reads
+/// held are freed, not lost.
+#[test]
+fn a_hung_nvme_tier_costs_one_stall_limit_then_steps_aside_until_its_reads_finish() {
+    for engine in engines() {
+        watchdog("hung nvme", move || nvme_hangs(engine));
+    }
+}
+
+fn nvme_hangs(engine: EngineChoice) {
+    let plan = Arc::new(FaultPlan::default());
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = cfg(dir.path(), engine, Some(Arc::clone(&plan)));
+    let (stall, backoff) = (Duration::from_millis(300), Duration::from_millis(200));
+    c.nvme_read_stall_ms = stall.as_millis() as u64;
+    c.tier_health = HealthPolicy { sick_after: 3, first_backoff: backoff, max_backoff: 4 * backoff };
+    let store = Store::open(c).unwrap();
+    let ids: Vec<u64> = (0..40).collect();
+    put_all(&store, &ids);
+    store.flush().unwrap();
+    let tiers = store.locate_many(&ids.iter().map(|&i| key(i)).collect::<Vec<_>>());
+    let on_nvme: Vec<u64> = ids.iter().copied().filter(|&i| tiers[i as usize] == Some(Tier::Nvme)).collect();
+    assert!(on_nvme.len() >= 12, "{tiers:?}");
+    let nvme_keys: Vec<_> = on_nvme.iter().map(|&i| key(i)).collect();
+
+    plan.hold_reads.store(true, Ordering::Release);
+    let started = Instant::now();
+    // Into DRAM slots, as the host service's loads and prefetches read.
+    assert_eq!(store.read_ahead(&nvme_keys[..4]).unwrap(), vec![false; 4]);
+    let waited = started.elapsed();
+    assert!(waited >= stall && waited < stall + Duration::from_secs(1), "waited {waited:?}");
+    let s = store.stats().counters;
+    assert_eq!((s.nvme_reads_given_up, s.nvme_outages, s.nvme_sick), (4, 1, 1), "{s:?}");
+
+    // No later load waits on the hung disk; what DRAM holds is still served.
+    let started = Instant::now();
+    assert_eq!(get_checked(&store, &on_nvme[4..8]), vec![false; 4]);
+    assert_eq!(store.locate_many(&nvme_keys[4..8]), vec![None; 4], "a hung tier's blocks are not offered");
+    let tiers = store.locate_many(&ids.iter().map(|&i| key(i)).collect::<Vec<_>>());
+    let in_dram: Vec<u64> = ids.iter().copied().filter(|&i| tiers[i as usize] == Some(Tier::Dram)).collect();
+    assert!(!in_dram.is_empty() && get_checked(&store, &in_dram).iter().all(|&hit| hit), "DRAM still serves");
+    assert!(started.elapsed() < stall / 2, "a load waited on a sick tier: {:?}", started.elapsed());
+    // Past the back-off, still no probe: it would hang as well.
+    std::thread::sleep(backoff + Duration::from_millis(100));
+    assert_eq!(store.locate_many(&nvme_keys[4..5]), vec![None], "no probe while reads hang");
+    assert_eq!(store.read_ahead(&nvme_keys[4..5]).unwrap(), vec![false]);
+    assert_eq!(store.stats().counters.nvme_reads_given_up, 4);
+
+    // The disk answers again: the prober settles the late reads, and the first brings the tier back.
+    plan.hold_reads.store(false, Ordering::Release);
+    let healed = Instant::now();
+    while store.stats().counters.nvme_sick == 1 {
+        assert!(healed.elapsed() < Duration::from_secs(3), "the tier did not come back after its reads finished");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(get_checked(&store, &on_nvme).iter().all(|&hit| hit), "every NVMe block is served again");
+    let s = store.stats();
+    assert_eq!((s.counters.nvme_outages, s.counters.retired_slots), (1, 0), "{s:?}");
+    store.close().unwrap();
+}

@@ -54,7 +54,7 @@ STATS = (
     "dram_hits", "nvme_hits", "shared_hits", "shared_misses", "bucket_hits", "bucket_misses", "bucket_get_requests",
     "bucket_request_errors", "nvme_read_requests", "nvme_outages", "nvme_lookups_skipped", "remote_tier_outages",
     "remote_tier_lookups_skipped", "remote_refreshes_stalled", "puts", "bytes_written_nvme", "nvme_dropped_writes",
-    "io_errors",
+    "io_errors", "nvme_reads_given_up",
 )  # fmt: skip
 READS_SETTLE_S = 1.0  # after the fault's end: the reads it held finish (and are counted)
 

@@ -149,6 +149,12 @@ NAMESPACE_FAMILIES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ),
     ("kvtier_nvme_sick", "gauge", (), "1 while the NVMe tier is sick (stepping aside for a back-off)"),
     (
+        "kvtier_nvme_reads_given_up",
+        "counter",
+        (),
+        "NVMe reads a load stopped waiting for (none finished within nvme_read_stall_ms, a hung disk): counted misses",
+    ),
+    (
         "kvtier_nvme_off_no_space",
         "gauge",
         (),
@@ -310,6 +316,7 @@ PLAIN_VALUES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("kvtier_nvme_outages", (), "nvme_outages"),
     ("kvtier_nvme_lookups_skipped", (), "nvme_lookups_skipped"),
     ("kvtier_nvme_sick", (), "nvme_sick"),
+    ("kvtier_nvme_reads_given_up", (), "nvme_reads_given_up"),
     ("kvtier_nvme_off_no_space", (), "nvme_off_no_space"),
 )
 # The shared tier's publishing counters (stores with a shared tier only): (result label, value name).

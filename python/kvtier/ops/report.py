@@ -439,6 +439,7 @@ def print_status(report: dict[str, Any], output: Output) -> None:
             ("NVMe sick now", stats.get("nvme_sick", 0)),
             ("NVMe outages", stats.get("nvme_outages", 0)),
             ("lookups skipped (sick NVMe)", stats.get("nvme_lookups_skipped", 0)),
+            ("NVMe reads given up (hung)", stats.get("nvme_reads_given_up", 0)),
             ("NVMe off: no space at open", stats.get("nvme_off_no_space", 0)),
         ]
         if report.get("shared_index_age_ms") is not None:

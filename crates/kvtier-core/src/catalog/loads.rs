@@ -94,6 +94,21 @@ impl Catalog {
         // which could then be evicted under a reader.
         self.forget_if_copyless(key);
     }
+
+    /// An NVMe read its load stopped waiting for (`nvme_read_stall_ms`, a hung disk): the block is
+    /// a miss for this load but keeps its NVMe copy (the disk may answer again); the load's pin goes,
+    /// and its slot stays out of use, keyless, until the read finishes (`finish_given_up_read`).
+    pub fn give_up_get_nvme(&mut self, key: &BlockKey, read: &NvmeRead) {
+        let e = self.index.get_mut(key).expect("a pinned entry stays while its read is in flight");
+        e.unpin();
+        if read.slot != NO_SLOT {
+            debug_assert!(e.loading, "a given-up NVMe read into slot {} that is not loading", read.slot);
+            e.loading = false;
+            debug_assert_eq!(self.slots.get(read.slot).state, SlotState::Loading, "a given-up load's slot");
+            self.slots.retire(read.slot);
+        }
+        self.forget_if_copyless(key);
+    }
 }
 
 /// Loads from a remote tier (the shared filesystem, `tiers::shared`, or the bucket, `tiers::object`):

@@ -9,14 +9,15 @@
 //!    section (made resident or dropped, its pin released, pinned for the caller if asked).
 //!
 //! The state machine is here; where an NVMe read lands and how it is verified is `landing.rs`, what
-//! is particular to remote reads (their `on_done`, giving up the ones that stall) `remote.rs`.
+//! is particular to remote reads `remote.rs`, and what becomes of reads a load gave up (a hung
+//! disk, a frozen gateway or mount) `late.rs`.
 
 use super::BlockBuffer;
 use crate::catalog::{Catalog, CatalogGuard, GetStep, LoadOutcome, NvmeRead, Tier, NO_SLOT};
 use crate::format::descriptor::DESCRIPTOR_BYTES;
 use crate::format::ALIGN_BYTES;
 use crate::io::buffer::AlignedBuf;
-use crate::io::device::{IoOp, OnDone};
+use crate::io::device::IoOp;
 use crate::io::OpKind;
 use crate::key::BlockKey;
 use crate::remote_tiers::RemoteRead;
@@ -29,10 +30,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod landing;
+mod late;
 mod remote;
 
 use landing::{copy_value_out, judge_nvme_read, Landing};
-use remote::{settle_late_reads, GivenUpReads};
+use late::{settle_late_reads, GivenUpReads};
 
 /// Heap-staged loads in flight per call, when no DRAM slot can be had.
 const MAX_STAGED_READS: usize = 4;
@@ -214,7 +216,11 @@ struct Load<'a> {
     /// Remote bytes received when last looked at (`remote_bytes_arrived`): bytes arriving are
     /// progress too (a slow link or mount).
     remote_bytes_seen: u64,
-    /// Made with the first remote read (see `GivenUpReads`).
+    /// NVMe reads in flight that may be given up (all but those landing in the caller's memory),
+    /// and since when none finished (or the first started).
+    nvme_reads_in_flight: usize,
+    nvme_progress: Instant,
+    /// Made with the first read (see `GivenUpReads`).
     given_up: Option<GivenUpReads>,
 }
 
@@ -259,6 +265,8 @@ impl<'a> Load<'a> {
             remote_reads_in_flight: 0,
             remote_progress: Instant::now(),
             remote_bytes_seen: 0,
+            nvme_reads_in_flight: 0,
+            nvme_progress: Instant::now(),
             given_up: None,
         }
     }
@@ -463,21 +471,22 @@ impl<'a> Load<'a> {
         self.settle(settled);
     }
 
-    /// The `on_done` of key `i`'s read.
-    fn sender(&self, i: usize, landing: Landing) -> OnDone {
-        let tx = self.done_tx.clone();
-        Box::new(move |io_result| {
-            let _ = tx.send(Completion { index: i, io_result, landing });
-        })
-    }
-
     fn track(&mut self, i: usize, read: PendingRead) {
-        if matches!(read, PendingRead::Remote { .. }) {
-            if self.remote_reads_in_flight == 0 {
-                self.remote_progress = Instant::now();
-                self.remote_bytes_arrived();
+        match &read {
+            PendingRead::Remote { .. } => {
+                if self.remote_reads_in_flight == 0 {
+                    self.remote_progress = Instant::now();
+                    self.remote_bytes_arrived();
+                }
+                self.remote_reads_in_flight += 1;
             }
-            self.remote_reads_in_flight += 1;
+            PendingRead::Nvme(nvme) if !self.lands_direct(i, nvme) => {
+                if self.nvme_reads_in_flight == 0 {
+                    self.nvme_progress = Instant::now();
+                }
+                self.nvme_reads_in_flight += 1;
+            }
+            PendingRead::Nvme(_) => {}
         }
         let earlier = self.pending[i].replace(read);
         assert!(earlier.is_none(), "key {i} already has a read in flight");
@@ -526,7 +535,8 @@ impl<'a> Load<'a> {
     // ---- complete ----
 
     /// Waits for a read to finish, judges it and every other finished one, and settles them. Remote
-    /// reads that stall past `RemoteTiers::stall_limit` are given up instead.
+    /// reads that stall past `RemoteTiers::stall_limit`, and NVMe reads past `nvme_read_stall_ms`,
+    /// are given up instead.
     fn complete(&mut self) {
         let Some(first) = self.next_completion() else { return };
         let finished: Vec<Completion> = std::iter::once(first).chain(self.done_rx.try_iter()).collect();
@@ -540,15 +550,23 @@ impl<'a> Load<'a> {
         self.settle(judged);
     }
 
-    /// The next finished read; `None` when the remote reads stalled and were given up. A ranged GET
-    /// whose bytes still arrive is not stalled: on a slow link one finishes after seconds, and all
-    /// of a load's GETs share the link, so none may finish for a while.
+    /// The next finished read; `None` when the remote or the NVMe reads stalled and were given up.
+    /// A ranged GET whose bytes still arrive is not stalled: on a slow link one finishes after
+    /// seconds, and all of a load's GETs share the link, so none may finish for a while.
     fn next_completion(&mut self) -> Option<Completion> {
         loop {
             let limit = self.sh.remote.stall_limit().filter(|_| self.remote_reads_in_flight > 0);
-            let Some(limit) = limit else { return Some(self.done_rx.recv().expect("the load holds a sender")) };
-            match self.done_rx.recv_deadline(self.remote_progress + limit) {
+            let remote_deadline = limit.map(|limit| self.remote_progress + limit);
+            let nvme_deadline = self.nvme_stall_deadline();
+            let Some(deadline) = remote_deadline.into_iter().chain(nvme_deadline).min() else {
+                return Some(self.done_rx.recv().expect("the load holds a sender"));
+            };
+            match self.done_rx.recv_deadline(deadline) {
                 Ok(done) => return Some(done),
+                Err(RecvTimeoutError::Timeout) if nvme_deadline.is_some_and(|d| Instant::now() >= d) => {
+                    self.give_up_nvme_reads();
+                    return None;
+                }
                 Err(RecvTimeoutError::Timeout) if self.remote_bytes_arrived() => self.remote_progress = Instant::now(),
                 Err(RecvTimeoutError::Timeout) => {
                     self.give_up_remote_reads();
@@ -577,7 +595,14 @@ impl<'a> Load<'a> {
     fn judge(&mut self, done: Completion) -> (usize, Judged) {
         let i = done.index;
         let judged = match self.pending[i].take().expect("a read in flight completes exactly once") {
-            PendingRead::Nvme(read) => Judged::Nvme(read, self.judge_nvme(i, &read, done.io_result, done.landing)),
+            PendingRead::Nvme(read) => {
+                self.nvme_progress = Instant::now();
+                if !matches!(done.landing, Landing::Direct(_)) {
+                    assert!(self.nvme_reads_in_flight > 0, "an NVMe read finished that was not counted");
+                    self.nvme_reads_in_flight -= 1;
+                }
+                Judged::Nvme(read, self.judge_nvme(i, &read, done.io_result, done.landing))
+            }
             PendingRead::Remote { slot, read } => {
                 assert!(self.remote_reads_in_flight > 0, "a remote read finished that was not counted");
                 self.remote_reads_in_flight -= 1;

@@ -331,7 +331,9 @@ fn start_job_threads(state: &Arc<StoreState>) -> Result<JobThreads> {
         }
     })?);
     let (probe_stop, stop_rx) = bounded::<()>(0);
-    if state.remote.any() {
+    // Also for NVMe alone: it settles NVMe reads given up on a hung disk, whose finishing brings the
+    // tier back, while no load may come to settle them (lookups do not offer a sick tier).
+    if state.remote.any() || state.geometry.is_some() {
         let sh = Arc::clone(state);
         threads.push(spawn("kvtier-probe".into(), move || probe_sick_tiers(&sh, &stop_rx))?);
     }

@@ -72,7 +72,7 @@ impl Landing {
 
     /// The I/O engine gave the read up: the kernel may still write into a heap buffer, so it is
     /// never freed (a slot is retired by the catalog instead).
-    fn abandon(self) {
+    pub(super) fn abandon(self) {
         match self {
             Landing::Direct(page) | Landing::Staged(page) => std::mem::forget(page),
             Landing::Slot => {}
