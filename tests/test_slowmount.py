@@ -350,6 +350,55 @@ def test_a_hung_disk_under_the_nvme_tier_costs_one_stall_limit_then_steps_aside(
             del store, writer
 
 
+def test_a_disk_hung_under_writes_stops_puts_waiting_for_room(tmp_path):
+    """Issue 36: with the NVMe tier's disk hung (its mount's FUSE daemon stopped) and no read to meet
+    it, every DRAM slot ends up waiting for an NVMe write that does not finish, and each put then
+    waited `slot_wait_ms` (5 s) for room before it was dropped; through the host service, a store's
+    reserve waited as long, holding up the engine's job thread (and the loads behind it). Now the
+    store's prober sees the device queue stalled past `nvme_read_stall_ms` and makes the tier sick:
+    the put that is waiting stops, later ones are dropped at once, and the tier is back once the disk
+    answers."""
+    import hashlib
+
+    import numpy as np
+
+    import kvtier
+
+    object_bytes = 256 * 1024
+    keys = [hashlib.sha256(f"hung-writes-{i}".encode()).digest() for i in range(16)]
+    values = [np.full(object_bytes, i, np.uint8) for i in range(16)]
+    options = {
+        "object_bytes": object_bytes,
+        "namespace": "hung-writes",
+        "dram_bytes": 4 * (object_bytes + 4096),
+        "nvme_bytes": 8 << 20,
+        "region_bytes": 1 << 20,
+        "io_engine": "psync",  # see the test above
+    }
+    source, mountpoint = tmp_path / "source", tmp_path / "mount"
+    source.mkdir()
+    with slowmount.SlowMount(source, mountpoint, LinkSpec(1000)) as mount:
+        store = kvtier.Store.open(str(mountpoint / "store"), **options)
+        try:
+            assert mount.process is not None
+            with daemon_stopped(mount):
+                waited = []
+                for first in (0, 4, 8):
+                    started = time.monotonic()
+                    store.put_many(keys[first : first + 4], values[first : first + 4])
+                    waited.append(time.monotonic() - started)
+                stats = store.stats()
+            assert waited[1] < 2.5 and waited[2] < 0.2, f"puts waited {waited} s for room on a hung disk"
+            assert (stats["nvme_outages"], stats["nvme_sick"]) == (1, 1), stats
+            deadline = time.monotonic() + 5
+            while store.stats()["nvme_sick"]:
+                assert time.monotonic() < deadline, f"the tier never came back: {store.stats()}"
+                time.sleep(0.05)
+        finally:
+            store.close()
+            del store
+
+
 def test_a_store_closes_while_its_mount_is_frozen(tmp_path):
     """Issue 36: closing a store (an engine stopping) waited for its shared tier, and a frozen mount
     holds whatever touches it (the last publish, the maintenance thread, the queue's reads) for as

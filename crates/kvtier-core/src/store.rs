@@ -496,8 +496,14 @@ impl Store {
         self.state.config.slot_wait_ms
     }
 
-    /// Waits until the NVMe write backlog admits a put; `false` if it did not by `deadline`. Call it
-    /// before `try_reserve_puts` without holding anything the writers need.
+    /// Whether the NVMe tier is sick because its disk hangs (docs/reliability.md, "The NVMe tier"):
+    /// a put short of write-backlog room is then dropped at once, since no write finishes to make room.
+    pub fn nvme_hung(&self) -> bool {
+        self.state.nvme_health.hung()
+    }
+
+    /// Waits until the NVMe write backlog admits a put; `false` if it did not by `deadline` (at once
+    /// on a hung disk). Call it before `try_reserve_puts` without holding anything the writers need.
     pub fn wait_for_put_room_until(&self, deadline: Instant) -> bool {
         wait_for_put_room(&self.state, deadline)
     }

@@ -15,7 +15,7 @@ use crate::tiers::health::{Admit, Change, Health, HealthPolicy, Observed};
 use crate::tiers::nvme::{DeviceFile, Geometry};
 use parking_lot::{Condvar, Mutex};
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -112,30 +112,57 @@ impl LateReads {
 /// not offered in lookups nor read (a counted `nvme_lookups_skipped` miss the engine recomputes, never
 /// a wait on a failing disk); after the back-off one read probes it. A block that fails verification
 /// is no failure of the tier (the block is bad, not the disk). Writes are not judged: a failed write
-/// leaves its block in DRAM only, which costs no request anything. A load that waited
-/// `nvme_read_stall_ms` with none of its reads finishing (a hung disk) makes it sick at once; while a
-/// read given up that way is still out, no probe goes (it would hang too): the first of them to
-/// finish tells whether the disk answers again.
+/// leaves its block in DRAM only, which costs no request anything. A hung disk makes it sick at once:
+/// a load that waited `nvme_read_stall_ms` with none of its reads finishing, or the prober seeing a
+/// device queue whose operations waited that long with none finishing (`watch_devices`, before a
+/// request meets it). While hung no read goes, not even a probe (it would hang too), and puts do not
+/// wait for write-backlog room (it would not come): the device finishing an operation again, or a
+/// given-up read finishing, tells whether the disk answers again.
 pub(crate) struct NvmeHealth {
     health: Health,
     stats: Arc<Stats>,
     /// NVMe reads given up and not finished yet.
     hung_reads: AtomicUsize,
+    /// The prober saw a device queue stalled past `nvme_read_stall_ms`, and it has not moved since.
+    device_hung: AtomicBool,
 }
 
 impl NvmeHealth {
     pub(crate) fn new(policy: HealthPolicy, stats: Arc<Stats>) -> Self {
-        NvmeHealth { health: Health::new(policy, Instant::now()), stats, hung_reads: AtomicUsize::new(0) }
+        let (hung_reads, device_hung) = (AtomicUsize::new(0), AtomicBool::new(false));
+        NvmeHealth { health: Health::new(policy, Instant::now()), stats, hung_reads, device_hung }
     }
 
-    /// Sick with a given-up read still out: no read, not even a probe, until one finishes.
-    fn waits_for_hung_read(&self) -> bool {
-        self.health.is_sick() && self.hung_reads.load(Ordering::Acquire) > 0
+    /// Sick because the disk hangs (a given-up read still out, or a device queue that does not move):
+    /// no read, not even a probe, and no wait for write-backlog room.
+    pub(crate) fn hung(&self) -> bool {
+        self.health.is_sick()
+            && (self.hung_reads.load(Ordering::Acquire) > 0 || self.device_hung.load(Ordering::Acquire))
+    }
+
+    /// The prober's look at the NVMe device queues: `stalled`, the longest any has had operations
+    /// waiting with none finishing, if past `nvme_read_stall_ms`. A queue moving again ends the hang
+    /// (and the tier's sickness, unless a given-up read is still out: its finishing ends that).
+    /// Returns whether the tier just turned hung.
+    pub(crate) fn watch_devices(&self, stalled: Option<std::time::Duration>) -> bool {
+        match stalled {
+            Some(stalled) if !self.device_hung.swap(true, Ordering::AcqRel) => {
+                self.note(self.health.stalled(format!("no NVMe operation finished in {stalled:?}"), Instant::now()));
+                true
+            }
+            None if self.device_hung.swap(false, Ordering::AcqRel) => {
+                if self.hung_reads.load(Ordering::Acquire) == 0 {
+                    self.record(false, Observed::Hit);
+                }
+                false
+            }
+            _ => false,
+        }
     }
 
     /// Whether lookups are offered blocks only NVMe holds; counts the refusal when not.
     pub(crate) fn offered(&self) -> bool {
-        let offered = self.health.offered(Instant::now) && !self.waits_for_hung_read();
+        let offered = self.health.offered(Instant::now) && !self.hung();
         if !offered {
             Stats::add(&self.stats.nvme_lookups_skipped, 1);
         }
@@ -145,7 +172,7 @@ impl NvmeHealth {
     /// Whether an NVMe read may start now (`Probe`: it is the one probe; hand `probe: true` to `record`
     /// or call `release_probe`). A refusal is counted.
     pub(crate) fn admit(&self) -> Admit {
-        let admit = if self.waits_for_hung_read() { Admit::Refused } else { self.health.admit(Instant::now) };
+        let admit = if self.hung() { Admit::Refused } else { self.health.admit(Instant::now) };
         if admit == Admit::Refused {
             Stats::add(&self.stats.nvme_lookups_skipped, 1);
         }
@@ -191,8 +218,8 @@ impl NvmeHealth {
                 Stats::add(&self.stats.nvme_outages, 1);
                 self.stats.nvme_sick.store(1, Ordering::Relaxed);
                 log::warn!(
-                    "kvtier: the NVMe tier is sick after failed reads (last: {last_error}); blocks only it \
-                     holds are misses for {backoff:?}, then one read probes it"
+                    "kvtier: the NVMe tier is sick (last: {last_error}); blocks only it holds are misses \
+                     until it answers again (first back-off {backoff:?})"
                 );
             }
             Change::ProbeFailed { backoff, last_error } => {

@@ -449,7 +449,7 @@ fn nvme_hangs(engine: EngineChoice) {
     assert!(on_nvme.len() >= 12, "{tiers:?}");
     let nvme_keys: Vec<_> = on_nvme.iter().map(|&i| key(i)).collect();
 
-    plan.hold_reads.store(true, Ordering::Release);
+    plan.hang.store(true, Ordering::Release);
     let started = Instant::now();
     // Into DRAM slots, as the host service's loads and prefetches read.
     assert_eq!(store.read_ahead(&nvme_keys[..4]).unwrap(), vec![false; 4]);
@@ -473,7 +473,7 @@ fn nvme_hangs(engine: EngineChoice) {
     assert_eq!(store.stats().counters.nvme_reads_given_up, 4);
 
     // The disk answers again: the prober settles the late reads, and the first brings the tier back.
-    plan.hold_reads.store(false, Ordering::Release);
+    plan.hang.store(false, Ordering::Release);
     let healed = Instant::now();
     while store.stats().counters.nvme_sick == 1 {
         assert!(healed.elapsed() < Duration::from_secs(3), "the tier did not come back after its reads finished");
@@ -482,5 +482,56 @@ fn nvme_hangs(engine: EngineChoice) {
     assert!(get_checked(&store, &on_nvme).iter().all(|&hit| hit), "every NVMe block is served again");
     let s = store.stats();
     assert_eq!((s.counters.nvme_outages, s.counters.retired_slots), (1, 0), "{s:?}");
+    store.close().unwrap();
+}
+
+/// A disk that hangs under writes, before any read meets it (issue 36): the store's prober sees the
+/// device queue stalled past `nvme_read_stall_ms` and makes the tier sick; a put short of DRAM slots
+/// (every one waiting for its NVMe write) is dropped at once instead of waiting `slot_wait_ms` for
+/// room that will not come, NVMe blocks are not offered, and once the disk answers the tier is back.
+#[test]
+fn a_disk_hung_under_writes_turns_the_tier_sick_and_puts_stop_waiting_for_room() {
+    for engine in engines() {
+        watchdog("hung writes", move || nvme_writes_hang(engine));
+    }
+}
+
+fn nvme_writes_hang(engine: EngineChoice) {
+    let plan = Arc::new(FaultPlan::default());
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = cfg(dir.path(), engine, Some(Arc::clone(&plan)));
+    c.nvme_read_stall_ms = 300;
+    let slot_wait = Duration::from_millis(c.slot_wait_ms);
+    let store = Store::open(c).unwrap();
+    let old: Vec<u64> = (0..20).collect();
+    put_all(&store, &old);
+    store.flush().unwrap();
+    let on_nvme: Vec<u64> =
+        old.iter().copied().filter(|&i| store.locate_many(&[key(i)])[0] == Some(Tier::Nvme)).collect();
+    assert!(!on_nvme.is_empty());
+
+    plan.hang.store(true, Ordering::Release);
+    let hung_at = Instant::now();
+    let _ = put(&store, &(100..108).collect::<Vec<_>>()); // DRAM's slots now wait for writes that hang
+    while store.stats().counters.nvme_sick == 0 {
+        assert!(hung_at.elapsed() < Duration::from_secs(3), "the hung disk was not seen: {:?}", store.stats());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let started = Instant::now();
+    let stored = put(&store, &(200..208).collect::<Vec<_>>());
+    assert!(started.elapsed() < slot_wait / 4, "a put waited {:?} for room on a hung disk", started.elapsed());
+    assert!(stored.iter().any(|&s| !s), "no slot is free while every write hangs: {stored:?}");
+    let nvme_keys: Vec<_> = on_nvme.iter().map(|&i| key(i)).collect();
+    assert_eq!(store.locate_many(&nvme_keys), vec![None; nvme_keys.len()], "a hung disk's blocks are not offered");
+    let s = store.stats().counters;
+    assert_eq!((s.nvme_outages, s.nvme_reads_given_up), (1, 0), "{s:?}");
+
+    plan.hang.store(false, Ordering::Release);
+    let healed = Instant::now();
+    while store.stats().counters.nvme_sick == 1 {
+        assert!(healed.elapsed() < Duration::from_secs(3), "the tier did not come back: {:?}", store.stats());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(get_checked(&store, &on_nvme).iter().all(|&hit| hit), "every NVMe block is served again");
     store.close().unwrap();
 }

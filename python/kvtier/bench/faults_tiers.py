@@ -29,6 +29,7 @@ from typing import Any
 
 BUCKET_STOP, BUCKET_KILL, FUSE_STOP = "bucket-stop", "bucket-kill", "fuse-stop"
 READ_ERRORS = "nvme-read-errors"
+NVME_STOP = "nvme-stop"  # a hung disk: the FUSE daemon under the NVMe tier's files stopped
 DISK_FULL = "nvme-full"  # the NVMe tier's filesystem full (kvtier.bench.faults_disk)
 TIER_FAULTS = (BUCKET_STOP, BUCKET_KILL, FUSE_STOP)
 TIER_DRAM_SLOTS = 4  # DRAM of a few blocks (I/O staging), not a prefix: repeats come from the tier below
@@ -40,7 +41,10 @@ DEFAULT_RGW_STATE_DIR = "/tmp/kvtier-bench-faults-radosgw"
 # Published soon after the first request, listed soon after: the repeats a few seconds later find them.
 BUCKET_TIMING = {"bucket_publish_delay_ms": 500, "bucket_refresh_ms": 200}
 # The tier whose reads a fault touches, and the counters of the service that count them.
-TIER_OF = {BUCKET_STOP: "bucket", BUCKET_KILL: "bucket", FUSE_STOP: "shared", READ_ERRORS: "nvme", DISK_FULL: "nvme"}
+TIER_OF = {
+    BUCKET_STOP: "bucket", BUCKET_KILL: "bucket", FUSE_STOP: "shared", READ_ERRORS: "nvme", NVME_STOP: "nvme",
+    DISK_FULL: "nvme",
+}  # fmt: skip
 TIER_HITS = {"bucket": ("bucket_hits",), "shared": ("shared_hits",), "nvme": ("dram_hits", "nvme_hits")}
 # Reads of a tier: a finished load (hit or miss; a read the fault held finishes just after its end),
 # a block only the sick tier holds (not read: remote_tier_lookups_skipped, or nvme_lookups_skipped for a
@@ -211,7 +215,8 @@ class MountDaemon:
 
 
 class TierFault:
-    """A remote tier's fault on ``target`` (a ``Gateway`` or a ``MountDaemon``): ``start()`` stops or
+    """A tier's fault on ``target`` (a ``Gateway``, or a ``MountDaemon``: the shared tier's, or the NVMe
+    tier's for ``nvme-stop``): ``start()`` stops or
     kills it, ``end()`` continues or restarts it; ``release()`` undoes what is left whatever happened
     (a stopped process continued, a killed gateway started again)."""
 

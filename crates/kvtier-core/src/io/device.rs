@@ -127,6 +127,7 @@ pub struct DeviceQueue {
     reads: Mutex<Option<Sender<IoOp>>>,
     writes: Mutex<Option<Sender<IoOp>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    progress: Arc<progress::Progress>,
 }
 
 impl DeviceQueue {
@@ -165,19 +166,31 @@ impl DeviceQueue {
             reads: Mutex::new(Some(read_tx)),
             writes: Mutex::new(Some(write_tx)),
             thread: Mutex::new(Some(thread)),
+            progress: Arc::default(),
         })
     }
 
     /// Queues a read; if the queue is shut down the op fails at once.
     pub fn read(&self, op: IoOp) {
-        Self::send(&self.reads, op)
+        self.send(&self.reads, op)
     }
 
     pub fn write(&self, op: IoOp) {
-        Self::send(&self.writes, op)
+        self.send(&self.writes, op)
     }
 
-    fn send(chan: &Mutex<Option<Sender<IoOp>>>, op: IoOp) {
+    /// How long operations have waited on this queue with none finishing (`None` while none waits).
+    pub fn stalled_for(&self, now: std::time::Instant) -> Option<std::time::Duration> {
+        self.progress.stalled_for(now)
+    }
+
+    fn send(&self, chan: &Mutex<Option<Sender<IoOp>>>, mut op: IoOp) {
+        self.progress.started();
+        let (progress, on_done) = (Arc::clone(&self.progress), op.on_done);
+        op.on_done = Box::new(move |result| {
+            progress.finished();
+            on_done(result)
+        });
         let guard = chan.lock();
         let Some(tx) = guard.as_ref() else {
             drop(guard);

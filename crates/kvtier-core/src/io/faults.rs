@@ -22,9 +22,9 @@ pub struct FaultPlan {
     pub read_bitflip_every: u64,
     /// Sleeps this long before submitting each operation.
     pub delay_ms: u64,
-    /// While set, a batch with a read in it is not submitted: the engine's thread waits, as one
-    /// waits on a hung disk, and nothing queued behind it completes (a test clears it to heal).
-    pub hold_reads: AtomicBool,
+    /// While set, no batch is submitted: the engine's thread waits, as one waits on a hung disk, and
+    /// nothing queued behind it completes (a test clears it to heal).
+    pub hang: AtomicBool,
     /// While set, nothing is injected and nothing counted: operations pass through untouched (a
     /// test turns a fault on and off while the store runs).
     pub paused: AtomicBool,
@@ -134,7 +134,7 @@ impl IoEngine for FaultyEngine {
         if self.plan.delay_ms > 0 {
             std::thread::sleep(std::time::Duration::from_millis(self.plan.delay_ms));
         }
-        while self.plan.hold_reads.load(Ordering::Acquire) && requests.iter().any(|r| r.kind == OpKind::Read) {
+        while self.plan.hang.load(Ordering::Acquire) {
             std::thread::sleep(std::time::Duration::from_millis(2));
         }
         let mut passed = Vec::with_capacity(requests.len());

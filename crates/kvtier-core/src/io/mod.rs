@@ -11,6 +11,7 @@ pub mod buffer;
 pub mod device;
 #[cfg(any(test, feature = "testing"))]
 pub mod faults;
+pub mod progress;
 pub mod psync;
 pub mod uring;
 

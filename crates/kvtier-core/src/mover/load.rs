@@ -50,8 +50,9 @@ pub(crate) fn execute_get(sh: &Arc<StoreState>, keys: &[BlockKey], bufs: Option<
 /// How often the prober looks for a sick remote tier due its probe.
 const PROBE_TICK: Duration = Duration::from_millis(200);
 
-/// The store's prober, on a thread of its own until `stop` disconnects: watches the healthy remote
-/// tiers' heartbeats (a refresh that stalls makes its tier sick before a load meets it), and reads a block of each sick
+/// The store's prober, on a thread of its own until `stop` disconnects: watches the NVMe device
+/// queues and the healthy remote tiers' heartbeats (a disk or a refresh that stalls makes its tier
+/// sick before a load meets it), settles reads given up that finished since, and reads a block of each sick
 /// remote tier whose back-off passed (`RemoteTiers::due_probes`) ahead into DRAM, which is the
 /// tier's probe. Off every engine's path: lookups do not offer a sick tier, so no request waits on
 /// the probe of a tier that is still down, and a probe that stalls costs nobody a deadline. A probe
@@ -60,11 +61,27 @@ const PROBE_TICK: Duration = Duration::from_millis(200);
 pub(crate) fn probe_sick_tiers(sh: &Arc<StoreState>, stop: &Receiver<()>) {
     while let Err(RecvTimeoutError::Timeout) = stop.recv_timeout(PROBE_TICK) {
         settle_late_reads(sh);
+        watch_nvme_devices(sh);
         sh.remote.watch_heartbeats();
         let keys = sh.remote.due_probes(|key| sh.catalog.lock().locate(key).is_some());
         if !keys.is_empty() {
             read_ahead(sh, &keys, true);
         }
+    }
+}
+
+/// The NVMe tier's heartbeat: a device queue whose operations waited `nvme_read_stall_ms` with none
+/// finishing makes the tier sick before a request's read meets the hang, and puts waiting for
+/// write-backlog room stop waiting (woken here); the queue moving again ends it.
+fn watch_nvme_devices(sh: &StoreState) {
+    let limit = Duration::from_millis(sh.config.nvme_read_stall_ms);
+    if limit.is_zero() {
+        return;
+    }
+    let now = Instant::now();
+    let stalled = sh.devices.iter().filter_map(|device| device.stalled_for(now)).max().filter(|&s| s >= limit);
+    if sh.nvme_health.watch_devices(stalled) {
+        sh.changed.notify_all();
     }
 }
 

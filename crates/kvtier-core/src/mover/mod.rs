@@ -143,7 +143,9 @@ pub(crate) fn execute_put(sh: &Arc<StoreState>, keys: &[BlockKey], bufs: &[Block
             if fills.is_empty() && next < n {
                 let until =
                     *deadline.get_or_insert_with(|| Instant::now() + Duration::from_millis(sh.config.slot_wait_ms));
-                if cat.wait_until(&sh.changed, until).timed_out() && Instant::now() >= until {
+                // On a hung disk no write finishes to make room: dropped now rather than after the wait.
+                let hung = sh.nvme_health.hung();
+                if hung || (cat.wait_until(&sh.changed, until).timed_out() && Instant::now() >= until) {
                     Stats::add(&sh.stats.slot_wait_timeouts, 1);
                     Stats::add(&sh.stats.dropped_stores, (n - next) as u64);
                     break;
@@ -342,11 +344,11 @@ pub enum Reservation {
 }
 
 /// Waits until the NVMe write backlog admits a put, as a local put does; `false` if it did not by
-/// `deadline`.
+/// `deadline`, or at once on a hung disk (no write finishes to make room).
 pub(crate) fn wait_for_put_room(sh: &StoreState, deadline: Instant) -> bool {
     let mut cat = sh.catalog.lock();
     while !cat.has_put_room() {
-        if cat.wait_until(&sh.changed, deadline).timed_out() {
+        if sh.nvme_health.hung() || cat.wait_until(&sh.changed, deadline).timed_out() {
             return cat.has_put_room();
         }
     }

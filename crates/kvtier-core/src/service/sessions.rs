@@ -171,7 +171,8 @@ impl Session {
                 }
                 *decided = self.join(&mut fills, key);
             }
-            let out_of_time = Instant::now() >= deadline;
+            // On a hung disk no NVMe write finishes to make room: given up now, not at the deadline.
+            let out_of_time = Instant::now() >= deadline || ns.store.nvme_hung();
             if short_of_room && out_of_time {
                 // Given up, for every rank: a rank that comes later drops it at once. Also when this
                 // pass reserved others of the batch: a key reported dropped but left out of `dropped`
