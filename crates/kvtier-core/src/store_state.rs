@@ -15,7 +15,7 @@ use crate::tiers::health::{Admit, Change, Health, HealthPolicy, Observed};
 use crate::tiers::nvme::{DeviceFile, Geometry};
 use parking_lot::{Condvar, Mutex};
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -125,12 +125,15 @@ pub(crate) struct NvmeHealth {
     hung_reads: AtomicUsize,
     /// The prober saw a device queue stalled past `nvme_read_stall_ms`, and it has not moved since.
     device_hung: AtomicBool,
+    /// The devices' answers when the hang was seen: it ends with a new one.
+    answers_at_hang: AtomicU64,
 }
 
 impl NvmeHealth {
     pub(crate) fn new(policy: HealthPolicy, stats: Arc<Stats>) -> Self {
-        let (hung_reads, device_hung) = (AtomicUsize::new(0), AtomicBool::new(false));
-        NvmeHealth { health: Health::new(policy, Instant::now()), stats, hung_reads, device_hung }
+        let (hung_reads, device_hung, answers_at_hang) =
+            (AtomicUsize::new(0), AtomicBool::new(false), AtomicU64::new(0));
+        NvmeHealth { health: Health::new(policy, Instant::now()), stats, hung_reads, device_hung, answers_at_hang }
     }
 
     /// Sick because the disk hangs (a given-up read still out, or a device queue that does not move):
@@ -141,16 +144,20 @@ impl NvmeHealth {
     }
 
     /// The prober's look at the NVMe device queues: `stalled`, the longest any has had operations
-    /// waiting with none finishing, if past `nvme_read_stall_ms`. A queue moving again ends the hang
-    /// (and the tier's sickness, unless a given-up read is still out: its finishing ends that).
-    /// Returns whether the tier just turned hung.
-    pub(crate) fn watch_devices(&self, stalled: Option<std::time::Duration>) -> bool {
+    /// waiting with none finishing, if past `nvme_read_stall_ms`; `answers`, the operations they
+    /// answered so far. A device answering again ends the hang (and the tier's sickness, unless a
+    /// given-up read is still out: its finishing ends that). Returns whether the tier just turned hung.
+    pub(crate) fn watch_devices(&self, stalled: Option<std::time::Duration>, answers: u64) -> bool {
+        let answered_since = answers > self.answers_at_hang.load(Ordering::Acquire);
         match stalled {
-            Some(stalled) if !self.device_hung.swap(true, Ordering::AcqRel) => {
+            Some(stalled) if !self.device_hung.load(Ordering::Acquire) => {
+                self.answers_at_hang.store(answers, Ordering::Release);
+                self.device_hung.store(true, Ordering::Release);
                 self.note(self.health.stalled(format!("no NVMe operation finished in {stalled:?}"), Instant::now()));
                 true
             }
-            None if self.device_hung.swap(false, Ordering::AcqRel) => {
+            None if answered_since && self.device_hung.swap(false, Ordering::AcqRel) => {
+                log::info!("kvtier: the NVMe device answers again");
                 if self.hung_reads.load(Ordering::Acquire) == 0 {
                     self.record(false, Observed::Hit);
                 }

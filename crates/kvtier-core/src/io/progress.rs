@@ -12,12 +12,16 @@ pub struct Progress {
     /// Milliseconds since `origin` when an operation last finished, or when the queue last went from
     /// idle to busy.
     mark_ms: AtomicU64,
+    /// Operations the device answered, ever: a hang ends with an answer, not with the queue's own
+    /// cancellations emptying it.
+    answers: AtomicU64,
     origin: Instant,
 }
 
 impl Default for Progress {
     fn default() -> Self {
-        Progress { pending: AtomicUsize::new(0), mark_ms: AtomicU64::new(0), origin: Instant::now() }
+        let (pending, mark_ms, answers) = (AtomicUsize::new(0), AtomicU64::new(0), AtomicU64::new(0));
+        Progress { pending, mark_ms, answers, origin: Instant::now() }
     }
 }
 
@@ -29,9 +33,14 @@ impl Progress {
         }
     }
 
-    /// An operation finished (well or not: an error is an answer too).
-    pub fn finished(&self) {
-        self.mark(Instant::now());
+    /// An operation finished. `answered`: the device answered it (well or with an error); an
+    /// operation cancelled before it reached the device, or failed by the queue itself, is no sign
+    /// that the device moves (a queued write a load took the slot of, on a hung disk).
+    pub fn finished(&self, answered: bool) {
+        if answered {
+            self.mark(Instant::now());
+            self.answers.fetch_add(1, Ordering::AcqRel);
+        }
         let before = self.pending.fetch_sub(1, Ordering::AcqRel);
         assert!(before > 0, "an operation finished that was never started");
     }
@@ -43,6 +52,11 @@ impl Progress {
         }
         let mark = self.origin + Duration::from_millis(self.mark_ms.load(Ordering::Acquire));
         Some(now.saturating_duration_since(mark))
+    }
+
+    /// Operations the device answered so far.
+    pub fn answers(&self) -> u64 {
+        self.answers.load(Ordering::Acquire)
     }
 
     fn mark(&self, now: Instant) {
@@ -63,9 +77,15 @@ mod tests {
         progress.started();
         progress.started();
         assert!(progress.stalled_for(later(2_000)).unwrap() >= Duration::from_millis(1_900));
-        progress.finished();
-        assert!(progress.stalled_for(Instant::now()).unwrap() < Duration::from_millis(100), "a finish is progress");
-        progress.finished();
+        progress.finished(false);
+        assert!(progress.stalled_for(later(2_000)).unwrap() >= Duration::from_millis(1_900), "a cancel is not");
+        progress.finished(true);
+        assert_eq!(progress.stalled_for(later(5_000)), None);
+        progress.started();
+        progress.started();
+        progress.finished(true);
+        assert!(progress.stalled_for(Instant::now()).unwrap() < Duration::from_millis(100), "an answer is progress");
+        progress.finished(true);
         assert_eq!(progress.stalled_for(later(5_000)), None);
     }
 }

@@ -17,7 +17,7 @@ use crate::catalog::{Catalog, CatalogGuard, GetStep, LoadOutcome, NvmeRead, Tier
 use crate::format::descriptor::DESCRIPTOR_BYTES;
 use crate::format::ALIGN_BYTES;
 use crate::io::buffer::AlignedBuf;
-use crate::io::device::IoOp;
+use crate::io::device::{DeviceQueue, IoOp};
 use crate::io::OpKind;
 use crate::key::BlockKey;
 use crate::remote_tiers::RemoteRead;
@@ -80,7 +80,8 @@ fn watch_nvme_devices(sh: &StoreState) {
     }
     let now = Instant::now();
     let stalled = sh.devices.iter().filter_map(|device| device.stalled_for(now)).max().filter(|&s| s >= limit);
-    if sh.nvme_health.watch_devices(stalled) {
+    let answers = sh.devices.iter().map(DeviceQueue::answers).sum();
+    if sh.nvme_health.watch_devices(stalled, answers) {
         sh.changed.notify_all();
     }
 }
