@@ -235,9 +235,13 @@ struct Load<'a> {
     /// progress too (a slow link or mount).
     remote_bytes_seen: u64,
     /// NVMe reads in flight that may be given up (all but those landing in the caller's memory),
-    /// and since when none finished (or the first started).
+    /// since when none finished (or the first started), and since when the devices answered nothing.
     nvme_reads_in_flight: usize,
     nvme_progress: Instant,
+    nvme_device_progress: Instant,
+    /// The NVMe devices' answers when last looked at (`nvme_devices_answered`): a slow disk
+    /// answering other loads' reads ahead of this one's is not a hung one.
+    nvme_answers_seen: u64,
     /// Made with the first read (see `GivenUpReads`).
     given_up: Option<GivenUpReads>,
 }
@@ -285,6 +289,8 @@ impl<'a> Load<'a> {
             remote_bytes_seen: 0,
             nvme_reads_in_flight: 0,
             nvme_progress: Instant::now(),
+            nvme_device_progress: Instant::now(),
+            nvme_answers_seen: 0,
             given_up: None,
         }
     }
@@ -500,7 +506,8 @@ impl<'a> Load<'a> {
             }
             PendingRead::Nvme(nvme) if !self.lands_direct(i, nvme) => {
                 if self.nvme_reads_in_flight == 0 {
-                    self.nvme_progress = Instant::now();
+                    (self.nvme_progress, self.nvme_device_progress) = (Instant::now(), Instant::now());
+                    self.nvme_devices_answered();
                 }
                 self.nvme_reads_in_flight += 1;
             }
@@ -582,6 +589,10 @@ impl<'a> Load<'a> {
             match self.done_rx.recv_deadline(deadline) {
                 Ok(done) => return Some(done),
                 Err(RecvTimeoutError::Timeout) if nvme_deadline.is_some_and(|d| Instant::now() >= d) => {
+                    if !self.nvme_waited_out() && self.nvme_devices_answered() {
+                        self.nvme_device_progress = Instant::now();
+                        continue;
+                    }
                     self.give_up_nvme_reads();
                     return None;
                 }
@@ -614,7 +625,7 @@ impl<'a> Load<'a> {
         let i = done.index;
         let judged = match self.pending[i].take().expect("a read in flight completes exactly once") {
             PendingRead::Nvme(read) => {
-                self.nvme_progress = Instant::now();
+                (self.nvme_progress, self.nvme_device_progress) = (Instant::now(), Instant::now());
                 if !matches!(done.landing, Landing::Direct(_)) {
                     assert!(self.nvme_reads_in_flight > 0, "an NVMe read finished that was not counted");
                     self.nvme_reads_in_flight -= 1;

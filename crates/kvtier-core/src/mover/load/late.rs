@@ -13,7 +13,11 @@ use crate::tiers::remote::ReadOutcome;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// How many stall limits a load waits for its own NVMe reads while the devices answer other
+/// operations (other loads' reads ahead of its own on a slow disk, or writes while reads hang).
+const NVME_WAIT_CAP: u32 = 10;
 
 /// A read its load gave up, until it finishes.
 pub(super) struct GivenUpRead {
@@ -58,12 +62,28 @@ impl Load<'_> {
         read.slot == NO_SLOT && self.direct(i)
     }
 
-    /// When the NVMe reads in flight are given up if none finishes first (`nvme_read_stall_ms`);
-    /// `None` with none that may be given up in flight, or no limit.
+    /// When the NVMe reads in flight are given up if none finishes first: once the devices answered
+    /// nothing for `nvme_read_stall_ms`, or this load's reads nothing for `NVME_WAIT_CAP` times that
+    /// (a disk that answers writes while its reads hang); `None` with none that may be given up in
+    /// flight, or no limit.
     pub(super) fn nvme_stall_deadline(&self) -> Option<Instant> {
-        let limit_ms = self.sh.config.nvme_read_stall_ms;
-        (limit_ms > 0 && self.nvme_reads_in_flight > 0)
-            .then(|| self.nvme_progress + std::time::Duration::from_millis(limit_ms))
+        let limit = Duration::from_millis(self.sh.config.nvme_read_stall_ms);
+        (!limit.is_zero() && self.nvme_reads_in_flight > 0)
+            .then(|| (self.nvme_device_progress + limit).min(self.nvme_progress + limit * NVME_WAIT_CAP))
+    }
+
+    /// Whether this load's NVMe reads went unanswered for the cap, whatever the devices answered.
+    pub(super) fn nvme_waited_out(&self) -> bool {
+        self.nvme_progress.elapsed() >= Duration::from_millis(self.sh.config.nvme_read_stall_ms) * NVME_WAIT_CAP
+    }
+
+    /// Whether the NVMe devices answered an operation (any load's, any write) since the last look;
+    /// looked at once per stall limit, so a disk that answers nothing ends the wait.
+    pub(super) fn nvme_devices_answered(&mut self) -> bool {
+        let answers: u64 = self.sh.devices.iter().map(crate::io::device::DeviceQueue::answers).sum();
+        let answered = answers != self.nvme_answers_seen;
+        self.nvme_answers_seen = answers;
+        answered
     }
 
     /// No NVMe read finished within `nvme_read_stall_ms` (a hung disk): every NVMe read in flight
