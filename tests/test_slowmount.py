@@ -278,6 +278,23 @@ def test_a_frozen_mount_turns_its_tier_sick_before_any_load_meets_it(tmp_path):
         assert all(load(list(range(16))))
 
 
+def hung_disk_options(namespace: str, object_bytes: int) -> dict[str, Any]:
+    """A store whose DRAM holds 4 blocks over an 8 MiB NVMe tier, with a 300-ms NVMe stall limit."""
+    return {
+        "object_bytes": object_bytes,
+        "namespace": namespace,
+        "dram_bytes": 4 * (object_bytes + 4096),
+        "nvme_bytes": 8 << 20,
+        "region_bytes": 1 << 20,
+        "nvme_read_stall_ms": 300,
+        # The thread-pool engine: with io_uring the kernel keeps the device file of a closed store open
+        # on the mount for more than 30 s, which holds up its unmount (the Rust tests
+        # `faults::a_hung_nvme_tier_...` and `faults::a_disk_hung_under_writes_...` cover both engines,
+        # with a hung device of their own).
+        "io_engine": "psync",
+    }
+
+
 def test_a_hung_disk_under_the_nvme_tier_costs_one_stall_limit_then_steps_aside(tmp_path):
     """Issue 36, "a deadline on every wait": the NVMe tier's device file on a mount whose FUSE daemon
     is stopped (a hung disk: its O_DIRECT reads wait in the kernel). A load waited for them as long as
@@ -294,18 +311,7 @@ def test_a_hung_disk_under_the_nvme_tier_costs_one_stall_limit_then_steps_aside(
     object_bytes = 256 * 1024
     keys = [hashlib.sha256(f"hung-{i}".encode()).digest() for i in range(16)]
     values = [np.random.default_rng(i).integers(0, 256, object_bytes, dtype=np.uint8) for i in range(16)]
-    options = {
-        "object_bytes": object_bytes,
-        "namespace": "hung-disk",
-        "dram_bytes": 4 * (object_bytes + 4096),
-        "nvme_bytes": 8 << 20,
-        "region_bytes": 1 << 20,
-        "nvme_read_stall_ms": 300,
-        # The thread-pool engine: with io_uring the kernel keeps the device file of a closed store open
-        # on the mount for more than 30 s, which holds up its unmount (the Rust test
-        # `faults::a_hung_nvme_tier_...` covers both engines, with a hung device of its own).
-        "io_engine": "psync",
-    }
+    options = hung_disk_options("hung-disk", object_bytes)
     source, mountpoint = tmp_path / "source", tmp_path / "mount"
     source.mkdir()
 
@@ -367,14 +373,7 @@ def test_a_disk_hung_under_writes_stops_puts_waiting_for_room(tmp_path):
     object_bytes = 256 * 1024
     keys = [hashlib.sha256(f"hung-writes-{i}".encode()).digest() for i in range(16)]
     values = [np.full(object_bytes, i, np.uint8) for i in range(16)]
-    options = {
-        "object_bytes": object_bytes,
-        "namespace": "hung-writes",
-        "dram_bytes": 4 * (object_bytes + 4096),
-        "nvme_bytes": 8 << 20,
-        "region_bytes": 1 << 20,
-        "io_engine": "psync",  # see the test above
-    }
+    options = hung_disk_options("hung-writes", object_bytes)
     source, mountpoint = tmp_path / "source", tmp_path / "mount"
     source.mkdir()
     with slowmount.SlowMount(source, mountpoint, LinkSpec(1000)) as mount:

@@ -372,13 +372,16 @@ fn a_failing_nvme_tier_steps_aside_until_a_probe_brings_it_back() {
     }
 }
 
-fn nvme_steps_aside(engine: EngineChoice) {
-    let plan = Arc::new(FaultPlan { read_eio_every: 1, ..Default::default() });
-    plan.paused.store(true, Ordering::Relaxed);
+/// A store over `plan` (its config tuned by `tune`) holding blocks 0..40, flushed: its directory,
+/// the store, and the ids only NVMe holds (at least 12).
+fn store_with_nvme_blocks(
+    engine: EngineChoice,
+    plan: &Arc<FaultPlan>,
+    tune: impl FnOnce(&mut StoreConfig),
+) -> (tempfile::TempDir, Store, Vec<u64>) {
     let dir = tempfile::tempdir().unwrap();
-    let mut c = cfg(dir.path(), engine, Some(Arc::clone(&plan)));
-    let backoff = Duration::from_millis(300);
-    c.tier_health = HealthPolicy { sick_after: 3, first_backoff: backoff, max_backoff: 4 * backoff };
+    let mut c = cfg(dir.path(), engine, Some(Arc::clone(plan)));
+    tune(&mut c);
     let store = Store::open(c).unwrap();
     let ids: Vec<u64> = (0..40).collect();
     put_all(&store, &ids);
@@ -386,6 +389,17 @@ fn nvme_steps_aside(engine: EngineChoice) {
     let tiers = store.locate_many(&ids.iter().map(|&i| key(i)).collect::<Vec<_>>());
     let on_nvme: Vec<u64> = ids.iter().copied().filter(|&i| tiers[i as usize] == Some(Tier::Nvme)).collect();
     assert!(on_nvme.len() >= 12, "{tiers:?}");
+    (dir, store, on_nvme)
+}
+
+fn nvme_steps_aside(engine: EngineChoice) {
+    let plan = Arc::new(FaultPlan { read_eio_every: 1, ..Default::default() });
+    plan.paused.store(true, Ordering::Relaxed);
+    let backoff = Duration::from_millis(300);
+    let (_dir, store, on_nvme) = store_with_nvme_blocks(engine, &plan, |c| {
+        c.tier_health = HealthPolicy { sick_after: 3, first_backoff: backoff, max_backoff: 4 * backoff };
+    });
+    let ids: Vec<u64> = (0..40).collect();
 
     plan.paused.store(false, Ordering::Relaxed);
     for &id in &on_nvme[..3] {
@@ -435,18 +449,12 @@ fn a_hung_nvme_tier_costs_one_stall_limit_then_steps_aside_until_its_reads_finis
 
 fn nvme_hangs(engine: EngineChoice) {
     let plan = Arc::new(FaultPlan::default());
-    let dir = tempfile::tempdir().unwrap();
-    let mut c = cfg(dir.path(), engine, Some(Arc::clone(&plan)));
     let (stall, backoff) = (Duration::from_millis(300), Duration::from_millis(200));
-    c.nvme_read_stall_ms = stall.as_millis() as u64;
-    c.tier_health = HealthPolicy { sick_after: 3, first_backoff: backoff, max_backoff: 4 * backoff };
-    let store = Store::open(c).unwrap();
+    let (_dir, store, on_nvme) = store_with_nvme_blocks(engine, &plan, |c| {
+        c.nvme_read_stall_ms = stall.as_millis() as u64;
+        c.tier_health = HealthPolicy { sick_after: 3, first_backoff: backoff, max_backoff: 4 * backoff };
+    });
     let ids: Vec<u64> = (0..40).collect();
-    put_all(&store, &ids);
-    store.flush().unwrap();
-    let tiers = store.locate_many(&ids.iter().map(|&i| key(i)).collect::<Vec<_>>());
-    let on_nvme: Vec<u64> = ids.iter().copied().filter(|&i| tiers[i as usize] == Some(Tier::Nvme)).collect();
-    assert!(on_nvme.len() >= 12, "{tiers:?}");
     let nvme_keys: Vec<_> = on_nvme.iter().map(|&i| key(i)).collect();
 
     plan.hang.store(true, Ordering::Release);
@@ -498,17 +506,11 @@ fn a_disk_hung_under_writes_turns_the_tier_sick_and_puts_stop_waiting_for_room()
 
 fn nvme_writes_hang(engine: EngineChoice) {
     let plan = Arc::new(FaultPlan::default());
-    let dir = tempfile::tempdir().unwrap();
-    let mut c = cfg(dir.path(), engine, Some(Arc::clone(&plan)));
-    c.nvme_read_stall_ms = 300;
-    let slot_wait = Duration::from_millis(c.slot_wait_ms);
-    let store = Store::open(c).unwrap();
-    let old: Vec<u64> = (0..20).collect();
-    put_all(&store, &old);
-    store.flush().unwrap();
-    let on_nvme: Vec<u64> =
-        old.iter().copied().filter(|&i| store.locate_many(&[key(i)])[0] == Some(Tier::Nvme)).collect();
-    assert!(!on_nvme.is_empty());
+    let mut slot_wait = Duration::ZERO;
+    let (_dir, store, on_nvme) = store_with_nvme_blocks(engine, &plan, |c| {
+        c.nvme_read_stall_ms = 300;
+        slot_wait = Duration::from_millis(c.slot_wait_ms);
+    });
 
     plan.hang.store(true, Ordering::Release);
     let hung_at = Instant::now();
