@@ -145,10 +145,12 @@ impl NvmeHealth {
 
     /// The prober's look at the NVMe device queues: `stalled`, the longest any has had operations
     /// waiting with none finishing, if past `nvme_read_stall_ms`; `answers`, the operations they
-    /// answered so far. A device answering again ends the hang (and the tier's sickness, unless a
-    /// given-up read is still out: its finishing ends that). Returns whether the tier just turned hung.
-    pub(crate) fn watch_devices(&self, stalled: Option<std::time::Duration>, answers: u64) -> bool {
-        let answered_since = answers > self.answers_at_hang.load(Ordering::Acquire);
+    /// answered so far; `idle`, whether none waits. A device answering again, or none of what waited
+    /// still waiting, ends the hang (and the tier's sickness, unless a given-up read is still out: its
+    /// finishing ends that); nothing else would, since a hung tier is not read. Returns whether the
+    /// tier just turned hung.
+    pub(crate) fn watch_devices(&self, stalled: Option<std::time::Duration>, answers: u64, idle: bool) -> bool {
+        let answered_since = idle || answers > self.answers_at_hang.load(Ordering::Acquire);
         match stalled {
             Some(stalled) if !self.device_hung.load(Ordering::Acquire) => {
                 self.answers_at_hang.store(answers, Ordering::Release);

@@ -80,6 +80,7 @@ from kvtier.bench.faults_tiers import DISK_FULL, NVME_STOP, READ_ERRORS, TIER_FA
 from kvtier.bench.faults_ties import BASELINE_ROW, is_reference, unstable_requests, wrong_cell, wrong_outputs
 from kvtier.bench.ttft import markdown_table
 
+NVME_STALL_MS = 1000  # the nvme-stop row's nvme_read_stall_ms (docs/reliability.md, "The NVMe tier")
 READ_ERROR_DRAM_SLOTS = 4  # the NVMe rows' DRAM tier: a few blocks (I/O staging), not a prefix
 HIT_COLUMNS = ("dram_hits", "nvme_hits", "bucket_hits", "shared_hits")  # kvtier's hits over a row's load
 KVTIER_ROW = "kvtier-nvme"  # bench serve's row whose store options the fault rows use (DRAM over NVMe)
@@ -199,7 +200,8 @@ def row_options(plan: dict[str, Any], row: str) -> tuple[dict[str, Any], dict[st
         return faults_tiers.row_options(plan, row)
     if row not in (READ_ERRORS, NVME_STOP, DISK_FULL):
         return plan, {}
-    return {**plan, "dram_gib": 0.0}, {"staging_slots": READ_ERROR_DRAM_SLOTS}
+    extra = {"nvme_read_stall_ms": NVME_STALL_MS} if row == NVME_STOP else {}  # off by default for now
+    return {**plan, "dram_gib": 0.0}, {"staging_slots": READ_ERROR_DRAM_SLOTS, **extra}
 
 
 def engine_notes(log_path: Path, limit: int = 10) -> list[str]:

@@ -63,18 +63,6 @@ impl std::fmt::Display for Cancelled {
 
 impl std::error::Error for Cancelled {}
 
-/// Whether an operation's result came from the device (done, or an errno from the kernel), not from
-/// the queue (cancelled by its gate, the queue shut down, the engine given up, a cancel of ours) or
-/// from an interruption (a request cancelled or interrupted while the device held it).
-fn device_answered(result: &std::io::Result<()>) -> bool {
-    match result {
-        Ok(()) => true,
-        Err(error) => {
-            error.raw_os_error().is_some_and(|errno| ![libc::ECANCELED, libc::EINTR, libc::EAGAIN].contains(&errno))
-        }
-    }
-}
-
 /// Whether `on_done` got a [`Cancelled`] error (the operation never reached the kernel).
 pub fn is_cancelled(error: &std::io::Error) -> bool {
     error.get_ref().is_some_and(|inner| inner.is::<Cancelled>())
@@ -196,7 +184,12 @@ impl DeviceQueue {
         self.progress.stalled_for(now)
     }
 
-    /// Operations the device answered so far (done, or an errno of its own).
+    /// Whether no operation waits on this queue.
+    pub fn idle(&self) -> bool {
+        self.progress.idle()
+    }
+
+    /// Operations this queue finished so far (done, failed, or cancelled).
     pub fn answers(&self) -> u64 {
         self.progress.answers()
     }
@@ -205,7 +198,7 @@ impl DeviceQueue {
         self.progress.started();
         let (progress, on_done) = (Arc::clone(&self.progress), op.on_done);
         op.on_done = Box::new(move |result| {
-            progress.finished(device_answered(&result));
+            progress.finished();
             on_done(result)
         });
         let guard = chan.lock();

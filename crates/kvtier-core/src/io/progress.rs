@@ -12,8 +12,7 @@ pub struct Progress {
     /// Milliseconds since `origin` when an operation last finished, or when the queue last went from
     /// idle to busy.
     mark_ms: AtomicU64,
-    /// Operations the device answered, ever: a hang ends with an answer, not with the queue's own
-    /// cancellations emptying it.
+    /// Operations finished, ever: a hang ends with one, or with none waiting.
     answers: AtomicU64,
     origin: Instant,
 }
@@ -26,21 +25,20 @@ impl Default for Progress {
 }
 
 impl Progress {
-    /// An operation was queued.
+    /// An operation was queued. An idle queue's clock starts now, marked before the operation
+    /// counts: the prober must never see it waiting against the mark of a finish long ago.
     pub fn started(&self) {
-        if self.pending.fetch_add(1, Ordering::AcqRel) == 0 {
+        if self.pending.load(Ordering::Acquire) == 0 {
             self.mark(Instant::now());
         }
+        self.pending.fetch_add(1, Ordering::AcqRel);
     }
 
-    /// An operation finished. `answered`: the device answered it (well or with an error); an
-    /// operation cancelled before it reached the device, or failed by the queue itself, is no sign
-    /// that the device moves (a queued write a load took the slot of, on a hung disk).
-    pub fn finished(&self, answered: bool) {
-        if answered {
-            self.mark(Instant::now());
-            self.answers.fetch_add(1, Ordering::AcqRel);
-        }
+    /// An operation finished, answered by the device or not (cancelled by the queue, interrupted):
+    /// either way the queue moves.
+    pub fn finished(&self) {
+        self.mark(Instant::now());
+        self.answers.fetch_add(1, Ordering::AcqRel);
         let before = self.pending.fetch_sub(1, Ordering::AcqRel);
         assert!(before > 0, "an operation finished that was never started");
     }
@@ -52,6 +50,11 @@ impl Progress {
         }
         let mark = self.origin + Duration::from_millis(self.mark_ms.load(Ordering::Acquire));
         Some(now.saturating_duration_since(mark))
+    }
+
+    /// Whether no operation waits.
+    pub fn idle(&self) -> bool {
+        self.pending.load(Ordering::Acquire) == 0
     }
 
     /// Operations the device answered so far.
@@ -77,15 +80,9 @@ mod tests {
         progress.started();
         progress.started();
         assert!(progress.stalled_for(later(2_000)).unwrap() >= Duration::from_millis(1_900));
-        progress.finished(false);
-        assert!(progress.stalled_for(later(2_000)).unwrap() >= Duration::from_millis(1_900), "a cancel is not");
-        progress.finished(true);
-        assert_eq!(progress.stalled_for(later(5_000)), None);
-        progress.started();
-        progress.started();
-        progress.finished(true);
-        assert!(progress.stalled_for(Instant::now()).unwrap() < Duration::from_millis(100), "an answer is progress");
-        progress.finished(true);
+        progress.finished();
+        assert!(progress.stalled_for(Instant::now()).unwrap() < Duration::from_millis(100), "a finish is progress");
+        progress.finished();
         assert_eq!(progress.stalled_for(later(5_000)), None);
     }
 }

@@ -81,7 +81,8 @@ fn watch_nvme_devices(sh: &StoreState) {
     let now = Instant::now();
     let stalled = sh.devices.iter().filter_map(|device| device.stalled_for(now)).max().filter(|&s| s >= limit);
     let answers = sh.devices.iter().map(DeviceQueue::answers).sum();
-    if sh.nvme_health.watch_devices(stalled, answers) {
+    let idle = sh.devices.iter().all(DeviceQueue::idle);
+    if sh.nvme_health.watch_devices(stalled, answers, idle) {
         sh.changed.notify_all();
     }
 }

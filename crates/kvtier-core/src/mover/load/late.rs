@@ -110,12 +110,14 @@ impl Load<'_> {
             given_up.push((i, read));
         }
         drop(cat);
-        drop(table);
-        sh.changed.notify_all();
         if !given_up.is_empty() {
-            log::debug!("kvtier: gave up {} NVMe reads after {stalled:?} without any finishing", given_up.len());
+            // Before the table lets their `on_done`s go: one that finishes at once is then already
+            // counted among the hung reads it ends.
             sh.nvme_health.gave_up(given_up.len(), stalled);
         }
+        drop(table);
+        sh.changed.notify_all();
+        log::debug!("kvtier: gave up {} NVMe reads after {stalled:?} without any finishing", given_up.len());
         self.count_given_up_nvme(&given_up);
         for (i, read) in given_up {
             self.tally(i, Judged::Nvme(read, LoadOutcome::IoError));
