@@ -63,8 +63,7 @@ pub struct StoreConfig {
     /// slow (`RemoteTiers::stall_limit`). 0: no limit.
     pub remote_read_stall_ms: u64,
     /// How long a load waits for its NVMe reads with none of them finishing (a hung disk) before it
-    /// gives them up as misses and the NVMe tier steps aside. 0 (the default): no limit. Off by
-    /// default while the false alarms the crash torture showed with it on are not understood.
+    /// gives them up as misses and the NVMe tier steps aside. 0: no limit.
     pub nvme_read_stall_ms: u64,
     /// A load short of DRAM slots takes the slot of a stored block whose NVMe write has not started
     /// (dropping that store) instead of waiting for the write backlog to drain.
@@ -161,7 +160,7 @@ impl StoreConfig {
             checksum_threads: 0,
             slot_wait_ms: 5000,
             remote_read_stall_ms: 1000,
-            nvme_read_stall_ms: 0,
+            nvme_read_stall_ms: 1000,
             loads_cancel_queued_writes: true,
             write_admission: WriteAdmission::All,
             remote_write_admission: None,
@@ -884,7 +883,7 @@ pub static OPTIONS: &[ConfigOption] = &[
         python: true,
         kind: OptionKind::Int,
         unset: "",
-        constraint: "milliseconds; 0 = no limit (the default, for now: docs/reliability.md)",
+        constraint: "milliseconds; 0 = no limit",
         description: "A load gives up the NVMe reads it still waits for once none of them has finished for this long (a hung disk: a local drive's reads finish in milliseconds): their blocks are misses the engine recomputes, counted in `nvme_reads_given_up`, and the NVMe tier steps aside until one of those reads finishes (docs/reliability.md, \"The NVMe tier\"). A read straight into the caller's memory (`Store.get` with O_DIRECT-capable buffers, not the host service's loads) is never given up: the disk could still write into it.",
         set: |c, v| c.nvme_read_stall_ms = v.int(),
         get: |c| int(c.nvme_read_stall_ms),

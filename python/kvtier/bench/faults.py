@@ -200,7 +200,7 @@ def row_options(plan: dict[str, Any], row: str) -> tuple[dict[str, Any], dict[st
         return faults_tiers.row_options(plan, row)
     if row not in (READ_ERRORS, NVME_STOP, DISK_FULL):
         return plan, {}
-    extra = {"nvme_read_stall_ms": NVME_STALL_MS} if row == NVME_STOP else {}  # off by default for now
+    extra = {"nvme_read_stall_ms": NVME_STALL_MS} if row == NVME_STOP else {}  # the default, pinned for the row
     return {**plan, "dram_gib": 0.0}, {"staging_slots": READ_ERROR_DRAM_SLOTS, **extra}
 
 
