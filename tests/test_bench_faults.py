@@ -7,8 +7,9 @@ The remote tiers' rows (``bucket-stop``, ``bucket-kill``, ``fuse-stop``) without
 store options, the fault on stand-in processes (stopped and continued; killed and started again once),
 one gateway for every bucket row, the tier's reads during the fault and the note when there were none.
 The slow tests (``full``: not in CI's time) run ``kvtier bench faults --small`` end to end: vLLM alone,
-then kvtier with its service stopped for 5 s mid-run; and the three remote tiers' rows (root, Ceph's
-radosgw and FUSE, else skipped).
+then kvtier with its service stopped for 5 s mid-run; the three remote tiers' rows (root, Ceph's
+radosgw and FUSE, else skipped); and the rest of the matrix: the service killed, the NVMe tier's reads
+failing, its disk hung and full (root and FUSE, else skipped).
 
 Run: ``.venv/bin/python -m pytest tests/test_bench_faults.py -v`` (``KVTIER_FULL_TESTS=1`` and ``-m slow``
 for the run).
@@ -559,3 +560,38 @@ def test_bench_faults_remote_tiers_small(tmp_path):
         assert record["fault"]["tier_reads"] > 0, record["fault"]  # --small's fault covers the 9.7-s repeat
     assert document["rows"][2]["fault"]["gateway_restarted"] > 0
     assert not state.exists() and not any(os.path.ismount(path) for path in out.glob("*/shared"))
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_bench_faults_service_kill_and_nvme_rows_small(tmp_path):
+    """The rest of the fault matrix at small size: the host service killed, the NVMe tier's reads
+    failing, its disk hung (the FUSE daemon under its files stopped) and full (a loop-mounted ext4):
+    no failed request, no wrong output; the killed service's successor took the engine back; the
+    failing reads were tried and erred; the hung disk turned the tier sick (the heartbeat: writes
+    wait on it even where no read does); the full disk left no free byte and no I/O error (the
+    device file is preallocated); nothing stays mounted."""
+    from kvtier.bench import slowmount
+
+    reason = slowmount.missing_reason() or (None if os.geteuid() == 0 else "nvme-full mounts a loop device: root")
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "faults"
+    rows = "service-kill,nvme-read-errors,nvme-stop,nvme-full"
+    command = [sys.executable, "-m", "kvtier", "bench", "faults", "--small", "--fault-s", "5", "--out", str(out)]
+    completed = subprocess.run([*command, "--faults", rows], capture_output=True, text=True, timeout=2400)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    document = json.loads((out / "results.json").read_text())
+    assert not document["problems"]
+    by_row = {record["row"]: record for record in document["rows"][1:]}
+    assert list(by_row) == rows.split(",")
+    for record in by_row.values():
+        assert record["completed"] == 8 and record["failed"] == 0 and record["wrong_outputs"] == 0
+    killed = by_row["service-kill"]["fault"]
+    assert killed["service_restarted"] not in (None, killed["pid"]) and killed["reattached_s"] is not None
+    read_errors = by_row["nvme-read-errors"]["fault"]
+    assert read_errors["tier_reads"] > 0 and read_errors["tier_counters"]["io_errors"] > 0, read_errors
+    assert by_row["nvme-stop"]["fault"]["tier_counters"]["nvme_outages"] >= 1, by_row["nvme-stop"]["fault"]
+    full = by_row["nvme-full"]["fault"]
+    assert full["free_bytes_after_fill"] < 1 << 20 and full["tier_counters"]["io_errors"] == 0, full
+    assert not list(out.glob("*/store")) and not any(os.path.ismount(path) for path in out.glob("*/*"))
