@@ -398,6 +398,45 @@ def test_a_disk_hung_under_writes_stops_puts_waiting_for_room(tmp_path):
             del store
 
 
+def test_a_store_on_a_hung_disk_closes_within_a_stall_limit(tmp_path):
+    """Issue 36, never stuck: a store whose NVMe disk hangs (its mount's FUSE daemon stopped) with
+    writes in flight waited for them in its close (an engine stopping, a namespace closing) for as
+    long as the disk hung: its flush waited for the writes (up to 120 s), then fdatasync, then the
+    device thread. Now the close gives up once the disk has answered nothing for
+    `nvme_read_stall_ms`, says so, and leaves the device thread to finish when the disk answers
+    (then the mount can go)."""
+    import hashlib
+
+    import numpy as np
+
+    import kvtier
+
+    object_bytes = 256 * 1024
+    keys = [hashlib.sha256(f"hung-close-{i}".encode()).digest() for i in range(4)]
+    values = [np.full(object_bytes, i, np.uint8) for i in range(4)]
+    source, mountpoint = tmp_path / "source", tmp_path / "mount"
+    source.mkdir()
+    device_threads = sum(name.startswith("kvtier-dev") for name in thread_names())
+    with slowmount.SlowMount(source, mountpoint, LinkSpec(1000)) as mount:
+        store = kvtier.Store.open(str(mountpoint / "store"), **hung_disk_options("hung-close", object_bytes))
+        try:
+            with daemon_stopped(mount):
+                store.put_many(keys, values)  # their NVMe writes wait on the stopped daemon
+                started = time.monotonic()
+                with pytest.raises(kvtier.TimeoutError, match="hung disk"):
+                    store.close()
+                closed_s = time.monotonic() - started
+        finally:
+            store.close()
+            del store
+        assert closed_s < 2.0, f"the close waited {closed_s:.1f} s for a hung disk"
+        # Thawed, the device thread left behind finishes its writes and lets go of the mount.
+        deadline = time.monotonic() + 10
+        while sum(name.startswith("kvtier-dev") for name in thread_names()) > device_threads:
+            assert time.monotonic() < deadline, "the device thread never ended after the disk answered"
+            time.sleep(0.05)
+
+
 def test_a_store_closes_while_its_mount_is_frozen(tmp_path):
     """Issue 36: closing a store (an engine stopping) waited for its shared tier, and a frozen mount
     holds whatever touches it (the last publish, the maintenance thread, the queue's reads) for as

@@ -305,28 +305,78 @@ impl Store {
     /// not: `close_remote_tiers` publishes it, within a bound a frozen mount cannot stretch).
     fn flush_inner(&self, remote: bool) -> Result<()> {
         let sh = &self.state;
-        let limit = Duration::from_secs(120);
-        let deadline = Instant::now() + limit;
+        let deadline = Instant::now() + FLUSH_LIMIT;
         if !sh.wait_idle(&sh.stores_active, deadline) {
-            return Err(Error::Timeout { what: "queued stores".into(), timeout_ms: limit.as_millis() as u64 });
+            return Err(Error::Timeout { what: "queued stores".into(), timeout_ms: FLUSH_LIMIT.as_millis() as u64 });
         }
-        let mut cat = sh.catalog.lock();
-        while !cat.io_idle() {
-            if cat.wait_until(&sh.changed, deadline).timed_out() && !cat.io_idle() {
-                return Err(Error::Timeout { what: "NVMe writes".into(), timeout_ms: limit.as_millis() as u64 });
-            }
-        }
-        drop(cat);
-        for d in &sh.device_files {
-            d.file.sync_data().map_err(|e| Error::io(format!("fdatasync {}", d.path.display()), e))?;
-        }
+        self.wait_for_nvme_writes(deadline)?;
+        self.sync_device_files()?;
         if remote {
-            sh.remote.flush(limit)?;
+            sh.remote.flush(FLUSH_LIMIT)?;
         }
         // Dates are a convenience: a directory that cannot take the file (removed, read-only) must
         // not fail a flush of blocks that did reach the disk.
         if let Err(e) = self.save_timeline() {
             log::warn!("kvtier: saving block dates failed: {e}; blocks stored since the last save will be dated by the next open");
+        }
+        Ok(())
+    }
+
+    /// Waits for the NVMe writes in flight, until `deadline`, or until the disk has answered none of
+    /// its operations for `nvme_read_stall_ms` (a hung disk: they may never finish, and a flush or a
+    /// close must not wait for them).
+    fn wait_for_nvme_writes(&self, deadline: Instant) -> Result<()> {
+        let sh = &self.state;
+        let stall = Duration::from_millis(sh.config.nvme_read_stall_ms);
+        let mut cat = sh.catalog.lock();
+        while !cat.io_idle() {
+            let look = if stall.is_zero() { deadline } else { deadline.min(Instant::now() + HUNG_DISK_LOOK) };
+            cat.wait_until(&sh.changed, look);
+            if cat.io_idle() {
+                break;
+            }
+            if let Some(waited) = self.disk_hung_for(stall) {
+                let what = "NVMe writes: the disk answered none of its operations (a hung disk, \
+                            `nvme_read_stall_ms`); blocks not yet written are not on disk";
+                return Err(Error::Timeout { what: what.into(), timeout_ms: waited.as_millis() as u64 });
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout { what: "NVMe writes".into(), timeout_ms: FLUSH_LIMIT.as_millis() as u64 });
+            }
+        }
+        Ok(())
+    }
+
+    /// How long a device has had operations waiting with none finishing, once past `stall` (not 0).
+    fn disk_hung_for(&self, stall: Duration) -> Option<Duration> {
+        let now = Instant::now();
+        let waited = self.state.devices.iter().filter_map(|d| d.stalled_for(now)).max();
+        waited.filter(|&waited| !stall.is_zero() && waited >= stall)
+    }
+
+    /// fdatasync of every NVMe device file. With `nvme_read_stall_ms` set, each runs in a thread of
+    /// its own and is given up after `SYNC_STALL_LIMITS` stall limits (a hung disk does not return
+    /// from it); the thread then returns whenever the disk does.
+    fn sync_device_files(&self) -> Result<()> {
+        let stall = Duration::from_millis(self.state.config.nvme_read_stall_ms);
+        for d in &self.state.device_files {
+            let context = || format!("fdatasync {}", d.path.display());
+            if stall.is_zero() {
+                d.file.sync_data().map_err(|e| Error::io(context(), e))?;
+                continue;
+            }
+            let file = d.file.try_clone().map_err(|e| Error::io(context(), e))?;
+            let (tx, rx) = crossbeam_channel::bounded(1);
+            let sync = move || drop(tx.send(file.sync_data()));
+            std::thread::Builder::new().name("kvtier-sync".into()).spawn(sync).map_err(|e| Error::io(context(), e))?;
+            let limit = stall * SYNC_STALL_LIMITS;
+            match rx.recv_timeout(limit) {
+                Ok(synced) => synced.map_err(|e| Error::io(context(), e))?,
+                Err(_) => {
+                    let what = format!("{} (a hung disk?)", context());
+                    return Err(Error::Timeout { what, timeout_ms: limit.as_millis() as u64 });
+                }
+            }
         }
         Ok(())
     }
@@ -357,16 +407,27 @@ impl Store {
         }
         let flushed = self.flush_inner(false);
         let remote_closed = close_remote_tiers(&self.state);
-        for d in &self.state.devices {
-            d.shutdown();
-        }
+        let stall = Duration::from_millis(self.state.config.nvme_read_stall_ms);
+        // Every device is shut down, hung or not.
+        let closed: Vec<bool> = self.state.devices.iter().map(|d| d.shutdown_within(stall)).collect();
+        let devices_closed = closed.iter().all(|&c| c);
         self.wait_for_given_up_reads();
         if !remote_closed {
             // Its reads may still land in DRAM slots, and its thread holds the store's state.
             self.state.arena.keep_mapped();
+        }
+        if !remote_closed || !devices_closed {
+            // A hung device's writes hold the store's state (and so its DRAM pool) until they finish:
+            // its shared-memory file goes now, not whenever the disk answers, or never.
             self.state.arena.remove_file();
         }
-        self.locks.lock().clear();
+        let locks = std::mem::take(&mut *self.locks.lock());
+        if !devices_closed {
+            // Closing a file on a hung FUSE or network filesystem waits for it: the directory stays
+            // locked (its device thread may still write) until the disk answers, on a thread of its own.
+            let unlock = move || drop(locks);
+            let _ = std::thread::Builder::new().name("kvtier-unlock".into()).spawn(unlock);
+        }
         flushed
     }
 
@@ -609,6 +670,13 @@ pub(crate) fn random_u64() -> u64 {
 /// least; a bucket's requests have their own deadline (`bucket_request_timeout_ms`), which it
 /// outwaits by a second.
 const REMOTE_CLOSE_WAIT: Duration = Duration::from_secs(5);
+/// The longest a flush waits for queued stores and NVMe writes on a disk that answers.
+const FLUSH_LIMIT: Duration = Duration::from_secs(120);
+/// How often a flush waiting for NVMe writes looks whether the disk has hung.
+const HUNG_DISK_LOOK: Duration = Duration::from_millis(50);
+/// Stall limits an fdatasync may take before a flush gives it up: a busy disk's journal commit can
+/// take seconds, a hung disk's never returns.
+const SYNC_STALL_LIMITS: u32 = 10;
 
 /// Closes the remote tiers on a thread of their own and waits for them a bounded time: whatever
 /// touches a frozen mount (a FUSE daemon stopped, a hard NFS mount whose server is gone) blocks in

@@ -537,3 +537,37 @@ fn nvme_writes_hang(engine: EngineChoice) {
     assert!(get_checked(&store, &on_nvme).iter().all(|&hit| hit), "every NVMe block is served again");
     store.close().unwrap();
 }
+
+/// A store whose disk hangs still closes (issue 36: an engine's shutdown never waits on kvtier's
+/// disk): the flush gives up the writes that cannot finish once the disk has answered nothing for
+/// `nvme_read_stall_ms`, the device thread is left to finish them whenever the disk answers, the
+/// close says why it could not write them, and the directory is free again: a store opened on it
+/// once the disk answers serves every block written before the hang.
+#[test]
+fn a_store_on_a_hung_disk_closes_within_a_stall_limit_and_says_why() {
+    for engine in engines() {
+        watchdog("close on a hung disk", move || close_on_a_hung_disk(engine));
+    }
+}
+
+fn close_on_a_hung_disk(engine: EngineChoice) {
+    let plan = Arc::new(FaultPlan::default());
+    let stall = Duration::from_millis(300);
+    let (dir, store, on_nvme) = store_with_nvme_blocks(engine, &plan, |c| c.nvme_read_stall_ms = 300);
+
+    plan.hang.store(true, Ordering::Release);
+    assert!(put(&store, &[100, 101, 102, 103]).iter().all(|&s| s), "DRAM takes the stores");
+    let started = Instant::now();
+    let closed = store.close();
+    let took = started.elapsed();
+    assert!(took >= stall && took < stall * 4, "close took {took:?} on a hung disk");
+    let error = closed.expect_err("a close that could not write its blocks says so").to_string();
+    assert!(error.contains("hung disk") && error.contains("nvme_read_stall_ms"), "{error}");
+
+    plan.hang.store(false, Ordering::Release);
+    drop(store);
+    std::thread::sleep(Duration::from_millis(200)); // the device thread left behind finishes its writes
+    let store = Store::open(cfg(dir.path(), engine, None)).expect("the directory is free after the close");
+    assert!(get_checked(&store, &on_nvme).iter().all(|&hit| hit), "blocks written before the hang are served");
+    store.close().unwrap();
+}

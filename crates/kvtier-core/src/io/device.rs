@@ -247,6 +247,31 @@ impl DeviceQueue {
             let _ = t.join();
         }
     }
+
+    /// `shutdown`, waiting for the thread only while the device answers: once its operations waited
+    /// `stall` with none finishing (a hung disk), the thread is left to finish them whenever the
+    /// disk answers, and this returns `false`. Their buffers (DRAM slots among them) must then stay
+    /// valid for good. A zero `stall` waits as `shutdown` does.
+    pub fn shutdown_within(&self, stall: std::time::Duration) -> bool {
+        if stall.is_zero() {
+            self.shutdown();
+            return true;
+        }
+        self.reads.lock().take();
+        self.writes.lock().take();
+        let Some(thread) = self.thread.lock().take() else { return true };
+        while !thread.is_finished() {
+            if self.stalled_for(std::time::Instant::now()).is_some_and(|waited| waited >= stall) {
+                log::error!(
+                    "kvtier: an NVMe device answered nothing for {stall:?} at close; its I/O thread is left behind"
+                );
+                return false; // dropping the handle detaches the thread
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let _ = thread.join();
+        true
+    }
 }
 
 impl Drop for DeviceQueue {
