@@ -7,6 +7,7 @@
 
 use crate::catalog::{Catalog, Gauges};
 use crate::error::{Error, Result};
+use crate::io::bounded::{finish_within, Overdue};
 use crate::key::{BlockKey, Namespace};
 use crate::mover::{
     abort_puts, commit_puts, execute_get, execute_get_pinned, execute_put, execute_read_ahead, persist_reused,
@@ -81,6 +82,8 @@ pub struct Store {
     direct_io: bool,
     /// The directory locks (one per path); released by `close`.
     locks: Mutex<Vec<File>>,
+    /// A save of the block dates is running (`save_timeline`).
+    dates_saving: Arc<AtomicBool>,
 }
 
 impl Store {
@@ -366,13 +369,11 @@ impl Store {
                 continue;
             }
             let file = d.file.try_clone().map_err(|e| Error::io(context(), e))?;
-            let (tx, rx) = crossbeam_channel::bounded(1);
-            let sync = move || drop(tx.send(file.sync_data()));
-            std::thread::Builder::new().name("kvtier-sync".into()).spawn(sync).map_err(|e| Error::io(context(), e))?;
             let limit = stall * SYNC_STALL_LIMITS;
-            match rx.recv_timeout(limit) {
+            match finish_within("kvtier-sync", limit, move || file.sync_data()) {
                 Ok(synced) => synced.map_err(|e| Error::io(context(), e))?,
-                Err(_) => {
+                Err(Overdue::NoThread(e)) => return Err(Error::io(context(), e)),
+                Err(Overdue::Late) => {
                     let what = format!("{} (a hung disk?)", context());
                     return Err(Error::Timeout { what, timeout_ms: limit.as_millis() as u64 });
                 }
@@ -384,11 +385,40 @@ impl Store {
     /// Saves the timeline that dates this namespace's blocks, when it changed since the last save
     /// (stores with an NVMe tier: without one nothing survives a restart to be dated). `flush` and
     /// `close` call it; so does the host service, every few seconds.
+    /// With `nvme_read_stall_ms` set, the file is written on a thread of its own, waited for one
+    /// stall limit: a frozen filesystem must not hold the service's janitor or a close. While such a
+    /// write is still waiting, no other is started (one thread per frozen directory, not one per save).
     pub fn save_timeline(&self) -> Result<()> {
         let sh = &self.state;
         let Some(dir) = sh.device_files.first().and_then(|d| d.path.parent()) else { return Ok(()) };
-        let Some(points) = sh.catalog.lock().timeline.take_unsaved() else { return Ok(()) };
-        crate::namespace_dir::write_timeline(dir, &points).inspect_err(|_| sh.catalog.lock().timeline.mark_unsaved())
+        let stall = Duration::from_millis(sh.config.nvme_read_stall_ms);
+        if self.dates_saving.swap(true, Ordering::AcqRel) {
+            return Ok(()); // the earlier save still waits (its failure was reported); these dates stay unsaved
+        }
+        let Some(points) = sh.catalog.lock().timeline.take_unsaved() else {
+            self.dates_saving.store(false, Ordering::Release);
+            return Ok(());
+        };
+        let (dir, saving) = (dir.to_path_buf(), Arc::clone(&self.dates_saving));
+        let save = move || {
+            let saved = crate::namespace_dir::write_timeline(&dir, &points);
+            saving.store(false, Ordering::Release);
+            saved
+        };
+        let saved = if stall.is_zero() {
+            save()
+        } else {
+            finish_within("kvtier-dates", stall, save).unwrap_or_else(|overdue| {
+                if let Overdue::NoThread(_) = overdue {
+                    self.dates_saving.store(false, Ordering::Release);
+                }
+                Err(Error::Timeout {
+                    what: "saving block dates (a hung disk?)".into(),
+                    timeout_ms: stall.as_millis() as u64,
+                })
+            })
+        };
+        saved.inspect_err(|_| sh.catalog.lock().timeline.mark_unsaved())
     }
 
     /// Flushes, stops the threads and releases the directory. Idempotent.
@@ -421,14 +451,25 @@ impl Store {
             // its shared-memory file goes now, not whenever the disk answers, or never.
             self.state.arena.remove_file();
         }
-        let locks = std::mem::take(&mut *self.locks.lock());
-        if !devices_closed {
-            // Closing a file on a hung FUSE or network filesystem waits for it: the directory stays
-            // locked (its device thread may still write) until the disk answers, on a thread of its own.
-            let unlock = move || drop(locks);
-            let _ = std::thread::Builder::new().name("kvtier-unlock".into()).spawn(unlock);
-        }
+        self.unlock_directories(stall, devices_closed);
         flushed
+    }
+
+    /// Lets go of the directory locks. Closing a file on a frozen FUSE or network filesystem waits
+    /// for it (uninterruptibly): with a stall limit the files are closed on a thread of its own, waited
+    /// for one limit, and not at all when a device hung (its thread may still write: the directory
+    /// stays locked until the disk answers).
+    fn unlock_directories(&self, stall: Duration, devices_closed: bool) {
+        let locks = std::mem::take(&mut *self.locks.lock());
+        if stall.is_zero() {
+            return drop(locks);
+        }
+        let limit = if devices_closed { stall } else { Duration::ZERO };
+        if let Err(Overdue::Late) = finish_within("kvtier-unlock", limit, move || drop(locks)) {
+            if devices_closed {
+                log::warn!("kvtier: the store's directory did not answer its unlock within {stall:?} (a frozen mount?); it is unlocked when it answers");
+            }
+        }
     }
 
     /// Reads the loads gave up still write into DRAM slots until they finish: the shared tier's
@@ -691,21 +732,20 @@ fn close_remote_tiers(state: &Arc<StoreState>) -> bool {
     }
     let bucket_timeout = state.config.bucket.as_ref().map_or(0, |b| b.request_timeout_ms);
     let limit = REMOTE_CLOSE_WAIT.max(Duration::from_millis(bucket_timeout) + Duration::from_secs(1));
-    let (done_tx, done_rx) = crossbeam_channel::bounded::<()>(1);
     let closing = Arc::clone(state);
-    let spawned = std::thread::Builder::new().name("kvtier-remote-close".into()).spawn(move || {
+    let close = move || {
         closing.remote.close();
         // Let go of the store's state before saying so: once `close` returns, nothing of ours may
         // still hold it (its pool's file and mapping go when the store does).
         drop(closing);
-        let _ = done_tx.send(());
-    });
-    if spawned.is_err() {
-        state.remote.close(); // no thread to be had: wait, as before
-        return true;
-    }
-    if done_rx.recv_timeout(limit).is_ok() {
-        return true;
+    };
+    match finish_within("kvtier-remote-close", limit, close) {
+        Ok(()) => return true,
+        Err(Overdue::NoThread(_)) => {
+            state.remote.close(); // no thread to be had: wait, as before
+            return true;
+        }
+        Err(Overdue::Late) => {}
     }
     log::error!(
         "kvtier: a remote tier did not close within {} ms (a frozen mount?); closing without it, \

@@ -68,6 +68,24 @@ pub fn is_cancelled(error: &std::io::Error) -> bool {
     error.get_ref().is_some_and(|inner| inner.is::<Cancelled>())
 }
 
+/// The error an operation sent to a queue that was shut down completes with (a store closing; after
+/// a hung close, the writes that finish late and the trailers they would start).
+#[derive(Debug)]
+pub struct ShutDown;
+
+impl std::fmt::Display for ShutDown {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("kvtier device queue is shut down")
+    }
+}
+
+impl std::error::Error for ShutDown {}
+
+/// Whether `on_done` got a [`ShutDown`] error (the operation never reached the kernel).
+pub fn is_shut_down(error: &std::io::Error) -> bool {
+    error.get_ref().is_some_and(|inner| inner.is::<ShutDown>())
+}
+
 /// Called once on the device thread when an operation finishes. Must be quick.
 pub type OnDone = Box<dyn FnOnce(std::io::Result<()>) + Send>;
 
@@ -204,7 +222,7 @@ impl DeviceQueue {
         let guard = chan.lock();
         let Some(tx) = guard.as_ref() else {
             drop(guard);
-            (op.on_done)(Err(std::io::Error::other("kvtier device queue is shut down")));
+            (op.on_done)(Err(std::io::Error::other(ShutDown)));
             return;
         };
         if let Err(e) = tx.send(op) {

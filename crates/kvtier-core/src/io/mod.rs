@@ -7,6 +7,7 @@
 //! resubmitted, EINTR/EAGAIN retried with a cap, EINVAL reported as an alignment bug).
 //! `faults` wraps any engine to inject faults in tests (built with the `testing` feature only).
 
+pub mod bounded;
 pub mod buffer;
 pub mod device;
 #[cfg(any(test, feature = "testing"))]

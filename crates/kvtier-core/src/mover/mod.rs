@@ -13,7 +13,7 @@ use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::format::encrypted::{fresh_nonce, page_tenant, set_page_tenant, ValueCipher};
 use crate::format::ALIGN_BYTES;
 use crate::io::buffer::AlignedBuf;
-use crate::io::device::{is_abandoned, is_cancelled, IoOp};
+use crate::io::device::{is_abandoned, is_cancelled, is_shut_down, IoOp};
 use crate::io::OpKind;
 use crate::key::BlockKey;
 use crate::stats::Stats;
@@ -566,10 +566,13 @@ pub(crate) fn submit_meta(sh: &Arc<StoreState>, writes: Vec<MetaWrite>) {
                 } else {
                     drop(buf);
                 }
-                if let Err(e) = &r {
+                // A closed store's queue: no retry could reach the disk, and one line per block would
+                // follow a hung close when its writes finish late.
+                let shut_down = r.as_ref().is_err_and(is_shut_down);
+                if let (Err(e), false) = (&r, shut_down) {
                     log::warn!("kvtier: writing the trailer of region {} failed: {e}", write.region);
                 }
-                let retry = state.catalog.lock().complete_meta(&write, r.is_ok());
+                let retry = state.catalog.lock().complete_meta(&write, r.is_ok()).filter(|_| !shut_down);
                 state.changed.notify_all();
                 if let Some(retry) = retry {
                     submit_meta(&state, vec![retry]);

@@ -110,6 +110,7 @@ impl Store {
             buffers_registered,
             direct_io,
             locks: Mutex::new(locks),
+            dates_saving: Arc::new(AtomicBool::new(false)),
         })
     }
 }
