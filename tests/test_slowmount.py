@@ -437,6 +437,66 @@ def test_a_store_on_a_hung_disk_closes_within_a_stall_limit(tmp_path):
             time.sleep(0.05)
 
 
+def test_a_host_service_stopped_while_its_store_filesystem_is_frozen_lets_go_within_its_limits(tmp_path):
+    """Issue 36, never stuck: ``kvtier serve`` with its store on a mount whose FUSE daemon stopped,
+    SIGTERMed (an operator's stop, a host's shutdown), did not exit until the mount answered: the
+    last close of its store's files (the directory's lock files, the device file) waits for the
+    mount, in the stopping thread. Now every namespace closes on a thread of its own, each wait is
+    bounded (fdatasync ten stall limits, the unlock one, the files one second), and the service lets
+    go of its socket, pid file and pools within them, saying which store did not close cleanly. A new
+    namespace's hello, stuck opening on the mount, neither answers late nor holds the stop."""
+    import signal
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from kvtier._core import ServiceClient
+    from kvtier.service import _running
+
+    slice_bytes = 64 << 10
+    source, mountpoint = tmp_path / "source", tmp_path / "mount"
+    source.mkdir()
+    socket = tmp_path / "svc.sock"
+    options = {
+        k: v for k, v in hung_disk_options("unused", slice_bytes).items() if k not in ("object_bytes", "namespace")
+    }
+    command = [sys.executable, "-m", "kvtier", "serve", str(mountpoint / "store"), "--socket", str(socket)]
+    command += ["--pool-dir", str(tmp_path), *(f"--option={name}={value}" for name, value in options.items())]
+    with slowmount.SlowMount(source, mountpoint, LinkSpec(1000)) as mount:
+        service = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not socket.with_suffix(".pid").exists():
+                assert service.poll() is None and time.monotonic() < deadline, "kvtier serve did not start"
+                time.sleep(0.1)
+            engine = ServiceClient.connect(str(socket), 10_000)
+            engine.hello(b"frozen-stop|one", 1, 0, slice_bytes)
+            layer = np.stack([np.full(slice_bytes, i, np.uint8) for i in range(8)])
+            assert all(engine.store_blocks([bytes([i]) * 32 for i in range(8)], [layer], list(range(8))))
+            engine.flush()
+            with daemon_stopped(mount):
+                late = ServiceClient.connect(str(socket), 1_000)
+                with pytest.raises(Exception, match="no reply to Hello"):
+                    late.hello(b"frozen-stop|two", 1, 0, slice_bytes)  # its store cannot open
+                started = time.monotonic()
+                service.send_signal(signal.SIGTERM)
+                while _running(service.pid):
+                    assert time.monotonic() - started < 8, "the service did not stop while its mount was frozen"
+                    time.sleep(0.05)
+                stopped_s = time.monotonic() - started
+                assert not socket.exists() and not socket.with_suffix(".pid").exists()
+                assert not list(tmp_path.glob("kvtier-*.pool")), "a pool file outlived the service"
+            # Thawed, what waited on the mount ends, and with it the process.
+            assert service.wait(timeout=15) == 1
+            assert service.stderr is not None and "did not close cleanly" in service.stderr.read()
+        finally:
+            if service.poll() is None:
+                service.kill()
+                service.wait()
+    assert stopped_s < 8
+
+
 def test_a_store_closes_while_its_mount_is_frozen(tmp_path):
     """Issue 36: closing a store (an engine stopping) waited for its shared tier, and a frozen mount
     holds whatever touches it (the last publish, the maintenance thread, the queue's reads) for as

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier._core import Service
+from kvtier.errors import KvtierError
 from kvtier.ops.metrics import start_exporter
 from kvtier.service import (
     DEFAULT_POOL_DIR,
@@ -180,7 +181,13 @@ def _serve(service: Service, socket: Path, args: argparse.Namespace) -> int:
         exporter.shutdown()
     # The service removes its pid file with its socket (before it, under the socket path's lock), and
     # only while it names this process: a service started since may have written its own.
-    service.stop()
+    try:
+        service.stop()
+    except KvtierError as error:
+        # A store whose disk hung: what it had not written is lost (its log says which); the socket,
+        # the pid file and the pools are gone all the same.
+        print(f"kvtier serve: stopped, but a store did not close cleanly: {error}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

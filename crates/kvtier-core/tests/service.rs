@@ -500,6 +500,73 @@ fn namespaces_share_the_host_dram_budget_and_one_too_many_is_refused() {
     service.stop().unwrap();
 }
 
+/// A hello for a namespace another connection is still opening waits `open_wait_ms` at most, then is
+/// answered with a timeout that names the cause. Before, it waited for as long as the open: on a
+/// frozen filesystem every reconnect's hello held a service thread and a connection slot for as long
+/// as the freeze, until `max_connections` refused every client, operators' included.
+#[test]
+fn a_hello_waiting_on_another_connections_open_is_answered_within_open_wait() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(dir.path(), 0);
+    config.open_delay = Duration::from_secs(3);
+    config.open_wait_ms = 300;
+    let socket = config.socket_path.clone();
+    let mut service = Service::start(config).unwrap();
+    let opener = std::thread::spawn({
+        let socket = socket.clone();
+        move || client(&socket, 1, 0)
+    });
+    std::thread::sleep(Duration::from_millis(300)); // the opener's hello is in the open by now
+    let mut late = Client::connect(&socket, Duration::from_secs(10)).unwrap();
+    let started = std::time::Instant::now();
+    let refused = late.hello(b"service-test/model/tp", 1, 0, SLICE).map(|_| ()).expect_err("the open is not done");
+    let waited = started.elapsed();
+    assert!(refused.to_string().contains("another connection is opening"), "{refused}");
+    assert!(waited < Duration::from_secs(2), "the hello waited {waited:?} for another connection's open");
+    let opened = opener.join().unwrap();
+    let again = client(&socket, 1, 0); // once open, the namespace is attached at once
+    drop((opened, again, late));
+    service.stop().unwrap();
+}
+
+/// Namespaces opening at once under a host DRAM budget each count what the others were granted while
+/// they open (the opens no longer wait in line on one lock): together they never take more than the
+/// budget, and the one for which too little is left is refused.
+#[test]
+fn namespaces_opening_at_once_never_take_more_than_the_host_dram_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let slot = SLICE + 4096;
+    let mut store = StoreConfig::new(dir.path().join("store"), 1);
+    store.dram_bytes = 32 * slot;
+    store.nvme_bytes = 4 << 20;
+    store.region_bytes = 1 << 20;
+    let socket = dir.path().join("run").join("kvtier.sock");
+    let mut config = ServiceConfig::new(&socket, store);
+    config.pool_dir = dir.path().to_path_buf();
+    config.host_dram_bytes = (52 * slot) as u64;
+    let mut service = Service::start(config).unwrap();
+    let start = std::sync::Barrier::new(3);
+    let granted: Vec<Option<usize>> = std::thread::scope(|scope| {
+        let opens: Vec<_> = (0..3)
+            .map(|model| {
+                let (socket, start) = (&socket, &start);
+                scope.spawn(move || {
+                    let mut c = Client::connect(socket, Duration::from_secs(10)).unwrap();
+                    start.wait();
+                    let slots =
+                        c.hello(format!("budget-model-{model}").as_bytes(), 1, 0, SLICE).ok().map(|a| a.slot_count);
+                    (c, slots)
+                })
+            })
+            .collect();
+        opens.into_iter().map(|open| open.join().unwrap().1).collect()
+    });
+    let total: usize = granted.iter().flatten().sum();
+    assert!(total <= 52, "the pools together took {total} slots of a 52-slot budget: {granted:?}");
+    assert_eq!(granted.iter().filter(|g| g.is_none()).count(), 1, "one model is refused: {granted:?}");
+    service.stop().unwrap();
+}
+
 /// Engines of two TP sizes in one namespace (a rank-independent object layout): the TP=2 ranks place
 /// their halves of each of two "layers" interleaved, as vLLM's canonical pages put each rank's heads.
 /// A TP=1 engine reads the whole object in that order, stores one the ranks read back, and a block

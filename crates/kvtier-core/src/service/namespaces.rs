@@ -53,7 +53,7 @@ pub(super) struct Namespaced {
 }
 
 /// Flushes and closes a namespace's store and removes its pool file.
-pub(super) fn close_namespace(ns: &Namespaced) -> Result<()> {
+fn close_namespace(ns: &Namespaced) -> Result<()> {
     // Blocks some ranks committed and others never will: given back, so that the flush below does
     // not wait on slots nobody fills.
     // Abandoned slots go with the store; a connection that lets go of one later finds nothing.
@@ -78,6 +78,55 @@ pub(super) fn close_namespace(ns: &Namespaced) -> Result<()> {
     closed
 }
 
+/// How long a namespace closed on a thread of its own (`Closing`) is waited for once its store has
+/// closed: the rest is letting go of its files, which on a frozen mount waits for the mount.
+const FILES_CLOSE_WAIT: Duration = Duration::from_secs(1);
+
+/// A namespace being closed on a thread of its own: `close_namespace`, then the last of its store.
+/// Closing a file on a frozen FUSE or network mount waits for the mount, uninterruptibly; the store's
+/// close bounds its own waits (a hung disk's writes, its fdatasync, a frozen remote tier), not that.
+pub(super) struct Closing {
+    digest: Namespace,
+    closed: crossbeam_channel::Receiver<Result<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Closing {
+    pub(super) fn start(digest: Namespace, ns: Arc<Namespaced>) -> Closing {
+        let (closed_tx, closed) = crossbeam_channel::bounded(1);
+        let mine = Arc::clone(&ns);
+        let close = move || {
+            let _ = closed_tx.send(close_namespace(&mine));
+            drop(mine); // its files close here, the last holder gone
+        };
+        let thread = std::thread::Builder::new().name("kvtier-svc-close".into()).spawn(close).ok();
+        if thread.is_none() {
+            let (closed_tx, closed_again) = crossbeam_channel::bounded(1);
+            let _ = closed_tx.send(close_namespace(&ns)); // no thread to be had: here, unbounded
+            return Closing { digest, closed: closed_again, thread };
+        }
+        Closing { digest, closed, thread }
+    }
+
+    /// The close's result, once the store closed and its files did, or `FILES_CLOSE_WAIT` after it.
+    pub(super) fn finish(self) -> Result<()> {
+        let closed = self.closed.recv().unwrap_or(Err(Error::Closed)); // its thread panicked
+        let deadline = Instant::now() + FILES_CLOSE_WAIT;
+        let Some(thread) = self.thread else { return closed };
+        while !thread.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if !thread.is_finished() {
+            log::warn!(
+                "kvtier: namespace {}'s files did not close within {FILES_CLOSE_WAIT:?} (a frozen mount?); \
+                 they close when its filesystem answers",
+                &self.digest.hex()[..16]
+            );
+        }
+        closed
+    }
+}
+
 impl State {
     /// The namespace's store, opened on first use with the engines' layout, with this connection
     /// counted as attached to it.
@@ -87,13 +136,20 @@ impl State {
             return Ok(ns);
         }
         let opening = Arc::clone(self.opening.lock().entry(namespace).or_default());
-        let _opening = opening.lock();
+        let open_wait = Duration::from_millis(self.config.open_wait_ms);
+        let Some(_opening) = opening.try_lock_for(open_wait) else {
+            let what = format!(
+                "namespace {}'s store, which another connection is opening (a slow or frozen filesystem under the store?)",
+                &namespace.hex()[..16]
+            );
+            return Err(Error::Timeout { what, timeout_ms: self.config.open_wait_ms });
+        };
         if let Some(ns) = self.attach_open(&namespace, tp_size, slice_bytes)? {
             return Ok(ns);
         }
-        let _budget = (self.config.host_dram_bytes > 0).then(|| self.budget.lock());
-        let ns = Arc::new(self.open_store(&namespace, description, tp_size, slice_bytes)?);
-        let mut namespaces = self.namespaces.lock();
+        let (config, _grant) = self.store_config(&namespace, description, tp_size, slice_bytes)?;
+        let ns = Arc::new(self.open_store(config, description, tp_size, slice_bytes)?);
+        let mut namespaces = self.namespaces.lock(); // let go before `_grant`: its pool counts there now
         ns.attached.fetch_add(1, Ordering::Relaxed);
         namespaces.insert(namespace, Arc::clone(&ns));
         Ok(ns)
@@ -122,24 +178,44 @@ impl State {
         Ok(Some(Arc::clone(ns)))
     }
 
-    /// Opens a new namespace's store (outside the namespaces' lock: this takes seconds).
-    fn open_store(
+    /// A new namespace's store configuration: the template with the engines' layout, its pool file,
+    /// and under a host DRAM budget its pool's size, granted (`PoolGrant`) until the store is open.
+    fn store_config(
         &self,
         namespace: &Namespace,
         description: &[u8],
         tp_size: u32,
         slice_bytes: u64,
-    ) -> Result<Namespaced> {
+    ) -> Result<(StoreConfig, Option<PoolGrant<'_>>)> {
         let mut config = self.config.store.clone();
         config.namespace = description.to_vec();
         config.object_bytes = slice_bytes
             .checked_mul(u64::from(tp_size))
             .and_then(|bytes| usize::try_from(bytes).ok())
             .ok_or_else(|| Error::config("object_bytes", "slices too large"))?;
+        let mut grant = None;
         if self.config.host_dram_bytes > 0 {
-            config.dram_bytes = self.pool_within_host_budget(&self.namespaces.lock(), &config)?;
+            let mut opening = self.opening_pools.lock();
+            let pending: u64 = opening.values().sum();
+            config.dram_bytes = self.pool_within_host_budget(&self.namespaces.lock(), pending, &config)?;
+            opening.insert(*namespace, config.dram_bytes as u64);
+            grant = Some(PoolGrant { state: self, namespace: *namespace });
         }
         config.pool_path = Some(self.config.pool_dir.join(pool_file_name(&self.config.socket_path, namespace)?));
+        Ok((config, grant))
+    }
+
+    /// Opens a new namespace's store (outside the namespaces' lock: this takes seconds, and on a
+    /// frozen mount as long as it stays frozen).
+    fn open_store(
+        &self,
+        config: StoreConfig,
+        description: &[u8],
+        tp_size: u32,
+        slice_bytes: u64,
+    ) -> Result<Namespaced> {
+        #[cfg(any(test, feature = "testing"))]
+        std::thread::sleep(self.config.open_delay);
         let store = Store::open(config)?;
         Ok(Namespaced {
             store,
@@ -186,10 +262,23 @@ impl State {
             };
             if let Some(ns) = ns {
                 log::info!("kvtier: closing namespace {} (no engine attached for {idle:?})", &digest.hex()[..16]);
-                let _ = close_namespace(&ns);
+                let _ = Closing::start(digest, ns).finish();
                 *self.busy_at.lock() = Instant::now();
             }
         }
+    }
+}
+
+/// The DRAM a namespace still opening was granted under the host budget (`State::opening_pools`),
+/// counted until its store is in the namespace table, or its open failed.
+struct PoolGrant<'a> {
+    state: &'a State,
+    namespace: Namespace,
+}
+
+impl Drop for PoolGrant<'_> {
+    fn drop(&mut self) {
+        self.state.opening_pools.lock().remove(&self.namespace);
     }
 }
 
@@ -251,17 +340,19 @@ impl State {
     fn pool_within_host_budget(
         &self,
         namespaces: &HashMap<Namespace, Arc<Namespaced>>,
+        opening_bytes: u64,
         config: &StoreConfig,
     ) -> Result<usize> {
         let host = self.config.host_dram_bytes;
-        let taken: u64 = namespaces.values().filter_map(|ns| ns.store.pool()).map(|pool| pool.pool_bytes as u64).sum();
+        let open: u64 = namespaces.values().filter_map(|ns| ns.store.pool()).map(|pool| pool.pool_bytes as u64).sum();
+        let taken = open + opening_bytes;
         let left = host.saturating_sub(taken);
         let slot_bytes = config.slot_bytes() as u64;
         if left < MIN_POOL_SLOTS * slot_bytes {
             return Err(Error::config(
                 "host_dram_bytes",
                 format!(
-                    "the host's DRAM budget ({host} bytes) is taken by {} open namespace(s) ({taken} bytes); a new one \
+                    "the host's DRAM budget ({host} bytes) is taken by {} open namespace(s) and those opening ({taken} bytes); a new one \
                      needs at least {} bytes ({MIN_POOL_SLOTS} blocks). Raise host_dram_bytes, lower dram_bytes so \
                      models share it, or stop the engines of another model and restart the service",
                     namespaces.len(),

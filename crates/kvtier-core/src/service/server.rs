@@ -7,7 +7,7 @@
 //! a connection holds and how it is given back (the lease protocol: reserve, commit, abort) is
 //! `sessions.rs`.
 
-use super::namespaces::{close_namespace, pool_file_prefix, Namespaced};
+use super::namespaces::{pool_file_prefix, Closing, Namespaced};
 use super::protocol::*;
 use super::sessions::{expire_fills, Session};
 use super::socket_file;
@@ -67,6 +67,17 @@ pub struct ServiceConfig {
     /// thread, as a bug would. Only with the `testing` feature (not in production builds).
     #[cfg(any(test, feature = "testing"))]
     pub panic_on_label: Option<String>,
+    /// Fault injection for tests: each new namespace's store opens this much later, as on a slow or
+    /// frozen filesystem. Only with the `testing` feature.
+    #[cfg(any(test, feature = "testing"))]
+    pub open_delay: Duration,
+    /// How long a hello waits while another connection opens the same namespace, before it is
+    /// answered with a timeout. Longer than an engine's own wait for its hello (a worker's
+    /// `job_timeout_ms`, 120 s by default), so an engine gives up first; what it bounds is the
+    /// service's side: on a frozen filesystem every reconnect's hello would wait for as long as
+    /// the open, one connection thread each, until `max_connections` refuses every client.
+    /// Default 150000.
+    pub open_wait_ms: u64,
     /// The most DRAM the pools of all namespaces may take together (0: no host cap, every namespace
     /// gets `store.dram_bytes`). Each namespace's pool is `store.dram_bytes`, or what is left of this
     /// budget when less; a namespace for which less than `MIN_POOL_SLOTS` slots are left is refused.
@@ -92,6 +103,9 @@ impl ServiceConfig {
             reservation_timeout_ms: 180_000,
             #[cfg(any(test, feature = "testing"))]
             panic_on_label: None,
+            #[cfg(any(test, feature = "testing"))]
+            open_delay: Duration::ZERO,
+            open_wait_ms: 150_000,
             host_dram_bytes: 0,
             idle_timeout_ms: 0,
         }
@@ -108,9 +122,10 @@ pub(super) struct State {
     /// pool: seconds for a few GiB) runs outside `namespaces`' lock, so other clients' calls go on,
     /// and two hellos for one new namespace open it once.
     pub(super) opening: Mutex<HashMap<Namespace, Arc<Mutex<()>>>>,
-    /// Serializes the opening of namespaces under a host DRAM budget (each new pool is sized from
-    /// what the others left).
-    pub(super) budget: Mutex<()>,
+    /// The DRAM granted under a host budget to namespaces still opening: each new pool is sized from
+    /// what the open ones and these left, and a store that opens slowly (or on a frozen mount) holds
+    /// no other namespace's open.
+    pub(super) opening_pools: Mutex<HashMap<Namespace, u64>>,
     /// When the service last held a connection or a namespace (for `Service::idle_ms`).
     pub(super) busy_at: Mutex<Instant>,
     /// Held while a connection is accepted and counted, and while `Service::stop_if_idle` decides.
@@ -137,7 +152,7 @@ impl Service {
             socket_id,
             namespaces: Mutex::new(HashMap::new()),
             opening: Mutex::new(HashMap::new()),
-            budget: Mutex::new(()),
+            opening_pools: Mutex::new(HashMap::new()),
             busy_at: Mutex::new(Instant::now()),
             accepting: Mutex::new(()),
             connections: Mutex::new(HashMap::new()),
@@ -182,20 +197,30 @@ impl Service {
         true
     }
 
-    /// Stops accepting, closes every connection, then flushes and closes every store. Idempotent.
+    /// Stops accepting, closes every connection, releases the socket, then flushes and closes every
+    /// store, each on a thread of its own (`Closing`): a namespace whose filesystem is frozen holds
+    /// neither the others nor the service's exit longer than its store's own limits. A connection
+    /// still waiting on the filesystem (a new namespace's open) is not waited for. Idempotent.
     pub fn stop(&mut self) -> Result<()> {
-        self.state.stop.store(true, Ordering::Release);
+        {
+            // No connection is accepted after this (`accept_loop` looks under the same lock).
+            let _accepting = self.state.accepting.lock();
+            self.state.stop.store(true, Ordering::Release);
+        }
         for (_, stream) in self.state.connections.lock().drain() {
             let _ = stream.shutdown(std::net::Shutdown::Both);
         }
+        // First: an engine that reconnects now starts a new service rather than wait for this one.
+        socket_file::release(&self.state.config.socket_path, self.state.socket_id);
         for thread in self.threads.drain(..) {
             thread.thread().unpark(); // the janitor sleeps in `park_timeout`
             let _ = thread.join();
         }
-        socket_file::release(&self.state.config.socket_path, self.state.socket_id);
+        let closing: Vec<Closing> =
+            self.state.namespaces.lock().drain().map(|(digest, ns)| Closing::start(digest, ns)).collect();
         let mut result = Ok(());
-        for (_, ns) in self.state.namespaces.lock().drain() {
-            if let Err(e) = close_namespace(&ns) {
+        for namespace in closing {
+            if let Err(e) = namespace.finish() {
                 result = Err(e);
             }
         }
