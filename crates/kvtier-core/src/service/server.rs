@@ -293,7 +293,7 @@ fn accept_loop(state: &Arc<State>, listener: UnixListener) {
         let spawned = std::thread::Builder::new().name(format!("kvtier-svc-conn-{id}")).spawn(move || {
             // A panic outside a request's own catch counts as activity.
             let mut slot = ConnectionSlot { state: Arc::clone(&conn_state), id, made_requests: true };
-            slot.made_requests = Connection { state: conn_state, session: None }.serve(stream);
+            slot.made_requests = Connection { state: conn_state, session: None, hang_up: false }.serve(stream);
         });
         if spawned.is_err() {
             state.connections.lock().remove(&id);
@@ -364,6 +364,10 @@ fn janitor_loop(state: &Arc<State>) {
 struct Connection {
     state: Arc<State>,
     session: Option<Session>,
+    /// Close the connection unanswered: its hello waited `open_wait_ms` for another connection's
+    /// open of its namespace. The engine then takes the service for unreachable (it recomputes and
+    /// reconnects later), as when its own wait runs out first; an error reply would fail its start.
+    hang_up: bool,
 }
 
 impl Connection {
@@ -396,7 +400,7 @@ impl Connection {
                     (reply_frame(STATUS_ERROR, message.as_bytes()), true)
                 }
             };
-            if write_frame(&mut stream, &reply).is_err() || close {
+            if self.hang_up || write_frame(&mut stream, &reply).is_err() || close {
                 break;
             }
         }
@@ -594,7 +598,14 @@ impl Connection {
         }
         // Given back first: a connection holds one namespace at a time.
         self.session = None;
-        let ns = self.state.namespace(&description, tp_size, slice_bytes)?;
+        let ns = self.state.namespace(&description, tp_size, slice_bytes).inspect_err(|e| {
+            if let Error::Timeout { .. } = e {
+                log::warn!(
+                    "kvtier: {e}; the hello's connection is closed unanswered (its engine recomputes and reconnects)"
+                );
+                self.hang_up = true;
+            }
+        })?;
         let Some(pool) = ns.store.pool() else {
             return Err(Error::config("hello", "the namespace's store has no shared pool (a bug; report it)"));
         };
