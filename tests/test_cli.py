@@ -39,7 +39,7 @@ STATUS_KEYS = {
     "tenants",
     "namespaces",
 }
-LS_KEYS = {"schema", "paths", "socket", "service", "namespaces"}
+LS_KEYS = {"schema", "paths", "socket", "service", "message", "namespaces"}
 NAMESPACE_KEYS = {
     "path",
     "digest",

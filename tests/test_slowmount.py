@@ -444,7 +444,8 @@ def test_a_host_service_stopped_while_its_store_filesystem_is_frozen_lets_go_wit
     mount, in the stopping thread. Now every namespace closes on a thread of its own, each wait is
     bounded (fdatasync ten stall limits, the unlock one, the files one second), and the service lets
     go of its socket, pid file and pools within them, saying which store did not close cleanly. A new
-    namespace's hello, stuck opening on the mount, neither answers late nor holds the stop."""
+    namespace's hello, stuck opening on the mount, neither answers late nor holds the stop. Before
+    that, ``kvtier status`` answers within its limit on the frozen mount."""
     import signal
     import subprocess
     import sys
@@ -476,6 +477,8 @@ def test_a_host_service_stopped_while_its_store_filesystem_is_frozen_lets_go_wit
             assert all(engine.store_blocks([bytes([i]) * 32 for i in range(8)], [layer], list(range(8))))
             engine.flush()
             with daemon_stopped(mount):
+                check_status_on_a_frozen_store(mountpoint / "store", socket)
+            with daemon_stopped(mount):
                 late = ServiceClient.connect(str(socket), 1_000)
                 with pytest.raises(Exception, match="no reply to Hello"):
                     late.hello(b"frozen-stop|two", 1, 0, slice_bytes)  # its store cannot open
@@ -495,6 +498,28 @@ def test_a_host_service_stopped_while_its_store_filesystem_is_frozen_lets_go_wit
                 service.kill()
                 service.wait()
     assert stopped_s < 8
+
+
+def check_status_on_a_frozen_store(store: Path, socket: Path) -> None:
+    """``kvtier status`` of a store whose mount is frozen waited for the mount (its path checks and
+    the namespace scan stat the files); now the files get `FILES_WAIT_S` (5 s), then it shows the
+    service's view with a note (``--socket``), or fails saying why and what to give (without it: the
+    default socket is named from the path's real path)."""
+    import json
+    import subprocess
+    import sys
+
+    status = [sys.executable, "-m", "kvtier", "status", str(store), "--json"]
+    started = time.monotonic()
+    with_socket = subprocess.Popen([*status, "--socket", str(socket)], stdout=subprocess.PIPE, text=True)
+    without = subprocess.Popen(status, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    out, _ = with_socket.communicate(timeout=30)
+    _, err = without.communicate(timeout=30)
+    assert time.monotonic() - started < 9, "kvtier status waited for the frozen mount"
+    report = json.loads(out)
+    assert with_socket.returncode == 0 and report["service"]["running"], report
+    assert "did not answer within 5 s" in report["message"] and report["stats"]["puts"] == 8, report
+    assert without.returncode == 1 and "give --socket" in err, err
 
 
 def test_a_store_closes_while_its_mount_is_frozen(tmp_path):

@@ -201,12 +201,24 @@ def _complete_directories(ctx: click.Context, param: click.Parameter, incomplete
     return [CompletionItem(incomplete, type="dir")]  # the shell completes directory names
 
 
+class _PathAsGiven(click.ParamType):
+    """A path, not looked at here: ``click.Path`` stats every path (even with ``exists=False``), and
+    on a frozen mount (a FUSE daemon stopped, an NFS server gone) that waits for as long as the mount
+    does, before a command could say so. The commands check their paths themselves, within a limit
+    where it matters (``kvtier status``, ``kvtier ls``)."""
+
+    name = "path"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
+        return value if isinstance(value, Path) else Path(value)
+
+
 _paths_argument = click.argument(
     "paths",
     nargs=-1,
     required=True,
     metavar="PATH...",
-    type=click.Path(path_type=Path),
+    type=_PathAsGiven(),
     shell_complete=_complete_directories,
 )
 _socket_option = click.option(

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtier.ops import store_files
+from kvtier.threads import start_thread
 from kvtier.tiers import ALL as ALL_TIERS
 from kvtier.tiers import label as tier_label
+
+T = TypeVar("T")
 
 STATUS_SCHEMA = "kvtier.status/1"
 LS_SCHEMA = "kvtier.ls/1"
@@ -70,10 +73,30 @@ def _check_paths(paths: Sequence[Path]) -> list[Path]:
     return resolved
 
 
-def _gather(paths: Sequence[Path], socket_option: str | os.PathLike | None) -> dict[str, Any]:
-    resolved = _check_paths(paths)
-    socket = resolve_socket(resolved, socket_option)
-    stats = probe_service(socket)
+# How long a report waits for the store's files. On a frozen mount (a FUSE daemon stopped, an NFS
+# server gone) a stat waits for as long as it stays frozen, and an operator asking what is wrong
+# must get an answer: the service's view, which lives in memory.
+FILES_WAIT_S = 5.0
+
+
+def _within(work: Callable[[], T], wait_s: float) -> T | None:
+    """``work()`` on a thread of its own, waited ``wait_s``: its value, its exception raised here, or
+    None when it is still running (the thread is left to finish when the filesystem answers)."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as error:
+            outcome["error"] = error
+
+    start_thread(run, "kvtier-files").join(wait_s)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
+def _scan(resolved: Sequence[Path]) -> list[store_files.NamespaceDir]:
     holders = store_files.flock_holders()
     namespaces: list[store_files.NamespaceDir] = []
     for path in resolved:
@@ -81,6 +104,45 @@ def _gather(paths: Sequence[Path], socket_option: str | os.PathLike | None) -> d
             namespaces += store_files.scan(path, holders)
         except OSError as error:
             raise OpsError(f"cannot list {path}: {error.strerror} (run as the store's owner)") from None
+    return namespaces
+
+
+def _files(
+    paths: Sequence[Path], socket_option: str | os.PathLike | None
+) -> tuple[list[Path], Path, list[store_files.NamespaceDir], str | None]:
+    """The checked paths, the socket and the namespaces on disk, within ``FILES_WAIT_S``; past it,
+    the paths as given, the ``--socket`` and no namespaces, with a note saying so (without
+    ``--socket`` the socket's name comes from the paths' real path: an error naming the fix)."""
+
+    def gather() -> tuple[list[Path], Path, list[store_files.NamespaceDir]]:
+        resolved = _check_paths(paths)
+        return resolved, resolve_socket(resolved, socket_option), _scan(resolved)
+
+    found = _within(gather, FILES_WAIT_S)
+    if found is not None:
+        return (*found, None)
+    where = ", ".join(str(p) for p in paths)
+    if socket_option is None:
+        raise OpsError(
+            f"{where} did not answer within {FILES_WAIT_S:g} s (a frozen or hung filesystem?); the service's "
+            "socket is named from it: give --socket to see what the service tells"
+        )
+    note = (
+        f"the store's files did not answer within {FILES_WAIT_S:g} s (a frozen or hung filesystem?): "
+        "the service's view only"
+    )
+    return list(paths), Path(socket_option), [], note
+
+
+def socket_of(paths: Sequence[Path], socket_option: str | os.PathLike | None) -> Path:
+    """The service socket of the store at ``paths`` (checked), within ``FILES_WAIT_S``; past it the
+    ``--socket`` given, or an error naming the fix (``_files``)."""
+    return _files(paths, socket_option)[1]
+
+
+def _gather(paths: Sequence[Path], socket_option: str | os.PathLike | None) -> dict[str, Any]:
+    resolved, socket, namespaces, files_note = _files(paths, socket_option)
+    stats = probe_service(socket)
     if stats is None and not namespaces:
         where = ", ".join(str(p) for p in resolved)
         raise OpsError(
@@ -89,7 +151,14 @@ def _gather(paths: Sequence[Path], socket_option: str | os.PathLike | None) -> d
             "service that serves it"
         )
     pid = _service_pid(socket) if stats is not None else None
-    return {"paths": resolved, "socket": socket, "stats": stats, "pid": pid, "namespaces": namespaces}
+    return {
+        "paths": resolved,
+        "socket": socket,
+        "stats": stats,
+        "pid": pid,
+        "namespaces": namespaces,
+        "files_note": files_note,
+    }
 
 
 def _namespace_json(ns: store_files.NamespaceDir, running: bool, service_pid: int | None) -> dict[str, Any]:
@@ -121,6 +190,7 @@ def ls_report(paths: Sequence[Path], socket: str | os.PathLike | None = None) ->
         "paths": [str(p) for p in gathered["paths"]],
         "socket": str(gathered["socket"]),
         "service": _service_json(gathered),
+        "message": gathered["files_note"],
         "namespaces": [_namespace_json(ns, running, gathered["pid"]) for ns in gathered["namespaces"]],
     }
 
@@ -158,7 +228,9 @@ def status_report(paths: Sequence[Path], socket: str | os.PathLike | None = None
         "paths": [str(p) for p in gathered["paths"]],
         "socket": str(gathered["socket"]),
         "service": _service_json(gathered),
-        "message": None if running else f"no service running on {gathered['socket']}: showing what the files tell",
+        "message": gathered["files_note"]
+        if running
+        else f"no service running on {gathered['socket']}: showing what the files tell",
         "stats": stats,
         "lookups": None,
         "hit_rate": None,
@@ -448,7 +520,7 @@ def print_status(report: dict[str, Any], output: Output) -> None:
         _writes_table(report["writes"], output)
         if report.get("tenants"):
             _tenants_table(report["tenants"], stats.get("untracked_tenant_blocks", 0), output)
-    else:
+    if report["message"]:
         output.line(report["message"])
     _namespace_table(report, output, f"{len(report['namespaces'])} namespace(s) on disk")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.ops.metrics import ENGINE_FALLBACKS, HIT_TIERS, LATENCY_BUCKETS_US, TIERS, ServiceSnapshot, model_of
-from kvtier.ops.report import OpsError, _check_paths, human_bytes, resolve_socket
+from kvtier.ops.report import OpsError, human_bytes, socket_of
 from kvtier.tiers import label as tier_label
 
 
@@ -280,7 +280,7 @@ def run(paths: Sequence[Path], socket_option: str | os.PathLike | None, interval
         from rich.live import Live
     except ImportError:
         raise OpsError("kvtier top needs rich: pip install rich (or 'kvtier[ops]')") from None
-    socket = resolve_socket(_check_paths(paths), socket_option)
+    socket = socket_of(paths, socket_option)
     snapshot = ServiceSnapshot(socket)
     try:
         before, _ = snapshot.read()

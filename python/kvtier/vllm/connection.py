@@ -85,6 +85,10 @@ class ServiceConnection:
         self._reported: dict[str, int] = {}
         self._report_lock = threading.Lock()
         self.namespace = namespace_digest(description)
+        # Named once: the default socket's name comes from the store path's real path, and on a frozen
+        # mount resolving it waits for as long as the mount does (a reconnect, the load watchdog's
+        # probe and the dead client's drop all ask for it).
+        self._socket_path = options.socket_path()
         try:
             self._client = self._connect(start_timeout_s=None)
         except ServiceUnreachable as error:
@@ -96,7 +100,7 @@ class ServiceConnection:
 
     @property
     def socket_path(self) -> Path:
-        return self._options.socket_path()
+        return self._socket_path
 
     def _connect(self, start_timeout_s: float | None) -> Any:
         from kvtier.service import SERVICE_START_TIMEOUT_S, connect, ensure_service
@@ -104,7 +108,7 @@ class ServiceConnection:
         socket = ensure_service(
             self._options.path,
             self._options.service_options(),
-            socket_path=self._options.socket_path(),
+            socket_path=self._socket_path,
             pool_dir=self._options.pool_dir,
             start_timeout_s=start_timeout_s or SERVICE_START_TIMEOUT_S,
             idle_timeout_s=self._options.service_idle_timeout_s,
