@@ -477,7 +477,7 @@ def test_a_host_service_stopped_while_its_store_filesystem_is_frozen_lets_go_wit
             assert all(engine.store_blocks([bytes([i]) * 32 for i in range(8)], [layer], list(range(8))))
             engine.flush()
             with daemon_stopped(mount):
-                check_status_on_a_frozen_store(mountpoint / "store", socket)
+                check_operator_commands_on_a_frozen_store(mountpoint / "store", socket)
             with daemon_stopped(mount):
                 late = ServiceClient.connect(str(socket), 1_000)
                 with pytest.raises(Exception, match="no reply to Hello"):
@@ -500,11 +500,11 @@ def test_a_host_service_stopped_while_its_store_filesystem_is_frozen_lets_go_wit
     assert stopped_s < 8
 
 
-def check_status_on_a_frozen_store(store: Path, socket: Path) -> None:
+def check_operator_commands_on_a_frozen_store(store: Path, socket: Path) -> None:
     """``kvtier status`` of a store whose mount is frozen waited for the mount (its path checks and
     the namespace scan stat the files); now the files get `FILES_WAIT_S` (5 s), then it shows the
     service's view with a note (``--socket``), or fails saying why and what to give (without it: the
-    default socket is named from the path's real path)."""
+    default socket is named from the path's real path). ``kvtier service stop PATH`` the same."""
     import json
     import subprocess
     import sys
@@ -513,9 +513,13 @@ def check_status_on_a_frozen_store(store: Path, socket: Path) -> None:
     started = time.monotonic()
     with_socket = subprocess.Popen([*status, "--socket", str(socket)], stdout=subprocess.PIPE, text=True)
     without = subprocess.Popen(status, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stop = [sys.executable, "-m", "kvtier", "service", "stop", str(store)]
+    stopping = subprocess.Popen(stop, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     out, _ = with_socket.communicate(timeout=30)
     _, err = without.communicate(timeout=30)
-    assert time.monotonic() - started < 9, "kvtier status waited for the frozen mount"
+    _, stop_err = stopping.communicate(timeout=30)
+    assert time.monotonic() - started < 9, "an operator's command waited for the frozen mount"
+    assert stopping.returncode == 1 and "give --socket" in stop_err, stop_err
     report = json.loads(out)
     assert with_socket.returncode == 0 and report["service"]["running"], report
     assert "did not answer within 5 s" in report["message"] and report["stats"]["puts"] == 8, report

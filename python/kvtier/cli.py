@@ -260,9 +260,13 @@ def service_stop(paths: tuple[Path, ...], socket: Path | None, timeout_s: float)
     """SIGTERM to the service of PATH, then a wait while it flushes its stores to NVMe, removes its
     pool files from /dev/shm and its socket, and exits. Exit 0 when none runs; 1 when it did not stop
     within --timeout."""
-    from kvtier.service import default_socket_path, running_service, service_pid, stop_service
+    from kvtier.ops.report import OpsError, socket_named_from
+    from kvtier.service import running_service, service_pid, stop_service
 
-    socket_path = socket or default_socket_path(list(paths) if len(paths) > 1 else paths[0])
+    try:
+        socket_path = socket or socket_named_from(paths)
+    except OpsError as error:
+        raise click.ClickException(f"kvtier service stop: {error}") from None
     found = running_service(socket_path)
     if found is None:
         recorded = service_pid(socket_path)

@@ -134,6 +134,19 @@ def _files(
     return list(paths), Path(socket_option), [], note
 
 
+def socket_named_from(paths: Sequence[Path]) -> Path:
+    """The default socket of the store at ``paths`` (named from their real path), within
+    ``FILES_WAIT_S``; an error naming the fix when the paths do not answer."""
+    socket = _within(lambda: resolve_socket(paths, None), FILES_WAIT_S)
+    if socket is None:
+        where = ", ".join(str(p) for p in paths)
+        raise OpsError(
+            f"{where} did not answer within {FILES_WAIT_S:g} s (a frozen or hung filesystem?); the service's "
+            "socket is named from it: give --socket"
+        )
+    return socket
+
+
 def socket_of(paths: Sequence[Path], socket_option: str | os.PathLike | None) -> Path:
     """The service socket of the store at ``paths`` (checked), within ``FILES_WAIT_S``; past it the
     ``--socket`` given, or an error naming the fix (``_files``)."""
