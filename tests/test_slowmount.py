@@ -526,6 +526,40 @@ def check_operator_commands_on_a_frozen_store(store: Path, socket: Path) -> None
     assert without.returncode == 1 and "give --socket" in err, err
 
 
+def test_an_engine_starts_while_its_store_mount_is_frozen_and_attaches_once_it_answers(tmp_path):
+    """Issue 36, never worse: an engine's connection to the host service named the service's socket
+    from the store path's real path, and on a frozen mount resolving it waits for as long as the
+    mount does: vLLM's engine did not start (nor did its load-or-recompute model find its costs
+    file, named the same way). Now naming the socket gets 5 s on a thread of its own: the engine
+    starts serving misses, and attaches once the mount answers."""
+    from kvtier import service as kvtier_service
+    from kvtier.vllm import KvtierOptions, ServiceConnection
+
+    source, mountpoint = tmp_path / "source", tmp_path / "mount"
+    source.mkdir()
+    with slowmount.SlowMount(source, mountpoint, LinkSpec(1000)) as mount:
+        (mountpoint / "store").mkdir()
+        extra = {"path": str(mountpoint / "store"), "dram_bytes": 8 << 20, "nvme_bytes": 0, "pool_dir": str(tmp_path)}
+        options = KvtierOptions.from_extra_config(extra)
+        connection = None
+        try:
+            with daemon_stopped(mount):
+                time.sleep(1.5)  # past the kernel's attribute cache of the mount (1 s): a stat asks the daemon
+                started = time.monotonic()
+                connection = ServiceConnection(options, {"test": "frozen start"}, 1, 0, 64 << 10)
+                assert time.monotonic() - started < 7, "the engine's start waited for the frozen mount"
+                assert not connection.available and connection.outages == 1
+            deadline = time.monotonic() + 30
+            while not connection.available:
+                assert time.monotonic() < deadline, "the connection did not attach once the mount answered"
+                connection.stats()  # a call while unattached starts a reconnect (at most one a second)
+                time.sleep(0.2)
+        finally:
+            if connection is not None:
+                connection.close()
+            kvtier_service.stop_service(options.socket_path())
+
+
 def test_a_store_closes_while_its_mount_is_frozen(tmp_path):
     """Issue 36: closing a store (an engine stopping) waited for its shared tier, and a frozen mount
     holds whatever touches it (the last publish, the maintenance thread, the queue's reads) for as

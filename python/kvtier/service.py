@@ -63,12 +63,18 @@ def _paths(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
     return [os.path.realpath(os.fspath(path))]  # type: ignore[arg-type]  # a str or os.PathLike here
 
 
-def default_socket_path(path: str | os.PathLike | Sequence[str | os.PathLike]) -> Path:
-    """The socket of the service for the store at ``path`` (one or several directories)."""
+def default_socket_dir() -> Path:
+    """Where the services' sockets are by default (the store path names the file, not the directory:
+    this does not look at the store, whose filesystem may be frozen)."""
     runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(runtime_dir) / "kvtier" if runtime_dir else Path(f"/tmp/kvtier-{os.getuid()}")
+    return Path(runtime_dir) / "kvtier" if runtime_dir else Path(f"/tmp/kvtier-{os.getuid()}")
+
+
+def default_socket_path(path: str | os.PathLike | Sequence[str | os.PathLike]) -> Path:
+    """The socket of the service for the store at ``path`` (one or several directories), named from
+    their real paths (which resolving looks at: on a frozen mount it waits as long as the mount)."""
     digest = hashlib.sha256("\0".join(_paths(path)).encode()).hexdigest()[:16]
-    return base / f"{digest}.sock"
+    return default_socket_dir() / f"{digest}.sock"
 
 
 def connect(socket_path: str | os.PathLike, timeout_ms: int = 10_000) -> ServiceClient:

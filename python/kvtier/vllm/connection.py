@@ -29,8 +29,35 @@ HANGUP_CHECK_S = 0.5
 TIER_READ_FIELDS = ("bytes_read_nvme", "shared_bytes_received", "bucket_bytes_received")
 
 
+# How long naming the service's socket may take. The default socket is named from the store path's
+# real path, and on a frozen mount (a FUSE daemon stopped, an NFS server gone) resolving it waits
+# for as long as the mount does: past this the engine starts (or goes on) serving misses.
+SOCKET_NAMING_WAIT_S = 5.0
+
+
 class ServiceUnreachable(ConnectionError):
     """The host service did not answer (dead, frozen, or its socket gone): the engine serves misses."""
+
+
+class _SocketNaming:
+    """``options.socket_path()`` on a thread of its own, started once: a connection that retries
+    while the store's mount stays frozen waits on the same thread, not on one more each time."""
+
+    def __init__(self, options: KvtierOptions) -> None:
+        self._named: list[Path] = []
+        self._done = threading.Event()
+
+        def name() -> None:
+            try:
+                self._named.append(options.socket_path())
+            finally:
+                self._done.set()
+
+        start_thread(name, "kvtier-socket")
+
+    def wait(self, wait_s: float) -> Path | None:
+        self._done.wait(wait_s)
+        return self._named[0] if self._named else None
 
 
 # Every ServiceConnection this process opened and has not closed (for the benchmarks and tests:
@@ -85,10 +112,11 @@ class ServiceConnection:
         self._reported: dict[str, int] = {}
         self._report_lock = threading.Lock()
         self.namespace = namespace_digest(description)
-        # Named once: the default socket's name comes from the store path's real path, and on a frozen
-        # mount resolving it waits for as long as the mount does (a reconnect, the load watchdog's
-        # probe and the dead client's drop all ask for it).
-        self._socket_path = options.socket_path()
+        # Named once (`_socket`), within a limit: the default socket's name comes from the store path's
+        # real path, and on a frozen mount resolving it waits for as long as the mount does (a
+        # reconnect, the load watchdog's probe and the dead client's drop all ask for it).
+        self._socket_path: Path | None = None
+        self._naming: _SocketNaming | None = None
         try:
             self._client = self._connect(start_timeout_s=None)
         except ServiceUnreachable as error:
@@ -100,7 +128,24 @@ class ServiceConnection:
 
     @property
     def socket_path(self) -> Path:
-        return self._socket_path
+        return self._socket()
+
+    def _socket(self) -> Path:
+        """The service's socket, named within ``SOCKET_NAMING_WAIT_S`` (``ServiceUnreachable`` past it)."""
+        if self._socket_path is not None:
+            return self._socket_path
+        with self._lock:
+            if self._naming is None:
+                self._naming = _SocketNaming(self._options)
+            naming = self._naming
+        named = naming.wait(SOCKET_NAMING_WAIT_S)
+        if named is None:
+            raise ServiceUnreachable(
+                f"the store path {self._options.path} did not answer within {SOCKET_NAMING_WAIT_S:g} s (a frozen "
+                "or hung filesystem?): its service's socket is named from it; set service_socket to skip that"
+            )
+        self._socket_path = named
+        return named
 
     def _connect(self, start_timeout_s: float | None) -> Any:
         from kvtier.service import SERVICE_START_TIMEOUT_S, connect, ensure_service
@@ -108,7 +153,7 @@ class ServiceConnection:
         socket = ensure_service(
             self._options.path,
             self._options.service_options(),
-            socket_path=self._socket_path,
+            socket_path=self._socket(),
             pool_dir=self._options.pool_dir,
             start_timeout_s=start_timeout_s or SERVICE_START_TIMEOUT_S,
             idle_timeout_s=self._options.service_idle_timeout_s,
@@ -266,7 +311,7 @@ class ServiceConnection:
             if self._client is client:
                 self._client = None
         with registry_lock:
-            others = [c for c in _service_connections if c is not self and c.socket_path == self.socket_path]
+            others = [c for c in _service_connections if c is not self and c._socket_path == self._socket_path]
         for other in others:
             with other._lock:
                 other._client = None
@@ -304,8 +349,10 @@ class ServiceConnection:
         slow link that is seconds with nothing copied, and these bytes tell it from a stalled one."""
         from kvtier.service import connect
 
+        if self._socket_path is None:
+            return None
         try:
-            stats = connect(self.socket_path, timeout_ms=timeout_ms).stats()
+            stats = connect(self._socket_path, timeout_ms=timeout_ms).stats()
         except Exception:
             return None
         return sum(int(stats.get(name, 0)) for name in TIER_READ_FIELDS)

@@ -19,7 +19,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from kvtier.service import default_socket_path, private_dir
+from kvtier.service import default_socket_dir, private_dir
 from kvtier.vllm.backend import ServiceBackend
 from kvtier.vllm.connection import ServiceConnection
 from kvtier.vllm.costs import load_costs
@@ -280,7 +280,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             return
         description = self._service_description()
         try:
-            directory = private_dir(default_socket_path(self.options.path).parent)
+            directory = private_dir(default_socket_dir())
         except Exception as error:  # no private place for it: learn from scratch, save nothing
             logger.warning("kvtier: no private directory for the costs file (%s); learning costs anew", error)
             return
