@@ -560,6 +560,29 @@ def test_an_engine_starts_while_its_store_mount_is_frozen_and_attaches_once_it_a
             kvtier_service.stop_service(options.socket_path())
 
 
+def test_an_engine_starts_its_service_while_the_store_mount_is_frozen(tmp_path):
+    """Issue 36: an engine whose host service is not running starts one (``ensure_service``), and
+    built its command line from the store path's real path, which on a frozen mount waits for as long
+    as the mount does (the socket's name, with ``service_socket``, needs no path). Now the command
+    takes the absolute path as given; the service starts (it opens a store only at a hello)."""
+    from kvtier import service as kvtier_service
+
+    source, mountpoint = tmp_path / "source", tmp_path / "mount"
+    source.mkdir()
+    socket = tmp_path / "run" / "svc.sock"
+    with slowmount.SlowMount(source, mountpoint, LinkSpec(1000)) as mount:
+        (mountpoint / "store").mkdir()
+        try:
+            with daemon_stopped(mount):
+                time.sleep(1.5)  # past the kernel's attribute cache of the mount (1 s): a stat asks the daemon
+                started = time.monotonic()
+                options = {"dram_bytes": 8 << 20, "nvme_bytes": 0}
+                kvtier_service.ensure_service(mountpoint / "store", options, socket_path=socket, pool_dir=str(tmp_path))
+                assert time.monotonic() - started < 7, "starting the service waited for the frozen mount"
+        finally:
+            kvtier_service.stop_service(socket)
+
+
 def test_a_store_closes_while_its_mount_is_frozen(tmp_path):
     """Issue 36: closing a store (an engine stopping) waited for its shared tier, and a frozen mount
     holds whatever touches it (the last publish, the maintenance thread, the queue's reads) for as

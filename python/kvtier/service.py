@@ -91,7 +91,13 @@ def service_command(
 ) -> list[str]:
     """The command an engine starts a service with: detached, freeing idle pools, exiting when idle,
     keeping its own log (rotated) when ``log_path`` is given."""
-    command = [sys.executable, "-m", "kvtier", "serve", *_paths(path), "--socket", os.fspath(socket_path)]
+    # Absolute, not resolved: the socket is named already, and resolving a path on a frozen mount
+    # waits for as long as the mount does (an engine starting its service would wait with it).
+    if isinstance(path, (list, tuple)):
+        store_paths = [os.path.abspath(os.fspath(p)) for p in path]
+    else:
+        store_paths = [os.path.abspath(os.fspath(path))]  # type: ignore[arg-type]  # a str or os.PathLike here
+    command = [sys.executable, "-m", "kvtier", "serve", *store_paths, "--socket", os.fspath(socket_path)]
     command += ["--pool-dir", pool_dir, "--detach", "--exit-when-idle", "--idle-timeout-s", str(idle_timeout_s)]
     if log_path is not None:
         command += ["--log-file", os.fspath(log_path)]
