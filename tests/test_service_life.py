@@ -325,7 +325,7 @@ def test_an_engine_waiting_on_a_start_lock_a_service_removes_locks_the_file_at_t
     service_fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT, 0o600)
     fcntl.flock(service_fd, fcntl.LOCK_EX)
     taken: list[int] = []
-    engine = threading.Thread(target=lambda: taken.append(kvtier_service._lock_start(lock_path)))
+    engine = threading.Thread(target=lambda: taken.append(kvtier_service._lock_start(lock_path, 30)))
     engine.start()
     time.sleep(0.2)  # the engine waits on the service's file
     lock_path.unlink()
@@ -341,3 +341,20 @@ def test_an_engine_waiting_on_a_start_lock_a_service_removes_locks_the_file_at_t
         os.close(other)
     finally:
         os.close(taken[0])
+
+
+def test_a_start_lock_never_let_go_is_waited_a_limit_and_the_error_says_what_to_do(tmp_path):
+    """An engine's reconnect starts the service under this lock: a holder that never lets go (a
+    process stopped while starting a service) must not hold the engine's reconnects for good."""
+    import fcntl
+
+    lock_path = tmp_path / "kvtier.lock"
+    holder = os.open(lock_path, os.O_WRONLY | os.O_CREAT, 0o600)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        started = time.monotonic()
+        with pytest.raises(kvtier_service.ServiceError, match="fuser"):
+            kvtier_service._lock_start(lock_path, 0.5)
+        assert 0.5 <= time.monotonic() - started < 5
+    finally:
+        os.close(holder)

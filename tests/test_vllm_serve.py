@@ -24,6 +24,7 @@ Run: ``.venv/bin/python -m pytest tests/test_vllm_serve.py -m slow -v -s``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -244,7 +245,20 @@ def store_after_restart(servers: Servers) -> float:
                 if all(blocks & in_dram(servers) for blocks in firsts.values()):
                     return stopped
                 time.sleep(0.1)
-    raise AssertionError("the servers stored nothing in the restarted service's DRAM tier")
+    raise AssertionError("the servers stored nothing in the restarted service's DRAM tier\n" + kvtier_logs(servers))
+
+
+def kvtier_logs(servers: Servers, lines: int = 40) -> str:
+    """kvtier's last lines in each server's log and the service's log, for a failure's message: the
+    service's log goes with the test's directory, and CI keeps only pytest's output."""
+    parts = []
+    for name, server in servers.servers.items():
+        ours = [line for line in server.tail(200_000).splitlines() if "kvtier" in line][-lines:]
+        parts.append(f"--- server {name}, kvtier's lines:\n" + "\n".join(ours))
+    service_log = servers.socket().parent / kvtier_service.SERVICE_LOG_NAME
+    with contextlib.suppress(OSError):
+        parts.append(f"--- {service_log}:\n" + "\n".join(service_log.read_text(errors="replace").splitlines()[-lines:]))
+    return "\n".join(parts)
 
 
 def settle(servers: Servers, quiet_s: float = 2.0, timeout_s: float = 30) -> tuple[dict[str, set], float, float]:
@@ -273,7 +287,12 @@ def settle(servers: Servers, quiet_s: float = 2.0, timeout_s: float = 30) -> tup
         if agreed_at and now - changed_at >= quiet_s:
             return current, changed_at, agreed_at
         time.sleep(0.1)
-    raise AssertionError(f"no quiet listing the index agreed with in {timeout_s:.0f} s: " + "; ".join(found))
+    raise AssertionError(
+        f"no quiet listing the index agreed with in {timeout_s:.0f} s: "
+        + "; ".join(found)
+        + "\n"
+        + kvtier_logs(servers)
+    )
 
 
 def test_the_routers_index_equals_kvtier_ls_within_a_second_of_churn_stopping(servers):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import logging
 import os
 import signal
 import time
@@ -722,6 +723,40 @@ def test_a_frozen_service_costs_the_scheduler_one_timeout_then_misses_at_once_un
     finally:
         scheduler.close()
         w.shutdown()
+
+
+def test_a_reconnect_that_keeps_failing_says_why_once_then_reattaches_when_it_can(tmp_path, caplog):
+    """An engine whose reconnects fail (here, after its service stopped, its socket's directory is
+    open to others, which the service start refuses) said why only at DEBUG: an engine that never
+    reattached showed nothing. Now the first failure of an outage is a WARNING with the reason, not
+    repeated at every retry."""
+    run_dir = tmp_path / "run"
+    options = options_for(tmp_path, service_socket=str(run_dir / "kv.sock"))
+    caplog.set_level(logging.DEBUG, logger="kvtier.vllm")
+    scheduler = ServiceConnection(options, {"test": "worker"}, 1, 0, PAGE_BYTES * LAYERS, timeout_ms=1_000)
+    try:
+        assert scheduler.available
+        assert kvtier_service.stop_service(options.socket_path())
+        os.chmod(run_dir, 0o777)
+        caplog.clear()
+        deadline = time.monotonic() + 3.5
+        while time.monotonic() < deadline:
+            assert scheduler.locate_many([key(90)]) == [None]
+            time.sleep(0.1)
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1 and "closed to others" in warned[0], warned
+        retried = [r for r in caplog.records if r.levelno == logging.DEBUG and "still unreachable" in r.getMessage()]
+        assert retried, "the reconnects went on (at DEBUG)"
+        os.chmod(run_dir, 0o700)
+        deadline = time.monotonic() + 30
+        while not scheduler.available and time.monotonic() < deadline:
+            scheduler.locate_many([key(90)])
+            time.sleep(0.1)
+        assert scheduler.available, "reattached once the cause was gone"
+        assert any("reattached" in r.getMessage() for r in caplog.records)
+    finally:
+        scheduler.close()
+        kvtier_service.stop_service(options.socket_path())
 
 
 def test_a_hinted_request_against_a_frozen_service_costs_one_timeout_and_the_hint_counts_once_it_answers(tmp_path):

@@ -142,14 +142,17 @@ def _open_private(path: Path, flags: int) -> int:
         raise
 
 
-def _lock_start(lock_path: Path) -> int:
+def _lock_start(lock_path: Path, wait_s: float) -> int:
     """The engines' lock on starting the service of a socket, held (flock) on the file at ``lock_path``.
     A stopping service removes the file while it holds the lock (so that lock files do not pile up),
-    so a lock taken on a file no longer at the path is let go and taken on the file there now."""
+    so a lock taken on a file no longer at the path is let go and taken on the file there now.
+    Waited ``wait_s`` at most: a holder that never lets go (a process stopped while starting the
+    service) must not hold an engine's reconnects for good."""
+    deadline = time.monotonic() + wait_s
     while True:
         fd = _open_private(lock_path, os.O_WRONLY | os.O_APPEND)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _flock_within(fd, lock_path, deadline)
             held = os.fstat(fd)
             with contextlib.suppress(FileNotFoundError):
                 there = os.stat(lock_path, follow_symlinks=False)
@@ -159,6 +162,20 @@ def _lock_start(lock_path: Path) -> int:
             os.close(fd)
             raise
         os.close(fd)
+
+
+def _flock_within(fd: int, lock_path: Path, deadline: float) -> None:
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise ServiceError(
+                    f"another process has held {lock_path} (starting the kvtier service) for too long; if none "
+                    "is starting it, find the holder with `fuser` and stop it"
+                ) from None
+            time.sleep(0.05)
 
 
 def ensure_service(
@@ -180,7 +197,8 @@ def ensure_service(
     if _answers(socket):
         return socket
     private_dir(socket.parent)
-    lock_fd = _lock_start(socket.with_suffix(".lock"))
+    # A holder of the lock waits for its own start at most start_timeout_s.
+    lock_fd = _lock_start(socket.with_suffix(".lock"), start_timeout_s + 10)
     try:
         if _answers(socket):
             return socket

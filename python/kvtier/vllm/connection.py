@@ -21,6 +21,10 @@ logger = logging.getLogger("kvtier.vllm")
 
 # A lost connection is retried at most this often, in the background: a call never waits for it.
 RECONNECT_INTERVAL_S = 1.0
+# A reconnect that fails says why at WARNING once per outage and then at most this often: an engine
+# that never reattaches (its service fails to start, another process holds the start lock) shows
+# the cause in its own log, not only at DEBUG.
+RECONNECT_WARN_INTERVAL_S = 60.0
 # How often this process looks for connections the service hung up on (``_watch_hangups``).
 HANGUP_CHECK_S = 0.5
 # The service's counters of bytes read from its tiers below DRAM (``tier_bytes_read``); the remote
@@ -104,6 +108,7 @@ class ServiceConnection:
         self._reconnecting = False
         self._last_attempt = 0.0
         self._outage_logged = False
+        self._reconnect_warned_at = float("-inf")
         self.failed_calls = 0  # calls sent that timed out or broke (each waited at most the deadline)
         self.stepped_aside_calls = 0  # calls answered with their miss unsent: the service stepped aside
         self.outages = 0  # times the service stopped answering this connection
@@ -198,7 +203,7 @@ class ServiceConnection:
             try:
                 client = self._connect(start_timeout_s=None)
             except Exception as error:
-                logger.debug("kvtier: the host service is still unreachable (%s); serving misses", error)
+                self._note_failed_reconnect(error)
                 client = None
             with self._lock:
                 self._reconnecting = False
@@ -207,8 +212,17 @@ class ServiceConnection:
                     if self._outage_logged:
                         logger.warning("kvtier: reattached to the host service; serving its hits again")
                     self._outage_logged = False
+                    self._reconnect_warned_at = float("-inf")
 
         start_thread(attempt, "kvtier-reconnect")
+
+    def _note_failed_reconnect(self, error: Exception) -> None:
+        now = time.monotonic()
+        if now - self._reconnect_warned_at < RECONNECT_WARN_INTERVAL_S:
+            logger.debug("kvtier: the host service is still unreachable (%s); serving misses", error)
+            return
+        self._reconnect_warned_at = now
+        logger.warning("kvtier: reconnecting to the host service failed (%s); serving misses, retrying", error)
 
     def call(self, method: str, *args: Any, default: Any = None) -> Any:
         client = self.live_client()
