@@ -560,6 +560,48 @@ def test_an_engine_starts_while_its_store_mount_is_frozen_and_attaches_once_it_a
             kvtier_service.stop_service(options.socket_path())
 
 
+def test_an_engine_whose_store_opens_on_a_frozen_mount_starts_and_attaches_once_it_answers(tmp_path, monkeypatch):
+    """Issue 36, never worse: with the socket named (``service_socket``), an engine's first hello
+    waited for the service to open its store, and on a frozen mount that open waits for the mount:
+    a worker's start was held the whole hello timeout (``job_timeout_ms``, 120 s). Now the first
+    attach is waited ``ATTACH_AT_START_WAIT_S`` (2 s here, 30 s by default): the engine starts
+    serving misses and attaches, with no call, once the open finishes."""
+    from kvtier import service as kvtier_service
+    from kvtier.vllm import KvtierOptions, ServiceConnection
+    from kvtier.vllm import connection as connection_module
+
+    monkeypatch.setattr(connection_module, "ATTACH_AT_START_WAIT_S", 2.0)
+    source, mountpoint = tmp_path / "source", tmp_path / "mount"
+    source.mkdir()
+    with slowmount.SlowMount(source, mountpoint, LinkSpec(1000)) as mount:
+        (mountpoint / "store").mkdir()
+        extra = {
+            "path": str(mountpoint / "store"), "dram_bytes": 8 << 20, "nvme_bytes": 0, "pool_dir": str(tmp_path),
+            "service_socket": str(tmp_path / "run" / "kv.sock"), "job_timeout_ms": 10_000,
+        }  # fmt: skip
+        options = KvtierOptions.from_extra_config(extra)
+        connection = None
+        try:
+            with daemon_stopped(mount):
+                time.sleep(1.5)  # past the kernel's attribute cache of the mount (1 s)
+                started = time.monotonic()
+                connection = ServiceConnection(options, {"test": "frozen open"}, 1, 0, 64 << 10)
+                waited_s = time.monotonic() - started
+                assert waited_s < 5, f"the engine's start waited {waited_s:.1f} s for its store's open"
+                assert not connection.available and connection.outages == 1
+                time.sleep(1.0)
+                assert not connection.available
+            deadline = time.monotonic() + 30
+            while not connection.available:
+                assert time.monotonic() < deadline, "the engine did not attach once the mount answered"
+                time.sleep(0.1)
+            assert connection.stats().get("blocks_dram", 0) == 0  # a working attach
+        finally:
+            if connection is not None:
+                connection.close()
+            kvtier_service.stop_service(options.socket_path())
+
+
 def test_an_engine_starts_its_service_while_the_store_mount_is_frozen(tmp_path):
     """Issue 36: an engine whose host service is not running starts one (``ensure_service``), and
     built its command line from the store path's real path, which on a frozen mount waits for as long

@@ -109,6 +109,36 @@ def test_idle_connections_unmap_a_killed_services_pool_without_a_call(options, t
         copies.close()
 
 
+def test_a_late_failure_on_a_dead_services_client_keeps_the_other_connections_new_clients(options):
+    """A worker's job holds the client it took (``live_client``) across its calls: when the service
+    dies, that call fails after the process's other connections may have reattached to a new
+    service. Its drop let go of every connection's client, the new ones too, each then reconnecting
+    again (a new hello, a new pool mapping). Now a drop lets go only of clients of the dead service."""
+    asks = ServiceConnection(options, {"test": "connection"}, 1, 0, SLICE_BYTES)
+    copies = ServiceConnection(options, {"test": "connection"}, 1, 0, SLICE_BYTES, populate_pool=True)
+    try:
+        held = copies.live_client()  # a job's client, held across the kill
+        assert held is not None
+        pid = kvtier_service.service_pid(options.socket_path())
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (asks.available or copies.available) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the hang-up watch lets go of both
+        assert not asks.available and not copies.available, "the kill went unnoticed"
+        while not (asks.available and copies.available) and time.monotonic() < deadline:
+            asks.stats(), copies.stats()
+            time.sleep(0.1)
+        assert asks.available and copies.available, "the connections did not reattach"
+        new_asks, new_copies = asks.live_client(), copies.live_client()
+        copies._drop_dead(held)  # the job's call on the dead client fails now
+        assert asks.live_client() is new_asks and copies.live_client() is new_copies, "a new client was let go"
+        assert asks.outages + copies.outages == 1
+    finally:
+        asks.close()
+        copies.close()
+
+
 def _engine_counts(options, label: str) -> dict[str, int]:
     client = kvtier_service.connect(options.socket_path())
     (namespace,) = client.namespaces()["namespaces"]

@@ -8,6 +8,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,35 @@ TIER_READ_FIELDS = ("bytes_read_nvme", "shared_bytes_received", "bucket_bytes_re
 # real path, and on a frozen mount (a FUSE daemon stopped, an NFS server gone) resolving it waits
 # for as long as the mount does: past this the engine starts (or goes on) serving misses.
 SOCKET_NAMING_WAIT_S = 5.0
+
+
+# How long an engine's start waits for its first attach to the host service. Past it the engine
+# starts serving misses and attaches once the service answers (a store opening on a frozen mount, a
+# long recovery): vLLM's start is not held up the 120 s of a worker's job_timeout_ms.
+ATTACH_AT_START_WAIT_S = 30.0
+
+
+Placement = list[tuple[int, int, int]]
+
+
+@dataclass(frozen=True)
+class _Attached:
+    """A client that said hello; the placement sent to it; the service it reached, by the process
+    listening on the socket (its pid and start time: ``running_service``)."""
+
+    client: Any
+    placement: Placement | None
+    service: tuple[int, int] | None
+
+
+class _Attempt:
+    """One connect on a thread of its own, and its outcome."""
+
+    def __init__(self, in_background: bool = False) -> None:
+        self.done = threading.Event()
+        self.attached: _Attached | None = None
+        self.error: Exception | None = None
+        self.in_background = in_background  # its outcome is used by the thread, not waited for
 
 
 class ServiceUnreachable(ConnectionError):
@@ -105,6 +135,7 @@ class ServiceConnection:
         self._placement: list[tuple[int, int, int]] | None = None
         self._lock = threading.Lock()
         self._client: Any = None
+        self._service: tuple[int, int] | None = None  # the service ``_client`` reached (``_Attached``)
         self._reconnecting = False
         self._last_attempt = 0.0
         self._outage_logged = False
@@ -122,11 +153,7 @@ class ServiceConnection:
         # reconnect, the load watchdog's probe and the dead client's drop all ask for it).
         self._socket_path: Path | None = None
         self._naming: _SocketNaming | None = None
-        try:
-            self._client = self._connect(start_timeout_s=None)
-        except ServiceUnreachable as error:
-            self._note_outage(f"the host service cannot be reached at start ({error})")
-            self._reconnect_in_background()
+        self._attach_at_start()
         with registry_lock:
             _service_connections.add(self)
         _start_hangup_watch()
@@ -152,8 +179,8 @@ class ServiceConnection:
         self._socket_path = named
         return named
 
-    def _connect(self, start_timeout_s: float | None) -> Any:
-        from kvtier.service import SERVICE_START_TIMEOUT_S, connect, ensure_service
+    def _connect(self, start_timeout_s: float | None) -> _Attached:
+        from kvtier.service import SERVICE_START_TIMEOUT_S, connect, ensure_service, running_service
 
         socket = ensure_service(
             self._options.path,
@@ -173,16 +200,17 @@ class ServiceConnection:
             if client is not None and client.connected:
                 raise  # it answered, and refused this engine: the message says why
             raise ServiceUnreachable(str(error)) from error
-        if self._placement is not None:
-            client.set_placement(self._placement)
+        placement = self._placement
+        if placement is not None:
+            client.set_placement(placement)  # refused: raises, the engine must not store under another layout
         if self._label:
             try:
                 client.set_label(self._label)
             except Exception as error:  # a service of an older kvtier: no per-engine counters, still serving
                 logger.warning("kvtier: the host service keeps no per-engine counters (%s)", error)
-        return client
+        return _Attached(client, placement, running_service(socket))
 
-    def set_placement(self, runs: list[tuple[int, int, int]]) -> None:
+    def set_placement(self, runs: Placement) -> None:
         """Places this rank's slice in each block object by ``runs`` (``canonical_placement``), now
         and after every reconnect. A placement the service's object size refuses raises: the engine
         must not start storing under another layout."""
@@ -192,29 +220,82 @@ class ServiceConnection:
         if client is not None:
             client.set_placement(runs)
 
+    def _attach_at_start(self) -> None:
+        """The first attach, waited ``ATTACH_AT_START_WAIT_S`` at most: a service that refuses this
+        engine within it stops the engine with the reason. Past it the engine starts serving misses
+        and the attempt goes on in the background (a store opening on a frozen mount, a long
+        recovery): it attaches when the service answers, as a reconnect does."""
+        with self._lock:
+            self._reconnecting, self._last_attempt = True, time.monotonic()
+        attempt = _Attempt()
+        start_thread(lambda: self._attempt(attempt), "kvtier-attach")
+        finished = attempt.done.wait(ATTACH_AT_START_WAIT_S)
+        with self._lock:  # the outage is noted before the attempt, now in the background, can end it
+            finished = finished or attempt.done.is_set()
+            attempt.in_background = not finished
+            if not finished:
+                self._note_outage(
+                    f"the host service did not answer within {ATTACH_AT_START_WAIT_S:g} s at start (its store "
+                    "opening on a frozen or slow filesystem, or a long recovery?); the engine attaches once it answers"
+                )
+        if not finished:
+            return
+        if isinstance(attempt.error, ServiceUnreachable):
+            self._note_outage(f"the host service cannot be reached at start ({attempt.error})")
+        elif attempt.error is not None:
+            raise attempt.error  # it answered, and refused this engine: the message says why
+        elif attempt.attached is not None:
+            self._publish(attempt.attached)
+
     def _reconnect_in_background(self) -> None:
         with self._lock:
             now = time.monotonic()
             if self._reconnecting or now - self._last_attempt < RECONNECT_INTERVAL_S:
                 return
             self._reconnecting, self._last_attempt = True, now
+        start_thread(lambda: self._attempt(_Attempt(in_background=True)), "kvtier-reconnect")
 
-        def attempt() -> None:
+    def _attempt(self, attempt: _Attempt) -> None:
+        """One connect; its result goes to ``_attach_at_start`` while it waits, else is used here."""
+        attached, error = None, None
+        try:
+            attached = self._connect(start_timeout_s=None)
+        except Exception as failure:
+            error = failure
+        with self._lock:
+            self._reconnecting = False
+            attempt.attached, attempt.error = attached, error
+            attempt.done.set()
+            if not attempt.in_background:
+                return
+        if attached is not None:
+            self._publish(attached)
+        elif error is not None:
+            self._note_failed_reconnect(error)
+
+    def _publish(self, attached: _Attached) -> None:
+        """Makes the client this connection's. A placement set since it was sent is sent too:
+        ``set_placement`` reads the client after setting the placement, this the placement after
+        setting the client, so one of the two sends it."""
+        client, sent = attached.client, attached.placement
+        with self._lock:
+            if self._last_attempt == float("inf"):
+                return  # closed meanwhile
+            self._client, self._service = client, attached.service
+            reattached = self._outage_logged
+            self._outage_logged = False
+            self._reconnect_warned_at = float("-inf")
+        if self._placement is not sent:
             try:
-                client = self._connect(start_timeout_s=None)
+                client.set_placement(self._placement)
             except Exception as error:
+                with self._lock:
+                    if self._client is client:
+                        self._client = None
                 self._note_failed_reconnect(error)
-                client = None
-            with self._lock:
-                self._reconnecting = False
-                if client is not None:
-                    self._client = client
-                    if self._outage_logged:
-                        logger.warning("kvtier: reattached to the host service; serving its hits again")
-                    self._outage_logged = False
-                    self._reconnect_warned_at = float("-inf")
-
-        start_thread(attempt, "kvtier-reconnect")
+                return
+        if reattached:
+            logger.warning("kvtier: reattached to the host service; serving its hits again")
 
     def _note_failed_reconnect(self, error: Exception) -> None:
         now = time.monotonic()
@@ -320,15 +401,19 @@ class ServiceConnection:
         """Lets go of a client whose service stopped answering, and so do this process's other
         connections to that socket (idle ones would notice only at their next call): each unmaps
         its pool once no call holds it. A service started again takes the dead one's pool over (no
-        gigabytes to zero beside the engine) only when no process maps it any more."""
+        gigabytes to zero beside the engine) only when no process maps it any more. Only clients of
+        that service: one another connection attached to a service started since is kept. A client
+        already let go (another connection's drop came first) changes nothing more."""
         with self._lock:
-            if self._client is client:
-                self._client = None
+            if self._client is not client:
+                return
+            self._client, dead = None, self._service
         with registry_lock:
             others = [c for c in _service_connections if c is not self and c._socket_path == self._socket_path]
         for other in others:
             with other._lock:
-                other._client = None
+                if dead is None or other._service in (dead, None):
+                    other._client = None
 
     # The store's calls KvtierManager makes (``backend.BlockIndex``).
     def contains_many(self, keys: list[bytes]) -> list[bool]:
