@@ -34,16 +34,9 @@ const MAX_WAIT_BACKOFF_MS: u64 = 128;
 
 /// The error an abandoned operation completes with: the kernel may still write into its buffer, so
 /// the owner must neither free nor reuse that memory.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("the I/O engine broke with this operation in flight; its buffer is retired")]
 pub struct Abandoned;
-
-impl std::fmt::Display for Abandoned {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("the I/O engine broke with this operation in flight; its buffer is retired")
-    }
-}
-
-impl std::error::Error for Abandoned {}
 
 /// Whether `on_done` got an [`Abandoned`] error (its buffer must be retired, never reused).
 pub fn is_abandoned(error: &std::io::Error) -> bool {
@@ -52,16 +45,9 @@ pub fn is_abandoned(error: &std::io::Error) -> bool {
 
 /// The error an operation whose [`IoOp::gate`] said no completes with: it was never submitted, so
 /// the kernel never touched its buffer.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("cancelled before submission")]
 pub struct Cancelled;
-
-impl std::fmt::Display for Cancelled {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("cancelled before submission")
-    }
-}
-
-impl std::error::Error for Cancelled {}
 
 /// Whether `on_done` got a [`Cancelled`] error (the operation never reached the kernel).
 pub fn is_cancelled(error: &std::io::Error) -> bool {
@@ -70,16 +56,9 @@ pub fn is_cancelled(error: &std::io::Error) -> bool {
 
 /// The error an operation sent to a queue that was shut down completes with (a store closing; after
 /// a hung close, the writes that finish late and the trailers they would start).
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("kvtier device queue is shut down")]
 pub struct ShutDown;
-
-impl std::fmt::Display for ShutDown {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("kvtier device queue is shut down")
-    }
-}
-
-impl std::error::Error for ShutDown {}
 
 /// Whether `on_done` got a [`ShutDown`] error (the operation never reached the kernel).
 pub fn is_shut_down(error: &std::io::Error) -> bool {

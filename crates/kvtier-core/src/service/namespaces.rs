@@ -87,8 +87,16 @@ const FILES_CLOSE_WAIT: Duration = Duration::from_secs(1);
 /// close bounds its own waits (a hung disk's writes, its fdatasync, a frozen remote tier), not that.
 pub(super) struct Closing {
     digest: Namespace,
-    closed: crossbeam_channel::Receiver<Result<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    outcome: Outcome,
+}
+
+enum Outcome {
+    OnThread {
+        closed: crossbeam_channel::Receiver<Result<()>>,
+        thread: std::thread::JoinHandle<()>,
+    },
+    /// No thread to be had: closed on the caller's, without a bound.
+    Inline(Result<()>),
 }
 
 impl Closing {
@@ -99,20 +107,21 @@ impl Closing {
             let _ = closed_tx.send(close_namespace(&mine));
             drop(mine); // its files close here, the last holder gone
         };
-        let thread = std::thread::Builder::new().name("kvtier-svc-close".into()).spawn(close).ok();
-        if thread.is_none() {
-            let (closed_tx, closed_again) = crossbeam_channel::bounded(1);
-            let _ = closed_tx.send(close_namespace(&ns)); // no thread to be had: here, unbounded
-            return Closing { digest, closed: closed_again, thread };
-        }
-        Closing { digest, closed, thread }
+        let outcome = match std::thread::Builder::new().name("kvtier-svc-close".into()).spawn(close) {
+            Ok(thread) => Outcome::OnThread { closed, thread },
+            Err(_) => Outcome::Inline(close_namespace(&ns)),
+        };
+        Closing { digest, outcome }
     }
 
     /// The close's result, once the store closed and its files did, or `FILES_CLOSE_WAIT` after it.
     pub(super) fn finish(self) -> Result<()> {
-        let closed = self.closed.recv().unwrap_or(Err(Error::Closed)); // its thread panicked
+        let (closed, thread) = match self.outcome {
+            Outcome::Inline(closed) => return closed,
+            Outcome::OnThread { closed, thread } => (closed, thread),
+        };
+        let closed = closed.recv().unwrap_or(Err(Error::Closed)); // its thread panicked
         let deadline = Instant::now() + FILES_CLOSE_WAIT;
-        let Some(thread) = self.thread else { return closed };
         while !thread.is_finished() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
         }
