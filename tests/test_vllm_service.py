@@ -7,9 +7,11 @@ so one host service, which the first engine starts, and one DRAM pool with no NV
 below is a hit in the shared pool.
 
 The hit checks run through both routes the docs offer: ``KvtierConnector`` and vLLM's own
-``OffloadingConnector`` with kvtier's spec (each with a store path of its own). The kill -9 checks
-run through ``KvtierConnector`` only: under the plain connector vLLM stops on a failed load. TP=2
-runs through ``KvtierConnector`` in CI, through both with ``KVTIER_FULL_TESTS=1``.
+``OffloadingConnector`` with kvtier's spec (each with a store path of its own). The kill -9 of an
+engine runs through ``KvtierConnector`` only (under the plain connector vLLM stops on a failed load,
+and a block the killed engine left half-stored is one); the kill -9 of the service through both,
+and, with ``KVTIER_FULL_TESTS=1``, on the plain route with an NVMe tier whose recovered blocks hit.
+TP=2 runs through ``KvtierConnector`` in CI, through both with ``KVTIER_FULL_TESTS=1``.
 
 Run: ``.venv/bin/python -m pytest tests/test_vllm_service.py -m slow -v``.
 """
@@ -229,8 +231,6 @@ def test_kill_9_of_an_engine_during_stores_leaves_the_other_engine_correct(
 
 
 def test_kill_9_of_the_service_while_an_engine_serves(engine_a, socket_path, route):
-    if route != "KvtierConnector":
-        pytest.skip("under vLLM's plain OffloadingConnector a failed load stops the engine (docs/vllm.md)")
     pid = kvtier_service.service_pid(socket_path)
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
@@ -260,3 +260,38 @@ def test_kill_9_of_the_service_while_an_engine_serves(engine_a, socket_path, rou
     assert sum(c.get("outages", 0) for c in reported) >= 1 and sum(c.get("failed_calls", 0) for c in reported) >= 1, (
         reported
     )
+
+
+@pytest.mark.full
+def test_plain_route_survives_a_service_kill_and_hits_what_nvme_recovered(tmp_path):
+    """Under vLLM's plain OffloadingConnector a failed load stops the engine. With an NVMe tier, after
+    the host service was killed (the engine idle), the scheduler's connection reattached at the next
+    lookup and offered the blocks the new service recovered from NVMe, while the worker's, idle, had
+    not: its load was answered "not loaded" unsent and the engine died (EngineDeadError, measured).
+    Now the load waits for the worker's connection to reattach and the recovered blocks hit."""
+    store = {"dram_bytes": DRAM_BYTES, "nvme_bytes": 256 << 20}
+    engine = EngineProcess(
+        tmp_path / "store", tmp_path / "engine.log", {"route": "OffloadingConnector", "store": store}
+    )
+    socket = kvtier_service.default_socket_path(tmp_path / "store")
+    try:
+        first = engine.generate(seed=3, tokens=4 * TOKENS_PER_BLOCK + 10)
+        deadline = time.monotonic() + 60
+        while stats(socket).get("blocks_nvme", 0) < 4:
+            assert time.monotonic() < deadline, "the prompt's blocks never reached NVMe"
+            engine.call(op="settle")
+        pid = kvtier_service.service_pid(socket)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(2)  # the engine's hang-up watch lets go of its clients
+        cached = []
+        for _ in range(4):
+            assert engine.call(op="reset")["ok"]
+            again = engine.generate(seed=3, tokens=4 * TOKENS_PER_BLOCK + 10)
+            assert again["tokens"] == first["tokens"]
+            cached.append(again["cached"])
+            time.sleep(1)
+        assert cached[-1] == 4 * TOKENS_PER_BLOCK, f"the recovered blocks did not hit: {cached}"
+    finally:
+        engine.stop()
+        kvtier_service.stop_service(socket)

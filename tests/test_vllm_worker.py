@@ -697,6 +697,49 @@ def test_under_the_plain_connector_a_stalled_load_is_waited_for_not_failed(servi
         w.shutdown()
 
 
+def test_under_the_plain_connector_a_load_after_a_service_restart_waits_for_the_worker_to_reattach(tmp_path):
+    """vLLM's plain OffloadingConnector stops the engine on a failed load. After the host service
+    died and was started again (its NVMe tier recovered), the scheduler's connection reattached at
+    its next lookup and offered the recovered blocks, while the worker's connection, idle, was still
+    unattached: the load was answered "not loaded" unsent, and the engine stopped. Now on that route
+    a load the service did not answer waits for the worker's connection to reattach (within
+    ``job_timeout_ms``) and is tried again; the blocks arrive."""
+    options = options_for(tmp_path, nvme_bytes=64 << 20)
+    source = layers()
+    w = worker(options, source)
+    scheduler = ServiceConnection(options, {"test": "worker"}, 1, 0, PAGE_BYTES * LAYERS, timeout_ms=1_000)
+    try:
+        keys = [key(95), key(96)]
+        assert w.submit_store(1, engine_blocks([0, 1]), KvtierLoadStoreSpec(keys)) and finished(w, 1)
+        scheduler.flush()  # on NVMe: a service started again recovers them
+        pid = kvtier_service.service_pid(options.socket_path())
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while scheduler.available and time.monotonic() < deadline:
+            time.sleep(0.05)  # the hang-up watch lets go of the process's clients
+        while scheduler.locate_many(keys) != ["nvme", "nvme"]:
+            assert time.monotonic() < deadline, "the scheduler did not reattach and find the recovered blocks"
+            time.sleep(0.1)
+        assert scheduler.pin_many(keys) == [True, True]
+        for layer in source:
+            layer[8:10] = 0
+        assert w.submit_load(2, KvtierLoadStoreSpec(keys), engine_blocks([8, 9]))
+        deadline = time.monotonic() + 20
+        results: list[Any] = []
+        while not results and time.monotonic() < deadline:
+            results = [r for r in w.get_finished() if r.job_id == 2]
+            time.sleep(0.01)
+        assert results and results[0].success, "the load failed: vLLM's plain connector would stop the engine"
+        assert w.loads_after_reattach >= 1
+        reference = layers()
+        assert all(np.array_equal(layer[8:10], ref[0:2]) for layer, ref in zip(source, reference, strict=True))
+    finally:
+        scheduler.close()
+        w.shutdown()
+        kvtier_service.stop_service(options.socket_path())
+
+
 def test_a_frozen_service_costs_the_scheduler_one_timeout_then_misses_at_once_until_it_answers(service):
     """Issue 36: the scheduler's connection waited max(job_timeout_ms, service_timeout_ms) = 120 s per
     call on a frozen service, holding vLLM's engine loop. Now one call waits service_timeout_ms, the

@@ -44,6 +44,7 @@ SOCKET_NAMING_WAIT_S = 5.0
 # starts serving misses and attaches once the service answers (a store opening on a frozen mount, a
 # long recovery): vLLM's start is not held up the 120 s of a worker's job_timeout_ms.
 ATTACH_AT_START_WAIT_S = 30.0
+ATTACH_POLL_S = 0.05  # how often ``wait_attached`` looks
 
 
 Placement = list[tuple[int, int, int]]
@@ -386,6 +387,22 @@ class ServiceConnection:
             self._reconnect_in_background()
             return None
         return client
+
+    def wait_attached(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for this connection to be attached, reconnecting meanwhile (one
+        try a second, in the background); whether it is. For a caller that must not answer a miss
+        (a load under vLLM's plain OffloadingConnector, where a failed load stops the engine)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            client = self._client
+            if client is not None and client.connected:
+                return True
+            if client is not None:
+                self._drop_dead(client)
+            self._reconnect_in_background()
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(ATTACH_POLL_S)
 
     def drop_if_hung_up(self) -> bool:
         """Lets go of the client if the service hung up on it while idle (killed): whether it did.

@@ -369,6 +369,9 @@ class JobQueueWorker(OffloadingWorker):
         # the engine's fence or load one more stall timeout.
         self.skipped_store_blocks = 0
         self.skipped_loads = 0
+        # Loads tried again once this worker's connection reattached (vLLM's plain OffloadingConnector:
+        # ``_load``).
+        self.loads_after_reattach = 0
         self._stall_logged = False
         self._current: Job | None = None  # the job whose transfer the job thread is in, and since when
         self._current_since = 0.0
@@ -537,12 +540,28 @@ class JobQueueWorker(OffloadingWorker):
             if isinstance(work, _StoreWork):
                 self._store_batch(work)
             else:
-                job, keys = work
-                self._finish(job, self.transport.load(job, keys, engine_idle=not self._forward_running))
+                self._finish(work[0], self._load(*work))
             with self._cv:
                 self._current = None
                 self._clear_watch()
             self._connection.report_counts()
+
+    def _load(self, job: Job, keys: list[bytes]) -> list[bool]:
+        """The job's load. Under vLLM's plain OffloadingConnector a failed load stops the engine: one
+        the service did not answer (this worker's connection unattached: its service died or was
+        started again, and the scheduler's connection reattached first and offered the blocks it
+        recovered) is tried again once the connection reattaches, within ``job_timeout_ms``."""
+        deadline = time.monotonic() + self._job_timeout_ms / 1000
+        while True:
+            found = self.transport.load(job, keys, engine_idle=not self._forward_running)
+            if all(found) or self.results.can_report_load_failures or self._connection.available:
+                return found
+            if not self._connection.wait_attached(deadline - time.monotonic()):
+                return found
+            with self._cv:
+                if job.vllm_job_id not in self._pending:
+                    return found  # given up meanwhile (a fence): reported then
+            self.loads_after_reattach += 1
 
     def _store_batch(self, work: _StoreWork) -> None:
         batch = slice(work.copied, work.copied + max(1, STORE_BATCH_BYTES // self.transport.object_bytes))
