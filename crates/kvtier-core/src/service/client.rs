@@ -182,8 +182,8 @@ impl Client {
                 self.stream = None;
                 let what = match e.kind() {
                     std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => format!(
-                        "no reply to {op:?} within {} ms (the connection's timeout, service_timeout_ms): \
-                         taken for hung",
+                        "no reply to {op:?} within {} ms (the connection's timeout: service_timeout_ms, \
+                         job_timeout_ms for a worker's): taken for hung",
                         waited.as_millis()
                     ),
                     _ => format!("{op:?} failed: {e}"),
