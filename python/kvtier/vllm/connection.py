@@ -379,14 +379,21 @@ class ServiceConnection:
         """The connected client, for a caller that drives the two-phase calls itself (the GPU
         worker); None while the service is unreachable (a reconnect is under way then): the call is
         answered with its miss without being sent, counted in ``stepped_aside_calls``."""
-        client = self._client
-        if client is None or not client.connected:
+        client = self._connected_client()
+        if client is None:
             self.stepped_aside_calls += 1
-            if client is not None:
-                self._drop_dead(client)
-            self._reconnect_in_background()
-            return None
         return client
+
+    def _connected_client(self) -> Any:
+        """The client while it is connected; else None, with a dead one let go and a reconnect
+        started (at most one a second, in the background)."""
+        client = self._client
+        if client is not None and client.connected:
+            return client
+        if client is not None:
+            self._drop_dead(client)
+        self._reconnect_in_background()
+        return None
 
     def wait_attached(self, timeout_s: float) -> bool:
         """Waits up to ``timeout_s`` for this connection to be attached, reconnecting meanwhile (one
@@ -394,12 +401,8 @@ class ServiceConnection:
         (a load under vLLM's plain OffloadingConnector, where a failed load stops the engine)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            client = self._client
-            if client is not None and client.connected:
+            if self._connected_client() is not None:
                 return True
-            if client is not None:
-                self._drop_dead(client)
-            self._reconnect_in_background()
             if time.monotonic() >= deadline:
                 return False
             time.sleep(ATTACH_POLL_S)
