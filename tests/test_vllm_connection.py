@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -137,6 +138,78 @@ def test_a_late_failure_on_a_dead_services_client_keeps_the_other_connections_ne
     finally:
         asks.close()
         copies.close()
+
+
+def test_an_engine_starting_beside_a_stopped_service_waits_a_second_not_the_attach_limit(options, caplog):
+    """Issue 36, never worse: an engine started while its host service is frozen (SIGSTOP) waited
+    the whole ``ATTACH_AT_START_WAIT_S`` (30 s) at start for a hello that could not be answered. Now
+    the start sees the service's process stopped, starts serving misses within about a second, and
+    attaches once the service runs again."""
+    from kvtier.vllm.connection import ATTACH_AT_START_WAIT_S
+
+    first = ServiceConnection(options, {"test": "connection"}, 1, 0, SLICE_BYTES)  # starts the service
+    pid = kvtier_service.service_pid(options.socket_path())
+    assert pid is not None
+    second = None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        second = ServiceConnection(options, {"test": "connection"}, 1, 0, SLICE_BYTES, populate_pool=True)
+        waited_s = time.monotonic() - started
+        assert waited_s < 5 < ATTACH_AT_START_WAIT_S, f"the start waited {waited_s:.1f} s for a stopped service"
+        assert not second.available and second.outages == 1
+        assert any(f"process ({pid}) is stopped" in record.getMessage() for record in caplog.records)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    try:
+        deadline = time.monotonic() + 30
+        while not second.available:
+            assert time.monotonic() < deadline, "the engine did not attach once the service ran again"
+            time.sleep(0.1)
+        assert "puts" in second.stats()
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_slow_first_hello_on_a_filesystem_that_answers_is_waited_the_attach_limit(tmp_path, monkeypatch, caplog):
+    """What the start's checks must not cut short: a service that runs and has not answered yet
+    while its store directory answers (a long open: a large pool faulted in, a long recovery) is
+    waited the whole ``ATTACH_AT_START_WAIT_S``. The service here is a socket that is listened on
+    and never answered."""
+    import socket as socketlib
+
+    from kvtier.vllm import connection as connection_module
+
+    monkeypatch.setattr(connection_module, "ATTACH_AT_START_WAIT_S", 3.0)
+    monkeypatch.setattr(connection_module, "STORE_PROBE_WAIT_S", 0.5)
+    socket_path = tmp_path / "run" / "kv.sock"
+    socket_path.parent.mkdir(mode=0o700)
+    listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    listener.bind(str(socket_path))
+    listener.listen(16)
+    extra = {
+        "path": str(tmp_path / "store"), "dram_bytes": 8 << 20, "nvme_bytes": 0, "pool_dir": str(tmp_path),
+        "service_socket": str(socket_path), "job_timeout_ms": 10_000,
+    }  # fmt: skip
+    connection = None
+    threads_before = set(threading.enumerate())
+    try:
+        started = time.monotonic()
+        connection = ServiceConnection(KvtierOptions.from_extra_config(extra), {"test": "slow"}, 1, 0, SLICE_BYTES)
+        waited_s = time.monotonic() - started
+        assert 3.0 <= waited_s < 5.0, f"the start waited {waited_s:.1f} s, not the attach limit (3 s)"
+        assert not connection.available and connection.outages == 1
+        assert any("did not answer within 3 s at start" in record.getMessage() for record in caplog.records)
+    finally:
+        if connection is not None:
+            connection.close()
+        listener.close()
+        # The attempt, still asking the socket whether a service answers, now finds none and starts one.
+        for thread in set(threading.enumerate()) - threads_before:
+            if thread.name == "kvtier-attach":
+                thread.join(timeout=60)
+        kvtier_service.stop_service(socket_path)
 
 
 def _engine_counts(options, label: str) -> dict[str, int]:

@@ -1059,6 +1059,12 @@ def test_a_request_waits_for_a_prefetch_only_while_it_progresses(service):
     try:
         assert w.submit_store(1, engine_blocks([0]), KvtierLoadStoreSpec([key(130)])) and finished(w, 1)
         prefetcher = Prefetcher(lambda: connection(service), pending_timeout_s=0.5)
+        # Its connection made before the freeze: one made during it starts unattached within a second
+        # (the service's process is seen stopped), and its prefetches end at once, unsent.
+        deadline = time.monotonic() + 10
+        while prefetcher.lookup(key(130), "nvme") != LookupResult.HIT:
+            assert time.monotonic() < deadline, "the first prefetch did not end"
+            time.sleep(0.05)
         with frozen(service.socket_path()):
             assert prefetcher.lookup(key(131), "nvme") == LookupResult.HIT_PENDING
             time.sleep(0.2)

@@ -413,6 +413,15 @@ def process_start_time(pid: int) -> int | None:
         return None
 
 
+def process_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP, or a debugger's trap: /proc/PID/stat state T or t): it
+    answers nothing until something continues it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def _is_service_process(pid: int, recorded_start: int | None) -> bool:
     """Whether ``pid`` is the process a pid file recorded: the same start time, or, for a pid file
     of an older kvtier (no start time), a ``kvtier serve`` of this user."""
