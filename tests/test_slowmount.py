@@ -569,7 +569,7 @@ def test_an_engine_whose_store_opens_on_a_frozen_mount_starts_and_attaches_once_
     serving misses, and attaches, with no call, once the open finishes."""
     from kvtier import service as kvtier_service
     from kvtier.vllm import KvtierOptions, ServiceConnection
-    from kvtier.vllm.connection import ATTACH_AT_START_WAIT_S, STORE_PROBE_WAIT_S
+    from kvtier.vllm.store_probe import ATTACH_AT_START_WAIT_S, STORE_PROBE_WAIT_S
 
     source, mountpoint = tmp_path / "source", tmp_path / "mount"
     source.mkdir()
@@ -604,6 +604,49 @@ def test_an_engine_whose_store_opens_on_a_frozen_mount_starts_and_attaches_once_
             if connection is not None:
                 connection.close()
             kvtier_service.stop_service(options.socket_path())
+
+
+def test_a_one_process_engines_store_on_a_frozen_mount_opens_behind_its_start(tmp_path, caplog):
+    """Issue 36, never worse: with ``host_service: false`` the store opens in the engine's own
+    process, and on a frozen mount ``Store.open`` waited for the mount: vLLM's engine did not start.
+    Now the open runs on a thread, waited as an engine's first attach is (``store_probe``): the
+    engine starts within seconds, its lookups miss and its stores are not stored until the open
+    finishes, and the store serves once the mount answers."""
+    import numpy as np
+
+    from kvtier.vllm import KvtierOptions, local_store
+    from kvtier.vllm.store_probe import ATTACH_AT_START_WAIT_S, STORE_PROBE_WAIT_S
+
+    source, mountpoint = tmp_path / "source", tmp_path / "mount"
+    source.mkdir()
+    object_bytes, key = 64 << 10, bytes(range(32))
+    value = np.full(object_bytes, 7, np.uint8)
+    with slowmount.SlowMount(source, mountpoint, LinkSpec(1000)) as mount:
+        (mountpoint / "store").mkdir()
+        extra = {"path": str(mountpoint / "store"), "dram_bytes": 8 << 20, "nvme_bytes": 0, "host_service": False}
+        options = KvtierOptions.from_extra_config(extra)
+        local = None
+        try:
+            with daemon_stopped(mount):
+                time.sleep(1.5)  # past the kernel's attribute cache of the mount (1 s)
+                started = time.monotonic()
+                local = local_store.acquire_store(options, "engine-0", b"frozen", {"model": "test"}, object_bytes)
+                waited_s = time.monotonic() - started
+                assert waited_s < STORE_PROBE_WAIT_S + 3 < ATTACH_AT_START_WAIT_S, f"the start waited {waited_s:.1f} s"
+                assert local.store.locate_many([key]) == [None] and local.store.pin_many([key]) == []
+                with pytest.raises(local_store.StoreNotOpen):
+                    local.store.put_many([key], [value])
+                said = [record.getMessage() for record in caplog.records if "did not answer" in record.getMessage()]
+                assert said and str(mountpoint / "store") in said[0], said
+            deadline = time.monotonic() + 30
+            while not local.store.stats():
+                assert time.monotonic() < deadline, "the store did not open once the mount answered"
+                time.sleep(0.1)
+            assert list(local.store.put_many([key], [value])) == [True]
+            assert local.store.locate_many([key]) == ["dram"]
+        finally:
+            if local is not None:
+                local_store.release_store(local)
 
 
 def test_an_engine_starts_its_service_while_the_store_mount_is_frozen(tmp_path):

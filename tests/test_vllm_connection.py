@@ -145,7 +145,7 @@ def test_an_engine_starting_beside_a_stopped_service_waits_a_second_not_the_atta
     the whole ``ATTACH_AT_START_WAIT_S`` (30 s) at start for a hello that could not be answered. Now
     the start sees the service's process stopped, starts serving misses within about a second, and
     attaches once the service runs again."""
-    from kvtier.vllm.connection import ATTACH_AT_START_WAIT_S
+    from kvtier.vllm.store_probe import ATTACH_AT_START_WAIT_S
 
     first = ServiceConnection(options, {"test": "connection"}, 1, 0, SLICE_BYTES)  # starts the service
     pid = kvtier_service.service_pid(options.socket_path())
@@ -179,10 +179,10 @@ def test_a_slow_first_hello_on_a_filesystem_that_answers_is_waited_the_attach_li
     and never answered."""
     import socket as socketlib
 
-    from kvtier.vllm import connection as connection_module
+    from kvtier.vllm import store_probe
 
-    monkeypatch.setattr(connection_module, "ATTACH_AT_START_WAIT_S", 3.0)
-    monkeypatch.setattr(connection_module, "STORE_PROBE_WAIT_S", 0.5)
+    monkeypatch.setattr(store_probe, "ATTACH_AT_START_WAIT_S", 3.0)
+    monkeypatch.setattr(store_probe, "STORE_PROBE_WAIT_S", 0.5)
     socket_path = tmp_path / "run" / "kv.sock"
     socket_path.parent.mkdir(mode=0o700)
     listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)

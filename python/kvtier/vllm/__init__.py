@@ -47,10 +47,11 @@ worker). What it exports here is its public surface; the module path users confi
 ``kvtier.vllm``. Its modules in layers, lowest first; a module imports only modules of lower layers,
 type-only imports included (``tests/test_tidy_python.py`` checks this list against the code):
 
-1. ``options``, ``_registry``, ``load_store_spec``, ``idle_publish``, ``cores``, ``logs``, ``jobs``, ``hints``:
+1. ``options``, ``_registry``, ``load_store_spec``, ``idle_publish``, ``cores``, ``logs``, ``jobs``:
    the options, the registries' lock, what a job moves, KV events published by an idle engine core, the
-   job thread's cores, kvtier's log lines through vLLM's handler, a worker's jobs and their results,
-   what a request's ``kv_transfer_params`` tell kvtier
+   job thread's cores, kvtier's log lines through vLLM's handler, a worker's jobs and their results
+1. ``hints``, ``store_probe``: what a request's ``kv_transfer_params`` tell kvtier; whether the store's
+   directories answer (an engine's start waits for its store within limits)
 2. ``namespace``, ``costs``, ``local_store``: the engine's namespace, load or recompute, the
    in-process store (``host_service: false``)
 3. ``connection``: this process's connection to the host service

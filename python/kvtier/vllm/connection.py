@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import kvtier.vllm.store_probe as store_probe
 from kvtier.threads import start_thread
 from kvtier.vllm._registry import registry_lock
 from kvtier.vllm.namespace import namespace_digest
 from kvtier.vllm.options import KvtierOptions
+from kvtier.vllm.store_probe import StoreProbe, store_directories
 
 logger = logging.getLogger("kvtier.vllm")
 
@@ -43,17 +42,7 @@ TIER_READ_FIELDS = ("bytes_read_nvme", "shared_bytes_received", "bucket_bytes_re
 SOCKET_NAMING_WAIT_S = 5.0
 
 
-# How long an engine's start waits for its first attach to the host service. Past it the engine
-# starts serving misses and attaches once the service answers (a store opening on a frozen mount, a
-# long recovery): vLLM's start is not held up the 120 s of a worker's job_timeout_ms.
-ATTACH_AT_START_WAIT_S = 30.0
 ATTACH_POLL_S = 0.05  # how often ``wait_attached`` looks
-# While the first attach has not finished the start looks, this often, for a reason it cannot finish
-# soon: the service's process stopped (SIGSTOP), or a store directory that does not answer a lookup
-# within STORE_PROBE_WAIT_S (the service's open waits on it: a frozen or hung filesystem). Either
-# ends the wait at once, so a frozen mount costs the start seconds, not ATTACH_AT_START_WAIT_S.
-START_CHECK_INTERVAL_S = 0.5
-STORE_PROBE_WAIT_S = 5.0
 
 
 Placement = list[tuple[int, int, int]]
@@ -102,36 +91,6 @@ class _SocketNaming:
     def wait(self, wait_s: float) -> Path | None:
         self._done.wait(wait_s)
         return self._named[0] if self._named else None
-
-
-class _StoreProbe:
-    """Looks up a name no cache holds in each store directory, on a thread of its own: unlike a
-    stat of a known path (which the kernel's attribute cache may answer), the lookup waits for the
-    filesystem itself. A directory that does not answer keeps the thread until it does."""
-
-    def __init__(self, directories: list[str]) -> None:
-        self.started = time.monotonic()
-        self.waiting_on: str | None = None
-        self._answered = threading.Event()
-
-        def probe() -> None:
-            for directory in directories:
-                self.waiting_on = directory
-                with contextlib.suppress(OSError):  # any answer (no such file, most likely) will do
-                    os.stat(os.path.join(directory, f".kvtier-probe-{uuid.uuid4().hex}"))
-            self.waiting_on = None
-            self._answered.set()
-
-        start_thread(probe, "kvtier-probe")
-
-    def unanswered_after(self, wait_s: float) -> bool:
-        """Whether a directory has not answered for ``wait_s`` since the probe started."""
-        return not self._answered.is_set() and time.monotonic() - self.started >= wait_s
-
-
-def _store_directories(options: KvtierOptions) -> list[str]:
-    paths = options.path if isinstance(options.path, (list, tuple)) else [options.path]
-    return [os.fspath(path) for path in paths]
 
 
 # Every ServiceConnection this process opened and has not closed (for the benchmarks and tests:
@@ -261,7 +220,7 @@ class ServiceConnection:
             client.set_placement(runs)
 
     def _attach_at_start(self) -> None:
-        """The first attach, waited ``ATTACH_AT_START_WAIT_S`` at most: a service that refuses this
+        """The first attach, waited ``store_probe.ATTACH_AT_START_WAIT_S`` at most: a service that refuses this
         engine within it stops the engine with the reason. Past it the engine starts serving misses
         and the attempt goes on in the background (a store opening on a frozen mount, a long
         recovery): it attaches when the service answers, as a reconnect does."""
@@ -285,29 +244,27 @@ class ServiceConnection:
             self._publish(attempt.attached)
 
     def _wait_at_start(self, attempt: _Attempt) -> str:
-        """Waits for the first attach to finish, at most ``ATTACH_AT_START_WAIT_S``, and less once
-        it is known to wait in vain (``START_CHECK_INTERVAL_S``); why it stopped waiting, if it did."""
+        """Waits for the first attach to finish, at most ``store_probe.ATTACH_AT_START_WAIT_S``, and
+        less once it is known to wait in vain: a stopped service, a store directory that does not
+        answer (``StoreProbe``); why it stopped waiting, if it did."""
         from kvtier.service import process_stopped
 
-        deadline = time.monotonic() + ATTACH_AT_START_WAIT_S
-        probe: _StoreProbe | None = None
+        deadline = time.monotonic() + store_probe.ATTACH_AT_START_WAIT_S
+        probe: StoreProbe | None = None
         service_pid: int | None = None
-        while not attempt.done.wait(START_CHECK_INTERVAL_S):
+        while not attempt.done.wait(store_probe.START_CHECK_INTERVAL_S):
             if time.monotonic() >= deadline:
                 return (
-                    f"the host service did not answer within {ATTACH_AT_START_WAIT_S:g} s at start (its store "
-                    "opening on a slow filesystem, or a long recovery?)"
+                    f"the host service did not answer within {store_probe.ATTACH_AT_START_WAIT_S:g} s at start "
+                    "(its store opening on a slow filesystem, or a long recovery?)"
                 )
             service_pid = service_pid or self._service_pid()
             if service_pid is not None and process_stopped(service_pid):
                 return f"the host service's process ({service_pid}) is stopped (SIGSTOP?) at start"
             if probe is None:
-                probe = _StoreProbe(_store_directories(self._options))
-            elif probe.unanswered_after(STORE_PROBE_WAIT_S):
-                return (
-                    f"the store directory {probe.waiting_on} did not answer within {STORE_PROBE_WAIT_S:g} s at "
-                    "start (a frozen or hung filesystem?), and the host service opens the store there"
-                )
+                probe = StoreProbe(store_directories(self._options.path))
+            elif probe.unanswered_after(store_probe.STORE_PROBE_WAIT_S):
+                return f"{probe.silence()}, and the host service opens the store there"
         return ""
 
     def _service_pid(self) -> int | None:

@@ -39,7 +39,7 @@ from kvtier.vllm.connection import ServiceConnection
 from kvtier.vllm.cores import affinity, set_affinity, spare_cores, usable_cores
 from kvtier.vllm.jobs import Job, JobResults
 from kvtier.vllm.load_store_spec import KvtierLoadStoreSpec
-from kvtier.vllm.local_store import LocalStore, release_store
+from kvtier.vllm.local_store import LocalStore, StoreNotOpen, release_store
 from kvtier.vllm.options import KvtierVllmConfigError
 
 logger = logging.getLogger("kvtier.vllm")
@@ -115,6 +115,9 @@ class KvtierWorker(OffloadingWorker):
                 self._store.submit_get_blocks(store_job_id, keys, self._layers, block_ids)
             else:
                 self._store.submit_put_blocks(store_job_id, keys, self._layers, block_ids)
+        except StoreNotOpen:  # its filesystem has not answered since the start (logged then)
+            self._complete(job, [False] * len(keys))
+            return True
         except Exception:
             logger.exception("kvtier: submitting %s job %d failed", "load" if is_load else "store", vllm_job_id)
             self._complete(job, [False] * len(keys))

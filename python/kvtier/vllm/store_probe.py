@@ -1,0 +1,69 @@
+"""Whether a store's directories answer: ``StoreProbe``, and how long an engine's start waits on them.
+
+Both layouts open a store at an engine's start, the host service at the engine's first hello and the
+one-process layout in the engine itself. On a frozen mount (a FUSE daemon stopped, an NFS server gone)
+that open waits for as long as the mount does; the start waits for it within limits, then the engine
+serves misses and takes the store up once it opens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+from kvtier.threads import start_thread
+
+# How long an engine's start waits for its store (its first attach to the host service, or its own
+# open): past it the engine starts serving misses and takes the store up once it answers.
+ATTACH_AT_START_WAIT_S = 30.0
+# While it waits, the start looks this often for a reason the open cannot finish soon.
+START_CHECK_INTERVAL_S = 0.5
+# A store directory that has not answered a lookup for this long is taken for a frozen or hung
+# filesystem: the start stops waiting for an open that waits on it.
+STORE_PROBE_WAIT_S = 5.0
+
+
+class StoreProbe:
+    """Looks up a name no cache holds in each store directory, on a thread of its own: unlike a
+    stat of a known path (which the kernel's attribute cache may answer), the lookup waits for the
+    filesystem itself. A directory that does not answer keeps the thread until it does."""
+
+    def __init__(self, directories: list[str]) -> None:
+        self.started = time.monotonic()
+        self.waiting_on: str | None = directories[0] if directories else None
+        self._answered = threading.Event()
+
+        def probe() -> None:
+            for directory in directories:
+                self.waiting_on = directory
+                with contextlib.suppress(OSError):  # any answer (no such file, most likely) will do
+                    os.stat(os.path.join(directory, f".kvtier-probe-{uuid.uuid4().hex}"))
+            self.waiting_on = None
+            self._answered.set()
+
+        start_thread(probe, "kvtier-probe")
+
+    def unanswered_after(self, wait_s: float) -> bool:
+        """Whether a directory has not answered for ``wait_s`` since the probe started."""
+        return not self._answered.is_set() and time.monotonic() - self.started >= wait_s
+
+    def silence(self) -> str:
+        """What the probe found, for a log line: the directory that did not answer."""
+        return self.silence_of(self.waiting_on)
+
+    @staticmethod
+    def silence_of(directory: str | None) -> str:
+        return (
+            f"the store directory {directory} did not answer within {STORE_PROBE_WAIT_S:g} s at start (a frozen "
+            "or hung filesystem?)"
+        )
+
+
+def store_directories(path: Any) -> list[str]:
+    """The store's directories (``path``: one, or a list)."""
+    paths = path if isinstance(path, (list, tuple)) else [path]
+    return [os.fspath(each) for each in paths]
