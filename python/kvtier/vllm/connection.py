@@ -17,7 +17,7 @@ from kvtier.threads import start_thread
 from kvtier.vllm._registry import registry_lock
 from kvtier.vllm.namespace import namespace_digest
 from kvtier.vllm.options import KvtierOptions
-from kvtier.vllm.store_probe import StoreProbe, store_directories
+from kvtier.vllm.store_probe import store_directories
 
 logger = logging.getLogger("kvtier.vllm")
 
@@ -244,28 +244,26 @@ class ServiceConnection:
             self._publish(attempt.attached)
 
     def _wait_at_start(self, attempt: _Attempt) -> str:
-        """Waits for the first attach to finish, at most ``store_probe.ATTACH_AT_START_WAIT_S``, and
-        less once it is known to wait in vain: a stopped service, a store directory that does not
-        answer (``StoreProbe``); why it stopped waiting, if it did."""
+        """Waits for the first attach to finish (``store_probe.wait_at_start``), less once the service's
+        process is seen stopped; why it stopped waiting, if it did."""
         from kvtier.service import process_stopped
 
-        deadline = time.monotonic() + store_probe.ATTACH_AT_START_WAIT_S
-        probe: StoreProbe | None = None
         service_pid: int | None = None
-        while not attempt.done.wait(store_probe.START_CHECK_INTERVAL_S):
-            if time.monotonic() >= deadline:
-                return (
-                    f"the host service did not answer within {store_probe.ATTACH_AT_START_WAIT_S:g} s at start "
-                    "(its store opening on a slow filesystem, or a long recovery?)"
-                )
+
+        def stopped() -> str:
+            nonlocal service_pid
             service_pid = service_pid or self._service_pid()
             if service_pid is not None and process_stopped(service_pid):
                 return f"the host service's process ({service_pid}) is stopped (SIGSTOP?) at start"
-            if probe is None:
-                probe = StoreProbe(store_directories(self._options.path))
-            elif probe.unanswered_after(store_probe.STORE_PROBE_WAIT_S):
-                return f"{probe.silence()}, and the host service opens the store there"
-        return ""
+            return ""
+
+        timed_out = (
+            f"the host service did not answer within {store_probe.ATTACH_AT_START_WAIT_S:g} s at start "
+            "(its store opening on a slow filesystem, or a long recovery?)"
+        )
+        directories = store_directories(self._options.path)
+        note = ", and the host service opens the store there"
+        return store_probe.wait_at_start(attempt.done, directories, timed_out, stopped, note)
 
     def _service_pid(self) -> int | None:
         """The pid of the service on this connection's socket; None while the socket is not named

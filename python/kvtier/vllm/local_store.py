@@ -7,7 +7,6 @@ import itertools
 import logging
 import os
 import threading
-import time
 from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -245,17 +244,9 @@ def _open_within_start(options: KvtierOptions, store_options: dict[str, Any], wh
     goes on in the background behind an ``OpeningStore``. ``why_not``: the store's directory is
     known not to answer already, so nothing is waited."""
     opening = _Opening(options.path, store_options)
-    deadline = time.monotonic() + store_probe.ATTACH_AT_START_WAIT_S
-    probe: StoreProbe | None = None
-    while not why_not and not opening.done.wait(store_probe.START_CHECK_INTERVAL_S):
-        if time.monotonic() >= deadline:
-            why_not = f"the store did not open within {store_probe.ATTACH_AT_START_WAIT_S:g} s at start"
-            break
-        if probe is None:
-            probe = StoreProbe(store_directories(options.path))
-        elif probe.unanswered_after(store_probe.STORE_PROBE_WAIT_S):
-            why_not = probe.silence()
-            break
+    if not why_not:
+        timed_out = f"the store did not open within {store_probe.ATTACH_AT_START_WAIT_S:g} s at start"
+        why_not = store_probe.wait_at_start(opening.done, store_directories(options.path), timed_out, lambda: "")
     if opening.go_on_in_background():
         logger.error("kvtier: %s; serving misses (recompute) until it opens", why_not)
         return OpeningStore(opening)

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from kvtier.threads import start_thread
@@ -67,3 +68,25 @@ def store_directories(path: Any) -> list[str]:
     """The store's directories (``path``: one, or a list)."""
     paths = path if isinstance(path, (list, tuple)) else [path]
     return [os.fspath(each) for each in paths]
+
+
+def wait_at_start(
+    done: threading.Event, directories: list[str], timed_out: str, in_vain: Callable[[], str], silence_note: str = ""
+) -> str:
+    """Waits for ``done`` (an open, a first attach), ``ATTACH_AT_START_WAIT_S`` at most, and less once
+    it is known to wait in vain: ``in_vain()`` names a reason (a stopped service), or a store directory
+    does not answer a lookup for ``STORE_PROBE_WAIT_S`` (said with ``silence_note`` after it). Returns
+    why it stopped waiting (``timed_out`` past the limit), or "" once ``done`` is set."""
+    deadline = time.monotonic() + ATTACH_AT_START_WAIT_S
+    probe: StoreProbe | None = None
+    while not done.wait(START_CHECK_INTERVAL_S):
+        if time.monotonic() >= deadline:
+            return timed_out
+        why_not = in_vain()
+        if why_not:
+            return why_not
+        if probe is None:
+            probe = StoreProbe(directories)
+        elif probe.unanswered_after(STORE_PROBE_WAIT_S):
+            return probe.silence() + silence_note
+    return ""
