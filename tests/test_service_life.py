@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvtier import service as kvtier_service
@@ -76,7 +77,8 @@ def test_a_service_killed_and_started_again_takes_over_the_dead_ones_pool(tmp_pa
     the pool) and starts a new service within a second or two. The new one takes the dead one's pool
     over (the same file: no gigabytes zeroed beside a busy engine, none left behind); before, the
     new one was allocated and zeroed beside it, and a dead pool younger than 30 s (as here) stayed in
-    /dev/shm until some later start."""
+    /dev/shm until some later start. The blocks the dead one held are kept (DRAM only here): a load
+    an engine was promised before the kill still finds them; before, every slot was freed."""
     pool_dir = tmp_path / "shm"
     pool_dir.mkdir()
     socket = tmp_path / "run" / "kvtier.sock"
@@ -85,6 +87,9 @@ def test_a_service_killed_and_started_again_takes_over_the_dead_ones_pool(tmp_pa
     try:
         client = kvtier_service.connect(started)
         client.hello(b"model", 1, 0, SLICE_BYTES)
+        keys = [bytes([i]) * 32 for i in range(1, 5)]
+        layer = np.arange(len(keys) * SLICE_BYTES, dtype=np.uint32).astype(np.uint8).reshape(len(keys), SLICE_BYTES)
+        assert all(client.store_blocks(keys, [layer], list(range(len(keys)))))
         [dead_pool] = _pool_files(pool_dir)
         dead_inode = (pool_dir / dead_pool).stat().st_ino
         pid = kvtier_service.service_pid(started)
@@ -98,6 +103,9 @@ def test_a_service_killed_and_started_again_takes_over_the_dead_ones_pool(tmp_pa
         again.hello(b"model", 1, 0, SLICE_BYTES)
         [pool] = _pool_files(pool_dir)
         assert pool != dead_pool and (pool_dir / pool).stat().st_ino == dead_inode, "the dead pool was not taken over"
+        out = np.zeros_like(layer)
+        assert again.load_blocks(keys, [out], list(range(len(keys)))) == [True] * len(keys), "the dead pool's blocks"
+        assert np.array_equal(out, layer)
         del again
     finally:
         kvtier_service.stop_service(started)

@@ -263,13 +263,17 @@ def test_kill_9_of_the_service_while_an_engine_serves(engine_a, socket_path, rou
 
 
 @pytest.mark.full
-def test_plain_route_survives_a_service_kill_and_hits_what_nvme_recovered(tmp_path):
+@pytest.mark.parametrize("tier", ["nvme", "dram"])
+def test_plain_route_survives_a_service_kill_and_hits_what_the_new_service_recovered(tmp_path, tier):
     """Under vLLM's plain OffloadingConnector a failed load stops the engine. With an NVMe tier, after
     the host service was killed (the engine idle), the scheduler's connection reattached at the next
     lookup and offered the blocks the new service recovered from NVMe, while the worker's, idle, had
     not: its load was answered "not loaded" unsent and the engine died (EngineDeadError, measured).
-    Now the load waits for the worker's connection to reattach and the recovered blocks hit."""
-    store = {"dram_bytes": DRAM_BYTES, "nvme_bytes": 256 << 20}
+    Now the load waits for the worker's connection to reattach and the recovered blocks hit. With
+    DRAM alone the new service keeps the blocks of the dead one's pool it takes over (before, it
+    freed every slot: the prompt was computed again)."""
+    nvme_bytes = 256 << 20 if tier == "nvme" else 0
+    store = {"dram_bytes": DRAM_BYTES, "nvme_bytes": nvme_bytes}
     engine = EngineProcess(
         tmp_path / "store", tmp_path / "engine.log", {"route": "OffloadingConnector", "store": store}
     )
@@ -277,8 +281,8 @@ def test_plain_route_survives_a_service_kill_and_hits_what_nvme_recovered(tmp_pa
     try:
         first = engine.generate(seed=3, tokens=4 * TOKENS_PER_BLOCK + 10)
         deadline = time.monotonic() + 60
-        while stats(socket).get("blocks_nvme", 0) < 4:
-            assert time.monotonic() < deadline, "the prompt's blocks never reached NVMe"
+        while stats(socket).get(f"blocks_{tier}", 0) < 4:
+            assert time.monotonic() < deadline, f"the prompt's blocks never reached {tier}"
             engine.call(op="settle")
         pid = kvtier_service.service_pid(socket)
         assert pid is not None

@@ -697,6 +697,22 @@ def test_under_the_plain_connector_a_stalled_load_is_waited_for_not_failed(servi
         w.shutdown()
 
 
+def load_arrives_under_the_plain_connector(w: JobQueueWorker, source: list[np.ndarray], keys: list[bytes]) -> None:
+    """Loads the blocks stored from engine blocks 0 and 1 (``keys``) into blocks 8 and 9, as load job 2,
+    and checks that they arrive: vLLM's plain connector stops the engine on a failed load."""
+    for layer in source:
+        layer[8:10] = 0
+    assert w.submit_load(2, KvtierLoadStoreSpec(keys), engine_blocks([8, 9]))
+    deadline = time.monotonic() + 20
+    results: list[Any] = []
+    while not results and time.monotonic() < deadline:
+        results = [r for r in w.get_finished() if r.job_id == 2]
+        time.sleep(0.01)
+    assert results and results[0].success, "the load failed: vLLM's plain connector would stop the engine"
+    reference = layers()
+    assert all(np.array_equal(layer[8:10], ref[0:2]) for layer, ref in zip(source, reference, strict=True))
+
+
 def test_under_the_plain_connector_a_load_after_a_service_restart_waits_for_the_worker_to_reattach(tmp_path):
     """vLLM's plain OffloadingConnector stops the engine on a failed load. After the host service
     died and was started again (its NVMe tier recovered), the scheduler's connection reattached at
@@ -718,22 +734,36 @@ def test_under_the_plain_connector_a_load_after_a_service_restart_waits_for_the_
         deadline = time.monotonic() + 30
         while scheduler.available and time.monotonic() < deadline:
             time.sleep(0.05)  # the hang-up watch lets go of the process's clients
-        while scheduler.locate_many(keys) != ["nvme", "nvme"]:
+        while not all(tier in ("dram", "nvme") for tier in scheduler.locate_many(keys)):  # kept or recovered
             assert time.monotonic() < deadline, "the scheduler did not reattach and find the recovered blocks"
             time.sleep(0.1)
         assert scheduler.pin_many(keys) == [True, True]
-        for layer in source:
-            layer[8:10] = 0
-        assert w.submit_load(2, KvtierLoadStoreSpec(keys), engine_blocks([8, 9]))
-        deadline = time.monotonic() + 20
-        results: list[Any] = []
-        while not results and time.monotonic() < deadline:
-            results = [r for r in w.get_finished() if r.job_id == 2]
-            time.sleep(0.01)
-        assert results and results[0].success, "the load failed: vLLM's plain connector would stop the engine"
+        load_arrives_under_the_plain_connector(w, source, keys)
         assert w.loads_after_reattach >= 1
-        reference = layers()
-        assert all(np.array_equal(layer[8:10], ref[0:2]) for layer, ref in zip(source, reference, strict=True))
+    finally:
+        scheduler.close()
+        w.shutdown()
+        kvtier_service.stop_service(options.socket_path())
+
+
+def test_under_the_plain_connector_a_load_promised_before_a_service_kill_finds_its_dram_blocks(tmp_path):
+    """The scheduler offered blocks held only in the host service's DRAM (vLLM promises their load),
+    then the service was SIGKILLed before the load ran. The service started again takes the dead
+    one's pool over; it freed every slot, so the load failed and vLLM's plain OffloadingConnector
+    stopped the engine. Now it keeps the blocks its predecessor had marked resident (checksums
+    checked): the load waits for the worker to reattach and the blocks arrive."""
+    options = options_for(tmp_path, nvme_bytes=0)
+    source = layers()
+    w = worker(options, source)
+    scheduler = ServiceConnection(options, {"test": "worker"}, 1, 0, PAGE_BYTES * LAYERS, timeout_ms=1_000)
+    try:
+        keys = [key(97), key(98)]
+        assert w.submit_store(1, engine_blocks([0, 1]), KvtierLoadStoreSpec(keys)) and finished(w, 1)
+        assert scheduler.locate_many(keys) == ["dram", "dram"] and scheduler.pin_many(keys) == [True, True]
+        pid = kvtier_service.service_pid(options.socket_path())
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        load_arrives_under_the_plain_connector(w, source, keys)
     finally:
         scheduler.close()
         w.shutdown()

@@ -35,6 +35,7 @@ mod pins;
 mod puts;
 mod regions;
 mod slots;
+mod takeover;
 mod tenants;
 #[cfg(test)]
 mod test_support;
@@ -45,6 +46,7 @@ use index::{Entry, Index};
 pub use lock::{CatalogGuard, CatalogLock};
 use regions::Regions;
 use slots::{SlotState, Slots};
+pub use takeover::PoolBlock;
 use tenants::TenantHints;
 pub use tenants::{NvmeTenantGauge, PolicyFactory, TenantGauge};
 pub use upkeep::{ScrubTarget, TrimCounts, TrimPlan};

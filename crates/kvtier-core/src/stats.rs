@@ -47,6 +47,8 @@ counters!(
     io_errors,
     retired_slots,
     recovered_blocks,
+    // Blocks a service kept from the DRAM pool of a dead one it took over (`store/takeover.rs`).
+    recovered_dram_blocks,
     slot_wait_timeouts,
     nvme_dropped_writes,
     shared_hits,

@@ -934,6 +934,88 @@ fn a_service_started_again_takes_over_its_predecessors_pool_once_no_client_maps_
     assert!(pool_files(dir.path()).is_empty());
 }
 
+/// What a SIGKILL leaves of a running service's pool, with its blocks: the file's bytes as they are
+/// now, in a file no process holds (named like the namespace's pool, as `leave_orphan_pool`).
+fn leave_copy_of_pool(pool: &Path, random: &str) -> std::path::PathBuf {
+    let bytes = std::fs::read(pool).unwrap();
+    let orphan = leave_orphan_pool(pool, bytes.len(), random);
+    std::fs::write(&orphan, &bytes).unwrap();
+    orphan
+}
+
+/// The slot of `pool` (`slot_bytes` apart) whose descriptor names `key`.
+fn slot_of(pool: &[u8], slot_bytes: usize, slot_count: usize, key: &BlockKey) -> usize {
+    (0..slot_count).find(|&slot| pool[slot * slot_bytes + 16..slot * slot_bytes + 48] == key.0).unwrap()
+}
+
+/// A service SIGKILLed while engines had stored blocks in its pool, some of them promised to a
+/// load (on vLLM's plain route a load that fails then stops the engine), is started again: it takes
+/// the pool over and keeps what its resident marks and checksums vouch for, as DRAM hits. A slot
+/// whose value changed (a copy under way at the kill) or that was not marked resident (a fill or
+/// a read never finished, an evicted block) is free. Before: every slot was free, and each of these
+/// loads missed.
+#[test]
+fn a_service_started_again_keeps_the_blocks_of_the_pool_it_took_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start_idle(dir.path(), 0, 0);
+    let mut c = client(&socket, 1, 0);
+    let keys: Vec<BlockKey> = (1..=6u8).map(|i| BlockKey([i; 32])).collect();
+    let values: Vec<Vec<u8>> = (1..=6u8).map(|i| (0..SLICE).map(|at| (at as u8).wrapping_mul(i)).collect()).collect();
+    assert!(store(&mut c, &keys, &values).iter().all(|&stored| stored));
+    let attached = c.attached().unwrap().clone();
+    let orphan = leave_copy_of_pool(&attached.pool_path, "00000000000000dd");
+    let mut bytes = std::fs::read(&orphan).unwrap();
+    let (slot_bytes, slot_count) = (attached.slot_bytes, attached.slot_count);
+    let torn = slot_of(&bytes, slot_bytes, slot_count, &keys[4]) * slot_bytes + attached.value_offset + 100;
+    bytes[torn] ^= 0xff;
+    let unmarked = slot_count * slot_bytes + slot_of(&bytes, slot_bytes, slot_count, &keys[5]);
+    assert_eq!(bytes[unmarked], 1, "a stored block's slot is not marked resident");
+    bytes[unmarked] = 0;
+    std::fs::write(&orphan, &bytes).unwrap();
+    let orphan_inode = inode(&orphan);
+    drop(c);
+    service.stop().unwrap();
+
+    let (mut service, _) = start_idle(dir.path(), 0, 0);
+    let mut c = client(&socket, 1, 0);
+    assert_eq!(inode(&c.attached().unwrap().pool_path), orphan_inode, "the pool was not taken over");
+    let (found, out) = load(&mut c, &keys);
+    assert_eq!(found, [true, true, true, true, false, false], "kept: the whole, marked blocks only");
+    assert!(out[..4].iter().zip(&values).all(|(got, stored)| got == stored), "a kept block's bytes changed");
+    let stats: std::collections::HashMap<String, u64> = c.stats().unwrap().into_iter().collect();
+    assert_eq!((stats["recovered_dram_blocks"], stats["dram_hits"]), (4, 4));
+    assert!(store(&mut c, &keys[4..], &values[4..]).iter().all(|&stored| stored), "the freed slots are not usable");
+    assert_eq!(load(&mut c, &keys).0, [true; 6]);
+    drop(c);
+    service.stop().unwrap();
+}
+
+/// With an NVMe tier, a block kept from the pool taken over that NVMe recovery found too is the
+/// same block in both tiers: its loads are DRAM hits again, not NVMe reads.
+#[test]
+fn a_kept_pool_block_that_nvme_recovered_too_is_a_dram_hit() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start_idle(dir.path(), 4 << 20, 0);
+    let mut c = client(&socket, 1, 0);
+    let keys: Vec<BlockKey> = (1..=3u8).map(|i| BlockKey([i; 32])).collect();
+    let values: Vec<Vec<u8>> = (1..=3u8).map(|i| vec![i; SLICE]).collect();
+    assert!(store(&mut c, &keys, &values).iter().all(|&stored| stored));
+    c.flush().unwrap();
+    leave_copy_of_pool(&c.attached().unwrap().pool_path, "00000000000000ee");
+    drop(c);
+    service.stop().unwrap();
+
+    let (mut service, _) = start_idle(dir.path(), 4 << 20, 0);
+    let mut c = client(&socket, 1, 0);
+    let (found, out) = load(&mut c, &keys);
+    assert_eq!((found, out), (vec![true; 3], values));
+    let stats: std::collections::HashMap<String, u64> = c.stats().unwrap().into_iter().collect();
+    let counts = ["recovered_blocks", "recovered_dram_blocks", "dram_hits", "nvme_hits"].map(|name| stats[name]);
+    assert_eq!(counts, [3, 3, 3, 0], "recovered from NVMe, kept in DRAM, hit there");
+    drop(c);
+    service.stop().unwrap();
+}
+
 /// A predecessor's pool that no namespace took over (no engine of that model came back) goes when
 /// the service stops: a service that exits before its first sweep would leave it to the next one,
 /// which keeps it again at its start.

@@ -6,6 +6,7 @@
 use super::tenants::{PolicyFactory, TenantGauge, Tenants, MAX_TENANTS};
 use crate::key::BlockKey;
 use crate::tenant::{TenantId, TenantShares};
+use crate::tiers::dram::ResidentMarks;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum SlotState {
@@ -45,6 +46,9 @@ pub(super) struct Slots {
     /// Slots in flight (`Slot::in_flight`) per tenant account: with its resident ones, what a cap
     /// counts, so that a batch of fills cannot pass it before any of them lands.
     in_flight: Vec<u32>,
+    /// A shared pool's resident marks, kept equal to `state == Resident` (what a service that takes
+    /// the pool over after this one's death may keep).
+    marks: Option<ResidentMarks>,
 }
 
 /// The hash an eviction policy remembers a block by (S3-FIFO's ghost queue): keys are content
@@ -57,12 +61,30 @@ impl Slots {
     pub(super) fn new(count: usize, make_policy: PolicyFactory) -> Self {
         let tenants = Tenants::new(count, make_policy, TenantShares::default());
         let free = (0..count as u32).rev().collect();
-        Slots { slots: vec![Slot::EMPTY; count], free, tenants, in_flight: vec![0; MAX_TENANTS] }
+        Slots { slots: vec![Slot::EMPTY; count], free, tenants, in_flight: vec![0; MAX_TENANTS], marks: None }
     }
 
-    /// Changes `slot`, keeping the in-flight counts.
+    /// Keeps `marks` from now on (every slot is marked as it is now).
+    pub(super) fn set_resident_marks(&mut self, marks: ResidentMarks) {
+        for slot in 0..self.slots.len() as u32 {
+            marks.set(slot, self.slots[slot as usize].state == SlotState::Resident);
+        }
+        self.marks = Some(marks);
+    }
+
+    /// Takes `taken` off the free list: slots claimed by number (`Catalog::keep_pool_blocks`), in use.
+    pub(super) fn unlist(&mut self, taken: &[u32]) {
+        let mut unlisted = vec![false; self.slots.len()];
+        for &slot in taken {
+            assert_ne!(self.slots[slot as usize].state, SlotState::Free, "slot {slot} unlisted while free");
+            unlisted[slot as usize] = true;
+        }
+        self.free.retain(|&slot| !unlisted[slot as usize]);
+    }
+
+    /// Changes `slot`, keeping the in-flight counts and its resident mark.
     fn update(&mut self, slot: u32, change: impl FnOnce(&mut Slot)) {
-        let Slots { slots, in_flight, .. } = self;
+        let Slots { slots, in_flight, marks, .. } = self;
         let s = &mut slots[slot as usize];
         if s.in_flight() {
             assert!(in_flight[s.account as usize] > 0, "slot {slot} in flight but its account counts none");
@@ -71,6 +93,9 @@ impl Slots {
         change(s);
         if s.in_flight() {
             in_flight[s.account as usize] += 1;
+        }
+        if let Some(marks) = marks {
+            marks.set(slot, s.state == SlotState::Resident);
         }
     }
 
@@ -165,6 +190,9 @@ impl Slots {
         debug_assert!(s.state == SlotState::Resident && !s.writing, "victim {victim} is not evictable");
         let key = s.key.take();
         s.state = SlotState::Free;
+        if let Some(marks) = &self.marks {
+            marks.set(victim, false);
+        }
         Some((victim, key))
     }
 
@@ -264,6 +292,9 @@ impl Slots {
         for (slot, s) in self.slots.iter().enumerate() {
             if s.state == SlotState::Free {
                 assert!(s.key.is_none() && !s.writing, "free slot {slot} still holds {:?}", s.key);
+            }
+            if let Some(marks) = &self.marks {
+                assert_eq!(marks.get(slot as u32), s.state == SlotState::Resident, "slot {slot}'s resident mark");
             }
         }
     }

@@ -64,6 +64,7 @@ impl Store {
             }
             None => (Vec::new(), Vec::new()),
         };
+        super::takeover::keep_taken_over_blocks(&arena, &mut catalog, namespace, config.object_bytes);
         let remote = RemoteTiers::open(&config, namespace, &stats, cipher.as_ref())?;
         let (engine_name, buffers_registered, devices) =
             start_devices(&config, &device_files, &arena.registration_ranges(), &stats)?;

@@ -33,6 +33,42 @@ pub struct Arena {
     owner: Option<std::fs::File>,
     /// Set when a read may still write into a slot after the store closed (`keep_mapped`).
     keep_mapped: AtomicBool,
+    /// The pool was a dead service's, taken over (`adopt_orphan_pool`): its resident blocks may be kept.
+    adopted: bool,
+}
+
+/// A shared pool's resident marks: one byte per slot, in the page-rounded area after the last slot
+/// (docs/format.md, "The shared DRAM pool"), 1 while the slot holds a block its service indexed as
+/// resident (written whole and verified), 0 otherwise. A service that takes over a dead one's pool
+/// keeps only the blocks of marked slots: an unmarked slot may hold a fill or a read that never
+/// finished, an evicted block, or a remote tier's block that failed its check.
+#[derive(Clone, Copy)]
+pub struct ResidentMarks {
+    base: *mut u8,
+    count: usize,
+}
+
+// SAFETY: bytes of a shared mapping that outlives the store; each is written under the catalog lock.
+unsafe impl Send for ResidentMarks {}
+unsafe impl Sync for ResidentMarks {}
+
+impl ResidentMarks {
+    pub fn set(&self, slot: u32, resident: bool) {
+        assert!((slot as usize) < self.count, "a mark for slot {slot} of {}", self.count);
+        // SAFETY: in bounds of the marks area, which the arena maps for the store's life.
+        unsafe { self.base.add(slot as usize).write_volatile(u8::from(resident)) };
+    }
+
+    pub fn get(&self, slot: u32) -> bool {
+        assert!((slot as usize) < self.count, "a mark for slot {slot} of {}", self.count);
+        // SAFETY: as in `set`.
+        unsafe { self.base.add(slot as usize).read_volatile() == 1 }
+    }
+}
+
+/// Bytes of a shared pool's marks area for `slot_count` slots: a byte each, rounded up to a page.
+fn marks_bytes(slot_count: usize) -> usize {
+    slot_count.div_ceil(4096) * 4096
 }
 
 unsafe impl Send for Arena {}
@@ -42,8 +78,9 @@ impl Arena {
     /// Maps the pool: anonymous memory, or the shared-memory file `pool_path` (created 0600, sized
     /// with fallocate so that a /dev/shm too small for it fails here, not at a page fault later).
     pub fn map(slot_bytes: usize, slot_count: usize, pool_path: Option<&Path>) -> Result<Self> {
-        let len =
+        let slots_len =
             slot_bytes.checked_mul(slot_count).ok_or_else(|| Error::config("dram_bytes", "arena size overflows"))?;
+        let len = if pool_path.is_some() { slots_len + marks_bytes(slot_count) } else { slots_len };
         let available = mem_available_bytes();
         let already = PROCESS_ARENA_BYTES.load(Ordering::Relaxed);
         if let Some(available) = available {
@@ -57,20 +94,35 @@ impl Arena {
                 });
             }
         }
-        let (base, huge_pages, file) = match pool_path {
+        let (base, huge_pages, file, adopted) = match pool_path {
             None => {
                 let (base, huge_pages) = map_anonymous(len)?;
-                (base, huge_pages, None)
+                (base, huge_pages, None, false)
             }
             Some(path) => {
-                let (base, owner) = map_shared_file(path, len)?;
-                (base, false, Some((path.to_path_buf(), owner)))
+                let (base, owner, adopted) = map_shared_file(path, len)?;
+                (base, false, Some((path.to_path_buf(), owner)), adopted)
             }
         };
         debug_assert!((base as usize).is_multiple_of(4096), "a mapping off its page");
         PROCESS_ARENA_BYTES.fetch_add(len, Ordering::Relaxed);
         let (file, owner) = file.unzip();
-        Ok(Arena { base, len, slot_bytes, slot_count, huge_pages, file, owner, keep_mapped: AtomicBool::new(false) })
+        let keep_mapped = AtomicBool::new(false);
+        Ok(Arena { base, len, slot_bytes, slot_count, huge_pages, file, owner, keep_mapped, adopted })
+    }
+
+    /// Whether the pool is a dead service's, taken over (its resident marks and blocks as it left them).
+    pub fn adopted(&self) -> bool {
+        self.adopted
+    }
+
+    /// The resident marks of a shared pool (none for an anonymous one: no other service takes it over).
+    pub fn resident_marks(&self) -> Option<ResidentMarks> {
+        self.file.as_ref()?;
+        let slots_len = self.slot_count * self.slot_bytes;
+        debug_assert_eq!(self.len, slots_len + marks_bytes(self.slot_count), "a shared pool without its marks");
+        // SAFETY: the marks area starts right after the last slot, inside the mapping.
+        Some(ResidentMarks { base: unsafe { self.base.add(slots_len) }, count: self.slot_count })
     }
 
     /// The mapping outlives the arena (leaked, never unmapped): a read that did not finish by the
@@ -93,7 +145,7 @@ impl Arena {
         self.file.as_deref()
     }
 
-    /// Bytes of the whole mapping (slot_count * slot_bytes).
+    /// Bytes of the whole mapping: the slots, and a shared pool's resident marks after them.
     pub fn mapped_bytes(&self) -> usize {
         self.len
     }
@@ -193,9 +245,9 @@ fn map_anonymous(len: usize) -> Result<(*mut u8, bool)> {
 /// Creates the pool file, locks it and maps it shared. Only a file created here is used: whatever
 /// is at `path` already (a file another local user put there, a symbolic link) is neither opened
 /// nor removed. The service names its pools unpredictably, so nothing can be there in its way.
-fn map_shared_file(path: &Path, len: usize) -> Result<(*mut u8, std::fs::File)> {
-    if let Some(adopted) = adopt_orphan_pool(path, len) {
-        return Ok(adopted);
+fn map_shared_file(path: &Path, len: usize) -> Result<(*mut u8, std::fs::File, bool)> {
+    if let Some((p, file)) = adopt_orphan_pool(path, len) {
+        return Ok((p, file, true));
     }
     let file = create_pool_file(path)?;
     rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)
@@ -226,7 +278,7 @@ fn map_shared_file(path: &Path, len: usize) -> Result<(*mut u8, std::fs::File)> 
         ));
     }
     populate(p.cast(), len);
-    Ok((p.cast(), file))
+    Ok((p.cast(), file, false))
 }
 
 /// The byte of a pool file on which each client that maps the pool holds an open-file-description
@@ -263,8 +315,9 @@ fn ofd_lock(file: &std::fs::File, kind: libc::c_int) -> std::io::Result<()> {
 /// (named like `path` up to its random part), if no process holds it any more: no service (its
 /// `flock`) and no client (`hold_as_client`). A service killed and started again by its engines then
 /// finds its pool's memory allocated and zeroed already; a new pool of gigabytes costs seconds of
-/// CPU, which on a busy host the engine's requests paid for. The blocks the old pool held are not
-/// trusted (their index died with the service): every slot is free, and written before it is read.
+/// CPU, which on a busy host the engine's requests paid for. The blocks the old pool held are kept
+/// where its resident marks and their checksums vouch for them (`store::takeover`): a block promised
+/// to an engine before the kill can still be loaded (vLLM's plain route stops the engine otherwise).
 fn adopt_orphan_pool(path: &Path, len: usize) -> Option<(*mut u8, std::fs::File)> {
     let (dir, name) = (path.parent()?, path.file_name()?.to_str()?);
     let stem = &name[..name.rfind('-')? + 1];

@@ -1,0 +1,48 @@
+//! What a store keeps of a DRAM pool it took over from a dead service (`Arena::adopted`): the
+//! blocks of the slots marked resident (`ResidentMarks`) whose descriptor names this namespace and
+//! object size and whose value matches its checksum. The rest of the pool is free.
+
+use crate::catalog::{Catalog, PoolBlock};
+use crate::format::checksum;
+use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
+use crate::format::encrypted::page_tenant;
+use crate::key::Namespace;
+use crate::tiers::dram::Arena;
+
+/// Indexes what a pool taken over still holds (after NVMe recovery, before any use), then keeps
+/// the pool's resident marks in step with the catalog. Does nothing for an anonymous pool.
+pub(super) fn keep_taken_over_blocks(arena: &Arena, catalog: &mut Catalog, namespace: Namespace, object_bytes: usize) {
+    let Some(marks) = arena.resident_marks() else { return };
+    if arena.adopted() {
+        let started = std::time::Instant::now();
+        let marked: Vec<u32> = (0..arena.slot_count() as u32).filter(|&slot| marks.get(slot)).collect();
+        let found: Vec<PoolBlock> =
+            marked.iter().filter_map(|&slot| check_slot(arena, slot, namespace, object_bytes)).collect();
+        let kept = catalog.keep_pool_blocks(&found);
+        log::info!(
+            "kvtier: kept {kept} blocks of the pool taken over ({} slots marked resident, {} whole) in {:?}",
+            marked.len(),
+            found.len(),
+            started.elapsed()
+        );
+    }
+    catalog.set_resident_marks(marks);
+}
+
+/// The block in `slot`, if its descriptor is this store's and its value is whole.
+fn check_slot(arena: &Arena, slot: u32, namespace: Namespace, object_bytes: usize) -> Option<PoolBlock> {
+    assert!(DESCRIPTOR_BYTES + object_bytes <= arena.slot_bytes(), "a value past its slot");
+    // SAFETY: inside the slot; no other process maps a pool taken over (`adopt_orphan_pool`), and
+    // the store is not open yet.
+    let bytes = unsafe { std::slice::from_raw_parts(arena.slot_ptr(slot), DESCRIPTOR_BYTES + object_bytes) };
+    let (page, value) = bytes.split_at(DESCRIPTOR_BYTES);
+    let d = Descriptor::decode(page).ok()?;
+    let ours = d.namespace == namespace && d.value_bytes as usize == object_bytes;
+    (ours && checksum(value) == d.value_checksum).then(|| PoolBlock {
+        slot,
+        key: d.key,
+        sequence: d.sequence,
+        value_checksum: d.value_checksum,
+        tenant: page_tenant(page),
+    })
+}
