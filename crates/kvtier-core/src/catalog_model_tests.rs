@@ -254,6 +254,10 @@ fn new_catalog(setup: &Setup, geometry: Option<Geometry>) -> Catalog {
     });
     // With shares, NVMe regions are split by the same accounts: the walk exercises both layouts.
     cat.split_nvme_by_tenant();
+    // A shared pool's resident marks (what a service that takes the pool over keeps): `check` holds
+    // every marked slot to a whole value of its key.
+    let marks: &'static mut [u8] = Box::leak(vec![0u8; setup.slots].into_boxed_slice());
+    cat.set_resident_marks(crate::tiers::dram::ResidentMarks::over(marks));
     cat
 }
 
@@ -885,6 +889,15 @@ impl Model {
         assert!(free.len() <= cat.slots.len());
         for &s in &free {
             assert_eq!(cat.slots.get(s).state, SlotState::Free);
+        }
+        // A resident slot (marked: `Slots::check`) holds the whole value of a visible entry's key,
+        // which is what a service that takes the pool over after a kill may keep.
+        for (slot, s) in cat.slots.iter().enumerate().filter(|(_, s)| s.state == SlotState::Resident && !s.quarantined)
+        {
+            let key = s.key.expect("a resident slot without a key");
+            let e = cat.index.get(&key).expect("a resident slot whose key has no entry");
+            assert!(e.dram == Some(slot as u32) && e.dram_ready, "resident slot {slot} is not its entry's copy");
+            assert_eq!(self.slot_bytes[slot], Bytes::Value(key, e.value_checksum), "resident slot {slot}'s bytes");
         }
         let mut owners: HashMap<u32, BlockKey> = HashMap::new();
         for (key, e) in &cat.index {

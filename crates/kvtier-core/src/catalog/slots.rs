@@ -24,10 +24,18 @@ pub(super) struct Slot {
     pub(super) writing: bool,
     /// The tenant account (`tenants.rs`) the block is charged to once resident.
     pub(super) account: u8,
+    /// A scrub found the resident copy bad while a reader still copies out of it: the slot stays
+    /// until eviction takes it, never served again, and not marked resident (`ResidentMarks`).
+    pub(super) quarantined: bool,
 }
 
 impl Slot {
-    const EMPTY: Slot = Slot { key: None, state: SlotState::Free, writing: false, account: 0 };
+    const EMPTY: Slot = Slot { key: None, state: SlotState::Free, writing: false, account: 0, quarantined: false };
+
+    /// What the slot's resident mark says: a whole block its catalog serves.
+    fn marked(&self) -> bool {
+        self.state == SlotState::Resident && !self.quarantined
+    }
 
     /// A fill or a read under way for a block: its tenant's slot, not yet in its eviction policy.
     fn in_flight(&self) -> bool {
@@ -46,8 +54,8 @@ pub(super) struct Slots {
     /// Slots in flight (`Slot::in_flight`) per tenant account: with its resident ones, what a cap
     /// counts, so that a batch of fills cannot pass it before any of them lands.
     in_flight: Vec<u32>,
-    /// A shared pool's resident marks, kept equal to `state == Resident` (what a service that takes
-    /// the pool over after this one's death may keep).
+    /// A shared pool's resident marks, kept equal to `Slot::marked` (what a service that takes the
+    /// pool over after this one's death may keep).
     marks: Option<ResidentMarks>,
 }
 
@@ -67,7 +75,7 @@ impl Slots {
     /// Keeps `marks` from now on (every slot is marked as it is now).
     pub(super) fn set_resident_marks(&mut self, marks: ResidentMarks) {
         for slot in 0..self.slots.len() as u32 {
-            marks.set(slot, self.slots[slot as usize].state == SlotState::Resident);
+            marks.set(slot, self.slots[slot as usize].marked());
         }
         self.marks = Some(marks);
     }
@@ -95,7 +103,7 @@ impl Slots {
             in_flight[s.account as usize] += 1;
         }
         if let Some(marks) = marks {
-            marks.set(slot, s.state == SlotState::Resident);
+            marks.set(slot, s.marked());
         }
     }
 
@@ -190,6 +198,7 @@ impl Slots {
         debug_assert!(s.state == SlotState::Resident && !s.writing, "victim {victim} is not evictable");
         let key = s.key.take();
         s.state = SlotState::Free;
+        s.quarantined = false;
         if let Some(marks) = &self.marks {
             marks.set(victim, false);
         }
@@ -201,7 +210,7 @@ impl Slots {
     pub(super) fn claim(&mut self, slot: u32, key: BlockKey, state: SlotState, account: u8) {
         assert_eq!(self.slots[slot as usize].state, SlotState::Free, "slot {slot} claimed while in use");
         assert!(matches!(state, SlotState::Filling | SlotState::Loading), "slot {slot} claimed as {state:?}");
-        self.update(slot, |s| *s = Slot { key: Some(key), state, writing: false, account });
+        self.update(slot, |s| *s = Slot { key: Some(key), state, account, ..Slot::EMPTY });
         debug_assert!(self.slots[slot as usize].in_flight());
     }
 
@@ -221,6 +230,13 @@ impl Slots {
     pub(super) fn promote(&mut self, slot: u32, key: &BlockKey) {
         self.admit(slot, key);
         self.tenants.touch(slot);
+    }
+
+    /// A scrub found the resident block in `slot` bad while a reader still copies out of it: it
+    /// stays until eviction takes it, unmarked.
+    pub(super) fn quarantine(&mut self, slot: u32) {
+        assert_eq!(self.slots[slot as usize].state, SlotState::Resident, "slot {slot} quarantined while not resident");
+        self.update(slot, |s| s.quarantined = true);
     }
 
     /// The block in `slot` was hit.
@@ -294,8 +310,9 @@ impl Slots {
                 assert!(s.key.is_none() && !s.writing, "free slot {slot} still holds {:?}", s.key);
             }
             if let Some(marks) = &self.marks {
-                assert_eq!(marks.get(slot as u32), s.state == SlotState::Resident, "slot {slot}'s resident mark");
+                assert_eq!(marks.get(slot as u32), s.marked(), "slot {slot}'s resident mark");
             }
+            assert!(!s.quarantined || s.state == SlotState::Resident, "slot {slot} quarantined while {:?}", s.state);
         }
     }
 }

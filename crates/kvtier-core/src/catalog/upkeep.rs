@@ -139,6 +139,7 @@ impl Catalog {
         }
         e.dram_ready = false;
         if e.readers > 1 {
+            self.slots.quarantine(slot);
             return true;
         }
         e.dram = None;

@@ -53,6 +53,12 @@ unsafe impl Send for ResidentMarks {}
 unsafe impl Sync for ResidentMarks {}
 
 impl ResidentMarks {
+    /// Marks kept in `bytes` (the catalog's model tests: a pool's marks without a pool).
+    #[cfg(test)]
+    pub(crate) fn over(bytes: &'static mut [u8]) -> Self {
+        ResidentMarks { base: bytes.as_mut_ptr(), count: bytes.len() }
+    }
+
     pub fn set(&self, slot: u32, resident: bool) {
         assert!((slot as usize) < self.count, "a mark for slot {slot} of {}", self.count);
         // SAFETY: in bounds of the marks area, which the arena maps for the store's life.
