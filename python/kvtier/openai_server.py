@@ -8,6 +8,7 @@ operator or an orchestrator stops it. Requests are streamed completions, timed t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -171,7 +172,10 @@ class OpenAIServer:
         raise ServerError(f"vLLM did not reset its prefix cache after {attempts} attempts")
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
-        """SIGTERM to the server's process group, as an operator stops it; SIGKILL after the wait."""
+        """SIGTERM to the server's process group, as an operator stops it; SIGKILL after the wait. The
+        wait covers the whole group: vLLM's engine core, a process of its own, may still be shutting
+        down when the API server has exited, and a service stopped meanwhile would be started again
+        by its connection."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
             try:
@@ -179,7 +183,26 @@ class OpenAIServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=30)
+        deadline = time.monotonic() + timeout_s
+        while _group_members(self.process.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _group_members(self.process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
         return self.process.returncode
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(stat.parent.name))
+    return members
 
 
 def _post_json(url: str, timeout_s: float = 60) -> dict:
