@@ -319,21 +319,7 @@ impl Catalog {
         if self.index.get(&e.key).is_some_and(|old| old.sequence >= e.sequence) {
             return;
         }
-        self.index.insert(
-            e.key,
-            Entry {
-                sequence: e.sequence,
-                value_checksum: e.value_checksum,
-                dram: None,
-                dram_ready: false,
-                nvme: Some(loc),
-                write_pending: false,
-                pins: 0,
-                readers: 0,
-                loading: false,
-                awaiting_reuse: AwaitingReuse::default(),
-            },
-        );
+        self.index.insert(e.key, Entry { nvme: Some(loc), ..Entry::new(e.sequence, e.value_checksum) });
     }
 
     // ---- lookups (pins: `pins.rs`) ----
@@ -529,18 +515,7 @@ impl Catalog {
         self.slots.claim(slot, *key, state, account);
         self.index.insert(
             *key,
-            Entry {
-                sequence,
-                value_checksum: 0,
-                dram: Some(slot),
-                dram_ready: false,
-                nvme: None,
-                write_pending: false,
-                pins,
-                readers: 0,
-                loading: state == SlotState::Loading,
-                awaiting_reuse: AwaitingReuse::default(),
-            },
+            Entry { dram: Some(slot), pins, loading: state == SlotState::Loading, ..Entry::new(sequence, 0) },
         );
         sequence
     }

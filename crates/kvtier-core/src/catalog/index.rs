@@ -41,6 +41,23 @@ impl AwaitingReuse {
 }
 
 impl Entry {
+    /// Put number `sequence` of a block whose value has `value_checksum`, with no copy yet: callers
+    /// set where it lies (`Entry { dram: .., ..Entry::new(..) }`).
+    pub(super) fn new(sequence: u64, value_checksum: u64) -> Entry {
+        Entry {
+            sequence,
+            value_checksum,
+            dram: None,
+            dram_ready: false,
+            nvme: None,
+            write_pending: false,
+            pins: 0,
+            readers: 0,
+            loading: false,
+            awaiting_reuse: AwaitingReuse::default(),
+        }
+    }
+
     pub(super) fn visible(&self) -> bool {
         self.dram_ready || self.nvme.is_some()
     }
@@ -264,16 +281,10 @@ mod tests {
 
     fn entry(sequence: u64, dram_ready: bool, on_nvme: bool) -> Entry {
         Entry {
-            sequence,
-            value_checksum: 0,
             dram: dram_ready.then_some(0),
             dram_ready,
             nvme: on_nvme.then_some(NvmeLoc { device: 0, region: 0, offset: 0 }),
-            write_pending: false,
-            pins: 0,
-            readers: 0,
-            loading: false,
-            awaiting_reuse: AwaitingReuse::default(),
+            ..Entry::new(sequence, 0)
         }
     }
 

@@ -194,14 +194,10 @@ impl Slots {
         };
         let victim =
             if own_only { tenants.own_victim(asker, &mut evictable) } else { tenants.victim(asker, &mut evictable) }?;
-        let s = &mut self.slots[victim as usize];
+        let s = &self.slots[victim as usize];
         debug_assert!(s.state == SlotState::Resident && !s.writing, "victim {victim} is not evictable");
-        let key = s.key.take();
-        s.state = SlotState::Free;
-        s.quarantined = false;
-        if let Some(marks) = &self.marks {
-            marks.set(victim, false);
-        }
+        let key = s.key;
+        self.update(victim, |s| *s = Slot { account: s.account, ..Slot::EMPTY });
         Some((victim, key))
     }
 

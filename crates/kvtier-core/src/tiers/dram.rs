@@ -38,8 +38,8 @@ pub struct Arena {
 }
 
 /// A shared pool's resident marks: one byte per slot, in the page-rounded area after the last slot
-/// (docs/format.md, "The shared DRAM pool"), 1 while the slot holds a block its service indexed as
-/// resident (written whole and verified), 0 otherwise. A service that takes over a dead one's pool
+/// (docs/format.md, "The shared DRAM pool"), 1 while the slot holds a block its service serves from
+/// DRAM (written whole and verified, not quarantined), 0 otherwise. A service that takes over a dead one's pool
 /// keeps only the blocks of marked slots: an unmarked slot may hold a fill or a read that never
 /// finished, an evicted block, or a remote tier's block that failed its check.
 #[derive(Clone, Copy)]
