@@ -990,6 +990,40 @@ fn a_service_started_again_keeps_the_blocks_of_the_pool_it_took_over() {
     service.stop().unwrap();
 }
 
+/// A block kept from a pool taken over that NVMe recovery did not find (accepted by the dead service,
+/// its NVMe write not run yet) is written to NVMe as any put is under the default admission (`all`):
+/// the next restart recovers it from there. Before, it waited for a reuse, and under `all` no reuse
+/// ever wrote it: evicted from DRAM, it was gone.
+#[test]
+fn a_kept_pool_block_that_nvme_lacks_is_written_there() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start_idle(dir.path(), 0, 0); // DRAM only: nothing reaches NVMe
+    let mut c = client(&socket, 1, 0);
+    let keys: Vec<BlockKey> = (1..=3u8).map(|i| BlockKey([i; 32])).collect();
+    let values: Vec<Vec<u8>> = (1..=3u8).map(|i| vec![i; SLICE]).collect();
+    assert!(store(&mut c, &keys, &values).iter().all(|&stored| stored));
+    leave_copy_of_pool(&c.attached().unwrap().pool_path, "00000000000000ef");
+    drop(c);
+    service.stop().unwrap();
+
+    let stats = |c: &mut Client| -> std::collections::HashMap<String, u64> { c.stats().unwrap().into_iter().collect() };
+    let (mut service, _) = start_idle(dir.path(), 4 << 20, 0);
+    let mut c = client(&socket, 1, 0);
+    c.flush().unwrap();
+    let counts = ["recovered_blocks", "recovered_dram_blocks"].map(|name| stats(&mut c)[name]);
+    assert_eq!(counts, [0, 3], "kept in DRAM, not on NVMe");
+    assert!(stats(&mut c)["bytes_written_nvme"] >= 3 * SLICE as u64, "the kept blocks were not written to NVMe");
+    drop(c);
+    service.stop().unwrap();
+
+    let (mut service, _) = start_idle(dir.path(), 4 << 20, 0);
+    let mut c = client(&socket, 1, 0);
+    assert_eq!(stats(&mut c)["recovered_blocks"], 3, "the next start did not recover them from NVMe");
+    assert_eq!(load(&mut c, &keys), (vec![true; 3], values));
+    drop(c);
+    service.stop().unwrap();
+}
+
 /// With an NVMe tier, a block kept from the pool taken over that NVMe recovery found too is the
 /// same block in both tiers: its loads are DRAM hits again, not NVMe reads.
 #[test]

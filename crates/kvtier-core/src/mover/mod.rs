@@ -8,6 +8,7 @@ mod load;
 
 pub(crate) use load::{execute_get, execute_get_pinned, execute_read_ahead, probe_sick_tiers};
 
+use crate::admission::Verdict;
 use crate::catalog::{MetaWrite, Persist, PutStep, WriteOutcome, WritePlan};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::format::encrypted::{fresh_nonce, page_tenant, set_page_tenant, ValueCipher};
@@ -274,8 +275,25 @@ fn admit_store(sh: &StoreState, key: &BlockKey) -> (Persist, bool) {
     if (has_nvme && !verdict.nvme) || (sh.remote.any() && !verdict.remote) {
         Stats::add(&sh.stats.writes_awaiting_reuse, 1);
     }
-    let nvme = if verdict.nvme { nvme_budget_allows(sh, verdict.evidence) } else { Persist::OnReuse };
-    (nvme, verdict.remote)
+    (nvme_part(sh, verdict), verdict.remote)
+}
+
+/// The NVMe part of `admit_store` alone, for a block already in DRAM whose write did not run (one
+/// kept from a pool taken over: `store::takeover`).
+pub(crate) fn admit_nvme_write(sh: &StoreState, key: &BlockKey) -> Persist {
+    let verdict = sh.admission.admits_store(key);
+    if !verdict.nvme {
+        Stats::add(&sh.stats.writes_awaiting_reuse, 1);
+    }
+    nvme_part(sh, verdict)
+}
+
+fn nvme_part(sh: &StoreState, verdict: Verdict) -> Persist {
+    if verdict.nvme {
+        nvme_budget_allows(sh, verdict.evidence)
+    } else {
+        Persist::OnReuse
+    }
 }
 
 /// A block the budget refuses stays in DRAM only; one refused for want of evidence (`all`, the
@@ -434,7 +452,7 @@ pub(crate) fn abort_puts(sh: &StoreState, fills: &[(BlockKey, u32)]) {
     sh.changed.notify_all();
 }
 
-fn submit_entry_write(sh: &Arc<StoreState>, key: BlockKey, plan: WritePlan) {
+pub(crate) fn submit_entry_write(sh: &Arc<StoreState>, key: BlockKey, plan: WritePlan) {
     // The descriptor on disk records the region generation, which recovery uses to tell a reused
     // region's new entries from stale ones.
     // SAFETY: the slot is marked writing: nothing else writes into it, and no I/O is in flight on it yet.

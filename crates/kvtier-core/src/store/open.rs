@@ -64,7 +64,7 @@ impl Store {
             }
             None => (Vec::new(), Vec::new()),
         };
-        super::takeover::keep_taken_over_blocks(&arena, &mut catalog, namespace, config.object_bytes);
+        let dram_only = super::takeover::keep_taken_over_blocks(&arena, &mut catalog, namespace, config.object_bytes);
         let remote = RemoteTiers::open(&config, namespace, &stats, cipher.as_ref())?;
         let (engine_name, buffers_registered, devices) =
             start_devices(&config, &device_files, &arena.registration_ranges(), &stats)?;
@@ -97,6 +97,7 @@ impl Store {
             config,
         });
         submit_meta(&state, startup_meta);
+        super::takeover::persist_kept(&state, &dram_only);
         set_publishers_refetch(&state);
         let JobThreads { load_tx, store_tx, probe_stop, threads } = start_job_threads(&state)?;
         log_store_open(&state, &dirs[0], engine_name);

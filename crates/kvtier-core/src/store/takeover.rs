@@ -2,31 +2,73 @@
 //! blocks of the slots marked resident (`ResidentMarks`) whose descriptor names this namespace and
 //! object size and whose value matches its checksum. The rest of the pool is free.
 
-use crate::catalog::{Catalog, PoolBlock};
+use crate::catalog::{Catalog, Persist, PoolBlock};
 use crate::format::checksum;
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::format::encrypted::page_tenant;
-use crate::key::Namespace;
+use crate::key::{BlockKey, Namespace};
+use crate::mover::{admit_nvme_write, submit_entry_write, submit_meta};
+use crate::store_state::StoreState;
 use crate::tiers::dram::Arena;
+use std::sync::Arc;
 
 /// Indexes what a pool taken over still holds (after NVMe recovery, before any use), then keeps
-/// the pool's resident marks in step with the catalog. Does nothing for an anonymous pool.
-pub(super) fn keep_taken_over_blocks(arena: &Arena, catalog: &mut Catalog, namespace: Namespace, object_bytes: usize) {
-    let Some(marks) = arena.resident_marks() else { return };
+/// the pool's resident marks in step with the catalog. Does nothing for an anonymous pool. Returns
+/// the kept blocks NVMe recovery did not find: the dead service had accepted them, and their NVMe
+/// writes had not run (`persist_kept` decides them again).
+pub(super) fn keep_taken_over_blocks(
+    arena: &Arena,
+    catalog: &mut Catalog,
+    namespace: Namespace,
+    object_bytes: usize,
+) -> Vec<BlockKey> {
+    let Some(marks) = arena.resident_marks() else { return Vec::new() };
+    let mut dram_only = Vec::new();
     if arena.adopted() {
         let started = std::time::Instant::now();
         let marked: Vec<u32> = (0..arena.slot_count() as u32).filter(|&slot| marks.get(slot)).collect();
         let found: Vec<PoolBlock> =
             marked.iter().filter_map(|&slot| check_slot(arena, slot, namespace, object_bytes)).collect();
-        let kept = catalog.keep_pool_blocks(&found);
+        let kept;
+        (kept, dram_only) = catalog.keep_pool_blocks(&found);
         log::info!(
-            "kvtier: kept {kept} blocks of the pool taken over ({} slots marked resident, {} whole) in {:?}",
+            "kvtier: kept {kept} blocks of the pool taken over ({} slots marked resident, {} whole, {} in DRAM only) \
+             in {:?}",
             marked.len(),
             found.len(),
+            dram_only.len(),
             started.elapsed()
         );
     }
     catalog.set_resident_marks(marks);
+    dram_only
+}
+
+/// Admits the NVMe writes of `dram_only` (`keep_taken_over_blocks`) as a new put's would be: each is
+/// written now when the admission policy and the write budget let it (`all`, the default), or waits
+/// for a reuse (`reuse`, or the budget's evidence-first reserve). Before, each waited for a reuse
+/// under every policy, and under `all` a reuse never wrote it.
+pub(super) fn persist_kept(sh: &Arc<StoreState>, dram_only: &[BlockKey]) {
+    if sh.geometry.is_none() || dram_only.is_empty() {
+        return;
+    }
+    let mut meta = Vec::new();
+    let mut writes = Vec::new();
+    {
+        let mut cat = sh.catalog.lock();
+        for key in dram_only {
+            if admit_nvme_write(sh, key) != Persist::Now {
+                continue;
+            }
+            if let Some(plan) = cat.plan_kept_write(key, &mut meta) {
+                writes.push((*key, plan));
+            }
+        }
+    }
+    submit_meta(sh, meta);
+    for (key, plan) in writes {
+        submit_entry_write(sh, key, plan);
+    }
 }
 
 /// The block in `slot`, if its descriptor is this store's and its value is whole.
