@@ -67,6 +67,15 @@ pub enum ReserveReply {
 /// would serve misses and drop stores until it reattached. Past this, it is taken for hung.
 pub const FLUSH_REPLY_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// How long a hello's reply may take. The first hello of a namespace opens its store (NVMe
+/// recovery, a pool faulted in, a remote tier listed): seconds to minutes on a large or slow store.
+/// Under the connection's timeout (`service_timeout_ms`, 2 s) a scheduler took a healthy service
+/// opening its store for hung, logged so, and asked again every second, each hello left waiting
+/// on a service thread behind the open. A hello waits in a connect attempt of its own (the engine
+/// serves misses meanwhile), never on a request's path; the service's own bound on it
+/// (`ServiceConfig::open_wait_ms`) is longer, so the engine gives up first.
+pub const HELLO_REPLY_TIMEOUT: Duration = Duration::from_secs(120);
+
 pub struct Client {
     socket_path: PathBuf,
     stream: Option<UnixStream>,
@@ -223,8 +232,10 @@ impl Client {
                  new connection (Client::connect) for this one",
             ));
         }
-        let body = self.call(Op::Hello, |w| {
-            w.u16(PROTOCOL_VERSION).u32(tp_size).u32(rank).u64(slice_bytes as u64).bytes(description);
+        let body = self.with_reply_timeout(HELLO_REPLY_TIMEOUT, |c| {
+            c.call(Op::Hello, |w| {
+                w.u16(PROTOCOL_VERSION).u32(tp_size).u32(rank).u64(slice_bytes as u64).bytes(description);
+            })
         })?;
         let attached = self.parse(&body, |r| {
             let (slot_bytes, slot_count, value_offset, pool_bytes, object_bytes) =

@@ -72,8 +72,8 @@ pub struct ServiceConfig {
     #[cfg(any(test, feature = "testing"))]
     pub open_delay: Duration,
     /// How long a hello waits while another connection opens the same namespace, before it is
-    /// answered with a timeout. Longer than an engine's own wait for its hello (a worker's
-    /// `job_timeout_ms`, 120 s by default), so an engine gives up first; what it bounds is the
+    /// answered with a timeout. Longer than an engine's own wait for its hello
+    /// (`client::HELLO_REPLY_TIMEOUT`, 120 s), so an engine gives up first; what it bounds is the
     /// service's side: on a frozen filesystem every reconnect's hello would wait for as long as
     /// the open, one connection thread each, until `max_connections` refuses every client.
     /// Default 150000.
