@@ -140,6 +140,37 @@ def test_a_late_failure_on_a_dead_services_client_keeps_the_other_connections_ne
         copies.close()
 
 
+def test_an_engine_shutting_down_after_its_service_stopped_does_not_start_it_again(options):
+    """A service stopped on purpose (``kvtier service stop``) stays stopped until a request needs
+    it; an engine shutting down is no such request. Its scheduler released its pins and its worker
+    ran the jobs still queued, and each of those calls started the service again (a ``kvtier serve``
+    left running after the servers and the service were stopped)."""
+    from kvtier.vllm.connection import RECONNECT_INTERVAL_S
+
+    scheduler = ServiceConnection(options, {"test": "connection"}, 1, 0, SLICE_BYTES)
+    worker = ServiceConnection(options, {"test": "connection"}, 1, 0, SLICE_BYTES, populate_pool=True)
+    try:
+        assert scheduler.available and worker.available
+        kvtier_service.stop_service(options.socket_path())
+        deadline = time.monotonic() + 10
+        while (scheduler.available or worker.available) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the hang-up watch lets go of both
+        assert not scheduler.available and not worker.available, "the stop went unnoticed"
+        worker.stop_reconnecting()  # the worker's shutdown begins
+        scheduler.unpin_many([bytes(32)])  # the scheduler's shutdown releases what it pinned
+        assert "puts" not in worker.stats()  # a job still queued asks, and is answered its miss
+        time.sleep(2 * RECONNECT_INTERVAL_S + 1)
+        assert kvtier_service.service_pid(options.socket_path()) is None, "a shutdown started the service again"
+        assert scheduler.locate_many([bytes(32)]) == [None]  # a lookup, in an engine still serving, does
+        deadline = time.monotonic() + 30
+        while not scheduler.available and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert scheduler.available, "a lookup did not start the service"
+    finally:
+        scheduler.close()
+        worker.close()
+
+
 def test_an_engine_starting_beside_a_stopped_service_waits_a_second_not_the_attach_limit(options, caplog):
     """Issue 36, never worse: an engine started while its host service is frozen (SIGSTOP) waited
     the whole ``ATTACH_AT_START_WAIT_S`` (30 s) at start for a hello that could not be answered. Now

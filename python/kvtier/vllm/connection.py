@@ -332,8 +332,10 @@ class ServiceConnection:
         self._reconnect_warned_at = now
         logger.warning("kvtier: reconnecting to the host service failed (%s); serving misses, retrying", error)
 
-    def call(self, method: str, *args: Any, default: Any = None) -> Any:
-        client = self.live_client()
+    def call(self, method: str, *args: Any, default: Any = None, reconnect: bool = True) -> Any:
+        """``method`` on the service, ``default`` when it cannot answer; ``reconnect=False``: a call
+        only a connected service needs (one started again knows nothing of this one's state)."""
+        client = self.live_client(reconnect=reconnect)
         if client is None:
             return default
         try:
@@ -343,7 +345,8 @@ class ServiceConnection:
             if not client.connected:
                 self._note_outage(f"host service call {method} failed ({error})")
                 self._drop_dead(client)
-                self._reconnect_in_background()
+                if reconnect:
+                    self._reconnect_in_background()
             else:
                 logger.warning("kvtier: host service call %s refused (%s)", method, error)
             return default
@@ -401,24 +404,26 @@ class ServiceConnection:
     def count_failed_call(self) -> None:
         self.failed_calls += 1
 
-    def live_client(self) -> Any:
+    def live_client(self, reconnect: bool = True) -> Any:
         """The connected client, for a caller that drives the two-phase calls itself (the GPU
-        worker); None while the service is unreachable (a reconnect is under way then): the call is
-        answered with its miss without being sent, counted in ``stepped_aside_calls``."""
-        client = self._connected_client()
+        worker); None while the service is unreachable (a reconnect is under way then, unless
+        ``reconnect`` is False): the call is answered with its miss without being sent, counted in
+        ``stepped_aside_calls``."""
+        client = self._connected_client(reconnect)
         if client is None:
             self.stepped_aside_calls += 1
         return client
 
-    def _connected_client(self) -> Any:
-        """The client while it is connected; else None, with a dead one let go and a reconnect
-        started (at most one a second, in the background)."""
+    def _connected_client(self, reconnect: bool = True) -> Any:
+        """The client while it is connected; else None, with a dead one let go and, if
+        ``reconnect``, a reconnect started (at most one a second, in the background)."""
         client = self._client
         if client is not None and client.connected:
             return client
         if client is not None:
             self._drop_dead(client)
-        self._reconnect_in_background()
+        if reconnect:
+            self._reconnect_in_background()
         return None
 
     def wait_attached(self, timeout_s: float) -> bool:
@@ -472,7 +477,10 @@ class ServiceConnection:
         return self.call("pin_many", keys, default=[])
 
     def unpin_many(self, keys: list[bytes]) -> None:
-        self.call("unpin_many", keys)
+        # Pins live as long as the connection that took them: a dead service's went with it, and a
+        # service started again to release them would hold none (an engine shutting down beside a
+        # stopped service started it again this way).
+        self.call("unpin_many", keys, reconnect=False)
 
     def assign_tenant(self, keys: list[bytes], tenant: bytes) -> None:
         self.call("assign_tenant", keys, tenant)
@@ -506,11 +514,17 @@ class ServiceConnection:
         """Waits until every store the service accepted for this namespace is on NVMe."""
         self.call("flush")
 
+    def stop_reconnecting(self) -> None:
+        """Its engine shuts down: calls go on while the service answers, and none starts it again
+        (a service stopped on purpose stays stopped; a reconnect under way is let go)."""
+        with self._lock:
+            self._last_attempt = float("inf")
+
     def close(self) -> None:
         """Drops the connection: the service releases whatever it still held for this process."""
+        self.stop_reconnecting()
         with self._lock:
             self._client = None
-            self._last_attempt = float("inf")  # no reconnecting after close
         with registry_lock:
             _service_connections.discard(self)
 

@@ -739,6 +739,7 @@ class JobQueueWorker(OffloadingWorker):
             return self.results.take_failed_load_block_ids()
 
     def shutdown(self) -> None:
+        self._connection.stop_reconnecting()  # the jobs still queued must not start a stopped service
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
