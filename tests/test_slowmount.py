@@ -589,7 +589,9 @@ def test_an_engine_whose_store_opens_on_a_frozen_mount_starts_and_attaches_once_
     a worker's start was held the whole hello timeout (``job_timeout_ms``, 120 s), then the whole
     ``ATTACH_AT_START_WAIT_S`` (30 s). Now the start looks up a new name in the store directory,
     which a frozen mount does not answer: after ``STORE_PROBE_WAIT_S`` (5 s) the engine starts
-    serving misses, and attaches, with no call, once the open finishes."""
+    serving misses, and attaches, with no call, once the open finishes. The scheduler's connection,
+    started next in the same process, takes up the worker's probe still waiting on the mount and
+    starts at once (a hello of its own would wait up to 120 s; a probe of its own, 5 s more)."""
     from kvtier import service as kvtier_service
     from kvtier.vllm import KvtierOptions, ServiceConnection
     from kvtier.vllm.store_probe import ATTACH_AT_START_WAIT_S, STORE_PROBE_WAIT_S
@@ -603,7 +605,7 @@ def test_an_engine_whose_store_opens_on_a_frozen_mount_starts_and_attaches_once_
             "service_socket": str(tmp_path / "run" / "kv.sock"), "job_timeout_ms": 10_000,
         }  # fmt: skip
         options = KvtierOptions.from_extra_config(extra)
-        connection = None
+        connection = scheduler = None
         try:
             with daemon_stopped(mount):
                 time.sleep(1.5)  # past the kernel's attribute cache of the mount (1 s)
@@ -614,18 +616,23 @@ def test_an_engine_whose_store_opens_on_a_frozen_mount_starts_and_attaches_once_
                     f"the engine's start waited {waited_s:.1f} s for its store's open"
                 )
                 assert not connection.available and connection.outages == 1
+                started = time.monotonic()
+                scheduler = ServiceConnection(options, {"test": "frozen open"}, 1, 0, 64 << 10, timeout_ms=2_000)
+                waited_s = time.monotonic() - started
+                assert waited_s < 1.5, f"the scheduler's start waited {waited_s:.1f} s: the worker's probe was not used"
                 said = [record.getMessage() for record in caplog.records if "did not answer" in record.getMessage()]
                 assert said and str(mountpoint / "store") in said[0], said
                 time.sleep(1.0)
                 assert not connection.available
             deadline = time.monotonic() + 30
-            while not connection.available:
+            while not (connection.available and scheduler.available):
                 assert time.monotonic() < deadline, "the engine did not attach once the mount answered"
                 time.sleep(0.1)
             assert connection.stats().get("blocks_dram", 0) == 0  # a working attach
         finally:
-            if connection is not None:
-                connection.close()
+            for each in (connection, scheduler):
+                if each is not None:
+                    each.close()
             kvtier_service.stop_service(options.socket_path())
 
 

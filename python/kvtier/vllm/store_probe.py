@@ -48,6 +48,9 @@ class StoreProbe:
 
         start_thread(probe, "kvtier-probe")
 
+    def answered(self) -> bool:
+        return self._answered.is_set()
+
     def unanswered_after(self, wait_s: float) -> bool:
         """Whether a directory has not answered for ``wait_s`` since the probe started."""
         return not self._answered.is_set() and time.monotonic() - self.started >= wait_s
@@ -64,6 +67,23 @@ class StoreProbe:
         )
 
 
+# The probe of each set of store directories still waiting for an answer, by the directories: a
+# second start in this process (the scheduler's connection after the worker's, on the frozen mount
+# the first found) takes it up instead of waiting STORE_PROBE_WAIT_S again. Under ``_probes_lock``.
+_probes: dict[tuple[str, ...], StoreProbe] = {}
+_probes_lock = threading.Lock()
+
+
+def probe_of(directories: list[str]) -> StoreProbe:
+    """A probe of ``directories``: the one under way in this process if it has not been answered yet
+    (counted from its own start), else a new one."""
+    with _probes_lock:
+        probe = _probes.get(tuple(directories))
+        if probe is None or probe.answered():
+            probe = _probes[tuple(directories)] = StoreProbe(directories)
+        return probe
+
+
 def store_directories(path: Any) -> list[str]:
     """The store's directories (``path``: one, or a list)."""
     paths = path if isinstance(path, (list, tuple)) else [path]
@@ -75,7 +95,8 @@ def wait_at_start(
 ) -> str:
     """Waits for ``done`` (an open, a first attach), ``ATTACH_AT_START_WAIT_S`` at most, and less once
     it is known to wait in vain: ``in_vain()`` names a reason (a stopped service), or a store directory
-    does not answer a lookup for ``STORE_PROBE_WAIT_S`` (said with ``silence_note`` after it). Returns
+    does not answer a lookup for ``STORE_PROBE_WAIT_S`` (said with ``silence_note`` after it), counted
+    from an earlier start's probe still unanswered in this process (``probe_of``). Returns
     why it stopped waiting (``timed_out`` past the limit), or "" once ``done`` is set."""
     deadline = time.monotonic() + ATTACH_AT_START_WAIT_S
     probe: StoreProbe | None = None
@@ -86,7 +107,7 @@ def wait_at_start(
         if why_not:
             return why_not
         if probe is None:
-            probe = StoreProbe(directories)
-        elif probe.unanswered_after(STORE_PROBE_WAIT_S):
+            probe = probe_of(directories)
+        if probe.unanswered_after(STORE_PROBE_WAIT_S):
             return probe.silence() + silence_note
     return ""
