@@ -9,7 +9,7 @@ mod load;
 pub(crate) use load::{execute_get, execute_get_pinned, execute_read_ahead, probe_sick_tiers};
 
 use crate::admission::Verdict;
-use crate::catalog::{MetaWrite, Persist, PutStep, WriteOutcome, WritePlan};
+use crate::catalog::{Catalog, MetaWrite, Persist, PutStep, WriteOutcome, WritePlan};
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::format::encrypted::{fresh_nonce, page_tenant, set_page_tenant, ValueCipher};
 use crate::format::ALIGN_BYTES;
@@ -330,22 +330,32 @@ pub(crate) fn persist_reused(sh: &Arc<StoreState>) {
             sh.remote.offer(*key, &slot);
         }
     }
+    let awaiting_nvme = reused.iter().filter(|(_, awaiting)| awaiting.nvme).map(|(key, _)| key);
+    submit_nvme_writes(sh, awaiting_nvme, |cat, key, meta| {
+        (nvme_budget_allows(sh, true) == Persist::Now).then(|| cat.plan_reused_write(key, meta)).flatten()
+    });
+}
+
+/// Plans under one catalog lock the NVMe writes `plan` gives for `keys` (`None`: not written now),
+/// then submits them.
+pub(crate) fn submit_nvme_writes<'k>(
+    sh: &Arc<StoreState>,
+    keys: impl IntoIterator<Item = &'k BlockKey>,
+    mut plan: impl FnMut(&mut Catalog, &BlockKey, &mut Vec<MetaWrite>) -> Option<WritePlan>,
+) {
     let mut meta = Vec::new();
     let mut writes = Vec::new();
     {
         let mut cat = sh.catalog.lock();
-        for (key, _) in reused.iter().filter(|(_, awaiting)| awaiting.nvme) {
-            if nvme_budget_allows(sh, true) != Persist::Now {
-                continue;
-            }
-            if let Some(plan) = cat.plan_reused_write(key, &mut meta) {
-                writes.push((*key, plan));
+        for key in keys {
+            if let Some(write) = plan(&mut cat, key, &mut meta) {
+                writes.push((*key, write));
             }
         }
     }
     submit_meta(sh, meta);
-    for (key, plan) in writes {
-        submit_entry_write(sh, key, plan);
+    for (key, write) in writes {
+        submit_entry_write(sh, key, write);
     }
 }
 
@@ -452,7 +462,7 @@ pub(crate) fn abort_puts(sh: &StoreState, fills: &[(BlockKey, u32)]) {
     sh.changed.notify_all();
 }
 
-pub(crate) fn submit_entry_write(sh: &Arc<StoreState>, key: BlockKey, plan: WritePlan) {
+fn submit_entry_write(sh: &Arc<StoreState>, key: BlockKey, plan: WritePlan) {
     // The descriptor on disk records the region generation, which recovery uses to tell a reused
     // region's new entries from stale ones.
     // SAFETY: the slot is marked writing: nothing else writes into it, and no I/O is in flight on it yet.

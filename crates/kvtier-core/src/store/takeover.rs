@@ -7,7 +7,7 @@ use crate::format::checksum;
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::format::encrypted::page_tenant;
 use crate::key::{BlockKey, Namespace};
-use crate::mover::{admit_nvme_write, submit_entry_write, submit_meta};
+use crate::mover::{admit_nvme_write, submit_nvme_writes};
 use crate::store_state::StoreState;
 use crate::tiers::dram::Arena;
 use std::sync::Arc;
@@ -52,23 +52,9 @@ pub(super) fn persist_kept(sh: &Arc<StoreState>, dram_only: &[BlockKey]) {
     if sh.geometry.is_none() || dram_only.is_empty() {
         return;
     }
-    let mut meta = Vec::new();
-    let mut writes = Vec::new();
-    {
-        let mut cat = sh.catalog.lock();
-        for key in dram_only {
-            if admit_nvme_write(sh, key) != Persist::Now {
-                continue;
-            }
-            if let Some(plan) = cat.plan_kept_write(key, &mut meta) {
-                writes.push((*key, plan));
-            }
-        }
-    }
-    submit_meta(sh, meta);
-    for (key, plan) in writes {
-        submit_entry_write(sh, key, plan);
-    }
+    submit_nvme_writes(sh, dram_only, |cat, key, meta| {
+        (admit_nvme_write(sh, key) == Persist::Now).then(|| cat.plan_kept_write(key, meta)).flatten()
+    });
 }
 
 /// The block in `slot`, if its descriptor is this store's and its value is whole.
