@@ -137,8 +137,9 @@ pub(crate) struct Admission {
     remote: WriteAdmission,
     seen: Mutex<SeenOnce>,
     nvme_budget: Option<Mutex<WriteBudget>>,
-    /// Whether the NVMe budget ever refused a block for want of evidence (`evidence_first`): until
-    /// then no block waits for a use under `all`, and the store path need not look for used ones.
+    /// Whether the NVMe budget ever refused a block for want of evidence (`evidence_first`), or a
+    /// block kept from a pool taken over waits for a use (`note_kept_awaiting`): until then no block
+    /// waits for a use under `all`, and the store path need not look for used ones.
     deferred_for_evidence: AtomicBool,
 }
 
@@ -207,6 +208,12 @@ impl Admission {
             self.deferred_for_evidence.store(true, Ordering::Relaxed);
         }
         taken
+    }
+
+    /// A block kept from a pool taken over waits in DRAM for a use before its NVMe write (the write
+    /// backlog or the budget could not take it at the open): the store path looks for used blocks.
+    pub(crate) fn note_kept_awaiting(&self) {
+        self.deferred_for_evidence.store(true, Ordering::Relaxed);
     }
 
     /// The NVMe budget: (bytes per day, bytes it would take now); `None` when unbounded.

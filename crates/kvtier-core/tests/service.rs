@@ -996,6 +996,19 @@ fn a_service_started_again_keeps_the_blocks_of_the_pool_it_took_over() {
 /// ever wrote it: evicted from DRAM, it was gone.
 #[test]
 fn a_kept_pool_block_that_nvme_lacks_is_written_there() {
+    kept_blocks_reach_nvme(0);
+}
+
+/// The same with a write backlog of two blocks: two of the three kept blocks are written at the
+/// open, the third waits for its first use, and is written then.
+#[test]
+fn a_kept_pool_block_past_the_write_backlog_is_written_at_its_first_use() {
+    kept_blocks_reach_nvme(2);
+}
+
+/// Three blocks stored without NVMe, their pool taken over by a service with NVMe (a write backlog of
+/// `backlog_blocks`, 0: the default), each loaded once, then a restart: all three recovered from NVMe.
+fn kept_blocks_reach_nvme(backlog_blocks: usize) {
     let dir = tempfile::tempdir().unwrap();
     let (mut service, socket) = start_idle(dir.path(), 0, 0); // DRAM only: nothing reaches NVMe
     let mut c = client(&socket, 1, 0);
@@ -1007,16 +1020,24 @@ fn a_kept_pool_block_that_nvme_lacks_is_written_there() {
     service.stop().unwrap();
 
     let stats = |c: &mut Client| -> std::collections::HashMap<String, u64> { c.stats().unwrap().into_iter().collect() };
-    let (mut service, _) = start_idle(dir.path(), 4 << 20, 0);
+    let with_nvme = || {
+        let mut config = config(dir.path(), 4 << 20);
+        config.store.max_dirty_bytes = backlog_blocks * (SLICE + 4096);
+        Service::start(config).unwrap()
+    };
+    let mut service = with_nvme();
     let mut c = client(&socket, 1, 0);
     c.flush().unwrap();
     let counts = ["recovered_blocks", "recovered_dram_blocks"].map(|name| stats(&mut c)[name]);
     assert_eq!(counts, [0, 3], "kept in DRAM, not on NVMe");
-    assert!(stats(&mut c)["bytes_written_nvme"] >= 3 * SLICE as u64, "the kept blocks were not written to NVMe");
+    let written_at_open = if backlog_blocks == 0 { 3 } else { backlog_blocks as u64 };
+    assert!(stats(&mut c)["bytes_written_nvme"] >= written_at_open * SLICE as u64, "the kept blocks were not written");
+    assert_eq!(load(&mut c, &keys), (vec![true; 3], values.clone()), "each block used once");
+    c.flush().unwrap();
     drop(c);
     service.stop().unwrap();
 
-    let (mut service, _) = start_idle(dir.path(), 4 << 20, 0);
+    let mut service = with_nvme();
     let mut c = client(&socket, 1, 0);
     assert_eq!(stats(&mut c)["recovered_blocks"], 3, "the next start did not recover them from NVMe");
     assert_eq!(load(&mut c, &keys), (vec![true; 3], values));

@@ -160,13 +160,18 @@ impl Catalog {
         reused
     }
 
+    /// Whether the NVMe write backlog (`max_dirty_bytes`) takes one more block now.
+    pub fn write_backlog_has_room(&self) -> bool {
+        self.dirty_bytes + self.slot_bytes as usize <= self.max_dirty_bytes
+    }
+
     /// Plans the NVMe write of a reused block still in DRAM only, when the write backlog has room
     /// (else it stays in DRAM only: a reuse never waits).
     pub fn plan_reused_write(&mut self, key: &BlockKey, meta: &mut Vec<MetaWrite>) -> Option<WritePlan> {
         self.nvme.as_ref()?;
         let e = self.index.get(key).filter(|e| e.dram_ready && e.nvme.is_none() && !e.write_pending)?;
         let slot = e.dram.expect("a resident entry has a slot");
-        if self.dirty_bytes + self.slot_bytes as usize > self.max_dirty_bytes {
+        if !self.write_backlog_has_room() {
             Stats::add(&self.stats.nvme_dropped_writes, 1);
             return None;
         }
