@@ -345,12 +345,14 @@ def test_vllm_offload_metrics_count_kvtier_transfers(engine, monkeypatch):
             f"vllm:kv_offload_{direction}_bytes_total", engine_labels
         )
         assert sample("vllm:kv_offload_total_time_total", labels) > 0
-    # The dashboard's vLLM panels query only what this connector makes vLLM export.
+    # The dashboard's vLLM panels (vLLM's metrics, and kvtier's load decisions) query only what this
+    # connector makes vLLM export.
     dashboard = json.loads((Path(__file__).resolve().parents[1] / "dashboards" / "kvtier.json").read_text())
     queried = {
         name for panel in dashboard["panels"] for target in panel["targets"]
-        for name in re.findall(r"\bvllm:[a-z_]+", target["expr"])
+        for name in re.findall(r"\b(?:vllm|kvtier):[a-z_]+", target["expr"])
     }  # fmt: skip
+    assert "kvtier:load_decisions_total" in queried
     exported = {sample.name for metric in registry.collect() for sample in metric.samples}
     assert queried and not queried - exported, (
         f"the dashboard queries vLLM metrics vLLM does not export: {queried - exported}"
