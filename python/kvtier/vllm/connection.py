@@ -220,8 +220,9 @@ class ServiceConnection:
             client.set_placement(runs)
 
     def _attach_at_start(self) -> None:
-        """The first attach, waited ``store_probe.ATTACH_AT_START_WAIT_S`` at most: a service that refuses this
-        engine within it stops the engine with the reason. Past it the engine starts serving misses
+        """The first attach, waited ``store_probe.ATTACH_AT_START_WAIT_S`` at most (and no longer than
+        the connection's timeout): a service that refuses this engine within it stops the engine
+        with the reason. Past it the engine starts serving misses
         and the attempt goes on in the background (a store opening on a frozen mount, a long
         recovery): it attaches when the service answers, as a reconnect does."""
         with self._lock:
@@ -257,13 +258,18 @@ class ServiceConnection:
                 return f"the host service's process ({service_pid}) is stopped (SIGSTOP?) at start"
             return ""
 
+        # Never longer than one of its calls may take: a scheduler's start is waited its 2-s deadline,
+        # as its calls are. Its worker attached first (vLLM makes the workers before the scheduler),
+        # so a namespace still opening then is one the worker stopped waiting for, on a frozen mount
+        # or past the attach limit: waiting longer there only delays the engine's start.
+        limit_s = min(store_probe.ATTACH_AT_START_WAIT_S, self.timeout_ms / 1000)
         timed_out = (
-            f"the host service did not answer within {store_probe.ATTACH_AT_START_WAIT_S:g} s at start "
+            f"the host service did not answer within {limit_s:g} s at start "
             "(its store opening on a slow filesystem, or a long recovery?)"
         )
         directories = store_directories(self._options.path)
         note = ", and the host service opens the store there"
-        return store_probe.wait_at_start(attempt.done, directories, timed_out, stopped, note)
+        return store_probe.wait_at_start(attempt.done, directories, timed_out, stopped, note, limit_s)
 
     def _service_pid(self) -> int | None:
         """The pid of the service on this connection's socket; None while the socket is not named

@@ -91,16 +91,22 @@ def store_directories(path: Any) -> list[str]:
 
 
 def wait_at_start(
-    done: threading.Event, directories: list[str], timed_out: str, in_vain: Callable[[], str], silence_note: str = ""
+    done: threading.Event,
+    directories: list[str],
+    timed_out: str,
+    in_vain: Callable[[], str],
+    silence_note: str = "",
+    limit_s: float | None = None,
 ) -> str:
-    """Waits for ``done`` (an open, a first attach), ``ATTACH_AT_START_WAIT_S`` at most, and less once
-    it is known to wait in vain: ``in_vain()`` names a reason (a stopped service), or a store directory
-    does not answer a lookup for ``STORE_PROBE_WAIT_S`` (said with ``silence_note`` after it), counted
-    from an earlier start's probe still unanswered in this process (``probe_of``). Returns
-    why it stopped waiting (``timed_out`` past the limit), or "" once ``done`` is set."""
-    deadline = time.monotonic() + ATTACH_AT_START_WAIT_S
+    """Waits for ``done`` (an open, a first attach), ``limit_s`` at most (``ATTACH_AT_START_WAIT_S``
+    by default), and less once it is known to wait in vain: ``in_vain()`` names a reason (a stopped
+    service), or a store directory does not answer a lookup for ``STORE_PROBE_WAIT_S`` (said with
+    ``silence_note`` after it), counted from an earlier start's probe still unanswered in this
+    process (``probe_of``). Returns why it stopped waiting (``timed_out`` past the limit), or "" once
+    ``done`` is set."""
+    deadline = time.monotonic() + (ATTACH_AT_START_WAIT_S if limit_s is None else limit_s)
     probe: StoreProbe | None = None
-    while not done.wait(START_CHECK_INTERVAL_S):
+    while not done.wait(max(0.0, min(START_CHECK_INTERVAL_S, deadline - time.monotonic()))):
         if time.monotonic() >= deadline:
             return timed_out
         why_not = in_vain()
