@@ -137,10 +137,11 @@ pub(crate) struct Admission {
     remote: WriteAdmission,
     seen: Mutex<SeenOnce>,
     nvme_budget: Option<Mutex<WriteBudget>>,
-    /// Whether the NVMe budget ever refused a block for want of evidence (`evidence_first`), or a
-    /// block kept from a pool taken over waits for a use (`note_kept_awaiting`): until then no block
-    /// waits for a use under `all`, and the store path need not look for used ones.
-    deferred_for_evidence: AtomicBool,
+    /// Whether a block ever waited in DRAM for a use under a policy that otherwise writes at once:
+    /// the NVMe budget refused one for want of evidence (`evidence_first`), or a block kept from a
+    /// pool taken over could not be written at the open (`note_awaiting_use`). Until then the store
+    /// path under `all` need not look for used blocks.
+    some_await_use: AtomicBool,
 }
 
 impl Admission {
@@ -149,9 +150,8 @@ impl Admission {
         memory_blocks: usize,
         nvme_budget: Option<Mutex<WriteBudget>>,
     ) -> Self {
-        let deferred_for_evidence = AtomicBool::new(false);
-        let mut admission =
-            Admission { nvme, remote, seen: Mutex::new(SeenOnce::new(1)), nvme_budget, deferred_for_evidence };
+        let some_await_use = AtomicBool::new(false);
+        let mut admission = Admission { nvme, remote, seen: Mutex::new(SeenOnce::new(1)), nvme_budget, some_await_use };
         if admission.awaits_reuse() {
             admission.seen = Mutex::new(SeenOnce::new(memory_blocks));
         }
@@ -185,12 +185,12 @@ impl Admission {
         self.nvme == WriteAdmission::Reuse || self.remote == WriteAdmission::Reuse || self.evidence_first()
     }
 
-    /// Whether a block may be waiting in DRAM for a use now: a tier's policy is `reuse`, or the NVMe
-    /// budget has refused a block for want of evidence.
+    /// Whether a block may be waiting in DRAM for a use now: a tier's policy is `reuse`, or one was
+    /// left waiting under `all` (`some_await_use`).
     pub(crate) fn may_hold_awaiting(&self) -> bool {
         self.nvme == WriteAdmission::Reuse
             || self.remote == WriteAdmission::Reuse
-            || self.deferred_for_evidence.load(Ordering::Relaxed)
+            || self.some_await_use.load(Ordering::Relaxed)
     }
 
     /// Whether a block the NVMe budget refuses for want of evidence waits in DRAM for it (`all` with
@@ -205,15 +205,16 @@ impl Admission {
         let reserve = if evidence || !self.evidence_first() { 0.0 } else { EVIDENCE_RESERVE };
         let taken = self.nvme_budget.as_ref().is_none_or(|b| b.lock().try_take_above(bytes, Instant::now(), reserve));
         if !taken && reserve > 0.0 {
-            self.deferred_for_evidence.store(true, Ordering::Relaxed);
+            self.some_await_use.store(true, Ordering::Relaxed);
         }
         taken
     }
 
-    /// A block kept from a pool taken over waits in DRAM for a use before its NVMe write (the write
-    /// backlog or the budget could not take it at the open): the store path looks for used blocks.
-    pub(crate) fn note_kept_awaiting(&self) {
-        self.deferred_for_evidence.store(true, Ordering::Relaxed);
+    /// A block waits in DRAM for a use before its NVMe write although the policy would have written
+    /// it (a block kept from a pool taken over that the write backlog or the budget could not take at
+    /// the open): from now on the store path looks for used blocks.
+    pub(crate) fn note_awaiting_use(&self) {
+        self.some_await_use.store(true, Ordering::Relaxed);
     }
 
     /// The NVMe budget: (bytes per day, bytes it would take now); `None` when unbounded.

@@ -46,8 +46,8 @@ pub(super) fn keep_taken_over_blocks(
 
 /// Admits the NVMe writes of `dram_only` (`keep_taken_over_blocks`) as a new put's would be: each is
 /// written now when the admission policy, the write budget and the write backlog let it (`all`, the
-/// default), or waits for a reuse (`reuse`, the budget's evidence-first reserve, a full backlog).
-/// Before, each waited for a reuse under every policy, and under `all` a reuse never wrote it.
+/// default), or waits for a reuse (`reuse`, the budget's evidence-first reserve, a full backlog),
+/// which `persist_reused` then writes whatever the policy.
 pub(super) fn persist_kept(sh: &Arc<StoreState>, dram_only: &[BlockKey]) {
     if sh.geometry.is_none() || dram_only.is_empty() {
         return;
@@ -56,7 +56,7 @@ pub(super) fn persist_kept(sh: &Arc<StoreState>, dram_only: &[BlockKey]) {
         let write_now = cat.write_backlog_has_room() && admit_nvme_write(sh, key) == Persist::Now;
         let plan = if write_now { cat.plan_kept_write(key, meta) } else { None };
         if !write_now {
-            sh.admission.note_kept_awaiting(); // its first use writes it (`persist_reused`)
+            sh.admission.note_awaiting_use(); // its first use writes it (`persist_reused`)
         }
         plan
     });
