@@ -55,3 +55,12 @@ class ServedStore:
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
         self.process.wait(timeout=60)
+
+
+def engine_counts(socket: str | Path, label: str) -> dict[str, int]:
+    """The service's counters of the engine named ``label`` (in its only namespace), as ``kvtier top``
+    and the metrics read them; empty when it has none."""
+    from kvtier.ops.metrics import ServiceSnapshot
+
+    (namespace,), _ = ServiceSnapshot(socket).read()
+    return dict(namespace.get("engines", [])).get(label, {})

@@ -421,6 +421,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         client.pin_many([key(59)])
         client.unpin_many([key(59)])
         client.report_counts([("failed_calls", 3), ("given_up_loads", 2)])  # what it served at recompute
+        client.report_counts([("loads_after_reattach", 4)])  # loads it held for a reattach: served late
         client.flush()
         yield s
     finally:
@@ -539,6 +540,8 @@ def test_per_engine_counters_reach_the_scrape(served: Served) -> None:
     assert sample("kvtier_engine_fallbacks_total", engine="engine-a", event="failed_call") == 3
     assert sample("kvtier_engine_fallbacks_total", engine="engine-a", event="given_up_load") == 2
     assert sample("kvtier_engine_fallbacks_total", engine="engine-a", event="outage") == 0
+    assert sample("kvtier_engine_fallbacks_total", engine="engine-a", event="loads_after_reattach") is None
+    assert sample("kvtier_engine_delayed_loads_total", engine="engine-a", cause="reattach") == 4
     assert 'engine=""' not in served.scrape(), "unlabelled connections have no engine series"
 
 

@@ -18,6 +18,7 @@ except Exception as import_error:  # pragma: no cover - depends on the environme
     pytest.skip(f"vllm is not importable ({import_error!r}); run scripts/install_vllm.sh", allow_module_level=True)
 
 from kvtier import service as kvtier_service
+from served import engine_counts
 
 SLICE_BYTES = 128 << 10
 
@@ -251,12 +252,6 @@ def test_a_slow_first_hello_on_a_filesystem_that_answers_is_waited_the_attach_li
         kvtier_service.stop_service(socket_path)
 
 
-def _engine_counts(options, label: str) -> dict[str, int]:
-    client = kvtier_service.connect(options.socket_path())
-    (namespace,) = client.namespaces()["namespaces"]
-    return next((dict(values) for name, values in client.engines(namespace["digest"]) if name == label), {})
-
-
 def test_what_an_engine_served_at_recompute_reaches_its_counters_once_a_service_answers(options):
     """An engine's fallbacks happen while the service does not answer, so the service could not count
     them: with `vllm serve` (other processes) they were nowhere to be seen. The connection reports
@@ -266,7 +261,7 @@ def test_what_an_engine_served_at_recompute_reaches_its_counters_once_a_service_
     asks.add_count_source(lambda: dict(given_up))
     try:
         assert asks.locate_many([bytes(32)]) == [None]
-        assert _engine_counts(options, "engine-x").get("failed_calls") == 0, "nothing to report yet"
+        assert engine_counts(options.socket_path(), "engine-x").get("failed_calls") == 0, "nothing to report yet"
         pid = kvtier_service.service_pid(options.socket_path())
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
@@ -285,11 +280,11 @@ def test_what_an_engine_served_at_recompute_reaches_its_counters_once_a_service_
         # reconnect attaches: counted apart, not as failures.
         assert failed <= 2 and unsent >= 1, (failed, unsent)
         asks.locate_many([bytes(32)])  # the first call that succeeds: the report goes with it
-        counts = _engine_counts(options, "engine-x")
+        counts = engine_counts(options.socket_path(), "engine-x")
         assert (counts["failed_calls"], counts["outages"], counts["given_up_loads"]) == (failed, 1, 2), counts
         assert counts["stepped_aside_calls"] == unsent, counts
         asks.locate_many([bytes(32)])
-        assert _engine_counts(options, "engine-x")["failed_calls"] == failed, "counted once"
+        assert engine_counts(options.socket_path(), "engine-x")["failed_calls"] == failed, "counted once"
     finally:
         asks.close()
 

@@ -52,6 +52,7 @@ from kvtier.vllm import (
     kvtier_key,
 )
 from processes import wait_stopped
+from served import engine_counts
 
 LAYERS = 2
 PAGE_BYTES = 64 * 1024
@@ -90,12 +91,12 @@ def layers(fill: int | None = None) -> list[np.ndarray]:
     return [np.full((ENGINE_BLOCKS, PAGE_BYTES), fill, dtype=np.uint8) for _ in range(LAYERS)]
 
 
-def connection(options: KvtierOptions) -> ServiceConnection:
-    return ServiceConnection(options, {"test": "worker"}, 1, 0, PAGE_BYTES * LAYERS)
+def connection(options: KvtierOptions, label: str = "") -> ServiceConnection:
+    return ServiceConnection(options, {"test": "worker"}, 1, 0, PAGE_BYTES * LAYERS, label=label)
 
 
-def worker(options: KvtierOptions, kv: list[np.ndarray], **kwargs) -> ServiceWorker:
-    return ServiceWorker(connection(options), kv, PAGE_BYTES, job_timeout_ms=10_000, **kwargs)
+def worker(options: KvtierOptions, kv: list[np.ndarray], label: str = "", **kwargs) -> ServiceWorker:
+    return ServiceWorker(connection(options, label), kv, PAGE_BYTES, job_timeout_ms=10_000, **kwargs)
 
 
 def engine_blocks(ids: list[int]) -> GPULoadStoreSpec:
@@ -722,7 +723,7 @@ def test_under_the_plain_connector_a_load_after_a_service_restart_waits_for_the_
     ``job_timeout_ms``) and is tried again; the blocks arrive."""
     options = options_for(tmp_path, nvme_bytes=64 << 20)
     source = layers()
-    w = worker(options, source)
+    w = worker(options, source, label="engine-r")
     scheduler = ServiceConnection(options, {"test": "worker"}, 1, 0, PAGE_BYTES * LAYERS, timeout_ms=1_000)
     try:
         keys = [key(95), key(96)]
@@ -740,6 +741,11 @@ def test_under_the_plain_connector_a_load_after_a_service_restart_waits_for_the_
         assert scheduler.pin_many(keys) == [True, True]
         load_arrives_under_the_plain_connector(w, source, keys)
         assert w.loads_after_reattach >= 1
+        reported = 0  # the worker reports it after the job: served late, not a fallback to recompute
+        while reported < w.loads_after_reattach and time.monotonic() < deadline:
+            time.sleep(0.05)
+            reported = engine_counts(options.socket_path(), "engine-r").get("loads_after_reattach", 0)
+        assert reported == w.loads_after_reattach
     finally:
         scheduler.close()
         w.shutdown()

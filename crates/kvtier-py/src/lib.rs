@@ -71,6 +71,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // What an engine reports of itself to the service, in the service's order: the metrics and the
     // benchmarks read the names from here rather than keep a copy.
     m.add("ENGINE_REPORTED", kvtier_core::service::ENGINE_REPORTED.to_vec())?;
+    m.add("ENGINE_FALLBACKS", kvtier_core::service::ENGINE_FALLBACKS.to_vec())?;
     // Every tier in load order, as (name, remote): the Python side derives its tier lists from it.
     let tiers: Vec<(&str, bool)> = kvtier_core::TIER_ROWS.iter().map(|row| (row.name, row.remote)).collect();
     m.add("TIERS", tiers)?;

@@ -214,6 +214,14 @@ NAMESPACE_FAMILIES: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         "skipped_load and skipped_store_block (answered at once while a call was stuck)",
     ),
     (
+        "kvtier_engine_delayed_loads",
+        "counter",
+        ("engine", "cause"),
+        "Loads an engine's worker held and then served late, as the engine reports it: reattach (under "
+        "vLLM's plain OffloadingConnector, which stops the engine on a failed load, a load the service "
+        "did not answer waits for the connection to reattach to a service started again)",
+    ),
+    (
         "kvtier_tenant_dram_bytes",
         "gauge",
         ("tenant",),
@@ -325,9 +333,9 @@ SHARED_PUBLISH_RESULTS = (
     ("dropped", "shared_dropped_publishes"),
     ("failed", "shared_publish_errors"),
 )
-# What an engine reports of itself (``kvtier_core::service::ENGINE_REPORTED``, exported by the
+# What an engine reports of itself (``kvtier_core::service::ENGINE_FALLBACKS``, exported by the
 # binding): what it served at recompute because the service did not answer.
-ENGINE_FALLBACKS: tuple[str, ...] = tuple(_core.ENGINE_REPORTED)
+ENGINE_FALLBACKS: tuple[str, ...] = tuple(_core.ENGINE_FALLBACKS)
 # An engine's counters: (family, the labels after ``engine``, the engine's counter name).
 ENGINE_VALUES: tuple[tuple[str, str, str], ...] = (
     *(("kvtier_engine_lookup_blocks", tier, f"lookup_{tier}") for tier in HIT_TIERS),
@@ -338,6 +346,7 @@ ENGINE_VALUES: tuple[tuple[str, str, str], ...] = (
     ("kvtier_engine_stored_slices", "dropped", "dropped_slices"),
     # event: the count's name in the singular (failed_call, outage, ..., skipped_store_block)
     *(("kvtier_engine_fallbacks", name.removesuffix("s"), name) for name in ENGINE_FALLBACKS),
+    ("kvtier_engine_delayed_loads", "reattach", "loads_after_reattach"),
 )
 
 

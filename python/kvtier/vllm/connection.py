@@ -360,8 +360,9 @@ class ServiceConnection:
         return result
 
     def add_count_source(self, source: Callable[[], Mapping[str, int]]) -> None:
-        """Counts this engine keeps itself (the worker's jobs given up or skipped, by the names of
-        ``kvtier_core::service::ENGINE_REPORTED``), reported with the connection's own."""
+        """Counts this engine keeps itself (the worker's jobs given up or skipped, its loads held for
+        a reattach, by the names of ``kvtier_core::service::ENGINE_REPORTED``), reported with the
+        connection's own."""
         self._count_sources.append(source)
 
     def report_counts(self) -> None:

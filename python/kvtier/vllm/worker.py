@@ -382,7 +382,7 @@ class JobQueueWorker(OffloadingWorker):
         self._watch_needed = threading.Event()
         self._thread = start_thread(self._run, "kvtier-worker-jobs")
         self._watchdog = start_thread(self._watch_loads, "kvtier-worker-watchdog")
-        connection.add_count_source(self.fallback_counts)
+        connection.add_count_source(self.reported_counts)
         with registry_lock:
             _service_workers.add(self)
 
@@ -461,14 +461,15 @@ class JobQueueWorker(OffloadingWorker):
     ) -> bool:
         return self._submit(job_id, True, *_load_job(src_spec, dst_spec))
 
-    def fallback_counts(self) -> dict[str, int]:
-        """The jobs this worker gave up or skipped (served at recompute), by the names the service's
-        per-engine counters give them."""
+    def reported_counts(self) -> dict[str, int]:
+        """What this worker reports to the service's per-engine counters, by their names: the jobs it
+        gave up or skipped (served at recompute), and the loads it held for a reattach (served late)."""
         return {
             "given_up_loads": self.given_up_loads,
             "given_up_stores": self.given_up_stores,
             "skipped_loads": self.skipped_loads,
             "skipped_store_blocks": self.skipped_store_blocks,
+            "loads_after_reattach": self.loads_after_reattach,
         }
 
     def _stuck(self) -> bool:

@@ -26,13 +26,13 @@ pub struct EngineCounters {
     pub reported: [u64; ENGINE_REPORTED.len()],
 }
 
-/// The counts an engine reports of itself (`Op::Report`): what it served at recompute because the
-/// service did not answer. Calls that failed (sent, then timed out or broke; each answered with its
-/// miss), outages (times the service stopped answering), jobs given up after a stall (loads
-/// recomputed, stores not stored), loads and store blocks answered at once while the job thread was
-/// stuck in a call, and calls answered with their miss without being sent while the service was
-/// stepped aside (added last: an older service ignores the name).
-pub const ENGINE_REPORTED: [&str; 7] = [
+/// What an engine served at recompute because the service did not answer, as it reports it
+/// (`Op::Report`): calls that failed (sent, then timed out or broke; each answered with its miss),
+/// outages (times the service stopped answering), jobs given up after a stall (loads recomputed,
+/// stores not stored), loads and store blocks answered at once while the job thread was stuck in a
+/// call, and calls answered with their miss without being sent while the service was stepped aside
+/// (added last: an older service ignores the name).
+pub const ENGINE_FALLBACKS: [&str; 7] = [
     "failed_calls",
     "outages",
     "given_up_loads",
@@ -41,6 +41,24 @@ pub const ENGINE_REPORTED: [&str; 7] = [
     "skipped_store_blocks",
     "stepped_aside_calls",
 ];
+
+/// Loads a worker held until its connection reattached to a service started again (vLLM's plain
+/// `OffloadingConnector`, which stops the engine on a failed load): served late, not recomputed, so
+/// not a fallback.
+pub const LOADS_AFTER_REATTACH: &str = "loads_after_reattach";
+
+/// Every count an engine reports of itself: its fallbacks, then the loads it held for a reattach.
+pub const ENGINE_REPORTED: [&str; ENGINE_FALLBACKS.len() + 1] = reported_names();
+
+const fn reported_names() -> [&'static str; ENGINE_FALLBACKS.len() + 1] {
+    let mut names = [LOADS_AFTER_REATTACH; ENGINE_FALLBACKS.len() + 1];
+    let mut i = 0;
+    while i < ENGINE_FALLBACKS.len() {
+        names[i] = ENGINE_FALLBACKS[i];
+        i += 1;
+    }
+    names
+}
 
 impl EngineCounters {
     /// The lookup counter of a block found in `tier` (`None`: a miss).
@@ -151,9 +169,11 @@ mod tests {
         let report = |pairs: &[(&str, u64)]| pairs.iter().map(|(n, v)| (n.to_string(), *v)).collect::<Vec<_>>();
         table.record("engine-a", |c| c.add_reported(&report(&[("failed_calls", 2), ("from_the_future", 9)])));
         table.record("engine-a", |c| c.add_reported(&report(&[("failed_calls", 1), ("given_up_loads", 4)])));
+        table.record("engine-a", |c| c.add_reported(&report(&[(LOADS_AFTER_REATTACH, 2)])));
         let (_, counters) = &table.snapshot()[0];
         let fields: std::collections::HashMap<_, _> = counters.fields().into_iter().collect();
         assert_eq!((fields["failed_calls"], fields["given_up_loads"], fields["outages"]), (3, 4, 0));
+        assert_eq!(fields[LOADS_AFTER_REATTACH], 2, "a load held for a reattach is reported beside the fallbacks");
         assert!(!fields.contains_key("from_the_future"));
     }
 

@@ -20,7 +20,7 @@ mod socket_file;
 
 pub use changes::{TIER_DRAM, TIER_NVME, TIER_REMOTE};
 pub use client::{Attached, Client, EngineEntry, NamespaceInfo, RemoteBadBlock, RemoteVerifyBatch, ReserveReply};
-pub use engines::{EngineCounters, ENGINE_REPORTED, MAX_ENGINES};
+pub use engines::{EngineCounters, ENGINE_FALLBACKS, ENGINE_REPORTED, MAX_ENGINES};
 pub use gate::CopyGate;
 pub use placement::{Placement, PlacementRun};
 pub use server::{Service, ServiceConfig, MAX_TP_SIZE};

@@ -77,7 +77,8 @@ pub enum Op {
     Tenant = 19,
     /// (version 2, after Hello and Label) pairs -> (empty): what the engine counted itself since its
     /// last report (`ENGINE_REPORTED`: service calls that failed, outages, jobs given up or skipped
-    /// while the service did not answer), added to its per-engine counters; other names are ignored
+    /// while the service did not answer, loads held for a reattach), added to its per-engine
+    /// counters; other names are ignored
     Report = 20,
     /// (version 2, after Hello) keys -> (empty): the caller says these blocks will be read again (a
     /// request's retention hint): evidence of reuse for writes below DRAM (`Store::note_retained`)
