@@ -499,13 +499,24 @@ fn populate(base: *mut u8, len: usize) {
         }
         offset += step;
     }
-    if offset >= len {
-        return;
+    if offset < len {
+        // SAFETY: the rest of the same mapping.
+        unsafe { touch_pages(base.add(offset), len - offset) };
     }
-    // Kernels before 5.14: touch one byte per page.
-    for offset in (offset..len).step_by(4096) {
-        // SAFETY: in bounds of the mapping.
-        unsafe { base.add(offset).write_volatile(0) };
+}
+
+/// Kernels before 5.14 (no `MADV_POPULATE_WRITE`): faults each page in for writing by writing back
+/// one byte it holds. Never a constant: a pool taken over keeps its blocks (`store::takeover`).
+///
+/// # Safety
+/// `base..base + len` is mapped, readable and writable, and no other thread writes it meanwhile.
+unsafe fn touch_pages(base: *mut u8, len: usize) {
+    for offset in (0..len).step_by(4096) {
+        // SAFETY: in bounds of the mapping (the caller's).
+        unsafe {
+            let byte = base.add(offset);
+            byte.write_volatile(byte.read_volatile());
+        }
     }
 }
 
@@ -515,4 +526,16 @@ pub fn mem_available_bytes() -> Option<usize> {
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn faulting_pages_in_by_touch_keeps_what_they_hold() {
+        let mut bytes: Vec<u8> = (0..3 * 4096 + 100).map(|i| (i % 251) as u8 + 1).collect();
+        let before = bytes.clone();
+        // SAFETY: this test's own buffer; no other thread.
+        unsafe { super::touch_pages(bytes.as_mut_ptr(), bytes.len()) };
+        assert_eq!(bytes, before, "a touched page lost its bytes: a pool taken over would lose its blocks");
+    }
 }
