@@ -105,6 +105,11 @@ impl WriteBudget {
         true
     }
 
+    /// Gives back `bytes` taken for a write that was not made after all (up to the burst).
+    pub(crate) fn give_back(&mut self, bytes: u64) {
+        self.tokens = (self.tokens + bytes as f64).min(self.burst_bytes);
+    }
+
     /// Bytes the budget would take now.
     pub(crate) fn left_bytes(&mut self, now: Instant) -> u64 {
         self.refill(now);
@@ -208,6 +213,14 @@ impl Admission {
             self.some_await_use.store(true, Ordering::Relaxed);
         }
         taken
+    }
+
+    /// Gives the NVMe budget back the bytes of a write it paid for that was not planned after all
+    /// (its block left DRAM meanwhile, or no NVMe region was free).
+    pub(crate) fn return_nvme_budget(&self, bytes: u64) {
+        if let Some(budget) = &self.nvme_budget {
+            budget.lock().give_back(bytes);
+        }
     }
 
     /// A block waits in DRAM for a use before its NVMe write although the policy would have written

@@ -551,14 +551,15 @@ impl Store {
     /// `kv_transfer_params`, docs/vllm.md): evidence of reuse for write admission below DRAM
     /// (`write_admission: "reuse"`, or `all` under a bounded NVMe budget). A block stored already and
     /// kept in DRAM for want of evidence is written on now; one not stored yet has evidence at its
-    /// store, as a second sighting would. Under unbounded `all` every block is written: a no-op.
+    /// store, as a second sighting would. Under unbounded `all` every block is written (a no-op),
+    /// but for blocks kept from a pool taken over that wait for a use (`store::takeover`).
     pub fn note_retained(&self, keys: &[BlockKey]) {
-        if keys.is_empty() || !self.state.admission.awaits_reuse() {
+        let admission = &self.state.admission;
+        if keys.is_empty() || !(admission.awaits_reuse() || admission.may_hold_awaiting()) {
             return;
         }
         for key in keys {
-            let noted = self.state.admission.note_retained(key);
-            debug_assert!(noted, "a store that awaits reuse takes every hint");
+            admission.note_retained(key);
         }
         let mut cat = self.state.catalog.lock();
         keys.iter().for_each(|key| cat.note_retained(key));

@@ -996,19 +996,28 @@ fn a_service_started_again_keeps_the_blocks_of_the_pool_it_took_over() {
 /// ever wrote it: evicted from DRAM, it was gone.
 #[test]
 fn a_kept_pool_block_that_nvme_lacks_is_written_there() {
-    kept_blocks_reach_nvme(0);
+    kept_blocks_reach_nvme(0, 0);
 }
 
 /// The same with a write backlog of two blocks: two of the three kept blocks are written at the
 /// open, the third waits for its first use, and is written then.
 #[test]
 fn a_kept_pool_block_past_the_write_backlog_is_written_at_its_first_use() {
-    kept_blocks_reach_nvme(2);
+    kept_blocks_reach_nvme(2, 0);
+}
+
+/// The same with slow writes, the blocks used at once, while the backlog is still full of the first
+/// two: the third's write is refused again and it waits for its next use, which writes it. Before,
+/// the refusal at its first use dropped its write for good.
+#[test]
+fn a_kept_pool_block_used_while_the_write_backlog_is_full_is_written_at_a_later_use() {
+    kept_blocks_reach_nvme(2, 300);
 }
 
 /// Three blocks stored without NVMe, their pool taken over by a service with NVMe (a write backlog of
-/// `backlog_blocks`, 0: the default), each loaded once, then a restart: all three recovered from NVMe.
-fn kept_blocks_reach_nvme(backlog_blocks: usize) {
+/// `backlog_blocks`, 0: the default; each NVMe operation delayed `write_delay_ms`, the blocks then
+/// used once at once), each loaded once, then a restart: all three recovered from NVMe.
+fn kept_blocks_reach_nvme(backlog_blocks: usize, write_delay_ms: u64) {
     let dir = tempfile::tempdir().unwrap();
     let (mut service, socket) = start_idle(dir.path(), 0, 0); // DRAM only: nothing reaches NVMe
     let mut c = client(&socket, 1, 0);
@@ -1020,13 +1029,20 @@ fn kept_blocks_reach_nvme(backlog_blocks: usize) {
     service.stop().unwrap();
 
     let stats = |c: &mut Client| -> std::collections::HashMap<String, u64> { c.stats().unwrap().into_iter().collect() };
-    let with_nvme = || {
+    let with_nvme = |write_delay_ms: u64| {
         let mut config = config(dir.path(), 4 << 20);
         config.store.max_dirty_bytes = backlog_blocks * (SLICE + 4096);
+        if write_delay_ms > 0 {
+            let plan = kvtier_core::testing::FaultPlan { delay_ms: write_delay_ms, ..Default::default() };
+            config.store.fault_plan = Some(std::sync::Arc::new(plan));
+        }
         Service::start(config).unwrap()
     };
-    let mut service = with_nvme();
+    let mut service = with_nvme(write_delay_ms);
     let mut c = client(&socket, 1, 0);
+    if write_delay_ms > 0 {
+        assert_eq!(load(&mut c, &keys), (vec![true; 3], values.clone()), "used while the backlog is full");
+    }
     c.flush().unwrap();
     let counts = ["recovered_blocks", "recovered_dram_blocks"].map(|name| stats(&mut c)[name]);
     assert_eq!(counts, [0, 3], "kept in DRAM, not on NVMe");
@@ -1037,7 +1053,7 @@ fn kept_blocks_reach_nvme(backlog_blocks: usize) {
     drop(c);
     service.stop().unwrap();
 
-    let mut service = with_nvme();
+    let mut service = with_nvme(0);
     let mut c = client(&socket, 1, 0);
     assert_eq!(stats(&mut c)["recovered_blocks"], 3, "the next start did not recover them from NVMe");
     assert_eq!(load(&mut c, &keys), (vec![true; 3], values));

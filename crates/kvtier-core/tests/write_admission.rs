@@ -221,3 +221,31 @@ fn the_shared_tier_by_reuse_publishes_the_blocks_a_caller_says_come_back_at_thei
     assert!(s.shared_bytes_written >= 2 * OBJECT_BYTES as u64, "published for the other hosts: {s:?}");
     assert!(s.shared_bytes_written < 3 * OBJECT_BYTES as u64, "and nothing else: {s:?}");
 }
+
+/// Reused blocks whose NVMe writes the write backlog cannot take now (a slow disk: one write in
+/// flight at a time here) wait for their next use, which writes them; the budget pays only for
+/// writes made. Before, each refusal took its bytes from the budget and dropped the write for good.
+#[test]
+fn a_reuse_the_full_write_backlog_refuses_is_written_at_a_later_use_and_costs_no_budget_meanwhile() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = reuse_config(dir.path());
+    c.max_dirty_bytes = c.slot_bytes();
+    c.write_budget_burst_s = 86_400;
+    c.write_budget_nvme_bytes_per_day = 8 * SLOT_BYTES;
+    let plan = kvtier_core::testing::FaultPlan { delay_ms: 200, ..Default::default() };
+    c.fault_plan = Some(std::sync::Arc::new(plan));
+    let store = Store::open(c).unwrap();
+    put(&store, &[0, 1, 2, 3]);
+    assert_eq!(get_checked(&store, &[0, 1, 2, 3]), vec![true; 4], "each used once, while one write is in flight");
+    let left = store.stats().gauges.nvme_write_budget_left_bytes;
+    assert!(left >= 7 * SLOT_BYTES, "the budget paid for writes the backlog refused: {left} bytes left");
+    for _ in 0..4 {
+        store.flush().unwrap();
+        assert_eq!(get_checked(&store, &[0, 1, 2, 3]), vec![true; 4]);
+    }
+    store.flush().unwrap();
+    let stats = store.stats();
+    assert_eq!(stats.counters.bytes_written_nvme, 4 * SLOT_BYTES, "every reused block reached NVMe: {stats:?}");
+    assert!(stats.gauges.nvme_write_budget_left_bytes >= 4 * SLOT_BYTES, "{:?}", stats.gauges);
+    store.check_invariants();
+}

@@ -165,6 +165,19 @@ impl Catalog {
         self.dirty_bytes + self.slot_bytes as usize <= self.max_dirty_bytes
     }
 
+    /// Whether `key`'s block is one an NVMe write would take now: in DRAM only, none pending.
+    pub fn nvme_write_wanted(&self, key: &BlockKey) -> bool {
+        self.nvme.is_some() && self.index.get(key).is_some_and(|e| e.dram_ready && e.nvme.is_none() && !e.write_pending)
+    }
+
+    /// A reused block whose NVMe write the full write backlog could not take waits for its next
+    /// use again (`persist_reused`): the evidence is not lost with the write.
+    pub fn await_nvme_reuse(&mut self, key: &BlockKey) {
+        if let Some(e) = self.index.get_mut(key).filter(|e| e.dram_ready && e.nvme.is_none() && !e.write_pending) {
+            e.awaiting_reuse.nvme = true;
+        }
+    }
+
     /// Plans the NVMe write of a reused block still in DRAM only, when the write backlog has room
     /// (else it stays in DRAM only: a reuse never waits).
     pub fn plan_reused_write(&mut self, key: &BlockKey, meta: &mut Vec<MetaWrite>) -> Option<WritePlan> {

@@ -54,11 +54,13 @@ impl Catalog {
     }
 
     /// Plans the NVMe write of a block kept in DRAM only (`keep_pool_blocks`) that the store's
-    /// admission lets through now: it no longer waits for a reuse.
+    /// admission lets through now: once planned, it no longer waits for a reuse (one not planned,
+    /// with no NVMe region free, still does).
     pub fn plan_kept_write(&mut self, key: &BlockKey, meta: &mut Vec<MetaWrite>) -> Option<WritePlan> {
-        let e = self.index.get_mut(key).filter(|e| e.awaiting_reuse.nvme)?;
-        e.awaiting_reuse.nvme = false;
-        self.plan_reused_write(key, meta)
+        self.index.get(key).filter(|e| e.awaiting_reuse.nvme)?;
+        let plan = self.plan_reused_write(key, meta)?;
+        self.index.get_mut(key).expect("a planned entry").awaiting_reuse.nvme = false;
+        Some(plan)
     }
 
     fn keep_pool_block(&mut self, block: &PoolBlock) -> Option<Kept> {

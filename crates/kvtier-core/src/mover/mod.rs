@@ -322,7 +322,6 @@ pub(crate) fn persist_reused(sh: &Arc<StoreState>) {
     if reused.is_empty() {
         return;
     }
-    Stats::add(&sh.stats.writes_admitted_on_reuse, reused.len() as u64);
     let mut slot = Vec::new();
     for (key, _) in reused.iter().filter(|(_, awaiting)| awaiting.remote) {
         slot.resize(sh.arena.slot_bytes(), 0);
@@ -331,9 +330,34 @@ pub(crate) fn persist_reused(sh: &Arc<StoreState>) {
         }
     }
     let awaiting_nvme = reused.iter().filter(|(_, awaiting)| awaiting.nvme).map(|(key, _)| key);
+    let mut waiting_again = 0;
     submit_nvme_writes(sh, awaiting_nvme, |cat, key, meta| {
-        (nvme_budget_allows(sh, true) == Persist::Now).then(|| cat.plan_reused_write(key, meta)).flatten()
+        if !cat.nvme_write_wanted(key) {
+            return None;
+        }
+        if !cat.write_backlog_has_room() {
+            cat.await_nvme_reuse(key); // its next use writes it: a full backlog loses no evidence
+            waiting_again += 1;
+            return None;
+        }
+        if nvme_budget_allows(sh, true) != Persist::Now {
+            return None;
+        }
+        planned_within_budget(sh, cat.plan_reused_write(key, meta))
     });
+    if waiting_again > 0 {
+        sh.admission.note_awaiting_use();
+    }
+    Stats::add(&sh.stats.writes_admitted_on_reuse, (reused.len() - waiting_again) as u64);
+}
+
+/// A write whose bytes the NVMe budget gave (`nvme_budget_allows`) that the catalog did not plan
+/// after all (its block left DRAM meanwhile, no NVMe region was free) gives them back.
+pub(crate) fn planned_within_budget(sh: &StoreState, plan: Option<WritePlan>) -> Option<WritePlan> {
+    if plan.is_none() && sh.geometry.is_some() {
+        sh.admission.return_nvme_budget(sh.arena.slot_bytes() as u64);
+    }
+    plan
 }
 
 /// Plans under one catalog lock the NVMe writes `plan` gives for `keys` (`None`: not written now),

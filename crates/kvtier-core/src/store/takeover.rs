@@ -7,7 +7,8 @@ use crate::format::checksum;
 use crate::format::descriptor::{Descriptor, DESCRIPTOR_BYTES};
 use crate::format::encrypted::page_tenant;
 use crate::key::{BlockKey, Namespace};
-use crate::mover::{admit_nvme_write, submit_nvme_writes};
+use crate::mover::{admit_nvme_write, planned_within_budget, submit_nvme_writes};
+use crate::stats::Stats;
 use crate::store_state::StoreState;
 use crate::tiers::dram::Arena;
 use std::sync::Arc;
@@ -46,20 +47,40 @@ pub(super) fn keep_taken_over_blocks(
 
 /// Admits the NVMe writes of `dram_only` (`keep_taken_over_blocks`) as a new put's would be: each is
 /// written now when the admission policy, the write budget and the write backlog let it (`all`, the
-/// default), or waits for a reuse (`reuse`, the budget's evidence-first reserve, a full backlog),
-/// which `persist_reused` then writes whatever the policy.
+/// default), or waits for a use (`reuse`, the budget's evidence-first reserve, a full backlog),
+/// which `persist_reused` then writes whatever the policy. The remote tiers are offered each at its
+/// first use: the dead service's publishers went with it.
 pub(super) fn persist_kept(sh: &Arc<StoreState>, dram_only: &[BlockKey]) {
-    if sh.geometry.is_none() || dram_only.is_empty() {
+    if dram_only.is_empty() {
         return;
     }
-    submit_nvme_writes(sh, dram_only, |cat, key, meta| {
-        let write_now = cat.write_backlog_has_room() && admit_nvme_write(sh, key) == Persist::Now;
-        let plan = if write_now { cat.plan_kept_write(key, meta) } else { None };
-        if !write_now {
-            sh.admission.note_awaiting_use(); // its first use writes it (`persist_reused`)
-        }
-        plan
-    });
+    let mut awaiting = false;
+    if sh.remote.any() {
+        let mut cat = sh.catalog.lock();
+        dram_only.iter().for_each(|key| cat.await_remote_reuse(key));
+        awaiting = true;
+    }
+    if sh.geometry.is_some() {
+        let mut past_the_backlog = 0;
+        submit_nvme_writes(sh, dram_only, |cat, key, meta| {
+            if !cat.write_backlog_has_room() {
+                past_the_backlog += 1;
+                awaiting = true;
+                return None;
+            }
+            if admit_nvme_write(sh, key) != Persist::Now {
+                awaiting = true;
+                return None;
+            }
+            let plan = planned_within_budget(sh, cat.plan_kept_write(key, meta));
+            awaiting |= plan.is_none();
+            plan
+        });
+        Stats::add(&sh.stats.writes_awaiting_reuse, past_the_backlog);
+    }
+    if awaiting {
+        sh.admission.note_awaiting_use(); // their first use writes them (`persist_reused`)
+    }
 }
 
 /// The block in `slot`, if its descriptor is this store's and its value is whole.
