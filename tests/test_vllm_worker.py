@@ -230,6 +230,26 @@ def test_a_fenced_store_goes_at_once_during_a_prefill_step(service):
         w.shutdown()
 
 
+def test_a_store_held_back_longer_than_the_stall_timeout_is_stored_at_its_fence_not_given_up(service):
+    """A store held back behind prefill steps (on a CPU engine one step of a 2K-token prompt takes
+    seconds) had copied nothing since its submission, so vLLM's fence took it for stalled and gave it
+    up at once: never stored, counted as a fallback, an error logged against a healthy service. Its
+    stall clock now starts at the fence: it runs then."""
+    w = worker(service, layers(), stall_timeout_ms=300)
+    try:
+        w.step_begins(prefill_tokens=4096)
+        assert w.submit_store(1, engine_blocks([0, 1]), KvtierLoadStoreSpec([key(12), key(13)]))
+        time.sleep(0.6)  # held back past the stall timeout
+        w.wait({1})
+        assert finished(w, 1, timeout_s=1)
+        assert w.given_up_stores == 0, "a store held back by prefill steps was given up at its fence"
+        w.step_ends()
+    finally:
+        w.shutdown()
+    stats = kvtier_service.service_stats(service.socket_path())
+    assert stats["puts"] == 2
+
+
 def test_a_full_held_back_backlog_drops_new_stores_and_counts_them(service):
     w = worker(service, layers(), deferred_store_max_blocks=3)
     try:
@@ -403,6 +423,47 @@ def test_a_hint_of_a_prompts_first_tokens_retains_only_the_blocks_that_end_withi
         assert stats["writes_awaiting_reuse"] == 2, "the tail waits in DRAM for evidence"
         manager.shutdown()
     finally:
+        kvtier_service.stop_service(options.socket_path())
+
+
+def trim_unpinned(options: KvtierOptions) -> int:
+    """Removes every block nothing pins (``kvtier trim --to 0`` does so): how many were skipped as pinned."""
+    client = kvtier_service.connect(options.socket_path())
+    (namespace,) = client.namespaces()["namespaces"]
+    return int(dict(client.trim(namespace["digest"], "all", 0))["skipped_in_use"])
+
+
+def test_pins_are_taken_again_when_the_scheduler_reattaches(tmp_path):
+    """Pins live as long as the client that took them. A scheduler call that fails (a service stopped
+    for longer than the call's deadline) lets go of that client and the service released the pins
+    with it; the connection then reattached, and the manager believed it still held them: a block
+    promised to a load could be evicted before it ran (under vLLM's plain OffloadingConnector a
+    missed load stops the engine), and a request's complete_load unpinned the pin another request
+    had taken on the new client. Now the manager takes its pins again at its next call."""
+    options = options_for(tmp_path)
+    scheduler = connection(options)
+    manager = KvtierManager(ServiceBackend(scheduler))
+    w = worker(options, layers())
+    try:
+        promised = make_offload_key(hashlib.sha256(b"promised").digest(), 0)
+        block = kvtier_key(promised)
+        assert w.submit_store(1, engine_blocks([0]), KvtierLoadStoreSpec([block])) and finished(w, 1)
+        first, second = ReqContext(req_id="first"), ReqContext(req_id="second")
+        manager.prepare_load([promised], first)  # pinned: vLLM will load it
+        scheduler._drop_dead(scheduler._client)  # as a call that timed out does; the service lets the pins go
+        assert scheduler.wait_attached(10), "the scheduler's connection did not reattach"
+        manager.prepare_load([], ReqContext(req_id="next"))  # the manager's next call
+        assert trim_unpinned(options) == 1, "the promised block lost its pin at the reattach"
+        assert scheduler.locate_many([block]) == ["dram"]
+        manager.prepare_load([promised], second)
+        manager.complete_load([promised], first)  # must release the first request's pin only
+        assert trim_unpinned(options) == 1, "the first request released the second's pin"
+        manager.complete_load([promised], second)
+        assert trim_unpinned(options) == 0 and scheduler.locate_many([block]) == [None], "unpinned once both loaded"
+        assert manager.pins_lost_at_reattach == 0
+    finally:
+        w.shutdown()
+        manager.shutdown()
         kvtier_service.stop_service(options.socket_path())
 
 
@@ -712,6 +773,26 @@ def load_arrives_under_the_plain_connector(w: JobQueueWorker, source: list[np.nd
     assert results and results[0].success, "the load failed: vLLM's plain connector would stop the engine"
     reference = layers()
     assert all(np.array_equal(layer[8:10], ref[0:2]) for layer, ref in zip(source, reference, strict=True))
+
+
+def test_a_load_waiting_for_a_reattach_lets_an_engine_shut_down_at_once(tmp_path):
+    """Under vLLM's plain OffloadingConnector a load the service did not answer waits for the worker's
+    connection to reattach, up to ``job_timeout_ms``. Once the engine shuts down nothing reattaches
+    it (``stop_reconnecting``), yet the load went on waiting: vLLM's shutdown waited the whole
+    ``job_timeout_ms`` (120 s by default) beside a stopped service."""
+    options = options_for(tmp_path)
+    w = worker(options, layers())
+    try:
+        assert w.submit_store(1, engine_blocks([0]), KvtierLoadStoreSpec([key(90)])) and finished(w, 1)
+        assert kvtier_service.stop_service(options.socket_path())
+        assert w.submit_load(2, KvtierLoadStoreSpec([key(90)]), engine_blocks([8]))
+        time.sleep(0.3)  # the job thread's call fails; its load waits for a reattach
+        started = time.monotonic()
+        w.shutdown()
+        waited_s = time.monotonic() - started
+        assert waited_s < 3, f"the shutdown waited {waited_s:.1f} s for a load no reattach would serve"
+    finally:
+        kvtier_service.stop_service(options.socket_path())
 
 
 def test_under_the_plain_connector_a_load_after_a_service_restart_waits_for_the_worker_to_reattach(tmp_path):

@@ -137,6 +137,10 @@ class ServiceConnection:
         self._service: tuple[int, int] | None = None  # the service ``_client`` reached (``_Attached``)
         self._reconnecting = False
         self._last_attempt = 0.0
+        # Which client serves calls now, counted up at each one made this connection's: pins live
+        # as long as the client that took them (the service releases them when it goes), so a caller
+        # holding pins takes them again when this changes (``KvtierManager``).
+        self.client_epoch = 0
         self._outage_logged = False
         self._reconnect_warned_at = float("-inf")
         self.failed_calls = 0  # calls sent that timed out or broke (each waited at most the deadline)
@@ -296,15 +300,19 @@ class ServiceConnection:
         except Exception as failure:
             error = failure
         with self._lock:
-            self._reconnecting = False
             attempt.attached, attempt.error = attached, error
             attempt.done.set()
             if not attempt.in_background:
+                self._reconnecting = False
                 return
-        if attached is not None:
-            self._publish(attached)
-        elif error is not None:
-            self._note_failed_reconnect(error)
+        try:
+            if attached is not None:
+                self._publish(attached)
+            elif error is not None:
+                self._note_failed_reconnect(error)
+        finally:
+            with self._lock:  # only now: an attempt started before the publish would replace its client
+                self._reconnecting = False
 
     def _publish(self, attached: _Attached) -> None:
         """Makes the client this connection's. A placement set since it was sent is sent too:
@@ -315,6 +323,7 @@ class ServiceConnection:
             if self._last_attempt == float("inf"):
                 return  # closed meanwhile
             self._client, self._service = client, attached.service
+            self.client_epoch += 1
             reattached = self._outage_logged
             self._outage_logged = False
             self._reconnect_warned_at = float("-inf")
@@ -436,12 +445,13 @@ class ServiceConnection:
     def wait_attached(self, timeout_s: float) -> bool:
         """Waits up to ``timeout_s`` for this connection to be attached, reconnecting meanwhile (one
         try a second, in the background); whether it is. For a caller that must not answer a miss
-        (a load under vLLM's plain OffloadingConnector, where a failed load stops the engine)."""
+        (a load under vLLM's plain OffloadingConnector, where a failed load stops the engine). Not
+        once its engine shuts down (``stop_reconnecting``): nothing would attach it."""
         deadline = time.monotonic() + timeout_s
         while True:
             if self._connected_client() is not None:
                 return True
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or self._last_attempt == float("inf"):
                 return False
             time.sleep(ATTACH_POLL_S)
 

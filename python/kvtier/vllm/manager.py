@@ -76,6 +76,10 @@ class KvtierManager(OffloadingManager):
         # fill the DRAM pool with unevictable blocks: past the lease they are released.
         self._pinned_at: dict[str, float] = {}
         self._pin_lease_s = pin_lease_s
+        # The host service's client the pins are held on: a call that failed let go of the one that
+        # took them, and the service released them with it (``_repin_after_reattach``).
+        self._pins_epoch = self._client_epoch()
+        self.pins_lost_at_reattach = 0
         self._being_stored: Counter[bytes] = Counter()
         # When each key began being stored: a request waits in HIT_PENDING for a store at most
         # ``pending_timeout_s`` (one stuck behind a frozen service turns into a miss, recomputed).
@@ -246,6 +250,7 @@ class KvtierManager(OffloadingManager):
         while len(self._loaded) > MAX_LOADED_REQUESTS:
             self._loaded.popitem(last=False)
         store_keys = [kvtier_key(key) for key in keys]
+        self._repin_after_reattach()
         try:
             # One flag per present key: False for a block only in a remote tier (no pin taken).
             pinned = self._store.pin_many(store_keys)
@@ -265,6 +270,40 @@ class KvtierManager(OffloadingManager):
         self._assign_tenant(store_keys, req_context)
         return KvtierLoadStoreSpec(store_keys)
 
+    def _client_epoch(self) -> int:
+        """The host service's client serving this engine's calls now (``ServiceConnection.client_epoch``);
+        a store in this process keeps its pins for good (0)."""
+        return int(getattr(self._store, "client_epoch", 0))
+
+    def _repin_after_reattach(self) -> None:
+        """After the connection let go of the client that held this engine's pins (a call failed or
+        timed out; the service released them) and attached a new one: takes each request's pins
+        again before any unpin, so that a block promised to a load stays put (under vLLM's plain
+        OffloadingConnector a load that misses stops the engine) and an unpin never releases a pin
+        another request took on the new client. A block gone meanwhile keeps no pin (counted)."""
+        epoch = self._client_epoch()
+        if epoch == self._pins_epoch:
+            return
+        self._pins_epoch = epoch
+        for req_id, request_pins in list(self._pins.items()):
+            held = list(request_pins.elements())  # in prefix order: pins stop at the first absent key
+            try:
+                pinned = self._store.pin_many(held)
+            except Exception:
+                pinned = []
+            kept = Counter(key for key, took_pin in zip(held, pinned, strict=False) if took_pin)
+            self.pins_lost_at_reattach += len(held) - sum(kept.values())
+            if kept:
+                self._pins[req_id] = kept
+            else:
+                del self._pins[req_id]
+                self._pinned_at.pop(req_id, None)
+        if self.pins_lost_at_reattach:
+            logger.warning(
+                "kvtier: reattached with %d pin(s) lost in all (their blocks left the host's tiers meanwhile)",
+                self.pins_lost_at_reattach,
+            )
+
     def _expire_pins(self, now: float) -> None:
         stale = [req_id for req_id, since in self._pinned_at.items() if now - since > self._pin_lease_s]
         if not stale:
@@ -278,13 +317,14 @@ class KvtierManager(OffloadingManager):
             len(released),
             self._pin_lease_s,
         )
-        if released:
+        if released and self._client_epoch() == self._pins_epoch:
             try:
                 self._store.unpin_many(released)
             except Exception:
                 logger.exception("kvtier: unpin failed")
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._repin_after_reattach()
         request_pins = self._pins.get(req_context.req_id)
         if request_pins is None:
             return
@@ -441,7 +481,7 @@ class KvtierManager(OffloadingManager):
 
     def shutdown(self) -> None:
         held = [store_key for request_pins in self._pins.values() for store_key in request_pins.elements()]
-        if held:
+        if held and self._client_epoch() == self._pins_epoch:  # else they went with their client
             with contextlib.suppress(Exception):
                 self._store.unpin_many(held)
         self._pins.clear()

@@ -722,6 +722,7 @@ class JobQueueWorker(OffloadingWorker):
         on them never waits behind it."""
         with self._cv:
             self._urgent |= set(self._pending) & job_ids
+            self._start_stall_clocks_at_fence(job_ids)
             self._cv.notify_all()
         while True:
             with self._cv:
@@ -734,6 +735,20 @@ class JobQueueWorker(OffloadingWorker):
                     self._cv.wait(FENCE_POLL_S)
                     continue
             self._give_up(stalled, "a fence")
+
+    def _start_stall_clocks_at_fence(self, job_ids: set[int]) -> None:
+        """Holds ``_cv``. A fenced job still queued (a store held back behind prefill steps, or waiting
+        its turn behind a transfer that progresses) has copied nothing because it has not run, not
+        because the service is stuck: its stall clock starts at the fence, so the fence gives it one
+        stall timeout to run (it goes next: urgent). While the job thread is stuck in a call, queued
+        jobs are given up at once, as before."""
+        if self._stuck():
+            return
+        now = time.monotonic()
+        for job_id in job_ids:
+            job = self._pending.get(job_id)
+            if job is not None and job is not self._current:
+                job.progressed_at = max(job.progressed_at, now)
 
     def take_failed_load_block_ids(self) -> set[int]:
         with self._cv:
