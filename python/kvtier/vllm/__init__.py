@@ -55,13 +55,14 @@ type-only imports included (``tests/test_tidy_python.py`` checks this list again
 2. ``namespace``, ``costs``, ``local_store``: the engine's namespace, load or recompute, the
    in-process store (``host_service: false``)
 3. ``connection``: this process's connection to the host service
-4. ``prefetch``, ``events``, ``worker``: the scheduler's prefetcher and KV-event feed; the worker side
+4. ``transports``: how a host-service worker copies (CPU rows, GPU DMA)
+5. ``prefetch``, ``events``, ``worker``: the scheduler's prefetcher and KV-event feed; the worker side
    (in-process, host service, GPU)
-5. ``backend``: the store as the scheduler side sees it (``StoreBackend``, ``ServiceBackend``)
-6. ``metrics``: kvtier's metrics on vLLM's ``/metrics``
-7. ``manager``: the scheduler side (``KvtierManager``)
-8. ``spec``: ``KvtierOffloadingSpec``, which vLLM builds in both processes
-9. ``connector``, ``_testing``: ``KvtierConnector`` and ``kv_transfer_config``; what tests and
+6. ``backend``: the store as the scheduler side sees it (``StoreBackend``, ``ServiceBackend``)
+7. ``metrics``: kvtier's metrics on vLLM's ``/metrics``
+8. ``manager``: the scheduler side (``KvtierManager``)
+9. ``spec``: ``KvtierOffloadingSpec``, which vLLM builds in both processes
+10. ``connector``, ``_testing``: ``KvtierConnector`` and ``kv_transfer_config``; what tests and
    benchmarks read of this process's integration (a private module, not exported here)
 """
 
@@ -111,12 +112,14 @@ from kvtier.vllm.prefetch import (
 from kvtier.vllm.spec import (
     KvtierOffloadingSpec,
 )
-from kvtier.vllm.worker import (
+from kvtier.vllm.transports import (
     GpuDma,
+    ServiceCopy,
+)
+from kvtier.vllm.worker import (
     GpuServiceWorker,
     JobQueueWorker,
     KvtierWorker,
-    ServiceCopy,
     ServiceWorker,
 )
 
