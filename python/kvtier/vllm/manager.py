@@ -285,6 +285,7 @@ class KvtierManager(OffloadingManager):
         if epoch == self._pins_epoch:
             return
         self._pins_epoch = epoch
+        lost_before = self.pins_lost_at_reattach
         for req_id, request_pins in list(self._pins.items()):
             held = list(request_pins.elements())  # in prefix order: pins stop at the first absent key
             try:
@@ -298,10 +299,10 @@ class KvtierManager(OffloadingManager):
             else:
                 del self._pins[req_id]
                 self._pinned_at.pop(req_id, None)
-        if self.pins_lost_at_reattach:
+        if self.pins_lost_at_reattach > lost_before:
             logger.warning(
-                "kvtier: reattached with %d pin(s) lost in all (their blocks left the host's tiers meanwhile)",
-                self.pins_lost_at_reattach,
+                "kvtier: reattached with %d pin(s) lost (their blocks left the host's tiers meanwhile)",
+                self.pins_lost_at_reattach - lost_before,
             )
 
     def _expire_pins(self, now: float) -> None:

@@ -41,6 +41,11 @@ impl AwaitingReuse {
 }
 
 impl Entry {
+    /// Whether an NVMe write would take this block now: whole in DRAM, not on NVMe, none pending.
+    pub(super) fn wants_nvme_write(&self) -> bool {
+        self.dram_ready && self.nvme.is_none() && !self.write_pending
+    }
+
     /// Put number `sequence` of a block whose value has `value_checksum`, with no copy yet: callers
     /// set where it lies (`Entry { dram: .., ..Entry::new(..) }`).
     pub(super) fn new(sequence: u64, value_checksum: u64) -> Entry {

@@ -2,7 +2,7 @@
 //! `regions.rs` hands out), the write backlog that bounds them, and admission below DRAM (blocks kept
 //! from a tier until they are reused).
 
-use super::index::AwaitingReuse;
+use super::index::{AwaitingReuse, Entry};
 use super::slots::SlotState;
 use super::{Catalog, MetaWrite, NvmeLoc, Persist, PutStep, WriteOutcome, WritePlan};
 use crate::format::trailer::TrailerEntry;
@@ -167,13 +167,13 @@ impl Catalog {
 
     /// Whether `key`'s block is one an NVMe write would take now: in DRAM only, none pending.
     pub fn nvme_write_wanted(&self, key: &BlockKey) -> bool {
-        self.nvme.is_some() && self.index.get(key).is_some_and(|e| e.dram_ready && e.nvme.is_none() && !e.write_pending)
+        self.nvme.is_some() && self.index.get(key).is_some_and(Entry::wants_nvme_write)
     }
 
     /// A reused block whose NVMe write the full write backlog could not take waits for its next
     /// use again (`persist_reused`): the evidence is not lost with the write.
     pub fn await_nvme_reuse(&mut self, key: &BlockKey) {
-        if let Some(e) = self.index.get_mut(key).filter(|e| e.dram_ready && e.nvme.is_none() && !e.write_pending) {
+        if let Some(e) = self.index.get_mut(key).filter(|e| e.wants_nvme_write()) {
             e.awaiting_reuse.nvme = true;
         }
     }
@@ -182,7 +182,7 @@ impl Catalog {
     /// (else it stays in DRAM only: a reuse never waits).
     pub fn plan_reused_write(&mut self, key: &BlockKey, meta: &mut Vec<MetaWrite>) -> Option<WritePlan> {
         self.nvme.as_ref()?;
-        let e = self.index.get(key).filter(|e| e.dram_ready && e.nvme.is_none() && !e.write_pending)?;
+        let e = self.index.get(key).filter(|e| e.wants_nvme_write())?;
         let slot = e.dram.expect("a resident entry has a slot");
         if !self.write_backlog_has_room() {
             Stats::add(&self.stats.nvme_dropped_writes, 1);
