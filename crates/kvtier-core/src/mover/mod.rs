@@ -395,10 +395,22 @@ pub enum Reservation {
     Dropped,
 }
 
+/// How long a reserve that found no slot waits for a change before it looks again: the change
+/// that frees one (an unpin, a release, a commit) may have come before the wait began.
+const SLOT_FREED_POLL: Duration = Duration::from_millis(50);
+
 /// Waits until the NVMe write backlog admits a put, as a local put does; `false` if it did not by
-/// `deadline`, or at once on a hung disk (no write finishes to make room).
+/// `deadline`, or at once on a hung disk (no write finishes to make room). When the backlog already
+/// admits one, the caller found no slot (DRAM full of pinned, read or filling blocks: an engine
+/// that froze holding them): it waits for the next change, at most `SLOT_FREED_POLL`, rather than
+/// looking again at once (a reserve went round for its whole `slot_wait_ms`, scanning for victims
+/// under the catalog lock every call of the namespace needs).
 pub(crate) fn wait_for_put_room(sh: &StoreState, deadline: Instant) -> bool {
     let mut cat = sh.catalog.lock();
+    if cat.has_put_room() {
+        let _ = cat.wait_until(&sh.changed, deadline.min(Instant::now() + SLOT_FREED_POLL));
+        return true;
+    }
     while !cat.has_put_room() {
         if sh.nvme_health.hung() || cat.wait_until(&sh.changed, deadline).timed_out() {
             return cat.has_put_room();
