@@ -45,6 +45,8 @@ pub(super) struct Namespaced {
     /// Fills abandoned past `reservation_timeout_ms`, and commits refused because of it.
     pub(super) expired_fills: AtomicU64,
     pub(super) refused_commits: AtomicU64,
+    /// Pins let go after `pin_lease_ms` of their connection's silence.
+    pub(super) expired_pins: AtomicU64,
     /// What each labelled engine did here; locked alone.
     pub(super) engines: Mutex<EngineTable>,
     /// Which blocks became or stopped being loadable, for the engines' KV events (`Op::Changes`);
@@ -239,6 +241,7 @@ impl State {
             dropped: Mutex::new(DroppedKeys::default()),
             expired_fills: AtomicU64::new(0),
             refused_commits: AtomicU64::new(0),
+            expired_pins: AtomicU64::new(0),
             engines: Mutex::new(EngineTable::default()),
             changes: Mutex::new(ChangeLog::new(super::changes::LOG_CAPACITY)),
         })
@@ -436,6 +439,7 @@ impl State {
                 ("service_abandoned_slots".to_string(), abandoned_slots),
                 ("service_expired_fills".to_string(), ns.expired_fills.load(Ordering::Relaxed)),
                 ("service_refused_commits".to_string(), ns.refused_commits.load(Ordering::Relaxed)),
+                ("service_expired_pins".to_string(), ns.expired_pins.load(Ordering::Relaxed)),
                 ("service_attached_connections".to_string(), ns.attached.load(Ordering::Relaxed)),
             ]);
             if let Some(age) = facts.shared_index_age_ms {

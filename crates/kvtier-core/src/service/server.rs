@@ -31,6 +31,9 @@ pub const MAX_TP_SIZE: u32 = 64;
 const MAX_OBJECT_BYTES: u64 = 1 << 30;
 const ACCEPT_POLL_MS: i32 = 200;
 const JANITOR_PERIOD: Duration = Duration::from_millis(500);
+/// How often a connection thread waiting for a request looks at what its session holds
+/// (`pin_lease_ms`).
+const REQUEST_POLL: Duration = Duration::from_secs(1);
 const TIMELINE_SAVE_PERIOD: Duration = Duration::from_secs(10);
 /// How often a running service removes what dead services left (`remove_leftovers`): a service
 /// killed on another socket and never started again there, or a pool of this socket's predecessor
@@ -63,6 +66,12 @@ pub struct ServiceConfig {
     /// than an engine's job timeout (vLLM's `job_timeout_ms`, 120 s by default), so that a slow
     /// but live job is not cut off. 0: never. Default 180000.
     pub reservation_timeout_ms: u64,
+    /// Pins a connection holds while it sends nothing for this long are let go (counted in
+    /// `service_expired_pins`): an engine that froze holding them (SIGSTOP, a cgroup freezer) kept
+    /// its pinned blocks unevictable, and every other engine's stores short of room, for as long as
+    /// it stayed stopped. Longer than an engine's own pin lease (twice its `job_timeout_ms`, 240 s
+    /// by default), which a running engine keeps. 0: never. Default 600000.
+    pub pin_lease_ms: u64,
     /// Fault injection for tests: a `Label` request naming this label panics in its connection
     /// thread, as a bug would. Only with the `testing` feature (not in production builds).
     #[cfg(any(test, feature = "testing"))]
@@ -101,6 +110,7 @@ impl ServiceConfig {
             max_connections: 1024,
             fill_timeout_ms: 10_000,
             reservation_timeout_ms: 180_000,
+            pin_lease_ms: 600_000,
             #[cfg(any(test, feature = "testing"))]
             panic_on_label: None,
             #[cfg(any(test, feature = "testing"))]
@@ -374,7 +384,11 @@ impl Connection {
     /// Answers the connection's requests until it closes; whether it made any.
     fn serve(mut self, mut stream: UnixStream) -> bool {
         let mut made_requests = false;
+        let mut silent_since = Instant::now();
         loop {
+            if !self.wait_for_request(&stream, silent_since) {
+                continue;
+            }
             let body = match read_frame(&mut stream) {
                 Ok(Some(body)) => body,
                 Ok(None) => break,
@@ -403,9 +417,29 @@ impl Connection {
             if self.hang_up || write_frame(&mut stream, &reply).is_err() || close {
                 break;
             }
+            silent_since = Instant::now();
         }
         self.session = None;
         made_requests
+    }
+
+    /// Whether a request (or the peer's hang-up) is there to read, waited `REQUEST_POLL` at most.
+    /// While none comes, pins the session has held through `pin_lease_ms` of silence go
+    /// (`Session::expire_pins`).
+    fn wait_for_request(&mut self, stream: &UnixStream, silent_since: Instant) -> bool {
+        use rustix::event::{poll, PollFd, PollFlags, Timespec};
+        let mut fds = [PollFd::new(stream, PollFlags::IN)];
+        let timeout = Timespec { tv_sec: REQUEST_POLL.as_secs() as i64, tv_nsec: 0 };
+        // An error (EINTR) reads: `read_frame` then says what the socket holds.
+        if poll(&mut fds, Some(&timeout)).unwrap_or(1) > 0 {
+            return true;
+        }
+        let lease_ms = self.state.config.pin_lease_ms;
+        let lapsed = lease_ms > 0 && silent_since.elapsed() >= Duration::from_millis(lease_ms);
+        if let Some(session) = self.session.as_mut().filter(|session| lapsed && !session.pins.is_empty()) {
+            session.expire_pins(lease_ms);
+        }
+        false
     }
 
     fn handle(&mut self, body: &[u8]) -> std::result::Result<Vec<u8>, String> {
@@ -558,6 +592,7 @@ impl Connection {
             add("service_pending_fills", pending_fills);
             add("service_abandoned_slots", abandoned_slots);
             add("service_expired_fills", ns.expired_fills.load(Ordering::Relaxed));
+            add("service_expired_pins", ns.expired_pins.load(Ordering::Relaxed));
             add("service_refused_commits", ns.refused_commits.load(Ordering::Relaxed));
         }
         add("service_connections", self.state.connections.lock().len() as u64);

@@ -109,6 +109,24 @@ impl Session {
         Ok(())
     }
 
+    /// Lets go of every pin this connection holds: it has sent nothing for `lease_ms`, longer than
+    /// a running engine holds one (an engine that froze holding them). Its blocks may be evicted
+    /// again; a later load of one that went is a miss.
+    pub(super) fn expire_pins(&mut self, lease_ms: u64) {
+        let pinned = drain_held(&mut self.pins);
+        if pinned.is_empty() {
+            return;
+        }
+        self.ns.store.unpin(&pinned);
+        self.ns.expired_pins.fetch_add(pinned.len() as u64, Ordering::Relaxed);
+        log::warn!(
+            "kvtier: a connection{} held {} pin(s) and sent nothing for pin_lease_ms={lease_ms} (its engine \
+             frozen or stuck?); let go, so that other engines' stores may evict those blocks again",
+            self.label.as_deref().map(|label| format!(" of engine {label}")).unwrap_or_default(),
+            pinned.len()
+        );
+    }
+
     pub(super) fn unpin(&mut self, keys: &[BlockKey]) {
         let held = take_held(&mut self.pins, keys);
         if !held.is_empty() {

@@ -1,0 +1,115 @@
+//! How the host service waits for room, and what it lets go of for an engine that froze. A test
+//! binary of its own: it reads the process's CPU time, which tests running beside it in one process
+//! would add to.
+
+mod common;
+use common::*;
+
+use kvtier_core::service::{Client, ReserveReply, Service, ServiceConfig};
+use kvtier_core::{BlockBuffer, BlockKey, StoreConfig};
+use std::time::{Duration, Instant};
+
+const SLICE: usize = 8192;
+const SLOTS: u64 = 8;
+
+/// The CPU time this process has used so far (every thread), from /proc: 1/100 s steps.
+fn cpu_time() -> Duration {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
+    let fields: Vec<&str> = stat.rsplit_once(')').unwrap().1.split_whitespace().collect();
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    Duration::from_millis(ticks * 10)
+}
+
+fn client(socket: &std::path::Path) -> Client {
+    let mut c = Client::connect(socket, Duration::from_secs(10)).unwrap();
+    c.hello(b"service-waits/model/tp", 1, 0, SLICE).unwrap();
+    c
+}
+
+fn store(c: &mut Client, keys: &[BlockKey], values: &[Vec<u8>]) -> Vec<bool> {
+    let bufs: Vec<BlockBuffer> = values.iter().map(|v| BlockBuffer::single(v.as_ptr() as *mut u8, v.len())).collect();
+    // SAFETY: the values outlive the call.
+    unsafe { c.store_blocks(keys, &bufs).unwrap() }
+}
+
+/// An engine pinned every DRAM slot (its scheduler promised them to loads) and froze. Another
+/// engine's store found no slot to take, and its reserve went round again at once for the whole
+/// `slot_wait_ms`: a core spent scanning for victims under the catalog lock every other call of the
+/// namespace needs. It now waits for a change that may free a slot (an unpin, a release, a
+/// commit), and takes the slot as soon as one is freed.
+/// A service whose DRAM pool has `SLOTS` slots and no NVMe tier.
+fn start(dir: &std::path::Path, slot_wait_ms: u64, pin_lease_ms: u64) -> (Service, std::path::PathBuf) {
+    let mut store_config = StoreConfig::new(dir.join("store"), 1);
+    store_config.dram_bytes = SLOTS as usize * (SLICE + 4096);
+    store_config.nvme_bytes = 0;
+    store_config.slot_wait_ms = slot_wait_ms;
+    let socket = dir.join("run").join("kvtier.sock");
+    let mut config = ServiceConfig::new(&socket, store_config);
+    config.pool_dir = dir.to_path_buf();
+    config.pin_lease_ms = pin_lease_ms;
+    (Service::start(config).unwrap(), socket)
+}
+
+/// Stores blocks `ids` through `c` and pins them.
+fn store_and_pin(c: &mut Client, ids: std::ops::Range<u64>) -> Vec<BlockKey> {
+    let keys: Vec<BlockKey> = ids.clone().map(key).collect();
+    let values: Vec<Vec<u8>> = ids.map(|i| value(i, SLICE)).collect();
+    assert_eq!(store(c, &keys, &values), vec![true; keys.len()]);
+    assert_eq!(c.pin(&keys).unwrap(), vec![true; keys.len()]);
+    keys
+}
+
+#[test]
+fn a_store_that_finds_every_slot_pinned_waits_without_spinning_and_takes_a_slot_once_one_is_freed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start(dir.path(), 1_500, 0);
+    let mut frozen = client(&socket);
+    store_and_pin(&mut frozen, 0..SLOTS); // every slot
+
+    let mut other = client(&socket);
+    let (cpu_before, started) = (cpu_time(), Instant::now());
+    assert_eq!(other.reserve(&[key(100)]).unwrap(), vec![ReserveReply::Dropped], "no slot to take");
+    let (waited, cpu) = (started.elapsed(), cpu_time() - cpu_before);
+    assert!(waited >= Duration::from_millis(1_400), "the store waited only {waited:?} of its slot_wait_ms");
+    assert!(cpu < waited / 4, "waiting {waited:?} for a slot took {cpu:?} of CPU");
+
+    let unpin = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        frozen.unpin(&[key(0)]).unwrap();
+        frozen
+    });
+    let started = Instant::now();
+    assert_eq!(store(&mut other, &[key(101)], &[value(101, SLICE)]), vec![true], "the freed slot is taken");
+    assert!(started.elapsed() < Duration::from_millis(1_000), "taken {:?} after the unpin", started.elapsed());
+    drop(unpin.join().unwrap());
+    service.stop().unwrap();
+}
+
+/// An engine that froze holding pins kept its blocks unevictable for as long as it stayed stopped:
+/// the service let go of a connection's pins only when it closed. Pins held through `pin_lease_ms`
+/// of the connection's silence now go; a connection that keeps asking keeps its own.
+#[test]
+fn pins_held_through_a_connections_silence_past_the_lease_are_let_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start(dir.path(), 200, 1_000);
+    let mut frozen = client(&socket);
+    let frozen_keys = store_and_pin(&mut frozen, 0..SLOTS / 2);
+    let mut live = client(&socket);
+    let kept = store_and_pin(&mut live, SLOTS / 2..SLOTS);
+    let mut other = client(&socket);
+    let fresh: Vec<BlockKey> = (100..100 + SLOTS).map(key).collect();
+    let values: Vec<Vec<u8>> = (100..100 + SLOTS).map(|i| value(i, SLICE)).collect();
+    assert_eq!(store(&mut other, &fresh[..1], &values[..1]), vec![false], "every slot pinned");
+    for _ in 0..12 {
+        std::thread::sleep(Duration::from_millis(250)); // past the lease, and a poll period
+        assert_eq!(live.locate(&kept).unwrap().len(), kept.len()); // the live engine keeps asking
+    }
+    let half = (SLOTS / 2) as usize;
+    assert_eq!(store(&mut other, &fresh[1..=half], &values[1..=half]), vec![true; half], "the silent one's slots");
+    assert_eq!(other.locate(&frozen_keys).unwrap(), vec![0; half], "evicted once its pins went");
+    assert!(live.locate(&kept).unwrap().iter().all(|&tier| tier != 0), "the live engine's pins were let go");
+    let stats: std::collections::HashMap<String, u64> = other.stats().unwrap().into_iter().collect();
+    assert_eq!(stats["service_expired_pins"], SLOTS / 2, "{stats:?}");
+    drop(frozen);
+    service.stop().unwrap();
+}
