@@ -392,7 +392,9 @@ impl Catalog {
             e.dram_ready = false;
         }
         if e.dram.is_none() && e.nvme.is_none() && !e.write_pending {
-            if e.awaiting_reuse.any() {
+            if e.awaiting_reuse.behind_backlog {
+                Stats::add(&self.stats.dropped_behind_backlog, 1);
+            } else if e.awaiting_reuse.any() {
                 Stats::add(&self.stats.dropped_without_evidence, 1);
             }
             self.index.remove(key);

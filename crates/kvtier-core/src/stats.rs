@@ -142,6 +142,9 @@ counters!(
     writes_awaiting_reuse,
     writes_admitted_on_reuse,
     dropped_without_evidence,
+    // Blocks whose NVMe write was wanted (reused, or kept from a pool taken over) and that the full
+    // write backlog held in DRAM only, evicted before a later use could write them.
+    dropped_behind_backlog,
     nvme_write_budget_refusals,
     remote_write_budget_refusals,
     retained_by_hint,

@@ -249,3 +249,29 @@ fn a_reuse_the_full_write_backlog_refuses_is_written_at_a_later_use_and_costs_no
     assert!(stats.gauges.nvme_write_budget_left_bytes >= 4 * SLOT_BYTES, "{:?}", stats.gauges);
     store.check_invariants();
 }
+
+/// Reused blocks the full write backlog held in DRAM only and evicted before a later use counted
+/// as `dropped_without_evidence`, as if the admission policy had judged them one-off: they had
+/// evidence, the disk was slow. They count apart.
+#[test]
+fn a_reused_block_the_backlog_held_back_and_dram_evicted_counts_apart_from_the_unused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = reuse_config(dir.path());
+    c.max_dirty_bytes = c.slot_bytes();
+    let plan = kvtier_core::testing::FaultPlan { delay_ms: 50, ..Default::default() };
+    c.fault_plan = Some(std::sync::Arc::new(plan));
+    let store = Store::open(c).unwrap();
+    let first: Vec<u64> = (0..16).collect();
+    put(&store, &first);
+    assert_eq!(get_checked(&store, &first), vec![true; 16], "each used once, one write in flight at a time");
+    for i in 100..140 {
+        // Used blocks push the first ones out of DRAM (one-off blocks would not: S3-FIFO keeps the
+        // used ones); each is written once the write before it ends.
+        put(&store, &[i]);
+        assert_eq!(get_checked(&store, &[i]), vec![true]);
+    }
+    let s = store.stats().counters;
+    assert!(s.dropped_behind_backlog > 0, "no reused block was evicted behind the backlog: {s:?}");
+    assert_eq!(s.dropped_without_evidence, 0, "every block was used again: none lacked evidence: {s:?}");
+    store.check_invariants();
+}

@@ -300,6 +300,7 @@ PLAIN_VALUES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("kvtier_write_admission_blocks", ("awaiting_reuse",), "writes_awaiting_reuse"),
     ("kvtier_write_admission_blocks", ("admitted_on_reuse",), "writes_admitted_on_reuse"),
     ("kvtier_write_admission_blocks", ("dropped_without_evidence",), "dropped_without_evidence"),
+    ("kvtier_write_admission_blocks", ("dropped_behind_backlog",), "dropped_behind_backlog"),
     ("kvtier_write_admission_blocks", ("budget_refused_nvme",), "nvme_write_budget_refusals"),
     ("kvtier_write_admission_blocks", ("budget_refused_remote",), "remote_write_budget_refusals"),
     ("kvtier_write_admission_blocks", ("retained_by_hint",), "retained_by_hint"),

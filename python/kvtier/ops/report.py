@@ -321,6 +321,7 @@ ADMISSION_COUNTERS = (
     "writes_awaiting_reuse",
     "writes_admitted_on_reuse",
     "dropped_without_evidence",
+    "dropped_behind_backlog",
     "nvme_write_budget_refusals",
     "remote_write_budget_refusals",
     "retained_by_hint",
@@ -556,11 +557,12 @@ def _writes_table(writes: dict[str, Any], output: Output) -> None:
             ]
         )
     admission = writes["admission"]
+    over_budget = admission["nvme_write_budget_refusals"] + admission["remote_write_budget_refusals"]
     output.table(
         f"writes below DRAM ({admission['writes_awaiting_reuse']} block(s) kept awaiting reuse, "
         f"{admission['writes_admitted_on_reuse']} written on reuse, {admission['retained_by_hint']} hinted, "
         f"{admission['dropped_without_evidence']} dropped "
-        f"unused, {admission['nvme_write_budget_refusals'] + admission['remote_write_budget_refusals']} over budget)",
+        f"unused, {admission['dropped_behind_backlog']} behind a full write backlog, {over_budget} over budget)",
         ["tier", "written", "read back", "written per read", "write budget"],
         rows,
     )

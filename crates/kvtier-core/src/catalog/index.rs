@@ -32,6 +32,9 @@ pub(super) struct Entry {
 pub struct AwaitingReuse {
     pub nvme: bool,
     pub remote: bool,
+    /// Its NVMe write was wanted and the full write backlog held it back (`await_nvme_reuse`), not
+    /// the admission policy: leaving DRAM unused it counts in `dropped_behind_backlog`.
+    pub behind_backlog: bool,
 }
 
 impl AwaitingReuse {

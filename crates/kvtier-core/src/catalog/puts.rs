@@ -170,11 +170,13 @@ impl Catalog {
         self.nvme.is_some() && self.index.get(key).is_some_and(Entry::wants_nvme_write)
     }
 
-    /// A reused block whose NVMe write the full write backlog could not take waits for its next
-    /// use again (`persist_reused`): the evidence is not lost with the write.
+    /// A block whose NVMe write the full write backlog could not take (a reuse's, `persist_reused`;
+    /// one kept from a pool taken over, `persist_kept`) waits for its next use: the evidence is not
+    /// lost with the write.
     pub fn await_nvme_reuse(&mut self, key: &BlockKey) {
         if let Some(e) = self.index.get_mut(key).filter(|e| e.wants_nvme_write()) {
             e.awaiting_reuse.nvme = true;
+            e.awaiting_reuse.behind_backlog = true;
         }
     }
 

@@ -59,7 +59,8 @@ impl Catalog {
     pub fn plan_kept_write(&mut self, key: &BlockKey, meta: &mut Vec<MetaWrite>) -> Option<WritePlan> {
         self.index.get(key).filter(|e| e.awaiting_reuse.nvme)?;
         let plan = self.plan_reused_write(key, meta)?;
-        self.index.get_mut(key).expect("a planned entry").awaiting_reuse.nvme = false;
+        let awaiting = &mut self.index.get_mut(key).expect("a planned entry").awaiting_reuse;
+        (awaiting.nvme, awaiting.behind_backlog) = (false, false);
         Some(plan)
     }
 
@@ -75,7 +76,7 @@ impl Catalog {
                 let entry = Entry {
                     dram: Some(block.slot),
                     dram_ready: true,
-                    awaiting_reuse: AwaitingReuse { nvme: self.nvme.is_some(), remote: false },
+                    awaiting_reuse: AwaitingReuse { nvme: self.nvme.is_some(), ..AwaitingReuse::default() },
                     ..Entry::new(block.sequence, block.value_checksum)
                 };
                 self.index.insert(block.key, entry);
