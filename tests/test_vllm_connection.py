@@ -17,6 +17,7 @@ try:
 except Exception as import_error:  # pragma: no cover - depends on the environment
     pytest.skip(f"vllm is not importable ({import_error!r}); run scripts/install_vllm.sh", allow_module_level=True)
 
+from kvtier import errors as kvtier_errors
 from kvtier import service as kvtier_service
 from served import engine_counts
 
@@ -170,6 +171,61 @@ def test_an_engine_shutting_down_after_its_service_stopped_does_not_start_it_aga
     finally:
         scheduler.close()
         worker.close()
+
+
+def test_the_event_feeds_connection_never_starts_a_stopped_service_and_follows_one_a_lookup_starts(options):
+    """An idle engine with KV events on polls the service's change log every few hundred ms; the
+    feed's connection reconnected as a lookup's does, by starting the service: a service stopped on
+    purpose (``kvtier service stop``) was running again within about a second though no request
+    came. The feed's connection now only attaches to a running service."""
+    from kvtier.vllm.connection import RECONNECT_INTERVAL_S
+
+    feed = ServiceConnection(options, {"test": "connection"}, 1, 0, SLICE_BYTES, starts_service=False)
+    scheduler = None
+    try:
+        assert not feed.available and feed.outages == 1, "a feed with no service to follow started one"
+        scheduler = ServiceConnection(options, {"test": "connection"}, 1, 0, SLICE_BYTES)  # starts it
+        deadline = time.monotonic() + 10
+        while not feed.available and time.monotonic() < deadline:
+            feed.call("changes", 0, 16)
+            time.sleep(0.1)
+        assert feed.available, "the feed did not attach to the service a lookup started"
+        kvtier_service.stop_service(options.socket_path())
+        deadline = time.monotonic() + 10
+        while (feed.available or scheduler.available) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for _ in range(int(2 * RECONNECT_INTERVAL_S / 0.1) + 10):
+            assert feed.call("changes", 0, 16) is None
+            time.sleep(0.1)
+        assert kvtier_service.service_pid(options.socket_path()) is None, "the feed's polls started the service"
+    finally:
+        feed.close()
+        if scheduler is not None:
+            scheduler.close()
+
+
+def test_a_call_broken_outside_the_connection_counts_as_an_outage(options, caplog):
+    """A GPU rank's transfers and the per-engine reports call the client themselves: when such a call
+    broke the client (a frozen service past its deadline), the connection let it go at its next call
+    without counting or logging an outage, so ``service_outages`` and the log said nothing of it."""
+    from processes import wait_stopped
+
+    connection = ServiceConnection(options, {"test": "connection"}, 1, 0, SLICE_BYTES, timeout_ms=500)
+    pid = kvtier_service.service_pid(options.socket_path())
+    assert pid is not None and connection.available
+    os.kill(pid, signal.SIGSTOP)
+    wait_stopped(pid)
+    try:
+        client = connection.live_client()
+        with pytest.raises(kvtier_errors.ServiceError, match="taken for hung"):
+            client.stats()  # as a GPU transfer calls it: past its deadline
+        assert not connection.available
+        assert connection.locate_many([bytes(32)]) == [None]
+        assert connection.outages == 1, "the broken client was let go without an outage"
+        assert any("stopped answering" in record.getMessage() for record in caplog.records)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        connection.close()
 
 
 def test_an_engine_starting_beside_a_stopped_service_waits_a_second_not_the_attach_limit(options, caplog):

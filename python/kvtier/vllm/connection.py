@@ -121,8 +121,12 @@ class ServiceConnection:
         label: str = "",
         timeout_ms: int | None = None,
         populate_pool: bool = False,
+        starts_service: bool = True,
     ):
         self._options = options
+        # False: attaches to a running service only, never starts one (the KV-event feed: an idle
+        # engine's polls must not start a service stopped on purpose; a request's lookup does).
+        self._starts_service = starts_service
         self._label = label[:128]
         # A worker copies through the pool: it faults it in at each attach. The scheduler side never
         # copies, and faulting in a pool of tens of GiB would cost each of its connections seconds
@@ -148,6 +152,7 @@ class ServiceConnection:
         self.outages = 0  # times the service stopped answering this connection
         # What this engine counted itself, sent to the service's per-engine counters (``report_counts``).
         self._count_sources: list[Callable[[], Mapping[str, int]]] = []
+        self._drop_listeners: list[Callable[[], None]] = []
         self._reported: dict[str, int] = {}
         self._report_lock = threading.Lock()
         self.namespace = namespace_digest(description)
@@ -185,14 +190,16 @@ class ServiceConnection:
     def _connect(self, start_timeout_s: float | None) -> _Attached:
         from kvtier.service import SERVICE_START_TIMEOUT_S, connect, ensure_service, running_service
 
-        socket = ensure_service(
-            self._options.path,
-            self._options.service_options(),
-            socket_path=self._socket(),
-            pool_dir=self._options.pool_dir,
-            start_timeout_s=start_timeout_s or SERVICE_START_TIMEOUT_S,
-            idle_timeout_s=self._options.service_idle_timeout_s,
-        )
+        socket = self._socket()
+        if self._starts_service:
+            socket = ensure_service(
+                self._options.path,
+                self._options.service_options(),
+                socket_path=socket,
+                pool_dir=self._options.pool_dir,
+                start_timeout_s=start_timeout_s or SERVICE_START_TIMEOUT_S,
+                idle_timeout_s=self._options.service_idle_timeout_s,
+            )
         client: Any = None
         try:
             client = connect(socket, timeout_ms=self.timeout_ms)
@@ -437,6 +444,8 @@ class ServiceConnection:
         if client is not None and client.connected:
             return client
         if client is not None:
+            # A call made outside ``call`` broke it (a GPU transfer's, a report's): an outage too.
+            self._note_outage("the host service stopped answering this engine's calls")
             self._drop_dead(client)
         if reconnect:
             self._reconnect_in_background()
@@ -478,10 +487,26 @@ class ServiceConnection:
             self._client, dead = None, self._service
         with registry_lock:
             others = [c for c in _service_connections if c is not self and c._socket_path == self._socket_path]
+        dropped = [self]
         for other in others:
             with other._lock:
-                if dead is None or other._service in (dead, None):
+                if other._client is not None and (dead is None or other._service in (dead, None)):
                     other._client = None
+                    dropped.append(other)
+        for connection in dropped:
+            for listener in connection._drop_listeners:
+                listener()
+
+    def add_drop_listener(self, listener: Callable[[], None]) -> None:
+        """``listener`` is called (on the thread that noticed) each time this connection lets go of
+        a dead service's client: a holder of that client (a GPU rank's pinned pool mapping) lets go
+        of it too, or a service started again cannot take the dead one's pool over."""
+        self._drop_listeners.append(listener)
+
+    @property
+    def current_client(self) -> Any:
+        """The client calls go to now, or None; nothing counted, no reconnect started."""
+        return self._client
 
     # The store's calls KvtierManager makes (``backend.BlockIndex``).
     def contains_many(self, keys: list[bytes]) -> list[bool]:

@@ -169,12 +169,18 @@ class KvtierOffloadingSpec(OffloadingSpec):
         return getattr(self.vllm_config.cache_config, "prefix_caching_hash_algo", None)
 
     def _service_connection(
-        self, rank: int, labelled: bool = True, scheduler: bool = False, copies: bool = False
+        self,
+        rank: int,
+        labelled: bool = True,
+        scheduler: bool = False,
+        copies: bool = False,
+        starts_service: bool = True,
     ) -> ServiceConnection:
         """``scheduler``: a connection of the engine-core process (lookups, pins, prefetches, events),
         whose calls hold up vLLM's engine loop: bounded by ``service_timeout_ms``. A worker's
         transfers run on its own job thread, bounded by ``job_timeout_ms``. ``copies``: a worker's
-        connection, which faults the pool in at attach (the others never copy)."""
+        connection, which faults the pool in at attach (the others never copy). ``starts_service``
+        False: one that only follows a running service (the event feed)."""
         if self.config.worker_kv_bytes_per_block <= 0:
             raise KvtierVllmConfigError(
                 "vLLM did not say how many KV bytes a worker holds per block (worker_kv_bytes_per_block); "
@@ -189,6 +195,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             label=self._engine_label() if labelled else "",
             timeout_ms=self.options.service_timeout_ms if scheduler else self.options.job_timeout_ms,
             populate_pool=copies,
+            starts_service=starts_service,
         )
 
     def _service_description(self) -> dict[str, Any]:
@@ -223,9 +230,12 @@ class KvtierOffloadingSpec(OffloadingSpec):
             # The prefetcher's reads are not the engine's loads: its connection stays out of the
             # per-engine counters. They run on its own thread, a chunk taking as long as its tier
             # needs (a slow link): bounded as a worker's calls, while a request waits for them only
-            # as long as chunks keep ending (Prefetcher). The event feed's calls are the scheduler's.
+            # as long as chunks keep ending (Prefetcher). The event feed's calls are the scheduler's;
+            # its polls, made while the engine idles, never start a service stopped on purpose.
             prefetch_connection = lambda: self._service_connection(rank=0, labelled=False)  # noqa: E731
-            feed_connection = lambda: self._service_connection(rank=0, labelled=False, scheduler=True)  # noqa: E731
+            feed_connection = lambda: self._service_connection(  # noqa: E731
+                rank=0, labelled=False, scheduler=True, starts_service=False
+            )
             pending_timeout_s = self.options.service_timeout_ms / 1000
             prefetcher = Prefetcher(prefetch_connection, pending_timeout_s) if self.options.prefetch else None
             # vLLM drains take_events() only when its KV-event publisher is on.
