@@ -347,6 +347,35 @@ def test_the_gpu_worker_moves_vllm_jobs_through_reserve_and_acquire(service):
         reader.shutdown()
 
 
+def test_an_idle_gpu_worker_lets_go_of_a_killed_services_pool(service, tmp_path):
+    """A GPU rank's transfers hold their service client (its pool mapping, pinned for DMA) between
+    jobs: after the service was killed, an idle GPU engine kept the dead pool mapped until its next
+    job, so the service started again could not take that pool over and allocated a new one beside
+    it. The worker now lets go of it on its job thread as soon as the connection notices the
+    hang-up. kvtier.gpu's transfers run on host tensors too: the same code as on a GPU."""
+    import torch
+
+    from kvtier.gpu.transfers import rank_tensors
+
+    source = layers()
+    canonical = [torch.from_numpy(layer).view(torch.int8) for layer in source]
+    w = GpuServiceWorker(connection(service), rank_tensors(canonical), job_timeout_ms=10_000)
+    try:
+        assert w.submit_store(1, engine_blocks([0]), KvtierLoadStoreSpec([key(110)])) and finished(w, 1)
+        [pool] = [p for p in tmp_path.iterdir() if p.suffix == ".pool"]
+        assert str(pool) in Path("/proc/self/maps").read_text()
+        pid = kvtier_service.service_pid(service.socket_path())
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while str(pool) in Path("/proc/self/maps").read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert str(pool) not in Path("/proc/self/maps").read_text(), "the idle GPU worker kept the dead pool mapped"
+        assert w.submit_store(2, engine_blocks([1]), KvtierLoadStoreSpec([key(111)])) and finished(w, 2)
+    finally:
+        w.shutdown()
+
+
 def test_second_sight_admission_stores_a_block_the_second_time_it_is_computed(service):
     manager = KvtierManager(ServiceBackend(connection(service)), admission="second_sight", admission_memory_blocks=2)
     request = ReqContext(req_id="r1")
@@ -793,6 +822,30 @@ def test_a_load_waiting_for_a_reattach_lets_an_engine_shut_down_at_once(tmp_path
         assert waited_s < 3, f"the shutdown waited {waited_s:.1f} s for a load no reattach would serve"
     finally:
         kvtier_service.stop_service(options.socket_path())
+
+
+def test_an_engine_shuts_down_beside_a_frozen_service_in_a_stall_timeout_not_the_job_timeout(service):
+    """A worker's shutdown lets its job thread run the stores still queued, and waited up to
+    ``job_timeout_ms`` (120 s by default) for it: beside a frozen service (SIGSTOP) a ``vllm serve``
+    stopped with SIGTERM waited that long. A job thread stuck in a call is now let go once it has
+    made no progress for the stall timeout, and its late reply copies nothing."""
+    source = layers()
+    w = ServiceWorker(connection(service), source, PAGE_BYTES, job_timeout_ms=30_000, stall_timeout_ms=500)
+    assert w.submit_store(1, engine_blocks([0, 1]), KvtierLoadStoreSpec([key(100), key(101)])) and finished(w, 1)
+    with frozen(service.socket_path()):
+        assert w.submit_store(2, engine_blocks([2, 3]), KvtierLoadStoreSpec([key(102), key(103)]))
+        time.sleep(0.1)  # the job thread is in the store's call
+        started = time.monotonic()
+        w.shutdown()
+        waited_s = time.monotonic() - started
+        assert waited_s < 3, f"the shutdown waited {waited_s:.1f} s for a frozen service"
+    time.sleep(1.0)  # the stuck call comes back late
+    probe = connection(service)
+    try:
+        assert probe.locate_many([key(100), key(101)]) == ["dram", "dram"]
+        assert probe.locate_many([key(102), key(103)]) == [None, None], "a store let go at shutdown was committed"
+    finally:
+        probe.close()
 
 
 def test_under_the_plain_connector_a_load_after_a_service_restart_waits_for_the_worker_to_reattach(tmp_path):

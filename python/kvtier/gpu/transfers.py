@@ -187,6 +187,13 @@ class BlockTransfers:
                 logger.info("kvtier: this rank copies with %s", self._executor.name)
         return self._binding
 
+    def release_unless(self, client: Any) -> None:
+        """Unpins and lets go of the pool of a client other than ``client`` (a dead service's), once
+        the copies already queued completed; a later job binds the live one."""
+        if self._binding is not None and self._binding.client is not client:
+            self._settle()
+            self.close()
+
     def close(self) -> None:
         """Unpins the pool (this object's share of the registration). Bind again to reuse it."""
         if self._binding is not None:

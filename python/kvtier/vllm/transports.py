@@ -39,6 +39,10 @@ class Transport(Protocol):
 
     def store(self, job: Job, keys: list[bytes], block_ids: list[int]) -> list[bool]: ...
 
+    def let_go_of_dead_client(self) -> None:
+        """Runs on the job thread, between jobs, once the connection let go of a dead service's
+        client: whatever the transport holds of it goes too."""
+
     def close(self) -> None:
         """Runs while the connection's pool mapping is still there."""
 
@@ -61,6 +65,9 @@ class ServiceCopy:
 
     def on_job_thread(self) -> None:
         set_affinity(self._spare_cores)
+
+    def let_go_of_dead_client(self) -> None:
+        pass  # every copy goes through the connection's current client
 
     def ready_marker(self) -> Any:
         return None
@@ -140,6 +147,12 @@ class GpuDma:
 
     def store(self, job: Job, keys: list[bytes], block_ids: list[int]) -> list[bool]:
         return self.transfers.store(self._connection.live_client(), keys, block_ids, job.ready, job.gate)
+
+    def let_go_of_dead_client(self) -> None:
+        """The transfers' binding held the dead client, and with it the dead pool's mapping (pinned):
+        until the next job, so an idle engine kept a killed service's pool mapped and the service
+        started again allocated a new one beside it."""
+        self.transfers.release_unless(self._connection.current_client)
 
     def close(self) -> None:
         self.transfers.close()  # unpins the pool before the connection unmaps it

@@ -254,13 +254,21 @@ class JobQueueWorker(OffloadingWorker):
         self._stall_logged = False
         self._current: Job | None = None  # the job whose transfer the job thread is in, and since when
         self._current_since = 0.0
+        # The connection let go of a dead service's client: the transport lets go of it between jobs.
+        self._client_dropped = False
         # Set while the watchdog has something to watch: a load pending, or the job thread in a transfer.
         self._watch_needed = threading.Event()
         self._thread = start_thread(self._run, "kvtier-worker-jobs")
         self._watchdog = start_thread(self._watch_loads, "kvtier-worker-watchdog")
         connection.add_count_source(self.reported_counts)
+        connection.add_drop_listener(self._on_client_dropped)
         with registry_lock:
             _service_workers.add(self)
+
+    def _on_client_dropped(self) -> None:
+        with self._cv:
+            self._client_dropped = True
+            self._cv.notify_all()
 
     @property
     def can_report_load_failures(self) -> bool:
@@ -387,7 +395,8 @@ class JobQueueWorker(OffloadingWorker):
     # -- the job thread --------------------------------------------------------------------------
 
     def _next_work(self) -> tuple[Job, list[bytes]] | _StoreWork | None:
-        """Holds ``_cv``; waits for work it may do now. None when stopping with nothing left."""
+        """Holds ``_cv``; waits for work it may do now. None when stopping with nothing left, or
+        when the connection let go of a dead client (``_client_dropped``) and no job waits."""
         counted_deferral = False
         while True:
             if self._loads:
@@ -399,7 +408,7 @@ class JobQueueWorker(OffloadingWorker):
                 if not counted_deferral and work.copied == 0:
                     self.deferred_store_jobs += 1
                     counted_deferral = True
-            elif self._stopping:
+            elif self._stopping or self._client_dropped:
                 return None
             self._cv.wait()
             self.job_thread_wakeups += 1
@@ -409,14 +418,19 @@ class JobQueueWorker(OffloadingWorker):
         while True:
             with self._cv:
                 work = self._next_work()
+                let_go, self._client_dropped = self._client_dropped, False
                 self._current = work.job if isinstance(work, _StoreWork) else work[0] if work else None
                 self._current_since = time.monotonic()
                 if self._current is not None:
                     # Its stall clock starts now: the wait behind the transfers before it is not its own.
                     self._current.progressed_at = self._current_since
                     self._watch_needed.set()
+            if let_go:
+                self.transport.let_go_of_dead_client()
             if work is None:
-                return
+                if self._stopping:
+                    return
+                continue
             if isinstance(work, _StoreWork):
                 self._store_batch(work)
             else:
@@ -636,9 +650,30 @@ class JobQueueWorker(OffloadingWorker):
             self._stopping = True
             self._cv.notify_all()
         self._watch_needed.set()
-        self._thread.join(timeout=self._job_timeout_ms / 1000)
+        self._join_while_progressing()
         self.transport.close()
         self._connection.close()
+
+    def _join_while_progressing(self) -> None:
+        """Lets the job thread run the jobs still queued (stores not lost at a restart) while they
+        progress, up to ``job_timeout_ms``. One stuck in a call a frozen service does not answer is
+        let go after the stall timeout, its copies cancelled: vLLM's shutdown waited the whole
+        ``job_timeout_ms`` (120 s by default) for it."""
+        deadline = time.monotonic() + self._job_timeout_ms / 1000
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            self._thread.join(timeout=FENCE_POLL_S)
+            with self._cv:
+                stuck = self._stuck()
+                pending = list(self._pending.values())
+            if stuck:
+                for job in pending:
+                    self._cancel_gate(job)
+                logger.warning(
+                    "kvtier: the host service does not answer; the engine shuts down without its %d job(s) in "
+                    "progress (their stores are not stored)",
+                    len(pending),
+                )
+                return
 
 
 class ServiceWorker(JobQueueWorker):
