@@ -226,6 +226,21 @@ def in_dram(servers: Servers) -> set:
         return set()
 
 
+def settle_puts(socket: Path, limit_s: float = 60, interval_s: float = 0.5, each_round=lambda: None) -> None:
+    """Waits until the service's puts stop changing (two readings ``interval_s`` apart), running
+    ``each_round`` before each reading."""
+    last = None
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        each_round()
+        puts = kvtier_service.service_stats(socket).get("puts", 0)
+        if puts == last:
+            return
+        last = puts
+        time.sleep(interval_s)
+    raise AssertionError(f"stores still arriving after {limit_s} s")
+
+
 def store_after_restart(servers: Servers) -> float:
     """A call that fails has the engine start the service again (NVMe recovered) and reattach in
     the background (a try a second at most), so the first stores after a restart are lost: both
@@ -304,7 +319,12 @@ def test_the_routers_index_equals_kvtier_ls_within_a_second_of_churn_stopping(se
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(lambda job: send(*job), [(a, servers, range(10, 16)), (b, servers, range(16, 22))]))
     send(b, servers, range(22, 26))  # A idle, B busy
+    settle_puts(servers.socket())  # the last request's stores landed: both servers idle from here
     assert kvtier_service.stop_service(servers.socket())
+    # A service stopped on purpose stays stopped beside idle engines: their KV-event feeds poll
+    # the change log every 0.25 s, and each poll started it again within a second.
+    time.sleep(3)
+    assert kvtier_service.service_pid(servers.socket()) is None, "an idle server's event feed started the service"
     restarted = time.monotonic()
     stopped = store_after_restart(servers)
     listed, changed_at, agreed_at = settle(servers)
@@ -349,16 +369,7 @@ def dram_hits(socket: Path) -> int:
 
 def settle_stores(server: OpenAIServer, socket: Path, limit_s: float = 120) -> None:
     """Requests until the service has taken every store (no new block for two readings)."""
-    last = None
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        server.complete([5, 6, 7], 1)
-        puts = kvtier_service.service_stats(socket).get("puts", 0)
-        if puts == last:
-            return
-        last = puts
-        time.sleep(1.0)
-    raise AssertionError(f"stores still arriving after {limit_s} s")
+    settle_puts(socket, limit_s, interval_s=1.0, each_round=lambda: server.complete([5, 6, 7], 1))
 
 
 def kvtier_processes(socket: Path) -> list[str]:

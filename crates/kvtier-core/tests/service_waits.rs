@@ -113,3 +113,24 @@ fn pins_held_through_a_connections_silence_past_the_lease_are_let_go() {
     drop(frozen);
     service.stop().unwrap();
 }
+
+/// The engine still believes it holds a pin the lease let go of: its late unpin of that block (the
+/// old request's) must not release a pin taken on it since (a new request's), or the block could be
+/// evicted before the new request loads it.
+#[test]
+fn an_unpin_of_a_pin_the_lease_let_go_leaves_a_pin_taken_since() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start(dir.path(), 200, 1_000);
+    let mut engine = client(&socket);
+    let keys = store_and_pin(&mut engine, 0..SLOTS);
+    std::thread::sleep(Duration::from_millis(2_500)); // silent past the lease, and a poll period
+    assert_eq!(engine.pin(&keys[..1]).unwrap(), vec![true], "a new request pins block 0");
+    engine.unpin(&keys[..1]).unwrap(); // the old request's unpin, late
+    let mut operator = client(&socket);
+    let (_, namespaces) = operator.namespaces().unwrap();
+    operator.trim(&namespaces[0].digest, 0, 0).unwrap(); // every unpinned block
+    let located = operator.locate(&keys).unwrap();
+    assert_ne!(located[0], 0, "the late unpin released the new request's pin");
+    assert!(located[1..].iter().all(|&tier| tier == 0), "the expired pins still held blocks: {located:?}");
+    service.stop().unwrap();
+}

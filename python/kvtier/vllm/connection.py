@@ -443,10 +443,9 @@ class ServiceConnection:
         client = self._client
         if client is not None and client.connected:
             return client
-        if client is not None:
+        if client is not None and self._drop_dead(client):
             # A call made outside ``call`` broke it (a GPU transfer's, a report's): an outage too.
             self._note_outage("the host service stopped answering this engine's calls")
-            self._drop_dead(client)
         if reconnect:
             self._reconnect_in_background()
         return None
@@ -474,16 +473,17 @@ class ServiceConnection:
         self._drop_dead(client)
         return True
 
-    def _drop_dead(self, client: Any) -> None:
+    def _drop_dead(self, client: Any) -> bool:
         """Lets go of a client whose service stopped answering, and so do this process's other
         connections to that socket (idle ones would notice only at their next call): each unmaps
         its pool once no call holds it. A service started again takes the dead one's pool over (no
         gigabytes to zero beside the engine) only when no process maps it any more. Only clients of
         that service: one another connection attached to a service started since is kept. A client
-        already let go (another connection's drop came first) changes nothing more."""
+        already let go (another connection's drop came first) changes nothing more. Whether this
+        call let it go."""
         with self._lock:
             if self._client is not client:
-                return
+                return False
             self._client, dead = None, self._service
         with registry_lock:
             others = [c for c in _service_connections if c is not self and c._socket_path == self._socket_path]
@@ -496,6 +496,7 @@ class ServiceConnection:
         for connection in dropped:
             for listener in connection._drop_listeners:
                 listener()
+        return True
 
     def add_drop_listener(self, listener: Callable[[], None]) -> None:
         """``listener`` is called (on the thread that noticed) each time this connection lets go of

@@ -226,7 +226,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
         _log_route_once(self.vllm_config)
         if self.options.host_service:
             check_hash_algo(self._hash_algo())
-            pin_lease_s = max(60.0, 2 * self.options.job_timeout_ms / 1000)
+            # Below the host service's own lease on a silent connection's pins (600 s,
+            # ServiceConfig::pin_lease_ms): the service never lets go of a pin this engine relies on.
+            pin_lease_s = min(max(60.0, 2 * self.options.job_timeout_ms / 1000), 540.0)
             # The prefetcher's reads are not the engine's loads: its connection stays out of the
             # per-engine counters. They run on its own thread, a chunk taking as long as its tier
             # needs (a slow link): bounded as a worker's calls, while a request waits for them only

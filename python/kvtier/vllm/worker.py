@@ -408,6 +408,8 @@ class JobQueueWorker(OffloadingWorker):
                 if not counted_deferral and work.copied == 0:
                     self.deferred_store_jobs += 1
                     counted_deferral = True
+                if self._client_dropped:
+                    return None
             elif self._stopping or self._client_dropped:
                 return None
             self._cv.wait()
@@ -660,20 +662,24 @@ class JobQueueWorker(OffloadingWorker):
         let go after the stall timeout, its copies cancelled: vLLM's shutdown waited the whole
         ``job_timeout_ms`` (120 s by default) for it."""
         deadline = time.monotonic() + self._job_timeout_ms / 1000
-        while self._thread.is_alive() and time.monotonic() < deadline:
+        stuck = False
+        while self._thread.is_alive() and time.monotonic() < deadline and not stuck:
             self._thread.join(timeout=FENCE_POLL_S)
             with self._cv:
                 stuck = self._stuck()
-                pending = list(self._pending.values())
-            if stuck:
-                for job in pending:
-                    self._cancel_gate(job)
-                logger.warning(
-                    "kvtier: the host service does not answer; the engine shuts down without its %d job(s) in "
-                    "progress (their stores are not stored)",
-                    len(pending),
-                )
-                return
+        if not self._thread.is_alive():
+            return
+        # Gone or not, no copy of a job left behind may land once the transport closes.
+        with self._cv:
+            pending = list(self._pending.values())
+        for job in pending:
+            with contextlib.suppress(RuntimeError):  # a copy past job_timeout_ms: shutting down anyway
+                self._cancel_gate(job)
+        logger.warning(
+            "kvtier: %s; the engine shuts down without its %d job(s) in progress (their stores are not stored)",
+            "the host service does not answer" if stuck else "the job thread ran past job_timeout_ms",
+            len(pending),
+        )
 
 
 class ServiceWorker(JobQueueWorker):

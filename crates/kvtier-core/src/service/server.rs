@@ -430,9 +430,10 @@ impl Connection {
         use rustix::event::{poll, PollFd, PollFlags, Timespec};
         let mut fds = [PollFd::new(stream, PollFlags::IN)];
         let timeout = Timespec { tv_sec: REQUEST_POLL.as_secs() as i64, tv_nsec: 0 };
-        // An error (EINTR) reads: `read_frame` then says what the socket holds.
-        if poll(&mut fds, Some(&timeout)).unwrap_or(1) > 0 {
-            return true;
+        match poll(&mut fds, Some(&timeout)) {
+            Ok(0) | Err(rustix::io::Errno::INTR) => {}
+            // Another error: `read_frame` says what the socket holds.
+            Ok(_) | Err(_) => return true,
         }
         let lease_ms = self.state.config.pin_lease_ms;
         let lapsed = lease_ms > 0 && silent_since.elapsed() >= Duration::from_millis(lease_ms);

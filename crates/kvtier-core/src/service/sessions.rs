@@ -74,6 +74,9 @@ pub(super) struct Session {
     tp_size: u32,
     /// Pins taken by `Pin`, per key (the block stays loadable).
     pub(super) pins: HashMap<BlockKey, u32>,
+    /// Pins `expire_pins` let go of, per key: the engine still believes it holds them, and its
+    /// unpin of one must not take a pin taken since (another request's on the same block).
+    expired_pins: HashMap<BlockKey, u32>,
     /// Slots handed out by `Acquire`, per key (the slot stays until `Release`).
     readers: HashMap<BlockKey, u32>,
     /// Fills this connection reserved and has not committed or aborted: `(key, sequence)`.
@@ -86,7 +89,16 @@ impl Session {
     /// A connection's session on `ns` after its hello, holding nothing yet.
     pub(super) fn new(ns: Arc<Namespaced>, rank: u32, tp_size: u32) -> Session {
         assert!(rank < tp_size && tp_size <= 64, "hello checked rank {rank} of {tp_size}");
-        Session { ns, rank, tp_size, pins: HashMap::new(), readers: HashMap::new(), reserved: Vec::new(), label: None }
+        Session {
+            ns,
+            rank,
+            tp_size,
+            pins: HashMap::new(),
+            expired_pins: HashMap::new(),
+            readers: HashMap::new(),
+            reserved: Vec::new(),
+            label: None,
+        }
     }
 
     /// `Op::Acquire`: pins each block found for this connection until `Release`, and answers its slot.
@@ -118,6 +130,9 @@ impl Session {
             return;
         }
         self.ns.store.unpin(&pinned);
+        for key in &pinned {
+            *self.expired_pins.entry(*key).or_default() += 1;
+        }
         self.ns.expired_pins.fetch_add(pinned.len() as u64, Ordering::Relaxed);
         log::warn!(
             "kvtier: a connection{} held {} pin(s) and sent nothing for pin_lease_ms={lease_ms} (its engine \
@@ -128,7 +143,16 @@ impl Session {
     }
 
     pub(super) fn unpin(&mut self, keys: &[BlockKey]) {
-        let held = take_held(&mut self.pins, keys);
+        let live: Vec<BlockKey> = if self.expired_pins.is_empty() {
+            keys.to_vec()
+        } else {
+            // An unpin of a key whose pin expired ends that pin (already let go).
+            keys.iter()
+                .filter(|key| take_held(&mut self.expired_pins, std::slice::from_ref(*key)).is_empty())
+                .copied()
+                .collect()
+        };
+        let held = take_held(&mut self.pins, &live);
         if !held.is_empty() {
             self.ns.store.unpin(&held);
         }

@@ -64,7 +64,9 @@ pub(super) fn persist_kept(sh: &Arc<StoreState>, dram_only: &[BlockKey]) {
         let mut past_the_backlog = 0;
         submit_nvme_writes(sh, dram_only, |cat, key, meta| {
             if !cat.write_backlog_has_room() {
-                cat.await_nvme_reuse(key);
+                if sh.admission.admits_store(key).nvme {
+                    cat.await_nvme_reuse(key); // the policy would write it: only the backlog holds it
+                }
                 past_the_backlog += 1;
                 awaiting = true;
                 return None;
