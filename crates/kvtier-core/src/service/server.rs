@@ -70,7 +70,7 @@ pub struct ServiceConfig {
     /// `service_expired_pins`): an engine that froze holding them (SIGSTOP, a cgroup freezer) kept
     /// its pinned blocks unevictable, and every other engine's stores short of room, for as long as
     /// it stayed stopped. Longer than an engine's own pin lease (twice its `job_timeout_ms`, 240 s
-    /// by default), which a running engine keeps. 0: never. Default 600000.
+    /// by default, 540 s at most), which a running engine keeps. 0: never. Default 600000.
     pub pin_lease_ms: u64,
     /// Fault injection for tests: a `Label` request naming this label panics in its connection
     /// thread, as a bug would. Only with the `testing` feature (not in production builds).
