@@ -1145,9 +1145,10 @@ fn a_client_is_answered_while_another_namespace_opens() {
 // ---- issue 24: leases of live connections, panics, dropped keys, second hellos ----
 
 /// A service whose store has 4 slots and room for 2 blocks in the NVMe write backlog.
-fn start_small(dir: &Path, slot_wait_ms: u64) -> (Service, std::path::PathBuf) {
+/// A service whose pool holds `slots` blocks of TP=2 engines, over NVMe: a write backlog of half.
+fn start_with_slots(dir: &Path, slot_wait_ms: u64, slots: usize) -> (Service, std::path::PathBuf) {
     let mut store = StoreConfig::new(dir.join("store"), 1);
-    store.dram_bytes = 4 * (2 * SLICE + 4096);
+    store.dram_bytes = slots * (2 * SLICE + 4096);
     store.nvme_bytes = 4 << 20;
     store.region_bytes = 1 << 20;
     store.slot_wait_ms = slot_wait_ms;
@@ -1190,14 +1191,20 @@ fn a_hung_rank_s_reservations_expire_and_its_late_commit_is_refused() {
     config.reservation_timeout_ms = 1_000;
     let mut service = Service::start(config).unwrap();
     let held: Vec<BlockKey> = (0..8).map(key).collect();
-    let mut hung = client(&socket, 2, 1);
-    let offsets: Vec<usize> = hung
-        .reserve(&held)
-        .unwrap()
-        .into_iter()
-        .map(|r| match r {
-            ReserveReply::Fill { object_offset } => object_offset,
-            other => panic!("a fill, got {other:?}"),
+    // Two connections of the hung rank (as a GPU rank's store thread and its flush would be).
+    let mut hung = [client(&socket, 2, 1), client(&socket, 2, 1)];
+    let offsets: Vec<Vec<usize>> = hung
+        .iter_mut()
+        .zip(held.chunks(4))
+        .map(|(c, keys)| {
+            c.reserve(keys)
+                .unwrap()
+                .into_iter()
+                .map(|r| match r {
+                    ReserveReply::Fill { object_offset } => object_offset,
+                    other => panic!("a fill, got {other:?}"),
+                })
+                .collect()
         })
         .collect();
     let (mut rank0, mut rank1) = (client(&socket, 2, 0), client(&socket, 2, 1));
@@ -1221,10 +1228,12 @@ fn a_hung_rank_s_reservations_expire_and_its_late_commit_is_refused() {
     assert!(started.elapsed() < Duration::from_secs(10), "flush waited {:?}", started.elapsed());
 
     // The hung rank wakes up: its copies land in its own (abandoned) slots, its commits are refused.
-    for &at in &offsets {
-        copy_into_pool(&hung, at, &vec![0xEE; SLICE]);
+    for ((c, offsets), keys) in hung.iter_mut().zip(&offsets).zip(held.chunks(4)) {
+        for &at in offsets {
+            copy_into_pool(c, at, &vec![0xEE; SLICE]);
+        }
+        assert_eq!(c.commit(keys).unwrap(), vec![false; 4]);
     }
-    assert_eq!(hung.commit(&held).unwrap(), vec![false; 8]);
     assert_eq!(rank0.locate(&held).unwrap(), vec![0; 8], "no half-written block is visible");
     let stats = stats_of(&mut rank0);
     assert_eq!(stats["service_refused_commits"], 8);
@@ -1293,10 +1302,13 @@ fn a_request_that_panics_is_answered_and_its_connection_s_holds_are_given_back()
 fn a_block_left_undecided_when_a_reserve_pass_times_out_is_given_up_by_every_rank() {
     use kvtier_core::service::ReserveReply;
     let dir = tempfile::tempdir().unwrap();
-    let (mut service, socket) = start_small(dir.path(), 0);
+    // 16 slots, a backlog of 8.
+    let (mut service, socket) = start_with_slots(dir.path(), 0, 16);
     let (a, b, x) = (key(1), key(2), key(3));
-    let mut other = client(&socket, 2, 0);
-    assert!(matches!(other.reserve(&[x]).unwrap()[0], ReserveReply::Fill { .. })); // half the backlog
+    let (mut other, mut another) = (client(&socket, 2, 0), client(&socket, 2, 0));
+    let mut fills = other.reserve(&[x, key(4), key(5), key(6)]).unwrap();
+    fills.extend(another.reserve(&[key(7), key(8), key(9)]).unwrap());
+    assert!(fills.iter().all(|r| matches!(r, ReserveReply::Fill { .. })), "{fills:?}"); // all but one of the backlog
     let mut rank0 = client(&socket, 2, 0);
     let replies = rank0.reserve(&[a, b]).unwrap();
     assert!(matches!(replies[0], ReserveReply::Fill { .. }), "{replies:?}");
@@ -1308,9 +1320,11 @@ fn a_block_left_undecided_when_a_reserve_pass_times_out_is_given_up_by_every_ran
     assert_eq!(replies[1], ReserveReply::Dropped, "rank 0 gave it up: rank 1 must not open a fill of it");
     assert_eq!(rank0.commit(&[a]).unwrap(), vec![true]);
     assert_eq!(rank1.commit(&[a]).unwrap(), vec![true]);
+    other.abort(&[key(4), key(5), key(6)]).unwrap();
+    another.abort(&[key(7), key(8), key(9)]).unwrap();
     assert_eq!(stats_of(&mut rank0)["service_pending_fills"], 0, "no fill waits for a rank that never comes");
     assert_eq!(rank0.locate(&[a, b]).unwrap(), vec![1, 0]);
-    drop((other, rank0, rank1));
+    drop((other, another, rank0, rank1));
     service.stop().unwrap();
 }
 
@@ -1320,19 +1334,24 @@ fn a_block_left_undecided_when_a_reserve_pass_times_out_is_given_up_by_every_ran
 fn a_store_given_up_for_want_of_room_is_counted_and_given_up_by_every_rank() {
     use kvtier_core::service::ReserveReply;
     let dir = tempfile::tempdir().unwrap();
-    let (mut service, socket) = start_small(dir.path(), 200);
+    // 16 slots, a backlog of 8.
+    let (mut service, socket) = start_with_slots(dir.path(), 200, 16);
     let mut rank0 = client(&socket, 2, 0);
-    let mut other = client(&socket, 2, 0);
+    let (mut other, mut another) = (client(&socket, 2, 0), client(&socket, 2, 0));
     assert!(matches!(rank0.reserve(&[key(9)]).unwrap()[0], ReserveReply::Fill { .. }));
-    assert!(matches!(other.reserve(&[key(8)]).unwrap()[0], ReserveReply::Fill { .. })); // backlog full
+    let mut fills = other.reserve(&[key(10), key(11), key(12), key(13)]).unwrap();
+    fills.extend(another.reserve(&[key(14), key(15), key(16)]).unwrap());
+    assert!(fills.iter().all(|r| matches!(r, ReserveReply::Fill { .. })), "{fills:?}"); // backlog full
     let (a, b) = (key(1), key(2));
     // Rank 0 holds a reservation, so the service answers "no room now" rather than waiting.
     assert_eq!(store(&mut rank0, &[a, b], &[value(1, SLICE), value(2, SLICE)]), vec![false, false]);
-    assert_eq!(stats_of(&mut rank0)["dropped_stores"], 2, "the two stores given up are counted");
-    other.abort(&[key(8)]).unwrap(); // room again
+    let stats = stats_of(&mut rank0);
+    assert_eq!(stats["dropped_stores"], 2, "the two stores given up are counted");
+    assert_eq!(stats["service_capped_reserves"], 0, "the backlog said no room, not the connection's cap");
+    other.abort(&[key(10)]).unwrap(); // room again
     let mut rank1 = client(&socket, 2, 1);
     assert_eq!(rank1.reserve(&[a, b]).unwrap(), vec![ReserveReply::Dropped; 2], "rank 0 gave them up");
-    drop((rank0, other, rank1));
+    drop((rank0, other, another, rank1));
     service.stop().unwrap();
 }
 
@@ -1435,9 +1454,9 @@ fn a_transfer_given_up_through_its_gate_copies_nothing_and_holds_nothing() {
     let found = unsafe { c.load_blocks_gated(&keys, &dests, &gate).unwrap() };
     assert_eq!((found, gate.rounds()), (vec![true; 4], 1));
     assert_eq!(out, values);
-    // No pin stayed behind: a pool's worth of newer blocks evicts them (DRAM only).
-    let newer: Vec<BlockKey> = (100..160).map(key).collect();
-    store(&mut c, &newer, &(100..160).map(|i| value(i, SLICE)).collect::<Vec<_>>());
+    // No pin stayed behind: a trim of every unpinned block takes them (DRAM only).
+    let (_, namespaces) = c.namespaces().unwrap();
+    c.trim(&namespaces[0].digest, 0, 0).unwrap();
     assert_eq!(c.locate(&keys).unwrap(), vec![0; 4]);
     drop(c);
     service.stop().unwrap();

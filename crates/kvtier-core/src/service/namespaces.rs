@@ -47,11 +47,33 @@ pub(super) struct Namespaced {
     pub(super) refused_commits: AtomicU64,
     /// Pins let go after `pin_lease_ms` of their connection's silence.
     pub(super) expired_pins: AtomicU64,
+    /// The most new fills one connection may hold at once (`reservation_cap`).
+    pub(super) reservation_cap: usize,
+    /// Blocks a reserve answered "no room now" because its connection held `reservation_cap`.
+    pub(super) capped_reserves: AtomicU64,
+    /// Gauges: pins and load slots (`Acquire`) every connection holds now. A frozen engine's
+    /// holds stay (a load's copy may still read its slots): these show what it keeps from the others.
+    pub(super) held_pins: AtomicU64,
+    pub(super) held_reads: AtomicU64,
     /// What each labelled engine did here; locked alone.
     pub(super) engines: Mutex<EngineTable>,
     /// Which blocks became or stopped being loadable, for the engines' KV events (`Op::Changes`);
     /// read from the store only while someone asks.
     pub(super) changes: Mutex<ChangeLog>,
+}
+
+/// The most new fills one connection may hold uncommitted: half the pool. A rank that froze
+/// between reserving and committing keeps its fills' slots (until `reservation_timeout_ms`, and out
+/// of use after it while it stays stopped, as a late copy may still land): without a cap one GPU
+/// rank's store round could hold the whole pool, and every other engine's stores would drop. Past
+/// the cap a reserve answers "no room now", and the client commits what it holds before it asks
+/// again (the protocol's rule for a full backlog). Not less than half: the blocks of a store split
+/// into rounds are newcomers to the eviction policy (S3-FIFO's small queue), and a later round
+/// evicts an earlier one first, so a prompt stored in rounds of a quarter of the pool lost its head
+/// to NVMe (`test_vllm_serve.py`'s shared pool, 12 blocks of 24). No byte bound as well: a GPU round
+/// cut short loses the overlap of its commit with the next copies.
+fn reservation_cap(slot_count: usize) -> usize {
+    (slot_count / 2).max(1)
 }
 
 /// Flushes and closes a namespace's store and removes its pool file.
@@ -228,6 +250,8 @@ impl State {
         #[cfg(any(test, feature = "testing"))]
         std::thread::sleep(self.config.open_delay);
         let store = Store::open(config)?;
+        // A service's store always maps a pool file; without one nothing would bound a connection.
+        let reservation_cap = store.pool().map_or(usize::MAX, |pool| reservation_cap(pool.slot_count));
         Ok(Namespaced {
             store,
             description: description.to_vec(),
@@ -242,6 +266,10 @@ impl State {
             expired_fills: AtomicU64::new(0),
             refused_commits: AtomicU64::new(0),
             expired_pins: AtomicU64::new(0),
+            reservation_cap,
+            capped_reserves: AtomicU64::new(0),
+            held_pins: AtomicU64::new(0),
+            held_reads: AtomicU64::new(0),
             engines: Mutex::new(EngineTable::default()),
             changes: Mutex::new(ChangeLog::new(super::changes::LOG_CAPACITY)),
         })
@@ -440,6 +468,9 @@ impl State {
                 ("service_expired_fills".to_string(), ns.expired_fills.load(Ordering::Relaxed)),
                 ("service_refused_commits".to_string(), ns.refused_commits.load(Ordering::Relaxed)),
                 ("service_expired_pins".to_string(), ns.expired_pins.load(Ordering::Relaxed)),
+                ("service_capped_reserves".to_string(), ns.capped_reserves.load(Ordering::Relaxed)),
+                ("service_held_pins".to_string(), ns.held_pins.load(Ordering::Relaxed)),
+                ("service_held_load_slots".to_string(), ns.held_reads.load(Ordering::Relaxed)),
                 ("service_attached_connections".to_string(), ns.attached.load(Ordering::Relaxed)),
             ]);
             if let Some(age) = facts.shared_index_age_ms {

@@ -497,14 +497,9 @@ impl Connection {
                 session.count(|c| tiers.iter().for_each(|&tier| *c.lookup(tier) += 1));
             }
             Op::Pin => {
-                let flags = session.ns.store.pin_prefix(&keys);
+                let flags = session.pin(&keys);
                 w.u32(flags.len() as u32);
-                for (key, &pinned) in keys.iter().zip(&flags) {
-                    if pinned {
-                        *session.pins.entry(*key).or_default() += 1;
-                    }
-                    w.u8(u8::from(pinned));
-                }
+                w.raw(&flags.iter().map(|&pinned| u8::from(pinned)).collect::<Vec<u8>>());
             }
             Op::ReadAhead => {
                 let resident = session.ns.store.read_ahead(&keys).map_err(|e| e.to_string())?;
@@ -594,6 +589,9 @@ impl Connection {
             add("service_abandoned_slots", abandoned_slots);
             add("service_expired_fills", ns.expired_fills.load(Ordering::Relaxed));
             add("service_expired_pins", ns.expired_pins.load(Ordering::Relaxed));
+            add("service_capped_reserves", ns.capped_reserves.load(Ordering::Relaxed));
+            add("service_held_pins", ns.held_pins.load(Ordering::Relaxed));
+            add("service_held_load_slots", ns.held_reads.load(Ordering::Relaxed));
             add("service_refused_commits", ns.refused_commits.load(Ordering::Relaxed));
         }
         add("service_connections", self.state.connections.lock().len() as u64);

@@ -114,11 +114,24 @@ impl Session {
             w.u32(slot.unwrap_or(NO_SLOT));
         }
         debug_assert!(loaded <= keys.len() as u64);
+        self.ns.held_reads.fetch_add(loaded, Ordering::Relaxed);
         self.count(|c| {
             c.loaded_slices += loaded;
             c.load_missed_slices += keys.len() as u64 - loaded;
         });
         Ok(())
+    }
+
+    /// `Op::Pin`: pins the leading present blocks of `keys` for this connection until `Unpin`
+    /// (`Store::pin_prefix`: one flag per present key, `false` for a remote-only one).
+    pub(super) fn pin(&mut self, keys: &[BlockKey]) -> Vec<bool> {
+        let flags = self.ns.store.pin_prefix(keys);
+        for (key, _) in keys.iter().zip(&flags).filter(|(_, &pinned)| pinned) {
+            *self.pins.entry(*key).or_default() += 1;
+        }
+        let pinned = flags.iter().filter(|&&pinned| pinned).count() as u64;
+        self.ns.held_pins.fetch_add(pinned, Ordering::Relaxed);
+        flags
     }
 
     /// Lets go of every pin this connection holds: it has sent nothing for `lease_ms`, longer than
@@ -129,7 +142,7 @@ impl Session {
         if pinned.is_empty() {
             return;
         }
-        self.ns.store.unpin(&pinned);
+        self.unpin_held(&pinned);
         for key in &pinned {
             *self.expired_pins.entry(*key).or_default() += 1;
         }
@@ -153,8 +166,24 @@ impl Session {
                 .collect()
         };
         let held = take_held(&mut self.pins, &live);
+        self.unpin_held(&held);
+    }
+
+    /// Unpins holds already taken off `pins`.
+    fn unpin_held(&self, held: &[BlockKey]) {
         if !held.is_empty() {
-            self.ns.store.unpin(&held);
+            self.ns.store.unpin(held);
+            let before = self.ns.held_pins.fetch_sub(held.len() as u64, Ordering::Relaxed);
+            debug_assert!(before >= held.len() as u64, "more pins let go than held");
+        }
+    }
+
+    /// Releases load slots already taken off `readers`.
+    fn release_held(&self, held: &[BlockKey]) {
+        if !held.is_empty() {
+            self.ns.store.release(held);
+            let before = self.ns.held_reads.fetch_sub(held.len() as u64, Ordering::Relaxed);
+            debug_assert!(before >= held.len() as u64, "more load slots released than held");
         }
     }
 
@@ -167,9 +196,7 @@ impl Session {
 
     pub(super) fn release_readers(&mut self, keys: &[BlockKey]) {
         let held = take_held(&mut self.readers, keys);
-        if !held.is_empty() {
-            self.ns.store.release(&held);
-        }
+        self.release_held(&held);
     }
 
     /// Per key `(kind, slot)` (`ReserveKind`): fill this slot, present, dropped, or no room now:
@@ -179,7 +206,8 @@ impl Session {
     /// the NVMe write backlog. When there is none, a connection that holds reservations it has not
     /// committed gets "no room now" (its own commits are what frees room: waiting would deadlock on
     /// itself); one that holds none waits like a local put (at most `slot_wait_ms`) for other ranks'
-    /// commits or for NVMe writes to drain, without holding the fills lock. A block one rank gave
+    /// commits or for NVMe writes to drain, without holding the fills lock. New fills past the
+    /// connection's `reservation_cap` get "no room now" too (`within_cap`). A block one rank gave
     /// up is given up by every rank (`dropped`), so no rank fills a slot the others will never
     /// complete.
     pub(super) fn reserve(&mut self, keys: &[BlockKey]) -> Result<Vec<(ReserveKind, u32)>> {
@@ -190,6 +218,7 @@ impl Session {
             let mut fills = ns.fills.lock();
             let mut dropped = ns.dropped.lock();
             let fresh = self.fresh_keys(keys, &mut out, &fills, &dropped);
+            let fresh = self.within_cap(keys, fresh, &mut out);
             let mut reserved: HashMap<BlockKey, Reservation> =
                 fresh.iter().copied().zip(ns.store.try_reserve_puts(&fresh)?).collect();
             let mut short_of_room = false;
@@ -269,6 +298,45 @@ impl Session {
             }
         }
         fresh
+    }
+
+    /// Keeps what this connection holds within `Namespaced::reservation_cap`: the undecided keys
+    /// (new fills, and other ranks' fills to join) past its room, in order, are answered "no room
+    /// now", to be asked for again once it committed; the rest of `fresh` is returned. Joins count:
+    /// a rank that lags behind its peers would otherwise join every fill they opened meanwhile.
+    fn within_cap(
+        &self,
+        keys: &[BlockKey],
+        fresh: Vec<BlockKey>,
+        out: &mut [Option<(ReserveKind, u32)>],
+    ) -> Vec<BlockKey> {
+        let mut room = self.ns.reservation_cap.saturating_sub(self.reserved.len());
+        // Counted with repeats, the undecided keys are at least the distinct ones: within the room,
+        // none is over it (the common call: no set to build).
+        if out.iter().filter(|decided| decided.is_none()).count() <= room {
+            return fresh;
+        }
+        let (mut seen, mut over) = (std::collections::HashSet::new(), std::collections::HashSet::new());
+        for (key, decided) in keys.iter().zip(out.iter()) {
+            if decided.is_some() || !seen.insert(*key) {
+                continue;
+            }
+            if room == 0 {
+                over.insert(*key);
+            } else {
+                room -= 1;
+            }
+        }
+        if over.is_empty() {
+            return fresh;
+        }
+        for (key, decided) in keys.iter().zip(out.iter_mut()) {
+            if decided.is_none() && over.contains(key) {
+                *decided = Some((ReserveKind::Retry, NO_SLOT));
+            }
+        }
+        self.ns.capped_reserves.fetch_add(over.len() as u64, Ordering::Relaxed);
+        fresh.into_iter().filter(|key| !over.contains(key)).collect()
     }
 
     /// This rank's share of an existing fill, if it may take one.
@@ -361,13 +429,9 @@ impl Drop for Session {
         // Gives back only: `let_go` without commits makes no store call that can fail.
         let _ = self.let_go(&reserved, false);
         let pinned = drain_held(&mut self.pins);
-        if !pinned.is_empty() {
-            self.ns.store.unpin(&pinned);
-        }
+        self.unpin_held(&pinned);
         let read = drain_held(&mut self.readers);
-        if !read.is_empty() {
-            self.ns.store.release(&read);
-        }
+        self.release_held(&read);
         // The date first: the janitor reads `attached` before it, and must not see a stale date.
         *self.ns.detached_at.lock() = Instant::now();
         let before = self.ns.attached.fetch_sub(1, Ordering::Relaxed);
