@@ -366,3 +366,45 @@ def test_a_start_lock_never_let_go_is_waited_a_limit_and_the_error_says_what_to_
         assert 0.5 <= time.monotonic() - started < 5
     finally:
         os.close(holder)
+
+
+def test_kvtier_serve_applies_its_reservation_deadline_and_pin_lease(tmp_path):
+    """`--reservation-timeout-ms` and `--pin-lease-ms` reach the service `kvtier serve` runs: a store
+    reserved and never committed (a rank frozen between the two) is given up, and the pins of a
+    connection that went silent are let go, each at its deadline; the gauges show what is held."""
+    pool_dir, socket = tmp_path / "shm", tmp_path / "run" / "kvtier.sock"
+    pool_dir.mkdir()
+    command = [sys.executable, "-m", "kvtier", "serve", str(tmp_path / "store"), "--socket", str(socket)]
+    command += ["--pool-dir", str(pool_dir), "--option", f"dram_bytes={4 << 20}", "--option", "nvme_bytes=0"]
+    refused = subprocess.run([*command, "--pin-lease-ms", "-1"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--pin-lease-ms takes milliseconds >= 0" in refused.stderr
+    errors = (tmp_path / "serve.err").open("w")
+    serve = subprocess.Popen([*command, "--reservation-timeout-ms", "1000", "--pin-lease-ms", "1500"], stderr=errors)
+    try:
+        assert _wait(socket.exists, 60), "kvtier serve did not start"
+        engine = kvtier_service.connect(socket)
+        engine.hello(b"model", 1, 0, SLICE_BYTES)
+        keys = [bytes([i]) * 32 for i in range(2)]
+        assert engine.store_blocks(keys, [np.ones((2, SLICE_BYTES), dtype=np.uint8)], [0, 1]) == [True, True]
+        frozen = kvtier_service.connect(socket)
+        frozen.hello(b"model", 1, 0, SLICE_BYTES)
+        assert frozen.pin_many(keys) == [True, True]
+        assert [kind for kind, _ in frozen.reserve_many([b"\x07" * 32])] == ["fill"]
+        held = engine.stats()
+        assert (held["service_held_pins"], held["service_pending_fills"]) == (2, 1)
+
+        def let_go() -> bool:
+            stats = engine.stats()
+            return stats["service_expired_fills"] == 1 and stats["service_expired_pins"] == 2
+
+        assert _wait(let_go, 10), engine.stats()
+        stats = engine.stats()
+        assert (stats["service_held_pins"], stats["service_pending_fills"]) == (0, 0), stats
+        assert frozen.commit_many([b"\x07" * 32]) == [False], "a store given up at its deadline is refused"
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=60) == 0
+        errors.close()
+    assert not socket.exists() and not _pool_files(pool_dir)
+    warning = "--pin-lease-ms 1500 is not longer than an engine's own pin lease"
+    assert warning in (tmp_path / "serve.err").read_text(), "a lease engines outlast is not warned about"

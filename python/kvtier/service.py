@@ -47,6 +47,9 @@ SERVICE_LOG_NAME = "service.log"
 # $XDG_RUNTIME_DIR (a tmpfs of a few hundred MiB at most) or /tmp, and services of every store path
 # with that socket directory append to it, start after start, for months.
 SERVICE_LOG_MAX_BYTES = 8 << 20
+# The longest an engine holds a pin on its own (twice its job timeout, at most this): the service's
+# lease on a silent connection's pins (`kvtier serve --pin-lease-ms`, 600 s) stays longer.
+ENGINE_PIN_LEASE_MAX_S = 540.0
 # A service started on demand frees a model's pool after this long with no engine attached, and
 # exits once it holds none: long enough for an engine restart to find its blocks in DRAM.
 DEFAULT_IDLE_TIMEOUT_S = 300.0

@@ -26,6 +26,7 @@ from kvtier.errors import KvtierError
 from kvtier.ops.metrics import start_exporter
 from kvtier.service import (
     DEFAULT_POOL_DIR,
+    ENGINE_PIN_LEASE_MAX_S,
     SERVICE_LOG_MAX_BYTES,
     default_socket_path,
     open_log,
@@ -59,6 +60,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--options-json", default="{}", help="Store.open options as a JSON object")
     parser.add_argument("--fill-timeout-ms", type=int, default=10_000, help="give up a rank's missing slice after this")
+    parser.add_argument(
+        "--reservation-timeout-ms",
+        type=int,
+        default=180_000,
+        help="give up a store not committed by every rank this long after its first reserve (0: never; "
+        "longer than the engines' job_timeout_ms)",
+    )
+    parser.add_argument(
+        "--pin-lease-ms",
+        type=int,
+        default=600_000,
+        help="let go of the pins of a connection silent this long, a frozen engine's (0: never; keep it longer "
+        "than the engines' own pin lease, which is at most 540 s)",
+    )
     parser.add_argument(
         "--host-dram-bytes",
         type=int,
@@ -109,6 +124,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.idle_timeout_s < 0 or (args.exit_when_idle and args.idle_timeout_s == 0):
         parser.error("--idle-timeout-s takes seconds > 0 with --exit-when-idle, >= 0 without")
+    for flag, value in (
+        ("--reservation-timeout-ms", args.reservation_timeout_ms),
+        ("--pin-lease-ms", args.pin_lease_ms),
+    ):
+        if value < 0:
+            parser.error(f"{flag} takes milliseconds >= 0 (0: never), got {value}")
+    if 0 < args.pin_lease_ms <= ENGINE_PIN_LEASE_MAX_S * 1000:
+        print(
+            f"kvtier serve: warning: --pin-lease-ms {args.pin_lease_ms} is not longer than an engine's own pin "
+            f"lease (up to {ENGINE_PIN_LEASE_MAX_S * 1000:.0f} ms): a pin a request still waits on may be let go, "
+            "and under vLLM's plain OffloadingConnector that load then fails and stops the engine; keep it "
+            f"above {ENGINE_PIN_LEASE_MAX_S * 1000:.0f} (the default is 600000)",
+            file=sys.stderr,
+            flush=True,
+        )
     if args.detach:
         return _detach(list(argv) if argv is not None else sys.argv[1:])
     if args.log_file is not None:
@@ -130,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.pool_dir,
             args.fill_timeout_ms,
             idle_timeout_ms=int(args.idle_timeout_s * 1000),
+            reservation_timeout_ms=args.reservation_timeout_ms,
+            pin_lease_ms=args.pin_lease_ms,
             **options,
         )
     except Exception as error:

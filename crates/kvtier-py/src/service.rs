@@ -20,8 +20,9 @@ impl PyService {
     #[staticmethod]
     /// `host_dram_bytes`: the most DRAM all namespaces' pools take together (0: no host cap).
     /// `idle_timeout_ms`: a namespace no engine has been attached to for this long is closed and its
-    /// pool freed (0: never).
-    #[pyo3(signature = (socket_path, path, pool_dir = None, fill_timeout_ms = 10000, host_dram_bytes = 0, idle_timeout_ms = 0, **options))]
+    /// pool freed (0: never). `reservation_timeout_ms`, `pin_lease_ms`: `ServiceConfig`'s (its
+    /// defaults when not given).
+    #[pyo3(signature = (socket_path, path, pool_dir = None, fill_timeout_ms = 10000, host_dram_bytes = 0, idle_timeout_ms = 0, reservation_timeout_ms = None, pin_lease_ms = None, **options))]
     #[allow(clippy::too_many_arguments)]
     fn start(
         py: Python<'_>,
@@ -31,6 +32,8 @@ impl PyService {
         fill_timeout_ms: u64,
         host_dram_bytes: u64,
         idle_timeout_ms: u64,
+        reservation_timeout_ms: Option<u64>,
+        pin_lease_ms: Option<u64>,
         options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyService> {
         let template = PyDict::new(py);
@@ -53,6 +56,8 @@ impl PyService {
         config.fill_timeout_ms = fill_timeout_ms;
         config.host_dram_bytes = host_dram_bytes;
         config.idle_timeout_ms = idle_timeout_ms;
+        config.reservation_timeout_ms = reservation_timeout_ms.unwrap_or(config.reservation_timeout_ms);
+        config.pin_lease_ms = pin_lease_ms.unwrap_or(config.pin_lease_ms);
         let service = py.detach(move || Service::start(config)).map_err(to_py)?;
         Ok(PyService { inner: Mutex::new(Some(service)) })
     }

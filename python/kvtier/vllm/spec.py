@@ -19,7 +19,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from kvtier.service import default_socket_dir, private_dir
+from kvtier.service import ENGINE_PIN_LEASE_MAX_S, default_socket_dir, private_dir
 from kvtier.vllm.backend import ServiceBackend
 from kvtier.vllm.connection import ServiceConnection
 from kvtier.vllm.costs import load_costs
@@ -228,7 +228,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             check_hash_algo(self._hash_algo())
             # Below the host service's own lease on a silent connection's pins (600 s,
             # ServiceConfig::pin_lease_ms): the service never lets go of a pin this engine relies on.
-            pin_lease_s = min(max(60.0, 2 * self.options.job_timeout_ms / 1000), 540.0)
+            pin_lease_s = min(max(60.0, 2 * self.options.job_timeout_ms / 1000), ENGINE_PIN_LEASE_MAX_S)
             # The prefetcher's reads are not the engine's loads: its connection stays out of the
             # per-engine counters. They run on its own thread, a chunk taking as long as its tier
             # needs (a slow link): bounded as a worker's calls, while a request waits for them only
