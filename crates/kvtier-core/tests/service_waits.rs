@@ -192,6 +192,32 @@ fn a_rank_that_froze_holding_reservations_keeps_at_most_half_the_pool() {
     service.stop().unwrap();
 }
 
+/// A store larger than the cap into a pool with no room: the cap held back half of it, the first
+/// half waited `slot_wait_ms` and was dropped, and the client asked again for the rest, which waited
+/// as long again: a round's worth of waiting per cap, the engine's job thread held all along. What
+/// the cap held back is dropped with the rest once the wait for room ran out.
+#[test]
+fn a_store_past_the_cap_into_a_full_pool_waits_for_room_once() {
+    const SLOT_WAIT_MS: u64 = 600;
+    let dir = tempfile::tempdir().unwrap();
+    let (mut service, socket) = start(dir.path(), SLOT_WAIT_MS, 0);
+    let mut frozen = client(&socket);
+    store_and_pin(&mut frozen, 0..SLOTS); // every slot
+
+    let mut other = client(&socket);
+    let wanted: Vec<BlockKey> = (100..100 + SLOTS).map(key).collect();
+    let replies = other.reserve(&wanted).unwrap();
+    assert_eq!(replies, vec![ReserveReply::Dropped; SLOTS as usize], "past the cap, asked again: {replies:?}");
+    let more: Vec<BlockKey> = (200..200 + SLOTS).map(key).collect();
+    let values: Vec<Vec<u8>> = (200..200 + SLOTS).map(|i| value(i, SLICE)).collect();
+    let started = Instant::now();
+    assert_eq!(store(&mut other, &more, &values), vec![false; SLOTS as usize], "stored into a pool with no room");
+    let waited = started.elapsed();
+    assert!(waited < Duration::from_millis(2 * SLOT_WAIT_MS), "the store waited {waited:?}: for room more than once");
+    assert!(stats_of(&mut other)["service_capped_reserves"] > 0, "the cap held nothing back: the test proves nothing");
+    service.stop().unwrap();
+}
+
 /// A TP rank that lags behind its peer finds every fill the peer opened meanwhile: joining them all
 /// in one reserve, then freezing, would hold more than the cap allows. Joins count against it.
 #[test]

@@ -172,18 +172,20 @@ impl Session {
     /// Unpins holds already taken off `pins`.
     fn unpin_held(&self, held: &[BlockKey]) {
         if !held.is_empty() {
-            self.ns.store.unpin(held);
+            // Off the gauge first: the holds are off the map already, whatever the store does.
             let before = self.ns.held_pins.fetch_sub(held.len() as u64, Ordering::Relaxed);
             debug_assert!(before >= held.len() as u64, "more pins let go than held");
+            self.ns.store.unpin(held);
         }
     }
 
     /// Releases load slots already taken off `readers`.
     fn release_held(&self, held: &[BlockKey]) {
         if !held.is_empty() {
-            self.ns.store.release(held);
+            // Off the gauge first: the holds are off the map already, whatever the store does.
             let before = self.ns.held_reads.fetch_sub(held.len() as u64, Ordering::Relaxed);
             debug_assert!(before >= held.len() as u64, "more load slots released than held");
+            self.ns.store.release(held);
         }
     }
 
@@ -245,13 +247,7 @@ impl Session {
             // On a hung disk no NVMe write finishes to make room: given up now, not at the deadline.
             let out_of_time = Instant::now() >= deadline || ns.store.nvme_hung();
             if short_of_room && out_of_time {
-                // Given up, for every rank: a rank that comes later drops it at once. Also when this
-                // pass reserved others of the batch: a key reported dropped but left out of `dropped`
-                // lets a peer rank open a fill this rank never commits.
-                for (key, decided) in keys.iter().zip(out.iter_mut()).filter(|(_, d)| d.is_none()) {
-                    dropped.insert(*key);
-                    *decided = Some((ReserveKind::Dropped, NO_SLOT));
-                }
+                give_up(keys, &mut out, &fills, &mut dropped);
             }
             drop((fills, dropped));
             if !short_of_room || out_of_time {
@@ -436,6 +432,22 @@ impl Drop for Session {
         *self.ns.detached_at.lock() = Instant::now();
         let before = self.ns.attached.fetch_sub(1, Ordering::Relaxed);
         debug_assert!(before > 0, "a session left a namespace it was not counted in");
+    }
+}
+
+/// The wait for room ran out: the undecided keys are given up, for every rank (a rank that comes
+/// later drops them at once). Also when this pass reserved others of the batch: a key reported
+/// dropped but left out of `dropped` lets a peer rank open a fill this rank never commits. A new
+/// block the cap held back would find no room either: asked again, it would wait `slot_wait_ms`
+/// once more, a round at a time. Joins it held back take no room and stay "no room now".
+fn give_up(keys: &[BlockKey], out: &mut [Option<(ReserveKind, u32)>], fills: &Fills, dropped: &mut DroppedKeys) {
+    debug_assert_eq!(keys.len(), out.len(), "one answer per key");
+    for (key, decided) in keys.iter().zip(out.iter_mut()) {
+        let capped_new = *decided == Some((ReserveKind::Retry, NO_SLOT)) && !fills.is_open(key);
+        if decided.is_none() || capped_new {
+            dropped.insert(*key);
+            *decided = Some((ReserveKind::Dropped, NO_SLOT));
+        }
     }
 }
 
