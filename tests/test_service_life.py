@@ -406,5 +406,8 @@ def test_kvtier_serve_applies_its_reservation_deadline_and_pin_lease(tmp_path):
         assert serve.wait(timeout=60) == 0
         errors.close()
     assert not socket.exists() and not _pool_files(pool_dir)
+    said = (tmp_path / "serve.err").read_text()
     warning = "--pin-lease-ms 1500 is not longer than an engine's own pin lease"
-    assert warning in (tmp_path / "serve.err").read_text(), "a lease engines outlast is not warned about"
+    assert said.count(warning) == 1, f"a lease engines outlast is not warned about once: {said}"
+    warning = "--reservation-timeout-ms 1000 is not longer than the engines' job_timeout_ms"
+    assert said.count(warning) == 1, f"a reservation deadline a store outlasts is not warned about once: {said}"

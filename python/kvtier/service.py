@@ -50,6 +50,9 @@ SERVICE_LOG_MAX_BYTES = 8 << 20
 # The longest an engine holds a pin on its own (twice its job timeout, at most this): the service's
 # lease on a silent connection's pins (`kvtier serve --pin-lease-ms`, 600 s) stays longer.
 ENGINE_PIN_LEASE_MAX_S = 540.0
+# An engine's default deadline on one transfer job (its `job_timeout_ms`): the service's reservation
+# deadline (`kvtier serve --reservation-timeout-ms`, 180 s) stays longer.
+ENGINE_JOB_TIMEOUT_DEFAULT_MS = 120_000
 # A service started on demand frees a model's pool after this long with no engine attached, and
 # exits once it holds none: long enough for an engine restart to find its blocks in DRAM.
 DEFAULT_IDLE_TIMEOUT_S = 300.0

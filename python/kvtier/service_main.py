@@ -26,6 +26,7 @@ from kvtier.errors import KvtierError
 from kvtier.ops.metrics import start_exporter
 from kvtier.service import (
     DEFAULT_POOL_DIR,
+    ENGINE_JOB_TIMEOUT_DEFAULT_MS,
     ENGINE_PIN_LEASE_MAX_S,
     SERVICE_LOG_MAX_BYTES,
     default_socket_path,
@@ -130,17 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         if value < 0:
             parser.error(f"{flag} takes milliseconds >= 0 (0: never), got {value}")
-    if 0 < args.pin_lease_ms <= ENGINE_PIN_LEASE_MAX_S * 1000:
-        print(
-            f"kvtier serve: warning: --pin-lease-ms {args.pin_lease_ms} is not longer than an engine's own pin "
-            f"lease (up to {ENGINE_PIN_LEASE_MAX_S * 1000:.0f} ms): a pin a request still waits on may be let go, "
-            "and under vLLM's plain OffloadingConnector that load then fails and stops the engine; keep it "
-            f"above {ENGINE_PIN_LEASE_MAX_S * 1000:.0f} (the default is 600000)",
-            file=sys.stderr,
-            flush=True,
-        )
     if args.detach:
         return _detach(list(argv) if argv is not None else sys.argv[1:])
+    _warn_of_short_deadlines(args.reservation_timeout_ms, args.pin_lease_ms)
     if args.log_file is not None:
         open_log(args.log_file)
         rotate_log(args.log_file, args.log_max_bytes)
@@ -221,6 +214,28 @@ def _serve(service: Service, socket: Path, args: argparse.Namespace) -> int:
         print(f"kvtier serve: stopped, but a store did not close cleanly: {error}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _warn_of_short_deadlines(reservation_timeout_ms: int, pin_lease_ms: int) -> None:
+    """Warns (once: the detached child, not its parent) of a deadline that gives up what a live engine
+    still relies on."""
+    if 0 < pin_lease_ms <= ENGINE_PIN_LEASE_MAX_S * 1000:
+        _warn(
+            f"--pin-lease-ms {pin_lease_ms} is not longer than an engine's own pin lease (up to "
+            f"{ENGINE_PIN_LEASE_MAX_S * 1000:.0f} ms): a pin a request still waits on may be let go, and under "
+            "vLLM's plain OffloadingConnector that load then fails and stops the engine; keep it above "
+            f"{ENGINE_PIN_LEASE_MAX_S * 1000:.0f} (the default is 600000)"
+        )
+    if 0 < reservation_timeout_ms <= ENGINE_JOB_TIMEOUT_DEFAULT_MS:
+        _warn(
+            f"--reservation-timeout-ms {reservation_timeout_ms} is not longer than the engines' job_timeout_ms "
+            f"({ENGINE_JOB_TIMEOUT_DEFAULT_MS} by default): a store still being copied may be given up and "
+            "dropped; keep it above the engines' job_timeout_ms (the default is 180000)"
+        )
+
+
+def _warn(message: str) -> None:
+    print(f"kvtier serve: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _detach(argv: list[str]) -> int:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.service import ENGINE_JOB_TIMEOUT_DEFAULT_MS
+
 SPEC_NAME = "KvtierOffloadingSpec"
 SPEC_MODULE_PATH = "kvtier.vllm"
 NAMESPACE_FORMAT_VERSION = 1
@@ -31,7 +33,7 @@ VLLM_OFFLOADING_OPTION_NAMES = frozenset(
 INTEGRATION_OPTION_DEFAULTS: dict[str, Any] = {
     # Longest one call of a worker's transfer to the service may block its job thread (the socket's
     # timeout); what vLLM waits on is bounded by service_timeout_ms instead (below).
-    "job_timeout_ms": 120_000,
+    "job_timeout_ms": ENGINE_JOB_TIMEOUT_DEFAULT_MS,
     # Extra string mixed into the namespace (for example a deployment name); "" = none.
     "namespace_salt": "",
     # Serve through the host service (one per host and path, shared by every engine; started on
