@@ -148,15 +148,16 @@ def load_watched(
     blocks: GPULoadStoreSpec,
     like: list[np.ndarray],
     page_bytes: int,
+    stall_timeout_ms: int = 400,
 ) -> WatchedLoad:
     """Waits until the service locates every key in `tier`, then loads them into buffers shaped as
-    `like` on KvtierConnector's route (a stalled load is failed) with a 0.4-s stall timeout."""
+    `like` on KvtierConnector's route (a stalled load is failed) with this stall timeout."""
     deadline = time.monotonic() + 10
     while connection.locate_many(keys.keys) != [tier] * len(keys.keys):
         assert time.monotonic() < deadline, f"the published blocks never became visible in the {tier} tier"
         time.sleep(0.05)
     target = [np.zeros_like(layer) for layer in like]
-    w = ServiceWorker(connection, target, page_bytes, job_timeout_ms=30_000, stall_timeout_ms=400)
+    w = ServiceWorker(connection, target, page_bytes, job_timeout_ms=30_000, stall_timeout_ms=stall_timeout_ms)
     w.can_report_load_failures = True
     started = time.monotonic()
     assert w.submit_load(2, keys, blocks) and finished(w, 2, timeout_s=30)
