@@ -215,8 +215,8 @@ impl Admission {
         taken
     }
 
-    /// Gives the NVMe budget back the bytes of a write it paid for that was not planned after all
-    /// (its block left DRAM meanwhile, or no NVMe region was free).
+    /// Gives the NVMe budget back the bytes of a write it paid for that was not made after all (its
+    /// block left DRAM meanwhile, no NVMe region was free, or a load took its slot while it queued).
     pub(crate) fn return_nvme_budget(&self, bytes: u64) {
         if let Some(budget) = &self.nvme_budget {
             budget.lock().give_back(bytes);

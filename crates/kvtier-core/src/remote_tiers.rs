@@ -50,8 +50,9 @@ struct Remote {
     /// What lookups call a block this tier serves.
     serves_as: Tier,
     health: Health,
-    /// Bytes per day this tier may take (`write_budget_*_bytes_per_day`); `None`: unbounded.
-    budget: Option<Mutex<WriteBudget>>,
+    /// Bytes per day this tier may take (`write_budget_*_bytes_per_day`); `None`: unbounded. Shared
+    /// with the publisher, which gives back the bytes of blocks it did not write.
+    budget: Option<Arc<Mutex<WriteBudget>>>,
     /// How long its recent reads took, start to finish, queueing included (an exponentially
     /// weighted mean, in microseconds; 0: none measured yet).
     recent_read_us: AtomicU64,
@@ -66,7 +67,11 @@ impl Remote {
     ) -> Result<Remote> {
         let publisher = Publisher::start(Arc::clone(&tier) as Arc<dyn PublishSink>)?;
         let now = Instant::now();
-        let budget = WriteBudget::new(budget_bytes_per_day, config.write_budget_burst_s, now);
+        let budget = WriteBudget::new(budget_bytes_per_day, config.write_budget_burst_s, now).map(Arc::new);
+        if let Some(budget) = &budget {
+            let (budget, slot_bytes) = (Arc::clone(budget), tier.slot_bytes() as u64);
+            publisher.set_unwritten(Box::new(move |blocks| budget.lock().give_back(blocks as u64 * slot_bytes)));
+        }
         let health = Health::new(config.tier_health, now);
         Ok(Remote { tier, publisher, name, serves_as, health, budget, recent_read_us: AtomicU64::new(0) })
     }
@@ -87,8 +92,9 @@ impl Remote {
         (recent * STALL_READ_TIMES).clamp(floor, MAX_STALL.max(floor))
     }
 
-    /// Whether the tier's write budget takes one more block of `bytes`.
-    fn budget_allows(&self, bytes: u64) -> bool {
+    /// Whether the tier's write budget takes one more block (what its publisher writes of it).
+    fn budget_allows(&self) -> bool {
+        let bytes = self.tier.slot_bytes() as u64;
         self.budget.as_ref().is_none_or(|b| b.lock().try_take(bytes, Instant::now()))
     }
 
@@ -260,10 +266,12 @@ impl RemoteTiers {
         self.contains(key) || (probe && self.tiers.iter().any(|r| r.health.is_sick() && r.tier.contains(key)))
     }
 
-    /// Offers an accepted block (its slot: descriptor page + value) to every tier's publisher.
+    /// Offers an accepted block (its slot: descriptor page + value) to every tier's publisher that
+    /// does not hold it yet. A tier's budget pays for the block here and gets it back from the
+    /// publisher if it is not written after all.
     pub(crate) fn offer(&self, key: BlockKey, slot: &[u8]) {
-        for r in &self.tiers {
-            if r.budget_allows(slot.len() as u64) {
+        for r in self.tiers.iter().filter(|r| !r.tier.contains(&key)) {
+            if r.budget_allows() {
                 r.publisher.offer(key, slot);
             } else {
                 Stats::add(&self.stats.remote_write_budget_refusals, 1);

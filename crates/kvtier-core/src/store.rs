@@ -587,7 +587,11 @@ impl Store {
     /// its final drops with `count_dropped_stores`). Commit or abort every `Fill`.
     pub fn try_reserve_puts(&self, keys: &[BlockKey]) -> Result<Vec<Reservation>> {
         self.check_open()?;
-        Ok(reserve_puts(&self.state, keys))
+        let reservations = reserve_puts(&self.state, keys);
+        if reservations.contains(&Reservation::Present) {
+            persist_reused(&self.state); // a store of a held block is a use: write it where it waits for one
+        }
+        Ok(reservations)
     }
 
     /// Counts stores given up (`dropped_stores`).

@@ -3,7 +3,7 @@
 
 mod common;
 use common::*;
-use kvtier_core::{EngineChoice, SharedConfig, Store, StoreConfig, WriteAdmission};
+use kvtier_core::{EngineChoice, Reservation, SharedConfig, Store, StoreConfig, WriteAdmission};
 
 const OBJECT_BYTES: usize = 64 * 1024;
 const SLOT_BYTES: u64 = OBJECT_BYTES as u64 + 4096;
@@ -273,5 +273,120 @@ fn a_reused_block_the_backlog_held_back_and_dram_evicted_counts_apart_from_the_u
     let s = store.stats().counters;
     assert!(s.dropped_behind_backlog > 0, "no reused block was evicted behind the backlog: {s:?}");
     assert_eq!(s.dropped_without_evidence, 0, "every block was used again: none lacked evidence: {s:?}");
+    store.check_invariants();
+}
+
+/// A block kept from the shared tier for want of a use that is first used after DRAM evicted it
+/// (its copy on NVMe only) is published once a load brings it back to DRAM. Before, a load of the
+/// NVMe copy was no use at all, and a pin took the block's evidence and lost it: the block was
+/// never published, however often it was read.
+#[test]
+fn a_block_first_used_from_nvme_is_published_to_the_shared_tier_by_reuse() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiered(dir.path(), WriteAdmission::All, WriteAdmission::Reuse);
+    put(&store, &[0, 1, 2, 3]);
+    flood(&store, 100);
+    store.flush().unwrap();
+    let s = store.stats().counters;
+    let flooded = s.shared_bytes_written;
+    assert_eq!(get_checked(&store, &[0, 1]), vec![true; 2], "read back from NVMe");
+    assert_eq!(store.pin_prefix(&[key(2), key(3)]), vec![true; 2], "pinned on NVMe");
+    assert_eq!(get_checked(&store, &[2, 3]), vec![true; 2]);
+    store.unpin(&[key(2), key(3)]);
+    store.flush().unwrap();
+    let s = store.stats().counters;
+    assert!(s.nvme_hits >= 4, "the four came from NVMe: {s:?}");
+    assert_eq!(s.writes_admitted_on_reuse, 4, "{s:?}");
+    let published = s.shared_bytes_written - flooded;
+    assert!(published >= 4 * OBJECT_BYTES as u64, "the four used blocks published: {s:?}");
+    store.check_invariants();
+}
+
+/// The NVMe budget pays for writes made: one a load cancelled while it queued (the load took its
+/// slot: `cancelled_writes`) gives its bytes back. Before, every cancelled write's bytes stayed
+/// spent, so loads on a busy disk drained the budget with nothing written.
+#[test]
+fn a_write_a_load_cancelled_gives_its_budget_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(dir.path(), EngineChoice::Psync, OBJECT_BYTES);
+    let per_day = 1000 * SLOT_BYTES;
+    c.write_budget_nvme_bytes_per_day = per_day;
+    c.max_write_inflight_bytes = c.slot_bytes();
+    c.max_dirty_bytes = 16 * c.slot_bytes();
+    let plan = kvtier_core::testing::FaultPlan { delay_ms: 40, ..Default::default() };
+    c.fault_plan = Some(std::sync::Arc::new(plan));
+    let store = Store::open(c).unwrap();
+    put(&store, &[0, 1, 2, 3]);
+    store.flush().unwrap();
+    // Fresh blocks whose writes queue behind the slow disk take every DRAM slot; the load of the
+    // first four (NVMe only now) takes the slots of queued writes.
+    let fresh: Vec<u64> = (100..116).collect();
+    put(&store, &fresh);
+    let wanted: Vec<_> = (0..4).map(key).collect();
+    assert!(store.acquire(&wanted).unwrap().iter().all(Option::is_some));
+    store.release(&wanted);
+    let cancelled = store.stats().counters.cancelled_writes;
+    assert!(cancelled > 0, "no load took a queued write's slot");
+    store.flush().unwrap();
+    let stats = store.stats();
+    let (written, left) = (stats.counters.bytes_written_nvme, stats.gauges.nvme_write_budget_left_bytes);
+    assert!(
+        written + left + SLOT_BYTES / 2 >= per_day,
+        "the budget paid for {cancelled} cancelled writes: {written} written, {left} left of {per_day}"
+    );
+    store.check_invariants();
+}
+
+/// A shared tier's write budget pays for blocks written: a block the tier already holds (another
+/// host published it) costs nothing. Before, each such offer took a block's bytes and wrote
+/// nothing, so fresh blocks were refused with the budget unspent.
+#[test]
+fn a_block_the_shared_tier_holds_already_costs_its_budget_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = |name: &str| {
+        let mut c = reuse_config(&dir.path().join(name));
+        c.write_admission = WriteAdmission::All;
+        let mut shared = SharedConfig::new(dir.path().join("shared"));
+        shared.file_target_bytes = 256 << 10;
+        shared.publish_delay_ms = 20;
+        c.shared = Some(shared);
+        c.write_budget_shared_bytes_per_day = 6 * SLOT_BYTES;
+        Store::open(c).unwrap()
+    };
+    let a = node("a");
+    put(&a, &[0, 1, 2, 3]);
+    a.flush().unwrap();
+    let b = node("b");
+    let known: Vec<_> = (0..4).map(key).collect();
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while b.lookup_prefix(&known) < 4 && std::time::Instant::now() < until {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert_eq!(b.lookup_prefix(&known), 4, "node B sees what node A published");
+    put(&b, &[0, 1, 2, 3]); // computed on B too: already in the shared tier
+    put(&b, &[10, 11, 12, 13]);
+    b.flush().unwrap();
+    let s = b.stats().counters;
+    assert_eq!(s.remote_write_budget_refusals, 0, "{s:?}");
+    assert!(s.shared_bytes_written >= 4 * OBJECT_BYTES as u64, "B published its four new blocks: {s:?}");
+}
+
+/// Two stores of one block at once (two engines computed the same prefix): the second finds the
+/// first one's fill and has nothing to copy, but it is a second sighting, and under `reuse` the
+/// block goes to NVMe when the fill commits. Before, the fill had no evidence yet to take, and the
+/// block waited for a third.
+#[test]
+fn a_block_stored_twice_at_once_has_evidence_of_reuse() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(reuse_config(dir.path())).unwrap();
+    let keys = [key(7)];
+    let Reservation::Fill { slot, sequence } = store.try_reserve_puts(&keys).unwrap()[0] else {
+        panic!("a new block is a fill")
+    };
+    assert_eq!(store.try_reserve_puts(&keys).unwrap(), vec![Reservation::Present]);
+    store.commit_puts(&[(keys[0], slot, sequence)]).unwrap();
+    store.flush().unwrap();
+    let s = store.stats().counters;
+    assert_eq!(s.bytes_written_nvme, SLOT_BYTES, "{s:?}");
     store.check_invariants();
 }

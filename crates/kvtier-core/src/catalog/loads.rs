@@ -84,6 +84,7 @@ impl Catalog {
                     e.dram = Some(read.slot);
                     e.dram_ready = true;
                     self.slots.promote(read.slot, key);
+                    self.note_reuse(key); // a load is a use, and its block is in DRAM to be copied now
                 }
                 LoadOutcome::Abandoned => self.retire_slot(read.slot),
                 _ => self.slots.free(read.slot),

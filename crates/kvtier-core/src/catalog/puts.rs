@@ -152,11 +152,22 @@ impl Catalog {
     }
 
     /// The blocks reused since the last call that are still in DRAM, with the tiers they were kept
-    /// from: the store writes them there now (`plan_reused_write` for NVMe).
+    /// from: the store writes them there now (`plan_reused_write` for NVMe). A reused block out of
+    /// DRAM (used through its NVMe copy: a pin, a load on its way) keeps its evidence for when a load
+    /// brings it back (`finish_get_nvme`): its bytes are copied from DRAM.
     pub fn take_reused(&mut self) -> Vec<(BlockKey, AwaitingReuse)> {
         let mut reused = std::mem::take(&mut self.reused);
-        let index = &self.index;
-        reused.retain(|(key, _)| index.get(key).is_some_and(|e| e.dram_ready));
+        let index = &mut self.index;
+        reused.retain(|(key, awaiting)| match index.get_mut(key) {
+            Some(e) if e.dram_ready => true,
+            Some(e) => {
+                e.awaiting_reuse.nvme |= awaiting.nvme;
+                e.awaiting_reuse.remote |= awaiting.remote;
+                e.awaiting_reuse.behind_backlog |= awaiting.behind_backlog;
+                false
+            }
+            None => false,
+        });
         reused
     }
 

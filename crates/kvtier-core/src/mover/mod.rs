@@ -132,7 +132,10 @@ pub(crate) fn execute_put(sh: &Arc<StoreState>, keys: &[BlockKey], bufs: &[Block
             let mut cat = sh.catalog.lock();
             while next < n && fills.len() < batch_max {
                 match cat.plan_put(&keys[next]) {
-                    PutStep::Present => results[next] = true,
+                    PutStep::Present => {
+                        note_sighting(sh, &keys[next]);
+                        results[next] = true;
+                    }
                     PutStep::Fill { slot, sequence, tenant } => {
                         name_tenant(sh, slot, &tenant);
                         fills.push((next, slot, sequence));
@@ -250,7 +253,9 @@ fn complete_fills(sh: &Arc<StoreState>, filled: &[Filled]) {
     {
         let mut cat = sh.catalog.lock();
         for (f, &(persist, offer_now)) in filled.iter().zip(&verdicts) {
-            if let Some(plan) = cat.finish_put(&f.key, f.slot, f.value_checksum, persist, &mut meta) {
+            let plan = cat.finish_put(&f.key, f.slot, f.value_checksum, persist, &mut meta);
+            let plan = if persist == Persist::Now { planned_within_budget(sh, plan) } else { plan };
+            if let Some(plan) = plan {
                 writes.push((f.key, plan));
             }
             if !offer_now && sh.remote.any() {
@@ -383,6 +388,14 @@ pub(crate) fn submit_nvme_writes<'k>(
     }
 }
 
+/// A store of a block the catalog holds, or is filling for another store: evidence of reuse. The
+/// catalog hands a block it holds to the tiers that wait for a use (`note_reuse`); one still
+/// filling (two engines computed it at once) is noted as seen, so that its own store has the
+/// evidence (`Admission::admits_store`).
+fn note_sighting(sh: &StoreState, key: &BlockKey) {
+    sh.admission.note_retained(key);
+}
+
 /// What a reserved put got: a slot to fill, or nothing to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reservation {
@@ -425,7 +438,10 @@ pub(crate) fn reserve_puts(sh: &StoreState, keys: &[BlockKey]) -> Vec<Reservatio
     let mut cat = sh.catalog.lock();
     keys.iter()
         .map(|key| match cat.plan_put(key) {
-            PutStep::Present => Reservation::Present,
+            PutStep::Present => {
+                note_sighting(sh, key);
+                Reservation::Present
+            }
             PutStep::Fill { slot, sequence, tenant } => {
                 name_tenant(sh, slot, &tenant);
                 Reservation::Fill { slot, sequence }
@@ -555,17 +571,26 @@ fn submit_entry_write(sh: &Arc<StoreState>, key: BlockKey, plan: WritePlan) {
             } else if let Some(buffer) = encrypted {
                 give_back_write_buffer(&state, buffer);
             }
-            let outcome = match &r {
-                Ok(()) => WriteOutcome::Written,
-                Err(e) if is_cancelled(e) => WriteOutcome::Cancelled,
-                Err(e) => {
-                    log::warn!("kvtier: NVMe write of {key:?} failed: {e}; the block stays in DRAM only");
-                    WriteOutcome::Failed
-                }
-            };
+            let outcome = write_outcome(&state, &key, &r);
             finish_entry_write(&state, &key, &plan, outcome);
         }),
     });
+}
+
+/// What an entry write's completion `r` means for its block.
+fn write_outcome(sh: &StoreState, key: &BlockKey, r: &std::io::Result<()>) -> WriteOutcome {
+    match r {
+        Ok(()) => WriteOutcome::Written,
+        Err(e) if is_cancelled(e) => {
+            // A load took its slot before the device queue reached it: nothing was written.
+            sh.admission.return_nvme_budget(sh.arena.slot_bytes() as u64);
+            WriteOutcome::Cancelled
+        }
+        Err(e) => {
+            log::warn!("kvtier: NVMe write of {key:?} failed: {e}; the block stays in DRAM only");
+            WriteOutcome::Failed
+        }
+    }
 }
 
 /// A copy of the slot with its value encrypted (`encryption_key_file`): the DRAM pool stays in clear.

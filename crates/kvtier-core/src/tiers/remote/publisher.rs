@@ -33,6 +33,11 @@ const BACKLOG_BLOCKS: usize = 1 << 16;
 /// longer in DRAM.
 pub type Refetch = Box<dyn Fn(&BlockKey, &mut [u8]) -> bool + Send + Sync>;
 
+/// Told how many offered blocks were not written after all (dropped, found published already, or
+/// refused by the tier), so that the tier's write budget, which paid for them at the offer, gets
+/// their bytes back.
+pub type Unwritten = Box<dyn Fn(usize) + Send + Sync>;
+
 /// What a publisher publishes into: each remote tier implements it in its own folder, with its own
 /// counters of deferred and dropped offers.
 pub trait PublishSink: Send + Sync {
@@ -94,6 +99,7 @@ struct Inner {
     pool: Mutex<Pool>,
     max_buffers: usize,
     refetch: OnceLock<Refetch>,
+    unwritten: OnceLock<Unwritten>,
 }
 
 impl Inner {
@@ -106,6 +112,14 @@ impl Inner {
 
     fn dropped(&self, blocks: u64) {
         Stats::add(self.tier.dropped(), blocks);
+        self.not_written(blocks as usize);
+    }
+
+    /// `blocks` offered blocks will not be written (`Unwritten`).
+    fn not_written(&self, blocks: usize) {
+        if let (Some(unwritten), true) = (self.unwritten.get(), blocks > 0) {
+            unwritten(blocks);
+        }
     }
 
     /// Up to `room` backlogged blocks, copied again from DRAM into staging buffers.
@@ -125,6 +139,7 @@ impl Inner {
             let mut buf = self.buffer(staging);
             if self.tier.contains(&key) {
                 self.pool.lock().free.push(buf);
+                self.not_written(1);
                 continue;
             }
             let copied = self.refetch.get().is_some_and(|copy| copy(&key, buf.as_mut_slice()));
@@ -148,7 +163,8 @@ impl Inner {
             return;
         }
         let mut refs: Vec<(BlockKey, &mut [u8])> = batch.iter_mut().map(|(k, b)| (*k, b.as_mut_slice())).collect();
-        self.tier.append_slots(&mut refs);
+        let taken = self.tier.append_slots(&mut refs);
+        self.not_written(refs.len().saturating_sub(taken));
         self.pool.lock().free.extend(batch.into_iter().map(|(_, b)| b));
     }
 
@@ -235,6 +251,7 @@ impl Publisher {
             pool: Mutex::new(Pool { free: Vec::new(), allocated: 0, backlog: VecDeque::new(), pushed: 0, popped: 0 }),
             max_buffers,
             refetch: OnceLock::new(),
+            unwritten: OnceLock::new(),
         });
         let thread_inner = Arc::clone(&inner);
         let handle = std::thread::Builder::new()
@@ -252,12 +269,21 @@ impl Publisher {
         }
     }
 
+    /// Gives the publisher its way to tell the tier's write budget of blocks not written after all.
+    pub fn set_unwritten(&self, unwritten: Unwritten) {
+        if self.inner.unwritten.set(unwritten).is_err() {
+            log::warn!("kvtier: a publisher's unwritten hook was set twice; keeping the first");
+        }
+    }
+
     /// Queues a copy of `slot` (descriptor page + value) for publishing, or its key in the backlog
     /// when every staging buffer is in use. `false`: dropped (backlog full, or publisher closed) and
-    /// counted; a block already in the shared index is not queued again (`true`).
+    /// counted; a block already in the shared index is not queued again (`true`). Either way a block
+    /// not written is told to `set_unwritten`'s hook.
     pub fn offer(&self, key: BlockKey, slot: &[u8]) -> bool {
         let inner = &self.inner;
         if inner.tier.contains(&key) {
+            inner.not_written(1);
             return true;
         }
         let slot_bytes = inner.tier.slot_bytes();
