@@ -407,3 +407,45 @@ def test_a_step_far_slower_than_predicted_is_not_fitted_unless_the_engine_stays_
     assert model.recompute_s(1024) == pytest.approx(per_1k) and model.outliers == 1
     trained(seed=3, model=model, slower=10.0, steps=100)  # the engine really is 10x slower now
     assert model.recompute_s(1024) == pytest.approx(10 * (per_1k or 0), rel=0.1)
+
+
+def test_a_step_that_computes_nothing_is_not_timed():
+    """vLLM reports a step with no forward pass only when a transfer finished in it: every step
+    waiting on loads (nothing to compute) left an entry that paired each later output with an
+    earlier step, for good (the pending list full of them, the fit fed empty steps' tokens)."""
+    clock = StepClock()
+    for warmup in range(2):
+        clock.scheduled(100, 10.0, now=-10.0 + warmup)
+        assert clock.finished(now=-9.5 + warmup) is None
+    for idle in range(100):  # the engine waits on a load: empty steps, no output reaches the connector
+        clock.scheduled(0, 0.0, now=idle * 0.001)
+    clock.scheduled(300, 30.0, now=1.0)
+    assert clock.finished(now=1.5) == (300, 30.0, 0.5)
+    assert clock.finished(now=2.0) is None
+
+
+def test_the_prefill_model_stays_finite_through_a_long_run_of_like_steps():
+    """Decode steps of one batch size move the constant and per-token terms together: the
+    least-squares uncertainty in that direction grew by the forgetting factor each step, overflowed
+    after about 35,000 of them, and the model answered NaN for good."""
+    model = trained()
+    before = model.recompute_s(2048)
+    for start in range(40_000):
+        model.observe(1, work_of(1, 2048 + start % 4096), A_S + B_S + C_S * (2048 + start % 4096))
+    after = model.recompute_s(2048)
+    assert after is not None and np.isfinite(after), after
+    assert after == pytest.approx(before, rel=0.2)
+    assert np.all(np.isfinite(np.array(model.state()["p"], dtype=float)))
+
+
+def test_a_pass_that_starts_after_where_the_last_one_did_is_a_new_pass():
+    """A request waiting for a decision whose next pass starts at another of its keys (vLLM's own
+    cache now holds more of its prefix: another request computed it) was answered RETRY for good:
+    only a pass from the first pass's first key, or one that met a miss, was taken as new."""
+    decider = LoadDecider("auto", BLOCK_TOKENS)
+    decider.prefill = trained()
+    decider.rates = rates_of(dram=0.0001, nvme=0.0)
+    keys = [bytes([i]) * 32 for i in range(6)]
+    assert [decider.answer("r", key, "nvme") for key in keys] == ["retry"] * 6
+    assert [decider.answer("r", key, "nvme") for key in keys[2:]] == ["offer"] * 4
+    assert decider.decisions == {("nvme", "load"): 6}

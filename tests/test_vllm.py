@@ -600,6 +600,10 @@ def test_a_request_looked_up_again_after_its_load_is_requeued_then_recomputes(tm
     manager.prepare_load(keys, context)
     manager.on_request_finished(context)
     assert [manager.lookup(k, context) for k in keys] == hits
+    # A request that ends without a load leaves no lookup plan behind (they piled up to the
+    # decider's bound, each with its keys: about 1 GB at 4,096 prompts of 32K tokens).
+    manager.on_request_finished(context)
+    assert manager.decider._plans == {}
     manager.shutdown()
     store.close()
 

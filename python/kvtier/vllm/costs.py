@@ -69,6 +69,9 @@ WARMUP_STEPS = 2
 # Features are scaled so that the least-squares state stays well conditioned.
 _TOKENS_SCALE = 1e-3
 _WORK_SCALE = 1e-6
+# The least-squares state's uncertainty at the start (per coefficient), and its bound ever after.
+_P_START = 1e4
+_P_MAX_TRACE = 3 * _P_START
 
 
 class PrefillModel:
@@ -77,7 +80,7 @@ class PrefillModel:
     def __init__(self, forgetting: float = 0.98):
         self._forgetting = forgetting
         self._theta = np.zeros(3)
-        self._p = np.eye(3) * 1e4
+        self._p = np.eye(3) * _P_START
         self._lock = threading.Lock()
         self.prefill_steps = 0
         self.outliers = 0
@@ -99,12 +102,24 @@ class PrefillModel:
                 if outlier and self._outliers_in_a_row <= OUTLIER_RUN:
                     self.outliers += 1
                     return
-            px = self._p @ x
-            gain = px / (self._forgetting + x @ px)
-            self._theta = self._theta + gain * (seconds - x @ self._theta)
-            self._p = (self._p - np.outer(gain, px)) / self._forgetting
+            self._fit(x, seconds)
             if tokens > 1:
                 self.prefill_steps += 1
+
+    def _fit(self, x: np.ndarray, seconds: float) -> None:
+        """One recursive least-squares step with forgetting. Steps that all look alike (decode steps
+        of one batch size: constant and per-token terms move together) leave a direction unlearned,
+        whose uncertainty forgetting grows every step until it overflows; it is held at the start's,
+        and a step that would leave anything non-finite is not fitted."""
+        px = self._p @ x
+        gain = px / (self._forgetting + x @ px)
+        theta = self._theta + gain * (seconds - x @ self._theta)
+        p = (self._p - np.outer(gain, px)) / self._forgetting
+        trace = float(np.trace(p))
+        if trace > _P_MAX_TRACE:
+            p *= _P_MAX_TRACE / trace
+        if np.all(np.isfinite(theta)) and np.all(np.isfinite(p)):
+            self._theta, self._p = theta, p
 
     def recompute_s(self, tokens: int) -> float | None:
         """Seconds to compute a prefix of ``tokens`` from nothing; None until the model is trained."""
@@ -112,6 +127,8 @@ class PrefillModel:
             if self.prefill_steps < MIN_PREFILL_STEPS:
                 return None
             _, b, c = self._theta
+        if not (math.isfinite(b) and math.isfinite(c)):
+            return None
         per_token = max(b, 0.0) * _TOKENS_SCALE
         attention = max(c, 0.0) * _WORK_SCALE
         if per_token <= 0 and attention <= 0:
@@ -125,6 +142,9 @@ class PrefillModel:
     def restore(self, state: dict[str, object]) -> None:
         """From ``state`` (a costs file's; shapes and values checked by the caller)."""
         theta, p = np.array(state["theta"], dtype=float), np.array(state["p"], dtype=float)
+        trace = float(np.trace(p))
+        if trace > _P_MAX_TRACE:  # written before the bound (``_fit``)
+            p *= _P_MAX_TRACE / trace
         with self._lock:
             self._theta, self._p = theta, p
             self.prefill_steps = int(state["prefill_steps"])  # type: ignore[call-overload]
@@ -288,6 +308,7 @@ class _Plan:
     index: dict[bytes, int] = field(default_factory=dict)
     offer: int | None = None
     probe: range = range(0)  # hits read aside to time their tier (``probe_aside``), recomputed
+    last_at: int = -1  # where in ``keys`` the pass under way last asked
 
 
 class LoadDecider:
@@ -338,13 +359,18 @@ class LoadDecider:
             return "decline"
         if plan is None:
             plan = self._new_plan(req_id)
-        elif plan.offer is None and plan.keys and key == plan.keys[0]:
-            self._decide(req_id, plan)  # a new pass over the same request: the last one saw every hit
+        elif plan.offer is None and plan.index.get(key, len(plan.keys)) <= plan.last_at:
+            # A new pass over the same request (vLLM scans in order: a key at or before the last one
+            # asked starts one, wherever its own cache now ends the request's prefix): the last
+            # pass saw every hit.
+            self._decide(req_id, plan)
         if plan.offer is None and self.prefill.recompute_s(self.block_tokens) is None:
             plan.offer = UNTRAINED  # no step timed yet: load everything, as without the model
         at = plan.index.get(key)
         if at is None and plan.offer in (None, UNTRAINED):
             at = self._record(plan, key, tier)
+        if at is not None:
+            plan.last_at = at
         if plan.offer is None:
             return "offer" if all(seen == "dram" for seen in plan.tiers) else "retry"
         if at is None:  # first held after the decision: DRAM is always worth loading
@@ -437,6 +463,11 @@ class StepClock:
         self._warmup_left = WARMUP_STEPS
 
     def scheduled(self, tokens: int, attention_work: float, now: float | None = None) -> None:
+        if tokens <= 0:
+            # No forward pass: vLLM reports such a step's output only when a transfer finished in it
+            # (an empty one never reaches ``update_connector_output``), so it is not timed at all;
+            # kept, it would pair every later output with a step scheduled before it.
+            return
         if len(self._pending) >= self.MAX_PENDING:
             self._pending.pop(0)  # outputs stopped arriving for these: never time them
         self._pending.append((time.monotonic() if now is None else now, tokens, attention_work))

@@ -435,6 +435,7 @@ class KvtierManager(OffloadingManager):
         self._loaded.pop(req_context.req_id, None)
         self._requeue.pop(req_context.req_id, None)
         self._recompute.discard(req_context.req_id)
+        self.decider.forget(req_context.req_id)
 
     def _assign_tenant(self, store_keys: list[bytes], req_context: ReqContext) -> None:
         """Charges the blocks a salted request stores or loads to its tenant, and names the tenant
