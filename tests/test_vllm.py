@@ -674,3 +674,46 @@ def test_pins_of_a_request_that_never_completes_its_load_expire(tmp_path):
     store.put_many([bytes([n]) * 32 for n in range(110, 118)], [np.zeros(object_bytes, dtype=np.uint8)] * 8)
     assert store.locate_many([kvtier_vllm.kvtier_key(engine_key)]) == [None], "released once the lease ran out"
     store.close()
+
+
+def test_a_lookup_pass_locates_the_requests_blocks_in_one_call_per_step(tmp_path):
+    """vLLM asks about a request one block at a time, every step it waits: each answer was a call to
+    the store (the host service's socket), 2,000 of them a step for a 32K-token prompt in 16-token
+    blocks. The first block of a pass now locates the request's later ones too (from the positions
+    vLLM's scheduler records; a block not held is asked again when vLLM asks), and a step's end lets
+    the next step see what changed."""
+    import numpy as np
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+
+    store = kvtier.Store.open(str(tmp_path / "store"), namespace=b"locate-test", object_bytes=4096,
+                              dram_bytes=1 << 20, nvme_bytes=0)  # fmt: skip
+    shared = kvtier_vllm.LocalStore(
+        store=store, path=str(tmp_path), namespace=b"locate-test", description={}, object_bytes=4096
+    )
+    manager = kvtier_vllm.KvtierManager(shared)
+    keys = [make_offload_key(bytes([n]) * 32, 0) for n in range(1, 9)]
+    context = ReqContext(req_id="long")
+    for at, key in enumerate(keys):
+        context.set_offload_key_position(key, (at + 1) * 16)
+    store.put_many([kvtier_vllm.kvtier_key(k) for k in keys[:6]], [np.full(4096, 7, dtype=np.uint8)] * 6)
+    expected = [LookupResult.HIT] * 6 + [LookupResult.MISS]
+    step_end = ScheduleEndContext._make([()] * len(ScheduleEndContext._fields))
+    for _ in range(2):
+        calls = manager._locations.calls
+        assert [manager.lookup(k, context) for k in keys[:7]] == expected
+        assert manager._locations.calls == calls + 2, "one call for the pass, one more for its miss"
+        manager.on_schedule_end(step_end)
+    # The next pass may begin later (vLLM's own cache holds more): still one call. And what changed
+    # between steps is seen.
+    store.put_many([kvtier_vllm.kvtier_key(keys[6])], [np.full(4096, 7, dtype=np.uint8)])
+    calls = manager._locations.calls
+    assert [manager.lookup(k, context) for k in keys[2:]] == [LookupResult.HIT] * 5 + [LookupResult.MISS]
+    assert manager._locations.calls == calls + 2
+    # Without positions (another vLLM), a block at a time, as before.
+    bare = ReqContext(req_id="bare")
+    calls = manager._locations.calls
+    assert [manager.lookup(k, bare) for k in keys[:3]] == [LookupResult.HIT] * 3
+    assert manager._locations.calls == calls + 3
+    manager.on_request_finished(context)
+    manager.shutdown()
+    store.close()

@@ -308,6 +308,26 @@ def test_a_lookup_prefetches_nvme_blocks_into_dram_and_answers_pending_meanwhile
         kvtier_service.stop_service(options.socket_path())
 
 
+def test_a_prefetch_of_blocks_gone_meanwhile_is_no_measure_of_their_tier(service):
+    """The prefetcher times what a tier delivers from its reads into DRAM. A chunk whose blocks had
+    left every tier by then answered at once and was recorded as the tier's rate: a few such made a
+    slow link look fast to the load-or-recompute model. Only blocks read count now."""
+    from kvtier.vllm.costs import TierRates
+
+    prefetcher = Prefetcher(lambda: connection(service))
+    prefetcher.rates = rates = TierRates()
+    gone = [key(70 + i) for i in range(4)]  # located once, evicted since: nothing to read
+    for store_key in gone:
+        assert prefetcher.lookup(store_key, "bucket") is LookupResult.HIT_PENDING
+    deadline = time.monotonic() + 10
+    while any(prefetcher.origin(store_key) is None for store_key in gone) or prefetcher.in_flight(gone):
+        assert time.monotonic() < deadline, "the prefetch never ended"
+        time.sleep(0.02)
+    assert rates.seconds_per_block("bucket") is None, "a tier timed by reads that never happened"
+    assert prefetcher.prefetched_blocks == 0
+    prefetcher.close()
+
+
 def test_the_gpu_worker_moves_vllm_jobs_through_reserve_and_acquire(service):
     """GpuServiceWorker is the GPU rank's worker; its copies are kvtier.gpu's, which run on host
     tensors too. Driven by vLLM's calls, it stores and restores into other block ids, and what it

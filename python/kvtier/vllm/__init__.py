@@ -50,8 +50,9 @@ type-only imports included (``tests/test_tidy_python.py`` checks this list again
 1. ``options``, ``_registry``, ``load_store_spec``, ``idle_publish``, ``cores``, ``logs``, ``jobs``:
    the options, the registries' lock, what a job moves, KV events published by an idle engine core, the
    job thread's cores, kvtier's log lines through vLLM's handler, a worker's jobs and their results
-1. ``hints``, ``store_probe``: what a request's ``kv_transfer_params`` tell kvtier; whether the store's
-   directories answer (an engine's start waits for its store within limits)
+1. ``hints``, ``store_probe``, ``locations``: what a request's ``kv_transfer_params`` tell kvtier;
+   whether the store's directories answer (an engine's start waits for its store within limits);
+   where a request's blocks are, located once per lookup pass
 2. ``namespace``, ``costs``, ``local_store``: the engine's namespace, load or recompute, the
    in-process store (``host_service: false``)
 3. ``connection``: this process's connection to the host service

@@ -20,6 +20,7 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -30,6 +31,7 @@ from kvtier.vllm.costs import LoadDecider
 from kvtier.vllm.events import EventFeed
 from kvtier.vllm.hints import is_retained, retained_tokens
 from kvtier.vllm.load_store_spec import KvtierLoadStoreSpec
+from kvtier.vllm.locations import Locations
 from kvtier.vllm.metrics import StatsDeltaTracker
 from kvtier.vllm.namespace import kvtier_key
 from kvtier.vllm.options import INTEGRATION_OPTION_DEFAULTS
@@ -91,6 +93,7 @@ class KvtierManager(OffloadingManager):
         self._admission_memory_blocks = admission_memory_blocks
         self.not_admitted_blocks = 0
         self._prefetcher = backend.prefetcher
+        self._locations = Locations(lambda store_keys: self._store.locate_many(store_keys), kvtier_key)
         # Set by KvtierConnector, which reports failed loads to vLLM (recomputed). Under vLLM's plain
         # OffloadingConnector a failed load stops the engine, so only blocks a pin holds (in DRAM or
         # on NVMe) are offered there: one held only by a remote tier can vanish before its load.
@@ -133,7 +136,7 @@ class KvtierManager(OffloadingManager):
         if after_load is not None:
             return after_load
         try:
-            tier = self._store.locate_many([store_key])[0]
+            tier = self._locations.tier_of(key, store_key, req_context)
         except Exception:
             logger.exception("kvtier: lookup failed; treating as a miss")
             return LookupResult.MISS
@@ -436,6 +439,12 @@ class KvtierManager(OffloadingManager):
         self._requeue.pop(req_context.req_id, None)
         self._recompute.discard(req_context.req_id)
         self.decider.forget(req_context.req_id)
+        self._locations.forget(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """The step's lookups are over: the next step locates blocks anew (``kvtier.vllm.locations``)."""
+        self._locations.step_ended()
+        super().on_schedule_end(context)
 
     def _assign_tenant(self, store_keys: list[bytes], req_context: ReqContext) -> None:
         """Charges the blocks a salted request stores or loads to its tenant, and names the tenant

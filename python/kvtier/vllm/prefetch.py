@@ -135,9 +135,10 @@ class Prefetcher:
             self._progress_at = started
         if self._connection is not None:
             found = self._connection.call("prefetch", chunk, default=None)
-            self.prefetched_blocks += sum(1 for ok in found or [] if ok)
-            if found is not None:  # a call that failed timed the failure, not the tier
-                self._record_rate(chunk, time.monotonic() - started)
+            read = [key for key, ok in zip(chunk, found or [], strict=False) if ok]
+            self.prefetched_blocks += len(read)
+            if read:  # a call that failed timed the failure, and a block gone meanwhile no read
+                self._record_rate(read, time.monotonic() - started)
 
     def _end(self, chunk: list[bytes]) -> None:
         """The chunk's prefetch ended, whatever became of it: its lookups answer HIT from now on."""
