@@ -390,3 +390,15 @@ fn a_block_stored_twice_at_once_has_evidence_of_reuse() {
     assert_eq!(s.bytes_written_nvme, SLOT_BYTES, "{s:?}");
     store.check_invariants();
 }
+
+/// Two directories of the NVMe tier on one filesystem are one drive: its writes a day count once.
+/// Before, each directory added the filesystem's whole size, doubling the default budget.
+#[test]
+fn two_nvme_directories_on_one_filesystem_have_one_drives_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(&dir.path().join("a"), EngineChoice::Psync, OBJECT_BYTES);
+    c.paths.push(dir.path().join("b"));
+    let store = Store::open(c).unwrap();
+    let fs = rustix::fs::statvfs(dir.path()).unwrap();
+    assert_eq!(store.stats().gauges.nvme_write_budget_bytes_per_day, fs.f_blocks * fs.f_frsize);
+}

@@ -206,17 +206,30 @@ fn new_catalog(
 }
 
 /// The store's admission below DRAM, with the NVMe tier's write budget sized from the filesystems
-/// holding its directories (a filesystem that cannot be measured counts nothing).
+/// holding its directories.
 fn open_admission(config: &StoreConfig, dirs: &[PathBuf], nvme: bool) -> Admission {
-    let filesystem_bytes: u64 = dirs
-        .iter()
-        .filter_map(|dir| rustix::fs::statvfs(dir).ok())
-        .map(|fs| fs.f_blocks.saturating_mul(fs.f_frsize))
-        .sum();
-    let bytes_per_day = if nvme { config.nvme_write_budget_bytes_per_day(filesystem_bytes) } else { 0 };
+    let bytes_per_day = if nvme { config.nvme_write_budget_bytes_per_day(filesystems_bytes(dirs)) } else { 0 };
+    if nvme && bytes_per_day == 0 && config.write_budget_nvme_dwpd > 0.0 && config.write_budget_nvme_bytes_per_day == 0
+    {
+        log::warn!(
+            "kvtier: the size of the filesystems under {dirs:?} is unknown, so write_budget_nvme_dwpd has nothing to \
+             count: the NVMe tier's writes are unbounded; set write_budget_nvme_bytes_per_day to bound them"
+        );
+    }
     let budget = WriteBudget::new(bytes_per_day, config.write_budget_burst_s, Instant::now());
     let policies = (config.write_admission, config.remote_write_admission.unwrap_or(config.write_admission));
     Admission::new(policies, config.write_admission_memory_blocks, budget)
+}
+
+/// The size of the filesystems holding `dirs`, each counted once (two directories on one disk are
+/// one drive's writes a day); one that cannot be measured counts nothing.
+fn filesystems_bytes(dirs: &[PathBuf]) -> u64 {
+    let mut seen = std::collections::HashSet::new();
+    dirs.iter()
+        .filter(|dir| rustix::fs::stat(dir.as_path()).map_or(true, |st| seen.insert(st.st_dev)))
+        .filter_map(|dir| rustix::fs::statvfs(dir.as_path()).ok())
+        .map(|fs| fs.f_blocks.saturating_mul(fs.f_frsize))
+        .sum()
 }
 
 /// Opens (or creates) one device file per directory, device `i` in `dirs[i]`, and hands the blocks
