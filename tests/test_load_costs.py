@@ -424,6 +424,26 @@ def test_a_step_that_computes_nothing_is_not_timed():
     assert clock.finished(now=2.0) is None
 
 
+def test_each_output_times_the_step_it_names():
+    """Under asynchronous scheduling (vLLM's default) the next step is scheduled before an output
+    arrives, and a step with nothing to compute sends an output only when a transfer finished in it:
+    taking the oldest pending step for each output then timed the wrong one from the first such step
+    on. The worker echoes each step's number (``StepWorkerMetadata``)."""
+    clock = StepClock()
+    for warmup in range(2):
+        clock.scheduled(100, 10.0, now=-10.0 + warmup, step=warmup + 1)
+        assert clock.finished(now=-9.5 + warmup, step=warmup + 1) is None
+    clock.scheduled(100, 10.0, now=0.0, step=3)
+    clock.scheduled(0, 0.0, now=0.1, step=4)  # every request waits on a load
+    assert clock.finished(now=1.0, step=3) == (100, 10.0, 1.0)
+    clock.scheduled(200, 20.0, now=1.1, step=5)  # scheduled before step 4's output arrives
+    assert clock.finished(now=1.25, step=4) is None, "step 4's load finished: nothing to time"
+    assert clock.finished(now=2.25, step=5) == (200, 20.0, 1.0)
+    clock.scheduled(300, 30.0, now=3.0, step=6)
+    clock.scheduled(400, 40.0, now=3.1, step=7)
+    assert clock.finished(now=4.0, step=7) == (400, 40.0, pytest.approx(0.9)), "step 6's output never came: skipped"
+
+
 def test_the_prefill_model_stays_finite_through_a_long_run_of_like_steps():
     """Decode steps of one batch size move the constant and per-token terms together: the
     least-squares uncertainty in that direction grew by the forgetting factor each step, overflowed

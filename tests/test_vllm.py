@@ -283,6 +283,33 @@ def test_the_connector_follows_each_request_the_engine_runs_until_it_ends(engine
 
 
 @pytest.mark.slow
+def test_every_output_times_the_step_it_came_from(engine, monkeypatch):
+    """Issue 36: the prefill model is fitted on the steps the scheduler times. Each output names its
+    step (the worker echoes the step's number, ``StepWorkerMetadata``), so no step is left pending
+    and none is timed by another's output, with asynchronous scheduling and steps that compute
+    nothing alike."""
+    llm, _ = engine
+    connector = _scheduler_connector(llm)
+    clock, prefill = connector._step_clock, connector._decider().prefill
+    named: list[int | None] = []
+    update = connector.update_connector_output
+
+    def recording(connector_output):
+        named.append(getattr(connector_output.kv_connector_worker_meta, "kvtier_step", None))
+        update(connector_output)
+
+    monkeypatch.setattr(connector, "update_connector_output", recording)
+    fitted = prefill.prefill_steps + prefill.outliers
+    generate(llm, random_prompt(seed=23, full_blocks=3))
+    numbers = [number for number in named if number is not None]
+    assert named and numbers == named, f"an output without its step's number: {named}"
+    assert numbers == sorted(numbers) and len(set(numbers)) == len(numbers), numbers
+    assert connector._step_number == numbers[-1], "a step whose output never reached the scheduler"
+    assert clock._pending == [], "steps left pending"
+    assert prefill.prefill_steps + prefill.outliers > fitted, "no prompt step was timed"
+
+
+@pytest.mark.slow
 def test_vllm_offload_metrics_count_kvtier_transfers(engine, monkeypatch):
     """vLLM's own offload metrics (not only kvtier:*) count kvtier's stores and loads, in both the
     per-direction names and the older ``vllm:kv_offload_total_*{transfer_type}`` ones that
@@ -679,9 +706,9 @@ def test_pins_of_a_request_that_never_completes_its_load_expire(tmp_path):
 def test_a_lookup_pass_locates_the_requests_blocks_in_one_call_per_step(tmp_path):
     """vLLM asks about a request one block at a time, every step it waits: each answer was a call to
     the store (the host service's socket), 2,000 of them a step for a 32K-token prompt in 16-token
-    blocks. The first block of a pass now locates the request's later ones too (from the positions
-    vLLM's scheduler records; a block not held is asked again when vLLM asks), and a step's end lets
-    the next step see what changed."""
+    blocks. Once a pass found a block held, the next one locates the request's later blocks too (from
+    the positions vLLM's scheduler records; a block not held is asked again when vLLM asks), and a
+    step's end lets the next step see what changed."""
     import numpy as np
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
 
@@ -701,14 +728,23 @@ def test_a_lookup_pass_locates_the_requests_blocks_in_one_call_per_step(tmp_path
     for _ in range(2):
         calls = manager._locations.calls
         assert [manager.lookup(k, context) for k in keys[:7]] == expected
-        assert manager._locations.calls == calls + 2, "one call for the pass, one more for its miss"
+        # The first block alone, then the rest of the request, then its miss again.
+        assert manager._locations.calls == calls + 3, "three calls for a pass of seven blocks"
         manager.on_schedule_end(step_end)
     # The next pass may begin later (vLLM's own cache holds more): still one call. And what changed
     # between steps is seen.
     store.put_many([kvtier_vllm.kvtier_key(keys[6])], [np.full(4096, 7, dtype=np.uint8)])
     calls = manager._locations.calls
     assert [manager.lookup(k, context) for k in keys[2:]] == [LookupResult.HIT] * 5 + [LookupResult.MISS]
-    assert manager._locations.calls == calls + 2
+    assert manager._locations.calls == calls + 3
+    # A request with nothing stored (most new prompts) costs one block's call, not the request's.
+    cold = ReqContext(req_id="cold")
+    cold_keys = [make_offload_key(bytes([n]) * 32, 0) for n in range(100, 110)]
+    for at, key in enumerate(cold_keys):
+        cold.set_offload_key_position(key, (at + 1) * 16)
+    calls = manager._locations.calls
+    assert manager.lookup(cold_keys[0], cold) is LookupResult.MISS
+    assert manager._locations.calls == calls + 1
     # Without positions (another vLLM), a block at a time, as before.
     bare = ReqContext(req_id="bare")
     calls = manager._locations.calls

@@ -7,6 +7,7 @@ import logging
 import os
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
 from kvtier.vllm.costs import StepClock, step_work
@@ -21,6 +22,24 @@ def prefill_tokens(scheduler_output: Any) -> int:
     """Prompt tokens a step computes: every request scheduled for more than one token (a decode step
     schedules one per request)."""
     return sum(n for n in scheduler_output.num_scheduled_tokens.values() if n > 1)
+
+
+class StepWorkerMetadata(OffloadingWorkerMetadata):
+    """vLLM's worker-to-scheduler metadata with the number of the step it comes from: the scheduler
+    times that step (``StepClock``), whichever outputs vLLM sent before it. Every step sends one, so
+    every output reaches the scheduler's ``update_connector_output``."""
+
+    def __init__(self, kvtier_step: int, base: OffloadingWorkerMetadata | None = None):
+        super().__init__()
+        if base is not None:
+            self.completed_jobs, self.transfer_stats = base.completed_jobs, base.transfer_stats
+        self.kvtier_step = kvtier_step
+
+    def aggregate(self, other: Any) -> Any:
+        """The ranks' metadata of one step (TP): vLLM's sum, with the step's number."""
+        merged = super().aggregate(other)
+        assert isinstance(merged, OffloadingWorkerMetadata)
+        return StepWorkerMetadata(max(self.kvtier_step, getattr(other, "kvtier_step", 0)), merged)
 
 
 def _fill_spec_defaults(vllm_config: Any) -> None:
@@ -55,8 +74,11 @@ class KvtierConnector(OffloadingConnector):
         manager = getattr(scheduler, "manager", None)
         if manager is not None and hasattr(manager, "recomputes_failed_loads"):
             manager.recomputes_failed_loads = True  # blocks held only by a remote tier may be offered
-        # The scheduler times vLLM's steps for the load-or-recompute model (kvtier.vllm.costs).
+        # The scheduler times vLLM's steps for the load-or-recompute model (kvtier.vllm.costs), by
+        # number: the scheduler's last (``build_connector_meta``), the worker's bound one.
         self._step_clock = StepClock() if self._decider() is not None else None
+        self._step_number = 0
+        self._bound_step: int | None = None
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -114,8 +136,10 @@ class KvtierConnector(OffloadingConnector):
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         metadata = super().build_connector_meta(scheduler_output)
         metadata.kvtier_prefill_tokens = prefill_tokens(scheduler_output)  # type: ignore[attr-defined]
+        self._step_number += 1
+        metadata.kvtier_step = self._step_number  # type: ignore[attr-defined]
         if self._step_clock is not None:
-            self._step_clock.scheduled(*step_work(scheduler_output))
+            self._step_clock.scheduled(*step_work(scheduler_output), step=self._step_number)
             decider = self._decider()
             if decider is not None:
                 decider.requests.scheduled(scheduler_output)
@@ -126,7 +150,8 @@ class KvtierConnector(OffloadingConnector):
         the workers finished in it feed DRAM's rate (kvtier.vllm.costs)."""
         decider = self._decider()
         if decider is not None and self._step_clock is not None:
-            step = self._step_clock.finished()
+            number = getattr(connector_output.kv_connector_worker_meta, "kvtier_step", None)
+            step = self._step_clock.finished(step=number)
             if step is not None:
                 decider.prefill.observe(*step)
             loads = getattr(getattr(connector_output.kv_connector_worker_meta, "transfer_stats", None), "load", None)
@@ -142,9 +167,17 @@ class KvtierConnector(OffloadingConnector):
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
+        self._bound_step = getattr(connector_metadata, "kvtier_step", None)
         worker = self._kvtier_worker()
         if worker is not None:
             worker.step_begins(getattr(connector_metadata, "kvtier_prefill_tokens", 0))
+
+    def build_connector_worker_meta(self) -> Any:
+        """vLLM's metadata of the step, with the step's number (``StepWorkerMetadata``)."""
+        meta = super().build_connector_worker_meta()
+        if self._bound_step is None or not (meta is None or isinstance(meta, OffloadingWorkerMetadata)):
+            return meta
+        return StepWorkerMetadata(self._bound_step, meta)
 
     def wait_for_save(self) -> None:
         super().wait_for_save()

@@ -453,31 +453,41 @@ class StepClock:
     """Times vLLM's forward steps from the scheduler: a step is scheduled (``scheduled``), then its
     output arrives (``finished``), in order. With asynchronous scheduling the next step is scheduled
     while one still runs, so a step runs from when it was scheduled or when the one before it
-    finished, whichever is later."""
+    finished, whichever is later.
+
+    A step that computes nothing is not timed. Each output names its step where the worker echoes
+    the step's number (``KvtierConnector``: every output then reaches the scheduler); without one
+    the oldest pending step is taken, which pairs wrongly once an output goes missing (vLLM sends
+    none for a step with no forward pass and no finished transfer) or comes from an untimed step."""
 
     MAX_PENDING = 64
 
     def __init__(self) -> None:
-        self._pending: list[tuple[float, int, float]] = []  # (scheduled at, tokens, attention work)
+        # (step number or None, scheduled at, tokens, attention work)
+        self._pending: list[tuple[int | None, float, int, float]] = []
         self._last_finished = 0.0
         self._warmup_left = WARMUP_STEPS
 
-    def scheduled(self, tokens: int, attention_work: float, now: float | None = None) -> None:
+    def scheduled(self, tokens: int, attention_work: float, now: float | None = None, step: int | None = None) -> None:
         if tokens <= 0:
-            # No forward pass: vLLM reports such a step's output only when a transfer finished in it
-            # (an empty one never reaches ``update_connector_output``), so it is not timed at all;
-            # kept, it would pair every later output with a step scheduled before it.
-            return
+            return  # no forward pass to time
         if len(self._pending) >= self.MAX_PENDING:
             self._pending.pop(0)  # outputs stopped arriving for these: never time them
-        self._pending.append((time.monotonic() if now is None else now, tokens, attention_work))
+        self._pending.append((step, time.monotonic() if now is None else now, tokens, attention_work))
 
-    def finished(self, now: float | None = None) -> tuple[int, float, float] | None:
-        """The oldest pending step's (tokens, attention work, seconds); None if none is pending."""
+    def finished(self, now: float | None = None, step: int | None = None) -> tuple[int, float, float] | None:
+        """The finished step's (tokens, attention work, seconds): step number ``step``'s, or without
+        one the oldest pending step's; None if it is not one to time."""
+        now = time.monotonic() if now is None else now
+        if step is not None:
+            while self._pending and self._pending[0][0] is not None and self._pending[0][0] < step:
+                self._pending.pop(0)  # its output never came: not timed
+            if not self._pending or self._pending[0][0] != step:
+                self._last_finished = now  # a step with nothing to compute
+                return None
         if not self._pending:
             return None
-        now = time.monotonic() if now is None else now
-        scheduled_at, tokens, work = self._pending.pop(0)
+        _, scheduled_at, tokens, work = self._pending.pop(0)
         began = max(scheduled_at, self._last_finished)
         self._last_finished = now
         if tokens > 1 and self._warmup_left > 0:

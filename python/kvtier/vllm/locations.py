@@ -4,10 +4,11 @@ vLLM's offloading scheduler asks the manager about a request one block at a time
 its own cache lacks, every step while the request waits (for a decision, a prefetch, a load). Each
 answer took a call to the host service (``locate_many`` of one key, about 13 µs there and as much in
 Python): a 32K-token prompt in 16-token blocks cost about 2,000 calls, tens of milliseconds of the
-engine's scheduling, every step it waited. The first block a pass asks about now locates the
-request's later blocks too, in one call, from the positions vLLM's scheduler records for the
-request's keys (``ReqContext.get_offload_key_position``); the rest of the pass is answered from
-that (a block not held is asked again). What was located is kept until the step ends
+engine's scheduling, every step it waited. Once a pass has found a block held, the next block it
+asks about locates the request's later blocks too, in one call, from the positions vLLM's
+scheduler records for the request's keys (``ReqContext.get_offload_key_position``); the rest of
+the pass is answered from that (a block not held is asked again: two calls a pass, and one for a
+request with nothing stored). What was located is kept until the step ends
 (``Locations.step_ended``, from the manager's ``on_schedule_end``): a later step asks again. Without
 positions (another vLLM), each block is located on its own, as before.
 """
@@ -33,6 +34,7 @@ class _Pass:
     """What one request's lookups located this step, and the furthest position asked."""
 
     tiers: dict[bytes, Tier] = field(default_factory=dict)
+    missed: set[bytes] = field(default_factory=set)  # located, not held: asked again, not ahead
     last_position: int = -1
     located_at: float = field(default_factory=time.monotonic)
 
@@ -56,7 +58,9 @@ class Locations:
             return located.tiers[store_key]
         position = _position(req_context, key)
         ahead: list[bytes] = []
-        if position is not None and (located is None or position > located.last_position):
+        # Ahead only once the pass found a block held: a request with nothing stored (most new
+        # prompts) costs one key's call, and a pass scanned from its end (sliding window) too.
+        if position is not None and located is not None and located.tiers and position > located.last_position:
             ahead = self._keys_after(req_context, position, located)
         store_keys = [store_key, *ahead]
         tiers = self._locate_many(store_keys)
@@ -65,7 +69,11 @@ class Locations:
         if located is None:
             located = self._passes[req_context.req_id] = _Pass()
         # A miss is asked again: a block may land meanwhile (a store job of this step's engine).
-        located.tiers.update((k, tier) for k, tier in zip(store_keys, tiers, strict=True) if tier is not None)
+        for located_key, tier in zip(store_keys, tiers, strict=True):
+            if tier is None:
+                located.missed.add(located_key)
+            else:
+                located.tiers[located_key] = tier
         if position is not None:
             located.last_position = max(located.last_position, position)
         return tiers[0]
@@ -75,12 +83,11 @@ class Locations:
         positions = getattr(req_context, "_offload_key_positions", None)
         if not isinstance(positions, Mapping):
             return []
-        known = located.tiers if located is not None else {}
         ahead = []
         for key, end in positions.items():
             if isinstance(end, int) and end > position:
                 store_key = self._store_key_of(key)
-                if store_key not in known:
+                if located is None or (store_key not in located.tiers and store_key not in located.missed):
                     ahead.append(store_key)
                     if len(ahead) >= LOCATE_AHEAD_KEYS:
                         break
