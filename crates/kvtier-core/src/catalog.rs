@@ -246,8 +246,8 @@ pub struct Catalog {
     /// Whether loads may take the slots of queued writes (`loads_cancel_queued_writes`).
     loads_cancel_writes: bool,
     /// Blocks kept from a tier for want of evidence of reuse that have been reused since, with the
-    /// tiers they were kept from, for the store to write there (`take_reused`).
-    reused: Vec<(BlockKey, AwaitingReuse)>,
+    /// tiers they were kept from and the entry's sequence, for the store to write there (`take_reused`).
+    reused: Vec<(BlockKey, AwaitingReuse, u64)>,
     stats: Arc<Stats>,
     /// When sequences were handed out (for `kvtier trim --older-than` and `kvtier inspect`).
     pub timeline: crate::timeline::Timeline,

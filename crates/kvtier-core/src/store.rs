@@ -587,11 +587,13 @@ impl Store {
     /// its final drops with `count_dropped_stores`). Commit or abort every `Fill`.
     pub fn try_reserve_puts(&self, keys: &[BlockKey]) -> Result<Vec<Reservation>> {
         self.check_open()?;
-        let reservations = reserve_puts(&self.state, keys);
-        if reservations.contains(&Reservation::Present) {
-            persist_reused(&self.state); // a store of a held block is a use: write it where it waits for one
-        }
-        Ok(reservations)
+        Ok(reserve_puts(&self.state, keys))
+    }
+
+    /// Writes the blocks used since they were kept from a tier for want of a use (a reservation
+    /// that found a block held is one): after `try_reserve_puts`, outside the caller's own locks.
+    pub fn write_reused(&self) {
+        persist_reused(&self.state);
     }
 
     /// Counts stores given up (`dropped_stores`).

@@ -134,7 +134,7 @@ impl Catalog {
     /// from a tier for want of it.
     pub(super) fn note_reuse(&mut self, key: &BlockKey) {
         if let Some(e) = self.index.get_mut(key).filter(|e| e.awaiting_reuse.any()) {
-            self.reused.push((*key, std::mem::take(&mut e.awaiting_reuse)));
+            self.reused.push((*key, std::mem::take(&mut e.awaiting_reuse), e.sequence));
         }
     }
 
@@ -156,19 +156,22 @@ impl Catalog {
     /// DRAM (used through its NVMe copy: a pin, a load on its way) keeps its evidence for when a load
     /// brings it back (`finish_get_nvme`): its bytes are copied from DRAM.
     pub fn take_reused(&mut self) -> Vec<(BlockKey, AwaitingReuse)> {
-        let mut reused = std::mem::take(&mut self.reused);
+        let reused = std::mem::take(&mut self.reused);
         let index = &mut self.index;
-        reused.retain(|(key, awaiting)| match index.get_mut(key) {
-            Some(e) if e.dram_ready => true,
-            Some(e) => {
-                e.awaiting_reuse.nvme |= awaiting.nvme;
-                e.awaiting_reuse.remote |= awaiting.remote;
-                e.awaiting_reuse.behind_backlog |= awaiting.behind_backlog;
-                false
+        let mut ready = Vec::with_capacity(reused.len());
+        for (key, awaiting, sequence) in reused {
+            // The same block (a later put of the key is a new entry, a new sequence).
+            match index.get_mut(&key).filter(|e| e.sequence == sequence) {
+                Some(e) if e.dram_ready => ready.push((key, awaiting)),
+                Some(e) => {
+                    e.awaiting_reuse.nvme |= awaiting.nvme;
+                    e.awaiting_reuse.remote |= awaiting.remote;
+                    e.awaiting_reuse.behind_backlog |= awaiting.behind_backlog;
+                }
+                None => {}
             }
-            None => false,
-        });
-        reused
+        }
+        ready
     }
 
     /// Whether the NVMe write backlog (`max_dirty_bytes`) takes one more block now.

@@ -269,6 +269,9 @@ impl Session {
         debug_assert!(out.iter().all(|&(kind, slot)| (kind == ReserveKind::Fill) == (slot != NO_SLOT)));
         let dropped = out.iter().filter(|(kind, _)| *kind == ReserveKind::Dropped).count();
         ns.store.count_dropped_stores(dropped as u64);
+        if out.iter().any(|(kind, _)| *kind == ReserveKind::Present) {
+            ns.store.write_reused(); // a store of a held block is a use
+        }
         Ok(out)
     }
 
