@@ -7,8 +7,8 @@ Python): a 32K-token prompt in 16-token blocks cost about 2,000 calls, tens of m
 engine's scheduling, every step it waited. Once a pass has found a block held, the next block it
 asks about locates the request's later blocks too, in one call, from the positions vLLM's
 scheduler records for the request's keys (``ReqContext.get_offload_key_position``); the rest of
-the pass is answered from that (a block not held is asked again: two calls a pass, and one for a
-request with nothing stored). What was located is kept until the step ends
+the pass is answered from that (a block not held is asked again: three calls for a pass of hits then a
+miss, one for a request with nothing stored). What was located is kept until the step ends
 (``Locations.step_ended``, from the manager's ``on_schedule_end``): a later step asks again. Without
 positions (another vLLM), each block is located on its own, as before.
 """
