@@ -30,6 +30,7 @@ try:
         OffloadingEvent,
         OffloadKey,
         ReqContext,
+        ScheduleEndContext,
         make_offload_key,
     )
 except Exception as import_error:  # pragma: no cover - depends on the environment
@@ -510,6 +511,40 @@ def test_pins_are_taken_again_when_the_scheduler_reattaches(tmp_path):
         assert trim_unpinned(options) == 1, "the first request released the second's pin"
         manager.complete_load([promised], second)
         assert trim_unpinned(options) == 0 and scheduler.locate_many([block]) == [None], "unpinned once both loaded"
+        assert manager.pins_lost_at_reattach == 0
+    finally:
+        w.shutdown()
+        manager.shutdown()
+        kvtier_service.stop_service(options.socket_path())
+
+
+def test_under_the_plain_connector_a_block_a_lookup_offers_is_pinned_until_its_load_or_the_steps_end(tmp_path):
+    """Issue 36: under vLLM's plain OffloadingConnector a block offered as a hit was pinned only at
+    prepare_load, later in the scheduler's step: another engine's store that evicted it in between
+    failed the load, and vLLM's assert stopped the engine. The lookup pins it now, with the request's
+    later blocks located on the host; the load takes the pins over, and what no load took (a block vLLM
+    did not load, a request it did not schedule) is let go by the load or at the step's end."""
+    options = options_for(tmp_path)
+    scheduler = connection(options)
+    manager = KvtierManager(ServiceBackend(scheduler))  # the plain route: failed loads are not recomputed
+    w = worker(options, layers())
+    try:
+        offload_keys = [make_offload_key(hashlib.sha256(bytes([i])).digest(), 0) for i in range(3)]
+        blocks = [kvtier_key(k) for k in offload_keys]
+        assert w.submit_store(1, engine_blocks([0, 1, 2]), KvtierLoadStoreSpec(blocks)) and finished(w, 1)
+        waiting, loaded = ReqContext(req_id="waiting"), ReqContext(req_id="loaded")
+        for at, key in enumerate(offload_keys):
+            loaded.set_offload_key_position(key, (at + 1) * 16)
+        assert manager.lookup(offload_keys[0], waiting) == LookupResult.HIT
+        assert [manager.lookup(k, loaded) for k in offload_keys] == [LookupResult.HIT] * 3
+        # Another engine's store evicts every block nothing pins (as `kvtier trim --to 0` removes them).
+        assert trim_unpinned(options) == 3, "a block offered to a load could be evicted before it"
+        manager.prepare_load(offload_keys[:2], loaded)  # vLLM loads two of them
+        manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+        assert trim_unpinned(options) == 2, "the load's two blocks stay pinned, and only they"
+        assert scheduler.locate_many(blocks) == ["dram", "dram", None]
+        manager.complete_load(offload_keys[:2], loaded)
+        assert trim_unpinned(options) == 0, "the load released its pins"
         assert manager.pins_lost_at_reattach == 0
     finally:
         w.shutdown()

@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier import tiers
+
 # The most keys one call locates: the rest of a 64K-token prompt in 16-token blocks.
 LOCATE_AHEAD_KEYS = 4096
 # What was located is asked again after this long even if no step end was told (a vLLM that never
@@ -92,6 +94,14 @@ class Locations:
                     if len(ahead) >= LOCATE_AHEAD_KEYS:
                         break
         return ahead
+
+    def held_here(self, req_id: str) -> list[bytes]:
+        """The request's blocks this step located in this host's tiers (DRAM, NVMe), in the order
+        located: the manager pins them together under vLLM's plain connector."""
+        located = self._passes.get(req_id)
+        if located is None:
+            return []
+        return [key for key, tier in located.tiers.items() if tier not in tiers.REMOTE]
 
     def forget(self, req_id: str) -> None:
         self._passes.pop(req_id, None)

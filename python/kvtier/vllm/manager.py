@@ -82,6 +82,9 @@ class KvtierManager(OffloadingManager):
         # took them, and the service released them with it (``_repin_after_reattach``).
         self._pins_epoch = self._client_epoch()
         self.pins_lost_at_reattach = 0
+        # Plain route: per request, the pins its lookups took (``_hold``); its load takes them over,
+        # the step's end releases the rest (a request vLLM did not schedule).
+        self._held: dict[str, dict[bytes, None]] = {}  # in the order pinned
         self._being_stored: Counter[bytes] = Counter()
         # When each key began being stored: a request waits in HIT_PENDING for a store at most
         # ``pending_timeout_s`` (one stuck behind a frozen service turns into a miss, recomputed).
@@ -151,7 +154,30 @@ class KvtierManager(OffloadingManager):
             return LookupResult.MISS
         if answer == "decline" and (tier is not None or self.decider.policy == "never"):
             return LookupResult.MISS
-        return self._offer(store_key, tier)
+        result = self._offer(store_key, tier)
+        if result is LookupResult.HIT and not self.recomputes_failed_loads and not self._hold(req_context, store_key):
+            return LookupResult.MISS  # it left the host's tiers since it was located
+        return result
+
+    def _hold(self, req_context: ReqContext, store_key: bytes) -> bool:
+        """Under vLLM's plain OffloadingConnector, which stops the engine on a failed load: pins the
+        block a lookup offers then, not at prepare_load later in the step (another engine's store
+        could evict it in between), with the request's later blocks this step located on the host,
+        in the same call (``Locations.held_here``). False when the block left meanwhile. The pin
+        counts as a use (evidence of reuse, S3-FIFO's touch): the prompt came back for it."""
+        self._repin_after_reattach()
+        held = self._held.setdefault(req_context.req_id, {})
+        if store_key in held:
+            return True
+        later = [key for key in self._locations.held_here(req_context.req_id) if key not in held and key != store_key]
+        keys = [store_key, *later]
+        try:
+            pinned = self._store.pin_many(keys)
+        except Exception:
+            logger.exception("kvtier: pin failed; treating the block as a miss")
+            pinned = []
+        held.update(dict.fromkeys(key for key, took_pin in zip(keys, pinned, strict=False) if took_pin))
+        return store_key in held
 
     def _after_load(self, req_id: str, store_key: bytes) -> LookupResult | None:
         """The answer to a lookup of a request vLLM looks up again after its load was prepared (the
@@ -254,16 +280,26 @@ class KvtierManager(OffloadingManager):
             self._loaded.popitem(last=False)
         store_keys = [kvtier_key(key) for key in keys]
         self._repin_after_reattach()
+        request_pins = self._pins.setdefault(req_context.req_id, Counter())
+        # The pins its lookups took (plain route) are the load's now; the other keys are pinned here.
+        held = self._held.pop(req_context.req_id, {})
+        to_pin = []
+        for store_key in store_keys:
+            if store_key in held:
+                del held[store_key]
+                request_pins[store_key] += 1
+            else:
+                to_pin.append(store_key)
         try:
             # One flag per present key: False for a block only in a remote tier (no pin taken).
-            pinned = self._store.pin_many(store_keys)
+            pinned = self._store.pin_many(to_pin) if to_pin else []
         except Exception:
             logger.exception("kvtier: pin failed; the load will fail and vLLM will recompute")
             pinned = []
-        request_pins = self._pins.setdefault(req_context.req_id, Counter())
-        for store_key, took_pin in zip(store_keys, pinned, strict=False):  # flags for present keys only
+        for store_key, took_pin in zip(to_pin, pinned, strict=False):  # flags for present keys only
             if took_pin:
                 request_pins[store_key] += 1
+        self._unpin_held(held)  # located with the request's hits, not loaded
         now = time.monotonic()
         if request_pins:
             self._pinned_at[req_context.req_id] = now
@@ -290,23 +326,38 @@ class KvtierManager(OffloadingManager):
         self._pins_epoch = epoch
         lost_before = self.pins_lost_at_reattach
         for req_id, request_pins in list(self._pins.items()):
-            held = list(request_pins.elements())  # in prefix order: pins stop at the first absent key
-            try:
-                pinned = self._store.pin_many(held)
-            except Exception:
-                pinned = []
-            kept = Counter(key for key, took_pin in zip(held, pinned, strict=False) if took_pin)
-            self.pins_lost_at_reattach += len(held) - sum(kept.values())
+            # In prefix order: pins stop at the first absent key.
+            kept = Counter(self._pin_again(list(request_pins.elements())))
             if kept:
                 self._pins[req_id] = kept
             else:
                 del self._pins[req_id]
                 self._pinned_at.pop(req_id, None)
+        for req_id, held in list(self._held.items()):
+            self._held[req_id] = dict.fromkeys(self._pin_again(list(held)))
         if self.pins_lost_at_reattach > lost_before:
             logger.warning(
                 "kvtier: reattached with %d pin(s) lost (their blocks left the host's tiers meanwhile)",
                 self.pins_lost_at_reattach - lost_before,
             )
+
+    def _pin_again(self, keys: list[bytes]) -> list[bytes]:
+        """Pins ``keys`` on the client attached now: those it took (the others are counted lost)."""
+        try:
+            pinned = self._store.pin_many(keys)
+        except Exception:
+            pinned = []
+        kept = [key for key, took_pin in zip(keys, pinned, strict=False) if took_pin]
+        self.pins_lost_at_reattach += len(keys) - len(kept)
+        return kept
+
+    def _unpin_held(self, keys: Collection[bytes]) -> None:
+        """Releases pins lookups took (plain route) that no load took over."""
+        if keys and self._client_epoch() == self._pins_epoch:  # else they went with their client
+            try:
+                self._store.unpin_many(list(keys))
+            except Exception:
+                logger.exception("kvtier: unpin failed")
 
     def _expire_pins(self, now: float) -> None:
         stale = [req_id for req_id, since in self._pinned_at.items() if now - since > self._pin_lease_s]
@@ -440,10 +491,14 @@ class KvtierManager(OffloadingManager):
         self._recompute.discard(req_context.req_id)
         self.decider.forget(req_context.req_id)
         self._locations.forget(req_context.req_id)
+        self._unpin_held(self._held.pop(req_context.req_id, ()))
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        """The step's lookups are over: the next step locates blocks anew (``kvtier.vllm.locations``)."""
+        """The step's lookups are over: the next step locates blocks anew (``kvtier.vllm.locations``),
+        and the blocks its lookups pinned for requests vLLM did not schedule are let go."""
         self._locations.step_ended()
+        self._unpin_held([key for held in self._held.values() for key in held])
+        self._held.clear()
         super().on_schedule_end(context)
 
     def _assign_tenant(self, store_keys: list[bytes], req_context: ReqContext) -> None:
@@ -492,10 +547,12 @@ class KvtierManager(OffloadingManager):
 
     def shutdown(self) -> None:
         held = [store_key for request_pins in self._pins.values() for store_key in request_pins.elements()]
+        held += [store_key for keys in self._held.values() for store_key in keys]
         if held and self._client_epoch() == self._pins_epoch:  # else they went with their client
             with contextlib.suppress(Exception):
                 self._store.unpin_many(held)
         self._pins.clear()
+        self._held.clear()
         self._pinned_at.clear()
         self.decider.maybe_save(force=True)
         self._backend.release()
