@@ -66,6 +66,9 @@ pub(crate) struct WriteBudget {
     burst_bytes: f64,
     tokens: f64,
     refilled_at: Instant,
+    /// Takes and give-backs so far: the saved budgets are written again only after one
+    /// (`Store::save_timeline`); a refill alone needs no save, the reader refills from the save's time.
+    changes: u64,
 }
 
 const SECONDS_PER_DAY: f64 = 86_400.0;
@@ -78,7 +81,21 @@ impl WriteBudget {
         }
         let bytes_per_s = bytes_per_day as f64 / SECONDS_PER_DAY;
         let burst_bytes = bytes_per_s * burst_s.max(1) as f64;
-        Some(Mutex::new(WriteBudget { bytes_per_s, burst_bytes, tokens: burst_bytes, refilled_at: now }))
+        Some(Mutex::new(WriteBudget { bytes_per_s, burst_bytes, tokens: burst_bytes, refilled_at: now, changes: 0 }))
+    }
+
+    /// Resumes from a save `elapsed` ago (at open, the last run's `WRITE_BUDGET`): the bytes it had
+    /// left then, refilled at the rate since, never more than it holds now (a fresh budget is full).
+    pub(crate) fn resume(&mut self, saved_left_bytes: u64, elapsed: std::time::Duration, now: Instant) {
+        self.refill(now);
+        let resumed = saved_left_bytes as f64 + elapsed.as_secs_f64() * self.bytes_per_s;
+        self.tokens = self.tokens.min(resumed).max(0.0);
+        debug_assert!(self.tokens <= self.burst_bytes, "a budget holds at most its burst");
+    }
+
+    /// Takes and give-backs so far.
+    pub(crate) fn changes(&self) -> u64 {
+        self.changes
     }
 
     fn refill(&mut self, now: Instant) {
@@ -102,12 +119,14 @@ impl WriteBudget {
             return false;
         }
         self.tokens -= bytes;
+        self.changes += 1;
         true
     }
 
     /// Gives back `bytes` taken for a write that was not made after all (up to the burst).
     pub(crate) fn give_back(&mut self, bytes: u64) {
         self.tokens = (self.tokens + bytes as f64).min(self.burst_bytes);
+        self.changes += 1;
     }
 
     /// Bytes the budget would take now.
@@ -228,6 +247,11 @@ impl Admission {
     /// the open): from now on the store path looks for used blocks.
     pub(crate) fn note_awaiting_use(&self) {
         self.some_await_use.store(true, Ordering::Relaxed);
+    }
+
+    /// The NVMe tier's budget itself; `None` when unbounded.
+    pub(crate) fn nvme_write_budget(&self) -> Option<&Mutex<WriteBudget>> {
+        self.nvme_budget.as_ref()
     }
 
     /// The NVMe budget: (bytes per day, bytes it would take now); `None` when unbounded.

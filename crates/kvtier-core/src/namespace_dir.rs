@@ -3,7 +3,7 @@
 //! sees the old file or the new one, never a part.
 
 use crate::error::{Error, Result};
-use crate::format::timeline;
+use crate::format::{budget, timeline};
 use std::path::Path;
 
 /// The namespace description, as engines gave it, in `<path>/<namespace hex>/DESCRIPTION`.
@@ -37,6 +37,35 @@ pub(crate) fn write_timeline(dir: &Path, points: &[(u64, u64)]) -> Result<()> {
     let save = SAVES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tmp = dir.join(format!("{TIMELINE_FILE_NAME}.tmp.{}.{save}", std::process::id()));
     replace_file(&tmp, &path, &timeline::encode(points))
+}
+
+/// What the namespace's write budgets had left (`format::budget`), in the first path's namespace directory.
+pub const BUDGET_FILE_NAME: &str = "WRITE_BUDGET";
+
+/// The namespace's saved write budgets; `None` when there are none, or when the file is damaged or
+/// foreign (logged: the budgets then start full, as at a first open).
+pub(crate) fn read_budgets(dir: &Path) -> Option<budget::SavedBudgets> {
+    let path = dir.join(BUDGET_FILE_NAME);
+    let bytes = match std::fs::read(&path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) => {
+            log::warn!("kvtier: cannot read {} ({e}); the write budgets start full", path.display());
+            return None;
+        }
+    };
+    budget::decode(&bytes)
+        .inspect_err(|e| log::warn!("kvtier: {} rejected ({e}); the write budgets start full", path.display()))
+        .ok()
+}
+
+/// Replaces the namespace's saved write budgets (a temporary file, then a rename).
+pub(crate) fn write_budgets(dir: &Path, saved: &budget::SavedBudgets) -> Result<()> {
+    let path = dir.join(BUDGET_FILE_NAME);
+    static SAVES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let save = SAVES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!("{BUDGET_FILE_NAME}.tmp.{}.{save}", std::process::id()));
+    replace_file(&tmp, &path, &budget::encode(saved))
 }
 
 /// Records the engines' description next to the namespace's files (once; atomically), so that

@@ -132,6 +132,11 @@ pub(crate) struct RemoteTiers {
 }
 
 impl RemoteTiers {
+    /// Each tier's bounded write budget.
+    pub(crate) fn write_budgets(&self) -> impl Iterator<Item = (Tier, &Mutex<WriteBudget>)> {
+        self.tiers.iter().filter_map(|r| r.budget.as_deref().map(|budget| (r.serves_as, budget)))
+    }
+
     /// Opens the tiers the configuration asks for, after NVMe: either, both, or neither. One arm per
     /// tier; the shared filesystem comes first, so that a block in both is read from it.
     /// `cipher`: encryption at rest (`encryption_key_file`), for every tier.

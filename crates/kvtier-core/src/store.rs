@@ -18,11 +18,12 @@ use crate::store_state::StoreState;
 use crossbeam_channel::{Sender, TrySendError};
 use parking_lot::Mutex;
 use std::fs::File;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+mod budgets;
 mod open;
 mod takeover;
 
@@ -83,8 +84,10 @@ pub struct Store {
     direct_io: bool,
     /// The directory locks (one per path); released by `close`.
     locks: Mutex<Vec<File>>,
-    /// A save of the block dates is running (`save_timeline`).
+    /// A save of the block dates and budgets is running (`save_namespace_state`).
     dates_saving: Arc<AtomicBool>,
+    /// The write budgets' changes the last saved `WRITE_BUDGET` counted (`budgets::to_save`).
+    budgets_saved_changes: Arc<AtomicU64>,
 }
 
 impl Store {
@@ -318,10 +321,13 @@ impl Store {
         if remote {
             sh.remote.flush(FLUSH_LIMIT)?;
         }
-        // Dates are a convenience: a directory that cannot take the file (removed, read-only) must
-        // not fail a flush of blocks that did reach the disk.
-        if let Err(e) = self.save_timeline() {
-            log::warn!("kvtier: saving block dates failed: {e}; blocks stored since the last save will be dated by the next open");
+        // Dates and budgets are a convenience: a directory that cannot take the files (removed,
+        // read-only) must not fail a flush of blocks that did reach the disk.
+        if let Err(e) = self.save_namespace_state() {
+            log::warn!(
+                "kvtier: saving block dates and write budgets failed: {e}; blocks stored since the last save will be \
+                 dated by the next open, and the budgets resume from the last save"
+            );
         }
         Ok(())
     }
@@ -383,28 +389,36 @@ impl Store {
         Ok(())
     }
 
-    /// Saves the timeline that dates this namespace's blocks, when it changed since the last save
-    /// (stores with an NVMe tier: without one nothing survives a restart to be dated). `flush` and
-    /// `close` call it; so does the host service, every few seconds.
-    /// With `nvme_read_stall_ms` set, the file is written on a thread of its own, waited for one
-    /// stall limit: a frozen filesystem must not hold the service's janitor or a close. While such a
-    /// write is still waiting, no other is started (one thread per frozen directory, not one per save).
-    pub fn save_timeline(&self) -> Result<()> {
+    /// Saves the timeline that dates this namespace's blocks and what its write budgets have left
+    /// (`WRITE_BUDGET`), each when it changed since the last save (stores with an NVMe tier: without
+    /// one nothing survives a restart). `flush` and `close` call it; so does the host service, every
+    /// few seconds. With `nvme_read_stall_ms` set, the files are written on a thread of their own,
+    /// waited for one stall limit: a frozen filesystem must not hold the service's janitor or a close.
+    /// While such a write is still waiting, no other is started (one thread per frozen directory).
+    pub fn save_namespace_state(&self) -> Result<()> {
         let sh = &self.state;
         let Some(dir) = sh.device_files.first().and_then(|d| d.path.parent()) else { return Ok(()) };
         let stall = Duration::from_millis(sh.config.nvme_read_stall_ms);
         if self.dates_saving.swap(true, Ordering::AcqRel) {
-            return Ok(()); // the earlier save still waits (its failure was reported); these dates stay unsaved
+            return Ok(()); // the earlier save still waits (its failure was reported); these stay unsaved
         }
-        let Some(points) = sh.catalog.lock().timeline.take_unsaved() else {
+        let points = sh.catalog.lock().timeline.take_unsaved();
+        let budgets = budgets::to_save(sh, self.budgets_saved_changes.load(Ordering::Acquire));
+        if points.is_none() && budgets.is_none() {
             self.dates_saving.store(false, Ordering::Release);
             return Ok(());
-        };
-        let (dir, saving) = (dir.to_path_buf(), Arc::clone(&self.dates_saving));
+        }
+        let dates_taken = points.is_some();
+        let (dir, saving, saved_changes) =
+            (dir.to_path_buf(), Arc::clone(&self.dates_saving), Arc::clone(&self.budgets_saved_changes));
         let save = move || {
-            let saved = crate::namespace_dir::write_timeline(&dir, &points);
+            let dates = points.map_or(Ok(()), |points| crate::namespace_dir::write_timeline(&dir, &points));
+            let budgets = budgets.map_or(Ok(()), |(budgets, changes)| {
+                crate::namespace_dir::write_budgets(&dir, &budgets)
+                    .map(|()| saved_changes.store(changes, Ordering::Release))
+            });
             saving.store(false, Ordering::Release);
-            saved
+            dates.and(budgets)
         };
         let saved = if stall.is_zero() {
             save()
@@ -414,12 +428,16 @@ impl Store {
                     self.dates_saving.store(false, Ordering::Release);
                 }
                 Err(Error::Timeout {
-                    what: "saving block dates (a hung disk?)".into(),
+                    what: "saving block dates and write budgets (a hung disk?)".into(),
                     timeout_ms: stall.as_millis() as u64,
                 })
             })
         };
-        saved.inspect_err(|_| sh.catalog.lock().timeline.mark_unsaved())
+        saved.inspect_err(|_| {
+            if dates_taken {
+                sh.catalog.lock().timeline.mark_unsaved();
+            }
+        })
     }
 
     /// Flushes, stops the threads and releases the directory. Idempotent.

@@ -402,3 +402,50 @@ fn two_nvme_directories_on_one_filesystem_have_one_drives_budget() {
     let fs = rustix::fs::statvfs(dir.path()).unwrap();
     assert_eq!(store.stats().gauges.nvme_write_budget_bytes_per_day, fs.f_blocks * fs.f_frsize);
 }
+
+/// Eight slots a day with a one-day burst, every block admitted: four writes for blocks without
+/// evidence of reuse, four kept for those with.
+fn eight_slots_a_day(dir: &std::path::Path) -> StoreConfig {
+    let mut c = reuse_config(dir);
+    c.write_admission = WriteAdmission::All;
+    c.write_budget_burst_s = 86_400;
+    c.write_budget_nvme_bytes_per_day = 8 * SLOT_BYTES;
+    c
+}
+
+#[test]
+fn a_restart_resumes_the_nvme_write_budget_rather_than_starting_a_full_one() {
+    use kvtier_core::format::budget::{encode, SavedBudgets};
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(eight_slots_a_day(dir.path())).unwrap();
+    put(&store, &[0, 1, 2, 3, 4, 5]);
+    store.flush().unwrap();
+    assert_eq!(
+        store.stats().counters.bytes_written_nvme,
+        4 * SLOT_BYTES,
+        "half the burst, for blocks without evidence"
+    );
+    let budget_file = dir.path().join(store.namespace().hex()).join("WRITE_BUDGET");
+    store.close().unwrap();
+    let store = Store::open(eight_slots_a_day(dir.path())).unwrap();
+    let left = store.stats().gauges.nvme_write_budget_left_bytes;
+    assert!((4 * SLOT_BYTES..5 * SLOT_BYTES).contains(&left), "a fresh budget after the restart: {left} bytes left");
+    put(&store, &[10, 11, 12]);
+    store.flush().unwrap();
+    assert_eq!(store.stats().counters.bytes_written_nvme, 0, "what is left is kept for blocks with evidence");
+    store.close().unwrap();
+    // Saved half a day ago with nothing left: half a day's refill, four slots.
+    let half_a_day_ago =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64 - 43_200_000;
+    let nvme = 2; // its code on the wire
+    std::fs::write(&budget_file, encode(&SavedBudgets { saved_unix_ms: half_a_day_ago, entries: vec![(nvme, 0)] }))
+        .unwrap();
+    let store = Store::open(eight_slots_a_day(dir.path())).unwrap();
+    let left = store.stats().gauges.nvme_write_budget_left_bytes;
+    assert!((4 * SLOT_BYTES - 64..=4 * SLOT_BYTES + 64).contains(&left), "refilled since the save: {left} bytes");
+    store.close().unwrap();
+    // A damaged file is ignored (logged): the budget starts full, as at a first open.
+    std::fs::write(&budget_file, b"KVTBUDG\0 not a budget file").unwrap();
+    let store = Store::open(eight_slots_a_day(dir.path())).unwrap();
+    assert_eq!(store.stats().gauges.nvme_write_budget_left_bytes, 8 * SLOT_BYTES);
+}

@@ -5,6 +5,7 @@
 //! and every parser here treats its input as hostile: lengths are bounded before they are used and
 //! nothing is trusted until its checksum passes.
 
+pub mod budget;
 pub mod descriptor;
 pub mod encrypted;
 /// The shared tier's files (data file header and footer, manifest records, lease). Here rather than

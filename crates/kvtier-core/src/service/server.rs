@@ -354,15 +354,16 @@ fn janitor_loop(state: &Arc<State>) {
             remove_leftovers(&state.config, false);
         }
         let namespaces: Vec<Arc<Namespaced>> = state.namespaces.lock().values().cloned().collect();
-        // A crash loses the block dates recorded since the last save (the blocks stay).
+        // A crash loses the block dates recorded since the last save (the blocks stay), and the
+        // write budgets resume from the last save.
         let save_timelines = timelines_saved.elapsed() >= TIMELINE_SAVE_PERIOD;
         if save_timelines {
             timelines_saved = Instant::now();
         }
         for ns in namespaces {
             if save_timelines {
-                if let Err(e) = ns.store.save_timeline() {
-                    log::warn!("kvtier: saving block dates failed: {e}");
+                if let Err(e) = ns.store.save_namespace_state() {
+                    log::warn!("kvtier: saving block dates and write budgets failed: {e}");
                 }
             }
             expire_fills(&ns, &state.config);

@@ -16,7 +16,7 @@ use crate::io::faults::FaultyEngine;
 use crate::io::psync::PsyncEngine;
 use crate::io::uring::UringEngine;
 use crate::io::{EngineChoice, IoCompletion, IoEngine, IoRequest, OpKind, RegisteredRange};
-use crate::key::Namespace;
+use crate::key::{BlockKey, Namespace};
 use crate::mover::{execute_get, execute_put, probe_sick_tiers, submit_meta};
 use crate::remote_tiers::RemoteTiers;
 use crate::stats::Stats;
@@ -33,7 +33,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::DirBuilderExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -96,9 +96,7 @@ impl Store {
             admission,
             config,
         });
-        submit_meta(&state, startup_meta);
-        super::takeover::persist_kept(&state, &dram_only);
-        set_publishers_refetch(&state);
+        settle_opened(&state, &dirs[0], startup_meta, &dram_only);
         let JobThreads { load_tx, store_tx, probe_stop, threads } = start_job_threads(&state)?;
         log_store_open(&state, &dirs[0], engine_name);
         Ok(Store {
@@ -113,6 +111,7 @@ impl Store {
             direct_io,
             locks: Mutex::new(locks),
             dates_saving: Arc::new(AtomicBool::new(false)),
+            budgets_saved_changes: Arc::new(AtomicU64::new(0)),
         })
     }
 }
@@ -303,6 +302,16 @@ fn recover_device(
 }
 
 /// Lets each publisher copy a block that is still resident when it comes to publish it.
+/// The open's steps once its state exists, before its threads start: the write budgets resume
+/// (before anything takes from them), recovery's metadata writes are queued, the blocks kept from a
+/// pool taken over are persisted, and the publishers learn to fetch what DRAM let go.
+fn settle_opened(state: &Arc<StoreState>, dir: &Path, startup_meta: Vec<MetaWrite>, dram_only: &[BlockKey]) {
+    super::budgets::resume_from_dir(state, dir);
+    submit_meta(state, startup_meta);
+    super::takeover::persist_kept(state, dram_only);
+    set_publishers_refetch(state);
+}
+
 fn set_publishers_refetch(state: &Arc<StoreState>) {
     state.remote.set_refetch(|| {
         // Weak: the publisher belongs to `state`, and a strong reference would keep it alive.

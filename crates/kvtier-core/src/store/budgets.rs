@@ -1,0 +1,64 @@
+//! The write budgets below DRAM across restarts: resumed at open from the namespace's
+//! `WRITE_BUDGET` file (`format::budget`), saved with its block dates (`Store::save_namespace_state`).
+//! Without this each open started every budget full: a day's burst by default, so a service started
+//! again every hour could write 24 days' budget a day.
+
+use crate::admission::WriteBudget;
+use crate::catalog::{Tier, TIER_ROWS};
+use crate::format::budget::SavedBudgets;
+use crate::store_state::StoreState;
+use parking_lot::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Each bounded write budget below DRAM, by its tier's code on the wire.
+fn budgets(state: &StoreState) -> Vec<(u32, &Mutex<WriteBudget>)> {
+    let nvme = state.admission.nvme_write_budget().map(|budget| (Tier::Nvme, budget));
+    nvme.into_iter().chain(state.remote.write_budgets()).map(|(tier, budget)| (tier_code(tier), budget)).collect()
+}
+
+fn tier_code(tier: Tier) -> u32 {
+    let row = TIER_ROWS.iter().position(|row| row.tier == tier).expect("every tier has a row");
+    row as u32 + 1
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |since| since.as_millis() as u64)
+}
+
+/// At open, from the namespace directory `dir` (the first path's) of a store with an NVMe tier
+/// (without one nothing is saved).
+pub(crate) fn resume_from_dir(state: &StoreState, dir: &std::path::Path) {
+    if state.geometry.is_some() {
+        resume(state, crate::namespace_dir::read_budgets(dir));
+    }
+}
+
+/// Each budget the file names resumes what it had left at the save, refilled since (a
+/// clock that went back refills nothing); one it does not name starts full.
+fn resume(state: &StoreState, saved: Option<SavedBudgets>) {
+    let Some(saved) = saved else { return };
+    let elapsed = Duration::from_millis(unix_ms().saturating_sub(saved.saved_unix_ms));
+    let now = Instant::now();
+    for (code, budget) in budgets(state) {
+        if let Some(&(_, left_bytes)) = saved.entries.iter().find(|(tier, _)| *tier == code) {
+            budget.lock().resume(left_bytes, elapsed, now);
+        }
+    }
+}
+
+/// What the budgets have left now, with the count of their changes, when they changed since a save
+/// that counted `saved_changes` (a refill alone is no change: the reader refills from the save's time).
+pub(crate) fn to_save(state: &StoreState, saved_changes: u64) -> Option<(SavedBudgets, u64)> {
+    let now = Instant::now();
+    let mut changes = 0;
+    let entries: Vec<(u32, u64)> = budgets(state)
+        .into_iter()
+        .map(|(code, budget)| {
+            let mut budget = budget.lock();
+            changes += budget.changes();
+            (code, budget.left_bytes(now))
+        })
+        .collect();
+    let changed = !entries.is_empty() && changes != saved_changes;
+    changed.then(|| (SavedBudgets { saved_unix_ms: unix_ms(), entries }, changes))
+}
