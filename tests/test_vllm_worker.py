@@ -529,22 +529,63 @@ def test_under_the_plain_connector_a_block_a_lookup_offers_is_pinned_until_its_l
     manager = KvtierManager(ServiceBackend(scheduler))  # the plain route: failed loads are not recomputed
     w = worker(options, layers())
     try:
-        offload_keys = [make_offload_key(hashlib.sha256(bytes([i])).digest(), 0) for i in range(3)]
+        offload_keys = [make_offload_key(hashlib.sha256(bytes([i])).digest(), 0) for i in range(5)]
         blocks = [kvtier_key(k) for k in offload_keys]
-        assert w.submit_store(1, engine_blocks([0, 1, 2]), KvtierLoadStoreSpec(blocks)) and finished(w, 1)
+        stored = [blocks[i] for i in (0, 1, 2, 4)]  # the fourth is missing: vLLM's pass stops there
+        assert w.submit_store(1, engine_blocks([0, 1, 2, 3]), KvtierLoadStoreSpec(stored)) and finished(w, 1)
         waiting, loaded = ReqContext(req_id="waiting"), ReqContext(req_id="loaded")
         for at, key in enumerate(offload_keys):
             loaded.set_offload_key_position(key, (at + 1) * 16)
         assert manager.lookup(offload_keys[0], waiting) == LookupResult.HIT
-        assert [manager.lookup(k, loaded) for k in offload_keys] == [LookupResult.HIT] * 3
-        # Another engine's store evicts every block nothing pins (as `kvtier trim --to 0` removes them).
+        hits = [LookupResult.HIT] * 3 + [LookupResult.MISS]
+        assert [manager.lookup(k, loaded) for k in offload_keys[:4]] == hits
+        # Another engine's store evicts every block nothing pins (as `kvtier trim --to 0` removes them):
+        # the three offered stay, the one past the miss goes.
         assert trim_unpinned(options) == 3, "a block offered to a load could be evicted before it"
+        assert scheduler.locate_many(blocks[3:]) == [None, None], "a block past the pass's miss was pinned"
         manager.prepare_load(offload_keys[:2], loaded)  # vLLM loads two of them
         manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
         assert trim_unpinned(options) == 2, "the load's two blocks stay pinned, and only they"
-        assert scheduler.locate_many(blocks) == ["dram", "dram", None]
+        assert scheduler.locate_many(blocks[:3]) == ["dram", "dram", None]
         manager.complete_load(offload_keys[:2], loaded)
         assert trim_unpinned(options) == 0, "the load released its pins"
+        assert manager.pins_lost_at_reattach == 0
+    finally:
+        w.shutdown()
+        manager.shutdown()
+        kvtier_service.stop_service(options.socket_path())
+
+
+def test_pins_taken_during_a_reattach_are_neither_lost_nor_doubled(tmp_path, monkeypatch):
+    """A reattach that comes while a pin call is in flight puts that call's pins on the new client.
+    The manager took its other pins again only at its next call, and then took these a second time:
+    a block promised to a load was evictable meanwhile, and one pin of the new block was never
+    released. The pins of the old client are now taken again as soon as the call returns."""
+    options = options_for(tmp_path)
+    scheduler = connection(options)
+    manager = KvtierManager(ServiceBackend(scheduler))
+    w = worker(options, layers())
+    try:
+        offload_keys = [make_offload_key(hashlib.sha256(bytes([50 + i])).digest(), 0) for i in range(2)]
+        blocks = [kvtier_key(k) for k in offload_keys]
+        assert w.submit_store(1, engine_blocks([0, 1]), KvtierLoadStoreSpec(blocks)) and finished(w, 1)
+        first, second = ReqContext(req_id="first"), ReqContext(req_id="second")
+        manager.prepare_load(offload_keys[:1], first)  # pinned on the first client
+        pin_many = scheduler.pin_many
+
+        def reattach_then_pin(keys: list[bytes]) -> list[bool]:
+            monkeypatch.setattr(scheduler, "pin_many", pin_many)  # once
+            scheduler._drop_dead(scheduler._client)  # as a call that timed out does; its pins go
+            assert scheduler.wait_attached(10), "the scheduler's connection did not reattach"
+            return pin_many(keys)
+
+        monkeypatch.setattr(scheduler, "pin_many", reattach_then_pin)
+        manager.prepare_load(offload_keys[1:], second)
+        assert trim_unpinned(options) == 2, "the first request's block lost its pin at the reattach"
+        manager.complete_load(offload_keys[:1], first)
+        manager.complete_load(offload_keys[1:], second)
+        manager.prepare_load([], ReqContext(req_id="next"))  # the manager's next call
+        assert trim_unpinned(options) == 0, "a pin was taken twice and released once"
         assert manager.pins_lost_at_reattach == 0
     finally:
         w.shutdown()

@@ -95,13 +95,25 @@ class Locations:
                         break
         return ahead
 
-    def held_here(self, req_id: str) -> list[bytes]:
-        """The request's blocks this step located in this host's tiers (DRAM, NVMe), in the order
-        located: the manager pins them together under vLLM's plain connector."""
-        located = self._passes.get(req_id)
-        if located is None:
+    def held_here(self, req_context: Any, key: Any) -> list[bytes]:
+        """The request's blocks after ``key``'s, in the order of their positions, up to the first one
+        this step did not locate in this host's tiers (DRAM, NVMe): vLLM's lookup pass stops at its
+        first miss, so these are the blocks it may load next. The manager pins them together under
+        vLLM's plain connector. None without positions (another vLLM)."""
+        located = self._passes.get(req_context.req_id)
+        position = _position(req_context, key)
+        positions = getattr(req_context, "_offload_key_positions", None)
+        if located is None or position is None or not isinstance(positions, Mapping):
             return []
-        return [key for key, tier in located.tiers.items() if tier not in tiers.REMOTE]
+        later = sorted(
+            (end, self._store_key_of(k)) for k, end in positions.items() if isinstance(end, int) and end > position
+        )
+        run: list[bytes] = []
+        for _, store_key in later[:LOCATE_AHEAD_KEYS]:
+            if located.tiers.get(store_key) in (None, *tiers.REMOTE):
+                break
+            run.append(store_key)
+        return run
 
     def forget(self, req_id: str) -> None:
         self._passes.pop(req_id, None)

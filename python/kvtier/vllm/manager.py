@@ -155,29 +155,43 @@ class KvtierManager(OffloadingManager):
         if answer == "decline" and (tier is not None or self.decider.policy == "never"):
             return LookupResult.MISS
         result = self._offer(store_key, tier)
-        if result is LookupResult.HIT and not self.recomputes_failed_loads and not self._hold(req_context, store_key):
+        if (
+            result is LookupResult.HIT
+            and not self.recomputes_failed_loads
+            and not self._hold(req_context, key, store_key)
+        ):
             return LookupResult.MISS  # it left the host's tiers since it was located
         return result
 
-    def _hold(self, req_context: ReqContext, store_key: bytes) -> bool:
+    def _hold(self, req_context: ReqContext, key: OffloadKey, store_key: bytes) -> bool:
         """Under vLLM's plain OffloadingConnector, which stops the engine on a failed load: pins the
         block a lookup offers then, not at prepare_load later in the step (another engine's store
         could evict it in between), with the request's later blocks this step located on the host,
         in the same call (``Locations.held_here``). False when the block left meanwhile. The pin
         counts as a use (evidence of reuse, S3-FIFO's touch): the prompt came back for it."""
         self._repin_after_reattach()
-        held = self._held.setdefault(req_context.req_id, {})
+        held = self._held.get(req_context.req_id, {})
         if store_key in held:
             return True
-        later = [key for key in self._locations.held_here(req_context.req_id) if key not in held and key != store_key]
-        keys = [store_key, *later]
-        try:
-            pinned = self._store.pin_many(keys)
-        except Exception:
-            logger.exception("kvtier: pin failed; treating the block as a miss")
-            pinned = []
+        later = self._locations.held_here(req_context, key)
+        keys = [store_key, *(key for key in later if key not in held)]
+        pinned = self._pin_now(keys)
+        held = self._held.setdefault(req_context.req_id, {})  # after a reattach, the one taken again
         held.update(dict.fromkeys(key for key, took_pin in zip(keys, pinned, strict=False) if took_pin))
         return store_key in held
+
+    def _pin_now(self, keys: list[bytes]) -> list[bool]:
+        """``pin_many`` (one flag per leading present key) on the client attached now. A reattach
+        during the call put these pins on the new client: the engine's other pins, which went with
+        the old one, are taken again here (``_repin_after_reattach``), before the caller records
+        these (which must read its request's pins afresh)."""
+        try:
+            pinned = self._store.pin_many(keys) if keys else []
+        except Exception:
+            logger.exception("kvtier: pin failed; its blocks are misses or their load fails")
+            pinned = []
+        self._repin_after_reattach()
+        return pinned
 
     def _after_load(self, req_id: str, store_key: bytes) -> LookupResult | None:
         """The answer to a lookup of a request vLLM looks up again after its load was prepared (the
@@ -290,16 +304,15 @@ class KvtierManager(OffloadingManager):
                 request_pins[store_key] += 1
             else:
                 to_pin.append(store_key)
-        try:
-            # One flag per present key: False for a block only in a remote tier (no pin taken).
-            pinned = self._store.pin_many(to_pin) if to_pin else []
-        except Exception:
-            logger.exception("kvtier: pin failed; the load will fail and vLLM will recompute")
-            pinned = []
+        epoch = self._pins_epoch
+        # One flag per present key: False for a block only in a remote tier (no pin taken).
+        pinned = self._pin_now(to_pin)
+        request_pins = self._pins.setdefault(req_context.req_id, Counter())  # a reattach took them again
         for store_key, took_pin in zip(to_pin, pinned, strict=False):  # flags for present keys only
             if took_pin:
                 request_pins[store_key] += 1
-        self._unpin_held(held)  # located with the request's hits, not loaded
+        if self._pins_epoch == epoch:  # else they went with the old client
+            self._unpin_held(held)  # located with the request's hits, not loaded
         now = time.monotonic()
         if request_pins:
             self._pinned_at[req_context.req_id] = now
