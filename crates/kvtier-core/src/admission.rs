@@ -21,6 +21,7 @@
 use crate::key::BlockKey;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 use twox_hash::XxHash3_64;
 
@@ -67,7 +68,7 @@ pub(crate) struct WriteBudget {
     tokens: f64,
     refilled_at: Instant,
     /// Takes and give-backs so far: the saved budgets are written again only after one
-    /// (`Store::save_timeline`); a refill alone needs no save, the reader refills from the save's time.
+    /// (`Store::save_namespace_state`); a refill alone needs no save, the reader refills from the save's time.
     changes: u64,
 }
 
@@ -75,13 +76,19 @@ const SECONDS_PER_DAY: f64 = 86_400.0;
 
 impl WriteBudget {
     /// `bytes_per_day == 0`: unbounded (`None`).
-    pub(crate) fn new(bytes_per_day: u64, burst_s: u64, now: Instant) -> Option<Mutex<WriteBudget>> {
+    pub(crate) fn new(bytes_per_day: u64, burst_s: u64, now: Instant) -> Option<Arc<Mutex<WriteBudget>>> {
         if bytes_per_day == 0 {
             return None;
         }
         let bytes_per_s = bytes_per_day as f64 / SECONDS_PER_DAY;
         let burst_bytes = bytes_per_s * burst_s.max(1) as f64;
-        Some(Mutex::new(WriteBudget { bytes_per_s, burst_bytes, tokens: burst_bytes, refilled_at: now, changes: 0 }))
+        Some(Arc::new(Mutex::new(WriteBudget {
+            bytes_per_s,
+            burst_bytes,
+            tokens: burst_bytes,
+            refilled_at: now,
+            changes: 0,
+        })))
     }
 
     /// Resumes from a save `elapsed` ago (at open, the last run's `WRITE_BUDGET`): the bytes it had
@@ -160,7 +167,8 @@ pub(crate) struct Admission {
     nvme: WriteAdmission,
     remote: WriteAdmission,
     seen: Mutex<SeenOnce>,
-    nvme_budget: Option<Mutex<WriteBudget>>,
+    /// Shared by every namespace of the process on the same drive (`store::drive_budgets`).
+    nvme_budget: Option<Arc<Mutex<WriteBudget>>>,
     /// Whether a block ever waited in DRAM for a use under a policy that otherwise writes at once:
     /// the NVMe budget refused one for want of evidence (`evidence_first`), or a block kept from a
     /// pool taken over could not be written at the open (`note_awaiting_use`). Until then the store
@@ -172,7 +180,7 @@ impl Admission {
     pub(crate) fn new(
         (nvme, remote): (WriteAdmission, WriteAdmission),
         memory_blocks: usize,
-        nvme_budget: Option<Mutex<WriteBudget>>,
+        nvme_budget: Option<Arc<Mutex<WriteBudget>>>,
     ) -> Self {
         let some_await_use = AtomicBool::new(false);
         let mut admission = Admission { nvme, remote, seen: Mutex::new(SeenOnce::new(1)), nvme_budget, some_await_use };
@@ -250,7 +258,7 @@ impl Admission {
     }
 
     /// The NVMe tier's budget itself; `None` when unbounded.
-    pub(crate) fn nvme_write_budget(&self) -> Option<&Mutex<WriteBudget>> {
+    pub(crate) fn nvme_write_budget(&self) -> Option<&Arc<Mutex<WriteBudget>>> {
         self.nvme_budget.as_ref()
     }
 

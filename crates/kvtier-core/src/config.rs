@@ -939,7 +939,7 @@ pub static OPTIONS: &[ConfigOption] = &[
         kind: OptionKind::Float,
         unset: "",
         constraint: "0 ..= 1000",
-        description: "The NVMe tier's write budget, in drive writes per day of the filesystems holding the directories (their whole size, each filesystem once however many directories it holds; one whose size cannot be read counts nothing, and a warning says the budget is then unbounded); 0 = unbounded. A write past the budget is refused, never waited for: the block stays in DRAM only (`nvme_write_budget_refusals`). Under `write_admission: \"all\"` the budget's last half is kept for blocks with evidence of reuse: a block without it that the budget refuses waits in DRAM for a use, as under `reuse`.",
+        description: "The NVMe tier's write budget, in drive writes per day of the filesystems holding the directories (their whole size, each filesystem once however many directories it holds; one whose size cannot be read counts nothing, and a warning says the budget is then unbounded); 0 = unbounded. A write past the budget is refused, never waited for: the block stays in DRAM only (`nvme_write_budget_refusals`). The models of one host service take from one budget, which a restart resumes (docs/format.md, the write budget file). Under `write_admission: \"all\"` the budget's last half is kept for blocks with evidence of reuse: a block without it that the budget refuses waits in DRAM for a use, as under `reuse`.",
         set: |c, v| c.write_budget_nvme_dwpd = v.float(),
         get: |c| Some(OptionValue::Float(c.write_budget_nvme_dwpd)),
     },

@@ -83,7 +83,13 @@ pub(crate) fn write_description(dir: &Path, description: &[u8]) -> Result<()> {
 /// timeline's save is retried every few seconds under a new name, so each failure would otherwise
 /// leave one more file (issue 24 item 8).
 fn replace_file(tmp: &Path, path: &Path, bytes: &[u8]) -> Result<()> {
-    std::fs::write(tmp, bytes).and_then(|()| std::fs::rename(tmp, path)).map_err(|e| {
+    // Synced before the rename: after a power loss the file is the old one or the new one, not empty.
+    let write_synced = || {
+        let mut file = std::fs::File::create(tmp)?;
+        std::io::Write::write_all(&mut file, bytes)?;
+        file.sync_data()
+    };
+    write_synced().and_then(|()| std::fs::rename(tmp, path)).map_err(|e| {
         // Best effort: the error worth reporting is the write's (the file may not even exist).
         let _ = std::fs::remove_file(tmp);
         Error::io(format!("writing {} (is the directory writable?)", path.display()), e)

@@ -455,6 +455,10 @@ impl Store {
             let _ = t.join();
         }
         let flushed = self.flush_inner(false);
+        if flushed.is_err() {
+            // A flush that gave up (a slow disk) skipped the save: the budgets spent must not be lost.
+            let _ = self.save_namespace_state();
+        }
         let remote_closed = close_remote_tiers(&self.state);
         let stall = Duration::from_millis(self.state.config.nvme_read_stall_ms);
         // Every device is shut down, hung or not.
@@ -501,6 +505,12 @@ impl Store {
             log::error!("kvtier: reads given up by loads still run at close; the DRAM pool stays mapped");
             self.state.arena.keep_mapped();
         }
+    }
+
+    /// Which NVMe write budget the store takes from (`None`: unbounded); namespaces of this process
+    /// on one drive share one (`budgets::drive_budget`), which a sum over them counts once.
+    pub(crate) fn nvme_budget_id(&self) -> Option<usize> {
+        self.state.admission.nvme_write_budget().map(|budget| Arc::as_ptr(budget) as usize)
     }
 
     pub fn stats(&self) -> StoreStats {

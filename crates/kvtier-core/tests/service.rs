@@ -500,6 +500,30 @@ fn namespaces_share_the_host_dram_budget_and_one_too_many_is_refused() {
     service.stop().unwrap();
 }
 
+#[test]
+fn namespaces_on_one_drive_share_its_nvme_write_budget_and_the_totals_count_it_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(dir.path(), 8 << 20);
+    config.store.write_budget_nvme_bytes_per_day = 1 << 30;
+    let socket = config.socket_path.clone();
+    let mut service = Service::start(config).unwrap();
+    let hello = |model: &[u8]| {
+        let mut c = Client::connect(&socket, Duration::from_secs(10)).unwrap();
+        c.hello(model, 1, 0, SLICE).unwrap();
+        c
+    };
+    let (mut one, mut two) = (hello(b"model-one"), hello(b"model-two"));
+    let stats = |c: &mut Client| -> std::collections::HashMap<String, u64> { c.stats().unwrap().into_iter().collect() };
+    let mut operator = Client::connect(&socket, Duration::from_secs(10)).unwrap();
+    let host = stats(&mut operator);
+    assert_eq!(host["service_namespaces"], 2);
+    assert_eq!(host["nvme_write_budget_bytes_per_day"], 1 << 30, "one drive, one budget, counted once");
+    assert_eq!(stats(&mut one)["nvme_write_budget_bytes_per_day"], 1 << 30);
+    assert_eq!(stats(&mut two)["nvme_write_budget_bytes_per_day"], 1 << 30, "each model sees the drive's budget");
+    drop((one, two, operator));
+    service.stop().unwrap();
+}
+
 /// A hello for a namespace another connection is still opening waits `open_wait_ms` at most, then its
 /// connection is closed unanswered (the engine takes the service for unreachable, as when its own
 /// wait runs out). Before, it waited for as long as the open: on a frozen filesystem every

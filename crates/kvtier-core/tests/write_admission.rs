@@ -426,15 +426,15 @@ fn a_restart_resumes_the_nvme_write_budget_rather_than_starting_a_full_one() {
         "half the burst, for blocks without evidence"
     );
     let budget_file = dir.path().join(store.namespace().hex()).join("WRITE_BUDGET");
-    store.close().unwrap();
+    drop(store); // closes it: its drive's budget goes with the last store holding it
     let store = Store::open(eight_slots_a_day(dir.path())).unwrap();
     let left = store.stats().gauges.nvme_write_budget_left_bytes;
     assert!((4 * SLOT_BYTES..5 * SLOT_BYTES).contains(&left), "a fresh budget after the restart: {left} bytes left");
     put(&store, &[10, 11, 12]);
     store.flush().unwrap();
     assert_eq!(store.stats().counters.bytes_written_nvme, 0, "what is left is kept for blocks with evidence");
-    store.close().unwrap();
-    // Saved half a day ago with nothing left: half a day's refill, four slots.
+    drop(store); // closes it: its drive's budget goes with the last store holding it
+                 // Saved half a day ago with nothing left: half a day's refill, four slots.
     let half_a_day_ago =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64 - 43_200_000;
     let nvme = 2; // its code on the wire
@@ -443,9 +443,30 @@ fn a_restart_resumes_the_nvme_write_budget_rather_than_starting_a_full_one() {
     let store = Store::open(eight_slots_a_day(dir.path())).unwrap();
     let left = store.stats().gauges.nvme_write_budget_left_bytes;
     assert!((4 * SLOT_BYTES - 64..=4 * SLOT_BYTES + 64).contains(&left), "refilled since the save: {left} bytes");
-    store.close().unwrap();
-    // A damaged file is ignored (logged): the budget starts full, as at a first open.
+    drop(store); // closes it: its drive's budget goes with the last store holding it
+                 // A damaged file is ignored (logged): the budget starts full, as at a first open.
     std::fs::write(&budget_file, b"KVTBUDG\0 not a budget file").unwrap();
     let store = Store::open(eight_slots_a_day(dir.path())).unwrap();
     assert_eq!(store.stats().gauges.nvme_write_budget_left_bytes, 8 * SLOT_BYTES);
+}
+
+#[test]
+fn two_namespaces_on_one_drive_take_from_one_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = Store::open(eight_slots_a_day(dir.path())).unwrap();
+    let mut other_model = eight_slots_a_day(dir.path());
+    other_model.namespace = b"another-model/bf16/128".to_vec();
+    let second = Store::open(other_model.clone()).unwrap();
+    put(&first, &[0, 1, 2, 3, 4, 5]);
+    first.flush().unwrap();
+    assert_eq!(first.stats().counters.bytes_written_nvme, 4 * SLOT_BYTES);
+    let left = second.stats().gauges.nvme_write_budget_left_bytes;
+    assert!(left < 5 * SLOT_BYTES, "the other model's writes spent this drive's budget too: {left} bytes left");
+    put(&second, &[10, 11, 12]);
+    second.flush().unwrap();
+    assert_eq!(second.stats().counters.bytes_written_nvme, 0, "what is left is kept for blocks with evidence");
+    // Once both are closed the drive's budget goes with them; the next open resumes it from the files.
+    drop((first, second));
+    let second = Store::open(other_model).unwrap();
+    assert!(second.stats().gauges.nvme_write_budget_left_bytes < 5 * SLOT_BYTES);
 }

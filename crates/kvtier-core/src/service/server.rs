@@ -577,8 +577,15 @@ impl Connection {
             Some((_, total)) => *total += value,
             None => totals.push((name, value)),
         };
+        let mut drive_budgets = Vec::new(); // namespaces on one drive share its NVMe budget: counted once
         for ns in namespaces {
-            let stats = ns.store.stats();
+            let mut stats = ns.store.stats();
+            match ns.store.nvme_budget_id() {
+                Some(budget) if drive_budgets.contains(&budget) => {
+                    (stats.gauges.nvme_write_budget_bytes_per_day, stats.gauges.nvme_write_budget_left_bytes) = (0, 0);
+                }
+                budget => drive_budgets.extend(budget),
+            }
             for (name, value) in stats.counters.fields() {
                 add(name, value);
             }
