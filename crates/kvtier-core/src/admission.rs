@@ -20,8 +20,9 @@
 
 use crate::key::BlockKey;
 use parking_lot::Mutex;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 use twox_hash::XxHash3_64;
 
@@ -74,6 +75,14 @@ pub(crate) struct WriteBudget {
 
 const SECONDS_PER_DAY: f64 = 86_400.0;
 
+/// What a budget is for: its tier's name, the store's directories (sorted), bytes a day, burst seconds.
+type BudgetKey = (&'static str, Vec<PathBuf>, u64, u64);
+
+/// The write budgets open in this process, by tier and store directories: the namespaces of one
+/// store (a host service holds every model of its host) share each tier's, so that a drive, the
+/// shared filesystem or the bucket takes its budget a day from the host whichever models write.
+static STORE_BUDGETS: Mutex<Vec<(BudgetKey, Weak<Mutex<WriteBudget>>)>> = Mutex::new(Vec::new());
+
 impl WriteBudget {
     /// `bytes_per_day == 0`: unbounded (`None`).
     pub(crate) fn new(bytes_per_day: u64, burst_s: u64, now: Instant) -> Option<Arc<Mutex<WriteBudget>>> {
@@ -89,6 +98,27 @@ impl WriteBudget {
             refilled_at: now,
             changes: 0,
         })))
+    }
+
+    /// The budget of `tier` for a store in the directories `paths`: the one another namespace of
+    /// this process in them already has, else a new one; `None` when unbounded (0 bytes a day).
+    pub(crate) fn of_store(
+        tier: &'static str,
+        paths: &[PathBuf],
+        bytes_per_day: u64,
+        burst_s: u64,
+    ) -> Option<Arc<Mutex<WriteBudget>>> {
+        let mut paths = paths.to_vec();
+        paths.sort_unstable();
+        let key = (tier, paths, bytes_per_day, burst_s);
+        let mut budgets = STORE_BUDGETS.lock();
+        budgets.retain(|(_, budget)| budget.strong_count() > 0);
+        if let Some(budget) = budgets.iter().find(|(open, _)| *open == key).and_then(|(_, budget)| budget.upgrade()) {
+            return Some(budget);
+        }
+        let budget = WriteBudget::new(bytes_per_day, burst_s, Instant::now())?;
+        budgets.push((key, Arc::downgrade(&budget)));
+        Some(budget)
     }
 
     /// Resumes from a save `elapsed` ago (at open, the last run's `WRITE_BUDGET`): the bytes it had
@@ -167,7 +197,7 @@ pub(crate) struct Admission {
     nvme: WriteAdmission,
     remote: WriteAdmission,
     seen: Mutex<SeenOnce>,
-    /// Shared by every namespace of the process on the same drive (`store::drive_budgets`).
+    /// Shared by every namespace of the process in the same store directories (`WriteBudget::of_store`).
     nvme_budget: Option<Arc<Mutex<WriteBudget>>>,
     /// Whether a block ever waited in DRAM for a use under a policy that otherwise writes at once:
     /// the NVMe budget refused one for want of evidence (`evidence_first`), or a block kept from a

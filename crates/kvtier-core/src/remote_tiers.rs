@@ -67,7 +67,8 @@ impl Remote {
     ) -> Result<Remote> {
         let publisher = Publisher::start(Arc::clone(&tier) as Arc<dyn PublishSink>)?;
         let now = Instant::now();
-        let budget = WriteBudget::new(budget_bytes_per_day, config.write_budget_burst_s, now);
+        let budget =
+            WriteBudget::of_store(serves_as.name(), &config.paths, budget_bytes_per_day, config.write_budget_burst_s);
         if let Some(budget) = &budget {
             let (budget, slot_bytes) = (Arc::clone(budget), tier.slot_bytes() as u64);
             publisher.set_unwritten(Box::new(move |blocks| budget.lock().give_back(blocks as u64 * slot_bytes)));

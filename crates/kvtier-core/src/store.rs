@@ -508,7 +508,7 @@ impl Store {
     }
 
     /// Which NVMe write budget the store takes from (`None`: unbounded); namespaces of this process
-    /// on one drive share one (`budgets::drive_budget`), which a sum over them counts once.
+    /// in one store's directories share one (`WriteBudget::of_store`), which a sum over them counts once.
     pub(crate) fn nvme_budget_id(&self) -> Option<usize> {
         self.state.admission.nvme_write_budget().map(|budget| Arc::as_ptr(budget) as usize)
     }

@@ -470,3 +470,27 @@ fn two_namespaces_on_one_drive_take_from_one_budget() {
     let second = Store::open(other_model).unwrap();
     assert!(second.stats().gauges.nvme_write_budget_left_bytes < 5 * SLOT_BYTES);
 }
+
+#[test]
+fn two_namespaces_of_one_store_share_the_shared_tiers_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = |namespace: &[u8]| {
+        let mut c = reuse_config(&dir.path().join("local"));
+        c.write_admission = WriteAdmission::All;
+        c.namespace = namespace.to_vec();
+        let mut shared = SharedConfig::new(dir.path().join("shared"));
+        shared.file_target_bytes = 256 << 10;
+        shared.publish_delay_ms = 20;
+        c.shared = Some(shared);
+        c.write_budget_shared_bytes_per_day = 6 * SLOT_BYTES;
+        Store::open(c).unwrap()
+    };
+    let (one, two) = (model(b"model-one"), model(b"model-two"));
+    put(&one, &[0, 1, 2, 3]);
+    one.flush().unwrap();
+    assert_eq!(one.stats().counters.remote_write_budget_refusals, 0);
+    put(&two, &[10, 11, 12, 13]);
+    two.flush().unwrap();
+    let s = two.stats().counters;
+    assert!(s.remote_write_budget_refusals >= 2, "the host's budget, not one per model: {s:?}");
+}

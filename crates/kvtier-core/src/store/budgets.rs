@@ -8,33 +8,7 @@ use crate::catalog::{Tier, TIER_ROWS};
 use crate::format::budget::SavedBudgets;
 use crate::store_state::StoreState;
 use parking_lot::Mutex;
-use std::path::PathBuf;
-use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-
-/// A drive's budget: the store's directories (sorted), bytes a day, burst seconds.
-type DriveKey = (Vec<PathBuf>, u64, u64);
-
-/// The NVMe write budgets open in this process, by store directories: the namespaces of one store
-/// (a host service holds every model of the host in it), with the same budget options, share one,
-/// so that its drives take their budget a day whichever models write to them.
-static DRIVE_BUDGETS: Mutex<Vec<(DriveKey, Weak<Mutex<WriteBudget>>)>> = Mutex::new(Vec::new());
-
-/// The NVMe tier's budget for a store in the directories `paths`: the one another namespace of this
-/// process in them already has, else a new one; `None` when unbounded (0 bytes a day).
-pub(crate) fn drive_budget(paths: &[PathBuf], bytes_per_day: u64, burst_s: u64) -> Option<Arc<Mutex<WriteBudget>>> {
-    let mut paths = paths.to_vec();
-    paths.sort_unstable();
-    let key = (paths, bytes_per_day, burst_s);
-    let mut budgets = DRIVE_BUDGETS.lock();
-    budgets.retain(|(_, budget)| budget.strong_count() > 0);
-    if let Some(budget) = budgets.iter().find(|(open, _)| *open == key).and_then(|(_, budget)| budget.upgrade()) {
-        return Some(budget);
-    }
-    let budget = WriteBudget::new(bytes_per_day, burst_s, Instant::now())?;
-    budgets.push((key, Arc::downgrade(&budget)));
-    Some(budget)
-}
 
 /// Each bounded write budget below DRAM, by its tier's code on the wire.
 fn budgets(state: &StoreState) -> Vec<(u32, &Mutex<WriteBudget>)> {

@@ -3,8 +3,8 @@
 //! device queues (with the I/O engine's self-test), then the job threads.
 
 use super::{finish_job, random_u64, Job, Store, ENCRYPTION_KEY_FILE_ENV};
-use crate::admission::Admission;
-use crate::catalog::{Catalog, CatalogLock, MetaWrite, SlotLayout};
+use crate::admission::{Admission, WriteBudget};
+use crate::catalog::{Catalog, CatalogLock, MetaWrite, SlotLayout, Tier};
 use crate::config::{NvmeWithoutSpace, StoreConfig};
 use crate::error::{Error, Result};
 use crate::format::encrypted::ValueCipher;
@@ -215,7 +215,7 @@ fn open_admission(config: &StoreConfig, dirs: &[PathBuf], nvme: bool) -> Admissi
              count: the NVMe tier's writes are unbounded; set write_budget_nvme_bytes_per_day to bound them"
         );
     }
-    let budget = super::budgets::drive_budget(&config.paths, bytes_per_day, config.write_budget_burst_s);
+    let budget = WriteBudget::of_store(Tier::Nvme.name(), &config.paths, bytes_per_day, config.write_budget_burst_s);
     let policies = (config.write_admission, config.remote_write_admission.unwrap_or(config.write_admission));
     Admission::new(policies, config.write_admission_memory_blocks, budget)
 }
