@@ -71,7 +71,13 @@ pub(crate) struct WriteBudget {
     /// Takes and give-backs so far: the saved budgets are written again only after one
     /// (`Store::save_namespace_state`); a refill alone needs no save, the reader refills from the save's time.
     changes: u64,
+    /// Bytes taken since its state was last read for a save: past `SAVE_STEP` of the burst the host
+    /// service saves it at once (`Store::save_budgets_if_due`), so that a crash forgets little.
+    unsaved_bytes: f64,
 }
+
+/// The part of its burst a budget spends before it is saved again, whatever the save period.
+const SAVE_STEP: f64 = 1.0 / 64.0;
 
 const SECONDS_PER_DAY: f64 = 86_400.0;
 
@@ -97,6 +103,7 @@ impl WriteBudget {
             tokens: burst_bytes,
             refilled_at: now,
             changes: 0,
+            unsaved_bytes: 0.0,
         })))
     }
 
@@ -135,6 +142,17 @@ impl WriteBudget {
         self.changes
     }
 
+    /// Whether it spent `SAVE_STEP` of its burst since its state was last read for a save.
+    pub(crate) fn save_due(&self) -> bool {
+        self.unsaved_bytes >= self.burst_bytes * SAVE_STEP
+    }
+
+    /// Bytes it would take now, read for a save (`store::budgets`).
+    pub(crate) fn left_bytes_for_save(&mut self, now: Instant) -> u64 {
+        self.unsaved_bytes = 0.0;
+        self.left_bytes(now)
+    }
+
     fn refill(&mut self, now: Instant) {
         let elapsed_s = now.saturating_duration_since(self.refilled_at).as_secs_f64();
         self.tokens = (self.tokens + elapsed_s * self.bytes_per_s).min(self.burst_bytes);
@@ -157,6 +175,7 @@ impl WriteBudget {
         }
         self.tokens -= bytes;
         self.changes += 1;
+        self.unsaved_bytes += bytes;
         true
     }
 

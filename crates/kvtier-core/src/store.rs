@@ -396,13 +396,28 @@ impl Store {
     /// waited for one stall limit: a frozen filesystem must not hold the service's janitor or a close.
     /// While such a write is still waiting, no other is started (one thread per frozen directory).
     pub fn save_namespace_state(&self) -> Result<()> {
+        self.save_files(true)
+    }
+
+    /// Saves the write budgets, and only them, once one spent a step of its burst since its last
+    /// save (the host service asks every janitor round): a crash forgets at most that step of
+    /// each, not the save period's writes.
+    pub fn save_budgets_if_due(&self) -> Result<()> {
+        if budgets::save_due(&self.state) {
+            return self.save_files(false);
+        }
+        Ok(())
+    }
+
+    /// `save_namespace_state`, the dates only with `dates`.
+    fn save_files(&self, dates: bool) -> Result<()> {
         let sh = &self.state;
         let Some(dir) = sh.device_files.first().and_then(|d| d.path.parent()) else { return Ok(()) };
         let stall = Duration::from_millis(sh.config.nvme_read_stall_ms);
         if self.dates_saving.swap(true, Ordering::AcqRel) {
             return Ok(()); // the earlier save still waits (its failure was reported); these stay unsaved
         }
-        let points = sh.catalog.lock().timeline.take_unsaved();
+        let points = if dates { sh.catalog.lock().timeline.take_unsaved() } else { None };
         let budgets = budgets::to_save(sh, self.budgets_saved_changes.load(Ordering::Acquire));
         if points.is_none() && budgets.is_none() {
             self.dates_saving.store(false, Ordering::Release);

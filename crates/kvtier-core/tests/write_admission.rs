@@ -494,3 +494,19 @@ fn two_namespaces_of_one_store_share_the_shared_tiers_budget() {
     let s = two.stats().counters;
     assert!(s.remote_write_budget_refusals >= 2, "the host's budget, not one per model: {s:?}");
 }
+
+#[test]
+fn a_budget_that_spent_a_step_of_its_burst_is_saved_before_any_flush() {
+    use kvtier_core::format::budget::decode;
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(eight_slots_a_day(dir.path())).unwrap();
+    let budget_file = dir.path().join(store.namespace().hex()).join("WRITE_BUDGET");
+    store.save_budgets_if_due().unwrap();
+    assert!(!budget_file.exists(), "nothing spent, nothing to save");
+    put(&store, &[0, 1, 2, 3]);
+    store.save_budgets_if_due().unwrap(); // what the host service does every half second
+    let saved = decode(&std::fs::read(&budget_file).unwrap()).unwrap();
+    let nvme = 2; // its code on the wire
+    let left = saved.entries.iter().find(|(tier, _)| *tier == nvme).unwrap().1;
+    assert!(left < 5 * SLOT_BYTES, "a crash now resumes the budget as spent: {left} bytes left");
+}

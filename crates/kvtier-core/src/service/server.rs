@@ -361,10 +361,9 @@ fn janitor_loop(state: &Arc<State>) {
             timelines_saved = Instant::now();
         }
         for ns in namespaces {
-            if save_timelines {
-                if let Err(e) = ns.store.save_namespace_state() {
-                    log::warn!("kvtier: saving block dates and write budgets failed: {e}");
-                }
+            let saved = if save_timelines { ns.store.save_namespace_state() } else { ns.store.save_budgets_if_due() };
+            if let Err(e) = saved {
+                log::warn!("kvtier: saving block dates and write budgets failed: {e}");
             }
             expire_fills(&ns, &state.config);
         }

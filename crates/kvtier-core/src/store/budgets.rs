@@ -57,9 +57,14 @@ pub(crate) fn to_save(state: &StoreState, saved_changes: u64) -> Option<(SavedBu
         .map(|(code, budget)| {
             let mut budget = budget.lock();
             changes += budget.changes();
-            (code, budget.left_bytes(now))
+            (code, budget.left_bytes_for_save(now))
         })
         .collect();
     let changed = !entries.is_empty() && changes != saved_changes;
     changed.then(|| (SavedBudgets { saved_unix_ms: unix_ms(), entries }, changes))
+}
+
+/// Whether a budget spent enough since its last save to be saved now, before the save period.
+pub(crate) fn save_due(state: &StoreState) -> bool {
+    budgets(state).into_iter().any(|(_, budget)| budget.lock().save_due())
 }
