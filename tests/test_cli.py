@@ -181,6 +181,30 @@ def test_status_with_a_running_service(store: RunningStore) -> None:
     assert entry["open_in_service"] is True
 
 
+def test_status_shows_each_tiers_write_budget_once_for_the_hosts_models(tmp_path: Path) -> None:
+    """A remote tier's write budget was shown as "unbounded" whatever was set; and a host service's
+    models take from one budget per tier, which status counts once, not once per model."""
+    socket, path = tmp_path / "kvtier.sock", tmp_path / "store"
+    budgets = {"write_budget_nvme_bytes_per_day": 2 << 30, "write_budget_shared_bytes_per_day": 1 << 30}
+    options = {**STORE_OPTIONS, "shared_root": os.fspath(tmp_path / "shared"), **budgets}
+    service = Service.start(os.fspath(socket), os.fspath(path), os.fspath(tmp_path), 30_000, **options)
+    try:
+        for model in (b"test-cli|one", b"test-cli|two"):
+            ServiceClient.connect(os.fspath(socket), 10_000).hello(model, 1, 0, SLICE_BYTES)
+        report = run_json("status", str(path), "--socket", str(socket))
+        assert report["stats"]["service_namespaces"] == 2
+        tiers = report["writes"]["tiers"]
+        per_day = {tier: tiers[tier]["budget_bytes_per_day"] for tier in ("nvme", "shared", "bucket")}
+        assert per_day == {"nvme": 2 << 30, "shared": 1 << 30, "bucket": None}, per_day
+        assert tiers["shared"]["budget_left_bytes"] == 1 << 30
+        table = invoke("status", str(path), "--socket", str(socket), "--plain")
+        writes = table.stdout[table.stdout.index("writes below DRAM") :]
+        shared_row = next(line for line in writes.splitlines() if line.strip().startswith("shared"))
+        assert "/day" in shared_row and "unbounded" not in shared_row, table.stdout
+    finally:
+        service.stop()
+
+
 def test_ls_with_a_running_service(store: RunningStore) -> None:
     report = run_json("ls", str(store.path), "--socket", str(store.socket))
     assert set(report) == LS_KEYS

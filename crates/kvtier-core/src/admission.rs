@@ -81,8 +81,9 @@ const SAVE_STEP: f64 = 1.0 / 64.0;
 
 const SECONDS_PER_DAY: f64 = 86_400.0;
 
-/// What a budget is for: its tier's name, the store's directories (sorted), bytes a day, burst seconds.
-type BudgetKey = (&'static str, Vec<PathBuf>, u64, u64);
+/// What a budget is for: where its tier writes (`of_store`), the store's directories (sorted), bytes
+/// a day, burst seconds.
+type BudgetKey = (String, Vec<PathBuf>, u64, u64);
 
 /// The write budgets open in this process, by tier and store directories: the namespaces of one
 /// store (a host service holds every model of its host) share each tier's, so that a drive, the
@@ -107,17 +108,18 @@ impl WriteBudget {
         })))
     }
 
-    /// The budget of `tier` for a store in the directories `paths`: the one another namespace of
-    /// this process in them already has, else a new one; `None` when unbounded (0 bytes a day).
+    /// The budget of the tier writing to `place` ("nvme", the shared tier's root, the bucket's URL)
+    /// for a store in the directories `paths`: the one another namespace of this process in them
+    /// already has, else a new one; `None` when unbounded (0 bytes a day).
     pub(crate) fn of_store(
-        tier: &'static str,
+        place: String,
         paths: &[PathBuf],
         bytes_per_day: u64,
         burst_s: u64,
     ) -> Option<Arc<Mutex<WriteBudget>>> {
         let mut paths = paths.to_vec();
         paths.sort_unstable();
-        let key = (tier, paths, bytes_per_day, burst_s);
+        let key = (place, paths, bytes_per_day, burst_s);
         let mut budgets = STORE_BUDGETS.lock();
         budgets.retain(|(_, budget)| budget.strong_count() > 0);
         if let Some(budget) = budgets.iter().find(|(open, _)| *open == key).and_then(|(_, budget)| budget.upgrade()) {
@@ -181,6 +183,7 @@ impl WriteBudget {
 
     /// Gives back `bytes` taken for a write that was not made after all (up to the burst).
     pub(crate) fn give_back(&mut self, bytes: u64) {
+        self.refill(Instant::now());
         self.tokens = (self.tokens + bytes as f64).min(self.burst_bytes);
         self.changes += 1;
     }
@@ -310,14 +313,6 @@ impl Admission {
     pub(crate) fn nvme_write_budget(&self) -> Option<&Arc<Mutex<WriteBudget>>> {
         self.nvme_budget.as_ref()
     }
-
-    /// The NVMe budget: (bytes per day, bytes it would take now); `None` when unbounded.
-    pub(crate) fn nvme_budget(&self) -> Option<(u64, u64)> {
-        self.nvme_budget.as_ref().map(|b| {
-            let mut b = b.lock();
-            (b.bytes_per_day(), b.left_bytes(Instant::now()))
-        })
-    }
 }
 
 #[cfg(test)]
@@ -383,7 +378,7 @@ mod tests {
         let reuse = Admission::new((Reuse, Reuse), 16, None);
         let (first, second) = (reuse.admits_store(&key(3)), reuse.admits_store(&key(3)));
         assert_eq!((first, second), (verdict(false, false, false), verdict(true, true, true)));
-        assert!(reuse.take_nvme_budget(u64::MAX, false) && reuse.nvme_budget().is_none());
+        assert!(reuse.take_nvme_budget(u64::MAX, false) && reuse.nvme_write_budget().is_none());
         let nvme_only = Admission::new((Reuse, All), 16, None);
         assert_eq!(nvme_only.admits_store(&key(4)), verdict(false, true, false));
         assert_eq!(nvme_only.admits_store(&key(4)), verdict(true, true, true));

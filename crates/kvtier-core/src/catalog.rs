@@ -541,6 +541,10 @@ impl Catalog {
             blocks_nvme: self.index.counted().nvme,
             nvme_write_budget_bytes_per_day: 0,
             nvme_write_budget_left_bytes: 0,
+            shared_write_budget_bytes_per_day: 0,
+            shared_write_budget_left_bytes: 0,
+            bucket_write_budget_bytes_per_day: 0,
+            bucket_write_budget_left_bytes: 0,
         }
     }
 
@@ -580,15 +584,30 @@ pub struct Gauges {
     pub nvme_capacity_bytes: u64,
     pub blocks_dram: u64,
     pub blocks_nvme: u64,
-    /// The NVMe tier's write budget (`admission.rs`), set by the store: bytes per day (0: unbounded)
-    /// and the bytes it would take now.
+    /// Each tier's write budget below DRAM (`admission.rs`), set by the store (`set_write_budget`):
+    /// bytes per day (0: unbounded) and the bytes it would take now.
     pub nvme_write_budget_bytes_per_day: u64,
     pub nvme_write_budget_left_bytes: u64,
+    pub shared_write_budget_bytes_per_day: u64,
+    pub shared_write_budget_left_bytes: u64,
+    pub bucket_write_budget_bytes_per_day: u64,
+    pub bucket_write_budget_left_bytes: u64,
 }
 
 impl Gauges {
     /// (name, value) pairs, for the Python dict, the service's replies and Prometheus.
-    pub fn fields(&self) -> [(&'static str, u64); 8] {
+    /// Sets `tier`'s write budget: bytes per day (0: unbounded, or counted elsewhere) and bytes left.
+    pub fn set_write_budget(&mut self, tier: Tier, bytes_per_day: u64, left_bytes: u64) {
+        let fields = match tier {
+            Tier::Nvme => (&mut self.nvme_write_budget_bytes_per_day, &mut self.nvme_write_budget_left_bytes),
+            Tier::Shared => (&mut self.shared_write_budget_bytes_per_day, &mut self.shared_write_budget_left_bytes),
+            Tier::Bucket => (&mut self.bucket_write_budget_bytes_per_day, &mut self.bucket_write_budget_left_bytes),
+            Tier::Dram => unreachable!("DRAM takes every block: it has no write budget"),
+        };
+        (*fields.0, *fields.1) = (bytes_per_day, left_bytes);
+    }
+
+    pub fn fields(&self) -> [(&'static str, u64); 12] {
         [
             ("dram_used_bytes", self.dram_used_bytes),
             ("dram_capacity_bytes", self.dram_capacity_bytes),
@@ -598,6 +617,10 @@ impl Gauges {
             ("blocks_nvme", self.blocks_nvme),
             ("nvme_write_budget_bytes_per_day", self.nvme_write_budget_bytes_per_day),
             ("nvme_write_budget_left_bytes", self.nvme_write_budget_left_bytes),
+            ("shared_write_budget_bytes_per_day", self.shared_write_budget_bytes_per_day),
+            ("shared_write_budget_left_bytes", self.shared_write_budget_left_bytes),
+            ("bucket_write_budget_bytes_per_day", self.bucket_write_budget_bytes_per_day),
+            ("bucket_write_budget_left_bytes", self.bucket_write_budget_left_bytes),
         ]
     }
 }

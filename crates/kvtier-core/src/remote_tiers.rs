@@ -63,12 +63,11 @@ impl Remote {
         tier: Arc<T>,
         (name, serves_as): (&'static str, Tier),
         config: &StoreConfig,
-        budget_bytes_per_day: u64,
+        (budget_bytes_per_day, place): (u64, String),
     ) -> Result<Remote> {
         let publisher = Publisher::start(Arc::clone(&tier) as Arc<dyn PublishSink>)?;
         let now = Instant::now();
-        let budget =
-            WriteBudget::of_store(serves_as.name(), &config.paths, budget_bytes_per_day, config.write_budget_burst_s);
+        let budget = WriteBudget::of_store(place, &config.paths, budget_bytes_per_day, config.write_budget_burst_s);
         if let Some(budget) = &budget {
             let (budget, slot_bytes) = (Arc::clone(budget), tier.slot_bytes() as u64);
             publisher.set_unwritten(Box::new(move |blocks| budget.lock().give_back(blocks as u64 * slot_bytes)));
@@ -160,7 +159,8 @@ impl RemoteTiers {
             }
             shared_fs = Some(Arc::clone(&tier));
             let named = ("shared filesystem", Tier::Shared);
-            tiers.push(Remote::start(tier, named, config, config.write_budget_shared_bytes_per_day)?);
+            let place = format!("shared:{}", c.root.display());
+            tiers.push(Remote::start(tier, named, config, (config.write_budget_shared_bytes_per_day, place))?);
         }
         let mut bucket = None;
         if let Some(c) = &config.bucket {
@@ -174,7 +174,8 @@ impl RemoteTiers {
                 tier.encrypt_with(Arc::clone(cipher));
             }
             let named = ("object store", Tier::Bucket);
-            tiers.push(Remote::start(tier, named, config, config.write_budget_bucket_bytes_per_day)?);
+            let place = format!("bucket:{}@{}", c.url, c.endpoint.as_deref().unwrap_or_default());
+            tiers.push(Remote::start(tier, named, config, (config.write_budget_bucket_bytes_per_day, place))?);
         }
         let stall_floor = Duration::from_millis(config.remote_read_stall_ms);
         Ok(RemoteTiers { tiers, shared_fs, bucket, stats: Arc::clone(stats), stall_floor })

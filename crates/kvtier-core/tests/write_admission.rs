@@ -465,10 +465,13 @@ fn two_namespaces_on_one_drive_take_from_one_budget() {
     put(&second, &[10, 11, 12]);
     second.flush().unwrap();
     assert_eq!(second.stats().counters.bytes_written_nvme, 0, "what is left is kept for blocks with evidence");
-    // Once both are closed the drive's budget goes with them; the next open resumes it from the files.
+    // Once both are closed the drive's budget goes with them; the next open resumes it from the
+    // files, a model's that never wrote included.
     drop((first, second));
-    let second = Store::open(other_model).unwrap();
-    assert!(second.stats().gauges.nvme_write_budget_left_bytes < 5 * SLOT_BYTES);
+    let mut third_model = other_model;
+    third_model.namespace = b"a-third-model/bf16/128".to_vec();
+    let third = Store::open(third_model).unwrap();
+    assert!(third.stats().gauges.nvme_write_budget_left_bytes < 5 * SLOT_BYTES);
 }
 
 #[test]

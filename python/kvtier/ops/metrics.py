@@ -472,9 +472,11 @@ def add_namespace(family: dict[str, Any], ns: dict[str, Any]) -> None:
             family[name].add_metric([*labels, engine, label], counts.get(key, 0))
     add_nvme_requests(family, labels, v)
     add_tenants(family, labels, v)
-    if v.get("nvme_write_budget_bytes_per_day", 0):  # a bounded NVMe budget
-        family["kvtier_write_budget_bytes_per_day"].add_metric([*labels, "nvme"], v["nvme_write_budget_bytes_per_day"])
-        family["kvtier_write_budget_left_bytes"].add_metric([*labels, "nvme"], v.get("nvme_write_budget_left_bytes", 0))
+    for tier in tiers.BELOW_DRAM:
+        if v.get(f"{tier}_write_budget_bytes_per_day", 0):  # a bounded budget
+            per_day, left = v[f"{tier}_write_budget_bytes_per_day"], v.get(f"{tier}_write_budget_left_bytes", 0)
+            family["kvtier_write_budget_bytes_per_day"].add_metric([*labels, tier], per_day)
+            family["kvtier_write_budget_left_bytes"].add_metric([*labels, tier], left)
 
 
 def add_tenants(family: dict[str, Any], labels: list[str], v: dict[str, int]) -> None:

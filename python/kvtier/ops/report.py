@@ -330,7 +330,7 @@ ADMISSION_COUNTERS = (
 
 def writes_below_dram(stats: dict[str, int]) -> dict[str, Any]:
     """Bytes written and read back per tier below DRAM, their ratio (write amplification: bytes
-    written per byte read back, ``None`` before anything was read), the NVMe write budget, and what
+    written per byte read back, ``None`` before anything was read), each tier's write budget, and what
     admission did with stored blocks."""
     tiers = {}
     for tier, written_key, read_key in WRITTEN_AND_READ:
@@ -340,9 +340,10 @@ def writes_below_dram(stats: dict[str, int]) -> dict[str, Any]:
             "read_bytes": read,
             "write_amplification": written / read if read else None,
         }
-    budget = int(stats.get("nvme_write_budget_bytes_per_day", 0))
-    tiers["nvme"]["budget_bytes_per_day"] = budget or None
-    tiers["nvme"]["budget_left_bytes"] = int(stats.get("nvme_write_budget_left_bytes", 0)) if budget else None
+    for tier, facts in tiers.items():
+        budget = int(stats.get(f"{tier}_write_budget_bytes_per_day", 0))
+        facts["budget_bytes_per_day"] = budget or None
+        facts["budget_left_bytes"] = int(stats.get(f"{tier}_write_budget_left_bytes", 0)) if budget else None
     return {"tiers": tiers, "admission": {name: int(stats.get(name, 0)) for name in ADMISSION_COUNTERS}}
 
 

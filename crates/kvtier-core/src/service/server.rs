@@ -576,14 +576,15 @@ impl Connection {
             Some((_, total)) => *total += value,
             None => totals.push((name, value)),
         };
-        let mut drive_budgets = Vec::new(); // namespaces on one drive share its NVMe budget: counted once
+        let mut budgets_counted = Vec::new(); // a host service's models share each tier's: counted once
         for ns in namespaces {
             let mut stats = ns.store.stats();
-            match ns.store.nvme_budget_id() {
-                Some(budget) if drive_budgets.contains(&budget) => {
-                    (stats.gauges.nvme_write_budget_bytes_per_day, stats.gauges.nvme_write_budget_left_bytes) = (0, 0);
+            for (tier, budget) in ns.store.write_budget_ids() {
+                if budgets_counted.contains(&budget) {
+                    stats.gauges.set_write_budget(tier, 0, 0);
+                } else {
+                    budgets_counted.push(budget);
                 }
-                budget => drive_budgets.extend(budget),
             }
             for (name, value) in stats.counters.fields() {
                 add(name, value);

@@ -10,10 +10,15 @@ use crate::store_state::StoreState;
 use parking_lot::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+/// Each bounded write budget below DRAM, by tier.
+pub(crate) fn by_tier(state: &StoreState) -> Vec<(Tier, &Mutex<WriteBudget>)> {
+    let nvme = state.admission.nvme_write_budget().map(|budget| (Tier::Nvme, &**budget));
+    nvme.into_iter().chain(state.remote.write_budgets()).collect()
+}
+
 /// Each bounded write budget below DRAM, by its tier's code on the wire.
 fn budgets(state: &StoreState) -> Vec<(u32, &Mutex<WriteBudget>)> {
-    let nvme = state.admission.nvme_write_budget().map(|budget| (Tier::Nvme, &**budget));
-    nvme.into_iter().chain(state.remote.write_budgets()).map(|(tier, budget)| (tier_code(tier), budget)).collect()
+    by_tier(state).into_iter().map(|(tier, budget)| (tier_code(tier), budget)).collect()
 }
 
 fn tier_code(tier: Tier) -> u32 {
@@ -25,12 +30,20 @@ fn unix_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |since| since.as_millis() as u64)
 }
 
-/// At open, from the namespace directory `dir` (the first path's) of a store with an NVMe tier
-/// (without one nothing is saved). A drive's budget another namespace shares keeps the least of
-/// what each file resumes to: the latest save, refilled since, is the least.
+/// At open, from the files of the namespace directories beside `dir` (the first path's) of a store
+/// with an NVMe tier (without one nothing is saved), `dir`'s own included. A budget keeps the least
+/// of what each file resumes it to: the latest save, refilled since, is the least.
 pub(crate) fn resume_from_dir(state: &StoreState, dir: &std::path::Path) {
-    if state.geometry.is_some() {
-        resume(state, crate::namespace_dir::read_budgets(dir));
+    if state.geometry.is_none() {
+        return;
+    }
+    // The budgets are the store's, shared by its namespaces: each resumes from every namespace's
+    // file, not only those of the namespaces opened so far (one that spent the budget and has not
+    // come back since must still count).
+    let namespaces = dir.parent().and_then(|store| std::fs::read_dir(store).ok());
+    let dirs = namespaces.into_iter().flatten().filter_map(|entry| entry.ok().map(|entry| entry.path()));
+    for namespace_dir in dirs.filter(|path| path.join(crate::namespace_dir::BUDGET_FILE_NAME).is_file()) {
+        resume(state, crate::namespace_dir::read_budgets(&namespace_dir));
     }
 }
 

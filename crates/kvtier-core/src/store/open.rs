@@ -215,7 +215,8 @@ fn open_admission(config: &StoreConfig, dirs: &[PathBuf], nvme: bool) -> Admissi
              count: the NVMe tier's writes are unbounded; set write_budget_nvme_bytes_per_day to bound them"
         );
     }
-    let budget = WriteBudget::of_store(Tier::Nvme.name(), &config.paths, bytes_per_day, config.write_budget_burst_s);
+    let budget =
+        WriteBudget::of_store(Tier::Nvme.name().into(), &config.paths, bytes_per_day, config.write_budget_burst_s);
     let policies = (config.write_admission, config.remote_write_admission.unwrap_or(config.write_admission));
     Admission::new(policies, config.write_admission_memory_blocks, budget)
 }
