@@ -337,22 +337,26 @@ fn a_write_a_load_cancelled_gives_its_budget_back() {
     store.check_invariants();
 }
 
+/// A store in `local` writing every block, with the shared tier in `dir/shared` and a budget of six
+/// slots a day for it.
+fn six_shared_slots_a_day(local: &std::path::Path, dir: &std::path::Path) -> StoreConfig {
+    let mut c = reuse_config(local);
+    c.write_admission = WriteAdmission::All;
+    let mut shared = SharedConfig::new(dir.join("shared"));
+    shared.file_target_bytes = 256 << 10;
+    shared.publish_delay_ms = 20;
+    c.shared = Some(shared);
+    c.write_budget_shared_bytes_per_day = 6 * SLOT_BYTES;
+    c
+}
+
 /// A shared tier's write budget pays for blocks written: a block the tier already holds (another
 /// host published it) costs nothing. Before, each such offer took a block's bytes and wrote
 /// nothing, so fresh blocks were refused with the budget unspent.
 #[test]
 fn a_block_the_shared_tier_holds_already_costs_its_budget_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let node = |name: &str| {
-        let mut c = reuse_config(&dir.path().join(name));
-        c.write_admission = WriteAdmission::All;
-        let mut shared = SharedConfig::new(dir.path().join("shared"));
-        shared.file_target_bytes = 256 << 10;
-        shared.publish_delay_ms = 20;
-        c.shared = Some(shared);
-        c.write_budget_shared_bytes_per_day = 6 * SLOT_BYTES;
-        Store::open(c).unwrap()
-    };
+    let node = |name: &str| Store::open(six_shared_slots_a_day(&dir.path().join(name), dir.path())).unwrap();
     let a = node("a");
     put(&a, &[0, 1, 2, 3]);
     a.flush().unwrap();
@@ -478,14 +482,8 @@ fn two_namespaces_on_one_drive_take_from_one_budget() {
 fn two_namespaces_of_one_store_share_the_shared_tiers_budget() {
     let dir = tempfile::tempdir().unwrap();
     let model = |namespace: &[u8]| {
-        let mut c = reuse_config(&dir.path().join("local"));
-        c.write_admission = WriteAdmission::All;
+        let mut c = six_shared_slots_a_day(&dir.path().join("local"), dir.path());
         c.namespace = namespace.to_vec();
-        let mut shared = SharedConfig::new(dir.path().join("shared"));
-        shared.file_target_bytes = 256 << 10;
-        shared.publish_delay_ms = 20;
-        c.shared = Some(shared);
-        c.write_budget_shared_bytes_per_day = 6 * SLOT_BYTES;
         Store::open(c).unwrap()
     };
     let (one, two) = (model(b"model-one"), model(b"model-two"));
