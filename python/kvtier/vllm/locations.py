@@ -99,7 +99,7 @@ class Locations:
         """The request's blocks after ``key``'s, in the order of their positions, up to the first one
         this step did not locate in this host's tiers (DRAM, NVMe): vLLM's lookup pass stops at its
         first miss, so these are the blocks it may load next. The manager pins them together under
-        vLLM's plain connector. None without positions (another vLLM)."""
+        vLLM's plain connector. Empty without positions (another vLLM)."""
         located = self._passes.get(req_context.req_id)
         position = _position(req_context, key)
         positions = getattr(req_context, "_offload_key_positions", None)

@@ -166,7 +166,7 @@ class KvtierManager(OffloadingManager):
     def _hold(self, req_context: ReqContext, key: OffloadKey, store_key: bytes) -> bool:
         """Under vLLM's plain OffloadingConnector, which stops the engine on a failed load: pins the
         block a lookup offers then, not at prepare_load later in the step (another engine's store
-        could evict it in between), with the request's later blocks this step located on the host,
+        could evict it in between), with the request's next blocks up to the first the host lacks,
         in the same call (``Locations.held_here``). False when the block left meanwhile. The pin
         counts as a use (evidence of reuse, S3-FIFO's touch): the prompt came back for it."""
         self._repin_after_reattach()
@@ -185,13 +185,17 @@ class KvtierManager(OffloadingManager):
         during the call put these pins on the new client: the engine's other pins, which went with
         the old one, are taken again here (``_repin_after_reattach``), before the caller records
         these (which must read its request's pins afresh)."""
-        try:
-            pinned = self._store.pin_many(keys) if keys else []
-        except Exception:
-            logger.exception("kvtier: pin failed; its blocks are misses or their load fails")
-            pinned = []
+        pinned = self._pin_many(keys)
         self._repin_after_reattach()
         return pinned
+
+    def _pin_many(self, keys: list[bytes]) -> list[bool]:
+        """``pin_many``, no flag when the call failed (logged): its blocks are misses or their load fails."""
+        try:
+            return self._store.pin_many(keys) if keys else []
+        except Exception:
+            logger.exception("kvtier: pin failed")
+            return []
 
     def _after_load(self, req_id: str, store_key: bytes) -> LookupResult | None:
         """The answer to a lookup of a request vLLM looks up again after its load was prepared (the
@@ -356,10 +360,7 @@ class KvtierManager(OffloadingManager):
 
     def _pin_again(self, keys: list[bytes]) -> list[bytes]:
         """Pins ``keys`` on the client attached now: those it took (the others are counted lost)."""
-        try:
-            pinned = self._store.pin_many(keys)
-        except Exception:
-            pinned = []
+        pinned = self._pin_many(keys)
         kept = [key for key, took_pin in zip(keys, pinned, strict=False) if took_pin]
         self.pins_lost_at_reattach += len(keys) - len(kept)
         return kept

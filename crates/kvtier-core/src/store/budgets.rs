@@ -4,7 +4,7 @@
 //! again every hour could write 24 days' budget a day.
 
 use crate::admission::WriteBudget;
-use crate::catalog::{Tier, TIER_ROWS};
+use crate::catalog::Tier;
 use crate::format::budget::SavedBudgets;
 use crate::store_state::StoreState;
 use parking_lot::Mutex;
@@ -18,12 +18,7 @@ pub(crate) fn by_tier(state: &StoreState) -> Vec<(Tier, &Mutex<WriteBudget>)> {
 
 /// Each bounded write budget below DRAM, by its tier's code on the wire.
 fn budgets(state: &StoreState) -> Vec<(u32, &Mutex<WriteBudget>)> {
-    by_tier(state).into_iter().map(|(tier, budget)| (tier_code(tier), budget)).collect()
-}
-
-fn tier_code(tier: Tier) -> u32 {
-    let row = TIER_ROWS.iter().position(|row| row.tier == tier).expect("every tier has a row");
-    row as u32 + 1
+    by_tier(state).into_iter().map(|(tier, budget)| (u32::from(Tier::wire_code(Some(tier))), budget)).collect()
 }
 
 fn unix_ms() -> u64 {
