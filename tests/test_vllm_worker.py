@@ -571,19 +571,64 @@ def test_pins_taken_during_a_reattach_are_neither_lost_nor_doubled(tmp_path, mon
         assert w.submit_store(1, engine_blocks([0, 1]), KvtierLoadStoreSpec(blocks)) and finished(w, 1)
         first, second = ReqContext(req_id="first"), ReqContext(req_id="second")
         manager.prepare_load(offload_keys[:1], first)  # pinned on the first client
-        pin_many = scheduler.pin_many
+        pin_many_served = scheduler.pin_many_served
 
-        def reattach_then_pin(keys: list[bytes]) -> list[bool]:
-            monkeypatch.setattr(scheduler, "pin_many", pin_many)  # once
+        def reattach_then_pin(keys: list[bytes]) -> tuple[list[bool], int | None]:
+            monkeypatch.setattr(scheduler, "pin_many_served", pin_many_served)  # once
             scheduler._drop_dead(scheduler._client)  # as a call that timed out does; its pins go
             assert scheduler.wait_attached(10), "the scheduler's connection did not reattach"
-            return pin_many(keys)
+            return pin_many_served(keys)
 
-        monkeypatch.setattr(scheduler, "pin_many", reattach_then_pin)
+        monkeypatch.setattr(scheduler, "pin_many_served", reattach_then_pin)
         manager.prepare_load(offload_keys[1:], second)
         assert trim_unpinned(options) == 2, "the first request's block lost its pin at the reattach"
         manager.complete_load(offload_keys[:1], first)
         manager.complete_load(offload_keys[1:], second)
+        manager.prepare_load([], ReqContext(req_id="next"))  # the manager's next call
+        assert trim_unpinned(options) == 0, "a pin was taken twice and released once"
+        assert manager.pins_lost_at_reattach == 0
+    finally:
+        w.shutdown()
+        manager.shutdown()
+        kvtier_service.stop_service(options.socket_path())
+
+
+def test_pins_a_client_took_just_before_it_was_let_go_are_taken_again(tmp_path, monkeypatch):
+    """Another thread's failed call (the prefetcher's, the event feed's) can let the client go, and
+    a new one attach, between a pin call's answer and the manager recording its pins: they went with
+    the old client, yet the manager counted them as held, and the block promised to a load was
+    evictable (under vLLM's plain OffloadingConnector a missed load stops the engine). The manager
+    now checks which client took them, and takes them again on the new one."""
+    options = options_for(tmp_path)
+    scheduler = connection(options)
+    manager = KvtierManager(ServiceBackend(scheduler))
+    w = worker(options, layers())
+    try:
+        promised = make_offload_key(hashlib.sha256(b"let go").digest(), 0)
+        block = kvtier_key(promised)
+        assert w.submit_store(1, engine_blocks([0]), KvtierLoadStoreSpec([block])) and finished(w, 1)
+        live_client = scheduler.live_client
+
+        class LetGoAfterItsPin:
+            def __init__(self, client: Any) -> None:
+                self.client = client
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self.client, name)
+
+            def pin_many(self, keys: list[bytes]) -> list[bool]:
+                monkeypatch.setattr(scheduler, "live_client", live_client)  # once
+                flags = self.client.pin_many(keys)
+                self.client.unpin_many(keys)  # what the service does with a client gone
+                scheduler._drop_dead(self.client)  # another thread's call to the frozen service timed out
+                assert scheduler.wait_attached(10), "the scheduler's connection did not reattach"
+                return flags
+
+        monkeypatch.setattr(scheduler, "live_client", lambda reconnect=True: LetGoAfterItsPin(live_client(reconnect)))
+        request = ReqContext(req_id="promised")
+        manager.prepare_load([promised], request)
+        assert trim_unpinned(options) == 1, "a pin the client let go took was counted as held"
+        manager.complete_load([promised], request)
         manager.prepare_load([], ReqContext(req_id="next"))  # the manager's next call
         assert trim_unpinned(options) == 0, "a pin was taken twice and released once"
         assert manager.pins_lost_at_reattach == 0
@@ -1339,6 +1384,36 @@ def test_a_request_waits_for_a_prefetch_only_while_it_progresses(service):
             deadline = time.monotonic() + 5
             while prefetcher.lookup(key(131), "nvme") == LookupResult.HIT_PENDING:
                 assert time.monotonic() < deadline, "a stalled prefetch held its request"
+                time.sleep(0.05)
+            assert prefetcher.expired_pending >= 1
+        prefetcher.close()
+    finally:
+        w.shutdown()
+
+
+def test_a_slow_buckets_rate_does_not_let_a_stuck_nvme_prefetch_hold_its_request(service):
+    """A chunk may take three times what its tier's measured rate says before the prefetcher counts
+    as stalled (a slow link still delivers). That limit came from the slowest tier known, whatever
+    the chunk read: with a bucket timed at 2 s a block, a prefetch from NVMe stuck behind a frozen
+    service held its request in HIT_PENDING for 96 s. The limit is the chunk's own tier's now."""
+    from kvtier.vllm.costs import TierRates
+
+    w = worker(service, layers())
+    try:
+        assert w.submit_store(1, engine_blocks([0]), KvtierLoadStoreSpec([key(132)])) and finished(w, 1)
+        prefetcher = Prefetcher(lambda: connection(service), pending_timeout_s=0.5)
+        prefetcher.rates = rates = TierRates()
+        deadline = time.monotonic() + 10
+        while prefetcher.lookup(key(132), "nvme") != LookupResult.HIT:
+            assert time.monotonic() < deadline, "the first prefetch did not end"
+            time.sleep(0.05)
+        assert (rates.seconds_per_block("nvme") or 1.0) < 0.05, "NVMe timed by its own prefetch"
+        rates.observe("bucket", 1, 2.0)  # a slow link elsewhere: 96 s for a chunk of 16 blocks
+        with frozen(service.socket_path()):
+            assert prefetcher.lookup(key(133), "nvme") == LookupResult.HIT_PENDING
+            deadline = time.monotonic() + 5
+            while prefetcher.lookup(key(133), "nvme") == LookupResult.HIT_PENDING:
+                assert time.monotonic() < deadline, "the bucket's rate let a stuck NVMe prefetch hold its request"
                 time.sleep(0.05)
             assert prefetcher.expired_pending >= 1
         prefetcher.close()

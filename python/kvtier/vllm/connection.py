@@ -357,9 +357,21 @@ class ServiceConnection:
     def call(self, method: str, *args: Any, default: Any = None, reconnect: bool = True) -> Any:
         """``method`` on the service, ``default`` when it cannot answer; ``reconnect=False``: a call
         only a connected service needs (one started again knows nothing of this one's state)."""
+        return self._call(method, args, default, reconnect)[0]
+
+    def call_served(self, method: str, *args: Any, default: Any = None) -> tuple[Any, int | None]:
+        """``call``, with the ``client_epoch`` of the client that answered: None when none did, or
+        when it was let go before the call returned (what the call left there, pins, went with it).
+        Another thread's failed call can let the client go and attach a new one at any time."""
+        result, client = self._call(method, args, default, True)
+        with self._lock:
+            return result, (self.client_epoch if client is not None and self._client is client else None)
+
+    def _call(self, method: str, args: tuple[Any, ...], default: Any, reconnect: bool) -> tuple[Any, Any]:
+        """``call``'s result, with the client that answered (None when none did)."""
         client = self.live_client(reconnect=reconnect)
         if client is None:
-            return default
+            return default, None
         try:
             result = getattr(client, method)(*args)
         except Exception as error:
@@ -371,9 +383,9 @@ class ServiceConnection:
                     self._reconnect_in_background()
             else:
                 logger.warning("kvtier: host service call %s refused (%s)", method, error)
-            return default
+            return default, None
         self.report_counts()
-        return result
+        return result, client
 
     def add_count_source(self, source: Callable[[], Mapping[str, int]]) -> None:
         """Counts this engine keeps itself (the worker's jobs given up or skipped, its loads held for
@@ -519,11 +531,26 @@ class ServiceConnection:
     def pin_many(self, keys: list[bytes]) -> list[bool]:
         return self.call("pin_many", keys, default=[])
 
+    def pin_many_served(self, keys: list[bytes]) -> tuple[list[bool], int | None]:
+        """``pin_many``, with the epoch of the client that holds the pins (``call_served``)."""
+        return self.call_served("pin_many", keys, default=[])
+
     def unpin_many(self, keys: list[bytes]) -> None:
         # Pins live as long as the connection that took them: a dead service's went with it, and a
         # service started again to release them would hold none (an engine shutting down beside a
         # stopped service started it again this way).
         self.call("unpin_many", keys, reconnect=False)
+
+    def unpin_many_at(self, keys: list[bytes], epoch: int) -> None:
+        """Releases pins the client of ``epoch`` took, if it is still this connection's: a later
+        client holds none of them, and an unpin there would release another request's."""
+        with self._lock:
+            client = self._client if self.client_epoch == epoch else None
+        if client is not None:
+            try:
+                client.unpin_many(keys)
+            except Exception:
+                logger.debug("kvtier: unpin failed; the pins go with the client", exc_info=True)
 
     def assign_tenant(self, keys: list[bytes], tenant: bytes) -> None:
         self.call("assign_tenant", keys, tenant)

@@ -47,6 +47,9 @@ TENANCY_CHECK_S = 30.0
 # Requests with a load prepared that the manager remembers (a request whose end vLLM never told
 # is forgotten, oldest first, past this many).
 MAX_LOADED_REQUESTS = 4096
+# Rounds a pin (or the re-pin after a reattach) is tried while reattaches keep moving the engine's
+# pins to a new client under it (another thread's failed call lets the client go at any time).
+PIN_TRIES = 3
 
 # store.locate_many() tier -> vLLM's cache-hit source (shared and unknown: external_unspecified).
 _HIT_SOURCE_BY_TIER = {"dram": CacheHitSource.HOST, "nvme": CacheHitSource.DISK}
@@ -181,21 +184,40 @@ class KvtierManager(OffloadingManager):
         return store_key in held
 
     def _pin_now(self, keys: list[bytes]) -> list[bool]:
-        """``pin_many`` (one flag per leading present key) on the client attached now. A reattach
-        during the call put these pins on the new client: the engine's other pins, which went with
-        the old one, are taken again here (``_repin_after_reattach``), before the caller records
-        these (which must read its request's pins afresh)."""
-        pinned = self._pin_many(keys)
-        self._repin_after_reattach()
-        return pinned
+        """``pin_many`` (one flag per leading present key) on the client the engine's pins are on.
+        A reattach around the call (the connection let the client go: a failed call, this thread's
+        or another's) moves the engine's other pins to the new client (``_repin_after_reattach``);
+        these are kept only if the client that took them is that one, else taken again there. The
+        caller records them, reading its request's pins afresh."""
+        for _ in range(PIN_TRIES):
+            pinned, served = self._pin_many_served(keys)
+            self._repin_after_reattach()
+            if not any(pinned) or served == self._pins_epoch:
+                return pinned
+            if served is not None:  # a client let go since: its pins go with it, or are released here
+                self._unpin_at([key for key, took in zip(keys, pinned, strict=False) if took], served)
+        return []
 
-    def _pin_many(self, keys: list[bytes]) -> list[bool]:
-        """``pin_many``, no flag when the call failed (logged): its blocks are misses or their load fails."""
+    def _pin_many_served(self, keys: list[bytes]) -> tuple[list[bool], int | None]:
+        """``pin_many``, with the epoch of the client that took the pins (None: a client let go
+        before the call returned); no flag when the call failed (logged): its blocks are misses or
+        their load fails. A store in this process has one client for good."""
+        if not keys:
+            return [], self._pins_epoch
         try:
-            return self._store.pin_many(keys) if keys else []
+            pin_many_served = getattr(self._store, "pin_many_served", None)
+            if pin_many_served is None:
+                return self._store.pin_many(keys), self._client_epoch()
+            return pin_many_served(keys)
         except Exception:
             logger.exception("kvtier: pin failed")
-            return []
+            return [], None
+
+    def _unpin_at(self, keys: list[bytes], epoch: int) -> None:
+        """Releases pins the client of ``epoch`` took, if it is still attached (``unpin_many_at``)."""
+        unpin_many_at = getattr(self._store, "unpin_many_at", None)
+        if keys and unpin_many_at is not None:
+            unpin_many_at(keys, epoch)
 
     def _after_load(self, req_id: str, store_key: bytes) -> LookupResult | None:
         """The answer to a lookup of a request vLLM looks up again after its load was prepared (the
@@ -337,33 +359,50 @@ class KvtierManager(OffloadingManager):
         again before any unpin, so that a block promised to a load stays put (under vLLM's plain
         OffloadingConnector a load that misses stops the engine) and an unpin never releases a pin
         another request took on the new client. A block gone meanwhile keeps no pin (counted)."""
-        epoch = self._client_epoch()
-        if epoch == self._pins_epoch:
-            return
-        self._pins_epoch = epoch
         lost_before = self.pins_lost_at_reattach
-        for req_id, request_pins in list(self._pins.items()):
-            # In prefix order: pins stop at the first absent key.
-            kept = Counter(self._pin_again(list(request_pins.elements())))
-            if kept:
-                self._pins[req_id] = kept
-            else:
-                del self._pins[req_id]
-                self._pinned_at.pop(req_id, None)
-        for req_id, held in list(self._held.items()):
-            self._held[req_id] = dict.fromkeys(self._pin_again(list(held)))
+        for _ in range(PIN_TRIES):  # a round a reattach interrupted is done again on the next client
+            epoch = self._client_epoch()
+            if epoch == self._pins_epoch:
+                break
+            self._pins_epoch = epoch
+            self._repin_all(epoch)
         if self.pins_lost_at_reattach > lost_before:
             logger.warning(
                 "kvtier: reattached with %d pin(s) lost (their blocks left the host's tiers meanwhile)",
                 self.pins_lost_at_reattach - lost_before,
             )
 
-    def _pin_again(self, keys: list[bytes]) -> list[bytes]:
-        """Pins ``keys`` on the client attached now: those it took (the others are counted lost)."""
-        pinned = self._pin_many(keys)
+    def _repin_all(self, epoch: int) -> None:
+        """Takes every pin of the engine again on the client of ``epoch``."""
+        for req_id, request_pins in list(self._pins.items()):
+            # In prefix order: pins stop at the first absent key.
+            kept = Counter(self._pin_again(list(request_pins.elements()), epoch))
+            if kept:
+                self._pins[req_id] = kept
+            else:
+                del self._pins[req_id]
+                self._pinned_at.pop(req_id, None)
+        for req_id, held in list(self._held.items()):
+            self._held[req_id] = dict.fromkeys(self._pin_again(list(held), epoch))
+
+    def _pin_again(self, keys: list[bytes], epoch: int) -> list[bytes]:
+        """Pins ``keys`` on the client of ``epoch``: those it took (the others are counted lost).
+        With no client attached (the call failed, a reattach under way) all are kept, uncounted:
+        the next round, on the client attached then, takes them again. Taken by another client (a
+        reattach during the round): released there, and the next round takes them again too (not
+        twice on one client)."""
+        pinned, served = self._pin_many_served(keys)
+        if served is None and not pinned and not self._attached():
+            return keys
         kept = [key for key, took_pin in zip(keys, pinned, strict=False) if took_pin]
+        if kept and served is not None and served != epoch:
+            self._unpin_at(kept, served)
         self.pins_lost_at_reattach += len(keys) - len(kept)
         return kept
+
+    def _attached(self) -> bool:
+        """Whether calls go to a host service now (a store in this process: always)."""
+        return bool(getattr(self._store, "available", True))
 
     def _unpin_held(self, keys: Collection[bytes]) -> None:
         """Releases pins lookups took (plain route) that no load took over."""

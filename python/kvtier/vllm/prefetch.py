@@ -50,6 +50,7 @@ class Prefetcher:
         # or a stalled tier turns into a miss (recompute) instead of holding the request.
         self._pending_timeout_s = pending_timeout_s
         self._progress_at = time.monotonic()  # when a chunk last started or ended
+        self._chunk_tier: str | None = None  # the slowest tier of the chunk being read, if any
         self.expired_pending = 0
         # Where what each tier delivers now is recorded (the manager's load-or-recompute rates).
         self.rates: TierRates | None = None
@@ -98,11 +99,13 @@ class Prefetcher:
         return now - self._since[key] > timeout_s and now - self._progress_at > self._chunk_limit_s()
 
     def _chunk_limit_s(self) -> float:
-        """How long a chunk may take before the prefetcher counts as stalled: the pending timeout, or
-        three times what a chunk of the slowest tier measured takes (a slow link delivers one)."""
-        rates = self.rates
-        known = [rate for tier in TIERS_BELOW_DRAM if rates and (rate := rates.seconds_per_block(tier)) is not None]
-        return max(self._pending_timeout_s, 3 * CHUNK_BLOCKS * max(known, default=0.0))
+        """Holds ``_cv``. How long the chunk being read may take before the prefetcher counts as
+        stalled: the pending timeout, or three times what a chunk of its tier takes at the tier's
+        measured rate (a slow link still delivers one). The tier read now, not the slowest known: a
+        slow bucket's rate must not let a hung NVMe read hold requests for a minute."""
+        rates, tier = self.rates, self._chunk_tier
+        per_block = rates.seconds_per_block(tier) if rates is not None and tier is not None else None
+        return max(self._pending_timeout_s, 3 * CHUNK_BLOCKS * (per_block or 0.0))
 
     def origin(self, key: bytes) -> str | None:
         with self._cv:
@@ -133,6 +136,7 @@ class Prefetcher:
         started = time.monotonic()
         with self._cv:
             self._progress_at = started
+            self._chunk_tier = self._slowest_tier(chunk)
         if self._connection is not None:
             found = self._connection.call("prefetch", chunk, default=None)
             read = [key for key, ok in zip(chunk, found or [], strict=False) if ok]
@@ -145,6 +149,7 @@ class Prefetcher:
         now = time.monotonic()
         with self._cv:
             self._progress_at = now
+            self._chunk_tier = None
             for key in chunk:
                 self._ended[key] = (self._in_flight.pop(key, "nvme"), now)
                 self._since.pop(key, None)
@@ -165,9 +170,13 @@ class Prefetcher:
         if self.rates is None or not batch:
             return
         with self._cv:
-            tiers = {self._in_flight.get(key, "nvme") for key in batch}
-        slowest = max(tiers, key=lambda tier: TIERS_BELOW_DRAM.index(tier) if tier in TIERS_BELOW_DRAM else 0)
+            slowest = self._slowest_tier(batch)
         self.rates.observe(slowest, len(batch), seconds)
+
+    def _slowest_tier(self, keys: list[bytes]) -> str:
+        """Holds ``_cv``. The last of the keys' tiers in ``TIERS_BELOW_DRAM`` (the one likely slowest)."""
+        tiers = {self._in_flight.get(key, "nvme") for key in keys}
+        return max(tiers, key=lambda tier: TIERS_BELOW_DRAM.index(tier) if tier in TIERS_BELOW_DRAM else 0)
 
     def _forget_older_than(self, cutoff: float) -> None:
         """Holds ``_cv``. Ended entries are in the order they ended."""
