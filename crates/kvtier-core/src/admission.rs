@@ -158,7 +158,8 @@ impl WriteBudget {
     fn refill(&mut self, now: Instant) {
         let elapsed_s = now.saturating_duration_since(self.refilled_at).as_secs_f64();
         self.tokens = (self.tokens + elapsed_s * self.bytes_per_s).min(self.burst_bytes);
-        self.refilled_at = now;
+        // A `now` read before another thread's refill must not move the mark back (and refill twice).
+        self.refilled_at = self.refilled_at.max(now);
     }
 
     /// Takes `bytes` if the budget has them now.

@@ -452,6 +452,14 @@ fn a_restart_resumes_the_nvme_write_budget_rather_than_starting_a_full_one() {
     std::fs::write(&budget_file, b"KVTBUDG\0 not a budget file").unwrap();
     let store = Store::open(eight_slots_a_day(dir.path())).unwrap();
     assert_eq!(store.stats().gauges.nvme_write_budget_left_bytes, 8 * SLOT_BYTES);
+    drop(store); // closes it: its drive's budget goes with the last store holding it
+                 // Saved with nothing left by a clock a day ahead (set right since): ignored (logged),
+                 // not resumed to nothing at every open until that day comes.
+    let a_day_ahead = half_a_day_ago + 3 * 43_200_000;
+    std::fs::write(&budget_file, encode(&SavedBudgets { saved_unix_ms: a_day_ahead, entries: vec![(nvme, 0)] }))
+        .unwrap();
+    let store = Store::open(eight_slots_a_day(dir.path())).unwrap();
+    assert_eq!(store.stats().gauges.nvme_write_budget_left_bytes, 8 * SLOT_BYTES, "a future save held the budget");
 }
 
 #[test]

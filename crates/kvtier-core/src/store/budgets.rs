@@ -38,15 +38,30 @@ pub(crate) fn resume_from_dir(state: &StoreState, dir: &std::path::Path) {
     let namespaces = dir.parent().and_then(|store| std::fs::read_dir(store).ok());
     let dirs = namespaces.into_iter().flatten().filter_map(|entry| entry.ok().map(|entry| entry.path()));
     for namespace_dir in dirs.filter(|path| path.join(crate::namespace_dir::BUDGET_FILE_NAME).is_file()) {
-        resume(state, crate::namespace_dir::read_budgets(&namespace_dir));
+        let file = namespace_dir.join(crate::namespace_dir::BUDGET_FILE_NAME);
+        resume(state, crate::namespace_dir::read_budgets(&namespace_dir), &file);
     }
 }
 
+/// How far in the future a save may be dated and still count (as saved now): clocks of one host
+/// disagree by less. A file dated later was written by a clock that ran ahead; resuming from it
+/// would hold the budget near what it had then at every open until that date, days away perhaps.
+const FUTURE_SAVE_SLACK_MS: u64 = 5 * 60 * 1000;
+
 /// Each budget the file names resumes what it had left at the save, refilled since (a
-/// clock that went back refills nothing); one it does not name starts full.
-fn resume(state: &StoreState, saved: Option<SavedBudgets>) {
+/// clock that went back a little refills nothing); one it does not name starts full.
+fn resume(state: &StoreState, saved: Option<SavedBudgets>, file: &std::path::Path) {
     let Some(saved) = saved else { return };
-    let elapsed = Duration::from_millis(unix_ms().saturating_sub(saved.saved_unix_ms));
+    let now_unix_ms = unix_ms();
+    if saved.saved_unix_ms > now_unix_ms.saturating_add(FUTURE_SAVE_SLACK_MS) {
+        log::warn!(
+            "kvtier: {} was saved {} s in the future (a clock that ran ahead?); its write budgets are not resumed",
+            file.display(),
+            (saved.saved_unix_ms - now_unix_ms) / 1000
+        );
+        return;
+    }
+    let elapsed = Duration::from_millis(now_unix_ms.saturating_sub(saved.saved_unix_ms));
     let now = Instant::now();
     for (code, budget) in budgets(state) {
         if let Some(&(_, left_bytes)) = saved.entries.iter().find(|(tier, _)| *tier == code) {
