@@ -12,6 +12,7 @@ import pytest
 from kvtier.vllm.costs import (
     MIN_PREFILL_STEPS,
     PROBE_BLOCKS,
+    REPROBE_S,
     EngineRequests,
     LoadDecider,
     PrefillModel,
@@ -252,7 +253,7 @@ def test_a_request_waits_for_its_load_at_most_the_cap_times_its_recompute():
     keys = [bytes([i]) * 32 for i in range(16)]
     assert [decider.answer("r", key, "bucket") for key in keys] == ["retry"] * 16
     assert [decider.answer("r", key, "bucket") for key in keys] == ["decline"] * 16
-    assert decider.decisions == {("bucket", "recompute"): 16}
+    assert decider.decisions == {("bucket", "recompute_wait"): 16}, "the cap's declines are told apart"
 
 
 def test_the_decider_offers_dram_at_once_and_decides_the_rest_on_the_next_pass():
@@ -332,6 +333,25 @@ def test_a_remote_tier_with_no_rate_is_read_aside_while_the_request_recomputes_i
         ("bucket", "probe_aside"): PROBE_BLOCKS,
         ("bucket", "recompute"): 8 - PROBE_BLOCKS,
     }
+
+
+def test_a_tier_declined_on_an_old_rate_is_timed_again_in_the_background():
+    """Declined hits give their tier no new measure: one slow chunk (seen under load at 200 MB/s, 7x
+    the usual, a chunk that waited behind other work) kept the bucket declined for 80 s, until load
+    after load was recomputed. Once the rate is ``REPROBE_S`` old, a request that declines the tier
+    hands its first declined hits over to be read aside, which times the tier again."""
+    model = trained()
+    recompute = model.recompute_s(16 * BLOCK_TOKENS) or 0.0
+    slow = 4 * recompute / 16  # loading the prefix would take 4 recomputes: declined
+    keys = [bytes([i]) * 32 for i in range(16)]
+    for age_s, expected in ((1.0, "decline"), (REPROBE_S + 1, "probe_aside")):
+        decider = LoadDecider("auto", BLOCK_TOKENS)
+        decider.prefill, decider.rates = model, rates_of(dram=0.0001)
+        decider.rates.restore("bucket", slow, age_s)
+        assert [decider.answer("r", key, "bucket") for key in keys] == ["retry"] * 16
+        assert decider.answer("r", keys[0], "bucket") == expected
+    assert decider.take_probe("r") == [(key, "bucket") for key in keys[:PROBE_BLOCKS]]
+    assert decider.decisions == {("bucket", "probe_aside"): PROBE_BLOCKS, ("bucket", "recompute"): 12}
 
 
 def test_an_untrained_decider_offers_every_hit_at_once_and_counts_each_once():

@@ -10,9 +10,10 @@ Three parts, each fed online on the scheduler's side:
   context lengths change. Recomputing a prefix of ``n`` tokens then costs ``b·n + c·n²/2`` (the
   step's fixed part ``a`` is paid anyway).
 - ``TierRates``: seconds per block each tier delivered recently (an exponentially weighted mean of
-  what prefetches and loads took, queueing included). A rate not refreshed for ``stale_s`` is
-  forgotten: a remote tier declined because it was slow is probed again with a few blocks, a local
-  one is loaded whole again.
+  what prefetches and loads took, queueing included). A tier whose hits are declined is timed
+  again in the background once its rate is ``REPROBE_S`` old (``reprobe``); a rate not refreshed
+  for ``stale_s`` is forgotten: a remote tier is then probed again with a few blocks, a local one
+  loaded whole again.
 - ``EngineRequests``: the requests the engine holds now. A recompute delays every one of them; a load
   runs beside the engine and delays only the request that waits for it, behind the loads queued on
   its link before it.
@@ -50,6 +51,11 @@ logger = logging.getLogger("kvtier.vllm")
 # Blocks offered from a remote tier whose rate is unknown (never measured, or forgotten): enough to
 # time it, few enough that a slow tier costs little.
 PROBE_BLOCKS = 4
+# A tier whose hits are declined is timed again (``PROBE_BLOCKS`` read aside) once its rate is this
+# old: declined, it gets no new measure, so one slow one (a chunk that waited behind other work, a
+# link that recovered since) would otherwise keep it declined until the rate is forgotten (``stale_s``).
+# Seen under load at 200 MB/s: one chunk timed at 7x the usual kept the bucket declined for 80 s.
+REPROBE_S = 15.0
 # Tiers on this host. One of them with no rate yet is not probed but offered whole: its worst case is
 # bounded by the local disk, so a probe (which recomputes all but a few blocks of a long prefix) costs
 # more than it can save. A remote link can be arbitrarily slow (issue 36's 40 MB/s gateway): only
@@ -192,6 +198,12 @@ class TierRates:
                 sample = (1 - self.weight) * old.seconds_per_block + self.weight * sample
             self._rates[tier] = _Rate(sample, now)
 
+    def age_s(self, tier: str) -> float | None:
+        """Seconds since the tier was last measured; None when never."""
+        with self._lock:
+            rate = self._rates.get(tier)
+        return None if rate is None else time.monotonic() - rate.measured_at
+
     def seconds_per_block(self, tier: str) -> float | None:
         """None when never measured, or not since ``stale_s``."""
         with self._lock:
@@ -292,6 +304,21 @@ def probe_aside(tiers: Sequence[str], rates: TierRates) -> range:
     on the request's path at kv8b, twice a recompute), and the next request finds the rate known."""
     first = first_unknown_remote(tiers, rates)
     return range(0) if first is None else range(first, min(len(tiers), first + PROBE_BLOCKS))
+
+
+def reprobe(tiers: Sequence[str], offered: int, rates: TierRates) -> range:
+    """The declined hits read in the background to time their tier again (``REPROBE_S``): the first
+    ``PROBE_BLOCKS`` after the ``offered`` ones, of the first declined hit's tier, when it is below
+    DRAM and its rate is at least ``REPROBE_S`` old."""
+    if offered >= len(tiers) or tiers[offered] == "dram":
+        return range(0)
+    age_s = rates.age_s(tiers[offered])
+    if age_s is None or age_s < REPROBE_S:
+        return range(0)
+    end = offered
+    while end < min(len(tiers), offered + PROBE_BLOCKS) and tiers[end] == tiers[offered]:
+        end += 1
+    return range(offered, end)
 
 
 # A plan's offer while the prefill model has no data: every hit, each counted as it is first seen.
@@ -437,16 +464,24 @@ class LoadDecider:
         if others > 0 and reason in ("saves", "probe_aside"):
             alone = choose_blocks(plan.tiers, self.block_tokens, *costs, 0, queued_s, self.max_wait_ratio)[0]
             idle_count = min(count, alone)
+        # Blocks the wait cap alone declined (loading them would have saved engine time): ``recompute_wait``.
+        uncapped = count
+        if self.max_wait_ratio and reason == "saves":
+            uncapped = choose_blocks(plan.tiers, self.block_tokens, *costs, others, queued_s)[0]
         plan.offer = count
         if reason == "probe_aside":
             plan.probe = probe_aside(plan.tiers, self.rates)
+        elif reason == "saves":
+            plan.probe = reprobe(plan.tiers, count, self.rates)
         for at, tier in enumerate(plan.tiers):
             if at < idle_count:
                 self._count(tier, "load" if reason in ("saves", "probe_aside") else reason)
             elif at < count:
                 self._count(tier, "load_busy")
+            elif at in plan.probe:
+                self._count(tier, "probe_aside")
             else:
-                self._count(tier, "probe_aside" if at in plan.probe else "recompute")
+                self._count(tier, "recompute_wait" if at < uncapped else "recompute")
 
 
 class StepClock:

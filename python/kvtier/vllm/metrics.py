@@ -75,7 +75,9 @@ def kvtier_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         ),
         "kvtier:load_decisions": OffloadingCounterMetadata(
             "Hit blocks per tier and what the load-or-recompute model chose for them: load, load_busy (loaded "
-            "only because the engine runs other requests, which a recompute would slow), recompute, probe "
+            "only because the engine runs other requests, which a recompute would slow), recompute, "
+            "recompute_wait (declined only by load_wait_max_ratio: the load would keep the request waiting "
+            "longer than that many recomputes), probe "
             "(a local tier of unknown rate, loaded to time it), probe_aside (a few blocks of a remote tier of "
             "unknown rate, read in the background to time it and recomputed) or untrained (loaded: no prefill "
             "timings yet).",
