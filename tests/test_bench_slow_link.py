@@ -160,6 +160,9 @@ def test_serve_rows_expand_per_speed_after_node_a():
     with pytest.raises(serve_slow.SlowRowsError, match="name them in --rows"):
         serve_slow.expand_rows(["vllm"], "20")
     assert serve_slow.expand_rows(["vllm", "kvtier-dram"], None) == ["vllm", "kvtier-dram"]
+    # A slow row named twice ran once, in silence (asked for three repeats, a run got one).
+    with pytest.raises(serve_slow.SlowRowsError, match="run once per speed"):
+        serve_slow.expand_rows(["vllm", "kvtier-object-auto", "vllm", "kvtier-object-auto"], "200")
 
 
 def test_serve_plan_with_a_slow_link():

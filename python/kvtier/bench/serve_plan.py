@@ -192,7 +192,8 @@ def _add_row_options(parser: argparse.ArgumentParser) -> None:
         f"--slow-link: vllm,{','.join(serve_slow.OBJECT_ROWS)}; with --slow-mount: "
         f"vllm,{','.join(serve_slow.MOUNT_ROWS)}); a row may "
         "come twice (vllm,kvtier-dram,kvtier-nvme,vllm: vLLM alone first and last, so drift over the run favors no "
-        f"row); the lmcache rows need {LMCACHE_VENV} ({LMCACHE_INSTALL}) or --lmcache-python",
+        f"row), except a slow tier's rows (once per speed); the lmcache rows need {LMCACHE_VENV} "
+        f"({LMCACHE_INSTALL}) or --lmcache-python",
     )  # fmt: skip
     parser.add_argument(
         "--lmcache-python",

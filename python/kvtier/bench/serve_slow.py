@@ -138,6 +138,12 @@ def expand_rows(rows: list[str], rates_text: str | None, tier: SlowTier = BUCKET
         return rows
     if not asked:
         raise SlowRowsError(f"{tier.option} measures the rows {', '.join(tier.rows)}: name them in --rows")
+    if len(asked) > len(set(asked)):
+        # Each runs once per speed behind one node A; a second mention would run nothing more.
+        raise SlowRowsError(
+            f"the rows {', '.join(dict.fromkeys(asked))} run once per speed of {tier.option}: name each once, "
+            "and run the command again (another --seed, --out) for repeats"
+        )
     try:
         rates = parse_rates(rates_text)
     except SlowLinkError as error:
