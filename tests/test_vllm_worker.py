@@ -484,6 +484,13 @@ def trim_unpinned(options: KvtierOptions) -> int:
     return int(dict(client.trim(namespace["digest"], "all", 0))["skipped_in_use"])
 
 
+def store_one_block(w: ServiceWorker, name: bytes) -> OffloadKey:
+    """The worker stores engine block 0 as the block named ``name``: vLLM's key of it."""
+    offload_key = make_offload_key(hashlib.sha256(name).digest(), 0)
+    assert w.submit_store(1, engine_blocks([0]), KvtierLoadStoreSpec([kvtier_key(offload_key)])) and finished(w, 1)
+    return offload_key
+
+
 def test_pins_are_taken_again_when_the_scheduler_reattaches(tmp_path):
     """Pins live as long as the client that took them. A scheduler call that fails (a service stopped
     for longer than the call's deadline) lets go of that client and the service released the pins
@@ -496,9 +503,8 @@ def test_pins_are_taken_again_when_the_scheduler_reattaches(tmp_path):
     manager = KvtierManager(ServiceBackend(scheduler))
     w = worker(options, layers())
     try:
-        promised = make_offload_key(hashlib.sha256(b"promised").digest(), 0)
+        promised = store_one_block(w, b"promised")
         block = kvtier_key(promised)
-        assert w.submit_store(1, engine_blocks([0]), KvtierLoadStoreSpec([block])) and finished(w, 1)
         first, second = ReqContext(req_id="first"), ReqContext(req_id="second")
         manager.prepare_load([promised], first)  # pinned: vLLM will load it
         scheduler._drop_dead(scheduler._client)  # as a call that timed out does; the service lets the pins go
@@ -556,6 +562,13 @@ def test_under_the_plain_connector_a_block_a_lookup_offers_is_pinned_until_its_l
         kvtier_service.stop_service(options.socket_path())
 
 
+def assert_no_pin_left(manager: KvtierManager, options: KvtierOptions) -> None:
+    """After the manager's next call (which takes lost pins again), every pin was released once."""
+    manager.prepare_load([], ReqContext(req_id="next"))
+    assert trim_unpinned(options) == 0, "a pin was taken twice and released once"
+    assert manager.pins_lost_at_reattach == 0
+
+
 def test_pins_taken_during_a_reattach_are_neither_lost_nor_doubled(tmp_path, monkeypatch):
     """A reattach that comes while a pin call is in flight puts that call's pins on the new client.
     The manager took its other pins again only at its next call, and then took these a second time:
@@ -584,9 +597,7 @@ def test_pins_taken_during_a_reattach_are_neither_lost_nor_doubled(tmp_path, mon
         assert trim_unpinned(options) == 2, "the first request's block lost its pin at the reattach"
         manager.complete_load(offload_keys[:1], first)
         manager.complete_load(offload_keys[1:], second)
-        manager.prepare_load([], ReqContext(req_id="next"))  # the manager's next call
-        assert trim_unpinned(options) == 0, "a pin was taken twice and released once"
-        assert manager.pins_lost_at_reattach == 0
+        assert_no_pin_left(manager, options)
     finally:
         w.shutdown()
         manager.shutdown()
@@ -604,9 +615,7 @@ def test_pins_a_client_took_just_before_it_was_let_go_are_taken_again(tmp_path, 
     manager = KvtierManager(ServiceBackend(scheduler))
     w = worker(options, layers())
     try:
-        promised = make_offload_key(hashlib.sha256(b"let go").digest(), 0)
-        block = kvtier_key(promised)
-        assert w.submit_store(1, engine_blocks([0]), KvtierLoadStoreSpec([block])) and finished(w, 1)
+        promised = store_one_block(w, b"let go")
         live_client = scheduler.live_client
 
         class LetGoAfterItsPin:
@@ -629,9 +638,7 @@ def test_pins_a_client_took_just_before_it_was_let_go_are_taken_again(tmp_path, 
         manager.prepare_load([promised], request)
         assert trim_unpinned(options) == 1, "a pin the client let go took was counted as held"
         manager.complete_load([promised], request)
-        manager.prepare_load([], ReqContext(req_id="next"))  # the manager's next call
-        assert trim_unpinned(options) == 0, "a pin was taken twice and released once"
-        assert manager.pins_lost_at_reattach == 0
+        assert_no_pin_left(manager, options)
     finally:
         w.shutdown()
         manager.shutdown()
@@ -1364,6 +1371,23 @@ def test_the_scheduler_fingerprints_the_weights_once_not_on_a_requests_path(tmp_
         kvtier_service.stop_service(options.socket_path())
 
 
+def wait_prefetched(prefetcher: Prefetcher, store_key: bytes) -> None:
+    """Until the NVMe block's prefetch ended (its lookup answers HIT)."""
+    deadline = time.monotonic() + 10
+    while prefetcher.lookup(store_key, "nvme") != LookupResult.HIT:
+        assert time.monotonic() < deadline, "the first prefetch did not end"
+        time.sleep(0.05)
+
+
+def wait_pending_given_up(prefetcher: Prefetcher, store_key: bytes, why: str) -> None:
+    """Until a lookup of the NVMe block no longer answers HIT_PENDING, within 5 s, as a miss counted."""
+    deadline = time.monotonic() + 5
+    while prefetcher.lookup(store_key, "nvme") == LookupResult.HIT_PENDING:
+        assert time.monotonic() < deadline, why
+        time.sleep(0.05)
+    assert prefetcher.expired_pending >= 1
+
+
 def test_a_request_waits_for_a_prefetch_only_while_it_progresses(service):
     """A prefetch stuck behind a frozen service holds its requests in HIT_PENDING at most the pending
     timeout after its last chunk ended: then they are misses (recomputed)."""
@@ -1373,19 +1397,12 @@ def test_a_request_waits_for_a_prefetch_only_while_it_progresses(service):
         prefetcher = Prefetcher(lambda: connection(service), pending_timeout_s=0.5)
         # Its connection made before the freeze: one made during it starts unattached within a second
         # (the service's process is seen stopped), and its prefetches end at once, unsent.
-        deadline = time.monotonic() + 10
-        while prefetcher.lookup(key(130), "nvme") != LookupResult.HIT:
-            assert time.monotonic() < deadline, "the first prefetch did not end"
-            time.sleep(0.05)
+        wait_prefetched(prefetcher, key(130))
         with frozen(service.socket_path()):
             assert prefetcher.lookup(key(131), "nvme") == LookupResult.HIT_PENDING
             time.sleep(0.2)
             assert prefetcher.lookup(key(131), "nvme") == LookupResult.HIT_PENDING, "not yet stalled"
-            deadline = time.monotonic() + 5
-            while prefetcher.lookup(key(131), "nvme") == LookupResult.HIT_PENDING:
-                assert time.monotonic() < deadline, "a stalled prefetch held its request"
-                time.sleep(0.05)
-            assert prefetcher.expired_pending >= 1
+            wait_pending_given_up(prefetcher, key(131), "a stalled prefetch held its request")
         prefetcher.close()
     finally:
         w.shutdown()
@@ -1403,19 +1420,12 @@ def test_a_slow_buckets_rate_does_not_let_a_stuck_nvme_prefetch_hold_its_request
         assert w.submit_store(1, engine_blocks([0]), KvtierLoadStoreSpec([key(132)])) and finished(w, 1)
         prefetcher = Prefetcher(lambda: connection(service), pending_timeout_s=0.5)
         prefetcher.rates = rates = TierRates()
-        deadline = time.monotonic() + 10
-        while prefetcher.lookup(key(132), "nvme") != LookupResult.HIT:
-            assert time.monotonic() < deadline, "the first prefetch did not end"
-            time.sleep(0.05)
+        wait_prefetched(prefetcher, key(132))
         assert (rates.seconds_per_block("nvme") or 1.0) < 0.05, "NVMe timed by its own prefetch"
         rates.observe("bucket", 1, 2.0)  # a slow link elsewhere: 96 s for a chunk of 16 blocks
         with frozen(service.socket_path()):
             assert prefetcher.lookup(key(133), "nvme") == LookupResult.HIT_PENDING
-            deadline = time.monotonic() + 5
-            while prefetcher.lookup(key(133), "nvme") == LookupResult.HIT_PENDING:
-                assert time.monotonic() < deadline, "the bucket's rate let a stuck NVMe prefetch hold its request"
-                time.sleep(0.05)
-            assert prefetcher.expired_pending >= 1
+            wait_pending_given_up(prefetcher, key(133), "the bucket's rate let a stuck NVMe prefetch hold its request")
         prefetcher.close()
     finally:
         w.shutdown()
