@@ -86,9 +86,30 @@ def test_a_tier_rate_is_a_weighted_mean_and_is_forgotten_when_stale(monkeypatch)
     rates = TierRates(weight=0.5, stale_s=30)
     rates.observe("shared", 10, 1.0)
     rates.observe("shared", 10, 3.0)
+    rates.observe("shared", 10, 3.0)
+    # Samples 0.1, 0.3, 0.3 are medians 0.1, 0.1, 0.3: 0.1, then 0.1, then (0.1 + 0.3) / 2.
     assert rates.seconds_per_block("shared") == pytest.approx(0.2)
     now[0] += 31
     assert rates.seconds_per_block("shared") is None, "a slow tier is probed again after a while"
+    rates.observe("shared", 10, 5.0)
+    assert rates.seconds_per_block("shared") == pytest.approx(0.5), "a stale rate's samples are forgotten too"
+
+
+def test_one_slow_sample_among_steady_ones_does_not_move_a_tier_rate_but_two_of_three_do():
+    """Under load at 200 MB/s one prefetch chunk took 7x its neighbours (1.5 s a block against the
+    link's 0.2): taken into the mean as it was, it tripled the bucket's rate and kept the bucket
+    declined for 80 s, with throughput 0.74x always-load's. A link that really slows is still followed."""
+    rates = TierRates()
+    for _ in range(5):
+        rates.observe("bucket", 16, 16 * 0.2)
+    rates.observe("bucket", 16, 16 * 1.5)
+    assert rates.seconds_per_block("bucket") == pytest.approx(0.2), "one slow chunk moved the rate"
+    rates.observe("bucket", 16, 16 * 0.2)
+    rates.observe("bucket", 16, 16 * 0.2)
+    rates.observe("bucket", 16, 16 * 1.5)
+    assert rates.seconds_per_block("bucket") == pytest.approx(0.2)
+    rates.observe("bucket", 16, 16 * 1.5)
+    assert rates.seconds_per_block("bucket") == pytest.approx(0.2 * 0.7 + 1.5 * 0.3), "a slower link ignored"
 
 
 def rates_of(**seconds_per_block: float) -> TierRates:

@@ -10,7 +10,9 @@ Three parts, each fed online on the scheduler's side:
   context lengths change. Recomputing a prefix of ``n`` tokens then costs ``b·n + c·n²/2`` (the
   step's fixed part ``a`` is paid anyway).
 - ``TierRates``: seconds per block each tier delivered recently (an exponentially weighted mean of
-  what prefetches and loads took, queueing included). A tier whose hits are declined is timed
+  what prefetches and loads took, queueing included, each sample first replaced by the median of the
+  last ``RATE_MEDIAN_OF``: one chunk that waited behind other work does not move the rate, two of
+  three do). A tier whose hits are declined is timed
   again in the background once its rate is ``REPROBE_S`` old (``reprobe``); a rate not refreshed
   for ``stale_s`` is forgotten: a remote tier is then probed again with a few blocks, a local one
   loaded whole again.
@@ -35,6 +37,7 @@ import logging
 import math
 import os
 import stat
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -56,6 +59,11 @@ PROBE_BLOCKS = 4
 # link that recovered since) would otherwise keep it declined until the rate is forgotten (``stale_s``).
 # Seen under load at 200 MB/s: one chunk timed at 7x the usual kept the bucket declined for 80 s.
 REPROBE_S = 15.0
+# A tier's rate takes the median of its last this many samples (the lower middle one while it has
+# fewer), not each raw sample: under load at 200 MB/s one chunk timed at 7x its neighbours (the link
+# 0.08 s/block, the chunk 1.5) tripled the mean at a weight of 0.3 and declined the bucket for 80 s.
+# A slower link is still followed: two slow samples of the last three are the median.
+RATE_MEDIAN_OF = 3
 # Tiers on this host. One of them with no rate yet is not probed but offered whole: its worst case is
 # bounded by the local disk, so a probe (which recomputes all but a few blocks of a long prefix) costs
 # more than it can save. A remote link can be arbitrarily slow (issue 36's 40 MB/s gateway): only
@@ -173,6 +181,8 @@ def work_of(new_tokens: int, context_start: int) -> float:
 class _Rate:
     seconds_per_block: float
     measured_at: float
+    # The last ``RATE_MEDIAN_OF`` raw samples, newest last (none for a rate restored from a file).
+    samples: tuple[float, ...] = ()
 
 
 @dataclass
@@ -191,12 +201,15 @@ class TierRates:
         if blocks <= 0 or seconds < 0:
             return
         now = time.monotonic()
-        sample = seconds / blocks
         with self._lock:
             old = self._rates.get(tier)
-            if old is not None and now - old.measured_at <= self.stale_s:
+            if old is not None and now - old.measured_at > self.stale_s:
+                old = None
+            samples = ((old.samples if old is not None else ()) + (seconds / blocks,))[-RATE_MEDIAN_OF:]
+            sample = statistics.median_low(samples)
+            if old is not None:
                 sample = (1 - self.weight) * old.seconds_per_block + self.weight * sample
-            self._rates[tier] = _Rate(sample, now)
+            self._rates[tier] = _Rate(sample, now, samples)
 
     def age_s(self, tier: str) -> float | None:
         """Seconds since the tier was last measured; None when never."""
