@@ -23,8 +23,10 @@ Three parts, each fed online on the scheduler's side:
   time: the largest saving ``(1 + others)·recompute(k) - queued - load(k)`` over ``k``, where ``others``
   is how many other requests the engine holds and ``queued`` what the prefetches queued before it
   take (only for ``k`` reaching below DRAM); 0 when no ``k`` saves anything. A ``k`` whose wait
-  (``queued + load(k)``) exceeds ``max_wait_ratio`` times ``recompute(k)`` is not offered: the
-  others make a load worth more than the request's own time, and this bounds what it pays for them.
+  (``queued + load(k)``) exceeds ``max_wait_ratio`` times what recomputing would take it now
+  (``recompute(k)`` after the prefill the engine runs for the others, ``prefill_ahead_s``) is not
+  offered: the others make a load worth more than the request's own time, and this bounds what it
+  pays for them.
 
 Nothing here talks to vLLM or to the service: ``KvtierManager`` asks, ``KvtierConnector`` and the
 prefetcher feed.
@@ -137,6 +139,11 @@ class PrefillModel:
 
     def recompute_s(self, tokens: int) -> float | None:
         """Seconds to compute a prefix of ``tokens`` from nothing; None until the model is trained."""
+        return self.compute_s(tokens, 0)
+
+    def compute_s(self, tokens: int, context_start: int) -> float | None:
+        """Seconds to compute ``tokens`` after ``context_start`` already computed (``work_of``); None
+        until the model is trained."""
         with self._lock:
             if self.prefill_steps < MIN_PREFILL_STEPS:
                 return None
@@ -147,7 +154,7 @@ class PrefillModel:
         attention = max(c, 0.0) * _WORK_SCALE
         if per_token <= 0 and attention <= 0:
             return None
-        return per_token * tokens + attention * tokens * tokens / 2
+        return per_token * tokens + attention * work_of(tokens, context_start)
 
     def state(self) -> dict[str, object]:
         with self._lock:
@@ -265,6 +272,7 @@ def choose_blocks(
     others: int = 0,
     queued_s: float = 0.0,
     max_wait_ratio: float = 0.0,
+    ahead_s: float = 0.0,
 ) -> tuple[int, str]:
     """How many of the leading hits on ``tiers`` to load, and why: ``"saves"`` (the count that
     saves the most time, 0 when none saves any; a recompute costs ``others``, the other requests
@@ -275,7 +283,9 @@ def choose_blocks(
     ``"probe_aside"`` (a remote tier's rate is unknown: what comes before it is weighed, and its
     first ``PROBE_BLOCKS`` blocks, ``probe_aside``, are read in the background to time it while the
     request recomputes them), or ``"untrained"`` (no prefill model yet: everything, as without the
-    model). ``max_wait_ratio`` (0: none) caps a count's wait at that many times its recompute."""
+    model). ``max_wait_ratio`` (0: none) caps a count's wait at that many times what recomputing it
+    would take the request now: its recompute behind ``ahead_s``, the prefill the engine is running
+    for the others (``prefill_ahead_s``)."""
     if not tiers:
         return 0, "saves"
     if prefill.recompute_s(block_tokens) is None:
@@ -283,7 +293,7 @@ def choose_blocks(
     unknown_remote = first_unknown_remote(tiers, rates)
     if unknown_remote is not None:
         before = tiers[:unknown_remote]
-        count, _ = choose_blocks(before, block_tokens, prefill, rates, others, queued_s, max_wait_ratio)
+        count, _ = choose_blocks(before, block_tokens, prefill, rates, others, queued_s, max_wait_ratio, ahead_s)
         return count, "probe_aside"
     unmeasured = [tier != "dram" and rates.seconds_per_block(tier) is None for tier in tiers]
     best_count, best_saving = 0, 0.0
@@ -296,7 +306,7 @@ def choose_blocks(
             loaded, behind_queue = loaded + queued_s, True
         recompute_s = prefill.recompute_s(count * block_tokens) or 0.0
         saving = (1 + others) * recompute_s - loaded
-        if max_wait_ratio and loaded > max_wait_ratio * recompute_s:
+        if max_wait_ratio and loaded > max_wait_ratio * (ahead_s + recompute_s):
             continue  # a longer count may wait less per recompute (a DRAM run after a slow tier's)
         if saving > best_saving:
             best_count, best_saving = count, saving
@@ -470,8 +480,10 @@ class LoadDecider:
 
     def _decide(self, req_id: str, plan: _Plan) -> None:
         others, queued_s = self.requests.others(excluding=req_id), self.queued_s()
+        ahead_s = prefill_ahead_s(self.requests, self.prefill, excluding=req_id)
         costs = (self.prefill, self.rates)
-        count, reason = choose_blocks(plan.tiers, self.block_tokens, *costs, others, queued_s, self.max_wait_ratio)
+        capped = (self.max_wait_ratio, ahead_s)
+        count, reason = choose_blocks(plan.tiers, self.block_tokens, *costs, others, queued_s, *capped)
         # Blocks past what an idle engine would load are loaded for the others' sake: ``load_busy``.
         idle_count = count
         if others > 0 and reason in ("saves", "probe_aside"):
@@ -605,6 +617,18 @@ class EngineRequests:
     def others(self, excluding: str = "") -> int:
         """How many requests the engine holds, ``excluding`` one."""
         return sum(1 for req_id in self._prompt_tokens if req_id != excluding)
+
+
+def prefill_ahead_s(requests: EngineRequests, prefill: PrefillModel, excluding: str = "") -> float:
+    """Seconds of prompt the engine has yet to compute for the requests it already runs (scheduled
+    at least once), ``excluding`` one: vLLM schedules the running requests' prefill chunks before a
+    waiting request's, so a request that recomputes its prefix now finishes it only after theirs.
+    Requests not yet scheduled are left out (they may load instead). 0 while the model is untrained."""
+    ahead = 0.0
+    for req_id, (computed, prompt) in requests.progress().items():
+        if req_id != excluding and 0 <= computed < prompt:
+            ahead += prefill.compute_s(prompt - computed, computed) or 0.0
+    return ahead
 
 
 # The costs file (docs/vllm.md, "The costs file"): what an engine learned of its own prefill and of

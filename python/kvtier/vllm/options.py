@@ -70,8 +70,9 @@ INTEGRATION_OPTION_DEFAULTS: dict[str, Any] = {
     # from what the tiers and the engine deliver now), "always" or "never" (kvtier.vllm.costs).
     "load_policy": "auto",
     # Under "auto", the longest a request waits for its load, as a multiple of what recomputing that
-    # prefix alone would take (0: no cap). The engine's other requests make a load worth more than
-    # its own time (a recompute delays them all); this bounds what one request pays for them.
+    # prefix would take it now, after the prefill the engine runs for its other requests (0: no cap).
+    # The engine's other requests make a load worth more than its own time (a recompute delays them
+    # all); this bounds what one request pays for them.
     "load_wait_max_ratio": 2.0,
     # Which computed blocks are stored: "all", or "second_sight" (a block is stored the second time
     # this engine computes it, so a prompt seen once costs no store).
