@@ -11,8 +11,8 @@ Three parts, each fed online on the scheduler's side:
   step's fixed part ``a`` is paid anyway).
 - ``TierRates``: seconds per block each tier delivered recently (an exponentially weighted mean of
   what prefetches and loads took, queueing included, each sample first replaced by the median of the
-  last ``RATE_MEDIAN_OF``: one chunk that waited behind other work does not move the rate, two of
-  three do). A tier whose hits are declined is timed
+  last ``RATE_MEDIAN_OF`` where that is lower: one chunk that waited behind other work does not move
+  the rate, two of three do, a fast one does at once). A tier whose hits are declined is timed
   again in the background once its rate is ``REPROBE_S`` old (``reprobe``); a rate not refreshed
   for ``stale_s`` is forgotten: a remote tier is then probed again with a few blocks, a local one
   loaded whole again.
@@ -62,9 +62,11 @@ PROBE_BLOCKS = 4
 # Seen under load at 200 MB/s: one chunk timed at 7x the usual kept the bucket declined for 80 s.
 REPROBE_S = 15.0
 # A tier's rate takes the median of its last this many samples (the lower middle one while it has
-# fewer), not each raw sample: under load at 200 MB/s one chunk timed at 7x its neighbours (the link
-# 0.08 s/block, the chunk 1.5) tripled the mean at a weight of 0.3 and declined the bucket for 80 s.
-# A slower link is still followed: two slow samples of the last three are the median.
+# fewer) where that is below the sample, not each raw sample: under load at 200 MB/s one chunk timed
+# at 7x its neighbours (the link 0.08 s/block, the chunk 1.5) tripled the mean at a weight of 0.3 and
+# declined the bucket for 80 s.
+# A slower link is still followed: two slow samples of the last three are the median; a faster one
+# at once.
 RATE_MEDIAN_OF = 3
 # Tiers on this host. One of them with no rate yet is not probed but offered whole: its worst case is
 # bounded by the local disk, so a probe (which recomputes all but a few blocks of a long prefix) costs
@@ -212,8 +214,11 @@ class TierRates:
             old = self._rates.get(tier)
             if old is not None and now - old.measured_at > self.stale_s:
                 old = None
-            samples = ((old.samples if old is not None else ()) + (seconds / blocks,))[-RATE_MEDIAN_OF:]
-            sample = statistics.median_low(samples)
+            raw = seconds / blocks
+            samples = ((old.samples if old is not None else ()) + (raw,))[-RATE_MEDIAN_OF:]
+            # Only a slow sample waits for a second: a fast one (a declined link's re-probe after it
+            # recovered, every ``REPROBE_S``) counts at once.
+            sample = min(raw, statistics.median_low(samples))
             if old is not None:
                 sample = (1 - self.weight) * old.seconds_per_block + self.weight * sample
             self._rates[tier] = _Rate(sample, now, samples)
@@ -243,8 +248,10 @@ class TierRates:
             return {tier: (rate.seconds_per_block, now - rate.measured_at) for tier, rate in self._rates.items()}
 
     def restore(self, tier: str, seconds_per_block: float, age_s: float) -> None:
+        """The rate stands for its samples: one slow sample after a restart moves it no more than
+        one before."""
         with self._lock:
-            self._rates[tier] = _Rate(seconds_per_block, time.monotonic() - age_s)
+            self._rates[tier] = _Rate(seconds_per_block, time.monotonic() - age_s, (seconds_per_block,))
 
 
 def load_s(tiers: Sequence[str], rates: TierRates) -> float | None:
