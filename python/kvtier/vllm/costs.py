@@ -190,7 +190,7 @@ def work_of(new_tokens: int, context_start: int) -> float:
 class _Rate:
     seconds_per_block: float
     measured_at: float
-    # The last ``RATE_MEDIAN_OF`` raw samples, newest last (none for a rate restored from a file).
+    # The last ``RATE_MEDIAN_OF`` raw samples, newest last (a rate restored from a file: itself).
     samples: tuple[float, ...] = ()
 
 
